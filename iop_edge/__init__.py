@@ -1,0 +1,1 @@
+"""IOP Edge: the single front door (OpenAI API, node websocket, admin API)."""

@@ -1,0 +1,79 @@
+"""The Edge's immutable runtime snapshot: everything a request reads from config.
+
+A snapshot is built purely from a validated `EdgeConfig` and never mutated. Refresh builds
+a new one and swaps a single reference (no await in between), so a request sees the old
+snapshot or the new one, never a mix. Mutable runtime state (slots, health, connections)
+lives elsewhere and outlives snapshots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schemas.config import (
+    EdgeConfig,
+    ModelEntry,
+    NodeConfig,
+    NodeEntry,
+    PrincipalToken,
+    ProviderConfig,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class QueuePolicy:
+    max_queue: int
+    queue_timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    config: EdgeConfig
+    revision: int
+    config_sha256: str
+    models: dict[str, ModelEntry] = field(default_factory=dict)
+    providers: dict[str, ProviderConfig] = field(default_factory=dict)
+    provider_node: dict[str, str] = field(default_factory=dict)
+    nodes: dict[str, NodeEntry] = field(default_factory=dict)
+    principals: dict[str, PrincipalToken] = field(default_factory=dict)
+    """Principal tokens keyed by their sha256 hex."""
+
+    @classmethod
+    def build(cls, config: EdgeConfig, *, revision: int, config_sha256: str) -> Snapshot:
+        providers: dict[str, ProviderConfig] = {}
+        provider_node: dict[str, str] = {}
+        for node in config.nodes:
+            for provider in node.providers:
+                providers[provider.id] = provider
+                provider_node[provider.id] = node.id
+        return cls(
+            config=config,
+            revision=revision,
+            config_sha256=config_sha256,
+            models={model.id: model for model in config.models},
+            providers=providers,
+            provider_node=provider_node,
+            nodes={node.id: node for node in config.nodes},
+            principals={t.token_hash_sha256: t for t in config.openai.principal_tokens},
+        )
+
+    @property
+    def long_context_threshold_tokens(self) -> int:
+        return self.config.openai.long_context_threshold_tokens
+
+    def queue_policy(self, model_id: str) -> QueuePolicy:
+        """The model's queue override where set, else the `dispatch` defaults."""
+        dispatch = self.config.dispatch
+        override = self.models[model_id].queue if model_id in self.models else None
+        max_queue = dispatch.max_queue
+        timeout_ms = dispatch.queue_timeout_ms
+        if override is not None:
+            if override.max_queue is not None:
+                max_queue = override.max_queue
+            if override.queue_timeout_ms is not None:
+                timeout_ms = override.queue_timeout_ms
+        return QueuePolicy(max_queue=max_queue, queue_timeout_s=timeout_ms / 1000)
+
+    def node_config(self, node_id: str) -> NodeConfig:
+        node = self.nodes.get(node_id)
+        return NodeConfig(node_id=node_id, providers=list(node.providers) if node else [])

@@ -1,0 +1,1 @@
+"""Provider adapters: one module per kind of upstream runtime."""

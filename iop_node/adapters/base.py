@@ -1,0 +1,68 @@
+"""The adapter interface every provider type implements.
+
+An adapter owns the connection to one upstream runtime for one provider. The Node's
+runner calls `execute` once per run, inside a cancel scope it owns: cancelling that scope
+must stop the upstream work at once (close the HTTP stream, kill the process). Streamed
+output goes out through `emit`, one OpenAI JSON chunk per call, as soon as it exists.
+
+Failures are raised as `AdapterError`, whose fields map one-to-one onto the wire's
+`run_failed`: the Edge decides on failover from `retryable` and `capacity`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from schemas.config import ProviderConfig
+from schemas.wire import ProviderStatus, Run, Usage
+
+Emit = Callable[[bytes], Awaitable[None]]
+"""Send one OpenAI JSON chunk (raw bytes) to the Edge; may block on back-pressure."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """How a run ended well: usage when known, and the whole JSON response for non-stream."""
+
+    usage: Usage | None = None
+    response: bytes | None = None
+
+
+class AdapterError(Exception):
+    """A run failed. `retryable`: nothing reached the upstream's output yet and another
+    provider may succeed. `capacity`: the upstream said 429/503 (a load signal, not a
+    health failure). `status`: the upstream HTTP status, when there was one."""
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        retryable: bool = False,
+        capacity: bool = False,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retryable = retryable
+        self.capacity = capacity
+        self.status = status
+
+
+class Adapter(Protocol):
+    provider: ProviderConfig
+
+    async def execute(self, run: Run, emit: Emit) -> RunResult:
+        """Run one request upstream; for `run.stream`, emit chunks as they come."""
+        ...
+
+    async def probe(self) -> ProviderStatus:
+        """One cheap health check (list models, never a billed completion)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release long-lived resources (HTTP clients). Called once, after the last run."""
+        ...

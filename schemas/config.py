@@ -1,0 +1,184 @@
+"""The Edge config schema (SPEC §2): one YAML file describes the Edge, its models and every Node.
+
+The Structs here are the *shape*; `iop_edge.config` loads YAML into them, collects every
+error with its config path, and runs the cross-reference rules. Config Structs forbid
+unknown fields so that a typo fails loudly instead of silently doing nothing. Node
+provider Structs are also what travels to a Node in `welcome`/`refresh`, so the Node
+reads the very same definitions the Edge validated.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+ProviderType = Literal["ollama", "vllm", "sglang", "lemonade", "openai_api", "cli", "sim"]
+Category = Literal["api", "cli", "local_inference"]
+LifecycleFlag = Literal["list_models", "load_model", "unload_model", "pull_model", "delete_model"]
+
+#: Provider types that speak the OpenAI HTTP API upstream.
+OPENAI_COMPATIBLE_TYPES: frozenset[str] = frozenset({"vllm", "sglang", "lemonade", "openai_api"})
+
+NonEmptyStr = Annotated[str, Meta(min_length=1)]
+Sha256Hex = Annotated[
+    str, Meta(pattern=r"^[0-9a-f]{64}$", description="sha256 hex digest, 64 lowercase chars")
+]
+EnvVarName = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+PositiveInt = Annotated[int, Meta(gt=0)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+PositiveFloat = Annotated[float, Meta(gt=0)]
+
+
+def default_category(provider_type: str) -> Category:
+    """SPEC §2.1: `openai_api` is an api, `cli` is a cli, everything else runs locally."""
+    if provider_type == "openai_api":
+        return "api"
+    if provider_type == "cli":
+        return "cli"
+    return "local_inference"
+
+
+class ConfigStruct(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of every config Struct: immutable, keyword-only, typos rejected."""
+
+
+class TlsSection(ConfigStruct, kw_only=True):
+    cert_file: NonEmptyStr
+    key_file: NonEmptyStr
+
+
+class EdgeSection(ConfigStruct, kw_only=True):
+    id: NonEmptyStr = "edge-1"
+    listen: NonEmptyStr = "0.0.0.0:7700"
+    state_dir: NonEmptyStr = "./var"
+    tls: TlsSection | None = None
+
+
+class AdminSection(ConfigStruct, kw_only=True):
+    listen: NonEmptyStr = "127.0.0.1:7701"
+
+
+class PrincipalToken(ConfigStruct, kw_only=True):
+    token_ref: NonEmptyStr
+    token_hash_sha256: Sha256Hex
+    principal_ref: NonEmptyStr
+    alias: str | None = None
+
+
+class ModelRoute(ConfigStruct, kw_only=True):
+    """Legacy `openai.model_routes[]` entry: one route = one provider (SPEC §2.4)."""
+
+    model: NonEmptyStr
+    provider: NonEmptyStr
+    target: NonEmptyStr
+
+
+class OpenAISection(ConfigStruct, kw_only=True):
+    listen: NonEmptyStr = "0.0.0.0:8080"
+    long_context_threshold_tokens: PositiveInt = 100_000
+    max_request_bytes: PositiveInt = 8 * 1024 * 1024
+    principal_tokens: list[PrincipalToken] = []
+    model_routes: list[ModelRoute] = []
+
+
+class CooldownPolicy(ConfigStruct, kw_only=True):
+    failures: PositiveInt = 3
+    seconds: PositiveFloat = 5.0
+
+
+class DispatchSection(ConfigStruct, kw_only=True):
+    max_queue: NonNegativeInt = 256
+    queue_timeout_ms: PositiveInt = 30_000
+    retries_before_first_byte: NonNegativeInt = 1
+    cooldown: CooldownPolicy = CooldownPolicy()
+
+
+class QueueOverride(ConfigStruct, kw_only=True):
+    max_queue: NonNegativeInt | None = None
+    queue_timeout_ms: PositiveInt | None = None
+
+
+class GenerationPolicy(ConfigStruct, kw_only=True):
+    defaults: dict[str, Any] = {}
+    max_tokens_limit: PositiveInt | None = None
+
+
+class ModelEntry(ConfigStruct, kw_only=True):
+    id: NonEmptyStr
+    display_name: str | None = None
+    providers: dict[NonEmptyStr, NonEmptyStr]
+    queue: QueueOverride | None = None
+    generation: GenerationPolicy = GenerationPolicy()
+
+
+class AdapterSettings(ConfigStruct, kw_only=True):
+    """Adapter settings; which keys apply depends on the provider `type`.
+
+    Credentials are env var *names* (`api_key_env`), resolved on the Node, so a secret
+    never sits in the config or crosses the wire.
+    """
+
+    # OpenAI-compatible and ollama upstreams
+    base_url: NonEmptyStr | None = None
+    api_key_env: EnvVarName | None = None
+    request_timeout_s: PositiveFloat = 600.0
+    connect_timeout_s: PositiveFloat = 5.0
+    first_byte_timeout_s: PositiveFloat | None = None
+    health_interval_s: PositiveFloat = 10.0
+    # cli
+    command: list[NonEmptyStr] | None = None
+    # sim
+    ttft_ms: NonNegativeInt = 20
+    tokens_per_second: PositiveFloat = 200.0
+
+
+class ProviderConfig(ConfigStruct, kw_only=True):
+    id: NonEmptyStr
+    type: ProviderType
+    category: Category | None = None
+    models: list[NonEmptyStr]
+    capacity: PositiveInt
+    long_context_slots: NonNegativeInt | None = None
+    priority: int = 100
+    enabled: bool = True
+    lifecycle: list[LifecycleFlag] = []
+    adapter: AdapterSettings = AdapterSettings()
+
+    @property
+    def effective_category(self) -> Category:
+        return self.category or default_category(self.type)
+
+
+class NodeEntry(ConfigStruct, kw_only=True):
+    id: NonEmptyStr
+    alias: str | None = None
+    token_hash_sha256: Sha256Hex
+    providers: list[ProviderConfig] = []
+
+
+class EdgeConfig(ConfigStruct, kw_only=True):
+    edge: EdgeSection = EdgeSection()
+    admin: AdminSection = AdminSection()
+    openai: OpenAISection = OpenAISection()
+    dispatch: DispatchSection = DispatchSection()
+    models: list[ModelEntry] = []
+    nodes: list[NodeEntry] = []
+
+
+class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What a Node receives in `welcome`/`refresh`: its own providers, nothing else."""
+
+    node_id: str
+    providers: list[ProviderConfig] = []
+
+
+class ConfigError(msgspec.Struct, frozen=True, kw_only=True):
+    """One problem in a config, named by its path (`nodes[0].providers[1].capacity`)."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
