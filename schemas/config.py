@@ -44,30 +44,30 @@ class ConfigStruct(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Base of every config Struct: immutable, keyword-only, typos rejected."""
 
 
-class TlsSection(ConfigStruct, kw_only=True):
+class TlsSection(ConfigStruct, frozen=True, kw_only=True):
     cert_file: NonEmptyStr
     key_file: NonEmptyStr
 
 
-class EdgeSection(ConfigStruct, kw_only=True):
+class EdgeSection(ConfigStruct, frozen=True, kw_only=True):
     id: NonEmptyStr = "edge-1"
     listen: NonEmptyStr = "0.0.0.0:7700"
     state_dir: NonEmptyStr = "./var"
     tls: TlsSection | None = None
 
 
-class AdminSection(ConfigStruct, kw_only=True):
+class AdminSection(ConfigStruct, frozen=True, kw_only=True):
     listen: NonEmptyStr = "127.0.0.1:7701"
 
 
-class PrincipalToken(ConfigStruct, kw_only=True):
+class PrincipalToken(ConfigStruct, frozen=True, kw_only=True):
     token_ref: NonEmptyStr
     token_hash_sha256: Sha256Hex
     principal_ref: NonEmptyStr
     alias: str | None = None
 
 
-class ModelRoute(ConfigStruct, kw_only=True):
+class ModelRoute(ConfigStruct, frozen=True, kw_only=True):
     """Legacy `openai.model_routes[]` entry: one route = one provider (SPEC §2.4)."""
 
     model: NonEmptyStr
@@ -75,7 +75,7 @@ class ModelRoute(ConfigStruct, kw_only=True):
     target: NonEmptyStr
 
 
-class OpenAISection(ConfigStruct, kw_only=True):
+class OpenAISection(ConfigStruct, frozen=True, kw_only=True):
     listen: NonEmptyStr = "0.0.0.0:8080"
     long_context_threshold_tokens: PositiveInt = 100_000
     max_request_bytes: PositiveInt = 8 * 1024 * 1024
@@ -83,29 +83,29 @@ class OpenAISection(ConfigStruct, kw_only=True):
     model_routes: list[ModelRoute] = []
 
 
-class CooldownPolicy(ConfigStruct, kw_only=True):
+class CooldownPolicy(ConfigStruct, frozen=True, kw_only=True):
     failures: PositiveInt = 3
     seconds: PositiveFloat = 5.0
 
 
-class DispatchSection(ConfigStruct, kw_only=True):
+class DispatchSection(ConfigStruct, frozen=True, kw_only=True):
     max_queue: NonNegativeInt = 256
     queue_timeout_ms: PositiveInt = 30_000
     retries_before_first_byte: NonNegativeInt = 1
     cooldown: CooldownPolicy = CooldownPolicy()
 
 
-class QueueOverride(ConfigStruct, kw_only=True):
+class QueueOverride(ConfigStruct, frozen=True, kw_only=True):
     max_queue: NonNegativeInt | None = None
     queue_timeout_ms: PositiveInt | None = None
 
 
-class GenerationPolicy(ConfigStruct, kw_only=True):
+class GenerationPolicy(ConfigStruct, frozen=True, kw_only=True):
     defaults: dict[str, Any] = {}
     max_tokens_limit: PositiveInt | None = None
 
 
-class ModelEntry(ConfigStruct, kw_only=True):
+class ModelEntry(ConfigStruct, frozen=True, kw_only=True):
     id: NonEmptyStr
     display_name: str | None = None
     providers: dict[NonEmptyStr, NonEmptyStr]
@@ -113,7 +113,7 @@ class ModelEntry(ConfigStruct, kw_only=True):
     generation: GenerationPolicy = GenerationPolicy()
 
 
-class AdapterSettings(ConfigStruct, kw_only=True):
+class AdapterSettings(ConfigStruct, frozen=True, kw_only=True):
     """Adapter settings; which keys apply depends on the provider `type`.
 
     Credentials are env var *names* (`api_key_env`), resolved on the Node, so a secret
@@ -134,7 +134,7 @@ class AdapterSettings(ConfigStruct, kw_only=True):
     tokens_per_second: PositiveFloat = 200.0
 
 
-class ProviderConfig(ConfigStruct, kw_only=True):
+class ProviderConfig(ConfigStruct, frozen=True, kw_only=True):
     id: NonEmptyStr
     type: ProviderType
     category: Category | None = None
@@ -151,14 +151,14 @@ class ProviderConfig(ConfigStruct, kw_only=True):
         return self.category or default_category(self.type)
 
 
-class NodeEntry(ConfigStruct, kw_only=True):
+class NodeEntry(ConfigStruct, frozen=True, kw_only=True):
     id: NonEmptyStr
     alias: str | None = None
     token_hash_sha256: Sha256Hex
     providers: list[ProviderConfig] = []
 
 
-class EdgeConfig(ConfigStruct, kw_only=True):
+class EdgeConfig(ConfigStruct, frozen=True, kw_only=True):
     edge: EdgeSection = EdgeSection()
     admin: AdminSection = AdminSection()
     openai: OpenAISection = OpenAISection()

@@ -40,14 +40,14 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
 # --- handshake -----------------------------------------------------------------------
 
 
-class Hello(Message, tag="hello", kw_only=True):
+class Hello(Message, tag="hello", frozen=True, kw_only=True):
     protocol: int
     node_id: str
     token: str
     agent_version: str = ""
 
 
-class Welcome(Message, tag="welcome", kw_only=True):
+class Welcome(Message, tag="welcome", frozen=True, kw_only=True):
     protocol: int
     edge_id: str
     revision: int
@@ -55,7 +55,7 @@ class Welcome(Message, tag="welcome", kw_only=True):
     heartbeat_s: float = 5.0
 
 
-class Reject(Message, tag="reject", kw_only=True):
+class Reject(Message, tag="reject", frozen=True, kw_only=True):
     """Sent before the Edge closes a connection it will not serve (or by either side on a
     malformed frame). `code` is machine-readable, `reason` is for humans."""
 
@@ -66,7 +66,7 @@ class Reject(Message, tag="reject", kw_only=True):
 # --- runs ------------------------------------------------------------------------------
 
 
-class Run(Message, tag="run", kw_only=True):
+class Run(Message, tag="run", frozen=True, kw_only=True):
     run_id: str
     provider_id: str
     target: str
@@ -77,22 +77,22 @@ class Run(Message, tag="run", kw_only=True):
     """Seconds the run may still take, measured when the Edge sent it."""
 
 
-class Cancel(Message, tag="cancel", kw_only=True):
+class Cancel(Message, tag="cancel", frozen=True, kw_only=True):
     run_id: str
 
 
-class RunChunk(Message, tag="run_chunk", kw_only=True):
+class RunChunk(Message, tag="run_chunk", frozen=True, kw_only=True):
     run_id: str
     data: bytes
 
 
-class RunDone(Message, tag="run_done", kw_only=True):
+class RunDone(Message, tag="run_done", frozen=True, kw_only=True):
     run_id: str
     usage: Usage | None = None
     response: bytes | None = None
 
 
-class RunFailed(Message, tag="run_failed", kw_only=True):
+class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
     """A run ended without success.
 
     `retryable` tells the Edge the failure happened before the upstream produced
@@ -111,12 +111,12 @@ class RunFailed(Message, tag="run_failed", kw_only=True):
 # --- config and health -----------------------------------------------------------------
 
 
-class Refresh(Message, tag="refresh", kw_only=True):
+class Refresh(Message, tag="refresh", frozen=True, kw_only=True):
     revision: int
     node_config: NodeConfig
 
 
-class RefreshAck(Message, tag="refresh_ack", kw_only=True):
+class RefreshAck(Message, tag="refresh_ack", frozen=True, kw_only=True):
     revision: int
     ok: bool
     error: str | None = None
@@ -129,7 +129,7 @@ class ProviderStatus(msgspec.Struct, frozen=True, kw_only=True):
     detail: str | None = None
 
 
-class Status(Message, tag="status", kw_only=True):
+class Status(Message, tag="status", frozen=True, kw_only=True):
     providers: list[ProviderStatus]
 
 

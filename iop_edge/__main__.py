@@ -1,0 +1,5 @@
+import sys
+
+from iop_edge.cli import main
+
+sys.exit(main())

@@ -1,0 +1,101 @@
+"""The loopback-only admin API: health, status, catalog, metrics, config refresh.
+
+SPEC §5.1: the listener itself must be a loopback address (checked at startup), and every
+request is refused when it carries `Origin` or any `Sec-Fetch-*` header or a `Host` that
+is not a loopback name. A browser page therefore cannot drive it (CSRF, DNS rebinding).
+Mutations are POST only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import msgspec
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from schemas.refresh import RefreshRequest
+
+if TYPE_CHECKING:
+    from iop_edge.edge import Edge
+
+log = logging.getLogger(__name__)
+
+_encode = msgspec.json.Encoder().encode
+_LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+_MAX_REFRESH_BODY = 16 * 1024 * 1024
+
+
+def _json(payload: object, status: int = 200) -> Response:
+    return Response(_encode(payload), status=status, content_type="application/json")
+
+
+def _error(status: int, message: str) -> Response:
+    return _json({"error": {"message": message, "status": status}}, status)
+
+
+def _host_name(host: str) -> str:
+    if host.startswith("["):
+        return host[: host.find("]") + 1]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def browser_request_reason(headers: dict[str, str]) -> str | None:
+    """Why a request looks like it came from a browser page (None when it does not)."""
+    lowered = {name.lower(): value for name, value in headers.items()}
+    if "origin" in lowered:
+        return "requests with an Origin header are refused"
+    if any(name.startswith("sec-fetch-") for name in lowered):
+        return "requests with Sec-Fetch-* headers are refused"
+    host = lowered.get("host", "")
+    if _host_name(host).lower() not in _LOOPBACK_NAMES:
+        return f"Host '{host}' is not a loopback name"
+    return None
+
+
+def create_admin_app(edge: Edge) -> QuartTrio:
+    app = QuartTrio("iop_edge.admin_api")
+    app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=_MAX_REFRESH_BODY)
+
+    @app.before_request
+    async def refuse_browsers() -> Response | None:
+        reason = browser_request_reason(dict(request.headers.items()))
+        if reason is not None:
+            log.warning("admin API refused %s %s: %s", request.method, request.path, reason)
+            return _error(403, reason)
+        return None
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return _json({"status": "ok", "revision": edge.snapshot.revision})
+
+    @app.get("/status")
+    async def status() -> Response:
+        return _json(edge.refresher.status())
+
+    @app.get("/catalog")
+    async def catalog() -> Response:
+        return _json(edge.scheduler.catalog())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(edge.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/refresh")
+    async def refresh() -> Response:
+        raw = await request.get_data(cache=False)
+        assert isinstance(raw, bytes)
+        try:
+            refresh_request = msgspec.json.decode(raw or b"{}", type=RefreshRequest)
+        except msgspec.DecodeError as exc:
+            return _error(400, f"invalid refresh request: {exc}")
+        status_code, report = await edge.refresher.refresh(refresh_request)
+        return _json(report, status_code)
+
+    @app.errorhandler(HTTPException)
+    async def on_http_error(error: HTTPException) -> Response:
+        return _error(error.code or 500, error.description or error.name)
+
+    return app

@@ -1,0 +1,182 @@
+"""`iop-edge`: serve, demo, check-config, refresh, catalog, hash-token."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+from rich.console import Console
+
+from iop_edge.config import ConfigInvalid, format_errors, load_config
+from iop_edge.tokens import hash_token
+
+DEFAULT_CONFIG = Path("configs/edge.yaml")
+
+
+def _admin_url(args: argparse.Namespace) -> str:
+    if args.admin:
+        return str(args.admin).rstrip("/")
+    try:
+        listen = load_config(args.config).config.admin.listen
+    except ConfigInvalid as exc:
+        raise SystemExit(f"cannot find the admin API from {args.config}:\n{format_errors(exc.errors)}") from None
+    return f"http://{listen}"
+
+
+def _admin_call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    import httpx2
+
+    url = _admin_url(args) + path
+    try:
+        with httpx2.Client(timeout=120) as client:
+            response = client.request(method, url, json=body)
+    except httpx2.TransportError as exc:
+        raise SystemExit(f"cannot reach the admin API at {url}: {exc}") from None
+    try:
+        return response.status_code, response.json()
+    except ValueError:
+        raise SystemExit(f"admin API answered HTTP {response.status_code}: {response.text[:500]}") from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from iop_edge.edge import EdgeStartupError
+    from iop_edge.main import serve_edge, setup_logging
+
+    setup_logging(args.log_level)
+    try:
+        trio.run(serve_edge, args.config)
+    except ConfigInvalid as exc:
+        print(f"{args.config}: invalid config\n{format_errors(exc.errors)}", file=sys.stderr)
+        return 1
+    except EdgeStartupError as exc:
+        print(f"cannot start: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from iop_edge.demo import run_demo
+    from iop_edge.main import setup_logging
+
+    setup_logging(args.log_level)
+    return trio.run(run_demo, args.config, args.once, args.no_request, args.ephemeral_ports)
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    try:
+        parsed = load_config(args.path)
+    except ConfigInvalid as exc:
+        print(f"{args.path}: {len(exc.errors)} error(s)", file=sys.stderr)
+        print(format_errors(exc.errors), file=sys.stderr)
+        return 1
+    config = parsed.config
+    providers = sum(len(node.providers) for node in config.nodes)
+    for warning in parsed.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(
+        f"{args.path}: OK — {len(config.models)} model(s), {len(config.nodes)} node(s), "
+        f"{providers} provider(s); sha256 {parsed.sha256[:12]}"
+    )
+    return 0
+
+
+def cmd_refresh(args: argparse.Namespace) -> int:
+    from iop_edge.console import render_refresh_report
+
+    body: dict[str, Any] = {"mode": "apply" if args.apply else "dry_run"}
+    if args.candidate:
+        body["config_yaml"] = Path(args.candidate).read_text(encoding="utf-8")
+    if args.if_revision is not None:
+        body["if_revision"] = args.if_revision
+    if args.allow_restart_required:
+        body["allow_restart_required"] = True
+    status, report = _admin_call(args, "POST", "/refresh", body)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    elif "outcome" in report:
+        render_refresh_report(Console(), report, status)
+    else:
+        print(f"HTTP {status}: {report}", file=sys.stderr)
+    return 0 if status == 200 else 1
+
+
+def cmd_catalog(args: argparse.Namespace) -> int:
+    from iop_edge.console import render_catalog
+
+    status, catalog = _admin_call(args, "GET", "/catalog")
+    if status != 200:
+        print(f"HTTP {status}: {catalog}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(catalog, indent=2))
+    else:
+        render_catalog(Console(), catalog)
+    return 0
+
+
+def cmd_hash_token(args: argparse.Namespace) -> int:
+    token = sys.stdin.readline().strip()
+    if not token:
+        print("no token on stdin", file=sys.stderr)
+        return 2
+    print(hash_token(token))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="iop-edge", description="IOP Edge: one OpenAI-compatible endpoint over a provider pool.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the Edge (SIGHUP = refresh apply, SIGTERM/SIGINT = drain and stop)")
+    serve.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    serve.add_argument("--log-level", default="INFO")
+    serve.set_defaults(func=cmd_serve)
+
+    demo = sub.add_parser("demo", help="Edge + an in-process Node + sim providers (configs/demo.yaml)")
+    demo.add_argument("--config", type=Path, default=None, help="demo config (default: configs/demo.yaml)")
+    demo.add_argument("--once", action="store_true", help="exit after the example request")
+    demo.add_argument("--no-request", action="store_true", help="do not send the example request")
+    demo.add_argument("--ephemeral-ports", action="store_true",
+                      help="listen on free ports instead of the config's (CI, busy machines)")
+    demo.add_argument("--log-level", default="WARNING")
+    demo.set_defaults(func=cmd_demo)
+
+    check = sub.add_parser("check-config", help="validate a config; every error with its path")
+    check.add_argument("path", type=Path)
+    check.set_defaults(func=cmd_check_config)
+
+    for name, func, helptext in (
+        ("refresh", cmd_refresh, "dry-run (default) or apply a config refresh"),
+        ("catalog", cmd_catalog, "show models and providers with live load"),
+    ):
+        command = sub.add_parser(name, help=helptext)
+        command.add_argument("--admin", help="admin API URL (default: admin.listen of --config)")
+        command.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+        command.add_argument("--json", action="store_true", help="print the JSON document")
+        command.set_defaults(func=func)
+        if name == "refresh":
+            command.add_argument("--apply", action="store_true", help="apply instead of dry-run")
+            command.add_argument("--candidate", help="candidate config file (default: the Edge's own file)")
+            command.add_argument("--if-revision", type=int, default=None)
+            command.add_argument("--allow-restart-required", action="store_true",
+                                 help="apply the live subset; list the rest as pending restart")
+
+    hash_cmd = sub.add_parser("hash-token", help="read a token on stdin, print its sha256 hex")
+    hash_cmd.set_defaults(func=cmd_hash_token)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

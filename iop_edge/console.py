@@ -1,0 +1,93 @@
+"""Terminal rendering of admin API answers (rich tables), from their JSON form.
+
+The CLI talks to a running Edge over HTTP, so it renders the JSON documents the admin API
+returns rather than importing server-side objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+
+def _yes(value: object) -> Text:
+    return Text("yes", style="green") if value else Text("no", style="red")
+
+
+def _health(value: str) -> Text:
+    style = {"available": "green", "unavailable": "red"}.get(value, "yellow")
+    return Text(value, style=style)
+
+
+def render_catalog(console: Console, catalog: dict[str, Any]) -> None:
+    providers = Table(title=f"Providers (revision {catalog.get('revision')})", title_justify="left")
+    for column in ("provider", "node", "type", "category", "enabled", "connected", "health",
+                   "in_flight/capacity", "load", "long", "queued", "priority", "models", "lifecycle"):
+        providers.add_column(column, overflow="fold")
+    for p in catalog.get("providers", []):
+        load = p.get("load_ratio")
+        long_slots = p.get("long_context_slots")
+        lifecycle = [name for name, on in (p.get("lifecycle") or {}).items() if on]
+        health = p.get("health", "unknown")
+        if p.get("cooling_down"):
+            health = f"{health} (cooldown)"
+        providers.add_row(
+            p["id"], p.get("node_id", ""), p.get("type", ""), p.get("category", ""),
+            _yes(p.get("enabled")), _yes(p.get("connected")), _health(health),
+            f"{p.get('in_flight', 0)}/{p.get('capacity', 0)}",
+            "-" if load is None else f"{load:.2f}",
+            "-" if long_slots is None else f"{p.get('long_in_flight', 0)}/{long_slots}",
+            str(p.get("queued", 0)), str(p.get("priority", "")),
+            ", ".join(p.get("models", [])), ", ".join(lifecycle) or "-",
+        )
+    models = Table(title="Models", title_justify="left")
+    for column in ("model", "display name", "providers (served name)", "queued"):
+        models.add_column(column, overflow="fold")
+    for m in catalog.get("models", []):
+        mapping = ", ".join(f"{pid} -> {served}" for pid, served in (m.get("providers") or {}).items())
+        models.add_row(m["id"], m.get("display_name") or "", mapping, str(m.get("queued", 0)))
+    console.print(models)
+    console.print(providers)
+
+
+def render_refresh_report(console: Console, report: dict[str, Any], status: int) -> None:
+    outcome = report.get("outcome", "?")
+    style = {"applied": "green", "no_change": "cyan", "dry_run": "cyan"}.get(outcome, "red")
+    console.print(
+        Text.assemble(
+            ("refresh ", "bold"), (f"{report.get('mode')}: ", "bold"), (outcome, f"bold {style}"),
+            f"  (HTTP {status}, revision {report.get('base_revision')} -> {report.get('revision')})",
+        )
+    )
+    errors = report.get("errors") or []
+    if errors:
+        console.print("[bold red]errors:[/]")
+        for error in errors:
+            console.print(f"  {error['path']}: {error['message']}")
+    changes = report.get("changes") or []
+    if not changes:
+        console.print("no changes")
+    else:
+        table = Table(title="changes", title_justify="left")
+        table.add_column("path", overflow="fold")
+        table.add_column("class")
+        for change in changes:
+            cls = change.get("class", "")
+            table.add_row(change["path"], Text(cls, style="green" if cls == "live" else "yellow"))
+        console.print(table)
+    for key in ("changed_models", "changed_providers", "changed_nodes", "pending_restart"):
+        values = report.get(key) or []
+        if values:
+            console.print(f"{key.replace('_', ' ')}: {', '.join(values)}")
+    nodes = report.get("nodes") or []
+    if nodes:
+        table = Table(title="nodes", title_justify="left")
+        for column in ("node", "status", "revision", "detail"):
+            table.add_column(column, overflow="fold")
+        for node in nodes:
+            table.add_row(node["id"], node.get("status", ""), str(node.get("revision") or "-"),
+                          node.get("detail") or "")
+        console.print(table)

@@ -1,0 +1,246 @@
+"""The Edge process: one Trio nursery owning every listener and service.
+
+`Edge` holds the current immutable `Snapshot` (swapped in one step by refresh) and the
+long-lived runtime parts that outlive snapshots: the scheduler (slots, queues, health),
+the node hub (sessions), the dispatcher and the metrics. `Edge.serve` is a startable
+service: it binds the OpenAI listener, the node websocket listener and the loopback-only
+admin listener (each may be port 0), then reports their URLs via `task_status`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import ssl
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from trio_websocket import serve_websocket
+
+from iop_edge.admin_api import create_admin_app
+from iop_edge.audit import AuditLog
+from iop_edge.config import ParsedConfig
+from iop_edge.dispatch import Dispatcher
+from iop_edge.hub import MAX_FRAME_BYTES, NodeDirectory, NodeHub, SessionClosed
+from iop_edge.metrics import EdgeMetrics
+from iop_edge.openai_api import create_openai_app
+from iop_edge.refresh import Refresher
+from iop_edge.scheduler import Scheduler
+from iop_edge.snapshot import Snapshot
+from schemas import wire
+from schemas.config import NodeConfig
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 10.0
+
+
+class EdgeStartupError(Exception):
+    """The Edge cannot start with this config (e.g. a non-loopback admin listener)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeAddresses:
+    openai_url: str
+    node_url: str
+    admin_url: str
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """`HOST:PORT` or `[V6]:PORT` -> (host, port); validated at config load."""
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+class Edge:
+    def __init__(
+        self,
+        parsed: ParsedConfig,
+        *,
+        config_path: Path | None = None,
+        heartbeat_s: float = 5.0,
+        heartbeat_timeout_s: float = 15.0,
+    ) -> None:
+        admin_host, _ = split_listen(parsed.config.admin.listen)
+        if not is_loopback(admin_host):
+            raise EdgeStartupError(
+                f"admin.listen: {parsed.config.admin.listen} is not a loopback address; "
+                "the admin API only listens on 127.0.0.1, ::1 or localhost"
+            )
+        self.snapshot = Snapshot.build(parsed.config, revision=1, config_sha256=parsed.sha256)
+        self.config_path = config_path
+        self.started_unix = int(time.time())
+        self.scheduler = Scheduler(self.snapshot)
+        self.metrics = EdgeMetrics(self.scheduler.catalog)
+        self.hub = NodeHub(
+            self._directory,
+            on_connect=self.scheduler.node_connected,
+            on_disconnect=self.scheduler.node_disconnected,
+            on_status=self._on_status,
+            heartbeat_s=heartbeat_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+        )
+        self.dispatcher = Dispatcher(self.scheduler, self.hub, self.metrics)
+        self.refresher = Refresher(
+            self,
+            config_path=config_path,
+            audit=AuditLog(Path(parsed.config.edge.state_dir)),
+        )
+        self._shutdown = trio.Event()
+
+    # --- RefreshTarget --------------------------------------------------------------
+
+    def swap_snapshot(self, snapshot: Snapshot) -> None:
+        """Install a new snapshot in one step (no await): requests see old or new."""
+        self.snapshot = snapshot
+        self.scheduler.apply_snapshot(snapshot)
+
+    def connected_nodes(self) -> frozenset[str]:
+        return self.hub.connected_nodes()
+
+    def applied_revisions(self) -> Mapping[str, int]:
+        """The config revision each connected node last acknowledged."""
+        return {session.node_id: session.applied_revision for session in self.hub.sessions()}
+
+    async def push_node_config(
+        self, node_id: str, revision: int, node_config: NodeConfig
+    ) -> wire.RefreshAck | None:
+        session = self.hub.session(node_id)
+        if session is None:
+            return None
+        try:
+            return await session.request_refresh(revision, node_config)
+        except SessionClosed:
+            return None
+
+    # --- hub callbacks ------------------------------------------------------------------
+
+    def _directory(self) -> NodeDirectory:
+        snapshot = self.snapshot
+
+        def token_hash(node_id: str) -> str | None:
+            node = snapshot.nodes.get(node_id)
+            return node.token_hash_sha256 if node else None
+
+        return NodeDirectory(
+            edge_id=snapshot.config.edge.id,
+            revision=snapshot.revision,
+            token_hash=token_hash,
+            node_config=snapshot.node_config,
+        )
+
+    def model_servable(self, model_id: str) -> bool:
+        """True when some provider of the model is connected, enabled and available."""
+        model = self.snapshot.models.get(model_id)
+        if model is None:
+            return False
+        return any(
+            p.id in model.providers and p.connected and p.enabled and p.health == "available"
+            for p in self.scheduler.catalog().providers
+        )
+
+    async def wait_pool_change(self) -> None:
+        """Return at the next change of connections, health, slots or queues."""
+        await self.scheduler.wait_changed()
+
+    async def wait_model_servable(self, model_id: str) -> None:
+        while not self.model_servable(model_id):
+            await self.scheduler.wait_changed()
+
+    def _on_status(self, node_id: str, status: wire.Status) -> None:
+        for provider in status.providers:
+            if self.snapshot.provider_node.get(provider.id) != node_id:
+                log.warning("node %s reported status for provider %s it does not own",
+                            node_id, provider.id)
+                continue
+            self.scheduler.provider_status(provider.id, provider.health, provider.models)
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Begin a graceful stop: listeners close, in-flight requests get a grace period."""
+        self._shutdown.set()
+
+    def _hypercorn_config(self, listen: str) -> HypercornConfig:
+        config = HypercornConfig()
+        config.bind = [listen]
+        config.accesslog = None
+        config.errorlog = logging.getLogger("hypercorn.error")
+        config.graceful_timeout = SHUTDOWN_GRACE_S
+        config.keep_alive_timeout = 75
+        return config
+
+    def _node_ssl_context(self) -> ssl.SSLContext | None:
+        tls = self.snapshot.config.edge.tls
+        if tls is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+        return context
+
+    async def serve(self, *, task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED) -> None:
+        config = self.snapshot.config
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.scheduler.run)
+            node_host, node_port = split_listen(config.edge.listen)
+            ssl_context = self._node_ssl_context()
+            ws_server = await nursery.start(
+                partial(
+                    serve_websocket,
+                    self.hub.handle,
+                    node_host,
+                    node_port,
+                    ssl_context,
+                    max_message_size=MAX_FRAME_BYTES,
+                    receive_buffer_size=256 * 1024,
+                )
+            )
+            scheme = "wss" if ssl_context else "ws"
+            node_url = f"{scheme}://{_url_host(node_host)}:{ws_server.port}"
+            log.info("node websocket listening on %s", node_url)
+
+            async with trio.open_nursery() as http:
+                openai_binds = await http.start(
+                    partial(
+                        hypercorn_serve,
+                        create_openai_app(self),
+                        self._hypercorn_config(config.openai.listen),
+                        shutdown_trigger=self._shutdown.wait,
+                    )
+                )
+                admin_binds = await http.start(
+                    partial(
+                        hypercorn_serve,
+                        create_admin_app(self),
+                        self._hypercorn_config(config.admin.listen),
+                        shutdown_trigger=self._shutdown.wait,
+                    )
+                )
+                addresses = EdgeAddresses(
+                    openai_url=openai_binds[0], node_url=node_url, admin_url=admin_binds[0]
+                )
+                log.info("OpenAI API listening on %s", addresses.openai_url)
+                log.info("admin API listening on %s", addresses.admin_url)
+                task_status.started(addresses)
+            # The HTTP listeners drained (graceful stop); end the node side too.
+            self.hub.abort_all()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,56 @@
+"""Errors the OpenAI surface answers with, as one exception type carrying its HTTP shape.
+
+Handlers raise `ApiError`; one error handler turns it into OpenAI's error body with the
+right status and headers, so every failure a caller sees has the same shape.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from schemas.openai import ErrorBody, ErrorDetail
+
+_encoder = msgspec.json.Encoder()
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> bytes:
+        detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
+        return _encoder.encode(ErrorBody(error=detail))
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model '{model}' does not exist",
+        type="not_found_error",
+        code="model_not_found",
+        param="model",
+    )

@@ -1,0 +1,113 @@
+"""Prometheus metrics of one Edge.
+
+Each Edge owns its own `CollectorRegistry` (several Edges can live in one test process).
+Per-provider gauges (in_flight, capacity, queued, health) are not kept as counters that
+could drift: a collector reads them from the scheduler at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from schemas.catalog import Catalog
+from schemas.wire import Usage
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, catalog: Callable[[], Catalog]) -> None:
+        self._catalog = catalog
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        catalog = self._catalog()
+        labels = ["provider", "node"]
+        in_flight = GaugeMetricFamily("iop_provider_in_flight", "Runs holding a slot", labels=labels)
+        capacity = GaugeMetricFamily("iop_provider_capacity", "Configured run slots", labels=labels)
+        long_in_flight = GaugeMetricFamily(
+            "iop_provider_long_in_flight", "Long-context runs holding a long slot", labels=labels
+        )
+        queued = GaugeMetricFamily(
+            "iop_provider_queued", "Waiting requests this provider could serve", labels=labels
+        )
+        available = GaugeMetricFamily(
+            "iop_provider_available", "1 when connected, enabled and healthy", labels=labels
+        )
+        model_queued = GaugeMetricFamily("iop_model_queued", "Requests waiting", labels=["model"])
+        for p in catalog.providers:
+            key = [p.id, p.node_id]
+            in_flight.add_metric(key, p.in_flight)
+            capacity.add_metric(key, p.capacity)
+            long_in_flight.add_metric(key, p.long_in_flight)
+            queued.add_metric(key, p.queued)
+            up = p.connected and p.enabled and p.health == "available" and not p.cooling_down
+            available.add_metric(key, 1.0 if up else 0.0)
+        for m in catalog.models:
+            model_queued.add_metric([m.id], m.queued)
+        yield from (in_flight, capacity, long_in_flight, queued, available, model_queued)
+
+
+class EdgeMetrics:
+    def __init__(self, catalog: Callable[[], Catalog]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "iop_requests", "Finished requests", ["model", "provider", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "iop_request_latency_seconds", "Request latency at the Edge",
+            ["model", "provider"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.ttft = Histogram(
+            "iop_time_to_first_token_seconds", "Time to the first streamed chunk",
+            ["model", "provider"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_wait = Histogram(
+            "iop_queue_wait_seconds", "Time spent waiting for a slot", ["model"],
+            buckets=_QUEUE_BUCKETS, registry=r,
+        )
+        self.failovers = Counter(
+            "iop_failovers", "Attempts moved to another provider before the first byte",
+            ["model", "provider"], registry=r,
+        )
+        self.tokens = Counter(
+            "iop_tokens", "Tokens metered per finished run",
+            ["principal_ref", "token_ref", "model", "provider", "kind"], registry=r,
+        )
+        r.register(_PoolCollector(catalog))
+
+    def observe_request(
+        self,
+        *,
+        model: str,
+        provider: str,
+        status: int,
+        latency_s: float,
+        ttft_s: float | None = None,
+        queued_s: float | None = None,
+        usage: Usage | None = None,
+        principal_ref: str = "anonymous",
+        token_ref: str = "anonymous",
+    ) -> None:
+        self.requests.labels(model, provider, str(status)).inc()
+        if provider:
+            self.latency.labels(model, provider).observe(latency_s)
+            if ttft_s is not None:
+                self.ttft.labels(model, provider).observe(ttft_s)
+        if queued_s is not None:
+            self.queue_wait.labels(model).observe(queued_s)
+        if usage is not None:
+            self.tokens.labels(principal_ref, token_ref, model, provider, "prompt").inc(
+                usage.prompt_tokens
+            )
+            self.tokens.labels(principal_ref, token_ref, model, provider, "completion").inc(
+                usage.completion_tokens
+            )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,287 @@
+"""The provider pool's decisions, as pure functions (SPEC §4 steps 2-4 and 9).
+
+Nothing here awaits, reads a clock, or mutates anything: the scheduler describes each
+provider as an immutable `ProviderView`, asks `decide()`, and acts on the answer. That
+keeps every dispatch rule in one place, readable top to bottom, and testable without
+Trio. The rules:
+
+Rule 1. Everything a decision depends on is in the views and arguments. A view is a
+        snapshot of one provider at one instant; the caller builds fresh views for every
+        decision, so a decision can never act on stale counts.
+
+Rule 2. Eligibility is "could this provider take this run at all right now?". A
+        provider is *ineligible* when it was already tried for this run (`exclude`),
+        is not configured, its node is disconnected, it is disabled, its health is
+        `unavailable`, it is cooling down after failures, or the run is long and it
+        has `long_context_slots: 0`. When every provider of a model is ineligible the
+        answer is `Refuse`, with a reason naming why: waiting could not help.
+
+Rule 3. An eligible provider is *admissible* when it has a free slot for this run:
+        health `available` (a provider whose node just connected is `unknown` until
+        its first status: eligible, so requests wait for it, but not admissible);
+        `in_flight < capacity` (a capacity shrunk below `in_flight` admits nothing
+        until enough runs finish); for a long run with `long_context_slots` set, also
+        `long_in_flight < long_context_slots` (null: a long run needs only a regular
+        slot); and its breaker is `closed`, or `half_open` (exactly one trial run).
+        A provider `probing` (its trial run is still in flight) is eligible but not
+        admissible.
+
+Rule 4. Rank admissible providers by lowest load ratio `in_flight / capacity` (exact
+        fractions: 1/3 beats 2/3, 1/3 ties 2/6), then lower `priority`, then
+        round-robin: the provider next after the model's last pick in the model's
+        provider order. A provider with a higher load ratio is never preferred, and N
+        identical idle providers take turns instead of one absorbing all the traffic.
+
+Rule 5. The answer is `Grant(best)` when any provider is admissible, else `Wait` when
+        any is eligible (busy, or health not yet known), else `Refuse(reason)`.
+
+Rule 6. Passive health is a small circuit breaker per provider (`PassiveHealth`):
+        `closed` counts consecutive failures and opens at the threshold; `open` keeps
+        the provider out of the pool until `cooldown_until` (outcomes that arrive
+        meanwhile come from runs admitted earlier and change nothing); then
+        `half_open` admits one trial run, `probing` while it runs. A success closes
+        the breaker and resets the count; a failure after the cooldown reopens it.
+        Capacity signals (upstream 429/503) never reach the breaker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Literal
+
+from schemas.wire import Health
+
+Breaker = Literal["closed", "open", "half_open", "probing"]
+
+Ineligible = Literal[
+    "excluded",
+    "not_configured",
+    "disconnected",
+    "disabled",
+    "unavailable",
+    "cooling_down",
+    "no_long_runs",
+]
+
+#: Short per-provider explanations, used when the providers of a model fail differently.
+INELIGIBLE_DETAIL: dict[Ineligible, str] = {
+    "excluded": "already tried",
+    "not_configured": "not configured",
+    "disconnected": "node disconnected",
+    "disabled": "disabled",
+    "unavailable": "unavailable",
+    "cooling_down": "cooling down after failures",
+    "no_long_runs": "takes no long-context runs",
+}
+
+#: One sentence per cause, used when every provider of a model fails the same way.
+_ALL_INELIGIBLE: dict[Ineligible, str] = {
+    "excluded": "every provider of model {model!r} was already tried",
+    "not_configured": "no provider of model {model!r} is configured",
+    "disconnected": "no provider of model {model!r} is connected",
+    "disabled": "every provider of model {model!r} is disabled",
+    "unavailable": "no provider of model {model!r} is available",
+    "cooling_down": "every provider of model {model!r} is cooling down after failures",
+    "no_long_runs": "no provider of model {model!r} accepts long-context runs",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PassiveHealth:
+    """One provider's failure record: consecutive failures and the cooldown end, if any."""
+
+    consecutive_failures: int = 0
+    cooldown_until: float | None = None
+
+    def breaker(self, *, now: float, probing: bool) -> Breaker:
+        """The breaker state at `now`; `probing` says whether a trial run is in flight."""
+        if self.cooldown_until is None:
+            return "closed"
+        if now < self.cooldown_until:
+            return "open"
+        return "probing" if probing else "half_open"
+
+    def after_failure(self, *, now: float, threshold: int, seconds: float) -> PassiveHealth:
+        """Record one health failure (never a capacity signal)."""
+        if self.cooldown_until is not None:
+            if now < self.cooldown_until:
+                return self  # open: a late outcome of a run admitted before the cooldown
+            # the trial (or any run) failed after the cooldown: out again
+            return PassiveHealth(
+                consecutive_failures=self.consecutive_failures + 1,
+                cooldown_until=now + seconds,
+            )
+        failures = self.consecutive_failures + 1
+        if failures >= threshold:
+            return PassiveHealth(consecutive_failures=failures, cooldown_until=now + seconds)
+        return PassiveHealth(consecutive_failures=failures)
+
+    def after_success(self, *, now: float) -> PassiveHealth:
+        """Record one success: closes the breaker, unless it is still cooling down."""
+        if self.cooldown_until is not None and now < self.cooldown_until:
+            return self
+        return _HEALTHY
+
+
+_HEALTHY = PassiveHealth()
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderView:
+    """One provider at one instant, as far as dispatch cares."""
+
+    id: str
+    capacity: int
+    in_flight: int = 0
+    priority: int = 100
+    long_context_slots: int | None = None
+    long_in_flight: int = 0
+    connected: bool = True
+    enabled: bool = True
+    health: Health = "available"
+    breaker: Breaker = "closed"
+    cooldown_remaining_s: float | None = None
+    """Seconds until the cooldown ends, while the breaker is `open`."""
+
+    @property
+    def load_ratio(self) -> Fraction:
+        return Fraction(self.in_flight, self.capacity) if self.capacity > 0 else Fraction(1)
+
+
+def ineligibility(view: ProviderView, *, long: bool) -> Ineligible | None:
+    """Why `view` cannot take this run at all right now (Rule 2), or None if it could."""
+    if not view.connected:
+        return "disconnected"
+    if not view.enabled:
+        return "disabled"
+    if view.health == "unavailable":
+        return "unavailable"
+    if view.breaker == "open":
+        return "cooling_down"
+    if long and view.long_context_slots == 0:
+        return "no_long_runs"
+    return None
+
+
+def is_admissible(view: ProviderView, *, long: bool) -> bool:
+    """Whether an eligible `view` has a free slot for this run now (Rule 3)."""
+    if view.health != "available" or view.breaker not in ("closed", "half_open"):
+        return False
+    if view.in_flight >= view.capacity:
+        return False
+    if long and view.long_context_slots is not None:
+        return view.long_in_flight < view.long_context_slots
+    return True
+
+
+def rank(
+    candidates: Iterable[ProviderView], *, rotation: Sequence[str], last: str | None
+) -> list[ProviderView]:
+    """Order `candidates` best first (Rule 4).
+
+    `rotation` is the model's provider order and `last` the provider the model picked
+    last time; among otherwise equal providers the one following `last` wins.
+    """
+    position = {provider_id: index for index, provider_id in enumerate(rotation)}
+    size = max(len(rotation), 1)
+    start = position[last] + 1 if last in position else 0
+
+    def key(view: ProviderView) -> tuple[Fraction, int, int, str]:
+        turn = (position[view.id] - start) % size if view.id in position else size
+        return (view.load_ratio, view.priority, turn, view.id)
+
+    return sorted(candidates, key=key)
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Take a slot on `provider` now."""
+
+    provider: ProviderView
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Nothing is free, but these providers could serve the run once something changes."""
+
+    eligible: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """No provider could serve the run now; waiting would not help."""
+
+    reason: str
+    retry_after_s: float | None = None
+    """When the refusal is (partly) due to cooldowns: seconds until the first one ends."""
+
+
+Decision = Grant | Wait | Refuse
+
+
+def decide(
+    model_id: str,
+    rotation: Sequence[str],
+    views: Mapping[str, ProviderView],
+    *,
+    long: bool,
+    exclude: frozenset[str] = frozenset(),
+    last: str | None = None,
+) -> Decision:
+    """Where a run of `model_id` goes now (Rule 5).
+
+    `rotation` lists the model's provider ids in config order; `views` describes them
+    (an id without a view is not configured); `exclude` names providers already tried
+    for this run; `last` is the model's previous pick, for round-robin.
+    """
+    if not rotation:
+        return Refuse(f"model {model_id!r} has no providers")
+    eligible: list[ProviderView] = []
+    causes: dict[str, Ineligible] = {}
+    for provider_id in rotation:
+        view = views.get(provider_id)
+        cause: Ineligible | None
+        if provider_id in exclude:
+            cause = "excluded"
+        elif view is None:
+            cause = "not_configured"
+        else:
+            cause = ineligibility(view, long=long)
+        if cause is not None:
+            causes[provider_id] = cause
+        elif view is not None:
+            eligible.append(view)
+    admissible = [view for view in eligible if is_admissible(view, long=long)]
+    if admissible:
+        return Grant(rank(admissible, rotation=rotation, last=last)[0])
+    if eligible:
+        return Wait(tuple(view.id for view in eligible))
+    return Refuse(
+        _refusal_reason(model_id, causes),
+        retry_after_s=_cooldown_remaining(views, causes),
+    )
+
+
+def _refusal_reason(model_id: str, causes: Mapping[str, Ineligible]) -> str:
+    distinct = set(causes.values())
+    if len(distinct) == 1:
+        return _ALL_INELIGIBLE[distinct.pop()].format(model=model_id)
+    detail = "; ".join(
+        f"{provider_id}: {INELIGIBLE_DETAIL[cause]}" for provider_id, cause in causes.items()
+    )
+    return f"no provider of model {model_id!r} can serve this request now ({detail})"
+
+
+def _cooldown_remaining(
+    views: Mapping[str, ProviderView], causes: Mapping[str, Ineligible]
+) -> float | None:
+    remaining = [
+        view.cooldown_remaining_s
+        for provider_id, cause in causes.items()
+        if cause == "cooling_down"
+        and (view := views.get(provider_id)) is not None
+        and view.cooldown_remaining_s is not None
+    ]
+    return min(remaining) if remaining else None

@@ -1,0 +1,445 @@
+"""Config refresh (SPEC §5): validate a candidate, decide, swap the snapshot, push to nodes.
+
+The `Refresher` coordinates; the pure parts live elsewhere (`refresh_diff` diffs and
+classifies, `plan_apply` below decides) and the Edge is reached only through the small
+`RefreshTarget` interface, so all of this is testable with a fake Edge.
+
+One refresh runs at a time. A second one that arrives meanwhile is answered 409 at once
+instead of queueing: the operator is told to look at the result of the first, and two
+candidates can never be applied on top of each other. Between deciding and swapping
+there is no await, so the decision is made against the very snapshot it replaces.
+
+An apply goes through these steps, and stops at the first that says no (every attempt,
+rejected ones too, ends with one audit log line):
+
+1. another refresh is running -> 409 at once;
+2. load the candidate (inline YAML, or the config file re-read): invalid -> 400 with
+   every error and its path; then `if_revision` not the running revision -> 409;
+3. plan: diff against the running config and classify. A restart-required change that
+   is not already pending blocks an apply (409) unless `allow_restart_required`; then
+   the live subset is applied and the rest becomes `pending_restart`. A dry run stops
+   here with the same report (its `errors` say what an apply would be refused for);
+4. swap a new snapshot (revision + 1), even when nothing changed;
+5. push each affected connected node its own config and wait, bounded, for its ack;
+   write an applied inline candidate to the config file (keeping `.prev`).
+
+Step 5 and the audit line run shielded (each with a deadline): once the snapshot is
+swapped, a caller who hangs up must not leave the nodes unpushed or the file stale.
+
+`pending_restart` holds the restart-required paths where the last applied candidate
+differs from what runs. It is recomputed by every apply (a candidate that reverts a
+pending change clears it) and otherwise kept until the process restarts. A path that is
+already pending does not block a later apply: the operator has already accepted that it
+waits for a restart, and whatever the file says at restart wins.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import trio
+
+from iop_edge.audit import AuditLog, write_config_atomically
+from iop_edge.config import ConfigInvalid, ParsedConfig, load_config, parse_config
+from iop_edge.refresh_diff import ConfigDiff, compare_configs, live_subset, live_subset_errors
+from iop_edge.snapshot import Snapshot
+from schemas.config import ConfigError, EdgeConfig, NodeConfig
+from schemas.refresh import (
+    NodeResult,
+    NodeStatus,
+    RefreshError,
+    RefreshOutcome,
+    RefreshReport,
+    RefreshRequest,
+    StatusReport,
+)
+from schemas.wire import RefreshAck
+
+__all__ = ["ApplyPlan", "RefreshTarget", "Refresher", "plan_apply"]
+
+log = logging.getLogger(__name__)
+
+#: Deadline for each shielded file write (config file, audit line); the shielded push
+#: gets the push timeout plus this.
+COMMIT_GRACE_S = 5.0
+
+OK, BAD_REQUEST, CONFLICT = 200, 400, 409
+
+
+class RefreshTarget(Protocol):
+    """What the Refresher needs from the Edge."""
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The running snapshot (its `revision`, `config`, `config_sha256`)."""
+        ...
+
+    def swap_snapshot(self, snapshot: Snapshot) -> None:
+        """Install `snapshot` in one step, no await: config, catalog, scheduler state."""
+        ...
+
+    def connected_nodes(self) -> frozenset[str]: ...
+
+    def applied_revisions(self) -> Mapping[str, int]:
+        """Each connected node's last acked (or welcomed-with) revision, for `/status`."""
+        ...
+
+    async def push_node_config(
+        self, node_id: str, revision: int, node_config: NodeConfig
+    ) -> RefreshAck | None:
+        """Send `refresh` and wait for the node's ack; None if the node is not (or no
+        longer) connected. The Refresher bounds the wait."""
+        ...
+
+
+# --- the decision (pure) -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyPlan:
+    """What an apply of one candidate would do, decided without side effects."""
+
+    diff: ConfigDiff
+    """Running config -> candidate: what the operator changed."""
+    effective: EdgeConfig
+    """The config that would run: the candidate, minus restart-required changes."""
+    pending_restart: tuple[str, ...]
+    """Restart-required paths the effective config leaves at their running value."""
+    errors: tuple[RefreshError, ...]
+    """Why an apply would be refused (409); empty when it can go ahead."""
+
+
+def plan_apply(
+    running: EdgeConfig,
+    candidate: EdgeConfig,
+    *,
+    pending_restart: tuple[str, ...] = (),
+    allow_restart_required: bool = False,
+) -> ApplyPlan:
+    """Decide an apply of `candidate` over `running` (see the module docstring, step 3)."""
+    diff = compare_configs(running, candidate)
+    restart_paths = diff.restart_required_paths
+    if not restart_paths:
+        return ApplyPlan(diff=diff, effective=candidate, pending_restart=(), errors=())
+    effective = live_subset(running, candidate, diff)
+    already_pending = set(pending_restart)
+    blocking = (
+        []
+        if allow_restart_required
+        else [path for path in restart_paths if path not in already_pending]
+    )
+    errors = [
+        RefreshError(
+            path=path,
+            message="changing this needs a restart; nothing was applied (with "
+            "allow_restart_required the live changes apply now and this waits for a restart)",
+        )
+        for path in blocking
+    ]
+    if not blocking:
+        errors = live_subset_errors(effective)
+    return ApplyPlan(
+        diff=diff,
+        effective=effective,
+        pending_restart=restart_paths,
+        errors=tuple(sorted(errors, key=_error_order)),
+    )
+
+
+def _error_order(error: RefreshError) -> tuple[str, str]:
+    return (error.path, error.message)
+
+
+# --- the coordinator ---------------------------------------------------------------------
+
+
+class Refresher:
+    """Runs config refreshes against a `RefreshTarget`, one at a time."""
+
+    def __init__(
+        self,
+        target: RefreshTarget,
+        *,
+        config_path: Path | None,
+        audit: AuditLog,
+        push_timeout_s: float = 10.0,
+    ) -> None:
+        self._target = target
+        self._config_path = config_path
+        self._audit = audit
+        self._push_timeout_s = push_timeout_s
+        self._busy = False
+        self._pending_restart: tuple[str, ...] = ()
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    @property
+    def pending_restart(self) -> tuple[str, ...]:
+        return self._pending_restart
+
+    def status(self) -> StatusReport:
+        """`GET /status`: the running revision, what waits for a restart, and each node."""
+        snapshot = self._target.snapshot
+        connected = self._target.connected_nodes()
+        applied = self._target.applied_revisions()
+        return StatusReport(
+            revision=snapshot.revision,
+            config_sha256=snapshot.config_sha256,
+            pending_restart=list(self._pending_restart),
+            nodes=[
+                NodeStatus(
+                    id=node_id,
+                    connected=node_id in connected,
+                    applied_revision=applied.get(node_id),
+                )
+                for node_id in sorted(snapshot.nodes.keys() | connected)
+            ],
+        )
+
+    async def refresh(self, request: RefreshRequest) -> tuple[int, RefreshReport]:
+        """Run one refresh; returns the HTTP status and the report (SPEC §5)."""
+        if self._busy:
+            report = self._rejected(
+                request, "", "another refresh is in progress; retry when it has finished"
+            )
+            return await self._finish(CONFLICT, report, config_sha256=None)
+        self._busy = True
+        try:
+            return await self._refresh(request)
+        finally:
+            self._busy = False
+
+    async def _refresh(self, request: RefreshRequest) -> tuple[int, RefreshReport]:
+        try:
+            parsed = await self._load(request)
+        except ConfigInvalid as invalid:
+            errors = [RefreshError(path=e.path, message=e.message) for e in invalid.errors]
+            report = self._report(request, "rejected", self._target.snapshot, errors=errors)
+            return await self._finish(BAD_REQUEST, report, config_sha256=None)
+
+        # From here to the swap there is no await: the plan is made against the very
+        # snapshot it replaces.
+        base = self._target.snapshot
+        if request.if_revision is not None and request.if_revision != base.revision:
+            report = self._rejected(
+                request,
+                "if_revision",
+                f"the running revision is {base.revision}, not {request.if_revision}",
+            )
+            return await self._finish(CONFLICT, report, config_sha256=parsed.sha256)
+        plan = plan_apply(
+            base.config,
+            parsed.config,
+            pending_restart=self._pending_restart,
+            allow_restart_required=request.allow_restart_required,
+        )
+        if request.mode == "dry_run":
+            report = self._report(request, "dry_run", base, plan=plan, errors=plan.errors)
+            return await self._finish(OK, report, config_sha256=parsed.sha256)
+        if plan.errors:
+            report = self._report(request, "rejected", base, plan=plan, errors=plan.errors)
+            return await self._finish(CONFLICT, report, config_sha256=parsed.sha256)
+        snapshot = Snapshot.build(
+            plan.effective, revision=base.revision + 1, config_sha256=parsed.sha256
+        )
+        self._target.swap_snapshot(snapshot)
+        self._pending_restart = plan.pending_restart
+
+        return await self._commit(request, base, snapshot, parsed, plan)
+
+    async def _commit(
+        self,
+        request: RefreshRequest,
+        base: Snapshot,
+        snapshot: Snapshot,
+        parsed: ParsedConfig,
+        plan: ApplyPlan,
+    ) -> tuple[int, RefreshReport]:
+        """After the swap: push to the nodes, persist an inline candidate, report.
+
+        Shielded with deadlines: the swap has happened, so a caller who hangs up must not
+        leave the nodes unpushed or the file stale. The per-node push timeout ends the
+        pushes well before the shield's deadline.
+        """
+        to_push = sorted(
+            node_id
+            for node_id in snapshot.nodes
+            if snapshot.node_config(node_id) != base.node_config(node_id)
+        )
+        nodes = [
+            NodeResult(id=node_id, status="failed", detail="push interrupted")
+            for node_id in to_push
+        ]
+        with trio.move_on_after(self._push_timeout_s + COMMIT_GRACE_S, shield=True):
+            nodes = await self._push_all(to_push, snapshot)
+        errors: list[RefreshError] = []
+        if request.config_yaml is not None and self._config_path is not None:
+            errors = await self._persist(self._config_path, request.config_yaml)
+        outcome: RefreshOutcome = "applied" if plan.diff else "no_change"
+        report = self._report(
+            request,
+            outcome,
+            base,
+            revision=snapshot.revision,
+            plan=plan,
+            errors=errors,
+            nodes=nodes,
+        )
+        return await self._finish(OK, report, config_sha256=parsed.sha256)
+
+    async def _persist(self, path: Path, text: str) -> list[RefreshError]:
+        """Write an applied inline candidate to the config file; problems as report errors."""
+        problem = f"did not finish within {COMMIT_GRACE_S:g}s"
+        with trio.move_on_after(COMMIT_GRACE_S, shield=True):
+            try:
+                await write_config_atomically(path, text)
+                return []
+            except OSError as exc:
+                problem = exc.strerror or type(exc).__name__
+        log.error("refresh applied, but writing the config file %s failed: %s", path, problem)
+        return [
+            RefreshError(
+                path="",
+                message=f"applied, but the config file could not be written ({problem}); "
+                "a restart would revert this refresh",
+            )
+        ]
+
+    async def _load(self, request: RefreshRequest) -> ParsedConfig:
+        """The candidate, validated; parsing runs in a thread (a big YAML takes a while)."""
+        if request.config_yaml is not None:
+            return await trio.to_thread.run_sync(parse_config, request.config_yaml)
+        if self._config_path is None:
+            raise ConfigInvalid([_no_candidate()])
+        return await trio.to_thread.run_sync(load_config, self._config_path)
+
+    # --- pushing -------------------------------------------------------------------------
+
+    async def _push_all(self, node_ids: list[str], snapshot: Snapshot) -> list[NodeResult]:
+        """Push concurrently to every connected node in `node_ids`; one result each."""
+        connected = self._target.connected_nodes()
+        results = {
+            node_id: NodeResult(id=node_id, status="not_connected")
+            for node_id in node_ids
+            if node_id not in connected
+        }
+        async with trio.open_nursery() as nursery:
+            for node_id in node_ids:
+                if node_id in connected:
+                    nursery.start_soon(self._push_one, node_id, snapshot, results)
+        return [results[node_id] for node_id in node_ids]
+
+    async def _push_one(
+        self, node_id: str, snapshot: Snapshot, results: dict[str, NodeResult]
+    ) -> None:
+        revision = snapshot.revision
+        results[node_id] = NodeResult(
+            id=node_id,
+            status="failed",
+            detail=f"no refresh_ack within {self._push_timeout_s:g}s",
+        )
+        with trio.move_on_after(self._push_timeout_s):
+            try:
+                ack = await self._target.push_node_config(
+                    node_id, revision, snapshot.node_config(node_id)
+                )
+            except Exception as exc:
+                # The snapshot is already swapped: one node's broken push must not cost
+                # the operator the report on every other node.
+                log.exception("refresh push to node %s failed", node_id)
+                results[node_id] = NodeResult(
+                    id=node_id, status="failed", detail=f"push failed: {type(exc).__name__}"
+                )
+                return
+            results[node_id] = _push_result(node_id, revision, ack)
+
+    # --- reports -------------------------------------------------------------------------
+
+    def _report(
+        self,
+        request: RefreshRequest,
+        outcome: RefreshOutcome,
+        base: Snapshot,
+        *,
+        revision: int | None = None,
+        plan: ApplyPlan | None = None,
+        errors: tuple[RefreshError, ...] | list[RefreshError] = (),
+        nodes: list[NodeResult] | None = None,
+    ) -> RefreshReport:
+        """A report with every list present and sorted (the diff arrives sorted).
+
+        `revision` defaults to the base revision: nothing was swapped.
+        """
+        diff = plan.diff if plan is not None else None
+        return RefreshReport(
+            mode=request.mode,
+            outcome=outcome,
+            base_revision=base.revision,
+            revision=base.revision if revision is None else revision,
+            changed_nodes=list(diff.changed_nodes) if diff else [],
+            changed_providers=list(diff.changed_providers) if diff else [],
+            changed_models=list(diff.changed_models) if diff else [],
+            changes=list(diff.changes) if diff else [],
+            live_paths=list(diff.live_paths) if diff else [],
+            restart_required_paths=list(diff.restart_required_paths) if diff else [],
+            pending_restart=list(self._pending_restart),
+            errors=sorted(errors, key=_error_order),
+            nodes=sorted(nodes or [], key=lambda result: result.id),
+        )
+
+    def _rejected(self, request: RefreshRequest, path: str, message: str) -> RefreshReport:
+        error = RefreshError(path=path, message=message)
+        return self._report(request, "rejected", self._target.snapshot, errors=[error])
+
+    async def _finish(
+        self, status: int, report: RefreshReport, *, config_sha256: str | None
+    ) -> tuple[int, RefreshReport]:
+        """Audit the attempt, then hand back the answer.
+
+        Shielded (with a deadline) so an attempt is audited even if its caller hung up. A
+        failed audit write is logged, not raised: the attempt has already happened and its
+        caller deserves the report.
+        """
+        with trio.move_on_after(COMMIT_GRACE_S, shield=True) as scope:
+            try:
+                await self._audit.append(report, status=status, config_sha256=config_sha256)
+            except OSError as exc:
+                log.error("refresh audit log %s not written: %s", self._audit.path, exc)
+        if scope.cancelled_caught:
+            log.error(
+                "refresh audit log %s not written within %gs", self._audit.path, COMMIT_GRACE_S
+            )
+        return status, report
+
+
+def _push_result(node_id: str, revision: int, ack: RefreshAck | None) -> NodeResult:
+    if ack is None:
+        return NodeResult(id=node_id, status="not_connected", detail="disconnected during the push")
+    if ack.revision != revision:
+        return NodeResult(
+            id=node_id,
+            status="failed",
+            revision=ack.revision,
+            detail=f"acked revision {ack.revision}, expected {revision}",
+        )
+    if not ack.ok:
+        return NodeResult(
+            id=node_id,
+            status="failed",
+            revision=ack.revision,
+            detail=ack.error or "the node refused the new config",
+        )
+    return NodeResult(id=node_id, status="applied", revision=ack.revision)
+
+
+def _no_candidate() -> ConfigError:
+    return ConfigError(
+        path="",
+        message="no candidate: this Edge runs without a config file, so send config_yaml",
+    )

@@ -1,0 +1,679 @@
+"""Admission for the Edge: provider slots, per-model FIFO queues, cooldowns (SPEC §4).
+
+`Scheduler.acquire()` turns "run model M" into a `Lease` on one provider slot, or an
+`AdmissionError` the HTTP layer maps to a status code::
+
+    AdmissionError        .reason (str), .retry_after_s (float | None)
+    ├── UnknownModel      M is not a catalog model id               -> 404
+    ├── NoProvider        no provider could serve M now; waiting
+    │                     would not help (disconnected, disabled,
+    │                     unavailable, cooling down, all tried)     -> 503
+    ├── QueueFull         M's queue already holds max_queue waiters -> 429
+    └── QueueTimeout      no slot within queue_timeout              -> 503
+
+How the pieces fit:
+
+- Every decision ("which provider, or wait, or refuse?") is made by the pure functions
+  in `iop_edge.pool` over fresh `ProviderView`s; this module only keeps the mutable
+  state those views are built from and acts on the answers.
+- Each provider's run slots are a `trio.CapacityLimiter(capacity)`, plus a second one
+  for long-context runs (`long_context_slots`, or unlimited when that is null, so long
+  runs are always counted). Provider state is keyed by provider id and outlives
+  snapshots: a refresh resizes `total_tokens` in place and never replaces a limiter,
+  or concurrency could briefly double.
+- Slots are taken at selection, synchronously, with `acquire_on_behalf_of_nowait`,
+  and given back by `Lease.release()` exactly once. The borrower is the `Lease` object
+  itself rather than the run id, so the accounting never depends on run ids being
+  unique. The limiters' own blocking `acquire` is never used: a request may be served
+  by any of several providers, so waiting happens in our per-model FIFO queue.
+- A queued request is woken by whoever changes something it might be waiting for (a
+  lease released, a node (dis)connected, a status received, a cooldown ending, a
+  refresh): that code walks the model's queue head first and settles every waiter it
+  can, granting a slot or failing it with `NoProvider`. A waiter that cannot use what
+  was freed (a long run, say) stays put without blocking those behind it. Nothing
+  polls; `Scheduler.run()` sleeps until the earliest cooldown ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Iterable
+from functools import partial
+from types import TracebackType
+
+import trio
+
+from iop_edge.pool import Decision, Grant, PassiveHealth, ProviderView, Refuse, Wait, decide
+from iop_edge.snapshot import Snapshot
+from schemas.catalog import Catalog, CatalogLifecycle, CatalogModel, CatalogProvider
+from schemas.config import ProviderConfig
+from schemas.wire import Health
+
+logger = logging.getLogger(__name__)
+
+#: Retry-After suggested when a model is merely busy (queue full, queue timeout).
+RETRY_AFTER_BUSY_S = 1.0
+
+
+class AdmissionError(Exception):
+    """A request was not admitted; `reason` is safe to show the caller."""
+
+    def __init__(self, reason: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class UnknownModel(AdmissionError):
+    """The model id is not in the catalog (ids are never executed implicitly)."""
+
+
+class NoProvider(AdmissionError):
+    """No provider of the model could serve the request now, so it is not queued."""
+
+
+class QueueFull(AdmissionError):
+    """The model's queue already holds `max_queue` waiters."""
+
+
+class QueueTimeout(AdmissionError):
+    """The request waited `queue_timeout` without a slot coming free."""
+
+
+class Lease:
+    """One run's hold on a provider slot (and a long slot, for a long run).
+
+    Release it exactly once, whatever happens to the run; `release()` is idempotent,
+    so cleanup paths may call it freely. `with lease:` releases on exit.
+    """
+
+    __slots__ = (
+        "_limiters",
+        "_on_release",
+        "_released",
+        "long",
+        "node_id",
+        "provider_id",
+        "queued_s",
+        "run_id",
+        "target",
+    )
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        provider_id: str,
+        node_id: str,
+        target: str,
+        long: bool,
+        queued_s: float,
+        limiters: tuple[trio.CapacityLimiter, ...],
+        on_release: Callable[[Lease], None],
+    ) -> None:
+        self.run_id = run_id
+        self.provider_id = provider_id
+        self.node_id = node_id
+        self.target = target
+        """The served model name the run must use upstream (`models[M].providers[pid]`)."""
+        self.long = long
+        self.queued_s = queued_s
+        """Seconds the request spent in the model's queue before this lease."""
+        self._limiters = limiters
+        self._on_release = on_release
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        """Give the slot(s) back and wake waiters; later calls do nothing."""
+        if self._released:
+            return
+        self._released = True
+        for limiter in self._limiters:
+            limiter.release_on_behalf_of(self)
+        self._on_release(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        kind = "long" if self.long else "regular"
+        return f"<Lease {self.run_id!r} {kind} on {self.provider_id!r}>"
+
+
+def _long_total(config: ProviderConfig) -> int | float:
+    """Null `long_context_slots` = no separate budget: count long runs, limit nothing."""
+    slots = config.long_context_slots
+    return math.inf if slots is None else slots
+
+
+class _ProviderState:
+    """Everything the Edge knows about one provider at run time, across snapshots."""
+
+    __slots__ = (
+        "config",
+        "discovered",
+        "health",
+        "id",
+        "limiter",
+        "long_limiter",
+        "node_id",
+        "passive",
+        "removed",
+        "trial",
+    )
+
+    def __init__(self, config: ProviderConfig, node_id: str) -> None:
+        self.id = config.id
+        self.config = config
+        self.node_id = node_id
+        self.limiter = trio.CapacityLimiter(config.capacity)
+        self.long_limiter = trio.CapacityLimiter(_long_total(config))
+        self.health: Health = "unknown"
+        self.discovered: list[str] = []
+        self.passive = PassiveHealth()
+        self.trial: Lease | None = None
+        """The half-open breaker's one trial run, while it is in flight."""
+        self.removed = False
+        """Gone from config; kept only until its last lease is released."""
+
+    def configure(self, config: ProviderConfig, node_id: str) -> None:
+        """Adopt a refreshed config, resizing the limiters in place."""
+        self.config = config
+        self.node_id = node_id
+        self.removed = False
+        self.limiter.total_tokens = config.capacity
+        self.long_limiter.total_tokens = _long_total(config)
+
+    @property
+    def idle(self) -> bool:
+        return self.limiter.borrowed_tokens == 0 and self.long_limiter.borrowed_tokens == 0
+
+
+class _Waiter:
+    """One request parked in a model's queue."""
+
+    __slots__ = (
+        "enqueued_at",
+        "error",
+        "event",
+        "exclude",
+        "lease",
+        "long",
+        "model_id",
+        "run_id",
+        "scope",
+        "timeout_s",
+    )
+
+    def __init__(
+        self,
+        *,
+        model_id: str,
+        run_id: str,
+        long: bool,
+        exclude: frozenset[str],
+        enqueued_at: float,
+        timeout_s: float,
+    ) -> None:
+        self.model_id = model_id
+        self.run_id = run_id
+        self.long = long
+        self.exclude = exclude
+        self.enqueued_at = enqueued_at
+        self.timeout_s = timeout_s
+        self.event = trio.Event()
+        self.scope = trio.CancelScope(deadline=enqueued_at + timeout_s)
+        self.lease: Lease | None = None
+        self.error: AdmissionError | None = None
+
+    def retime(self, timeout_s: float) -> None:
+        """Apply a refreshed queue timeout, counted from when the request arrived."""
+        self.timeout_s = timeout_s
+        self.scope.deadline = self.enqueued_at + timeout_s
+
+    def could_use(self, state: _ProviderState) -> bool:
+        return state.id not in self.exclude and not (
+            self.long and state.config.long_context_slots == 0
+        )
+
+
+class Scheduler:
+    """The Edge's provider pool: admission, per-model queues and passive health.
+
+    `clock` is the time source for queue waits and cooldowns. It must share Trio's time
+    base whenever anything awaits (the default); tests of the synchronous surface may
+    pass a fake.
+    """
+
+    def __init__(
+        self, snapshot: Snapshot, *, clock: Callable[[], float] = trio.current_time
+    ) -> None:
+        self._snapshot = snapshot
+        self._clock = clock
+        self._states: dict[str, _ProviderState] = {}
+        self._connected: set[str] = set()
+        self._queues: dict[str, deque[_Waiter]] = {}
+        self._last_pick: dict[str, str] = {}
+        self._models_of: dict[str, tuple[str, ...]] = {}
+        self._reschedule = trio.Event()
+        self._changed = trio.Event()
+        self.apply_snapshot(snapshot)
+
+    # -- service ------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Wake waiters when cooldowns end. Owned by the Edge's nursery; runs forever.
+
+        Sleeps until the earliest cooldown end; anything that starts a cooldown sets
+        `_reschedule` so the sleep is recomputed.
+        """
+        task_status.started()
+        while True:
+            self._reschedule = wake = trio.Event()
+            expiry = self._next_cooldown_end()
+            with trio.move_on_at(math.inf if expiry is None else expiry):
+                await wake.wait()
+            if expiry is not None and self._clock() >= expiry:
+                self._serve(list(self._queues))
+
+    async def wait_changed(self) -> None:
+        """Return at the next change of slots, queues, health, cooldowns or config.
+
+        For observers (catalog watchers, tests) that would otherwise have to poll.
+        """
+        await self._changed.wait()
+
+    def _notify_changed(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()  # one-shot: replace, never clear
+
+    def _next_cooldown_end(self) -> float | None:
+        now = self._clock()
+        ends = [
+            until
+            for state in self._states.values()
+            if (until := state.passive.cooldown_until) is not None and until > now
+        ]
+        return min(ends, default=None)
+
+    # -- inputs from config and nodes --------------------------------------------
+
+    def apply_snapshot(self, snapshot: Snapshot) -> None:
+        """Adopt a new snapshot: synchronous, so no request sees a half-applied pool."""
+        self._snapshot = snapshot
+        for provider_id, config in snapshot.providers.items():
+            node_id = snapshot.provider_node[provider_id]
+            state = self._states.get(provider_id)
+            if state is None:
+                self._states[provider_id] = _ProviderState(config, node_id)
+            else:
+                state.configure(config, node_id)
+        for provider_id, state in list(self._states.items()):
+            if provider_id not in snapshot.providers:
+                state.removed = True
+                if state.idle:
+                    del self._states[provider_id]
+        models_of: dict[str, list[str]] = {}
+        for model in snapshot.models.values():
+            for provider_id in model.providers:
+                models_of.setdefault(provider_id, []).append(model.id)
+        self._models_of = {pid: tuple(models) for pid, models in models_of.items()}
+        for model_id in [m for m in self._queues if m not in snapshot.models]:
+            for waiter in self._queues.pop(model_id):
+                self._settle(waiter, error=UnknownModel(f"model {model_id!r} was removed"))
+        for model_id in [m for m in self._last_pick if m not in snapshot.models]:
+            del self._last_pick[model_id]
+        for model_id, queue in self._queues.items():
+            timeout_s = snapshot.queue_policy(model_id).queue_timeout_s
+            for waiter in queue:
+                waiter.retime(timeout_s)
+        self._reschedule.set()
+        self._serve(list(self._queues))
+
+    def node_connected(self, node_id: str) -> None:
+        """The node's providers are `unknown` until its first status says otherwise."""
+        self._connected.add(node_id)
+        self._set_node_health(node_id, "unknown")
+
+    def node_disconnected(self, node_id: str) -> None:
+        """The node's providers become unavailable; waiters nobody else can serve fail."""
+        self._connected.discard(node_id)
+        self._set_node_health(node_id, "unavailable")
+
+    def _set_node_health(self, node_id: str, health: Health) -> None:
+        affected = [state for state in self._states.values() if state.node_id == node_id]
+        for state in affected:
+            state.health = health
+            state.discovered = []
+        self._serve(self._models_serving(state.id for state in affected))
+
+    def provider_status(self, provider_id: str, health: Health, models: list[str]) -> None:
+        """A provider's health and discovered models, from its node's `status` message."""
+        state = self._states.get(provider_id)
+        if state is None or state.removed:
+            return
+        state.health = health
+        state.discovered = list(models)
+        self._serve(self._models_serving((provider_id,)))
+
+    # -- passive health ------------------------------------------------------------
+
+    def record_success(self, provider_id: str) -> None:
+        """A run on the provider succeeded: resets its failure count, ends a trial."""
+        state = self._states.get(provider_id)
+        if state is None:
+            return
+        after = state.passive.after_success(now=self._clock())
+        if after != state.passive:
+            if state.passive.cooldown_until is not None:
+                logger.info("provider %s is back in the pool after a successful trial", state.id)
+            state.passive = after
+            state.trial = None
+            self._serve(self._models_serving((provider_id,)))
+
+    def record_failure(self, provider_id: str) -> None:
+        """A health failure (node lost, connect error, upstream 5xx); may start a cooldown."""
+        state = self._states.get(provider_id)
+        if state is None:
+            return
+        policy = self._snapshot.config.dispatch.cooldown
+        before = state.passive
+        state.passive = before.after_failure(
+            now=self._clock(), threshold=policy.failures, seconds=policy.seconds
+        )
+        if state.passive.cooldown_until != before.cooldown_until:
+            logger.warning(
+                "provider %s cooling down for %gs after %d consecutive failures",
+                state.id,
+                policy.seconds,
+                state.passive.consecutive_failures,
+            )
+            state.trial = None  # a trial's verdict is in
+            self._reschedule.set()
+            self._serve(self._models_serving((provider_id,)))
+
+    def record_capacity_signal(self, provider_id: str) -> None:
+        """An upstream 429/503: the provider is busy, not broken.
+
+        Deliberately leaves the breaker alone (no failure counted, no success either);
+        the caller fails over to another provider with `exclude`. A trial run that ends
+        this way is inconclusive: releasing its lease lets another run be the trial.
+        """
+        logger.debug("provider %s signalled it is at capacity", provider_id)
+
+    # -- admission -----------------------------------------------------------------
+
+    async def acquire(
+        self,
+        model_id: str,
+        run_id: str,
+        *,
+        long: bool,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Lease:
+        """A slot on the best provider of `model_id`, waiting in its FIFO queue if busy.
+
+        `exclude` names providers already tried for this run (failover). Raises an
+        `AdmissionError` subclass when the request is not admitted. Cancellation while
+        waiting leaves nothing behind. The caller owns the returned lease and releases
+        it in every path (`with lease:`).
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if model_id not in self._snapshot.models:
+            raise UnknownModel(f"model {model_id!r} is not in the catalog")
+        queue = self._queues.setdefault(model_id, deque())
+        if queue:
+            self._serve((model_id,))  # earlier arrivals choose first: no barging
+        match self._decide(model_id, long=long, exclude=exclude):
+            case Grant(provider=view):
+                lease = self._grant(model_id, view.id, run_id, long=long, queued_s=0.0)
+                self._notify_changed()
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return lease
+            case Refuse(reason=reason, retry_after_s=retry_after_s):
+                raise NoProvider(reason, retry_after_s=retry_after_s)
+            case Wait():
+                pass
+        policy = self._snapshot.queue_policy(model_id)
+        if len(queue) >= policy.max_queue:
+            raise QueueFull(
+                f"the queue of model {model_id!r} is full ({policy.max_queue} waiting)",
+                retry_after_s=RETRY_AFTER_BUSY_S,
+            )
+        waiter = _Waiter(
+            model_id=model_id,
+            run_id=run_id,
+            long=long,
+            exclude=exclude,
+            enqueued_at=self._clock(),
+            timeout_s=policy.queue_timeout_s,
+        )
+        queue.append(waiter)
+        self._notify_changed()
+        with waiter.scope:
+            try:
+                await waiter.event.wait()
+            except BaseException:
+                # Cancelled (our deadline or the caller's), possibly after a slot was
+                # already granted to us in the same instant: give everything back.
+                self._abandon(waiter)
+                raise
+        if waiter.scope.cancelled_caught:
+            raise QueueTimeout(
+                f"no slot for model {model_id!r} came free within {waiter.timeout_s:g}s",
+                retry_after_s=RETRY_AFTER_BUSY_S,
+            )
+        if waiter.error is not None:
+            raise waiter.error
+        assert waiter.lease is not None, "a waiter is woken with a lease or an error"
+        return waiter.lease
+
+    def _decide(self, model_id: str, *, long: bool, exclude: frozenset[str]) -> Decision:
+        rotation = tuple(self._snapshot.models[model_id].providers)
+        now = self._clock()
+        views = {
+            provider_id: self._view(state, now)
+            for provider_id in rotation
+            if (state := self._states.get(provider_id)) is not None and not state.removed
+        }
+        return decide(
+            model_id,
+            rotation,
+            views,
+            long=long,
+            exclude=exclude,
+            last=self._last_pick.get(model_id),
+        )
+
+    def _view(self, state: _ProviderState, now: float) -> ProviderView:
+        breaker = state.passive.breaker(now=now, probing=state.trial is not None)
+        until = state.passive.cooldown_until
+        return ProviderView(
+            id=state.id,
+            capacity=state.config.capacity,
+            in_flight=state.limiter.borrowed_tokens,
+            priority=state.config.priority,
+            long_context_slots=state.config.long_context_slots,
+            long_in_flight=state.long_limiter.borrowed_tokens,
+            connected=state.node_id in self._connected,
+            enabled=state.config.enabled,
+            health=state.health,
+            breaker=breaker,
+            cooldown_remaining_s=until - now if breaker == "open" and until is not None else None,
+        )
+
+    def _grant(
+        self, model_id: str, provider_id: str, run_id: str, *, long: bool, queued_s: float
+    ) -> Lease:
+        """Take the slot(s) `decide()` found free: synchronous, so nobody can interleave."""
+        state = self._states[provider_id]
+        limiters = (state.limiter, state.long_limiter) if long else (state.limiter,)
+        lease = Lease(
+            run_id=run_id,
+            provider_id=provider_id,
+            node_id=state.node_id,
+            target=self._snapshot.models[model_id].providers[provider_id],
+            long=long,
+            queued_s=queued_s,
+            limiters=limiters,
+            on_release=partial(self._released, state),
+        )
+        for limiter in limiters:
+            limiter.acquire_on_behalf_of_nowait(lease)
+        if state.passive.breaker(now=self._clock(), probing=state.trial is not None) == (
+            "half_open"
+        ):
+            state.trial = lease
+        self._last_pick[model_id] = provider_id
+        return lease
+
+    def _released(self, state: _ProviderState, lease: Lease) -> None:
+        if state.trial is lease:
+            state.trial = None  # ended without a verdict: another run may be the trial
+        if state.removed and state.idle and self._states.get(state.id) is state:
+            del self._states[state.id]
+        self._serve(self._models_serving((state.id,)))
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        queue = self._queues.get(waiter.model_id)
+        if queue is not None and waiter in queue:
+            queue.remove(waiter)
+            self._notify_changed()
+        if waiter.lease is not None:
+            lease, waiter.lease = waiter.lease, None
+            lease.release()
+
+    def _settle(
+        self, waiter: _Waiter, *, lease: Lease | None = None, error: AdmissionError | None = None
+    ) -> None:
+        waiter.lease = lease
+        waiter.error = error
+        waiter.event.set()
+
+    def _serve(self, model_ids: Iterable[str]) -> None:
+        """Walk each model's queue head first, granting or refusing every waiter it can.
+
+        Waiters asking the same thing (same `long`, same `exclude`) get the same answer
+        until a grant changes the pool, so a long queue costs one decision per kind of
+        request, not one per waiter. Every caller has just changed something, so
+        observers are notified here.
+        """
+        self._notify_changed()
+        for model_id in model_ids:
+            queue = self._queues.get(model_id)
+            if not queue or model_id not in self._snapshot.models:
+                continue
+            answers: dict[tuple[bool, frozenset[str]], Decision] = {}
+            for waiter in list(queue):
+                key = (waiter.long, waiter.exclude)
+                if key not in answers:
+                    answers[key] = self._decide(model_id, long=waiter.long, exclude=waiter.exclude)
+                match answers[key]:
+                    case Grant(provider=view):
+                        answers.clear()  # the pool changed
+                        queue.remove(waiter)
+                        queued_s = self._clock() - waiter.enqueued_at
+                        lease = self._grant(
+                            model_id, view.id, waiter.run_id, long=waiter.long, queued_s=queued_s
+                        )
+                        self._settle(waiter, lease=lease)
+                    case Refuse(reason=reason, retry_after_s=retry_after_s):
+                        queue.remove(waiter)
+                        self._settle(waiter, error=NoProvider(reason, retry_after_s=retry_after_s))
+                    case Wait():
+                        pass
+
+    def _models_serving(self, provider_ids: Iterable[str]) -> list[str]:
+        models: dict[str, None] = {}
+        for provider_id in provider_ids:
+            models.update(dict.fromkeys(self._models_of.get(provider_id, ())))
+        return list(models)
+
+    # -- observation ---------------------------------------------------------------
+
+    def in_flight(self, provider_id: str) -> int:
+        state = self._states.get(provider_id)
+        return state.limiter.borrowed_tokens if state is not None else 0
+
+    def queued(self, model_id: str) -> int:
+        return len(self._queues.get(model_id, ()))
+
+    def limiter(self, provider_id: str, *, long: bool = False) -> trio.CapacityLimiter:
+        """The provider's regular (or long-context) slot limiter, for observation only.
+
+        Never acquire from it directly: slots are handed out by `acquire()`. Raises
+        `KeyError` for a provider the scheduler does not know.
+        """
+        state = self._states[provider_id]
+        return state.long_limiter if long else state.limiter
+
+    def catalog(self) -> Catalog:
+        """The pool as `GET /catalog` shows it: models and providers, sorted by id."""
+        snapshot = self._snapshot
+        now = self._clock()
+        models = [
+            CatalogModel(
+                id=model.id,
+                display_name=model.display_name,
+                providers=dict(sorted(model.providers.items())),
+                queued=self.queued(model.id),
+            )
+            for model in sorted(snapshot.models.values(), key=lambda model: model.id)
+        ]
+        providers = [
+            self._catalog_provider(self._states[provider_id], now)
+            for provider_id in sorted(snapshot.providers)
+        ]
+        return Catalog(revision=snapshot.revision, models=models, providers=providers)
+
+    def _catalog_provider(self, state: _ProviderState, now: float) -> CatalogProvider:
+        config = state.config
+        connected = state.node_id in self._connected
+        in_flight = state.limiter.borrowed_tokens
+        flags = set(config.lifecycle)
+        queued = sum(
+            waiter.could_use(state)
+            for model_id in self._models_of.get(state.id, ())
+            for waiter in self._queues.get(model_id, ())
+        )
+        return CatalogProvider(
+            id=state.id,
+            node_id=state.node_id,
+            type=config.type,
+            category=config.effective_category,
+            enabled=config.enabled,
+            connected=connected,
+            health=state.health if connected else "unavailable",
+            capacity=config.capacity,
+            in_flight=in_flight,
+            load_ratio=in_flight / config.capacity if config.capacity > 0 else None,
+            long_context_slots=config.long_context_slots,
+            long_in_flight=state.long_limiter.borrowed_tokens,
+            models=list(config.models),
+            discovered_models=list(state.discovered),
+            queued=queued,
+            priority=config.priority,
+            lifecycle=CatalogLifecycle(
+                list_models="list_models" in flags,
+                load_model="load_model" in flags,
+                unload_model="unload_model" in flags,
+                pull_model="pull_model" in flags,
+                delete_model="delete_model" in flags,
+            ),
+            cooling_down=state.passive.breaker(now=now, probing=state.trial is not None) == "open",
+            consecutive_failures=state.passive.consecutive_failures,
+        )

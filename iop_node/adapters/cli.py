@@ -1,0 +1,374 @@
+"""The adapter for command-line models: one process per run, prompt on stdin, answer on stdout.
+
+`adapter.command` is an argv (never a shell line); `{model}` in any element is replaced
+by the run's target, e.g. `["llm", "-m", "{model}"]` or `["ollama", "run", "{model}"]`.
+
+Prompt rendering (what the process reads on stdin, UTF-8, then EOF):
+
+- completion: the `prompt` (a list of prompts is joined with newlines);
+- chat with a single message: that message's text, verbatim, because that is what a
+  CLI given a question on stdin expects;
+- chat with several messages: a plain transcript, one `role: text` block per message,
+  blocks separated by a blank line, so a system prompt and earlier turns are not lost.
+
+Message text is the `content` string, or the text parts of a multimodal `content` list
+(other parts, such as images, cannot travel through a text pipe and are dropped).
+
+Whatever the process writes to stdout is the answer. It is read as it comes, decoded as
+UTF-8 incrementally (a character split across two reads is never torn), and each piece is
+emitted at once as an OpenAI `chat.completion.chunk` (or `text_completion` chunk for the
+completion operation), with `model` = the target; for non-stream runs the pieces are
+collected into one `chat.completion` / `text_completion`. Usage: prompt tokens from the
+shared estimator (`schemas.tokens`), completion tokens from the output's length.
+
+A non-zero exit is a run failure (`cli_failed`, with the exit status and the tail of
+stderr). The process gets a session of its own, so cancelling a run (or a failure) kills
+the whole process group — wrapper scripts and their children included — and reaps it,
+within a bounded, shielded cleanup.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, Literal
+
+import msgspec
+import trio
+
+from iop_node.adapters.base import AdapterError, Emit, RunResult
+from schemas.config import ProviderConfig
+from schemas.tokens import estimate_input_tokens, text_tokens
+from schemas.wire import ProviderStatus, Run, Usage
+
+#: How much of stderr is kept for the failure message (the tail is what explains it).
+_STDERR_TAIL_BYTES = 2048
+_STDOUT_READ_BYTES = 65536
+#: Bound on killing and reaping the process once the run is over or cancelled.
+_REAP_GRACE_S = 5.0
+
+
+# --- OpenAI output shapes ------------------------------------------------------------------
+
+
+class _Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class _ChunkChoice(msgspec.Struct):
+    index: int
+    delta: _Delta
+    finish_reason: str | None
+
+
+class _TextChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class _Message(msgspec.Struct):
+    role: str
+    content: str
+
+
+class _MessageChoice(msgspec.Struct):
+    index: int
+    message: _Message
+    finish_reason: str | None
+
+
+class _Body(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[Any]
+    usage: Usage | None = None
+
+
+_encode: Final = msgspec.json.Encoder().encode
+
+
+class _Shaper:
+    """Builds the OpenAI JSON of one run's output: chat or text-completion flavour."""
+
+    def __init__(self, run: Run) -> None:
+        self._chat = run.operation == "chat"
+        self._id = ("chatcmpl-" if self._chat else "cmpl-") + run.run_id
+        self._model = run.target
+        self._created = int(time.time())
+        self._first = True
+
+    def _body(self, obj: str, choices: Any, usage: Usage | None = None) -> bytes:
+        return _encode(
+            _Body(
+                id=self._id,
+                object=obj,
+                created=self._created,
+                model=self._model,
+                choices=choices,
+                usage=usage,
+            )
+        )
+
+    def chunk(self, text: str | None, finish_reason: str | None = None) -> bytes:
+        if not self._chat:
+            return self._body(
+                "text_completion",
+                [_TextChoice(index=0, text=text or "", finish_reason=finish_reason)],
+            )
+        role = "assistant" if self._first else None
+        self._first = False
+        delta = _Delta(role=role, content=text)
+        return self._body(
+            "chat.completion.chunk",
+            [_ChunkChoice(index=0, delta=delta, finish_reason=finish_reason)],
+        )
+
+    def usage_chunk(self, usage: Usage) -> bytes:
+        obj = "chat.completion.chunk" if self._chat else "text_completion"
+        return self._body(obj, [], usage)
+
+    def response(self, text: str, usage: Usage) -> bytes:
+        if not self._chat:
+            return self._body(
+                "text_completion", [_TextChoice(index=0, text=text, finish_reason="stop")], usage
+            )
+        message = _Message(role="assistant", content=text)
+        return self._body(
+            "chat.completion",
+            [_MessageChoice(index=0, message=message, finish_reason="stop")],
+            usage,
+        )
+
+
+# --- prompt rendering (pure) ----------------------------------------------------------------
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        ]
+        return "".join(parts)
+    return ""
+
+
+def render_prompt(body: dict[str, Any], operation: Literal["chat", "completion"]) -> str:
+    """The text a CLI reads on stdin for one request (rules in the module docstring)."""
+    if operation == "completion":
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            return "\n".join(prompt)
+        if isinstance(prompt, str):
+            return prompt
+        raise AdapterError(
+            "unsupported_request",
+            "cli providers take a text prompt (not token ids)",
+            retryable=True,
+        )
+    messages = [m for m in body.get("messages") or () if isinstance(m, dict)]
+    if len(messages) == 1:
+        return _text_of(messages[0].get("content"))
+    return "\n\n".join(f"{m.get('role', 'user')}: {_text_of(m.get('content'))}" for m in messages)
+
+
+def build_argv(command: list[str], target: str) -> list[str]:
+    return [part.replace("{model}", target) for part in command]
+
+
+# --- process plumbing ---------------------------------------------------------------------
+
+
+async def _feed(stdin: trio.abc.SendStream, data: bytes) -> None:
+    """Write the prompt and close stdin; a process that exits without reading is fine."""
+    try:
+        async with stdin:
+            if data:
+                await stdin.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+
+
+async def _keep_tail(stderr: trio.abc.ReceiveStream, tail: bytearray) -> None:
+    """Keep the last bytes of stderr: the end is what explains a failure."""
+    try:
+        async for data in stderr:
+            tail += data
+            del tail[:-_STDERR_TAIL_BYTES]
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+
+
+def _kill(process: trio.Process) -> None:
+    """Kill the process and everything it started (its own session/process group)."""
+    if process.returncode is not None:
+        return  # reaped: its pid (and group id) may belong to someone else by now
+    try:
+        if os.name == "posix":
+            os.killpg(process.pid, signal.SIGKILL)
+        else:  # pragma: no cover - POSIX is what we run on
+            process.kill()
+    except ProcessLookupError:
+        pass
+
+
+def _exit_description(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+# --- the adapter --------------------------------------------------------------------------
+
+
+class CliAdapter:
+    """Run each request as a local process (`adapter.command`) and relay its stdout."""
+
+    def __init__(self, provider: ProviderConfig) -> None:
+        command = provider.adapter.command
+        if not command:
+            raise ValueError(f"provider {provider.id!r}: adapter.command is required")
+        self.provider = provider
+        self.command = list(command)
+
+    async def execute(self, run: Run, emit: Emit) -> RunResult:
+        if run.operation == "embedding":
+            raise AdapterError(
+                "unsupported_operation", "cli providers do not serve embeddings", retryable=True
+            )
+        try:
+            body = msgspec.json.decode(run.body, type=dict[str, Any])
+        except msgspec.DecodeError as exc:
+            raise AdapterError("invalid_request", f"request body: {exc}") from None
+        prompt = render_prompt(body, run.operation)
+        shaper = _Shaper(run)
+        pieces: list[str] = []
+        emitted = 0
+
+        async def on_text(text: str) -> None:
+            nonlocal emitted
+            pieces.append(text)
+            if run.stream:
+                await emit(shaper.chunk(text))
+                emitted += 1
+
+        timeout_s = self.provider.adapter.request_timeout_s
+        with trio.move_on_after(timeout_s) as scope:
+            code, stderr_tail = await self._run_process(run, prompt.encode(), on_text)
+        if scope.cancelled_caught:
+            raise AdapterError(
+                "upstream_timeout" if not emitted else "upstream_stream_error",
+                f"{self.command[0]} did not finish within {timeout_s:g}s",
+                retryable=not emitted,
+            )
+        if code != 0:
+            message = f"{self.command[0]} {_exit_description(code)}"
+            if stderr_tail:
+                message += f": {stderr_tail}"
+            raise AdapterError("cli_failed", message, retryable=not emitted)
+
+        text = "".join(pieces)
+        prompt_tokens, completion_tokens = estimate_input_tokens(body), text_tokens(text)
+        usage = Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+        if not run.stream:
+            return RunResult(usage=usage, response=shaper.response(text, usage))
+        await emit(shaper.chunk(None, finish_reason="stop"))
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            await emit(shaper.usage_chunk(usage))
+        return RunResult(usage=usage)
+
+    async def _run_process(
+        self, run: Run, stdin_data: bytes, on_text: Callable[[str], Awaitable[None]]
+    ) -> tuple[int, str]:
+        """Run the command to completion, passing decoded stdout to `on_text` as it comes.
+
+        Returns the exit status and the decoded tail of stderr. However this ends (normal
+        exit, failure, cancellation), the process group is killed and the process reaped.
+        """
+        argv = build_argv(self.command, run.target)
+        try:
+            process = await trio.lowlevel.open_process(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise AdapterError(
+                "cli_failed", f"cannot start {argv[0]}: {exc.strerror or exc}", retryable=True
+            ) from None
+        assert process.stdin is not None and process.stdout is not None
+        assert process.stderr is not None
+        tail = bytearray()
+        try:
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_feed, process.stdin, stdin_data)
+                    nursery.start_soon(_keep_tail, process.stderr, tail)
+                    code = await self._relay_stdout(process, on_text)
+            except BaseExceptionGroup as group:
+                # `_feed` and `_keep_tail` never raise, so a group holds the body's own
+                # exception (an emit failure, a cancellation): surface it as itself, as
+                # every other adapter does.
+                if len(group.exceptions) == 1:
+                    raise group.exceptions[0] from None
+                raise
+        finally:
+            with trio.move_on_after(_REAP_GRACE_S, shield=True):
+                _kill(process)
+                await process.wait()
+                for stream in (process.stdin, process.stdout, process.stderr):
+                    await stream.aclose()
+        return code, tail.decode("utf-8", errors="replace").strip()
+
+    @staticmethod
+    async def _relay_stdout(
+        process: trio.Process, on_text: Callable[[str], Awaitable[None]]
+    ) -> int:
+        """Pass stdout to `on_text` as it arrives, then wait for the exit status."""
+        assert process.stdout is not None
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        async for data in process.stdout:
+            text = decoder.decode(data)
+            if text:
+                await on_text(text)
+        rest = decoder.decode(b"", final=True)
+        if rest:
+            await on_text(rest)
+        return await process.wait()
+
+    async def probe(self) -> ProviderStatus:
+        executable = self.command[0]
+        found = await trio.to_thread.run_sync(shutil.which, executable)
+        if found is None:
+            return ProviderStatus(
+                id=self.provider.id,
+                health="unavailable",
+                detail=f"executable {executable!r} not found",
+            )
+        return ProviderStatus(
+            id=self.provider.id, health="available", models=list(self.provider.models)
+        )
+
+    async def aclose(self) -> None:
+        """Nothing long-lived: every process belongs to (and dies with) its run."""

@@ -1,0 +1,474 @@
+"""The adapter for upstreams that speak the OpenAI HTTP API (vllm, sglang, lemonade, openai_api).
+
+The Edge already did everything caller-facing (auth, alias -> served name, validation), so
+this adapter is a careful relay: the request body goes upstream byte for byte, a
+non-stream response comes back byte for byte, and a stream is relayed one SSE event at a
+time as each arrives, never re-encoded, so every provider-specific field (reasoning
+content, tool calls, logprobs) passes through untouched. JSON is decoded only to peek at
+`usage` and at in-band errors, through small msgspec views that skip everything else.
+
+Deadlines (set here, once, from the provider's adapter settings):
+
+- *first byte*: from the start of the request until the first byte of the response body,
+  `first_byte_timeout_s` when set, else `request_timeout_s`. For a stream it is the first
+  whole event, so a server that sends headers (or keep-alive comments) at once and then
+  stalls in prefill is still caught by it.
+- *whole request*: `request_timeout_s` from the start, whatever happens.
+
+One cancel scope carries both: it starts with the first-byte deadline and is moved to the
+whole-request deadline when the first body byte arrives. The runner's own scope (caller
+gone, Edge cancel) sits outside and simply propagates; cancelling it closes the HTTP
+stream, which closes the upstream connection, which stops the generation upstream.
+
+Failures become `AdapterError`s (see `base.py`), following one rule for `retryable`: a
+failure is retryable iff no chunk was emitted yet. Before the first chunk:
+
+    connect refused / DNS / connect timeout  upstream_unreachable  retryable
+    no body byte within the first-byte budget upstream_timeout     retryable
+    429, 503                                  upstream_busy        retryable, capacity
+    other 5xx, broken connection, bad body    upstream_error       retryable
+    other 4xx                                 upstream_rejected    not retryable,
+                                                                   upstream's message
+After the first chunk: anything                upstream_stream_error not retryable
+
+The HTTP client is one long-lived `httpx2.AsyncClient` per adapter, so runs reuse
+keep-alive connections; httpcore picks its Trio backend by sniffing the running async
+library, so nothing here names a backend. Once `aclose()`d the adapter cannot be reused.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final, TypeVar
+
+import httpx2
+import msgspec
+import trio
+
+from iop_node.adapters.base import AdapterError, Emit, RunResult
+from iop_node.adapters.sse import SSEDecoder, SSEError
+from schemas.config import ProviderConfig
+from schemas.wire import Operation, ProviderStatus, Run, Usage
+
+OPERATION_PATHS: Final[dict[Operation, str]] = {
+    "chat": "/chat/completions",
+    "completion": "/completions",
+    "embedding": "/embeddings",
+}
+
+#: uvicorn (under vLLM, SGLang, most Python servers) drops idle connections after 5 s;
+#: forgetting ours a little earlier avoids sending a request on a connection being closed.
+_KEEPALIVE_EXPIRY_S = 4.0
+#: Bytes of an error response read to find the upstream's message; the rest is dropped.
+_ERROR_BODY_LIMIT = 64 * 1024
+#: Longest upstream message we carry into an AdapterError or a probe detail.
+_MESSAGE_LIMIT = 500
+#: After `[DONE]`, how long to wait for the end of the chunked body so the connection can
+#: go back to the pool; a server that keeps talking past `[DONE]` just loses its connection.
+_DRAIN_AFTER_DONE_S = 1.0
+#: Bound on closing the client's connections when the adapter is retired.
+_CLOSE_GRACE_S = 5.0
+_DONE: Final = b"[DONE]"
+
+_T = TypeVar("_T")
+
+
+# --- msgspec views: decode only the few fields we look at ----------------------------------
+
+
+class _UsageView(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    total_tokens: int | None = None
+
+    def to_usage(self) -> Usage:
+        prompt = self.prompt_tokens or 0
+        completion = self.completion_tokens or 0
+        total = self.total_tokens if self.total_tokens is not None else prompt + completion
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total)
+
+
+class _ChoiceView(msgspec.Struct):
+    finish_reason: str | None = None
+
+
+class _BodyView(msgspec.Struct):
+    """A chunk or a whole response, as far as the relay cares."""
+
+    usage: _UsageView | None = None
+    choices: list[_ChoiceView] | None = None
+    error: Any = None
+    object: str | None = None
+
+    def is_error(self) -> bool:
+        return self.error is not None or self.object == "error"
+
+
+class _ModelView(msgspec.Struct):
+    id: str
+
+
+class _ModelList(msgspec.Struct):
+    data: list[_ModelView]
+
+
+_body_decoder: Final = msgspec.json.Decoder(_BodyView)
+_any_decoder: Final = msgspec.json.Decoder()
+_model_list_decoder: Final = msgspec.json.Decoder(_ModelList)
+
+
+# --- helpers (pure) ---------------------------------------------------------------------------
+
+
+def _clip(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= _MESSAGE_LIMIT else text[: _MESSAGE_LIMIT - 3] + "..."
+
+
+def error_message(body: bytes) -> str | None:
+    """The human message in an upstream error body, whatever dialect it speaks.
+
+    OpenAI (and Ollama's /v1, SGLang, Lemonade): `{"error": {"message": ...}}`; older vLLM:
+    `{"object": "error", "message": ...}`; some servers: `{"error": "..."}`; FastAPI:
+    `{"detail": ...}`. Anything else falls back to the body as text.
+    """
+    try:
+        parsed = _any_decoder.decode(body)
+    except msgspec.DecodeError:
+        text = body.decode("utf-8", errors="replace").strip()
+        return _clip(text) if text else None
+    candidates: list[Any] = []
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict):
+            candidates.append(error.get("message"))
+        candidates += [error, parsed.get("message"), parsed.get("detail")]
+    elif isinstance(parsed, str):
+        candidates.append(parsed)
+    for candidate in candidates:
+        if isinstance(candidate, str) and candidate.strip():
+            return _clip(candidate)
+    text = body.decode("utf-8", errors="replace").strip()
+    return _clip(text) if text else None
+
+
+def status_failure(status: int, body: bytes) -> AdapterError:
+    """Map a non-2xx upstream response onto an `AdapterError` (table in the module doc)."""
+    detail = error_message(body)
+    suffix = f": {detail}" if detail else ""
+    if status in (429, 503):
+        return AdapterError(
+            "upstream_busy",
+            f"upstream busy ({status}){suffix}",
+            retryable=True,
+            capacity=True,
+            status=status,
+        )
+    if 400 <= status < 500:
+        return AdapterError(
+            "upstream_rejected",
+            detail or f"upstream rejected the request ({status})",
+            status=status,
+        )
+    return AdapterError(
+        "upstream_error", f"upstream returned {status}{suffix}", retryable=True, status=status
+    )
+
+
+def describe_transport_error(exc: Exception) -> str:
+    """A short, secret-free description of a transport (or event-stream) failure."""
+    match exc:
+        case httpx2.ConnectTimeout():
+            what = "connect timed out"
+        case httpx2.ConnectError():
+            what = "cannot connect"
+        case httpx2.TimeoutException():
+            what = "timed out"
+        case httpx2.RemoteProtocolError():
+            what = "protocol error"
+        case SSEError():
+            what = "bad event stream"
+        case _:
+            what = "connection failed"
+    detail = str(exc).strip()
+    return _clip(f"{what}: {detail}") if detail else what
+
+
+@dataclass(slots=True)
+class _Progress:
+    """How far one request got: drives the deadline switch and the `retryable` rule."""
+
+    scope: trio.CancelScope
+    request_deadline: float
+    first_byte: bool = False
+    emitted: int = 0
+
+    def saw_first_byte(self) -> None:
+        if not self.first_byte:
+            self.first_byte = True
+            self.scope.deadline = self.request_deadline
+
+
+class _ProbeFailure(Exception):
+    """A health check found the upstream unusable; the message is the status detail."""
+
+
+# --- the adapter ------------------------------------------------------------------------------
+
+
+class OpenAICompatAdapter:
+    """Relay runs to an OpenAI-compatible HTTP upstream at `provider.adapter.base_url`."""
+
+    #: Used when the config has no `base_url`; None means the setting is required.
+    default_base_url: ClassVar[str | None] = None
+
+    def __init__(self, provider: ProviderConfig) -> None:
+        self.provider = provider
+        settings = provider.adapter
+        base_url = settings.base_url or self.default_base_url
+        if base_url is None:
+            raise ValueError(f"provider {provider.id!r}: adapter.base_url is required")
+        try:
+            url = httpx2.URL(base_url)
+        except httpx2.InvalidURL:
+            url = httpx2.URL()
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"provider {provider.id!r}: adapter.base_url must be an http(s) URL")
+        self.base_url = base_url.rstrip("/")
+        self._origin = f"{url.host}:{url.port}" if url.port else url.host
+
+        headers = {"User-Agent": "iop-node"}
+        self._missing_key_env: str | None = None
+        if settings.api_key_env is not None:
+            key = os.environ.get(settings.api_key_env)
+            if key:
+                headers["Authorization"] = f"Bearer {key}"
+            else:
+                self._missing_key_env = settings.api_key_env
+
+        self._first_byte_s = min(
+            settings.first_byte_timeout_s or settings.request_timeout_s,
+            settings.request_timeout_s,
+        )
+        self._probe_budget_s = settings.health_interval_s
+        self._closed = False
+        # Concurrency is bounded by the Edge's admission (`capacity`), not here: a pool
+        # limit could only make runs wait where the Edge cannot see them. We keep enough
+        # idle connections for every slot plus the probe. The per-operation timeouts are
+        # ceilings; the real budgets are the two deadlines of `execute`. Proxy settings
+        # from the Node's environment (HTTPS_PROXY, NO_PROXY) apply, as for any client.
+        self._client = httpx2.AsyncClient(
+            headers=headers,
+            timeout=httpx2.Timeout(
+                connect=settings.connect_timeout_s,
+                read=settings.request_timeout_s,
+                write=settings.request_timeout_s,
+                pool=settings.request_timeout_s,
+            ),
+            limits=httpx2.Limits(
+                max_connections=None,
+                max_keepalive_connections=provider.capacity + 2,
+                keepalive_expiry=_KEEPALIVE_EXPIRY_S,
+            ),
+            follow_redirects=False,
+        )
+
+    # --- Adapter protocol -----------------------------------------------------------------
+
+    async def execute(self, run: Run, emit: Emit) -> RunResult:
+        if self._closed:
+            raise AdapterError("adapter_closed", "adapter was retired", retryable=True)
+        url = self.base_url + OPERATION_PATHS[run.operation]
+        start = trio.current_time()
+        request_timeout_s = self.provider.adapter.request_timeout_s
+        with trio.CancelScope(deadline=start + self._first_byte_s) as scope:
+            progress = _Progress(scope=scope, request_deadline=start + request_timeout_s)
+            try:
+                return await self._exchange(run, url, emit, progress)
+            except (httpx2.HTTPError, SSEError) as exc:
+                raise self._transport_failure(exc, progress) from exc
+        # Only reached when one of our own deadlines fired.
+        if progress.emitted:
+            raise AdapterError(
+                "upstream_stream_error",
+                f"request did not complete within {request_timeout_s:g}s "
+                f"(after {progress.emitted} chunks)",
+            )
+        if not progress.first_byte:
+            raise AdapterError(
+                "upstream_timeout",
+                f"no response from {self._origin} within {self._first_byte_s:g}s",
+                retryable=True,
+            )
+        raise AdapterError(
+            "upstream_timeout",
+            f"request did not complete within {request_timeout_s:g}s",
+            retryable=True,
+        )
+
+    async def probe(self) -> ProviderStatus:
+        if self._closed:
+            return self._unavailable("adapter was retired")
+        if self._missing_key_env is not None:
+            return self._unavailable(f"environment variable {self._missing_key_env} is not set")
+        with trio.move_on_after(self._probe_budget_s):
+            try:
+                return await self._check_health()
+            except _ProbeFailure as exc:
+                return self._unavailable(str(exc))
+            except httpx2.HTTPError as exc:
+                return self._unavailable(describe_transport_error(exc))
+        return self._unavailable(f"health check timed out after {self._probe_budget_s:g}s")
+
+    async def aclose(self) -> None:
+        self._closed = True
+        with trio.move_on_after(_CLOSE_GRACE_S, shield=True):
+            await self._client.aclose()
+
+    # --- health ---------------------------------------------------------------------------
+
+    async def _check_health(self) -> ProviderStatus:
+        """One health check; raise `_ProbeFailure` or an httpx error when unhealthy.
+
+        Subclasses override this to use a runtime's native API."""
+        listing = await self._get_json(self.base_url + "/models", _model_list_decoder, "/models")
+        return ProviderStatus(
+            id=self.provider.id, health="available", models=[m.id for m in listing.data]
+        )
+
+    async def _get_json(self, url: str, decoder: msgspec.json.Decoder[_T], name: str) -> _T:
+        response = await self._client.get(url, headers={"Accept": "application/json"})
+        if response.status_code != 200:
+            detail = error_message(response.content[:_ERROR_BODY_LIMIT])
+            suffix = f": {detail}" if detail else ""
+            raise _ProbeFailure(f"GET {name} returned {response.status_code}{suffix}")
+        try:
+            return decoder.decode(response.content)
+        except msgspec.DecodeError as exc:
+            raise _ProbeFailure(f"GET {name} returned an unexpected body: {exc}") from None
+
+    def _unavailable(self, detail: str) -> ProviderStatus:
+        return ProviderStatus(id=self.provider.id, health="unavailable", detail=_clip(detail))
+
+    # --- one request ----------------------------------------------------------------------
+
+    async def _exchange(self, run: Run, url: str, emit: Emit, progress: _Progress) -> RunResult:
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "text/event-stream" if run.stream else "application/json",
+        }
+        async with self._client.stream("POST", url, content=run.body, headers=headers) as response:
+            if not response.is_success:
+                body = await _read_body(response, progress, limit=_ERROR_BODY_LIMIT)
+                raise status_failure(response.status_code, body)
+            if run.stream:
+                return await self._relay_stream(response, emit, progress)
+            body = await _read_body(response, progress)
+        try:
+            view = _body_decoder.decode(body)
+        except msgspec.ValidationError:
+            return RunResult(response=body)  # valid JSON we cannot read usage from
+        except msgspec.DecodeError:
+            raise AdapterError(
+                "upstream_error", "upstream returned a body that is not JSON", retryable=True
+            ) from None
+        if view.is_error():
+            raise AdapterError(
+                "upstream_error",
+                f"upstream returned an error: {error_message(body) or 'unknown error'}",
+                retryable=True,
+            )
+        return RunResult(usage=view.usage.to_usage() if view.usage else None, response=body)
+
+    async def _relay_stream(
+        self, response: httpx2.Response, emit: Emit, progress: _Progress
+    ) -> RunResult:
+        decoder = SSEDecoder()
+        usage: Usage | None = None
+        finished = False
+        done = False
+        async with aclosing(response.aiter_bytes()) as body:
+            async for raw in body:
+                for event in decoder.feed(raw):
+                    progress.saw_first_byte()
+                    if event.data == _DONE:
+                        done = True
+                        break
+                    if not event.data.strip():
+                        continue
+                    view = self._inspect_chunk(event.data, event.event, progress)
+                    if view is not None:
+                        if view.usage is not None:
+                            usage = view.usage.to_usage()
+                        if view.choices and any(c.finish_reason for c in view.choices):
+                            finished = True
+                    await emit(event.data)
+                    progress.emitted += 1
+                if done:
+                    break
+            if done:
+                # Let the end of the chunked body arrive so the connection is reused.
+                with trio.move_on_after(_DRAIN_AFTER_DONE_S):
+                    async for _ in body:
+                        pass
+                return RunResult(usage=usage)
+        # The body ended without `[DONE]`: fine if the model had finished, else truncated.
+        if finished:
+            return RunResult(usage=usage)
+        raise self._stream_cut(progress, "upstream stream ended before [DONE]")
+
+    def _inspect_chunk(self, data: bytes, event: str, progress: _Progress) -> _BodyView | None:
+        """Peek at one chunk: its usage and finish state, or raise if it reports an error.
+
+        Returns None for valid JSON of an unexpected shape, which is relayed untouched."""
+        try:
+            view = _body_decoder.decode(data)
+        except msgspec.ValidationError:
+            view = None
+        except msgspec.DecodeError:
+            raise self._stream_cut(progress, "upstream sent a chunk that is not JSON") from None
+        if event == "error" or (view is not None and view.is_error()):
+            message = error_message(data) or "unknown error"
+            raise self._stream_cut(progress, f"upstream reported an error: {message}")
+        return view
+
+    def _stream_cut(self, progress: _Progress, message: str) -> AdapterError:
+        if progress.emitted:
+            return AdapterError(
+                "upstream_stream_error", f"{message} (after {progress.emitted} chunks)"
+            )
+        return AdapterError("upstream_error", message, retryable=True)
+
+    def _transport_failure(self, exc: Exception, progress: _Progress) -> AdapterError:
+        detail = describe_transport_error(exc)
+        if progress.emitted:
+            return AdapterError(
+                "upstream_stream_error",
+                f"upstream stream broke after {progress.emitted} chunks: {detail}",
+            )
+        if isinstance(exc, httpx2.ConnectError | httpx2.ConnectTimeout):
+            return AdapterError(
+                "upstream_unreachable", f"{self._origin} unreachable: {detail}", retryable=True
+            )
+        if isinstance(exc, httpx2.TimeoutException):
+            return AdapterError("upstream_timeout", f"{self._origin}: {detail}", retryable=True)
+        return AdapterError("upstream_error", f"{self._origin}: {detail}", retryable=True)
+
+
+async def _read_body(
+    response: httpx2.Response, progress: _Progress, *, limit: int | None = None
+) -> bytes:
+    """Read a response body (up to `limit` bytes), marking the first byte as it arrives."""
+    parts: list[bytes] = []
+    size = 0
+    async with aclosing(response.aiter_bytes()) as body:
+        async for raw in body:
+            progress.saw_first_byte()
+            parts.append(raw)
+            size += len(raw)
+            if limit is not None and size >= limit:
+                break
+    data = b"".join(parts)
+    return data if limit is None else data[:limit]

@@ -1,0 +1,168 @@
+"""`iop-node`: the Node's command line (SPEC §2.2, §10).
+
+    iop-node run --edge ws://HOST:PORT --node-id ID [--token-file F] [--config node.yaml]
+
+A Node needs only where the Edge is, who it is, and its token; everything else (its
+providers) comes from the Edge. The token is read from `--token-file` or else from the
+`IOP_NODE_TOKEN` environment variable, never from the command line, so it does not show
+up in `ps` or shell history. The optional YAML file holds the same fields (`edge`,
+`node_id`, `token_file`); command-line flags win over it, and a relative `token_file` is
+relative to the YAML file.
+
+Exit codes: 0 after a clean stop, 2 for a usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import trio
+import yaml
+
+from iop_node import __version__
+from iop_node.main import serve_until_signalled
+
+TOKEN_ENV_VAR = "IOP_NODE_TOKEN"
+EXIT_USAGE = 2
+
+log = logging.getLogger("iop_node")
+
+
+class NodeFileConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The optional `--config` YAML: the same fields as the flags, typos rejected."""
+
+    edge: str | None = None
+    node_id: str | None = None
+    token_file: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInvocation:
+    """What `iop-node run` resolved to; the token stays out of `repr`."""
+
+    edge_url: str
+    node_id: str
+    token: str = field(repr=False)
+
+
+class UsageError(Exception):
+    """A problem with the invocation, reported as `iop-node: error: ...` with exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="iop-node",
+        description="IOP Node: dials out to an IOP Edge and executes its runs.",
+    )
+    parser.add_argument("--version", action="version", version=f"iop-node {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = commands.add_parser(
+        "run",
+        help="connect to the Edge and serve runs until stopped",
+        description=(
+            f"Connect to the Edge and serve runs. The token comes from --token-file or the "
+            f"{TOKEN_ENV_VAR} environment variable. SIGINT/SIGTERM drain and stop; a second "
+            "signal stops at once."
+        ),
+    )
+    run.add_argument("--edge", metavar="URL", help="the Edge's node listener, ws://HOST:PORT")
+    run.add_argument("--node-id", metavar="ID", help="this node's id in the Edge config")
+    run.add_argument("--token-file", metavar="FILE", help="file holding the node token")
+    run.add_argument("--config", metavar="FILE", help="YAML with edge, node_id, token_file")
+    run.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logging verbosity (default: info)",
+    )
+    return parser
+
+
+def resolve_invocation(args: argparse.Namespace, environ: Mapping[str, str]) -> NodeInvocation:
+    """Merge flags, the optional YAML file and the environment; raise `UsageError`."""
+    file_config = NodeFileConfig()
+    config_dir = Path.cwd()
+    if args.config:
+        config_path = Path(args.config)
+        file_config = _load_file_config(config_path)
+        config_dir = config_path.parent
+
+    edge_url = args.edge or file_config.edge
+    node_id = args.node_id or file_config.node_id
+    if not edge_url:
+        raise UsageError("no Edge url: pass --edge ws://HOST:PORT (or `edge` in --config)")
+    if not edge_url.startswith(("ws://", "wss://")):
+        raise UsageError(f"--edge must be a ws:// or wss:// url, got {edge_url!r}")
+    if not node_id:
+        raise UsageError("no node id: pass --node-id ID (or `node_id` in --config)")
+
+    if args.token_file:
+        token = _read_token_file(Path(args.token_file))
+    elif file_config.token_file:
+        token = _read_token_file(config_dir / file_config.token_file)
+    else:
+        token = environ.get(TOKEN_ENV_VAR, "").strip()
+        if not token:
+            raise UsageError(f"no node token: set {TOKEN_ENV_VAR} or pass --token-file FILE")
+    return NodeInvocation(edge_url=edge_url, node_id=node_id, token=token)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # The websocket library logs every frame at debug level: too much even for debugging.
+    logging.getLogger("trio-websocket").setLevel(max(logging.INFO, logging.getLogger().level))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `iop-node` console script."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse reports usage errors (and --help) by exiting
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if args.command != "run":
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        invocation = resolve_invocation(args, os.environ)
+    except UsageError as exc:
+        print(f"iop-node: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    configure_logging(args.log_level)
+    trio.run(serve_until_signalled, invocation.edge_url, invocation.node_id, invocation.token)
+    log.info("iop-node stopped")
+    return 0
+
+
+def _load_file_config(path: Path) -> NodeFileConfig:
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"cannot read --config {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"--config {path} is not valid YAML: {exc}") from None
+    try:
+        return msgspec.convert(raw or {}, NodeFileConfig)
+    except msgspec.ValidationError as exc:
+        raise UsageError(f"--config {path}: {exc}") from None
+
+
+def _read_token_file(path: Path) -> str:
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise UsageError(f"cannot read token file {path}: {exc.strerror or exc}") from None
+    if not token:
+        raise UsageError(f"token file {path} is empty")
+    return token

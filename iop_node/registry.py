@@ -1,0 +1,381 @@
+"""The Node's adapter registries: build, swap, drain (SPEC §5 step 7).
+
+An `AdapterRegistry` maps provider ids to adapter instances built from one `NodeConfig`,
+and owns the runs started on it: each registry has its own nursery, so "stop this
+registry" has a precise meaning (wait for *its* runs, then close *its* adapters) and
+never touches runs of another generation.
+
+A refresh goes through `RegistryManager.apply`:
+
+1. Build the new registry completely first. If any adapter fails to construct, the
+   partial registry is closed, the old one stays current, and the caller acks
+   `ok: false` with the error.
+2. Swap it in with no await in between: every run that arrives afterwards goes to the
+   new registry; runs already started stay on the old one.
+3. Retire the old registry: it accepts no new runs, waits for its active runs to finish
+   for at most `drain_timeout_s`, then cancels the stragglers, each answered with
+   `run_failed{code: registry_retired}`, and finally closes its adapters.
+4. Retiring registries are bounded: at most `max_retiring` drain at once. A refresh
+   beyond that cuts the *oldest* draining registry short at once (its stragglers are
+   cancelled as in 3) rather than waiting. Waiting would stall the refresh behind a slow
+   run while the Edge waits for the ack; cutting short keeps refresh latency and memory
+   bounded, and only hits runs that have already outlived several config generations.
+
+Adapter modules are imported lazily by module path: a Node only imports what its
+config names, and an optional dependency of one adapter never breaks the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Literal, cast
+
+import trio
+
+from iop_node.adapters.base import Adapter
+from iop_node.runner import RunHandle, Send, execute_run
+from schemas.config import NodeConfig, ProviderConfig
+from schemas.wire import Run, RunFailed
+
+log = logging.getLogger(__name__)
+
+AdapterFactory = Callable[[ProviderConfig], Adapter]
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_MAX_RETIRING = 4
+#: Closing adapters is cleanup: bounded, so a stuck upstream cannot hold a shutdown.
+ADAPTER_CLOSE_TIMEOUT_S = 5.0
+
+_ADAPTER_CLASSES: Mapping[str, tuple[str, str]] = {
+    "sim": ("iop_node.adapters.sim", "SimAdapter"),
+    "vllm": ("iop_node.adapters.openai_compat", "OpenAICompatAdapter"),
+    "sglang": ("iop_node.adapters.openai_compat", "OpenAICompatAdapter"),
+    "lemonade": ("iop_node.adapters.openai_compat", "OpenAICompatAdapter"),
+    "openai_api": ("iop_node.adapters.openai_compat", "OpenAICompatAdapter"),
+    "ollama": ("iop_node.adapters.ollama", "OllamaAdapter"),
+    "cli": ("iop_node.adapters.cli", "CliAdapter"),
+}
+
+
+class RegistryBuildError(Exception):
+    """A `NodeConfig` could not be turned into a registry; the message names the provider."""
+
+
+def create_adapter(provider: ProviderConfig) -> Adapter:
+    """Construct the adapter for `provider.type`, importing its module on first use."""
+    try:
+        module_name, class_name = _ADAPTER_CLASSES[provider.type]
+    except KeyError:
+        raise RegistryBuildError(f"no adapter for provider type {provider.type!r}") from None
+    adapter_class = getattr(importlib.import_module(module_name), class_name)
+    return cast(Adapter, adapter_class(provider))
+
+
+RegistryState = Literal["built", "live", "retiring", "closed"]
+
+
+class AdapterRegistry:
+    """One generation of adapters and the runs started on them."""
+
+    def __init__(self, revision: int, config: NodeConfig, adapters: Mapping[str, Adapter]):
+        self.revision = revision
+        self.config = config
+        self.adapters: Mapping[str, Adapter] = dict(adapters)
+        self._state: RegistryState = "built"
+        self._runs: dict[str, RunHandle] = {}
+        self._nursery: trio.Nursery | None = None
+        self._retire_requested = trio.Event()
+        self._retire_reason = ("registry_retired", "", True)
+        self._drained = trio.Event()
+        self._drain_scope = trio.CancelScope()
+        self._closed = trio.Event()
+
+    @classmethod
+    async def build(
+        cls, revision: int, config: NodeConfig, factory: AdapterFactory = create_adapter
+    ) -> AdapterRegistry:
+        """Construct every adapter of `config`, or none: on failure the adapters built so far
+        are closed and `RegistryBuildError` names the provider that failed."""
+        adapters: dict[str, Adapter] = {}
+        try:
+            for provider in config.providers:
+                if provider.id in adapters:
+                    raise RegistryBuildError(f"provider {provider.id!r} is configured twice")
+                try:
+                    adapters[provider.id] = factory(provider)
+                except RegistryBuildError:
+                    raise
+                except Exception as exc:
+                    raise RegistryBuildError(
+                        f"provider {provider.id!r} ({provider.type}): {type(exc).__name__}: {exc}"
+                    ) from exc
+        except BaseException:
+            with trio.move_on_after(ADAPTER_CLOSE_TIMEOUT_S, shield=True):
+                await _aclose_all(adapters.values())
+            raise
+        return cls(revision, config, adapters)
+
+    # --- inspection --------------------------------------------------------------------
+
+    @property
+    def state(self) -> RegistryState:
+        return self._state
+
+    @property
+    def active_runs(self) -> int:
+        return len(self._runs)
+
+    @property
+    def cut(self) -> bool:
+        """Whether the drain was cut short (the runs left are being cancelled)."""
+        return self._drain_scope.cancel_called
+
+    def adapter(self, provider_id: str) -> Adapter | None:
+        return self.adapters.get(provider_id)
+
+    def has_run(self, run_id: str) -> bool:
+        return run_id in self._runs
+
+    # --- runs --------------------------------------------------------------------------
+
+    def start_run(self, run: Run, send: Send) -> RunHandle:
+        """Start `run` in this registry's nursery; its handle is registered at once, so a
+        `cancel` that arrives right behind the run finds it."""
+        if self._state != "live" or self._nursery is None:
+            raise RuntimeError(f"registry revision {self.revision} is {self._state}")
+        handle = RunHandle(run.run_id)
+        self._runs[run.run_id] = handle
+        self._nursery.start_soon(self._run, run, handle, send, name=f"run {run.run_id}")
+        return handle
+
+    def cancel_run(self, run_id: str, code: str, message: str) -> bool:
+        handle = self._runs.get(run_id)
+        if handle is None:
+            return False
+        handle.cancel(code, message)
+        return True
+
+    async def _run(self, run: Run, handle: RunHandle, send: Send) -> None:
+        try:
+            await execute_run(run, self.adapter(run.provider_id), handle, send)
+        finally:
+            del self._runs[run.run_id]
+            if self._state == "retiring" and not self._runs:
+                self._drained.set()
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def serve(
+        self,
+        *,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Own this registry's runs: live (startable) until `retire()`, then drain for at
+        most `drain_timeout_s`, cancel the stragglers, and close the adapters.
+
+        Cancelled from outside (the session ended), the runs stop without an answer and
+        the adapters are still closed."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._state = "live"
+                task_status.started()
+                await self._retire_requested.wait()
+                self._state = "retiring"
+                if not self._runs:
+                    self._drained.set()
+                with self._drain_scope, trio.move_on_after(drain_timeout_s):
+                    await self._drained.wait()
+                code, message, retryable = self._retire_reason
+                if self._runs:
+                    log.warning(
+                        "registry revision %s: cancelling %d run(s) still active after the drain",
+                        self.revision,
+                        len(self._runs),
+                    )
+                for handle in list(self._runs.values()):
+                    handle.cancel(code, message, retryable=retryable)
+        finally:
+            self._state = "closed"
+            self._nursery = None
+            with trio.move_on_after(ADAPTER_CLOSE_TIMEOUT_S, shield=True):
+                await _aclose_all(self.adapters.values())
+            self._closed.set()
+
+    def retire(
+        self,
+        code: str = "registry_retired",
+        message: str | None = None,
+        *,
+        retryable: bool = True,
+    ) -> None:
+        """Accept no new runs; drain the active ones (see `serve`). Runs still active when
+        the drain ends are answered with `code`/`message`."""
+        if self._retire_requested.is_set():
+            return
+        if message is None:
+            message = (
+                f"the node's provider registry (revision {self.revision}) was replaced by a "
+                "config refresh and retired before this run finished"
+            )
+        self._retire_reason = (code, message, retryable)
+        if self._state == "live":
+            self._state = "retiring"
+        self._retire_requested.set()
+
+    def cut_short(self) -> None:
+        """Skip the rest of the drain: cancel the active runs now (after `retire`)."""
+        self._drain_scope.cancel()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+
+class RegistryManager:
+    """The current registry plus the retiring ones, for one session with the Edge.
+
+    `nursery` hosts every registry's `serve` task: it must outlive the manager's use (the
+    session nursery). `send` queues a message for the Edge.
+    """
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        send: Send,
+        *,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        max_retiring: int = DEFAULT_MAX_RETIRING,
+        factory: AdapterFactory = create_adapter,
+    ) -> None:
+        if max_retiring < 1:
+            raise ValueError("max_retiring must be at least 1")
+        self._nursery = nursery
+        self._send = send
+        self._drain_timeout_s = drain_timeout_s
+        self._max_retiring = max_retiring
+        self._factory = factory
+        self._current: AdapterRegistry | None = None
+        self._retiring: list[AdapterRegistry] = []
+        self._closing = False
+
+    @property
+    def current(self) -> AdapterRegistry | None:
+        return self._current
+
+    @property
+    def retiring(self) -> list[AdapterRegistry]:
+        """Registries still draining or closing, oldest first."""
+        return list(self._retiring)
+
+    async def apply(self, revision: int, config: NodeConfig) -> AdapterRegistry:
+        """Build a registry for `config`, make it current, retire the previous one.
+
+        Raises `RegistryBuildError` (nothing changed) when the config cannot be built. A
+        config equal to the current one keeps the live registry (and its adapters'
+        connections); only the revision is updated."""
+        if self._closing:
+            raise RegistryBuildError("the node is stopping")
+        current = self._current
+        if current is not None and current.config == config:
+            current.revision = revision
+            return current
+        registry = await AdapterRegistry.build(revision, config, self._factory)
+        await self._nursery.start(self._serve, registry)
+        # No await from here on: the swap is atomic for the runs that arrive.
+        previous, self._current = self._current, registry
+        if previous is not None:
+            self._retire(previous)
+        return registry
+
+    async def start_run(self, run: Run) -> None:
+        """Route `run` to the current registry (or answer why it cannot run)."""
+        if any(registry.has_run(run.run_id) for registry in self._all()):
+            await self._reject_run(run, "duplicate_run", "a run with this id is already active")
+            return
+        registry = self._current
+        if self._closing or registry is None:
+            await self._reject_run(
+                run, "node_stopping", "the node is not accepting runs", retryable=True
+            )
+            return
+        registry.start_run(run, self._send)
+
+    def cancel_run(self, run_id: str) -> bool:
+        """Cancel `run_id` wherever it runs; its answer is `run_failed{code: cancelled}`."""
+        return any(
+            registry.cancel_run(run_id, "cancelled", "cancelled by the edge")
+            for registry in self._all()
+        )
+
+    async def aclose(self) -> None:
+        """Stop: accept no new runs, drain every registry (bounded), close all adapters."""
+        self._closing = True
+        if self._current is not None:
+            registry, self._current = self._current, None
+            self._retire(
+                registry,
+                code="node_stopping",
+                message="the node is shutting down and this run did not finish in time",
+            )
+        for registry in list(self._retiring):
+            await registry.wait_closed()
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _all(self) -> Iterable[AdapterRegistry]:
+        if self._current is not None:
+            yield self._current
+        yield from self._retiring
+
+    def _retire(
+        self,
+        registry: AdapterRegistry,
+        *,
+        code: str = "registry_retired",
+        message: str | None = None,
+    ) -> None:
+        registry.retire(code, message)
+        self._retiring.append(registry)
+        draining = [candidate for candidate in self._retiring if not candidate.cut]
+        while len(draining) > self._max_retiring:
+            oldest = draining.pop(0)
+            log.warning(
+                "more than %d registries retiring: cutting revision %s short (%d active run(s))",
+                self._max_retiring,
+                oldest.revision,
+                oldest.active_runs,
+            )
+            oldest.cut_short()
+
+    async def _serve(
+        self, registry: AdapterRegistry, *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        try:
+            await registry.serve(drain_timeout_s=self._drain_timeout_s, task_status=task_status)
+        finally:
+            if registry in self._retiring:
+                self._retiring.remove(registry)
+
+    async def _reject_run(
+        self, run: Run, code: str, message: str, *, retryable: bool = False
+    ) -> None:
+        await self._send(
+            RunFailed(run_id=run.run_id, code=code, message=message, retryable=retryable)
+        )
+
+
+async def _aclose_all(adapters: Iterable[Adapter]) -> None:
+    """Close adapters concurrently; one failing to close does not keep the others open."""
+
+    async def aclose(adapter: Adapter) -> None:
+        try:
+            await adapter.aclose()
+        except Exception:
+            log.exception("closing the adapter of provider %s failed", adapter.provider.id)
+
+    async with trio.open_nursery() as nursery:
+        for adapter in adapters:
+            nursery.start_soon(aclose, adapter)

@@ -1,0 +1,37 @@
+# IOP developer workflow. `just` comes from the rust-just package (pip install -e '.[dev]').
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+python := env_var_or_default("PYTHON", "python3")
+
+# list the recipes
+default:
+    @just --list
+
+# install IOP and its dev tools into the current Python environment
+setup:
+    {{python}} -m pip install -q -e '.[dev]'
+
+# Edge + an in-process Node + sim providers, then one real streamed request (Ctrl-C stops)
+demo *ARGS:
+    iop-edge demo {{ARGS}}
+
+# the test suite (real sockets on 127.0.0.1, port 0)
+test *ARGS:
+    {{python}} -m pytest {{ARGS}}
+
+# ruff lint + format check
+lint:
+    ruff check .
+    ruff format --check .
+
+# static types
+typecheck:
+    mypy
+
+# lint, types and tests: what CI runs
+check: lint typecheck test
+
+# gateway overhead vs a direct upstream (and LiteLLM when installed)
+bench *ARGS:
+    {{python}} -m bench {{ARGS}}

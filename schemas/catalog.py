@@ -1,0 +1,73 @@
+"""Catalog records (SPEC §6): what `GET /catalog` and `iop-edge catalog` show.
+
+The Edge's scheduler builds one `Catalog` on demand from its live state; the admin API
+encodes it as JSON and the CLI renders it as a table, so both read the very same
+records. Every record is frozen and keyword-only; lists are never null (an empty list
+is an answer, a null is a question) and are sorted by id so two catalogs diff cleanly.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from schemas.config import Category, ProviderType
+from schemas.wire import Health
+
+
+class CatalogRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of every catalog record: immutable, keyword-only."""
+
+
+class CatalogLifecycle(CatalogRecord, frozen=True, kw_only=True):
+    """Coarse lifecycle capabilities a provider declares in config (`lifecycle: [...]`)."""
+
+    list_models: bool = False
+    load_model: bool = False
+    unload_model: bool = False
+    pull_model: bool = False
+    delete_model: bool = False
+
+
+class CatalogProvider(CatalogRecord, frozen=True, kw_only=True):
+    """One provider as the dispatch pool sees it right now."""
+
+    id: str
+    node_id: str
+    type: ProviderType
+    category: Category
+    enabled: bool
+    connected: bool
+    health: Health
+    """`unavailable` whenever the provider's node is disconnected."""
+    capacity: int
+    in_flight: int
+    load_ratio: float | None
+    """`in_flight / capacity`; null when the capacity is unknown."""
+    long_context_slots: int | None
+    long_in_flight: int
+    models: list[str] = []
+    """Served model names from config: what the Edge routes to this provider."""
+    discovered_models: list[str] = []
+    """Served model names the Node last reported in its `status` message."""
+    queued: int = 0
+    """Requests waiting in a model queue that this provider could serve."""
+    priority: int = 100
+    lifecycle: CatalogLifecycle = CatalogLifecycle()
+    cooling_down: bool = False
+    consecutive_failures: int = 0
+
+
+class CatalogModel(CatalogRecord, frozen=True, kw_only=True):
+    """One logical model id callers may name, and the providers that serve it."""
+
+    id: str
+    display_name: str | None = None
+    providers: dict[str, str] = {}
+    """Provider id -> the served model name a run on that provider targets."""
+    queued: int = 0
+
+
+class Catalog(CatalogRecord, frozen=True, kw_only=True):
+    revision: int
+    models: list[CatalogModel] = []
+    providers: list[CatalogProvider] = []

@@ -1,0 +1,111 @@
+"""Config refresh records (SPEC §5): the admin request, the report, and the status view.
+
+These are what `POST /refresh` accepts and returns, what `GET /status` returns, and what
+`iop-edge refresh` decodes to print its diff, so they live in `schemas/` beside the config
+they describe. Rules every producer follows:
+
+- Every list is present (empty, never null) and sorted, so two reports of the same
+  refresh compare equal and a reader can diff them line by line.
+- A change names a *path* and its class, never a value: a token hash that changed shows
+  only as changed (SPEC §2.3).
+- `revision` is the revision in force after the attempt: the new one for an applied or
+  no-change apply, the unchanged base for a dry run or a rejection.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+RefreshMode = Literal["dry_run", "apply"]
+ChangeClass = Literal["live", "restart_required"]
+RefreshOutcome = Literal["no_change", "applied", "rejected", "dry_run"]
+NodePushStatus = Literal["pushed", "applied", "failed", "not_connected"]
+"""`applied`: the node acked the new revision. `failed`: it refused, or no ack came in
+time (`detail` says which). `not_connected`: the node was not connected; it receives the
+current config in its next `welcome`. `pushed`: sent without awaiting an ack (reserved)."""
+
+
+class RefreshRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of the refresh records: immutable and keyword-only."""
+
+
+class RefreshRequest(RefreshRecord, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The `POST /refresh` body. Unknown fields are rejected so a typo such as
+    `allow_restart` fails loudly instead of quietly applying all-or-nothing."""
+
+    mode: RefreshMode
+    config_yaml: str | None = None
+    """Inline candidate; None re-reads the Edge's config file."""
+    if_revision: int | None = None
+    """Apply only if this is still the running revision (optimistic concurrency)."""
+    allow_restart_required: bool = False
+    """Apply the live subset and leave restart-required changes pending."""
+
+
+class Change(RefreshRecord, frozen=True, kw_only=True):
+    """One changed config path (`nodes[gpu1].providers[gpu1-vllm].capacity`)."""
+
+    path: str
+    class_: ChangeClass = msgspec.field(name="class")
+
+
+class NodeResult(RefreshRecord, frozen=True, kw_only=True):
+    """What happened when the new config was pushed to one node."""
+
+    id: str
+    status: NodePushStatus
+    revision: int | None = None
+    """The revision the node acked, when it acked one."""
+    detail: str | None = None
+
+
+class RefreshError(RefreshRecord, frozen=True, kw_only=True):
+    """Why a candidate was not applied, named by its config path ("" = the whole request)."""
+
+    path: str
+    message: str
+
+
+class RefreshReport(RefreshRecord, frozen=True, kw_only=True):
+    """The answer to `POST /refresh`, in both modes; also the audit log's core."""
+
+    mode: RefreshMode
+    outcome: RefreshOutcome
+    base_revision: int
+    revision: int
+    changed_nodes: list[str] = []
+    changed_providers: list[str] = []
+    changed_models: list[str] = []
+    changes: list[Change] = []
+    live_paths: list[str] = []
+    restart_required_paths: list[str] = []
+    pending_restart: list[str] = []
+    errors: list[RefreshError] = []
+    nodes: list[NodeResult] = []
+
+
+class NodeStatus(RefreshRecord, frozen=True, kw_only=True):
+    id: str
+    connected: bool
+    applied_revision: int | None = None
+    """The last revision this node acked or was welcomed with; None if never connected."""
+
+
+class StatusReport(RefreshRecord, frozen=True, kw_only=True):
+    """`GET /status`: which config is running and what still waits for a restart."""
+
+    revision: int
+    config_sha256: str
+    pending_restart: list[str] = []
+    nodes: list[NodeStatus] = []
+
+
+_request_decoder = msgspec.json.Decoder(RefreshRequest)
+
+
+def decode_refresh_request(body: bytes | str) -> RefreshRequest:
+    """Decode a `POST /refresh` body; raises `msgspec.ValidationError` (with the path of
+    the bad field) or `msgspec.DecodeError` for malformed JSON."""
+    return _request_decoder.decode(body)

@@ -1,0 +1,1 @@
+"""Tests of the Node's provider adapters, against real sockets and real processes."""

@@ -1,0 +1,389 @@
+"""A fake OpenAI-compatible upstream (plus Ollama's native health API) on a real socket.
+
+It is a raw HTTP/1.1 server (h11 on Trio, keep-alive, chunked streaming) bound to
+127.0.0.1 on a free port, so adapters are tested exactly as they run: real connects, real
+connection reuse, real disconnects. The benchmark reuses it as its upstream.
+
+    upstream = FakeUpstream(chunks=5)
+    base_url = await nursery.start(upstream.serve)     # "http://127.0.0.1:PORT/v1"
+
+Knobs are plain attributes, read per request, so a test may change them between requests:
+`chunks`, `first_byte_delay_s`, `chunk_interval_s`, `hang`, `status`, `drop_after_chunks`,
+`error_after_chunks` (an in-band `data: {"error": ...}` event, then `[DONE]`, as vLLM
+does when generation fails mid-stream), `models`, `models_status`, and `pace` (an async
+hook awaited before each stream event, so a test can hold the stream until it has seen
+the previous event). Observations: `requests` (the last few, with headers and exact body
+bytes), `requests_total`, `connections_total`, `active`, `disconnects`, and
+`wait_for(predicate)` to block until they reach a state (no sleeping in tests).
+
+Endpoints: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models;
+Ollama's GET /api/tags and /api/version. Responses are serialized with `json.dumps`
+defaults (spaces after separators, ASCII escapes) and carry provider-specific extras, so
+a relay that re-encodes JSON instead of passing bytes through is caught byte for byte.
+`expected_events()` and `expected_response()` give the exact bytes the server sends.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import h11
+import trio
+
+PROMPT_TOKENS = 11
+EMBEDDING = [0.125, -0.5, 0.75]
+#: Provider-specific top-level field on every body; its ASCII escape (\u00e9) would be
+#: rewritten as raw UTF-8 by any JSON re-encoder.
+EXTRA = {"provider_extra": {"engine": "fake", "note": "caf\u00e9"}}
+_MAX_RECORDED = 256
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedRequest:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+class _ClientGone(Exception):
+    """The client closed its side while we were answering."""
+
+
+class _Drop(Exception):
+    """Cut the connection on purpose (the `drop_after_chunks` knob)."""
+
+
+# --- the bytes the server sends (pure, shared with tests) -------------------------------------
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+def _usage(completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": PROMPT_TOKENS,
+        "completion_tokens": completion_tokens,
+        "total_tokens": PROMPT_TOKENS + completion_tokens,
+    }
+
+
+def _chat_chunk(model: str, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": model,
+        "system_fingerprint": "fp_fake",
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        **EXTRA,
+    }
+
+
+def _completion_chunk(model: str, text: str, finish: str | None) -> dict[str, Any]:
+    return {
+        "id": "cmpl-fake",
+        "object": "text_completion",
+        "created": 0,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        **EXTRA,
+    }
+
+
+def expected_events(
+    model: str, chunks: int, *, operation: str = "chat", include_usage: bool = False
+) -> list[bytes]:
+    """The `data:` payloads of one stream, in order, without the final `[DONE]`."""
+    events: list[dict[str, Any]] = []
+    for i in range(chunks):
+        if operation == "completion":
+            events.append(_completion_chunk(model, f"tok{i} ", None))
+        else:
+            delta: dict[str, Any] = {"content": f"tok{i} ", "reasoning_content": f"why{i}"}
+            if i == 0:
+                delta = {"role": "assistant", **delta}
+            events.append(_chat_chunk(model, delta, None))
+    if operation == "completion":
+        events.append(_completion_chunk(model, "", "stop"))
+    else:
+        events.append(_chat_chunk(model, {}, "stop"))
+    if include_usage:
+        last = {**events[-1], "choices": [], "usage": _usage(chunks)}
+        events.append(last)
+    return [_dumps(event) for event in events]
+
+
+def expected_response(model: str, chunks: int, *, operation: str = "chat") -> bytes:
+    """The exact body of a non-stream response."""
+    text = "".join(f"tok{i} " for i in range(chunks))
+    if operation == "embedding":
+        body: dict[str, Any] = {
+            "object": "list",
+            "data": [{"object": "embedding", "index": 0, "embedding": EMBEDDING}],
+            "model": model,
+            "usage": {"prompt_tokens": PROMPT_TOKENS, "total_tokens": PROMPT_TOKENS},
+        }
+    elif operation == "completion":
+        body = {
+            "id": "cmpl-fake",
+            "object": "text_completion",
+            "created": 0,
+            "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}],
+            "usage": _usage(chunks),
+        }
+    else:
+        message = {"role": "assistant", "content": text, "reasoning_content": "why"}
+        body = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "created": 0,
+            "model": model,
+            "system_fingerprint": "fp_fake",
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "usage": _usage(chunks),
+        }
+    return _dumps({**body, **EXTRA})
+
+
+def error_body(message: str, status: int) -> bytes:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return _dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
+
+
+_OPERATIONS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/v1/embeddings": "embedding",
+}
+
+
+# --- the server -----------------------------------------------------------------------------
+
+
+@dataclass
+class FakeUpstream:
+    """Knobs (read per request) and observations of one fake upstream server."""
+
+    chunks: int = 3
+    first_byte_delay_s: float = 0.0
+    chunk_interval_s: float = 0.0
+    hang: bool = False
+    status: int = 200
+    error_message: str = "fake upstream error"
+    drop_after_chunks: int | None = None
+    error_after_chunks: int | None = None
+    pace: Callable[[int], Awaitable[None]] | None = None
+    models: list[str] = field(default_factory=lambda: ["fake-model"])
+    models_status: int = 200
+    version: str = "0.0.0-fake"
+
+    requests: deque[RecordedRequest] = field(
+        init=False, default_factory=lambda: deque(maxlen=_MAX_RECORDED)
+    )
+    requests_total: int = field(init=False, default=0)
+    connections_total: int = field(init=False, default=0)
+    active: int = field(init=False, default=0)
+    disconnects: int = field(init=False, default=0)
+    root_url: str = field(init=False, default="")
+    _changed: trio.Event = field(init=False, default_factory=trio.Event, repr=False)
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI-compatible base URL (`.../v1`), as an adapter's `base_url` wants it."""
+        return self.root_url + "/v1"
+
+    async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on 127.0.0.1:0; `task_status.started(base_url)` once accepting."""
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        self.root_url = f"http://127.0.0.1:{port}"
+        task_status.started(self.base_url)
+        await trio.serve_listeners(self._serve_connection, listeners)
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        """Block until `predicate()` holds; it is re-checked whenever an observation changes."""
+        while not predicate():
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # --- one connection -------------------------------------------------------------------
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+        self.connections_total += 1
+        self._notify()
+        conn = h11.Connection(h11.SERVER)
+        try:
+            while True:
+                request = await self._read_request(stream, conn)
+                if request is None:
+                    return
+                await self._respond(stream, conn, request)
+                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    return
+                conn.start_next_cycle()
+        except* (_ClientGone, trio.BrokenResourceError, trio.ClosedResourceError):
+            self.disconnects += 1
+            self._notify()
+        except* (_Drop, h11.ProtocolError):
+            pass
+        finally:
+            with trio.move_on_after(1, shield=True):
+                await stream.aclose()
+
+    async def _next_event(self, stream: trio.SocketStream, conn: h11.Connection) -> Any:
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            conn.receive_data(await stream.receive_some(65536))
+
+    async def _read_request(
+        self, stream: trio.SocketStream, conn: h11.Connection
+    ) -> RecordedRequest | None:
+        head = await self._next_event(stream, conn)
+        if not isinstance(head, h11.Request):
+            return None
+        body = bytearray()
+        while True:
+            event = await self._next_event(stream, conn)
+            if isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            else:
+                return None
+        request = RecordedRequest(
+            method=head.method.decode(),
+            path=head.target.decode(),
+            headers={k.decode(): v.decode() for k, v in head.headers},
+            body=bytes(body),
+        )
+        self.requests.append(request)
+        return request
+
+    async def _send(self, stream: trio.SocketStream, conn: h11.Connection, event: Any) -> None:
+        data = conn.send(event)
+        if data:
+            await stream.send_all(data)
+
+    async def _send_json(
+        self, stream: trio.SocketStream, conn: h11.Connection, status: int, body: bytes
+    ) -> None:
+        headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
+        await self._send(stream, conn, h11.Response(status_code=status, headers=headers))
+        await self._send(stream, conn, h11.Data(data=body))
+        await self._send(stream, conn, h11.EndOfMessage())
+
+    def _answer_query(self, request: RecordedRequest) -> tuple[int, bytes]:
+        """The JSON answer to a request that is not an inference (listings, health, 404)."""
+        if request.method == "GET" and request.path == "/v1/models":
+            if self.models_status != 200:
+                return self.models_status, error_body(self.error_message, self.models_status)
+            listing = [{"id": m, "object": "model", "owned_by": "fake"} for m in self.models]
+            return 200, _dumps({"object": "list", "data": listing})
+        if request.method == "GET" and request.path == "/api/tags":
+            tags = [
+                {"name": m, "model": m, "modified_at": "2025-01-01T00:00:00Z", "size": 1}
+                for m in self.models
+            ]
+            return 200, _dumps({"models": tags})
+        if request.method == "GET" and request.path == "/api/version":
+            return 200, _dumps({"version": self.version})
+        return 404, error_body(f"no route for {request.method} {request.path}", 404)
+
+    async def _respond(
+        self, stream: trio.SocketStream, conn: h11.Connection, request: RecordedRequest
+    ) -> None:
+        operation = _OPERATIONS.get(request.path)
+        if request.method != "POST" or operation is None:
+            status, body = self._answer_query(request)
+            await self._send_json(stream, conn, status, body)
+            return
+        self.requests_total += 1
+        self.active += 1
+        self._notify()
+        try:
+            await self._infer(stream, conn, request, operation)
+        finally:
+            self.active -= 1
+            self._notify()
+
+    async def _infer(
+        self,
+        stream: trio.SocketStream,
+        conn: h11.Connection,
+        request: RecordedRequest,
+        operation: str,
+    ) -> None:
+        """Answer one inference request while watching for the client to leave.
+
+        Like a real engine, the fake notices a disconnect at any point (waiting, hanging,
+        streaming, paused by `pace`) and stops work on it, counting it in `disconnects`.
+        """
+        gone = False
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                nonlocal gone
+                while data := await stream.receive_some(65536):
+                    conn.receive_data(data)  # a pipelined next request: keep it for later
+                gone = True
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            await self._answer(stream, conn, request, operation)
+            nursery.cancel_scope.cancel()
+        if gone:
+            raise _ClientGone
+
+    async def _answer(
+        self,
+        stream: trio.SocketStream,
+        conn: h11.Connection,
+        request: RecordedRequest,
+        operation: str,
+    ) -> None:
+        if self.first_byte_delay_s:
+            await trio.sleep(self.first_byte_delay_s)
+        if self.hang:
+            await trio.sleep_forever()
+        if self.status != 200:
+            body = error_body(self.error_message, self.status)
+            await self._send_json(stream, conn, self.status, body)
+            return
+        payload = json.loads(request.body)
+        model = str(payload.get("model", ""))
+        if operation == "embedding" or not payload.get("stream"):
+            body = expected_response(model, self.chunks, operation=operation)
+            await self._send_json(stream, conn, 200, body)
+            return
+        include_usage = bool((payload.get("stream_options") or {}).get("include_usage"))
+        events = expected_events(
+            model, self.chunks, operation=operation, include_usage=include_usage
+        )
+        headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
+        await self._send(stream, conn, h11.Response(status_code=200, headers=headers))
+        for i, event in enumerate(events):
+            if self.drop_after_chunks is not None and i >= self.drop_after_chunks:
+                raise _Drop
+            if self.error_after_chunks is not None and i >= self.error_after_chunks:
+                failure = error_body(self.error_message, 500)
+                await self._send(stream, conn, h11.Data(data=b"data: " + failure + b"\n\n"))
+                break
+            if i and self.chunk_interval_s:
+                await trio.sleep(self.chunk_interval_s)
+            if self.pace is not None:
+                await self.pace(i)
+            await self._send(stream, conn, h11.Data(data=b"data: " + event + b"\n\n"))
+        await self._send(stream, conn, h11.Data(data=b"data: [DONE]\n\n"))
+        await self._send(stream, conn, h11.EndOfMessage())

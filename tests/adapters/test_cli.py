@@ -1,0 +1,284 @@
+"""CliAdapter with real subprocesses (small `python -c` scripts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import trio
+
+from iop_node.adapters.base import Adapter, AdapterError
+from iop_node.adapters.cli import CliAdapter, build_argv, render_prompt
+from schemas.config import AdapterSettings, ProviderConfig
+from schemas.tokens import estimate_input_tokens, text_tokens
+from schemas.wire import Operation, Run
+
+MODEL = "tiny-cli-model"
+GUARD_S = 10.0  # starting an interpreter can take a moment on a loaded machine
+
+ECHO_STDIN = "import sys; sys.stdout.write(sys.stdin.read())"
+# Prints lines with a pause between them, flushing each: output that arrives over time.
+LINES = textwrap.dedent(
+    """
+    import sys, time
+    for word in ["alpha ", "beta ", "gamma"]:
+        sys.stdout.write(word)
+        sys.stdout.flush()
+        time.sleep(0.05)
+    """
+)
+
+
+def adapter_for(*command: str, timeout_s: float = 600.0) -> CliAdapter:
+    return CliAdapter(
+        ProviderConfig(
+            id="cli-1",
+            type="cli",
+            models=[MODEL],
+            capacity=2,
+            adapter=AdapterSettings(command=list(command), request_timeout_s=timeout_s),
+        )
+    )
+
+
+def python(script: str, *args: str) -> CliAdapter:
+    return adapter_for(sys.executable, "-c", script, *args)
+
+
+def make_run(body: dict[str, Any], *, stream: bool, operation: Operation = "chat") -> Run:
+    return Run(
+        run_id="run-9",
+        provider_id="cli-1",
+        target=MODEL,
+        operation=operation,
+        body=json.dumps(body).encode(),
+        stream=stream,
+    )
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "say three words"}]}
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.chunks: list[dict[str, Any]] = []
+        self.first = trio.Event()
+
+    async def __call__(self, data: bytes) -> None:
+        self.chunks.append(json.loads(data))
+        self.first.set()
+
+    def text(self) -> str:
+        return "".join(c["choices"][0]["delta"].get("content", "") for c in self.chunks[:-1])
+
+
+async def test_stream_emits_stdout_as_chat_chunks() -> None:
+    collector = Collector()
+    with trio.fail_after(GUARD_S):
+        result = await python(LINES).execute(make_run(CHAT, stream=True), collector)
+    assert collector.text() == "alpha beta gamma"
+    assert len(collector.chunks) >= 2  # at least one delta, then the finish chunk
+    first, last = collector.chunks[0], collector.chunks[-1]
+    assert first["object"] == "chat.completion.chunk"
+    assert first["model"] == MODEL
+    assert first["id"] == "chatcmpl-run-9"
+    assert first["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in c["choices"][0]["delta"] for c in collector.chunks[1:])
+    assert last["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "stop"}
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == estimate_input_tokens(CHAT)
+    assert result.usage.completion_tokens == text_tokens("alpha beta gamma")
+    assert result.usage.total_tokens == (
+        result.usage.prompt_tokens + result.usage.completion_tokens
+    )
+    assert result.response is None
+
+
+async def test_stream_usage_chunk_when_asked() -> None:
+    collector = Collector()
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    with trio.fail_after(GUARD_S):
+        result = await python(ECHO_STDIN).execute(make_run(body, stream=True), collector)
+    usage_chunk = collector.chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == {
+        "prompt_tokens": result.usage.prompt_tokens if result.usage else None,
+        "completion_tokens": text_tokens("say three words"),
+        "total_tokens": result.usage.total_tokens if result.usage else None,
+    }
+
+
+async def test_non_stream_collects_a_chat_completion() -> None:
+    collector = Collector()
+    with trio.fail_after(GUARD_S):
+        result = await python(LINES).execute(make_run(CHAT, stream=False), collector)
+    assert collector.chunks == []
+    assert result.response is not None
+    response = json.loads(result.response)
+    assert response["object"] == "chat.completion"
+    assert response["model"] == MODEL
+    assert response["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "alpha beta gamma"},
+            "finish_reason": "stop",
+        }
+    ]
+    assert response["usage"]["completion_tokens"] == text_tokens("alpha beta gamma")
+
+
+async def test_completion_gets_the_prompt_on_stdin_and_text_completion_shape() -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time, caf\u00e9"}
+    with trio.fail_after(GUARD_S):
+        result = await python(ECHO_STDIN).execute(
+            make_run(body, stream=False, operation="completion"), Collector()
+        )
+    assert result.response is not None
+    response = json.loads(result.response)
+    assert response["object"] == "text_completion"
+    assert response["choices"][0]["text"] == "Once upon a time, caf\u00e9"
+
+
+async def test_chat_transcript_on_stdin() -> None:
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello"}]},
+        ],
+    }
+    with trio.fail_after(GUARD_S):
+        result = await python(ECHO_STDIN).execute(make_run(body, stream=False), Collector())
+    assert result.response is not None
+    content = json.loads(result.response)["choices"][0]["message"]["content"]
+    assert content == "system: Be brief.\n\nuser: Hello"
+
+
+async def test_model_is_substituted_in_argv() -> None:
+    adapter = python("import sys; print(sys.argv[1:])", "{model}", "--model={model}")
+    with trio.fail_after(GUARD_S):
+        result = await adapter.execute(make_run(CHAT, stream=False), Collector())
+    assert result.response is not None
+    content = json.loads(result.response)["choices"][0]["message"]["content"]
+    assert content == f"{[MODEL, f'--model={MODEL}']}\n"
+
+
+async def test_non_zero_exit_reports_the_stderr_tail() -> None:
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.stderr.write("noise " * 2000)
+        sys.stderr.write("\\nfatal: model weights missing\\n")
+        sys.exit(3)
+        """
+    )
+    with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as info:
+        await python(script).execute(make_run(CHAT, stream=True), Collector())
+    error = info.value
+    assert error.code == "cli_failed"
+    assert "exited with status 3" in error.message
+    assert error.message.endswith("fatal: model weights missing")
+    assert len(error.message) < 2500  # the tail, not the whole stderr
+    assert error.retryable  # nothing was emitted: another provider may serve it
+
+
+def _wait_for_exit_handle(pid: int) -> int:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pytest.skip("pidfd_open is not available")
+
+
+async def test_cancel_kills_the_process_group() -> None:
+    # The CLI starts a helper of its own (as wrapper scripts do), reports both pids, and
+    # would then run for a minute; cancelling the run must kill and reap both at once.
+    script = textwrap.dedent(
+        """
+        import subprocess, sys, os, time
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        print(os.getpid(), helper.pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    adapter = python(script)
+    seen = ""
+    pids_known = trio.Event()
+
+    async def emit(data: bytes) -> None:
+        nonlocal seen
+        seen += json.loads(data)["choices"][0]["delta"].get("content") or ""
+        if "\n" in seen:
+            pids_known.set()
+
+    with trio.fail_after(GUARD_S):
+        with trio.CancelScope() as runner_scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(adapter.execute, make_run(CHAT, stream=True), emit)
+                await pids_known.wait()
+                pid, helper_pid = (int(p) for p in seen.split())
+                helper_exit = _wait_for_exit_handle(helper_pid)
+                runner_scope.cancel()
+        assert runner_scope.cancelled_caught
+        try:
+            await trio.lowlevel.wait_readable(helper_exit)  # the helper died too
+        finally:
+            os.close(helper_exit)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # killed and reaped: the pid no longer exists
+
+
+async def test_request_timeout_kills_a_stuck_process() -> None:
+    adapter = adapter_for(sys.executable, "-c", "import time; time.sleep(60)", timeout_s=0.3)
+    with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as info:
+        await adapter.execute(make_run(CHAT, stream=True), Collector())
+    assert (info.value.code, info.value.retryable) == ("upstream_timeout", True)
+
+
+async def test_embeddings_are_unsupported() -> None:
+    body = {"model": MODEL, "input": "hello"}
+    with pytest.raises(AdapterError) as info:
+        await python(ECHO_STDIN).execute(
+            make_run(body, stream=False, operation="embedding"), Collector()
+        )
+    assert info.value.code == "unsupported_operation"
+
+
+async def test_missing_executable_fails_the_run() -> None:
+    adapter = adapter_for("/nonexistent/iop-test-cli", "{model}")
+    with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as info:
+        await adapter.execute(make_run(CHAT, stream=True), Collector())
+    assert (info.value.code, info.value.retryable) == ("cli_failed", True)
+
+
+async def test_probe_checks_the_executable() -> None:
+    available = await python(ECHO_STDIN).probe()
+    assert (available.id, available.health, available.models) == ("cli-1", "available", [MODEL])
+    missing = await adapter_for("/nonexistent/iop-test-cli").probe()
+    assert missing.health == "unavailable"
+    assert missing.detail is not None and "/nonexistent/iop-test-cli" in missing.detail
+
+
+def test_render_prompt_rules() -> None:
+    single = {"messages": [{"role": "user", "content": "just this"}]}
+    assert render_prompt(single, "chat") == "just this"
+    assert render_prompt({"prompt": ["a", "b"]}, "completion") == "a\nb"
+    with pytest.raises(AdapterError):
+        render_prompt({"prompt": [1, 2, 3]}, "completion")
+
+
+def test_build_argv() -> None:
+    assert build_argv(["llm", "-m", "{model}", "x{model}y"], "m1") == ["llm", "-m", "m1", "xm1y"]
+
+
+def test_is_an_adapter() -> None:
+    adapter: Adapter = python(ECHO_STDIN)  # checked statically by mypy
+    assert adapter.provider.type == "cli"
+
+
+def test_command_is_required() -> None:
+    with pytest.raises(ValueError, match="command"):
+        CliAdapter(ProviderConfig(id="c", type="cli", models=[MODEL], capacity=1))

@@ -1,0 +1,110 @@
+"""OllamaAdapter: runs through the OpenAI-compatible /v1 API, health through /api/tags."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+
+from iop_node.adapters.ollama import OllamaAdapter, native_root
+from schemas.config import AdapterSettings, ProviderConfig
+from schemas.wire import Run
+
+from .fake_upstream import FakeUpstream, expected_events
+
+MODEL = "llama3.2:latest"
+GUARD_S = 5.0
+
+
+def provider(base_url: str | None) -> ProviderConfig:
+    return ProviderConfig(
+        id="gpu2-ollama",
+        type="ollama",
+        models=[MODEL],
+        capacity=2,
+        adapter=AdapterSettings(base_url=base_url),
+    )
+
+
+@pytest.fixture
+async def upstream(nursery: trio.Nursery) -> FakeUpstream:
+    fake = FakeUpstream(models=[MODEL, "nomic-embed-text:latest"], version="0.6.2")
+    await nursery.start(fake.serve)
+    return fake
+
+
+@pytest.fixture
+async def adapter(upstream: FakeUpstream) -> AsyncIterator[OllamaAdapter]:
+    adapter = OllamaAdapter(provider(upstream.base_url))
+    yield adapter
+    await adapter.aclose()
+
+
+async def test_probe_uses_the_native_api(upstream: FakeUpstream, adapter: OllamaAdapter) -> None:
+    with trio.fail_after(GUARD_S):
+        status = await adapter.probe()
+    assert status.health == "available"
+    assert status.models == [MODEL, "nomic-embed-text:latest"]
+    assert status.detail == "ollama 0.6.2"
+    assert [r.path for r in upstream.requests] == ["/api/tags", "/api/version"]
+
+
+async def test_probe_unavailable_when_down() -> None:
+    with trio.socket.socket() as sock:
+        await sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    adapter = OllamaAdapter(provider(f"http://127.0.0.1:{port}/v1"))
+    try:
+        with trio.fail_after(GUARD_S):
+            status = await adapter.probe()
+    finally:
+        await adapter.aclose()
+    assert status.health == "unavailable"
+    assert status.models == []
+
+
+async def test_stream_runs_through_the_openai_endpoint(
+    upstream: FakeUpstream, adapter: OllamaAdapter
+) -> None:
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    run = Run(
+        run_id="run-7",
+        provider_id="gpu2-ollama",
+        target=MODEL,
+        operation="chat",
+        body=json.dumps(body).encode(),
+        stream=True,
+    )
+    chunks: list[bytes] = []
+
+    async def emit(data: bytes) -> None:
+        chunks.append(data)
+
+    with trio.fail_after(GUARD_S):
+        await adapter.execute(run, emit)
+    assert chunks == expected_events(MODEL, 3)
+    assert upstream.requests[-1].path == "/v1/chat/completions"
+    assert upstream.requests[-1].body == run.body
+
+
+@pytest.mark.parametrize(
+    ("base_url", "root"),
+    [
+        ("http://127.0.0.1:11434/v1", "http://127.0.0.1:11434"),
+        ("http://gpu2:11434/v1/", "http://gpu2:11434"),
+        ("https://proxy.example/ollama/v1", "https://proxy.example/ollama"),
+    ],
+)
+def test_native_root(base_url: str, root: str) -> None:
+    assert native_root(base_url) == root
+
+
+async def test_default_base_url_is_the_local_daemon() -> None:
+    adapter = OllamaAdapter(provider(None))
+    await adapter.aclose()
+    assert (adapter.base_url, adapter.root_url) == (
+        "http://127.0.0.1:11434/v1",
+        "http://127.0.0.1:11434",
+    )

@@ -1,0 +1,475 @@
+"""OpenAICompatAdapter against the fake upstream, over real loopback sockets."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import trio
+
+from iop_node.adapters.base import Adapter, AdapterError, RunResult
+from iop_node.adapters.openai_compat import OpenAICompatAdapter, error_message, status_failure
+from schemas.config import AdapterSettings, ProviderConfig
+from schemas.wire import Operation, Run, Usage
+
+from .fake_upstream import PROMPT_TOKENS, FakeUpstream, expected_events, expected_response
+
+MODEL = "fake-model"
+GUARD_S = 5.0  # a test that needs this long is broken; the behaviour under test is ~0.2 s
+FAKE_KEY_ENV = "IOP_TEST_FAKE_UPSTREAM_KEY"
+FAKE_KEY = "sk-test-not-a-real-key"
+
+MakeAdapter = Callable[..., OpenAICompatAdapter]
+
+
+@pytest.fixture
+async def upstream(nursery: trio.Nursery) -> FakeUpstream:
+    fake = FakeUpstream()
+    await nursery.start(fake.serve)
+    return fake
+
+
+@pytest.fixture
+async def make_adapter() -> AsyncIterator[MakeAdapter]:
+    made: list[Adapter] = []  # also checks, statically, that it is an Adapter
+
+    def make(base_url: str, **settings: Any) -> OpenAICompatAdapter:
+        provider = ProviderConfig(
+            id="p1",
+            type="vllm",
+            models=[MODEL],
+            capacity=4,
+            adapter=AdapterSettings(base_url=base_url, **settings),
+        )
+        adapter = OpenAICompatAdapter(provider)
+        made.append(adapter)
+        return adapter
+
+    yield make
+    for adapter in made:
+        await adapter.aclose()
+
+
+def make_run(
+    *, stream: bool = False, operation: Operation = "chat", **extra: Any
+) -> tuple[Run, bytes]:
+    if operation == "embedding":
+        payload: dict[str, Any] = {"model": MODEL, "input": "hello"}
+    elif operation == "completion":
+        payload = {"model": MODEL, "prompt": "Once upon a time"}
+    else:
+        payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    if stream:
+        payload["stream"] = True
+    payload.update(extra)
+    # Unusual but valid formatting: the upstream must receive exactly these bytes.
+    body = json.dumps(payload, indent=1).encode()
+    run = Run(
+        run_id="run-1",
+        provider_id="p1",
+        target=MODEL,
+        operation=operation,
+        body=body,
+        stream=stream,
+    )
+    return run, body
+
+
+class Collector:
+    """An `emit` that records chunks and lets a test wait for the n-th one."""
+
+    def __init__(self, expect: int = 32) -> None:
+        self.chunks: list[bytes] = []
+        self.seen = [trio.Event() for _ in range(expect)]
+
+    async def __call__(self, data: bytes) -> None:
+        self.chunks.append(data)
+        self.seen[len(self.chunks) - 1].set()
+
+
+def closed_port() -> int:
+    """A loopback port nobody listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+async def expect_failure(adapter: OpenAICompatAdapter, run: Run) -> AdapterError:
+    collector = Collector()
+    with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as info:
+        await adapter.execute(run, collector)
+    return info.value
+
+
+# --- success paths ----------------------------------------------------------------------------
+
+
+async def test_non_stream_returns_the_upstream_body_and_usage(
+    upstream: FakeUpstream, make_adapter: MakeAdapter
+) -> None:
+    adapter = make_adapter(upstream.base_url)
+    run, body = make_run()
+    collector = Collector()
+    with trio.fail_after(GUARD_S):
+        result = await adapter.execute(run, collector)
+    assert result == RunResult(
+        usage=Usage(
+            prompt_tokens=PROMPT_TOKENS, completion_tokens=3, total_tokens=PROMPT_TOKENS + 3
+        ),
+        response=expected_response(MODEL, 3),
+    )
+    assert collector.chunks == []
+    request = upstream.requests[-1]
+    assert (request.method, request.path) == ("POST", "/v1/chat/completions")
+    assert request.body == body
+    assert request.headers["content-type"] == "application/json"
+    assert "authorization" not in request.headers
+
+
+@pytest.mark.parametrize(
+    ("operation", "path"),
+    [("completion", "/v1/completions"), ("embedding", "/v1/embeddings")],
+)
+async def test_each_operation_has_its_path(
+    upstream: FakeUpstream, make_adapter: MakeAdapter, operation: Operation, path: str
+) -> None:
+    adapter = make_adapter(upstream.base_url)
+    run, body = make_run(operation=operation)
+    with trio.fail_after(GUARD_S):
+        result = await adapter.execute(run, Collector())
+    assert result.response == expected_response(MODEL, 3, operation=operation)
+    assert result.usage is not None and result.usage.prompt_tokens == PROMPT_TOKENS
+    assert (upstream.requests[-1].path, upstream.requests[-1].body) == (path, body)
+
+
+async def test_stream_relays_each_event_before_the_next_exists(
+    upstream: FakeUpstream, make_adapter: MakeAdapter
+) -> None:
+    adapter = make_adapter(upstream.base_url)
+    collector = Collector()
+
+    async def pace(index: int) -> None:
+        # The upstream sends event i only once event i-1 has reached `emit`: a relay that
+        # buffered anything would deadlock here (and trip the guard).
+        if index:
+            await collector.seen[index - 1].wait()
+
+    upstream.chunks = 5
+    upstream.pace = pace
+    run, _ = make_run(stream=True, stream_options={"include_usage": True})
+    with trio.fail_after(GUARD_S):
+        result = await adapter.execute(run, collector)
+    # Byte for byte: provider extras, key order, spacing and \u escapes all survive.
+    assert collector.chunks == expected_events(MODEL, 5, include_usage=True)
+    assert b'"provider_extra"' in collector.chunks[0]
+    assert b"caf\\u00e9" in collector.chunks[0]
+    assert b'"reasoning_content"' in collector.chunks[0]
+    assert result == RunResult(
+        usage=Usage(
+            prompt_tokens=PROMPT_TOKENS, completion_tokens=5, total_tokens=PROMPT_TOKENS + 5
+        )
+    )
+    assert upstream.requests[-1].headers["accept"] == "text/event-stream"
+
+
+async def test_stream_without_usage_still_succeeds(
+    upstream: FakeUpstream, make_adapter: MakeAdapter
+) -> None:
+    adapter = make_adapter(upstream.base_url)
+    run, _ = make_run(stream=True, operation="completion")
+    collector = Collector()
+    with trio.fail_after(GUARD_S):
+        result = await adapter.execute(run, collector)
+    assert collector.chunks == expected_events(MODEL, 3, operation="completion")
+    assert result == RunResult(usage=None)
+
+
+async def test_runs_reuse_one_connection(upstream: FakeUpstream, make_adapter: MakeAdapter) -> None:
+    adapter = make_adapter(upstream.base_url)
+    with trio.fail_after(GUARD_S):
+        for stream in (False, True, False, True):
+            run, _ = make_run(stream=stream)
+            await adapter.execute(run, Collector())
+    assert upstream.requests_total == 4
+    assert upstream.connections_total == 1
+
+
+# --- failures -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "capacity"),
+    [
+        (500, "upstream_error", False),
+        (502, "upstream_error", False),
+        (429, "upstream_busy", True),
+        (503, "upstream_busy", True),
+    ],
+)
+async def test_retryable_statuses(
+    upstream: FakeUpstream, make_adapter: MakeAdapter, status: int, code: str, capacity: bool
+) -> None:
+    upstream.status = status
+    upstream.error_message = "engine overloaded"
+    adapter = make_adapter(upstream.base_url)
+    for stream in (False, True):
+        run, _ = make_run(stream=stream)
+        error = await expect_failure(adapter, run)
+        assert (error.code, error.retryable, error.capacity, error.status) == (
+            code,
+            True,
+            capacity,
+            status,
+        )
+        assert "engine overloaded" in error.message
+
+
+async def test_rejection_carries_the_upstream_message(
+    upstream: FakeUpstream, make_adapter: MakeAdapter
+) -> None:
+    upstream.status = 400
+    upstream.error_message = "max_tokens must be at most 4096"
+    adapter = make_adapter(upstream.base_url)
+    error = await expect_failure(adapter, make_run(stream=True)[0])
+    assert error.code == "upstream_rejected"
+    assert error.message == "max_tokens must be at most 4096"
+    assert (error.retryable, error.capacity, error.status) == (False, False, 400)
+
+
+async def test_connection_refused_is_unreachable(make_adapter: MakeAdapter) -> None:
+    adapter = make_adapter(f"http://127.0.0.1:{closed_port()}/v1", connect_timeout_s=1.0)
+    error = await expect_failure(adapter, make_run()[0])
+    assert (error.code, error.retryable, error.status) == ("upstream_unreachable", True, None)
+
+
+async def test_hung_upstream_times_out_before_first_byte(
+    upstream: FakeUpstream, make_adapter: MakeAdapter
+) -> None:
+    upstream.hang = True
+    adapter = make_adapter(upstream.base_url, first_byte_timeout_s=0.2)
+    for stream in (True, False):
+        error = await expect_failure(adapter, make_run(stream=stream)[0])
+        assert (error.code, error.retryable) == ("upstream_timeout", True)
+    # Giving up closed the connection, which is how the upstream learns to stop.
+    with trio.fail_after(GUARD_S):
+        await upstream.wait_for(lambda: upstream.disconnects == 2)
+
+
+async def test_first_byte_of_a_stream_is_its_first_event(
+    upstream: FakeUpstream, make_adapter: MakeAdapter
+) -> None:
+    never = trio.Event()
+
+    async def pace(index: int) -> None:
+        await never.wait()  # headers go out at once, then prefill "never ends"
+
+    upstream.pace = pace
+    adapter = make_adapter(upstream.base_url, first_byte_timeout_s=0.2, request_timeout_s=5.0)
+    error = await expect_failure(adapter, make_run(stream=True)[0])
+    assert (error.code, error.retryable) == ("upstream_timeout", True)
+    assert "within 0.2s" in error.message
+
+
+async def test_request_timeout_bounds_a_hung_upstream_without_first_byte_setting(
+    upstream: FakeUpstream, make_adapter: MakeAdapter
+) -> None:
+    upstream.hang = True
+    adapter = make_adapter(upstream.base_url, request_timeout_s=0.2)
+    error = await expect_failure(adapter, make_run()[0])
+    assert (error.code, error.retryable) == ("upstream_timeout", True)
+
+
+async def test_stall_after_chunks_is_not_retryable(
+    upstream: FakeUpstream, make_adapter: MakeAdapter
+) -> None:
+    never = trio.Event()
+
+    async def pace(index: int) -> None:
+        if index >= 2:
+            await never.wait()
+
+    upstream.pace = pace
+    adapter = make_adapter(upstream.base_url, first_byte_timeout_s=5.0, request_timeout_s=0.3)
+    error = await expect_failure(adapter, make_run(stream=True)[0])
+    assert (error.code, error.retryable) == ("upstream_stream_error", False)
+    assert "after 2 chunks" in error.message
+
+
+@pytest.mark.parametrize(
+    ("drop_after", "code", "retryable"),
+    [(0, "upstream_error", True), (2, "upstream_stream_error", False)],
+)
+async def test_stream_cut_by_upstream(
+    upstream: FakeUpstream,
+    make_adapter: MakeAdapter,
+    drop_after: int,
+    code: str,
+    retryable: bool,
+) -> None:
+    upstream.drop_after_chunks = drop_after
+    adapter = make_adapter(upstream.base_url)
+    run, _ = make_run(stream=True)
+    collector = Collector()
+    with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as info:
+        await adapter.execute(run, collector)
+    assert (info.value.code, info.value.retryable) == (code, retryable)
+    assert len(collector.chunks) == drop_after
+
+
+@pytest.mark.parametrize(
+    ("error_after", "code", "retryable"),
+    [(0, "upstream_error", True), (2, "upstream_stream_error", False)],
+)
+async def test_in_band_stream_error(
+    upstream: FakeUpstream,
+    make_adapter: MakeAdapter,
+    error_after: int,
+    code: str,
+    retryable: bool,
+) -> None:
+    upstream.error_after_chunks = error_after
+    upstream.error_message = "CUDA out of memory"
+    adapter = make_adapter(upstream.base_url)
+    run, _ = make_run(stream=True)
+    collector = Collector()
+    with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as info:
+        await adapter.execute(run, collector)
+    assert (info.value.code, info.value.retryable) == (code, retryable)
+    assert "CUDA out of memory" in info.value.message
+    assert len(collector.chunks) == error_after
+
+
+async def test_cancel_closes_the_upstream_stream(
+    upstream: FakeUpstream, make_adapter: MakeAdapter
+) -> None:
+    never = trio.Event()
+
+    async def pace(index: int) -> None:
+        if index >= 1:
+            await never.wait()
+
+    upstream.pace = pace
+    adapter = make_adapter(upstream.base_url)
+    collector = Collector()
+    with trio.fail_after(GUARD_S):
+        with trio.CancelScope() as runner_scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(adapter.execute, make_run(stream=True)[0], collector)
+                await collector.seen[0].wait()
+                runner_scope.cancel()
+        assert runner_scope.cancelled_caught
+        await upstream.wait_for(lambda: upstream.disconnects == 1 and upstream.active == 0)
+    assert len(collector.chunks) == 1
+
+
+# --- auth ---------------------------------------------------------------------------------
+
+
+async def test_api_key_env_is_sent_as_bearer(
+    upstream: FakeUpstream, make_adapter: MakeAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAKE_KEY_ENV, FAKE_KEY)
+    adapter = make_adapter(upstream.base_url, api_key_env=FAKE_KEY_ENV)
+    with trio.fail_after(GUARD_S):
+        await adapter.execute(make_run()[0], Collector())
+        status = await adapter.probe()
+    assert status.health == "available"
+    assert [r.headers.get("authorization") for r in upstream.requests] == [f"Bearer {FAKE_KEY}"] * 2
+
+
+async def test_missing_api_key_env_is_reported_by_name(
+    upstream: FakeUpstream, make_adapter: MakeAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(FAKE_KEY_ENV, raising=False)
+    adapter = make_adapter(upstream.base_url, api_key_env=FAKE_KEY_ENV)
+    with trio.fail_after(GUARD_S):
+        status = await adapter.probe()
+        await adapter.execute(make_run()[0], Collector())
+    assert status.health == "unavailable"
+    assert status.detail is not None and FAKE_KEY_ENV in status.detail
+    assert "authorization" not in upstream.requests[-1].headers
+
+
+# --- probe and lifecycle --------------------------------------------------------------------
+
+
+async def test_probe_lists_models(upstream: FakeUpstream, make_adapter: MakeAdapter) -> None:
+    upstream.models = ["a/one", "b/two"]
+    adapter = make_adapter(upstream.base_url)
+    with trio.fail_after(GUARD_S):
+        status = await adapter.probe()
+    assert (status.id, status.health, status.models) == ("p1", "available", ["a/one", "b/two"])
+    assert upstream.requests_total == 0  # a probe is never a completion
+    assert upstream.requests[-1].path == "/v1/models"
+
+
+async def test_probe_reports_an_error_status(
+    upstream: FakeUpstream, make_adapter: MakeAdapter
+) -> None:
+    upstream.models_status = 500
+    upstream.error_message = "warming up"
+    adapter = make_adapter(upstream.base_url)
+    with trio.fail_after(GUARD_S):
+        status = await adapter.probe()
+    assert status.health == "unavailable"
+    assert status.detail == "GET /models returned 500: warming up"
+
+
+async def test_probe_unreachable(make_adapter: MakeAdapter) -> None:
+    adapter = make_adapter(f"http://127.0.0.1:{closed_port()}/v1")
+    with trio.fail_after(GUARD_S):
+        status = await adapter.probe()
+    assert status.health == "unavailable"
+    assert status.detail is not None and status.detail.startswith("cannot connect")
+
+
+async def test_closed_adapter_refuses_work(
+    upstream: FakeUpstream, make_adapter: MakeAdapter
+) -> None:
+    adapter = make_adapter(upstream.base_url)
+    await adapter.aclose()
+    error = await expect_failure(adapter, make_run()[0])
+    assert (error.code, error.retryable) == ("adapter_closed", True)
+    assert (await adapter.probe()).health == "unavailable"
+    assert upstream.requests_total == 0
+
+
+@pytest.mark.parametrize(
+    "base_url", [None, "ftp://host/v1", "http://host:notaport/v1", "http:///v1", "/v1"]
+)
+def test_base_url_must_be_an_http_url(base_url: str | None) -> None:
+    adapter = AdapterSettings(base_url=base_url)
+    provider = ProviderConfig(id="p1", type="vllm", models=[MODEL], capacity=1, adapter=adapter)
+    with pytest.raises(ValueError, match="base_url"):
+        OpenAICompatAdapter(provider)
+
+
+# --- pure helpers -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b'{"error": {"message": "bad model", "type": "x"}}', "bad model"),
+        (b'{"object": "error", "message": "too long", "code": 400}', "too long"),
+        (b'{"error": "model not found"}', "model not found"),
+        (b'{"detail": "Not Found"}', "Not Found"),
+        (b"upstream exploded\n", "upstream exploded"),
+        (b"", None),
+    ],
+)
+def test_error_message_dialects(body: bytes, message: str | None) -> None:
+    assert error_message(body) == message
+
+
+def test_status_failure_without_body() -> None:
+    error = status_failure(404, b"")
+    assert (error.code, error.message, error.retryable) == (
+        "upstream_rejected",
+        "upstream rejected the request (404)",
+        False,
+    )

@@ -1,0 +1,140 @@
+"""A real Edge and real Nodes in-process, on 127.0.0.1 port 0, for end-to-end tests.
+
+`Stack` owns nothing itself: the test's nursery (pytest-trio's `nursery` fixture) owns the
+Edge and Node tasks, so they are cancelled when the test ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import msgspec
+import openai
+import trio
+import yaml
+
+from iop_edge.config import parse_config
+from iop_edge.edge import Edge, EdgeAddresses
+from iop_node.main import run_node
+
+NODE_TOKEN = "test-node-token-not-a-secret"
+NODE_TOKEN_HASH = hashlib.sha256(NODE_TOKEN.encode()).hexdigest()
+
+
+def edge_config(
+    state_dir: Path,
+    *,
+    providers: list[dict[str, Any]],
+    models: list[dict[str, Any]],
+    dispatch: dict[str, Any] | None = None,
+    openai_section: dict[str, Any] | None = None,
+    extra_nodes: list[dict[str, Any]] | None = None,
+    node_id: str = "node-1",
+) -> str:
+    """An Edge config (YAML text) with every listener on 127.0.0.1 port 0."""
+    config: dict[str, Any] = {
+        "edge": {"id": "edge-test", "listen": "127.0.0.1:0", "state_dir": str(state_dir)},
+        "admin": {"listen": "127.0.0.1:0"},
+        "openai": {"listen": "127.0.0.1:0", **(openai_section or {})},
+        "models": models,
+        "nodes": [{"id": node_id, "token_hash_sha256": NODE_TOKEN_HASH, "providers": providers},
+                  *(extra_nodes or [])],
+    }
+    if dispatch is not None:
+        config["dispatch"] = dispatch
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def sim_provider(provider_id: str, *, capacity: int = 4, served: str = "sim-small", **extra: Any) -> dict[str, Any]:
+    adapter = extra.pop("adapter", {"ttft_ms": 5, "tokens_per_second": 2000})
+    return {"id": provider_id, "type": "sim", "models": [served], "capacity": capacity,
+            "adapter": adapter, **extra}
+
+
+@dataclass
+class Stack:
+    edge: Edge
+    addresses: EdgeAddresses
+    nursery: trio.Nursery
+    config_path: Path
+    node_scopes: dict[str, trio.CancelScope] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.addresses.openai_url}/v1"
+
+    def client(self, **kwargs: Any) -> openai.AsyncOpenAI:
+        kwargs.setdefault("api_key", "unused")
+        kwargs.setdefault("max_retries", 0)
+        return openai.AsyncOpenAI(base_url=self.base_url, **kwargs)
+
+    def http(self) -> httpx2.AsyncClient:
+        return httpx2.AsyncClient(base_url=self.addresses.openai_url, timeout=30)
+
+    def admin(self) -> httpx2.AsyncClient:
+        return httpx2.AsyncClient(base_url=self.addresses.admin_url, timeout=30)
+
+    async def start_node(self, node_id: str = "node-1", token: str = NODE_TOKEN, **kwargs: Any) -> None:
+        """Start an in-process Node; stop it with `kill_node`."""
+        scope = trio.CancelScope()
+        self.node_scopes[node_id] = scope
+
+        async def node() -> None:
+            with scope:
+                await run_node(self.addresses.node_url, node_id, token, **kwargs)
+
+        self.nursery.start_soon(node)
+
+    def kill_node(self, node_id: str = "node-1") -> None:
+        self.node_scopes.pop(node_id).cancel()
+
+    async def wait_servable(self, *models: str) -> None:
+        with trio.fail_after(10):
+            for model in models:
+                await self.edge.wait_model_servable(model)
+
+    async def catalog(self) -> dict[str, Any]:
+        async with self.admin() as admin:
+            response = await admin.get("/catalog")
+            response.raise_for_status()
+            result: dict[str, Any] = response.json()
+            return result
+
+    async def wait_catalog(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 2.0) -> dict[str, Any]:
+        """Wait until the catalog satisfies `predicate`.
+
+        Event-driven: the catalog is read in-process (the same records `/catalog` encodes)
+        and checked with no await before waiting for the next pool change, so no change
+        can slip between the check and the wait.
+        """
+        with trio.fail_after(timeout):
+            while True:
+                catalog: dict[str, Any] = msgspec.to_builtins(self.edge.scheduler.catalog())
+                if predicate(catalog):
+                    return catalog
+                await self.edge.wait_pool_change()
+
+
+async def start_stack(
+    nursery: trio.Nursery,
+    config_text: str,
+    config_path: Path,
+    *,
+    nodes: tuple[str, ...] = ("node-1",),
+    wait_models: tuple[str, ...] = (),
+    node_kwargs: dict[str, Any] | None = None,
+    edge_kwargs: dict[str, Any] | None = None,
+) -> Stack:
+    config_path.write_text(config_text, encoding="utf-8")
+    edge = Edge(parse_config(config_text), config_path=config_path, **(edge_kwargs or {}))
+    addresses = await nursery.start(edge.serve)
+    stack = Stack(edge=edge, addresses=addresses, nursery=nursery, config_path=config_path)
+    for node_id in nodes:
+        await stack.start_node(node_id, **(node_kwargs or {}))
+    await stack.wait_servable(*wait_models)
+    return stack

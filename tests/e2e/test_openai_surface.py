@@ -1,0 +1,190 @@
+"""The OpenAI surface through a real Edge + Node + sim, with the official `openai` SDK."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import msgspec
+import openai
+import pytest
+import trio
+
+from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
+
+CALLER_TOKEN = "caller-token-for-tests"
+
+
+def _models() -> list[dict[str, object]]:
+    return [
+        {"id": "chat-alias", "display_name": "Chat alias", "providers": {"sim-1": "sim-small"},
+         "generation": {"max_tokens_limit": 64, "defaults": {"temperature": 0.5}}},
+        {"id": "embed-alias", "providers": {"sim-1": "sim-small"}},
+    ]
+
+
+@pytest.fixture
+async def stack(nursery: trio.Nursery, tmp_path: Path) -> Stack:
+    text = edge_config(
+        tmp_path / "state",
+        providers=[sim_provider("sim-1", capacity=4)],
+        models=_models(),
+        openai_section={"max_request_bytes": 4096},
+    )
+    return await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("chat-alias",))
+
+
+async def test_non_stream_chat_returns_alias_and_usage(stack: Stack) -> None:
+    async with stack.client() as client:
+        response = await client.chat.completions.with_raw_response.create(
+            model="chat-alias", max_tokens=8, messages=[{"role": "user", "content": "hello there"}]
+        )
+    completion = response.parse()
+    assert completion.model == "chat-alias"
+    assert completion.object == "chat.completion"
+    assert completion.choices[0].message.role == "assistant"
+    assert completion.choices[0].message.content
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == 8
+    assert completion.usage.prompt_tokens > 0
+    assert response.headers["x-request-id"].startswith("req_")
+    timing = response.headers["server-timing"]
+    assert "queue;dur=" in timing and "edge;dur=" in timing and "upstream;dur=" in timing
+
+
+async def test_stream_matches_non_stream_and_carries_alias(stack: Stack) -> None:
+    messages = [{"role": "user", "content": "tell me a story"}]
+    async with stack.client() as client:
+        whole = await client.chat.completions.create(model="chat-alias", max_tokens=12, messages=messages)
+        stream = await client.chat.completions.create(
+            model="chat-alias", max_tokens=12, messages=messages, stream=True
+        )
+        pieces: list[str] = []
+        finish = None
+        async for chunk in stream:
+            assert chunk.model == "chat-alias"
+            assert chunk.usage is None  # the caller did not ask for usage
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert finish == "length"
+
+
+async def test_stream_usage_is_passed_when_asked(stack: Stack) -> None:
+    async with stack.client() as client:
+        stream = await client.chat.completions.create(
+            model="chat-alias", max_tokens=5, stream=True,
+            stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": "count"}],
+        )
+        usage = [chunk.usage async for chunk in stream if chunk.usage is not None]
+    assert len(usage) == 1 and usage[0].completion_tokens == 5
+
+
+async def test_completion_and_embedding_routes(stack: Stack) -> None:
+    async with stack.client() as client:
+        completion = await client.completions.create(model="chat-alias", prompt="Once", max_tokens=4)
+        embedding = await client.embeddings.create(model="embed-alias", input=["a", "b"])
+    assert completion.model == "chat-alias" and completion.choices[0].text
+    assert embedding.model == "embed-alias" and len(embedding.data) == 2
+
+
+async def test_unknown_model_is_not_found(stack: Stack) -> None:
+    async with stack.client() as client:
+        with pytest.raises(openai.NotFoundError) as caught:
+            await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert caught.value.status_code == 404
+    assert caught.value.code == "model_not_found"
+
+
+async def test_wrong_types_are_400_naming_the_field(stack: Stack) -> None:
+    async with stack.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="chat-alias", messages="not a list")  # type: ignore[arg-type]
+    assert caught.value.status_code == 400
+    body = caught.value.body
+    assert isinstance(body, dict) and body["param"] == "messages"
+
+
+async def test_malformed_json_is_400(stack: Stack) -> None:
+    async with stack.http() as http:
+        response = await http.post("/v1/chat/completions", content=b"{not json",
+                                   headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_json"
+
+
+async def test_body_over_limit_is_413(stack: Stack) -> None:
+    big = {"model": "chat-alias", "messages": [{"role": "user", "content": "x" * 5000}]}
+    async with stack.http() as http:
+        response = await http.post("/v1/chat/completions", content=msgspec.json.encode(big),
+                                   headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+
+
+async def test_max_tokens_over_model_limit_is_400(stack: Stack) -> None:
+    async with stack.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model="chat-alias", max_tokens=65, messages=[{"role": "user", "content": "x"}]
+            )
+    assert caught.value.code == "max_tokens_exceeded"
+
+
+async def test_models_list_and_get(stack: Stack) -> None:
+    async with stack.client() as client:
+        listed = [model.id async for model in client.models.list()]
+        one = await client.models.retrieve("chat-alias")
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("missing")
+    assert listed == ["chat-alias", "embed-alias"]
+    assert one.id == "chat-alias"
+
+
+async def test_caller_request_id_is_echoed(stack: Stack) -> None:
+    async with stack.http() as http:
+        response = await http.post(
+            "/v1/chat/completions",
+            json={"model": "chat-alias", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]},
+            headers={"x-request-id": "caller-abc-123"},
+        )
+        missing = await http.post("/v1/chat/completions", json={"model": "nope", "messages": []},
+                                  headers={"x-request-id": "caller-err-1"})
+    assert response.headers["x-request-id"] == "caller-abc-123"
+    assert missing.headers["x-request-id"] == "caller-err-1"
+
+
+async def test_no_provider_connected_is_immediate_503(nursery: trio.Nursery, tmp_path: Path) -> None:
+    text = edge_config(tmp_path, providers=[sim_provider("sim-1")],
+                       models=[{"id": "m", "providers": {"sim-1": "sim-small"}}])
+    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", nodes=())
+    async with stack.client() as client:
+        with trio.fail_after(5):
+            with pytest.raises(openai.InternalServerError) as caught:
+                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert caught.value.status_code == 503
+    assert caught.value.response.headers.get("retry-after")
+
+
+async def test_principal_tokens_gate_the_api(nursery: trio.Nursery, tmp_path: Path) -> None:
+    text = edge_config(
+        tmp_path,
+        providers=[sim_provider("sim-1")],
+        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+        openai_section={"principal_tokens": [{
+            "token_ref": "app", "principal_ref": "team",
+            "token_hash_sha256": hashlib.sha256(CALLER_TOKEN.encode()).hexdigest(),
+        }]},
+    )
+    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+    messages = [{"role": "user", "content": "x"}]
+    async with stack.client(api_key="wrong") as client:
+        with pytest.raises(openai.AuthenticationError):
+            await client.chat.completions.create(model="m", messages=messages)
+    async with stack.client(api_key=CALLER_TOKEN) as client:
+        ok = await client.chat.completions.create(model="m", max_tokens=2, messages=messages)
+    assert ok.model == "m"

@@ -1,0 +1,497 @@
+"""The Node's link against a tiny fake Edge on real loopback sockets (`iop_node.link`)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any, TypeVar
+
+import msgspec
+import pytest
+import trio
+from trio_websocket import (
+    ConnectionClosed,
+    WebSocketConnection,
+    WebSocketRequest,
+    serve_websocket,
+)
+
+from iop_node.adapters.base import Adapter
+from iop_node.backoff import BackoffPolicy
+from iop_node.link import NodeLink
+from iop_node.main import run_node
+from iop_node.registry import create_adapter
+from schemas.config import AdapterSettings, NodeConfig, ProviderConfig
+from schemas.wire import (
+    PROTOCOL_VERSION,
+    Cancel,
+    Hello,
+    Message,
+    NodeToEdge,
+    ProviderStatus,
+    Refresh,
+    RefreshAck,
+    Reject,
+    Run,
+    RunChunk,
+    RunDone,
+    RunFailed,
+    Status,
+    Welcome,
+    decode_from_node,
+    encode,
+)
+
+TOKEN = "node-secret-token-value"
+T = TypeVar("T")
+
+# Small timings so reconnects and heartbeats happen within a test's time.
+FAST: dict[str, Any] = {
+    "backoff": BackoffPolicy(base_s=0.01, factor=2, cap_s=0.05, stable_after_s=60),
+    "rng": random.Random(1),
+    "handshake_timeout_s": 2.0,
+    "ping_interval_s": 0.05,
+    "ping_timeout_s": 0.5,
+}
+
+
+def _sim(provider_id: str = "sim-a", *, tokens_per_second: float = 1000) -> ProviderConfig:
+    return ProviderConfig(
+        id=provider_id,
+        type="sim",
+        models=["sim-small"],
+        capacity=4,
+        adapter=AdapterSettings(ttft_ms=1, tokens_per_second=tokens_per_second),
+    )
+
+
+CONFIG = NodeConfig(node_id="n1", providers=[_sim()])
+
+
+def _available(*provider_ids: str) -> Status:
+    return Status(
+        providers=[
+            ProviderStatus(id=provider_id, health="available", models=["sim-small"])
+            for provider_id in provider_ids
+        ]
+    )
+
+
+def _chat_run(run_id: str, provider_id: str = "sim-a", *, stream: bool = True, **body: Any) -> Run:
+    request = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}], **body}
+    return Run(
+        run_id=run_id,
+        provider_id=provider_id,
+        target="sim-small",
+        operation="chat",
+        body=msgspec.json.encode(request),
+        stream=stream,
+    )
+
+
+class EdgeSide:
+    """The fake Edge's end of one node connection."""
+
+    def __init__(self, ws: WebSocketConnection) -> None:
+        self.ws = ws
+        self.released = trio.Event()
+
+    async def send(self, message: Message) -> None:
+        await self.ws.send_message(encode(message))
+
+    async def receive(self) -> NodeToEdge:
+        return decode_from_node(await self.ws.get_message())
+
+    async def expect(self, kind: type[T]) -> T:
+        message = await self.receive()
+        assert isinstance(message, kind), f"expected {kind.__name__}, got {message!r}"
+        return message
+
+    async def welcome(self, config: NodeConfig = CONFIG, *, revision: int = 1) -> Hello:
+        hello = await self.expect(Hello)
+        await self.send(
+            Welcome(
+                protocol=PROTOCOL_VERSION, edge_id="fake-edge", revision=revision, node_config=config
+            )
+        )
+        return hello
+
+    async def run_until_terminal(self, run: Run) -> list[NodeToEdge]:
+        await self.send(run)
+        messages = [await self.receive()]
+        while not isinstance(messages[-1], RunDone | RunFailed):
+            messages.append(await self.receive())
+        return messages
+
+    async def wait_closed(self) -> ConnectionClosed:
+        with pytest.raises(ConnectionClosed) as info:
+            while True:
+                await self.ws.get_message()
+        return info.value
+
+
+class FakeEdge:
+    """Accepts node websockets on 127.0.0.1 and hands each to the test as an `EdgeSide`."""
+
+    def __init__(self) -> None:
+        self._accepted, self._accepted_out = trio.open_memory_channel[EdgeSide](16)
+        self._scope: trio.CancelScope | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/"
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        self.port = await nursery.start(self._serve, self.port)
+
+    def stop(self) -> None:
+        """The Edge process dies: listener and every connection go away."""
+        assert self._scope is not None
+        self._scope.cancel()
+
+    async def accept(self) -> EdgeSide:
+        return await self._accepted_out.receive()
+
+    async def _serve(self, port: int, *, task_status: trio.TaskStatus[int]) -> None:
+        with trio.CancelScope() as self._scope:
+            async with trio.open_nursery() as nursery:
+                server = await nursery.start(
+                    partial(serve_websocket, self._handle, "127.0.0.1", port, None)
+                )
+                task_status.started(server.port)
+
+    async def _handle(self, request: WebSocketRequest) -> None:
+        side = EdgeSide(await request.accept())
+        await self._accepted.send(side)
+        await side.released.wait()
+
+
+class Partition:
+    """A TCP proxy in front of the Edge that can stop forwarding its current connections
+    (a network partition: nothing is closed, nothing gets through)."""
+
+    def __init__(self, target_port: int) -> None:
+        self._target_port = target_port
+        self._pipes: list[_Pipe] = []
+        self.port = 0
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        nursery.start_soon(trio.serve_listeners, self._handle, listeners)
+
+    def freeze(self) -> _Pipe:
+        [pipe] = [pipe for pipe in self._pipes if not pipe.client_gone.is_set()]
+        pipe.frozen = True
+        return pipe
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        pipe = _Pipe()
+        self._pipes.append(pipe)
+        async with client, await trio.open_tcp_stream("127.0.0.1", self._target_port) as edge:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pipe.pump, client, edge, nursery.cancel_scope, True)
+                nursery.start_soon(pipe.pump, edge, client, nursery.cancel_scope, False)
+
+
+class _Pipe:
+    def __init__(self) -> None:
+        self.frozen = False
+        self.client_gone = trio.Event()
+
+    async def pump(
+        self,
+        source: trio.SocketStream,
+        sink: trio.SocketStream,
+        scope: trio.CancelScope,
+        from_client: bool,
+    ) -> None:
+        try:
+            async for data in source:
+                if not self.frozen:
+                    await sink.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        if from_client:
+            self.client_gone.set()
+        scope.cancel()
+
+
+@pytest.fixture
+async def edge(nursery: trio.Nursery) -> AsyncIterator[FakeEdge]:
+    fake = FakeEdge()
+    await fake.start(nursery)
+    with trio.fail_after(10):  # no test may hang
+        yield fake
+
+
+def _start_node(nursery: trio.Nursery, url: str, **options: Any) -> None:
+    nursery.start_soon(partial(run_node, url, "n1", TOKEN, **{**FAST, **options}))
+
+
+async def test_handshake_then_status(edge: FakeEdge, nursery: trio.Nursery) -> None:
+    _start_node(nursery, edge.url, agent_version="iop-node/test")
+    side = await edge.accept()
+    hello = await side.welcome()
+    assert hello == Hello(
+        protocol=PROTOCOL_VERSION, node_id="n1", token=TOKEN, agent_version="iop-node/test"
+    )
+    assert await side.receive() == _available("sim-a")
+
+
+async def test_started_after_the_first_welcome(edge: FakeEdge, nursery: trio.Nursery) -> None:
+    async def edge_script() -> None:
+        await (await edge.accept()).welcome()
+
+    nursery.start_soon(edge_script)
+    link = await nursery.start(partial(run_node, edge.url, "n1", TOKEN, **FAST))
+    assert isinstance(link, NodeLink)
+    assert link.connected and link.sessions == 1
+
+
+async def test_run_streams_chunks_then_done(edge: FakeEdge, nursery: trio.Nursery) -> None:
+    _start_node(nursery, edge.url)
+    side = await edge.accept()
+    await side.welcome()
+    await side.expect(Status)
+
+    messages = await side.run_until_terminal(_chat_run("r1", max_tokens=3))
+    *chunks, done = messages
+    assert all(isinstance(chunk, RunChunk) and chunk.run_id == "r1" for chunk in chunks)
+    assert len(chunks) == 1 + 3 + 1  # role, three tokens, finish
+    assert isinstance(done, RunDone) and done.usage is not None
+    assert done.usage.completion_tokens == 3
+
+    [done] = await side.run_until_terminal(_chat_run("r2", stream=False, max_tokens=2))
+    assert isinstance(done, RunDone) and done.response is not None
+    response = msgspec.json.decode(done.response)
+    assert response["object"] == "chat.completion"
+    assert response["usage"]["completion_tokens"] == 2
+
+
+async def test_run_on_unknown_provider(edge: FakeEdge, nursery: trio.Nursery) -> None:
+    _start_node(nursery, edge.url)
+    side = await edge.accept()
+    await side.welcome()
+    await side.expect(Status)
+    [failed] = await side.run_until_terminal(_chat_run("r1", provider_id="nope"))
+    assert isinstance(failed, RunFailed) and failed.code == "unknown_provider"
+
+
+async def test_cancel_stops_the_run(edge: FakeEdge, nursery: trio.Nursery) -> None:
+    slow = NodeConfig(node_id="n1", providers=[_sim(tokens_per_second=2)])
+    _start_node(nursery, edge.url)
+    side = await edge.accept()
+    await side.welcome(slow)
+    await side.expect(Status)
+    await side.send(_chat_run("r1", max_tokens=50))
+    await side.expect(RunChunk)  # role
+    await side.expect(RunChunk)  # first token; the next one is half a second away
+    await side.send(Cancel(run_id="r1"))
+    with trio.fail_after(0.4):
+        failed = await side.expect(RunFailed)
+    assert (failed.run_id, failed.code) == ("r1", "cancelled")
+
+
+async def test_refresh_swaps_providers_and_acks(edge: FakeEdge, nursery: trio.Nursery) -> None:
+    _start_node(nursery, edge.url)
+    side = await edge.accept()
+    await side.welcome()
+    await side.expect(Status)
+
+    refreshed = NodeConfig(node_id="n1", providers=[_sim("sim-a"), _sim("sim-b")])
+    await side.send(Refresh(revision=2, node_config=refreshed))
+    assert await side.receive() == RefreshAck(revision=2, ok=True)
+    assert await side.receive() == _available("sim-a", "sim-b")
+    [*_, done] = await side.run_until_terminal(_chat_run("r1", provider_id="sim-b"))
+    assert isinstance(done, RunDone)
+
+
+async def test_failed_refresh_keeps_the_old_registry(
+    edge: FakeEdge, nursery: trio.Nursery
+) -> None:
+    def factory(provider: ProviderConfig) -> Adapter:
+        if provider.id == "broken":
+            raise ValueError("cannot reach upstream")
+        return create_adapter(provider)
+
+    _start_node(nursery, edge.url, adapter_factory=factory)
+    side = await edge.accept()
+    await side.welcome()
+    await side.expect(Status)
+
+    candidate = NodeConfig(node_id="n1", providers=[_sim("sim-a"), _sim("broken")])
+    await side.send(Refresh(revision=2, node_config=candidate))
+    ack = await side.expect(RefreshAck)
+    assert (ack.revision, ack.ok) == (2, False)
+    assert ack.error is not None and "broken" in ack.error and "cannot reach upstream" in ack.error
+
+    other_node = NodeConfig(node_id="n2", providers=[_sim("sim-a")])
+    await side.send(Refresh(revision=3, node_config=other_node))
+    ack = await side.expect(RefreshAck)
+    assert not ack.ok and ack.error is not None and "'n2'" in ack.error
+
+    [*_, done] = await side.run_until_terminal(_chat_run("r1"))
+    assert isinstance(done, RunDone)
+
+
+async def test_welcome_that_cannot_be_built_reports_unavailable(
+    edge: FakeEdge, nursery: trio.Nursery
+) -> None:
+    def factory(provider: ProviderConfig) -> Adapter:
+        raise ValueError("no such binary")
+
+    _start_node(nursery, edge.url, adapter_factory=factory)
+    side = await edge.accept()
+    await side.welcome()
+    status = await side.expect(Status)
+    [provider] = status.providers
+    assert (provider.id, provider.health) == ("sim-a", "unavailable")
+    assert provider.detail is not None and "no such binary" in provider.detail
+    [failed] = await side.run_until_terminal(_chat_run("r1"))
+    assert isinstance(failed, RunFailed) and failed.code == "unknown_provider"
+
+
+async def test_reject_is_logged_and_retried_with_backoff(
+    edge: FakeEdge, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    _start_node(nursery, edge.url)
+    side = await edge.accept()
+    await side.expect(Hello)
+    await side.send(Reject(code="bad_token", reason="the node token does not match"))
+    await side.ws.aclose(code=1008)
+    rejected_at = trio.current_time()
+
+    again = await edge.accept()
+    # A rejected node waits at least half the cap before it tries again.
+    assert trio.current_time() - rejected_at >= FAST["backoff"].cap_s / 2
+    await again.welcome()
+    assert await again.receive() == _available("sim-a")
+    assert "the node token does not match" in caplog.text
+    assert TOKEN not in caplog.text
+
+
+async def test_edge_restart_node_reconnects(edge: FakeEdge, nursery: trio.Nursery) -> None:
+    _start_node(nursery, edge.url)
+    side = await edge.accept()
+    await side.welcome()
+    await side.expect(Status)
+
+    edge.stop()
+    await edge.start(nursery)  # a new Edge process on the same address
+
+    side = await edge.accept()
+    await side.welcome(revision=7)
+    assert await side.receive() == _available("sim-a")
+    [*_, done] = await side.run_until_terminal(_chat_run("r1"))
+    assert isinstance(done, RunDone)
+
+
+async def test_edge_closing_the_connection_makes_the_node_reconnect(
+    edge: FakeEdge, nursery: trio.Nursery
+) -> None:
+    _start_node(nursery, edge.url)
+    side = await edge.accept()
+    await side.welcome()
+    await side.expect(Status)
+    await side.ws.aclose()
+    await (await edge.accept()).welcome()
+
+
+@pytest.mark.parametrize("frame", [b"\xc1 not msgpack", "a text frame"])
+async def test_malformed_frame_rejects_and_reconnects(
+    edge: FakeEdge, nursery: trio.Nursery, frame: bytes | str
+) -> None:
+    _start_node(nursery, edge.url)
+    side = await edge.accept()
+    await side.welcome()
+    await side.expect(Status)
+    await side.ws.send_message(frame)
+    reject = await side.expect(Reject)
+    assert reject.code == "bad_frame"
+    closed = await side.wait_closed()
+    assert closed.reason is not None and closed.reason.code == 1002
+
+    again = await edge.accept()
+    await again.welcome()
+    assert await again.receive() == _available("sim-a")
+
+
+async def test_welcome_with_another_protocol_is_rejected(
+    edge: FakeEdge, nursery: trio.Nursery
+) -> None:
+    _start_node(nursery, edge.url)
+    side = await edge.accept()
+    await side.expect(Hello)
+    await side.send(
+        Welcome(protocol=PROTOCOL_VERSION + 1, edge_id="e", revision=1, node_config=CONFIG)
+    )
+    reject = await side.expect(Reject)
+    assert reject.code == "protocol_version"
+    await (await edge.accept()).welcome()
+
+
+async def test_silent_edge_is_dropped_and_the_node_reconnects(
+    edge: FakeEdge, nursery: trio.Nursery
+) -> None:
+    partition = Partition(edge.port)
+    await partition.start(nursery)
+    _start_node(nursery, f"ws://127.0.0.1:{partition.port}/")
+    side = await edge.accept()
+    await side.welcome()
+    await side.expect(Status)
+
+    pipe = partition.freeze()
+    frozen_at = trio.current_time()
+    await pipe.client_gone.wait()
+    # Dropped after the ping timeout (counted from a ping that may have left just before
+    # the freeze), without waiting for a closing handshake the Edge cannot answer.
+    assert 0.45 <= trio.current_time() - frozen_at < 0.5 + 0.05 + 1.0
+
+    again = await edge.accept()
+    await again.welcome()
+    assert await again.receive() == _available("sim-a")
+
+
+async def test_graceful_stop_drains_then_closes(edge: FakeEdge, nursery: trio.Nursery) -> None:
+    stop = trio.Event()
+    finished = trio.Event()
+    config = NodeConfig(node_id="n1", providers=[_sim(tokens_per_second=50)])
+
+    async def node() -> None:
+        await run_node(edge.url, "n1", TOKEN, shutdown_trigger=stop.wait, **FAST)
+        finished.set()
+
+    nursery.start_soon(node)
+    side = await edge.accept()
+    await side.welcome(config)
+    await side.expect(Status)
+    await side.send(_chat_run("r1", max_tokens=10))
+    await side.expect(RunChunk)
+
+    stop.set()
+    messages: list[NodeToEdge] = []
+    refused_sent = False
+    with pytest.raises(ConnectionClosed) as info:
+        while True:
+            message = await side.receive()
+            messages.append(message)
+            if isinstance(message, Status) and not refused_sent:
+                await side.send(_chat_run("r2"))
+                refused_sent = True
+    assert info.value.reason is not None and info.value.reason.code == 1001
+    await finished.wait()
+
+    [status] = [message for message in messages if isinstance(message, Status)]
+    assert [(p.id, p.health, p.detail) for p in status.providers] == [
+        ("sim-a", "unavailable", "node is shutting down")
+    ]
+    [refused] = [m for m in messages if isinstance(m, RunFailed)]
+    assert (refused.run_id, refused.code, refused.retryable) == ("r2", "node_stopping", True)
+    [done] = [m for m in messages if isinstance(m, RunDone)]
+    assert done.run_id == "r1" and done.usage is not None and done.usage.completion_tokens == 10
+    assert isinstance(messages[-1], RunDone)  # the drained run is the last thing sent

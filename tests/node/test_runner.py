@@ -1,0 +1,227 @@
+"""One run end to end (`iop_node.runner`): every way a run ends gives one terminal answer."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import pytest
+import trio
+import trio.testing
+
+from iop_node.adapters.base import AdapterError, Emit, RunResult
+from iop_node.runner import RunHandle, execute_run
+from schemas.config import ProviderConfig
+from schemas.wire import Message, ProviderStatus, Run, RunChunk, RunDone, RunFailed, Usage
+
+PROVIDER = ProviderConfig(id="p1", type="sim", models=["m"], capacity=1)
+
+Behaviour = Callable[[Run, Emit], Awaitable[RunResult]]
+
+
+class FakeAdapter:
+    """An adapter whose `execute` is whatever the test says."""
+
+    def __init__(self, behaviour: Behaviour) -> None:
+        self.provider = PROVIDER
+        self._behaviour = behaviour
+        self.started = trio.Event()
+
+    async def execute(self, run: Run, emit: Emit) -> RunResult:
+        self.started.set()
+        return await self._behaviour(run, emit)
+
+    async def probe(self) -> ProviderStatus:
+        return ProviderStatus(id=self.provider.id, health="available")
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def _forever(run: Run, emit: Emit) -> RunResult:
+    await emit(b'{"first": true}')
+    await trio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+async def _silent_forever(run: Run, emit: Emit) -> RunResult:
+    await trio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+def _run(deadline_s: float | None = None) -> Run:
+    return Run(
+        run_id="r1",
+        provider_id="p1",
+        target="m",
+        operation="chat",
+        body=b"{}",
+        deadline_s=deadline_s,
+    )
+
+
+class Outbox:
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+
+    async def send(self, message: Message) -> None:
+        self.messages.append(message)
+
+
+async def _execute(
+    adapter: FakeAdapter | None, run: Run | None = None, handle: RunHandle | None = None
+) -> list[Message]:
+    outbox = Outbox()
+    await execute_run(run or _run(), adapter, handle or RunHandle("r1"), outbox.send)
+    return outbox.messages
+
+
+async def test_success_sends_chunks_then_done() -> None:
+    async def behaviour(run: Run, emit: Emit) -> RunResult:
+        await emit(b"a")
+        await emit(b"b")
+        return RunResult(usage=Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3))
+
+    messages = await _execute(FakeAdapter(behaviour))
+    assert messages == [
+        RunChunk(run_id="r1", data=b"a"),
+        RunChunk(run_id="r1", data=b"b"),
+        RunDone(run_id="r1", usage=Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3)),
+    ]
+
+
+async def test_non_stream_response_is_passed_through() -> None:
+    async def behaviour(run: Run, emit: Emit) -> RunResult:
+        return RunResult(response=b'{"object": "chat.completion"}')
+
+    assert await _execute(FakeAdapter(behaviour)) == [
+        RunDone(run_id="r1", response=b'{"object": "chat.completion"}')
+    ]
+
+
+async def test_unknown_provider_fails_retryably() -> None:
+    [failed] = await _execute(None)
+    assert isinstance(failed, RunFailed)
+    assert (failed.code, failed.retryable) == ("unknown_provider", True)
+    assert "p1" in failed.message
+
+
+async def test_adapter_error_fields_map_onto_run_failed() -> None:
+    async def behaviour(run: Run, emit: Emit) -> RunResult:
+        raise AdapterError("upstream_unavailable", "503 from upstream", retryable=True, capacity=True, status=503)
+
+    assert await _execute(FakeAdapter(behaviour)) == [
+        RunFailed(
+            run_id="r1",
+            code="upstream_unavailable",
+            message="503 from upstream",
+            retryable=True,
+            capacity=True,
+            status=503,
+        )
+    ]
+
+
+async def test_failure_after_a_chunk_is_never_retryable() -> None:
+    async def behaviour(run: Run, emit: Emit) -> RunResult:
+        await emit(b"partial")
+        raise AdapterError("upstream_error", "stream broke", retryable=True)
+
+    messages = await _execute(FakeAdapter(behaviour))
+    assert isinstance(messages[-1], RunFailed)
+    assert messages[-1].retryable is False
+
+
+async def test_adapter_error_inside_an_exception_group_is_unwrapped() -> None:
+    async def behaviour(run: Run, emit: Emit) -> RunResult:
+        async with trio.open_nursery() as nursery:
+
+            async def fail() -> None:
+                raise AdapterError("process_failed", "exit status 3")
+
+            nursery.start_soon(fail)
+        raise AssertionError("unreachable")
+
+    [failed] = await _execute(FakeAdapter(behaviour))
+    assert isinstance(failed, RunFailed)
+    assert (failed.code, failed.message) == ("process_failed", "exit status 3")
+
+
+async def test_unexpected_exception_is_an_internal_failure(caplog: pytest.LogCaptureFixture) -> None:
+    async def behaviour(run: Run, emit: Emit) -> RunResult:
+        raise KeyError("oops")
+
+    [failed] = await _execute(FakeAdapter(behaviour))
+    assert isinstance(failed, RunFailed)
+    assert failed.code == "internal"
+    assert "KeyError" in failed.message
+    assert failed.retryable is True
+    assert "failed inside its adapter" in caplog.text
+
+
+async def test_cancel_answers_cancelled_at_once(autojump_clock: trio.abc.Clock) -> None:
+    adapter = FakeAdapter(_forever)
+    handle = RunHandle("r1")
+    outbox = Outbox()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(execute_run, _run(), adapter, handle, outbox.send)
+        await adapter.started.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        cancelled_at = trio.current_time()
+        handle.cancel("cancelled", "cancelled by the edge")
+    assert trio.current_time() == cancelled_at
+    assert outbox.messages == [
+        RunChunk(run_id="r1", data=b'{"first": true}'),
+        RunFailed(run_id="r1", code="cancelled", message="cancelled by the edge"),
+    ]
+
+
+async def test_first_cancel_reason_wins() -> None:
+    handle = RunHandle("r1")
+    handle.cancel("cancelled", "by the edge")
+    handle.cancel("registry_retired", "later")
+    [failed] = await _execute(FakeAdapter(_silent_forever), handle=handle)
+    assert isinstance(failed, RunFailed)
+    assert failed.code == "cancelled"
+
+
+async def test_cancel_racing_a_finished_adapter_still_answers_cancelled() -> None:
+    handle = RunHandle("r1")
+
+    async def behaviour(run: Run, emit: Emit) -> RunResult:
+        handle.cancel("cancelled", "too late, but asked")  # no checkpoint after this
+        return RunResult()
+
+    [failed] = await _execute(FakeAdapter(behaviour), handle=handle)
+    assert isinstance(failed, RunFailed)
+    assert failed.code == "cancelled"
+
+
+async def test_retryable_cancel_reason() -> None:
+    handle = RunHandle("r1")
+    handle.cancel("node_stopping", "bye", retryable=True)
+
+    [failed] = await _execute(FakeAdapter(_silent_forever), handle=handle)
+    assert isinstance(failed, RunFailed)
+    assert (failed.code, failed.retryable) == ("node_stopping", True)
+
+
+async def test_deadline_bounds_the_run(autojump_clock: trio.abc.Clock) -> None:
+    messages = await _execute(FakeAdapter(_forever), _run(deadline_s=2.5))
+    assert trio.current_time() == pytest.approx(2.5)
+    failed = messages[-1]
+    assert isinstance(failed, RunFailed)
+    assert (failed.code, failed.retryable) == ("deadline_exceeded", False)
+
+
+async def test_past_deadline_fails_immediately(autojump_clock: trio.abc.Clock) -> None:
+    [failed] = await _execute(FakeAdapter(_silent_forever), _run(deadline_s=-1))
+    assert isinstance(failed, RunFailed)
+    assert failed.code == "deadline_exceeded"
+    assert trio.current_time() == 0
+
+
+async def test_outside_cancellation_sends_nothing(autojump_clock: trio.abc.Clock) -> None:
+    outbox = Outbox()
+    with trio.move_on_after(1):
+        await execute_run(_run(), FakeAdapter(_forever), RunHandle("r1"), outbox.send)
+    assert outbox.messages == [RunChunk(run_id="r1", data=b'{"first": true}')]

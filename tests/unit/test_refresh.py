@@ -1,0 +1,540 @@
+"""The Refresher against a fake Edge: decisions, swaps, pushes, the file and the audit log."""
+
+from __future__ import annotations
+
+import json
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import pytest
+import trio
+import trio.testing
+import yaml
+
+from iop_edge.audit import AuditLog, write_config_atomically
+from iop_edge.config import ParsedConfig, parse_config
+from iop_edge.refresh import Refresher, RefreshTarget
+from iop_edge.snapshot import Snapshot
+from schemas.config import NodeConfig
+from schemas.refresh import RefreshReport, RefreshRequest
+from schemas.wire import RefreshAck
+
+NODE_IDS = ("gpu1", "gpu2", "gpu3", "gpu4", "gpu5")
+SECRET_HASH = "c0ffee" + "e" * 58
+
+Behaviour = Literal["ack", "refuse", "hang", "gone", "hold", "raise"]
+
+
+def config_dict() -> dict[str, Any]:
+    return {
+        "edge": {"id": "edge-1", "listen": "127.0.0.1:0", "state_dir": "./var"},
+        "admin": {"listen": "127.0.0.1:0"},
+        "openai": {"listen": "127.0.0.1:0"},
+        "models": [{"id": f"model-{n}", "providers": {f"{n}-sim": "sim-small"}} for n in NODE_IDS],
+        "nodes": [
+            {
+                "id": n,
+                "token_hash_sha256": f"{i}" * 64,
+                "providers": [
+                    {"id": f"{n}-sim", "type": "sim", "models": ["sim-small"], "capacity": 4}
+                ],
+            }
+            for i, n in enumerate(NODE_IDS, start=1)
+        ],
+    }
+
+
+def to_yaml(data: dict[str, Any]) -> str:
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def node_of(data: dict[str, Any], node_id: str) -> dict[str, Any]:
+    found: dict[str, Any] = next(n for n in data["nodes"] if n["id"] == node_id)
+    return found
+
+
+def provider_of(data: dict[str, Any], node_id: str) -> dict[str, Any]:
+    found: dict[str, Any] = node_of(data, node_id)["providers"][0]
+    return found
+
+
+def with_capacity(capacity: int, *node_ids: str) -> dict[str, Any]:
+    data = config_dict()
+    for node_id in node_ids:
+        provider_of(data, node_id)["capacity"] = capacity
+    return data
+
+
+class FakeEdge:
+    """A `RefreshTarget` that records swaps and pushes and acks as each node is told to."""
+
+    def __init__(self, parsed: ParsedConfig, connected: tuple[str, ...] = NODE_IDS) -> None:
+        self.snapshot = Snapshot.build(parsed.config, revision=1, config_sha256=parsed.sha256)
+        self.swaps: list[Snapshot] = []
+        self.connected = set(connected)
+        self.applied: dict[str, int] = dict.fromkeys(connected, 1)
+        self.pushes: list[tuple[str, int, NodeConfig]] = []
+        self.push_times: dict[str, float] = {}
+        self.behaviour: dict[str, Behaviour] = {}
+        self.push_entered = trio.Event()
+        self.release = trio.Event()
+
+    def swap_snapshot(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        self.swaps.append(snapshot)
+
+    def connected_nodes(self) -> frozenset[str]:
+        return frozenset(self.connected)
+
+    def applied_revisions(self) -> Mapping[str, int]:
+        return self.applied
+
+    async def push_node_config(
+        self, node_id: str, revision: int, node_config: NodeConfig
+    ) -> RefreshAck | None:
+        self.pushes.append((node_id, revision, node_config))
+        self.push_times[node_id] = trio.current_time()
+        match self.behaviour.get(node_id, "ack"):
+            case "refuse":
+                return RefreshAck(revision=revision, ok=False, error="adapter build failed")
+            case "hang":
+                await trio.sleep_forever()
+            case "gone":
+                return None
+            case "raise":
+                raise ConnectionResetError("boom")
+            case "hold":
+                self.push_entered.set()
+                await self.release.wait()
+        self.applied[node_id] = revision
+        return RefreshAck(revision=revision, ok=True)
+
+
+@pytest.fixture
+def config_path(tmp_path: Path) -> Path:
+    """The Edge's config file, holding the same text the fake Edge starts from."""
+    path = tmp_path / "etc" / "edge.yaml"
+    path.parent.mkdir()
+    path.write_text(to_yaml(config_dict()))
+    return path
+
+
+@pytest.fixture
+def edge() -> FakeEdge:
+    return FakeEdge(parse_config(to_yaml(config_dict())))
+
+
+@pytest.fixture
+def audit(tmp_path: Path) -> AuditLog:
+    return AuditLog(tmp_path / "state")
+
+
+@pytest.fixture
+def refresher(edge: FakeEdge, config_path: Path, audit: AuditLog) -> Refresher:
+    target: RefreshTarget = edge
+    return Refresher(target, config_path=config_path, audit=audit)
+
+
+def apply(data: dict[str, Any], **options: Any) -> RefreshRequest:
+    return RefreshRequest(mode="apply", config_yaml=to_yaml(data), **options)
+
+
+async def read(path: Path) -> str:
+    return await trio.Path(path).read_text()
+
+
+async def names_in(directory: Path) -> list[str]:
+    return sorted(p.name for p in await trio.Path(directory).iterdir())
+
+
+async def audit_lines(audit: AuditLog) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (await read(audit.path)).splitlines()]
+
+
+# --- decisions ---------------------------------------------------------------------------
+
+
+async def test_dry_run_changes_nothing(
+    refresher: Refresher, edge: FakeEdge, config_path: Path, audit: AuditLog
+) -> None:
+    before = await read(config_path)
+    status, report = await refresher.refresh(
+        RefreshRequest(mode="dry_run", config_yaml=to_yaml(with_capacity(8, "gpu1")))
+    )
+
+    assert status == 200
+    assert (report.outcome, report.base_revision, report.revision) == ("dry_run", 1, 1)
+    assert report.live_paths == ["nodes[gpu1].providers[gpu1-sim].capacity"]
+    assert report.changed_nodes == ["gpu1"]
+    assert report.nodes == []
+    assert edge.swaps == [] and edge.pushes == []
+    assert edge.snapshot.revision == 1
+    assert (await read(config_path)) == before
+    assert await names_in(config_path.parent) == ["edge.yaml"]
+    assert [line["outcome"] for line in (await audit_lines(audit))] == ["dry_run"]
+
+
+async def test_dry_run_reports_what_an_apply_would_refuse(
+    refresher: Refresher, edge: FakeEdge
+) -> None:
+    data = config_dict()
+    data["edge"]["listen"] = "127.0.0.1:1"
+    status, report = await refresher.refresh(
+        RefreshRequest(mode="dry_run", config_yaml=to_yaml(data))
+    )
+    assert (status, report.outcome) == (200, "dry_run")
+    assert [e.path for e in report.errors] == ["edge.listen"]
+    assert edge.swaps == []
+
+
+async def test_invalid_candidate_is_400_with_every_error(
+    refresher: Refresher, edge: FakeEdge, audit: AuditLog
+) -> None:
+    data = config_dict()
+    provider_of(data, "gpu1")["capacity"] = 0
+    data["models"][1]["providers"] = {"no-such-provider": "x"}
+    data["dispatch"] = {"max_queeu": 3}
+
+    status, report = await refresher.refresh(apply(data))
+
+    assert status == 400
+    assert report.outcome == "rejected"
+    paths = [e.path for e in report.errors]
+    assert paths == sorted(paths)
+    assert len(paths) >= 3
+    assert any("capacity" in p for p in paths)
+    assert any("max_queeu" in p for p in paths)
+    assert any(
+        "no-such-provider" in e.path or "no-such-provider" in e.message for e in report.errors
+    )
+    assert edge.swaps == [] and edge.pushes == []
+    assert (await audit_lines(audit))[0]["status"] == 400
+
+
+async def test_no_candidate_without_a_config_file_is_400(edge: FakeEdge, audit: AuditLog) -> None:
+    refresher = Refresher(edge, config_path=None, audit=audit)
+    status, report = await refresher.refresh(RefreshRequest(mode="apply"))
+    assert (status, report.outcome) == (400, "rejected")
+    assert "config_yaml" in report.errors[0].message
+
+
+async def test_restart_required_change_is_409_and_nothing_changes(
+    refresher: Refresher, edge: FakeEdge, config_path: Path
+) -> None:
+    before = await read(config_path)
+    data = with_capacity(8, "gpu1")
+    data["edge"]["listen"] = "127.0.0.1:1"
+    node_of(data, "gpu2")["token_hash_sha256"] = SECRET_HASH
+
+    status, report = await refresher.refresh(apply(data))
+
+    assert status == 409
+    assert report.outcome == "rejected"
+    assert report.restart_required_paths == ["edge.listen", "nodes[gpu2].token_hash_sha256"]
+    assert [e.path for e in report.errors] == report.restart_required_paths
+    assert report.live_paths == ["nodes[gpu1].providers[gpu1-sim].capacity"]
+    assert report.pending_restart == []
+    assert edge.swaps == [] and edge.pushes == []
+    assert (await read(config_path)) == before
+    assert SECRET_HASH.encode() not in msgspec.json.encode(report)
+
+
+async def test_allow_restart_required_applies_the_live_subset(
+    refresher: Refresher, edge: FakeEdge, config_path: Path
+) -> None:
+    data = with_capacity(8, "gpu1")
+    data["edge"]["listen"] = "127.0.0.1:1"
+    node_of(data, "gpu2")["alias"] = "rack-b/gpu2"
+    provider_of(data, "gpu3")["type"] = "cli"
+    provider_of(data, "gpu3")["adapter"] = {"command": ["echo"]}
+    provider_of(data, "gpu3")["priority"] = 1
+
+    status, report = await refresher.refresh(apply(data, allow_restart_required=True))
+
+    assert (status, report.outcome, report.revision) == (200, "applied", 2)
+    expected_pending = [
+        "edge.listen",
+        "nodes[gpu2].alias",
+        "nodes[gpu3].providers[gpu3-sim].adapter.command",
+        "nodes[gpu3].providers[gpu3-sim].type",
+    ]
+    assert report.pending_restart == expected_pending
+    assert refresher.status().pending_restart == expected_pending
+    running = edge.snapshot
+    assert running.revision == 2
+    assert running.config.edge.listen == "127.0.0.1:0"
+    assert running.nodes["gpu2"].alias is None
+    assert (running.providers["gpu3-sim"].type, running.providers["gpu3-sim"].priority) == (
+        "sim",
+        1,
+    )
+    assert running.providers["gpu1-sim"].capacity == 8
+    # gpu3's category follows its new type in the candidate; that is live and goes through.
+    assert sorted(n for n, _, _ in edge.pushes) == ["gpu1", "gpu3"]
+    assert (await read(config_path)) == to_yaml(data)  # the file holds the whole candidate
+
+
+async def test_pending_paths_do_not_block_again_and_clear_when_reverted(
+    refresher: Refresher, edge: FakeEdge
+) -> None:
+    data = config_dict()
+    data["edge"]["listen"] = "127.0.0.1:1"
+    await refresher.refresh(apply(data, allow_restart_required=True))
+    assert refresher.pending_restart == ("edge.listen",)
+
+    provider_of(data, "gpu1")["capacity"] = 2
+    status, report = await refresher.refresh(apply(data))
+    assert (status, report.outcome) == (200, "applied")
+    assert report.pending_restart == ["edge.listen"]
+
+    data["admin"]["listen"] = "127.0.0.1:2"  # a new restart-required change blocks
+    status, report = await refresher.refresh(apply(data))
+    assert (status, [e.path for e in report.errors]) == (409, ["admin.listen"])
+
+    status, report = await refresher.refresh(apply(config_dict()))
+    assert (status, report.outcome, report.pending_restart) == (200, "applied", [])
+    assert edge.snapshot.config.edge.listen == "127.0.0.1:0"
+
+
+async def test_live_subset_that_needs_a_restart_part_is_409(
+    refresher: Refresher, edge: FakeEdge
+) -> None:
+    data = config_dict()
+    node_of(data, "gpu1")["providers"].append(
+        {"id": "gpu1-new", "type": "sim", "models": ["sim-new"], "capacity": 1}
+    )
+    data["models"][0]["providers"]["gpu1-new"] = "sim-new"
+
+    status, report = await refresher.refresh(apply(data, allow_restart_required=True))
+
+    assert (status, report.outcome) == (409, "rejected")
+    assert [e.path for e in report.errors] == ["models[model-gpu1].providers[gpu1-new]"]
+    assert edge.swaps == []
+    assert refresher.pending_restart == ()
+
+
+async def test_if_revision_must_match(refresher: Refresher, edge: FakeEdge) -> None:
+    status, report = await refresher.refresh(apply(with_capacity(8, "gpu1"), if_revision=7))
+    assert (status, report.outcome) == (409, "rejected")
+    assert report.errors[0].path == "if_revision"
+    assert edge.swaps == []
+
+    status, report = await refresher.refresh(apply(with_capacity(8, "gpu1"), if_revision=1))
+    assert (status, report.revision) == (200, 2)
+
+
+async def test_concurrent_refresh_is_409_at_once(
+    refresher: Refresher, edge: FakeEdge, audit: AuditLog
+) -> None:
+    edge.behaviour["gpu1"] = "hold"
+    first: list[tuple[int, RefreshReport]] = []
+
+    async def run_first() -> None:
+        first.append(await refresher.refresh(apply(with_capacity(8, "gpu1"))))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_first)
+        await edge.push_entered.wait()
+        assert refresher.busy
+
+        status, report = await refresher.refresh(apply(with_capacity(9, "gpu2")))
+        assert (status, report.outcome) == (409, "rejected")
+        assert "in progress" in report.errors[0].message
+        assert first == []
+        edge.release.set()
+
+    [(status, report)] = first
+    assert (status, report.outcome, report.revision) == (200, "applied", 2)
+    assert len(edge.swaps) == 1
+    assert not refresher.busy
+    assert [line["status"] for line in (await audit_lines(audit))] == [409, 200]
+
+
+async def test_no_change_apply_makes_a_new_revision_and_pushes_nothing(
+    refresher: Refresher, edge: FakeEdge
+) -> None:
+    status, report = await refresher.refresh(apply(config_dict()))
+    assert (status, report.outcome, report.base_revision, report.revision) == (
+        200,
+        "no_change",
+        1,
+        2,
+    )
+    assert report.changes == [] and report.nodes == []
+    assert [s.revision for s in edge.swaps] == [2]
+    assert edge.pushes == []
+
+
+async def test_apply_without_candidate_rereads_the_file(
+    refresher: Refresher, edge: FakeEdge, config_path: Path
+) -> None:
+    await trio.Path(config_path).write_text(to_yaml(with_capacity(3, "gpu4")))
+    status, report = await refresher.refresh(RefreshRequest(mode="apply"))
+    assert (status, report.outcome) == (200, "applied")
+    assert report.changed_providers == ["gpu4-sim"]
+    assert edge.snapshot.providers["gpu4-sim"].capacity == 3
+    assert await names_in(config_path.parent) == ["edge.yaml"]  # nothing was written
+
+
+# --- pushes ------------------------------------------------------------------------------
+
+
+async def test_push_results_per_node(
+    config_path: Path, audit: AuditLog, autojump_clock: trio.testing.MockClock
+) -> None:
+    edge = FakeEdge(parse_config(to_yaml(config_dict())), connected=NODE_IDS[:4])
+    refresher = Refresher(edge, config_path=config_path, audit=audit, push_timeout_s=10.0)
+    edge.behaviour.update(gpu2="refuse", gpu3="hang", gpu4="gone")
+    start = trio.current_time()
+
+    status, report = await refresher.refresh(apply(with_capacity(8, *NODE_IDS)))
+
+    assert (status, report.outcome) == (200, "applied")
+    assert [(r.id, r.status, r.revision) for r in report.nodes] == [
+        ("gpu1", "applied", 2),
+        ("gpu2", "failed", 2),
+        ("gpu3", "failed", None),
+        ("gpu4", "not_connected", None),
+        ("gpu5", "not_connected", None),
+    ]
+    details = {r.id: r.detail for r in report.nodes}
+    assert details["gpu2"] == "adapter build failed"
+    assert details["gpu3"] == "no refresh_ack within 10s"
+    assert sorted(n for n, _, _ in edge.pushes) == ["gpu1", "gpu2", "gpu3", "gpu4"]
+    assert all(rev == 2 for _, rev, _ in edge.pushes)
+    assert set(edge.push_times.values()) == {start}  # all pushed at once, not one by one
+    assert (await audit_lines(audit))[0]["nodes"][2]["detail"] == "no refresh_ack within 10s"
+
+
+async def test_each_node_gets_only_its_own_providers(refresher: Refresher, edge: FakeEdge) -> None:
+    await refresher.refresh(apply(with_capacity(8, "gpu2")))
+    [(node_id, revision, node_config)] = edge.pushes
+    assert (node_id, revision) == ("gpu2", 2)
+    assert node_config.node_id == "gpu2"
+    assert [(p.id, p.capacity) for p in node_config.providers] == [("gpu2-sim", 8)]
+
+
+async def test_a_push_that_raises_is_a_failed_node(refresher: Refresher, edge: FakeEdge) -> None:
+    edge.behaviour["gpu1"] = "raise"
+    status, report = await refresher.refresh(apply(with_capacity(8, "gpu1", "gpu2")))
+    assert status == 200
+    assert [(r.id, r.status) for r in report.nodes] == [("gpu1", "failed"), ("gpu2", "applied")]
+    assert report.nodes[0].detail == "push failed: ConnectionResetError"
+
+
+async def test_caller_cancelled_after_the_swap_still_pushes_and_audits(
+    refresher: Refresher, edge: FakeEdge, audit: AuditLog
+) -> None:
+    edge.behaviour["gpu1"] = "hold"
+    caller = trio.CancelScope()
+
+    async def hang_up_then_ack() -> None:
+        await edge.push_entered.wait()
+        caller.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        edge.release.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hang_up_then_ack)
+        with caller:
+            status, report = await refresher.refresh(apply(with_capacity(8, "gpu1")))
+    assert caller.cancel_called
+    assert (status, report.outcome) == (200, "applied")
+    assert edge.applied["gpu1"] == 2
+    [line] = await audit_lines(audit)
+    assert (line["outcome"], line["nodes"][0]["status"]) == ("applied", "applied")
+
+
+# --- status ------------------------------------------------------------------------------
+
+
+async def test_status_lists_every_node(refresher: Refresher, edge: FakeEdge) -> None:
+    edge.connected = {"gpu1", "gpu3"}
+    edge.applied = {"gpu1": 1, "gpu3": 1}
+    await refresher.refresh(apply(with_capacity(8, "gpu1")))
+
+    status = refresher.status()
+    assert (status.revision, status.config_sha256) == (2, edge.snapshot.config_sha256)
+    assert [(n.id, n.connected, n.applied_revision) for n in status.nodes] == [
+        ("gpu1", True, 2),
+        ("gpu2", False, None),
+        ("gpu3", True, 1),
+        ("gpu4", False, None),
+        ("gpu5", False, None),
+    ]
+
+
+# --- the file and the audit log ----------------------------------------------------------
+
+
+async def test_applied_inline_candidate_is_written_keeping_prev(
+    refresher: Refresher, config_path: Path
+) -> None:
+    original = await read(config_path)
+    candidate = to_yaml(with_capacity(8, "gpu1"))
+    await refresher.refresh(RefreshRequest(mode="apply", config_yaml=candidate))
+
+    assert (await read(config_path)) == candidate
+    assert (await read(config_path.with_name("edge.yaml.prev"))) == original
+    assert await names_in(config_path.parent) == ["edge.yaml", "edge.yaml.prev"]
+
+
+async def test_write_config_atomically(tmp_path: Path) -> None:
+    path = tmp_path / "edge.yaml"
+    await write_config_atomically(path, "first: 1\n")
+    assert (await read(path)) == "first: 1\n"
+    assert await names_in(tmp_path) == ["edge.yaml"]
+
+    await trio.Path(path).chmod(0o600)
+    await write_config_atomically(path, "second: 2\n")
+    await write_config_atomically(path, "third: 3\n")
+    assert (await read(path)) == "third: 3\n"
+    assert (await read(path.with_name("edge.yaml.prev"))) == "second: 2\n"
+    assert stat.S_IMODE((await trio.Path(path).stat()).st_mode) == 0o600
+    assert await names_in(tmp_path) == ["edge.yaml", "edge.yaml.prev"]
+
+
+async def test_write_failure_is_reported_but_the_apply_stands(
+    edge: FakeEdge, audit: AuditLog, tmp_path: Path
+) -> None:
+    missing_dir = tmp_path / "no-such-dir" / "edge.yaml"
+    refresher = Refresher(edge, config_path=missing_dir, audit=audit)
+    status, report = await refresher.refresh(apply(with_capacity(8, "gpu1")))
+    assert (status, report.outcome, edge.snapshot.revision) == (200, "applied", 2)
+    assert "config file could not be written" in report.errors[0].message
+
+
+async def test_every_attempt_is_audited(
+    refresher: Refresher, audit: AuditLog, config_path: Path
+) -> None:
+    bad = config_dict()
+    bad["nodes"][0]["providers"][0]["capacity"] = 0
+    restart = config_dict()
+    node_of(restart, "gpu1")["token_hash_sha256"] = SECRET_HASH
+    good = with_capacity(8, "gpu1")
+
+    await refresher.refresh(apply(bad))
+    await refresher.refresh(apply(restart))
+    await refresher.refresh(apply(good, if_revision=5))
+    await refresher.refresh(RefreshRequest(mode="dry_run", config_yaml=to_yaml(good)))
+    await refresher.refresh(apply(good))
+
+    lines = await audit_lines(audit)
+    assert [(line["mode"], line["outcome"], line["status"]) for line in lines] == [
+        ("apply", "rejected", 400),
+        ("apply", "rejected", 409),
+        ("apply", "rejected", 409),
+        ("dry_run", "dry_run", 200),
+        ("apply", "applied", 200),
+    ]
+    assert lines[1]["changed_paths"] == ["nodes[gpu1].token_hash_sha256"]
+    assert lines[0]["errors"] and lines[0]["config_sha256"] is None
+    last = lines[-1]
+    assert (last["base_revision"], last["revision"]) == (1, 2)
+    assert last["config_sha256"] == parse_config(to_yaml(good)).sha256
+    assert last["nodes"] == [{"id": "gpu1", "status": "applied", "revision": 2, "detail": None}]
+    assert last["time"].endswith("+00:00")
+    assert SECRET_HASH not in (await read(audit.path))
