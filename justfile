@@ -18,7 +18,7 @@ demo *ARGS:
 
 # the test suite (real sockets on 127.0.0.1, port 0)
 test *ARGS:
-    {{python}} -m pytest {{ARGS}}
+    {{python}} -m pytest -q {{ARGS}}
 
 # ruff lint + format check
 lint:

@@ -81,7 +81,9 @@ def create_admin_app(edge: Edge) -> QuartTrio:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(edge.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            edge.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     @app.post("/refresh")
     async def refresh() -> Response:

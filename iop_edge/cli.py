@@ -23,11 +23,15 @@ def _admin_url(args: argparse.Namespace) -> str:
     try:
         listen = load_config(args.config).config.admin.listen
     except ConfigInvalid as exc:
-        raise SystemExit(f"cannot find the admin API from {args.config}:\n{format_errors(exc.errors)}") from None
+        raise SystemExit(
+            f"cannot find the admin API from {args.config}:\n{format_errors(exc.errors)}"
+        ) from None
     return f"http://{listen}"
 
 
-def _admin_call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+def _admin_call(
+    args: argparse.Namespace, method: str, path: str, body: Any = None
+) -> tuple[int, Any]:
     import httpx2
 
     url = _admin_url(args) + path
@@ -39,7 +43,9 @@ def _admin_call(args: argparse.Namespace, method: str, path: str, body: Any = No
     try:
         return response.status_code, response.json()
     except ValueError:
-        raise SystemExit(f"admin API answered HTTP {response.status_code}: {response.text[:500]}") from None
+        raise SystemExit(
+            f"admin API answered HTTP {response.status_code}: {response.text[:500]}"
+        ) from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -128,20 +134,32 @@ def cmd_hash_token(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="iop-edge", description="IOP Edge: one OpenAI-compatible endpoint over a provider pool.")
+    parser = argparse.ArgumentParser(
+        prog="iop-edge",
+        description="IOP Edge: one OpenAI-compatible endpoint over a provider pool.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the Edge (SIGHUP = refresh apply, SIGTERM/SIGINT = drain and stop)")
+    serve = sub.add_parser(
+        "serve", help="run the Edge (SIGHUP = refresh apply, SIGTERM/SIGINT = drain and stop)"
+    )
     serve.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     serve.add_argument("--log-level", default="INFO")
     serve.set_defaults(func=cmd_serve)
 
-    demo = sub.add_parser("demo", help="Edge + an in-process Node + sim providers (configs/demo.yaml)")
-    demo.add_argument("--config", type=Path, default=None, help="demo config (default: configs/demo.yaml)")
+    demo = sub.add_parser(
+        "demo", help="Edge + an in-process Node + sim providers (configs/demo.yaml)"
+    )
+    demo.add_argument(
+        "--config", type=Path, default=None, help="demo config (default: configs/demo.yaml)"
+    )
     demo.add_argument("--once", action="store_true", help="exit after the example request")
     demo.add_argument("--no-request", action="store_true", help="do not send the example request")
-    demo.add_argument("--ephemeral-ports", action="store_true",
-                      help="listen on free ports instead of the config's (CI, busy machines)")
+    demo.add_argument(
+        "--ephemeral-ports",
+        action="store_true",
+        help="listen on free ports instead of the config's (CI, busy machines)",
+    )
     demo.add_argument("--log-level", default="WARNING")
     demo.set_defaults(func=cmd_demo)
 
@@ -160,10 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
         command.set_defaults(func=func)
         if name == "refresh":
             command.add_argument("--apply", action="store_true", help="apply instead of dry-run")
-            command.add_argument("--candidate", help="candidate config file (default: the Edge's own file)")
+            command.add_argument(
+                "--candidate", help="candidate config file (default: the Edge's own file)"
+            )
             command.add_argument("--if-revision", type=int, default=None)
-            command.add_argument("--allow-restart-required", action="store_true",
-                                 help="apply the live subset; list the rest as pending restart")
+            command.add_argument(
+                "--allow-restart-required",
+                action="store_true",
+                help="apply the live subset; list the rest as pending restart",
+            )
 
     hash_cmd = sub.add_parser("hash-token", help="read a token on stdin, print its sha256 hex")
     hash_cmd.set_defaults(func=cmd_hash_token)

@@ -24,8 +24,22 @@ def _health(value: str) -> Text:
 
 def render_catalog(console: Console, catalog: dict[str, Any]) -> None:
     providers = Table(title=f"Providers (revision {catalog.get('revision')})", title_justify="left")
-    for column in ("provider", "node", "type", "category", "enabled", "connected", "health",
-                   "in_flight/capacity", "load", "long", "queued", "priority", "models", "lifecycle"):
+    for column in (
+        "provider",
+        "node",
+        "type",
+        "category",
+        "enabled",
+        "connected",
+        "health",
+        "in_flight/capacity",
+        "load",
+        "long",
+        "queued",
+        "priority",
+        "models",
+        "lifecycle",
+    ):
         providers.add_column(column, overflow="fold")
     for p in catalog.get("providers", []):
         load = p.get("load_ratio")
@@ -35,19 +49,28 @@ def render_catalog(console: Console, catalog: dict[str, Any]) -> None:
         if p.get("cooling_down"):
             health = f"{health} (cooldown)"
         providers.add_row(
-            p["id"], p.get("node_id", ""), p.get("type", ""), p.get("category", ""),
-            _yes(p.get("enabled")), _yes(p.get("connected")), _health(health),
+            p["id"],
+            p.get("node_id", ""),
+            p.get("type", ""),
+            p.get("category", ""),
+            _yes(p.get("enabled")),
+            _yes(p.get("connected")),
+            _health(health),
             f"{p.get('in_flight', 0)}/{p.get('capacity', 0)}",
             "-" if load is None else f"{load:.2f}",
             "-" if long_slots is None else f"{p.get('long_in_flight', 0)}/{long_slots}",
-            str(p.get("queued", 0)), str(p.get("priority", "")),
-            ", ".join(p.get("models", [])), ", ".join(lifecycle) or "-",
+            str(p.get("queued", 0)),
+            str(p.get("priority", "")),
+            ", ".join(p.get("models", [])),
+            ", ".join(lifecycle) or "-",
         )
     models = Table(title="Models", title_justify="left")
     for column in ("model", "display name", "providers (served name)", "queued"):
         models.add_column(column, overflow="fold")
     for m in catalog.get("models", []):
-        mapping = ", ".join(f"{pid} -> {served}" for pid, served in (m.get("providers") or {}).items())
+        mapping = ", ".join(
+            f"{pid} -> {served}" for pid, served in (m.get("providers") or {}).items()
+        )
         models.add_row(m["id"], m.get("display_name") or "", mapping, str(m.get("queued", 0)))
     console.print(models)
     console.print(providers)
@@ -58,8 +81,11 @@ def render_refresh_report(console: Console, report: dict[str, Any], status: int)
     style = {"applied": "green", "no_change": "cyan", "dry_run": "cyan"}.get(outcome, "red")
     console.print(
         Text.assemble(
-            ("refresh ", "bold"), (f"{report.get('mode')}: ", "bold"), (outcome, f"bold {style}"),
-            f"  (HTTP {status}, revision {report.get('base_revision')} -> {report.get('revision')})",
+            ("refresh ", "bold"),
+            (f"{report.get('mode')}: ", "bold"),
+            (outcome, f"bold {style}"),
+            f"  (HTTP {status}, revision {report.get('base_revision')}"
+            f" -> {report.get('revision')})",
         )
     )
     errors = report.get("errors") or []
@@ -88,6 +114,10 @@ def render_refresh_report(console: Console, report: dict[str, Any], status: int)
         for column in ("node", "status", "revision", "detail"):
             table.add_column(column, overflow="fold")
         for node in nodes:
-            table.add_row(node["id"], node.get("status", ""), str(node.get("revision") or "-"),
-                          node.get("detail") or "")
+            table.add_row(
+                node["id"],
+                node.get("status", ""),
+                str(node.get("revision") or "-"),
+                node.get("detail") or "",
+            )
         console.print(table)

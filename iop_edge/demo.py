@@ -39,9 +39,13 @@ def demo_config_path() -> Path:
 def with_node_token(parsed: ParsedConfig, token: str) -> ParsedConfig:
     """Every demo node authenticates with `token` (only its hash enters the config)."""
     digest = hash_token(token)
-    nodes = [msgspec.structs.replace(node, token_hash_sha256=digest) for node in parsed.config.nodes]
+    nodes = [
+        msgspec.structs.replace(node, token_hash_sha256=digest) for node in parsed.config.nodes
+    ]
     config = msgspec.structs.replace(parsed.config, nodes=nodes)
-    return ParsedConfig(config=config, text=parsed.text, sha256=parsed.sha256, warnings=parsed.warnings)
+    return ParsedConfig(
+        config=config, text=parsed.text, sha256=parsed.sha256, warnings=parsed.warnings
+    )
 
 
 def example_text(addresses: EdgeAddresses, model: str) -> str:
@@ -93,7 +97,10 @@ async def send_example_request(addresses: EdgeAddresses, model: str) -> None:
             print(chunk.choices[0].delta.content, end="", flush=True)
     total = time.perf_counter() - started
     ttft = (first - started) * 1000 if first else float("nan")
-    print(f"\n< {chunks} chunks, model '{served_as}', first token {ttft:.1f} ms, total {total * 1000:.1f} ms")
+    print(
+        f"\n< {chunks} chunks, model '{served_as}', "
+        f"first token {ttft:.1f} ms, total {total * 1000:.1f} ms"
+    )
     await client.close()
 
 
@@ -106,7 +113,9 @@ def with_ephemeral_ports(parsed: ParsedConfig) -> ParsedConfig:
         admin=msgspec.structs.replace(config.admin, listen="127.0.0.1:0"),
         openai=msgspec.structs.replace(config.openai, listen="127.0.0.1:0"),
     )
-    return ParsedConfig(config=config, text=parsed.text, sha256=parsed.sha256, warnings=parsed.warnings)
+    return ParsedConfig(
+        config=config, text=parsed.text, sha256=parsed.sha256, warnings=parsed.warnings
+    )
 
 
 async def run_demo(
@@ -134,8 +143,10 @@ async def run_demo(
         with trio.move_on_after(READY_TIMEOUT_S) as ready:
             await edge.wait_model_servable(model)
         if ready.cancelled_caught:
-            print(f"the demo providers did not become available within {READY_TIMEOUT_S:.0f}s",
-                  file=sys.stderr)
+            print(
+                f"the demo providers did not become available within {READY_TIMEOUT_S:.0f}s",
+                file=sys.stderr,
+            )
             nursery.cancel_scope.cancel()
             return 1
         print(example_text(addresses, model), flush=True)

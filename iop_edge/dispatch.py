@@ -92,8 +92,12 @@ class RunFailure(Exception):
     def api_error(self) -> ApiError:
         failure = self.failure
         if failure is None:
-            return ApiError(502, f"provider '{self.provider_id}' failed: node connection lost",
-                            type="api_error", code="node_lost")
+            return ApiError(
+                502,
+                f"provider '{self.provider_id}' failed: node connection lost",
+                type="api_error",
+                code="node_lost",
+            )
         if failure.code == "upstream_rejected" and failure.status in (400, 413, 422):
             return ApiError(failure.status, failure.message, code="upstream_rejected")
         if failure.code == "deadline_exceeded":
@@ -109,15 +113,32 @@ class RunFailure(Exception):
 def admission_error(exc: AdmissionError) -> ApiError:
     """Map the scheduler's refusals onto OpenAI-shaped HTTP errors."""
     if isinstance(exc, QueueFull):
-        return ApiError(429, exc.reason, type="rate_limit_error", code="queue_full",
-                        retry_after_s=exc.retry_after_s or 1.0)
+        return ApiError(
+            429,
+            exc.reason,
+            type="rate_limit_error",
+            code="queue_full",
+            retry_after_s=exc.retry_after_s or 1.0,
+        )
     if isinstance(exc, QueueTimeout):
-        return ApiError(503, exc.reason, type="service_unavailable_error", code="queue_timeout",
-                        retry_after_s=exc.retry_after_s or 1.0)
+        return ApiError(
+            503,
+            exc.reason,
+            type="service_unavailable_error",
+            code="queue_timeout",
+            retry_after_s=exc.retry_after_s or 1.0,
+        )
     if isinstance(exc, UnknownModel):
-        return ApiError(404, exc.reason, type="not_found_error", code="model_not_found", param="model")
-    return ApiError(503, exc.reason, type="service_unavailable_error", code="no_provider",
-                    retry_after_s=exc.retry_after_s or 1.0)
+        return ApiError(
+            404, exc.reason, type="not_found_error", code="model_not_found", param="model"
+        )
+    return ApiError(
+        503,
+        exc.reason,
+        type="service_unavailable_error",
+        code="no_provider",
+        retry_after_s=exc.retry_after_s or 1.0,
+    )
 
 
 class ActiveRun:
@@ -125,6 +146,7 @@ class ActiveRun:
 
     def __init__(
         self,
+        *,
         plan: RunPlan,
         lease: Lease,
         session_run_id: str,
@@ -244,8 +266,12 @@ class Dispatcher:
         if session is None:
             lease.release()
             return RunFailure(
-                wire.RunFailed(run_id=session_run_id, code="node_lost", retryable=True,
-                               message=f"node '{lease.node_id}' is not connected"),
+                wire.RunFailed(
+                    run_id=session_run_id,
+                    code="node_lost",
+                    retryable=True,
+                    message=f"node '{lease.node_id}' is not connected",
+                ),
                 lease.provider_id,
             )
         sent_at = time.perf_counter()
@@ -270,7 +296,9 @@ class Dispatcher:
                 first = await events.receive()
             except trio.EndOfChannel:
                 first = wire.RunFailed(
-                    run_id=session_run_id, code="node_lost", retryable=True,
+                    run_id=session_run_id,
+                    code="node_lost",
+                    retryable=True,
                     message=f"node '{lease.node_id}' disconnected before the run started",
                 )
             timings.dispatch_s = time.perf_counter() - sent_at
@@ -278,7 +306,16 @@ class Dispatcher:
             if isinstance(first, wire.RunFailed):
                 self.note_failure(lease.provider_id, first)
                 return RunFailure(first, lease.provider_id)
-            active = ActiveRun(plan, lease, session_run_id, session, events, first, timings, self)
+            active = ActiveRun(
+                plan=plan,
+                lease=lease,
+                session_run_id=session_run_id,
+                session=session,
+                events=events,
+                first=first,
+                timings=timings,
+                dispatcher=self,
+            )
             return active
         except SessionClosed:
             return RunFailure(None, lease.provider_id)

@@ -169,8 +169,9 @@ class Edge:
     def _on_status(self, node_id: str, status: wire.Status) -> None:
         for provider in status.providers:
             if self.snapshot.provider_node.get(provider.id) != node_id:
-                log.warning("node %s reported status for provider %s it does not own",
-                            node_id, provider.id)
+                log.warning(
+                    "node %s reported status for provider %s it does not own", node_id, provider.id
+                )
                 continue
             self.scheduler.provider_status(provider.id, provider.health, provider.models)
 
@@ -197,7 +198,9 @@ class Edge:
         context.load_cert_chain(tls.cert_file, tls.key_file)
         return context
 
-    async def serve(self, *, task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(
+        self, *, task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         config = self.snapshot.config
         async with trio.open_nursery() as nursery:
             await nursery.start(self.scheduler.run)

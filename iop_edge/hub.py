@@ -189,7 +189,9 @@ class NodeSession:
             with trio.move_on_after(timeout_s) as scope:
                 await self.websocket.ping()
             if scope.cancelled_caught:
-                log.warning("node %s missed its heartbeat for %.1fs; dropping", self.node_id, timeout_s)
+                log.warning(
+                    "node %s missed its heartbeat for %.1fs; dropping", self.node_id, timeout_s
+                )
                 return
 
     async def serve(self, hub: NodeHub, heartbeat_s: float, heartbeat_timeout_s: float) -> None:
@@ -320,18 +322,25 @@ class NodeHub:
                 await _reject(websocket, "bad_frame", str(exc))
                 return None
             if not isinstance(message, wire.Hello):
-                await _reject(websocket, "protocol_error", f"expected hello, got {message.__class__.__name__}")
+                await _reject(
+                    websocket, "protocol_error", f"expected hello, got {message.__class__.__name__}"
+                )
                 return None
             if message.protocol != wire.PROTOCOL_VERSION:
                 await _reject(
                     websocket,
                     "unsupported_protocol",
-                    f"protocol {message.protocol} is not supported; this Edge speaks {wire.PROTOCOL_VERSION}",
+                    f"protocol {message.protocol} is not supported; "
+                    f"this Edge speaks {wire.PROTOCOL_VERSION}",
                 )
                 return None
             expected = self._directory().token_hash(message.node_id)
             if expected is None:
-                await _reject(websocket, "unknown_node", f"node id '{message.node_id}' is not in the Edge config")
+                await _reject(
+                    websocket,
+                    "unknown_node",
+                    f"node id '{message.node_id}' is not in the Edge config",
+                )
                 return None
             if not tokens_match(message.token, expected):
                 log.warning("node %s presented a bad token", message.node_id)

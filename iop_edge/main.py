@@ -29,7 +29,11 @@ async def _apply_from_file(edge: Edge) -> None:
     status, report = await edge.refresher.refresh(RefreshRequest(mode="apply"))
     log.info(
         "SIGHUP refresh: HTTP %d, outcome %s, revision %s -> %s, %d change(s)",
-        status, report.outcome, report.base_revision, report.revision, len(report.changes),
+        status,
+        report.outcome,
+        report.base_revision,
+        report.revision,
+        len(report.changes),
     )
     for error in report.errors:
         log.error("refresh rejected: %s: %s", error.path, error.message)

@@ -27,7 +27,9 @@ class _PoolCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         catalog = self._catalog()
         labels = ["provider", "node"]
-        in_flight = GaugeMetricFamily("iop_provider_in_flight", "Runs holding a slot", labels=labels)
+        in_flight = GaugeMetricFamily(
+            "iop_provider_in_flight", "Runs holding a slot", labels=labels
+        )
         capacity = GaugeMetricFamily("iop_provider_capacity", "Configured run slots", labels=labels)
         long_in_flight = GaugeMetricFamily(
             "iop_provider_long_in_flight", "Long-context runs holding a long slot", labels=labels
@@ -60,24 +62,37 @@ class EdgeMetrics:
             "iop_requests", "Finished requests", ["model", "provider", "status"], registry=r
         )
         self.latency = Histogram(
-            "iop_request_latency_seconds", "Request latency at the Edge",
-            ["model", "provider"], buckets=_LATENCY_BUCKETS, registry=r,
+            "iop_request_latency_seconds",
+            "Request latency at the Edge",
+            ["model", "provider"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.ttft = Histogram(
-            "iop_time_to_first_token_seconds", "Time to the first streamed chunk",
-            ["model", "provider"], buckets=_LATENCY_BUCKETS, registry=r,
+            "iop_time_to_first_token_seconds",
+            "Time to the first streamed chunk",
+            ["model", "provider"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.queue_wait = Histogram(
-            "iop_queue_wait_seconds", "Time spent waiting for a slot", ["model"],
-            buckets=_QUEUE_BUCKETS, registry=r,
+            "iop_queue_wait_seconds",
+            "Time spent waiting for a slot",
+            ["model"],
+            buckets=_QUEUE_BUCKETS,
+            registry=r,
         )
         self.failovers = Counter(
-            "iop_failovers", "Attempts moved to another provider before the first byte",
-            ["model", "provider"], registry=r,
+            "iop_failovers",
+            "Attempts moved to another provider before the first byte",
+            ["model", "provider"],
+            registry=r,
         )
         self.tokens = Counter(
-            "iop_tokens", "Tokens metered per finished run",
-            ["principal_ref", "token_ref", "model", "provider", "kind"], registry=r,
+            "iop_tokens",
+            "Tokens metered per finished run",
+            ["principal_ref", "token_ref", "model", "provider", "kind"],
+            registry=r,
         )
         r.register(_PoolCollector(catalog))
 

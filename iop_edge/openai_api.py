@@ -19,7 +19,7 @@ import re
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 from quart import Response, request
@@ -56,12 +56,19 @@ def new_run_id() -> str:
     return f"req_{secrets.token_hex(12)}"
 
 
+def _request_state() -> dict[str, Any]:
+    """The ASGI scope as a plain dict: where the guard middleware keeps per-request state."""
+    return cast(dict[str, Any], request.scope)
+
+
 def _param_of(error: msgspec.ValidationError) -> str | None:
     match = re.search(r"at `\$\.([^`]*)`", str(error))
     return match.group(1) if match else None
 
 
-def _json_response(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+def _json_response(
+    body: bytes, status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
     return Response(body, status=status, headers=headers, content_type="application/json")
 
 
@@ -109,11 +116,12 @@ def create_openai_app(edge: Edge) -> QuartTrio:
 
     def request_id(run_id: str | None = None) -> str:
         """The caller's `x-request-id` when it is sane, else ours; kept for error replies."""
-        rid = request.scope.get(_ID_KEY)
+        state = _request_state()
+        rid = state.get(_ID_KEY)
         if rid is None:
             supplied = request.headers.get("x-request-id")
             rid = supplied if supplied and _REQUEST_ID.match(supplied) else run_id or new_run_id()
-            request.scope[_ID_KEY] = rid
+            state[_ID_KEY] = rid
         return str(rid)
 
     def authenticate() -> tuple[str, str]:
@@ -123,29 +131,43 @@ def create_openai_app(edge: Edge) -> QuartTrio:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise ApiError(401, "Missing bearer token in the Authorization header",
-                           type="authentication_error", code="invalid_api_key")
+            raise ApiError(
+                401,
+                "Missing bearer token in the Authorization header",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
         principal = principals.get(hash_token(token))
         if principal is None:
-            raise ApiError(401, "Incorrect API key provided",
-                           type="authentication_error", code="invalid_api_key")
+            raise ApiError(
+                401,
+                "Incorrect API key provided",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
         return principal.principal_ref, principal.token_ref
 
     async def read_body() -> dict[str, Any]:
         limit = edge.snapshot.config.openai.max_request_bytes
         length = request.content_length
         if length is not None and length > limit:
-            raise ApiError(413, f"Request body of {length} bytes exceeds the limit of {limit} bytes",
-                           code="request_too_large")
+            raise ApiError(
+                413,
+                f"Request body of {length} bytes exceeds the limit of {limit} bytes",
+                code="request_too_large",
+            )
         raw = await request.get_data(cache=False)
         assert isinstance(raw, bytes)
         if len(raw) > limit:
-            raise ApiError(413, f"Request body exceeds the limit of {limit} bytes",
-                           code="request_too_large")
+            raise ApiError(
+                413, f"Request body exceeds the limit of {limit} bytes", code="request_too_large"
+            )
         try:
             body = _decode_json(raw)
         except msgspec.DecodeError as exc:
-            raise bad_request(f"Could not parse the JSON body: {exc}", code="invalid_json") from None
+            raise bad_request(
+                f"Could not parse the JSON body: {exc}", code="invalid_json"
+            ) from None
         if not isinstance(body, dict):
             raise bad_request("The request body must be a JSON object", code="invalid_json")
         return body
@@ -174,12 +196,15 @@ def create_openai_app(edge: Edge) -> QuartTrio:
                 requested = body.get(key)
                 if limit is not None and isinstance(requested, int) and requested > limit:
                     raise bad_request(
-                        f"{key}={requested} exceeds this model's limit of {limit}", param=key,
+                        f"{key}={requested} exceeds this model's limit of {limit}",
+                        param=key,
                         code="max_tokens_exceeded",
                     )
             if stream:
                 options = body.get("stream_options")
-                caller_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+                caller_wants_usage = (
+                    isinstance(options, dict) and options.get("include_usage") is True
+                )
                 body["stream_options"] = {**(options or {}), "include_usage": True}
         plan = RunPlan(
             run_id=run_id,
@@ -194,17 +219,22 @@ def create_openai_app(edge: Edge) -> QuartTrio:
         )
         return await run_plan(plan, rid, timing)
 
-    def observe(plan: RunPlan, provider: str, status: int, timing: _Timing,
-                run: ActiveRun | None = None) -> None:
+    def observe(
+        plan: RunPlan, provider: str, status: int, timing: _Timing, run: ActiveRun | None = None
+    ) -> None:
         ttft = None
         if run is not None and run.timings.first_event_at is not None:
             ttft = run.timings.first_event_at - plan.received_at
         edge.metrics.observe_request(
-            model=plan.model_id, provider=provider, status=status,
-            latency_s=time.perf_counter() - plan.received_at, ttft_s=ttft,
+            model=plan.model_id,
+            provider=provider,
+            status=status,
+            latency_s=time.perf_counter() - plan.received_at,
+            ttft_s=ttft,
             queued_s=timing.queued_s if provider else None,
             usage=run.usage if run is not None else None,
-            principal_ref=plan.principal_ref, token_ref=plan.token_ref,
+            principal_ref=plan.principal_ref,
+            token_ref=plan.token_ref,
         )
 
     async def run_plan(plan: RunPlan, rid: str, timing: _Timing) -> Response:
@@ -217,7 +247,7 @@ def create_openai_app(edge: Edge) -> QuartTrio:
             error = exc.api_error()
             observe(plan, exc.provider_id, error.status, timing)
             raise error from None
-        request.scope[_RUNS_KEY].append(active)
+        _request_state()[_RUNS_KEY].append(active)
         timing.queued_s = active.timings.queued_s
         timing.upstream_s = active.timings.dispatch_s
         headers = {"x-request-id": rid, "x-iop-provider": active.provider_id}
@@ -236,8 +266,12 @@ def create_openai_app(edge: Edge) -> QuartTrio:
                     case wire.RunDone():
                         active.finished(event)
                         if event.response is None:
-                            raise ApiError(502, f"provider '{active.provider_id}' returned no response body",
-                                           type="api_error", code="empty_response")
+                            raise ApiError(
+                                502,
+                                f"provider '{active.provider_id}' returned no response body",
+                                type="api_error",
+                                code="empty_response",
+                            )
                         payload = relabel(event.response, plan.model_id, strip_usage=False)
                         headers["Server-Timing"] = timing.header()
                         observe(plan, active.provider_id, 200, timing, active)
@@ -293,7 +327,9 @@ def create_openai_app(edge: Edge) -> QuartTrio:
 
     def model_card(model_id: str) -> oai.ModelCard:
         entry = edge.snapshot.models[model_id]
-        return oai.ModelCard(id=entry.id, display_name=entry.display_name, created=edge.started_unix)
+        return oai.ModelCard(
+            id=entry.id, display_name=entry.display_name, created=edge.started_unix
+        )
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -324,9 +360,15 @@ def create_openai_app(edge: Edge) -> QuartTrio:
         if status == 413:
             api = ApiError(413, "Request body too large", code="request_too_large")
         elif status == 404:
-            api = ApiError(404, f"Unknown path {request.path}", type="not_found_error", code="unknown_url")
+            api = ApiError(
+                404, f"Unknown path {request.path}", type="not_found_error", code="unknown_url"
+            )
         elif status == 405:
-            api = ApiError(405, f"Method {request.method} not allowed on {request.path}", code="method_not_allowed")
+            api = ApiError(
+                405,
+                f"Method {request.method} not allowed on {request.path}",
+                code="method_not_allowed",
+            )
         else:
             api = ApiError(status, error.description or error.name, type="invalid_request_error")
         return await on_api_error(api)
@@ -334,7 +376,8 @@ def create_openai_app(edge: Edge) -> QuartTrio:
     @app.errorhandler(Exception)
     async def on_unexpected(error: Exception) -> Response:
         log.exception("unexpected error serving %s %s", request.method, request.path)
-        return await on_api_error(ApiError(500, "Internal error in the IOP Edge", type="api_error",
-                                           code="internal_error"))
+        return await on_api_error(
+            ApiError(500, "Internal error in the IOP Edge", type="api_error", code="internal_error")
+        )
 
     return app

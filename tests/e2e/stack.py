@@ -23,6 +23,8 @@ from iop_edge.edge import Edge, EdgeAddresses
 from iop_node.main import run_node
 
 NODE_TOKEN = "test-node-token-not-a-secret"
+#: Upper bound for event-driven waits, so a broken test fails instead of hanging.
+WAIT_GUARD_S = 5.0
 NODE_TOKEN_HASH = hashlib.sha256(NODE_TOKEN.encode()).hexdigest()
 
 
@@ -42,18 +44,28 @@ def edge_config(
         "admin": {"listen": "127.0.0.1:0"},
         "openai": {"listen": "127.0.0.1:0", **(openai_section or {})},
         "models": models,
-        "nodes": [{"id": node_id, "token_hash_sha256": NODE_TOKEN_HASH, "providers": providers},
-                  *(extra_nodes or [])],
+        "nodes": [
+            {"id": node_id, "token_hash_sha256": NODE_TOKEN_HASH, "providers": providers},
+            *(extra_nodes or []),
+        ],
     }
     if dispatch is not None:
         config["dispatch"] = dispatch
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def sim_provider(provider_id: str, *, capacity: int = 4, served: str = "sim-small", **extra: Any) -> dict[str, Any]:
+def sim_provider(
+    provider_id: str, *, capacity: int = 4, served: str = "sim-small", **extra: Any
+) -> dict[str, Any]:
     adapter = extra.pop("adapter", {"ttft_ms": 5, "tokens_per_second": 2000})
-    return {"id": provider_id, "type": "sim", "models": [served], "capacity": capacity,
-            "adapter": adapter, **extra}
+    return {
+        "id": provider_id,
+        "type": "sim",
+        "models": [served],
+        "capacity": capacity,
+        "adapter": adapter,
+        **extra,
+    }
 
 
 @dataclass
@@ -79,7 +91,9 @@ class Stack:
     def admin(self) -> httpx2.AsyncClient:
         return httpx2.AsyncClient(base_url=self.addresses.admin_url, timeout=30)
 
-    async def start_node(self, node_id: str = "node-1", token: str = NODE_TOKEN, **kwargs: Any) -> None:
+    async def start_node(
+        self, node_id: str = "node-1", token: str = NODE_TOKEN, **kwargs: Any
+    ) -> None:
         """Start an in-process Node; stop it with `kill_node`."""
         scope = trio.CancelScope()
         self.node_scopes[node_id] = scope
@@ -105,14 +119,14 @@ class Stack:
             result: dict[str, Any] = response.json()
             return result
 
-    async def wait_catalog(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 2.0) -> dict[str, Any]:
+    async def wait_catalog(self, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
         """Wait until the catalog satisfies `predicate`.
 
         Event-driven: the catalog is read in-process (the same records `/catalog` encodes)
         and checked with no await before waiting for the next pool change, so no change
         can slip between the check and the wait.
         """
-        with trio.fail_after(timeout):
+        with trio.fail_after(WAIT_GUARD_S):
             while True:
                 catalog: dict[str, Any] = msgspec.to_builtins(self.edge.scheduler.catalog())
                 if predicate(catalog):
@@ -130,7 +144,7 @@ async def start_stack(
     node_kwargs: dict[str, Any] | None = None,
     edge_kwargs: dict[str, Any] | None = None,
 ) -> Stack:
-    config_path.write_text(config_text, encoding="utf-8")
+    await trio.Path(config_path).write_text(config_text, encoding="utf-8")
     edge = Edge(parse_config(config_text), config_path=config_path, **(edge_kwargs or {}))
     addresses = await nursery.start(edge.serve)
     stack = Stack(edge=edge, addresses=addresses, nursery=nursery, config_path=config_path)

@@ -15,8 +15,11 @@ from tests.e2e.stack import NODE_TOKEN, Stack, edge_config, sim_provider, start_
 
 
 def _text(tmp_path: Path) -> str:
-    return edge_config(tmp_path, providers=[sim_provider("sim-1")],
-                       models=[{"id": "m", "providers": {"sim-1": "sim-small"}}])
+    return edge_config(
+        tmp_path,
+        providers=[sim_provider("sim-1")],
+        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+    )
 
 
 async def _handshake(url: str, hello: wire.Hello | bytes) -> wire.EdgeToNode:
@@ -28,16 +31,22 @@ async def _handshake(url: str, hello: wire.Hello | bytes) -> wire.EdgeToNode:
 
 async def test_bad_token_is_rejected(nursery: trio.Nursery, tmp_path: Path) -> None:
     stack = await start_stack(nursery, _text(tmp_path), tmp_path / "edge.yaml", nodes=())
-    reply = await _handshake(stack.addresses.node_url, wire.Hello(
-        protocol=wire.PROTOCOL_VERSION, node_id="node-1", token="not-the-token"))
+    reply = await _handshake(
+        stack.addresses.node_url,
+        wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="node-1", token="not-the-token"),
+    )
     assert isinstance(reply, wire.Reject) and reply.code == "bad_token"
     assert "node-1" not in stack.edge.connected_nodes()
 
 
-async def test_unknown_node_protocol_and_garbage_are_rejected(nursery: trio.Nursery, tmp_path: Path) -> None:
+async def test_unknown_node_protocol_and_garbage_are_rejected(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
     stack = await start_stack(nursery, _text(tmp_path), tmp_path / "edge.yaml", nodes=())
     url = stack.addresses.node_url
-    unknown = await _handshake(url, wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="ghost", token=NODE_TOKEN))
+    unknown = await _handshake(
+        url, wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="ghost", token=NODE_TOKEN)
+    )
     assert isinstance(unknown, wire.Reject) and unknown.code == "unknown_node"
     old = await _handshake(url, wire.Hello(protocol=99, node_id="node-1", token=NODE_TOKEN))
     assert isinstance(old, wire.Reject) and old.code == "unsupported_protocol"
@@ -45,10 +54,14 @@ async def test_unknown_node_protocol_and_garbage_are_rejected(nursery: trio.Nurs
     assert isinstance(garbage, wire.Reject) and garbage.code == "bad_frame"
 
 
-async def test_good_handshake_gets_welcome_with_own_providers(nursery: trio.Nursery, tmp_path: Path) -> None:
+async def test_good_handshake_gets_welcome_with_own_providers(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
     stack = await start_stack(nursery, _text(tmp_path), tmp_path / "edge.yaml", nodes=())
-    reply = await _handshake(stack.addresses.node_url, wire.Hello(
-        protocol=wire.PROTOCOL_VERSION, node_id="node-1", token=NODE_TOKEN))
+    reply = await _handshake(
+        stack.addresses.node_url,
+        wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="node-1", token=NODE_TOKEN),
+    )
     assert isinstance(reply, wire.Welcome)
     assert reply.revision == 1
     assert [p.id for p in reply.node_config.providers] == ["sim-1"]
@@ -56,8 +69,11 @@ async def test_good_handshake_gets_welcome_with_own_providers(nursery: trio.Nurs
 
 async def test_second_connection_replaces_the_first(stack_one: Stack) -> None:
     async with open_websocket_url(stack_one.addresses.node_url) as ws:
-        await ws.send_message(wire.encode(wire.Hello(
-            protocol=wire.PROTOCOL_VERSION, node_id="node-1", token=NODE_TOKEN)))
+        await ws.send_message(
+            wire.encode(
+                wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="node-1", token=NODE_TOKEN)
+            )
+        )
         with trio.fail_after(5):
             assert isinstance(wire.decode_from_edge(await ws.get_message()), wire.Welcome)
         session = stack_one.edge.hub.session("node-1")
@@ -65,8 +81,9 @@ async def test_second_connection_replaces_the_first(stack_one: Stack) -> None:
     # The in-process node reconnects and takes the id back; requests still work.
     await stack_one.wait_servable("m")
     async with stack_one.client() as client:
-        reply = await client.chat.completions.create(model="m", max_tokens=2,
-                                                     messages=[{"role": "user", "content": "x"}])
+        reply = await client.chat.completions.create(
+            model="m", max_tokens=2, messages=[{"role": "user", "content": "x"}]
+        )
     assert reply.model == "m"
 
 
@@ -76,18 +93,25 @@ async def test_node_reconnects_after_edge_restart(nursery: trio.Nursery, tmp_pat
     async with trio.open_nursery() as edge_nursery:
         addresses = await edge_nursery.start(first.serve)
         port = int(addresses.node_url.rsplit(":", 1)[1])
-        stack = Stack(edge=first, addresses=addresses, nursery=nursery, config_path=tmp_path / "e.yaml")
+        stack = Stack(
+            edge=first, addresses=addresses, nursery=nursery, config_path=tmp_path / "e.yaml"
+        )
         await stack.start_node("node-1", backoff=BackoffPolicy(base_s=0.01, cap_s=0.05))
         await stack.wait_servable("m")
         edge_nursery.cancel_scope.cancel()  # the Edge goes away abruptly
 
-    restarted_text = text.replace('listen: 127.0.0.1:0\n  state_dir', f'listen: 127.0.0.1:{port}\n  state_dir', 1)
+    restarted_text = text.replace(
+        "listen: 127.0.0.1:0\n  state_dir", f"listen: 127.0.0.1:{port}\n  state_dir", 1
+    )
     assert f"127.0.0.1:{port}" in restarted_text
     second = Edge(parse_config(restarted_text))
     addresses2 = await nursery.start(second.serve)
-    stack2 = Stack(edge=second, addresses=addresses2, nursery=nursery, config_path=tmp_path / "e.yaml")
+    stack2 = Stack(
+        edge=second, addresses=addresses2, nursery=nursery, config_path=tmp_path / "e.yaml"
+    )
     await stack2.wait_servable("m")
     async with stack2.client() as client:
-        reply = await client.chat.completions.create(model="m", max_tokens=3,
-                                                     messages=[{"role": "user", "content": "again"}])
+        reply = await client.chat.completions.create(
+            model="m", max_tokens=3, messages=[{"role": "user", "content": "again"}]
+        )
     assert reply.model == "m" and reply.usage is not None and reply.usage.completion_tokens == 3

@@ -17,8 +17,12 @@ CALLER_TOKEN = "caller-token-for-tests"
 
 def _models() -> list[dict[str, object]]:
     return [
-        {"id": "chat-alias", "display_name": "Chat alias", "providers": {"sim-1": "sim-small"},
-         "generation": {"max_tokens_limit": 64, "defaults": {"temperature": 0.5}}},
+        {
+            "id": "chat-alias",
+            "display_name": "Chat alias",
+            "providers": {"sim-1": "sim-small"},
+            "generation": {"max_tokens_limit": 64, "defaults": {"temperature": 0.5}},
+        },
         {"id": "embed-alias", "providers": {"sim-1": "sim-small"}},
     ]
 
@@ -56,7 +60,9 @@ async def test_non_stream_chat_returns_alias_and_usage(stack: Stack) -> None:
 async def test_stream_matches_non_stream_and_carries_alias(stack: Stack) -> None:
     messages = [{"role": "user", "content": "tell me a story"}]
     async with stack.client() as client:
-        whole = await client.chat.completions.create(model="chat-alias", max_tokens=12, messages=messages)
+        whole = await client.chat.completions.create(
+            model="chat-alias", max_tokens=12, messages=messages
+        )
         stream = await client.chat.completions.create(
             model="chat-alias", max_tokens=12, messages=messages, stream=True
         )
@@ -75,7 +81,9 @@ async def test_stream_matches_non_stream_and_carries_alias(stack: Stack) -> None
 async def test_stream_usage_is_passed_when_asked(stack: Stack) -> None:
     async with stack.client() as client:
         stream = await client.chat.completions.create(
-            model="chat-alias", max_tokens=5, stream=True,
+            model="chat-alias",
+            max_tokens=5,
+            stream=True,
             stream_options={"include_usage": True},
             messages=[{"role": "user", "content": "count"}],
         )
@@ -85,7 +93,9 @@ async def test_stream_usage_is_passed_when_asked(stack: Stack) -> None:
 
 async def test_completion_and_embedding_routes(stack: Stack) -> None:
     async with stack.client() as client:
-        completion = await client.completions.create(model="chat-alias", prompt="Once", max_tokens=4)
+        completion = await client.completions.create(
+            model="chat-alias", prompt="Once", max_tokens=4
+        )
         embedding = await client.embeddings.create(model="embed-alias", input=["a", "b"])
     assert completion.model == "chat-alias" and completion.choices[0].text
     assert embedding.model == "embed-alias" and len(embedding.data) == 2
@@ -94,7 +104,9 @@ async def test_completion_and_embedding_routes(stack: Stack) -> None:
 async def test_unknown_model_is_not_found(stack: Stack) -> None:
     async with stack.client() as client:
         with pytest.raises(openai.NotFoundError) as caught:
-            await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+            await client.chat.completions.create(
+                model="nope", messages=[{"role": "user", "content": "x"}]
+            )
     assert caught.value.status_code == 404
     assert caught.value.code == "model_not_found"
 
@@ -110,8 +122,11 @@ async def test_wrong_types_are_400_naming_the_field(stack: Stack) -> None:
 
 async def test_malformed_json_is_400(stack: Stack) -> None:
     async with stack.http() as http:
-        response = await http.post("/v1/chat/completions", content=b"{not json",
-                                   headers={"content-type": "application/json"})
+        response = await http.post(
+            "/v1/chat/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        )
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == "invalid_json"
@@ -120,8 +135,11 @@ async def test_malformed_json_is_400(stack: Stack) -> None:
 async def test_body_over_limit_is_413(stack: Stack) -> None:
     big = {"model": "chat-alias", "messages": [{"role": "user", "content": "x" * 5000}]}
     async with stack.http() as http:
-        response = await http.post("/v1/chat/completions", content=msgspec.json.encode(big),
-                                   headers={"content-type": "application/json"})
+        response = await http.post(
+            "/v1/chat/completions",
+            content=msgspec.json.encode(big),
+            headers={"content-type": "application/json"},
+        )
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "request_too_large"
 
@@ -149,23 +167,37 @@ async def test_caller_request_id_is_echoed(stack: Stack) -> None:
     async with stack.http() as http:
         response = await http.post(
             "/v1/chat/completions",
-            json={"model": "chat-alias", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]},
+            json={
+                "model": "chat-alias",
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": "x"}],
+            },
             headers={"x-request-id": "caller-abc-123"},
         )
-        missing = await http.post("/v1/chat/completions", json={"model": "nope", "messages": []},
-                                  headers={"x-request-id": "caller-err-1"})
+        missing = await http.post(
+            "/v1/chat/completions",
+            json={"model": "nope", "messages": []},
+            headers={"x-request-id": "caller-err-1"},
+        )
     assert response.headers["x-request-id"] == "caller-abc-123"
     assert missing.headers["x-request-id"] == "caller-err-1"
 
 
-async def test_no_provider_connected_is_immediate_503(nursery: trio.Nursery, tmp_path: Path) -> None:
-    text = edge_config(tmp_path, providers=[sim_provider("sim-1")],
-                       models=[{"id": "m", "providers": {"sim-1": "sim-small"}}])
+async def test_no_provider_connected_is_immediate_503(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    text = edge_config(
+        tmp_path,
+        providers=[sim_provider("sim-1")],
+        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+    )
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", nodes=())
     async with stack.client() as client:
         with trio.fail_after(5):
             with pytest.raises(openai.InternalServerError) as caught:
-                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+                await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "x"}]
+                )
     assert caught.value.status_code == 503
     assert caught.value.response.headers.get("retry-after")
 
@@ -175,10 +207,15 @@ async def test_principal_tokens_gate_the_api(nursery: trio.Nursery, tmp_path: Pa
         tmp_path,
         providers=[sim_provider("sim-1")],
         models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
-        openai_section={"principal_tokens": [{
-            "token_ref": "app", "principal_ref": "team",
-            "token_hash_sha256": hashlib.sha256(CALLER_TOKEN.encode()).hexdigest(),
-        }]},
+        openai_section={
+            "principal_tokens": [
+                {
+                    "token_ref": "app",
+                    "principal_ref": "team",
+                    "token_hash_sha256": hashlib.sha256(CALLER_TOKEN.encode()).hexdigest(),
+                }
+            ]
+        },
     )
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
     messages = [{"role": "user", "content": "x"}]

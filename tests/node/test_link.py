@@ -113,7 +113,10 @@ class EdgeSide:
         hello = await self.expect(Hello)
         await self.send(
             Welcome(
-                protocol=PROTOCOL_VERSION, edge_id="fake-edge", revision=revision, node_config=config
+                protocol=PROTOCOL_VERSION,
+                edge_id="fake-edge",
+                revision=revision,
+                node_config=config,
             )
         )
         return hello
@@ -310,9 +313,7 @@ async def test_refresh_swaps_providers_and_acks(edge: FakeEdge, nursery: trio.Nu
     assert isinstance(done, RunDone)
 
 
-async def test_failed_refresh_keeps_the_old_registry(
-    edge: FakeEdge, nursery: trio.Nursery
-) -> None:
+async def test_failed_refresh_keeps_the_old_registry(edge: FakeEdge, nursery: trio.Nursery) -> None:
     def factory(provider: ProviderConfig) -> Adapter:
         if provider.id == "broken":
             raise ValueError("cannot reach upstream")

@@ -107,7 +107,9 @@ async def test_unknown_provider_fails_retryably() -> None:
 
 async def test_adapter_error_fields_map_onto_run_failed() -> None:
     async def behaviour(run: Run, emit: Emit) -> RunResult:
-        raise AdapterError("upstream_unavailable", "503 from upstream", retryable=True, capacity=True, status=503)
+        raise AdapterError(
+            "upstream_unavailable", "503 from upstream", retryable=True, capacity=True, status=503
+        )
 
     assert await _execute(FakeAdapter(behaviour)) == [
         RunFailed(
@@ -146,7 +148,9 @@ async def test_adapter_error_inside_an_exception_group_is_unwrapped() -> None:
     assert (failed.code, failed.message) == ("process_failed", "exit status 3")
 
 
-async def test_unexpected_exception_is_an_internal_failure(caplog: pytest.LogCaptureFixture) -> None:
+async def test_unexpected_exception_is_an_internal_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     async def behaviour(run: Run, emit: Emit) -> RunResult:
         raise KeyError("oops")
 

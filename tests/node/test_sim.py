@@ -73,7 +73,9 @@ async def _execute(adapter: SimAdapter, run: Run) -> tuple[RunResult, _Recorder,
     return result, recorder, trio.current_time() - start
 
 
-async def test_chat_stream_paces_tokens_and_ends_with_length(autojump_clock: trio.abc.Clock) -> None:
+async def test_chat_stream_paces_tokens_and_ends_with_length(
+    autojump_clock: trio.abc.Clock,
+) -> None:
     start = trio.current_time()
     result, recorder, elapsed = await _execute(
         _adapter(), _run({**CHAT, "max_tokens": 4}, stream=True)
@@ -98,7 +100,9 @@ async def test_chat_stream_paces_tokens_and_ends_with_length(autojump_clock: tri
     assert elapsed == pytest.approx(TTFT_S + 3 * INTERVAL_S)
     prompt_tokens = estimate_input_tokens({**CHAT, "max_tokens": 4})
     assert result == RunResult(
-        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=4, total_tokens=prompt_tokens + 4)
+        usage=Usage(
+            prompt_tokens=prompt_tokens, completion_tokens=4, total_tokens=prompt_tokens + 4
+        )
     )
     assert len(contents) == 4 and not contents[0].startswith(" ")
 
@@ -135,8 +139,10 @@ async def test_chat_non_stream_matches_the_streamed_text(autojump_clock: trio.ab
     )
     assert choice["message"]["content"] == streamed_text
     assert len(streamed_text.split(" ")) == 5
-    assert response["usage"] == msgspec.to_builtins(result.usage) == msgspec.to_builtins(
-        streamed.usage
+    assert (
+        response["usage"]
+        == msgspec.to_builtins(result.usage)
+        == msgspec.to_builtins(streamed.usage)
     )
     # A non-stream request takes as long as generating every token.
     assert elapsed == pytest.approx(TTFT_S + 4 * INTERVAL_S)
