@@ -2,7 +2,8 @@
 
 set shell := ["bash", "-euo", "pipefail", "-c"]
 
-python := env_var_or_default("PYTHON", "python3")
+# The project's venv when there is one (the README's commands create .venv), else $PYTHON.
+python := if path_exists(".venv/bin/python") == "true" { ".venv/bin/python" } else { env_var_or_default("PYTHON", "python3") }
 
 # list the recipes
 default:
@@ -14,7 +15,7 @@ setup:
 
 # Edge + an in-process Node + sim providers, then one real streamed request (Ctrl-C stops)
 demo *ARGS:
-    iop-edge demo {{ARGS}}
+    {{python}} -m iop_edge demo {{ARGS}}
 
 # the test suite (real sockets on 127.0.0.1, port 0)
 test *ARGS:
@@ -22,12 +23,12 @@ test *ARGS:
 
 # ruff lint + format check
 lint:
-    ruff check .
-    ruff format --check .
+    {{python}} -m ruff check .
+    {{python}} -m ruff format --check .
 
 # static types
 typecheck:
-    mypy
+    {{python}} -m mypy
 
 # lint, types and tests: what CI runs
 check: lint typecheck test
