@@ -9,6 +9,7 @@ Mutations are POST only.
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -40,6 +41,26 @@ def _host_name(host: str) -> str:
     if host.startswith("["):
         return host[: host.find("]") + 1]
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+DEFAULT_GROUP_BY = "principal_ref,token_ref,model"
+
+
+def parse_time(value: str | None) -> float | None:
+    """Unix seconds or an ISO 8601 timestamp (naive = UTC)."""
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"'{value}' is neither unix seconds nor an ISO 8601 time") from None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed.timestamp()
 
 
 def browser_request_reason(headers: dict[str, str]) -> str | None:
@@ -84,6 +105,18 @@ def create_admin_app(edge: Edge) -> QuartTrio:
         return Response(
             edge.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8"
         )
+
+    @app.get("/usage")
+    async def usage() -> Response:
+        """`?since=&until=` (ISO 8601 or unix seconds) `&group_by=principal_ref,token_ref,model`."""
+        try:
+            since = parse_time(request.args.get("since"))
+            until = parse_time(request.args.get("until"))
+            group_by = [c for c in request.args.get("group_by", DEFAULT_GROUP_BY).split(",") if c]
+            report = await edge.usage.aggregate(since=since, until=until, group_by=group_by)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        return _json(report)
 
     @app.post("/refresh")
     async def refresh() -> Response:

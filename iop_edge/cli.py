@@ -124,6 +124,27 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_usage(args: argparse.Namespace) -> int:
+    from urllib.parse import urlencode
+
+    from iop_edge.console import render_usage
+
+    query = {"group_by": args.group_by}
+    if args.since:
+        query["since"] = args.since
+    if args.until:
+        query["until"] = args.until
+    status, report = _admin_call(args, "GET", "/usage?" + urlencode(query))
+    if status != 200:
+        print(f"HTTP {status}: {report}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        render_usage(Console(), report)
+    return 0
+
+
 def cmd_hash_token(args: argparse.Namespace) -> int:
     token = sys.stdin.readline().strip()
     if not token:
@@ -170,12 +191,21 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, helptext in (
         ("refresh", cmd_refresh, "dry-run (default) or apply a config refresh"),
         ("catalog", cmd_catalog, "show models and providers with live load"),
+        ("usage", cmd_usage, "metered usage from the ledger, aggregated"),
     ):
         command = sub.add_parser(name, help=helptext)
         command.add_argument("--admin", help="admin API URL (default: admin.listen of --config)")
         command.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
         command.add_argument("--json", action="store_true", help="print the JSON document")
         command.set_defaults(func=func)
+        if name == "usage":
+            command.add_argument("--since", help="ISO 8601 time or unix seconds")
+            command.add_argument("--until", help="ISO 8601 time or unix seconds")
+            command.add_argument(
+                "--group-by",
+                default="principal_ref,token_ref,model",
+                help="comma-separated: principal_ref, token_ref, model, provider, node",
+            )
         if name == "refresh":
             command.add_argument("--apply", action="store_true", help="apply instead of dry-run")
             command.add_argument(

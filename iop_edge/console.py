@@ -121,3 +121,18 @@ def render_refresh_report(console: Console, report: dict[str, Any], status: int)
                 node.get("detail") or "",
             )
         console.print(table)
+
+
+def render_usage(console: Console, report: dict[str, Any]) -> None:
+    columns = list(report.get("group_by") or [])
+    table = Table(title="Usage", title_justify="left")
+    for column in [*columns, "requests", "prompt tokens", "completion tokens"]:
+        table.add_column(column, justify="left" if column in columns else "right")
+    for row in report.get("rows", []):
+        table.add_row(
+            *(str(row.get(column) or "") for column in columns),
+            str(row.get("requests", 0)),
+            str(row.get("prompt_tokens", 0)),
+            str(row.get("completion_tokens", 0)),
+        )
+    console.print(table)

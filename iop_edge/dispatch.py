@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +69,7 @@ class RunPlan:
     caller_wants_usage: bool
     principal_ref: str = "anonymous"
     token_ref: str = "anonymous"
+    principal_alias: str | None = None
     received_at: float = field(default_factory=time.perf_counter)
 
 
@@ -161,7 +161,7 @@ class ActiveRun:
         self._session_run_id = session_run_id
         self._session = session
         self._events = events
-        self.first = first
+        self._first: RunEvent | None = first
         self.timings = timings
         self._dispatcher = dispatcher
         self._finished = False
@@ -172,21 +172,19 @@ class ActiveRun:
     def provider_id(self) -> str:
         return self.lease.provider_id
 
-    async def events(self) -> AsyncIterator[RunEvent]:
-        """The first event, then the rest until the run ends. EndOfChannel = node lost."""
-        yield self.first
-        if isinstance(self.first, wire.RunDone):
-            return
-        async for event in self._events:
-            yield event
-            if isinstance(event, wire.RunDone | wire.RunFailed):
-                return
-        # Channel closed without a terminal event: the node went away mid-run.
-        yield wire.RunFailed(
-            run_id=self._session_run_id,
-            code="node_lost",
-            message=f"node '{self.lease.node_id}' disconnected during the run",
-        )
+    async def next_event(self) -> RunEvent:
+        """The first event, then the rest; a closed channel means the node went away."""
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        try:
+            return await self._events.receive()
+        except trio.EndOfChannel:
+            return wire.RunFailed(
+                run_id=self._session_run_id,
+                code="node_lost",
+                message=f"node '{self.lease.node_id}' disconnected during the run",
+            )
 
     def finished(self, event: wire.RunDone | wire.RunFailed) -> None:
         """Record how the run ended (the Node no longer runs it)."""

@@ -33,6 +33,7 @@ from iop_edge.openai_api import create_openai_app
 from iop_edge.refresh import Refresher
 from iop_edge.scheduler import Scheduler
 from iop_edge.snapshot import Snapshot
+from iop_edge.usage import UsageLedger
 from schemas import wire
 from schemas.config import NodeConfig
 
@@ -105,6 +106,7 @@ class Edge:
             config_path=config_path,
             audit=AuditLog(Path(parsed.config.edge.state_dir)),
         )
+        self.usage = UsageLedger(Path(parsed.config.edge.state_dir) / "usage.sqlite3")
         self._shutdown = trio.Event()
 
     # --- RefreshTarget --------------------------------------------------------------
@@ -204,6 +206,7 @@ class Edge:
         config = self.snapshot.config
         async with trio.open_nursery() as nursery:
             await nursery.start(self.scheduler.run)
+            await nursery.start(self.usage.run)
             node_host, node_port = split_listen(config.edge.listen)
             ssl_context = self._node_ssl_context()
             ws_server = await nursery.start(

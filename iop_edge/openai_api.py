@@ -29,8 +29,10 @@ from werkzeug.exceptions import HTTPException
 from iop_edge.dispatch import ActiveRun, RunFailure, RunPlan, relabel
 from iop_edge.errors import ApiError, bad_request, model_not_found
 from iop_edge.tokens import hash_token
+from iop_edge.usage import UsageRecord
 from schemas import openai as oai
 from schemas import wire
+from schemas.config import PrincipalToken
 from schemas.tokens import estimate_input_tokens
 
 if TYPE_CHECKING:
@@ -44,6 +46,10 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _RUNS_KEY = "iop.active_runs"
 _ID_KEY = "iop.request_id"
 _SSE_DONE = b"data: [DONE]\n\n"
+#: Who a request is when the Edge has no principal tokens configured (open API).
+ANONYMOUS = PrincipalToken(
+    token_ref="anonymous", token_hash_sha256="0" * 64, principal_ref="anonymous"
+)
 
 _VIEWS: dict[wire.Operation, type[oai.RequestView]] = {
     "chat": oai.ChatRequest,
@@ -124,10 +130,10 @@ def create_openai_app(edge: Edge) -> QuartTrio:
             state[_ID_KEY] = rid
         return str(rid)
 
-    def authenticate() -> tuple[str, str]:
+    def authenticate() -> PrincipalToken:
         principals = edge.snapshot.principals
         if not principals:
-            return "anonymous", "anonymous"
+            return ANONYMOUS
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
@@ -145,7 +151,7 @@ def create_openai_app(edge: Edge) -> QuartTrio:
                 type="authentication_error",
                 code="invalid_api_key",
             )
-        return principal.principal_ref, principal.token_ref
+        return principal
 
     async def read_body() -> dict[str, Any]:
         limit = edge.snapshot.config.openai.max_request_bytes
@@ -176,7 +182,7 @@ def create_openai_app(edge: Edge) -> QuartTrio:
         timing = _Timing()
         run_id = new_run_id()
         rid = request_id(run_id)
-        principal_ref, token_ref = authenticate()
+        principal = authenticate()
         body = await read_body()
         try:
             view = msgspec.convert(body, _VIEWS[operation])
@@ -214,27 +220,50 @@ def create_openai_app(edge: Edge) -> QuartTrio:
             stream=stream,
             long=estimate_input_tokens(body) >= snapshot.long_context_threshold_tokens,
             caller_wants_usage=caller_wants_usage,
-            principal_ref=principal_ref,
-            token_ref=token_ref,
+            principal_ref=principal.principal_ref,
+            token_ref=principal.token_ref,
+            principal_alias=principal.alias,
         )
         return await run_plan(plan, rid, timing)
 
     def observe(
         plan: RunPlan, provider: str, status: int, timing: _Timing, run: ActiveRun | None = None
     ) -> None:
-        ttft = None
+        """Meter a finished request: Prometheus always, the usage ledger when a run happened."""
+        latency_s = time.perf_counter() - plan.received_at
+        ttft_s = None
         if run is not None and run.timings.first_event_at is not None:
-            ttft = run.timings.first_event_at - plan.received_at
+            ttft_s = run.timings.first_event_at - plan.received_at
+        usage = run.usage if run is not None else None
         edge.metrics.observe_request(
             model=plan.model_id,
             provider=provider,
             status=status,
-            latency_s=time.perf_counter() - plan.received_at,
-            ttft_s=ttft,
+            latency_s=latency_s,
+            ttft_s=ttft_s,
             queued_s=timing.queued_s if provider else None,
-            usage=run.usage if run is not None else None,
+            usage=usage,
             principal_ref=plan.principal_ref,
             token_ref=plan.token_ref,
+        )
+        if run is None and not provider:
+            return  # refused at admission: no run, nothing to bill
+        edge.usage.record(
+            UsageRecord(
+                time=time.time(),
+                run_id=plan.run_id,
+                principal_ref=plan.principal_ref,
+                token_ref=plan.token_ref,
+                alias=plan.principal_alias,
+                model=plan.model_id,
+                provider=provider,
+                node=run.lease.node_id if run is not None else "",
+                prompt_tokens=usage.prompt_tokens if usage else 0,
+                completion_tokens=usage.completion_tokens if usage else 0,
+                status=status,
+                latency_ms=latency_s * 1000,
+                ttft_ms=None if ttft_s is None else ttft_s * 1000,
+            )
         )
 
     async def run_plan(plan: RunPlan, rid: str, timing: _Timing) -> Response:
@@ -260,58 +289,64 @@ def create_openai_app(edge: Edge) -> QuartTrio:
                 headers=headers,
                 content_type="text/event-stream",
             )
+        status = 499  # until the run ends, leaving early means the caller went away
         try:
-            async for event in active.events():
-                match event:
-                    case wire.RunDone():
-                        active.finished(event)
-                        if event.response is None:
-                            raise ApiError(
-                                502,
-                                f"provider '{active.provider_id}' returned no response body",
-                                type="api_error",
-                                code="empty_response",
-                            )
-                        payload = relabel(event.response, plan.model_id, strip_usage=False)
-                        headers["Server-Timing"] = timing.header()
-                        observe(plan, active.provider_id, 200, timing, active)
-                        return _json_response(payload or b"{}", headers=headers)
-                    case wire.RunFailed():
-                        active.finished(event)
-                        error = RunFailure(event, active.provider_id).api_error()
-                        observe(plan, active.provider_id, error.status, timing, active)
-                        raise error
-                    case wire.RunChunk():
-                        continue  # a non-stream run carries no chunks; ignore strays
-            raise AssertionError("events() always ends with a terminal event")
-        finally:
-            active.close()
-
-    async def sse_body(active: ActiveRun, plan: RunPlan, timing: _Timing) -> AsyncIterator[bytes]:
-        strip_usage = not plan.caller_wants_usage
-        status = 200
-        try:
-            async for event in active.events():
-                match event:
-                    case wire.RunChunk():
-                        payload = relabel(event.data, plan.model_id, strip_usage=strip_usage)
-                        if payload is not None:
-                            yield b"data: " + payload + b"\n\n"
-                    case wire.RunDone():
-                        active.finished(event)
-                        yield _SSE_DONE
-                    case wire.RunFailed():
-                        active.finished(event)
-                        status = 502
-                        error = RunFailure(event, active.provider_id).api_error()
-                        yield b"data: " + error.body() + b"\n\n"
-                        yield _SSE_DONE
-        except BaseException:
-            status = 499
-            raise
+            while True:
+                event = await active.next_event()
+                if isinstance(event, wire.RunChunk):
+                    continue  # a non-stream run carries no chunks; ignore strays
+                active.finished(event)
+                if isinstance(event, wire.RunFailed):
+                    error = RunFailure(event, active.provider_id).api_error()
+                    status = error.status
+                    raise error
+                if event.response is None:
+                    status = 502
+                    raise ApiError(
+                        502,
+                        f"provider '{active.provider_id}' returned no response body",
+                        type="api_error",
+                        code="empty_response",
+                    )
+                status = 200
+                payload = relabel(event.response, plan.model_id, strip_usage=False)
+                headers["Server-Timing"] = timing.header()
+                return _json_response(payload or b"{}", headers=headers)
         finally:
             active.close()
             observe(plan, active.provider_id, status, timing, active)
+
+    async def sse_body(active: ActiveRun, plan: RunPlan, timing: _Timing) -> AsyncIterator[bytes]:
+        """Relay the run as SSE. The slot is released and the run metered *before* the
+        final frames go out, so a caller that saw `[DONE]` can count on both."""
+        strip_usage = not plan.caller_wants_usage
+        status = 499  # until the run ends, leaving early means the caller went away
+        metered = False
+        try:
+            while True:
+                event = await active.next_event()
+                if isinstance(event, wire.RunChunk):
+                    payload = relabel(event.data, plan.model_id, strip_usage=strip_usage)
+                    if payload is not None:
+                        yield b"data: " + payload + b"\n\n"
+                    continue
+                active.finished(event)
+                tail = [_SSE_DONE]
+                status = 200
+                if isinstance(event, wire.RunFailed):
+                    error = RunFailure(event, active.provider_id).api_error()
+                    status = error.status
+                    tail.insert(0, b"data: " + error.body() + b"\n\n")
+                active.close()
+                observe(plan, active.provider_id, status, timing, active)
+                metered = True
+                for frame in tail:
+                    yield frame
+                return
+        finally:
+            if not metered:
+                active.close()
+                observe(plan, active.provider_id, status, timing, active)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:

@@ -9,7 +9,8 @@ up in `ps` or shell history. The optional YAML file holds the same fields (`edge
 `node_id`, `token_file`); command-line flags win over it, and a relative `token_file` is
 relative to the YAML file.
 
-Exit codes: 0 after a clean stop, 2 for a usage or configuration error.
+Exit codes: 0 after a stop by signal, 2 for a usage or configuration error, 130 when
+interrupted before the Node was up.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from iop_node.main import serve_until_signalled
 
 TOKEN_ENV_VAR = "IOP_NODE_TOKEN"
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 
 log = logging.getLogger("iop_node")
 
@@ -140,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"iop-node: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(args.log_level)
-    trio.run(serve_until_signalled, invocation.edge_url, invocation.node_id, invocation.token)
+    try:
+        trio.run(serve_until_signalled, invocation.edge_url, invocation.node_id, invocation.token)
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers were installed
+        return EXIT_INTERRUPTED
     log.info("iop-node stopped")
     return 0
 

@@ -41,6 +41,8 @@ from typing import Literal
 import trio
 from trio_websocket import (
     ConnectionClosed,
+    ConnectionRejected,
+    ConnectionTimeout,
     HandshakeError,
     WebSocketConnection,
     open_websocket_url,
@@ -223,7 +225,7 @@ class NodeLink:
                     message.revision,
                 )
                 self.sessions += 1
-                session = _Session(self, ws, message)
+                session = _Session(settings, ws, message, self._stop_requested)
                 self._session = session
                 try:
                     return await session.serve(ready)
@@ -241,9 +243,15 @@ class NodeLink:
 class _Session:
     """One welcomed connection: its tasks, outbox, registries and health monitor."""
 
-    def __init__(self, link: NodeLink, ws: WebSocketConnection, welcome: Welcome) -> None:
-        self._link = link
-        self._settings = link.settings
+    def __init__(
+        self,
+        settings: LinkSettings,
+        ws: WebSocketConnection,
+        welcome: Welcome,
+        stop_requested: trio.Event,
+    ) -> None:
+        self._settings = settings
+        self._stop_requested = stop_requested
         self._ws = ws
         self._welcome = welcome
         self._outbox, self._outbox_out = trio.open_memory_channel[Message](OUTBOX_SIZE)
@@ -300,7 +308,7 @@ class _Session:
                 return
         # The outbox was closed on purpose: everything queued is sent, now close.
         with trio.move_on_after(CLOSE_TIMEOUT_S):
-            await self._ws.aclose(self._close_code, (self._end_reason or "")[:120])
+            await self._ws.aclose(self._close_code, _close_reason(self._end_reason or ""))
         self._end("session closed")
 
     def _close(self, reason: str, code: int) -> None:
@@ -454,7 +462,7 @@ class _Session:
     # --- graceful stop -----------------------------------------------------------------
 
     async def _stop_when_asked(self) -> None:
-        await self._link._stop_requested.wait()
+        await self._stop_requested.wait()
         assert self._registries is not None
         self._stopping = True
         if self._health_scope is not None:
@@ -490,17 +498,28 @@ async def _reject_and_close(ws: WebSocketConnection, code: str, reason: str) -> 
     with trio.move_on_after(CLOSE_TIMEOUT_S):
         try:
             await ws.send_message(encode(Reject(code=code, reason=reason)))
-            await ws.aclose(_PROTOCOL_ERROR, reason[:120])
+            await ws.aclose(_PROTOCOL_ERROR, _close_reason(reason))
         except ConnectionClosed:
             pass
 
 
+def _close_reason(text: str) -> str:
+    """A websocket close reason is at most 123 bytes of UTF-8."""
+    return text.encode()[:120].decode(errors="ignore")
+
+
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, ConnectionClosed) and exc.reason is not None:
+    """One readable line for why a connection failed or ended."""
+    if isinstance(exc, ConnectionClosed):
+        if exc.reason is None:
+            return "closed"
         detail = f": {exc.reason.reason}" if exc.reason.reason else ""
         return f"{exc.reason.name} ({exc.reason.code}){detail}"
+    if isinstance(exc, ConnectionRejected):
+        return f"websocket upgrade refused with HTTP {exc.status_code}"
+    if isinstance(exc, ConnectionTimeout | trio.TooSlowError):
+        return "timed out"
     cause = exc.__cause__ or exc.__context__
-    text = str(exc) or type(exc).__name__
     if isinstance(exc, HandshakeError) and cause is not None:
-        return f"{text} {cause}".strip()
-    return text
+        return str(cause) or type(cause).__name__
+    return str(exc) or type(exc).__name__

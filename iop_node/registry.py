@@ -260,6 +260,7 @@ class RegistryManager:
         self._current: AdapterRegistry | None = None
         self._retiring: list[AdapterRegistry] = []
         self._closing = False
+        self._all_closed = trio.Event()
 
     @property
     def current(self) -> AdapterRegistry | None:
@@ -284,6 +285,9 @@ class RegistryManager:
             return current
         registry = await AdapterRegistry.build(revision, config, self._factory)
         await self._nursery.start(self._serve, registry)
+        if self._closing:  # `aclose` began while we were building: never make it current
+            self._retire(registry, code="node_stopping")
+            raise RegistryBuildError("the node is stopping")
         # No await from here on: the swap is atomic for the runs that arrive.
         previous, self._current = self._current, registry
         if previous is not None:
@@ -320,8 +324,8 @@ class RegistryManager:
                 code="node_stopping",
                 message="the node is shutting down and this run did not finish in time",
             )
-        for registry in list(self._retiring):
-            await registry.wait_closed()
+        if self._retiring:
+            await self._all_closed.wait()
 
     # --- internals ---------------------------------------------------------------------
 
@@ -358,6 +362,8 @@ class RegistryManager:
         finally:
             if registry in self._retiring:
                 self._retiring.remove(registry)
+            if self._closing and not self._retiring and self._current is None:
+                self._all_closed.set()
 
     async def _reject_run(
         self, run: Run, code: str, message: str, *, retryable: bool = False

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any, TypeVar
@@ -194,10 +198,10 @@ class Partition:
     async def _handle(self, client: trio.SocketStream) -> None:
         pipe = _Pipe()
         self._pipes.append(pipe)
-        async with client, await trio.open_tcp_stream("127.0.0.1", self._target_port) as edge:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(pipe.pump, client, edge, nursery.cancel_scope, True)
-                nursery.start_soon(pipe.pump, edge, client, nursery.cancel_scope, False)
+        edge = await trio.open_tcp_stream("127.0.0.1", self._target_port)
+        async with client, edge, trio.open_nursery() as nursery:
+            nursery.start_soon(pipe.pump, client, edge, nursery.cancel_scope, True)
+            nursery.start_soon(pipe.pump, edge, client, nursery.cancel_scope, False)
 
 
 class _Pipe:
@@ -496,3 +500,61 @@ async def test_graceful_stop_drains_then_closes(edge: FakeEdge, nursery: trio.Nu
     [done] = [m for m in messages if isinstance(m, RunDone)]
     assert done.run_id == "r1" and done.usage is not None and done.usage.completion_tokens == 10
     assert isinstance(messages[-1], RunDone)  # the drained run is the last thing sent
+
+
+async def test_cli_process_stops_gracefully_on_sigterm(
+    edge: FakeEdge, nursery: trio.Nursery
+) -> None:
+    """The real `iop-node run` process: connects, serves, drains on SIGTERM, exits 0."""
+    command = [
+        sys.executable,
+        "-c",
+        "import sys; from iop_node.cli import main; sys.exit(main())",
+        "run",
+        "--edge",
+        edge.url,
+        "--node-id",
+        "n1",
+        "--log-level",
+        "debug",
+    ]
+    environment = {**os.environ, "IOP_NODE_TOKEN": TOKEN}
+    process = await trio.lowlevel.open_process(
+        command, env=environment, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    assert process.stderr is not None
+    stderr = bytearray()
+
+    async def collect_stderr(stream: trio.abc.ReceiveStream) -> None:
+        async for data in stream:
+            stderr.extend(data)
+
+    try:
+        async with trio.open_nursery() as collector:
+            collector.start_soon(collect_stderr, process.stderr)
+            side = await edge.accept()
+            hello = await side.welcome(
+                NodeConfig(node_id="n1", providers=[_sim(tokens_per_second=50)])
+            )
+            assert hello.token == TOKEN
+            await side.expect(Status)
+            await side.send(_chat_run("r1", max_tokens=10))
+            await side.expect(RunChunk)
+
+            process.send_signal(signal.SIGTERM)
+            messages: list[NodeToEdge] = []
+            with pytest.raises(ConnectionClosed) as info:
+                while True:
+                    messages.append(await side.receive())
+            assert info.value.reason is not None and info.value.reason.code == 1001
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            with trio.move_on_after(5, shield=True):
+                await process.wait()
+    assert isinstance(messages[-1], RunDone)
+    assert any(isinstance(message, Status) for message in messages)
+    log_text = stderr.decode()
+    assert "SIGTERM: draining active runs" in log_text
+    assert TOKEN not in log_text

@@ -14,7 +14,7 @@ from iop_node.registry import (
     RegistryManager,
     create_adapter,
 )
-from schemas.config import NodeConfig, ProviderConfig
+from schemas.config import AdapterSettings, NodeConfig, ProviderConfig, ProviderType
 from schemas.wire import Message, ProviderStatus, Run, RunDone, RunFailed, Usage
 
 
@@ -110,6 +110,30 @@ class Harness:
 def test_create_adapter_imports_sim() -> None:
     provider = ProviderConfig(id="s", type="sim", models=["m"], capacity=1)
     assert isinstance(create_adapter(provider), SimAdapter)
+
+
+@pytest.mark.parametrize(
+    ("provider_type", "class_name"),
+    [
+        ("vllm", "OpenAICompatAdapter"),
+        ("sglang", "OpenAICompatAdapter"),
+        ("lemonade", "OpenAICompatAdapter"),
+        ("openai_api", "OpenAICompatAdapter"),
+        ("ollama", "OllamaAdapter"),
+        ("cli", "CliAdapter"),
+    ],
+)
+async def test_create_adapter_maps_every_type(provider_type: ProviderType, class_name: str) -> None:
+    settings = AdapterSettings(base_url="http://127.0.0.1:9/v1", command=["echo", "{model}"])
+    provider = ProviderConfig(
+        id="p", type=provider_type, models=["m"], capacity=1, adapter=settings
+    )
+    adapter = create_adapter(provider)
+    try:
+        assert type(adapter).__name__ == class_name
+        assert adapter.provider is provider
+    finally:
+        await adapter.aclose()
 
 
 async def test_build_failure_names_provider_and_closes_what_was_built() -> None:
