@@ -5,10 +5,11 @@ candidate, so a config that loads is a config the Edge can serve. It runs in fou
 
 1. **YAML**: text -> plain data. A syntax error stops here and names its line and column.
    A key given twice in one mapping is an error too (PyYAML would silently keep the last).
-2. **Shape**: a walker descends the schema Structs in `schemas.config` alongside the data,
-   and asks msgspec to check each leaf against its annotated type (so the `Meta`
-   constraints written in the schema are the single source of truth for ranges). msgspec
+2. **Shape**: `iop_edge.config_shape` walks the schema Structs in `schemas.config`
+   alongside the data and lets msgspec judge each leaf against its annotated type, so the
+   `Meta` constraints in the schema stay the single source of truth for ranges. msgspec
    alone stops at the first error; the walker collects all of them, each with its path.
+   The Edge adds only the wording for two schema aliases (`Sha256Hex`, `EnvVarName`).
 3. **Rules**: what a type cannot say - unique ids, cross-references between models and
    providers, adapter settings per provider type, listen addresses, no secret values, and
    the legacy `openai.model_routes[]` folded into models (SPEC §2.4). The rules read the
@@ -26,12 +27,10 @@ from __future__ import annotations
 import difflib
 import hashlib
 import ipaddress
-import json
 import os
 import re
-import types
 import typing
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import urlsplit
@@ -39,6 +38,14 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
+from iop_edge.config_shape import (
+    LeafWording,
+    check_shape,
+    error_from_msgspec,
+    index_path,
+    key_path,
+    kind_of,
+)
 from schemas.config import (
     OPENAI_COMPATIBLE_TYPES,
     ConfigError,
@@ -87,7 +94,7 @@ def parse_config(text: str) -> ParsedConfig:
     """Parse and validate config text; raise `ConfigInvalid` listing every problem."""
     raw, errors = _read_yaml(text)
     if not isinstance(raw, dict):
-        got = "an empty document" if raw is None else _kind(raw)
+        got = "an empty document" if raw is None else kind_of(raw)
         errors.append(
             ConfigError(
                 path="",
@@ -96,7 +103,7 @@ def parse_config(text: str) -> ParsedConfig:
             )
         )
         raise ConfigInvalid(errors)
-    _check_shape(raw, EdgeConfig, "", errors)
+    errors.extend(check_shape(raw, EdgeConfig, wording=_WORDING))
     rules = _Rules(raw)
     rules.run()
     errors.extend(rules.errors)
@@ -121,20 +128,12 @@ def load_config(path: str | os.PathLike[str]) -> ParsedConfig:
             data = file.read()
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        raise ConfigInvalid(
-            [ConfigError(path="", message=f"cannot read config file {os.fspath(path)}: {reason}")]
-        ) from exc
+        raise _whole_file(f"cannot read config file {os.fspath(path)}: {reason}") from exc
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigInvalid(
-            [
-                ConfigError(
-                    path="",
-                    message=f"config file {os.fspath(path)} is not valid UTF-8 "
-                    f"(byte offset {exc.start})",
-                )
-            ]
+        raise _whole_file(
+            f"config file {os.fspath(path)} is not valid UTF-8 (byte offset {exc.start})"
         ) from exc
     return parse_config(text)
 
@@ -142,6 +141,11 @@ def load_config(path: str | os.PathLike[str]) -> ParsedConfig:
 def format_errors(errors: list[ConfigError]) -> str:
     """One `path: message` line per error, in the order they were found."""
     return "\n".join(str(error) for error in errors)
+
+
+def _whole_file(message: str) -> ConfigInvalid:
+    """A problem that stops everything and belongs to no path (unreadable file, bad YAML)."""
+    return ConfigInvalid([ConfigError(path="", message=message)])
 
 
 # --------------------------------------------------------------------------- listen addresses
@@ -237,16 +241,17 @@ def _read_yaml(text: str) -> tuple[object, list[ConfigError]]:
             loader.dispose()
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        where = f" at {_position(mark)}" if mark else ""
         problem = ", ".join(part for part in (exc.context, exc.problem) if part) or "cannot parse"
-        raise ConfigInvalid(
-            [ConfigError(path="", message=f"invalid YAML{where}: {problem}")]
-        ) from None
+        raise _whole_file(f"invalid YAML{where}: {problem}") from None
     except yaml.reader.ReaderError as exc:  # a character YAML does not allow
         reason = str(exc).splitlines()[0]
-        raise ConfigInvalid(
-            [ConfigError(path="", message=f"invalid YAML at character {exc.position}: {reason}")]
-        ) from None
+        raise _whole_file(f"invalid YAML at character {exc.position}: {reason}") from None
+
+
+def _position(mark: yaml.Mark) -> str:
+    """A parser mark as an editor shows it: 1-based `line L, column C`."""
+    return f"line {mark.line + 1}, column {mark.column + 1}"
 
 
 _MERGE_TAG: Final = "tag:yaml.org,2002:merge"
@@ -268,40 +273,29 @@ def _scan_nodes(
     parents.add(id(node))
     if isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _scan_nodes(item, _index_path(path, index), errors, seen, parents)
+            _scan_nodes(item, index_path(path, index), errors, seen, parents)
     elif isinstance(node, yaml.MappingNode):
         first_seen: dict[tuple[str, str], str] = {}
         for key_node, value_node in node.value:
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE_TAG:
                 continue
-            key_path = _key_path(path, key_node.value)
-            mark = key_node.start_mark
-            where = f"line {mark.line + 1}, column {mark.column + 1}"
+            value_path = key_path(path, key_node.value)
+            where = _position(key_node.start_mark)
             signature = (key_node.tag, key_node.value)
             if signature in first_seen:
                 errors.append(
                     ConfigError(
-                        path=key_path,
+                        path=value_path,
                         message=f"duplicate key at {where} (first at {first_seen[signature]})",
                     )
                 )
             else:
                 first_seen[signature] = where
-            _scan_nodes(value_node, key_path, errors, seen, parents)
+            _scan_nodes(value_node, value_path, errors, seen, parents)
     parents.discard(id(node))
 
 
 # --------------------------------------------------------------------------- step 2: shape
-
-
-@dataclass(frozen=True, slots=True)
-class _LeafRule:
-    """Human wording for one schema alias, where msgspec's own message would not help."""
-
-    invalid: str
-    """Said instead of msgspec's message when a string value is rejected."""
-    precheck: Callable[[str], str | None] | None = None
-    """Runs first on string values; a message returned here is the error."""
 
 
 def _secret_like_env_var(value: str) -> str | None:
@@ -315,200 +309,14 @@ def _secret_like_env_var(value: str) -> str | None:
 
 
 #: Keyed by the schema's own aliases, so every field declared with one gets its wording.
-_LEAF_RULES: Final[tuple[tuple[object, _LeafRule], ...]] = (
-    (Sha256Hex, _LeafRule(invalid="must be 64 lowercase hex chars (sha256)")),
-    (
-        EnvVarName,
-        _LeafRule(
-            invalid="must be the NAME of an environment variable (letters, digits and _, not "
-            "starting with a digit), like VLLM_API_KEY - never the secret itself",
-            precheck=_secret_like_env_var,
-        ),
+_WORDING: Final[dict[object, LeafWording]] = {
+    Sha256Hex: LeafWording(invalid="must be 64 lowercase hex chars (sha256)"),
+    EnvVarName: LeafWording(
+        invalid="must be the NAME of an environment variable (letters, digits and _, not "
+        "starting with a digit), like VLLM_API_KEY - never the secret itself",
+        precheck=_secret_like_env_var,
     ),
-)
-
-
-def _check_shape(value: object, tp: Any, path: str, errors: list[ConfigError]) -> None:
-    """Append one error per place where `value` does not fit schema type `tp`."""
-    if tp is Any:
-        return
-    origin = typing.get_origin(tp)
-    if origin is typing.Union or origin is types.UnionType:
-        members = typing.get_args(tp)
-        present = [member for member in members if member is not type(None)]
-        if value is None and len(present) < len(members):
-            return
-        if len(present) == 1:  # `X | None` holding an X: descend into X
-            _check_shape(value, present[0], path, errors)
-        else:
-            _check_leaf(value, tp, path, errors)
-    elif origin is typing.Annotated:
-        inner = typing.get_args(tp)[0]
-        if _is_struct(inner) or typing.get_origin(inner) in (list, dict):
-            before = len(errors)
-            _check_shape(value, inner, path, errors)
-            if len(errors) == before:  # items are fine; now the container's own constraints
-                _check_leaf(value, tp, path, errors)
-        else:
-            _check_leaf(value, tp, path, errors)
-    elif _is_struct(tp):
-        _check_struct(value, tp, path, errors)
-    elif origin is list:
-        if not isinstance(value, list):
-            errors.append(ConfigError(path=path, message=f"expected a list, got {_kind(value)}"))
-            return
-        (item_type,) = typing.get_args(tp)
-        for index, item in enumerate(value):
-            _check_shape(item, item_type, _index_path(path, index), errors)
-    elif origin is dict:
-        if not isinstance(value, dict):
-            errors.append(ConfigError(path=path, message=f"expected a mapping, got {_kind(value)}"))
-            return
-        key_type, value_type = typing.get_args(tp)
-        for key, item in value.items():
-            item_path = _key_path(path, key)
-            problem = _leaf_problem(key, key_type)
-            if problem is not None:
-                errors.append(ConfigError(path=item_path, message=f"invalid key: {problem}"))
-            _check_shape(item, value_type, item_path, errors)
-    else:
-        _check_leaf(value, tp, path, errors)
-
-
-def _check_struct(
-    value: object, cls: type[msgspec.Struct], path: str, errors: list[ConfigError]
-) -> None:
-    if not isinstance(value, dict):
-        errors.append(ConfigError(path=path, message=f"expected a mapping, got {_kind(value)}"))
-        return
-    fields = {info.encode_name: info for info in msgspec.structs.fields(cls)}
-    forbid_unknown = cls.__struct_config__.forbid_unknown_fields
-    for key, item in value.items():
-        info = fields.get(key) if isinstance(key, str) else None
-        if info is not None:
-            _check_shape(item, info.type, _key_path(path, key), errors)
-        elif forbid_unknown:
-            errors.append(
-                ConfigError(path=_key_path(path, key), message=_unknown_field(key, fields))
-            )
-    for name, info in fields.items():
-        if info.required and name not in value:
-            errors.append(ConfigError(path=_key_path(path, name), message="required field missing"))
-
-
-def _unknown_field(key: object, known: Iterable[str]) -> str:
-    close = difflib.get_close_matches(str(key), list(known), n=1)
-    return f"unknown field (did you mean '{close[0]}'?)" if close else "unknown field"
-
-
-def _check_leaf(value: object, tp: Any, path: str, errors: list[ConfigError]) -> None:
-    problem = _leaf_problem(value, tp)
-    if problem is not None:
-        errors.append(ConfigError(path=path, message=problem))
-
-
-def _leaf_problem(value: object, tp: Any) -> str | None:
-    """msgspec's verdict on one value, in human words; None when the value fits."""
-    rule = next((candidate for alias, candidate in _LEAF_RULES if alias == tp), None)
-    if rule is not None and rule.precheck is not None and isinstance(value, str):
-        problem = rule.precheck(value)
-        if problem is not None:
-            return problem
-    try:
-        msgspec.convert(value, tp)
-    except msgspec.ValidationError as exc:
-        if rule is not None and isinstance(value, str):
-            return rule.invalid
-        return _humanize(str(exc), tp)
-    return None
-
-
-_MSGSPEC_WHERE: Final = " - at `"
-_EXPECTED_GOT: Final = re.compile(r"Expected `(?P<expected>[^`]+)`, got `(?P<got>[^`]+)`")
-_BOUND: Final = re.compile(r"Expected `\w+` (?P<op>>=|>|<=|<) (?P<bound>\S+)")
-_LENGTH: Final = re.compile(r"Expected `(?P<kind>\w+)` of length (?P<op>>=|<=) (?P<n>\d+)")
-_PATTERN: Final = re.compile(r"Expected `str` matching regex (?P<pattern>'.*')")
-_TYPE_WORDS: Final = {"object": "mapping", "array": "list"}
-
-
-def _humanize(message: str, tp: Any) -> str:
-    """Reword a msgspec message ("Expected `int` >= 1") for a human ("must be >= 1").
-
-    msgspec quotes the rejected value only for an invalid enum value; that one is answered
-    with the allowed choices instead, so no message here repeats what was given.
-    """
-    message = message.split(_MSGSPEC_WHERE, 1)[0]
-    if match := _EXPECTED_GOT.fullmatch(message):
-        return f"expected {_type_words(match['expected'])}, got {_type_words(match['got'])}"
-    if match := _BOUND.fullmatch(message):
-        bound = match["bound"].removesuffix(".0")
-        return f"must be {match['op']} {bound}"
-    if match := _LENGTH.fullmatch(message):
-        size = int(match["n"])
-        if match["kind"] == "str" and match["op"] == ">=" and size == 1:
-            return "must not be empty"
-        unit = "characters" if match["kind"] == "str" else "items"
-        least = "at least" if match["op"] == ">=" else "at most"
-        return f"must have {least} {size} {unit}"
-    if match := _PATTERN.fullmatch(message):
-        return f"must match the pattern {match['pattern']}"
-    if message.startswith("Invalid enum value"):
-        choices = ", ".join(_literal_choices(tp))
-        return f"must be one of: {choices}" if choices else "not an allowed value"
-    return message[:1].lower() + message[1:]
-
-
-def _type_words(msgspec_types: str) -> str:
-    names = [_TYPE_WORDS.get(name, name) for name in msgspec_types.split(" | ")]
-    return " or ".join(names)
-
-
-def _literal_choices(tp: Any) -> list[str]:
-    if typing.get_origin(tp) is typing.Literal:
-        return [str(choice) for choice in typing.get_args(tp)]
-    return [choice for member in typing.get_args(tp) for choice in _literal_choices(member)]
-
-
-def _is_struct(tp: object) -> typing.TypeGuard[type[msgspec.Struct]]:
-    return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
-
-
-def _kind(value: object) -> str:
-    """A value's type in YAML words, for "expected X, got Y"."""
-    match value:
-        case None:
-            return "null"
-        case dict():
-            return "mapping"
-        case list():
-            return "list"
-        case _:
-            return type(value).__name__
-
-
-# --------------------------------------------------------------------------- paths
-
-
-_PLAIN_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def _key_path(path: str, key: object) -> str:
-    """`path.key`; a key that is not a plain word is quoted: `providers["qwen3.6:35b"]`."""
-    if isinstance(key, str) and _PLAIN_KEY.fullmatch(key):
-        return f"{path}.{key}" if path else key
-    quoted = json.dumps(key) if isinstance(key, str) else repr(key)
-    return f"{path}[{quoted}]"
-
-
-def _index_path(path: str, index: int) -> str:
-    return f"{path}[{index}]"
-
-
-def _from_msgspec(exc: msgspec.ValidationError) -> ConfigError:
-    """A msgspec error as a ConfigError: `$.nodes[0].id` becomes `nodes[0].id`."""
-    message, _, where = str(exc).partition(_MSGSPEC_WHERE)
-    path = where.rstrip("`").removeprefix("$").removeprefix(".")
-    return ConfigError(path=path, message=_humanize(message, None))
+}
 
 
 # --------------------------------------------------------------------------- step 3: rules
@@ -521,10 +329,11 @@ _ADAPTER_KEY_TYPES: Final[dict[str, frozenset[str]]] = {
     "api_key_env": _HTTP_TYPES,
     "command": frozenset({"cli"}),
 }
+#: provider type -> (adapter key it cannot run without, what that key gives it).
+_REQUIRED_ADAPTER_KEY: Final[dict[str, tuple[str, str]]] = dict.fromkeys(
+    _HTTP_TYPES, ("base_url", "the upstream URL")
+) | {"cli": ("command", "the argv to run")}
 _ALL_PROVIDER_TYPES: Final = frozenset(typing.get_args(ProviderType))
-_REQUIRED_ADAPTER_KEY: Final[dict[str, str]] = dict.fromkeys(_HTTP_TYPES, "base_url") | {
-    "cli": "command"
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -533,16 +342,6 @@ class _Provider:
     """Where the provider is defined: `nodes[0].providers[1]`."""
     models: list[str] | None
     """Its served model names; None when that field itself is malformed."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Mapping:
-    """One `provider -> served name` entry of a model, with the paths to blame."""
-
-    provider: str
-    target: str
-    provider_path: str
-    target_path: str
 
 
 class _Rules:
@@ -554,6 +353,7 @@ class _Rules:
 
     def __init__(self, raw: dict[Any, Any]) -> None:
         self.raw = raw
+        self.openai = _as_dict(raw.get("openai"))
         self.errors: list[ConfigError] = []
         self.warnings: list[str] = []
         self.derived_models: dict[str, dict[str, str]] = {}
@@ -571,23 +371,22 @@ class _Rules:
 
     def _listen_addresses(self) -> None:
         for section in ("edge", "admin", "openai"):
-            listen = _mapping(self.raw.get(section)).get("listen")
-            if isinstance(listen, str) and listen:
+            listen = _text(_as_dict(self.raw.get(section)).get("listen"))
+            if listen is not None:
                 try:
                     parse_listen_address(listen)
                 except ValueError as exc:
                     self._error(f"{section}.listen", str(exc))
 
     def _principal_tokens(self) -> None:
-        openai = _mapping(self.raw.get("openai"))
         refs = _FirstSeen()
         hashes = _FirstSeen()
-        for path, token in _entries(openai.get("principal_tokens"), "openai.principal_tokens"):
+        tokens = self.openai.get("principal_tokens")
+        for path, token in _entries(tokens, "openai.principal_tokens"):
             token_ref = _text(token.get("token_ref"))
-            if token_ref is not None and (first := refs.repeat(token_ref, path)):
+            if first := refs.repeat(token_ref, path):
                 self._error(f"{path}.token_ref", f"duplicate token_ref '{token_ref}' ({first})")
-            token_hash = _text(token.get("token_hash_sha256"))
-            if token_hash is not None and (first := hashes.repeat(token_hash, path)):
+            if first := hashes.repeat(_text(token.get("token_hash_sha256")), path):
                 # Never echo the hash: say where the twin is, not what it is.
                 self._error(f"{path}.token_hash_sha256", f"duplicate token hash ({first})")
 
@@ -598,19 +397,18 @@ class _Rules:
         providers: dict[str, _Provider] = {}
         for node_path, node in _entries(self.raw.get("nodes"), "nodes"):
             node_id = _text(node.get("id"))
-            if node_id is not None and (first := node_ids.repeat(node_id, node_path)):
+            if first := node_ids.repeat(node_id, node_path):
                 self._error(f"{node_path}.id", f"duplicate node id '{node_id}' ({first})")
             for path, provider in _entries(node.get("providers"), f"{node_path}.providers"):
                 provider_id = _text(provider.get("id"))
-                if provider_id is not None:
-                    if first := provider_ids.repeat(provider_id, path):
-                        self._error(
-                            f"{path}.id",
-                            f"duplicate provider id '{provider_id}' ({first}); provider ids "
-                            "are unique across all nodes",
-                        )
-                    else:
-                        providers[provider_id] = _Provider(path, _text_list(provider, "models"))
+                if first := provider_ids.repeat(provider_id, path):
+                    self._error(
+                        f"{path}.id",
+                        f"duplicate provider id '{provider_id}' ({first}); provider ids "
+                        "are unique across all nodes",
+                    )
+                elif provider_id is not None:
+                    providers[provider_id] = _Provider(path, _text_list(provider.get("models")))
                 self._long_context_slots(path, provider)
                 self._adapter(path, provider)
         return providers
@@ -639,21 +437,20 @@ class _Rules:
                     f"{adapter_path}.{key}",
                     f"not used by type '{provider_type}' (only by: {users})",
                 )
-        required = _REQUIRED_ADAPTER_KEY.get(provider_type)
-        if required is not None and adapter.get(required) is None:
-            what = "the upstream URL" if required == "base_url" else "the argv to run"
-            self._error(
-                f"{adapter_path}.{required}",
-                f"required for type '{provider_type}' ({what})",
-            )
+        if provider_type in _REQUIRED_ADAPTER_KEY:
+            required, what = _REQUIRED_ADAPTER_KEY[provider_type]
+            if adapter.get(required) is None:
+                self._error(
+                    f"{adapter_path}.{required}",
+                    f"required for type '{provider_type}' ({what})",
+                )
         base_url = _text(adapter.get("base_url"))
         if provider_type in _HTTP_TYPES and base_url is not None and not _is_http_url(base_url):
             self._error(
                 f"{adapter_path}.base_url",
                 "must be an http:// or https:// URL with a host, like http://127.0.0.1:8000/v1",
             )
-        command = adapter.get("command")
-        if provider_type == "cli" and command == []:
+        if provider_type == "cli" and adapter.get("command") == []:
             self._error(
                 f"{adapter_path}.command", "must not be empty: give the argv to run, as a list"
             )
@@ -663,30 +460,27 @@ class _Rules:
         model_ids = _FirstSeen()
         for path, model in _entries(self.raw.get("models"), "models"):
             model_id = _text(model.get("id"))
-            if model_id is not None and (first := model_ids.repeat(model_id, path)):
+            if first := model_ids.repeat(model_id, path):
                 self._error(f"{path}.id", f"duplicate model id '{model_id}' ({first})")
-            mapping = model.get("providers")
-            if not isinstance(mapping, dict):
+            targets = model.get("providers")
+            if not isinstance(targets, dict):
                 continue  # missing or mistyped: the shape step said so
-            if not mapping:
+            if not targets:
                 self._error(
                     f"{path}.providers",
                     "a model needs at least one provider (provider id -> served model name)",
                 )
-            for provider_id, target in mapping.items():
+            for provider_id, target in targets.items():
                 if isinstance(provider_id, str) and isinstance(target, str):
-                    entry_path = _key_path(f"{path}.providers", provider_id)
-                    self._mapping(
-                        _Mapping(provider_id, target, entry_path, entry_path),
-                        providers,
-                    )
+                    entry_path = key_path(f"{path}.providers", provider_id)
+                    self._target(providers, provider_id, target, entry_path, entry_path)
         return set(model_ids.first)
 
     def _legacy_routes(self, explicit_models: set[str], providers: dict[str, _Provider]) -> None:
         """Fold `openai.model_routes[]` into derived models (SPEC §2.4)."""
-        openai = _mapping(self.raw.get("openai"))
         route_of: dict[tuple[str, str], str] = {}
-        for path, route in _entries(openai.get("model_routes"), "openai.model_routes"):
+        routes = self.openai.get("model_routes")
+        for path, route in _entries(routes, "openai.model_routes"):
             model_id = _text(route.get("model"))
             provider_id = _text(route.get("provider"))
             target = _text(route.get("target"))
@@ -705,32 +499,39 @@ class _Rules:
                 "models[]"
             )
             derived = self.derived_models.setdefault(model_id, {})
-            earlier = route_of.get((model_id, provider_id))
-            if earlier is not None and derived[provider_id] != target:
+            earlier = route_of.setdefault((model_id, provider_id), path)
+            if earlier != path and derived[provider_id] != target:
                 self._error(
                     f"{path}.target",
                     f"model '{model_id}' is already routed to provider '{provider_id}' with "
                     f"another target ({earlier})",
                 )
                 continue
-            route_of.setdefault((model_id, provider_id), path)
             derived[provider_id] = target
-            self._mapping(
-                _Mapping(provider_id, target, f"{path}.provider", f"{path}.target"),
-                providers,
-            )
+            self._target(providers, provider_id, target, f"{path}.provider", f"{path}.target")
 
-    def _mapping(self, mapping: _Mapping, providers: dict[str, _Provider]) -> None:
-        """A model's provider must exist and must serve the target name."""
-        provider = providers.get(mapping.provider)
+    def _target(
+        self,
+        providers: dict[str, _Provider],
+        provider_id: str,
+        target: str,
+        provider_path: str,
+        target_path: str,
+    ) -> None:
+        """A model's provider must exist and must serve the target name.
+
+        An unknown provider is blamed at `provider_path`, an unserved name at `target_path`
+        (one and the same in `models[]`, two fields in a legacy route).
+        """
+        provider = providers.get(provider_id)
         if provider is None:
-            close = difflib.get_close_matches(mapping.provider, list(providers), n=1)
+            close = difflib.get_close_matches(provider_id, list(providers), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            self._error(mapping.provider_path, f"unknown provider '{mapping.provider}'{hint}")
-        elif provider.models is not None and mapping.target not in provider.models:
+            self._error(provider_path, f"unknown provider '{provider_id}'{hint}")
+        elif provider.models is not None and target not in provider.models:
             self._error(
-                mapping.target_path,
-                f"provider '{mapping.provider}' does not serve '{mapping.target}' (its models: "
+                target_path,
+                f"provider '{provider_id}' does not serve '{target}' (its models: "
                 f"{', '.join(provider.models) or 'none'}); add it to {provider.path}.models",
             )
 
@@ -741,13 +542,15 @@ class _FirstSeen:
     def __init__(self) -> None:
         self.first: dict[str, str] = {}
 
-    def repeat(self, value: str, path: str) -> str:
-        """'' the first time `value` is seen; afterwards "first at <path>"."""
+    def repeat(self, value: str | None, path: str) -> str:
+        """`first at <path>` when `value` was seen before, else ''. None is never a repeat."""
+        if value is None:
+            return ""
         first = self.first.setdefault(value, path)
         return "" if first == path else f"first at {first}"
 
 
-def _mapping(value: object) -> dict[Any, Any]:
+def _as_dict(value: object) -> dict[Any, Any]:
     return value if isinstance(value, dict) else {}
 
 
@@ -756,10 +559,11 @@ def _entries(value: object, path: str) -> Iterator[tuple[str, dict[Any, Any]]]:
     if isinstance(value, list):
         for index, item in enumerate(value):
             if isinstance(item, dict):
-                yield _index_path(path, index), item
+                yield index_path(path, index), item
 
 
 def _text(value: object) -> str | None:
+    """A non-empty string, else None (absent, empty or mistyped: nothing to check)."""
     return value if isinstance(value, str) and value else None
 
 
@@ -767,8 +571,7 @@ def _integer(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _text_list(item: dict[Any, Any], key: str) -> list[str] | None:
-    value = item.get(key)
+def _text_list(value: object) -> list[str] | None:
     if isinstance(value, list) and all(isinstance(entry, str) for entry in value):
         return value
     return None
@@ -790,7 +593,7 @@ def _build(raw: dict[Any, Any], derived_models: dict[str, dict[str, str]]) -> Ed
     try:
         config = msgspec.convert(raw, EdgeConfig)
     except msgspec.ValidationError as exc:  # the shape step should have caught it: report it
-        raise ConfigInvalid([_from_msgspec(exc)]) from None
+        raise ConfigInvalid([error_from_msgspec(exc)]) from None
     nodes = [
         msgspec.structs.replace(
             node,

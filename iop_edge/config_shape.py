@@ -1,0 +1,259 @@
+"""Check plain data against msgspec schema types and report *every* misfit, each with its path.
+
+Why this exists: `msgspec.convert` stops at the first problem, so an operator fixing a
+config would meet its mistakes one run at a time. Here a walker descends the schema
+(Structs, lists, dicts, unions, `Annotated` aliases) alongside the data and, at each leaf,
+asks msgspec itself to judge the value against its annotated type. The `Meta` constraints
+written in the schema therefore stay the single source of truth for ranges, lengths and
+patterns; this module only adds the collecting and the wording.
+
+Rules of the walk:
+
+1. One `ConfigError(path, message)` per misfit; the walk goes on after every error.
+2. Paths read like the config itself: `nodes[0].providers[1].capacity`, and a key that is
+   not a plain word is quoted: `models[0].providers["qwen3.6:35b"]`.
+3. Messages are msgspec's verdict reworded for a human ("must be >= 1", "expected a
+   mapping, got list"). They never repeat the rejected value, since it may be a secret:
+   an invalid enum value is answered with the allowed choices instead.
+4. A container's own constraints (say `min_length` on a list) are checked only when its
+   items are fine, so one mistake is not reported twice.
+5. Nothing here knows the Edge: wording for particular schema aliases is passed in as
+   `LeafWording`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from schemas.config import ConfigError
+
+__all__ = [
+    "LeafWording",
+    "check_shape",
+    "error_from_msgspec",
+    "index_path",
+    "key_path",
+    "kind_of",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class LeafWording:
+    """Human wording for one schema alias, where msgspec's own message would not help."""
+
+    invalid: str
+    """Said instead of msgspec's message when a string value is rejected."""
+    precheck: Callable[[str], str | None] | None = None
+    """Runs first on string values; a message returned here is the error."""
+
+
+def check_shape(
+    value: object, schema: Any, *, wording: Mapping[Any, LeafWording] | None = None
+) -> list[ConfigError]:
+    """Every place where `value` does not fit schema type `schema`, in the order met.
+
+    `wording` is keyed by schema aliases (like `Sha256Hex`): a leaf declared with one of
+    them is described by its `LeafWording` rather than by msgspec's message.
+    """
+    walker = _Walker(wording or {})
+    walker.shape(value, schema, "")
+    return walker.errors
+
+
+def error_from_msgspec(exc: msgspec.ValidationError) -> ConfigError:
+    """A msgspec error as a ConfigError: `$.nodes[0].id` becomes `nodes[0].id`."""
+    message, _, where = str(exc).partition(_MSGSPEC_WHERE)
+    path = where.rstrip("`").removeprefix("$").removeprefix(".")
+    return ConfigError(path=path, message=_humanize(message, None))
+
+
+def kind_of(value: object) -> str:
+    """A value's type in YAML words, for "expected X, got Y"."""
+    match value:
+        case None:
+            return "null"
+        case dict():
+            return "mapping"
+        case list():
+            return "list"
+        case _:
+            return type(value).__name__
+
+
+# --------------------------------------------------------------------------- paths
+
+_PLAIN_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def key_path(path: str, key: object) -> str:
+    """`path.key`; a key that is not a plain word is quoted: `providers["qwen3.6:35b"]`."""
+    if isinstance(key, str) and _PLAIN_KEY.fullmatch(key):
+        return f"{path}.{key}" if path else key
+    quoted = json.dumps(key) if isinstance(key, str) else repr(key)
+    return f"{path}[{quoted}]"
+
+
+def index_path(path: str, index: int) -> str:
+    """`path[index]`."""
+    return f"{path}[{index}]"
+
+
+# --------------------------------------------------------------------------- the walk
+
+
+class _Walker:
+    def __init__(self, wording: Mapping[Any, LeafWording]) -> None:
+        self.wording = wording
+        self.errors: list[ConfigError] = []
+
+    def error(self, path: str, message: str) -> None:
+        self.errors.append(ConfigError(path=path, message=message))
+
+    def shape(self, value: object, tp: Any, path: str) -> None:
+        if tp is Any:
+            return
+        origin = typing.get_origin(tp)
+        if origin is typing.Union or origin is types.UnionType:
+            members = typing.get_args(tp)
+            present = [member for member in members if member is not type(None)]
+            if value is None and len(present) < len(members):
+                return
+            if len(present) == 1:  # `X | None` holding an X: descend into X
+                self.shape(value, present[0], path)
+            else:
+                self.leaf(value, tp, path)
+        elif origin is typing.Annotated:
+            inner = typing.get_args(tp)[0]
+            if _is_struct(inner) or typing.get_origin(inner) in (list, dict):
+                before = len(self.errors)
+                self.shape(value, inner, path)
+                if len(self.errors) == before:  # items are fine; now the container's own rules
+                    self.leaf(value, tp, path)
+            else:
+                self.leaf(value, tp, path)
+        elif _is_struct(tp):
+            self.struct(value, tp, path)
+        elif origin is list:
+            if not isinstance(value, list):
+                self.error(path, f"expected a list, got {kind_of(value)}")
+                return
+            (item_type,) = typing.get_args(tp)
+            for index, item in enumerate(value):
+                self.shape(item, item_type, index_path(path, index))
+        elif origin is dict:
+            if not isinstance(value, dict):
+                self.error(path, f"expected a mapping, got {kind_of(value)}")
+                return
+            key_type, value_type = typing.get_args(tp)
+            for key, item in value.items():
+                item_path = key_path(path, key)
+                problem = self.leaf_problem(key, key_type)
+                if problem is not None:
+                    self.error(item_path, f"invalid key: {problem}")
+                self.shape(item, value_type, item_path)
+        else:
+            self.leaf(value, tp, path)
+
+    def struct(self, value: object, cls: type[msgspec.Struct], path: str) -> None:
+        if not isinstance(value, dict):
+            self.error(path, f"expected a mapping, got {kind_of(value)}")
+            return
+        fields = {info.encode_name: info for info in msgspec.structs.fields(cls)}
+        forbid_unknown = cls.__struct_config__.forbid_unknown_fields
+        for key, item in value.items():
+            info = fields.get(key) if isinstance(key, str) else None
+            if info is not None:
+                self.shape(item, info.type, key_path(path, key))
+            elif forbid_unknown:
+                self.error(key_path(path, key), _unknown_field(key, fields))
+        for name, info in fields.items():
+            if info.required and name not in value:
+                self.error(key_path(path, name), "required field missing")
+
+    def leaf(self, value: object, tp: Any, path: str) -> None:
+        problem = self.leaf_problem(value, tp)
+        if problem is not None:
+            self.error(path, problem)
+
+    def leaf_problem(self, value: object, tp: Any) -> str | None:
+        """msgspec's verdict on one value, in human words; None when the value fits."""
+        # Compared with ==, never hashed: an `Annotated` type whose metadata is unhashable
+        # is still a valid schema type.
+        wording = next((w for alias, w in self.wording.items() if alias == tp), None)
+        if wording is not None and wording.precheck is not None and isinstance(value, str):
+            problem = wording.precheck(value)
+            if problem is not None:
+                return problem
+        try:
+            msgspec.convert(value, tp)
+        except msgspec.ValidationError as exc:
+            if wording is not None and isinstance(value, str):
+                return wording.invalid
+            return _humanize(str(exc), tp)
+        return None
+
+
+def _is_struct(tp: object) -> typing.TypeGuard[type[msgspec.Struct]]:
+    return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
+
+
+def _unknown_field(key: object, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(str(key), list(known), n=1)
+    return f"unknown field (did you mean '{close[0]}'?)" if close else "unknown field"
+
+
+# --------------------------------------------------------------------------- wording
+
+_MSGSPEC_WHERE: Final = " - at `"
+_EXPECTED_GOT: Final = re.compile(r"Expected `(?P<expected>[^`]+)`, got `(?P<got>[^`]+)`")
+_BOUND: Final = re.compile(r"Expected `\w+` (?P<op>>=|>|<=|<) (?P<bound>\S+)")
+_LENGTH: Final = re.compile(r"Expected `(?P<kind>\w+)` of length (?P<op>>=|<=) (?P<n>\d+)")
+_PATTERN: Final = re.compile(r"Expected `str` matching regex (?P<pattern>'.*')")
+_TYPE_WORDS: Final = {"object": "mapping", "array": "list"}
+
+
+def _humanize(message: str, tp: Any) -> str:
+    """Reword a msgspec message ("Expected `int` >= 1") for a human ("must be >= 1").
+
+    msgspec quotes the rejected value only for an invalid enum value; that one is answered
+    with the allowed choices instead, so no message here repeats what was given.
+    """
+    message = message.split(_MSGSPEC_WHERE, 1)[0]
+    if match := _EXPECTED_GOT.fullmatch(message):
+        return f"expected {_type_words(match['expected'])}, got {_type_words(match['got'])}"
+    if match := _BOUND.fullmatch(message):
+        bound = match["bound"].removesuffix(".0")
+        return f"must be {match['op']} {bound}"
+    if match := _LENGTH.fullmatch(message):
+        size = int(match["n"])
+        if match["kind"] == "str" and match["op"] == ">=" and size == 1:
+            return "must not be empty"
+        unit = "characters" if match["kind"] == "str" else "items"
+        least = "at least" if match["op"] == ">=" else "at most"
+        return f"must have {least} {size} {unit}"
+    if match := _PATTERN.fullmatch(message):
+        return f"must match the pattern {match['pattern']}"
+    if message.startswith("Invalid enum value"):
+        choices = ", ".join(_literal_choices(tp))
+        return f"must be one of: {choices}" if choices else "not an allowed value"
+    return message[:1].lower() + message[1:]
+
+
+def _type_words(msgspec_types: str) -> str:
+    names = [_TYPE_WORDS.get(name, name) for name in msgspec_types.split(" | ")]
+    return " or ".join(names)
+
+
+def _literal_choices(tp: Any) -> list[str]:
+    if typing.get_origin(tp) is typing.Literal:
+        return [str(choice) for choice in typing.get_args(tp)]
+    return [choice for member in typing.get_args(tp) for choice in _literal_choices(member)]
