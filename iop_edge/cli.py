@@ -95,7 +95,10 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
     body: dict[str, Any] = {"mode": "apply" if args.apply else "dry_run"}
     if args.candidate:
-        body["config_yaml"] = Path(args.candidate).read_text(encoding="utf-8")
+        try:
+            body["config_yaml"] = Path(args.candidate).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SystemExit(f"cannot read the candidate {args.candidate}: {exc}") from None
     if args.if_revision is not None:
         body["if_revision"] = args.if_revision
     if args.allow_restart_required:

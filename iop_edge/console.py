@@ -2,6 +2,10 @@
 
 The CLI talks to a running Edge over HTTP, so it renders the JSON documents the admin API
 returns rather than importing server-side objects.
+
+Every value from the Edge goes out as a `Text`, never as a plain string: rich reads
+`[...]` in a string as markup, and would silently drop the keys of a config path such as
+`nodes[gpu1].providers[gpu1-vllm].capacity`.
 """
 
 from __future__ import annotations
@@ -11,6 +15,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+
+def _cell(value: object) -> Text:
+    """A table cell or line showing `value` literally (no markup)."""
+    return Text(str(value))
 
 
 def _yes(value: object) -> Text:
@@ -49,10 +58,10 @@ def render_catalog(console: Console, catalog: dict[str, Any]) -> None:
         if p.get("cooling_down"):
             health = f"{health} (cooldown)"
         providers.add_row(
-            p["id"],
-            p.get("node_id", ""),
-            p.get("type", ""),
-            p.get("category", ""),
+            _cell(p["id"]),
+            _cell(p.get("node_id", "")),
+            _cell(p.get("type", "")),
+            _cell(p.get("category", "")),
             _yes(p.get("enabled")),
             _yes(p.get("connected")),
             _health(health),
@@ -61,7 +70,7 @@ def render_catalog(console: Console, catalog: dict[str, Any]) -> None:
             "-" if long_slots is None else f"{p.get('long_in_flight', 0)}/{long_slots}",
             str(p.get("queued", 0)),
             str(p.get("priority", "")),
-            ", ".join(p.get("models", [])),
+            _cell(", ".join(p.get("models", []))),
             ", ".join(lifecycle) or "-",
         )
     models = Table(title="Models", title_justify="left")
@@ -71,7 +80,12 @@ def render_catalog(console: Console, catalog: dict[str, Any]) -> None:
         mapping = ", ".join(
             f"{pid} -> {served}" for pid, served in (m.get("providers") or {}).items()
         )
-        models.add_row(m["id"], m.get("display_name") or "", mapping, str(m.get("queued", 0)))
+        models.add_row(
+            _cell(m["id"]),
+            _cell(m.get("display_name") or ""),
+            _cell(mapping),
+            str(m.get("queued", 0)),
+        )
     console.print(models)
     console.print(providers)
 
@@ -92,7 +106,7 @@ def render_refresh_report(console: Console, report: dict[str, Any], status: int)
     if errors:
         console.print("[bold red]errors:[/]")
         for error in errors:
-            console.print(f"  {error['path']}: {error['message']}")
+            console.print(_cell(f"  {error['path']}: {error['message']}"))
     changes = report.get("changes") or []
     if not changes:
         console.print("no changes")
@@ -102,12 +116,14 @@ def render_refresh_report(console: Console, report: dict[str, Any], status: int)
         table.add_column("class")
         for change in changes:
             cls = change.get("class", "")
-            table.add_row(change["path"], Text(cls, style="green" if cls == "live" else "yellow"))
+            table.add_row(
+                _cell(change["path"]), Text(cls, style="green" if cls == "live" else "yellow")
+            )
         console.print(table)
     for key in ("changed_models", "changed_providers", "changed_nodes", "pending_restart"):
         values = report.get(key) or []
         if values:
-            console.print(f"{key.replace('_', ' ')}: {', '.join(values)}")
+            console.print(_cell(f"{key.replace('_', ' ')}: {', '.join(values)}"))
     nodes = report.get("nodes") or []
     if nodes:
         table = Table(title="nodes", title_justify="left")
@@ -115,10 +131,10 @@ def render_refresh_report(console: Console, report: dict[str, Any], status: int)
             table.add_column(column, overflow="fold")
         for node in nodes:
             table.add_row(
-                node["id"],
-                node.get("status", ""),
+                _cell(node["id"]),
+                _cell(node.get("status", "")),
                 str(node.get("revision") or "-"),
-                node.get("detail") or "",
+                _cell(node.get("detail") or ""),
             )
         console.print(table)
 

@@ -32,6 +32,7 @@ from iop_edge.errors import ApiError
 from iop_edge.hub import NodeHub, NodeSession, RunEvent, SessionClosed
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.scheduler import (
+    RETRY_AFTER_BUSY_S,
     AdmissionError,
     Lease,
     NoProvider,
@@ -102,6 +103,16 @@ class RunFailure(Exception):
             return ApiError(failure.status, failure.message, code="upstream_rejected")
         if failure.code == "deadline_exceeded":
             return ApiError(504, failure.message, type="api_error", code=failure.code)
+        if failure.capacity:
+            # Upstream 429/503 on every provider tried: busy, not broken (rule 3), so the
+            # caller gets a retryable 503 with Retry-After rather than a 502 failure.
+            return ApiError(
+                503,
+                f"provider '{self.provider_id}' is at capacity: {failure.message}",
+                type="service_unavailable_error",
+                code=failure.code,
+                retry_after_s=RETRY_AFTER_BUSY_S,
+            )
         return ApiError(
             502,
             f"provider '{self.provider_id}' failed: {failure.message}",

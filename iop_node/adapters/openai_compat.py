@@ -9,10 +9,12 @@ content, tool calls, logprobs) passes through untouched. JSON is decoded only to
 
 Deadlines (set here, once, from the provider's adapter settings):
 
-- *first byte*: from the start of the request until the first byte of the response body,
-  `first_byte_timeout_s` when set, else `request_timeout_s`. For a stream it is the first
-  whole event, so a server that sends headers (or keep-alive comments) at once and then
-  stalls in prefill is still caught by it.
+- *first byte* (streams only): from the start of the request until the first whole
+  event, `first_byte_timeout_s` when set, else `request_timeout_s`; a server that sends
+  headers (or keep-alive comments) at once and then stalls in prefill is still caught by
+  it. A non-stream response has no such deadline: engines send its first byte only when
+  the whole generation is done, so a first-byte bound there would cut every long answer
+  (and, being retryable, fail it over and cool healthy providers down).
 - *whole request*: `request_timeout_s` from the start, whatever happens.
 
 One cancel scope carries both: it starts with the first-byte deadline and is moved to the
@@ -283,7 +285,8 @@ class OpenAICompatAdapter:
         url = self.base_url + OPERATION_PATHS[run.operation]
         start = trio.current_time()
         request_timeout_s = self.provider.adapter.request_timeout_s
-        with trio.CancelScope(deadline=start + self._first_byte_s) as scope:
+        first_byte_s = self._first_byte_s if run.stream else request_timeout_s
+        with trio.CancelScope(deadline=start + first_byte_s) as scope:
             progress = _Progress(scope=scope, request_deadline=start + request_timeout_s)
             try:
                 return await self._exchange(run, url, emit, progress)
@@ -299,7 +302,7 @@ class OpenAICompatAdapter:
         if not progress.first_byte:
             raise AdapterError(
                 "upstream_timeout",
-                f"no response from {self._origin} within {self._first_byte_s:g}s",
+                f"no response from {self._origin} within {first_byte_s:g}s",
                 retryable=True,
             )
         raise AdapterError(

@@ -250,10 +250,14 @@ async def test_hung_upstream_times_out_before_first_byte(
     upstream: FakeUpstream, make_adapter: MakeAdapter
 ) -> None:
     upstream.hang = True
-    adapter = make_adapter(upstream.base_url, first_byte_timeout_s=0.2)
+    adapter = make_adapter(upstream.base_url, first_byte_timeout_s=0.2, request_timeout_s=0.5)
     for stream in (True, False):
+        started = trio.current_time()
         error = await expect_failure(adapter, make_run(stream=stream)[0])
         assert (error.code, error.retryable) == ("upstream_timeout", True)
+        # The first-byte bound is for streams; a non-stream body comes only at the end.
+        elapsed = trio.current_time() - started
+        assert elapsed < 0.5 if stream else elapsed >= 0.5
     # Giving up closed the connection, which is how the upstream learns to stop.
     with trio.fail_after(GUARD_S):
         await upstream.wait_for(lambda: upstream.disconnects == 2)

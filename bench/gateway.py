@@ -1,0 +1,150 @@
+"""IOP under test: an Edge and a Node, each in its own process, in front of the upstream.
+
+The Edge runs exactly as an operator runs it (`python -m iop_edge serve --config F`), with
+every listener on 127.0.0.1 port 0; the URLs it bound are read from its log. The Node is
+`python -m iop_node run`, with its token in `IOP_NODE_TOKEN`. The config has one model,
+`bench-model`, on one `vllm` provider pointing at the bench upstream, with capacity and
+queue large enough that the pool is never what limits throughput.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import httpx2
+import trio
+import yaml
+
+from bench.services import Service, python_argv, python_main_argv, spawn_service, start_service
+from bench.upstream import MODEL, SERVED_MODEL
+
+PROVIDER_ID: Final = "bench-vllm"
+NODE_ID: Final = "bench-node"
+#: Run slots of the one provider: far above any concurrency the bench uses.
+CAPACITY: Final = 256
+#: Between two readiness checks of the Edge's catalog (see `wait_servable`).
+_READINESS_INTERVAL_S: Final = 0.02
+
+_EDGE_URLS = {
+    "node": re.compile(r"node websocket listening on (\S+)"),
+    "openai": re.compile(r"OpenAI API listening on (\S+)"),
+    "admin": re.compile(r"admin API listening on (\S+)"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeUrls:
+    node: str
+    openai: str
+    admin: str
+
+
+@dataclass(frozen=True, slots=True)
+class Gateway:
+    """The running Edge and Node; `openai_url` is where callers send requests."""
+
+    edge: Service[EdgeUrls]
+    node: Service[None]
+
+    @property
+    def openai_url(self) -> str:
+        return self.edge.ready.openai
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {"edge": self.edge.pid, "node": self.node.pid}
+
+
+def edge_config(upstream_root: str, state_dir: Path, node_token: str) -> str:
+    """The Edge config (YAML) for one model on one provider at `upstream_root`."""
+    config: dict[str, Any] = {
+        "edge": {"id": "bench-edge", "listen": "127.0.0.1:0", "state_dir": str(state_dir)},
+        "admin": {"listen": "127.0.0.1:0"},
+        "openai": {"listen": "127.0.0.1:0"},
+        "dispatch": {"max_queue": 4096, "queue_timeout_ms": 120_000},
+        "models": [{"id": MODEL, "providers": {PROVIDER_ID: SERVED_MODEL}}],
+        "nodes": [
+            {
+                "id": NODE_ID,
+                "token_hash_sha256": hashlib.sha256(node_token.encode()).hexdigest(),
+                "providers": [
+                    {
+                        "id": PROVIDER_ID,
+                        "type": "vllm",
+                        "models": [SERVED_MODEL],
+                        "capacity": CAPACITY,
+                        "adapter": {"base_url": f"{upstream_root}/v1"},
+                    }
+                ],
+            }
+        ],
+    }
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+class _EdgeLog:
+    """Collects the three URLs the Edge logs as it binds; ready once it has all of them."""
+
+    def __init__(self) -> None:
+        self._found: dict[str, str] = {}
+
+    def __call__(self, line: str) -> EdgeUrls | None:
+        for name, pattern in _EDGE_URLS.items():
+            if match := pattern.search(line):
+                self._found[name] = match.group(1)
+        if len(self._found) < len(_EDGE_URLS):
+            return None
+        return EdgeUrls(**self._found)
+
+
+async def start_gateway(nursery: trio.Nursery, upstream_root: str, workdir: Path) -> Gateway:
+    """Start the Edge, then the Node; return once the model is servable.
+
+    The caller owns the deadline (startup takes about a second)."""
+    token = secrets.token_urlsafe(24)
+    config_path = workdir / "edge.yaml"
+    text = edge_config(upstream_root, workdir / "edge-state", token)
+    await trio.Path(config_path).write_text(text, encoding="utf-8")
+    edge = await start_service(
+        nursery,
+        "iop-edge",
+        python_argv("iop_edge", "serve", "--config", str(config_path), "--log-level", "INFO"),
+        _EdgeLog(),
+    )
+    # The Node logs at `warning`: at `info` it logs a line per upstream request (httpx2's
+    # request log), which would measure logging, and this process reading it. `iop_node`
+    # has no `__main__` module; its console script's entry point is the same function.
+    node_argv = python_main_argv(
+        "iop_node.cli", "run", "--edge", edge.ready.node, "--node-id", NODE_ID,
+        "--log-level", "warning",
+    )  # fmt: skip
+    node = await spawn_service(nursery, "iop-node", node_argv, env={"IOP_NODE_TOKEN": token})
+    await wait_servable(edge.ready.admin)
+    return Gateway(edge=edge, node=node)
+
+
+async def wait_servable(admin_url: str) -> None:
+    """Return once the Edge's catalog shows the provider connected and available.
+
+    The Node reports its provider's health to the Edge a moment after the handshake
+    (after its first probe of the upstream). Across the process boundary the admin
+    catalog is the only place that state is visible, and there is nothing to wait on
+    but the next look, so this re-reads it at a short interval; the caller's deadline
+    bounds the whole wait.
+    """
+    async with httpx2.AsyncClient(base_url=admin_url, timeout=5) as admin:
+        while True:
+            response = await admin.get("/catalog")
+            response.raise_for_status()
+            providers = response.json().get("providers", [])
+            if any(
+                p.get("id") == PROVIDER_ID and p.get("connected") and p.get("health") == "available"
+                for p in providers
+            ):
+                return
+            await trio.sleep(_READINESS_INTERVAL_S)

@@ -1,0 +1,280 @@
+"""The closed-loop load generator.
+
+`concurrency` workers each send a request, wait for its last byte, and send the next, so
+the offered load adapts to the server: at concurrency 1 it measures pure latency, at 32
+it finds throughput under a fixed number of callers (what an OpenAI client pool does).
+A phase ends after a fixed number of requests, or once its duration has passed (requests
+in flight then complete and count).
+
+Each target gets one long-lived `httpx2.AsyncClient`, as a real caller would hold, with
+room for one keep-alive connection per worker. Every request is timed from before the
+client builds it until the last byte of the body: for a stream, every SSE event is read,
+so the number is the time to the end of the generation (`data: [DONE]`). A warm-up phase
+(connections opened, caches filled) runs before each measured one and is discarded.
+
+Failures (a non-200 status, a transport error, a stream that lost an event or ended
+without `[DONE]`) are counted apart and never enter the latency numbers; the first one
+is kept to show why.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+import httpx2
+import trio
+
+from bench.upstream import MODEL, STREAM_CHUNKS
+
+CHAT_PATH: Final = "/v1/chat/completions"
+_DONE: Final = b"data: [DONE]\n\n"
+#: A complete stream: every chunk of the upstream's, then `[DONE]`.
+STREAM_EVENTS: Final = STREAM_CHUNKS + 1
+_REQUEST_TIMEOUT_S: Final = 60.0
+#: Below uvicorn's 5 s idle timeout (LiteLLM), so no request lands on a closing connection.
+_KEEPALIVE_EXPIRY_S: Final = 4.0
+_CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_HEADERS: Final = {"content-type": "application/json", "authorization": "Bearer unused"}
+
+
+def request_body(*, stream: bool) -> bytes:
+    """The request every target gets: a short chat turn (`model` is the logical id)."""
+    flag = b"true" if stream else b"false"
+    return (
+        b'{"model":"' + MODEL.encode() + b'","messages":[{"role":"user","content":'
+        b'"Say hello in twenty-one tokens."}],"max_tokens":64,"stream":' + flag + b"}"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A server to measure: `name` labels it in the report, `root_url` is scheme://host:port.
+
+    `pids` are the processes that make up the target (for IOP: the Edge and the Node); the
+    CPU time they spend during a measured phase is reported per request."""
+
+    name: str
+    root_url: str
+    pids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    concurrency: int
+    stream: bool
+
+    @property
+    def label(self) -> str:
+        return f"c={self.concurrency} {'stream' if self.stream else 'non-stream'}"
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """How long one measured phase lasts: `requests` when set, else `duration_s`."""
+
+    requests: int | None = None
+    duration_s: float = 4.0
+    warmup_requests: int = 50
+
+    def __post_init__(self) -> None:
+        if self.requests is not None and self.requests < 1:
+            raise ValueError("requests must be >= 1")
+        if self.duration_s <= 0:
+            raise ValueError("duration must be > 0")
+        if self.warmup_requests < 0:
+            raise ValueError("warm-up requests must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One target under one scenario: latencies (seconds, sorted) and failures."""
+
+    target: str
+    scenario: Scenario
+    latencies_s: tuple[float, ...]
+    errors: int
+    wall_s: float
+    first_error: str | None = None
+    server_cpu_s: float | None = None
+    """CPU time (user + system) of the target's processes during the phase, when known."""
+
+    @property
+    def ok(self) -> int:
+        return len(self.latencies_s)
+
+    @property
+    def cpu_ms_per_request(self) -> float | None:
+        """The target's own CPU cost of one request: what bounds its throughput per core."""
+        requests = self.ok + self.errors
+        if self.server_cpu_s is None or not requests:
+            return None
+        return self.server_cpu_s / requests * 1000
+
+    @property
+    def p50_ms(self) -> float | None:
+        return percentile(self.latencies_s, 50.0) * 1000 if self.latencies_s else None
+
+    @property
+    def p99_ms(self) -> float | None:
+        return percentile(self.latencies_s, 99.0) * 1000 if self.latencies_s else None
+
+    @property
+    def rps(self) -> float | None:
+        return self.ok / self.wall_s if self.ok and self.wall_s > 0 else None
+
+
+def percentile(sorted_values: tuple[float, ...], q: float) -> float:
+    """The q-th percentile by linear interpolation between closest ranks (numpy's default)."""
+    if not sorted_values:
+        raise ValueError("no values")
+    rank = (len(sorted_values) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(sorted_values) - 1)
+    fraction = rank - low
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * fraction
+
+
+async def cpu_seconds(pids: tuple[int, ...]) -> float | None:
+    """User + system CPU seconds the processes used so far, from Linux's `/proc`.
+
+    None when there is no `/proc` (another OS) or a process is gone. The kernel counts in
+    clock ticks (10 ms), which is why a phase should last a few seconds."""
+    if not pids:
+        return None
+    total = 0.0
+    for pid in pids:
+        try:
+            stat = await trio.Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        # Fields after the parenthesised command name; utime and stime are the 12th, 13th.
+        fields = stat.rpartition(")")[2].split()
+        total += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    return total
+
+
+class _BadResponse(Exception):
+    """The target answered, but not with a complete success."""
+
+
+def open_client(max_concurrency: int) -> httpx2.AsyncClient:
+    """The long-lived client for one target, with a keep-alive connection per worker."""
+    return httpx2.AsyncClient(
+        timeout=_REQUEST_TIMEOUT_S,
+        limits=httpx2.Limits(
+            max_connections=max_concurrency,
+            max_keepalive_connections=max_concurrency,
+            keepalive_expiry=_KEEPALIVE_EXPIRY_S,
+        ),
+        follow_redirects=False,
+    )
+
+
+async def _complete(client: httpx2.AsyncClient, url: str, body: bytes) -> None:
+    response = await client.post(url, content=body, headers=_HEADERS)
+    if response.status_code != 200:
+        raise _BadResponse(f"HTTP {response.status_code}: {response.text[:200]}")
+    if b'"choices"' not in response.content:
+        raise _BadResponse(f"not a chat completion: {response.content[:200]!r}")
+
+
+async def _stream(client: httpx2.AsyncClient, url: str, body: bytes) -> None:
+    async with client.stream("POST", url, content=body, headers=_HEADERS) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise _BadResponse(f"HTTP {response.status_code}: {response.text[:200]}")
+        events = 0
+        tail = b""
+        async for chunk in response.aiter_raw():
+            # An event ends at a blank line; one may straddle two reads, hence the tail.
+            events += (tail[-1:] + chunk).count(b"\n\n")
+            tail = (tail + chunk)[-len(_DONE) :]
+        if tail != _DONE:
+            raise _BadResponse(f"stream ended without [DONE] (last bytes {tail!r})")
+        if events != STREAM_EVENTS:
+            raise _BadResponse(f"{events} events instead of {STREAM_EVENTS}")
+
+
+@dataclass
+class _Tally:
+    latencies_s: list[float] = field(default_factory=list)
+    errors: int = 0
+    first_error: str | None = None
+
+
+async def _closed_loop(
+    send: Callable[[], Awaitable[None]],
+    concurrency: int,
+    *,
+    requests: int | None,
+    duration_s: float,
+) -> tuple[_Tally, float]:
+    """Run `concurrency` workers until `requests` are done or `duration_s` has passed."""
+    tally = _Tally()
+    remaining = requests
+    started = time.perf_counter()
+    deadline = started + duration_s
+
+    def another() -> bool:
+        nonlocal remaining
+        if remaining is None:
+            return time.perf_counter() < deadline
+        if remaining <= 0:
+            return False
+        remaining -= 1
+        return True
+
+    async def worker() -> None:
+        while another():
+            began = time.perf_counter()
+            try:
+                await send()
+            except (httpx2.HTTPError, _BadResponse) as exc:
+                tally.errors += 1
+                if tally.first_error is None:
+                    tally.first_error = f"{type(exc).__name__}: {exc}"[:300]
+                continue
+            tally.latencies_s.append(time.perf_counter() - began)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(concurrency):
+            nursery.start_soon(worker, name=f"bench worker {i}")
+    return tally, time.perf_counter() - started
+
+
+async def measure(
+    client: httpx2.AsyncClient, target: Target, scenario: Scenario, budget: Budget
+) -> Measurement:
+    """Warm up, then measure `target` under `scenario`."""
+    url = target.root_url.rstrip("/") + CHAT_PATH
+    body = request_body(stream=scenario.stream)
+    request = _stream if scenario.stream else _complete
+
+    async def send() -> None:
+        await request(client, url, body)
+
+    warmup = max(budget.warmup_requests, scenario.concurrency) if budget.warmup_requests else 0
+    if warmup:
+        await _closed_loop(send, scenario.concurrency, requests=warmup, duration_s=math.inf)
+    cpu_before = await cpu_seconds(target.pids)
+    tally, wall_s = await _closed_loop(
+        send, scenario.concurrency, requests=budget.requests, duration_s=budget.duration_s
+    )
+    cpu_after = await cpu_seconds(target.pids)
+    server_cpu_s = None
+    if cpu_before is not None and cpu_after is not None:
+        server_cpu_s = cpu_after - cpu_before
+    return Measurement(
+        target=target.name,
+        scenario=scenario,
+        latencies_s=tuple(sorted(tally.latencies_s)),
+        errors=tally.errors,
+        wall_s=wall_s,
+        first_error=tally.first_error,
+        server_cpu_s=server_cpu_s,
+    )
