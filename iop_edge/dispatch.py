@@ -190,7 +190,10 @@ class ActiveRun:
             return first
         try:
             return await self._events.receive()
-        except trio.EndOfChannel:
+        except (trio.EndOfChannel, trio.ClosedResourceError):  # closed: abandoned, see hub
+            reason = self._session.end_reason(self._session_run_id)
+            if reason is not None:
+                return reason
             return wire.RunFailed(
                 run_id=self._session_run_id,
                 code="node_lost",
@@ -325,6 +328,9 @@ class Dispatcher:
                 timings=timings,
                 dispatcher=self,
             )
+            # If the caller stops reading, the hub cancels the run and this frees the
+            # slot at once, even while the response writer is stuck on the socket.
+            session.on_abandon(session_run_id, active.close)
             return active
         except SessionClosed:
             return RunFailure(None, lease.provider_id)

@@ -190,6 +190,7 @@ class Edge:
         config.errorlog = logging.getLogger("hypercorn.error")
         config.graceful_timeout = SHUTDOWN_GRACE_S
         config.keep_alive_timeout = 75
+        config.include_server_header = False
         return config
 
     def _node_ssl_context(self) -> ssl.SSLContext | None:

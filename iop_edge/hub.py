@@ -13,6 +13,9 @@ Rules:
 2. A malformed frame from a connected Node gets a `reject{bad_frame}` and a close.
 3. When a session ends for any reason, every run it carried sees its event channel
    closed (`EndOfChannel` = node lost) and the scheduler learns the node is gone.
+4. The reader never waits on one run: each run has a bounded buffer of chunks, and a
+   caller that falls a whole buffer behind loses its run (`caller_too_slow`, cancelled
+   on the Node) instead of stalling every other run and the heartbeat of its Node.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ log = logging.getLogger(__name__)
 RunEvent = wire.RunChunk | wire.RunDone | wire.RunFailed
 
 OUTBOX_SIZE = 256
-RUN_EVENT_BUFFER = 256
+RUN_EVENT_BUFFER = 1024
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 
@@ -52,6 +55,8 @@ class NodeSession:
     _outbox_recv: trio.MemoryReceiveChannel[bytes] = field(init=False)
     _runs: dict[str, trio.MemorySendChannel[RunEvent]] = field(default_factory=dict)
     _acks: dict[int, trio.MemorySendChannel[wire.RefreshAck]] = field(default_factory=dict)
+    _abandoned: dict[str, wire.RunFailed] = field(default_factory=dict)
+    _on_abandon: dict[str, Callable[[], None]] = field(default_factory=dict)
     _scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     closed: trio.Event = field(default_factory=trio.Event)
 
@@ -87,11 +92,18 @@ class NodeSession:
         """Register a run; its events arrive on the returned channel until it closes."""
         if self.closed.is_set():
             raise SessionClosed(self.node_id)
-        send, receive = trio.open_memory_channel[RunEvent](RUN_EVENT_BUFFER)
+        # One spare slot so the terminal event always fits behind a full buffer of chunks.
+        send, receive = trio.open_memory_channel[RunEvent](RUN_EVENT_BUFFER + 1)
         self._runs[run_id] = send
         return receive
 
+    def on_abandon(self, run_id: str, callback: Callable[[], None]) -> None:
+        """Call `callback` (synchronously) if the hub gives up on the run's consumer."""
+        if run_id in self._runs:
+            self._on_abandon[run_id] = callback
+
     def close_run(self, run_id: str) -> None:
+        self._on_abandon.pop(run_id, None)
         channel = self._runs.pop(run_id, None)
         if channel is not None:
             channel.close()
@@ -126,6 +138,7 @@ class NodeSession:
         for channel in self._runs.values():
             channel.close()
         self._runs.clear()
+        self._on_abandon.clear()
         for ack in self._acks.values():
             ack.close()
         self._acks.clear()
@@ -135,25 +148,50 @@ class NodeSession:
             async for frame in self._outbox_recv:
                 await self.websocket.send_message(frame)
 
-    async def _route(self, message: wire.NodeToEdge, hub: NodeHub) -> None:
+    def _deliver(self, event: RunEvent) -> None:
+        """Hand a run event to its run without ever blocking the reader (Rule 4)."""
+        channel = self._runs.get(event.run_id)
+        if channel is None:
+            return  # a late event of a run the Edge already gave up on
+        on_abandon = None
+        if isinstance(event, wire.RunChunk):
+            if channel.statistics().current_buffer_used < RUN_EVENT_BUFFER:
+                try:
+                    channel.send_nowait(event)
+                    return
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # the consumer is gone; it already cancelled the run
+            else:
+                log.warning("run %s: caller is not reading; cancelling the run", event.run_id)
+                self._abandoned[event.run_id] = wire.RunFailed(
+                    run_id=event.run_id,
+                    code="caller_too_slow",
+                    message=f"the caller fell {RUN_EVENT_BUFFER} chunks behind the provider",
+                )
+                self.post(wire.Cancel(run_id=event.run_id))
+                on_abandon = self._on_abandon.pop(event.run_id, None)
+            del self._runs[event.run_id]
+            channel.close()
+            if on_abandon is not None:
+                on_abandon()  # e.g. give the slot back now: the consumer may be stuck
+            return
+        # Terminal: the spare buffer slot guarantees it fits; then the run's stream ends.
+        del self._runs[event.run_id]
+        self._on_abandon.pop(event.run_id, None)
+        try:
+            channel.send_nowait(event)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        channel.close()
+
+    def end_reason(self, run_id: str) -> wire.RunFailed | None:
+        """Why a run's event stream ended without a terminal event, when the Edge knows."""
+        return self._abandoned.pop(run_id, None)
+
+    def _route(self, message: wire.NodeToEdge, hub: NodeHub) -> None:
         match message:
             case wire.RunChunk() | wire.RunDone() | wire.RunFailed():
-                channel = self._runs.get(message.run_id)
-                if channel is None:
-                    return  # a late event of a run the Edge already gave up on
-                if isinstance(message, wire.RunChunk):
-                    try:
-                        await channel.send(message)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        self._runs.pop(message.run_id, None)
-                else:
-                    # Terminal: deliver and close so the consumer sees the end.
-                    del self._runs[message.run_id]
-                    try:
-                        await channel.send(message)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        pass
-                    channel.close()
+                self._deliver(message)
             case wire.Status():
                 hub.on_status(self.node_id, message)
             case wire.RefreshAck():
@@ -178,7 +216,7 @@ class NodeSession:
                 await _reject(self.websocket, "bad_frame", str(exc))
                 return
             try:
-                await self._route(message, hub)
+                self._route(message, hub)
             except wire.WireError as exc:
                 await _reject(self.websocket, "protocol_error", str(exc))
                 return
@@ -310,7 +348,8 @@ class NodeHub:
                 del self._sessions[hello.node_id]
                 self._on_disconnect(hello.node_id)
                 log.info("node %s disconnected", hello.node_id)
-            with trio.move_on_after(1, shield=True):
+            # Courtesy close; the peer may already be gone (or be cancelled with us).
+            with trio.move_on_after(0.2, shield=True):
                 await websocket.aclose()
 
     async def _handshake(self, websocket: WebSocketConnection) -> wire.Hello | None:

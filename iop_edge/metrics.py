@@ -59,7 +59,10 @@ class EdgeMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "iop_requests", "Finished requests", ["model", "provider", "status"], registry=r
+            "iop_requests",
+            "Finished requests; `code` is the OpenAI error code (empty on success)",
+            ["model", "provider", "status", "code"],
+            registry=r,
         )
         self.latency = Histogram(
             "iop_request_latency_seconds",
@@ -103,13 +106,14 @@ class EdgeMetrics:
         provider: str,
         status: int,
         latency_s: float,
+        code: str = "",
         ttft_s: float | None = None,
         queued_s: float | None = None,
         usage: Usage | None = None,
         principal_ref: str = "anonymous",
         token_ref: str = "anonymous",
     ) -> None:
-        self.requests.labels(model, provider, str(status)).inc()
+        self.requests.labels(model, provider, str(status), code).inc()
         if provider:
             self.latency.labels(model, provider).observe(latency_s)
             if ttft_s is not None:
@@ -123,6 +127,13 @@ class EdgeMetrics:
             self.tokens.labels(principal_ref, token_ref, model, provider, "completion").inc(
                 usage.completion_tokens
             )
+
+    def observe_refusal(self, *, status: int, code: str) -> None:
+        """A request refused before it named a model we know (400/401/404/413).
+
+        No model label: the caller's string is untrusted and would explode cardinality.
+        """
+        self.requests.labels("", "", str(status), code).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -45,6 +45,7 @@ _encode_json = msgspec.json.Encoder().encode
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _RUNS_KEY = "iop.active_runs"
 _ID_KEY = "iop.request_id"
+_STARTED_KEY = "iop.started"
 _SSE_DONE = b"data: [DONE]\n\n"
 #: Who a request is when the Edge has no principal tokens configured (open API).
 ANONYMOUS = PrincipalToken(
@@ -182,6 +183,15 @@ def create_openai_app(edge: Edge) -> QuartTrio:
         timing = _Timing()
         run_id = new_run_id()
         rid = request_id(run_id)
+        try:
+            plan = await prepare(operation, run_id)
+        except ApiError as exc:
+            edge.metrics.observe_refusal(status=exc.status, code=exc.code or "")
+            raise
+        return await run_plan(plan, rid, timing)
+
+    async def prepare(operation: wire.Operation, run_id: str) -> RunPlan:
+        """Authenticate, read and check the request; the plan the dispatcher runs."""
         principal = authenticate()
         body = await read_body()
         try:
@@ -224,10 +234,16 @@ def create_openai_app(edge: Edge) -> QuartTrio:
             token_ref=principal.token_ref,
             principal_alias=principal.alias,
         )
-        return await run_plan(plan, rid, timing)
+        return plan
 
     def observe(
-        plan: RunPlan, provider: str, status: int, timing: _Timing, run: ActiveRun | None = None
+        plan: RunPlan,
+        provider: str,
+        status: int,
+        timing: _Timing,
+        run: ActiveRun | None = None,
+        *,
+        code: str | None = None,
     ) -> None:
         """Meter a finished request: Prometheus always, the usage ledger when a run happened."""
         latency_s = time.perf_counter() - plan.received_at
@@ -239,6 +255,7 @@ def create_openai_app(edge: Edge) -> QuartTrio:
             model=plan.model_id,
             provider=provider,
             status=status,
+            code=code or "",
             latency_s=latency_s,
             ttft_s=ttft_s,
             queued_s=timing.queued_s if provider else None,
@@ -270,11 +287,11 @@ def create_openai_app(edge: Edge) -> QuartTrio:
         try:
             active = await edge.dispatcher.start(plan, edge.snapshot)
         except ApiError as exc:
-            observe(plan, "", exc.status, timing)
+            observe(plan, "", exc.status, timing, code=exc.code)
             raise
         except RunFailure as exc:
             error = exc.api_error()
-            observe(plan, exc.provider_id, error.status, timing)
+            observe(plan, exc.provider_id, error.status, timing, code=error.code)
             raise error from None
         _request_state()[_RUNS_KEY].append(active)
         timing.queued_s = active.timings.queued_s
@@ -290,6 +307,7 @@ def create_openai_app(edge: Edge) -> QuartTrio:
                 content_type="text/event-stream",
             )
         status = 499  # until the run ends, leaving early means the caller went away
+        code: str | None = "client_closed"
         try:
             while True:
                 event = await active.next_event()
@@ -298,29 +316,30 @@ def create_openai_app(edge: Edge) -> QuartTrio:
                 active.finished(event)
                 if isinstance(event, wire.RunFailed):
                     error = RunFailure(event, active.provider_id).api_error()
-                    status = error.status
+                    status, code = error.status, error.code
                     raise error
                 if event.response is None:
-                    status = 502
+                    status, code = 502, "empty_response"
                     raise ApiError(
                         502,
                         f"provider '{active.provider_id}' returned no response body",
                         type="api_error",
                         code="empty_response",
                     )
-                status = 200
+                status, code = 200, None
                 payload = relabel(event.response, plan.model_id, strip_usage=False)
                 headers["Server-Timing"] = timing.header()
                 return _json_response(payload or b"{}", headers=headers)
         finally:
             active.close()
-            observe(plan, active.provider_id, status, timing, active)
+            observe(plan, active.provider_id, status, timing, active, code=code)
 
     async def sse_body(active: ActiveRun, plan: RunPlan, timing: _Timing) -> AsyncIterator[bytes]:
         """Relay the run as SSE. The slot is released and the run metered *before* the
         final frames go out, so a caller that saw `[DONE]` can count on both."""
         strip_usage = not plan.caller_wants_usage
         status = 499  # until the run ends, leaving early means the caller went away
+        code: str | None = "client_closed"
         metered = False
         try:
             while True:
@@ -332,13 +351,13 @@ def create_openai_app(edge: Edge) -> QuartTrio:
                     continue
                 active.finished(event)
                 tail = [_SSE_DONE]
-                status = 200
+                status, code = 200, None
                 if isinstance(event, wire.RunFailed):
                     error = RunFailure(event, active.provider_id).api_error()
-                    status = error.status
+                    status, code = error.status, error.code
                     tail.insert(0, b"data: " + error.body() + b"\n\n")
                 active.close()
-                observe(plan, active.provider_id, status, timing, active)
+                observe(plan, active.provider_id, status, timing, active, code=code)
                 metered = True
                 for frame in tail:
                     yield frame
@@ -346,7 +365,23 @@ def create_openai_app(edge: Edge) -> QuartTrio:
         finally:
             if not metered:
                 active.close()
-                observe(plan, active.provider_id, status, timing, active)
+                observe(plan, active.provider_id, status, timing, active, code=code)
+
+    @app.before_request
+    async def start_clock() -> None:
+        _request_state()[_STARTED_KEY] = time.perf_counter()
+
+    @app.after_request
+    async def stamp(response: Response) -> Response:
+        """Every response carries `x-request-id` and `Server-Timing` (runs set richer ones)."""
+        if "x-request-id" not in response.headers:
+            response.headers["x-request-id"] = request_id()
+        if "Server-Timing" not in response.headers:
+            started = _request_state().get(_STARTED_KEY, time.perf_counter())
+            response.headers["Server-Timing"] = (
+                f"edge;dur={(time.perf_counter() - started) * 1000:.2f}"
+            )
+        return response
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:

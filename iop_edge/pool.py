@@ -46,7 +46,8 @@ Rule 6. Passive health is a small circuit breaker per provider (`PassiveHealth`)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
@@ -147,6 +148,11 @@ class ProviderView:
 
     @property
     def load_ratio(self) -> Fraction:
+        """`in_flight / capacity`, exactly; a provider without capacity counts as full.
+
+        Ranking does not build these (a `Fraction` per candidate per decision is slow);
+        it compares the same ratios as integers over a common denominator.
+        """
         return Fraction(self.in_flight, self.capacity) if self.capacity > 0 else Fraction(1)
 
 
@@ -184,15 +190,35 @@ def rank(
     `rotation` is the model's provider order and `last` the provider the model picked
     last time; among otherwise equal providers the one following `last` wins.
     """
+    candidates = list(candidates)
+    return sorted(candidates, key=_rank_key(candidates, rotation=rotation, last=last))
+
+
+_RankKey = tuple[int, int, int, str]
+
+
+def _rank_key(
+    candidates: Sequence[ProviderView], *, rotation: Sequence[str], last: str | None
+) -> Callable[[ProviderView], _RankKey]:
+    """The sort key of Rule 4 for this set of `candidates`: smaller ranks first.
+
+    Load ratios are compared exactly but without `Fraction`s: each `in_flight /
+    capacity` is scaled to the candidates' common denominator (the lcm of their
+    capacities), which turns it into an integer numerator, so 1/3 and 2/6 tie and
+    1/3 beats 2/3 with plain integer comparison.
+    """
     position = {provider_id: index for index, provider_id in enumerate(rotation)}
     size = max(len(rotation), 1)
     start = position[last] + 1 if last in position else 0
+    denominator = math.lcm(*(view.capacity for view in candidates if view.capacity > 0))
 
-    def key(view: ProviderView) -> tuple[Fraction, int, int, str]:
+    def key(view: ProviderView) -> _RankKey:
+        # a provider without capacity counts as full (load ratio 1), like `load_ratio`
+        load = view.in_flight * (denominator // view.capacity) if view.capacity > 0 else denominator
         turn = (position[view.id] - start) % size if view.id in position else size
-        return (view.load_ratio, view.priority, turn, view.id)
+        return (load, view.priority, turn, view.id)
 
-    return sorted(candidates, key=key)
+    return key
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +281,7 @@ def decide(
             eligible.append(view)
     admissible = [view for view in eligible if is_admissible(view, long=long)]
     if admissible:
-        return Grant(rank(admissible, rotation=rotation, last=last)[0])
+        return Grant(min(admissible, key=_rank_key(admissible, rotation=rotation, last=last)))
     if eligible:
         return Wait(tuple(view.id for view in eligible))
     return Refuse(

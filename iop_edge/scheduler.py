@@ -28,19 +28,26 @@ How the pieces fit:
   by any of several providers, so waiting happens in our per-model FIFO queue.
 - A queued request is woken by whoever changes something it might be waiting for (a
   lease released, a node (dis)connected, a status received, a cooldown ending, a
-  refresh): that code walks the model's queue head first and settles every waiter it
-  can, granting a slot or failing it with `NoProvider`. A waiter that cannot use what
-  was freed (a long run, say) stays put without blocking those behind it. Nothing
-  polls; `Scheduler.run()` sleeps until the earliest cooldown ends.
+  refresh): that code walks the queues of every model that could use what changed, in
+  arrival order across those models, and settles every waiter it can, granting a slot
+  or failing it with `NoProvider`. Arrival order is global (one sequence number for all
+  waiters) because models share providers: walking the queues one model after another
+  would let a busy model that happens to be listed first starve the others. Each queue
+  is FIFO, so the walk is a merge of the queues by sequence number. A waiter that
+  cannot use what was freed (a long run, say) stays put without blocking those behind
+  it. Nothing polls; `Scheduler.run()` sleeps until the earliest cooldown ends.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from functools import partial
+from operator import attrgetter
 from types import TracebackType
 
 import trio
@@ -216,12 +223,14 @@ class _Waiter:
         "model_id",
         "run_id",
         "scope",
+        "seq",
         "timeout_s",
     )
 
     def __init__(
         self,
         *,
+        seq: int,
         model_id: str,
         run_id: str,
         long: bool,
@@ -229,6 +238,8 @@ class _Waiter:
         enqueued_at: float,
         timeout_s: float,
     ) -> None:
+        self.seq = seq
+        """Arrival order across all models' queues (a clock reading could tie)."""
         self.model_id = model_id
         self.run_id = run_id
         self.long = long
@@ -251,6 +262,9 @@ class _Waiter:
         )
 
 
+_arrival = attrgetter("seq")
+
+
 class Scheduler:
     """The Edge's provider pool: admission, per-model queues and passive health.
 
@@ -267,8 +281,11 @@ class Scheduler:
         self._states: dict[str, _ProviderState] = {}
         self._connected: set[str] = set()
         self._queues: dict[str, deque[_Waiter]] = {}
+        self._arrivals = itertools.count()
         self._last_pick: dict[str, str] = {}
         self._models_of: dict[str, tuple[str, ...]] = {}
+        self._rivals: dict[str, tuple[str, ...]] = {}
+        """Per model: the models sharing a provider with it, itself included."""
         self._reschedule = trio.Event()
         self._changed = trio.Event()
         self.apply_snapshot(snapshot)
@@ -332,6 +349,10 @@ class Scheduler:
             for provider_id in model.providers:
                 models_of.setdefault(provider_id, []).append(model.id)
         self._models_of = {pid: tuple(models) for pid, models in models_of.items()}
+        self._rivals = {
+            model.id: tuple(self._models_serving(model.providers)) or (model.id,)
+            for model in snapshot.models.values()
+        }
         for model_id in [m for m in self._queues if m not in snapshot.models]:
             for waiter in self._queues.pop(model_id):
                 self._settle(waiter, error=UnknownModel(f"model {model_id!r} was removed"))
@@ -436,8 +457,12 @@ class Scheduler:
         if model_id not in self._snapshot.models:
             raise UnknownModel(f"model {model_id!r} is not in the catalog")
         queue = self._queues.setdefault(model_id, deque())
-        if queue:
-            self._serve((model_id,))  # earlier arrivals choose first: no barging
+        rivals = self._rivals[model_id]
+        if any(self._queues.get(rival) for rival in rivals):
+            # Earlier arrivals choose first, on this model or any model sharing a
+            # provider with it: no barging. Only time (a cooldown ending before `run()`
+            # noticed) can have freed a slot they have not been offered yet.
+            self._serve(rivals)
         match self._decide(model_id, long=long, exclude=exclude):
             case Grant(provider=view):
                 lease = self._grant(model_id, view.id, run_id, long=long, queued_s=0.0)
@@ -455,6 +480,7 @@ class Scheduler:
                 retry_after_s=RETRY_AFTER_BUSY_S,
             )
         waiter = _Waiter(
+            seq=next(self._arrivals),
             model_id=model_id,
             run_id=run_id,
             long=long,
@@ -565,37 +591,46 @@ class Scheduler:
         waiter.event.set()
 
     def _serve(self, model_ids: Iterable[str]) -> None:
-        """Walk each model's queue head first, granting or refusing every waiter it can.
+        """Offer what is free to the waiters of `model_ids`, earliest arrival first.
 
-        Waiters asking the same thing (same `long`, same `exclude`) get the same answer
-        until a grant changes the pool, so a long queue costs one decision per kind of
-        request, not one per waiter. Every caller has just changed something, so
-        observers are notified here.
+        The models' queues are merged by arrival sequence, so the earliest waiter of
+        any of these models is asked first and a model listed first in the config
+        gets no head start. Every waiter is settled if it can be: granted a slot,
+        refused with `NoProvider`, or left in place (`Wait`) without holding up the
+        waiters behind it. Waiters asking the same thing (same model, same `long`,
+        same `exclude`) get the same answer until a grant changes the pool, so a
+        long queue costs one decision per kind of request, not one per waiter.
+        Every caller has just changed something, so observers are notified here.
         """
         self._notify_changed()
-        for model_id in model_ids:
-            queue = self._queues.get(model_id)
-            if not queue or model_id not in self._snapshot.models:
-                continue
-            answers: dict[tuple[bool, frozenset[str]], Decision] = {}
-            for waiter in list(queue):
-                key = (waiter.long, waiter.exclude)
-                if key not in answers:
-                    answers[key] = self._decide(model_id, long=waiter.long, exclude=waiter.exclude)
-                match answers[key]:
-                    case Grant(provider=view):
-                        answers.clear()  # the pool changed
-                        queue.remove(waiter)
-                        queued_s = self._clock() - waiter.enqueued_at
-                        lease = self._grant(
-                            model_id, view.id, waiter.run_id, long=waiter.long, queued_s=queued_s
-                        )
-                        self._settle(waiter, lease=lease)
-                    case Refuse(reason=reason, retry_after_s=retry_after_s):
-                        queue.remove(waiter)
-                        self._settle(waiter, error=NoProvider(reason, retry_after_s=retry_after_s))
-                    case Wait():
-                        pass
+        queues = [
+            list(queue)  # a copy: settled waiters leave the queue during the walk
+            for model_id in dict.fromkeys(model_ids)
+            if (queue := self._queues.get(model_id)) and model_id in self._snapshot.models
+        ]
+        answers: dict[tuple[str, bool, frozenset[str]], Decision] = {}
+        for waiter in heapq.merge(*queues, key=_arrival):
+            model_id = waiter.model_id
+            key = (model_id, waiter.long, waiter.exclude)
+            answer = answers.get(key)
+            if answer is None:
+                answer = answers[key] = self._decide(
+                    model_id, long=waiter.long, exclude=waiter.exclude
+                )
+            match answer:
+                case Grant(provider=view):
+                    answers.clear()  # the pool changed
+                    self._queues[model_id].remove(waiter)
+                    queued_s = self._clock() - waiter.enqueued_at
+                    lease = self._grant(
+                        model_id, view.id, waiter.run_id, long=waiter.long, queued_s=queued_s
+                    )
+                    self._settle(waiter, lease=lease)
+                case Refuse(reason=reason, retry_after_s=retry_after_s):
+                    self._queues[model_id].remove(waiter)
+                    self._settle(waiter, error=NoProvider(reason, retry_after_s=retry_after_s))
+                case Wait():
+                    pass
 
     def _models_serving(self, provider_ids: Iterable[str]) -> list[str]:
         models: dict[str, None] = {}

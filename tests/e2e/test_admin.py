@@ -189,6 +189,8 @@ async def test_metrics_are_prometheus_text_with_every_family(stack: Stack) -> No
         with pytest.raises(openai.InternalServerError) as refused:
             await client.chat.completions.create(model="offline", messages=MESSAGES)
         assert refused.value.status_code == 503
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="no-such-model", messages=MESSAGES)
     await stack.wait_catalog(lambda c: c["providers"][0]["in_flight"] == 0)
 
     scrape = await _get(stack, "/metrics")
@@ -201,8 +203,16 @@ async def test_metrics_are_prometheus_text_with_every_family(stack: Stack) -> No
         return samples[(name, frozenset(labels.items()))]
 
     served = {"model": "m", "provider": "sim-a"}
-    assert value("iop_requests_total", status="200", **served) == 3
-    assert value("iop_requests_total", model="offline", provider="", status="503") == 1
+    assert value("iop_requests_total", status="200", code="", **served) == 3
+    assert (
+        value("iop_requests_total", model="offline", provider="", status="503", code="no_provider")
+        == 1
+    )
+    # Refused before naming a known model: counted by status and code, no model label.
+    assert (
+        value("iop_requests_total", model="", provider="", status="404", code="model_not_found")
+        == 1
+    )
     assert value("iop_request_latency_seconds_count", **served) == 3
     assert value("iop_request_latency_seconds_bucket", le="+Inf", **served) == 3
     assert value("iop_time_to_first_token_seconds_count", **served) == 3
