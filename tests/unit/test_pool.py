@@ -5,8 +5,10 @@ No Trio here: every rule is a function of immutable views, so the tests just cal
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from dataclasses import replace
+from fractions import Fraction
 
 import pytest
 
@@ -56,6 +58,40 @@ def test_equal_ratios_compare_exactly_then_priority_breaks_the_tie() -> None:
     a = ProviderView(id="a", capacity=3, in_flight=1, priority=50)
     b = ProviderView(id="b", capacity=6, in_flight=2, priority=10)
     assert chosen(decide("m", ("a", "b"), views(a, b), long=False)) == "b"
+
+
+def test_rank_compares_load_ratios_exactly_over_unrelated_capacities() -> None:
+    """Ranking avoids `Fraction`s on the hot path; it must still agree with them."""
+    rng = random.Random(7)
+    for _ in range(200):
+        pool = []
+        for pid in ROTATION:
+            capacity = rng.choice([0, 1, 2, 3, 5, 6, 7, 9, 12, 64, 97])
+            in_flight = rng.randint(0, capacity) if capacity else 0
+            priority = rng.choice([1, 2])
+            pool.append(
+                ProviderView(id=pid, capacity=capacity, in_flight=in_flight, priority=priority)
+            )
+        last = rng.choice([None, *ROTATION])
+        ranked = rank(pool, rotation=ROTATION, last=last)
+        ratios = [(view.load_ratio, view.priority) for view in ranked]
+        assert ratios == sorted(ratios)
+        best = decide("m", ROTATION, views(*pool), long=False, last=last)
+        admissible = [view for view in ranked if is_admissible(view, long=False)]
+        if admissible:
+            assert chosen(best) == admissible[0].id
+
+
+def test_load_ratio_is_an_exact_fraction_and_no_capacity_counts_as_full() -> None:
+    assert ProviderView(id="a", capacity=6, in_flight=2).load_ratio == Fraction(1, 3)
+    assert ProviderView(id="a", capacity=0).load_ratio == 1
+    # a provider without capacity ranks like a full one: after any provider with room
+    ranked = rank(
+        [ProviderView(id="a", capacity=0), ProviderView(id="b", capacity=5, in_flight=4)],
+        rotation=("a", "b"),
+        last=None,
+    )
+    assert [view.id for view in ranked] == ["b", "a"]
 
 
 def test_priority_tie_break_between_idle_providers() -> None:

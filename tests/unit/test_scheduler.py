@@ -287,6 +287,74 @@ async def test_earlier_waiter_goes_first_even_before_anything_woke_it(
     first.lease.release()
 
 
+async def test_models_sharing_a_provider_are_served_in_arrival_order() -> None:
+    """A busy model must not starve another on the same provider: when the slot frees,
+    the earliest waiter of either model goes first, whichever model is listed first."""
+    shared = make_snapshot({"n1": [provider("p", capacity=1)]}, {"a": ["p"], "b": ["p"]})
+    scheduler = online(shared)
+    held = await scheduler.acquire("a", "a1", long=False)
+    order: list[str] = []
+
+    async def client(model_id: str, run_id: str) -> None:
+        with await scheduler.acquire(model_id, run_id, long=False):
+            order.append(run_id)
+
+    async with trio.open_nursery() as nursery:
+        for model_id, run_id in (("b", "b1"), ("a", "a2"), ("a", "a3"), ("b", "b2")):
+            nursery.start_soon(client, model_id, run_id)
+            await wait_all_tasks_blocked()
+        assert (scheduler.queued("a"), scheduler.queued("b")) == (2, 2)
+        held.release()
+    assert order == ["b1", "a2", "a3", "b2"]
+    assert scheduler.in_flight("p") == 0
+
+
+async def test_waiter_that_cannot_use_the_freed_slot_does_not_block_another_model(
+    nursery: trio.Nursery,
+) -> None:
+    shared = make_snapshot(
+        {"n1": [provider("p", capacity=2, long_context_slots=1)]}, {"a": ["p"], "b": ["p"]}
+    )
+    scheduler = online(shared)
+    long_run = await scheduler.acquire("a", "l1", long=True)
+    regular_run = await scheduler.acquire("b", "r1", long=False)
+    long_waiter = await start(nursery, scheduler, "a", "l2", long=True)
+    regular_waiter = await start(nursery, scheduler, "b", "r2", long=False)
+    regular_run.release()  # a regular slot frees; the earlier long waiter can't use it
+    await regular_waiter.done.wait()
+    assert regular_waiter.lease is not None
+    assert not long_waiter.done.is_set()
+    long_run.release()
+    regular_waiter.lease.release()
+    await long_waiter.done.wait()
+    assert long_waiter.lease is not None
+    long_waiter.lease.release()
+
+
+async def test_newcomer_does_not_barge_past_another_models_earlier_waiter(
+    autojump_clock: MockClock, nursery: trio.Nursery
+) -> None:
+    """As above, but the newcomer asks for a different model sharing the provider."""
+    nodes = {"n1": [provider("p", capacity=1), provider("q", capacity=1)]}
+    scheduler = online(
+        make_snapshot(nodes, {"a": ["p"], "b": ["p", "q"]}, failures=1, cooldown_s=5.0)
+    )
+    held = await scheduler.acquire("b", "holder", long=False, exclude=frozenset({"p"}))
+    scheduler.record_failure("p")
+    first = await start(nursery, scheduler, "b", "first")
+    autojump_clock.jump(5)  # p's trial slot is free, but `run()` has not woken anyone
+    late = await start(nursery, scheduler, "a", "late")
+    assert first.lease is not None
+    assert first.lease.provider_id == "p"
+    assert not late.done.is_set()
+    scheduler.record_success("p")
+    first.lease.release()
+    await late.done.wait()
+    assert late.lease is not None
+    late.lease.release()
+    held.release()
+
+
 async def test_queue_full_is_refused_at_once() -> None:
     snapshot = make_snapshot({"n1": [provider("a", capacity=1)]}, {"m": ["a"]}, max_queue=1)
     scheduler = online(snapshot)
