@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import trio
 from rich.console import Console
@@ -113,23 +115,26 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     return 0 if status == 200 else 1
 
 
-def cmd_catalog(args: argparse.Namespace) -> int:
-    from iop_edge.console import render_catalog
-
-    status, catalog = _admin_call(args, "GET", "/catalog")
+def _show(args: argparse.Namespace, path: str, render: Callable[[Console, Any], None]) -> int:
+    """GET an admin document and print it as JSON (`--json`) or as rich tables."""
+    status, document = _admin_call(args, "GET", path)
     if status != 200:
-        print(f"HTTP {status}: {catalog}", file=sys.stderr)
+        print(f"HTTP {status}: {document}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(catalog, indent=2))
+        print(json.dumps(document, indent=2))
     else:
-        render_catalog(Console(), catalog)
+        render(Console(), document)
     return 0
 
 
-def cmd_usage(args: argparse.Namespace) -> int:
-    from urllib.parse import urlencode
+def cmd_catalog(args: argparse.Namespace) -> int:
+    from iop_edge.console import render_catalog
 
+    return _show(args, "/catalog", render_catalog)
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
     from iop_edge.console import render_usage
 
     query = {"group_by": args.group_by}
@@ -137,15 +142,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
         query["since"] = args.since
     if args.until:
         query["until"] = args.until
-    status, report = _admin_call(args, "GET", "/usage?" + urlencode(query))
-    if status != 200:
-        print(f"HTTP {status}: {report}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        render_usage(Console(), report)
-    return 0
+    return _show(args, "/usage?" + urlencode(query), render_usage)
 
 
 def cmd_hash_token(args: argparse.Namespace) -> int:
