@@ -20,7 +20,7 @@ import httpx2
 import trio
 import yaml
 
-from bench.services import Service, python_argv, python_main_argv, spawn_service, start_service
+from bench.services import Service, python_argv, spawn_service, start_service
 from bench.upstream import MODEL, SERVED_MODEL
 
 PROVIDER_ID: Final = "bench-vllm"
@@ -116,13 +116,9 @@ async def start_gateway(nursery: trio.Nursery, upstream_root: str, workdir: Path
         python_argv("iop_edge", "serve", "--config", str(config_path), "--log-level", "INFO"),
         _EdgeLog(),
     )
-    # The Node logs at `warning`: at `info` it logs a line per upstream request (httpx2's
-    # request log), which would measure logging, and this process reading it. `iop_node`
-    # has no `__main__` module; its console script's entry point is the same function.
-    node_argv = python_main_argv(
-        "iop_node.cli", "run", "--edge", edge.ready.node, "--node-id", NODE_ID,
-        "--log-level", "warning",
-    )  # fmt: skip
+    # The Node runs with its default logging (`info`), as an operator runs it: it logs
+    # nothing per run (httpx2's per-request line is silenced by `iop-node` itself).
+    node_argv = python_argv("iop_node", "run", "--edge", edge.ready.node, "--node-id", NODE_ID)
     node = await spawn_service(nursery, "iop-node", node_argv, env={"IOP_NODE_TOKEN": token})
     await wait_servable(edge.ready.admin)
     return Gateway(edge=edge, node=node)

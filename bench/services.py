@@ -61,12 +61,6 @@ def python_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def python_main_argv(module: str, *args: str) -> list[str]:
-    """Run `module.main(args)` with this interpreter, for a package without `__main__`."""
-    code = f"import sys; from {module} import main; sys.exit(main(sys.argv[1:]))"
-    return [sys.executable, "-c", code, *args]
-
-
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This environment plus the repo on `PYTHONPATH` (so an uninstalled checkout works)."""
     env = dict(os.environ)

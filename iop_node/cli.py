@@ -22,6 +22,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 import msgspec
 import trio
@@ -116,14 +117,27 @@ def resolve_invocation(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     return NodeInvocation(edge_url=edge_url, node_id=node_id, token=token)
 
 
+#: Libraries on the run path and the least severe level of theirs we show. The websocket
+#: library logs every frame at debug level, too much even for debugging; httpx2 logs one
+#: INFO line per upstream request (a measurable share of a Node's CPU per run, and noise:
+#: the Edge already records every run), httpcore2 every protocol event at debug. Their
+#: warnings and errors still come through.
+QUIET_LOGGERS: Final[Mapping[str, int]] = {
+    "trio-websocket": logging.INFO,
+    "httpx2": logging.WARNING,
+    "httpcore2": logging.WARNING,
+}
+
+
 def configure_logging(level: str) -> None:
+    root_level: int = getattr(logging, level.upper())
     logging.basicConfig(
-        level=getattr(logging, level.upper()),
+        level=root_level,
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    # The websocket library logs every frame at debug level: too much even for debugging.
-    logging.getLogger("trio-websocket").setLevel(max(logging.INFO, logging.getLogger().level))
+    for name, floor in QUIET_LOGGERS.items():
+        logging.getLogger(name).setLevel(max(floor, root_level))
 
 
 def main(argv: list[str] | None = None) -> int:

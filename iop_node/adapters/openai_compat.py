@@ -276,20 +276,40 @@ class OpenAICompatAdapter:
             ),
             follow_redirects=False,
         )
+        # Everything about a run's request that does not depend on the run is prepared
+        # here, once: URLs parsed, headers merged, the timeout table built. Per run only
+        # the body changes, and `_exchange` builds the request from these directly rather
+        # than through `AsyncClient.stream`, which re-parses the URL string and re-merges
+        # the client's headers and timeout for every request.
+        self._run_urls = {
+            operation: httpx2.URL(self.base_url + path)
+            for operation, path in OPERATION_PATHS.items()
+        }
+        self._models_url = httpx2.URL(self.base_url + "/models")
+        self._run_headers = {
+            stream: _merged_headers(
+                self._client.headers,
+                {
+                    "Content-Type": "application/json",
+                    "Accept": "text/event-stream" if stream else "application/json",
+                },
+            )
+            for stream in (False, True)
+        }
+        self._request_extensions = {"timeout": self._client.timeout.as_dict()}
 
     # --- Adapter protocol -----------------------------------------------------------------
 
     async def execute(self, run: Run, emit: Emit) -> RunResult:
         if self._closed:
             raise AdapterError("adapter_closed", "adapter was retired", retryable=True)
-        url = self.base_url + OPERATION_PATHS[run.operation]
         start = trio.current_time()
         request_timeout_s = self.provider.adapter.request_timeout_s
         first_byte_s = self._first_byte_s if run.stream else request_timeout_s
         with trio.CancelScope(deadline=start + first_byte_s) as scope:
             progress = _Progress(scope=scope, request_deadline=start + request_timeout_s)
             try:
-                return await self._exchange(run, url, emit, progress)
+                return await self._exchange(run, emit, progress)
             except (httpx2.HTTPError, SSEError) as exc:
                 raise self._transport_failure(exc, progress) from exc
         # Only reached when one of our own deadlines fired.
@@ -336,12 +356,14 @@ class OpenAICompatAdapter:
         """One health check; raise `_ProbeFailure` or an httpx error when unhealthy.
 
         Subclasses override this to use a runtime's native API."""
-        listing = await self._get_json(self.base_url + "/models", _model_list_decoder, "/models")
+        listing = await self._get_json(self._models_url, _model_list_decoder, "/models")
         return ProviderStatus(
             id=self.provider.id, health="available", models=[m.id for m in listing.data]
         )
 
-    async def _get_json(self, url: str, decoder: msgspec.json.Decoder[_T], name: str) -> _T:
+    async def _get_json(
+        self, url: httpx2.URL | str, decoder: msgspec.json.Decoder[_T], name: str
+    ) -> _T:
         response = await self._client.get(url, headers={"Accept": "application/json"})
         if response.status_code != 200:
             detail = error_message(response.content[:_ERROR_BODY_LIMIT])
@@ -357,18 +379,24 @@ class OpenAICompatAdapter:
 
     # --- one request ----------------------------------------------------------------------
 
-    async def _exchange(self, run: Run, url: str, emit: Emit, progress: _Progress) -> RunResult:
-        headers = {
-            "Content-Type": "application/json",
-            "Accept": "text/event-stream" if run.stream else "application/json",
-        }
-        async with self._client.stream("POST", url, content=run.body, headers=headers) as response:
+    async def _exchange(self, run: Run, emit: Emit, progress: _Progress) -> RunResult:
+        request = httpx2.Request(
+            "POST",
+            self._run_urls[run.operation],
+            content=run.body,
+            headers=self._run_headers[run.stream],
+            extensions=self._request_extensions,
+        )
+        response = await self._client.send(request, stream=True)
+        try:
             if not response.is_success:
                 body = await _read_body(response, progress, limit=_ERROR_BODY_LIMIT)
                 raise status_failure(response.status_code, body)
             if run.stream:
                 return await self._relay_stream(response, emit, progress)
             body = await _read_body(response, progress)
+        finally:
+            await response.aclose()
         try:
             view = _body_decoder.decode(body)
         except msgspec.ValidationError:
@@ -458,6 +486,12 @@ class OpenAICompatAdapter:
         if isinstance(exc, httpx2.TimeoutException):
             return AdapterError("upstream_timeout", f"{self._origin}: {detail}", retryable=True)
         return AdapterError("upstream_error", f"{self._origin}: {detail}", retryable=True)
+
+
+def _merged_headers(base: httpx2.Headers, extra: dict[str, str]) -> httpx2.Headers:
+    headers = base.copy()
+    headers.update(extra)
+    return headers
 
 
 async def _read_body(

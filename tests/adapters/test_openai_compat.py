@@ -370,6 +370,43 @@ async def test_cancel_closes_the_upstream_stream(
     assert len(collector.chunks) == 1
 
 
+async def test_prepared_request_parts_serve_every_run(
+    upstream: FakeUpstream, make_adapter: MakeAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """URLs, headers and timeouts are built once per adapter; each run still gets its own
+    body, its own length and the Accept header of its kind."""
+    monkeypatch.setenv(FAKE_KEY_ENV, FAKE_KEY)
+    adapter = make_adapter(upstream.base_url + "/", api_key_env=FAKE_KEY_ENV)
+    sent: list[bytes] = []
+    with trio.fail_after(GUARD_S):
+        runs: list[tuple[bool, Operation]] = [
+            (False, "chat"),
+            (True, "completion"),
+            (False, "chat"),
+        ]
+        for stream, operation in runs:
+            run, body = make_run(stream=stream, operation=operation, n=len(sent))
+            sent.append(body)
+            await adapter.execute(run, Collector())
+    requests = list(upstream.requests)[-3:]
+    assert [r.path for r in requests] == [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/chat/completions",
+    ]
+    assert [r.body for r in requests] == sent
+    assert [r.headers["content-length"] for r in requests] == [str(len(b)) for b in sent]
+    assert [r.headers["accept"] for r in requests] == [
+        "application/json",
+        "text/event-stream",
+        "application/json",
+    ]
+    for request in requests:
+        assert request.headers["user-agent"] == "iop-node"
+        assert request.headers["content-type"] == "application/json"
+        assert request.headers["authorization"] == f"Bearer {FAKE_KEY}"
+
+
 # --- auth ---------------------------------------------------------------------------------
 
 

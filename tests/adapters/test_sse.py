@@ -76,3 +76,29 @@ def test_oversized_event_is_refused() -> None:
     decoder.feed(b"data: " + b"x" * 40 + b"\n")
     with pytest.raises(SSEError):
         decoder.feed(b"data: " + b"x" * 40 + b"\n")
+
+
+def test_line_trickling_in_over_many_feeds_is_joined_once_complete() -> None:
+    payload = b'{"content": "' + b"x" * 5000 + b'"}'
+    decoder = SSEDecoder()
+    wire = b"data: " + payload + b"\n\n"
+    events: list[SSEEvent] = []
+    for start in range(0, len(wire) - 2, 100):
+        events += decoder.feed(wire[start : min(start + 100, len(wire) - 2)])
+    assert events == []
+    assert decoder.pending()
+    assert decoder.feed(b"\n\n") == [SSEEvent(data=payload)]
+    assert not decoder.pending()
+
+
+def test_field_forms_without_the_space_after_the_colon() -> None:
+    assert SSEDecoder().feed(b"event:error\ndata:{}\ndata\n\n") == [
+        SSEEvent(data=b"{}\n", event="error")
+    ]
+
+
+def test_oversized_line_is_refused_while_it_trickles_in() -> None:
+    decoder = SSEDecoder(max_event_bytes=64)
+    decoder.feed(b"data: " + b"x" * 30)
+    with pytest.raises(SSEError):
+        decoder.feed(b"x" * 40)

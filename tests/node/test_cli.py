@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx2
 import pytest
+import trio
 
+from iop_node import __version__
 from iop_node.cli import (
+    QUIET_LOGGERS,
     TOKEN_ENV_VAR,
     NodeInvocation,
     UsageError,
     build_parser,
+    configure_logging,
     main,
     resolve_invocation,
 )
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 EDGE = "ws://127.0.0.1:7700"
 TOKEN = "s3cret-node-token"
@@ -108,3 +119,57 @@ def test_unknown_flag_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--help"]) == 0
     assert TOKEN_ENV_VAR in capsys.readouterr().out
+
+
+def test_python_dash_m_runs_the_command_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "iop_node", "--version"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert (result.returncode, result.stdout.strip()) == (0, f"iop-node {__version__}")
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    names = ["", *QUIET_LOGGERS]
+    levels = {name: logging.getLogger(name).level for name in names}
+    handlers = list(root.handlers)
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    for handler in root.handlers[:]:
+        if handler not in handlers:
+            root.removeHandler(handler)
+
+
+@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.parametrize("level", ["debug", "info", "warning"])
+def test_logging_leaves_out_per_request_library_lines(level: str) -> None:
+    configure_logging(level)
+    # As in the real process (here pytest's handlers make `basicConfig` a no-op).
+    logging.getLogger().setLevel(level.upper())
+    httpx_log = logging.getLogger("httpx2")
+    assert not httpx_log.isEnabledFor(logging.INFO)
+    assert httpx_log.isEnabledFor(logging.WARNING)
+    assert not logging.getLogger("httpcore2.http11").isEnabledFor(logging.DEBUG)
+    assert not logging.getLogger("trio-websocket").isEnabledFor(logging.DEBUG)
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_an_upstream_request_logs_nothing_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    configure_logging("info")
+
+    async def one_request() -> None:
+        transport = httpx2.MockTransport(lambda request: httpx2.Response(200, content=b"{}"))
+        async with httpx2.AsyncClient(transport=transport) as client:
+            response = await client.post("http://upstream.test/v1/chat/completions")
+            assert response.status_code == 200
+
+    with caplog.at_level(logging.INFO):
+        trio.run(one_request)
+    assert [r for r in caplog.records if r.name.startswith(("httpx2", "httpcore2"))] == []

@@ -10,21 +10,24 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 import pytest
 import trio
+import trio.testing
 from trio_websocket import (
     ConnectionClosed,
     WebSocketConnection,
     WebSocketRequest,
     serve_websocket,
+    wrap_client_stream,
+    wrap_server_stream,
 )
 
-from iop_node.adapters.base import Adapter
+from iop_node.adapters.base import Adapter, Emit, RunResult
 from iop_node.backoff import BackoffPolicy
-from iop_node.link import NodeLink
+from iop_node.link import NodeLink, _FrameSender
 from iop_node.main import run_node
 from iop_node.registry import create_adapter
 from schemas.config import AdapterSettings, NodeConfig, ProviderConfig
@@ -508,8 +511,8 @@ async def test_cli_process_stops_gracefully_on_sigterm(
     """The real `iop-node run` process: connects, serves, drains on SIGTERM, exits 0."""
     command = [
         sys.executable,
-        "-c",
-        "import sys; from iop_node.cli import main; sys.exit(main())",
+        "-m",
+        "iop_node",
         "run",
         "--edge",
         edge.url,
@@ -558,3 +561,117 @@ async def test_cli_process_stops_gracefully_on_sigterm(
     log_text = stderr.decode()
     assert "SIGTERM: draining active runs" in log_text
     assert TOKEN not in log_text
+
+
+# --- batched writes ------------------------------------------------------------------------
+
+
+class _BurstAdapter:
+    """Emits `chunks` chunks back to back, as a fast upstream's stream does."""
+
+    def __init__(self, provider: ProviderConfig, chunks: int = 200) -> None:
+        self.provider = provider
+        self._chunks = chunks
+
+    async def execute(self, run: Run, emit: Emit) -> RunResult:
+        for index in range(self._chunks):
+            await emit(b'{"run": "%s", "index": %d}' % (run.run_id.encode(), index))
+        return RunResult()
+
+    async def probe(self) -> ProviderStatus:
+        return ProviderStatus(id=self.provider.id, health="available", models=["sim-small"])
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_bursts_of_chunks_arrive_whole_and_in_order(
+    edge: FakeEdge, nursery: trio.Nursery
+) -> None:
+    """Chunks that queue up faster than the socket takes them are written together; the
+    Edge still gets each as its own message, every run's in order."""
+    _start_node(nursery, edge.url, adapter_factory=_BurstAdapter)
+    side = await edge.accept()
+    await side.welcome()
+    await side.expect(Status)
+
+    run_ids = [f"r{i}" for i in range(3)]
+    for run_id in run_ids:
+        await side.send(_chat_run(run_id))
+    chunks: dict[str, list[bytes]] = {run_id: [] for run_id in run_ids}
+    done: set[str] = set()
+    while done != set(run_ids):
+        message = await side.receive()
+        if isinstance(message, RunChunk):
+            chunks[message.run_id].append(message.data)
+        else:
+            assert isinstance(message, RunDone)
+            done.add(message.run_id)
+    for run_id in run_ids:
+        assert [msgspec.json.decode(c)["index"] for c in chunks[run_id]] == list(range(200))
+
+
+async def _websocket_pair(
+    nursery: trio.Nursery,
+) -> tuple[WebSocketConnection, WebSocketConnection, list[int]]:
+    """A client and a server websocket over in-memory streams, and a log with one entry
+    per write the client makes to its stream."""
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    writes: list[int] = []
+    pump = client_stream.send_stream.send_all_hook
+    assert pump is not None
+
+    async def record_and_pump() -> None:
+        writes.append(1)
+        await pump()
+
+    client_stream.send_stream.send_all_hook = record_and_pump
+    accepted, accepted_out = trio.open_memory_channel[WebSocketConnection](1)
+
+    async def serve() -> None:
+        request = await wrap_server_stream(nursery, server_stream)
+        await accepted.send(await request.accept())
+
+    nursery.start_soon(serve)
+    # trio-websocket's annotation names socket streams; any trio stream works.
+    client = await wrap_client_stream(nursery, cast(Any, client_stream), "edge", "/")
+    server = await accepted_out.receive()
+    writes.clear()
+    return client, server, writes
+
+
+async def test_frame_sender_writes_a_batch_once(nursery: trio.Nursery) -> None:
+    client, server, writes = await _websocket_pair(nursery)
+    sender = _FrameSender(client)
+    assert sender.batching
+    frames = [b"first", b"x" * 70_000, b"", b"last"]
+    await sender.send(frames)
+    assert len(writes) == 1
+    assert [await server.get_message() for _ in frames] == frames
+    await sender.send([b"alone"])
+    assert await server.get_message() == b"alone"
+
+
+async def test_frame_sender_on_a_closed_connection(nursery: trio.Nursery) -> None:
+    client, _, _ = await _websocket_pair(nursery)
+    await client.aclose()
+    with pytest.raises(ConnectionClosed):
+        await _FrameSender(client).send([b"a", b"b"])
+
+
+class _PlainConnection:
+    """Only the public surface of a websocket connection."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    async def send_message(self, message: bytes) -> None:
+        self.sent.append(message)
+
+
+async def test_frame_sender_without_the_library_internals_sends_one_by_one() -> None:
+    connection = _PlainConnection()
+    sender = _FrameSender(cast(WebSocketConnection, connection))
+    assert not sender.batching
+    await sender.send([b"a", b"b", b"c"])
+    assert connection.sent == [b"a", b"b", b"c"]
