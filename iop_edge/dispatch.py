@@ -191,14 +191,29 @@ class ActiveRun:
         try:
             return await self._events.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):  # closed: abandoned, see hub
-            reason = self._session.end_reason(self._session_run_id)
-            if reason is not None:
-                return reason
-            return wire.RunFailed(
-                run_id=self._session_run_id,
-                code="node_lost",
-                message=f"node '{self.lease.node_id}' disconnected during the run",
-            )
+            return self._ended_without_terminal()
+
+    def next_event_nowait(self) -> RunEvent | None:
+        """The next event if one is already here, else None (lets callers coalesce)."""
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        try:
+            return self._events.receive_nowait()
+        except trio.WouldBlock:
+            return None
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            return self._ended_without_terminal()
+
+    def _ended_without_terminal(self) -> wire.RunFailed:
+        reason = self._session.end_reason(self._session_run_id)
+        if reason is not None:
+            return reason
+        return wire.RunFailed(
+            run_id=self._session_run_id,
+            code="node_lost",
+            message=f"node '{self.lease.node_id}' disconnected during the run",
+        )
 
     def finished(self, event: wire.RunDone | wire.RunFailed) -> None:
         """Record how the run ended (the Node no longer runs it)."""

@@ -28,6 +28,7 @@ from werkzeug.exceptions import HTTPException
 
 from iop_edge.dispatch import ActiveRun, RunFailure, RunPlan, relabel
 from iop_edge.errors import ApiError, bad_request, model_not_found
+from iop_edge.hub import RunEvent
 from iop_edge.tokens import hash_token
 from iop_edge.usage import UsageRecord
 from schemas import openai as oai
@@ -342,12 +343,20 @@ def create_openai_app(edge: Edge) -> QuartTrio:
         code: str | None = "client_closed"
         metered = False
         try:
+            event: RunEvent | None = await active.next_event()
             while True:
-                event = await active.next_event()
-                if isinstance(event, wire.RunChunk):
+                # Chunks that are already here go out in one write: when the caller's
+                # side is slower than the provider, the per-chunk cost stays flat.
+                frames = []
+                while isinstance(event, wire.RunChunk):
                     payload = relabel(event.data, plan.model_id, strip_usage=strip_usage)
                     if payload is not None:
-                        yield b"data: " + payload + b"\n\n"
+                        frames.append(b"data: " + payload + b"\n\n")
+                    event = active.next_event_nowait()
+                if frames:
+                    yield b"".join(frames)
+                if event is None:
+                    event = await active.next_event()
                     continue
                 active.finished(event)
                 tail = [_SSE_DONE]
