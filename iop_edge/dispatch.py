@@ -53,7 +53,13 @@ _json_decode = msgspec.json.Decoder().decode
 
 # Failure codes that say something about the provider's health (count toward cooldown).
 _HEALTH_FAILURES = frozenset(
-    {"upstream_unreachable", "upstream_timeout", "upstream_error", "upstream_stream_error"}
+    {
+        "upstream_unreachable",
+        "upstream_timeout",
+        "upstream_error",
+        "upstream_stream_error",
+        "upstream_misconfigured",
+    }
 )
 
 

@@ -29,6 +29,9 @@ failure is retryable iff no chunk was emitted yet. Before the first chunk:
     no body byte within the first-byte budget upstream_timeout     retryable
     429, 503                                  upstream_busy        retryable, capacity
     other 5xx, broken connection, bad body    upstream_error       retryable
+    401, 403, 404                             upstream_misconfigured retryable: the
+                                              provider's key or model is wrong, not
+                                              the caller's request; another may serve
     other 4xx                                 upstream_rejected    not retryable,
                                                                    upstream's message
 After the first chunk: anything                upstream_stream_error not retryable
@@ -166,6 +169,13 @@ def status_failure(status: int, body: bytes) -> AdapterError:
             f"upstream busy ({status}){suffix}",
             retryable=True,
             capacity=True,
+            status=status,
+        )
+    if status in (401, 403, 404):
+        return AdapterError(
+            "upstream_misconfigured",
+            f"upstream refused this provider ({status}){suffix}",
+            retryable=True,
             status=status,
         )
     if 400 <= status < 500:

@@ -508,9 +508,16 @@ def test_error_message_dialects(body: bytes, message: str | None) -> None:
 
 
 def test_status_failure_without_body() -> None:
-    error = status_failure(404, b"")
+    error = status_failure(422, b"")
     assert (error.code, error.message, error.retryable) == (
         "upstream_rejected",
-        "upstream rejected the request (404)",
+        "upstream rejected the request (422)",
         False,
     )
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_provider_misconfiguration_is_retryable_elsewhere(status: int) -> None:
+    error = status_failure(status, b'{"error": {"message": "bad key"}}')
+    assert (error.code, error.retryable, error.capacity) == ("upstream_misconfigured", True, False)
+    assert error.status == status and "bad key" in error.message

@@ -112,6 +112,26 @@ async def test_upstream_500_fails_over_before_the_first_byte(
     assert all_idle(catalog)
 
 
+@pytest.mark.parametrize("status", [401, 403, 404])
+async def test_misconfigured_provider_fails_over_and_counts_against_it(
+    nursery: trio.Nursery, make_stack: MakeStack, status: int
+) -> None:
+    """A wrong upstream key or a model the upstream lacks is the provider's fault, not
+    the caller's: another provider serves the request and the bad one heads to cooldown."""
+    bad = FakeUpstream(status=status)
+    stack, _good = await _two_providers(nursery, make_stack, bad)
+    with trio.fail_after(GUARD_S):
+        async with stack.client() as client:
+            raw = await client.chat.completions.with_raw_response.create(
+                model=ALIAS, messages=MESSAGES
+            )
+    assert raw.headers["x-iop-provider"] == "good"
+    assert raw.parse().model == ALIAS
+    catalog = await stack.catalog()
+    assert provider_of(catalog, "bad")["consecutive_failures"] == 1
+    assert all_idle(catalog)
+
+
 @pytest.mark.parametrize("knob", ["error_after_chunks", "drop_after_chunks"])
 async def test_stream_broken_before_its_first_chunk_fails_over(
     nursery: trio.Nursery, make_stack: MakeStack, knob: str
