@@ -6,6 +6,8 @@ from pathlib import Path
 
 import trio
 from trio_websocket import open_websocket_url
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, BytesMessage, Request
 
 from iop_edge.config import parse_config
 from iop_edge.edge import Edge
@@ -115,3 +117,31 @@ async def test_node_reconnects_after_edge_restart(nursery: trio.Nursery, tmp_pat
             model="m", max_tokens=3, messages=[{"role": "user", "content": "again"}]
         )
     assert reply.model == "m" and reply.usage is not None and reply.usage.completion_tokens == 3
+
+
+async def test_silent_node_is_dropped_by_heartbeat(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """A peer that completes the handshake and then never answers a ping is dropped."""
+    stack = await start_stack(
+        nursery,
+        _text(tmp_path),
+        tmp_path / "edge.yaml",
+        nodes=(),
+        edge_kwargs={"heartbeat_s": 0.05, "heartbeat_timeout_s": 0.2},
+    )
+    host, port = stack.addresses.node_url.removeprefix("ws://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    ws = WSConnection(ConnectionType.CLIENT)
+    await stream.send_all(ws.send(Request(host=host, target="/")))
+    while not any(isinstance(e, AcceptConnection) for e in ws.events()):
+        ws.receive_data(await stream.receive_some())
+    hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="node-1", token=NODE_TOKEN)
+    await stream.send_all(ws.send(BytesMessage(data=wire.encode(hello))))
+    with trio.fail_after(5):
+        while "node-1" not in stack.edge.connected_nodes():
+            await stack.edge.wait_pool_change()
+        # From here on we never read, so the Edge's pings go unanswered.
+        while "node-1" in stack.edge.connected_nodes():
+            await stack.edge.wait_pool_change()
+    catalog = await stack.catalog()
+    assert catalog["providers"][0]["connected"] is False
+    await stream.aclose()
