@@ -21,7 +21,6 @@ Rules:
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -392,8 +391,3 @@ class NodeHub:
     def abort_all(self) -> None:
         for session in list(self._sessions.values()):
             session.abort()
-
-
-def heartbeat_bounds(heartbeat_s: float) -> tuple[float, float]:
-    """A peer is dropped after roughly three missed heartbeats."""
-    return heartbeat_s, max(heartbeat_s * 3, 1.0) if math.isfinite(heartbeat_s) else 15.0
