@@ -9,13 +9,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
+import msgspec
 import pytest
 import trio
+import yaml
 
 from iop_node import __version__
 from iop_node.cli import (
     QUIET_LOGGERS,
     TOKEN_ENV_VAR,
+    NodeFileConfig,
     NodeInvocation,
     UsageError,
     build_parser,
@@ -173,3 +176,9 @@ def test_an_upstream_request_logs_nothing_at_info(caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.INFO):
         trio.run(one_request)
     assert [r for r in caplog.records if r.name.startswith(("httpx2", "httpcore2"))] == []
+
+
+def test_example_node_config_is_valid() -> None:
+    example = Path(__file__).resolve().parents[2] / "configs" / "node.yaml"
+    loaded = msgspec.convert(yaml.safe_load(example.read_text()), NodeFileConfig)
+    assert loaded.edge == "ws://127.0.0.1:7700" and loaded.node_id == "gpu1"
