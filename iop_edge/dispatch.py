@@ -59,6 +59,8 @@ _HEALTH_FAILURES = frozenset(
         "upstream_error",
         "upstream_stream_error",
         "upstream_misconfigured",
+        "bad_chunk",
+        "bad_response",
     }
 )
 
@@ -183,6 +185,8 @@ class ActiveRun:
         self._dispatcher = dispatcher
         self._finished = False
         self._closed = False
+        self._end_reason: wire.RunFailed | None = None
+        self.metered = False
         self.usage: wire.Usage | None = None
 
     @property
@@ -212,23 +216,28 @@ class ActiveRun:
             return self._ended_without_terminal()
 
     def _ended_without_terminal(self) -> wire.RunFailed:
-        reason = self._session.end_reason(self._session_run_id)
-        if reason is not None:
-            return reason
+        if self._end_reason is not None:
+            return self._end_reason
         return wire.RunFailed(
             run_id=self._session_run_id,
             code="node_lost",
             message=f"node '{self.lease.node_id}' disconnected during the run",
         )
 
-    def finished(self, event: wire.RunDone | wire.RunFailed) -> None:
-        """Record how the run ended (the Node no longer runs it)."""
-        self._finished = True
+    def finished(self, event: wire.RunDone | wire.RunFailed, *, on_node: bool = True) -> None:
+        """Record how the run ended. `on_node=False`: the Edge ended it (the Node may still
+        be running it, so `close()` will cancel it there)."""
+        self._finished = on_node
         if isinstance(event, wire.RunDone):
             self.usage = event.usage
             self._dispatcher.scheduler.record_success(self.lease.provider_id)
         else:
             self._dispatcher.note_failure(self.lease.provider_id, event)
+
+    def abandoned(self, reason: wire.RunFailed) -> None:
+        """The hub gave up on this run's consumer: free everything now, say why later."""
+        self._end_reason = reason
+        self.close()
 
     def close(self) -> None:
         """Release everything exactly once; cancel the run on the Node if still live."""
@@ -286,7 +295,8 @@ class Dispatcher:
             last_failure = active
             if active.failure is not None and not active.failure.retryable:
                 break
-            self.metrics.failovers.labels(plan.model_id, lease.provider_id).inc()
+            if attempt < retries:  # another provider gets the run
+                self.metrics.failovers.labels(plan.model_id, lease.provider_id).inc()
         assert last_failure is not None
         raise last_failure
 
@@ -351,7 +361,7 @@ class Dispatcher:
             )
             # If the caller stops reading, the hub cancels the run and this frees the
             # slot at once, even while the response writer is stuck on the socket.
-            session.on_abandon(session_run_id, active.close)
+            session.on_abandon(session_run_id, active.abandoned)
             return active
         except SessionClosed:
             return RunFailure(None, lease.provider_id)
@@ -364,12 +374,20 @@ class Dispatcher:
                 lease.release()
 
 
+class BadPayload(Exception):
+    """A Node sent a chunk or response that is not JSON."""
+
+
 def relabel(data: bytes, alias: str, *, strip_usage: bool) -> bytes | None:
     """Rewrite an OpenAI JSON chunk/response so `model` is the caller's alias.
 
-    Returns None for a usage-only stream chunk the caller did not ask for.
+    Returns None for a usage-only stream chunk the caller did not ask for; raises
+    `BadPayload` when `data` is not JSON.
     """
-    obj = _json_decode(data)
+    try:
+        obj = _json_decode(data)
+    except msgspec.DecodeError as exc:
+        raise BadPayload(f"not JSON ({exc})") from None
     if not isinstance(obj, dict):
         return data
     if strip_usage and obj.get("usage") is not None:

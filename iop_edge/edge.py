@@ -248,6 +248,10 @@ class Edge:
                 log.info("OpenAI API listening on %s", addresses.openai_url)
                 log.info("admin API listening on %s", addresses.admin_url)
                 task_status.started(addresses)
-            # The HTTP listeners drained (graceful stop); end the node side too.
+            # The HTTP listeners drained (graceful stop): the ledger writes what it holds,
+            # then the node side ends too.
+            self.usage.close()
+            with trio.move_on_after(SHUTDOWN_GRACE_S):
+                await self.usage.wait_stopped()
             self.hub.abort_all()
             nursery.cancel_scope.cancel()

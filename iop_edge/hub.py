@@ -54,8 +54,8 @@ class NodeSession:
     _outbox_recv: trio.MemoryReceiveChannel[bytes] = field(init=False)
     _runs: dict[str, trio.MemorySendChannel[RunEvent]] = field(default_factory=dict)
     _acks: dict[int, trio.MemorySendChannel[wire.RefreshAck]] = field(default_factory=dict)
-    _abandoned: dict[str, wire.RunFailed] = field(default_factory=dict)
-    _on_abandon: dict[str, Callable[[], None]] = field(default_factory=dict)
+    _on_abandon: dict[str, Callable[[wire.RunFailed], None]] = field(default_factory=dict)
+    _pending_cancels: set[str] = field(default_factory=set)
     _scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     closed: trio.Event = field(default_factory=trio.Event)
 
@@ -81,7 +81,14 @@ class NodeSession:
             return False
         try:
             self._outbox_send.send_nowait(wire.encode(message))
-        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+        except trio.WouldBlock:
+            if isinstance(message, wire.Cancel):
+                # A cancel must never be lost, or the provider keeps running a run whose
+                # slot the Edge already gave back: the writer sends it after this frame.
+                self._pending_cancels.add(message.run_id)
+                return True
+            return False
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
             return False
         return True
 
@@ -96,8 +103,8 @@ class NodeSession:
         self._runs[run_id] = send
         return receive
 
-    def on_abandon(self, run_id: str, callback: Callable[[], None]) -> None:
-        """Call `callback` (synchronously) if the hub gives up on the run's consumer."""
+    def on_abandon(self, run_id: str, callback: Callable[[wire.RunFailed], None]) -> None:
+        """Call `callback(reason)` (synchronously) if the hub gives up on the run's consumer."""
         if run_id in self._runs:
             self._on_abandon[run_id] = callback
 
@@ -146,13 +153,15 @@ class NodeSession:
         async with self._outbox_recv:
             async for frame in self._outbox_recv:
                 await self.websocket.send_message(frame)
+                while self._pending_cancels:
+                    run_id = self._pending_cancels.pop()
+                    await self.websocket.send_message(wire.encode(wire.Cancel(run_id=run_id)))
 
     def _deliver(self, event: RunEvent) -> None:
         """Hand a run event to its run without ever blocking the reader (Rule 4)."""
         channel = self._runs.get(event.run_id)
         if channel is None:
             return  # a late event of a run the Edge already gave up on
-        on_abandon = None
         if isinstance(event, wire.RunChunk):
             if channel.statistics().current_buffer_used < RUN_EVENT_BUFFER:
                 try:
@@ -160,19 +169,23 @@ class NodeSession:
                     return
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass  # the consumer is gone; it already cancelled the run
-            else:
-                log.warning("run %s: caller is not reading; cancelling the run", event.run_id)
-                self._abandoned[event.run_id] = wire.RunFailed(
-                    run_id=event.run_id,
-                    code="caller_too_slow",
-                    message=f"the caller fell {RUN_EVENT_BUFFER} chunks behind the provider",
-                )
-                self.post(wire.Cancel(run_id=event.run_id))
-                on_abandon = self._on_abandon.pop(event.run_id, None)
+                del self._runs[event.run_id]
+                self._on_abandon.pop(event.run_id, None)
+                return
+            log.warning("run %s: caller is not reading; cancelling the run", event.run_id)
+            self.post(wire.Cancel(run_id=event.run_id))
+            on_abandon = self._on_abandon.pop(event.run_id, None)
             del self._runs[event.run_id]
             channel.close()
             if on_abandon is not None:
-                on_abandon()  # e.g. give the slot back now: the consumer may be stuck
+                # e.g. give the slot back now: the consumer may be stuck on its socket
+                on_abandon(
+                    wire.RunFailed(
+                        run_id=event.run_id,
+                        code="caller_too_slow",
+                        message=f"the caller fell {RUN_EVENT_BUFFER} chunks behind the provider",
+                    )
+                )
             return
         # Terminal: the spare buffer slot guarantees it fits; then the run's stream ends.
         del self._runs[event.run_id]
@@ -182,10 +195,6 @@ class NodeSession:
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         channel.close()
-
-    def end_reason(self, run_id: str) -> wire.RunFailed | None:
-        """Why a run's event stream ended without a terminal event, when the Edge knows."""
-        return self._abandoned.pop(run_id, None)
 
     def _route(self, message: wire.NodeToEdge, hub: NodeHub) -> None:
         match message:

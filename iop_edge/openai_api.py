@@ -18,7 +18,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
@@ -26,7 +26,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from iop_edge.dispatch import ActiveRun, RunFailure, RunPlan, relabel
+from iop_edge.dispatch import ActiveRun, BadPayload, RunFailure, RunPlan, relabel
 from iop_edge.errors import ApiError, bad_request, model_not_found
 from iop_edge.hub import RunEvent
 from iop_edge.tokens import hash_token
@@ -99,6 +99,11 @@ class _Timing:
         )
 
 
+def _failed(run_id: str, code: str, message: str) -> wire.RunFailed:
+    """A failure the Edge itself diagnosed in what a Node sent."""
+    return wire.RunFailed(run_id=run_id, code=code, message=message)
+
+
 def create_openai_app(edge: Edge) -> QuartTrio:
     app = QuartTrio("iop_edge.openai_api")
     app.config.update(
@@ -112,13 +117,13 @@ def create_openai_app(edge: Edge) -> QuartTrio:
 
     async def guarded_asgi_app(scope: Any, receive: Any, send: Any) -> None:
         """Close any run a request left behind, whatever ended the request."""
-        runs: list[ActiveRun] = []
-        scope[_RUNS_KEY] = runs
+        finalizers: list[Callable[[], None]] = []
+        scope[_RUNS_KEY] = finalizers
         try:
             await inner(scope, receive, send)
         finally:
-            for run in runs:
-                run.close()
+            for finalize in finalizers:
+                finalize()
 
     app.asgi_app = guarded_asgi_app  # type: ignore[method-assign]
 
@@ -252,6 +257,8 @@ def create_openai_app(edge: Edge) -> QuartTrio:
         if run is not None and run.timings.first_event_at is not None:
             ttft_s = run.timings.first_event_at - plan.received_at
         usage = run.usage if run is not None else None
+        if run is not None:
+            run.metered = True
         edge.metrics.observe_request(
             model=plan.model_id,
             provider=provider,
@@ -294,7 +301,14 @@ def create_openai_app(edge: Edge) -> QuartTrio:
             error = exc.api_error()
             observe(plan, exc.provider_id, error.status, timing, code=error.code)
             raise error from None
-        _request_state()[_RUNS_KEY].append(active)
+
+        def finalize() -> None:
+            """The request ended before its response finished the run (caller gone)."""
+            if not active.metered:
+                active.close()
+                observe(plan, active.provider_id, 499, timing, active, code="client_closed")
+
+        _request_state()[_RUNS_KEY].append(finalize)
         timing.queued_s = active.timings.queued_s
         timing.upstream_s = active.timings.dispatch_s
         headers = {"x-request-id": rid, "x-iop-provider": active.provider_id}
@@ -314,21 +328,26 @@ def create_openai_app(edge: Edge) -> QuartTrio:
                 event = await active.next_event()
                 if isinstance(event, wire.RunChunk):
                     continue  # a non-stream run carries no chunks; ignore strays
-                active.finished(event)
                 if isinstance(event, wire.RunFailed):
+                    active.finished(event)
                     error = RunFailure(event, active.provider_id).api_error()
                     status, code = error.status, error.code
                     raise error
-                if event.response is None:
-                    status, code = 502, "empty_response"
+                try:
+                    if event.response is None:
+                        raise BadPayload("no response body")
+                    payload = relabel(event.response, plan.model_id, strip_usage=False)
+                except BadPayload as exc:
+                    status, code = 502, "bad_response"
+                    active.finished(_failed(event.run_id, code, str(exc)))
                     raise ApiError(
                         502,
-                        f"provider '{active.provider_id}' returned no response body",
+                        f"provider '{active.provider_id}' returned a bad response: {exc}",
                         type="api_error",
-                        code="empty_response",
-                    )
+                        code=code,
+                    ) from None
+                active.finished(event)
                 status, code = 200, None
-                payload = relabel(event.response, plan.model_id, strip_usage=False)
                 headers["Server-Timing"] = timing.header()
                 return _json_response(payload or b"{}", headers=headers)
         finally:
@@ -341,7 +360,7 @@ def create_openai_app(edge: Edge) -> QuartTrio:
         strip_usage = not plan.caller_wants_usage
         status = 499  # until the run ends, leaving early means the caller went away
         code: str | None = "client_closed"
-        metered = False
+        diagnosed = False  # the Edge itself ended the run (a bad chunk)
         try:
             event: RunEvent | None = await active.next_event()
             while True:
@@ -349,7 +368,14 @@ def create_openai_app(edge: Edge) -> QuartTrio:
                 # side is slower than the provider, the per-chunk cost stays flat.
                 frames = []
                 while isinstance(event, wire.RunChunk):
-                    payload = relabel(event.data, plan.model_id, strip_usage=strip_usage)
+                    try:
+                        payload = relabel(event.data, plan.model_id, strip_usage=strip_usage)
+                    except BadPayload as exc:
+                        # End the stream properly; the run may still be live on the Node,
+                        # and close() below cancels it there.
+                        event = _failed(event.run_id, "bad_chunk", f"bad chunk: {exc}")
+                        diagnosed = True
+                        break
                     if payload is not None:
                         frames.append(b"data: " + payload + b"\n\n")
                     event = active.next_event_nowait()
@@ -358,7 +384,7 @@ def create_openai_app(edge: Edge) -> QuartTrio:
                 if event is None:
                     event = await active.next_event()
                     continue
-                active.finished(event)
+                active.finished(event, on_node=not diagnosed)
                 tail = [_SSE_DONE]
                 status, code = 200, None
                 if isinstance(event, wire.RunFailed):
@@ -367,12 +393,11 @@ def create_openai_app(edge: Edge) -> QuartTrio:
                     tail.insert(0, b"data: " + error.body() + b"\n\n")
                 active.close()
                 observe(plan, active.provider_id, status, timing, active, code=code)
-                metered = True
                 for frame in tail:
                     yield frame
                 return
         finally:
-            if not metered:
+            if not active.metered:
                 active.close()
                 observe(plan, active.provider_id, status, timing, active, code=code)
 

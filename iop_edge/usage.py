@@ -89,6 +89,7 @@ class UsageLedger:
         self._queued = 0
         self._written = 0
         self._batch_written = trio.Event()
+        self._stopped = trio.Event()
 
     def record(self, record: UsageRecord) -> None:
         try:
@@ -127,12 +128,25 @@ class UsageLedger:
                                 batch.append(await self._receive.receive())
                             except trio.EndOfChannel:
                                 break
-                    await trio.to_thread.run_sync(self._insert, connection, batch)
+                    try:
+                        await trio.to_thread.run_sync(self._insert, connection, batch)
+                    except sqlite3.Error:
+                        # Locked, full or broken disk: lose this batch, never the gateway.
+                        self.dropped += len(batch)
+                        log.exception("usage ledger: %d record(s) not written", len(batch))
                     self._written += len(batch)
                     self._batch_written.set()
                     self._batch_written = trio.Event()
         finally:
             connection.close()
+            self._stopped.set()
+
+    def close(self) -> None:
+        """No more records: the writer drains what is queued, then stops."""
+        self._send.close()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
 
     async def wait_flushed(self) -> None:
         """Return once every record queued before this call is on disk."""

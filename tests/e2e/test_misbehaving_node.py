@@ -1,0 +1,90 @@
+"""A Node that sends garbage cannot break a caller's stream, leak a slot or lie in metering."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx2
+import trio
+from trio_websocket import WebSocketConnection, open_websocket_url
+
+from schemas import wire
+from tests.e2e.stack import NODE_TOKEN, Stack, edge_config, sim_provider, start_stack
+
+OnMessage = Callable[[WebSocketConnection, wire.EdgeToNode], Awaitable[None]]
+GOOD_CHUNK = b'{"choices":[{"index":0,"delta":{"content":"hi"}}],"model":"sim-small"}'
+
+
+async def _hand_driven_node(
+    url: str, on_message: OnMessage, *, task_status: trio.TaskStatus[None]
+) -> None:
+    """A Node written by hand: handshake, report available, then `on_message`."""
+    async with open_websocket_url(url) as ws:
+        hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="node-1", token=NODE_TOKEN)
+        await ws.send_message(wire.encode(hello))
+        assert isinstance(wire.decode_from_edge(await ws.get_message()), wire.Welcome)
+        status = wire.ProviderStatus(id="sim-1", health="available", models=["sim-small"])
+        await ws.send_message(wire.encode(wire.Status(providers=[status])))
+        task_status.started()
+        while True:
+            await on_message(ws, wire.decode_from_edge(await ws.get_message()))
+
+
+async def _stack(nursery: trio.Nursery, tmp_path: Path, on_message: OnMessage) -> Stack:
+    text = edge_config(tmp_path, providers=[sim_provider("sim-1")],
+                       models=[{"id": "m", "providers": {"sim-1": "sim-small"}}])  # fmt: skip
+    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", nodes=())
+    await nursery.start(_hand_driven_node, stack.addresses.node_url, on_message)
+    await stack.wait_servable("m")
+    return stack
+
+
+async def _statuses(stack: Stack) -> list[int]:
+    with trio.fail_after(5):
+        await stack.edge.usage.wait_flushed()
+    with sqlite3.connect(stack.edge.usage.path) as db:
+        return [row[0] for row in db.execute("SELECT status FROM usage")]
+
+
+async def test_bad_chunk_ends_the_stream_with_an_error_and_cancels_the_run(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    cancelled = trio.Event()
+
+    async def on_message(ws: WebSocketConnection, message: wire.EdgeToNode) -> None:
+        if isinstance(message, wire.Run):
+            for data in (GOOD_CHUNK, b"not json"):
+                await ws.send_message(wire.encode(wire.RunChunk(run_id=message.run_id, data=data)))
+        elif isinstance(message, wire.Cancel):
+            cancelled.set()
+
+    stack = await _stack(nursery, tmp_path, on_message)
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    async with stack.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+    assert events[0] == 'data: {"choices":[{"index":0,"delta":{"content":"hi"}}],"model":"m"}'
+    assert '"code":"bad_chunk"' in events[1]
+    assert events[2:] == ["data: [DONE]"]
+    with trio.fail_after(5):
+        await cancelled.wait()  # the Node still ran it: the Edge told it to stop
+    assert stack.edge.scheduler.in_flight("sim-1") == 0
+    assert await _statuses(stack) == [502]
+
+
+async def test_bad_non_stream_response_is_a_502_and_metered_as_such(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    async def on_message(ws: WebSocketConnection, message: wire.EdgeToNode) -> None:
+        if isinstance(message, wire.Run):
+            done = wire.RunDone(run_id=message.run_id, response=b"<html>oops</html>")
+            await ws.send_message(wire.encode(done))
+
+    stack = await _stack(nursery, tmp_path, on_message)
+    async with httpx2.AsyncClient(base_url=stack.addresses.openai_url, timeout=10) as http:
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "bad_response"
+    assert await _statuses(stack) == [502]

@@ -1,0 +1,76 @@
+"""The usage ledger: metering failures never take the Edge down; a stop loses nothing."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+import trio
+
+from iop_edge.usage import UsageLedger, UsageRecord
+
+
+def _record(run_id: str) -> UsageRecord:
+    return UsageRecord(
+        time=1.0, run_id=run_id, principal_ref="p", token_ref="t", alias=None, model="m",
+        provider="pr", node="n", prompt_tokens=3, completion_tokens=4, status=200,
+        latency_ms=1.0, ttft_ms=None,
+    )  # fmt: skip
+
+
+def _rows(path: Path) -> list[str]:
+    with sqlite3.connect(path) as db:
+        return [row[0] for row in db.execute("SELECT run_id FROM usage ORDER BY run_id")]
+
+
+async def test_a_failing_write_is_counted_and_the_writer_lives_on(tmp_path: Path) -> None:
+    path = tmp_path / "usage.sqlite3"
+    ledger = UsageLedger(path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ledger.run)
+        with sqlite3.connect(path) as db:
+            db.execute("ALTER TABLE usage RENAME TO hidden")  # every insert now fails
+        ledger.record(_record("lost"))
+        with trio.fail_after(5):
+            await ledger.wait_flushed()
+        assert ledger.dropped == 1
+        with sqlite3.connect(path) as db:
+            db.execute("ALTER TABLE hidden RENAME TO usage")
+        ledger.record(_record("kept"))
+        with trio.fail_after(5):
+            await ledger.wait_flushed()
+        nursery.cancel_scope.cancel()
+    assert _rows(path) == ["kept"]
+
+
+async def test_close_drains_what_is_queued(tmp_path: Path) -> None:
+    path = tmp_path / "usage.sqlite3"
+    ledger = UsageLedger(path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ledger.run)
+        for index in range(5):
+            ledger.record(_record(f"r{index}"))
+        ledger.close()
+        with trio.fail_after(5):
+            await ledger.wait_stopped()
+        ledger.record(_record("late"))  # after close: counted, not written, no crash
+    assert _rows(path) == [f"r{index}" for index in range(5)]
+    assert ledger.dropped == 1
+
+
+async def test_aggregate_groups_and_rejects_unknown_columns(tmp_path: Path) -> None:
+    ledger = UsageLedger(tmp_path / "usage.sqlite3")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ledger.run)
+        ledger.record(_record("a"))
+        ledger.record(_record("b"))
+        with trio.fail_after(5):
+            await ledger.wait_flushed()
+        report = await ledger.aggregate(since=None, until=None, group_by=["model"])
+        assert [
+            (r.model, r.requests, r.prompt_tokens, r.completion_tokens) for r in report.rows
+        ] == [("m", 2, 6, 8)]
+        with pytest.raises(ValueError, match="colour"):
+            await ledger.aggregate(since=None, until=None, group_by=["colour"])
+        nursery.cancel_scope.cancel()
