@@ -10,6 +10,8 @@ Rules:
 1. A connection must send a valid `hello` within `handshake_timeout_s`; the token is
    checked against the node's `token_hash_sha256` in constant time. Anything else gets a
    `reject{code, reason}` and a close, never an exception that escapes the handler.
+   At most `MAX_PENDING_HANDSHAKES` unauthenticated connections wait at once; more are
+   refused with HTTP 503 before the websocket opens.
 2. A malformed frame from a connected Node gets a `reject{bad_frame}` and a close.
 3. When a session ends for any reason, every run it carried sees its event channel
    closed (`EndOfChannel` = node lost) and the scheduler learns the node is gone.
@@ -38,6 +40,7 @@ RunEvent = wire.RunChunk | wire.RunDone | wire.RunFailed
 OUTBOX_SIZE = 256
 RUN_EVENT_BUFFER = 1024
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+MAX_PENDING_HANDSHAKES = 16
 
 
 class SessionClosed(Exception):
@@ -305,6 +308,7 @@ class NodeHub:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
         self._sessions: dict[str, NodeSession] = {}
+        self._pending_handshakes = trio.CapacityLimiter(MAX_PENDING_HANDSHAKES)
 
     def session(self, node_id: str) -> NodeSession | None:
         return self._sessions.get(node_id)
@@ -318,13 +322,23 @@ class NodeHub:
     async def handle(self, request: WebSocketRequest) -> None:
         """trio-websocket handler for one incoming node connection."""
         try:
-            websocket = await request.accept()
-        except ConnectionClosed:
+            self._pending_handshakes.acquire_nowait()
+        except trio.WouldBlock:
+            # Before a `hello` is checked a peer is anonymous, yet each frame it sends may
+            # be buffered up to the wire's frame limit: bound how many can do that at once.
+            with trio.move_on_after(2, shield=True):
+                try:
+                    await request.reject(503, body=b"too many pending node handshakes")
+                except ConnectionClosed:
+                    pass
             return
         try:
+            websocket = await request.accept()
             hello = await self._handshake(websocket)
         except ConnectionClosed:
             return
+        finally:
+            self._pending_handshakes.release()
         if hello is None:
             return
         directory = self._directory()
