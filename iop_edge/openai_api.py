@@ -7,9 +7,10 @@ with the Edge's share of the latency.
 
 Ownership of a run: the handler starts it; for a stream, the response body continues it.
 Quart may be cancelled (caller gone) between the two, before the body is ever iterated,
-so an ASGI middleware owns a per-request list of live runs and closes whatever is left
-when the request ends. `ActiveRun.close()` is idempotent, so the slot is released
-exactly once whichever path gets there first.
+so an ASGI middleware owns a per-request list of run finalizers and runs them when the
+request ends: whatever run is still open is closed, and metered as the caller's leaving.
+`ActiveRun.close()` is idempotent, so the slot is released exactly once whichever path
+gets there first.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 _decode_json = msgspec.json.Decoder().decode
 _encode_json = msgspec.json.Encoder().encode
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-_RUNS_KEY = "iop.active_runs"
+_FINALIZERS_KEY = "iop.run_finalizers"
 _ID_KEY = "iop.request_id"
 _STARTED_KEY = "iop.started"
 _SSE_DONE = b"data: [DONE]\n\n"
@@ -118,7 +119,7 @@ def create_openai_app(edge: Edge) -> QuartTrio:
     async def guarded_asgi_app(scope: Any, receive: Any, send: Any) -> None:
         """Close any run a request left behind, whatever ended the request."""
         finalizers: list[Callable[[], None]] = []
-        scope[_RUNS_KEY] = finalizers
+        scope[_FINALIZERS_KEY] = finalizers
         try:
             await inner(scope, receive, send)
         finally:
@@ -308,7 +309,7 @@ def create_openai_app(edge: Edge) -> QuartTrio:
                 active.close()
                 observe(plan, active.provider_id, 499, timing, active, code="client_closed")
 
-        _request_state()[_RUNS_KEY].append(finalize)
+        _request_state()[_FINALIZERS_KEY].append(finalize)
         timing.queued_s = active.timings.queued_s
         timing.upstream_s = active.timings.dispatch_s
         headers = {"x-request-id": rid, "x-iop-provider": active.provider_id}
