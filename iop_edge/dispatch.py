@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
+_decode_top_level = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 
 # Failure codes that say something about the provider's health (count toward cooldown).
 _HEALTH_FAILURES = frozenset(
@@ -381,19 +382,23 @@ class BadPayload(Exception):
 def relabel(data: bytes, alias: str, *, strip_usage: bool) -> bytes | None:
     """Rewrite an OpenAI JSON chunk/response so `model` is the caller's alias.
 
-    Returns None for a usage-only stream chunk the caller did not ask for; raises
-    `BadPayload` when `data` is not JSON.
+    Only the top level is parsed: every other value is kept as raw JSON and written back
+    byte for byte, so provider fields pass through untouched and a large response (an
+    embedding batch) costs a scan, not a full decode and re-encode. Returns None for a
+    usage-only stream chunk the caller did not ask for; raises `BadPayload` when `data`
+    is not a JSON object.
     """
     try:
-        obj = _json_decode(data)
+        fields = _decode_top_level(data)
     except msgspec.DecodeError as exc:
-        raise BadPayload(f"not JSON ({exc})") from None
-    if not isinstance(obj, dict):
-        return data
-    if strip_usage and obj.get("usage") is not None:
-        if not obj.get("choices"):
-            return None
-        obj.pop("usage", None)
-    if "model" in obj:
-        obj["model"] = alias
-    return _json_encode(obj)
+        raise BadPayload(f"not a JSON object ({exc})") from None
+    if strip_usage:
+        usage = fields.get("usage")
+        if usage is not None and bytes(usage) != b"null":
+            choices = fields.get("choices")
+            if choices is None or not _json_decode(choices):
+                return None
+            del fields["usage"]
+    if "model" in fields:
+        fields["model"] = msgspec.Raw(_json_encode(alias))
+    return _json_encode(fields)
