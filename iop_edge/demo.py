@@ -8,6 +8,7 @@ told not to) sends one real streamed request with the official `openai` SDK.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import sys
@@ -43,9 +44,7 @@ def with_node_token(parsed: ParsedConfig, token: str) -> ParsedConfig:
         msgspec.structs.replace(node, token_hash_sha256=digest) for node in parsed.config.nodes
     ]
     config = msgspec.structs.replace(parsed.config, nodes=nodes)
-    return ParsedConfig(
-        config=config, text=parsed.text, sha256=parsed.sha256, warnings=parsed.warnings
-    )
+    return dataclasses.replace(parsed, config=config)
 
 
 def example_text(addresses: EdgeAddresses, model: str) -> str:
@@ -113,9 +112,7 @@ def with_ephemeral_ports(parsed: ParsedConfig) -> ParsedConfig:
         admin=msgspec.structs.replace(config.admin, listen="127.0.0.1:0"),
         openai=msgspec.structs.replace(config.openai, listen="127.0.0.1:0"),
     )
-    return ParsedConfig(
-        config=config, text=parsed.text, sha256=parsed.sha256, warnings=parsed.warnings
-    )
+    return dataclasses.replace(parsed, config=config)
 
 
 async def run_demo(

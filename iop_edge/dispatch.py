@@ -10,8 +10,9 @@ released exactly once from whichever path ends the run (completion, failure, cal
 node gone), and a run still live on the Node is cancelled there.
 
 Rules:
-1. The slot is released in `ActiveRun.close()` and nowhere else; every `start` that
-   raises has already closed what it opened.
+1. Once a run is open on a session, its slot is released by `_end_run` and nowhere
+   else (from `ActiveRun.close()`, or from `_attempt` before the hand-over); every
+   `start` that raises has already closed what it opened.
 2. `model` in the body is rewritten to the provider's served name per attempt; callers
    always get their alias back (`relabel`).
 3. Failures before the first caller byte are retried only when the Node says
@@ -196,9 +197,9 @@ class ActiveRun:
 
     async def next_event(self) -> RunEvent:
         """The first event, then the rest; a closed channel means the node went away."""
-        if self._first is not None:
-            first, self._first = self._first, None
-            return first
+        event = self.next_event_nowait()
+        if event is not None:
+            return event
         try:
             return await self._events.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):  # closed: abandoned, see hub
@@ -245,11 +246,29 @@ class ActiveRun:
         if self._closed:
             return
         self._closed = True
-        if not self._finished:
-            self._session.post(wire.Cancel(run_id=self._session_run_id))
-        self._session.close_run(self._session_run_id)
-        self._events.close()
-        self.lease.release()
+        _end_run(
+            self._session,
+            self._session_run_id,
+            self._events,
+            self.lease,
+            cancel_on_node=not self._finished,
+        )
+
+
+def _end_run(
+    session: NodeSession,
+    run_id: str,
+    events: trio.MemoryReceiveChannel[RunEvent],
+    lease: Lease,
+    *,
+    cancel_on_node: bool,
+) -> None:
+    """Tear down one run on the Edge side: the only place a dispatched slot is released."""
+    if cancel_on_node:
+        session.post(wire.Cancel(run_id=run_id))
+    session.close_run(run_id)
+    events.close()
+    lease.release()
 
 
 class Dispatcher:
@@ -369,10 +388,7 @@ class Dispatcher:
         finally:
             if active is None:
                 # Cancelled, failed or lost before the run was handed over.
-                session.post(wire.Cancel(run_id=session_run_id))
-                session.close_run(session_run_id)
-                events.close()
-                lease.release()
+                _end_run(session, session_run_id, events, lease, cancel_on_node=True)
 
 
 class BadPayload(Exception):

@@ -117,10 +117,6 @@ class NodeSession:
         if channel is not None:
             channel.close()
 
-    @property
-    def active_runs(self) -> int:
-        return len(self._runs)
-
     async def request_refresh(self, revision: int, node_config: NodeConfig) -> wire.RefreshAck:
         """Push a node-specific config and wait for its ack (the caller bounds the wait)."""
         send, receive = trio.open_memory_channel[wire.RefreshAck](1)
