@@ -359,48 +359,42 @@ def create_openai_app(edge: Edge) -> QuartTrio:
         """Relay the run as SSE. The slot is released and the run metered *before* the
         final frames go out, so a caller that saw `[DONE]` can count on both."""
         strip_usage = not plan.caller_wants_usage
-        status = 499  # until the run ends, leaving early means the caller went away
-        code: str | None = "client_closed"
+        # A caller that leaves mid-stream is closed and metered by the request's finalizer.
         diagnosed = False  # the Edge itself ended the run (a bad chunk)
-        try:
-            event: RunEvent | None = await active.next_event()
-            while True:
-                # Chunks that are already here go out in one write: when the caller's
-                # side is slower than the provider, the per-chunk cost stays flat.
-                frames = []
-                while isinstance(event, wire.RunChunk):
-                    try:
-                        payload = relabel(event.data, plan.model_id, strip_usage=strip_usage)
-                    except BadPayload as exc:
-                        # End the stream properly; the run may still be live on the Node,
-                        # and close() below cancels it there.
-                        event = _failed(event.run_id, "bad_chunk", f"bad chunk: {exc}")
-                        diagnosed = True
-                        break
-                    if payload is not None:
-                        frames.append(b"data: " + payload + b"\n\n")
-                    event = active.next_event_nowait()
-                if frames:
-                    yield b"".join(frames)
-                if event is None:
-                    event = await active.next_event()
-                    continue
-                active.finished(event, on_node=not diagnosed)
-                tail = [_SSE_DONE]
-                status, code = 200, None
-                if isinstance(event, wire.RunFailed):
-                    error = RunFailure(event, active.provider_id).api_error()
-                    status, code = error.status, error.code
-                    tail.insert(0, b"data: " + error.body() + b"\n\n")
-                active.close()
-                observe(plan, active.provider_id, status, timing, active, code=code)
-                for frame in tail:
-                    yield frame
-                return
-        finally:
-            if not active.metered:
-                active.close()
-                observe(plan, active.provider_id, status, timing, active, code=code)
+        event: RunEvent | None = await active.next_event()
+        while True:
+            # Chunks that are already here go out in one write: when the caller's
+            # side is slower than the provider, the per-chunk cost stays flat.
+            frames = []
+            while isinstance(event, wire.RunChunk):
+                try:
+                    payload = relabel(event.data, plan.model_id, strip_usage=strip_usage)
+                except BadPayload as exc:
+                    # End the stream properly; the run may still be live on the Node,
+                    # and close() below cancels it there.
+                    event = _failed(event.run_id, "bad_chunk", f"bad chunk: {exc}")
+                    diagnosed = True
+                    break
+                if payload is not None:
+                    frames.append(b"data: " + payload + b"\n\n")
+                event = active.next_event_nowait()
+            if frames:
+                yield b"".join(frames)
+            if event is None:
+                event = await active.next_event()
+                continue
+            active.finished(event, on_node=not diagnosed)
+            tail = [_SSE_DONE]
+            status, code = 200, None
+            if isinstance(event, wire.RunFailed):
+                error = RunFailure(event, active.provider_id).api_error()
+                status, code = error.status, error.code
+                tail.insert(0, b"data: " + error.body() + b"\n\n")
+            active.close()
+            observe(plan, active.provider_id, status, timing, active, code=code)
+            for frame in tail:
+                yield frame
+            return
 
     @app.before_request
     async def start_clock() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,11 @@ async def test_caller_disconnect_mid_stream_frees_the_slot(stack_one: Stack) -> 
                     break  # got the first chunk; now hang up
     with trio.fail_after(1.0):  # SPEC: slots are back within a second
         await stack_one.wait_catalog(_all_idle)
+    # ...and the run is still metered, as the caller's leaving.
+    with trio.fail_after(5):
+        await stack_one.edge.usage.wait_flushed()
+    with sqlite3.connect(stack_one.edge.usage.path) as db:
+        assert [row[0] for row in db.execute("SELECT status FROM usage")] == [499]
 
 
 async def test_caller_disconnect_non_stream_frees_the_slot(stack_one: Stack) -> None:
