@@ -190,7 +190,8 @@ class UsageLedger:
             sql += " WHERE " + " AND ".join(where)
         if columns:
             sql += " GROUP BY " + ", ".join(columns) + " ORDER BY " + ", ".join(columns)
-        connection = self._connect()
+        # The writer created the file and schema at start-up; a query only reads.
+        connection = sqlite3.connect(self.path)
         try:
             rows = connection.execute(sql, params).fetchall()
         finally:
