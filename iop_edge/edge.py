@@ -27,9 +27,9 @@ from iop_edge.admin_api import create_admin_app
 from iop_edge.audit import AuditLog
 from iop_edge.config import ParsedConfig
 from iop_edge.dispatch import Dispatcher
-from iop_edge.hub import MAX_FRAME_BYTES, NodeDirectory, NodeHub, SessionClosed
+from iop_edge.hub import MAX_FRAME_BYTES, MESSAGE_QUEUE_SIZE, NodeDirectory, NodeHub, SessionClosed
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.openai_api import create_openai_app
+from iop_edge.openai_api import OpenAIApp
 from iop_edge.refresh import Refresher
 from iop_edge.scheduler import Scheduler
 from iop_edge.snapshot import Snapshot
@@ -218,6 +218,7 @@ class Edge:
                     node_port,
                     ssl_context,
                     max_message_size=MAX_FRAME_BYTES,
+                    message_queue_size=MESSAGE_QUEUE_SIZE,
                     receive_buffer_size=256 * 1024,
                 )
             )
@@ -229,7 +230,7 @@ class Edge:
                 openai_binds = await http.start(
                     partial(
                         hypercorn_serve,
-                        create_openai_app(self),
+                        OpenAIApp(self),
                         self._hypercorn_config(config.openai.listen),
                         shutdown_trigger=self._shutdown.wait,
                     )

@@ -23,6 +23,7 @@ class ApiError(Exception):
         code: str | None = None,
         param: str | None = None,
         retry_after_s: float | None = None,
+        allow: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -31,15 +32,20 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.retry_after_s = retry_after_s
+        self.allow = allow
+        """For a 405: the methods the path does accept (the `Allow` header)."""
 
     def body(self) -> bytes:
         detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
         return _encoder.encode(ErrorBody(error=detail))
 
     def headers(self) -> dict[str, str]:
-        if self.retry_after_s is None:
-            return {}
-        return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
+        if self.allow is not None:
+            headers["Allow"] = self.allow
+        return headers
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:

@@ -40,6 +40,11 @@ RunEvent = wire.RunChunk | wire.RunDone | wire.RunFailed
 OUTBOX_SIZE = 256
 RUN_EVENT_BUFFER = 1024
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+#: Messages the connection's reader may parse ahead of the session's reader. The library
+#: default (1) costs two task switches per message; a small queue lets the chunks of one
+#: socket read be parsed in one go while bounding what an unauthenticated peer can make
+#: us hold (this many messages of up to MAX_FRAME_BYTES).
+MESSAGE_QUEUE_SIZE = 8
 MAX_PENDING_HANDSHAKES = 16
 
 
@@ -68,10 +73,18 @@ class NodeSession:
     # --- sending ---------------------------------------------------------------------
 
     async def send(self, message: wire.Message) -> None:
+        """Queue a frame for the writer; waits only while the outbox is full.
+
+        Not a checkpoint when there is room: a caller that goes on to wait for the
+        answer yields there, and the writer runs then."""
         if self.closed.is_set():
             raise SessionClosed(self.node_id)
+        frame = wire.encode(message)
         try:
-            await self._outbox_send.send(wire.encode(message))
+            try:
+                self._outbox_send.send_nowait(frame)
+            except trio.WouldBlock:
+                await self._outbox_send.send(frame)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise SessionClosed(self.node_id) from None
 

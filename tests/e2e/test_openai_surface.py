@@ -225,3 +225,55 @@ async def test_principal_tokens_gate_the_api(nursery: trio.Nursery, tmp_path: Pa
     async with stack.client(api_key=CALLER_TOKEN) as client:
         ok = await client.chat.completions.create(model="m", max_tokens=2, messages=messages)
     assert ok.model == "m"
+
+
+async def test_run_endpoint_answers_other_methods_with_405(stack: Stack) -> None:
+    async with stack.http() as http:
+        response = await http.get("/v1/chat/completions", headers={"x-request-id": "m-1"})
+        unknown = await http.post("/v1/nowhere", json={})
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
+    assert response.headers["x-request-id"] == "m-1"
+    assert response.json()["error"]["code"] == "method_not_allowed"
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "unknown_url"
+
+
+async def _send_partial_request(stack: Stack) -> trio.SocketStream:
+    """Open a connection and send a request head promising more body than it sends."""
+    host, port = stack.addresses.openai_url.removeprefix("http://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    await stream.send_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: edge\r\n"
+        b"content-type: application/json\r\ncontent-length: 100\r\n\r\n"
+        b'{"model": "chat-'
+    )
+    return stream
+
+
+async def test_body_that_never_completes_is_408(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("iop_edge.inference.BODY_TIMEOUT_S", 0.2)
+    stream = await _send_partial_request(stack)
+    async with stream:
+        received = b""
+        with trio.fail_after(10):
+            while b'"request_timeout"' not in received:
+                chunk = await stream.receive_some()
+                assert chunk, f"connection closed without an answer: {received!r}"
+                received += chunk
+    assert received.startswith(b"HTTP/1.1 408")
+
+
+async def test_caller_leaving_mid_body_is_harmless(stack: Stack) -> None:
+    stream = await _send_partial_request(stack)
+    await stream.aclose()
+    async with stack.client() as client:
+        completion = await client.chat.completions.create(
+            model="chat-alias", max_tokens=2, messages=[{"role": "user", "content": "x"}]
+        )
+    assert completion.model == "chat-alias"
+    async with stack.admin() as admin:
+        metrics = (await admin.get("/metrics")).text
+    assert 'code="client_closed"' not in metrics  # no run was started, nothing to meter

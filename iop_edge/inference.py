@@ -1,0 +1,491 @@
+"""The run endpoints, as plain ASGI under Hypercorn: chat completions, completions, embeddings.
+
+These three carry nearly all of the Edge's traffic, so they skip the web framework: a
+request is one function from ASGI `receive` to ASGI `send`. Measured on a 2-core machine,
+Quart-Trio's per-request machinery (request and response objects, app and request
+contexts, hooks, two extra tasks per request) costs more CPU than everything IOP itself
+does for a run; the rest of the surface (`/v1/models`, `/healthz`, error pages) stays on
+Quart, where that cost does not matter (see `openai_api`).
+
+A request, in the task Hypercorn gives it:
+
+1. *Prepare*: authenticate, read the body (bounded in size and time), decode it once into
+   a dict (provider-specific fields pass through untouched), check it against a small view
+   of the fields the Edge acts on, apply the model's generation defaults and limits. The
+   result is a `RunPlan`; anything wrong is an OpenAI error reply naming the field.
+2. *Dispatch*: the scheduler admits the plan and a Node starts it (`ActiveRun`, which
+   owns a slot until closed).
+3. *Respond*: one JSON body, or the run relayed as server-sent events. Every reply carries
+   `x-request-id` (the caller's, when sane) and `Server-Timing` with the queue wait, the
+   upstream time and the Edge's own share.
+
+From step 2 on, a watcher task cancels the request when the caller disconnects. The run
+is closed in a `finally`, so its slot is released exactly once whatever ended the
+request (`ActiveRun.close()` is idempotent), and a run the caller left before its end is
+metered as 499 `client_closed`. On a normal end the slot is released and the run metered
+*before* the last bytes go out, so a caller that saw the response (or `[DONE]`) can count
+on both.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+import msgspec
+import trio
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
+
+from iop_edge.auth import authenticate
+from iop_edge.dispatch import ActiveRun, BadPayload, RunFailure, RunPlan, relabel
+from iop_edge.errors import ApiError, bad_request, model_not_found
+from iop_edge.hub import RunEvent
+from iop_edge.usage import UsageRecord
+from schemas import openai as oai
+from schemas import wire
+from schemas.tokens import estimate_input_tokens
+
+if TYPE_CHECKING:
+    from iop_edge.edge import Edge
+
+log = logging.getLogger(__name__)
+
+#: Path -> operation of the endpoints served here; every method but POST gets a 405.
+RUN_PATHS: Final[dict[str, wire.Operation]] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/v1/embeddings": "embedding",
+}
+#: How long a caller may take to send its request body (Quart's default, kept).
+BODY_TIMEOUT_S: Final = 60.0
+
+_VIEWS: Final[dict[wire.Operation, type[oai.RequestView]]] = {
+    "chat": oai.ChatRequest,
+    "completion": oai.CompletionRequest,
+    "embedding": oai.EmbeddingRequest,
+}
+_REQUEST_ID: Final = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_SSE_DONE: Final = b"data: [DONE]\n\n"
+_decode_json: Final = msgspec.json.Decoder().decode
+_JSON_TYPE: Final = (b"content-type", b"application/json")
+_SSE_HEADERS: Final = ((b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"))
+
+Headers = list[tuple[bytes, bytes]]
+
+
+def new_run_id() -> str:
+    return f"req_{secrets.token_hex(12)}"
+
+
+def request_id(supplied: str | None, fallback: str) -> str:
+    """The caller's `x-request-id` when it is sane (so its logs and ours match), else ours."""
+    return supplied if supplied and _REQUEST_ID.match(supplied) else fallback
+
+
+class _CallerGone(Exception):
+    """The caller disconnected before its request body was read."""
+
+
+class _Timing:
+    """Server-Timing: queue wait, upstream (node + provider) and the Edge's own share."""
+
+    __slots__ = ("queued_s", "started", "upstream_s")
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.queued_s = 0.0
+        self.upstream_s = 0.0
+
+    def header(self) -> bytes:
+        total = time.perf_counter() - self.started
+        edge = max(0.0, total - self.queued_s - self.upstream_s)
+        return (
+            f"queue;dur={self.queued_s * 1000:.2f}, upstream;dur={self.upstream_s * 1000:.2f}, "
+            f"edge;dur={edge * 1000:.2f}"
+        ).encode()
+
+
+class _Request:
+    """The few request headers the run endpoints read, found in one pass."""
+
+    __slots__ = ("authorization", "content_length", "request_id")
+
+    def __init__(self, scope: HTTPScope) -> None:
+        self.authorization = ""
+        self.content_length: int | None = None
+        self.request_id: str | None = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                self.authorization = value.decode("latin-1")
+            elif name == b"content-length" and value.isdigit():
+                self.content_length = int(value)
+            elif name == b"x-request-id":
+                self.request_id = value.decode("latin-1")
+
+
+class _Reply:
+    """Writes one response through ASGI `send`, with the headers every reply carries."""
+
+    __slots__ = ("_send", "provider", "request_id", "started")
+
+    def __init__(self, send: ASGISendCallable, request_id: str) -> None:
+        self._send = send
+        self.request_id = request_id
+        self.provider: str | None = None
+        self.started = False
+
+    def _headers(self, timing: _Timing, extra: Headers) -> Headers:
+        headers = [(b"x-request-id", self.request_id.encode()), (b"server-timing", timing.header())]
+        if self.provider is not None:
+            headers.append((b"x-iop-provider", self.provider.encode()))
+        headers += extra
+        return headers
+
+    async def json(self, body: bytes, timing: _Timing, status: int = 200) -> None:
+        extra = [_JSON_TYPE, (b"content-length", str(len(body)).encode())]
+        await self._start(status, self._headers(timing, extra))
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def error(self, error: ApiError, timing: _Timing) -> None:
+        body = error.body()
+        extra = [_JSON_TYPE, (b"content-length", str(len(body)).encode())]
+        extra += [
+            (name.lower().encode(), value.encode()) for name, value in error.headers().items()
+        ]
+        await self._start(error.status, self._headers(timing, extra))
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def start_stream(self, timing: _Timing) -> None:
+        await self._start(200, self._headers(timing, list(_SSE_HEADERS)))
+
+    async def stream(self, data: bytes, *, more: bool = True) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def _start(self, status: int, headers: Headers) -> None:
+        self.started = True
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+
+class InferenceApi:
+    """Serves `RUN_PATHS` for one Edge (see the module docstring)."""
+
+    def __init__(self, edge: Edge) -> None:
+        self._edge = edge
+
+    async def __call__(
+        self,
+        operation: wire.Operation,
+        scope: HTTPScope,
+        receive: ASGIReceiveCallable,
+        send: ASGISendCallable,
+    ) -> None:
+        timing = _Timing()
+        run_id = new_run_id()
+        request = _Request(scope)
+        reply = _Reply(send, request_id(request.request_id, run_id))
+        try:
+            if scope["method"] != "POST":
+                await reply.error(_method_not_allowed(scope), timing)
+                return
+            try:
+                plan = await self._prepare(operation, run_id, request, receive)
+            except ApiError as exc:
+                self._edge.metrics.observe_refusal(status=exc.status, code=exc.code or "")
+                await reply.error(exc, timing)
+                return
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                await self._run(plan, reply, timing)
+                nursery.cancel_scope.cancel()
+        except _CallerGone:
+            return
+        except Exception:
+            log.exception("unexpected error serving %s %s", scope["method"], scope["path"])
+            if not reply.started:
+                error = ApiError(
+                    500, "Internal error in the IOP Edge", type="api_error", code="internal_error"
+                )
+                await reply.error(error, timing)
+
+    # --- 1. prepare -------------------------------------------------------------------
+
+    async def _prepare(
+        self,
+        operation: wire.Operation,
+        run_id: str,
+        request: _Request,
+        receive: ASGIReceiveCallable,
+    ) -> RunPlan:
+        """Authenticate, read and check the request; the plan the dispatcher runs."""
+        snapshot = self._edge.snapshot
+        principal = authenticate(snapshot.principals, request.authorization)
+        body = await self._read_json(request, receive)
+        try:
+            view = msgspec.convert(body, _VIEWS[operation])
+        except msgspec.ValidationError as exc:
+            raise bad_request(f"Invalid request: {exc}", param=_param_of(exc)) from None
+        model = snapshot.models.get(view.model)
+        if model is None:
+            raise model_not_found(view.model)
+        stream = view.stream and operation != "embedding"
+        caller_wants_usage = False
+        if operation != "embedding":
+            for key, value in model.generation.defaults.items():
+                body.setdefault(key, value)
+            limit = model.generation.max_tokens_limit
+            for key in ("max_tokens", "max_completion_tokens"):
+                requested = body.get(key)
+                if limit is not None and isinstance(requested, int) and requested > limit:
+                    raise bad_request(
+                        f"{key}={requested} exceeds this model's limit of {limit}",
+                        param=key,
+                        code="max_tokens_exceeded",
+                    )
+            if stream:
+                # The Edge meters every stream, so it always asks for the usage chunk and
+                # hides it from callers that did not ask for it themselves.
+                options = body.get("stream_options")
+                caller_wants_usage = (
+                    isinstance(options, dict) and options.get("include_usage") is True
+                )
+                body["stream_options"] = {**(options or {}), "include_usage": True}
+        return RunPlan(
+            run_id=run_id,
+            model_id=view.model,
+            operation=operation,
+            body=body,
+            stream=stream,
+            long=estimate_input_tokens(body) >= snapshot.long_context_threshold_tokens,
+            caller_wants_usage=caller_wants_usage,
+            principal_ref=principal.principal_ref,
+            token_ref=principal.token_ref,
+            principal_alias=principal.alias,
+        )
+
+    async def _read_json(self, request: _Request, receive: ASGIReceiveCallable) -> dict[str, Any]:
+        limit = self._edge.snapshot.config.openai.max_request_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise _too_large(f"Request body of {request.content_length} bytes", limit)
+        parts: list[bytes] = []
+        size = 0
+        with trio.move_on_after(BODY_TIMEOUT_S) as scope:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise _CallerGone
+                part: bytes = message.get("body", b"")  # type: ignore[assignment]
+                size += len(part)
+                if size > limit:
+                    raise _too_large("Request body", limit)
+                parts.append(part)
+                if not message.get("more_body", False):
+                    break
+        if scope.cancelled_caught:
+            raise ApiError(
+                408,
+                f"The request body did not arrive within {BODY_TIMEOUT_S:g}s",
+                code="request_timeout",
+            )
+        raw = parts[0] if len(parts) == 1 else b"".join(parts)
+        try:
+            body = _decode_json(raw)
+        except msgspec.DecodeError as exc:
+            raise bad_request(
+                f"Could not parse the JSON body: {exc}", code="invalid_json"
+            ) from None
+        if not isinstance(body, dict):
+            raise bad_request("The request body must be a JSON object", code="invalid_json")
+        return body
+
+    # --- 2. dispatch ------------------------------------------------------------------
+
+    async def _run(self, plan: RunPlan, reply: _Reply, timing: _Timing) -> None:
+        edge = self._edge
+        try:
+            active = await edge.dispatcher.start(plan, edge.snapshot)
+        except ApiError as exc:
+            self._observe(plan, "", exc.status, timing, code=exc.code)
+            await reply.error(exc, timing)
+            return
+        except RunFailure as exc:
+            error = exc.api_error()
+            self._observe(plan, exc.provider_id, error.status, timing, code=error.code)
+            await reply.error(error, timing)
+            return
+        timing.queued_s = active.timings.queued_s
+        timing.upstream_s = active.timings.dispatch_s
+        reply.provider = active.provider_id
+        try:
+            if plan.stream:
+                await self._relay_stream(active, plan, reply, timing)
+            else:
+                await self._respond(active, plan, reply, timing)
+        finally:
+            if not active.metered:  # the caller left before the run ended
+                active.close()
+                self._observe(plan, active.provider_id, 499, timing, active, code="client_closed")
+
+    # --- 3. respond -------------------------------------------------------------------
+
+    async def _respond(
+        self, active: ActiveRun, plan: RunPlan, reply: _Reply, timing: _Timing
+    ) -> None:
+        """A non-stream run: one JSON body (or the run's failure as an OpenAI error)."""
+        event = await active.next_event()
+        while isinstance(event, wire.RunChunk):  # a non-stream run carries none; skip strays
+            event = await active.next_event()
+        error: ApiError | None = None
+        payload = b""
+        if isinstance(event, wire.RunFailed):
+            active.finished(event)
+            error = RunFailure(event, active.provider_id).api_error()
+        else:
+            try:
+                if event.response is None:
+                    raise BadPayload("no response body")
+                payload = relabel(event.response, plan.model_id, strip_usage=False) or b"{}"
+            except BadPayload as exc:
+                active.finished(_failed(event.run_id, "bad_response", str(exc)))
+                error = ApiError(
+                    502,
+                    f"provider '{active.provider_id}' returned a bad response: {exc}",
+                    type="api_error",
+                    code="bad_response",
+                )
+            else:
+                active.finished(event)
+        active.close()
+        if error is not None:
+            self._observe(plan, active.provider_id, error.status, timing, active, code=error.code)
+            await reply.error(error, timing)
+        else:
+            self._observe(plan, active.provider_id, 200, timing, active)
+            await reply.json(payload, timing)
+
+    async def _relay_stream(
+        self, active: ActiveRun, plan: RunPlan, reply: _Reply, timing: _Timing
+    ) -> None:
+        """Relay a stream run as server-sent events, ending with `[DONE]`.
+
+        Chunks that are already here go out in one write: when the caller's side is
+        slower than the provider, the per-chunk cost stays flat."""
+        strip_usage = not plan.caller_wants_usage
+        diagnosed = False  # the Edge itself ended the run (a bad chunk)
+        await reply.start_stream(timing)
+        event: RunEvent | None = await active.next_event()
+        while True:
+            frames = []
+            while isinstance(event, wire.RunChunk):
+                try:
+                    payload = relabel(event.data, plan.model_id, strip_usage=strip_usage)
+                except BadPayload as exc:
+                    # End the stream properly; the run may still be live on the Node, and
+                    # close() below cancels it there.
+                    event = _failed(event.run_id, "bad_chunk", f"bad chunk: {exc}")
+                    diagnosed = True
+                    break
+                if payload is not None:
+                    frames.append(b"data: " + payload + b"\n\n")
+                event = active.next_event_nowait()
+            if event is None:
+                if frames:
+                    await reply.stream(b"".join(frames))
+                event = await active.next_event()
+                continue
+            active.finished(event, on_node=not diagnosed)
+            status, code = 200, None
+            if isinstance(event, wire.RunFailed):
+                error = RunFailure(event, active.provider_id).api_error()
+                status, code = error.status, error.code
+                frames.append(b"data: " + error.body() + b"\n\n")
+            frames.append(_SSE_DONE)
+            active.close()
+            self._observe(plan, active.provider_id, status, timing, active, code=code)
+            await reply.stream(b"".join(frames), more=False)
+            return
+
+    # --- metering ---------------------------------------------------------------------
+
+    def _observe(
+        self,
+        plan: RunPlan,
+        provider: str,
+        status: int,
+        timing: _Timing,
+        run: ActiveRun | None = None,
+        *,
+        code: str | None = None,
+    ) -> None:
+        """Meter a finished request: Prometheus always, the usage ledger when a run happened."""
+        edge = self._edge
+        latency_s = time.perf_counter() - plan.received_at
+        ttft_s = None
+        if run is not None and run.timings.first_event_at is not None:
+            ttft_s = run.timings.first_event_at - plan.received_at
+        usage = run.usage if run is not None else None
+        if run is not None:
+            run.metered = True
+        edge.metrics.observe_request(
+            model=plan.model_id,
+            provider=provider,
+            status=status,
+            code=code or "",
+            latency_s=latency_s,
+            ttft_s=ttft_s,
+            queued_s=timing.queued_s if provider else None,
+            usage=usage,
+            principal_ref=plan.principal_ref,
+            token_ref=plan.token_ref,
+        )
+        if run is None and not provider:
+            return  # refused at admission: no run, nothing to bill
+        edge.usage.record(
+            UsageRecord(
+                time=time.time(),
+                run_id=plan.run_id,
+                principal_ref=plan.principal_ref,
+                token_ref=plan.token_ref,
+                alias=plan.principal_alias,
+                model=plan.model_id,
+                provider=provider,
+                node=run.lease.node_id if run is not None else "",
+                prompt_tokens=usage.prompt_tokens if usage else 0,
+                completion_tokens=usage.completion_tokens if usage else 0,
+                status=status,
+                latency_ms=latency_s * 1000,
+                ttft_ms=None if ttft_s is None else ttft_s * 1000,
+            )
+        )
+
+
+async def _cancel_on_disconnect(receive: ASGIReceiveCallable, scope: trio.CancelScope) -> None:
+    """Cancel the request when its caller disconnects (the body is already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+def _failed(run_id: str, code: str, message: str) -> wire.RunFailed:
+    """A failure the Edge itself diagnosed in what a Node sent."""
+    return wire.RunFailed(run_id=run_id, code=code, message=message)
+
+
+def _param_of(error: msgspec.ValidationError) -> str | None:
+    match = re.search(r"at `\$\.([^`]*)`", str(error))
+    return match.group(1) if match else None
+
+
+def _too_large(what: str, limit: int) -> ApiError:
+    return ApiError(413, f"{what} exceeds the limit of {limit} bytes", code="request_too_large")
+
+
+def _method_not_allowed(scope: HTTPScope) -> ApiError:
+    return ApiError(
+        405,
+        f"Method {scope['method']} not allowed on {scope['path']}",
+        code="method_not_allowed",
+        allow="POST",
+    )
