@@ -31,7 +31,15 @@ from rich.console import Console
 
 from bench.gateway import start_gateway
 from bench.litellm_proxy import find_litellm, start_litellm
-from bench.load import Budget, Measurement, Scenario, Target, measure, open_client
+from bench.load import (
+    Budget,
+    Measurement,
+    Scenario,
+    Target,
+    cpu_seconds,
+    measure,
+    open_client,
+)
 from bench.profiler import FORMATS, find_py_spy, start_profilers
 from bench.report import DIRECT, IOP, LITELLM, TARGET_LABELS, BenchResult, Machine, render, to_json
 from bench.services import Service, ServiceFailed, python_argv, start_service
@@ -42,6 +50,12 @@ _UPSTREAM_START_S: Final = 30.0
 _GATEWAY_START_S: Final = 60.0
 _LITELLM_START_S: Final = 180.0
 _REPORT_WIDTH: Final = 120
+#: Before measuring, the started targets must go quiet (below this share of one core
+#: over a window): LiteLLM keeps working for a while after it answers its readiness
+#: probe, and that work would land on whichever target is measured first.
+_QUIET_CPU_SHARE: Final = 0.03
+_QUIET_WINDOW_S: Final = 0.5
+_QUIET_WAIT_MAX_S: Final = 60.0
 
 Progress = Callable[[str], None]
 
@@ -107,6 +121,7 @@ async def run_bench(
             litellm = await _start_litellm(services, upstream.ready, workdir, notes, say)
             if litellm is not None:
                 targets.append(Target(LITELLM, litellm.ready, (litellm.pid,)))
+        await _wait_until_quiet(targets, notes, say)
         async with trio.open_nursery() as profilers:
             if options.profile_dir is not None:
                 await _start_profilers(profilers, options, profiled, notes, say)
@@ -146,6 +161,27 @@ async def _start_litellm(
         return None
     say(f"litellm: {service.ready} (pid {service.pid})")
     return service
+
+
+async def _wait_until_quiet(targets: Sequence[Target], notes: list[str], say: Progress) -> None:
+    """Wait (bounded) until the started targets use next to no CPU while idle."""
+    pids = tuple(pid for target in targets for pid in target.pids)
+    started = trio.current_time()
+    with trio.move_on_after(_QUIET_WAIT_MAX_S):
+        while True:
+            before = await cpu_seconds(pids)
+            await trio.sleep(_QUIET_WINDOW_S)
+            after = await cpu_seconds(pids)
+            if before is None or after is None:
+                return  # no /proc: nothing to wait on
+            if after - before <= _QUIET_CPU_SHARE * _QUIET_WINDOW_S:
+                waited = trio.current_time() - started
+                if waited > 2 * _QUIET_WINDOW_S:
+                    say(f"targets idle after {waited:.1f} s")
+                return
+    note = f"targets still busy after {_QUIET_WAIT_MAX_S:g} s idle; measured anyway"
+    notes.append(note)
+    say(note)
 
 
 async def _measure_all(

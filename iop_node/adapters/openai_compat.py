@@ -271,7 +271,7 @@ class OpenAICompatAdapter:
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"provider {provider.id!r}: adapter.base_url must be an http(s) URL")
         self.base_url = base_url.rstrip("/")
-        self._origin = f"{url.host}:{url.port}" if url.port else url.host
+        self._origin = url.netloc.decode("ascii")
 
         headers = {"User-Agent": "iop-node"}
         self._missing_key_env: str | None = None
@@ -565,8 +565,9 @@ def _core_url(url: httpx2.URL) -> httpcore2.URL:
 
 
 def _host_header(url: httpx2.URL) -> bytes:
-    """The Host header httpx2 would send: the host, with the port unless it is the default."""
-    return url.raw_host if url.port is None else b"%b:%d" % (url.raw_host, url.port)
+    """The Host header httpx2 would send: the host (IPv6 in brackets), with the port unless
+    it is the scheme's default."""
+    return url.netloc
 
 
 def _check_encoding(response: httpcore2.Response) -> None:

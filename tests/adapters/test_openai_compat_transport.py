@@ -1,0 +1,414 @@
+"""OpenAICompatAdapter's run transport: the httpcore2 pool it routes to (direct or the
+environment's proxy), the exact request head it sends, and its refusal of encoded bodies.
+
+The upstreams here are `RecordingServer`s: a few lines of h11 that record each request as
+it arrived on the wire (request target as sent, every header line in order) and answer
+with whatever the test wants, so a test sees what `FakeUpstream` normalises away
+(absolute-form targets, duplicate headers) and can answer what it never would (a
+gzip-encoded body, a forward proxy's reply).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import h11
+import httpcore2
+import httpx2
+import pytest
+import trio
+
+from iop_node.adapters.base import Adapter, AdapterError
+from iop_node.adapters.openai_compat import OpenAICompatAdapter, _host_header
+from schemas.config import AdapterSettings, ProviderConfig
+from schemas.wire import Usage
+
+from .fake_upstream import FakeUpstream, expected_events, expected_response
+from .test_openai_compat import GUARD_S, MODEL, Collector, make_run
+
+KEY_ENV = "IOP_TEST_TRANSPORT_KEY"
+KEY_VALUE = "test-key-value"
+#: Nothing listens there (the discard port); routing tests never connect.
+UNUSED_PROXY = "http://127.0.0.1:9"
+CAPACITY = 4
+_PROXY_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
+
+MakeAdapter = Callable[..., OpenAICompatAdapter]
+Headers = list[tuple[bytes, bytes]]
+
+
+# --- a recording HTTP/1.1 server ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """One request exactly as it arrived: target as sent, every header line in order."""
+
+    method: bytes
+    target: bytes
+    headers: Headers
+    body: bytes
+
+    def values(self, name: bytes) -> list[bytes]:
+        return [value for key, value in self.headers if key == name.lower()]
+
+    def names(self) -> list[bytes]:
+        return sorted(key for key, _ in self.headers)
+
+
+Answer = tuple[int, Headers, bytes]
+
+
+@dataclass
+class RecordingServer:
+    """HTTP/1.1 on 127.0.0.1:0 (keep-alive) answering each request with `answer(seen)`."""
+
+    answer: Callable[[Seen], Answer]
+    seen: list[Seen] = field(init=False, default_factory=list)
+    connections: int = field(init=False, default=0)
+    url: str = field(init=False, default="")
+
+    async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        task_status.started(self.url)
+        await trio.serve_listeners(self._connection, listeners)
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        conn = h11.Connection(h11.SERVER)
+
+        async def next_event() -> Any:
+            while (event := conn.next_event()) is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(65536))
+            return event
+
+        async def send(event: Any) -> None:
+            await stream.send_all(conn.send(event) or b"")
+
+        async with stream:
+            try:
+                while isinstance(head := await next_event(), h11.Request):
+                    body = b""
+                    while isinstance(event := await next_event(), h11.Data):
+                        body += event.data
+                    seen = Seen(head.method, head.target, list(head.headers), body)
+                    self.seen.append(seen)
+                    status, headers, content = self.answer(seen)
+                    headers = [*headers, (b"content-length", b"%d" % len(content))]
+                    await send(h11.Response(status_code=status, headers=headers))
+                    await send(h11.Data(data=content))
+                    await send(h11.EndOfMessage())
+                    conn.start_next_cycle()
+            except (h11.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+
+def reply(
+    body: bytes, *, stream: bool = False, encoding: bytes | None = None
+) -> Callable[[Seen], Answer]:
+    """Answer every request 200 with `body` (an event stream or JSON), maybe labelled with a
+    Content-Encoding."""
+    headers = [(b"content-type", b"text/event-stream" if stream else b"application/json")]
+    if encoding is not None:
+        headers.append((b"content-encoding", encoding))
+    return lambda _seen: (200, headers, body)
+
+
+# --- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def no_proxy_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start every test from an environment without proxy settings, in either case."""
+    for name in _PROXY_ENV:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+    monkeypatch.delenv("REQUEST_METHOD", raising=False)  # urllib ignores HTTP_PROXY under CGI
+
+
+@pytest.fixture
+async def make_adapter() -> AsyncIterator[MakeAdapter]:
+    made: list[Adapter] = []
+
+    def make(base_url: str, **settings: Any) -> OpenAICompatAdapter:
+        provider = ProviderConfig(
+            id="p1",
+            type="vllm",
+            models=[MODEL],
+            capacity=CAPACITY,
+            adapter=AdapterSettings(base_url=base_url, **settings),
+        )
+        adapter = OpenAICompatAdapter(provider)
+        made.append(adapter)
+        return adapter
+
+    yield make
+    for adapter in made:
+        await adapter.aclose()
+
+
+@pytest.fixture
+async def upstream(nursery: trio.Nursery) -> FakeUpstream:
+    fake = FakeUpstream()
+    await nursery.start(fake.serve)
+    return fake
+
+
+# --- routing: which pool runs go into ---------------------------------------------------------
+
+HTTP_UPSTREAM = "http://127.0.0.1:8000/v1"
+HTTPS_UPSTREAM = "https://api.example.com/v1"
+
+
+@pytest.mark.parametrize(
+    ("env", "base_url", "proxied"),
+    [
+        pytest.param({}, HTTP_UPSTREAM, False, id="no-env-http"),
+        pytest.param({}, HTTPS_UPSTREAM, False, id="no-env-https"),
+        pytest.param({"HTTP_PROXY": UNUSED_PROXY}, HTTP_UPSTREAM, True, id="http-proxy"),
+        pytest.param({"HTTPS_PROXY": UNUSED_PROXY}, HTTPS_UPSTREAM, True, id="https-proxy"),
+        pytest.param({"https_proxy": UNUSED_PROXY}, HTTPS_UPSTREAM, True, id="lowercase"),
+        pytest.param({"ALL_PROXY": UNUSED_PROXY}, HTTP_UPSTREAM, True, id="all-proxy"),
+        # A proxy for the other scheme does not apply.
+        pytest.param({"HTTPS_PROXY": UNUSED_PROXY}, HTTP_UPSTREAM, False, id="https-proxy-http"),
+        pytest.param({"HTTP_PROXY": UNUSED_PROXY}, HTTPS_UPSTREAM, False, id="http-proxy-https"),
+        # NO_PROXY: an IP, a domain suffix, a wildcard; a non-matching entry changes nothing.
+        pytest.param(
+            {"HTTP_PROXY": UNUSED_PROXY, "NO_PROXY": "127.0.0.1"},
+            HTTP_UPSTREAM,
+            False,
+            id="no-proxy-ip",
+        ),
+        pytest.param(
+            {"HTTPS_PROXY": UNUSED_PROXY, "NO_PROXY": "example.com"},
+            HTTPS_UPSTREAM,
+            False,
+            id="no-proxy-domain",
+        ),
+        pytest.param(
+            {"ALL_PROXY": UNUSED_PROXY, "NO_PROXY": "*"}, HTTPS_UPSTREAM, False, id="no-proxy-*"
+        ),
+        pytest.param(
+            {"HTTPS_PROXY": UNUSED_PROXY, "NO_PROXY": "other.example"},
+            HTTPS_UPSTREAM,
+            True,
+            id="no-proxy-other",
+        ),
+    ],
+)
+async def test_run_pool_follows_httpx2_proxy_routing(
+    make_adapter: MakeAdapter,
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    base_url: str,
+    proxied: bool,
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    adapter = make_adapter(base_url)
+    pool = adapter._pool
+    client = adapter._client
+    # Runs take the way probes take: the pool behind the transport httpx2 routes to.
+    transport = client._transport_for_url(httpx2.URL(base_url))
+    assert isinstance(transport, httpx2.AsyncHTTPTransport)
+    assert pool is transport._pool
+    if proxied:
+        assert isinstance(pool, httpcore2.AsyncHTTPProxy)
+        assert pool._proxy_url == httpcore2.URL(UNUSED_PROXY)
+        assert transport is not client._transport
+    else:
+        assert type(pool) is httpcore2.AsyncConnectionPool
+        assert transport is client._transport
+    # Either way the pool carries the client's limits.
+    assert pool._max_keepalive_connections == CAPACITY + 2
+    assert pool._keepalive_expiry == 4.0
+
+
+PROXY_BODY = json.dumps(
+    {
+        "id": "chatcmpl-proxy",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "via proxy"}}],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5},
+    }
+).encode()
+PROXY_MODELS = json.dumps({"object": "list", "data": [{"id": "proxied-model"}]}).encode()
+
+
+def proxy_answer(seen: Seen) -> Answer:
+    body = PROXY_MODELS if seen.method == b"GET" else PROXY_BODY
+    return 200, [(b"content-type", b"application/json")], body
+
+
+async def test_runs_and_probes_go_through_the_environment_proxy(
+    upstream: FakeUpstream,
+    make_adapter: MakeAdapter,
+    monkeypatch: pytest.MonkeyPatch,
+    nursery: trio.Nursery,
+) -> None:
+    """A plain-HTTP forward proxy receives absolute-form requests for the upstream and
+    answers them itself; the upstream never hears from the adapter."""
+    proxy = RecordingServer(proxy_answer)
+    proxy_url = await nursery.start(proxy.serve)
+    monkeypatch.setenv("HTTP_PROXY", proxy_url)
+    adapter = make_adapter(upstream.base_url)
+    runs = [make_run(n=i) for i in range(2)]
+    with trio.fail_after(GUARD_S):
+        results = [await adapter.execute(run, Collector()) for run, _ in runs]
+        status = await adapter.probe()
+
+    for result in results:
+        assert result.response == PROXY_BODY
+        assert result.usage == Usage(prompt_tokens=2, completion_tokens=3, total_tokens=5)
+    assert status.health == "available"
+    assert status.models == ["proxied-model"]
+    assert upstream.connections_total == 0
+    chat_url = f"{upstream.base_url}/chat/completions".encode()
+    models_url = f"{upstream.base_url}/models".encode()
+    assert [(s.method, s.target) for s in proxy.seen] == [
+        (b"POST", chat_url),
+        (b"POST", chat_url),
+        (b"GET", models_url),
+    ]
+    host = upstream.root_url.removeprefix("http://").encode()
+    for seen in proxy.seen:
+        assert seen.values(b"host") == [host]
+    assert [s.body for s in proxy.seen[:2]] == [body for _, body in runs]
+    # Runs and the probe share the one keep-alive connection to the proxy.
+    assert proxy.connections == 1
+
+
+async def test_no_proxy_keeps_runs_direct(
+    upstream: FakeUpstream,
+    make_adapter: MakeAdapter,
+    monkeypatch: pytest.MonkeyPatch,
+    nursery: trio.Nursery,
+) -> None:
+    proxy = RecordingServer(proxy_answer)
+    proxy_url = await nursery.start(proxy.serve)
+    monkeypatch.setenv("HTTP_PROXY", proxy_url)
+    monkeypatch.setenv("NO_PROXY", "localhost,127.0.0.1")
+    adapter = make_adapter(upstream.base_url)
+    with trio.fail_after(GUARD_S):
+        result = await adapter.execute(make_run()[0], Collector())
+    assert result.response == expected_response(MODEL, upstream.chunks)
+    assert upstream.requests[-1].path == "/v1/chat/completions"
+    assert proxy.seen == []
+    assert proxy.connections == 0
+
+
+# --- content coding ---------------------------------------------------------------------------
+
+
+def sse_body() -> bytes:
+    return b"".join(b"data: " + e + b"\n\n" for e in [*expected_events(MODEL, 2), b"[DONE]"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_encoded_body_is_refused_as_retryable(
+    make_adapter: MakeAdapter, nursery: trio.Nursery, stream: bool
+) -> None:
+    """We ask for identity; an upstream that gzips anyway is refused before any chunk."""
+    plain = sse_body() if stream else expected_response(MODEL, 2)
+    server = RecordingServer(reply(gzip.compress(plain), stream=stream, encoding=b"gzip"))
+    base = await nursery.start(server.serve)
+    adapter = make_adapter(base + "/v1")
+    collector = Collector()
+    with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as info:
+        await adapter.execute(make_run(stream=stream)[0], collector)
+    error = info.value
+    assert error.code == "upstream_error"
+    assert error.retryable
+    assert "gzip" in error.message
+    assert collector.chunks == []
+    assert server.seen[0].values(b"accept-encoding") == [b"identity"]
+
+
+@pytest.mark.parametrize("coding", [b"identity", b"IDENTITY", b""])
+async def test_identity_coding_is_accepted(
+    make_adapter: MakeAdapter, nursery: trio.Nursery, coding: bytes
+) -> None:
+    body = expected_response(MODEL, 2)
+    server = RecordingServer(reply(body, encoding=coding))
+    base = await nursery.start(server.serve)
+    adapter = make_adapter(base + "/v1")
+    with trio.fail_after(GUARD_S):
+        result = await adapter.execute(make_run()[0], Collector())
+    assert result.response == body
+
+
+# --- the request head -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_run_request_head_is_complete_and_unduplicated(
+    make_adapter: MakeAdapter,
+    monkeypatch: pytest.MonkeyPatch,
+    nursery: trio.Nursery,
+    stream: bool,
+) -> None:
+    """Every header a run needs, each exactly once, the target in origin-form."""
+    monkeypatch.setenv(KEY_ENV, KEY_VALUE)
+    answer = sse_body() if stream else expected_response(MODEL, 2)
+    server = RecordingServer(reply(answer, stream=stream))
+    base = await nursery.start(server.serve)
+    adapter = make_adapter(base + "/v1", api_key_env=KEY_ENV)
+    run, body = make_run(stream=stream)
+    with trio.fail_after(GUARD_S):
+        await adapter.execute(run, Collector())
+    [seen] = server.seen
+    assert (seen.method, seen.target) == (b"POST", b"/v1/chat/completions")
+    assert seen.body == body
+    assert seen.names() == sorted(
+        [
+            b"host",
+            b"connection",
+            b"accept-encoding",
+            b"content-type",
+            b"user-agent",
+            b"authorization",
+            b"accept",
+            b"content-length",
+        ]
+    )
+    assert seen.values(b"host") == [base.removeprefix("http://").encode()]
+    assert seen.values(b"content-type") == [b"application/json"]
+    assert seen.values(b"content-length") == [b"%d" % len(body)]
+    assert seen.values(b"authorization") == [f"Bearer {KEY_VALUE}".encode()]
+    assert seen.values(b"accept-encoding") == [b"identity"]
+    assert seen.values(b"accept") == [b"text/event-stream" if stream else b"application/json"]
+
+
+async def test_run_without_api_key_env_sends_no_authorization(
+    make_adapter: MakeAdapter, nursery: trio.Nursery
+) -> None:
+    server = RecordingServer(reply(expected_response(MODEL, 2)))
+    base = await nursery.start(server.serve)
+    adapter = make_adapter(base + "/v1")
+    with trio.fail_after(GUARD_S):
+        await adapter.execute(make_run()[0], Collector())
+    assert server.seen[0].values(b"authorization") == []
+    assert len(server.seen[0].values(b"host")) == 1
+
+
+@pytest.mark.parametrize(
+    ("base_url", "host"),
+    [
+        ("http://127.0.0.1:8000/v1", b"127.0.0.1:8000"),
+        ("https://api.example.com/v1", b"api.example.com"),
+        ("https://api.example.com:443/v1", b"api.example.com"),  # default port left out
+        ("http://api.example.com:80/v1", b"api.example.com"),
+        ("https://api.example.com:8443/v1", b"api.example.com:8443"),
+        ("http://API.Example.COM/v1", b"api.example.com"),
+        ("http://[::1]:8000/v1", b"[::1]:8000"),
+    ],
+)
+def test_host_header_matches_httpx2(base_url: str, host: bytes) -> None:
+    url = httpx2.URL(base_url)
+    assert _host_header(url) == host
+    assert httpx2.Request("POST", url).headers["host"].encode() == host
