@@ -53,7 +53,9 @@ def render_catalog(console: Console, catalog: dict[str, Any]) -> None:
     for p in catalog.get("providers", []):
         load = p.get("load_ratio")
         long_slots = p.get("long_context_slots")
-        lifecycle = [name for name, on in (p.get("lifecycle") or {}).items() if on]
+        # What the runtime's API offers when the node could tell, else what config declares.
+        flags = p.get("discovered_lifecycle") or p.get("lifecycle") or {}
+        lifecycle = [name for name, on in flags.items() if on]
         health = p.get("health", "unknown")
         if p.get("cooling_down"):
             health = f"{health} (cooldown)"

@@ -27,7 +27,7 @@ from iop_edge.admin_api import create_admin_app
 from iop_edge.audit import AuditLog
 from iop_edge.config import ParsedConfig
 from iop_edge.dispatch import Dispatcher
-from iop_edge.hub import MAX_FRAME_BYTES, MESSAGE_QUEUE_SIZE, NodeDirectory, NodeHub, SessionClosed
+from iop_edge.hub import MAX_FRAME_BYTES, NodeDirectory, NodeHub, SessionClosed
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.openai_api import OpenAIApp
 from iop_edge.refresh import Refresher
@@ -175,7 +175,9 @@ class Edge:
                     "node %s reported status for provider %s it does not own", node_id, provider.id
                 )
                 continue
-            self.scheduler.provider_status(provider.id, provider.health, provider.models)
+            self.scheduler.provider_status(
+                provider.id, provider.health, provider.models, provider.lifecycle
+            )
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -218,7 +220,6 @@ class Edge:
                     node_port,
                     ssl_context,
                     max_message_size=MAX_FRAME_BYTES,
-                    message_queue_size=MESSAGE_QUEUE_SIZE,
                     receive_buffer_size=256 * 1024,
                 )
             )

@@ -40,11 +40,6 @@ RunEvent = wire.RunChunk | wire.RunDone | wire.RunFailed
 OUTBOX_SIZE = 256
 RUN_EVENT_BUFFER = 1024
 MAX_FRAME_BYTES = 64 * 1024 * 1024
-#: Messages the connection's reader may parse ahead of the session's reader. The library
-#: default (1) costs two task switches per message; a small queue lets the chunks of one
-#: socket read be parsed in one go while bounding what an unauthenticated peer can make
-#: us hold (this many messages of up to MAX_FRAME_BYTES).
-MESSAGE_QUEUE_SIZE = 8
 MAX_PENDING_HANDSHAKES = 16
 
 

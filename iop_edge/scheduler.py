@@ -45,7 +45,7 @@ import itertools
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from operator import attrgetter
 from types import TracebackType
@@ -55,7 +55,7 @@ import trio
 from iop_edge.pool import Decision, Grant, PassiveHealth, ProviderView, Refuse, Wait, decide
 from iop_edge.snapshot import Snapshot
 from schemas.catalog import Catalog, CatalogLifecycle, CatalogModel, CatalogProvider
-from schemas.config import ProviderConfig
+from schemas.config import LifecycleFlag, ProviderConfig
 from schemas.wire import Health
 
 logger = logging.getLogger(__name__)
@@ -173,6 +173,7 @@ class _ProviderState:
     __slots__ = (
         "config",
         "discovered",
+        "discovered_lifecycle",
         "health",
         "id",
         "limiter",
@@ -191,6 +192,7 @@ class _ProviderState:
         self.long_limiter = trio.CapacityLimiter(_long_total(config))
         self.health: Health = "unknown"
         self.discovered: list[str] = []
+        self.discovered_lifecycle: list[LifecycleFlag] | None = None
         self.passive = PassiveHealth()
         self.trial: Lease | None = None
         """The half-open breaker's one trial run, while it is in flight."""
@@ -380,15 +382,24 @@ class Scheduler:
         for state in affected:
             state.health = health
             state.discovered = []
+            state.discovered_lifecycle = None
         self._serve(self._models_serving(state.id for state in affected))
 
-    def provider_status(self, provider_id: str, health: Health, models: list[str]) -> None:
-        """A provider's health and discovered models, from its node's `status` message."""
+    def provider_status(
+        self,
+        provider_id: str,
+        health: Health,
+        models: list[str],
+        lifecycle: Sequence[LifecycleFlag] | None = None,
+    ) -> None:
+        """A provider's health, discovered models and lifecycle operations, from its node's
+        `status` message."""
         state = self._states.get(provider_id)
         if state is None or state.removed:
             return
         state.health = health
         state.discovered = list(models)
+        state.discovered_lifecycle = None if lifecycle is None else list(lifecycle)
         self._serve(self._models_serving((provider_id,)))
 
     # -- passive health ------------------------------------------------------------
@@ -679,7 +690,6 @@ class Scheduler:
         config = state.config
         connected = state.node_id in self._connected
         in_flight = state.limiter.borrowed_tokens
-        flags = set(config.lifecycle)
         queued = sum(
             waiter.could_use(state)
             for model_id in self._models_of.get(state.id, ())
@@ -702,13 +712,23 @@ class Scheduler:
             discovered_models=list(state.discovered),
             queued=queued,
             priority=config.priority,
-            lifecycle=CatalogLifecycle(
-                list_models="list_models" in flags,
-                load_model="load_model" in flags,
-                unload_model="unload_model" in flags,
-                pull_model="pull_model" in flags,
-                delete_model="delete_model" in flags,
+            lifecycle=_catalog_lifecycle(config.lifecycle),
+            discovered_lifecycle=(
+                None
+                if state.discovered_lifecycle is None or not connected
+                else _catalog_lifecycle(state.discovered_lifecycle)
             ),
             cooling_down=state.passive.breaker(now=now, probing=state.trial is not None) == "open",
             consecutive_failures=state.passive.consecutive_failures,
         )
+
+
+def _catalog_lifecycle(flags: Iterable[LifecycleFlag]) -> CatalogLifecycle:
+    present = set(flags)
+    return CatalogLifecycle(
+        list_models="list_models" in present,
+        load_model="load_model" in present,
+        unload_model="unload_model" in present,
+        pull_model="pull_model" in present,
+        delete_model="delete_model" in present,
+    )

@@ -96,8 +96,9 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 #: reads with the same size.
 RECEIVE_BUFFER_BYTES = 256 * 1024
 #: Messages the connection's reader may parse ahead of ours. The library default (1) makes
-#: its reader wait for ours after every message, two task switches per message; with
-#: room, every message of one socket read is parsed in one go. Same as the Edge's.
+#: its reader wait for ours after every message; with room, the messages of one socket
+#: read are parsed in one go. (The Edge keeps the default: before a peer has
+#: authenticated, every queued message may be up to MAX_FRAME_BYTES.)
 MESSAGE_QUEUE_SIZE = 64
 #: Bound on a closing handshake, ours or the Edge's.
 CLOSE_TIMEOUT_S = 5.0

@@ -19,7 +19,8 @@ class CatalogRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CatalogLifecycle(CatalogRecord, frozen=True, kw_only=True):
-    """Coarse lifecycle capabilities a provider declares in config (`lifecycle: [...]`)."""
+    """Coarse lifecycle capabilities: declared in config (`lifecycle: [...]`) or found in
+    the runtime's API by the provider's Node."""
 
     list_models: bool = False
     load_model: bool = False
@@ -53,6 +54,10 @@ class CatalogProvider(CatalogRecord, frozen=True, kw_only=True):
     """Requests waiting in a model queue that this provider could serve."""
     priority: int = 100
     lifecycle: CatalogLifecycle = CatalogLifecycle()
+    """The lifecycle flags declared in config."""
+    discovered_lifecycle: CatalogLifecycle | None = None
+    """The lifecycle operations the runtime's API offers, as the Node last reported them
+    (Ollama: from its native API); null when the adapter cannot tell."""
     cooling_down: bool = False
     consecutive_failures: int = 0
 

@@ -18,7 +18,7 @@ from typing import Literal
 
 import msgspec
 
-from schemas.config import NodeConfig
+from schemas.config import LifecycleFlag, NodeConfig
 
 #: Bumped on any incompatible change; travels in `hello` and `welcome`.
 PROTOCOL_VERSION = 1
@@ -127,6 +127,9 @@ class ProviderStatus(msgspec.Struct, frozen=True, kw_only=True):
     health: Health
     models: list[str] = []
     detail: str | None = None
+    lifecycle: list[LifecycleFlag] | None = None
+    """The lifecycle operations the provider's runtime API offers, as the adapter found
+    them (e.g. Ollama's native API); None when the adapter cannot tell."""
 
 
 class Status(Message, tag="status", frozen=True, kw_only=True):

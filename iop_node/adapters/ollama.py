@@ -8,17 +8,23 @@ that is where Ollama tells the truth about what is installed:
 
 - `GET {root}/api/tags` -> `{"models": [{"name": "llama3.2:latest", "model": ..., ...}]}`;
   the `name`s are exactly the ids its `/v1` endpoints accept;
-- `GET {root}/api/version` -> `{"version": "0.6.2"}`, reported in the status detail.
+- `GET {root}/api/version` -> `{"version": "0.6.2"}`, reported in the status detail and
+  used to tell which lifecycle operations the native API offers (`lifecycle_of`): listing
+  (`GET /api/tags`), pulling (`POST /api/pull`) and deleting (`DELETE /api/delete`) models
+  exist in every release; loading and unloading (`POST /api/generate` with `keep_alive`:
+  `-1` keeps a model loaded, `0` unloads it) since 0.1.23. The Node reports them in
+  `status`, and the catalog shows them beside the flags the config declares.
 """
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar, Final
 
 import msgspec
 
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
-from schemas.config import ProviderConfig
+from schemas.config import LifecycleFlag, ProviderConfig
 from schemas.wire import ProviderStatus
 
 
@@ -34,8 +40,29 @@ class _Version(msgspec.Struct):
     version: str = ""
 
 
+#: The first Ollama release whose native API offers each lifecycle operation.
+_LIFECYCLE_SINCE: Final[dict[LifecycleFlag, tuple[int, ...]]] = {
+    "list_models": (0,),
+    "load_model": (0, 1, 23),
+    "unload_model": (0, 1, 23),
+    "pull_model": (0,),
+    "delete_model": (0,),
+}
+_VERSION_PART: Final = re.compile(r"\d+")
+
 _tags_decoder: Final = msgspec.json.Decoder(_Tags)
 _version_decoder: Final = msgspec.json.Decoder(_Version)
+
+
+def lifecycle_of(version: str) -> list[LifecycleFlag]:
+    """The lifecycle operations the native API of Ollama `version` offers.
+
+    Release versions look like `0.6.2` (pre-releases `0.6.2-rc1`); a version we cannot
+    read (a source build reports `0.0.0`) is taken to be a current one."""
+    parts = tuple(int(part) for part in _VERSION_PART.findall(version.partition("-")[0])[:3])
+    if not parts or parts == (0, 0, 0):
+        return list(_LIFECYCLE_SINCE)
+    return [flag for flag, since in _LIFECYCLE_SINCE.items() if parts >= since]
 
 
 def native_root(base_url: str) -> str:
@@ -63,4 +90,5 @@ class OllamaAdapter(OpenAICompatAdapter):
             health="available",
             models=[tag.name for tag in tags.models or ()],
             detail=f"ollama {version.version}" if version.version else None,
+            lifecycle=lifecycle_of(version.version),
         )

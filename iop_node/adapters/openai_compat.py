@@ -399,8 +399,12 @@ class OpenAICompatAdapter:
 
         Subclasses override this to use a runtime's native API."""
         listing = await self._get_json(self._models_url, _model_list_decoder, "/models")
+        # The OpenAI API lists models and nothing else of a model's lifecycle.
         return ProviderStatus(
-            id=self.provider.id, health="available", models=[m.id for m in listing.data]
+            id=self.provider.id,
+            health="available",
+            models=[m.id for m in listing.data],
+            lifecycle=["list_models"],
         )
 
     async def _get_json(

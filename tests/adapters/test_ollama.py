@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import trio
 
-from iop_node.adapters.ollama import OllamaAdapter, native_root
+from iop_node.adapters.ollama import OllamaAdapter, lifecycle_of, native_root
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import Run
 
@@ -48,6 +48,13 @@ async def test_probe_uses_the_native_api(upstream: FakeUpstream, adapter: Ollama
     assert status.health == "available"
     assert status.models == [MODEL, "nomic-embed-text:latest"]
     assert status.detail == "ollama 0.6.2"
+    assert status.lifecycle == [
+        "list_models",
+        "load_model",
+        "unload_model",
+        "pull_model",
+        "delete_model",
+    ]
     assert [r.path for r in upstream.requests] == ["/api/tags", "/api/version"]
 
 
@@ -108,3 +115,22 @@ async def test_default_base_url_is_the_local_daemon() -> None:
         "http://127.0.0.1:11434/v1",
         "http://127.0.0.1:11434",
     )
+
+
+@pytest.mark.parametrize(
+    ("version", "can_load"),
+    [
+        ("0.1.22", False),  # before `keep_alive`: no load or unload through the API
+        ("0.1.23", True),
+        ("0.1.23-rc2", True),
+        ("0.6.2", True),
+        ("1.0", True),
+        ("0.0.0", True),  # a source build: taken to be current
+        ("", True),
+    ],
+)
+def test_lifecycle_follows_the_server_version(version: str, can_load: bool) -> None:
+    flags = lifecycle_of(version)
+    assert {"list_models", "pull_model", "delete_model"} <= set(flags)
+    assert ("load_model" in flags) is can_load
+    assert ("unload_model" in flags) is can_load

@@ -466,6 +466,10 @@ async def test_ollama_health_from_native_api_and_runs_through_v1(
     assert listed["type"] == "ollama"
     assert listed["health"] == "available"
     assert listed["discovered_models"] == ["llama3.2:latest", "qwen3:8b"]  # from /api/tags
+    # The flags the native API offers (per /api/version), beside the configured ones.
+    assert listed["discovered_lifecycle"] == dict.fromkeys(
+        ("list_models", "load_model", "unload_model", "pull_model", "delete_model"), True
+    )
     probed = {r.path for r in fake.requests if r.method == "GET"}
     assert "/api/tags" in probed
     assert "/v1/models" not in probed

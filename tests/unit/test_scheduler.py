@@ -913,6 +913,7 @@ async def test_catalog_reports_every_field(nursery: trio.Nursery) -> None:
     assert b.discovered_models == ["b-served", "extra"]
     assert b.lifecycle.list_models
     assert not (b.lifecycle.load_model or b.lifecycle.pull_model or b.lifecycle.delete_model)
+    assert b.discovered_lifecycle is None  # the node did not say
     assert (b.cooling_down, b.consecutive_failures) == (False, 0)
 
     encoded = msgspec.json.decode(msgspec.json.encode(catalog))
@@ -1076,3 +1077,18 @@ async def test_random_acquire_release_cancel_never_leaks_a_slot(
     catalog = scheduler.catalog()
     assert all(p.in_flight == 0 and p.long_in_flight == 0 for p in catalog.providers)
     assert all(m.queued == 0 for m in catalog.models)
+
+
+async def test_catalog_shows_the_lifecycle_the_node_reported() -> None:
+    snapshot = make_snapshot({"n1": [provider("a", capacity=1, lifecycle=["list_models"])]}, {})
+    scheduler = Scheduler(snapshot)
+    scheduler.node_connected("n1")
+    scheduler.provider_status("a", "available", ["a-served"], ["list_models", "pull_model"])
+    (listed,) = scheduler.catalog().providers
+    assert listed.lifecycle.list_models and not listed.lifecycle.pull_model  # configured
+    assert listed.discovered_lifecycle is not None
+    assert listed.discovered_lifecycle.pull_model and not listed.discovered_lifecycle.load_model
+
+    scheduler.node_disconnected("n1")  # what a gone node said is no longer known
+    (listed,) = scheduler.catalog().providers
+    assert listed.discovered_lifecycle is None
