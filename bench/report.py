@@ -8,7 +8,9 @@ on a shared 2-core CI machine is an observation, not a test.
 
 Column meanings: `CPU ms/req` is the CPU time the target's own processes spent per
 request (the upstream for `direct`, the Edge plus the Node for IOP, the proxy for
-LiteLLM): on a machine whose cores are all busy it is what bounds throughput. `+p50` is
+LiteLLM): on a machine whose cores are all busy it is what bounds throughput. The
+`Hypercorn` row is the Edge's HTTP server answering by itself (`bench.asgi_floor`): the
+floor under IOP's numbers. `+p50` is
 the median latency a target adds over calling the upstream directly (for a stream, time
 to the last byte); `vs direct` is its throughput as a share of the direct one;
 `IOP/LiteLLM` is IOP's throughput over LiteLLM's.
@@ -31,9 +33,15 @@ from rich.text import Text
 from bench.load import Measurement, Scenario
 
 DIRECT: Final = "direct"
+HYPERCORN: Final = "hypercorn"
 IOP: Final = "iop"
 LITELLM: Final = "litellm"
-TARGET_LABELS: Final = {DIRECT: "direct", IOP: "IOP", LITELLM: "LiteLLM"}
+TARGET_LABELS: Final = {
+    DIRECT: "direct",
+    HYPERCORN: "Hypercorn",
+    IOP: "IOP",
+    LITELLM: "LiteLLM",
+}
 
 #: Goals from the issue.
 MAX_ADDED_P50_MS: Final = {False: 1.5, True: 3.0}  # by `stream`, at concurrency 1

@@ -7,7 +7,7 @@ target in turn with the closed-loop generator in this process, prints one table 
 issue's targets as PASS/MISS, stops every child and exits 0.
 
     python -m bench [--duration S | --requests N] [--concurrency 1,32]
-                    [--only direct,iop,litellm] [--warmup N] [--json FILE]
+                    [--only direct,hypercorn,iop,litellm] [--warmup N] [--json FILE]
                     [--profile DIR [--profile-format flamegraph|speedscope|raw]]
 
 `--profile DIR` attaches `py-spy record` (when on PATH; it is not a dependency) to the
@@ -29,6 +29,7 @@ from typing import Final
 import trio
 from rich.console import Console
 
+from bench.asgi_floor import READY_PREFIX as FLOOR_READY_PREFIX
 from bench.gateway import start_gateway
 from bench.litellm_proxy import find_litellm, start_litellm
 from bench.load import (
@@ -41,11 +42,21 @@ from bench.load import (
     open_client,
 )
 from bench.profiler import FORMATS, find_py_spy, start_profilers
-from bench.report import DIRECT, IOP, LITELLM, TARGET_LABELS, BenchResult, Machine, render, to_json
+from bench.report import (
+    DIRECT,
+    HYPERCORN,
+    IOP,
+    LITELLM,
+    TARGET_LABELS,
+    BenchResult,
+    Machine,
+    render,
+    to_json,
+)
 from bench.services import Service, ServiceFailed, python_argv, start_service
 from bench.upstream import READY_PREFIX
 
-ALL_TARGETS: Final = (DIRECT, IOP, LITELLM)
+ALL_TARGETS: Final = (DIRECT, HYPERCORN, IOP, LITELLM)
 _UPSTREAM_START_S: Final = 30.0
 _GATEWAY_START_S: Final = 60.0
 _LITELLM_START_S: Final = 180.0
@@ -89,6 +100,10 @@ def _upstream_ready(line: str) -> str | None:
     return line.removeprefix(READY_PREFIX) if line.startswith(READY_PREFIX) else None
 
 
+def _floor_ready(line: str) -> str | None:
+    return line.removeprefix(FLOOR_READY_PREFIX) if line.startswith(FLOOR_READY_PREFIX) else None
+
+
 async def run_bench(
     options: BenchOptions, workdir: Path, progress: Progress | None = None
 ) -> BenchResult:
@@ -107,6 +122,13 @@ async def run_bench(
         targets: list[Target] = []
         if DIRECT in options.only:
             targets.append(Target(DIRECT, upstream.ready, (upstream.pid,)))
+        if HYPERCORN in options.only:
+            with trio.fail_after(_UPSTREAM_START_S):
+                floor = await start_service(
+                    services, "bench-asgi-floor", python_argv("bench.asgi_floor"), _floor_ready
+                )
+            say(f"hypercorn floor: {floor.ready} (pid {floor.pid})")
+            targets.append(Target(HYPERCORN, floor.ready, (floor.pid,)))
         profiled: dict[str, int] = {}
         if IOP in options.only:
             with trio.fail_after(_GATEWAY_START_S):

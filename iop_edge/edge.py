@@ -42,6 +42,18 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 10.0
 
 
+def hypercorn_config(listen: str) -> HypercornConfig:
+    """How the Edge configures Hypercorn for a listener (the bench's floor uses it too)."""
+    config = HypercornConfig()
+    config.bind = [listen]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.graceful_timeout = SHUTDOWN_GRACE_S
+    config.keep_alive_timeout = 75
+    config.include_server_header = False
+    return config
+
+
 class EdgeStartupError(Exception):
     """The Edge cannot start with this config (e.g. a non-loopback admin listener)."""
 
@@ -186,14 +198,7 @@ class Edge:
         self._shutdown.set()
 
     def _hypercorn_config(self, listen: str) -> HypercornConfig:
-        config = HypercornConfig()
-        config.bind = [listen]
-        config.accesslog = None
-        config.errorlog = logging.getLogger("hypercorn.error")
-        config.graceful_timeout = SHUTDOWN_GRACE_S
-        config.keep_alive_timeout = 75
-        config.include_server_header = False
-        return config
+        return hypercorn_config(listen)
 
     def _node_ssl_context(self) -> ssl.SSLContext | None:
         tls = self.snapshot.config.edge.tls

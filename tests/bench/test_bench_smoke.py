@@ -1,9 +1,10 @@
 """The benchmark harness works end to end: a tiny run, every scenario on every target.
 
 No timing is asserted (a shared CI machine makes any number noise); what is asserted is
-that the harness starts the upstream, an Edge and a Node as real processes, drives both
-targets through stream and non-stream scenarios without a single failed request, skips
-LiteLLM with a note when it is not installed, and prints the table with all its rows.
+that the harness starts the upstream, the Hypercorn floor, an Edge and a Node as real
+processes, drives every target through stream and non-stream scenarios without a single
+failed request, skips LiteLLM with a note when it is not installed, and prints the table
+with all its rows.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rich.console import Console
 from bench.load import Budget, Measurement, Scenario, percentile
 from bench.report import (
     DIRECT,
+    HYPERCORN,
     IOP,
     LITELLM,
     BenchResult,
@@ -50,7 +52,7 @@ async def test_tiny_run_measures_every_scenario_and_prints_the_table(
     options = BenchOptions(
         budget=Budget(requests=4, warmup_requests=2),
         concurrency=(1, 2),
-        only=(DIRECT, IOP, LITELLM),
+        only=(DIRECT, HYPERCORN, IOP, LITELLM),
     )
     lines: list[str] = []
     with trio.fail_after(SMOKE_GUARD_S):
@@ -59,7 +61,7 @@ async def test_tiny_run_measures_every_scenario_and_prints_the_table(
     scenarios = [Scenario(c, stream) for c in (1, 2) for stream in (False, True)]
     assert result.scenarios() == scenarios
     for scenario in scenarios:
-        for target in (DIRECT, IOP):
+        for target in (DIRECT, HYPERCORN, IOP):
             measured = result.get(target, scenario)
             assert measured is not None, (target, scenario)
             assert (measured.ok, measured.errors) == (4, 0), measured.first_error
@@ -70,14 +72,15 @@ async def test_tiny_run_measures_every_scenario_and_prints_the_table(
     text = _text(result)
     for label in ("c=1 non-stream", "c=1 stream", "c=2 non-stream", "c=2 stream"):
         assert label in text
-    rows = re.findall(r"│ (direct|IOP) +│ +(\d+) │ +(\d+) │", text)  # target, ok, err
-    assert sorted(rows) == sorted([("direct", "4", "0"), ("IOP", "4", "0")] * 4)
+    rows = re.findall(r"│ (direct|Hypercorn|IOP) +│ +(\d+) │ +(\d+) │", text)  # target, ok, err
+    expected = [("direct", "4", "0"), ("Hypercorn", "4", "0"), ("IOP", "4", "0")]
+    assert sorted(rows) == sorted(expected * 4)
     assert "litellm: not installed, skipped" in text
     assert "Targets from the issue" in text
     assert "machine: " in text
 
     document = json.loads(to_json(result))
-    assert len(document["measurements"]) == 8
+    assert len(document["measurements"]) == 12
 
 
 def _measurement(target: str, scenario: Scenario, latency_ms: float, rps: float) -> Measurement:
