@@ -323,6 +323,11 @@ class InferenceApi:
                 await self._relay_stream(active, plan, reply, timing)
             else:
                 await self._respond(active, plan, reply, timing)
+        except Exception:
+            if not active.metered:  # a bug of ours, not the caller leaving
+                active.close()
+                self._observe(plan, active.provider_id, 500, timing, active, code="internal_error")
+            raise
         finally:
             if not active.metered:  # the caller left before the run ended
                 active.close()
