@@ -277,3 +277,25 @@ async def test_caller_leaving_mid_body_is_harmless(stack: Stack) -> None:
     async with stack.admin() as admin:
         metrics = (await admin.get("/metrics")).text
     assert 'code="client_closed"' not in metrics  # no run was started, nothing to meter
+
+
+async def test_a_bug_while_responding_is_a_500_metered_as_internal_error(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_relabel(data: bytes, alias: str, *, strip_usage: bool) -> bytes:
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr("iop_edge.inference.relabel", broken_relabel)
+    async with stack.client(max_retries=0) as client:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(
+                model="chat-alias", max_tokens=2, messages=[{"role": "user", "content": "x"}]
+            )
+    assert caught.value.status_code == 500
+    assert caught.value.code == "internal_error"
+    async with stack.admin() as admin:
+        metrics = (await admin.get("/metrics")).text
+        catalog = (await admin.get("/catalog")).json()
+    assert 'status="500"' in metrics and 'code="internal_error"' in metrics
+    assert 'code="client_closed"' not in metrics
+    assert [p["in_flight"] for p in catalog["providers"]] == [0]  # the slot came back
