@@ -441,7 +441,8 @@ class OpenAICompatAdapter:
         try:
             if not 200 <= response.status < 300:
                 body = await _read_body(response, progress, limit=_ERROR_BODY_LIMIT)
-                raise status_failure(response.status, body)
+                # An encoded error body cannot be read; the status alone has to do.
+                raise status_failure(response.status, b"" if _encoded(response) else body)
             _check_encoding(response)
             if run.stream:
                 return await self._relay_stream(response, emit, progress)
@@ -574,19 +575,27 @@ def _host_header(url: httpx2.URL) -> bytes:
     return url.netloc
 
 
-def _check_encoding(response: httpcore2.Response) -> None:
-    """Refuse a body the upstream encoded although we asked for `identity`: we relay bytes
-    as they arrive and cannot read (or relay) a compressed stream."""
+def _encoded(response: httpcore2.Response) -> bytes | None:
+    """The response's content coding, when it has one other than `identity`."""
     for name, value in response.headers:
         if name.lower() == b"content-encoding":
             coding = value.strip().lower()
             if coding and coding != b"identity":
-                raise AdapterError(
-                    "upstream_error",
-                    f"upstream sent a {coding.decode('latin-1')}-encoded body "
-                    "despite Accept-Encoding: identity",
-                    retryable=True,
-                )
+                return coding
+    return None
+
+
+def _check_encoding(response: httpcore2.Response) -> None:
+    """Refuse a body the upstream encoded although we asked for `identity`: we relay bytes
+    as they arrive and cannot read (or relay) a compressed stream."""
+    coding = _encoded(response)
+    if coding is not None:
+        raise AdapterError(
+            "upstream_error",
+            f"upstream sent a {coding.decode('latin-1')}-encoded body "
+            "despite Accept-Encoding: identity",
+            retryable=True,
+        )
 
 
 def _body_chunks(response: httpcore2.Response) -> AsyncGenerator[bytes]:

@@ -329,6 +329,21 @@ async def test_encoded_body_is_refused_as_retryable(
     assert server.seen[0].values(b"accept-encoding") == [b"identity"]
 
 
+async def test_encoded_error_body_is_not_read_as_text(
+    make_adapter: MakeAdapter, nursery: trio.Nursery
+) -> None:
+    """An error status with a gzipped body fails on the status, without garbled bytes."""
+    error = b'{"error": {"message": "overloaded"}}'
+    headers = [(b"content-type", b"application/json"), (b"content-encoding", b"gzip")]
+    server = RecordingServer(lambda _seen: (503, headers, gzip.compress(error)))
+    base = await nursery.start(server.serve)
+    adapter = make_adapter(base + "/v1")
+    with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as info:
+        await adapter.execute(make_run()[0], Collector())
+    assert (info.value.code, info.value.status, info.value.capacity) == ("upstream_busy", 503, True)
+    assert info.value.message == "upstream busy (503)"
+
+
 @pytest.mark.parametrize("coding", [b"identity", b"IDENTITY", b""])
 async def test_identity_coding_is_accepted(
     make_adapter: MakeAdapter, nursery: trio.Nursery, coding: bytes
