@@ -31,50 +31,82 @@ def _health(value: str) -> Text:
     return Text(value, style=style)
 
 
+#: The providers table's columns, most important first. Essential ones are always shown;
+#: the others are dropped from the end of this list while the table would not fit the
+#: terminal, so an 80-column terminal gets a readable table (`--json` has everything).
+_PROVIDER_COLUMNS: tuple[tuple[str, bool], ...] = (
+    ("provider", True),
+    ("health", True),
+    ("in_flight/capacity", True),
+    ("queued", True),
+    ("node", False),
+    ("models", False),
+    ("load", False),
+    ("long", False),
+    ("type", False),
+    ("enabled", False),
+    ("connected", False),
+    ("priority", False),
+    ("category", False),
+    ("lifecycle", False),
+)
+#: What a column costs beyond its widest value: padding and the border.
+_COLUMN_FRAME = 3
+
+
+def _provider_cells(p: dict[str, Any]) -> dict[str, Text]:
+    load = p.get("load_ratio")
+    long_slots = p.get("long_context_slots")
+    # What the runtime's API offers when the node could tell, else what config declares.
+    flags = p.get("discovered_lifecycle") or p.get("lifecycle") or {}
+    lifecycle = [
+        name.removesuffix("_models").removesuffix("_model") for name, on in flags.items() if on
+    ]
+    health = p.get("health", "unknown")
+    if p.get("cooling_down"):
+        health = f"{health} (cooldown)"
+    return {
+        "provider": _cell(p["id"]),
+        "node": _cell(p.get("node_id", "")),
+        "type": _cell(p.get("type", "")),
+        "category": _cell(p.get("category", "")),
+        "enabled": _yes(p.get("enabled")),
+        "connected": _yes(p.get("connected")),
+        "health": _health(health),
+        "in_flight/capacity": _cell(f"{p.get('in_flight', 0)}/{p.get('capacity', 0)}"),
+        "load": _cell("-" if load is None else f"{load:.2f}"),
+        "long": _cell("-" if long_slots is None else f"{p.get('long_in_flight', 0)}/{long_slots}"),
+        "queued": _cell(p.get("queued", 0)),
+        "priority": _cell(p.get("priority", "")),
+        "models": _cell(", ".join(p.get("models", []))),
+        "lifecycle": _cell(", ".join(lifecycle) or "-"),
+    }
+
+
+def _fitting_columns(rows: list[dict[str, Text]], width: int) -> list[str]:
+    """The columns to show: every essential one, then optional ones while they fit."""
+    needed = {
+        name: max([len(name), *(row[name].cell_len for row in rows)]) + _COLUMN_FRAME
+        for name, _ in _PROVIDER_COLUMNS
+    }
+    shown = [name for name, essential in _PROVIDER_COLUMNS if essential]
+    used = sum(needed[name] for name in shown) + 1
+    for name, essential in _PROVIDER_COLUMNS:
+        if not essential and used + needed[name] <= width:
+            shown.append(name)
+            used += needed[name]
+    order = [name for name, _ in _PROVIDER_COLUMNS]
+    return sorted(shown, key=order.index)
+
+
 def render_catalog(console: Console, catalog: dict[str, Any]) -> None:
+    rows = [_provider_cells(p) for p in catalog.get("providers", [])]
+    columns = _fitting_columns(rows, console.width)
     providers = Table(title=f"Providers (revision {catalog.get('revision')})", title_justify="left")
-    for column in (
-        "provider",
-        "node",
-        "type",
-        "category",
-        "enabled",
-        "connected",
-        "health",
-        "in_flight/capacity",
-        "load",
-        "long",
-        "queued",
-        "priority",
-        "models",
-        "lifecycle",
-    ):
+    for column in columns:
         providers.add_column(column, overflow="fold")
-    for p in catalog.get("providers", []):
-        load = p.get("load_ratio")
-        long_slots = p.get("long_context_slots")
-        # What the runtime's API offers when the node could tell, else what config declares.
-        flags = p.get("discovered_lifecycle") or p.get("lifecycle") or {}
-        lifecycle = [name for name, on in flags.items() if on]
-        health = p.get("health", "unknown")
-        if p.get("cooling_down"):
-            health = f"{health} (cooldown)"
-        providers.add_row(
-            _cell(p["id"]),
-            _cell(p.get("node_id", "")),
-            _cell(p.get("type", "")),
-            _cell(p.get("category", "")),
-            _yes(p.get("enabled")),
-            _yes(p.get("connected")),
-            _health(health),
-            f"{p.get('in_flight', 0)}/{p.get('capacity', 0)}",
-            "-" if load is None else f"{load:.2f}",
-            "-" if long_slots is None else f"{p.get('long_in_flight', 0)}/{long_slots}",
-            str(p.get("queued", 0)),
-            str(p.get("priority", "")),
-            _cell(", ".join(p.get("models", []))),
-            ", ".join(lifecycle) or "-",
-        )
+    for row in rows:
+        providers.add_row(*(row[column] for column in columns))
     models = Table(title="Models", title_justify="left")
     for column in ("model", "display name", "providers (served name)", "queued"):
         models.add_column(column, overflow="fold")

@@ -134,16 +134,32 @@ def _candidate(stack: Stack, tmp_path: Path, **provider: object) -> Path:
     return path
 
 
-async def test_catalog_prints_tables(stack: Stack, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_catalog_prints_tables(
+    stack: Stack, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "240")  # a wide terminal: every column
     assert await run_cli("catalog", "--admin", stack.addresses.admin_url) == 0
 
     out = capsys.readouterr().out
     assert "Providers (revision 1)" in out and "Models" in out
     provider_row = next(line for line in out.splitlines() if "sim-a " in line and "node-1" in line)
-    for cell in ("sim", "local_inference", "yes", "available", "0/4", "0.00", "list_models"):
+    for cell in ("sim", "local_inference", "yes", "available", "0/4", "0.00", "list"):
         assert cell in provider_row, (cell, provider_row)
     model_row = next(line for line in out.splitlines() if "Model M [beta]" in line)  # no markup
     assert "sim-a -> sim-small" in model_row
+
+
+async def test_catalog_fits_a_narrow_terminal(
+    stack: Stack, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    assert await run_cli("catalog", "--admin", stack.addresses.admin_url) == 0
+
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    provider_row = next(line for line in lines if line.startswith("│ sim-a "))
+    for cell in ("available", "0/4"):  # the essential columns survive, unwrapped
+        assert cell in provider_row, (cell, provider_row)
 
 
 async def test_catalog_json_is_the_admin_document(
