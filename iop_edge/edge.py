@@ -27,7 +27,14 @@ from iop_edge.admin_api import create_admin_app
 from iop_edge.audit import AuditLog
 from iop_edge.config import ParsedConfig
 from iop_edge.dispatch import Dispatcher
-from iop_edge.hub import MAX_FRAME_BYTES, NodeDirectory, NodeHub, SessionClosed
+from iop_edge.hub import (
+    MAX_FRAME_BYTES,
+    PRE_AUTH_MAX_FRAME_BYTES,
+    NodeDirectory,
+    NodeHub,
+    SessionClosed,
+    message_limit_liftable,
+)
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.openai_api import OpenAIApp
 from iop_edge.refresh import Refresher
@@ -224,7 +231,9 @@ class Edge:
                     node_host,
                     node_port,
                     ssl_context,
-                    max_message_size=MAX_FRAME_BYTES,
+                    max_message_size=(
+                        PRE_AUTH_MAX_FRAME_BYTES if message_limit_liftable() else MAX_FRAME_BYTES
+                    ),
                     receive_buffer_size=256 * 1024,
                 )
             )

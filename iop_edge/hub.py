@@ -40,6 +40,10 @@ RunEvent = wire.RunChunk | wire.RunDone | wire.RunFailed
 OUTBOX_SIZE = 256
 RUN_EVENT_BUFFER = 1024
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+#: The message limit before a peer's `hello` checked out (a `hello` is a few hundred bytes):
+#: an anonymous peer cannot make the Edge assemble 64 MiB messages. Lifted to
+#: MAX_FRAME_BYTES once the node is authenticated (see `message_limit_liftable`).
+PRE_AUTH_MAX_FRAME_BYTES = 64 * 1024
 MAX_PENDING_HANDSHAKES = 16
 
 
@@ -270,6 +274,19 @@ class NodeSession:
             self._finish()
 
 
+def message_limit_liftable() -> bool:
+    """Whether this trio-websocket keeps its message limit where `_lift_message_limit` can
+    raise it per connection (it has no public call for that; checked once, at startup).
+    Without it the listener must allow MAX_FRAME_BYTES from the first message on."""
+    return "_max_message_size" in WebSocketConnection.__init__.__code__.co_names
+
+
+def _lift_message_limit(websocket: WebSocketConnection) -> None:
+    """An authenticated node may send messages up to MAX_FRAME_BYTES (large responses)."""
+    if message_limit_liftable():
+        websocket._max_message_size = MAX_FRAME_BYTES
+
+
 async def _reject(websocket: WebSocketConnection, code: str, reason: str) -> None:
     """Tell the peer why, then close; bounded so a stuck peer cannot hold us."""
     with trio.move_on_after(2, shield=True):
@@ -328,8 +345,8 @@ class NodeHub:
         try:
             self._pending_handshakes.acquire_nowait()
         except trio.WouldBlock:
-            # Before a `hello` is checked a peer is anonymous, yet each frame it sends may
-            # be buffered up to the wire's frame limit: bound how many can do that at once.
+            # Before a `hello` is checked a peer is anonymous, yet it holds a connection
+            # and buffers (up to PRE_AUTH_MAX_FRAME_BYTES): bound how many can at once.
             with trio.move_on_after(2, shield=True):
                 try:
                     await request.reject(503, body=b"too many pending node handshakes")
@@ -345,6 +362,7 @@ class NodeHub:
             self._pending_handshakes.release()
         if hello is None:
             return
+        _lift_message_limit(websocket)
         directory = self._directory()
         session = NodeSession(
             node_id=hello.node_id,

@@ -7,13 +7,18 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-from trio_websocket import ConnectionRejected, HandshakeError, open_websocket_url
+from trio_websocket import (
+    ConnectionClosed,
+    ConnectionRejected,
+    HandshakeError,
+    open_websocket_url,
+)
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, Request
 
 from iop_edge.config import parse_config
 from iop_edge.edge import Edge
-from iop_edge.hub import MAX_PENDING_HANDSHAKES
+from iop_edge.hub import MAX_PENDING_HANDSHAKES, PRE_AUTH_MAX_FRAME_BYTES
 from iop_node.backoff import BackoffPolicy
 from schemas import wire
 from tests.e2e.stack import NODE_TOKEN, Stack, edge_config, sim_provider, start_stack
@@ -57,6 +62,30 @@ async def test_unknown_node_protocol_and_garbage_are_rejected(
     assert isinstance(old, wire.Reject) and old.code == "unsupported_protocol"
     garbage = await _handshake(url, b"\xc1\xff not msgpack")
     assert isinstance(garbage, wire.Reject) and garbage.code == "bad_frame"
+
+
+async def test_an_anonymous_peer_cannot_send_a_large_message(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Before `hello` checks out, a message over the small pre-auth limit closes the
+    connection (1009) instead of being assembled."""
+    stack = await start_stack(nursery, _text(tmp_path), tmp_path / "edge.yaml", nodes=())
+    async with open_websocket_url(stack.addresses.node_url) as ws:
+        await ws.send_message(b"\x00" * (PRE_AUTH_MAX_FRAME_BYTES + 1))
+        with trio.fail_after(5), pytest.raises(ConnectionClosed) as closed:
+            await ws.get_message()
+    assert closed.value.reason is not None and closed.value.reason.code == 1009
+
+
+async def test_an_authenticated_node_sends_large_messages(stack_one: Stack) -> None:
+    """After the handshake the limit is the wire's: a response far over the pre-auth limit
+    (8 embeddings of 4096 dimensions, ~0.6 MB) travels Node -> Edge."""
+    async with stack_one.client() as client:
+        with trio.fail_after(10):
+            response = await client.embeddings.create(
+                model="m", input=[f"text {i}" for i in range(8)], dimensions=4096
+            )
+    assert [len(item.embedding) for item in response.data] == [4096] * 8
 
 
 async def test_good_handshake_gets_welcome_with_own_providers(
