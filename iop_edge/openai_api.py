@@ -89,7 +89,8 @@ def _create_quart_app(edge: Edge) -> QuartTrio:
 
     @app.after_request
     async def stamp(response: Response) -> Response:
-        """Every response carries `x-request-id` and `Server-Timing` (runs set richer ones)."""
+        """Every response carries `x-request-id` and `Server-Timing`, as the run endpoints'
+        do (theirs also split out queue and upstream time)."""
         if "x-request-id" not in response.headers:
             response.headers["x-request-id"] = current_request_id()
         if "Server-Timing" not in response.headers:
