@@ -129,13 +129,16 @@ class _Request:
 class _Reply:
     """Writes one response through ASGI `send`, with the headers every reply carries."""
 
-    __slots__ = ("_send", "provider", "request_id", "started")
+    __slots__ = ("_send", "complete", "provider", "request_id", "started")
 
     def __init__(self, send: ASGISendCallable, request_id: str) -> None:
         self._send = send
         self.request_id = request_id
         self.provider: str | None = None
         self.started = False
+        self.complete = False
+        """The last body message is on its way: a disconnect from now on is the normal end
+        of the exchange (Hypercorn reports one once the response is written)."""
 
     def _headers(self, timing: _Timing, extra: Headers) -> Headers:
         headers = [(b"x-request-id", self.request_id.encode()), (b"server-timing", timing.header())]
@@ -147,7 +150,7 @@ class _Reply:
     async def json(self, body: bytes, timing: _Timing, status: int = 200) -> None:
         extra = [_JSON_TYPE, (b"content-length", str(len(body)).encode())]
         await self._start(status, self._headers(timing, extra))
-        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+        await self.finish(body)
 
     async def error(self, error: ApiError, timing: _Timing) -> None:
         body = error.body()
@@ -156,13 +159,18 @@ class _Reply:
             (name.lower().encode(), value.encode()) for name, value in error.headers().items()
         ]
         await self._start(error.status, self._headers(timing, extra))
-        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+        await self.finish(body)
 
     async def start_stream(self, timing: _Timing) -> None:
         await self._start(200, self._headers(timing, list(_SSE_HEADERS)))
 
-    async def stream(self, data: bytes, *, more: bool = True) -> None:
-        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+    async def stream(self, data: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def finish(self, data: bytes) -> None:
+        """Send the last body message."""
+        self.complete = True
+        await self._send({"type": "http.response.body", "body": data, "more_body": False})
 
     async def _start(self, status: int, headers: Headers) -> None:
         self.started = True
@@ -197,7 +205,7 @@ class InferenceApi:
                 await reply.error(exc, timing)
                 return
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope, reply)
                 await self._run(plan, reply, timing)
                 nursery.cancel_scope.cancel()
         except _CallerGone:
@@ -409,7 +417,7 @@ class InferenceApi:
             frames.append(_SSE_DONE)
             active.close()
             self._observe(plan, active.provider_id, status, timing, active, code=code)
-            await reply.stream(b"".join(frames), more=False)
+            await reply.finish(b"".join(frames))
             return
 
     # --- metering ---------------------------------------------------------------------
@@ -466,11 +474,15 @@ class InferenceApi:
         )
 
 
-async def _cancel_on_disconnect(receive: ASGIReceiveCallable, scope: trio.CancelScope) -> None:
-    """Cancel the request when its caller disconnects (the body is already read)."""
+async def _cancel_on_disconnect(
+    receive: ASGIReceiveCallable, scope: trio.CancelScope, reply: _Reply
+) -> None:
+    """Cancel the request when its caller disconnects (the body is already read) before
+    the response is complete; after that, the disconnect only ends the exchange."""
     while (await receive())["type"] != "http.disconnect":
         pass
-    scope.cancel()
+    if not reply.complete:
+        scope.cancel()
 
 
 def _failed(run_id: str, code: str, message: str) -> wire.RunFailed:
