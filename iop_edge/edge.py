@@ -29,11 +29,11 @@ from iop_edge.config import ParsedConfig
 from iop_edge.dispatch import Dispatcher
 from iop_edge.hub import (
     MAX_FRAME_BYTES,
+    MESSAGE_LIMIT_LIFTABLE,
     PRE_AUTH_MAX_FRAME_BYTES,
     NodeDirectory,
     NodeHub,
     SessionClosed,
-    message_limit_liftable,
 )
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.openai_api import OpenAIApp
@@ -204,9 +204,6 @@ class Edge:
         """Begin a graceful stop: listeners close, in-flight requests get a grace period."""
         self._shutdown.set()
 
-    def _hypercorn_config(self, listen: str) -> HypercornConfig:
-        return hypercorn_config(listen)
-
     def _node_ssl_context(self) -> ssl.SSLContext | None:
         tls = self.snapshot.config.edge.tls
         if tls is None:
@@ -232,7 +229,7 @@ class Edge:
                     node_port,
                     ssl_context,
                     max_message_size=(
-                        PRE_AUTH_MAX_FRAME_BYTES if message_limit_liftable() else MAX_FRAME_BYTES
+                        PRE_AUTH_MAX_FRAME_BYTES if MESSAGE_LIMIT_LIFTABLE else MAX_FRAME_BYTES
                     ),
                     receive_buffer_size=256 * 1024,
                 )
@@ -246,7 +243,7 @@ class Edge:
                     partial(
                         hypercorn_serve,
                         OpenAIApp(self),
-                        self._hypercorn_config(config.openai.listen),
+                        hypercorn_config(config.openai.listen),
                         shutdown_trigger=self._shutdown.wait,
                     )
                 )
@@ -254,7 +251,7 @@ class Edge:
                     partial(
                         hypercorn_serve,
                         create_admin_app(self),
-                        self._hypercorn_config(config.admin.listen),
+                        hypercorn_config(config.admin.listen),
                         shutdown_trigger=self._shutdown.wait,
                     )
                 )

@@ -52,6 +52,12 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return ApiError(400, message, param=param, code=code)
 
 
+def method_not_allowed(method: str, path: str, allow: str | None) -> ApiError:
+    return ApiError(
+        405, f"Method {method} not allowed on {path}", code="method_not_allowed", allow=allow
+    )
+
+
 def model_not_found(model: str) -> ApiError:
     return ApiError(
         404,

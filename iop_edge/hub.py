@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
@@ -42,8 +43,14 @@ RUN_EVENT_BUFFER = 1024
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 #: The message limit before a peer's `hello` checked out (a `hello` is a few hundred bytes):
 #: an anonymous peer cannot make the Edge assemble 64 MiB messages. Lifted to
-#: MAX_FRAME_BYTES once the node is authenticated (see `message_limit_liftable`).
+#: MAX_FRAME_BYTES once the node is authenticated (see `MESSAGE_LIMIT_LIFTABLE`).
 PRE_AUTH_MAX_FRAME_BYTES = 64 * 1024
+#: Whether this trio-websocket keeps its message limit where `_lift_message_limit` can
+#: raise it per connection (it has no public call for that). Without it the listener
+#: must allow MAX_FRAME_BYTES from the first message on.
+MESSAGE_LIMIT_LIFTABLE: Final = (
+    "_max_message_size" in WebSocketConnection.__init__.__code__.co_names
+)
 MAX_PENDING_HANDSHAKES = 16
 
 
@@ -274,16 +281,9 @@ class NodeSession:
             self._finish()
 
 
-def message_limit_liftable() -> bool:
-    """Whether this trio-websocket keeps its message limit where `_lift_message_limit` can
-    raise it per connection (it has no public call for that; checked once, at startup).
-    Without it the listener must allow MAX_FRAME_BYTES from the first message on."""
-    return "_max_message_size" in WebSocketConnection.__init__.__code__.co_names
-
-
 def _lift_message_limit(websocket: WebSocketConnection) -> None:
     """An authenticated node may send messages up to MAX_FRAME_BYTES (large responses)."""
-    if message_limit_liftable():
+    if MESSAGE_LIMIT_LIFTABLE:
         websocket._max_message_size = MAX_FRAME_BYTES
 
 

@@ -33,6 +33,7 @@ import logging
 import re
 import secrets
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
@@ -41,7 +42,7 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
 
 from iop_edge.auth import authenticate
 from iop_edge.dispatch import ActiveRun, BadPayload, RunFailure, RunPlan, relabel
-from iop_edge.errors import ApiError, bad_request, model_not_found
+from iop_edge.errors import ApiError, bad_request, method_not_allowed, model_not_found
 from iop_edge.hub import RunEvent
 from iop_edge.usage import UsageRecord
 from schemas import openai as oai
@@ -147,19 +148,20 @@ class _Reply:
         headers += extra
         return headers
 
-    async def json(self, body: bytes, timing: _Timing, status: int = 200) -> None:
-        extra = [_JSON_TYPE, (b"content-length", str(len(body)).encode())]
-        await self._start(status, self._headers(timing, extra))
+    async def json(
+        self,
+        body: bytes,
+        timing: _Timing,
+        status: int = 200,
+        extra: Sequence[tuple[bytes, bytes]] = (),
+    ) -> None:
+        headers = [_JSON_TYPE, (b"content-length", str(len(body)).encode()), *extra]
+        await self._start(status, self._headers(timing, headers))
         await self.finish(body)
 
     async def error(self, error: ApiError, timing: _Timing) -> None:
-        body = error.body()
-        extra = [_JSON_TYPE, (b"content-length", str(len(body)).encode())]
-        extra += [
-            (name.lower().encode(), value.encode()) for name, value in error.headers().items()
-        ]
-        await self._start(error.status, self._headers(timing, extra))
-        await self.finish(body)
+        extra = [(name.lower().encode(), value.encode()) for name, value in error.headers().items()]
+        await self.json(error.body(), timing, error.status, extra)
 
     async def start_stream(self, timing: _Timing) -> None:
         await self._start(200, self._headers(timing, list(_SSE_HEADERS)))
@@ -196,7 +198,8 @@ class InferenceApi:
         reply = _Reply(send, request_id(request.request_id, run_id))
         try:
             if scope["method"] != "POST":
-                await reply.error(_method_not_allowed(scope), timing)
+                refusal = method_not_allowed(scope["method"], scope["path"], allow="POST")
+                await reply.error(refusal, timing)
                 return
             try:
                 plan = await self._prepare(operation, run_id, request, receive)
@@ -497,12 +500,3 @@ def _param_of(error: msgspec.ValidationError) -> str | None:
 
 def _too_large(what: str, limit: int) -> ApiError:
     return ApiError(413, f"{what} exceeds the limit of {limit} bytes", code="request_too_large")
-
-
-def _method_not_allowed(scope: HTTPScope) -> ApiError:
-    return ApiError(
-        405,
-        f"Method {scope['method']} not allowed on {scope['path']}",
-        code="method_not_allowed",
-        allow="POST",
-    )

@@ -21,7 +21,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from iop_edge.auth import authenticate
-from iop_edge.errors import ApiError, model_not_found
+from iop_edge.errors import ApiError, method_not_allowed, model_not_found
 from iop_edge.inference import RUN_PATHS, InferenceApi, new_run_id, request_id
 from schemas import openai as oai
 
@@ -140,11 +140,8 @@ def _create_quart_app(edge: Edge) -> QuartTrio:
             )
         elif status == 405:
             allowed = getattr(error, "valid_methods", None)
-            api = ApiError(
-                405,
-                f"Method {request.method} not allowed on {request.path}",
-                code="method_not_allowed",
-                allow=", ".join(sorted(allowed)) if allowed else None,
+            api = method_not_allowed(
+                request.method, request.path, ", ".join(sorted(allowed)) if allowed else None
             )
         else:
             api = ApiError(status, error.description or error.name, type="invalid_request_error")
