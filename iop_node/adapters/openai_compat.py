@@ -352,7 +352,7 @@ class OpenAICompatAdapter:
             progress = _Progress(scope=scope, request_deadline=start + request_timeout_s)
             try:
                 return await self._exchange(run, emit, progress)
-            except (httpx2.HTTPError, *_CORE_ERRORS, SSEError) as exc:
+            except (*_CORE_ERRORS, SSEError) as exc:
                 raise self._transport_failure(exc, progress) from exc
         # Only reached when one of our own deadlines fired.
         if progress.emitted:
@@ -475,8 +475,7 @@ class OpenAICompatAdapter:
         async with aclosing(_body_chunks(response)) as body:
             async for raw in body:
                 for event in decoder.feed(raw):
-                    if not progress.first_byte:
-                        progress.saw_first_byte()
+                    progress.saw_first_byte()
                     data = event.data
                     if data == _DONE:
                         done = True
@@ -487,10 +486,8 @@ class OpenAICompatAdapter:
                     if view is not None:
                         if view.usage is not None:
                             usage = view.usage.to_usage()
-                        if not finished and view.choices:
-                            for choice in view.choices:
-                                if choice.finish_reason:
-                                    finished = True
+                        if view.choices and any(c.finish_reason for c in view.choices):
+                            finished = True
                     await emit(data)
                     progress.emitted += 1
                 if done:
@@ -529,23 +526,18 @@ class OpenAICompatAdapter:
         return AdapterError("upstream_error", message, retryable=True)
 
     def _transport_failure(self, exc: Exception, progress: _Progress) -> AdapterError:
+        """A run's transport (httpcore2) or event-stream failure, as the table says."""
         detail = describe_transport_error(exc)
         if progress.emitted:
             return AdapterError(
                 "upstream_stream_error",
                 f"upstream stream broke after {progress.emitted} chunks: {detail}",
             )
-        if isinstance(
-            exc,
-            httpx2.ConnectError
-            | httpx2.ConnectTimeout
-            | httpcore2.ConnectError
-            | httpcore2.ConnectTimeout,
-        ):
+        if isinstance(exc, httpcore2.ConnectError | httpcore2.ConnectTimeout):
             return AdapterError(
                 "upstream_unreachable", f"{self._origin} unreachable: {detail}", retryable=True
             )
-        if isinstance(exc, httpx2.TimeoutException | httpcore2.TimeoutException):
+        if isinstance(exc, httpcore2.TimeoutException):
             return AdapterError("upstream_timeout", f"{self._origin}: {detail}", retryable=True)
         return AdapterError("upstream_error", f"{self._origin}: {detail}", retryable=True)
 
