@@ -4,53 +4,22 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 import trio
 
-from iop_node.adapters.base import Adapter, AdapterError, RunResult
+from iop_node.adapters.base import AdapterError, RunResult
 from iop_node.adapters.openai_compat import OpenAICompatAdapter, error_message, status_failure
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import Operation, Run, Usage
 
+from .conftest import MODEL, MakeAdapter
 from .fake_upstream import PROMPT_TOKENS, FakeUpstream, expected_events, expected_response
 
-MODEL = "fake-model"
 GUARD_S = 5.0  # a test that needs this long is broken; the behaviour under test is ~0.2 s
 FAKE_KEY_ENV = "IOP_TEST_FAKE_UPSTREAM_KEY"
 FAKE_KEY = "sk-test-not-a-real-key"
-
-MakeAdapter = Callable[..., OpenAICompatAdapter]
-
-
-@pytest.fixture
-async def upstream(nursery: trio.Nursery) -> FakeUpstream:
-    fake = FakeUpstream()
-    await nursery.start(fake.serve)
-    return fake
-
-
-@pytest.fixture
-async def make_adapter() -> AsyncIterator[MakeAdapter]:
-    made: list[Adapter] = []  # also checks, statically, that it is an Adapter
-
-    def make(base_url: str, **settings: Any) -> OpenAICompatAdapter:
-        provider = ProviderConfig(
-            id="p1",
-            type="vllm",
-            models=[MODEL],
-            capacity=4,
-            adapter=AdapterSettings(base_url=base_url, **settings),
-        )
-        adapter = OpenAICompatAdapter(provider)
-        made.append(adapter)
-        return adapter
-
-    yield make
-    for adapter in made:
-        await adapter.aclose()
 
 
 def make_run(

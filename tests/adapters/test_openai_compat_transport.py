@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,22 +22,20 @@ import httpx2
 import pytest
 import trio
 
-from iop_node.adapters.base import Adapter, AdapterError
-from iop_node.adapters.openai_compat import OpenAICompatAdapter, _host_header
-from schemas.config import AdapterSettings, ProviderConfig
+from iop_node.adapters.base import AdapterError
+from iop_node.adapters.openai_compat import _host_header
 from schemas.wire import Usage
 
+from .conftest import ADAPTER_CAPACITY, MODEL, MakeAdapter
 from .fake_upstream import FakeUpstream, expected_events, expected_response
-from .test_openai_compat import GUARD_S, MODEL, Collector, make_run
+from .test_openai_compat import GUARD_S, Collector, make_run
 
 KEY_ENV = "IOP_TEST_TRANSPORT_KEY"
 KEY_VALUE = "test-key-value"
 #: Nothing listens there (the discard port); routing tests never connect.
 UNUSED_PROXY = "http://127.0.0.1:9"
-CAPACITY = 4
 _PROXY_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
 
-MakeAdapter = Callable[..., OpenAICompatAdapter]
 Headers = list[tuple[bytes, bytes]]
 
 
@@ -131,34 +129,6 @@ def no_proxy_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("REQUEST_METHOD", raising=False)  # urllib ignores HTTP_PROXY under CGI
 
 
-@pytest.fixture
-async def make_adapter() -> AsyncIterator[MakeAdapter]:
-    made: list[Adapter] = []
-
-    def make(base_url: str, **settings: Any) -> OpenAICompatAdapter:
-        provider = ProviderConfig(
-            id="p1",
-            type="vllm",
-            models=[MODEL],
-            capacity=CAPACITY,
-            adapter=AdapterSettings(base_url=base_url, **settings),
-        )
-        adapter = OpenAICompatAdapter(provider)
-        made.append(adapter)
-        return adapter
-
-    yield make
-    for adapter in made:
-        await adapter.aclose()
-
-
-@pytest.fixture
-async def upstream(nursery: trio.Nursery) -> FakeUpstream:
-    fake = FakeUpstream()
-    await nursery.start(fake.serve)
-    return fake
-
-
 # --- routing: which pool runs go into ---------------------------------------------------------
 
 HTTP_UPSTREAM = "http://127.0.0.1:8000/v1"
@@ -225,7 +195,7 @@ async def test_run_pool_follows_httpx2_proxy_routing(
         assert type(pool) is httpcore2.AsyncConnectionPool
         assert transport is client._transport
     # Either way the pool carries the client's limits.
-    assert pool._max_keepalive_connections == CAPACITY + 2
+    assert pool._max_keepalive_connections == ADAPTER_CAPACITY + 2
     assert pool._keepalive_expiry == 4.0
 
 
