@@ -17,7 +17,6 @@ until stopped (SIGINT/SIGTERM).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from typing import Final
 
@@ -25,12 +24,11 @@ import trio
 from hypercorn.trio import serve
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 
-from bench.upstream import completion_body, stream_events
+from bench.upstream import asks_for_stream, completion_body, stream_events
 from iop_edge.edge import hypercorn_config
 
 READY_PREFIX: Final = "bench-asgi-floor listening on "
 _CHAT_PATH: Final = "/v1/chat/completions"
-_STREAM_TRUE: Final = re.compile(rb'"stream"\s*:\s*true')
 _COMPLETION: Final = completion_body()
 _EVENTS: Final = tuple(b"data: " + event + b"\n\n" for event in stream_events(include_usage=False))
 _DONE: Final = b"data: [DONE]\n\n"
@@ -64,7 +62,7 @@ async def app(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
         await send({"type": "http.response.start", "status": 404, "headers": []})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return
-    if _STREAM_TRUE.search(body) is None:
+    if not asks_for_stream(body):
         await send({"type": "http.response.start", "status": 200, "headers": _JSON_HEADERS})
         await send({"type": "http.response.body", "body": _COMPLETION, "more_body": False})
         return

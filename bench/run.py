@@ -96,12 +96,13 @@ class BenchOptions:
         return {"per scenario": length, "warm-up": f"{budget.warmup_requests} requests"}
 
 
-def _upstream_ready(line: str) -> str | None:
-    return line.removeprefix(READY_PREFIX) if line.startswith(READY_PREFIX) else None
+def _ready_line(prefix: str) -> Callable[[str], str | None]:
+    """Readiness of a service that prints `prefix` + its URL once accepting: the URL."""
 
+    def ready(line: str) -> str | None:
+        return line.removeprefix(prefix) if line.startswith(prefix) else None
 
-def _floor_ready(line: str) -> str | None:
-    return line.removeprefix(FLOOR_READY_PREFIX) if line.startswith(FLOOR_READY_PREFIX) else None
+    return ready
 
 
 async def run_bench(
@@ -116,7 +117,7 @@ async def run_bench(
     async with trio.open_nursery() as services:
         with trio.fail_after(_UPSTREAM_START_S):
             upstream = await start_service(
-                services, "bench-upstream", python_argv("bench.upstream"), _upstream_ready
+                services, "bench-upstream", python_argv("bench.upstream"), _ready_line(READY_PREFIX)
             )
         say(f"upstream: {upstream.ready} (pid {upstream.pid})")
         targets: list[Target] = []
@@ -125,7 +126,10 @@ async def run_bench(
         if HYPERCORN in options.only:
             with trio.fail_after(_UPSTREAM_START_S):
                 floor = await start_service(
-                    services, "bench-asgi-floor", python_argv("bench.asgi_floor"), _floor_ready
+                    services,
+                    "bench-asgi-floor",
+                    python_argv("bench.asgi_floor"),
+                    _ready_line(FLOOR_READY_PREFIX),
                 )
             say(f"hypercorn floor: {floor.ready} (pid {floor.pid})")
             targets.append(Target(HYPERCORN, floor.ready, (floor.pid,)))

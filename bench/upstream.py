@@ -75,6 +75,11 @@ def _usage() -> dict[str, int]:
     }
 
 
+def asks_for_stream(body: bytes) -> bool:
+    """Whether a request body says `"stream": true` (found without decoding the JSON)."""
+    return _STREAM_TRUE.search(body) is not None
+
+
 def completion_body() -> bytes:
     """The non-stream answer."""
     return _json(
@@ -221,7 +226,7 @@ class BenchUpstream:
         method, _, rest = request_line.partition(b" ")
         path = rest.partition(b" ")[0].partition(b"?")[0]
         if method == b"POST" and path == b"/v1/chat/completions":
-            if not _STREAM_TRUE.search(body):
+            if not asks_for_stream(body):
                 await stream.send_all(_COMPLETION)
                 return
             with_usage = _INCLUDE_USAGE.search(body) is not None
