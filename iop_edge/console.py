@@ -31,9 +31,9 @@ def _health(value: str) -> Text:
     return Text(value, style=style)
 
 
-#: The providers table's columns, most important first. Essential ones are always shown;
-#: the others are dropped from the end of this list while the table would not fit the
-#: terminal, so an 80-column terminal gets a readable table (`--json` has everything).
+#: The providers table's columns, in display order: the essential ones first (always
+#: shown), then the others by importance, each shown if it still fits the terminal, so an
+#: 80-column terminal gets a readable table (`--json` has everything).
 _PROVIDER_COLUMNS: tuple[tuple[str, bool], ...] = (
     ("provider", True),
     ("health", True),
@@ -91,12 +91,11 @@ def _fitting_columns(rows: list[dict[str, Text]], width: int) -> list[str]:
     }
     shown = [name for name, essential in _PROVIDER_COLUMNS if essential]
     used = sum(needed[name] for name in shown) + 1
-    for name, essential in _PROVIDER_COLUMNS:
+    for name, essential in _PROVIDER_COLUMNS:  # essential ones lead, so order is kept
         if not essential and used + needed[name] <= width:
             shown.append(name)
             used += needed[name]
-    order = [name for name, _ in _PROVIDER_COLUMNS]
-    return sorted(shown, key=order.index)
+    return shown
 
 
 def render_catalog(console: Console, catalog: dict[str, Any]) -> None:

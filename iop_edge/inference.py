@@ -300,9 +300,8 @@ class InferenceApi:
                 f"The request body did not arrive within {BODY_TIMEOUT_S:g}s",
                 code="request_timeout",
             )
-        raw = parts[0] if len(parts) == 1 else b"".join(parts)
         try:
-            body = _decode_json(raw)
+            body = _decode_json(b"".join(parts))
         except msgspec.DecodeError as exc:
             raise bad_request(
                 f"Could not parse the JSON body: {exc}", code="invalid_json"
