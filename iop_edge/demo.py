@@ -18,10 +18,10 @@ from pathlib import Path
 import msgspec
 import trio
 
-from iop_edge.config import ParsedConfig, load_config
+from iop_edge.core.config import ParsedConfig, load_config
+from iop_edge.core.tokens import hash_token
 from iop_edge.edge import Edge, EdgeAddresses
 from iop_edge.main import handle_signals
-from iop_edge.tokens import hash_token
 from iop_node.main import run_node
 
 log = logging.getLogger(__name__)

@@ -1,15 +1,18 @@
-"""The Edge process: one Trio nursery owning every listener and service.
+"""The Edge process's composition root: builds every part, wires them, serves them.
+
+Nothing below this module knows the `Edge`: each part gets only what it needs, as an
+object or a callable (the handlers an `AdminServices` or a snapshot getter, the
+refresher a `RefreshTarget`, the hub a `NodeDirectory` and three callbacks). The layers
+are `core` (pure) < `runtime` (Trio state and tasks) < `http` (the surfaces) < this file.
 
 `Edge` holds the current immutable `Snapshot` (swapped in one step by refresh) and the
-long-lived runtime parts that outlive snapshots: the scheduler (slots, queues, health),
-the node hub (sessions), the dispatcher and the metrics. `Edge.serve` is a startable
-service: it binds the OpenAI listener, the node websocket listener and the loopback-only
-admin listener (each may be port 0), then reports their URLs via `task_status`.
+long-lived runtime parts that outlive snapshots. `Edge.serve` is a startable service: it
+binds the OpenAI listener, the node websocket listener and the loopback-only admin
+listener (each may be port 0), then reports their URLs via `task_status`.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import ssl
 import time
@@ -23,24 +26,21 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 from trio_websocket import serve_websocket
 
-from iop_edge.admin_api import create_admin_app
-from iop_edge.audit import AuditLog
-from iop_edge.config import ParsedConfig
-from iop_edge.dispatch import Dispatcher
-from iop_edge.hub import (
-    MAX_FRAME_BYTES,
-    MESSAGE_LIMIT_LIFTABLE,
-    PRE_AUTH_MAX_FRAME_BYTES,
-    NodeDirectory,
-    NodeHub,
-    SessionClosed,
-)
-from iop_edge.metrics import EdgeMetrics
-from iop_edge.openai_api import OpenAIApp
-from iop_edge.refresh import Refresher
-from iop_edge.scheduler import Scheduler
-from iop_edge.snapshot import Snapshot
-from iop_edge.usage import UsageLedger
+from iop_edge.core.config import ParsedConfig
+from iop_edge.core.listen import parse_listen_address
+from iop_edge.core.snapshot import Snapshot
+from iop_edge.http.admin import AdminServices, create_admin_app
+from iop_edge.http.openai_app import OpenAIApp
+from iop_edge.http.runs import RunEndpoints
+from iop_edge.runtime.audit import AuditLog
+from iop_edge.runtime.dispatch import Dispatcher
+from iop_edge.runtime.hub import LISTENER_MAX_FRAME_BYTES, NodeDirectory, NodeHub
+from iop_edge.runtime.metering import Metering
+from iop_edge.runtime.metrics import EdgeMetrics
+from iop_edge.runtime.refresh import Refresher
+from iop_edge.runtime.scheduler import Scheduler
+from iop_edge.runtime.session import SessionClosed
+from iop_edge.runtime.usage import UsageLedger
 from schemas import wire
 from schemas.config import NodeConfig
 
@@ -62,7 +62,7 @@ def hypercorn_config(listen: str) -> HypercornConfig:
 
 
 class EdgeStartupError(Exception):
-    """The Edge cannot start with this config (e.g. a non-loopback admin listener)."""
+    """The Edge cannot start (e.g. a listener's port is taken)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,25 +70,6 @@ class EdgeAddresses:
     openai_url: str
     node_url: str
     admin_url: str
-
-
-def split_listen(listen: str) -> tuple[str, int]:
-    """`HOST:PORT` or `[V6]:PORT` -> (host, port); validated at config load."""
-    host, _, port = listen.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 class Edge:
@@ -100,17 +81,14 @@ class Edge:
         heartbeat_s: float = 5.0,
         heartbeat_timeout_s: float = 15.0,
     ) -> None:
-        admin_host, _ = split_listen(parsed.config.admin.listen)
-        if not is_loopback(admin_host):
-            raise EdgeStartupError(
-                f"admin.listen: {parsed.config.admin.listen} is not a loopback address; "
-                "the admin API only listens on 127.0.0.1, ::1 or localhost"
-            )
-        self.snapshot = Snapshot.build(parsed.config, revision=1, config_sha256=parsed.sha256)
+        config = parsed.config
+        self._snapshot = Snapshot.build(config, revision=1, config_sha256=parsed.sha256)
         self.config_path = config_path
         self.started_unix = int(time.time())
-        self.scheduler = Scheduler(self.snapshot)
+        self.scheduler = Scheduler(self._snapshot)
         self.metrics = EdgeMetrics(self.scheduler.catalog)
+        self.ledger = UsageLedger(Path(config.edge.state_dir) / "usage.sqlite3")
+        self.metering = Metering(self.metrics, self.ledger)
         self.hub = NodeHub(
             self._directory,
             on_connect=self.scheduler.node_connected,
@@ -119,20 +97,29 @@ class Edge:
             heartbeat_s=heartbeat_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
         )
-        self.dispatcher = Dispatcher(self.scheduler, self.hub, self.metrics)
-        self.refresher = Refresher(
-            self,
-            config_path=config_path,
-            audit=AuditLog(Path(parsed.config.edge.state_dir)),
+        self.dispatcher = Dispatcher(
+            self.scheduler,
+            self.hub,
+            meter=self.metering.record,
+            on_failover=self._count_failover,
+            retries_before_first_byte=lambda: (
+                self._snapshot.config.dispatch.retries_before_first_byte
+            ),
         )
-        self.usage = UsageLedger(Path(parsed.config.edge.state_dir) / "usage.sqlite3")
+        self.refresher = Refresher(
+            self, config_path=config_path, audit=AuditLog(Path(config.edge.state_dir))
+        )
         self._shutdown = trio.Event()
 
     # --- RefreshTarget --------------------------------------------------------------
 
+    @property
+    def snapshot(self) -> Snapshot:
+        return self._snapshot
+
     def swap_snapshot(self, snapshot: Snapshot) -> None:
         """Install a new snapshot in one step (no await): requests see old or new."""
-        self.snapshot = snapshot
+        self._snapshot = snapshot
         self.scheduler.apply_snapshot(snapshot)
 
     def connected_nodes(self) -> frozenset[str]:
@@ -153,10 +140,10 @@ class Edge:
         except SessionClosed:
             return None
 
-    # --- hub callbacks ------------------------------------------------------------------
+    # --- wiring -------------------------------------------------------------------------
 
     def _directory(self) -> NodeDirectory:
-        snapshot = self.snapshot
+        snapshot = self._snapshot
 
         def token_hash(node_id: str) -> str | None:
             node = snapshot.nodes.get(node_id)
@@ -169,9 +156,35 @@ class Edge:
             node_config=snapshot.node_config,
         )
 
+    def _on_status(self, node_id: str, status: wire.Status) -> None:
+        for provider in status.providers:
+            if self._snapshot.provider_node.get(provider.id) != node_id:
+                log.warning(
+                    "node %s reported status for provider %s it does not own", node_id, provider.id
+                )
+                continue
+            self.scheduler.provider_status(
+                provider.id, provider.health, provider.models, provider.lifecycle
+            )
+
+    def _count_failover(self, model_id: str, provider_id: str) -> None:
+        self.metrics.failovers.labels(model_id, provider_id).inc()
+
+    def _admin_services(self) -> AdminServices:
+        return AdminServices(
+            revision=lambda: self._snapshot.revision,
+            status=self.refresher.status,
+            catalog=self.scheduler.catalog,
+            metrics=self.metrics.render,
+            usage=self.ledger.aggregate,
+            refresh=self.refresher.refresh,
+        )
+
+    # --- observation ------------------------------------------------------------------
+
     def model_servable(self, model_id: str) -> bool:
         """True when some provider of the model is connected, enabled and available."""
-        model = self.snapshot.models.get(model_id)
+        model = self._snapshot.models.get(model_id)
         if model is None:
             return False
         return any(
@@ -187,17 +200,6 @@ class Edge:
         while not self.model_servable(model_id):
             await self.scheduler.wait_changed()
 
-    def _on_status(self, node_id: str, status: wire.Status) -> None:
-        for provider in status.providers:
-            if self.snapshot.provider_node.get(provider.id) != node_id:
-                log.warning(
-                    "node %s reported status for provider %s it does not own", node_id, provider.id
-                )
-                continue
-            self.scheduler.provider_status(
-                provider.id, provider.health, provider.models, provider.lifecycle
-            )
-
     # --- lifecycle ------------------------------------------------------------------
 
     def stop(self) -> None:
@@ -205,7 +207,7 @@ class Edge:
         self._shutdown.set()
 
     def _node_ssl_context(self) -> ssl.SSLContext | None:
-        tls = self.snapshot.config.edge.tls
+        tls = self._snapshot.config.edge.tls
         if tls is None:
             return None
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -215,34 +217,36 @@ class Edge:
     async def serve(
         self, *, task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        config = self.snapshot.config
+        config = self._snapshot.config
         async with trio.open_nursery() as nursery:
             await nursery.start(self.scheduler.run)
-            await nursery.start(self.usage.run)
-            node_host, node_port = split_listen(config.edge.listen)
+            await nursery.start(self.ledger.run)
+            node_listen = parse_listen_address(config.edge.listen)
             ssl_context = self._node_ssl_context()
             ws_server = await nursery.start(
                 partial(
                     serve_websocket,
                     self.hub.handle,
-                    node_host,
-                    node_port,
+                    node_listen.host,
+                    node_listen.port,
                     ssl_context,
-                    max_message_size=(
-                        PRE_AUTH_MAX_FRAME_BYTES if MESSAGE_LIMIT_LIFTABLE else MAX_FRAME_BYTES
-                    ),
+                    max_message_size=LISTENER_MAX_FRAME_BYTES,
                     receive_buffer_size=256 * 1024,
                 )
             )
             scheme = "wss" if ssl_context else "ws"
-            node_url = f"{scheme}://{_url_host(node_host)}:{ws_server.port}"
+            node_url = f"{scheme}://{node_listen.url_host}:{ws_server.port}"
             log.info("node websocket listening on %s", node_url)
 
+            runs = RunEndpoints(lambda: self._snapshot, self.dispatcher, self.metering)
+            openai_app = OpenAIApp(
+                runs, snapshot=lambda: self._snapshot, started_unix=self.started_unix
+            )
             async with trio.open_nursery() as http:
                 openai_binds = await http.start(
                     partial(
                         hypercorn_serve,
-                        OpenAIApp(self),
+                        openai_app,
                         hypercorn_config(config.openai.listen),
                         shutdown_trigger=self._shutdown.wait,
                     )
@@ -250,7 +254,7 @@ class Edge:
                 admin_binds = await http.start(
                     partial(
                         hypercorn_serve,
-                        create_admin_app(self),
+                        create_admin_app(self._admin_services()),
                         hypercorn_config(config.admin.listen),
                         shutdown_trigger=self._shutdown.wait,
                     )
@@ -263,8 +267,8 @@ class Edge:
                 task_status.started(addresses)
             # The HTTP listeners drained (graceful stop): the ledger writes what it holds,
             # then the node side ends too.
-            self.usage.close()
+            self.ledger.close()
             with trio.move_on_after(SHUTDOWN_GRACE_S):
-                await self.usage.wait_stopped()
+                await self.ledger.wait_stopped()
             self.hub.abort_all()
             nursery.cancel_scope.cancel()

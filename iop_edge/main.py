@@ -9,7 +9,7 @@ from pathlib import Path
 
 import trio
 
-from iop_edge.config import load_config
+from iop_edge.core.config import load_config
 from iop_edge.edge import Edge, EdgeAddresses
 from schemas.refresh import RefreshRequest
 
@@ -26,10 +26,11 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 async def _apply_from_file(edge: Edge) -> None:
-    status, report = await edge.refresher.refresh(RefreshRequest(mode="apply"))
+    result = await edge.refresher.refresh(RefreshRequest(mode="apply"))
+    report = result.report
     log.info(
-        "SIGHUP refresh: HTTP %d, outcome %s, revision %s -> %s, %d change(s)",
-        status,
+        "SIGHUP refresh: %s, outcome %s, revision %s -> %s, %d change(s)",
+        result.verdict,
         report.outcome,
         report.base_revision,
         report.revision,

@@ -37,7 +37,7 @@ import trio
 from iop_node.adapters.base import Adapter
 from iop_node.runner import RunHandle, Send, execute_run
 from schemas.config import NodeConfig, ProviderConfig
-from schemas.wire import Run, RunFailed
+from schemas.wire import FailureCode, Run, RunFailed
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class AdapterRegistry:
         self._runs: dict[str, RunHandle] = {}
         self._nursery: trio.Nursery | None = None
         self._retire_requested = trio.Event()
-        self._retire_reason = ("registry_retired", "", True)
+        self._retire_reason = (FailureCode.REGISTRY_RETIRED, "", True)
         self._drained = trio.Event()
         self._drain_scope = trio.CancelScope()
         self._closed = trio.Event()
@@ -150,7 +150,7 @@ class AdapterRegistry:
         self._nursery.start_soon(self._run, run, handle, send, name=f"run {run.run_id}")
         return handle
 
-    def cancel_run(self, run_id: str, code: str, message: str) -> bool:
+    def cancel_run(self, run_id: str, code: FailureCode, message: str) -> bool:
         handle = self._runs.get(run_id)
         if handle is None:
             return False
@@ -207,7 +207,7 @@ class AdapterRegistry:
 
     def retire(
         self,
-        code: str = "registry_retired",
+        code: FailureCode = FailureCode.REGISTRY_RETIRED,
         message: str | None = None,
         *,
         retryable: bool = True,
@@ -286,7 +286,7 @@ class RegistryManager:
         registry = await AdapterRegistry.build(revision, config, self._factory)
         await self._nursery.start(self._serve, registry)
         if self._closing:  # `aclose` began while we were building: never make it current
-            self._retire(registry, code="node_stopping")
+            self._retire(registry, code=FailureCode.NODE_STOPPING)
             raise RegistryBuildError("the node is stopping")
         # No await from here on: the swap is atomic for the runs that arrive.
         previous, self._current = self._current, registry
@@ -297,12 +297,14 @@ class RegistryManager:
     async def start_run(self, run: Run) -> None:
         """Route `run` to the current registry (or answer why it cannot run)."""
         if any(registry.has_run(run.run_id) for registry in self._all()):
-            await self._reject_run(run, "duplicate_run", "a run with this id is already active")
+            await self._reject_run(
+                run, FailureCode.DUPLICATE_RUN, "a run with this id is already active"
+            )
             return
         registry = self._current
         if self._closing or registry is None:
             await self._reject_run(
-                run, "node_stopping", "the node is not accepting runs", retryable=True
+                run, FailureCode.NODE_STOPPING, "the node is not accepting runs", retryable=True
             )
             return
         registry.start_run(run, self._send)
@@ -310,7 +312,7 @@ class RegistryManager:
     def cancel_run(self, run_id: str) -> bool:
         """Cancel `run_id` wherever it runs; its answer is `run_failed{code: cancelled}`."""
         return any(
-            registry.cancel_run(run_id, "cancelled", "cancelled by the edge")
+            registry.cancel_run(run_id, FailureCode.CANCELLED, "cancelled by the edge")
             for registry in self._all()
         )
 
@@ -321,7 +323,7 @@ class RegistryManager:
             registry, self._current = self._current, None
             self._retire(
                 registry,
-                code="node_stopping",
+                code=FailureCode.NODE_STOPPING,
                 message="the node is shutting down and this run did not finish in time",
             )
         if self._retiring:
@@ -338,7 +340,7 @@ class RegistryManager:
         self,
         registry: AdapterRegistry,
         *,
-        code: str = "registry_retired",
+        code: FailureCode = FailureCode.REGISTRY_RETIRED,
         message: str | None = None,
     ) -> None:
         registry.retire(code, message)
@@ -366,7 +368,7 @@ class RegistryManager:
                 self._all_closed.set()
 
     async def _reject_run(
-        self, run: Run, code: str, message: str, *, retryable: bool = False
+        self, run: Run, code: FailureCode, message: str, *, retryable: bool = False
     ) -> None:
         await self._send(
             RunFailed(run_id=run.run_id, code=code, message=message, retryable=retryable)

@@ -10,7 +10,6 @@ the adapter does, the Edge hears exactly one of:
   timed out, `node_stopping` on shutdown). The reason is recorded before the scope is
   cancelled, so the answer names why the run stopped, and a cancel that races a
   finishing adapter still answers with the cancel (the Edge asked for it);
-- `run_failed{code: deadline_exceeded}` when `run.deadline_s` passed;
 - `run_failed{code: unknown_provider}` when this Node has no such provider (the Edge's
   view and ours can differ for a moment around a refresh: another provider may succeed);
 - `run_failed{code: internal}` for any other exception: an adapter bug fails its run,
@@ -23,14 +22,13 @@ connection the answer would travel on is gone, and the Edge fails the run itself
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
 
 from iop_node.adapters.base import Adapter, AdapterError, RunResult
-from schemas.wire import Message, Run, RunChunk, RunDone, RunFailed
+from schemas.wire import FailureCode, Message, Run, RunChunk, RunDone, RunFailed
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +42,13 @@ class RunHandle:
 
     run_id: str
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    cancel_code: str | None = None
+    cancel_code: FailureCode | None = None
     cancel_message: str = ""
     cancel_retryable: bool = False
     emitted: bool = False
     """Whether any chunk went out; a failure after that is never retryable."""
 
-    def cancel(self, code: str, message: str, *, retryable: bool = False) -> None:
+    def cancel(self, code: FailureCode, message: str, *, retryable: bool = False) -> None:
         """Stop the run at once; the first reason given is the one the Edge hears.
 
         `retryable`: another provider may take the run over (it still is not, once a
@@ -68,7 +66,7 @@ async def execute_run(run: Run, adapter: Adapter | None, handle: RunHandle, send
         await send(
             RunFailed(
                 run_id=run.run_id,
-                code="unknown_provider",
+                code=FailureCode.UNKNOWN_PROVIDER,
                 message=f"provider {run.provider_id!r} is not configured on this node",
                 retryable=True,
             )
@@ -84,8 +82,7 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
 
     result: RunResult | None = None
     failure: RunFailed | None = None
-    deadline = math.inf if run.deadline_s is None else trio.current_time() + max(run.deadline_s, 0)
-    with handle.scope, trio.move_on_at(deadline) as deadline_scope:
+    with handle.scope:
         try:
             result = await adapter.execute(run, emit)
         except Exception as exc:  # the isolation boundary: adapter errors fail the run only
@@ -98,14 +95,10 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
             handle.cancel_message,
             retryable=handle.cancel_retryable,
         )
-    if deadline_scope.cancelled_caught:
-        return _failed(
-            run, handle, "deadline_exceeded", f"run exceeded its {run.deadline_s}s deadline"
-        )
     if failure is not None:
         return failure
     if result is None:  # only a misbehaving adapter that swallowed our cancellation
-        return _failed(run, handle, "internal", "adapter returned no result")
+        return _failed(run, handle, FailureCode.INTERNAL, "adapter returned no result")
     return RunDone(run_id=run.run_id, usage=result.usage, response=result.response)
 
 
@@ -127,7 +120,11 @@ def _failure(run: Run, handle: RunHandle, exc: Exception) -> RunFailed:
         exc_info=exc,
     )
     return _failed(
-        run, handle, "internal", f"adapter error: {type(exc).__name__}: {exc}", retryable=True
+        run,
+        handle,
+        FailureCode.INTERNAL,
+        f"adapter error: {type(exc).__name__}: {exc}",
+        retryable=True,
     )
 
 
@@ -144,7 +141,7 @@ def _adapter_error(exc: BaseException) -> AdapterError | None:
 
 
 def _failed(
-    run: Run, handle: RunHandle, code: str, message: str, *, retryable: bool = False
+    run: Run, handle: RunHandle, code: FailureCode, message: str, *, retryable: bool = False
 ) -> RunFailed:
     return RunFailed(
         run_id=run.run_id,

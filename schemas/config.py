@@ -1,6 +1,6 @@
 """The Edge config schema (SPEC §2): one YAML file describes the Edge, its models and every Node.
 
-The Structs here are the *shape*; `iop_edge.config` loads YAML into them, collects every
+The Structs here are the *shape*; `iop_edge.core.config` loads YAML into them, collects every
 error with its config path, and runs the cross-reference rules. Config Structs forbid
 unknown fields so that a typo fails loudly instead of silently doing nothing. Node
 provider Structs are also what travels to a Node in `welcome`/`refresh`, so the Node

@@ -21,6 +21,10 @@ import msgspec
 RefreshMode = Literal["dry_run", "apply"]
 ChangeClass = Literal["live", "restart_required"]
 RefreshOutcome = Literal["no_change", "applied", "rejected", "dry_run"]
+RefreshVerdict = Literal["accepted", "invalid", "conflict"]
+"""How an attempt was answered: `accepted` (applied, no change, or a dry run), `invalid`
+(the candidate failed validation; nothing changed) or `conflict` (refused as things stand:
+another refresh running, a stale `if_revision`, or restart-required changes not allowed)."""
 NodePushStatus = Literal["pushed", "applied", "failed", "not_connected"]
 """`applied`: the node acked the new revision. `failed`: it refused, or no ack came in
 time (`detail` says which). `not_connected`: the node was not connected; it receives the
@@ -100,12 +104,3 @@ class StatusReport(RefreshRecord, frozen=True, kw_only=True):
     config_sha256: str
     pending_restart: list[str] = []
     nodes: list[NodeStatus] = []
-
-
-_request_decoder = msgspec.json.Decoder(RefreshRequest)
-
-
-def decode_refresh_request(body: bytes | str) -> RefreshRequest:
-    """Decode a `POST /refresh` body; raises `msgspec.ValidationError` (with the path of
-    the bad field) or `msgspec.DecodeError` for malformed JSON."""
-    return _request_decoder.decode(body)

@@ -14,6 +14,7 @@ JSON in between.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Literal
 
 import msgspec
@@ -73,8 +74,6 @@ class Run(Message, tag="run", frozen=True, kw_only=True):
     operation: Operation
     body: bytes
     stream: bool = False
-    deadline_s: float | None = None
-    """Seconds the run may still take, measured when the Edge sent it."""
 
 
 class Cancel(Message, tag="cancel", frozen=True, kw_only=True):
@@ -92,6 +91,66 @@ class RunDone(Message, tag="run_done", frozen=True, kw_only=True):
     response: bytes | None = None
 
 
+class FailureCode(StrEnum):
+    """Why a run failed: one vocabulary for the Node that reports and the Edge that acts.
+
+    The upstream's answer (the Node's adapters report these):
+
+        upstream_unreachable    connect refused, DNS, connect timeout
+        upstream_timeout        no answer within the adapter's deadlines
+        upstream_error          5xx, broken connection, a body that is not what it says
+        upstream_stream_error   anything after the first chunk went out
+        upstream_busy           429/503: a load signal (`capacity`), not a failure
+        upstream_misconfigured  401/403/404: the provider's key or model is wrong
+        upstream_rejected       another 4xx: the upstream refused *this request*
+        invalid_request         an adapter without an upstream (sim, cli) refused it
+        model_not_found         the provider does not serve the target model
+        unsupported_operation   the provider does not do this operation (cli: embeddings)
+        unsupported_request     the provider cannot take this form of request
+        cli_failed              the CLI tool could not start or exited non-zero
+
+    The Node's own:
+
+        unknown_provider        no such provider here (a refresh in flight)
+        adapter_closed          the provider's adapter was retired under the run
+        registry_retired        a refresh replaced the registry; its drain timed out
+        node_stopping           the Node is shutting down
+        cancelled               the Edge sent `cancel`
+        duplicate_run           a run with this id is already active
+        internal                an adapter bug (the run fails, never the Node)
+
+    The Edge's own diagnoses (never sent by a Node):
+
+        node_lost               the Node's connection ended during the run
+        caller_too_slow         the caller fell a whole buffer behind the provider
+        bad_chunk, bad_response what the Node sent is not an OpenAI JSON object
+    """
+
+    UPSTREAM_UNREACHABLE = "upstream_unreachable"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    UPSTREAM_ERROR = "upstream_error"
+    UPSTREAM_STREAM_ERROR = "upstream_stream_error"
+    UPSTREAM_BUSY = "upstream_busy"
+    UPSTREAM_MISCONFIGURED = "upstream_misconfigured"
+    UPSTREAM_REJECTED = "upstream_rejected"
+    INVALID_REQUEST = "invalid_request"
+    MODEL_NOT_FOUND = "model_not_found"
+    UNSUPPORTED_OPERATION = "unsupported_operation"
+    UNSUPPORTED_REQUEST = "unsupported_request"
+    CLI_FAILED = "cli_failed"
+    UNKNOWN_PROVIDER = "unknown_provider"
+    ADAPTER_CLOSED = "adapter_closed"
+    REGISTRY_RETIRED = "registry_retired"
+    NODE_STOPPING = "node_stopping"
+    CANCELLED = "cancelled"
+    DUPLICATE_RUN = "duplicate_run"
+    INTERNAL = "internal"
+    NODE_LOST = "node_lost"
+    CALLER_TOO_SLOW = "caller_too_slow"
+    BAD_CHUNK = "bad_chunk"
+    BAD_RESPONSE = "bad_response"
+
+
 class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
     """A run ended without success.
 
@@ -101,7 +160,7 @@ class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
     """
 
     run_id: str
-    code: str
+    code: FailureCode
     message: str
     retryable: bool = False
     capacity: bool = False

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from schemas.config import ProviderConfig
-from schemas.wire import ProviderStatus, Run, Usage
+from schemas.wire import FailureCode, ProviderStatus, Run, Usage
 
 Emit = Callable[[bytes], Awaitable[None]]
 """Send one OpenAI JSON chunk (raw bytes) to the Edge; may block on back-pressure."""
@@ -37,7 +37,7 @@ class AdapterError(Exception):
 
     def __init__(
         self,
-        code: str,
+        code: FailureCode,
         message: str,
         *,
         retryable: bool = False,

@@ -44,7 +44,7 @@ import trio
 from iop_node.adapters.base import AdapterError, Emit, RunResult
 from schemas.config import ProviderConfig
 from schemas.tokens import estimate_input_tokens, text_tokens
-from schemas.wire import ProviderStatus, Run, Usage
+from schemas.wire import FailureCode, ProviderStatus, Run, Usage
 
 #: How much of stderr is kept for the failure message (the tail is what explains it).
 _STDERR_TAIL_BYTES = 2048
@@ -173,7 +173,7 @@ def render_prompt(body: dict[str, Any], operation: Literal["chat", "completion"]
         if isinstance(prompt, str):
             return prompt
         raise AdapterError(
-            "unsupported_request",
+            FailureCode.UNSUPPORTED_REQUEST,
             "cli providers take a text prompt (not token ids)",
             retryable=True,
         )
@@ -248,12 +248,14 @@ class CliAdapter:
     async def execute(self, run: Run, emit: Emit) -> RunResult:
         if run.operation == "embedding":
             raise AdapterError(
-                "unsupported_operation", "cli providers do not serve embeddings", retryable=True
+                FailureCode.UNSUPPORTED_OPERATION,
+                "cli providers do not serve embeddings",
+                retryable=True,
             )
         try:
             body = msgspec.json.decode(run.body, type=dict[str, Any])
         except msgspec.DecodeError as exc:
-            raise AdapterError("invalid_request", f"request body: {exc}") from None
+            raise AdapterError(FailureCode.INVALID_REQUEST, f"request body: {exc}") from None
         prompt = render_prompt(body, run.operation)
         shaper = _Shaper(run)
         pieces: list[str] = []
@@ -271,7 +273,7 @@ class CliAdapter:
             code, stderr_tail = await self._run_process(run, prompt.encode(), on_text)
         if scope.cancelled_caught:
             raise AdapterError(
-                "upstream_timeout" if not emitted else "upstream_stream_error",
+                FailureCode.UPSTREAM_TIMEOUT if not emitted else FailureCode.UPSTREAM_STREAM_ERROR,
                 f"{self.command[0]} did not finish within {timeout_s:g}s",
                 retryable=not emitted,
             )
@@ -279,7 +281,7 @@ class CliAdapter:
             message = f"{self.command[0]} {_exit_description(code)}"
             if stderr_tail:
                 message += f": {stderr_tail}"
-            raise AdapterError("cli_failed", message, retryable=not emitted)
+            raise AdapterError(FailureCode.CLI_FAILED, message, retryable=not emitted)
 
         text = "".join(pieces)
         prompt_tokens, completion_tokens = estimate_input_tokens(body), text_tokens(text)
@@ -315,7 +317,9 @@ class CliAdapter:
             )
         except OSError as exc:
             raise AdapterError(
-                "cli_failed", f"cannot start {argv[0]}: {exc.strerror or exc}", retryable=True
+                FailureCode.CLI_FAILED,
+                f"cannot start {argv[0]}: {exc.strerror or exc}",
+                retryable=True,
             ) from None
         assert process.stdin is not None and process.stdout is not None
         assert process.stderr is not None

@@ -68,7 +68,7 @@ import trio
 from iop_node.adapters.base import AdapterError, Emit, RunResult
 from iop_node.adapters.sse import SSEDecoder, SSEError
 from schemas.config import ProviderConfig
-from schemas.wire import Operation, ProviderStatus, Run, Usage
+from schemas.wire import FailureCode, Operation, ProviderStatus, Run, Usage
 
 OPERATION_PATHS: Final[dict[Operation, str]] = {
     "chat": "/chat/completions",
@@ -187,7 +187,7 @@ def status_failure(status: int, body: bytes) -> AdapterError:
     suffix = f": {detail}" if detail else ""
     if status in (429, 503):
         return AdapterError(
-            "upstream_busy",
+            FailureCode.UPSTREAM_BUSY,
             f"upstream busy ({status}){suffix}",
             retryable=True,
             capacity=True,
@@ -195,19 +195,22 @@ def status_failure(status: int, body: bytes) -> AdapterError:
         )
     if status in (401, 403, 404):
         return AdapterError(
-            "upstream_misconfigured",
+            FailureCode.UPSTREAM_MISCONFIGURED,
             f"upstream refused this provider ({status}){suffix}",
             retryable=True,
             status=status,
         )
     if 400 <= status < 500:
         return AdapterError(
-            "upstream_rejected",
+            FailureCode.UPSTREAM_REJECTED,
             detail or f"upstream rejected the request ({status})",
             status=status,
         )
     return AdapterError(
-        "upstream_error", f"upstream returned {status}{suffix}", retryable=True, status=status
+        FailureCode.UPSTREAM_ERROR,
+        f"upstream returned {status}{suffix}",
+        retryable=True,
+        status=status,
     )
 
 
@@ -344,7 +347,7 @@ class OpenAICompatAdapter:
 
     async def execute(self, run: Run, emit: Emit) -> RunResult:
         if self._closed:
-            raise AdapterError("adapter_closed", "adapter was retired", retryable=True)
+            raise AdapterError(FailureCode.ADAPTER_CLOSED, "adapter was retired", retryable=True)
         start = trio.current_time()
         request_timeout_s = self.provider.adapter.request_timeout_s
         first_byte_s = self._first_byte_s if run.stream else request_timeout_s
@@ -357,18 +360,18 @@ class OpenAICompatAdapter:
         # Only reached when one of our own deadlines fired.
         if progress.emitted:
             raise AdapterError(
-                "upstream_stream_error",
+                FailureCode.UPSTREAM_STREAM_ERROR,
                 f"request did not complete within {request_timeout_s:g}s "
                 f"(after {progress.emitted} chunks)",
             )
         if not progress.first_byte:
             raise AdapterError(
-                "upstream_timeout",
+                FailureCode.UPSTREAM_TIMEOUT,
                 f"no response from {self._origin} within {first_byte_s:g}s",
                 retryable=True,
             )
         raise AdapterError(
-            "upstream_timeout",
+            FailureCode.UPSTREAM_TIMEOUT,
             f"request did not complete within {request_timeout_s:g}s",
             retryable=True,
         )
@@ -455,11 +458,13 @@ class OpenAICompatAdapter:
             return RunResult(response=body)  # valid JSON we cannot read usage from
         except msgspec.DecodeError:
             raise AdapterError(
-                "upstream_error", "upstream returned a body that is not JSON", retryable=True
+                FailureCode.UPSTREAM_ERROR,
+                "upstream returned a body that is not JSON",
+                retryable=True,
             ) from None
         if view.is_error():
             raise AdapterError(
-                "upstream_error",
+                FailureCode.UPSTREAM_ERROR,
                 f"upstream returned an error: {error_message(body) or 'unknown error'}",
                 retryable=True,
             )
@@ -521,25 +526,29 @@ class OpenAICompatAdapter:
     def _stream_cut(self, progress: _Progress, message: str) -> AdapterError:
         if progress.emitted:
             return AdapterError(
-                "upstream_stream_error", f"{message} (after {progress.emitted} chunks)"
+                FailureCode.UPSTREAM_STREAM_ERROR, f"{message} (after {progress.emitted} chunks)"
             )
-        return AdapterError("upstream_error", message, retryable=True)
+        return AdapterError(FailureCode.UPSTREAM_ERROR, message, retryable=True)
 
     def _transport_failure(self, exc: Exception, progress: _Progress) -> AdapterError:
         """A run's transport (httpcore2) or event-stream failure, as the table says."""
         detail = describe_transport_error(exc)
         if progress.emitted:
             return AdapterError(
-                "upstream_stream_error",
+                FailureCode.UPSTREAM_STREAM_ERROR,
                 f"upstream stream broke after {progress.emitted} chunks: {detail}",
             )
         if isinstance(exc, httpcore2.ConnectError | httpcore2.ConnectTimeout):
             return AdapterError(
-                "upstream_unreachable", f"{self._origin} unreachable: {detail}", retryable=True
+                FailureCode.UPSTREAM_UNREACHABLE,
+                f"{self._origin} unreachable: {detail}",
+                retryable=True,
             )
         if isinstance(exc, httpcore2.TimeoutException):
-            return AdapterError("upstream_timeout", f"{self._origin}: {detail}", retryable=True)
-        return AdapterError("upstream_error", f"{self._origin}: {detail}", retryable=True)
+            return AdapterError(
+                FailureCode.UPSTREAM_TIMEOUT, f"{self._origin}: {detail}", retryable=True
+            )
+        return AdapterError(FailureCode.UPSTREAM_ERROR, f"{self._origin}: {detail}", retryable=True)
 
 
 def _pool_for(client: httpx2.AsyncClient, url: httpx2.URL) -> httpcore2.AsyncConnectionPool:
@@ -583,7 +592,7 @@ def _check_encoding(response: httpcore2.Response) -> None:
     coding = _encoded(response)
     if coding is not None:
         raise AdapterError(
-            "upstream_error",
+            FailureCode.UPSTREAM_ERROR,
             f"upstream sent a {coding.decode('latin-1')}-encoded body "
             "despite Accept-Encoding: identity",
             retryable=True,

@@ -36,7 +36,7 @@ import trio
 from iop_node.adapters.base import AdapterError, Emit, RunResult
 from schemas.config import ProviderConfig
 from schemas.tokens import estimate_input_tokens
-from schemas.wire import ProviderStatus, Run, Usage
+from schemas.wire import FailureCode, ProviderStatus, Run, Usage
 
 DEFAULT_MAX_TOKENS = 16
 EMBEDDING_DIMENSIONS = 16
@@ -158,7 +158,7 @@ class SimAdapter:
                 return await self._completion(run, body, emit)
             case "embedding":
                 return await self._embedding(run, body)
-        raise AdapterError("invalid_request", f"unsupported operation {run.operation!r}")
+        raise AdapterError(FailureCode.INVALID_REQUEST, f"unsupported operation {run.operation!r}")
 
     async def probe(self) -> ProviderStatus:
         """The engine lives in this process: it is available whenever it exists."""
@@ -282,7 +282,7 @@ class SimAdapter:
         models = self.provider.models
         if models and run.target not in models:
             raise AdapterError(
-                "model_not_found",
+                FailureCode.MODEL_NOT_FOUND,
                 f"sim provider {self.provider.id!r} does not serve model {run.target!r}",
                 status=404,
             )
@@ -297,7 +297,7 @@ class SimAdapter:
 
 
 def _invalid(message: str) -> AdapterError:
-    return AdapterError("invalid_request", message, status=400)
+    return AdapterError(FailureCode.INVALID_REQUEST, message, status=400)
 
 
 def _max_tokens(body: dict[str, Any]) -> int:

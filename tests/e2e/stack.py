@@ -18,7 +18,7 @@ import openai
 import trio
 import yaml
 
-from iop_edge.config import parse_config
+from iop_edge.core.config import parse_config
 from iop_edge.edge import Edge, EdgeAddresses
 from iop_node.main import run_node
 

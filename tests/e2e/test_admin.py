@@ -13,8 +13,8 @@ import trio
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
-from iop_edge.config import parse_config
-from iop_edge.edge import Edge, EdgeStartupError
+from iop_edge.core.config import ConfigInvalid, parse_config
+from iop_edge.edge import Edge
 from tests.e2e.stack import NODE_TOKEN_HASH, Stack, edge_config, sim_provider, start_stack
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
@@ -300,10 +300,11 @@ async def test_non_loopback_admin_listener_refuses_to_start(tmp_path: Path, list
     text = _config(tmp_path).replace(
         "admin:\n  listen: 127.0.0.1:0", f"admin:\n  listen: '{listen}'"
     )
-    parsed = parse_config(text)
-    assert parsed.config.admin.listen == listen
-    with pytest.raises(EdgeStartupError, match=r"admin\.listen"):
-        Edge(parsed)
+    with pytest.raises(ConfigInvalid) as invalid:
+        parse_config(text)
+    [error] = invalid.value.errors
+    assert error.path == "admin.listen"
+    assert "not a loopback address" in error.message
 
 
 @pytest.mark.parametrize("listen", ["127.0.0.1:0", "localhost:0", "[::1]:0"])

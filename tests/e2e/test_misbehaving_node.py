@@ -43,8 +43,8 @@ async def _stack(nursery: trio.Nursery, tmp_path: Path, on_message: OnMessage) -
 
 async def _statuses(stack: Stack) -> list[int]:
     with trio.fail_after(5):
-        await stack.edge.usage.wait_flushed()
-    with sqlite3.connect(stack.edge.usage.path) as db:
+        await stack.edge.ledger.wait_flushed()
+    with sqlite3.connect(stack.edge.ledger.path) as db:
         return [row[0] for row in db.execute("SELECT status FROM usage")]
 
 

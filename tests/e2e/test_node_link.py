@@ -16,9 +16,9 @@ from trio_websocket import (
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, Request
 
-from iop_edge.config import parse_config
+from iop_edge.core.config import parse_config
 from iop_edge.edge import Edge
-from iop_edge.hub import MAX_PENDING_HANDSHAKES, PRE_AUTH_MAX_FRAME_BYTES
+from iop_edge.runtime.hub import MAX_PENDING_HANDSHAKES, PRE_AUTH_MAX_FRAME_BYTES
 from iop_node.backoff import BackoffPolicy
 from schemas import wire
 from tests.e2e.stack import NODE_TOKEN, Stack, edge_config, sim_provider, start_stack

@@ -254,7 +254,7 @@ async def _send_partial_request(stack: Stack) -> trio.SocketStream:
 async def test_body_that_never_completes_is_408(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("iop_edge.inference.BODY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr("iop_edge.http.runs.BODY_TIMEOUT_S", 0.2)
     stream = await _send_partial_request(stack)
     async with stream:
         received = b""
@@ -285,7 +285,7 @@ async def test_a_bug_while_responding_is_a_500_metered_as_internal_error(
     def broken_relabel(data: bytes, alias: str, *, strip_usage: bool) -> bytes:
         raise RuntimeError("simulated bug")
 
-    monkeypatch.setattr("iop_edge.inference.relabel", broken_relabel)
+    monkeypatch.setattr("iop_edge.http.runs.relabel", broken_relabel)
     async with stack.client(max_retries=0) as client:
         with pytest.raises(openai.InternalServerError) as caught:
             await client.chat.completions.create(

@@ -173,8 +173,8 @@ async def test_caller_disconnect_mid_stream_frees_the_slot(stack_one: Stack) -> 
         await stack_one.wait_catalog(_all_idle)
     # ...and the run is still metered, as the caller's leaving.
     with trio.fail_after(5):
-        await stack_one.edge.usage.wait_flushed()
-    with sqlite3.connect(stack_one.edge.usage.path) as db:
+        await stack_one.edge.ledger.wait_flushed()
+    with sqlite3.connect(stack_one.edge.ledger.path) as db:
         assert [row[0] for row in db.execute("SELECT status FROM usage")] == [499]
 
 

@@ -29,9 +29,9 @@ import yaml
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 from trio_websocket import open_websocket_url
 
-from iop_edge.audit import AUDIT_FILE_NAME
+from iop_edge.core.snapshot import QueuePolicy
 from iop_edge.main import _apply_from_file, handle_signals
-from iop_edge.snapshot import QueuePolicy
+from iop_edge.runtime.audit import AUDIT_FILE_NAME
 from iop_node.adapters.base import Adapter, Emit, RunResult
 from iop_node.registry import create_adapter
 from schemas import wire
@@ -894,10 +894,10 @@ async def test_inline_apply_writes_the_file_and_every_attempt_is_audited(
     assert stack.config_path.read_text(encoding="utf-8") == candidate
     assert stack.config_path.with_name("edge.yaml.prev").read_text(encoding="utf-8") == original
     lines = [json.loads(line) for line in audit_path.read_text(encoding="utf-8").splitlines()]
-    assert [(r["mode"], r["outcome"], r["status"]) for r in lines] == [
-        ("dry_run", "dry_run", 200),
-        ("apply", "rejected", 400),
-        ("apply", "applied", 200),
+    assert [(r["mode"], r["outcome"], r["verdict"]) for r in lines] == [
+        ("dry_run", "dry_run", "accepted"),
+        ("apply", "rejected", "invalid"),
+        ("apply", "applied", "accepted"),
     ]
     applied = lines[-1]
     assert (applied["base_revision"], applied["revision"]) == (1, 2)

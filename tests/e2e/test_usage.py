@@ -43,7 +43,7 @@ async def test_every_finished_run_is_metered_per_principal(
         await client.chat.completions.create(model="m", max_tokens=5, messages=messages)
 
     with trio.fail_after(5):
-        await stack.edge.usage.wait_flushed()  # the ledger writes off the request path
+        await stack.edge.ledger.wait_flushed()  # the ledger writes off the request path
     async with stack.admin() as admin:
         report = (await admin.get("/usage", params={"group_by": "token_ref"})).json()
         rows = {row["token_ref"]: row for row in report["rows"]}

@@ -48,15 +48,8 @@ async def _silent_forever(run: Run, emit: Emit) -> RunResult:
     raise AssertionError("unreachable")
 
 
-def _run(deadline_s: float | None = None) -> Run:
-    return Run(
-        run_id="r1",
-        provider_id="p1",
-        target="m",
-        operation="chat",
-        body=b"{}",
-        deadline_s=deadline_s,
-    )
+def _run() -> Run:
+    return Run(run_id="r1", provider_id="p1", target="m", operation="chat", body=b"{}")
 
 
 class Outbox:
@@ -207,21 +200,6 @@ async def test_retryable_cancel_reason() -> None:
     [failed] = await _execute(FakeAdapter(_silent_forever), handle=handle)
     assert isinstance(failed, RunFailed)
     assert (failed.code, failed.retryable) == ("node_stopping", True)
-
-
-async def test_deadline_bounds_the_run(autojump_clock: trio.abc.Clock) -> None:
-    messages = await _execute(FakeAdapter(_forever), _run(deadline_s=2.5))
-    assert trio.current_time() == pytest.approx(2.5)
-    failed = messages[-1]
-    assert isinstance(failed, RunFailed)
-    assert (failed.code, failed.retryable) == ("deadline_exceeded", False)
-
-
-async def test_past_deadline_fails_immediately(autojump_clock: trio.abc.Clock) -> None:
-    [failed] = await _execute(FakeAdapter(_silent_forever), _run(deadline_s=-1))
-    assert isinstance(failed, RunFailed)
-    assert failed.code == "deadline_exceeded"
-    assert trio.current_time() == 0
 
 
 async def test_outside_cancellation_sends_nothing(autojump_clock: trio.abc.Clock) -> None:

@@ -1,4 +1,4 @@
-"""Tests for `iop_edge.config` (SPEC §2) and `iop_edge.tokens`.
+"""Tests for `iop_edge.core.config` (SPEC §2) and `iop_edge.core.tokens`.
 
 Each validation rule has its own test, built from one small valid config (`valid()`) with
 exactly one mistake, asserting the exact path and a fragment of the message. Removing a
@@ -15,16 +15,15 @@ from typing import Any
 import pytest
 import yaml
 
-from iop_edge.config import (
+from iop_edge.core.config import (
     ConfigInvalid,
-    ListenAddress,
     ParsedConfig,
     format_errors,
     load_config,
     parse_config,
-    parse_listen_address,
 )
-from iop_edge.tokens import hash_token, tokens_match
+from iop_edge.core.listen import ListenAddress, parse_listen_address
+from iop_edge.core.tokens import hash_token, tokens_match
 from schemas.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

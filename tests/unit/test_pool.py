@@ -1,4 +1,4 @@
-"""The pure pool rules (iop_edge.pool): eligibility, admission, ranking, passive health.
+"""The pure pool rules (iop_edge.core.pool): eligibility, admission, ranking, passive health.
 
 No Trio here: every rule is a function of immutable views, so the tests just call it.
 """
@@ -12,7 +12,7 @@ from fractions import Fraction
 
 import pytest
 
-from iop_edge.pool import (
+from iop_edge.core.pool import (
     Grant,
     PassiveHealth,
     ProviderView,

@@ -14,13 +14,18 @@ import trio
 import trio.testing
 import yaml
 
-from iop_edge.audit import AuditLog, write_config_atomically
-from iop_edge.config import ParsedConfig, parse_config
-from iop_edge.refresh import Refresher, RefreshTarget
-from iop_edge.snapshot import Snapshot
+from iop_edge.core.config import ParsedConfig, parse_config
+from iop_edge.core.snapshot import Snapshot
+from iop_edge.runtime.audit import AuditLog, write_config_atomically
+from iop_edge.runtime.refresh import Refresher, RefreshResult, RefreshTarget
 from schemas.config import NodeConfig
 from schemas.refresh import RefreshReport, RefreshRequest
 from schemas.wire import RefreshAck
+
+
+def unpack(result: RefreshResult) -> tuple[str, RefreshReport]:
+    return result.verdict, result.report
+
 
 NODE_IDS = ("gpu1", "gpu2", "gpu3", "gpu4", "gpu5")
 SECRET_HASH = "c0ffee" + "e" * 58
@@ -161,11 +166,13 @@ async def test_dry_run_changes_nothing(
     refresher: Refresher, edge: FakeEdge, config_path: Path, audit: AuditLog
 ) -> None:
     before = await read(config_path)
-    status, report = await refresher.refresh(
-        RefreshRequest(mode="dry_run", config_yaml=to_yaml(with_capacity(8, "gpu1")))
+    verdict, report = unpack(
+        await refresher.refresh(
+            RefreshRequest(mode="dry_run", config_yaml=to_yaml(with_capacity(8, "gpu1")))
+        )
     )
 
-    assert status == 200
+    assert verdict == "accepted"
     assert (report.outcome, report.base_revision, report.revision) == ("dry_run", 1, 1)
     assert report.live_paths == ["nodes[gpu1].providers[gpu1-sim].capacity"]
     assert report.changed_nodes == ["gpu1"]
@@ -182,10 +189,10 @@ async def test_dry_run_reports_what_an_apply_would_refuse(
 ) -> None:
     data = config_dict()
     data["edge"]["listen"] = "127.0.0.1:1"
-    status, report = await refresher.refresh(
-        RefreshRequest(mode="dry_run", config_yaml=to_yaml(data))
+    verdict, report = unpack(
+        await refresher.refresh(RefreshRequest(mode="dry_run", config_yaml=to_yaml(data)))
     )
-    assert (status, report.outcome) == (200, "dry_run")
+    assert (verdict, report.outcome) == ("accepted", "dry_run")
     assert [e.path for e in report.errors] == ["edge.listen"]
     assert edge.swaps == []
 
@@ -198,9 +205,9 @@ async def test_invalid_candidate_is_400_with_every_error(
     data["models"][1]["providers"] = {"no-such-provider": "x"}
     data["dispatch"] = {"max_queeu": 3}
 
-    status, report = await refresher.refresh(apply(data))
+    verdict, report = unpack(await refresher.refresh(apply(data)))
 
-    assert status == 400
+    assert verdict == "invalid"
     assert report.outcome == "rejected"
     paths = [e.path for e in report.errors]
     assert paths == sorted(paths)
@@ -211,13 +218,13 @@ async def test_invalid_candidate_is_400_with_every_error(
         "no-such-provider" in e.path or "no-such-provider" in e.message for e in report.errors
     )
     assert edge.swaps == [] and edge.pushes == []
-    assert (await audit_lines(audit))[0]["status"] == 400
+    assert (await audit_lines(audit))[0]["verdict"] == "invalid"
 
 
 async def test_no_candidate_without_a_config_file_is_400(edge: FakeEdge, audit: AuditLog) -> None:
     refresher = Refresher(edge, config_path=None, audit=audit)
-    status, report = await refresher.refresh(RefreshRequest(mode="apply"))
-    assert (status, report.outcome) == (400, "rejected")
+    verdict, report = unpack(await refresher.refresh(RefreshRequest(mode="apply")))
+    assert (verdict, report.outcome) == ("invalid", "rejected")
     assert "config_yaml" in report.errors[0].message
 
 
@@ -229,9 +236,9 @@ async def test_restart_required_change_is_409_and_nothing_changes(
     data["edge"]["listen"] = "127.0.0.1:1"
     node_of(data, "gpu2")["token_hash_sha256"] = SECRET_HASH
 
-    status, report = await refresher.refresh(apply(data))
+    verdict, report = unpack(await refresher.refresh(apply(data)))
 
-    assert status == 409
+    assert verdict == "conflict"
     assert report.outcome == "rejected"
     assert report.restart_required_paths == ["edge.listen", "nodes[gpu2].token_hash_sha256"]
     assert [e.path for e in report.errors] == report.restart_required_paths
@@ -252,9 +259,9 @@ async def test_allow_restart_required_applies_the_live_subset(
     provider_of(data, "gpu3")["adapter"] = {"command": ["echo"]}
     provider_of(data, "gpu3")["priority"] = 1
 
-    status, report = await refresher.refresh(apply(data, allow_restart_required=True))
+    verdict, report = unpack(await refresher.refresh(apply(data, allow_restart_required=True)))
 
-    assert (status, report.outcome, report.revision) == (200, "applied", 2)
+    assert (verdict, report.outcome, report.revision) == ("accepted", "applied", 2)
     expected_pending = [
         "edge.listen",
         "nodes[gpu2].alias",
@@ -286,16 +293,16 @@ async def test_pending_paths_do_not_block_again_and_clear_when_reverted(
     assert refresher.pending_restart == ("edge.listen",)
 
     provider_of(data, "gpu1")["capacity"] = 2
-    status, report = await refresher.refresh(apply(data))
-    assert (status, report.outcome) == (200, "applied")
+    verdict, report = unpack(await refresher.refresh(apply(data)))
+    assert (verdict, report.outcome) == ("accepted", "applied")
     assert report.pending_restart == ["edge.listen"]
 
     data["admin"]["listen"] = "127.0.0.1:2"  # a new restart-required change blocks
-    status, report = await refresher.refresh(apply(data))
-    assert (status, [e.path for e in report.errors]) == (409, ["admin.listen"])
+    verdict, report = unpack(await refresher.refresh(apply(data)))
+    assert (verdict, [e.path for e in report.errors]) == ("conflict", ["admin.listen"])
 
-    status, report = await refresher.refresh(apply(config_dict()))
-    assert (status, report.outcome, report.pending_restart) == (200, "applied", [])
+    verdict, report = unpack(await refresher.refresh(apply(config_dict())))
+    assert (verdict, report.outcome, report.pending_restart) == ("accepted", "applied", [])
     assert edge.snapshot.config.edge.listen == "127.0.0.1:0"
 
 
@@ -308,22 +315,26 @@ async def test_live_subset_that_needs_a_restart_part_is_409(
     )
     data["models"][0]["providers"]["gpu1-new"] = "sim-new"
 
-    status, report = await refresher.refresh(apply(data, allow_restart_required=True))
+    verdict, report = unpack(await refresher.refresh(apply(data, allow_restart_required=True)))
 
-    assert (status, report.outcome) == (409, "rejected")
+    assert (verdict, report.outcome) == ("conflict", "rejected")
     assert [e.path for e in report.errors] == ["models[model-gpu1].providers[gpu1-new]"]
     assert edge.swaps == []
     assert refresher.pending_restart == ()
 
 
 async def test_if_revision_must_match(refresher: Refresher, edge: FakeEdge) -> None:
-    status, report = await refresher.refresh(apply(with_capacity(8, "gpu1"), if_revision=7))
-    assert (status, report.outcome) == (409, "rejected")
+    verdict, report = unpack(
+        await refresher.refresh(apply(with_capacity(8, "gpu1"), if_revision=7))
+    )
+    assert (verdict, report.outcome) == ("conflict", "rejected")
     assert report.errors[0].path == "if_revision"
     assert edge.swaps == []
 
-    status, report = await refresher.refresh(apply(with_capacity(8, "gpu1"), if_revision=1))
-    assert (status, report.revision) == (200, 2)
+    verdict, report = unpack(
+        await refresher.refresh(apply(with_capacity(8, "gpu1"), if_revision=1))
+    )
+    assert (verdict, report.revision) == ("accepted", 2)
 
 
 async def test_concurrent_refresh_is_409_at_once(
@@ -333,32 +344,32 @@ async def test_concurrent_refresh_is_409_at_once(
     first: list[tuple[int, RefreshReport]] = []
 
     async def run_first() -> None:
-        first.append(await refresher.refresh(apply(with_capacity(8, "gpu1"))))
+        first.append(unpack(await refresher.refresh(apply(with_capacity(8, "gpu1")))))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run_first)
         await edge.push_entered.wait()
         assert refresher.busy
 
-        status, report = await refresher.refresh(apply(with_capacity(9, "gpu2")))
-        assert (status, report.outcome) == (409, "rejected")
+        verdict, report = unpack(await refresher.refresh(apply(with_capacity(9, "gpu2"))))
+        assert (verdict, report.outcome) == ("conflict", "rejected")
         assert "in progress" in report.errors[0].message
         assert first == []
         edge.release.set()
 
-    [(status, report)] = first
-    assert (status, report.outcome, report.revision) == (200, "applied", 2)
+    [(verdict, report)] = first
+    assert (verdict, report.outcome, report.revision) == ("accepted", "applied", 2)
     assert len(edge.swaps) == 1
     assert not refresher.busy
-    assert [line["status"] for line in (await audit_lines(audit))] == [409, 200]
+    assert [line["verdict"] for line in (await audit_lines(audit))] == ["conflict", "accepted"]
 
 
 async def test_no_change_apply_makes_a_new_revision_and_pushes_nothing(
     refresher: Refresher, edge: FakeEdge
 ) -> None:
-    status, report = await refresher.refresh(apply(config_dict()))
-    assert (status, report.outcome, report.base_revision, report.revision) == (
-        200,
+    verdict, report = unpack(await refresher.refresh(apply(config_dict())))
+    assert (verdict, report.outcome, report.base_revision, report.revision) == (
+        "accepted",
         "no_change",
         1,
         2,
@@ -372,8 +383,8 @@ async def test_apply_without_candidate_rereads_the_file(
     refresher: Refresher, edge: FakeEdge, config_path: Path
 ) -> None:
     await trio.Path(config_path).write_text(to_yaml(with_capacity(3, "gpu4")))
-    status, report = await refresher.refresh(RefreshRequest(mode="apply"))
-    assert (status, report.outcome) == (200, "applied")
+    verdict, report = unpack(await refresher.refresh(RefreshRequest(mode="apply")))
+    assert (verdict, report.outcome) == ("accepted", "applied")
     assert report.changed_providers == ["gpu4-sim"]
     assert edge.snapshot.providers["gpu4-sim"].capacity == 3
     assert await names_in(config_path.parent) == ["edge.yaml"]  # nothing was written
@@ -390,9 +401,9 @@ async def test_push_results_per_node(
     edge.behaviour.update(gpu2="refuse", gpu3="hang", gpu4="gone")
     start = trio.current_time()
 
-    status, report = await refresher.refresh(apply(with_capacity(8, *NODE_IDS)))
+    verdict, report = unpack(await refresher.refresh(apply(with_capacity(8, *NODE_IDS))))
 
-    assert (status, report.outcome) == (200, "applied")
+    assert (verdict, report.outcome) == ("accepted", "applied")
     assert [(r.id, r.status, r.revision) for r in report.nodes] == [
         ("gpu1", "applied", 2),
         ("gpu2", "failed", 2),
@@ -419,8 +430,8 @@ async def test_each_node_gets_only_its_own_providers(refresher: Refresher, edge:
 
 async def test_a_push_that_raises_is_a_failed_node(refresher: Refresher, edge: FakeEdge) -> None:
     edge.behaviour["gpu1"] = "raise"
-    status, report = await refresher.refresh(apply(with_capacity(8, "gpu1", "gpu2")))
-    assert status == 200
+    verdict, report = unpack(await refresher.refresh(apply(with_capacity(8, "gpu1", "gpu2"))))
+    assert verdict == "accepted"
     assert [(r.id, r.status) for r in report.nodes] == [("gpu1", "failed"), ("gpu2", "applied")]
     assert report.nodes[0].detail == "push failed: ConnectionResetError"
 
@@ -440,9 +451,9 @@ async def test_caller_cancelled_after_the_swap_still_pushes_and_audits(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(hang_up_then_ack)
         with caller:
-            status, report = await refresher.refresh(apply(with_capacity(8, "gpu1")))
+            verdict, report = unpack(await refresher.refresh(apply(with_capacity(8, "gpu1"))))
     assert caller.cancel_called
-    assert (status, report.outcome) == (200, "applied")
+    assert (verdict, report.outcome) == ("accepted", "applied")
     assert edge.applied["gpu1"] == 2
     [line] = await audit_lines(audit)
     assert (line["outcome"], line["nodes"][0]["status"]) == ("applied", "applied")
@@ -502,8 +513,8 @@ async def test_write_failure_is_reported_but_the_apply_stands(
 ) -> None:
     missing_dir = tmp_path / "no-such-dir" / "edge.yaml"
     refresher = Refresher(edge, config_path=missing_dir, audit=audit)
-    status, report = await refresher.refresh(apply(with_capacity(8, "gpu1")))
-    assert (status, report.outcome, edge.snapshot.revision) == (200, "applied", 2)
+    verdict, report = unpack(await refresher.refresh(apply(with_capacity(8, "gpu1"))))
+    assert (verdict, report.outcome, edge.snapshot.revision) == ("accepted", "applied", 2)
     assert "config file could not be written" in report.errors[0].message
 
 
@@ -523,12 +534,12 @@ async def test_every_attempt_is_audited(
     await refresher.refresh(apply(good))
 
     lines = await audit_lines(audit)
-    assert [(line["mode"], line["outcome"], line["status"]) for line in lines] == [
-        ("apply", "rejected", 400),
-        ("apply", "rejected", 409),
-        ("apply", "rejected", 409),
-        ("dry_run", "dry_run", 200),
-        ("apply", "applied", 200),
+    assert [(line["mode"], line["outcome"], line["verdict"]) for line in lines] == [
+        ("apply", "rejected", "invalid"),
+        ("apply", "rejected", "conflict"),
+        ("apply", "rejected", "conflict"),
+        ("dry_run", "dry_run", "accepted"),
+        ("apply", "applied", "accepted"),
     ]
     assert lines[1]["changed_paths"] == ["nodes[gpu1].token_hash_sha256"]
     assert lines[0]["errors"] and lines[0]["config_sha256"] is None

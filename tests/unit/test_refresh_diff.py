@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from iop_edge.refresh_diff import (
+from iop_edge.core.refresh_diff import (
     classify,
     compare_configs,
     diff_configs,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from iop_edge.dispatch import BadPayload, relabel
+from iop_edge.http.relabel import BadPayload, relabel
 
 
 def test_model_becomes_the_alias_and_nested_bytes_are_untouched() -> None:

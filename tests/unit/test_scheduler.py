@@ -1,4 +1,4 @@
-"""The scheduler (iop_edge.scheduler): slots, FIFO queues, waits, cooldowns, refresh.
+"""The scheduler (iop_edge.runtime.scheduler): slots, FIFO queues, waits, cooldowns, refresh.
 
 Time is virtual (`autojump_clock`); ordering is established with
 `wait_all_tasks_blocked()`, never with sleeps.
@@ -16,7 +16,8 @@ import pytest
 import trio
 from trio.testing import MockClock, wait_all_tasks_blocked
 
-from iop_edge.scheduler import (
+from iop_edge.core.snapshot import Snapshot
+from iop_edge.runtime.scheduler import (
     RETRY_AFTER_BUSY_S,
     AdmissionError,
     Lease,
@@ -26,7 +27,6 @@ from iop_edge.scheduler import (
     Scheduler,
     UnknownModel,
 )
-from iop_edge.snapshot import Snapshot
 from schemas.config import (
     CooldownPolicy,
     DispatchSection,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from iop_edge.usage import UsageLedger, UsageRecord
+from iop_edge.runtime.usage import UsageLedger, UsageRecord
 
 
 def _record(run_id: str) -> UsageRecord:

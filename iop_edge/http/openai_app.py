@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import msgspec
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
@@ -20,13 +21,11 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from iop_edge.auth import authenticate
-from iop_edge.errors import ApiError, method_not_allowed, model_not_found
-from iop_edge.inference import RUN_PATHS, InferenceApi, new_run_id, request_id
+from iop_edge.core.snapshot import Snapshot
+from iop_edge.http.auth import authenticate
+from iop_edge.http.errors import ApiError, method_not_allowed, model_not_found
+from iop_edge.http.runs import RUN_PATHS, RunEndpoints, new_run_id, request_id
 from schemas import openai as oai
-
-if TYPE_CHECKING:
-    from iop_edge.edge import Edge
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +37,11 @@ _STARTED_KEY = "iop.started"
 class OpenAIApp:
     """The OpenAI API's ASGI app: run endpoints as plain ASGI, the rest on Quart."""
 
-    def __init__(self, edge: Edge) -> None:
-        self._inference = InferenceApi(edge)
-        self._quart = _create_quart_app(edge)
+    def __init__(
+        self, runs: RunEndpoints, *, snapshot: Callable[[], Snapshot], started_unix: int
+    ) -> None:
+        self._runs = runs
+        self._quart = _create_quart_app(snapshot, started_unix)
 
     async def __call__(
         self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
@@ -48,7 +49,7 @@ class OpenAIApp:
         if scope["type"] == "http":
             operation = RUN_PATHS.get(scope["path"])
             if operation is not None:
-                await self._inference(operation, scope, receive, send)
+                await self._runs(operation, scope, receive, send)
                 return
         await self._quart(scope, receive, send)
 
@@ -64,11 +65,11 @@ def _json_response(
     return Response(body, status=status, headers=headers, content_type="application/json")
 
 
-def _create_quart_app(edge: Edge) -> QuartTrio:
-    app = QuartTrio("iop_edge.openai_api")
+def _create_quart_app(snapshot: Callable[[], Snapshot], started_unix: int) -> QuartTrio:
+    app = QuartTrio("iop_edge.http.openai_app")
     app.config.update(
         RESPONSE_TIMEOUT=None,
-        MAX_CONTENT_LENGTH=edge.snapshot.config.openai.max_request_bytes,
+        MAX_CONTENT_LENGTH=snapshot().config.openai.max_request_bytes,
         PROVIDE_AUTOMATIC_OPTIONS=False,
     )
 
@@ -81,7 +82,7 @@ def _create_quart_app(edge: Edge) -> QuartTrio:
         return str(rid)
 
     def check_caller() -> None:
-        authenticate(edge.snapshot.principals, request.headers.get("authorization", ""))
+        authenticate(snapshot().principals, request.headers.get("authorization", ""))
 
     @app.before_request
     async def start_clock() -> None:
@@ -101,21 +102,19 @@ def _create_quart_app(edge: Edge) -> QuartTrio:
         return response
 
     def model_card(model_id: str) -> oai.ModelCard:
-        entry = edge.snapshot.models[model_id]
-        return oai.ModelCard(
-            id=entry.id, display_name=entry.display_name, created=edge.started_unix
-        )
+        entry = snapshot().models[model_id]
+        return oai.ModelCard(id=entry.id, display_name=entry.display_name, created=started_unix)
 
     @app.get("/v1/models")
     async def list_models() -> Response:
         check_caller()
-        cards = [model_card(model_id) for model_id in edge.snapshot.models]
+        cards = [model_card(model_id) for model_id in snapshot().models]
         return _json_response(_encode_json(oai.ModelList(data=cards)))
 
     @app.get("/v1/models/<path:model_id>")
     async def get_model(model_id: str) -> Response:
         check_caller()
-        if model_id not in edge.snapshot.models:
+        if model_id not in snapshot().models:
             raise model_not_found(model_id)
         return _json_response(_encode_json(model_card(model_id)))
 

@@ -27,6 +27,7 @@ from schemas.refresh import (
     RefreshMode,
     RefreshOutcome,
     RefreshReport,
+    RefreshVerdict,
 )
 
 __all__ = ["AUDIT_FILE_NAME", "AuditLog", "AuditRecord", "write_config_atomically"]
@@ -45,8 +46,8 @@ class AuditRecord(msgspec.Struct, frozen=True, kw_only=True):
     """ISO 8601, UTC."""
     mode: RefreshMode
     outcome: RefreshOutcome
-    status: int
-    """The HTTP status the attempt was answered with."""
+    verdict: RefreshVerdict
+    """How the attempt was answered (`accepted`, `invalid`, `conflict`)."""
     base_revision: int
     revision: int
     config_sha256: str | None
@@ -58,13 +59,18 @@ class AuditRecord(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def of(
-        cls, report: RefreshReport, *, status: int, config_sha256: str | None, now: datetime
+        cls,
+        report: RefreshReport,
+        *,
+        verdict: RefreshVerdict,
+        config_sha256: str | None,
+        now: datetime,
     ) -> AuditRecord:
         return cls(
             time=now.astimezone(UTC).isoformat(),
             mode=report.mode,
             outcome=report.outcome,
-            status=status,
+            verdict=verdict,
             base_revision=report.base_revision,
             revision=report.revision,
             config_sha256=config_sha256,
@@ -91,13 +97,13 @@ class AuditLog:
         self,
         report: RefreshReport,
         *,
-        status: int,
+        verdict: RefreshVerdict,
         config_sha256: str | None,
         now: datetime | None = None,
     ) -> AuditRecord:
         """Record one attempt durably; raises `OSError` if the log cannot be written."""
         record = AuditRecord.of(
-            report, status=status, config_sha256=config_sha256, now=now or datetime.now(UTC)
+            report, verdict=verdict, config_sha256=config_sha256, now=now or datetime.now(UTC)
         )
         line = self._encoder.encode(record) + b"\n"
         async with self._lock:

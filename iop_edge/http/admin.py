@@ -9,23 +9,25 @@ Mutations are POST only.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import Final, Protocol
 
 import msgspec
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from schemas.refresh import RefreshRequest
-
-if TYPE_CHECKING:
-    from iop_edge.edge import Edge
+from iop_edge.core.listen import is_loopback_host_header
+from iop_edge.runtime.refresh import RefreshResult
+from iop_edge.runtime.usage import UsageReport
+from schemas.catalog import Catalog
+from schemas.refresh import RefreshRequest, RefreshVerdict, StatusReport
 
 log = logging.getLogger(__name__)
 
 _encode = msgspec.json.Encoder().encode
-_LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 _MAX_REFRESH_BODY = 16 * 1024 * 1024
 
 
@@ -35,12 +37,6 @@ def _json(payload: object, status: int = 200) -> Response:
 
 def _error(status: int, message: str) -> Response:
     return _json({"error": {"message": message, "status": status}}, status)
-
-
-def _host_name(host: str) -> str:
-    if host.startswith("["):
-        return host[: host.find("]") + 1]
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 DEFAULT_GROUP_BY = "principal_ref,token_ref,model"
@@ -71,13 +67,39 @@ def browser_request_reason(headers: dict[str, str]) -> str | None:
     if any(name.startswith("sec-fetch-") for name in lowered):
         return "requests with Sec-Fetch-* headers are refused"
     host = lowered.get("host", "")
-    if _host_name(host).lower() not in _LOOPBACK_NAMES:
+    if not is_loopback_host_header(host):
         return f"Host '{host}' is not a loopback name"
     return None
 
 
-def create_admin_app(edge: Edge) -> QuartTrio:
-    app = QuartTrio("iop_edge.admin_api")
+#: What each refresh verdict is answered with.
+REFRESH_STATUS: Final[dict[RefreshVerdict, int]] = {
+    "accepted": 200,
+    "invalid": 400,
+    "conflict": 409,
+}
+
+
+class UsageQuery(Protocol):
+    def __call__(
+        self, *, since: float | None, until: float | None, group_by: Sequence[str]
+    ) -> Awaitable[UsageReport]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AdminServices:
+    """What the admin API reads and drives; the composition root wires each one."""
+
+    revision: Callable[[], int]
+    status: Callable[[], StatusReport]
+    catalog: Callable[[], Catalog]
+    metrics: Callable[[], bytes]
+    usage: UsageQuery
+    refresh: Callable[[RefreshRequest], Awaitable[RefreshResult]]
+
+
+def create_admin_app(services: AdminServices) -> QuartTrio:
+    app = QuartTrio("iop_edge.http.admin")
     app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=_MAX_REFRESH_BODY)
 
     @app.before_request
@@ -90,21 +112,19 @@ def create_admin_app(edge: Edge) -> QuartTrio:
 
     @app.get("/healthz")
     async def healthz() -> Response:
-        return _json({"status": "ok", "revision": edge.snapshot.revision})
+        return _json({"status": "ok", "revision": services.revision()})
 
     @app.get("/status")
     async def status() -> Response:
-        return _json(edge.refresher.status())
+        return _json(services.status())
 
     @app.get("/catalog")
     async def catalog() -> Response:
-        return _json(edge.scheduler.catalog())
+        return _json(services.catalog())
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(
-            edge.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8"
-        )
+        return Response(services.metrics(), content_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/usage")
     async def usage() -> Response:
@@ -113,7 +133,7 @@ def create_admin_app(edge: Edge) -> QuartTrio:
             since = parse_time(request.args.get("since"))
             until = parse_time(request.args.get("until"))
             group_by = [c for c in request.args.get("group_by", DEFAULT_GROUP_BY).split(",") if c]
-            report = await edge.usage.aggregate(since=since, until=until, group_by=group_by)
+            report = await services.usage(since=since, until=until, group_by=group_by)
         except ValueError as exc:
             return _error(400, str(exc))
         return _json(report)
@@ -126,8 +146,8 @@ def create_admin_app(edge: Edge) -> QuartTrio:
             refresh_request = msgspec.json.decode(raw or b"{}", type=RefreshRequest)
         except msgspec.DecodeError as exc:
             return _error(400, f"invalid refresh request: {exc}")
-        status_code, report = await edge.refresher.refresh(refresh_request)
-        return _json(report, status_code)
+        result = await services.refresh(refresh_request)
+        return _json(result.report, REFRESH_STATUS[result.verdict])
 
     @app.errorhandler(HTTPException)
     async def on_http_error(error: HTTPException) -> Response:

@@ -5,7 +5,7 @@ candidate, so a config that loads is a config the Edge can serve. It runs in fou
 
 1. **YAML**: text -> plain data. A syntax error stops here and names its line and column.
    A key given twice in one mapping is an error too (PyYAML would silently keep the last).
-2. **Shape**: `iop_edge.config_shape` walks the schema Structs in `schemas.config`
+2. **Shape**: `iop_edge.core.config_shape` walks the schema Structs in `schemas.config`
    alongside the data and lets msgspec judge each leaf against its annotated type, so the
    `Meta` constraints in the schema stay the single source of truth for ranges. msgspec
    alone stops at the first error; the walker collects all of them, each with its path.
@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import ipaddress
 import os
-import re
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,7 +36,7 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
-from iop_edge.config_shape import (
+from iop_edge.core.config_shape import (
     LeafWording,
     check_shape,
     error_from_msgspec,
@@ -46,6 +44,7 @@ from iop_edge.config_shape import (
     key_path,
     kind_of,
 )
+from iop_edge.core.listen import parse_listen_address
 from schemas.config import (
     OPENAI_COMPATIBLE_TYPES,
     ConfigError,
@@ -58,12 +57,10 @@ from schemas.config import (
 
 __all__ = [
     "ConfigInvalid",
-    "ListenAddress",
     "ParsedConfig",
     "format_errors",
     "load_config",
     "parse_config",
-    "parse_listen_address",
 ]
 
 
@@ -146,55 +143,6 @@ def format_errors(errors: list[ConfigError]) -> str:
 def _whole_file(message: str) -> ConfigInvalid:
     """A problem that stops everything and belongs to no path (unreadable file, bad YAML)."""
     return ConfigInvalid([ConfigError(path="", message=message)])
-
-
-# --------------------------------------------------------------------------- listen addresses
-
-
-@dataclass(frozen=True, slots=True)
-class ListenAddress:
-    """A parsed `HOST:PORT`; `host` carries no brackets (`::1`, not `[::1]`)."""
-
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-
-_PORT_TEXT: Final = re.compile(r"[0-9]{1,5}")
-_HOST_LABEL: Final = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_HOST_NAME: Final = re.compile(rf"{_HOST_LABEL}(?:\.{_HOST_LABEL})*")
-_DOTTED_NUMBERS: Final = re.compile(r"[0-9.]+")
-
-
-def parse_listen_address(text: str) -> ListenAddress:
-    """Split `HOST:PORT` (an IPv6 host in brackets: `[::1]:8080`). Port 0 means "any free".
-
-    Raises `ValueError` with a message that says what is wrong and what is expected.
-    """
-    host, colon, port_text = text.rpartition(":")
-    if not colon or not host:
-        raise ValueError("must be HOST:PORT, like 127.0.0.1:7700 or [::1]:7700")
-    if not _PORT_TEXT.fullmatch(port_text) or int(port_text) > 65535:
-        raise ValueError("port must be a number from 0 to 65535")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ValueError(f"'{host}' in brackets is not an IPv6 address") from None
-    elif ":" in host or "[" in host or "]" in host:
-        raise ValueError("an IPv6 host must be in brackets, like [::1]:7700")
-    elif _DOTTED_NUMBERS.fullmatch(host):
-        try:
-            ipaddress.IPv4Address(host)
-        except ValueError:
-            raise ValueError(f"'{host}' is not an IPv4 address") from None
-    elif not _HOST_NAME.fullmatch(host):
-        raise ValueError(f"'{host}' is not a valid host name or IP address")
-    return ListenAddress(host=host, port=int(port_text))
 
 
 # --------------------------------------------------------------------------- step 1: YAML
@@ -372,11 +320,20 @@ class _Rules:
     def _listen_addresses(self) -> None:
         for section in ("edge", "admin", "openai"):
             listen = _text(_as_dict(self.raw.get(section)).get("listen"))
-            if listen is not None:
-                try:
-                    parse_listen_address(listen)
-                except ValueError as exc:
-                    self._error(f"{section}.listen", str(exc))
+            if listen is None:
+                continue
+            try:
+                address = parse_listen_address(listen)
+            except ValueError as exc:
+                self._error(f"{section}.listen", str(exc))
+                continue
+            if section == "admin" and not address.is_loopback:
+                # SPEC §5.1: the admin API never listens beyond this machine.
+                self._error(
+                    "admin.listen",
+                    f"{listen} is not a loopback address; the admin API only listens on "
+                    "127.0.0.1, ::1 or localhost",
+                )
 
     def _principal_tokens(self) -> None:
         refs = _FirstSeen()

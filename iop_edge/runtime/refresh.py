@@ -1,10 +1,12 @@
 """Config refresh (SPEC §5): validate a candidate, decide, swap the snapshot, push to nodes.
 
-The `Refresher` coordinates; the pure parts live elsewhere (`refresh_diff` diffs and
-classifies, `plan_apply` below decides) and the Edge is reached only through the small
-`RefreshTarget` interface, so all of this is testable with a fake Edge.
+The `Refresher` coordinates; the pure parts live in the core (`refresh_diff` diffs and
+classifies, `refresh_plan` decides) and the Edge is reached only through the small
+`RefreshTarget` interface, so all of this is testable with a fake Edge. It answers with a
+`RefreshResult`: a verdict (accepted, invalid, conflict) and the report; what a verdict
+means in HTTP is the admin API's business.
 
-One refresh runs at a time. A second one that arrives meanwhile is answered 409 at once
+One refresh runs at a time. A second one that arrives meanwhile is a conflict at once
 instead of queueing: the operator is told to look at the result of the first, and two
 candidates can never be applied on top of each other. Between deciding and swapping
 there is no await, so the decision is made against the very snapshot it replaces.
@@ -12,13 +14,13 @@ there is no await, so the decision is made against the very snapshot it replaces
 An apply goes through these steps, and stops at the first that says no (every attempt,
 rejected ones too, ends with one audit log line):
 
-1. another refresh is running -> 409 at once;
-2. load the candidate (inline YAML, or the config file re-read): invalid -> 400 with
-   every error and its path; then `if_revision` not the running revision -> 409;
-3. plan: diff against the running config and classify. A restart-required change that
-   is not already pending blocks an apply (409) unless `allow_restart_required`; then
-   the live subset is applied and the rest becomes `pending_restart`. A dry run stops
-   here with the same report (its `errors` say what an apply would be refused for);
+1. another refresh is running -> conflict at once;
+2. load the candidate (inline YAML, or the config file re-read): invalid -> every error
+   and its path; then `if_revision` not the running revision -> conflict;
+3. plan (`refresh_plan.plan_apply`): a restart-required change that is not already
+   pending is a conflict unless `allow_restart_required`; then the live subset is applied
+   and the rest becomes `pending_restart`. A dry run stops here with the same report (its
+   `errors` say what an apply would be refused for);
 4. swap a new snapshot (revision + 1), even when nothing changed;
 5. push each affected connected node its own config and wait, bounded, for its ack;
    write an applied inline candidate to the config file (keeping `.prev`).
@@ -28,9 +30,7 @@ swapped, a caller who hangs up must not leave the nodes unpushed or the file sta
 
 `pending_restart` holds the restart-required paths where the last applied candidate
 differs from what runs. It is recomputed by every apply (a candidate that reverts a
-pending change clears it) and otherwise kept until the process restarts. A path that is
-already pending does not block a later apply: the operator has already accepted that it
-waits for a restart, and whatever the file says at restart wins.
+pending change clears it) and otherwise kept until the process restarts.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ from typing import Protocol
 
 import trio
 
-from iop_edge.audit import AuditLog, write_config_atomically
-from iop_edge.config import ConfigInvalid, ParsedConfig, load_config, parse_config
-from iop_edge.refresh_diff import ConfigDiff, compare_configs, live_subset, live_subset_errors
-from iop_edge.snapshot import Snapshot
-from schemas.config import ConfigError, EdgeConfig, NodeConfig
+from iop_edge.core.config import ConfigInvalid, ParsedConfig, load_config, parse_config
+from iop_edge.core.refresh_plan import ApplyPlan, error_order, plan_apply
+from iop_edge.core.snapshot import Snapshot
+from iop_edge.runtime.audit import AuditLog, write_config_atomically
+from schemas.config import ConfigError, NodeConfig
 from schemas.refresh import (
     NodeResult,
     NodeStatus,
@@ -55,11 +55,12 @@ from schemas.refresh import (
     RefreshOutcome,
     RefreshReport,
     RefreshRequest,
+    RefreshVerdict,
     StatusReport,
 )
 from schemas.wire import RefreshAck
 
-__all__ = ["ApplyPlan", "RefreshTarget", "Refresher", "plan_apply"]
+__all__ = ["RefreshResult", "RefreshTarget", "Refresher"]
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,13 @@ log = logging.getLogger(__name__)
 #: gets the push timeout plus this.
 COMMIT_GRACE_S = 5.0
 
-OK, BAD_REQUEST, CONFLICT = 200, 400, 409
+
+@dataclass(frozen=True, slots=True)
+class RefreshResult:
+    """How one refresh attempt ended: the verdict and the report (SPEC §5 step 3)."""
+
+    verdict: RefreshVerdict
+    report: RefreshReport
 
 
 class RefreshTarget(Protocol):
@@ -94,64 +101,6 @@ class RefreshTarget(Protocol):
         """Send `refresh` and wait for the node's ack; None if the node is not (or no
         longer) connected. The Refresher bounds the wait."""
         ...
-
-
-# --- the decision (pure) -----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ApplyPlan:
-    """What an apply of one candidate would do, decided without side effects."""
-
-    diff: ConfigDiff
-    """Running config -> candidate: what the operator changed."""
-    effective: EdgeConfig
-    """The config that would run: the candidate, minus restart-required changes."""
-    pending_restart: tuple[str, ...]
-    """Restart-required paths the effective config leaves at their running value."""
-    errors: tuple[RefreshError, ...]
-    """Why an apply would be refused (409); empty when it can go ahead."""
-
-
-def plan_apply(
-    running: EdgeConfig,
-    candidate: EdgeConfig,
-    *,
-    pending_restart: tuple[str, ...] = (),
-    allow_restart_required: bool = False,
-) -> ApplyPlan:
-    """Decide an apply of `candidate` over `running` (see the module docstring, step 3)."""
-    diff = compare_configs(running, candidate)
-    restart_paths = diff.restart_required_paths
-    if not restart_paths:
-        return ApplyPlan(diff=diff, effective=candidate, pending_restart=(), errors=())
-    effective = live_subset(running, candidate, diff)
-    already_pending = set(pending_restart)
-    blocking = (
-        []
-        if allow_restart_required
-        else [path for path in restart_paths if path not in already_pending]
-    )
-    errors = [
-        RefreshError(
-            path=path,
-            message="changing this needs a restart; nothing was applied (with "
-            "allow_restart_required the live changes apply now and this waits for a restart)",
-        )
-        for path in blocking
-    ]
-    if not blocking:
-        errors = live_subset_errors(effective)
-    return ApplyPlan(
-        diff=diff,
-        effective=effective,
-        pending_restart=restart_paths,
-        errors=tuple(sorted(errors, key=_error_order)),
-    )
-
-
-def _error_order(error: RefreshError) -> tuple[str, str]:
-    return (error.path, error.message)
 
 
 # --- the coordinator ---------------------------------------------------------------------
@@ -202,26 +151,26 @@ class Refresher:
             ],
         )
 
-    async def refresh(self, request: RefreshRequest) -> tuple[int, RefreshReport]:
-        """Run one refresh; returns the HTTP status and the report (SPEC §5)."""
+    async def refresh(self, request: RefreshRequest) -> RefreshResult:
+        """Run one refresh; returns its verdict and report (SPEC §5)."""
         if self._busy:
             report = self._rejected(
                 request, "", "another refresh is in progress; retry when it has finished"
             )
-            return await self._finish(CONFLICT, report, config_sha256=None)
+            return await self._finish("conflict", report, config_sha256=None)
         self._busy = True
         try:
             return await self._refresh(request)
         finally:
             self._busy = False
 
-    async def _refresh(self, request: RefreshRequest) -> tuple[int, RefreshReport]:
+    async def _refresh(self, request: RefreshRequest) -> RefreshResult:
         try:
             parsed = await self._load(request)
         except ConfigInvalid as invalid:
             errors = [RefreshError(path=e.path, message=e.message) for e in invalid.errors]
             report = self._report(request, "rejected", self._target.snapshot, errors=errors)
-            return await self._finish(BAD_REQUEST, report, config_sha256=None)
+            return await self._finish("invalid", report, config_sha256=None)
 
         # From here to the swap there is no await: the plan is made against the very
         # snapshot it replaces.
@@ -232,7 +181,7 @@ class Refresher:
                 "if_revision",
                 f"the running revision is {base.revision}, not {request.if_revision}",
             )
-            return await self._finish(CONFLICT, report, config_sha256=parsed.sha256)
+            return await self._finish("conflict", report, config_sha256=parsed.sha256)
         plan = plan_apply(
             base.config,
             parsed.config,
@@ -241,10 +190,10 @@ class Refresher:
         )
         if request.mode == "dry_run":
             report = self._report(request, "dry_run", base, plan=plan, errors=plan.errors)
-            return await self._finish(OK, report, config_sha256=parsed.sha256)
+            return await self._finish("accepted", report, config_sha256=parsed.sha256)
         if plan.errors:
             report = self._report(request, "rejected", base, plan=plan, errors=plan.errors)
-            return await self._finish(CONFLICT, report, config_sha256=parsed.sha256)
+            return await self._finish("conflict", report, config_sha256=parsed.sha256)
         snapshot = Snapshot.build(
             plan.effective, revision=base.revision + 1, config_sha256=parsed.sha256
         )
@@ -260,7 +209,7 @@ class Refresher:
         snapshot: Snapshot,
         parsed: ParsedConfig,
         plan: ApplyPlan,
-    ) -> tuple[int, RefreshReport]:
+    ) -> RefreshResult:
         """After the swap: push to the nodes, persist an inline candidate, report.
 
         Shielded with deadlines: the swap has happened, so a caller who hangs up must not
@@ -291,7 +240,7 @@ class Refresher:
             errors=errors,
             nodes=nodes,
         )
-        return await self._finish(OK, report, config_sha256=parsed.sha256)
+        return await self._finish("accepted", report, config_sha256=parsed.sha256)
 
     async def _persist(self, path: Path, text: str) -> list[RefreshError]:
         """Write an applied inline candidate to the config file; problems as report errors."""
@@ -389,7 +338,7 @@ class Refresher:
             live_paths=list(diff.live_paths) if diff else [],
             restart_required_paths=list(diff.restart_required_paths) if diff else [],
             pending_restart=list(self._pending_restart),
-            errors=sorted(errors, key=_error_order),
+            errors=sorted(errors, key=error_order),
             nodes=sorted(nodes or [], key=lambda result: result.id),
         )
 
@@ -398,8 +347,8 @@ class Refresher:
         return self._report(request, "rejected", self._target.snapshot, errors=[error])
 
     async def _finish(
-        self, status: int, report: RefreshReport, *, config_sha256: str | None
-    ) -> tuple[int, RefreshReport]:
+        self, verdict: RefreshVerdict, report: RefreshReport, *, config_sha256: str | None
+    ) -> RefreshResult:
         """Audit the attempt, then hand back the answer.
 
         Shielded (with a deadline) so an attempt is audited even if its caller hung up. A
@@ -408,14 +357,14 @@ class Refresher:
         """
         with trio.move_on_after(COMMIT_GRACE_S, shield=True) as scope:
             try:
-                await self._audit.append(report, status=status, config_sha256=config_sha256)
+                await self._audit.append(report, verdict=verdict, config_sha256=config_sha256)
             except OSError as exc:
                 log.error("refresh audit log %s not written: %s", self._audit.path, exc)
         if scope.cancelled_caught:
             log.error(
                 "refresh audit log %s not written within %gs", self._audit.path, COMMIT_GRACE_S
             )
-        return status, report
+        return RefreshResult(verdict, report)
 
 
 def _push_result(node_id: str, revision: int, ack: RefreshAck | None) -> NodeResult:

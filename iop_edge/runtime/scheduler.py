@@ -14,7 +14,7 @@
 How the pieces fit:
 
 - Every decision ("which provider, or wait, or refuse?") is made by the pure functions
-  in `iop_edge.pool` over fresh `ProviderView`s; this module only keeps the mutable
+  in `iop_edge.core.pool` over fresh `ProviderView`s; this module only keeps the mutable
   state those views are built from and acts on the answers.
 - Each provider's run slots are a `trio.CapacityLimiter(capacity)`, plus a second one
   for long-context runs (`long_context_slots`, or unlimited when that is null, so long
@@ -52,8 +52,8 @@ from types import TracebackType
 
 import trio
 
-from iop_edge.pool import Decision, Grant, PassiveHealth, ProviderView, Refuse, Wait, decide
-from iop_edge.snapshot import Snapshot
+from iop_edge.core.pool import Decision, Grant, PassiveHealth, ProviderView, Refuse, Wait, decide
+from iop_edge.core.snapshot import Snapshot
 from schemas.catalog import Catalog, CatalogLifecycle, CatalogModel, CatalogProvider
 from schemas.config import LifecycleFlag, ProviderConfig
 from schemas.wire import Health

@@ -13,8 +13,8 @@ from urllib.parse import urlencode
 import trio
 from rich.console import Console
 
-from iop_edge.config import ConfigInvalid, format_errors, load_config
-from iop_edge.tokens import hash_token
+from iop_edge.core.config import ConfigInvalid, format_errors, load_config
+from iop_edge.core.tokens import hash_token
 
 DEFAULT_CONFIG = Path("configs/edge.yaml")
 
@@ -93,7 +93,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:
-    from iop_edge.console import render_refresh_report
+    from iop_edge.cli.console import render_refresh_report
 
     body: dict[str, Any] = {"mode": "apply" if args.apply else "dry_run"}
     if args.candidate:
@@ -129,13 +129,13 @@ def _show(args: argparse.Namespace, path: str, render: Callable[[Console, Any], 
 
 
 def cmd_catalog(args: argparse.Namespace) -> int:
-    from iop_edge.console import render_catalog
+    from iop_edge.cli.console import render_catalog
 
     return _show(args, "/catalog", render_catalog)
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    from iop_edge.console import render_usage
+    from iop_edge.cli.console import render_usage
 
     query = {"group_by": args.group_by}
     if args.since:

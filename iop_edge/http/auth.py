@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from iop_edge.errors import ApiError
-from iop_edge.tokens import hash_token
+from iop_edge.core.tokens import hash_token
+from iop_edge.http.errors import ApiError
 from schemas.config import PrincipalToken
 
 #: Who a request is when the Edge has no principal tokens configured (open API).

@@ -20,11 +20,11 @@ A request, in the task Hypercorn gives it:
    upstream time and the Edge's own share.
 
 From step 2 on, a watcher task cancels the request when the caller disconnects. The run
-is closed in a `finally`, so its slot is released exactly once whatever ended the
-request (`ActiveRun.close()` is idempotent), and a run the caller left before its end is
-metered as 499 `client_closed`. On a normal end the slot is released and the run metered
-*before* the last bytes go out, so a caller that saw the response (or `[DONE]`) can count
-on both.
+(`runtime.dispatch.Run`) owns its slot and its metering: this module tells it how the
+exchange ended, on every path it knows, and once more in a `finally` for the paths it
+does not (the caller left: 499 `client_closed`; a bug: 500). On a normal end the run is
+ended (slot released, run metered) *before* the last bytes go out, so a caller that saw
+the response (or `[DONE]`) can count on both.
 """
 
 from __future__ import annotations
@@ -33,24 +33,39 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
 import msgspec
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
 
-from iop_edge.auth import authenticate
-from iop_edge.dispatch import ActiveRun, BadPayload, RunFailure, RunPlan, relabel
-from iop_edge.errors import ApiError, bad_request, method_not_allowed, model_not_found
-from iop_edge.hub import RunEvent
-from iop_edge.usage import UsageRecord
+from iop_edge.core.snapshot import Snapshot
+from iop_edge.http.auth import authenticate
+from iop_edge.http.errors import (
+    ApiError,
+    admission_error,
+    bad_request,
+    method_not_allowed,
+    model_not_found,
+    run_failure_error,
+)
+from iop_edge.http.relabel import BadPayload, relabel
+from iop_edge.runtime.dispatch import (
+    CALLER_GONE,
+    INTERNAL_ERROR,
+    Dispatcher,
+    Outcome,
+    Run,
+    RunFailure,
+    RunPlan,
+)
+from iop_edge.runtime.metering import Metering
+from iop_edge.runtime.scheduler import AdmissionError
+from iop_edge.runtime.session import RunEvent
 from schemas import openai as oai
 from schemas import wire
 from schemas.tokens import estimate_input_tokens
-
-if TYPE_CHECKING:
-    from iop_edge.edge import Edge
 
 log = logging.getLogger(__name__)
 
@@ -179,11 +194,15 @@ class _Reply:
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
 
-class InferenceApi:
-    """Serves `RUN_PATHS` for one Edge (see the module docstring)."""
+class RunEndpoints:
+    """Serves `RUN_PATHS` (see the module docstring)."""
 
-    def __init__(self, edge: Edge) -> None:
-        self._edge = edge
+    def __init__(
+        self, snapshot: Callable[[], Snapshot], dispatcher: Dispatcher, metering: Metering
+    ) -> None:
+        self._snapshot = snapshot
+        self._dispatcher = dispatcher
+        self._metering = metering
 
     async def __call__(
         self,
@@ -204,7 +223,7 @@ class InferenceApi:
             try:
                 plan = await self._prepare(operation, run_id, request, receive)
             except ApiError as exc:
-                self._edge.metrics.observe_refusal(status=exc.status, code=exc.code or "")
+                self._metering.refused(status=exc.status, code=exc.code)
                 await reply.error(exc, timing)
                 return
             async with trio.open_nursery() as nursery:
@@ -231,9 +250,9 @@ class InferenceApi:
         receive: ASGIReceiveCallable,
     ) -> RunPlan:
         """Authenticate, read and check the request; the plan the dispatcher runs."""
-        snapshot = self._edge.snapshot
+        snapshot = self._snapshot()
         principal = authenticate(snapshot.principals, request.authorization)
-        body = await self._read_json(request, receive)
+        body = await self._read_json(request, receive, snapshot.config.openai.max_request_bytes)
         try:
             view = msgspec.convert(body, _VIEWS[operation])
         except msgspec.ValidationError as exc:
@@ -276,8 +295,9 @@ class InferenceApi:
             principal_alias=principal.alias,
         )
 
-    async def _read_json(self, request: _Request, receive: ASGIReceiveCallable) -> dict[str, Any]:
-        limit = self._edge.snapshot.config.openai.max_request_bytes
+    async def _read_json(
+        self, request: _Request, receive: ASGIReceiveCallable, limit: int
+    ) -> dict[str, Any]:
         if request.content_length is not None and request.content_length > limit:
             raise _too_large(f"Request body of {request.content_length} bytes", limit)
         parts: list[bytes] = []
@@ -313,167 +333,101 @@ class InferenceApi:
     # --- 2. dispatch ------------------------------------------------------------------
 
     async def _run(self, plan: RunPlan, reply: _Reply, timing: _Timing) -> None:
-        edge = self._edge
+        run = self._dispatcher.open(plan)
         try:
-            active = await edge.dispatcher.start(plan, edge.snapshot)
-        except ApiError as exc:
-            self._observe(plan, "", exc.status, timing, code=exc.code)
-            await reply.error(exc, timing)
-            return
-        except RunFailure as exc:
-            error = exc.api_error()
-            self._observe(plan, exc.provider_id, error.status, timing, code=error.code)
-            await reply.error(error, timing)
-            return
-        timing.queued_s = active.timings.queued_s
-        timing.upstream_s = active.timings.dispatch_s
-        reply.provider = active.provider_id
-        try:
+            try:
+                await run.start()
+            except AdmissionError as exc:
+                await self._refuse(run, admission_error(exc), reply, timing)
+                return
+            except RunFailure as exc:
+                error = run_failure_error(exc.failure, exc.provider_id)
+                await self._refuse(run, error, reply, timing)
+                return
+            finally:
+                timing.queued_s = run.timings.queued_s
+                timing.upstream_s = run.timings.upstream_s
+            reply.provider = run.provider_id
             if plan.stream:
-                await self._relay_stream(active, plan, reply, timing)
+                await self._relay_stream(run, reply, timing)
             else:
-                await self._respond(active, plan, reply, timing)
+                await self._respond(run, reply, timing)
         except Exception:
-            if not active.metered:  # a bug of ours, not the caller leaving
-                active.close()
-                self._observe(plan, active.provider_id, 500, timing, active, code="internal_error")
+            run.end(INTERNAL_ERROR)  # a bug of ours, not the caller leaving
             raise
         finally:
-            if not active.metered:  # the caller left before the run ended
-                active.close()
-                self._observe(plan, active.provider_id, 499, timing, active, code="client_closed")
+            run.end(CALLER_GONE)  # a no-op unless the caller left before the run ended
+
+    async def _refuse(self, run: Run, error: ApiError, reply: _Reply, timing: _Timing) -> None:
+        run.end(Outcome(error.status, error.code))
+        await reply.error(error, timing)
 
     # --- 3. respond -------------------------------------------------------------------
 
-    async def _respond(
-        self, active: ActiveRun, plan: RunPlan, reply: _Reply, timing: _Timing
-    ) -> None:
+    async def _respond(self, run: Run, reply: _Reply, timing: _Timing) -> None:
         """A non-stream run: one JSON body (or the run's failure as an OpenAI error)."""
-        event = await active.next_event()
+        event = await run.next_event()
         while isinstance(event, wire.RunChunk):  # a non-stream run carries none; skip strays
-            event = await active.next_event()
-        error: ApiError | None = None
+            event = await run.next_event()
         payload = b""
         if isinstance(event, wire.RunFailed):
-            active.finished(event)
-            error = RunFailure(event, active.provider_id).api_error()
+            error: ApiError | None = run_failure_error(event, run.provider_id)
         else:
+            error = None
             try:
                 if event.response is None:
                     raise BadPayload("no response body")
-                payload = relabel(event.response, plan.model_id, strip_usage=False) or b"{}"
+                payload = relabel(event.response, run.plan.model_id, strip_usage=False) or b"{}"
             except BadPayload as exc:
-                active.finished(_failed(event.run_id, "bad_response", str(exc)))
+                failure = run.reject_payload(wire.FailureCode.BAD_RESPONSE, str(exc))
                 error = ApiError(
                     502,
-                    f"provider '{active.provider_id}' returned a bad response: {exc}",
+                    f"provider '{run.provider_id}' returned a bad response: {failure.message}",
                     type="api_error",
-                    code="bad_response",
+                    code=failure.code,
                 )
-            else:
-                active.finished(event)
-        active.close()
         if error is not None:
-            self._observe(plan, active.provider_id, error.status, timing, active, code=error.code)
-            await reply.error(error, timing)
+            await self._refuse(run, error, reply, timing)
         else:
-            self._observe(plan, active.provider_id, 200, timing, active)
+            run.end(Outcome(200))
             await reply.json(payload, timing)
 
-    async def _relay_stream(
-        self, active: ActiveRun, plan: RunPlan, reply: _Reply, timing: _Timing
-    ) -> None:
+    async def _relay_stream(self, run: Run, reply: _Reply, timing: _Timing) -> None:
         """Relay a stream run as server-sent events, ending with `[DONE]`.
 
         Chunks that are already here go out in one write: when the caller's side is
         slower than the provider, the per-chunk cost stays flat."""
-        strip_usage = not plan.caller_wants_usage
-        diagnosed = False  # the Edge itself ended the run (a bad chunk)
+        alias = run.plan.model_id
+        strip_usage = not run.plan.caller_wants_usage
         await reply.start_stream(timing)
-        event: RunEvent | None = await active.next_event()
+        event: RunEvent = await run.next_event()
         while True:
             frames = []
             while isinstance(event, wire.RunChunk):
                 try:
-                    payload = relabel(event.data, plan.model_id, strip_usage=strip_usage)
+                    payload = relabel(event.data, alias, strip_usage=strip_usage)
                 except BadPayload as exc:
                     # End the stream properly; the run may still be live on the Node, and
-                    # close() below cancels it there.
-                    event = _failed(event.run_id, "bad_chunk", f"bad chunk: {exc}")
-                    diagnosed = True
+                    # ending it below cancels it there.
+                    event = run.reject_payload(wire.FailureCode.BAD_CHUNK, f"bad chunk: {exc}")
                     break
                 if payload is not None:
                     frames.append(b"data: " + payload + b"\n\n")
-                event = active.next_event_nowait()
-            if event is None:
-                if frames:
+                try:
+                    event = run.next_event_nowait()
+                except trio.WouldBlock:
                     await reply.stream(b"".join(frames))
-                event = await active.next_event()
-                continue
-            active.finished(event, on_node=not diagnosed)
-            status, code = 200, None
+                    frames = []
+                    event = await run.next_event()
+            outcome = Outcome(200)
             if isinstance(event, wire.RunFailed):
-                error = RunFailure(event, active.provider_id).api_error()
-                status, code = error.status, error.code
+                error = run_failure_error(event, run.provider_id)
+                outcome = Outcome(error.status, error.code)
                 frames.append(b"data: " + error.body() + b"\n\n")
             frames.append(_SSE_DONE)
-            active.close()
-            self._observe(plan, active.provider_id, status, timing, active, code=code)
+            run.end(outcome)
             await reply.finish(b"".join(frames))
             return
-
-    # --- metering ---------------------------------------------------------------------
-
-    def _observe(
-        self,
-        plan: RunPlan,
-        provider: str,
-        status: int,
-        timing: _Timing,
-        run: ActiveRun | None = None,
-        *,
-        code: str | None = None,
-    ) -> None:
-        """Meter a finished request: Prometheus always, the usage ledger when a run happened."""
-        edge = self._edge
-        latency_s = time.perf_counter() - plan.received_at
-        ttft_s = None
-        if run is not None and run.timings.first_event_at is not None:
-            ttft_s = run.timings.first_event_at - plan.received_at
-        usage = run.usage if run is not None else None
-        if run is not None:
-            run.metered = True
-        edge.metrics.observe_request(
-            model=plan.model_id,
-            provider=provider,
-            status=status,
-            code=code or "",
-            latency_s=latency_s,
-            ttft_s=ttft_s,
-            queued_s=timing.queued_s if provider else None,
-            usage=usage,
-            principal_ref=plan.principal_ref,
-            token_ref=plan.token_ref,
-        )
-        if run is None and not provider:
-            return  # refused at admission: no run, nothing to bill
-        edge.usage.record(
-            UsageRecord(
-                time=time.time(),
-                run_id=plan.run_id,
-                principal_ref=plan.principal_ref,
-                token_ref=plan.token_ref,
-                alias=plan.principal_alias,
-                model=plan.model_id,
-                provider=provider,
-                node=run.lease.node_id if run is not None else "",
-                prompt_tokens=usage.prompt_tokens if usage else 0,
-                completion_tokens=usage.completion_tokens if usage else 0,
-                status=status,
-                latency_ms=latency_s * 1000,
-                ttft_ms=None if ttft_s is None else ttft_s * 1000,
-            )
-        )
 
 
 async def _cancel_on_disconnect(
@@ -485,11 +439,6 @@ async def _cancel_on_disconnect(
         pass
     if not reply.complete:
         scope.cancel()
-
-
-def _failed(run_id: str, code: str, message: str) -> wire.RunFailed:
-    """A failure the Edge itself diagnosed in what a Node sent."""
-    return wire.RunFailed(run_id=run_id, code=code, message=message)
 
 
 def _param_of(error: msgspec.ValidationError) -> str | None:

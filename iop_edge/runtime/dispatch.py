@@ -1,0 +1,468 @@
+"""One caller request's run, from admission to its usage record (SPEC §4 steps 5-9, §7).
+
+`Dispatcher.open(plan)` makes a `Run`, and the run owns everything that happens to the
+request from then on: the slot, the attempts on providers, the events the Node sends,
+the provider's verdict, and the one record metering gets. Whoever serves the request
+(the HTTP layer) asks the run for events and tells it how the exchange ended; it never
+touches a slot, a session or a metric itself.
+
+    new ──start()──▶ live ──terminal event──▶ settled
+     │                │                          │
+     └────────────────┴──────── end(outcome) ────┴──▶ ended
+
+Rules:
+1. `start()` admits the run and tries providers until one produces a first event. A
+   failed attempt's slot is released before the next provider is asked for, and the
+   time it took is charged to `upstream` (the caller waited on providers, not on us).
+2. Failures before the first caller byte are retried on another provider only when the
+   Node says `retryable`; upstream 429/503 (`capacity`) are load signals, never health
+   failures.
+3. The provider's verdict (a success, or a failure that counts toward its cooldown) is
+   recorded once, when the run's terminal event is read.
+4. `end(outcome)` ends the run, once (later calls do nothing): it records the outcome,
+   releases the slot, cancels the run on the Node if it may still be live there, and
+   hands exactly one `RunRecord` to metering. The server of the request calls it on every
+   path it knows and once more in a `finally` (`CALLER_GONE`, `INTERNAL_ERROR`) for the
+   paths it does not: a run is metered even when its caller left before the first event.
+5. A run whose consumer falls a whole buffer behind is given up at once: its slot is
+   released while the consumer may still be stuck on its socket, the Node cancels it,
+   and the consumer's next read says `caller_too_slow`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgspec
+import trio
+
+from iop_edge.runtime.hub import NodeHub
+from iop_edge.runtime.metering import RunRecord
+from iop_edge.runtime.scheduler import Lease, NoProvider, Scheduler
+from iop_edge.runtime.session import NodeSession, RunEvent, SessionClosed
+from schemas import wire
+
+__all__ = [
+    "CALLER_GONE",
+    "INTERNAL_ERROR",
+    "RUN_EVENT_BUFFER",
+    "Dispatcher",
+    "Outcome",
+    "Run",
+    "RunFailure",
+    "RunPlan",
+    "RunTimings",
+]
+
+log = logging.getLogger(__name__)
+
+#: Chunks a run buffers for a consumer that is slower than its provider (Rule 5).
+RUN_EVENT_BUFFER: Final = 1024
+
+_json_encode = msgspec.json.Encoder().encode
+
+# Failure codes that say something about the provider's health (count toward cooldown).
+_HEALTH_FAILURES: Final = frozenset(
+    {
+        wire.FailureCode.UPSTREAM_UNREACHABLE,
+        wire.FailureCode.UPSTREAM_TIMEOUT,
+        wire.FailureCode.UPSTREAM_ERROR,
+        wire.FailureCode.UPSTREAM_STREAM_ERROR,
+        wire.FailureCode.UPSTREAM_MISCONFIGURED,
+        wire.FailureCode.BAD_CHUNK,
+        wire.FailureCode.BAD_RESPONSE,
+    }
+)
+
+
+@dataclass(slots=True)
+class RunPlan:
+    """A validated caller request, ready to dispatch."""
+
+    run_id: str
+    model_id: str
+    operation: wire.Operation
+    body: dict[str, Any]
+    stream: bool
+    long: bool
+    caller_wants_usage: bool
+    principal_ref: str = "anonymous"
+    token_ref: str = "anonymous"
+    principal_alias: str | None = None
+    received_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(slots=True)
+class RunTimings:
+    queued_s: float = 0.0
+    """Seconds spent waiting for slots (all attempts)."""
+    upstream_s: float = 0.0
+    """Seconds from sending each attempt to its first event (all attempts, Rule 1)."""
+    first_event_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How the caller's exchange ended: the status it was answered with and why."""
+
+    status: int
+    code: str | None = None
+
+
+#: The caller left before the run ended (nginx's 499 "client closed request").
+CALLER_GONE: Final = Outcome(499, "client_closed")
+#: A bug of the Edge's ended the exchange.
+INTERNAL_ERROR: Final = Outcome(500, "internal_error")
+
+
+class RunFailure(Exception):
+    """Every allowed attempt failed before the first byte; `failure` is the last reason."""
+
+    def __init__(self, failure: wire.RunFailed, provider_id: str) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+        self.provider_id = provider_id
+
+
+class _Attempt:
+    """One try of a run on one provider: its slot, its session, its buffered events.
+
+    The session delivers events here (`RunSink`) without ever blocking; the run reads
+    them from the channel."""
+
+    __slots__ = ("_give_up", "end_reason", "lease", "receive", "send", "session", "wire_id")
+
+    def __init__(
+        self, wire_id: str, lease: Lease, session: NodeSession, give_up: Callable[[], None]
+    ) -> None:
+        self.wire_id = wire_id
+        self.lease = lease
+        self.session = session
+        # One spare slot so the terminal event always fits behind a full buffer of chunks.
+        self.send, self.receive = trio.open_memory_channel[RunEvent](RUN_EVENT_BUFFER + 1)
+        self.end_reason: wire.RunFailed | None = None
+        self._give_up = give_up
+
+    # --- RunSink --------------------------------------------------------------------
+
+    def push(self, event: RunEvent) -> bool:
+        chunk = isinstance(event, wire.RunChunk)
+        if chunk and self.send.statistics().current_buffer_used >= RUN_EVENT_BUFFER:
+            self.end_reason = _failed(
+                self.wire_id,
+                wire.FailureCode.CALLER_TOO_SLOW,
+                f"the caller fell {RUN_EVENT_BUFFER} chunks behind the provider",
+            )
+            self.send.close()
+            self._give_up()
+            return False
+        try:
+            self.send.send_nowait(event)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the run already stopped reading: its end has been decided
+        if not chunk:
+            self.send.close()
+        return True
+
+    def lost(self) -> None:
+        self.end_reason = _failed(
+            self.wire_id,
+            wire.FailureCode.NODE_LOST,
+            f"node '{self.lease.node_id}' disconnected during the run",
+        )
+        self.send.close()
+
+    # --- teardown -------------------------------------------------------------------
+
+    def close(self, *, cancel_on_node: bool) -> None:
+        """Stop listening, release the slot; cancel on the Node when it may be live there."""
+        if cancel_on_node:
+            self.session.cancel_run(self.wire_id)
+        else:
+            self.session.close_run(self.wire_id)
+        self.send.close()
+        self.receive.close()
+        self.lease.release()
+
+
+class Run:
+    """One request's run: owned from admission to metering (see the module docstring)."""
+
+    def __init__(self, plan: RunPlan, dispatcher: Dispatcher) -> None:
+        self.plan = plan
+        self.timings = RunTimings()
+        self.usage: wire.Usage | None = None
+        self.outcome: Outcome | None = None
+        self._dispatcher = dispatcher
+        self._attempt: _Attempt | None = None
+        self._provider_id = ""
+        self._first: RunEvent | None = None
+        self._live_on_node = False
+        """Whether the Node may still be running the current attempt (cancel on end)."""
+        self._admitted = False
+
+    @property
+    def provider_id(self) -> str:
+        """The provider of the current (or last) attempt; "" before the first."""
+        return self._provider_id
+
+    @property
+    def node_id(self) -> str:
+        return self._attempt.lease.node_id if self._attempt is not None else ""
+
+    @property
+    def ended(self) -> bool:
+        return self.outcome is not None
+
+    # --- 1. start ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Admit the run and start it on a provider; returns once its first event is here.
+
+        Raises the scheduler's `AdmissionError`s when the run is not admitted, and
+        `RunFailure` when every allowed attempt failed before the first byte (Rules 1-2).
+        """
+        await self._dispatcher.start(self)
+
+    # --- 2. events -----------------------------------------------------------------
+
+    async def next_event(self) -> RunEvent:
+        """The next event of the run; a terminal one is the last (Rule 3)."""
+        try:
+            return self.next_event_nowait()
+        except trio.WouldBlock:
+            pass
+        attempt = self._require_attempt()
+        try:
+            event = await attempt.receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            event = self._ended_without_terminal(attempt)
+        return self._seen(event)
+
+    def next_event_nowait(self) -> RunEvent:
+        """The next event if one is already here (lets callers coalesce), else raise
+        `trio.WouldBlock`."""
+        if self._first is not None:
+            first, self._first = self._first, None
+            return self._seen(first)
+        attempt = self._require_attempt()
+        try:
+            event = attempt.receive.receive_nowait()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            event = self._ended_without_terminal(attempt)
+        return self._seen(event)
+
+    def reject_payload(self, code: wire.FailureCode, message: str) -> wire.RunFailed:
+        """The Edge found what the Node sent unusable (not OpenAI JSON): the run fails
+        here, counts against the provider, and is cancelled on the Node when it ends."""
+        attempt = self._require_attempt()
+        failure = _failed(attempt.wire_id, code, message)
+        self._dispatcher.note_failure(self._provider_id, failure)
+        return failure
+
+    def _seen(self, event: RunEvent) -> RunEvent:
+        if isinstance(event, wire.RunChunk):
+            return event
+        self._live_on_node = False
+        if isinstance(event, wire.RunDone):
+            self.usage = event.usage
+            self._dispatcher.scheduler.record_success(self._provider_id)
+        else:
+            self._dispatcher.note_failure(self._provider_id, event)
+        return event
+
+    def _ended_without_terminal(self, attempt: _Attempt) -> wire.RunFailed:
+        return attempt.end_reason or _failed(
+            attempt.wire_id,
+            wire.FailureCode.NODE_LOST,
+            f"node '{attempt.lease.node_id}' disconnected during the run",
+        )
+
+    def _require_attempt(self) -> _Attempt:
+        if self._attempt is None:
+            raise RuntimeError("the run has not started")
+        return self._attempt
+
+    # --- 3. end --------------------------------------------------------------------
+
+    def end(self, outcome: Outcome) -> None:
+        """End the run with `outcome`; the first call wins, later ones do nothing (Rule 4)."""
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        attempt = self._attempt
+        if attempt is not None:
+            attempt.close(cancel_on_node=self._live_on_node)
+            self._live_on_node = False
+        plan = self.plan
+        timings = self.timings
+        first_event_at = timings.first_event_at
+        self._dispatcher.meter(
+            RunRecord(
+                run_id=plan.run_id,
+                model=plan.model_id,
+                principal_ref=plan.principal_ref,
+                token_ref=plan.token_ref,
+                alias=plan.principal_alias,
+                provider=self._provider_id,
+                node=self.node_id,
+                status=outcome.status,
+                code=outcome.code,
+                usage=self.usage,
+                latency_s=time.perf_counter() - plan.received_at,
+                ttft_s=None if first_event_at is None else first_event_at - plan.received_at,
+                queued_s=timings.queued_s if self._admitted else None,
+            )
+        )
+
+    # --- used by the Dispatcher ------------------------------------------------------
+
+    def _begin_attempt(self, attempt: _Attempt) -> None:
+        self._attempt = attempt
+        self._provider_id = attempt.lease.provider_id
+        self._admitted = True
+        self._live_on_node = True
+
+    def _drop_attempt(self) -> None:
+        """The attempt failed before its first event: it is over on the Node too."""
+        attempt, self._attempt = self._attempt, None
+        self._live_on_node = False
+        if attempt is not None:
+            attempt.close(cancel_on_node=False)
+
+    def _first_event(self, event: RunEvent) -> None:
+        self._first = event
+
+    def _give_up(self) -> None:
+        """Rule 5: free the slot now; the consumer learns why at its next read."""
+        attempt = self._attempt
+        if attempt is not None:
+            self._live_on_node = False  # the session cancels it on the Node
+            attempt.lease.release()
+
+
+class Dispatcher:
+    """Makes runs and starts them: admission through the scheduler, attempts on nodes."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        hub: NodeHub,
+        *,
+        meter: Callable[[RunRecord], None],
+        on_failover: Callable[[str, str], None],
+        retries_before_first_byte: Callable[[], int],
+    ) -> None:
+        self.scheduler = scheduler
+        self.meter = meter
+        self._hub = hub
+        self._on_failover = on_failover
+        self._retries = retries_before_first_byte
+
+    def open(self, plan: RunPlan) -> Run:
+        """A new run of `plan`; the caller must `end()` it on every path (Rule 4)."""
+        return Run(plan, self)
+
+    def note_failure(self, provider_id: str, failure: wire.RunFailed) -> None:
+        if failure.capacity:
+            self.scheduler.record_capacity_signal(provider_id)
+        elif failure.code in _HEALTH_FAILURES:
+            self.scheduler.record_failure(provider_id)
+
+    async def start(self, run: Run) -> None:
+        """Admit and start `run` (Rules 1-2); see `Run.start`."""
+        plan = run.plan
+        retries = self._retries()
+        tried: set[str] = set()
+        last_failure: RunFailure | None = None
+        for attempt in range(retries + 1):
+            wire_id = plan.run_id if attempt == 0 else f"{plan.run_id}.{attempt}"
+            try:
+                lease = await self.scheduler.acquire(
+                    plan.model_id, wire_id, long=plan.long, exclude=frozenset(tried)
+                )
+            except NoProvider:
+                if last_failure is not None:
+                    raise last_failure from None
+                raise
+            run.timings.queued_s += lease.queued_s
+            tried.add(lease.provider_id)
+            failure = await self._attempt(run, wire_id, lease)
+            if failure is None:
+                return
+            last_failure = failure
+            if not failure.failure.retryable:
+                break
+            if attempt < retries:  # another provider gets the run
+                self._on_failover(plan.model_id, lease.provider_id)
+        assert last_failure is not None
+        raise last_failure
+
+    async def _attempt(self, run: Run, wire_id: str, lease: Lease) -> RunFailure | None:
+        """One try on one provider; None once the run holds its first event.
+
+        Owns `lease` until the attempt is the run's; a failed attempt has released it."""
+        session = self._hub.session(lease.node_id)
+        if session is None:
+            lease.release()
+            return RunFailure(
+                _failed(
+                    wire_id,
+                    wire.FailureCode.NODE_LOST,
+                    f"node '{lease.node_id}' is not connected",
+                    retryable=True,
+                ),
+                lease.provider_id,
+            )
+        attempt = _Attempt(wire_id, lease, session, run._give_up)
+        try:
+            session.open_run(wire_id, attempt)
+        except SessionClosed:
+            lease.release()
+            return RunFailure(_node_lost_before_start(wire_id, lease), lease.provider_id)
+        run._begin_attempt(attempt)
+        plan = run.plan
+        plan.body["model"] = lease.target
+        message = wire.Run(
+            run_id=wire_id,
+            provider_id=lease.provider_id,
+            target=lease.target,
+            operation=plan.operation,
+            body=_json_encode(plan.body),
+            stream=plan.stream,
+        )
+        sent_at = time.perf_counter()
+        try:
+            await session.send(message)
+            first = await attempt.receive.receive()
+        except (SessionClosed, trio.EndOfChannel):
+            first = _node_lost_before_start(wire_id, lease)  # nothing reached the caller
+        finally:
+            # Cancelled or not, the caller waited this long on the provider (Rule 1).
+            run.timings.upstream_s += time.perf_counter() - sent_at
+        run.timings.first_event_at = time.perf_counter()
+        if isinstance(first, wire.RunFailed):
+            self.note_failure(lease.provider_id, first)
+            run._drop_attempt()
+            return RunFailure(first, lease.provider_id)
+        run._first_event(first)
+        return None
+
+
+def _node_lost_before_start(wire_id: str, lease: Lease) -> wire.RunFailed:
+    return _failed(
+        wire_id,
+        wire.FailureCode.NODE_LOST,
+        f"node '{lease.node_id}' disconnected before the run started",
+        retryable=True,
+    )
+
+
+def _failed(
+    run_id: str, code: wire.FailureCode, message: str, *, retryable: bool = False
+) -> wire.RunFailed:
+    return wire.RunFailed(run_id=run_id, code=code, message=message, retryable=retryable)

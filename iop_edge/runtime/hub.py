@@ -1,0 +1,189 @@
+"""The node hub: the Edge's node listener, handshakes, and the session of each node.
+
+The hub accepts websocket connections from Nodes, checks each `hello` and keeps at most
+one `NodeSession` (see `session.py`) per node id; a second connection for the same id
+replaces the first (the old one's runs fail as `node_lost`, which is retryable before
+the caller saw a byte).
+
+Rules:
+1. A connection must send a valid `hello` within `handshake_timeout_s`; the token is
+   checked against the node's `token_hash_sha256` in constant time. Anything else gets a
+   `reject{code, reason}` and a close, never an exception that escapes the handler.
+   At most `MAX_PENDING_HANDSHAKES` unauthenticated connections wait at once; more are
+   refused with HTTP 503 before the websocket opens.
+2. Until its `hello` checked out a peer may send messages of at most
+   `PRE_AUTH_MAX_FRAME_BYTES`; afterwards the wire's `MAX_FRAME_BYTES`.
+3. When a session ends for any reason, its runs hear `lost()` (node lost) and the
+   scheduler learns the node is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
+
+from iop_edge.core.tokens import tokens_match
+from iop_edge.runtime.compat.trio_websocket import MESSAGE_LIMIT_LIFTABLE, lift_message_limit
+from iop_edge.runtime.session import NodeSession, StatusListener, reject
+from schemas import wire
+from schemas.config import NodeConfig
+
+log = logging.getLogger(__name__)
+
+RunEvent = wire.RunChunk | wire.RunDone | wire.RunFailed
+
+MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
+#: The message limit before a peer's `hello` checked out (a `hello` is a few hundred bytes):
+#: an anonymous peer cannot make the Edge assemble 64 MiB messages (Rule 2).
+PRE_AUTH_MAX_FRAME_BYTES: Final = 64 * 1024
+#: What the node listener allows from a connection's first message on.
+LISTENER_MAX_FRAME_BYTES: Final = (
+    PRE_AUTH_MAX_FRAME_BYTES if MESSAGE_LIMIT_LIFTABLE else MAX_FRAME_BYTES
+)
+MAX_PENDING_HANDSHAKES: Final = 16
+
+
+@dataclass(frozen=True, slots=True)
+class NodeDirectory:
+    """What the hub needs from the current snapshot to admit a node."""
+
+    edge_id: str
+    revision: int
+    token_hash: Callable[[str], str | None]
+    node_config: Callable[[str], NodeConfig]
+
+
+class NodeHub:
+    """Owns the node sessions. Callbacks tell the scheduler about connects and health."""
+
+    def __init__(
+        self,
+        directory: Callable[[], NodeDirectory],
+        *,
+        on_connect: Callable[[str], None],
+        on_disconnect: Callable[[str], None],
+        on_status: StatusListener,
+        heartbeat_s: float = 5.0,
+        heartbeat_timeout_s: float = 15.0,
+        handshake_timeout_s: float = 10.0,
+    ) -> None:
+        self._directory = directory
+        self._on_connect = on_connect
+        self._on_disconnect = on_disconnect
+        self._on_status = on_status
+        self.heartbeat_s = heartbeat_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self._sessions: dict[str, NodeSession] = {}
+        self._pending_handshakes = trio.CapacityLimiter(MAX_PENDING_HANDSHAKES)
+
+    def session(self, node_id: str) -> NodeSession | None:
+        return self._sessions.get(node_id)
+
+    def connected_nodes(self) -> frozenset[str]:
+        return frozenset(self._sessions)
+
+    def sessions(self) -> list[NodeSession]:
+        return list(self._sessions.values())
+
+    async def handle(self, request: WebSocketRequest) -> None:
+        """trio-websocket handler for one incoming node connection."""
+        try:
+            self._pending_handshakes.acquire_nowait()
+        except trio.WouldBlock:
+            # Before a `hello` is checked a peer is anonymous, yet it holds a connection
+            # and buffers (up to PRE_AUTH_MAX_FRAME_BYTES): bound how many can at once.
+            with trio.move_on_after(2, shield=True):
+                try:
+                    await request.reject(503, body=b"too many pending node handshakes")
+                except ConnectionClosed:
+                    pass
+            return
+        try:
+            websocket = await request.accept()
+            hello = await self._handshake(websocket)
+        except ConnectionClosed:
+            return
+        finally:
+            self._pending_handshakes.release()
+        if hello is None:
+            return
+        lift_message_limit(websocket, MAX_FRAME_BYTES)
+        directory = self._directory()
+        session = NodeSession(
+            hello.node_id,
+            websocket,
+            applied_revision=directory.revision,
+            on_status=self._on_status,
+        )
+        previous = self._sessions.get(hello.node_id)
+        if previous is not None:
+            log.info("node %s reconnected; replacing its previous session", hello.node_id)
+            previous.abort()
+        self._sessions[hello.node_id] = session
+        welcome = wire.Welcome(
+            protocol=wire.PROTOCOL_VERSION,
+            edge_id=directory.edge_id,
+            revision=directory.revision,
+            node_config=directory.node_config(hello.node_id),
+            heartbeat_s=self.heartbeat_s,
+        )
+        session.send_nowait(welcome)  # the first frame: the outbox has room
+        log.info("node %s connected from %s", hello.node_id, websocket.remote)
+        self._on_connect(hello.node_id)
+        try:
+            await session.serve(self.heartbeat_s, self.heartbeat_timeout_s)
+        finally:
+            if self._sessions.get(hello.node_id) is session:
+                del self._sessions[hello.node_id]
+                self._on_disconnect(hello.node_id)
+                log.info("node %s disconnected", hello.node_id)
+            # Courtesy close; the peer may already be gone (or be cancelled with us).
+            with trio.move_on_after(0.2, shield=True):
+                await websocket.aclose()
+
+    async def _handshake(self, websocket: WebSocketConnection) -> wire.Hello | None:
+        with trio.move_on_after(self.handshake_timeout_s):
+            frame = await websocket.get_message()
+            try:
+                message = wire.decode_from_node(frame)
+            except wire.WireError as exc:
+                await reject(websocket, "bad_frame", str(exc))
+                return None
+            if not isinstance(message, wire.Hello):
+                await reject(
+                    websocket, "protocol_error", f"expected hello, got {message.__class__.__name__}"
+                )
+                return None
+            if message.protocol != wire.PROTOCOL_VERSION:
+                await reject(
+                    websocket,
+                    "unsupported_protocol",
+                    f"protocol {message.protocol} is not supported; "
+                    f"this Edge speaks {wire.PROTOCOL_VERSION}",
+                )
+                return None
+            expected = self._directory().token_hash(message.node_id)
+            if expected is None:
+                await reject(
+                    websocket,
+                    "unknown_node",
+                    f"node id '{message.node_id}' is not in the Edge config",
+                )
+                return None
+            if not tokens_match(message.token, expected):
+                log.warning("node %s presented a bad token", message.node_id)
+                await reject(websocket, "bad_token", "the node token does not match")
+                return None
+            return message
+        await reject(websocket, "handshake_timeout", "no hello within the handshake timeout")
+        return None
+
+    def abort_all(self) -> None:
+        for session in list(self._sessions.values()):
+            session.abort()

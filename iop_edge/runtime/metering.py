@@ -1,0 +1,85 @@
+"""Metering (SPEC §7): one record per finished run, to Prometheus and the usage ledger.
+
+A run hands its `RunRecord` here exactly once, whatever ended it (see `dispatch.Run`).
+Every record is counted in the metrics; a record with a provider (the run reached one)
+is also written to the usage ledger. A request refused before it named a model the
+Edge knows (bad JSON, bad token, unknown model) is counted as a refusal only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from iop_edge.runtime.metrics import EdgeMetrics
+from iop_edge.runtime.usage import UsageLedger, UsageRecord
+from schemas import wire
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """How one run ended, with everything metering needs."""
+
+    run_id: str
+    model: str
+    principal_ref: str
+    token_ref: str
+    alias: str | None
+    provider: str
+    """"" when the run never reached a provider (refused at admission, or the caller left
+    while it was queued)."""
+    node: str
+    status: int
+    """The HTTP status the caller was answered with; 499 when the caller left first."""
+    code: str | None
+    usage: wire.Usage | None
+    latency_s: float
+    ttft_s: float | None
+    queued_s: float | None
+    """Seconds spent waiting for a slot; None when the run was never admitted."""
+
+
+class Metering:
+    """Where finished runs and refused requests are counted."""
+
+    def __init__(self, metrics: EdgeMetrics, ledger: UsageLedger) -> None:
+        self._metrics = metrics
+        self._ledger = ledger
+
+    def record(self, record: RunRecord) -> None:
+        usage = record.usage
+        self._metrics.observe_request(
+            model=record.model,
+            provider=record.provider,
+            status=record.status,
+            code=record.code or "",
+            latency_s=record.latency_s,
+            ttft_s=record.ttft_s,
+            queued_s=record.queued_s,
+            usage=usage,
+            principal_ref=record.principal_ref,
+            token_ref=record.token_ref,
+        )
+        if not record.provider:
+            return  # refused at admission: no run, nothing to bill
+        self._ledger.record(
+            UsageRecord(
+                time=time.time(),
+                run_id=record.run_id,
+                principal_ref=record.principal_ref,
+                token_ref=record.token_ref,
+                alias=record.alias,
+                model=record.model,
+                provider=record.provider,
+                node=record.node,
+                prompt_tokens=usage.prompt_tokens if usage else 0,
+                completion_tokens=usage.completion_tokens if usage else 0,
+                status=record.status,
+                latency_ms=record.latency_s * 1000,
+                ttft_ms=None if record.ttft_s is None else record.ttft_s * 1000,
+            )
+        )
+
+    def refused(self, *, status: int, code: str | None) -> None:
+        """A request refused before it named a model the Edge knows (no run was made)."""
+        self._metrics.observe_refusal(status=status, code=code or "")

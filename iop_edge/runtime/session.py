@@ -1,0 +1,280 @@
+"""One connected Node, as the Edge sees it: a websocket session and the runs it carries.
+
+A `NodeSession` has one writer task fed by a bounded outbox (so frames never interleave),
+a reader that routes each run event to the `RunSink` that owns the run, and a heartbeat
+that drops a silent peer. The hub (`hub.py`) creates sessions after a `hello` checked
+out and keeps at most one per node id.
+
+Rules:
+1. The reader never waits on one run. A sink takes an event without blocking or says it
+   cannot keep up (its caller fell a whole buffer behind); the session then cancels that
+   run on the Node and forgets it, instead of stalling every other run and the heartbeat.
+2. A terminal event (`run_done`, `run_failed`) is the last a sink hears from the session;
+   when the session ends for any reason, every sink still registered hears `lost()`.
+3. A malformed frame from a connected Node gets a `reject{bad_frame}` and a close.
+4. A `cancel` is never dropped, even on a full outbox: otherwise the provider keeps
+   running a run whose slot the Edge already gave back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection
+
+from schemas import wire
+from schemas.config import NodeConfig
+
+log = logging.getLogger(__name__)
+
+RunEvent = wire.RunChunk | wire.RunDone | wire.RunFailed
+
+#: Frames queued for the writer; senders wait (back-pressure) when it is full.
+OUTBOX_SIZE: Final = 256
+
+
+class SessionClosed(Exception):
+    """The node's connection is gone; nothing more can be sent on it."""
+
+
+class RunSink(Protocol):
+    """Where a session delivers one run's events (implemented by the run's dispatch)."""
+
+    def push(self, event: RunEvent) -> bool:
+        """Take `event` without blocking; False when the consumer cannot keep up (Rule 1).
+
+        Returning False is final: the sink has already given the run up."""
+        ...
+
+    def lost(self) -> None:
+        """The session ended before the run's terminal event."""
+        ...
+
+
+class StatusListener(Protocol):
+    def __call__(self, node_id: str, status: wire.Status) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStatistics:
+    """What a session holds right now (for tests and diagnostics)."""
+
+    runs: int
+    outbox_used: int
+    pending_cancels: int
+
+
+class NodeSession:
+    """The Edge's side of one Node's websocket (see the module docstring)."""
+
+    def __init__(
+        self,
+        node_id: str,
+        websocket: WebSocketConnection,
+        *,
+        applied_revision: int,
+        on_status: StatusListener,
+    ) -> None:
+        self.node_id = node_id
+        self.websocket = websocket
+        self.connected_at = trio.current_time()
+        self.applied_revision = applied_revision
+        """The last config revision the node acked (or was welcomed with)."""
+        self._on_status = on_status
+        self._outbox_send, self._outbox_recv = trio.open_memory_channel[bytes](OUTBOX_SIZE)
+        self._runs: dict[str, RunSink] = {}
+        self._acks: dict[int, trio.MemorySendChannel[wire.RefreshAck]] = {}
+        self._pending_cancels: set[str] = set()
+        self._scope = trio.CancelScope()
+        self.closed = trio.Event()
+
+    def statistics(self) -> SessionStatistics:
+        return SessionStatistics(
+            runs=len(self._runs),
+            outbox_used=self._outbox_send.statistics().current_buffer_used,
+            pending_cancels=len(self._pending_cancels),
+        )
+
+    # --- sending ---------------------------------------------------------------------
+
+    async def send(self, message: wire.Message) -> None:
+        """Queue a frame for the writer; waits only while the outbox is full.
+
+        Not a checkpoint when there is room: a caller that goes on to wait for the
+        answer yields there, and the writer runs then."""
+        if self.closed.is_set():
+            raise SessionClosed(self.node_id)
+        frame = wire.encode(message)
+        try:
+            try:
+                self._outbox_send.send_nowait(frame)
+            except trio.WouldBlock:
+                await self._outbox_send.send(frame)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise SessionClosed(self.node_id) from None
+
+    def send_nowait(self, message: wire.Message) -> None:
+        """Queue a frame without waiting, from paths that must not block (cleanup).
+
+        Raises `trio.WouldBlock` when the outbox is full (a `cancel` is kept aside and
+        sent after the frames ahead of it instead, Rule 4) and `SessionClosed` when the
+        session has ended."""
+        if self.closed.is_set():
+            raise SessionClosed(self.node_id)
+        try:
+            self._outbox_send.send_nowait(wire.encode(message))
+        except trio.WouldBlock:
+            if not isinstance(message, wire.Cancel):
+                raise
+            self._pending_cancels.add(message.run_id)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise SessionClosed(self.node_id) from None
+
+    def cancel_run(self, run_id: str) -> None:
+        """Forget `run_id` and tell the Node to cancel it (if the session is still up)."""
+        self._runs.pop(run_id, None)
+        try:
+            self.send_nowait(wire.Cancel(run_id=run_id))
+        except SessionClosed:
+            pass  # the node is gone: so is the run
+
+    # --- runs ------------------------------------------------------------------------
+
+    def open_run(self, run_id: str, sink: RunSink) -> None:
+        """Deliver `run_id`'s events to `sink` from now on (Rules 1 and 2)."""
+        if self.closed.is_set():
+            raise SessionClosed(self.node_id)
+        self._runs[run_id] = sink
+
+    def close_run(self, run_id: str) -> None:
+        """Stop delivering `run_id`'s events (late ones are dropped)."""
+        self._runs.pop(run_id, None)
+
+    async def request_refresh(self, revision: int, node_config: NodeConfig) -> wire.RefreshAck:
+        """Push a node-specific config and wait for its ack (the caller bounds the wait)."""
+        send, receive = trio.open_memory_channel[wire.RefreshAck](1)
+        self._acks[revision] = send
+        try:
+            await self.send(wire.Refresh(revision=revision, node_config=node_config))
+            with receive:
+                try:
+                    return await receive.receive()
+                except trio.EndOfChannel:
+                    raise SessionClosed(self.node_id) from None
+        finally:
+            self._acks.pop(revision, None)
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def abort(self) -> None:
+        """End the session now (replacement by a newer connection, or Edge shutdown)."""
+        self._scope.cancel()
+
+    async def serve(self, heartbeat_s: float, heartbeat_timeout_s: float) -> None:
+        """Run the session until the peer goes away, misses heartbeats or is replaced."""
+        try:
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._writer)
+
+                    async def reader_then_stop() -> None:
+                        await self._reader()
+                        nursery.cancel_scope.cancel()
+
+                    async def heartbeat_then_stop() -> None:
+                        await self._heartbeat(heartbeat_s, heartbeat_timeout_s)
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(reader_then_stop)
+                    nursery.start_soon(heartbeat_then_stop)
+        except* ConnectionClosed:
+            pass
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.closed.set()
+        self._outbox_send.close()
+        runs, self._runs = self._runs, {}
+        for sink in runs.values():
+            sink.lost()
+        for ack in self._acks.values():
+            ack.close()
+        self._acks.clear()
+
+    async def _writer(self) -> None:
+        async with self._outbox_recv:
+            async for frame in self._outbox_recv:
+                await self.websocket.send_message(frame)
+                while self._pending_cancels:
+                    run_id = self._pending_cancels.pop()
+                    await self.websocket.send_message(wire.encode(wire.Cancel(run_id=run_id)))
+
+    def _deliver(self, event: RunEvent) -> None:
+        """Hand a run event to its sink without ever blocking the reader (Rules 1, 2)."""
+        if isinstance(event, wire.RunChunk):
+            sink = self._runs.get(event.run_id)
+            if sink is not None and not sink.push(event):
+                log.warning("run %s: caller is not reading; cancelling the run", event.run_id)
+                self.cancel_run(event.run_id)
+            return
+        sink = self._runs.pop(event.run_id, None)
+        if sink is not None:  # else: a late event of a run the Edge already gave up on
+            sink.push(event)
+
+    def _route(self, message: wire.NodeToEdge) -> None:
+        match message:
+            case wire.RunChunk() | wire.RunDone() | wire.RunFailed():
+                self._deliver(message)
+            case wire.Status():
+                self._on_status(self.node_id, message)
+            case wire.RefreshAck():
+                ack = self._acks.pop(message.revision, None)
+                if message.ok:
+                    self.applied_revision = max(self.applied_revision, message.revision)
+                if ack is not None:
+                    ack.send_nowait(message)
+                    ack.close()
+            case wire.Reject():
+                log.warning("node %s rejected the session: %s", self.node_id, message.reason)
+                self.abort()
+            case wire.Hello():
+                raise wire.WireError("hello on an established session")
+
+    async def _reader(self) -> None:
+        while True:
+            frame = await self.websocket.get_message()
+            try:
+                message = wire.decode_from_node(frame)
+            except wire.WireError as exc:
+                await reject(self.websocket, "bad_frame", str(exc))
+                return
+            try:
+                self._route(message)
+            except wire.WireError as exc:
+                await reject(self.websocket, "protocol_error", str(exc))
+                return
+
+    async def _heartbeat(self, interval_s: float, timeout_s: float) -> None:
+        while True:
+            await trio.sleep(interval_s)
+            with trio.move_on_after(timeout_s) as scope:
+                await self.websocket.ping()
+            if scope.cancelled_caught:
+                log.warning(
+                    "node %s missed its heartbeat for %.1fs; dropping", self.node_id, timeout_s
+                )
+                return
+
+
+async def reject(websocket: WebSocketConnection, code: str, reason: str) -> None:
+    """Tell the peer why, then close; bounded so a stuck peer cannot hold us."""
+    with trio.move_on_after(2, shield=True):
+        try:
+            await websocket.send_message(wire.encode(wire.Reject(code=code, reason=reason)))
+            await websocket.aclose(code=1008, reason=reason[:120])
+        except ConnectionClosed:
+            pass
