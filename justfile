@@ -21,10 +21,11 @@ demo *ARGS:
 test *ARGS:
     {{python}} -m pytest -q {{ARGS}}
 
-# ruff lint + format check
+# ruff lint + format check + the architecture's import contracts (pyproject.toml)
 lint:
     {{python}} -m ruff check .
     {{python}} -m ruff format --check .
+    {{python}} -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
 
 # static types
 typecheck:
