@@ -164,7 +164,7 @@ class Edge:
                 )
                 continue
             self.scheduler.provider_status(
-                provider.id, provider.health, provider.models, provider.lifecycle
+                provider.id, provider.health, provider.models, provider.lifecycle, provider.detail
             )
 
     def _count_failover(self, model_id: str, provider_id: str) -> None:

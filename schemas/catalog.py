@@ -40,6 +40,9 @@ class CatalogProvider(CatalogRecord, frozen=True, kw_only=True):
     connected: bool
     health: Health
     """`unavailable` whenever the provider's node is disconnected."""
+    health_reason: str | None = None
+    """Why the provider is not `available` (or cannot take runs although it is: cooling
+    down, disabled); null when it is fully in the pool."""
     capacity: int
     in_flight: int
     load_ratio: float | None

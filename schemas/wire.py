@@ -25,7 +25,17 @@ from schemas.config import LifecycleFlag, NodeConfig
 PROTOCOL_VERSION = 1
 
 Operation = Literal["chat", "completion", "embedding"]
-Health = Literal["available", "unavailable", "unknown"]
+Health = Literal["available", "busy", "draining", "unavailable", "unknown"]
+"""A provider's health as its Node sees it (SPEC §4 item 11, §12):
+
+- `available`: answers its probes; takes runs up to capacity.
+- `busy`: a probe timed out while runs on it were still producing output. The runtime is
+  alive and generating (llama.cpp's server stops answering model-list calls meanwhile);
+  it stays in the pool up to capacity.
+- `draining`: its Node is shutting down; it finishes what it runs and takes nothing new.
+- `unavailable`: down (refused, probes failing with nothing in flight, runs stalled).
+- `unknown`: not probed yet (a node that just connected).
+"""
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):

@@ -12,13 +12,14 @@ Rule 1. Everything a decision depends on is in the views and arguments. A view i
 Rule 2. Eligibility is "could this provider take this run at all right now?". A
         provider is *ineligible* when it was already tried for this run (`exclude`),
         is not configured, its node is disconnected, it is disabled, its health is
-        `unavailable`, it is cooling down after failures, or the run is long and it
-        has `long_context_slots: 0`. When every provider of a model is ineligible the
+        `unavailable` or `draining`, it is cooling down after failures, or the run is
+        long and it has `long_context_slots: 0`. When every provider of a model is ineligible the
         answer is `Refuse`, with a reason naming why: waiting could not help.
 
 Rule 3. An eligible provider is *admissible* when it has a free slot for this run:
-        health `available` (a provider whose node just connected is `unknown` until
-        its first status: eligible, so requests wait for it, but not admissible);
+        health `available` or `busy` (busy is alive: generating, too busy to answer a
+        probe); a provider whose node just connected is `unknown` until its first
+        status: eligible, so requests wait for it, but not admissible;
         `in_flight < capacity` (a capacity shrunk below `in_flight` admits nothing
         until enough runs finish); for a long run with `long_context_slots` set, also
         `long_in_flight < long_context_slots` (null: a long run needs only a regular
@@ -62,6 +63,7 @@ Ineligible = Literal[
     "disconnected",
     "disabled",
     "unavailable",
+    "draining",
     "cooling_down",
     "no_long_runs",
 ]
@@ -73,6 +75,7 @@ INELIGIBLE_DETAIL: dict[Ineligible, str] = {
     "disconnected": "node disconnected",
     "disabled": "disabled",
     "unavailable": "unavailable",
+    "draining": "draining",
     "cooling_down": "cooling down after failures",
     "no_long_runs": "takes no long-context runs",
 }
@@ -84,6 +87,7 @@ _ALL_INELIGIBLE: dict[Ineligible, str] = {
     "disconnected": "no provider of model {model!r} is connected",
     "disabled": "every provider of model {model!r} is disabled",
     "unavailable": "no provider of model {model!r} is available",
+    "draining": "every provider of model {model!r} is draining",
     "cooling_down": "every provider of model {model!r} is cooling down after failures",
     "no_long_runs": "no provider of model {model!r} accepts long-context runs",
 }
@@ -128,6 +132,9 @@ class PassiveHealth:
 
 _HEALTHY = PassiveHealth()
 
+#: Health states that take runs (Rule 3).
+_ADMITTING: frozenset[Health] = frozenset({"available", "busy"})
+
 
 @dataclass(frozen=True, slots=True)
 class ProviderView:
@@ -164,6 +171,8 @@ def ineligibility(view: ProviderView, *, long: bool) -> Ineligible | None:
         return "disabled"
     if view.health == "unavailable":
         return "unavailable"
+    if view.health == "draining":
+        return "draining"
     if view.breaker == "open":
         return "cooling_down"
     if long and view.long_context_slots == 0:
@@ -173,7 +182,7 @@ def ineligibility(view: ProviderView, *, long: bool) -> Ineligible | None:
 
 def is_admissible(view: ProviderView, *, long: bool) -> bool:
     """Whether an eligible `view` has a free slot for this run now (Rule 3)."""
-    if view.health != "available" or view.breaker not in ("closed", "half_open"):
+    if view.health not in _ADMITTING or view.breaker not in ("closed", "half_open"):
         return False
     if view.in_flight >= view.capacity:
         return False

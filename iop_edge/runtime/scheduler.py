@@ -172,6 +172,7 @@ class _ProviderState:
 
     __slots__ = (
         "config",
+        "detail",
         "discovered",
         "discovered_lifecycle",
         "health",
@@ -191,6 +192,8 @@ class _ProviderState:
         self.limiter = trio.CapacityLimiter(config.capacity)
         self.long_limiter = trio.CapacityLimiter(_long_total(config))
         self.health: Health = "unknown"
+        self.detail: str | None = None
+        """The Node's reason for `health`, from its last `status`."""
         self.discovered: list[str] = []
         self.discovered_lifecycle: list[LifecycleFlag] | None = None
         self.passive = PassiveHealth()
@@ -381,6 +384,7 @@ class Scheduler:
         affected = [state for state in self._states.values() if state.node_id == node_id]
         for state in affected:
             state.health = health
+            state.detail = None
             state.discovered = []
             state.discovered_lifecycle = None
         self._serve(self._models_serving(state.id for state in affected))
@@ -391,13 +395,15 @@ class Scheduler:
         health: Health,
         models: list[str],
         lifecycle: Sequence[LifecycleFlag] | None = None,
+        detail: str | None = None,
     ) -> None:
-        """A provider's health, discovered models and lifecycle operations, from its node's
-        `status` message."""
+        """A provider's health (and the Node's reason for it), discovered models and
+        lifecycle operations, from its node's `status` message."""
         state = self._states.get(provider_id)
         if state is None or state.removed:
             return
         state.health = health
+        state.detail = detail
         state.discovered = list(models)
         state.discovered_lifecycle = None if lifecycle is None else list(lifecycle)
         self._serve(self._models_serving((provider_id,)))
@@ -695,6 +701,7 @@ class Scheduler:
             for model_id in self._models_of.get(state.id, ())
             for waiter in self._queues.get(model_id, ())
         )
+        cooling_down = state.passive.breaker(now=now, probing=state.trial is not None) == "open"
         return CatalogProvider(
             id=state.id,
             node_id=state.node_id,
@@ -703,6 +710,7 @@ class Scheduler:
             enabled=config.enabled,
             connected=connected,
             health=state.health if connected else "unavailable",
+            health_reason=_health_reason(state, connected=connected, cooling_down=cooling_down),
             capacity=config.capacity,
             in_flight=in_flight,
             load_ratio=in_flight / config.capacity if config.capacity > 0 else None,
@@ -718,9 +726,24 @@ class Scheduler:
                 if state.discovered_lifecycle is None or not connected
                 else _catalog_lifecycle(state.discovered_lifecycle)
             ),
-            cooling_down=state.passive.breaker(now=now, probing=state.trial is not None) == "open",
+            cooling_down=cooling_down,
             consecutive_failures=state.passive.consecutive_failures,
         )
+
+
+def _health_reason(state: _ProviderState, *, connected: bool, cooling_down: bool) -> str | None:
+    """Why the provider is not fully in the pool (SPEC §12), or None when it is."""
+    if not connected:
+        return "node disconnected"
+    if cooling_down:
+        return f"cooling down after {state.passive.consecutive_failures} consecutive failures"
+    if not state.config.enabled:
+        return "disabled in config"
+    if state.health == "available":
+        return None
+    if state.health == "unknown":
+        return state.detail or "waiting for the node's first health report"
+    return state.detail or state.health
 
 
 def _catalog_lifecycle(flags: Iterable[LifecycleFlag]) -> CatalogLifecycle:
