@@ -36,13 +36,10 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import trio
-import wsproto.events
-import wsproto.utilities
 from trio_websocket import (
-    CloseReason,
     ConnectionClosed,
     ConnectionRejected,
     ConnectionTimeout,
@@ -52,6 +49,7 @@ from trio_websocket import (
 )
 
 from iop_node.backoff import Backoff, BackoffPolicy
+from iop_node.batch import RunEventBatch
 from iop_node.health import DEFAULT_PROBE_TIMEOUT_S, HealthMonitor
 from iop_node.registry import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -62,8 +60,10 @@ from iop_node.registry import (
     RegistryManager,
     create_adapter,
 )
+from iop_node.runner import Outbound
 from schemas.config import NodeConfig
 from schemas.wire import (
+    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Cancel,
     EdgeToNode,
@@ -85,12 +85,8 @@ log = logging.getLogger(__name__)
 
 #: Messages queued for the writer; producers wait (back-pressure) when it is full.
 OUTBOX_SIZE = 256
-#: Bounds on what the writer sends with one write to the socket (see `_FrameSender`).
-BATCH_MAX_MESSAGES = 64
-BATCH_MAX_BYTES = 256 * 1024
 #: Runs carry whole request bodies; the library default (1 MiB) is too small for them.
-#: The same bound as the Edge's.
-MAX_FRAME_BYTES = 64 * 1024 * 1024
+MAX_FRAME_BYTES = MAX_MESSAGE_BYTES
 #: Bytes asked of the socket per read. The library default (4 KiB) splits every request
 #: body of a few KiB into several reads, each a trip through the event loop; the Edge
 #: reads with the same size.
@@ -107,9 +103,6 @@ HEARTBEAT_MISSES = 3
 
 _GOING_AWAY = 1001
 _PROTOCOL_ERROR = 1002
-_ABNORMAL_CLOSURE = 1006
-#: Why a write failed when the library has not recorded a reason (yet).
-_BROKEN = CloseReason(_ABNORMAL_CLOSURE, "connection broke while sending")
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,8 +268,7 @@ class _Session:
         self._stop_requested = stop_requested
         self._ws = ws
         self._welcome = welcome
-        self._outbox, self._outbox_out = trio.open_memory_channel[Message](OUTBOX_SIZE)
-        self._sender = _FrameSender(ws)
+        self._outbox, self._outbox_out = trio.open_memory_channel[Outbound](OUTBOX_SIZE)
         self._nursery: trio.Nursery | None = None
         self._registries: RegistryManager | None = None
         self._health_scope: trio.CancelScope | None = None
@@ -313,43 +305,49 @@ class _Session:
 
     # --- outbound ----------------------------------------------------------------------
 
-    async def send(self, message: Message) -> None:
-        """Queue `message` for the writer; dropped quietly once the session is closing.
+    async def send(self, item: Outbound) -> None:
+        """Queue a message or chunk for the writer; dropped quietly once closing.
 
         Does not yield while the outbox has room: a stream's chunks that arrived in one
-        upstream read are all queued before the writer runs, so they leave in one write
-        (see `_write`). The producer still yields at its next read of the upstream, and
-        waits here (back-pressure) only when the outbox is full."""
+        upstream read are all queued before the writer runs, so they leave in one
+        message (see `_write`). The producer still yields at its next read of the
+        upstream, and waits here (back-pressure) only when the outbox is full."""
         try:
             try:
-                self._outbox.send_nowait(message)
+                self._outbox.send_nowait(item)
             except trio.WouldBlock:
-                await self._outbox.send(message)
+                await self._outbox.send(item)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            log.debug("session closing: dropped %s", type(message).__name__)
+            log.debug("session closing: dropped %s", type(item).__name__)
 
     async def _write(self) -> None:
-        """The only task that sends messages: each wake-up sends what the outbox holds.
+        """The only task that sends on the websocket: each wake-up sends what is queued.
 
-        A stream puts one `run_chunk` per token in the outbox; while one batch is being
-        written, the next ones queue up, and they go out together with one write (see
-        `_FrameSender`). Nothing waits for a batch to fill: the first message of a batch
-        is sent as soon as it arrives, so batching never adds latency, and it grows only
-        when producers are ahead of the socket."""
+        The run events among the queued items (chunks of any run, run ends) leave as one
+        `run_events` message (`batch.RunEventBatch`); other messages follow it one by
+        one. Nothing waits for a batch to fill: the first item is sent as soon as it
+        arrives, so batching never adds latency, and a batch grows only when producers
+        are ahead of the socket."""
         outbox = self._outbox_out
         async with outbox:
             try:
-                async for message in outbox:
-                    frames = [encode(message)]
-                    size = len(frames[0])
-                    while len(frames) < BATCH_MAX_MESSAGES and size < BATCH_MAX_BYTES:
+                async for first in outbox:
+                    batch = RunEventBatch()
+                    others: list[Message] = []
+                    item: Outbound = first
+                    while True:
+                        if not batch.add(item):
+                            others.append(cast(Message, item))
+                        if batch.full:
+                            break
                         try:
-                            frame = encode(outbox.receive_nowait())
+                            item = outbox.receive_nowait()
                         except (trio.WouldBlock, trio.EndOfChannel):
                             break
-                        frames.append(frame)
-                        size += len(frame)
-                    await self._sender.send(frames)
+                    if batch:
+                        await self._ws.send_message(encode(batch.message()))
+                    for message in others:
+                        await self._ws.send_message(encode(message))
             except ConnectionClosed as exc:
                 self._end(f"connection to the edge closed: {_describe(exc)}")
                 return
@@ -526,61 +524,6 @@ class _Session:
             )
         await self._registries.aclose()
         self._close("node stopped", _GOING_AWAY)
-
-
-class _FrameSender:
-    """Send several binary websocket messages with one write to the socket.
-
-    trio-websocket sends every message with its own `send_all`: one system call, one TCP
-    segment and one wake-up of the Edge's reader per message, and for a stream that is
-    one per token. Profiles of a streaming Node showed that path as its largest cost. The
-    library has no call to send several messages at once, so this one frames each message
-    with the connection's own wsproto state and writes the frames with a single
-    `send_all` under the connection's send lock: exactly what the library's `_send` does
-    for one message. The bytes on the wire are the frames `send_message` would write, in
-    the same order, so the Edge sees the very same websocket messages.
-
-    That reaches into the connection's private attributes (trio-websocket 0.12). They are
-    looked up once, here; with a library version that lacks any of them, `send` falls
-    back to one `send_message` per frame, which is slower and equally correct.
-    """
-
-    def __init__(self, ws: WebSocketConnection) -> None:
-        self._ws = ws
-        self._batching = all(hasattr(ws, name) for name in ("_wsproto", "_stream", "_stream_lock"))
-
-    @property
-    def batching(self) -> bool:
-        """Whether messages are written together (False: the library's own path)."""
-        return self._batching
-
-    async def send(self, frames: list[bytes]) -> None:
-        """Send each of `frames` as one binary message, in order.
-
-        Raises `ConnectionClosed` when the connection is closed or breaks, as
-        `send_message` does."""
-        ws = self._ws
-        if not self._batching or len(frames) == 1:
-            for frame in frames:
-                await ws.send_message(frame)
-            return
-        if ws.closed is not None:
-            raise ConnectionClosed(ws.closed)
-        protocol = ws._wsproto
-        try:
-            data = b"".join(
-                protocol.send(wsproto.events.BytesMessage(data=frame)) for frame in frames
-            )
-        except wsproto.utilities.LocalProtocolError:
-            # A closing handshake was started (by an abort) but not yet recorded.
-            raise ConnectionClosed(ws.closed or _BROKEN) from None
-        async with ws._stream_lock:
-            try:
-                await ws._stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                # The reader notices the broken socket too and records why; the session
-                # ends either way.
-                raise ConnectionClosed(ws.closed or _BROKEN) from None
 
 
 class _Once:

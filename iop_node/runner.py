@@ -17,6 +17,11 @@ the adapter does, the Edge hears exactly one of:
 
 Only a cancellation from *outside* the run (the session ending) sends nothing: the
 connection the answer would travel on is gone, and the Edge fails the run itself.
+
+Everything the run sends is shaped for the caller first (`reply.ReplyShaper`: the
+caller's alias, usage kept and its chunk stripped when not asked for, stream chunks
+framed as server-sent events), so the Edge relays bytes. Chunks leave as `Chunk` items;
+the session's writer batches them into `run_events` messages.
 """
 
 from __future__ import annotations
@@ -28,12 +33,23 @@ from dataclasses import dataclass, field
 import trio
 
 from iop_node.adapters.base import Adapter, AdapterError, RunResult
-from schemas.wire import FailureCode, Message, Run, RunChunk, RunDone, RunFailed
+from iop_node.reply import NotAnObject, ReplyShaper
+from schemas.wire import FailureCode, Message, Run, RunDone, RunFailed
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[Message], Awaitable[None]]
-"""Queue one message for the Edge (the session's single writer sends it)."""
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Caller-ready bytes of one run on their way to the writer, which batches them."""
+
+    run_id: str
+    data: bytes
+
+
+Outbound = Message | Chunk
+Send = Callable[[Outbound], Awaitable[None]]
+"""Queue one message or chunk for the Edge (the session's single writer sends it)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -76,9 +92,16 @@ async def execute_run(run: Run, adapter: Adapter | None, handle: RunHandle, send
 
 
 async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) -> Message:
+    shaper = ReplyShaper(run)
+
     async def emit(data: bytes) -> None:
-        handle.emitted = True
-        await send(RunChunk(run_id=run.run_id, data=data))
+        try:
+            event = shaper.event(data)
+        except NotAnObject as exc:
+            raise _broken_output(handle, f"a chunk is {exc}") from None
+        if event is not None:
+            handle.emitted = True
+            await send(Chunk(run.run_id, event))
 
     result: RunResult | None = None
     failure: RunFailed | None = None
@@ -99,7 +122,20 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
         return failure
     if result is None:  # only a misbehaving adapter that swallowed our cancellation
         return _failed(run, handle, FailureCode.INTERNAL, "adapter returned no result")
-    return RunDone(run_id=run.run_id, usage=result.usage, response=result.response)
+    response = result.response
+    if response is not None:
+        try:
+            response = shaper.response(response)
+        except NotAnObject as exc:
+            return _failure(run, handle, _broken_output(handle, f"the response is {exc}"))
+    return RunDone(run_id=run.run_id, usage=result.usage or shaper.usage, response=response)
+
+
+def _broken_output(handle: RunHandle, what: str) -> AdapterError:
+    """The upstream's output cannot be shaped for the caller (`reply`, Rule 4)."""
+    if handle.emitted:
+        return AdapterError(FailureCode.UPSTREAM_STREAM_ERROR, f"upstream output broke: {what}")
+    return AdapterError(FailureCode.UPSTREAM_ERROR, f"bad upstream output: {what}", retryable=True)
 
 
 def _failure(run: Run, handle: RunHandle, exc: Exception) -> RunFailed:

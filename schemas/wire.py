@@ -7,9 +7,16 @@ reused by everyone. Unknown fields are ignored (an older peer skips what a newer
 adds); an unknown `type` or a malformed frame raises `WireError`, which the receiver turns
 into a `reject`/close with the reason instead of crashing.
 
-Payloads that are OpenAI JSON (`run.body`, `run_chunk.data`, `run_done.response`) travel
-as raw JSON bytes: the Node hands them to the upstream as they are, and nobody re-encodes
-JSON in between.
+Payloads travel as raw bytes, never re-encoded in between: `run.body` is the caller's
+OpenAI JSON request (the Node hands it to the upstream as it is); what comes back is
+already shaped for the caller by the Node (SPEC §3, revision 2): every chunk and response
+carries the caller's alias in `model`, and stream chunks arrive framed as server-sent
+events, so the Edge writes them to the caller without parsing them.
+
+Run events travel in batches (`run_events`): everything a Node's writer finds queued in
+one pass, chunks of several runs and the ends of runs, leaves as one websocket message.
+Per-token work scales out with the Nodes; the Edge pays one parse and one scheduling pass
+per batch, not per token.
 """
 
 from __future__ import annotations
@@ -21,8 +28,15 @@ import msgspec
 
 from schemas.config import LifecycleFlag, NodeConfig
 
-#: Bumped on any incompatible change; travels in `hello` and `welcome`.
-PROTOCOL_VERSION = 1
+#: Bumped on any incompatible change; travels in `hello` and `welcome`. A peer speaking
+#: another version is refused at the handshake with a reason naming both versions.
+#: 2: batched run events (`run_events`), Node-side shaping (`run.reply_model`,
+#: `run.strip_usage`, chunks framed as server-sent events).
+PROTOCOL_VERSION = 2
+
+#: The largest websocket message either side accepts (a run carries a whole request body;
+#: a batch or a non-stream response can be large).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 Operation = Literal["chat", "completion", "embedding"]
 Health = Literal["available", "busy", "draining", "unavailable", "unknown"]
@@ -81,18 +95,21 @@ class Run(Message, tag="run", frozen=True, kw_only=True):
     run_id: str
     provider_id: str
     target: str
+    """The served model name upstream (the Edge mapped the alias; the Node never does)."""
     operation: Operation
     body: bytes
     stream: bool = False
+    reply_model: str = ""
+    """The alias the caller asked for: the Node writes it into every chunk and response
+    (empty: leave `model` as the upstream wrote it)."""
+    strip_usage: bool = False
+    """The caller did not ask for usage in its stream: the Node drops the usage-only
+    chunk it asked the upstream for on the Edge's behalf (and reports usage in
+    `run_done`)."""
 
 
 class Cancel(Message, tag="cancel", frozen=True, kw_only=True):
     run_id: str
-
-
-class RunChunk(Message, tag="run_chunk", frozen=True, kw_only=True):
-    run_id: str
-    data: bytes
 
 
 class RunDone(Message, tag="run_done", frozen=True, kw_only=True):
@@ -177,6 +194,18 @@ class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
     status: int | None = None
 
 
+class RunEvents(Message, tag="run_events", frozen=True, kw_only=True):
+    """Run events of one writer pass (Node -> Edge).
+
+    `chunks`: per run, caller-ready bytes (one or more complete server-sent events,
+    `data: {...}\n\n`), in the order they were produced; a run appears at most once.
+    `ends`: runs that ended, applied after every chunk of this message (a run's end never
+    comes before its chunks)."""
+
+    chunks: list[tuple[str, bytes]] = []
+    ends: list[RunDone | RunFailed] = []
+
+
 # --- config and health -----------------------------------------------------------------
 
 
@@ -206,7 +235,7 @@ class Status(Message, tag="status", frozen=True, kw_only=True):
 
 
 EdgeToNode = Welcome | Reject | Run | Cancel | Refresh
-NodeToEdge = Hello | Reject | RunChunk | RunDone | RunFailed | RefreshAck | Status
+NodeToEdge = Hello | Reject | RunEvents | RefreshAck | Status
 
 
 class WireError(Exception):

@@ -50,7 +50,6 @@ from iop_edge.http.errors import (
     model_not_found,
     run_failure_error,
 )
-from iop_edge.http.relabel import BadPayload, relabel
 from iop_edge.runtime.dispatch import (
     CALLER_GONE,
     INTERNAL_ERROR,
@@ -367,67 +366,72 @@ class RunEndpoints:
     async def _respond(self, run: Run, reply: _Reply, timing: _Timing) -> None:
         """A non-stream run: one JSON body (or the run's failure as an OpenAI error)."""
         event = await run.next_event()
-        while isinstance(event, wire.RunChunk):  # a non-stream run carries none; skip strays
+        while isinstance(event, bytes):  # a non-stream run carries none; skip strays
             event = await run.next_event()
-        payload = b""
         if isinstance(event, wire.RunFailed):
-            error: ApiError | None = run_failure_error(event, run.provider_id)
-        else:
-            error = None
-            try:
-                if event.response is None:
-                    raise BadPayload("no response body")
-                payload = relabel(event.response, run.plan.model_id, strip_usage=False) or b"{}"
-            except BadPayload as exc:
-                failure = run.reject_payload(wire.FailureCode.BAD_RESPONSE, str(exc))
-                error = ApiError(
-                    502,
-                    f"provider '{run.provider_id}' returned a bad response: {failure.message}",
-                    type="api_error",
-                    code=failure.code,
-                )
-        if error is not None:
+            await self._refuse(run, run_failure_error(event, run.provider_id), reply, timing)
+            return
+        payload = event.response
+        if payload is None or not _is_json_object(payload):
+            problem = "no response body" if payload is None else "not a JSON object"
+            failure = run.reject_payload(wire.FailureCode.BAD_RESPONSE, problem)
+            error = ApiError(
+                502,
+                f"provider '{run.provider_id}' returned a bad response: {failure.message}",
+                type="api_error",
+                code=failure.code,
+            )
             await self._refuse(run, error, reply, timing)
-        else:
-            run.end(Outcome(200))
-            await reply.json(payload, timing)
+            return
+        run.end(Outcome(200))
+        await reply.json(payload, timing)
 
     async def _relay_stream(self, run: Run, reply: _Reply, timing: _Timing) -> None:
-        """Relay a stream run as server-sent events, ending with `[DONE]`.
+        """Relay a stream run's events as they come, ending with `[DONE]`.
 
-        Chunks that are already here go out in one write: when the caller's side is
-        slower than the provider, the per-chunk cost stays flat."""
-        alias = run.plan.model_id
-        strip_usage = not run.plan.caller_wants_usage
+        The Node sends events ready for the caller (SSE-framed, with the caller's alias);
+        the Edge checks their framing and writes them as they are. What is already here
+        goes out in one write: when the caller's side is slower than the provider, the
+        cost per event stays flat."""
         await reply.start_stream(timing)
         event: RunEvent = await run.next_event()
         while True:
-            frames = []
-            while isinstance(event, wire.RunChunk):
-                try:
-                    payload = relabel(event.data, alias, strip_usage=strip_usage)
-                except BadPayload as exc:
+            pending: list[bytes] = []
+            while isinstance(event, bytes):
+                if not _is_sse_events(event):
                     # End the stream properly; the run may still be live on the Node, and
                     # ending it below cancels it there.
-                    event = run.reject_payload(wire.FailureCode.BAD_CHUNK, f"bad chunk: {exc}")
+                    event = run.reject_payload(
+                        wire.FailureCode.BAD_CHUNK, "events not framed as server-sent events"
+                    )
                     break
-                if payload is not None:
-                    frames.append(b"data: " + payload + b"\n\n")
+                pending.append(event)
                 try:
                     event = run.next_event_nowait()
                 except trio.WouldBlock:
-                    await reply.stream(b"".join(frames))
-                    frames = []
+                    await reply.stream(pending[0] if len(pending) == 1 else b"".join(pending))
+                    pending = []
                     event = await run.next_event()
             outcome = Outcome(200)
             if isinstance(event, wire.RunFailed):
                 error = run_failure_error(event, run.provider_id)
                 outcome = Outcome(error.status, error.code)
-                frames.append(b"data: " + error.body() + b"\n\n")
-            frames.append(_SSE_DONE)
+                pending.append(b"data: " + error.body() + b"\n\n")
+            pending.append(_SSE_DONE)
             run.end(outcome)
-            await reply.finish(b"".join(frames))
+            await reply.finish(b"".join(pending))
             return
+
+
+def _is_sse_events(data: bytes) -> bool:
+    """Whether `data` looks like whole server-sent data events (a framing check, O(1))."""
+    return data.startswith(b"data: ") and data.endswith(b"\n\n")
+
+
+def _is_json_object(data: bytes) -> bool:
+    """Whether `data` is framed as a JSON object (its ends, not its contents)."""
+    body = data.strip()
+    return body.startswith(b"{") and body.endswith(b"}")
 
 
 async def _cancel_on_disconnect(

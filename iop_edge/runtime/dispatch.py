@@ -24,9 +24,12 @@ Rules:
    hands exactly one `RunRecord` to metering. The server of the request calls it on every
    path it knows and once more in a `finally` (`CALLER_GONE`, `INTERNAL_ERROR`) for the
    paths it does not: a run is metered even when its caller left before the first event.
-5. A run whose consumer falls a whole buffer behind is given up at once: its slot is
-   released while the consumer may still be stuck on its socket, the Node cancels it,
-   and the consumer's next read says `caller_too_slow`.
+5. A run whose consumer falls a whole buffer behind (`RUN_BUFFER_BYTES` of events, or
+   `RUN_BUFFER_ITEMS` batches) is given up at once: its slot is released while the
+   consumer may still be stuck on its socket, the Node cancels it, and the consumer's
+   next read says `caller_too_slow`.
+6. What a run hears is caller-ready bytes (server-sent events the Node shaped) and then
+   one end; the Edge does not parse them (SPEC §3 revision 2).
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ from schemas import wire
 __all__ = [
     "CALLER_GONE",
     "INTERNAL_ERROR",
-    "RUN_EVENT_BUFFER",
+    "RUN_BUFFER_BYTES",
+    "RUN_BUFFER_ITEMS",
     "Dispatcher",
     "Outcome",
     "Run",
@@ -60,8 +64,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Chunks a run buffers for a consumer that is slower than its provider (Rule 5).
-RUN_EVENT_BUFFER: Final = 1024
+#: What a run buffers for a consumer that is slower than its provider (Rule 5).
+RUN_BUFFER_BYTES: Final = 4 * 1024 * 1024
+RUN_BUFFER_ITEMS: Final = 1024
 
 _json_encode = msgspec.json.Encoder().encode
 
@@ -134,7 +139,16 @@ class _Attempt:
     The session delivers events here (`RunSink`) without ever blocking; the run reads
     them from the channel."""
 
-    __slots__ = ("_give_up", "end_reason", "lease", "receive", "send", "session", "wire_id")
+    __slots__ = (
+        "_give_up",
+        "buffered",
+        "end_reason",
+        "lease",
+        "receive",
+        "send",
+        "session",
+        "wire_id",
+    )
 
     def __init__(
         self, wire_id: str, lease: Lease, session: NodeSession, give_up: Callable[[], None]
@@ -142,29 +156,33 @@ class _Attempt:
         self.wire_id = wire_id
         self.lease = lease
         self.session = session
-        # One spare slot so the terminal event always fits behind a full buffer of chunks.
-        self.send, self.receive = trio.open_memory_channel[RunEvent](RUN_EVENT_BUFFER + 1)
+        # One spare slot so the end always fits behind a full buffer of chunks.
+        self.send, self.receive = trio.open_memory_channel[RunEvent](RUN_BUFFER_ITEMS + 1)
+        self.buffered = 0
+        """Bytes delivered and not yet read by the run."""
         self.end_reason: wire.RunFailed | None = None
         self._give_up = give_up
 
     # --- RunSink --------------------------------------------------------------------
 
     def push(self, event: RunEvent) -> bool:
-        chunk = isinstance(event, wire.RunChunk)
-        if chunk and self.send.statistics().current_buffer_used >= RUN_EVENT_BUFFER:
-            self.end_reason = _failed(
-                self.wire_id,
-                wire.FailureCode.CALLER_TOO_SLOW,
-                f"the caller fell {RUN_EVENT_BUFFER} chunks behind the provider",
-            )
-            self.send.close()
-            self._give_up()
-            return False
+        if isinstance(event, bytes):
+            self.buffered += len(event)
+            behind = self.send.statistics().current_buffer_used >= RUN_BUFFER_ITEMS
+            if behind or self.buffered > RUN_BUFFER_BYTES:
+                self.end_reason = _failed(
+                    self.wire_id,
+                    wire.FailureCode.CALLER_TOO_SLOW,
+                    f"the caller fell {self.buffered} bytes of events behind the provider",
+                )
+                self.send.close()
+                self._give_up()
+                return False
         try:
             self.send.send_nowait(event)
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the run already stopped reading: its end has been decided
-        if not chunk:
+        if not isinstance(event, bytes):
             self.send.close()
         return True
 
@@ -241,31 +259,33 @@ class Run:
             event = await attempt.receive.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             event = self._ended_without_terminal(attempt)
-        return self._seen(event)
+        return self._seen(event, attempt)
 
     def next_event_nowait(self) -> RunEvent:
         """The next event if one is already here (lets callers coalesce), else raise
         `trio.WouldBlock`."""
+        attempt = self._require_attempt()
         if self._first is not None:
             first, self._first = self._first, None
-            return self._seen(first)
-        attempt = self._require_attempt()
+            return self._seen(first, attempt)
         try:
             event = attempt.receive.receive_nowait()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             event = self._ended_without_terminal(attempt)
-        return self._seen(event)
+        return self._seen(event, attempt)
 
     def reject_payload(self, code: wire.FailureCode, message: str) -> wire.RunFailed:
-        """The Edge found what the Node sent unusable (not OpenAI JSON): the run fails
-        here, counts against the provider, and is cancelled on the Node when it ends."""
+        """The Edge found what the Node sent unusable (not framed as events, not a JSON
+        object): the run fails here, counts against the provider, and is cancelled on the
+        Node when it ends."""
         attempt = self._require_attempt()
         failure = _failed(attempt.wire_id, code, message)
         self._dispatcher.note_failure(self._provider_id, failure)
         return failure
 
-    def _seen(self, event: RunEvent) -> RunEvent:
-        if isinstance(event, wire.RunChunk):
+    def _seen(self, event: RunEvent, attempt: _Attempt) -> RunEvent:
+        if isinstance(event, bytes):
+            attempt.buffered -= len(event)
             return event
         self._live_on_node = False
         if isinstance(event, wire.RunDone):
@@ -434,6 +454,8 @@ class Dispatcher:
             operation=plan.operation,
             body=_json_encode(plan.body),
             stream=plan.stream,
+            reply_model=plan.model_id,
+            strip_usage=plan.stream and not plan.caller_wants_usage,
         )
         sent_at = time.perf_counter()
         try:

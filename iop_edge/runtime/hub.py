@@ -35,7 +35,6 @@ from schemas.config import NodeConfig
 
 log = logging.getLogger(__name__)
 
-RunEvent = wire.RunChunk | wire.RunDone | wire.RunFailed
 
 MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
 #: The message limit before a peer's `hello` checked out (a `hello` is a few hundred bytes):

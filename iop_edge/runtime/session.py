@@ -30,7 +30,10 @@ from schemas.config import NodeConfig
 
 log = logging.getLogger(__name__)
 
-RunEvent = wire.RunChunk | wire.RunDone | wire.RunFailed
+RunEnd = wire.RunDone | wire.RunFailed
+RunEvent = bytes | RunEnd
+"""What a run hears: caller-ready bytes (server-sent events, shaped by the Node), then
+one end."""
 
 #: Frames queued for the writer; senders wait (back-pressure) when it is full.
 OUTBOX_SIZE: Final = 256
@@ -213,21 +216,25 @@ class NodeSession:
                     run_id = self._pending_cancels.pop()
                     await self.websocket.send_message(wire.encode(wire.Cancel(run_id=run_id)))
 
-    def _deliver(self, event: RunEvent) -> None:
-        """Hand a run event to its sink without ever blocking the reader (Rules 1, 2)."""
-        if isinstance(event, wire.RunChunk):
-            sink = self._runs.get(event.run_id)
-            if sink is not None and not sink.push(event):
-                log.warning("run %s: caller is not reading; cancelling the run", event.run_id)
-                self.cancel_run(event.run_id)
-            return
-        sink = self._runs.pop(event.run_id, None)
-        if sink is not None:  # else: a late event of a run the Edge already gave up on
-            sink.push(event)
+    def _deliver(self, events: wire.RunEvents) -> None:
+        """Hand each run its events without ever blocking the reader (Rules 1, 2).
+
+        A run's chunks of one batch arrive as one piece of bytes; the ends come after
+        every chunk. Events of runs the Edge already gave up on are dropped."""
+        runs = self._runs
+        for run_id, data in events.chunks:
+            sink = runs.get(run_id)
+            if sink is not None and not sink.push(data):
+                log.warning("run %s: caller is not reading; cancelling the run", run_id)
+                self.cancel_run(run_id)
+        for end in events.ends:
+            sink = runs.pop(end.run_id, None)
+            if sink is not None:
+                sink.push(end)
 
     def _route(self, message: wire.NodeToEdge) -> None:
         match message:
-            case wire.RunChunk() | wire.RunDone() | wire.RunFailed():
+            case wire.RunEvents():
                 self._deliver(message)
             case wire.Status():
                 self._on_status(self.node_id, message)

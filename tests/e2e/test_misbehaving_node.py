@@ -14,7 +14,7 @@ from schemas import wire
 from tests.e2e.stack import NODE_TOKEN, Stack, edge_config, sim_provider, start_stack
 
 OnMessage = Callable[[WebSocketConnection, wire.EdgeToNode], Awaitable[None]]
-GOOD_CHUNK = b'{"choices":[{"index":0,"delta":{"content":"hi"}}],"model":"sim-small"}'
+GOOD_EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}],"model":"m"}\n\n'
 
 
 async def _hand_driven_node(
@@ -55,8 +55,9 @@ async def test_bad_chunk_ends_the_stream_with_an_error_and_cancels_the_run(
 
     async def on_message(ws: WebSocketConnection, message: wire.EdgeToNode) -> None:
         if isinstance(message, wire.Run):
-            for data in (GOOD_CHUNK, b"not json"):
-                await ws.send_message(wire.encode(wire.RunChunk(run_id=message.run_id, data=data)))
+            for data in (GOOD_EVENT, b"not framed as events"):
+                batch = wire.RunEvents(chunks=[(message.run_id, data)])
+                await ws.send_message(wire.encode(batch))
         elif isinstance(message, wire.Cancel):
             cancelled.set()
 
@@ -73,13 +74,51 @@ async def test_bad_chunk_ends_the_stream_with_an_error_and_cancels_the_run(
     assert await _statuses(stack) == [502]
 
 
+async def test_a_malformed_batch_ends_only_its_own_run(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Two streams share each batch; one run's bytes are broken, the other's flow on."""
+    runs: dict[str, str] = {}  # "good"/"bad" -> run id
+
+    async def on_message(ws: WebSocketConnection, message: wire.EdgeToNode) -> None:
+        if not isinstance(message, wire.Run):
+            return
+        runs["bad" if b'"bad"' in message.body else "good"] = message.run_id
+        if len(runs) < 2:
+            return
+        good, bad = runs["good"], runs["bad"]
+        batch = wire.RunEvents(chunks=[(good, GOOD_EVENT), (bad, b"garbage")])
+        await ws.send_message(wire.encode(batch))
+        ends = [wire.RunDone(run_id=good), wire.RunDone(run_id=bad)]
+        await ws.send_message(wire.encode(wire.RunEvents(chunks=[(good, GOOD_EVENT)], ends=ends)))
+
+    stack = await _stack(nursery, tmp_path, on_message)
+
+    async def stream(content: str, into: list[str]) -> None:
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": content}]}
+        async with (
+            stack.http() as http,
+            http.stream("POST", "/v1/chat/completions", json=body) as r,
+        ):
+            into.extend([line async for line in r.aiter_lines() if line.startswith("data: ")])
+
+    good_events: list[str] = []
+    bad_events: list[str] = []
+    async with trio.open_nursery() as callers:
+        callers.start_soon(stream, "good", good_events)
+        callers.start_soon(stream, "bad", bad_events)
+    assert good_events == [GOOD_EVENT.decode().strip()] * 2 + ["data: [DONE]"]
+    assert '"code":"bad_chunk"' in bad_events[0] and bad_events[1:] == ["data: [DONE]"]
+    assert sorted(await _statuses(stack)) == [200, 502]
+
+
 async def test_bad_non_stream_response_is_a_502_and_metered_as_such(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     async def on_message(ws: WebSocketConnection, message: wire.EdgeToNode) -> None:
         if isinstance(message, wire.Run):
             done = wire.RunDone(run_id=message.run_id, response=b"<html>oops</html>")
-            await ws.send_message(wire.encode(done))
+            await ws.send_message(wire.encode(wire.RunEvents(ends=[done])))
 
     stack = await _stack(nursery, tmp_path, on_message)
     async with httpx2.AsyncClient(base_url=stack.addresses.openai_url, timeout=10) as http:

@@ -282,10 +282,10 @@ async def test_caller_leaving_mid_body_is_harmless(stack: Stack) -> None:
 async def test_a_bug_while_responding_is_a_500_metered_as_internal_error(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken_relabel(data: bytes, alias: str, *, strip_usage: bool) -> bytes:
+    def broken_check(data: bytes) -> bool:
         raise RuntimeError("simulated bug")
 
-    monkeypatch.setattr("iop_edge.http.runs.relabel", broken_relabel)
+    monkeypatch.setattr("iop_edge.http.runs._is_json_object", broken_check)
     async with stack.client(max_retries=0) as client:
         with pytest.raises(openai.InternalServerError) as caught:
             await client.chat.completions.create(

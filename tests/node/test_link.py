@@ -8,9 +8,11 @@ import random
 import signal
 import subprocess
 import sys
+from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import msgspec
 import pytest
@@ -21,13 +23,11 @@ from trio_websocket import (
     WebSocketConnection,
     WebSocketRequest,
     serve_websocket,
-    wrap_client_stream,
-    wrap_server_stream,
 )
 
 from iop_node.adapters.base import Adapter, Emit, RunResult
 from iop_node.backoff import BackoffPolicy
-from iop_node.link import NodeLink, _FrameSender
+from iop_node.link import NodeLink
 from iop_node.main import run_node
 from iop_node.registry import create_adapter
 from schemas.config import AdapterSettings, NodeConfig, ProviderConfig
@@ -42,8 +42,8 @@ from schemas.wire import (
     RefreshAck,
     Reject,
     Run,
-    RunChunk,
     RunDone,
+    RunEvents,
     RunFailed,
     Status,
     Welcome,
@@ -53,6 +53,18 @@ from schemas.wire import (
 
 TOKEN = "node-secret-token-value"
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RunChunk:
+    """One server-sent event of a run, as the fake Edge unpacks `run_events` batches."""
+
+    run_id: str
+    data: bytes
+    """The event's JSON payload (without `data: ` and the blank line)."""
+
+
+Event = NodeToEdge | RunChunk
 
 # Small timings so reconnects and heartbeats happen within a test's time.
 FAST: dict[str, Any] = {
@@ -99,17 +111,33 @@ def _chat_run(run_id: str, provider_id: str = "sim-a", *, stream: bool = True, *
 
 
 class EdgeSide:
-    """The fake Edge's end of one node connection."""
+    """The fake Edge's end of one node connection.
+
+    `receive` hands out one event at a time: `run_events` batches are unpacked into
+    their server-sent events (each a `RunChunk`) and run ends, in the order the Edge
+    applies them."""
 
     def __init__(self, ws: WebSocketConnection) -> None:
         self.ws = ws
         self.released = trio.Event()
+        self.batches = 0
+        self._unpacked: deque[Event] = deque()
 
     async def send(self, message: Message) -> None:
         await self.ws.send_message(encode(message))
 
-    async def receive(self) -> NodeToEdge:
-        return decode_from_node(await self.ws.get_message())
+    async def receive(self) -> Event:
+        while not self._unpacked:
+            message = decode_from_node(await self.ws.get_message())
+            if not isinstance(message, RunEvents):
+                return message
+            self.batches += 1
+            for run_id, data in message.chunks:
+                assert data.startswith(b"data: ") and data.endswith(b"\n\n"), data
+                for event in data[len(b"data: ") : -2].split(b"\n\ndata: "):
+                    self._unpacked.append(RunChunk(run_id, event))
+            self._unpacked.extend(message.ends)
+        return self._unpacked.popleft()
 
     async def expect(self, kind: type[T]) -> T:
         message = await self.receive()
@@ -128,7 +156,7 @@ class EdgeSide:
         )
         return hello
 
-    async def run_until_terminal(self, run: Run) -> list[NodeToEdge]:
+    async def run_until_terminal(self, run: Run) -> list[Event]:
         await self.send(run)
         messages = [await self.receive()]
         while not isinstance(messages[-1], RunDone | RunFailed):
@@ -588,8 +616,8 @@ class _BurstAdapter:
 async def test_bursts_of_chunks_arrive_whole_and_in_order(
     edge: FakeEdge, nursery: trio.Nursery
 ) -> None:
-    """Chunks that queue up faster than the socket takes them are written together; the
-    Edge still gets each as its own message, every run's in order."""
+    """Chunks that queue up faster than the socket takes them travel together in
+    `run_events` batches (chunks of several runs in one message), every run's in order."""
     _start_node(nursery, edge.url, adapter_factory=_BurstAdapter)
     side = await edge.accept()
     await side.welcome()
@@ -609,69 +637,4 @@ async def test_bursts_of_chunks_arrive_whole_and_in_order(
             done.add(message.run_id)
     for run_id in run_ids:
         assert [msgspec.json.decode(c)["index"] for c in chunks[run_id]] == list(range(200))
-
-
-async def _websocket_pair(
-    nursery: trio.Nursery,
-) -> tuple[WebSocketConnection, WebSocketConnection, list[int]]:
-    """A client and a server websocket over in-memory streams, and a log with one entry
-    per write the client makes to its stream."""
-    client_stream, server_stream = trio.testing.memory_stream_pair()
-    writes: list[int] = []
-    pump = client_stream.send_stream.send_all_hook
-    assert pump is not None
-
-    async def record_and_pump() -> None:
-        writes.append(1)
-        await pump()
-
-    client_stream.send_stream.send_all_hook = record_and_pump
-    accepted, accepted_out = trio.open_memory_channel[WebSocketConnection](1)
-
-    async def serve() -> None:
-        request = await wrap_server_stream(nursery, server_stream)
-        await accepted.send(await request.accept())
-
-    nursery.start_soon(serve)
-    # trio-websocket's annotation names socket streams; any trio stream works.
-    client = await wrap_client_stream(nursery, cast(Any, client_stream), "edge", "/")
-    server = await accepted_out.receive()
-    writes.clear()
-    return client, server, writes
-
-
-async def test_frame_sender_writes_a_batch_once(nursery: trio.Nursery) -> None:
-    client, server, writes = await _websocket_pair(nursery)
-    sender = _FrameSender(client)
-    assert sender.batching
-    frames = [b"first", b"x" * 70_000, b"", b"last"]
-    await sender.send(frames)
-    assert len(writes) == 1
-    assert [await server.get_message() for _ in frames] == frames
-    await sender.send([b"alone"])
-    assert await server.get_message() == b"alone"
-
-
-async def test_frame_sender_on_a_closed_connection(nursery: trio.Nursery) -> None:
-    client, _, _ = await _websocket_pair(nursery)
-    await client.aclose()
-    with pytest.raises(ConnectionClosed):
-        await _FrameSender(client).send([b"a", b"b"])
-
-
-class _PlainConnection:
-    """Only the public surface of a websocket connection."""
-
-    def __init__(self) -> None:
-        self.sent: list[bytes] = []
-
-    async def send_message(self, message: bytes) -> None:
-        self.sent.append(message)
-
-
-async def test_frame_sender_without_the_library_internals_sends_one_by_one() -> None:
-    connection = _PlainConnection()
-    sender = _FrameSender(cast(WebSocketConnection, connection))
-    assert not sender.batching
-    await sender.send([b"a", b"b", b"c"])
-    assert connection.sent == [b"a", b"b", b"c"]
+    assert side.batches < 3 * 200 // 2  # batched: far fewer messages than chunks

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+import msgspec
 import pytest
 import trio
 import trio.testing
 
 from iop_node.adapters.base import AdapterError, Emit, RunResult
-from iop_node.runner import RunHandle, execute_run
+from iop_node.runner import Chunk, Outbound, RunHandle, execute_run
 from schemas.config import ProviderConfig
-from schemas.wire import Message, ProviderStatus, Run, RunChunk, RunDone, RunFailed, Usage
+from schemas.wire import ProviderStatus, Run, RunDone, RunFailed, Usage
 
 PROVIDER = ProviderConfig(id="p1", type="sim", models=["m"], capacity=1)
 
@@ -54,15 +55,15 @@ def _run() -> Run:
 
 class Outbox:
     def __init__(self) -> None:
-        self.messages: list[Message] = []
+        self.messages: list[Outbound] = []
 
-    async def send(self, message: Message) -> None:
+    async def send(self, message: Outbound) -> None:
         self.messages.append(message)
 
 
 async def _execute(
     adapter: FakeAdapter | None, run: Run | None = None, handle: RunHandle | None = None
-) -> list[Message]:
+) -> list[Outbound]:
     outbox = Outbox()
     await execute_run(run or _run(), adapter, handle or RunHandle("r1"), outbox.send)
     return outbox.messages
@@ -70,16 +71,77 @@ async def _execute(
 
 async def test_success_sends_chunks_then_done() -> None:
     async def behaviour(run: Run, emit: Emit) -> RunResult:
-        await emit(b"a")
-        await emit(b"b")
+        await emit(b'{"a":1}')
+        await emit(b'{"b":2}')
         return RunResult(usage=Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3))
 
     messages = await _execute(FakeAdapter(behaviour))
     assert messages == [
-        RunChunk(run_id="r1", data=b"a"),
-        RunChunk(run_id="r1", data=b"b"),
+        Chunk("r1", b'data: {"a":1}\n\n'),
+        Chunk("r1", b'data: {"b":2}\n\n'),
         RunDone(run_id="r1", usage=Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3)),
     ]
+
+
+async def test_chunks_and_response_are_shaped_for_the_caller() -> None:
+    """The caller's alias in every chunk and response, usage kept for `run_done` and its
+    chunk dropped when the caller did not ask for it (`iop_node.reply`)."""
+    usage_chunk = (
+        b'{"model":"served","choices":[],"usage":{"prompt_tokens":2,"completion_tokens":1}}'
+    )
+
+    async def stream(run: Run, emit: Emit) -> RunResult:
+        await emit(b'{"model":"served","choices":[{"delta":{"content":"x"}}]}')
+        await emit(usage_chunk)
+        return RunResult()
+
+    run = Run(
+        run_id="r1",
+        provider_id="p1",
+        target="served",
+        operation="chat",
+        body=b"{}",
+        stream=True,
+        reply_model="alias",
+        strip_usage=True,
+    )
+    assert await _execute(FakeAdapter(stream), run) == [
+        Chunk("r1", b'data: {"model":"alias","choices":[{"delta":{"content":"x"}}]}\n\n'),
+        RunDone(run_id="r1", usage=Usage(prompt_tokens=2, completion_tokens=1, total_tokens=3)),
+    ]
+
+    async def whole(run: Run, emit: Emit) -> RunResult:
+        return RunResult(response=b'{"model":"served","object":"chat.completion"}')
+
+    non_stream = msgspec.structs.replace(run, stream=False, strip_usage=False)
+    assert await _execute(FakeAdapter(whole), non_stream) == [
+        RunDone(run_id="r1", response=b'{"model":"alias","object":"chat.completion"}')
+    ]
+
+
+async def test_output_that_is_not_json_fails_the_run() -> None:
+    async def before_any_chunk(run: Run, emit: Emit) -> RunResult:
+        await emit(b"<html>")
+        return RunResult()
+
+    [failed] = await _execute(FakeAdapter(before_any_chunk))
+    assert isinstance(failed, RunFailed)
+    assert (failed.code, failed.retryable) == ("upstream_error", True)
+
+    async def after_a_chunk(run: Run, emit: Emit) -> RunResult:
+        await emit(b"{}")
+        await emit(b"oops")
+        return RunResult()
+
+    *_, failed = await _execute(FakeAdapter(after_a_chunk))
+    assert isinstance(failed, RunFailed)
+    assert (failed.code, failed.retryable) == ("upstream_stream_error", False)
+
+    async def bad_response(run: Run, emit: Emit) -> RunResult:
+        return RunResult(response=b"[1]")
+
+    [failed] = await _execute(FakeAdapter(bad_response))
+    assert isinstance(failed, RunFailed) and failed.code == "upstream_error"
 
 
 async def test_non_stream_response_is_passed_through() -> None:
@@ -118,7 +180,7 @@ async def test_adapter_error_fields_map_onto_run_failed() -> None:
 
 async def test_failure_after_a_chunk_is_never_retryable() -> None:
     async def behaviour(run: Run, emit: Emit) -> RunResult:
-        await emit(b"partial")
+        await emit(b'{"partial": true}')
         raise AdapterError("upstream_error", "stream broke", retryable=True)
 
     messages = await _execute(FakeAdapter(behaviour))
@@ -167,7 +229,7 @@ async def test_cancel_answers_cancelled_at_once(autojump_clock: trio.abc.Clock) 
         handle.cancel("cancelled", "cancelled by the edge")
     assert trio.current_time() == cancelled_at
     assert outbox.messages == [
-        RunChunk(run_id="r1", data=b'{"first": true}'),
+        Chunk("r1", b'data: {"first": true}\n\n'),
         RunFailed(run_id="r1", code="cancelled", message="cancelled by the edge"),
     ]
 
@@ -206,4 +268,4 @@ async def test_outside_cancellation_sends_nothing(autojump_clock: trio.abc.Clock
     outbox = Outbox()
     with trio.move_on_after(1):
         await execute_run(_run(), FakeAdapter(_forever), RunHandle("r1"), outbox.send)
-    assert outbox.messages == [RunChunk(run_id="r1", data=b'{"first": true}')]
+    assert outbox.messages == [Chunk("r1", b'data: {"first": true}\n\n')]

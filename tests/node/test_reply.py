@@ -1,0 +1,85 @@
+"""`ReplyShaper`: callers see their alias; everything else passes through byte for byte."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from iop_node.reply import NotAnObject, ReplyShaper
+from schemas.wire import Run, Usage
+
+
+def _shaper(alias: str = "qwen:alias", *, strip_usage: bool = False) -> ReplyShaper:
+    run = Run(
+        run_id="r1",
+        provider_id="p",
+        target="Qwen/Served",
+        operation="chat",
+        body=b"{}",
+        stream=True,
+        reply_model=alias,
+        strip_usage=strip_usage,
+    )
+    return ReplyShaper(run)
+
+
+def _data(event: bytes | None) -> bytes:
+    assert event is not None and event.startswith(b"data: ") and event.endswith(b"\n\n")
+    return event[len(b"data: ") : -2]
+
+
+def test_model_becomes_the_alias_and_nested_bytes_are_untouched() -> None:
+    chunk = b'{"model":"Qwen/Served","choices":[{"delta": {"reasoning_content" : "\\u00e9 x"}}]}'
+    assert (
+        _data(_shaper().event(chunk))
+        == b'{"model":"qwen:alias","choices":[{"delta": {"reasoning_content" : "\\u00e9 x"}}]}'
+    )
+
+
+def test_alias_is_json_escaped() -> None:
+    out = _shaper('we"ird').response(b'{"model":"x"}')
+    assert msgspec.json.decode(out) == {"model": 'we"ird'}
+
+
+def test_no_alias_leaves_the_model_alone() -> None:
+    assert _shaper("").response(b'{"model":"x"}') == b'{"model":"x"}'
+
+
+def test_usage_only_chunk_is_dropped_unless_asked_for_and_kept_for_run_done() -> None:
+    chunk = b'{"model":"x","choices":[ ],"usage":{"prompt_tokens":3,"completion_tokens":2}}'
+    stripping = _shaper(strip_usage=True)
+    assert stripping.event(chunk) is None
+    assert stripping.usage == Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
+    kept = _data(_shaper(strip_usage=False).event(chunk))
+    assert b'"usage":{"prompt_tokens":3,"completion_tokens":2}' in kept
+
+
+def test_usage_on_a_content_chunk_is_removed_but_the_content_kept() -> None:
+    chunk = b'{"model":"x","choices":[{"delta":{"content":"hi"}}],"usage":{"total_tokens":1}}'
+    shaper = _shaper("a", strip_usage=True)
+    assert _data(shaper.event(chunk)) == b'{"model":"a","choices":[{"delta":{"content":"hi"}}]}'
+    assert shaper.usage == Usage(total_tokens=1)
+
+
+def test_null_usage_is_not_a_usage_chunk() -> None:
+    chunk = b'{"model":"x","choices":[{"delta":{}}],"usage":null}'
+    shaper = _shaper("a", strip_usage=True)
+    assert _data(shaper.event(chunk)) == b'{"model":"a","choices":[{"delta":{}}],"usage":null}'
+    assert shaper.usage is None
+
+
+def test_a_response_keeps_its_usage_and_reports_it() -> None:
+    shaper = _shaper("a")
+    body = b'{"model":"x","usage":{"prompt_tokens":-4,"completion_tokens":7}}'
+    assert (
+        shaper.response(body) == b'{"model":"a","usage":{"prompt_tokens":-4,"completion_tokens":7}}'
+    )
+    assert shaper.usage == Usage(prompt_tokens=0, completion_tokens=7, total_tokens=7)
+
+
+@pytest.mark.parametrize("data", [b"not json", b"[1, 2]", b'"text"', b""])
+def test_anything_but_a_json_object_is_refused(data: bytes) -> None:
+    with pytest.raises(NotAnObject):
+        _shaper().event(data)
+    with pytest.raises(NotAnObject):
+        _shaper().response(data)
