@@ -47,6 +47,14 @@ class BackoffPolicy:
             raise ValueError(f"invalid backoff policy: {self!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class BackoffStatistics:
+    """A backoff's state (for tests and diagnostics)."""
+
+    failures: int
+    """Consecutive failures since the last reset (rule 1's ``n``)."""
+
+
 class Backoff:
     """Counts consecutive failures and turns them into jittered delays (module rules)."""
 
@@ -55,10 +63,8 @@ class Backoff:
         self._rng = rng or random.Random()
         self._failures = 0
 
-    @property
-    def failures(self) -> int:
-        """Consecutive failures since the last reset (rule 1's ``n``, before this one)."""
-        return self._failures
+    def statistics(self) -> BackoffStatistics:
+        return BackoffStatistics(failures=self._failures)
 
     def ceiling(self) -> float:
         """The upper bound of the next delay after a plain failure (rule 1)."""

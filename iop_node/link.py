@@ -138,6 +138,15 @@ class _Outcome:
     uptime_s: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class LinkStatistics:
+    """The link at one instant (for tests and diagnostics)."""
+
+    connected: bool
+    sessions: int
+    """How many sessions were welcomed so far (reconnects included)."""
+
+
 class NodeLink:
     """The Node's connection to its Edge, reconnecting forever until stopped."""
 
@@ -146,12 +155,10 @@ class NodeLink:
         self._backoff = Backoff(settings.backoff, rng)
         self._stop_requested = trio.Event()
         self._session: _Session | None = None
-        self.sessions = 0
-        """How many sessions were welcomed so far (reconnects included)."""
+        self._sessions = 0
 
-    @property
-    def connected(self) -> bool:
-        return self._session is not None
+    def statistics(self) -> LinkStatistics:
+        return LinkStatistics(connected=self._session is not None, sessions=self._sessions)
 
     def stop(self) -> None:
         """Ask for a graceful stop: drain the active runs, close, and make `run` return."""
@@ -238,7 +245,7 @@ class NodeLink:
                     settings.node_id,
                     message.revision,
                 )
-                self.sessions += 1
+                self._sessions += 1
                 session = _Session(settings, ws, message, self._stop_requested)
                 self._session = session
                 try:

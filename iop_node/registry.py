@@ -30,6 +30,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Literal, cast
 
 import trio
@@ -76,6 +77,22 @@ def create_adapter(provider: ProviderConfig) -> Adapter:
 RegistryState = Literal["built", "live", "retiring", "closed"]
 
 
+@dataclass(frozen=True, slots=True)
+class RegistryStatistics:
+    """One registry at one instant (for tests and diagnostics)."""
+
+    state: RegistryState
+    active_runs: int
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerStatistics:
+    """The registries of one session at one instant (for tests and diagnostics)."""
+
+    retiring: tuple[AdapterRegistry, ...]
+    """Registries still draining or closing, oldest first."""
+
+
 class AdapterRegistry:
     """One generation of adapters and the runs started on them."""
 
@@ -119,9 +136,8 @@ class AdapterRegistry:
 
     # --- inspection --------------------------------------------------------------------
 
-    @property
-    def state(self) -> RegistryState:
-        return self._state
+    def statistics(self) -> RegistryStatistics:
+        return RegistryStatistics(state=self._state, active_runs=len(self._runs))
 
     @property
     def active_runs(self) -> int:
@@ -266,10 +282,8 @@ class RegistryManager:
     def current(self) -> AdapterRegistry | None:
         return self._current
 
-    @property
-    def retiring(self) -> list[AdapterRegistry]:
-        """Registries still draining or closing, oldest first."""
-        return list(self._retiring)
+    def statistics(self) -> ManagerStatistics:
+        return ManagerStatistics(retiring=tuple(self._retiring))
 
     async def apply(self, revision: int, config: NodeConfig) -> AdapterRegistry:
         """Build a registry for `config`, make it current, retire the previous one.

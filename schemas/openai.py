@@ -1,9 +1,15 @@
-"""OpenAI request views and error bodies, as far as the Edge needs to understand them.
+"""OpenAI bodies as IOP reads and writes them: request views, error bodies, model lists,
+and the response bodies of the engines that live in a Node (`sim`, `cli`).
 
-The Edge never rebuilds a caller's request: it decodes the JSON once into a dict (so
-every provider-specific field passes through), then checks the handful of fields it acts
-on against these views. The views ignore unknown fields on purpose; a wrong *type* on a
-known field is a 400 that names the field.
+Requests: the Edge never rebuilds a caller's request: it decodes the JSON once into a dict
+(so every provider-specific field passes through), then checks the handful of fields it
+acts on against these views. The views ignore unknown fields on purpose; a wrong *type* on
+a known field is a 400 that names the field.
+
+Responses: an adapter that produces its answer itself (rather than relaying an upstream's
+bytes) encodes it from the Structs at the end of this module, so every such engine speaks
+the same OpenAI shapes. A field set to `UNSET` is left out of the JSON; `None` is sent
+as `null`.
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Meta
+from msgspec import UNSET, Meta, UnsetType
+
+from schemas.wire import Usage
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 
@@ -57,16 +65,6 @@ class EmbeddingRequest(RequestView, frozen=True, kw_only=True):
     input: PromptLike
 
 
-ErrorType = Literal[
-    "invalid_request_error",
-    "authentication_error",
-    "not_found_error",
-    "rate_limit_error",
-    "api_error",
-    "service_unavailable_error",
-]
-
-
 class ErrorDetail(msgspec.Struct, frozen=True, kw_only=True):
     message: str
     type: str
@@ -91,3 +89,109 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
 class ModelList(msgspec.Struct, frozen=True, kw_only=True):
     object: str = "list"
     data: list[ModelCard] = []
+
+
+# --- response bodies ---------------------------------------------------------------------
+
+
+class CompletionUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """`usage` of a chat or text completion."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, usage: Usage) -> CompletionUsage:
+        return cls(
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            total_tokens=usage.total_tokens,
+        )
+
+
+class Delta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a chat chunk adds to the message; fields not set are left out."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChunkChoice(msgspec.Struct, frozen=True, kw_only=True):
+    index: int = 0
+    delta: Delta
+    logprobs: UnsetType | None = UNSET
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, frozen=True, kw_only=True):
+    """`chat.completion.chunk`: one event of a chat stream."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: CompletionUsage | UnsetType = UNSET
+    """Only on the last chunk, when the caller asked for `stream_options.include_usage`."""
+
+
+class AssistantMessage(msgspec.Struct, frozen=True, kw_only=True):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: UnsetType | None = UNSET
+    finish_reason: str
+
+
+class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
+    """`chat.completion`: a whole (non-stream) chat answer."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+
+
+class TextChoice(msgspec.Struct, frozen=True, kw_only=True):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class TextCompletion(msgspec.Struct, frozen=True, kw_only=True):
+    """`text_completion`: a whole answer, or one event of a stream (then without usage,
+    except for the last event when the caller asked for it)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: CompletionUsage | UnsetType = UNSET
+
+
+class EmbeddingUsage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Embedding(msgspec.Struct, frozen=True, kw_only=True):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+    """The vector, or its little-endian float32 bytes in base64 (`encoding_format`)."""
+
+
+class EmbeddingList(msgspec.Struct, frozen=True, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage

@@ -48,9 +48,8 @@ Rule 6. Passive health is a small circuit breaker per provider (`PassiveHealth`)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Literal
 
 from schemas.wire import Health
@@ -153,15 +152,6 @@ class ProviderView:
     cooldown_remaining_s: float | None = None
     """Seconds until the cooldown ends, while the breaker is `open`."""
 
-    @property
-    def load_ratio(self) -> Fraction:
-        """`in_flight / capacity`, exactly; a provider without capacity counts as full.
-
-        Ranking does not build these (a `Fraction` per candidate per decision is slow);
-        it compares the same ratios as integers over a common denominator.
-        """
-        return Fraction(self.in_flight, self.capacity) if self.capacity > 0 else Fraction(1)
-
 
 def ineligibility(view: ProviderView, *, long: bool) -> Ineligible | None:
     """Why `view` cannot take this run at all right now (Rule 2), or None if it could."""
@@ -191,18 +181,6 @@ def is_admissible(view: ProviderView, *, long: bool) -> bool:
     return True
 
 
-def rank(
-    candidates: Iterable[ProviderView], *, rotation: Sequence[str], last: str | None
-) -> list[ProviderView]:
-    """Order `candidates` best first (Rule 4).
-
-    `rotation` is the model's provider order and `last` the provider the model picked
-    last time; among otherwise equal providers the one following `last` wins.
-    """
-    candidates = list(candidates)
-    return sorted(candidates, key=_rank_key(candidates, rotation=rotation, last=last))
-
-
 _RankKey = tuple[int, int, int, str]
 
 
@@ -211,10 +189,12 @@ def _rank_key(
 ) -> Callable[[ProviderView], _RankKey]:
     """The sort key of Rule 4 for this set of `candidates`: smaller ranks first.
 
-    Load ratios are compared exactly but without `Fraction`s: each `in_flight /
-    capacity` is scaled to the candidates' common denominator (the lcm of their
-    capacities), which turns it into an integer numerator, so 1/3 and 2/6 tie and
-    1/3 beats 2/3 with plain integer comparison.
+    `rotation` is the model's provider order and `last` the provider the model picked
+    last time; among otherwise equal providers the one following `last` wins. Load
+    ratios are compared exactly but without building a `Fraction` per candidate per
+    decision: each `in_flight / capacity` is scaled to the candidates' common
+    denominator (the lcm of their capacities), which turns it into an integer numerator,
+    so 1/3 and 2/6 tie and 1/3 beats 2/3 with plain integer comparison.
     """
     position = {provider_id: index for index, provider_id in enumerate(rotation)}
     size = max(len(rotation), 1)
@@ -222,7 +202,8 @@ def _rank_key(
     denominator = math.lcm(*(view.capacity for view in candidates if view.capacity > 0))
 
     def key(view: ProviderView) -> _RankKey:
-        # a provider without capacity counts as full (load ratio 1), like `load_ratio`
+        # a provider without capacity counts as full (load ratio 1); only admissible
+        # providers are ranked, so this only keeps the key total
         load = view.in_flight * (denominator // view.capacity) if view.capacity > 0 else denominator
         turn = (position[view.id] - start) % size if view.id in position else size
         return (load, view.priority, turn, view.id)

@@ -33,7 +33,6 @@ Rules:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -46,9 +45,7 @@ from schemas.refresh import Change, ChangeClass, RefreshError
 __all__ = [
     "LIVE_PATTERNS",
     "ConfigDiff",
-    "classify",
     "compare_configs",
-    "diff_configs",
     "live_subset",
     "live_subset_errors",
 ]
@@ -106,18 +103,6 @@ def _is_live_pattern(pattern: str) -> bool:
     return any(
         pattern == live or pattern.startswith((f"{live}.", f"{live}[")) for live in LIVE_PATTERNS
     )
-
-
-_BRACKETED = re.compile(r"\[[^\]]*\]")
-
-
-def classify(path: str) -> ChangeClass:
-    """Class of a rendered path such as `nodes[gpu1].providers[gpu1-vllm].capacity`.
-
-    Keys are stripped to get the pattern. A key containing `]` could confuse that, but
-    a confused pattern matches no live rule and so errs on the safe side (restart).
-    """
-    return "live" if _is_live_pattern(_BRACKETED.sub("[]", path)) else "restart_required"
 
 
 def _class_of(path: _Path) -> ChangeClass:
@@ -238,11 +223,6 @@ def compare_configs(old: EdgeConfig, new: EdgeConfig) -> ConfigDiff:
         changed_models=tuple(sorted(models)),
         _paths=tuple(paths),
     )
-
-
-def diff_configs(old: EdgeConfig, new: EdgeConfig) -> list[Change]:
-    """The changed paths between two configs, sorted, each with its class."""
-    return list(compare_configs(old, new).changes)
 
 
 # --- the live subset (rule 6) ------------------------------------------------------------

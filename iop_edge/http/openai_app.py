@@ -1,11 +1,11 @@
 """The caller-facing OpenAI-compatible HTTP API, served by Hypercorn.
 
-`OpenAIApp` is the ASGI app: the run endpoints (`inference.RUN_PATHS`: chat completions,
-completions, embeddings) are plain ASGI in `inference`, because they carry the traffic
-and a web framework's per-request cost showed up as the largest part of the Edge's
-(see there). Everything else (`/v1/models`, `/healthz`, 404/405/413 pages and the ASGI
-lifespan) is a small Quart-Trio app. Every response carries `x-request-id` and
-`Server-Timing`, and every error has OpenAI's error shape.
+`OpenAIApp` is the ASGI app: the run endpoints (`runs.RUN_PATHS`: chat completions,
+completions, embeddings) are plain ASGI in `runs`, because they carry the traffic and a
+web framework's per-request cost would outweigh the Edge's own work per run (see there).
+Everything else (`/v1/models`, `/healthz`, 404/405/413 pages and the ASGI lifespan) is a
+small Quart-Trio app. Every response carries `x-request-id` and `Server-Timing`, and every
+error has OpenAI's error shape.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The run endpoints, as plain ASGI under Hypercorn: chat completions, completions, embeddings.
 
 These three carry nearly all of the Edge's traffic, so they skip the web framework: a
-request is one function from ASGI `receive` to ASGI `send`. Measured on a 2-core machine,
-Quart-Trio's per-request machinery (request and response objects, app and request
-contexts, hooks, two extra tasks per request) costs more CPU than everything IOP itself
-does for a run; the rest of the surface (`/v1/models`, `/healthz`, error pages) stays on
-Quart, where that cost does not matter (see `openai_api`).
+request is one function from ASGI `receive` to ASGI `send`. Quart-Trio's per-request
+machinery (request and response objects, app and request contexts, hooks, two extra tasks
+per request) would cost more than everything IOP itself does for a run (the README's
+benchmark section); the rest of the surface (`/v1/models`, `/healthz`, error pages) stays
+on Quart, where that cost does not matter (see `openai_app`).
 
 A request, in the task Hypercorn gives it:
 
@@ -13,8 +13,8 @@ A request, in the task Hypercorn gives it:
    a dict (provider-specific fields pass through untouched), check it against a small view
    of the fields the Edge acts on, apply the model's generation defaults and limits. The
    result is a `RunPlan`; anything wrong is an OpenAI error reply naming the field.
-2. *Dispatch*: the scheduler admits the plan and a Node starts it (`ActiveRun`, which
-   owns a slot until closed).
+2. *Dispatch*: the scheduler admits the plan and a Node starts it (`runtime.dispatch.Run`,
+   which owns the slot until the run ends).
 3. *Respond*: one JSON body, or the run relayed as server-sent events. Every reply carries
    `x-request-id` (the caller's, when sane) and `Server-Timing` with the queue wait, the
    upstream time and the Edge's own share.

@@ -232,10 +232,6 @@ class Run:
     def node_id(self) -> str:
         return self._attempt.lease.node_id if self._attempt is not None else ""
 
-    @property
-    def ended(self) -> bool:
-        return self.outcome is not None
-
     # --- 1. start ------------------------------------------------------------------
 
     async def start(self) -> None:

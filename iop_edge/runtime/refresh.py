@@ -60,7 +60,7 @@ from schemas.refresh import (
 )
 from schemas.wire import RefreshAck
 
-__all__ = ["RefreshResult", "RefreshTarget", "Refresher"]
+__all__ = ["RefreshResult", "RefreshTarget", "Refresher", "RefresherStatistics"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,15 @@ class RefreshResult:
 
     verdict: RefreshVerdict
     report: RefreshReport
+
+
+@dataclass(frozen=True, slots=True)
+class RefresherStatistics:
+    """The coordinator's state at one instant (for tests and diagnostics); what waits for
+    a restart is in `status()`."""
+
+    busy: bool
+    """A refresh is running: another one now is refused as a conflict."""
 
 
 class RefreshTarget(Protocol):
@@ -124,13 +133,8 @@ class Refresher:
         self._busy = False
         self._pending_restart: tuple[str, ...] = ()
 
-    @property
-    def busy(self) -> bool:
-        return self._busy
-
-    @property
-    def pending_restart(self) -> tuple[str, ...]:
-        return self._pending_restart
+    def statistics(self) -> RefresherStatistics:
+        return RefresherStatistics(busy=self._busy)
 
     def status(self) -> StatusReport:
         """`GET /status`: the running revision, what waits for a restart, and each node."""

@@ -46,6 +46,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from operator import attrgetter
 from types import TracebackType
@@ -132,10 +133,6 @@ class Lease:
         self._on_release = on_release
         self._released = False
 
-    @property
-    def released(self) -> bool:
-        return self._released
-
     def release(self) -> None:
         """Give the slot(s) back and wake waiters; later calls do nothing."""
         if self._released:
@@ -159,6 +156,31 @@ class Lease:
     def __repr__(self) -> str:
         kind = "long" if self.long else "regular"
         return f"<Lease {self.run_id!r} {kind} on {self.provider_id!r}>"
+
+
+@dataclass(frozen=True, slots=True)
+class SlotStatistics:
+    """One provider's slots at one instant (for tests and diagnostics)."""
+
+    in_flight: int
+    capacity: int
+    long_in_flight: int
+    long_capacity: int | float
+    """`long_context_slots`, or infinite when that is null (long runs only counted)."""
+    holders: tuple[Lease, ...]
+    """The leases holding its regular slots."""
+    removed: bool
+    """Gone from config, kept only until its last lease is released."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStatistics:
+    """The scheduler's state at one instant (for tests and diagnostics)."""
+
+    providers: dict[str, SlotStatistics]
+    """Every provider the scheduler tracks, removed ones with leases still out included."""
+    queued: dict[str, int]
+    """Waiters per model of the running snapshot."""
 
 
 def _long_total(config: ProviderConfig) -> int | float:
@@ -657,21 +679,28 @@ class Scheduler:
 
     # -- observation ---------------------------------------------------------------
 
-    def in_flight(self, provider_id: str) -> int:
-        state = self._states.get(provider_id)
-        return state.limiter.borrowed_tokens if state is not None else 0
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            providers={
+                provider_id: SlotStatistics(
+                    in_flight=state.limiter.borrowed_tokens,
+                    capacity=state.config.capacity,
+                    long_in_flight=state.long_limiter.borrowed_tokens,
+                    long_capacity=state.long_limiter.total_tokens,
+                    holders=tuple(
+                        lease
+                        for lease in state.limiter.statistics().borrowers
+                        if isinstance(lease, Lease)
+                    ),
+                    removed=state.removed,
+                )
+                for provider_id, state in self._states.items()
+            },
+            queued={model_id: self._queued(model_id) for model_id in self._snapshot.models},
+        )
 
-    def queued(self, model_id: str) -> int:
+    def _queued(self, model_id: str) -> int:
         return len(self._queues.get(model_id, ()))
-
-    def limiter(self, provider_id: str, *, long: bool = False) -> trio.CapacityLimiter:
-        """The provider's regular (or long-context) slot limiter, for observation only.
-
-        Never acquire from it directly: slots are handed out by `acquire()`. Raises
-        `KeyError` for a provider the scheduler does not know.
-        """
-        state = self._states[provider_id]
-        return state.long_limiter if long else state.limiter
 
     def catalog(self) -> Catalog:
         """The pool as `GET /catalog` shows it: models and providers, sorted by id."""
@@ -682,7 +711,7 @@ class Scheduler:
                 id=model.id,
                 display_name=model.display_name,
                 providers=dict(sorted(model.providers.items())),
-                queued=self.queued(model.id),
+                queued=self._queued(model.id),
             )
             for model in sorted(snapshot.models.values(), key=lambda model: model.id)
         ]

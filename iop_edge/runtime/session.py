@@ -83,7 +83,6 @@ class NodeSession:
     ) -> None:
         self.node_id = node_id
         self.websocket = websocket
-        self.connected_at = trio.current_time()
         self.applied_revision = applied_revision
         """The last config revision the node acked (or was welcomed with)."""
         self._on_status = on_status

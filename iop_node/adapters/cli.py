@@ -40,65 +40,40 @@ from typing import Any, Final, Literal
 
 import msgspec
 import trio
+from msgspec import UNSET, UnsetType
 
 from iop_node.adapters.base import AdapterError, Emit, RunResult
 from schemas.config import ProviderConfig
+from schemas.openai import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChunkChoice,
+    CompletionUsage,
+    Delta,
+    TextChoice,
+    TextCompletion,
+)
 from schemas.tokens import estimate_input_tokens, text_tokens
 from schemas.wire import FailureCode, ProviderStatus, Run, Usage
 
 #: How much of stderr is kept for the failure message (the tail is what explains it).
 _STDERR_TAIL_BYTES = 2048
-_STDOUT_READ_BYTES = 65536
 #: Bound on killing and reaping the process once the run is over or cancelled.
 _REAP_GRACE_S = 5.0
 
 
-# --- OpenAI output shapes ------------------------------------------------------------------
-
-
-class _Delta(msgspec.Struct, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-
-
-class _ChunkChoice(msgspec.Struct):
-    index: int
-    delta: _Delta
-    finish_reason: str | None
-
-
-class _TextChoice(msgspec.Struct):
-    index: int
-    text: str
-    finish_reason: str | None
-    logprobs: None = None
-
-
-class _Message(msgspec.Struct):
-    role: str
-    content: str
-
-
-class _MessageChoice(msgspec.Struct):
-    index: int
-    message: _Message
-    finish_reason: str | None
-
-
-class _Body(msgspec.Struct, omit_defaults=True):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[Any]
-    usage: Usage | None = None
-
+# --- OpenAI output ----------------------------------------------------------------------------
 
 _encode: Final = msgspec.json.Encoder().encode
 
 
 class _Shaper:
-    """Builds the OpenAI JSON of one run's output: chat or text-completion flavour."""
+    """Builds the OpenAI JSON of one run's output: chat or text-completion flavour.
+
+    A command-line model has no log probabilities, so chat choices carry no `logprobs`
+    field (text-completion choices keep OpenAI's `logprobs: null`)."""
 
     def __init__(self, run: Run) -> None:
         self._chat = run.operation == "chat"
@@ -107,46 +82,51 @@ class _Shaper:
         self._created = int(time.time())
         self._first = True
 
-    def _body(self, obj: str, choices: Any, usage: Usage | None = None) -> bytes:
-        return _encode(
-            _Body(
-                id=self._id,
-                object=obj,
-                created=self._created,
-                model=self._model,
-                choices=choices,
-                usage=usage,
-            )
-        )
-
     def chunk(self, text: str | None, finish_reason: str | None = None) -> bytes:
         if not self._chat:
-            return self._body(
-                "text_completion",
-                [_TextChoice(index=0, text=text or "", finish_reason=finish_reason)],
-            )
+            choice = TextChoice(text=text or "", finish_reason=finish_reason)
+            return self._text([choice])
         role = "assistant" if self._first else None
         self._first = False
-        delta = _Delta(role=role, content=text)
-        return self._body(
-            "chat.completion.chunk",
-            [_ChunkChoice(index=0, delta=delta, finish_reason=finish_reason)],
+        return self._chat_chunk(
+            [ChunkChoice(delta=Delta(role=role, content=text), finish_reason=finish_reason)]
         )
 
     def usage_chunk(self, usage: Usage) -> bytes:
-        obj = "chat.completion.chunk" if self._chat else "text_completion"
-        return self._body(obj, [], usage)
+        if not self._chat:
+            return self._text([], CompletionUsage.of(usage))
+        return self._chat_chunk([], CompletionUsage.of(usage))
 
     def response(self, text: str, usage: Usage) -> bytes:
         if not self._chat:
-            return self._body(
-                "text_completion", [_TextChoice(index=0, text=text, finish_reason="stop")], usage
+            return self._text(
+                [TextChoice(text=text, finish_reason="stop")], CompletionUsage.of(usage)
             )
-        message = _Message(role="assistant", content=text)
-        return self._body(
-            "chat.completion",
-            [_MessageChoice(index=0, message=message, finish_reason="stop")],
-            usage,
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason="stop")
+        return _encode(
+            ChatCompletion(
+                id=self._id,
+                created=self._created,
+                model=self._model,
+                choices=[choice],
+                usage=CompletionUsage.of(usage),
+            )
+        )
+
+    def _chat_chunk(
+        self, choices: list[ChunkChoice], usage: CompletionUsage | UnsetType = UNSET
+    ) -> bytes:
+        return _encode(
+            ChatCompletionChunk(
+                id=self._id, created=self._created, model=self._model, choices=choices, usage=usage
+            )
+        )
+
+    def _text(self, choices: list[TextChoice], usage: CompletionUsage | UnsetType = UNSET) -> bytes:
+        return _encode(
+            TextCompletion(
+                id=self._id, created=self._created, model=self._model, choices=choices, usage=usage
+            )
         )
 
 

@@ -42,14 +42,13 @@ picks its Trio backend by sniffing the running async library, so nothing here na
 backend. Health probes go through the client. Runs do not: they are sent as prepared
 `httpcore2.Request`s straight into the httpcore2 pool the client routes `base_url` to, its
 own pool or, when HTTP(S)_PROXY/ALL_PROXY apply (NO_PROXY honoured, decided by httpx2's own
-routing), the proxy pool it mounted. So runs and probes share connections, TLS settings
-(verification on) and proxy, and the run path skips httpx2's per-request models,
-auth/redirect/cookie plumbing, transport lookup and per-chunk stream wrappers. Measured
-with the bench upstream on loopback (CPU of the Node process per request): non-stream
-~520 -> ~400 us, 22-event stream ~1100 -> ~950 us, i.e. about 20% and 12%; the rest is
-mostly h11 and httpcore2 themselves. Because httpcore2 does not decode content codings,
-runs ask for `Accept-Encoding: identity` and refuse an encoded body as `upstream_error`.
-Once `aclose()`d the adapter cannot be reused.
+routing), the proxy pool it mounted (`iop_node.compat.httpx2`). So runs and probes share
+connections, TLS settings (verification on) and proxy, and the hot path (every run, every
+chunk of a stream) skips httpx2's per-request models, auth/redirect/cookie plumbing,
+transport lookup and per-chunk stream wrappers (the README's benchmark section has what
+that saves). Because httpcore2 does not decode content codings, runs ask for
+`Accept-Encoding: identity` and refuse an encoded body as `upstream_error`. Once
+`aclose()`d the adapter cannot be reused.
 """
 
 from __future__ import annotations
@@ -67,6 +66,7 @@ import trio
 
 from iop_node.adapters.base import AdapterError, Emit, RunResult
 from iop_node.adapters.sse import SSEDecoder, SSEError
+from iop_node.compat.httpx2 import connection_pool_for
 from schemas.config import ProviderConfig
 from schemas.wire import FailureCode, Operation, ProviderStatus, Run, Usage
 
@@ -320,7 +320,7 @@ class OpenAICompatAdapter:
         # client's. Everything about a run's request that does not depend on the run is
         # prepared here, once: URLs, header lists, the timeout table; per run only the
         # body and its length change.
-        self._pool = _pool_for(self._client, url)
+        self._pool = connection_pool_for(self._client, url)
         self._run_urls = {
             operation: _core_url(httpx2.URL(self.base_url + path))
             for operation, path in OPERATION_PATHS.items()
@@ -549,19 +549,6 @@ class OpenAICompatAdapter:
                 FailureCode.UPSTREAM_TIMEOUT, f"{self._origin}: {detail}", retryable=True
             )
         return AdapterError(FailureCode.UPSTREAM_ERROR, f"{self._origin}: {detail}", retryable=True)
-
-
-def _pool_for(client: httpx2.AsyncClient, url: httpx2.URL) -> httpcore2.AsyncConnectionPool:
-    """The httpcore2 pool `client` sends requests for `url` through: its own pool, or the
-    proxy pool it mounted for the environment's HTTP(S)_PROXY/ALL_PROXY (NO_PROXY honoured),
-    decided by httpx2's own routing so runs and probes always take the same way."""
-    transport = client._transport_for_url(url)
-    pool = getattr(transport, "_pool", None)
-    if not isinstance(transport, httpx2.AsyncHTTPTransport) or not isinstance(
-        pool, httpcore2.AsyncConnectionPool
-    ):  # pragma: no cover - only an httpx2 release that reorganised its transports
-        raise RuntimeError("unsupported httpx2 version: no httpcore2 pool behind its transport")
-    return pool
 
 
 def _core_url(url: httpx2.URL) -> httpcore2.URL:

@@ -17,7 +17,8 @@ a GPU:
 - every wait is a Trio sleep, so cancelling the run's scope stops it at once.
 
 Responses are OpenAI objects (`chat.completion[.chunk]`, `text_completion`, embedding
-`list`), encoded with msgspec from the Structs below. A completion request produces one
+`list`), encoded with msgspec from the shared Structs of `schemas.openai`; like the
+engines it imitates, it sends `logprobs: null` in every choice. A completion request produces one
 choice (a list `prompt` seeds one text); embeddings honour `dimensions` and the
 `encoding_format: base64` the official SDKs ask for by default.
 """
@@ -32,9 +33,24 @@ from typing import Any
 
 import msgspec
 import trio
+from msgspec import UNSET, UnsetType
 
 from iop_node.adapters.base import AdapterError, Emit, RunResult
 from schemas.config import ProviderConfig
+from schemas.openai import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChunkChoice,
+    CompletionUsage,
+    Delta,
+    Embedding,
+    EmbeddingList,
+    EmbeddingUsage,
+    TextChoice,
+    TextCompletion,
+)
 from schemas.tokens import estimate_input_tokens
 from schemas.wire import FailureCode, ProviderStatus, Run, Usage
 
@@ -49,91 +65,6 @@ WORDS: tuple[str, ...] = (
     "request", "to", "a", "provider", "slot", "and", "streams", "every", "chunk",
     "back", "through", "one", "calm", "endpoint", "today",
 )  # fmt: skip
-
-
-# --- OpenAI response shapes ------------------------------------------------------------
-
-
-class _UsageBody(msgspec.Struct, kw_only=True):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class _Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-
-
-class _ChunkChoice(msgspec.Struct, kw_only=True):
-    index: int = 0
-    delta: _Delta
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class _ChatChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[_ChunkChoice]
-    usage: _UsageBody | None = None
-
-
-class _AssistantMessage(msgspec.Struct, kw_only=True):
-    role: str = "assistant"
-    content: str
-
-
-class _ChatChoice(msgspec.Struct, kw_only=True):
-    index: int = 0
-    message: _AssistantMessage
-    logprobs: None = None
-    finish_reason: str
-
-
-class _ChatCompletion(msgspec.Struct, kw_only=True):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[_ChatChoice]
-    usage: _UsageBody
-
-
-class _TextChoice(msgspec.Struct, kw_only=True):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class _TextCompletion(msgspec.Struct, kw_only=True, omit_defaults=True):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[_TextChoice]
-    usage: _UsageBody | None = None
-
-
-class _EmbeddingUsage(msgspec.Struct, kw_only=True):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class _Embedding(msgspec.Struct, kw_only=True):
-    object: str = "embedding"
-    index: int
-    embedding: list[float] | str
-
-
-class _EmbeddingList(msgspec.Struct, kw_only=True):
-    object: str = "list"
-    data: list[_Embedding]
-    model: str
-    usage: _EmbeddingUsage
 
 
 _encode = msgspec.json.Encoder().encode
@@ -181,40 +112,39 @@ class SimAdapter:
         start = trio.current_time()
         if not run.stream:
             await self._until_token(start, len(pieces) - 1)
-            response = _ChatCompletion(
+            message = AssistantMessage(content="".join(pieces))
+            response = ChatCompletion(
                 id=completion_id,
-                object="chat.completion",
                 created=created,
                 model=run.target,
-                choices=[
-                    _ChatChoice(
-                        message=_AssistantMessage(content="".join(pieces)), finish_reason="length"
-                    )
-                ],
-                usage=_usage_body(usage),
+                choices=[ChatChoice(message=message, logprobs=None, finish_reason="length")],
+                usage=CompletionUsage.of(usage),
             )
             return RunResult(usage=usage, response=_encode(response))
 
-        def chunk(choices: list[_ChunkChoice], usage_body: _UsageBody | None = None) -> bytes:
+        def chunk(delta: Delta, finish_reason: str | None = None) -> bytes:
+            choice = ChunkChoice(delta=delta, logprobs=None, finish_reason=finish_reason)
             return _encode(
-                _ChatChunk(
-                    id=completion_id,
-                    object="chat.completion.chunk",
-                    created=created,
-                    model=run.target,
-                    choices=choices,
-                    usage=usage_body,
+                ChatCompletionChunk(
+                    id=completion_id, created=created, model=run.target, choices=[choice]
                 )
             )
 
         await self._until_token(start, 0)
-        await emit(chunk([_ChunkChoice(delta=_Delta(role="assistant", content=""))]))
+        await emit(chunk(Delta(role="assistant", content="")))
         for index, piece in enumerate(pieces):
             await self._until_token(start, index)
-            await emit(chunk([_ChunkChoice(delta=_Delta(content=piece))]))
-        await emit(chunk([_ChunkChoice(delta=_Delta(), finish_reason="length")]))
+            await emit(chunk(Delta(content=piece)))
+        await emit(chunk(Delta(), finish_reason="length"))
         if _include_usage(body):
-            await emit(chunk([], _usage_body(usage)))
+            last = ChatCompletionChunk(
+                id=completion_id,
+                created=created,
+                model=run.target,
+                choices=[],
+                usage=CompletionUsage.of(usage),
+            )
+            await emit(_encode(last))
         return RunResult(usage=usage)
 
     async def _completion(self, run: Run, body: dict[str, Any], emit: Emit) -> RunResult:
@@ -226,11 +156,12 @@ class SimAdapter:
         completion_id, created = f"cmpl-{run.run_id}", int(time.time())
         start = trio.current_time()
 
-        def completion(choices: list[_TextChoice], usage_body: _UsageBody | None) -> bytes:
+        def completion(
+            choices: list[TextChoice], usage_body: CompletionUsage | UnsetType = UNSET
+        ) -> bytes:
             return _encode(
-                _TextCompletion(
+                TextCompletion(
                     id=completion_id,
-                    object="text_completion",
                     created=created,
                     model=run.target,
                     choices=choices,
@@ -240,17 +171,16 @@ class SimAdapter:
 
         if not run.stream:
             await self._until_token(start, len(pieces) - 1)
-            text = "".join(pieces)
-            choice = _TextChoice(text=text, finish_reason="length")
-            return RunResult(usage=usage, response=completion([choice], _usage_body(usage)))
+            choice = TextChoice(text="".join(pieces), finish_reason="length")
+            return RunResult(usage=usage, response=completion([choice], CompletionUsage.of(usage)))
 
         for index, piece in enumerate(pieces):
             await self._until_token(start, index)
-            await emit(completion([_TextChoice(text=piece)], None))
+            await emit(completion([TextChoice(text=piece)]))
         await self._until_token(start, 0)  # no-op unless zero tokens were asked for
-        await emit(completion([_TextChoice(text="", finish_reason="length")], None))
+        await emit(completion([TextChoice(text="", finish_reason="length")]))
         if _include_usage(body):
-            await emit(completion([], _usage_body(usage)))
+            await emit(completion([], CompletionUsage.of(usage)))
         return RunResult(usage=usage)
 
     async def _embedding(self, run: Run, body: dict[str, Any]) -> RunResult:
@@ -258,7 +188,7 @@ class SimAdapter:
         dimensions = _dimensions(body)
         as_base64 = body.get("encoding_format") == "base64"
         await self._until_token(trio.current_time(), 0)  # one forward pass
-        data: list[_Embedding] = []
+        data: list[Embedding] = []
         for index, item in enumerate(inputs):
             vector = _vector(_encode(item), dimensions)
             encoded: list[float] | str = (
@@ -266,13 +196,13 @@ class SimAdapter:
                 if as_base64
                 else vector
             )
-            data.append(_Embedding(index=index, embedding=encoded))
+            data.append(Embedding(index=index, embedding=encoded))
         prompt_tokens = estimate_input_tokens(body)
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=prompt_tokens)
-        response = _EmbeddingList(
+        response = EmbeddingList(
             data=data,
             model=run.target,
-            usage=_EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
+            usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
         )
         return RunResult(usage=usage, response=_encode(response))
 
@@ -325,14 +255,6 @@ def _usage(body: dict[str, Any], completion_tokens: int) -> Usage:
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-    )
-
-
-def _usage_body(usage: Usage) -> _UsageBody:
-    return _UsageBody(
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        total_tokens=usage.total_tokens,
     )
 
 

@@ -1,11 +1,10 @@
-"""OpenAICompatAdapter's run transport: the httpcore2 pool it routes to (direct or the
+"""OpenAICompatAdapter's run transport: the pool it sends runs into (direct or the
 environment's proxy), the exact request head it sends, and its refusal of encoded bodies.
 
-The upstreams here are `RecordingServer`s: a few lines of h11 that record each request as
-it arrived on the wire (request target as sent, every header line in order) and answer
-with whatever the test wants, so a test sees what `FakeUpstream` normalises away
-(absolute-form targets, duplicate headers) and can answer what it never would (a
-gzip-encoded body, a forward proxy's reply).
+The upstreams here are `RecordingServer`s (`tests/recording_server.py`), which record each
+request as it arrived on the wire, so a test sees what `FakeUpstream` normalises away and
+can answer what it never would. Which pool httpx2 routes a URL to, for every proxy
+setting, is the capability `tests/compat/test_httpx2.py` checks.
 """
 
 from __future__ import annotations
@@ -13,97 +12,23 @@ from __future__ import annotations
 import gzip
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
-import h11
-import httpcore2
 import httpx2
 import pytest
 import trio
 
 from iop_node.adapters.base import AdapterError
 from iop_node.adapters.openai_compat import _host_header
+from iop_node.compat.httpx2 import connection_pool_for
 from schemas.wire import Usage
 
+from ..recording_server import Answer, RecordingServer, Seen, clear_proxy_env
 from .conftest import ADAPTER_CAPACITY, MODEL, MakeAdapter
 from .fake_upstream import FakeUpstream, expected_events, expected_response
 from .test_openai_compat import GUARD_S, Collector, make_run
 
 KEY_ENV = "IOP_TEST_TRANSPORT_KEY"
 KEY_VALUE = "test-key-value"
-#: Nothing listens there (the discard port); routing tests never connect.
-UNUSED_PROXY = "http://127.0.0.1:9"
-_PROXY_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
-
-Headers = list[tuple[bytes, bytes]]
-
-
-# --- a recording HTTP/1.1 server ---------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Seen:
-    """One request exactly as it arrived: target as sent, every header line in order."""
-
-    method: bytes
-    target: bytes
-    headers: Headers
-    body: bytes
-
-    def values(self, name: bytes) -> list[bytes]:
-        return [value for key, value in self.headers if key == name.lower()]
-
-    def names(self) -> list[bytes]:
-        return sorted(key for key, _ in self.headers)
-
-
-Answer = tuple[int, Headers, bytes]
-
-
-@dataclass
-class RecordingServer:
-    """HTTP/1.1 on 127.0.0.1:0 (keep-alive) answering each request with `answer(seen)`."""
-
-    answer: Callable[[Seen], Answer]
-    seen: list[Seen] = field(init=False, default_factory=list)
-    connections: int = field(init=False, default=0)
-    url: str = field(init=False, default="")
-
-    async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        self.url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
-        task_status.started(self.url)
-        await trio.serve_listeners(self._connection, listeners)
-
-    async def _connection(self, stream: trio.SocketStream) -> None:
-        self.connections += 1
-        conn = h11.Connection(h11.SERVER)
-
-        async def next_event() -> Any:
-            while (event := conn.next_event()) is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            return event
-
-        async def send(event: Any) -> None:
-            await stream.send_all(conn.send(event) or b"")
-
-        async with stream:
-            try:
-                while isinstance(head := await next_event(), h11.Request):
-                    body = b""
-                    while isinstance(event := await next_event(), h11.Data):
-                        body += event.data
-                    seen = Seen(head.method, head.target, list(head.headers), body)
-                    self.seen.append(seen)
-                    status, headers, content = self.answer(seen)
-                    headers = [*headers, (b"content-length", b"%d" % len(content))]
-                    await send(h11.Response(status_code=status, headers=headers))
-                    await send(h11.Data(data=content))
-                    await send(h11.EndOfMessage())
-                    conn.start_next_cycle()
-            except (h11.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
 
 
 def reply(
@@ -123,78 +48,20 @@ def reply(
 @pytest.fixture(autouse=True)
 def no_proxy_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Start every test from an environment without proxy settings, in either case."""
-    for name in _PROXY_ENV:
-        monkeypatch.delenv(name, raising=False)
-        monkeypatch.delenv(name.lower(), raising=False)
-    monkeypatch.delenv("REQUEST_METHOD", raising=False)  # urllib ignores HTTP_PROXY under CGI
+    clear_proxy_env(monkeypatch)
 
 
 # --- routing: which pool runs go into ---------------------------------------------------------
 
-HTTP_UPSTREAM = "http://127.0.0.1:8000/v1"
-HTTPS_UPSTREAM = "https://api.example.com/v1"
 
-
-@pytest.mark.parametrize(
-    ("env", "base_url", "proxied"),
-    [
-        pytest.param({}, HTTP_UPSTREAM, False, id="no-env-http"),
-        pytest.param({}, HTTPS_UPSTREAM, False, id="no-env-https"),
-        pytest.param({"HTTP_PROXY": UNUSED_PROXY}, HTTP_UPSTREAM, True, id="http-proxy"),
-        pytest.param({"HTTPS_PROXY": UNUSED_PROXY}, HTTPS_UPSTREAM, True, id="https-proxy"),
-        pytest.param({"https_proxy": UNUSED_PROXY}, HTTPS_UPSTREAM, True, id="lowercase"),
-        pytest.param({"ALL_PROXY": UNUSED_PROXY}, HTTP_UPSTREAM, True, id="all-proxy"),
-        # A proxy for the other scheme does not apply.
-        pytest.param({"HTTPS_PROXY": UNUSED_PROXY}, HTTP_UPSTREAM, False, id="https-proxy-http"),
-        pytest.param({"HTTP_PROXY": UNUSED_PROXY}, HTTPS_UPSTREAM, False, id="http-proxy-https"),
-        # NO_PROXY: an IP, a domain suffix, a wildcard; a non-matching entry changes nothing.
-        pytest.param(
-            {"HTTP_PROXY": UNUSED_PROXY, "NO_PROXY": "127.0.0.1"},
-            HTTP_UPSTREAM,
-            False,
-            id="no-proxy-ip",
-        ),
-        pytest.param(
-            {"HTTPS_PROXY": UNUSED_PROXY, "NO_PROXY": "example.com"},
-            HTTPS_UPSTREAM,
-            False,
-            id="no-proxy-domain",
-        ),
-        pytest.param(
-            {"ALL_PROXY": UNUSED_PROXY, "NO_PROXY": "*"}, HTTPS_UPSTREAM, False, id="no-proxy-*"
-        ),
-        pytest.param(
-            {"HTTPS_PROXY": UNUSED_PROXY, "NO_PROXY": "other.example"},
-            HTTPS_UPSTREAM,
-            True,
-            id="no-proxy-other",
-        ),
-    ],
-)
-async def test_run_pool_follows_httpx2_proxy_routing(
+async def test_runs_go_into_the_pool_the_client_routes_base_url_to(
     make_adapter: MakeAdapter,
-    monkeypatch: pytest.MonkeyPatch,
-    env: dict[str, str],
-    base_url: str,
-    proxied: bool,
 ) -> None:
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    """One pool for runs and probes, with the client's limits (capacity + 2 idle, 4 s)."""
+    base_url = "http://127.0.0.1:8000/v1"
     adapter = make_adapter(base_url)
     pool = adapter._pool
-    client = adapter._client
-    # Runs take the way probes take: the pool behind the transport httpx2 routes to.
-    transport = client._transport_for_url(httpx2.URL(base_url))
-    assert isinstance(transport, httpx2.AsyncHTTPTransport)
-    assert pool is transport._pool
-    if proxied:
-        assert isinstance(pool, httpcore2.AsyncHTTPProxy)
-        assert pool._proxy_url == httpcore2.URL(UNUSED_PROXY)
-        assert transport is not client._transport
-    else:
-        assert type(pool) is httpcore2.AsyncConnectionPool
-        assert transport is client._transport
-    # Either way the pool carries the client's limits.
+    assert pool is connection_pool_for(adapter._client, httpx2.URL(base_url))
     assert pool._max_keepalive_connections == ADAPTER_CAPACITY + 2
     assert pool._keepalive_expiry == 4.0
 

@@ -70,7 +70,7 @@ async def test_bad_chunk_ends_the_stream_with_an_error_and_cancels_the_run(
     assert events[2:] == ["data: [DONE]"]
     with trio.fail_after(5):
         await cancelled.wait()  # the Node still ran it: the Edge told it to stop
-    assert stack.edge.scheduler.in_flight("sim-1") == 0
+    assert stack.edge.scheduler.statistics().providers["sim-1"].in_flight == 0
     assert await _statuses(stack) == [502]
 
 

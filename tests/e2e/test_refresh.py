@@ -434,7 +434,6 @@ async def test_live_changes_under_streaming_load_lose_no_request(
     ]
     stack = await start_stack(nursery, base, tmp_path / "edge.yaml", wait_models=("m",))
     edge = stack.edge
-    limiter_a = edge.scheduler.limiter("sim-a")
     load = StreamingLoad(stack, callers=8, budget=2000, tokens=12)
 
     async with stack.client() as client, trio.open_nursery() as callers:
@@ -445,8 +444,8 @@ async def test_live_changes_under_streaming_load_lose_no_request(
         assert node_results(report) == [("node-1", "applied", 2)]
         catalog = await get_json(stack, "/catalog")
         assert provider_in(catalog, "sim-a")["capacity"] == 3  # at once, no reconnect
-        assert edge.scheduler.limiter("sim-a") is limiter_a  # resized in place
-        assert limiter_a.total_tokens == 3
+        # resized in place (tests/unit/test_scheduler.py: the runs holding slots still count)
+        assert edge.scheduler.statistics().providers["sim-a"].capacity == 3
 
         report = await load.apply(priority)
         assert report["live_paths"] == ["nodes[node-1].providers[sim-b].priority"]

@@ -25,7 +25,7 @@ def test_ceiling_grows_exponentially_from_base_to_cap() -> None:
     backoff = Backoff(BackoffPolicy(base_s=0.5, factor=2, cap_s=30), _Highest())
     delays = [backoff.after_failure() for _ in range(10)]
     assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0, 30.0]
-    assert backoff.failures == 10
+    assert backoff.statistics().failures == 10
 
 
 def test_full_jitter_draws_between_zero_and_the_ceiling() -> None:
@@ -54,7 +54,7 @@ def test_stable_session_resets_the_failure_count() -> None:
     for _ in range(5):
         backoff.after_failure()
     assert backoff.after_session(uptime_s=10.0) == 1.0
-    assert backoff.failures == 1
+    assert backoff.statistics().failures == 1
 
 
 def test_short_session_keeps_backing_off() -> None:

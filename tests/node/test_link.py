@@ -287,7 +287,8 @@ async def test_started_after_the_first_welcome(edge: FakeEdge, nursery: trio.Nur
     nursery.start_soon(edge_script)
     link = await nursery.start(partial(run_node, edge.url, "n1", TOKEN, **FAST))
     assert isinstance(link, NodeLink)
-    assert link.connected and link.sessions == 1
+    statistics = link.statistics()
+    assert statistics.connected and statistics.sessions == 1
 
 
 async def test_run_streams_chunks_then_done(edge: FakeEdge, nursery: trio.Nursery) -> None:

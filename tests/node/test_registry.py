@@ -163,7 +163,8 @@ async def test_swap_routes_new_runs_and_stops_old_registry_after_its_runs(
 
         second = await manager.apply(2, _config(2))
         assert manager.current is second and second.revision == 2
-        assert first.state == "retiring" and manager.retiring == [first]
+        assert first.statistics().state == "retiring"
+        assert manager.statistics().retiring == (first,)
         await manager.start_run(_run("r2"))
         new_adapter = harness.factory.created[1]
         await new_adapter.wait_run("r2")
@@ -178,7 +179,7 @@ async def test_swap_routes_new_runs_and_stops_old_registry_after_its_runs(
         )
         await first.wait_closed()
         assert old_adapter.closed and not new_adapter.closed
-        assert first.state == "closed" and manager.retiring == []
+        assert first.statistics().state == "closed" and manager.statistics().retiring == ()
         assert trio.current_time() == 0  # drained, not timed out
         nursery.cancel_scope.cancel()
     assert new_adapter.closed  # the session ended: every adapter is closed
@@ -212,8 +213,8 @@ async def test_build_failure_keeps_the_old_registry(autojump_clock: trio.abc.Clo
         harness.factory.fail_for = {"p2"}
         with pytest.raises(RegistryBuildError, match="p2"):
             await harness.manager.apply(2, _config(1, "p1", "p2"))
-        assert harness.manager.current is first and first.state == "live"
-        assert harness.manager.retiring == []
+        assert harness.manager.current is first and first.statistics().state == "live"
+        assert harness.manager.statistics().retiring == ()
         await harness.manager.start_run(_run("r1"))
         await harness.factory.created[0].wait_run("r1")
         # The adapter built for the failed candidate was closed; the live one was not.
@@ -242,7 +243,9 @@ async def test_too_many_retiring_registries_cut_the_oldest_short(
         assert (failed.run_id, failed.code) == ("r1", "registry_retired")
         assert trio.current_time() == 0  # cut short now, not after the drain timeout
         await first.wait_closed()
-        assert second.state == "retiring" and manager.retiring == [second]
+        assert second.statistics().state == "retiring" and manager.statistics().retiring == (
+            second,
+        )
         nursery.cancel_scope.cancel()
 
 
@@ -268,7 +271,7 @@ async def test_same_config_keeps_the_live_registry() -> None:
         harness = Harness(nursery)
         first = await harness.manager.apply(1, _config(1))
         assert await harness.manager.apply(2, _config(1)) is first
-        assert first.revision == 2 and harness.manager.retiring == []
+        assert first.revision == 2 and harness.manager.statistics().retiring == ()
         assert len(harness.factory.created) == 1
         nursery.cancel_scope.cancel()
 
@@ -316,7 +319,7 @@ async def test_aclose_drains_then_refuses_new_runs(autojump_clock: trio.abc.Cloc
         nursery.start_soon(finish_one_later)
         await harness.manager.aclose()
         assert trio.current_time() == pytest.approx(10)
-        assert registry.state == "closed" and adapter.closed
+        assert registry.statistics().state == "closed" and adapter.closed
         done, straggler = harness.pending()
         assert isinstance(done, RunDone) and done.run_id == "r1"
         assert isinstance(straggler, RunFailed)
@@ -342,7 +345,7 @@ async def test_registry_refuses_runs_once_retired() -> None:
         with pytest.raises(RuntimeError, match="retiring"):
             registry.start_run(_run("r1"), _discard)
         await registry.wait_closed()
-        assert registry.state == "closed"
+        assert registry.statistics().state == "closed"
 
 
 async def _discard(message: Message) -> None:

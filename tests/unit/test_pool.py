@@ -21,7 +21,6 @@ from iop_edge.core.pool import (
     decide,
     ineligibility,
     is_admissible,
-    rank,
 )
 
 ROTATION = ("a", "b", "c")
@@ -60,7 +59,25 @@ def test_equal_ratios_compare_exactly_then_priority_breaks_the_tie() -> None:
     assert chosen(decide("m", ("a", "b"), views(a, b), long=False)) == "b"
 
 
-def test_rank_compares_load_ratios_exactly_over_unrelated_capacities() -> None:
+def _reference_pick(pool: list[ProviderView], last: str | None) -> str | None:
+    """Rule 4 spelled out with `Fraction`s: the admissible provider of lowest load ratio,
+    then lowest priority, then first in the rotation after `last`."""
+    start = ROTATION.index(last) + 1 if last in ROTATION else 0
+    admissible = [view for view in pool if is_admissible(view, long=False)]
+    if not admissible:
+        return None
+    best = min(
+        admissible,
+        key=lambda view: (
+            Fraction(view.in_flight, view.capacity),
+            view.priority,
+            (ROTATION.index(view.id) - start) % len(ROTATION),
+        ),
+    )
+    return best.id
+
+
+def test_ranking_compares_load_ratios_exactly_over_unrelated_capacities() -> None:
     """Ranking avoids `Fraction`s on the hot path; it must still agree with them."""
     rng = random.Random(7)
     for _ in range(200):
@@ -73,48 +90,43 @@ def test_rank_compares_load_ratios_exactly_over_unrelated_capacities() -> None:
                 ProviderView(id=pid, capacity=capacity, in_flight=in_flight, priority=priority)
             )
         last = rng.choice([None, *ROTATION])
-        ranked = rank(pool, rotation=ROTATION, last=last)
-        ratios = [(view.load_ratio, view.priority) for view in ranked]
-        assert ratios == sorted(ratios)
-        best = decide("m", ROTATION, views(*pool), long=False, last=last)
-        admissible = [view for view in ranked if is_admissible(view, long=False)]
-        if admissible:
-            assert chosen(best) == admissible[0].id
+        decision = decide("m", ROTATION, views(*pool), long=False, last=last)
+        expected = _reference_pick(pool, last)
+        if expected is None:
+            assert isinstance(decision, Wait), decision
+        else:
+            assert chosen(decision) == expected
 
 
-def test_load_ratio_is_an_exact_fraction_and_no_capacity_counts_as_full() -> None:
-    assert ProviderView(id="a", capacity=6, in_flight=2).load_ratio == Fraction(1, 3)
-    assert ProviderView(id="a", capacity=0).load_ratio == 1
+def test_no_capacity_counts_as_full() -> None:
     # a provider without capacity ranks like a full one: after any provider with room
-    ranked = rank(
-        [ProviderView(id="a", capacity=0), ProviderView(id="b", capacity=5, in_flight=4)],
-        rotation=("a", "b"),
-        last=None,
-    )
-    assert [view.id for view in ranked] == ["b", "a"]
+    pool = views(ProviderView(id="a", capacity=0), ProviderView(id="b", capacity=5, in_flight=4))
+    assert chosen(decide("m", ("a", "b"), pool, long=False)) == "b"
+    assert isinstance(decide("m", ("a",), pool, long=False), Wait)
 
 
 def test_priority_tie_break_between_idle_providers() -> None:
-    ranked = rank(
-        [
-            ProviderView(id="a", capacity=4, priority=30),
-            ProviderView(id="b", capacity=4, priority=10),
-            ProviderView(id="c", capacity=4, priority=20),
-        ],
-        rotation=ROTATION,
-        last=None,
-    )
-    assert [view.id for view in ranked] == ["b", "c", "a"]
+    pool = [
+        ProviderView(id="a", capacity=4, priority=30),
+        ProviderView(id="b", capacity=4, priority=10),
+        ProviderView(id="c", capacity=4, priority=20),
+    ]
+    picks = []
+    for _ in pool:  # fill the best provider, then ask again: the order of preference
+        pick = chosen(decide("m", ROTATION, views(*pool), long=False))
+        picks.append(pick)
+        pool = [replace(view, capacity=0) if view.id == pick else view for view in pool]
+    assert picks == ["b", "c", "a"]
 
 
 def test_round_robin_starts_after_the_last_pick() -> None:
-    idle = [ProviderView(id=pid, capacity=4) for pid in ROTATION]
-    assert rank(idle, rotation=ROTATION, last=None)[0].id == "a"
-    assert rank(idle, rotation=ROTATION, last="a")[0].id == "b"
-    assert rank(idle, rotation=ROTATION, last="b")[0].id == "c"
-    assert rank(idle, rotation=ROTATION, last="c")[0].id == "a"
+    idle = views(*(ProviderView(id=pid, capacity=4) for pid in ROTATION))
+    assert chosen(decide("m", ROTATION, idle, long=False, last=None)) == "a"
+    assert chosen(decide("m", ROTATION, idle, long=False, last="a")) == "b"
+    assert chosen(decide("m", ROTATION, idle, long=False, last="b")) == "c"
+    assert chosen(decide("m", ROTATION, idle, long=False, last="c")) == "a"
     # a last pick that is no longer in the rotation restarts at the front
-    assert rank(idle, rotation=ROTATION, last="gone")[0].id == "a"
+    assert chosen(decide("m", ROTATION, idle, long=False, last="gone")) == "a"
 
 
 def test_sequential_requests_rotate_over_identical_idle_providers() -> None:

@@ -290,7 +290,7 @@ async def test_pending_paths_do_not_block_again_and_clear_when_reverted(
     data = config_dict()
     data["edge"]["listen"] = "127.0.0.1:1"
     await refresher.refresh(apply(data, allow_restart_required=True))
-    assert refresher.pending_restart == ("edge.listen",)
+    assert refresher.status().pending_restart == ["edge.listen"]
 
     provider_of(data, "gpu1")["capacity"] = 2
     verdict, report = unpack(await refresher.refresh(apply(data)))
@@ -320,7 +320,7 @@ async def test_live_subset_that_needs_a_restart_part_is_409(
     assert (verdict, report.outcome) == ("conflict", "rejected")
     assert [e.path for e in report.errors] == ["models[model-gpu1].providers[gpu1-new]"]
     assert edge.swaps == []
-    assert refresher.pending_restart == ()
+    assert refresher.status().pending_restart == []
 
 
 async def test_if_revision_must_match(refresher: Refresher, edge: FakeEdge) -> None:
@@ -349,7 +349,7 @@ async def test_concurrent_refresh_is_409_at_once(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run_first)
         await edge.push_entered.wait()
-        assert refresher.busy
+        assert refresher.statistics().busy
 
         verdict, report = unpack(await refresher.refresh(apply(with_capacity(9, "gpu2"))))
         assert (verdict, report.outcome) == ("conflict", "rejected")
@@ -360,7 +360,7 @@ async def test_concurrent_refresh_is_409_at_once(
     [(verdict, report)] = first
     assert (verdict, report.outcome, report.revision) == ("accepted", "applied", 2)
     assert len(edge.swaps) == 1
-    assert not refresher.busy
+    assert not refresher.statistics().busy
     assert [line["verdict"] for line in (await audit_lines(audit))] == ["conflict", "accepted"]
 
 

@@ -6,6 +6,7 @@ Time is virtual (`autojump_clock`); ordering is established with
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -25,6 +26,7 @@ from iop_edge.runtime.scheduler import (
     QueueFull,
     QueueTimeout,
     Scheduler,
+    SlotStatistics,
     UnknownModel,
 )
 from schemas.config import (
@@ -104,6 +106,20 @@ def online(snapshot: Snapshot, *, clock: float | None = None) -> Scheduler:
     return scheduler
 
 
+def slots(scheduler: Scheduler, provider_id: str) -> SlotStatistics:
+    return scheduler.statistics().providers[provider_id]
+
+
+def in_flight(scheduler: Scheduler, provider_id: str) -> int:
+    """Regular slots held on `provider_id` (0 for a provider the scheduler forgot)."""
+    found = scheduler.statistics().providers.get(provider_id)
+    return found.in_flight if found is not None else 0
+
+
+def queued(scheduler: Scheduler, model_id: str) -> int:
+    return scheduler.statistics().queued[model_id]
+
+
 class Attempt:
     """One `acquire()` running in the background, observed by the test."""
 
@@ -172,9 +188,9 @@ async def test_lease_names_provider_node_and_target() -> None:
     )
     assert not lease.long
     assert lease.queued_s == 0.0
-    assert scheduler.in_flight("a") == 1
+    assert in_flight(scheduler, "a") == 1
     lease.release()
-    assert scheduler.in_flight("a") == 0
+    assert in_flight(scheduler, "a") == 0
 
 
 async def test_concurrent_runs_spread_evenly_over_identical_providers() -> None:
@@ -244,10 +260,10 @@ async def test_waiters_are_served_in_fifo_order() -> None:
         for run_id in ("w1", "w2", "w3"):
             nursery.start_soon(client, run_id)
             await wait_all_tasks_blocked()
-        assert scheduler.queued("m") == 3
+        assert queued(scheduler, "m") == 3
         held.release()
     assert order == ["w1", "w2", "w3"]
-    assert scheduler.in_flight("a") == 0
+    assert in_flight(scheduler, "a") == 0
 
 
 async def test_new_arrival_does_not_barge_past_the_queue(nursery: trio.Nursery) -> None:
@@ -258,7 +274,7 @@ async def test_new_arrival_does_not_barge_past_the_queue(nursery: trio.Nursery) 
     late = await start(nursery, scheduler, "m", "late")
     assert first.lease is not None
     assert late.lease is None
-    assert scheduler.queued("m") == 1
+    assert queued(scheduler, "m") == 1
     first.lease.release()
     await late.done.wait()
     assert late.lease is not None
@@ -303,10 +319,10 @@ async def test_models_sharing_a_provider_are_served_in_arrival_order() -> None:
         for model_id, run_id in (("b", "b1"), ("a", "a2"), ("a", "a3"), ("b", "b2")):
             nursery.start_soon(client, model_id, run_id)
             await wait_all_tasks_blocked()
-        assert (scheduler.queued("a"), scheduler.queued("b")) == (2, 2)
+        assert (queued(scheduler, "a"), queued(scheduler, "b")) == (2, 2)
         held.release()
     assert order == ["b1", "a2", "a3", "b2"]
-    assert scheduler.in_flight("p") == 0
+    assert in_flight(scheduler, "p") == 0
 
 
 async def test_waiter_that_cannot_use_the_freed_slot_does_not_block_another_model(
@@ -364,7 +380,7 @@ async def test_queue_full_is_refused_at_once() -> None:
         with pytest.raises(QueueFull) as refused:
             await scheduler.acquire("m", "w2", long=False)
         assert refused.value.retry_after_s == RETRY_AFTER_BUSY_S
-        assert scheduler.queued("m") == 1
+        assert queued(scheduler, "m") == 1
         held.release()
     assert waiter.lease is not None
     waiter.lease.release()
@@ -391,9 +407,9 @@ async def test_queue_timeout(autojump_clock: MockClock) -> None:
         await scheduler.acquire("m", "w1", long=False)
     assert trio.current_time() - began == pytest.approx(2.0)
     assert timed_out.value.retry_after_s == RETRY_AFTER_BUSY_S
-    assert scheduler.queued("m") == 0
+    assert queued(scheduler, "m") == 0
     held.release()
-    assert scheduler.in_flight("a") == 0
+    assert in_flight(scheduler, "a") == 0
 
 
 async def test_queued_time_is_reported_on_the_lease(
@@ -443,15 +459,15 @@ async def test_cancelled_waiter_leaves_nothing_behind(nursery: trio.Nursery) -> 
     scheduler = online(ONE)
     held = await scheduler.acquire("m", "holder", long=False)
     waiter = await start(nursery, scheduler, "m", "w1")
-    assert scheduler.queued("m") == 1
+    assert queued(scheduler, "m") == 1
     waiter.scope.cancel()
     await waiter.done.wait()
     assert waiter.lease is None
     assert waiter.error is None
-    assert scheduler.queued("m") == 0
+    assert queued(scheduler, "m") == 0
     held.release()
-    assert scheduler.in_flight("a") == 0
-    assert scheduler.limiter("a").borrowed_tokens == 0
+    assert in_flight(scheduler, "a") == 0
+    assert slots(scheduler, "a").holders == ()
 
 
 async def test_slot_granted_to_a_waiter_being_cancelled_is_given_back(
@@ -470,10 +486,10 @@ async def test_slot_granted_to_a_waiter_being_cancelled_is_given_back(
     await patient.done.wait()
     assert doomed.lease is None
     assert patient.lease is not None
-    assert scheduler.in_flight("a") == 1
-    assert scheduler.limiter("a").statistics().borrowers == [patient.lease]
+    assert in_flight(scheduler, "a") == 1
+    assert slots(scheduler, "a").holders == (patient.lease,)
     patient.lease.release()
-    assert scheduler.in_flight("a") == 0
+    assert in_flight(scheduler, "a") == 0
 
 
 async def test_release_is_idempotent_and_in_flight_never_negative() -> None:
@@ -482,15 +498,14 @@ async def test_release_is_idempotent_and_in_flight_never_negative() -> None:
     )
     scheduler = online(snapshot)
     lease = await scheduler.acquire("m", "r1", long=True)
-    assert (scheduler.in_flight("a"), scheduler.limiter("a", long=True).borrowed_tokens) == (1, 1)
+    assert (slots(scheduler, "a").in_flight, slots(scheduler, "a").long_in_flight) == (1, 1)
     with lease:
         pass
-    assert lease.released
+    assert (slots(scheduler, "a").in_flight, slots(scheduler, "a").long_in_flight) == (0, 0)
     lease.release()
     lease.release()
-    assert scheduler.in_flight("a") == 0
-    assert scheduler.limiter("a", long=True).borrowed_tokens == 0
-    assert scheduler.in_flight("unknown") == 0
+    assert (slots(scheduler, "a").in_flight, slots(scheduler, "a").long_in_flight) == (0, 0)
+    assert "unknown" not in scheduler.statistics().providers
 
 
 async def test_cancelled_caller_before_acquire_takes_nothing() -> None:
@@ -499,22 +514,27 @@ async def test_cancelled_caller_before_acquire_takes_nothing() -> None:
         scope.cancel()
         await scheduler.acquire("m", "r1", long=False)
     assert scope.cancelled_caught
-    assert scheduler.in_flight("a") == 0
+    assert in_flight(scheduler, "a") == 0
 
 
 # -- refresh -------------------------------------------------------------------------------
 
 
-async def test_resize_keeps_the_same_limiters() -> None:
+async def test_resize_keeps_the_same_slots() -> None:
+    """A refresh resizes a provider's slots in place: the runs holding them still count."""
     base = {"n1": [provider("a", capacity=3, long_context_slots=1)]}
     scheduler = online(make_snapshot(base, {"m": ["a"]}))
-    regular, long = scheduler.limiter("a"), scheduler.limiter("a", long=True)
+    held = await scheduler.acquire("m", "r1", long=True)
     scheduler.apply_snapshot(
         make_snapshot({"n1": [provider("a", capacity=5, long_context_slots=None)]}, {"m": ["a"]})
     )
-    assert scheduler.limiter("a") is regular
-    assert scheduler.limiter("a", long=True) is long
-    assert regular.total_tokens == 5
+    after = slots(scheduler, "a")
+    assert (after.capacity, after.long_capacity) == (5, math.inf)
+    assert (after.in_flight, after.long_in_flight, after.holders) == (1, 1, (held,))
+    more = [await scheduler.acquire("m", f"r{i}", long=True) for i in range(2, 6)]
+    assert slots(scheduler, "a").in_flight == 5  # 4 more, not 5: the first run still counts
+    for lease in [held, *more]:
+        lease.release()
 
 
 async def test_shrink_below_borrowed_only_stops_new_admissions(nursery: trio.Nursery) -> None:
@@ -523,7 +543,7 @@ async def test_shrink_below_borrowed_only_stops_new_admissions(nursery: trio.Nur
     scheduler.apply_snapshot(
         make_snapshot({"n1": [provider("a", capacity=1)]}, {"m": ["a"]}, revision=2)
     )
-    assert scheduler.in_flight("a") == 3  # runs in flight keep their slots
+    assert in_flight(scheduler, "a") == 3  # runs in flight keep their slots
     waiter = await start(nursery, scheduler, "m", "w1")
     held[0].release()
     held[1].release()
@@ -532,7 +552,7 @@ async def test_shrink_below_borrowed_only_stops_new_admissions(nursery: trio.Nur
     held[2].release()
     await waiter.done.wait()
     assert waiter.lease is not None
-    assert scheduler.in_flight("a") == 1
+    assert in_flight(scheduler, "a") == 1
     waiter.lease.release()
 
 
@@ -550,7 +570,7 @@ async def test_grow_wakes_waiters(nursery: trio.Nursery) -> None:
     for waiter in waiters:
         assert waiter.lease is not None
         waiter.lease.release()
-    assert scheduler.in_flight("a") == 0
+    assert in_flight(scheduler, "a") == 0
 
 
 async def test_disabled_provider_finishes_its_runs_but_gets_no_new_ones(
@@ -563,7 +583,7 @@ async def test_disabled_provider_finishes_its_runs_but_gets_no_new_ones(
     on_b = await scheduler.acquire("m", "b0", long=False, exclude=frozenset({"a"}))
     solo_waiter = await start(nursery, scheduler, "solo", "s1")
     shared_waiter = await start(nursery, scheduler, "m", "w1")
-    assert scheduler.queued("solo") == scheduler.queued("m") == 1
+    assert queued(scheduler, "solo") == queued(scheduler, "m") == 1
 
     disabled = {"n1": [provider("a", capacity=2, enabled=False), provider("b", capacity=1)]}
     scheduler.apply_snapshot(make_snapshot(disabled, models, revision=2))
@@ -575,7 +595,7 @@ async def test_disabled_provider_finishes_its_runs_but_gets_no_new_ones(
     for lease in on_a:
         lease.release()  # a's runs finish normally ...
     await wait_all_tasks_blocked()
-    assert scheduler.in_flight("a") == 0
+    assert in_flight(scheduler, "a") == 0
     assert not shared_waiter.done.is_set()  # ... and a's free slots are not reused
     on_b.release()
     await shared_waiter.done.wait()
@@ -595,7 +615,7 @@ async def test_removed_model_fails_its_waiters(nursery: trio.Nursery) -> None:
     )
     await waiter.done.wait()
     assert isinstance(waiter.error, UnknownModel)
-    assert scheduler.queued("k") == 0
+    assert "k" not in scheduler.statistics().queued
     held.release()
 
 
@@ -604,28 +624,24 @@ async def test_removed_provider_lease_release_does_not_crash() -> None:
     scheduler = online(make_snapshot(nodes, {"m": ["a", "b"]}))
     lease = await scheduler.acquire("m", "r1", long=True)
     assert lease.provider_id == "a"
-    limiter = scheduler.limiter("a")
     scheduler.apply_snapshot(
         make_snapshot({"n1": [provider("b", capacity=1)]}, {"m": ["b"]}, revision=2)
     )
     assert [p.id for p in scheduler.catalog().providers] == ["b"]
-    assert scheduler.in_flight("a") == 1  # still held, still counted
+    removed = slots(scheduler, "a")
+    assert (removed.removed, removed.in_flight) == (True, 1)  # still held, still counted
     lease.release()
     lease.release()
-    assert limiter.borrowed_tokens == 0
-    assert scheduler.in_flight("a") == 0
-    with pytest.raises(KeyError):
-        scheduler.limiter("a")  # forgotten once its last lease was released
+    assert "a" not in scheduler.statistics().providers  # forgotten with its last lease
 
 
-async def test_readded_provider_keeps_its_limiter_while_leases_linger() -> None:
+async def test_readded_provider_keeps_its_slots_while_leases_linger() -> None:
     nodes = {"n1": [provider("a", capacity=1)]}
     scheduler = online(make_snapshot(nodes, {"m": ["a"]}))
     lease = await scheduler.acquire("m", "r1", long=False)
-    limiter = scheduler.limiter("a")
     scheduler.apply_snapshot(make_snapshot({"n1": []}, {}, revision=2))
     scheduler.apply_snapshot(make_snapshot(nodes, {"m": ["a"]}, revision=3))
-    assert scheduler.limiter("a") is limiter  # concurrency never doubles ...
+    assert slots(scheduler, "a").holders == (lease,)  # concurrency never doubles ...
     scheduler.apply_snapshot(make_snapshot(nodes, {"m": ["a"]}, revision=4, max_queue=0))
     with pytest.raises(QueueFull):
         await scheduler.acquire("m", "r2", long=False)  # ... the old run still counts
@@ -698,7 +714,7 @@ async def test_long_runs_hold_a_long_slot_and_a_regular_slot(nursery: trio.Nurse
     )
     first_long = await scheduler.acquire("m", "l1", long=True)
     assert first_long.long
-    assert (scheduler.in_flight("a"), scheduler.limiter("a", long=True).borrowed_tokens) == (1, 1)
+    assert (slots(scheduler, "a").in_flight, slots(scheduler, "a").long_in_flight) == (1, 1)
     second_long = await start(nursery, scheduler, "m", "l2", long=True)
     assert not second_long.done.is_set()
     regular = await scheduler.acquire("m", "r1", long=False)  # regular slots still free
@@ -934,7 +950,7 @@ async def test_observers_wake_on_every_change(nursery: trio.Nursery) -> None:
     async def observer() -> None:
         while True:
             await scheduler.wait_changed()
-            changes.append(scheduler.in_flight("a"))
+            changes.append(in_flight(scheduler, "a"))
 
     nursery.start_soon(observer)
     await wait_all_tasks_blocked()
@@ -1013,7 +1029,6 @@ async def test_random_acquire_release_cancel_never_leaks_a_slot(
     ]
     scheduler = online(variant(1))
     outcomes: Counter[str] = Counter()
-    limiters: dict[int, trio.CapacityLimiter] = {}
 
     async def client(plan: Plan) -> None:
         await trio.sleep(plan.arrive_s)  # arrival, on the virtual clock
@@ -1024,11 +1039,6 @@ async def test_random_acquire_release_cancel_never_leaks_a_slot(
                 outcomes[type(error).__name__] += 1
                 return
             with lease:
-                for limiter in (
-                    scheduler.limiter(lease.provider_id),
-                    scheduler.limiter(lease.provider_id, long=True),
-                ):
-                    limiters[id(limiter)] = limiter
                 outcomes["served"] += 1
                 await trio.sleep(plan.work_s)  # the run itself, on the virtual clock
                 match plan.verdict:
@@ -1070,10 +1080,11 @@ async def test_random_acquire_release_cancel_never_leaks_a_slot(
     assert outcomes["served"] > 50
     assert outcomes["cancelled"] > 0
     assert sum(outcomes.values()) - outcomes["served"] > 0
-    for limiter in limiters.values():
-        assert limiter.borrowed_tokens == 0
-    for pid in "abc":
-        assert scheduler.in_flight(pid) == 0
+    # Every slot is back, on the providers of the last snapshot and on any removed one a
+    # leaked lease would keep around.
+    for pid, held in scheduler.statistics().providers.items():
+        assert (held.in_flight, held.long_in_flight, held.holders) == (0, 0, ()), pid
+        assert not held.removed, pid
     catalog = scheduler.catalog()
     assert all(p.in_flight == 0 and p.long_in_flight == 0 for p in catalog.providers)
     assert all(m.queued == 0 for m in catalog.models)

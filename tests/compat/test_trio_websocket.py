@@ -1,0 +1,96 @@
+"""iop_edge.runtime.compat.trio_websocket on the installed trio-websocket, on a real
+connection: a listener's message limit holds until `lift_message_limit`, and the lifted
+limit holds after it.
+
+The server below behaves like the Edge's node listener: a small limit for whatever a peer
+sends first, then, once the peer said `lift`, a larger one for that connection only.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import trio
+from trio_websocket import (
+    ConnectionClosed,
+    WebSocketConnection,
+    WebSocketRequest,
+    open_websocket_url,
+    serve_websocket,
+)
+
+from iop_edge.runtime.compat.trio_websocket import MESSAGE_LIMIT_LIFTABLE, lift_message_limit
+
+PRE_LIFT_LIMIT = 1024
+LIFTED_LIMIT = 16 * 1024
+GUARD_S = 10
+#: The close code for a message over the limit (RFC 6455 "message too big").
+MESSAGE_TOO_BIG = 1009
+
+
+async def _echo_sizes(request: WebSocketRequest) -> None:
+    """Answer each message with its size; after `lift`, allow `LIFTED_LIMIT` bytes."""
+    websocket = await request.accept()
+    try:
+        while True:
+            message = await websocket.get_message()
+            if message == b"lift":
+                lift_message_limit(websocket, LIFTED_LIMIT)
+                await websocket.send_message(b"lifted")
+            else:
+                await websocket.send_message(b"%d" % len(message))
+    except ConnectionClosed:
+        pass
+
+
+@pytest.fixture
+async def url(nursery: trio.Nursery) -> str:
+    serve = partial(serve_websocket, max_message_size=PRE_LIFT_LIMIT)
+    server = await nursery.start(serve, _echo_sizes, "127.0.0.1", 0, None)
+    return f"ws://127.0.0.1:{server.port}/"
+
+
+async def _refused(websocket: WebSocketConnection, size: int) -> bool:
+    """Send `size` bytes: True if the server closed the connection as too big."""
+    await websocket.send_message(b"\x00" * size)
+    try:
+        await websocket.get_message()
+    except ConnectionClosed as closed:
+        assert closed.reason is not None
+        assert closed.reason.code == MESSAGE_TOO_BIG
+        return True
+    return False
+
+
+def test_the_installed_version_is_one_known_to_keep_the_limit_there() -> None:
+    assert MESSAGE_LIMIT_LIFTABLE
+
+
+async def test_a_message_over_the_limit_is_refused_before_the_lift(url: str) -> None:
+    async with open_websocket_url(url) as websocket:
+        with trio.fail_after(GUARD_S):
+            assert await _refused(websocket, PRE_LIFT_LIMIT + 1)
+
+
+async def test_the_same_message_is_accepted_after_the_lift(url: str) -> None:
+    async with open_websocket_url(url) as websocket:
+        with trio.fail_after(GUARD_S):
+            await websocket.send_message(b"\x00" * PRE_LIFT_LIMIT)  # the old limit, still fine
+            assert await websocket.get_message() == b"%d" % PRE_LIFT_LIMIT
+            await websocket.send_message(b"lift")
+            assert await websocket.get_message() == b"lifted"
+            await websocket.send_message(b"\x00" * LIFTED_LIMIT)
+            assert await websocket.get_message() == b"%d" % LIFTED_LIMIT
+            # The lifted limit is a limit, not none at all.
+            assert await _refused(websocket, LIFTED_LIMIT + 1)
+
+
+async def test_the_lift_is_per_connection(url: str) -> None:
+    async with open_websocket_url(url) as lifted, open_websocket_url(url) as other:
+        with trio.fail_after(GUARD_S):
+            await lifted.send_message(b"lift")
+            assert await lifted.get_message() == b"lifted"
+            assert await _refused(other, PRE_LIFT_LIMIT + 1)
+            await lifted.send_message(b"\x00" * LIFTED_LIMIT)
+            assert await lifted.get_message() == b"%d" % LIFTED_LIMIT
