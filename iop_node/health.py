@@ -9,8 +9,16 @@ when some provider's health or model list changed.
   initial probes finished; the monitor is "started" after that report.
 - Then each adapter is probed every `provider.adapter.health_interval_s`.
 - A probe is bounded by `probe_timeout_s` (never more than the interval). A probe that
-  times out or raises makes the provider `unavailable`, with the reason in `detail`;
-  a probe must never take the Node down.
+  raises, or answers `unavailable`, makes the provider `unavailable` with the reason in
+  `detail`; a probe must never take the Node down.
+- Busy is not down (SPEC §4.11). A probe that *times out* (ours, or the adapter's
+  `ProbeTimeout`) is judged by the provider's runs (`activity.ProviderActivity`): while
+  one of them is progressing the provider is `busy` (it keeps its models and stays in
+  the pool up to capacity); when its runs are stalled, or it has none, it is
+  `unavailable`. A probe that fails any other way (connection refused, an error status)
+  is `unavailable` whatever runs are in flight. Each probe decides afresh, so a busy
+  provider whose runs stall, or finish while it still does not answer, leaves the pool
+  at the next probe.
 - Reports are serialised and each one is taken when it is sent, so the last report the
   Edge receives always describes the latest state.
 """
@@ -23,7 +31,8 @@ from collections.abc import Awaitable, Callable, Mapping
 import msgspec
 import trio
 
-from iop_node.adapters.base import Adapter
+from iop_node.activity import ProviderActivity
+from iop_node.adapters.base import Adapter, ProbeTimeout
 from schemas.wire import ProviderStatus
 
 log = logging.getLogger(__name__)
@@ -43,10 +52,12 @@ class HealthMonitor:
         on_change: OnStatus,
         *,
         probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+        activity: ProviderActivity | None = None,
     ) -> None:
         self._adapters = dict(adapters)
         self._on_change = on_change
         self._probe_timeout_s = probe_timeout_s
+        self._activity = activity if activity is not None else ProviderActivity()
         self._statuses: dict[str, ProviderStatus] = {
             provider_id: ProviderStatus(id=provider_id, health="unknown")
             for provider_id in self._adapters
@@ -99,13 +110,38 @@ class HealthMonitor:
             with trio.fail_after(timeout_s):
                 status = await adapter.probe()
         except trio.TooSlowError:
-            return _unavailable(provider_id, f"health probe timed out after {timeout_s:g}s")
+            return self._timed_out(provider_id, f"health probe timed out after {timeout_s:g}s")
+        except ProbeTimeout as exc:
+            return self._timed_out(provider_id, f"health probe timed out ({exc})")
         except Exception as exc:  # a probe bug marks its provider down, never the Node
             log.debug("health probe of %s raised", provider_id, exc_info=True)
             return _unavailable(provider_id, f"health probe failed: {type(exc).__name__}: {exc}")
         if status.id != provider_id:
             status = msgspec.structs.replace(status, id=provider_id)
         return status
+
+    def _timed_out(self, provider_id: str, what: str) -> ProviderStatus:
+        """A probe got no answer in time: busy if the provider's runs progress, else down."""
+        progress = self._activity.progress(provider_id)
+        runs = f"{progress.runs} run{'s' if progress.runs != 1 else ''}"
+        match progress.state:
+            case "alive":
+                previous = self._statuses[provider_id]
+                return ProviderStatus(
+                    id=provider_id,
+                    health="busy",
+                    models=previous.models,
+                    lifecycle=previous.lifecycle,
+                    detail=f"busy: {what} while {runs} in flight are producing output",
+                )
+            case "stalled":
+                return _unavailable(
+                    provider_id,
+                    f"{what}, and its {runs} in flight produced nothing for "
+                    f"{progress.silent_s:.0f}s (stalled)",
+                )
+            case _:
+                return _unavailable(provider_id, f"{what} with no run in flight")
 
     async def _report(self) -> None:
         async with self._report_lock:

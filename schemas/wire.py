@@ -38,6 +38,12 @@ Health = Literal["available", "busy", "draining", "unavailable", "unknown"]
 """
 
 
+UsageSource = Literal["provider", "estimated"]
+"""Where a run's token counts come from (SPEC §7): the provider's own report, or IOP's
+estimate (`schemas.tokens`) when the provider gave none (no usage chunk, a cut stream, a
+cancelled run)."""
+
+
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     """Base of every wire message."""
 
@@ -84,6 +90,10 @@ class Run(Message, tag="run", frozen=True, kw_only=True):
     operation: Operation
     body: bytes
     stream: bool = False
+    request_id: str = ""
+    """The caller's request this run serves ("" = `run_id`). A retry on another provider has
+    its own `run_id` (`req_x.1`); adapters that make up response ids use this one, so the
+    id a caller sees stays tied to its request."""
 
 
 class Cancel(Message, tag="cancel", frozen=True, kw_only=True):
@@ -99,6 +109,8 @@ class RunDone(Message, tag="run_done", frozen=True, kw_only=True):
     run_id: str
     usage: Usage | None = None
     response: bytes | None = None
+    usage_source: UsageSource | None = None
+    """None: a Node that does not say; `usage` then is the provider's when present."""
 
 
 class FailureCode(StrEnum):
@@ -167,6 +179,8 @@ class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
     `retryable` tells the Edge the failure happened before the upstream produced
     anything and another provider may succeed (connect refused, upstream 5xx, 429/503).
     `capacity` marks a 429/503 from the upstream: a load signal, not a health failure.
+    `status` is the upstream's HTTP status when the failure is its error answer: the
+    Edge's blame rules (SPEC §4.10) read it.
     """
 
     run_id: str
@@ -175,6 +189,9 @@ class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
     retryable: bool = False
     capacity: bool = False
     status: int | None = None
+    usage: Usage | None = None
+    """What the run consumed before it failed (an estimate unless the provider said)."""
+    usage_source: UsageSource | None = None
 
 
 # --- config and health -----------------------------------------------------------------

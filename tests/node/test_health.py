@@ -1,4 +1,5 @@
-"""Health probes (`iop_node.health`): first report after the initial probes, then changes only."""
+"""Health probes (`iop_node.health`): first report after the initial probes, then changes
+only; a probe that times out while runs progress means busy, not down (SPEC §4.11)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import trio
 import trio.testing
 
-from iop_node.adapters.base import Emit, RunResult
+from iop_node.activity import ProviderActivity
+from iop_node.adapters.base import Emit, ProbeTimeout, RunResult
 from iop_node.health import HealthMonitor
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import ProviderStatus, Run
@@ -19,14 +21,20 @@ class ScriptedProbe:
     """
 
     def __init__(
-        self, provider_id: str, answers: list[ProviderStatus | Exception | None], interval_s: float
+        self,
+        provider_id: str,
+        answers: list[ProviderStatus | Exception | None],
+        interval_s: float,
+        first_byte_timeout_s: float | None = None,
     ) -> None:
         self.provider = ProviderConfig(
             id=provider_id,
             type="vllm",
             models=["m"],
             capacity=1,
-            adapter=AdapterSettings(health_interval_s=interval_s),
+            adapter=AdapterSettings(
+                health_interval_s=interval_s, first_byte_timeout_s=first_byte_timeout_s
+            ),
         )
         self._answers = answers
         self.probes = 0
@@ -73,7 +81,7 @@ async def test_first_report_waits_for_every_initial_probe(autojump_clock: trio.a
         assert [status.id for status in statuses] == ["fast", "slow"]
         assert statuses[0] == _up("fast")
         assert statuses[1].health == "unavailable"
-        assert statuses[1].detail == "health probe timed out after 3s"
+        assert statuses[1].detail == "health probe timed out after 3s with no run in flight"
 
         # At the next interval the slow provider answers: one more report.
         await trio.sleep(10)
@@ -123,7 +131,9 @@ async def test_probe_timeout_never_exceeds_the_interval(autojump_clock: trio.abc
         await nursery.start(HealthMonitor({"p1": adapter}, reports, probe_timeout_s=5).run)
         assert trio.current_time() == pytest.approx(0.5)
         nursery.cancel_scope.cancel()
-    assert reports.reports[0][1][0].detail == "health probe timed out after 0.5s"
+    assert reports.reports[0][1][0].detail == (
+        "health probe timed out after 0.5s with no run in flight"
+    )
 
 
 async def test_status_id_is_the_provider_id() -> None:
@@ -140,3 +150,98 @@ async def test_no_adapters_still_reports_once() -> None:
     await HealthMonitor({}, reports).run()
     [(_, statuses)] = reports.reports
     assert statuses == []
+
+
+# --- busy is not down -----------------------------------------------------------------------
+
+
+async def test_a_probe_timeout_while_a_run_generates_is_busy_until_the_run_stalls(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """llama.cpp's server does not answer its model list while it generates. A stream
+    that keeps producing output keeps the provider `busy` (in the pool, models kept);
+    once it shows nothing for its first-byte budget, the next probe says `unavailable`."""
+    adapter = ScriptedProbe(
+        "p1", [_up("p1", "m", "m2"), None], interval_s=10, first_byte_timeout_s=20
+    )
+    activity = ProviderActivity()
+    reports = Reports()
+    monitor = HealthMonitor({"p1": adapter}, reports, probe_timeout_s=3, activity=activity)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(monitor.run)
+        run = activity.start(adapter.provider, stream=True)
+
+        async def generate() -> None:  # a chunk every 5 s until t=40, then silence
+            for _ in range(8):
+                await trio.sleep(5)
+                run.output()
+
+        nursery.start_soon(generate)
+        # Probes start at t=10, 23, 36, 49, 62 (each hangs for its 3 s timeout).
+        await trio.sleep(14)
+        [status] = reports.reports[-1][1]
+        assert status.health == "busy"
+        assert status.models == ["m", "m2"]  # still serving what it served
+        assert status.detail == (
+            "busy: health probe timed out after 3s while 1 run in flight are producing output"
+        )
+        assert len(reports.reports) == 2
+
+        await trio.sleep(52 - 14 + 1)  # the probe at t=49 still sees output within 20 s
+        assert reports.reports[-1][1][0].health == "busy"
+        assert len(reports.reports) == 2  # busy -> busy is no change
+
+        await trio.sleep(66 - 53)  # the probe at t=62: silent since t=40, 22 s > 20 s
+        [status] = reports.reports[-1][1]
+        assert status.health == "unavailable"
+        assert status.detail == (
+            "health probe timed out after 3s, and its 1 run in flight produced nothing "
+            "for 25s (stalled)"
+        )
+        activity.finish("p1", run)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_probe_that_fails_outright_is_down_whatever_runs_are_in_flight(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Connection refused (or an error status) is an answer, not silence: down."""
+    adapter = ScriptedProbe("p1", [_up("p1"), RuntimeError("connection refused")], interval_s=10)
+    activity = ProviderActivity()
+    reports = Reports()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(HealthMonitor({"p1": adapter}, reports, activity=activity).run)
+        activity.start(adapter.provider, stream=True)
+        await trio.sleep(11)
+        [status] = reports.reports[-1][1]
+        assert (status.health, status.detail) == (
+            "unavailable",
+            "health probe failed: RuntimeError: connection refused",
+        )
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_adapters_own_probe_timeout_is_judged_by_the_runs_too(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    adapter = ScriptedProbe(
+        "p1", [_up("p1"), ProbeTimeout("timed out: read timeout")], interval_s=10
+    )
+    activity = ProviderActivity()
+    reports = Reports()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(HealthMonitor({"p1": adapter}, reports, activity=activity).run)
+        run = activity.start(adapter.provider, stream=False)  # a non-stream run: silent
+        await trio.sleep(11)
+        [status] = reports.reports[-1][1]
+        assert status.health == "busy"
+        assert status.detail is not None
+        assert status.detail.startswith("busy: health probe timed out (timed out: read timeout)")
+        activity.finish("p1", run)  # done, and still no answer: down at the next probe
+        await trio.sleep(10)
+        [status] = reports.reports[-1][1]
+        assert status.health == "unavailable"
+        assert status.detail == (
+            "health probe timed out (timed out: read timeout) with no run in flight"
+        )
+        nursery.cancel_scope.cancel()
