@@ -169,7 +169,7 @@ def _bound(text: str) -> str:
     text = text.strip()
     if len(text) <= MESSAGE_LIMIT:
         return text
-    marker = f"... [{len(text) - MESSAGE_LIMIT} more characters]"
+    marker = f"... [cut: {len(text)} characters in all]"
     return text[: MESSAGE_LIMIT - len(marker)] + marker
 
 
