@@ -133,7 +133,7 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
             usage_source=result.usage_source,
         )
     if result.response is not None:
-        tally.add(result.response)
+        tally.add(result.response, whole=True)
     return RunDone(
         run_id=run.run_id,
         usage=_estimate(run, tally),

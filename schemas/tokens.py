@@ -57,12 +57,18 @@ def estimate_input_tokens(body: dict[str, Any]) -> int:
 # --- output (completion) estimate ------------------------------------------------------------
 #
 # Used only when a provider does not report usage (llama.cpp's server ignores
-# `stream_options`, a stream cut short, a cancelled run). Rule: completion tokens are
-# ceil(characters / 4) over the text the run delivered (content, reasoning, refusal, tool
-# call arguments, a completion's `text`), but never fewer than the number of stream chunks
-# that carried any of it: engines stream about one token per chunk, so for short tokens the
-# chunk count is the better estimate, and a run that delivered output is never estimated
-# at zero.
+# `stream_options`, a stream cut short, a cancelled run). Rule, per chunk (or per whole
+# response) of generated text (content, reasoning, refusal, tool call arguments, a
+# completion's `text`): a stream chunk of up to `TOKEN_CHUNK_CHARS` characters is one
+# token, since engines stream token by token and one token of natural text rarely runs
+# longer; a longer chunk, or a whole non-stream response, counts ceil(characters / 4).
+# A chunk without text counts nothing, so a run that delivered output is never estimated
+# at zero. Per-chunk counting matches a token-per-chunk stream (llama.cpp, vLLM) where
+# characters / 4 alone is off by the vocabulary's average token length (README, "Real
+# runtimes").
+
+#: The longest chunk of text counted as a single token.
+TOKEN_CHUNK_CHARS = 16
 
 
 class _Function(msgspec.Struct):
@@ -126,21 +132,28 @@ def output_chars(payload: bytes) -> int | None:
 class OutputTally:
     """Counts what a run delivered, chunk by chunk, for the completion estimate above."""
 
-    __slots__ = ("chars", "pieces")
+    __slots__ = ("_tokens", "pieces")
 
     def __init__(self) -> None:
-        self.chars = 0
+        self._tokens = 0
         self.pieces = 0
         """Chunks (or responses) that carried generated text."""
 
-    def add(self, payload: bytes) -> None:
+    def add(self, payload: bytes, *, whole: bool = False) -> None:
+        """Count one stream chunk, or (`whole`) a whole non-stream response, whose text
+        is counted by characters only."""
         chars = output_chars(payload)
-        if chars is None or chars > 0:
+        if chars is None:  # unreadable, but output all the same
+            chars = 1
+        if chars > 0:
             self.pieces += 1
-            self.chars += chars or 0
+            if whole or chars > TOKEN_CHUNK_CHARS:
+                self._tokens += text_tokens_of(chars)
+            else:
+                self._tokens += 1
 
     def tokens(self) -> int:
-        return max(text_tokens_of(self.chars), self.pieces)
+        return self._tokens
 
 
 def text_tokens_of(chars: int) -> int:

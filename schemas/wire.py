@@ -29,9 +29,10 @@ Health = Literal["available", "busy", "draining", "unavailable", "unknown"]
 """A provider's health as its Node sees it (SPEC §4 item 11, §12):
 
 - `available`: answers its probes; takes runs up to capacity.
-- `busy`: a probe timed out while runs on it were still producing output. The runtime is
-  alive and generating (llama.cpp's server stops answering model-list calls meanwhile);
-  it stays in the pool up to capacity.
+- `busy`: its runs are producing output, so its Node does not probe it meanwhile (a
+  probe may go unanswered, or even cut the generation: llama.cpp's server does both), or
+  a probe timed out while they were. The runtime is alive and generating; it stays in
+  the pool up to capacity.
 - `draining`: its Node is shutting down; it finishes what it runs and takes nothing new.
 - `unavailable`: down (refused, probes failing with nothing in flight, runs stalled).
 - `unknown`: not probed yet (a node that just connected).

@@ -28,6 +28,10 @@ four; `FakeUpstream(**LLAMA_CPP)` switches on the first three):
 - `ignore_stream_options`: no usage chunk, whatever `stream_options` asks.
 - `warmup`: an async hook the first inference request after start awaits before its
   first byte (a model loading on first use); a test holds it with an event.
+- `interrupt_streams`: a stream stops at once (`[DONE]`, no finish reason) when any other
+  request arrives while it generates, a model listing included (llama-cpp-python's
+  `interrupt_requests`, on by default). Not in `LLAMA_CPP`: a test switches it on once
+  its stream runs, so only requests that arrive from then on count.
 
 Endpoints: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models;
 Ollama's GET /api/tags and /api/version. Responses are serialized with `json.dumps`
@@ -238,11 +242,16 @@ class FakeUpstream:
     invalid_status: int | None = None
     ignore_stream_options: bool = False
     warmup: Callable[[], Awaitable[None]] | None = None
+    interrupt_streams: bool = False
 
     requests: deque[RecordedRequest] = field(
         init=False, default_factory=lambda: deque(maxlen=_MAX_RECORDED)
     )
     requests_total: int = field(init=False, default=0)
+    arrivals: int = field(init=False, default=0)
+    """Requests of any kind received (model listings too)."""
+    interrupted: int = field(init=False, default=0)
+    """Streams cut short by `interrupt_streams`."""
     connections_total: int = field(init=False, default=0)
     active: int = field(init=False, default=0)
     disconnects: int = field(init=False, default=0)
@@ -325,6 +334,7 @@ class FakeUpstream:
             body=bytes(body),
         )
         self.requests.append(request)
+        self.arrivals += 1
         return request
 
     async def _send(self, stream: trio.SocketStream, conn: h11.Connection, event: Any) -> None:
@@ -440,6 +450,7 @@ class FakeUpstream:
         )
         headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
         await self._send(stream, conn, h11.Response(status_code=200, headers=headers))
+        seen = self.arrivals
         for i, event in enumerate(events):
             if self.drop_after_chunks is not None and i >= self.drop_after_chunks:
                 raise _Drop
@@ -451,6 +462,12 @@ class FakeUpstream:
                 await trio.sleep(self.chunk_interval_s)
             if self.pace is not None:
                 await self.pace(i)
+            if not self.interrupt_streams:
+                seen = self.arrivals
+            elif self.arrivals != seen:  # another request came in: stop generating
+                self.interrupted += 1
+                self._notify()
+                break
             await self._send(stream, conn, h11.Data(data=b"data: " + event + b"\n\n"))
         await self._send(stream, conn, h11.Data(data=b"data: [DONE]\n\n"))
         await self._send(stream, conn, h11.EndOfMessage())

@@ -155,20 +155,23 @@ async def test_no_adapters_still_reports_once() -> None:
 # --- busy is not down -----------------------------------------------------------------------
 
 
-async def test_a_probe_timeout_while_a_run_generates_is_busy_until_the_run_stalls(
+async def test_a_provider_producing_output_is_busy_and_not_probed_until_its_runs_stall(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    """llama.cpp's server does not answer its model list while it generates. A stream
-    that keeps producing output keeps the provider `busy` (in the pool, models kept);
-    once it shows nothing for its first-byte budget, the next probe says `unavailable`."""
+    """Output is proof of life, and a probe could cut the stream (llama.cpp's server
+    interrupts the request it generates for when another arrives): while a run produces
+    output the provider is `busy` (in the pool, models kept) and nobody probes it. Once
+    the run shows nothing for its first-byte budget, the next interval probes, and a
+    probe that gets no answer makes it `unavailable`."""
     adapter = ScriptedProbe(
-        "p1", [_up("p1", "m", "m2"), None], interval_s=10, first_byte_timeout_s=20
+        "p1", [_up("p1", "m", "m2"), None], interval_s=10, first_byte_timeout_s=25
     )
     activity = ProviderActivity()
     reports = Reports()
     monitor = HealthMonitor({"p1": adapter}, reports, probe_timeout_s=3, activity=activity)
     async with trio.open_nursery() as nursery:
         await nursery.start(monitor.run)
+        assert adapter.probes == 1
         run = activity.start(adapter.provider, stream=True)
 
         async def generate() -> None:  # a chunk every 5 s until t=40, then silence
@@ -177,71 +180,83 @@ async def test_a_probe_timeout_while_a_run_generates_is_busy_until_the_run_stall
                 run.output()
 
         nursery.start_soon(generate)
-        # Probes start at t=10, 23, 36, 49, 62 (each hangs for its 3 s timeout).
-        await trio.sleep(14)
+        await trio.sleep(11)
         [status] = reports.reports[-1][1]
         assert status.health == "busy"
         assert status.models == ["m", "m2"]  # still serving what it served
         assert status.detail == (
-            "busy: health probe timed out after 3s while 1 run in flight are producing output"
+            "busy: 1 run in flight producing output (health probe deferred until they stop)"
         )
-        assert len(reports.reports) == 2
 
-        await trio.sleep(52 - 14 + 1)  # the probe at t=49 still sees output within 20 s
-        assert reports.reports[-1][1][0].health == "busy"
+        await trio.sleep(61 - 11)  # t=60: silent for 20 s, within its 25 s budget
+        assert adapter.probes == 1  # never probed while it generated
         assert len(reports.reports) == 2  # busy -> busy is no change
 
-        await trio.sleep(66 - 53)  # the probe at t=62: silent since t=40, 22 s > 20 s
+        await trio.sleep(74 - 61)  # t=70: silent for 30 s: probed, no answer by t=73
+        assert adapter.probes == 2
         [status] = reports.reports[-1][1]
         assert status.health == "unavailable"
         assert status.detail == (
             "health probe timed out after 3s, and its 1 run in flight produced nothing "
-            "for 25s (stalled)"
+            "for 33s (stalled)"
         )
         activity.finish("p1", run)
         nursery.cancel_scope.cancel()
 
 
-async def test_a_probe_that_fails_outright_is_down_whatever_runs_are_in_flight(
+async def test_a_run_that_starts_while_a_probe_hangs_makes_the_timeout_busy(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    """Connection refused (or an error status) is an answer, not silence: down."""
-    adapter = ScriptedProbe("p1", [_up("p1"), RuntimeError("connection refused")], interval_s=10)
+    adapter = ScriptedProbe("p1", [_up("p1"), None], interval_s=10)
+    activity = ProviderActivity()
+    reports = Reports()
+    monitor = HealthMonitor({"p1": adapter}, reports, probe_timeout_s=3, activity=activity)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(monitor.run)
+        await trio.sleep(11)  # the probe at t=10 hangs; a non-stream run starts at t=11
+        run = activity.start(adapter.provider, stream=False)
+        await trio.sleep(3)
+        [status] = reports.reports[-1][1]
+        assert (status.health, status.detail) == (
+            "busy",
+            "busy: health probe timed out after 3s while 1 run in flight produced output",
+        )
+        activity.finish("p1", run)  # done, and still no answer: down at the next probe
+        await trio.sleep(10 + 3)
+        [status] = reports.reports[-1][1]
+        assert (status.health, status.detail) == (
+            "unavailable",
+            "health probe timed out after 3s with no run in flight",
+        )
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_provider_found_down_is_probed_even_with_runs_in_flight(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Connection refused is an answer, not silence: down, and only a probe that passes
+    brings it back, whatever its older runs still do."""
+    adapter = ScriptedProbe(
+        "p1",
+        [_up("p1"), RuntimeError("connection refused"), ProbeTimeout("timed out: read")],
+        interval_s=10,
+    )
     activity = ProviderActivity()
     reports = Reports()
     async with trio.open_nursery() as nursery:
         await nursery.start(HealthMonitor({"p1": adapter}, reports, activity=activity).run)
-        activity.start(adapter.provider, stream=True)
         await trio.sleep(11)
         [status] = reports.reports[-1][1]
         assert (status.health, status.detail) == (
             "unavailable",
             "health probe failed: RuntimeError: connection refused",
         )
-        nursery.cancel_scope.cancel()
-
-
-async def test_the_adapters_own_probe_timeout_is_judged_by_the_runs_too(
-    autojump_clock: trio.abc.Clock,
-) -> None:
-    adapter = ScriptedProbe(
-        "p1", [_up("p1"), ProbeTimeout("timed out: read timeout")], interval_s=10
-    )
-    activity = ProviderActivity()
-    reports = Reports()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(HealthMonitor({"p1": adapter}, reports, activity=activity).run)
-        run = activity.start(adapter.provider, stream=False)  # a non-stream run: silent
-        await trio.sleep(11)
-        [status] = reports.reports[-1][1]
+        run = activity.start(adapter.provider, stream=True)  # admitted before the outage
+        await trio.sleep(10)
+        assert adapter.probes == 3  # probed although the run is young
+        [status] = reports.reports[-1][1]  # the adapter's own timeout, judged by the run
         assert status.health == "busy"
         assert status.detail is not None
-        assert status.detail.startswith("busy: health probe timed out (timed out: read timeout)")
-        activity.finish("p1", run)  # done, and still no answer: down at the next probe
-        await trio.sleep(10)
-        [status] = reports.reports[-1][1]
-        assert status.health == "unavailable"
-        assert status.detail == (
-            "health probe timed out (timed out: read timeout) with no run in flight"
-        )
+        assert status.detail.startswith("busy: health probe timed out (timed out: read)")
+        activity.finish("p1", run)
         nursery.cancel_scope.cancel()

@@ -123,13 +123,13 @@ async def test_a_stream_without_usage_is_estimated_from_what_it_emitted() -> Non
     content chunk is at least one token; long ones count their characters / 4."""
 
     async def behaviour(run: Run, emit: Emit) -> RunResult:
-        for text in ("Hel", "lo", ", a much longer piece of text"):  # 34 characters
+        for text in ("Hel", "lo", ", a much longer piece of text"):  # 1 + 1 + ceil(29 / 4)
             await emit(_chunk(text))
         await emit(b'{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}')
         return RunResult()
 
     done = (await _execute(FakeAdapter(behaviour), _body_run()))[-1]
-    assert done == RunDone(run_id="r1", usage=_estimated(11, 9), usage_source="estimated")
+    assert done == RunDone(run_id="r1", usage=_estimated(11, 10), usage_source="estimated")
 
 
 async def test_a_non_stream_response_without_usage_is_estimated_from_its_text() -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from schemas.tokens import OutputTally, output_chars
+from schemas.tokens import TOKEN_CHUNK_CHARS, OutputTally, output_chars
 
 
 def _delta(**fields: object) -> bytes:
@@ -34,20 +34,22 @@ def test_output_chars_reads_every_kind_of_generated_text(payload: bytes, chars: 
     assert output_chars(payload) == chars
 
 
-def test_each_chunk_with_text_is_at_least_one_token() -> None:
-    """Engines stream about a token per chunk: five one-letter chunks are five tokens,
-    not ceil(5 / 4)."""
+def test_a_token_sized_chunk_is_one_token() -> None:
+    """Engines stream about a token per chunk: each short chunk is one token, whatever
+    its length up to `TOKEN_CHUNK_CHARS` (so not characters / 4)."""
     tally = OutputTally()
-    for letter in "Hello":
-        tally.add(_delta(content=letter))
+    for piece in ("H", "ello", " understanding", "x" * TOKEN_CHUNK_CHARS):
+        tally.add(_delta(content=piece))
     tally.add(_delta())  # the finish chunk carries nothing
-    assert (tally.pieces, tally.chars, tally.tokens()) == (5, 5, 5)
+    assert (tally.pieces, tally.tokens()) == (4, 4)
 
 
-def test_long_chunks_count_their_characters() -> None:
+def test_a_longer_piece_counts_its_characters() -> None:
     tally = OutputTally()
-    tally.add(_delta(content="x" * 40))
-    assert tally.tokens() == 10
+    tally.add(_delta(content="x" * 40))  # several tokens in one chunk
+    whole = json.dumps({"choices": [{"message": {"content": "short answer"}}]}).encode()
+    tally.add(whole, whole=True)  # a whole response: characters only
+    assert tally.tokens() == 10 + 3
 
 
 def test_an_unreadable_chunk_still_counts_as_output() -> None:
