@@ -36,8 +36,9 @@ Rules:
    The record's usage is the one the Node reported (the provider's, or the Node's
    estimate), else the Edge's own estimate (`usage_source: estimated`): prompt tokens
    from `schemas.tokens`, completion tokens one per chunk the run handed to its caller
-   (a run the Edge ends itself: the caller left, the node was lost). A run that produced
-   output is never metered at zero.
+   (a run the Edge ends itself: the caller left, the node was lost), or from the text of
+   a whole answer that came without usage. A run that produced output is never metered
+   at zero.
 5. A run whose consumer falls a whole buffer behind is given up at once: its slot is
    released while the consumer may still be stuck on its socket, the Node cancels it,
    and the consumer's next read says `caller_too_slow`.
@@ -56,9 +57,10 @@ import trio
 
 from iop_edge.runtime.hub import NodeHub
 from iop_edge.runtime.metering import RunRecord
-from iop_edge.runtime.scheduler import Lease, NoProvider, Scheduler
+from iop_edge.runtime.scheduler import AdmissionError, Lease, NoProvider, Scheduler
 from iop_edge.runtime.session import NodeSession, RunEvent, SessionClosed
 from schemas import wire
+from schemas.tokens import OutputTally
 
 __all__ = [
     "CALLER_GONE",
@@ -246,6 +248,8 @@ class Run:
         """Whether the Node may still be running the current attempt (cancel on end)."""
         self._cut = False
         """The run was stopped while its provider worked on it (Rule 4)."""
+        self._unmetered_response: bytes | None = None
+        """A whole answer that came without usage (from a Node that does not estimate)."""
         self._admitted = False
 
     @property
@@ -316,6 +320,8 @@ class Run:
             self.usage = event.usage
             self.usage_source = event.usage_source or "provider"
         if isinstance(event, wire.RunDone):
+            if event.usage is None:
+                self._unmetered_response = event.response
             self._dispatcher.scheduler.record_success(self._provider_id)
         else:
             self._cut = event.code in _CUT_WHILE_WORKING
@@ -374,17 +380,19 @@ class Run:
         """What the run consumed (Rule 4): the Node's report, else the Edge's estimate."""
         if self.usage is not None:
             return self.usage, self.usage_source
-        if self._attempt is None or not (self.chunks or self._cut):
+        answered = self._unmetered_response is not None
+        if self._attempt is None or not (self.chunks or self._cut or answered):
             return None, "estimated"  # never reached a provider, or refused outright
+        completion = self.chunks
+        if self._unmetered_response is not None:
+            tally = OutputTally()
+            tally.add(self._unmetered_response, whole=True)
+            completion += tally.tokens()
         prompt = self.plan.prompt_tokens
-        return (
-            wire.Usage(
-                prompt_tokens=prompt,
-                completion_tokens=self.chunks,
-                total_tokens=prompt + self.chunks,
-            ),
-            "estimated",
+        usage = wire.Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
+        return usage, "estimated"
 
     # --- used by the Dispatcher ------------------------------------------------------
 
@@ -456,12 +464,15 @@ class Dispatcher:
         ambiguous: list[RunFailure] = []  # upstream 5xx answers, blame pending (Rule 3)
         for attempt in range(retries + 1):
             wire_id = plan.run_id if attempt == 0 else f"{plan.run_id}.{attempt}"
+            asked_at = time.perf_counter()
             try:
                 lease = await self.scheduler.acquire(
                     plan.model_id, wire_id, long=plan.long, exclude=frozenset(tried)
                 )
-            except NoProvider:
-                if last_failure is not None:
+            except AdmissionError as exc:
+                # A refusal after a wait (queue timeout) shows that wait as `queue`.
+                run.timings.queued_s += time.perf_counter() - asked_at
+                if isinstance(exc, NoProvider) and last_failure is not None:
                     raise last_failure from None
                 raise
             run.timings.queued_s += lease.queued_s
