@@ -253,7 +253,7 @@ async def test_runs_stalled_past_the_first_byte_timeout_take_the_provider_out(
         "gpu",
         await nursery.start(fake.serve),
         health_interval_s=PROBE_EVERY_S,
-        first_byte_timeout_s=0.3,
+        first_byte_timeout_s=1.0,
         request_timeout_s=60,
     )
     stack = await make_stack([provider])
