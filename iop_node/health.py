@@ -9,8 +9,18 @@ when some provider's health or model list changed.
   initial probes finished; the monitor is "started" after that report.
 - Then each adapter is probed every `provider.adapter.health_interval_s`.
 - A probe is bounded by `probe_timeout_s` (never more than the interval). A probe that
-  times out or raises makes the provider `unavailable`, with the reason in `detail`;
-  a probe must never take the Node down.
+  raises, or answers `unavailable`, makes the provider `unavailable` with the reason in
+  `detail`; a probe must never take the Node down.
+- Busy is not down (SPEC §4.11). A provider whose runs are progressing
+  (`activity.ProviderActivity`: output within each run's stall window) is `busy` and is
+  not probed at all (see `_generating` for why), unless the last probe found it down.
+  A probe that *times out* (ours, or the adapter's `ProbeTimeout`) is judged by the
+  runs too: `busy` while one of them progresses (a run may start during the probe);
+  `unavailable` when they are stalled or there are none. A `busy` provider keeps its
+  models and stays in the pool up to capacity. A probe that fails any other way
+  (connection refused, an error status) is `unavailable` whatever runs are in flight.
+  Each interval decides afresh, so a provider whose runs stall, or finish while it
+  still does not answer, leaves the pool within one interval (plus the probe timeout).
 - Reports are serialised and each one is taken when it is sent, so the last report the
   Edge receives always describes the latest state.
 """
@@ -23,7 +33,8 @@ from collections.abc import Awaitable, Callable, Mapping
 import msgspec
 import trio
 
-from iop_node.adapters.base import Adapter
+from iop_node.activity import ProviderActivity
+from iop_node.adapters.base import Adapter, ProbeTimeout
 from schemas.wire import ProviderStatus
 
 log = logging.getLogger(__name__)
@@ -43,10 +54,12 @@ class HealthMonitor:
         on_change: OnStatus,
         *,
         probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+        activity: ProviderActivity | None = None,
     ) -> None:
         self._adapters = dict(adapters)
         self._on_change = on_change
         self._probe_timeout_s = probe_timeout_s
+        self._activity = activity if activity is not None else ProviderActivity()
         self._statuses: dict[str, ProviderStatus] = {
             provider_id: ProviderStatus(id=provider_id, health="unknown")
             for provider_id in self._adapters
@@ -72,18 +85,52 @@ class HealthMonitor:
         interval_s = adapter.provider.adapter.health_interval_s
         while True:
             await trio.sleep(interval_s)
-            if self._record(provider_id, await self._probe(provider_id, adapter)):
+            if self._record(provider_id, await self._check(provider_id, adapter)):
                 await self._report()
 
     async def _initial_probe(self, provider_id: str, adapter: Adapter) -> None:
-        self._record(provider_id, await self._probe(provider_id, adapter))
+        self._record(provider_id, await self._check(provider_id, adapter))
+
+    async def _check(self, provider_id: str, adapter: Adapter) -> ProviderStatus:
+        """The provider's status now: from its runs while they generate, else a probe."""
+        generating = self._generating(provider_id)
+        if generating is not None:
+            return generating
+        return await self._probe(provider_id, adapter)
+
+    def _generating(self, provider_id: str) -> ProviderStatus | None:
+        """`busy` without a probe while the provider's runs progress; None: probe it.
+
+        Output is proof of life, and a probe then is worse than redundant: llama.cpp's
+        Python server cuts the stream it is generating when any other request arrives
+        (`interrupt_requests`, on by default), a model listing included. A provider the
+        last probe found down is probed all the same: only a probe brings it back."""
+        previous = self._statuses[provider_id]
+        if previous.health == "unavailable":
+            return None
+        progress = self._activity.progress(provider_id)
+        if progress.state != "alive":
+            return None
+        return ProviderStatus(
+            id=provider_id,
+            health="busy",
+            models=previous.models,
+            lifecycle=previous.lifecycle,
+            detail=f"busy: {_runs(progress.runs)} in flight producing output "
+            "(health probe deferred until they stop)",
+        )
 
     def _record(self, provider_id: str, status: ProviderStatus) -> bool:
         previous = self._statuses[provider_id]
         self._statuses[provider_id] = status
         changed = (previous.health, previous.models) != (status.health, status.models)
         if changed and previous.health != status.health:
-            level = logging.INFO if status.health == "available" else logging.WARNING
+            if status.health == "unavailable":
+                level = logging.WARNING
+            elif "busy" in (previous.health, status.health):
+                level = logging.DEBUG  # a generating provider flips between these often
+            else:
+                level = logging.INFO
             log.log(
                 level,
                 "provider %s is %s%s",
@@ -99,13 +146,38 @@ class HealthMonitor:
             with trio.fail_after(timeout_s):
                 status = await adapter.probe()
         except trio.TooSlowError:
-            return _unavailable(provider_id, f"health probe timed out after {timeout_s:g}s")
+            return self._timed_out(provider_id, f"health probe timed out after {timeout_s:g}s")
+        except ProbeTimeout as exc:
+            return self._timed_out(provider_id, f"health probe timed out ({exc})")
         except Exception as exc:  # a probe bug marks its provider down, never the Node
             log.debug("health probe of %s raised", provider_id, exc_info=True)
             return _unavailable(provider_id, f"health probe failed: {type(exc).__name__}: {exc}")
         if status.id != provider_id:
             status = msgspec.structs.replace(status, id=provider_id)
         return status
+
+    def _timed_out(self, provider_id: str, what: str) -> ProviderStatus:
+        """A probe got no answer in time: busy if the provider's runs progress, else down."""
+        progress = self._activity.progress(provider_id)
+        runs = _runs(progress.runs)
+        match progress.state:
+            case "alive":
+                previous = self._statuses[provider_id]
+                return ProviderStatus(
+                    id=provider_id,
+                    health="busy",
+                    models=previous.models,
+                    lifecycle=previous.lifecycle,
+                    detail=f"busy: {what} while {runs} in flight produced output",
+                )
+            case "stalled":
+                return _unavailable(
+                    provider_id,
+                    f"{what}, and its {runs} in flight produced nothing for "
+                    f"{progress.silent_s:.0f}s (stalled)",
+                )
+            case _:
+                return _unavailable(provider_id, f"{what} with no run in flight")
 
     async def _report(self) -> None:
         async with self._report_lock:
@@ -114,3 +186,7 @@ class HealthMonitor:
 
 def _unavailable(provider_id: str, detail: str) -> ProviderStatus:
     return ProviderStatus(id=provider_id, health="unavailable", detail=detail)
+
+
+def _runs(count: int) -> str:
+    return f"{count} run{'s' if count != 1 else ''}"

@@ -498,7 +498,10 @@ class _Session:
             self._health_scope.cancel()
         scope = self._health_scope = trio.CancelScope()
         monitor = HealthMonitor(
-            registry.adapters, self._report_status, probe_timeout_s=self._settings.probe_timeout_s
+            registry.adapters,
+            self._report_status,
+            probe_timeout_s=self._settings.probe_timeout_s,
+            activity=registry.activity,
         )
 
         async def monitor_health() -> None:

@@ -35,6 +35,7 @@ from typing import Literal, cast
 
 import trio
 
+from iop_node.activity import ProviderActivity
 from iop_node.adapters.base import Adapter
 from iop_node.runner import RunHandle, Send, execute_run
 from schemas.config import NodeConfig, ProviderConfig
@@ -96,10 +97,18 @@ class ManagerStatistics:
 class AdapterRegistry:
     """One generation of adapters and the runs started on them."""
 
-    def __init__(self, revision: int, config: NodeConfig, adapters: Mapping[str, Adapter]):
+    def __init__(
+        self,
+        revision: int,
+        config: NodeConfig,
+        adapters: Mapping[str, Adapter],
+        activity: ProviderActivity | None = None,
+    ):
         self.revision = revision
         self.config = config
         self.adapters: Mapping[str, Adapter] = dict(adapters)
+        self.activity = activity if activity is not None else ProviderActivity()
+        """Where this registry's runs show their signs of life (shared across registries)."""
         self._state: RegistryState = "built"
         self._runs: dict[str, RunHandle] = {}
         self._nursery: trio.Nursery | None = None
@@ -111,7 +120,11 @@ class AdapterRegistry:
 
     @classmethod
     async def build(
-        cls, revision: int, config: NodeConfig, factory: AdapterFactory = create_adapter
+        cls,
+        revision: int,
+        config: NodeConfig,
+        factory: AdapterFactory = create_adapter,
+        activity: ProviderActivity | None = None,
     ) -> AdapterRegistry:
         """Construct every adapter of `config`, or none: on failure the adapters built so far
         are closed and `RegistryBuildError` names the provider that failed."""
@@ -132,7 +145,7 @@ class AdapterRegistry:
             with trio.move_on_after(ADAPTER_CLOSE_TIMEOUT_S, shield=True):
                 await _aclose_all(adapters.values())
             raise
-        return cls(revision, config, adapters)
+        return cls(revision, config, adapters, activity)
 
     # --- inspection --------------------------------------------------------------------
 
@@ -174,9 +187,14 @@ class AdapterRegistry:
         return True
 
     async def _run(self, run: Run, handle: RunHandle, send: Send) -> None:
+        adapter = self.adapter(run.provider_id)
+        if adapter is not None:
+            handle.activity = self.activity.start(adapter.provider, stream=run.stream)
         try:
-            await execute_run(run, self.adapter(run.provider_id), handle, send)
+            await execute_run(run, adapter, handle, send)
         finally:
+            if handle.activity is not None:
+                self.activity.finish(run.provider_id, handle.activity)
             del self._runs[run.run_id]
             if self._state == "retiring" and not self._runs:
                 self._drained.set()
@@ -265,6 +283,7 @@ class RegistryManager:
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         max_retiring: int = DEFAULT_MAX_RETIRING,
         factory: AdapterFactory = create_adapter,
+        activity: ProviderActivity | None = None,
     ) -> None:
         if max_retiring < 1:
             raise ValueError("max_retiring must be at least 1")
@@ -273,6 +292,8 @@ class RegistryManager:
         self._drain_timeout_s = drain_timeout_s
         self._max_retiring = max_retiring
         self._factory = factory
+        self.activity = activity if activity is not None else ProviderActivity()
+        """The runs in flight per provider, across every registry of the session."""
         self._current: AdapterRegistry | None = None
         self._retiring: list[AdapterRegistry] = []
         self._closing = False
@@ -297,7 +318,7 @@ class RegistryManager:
         if current is not None and current.config == config:
             current.revision = revision
             return current
-        registry = await AdapterRegistry.build(revision, config, self._factory)
+        registry = await AdapterRegistry.build(revision, config, self._factory, self.activity)
         await self._nursery.start(self._serve, registry)
         if self._closing:  # `aclose` began while we were building: never make it current
             self._retire(registry, code=FailureCode.NODE_STOPPING)

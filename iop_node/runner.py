@@ -22,6 +22,16 @@ Everything the run sends is shaped for the caller first (`reply.ReplyShaper`: th
 caller's alias, usage kept and its chunk stripped when not asked for, stream chunks
 framed as server-sent events), so the Edge relays bytes. Chunks leave as `Chunk` items;
 the session's writer batches them into `run_events` messages.
+
+Every terminal message says what the run consumed (SPEC §7, no run unmetered): the
+provider's usage when it reported some (`usage_source: provider`), else an estimate
+(`estimated`): prompt tokens from `schemas.tokens.estimate_input_tokens`, completion
+tokens from the output the run emitted (`OutputTally`). A failed run is estimated when it
+produced output or was stopped while the provider worked on it (cancelled, timed out,
+cut); one the upstream refused outright consumed nothing and carries no usage.
+
+The runner also keeps the run's `RunActivity` (start, then every emitted chunk), which
+the health monitor reads to tell a busy provider from a dead one.
 """
 
 from __future__ import annotations
@@ -30,11 +40,14 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import trio
 
+from iop_node.activity import RunActivity
 from iop_node.adapters.base import Adapter, AdapterError, RunResult
 from iop_node.reply import NotAnObject, ReplyShaper
-from schemas.wire import FailureCode, Message, Run, RunDone, RunFailed
+from schemas.tokens import OutputTally, estimate_input_tokens
+from schemas.wire import FailureCode, Message, Run, RunDone, RunFailed, Usage
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +76,8 @@ class RunHandle:
     cancel_retryable: bool = False
     emitted: bool = False
     """Whether any chunk went out; a failure after that is never retryable."""
+    activity: RunActivity | None = None
+    """The run's signs of life, for the health monitor (set by the registry)."""
 
     def cancel(self, code: FailureCode, message: str, *, retryable: bool = False) -> None:
         """Stop the run at once; the first reason given is the one the Edge hears.
@@ -93,12 +108,17 @@ async def execute_run(run: Run, adapter: Adapter | None, handle: RunHandle, send
 
 async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) -> Message:
     shaper = ReplyShaper(run)
+    tally = OutputTally()
+    activity = handle.activity
 
     async def emit(data: bytes) -> None:
         try:
             event = shaper.event(data)
         except NotAnObject as exc:
             raise _broken_output(handle, f"a chunk is {exc}") from None
+        if activity is not None:
+            activity.output()
+        tally.add(data)
         if event is not None:
             handle.emitted = True
             await send(Chunk(run.run_id, event))
@@ -111,24 +131,44 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
         except Exception as exc:  # the isolation boundary: adapter errors fail the run only
             failure = _failure(run, handle, exc)
     if handle.cancel_code is not None:
-        return _failed(
+        failure = _failed(
             run,
             handle,
             handle.cancel_code,
             handle.cancel_message,
             retryable=handle.cancel_retryable,
         )
+    elif failure is None and result is None:  # a misbehaving adapter swallowed our cancel
+        failure = _failed(run, handle, FailureCode.INTERNAL, "adapter returned no result")
     if failure is not None:
+        if tally.pieces or failure.code in _CUT_WHILE_WORKING:
+            failure = msgspec.structs.replace(
+                failure, usage=_estimate(run, tally), usage_source="estimated"
+            )
         return failure
-    if result is None:  # only a misbehaving adapter that swallowed our cancellation
-        return _failed(run, handle, FailureCode.INTERNAL, "adapter returned no result")
+    assert result is not None
     response = result.response
     if response is not None:
         try:
             response = shaper.response(response)
         except NotAnObject as exc:
             return _failure(run, handle, _broken_output(handle, f"the response is {exc}"))
-    return RunDone(run_id=run.run_id, usage=result.usage or shaper.usage, response=response)
+    usage = result.usage or shaper.usage
+    if usage is not None:
+        return RunDone(
+            run_id=run.run_id,
+            usage=usage,
+            response=response,
+            usage_source=result.usage_source if result.usage is not None else "provider",
+        )
+    if response is not None:
+        tally.add(response, whole=True)
+    return RunDone(
+        run_id=run.run_id,
+        usage=_estimate(run, tally),
+        response=response,
+        usage_source="estimated",
+    )
 
 
 def _broken_output(handle: RunHandle, what: str) -> AdapterError:
@@ -136,6 +176,34 @@ def _broken_output(handle: RunHandle, what: str) -> AdapterError:
     if handle.emitted:
         return AdapterError(FailureCode.UPSTREAM_STREAM_ERROR, f"upstream output broke: {what}")
     return AdapterError(FailureCode.UPSTREAM_ERROR, f"bad upstream output: {what}", retryable=True)
+
+
+#: Failures that stop a run while the provider may be working on it: what it consumed
+#: is estimated even when it produced nothing yet (its prompt was being read).
+_CUT_WHILE_WORKING = frozenset(
+    {
+        FailureCode.CANCELLED,
+        FailureCode.REGISTRY_RETIRED,
+        FailureCode.NODE_STOPPING,
+        FailureCode.UPSTREAM_TIMEOUT,
+        FailureCode.UPSTREAM_STREAM_ERROR,
+    }
+)
+
+_decode_body = msgspec.json.Decoder().decode
+
+
+def _estimate(run: Run, tally: OutputTally) -> Usage:
+    """The run's usage by IOP's estimators (see the module docstring)."""
+    try:
+        body = _decode_body(run.body)
+    except msgspec.DecodeError:
+        body = None
+    prompt = estimate_input_tokens(body) if isinstance(body, dict) else 0
+    completion = tally.tokens()
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
 
 
 def _failure(run: Run, handle: RunHandle, exc: Exception) -> RunFailed:

@@ -1,24 +1,27 @@
-"""The one input-token estimator of IOP, shared by the Edge's long-context admission and the
-`sim` adapter's usage numbers, so the two always agree.
+"""IOP's token estimators: input tokens, shared by the Edge's long-context admission and the
+`sim` adapter's usage numbers so the two always agree, and output tokens, for the usage
+of runs whose provider reports none (SPEC §7, `usage_source: estimated`).
 
 Rule: a request's input tokens are ceil(characters / 4) over every piece of text the
 model will read (message contents, including text parts of multimodal content; the
 `prompt` of a completion; the `input` of an embedding), plus 4 tokens of framing per chat
 message. Four characters per token is the usual rule of thumb for English BPE
-vocabularies; it is an estimate for admission, never billed as such when the upstream
-reports real usage.
+vocabularies; it is an estimate, never billed as such when the upstream reports real
+usage. (The output rule is stated above its code, below.)
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
+
+import msgspec
 
 CHARS_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 4
 
 
 def text_tokens(text: str) -> int:
-    return -(-len(text) // CHARS_PER_TOKEN)
+    return text_tokens_of(len(text))
 
 
 def _content_chars(content: Any) -> int:
@@ -49,3 +52,110 @@ def estimate_input_tokens(body: dict[str, Any]) -> int:
         if value is not None:
             return -(-_content_chars(value) // CHARS_PER_TOKEN)
     return 0
+
+
+# --- output (completion) estimate ------------------------------------------------------------
+#
+# Used only when a provider does not report usage (llama.cpp's server ignores
+# `stream_options`, a stream cut short, a cancelled run). Rule, per chunk (or per whole
+# response) of generated text (content, reasoning, refusal, tool call arguments, a
+# completion's `text`): a stream chunk of up to `TOKEN_CHUNK_CHARS` characters is one
+# token, since engines stream token by token and one token of natural text rarely runs
+# longer; a longer chunk, or a whole non-stream response, counts ceil(characters / 4).
+# A chunk without text counts nothing, so a run that delivered output is never estimated
+# at zero. Per-chunk counting matches a token-per-chunk stream (llama.cpp, vLLM) where
+# characters / 4 alone is off by the vocabulary's average token length (README, "Real
+# runtimes").
+
+#: The longest chunk of text counted as a single token.
+TOKEN_CHUNK_CHARS = 16
+
+
+class _Function(msgspec.Struct):
+    arguments: str | None = None
+
+
+class _ToolCall(msgspec.Struct):
+    function: _Function | None = None
+
+
+class _Message(msgspec.Struct):
+    """A chat message or a stream delta, as far as its text goes."""
+
+    content: Any = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: str | None = None
+    tool_calls: list[_ToolCall] | None = None
+
+    def chars(self) -> int:
+        total = _content_chars(self.content)
+        for text in (self.reasoning_content, self.reasoning, self.refusal):
+            if text:
+                total += len(text)
+        for call in self.tool_calls or ():
+            if call.function is not None and call.function.arguments:
+                total += len(call.function.arguments)
+        return total
+
+
+class _Choice(msgspec.Struct):
+    delta: _Message | None = None
+    message: _Message | None = None
+    text: str | None = None
+
+
+class _Output(msgspec.Struct):
+    choices: list[_Choice] | None = None
+
+
+_decode_output: Final = msgspec.json.Decoder(_Output).decode
+
+
+def output_chars(payload: bytes) -> int | None:
+    """Characters of generated text in one OpenAI chunk or response; None when `payload`
+    is not shaped like one (it is counted as output all the same)."""
+    try:
+        output = _decode_output(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    total = 0
+    for choice in output.choices or ():
+        for message in (choice.delta, choice.message):
+            if message is not None:
+                total += message.chars()
+        if choice.text:
+            total += len(choice.text)
+    return total
+
+
+class OutputTally:
+    """Counts what a run delivered, chunk by chunk, for the completion estimate above."""
+
+    __slots__ = ("_tokens", "pieces")
+
+    def __init__(self) -> None:
+        self._tokens = 0
+        self.pieces = 0
+        """Chunks (or responses) that carried generated text."""
+
+    def add(self, payload: bytes, *, whole: bool = False) -> None:
+        """Count one stream chunk, or (`whole`) a whole non-stream response, whose text
+        is counted by characters only."""
+        chars = output_chars(payload)
+        if chars is None:  # unreadable, but output all the same
+            chars = 1
+        if chars > 0:
+            self.pieces += 1
+            if whole or chars > TOKEN_CHUNK_CHARS:
+                self._tokens += text_tokens_of(chars)
+            else:
+                self._tokens += 1
+
+    def tokens(self) -> int:
+        return self._tokens
+
+
+def text_tokens_of(chars: int) -> int:
+    """Tokens of `chars` characters of text (the rule at the top of this module)."""
+    return -(-chars // CHARS_PER_TOKEN)

@@ -43,13 +43,20 @@ Health = Literal["available", "busy", "draining", "unavailable", "unknown"]
 """A provider's health as its Node sees it (SPEC §4 item 11, §12):
 
 - `available`: answers its probes; takes runs up to capacity.
-- `busy`: a probe timed out while runs on it were still producing output. The runtime is
-  alive and generating (llama.cpp's server stops answering model-list calls meanwhile);
-  it stays in the pool up to capacity.
+- `busy`: its runs are producing output, so its Node does not probe it meanwhile (a
+  probe may go unanswered, or even cut the generation: llama.cpp's server does both), or
+  a probe timed out while they were. The runtime is alive and generating; it stays in
+  the pool up to capacity.
 - `draining`: its Node is shutting down; it finishes what it runs and takes nothing new.
 - `unavailable`: down (refused, probes failing with nothing in flight, runs stalled).
 - `unknown`: not probed yet (a node that just connected).
 """
+
+
+UsageSource = Literal["provider", "estimated"]
+"""Where a run's token counts come from (SPEC §7): the provider's own report, or IOP's
+estimate (`schemas.tokens`) when the provider gave none (no usage chunk, a cut stream, a
+cancelled run)."""
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -106,6 +113,10 @@ class Run(Message, tag="run", frozen=True, kw_only=True):
     """The caller did not ask for usage in its stream: the Node drops the usage-only
     chunk it asked the upstream for on the Edge's behalf (and reports usage in
     `run_done`)."""
+    request_id: str = ""
+    """The caller's request this run serves ("" = `run_id`). A retry on another provider has
+    its own `run_id` (`req_x.1`); adapters that make up response ids use this one, so the
+    id a caller sees stays tied to its request."""
 
 
 class Cancel(Message, tag="cancel", frozen=True, kw_only=True):
@@ -116,6 +127,8 @@ class RunDone(Message, tag="run_done", frozen=True, kw_only=True):
     run_id: str
     usage: Usage | None = None
     response: bytes | None = None
+    usage_source: UsageSource | None = None
+    """None: a Node that does not say; `usage` then is the provider's when present."""
 
 
 class FailureCode(StrEnum):
@@ -184,6 +197,8 @@ class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
     `retryable` tells the Edge the failure happened before the upstream produced
     anything and another provider may succeed (connect refused, upstream 5xx, 429/503).
     `capacity` marks a 429/503 from the upstream: a load signal, not a health failure.
+    `status` is the upstream's HTTP status when the failure is its error answer: the
+    Edge's blame rules (SPEC §4.10) read it.
     """
 
     run_id: str
@@ -192,6 +207,9 @@ class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
     retryable: bool = False
     capacity: bool = False
     status: int | None = None
+    usage: Usage | None = None
+    """What the run consumed before it failed (an estimate unless the provider said)."""
+    usage_source: UsageSource | None = None
 
 
 class RunEvents(Message, tag="run_events", frozen=True, kw_only=True):

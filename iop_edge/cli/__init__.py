@@ -204,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument(
                 "--group-by",
                 default="principal_ref,token_ref,model",
-                help="comma-separated: principal_ref, token_ref, model, provider, node",
+                help=(
+                    "comma-separated: principal_ref, token_ref, model, provider, node, usage_source"
+                ),
             )
         if name == "refresh":
             command.add_argument("--apply", action="store_true", help="apply instead of dry-run")

@@ -173,15 +173,22 @@ def render_refresh_report(console: Console, report: dict[str, Any], status: int)
 
 
 def render_usage(console: Console, report: dict[str, Any]) -> None:
+    """The usage table; `estimated` shows how many of a row's requests have token counts
+    IOP estimated (the provider reported none) rather than the provider's own."""
     columns = list(report.get("group_by") or [])
     table = Table(title="Usage", title_justify="left")
-    for column in [*columns, "requests", "prompt tokens", "completion tokens"]:
+    for column in [*columns, "requests", "prompt tokens", "completion tokens", "estimated"]:
         table.add_column(column, justify="left" if column in columns else "right")
     for row in report.get("rows", []):
+        estimated = row.get("estimated_requests", 0)
         table.add_row(
-            *(str(row.get(column) or "") for column in columns),
+            *(_cell(row.get(column) or "") for column in columns),
             str(row.get("requests", 0)),
             str(row.get("prompt_tokens", 0)),
             str(row.get("completion_tokens", 0)),
+            Text(
+                f"{estimated} ({row.get('estimated_tokens', 0)} tok)" if estimated else "-",
+                style="yellow" if estimated else "",
+            ),
         )
     console.print(table)

@@ -128,7 +128,8 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
 
     @app.get("/usage")
     async def usage() -> Response:
-        """`?since=&until=` (ISO 8601 or unix seconds) `&group_by=principal_ref,token_ref,model`."""
+        """`?since=&until=` (ISO 8601 or unix seconds) `&group_by=principal_ref,token_ref,model`
+        (also `provider`, `node`, `usage_source`)."""
         try:
             since = parse_time(request.args.get("since"))
             until = parse_time(request.args.get("until"))

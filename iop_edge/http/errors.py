@@ -109,11 +109,36 @@ def admission_error(exc: AdmissionError) -> ApiError:
     )
 
 
-def run_failure_error(failure: wire.RunFailed, provider_id: str) -> ApiError:
-    """What the caller gets for a run that failed on `provider_id`."""
+#: Failures that are the request's, not the provider's: with a 4xx status from the
+#: upstream (or the adapter standing in for one) the caller gets that status and message.
+_REQUEST_FAILURES = frozenset(
+    {wire.FailureCode.UPSTREAM_REJECTED, wire.FailureCode.INVALID_REQUEST}
+)
+
+
+def run_failure_error(
+    failure: wire.RunFailed, provider_id: str, *, request_fault: bool = False
+) -> ApiError:
+    """What the caller gets for a run that failed on `provider_id` (SPEC §4.10, §8).
+
+    - The upstream refused the request (a 4xx other than 401/403/404/408/429, which the
+      Node reports as the provider's problem): its status and its message, as calling the
+      upstream directly would give.
+    - `request_fault`: two providers answered the request with the same 5xx, so it is the
+      request's fault: again the upstream's status and message.
+    - An upstream 429/503 on every provider tried: a retryable 503 (busy, not broken).
+    - Anything else: 502, naming the provider and what went wrong.
+    """
     code = str(failure.code)
-    if failure.code == wire.FailureCode.UPSTREAM_REJECTED and failure.status in (400, 413, 422):
-        return ApiError(failure.status, failure.message, code=code)
+    status = failure.status
+    if status is not None and (
+        request_fault or (failure.code in _REQUEST_FAILURES and 400 <= status < 500)
+    ):
+        return ApiError(
+            status,
+            failure.message,
+            code="upstream_rejected" if request_fault else code,
+        )
     if failure.capacity:
         # Upstream 429/503 on every provider tried: busy, not broken, so the caller gets
         # a retryable 503 with Retry-After rather than a 502 failure.
@@ -124,9 +149,13 @@ def run_failure_error(failure: wire.RunFailed, provider_id: str) -> ApiError:
             code=code,
             retry_after_s=RETRY_AFTER_BUSY_S,
         )
+    detail = failure.message
+    if failure.code == wire.FailureCode.UPSTREAM_ERROR and status is not None:
+        said = f"upstream returned {status}"
+        detail = detail if detail.startswith(said) else f"{said}: {detail}"
     return ApiError(
         502,
-        f"provider '{provider_id}' failed: {failure.message}",
+        f"provider '{provider_id}' failed: {detail}",
         type="api_error",
         code=code,
     )

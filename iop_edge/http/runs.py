@@ -15,9 +15,10 @@ A request, in the task Hypercorn gives it:
    result is a `RunPlan`; anything wrong is an OpenAI error reply naming the field.
 2. *Dispatch*: the scheduler admits the plan and a Node starts it (`runtime.dispatch.Run`,
    which owns the slot until the run ends).
-3. *Respond*: one JSON body, or the run relayed as server-sent events. Every reply carries
-   `x-request-id` (the caller's, when sane) and `Server-Timing` with the queue wait, the
-   upstream time and the Edge's own share.
+3. *Respond*: one JSON body, or the run relayed as server-sent events. Every reply, an
+   error too, carries `x-request-id` (the caller's, when sane) and `Server-Timing` with
+   the queue wait, the upstream time (every attempt's, a failed one's too) and the Edge's
+   own share; every reply from a run that reached a provider carries `x-iop-provider`.
 
 From step 2 on, a watcher task cancels the request when the caller disconnects. The run
 (`runtime.dispatch.Run`) owns its slot and its metering: this module tells it how the
@@ -281,14 +282,16 @@ class RunEndpoints:
                     isinstance(options, dict) and options.get("include_usage") is True
                 )
                 body["stream_options"] = {**(options or {}), "include_usage": True}
+        prompt_tokens = estimate_input_tokens(body)
         return RunPlan(
             run_id=run_id,
             model_id=view.model,
             operation=operation,
             body=body,
             stream=stream,
-            long=estimate_input_tokens(body) >= snapshot.long_context_threshold_tokens,
+            long=prompt_tokens >= snapshot.long_context_threshold_tokens,
             caller_wants_usage=caller_wants_usage,
+            prompt_tokens=prompt_tokens,
             principal_ref=principal.principal_ref,
             token_ref=principal.token_ref,
             principal_alias=principal.alias,
@@ -340,7 +343,10 @@ class RunEndpoints:
                 await self._refuse(run, admission_error(exc), reply, timing)
                 return
             except RunFailure as exc:
-                error = run_failure_error(exc.failure, exc.provider_id)
+                error = run_failure_error(
+                    exc.failure, exc.provider_id, request_fault=exc.request_fault
+                )
+                reply.provider = exc.provider_id
                 await self._refuse(run, error, reply, timing)
                 return
             finally:
@@ -358,7 +364,11 @@ class RunEndpoints:
             run.end(CALLER_GONE)  # a no-op unless the caller left before the run ended
 
     async def _refuse(self, run: Run, error: ApiError, reply: _Reply, timing: _Timing) -> None:
+        """Answer with `error`; the reply carries the same timing (every failed attempt's
+        wait charged to `upstream`) and provider headers as a success would."""
         run.end(Outcome(error.status, error.code))
+        timing.queued_s = run.timings.queued_s
+        timing.upstream_s = run.timings.upstream_s
         await reply.error(error, timing)
 
     # --- 3. respond -------------------------------------------------------------------

@@ -18,12 +18,27 @@ Rules:
    Node says `retryable`; upstream 429/503 (`capacity`) are load signals, never health
    failures.
 3. The provider's verdict (a success, or a failure that counts toward its cooldown) is
-   recorded once, when the run's terminal event is read.
+   recorded once, when the run's terminal event is read. Blame (SPEC §4.10): a failure
+   counts against a provider only when it is the provider's. Transport errors, timeouts,
+   a broken stream, a misconfigured provider count at once. An upstream 4xx refusal is the
+   request's: it is not retried and counts against nobody. An upstream 5xx is ambiguous
+   (llama.cpp answers a request it cannot parse with 500): it counts against its provider
+   only once the same request succeeds on another one; when a second provider fails it
+   with the same status, the request is at fault, nobody is penalised and the caller gets
+   the upstream's status and message (`RunFailure.request_fault`); a 5xx with no other
+   provider to try counts against nobody. So no caller can take a model offline for the
+   others by sending it bad requests.
 4. `end(outcome)` ends the run, once (later calls do nothing): it records the outcome,
    releases the slot, cancels the run on the Node if it may still be live there, and
    hands exactly one `RunRecord` to metering. The server of the request calls it on every
    path it knows and once more in a `finally` (`CALLER_GONE`, `INTERNAL_ERROR`) for the
    paths it does not: a run is metered even when its caller left before the first event.
+   The record's usage is the one the Node reported (the provider's, or the Node's
+   estimate), else the Edge's own estimate (`usage_source: estimated`): prompt tokens
+   from `schemas.tokens`, completion tokens one per chunk the run handed to its caller
+   (a run the Edge ends itself: the caller left, the node was lost), or from the text of
+   a whole answer that came without usage. A run that produced output is never metered
+   at zero.
 5. A run whose consumer falls a whole buffer behind (`RUN_BUFFER_BYTES` of events, or
    `RUN_BUFFER_ITEMS` batches) is given up at once: its slot is released while the
    consumer may still be stuck on its socket, the Node cancels it, and the consumer's
@@ -45,9 +60,10 @@ import trio
 
 from iop_edge.runtime.hub import NodeHub
 from iop_edge.runtime.metering import RunRecord
-from iop_edge.runtime.scheduler import Lease, NoProvider, Scheduler
+from iop_edge.runtime.scheduler import AdmissionError, Lease, NoProvider, Scheduler
 from iop_edge.runtime.session import NodeSession, RunEvent, SessionClosed
 from schemas import wire
+from schemas.tokens import OutputTally
 
 __all__ = [
     "CALLER_GONE",
@@ -70,7 +86,8 @@ RUN_BUFFER_ITEMS: Final = 1024
 
 _json_encode = msgspec.json.Encoder().encode
 
-# Failure codes that say something about the provider's health (count toward cooldown).
+# Failure codes that say something about the provider's health (count toward cooldown),
+# except an upstream 5xx, which is ambiguous (`_ambiguous`, Rule 3).
 _HEALTH_FAILURES: Final = frozenset(
     {
         wire.FailureCode.UPSTREAM_UNREACHABLE,
@@ -82,6 +99,21 @@ _HEALTH_FAILURES: Final = frozenset(
         wire.FailureCode.BAD_RESPONSE,
     }
 )
+#: Failures that stop a run while its provider may still be working on it (Rule 4: its
+#: prompt was being read, so the estimate counts it even without output).
+_CUT_WHILE_WORKING: Final = frozenset(
+    {wire.FailureCode.NODE_LOST, wire.FailureCode.CALLER_TOO_SLOW}
+)
+
+
+def _ambiguous(failure: wire.RunFailed) -> bool:
+    """An upstream 5xx error answer: the provider's fault or the request's (Rule 3)."""
+    return (
+        failure.code == wire.FailureCode.UPSTREAM_ERROR
+        and failure.status is not None
+        and failure.status >= 500
+        and not failure.capacity
+    )
 
 
 @dataclass(slots=True)
@@ -95,6 +127,8 @@ class RunPlan:
     stream: bool
     long: bool
     caller_wants_usage: bool
+    prompt_tokens: int = 0
+    """The request's input tokens by the Edge's estimator (`schemas.tokens`)."""
     principal_ref: str = "anonymous"
     token_ref: str = "anonymous"
     principal_alias: str | None = None
@@ -125,12 +159,18 @@ INTERNAL_ERROR: Final = Outcome(500, "internal_error")
 
 
 class RunFailure(Exception):
-    """Every allowed attempt failed before the first byte; `failure` is the last reason."""
+    """Every allowed attempt failed before the first byte; `failure` is the last reason.
 
-    def __init__(self, failure: wire.RunFailed, provider_id: str) -> None:
+    `request_fault`: two providers failed the request with the same upstream 5xx, so the
+    request itself is at fault (Rule 3)."""
+
+    def __init__(
+        self, failure: wire.RunFailed, provider_id: str, *, request_fault: bool = False
+    ) -> None:
         super().__init__(failure.message)
         self.failure = failure
         self.provider_id = provider_id
+        self.request_fault = request_fault
 
 
 class _Attempt:
@@ -214,6 +254,9 @@ class Run:
         self.plan = plan
         self.timings = RunTimings()
         self.usage: wire.Usage | None = None
+        self.usage_source: wire.UsageSource = "provider"
+        self.chunks = 0
+        """Chunks handed to the caller's side (the Edge's own output estimate, Rule 4)."""
         self.outcome: Outcome | None = None
         self._dispatcher = dispatcher
         self._attempt: _Attempt | None = None
@@ -221,6 +264,10 @@ class Run:
         self._first: RunEvent | None = None
         self._live_on_node = False
         """Whether the Node may still be running the current attempt (cancel on end)."""
+        self._cut = False
+        """The run was stopped while its provider worked on it (Rule 4)."""
+        self._unmetered_response: bytes | None = None
+        """A whole answer that came without usage (from a Node that does not estimate)."""
         self._admitted = False
 
     @property
@@ -282,12 +329,18 @@ class Run:
     def _seen(self, event: RunEvent, attempt: _Attempt) -> RunEvent:
         if isinstance(event, bytes):
             attempt.buffered -= len(event)
+            self.chunks += event.count(b"\n\n")  # one server-sent event each
             return event
         self._live_on_node = False
-        if isinstance(event, wire.RunDone):
+        if event.usage is not None:
             self.usage = event.usage
+            self.usage_source = event.usage_source or "provider"
+        if isinstance(event, wire.RunDone):
+            if event.usage is None:
+                self._unmetered_response = event.response
             self._dispatcher.scheduler.record_success(self._provider_id)
         else:
+            self._cut = event.code in _CUT_WHILE_WORKING
             self._dispatcher.note_failure(self._provider_id, event)
         return event
 
@@ -312,11 +365,14 @@ class Run:
         self.outcome = outcome
         attempt = self._attempt
         if attempt is not None:
+            if self._live_on_node:
+                self._cut = True  # the caller left (or we gave up) while it ran
             attempt.close(cancel_on_node=self._live_on_node)
             self._live_on_node = False
         plan = self.plan
         timings = self.timings
         first_event_at = timings.first_event_at
+        usage, usage_source = self._metered_usage()
         self._dispatcher.meter(
             RunRecord(
                 run_id=plan.run_id,
@@ -328,12 +384,31 @@ class Run:
                 node=self.node_id,
                 status=outcome.status,
                 code=outcome.code,
-                usage=self.usage,
+                usage=usage,
+                usage_source=usage_source,
                 latency_s=time.perf_counter() - plan.received_at,
                 ttft_s=None if first_event_at is None else first_event_at - plan.received_at,
                 queued_s=timings.queued_s if self._admitted else None,
             )
         )
+
+    def _metered_usage(self) -> tuple[wire.Usage | None, wire.UsageSource]:
+        """What the run consumed (Rule 4): the Node's report, else the Edge's estimate."""
+        if self.usage is not None:
+            return self.usage, self.usage_source
+        answered = self._unmetered_response is not None
+        if self._attempt is None or not (self.chunks or self._cut or answered):
+            return None, "estimated"  # never reached a provider, or refused outright
+        completion = self.chunks
+        if self._unmetered_response is not None:
+            tally = OutputTally()
+            tally.add(self._unmetered_response, whole=True)
+            completion += tally.tokens()
+        prompt = self.plan.prompt_tokens
+        usage = wire.Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+        return usage, "estimated"
 
     # --- used by the Dispatcher ------------------------------------------------------
 
@@ -343,10 +418,15 @@ class Run:
         self._admitted = True
         self._live_on_node = True
 
-    def _drop_attempt(self) -> None:
-        """The attempt failed before its first event: it is over on the Node too."""
+    def _drop_attempt(self, failure: wire.RunFailed) -> None:
+        """The attempt failed before its first event: it is over on the Node too. What it
+        consumed (a prompt read before a timeout) is metered unless a later attempt's
+        report replaces it."""
         attempt, self._attempt = self._attempt, None
         self._live_on_node = False
+        if failure.usage is not None:
+            self.usage = failure.usage
+            self.usage_source = failure.usage_source or "provider"
         if attempt is not None:
             attempt.close(cancel_on_node=False)
 
@@ -384,9 +464,11 @@ class Dispatcher:
         return Run(plan, self)
 
     def note_failure(self, provider_id: str, failure: wire.RunFailed) -> None:
+        """Record what `failure` says about its provider (Rule 3; an ambiguous 5xx says
+        nothing on its own: `start` settles it once the request's fate is known)."""
         if failure.capacity:
             self.scheduler.record_capacity_signal(provider_id)
-        elif failure.code in _HEALTH_FAILURES:
+        elif failure.code in _HEALTH_FAILURES and not _ambiguous(failure):
             self.scheduler.record_failure(provider_id)
 
     async def start(self, run: Run) -> None:
@@ -395,22 +477,35 @@ class Dispatcher:
         retries = self._retries()
         tried: set[str] = set()
         last_failure: RunFailure | None = None
+        ambiguous: list[RunFailure] = []  # upstream 5xx answers, blame pending (Rule 3)
         for attempt in range(retries + 1):
             wire_id = plan.run_id if attempt == 0 else f"{plan.run_id}.{attempt}"
+            asked_at = time.perf_counter()
             try:
                 lease = await self.scheduler.acquire(
                     plan.model_id, wire_id, long=plan.long, exclude=frozenset(tried)
                 )
-            except NoProvider:
-                if last_failure is not None:
+            except AdmissionError as exc:
+                # A refusal after a wait (queue timeout) shows that wait as `queue`.
+                run.timings.queued_s += time.perf_counter() - asked_at
+                if isinstance(exc, NoProvider) and last_failure is not None:
                     raise last_failure from None
                 raise
             run.timings.queued_s += lease.queued_s
             tried.add(lease.provider_id)
             failure = await self._attempt(run, wire_id, lease)
             if failure is None:
+                # The request is fine: the 5xx answers it got elsewhere were the providers'.
+                for earlier in ambiguous:
+                    self.scheduler.record_failure(earlier.provider_id)
                 return
             last_failure = failure
+            if _ambiguous(failure.failure):
+                status = failure.failure.status
+                if any(earlier.failure.status == status for earlier in ambiguous):
+                    failure.request_fault = True  # the same answer twice: the request's fault
+                    break
+                ambiguous.append(failure)
             if not failure.failure.retryable:
                 break
             if attempt < retries:  # another provider gets the run
@@ -452,6 +547,7 @@ class Dispatcher:
             stream=plan.stream,
             reply_model=plan.model_id,
             strip_usage=plan.stream and not plan.caller_wants_usage,
+            request_id=plan.run_id,
         )
         sent_at = time.perf_counter()
         try:
@@ -465,7 +561,7 @@ class Dispatcher:
         run.timings.first_event_at = time.perf_counter()
         if isinstance(first, wire.RunFailed):
             self.note_failure(lease.provider_id, first)
-            run._drop_attempt()
+            run._drop_attempt(first)
             return RunFailure(first, lease.provider_id)
         run._first_event(first)
         return None

@@ -33,6 +33,8 @@ class RunRecord:
     """The HTTP status the caller was answered with; 499 when the caller left first."""
     code: str | None
     usage: wire.Usage | None
+    usage_source: wire.UsageSource
+    """"provider" when the provider reported `usage`, "estimated" when IOP estimated it."""
     latency_s: float
     ttft_s: float | None
     queued_s: float | None
@@ -77,6 +79,7 @@ class Metering:
                 status=record.status,
                 latency_ms=record.latency_s * 1000,
                 ttft_ms=None if record.ttft_s is None else record.ttft_s * 1000,
+                usage_source=record.usage_source,
             )
         )
 

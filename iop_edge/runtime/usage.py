@@ -6,6 +6,11 @@ in batches gathered over a short window and inserts them from a worker thread (S
 in WAL mode). If the writer ever falls a whole
 buffer behind, further records are counted as dropped and logged rather than blocking
 callers: metering must never take the gateway down. Queries also run in a worker thread.
+
+Every record says where its token counts come from (`usage_source`, SPEC §7): "provider"
+(the provider reported them) or "estimated" (IOP estimated them: the provider reported
+none, or the run was cut short). A ledger written before that column existed is migrated
+in place when the Edge opens it; its old rows count as "provider" (all that Edge knew).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
 import msgspec
@@ -24,7 +29,7 @@ log = logging.getLogger(__name__)
 BUFFER = 10_000
 BATCH = 500
 BATCH_WINDOW_S = 0.05
-GROUP_COLUMNS = ("principal_ref", "token_ref", "model", "provider", "node")
+GROUP_COLUMNS = ("principal_ref", "token_ref", "model", "provider", "node", "usage_source")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
@@ -40,10 +45,14 @@ CREATE TABLE IF NOT EXISTS usage (
     completion_tokens INTEGER NOT NULL,
     status INTEGER NOT NULL,
     latency_ms REAL NOT NULL,
-    ttft_ms REAL
+    ttft_ms REAL,
+    usage_source TEXT NOT NULL DEFAULT 'provider'
 );
 CREATE INDEX IF NOT EXISTS usage_time ON usage(time);
 """
+#: Columns added since the first schema, with their definitions: an older ledger file gets
+#: them with `ALTER TABLE` when opened (its rows take the default).
+_ADDED_COLUMNS = {"usage_source": "TEXT NOT NULL DEFAULT 'provider'"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,17 +70,30 @@ class UsageRecord:
     status: int
     latency_ms: float
     ttft_ms: float | None
+    usage_source: str = "provider"
+    """"provider" or "estimated" (see the module docstring)."""
+
+
+_INSERT = "INSERT INTO usage ({}) VALUES ({})".format(
+    ", ".join(field.name for field in fields(UsageRecord)),
+    ", ".join("?" for _ in fields(UsageRecord)),
+)
 
 
 class UsageRow(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     requests: int
     prompt_tokens: int
     completion_tokens: int
+    estimated_requests: int
+    """How many of `requests` carry estimated token counts (`usage_source: estimated`)."""
+    estimated_tokens: int
+    """How many of the prompt + completion tokens are estimates."""
     principal_ref: str | None = None
     token_ref: str | None = None
     model: str | None = None
     provider: str | None = None
     node: str | None = None
+    usage_source: str | None = None
 
 
 class UsageReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,6 +132,7 @@ class UsageLedger:
         connection.execute("PRAGMA journal_mode=WAL")
         connection.execute("PRAGMA synchronous=NORMAL")
         connection.executescript(_SCHEMA)
+        _migrate(connection)
         return connection
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -157,10 +180,7 @@ class UsageLedger:
     @staticmethod
     def _insert(connection: sqlite3.Connection, batch: Sequence[UsageRecord]) -> None:
         with connection:
-            connection.executemany(
-                "INSERT INTO usage VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                [astuple(record) for record in batch],
-            )
+            connection.executemany(_INSERT, [astuple(record) for record in batch])
 
     async def aggregate(
         self, *, since: float | None, until: float | None, group_by: Sequence[str]
@@ -184,7 +204,17 @@ class UsageLedger:
         if until is not None:
             where.append("time < ?")
             params.append(until)
-        select = ", ".join([*columns, "COUNT(*)", "SUM(prompt_tokens)", "SUM(completion_tokens)"])
+        select = ", ".join(
+            [
+                *columns,
+                "COUNT(*)",
+                "SUM(prompt_tokens)",
+                "SUM(completion_tokens)",
+                "SUM(usage_source = 'estimated')",
+                "SUM(CASE WHEN usage_source = 'estimated'"
+                " THEN prompt_tokens + completion_tokens ELSE 0 END)",
+            ]
+        )
         sql = f"SELECT {select} FROM usage"  # columns come from GROUP_COLUMNS only
         if where:
             sql += " WHERE " + " AND ".join(where)
@@ -199,7 +229,7 @@ class UsageLedger:
         result = []
         for row in rows:
             keys = dict(zip(columns, row[: len(columns)], strict=True))
-            requests, prompt, completion = row[len(columns) :]
+            requests, prompt, completion, estimated, estimated_tokens = row[len(columns) :]
             if not requests:
                 continue
             result.append(
@@ -207,7 +237,19 @@ class UsageLedger:
                     requests=requests,
                     prompt_tokens=prompt or 0,
                     completion_tokens=completion or 0,
+                    estimated_requests=estimated or 0,
+                    estimated_tokens=estimated_tokens or 0,
                     **keys,
                 )
             )
         return UsageReport(since=since, until=until, group_by=columns, rows=result)
+
+
+def _migrate(connection: sqlite3.Connection) -> None:
+    """Add the columns an older ledger file lacks (`_ADDED_COLUMNS`)."""
+    present = {row[1] for row in connection.execute("PRAGMA table_info(usage)")}
+    for name, definition in _ADDED_COLUMNS.items():
+        if name not in present:
+            log.info("usage ledger: adding column %s (a ledger from an older Edge)", name)
+            with connection:
+                connection.execute(f"ALTER TABLE usage ADD COLUMN {name} {definition}")

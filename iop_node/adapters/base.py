@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from schemas.config import ProviderConfig
-from schemas.wire import FailureCode, ProviderStatus, Run, Usage
+from schemas.wire import FailureCode, ProviderStatus, Run, Usage, UsageSource
 
 Emit = Callable[[bytes], Awaitable[None]]
 """Send one OpenAI JSON chunk (raw bytes) to the Edge; may block on back-pressure."""
@@ -24,10 +24,14 @@ Emit = Callable[[bytes], Awaitable[None]]
 
 @dataclass(frozen=True, slots=True)
 class RunResult:
-    """How a run ended well: usage when known, and the whole JSON response for non-stream."""
+    """How a run ended well: usage when known, and the whole JSON response for non-stream.
+
+    `usage_source`: "estimated" when the adapter made the numbers up itself (the `cli`
+    adapter counts characters). With no `usage` at all, the runner estimates it."""
 
     usage: Usage | None = None
     response: bytes | None = None
+    usage_source: UsageSource = "provider"
 
 
 class AdapterError(Exception):
@@ -52,6 +56,13 @@ class AdapterError(Exception):
         self.status = status
 
 
+class ProbeTimeout(Exception):
+    """Raised by `probe()` when the upstream accepted the probe but did not answer in time.
+
+    Not a verdict: a runtime that is generating may not answer its model list (SPEC §4.11),
+    so the health monitor decides from the provider's runs whether it is busy or down."""
+
+
 class Adapter(Protocol):
     provider: ProviderConfig
 
@@ -60,7 +71,10 @@ class Adapter(Protocol):
         ...
 
     async def probe(self) -> ProviderStatus:
-        """One cheap health check (list models, never a billed completion)."""
+        """One cheap health check (list models, never a billed completion).
+
+        The health monitor bounds it (callers own deadlines); a timeout the adapter sees
+        itself is raised as `ProbeTimeout`, any other failure is an `unavailable` status."""
         ...
 
     async def aclose(self) -> None:

@@ -77,7 +77,7 @@ class _Shaper:
 
     def __init__(self, run: Run) -> None:
         self._chat = run.operation == "chat"
-        self._id = ("chatcmpl-" if self._chat else "cmpl-") + run.run_id
+        self._id = ("chatcmpl-" if self._chat else "cmpl-") + (run.request_id or run.run_id)
         self._model = run.target
         self._created = int(time.time())
         self._first = True
@@ -271,12 +271,13 @@ class CliAdapter:
             total_tokens=prompt_tokens + completion_tokens,
         )
         if not run.stream:
-            return RunResult(usage=usage, response=shaper.response(text, usage))
+            response = shaper.response(text, usage)
+            return RunResult(usage=usage, response=response, usage_source="estimated")
         await emit(shaper.chunk(None, finish_reason="stop"))
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
             await emit(shaper.usage_chunk(usage))
-        return RunResult(usage=usage)
+        return RunResult(usage=usage, usage_source="estimated")
 
     async def _run_process(
         self, run: Run, stdin_data: bytes, on_text: Callable[[str], Awaitable[None]]

@@ -28,6 +28,7 @@ failure is retryable iff no chunk was emitted yet. Before the first chunk:
     connect refused / DNS / connect timeout  upstream_unreachable  retryable
     no body byte within the first-byte budget upstream_timeout     retryable
     429, 503                                  upstream_busy        retryable, capacity
+    408                                       upstream_timeout     retryable
     other 5xx, broken connection, bad body    upstream_error       retryable
     401, 403, 404                             upstream_misconfigured retryable: the
                                               provider's key or model is wrong, not
@@ -35,6 +36,11 @@ failure is retryable iff no chunk was emitted yet. Before the first chunk:
     other 4xx                                 upstream_rejected    not retryable,
                                                                    upstream's message
 After the first chunk: anything                upstream_stream_error not retryable
+
+An error status's message is the upstream's own, whitespace kept, up to `MESSAGE_LIMIT`
+(8 KiB): llama.cpp puts the reason for a 500 at the end of a long validation report, and
+the caller of a request the upstream refused deserves to read it. Whom a failure blames
+(the provider, or the request) is the Edge's decision (SPEC §4.10), not the adapter's.
 
 The HTTP client is one long-lived `httpx2.AsyncClient` per adapter, so runs reuse
 keep-alive connections (pool of capacity+2 idle connections, forgotten after 4 s); httpcore2
@@ -64,7 +70,7 @@ import httpx2
 import msgspec
 import trio
 
-from iop_node.adapters.base import AdapterError, Emit, RunResult
+from iop_node.adapters.base import AdapterError, Emit, ProbeTimeout, RunResult
 from iop_node.adapters.sse import SSEDecoder, SSEError
 from iop_node.compat.httpx2 import connection_pool_for
 from schemas.config import ProviderConfig
@@ -81,8 +87,11 @@ OPERATION_PATHS: Final[dict[Operation, str]] = {
 _KEEPALIVE_EXPIRY_S = 4.0
 #: Bytes of an error response read to find the upstream's message; the rest is dropped.
 _ERROR_BODY_LIMIT = 64 * 1024
-#: Longest upstream message we carry into an AdapterError or a probe detail.
-_MESSAGE_LIMIT = 500
+#: Longest upstream error message carried into an AdapterError, whitespace and all: the
+#: caller gets the upstream's own words (SPEC §4.10), and the reason is often at the end.
+MESSAGE_LIMIT = 8 * 1024
+#: Longest one-line detail of a probe or transport failure (a status detail, a log line).
+_DETAIL_LIMIT = 500
 #: After `[DONE]`, how long to wait for the end of the chunked body so the connection can
 #: go back to the pool; a server that keeps talking past `[DONE]` just loses its connection.
 _DRAIN_AFTER_DONE_S = 1.0
@@ -150,22 +159,33 @@ _model_list_decoder: Final = msgspec.json.Decoder(_ModelList)
 
 
 def _clip(text: str) -> str:
+    """One line of at most `_DETAIL_LIMIT` characters (a status detail, a log line)."""
     text = " ".join(text.split())
-    return text if len(text) <= _MESSAGE_LIMIT else text[: _MESSAGE_LIMIT - 3] + "..."
+    return text if len(text) <= _DETAIL_LIMIT else text[: _DETAIL_LIMIT - 3] + "..."
+
+
+def _bound(text: str) -> str:
+    """An upstream message as it was (whitespace kept), cut only past `MESSAGE_LIMIT`."""
+    text = text.strip()
+    if len(text) <= MESSAGE_LIMIT:
+        return text
+    marker = f"... [cut: {len(text)} characters in all]"
+    return text[: MESSAGE_LIMIT - len(marker)] + marker
 
 
 def error_message(body: bytes) -> str | None:
-    """The human message in an upstream error body, whatever dialect it speaks.
+    """The human message in an upstream error body, whatever dialect it speaks, kept whole
+    up to `MESSAGE_LIMIT` characters.
 
-    OpenAI (and Ollama's /v1, SGLang, Lemonade): `{"error": {"message": ...}}`; older vLLM:
-    `{"object": "error", "message": ...}`; some servers: `{"error": "..."}`; FastAPI:
-    `{"detail": ...}`. Anything else falls back to the body as text.
+    OpenAI (and Ollama's /v1, SGLang, Lemonade, llama.cpp): `{"error": {"message": ...}}`;
+    older vLLM: `{"object": "error", "message": ...}`; some servers: `{"error": "..."}`;
+    FastAPI: `{"detail": ...}`. Anything else falls back to the body as text.
     """
     try:
         parsed = _any_decoder.decode(body)
     except msgspec.DecodeError:
         text = body.decode("utf-8", errors="replace").strip()
-        return _clip(text) if text else None
+        return _bound(text) if text else None
     candidates: list[Any] = []
     if isinstance(parsed, dict):
         error = parsed.get("error")
@@ -176,9 +196,9 @@ def error_message(body: bytes) -> str | None:
         candidates.append(parsed)
     for candidate in candidates:
         if isinstance(candidate, str) and candidate.strip():
-            return _clip(candidate)
+            return _bound(candidate)
     text = body.decode("utf-8", errors="replace").strip()
-    return _clip(text) if text else None
+    return _bound(text) if text else None
 
 
 def status_failure(status: int, body: bytes) -> AdapterError:
@@ -200,15 +220,24 @@ def status_failure(status: int, body: bytes) -> AdapterError:
             retryable=True,
             status=status,
         )
+    if status == 408:
+        return AdapterError(
+            FailureCode.UPSTREAM_TIMEOUT,
+            f"upstream timed out ({status}){suffix}",
+            retryable=True,
+            status=status,
+        )
     if 400 <= status < 500:
         return AdapterError(
             FailureCode.UPSTREAM_REJECTED,
             detail or f"upstream rejected the request ({status})",
             status=status,
         )
+    # The upstream's own words: the Edge decides whom a 5xx blames (the provider, or the
+    # request when another provider fails it the same way) and words the reply itself.
     return AdapterError(
         FailureCode.UPSTREAM_ERROR,
-        f"upstream returned {status}{suffix}",
+        detail or f"upstream returned {status}",
         retryable=True,
         status=status,
     )
@@ -289,7 +318,6 @@ class OpenAICompatAdapter:
             settings.first_byte_timeout_s or settings.request_timeout_s,
             settings.request_timeout_s,
         )
-        self._probe_budget_s = settings.health_interval_s
         self._closed = False
         # Concurrency is bounded by the Edge's admission (`capacity`), not here: a pool
         # limit could only make runs wait where the Edge cannot see them. We keep enough
@@ -381,14 +409,16 @@ class OpenAICompatAdapter:
             return self._unavailable("adapter was retired")
         if self._missing_key_env is not None:
             return self._unavailable(f"environment variable {self._missing_key_env} is not set")
-        with trio.move_on_after(self._probe_budget_s):
-            try:
-                return await self._check_health()
-            except _ProbeFailure as exc:
-                return self._unavailable(str(exc))
-            except httpx2.HTTPError as exc:
-                return self._unavailable(describe_transport_error(exc))
-        return self._unavailable(f"health check timed out after {self._probe_budget_s:g}s")
+        try:
+            return await self._check_health()
+        except _ProbeFailure as exc:
+            return self._unavailable(str(exc))
+        except httpx2.ConnectTimeout as exc:  # nothing accepted the connection: down
+            return self._unavailable(describe_transport_error(exc))
+        except httpx2.TimeoutException as exc:  # connected, no answer: maybe busy
+            raise ProbeTimeout(describe_transport_error(exc)) from exc
+        except httpx2.HTTPError as exc:
+            return self._unavailable(describe_transport_error(exc))
 
     async def aclose(self) -> None:
         self._closed = True

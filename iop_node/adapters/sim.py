@@ -108,7 +108,7 @@ class SimAdapter:
             raise _invalid("`messages` must be a list")
         pieces = _generate(_encode(messages), _max_tokens(body))
         usage = _usage(body, len(pieces))
-        completion_id, created = f"chatcmpl-{run.run_id}", int(time.time())
+        completion_id, created = f"chatcmpl-{run.request_id or run.run_id}", int(time.time())
         start = trio.current_time()
         if not run.stream:
             await self._until_token(start, len(pieces) - 1)
@@ -153,7 +153,7 @@ class SimAdapter:
             raise _invalid("`prompt` is required")
         pieces = _generate(_encode(prompt), _max_tokens(body))
         usage = _usage(body, len(pieces))
-        completion_id, created = f"cmpl-{run.run_id}", int(time.time())
+        completion_id, created = f"cmpl-{run.request_id or run.run_id}", int(time.time())
         start = trio.current_time()
 
         def completion(

@@ -16,6 +16,23 @@ the previous event). Observations: `requests` (the last few, with headers and ex
 bytes), `requests_total`, `connections_total`, `active`, `disconnects`, and
 `wait_for(predicate)` to block until they reach a state (no sleeping in tests).
 
+Behaviours of real runtimes, each off by default (llama.cpp's Python server shows all
+four; `FakeUpstream(**LLAMA_CPP)` switches on the first three):
+
+- `models_blocked_while_generating`: the model list (`GET /v1/models`, `/api/tags`) is
+  not answered while an inference request is active; it waits until none is.
+- `invalid_status`: a request the engine cannot take (`is_invalid`: a `json_schema`
+  response format, a message whose `content` is null) is answered with this status
+  (llama.cpp: 500) and a long, multi-line validation report whose reason comes last
+  (`invalid_report`).
+- `ignore_stream_options`: no usage chunk, whatever `stream_options` asks.
+- `warmup`: an async hook the first inference request after start awaits before its
+  first byte (a model loading on first use); a test holds it with an event.
+- `interrupt_streams`: a stream stops at once (`[DONE]`, no finish reason) when any other
+  request arrives while it generates, a model listing included (llama-cpp-python's
+  `interrupt_requests`, on by default). Not in `LLAMA_CPP`: a test switches it on once
+  its stream runs, so only requests that arrive from then on count.
+
 Endpoints: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models;
 Ollama's GET /api/tags and /api/version. Responses are serialized with `json.dumps`
 defaults (spaces after separators, ASCII escapes) and carry provider-specific extras, so
@@ -152,11 +169,49 @@ def expected_response(model: str, chunks: int, *, operation: str = "chat") -> by
     return _dumps({**body, **EXTRA})
 
 
+#: What llama.cpp's Python server says (after `_answer`'s normal ones) when a request
+#: fails its validation; the sentence a caller needs is the last line, past 500 characters.
+INVALID_REASON = (
+    "messages.2.content: Input should be a valid string (a tool result's content must not be null)"
+)
+
+
+#: The knobs that make the fake behave like llama.cpp's Python server.
+LLAMA_CPP: dict[str, Any] = {
+    "models_blocked_while_generating": True,
+    "invalid_status": 500,
+    "ignore_stream_options": True,
+}
+
+
+def is_invalid(payload: dict[str, Any]) -> bool:
+    """A request llama.cpp's server cannot take (and answers with a 500)."""
+    response_format = payload.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
+        return True
+    messages = payload.get("messages")
+    return isinstance(messages, list) and any(
+        isinstance(message, dict) and "content" in message and message["content"] is None
+        for message in messages
+    )
+
+
+def invalid_report() -> str:
+    """A validation report shaped like llama.cpp's: several indented lines, reason last."""
+    noise = [
+        f"  {{'type': 'literal_error', 'loc': ('body', 'messages', 2, 'Variant{i}', 'role'), "
+        f"'msg': \"Input should be 'variant{i}'\", 'input': 'tool'}}"
+        for i in range(6)
+    ]
+    return "\n".join([f"{len(noise) + 1} validation errors:", *noise, f"  {INVALID_REASON}"])
+
+
 def error_body(message: str, status: int) -> bytes:
     kind = "invalid_request_error" if status < 500 else "server_error"
     return _dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
 
 
+_LISTINGS = frozenset({"/v1/models", "/api/tags"})
 _OPERATIONS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completion",
@@ -183,16 +238,26 @@ class FakeUpstream:
     models: list[str] = field(default_factory=lambda: ["fake-model"])
     models_status: int = 200
     version: str = "0.0.0-fake"
+    models_blocked_while_generating: bool = False
+    invalid_status: int | None = None
+    ignore_stream_options: bool = False
+    warmup: Callable[[], Awaitable[None]] | None = None
+    interrupt_streams: bool = False
 
     requests: deque[RecordedRequest] = field(
         init=False, default_factory=lambda: deque(maxlen=_MAX_RECORDED)
     )
     requests_total: int = field(init=False, default=0)
+    arrivals: int = field(init=False, default=0)
+    """Requests of any kind received (model listings too)."""
+    interrupted: int = field(init=False, default=0)
+    """Streams cut short by `interrupt_streams`."""
     connections_total: int = field(init=False, default=0)
     active: int = field(init=False, default=0)
     disconnects: int = field(init=False, default=0)
     root_url: str = field(init=False, default="")
     _changed: trio.Event = field(init=False, default_factory=trio.Event, repr=False)
+    _warmed: bool = field(init=False, default=False, repr=False)
 
     @property
     def base_url(self) -> str:
@@ -269,6 +334,7 @@ class FakeUpstream:
             body=bytes(body),
         )
         self.requests.append(request)
+        self.arrivals += 1
         return request
 
     async def _send(self, stream: trio.SocketStream, conn: h11.Connection, event: Any) -> None:
@@ -306,6 +372,8 @@ class FakeUpstream:
     ) -> None:
         operation = _OPERATIONS.get(request.path)
         if request.method != "POST" or operation is None:
+            if self.models_blocked_while_generating and request.path in _LISTINGS:
+                await self.wait_for(lambda: self.active == 0)
             status, body = self._answer_query(request)
             await self._send_json(stream, conn, status, body)
             return
@@ -355,6 +423,9 @@ class FakeUpstream:
     ) -> None:
         if self.first_byte_delay_s:
             await trio.sleep(self.first_byte_delay_s)
+        if self.warmup is not None and not self._warmed:
+            self._warmed = True
+            await self.warmup()
         if self.hang:
             await trio.sleep_forever()
         if self.status != 200:
@@ -362,17 +433,24 @@ class FakeUpstream:
             await self._send_json(stream, conn, self.status, body)
             return
         payload = json.loads(request.body)
+        if self.invalid_status is not None and is_invalid(payload):
+            body = error_body(invalid_report(), self.invalid_status)
+            await self._send_json(stream, conn, self.invalid_status, body)
+            return
         model = str(payload.get("model", ""))
         if operation == "embedding" or not payload.get("stream"):
             body = expected_response(model, self.chunks, operation=operation)
             await self._send_json(stream, conn, 200, body)
             return
-        include_usage = bool((payload.get("stream_options") or {}).get("include_usage"))
+        include_usage = not self.ignore_stream_options and bool(
+            (payload.get("stream_options") or {}).get("include_usage")
+        )
         events = expected_events(
             model, self.chunks, operation=operation, include_usage=include_usage
         )
         headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
         await self._send(stream, conn, h11.Response(status_code=200, headers=headers))
+        seen = self.arrivals
         for i, event in enumerate(events):
             if self.drop_after_chunks is not None and i >= self.drop_after_chunks:
                 raise _Drop
@@ -384,6 +462,12 @@ class FakeUpstream:
                 await trio.sleep(self.chunk_interval_s)
             if self.pace is not None:
                 await self.pace(i)
+            if not self.interrupt_streams:
+                seen = self.arrivals
+            elif self.arrivals != seen:  # another request came in: stop generating
+                self.interrupted += 1
+                self._notify()
+                break
             await self._send(stream, conn, h11.Data(data=b"data: " + event + b"\n\n"))
         await self._send(stream, conn, h11.Data(data=b"data: [DONE]\n\n"))
         await self._send(stream, conn, h11.EndOfMessage())

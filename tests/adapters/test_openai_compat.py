@@ -9,13 +9,25 @@ from typing import Any
 import pytest
 import trio
 
-from iop_node.adapters.base import AdapterError, RunResult
-from iop_node.adapters.openai_compat import OpenAICompatAdapter, error_message, status_failure
+from iop_node.adapters.base import AdapterError, ProbeTimeout, RunResult
+from iop_node.adapters.openai_compat import (
+    MESSAGE_LIMIT,
+    OpenAICompatAdapter,
+    error_message,
+    status_failure,
+)
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import Operation, Run, Usage
 
 from .conftest import MODEL, MakeAdapter
-from .fake_upstream import PROMPT_TOKENS, FakeUpstream, expected_events, expected_response
+from .fake_upstream import (
+    PROMPT_TOKENS,
+    FakeUpstream,
+    error_body,
+    expected_events,
+    expected_response,
+    invalid_report,
+)
 
 GUARD_S = 5.0  # a test that needs this long is broken; the behaviour under test is ~0.2 s
 FAKE_KEY_ENV = "IOP_TEST_FAKE_UPSTREAM_KEY"
@@ -429,6 +441,27 @@ async def test_probe_reports_an_error_status(
     assert status.detail == "GET /models returned 500: warming up"
 
 
+async def test_a_probe_the_runtime_does_not_answer_while_generating_is_a_probe_timeout(
+    make_adapter: MakeAdapter, nursery: trio.Nursery
+) -> None:
+    """Not a verdict: the health monitor decides busy or down from the runs in flight."""
+    release = trio.Event()
+
+    async def hold(_index: int) -> None:
+        await release.wait()
+
+    fake = FakeUpstream(models_blocked_while_generating=True, pace=hold)
+    base_url = await nursery.start(fake.serve)
+    generating = make_adapter(base_url)
+    probing = make_adapter(base_url, request_timeout_s=0.3)  # its read timeout
+    nursery.start_soon(generating.execute, make_run(stream=True)[0], Collector())
+    with trio.fail_after(GUARD_S):
+        await fake.wait_for(lambda: fake.active == 1)
+        with pytest.raises(ProbeTimeout, match="timed out"):
+            await probing.probe()
+    release.set()
+
+
 async def test_probe_unreachable(make_adapter: MakeAdapter) -> None:
     adapter = make_adapter(f"http://127.0.0.1:{closed_port()}/v1")
     with trio.fail_after(GUARD_S):
@@ -483,6 +516,25 @@ def test_status_failure_without_body() -> None:
         "upstream rejected the request (422)",
         False,
     )
+
+
+def test_an_upstream_message_is_kept_whole_up_to_the_limit() -> None:
+    """llama.cpp's reason for a 500 comes last in a multi-line report: kept, as it was."""
+    report = invalid_report()
+    assert error_message(error_body(report, 500)) == report
+    error = status_failure(500, error_body(report, 500))
+    assert (error.code, error.status, error.retryable) == ("upstream_error", 500, True)
+    assert error.message == report  # the upstream's words; the Edge says whose fault
+
+    huge = "x" * (MESSAGE_LIMIT * 2)
+    bounded = error_message(error_body(huge, 400))
+    assert bounded is not None and len(bounded) == MESSAGE_LIMIT
+    assert bounded.endswith(f"x... [cut: {MESSAGE_LIMIT * 2} characters in all]")
+
+
+def test_a_408_is_a_timeout_not_a_refusal() -> None:
+    error = status_failure(408, error_body("request timed out", 408))
+    assert (error.code, error.retryable, error.status) == ("upstream_timeout", True, 408)
 
 
 @pytest.mark.parametrize("status", [401, 403, 404])

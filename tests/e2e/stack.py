@@ -119,14 +119,16 @@ class Stack:
             result: dict[str, Any] = response.json()
             return result
 
-    async def wait_catalog(self, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-        """Wait until the catalog satisfies `predicate`.
+    async def wait_catalog(
+        self, predicate: Callable[[dict[str, Any]], bool], *, within_s: float = WAIT_GUARD_S
+    ) -> dict[str, Any]:
+        """Wait (at most `within_s`) until the catalog satisfies `predicate`.
 
         Event-driven: the catalog is read in-process (the same records `/catalog` encodes)
         and checked with no await before waiting for the next pool change, so no change
         can slip between the check and the wait.
         """
-        with trio.fail_after(WAIT_GUARD_S):
+        with trio.fail_after(within_s):
             while True:
                 catalog: dict[str, Any] = msgspec.to_builtins(self.edge.scheduler.catalog())
                 if predicate(catalog):

@@ -127,3 +127,39 @@ async def test_bad_non_stream_response_is_a_502_and_metered_as_such(
     assert response.status_code == 502
     assert response.json()["error"]["code"] == "bad_response"
     assert await _statuses(stack) == [502]
+
+
+async def test_a_node_that_reports_no_usage_still_gets_its_runs_metered(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """An older Node sends no usage: the Edge estimates from what it relayed (one token
+    per chunk, a whole answer by its text) and flags the records `estimated`."""
+
+    async def on_message(ws: WebSocketConnection, message: wire.EdgeToNode) -> None:
+        if not isinstance(message, wire.Run):
+            return
+        if message.stream:
+            # three events: one batch with two, one with one
+            for events in (GOOD_EVENT * 2, GOOD_EVENT):
+                batch = wire.RunEvents(chunks=[(message.run_id, events)])
+                await ws.send_message(wire.encode(batch))
+            ends = [wire.RunDone(run_id=message.run_id)]
+            await ws.send_message(wire.encode(wire.RunEvents(ends=ends)))
+        else:
+            answer = b'{"choices":[{"index":0,"message":{"content":"' + b"x" * 40 + b'"}}]}'
+            done = wire.RunDone(run_id=message.run_id, response=answer)
+            await ws.send_message(wire.encode(wire.RunEvents(ends=[done])))
+
+    stack = await _stack(nursery, tmp_path, on_message)
+    messages = [{"role": "user", "content": "x" * 12}]  # 3 + 4 framing = 7 prompt tokens
+    async with httpx2.AsyncClient(base_url=stack.addresses.openai_url, timeout=10) as http:
+        for stream in (True, False):
+            body = {"model": "m", "messages": messages, "stream": stream}
+            assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+    with trio.fail_after(5):
+        await stack.edge.ledger.wait_flushed()
+    with sqlite3.connect(stack.edge.ledger.path) as db:
+        rows = db.execute(
+            "SELECT prompt_tokens, completion_tokens, usage_source FROM usage ORDER BY time"
+        ).fetchall()
+    assert rows == [(7, 3, "estimated"), (7, 10, "estimated")]

@@ -124,6 +124,9 @@ async def test_queue_timeout_is_503(nursery: trio.Nursery, tmp_path: Path) -> No
         assert caught.value.status_code == 503
         assert caught.value.code == "queue_timeout"
         assert caught.value.response.headers["retry-after"]
+        # The wait shows as queue time, not as the Edge's own share.
+        timing = caught.value.response.headers["server-timing"]
+        assert float(timing.split("queue;dur=")[1].split(",")[0]) >= 50
 
 
 async def test_long_runs_respect_long_slots(nursery: trio.Nursery, tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Health probes (`iop_node.health`): first report after the initial probes, then changes only."""
+"""Health probes (`iop_node.health`): first report after the initial probes, then changes
+only; a probe that times out while runs progress means busy, not down (SPEC §4.11)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import trio
 import trio.testing
 
-from iop_node.adapters.base import Emit, RunResult
+from iop_node.activity import ProviderActivity
+from iop_node.adapters.base import Emit, ProbeTimeout, RunResult
 from iop_node.health import HealthMonitor
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import ProviderStatus, Run
@@ -19,14 +21,20 @@ class ScriptedProbe:
     """
 
     def __init__(
-        self, provider_id: str, answers: list[ProviderStatus | Exception | None], interval_s: float
+        self,
+        provider_id: str,
+        answers: list[ProviderStatus | Exception | None],
+        interval_s: float,
+        first_byte_timeout_s: float | None = None,
     ) -> None:
         self.provider = ProviderConfig(
             id=provider_id,
             type="vllm",
             models=["m"],
             capacity=1,
-            adapter=AdapterSettings(health_interval_s=interval_s),
+            adapter=AdapterSettings(
+                health_interval_s=interval_s, first_byte_timeout_s=first_byte_timeout_s
+            ),
         )
         self._answers = answers
         self.probes = 0
@@ -73,7 +81,7 @@ async def test_first_report_waits_for_every_initial_probe(autojump_clock: trio.a
         assert [status.id for status in statuses] == ["fast", "slow"]
         assert statuses[0] == _up("fast")
         assert statuses[1].health == "unavailable"
-        assert statuses[1].detail == "health probe timed out after 3s"
+        assert statuses[1].detail == "health probe timed out after 3s with no run in flight"
 
         # At the next interval the slow provider answers: one more report.
         await trio.sleep(10)
@@ -123,7 +131,9 @@ async def test_probe_timeout_never_exceeds_the_interval(autojump_clock: trio.abc
         await nursery.start(HealthMonitor({"p1": adapter}, reports, probe_timeout_s=5).run)
         assert trio.current_time() == pytest.approx(0.5)
         nursery.cancel_scope.cancel()
-    assert reports.reports[0][1][0].detail == "health probe timed out after 0.5s"
+    assert reports.reports[0][1][0].detail == (
+        "health probe timed out after 0.5s with no run in flight"
+    )
 
 
 async def test_status_id_is_the_provider_id() -> None:
@@ -140,3 +150,113 @@ async def test_no_adapters_still_reports_once() -> None:
     await HealthMonitor({}, reports).run()
     [(_, statuses)] = reports.reports
     assert statuses == []
+
+
+# --- busy is not down -----------------------------------------------------------------------
+
+
+async def test_a_provider_producing_output_is_busy_and_not_probed_until_its_runs_stall(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Output is proof of life, and a probe could cut the stream (llama.cpp's server
+    interrupts the request it generates for when another arrives): while a run produces
+    output the provider is `busy` (in the pool, models kept) and nobody probes it. Once
+    the run shows nothing for its first-byte budget, the next interval probes, and a
+    probe that gets no answer makes it `unavailable`."""
+    adapter = ScriptedProbe(
+        "p1", [_up("p1", "m", "m2"), None], interval_s=10, first_byte_timeout_s=25
+    )
+    activity = ProviderActivity()
+    reports = Reports()
+    monitor = HealthMonitor({"p1": adapter}, reports, probe_timeout_s=3, activity=activity)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(monitor.run)
+        assert adapter.probes == 1
+        run = activity.start(adapter.provider, stream=True)
+
+        async def generate() -> None:  # a chunk every 5 s until t=40, then silence
+            for _ in range(8):
+                await trio.sleep(5)
+                run.output()
+
+        nursery.start_soon(generate)
+        await trio.sleep(11)
+        [status] = reports.reports[-1][1]
+        assert status.health == "busy"
+        assert status.models == ["m", "m2"]  # still serving what it served
+        assert status.detail == (
+            "busy: 1 run in flight producing output (health probe deferred until they stop)"
+        )
+
+        await trio.sleep(61 - 11)  # t=60: silent for 20 s, within its 25 s budget
+        assert adapter.probes == 1  # never probed while it generated
+        assert len(reports.reports) == 2  # busy -> busy is no change
+
+        await trio.sleep(74 - 61)  # t=70: silent for 30 s: probed, no answer by t=73
+        assert adapter.probes == 2
+        [status] = reports.reports[-1][1]
+        assert status.health == "unavailable"
+        assert status.detail == (
+            "health probe timed out after 3s, and its 1 run in flight produced nothing "
+            "for 33s (stalled)"
+        )
+        activity.finish("p1", run)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_run_that_starts_while_a_probe_hangs_makes_the_timeout_busy(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    adapter = ScriptedProbe("p1", [_up("p1"), None], interval_s=10)
+    activity = ProviderActivity()
+    reports = Reports()
+    monitor = HealthMonitor({"p1": adapter}, reports, probe_timeout_s=3, activity=activity)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(monitor.run)
+        await trio.sleep(11)  # the probe at t=10 hangs; a non-stream run starts at t=11
+        run = activity.start(adapter.provider, stream=False)
+        await trio.sleep(3)
+        [status] = reports.reports[-1][1]
+        assert (status.health, status.detail) == (
+            "busy",
+            "busy: health probe timed out after 3s while 1 run in flight produced output",
+        )
+        activity.finish("p1", run)  # done, and still no answer: down at the next probe
+        await trio.sleep(10 + 3)
+        [status] = reports.reports[-1][1]
+        assert (status.health, status.detail) == (
+            "unavailable",
+            "health probe timed out after 3s with no run in flight",
+        )
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_provider_found_down_is_probed_even_with_runs_in_flight(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Connection refused is an answer, not silence: down, and only a probe that passes
+    brings it back, whatever its older runs still do."""
+    adapter = ScriptedProbe(
+        "p1",
+        [_up("p1"), RuntimeError("connection refused"), ProbeTimeout("timed out: read")],
+        interval_s=10,
+    )
+    activity = ProviderActivity()
+    reports = Reports()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(HealthMonitor({"p1": adapter}, reports, activity=activity).run)
+        await trio.sleep(11)
+        [status] = reports.reports[-1][1]
+        assert (status.health, status.detail) == (
+            "unavailable",
+            "health probe failed: RuntimeError: connection refused",
+        )
+        run = activity.start(adapter.provider, stream=True)  # admitted before the outage
+        await trio.sleep(10)
+        assert adapter.probes == 3  # probed although the run is young
+        [status] = reports.reports[-1][1]  # the adapter's own timeout, judged by the run
+        assert status.health == "busy"
+        assert status.detail is not None
+        assert status.detail.startswith("busy: health probe timed out (timed out: read)")
+        activity.finish("p1", run)
+        nursery.cancel_scope.cancel()

@@ -9,6 +9,7 @@ import pytest
 import trio
 import trio.testing
 
+from iop_node.activity import ProviderActivity
 from iop_node.adapters.base import AdapterError, Emit, RunResult
 from iop_node.runner import Chunk, Outbound, RunHandle, execute_run
 from schemas.config import ProviderConfig
@@ -79,7 +80,11 @@ async def test_success_sends_chunks_then_done() -> None:
     assert messages == [
         Chunk("r1", b'data: {"a":1}\n\n'),
         Chunk("r1", b'data: {"b":2}\n\n'),
-        RunDone(run_id="r1", usage=Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3)),
+        RunDone(
+            run_id="r1",
+            usage=Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3),
+            usage_source="provider",
+        ),
     ]
 
 
@@ -107,7 +112,11 @@ async def test_chunks_and_response_are_shaped_for_the_caller() -> None:
     )
     assert await _execute(FakeAdapter(stream), run) == [
         Chunk("r1", b'data: {"model":"alias","choices":[{"delta":{"content":"x"}}]}\n\n'),
-        RunDone(run_id="r1", usage=Usage(prompt_tokens=2, completion_tokens=1, total_tokens=3)),
+        RunDone(
+            run_id="r1",
+            usage=Usage(prompt_tokens=2, completion_tokens=1, total_tokens=3),
+            usage_source="provider",
+        ),
     ]
 
     async def whole(run: Run, emit: Emit) -> RunResult:
@@ -115,7 +124,12 @@ async def test_chunks_and_response_are_shaped_for_the_caller() -> None:
 
     non_stream = msgspec.structs.replace(run, stream=False, strip_usage=False)
     assert await _execute(FakeAdapter(whole), non_stream) == [
-        RunDone(run_id="r1", response=b'{"model":"alias","object":"chat.completion"}')
+        RunDone(
+            run_id="r1",
+            usage=Usage(),  # no prompt in `{}`, no text in the answer: an estimate of zero
+            response=b'{"model":"alias","object":"chat.completion"}',
+            usage_source="estimated",
+        )
     ]
 
 
@@ -148,9 +162,107 @@ async def test_non_stream_response_is_passed_through() -> None:
     async def behaviour(run: Run, emit: Emit) -> RunResult:
         return RunResult(response=b'{"object": "chat.completion"}')
 
-    assert await _execute(FakeAdapter(behaviour)) == [
-        RunDone(run_id="r1", response=b'{"object": "chat.completion"}')
-    ]
+    [done] = await _execute(FakeAdapter(behaviour))
+    assert isinstance(done, RunDone)
+    assert done.response == b'{"object": "chat.completion"}'
+
+
+# --- usage: the provider's, else an estimate (SPEC §7) ------------------------------------
+
+#: 8 + 2 characters of content in two messages: ceil(10 / 4) + 2 * 4 framing = 11 tokens.
+BODY = (
+    b'{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}'
+)
+
+
+def _chunk(text: str) -> bytes:
+    return b'{"choices": [{"index": 0, "delta": {"content": "%s"}}]}' % text.encode()
+
+
+def _estimated(prompt: int, completion: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def _body_run() -> Run:
+    return Run(run_id="r1", provider_id="p1", target="m", operation="chat", body=BODY, stream=True)
+
+
+async def test_a_stream_without_usage_is_estimated_from_what_it_emitted() -> None:
+    """llama.cpp ignores `stream_options`: no usage chunk, so the Node estimates. Each
+    content chunk is at least one token; long ones count their characters / 4."""
+
+    async def behaviour(run: Run, emit: Emit) -> RunResult:
+        for text in ("Hel", "lo", ", a much longer piece of text"):  # 1 + 1 + ceil(29 / 4)
+            await emit(_chunk(text))
+        await emit(b'{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}')
+        return RunResult()
+
+    done = (await _execute(FakeAdapter(behaviour), _body_run()))[-1]
+    assert done == RunDone(run_id="r1", usage=_estimated(11, 10), usage_source="estimated")
+
+
+async def test_a_non_stream_response_without_usage_is_estimated_from_its_text() -> None:
+    response = b'{"choices": [{"message": {"role": "assistant", "content": "twelve chars"}}]}'
+
+    async def behaviour(run: Run, emit: Emit) -> RunResult:
+        return RunResult(response=response)
+
+    [done] = await _execute(FakeAdapter(behaviour), _body_run())
+    assert done == RunDone(
+        run_id="r1", usage=_estimated(11, 3), response=response, usage_source="estimated"
+    )
+
+
+async def test_an_adapters_own_estimate_is_flagged_as_such() -> None:
+    async def behaviour(run: Run, emit: Emit) -> RunResult:
+        return RunResult(usage=_estimated(4, 2), usage_source="estimated")
+
+    [done] = await _execute(FakeAdapter(behaviour))
+    assert done == RunDone(run_id="r1", usage=_estimated(4, 2), usage_source="estimated")
+
+
+async def test_a_stream_cut_mid_way_reports_what_it_consumed() -> None:
+    async def behaviour(run: Run, emit: Emit) -> RunResult:
+        await emit(_chunk("one"))
+        await emit(_chunk("two"))
+        raise AdapterError("upstream_stream_error", "connection reset (after 2 chunks)")
+
+    failed = (await _execute(FakeAdapter(behaviour), _body_run()))[-1]
+    assert isinstance(failed, RunFailed)
+    assert (failed.usage, failed.usage_source) == (_estimated(11, 2), "estimated")
+
+
+async def test_an_upstream_refusal_consumed_nothing() -> None:
+    async def behaviour(run: Run, emit: Emit) -> RunResult:
+        raise AdapterError("upstream_rejected", "bad schema", status=400)
+
+    [failed] = await _execute(FakeAdapter(behaviour), _body_run())
+    assert isinstance(failed, RunFailed)
+    assert (failed.usage, failed.usage_source) == (None, None)
+
+
+async def test_a_run_cancelled_before_output_still_counts_its_prompt() -> None:
+    handle = RunHandle("r1")
+    handle.cancel("cancelled", "by the edge")
+    [failed] = await _execute(FakeAdapter(_silent_forever), _body_run(), handle=handle)
+    assert isinstance(failed, RunFailed)
+    assert (failed.usage, failed.usage_source) == (_estimated(11, 0), "estimated")
+
+
+async def test_every_emitted_chunk_is_a_sign_of_life(autojump_clock: trio.abc.Clock) -> None:
+    activity = ProviderActivity()
+    handle = RunHandle("r1", activity=activity.start(PROVIDER, stream=True))
+
+    async def behaviour(run: Run, emit: Emit) -> RunResult:
+        await trio.sleep(7)
+        await emit(_chunk("x"))
+        return RunResult()
+
+    await _execute(FakeAdapter(behaviour), _body_run(), handle=handle)
+    assert handle.activity is not None
+    assert handle.activity.last_sign_of_life == 7
 
 
 async def test_unknown_provider_fails_retryably() -> None:
@@ -230,7 +342,13 @@ async def test_cancel_answers_cancelled_at_once(autojump_clock: trio.abc.Clock) 
     assert trio.current_time() == cancelled_at
     assert outbox.messages == [
         Chunk("r1", b'data: {"first": true}\n\n'),
-        RunFailed(run_id="r1", code="cancelled", message="cancelled by the edge"),
+        RunFailed(
+            run_id="r1",
+            code="cancelled",
+            message="cancelled by the edge",
+            usage=Usage(),  # `_run()` has no prompt, and `{"first": true}` no text
+            usage_source="estimated",
+        ),
     ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,45 @@ async def test_aggregate_groups_and_rejects_unknown_columns(tmp_path: Path) -> N
         with pytest.raises(ValueError, match="colour"):
             await ledger.aggregate(since=None, until=None, group_by=["colour"])
         nursery.cancel_scope.cancel()
+
+
+#: The ledger's table as Edges before `usage_source` created it.
+_OLD_SCHEMA = """
+CREATE TABLE usage (
+    time REAL NOT NULL, run_id TEXT NOT NULL, principal_ref TEXT NOT NULL,
+    token_ref TEXT NOT NULL, alias TEXT, model TEXT NOT NULL, provider TEXT NOT NULL,
+    node TEXT NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
+    status INTEGER NOT NULL, latency_ms REAL NOT NULL, ttft_ms REAL
+);
+INSERT INTO usage VALUES (0.5, 'old', 'p', 't', NULL, 'm', 'pr', 'n', 1, 2, 200, 1.0, NULL);
+"""
+
+
+async def test_an_older_ledger_gains_usage_source_and_keeps_its_rows(tmp_path: Path) -> None:
+    path = tmp_path / "usage.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.executescript(_OLD_SCHEMA)
+    ledger = UsageLedger(path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ledger.run)
+        ledger.record(_record("reported"))
+        ledger.record(replace(_record("guessed"), usage_source="estimated"))
+        with trio.fail_after(5):
+            await ledger.wait_flushed()
+        by_source = await ledger.aggregate(since=None, until=None, group_by=["usage_source"])
+        total = await ledger.aggregate(since=None, until=None, group_by=[])
+        nursery.cancel_scope.cancel()
+    with sqlite3.connect(path) as db:
+        sources = dict(db.execute("SELECT run_id, usage_source FROM usage"))
+    assert sources == {"old": "provider", "reported": "provider", "guessed": "estimated"}
+    assert [
+        (row.usage_source, row.requests, row.estimated_requests, row.estimated_tokens)
+        for row in by_source.rows
+    ] == [("estimated", 1, 1, 7), ("provider", 2, 0, 0)]
+    [row] = total.rows
+    assert (row.requests, row.prompt_tokens, row.estimated_requests, row.estimated_tokens) == (
+        3,
+        7,
+        1,
+        7,
+    )

