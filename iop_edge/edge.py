@@ -14,6 +14,7 @@ listener (each may be port 0), then reports their URLs via `task_status`.
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 import time
 from collections.abc import Iterator, Mapping
@@ -46,7 +47,7 @@ from iop_edge.runtime.scheduler import Scheduler
 from iop_edge.runtime.session import SessionClosed
 from iop_edge.runtime.usage import UsageLedger
 from schemas import wire
-from schemas.config import NodeConfig
+from schemas.config import ConfigError, EdgeConfig, NodeConfig
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,14 @@ class ListenerUnavailable(EdgeStartupError):
         self.reason = reason
 
 
+class PreflightFailed(EdgeStartupError):
+    """The machine is not ready for this config (see `preflight`)."""
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        super().__init__("; ".join(f"{e.path}: {e.message}" for e in errors))
+        self.errors = errors
+
+
 @dataclass(frozen=True, slots=True)
 class Listeners:
     """Where to bind, when not where the config says (the demo's free ports).
@@ -90,6 +99,44 @@ class Listeners:
     node: str | None = None
     openai: str | None = None
     admin: str | None = None
+
+
+def preflight(config: EdgeConfig) -> list[ConfigError]:
+    """What `serve` needs of the machine beyond a valid config, checked before it starts:
+    the TLS files load, and `state_dir` is (or can be made) a writable directory.
+
+    `iop-edge check-config` runs the same checks, so it never says OK to a config that
+    `serve` refuses. Relative paths are relative to the current directory, as `serve`
+    resolves them."""
+    errors: list[ConfigError] = []
+    tls = config.edge.tls
+    if tls is not None:
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                tls.cert_file, tls.key_file
+            )
+        except (OSError, ssl.SSLError) as exc:
+            problem = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            errors.append(
+                ConfigError(path="edge.tls", message=f"cannot load the certificate: {problem}")
+            )
+    state_dir = Path(config.edge.state_dir)
+    existing = state_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    where = f"{state_dir} (resolved: {state_dir.resolve()})"
+    if existing == state_dir and not state_dir.is_dir():
+        errors.append(
+            ConfigError(path="edge.state_dir", message=f"{where} exists and is not a directory")
+        )
+    elif not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        errors.append(
+            ConfigError(
+                path="edge.state_dir",
+                message=f"{where} cannot be written: {existing} is not a writable directory",
+            )
+        )
+    return errors
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import trio
 
 from iop_edge import __version__
 from iop_edge.core.config import ParsedConfig, load_config
-from iop_edge.edge import Edge, EdgeAddresses
+from iop_edge.edge import Edge, EdgeAddresses, PreflightFailed, preflight
 from schemas.log_lines import LogFormat, configure_logging
 from schemas.refresh import RefreshRequest
 
@@ -70,8 +70,13 @@ async def handle_signals(edge: Edge, cancel_scope: trio.CancelScope) -> None:
 async def serve_edge(
     config_path: Path, *, task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Load the config and serve until a stop signal drains the listeners."""
+    """Load the config and serve until a stop signal drains the listeners.
+
+    Raises `ConfigInvalid`, `PreflightFailed` or `ListenerUnavailable` when it cannot."""
     parsed = load_config(config_path)
+    problems = preflight(parsed.config)
+    if problems:
+        raise PreflightFailed(problems)
     for warning in parsed.warnings:
         log.warning("%s", warning)
     log_start(parsed, config_path)

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 BUFFER = 10_000
 BATCH = 500
 BATCH_WINDOW_S = 0.05
-GROUP_COLUMNS = ("principal_ref", "token_ref", "model", "provider", "node")
+GROUP_COLUMNS = ("principal_ref", "token_ref", "model", "provider", "node", "status")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
@@ -72,6 +72,8 @@ class UsageRow(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     model: str | None = None
     provider: str | None = None
     node: str | None = None
+    status: int | None = None
+    """The HTTP status the caller got (when grouped by `status`)."""
 
 
 class UsageReport(msgspec.Struct, frozen=True, kw_only=True):
