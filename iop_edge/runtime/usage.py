@@ -101,8 +101,8 @@ class UsageLedger:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 log.error("usage ledger is behind; %d record(s) dropped so far", self.dropped)
-        except trio.ClosedResourceError:
-            self.dropped += 1
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            self.dropped += 1  # the ledger stopped (shutdown): nobody writes it any more
 
     def _connect(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,7 @@ function replaceRows(tbody, rows) {
 function drawProviders(catalog) {
   const rows = catalog.providers.map((p) => {
     const long = p.long_context_slots === null
-      ? el("span", { class: "meta" }, "shared")
+      ? el("span", { class: "meta", title: "long-context runs need only a regular slot" }, "shared")
       : bar(p.long_in_flight, p.long_context_slots, "long-context runs in flight / long slots");
     return el("tr", { "data-provider": p.id, class: p.enabled ? "" : "disabled" },
       el("td", {}, el("strong", {}, p.id)),
@@ -52,7 +52,6 @@ function drawProviders(catalog) {
       healthCell(p),
       el("td", {}, bar(p.in_flight, p.capacity, "runs in flight / capacity")),
       el("td", {}, long),
-      el("td", { class: "num" }, p.queued),
       el("td", {}, p.type),
       el("td", { class: "num" }, p.priority));
   });
