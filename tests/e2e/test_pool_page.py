@@ -151,8 +151,10 @@ async def test_the_pool_page_shows_providers_and_their_load_live(
         for model in ["qwen3.6:35b"] * 3 + ["llama-3.1-8b"] * 3:  # the last one queues
             load.start_soon(_hold, stack, model)
         await stack.wait_catalog(
-            lambda c: sum(p["in_flight"] for p in c["providers"]) == 5
-            and any(m["queued"] == 1 for m in c["models"])
+            lambda c: (
+                sum(p["in_flight"] for p in c["providers"]) == 5
+                and any(m["queued"] == 1 for m in c["models"])
+            )
         )
         screenshot = Path(os.environ.get("IOP_POOL_PAGE_SCREENSHOT", tmp_path / "pool.png"))
         seen = await trio.to_thread.run_sync(
@@ -172,4 +174,4 @@ async def test_the_pool_page_shows_providers_and_their_load_live(
     assert "\t1\t" in llama  # its queue depth
     assert any(row.startswith("gpu-c") and "no" in row for row in seen["nodes"])
     assert seen["errors"] == []  # no CSP violation, no script error
-    assert screenshot.stat().st_size > 10_000
+    assert (await trio.Path(screenshot).stat()).st_size > 10_000
