@@ -367,6 +367,16 @@ def _log_level(value: str) -> str:
     return level
 
 
+def _positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value!r}")
+    return seconds
+
+
 def _add_logging(command: argparse.ArgumentParser, default: str) -> None:
     command.add_argument(
         "--log-level",
@@ -503,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     catalog.add_argument(
         "--interval",
-        type=float,
+        type=_positive_seconds,
         default=1.0,
         metavar="S",
         help="seconds between redraws with --watch (default: 1)",
@@ -546,14 +556,16 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         print(f"iop-edge: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
-    except KeyboardInterrupt:
-        return 130
     except BrokenPipeError:
         # Rule 3: the reader went away (`| head`); anything still buffered goes nowhere,
         # so Python's exit-time flush does not complain either.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    except BaseException as raised:
+        if isinstance(_unwrap(raised), KeyboardInterrupt):  # Ctrl-C, perhaps in a nursery
+            return 130
+        raise
 
 
 if __name__ == "__main__":
