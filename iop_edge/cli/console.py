@@ -196,7 +196,9 @@ def _headline(report: dict[str, Any], status: int, source: str) -> Text:
 def _with_flags(text: str, flags: dict[str, str]) -> str:
     """A server message or path with the request fields named as the CLI's flags."""
     for field, flag in flags.items():
-        text = text.replace(f"with {field}", f"with {flag}").replace(f"send {field}", flag)
+        text = text.replace(f"with {field}", f"with {flag}").replace(
+            f"send {field}", f"pass {flag}"
+        )
         if text == field:
             text = flag
     return text

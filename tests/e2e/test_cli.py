@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -237,6 +238,28 @@ async def test_refresh_json_is_the_report(
         {"path": "nodes[node-1].providers[sim-a].priority", "class": "live"}
     ]
     assert report["nodes"] == [] and report["errors"] == []
+
+
+async def test_refresh_attempts_are_logged_by_the_edge(
+    stack: Stack, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="iop_edge.runtime.refresh")
+    candidate = _candidate(stack, tmp_path, capacity=6, adapter={"ttft_ms": 9})
+    admin = stack.addresses.admin_url
+
+    assert await run_cli("refresh", "--admin", admin, "--apply", "--candidate", str(candidate)) == 1
+    assert await run_cli("refresh", "--admin", admin, "--apply") == 0
+
+    lines = [r.getMessage() for r in caplog.records if r.name == "iop_edge.runtime.refresh"]
+    assert lines[0] == (
+        "refresh apply of inline candidate from admin API: rejected, revision 1 -> 1, "
+        "3 change(s) (1 live, 2 restart-required)"
+    )
+    assert any("changing this needs a restart" in line for line in lines[1:])
+    assert (
+        "refresh apply of the config file from admin API: no_change, revision 1 -> 2, "
+        "0 change(s) (0 live, 0 restart-required)"
+    ) in lines
 
 
 async def test_refused_refresh_exits_1_naming_the_paths(
