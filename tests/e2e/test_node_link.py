@@ -139,7 +139,14 @@ async def test_a_duplicate_node_id_is_named_on_both_sides(
     assert all("Endpoint(" not in line for line in edge_lines)
 
 
-async def test_second_connection_replaces_the_first(stack_one: Stack) -> None:
+async def test_second_connection_replaces_the_first(nursery: trio.Nursery, tmp_path: Path) -> None:
+    stack_one = await start_stack(
+        nursery,
+        _text(tmp_path),
+        tmp_path / "edge.yaml",
+        wait_models=("m",),
+        node_kwargs={"backoff": BackoffPolicy(base_s=0.01, cap_s=0.05, reject_delay_s=0.05)},
+    )
     async with open_websocket_url(stack_one.addresses.node_url) as ws:
         await ws.send_message(
             wire.encode(
