@@ -1,27 +1,37 @@
 """`iop-edge demo`: the embedded default — an Edge, an in-process Node and `sim` providers.
 
-The demo Node's token is made up fresh at every start and only its hash goes into the
-Edge's config, so no credential is written anywhere. After the providers report
-themselves available, the demo prints the URLs and a ready-to-paste example and (unless
-told not to) sends one real streamed request with the official `openai` SDK.
+The demo runs its config file exactly as written (`configs/demo.yaml`, or a copy given
+with `--config`): the Edge is started *from that file*, so an operator can edit it and
+apply the edit with `iop-edge refresh --apply` while the demo runs, and the diff shows
+only what they changed.
+
+That is why the demo Node presents a fixed, public token (`DEMO_NODE_TOKEN`) whose hash
+is in the file: a token made up at every start would need a hash that is not in the
+file, and every refresh would then report a (false) restart-required token change. A
+public token is safe only where nobody else can connect: config validation refuses its
+hash unless `edge.listen` is a loopback address (`core.config`), and `iop-edge serve`
+applies the same rule. A real deployment makes its own tokens (README: tokens).
+
+`--ephemeral-ports` binds free ports without touching the config (`edge.Listeners`),
+for the same reason. After the providers report themselves available, the demo prints
+the URLs and a ready-to-paste example and (unless told not to) sends one real streamed
+request with the official `openai` SDK.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import secrets
+import shlex
 import sys
 import time
 from pathlib import Path
 
-import msgspec
 import trio
 
 from iop_edge.core.config import ParsedConfig, load_config
-from iop_edge.core.tokens import hash_token
-from iop_edge.edge import Edge, EdgeAddresses
-from iop_edge.main import handle_signals
+from iop_edge.core.tokens import DEMO_NODE_TOKEN, DEMO_NODE_TOKEN_SHA256
+from iop_edge.edge import Edge, EdgeAddresses, Listeners, PreflightFailed, preflight
+from iop_edge.main import handle_signals, log_start
 from iop_node.main import run_node
 
 log = logging.getLogger(__name__)
@@ -37,29 +47,53 @@ def demo_config_path() -> Path:
     return Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 
-def with_node_token(parsed: ParsedConfig, token: str) -> ParsedConfig:
-    """Every demo node authenticates with `token` (only its hash enters the config)."""
-    digest = hash_token(token)
-    nodes = [
-        msgspec.structs.replace(node, token_hash_sha256=digest) for node in parsed.config.nodes
-    ]
-    config = msgspec.structs.replace(parsed.config, nodes=nodes)
-    return dataclasses.replace(parsed, config=config)
+class DemoError(Exception):
+    """The demo cannot run this config (the message says what to change)."""
 
 
-def example_text(addresses: EdgeAddresses, model: str) -> str:
+def check_demo_config(parsed: ParsedConfig, path: Path) -> None:
+    """The in-process Node can only present the public demo token (module docstring)."""
+    for node in parsed.config.nodes:
+        if node.token_hash_sha256 != DEMO_NODE_TOKEN_SHA256:
+            raise DemoError(
+                f"{path}: node '{node.id}' has a token_hash_sha256 that is not the demo "
+                f"token's; the demo's in-process Node presents only the public demo token "
+                f"({DEMO_NODE_TOKEN!r}, hash {DEMO_NODE_TOKEN_SHA256}). Use that hash in a "
+                "demo config, or run `iop-edge serve` with your own Nodes"
+            )
+
+
+def _command(name: str) -> str:
+    """How to run one of IOP's commands from this shell: the script beside the Python that
+    runs the demo (`.venv/bin/iop-edge`), relative to the current directory when under it."""
+    script = Path(sys.executable).parent / name
+    if not script.exists():
+        return f"{shlex.quote(sys.executable)} -m {name.replace('-', '_')}"
+    try:
+        shown = str(script.relative_to(Path.cwd()))
+    except ValueError:
+        shown = str(script)
+    return shlex.quote(shown)
+
+
+def example_text(addresses: EdgeAddresses, model: str, config_path: Path, ephemeral: bool) -> str:
     base = f"{addresses.openai_url}/v1"
+    python = shlex.quote(_relative(Path(sys.executable)))
+    edge_cli = _command("iop-edge")
+    # With free ports the file's admin.listen is not where the admin API is: name it.
+    locate = f"--admin {addresses.admin_url}" if ephemeral else f"--config {config_path}"
     return f"""
-IOP demo is up.
+IOP demo is up (config: {config_path}).
   OpenAI API   {base}
   admin API    {addresses.admin_url}   (/catalog, /status, /metrics, POST /refresh)
+  pool page    {addresses.admin_url}/   (open it in a browser on this machine)
   node wire    {addresses.node_url}
 
 Try it:
   curl -s {base}/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
-  python - <<'PY'
+  {python} - <<'PY'
 from openai import OpenAI
 client = OpenAI(base_url="{base}", api_key="unused")
 for chunk in client.chat.completions.create(
@@ -68,8 +102,17 @@ for chunk in client.chat.completions.create(
 print()
 PY
 
-  iop-edge catalog --admin {addresses.admin_url}
+  {edge_cli} catalog {locate}
+  {edge_cli} refresh {locate}      # after editing {config_path}: what would change
+  {edge_cli} refresh {locate} --apply
 """
+
+
+def _relative(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 async def send_example_request(addresses: EdgeAddresses, model: str) -> None:
@@ -103,30 +146,34 @@ async def send_example_request(addresses: EdgeAddresses, model: str) -> None:
     await client.close()
 
 
-def with_ephemeral_ports(parsed: ParsedConfig) -> ParsedConfig:
-    """Every listener on a free loopback port (the demo prints the URLs it got)."""
-    config = parsed.config
-    config = msgspec.structs.replace(
-        config,
-        edge=msgspec.structs.replace(config.edge, listen="127.0.0.1:0"),
-        admin=msgspec.structs.replace(config.admin, listen="127.0.0.1:0"),
-        openai=msgspec.structs.replace(config.openai, listen="127.0.0.1:0"),
-    )
-    return dataclasses.replace(parsed, config=config)
+#: Every listener on a free loopback port (the demo prints the URLs it got).
+EPHEMERAL = Listeners(node="127.0.0.1:0", openai="127.0.0.1:0", admin="127.0.0.1:0")
+
+
+def load_demo_config(config_path: Path | None) -> tuple[Path, ParsedConfig]:
+    """The demo's config file and its contents, checked as `serve` checks a config, plus
+    the demo's own rule; raises `ConfigInvalid`, `PreflightFailed` or `DemoError`."""
+    path = Path(_relative((config_path or demo_config_path()).absolute()))
+    parsed = load_config(path)
+    check_demo_config(parsed, path)
+    problems = preflight(parsed.config)
+    if problems:
+        raise PreflightFailed(problems)
+    return path, parsed
 
 
 async def run_demo(
-    config_path: Path | None,
+    path: Path,
+    parsed: ParsedConfig,
+    *,
     once: bool = False,
     no_request: bool = False,
     ephemeral_ports: bool = False,
 ) -> int:
-    path = config_path or demo_config_path()
-    token = secrets.token_urlsafe(32)
-    parsed = with_node_token(load_config(path), token)
-    if ephemeral_ports:
-        parsed = with_ephemeral_ports(parsed)
-    edge = Edge(parsed)
+    """Run the demo from `load_demo_config`'s answer; raises `ListenerUnavailable` when a
+    port is taken."""
+    log_start(parsed, path)
+    edge = Edge(parsed, config_path=path, listeners=EPHEMERAL if ephemeral_ports else None)
     model = parsed.config.models[0].id if parsed.config.models else ""
     async with trio.open_nursery() as nursery:
 
@@ -136,7 +183,7 @@ async def run_demo(
 
         addresses: EdgeAddresses = await nursery.start(serve_then_stop)
         for node in parsed.config.nodes:
-            nursery.start_soon(run_node, addresses.node_url, node.id, token)
+            nursery.start_soon(run_node, addresses.node_url, node.id, DEMO_NODE_TOKEN)
         with trio.move_on_after(READY_TIMEOUT_S) as ready:
             await edge.wait_model_servable(model)
         if ready.cancelled_caught:
@@ -146,7 +193,7 @@ async def run_demo(
             )
             nursery.cancel_scope.cancel()
             return 1
-        print(example_text(addresses, model), flush=True)
+        print(example_text(addresses, model, path, ephemeral_ports), flush=True)
         if not no_request:
             await send_example_request(addresses, model)
         if once:

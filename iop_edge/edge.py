@@ -14,9 +14,11 @@ listener (each may be port 0), then reports their URLs via `task_status`.
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -28,21 +30,24 @@ from trio_websocket import serve_websocket
 
 from iop_edge.core.config import ParsedConfig
 from iop_edge.core.listen import parse_listen_address
+from iop_edge.core.readiness import Readiness, readiness
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.admin import AdminServices, create_admin_app
 from iop_edge.http.openai_app import OpenAIApp
 from iop_edge.http.runs import RunEndpoints
+from iop_edge.runtime.access_log import AccessLog, RefusedRequest
+from iop_edge.runtime.activity import Activity
 from iop_edge.runtime.audit import AuditLog
 from iop_edge.runtime.dispatch import Dispatcher
 from iop_edge.runtime.hub import LISTENER_MAX_FRAME_BYTES, NodeDirectory, NodeHub
-from iop_edge.runtime.metering import Metering
+from iop_edge.runtime.metering import Metering, RunRecord
 from iop_edge.runtime.metrics import EdgeMetrics
 from iop_edge.runtime.refresh import Refresher
 from iop_edge.runtime.scheduler import Scheduler
 from iop_edge.runtime.session import SessionClosed
 from iop_edge.runtime.usage import UsageLedger
 from schemas import wire
-from schemas.config import NodeConfig
+from schemas.config import ConfigError, EdgeConfig, NodeConfig
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,75 @@ class EdgeStartupError(Exception):
     """The Edge cannot start (e.g. a listener's port is taken)."""
 
 
+class ListenerUnavailable(EdgeStartupError):
+    """A listener could not bind its address (the port is taken, or not ours to take)."""
+
+    def __init__(self, config_key: str, what: str, address: str, error: OSError) -> None:
+        reason = error.strerror or str(error)
+        super().__init__(f"cannot listen on {address} for the {what} ({config_key}): {reason}")
+        self.config_key = config_key
+        self.address = address
+        self.reason = reason
+
+
+class PreflightFailed(EdgeStartupError):
+    """The machine is not ready for this config (see `preflight`)."""
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        super().__init__("; ".join(f"{e.path}: {e.message}" for e in errors))
+        self.errors = errors
+
+
+@dataclass(frozen=True, slots=True)
+class Listeners:
+    """Where to bind, when not where the config says (the demo's free ports).
+
+    Kept apart from the config so a refresh compares the config file with the config
+    that runs, and does not report the listeners as changed."""
+
+    node: str | None = None
+    openai: str | None = None
+    admin: str | None = None
+
+
+def preflight(config: EdgeConfig) -> list[ConfigError]:
+    """What `serve` needs of the machine beyond a valid config, checked before it starts:
+    the TLS files load, and `state_dir` is (or can be made) a writable directory.
+
+    `iop-edge check-config` runs the same checks, so it never says OK to a config that
+    `serve` refuses. Relative paths are relative to the current directory, as `serve`
+    resolves them."""
+    errors: list[ConfigError] = []
+    tls = config.edge.tls
+    if tls is not None:
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                tls.cert_file, tls.key_file
+            )
+        except (OSError, ssl.SSLError) as exc:
+            problem = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            errors.append(
+                ConfigError(path="edge.tls", message=f"cannot load the certificate: {problem}")
+            )
+    state_dir = Path(config.edge.state_dir)
+    existing = state_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    where = f"{state_dir} (resolved: {state_dir.resolve()})"
+    if existing == state_dir and not state_dir.is_dir():
+        errors.append(
+            ConfigError(path="edge.state_dir", message=f"{where} exists and is not a directory")
+        )
+    elif not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        errors.append(
+            ConfigError(
+                path="edge.state_dir",
+                message=f"{where} cannot be written: {existing} is not a writable directory",
+            )
+        )
+    return errors
+
+
 @dataclass(frozen=True, slots=True)
 class EdgeAddresses:
     openai_url: str
@@ -78,17 +152,21 @@ class Edge:
         parsed: ParsedConfig,
         *,
         config_path: Path | None = None,
+        listeners: Listeners | None = None,
         heartbeat_s: float = 5.0,
         heartbeat_timeout_s: float = 15.0,
     ) -> None:
         config = parsed.config
         self._snapshot = Snapshot.build(config, revision=1, config_sha256=parsed.sha256)
         self.config_path = config_path
+        self._listeners = listeners or Listeners()
         self.started_unix = int(time.time())
         self.scheduler = Scheduler(self._snapshot)
         self.metrics = EdgeMetrics(self.scheduler.catalog)
         self.ledger = UsageLedger(Path(config.edge.state_dir) / "usage.sqlite3")
         self.metering = Metering(self.metrics, self.ledger)
+        self.access_log = AccessLog()
+        self.activity = Activity()
         self.hub = NodeHub(
             self._directory,
             on_connect=self.scheduler.node_connected,
@@ -100,7 +178,7 @@ class Edge:
         self.dispatcher = Dispatcher(
             self.scheduler,
             self.hub,
-            meter=self.metering.record,
+            meter=self._run_finished,
             on_failover=self._count_failover,
             retries_before_first_byte=lambda: (
                 self._snapshot.config.dispatch.retries_before_first_byte
@@ -170,6 +248,16 @@ class Edge:
     def _count_failover(self, model_id: str, provider_id: str) -> None:
         self.metrics.failovers.labels(model_id, provider_id).inc()
 
+    def _run_finished(self, record: RunRecord) -> None:
+        """Every run's one record: metering, the access log, the pool page's activity."""
+        self.metering.record(record)
+        self.access_log.run_finished(record)
+        self.activity.record(record.status)
+
+    def _request_refused(self, request: RefusedRequest) -> None:
+        self.access_log.refused(request)
+        self.activity.record(request.status)
+
     def _admin_services(self) -> AdminServices:
         return AdminServices(
             revision=lambda: self._snapshot.revision,
@@ -178,19 +266,19 @@ class Edge:
             metrics=self.metrics.render,
             usage=self.ledger.aggregate,
             refresh=self.refresher.refresh,
+            readiness=self.readiness,
+            activity=self.activity.report,
         )
 
     # --- observation ------------------------------------------------------------------
 
+    def readiness(self) -> Readiness:
+        """Which models could be served now (`GET /readyz`, `core.readiness`)."""
+        return readiness(self.scheduler.catalog())
+
     def model_servable(self, model_id: str) -> bool:
-        """True when some provider of the model is connected, enabled and available."""
-        model = self._snapshot.models.get(model_id)
-        if model is None:
-            return False
-        return any(
-            p.id in model.providers and p.connected and p.enabled and p.health == "available"
-            for p in self.scheduler.catalog().providers
-        )
+        """True when some provider of the model can take runs now (`core.readiness`)."""
+        return model_id in self.readiness().servable_models
 
     async def wait_pool_change(self) -> None:
         """Return at the next change of connections, health, slots or queues."""
@@ -217,48 +305,67 @@ class Edge:
     async def serve(
         self, *, task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        """Serve until `stop()` drains the listeners.
+
+        Raises `ListenerUnavailable` (naming the address and its config key) when a
+        listener cannot bind, e.g. because its port is taken."""
         config = self._snapshot.config
+        listeners = self._listeners
+        node_address = listeners.node or config.edge.listen
+        openai_address = listeners.openai or config.openai.listen
+        admin_address = listeners.admin or config.admin.listen
         async with trio.open_nursery() as nursery:
             await nursery.start(self.scheduler.run)
             await nursery.start(self.ledger.run)
-            node_listen = parse_listen_address(config.edge.listen)
+            node_listen = parse_listen_address(node_address)
             ssl_context = self._node_ssl_context()
-            ws_server = await nursery.start(
-                partial(
-                    serve_websocket,
-                    self.hub.handle,
-                    node_listen.host,
-                    node_listen.port,
-                    ssl_context,
-                    max_message_size=LISTENER_MAX_FRAME_BYTES,
-                    receive_buffer_size=256 * 1024,
+            with _naming_the_listener("edge.listen", "node websocket", node_address):
+                ws_server = await nursery.start(
+                    partial(
+                        serve_websocket,
+                        self.hub.handle,
+                        node_listen.host,
+                        node_listen.port,
+                        ssl_context,
+                        max_message_size=LISTENER_MAX_FRAME_BYTES,
+                        receive_buffer_size=256 * 1024,
+                    )
                 )
-            )
             scheme = "wss" if ssl_context else "ws"
             node_url = f"{scheme}://{node_listen.url_host}:{ws_server.port}"
             log.info("node websocket listening on %s", node_url)
 
-            runs = RunEndpoints(lambda: self._snapshot, self.dispatcher, self.metering)
+            runs = RunEndpoints(
+                lambda: self._snapshot,
+                self.dispatcher,
+                self.metering,
+                on_refused=self._request_refused,
+            )
             openai_app = OpenAIApp(
-                runs, snapshot=lambda: self._snapshot, started_unix=self.started_unix
+                runs,
+                snapshot=lambda: self._snapshot,
+                started_unix=self.started_unix,
+                readiness=self.readiness,
             )
             async with trio.open_nursery() as http:
-                openai_binds = await http.start(
-                    partial(
-                        hypercorn_serve,
-                        openai_app,
-                        hypercorn_config(config.openai.listen),
-                        shutdown_trigger=self._shutdown.wait,
+                with _naming_the_listener("openai.listen", "OpenAI API", openai_address):
+                    openai_binds = await http.start(
+                        partial(
+                            hypercorn_serve,
+                            openai_app,
+                            hypercorn_config(openai_address),
+                            shutdown_trigger=self._shutdown.wait,
+                        )
                     )
-                )
-                admin_binds = await http.start(
-                    partial(
-                        hypercorn_serve,
-                        create_admin_app(self._admin_services()),
-                        hypercorn_config(config.admin.listen),
-                        shutdown_trigger=self._shutdown.wait,
+                with _naming_the_listener("admin.listen", "admin API", admin_address):
+                    admin_binds = await http.start(
+                        partial(
+                            hypercorn_serve,
+                            create_admin_app(self._admin_services()),
+                            hypercorn_config(admin_address),
+                            shutdown_trigger=self._shutdown.wait,
+                        )
                     )
-                )
                 addresses = EdgeAddresses(
                     openai_url=openai_binds[0], node_url=node_url, admin_url=admin_binds[0]
                 )
@@ -272,3 +379,20 @@ class Edge:
                 await self.ledger.wait_stopped()
             self.hub.abort_all()
             nursery.cancel_scope.cancel()
+
+
+@contextmanager
+def _naming_the_listener(config_key: str, what: str, address: str) -> Iterator[None]:
+    """Turn a bind failure (deep in Hypercorn's or trio-websocket's nurseries) into one
+    `ListenerUnavailable` that names the address and the config key that sets it."""
+    try:
+        yield
+    except* OSError as group:
+        raise ListenerUnavailable(config_key, what, address, _first_os_error(group)) from None
+
+
+def _first_os_error(error: BaseException) -> OSError:
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, OSError)
+    return error

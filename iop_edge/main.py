@@ -9,35 +9,41 @@ from pathlib import Path
 
 import trio
 
-from iop_edge.core.config import load_config
-from iop_edge.edge import Edge, EdgeAddresses
+from iop_edge import __version__
+from iop_edge.core.config import ParsedConfig, load_config
+from iop_edge.edge import Edge, EdgeAddresses, PreflightFailed, preflight
+from schemas.log_lines import LogFormat, configure_logging
 from schemas.refresh import RefreshRequest
 
 log = logging.getLogger(__name__)
 
+#: Libraries whose own lines duplicate ours: their warnings and errors only.
+QUIET_LOGGERS = {"hypercorn.error": logging.WARNING, "trio-websocket": logging.INFO}
 
-def setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-    )
-    # Hypercorn's own lines duplicate ours; keep its warnings only.
-    logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
+
+def setup_logging(level: str = "info", log_format: LogFormat = "text") -> None:
+    configure_logging(level, log_format, QUIET_LOGGERS)
 
 
 async def _apply_from_file(edge: Edge) -> None:
-    result = await edge.refresher.refresh(RefreshRequest(mode="apply"))
-    report = result.report
+    """SIGHUP: apply the config file (the Refresher logs the attempt and its reasons)."""
+    await edge.refresher.refresh(RefreshRequest(mode="apply"), source="SIGHUP")
+
+
+def log_start(parsed: ParsedConfig, config_path: Path | None) -> None:
+    config = parsed.config
+    providers = sum(len(node.providers) for node in config.nodes)
     log.info(
-        "SIGHUP refresh: %s, outcome %s, revision %s -> %s, %d change(s)",
-        result.verdict,
-        report.outcome,
-        report.base_revision,
-        report.revision,
-        len(report.changes),
+        "IOP Edge %s starting: edge id %s, config %s (sha256 %s), %d model(s), %d node(s), "
+        "%d provider(s)",
+        __version__,
+        config.edge.id,
+        "in memory" if config_path is None else config_path.resolve(),
+        parsed.sha256[:12],
+        len(config.models),
+        len(config.nodes),
+        providers,
     )
-    for error in report.errors:
-        log.error("refresh rejected: %s: %s", error.path, error.message)
 
 
 async def handle_signals(edge: Edge, cancel_scope: trio.CancelScope) -> None:
@@ -45,23 +51,35 @@ async def handle_signals(edge: Edge, cancel_scope: trio.CancelScope) -> None:
     with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             async for signum in signals:
+                name = signal.Signals(signum).name
                 if signum == signal.SIGHUP:
+                    log.info("SIGHUP: refreshing from the config file")
                     nursery.start_soon(_apply_from_file, edge)
                 elif not stopping:
                     stopping = True
-                    log.info("stopping: draining in-flight requests (signal again to stop now)")
+                    log.info(
+                        "%s: stopping; draining in-flight requests (signal again to stop now)",
+                        name,
+                    )
                     edge.stop()
                 else:
+                    log.warning("%s again: stopping now", name)
                     cancel_scope.cancel()
 
 
 async def serve_edge(
     config_path: Path, *, task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Load the config and serve until a stop signal drains the listeners."""
+    """Load the config and serve until a stop signal drains the listeners.
+
+    Raises `ConfigInvalid`, `PreflightFailed` or `ListenerUnavailable` when it cannot."""
     parsed = load_config(config_path)
+    problems = preflight(parsed.config)
+    if problems:
+        raise PreflightFailed(problems)
     for warning in parsed.warnings:
         log.warning("%s", warning)
+    log_start(parsed, config_path)
     edge = Edge(parsed, config_path=config_path)
     async with trio.open_nursery() as nursery:
 
@@ -71,3 +89,4 @@ async def serve_edge(
 
         nursery.start_soon(handle_signals, edge, nursery.cancel_scope)
         task_status.started(await nursery.start(run_edge))
+    log.info("IOP Edge stopped")

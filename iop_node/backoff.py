@@ -1,8 +1,8 @@
 """Reconnect backoff for the Node's link to the Edge: a pure state machine, no I/O.
 
 The link reports what happened to each connection attempt; this module answers how long
-to wait before the next one. It never sleeps and never reads a clock, so every rule below
-is tested synchronously with a seeded `random.Random`.
+to wait before the next one, or that it is time to give up. It never sleeps and never
+reads a clock, so every rule below is tested synchronously with a seeded `random.Random`.
 
 Rules:
 
@@ -13,15 +13,23 @@ Rules:
 2. The delay itself is drawn with *full jitter*: ``uniform(0, ceiling)``. Many Nodes
    losing the same Edge at once thus spread their reconnects instead of stampeding it
    the moment it comes back.
-3. A session that stayed up at least ``stable_after_s`` proves the Edge is healthy
-   again: the failure count resets, so a Node that loses a long-lived connection comes
-   back quickly (``uniform(0, base_s)``).
-4. A `reject` in the handshake means the Edge saw us and refused (bad token, unknown
-   node id, protocol version): retrying soon cannot help and only floods the Edge's log.
-   The failure count jumps to the cap and the delay is drawn from
-   ``uniform(cap_s / 2, cap_s)``, so a rejected Node is never retried fast, yet still
-   retries forever (an operator may fix the Edge config at any time).
-5. Nothing else affects the delay; there is no give-up: a Node reconnects forever.
+3. A session that stayed up at least ``stable_after_s`` was healthy: when it ends the
+   failure count resets, whatever it had grown to before that session (a Node started
+   before its Edge has a large count by the time it connects).
+4. After a healthy session ends the Edge is most likely restarting: the next
+   ``fast_retries`` attempts keep the ceiling at ``base_s`` before rule 1's growth
+   resumes, so a Node is back within about a second of its Edge instead of sleeping
+   through the exponential steps the restart's downtime would otherwise have grown.
+5. A *permanent* rejection (the Edge saw us and refused: bad token, unknown node id,
+   protocol version, or another Node with our id took over the session) cannot fix
+   itself quickly. It waits ``uniform(reject_delay_s / 2, reject_delay_s)``, and after
+   ``max_rejections`` of them with no healthy session in between the answer is None:
+   give up, so an operator hears about a wrong token or a duplicate node id from an exit
+   code instead of a log that grows forever. A session that ended healthy resets the
+   count, and so does a rejected session that had served ``forget_rejections_after_s``
+   (two Nodes sharing an id knock each other off within seconds; a Node replaced once a
+   week is not fighting anyone).
+6. Nothing else affects the delay; short of rule 5, a Node reconnects forever.
 """
 
 from __future__ import annotations
@@ -38,12 +46,18 @@ class BackoffPolicy:
     base_s: float = 0.5
     factor: float = 2.0
     cap_s: float = 30.0
-    stable_after_s: float = 10.0
+    stable_after_s: float = 2.0
+    fast_retries: int = 10
+    reject_delay_s: float = 5.0
+    max_rejections: int = 3
+    forget_rejections_after_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not (self.base_s > 0 and self.cap_s >= self.base_s and self.factor >= 1):
             raise ValueError(f"invalid backoff policy: {self!r}")
-        if self.stable_after_s < 0:
+        if self.stable_after_s < 0 or self.fast_retries < 0:
+            raise ValueError(f"invalid backoff policy: {self!r}")
+        if self.reject_delay_s < 0 or self.max_rejections < 1:
             raise ValueError(f"invalid backoff policy: {self!r}")
 
 
@@ -62,40 +76,60 @@ class Backoff:
         self.policy = policy or BackoffPolicy()
         self._rng = rng or random.Random()
         self._failures = 0
+        self._fast_left = 0
+        self._rejections = 0
 
     def statistics(self) -> BackoffStatistics:
         return BackoffStatistics(failures=self._failures)
 
+    @property
+    def rejections(self) -> int:
+        """Permanent rejections since the last healthy session (rule 5)."""
+        return self._rejections
+
     def ceiling(self) -> float:
-        """The upper bound of the next delay after a plain failure (rule 1)."""
+        """The upper bound of the next delay after a plain failure (rules 1 and 4)."""
         policy = self.policy
+        if self._fast_left > 0:
+            return policy.base_s
         # Past the steps to the cap the cap always wins; checking first avoids overflow.
         if self._failures >= self._steps_to_cap():
             return policy.cap_s
         return min(policy.cap_s, policy.base_s * policy.factor**self._failures)
 
     def after_failure(self) -> float:
-        """An attempt failed: return the delay before the next one (rules 1-2)."""
+        """An attempt failed: return the delay before the next one (rules 1, 2 and 4)."""
         delay = self._rng.uniform(0.0, self.ceiling())
-        self._failures += 1
+        if self._fast_left > 0:
+            self._fast_left -= 1
+        else:
+            self._failures += 1
         return delay
 
     def after_session(self, uptime_s: float) -> float:
-        """A connected session ended after `uptime_s`: reset if it was stable (rule 3)."""
+        """A welcomed session ended after `uptime_s` (rules 3 and 4)."""
         if uptime_s >= self.policy.stable_after_s:
             self.reset()
+            self._fast_left = self.policy.fast_retries
         return self.after_failure()
 
-    def after_reject(self) -> float:
-        """The Edge rejected the handshake: wait near the cap (rule 4)."""
-        cap = self.policy.cap_s
-        steps = self._steps_to_cap()
-        if math.isfinite(steps):
-            self._failures = max(self._failures, math.ceil(steps))
-        return self._rng.uniform(cap / 2, cap)
+    def after_reject(self, uptime_s: float = 0.0) -> float | None:
+        """The Edge refused us for good (`uptime_s`: how long the session it ended had
+        served, 0 for a refused handshake): the delay before trying again, or None once
+        `max_rejections` permanent rejections came in a row (rule 5)."""
+        policy = self.policy
+        if uptime_s >= policy.forget_rejections_after_s:
+            self._rejections = 0
+        self._rejections += 1
+        self._fast_left = 0
+        if self._rejections >= policy.max_rejections:
+            return None
+        return self._rng.uniform(policy.reject_delay_s / 2, policy.reject_delay_s)
 
     def reset(self) -> None:
         self._failures = 0
+        self._fast_left = 0
+        self._rejections = 0
 
     def _steps_to_cap(self) -> float:
         """How many failures it takes for rule 1's ceiling to reach the cap."""

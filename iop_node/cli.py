@@ -1,6 +1,7 @@
 """`iop-node`: the Node's command line (SPEC §2.2, §10).
 
     iop-node run --edge ws://HOST:PORT --node-id ID [--token-file F] [--config node.yaml]
+                 [--log-level LEVEL] [--log-format text|json]
 
 A Node needs only where the Edge is, who it is, and its token; everything else (its
 providers) comes from the Edge. The token is read from `--token-file` or else from the
@@ -9,8 +10,9 @@ up in `ps` or shell history. The optional YAML file holds the same fields (`edge
 `node_id`, `token_file`); command-line flags win over it, and a relative `token_file` is
 relative to the YAML file.
 
-Exit codes: 0 after a stop by signal, 2 for a usage or configuration error, 130 when
-interrupted before the Node was up.
+Exit codes: 0 after a stop by signal, 2 for a usage or configuration error, 3 when the
+Edge refused this Node for good (bad token, unknown node id, protocol version, another
+Node with the same id; after a few tries), 130 when interrupted before the Node was up.
 """
 
 from __future__ import annotations
@@ -29,10 +31,14 @@ import trio
 import yaml
 
 from iop_node import __version__
+from iop_node.link import EdgeRejected
 from iop_node.main import serve_until_signalled
+from schemas.log_lines import LOG_FORMATS, LOG_LEVELS, LogFormat
+from schemas.log_lines import configure_logging as configure_log_lines
 
 TOKEN_ENV_VAR = "IOP_NODE_TOKEN"
 EXIT_USAGE = 2
+EXIT_REJECTED = 3
 EXIT_INTERRUPTED = 130
 
 log = logging.getLogger("iop_node")
@@ -75,15 +81,37 @@ def build_parser() -> argparse.ArgumentParser:
             "signal stops at once."
         ),
     )
-    run.add_argument("--edge", metavar="URL", help="the Edge's node listener, ws://HOST:PORT")
-    run.add_argument("--node-id", metavar="ID", help="this node's id in the Edge config")
-    run.add_argument("--token-file", metavar="FILE", help="file holding the node token")
-    run.add_argument("--config", metavar="FILE", help="YAML with edge, node_id, token_file")
+    run.add_argument(
+        "--edge",
+        metavar="URL",
+        help="the Edge's node listener (its edge.listen), ws://HOST:PORT or wss://HOST:PORT",
+    )
+    run.add_argument(
+        "--node-id", metavar="ID", help="this node's id: a nodes[].id in the Edge config"
+    )
+    run.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help=f"file holding the node token (relative to the current directory); "
+        f"default: the {TOKEN_ENV_VAR} environment variable",
+    )
+    run.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML with edge, node_id, token_file (see configs/node.yaml); flags win over "
+        "it, and its token_file is relative to the YAML file",
+    )
     run.add_argument(
         "--log-level",
         default="info",
-        choices=["debug", "info", "warning", "error"],
+        choices=LOG_LEVELS,
         help="logging verbosity (default: info)",
+    )
+    run.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text: readable lines; json: one JSON object per line (default: text)",
     )
     return parser
 
@@ -129,15 +157,8 @@ QUIET_LOGGERS: Final[Mapping[str, int]] = {
 }
 
 
-def configure_logging(level: str) -> None:
-    root_level: int = getattr(logging, level.upper())
-    logging.basicConfig(
-        level=root_level,
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    for name, floor in QUIET_LOGGERS.items():
-        logging.getLogger(name).setLevel(max(floor, root_level))
+def configure_logging(level: str, log_format: LogFormat = "text") -> None:
+    configure_log_lines(level, log_format, QUIET_LOGGERS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,11 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"iop-node: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     try:
         trio.run(serve_until_signalled, invocation.edge_url, invocation.node_id, invocation.token)
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers were installed
         return EXIT_INTERRUPTED
+    except EdgeRejected as exc:
+        if args.log_format == "json":  # the log shipper hears it too
+            log.error("%s", exc)
+        print(f"iop-node: error: {exc}", file=sys.stderr)
+        return EXIT_REJECTED
     log.info("iop-node stopped")
     return 0
 

@@ -3,9 +3,11 @@
 Lifecycle of one connection (SPEC §3):
 
 1. Dial the Edge (`ws://` or `wss://`) and send `hello{protocol, node_id, token,
-   agent_version}`; expect `welcome` within the handshake timeout. A `reject` is logged
-   with its reason and backed off near the cap (see `backoff`): a bad token or unknown
-   node id does not fix itself in half a second.
+   agent_version}`; expect `welcome` within the handshake timeout. A permanent `reject`
+   (bad token, unknown node id, protocol; see `wire.PERMANENT_REJECTIONS`) is logged
+   with its reason and retried a few times, slowly; then `run` raises `EdgeRejected`
+   and the process exits non-zero (see `backoff` rule 5). So does a session the Edge
+   ends with `reject{node_replaced}`: another Node connected with our id.
 2. Build the adapter registry from `welcome.node_config`, start the reader, then the
    health monitor, whose first `status` goes out once the initial probes finished.
 3. Serve until the session ends. The session is a nursery of named tasks:
@@ -22,10 +24,11 @@ Lifecycle of one connection (SPEC §3):
    close the websocket with a code, end the session.
 5. Whatever ended the session (Edge gone, ping timeout, reject, a bug), the runs of that
    session are cancelled with it (the Edge fails runs of a lost Node itself) and the link
-   reconnects after the backoff delay, forever.
+   reconnects after the backoff delay (fast after a healthy session: the Edge is likely
+   restarting).
 
 A graceful stop (`NodeLink.stop()`, SIGTERM) tells the Edge every provider is now
-`unavailable` so nothing new is routed here, refuses runs that still arrive
+`draining` so nothing new is routed here, refuses runs that still arrive
 (`run_failed{code: node_stopping, retryable}`), lets active runs finish within the drain
 timeout, then closes the connection with "going away" (1001).
 """
@@ -36,7 +39,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import Final, Literal, cast
 
 import trio
 from trio_websocket import (
@@ -64,6 +67,8 @@ from iop_node.runner import Outbound
 from schemas.config import NodeConfig
 from schemas.wire import (
     MAX_MESSAGE_BYTES,
+    NODE_REPLACED,
+    PERMANENT_REJECTIONS,
     PROTOCOL_VERSION,
     Cancel,
     EdgeToNode,
@@ -129,6 +134,38 @@ class LinkSettings:
             raise ValueError(f"edge url must start with ws:// or wss://, got {self.edge_url!r}")
 
 
+#: What to do about each permanent rejection, for the message a Node exits with.
+REJECTION_ADVICE: Final[dict[str, str]] = {
+    "bad_token": (
+        "the token does not match the node's token_hash_sha256 in the Edge config: check "
+        "--token-file / IOP_NODE_TOKEN, or put the hash of this token "
+        "(iop-edge hash-token < FILE) into nodes[].token_hash_sha256 and restart the Edge"
+    ),
+    "unknown_node": (
+        "add a nodes[] entry with this id to the Edge config and restart the Edge, or fix --node-id"
+    ),
+    "unsupported_protocol": "run the same IOP version on the Edge and the Node",
+    "protocol_version": "run the same IOP version on the Edge and the Node",
+    NODE_REPLACED: (
+        "another Node connected with the same node id; give every Node its own id "
+        "(nodes[].id in the Edge config) and start this one again"
+    ),
+}
+
+
+class EdgeRejected(Exception):
+    """The Edge refused this Node permanently, several times in a row (backoff rule 5)."""
+
+    def __init__(self, edge_url: str, node_id: str, code: str, reason: str, times: int) -> None:
+        advice = REJECTION_ADVICE.get(code, "fix the Edge or Node configuration")
+        super().__init__(
+            f"the Edge at {edge_url} refused node '{node_id}' {times} time(s): "
+            f"{reason} ({code}). To fix: {advice}."
+        )
+        self.code = code
+        self.reason = reason
+
+
 @dataclass(frozen=True, slots=True)
 class _Outcome:
     """How one connection attempt ended; decides the backoff rule to apply."""
@@ -136,6 +173,12 @@ class _Outcome:
     kind: Literal["unreachable", "rejected", "ended"]
     reason: str
     uptime_s: float = 0.0
+    code: str = ""
+    """The `reject` code, for kind `rejected`."""
+
+    @property
+    def permanent(self) -> bool:
+        return self.kind == "rejected" and self.code in PERMANENT_REJECTIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,22 +210,34 @@ class NodeLink:
     async def run(
         self, *, task_status: trio.TaskStatus[NodeLink] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Connect and serve, reconnecting forever; returns only after `stop()`.
+        """Connect and serve, reconnecting until stopped; returns after `stop()`.
+
+        Raises `EdgeRejected` when the Edge refused this Node permanently a few times in
+        a row (bad token, unknown id, protocol, or another Node took the id).
 
         Startable: reports started (with this link) once the first session is live: the
         Edge welcomed us, the registry is built and the first `status` is queued."""
         ready = _Once(lambda: task_status.started(self))
+        settings = self.settings
         while not self._stop_requested.is_set():
             outcome = await self._connect_once(ready)
             if self._stop_requested.is_set():
                 break
-            match outcome.kind:
-                case "rejected":
-                    delay_s = self._backoff.after_reject()
-                case "ended":
-                    delay_s = self._backoff.after_session(outcome.uptime_s)
-                case _:
-                    delay_s = self._backoff.after_failure()
+            if outcome.permanent:
+                rejected_delay = self._backoff.after_reject(outcome.uptime_s)
+                if rejected_delay is None:
+                    raise EdgeRejected(
+                        settings.edge_url,
+                        settings.node_id,
+                        outcome.code,
+                        outcome.reason,
+                        self._backoff.rejections,
+                    )
+                delay_s = rejected_delay
+            elif outcome.kind == "ended":
+                delay_s = self._backoff.after_session(outcome.uptime_s)
+            else:
+                delay_s = self._backoff.after_failure()
             log.warning("%s; reconnecting in %.2fs", outcome.reason, delay_s)
             with trio.move_on_after(delay_s):
                 await self._stop_requested.wait()
@@ -236,7 +291,7 @@ class NodeLink:
             case Welcome(protocol=protocol) if protocol != PROTOCOL_VERSION:
                 reason = f"edge speaks protocol {protocol}, this node speaks {PROTOCOL_VERSION}"
                 await _reject_and_close(ws, "protocol_version", reason)
-                return _Outcome("rejected", reason)
+                return _Outcome("rejected", reason, code="protocol_version")
             case Welcome():
                 log.info(
                     "connected to edge %s (%s) as node %s, config revision %s",
@@ -253,8 +308,14 @@ class NodeLink:
                 finally:
                     self._session = None
             case Reject(code=code, reason=reason):
-                log.error("edge rejected node %s: %s (%s)", settings.node_id, reason, code)
-                return _Outcome("rejected", f"edge rejected the handshake: {code}")
+                log.error(
+                    "edge %s rejected node %s: %s (%s)",
+                    settings.edge_url,
+                    settings.node_id,
+                    reason,
+                    code,
+                )
+                return _Outcome("rejected", reason, code=code)
             case _:
                 reason = f"expected welcome, got {type(message).__name__}"
                 await _reject_and_close(ws, "protocol_error", reason)
@@ -280,6 +341,7 @@ class _Session:
         self._registries: RegistryManager | None = None
         self._health_scope: trio.CancelScope | None = None
         self._end_reason: str | None = None
+        self._rejected: Reject | None = None
         self._close_code = 1000
         self._stopping = False
         self._first_status_sent = trio.Event()
@@ -308,6 +370,8 @@ class _Session:
             await self._first_status_sent.wait()
             ready()
         uptime_s = trio.current_time() - started_at
+        if self._rejected is not None:
+            return _Outcome("rejected", self._rejected.reason, uptime_s, code=self._rejected.code)
         return _Outcome("ended", self._end_reason or "session ended", uptime_s)
 
     # --- outbound ----------------------------------------------------------------------
@@ -431,8 +495,9 @@ class _Session:
             case Refresh():
                 await self._refresh(message)
             case Reject(code=code, reason=reason):
-                log.error("edge rejected the session: %s (%s)", reason, code)
-                self._end(f"edge rejected the session: {code}")
+                log.error("edge ended the session: %s (%s)", reason, code)
+                self._rejected = message
+                self._end(f"edge ended the session: {reason} ({code})")
             case Welcome():
                 log.warning("ignoring a second welcome on an established session")
 
@@ -525,10 +590,10 @@ class _Session:
         current = self._registries.current
         if current is not None:
             log.info("stopping: draining %d active run(s)", current.active_runs)
-            detail = "node is shutting down"
+            detail = "node is shutting down: finishing its runs, taking no new ones"
             await self._report_status(
                 [
-                    ProviderStatus(id=provider_id, health="unavailable", detail=detail)
+                    ProviderStatus(id=provider_id, health="draining", detail=detail)
                     for provider_id in current.adapters
                 ]
             )

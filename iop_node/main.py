@@ -17,7 +17,7 @@ import trio
 from iop_node import __version__
 from iop_node.backoff import BackoffPolicy
 from iop_node.health import DEFAULT_PROBE_TIMEOUT_S
-from iop_node.link import LinkSettings, NodeLink
+from iop_node.link import EdgeRejected, LinkSettings, NodeLink
 from iop_node.registry import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_RETIRING,
@@ -54,8 +54,10 @@ async def run_node(
     logs why (an unreachable Edge, a rejected token).
 
     It returns only when `shutdown_trigger` returns (or `link.stop()` is called) and the
-    graceful stop completed: providers reported unavailable, active runs drained within
-    `drain_timeout_s`, connection closed. Cancel it to stop at once.
+    graceful stop completed: providers reported draining, active runs drained within
+    `drain_timeout_s`, connection closed. Cancel it to stop at once. It raises
+    `EdgeRejected` when the Edge refused this Node permanently a few times in a row (a
+    bad token, an unknown node id, another protocol, or another Node with the same id).
 
     `ping_interval_s` defaults to the heartbeat the Edge announces, `ping_timeout_s` to
     three intervals; `backoff` and `rng` make reconnect timing injectable for tests.
@@ -75,6 +77,7 @@ async def run_node(
         adapter_factory=adapter_factory,
     )
     link = NodeLink(settings, rng=rng)
+    rejected: EdgeRejected | None = None
     async with trio.open_nursery() as nursery:
         if shutdown_trigger is not None:
             trigger = shutdown_trigger
@@ -84,19 +87,30 @@ async def run_node(
                 link.stop()
 
             nursery.start_soon(stop_when_triggered, name="node shutdown trigger")
-        await link.run(task_status=task_status)
+        try:
+            await link.run(task_status=task_status)
+        except EdgeRejected as exc:
+            rejected = exc  # raised bare below, not wrapped in the nursery's group
         nursery.cancel_scope.cancel()
+    if rejected is not None:
+        raise rejected
 
 
 async def serve_until_signalled(edge_url: str, node_id: str, token: str) -> None:
     """Run a Node until SIGINT/SIGTERM: the first signal drains and stops gracefully, a
     second one stops at once."""
     stop = trio.Event()
+    rejected: EdgeRejected | None = None
     async with trio.open_nursery() as nursery:
         await nursery.start(_watch_signals, stop, nursery.cancel_scope)
         log.info("iop-node %s: node %s, edge %s", __version__, node_id, edge_url)
-        await run_node(edge_url, node_id, token, shutdown_trigger=stop.wait)
+        try:
+            await run_node(edge_url, node_id, token, shutdown_trigger=stop.wait)
+        except EdgeRejected as exc:
+            rejected = exc
         nursery.cancel_scope.cancel()
+    if rejected is not None:
+        raise rejected
 
 
 async def _watch_signals(

@@ -102,5 +102,8 @@ class StatusReport(RefreshRecord, frozen=True, kw_only=True):
 
     revision: int
     config_sha256: str
+    config_file: str | None = None
+    """The absolute path of the config file the Edge runs from (what a refresh without a
+    candidate re-reads); null when it runs from a config given in memory."""
     pending_restart: list[str] = []
     nodes: list[NodeStatus] = []

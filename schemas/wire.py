@@ -22,7 +22,7 @@ per batch, not per token.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
 
@@ -89,10 +89,27 @@ class Welcome(Message, tag="welcome", frozen=True, kw_only=True):
 
 class Reject(Message, tag="reject", frozen=True, kw_only=True):
     """Sent before the Edge closes a connection it will not serve (or by either side on a
-    malformed frame). `code` is machine-readable, `reason` is for humans."""
+    malformed frame). `code` is machine-readable, `reason` is for humans.
+
+    The Edge's codes: `bad_frame`, `protocol_error`, `handshake_timeout` (transient: the
+    Node retries as after any failure) and the `PERMANENT_REJECTIONS`, which no retry
+    fixes soon: `bad_token`, `unknown_node`, `unsupported_protocol`, and `node_replaced`
+    (sent on an established session when a new connection with the same node id took its
+    place: two Nodes share one id, or a half-dead connection was superseded). The Node
+    uses `protocol_version` when the Edge's `welcome` speaks another protocol.
+    """
 
     code: str
     reason: str
+
+
+#: The node id connected again: the new connection replaced this session.
+NODE_REPLACED: Final = "node_replaced"
+#: `reject` codes that mean the Edge saw this Node and refused it: retrying soon cannot
+#: help, so a Node gives up after a few of them in a row (see `iop_node.backoff`).
+PERMANENT_REJECTIONS: Final = frozenset(
+    {"bad_token", "unknown_node", "unsupported_protocol", "protocol_version", NODE_REPLACED}
+)
 
 
 # --- runs ------------------------------------------------------------------------------

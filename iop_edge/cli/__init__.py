@@ -1,34 +1,108 @@
-"""`iop-edge`: serve, demo, check-config, refresh, catalog, hash-token."""
+"""`iop-edge`: serve, demo, check-config, refresh, catalog, usage, hash-token.
+
+Rules for every command:
+1. An error is one `iop-edge: error: ...` line (or a few) on stderr saying what is wrong
+   and what to do next, and a non-zero exit: 1 for a failure, 2 for a usage error. No
+   traceback, no Python dict: an admin API error prints the server's message.
+2. Errors name command-line flags (`--candidate`), never the HTTP fields behind them.
+3. Output piped into a program that stops reading (`| head`) ends quietly.
+4. `--admin` defaults to the `admin.listen` of `--config` (for `refresh`, of
+   `--candidate` when no `--config` is given), else of `configs/edge.yaml` when it exists.
+"""
 
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
+import os
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlencode
 
 import trio
 from rich.console import Console
 
+from iop_edge import __version__
 from iop_edge.core.config import ConfigInvalid, format_errors, load_config
+from iop_edge.core.listen import parse_listen_address
 from iop_edge.core.tokens import hash_token
+from schemas.log_lines import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_CONFIG = Path("configs/edge.yaml")
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+#: What a shell reports for a program stopped by SIGPIPE (`| head`).
+EXIT_BROKEN_PIPE = 141
+
+#: Refresh request fields, as the flags that set them (Rule 2).
+FIELD_FLAGS = {
+    "if_revision": "--if-revision",
+    "allow_restart_required": "--allow-restart-required",
+    "config_yaml": "--candidate",
+}
+
+
+class CliError(Exception):
+    """Printed as `iop-edge: error: <message>`, exit code 1 (Rule 1)."""
+
+
+def _fail(message: str) -> NoReturn:
+    raise CliError(message)
+
+
+# --- finding and calling the admin API ------------------------------------------------------
+
+
+def _config_for_admin(args: argparse.Namespace) -> Path:
+    """Which config's `admin.listen` locates the Edge (Rule 4)."""
+    if args.config is not None:
+        return Path(args.config)
+    candidate = getattr(args, "candidate", None)
+    if candidate and _loads(Path(candidate)):
+        return Path(candidate)
+    if DEFAULT_CONFIG.exists():
+        return DEFAULT_CONFIG
+    _fail(
+        f"cannot find the admin API: there is no {DEFAULT_CONFIG} in {Path.cwd()}. Pass "
+        "--admin http://127.0.0.1:7701 (the URL the Edge logged as 'admin API listening on') "
+        "or --config PATH/TO/edge.yaml"
+    )
+
+
+def _loads(path: Path) -> bool:
+    try:
+        load_config(path)
+    except ConfigInvalid:
+        return False
+    return True
 
 
 def _admin_url(args: argparse.Namespace) -> str:
     if args.admin:
-        return str(args.admin).rstrip("/")
+        url = str(args.admin).rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            _fail(f"--admin must be a URL like http://127.0.0.1:7701, got {args.admin!r}")
+        return url
+    path = _config_for_admin(args)
     try:
-        listen = load_config(args.config).config.admin.listen
+        listen = load_config(path).config.admin.listen
     except ConfigInvalid as exc:
-        raise SystemExit(
-            f"cannot find the admin API from {args.config}:\n{format_errors(exc.errors)}"
-        ) from None
-    return f"http://{listen}"
+        _fail(
+            f"cannot find the admin API from {path} (its admin.listen):\n"
+            f"{format_errors(exc.errors)}\n"
+            "Fix the file, or pass --admin http://HOST:PORT"
+        )
+    address = parse_listen_address(listen)
+    if address.port == 0:
+        _fail(
+            f"{path} has admin.listen {listen}: the Edge picked a free port when it started. "
+            "Pass --admin with the URL it logged ('admin API listening on http://...')"
+        )
+    return f"http://{address}"
 
 
 def _admin_call(
@@ -36,60 +110,158 @@ def _admin_call(
 ) -> tuple[int, Any]:
     import httpx2
 
-    url = _admin_url(args) + path
+    base = _admin_url(args)
     try:
         with httpx2.Client(timeout=120) as client:
-            response = client.request(method, url, json=body)
+            response = client.request(method, base + path, json=body)
     except httpx2.TransportError as exc:
-        raise SystemExit(f"cannot reach the admin API at {url}: {exc}") from None
+        _fail(
+            f"cannot reach the admin API at {base} ({exc}). Is the Edge running? "
+            "Pass --admin with the URL it logged ('admin API listening on ...')"
+        )
     try:
         return response.status_code, response.json()
     except ValueError:
-        raise SystemExit(
-            f"admin API answered HTTP {response.status_code}: {response.text[:500]}"
-        ) from None
+        _fail(
+            f"the admin API at {base} answered HTTP {response.status_code}: {response.text[:300]}"
+        )
+
+
+def _server_message(document: Any) -> str:
+    """The message of an admin API error body (`{"error": {"message": ...}}`)."""
+    if isinstance(document, dict):
+        error = document.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+    return json.dumps(document)
+
+
+def _get(args: argparse.Namespace, path: str) -> Any:
+    status, document = _admin_call(args, "GET", path)
+    if status != 200:
+        _fail(f"the admin API answered HTTP {status}: {_server_message(document)}")
+    return document
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    """The one exception inside nested single-exception groups (Trio's nurseries wrap
+    what escapes them), else `error` itself."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+# --- commands ---------------------------------------------------------------------------------
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from iop_edge.edge import EdgeStartupError
+    from iop_edge.edge import ListenerUnavailable, PreflightFailed
     from iop_edge.main import serve_edge, setup_logging
 
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     try:
         trio.run(serve_edge, args.config)
-    except ConfigInvalid as exc:
-        print(f"{args.config}: invalid config\n{format_errors(exc.errors)}", file=sys.stderr)
-        return 1
-    except EdgeStartupError as exc:
-        print(f"cannot start: {exc}", file=sys.stderr)
-        return 1
+    except BaseException as raised:
+        match _unwrap(raised):
+            case ConfigInvalid() as exc:
+                _fail(f"{args.config}: invalid config\n{format_errors(exc.errors)}")
+            case PreflightFailed() as exc:
+                _fail(f"{args.config}: cannot start\n{format_errors(exc.errors)}")
+            case ListenerUnavailable() as exc:
+                _fail(
+                    f"{exc}. Stop whatever holds that port, or set another port in "
+                    f"{exc.config_key} of {args.config} (port 0 picks a free one; the Edge "
+                    "logs the port it got)"
+                )
+            case _:
+                raise
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from iop_edge.demo import run_demo
+    from iop_edge.demo import DemoError, load_demo_config, run_demo
+    from iop_edge.edge import ListenerUnavailable, PreflightFailed
     from iop_edge.main import setup_logging
 
-    setup_logging(args.log_level)
-    return trio.run(run_demo, args.config, args.once, args.no_request, args.ephemeral_ports)
+    setup_logging(args.log_level, args.log_format)
+    try:
+        path, parsed = load_demo_config(args.config)
+        return trio.run(
+            partial(
+                run_demo,
+                path,
+                parsed,
+                once=args.once,
+                no_request=args.no_request,
+                ephemeral_ports=args.ephemeral_ports,
+            )
+        )
+    except BaseException as raised:
+        match _unwrap(raised):
+            case ConfigInvalid() as exc:
+                _fail(f"invalid demo config\n{format_errors(exc.errors)}")
+            case PreflightFailed() as exc:
+                _fail(f"the demo cannot start\n{format_errors(exc.errors)}")
+            case DemoError() as exc:
+                _fail(str(exc))
+            case ListenerUnavailable() as exc:
+                _fail(
+                    f"{exc}. Is another demo or Edge running? Rerun with --ephemeral-ports to "
+                    f"use free ports, or change {exc.config_key} in a copy of the demo config "
+                    "(--config)"
+                )
+            case _:
+                raise
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from iop_edge.edge import preflight
+
     try:
         parsed = load_config(args.path)
     except ConfigInvalid as exc:
         print(f"{args.path}: {len(exc.errors)} error(s)", file=sys.stderr)
         print(format_errors(exc.errors), file=sys.stderr)
-        return 1
-    config = parsed.config
-    providers = sum(len(node.providers) for node in config.nodes)
+        return EXIT_FAILURE
     for warning in parsed.warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    problems = preflight(parsed.config)
+    if problems:
+        print(
+            f"{args.path}: valid, but `iop-edge serve` would refuse to start here: "
+            f"{len(problems)} error(s)",
+            file=sys.stderr,
+        )
+        print(format_errors(problems), file=sys.stderr)
+        return EXIT_FAILURE
+    config = parsed.config
+    providers = sum(len(node.providers) for node in config.nodes)
     print(
         f"{args.path}: OK — {len(config.models)} model(s), {len(config.nodes)} node(s), "
         f"{providers} provider(s); sha256 {parsed.sha256[:12]}"
     )
     return 0
+
+
+def _check_refresh_source(args: argparse.Namespace) -> str:
+    """Without --candidate the Edge re-reads *its own* config file: make sure that is the
+    file the operator named with --config, rather than silently comparing another. Returns
+    that file's path."""
+    status = _get(args, "/status")
+    running = status.get("config_file")
+    if running is None:
+        _fail(
+            "this Edge runs without a config file, so there is nothing to re-read: pass "
+            "--candidate FILE"
+        )
+    if args.config is not None and Path(args.config).resolve() != Path(running):
+        _fail(
+            f"the Edge runs {running}, not {args.config}: --config only locates the Edge "
+            f"(its admin.listen), and a refresh without --candidate re-reads the Edge's own "
+            f"file. To refresh from {args.config}, run: iop-edge refresh --candidate "
+            f"{args.config} [--apply]"
+        )
+    return str(running)
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:
@@ -100,7 +272,11 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         try:
             body["config_yaml"] = Path(args.candidate).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise SystemExit(f"cannot read the candidate {args.candidate}: {exc}") from None
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            _fail(f"cannot read the candidate {args.candidate} (--candidate): {reason}")
+        source = str(args.candidate)
+    else:
+        source = _check_refresh_source(args)
     if args.if_revision is not None:
         body["if_revision"] = args.if_revision
     if args.allow_restart_required:
@@ -108,29 +284,35 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     status, report = _admin_call(args, "POST", "/refresh", body)
     if args.json:
         print(json.dumps(report, indent=2))
-    elif "outcome" in report:
-        render_refresh_report(Console(), report, status)
+    elif isinstance(report, dict) and "outcome" in report:
+        render_refresh_report(_console(), report, status, source=source, flags=FIELD_FLAGS)
     else:
-        print(f"HTTP {status}: {report}", file=sys.stderr)
-    return 0 if status == 200 else 1
+        _fail(f"the admin API answered HTTP {status}: {_server_message(report)}")
+    return 0 if status == 200 else EXIT_FAILURE
+
+
+def _console() -> Console:
+    return Console(highlight=False)
 
 
 def _show(args: argparse.Namespace, path: str, render: Callable[[Console, Any], None]) -> int:
     """GET an admin document and print it as JSON (`--json`) or as rich tables."""
-    status, document = _admin_call(args, "GET", path)
-    if status != 200:
-        print(f"HTTP {status}: {document}", file=sys.stderr)
-        return 1
+    document = _get(args, path)
     if args.json:
         print(json.dumps(document, indent=2))
     else:
-        render(Console(), document)
+        render(_console(), document)
     return 0
 
 
 def cmd_catalog(args: argparse.Namespace) -> int:
-    from iop_edge.cli.console import render_catalog
+    from iop_edge.cli.console import render_catalog, watch_catalog
 
+    if args.watch:
+        if args.json:
+            raise CliError("--watch redraws a table; it does not combine with --json")
+        watch_catalog(_console(), lambda: _get(args, "/catalog"), interval_s=args.interval)
+        return 0
     return _show(args, "/catalog", render_catalog)
 
 
@@ -142,85 +324,228 @@ def cmd_usage(args: argparse.Namespace) -> int:
         query["since"] = args.since
     if args.until:
         query["until"] = args.until
-    return _show(args, "/usage?" + urlencode(query), render_usage)
+    report = _get(args, "/usage?" + urlencode(query))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    by_status = _get(args, "/usage?" + urlencode({**query, "group_by": "status"}))
+    render_usage(_console(), report, by_status)
+    return 0
 
 
 def cmd_hash_token(args: argparse.Namespace) -> int:
-    token = sys.stdin.readline().strip()
+    """Read a token (prompted without echo at a terminal, else a line of stdin); print its
+    sha256. The token itself is never printed."""
+    if sys.stdin.isatty():
+        try:
+            token = getpass.getpass("token (not echoed): ")
+        except EOFError:
+            token = ""
+    else:
+        token = sys.stdin.readline()
+    token = token.strip()
     if not token:
-        print("no token on stdin", file=sys.stderr)
-        return 2
+        print(
+            "iop-edge: error: no token: type it at the prompt, or pipe it in "
+            "(iop-edge hash-token < node.token)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     print(hash_token(token))
     return 0
+
+
+# --- the parser -------------------------------------------------------------------------------
+
+
+def _log_level(value: str) -> str:
+    level = value.lower()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"invalid log level {value!r}; choose from {', '.join(LOG_LEVELS)}"
+        )
+    return level
+
+
+def _positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value!r}")
+    return seconds
+
+
+def _add_logging(command: argparse.ArgumentParser, default: str) -> None:
+    command.add_argument(
+        "--log-level",
+        type=_log_level,
+        default=default,
+        metavar="{" + ",".join(LOG_LEVELS) + "}",
+        help=f"least severe log lines to print (default: {default}); access log lines are info",
+    )
+    command.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text: readable lines; json: one JSON object per line (default: text)",
+    )
+
+
+def _add_admin(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--admin",
+        metavar="URL",
+        help="the Edge's admin API, e.g. http://127.0.0.1:7701 (default: admin.listen of "
+        f"--config, else of {DEFAULT_CONFIG})",
+    )
+    command.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="an Edge config whose admin.listen locates the Edge (only that is read)",
+    )
+    command.add_argument(
+        "--json", action="store_true", help="print the admin API's JSON document as it is"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="iop-edge",
         description="IOP Edge: one OpenAI-compatible endpoint over a provider pool.",
+        epilog="`iop-edge COMMAND --help` describes a command's options.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"iop-edge {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser(
-        "serve", help="run the Edge (SIGHUP = refresh apply, SIGTERM/SIGINT = drain and stop)"
+        "serve",
+        help="run the Edge (SIGHUP = refresh apply, SIGTERM/SIGINT = drain and stop)",
+        description="Run the Edge. SIGHUP applies the config file again (a live refresh); "
+        "SIGTERM/SIGINT drain in-flight requests and stop, a second one stops at once.",
     )
-    serve.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    serve.add_argument("--log-level", default="INFO")
+    serve.add_argument(
+        "--config",
+        type=Path,
+        default=DEFAULT_CONFIG,
+        metavar="FILE",
+        help=f"the Edge config (default: {DEFAULT_CONFIG}); its relative paths (state_dir, "
+        "tls files) are relative to the current directory",
+    )
+    _add_logging(serve, "info")
     serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser(
-        "demo", help="Edge + an in-process Node + sim providers (configs/demo.yaml)"
+        "demo",
+        help="Edge + an in-process Node + sim providers (configs/demo.yaml)",
+        description="An Edge and an in-process Node serving simulated providers, then one "
+        "real streamed request. Needs no GPU, network or secret.",
     )
     demo.add_argument(
-        "--config", type=Path, default=None, help="demo config (default: configs/demo.yaml)"
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the demo config (default: configs/demo.yaml); a copy you edit can be "
+        "applied while the demo runs with `iop-edge refresh --config FILE --apply`",
     )
     demo.add_argument("--once", action="store_true", help="exit after the example request")
     demo.add_argument("--no-request", action="store_true", help="do not send the example request")
     demo.add_argument(
         "--ephemeral-ports",
         action="store_true",
-        help="listen on free ports instead of the config's (CI, busy machines)",
+        help="listen on free ports instead of the config's (CI, busy machines); the demo "
+        "prints the URLs",
     )
-    demo.add_argument("--log-level", default="WARNING")
+    _add_logging(demo, "warning")
     demo.set_defaults(func=cmd_demo)
 
-    check = sub.add_parser("check-config", help="validate a config; every error with its path")
-    check.add_argument("path", type=Path)
+    check = sub.add_parser(
+        "check-config",
+        help="validate a config; every error with its path",
+        description="Validate an Edge config with every rule `serve` applies (including "
+        "the TLS files and state_dir on this machine): exit 0 and a summary, or 1 and every "
+        "error with its path.",
+    )
+    check.add_argument("path", type=Path, metavar="FILE", help="the Edge config to check")
     check.set_defaults(func=cmd_check_config)
 
-    for name, func, helptext in (
-        ("refresh", cmd_refresh, "dry-run (default) or apply a config refresh"),
-        ("catalog", cmd_catalog, "show models and providers with live load"),
-        ("usage", cmd_usage, "metered usage from the ledger, aggregated"),
-    ):
-        command = sub.add_parser(name, help=helptext)
-        command.add_argument("--admin", help="admin API URL (default: admin.listen of --config)")
-        command.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-        command.add_argument("--json", action="store_true", help="print the JSON document")
-        command.set_defaults(func=func)
-        if name == "usage":
-            command.add_argument("--since", help="ISO 8601 time or unix seconds")
-            command.add_argument("--until", help="ISO 8601 time or unix seconds")
-            command.add_argument(
-                "--group-by",
-                default="principal_ref,token_ref,model",
-                help=(
-                    "comma-separated: principal_ref, token_ref, model, provider, node, usage_source"
-                ),
-            )
-        if name == "refresh":
-            command.add_argument("--apply", action="store_true", help="apply instead of dry-run")
-            command.add_argument(
-                "--candidate", help="candidate config file (default: the Edge's own file)"
-            )
-            command.add_argument("--if-revision", type=int, default=None)
-            command.add_argument(
-                "--allow-restart-required",
-                action="store_true",
-                help="apply the live subset; list the rest as pending restart",
-            )
+    refresh = sub.add_parser(
+        "refresh",
+        help="dry-run (default) or apply a config refresh",
+        description="Show (default) or apply what a config refresh changes. Without "
+        "--candidate the Edge re-reads its own config file.",
+    )
+    _add_admin(refresh)
+    refresh.add_argument("--apply", action="store_true", help="apply instead of a dry run")
+    refresh.add_argument(
+        "--candidate",
+        metavar="FILE",
+        help="a candidate config to compare or apply; applied, it replaces the Edge's config "
+        "file (the old one kept as .prev). Default: the Edge's own file, re-read",
+    )
+    refresh.add_argument(
+        "--if-revision",
+        type=int,
+        default=None,
+        metavar="N",
+        help="refuse unless N is still the running revision (see iop-edge catalog)",
+    )
+    refresh.add_argument(
+        "--allow-restart-required",
+        action="store_true",
+        help="apply the live changes now; list the rest as pending until a restart",
+    )
+    refresh.set_defaults(func=cmd_refresh)
 
-    hash_cmd = sub.add_parser("hash-token", help="read a token on stdin, print its sha256 hex")
+    catalog = sub.add_parser(
+        "catalog",
+        help="show models and providers with live load",
+        description="Models (with their queues) and providers (health and why, load). The "
+        "provider table fits the terminal and names the columns it left out.",
+    )
+    _add_admin(catalog)
+    catalog.add_argument(
+        "--watch", action="store_true", help="redraw in place as the pool changes (Ctrl-C stops)"
+    )
+    catalog.add_argument(
+        "--interval",
+        type=_positive_seconds,
+        default=1.0,
+        metavar="S",
+        help="seconds between redraws with --watch (default: 1)",
+    )
+    catalog.set_defaults(func=cmd_catalog)
+
+    usage = sub.add_parser(
+        "usage",
+        help="metered usage from the ledger, aggregated",
+        description="Requests and tokens from the usage ledger, grouped, with totals and "
+        "a breakdown by HTTP status.",
+    )
+    _add_admin(usage)
+    usage.add_argument("--since", metavar="TIME", help="ISO 8601 time or unix seconds")
+    usage.add_argument("--until", metavar="TIME", help="ISO 8601 time or unix seconds")
+    usage.add_argument(
+        "--group-by",
+        default="principal_ref,token_ref,model",
+        metavar="COLUMNS",
+        help="comma-separated: principal_ref, token_ref, model, provider, node, usage_source, "
+        "status"
+        "(default: principal_ref,token_ref,model)",
+    )
+    usage.set_defaults(func=cmd_usage)
+
+    hash_cmd = sub.add_parser(
+        "hash-token",
+        help="read a token (prompted, or on stdin), print its sha256 hex",
+        description="Print the sha256 hex of a token, for token_hash_sha256 in the Edge "
+        "config. At a terminal it prompts without echo; otherwise it reads one line of "
+        "stdin. The token is never printed.",
+    )
     hash_cmd.set_defaults(func=cmd_hash_token)
     return parser
 
@@ -229,8 +554,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except KeyboardInterrupt:
-        return 130
+    except CliError as exc:
+        print(f"iop-edge: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except BrokenPipeError:
+        # Rule 3: the reader went away (`| head`); anything still buffered goes nowhere,
+        # so Python's exit-time flush does not complain either.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except BaseException as raised:
+        if isinstance(_unwrap(raised), KeyboardInterrupt):  # Ctrl-C, perhaps in a nursery
+            return 130
+        raise
 
 
 if __name__ == "__main__":

@@ -10,9 +10,12 @@ Every value from the Edge goes out as a `Text`, never as a plain string: rich re
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
@@ -26,32 +29,53 @@ def _yes(value: object) -> Text:
     return Text("yes", style="green") if value else Text("no", style="red")
 
 
-def _health(value: str) -> Text:
-    style = {"available": "green", "unavailable": "red"}.get(value, "yellow")
-    return Text(value, style=style)
+#: Colour of each health state (SPEC §4, §12): up, alive but generating, on its way out,
+#: not known yet, down.
+_HEALTH_STYLES = {
+    "available": "green",
+    "busy": "cyan",
+    "draining": "yellow",
+    "unknown": "yellow",
+    "unavailable": "red",
+}
+
+
+def _health(provider: dict[str, Any]) -> Text:
+    """Health, and why the provider is not (fully) in the pool: a disconnected Node and a
+    down upstream read differently even when no other column fits."""
+    health = provider.get("health", "unknown") if provider.get("connected") else "unavailable"
+    label = f"{health} (cooldown)" if provider.get("cooling_down") else health
+    text = Text(label, style=_HEALTH_STYLES.get(health, "yellow"))
+    reason = provider.get("health_reason")
+    if reason:
+        text.append(f": {reason}", style="dim")
+    return text
 
 
 #: The providers table's columns, in display order: the essential ones first (always
 #: shown), then the others by importance, each shown if it still fits the terminal, so an
-#: 80-column terminal gets a readable table (`--json` has everything).
+#: 80-column terminal gets a readable table (a note names what was left out; `--json` has
+#: everything). A provider's waiting requests are its models' queues, shown once per
+#: model in the models table.
 _PROVIDER_COLUMNS: tuple[tuple[str, bool], ...] = (
     ("provider", True),
-    ("health", True),
     ("in_flight/capacity", True),
-    ("queued", True),
+    ("health", True),
     ("node", False),
+    ("connected", False),
     ("models", False),
     ("load", False),
     ("long", False),
     ("type", False),
     ("enabled", False),
-    ("connected", False),
     ("priority", False),
     ("category", False),
     ("lifecycle", False),
 )
 #: What a column costs beyond its widest value: padding and the border.
 _COLUMN_FRAME = 3
+#: The health cell folds (it carries the reason); it is planned at this width at most.
+_HEALTH_PLAN_WIDTH = 28
 
 
 def _provider_cells(p: dict[str, Any]) -> dict[str, Text]:
@@ -62,9 +86,6 @@ def _provider_cells(p: dict[str, Any]) -> dict[str, Text]:
     lifecycle = [
         name.removesuffix("_models").removesuffix("_model") for name, on in flags.items() if on
     ]
-    health = p.get("health", "unknown")
-    if p.get("cooling_down"):
-        health = f"{health} (cooldown)"
     return {
         "provider": _cell(p["id"]),
         "node": _cell(p.get("node_id", "")),
@@ -72,11 +93,10 @@ def _provider_cells(p: dict[str, Any]) -> dict[str, Text]:
         "category": _cell(p.get("category", "")),
         "enabled": _yes(p.get("enabled")),
         "connected": _yes(p.get("connected")),
-        "health": _health(health),
+        "health": _health(p),
         "in_flight/capacity": _cell(f"{p.get('in_flight', 0)}/{p.get('capacity', 0)}"),
         "load": _cell("-" if load is None else f"{load:.2f}"),
         "long": _cell("-" if long_slots is None else f"{p.get('long_in_flight', 0)}/{long_slots}"),
-        "queued": _cell(p.get("queued", 0)),
         "priority": _cell(p.get("priority", "")),
         "models": _cell(", ".join(p.get("models", []))),
         "lifecycle": _cell(", ".join(lifecycle) or "-"),
@@ -89,6 +109,7 @@ def _fitting_columns(rows: list[dict[str, Text]], width: int) -> list[str]:
         name: max([len(name), *(row[name].cell_len for row in rows)]) + _COLUMN_FRAME
         for name, _ in _PROVIDER_COLUMNS
     }
+    needed["health"] = min(needed["health"], _HEALTH_PLAN_WIDTH + _COLUMN_FRAME)
     shown = [name for name, essential in _PROVIDER_COLUMNS if essential]
     used = sum(needed[name] for name in shown) + 1
     for name, essential in _PROVIDER_COLUMNS:  # essential ones lead, so order is kept
@@ -98,14 +119,10 @@ def _fitting_columns(rows: list[dict[str, Text]], width: int) -> list[str]:
     return shown
 
 
-def render_catalog(console: Console, catalog: dict[str, Any]) -> None:
+def catalog_view(catalog: dict[str, Any], width: int) -> Group:
+    """The models table, the providers table and, when columns were left out, a note."""
     rows = [_provider_cells(p) for p in catalog.get("providers", [])]
-    columns = _fitting_columns(rows, console.width)
-    providers = Table(title=f"Providers (revision {catalog.get('revision')})", title_justify="left")
-    for column in columns:
-        providers.add_column(column, overflow="fold")
-    for row in rows:
-        providers.add_row(*(row[column] for column in columns))
+    columns = _fitting_columns(rows, width)
     models = Table(title="Models", title_justify="left")
     for column in ("model", "display name", "providers (served name)", "queued"):
         models.add_column(column, overflow="fold")
@@ -119,31 +136,94 @@ def render_catalog(console: Console, catalog: dict[str, Any]) -> None:
             _cell(mapping),
             str(m.get("queued", 0)),
         )
-    console.print(models)
-    console.print(providers)
-
-
-def render_refresh_report(console: Console, report: dict[str, Any], status: int) -> None:
-    outcome = report.get("outcome", "?")
-    style = {"applied": "green", "no_change": "cyan", "dry_run": "cyan"}.get(outcome, "red")
-    console.print(
-        Text.assemble(
-            ("refresh ", "bold"),
-            (f"{report.get('mode')}: ", "bold"),
-            (outcome, f"bold {style}"),
-            f"  (HTTP {status}, revision {report.get('base_revision')}"
-            f" -> {report.get('revision')})",
+    providers = Table(title=f"Providers (revision {catalog.get('revision')})", title_justify="left")
+    for column in columns:
+        providers.add_column(column, overflow="fold", ratio=1 if column == "health" else None)
+    for row in rows:
+        providers.add_row(*(row[column] for column in columns))
+    parts: list[Any] = [models, providers]
+    hidden = [name for name, _ in _PROVIDER_COLUMNS if name not in columns]
+    if hidden:
+        parts.append(
+            Text(
+                f"not shown at {width} columns: {', '.join(hidden)} "
+                "(widen the terminal, or use --json)",
+                style="dim",
+            )
         )
-    )
+    return Group(*parts)
+
+
+def render_catalog(console: Console, catalog: dict[str, Any]) -> None:
+    console.print(catalog_view(catalog, console.width))
+
+
+def watch_catalog(
+    console: Console, fetch: Callable[[], dict[str, Any]], *, interval_s: float
+) -> None:
+    """Redraw the catalog in place every `interval_s` until Ctrl-C (`catalog --watch`)."""
+    with Live(console=console, auto_refresh=False, screen=False) as live:
+        while True:
+            catalog = fetch()
+            stamp = Text(f"{time.strftime('%H:%M:%S')}  every {interval_s:g}s, Ctrl-C stops")
+            live.update(Group(stamp, catalog_view(catalog, console.width)), refresh=True)
+            time.sleep(interval_s)
+
+
+def _headline(report: dict[str, Any], status: int, source: str) -> Text:
+    outcome = report.get("outcome", "?")
+    base, revision = report.get("base_revision"), report.get("revision")
+    changes = len(report.get("changes") or [])
+    live = len(report.get("live_paths") or [])
+    restart = len(report.get("restart_required_paths") or [])
+    split = f" ({live} live, {restart} need a restart)" if changes else ""
+    if outcome == "dry_run":
+        what = f"{changes} path(s) would change{split}" if changes else "no changes"
+        text = f"dry run of {source}: {what}; revision {base} stays"
+        style = "cyan"
+    elif outcome == "applied":
+        text = f"applied {source}: {changes} path(s) changed{split}; revision {base} -> {revision}"
+        style = "green"
+    elif outcome == "no_change":
+        text = f"applied {source}: no changes; revision {base} -> {revision}"
+        style = "cyan"
+    else:
+        text = f"refused (HTTP {status}): nothing was applied; revision {base} stays"
+        style = "red"
+    return Text(text, style=f"bold {style}")
+
+
+def _with_flags(text: str, flags: dict[str, str]) -> str:
+    """A server message or path with the request fields named as the CLI's flags."""
+    for field, flag in flags.items():
+        text = text.replace(f"with {field}", f"with {flag}").replace(
+            f"send {field}", f"pass {flag}"
+        )
+        if text == field:
+            text = flag
+    return text
+
+
+def render_refresh_report(
+    console: Console,
+    report: dict[str, Any],
+    status: int,
+    *,
+    source: str = "the config",
+    flags: dict[str, str] | None = None,
+) -> None:
+    flags = flags or {}
+    console.print(_headline(report, status, source), soft_wrap=True)
     errors = report.get("errors") or []
     if errors:
-        console.print("[bold red]errors:[/]")
+        title = "an apply would be refused:" if report.get("outcome") == "dry_run" else "errors:"
+        console.print(Text(title, style="bold red"))
         for error in errors:
-            console.print(_cell(f"  {error['path']}: {error['message']}"))
+            where = _with_flags(error.get("path") or "", flags)
+            message = _with_flags(error["message"], flags)
+            console.print(_cell(f"  {where}: {message}" if where else f"  {message}"))
     changes = report.get("changes") or []
-    if not changes:
-        console.print("no changes")
-    else:
+    if changes:
         table = Table(title="changes", title_justify="left")
         table.add_column("path", overflow="fold")
         table.add_column("class")
@@ -172,23 +252,57 @@ def render_refresh_report(console: Console, report: dict[str, Any], status: int)
         console.print(table)
 
 
-def render_usage(console: Console, report: dict[str, Any]) -> None:
-    """The usage table; `estimated` shows how many of a row's requests have token counts
-    IOP estimated (the provider reported none) rather than the provider's own."""
+#: Counts every usage row has; any other key it carries is a grouping column. The
+#: `estimated_*` counts say how much of a row IOP estimated because the provider reported
+#: no usage (`usage_source: estimated`).
+_USAGE_COUNTS = (
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "estimated_requests",
+    "estimated_tokens",
+)
+
+
+def _window(report: dict[str, Any]) -> str:
+    def when(value: float | None, default: str) -> str:
+        if value is None:
+            return default
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(value))
+
+    return f"{when(report.get('since'), 'the start')} to {when(report.get('until'), 'now')}"
+
+
+def render_usage(
+    console: Console, report: dict[str, Any], by_status: dict[str, Any] | None = None
+) -> None:
+    """The grouped rows with a totals row, then requests by HTTP status. Columns the
+    server adds to its rows (e.g. `usage_source`) are shown as they come."""
+    rows = report.get("rows") or []
+    if not rows:
+        console.print(f"no usage recorded from {_window(report)}")
+        return
     columns = list(report.get("group_by") or [])
-    table = Table(title="Usage", title_justify="left")
-    for column in [*columns, "requests", "prompt tokens", "completion tokens", "estimated"]:
-        table.add_column(column, justify="left" if column in columns else "right")
-    for row in report.get("rows", []):
-        estimated = row.get("estimated_requests", 0)
+    for row in rows:
+        for key in row:
+            if key not in columns and key not in _USAGE_COUNTS:
+                columns.append(key)
+    table = Table(title=f"Usage from {_window(report)}", title_justify="left", show_footer=True)
+    totals = {count: sum(int(row.get(count) or 0) for row in rows) for count in _USAGE_COUNTS}
+    for index, column in enumerate(columns):
+        table.add_column(column, footer="total" if index == 0 else "")
+    for count in _USAGE_COUNTS:
+        table.add_column(count.replace("_", " "), justify="right", footer=str(totals[count]))
+    for row in rows:
         table.add_row(
-            *(_cell(row.get(column) or "") for column in columns),
-            str(row.get("requests", 0)),
-            str(row.get("prompt_tokens", 0)),
-            str(row.get("completion_tokens", 0)),
-            Text(
-                f"{estimated} ({row.get('estimated_tokens', 0)} tok)" if estimated else "-",
-                style="yellow" if estimated else "",
-            ),
+            *(_cell("" if row.get(column) is None else row[column]) for column in columns),
+            *(str(row.get(count, 0)) for count in _USAGE_COUNTS),
         )
     console.print(table)
+    statuses = sorted(
+        (row for row in (by_status or {}).get("rows") or [] if row.get("status") is not None),
+        key=lambda row: int(row["status"]),
+    )
+    if statuses:
+        parts = [f"{row['status']}: {row.get('requests', 0)}" for row in statuses]
+        console.print(_cell(f"requests by status: {', '.join(parts)}"))

@@ -45,6 +45,7 @@ from iop_edge.core.config_shape import (
     kind_of,
 )
 from iop_edge.core.listen import parse_listen_address
+from iop_edge.core.tokens import DEMO_NODE_TOKEN_SHA256
 from schemas.config import (
     OPENAI_COMPATIBLE_TYPES,
     ConfigError,
@@ -335,6 +336,17 @@ class _Rules:
                     "127.0.0.1, ::1 or localhost",
                 )
 
+    def _loopback(self, section: str) -> bool:
+        """Whether `<section>.listen` is a loopback address (True when malformed: that
+        problem is reported on its own)."""
+        listen = _text(_as_dict(self.raw.get(section)).get("listen"))
+        if listen is None:
+            return False  # the default, 0.0.0.0
+        try:
+            return parse_listen_address(listen).is_loopback
+        except ValueError:
+            return True
+
     def _principal_tokens(self) -> None:
         refs = _FirstSeen()
         hashes = _FirstSeen()
@@ -356,6 +368,15 @@ class _Rules:
             node_id = _text(node.get("id"))
             if first := node_ids.repeat(node_id, node_path):
                 self._error(f"{node_path}.id", f"duplicate node id '{node_id}' ({first})")
+            if node.get("token_hash_sha256") == DEMO_NODE_TOKEN_SHA256 and not self._loopback(
+                "edge"
+            ):
+                self._error(
+                    f"{node_path}.token_hash_sha256",
+                    "is the hash of the public demo token, which anyone can present; it is "
+                    "allowed only while edge.listen is a loopback address. Make a token "
+                    "(README: tokens) and put its hash here",
+                )
             for path, provider in _entries(node.get("providers"), f"{node_path}.providers"):
                 provider_id = _text(provider.get("id"))
                 if first := provider_ids.repeat(provider_id, path):

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import Final
 
-__all__ = ["hash_token", "tokens_match"]
+__all__ = ["DEMO_NODE_TOKEN", "DEMO_NODE_TOKEN_SHA256", "hash_token", "tokens_match"]
 
 
 def hash_token(token: str) -> str:
@@ -34,3 +35,11 @@ def tokens_match(token: str, expected_hash: str) -> bool:
     if not token.strip():
         return False
     return hmac.compare_digest(hash_token(token).encode("ascii"), expected_hash.encode("utf-8"))
+
+
+#: The demo's node token. PUBLIC: it is printed in the README and its hash is in
+#: `configs/demo.yaml`, so `iop-edge demo` runs that file exactly as written and an edited
+#: copy refreshes without a (false) token change. Config validation refuses its hash
+#: unless `edge.listen` is a loopback address: no other machine can present it.
+DEMO_NODE_TOKEN: Final = "iop-demo-node-token"
+DEMO_NODE_TOKEN_SHA256: Final = hash_token(DEMO_NODE_TOKEN)

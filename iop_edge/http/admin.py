@@ -1,8 +1,22 @@
-"""The loopback-only admin API: health, status, catalog, metrics, config refresh.
+"""The loopback-only admin API: health, status, catalog, metrics, config refresh, and the
+live pool page.
 
-SPEC §5.1: the listener itself must be a loopback address (checked at startup), and every
-request is refused when it carries `Origin` or any `Sec-Fetch-*` header or a `Host` that
-is not a loopback name. A browser page therefore cannot drive it (CSRF, DNS rebinding).
+SPEC §5.1: the listener itself must be a loopback address (checked at startup), every
+request with a `Host` that is not a loopback name is refused (DNS rebinding), and a
+browser page cannot drive it (CSRF). The one thing a browser may do is *read* the pool
+page: the rules, checked before every request (`browser_request_reason`):
+
+1. `Host` must be a loopback name, whoever asks.
+2. A request with neither `Origin` nor any `Sec-Fetch-*` header is not from a browser
+   page (curl, the CLI): the API answers it as always.
+3. A browser request may only GET the page, its assets and the read-only documents the
+   page polls (`BROWSER_READABLE`); every mutation (POST /refresh) and every other
+   document (/usage, /metrics) is refused.
+4. Such a GET must come from the page itself: an `Origin`, if sent, is this listener's
+   own (`http://` + Host), and `Sec-Fetch-Site` is `same-origin`. Only a top-level
+   navigation to the page (`/`, `Sec-Fetch-Dest: document`) may come from elsewhere (a
+   bookmark, a link): it returns static HTML, and the page may not be framed.
+
 Mutations are POST only.
 """
 
@@ -12,6 +26,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from importlib import resources
 from typing import Final, Protocol
 
 import msgspec
@@ -20,6 +35,8 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from iop_edge.core.listen import is_loopback_host_header
+from iop_edge.core.readiness import Readiness
+from iop_edge.runtime.activity import ActivityReport
 from iop_edge.runtime.refresh import RefreshResult
 from iop_edge.runtime.usage import UsageReport
 from schemas.catalog import Catalog
@@ -59,17 +76,56 @@ def parse_time(value: str | None) -> float | None:
     return parsed.timestamp()
 
 
-def browser_request_reason(headers: dict[str, str]) -> str | None:
-    """Why a request looks like it came from a browser page (None when it does not)."""
+#: The pool page's files (package data in `pool_page/`) by the path they are served at.
+POOL_PAGE_FILES: Final[dict[str, tuple[str, str]]] = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/pool.js": ("pool.js", "text/javascript; charset=utf-8"),
+    "/pool.css": ("pool.css", "text/css; charset=utf-8"),
+}
+#: What a browser page may GET (Rule 3): the page, its assets, what it polls.
+BROWSER_READABLE: Final = frozenset(
+    {*POOL_PAGE_FILES, "/catalog", "/status", "/activity", "/readyz"}
+)
+#: Sent with the page's files: nothing from elsewhere, no inline script, no framing.
+_PAGE_HEADERS: Final = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    ),
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+def browser_request_reason(method: str, path: str, headers: dict[str, str]) -> str | None:
+    """Why the admin API refuses this request (None when it serves it); module Rules 1-4."""
     lowered = {name.lower(): value for name, value in headers.items()}
-    if "origin" in lowered:
-        return "requests with an Origin header are refused"
-    if any(name.startswith("sec-fetch-") for name in lowered):
-        return "requests with Sec-Fetch-* headers are refused"
     host = lowered.get("host", "")
     if not is_loopback_host_header(host):
         return f"Host '{host}' is not a loopback name"
+    origin = lowered.get("origin")
+    if origin is None and not any(name.startswith("sec-fetch-") for name in lowered):
+        return None
+    if method != "GET" or path not in BROWSER_READABLE:
+        return (
+            f"browser pages may only read the pool page; {method} {path} is refused "
+            "(use curl or iop-edge from a shell)"
+        )
+    if origin is not None and origin != f"http://{host}":
+        return f"Origin '{origin}' is not this listener's own (http://{host})"
+    # A browser that sends Sec-Fetch-* sends Sec-Fetch-Site; one that sends only a
+    # matching Origin (an older browser) made a same-origin request.
+    site = lowered.get("sec-fetch-site", "same-origin" if origin is not None else "unknown")
+    navigation = path == "/" and lowered.get("sec-fetch-dest", "document") == "document"
+    if site != "same-origin" and not navigation:
+        return f"a {site} request is refused: only the pool page itself may read {path}"
     return None
+
+
+def _pool_page_file(name: str) -> bytes:
+    return (resources.files(__package__) / "pool_page" / name).read_bytes()
 
 
 #: What each refresh verdict is answered with.
@@ -96,23 +152,58 @@ class AdminServices:
     metrics: Callable[[], bytes]
     usage: UsageQuery
     refresh: Callable[[RefreshRequest], Awaitable[RefreshResult]]
+    readiness: Callable[[], Readiness]
+    activity: Callable[[], ActivityReport]
 
 
 def create_admin_app(services: AdminServices) -> QuartTrio:
     app = QuartTrio("iop_edge.http.admin")
     app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=_MAX_REFRESH_BODY)
 
+    page_files = {
+        path: (_pool_page_file(name), content_type)
+        for path, (name, content_type) in POOL_PAGE_FILES.items()
+    }
+
     @app.before_request
     async def refuse_browsers() -> Response | None:
-        reason = browser_request_reason(dict(request.headers.items()))
+        reason = browser_request_reason(request.method, request.path, dict(request.headers.items()))
         if reason is not None:
             log.warning("admin API refused %s %s: %s", request.method, request.path, reason)
             return _error(403, reason)
         return None
 
+    @app.get("/")
+    @app.get("/pool.js")
+    @app.get("/pool.css")
+    async def pool_page() -> Response:
+        """The live pool page (read-only; it polls /catalog, /status, /activity)."""
+        body, content_type = page_files[request.path]
+        return Response(body, content_type=content_type, headers=_PAGE_HEADERS)
+
     @app.get("/healthz")
     async def healthz() -> Response:
+        """Liveness: the process answers (and which config revision runs)."""
         return _json({"status": "ok", "revision": services.revision()})
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        """Readiness (SPEC §12): 200 only when some model could be served now."""
+        state = services.readiness()
+        body = {
+            "status": "ready" if state.ready else "not_ready",
+            "revision": services.revision(),
+            "servable_models": state.servable_models,
+            "models": state.models,
+        }
+        if not state.ready:
+            body["reason"] = "no model has a provider that can take runs now (see /catalog)"
+        return _json(body, 200 if state.ready else 503)
+
+    @app.get("/activity")
+    async def activity() -> Response:
+        """Requests and errors per 10 s over the last 5 minutes, for the pool page."""
+        return _json(services.activity())
 
     @app.get("/status")
     async def status() -> Response:

@@ -21,6 +21,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from iop_edge.core.readiness import Readiness
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.auth import authenticate
 from iop_edge.http.errors import ApiError, method_not_allowed, model_not_found
@@ -38,10 +39,15 @@ class OpenAIApp:
     """The OpenAI API's ASGI app: run endpoints as plain ASGI, the rest on Quart."""
 
     def __init__(
-        self, runs: RunEndpoints, *, snapshot: Callable[[], Snapshot], started_unix: int
+        self,
+        runs: RunEndpoints,
+        *,
+        snapshot: Callable[[], Snapshot],
+        started_unix: int,
+        readiness: Callable[[], Readiness],
     ) -> None:
         self._runs = runs
-        self._quart = _create_quart_app(snapshot, started_unix)
+        self._quart = _create_quart_app(snapshot, started_unix, readiness)
 
     async def __call__(
         self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
@@ -65,7 +71,9 @@ def _json_response(
     return Response(body, status=status, headers=headers, content_type="application/json")
 
 
-def _create_quart_app(snapshot: Callable[[], Snapshot], started_unix: int) -> QuartTrio:
+def _create_quart_app(
+    snapshot: Callable[[], Snapshot], started_unix: int, readiness: Callable[[], Readiness]
+) -> QuartTrio:
     app = QuartTrio("iop_edge.http.openai_app")
     app.config.update(
         RESPONSE_TIMEOUT=None,
@@ -120,7 +128,19 @@ def _create_quart_app(snapshot: Callable[[], Snapshot], started_unix: int) -> Qu
 
     @app.get("/healthz")
     async def healthz() -> Response:
+        """Liveness: the process answers."""
         return _json_response(b'{"status":"ok"}')
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        """Readiness (SPEC §12): 200 only when some model could be served now. Callers
+        need no token here (a load balancer asks), so it names no model."""
+        if readiness().ready:
+            return _json_response(b'{"status":"ready"}')
+        return _json_response(
+            b'{"status":"not_ready","reason":"no model has a provider that can take runs now"}',
+            503,
+        )
 
     @app.errorhandler(ApiError)
     async def on_api_error(error: ApiError) -> Response:

@@ -51,6 +51,7 @@ from iop_edge.http.errors import (
     model_not_found,
     run_failure_error,
 )
+from iop_edge.runtime.access_log import RefusedRequest
 from iop_edge.runtime.dispatch import (
     CALLER_GONE,
     INTERNAL_ERROR,
@@ -198,11 +199,16 @@ class RunEndpoints:
     """Serves `RUN_PATHS` (see the module docstring)."""
 
     def __init__(
-        self, snapshot: Callable[[], Snapshot], dispatcher: Dispatcher, metering: Metering
+        self,
+        snapshot: Callable[[], Snapshot],
+        dispatcher: Dispatcher,
+        metering: Metering,
+        on_refused: Callable[[RefusedRequest], None] | None = None,
     ) -> None:
         self._snapshot = snapshot
         self._dispatcher = dispatcher
         self._metering = metering
+        self._on_refused = on_refused
 
     async def __call__(
         self,
@@ -221,9 +227,19 @@ class RunEndpoints:
                 await reply.error(refusal, timing)
                 return
             try:
-                plan = await self._prepare(operation, run_id, request, receive)
+                plan = await self._prepare(operation, run_id, reply.request_id, request, receive)
             except ApiError as exc:
                 self._metering.refused(status=exc.status, code=exc.code)
+                if self._on_refused is not None:
+                    self._on_refused(
+                        RefusedRequest(
+                            request_id=reply.request_id,
+                            path=scope["path"],
+                            status=exc.status,
+                            code=exc.code,
+                            latency_s=time.perf_counter() - timing.started,
+                        )
+                    )
                 await reply.error(exc, timing)
                 return
             async with trio.open_nursery() as nursery:
@@ -246,6 +262,7 @@ class RunEndpoints:
         self,
         operation: wire.Operation,
         run_id: str,
+        request_id: str,
         request: _Request,
         receive: ASGIReceiveCallable,
     ) -> RunPlan:
@@ -285,6 +302,7 @@ class RunEndpoints:
         prompt_tokens = estimate_input_tokens(body)
         return RunPlan(
             run_id=run_id,
+            request_id=request_id,
             model_id=view.model,
             operation=operation,
             body=body,

@@ -133,6 +133,8 @@ class RunPlan:
     token_ref: str = "anonymous"
     principal_alias: str | None = None
     received_at: float = field(default_factory=time.perf_counter)
+    request_id: str = ""
+    """The `x-request-id` the caller sees; "" means the run id."""
 
 
 @dataclass(slots=True)
@@ -376,6 +378,7 @@ class Run:
         self._dispatcher.meter(
             RunRecord(
                 run_id=plan.run_id,
+                request_id=plan.request_id or plan.run_id,
                 model=plan.model_id,
                 principal_ref=plan.principal_ref,
                 token_ref=plan.token_ref,

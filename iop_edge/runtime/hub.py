@@ -3,7 +3,10 @@
 The hub accepts websocket connections from Nodes, checks each `hello` and keeps at most
 one `NodeSession` (see `session.py`) per node id; a second connection for the same id
 replaces the first (the old one's runs fail as `node_lost`, which is retryable before
-the caller saw a byte).
+the caller saw a byte). Replacement is how a restarted Node gets past its own half-dead
+connection; it is also what two Nodes started with the same id do to each other, so
+both sides hear about it: the Edge logs both peers, and the replaced connection gets a
+`reject{node_replaced}` naming the newcomer before it is closed.
 
 Rules:
 1. A connection must send a valid `hello` within `handshake_timeout_s`; the token is
@@ -14,7 +17,8 @@ Rules:
 2. Until its `hello` checked out a peer may send messages of at most
    `PRE_AUTH_MAX_FRAME_BYTES`; afterwards the wire's `MAX_FRAME_BYTES`.
 3. When a session ends for any reason, its runs hear `lost()` (node lost) and the
-   scheduler learns the node is gone.
+   scheduler learns the node is gone. Connects and disconnects are logged with the
+   peer's address and the reason the session ended.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 
 from iop_edge.core.tokens import tokens_match
 from iop_edge.runtime.compat.trio_websocket import MESSAGE_LIMIT_LIFTABLE, lift_message_limit
-from iop_edge.runtime.session import NodeSession, StatusListener, reject
+from iop_edge.runtime.session import NodeSession, StatusListener, peer_address, reject
 from schemas import wire
 from schemas.config import NodeConfig
 
@@ -120,10 +124,18 @@ class NodeHub:
             applied_revision=directory.revision,
             on_status=self._on_status,
         )
+        peer = peer_address(websocket)
         previous = self._sessions.get(hello.node_id)
         if previous is not None:
-            log.info("node %s reconnected; replacing its previous session", hello.node_id)
-            previous.abort()
+            log.warning(
+                "node %s connected again from %s while its session from %s was open; the "
+                "new connection replaces it (if this repeats, two Nodes share the node id %s)",
+                hello.node_id,
+                peer,
+                peer_address(previous.websocket),
+                hello.node_id,
+            )
+            previous.replace(peer)
         self._sessions[hello.node_id] = session
         welcome = wire.Welcome(
             protocol=wire.PROTOCOL_VERSION,
@@ -133,7 +145,13 @@ class NodeHub:
             heartbeat_s=self.heartbeat_s,
         )
         session.send_nowait(welcome)  # the first frame: the outbox has room
-        log.info("node %s connected from %s", hello.node_id, websocket.remote)
+        log.info(
+            "node %s connected from %s (%s), config revision %d",
+            hello.node_id,
+            peer,
+            hello.agent_version or "unknown agent",
+            directory.revision,
+        )
         self._on_connect(hello.node_id)
         try:
             await session.serve(self.heartbeat_s, self.heartbeat_timeout_s)
@@ -141,7 +159,17 @@ class NodeHub:
             if self._sessions.get(hello.node_id) is session:
                 del self._sessions[hello.node_id]
                 self._on_disconnect(hello.node_id)
-                log.info("node %s disconnected", hello.node_id)
+                log.info("node %s disconnected (%s): %s", hello.node_id, peer, session.end_reason)
+            if session.replaced_by is not None:
+                # Tell the replaced Node why (bounded): a duplicate id is then named in
+                # its log too, and it stops fighting for the id (iop_node.backoff rule 5).
+                await reject(
+                    websocket,
+                    wire.NODE_REPLACED,
+                    f"a new connection for node id '{hello.node_id}' from "
+                    f"{session.replaced_by} replaced this one: is a second Node running "
+                    "with the same id?",
+                )
             # Courtesy close; the peer may already be gone (or be cancelled with us).
             with trio.move_on_after(0.2, shield=True):
                 await websocket.aclose()
@@ -160,6 +188,13 @@ class NodeHub:
                 )
                 return None
             if message.protocol != wire.PROTOCOL_VERSION:
+                log.warning(
+                    "node %s from %s speaks protocol %s, this Edge %s: rejected",
+                    message.node_id,
+                    peer_address(websocket),
+                    message.protocol,
+                    wire.PROTOCOL_VERSION,
+                )
                 await reject(
                     websocket,
                     "unsupported_protocol",
@@ -169,6 +204,11 @@ class NodeHub:
                 return None
             expected = self._directory().token_hash(message.node_id)
             if expected is None:
+                log.warning(
+                    "node %s from %s is not in the Edge config: rejected",
+                    message.node_id,
+                    peer_address(websocket),
+                )
                 await reject(
                     websocket,
                     "unknown_node",
@@ -176,7 +216,11 @@ class NodeHub:
                 )
                 return None
             if not tokens_match(message.token, expected):
-                log.warning("node %s presented a bad token", message.node_id)
+                log.warning(
+                    "node %s from %s presented a bad token: rejected",
+                    message.node_id,
+                    peer_address(websocket),
+                )
                 await reject(websocket, "bad_token", "the node token does not match")
                 return None
             return message
@@ -185,4 +229,4 @@ class NodeHub:
 
     def abort_all(self) -> None:
         for session in list(self._sessions.values()):
-            session.abort()
+            session.abort("the edge is shutting down")

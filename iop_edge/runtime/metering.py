@@ -21,6 +21,9 @@ class RunRecord:
     """How one run ended, with everything metering needs."""
 
     run_id: str
+    request_id: str
+    """The `x-request-id` the caller saw (its own when it sent a sane one): the key that
+    joins the caller's logs to the access log."""
     model: str
     principal_ref: str
     token_ref: str

@@ -144,6 +144,7 @@ class Refresher:
         return StatusReport(
             revision=snapshot.revision,
             config_sha256=snapshot.config_sha256,
+            config_file=None if self._config_path is None else str(self._config_path.resolve()),
             pending_restart=list(self._pending_restart),
             nodes=[
                 NodeStatus(
@@ -155,18 +156,22 @@ class Refresher:
             ],
         )
 
-    async def refresh(self, request: RefreshRequest) -> RefreshResult:
-        """Run one refresh; returns its verdict and report (SPEC §5)."""
+    async def refresh(self, request: RefreshRequest, *, source: str = "admin API") -> RefreshResult:
+        """Run one refresh; returns its verdict and report (SPEC §5). `source` says who
+        asked (the admin API, SIGHUP) in the log line every attempt gets."""
         if self._busy:
             report = self._rejected(
                 request, "", "another refresh is in progress; retry when it has finished"
             )
-            return await self._finish("conflict", report, config_sha256=None)
-        self._busy = True
-        try:
-            return await self._refresh(request)
-        finally:
-            self._busy = False
+            result = await self._finish("conflict", report, config_sha256=None)
+        else:
+            self._busy = True
+            try:
+                result = await self._refresh(request)
+            finally:
+                self._busy = False
+        _log_attempt(source, request, result)
+        return result
 
     async def _refresh(self, request: RefreshRequest) -> RefreshResult:
         try:
@@ -369,6 +374,38 @@ class Refresher:
                 "refresh audit log %s not written within %gs", self._audit.path, COMMIT_GRACE_S
             )
         return RefreshResult(verdict, report)
+
+
+def _log_attempt(source: str, request: RefreshRequest, result: RefreshResult) -> None:
+    """One line per attempt, its reasons on the following ones (the audit log has all)."""
+    report = result.report
+    candidate = "inline candidate" if request.config_yaml is not None else "the config file"
+    level = logging.INFO if result.verdict == "accepted" else logging.WARNING
+    log.log(
+        level,
+        "refresh %s of %s from %s: %s, revision %d -> %d, %d change(s) "
+        "(%d live, %d restart-required)",
+        report.mode,
+        candidate,
+        source,
+        report.outcome,
+        report.base_revision,
+        report.revision,
+        len(report.changes),
+        len(report.live_paths),
+        len(report.restart_required_paths),
+    )
+    for error in report.errors:
+        log.log(level, "refresh %s: %s: %s", report.outcome, error.path or "-", error.message)
+    for node in report.nodes:
+        if node.status != "applied":
+            log.warning("refresh: node %s %s: %s", node.id, node.status, node.detail or "")
+    if report.pending_restart and report.mode == "apply" and report.outcome == "applied":
+        log.warning(
+            "%d change(s) wait for a restart of the Edge: %s",
+            len(report.pending_restart),
+            ", ".join(report.pending_restart),
+        )
 
 
 def _push_result(node_id: str, revision: int, ack: RefreshAck | None) -> NodeResult:

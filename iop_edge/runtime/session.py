@@ -92,6 +92,11 @@ class NodeSession:
         self._pending_cancels: set[str] = set()
         self._scope = trio.CancelScope()
         self.closed = trio.Event()
+        self.end_reason: str | None = None
+        """Why the session ended (for the hub's log line); None while it runs."""
+        self.replaced_by: str | None = None
+        """Set when a newer connection for the same node id took this session's place:
+        the hub then tells this connection's Node so with a `node_replaced` reject."""
 
     def statistics(self) -> SessionStatistics:
         return SessionStatistics(
@@ -171,9 +176,20 @@ class NodeSession:
 
     # --- lifecycle -------------------------------------------------------------------
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "closed by the edge") -> None:
         """End the session now (replacement by a newer connection, or Edge shutdown)."""
+        self._ended(reason)
         self._scope.cancel()
+
+    def replace(self, peer: str) -> None:
+        """A newer connection from `peer` for the same node id takes this session's place."""
+        self.replaced_by = peer
+        self.abort(f"replaced by a new connection from {peer}")
+
+    def _ended(self, reason: str) -> None:
+        """Record the first reason the session ended for (later ones are consequences)."""
+        if self.end_reason is None:
+            self.end_reason = reason
 
     async def serve(self, heartbeat_s: float, heartbeat_timeout_s: float) -> None:
         """Run the session until the peer goes away, misses heartbeats or is replaced."""
@@ -192,9 +208,10 @@ class NodeSession:
 
                     nursery.start_soon(reader_then_stop)
                     nursery.start_soon(heartbeat_then_stop)
-        except* ConnectionClosed:
-            pass
+        except* ConnectionClosed as closed:
+            self._ended(_closed_reason(closed.exceptions[0]))
         finally:
+            self._ended("session ended")
             self._finish()
 
     def _finish(self) -> None:
@@ -246,7 +263,7 @@ class NodeSession:
                     ack.close()
             case wire.Reject():
                 log.warning("node %s rejected the session: %s", self.node_id, message.reason)
-                self.abort()
+                self.abort(f"the node rejected the session: {message.reason} ({message.code})")
             case wire.Hello():
                 raise wire.WireError("hello on an established session")
 
@@ -256,11 +273,13 @@ class NodeSession:
             try:
                 message = wire.decode_from_node(frame)
             except wire.WireError as exc:
+                self._ended(f"sent a malformed frame: {exc}")
                 await reject(self.websocket, "bad_frame", str(exc))
                 return
             try:
                 self._route(message)
             except wire.WireError as exc:
+                self._ended(f"broke the protocol: {exc}")
                 await reject(self.websocket, "protocol_error", str(exc))
                 return
 
@@ -270,9 +289,7 @@ class NodeSession:
             with trio.move_on_after(timeout_s) as scope:
                 await self.websocket.ping()
             if scope.cancelled_caught:
-                log.warning(
-                    "node %s missed its heartbeat for %.1fs; dropping", self.node_id, timeout_s
-                )
+                self._ended(f"no heartbeat answer within {timeout_s:g}s")
                 return
 
 
@@ -284,3 +301,23 @@ async def reject(websocket: WebSocketConnection, code: str, reason: str) -> None
             await websocket.aclose(code=1008, reason=reason[:120])
         except ConnectionClosed:
             pass
+
+
+def _closed_reason(exc: BaseException) -> str:
+    """One readable line for a websocket that was closed (by the peer or broken)."""
+    reason = exc.reason if isinstance(exc, ConnectionClosed) else None
+    if reason is None:
+        return "connection closed"
+    detail = f": {reason.reason}" if reason.reason else ""
+    return f"connection closed, {reason.name} ({reason.code}){detail}"
+
+
+def peer_address(websocket: WebSocketConnection) -> str:
+    """`HOST:PORT` of the peer (trio-websocket's `Endpoint` repr is not for log lines)."""
+    remote = websocket.remote
+    address = getattr(remote, "address", None)
+    if address is None:
+        return str(remote)
+    host = str(address)
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{getattr(remote, 'port', '?')}"

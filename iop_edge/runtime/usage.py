@@ -29,7 +29,15 @@ log = logging.getLogger(__name__)
 BUFFER = 10_000
 BATCH = 500
 BATCH_WINDOW_S = 0.05
-GROUP_COLUMNS = ("principal_ref", "token_ref", "model", "provider", "node", "usage_source")
+GROUP_COLUMNS = (
+    "principal_ref",
+    "token_ref",
+    "model",
+    "provider",
+    "node",
+    "usage_source",
+    "status",
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
@@ -94,6 +102,8 @@ class UsageRow(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     provider: str | None = None
     node: str | None = None
     usage_source: str | None = None
+    status: int | None = None
+    """The HTTP status the caller got (when grouped by `status`)."""
 
 
 class UsageReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,8 +131,8 @@ class UsageLedger:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 log.error("usage ledger is behind; %d record(s) dropped so far", self.dropped)
-        except trio.ClosedResourceError:
-            self.dropped += 1
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            self.dropped += 1  # the ledger stopped (shutdown): nobody writes it any more
 
     def _connect(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)

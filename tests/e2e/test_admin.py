@@ -240,6 +240,7 @@ async def test_status_names_revision_config_and_nodes(stack: Stack, tmp_path: Pa
     assert status == {
         "revision": 1,
         "config_sha256": hashlib.sha256(config_text).hexdigest(),
+        "config_file": str((tmp_path / "edge.yaml").resolve()),
         "pending_restart": [],
         "nodes": [
             {"id": "node-1", "connected": True, "applied_revision": 1},
@@ -253,28 +254,45 @@ async def test_status_names_revision_config_and_nodes(stack: Stack, tmp_path: Pa
 # --- who may call it (SPEC §5.1) ------------------------------------------------------------
 
 
-BROWSER_LIKE = (
+#: Requests no browser page may make to the documents the pool page reads.
+FOREIGN = (
     {"Origin": "http://127.0.0.1:8080"},
     {"Origin": "null"},
-    {"Sec-Fetch-Site": "same-origin"},
     {"Sec-Fetch-Mode": "cors"},
+    {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "cors"},
+    {"Sec-Fetch-Site": "same-site"},
     {"Host": "evil.example"},
     {"Host": "127.0.0.1.evil.example:7701"},
     {"Host": "localhost.evil.example"},
 )
 
 
+def _same_origin(stack: Stack) -> tuple[dict[str, str], ...]:
+    """What the pool page's own fetches carry (an Origin only on some requests)."""
+    host = stack.addresses.admin_url.removeprefix("http://")
+    return (
+        {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors"},
+        {"Origin": f"http://{host}", "Sec-Fetch-Site": "same-origin"},
+        {"Origin": f"http://{host}"},
+    )
+
+
 async def test_browser_like_requests_are_refused(stack: Stack) -> None:
     async with stack.admin() as admin:
-        for headers in BROWSER_LIKE:
-            for path in ("/healthz", "/status", "/catalog", "/metrics"):
+        for headers in FOREIGN:
+            for path in ("/healthz", "/status", "/catalog", "/activity", "/metrics", "/usage"):
                 response = await admin.get(path, headers=headers)
                 assert response.status_code == 403, (headers, path, response.text)
                 assert response.json()["error"]["message"]
+        for headers in FOREIGN + _same_origin(stack):
+            # Every mutation, and every document the page does not need, even from the page.
             response = await admin.post(
                 "/refresh", json={"mode": "apply", "config_yaml": "models: []"}, headers=headers
             )
             assert response.status_code == 403, headers
+            for path in ("/metrics", "/usage"):
+                response = await admin.get(path, headers=headers)
+                assert response.status_code == 403, (headers, path)
     assert stack.edge.snapshot.revision == 1  # a refused refresh does nothing at all
     # The same requests without those headers are served.
     port = stack.addresses.admin_url.rsplit(":", 1)[1]
@@ -282,6 +300,58 @@ async def test_browser_like_requests_are_refused(stack: Stack) -> None:
         for host in ("127.0.0.1", "localhost"):
             response = await admin.get("/healthz", headers={"Host": f"{host}:{port}"})
             assert response.status_code == 200, host
+
+
+async def test_the_pool_page_reads_what_it_needs_from_its_own_origin(stack: Stack) -> None:
+    async with stack.admin() as admin:
+        for headers in _same_origin(stack):
+            for path in ("/", "/pool.js", "/pool.css", "/catalog", "/status", "/activity"):
+                response = await admin.get(path, headers=headers)
+                assert response.status_code == 200, (headers, path, response.text)
+        # The page itself may be opened from a bookmark or a link, never framed.
+        for site in ("none", "cross-site"):
+            headers = {"Sec-Fetch-Site": site, "Sec-Fetch-Mode": "navigate"}
+            page = await admin.get("/", headers={**headers, "Sec-Fetch-Dest": "document"})
+            assert page.status_code == 200, site
+            assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+            assert page.headers["x-frame-options"] == "DENY"
+            framed = await admin.get("/", headers={**headers, "Sec-Fetch-Dest": "iframe"})
+            assert framed.status_code == 403, site
+            data = await admin.get("/catalog", headers=headers)
+            assert data.status_code == 403, site
+
+
+async def test_pool_page_is_served_from_the_package(stack: Stack) -> None:
+    async with stack.admin() as admin:
+        page = await admin.get("/")
+        script = await admin.get("/pool.js")
+        style = await admin.get("/pool.css")
+    assert page.headers["content-type"].startswith("text/html")
+    assert '<script src="/pool.js"' in page.text and "<title>IOP pool</title>" in page.text
+    assert "http" not in page.text.replace("http-equiv", "")  # nothing from elsewhere
+    assert script.headers["content-type"].startswith("text/javascript")
+    assert 'fetch(path, { cache: "no-store"' in script.text
+    assert style.headers["content-type"].startswith("text/css")
+
+
+async def test_activity_counts_recent_requests(stack: Stack) -> None:
+    async with stack.client() as client:
+        await client.chat.completions.create(
+            model="m", max_tokens=2, messages=[{"role": "user", "content": "x"}]
+        )
+    async with stack.http() as http:
+        refused = await http.post(
+            "/v1/chat/completions",
+            json={"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+        )
+    assert refused.status_code == 404
+    response = await _get(stack, "/activity")
+    activity = response.json()
+    assert activity["bucket_s"] == 10 and len(activity["buckets"]) == 30
+    assert sum(b["requests"] for b in activity["buckets"]) == 2
+    assert sum(b["ok"] for b in activity["buckets"]) == 1
+    assert activity["rejected_last_minute"] == 1 and activity["errors_last_minute"] == 0
+    assert activity["requests_per_s"] > 0
 
 
 async def test_mutations_are_post_only(stack: Stack) -> None:
@@ -313,3 +383,37 @@ async def test_loopback_admin_listeners_are_accepted(tmp_path: Path, listen: str
         "admin:\n  listen: 127.0.0.1:0", f"admin:\n  listen: '{listen}'"
     )
     assert Edge(parse_config(text)).snapshot.config.admin.listen == listen
+
+
+# --- GET /readyz (SPEC §12) ------------------------------------------------------------------
+
+
+async def test_readyz_follows_whether_any_model_can_be_served(stack: Stack) -> None:
+    """200 while some model has a provider that can take runs; 503 once none has, on both
+    listeners. `/healthz` stays liveness: 200 throughout."""
+    ready = await _get(stack, "/readyz")
+    assert ready.status_code == 200
+    assert ready.json() == {
+        "status": "ready",
+        "revision": 1,
+        "servable_models": ["m"],  # `offline`'s only provider is disabled, its node away
+        "models": 2,
+    }
+    async with stack.http() as http:
+        public = await http.get("/readyz")
+    assert (public.status_code, public.json()) == (200, {"status": "ready"})
+
+    stack.kill_node("node-1")
+    await stack.wait_catalog(lambda c: not _by_id(c["providers"])["sim-a"]["connected"])
+
+    not_ready = await _get(stack, "/readyz")
+    assert not_ready.status_code == 503
+    body = not_ready.json()
+    assert body["status"] == "not_ready" and body["servable_models"] == []
+    assert "no model has a provider that can take runs now" in body["reason"]
+    async with stack.http() as http:
+        public = await http.get("/readyz")
+        alive = await http.get("/healthz")
+    assert public.status_code == 503 and public.json()["status"] == "not_ready"
+    assert alive.status_code == 200
+    assert (await _get(stack, "/healthz")).status_code == 200

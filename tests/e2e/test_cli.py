@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -190,9 +191,8 @@ async def test_refresh_dry_run_reads_the_edge_file(
     assert await run_cli("refresh", "--admin", stack.addresses.admin_url) == 0
 
     out = capsys.readouterr().out
-    assert "refresh dry_run: dry_run" in out
-    assert "revision 1 -> 1" in out
-    assert "no changes" in out
+    assert out.startswith(f"dry run of {stack.config_path.resolve()}: no changes; revision 1")
+    assert "dry_run:" not in out  # the old "refresh dry_run: dry_run"
     assert stack.edge.snapshot.revision == 1
 
 
@@ -204,14 +204,17 @@ async def test_refresh_apply_prints_a_readable_report(
 
     assert await run_cli("refresh", "--admin", admin, "--candidate", str(candidate)) == 0
     dry = capsys.readouterr().out
-    assert "dry_run" in dry and CAPACITY_PATH in dry
+    assert (
+        dry.startswith(f"dry run of {candidate}: 1 path(s) would change") and CAPACITY_PATH in dry
+    )
     assert stack.edge.snapshot.revision == 1
 
     assert await run_cli("refresh", "--admin", admin, "--apply", "--candidate", str(candidate)) == 0
 
     out = capsys.readouterr().out
-    assert "refresh apply: applied" in out
-    assert "revision 1 -> 2" in out
+    assert out.startswith(
+        f"applied {candidate}: 1 path(s) changed (1 live, 0 need a restart); revision 1 -> 2"
+    )
     change_row = next(line for line in out.splitlines() if CAPACITY_PATH in line)
     assert "live" in change_row
     node_row = next(line for line in out.splitlines() if "node-1" in line and "applied" in line)
@@ -237,6 +240,28 @@ async def test_refresh_json_is_the_report(
     assert report["nodes"] == [] and report["errors"] == []
 
 
+async def test_refresh_attempts_are_logged_by_the_edge(
+    stack: Stack, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="iop_edge.runtime.refresh")
+    candidate = _candidate(stack, tmp_path, capacity=6, adapter={"ttft_ms": 9})
+    admin = stack.addresses.admin_url
+
+    assert await run_cli("refresh", "--admin", admin, "--apply", "--candidate", str(candidate)) == 1
+    assert await run_cli("refresh", "--admin", admin, "--apply") == 0
+
+    lines = [r.getMessage() for r in caplog.records if r.name == "iop_edge.runtime.refresh"]
+    assert lines[0] == (
+        "refresh apply of inline candidate from admin API: rejected, revision 1 -> 1, "
+        "3 change(s) (1 live, 2 restart-required)"
+    )
+    assert any("changing this needs a restart" in line for line in lines[1:])
+    assert (
+        "refresh apply of the config file from admin API: no_change, revision 1 -> 2, "
+        "0 change(s) (0 live, 0 restart-required)"
+    ) in lines
+
+
 async def test_refused_refresh_exits_1_naming_the_paths(
     stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -247,26 +272,32 @@ async def test_refused_refresh_exits_1_naming_the_paths(
     assert await run_cli("refresh", "--admin", admin, "--apply", "--candidate", str(candidate)) == 1
 
     out = capsys.readouterr().out
-    assert "refresh apply: rejected" in out and "HTTP 409" in out
+    assert out.startswith("refused (HTTP 409): nothing was applied; revision 1 stays")
     assert f"{adapter_path}.ttft_ms: changing this needs a restart" in out
     assert f"{adapter_path}.tokens_per_second: changing this needs a restart" in out
+    assert "(with --allow-restart-required the live changes apply now" in out
+    assert "allow_restart_required" not in out  # the flag's name, not the HTTP field's
     assert stack.edge.snapshot.revision == 1
 
     argv = ("refresh", "--admin", admin, "--apply", "--allow-restart-required")
     assert await run_cli(*argv, "--candidate", str(candidate)) == 0
     out = capsys.readouterr().out
-    assert "refresh apply: applied" in out
+    assert out.startswith(f"applied {candidate}: 3 path(s) changed (1 live, 2 need a restart)")
     assert f"pending restart: {adapter_path}.tokens_per_second, {adapter_path}.ttft_ms" in out
 
 
 async def test_unreadable_candidate_and_unreachable_admin_fail_cleanly(
-    stack: Stack, tmp_path: Path
+    stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     admin = stack.addresses.admin_url
-    with pytest.raises(SystemExit, match="cannot read the candidate"):
-        await run_cli("refresh", "--admin", admin, "--candidate", str(tmp_path / "nope.yaml"))
+    missing = tmp_path / "nope.yaml"
+    assert await run_cli("refresh", "--admin", admin, "--candidate", str(missing)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"iop-edge: error: cannot read the candidate {missing} (--candidate)")
     with trio.socket.socket() as unused:
         await unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]
-        with pytest.raises(SystemExit, match="cannot reach the admin API"):
-            await run_cli("catalog", "--admin", f"http://127.0.0.1:{port}")
+        assert await run_cli("catalog", "--admin", f"http://127.0.0.1:{port}") == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"iop-edge: error: cannot reach the admin API at http://127.0.0.1:{port}")
+    assert "Is the Edge running? Pass --admin" in err

@@ -101,7 +101,52 @@ async def test_good_handshake_gets_welcome_with_own_providers(
     assert [p.id for p in reply.node_config.providers] == ["sim-1"]
 
 
-async def test_second_connection_replaces_the_first(stack_one: Stack) -> None:
+async def test_a_duplicate_node_id_is_named_on_both_sides(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second connection with a connected node's id replaces the session; the Edge logs
+    both peers, the replaced Node hears `node_replaced` (and, being a real Node, says so
+    and takes the id back after its reject delay), then the intruder is replaced in turn."""
+    fast = BackoffPolicy(base_s=0.01, cap_s=0.05, reject_delay_s=0.05)
+    stack = await start_stack(
+        nursery,
+        _text(tmp_path),
+        tmp_path / "edge.yaml",
+        wait_models=("m",),
+        node_kwargs={"backoff": fast},
+    )
+    hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="node-1", token=NODE_TOKEN)
+    async with open_websocket_url(stack.addresses.node_url) as intruder:
+        await intruder.send_message(wire.encode(hello))
+        with trio.fail_after(5):
+            assert isinstance(wire.decode_from_edge(await intruder.get_message()), wire.Welcome)
+            while True:  # the real Node comes back and replaces the intruder
+                message = wire.decode_from_edge(await intruder.get_message())
+                if isinstance(message, wire.Reject):
+                    break
+    assert message.code == wire.NODE_REPLACED
+    assert "a new connection for node id 'node-1' from 127.0.0.1:" in message.reason
+    assert "second Node running with the same id" in message.reason
+    await stack.wait_servable("m")
+    edge_lines = [r.getMessage() for r in caplog.records if r.name == "iop_edge.runtime.hub"]
+    assert any(
+        "node node-1 connected again from 127.0.0.1:" in line
+        and "two Nodes share the node id node-1" in line
+        for line in edge_lines
+    ), edge_lines
+    node_lines = [r.getMessage() for r in caplog.records if r.name == "iop_node.link"]
+    assert any("edge ended the session: a new connection" in line for line in node_lines)
+    assert all("Endpoint(" not in line for line in edge_lines)
+
+
+async def test_second_connection_replaces_the_first(nursery: trio.Nursery, tmp_path: Path) -> None:
+    stack_one = await start_stack(
+        nursery,
+        _text(tmp_path),
+        tmp_path / "edge.yaml",
+        wait_models=("m",),
+        node_kwargs={"backoff": BackoffPolicy(base_s=0.01, cap_s=0.05, reject_delay_s=0.05)},
+    )
     async with open_websocket_url(stack_one.addresses.node_url) as ws:
         await ws.send_message(
             wire.encode(

@@ -182,3 +182,31 @@ def test_example_node_config_is_valid() -> None:
     example = Path(__file__).resolve().parents[2] / "configs" / "node.yaml"
     loaded = msgspec.convert(yaml.safe_load(example.read_text()), NodeFileConfig)
     assert loaded.edge == "ws://127.0.0.1:7700" and loaded.node_id == "gpu1"
+
+
+def test_a_permanent_rejection_exits_3_saying_what_to_fix(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from iop_node.link import EdgeRejected
+
+    async def rejected(edge_url: str, node_id: str, token: str) -> None:
+        raise EdgeRejected(edge_url, node_id, "unknown_node", "node id 'gpu9' is not known", 3)
+
+    monkeypatch.setattr("iop_node.cli.serve_until_signalled", rejected)
+    argv = ["run", "--edge", EDGE, "--node-id", "gpu9"]
+    with monkeypatch.context() as env:
+        env.setenv(TOKEN_ENV_VAR, TOKEN)
+        assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"iop-node: error: the Edge at {EDGE} refused node 'gpu9' 3 time(s): "
+        "node id 'gpu9' is not known (unknown_node). To fix: add a nodes[] entry"
+    )
+    assert TOKEN not in err
+
+
+def test_log_format_is_a_choice() -> None:
+    args = build_parser().parse_args(["run", "--log-format", "json"])
+    assert args.log_format == "json"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--log-format", "xml"])

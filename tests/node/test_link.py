@@ -27,7 +27,7 @@ from trio_websocket import (
 
 from iop_node.adapters.base import Adapter, Emit, RunResult
 from iop_node.backoff import BackoffPolicy
-from iop_node.link import NodeLink
+from iop_node.link import EdgeRejected, NodeLink
 from iop_node.main import run_node
 from iop_node.registry import create_adapter
 from schemas.config import AdapterSettings, NodeConfig, ProviderConfig
@@ -68,7 +68,9 @@ Event = NodeToEdge | RunChunk
 
 # Small timings so reconnects and heartbeats happen within a test's time.
 FAST: dict[str, Any] = {
-    "backoff": BackoffPolicy(base_s=0.01, factor=2, cap_s=0.05, stable_after_s=60),
+    "backoff": BackoffPolicy(
+        base_s=0.01, factor=2, cap_s=0.05, stable_after_s=60, reject_delay_s=0.05
+    ),
     "rng": random.Random(1),
     "handshake_timeout_s": 2.0,
     "ping_interval_s": 0.05,
@@ -404,8 +406,8 @@ async def test_reject_is_logged_and_retried_with_backoff(
     rejected_at = trio.current_time()
 
     again = await edge.accept()
-    # A rejected node waits at least half the cap before it tries again.
-    assert trio.current_time() - rejected_at >= FAST["backoff"].cap_s / 2
+    # A rejected node waits at least half the reject delay before it tries again.
+    assert trio.current_time() - rejected_at >= FAST["backoff"].reject_delay_s / 2
     await again.welcome()
     assert await again.receive() == _available("sim-a")
     assert "the node token does not match" in caplog.text
@@ -525,7 +527,7 @@ async def test_graceful_stop_drains_then_closes(edge: FakeEdge, nursery: trio.Nu
 
     [status] = [message for message in messages if isinstance(message, Status)]
     assert [(p.id, p.health, p.detail) for p in status.providers] == [
-        ("sim-a", "unavailable", "node is shutting down")
+        ("sim-a", "draining", "node is shutting down: finishing its runs, taking no new ones")
     ]
     [refused] = [m for m in messages if isinstance(m, RunFailed)]
     assert (refused.run_id, refused.code, refused.retryable) == ("r2", "node_stopping", True)
@@ -639,3 +641,86 @@ async def test_bursts_of_chunks_arrive_whole_and_in_order(
     for run_id in run_ids:
         assert [msgspec.json.decode(c)["index"] for c in chunks[run_id]] == list(range(200))
     assert side.batches < 3 * 200 // 2  # batched: far fewer messages than chunks
+
+
+@pytest.mark.parametrize("code", ["bad_token", "unknown_node", "unsupported_protocol"])
+async def test_permanent_rejection_gives_up_after_a_few_tries(
+    edge: FakeEdge, code: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Node the Edge keeps refusing for good stops with `EdgeRejected` (the CLI exits 3),
+    and the message says what to fix."""
+    tries = FAST["backoff"].max_rejections
+
+    async def edge_script() -> None:
+        for _ in range(tries):
+            side = await edge.accept()
+            await side.expect(Hello)
+            await side.send(Reject(code=code, reason=f"refused: {code}"))
+            await side.ws.aclose(code=1008)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(edge_script)
+            with pytest.raises(EdgeRejected) as rejected:
+                await run_node(edge.url, "n1", TOKEN, **FAST)
+    assert rejected.value.code == code
+    message = str(rejected.value)
+    assert f"refused node 'n1' {tries} time(s): refused: {code} ({code})" in message
+    assert edge.url in message and "To fix:" in message
+    assert TOKEN not in message + caplog.text
+
+
+async def test_transient_rejection_keeps_retrying(edge: FakeEdge, nursery: trio.Nursery) -> None:
+    _start_node(nursery, edge.url)
+    for _ in range(FAST["backoff"].max_rejections + 1):
+        side = await edge.accept()
+        await side.expect(Hello)
+        await side.send(Reject(code="handshake_timeout", reason="too slow"))
+        await side.ws.aclose(code=1008)
+    await (await edge.accept()).welcome()
+
+
+async def test_replaced_session_is_a_permanent_rejection(
+    edge: FakeEdge, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Edge ends a session with `reject{node_replaced}` when another connection took
+    the node id: the Node says so, backs off, and stops fighting after a few rounds."""
+    tries = FAST["backoff"].max_rejections
+    reason = "a new connection for node id 'n1' replaced this one"
+
+    async def edge_script() -> None:
+        for _ in range(tries):
+            side = await edge.accept()
+            await side.welcome()
+            await side.expect(Status)
+            await side.send(Reject(code="node_replaced", reason=reason))
+            await side.ws.aclose(code=1008)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(edge_script)
+            with pytest.raises(EdgeRejected) as rejected:
+                await run_node(edge.url, "n1", TOKEN, **FAST)
+    assert rejected.value.code == "node_replaced"
+    assert "another Node connected with the same node id" in str(rejected.value)
+    assert "edge ended the session: a new connection for node id 'n1'" in caplog.text
+
+
+async def test_backoff_is_fast_after_a_healthy_session(
+    edge: FakeEdge, nursery: trio.Nursery
+) -> None:
+    """A Node that started before its Edge (failures grew the backoff to the cap) comes
+    back within the fast retries after its healthy link drops (the Edge restarted)."""
+    # Without the fast retries, one failed attempt during the restart would mean 10 s.
+    policy = BackoffPolicy(base_s=0.01, factor=1000, cap_s=60, stable_after_s=0, fast_retries=50)
+    _start_node(nursery, edge.url, backoff=policy, rng=random.Random(3))
+    side = await edge.accept()
+    await side.welcome()
+    await side.expect(Status)
+    edge.stop()
+    lost_at = trio.current_time()
+    await edge.start(nursery)
+    with trio.fail_after(5):
+        again = await edge.accept()
+    assert trio.current_time() - lost_at < 1.0
+    await again.welcome()

@@ -1,0 +1,152 @@
+// The live pool page: polls the admin API's read-only documents and redraws.
+// No framework, no build step, nothing from elsewhere; every value from the Edge is
+// written with textContent (never parsed as HTML).
+"use strict";
+
+const POLL_MS = 1000;
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (key === "class") node.className = value;
+    else node.setAttribute(key, value);
+  }
+  for (const child of children) {
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function bar(used, total, label) {
+  const ratio = total > 0 ? Math.min(used / total, 1) : 0;
+  const level = ratio >= 1 ? "full" : ratio >= 0.75 ? "high" : "ok";
+  const fill = el("span", { class: `fill ${level}` });
+  fill.style.width = `${(ratio * 100).toFixed(1)}%`;
+  return el("span", { class: "bar", title: label, "data-load": `${used}/${total}` },
+    fill, el("span", { class: "bar-text" }, `${used}/${total}`));
+}
+
+function healthCell(provider) {
+  const health = provider.connected ? provider.health : "unavailable";
+  const shown = provider.cooling_down ? `${health} (cooldown)` : health;
+  const cell = el("td", {},
+    el("span", { class: `health ${health}`, "data-health": health }, shown));
+  if (provider.health_reason) {
+    cell.append(el("div", { class: "reason" }, provider.health_reason));
+  }
+  return cell;
+}
+
+function replaceRows(tbody, rows) {
+  tbody.replaceChildren(...rows);
+}
+
+function drawProviders(catalog) {
+  const rows = catalog.providers.map((p) => {
+    const long = p.long_context_slots === null
+      ? el("span", { class: "meta", title: "long-context runs need only a regular slot" }, "shared")
+      : bar(p.long_in_flight, p.long_context_slots, "long-context runs in flight / long slots");
+    return el("tr", { "data-provider": p.id, class: p.enabled ? "" : "disabled" },
+      el("td", {}, el("strong", {}, p.id)),
+      el("td", {}, p.node_id, p.connected ? "" : el("span", { class: "meta" }, " (disconnected)")),
+      healthCell(p),
+      el("td", {}, bar(p.in_flight, p.capacity, "runs in flight / capacity")),
+      el("td", {}, long),
+      el("td", {}, p.type),
+      el("td", { class: "num" }, p.priority));
+  });
+  replaceRows(document.getElementById("providers"), rows);
+}
+
+function drawModels(catalog, readiness) {
+  const servable = new Set(readiness.servable_models || []);
+  const rows = catalog.models.map((m) => {
+    const mapping = Object.entries(m.providers).map(([pid, served]) => `${pid} → ${served}`);
+    const ok = servable.has(m.id);
+    return el("tr", { "data-model": m.id },
+      el("td", {}, el("strong", {}, m.id)),
+      el("td", {}, m.display_name || ""),
+      el("td", {}, mapping.join(", ")),
+      el("td", { class: "num", "data-queue": m.queued }, m.queued),
+      el("td", {}, el("span", { class: `health ${ok ? "available" : "unavailable"}` }, ok ? "yes" : "no")));
+  });
+  replaceRows(document.getElementById("models"), rows);
+}
+
+function drawNodes(status) {
+  const rows = status.nodes.map((n) => el("tr", { "data-node": n.id },
+    el("td", {}, el("strong", {}, n.id)),
+    el("td", {}, el("span", { class: `health ${n.connected ? "available" : "unavailable"}` },
+      n.connected ? "yes" : "no")),
+    el("td", { class: "num" }, n.applied_revision ?? "–")));
+  replaceRows(document.getElementById("nodes"), rows);
+}
+
+function drawActivity(activity) {
+  document.getElementById("rps").textContent = activity.requests_per_s.toFixed(2);
+  document.getElementById("errors").textContent = activity.errors_last_minute;
+  document.getElementById("rejected").textContent = activity.rejected_last_minute;
+  const peak = Math.max(1, ...activity.buckets.map((b) => b.requests));
+  const columns = activity.buckets.map((b) => {
+    const column = el("span", {
+      class: "column",
+      title: `${new Date(b.start * 1000).toLocaleTimeString()}: ${b.requests} requests, ` +
+        `${b.errors} errors, ${b.rejected} rejected`,
+    });
+    for (const [part, count] of [["ok", b.ok], ["rejected", b.rejected], ["errors", b.errors]]) {
+      if (count > 0) {
+        const segment = el("span", { class: `segment ${part}` });
+        segment.style.height = `${(count / peak) * 100}%`;
+        column.append(segment);
+      }
+    }
+    return column;
+  });
+  document.getElementById("activity").replaceChildren(...columns);
+}
+
+function drawHeader(status, readiness) {
+  const ready = document.getElementById("ready");
+  ready.textContent = readiness.status === "ready" ? "ready" : "not ready";
+  ready.className = `badge ${readiness.status === "ready" ? "good" : "bad"}`;
+  ready.title = readiness.reason || "";
+  document.getElementById("revision").textContent =
+    `revision ${status.revision} · config ${status.config_sha256.slice(0, 12)}`;
+  const pending = document.getElementById("pending");
+  pending.hidden = status.pending_restart.length === 0;
+  pending.textContent = `restart pending: ${status.pending_restart.length} change(s)`;
+  pending.title = status.pending_restart.join("\n");
+  document.getElementById("servable").textContent =
+    `${(readiness.servable_models || []).length}/${readiness.models ?? "?"}`;
+}
+
+async function getJson(path) {
+  const response = await fetch(path, { cache: "no-store", credentials: "omit" });
+  if (!response.ok && response.status !== 503) {
+    throw new Error(`${path}: HTTP ${response.status}`);
+  }
+  return response.json();
+}
+
+async function poll() {
+  const live = document.getElementById("live");
+  try {
+    const [catalog, status, activity, readiness] = await Promise.all(
+      ["/catalog", "/status", "/activity", "/readyz"].map(getJson));
+    drawHeader(status, readiness);
+    drawActivity(activity);
+    drawProviders(catalog);
+    drawModels(catalog, readiness);
+    drawNodes(status);
+    live.textContent = `live · updated ${new Date().toLocaleTimeString()}`;
+    live.className = "meta";
+    document.body.dataset.updated = String(Date.now());
+  } catch (error) {
+    live.textContent = `cannot reach the Edge (${error.message}); retrying`;
+    live.className = "meta bad-text";
+  } finally {
+    setTimeout(poll, POLL_MS);
+  }
+}
+
+poll();

@@ -1,0 +1,108 @@
+"""The access log (SPEC §12): one line per finished inference request.
+
+Fed by the same `RunRecord` metering gets (`Run.end`, exactly once per run) and, for a
+request refused before it became a run (bad JSON, bad token, unknown model, body too
+large), by a `RefusedRequest` from the HTTP layer. `/v1/models` and the health probes
+are not inference requests and are not logged.
+
+Rules:
+1. A line carries: time, request id (the `x-request-id` the caller saw), principal_ref,
+   model, provider, node, status, error code, latency, time to first token and tokens.
+   Never a token, never a prompt, never a response: nothing here reads a body.
+2. Lines go to the `iop_edge.access` logger at INFO, so `--log-level warning` silences
+   them and `--log-format json` makes each one a JSON object whose keys are the fields
+   above (typed: numbers stay numbers), alongside every other log line of the process.
+3. The readable form is `key=value` pairs (logfmt): a value with a space, a quote or
+   an `=` is written as a JSON string; a missing value is `-`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from iop_edge.runtime.metering import RunRecord
+from schemas.log_lines import FIELDS
+
+__all__ = ["ACCESS_LOGGER", "AccessLog", "RefusedRequest", "access_fields", "logfmt"]
+
+ACCESS_LOGGER: Final = "iop_edge.access"
+
+_encode = msgspec.json.Encoder().encode
+_NEEDS_QUOTES: Final = frozenset(' "=\t\n\\')
+
+
+@dataclass(frozen=True, slots=True)
+class RefusedRequest:
+    """An inference request answered with an error before it became a run."""
+
+    request_id: str
+    path: str
+    status: int
+    code: str | None
+    latency_s: float
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+def access_fields(record: RunRecord) -> dict[str, Any]:
+    """The access log's fields for one finished run (Rule 1)."""
+    usage = record.usage
+    return {
+        "request_id": record.request_id,
+        "principal_ref": record.principal_ref,
+        "model": record.model,
+        "provider": record.provider or None,
+        "node": record.node or None,
+        "status": record.status,
+        "code": record.code,
+        "latency_ms": _ms(record.latency_s),
+        "ttft_ms": _ms(record.ttft_s),
+        "prompt_tokens": usage.prompt_tokens if usage else None,
+        "completion_tokens": usage.completion_tokens if usage else None,
+    }
+
+
+def logfmt(fields: dict[str, Any]) -> str:
+    """`key=value key2=value2` (Rule 3)."""
+    parts = []
+    for key, value in fields.items():
+        if value is None:
+            text = "-"
+        else:
+            text = str(value)
+            if not text or any(char in _NEEDS_QUOTES for char in text):
+                text = _encode(text).decode()
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
+class AccessLog:
+    """Writes the access log lines (see the module docstring)."""
+
+    def __init__(self, logger: logging.Logger | None = None) -> None:
+        self._log = logger or logging.getLogger(ACCESS_LOGGER)
+
+    def run_finished(self, record: RunRecord) -> None:
+        if self._log.isEnabledFor(logging.INFO):
+            self._write(access_fields(record))
+
+    def refused(self, request: RefusedRequest) -> None:
+        if self._log.isEnabledFor(logging.INFO):
+            self._write(
+                {
+                    "request_id": request.request_id,
+                    "path": request.path,
+                    "status": request.status,
+                    "code": request.code,
+                    "latency_ms": _ms(request.latency_s),
+                }
+            )
+
+    def _write(self, fields: dict[str, Any]) -> None:
+        self._log.info("%s", logfmt(fields), extra={FIELDS: fields})
