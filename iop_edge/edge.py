@@ -34,7 +34,12 @@ from iop_edge.http.openai_app import OpenAIApp
 from iop_edge.http.runs import RunEndpoints
 from iop_edge.runtime.audit import AuditLog
 from iop_edge.runtime.dispatch import Dispatcher
-from iop_edge.runtime.hub import LISTENER_MAX_FRAME_BYTES, NodeDirectory, NodeHub
+from iop_edge.runtime.hub import (
+    HANDSHAKE_TIMEOUT_S,
+    LISTENER_MAX_FRAME_BYTES,
+    NodeDirectory,
+    NodeHub,
+)
 from iop_edge.runtime.metering import Metering
 from iop_edge.runtime.metrics import EdgeMetrics
 from iop_edge.runtime.refresh import Refresher
@@ -232,6 +237,8 @@ class Edge:
                     ssl_context,
                     max_message_size=LISTENER_MAX_FRAME_BYTES,
                     receive_buffer_size=256 * 1024,
+                    # An upgrade that does not arrive is an anonymous peer too (hub Rule 1).
+                    connect_timeout=HANDSHAKE_TIMEOUT_S,
                 )
             )
             scheme = "wss" if ssl_context else "ws"

@@ -13,7 +13,9 @@ the adapter does, the Edge hears exactly one of:
 - `run_failed{code: unknown_provider}` when this Node has no such provider (the Edge's
   view and ours can differ for a moment around a refresh: another provider may succeed);
 - `run_failed{code: internal}` for any other exception: an adapter bug fails its run,
-  never the Node.
+  never the Node;
+- `run_failed{code: response_too_large}` for a chunk or response larger than the wire
+  carries: sent, it would cost the Node its link to the Edge and every run on it.
 
 Only a cancellation from *outside* the run (the session ending) sends nothing: the
 connection the answer would travel on is gone, and the Edge fails the run itself.
@@ -28,7 +30,15 @@ from dataclasses import dataclass, field
 import trio
 
 from iop_node.adapters.base import Adapter, AdapterError, RunResult
-from schemas.wire import FailureCode, Message, Run, RunChunk, RunDone, RunFailed
+from schemas.wire import (
+    MAX_PAYLOAD_BYTES,
+    FailureCode,
+    Message,
+    Run,
+    RunChunk,
+    RunDone,
+    RunFailed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +87,8 @@ async def execute_run(run: Run, adapter: Adapter | None, handle: RunHandle, send
 
 async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) -> Message:
     async def emit(data: bytes) -> None:
+        if len(data) > MAX_PAYLOAD_BYTES:
+            raise _too_large("a chunk", len(data))
         handle.emitted = True
         await send(RunChunk(run_id=run.run_id, data=data))
 
@@ -99,7 +111,18 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
         return failure
     if result is None:  # only a misbehaving adapter that swallowed our cancellation
         return _failed(run, handle, FailureCode.INTERNAL, "adapter returned no result")
+    if result.response is not None and len(result.response) > MAX_PAYLOAD_BYTES:
+        # Sent, it would make the Edge drop this link and every run on it.
+        error = _too_large("the response", len(result.response))
+        return _failed(run, handle, error.code, error.message)
     return RunDone(run_id=run.run_id, usage=result.usage, response=result.response)
+
+
+def _too_large(what: str, size: int) -> AdapterError:
+    return AdapterError(
+        FailureCode.RESPONSE_TOO_LARGE,
+        f"{what} of {size} bytes exceeds the wire's limit of {MAX_PAYLOAD_BYTES} bytes",
+    )
 
 
 def _failure(run: Run, handle: RunHandle, exc: Exception) -> RunFailed:

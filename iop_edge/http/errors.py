@@ -114,6 +114,16 @@ def run_failure_error(failure: wire.RunFailed, provider_id: str) -> ApiError:
     code = str(failure.code)
     if failure.code == wire.FailureCode.UPSTREAM_REJECTED and failure.status in (400, 413, 422):
         return ApiError(failure.status, failure.message, code=code)
+    if failure.code == wire.FailureCode.REQUEST_TOO_LARGE:
+        return ApiError(413, f"Request too large to dispatch: {failure.message}", code=code)
+    if failure.code == wire.FailureCode.SHUTTING_DOWN:
+        return ApiError(
+            503,
+            failure.message,
+            type="service_unavailable_error",
+            code=code,
+            retry_after_s=RETRY_AFTER_BUSY_S,
+        )
     if failure.capacity:
         # Upstream 429/503 on every provider tried: busy, not broken, so the caller gets
         # a retryable 503 with Retry-After rather than a 502 failure.

@@ -441,6 +441,11 @@ class Dispatcher:
             first = await attempt.receive.receive()
         except (SessionClosed, trio.EndOfChannel):
             first = _node_lost_before_start(wire_id, lease)  # nothing reached the caller
+        except wire.FrameTooLarge as exc:
+            # The request grew past the wire's limit on its way (model defaults, the
+            # re-encoding): refused here, never sent, so no Node loses its link over it.
+            run._live_on_node = False
+            first = _failed(wire_id, wire.FailureCode.REQUEST_TOO_LARGE, str(exc))
         finally:
             # Cancelled or not, the caller waited this long on the provider (Rule 1).
             run.timings.upstream_s += time.perf_counter() - sent_at

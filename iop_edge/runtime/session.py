@@ -104,10 +104,11 @@ class NodeSession:
         """Queue a frame for the writer; waits only while the outbox is full.
 
         Not a checkpoint when there is room: a caller that goes on to wait for the
-        answer yields there, and the writer runs then."""
+        answer yields there, and the writer runs then. Raises `wire.FrameTooLarge` for a
+        message the Node would disconnect for (nothing is sent)."""
         if self.closed.is_set():
             raise SessionClosed(self.node_id)
-        frame = wire.encode(message)
+        frame = wire.encode_bounded(message)
         try:
             try:
                 self._outbox_send.send_nowait(frame)
