@@ -28,19 +28,21 @@ def relabel(data: bytes, alias: str, *, strip_usage: bool) -> bytes | None:
     byte for byte, so provider fields pass through untouched and a large response (an
     embedding batch) costs a scan, not a full decode and re-encode. Returns None for a
     usage-only stream chunk the caller did not ask for; raises `BadPayload` when `data`
-    is not a JSON object.
+    is not a JSON object (or nests deeper than the decoder can follow).
     """
     try:
         fields = _decode_top_level(data)
+        if strip_usage:
+            usage = fields.get("usage")
+            if usage is not None and bytes(usage) != b"null":
+                choices = fields.get("choices")
+                if choices is None or not _json_decode(choices):
+                    return None
+                del fields["usage"]
     except msgspec.DecodeError as exc:
         raise BadPayload(f"not a JSON object ({exc})") from None
-    if strip_usage:
-        usage = fields.get("usage")
-        if usage is not None and bytes(usage) != b"null":
-            choices = fields.get("choices")
-            if choices is None or not _json_decode(choices):
-                return None
-            del fields["usage"]
+    except RecursionError:  # skipping a value nested deeper than the decoder's stack
+        raise BadPayload("nested too deeply") from None
     if "model" in fields:
         fields["model"] = msgspec.Raw(_json_encode(alias))
     return _json_encode(fields)

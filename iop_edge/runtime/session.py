@@ -11,7 +11,9 @@ Rules:
    run on the Node and forgets it, instead of stalling every other run and the heartbeat.
 2. A terminal event (`run_done`, `run_failed`) is the last a sink hears from the session;
    when the session ends for any reason, every sink still registered hears `lost()`.
-3. A malformed frame from a connected Node gets a `reject{bad_frame}` and a close.
+3. A malformed frame from a connected Node gets a `reject{bad_frame}` and a close; a
+   well-formed one is still only input: its numbers and texts are checked and corrected
+   (`core.node_input`) before anything acts on them.
 4. A `cancel` is never dropped, even on a full outbox: otherwise the provider keeps
    running a run whose slot the Edge already gave back.
 """
@@ -25,6 +27,7 @@ from typing import Final, Protocol
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
+from iop_edge.core.node_input import check_node_message
 from schemas import wire
 from schemas.config import NodeConfig
 
@@ -227,6 +230,10 @@ class NodeSession:
             sink.push(event)
 
     def _route(self, message: wire.NodeToEdge) -> None:
+        if not isinstance(message, wire.RunChunk):  # chunks are checked where parsed
+            message, notes = check_node_message(message)
+            for note in notes:
+                log.warning("node %s sent something out of range: %s", self.node_id, note)
         match message:
             case wire.RunChunk() | wire.RunDone() | wire.RunFailed():
                 self._deliver(message)

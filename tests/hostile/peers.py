@@ -3,13 +3,17 @@ do exactly what the test says (nothing, garbage, a slow hello)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import trio
+from trio_websocket import WebSocketConnection, open_websocket_url
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, CloseConnection, Event, Request
 
 from schemas import wire
+from tests.e2e.stack import NODE_TOKEN
 
-__all__ = ["RawPeer", "open_raw_peer"]
+__all__ = ["OnMessage", "RawPeer", "hand_driven_node", "open_raw_peer"]
 
 
 class RawPeer:
@@ -77,3 +81,26 @@ async def open_raw_peer(url: str, source: str = "127.0.0.1") -> RawPeer:
         ws.receive_data(data)
         if any(isinstance(event, AcceptConnection) for event in ws.events()):
             return RawPeer(stream, ws)
+
+
+OnMessage = Callable[[WebSocketConnection, wire.EdgeToNode], Awaitable[None]]
+
+
+async def hand_driven_node(
+    url: str,
+    on_message: OnMessage,
+    *,
+    status: wire.Status | None = None,
+    task_status: trio.TaskStatus[WebSocketConnection],
+) -> None:
+    """An authenticated Node written by hand: handshake, report `sim-1` available (or
+    `status`), then hand every message from the Edge to `on_message`."""
+    async with open_websocket_url(url, max_message_size=wire.MAX_FRAME_BYTES) as ws:
+        hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="node-1", token=NODE_TOKEN)
+        await ws.send_message(wire.encode(hello))
+        assert isinstance(wire.decode_from_edge(await ws.get_message()), wire.Welcome)
+        available = wire.ProviderStatus(id="sim-1", health="available", models=["sim-small"])
+        await ws.send_message(wire.encode(status or wire.Status(providers=[available])))
+        task_status.started(ws)
+        while True:
+            await on_message(ws, wire.decode_from_edge(await ws.get_message()))
