@@ -27,6 +27,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from trio_websocket import serve_websocket
 
 from iop_edge.core.config import ParsedConfig
+from iop_edge.core.host import node_tls_context
 from iop_edge.core.listen import parse_listen_address
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.admin import AdminServices, create_admin_app
@@ -183,6 +184,7 @@ class Edge:
             metrics=self.metrics.render,
             usage=self.ledger.aggregate,
             refresh=self.refresher.refresh,
+            refuse_refresh=self.refresher.refuse_unreadable,
         )
 
     # --- observation ------------------------------------------------------------------
@@ -215,9 +217,10 @@ class Edge:
         tls = self._snapshot.config.edge.tls
         if tls is None:
             return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(tls.cert_file, tls.key_file)
-        return context
+        try:
+            return node_tls_context(tls)  # validation made the same call
+        except ValueError as exc:  # the files changed since: say so, not a traceback
+            raise EdgeStartupError(f"edge.tls: {exc}") from None
 
     async def serve(
         self, *, task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED

@@ -30,6 +30,7 @@ import yaml
 
 from iop_node import __version__
 from iop_node.main import serve_until_signalled
+from schemas import safe_yaml
 
 TOKEN_ENV_VAR = "IOP_NODE_TOKEN"
 EXIT_USAGE = 2
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _load_file_config(path: Path) -> NodeFileConfig:
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = safe_yaml.load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise UsageError(f"cannot read --config {path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:

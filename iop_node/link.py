@@ -62,6 +62,7 @@ from iop_node.registry import (
     RegistryManager,
     create_adapter,
 )
+from schemas import limits
 from schemas.config import NodeConfig
 from schemas.wire import (
     PROTOCOL_VERSION,
@@ -90,7 +91,7 @@ BATCH_MAX_MESSAGES = 64
 BATCH_MAX_BYTES = 256 * 1024
 #: Runs carry whole request bodies; the library default (1 MiB) is too small for them.
 #: The same bound as the Edge's.
-MAX_FRAME_BYTES = 64 * 1024 * 1024
+MAX_FRAME_BYTES = limits.MAX_FRAME_BYTES
 #: Bytes asked of the socket per read. The library default (4 KiB) splits every request
 #: body of a few KiB into several reads, each a trip through the event loop; the Edge
 #: reads with the same size.

@@ -30,15 +30,8 @@ from dataclasses import dataclass, field
 import trio
 
 from iop_node.adapters.base import Adapter, AdapterError, RunResult
-from schemas.wire import (
-    MAX_PAYLOAD_BYTES,
-    FailureCode,
-    Message,
-    Run,
-    RunChunk,
-    RunDone,
-    RunFailed,
-)
+from schemas.limits import MAX_PAYLOAD_BYTES
+from schemas.wire import FailureCode, Message, Run, RunChunk, RunDone, RunFailed
 
 log = logging.getLogger(__name__)
 

@@ -20,22 +20,10 @@ from typing import Literal
 import msgspec
 
 from schemas.config import LifecycleFlag, NodeConfig
+from schemas.limits import MAX_FRAME_BYTES
 
 #: Bumped on any incompatible change; travels in `hello` and `welcome`.
 PROTOCOL_VERSION = 1
-
-#: The largest websocket message either side accepts from the other (an authenticated
-#: peer; see the hub for what an anonymous one may send). A peer that sends more is
-#: disconnected, with every run on the link, so neither side ever sends more
-#: (`encode_bounded`).
-MAX_FRAME_BYTES = 64 * 1024 * 1024
-#: Room a message keeps beside its JSON payload (`run.body`, `run_chunk.data`,
-#: `run_done.response`): ids, provider and target names, and msgpack framing.
-FRAME_ENVELOPE_BYTES = 1024 * 1024
-#: The largest JSON payload one message carries. Config validation bounds
-#: `openai.max_request_bytes` by it; a payload that still grows past it on the way (the
-#: Edge re-encodes a request with the model's defaults) is refused where it is encoded.
-MAX_PAYLOAD_BYTES = MAX_FRAME_BYTES - FRAME_ENVELOPE_BYTES
 
 Operation = Literal["chat", "completion", "embedding"]
 Health = Literal["available", "busy", "draining", "unavailable", "unknown"]

@@ -96,6 +96,8 @@ class AdminServices:
     metrics: Callable[[], bytes]
     usage: UsageQuery
     refresh: Callable[[RefreshRequest], Awaitable[RefreshResult]]
+    refuse_refresh: Callable[[str], Awaitable[None]]
+    """Audit a refresh request that could not be read."""
 
 
 def create_admin_app(services: AdminServices) -> QuartTrio:
@@ -144,8 +146,12 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
         assert isinstance(raw, bytes)
         try:
             refresh_request = msgspec.json.decode(raw or b"{}", type=RefreshRequest)
-        except msgspec.DecodeError as exc:
-            return _error(400, f"invalid refresh request: {exc}")
+        except (msgspec.DecodeError, RecursionError) as exc:
+            # msgspec skips unknown fields recursively: a deep one is a RecursionError.
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            problem = f"invalid refresh request: {reason}"
+            await services.refuse_refresh(problem)  # every attempt is audited (SPEC §5)
+            return _error(400, problem)
         result = await services.refresh(refresh_request)
         return _json(result.report, REFRESH_STATUS[result.verdict])
 

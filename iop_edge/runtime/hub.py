@@ -36,7 +36,7 @@ from iop_edge.runtime.handshakes import MAX_PENDING_HANDSHAKES, HandshakeGate, s
 from iop_edge.runtime.session import NodeSession, StatusListener, reject
 from schemas import wire
 from schemas.config import NodeConfig
-from schemas.wire import MAX_FRAME_BYTES
+from schemas.limits import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 

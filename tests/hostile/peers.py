@@ -11,6 +11,7 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, CloseConnection, Event, Request
 
 from schemas import wire
+from schemas.limits import MAX_FRAME_BYTES
 from tests.e2e.stack import NODE_TOKEN
 
 __all__ = ["OnMessage", "RawPeer", "hand_driven_node", "open_raw_peer"]
@@ -95,7 +96,7 @@ async def hand_driven_node(
 ) -> None:
     """An authenticated Node written by hand: handshake, report `sim-1` available (or
     `status`), then hand every message from the Edge to `on_message`."""
-    async with open_websocket_url(url, max_message_size=wire.MAX_FRAME_BYTES) as ws:
+    async with open_websocket_url(url, max_message_size=MAX_FRAME_BYTES) as ws:
         hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="node-1", token=NODE_TOKEN)
         await ws.send_message(wire.encode(hello))
         assert isinstance(wire.decode_from_edge(await ws.get_message()), wire.Welcome)
