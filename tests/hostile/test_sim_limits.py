@@ -72,7 +72,7 @@ async def test_the_largest_run_yields_while_it_generates() -> None:
 async def test_embedding_batches_are_bounded() -> None:
     too_many = {"input": ["x"] * (MAX_EMBEDDING_INPUTS + 1)}
     too_large = {"input": ["x"] * 300, "dimensions": 4096}
-    assert 300 * 4096 > MAX_EMBEDDING_VALUES
+    assert MAX_EMBEDDING_VALUES < 300 * 4096
     for body in (too_many, too_large):
         with pytest.raises(AdapterError) as refused:
             await _adapter().execute(_run(body, operation="embedding"), _ignore)
