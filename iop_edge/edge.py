@@ -31,6 +31,7 @@ from iop_edge.core.host import node_tls_context
 from iop_edge.core.listen import parse_listen_address
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.admin import AdminServices, create_admin_app
+from iop_edge.http.final_send import ShieldFinalSend
 from iop_edge.http.openai_app import OpenAIApp
 from iop_edge.http.runs import RunEndpoints
 from iop_edge.runtime.audit import AuditLog
@@ -264,7 +265,7 @@ class Edge:
                 admin_binds = await http.start(
                     partial(
                         hypercorn_serve,
-                        create_admin_app(self._admin_services()),
+                        ShieldFinalSend(create_admin_app(self._admin_services())),
                         hypercorn_config(config.admin.listen),
                         shutdown_trigger=self._shutdown.wait,
                     )
