@@ -49,20 +49,23 @@ from iop_edge.runtime.scheduler import Scheduler
 from iop_edge.runtime.session import SessionClosed
 from iop_edge.runtime.usage import UsageLedger
 from schemas import wire
-from schemas.config import NodeConfig
+from schemas.config import DEFAULT_SHUTDOWN_GRACE_S, NodeConfig
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_S = 10.0
+SHUTDOWN_GRACE_S = DEFAULT_SHUTDOWN_GRACE_S
+#: After the grace period, how long the cut exchanges have to write their last bytes (an
+#: error event and `[DONE]`, or a 503) before Hypercorn cancels what is left.
+CUT_WRITE_S = 2.0
 
 
-def hypercorn_config(listen: str) -> HypercornConfig:
+def hypercorn_config(listen: str, grace_s: float = SHUTDOWN_GRACE_S) -> HypercornConfig:
     """How the Edge configures Hypercorn for a listener (the bench's floor uses it too)."""
     config = HypercornConfig()
     config.bind = [listen]
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
-    config.graceful_timeout = SHUTDOWN_GRACE_S
+    config.graceful_timeout = grace_s + CUT_WRITE_S
     config.keep_alive_timeout = 75
     config.include_server_header = False
     return config
@@ -211,8 +214,18 @@ class Edge:
     # --- lifecycle ------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Begin a graceful stop: listeners close, in-flight requests get a grace period."""
+        """Begin a graceful stop: listeners close, in-flight requests get a grace period
+        (`edge.shutdown_grace_s`); the runs still open then are cut (`_cut_at_deadline`)."""
         self._shutdown.set()
+
+    async def _cut_at_deadline(self, grace_s: float) -> None:
+        """Once stopping, give the runs `grace_s` to finish, then end the rest: each caller
+        gets an error event and `[DONE]` (a stream) or a 503, each run its record."""
+        await self._shutdown.wait()
+        await trio.sleep(grace_s)  # the deadline; cancelled if the listeners drain first
+        cut = self.dispatcher.cut_all("the Edge is shutting down")
+        if cut:
+            log.warning("grace period over: %d run(s) cut", cut)
 
     def _node_ssl_context(self) -> ssl.SSLContext | None:
         tls = self._snapshot.config.edge.tls
@@ -253,33 +266,37 @@ class Edge:
             openai_app = OpenAIApp(
                 runs, snapshot=lambda: self._snapshot, started_unix=self.started_unix
             )
-            async with trio.open_nursery() as http:
-                openai_binds = await http.start(
-                    partial(
-                        hypercorn_serve,
-                        openai_app,
-                        hypercorn_config(config.openai.listen),
-                        shutdown_trigger=self._shutdown.wait,
+            grace_s = config.edge.shutdown_grace_s
+            async with trio.open_nursery() as stopping:
+                stopping.start_soon(self._cut_at_deadline, grace_s)
+                async with trio.open_nursery() as http:
+                    openai_binds = await http.start(
+                        partial(
+                            hypercorn_serve,
+                            openai_app,
+                            hypercorn_config(config.openai.listen, grace_s),
+                            shutdown_trigger=self._shutdown.wait,
+                        )
                     )
-                )
-                admin_binds = await http.start(
-                    partial(
-                        hypercorn_serve,
-                        ShieldFinalSend(create_admin_app(self._admin_services())),
-                        hypercorn_config(config.admin.listen),
-                        shutdown_trigger=self._shutdown.wait,
+                    admin_binds = await http.start(
+                        partial(
+                            hypercorn_serve,
+                            ShieldFinalSend(create_admin_app(self._admin_services())),
+                            hypercorn_config(config.admin.listen, grace_s),
+                            shutdown_trigger=self._shutdown.wait,
+                        )
                     )
-                )
-                addresses = EdgeAddresses(
-                    openai_url=openai_binds[0], node_url=node_url, admin_url=admin_binds[0]
-                )
-                log.info("OpenAI API listening on %s", addresses.openai_url)
-                log.info("admin API listening on %s", addresses.admin_url)
-                task_status.started(addresses)
+                    addresses = EdgeAddresses(
+                        openai_url=openai_binds[0], node_url=node_url, admin_url=admin_binds[0]
+                    )
+                    log.info("OpenAI API listening on %s", addresses.openai_url)
+                    log.info("admin API listening on %s", addresses.admin_url)
+                    task_status.started(addresses)
+                stopping.cancel_scope.cancel()  # the listeners drained before the deadline
             # The HTTP listeners drained (graceful stop): the ledger writes what it holds,
             # then the node side ends too.
             self.ledger.close()
-            with trio.move_on_after(SHUTDOWN_GRACE_S):
+            with trio.move_on_after(grace_s):
                 await self.ledger.wait_stopped()
             self.hub.abort_all()
             nursery.cancel_scope.cancel()

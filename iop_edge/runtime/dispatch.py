@@ -27,6 +27,12 @@ Rules:
 5. A run whose consumer falls a whole buffer behind is given up at once: its slot is
    released while the consumer may still be stuck on its socket, the Node cancels it,
    and the consumer's next read says `caller_too_slow`.
+6. A stopping Edge cuts every run still open when its grace period ends
+   (`Dispatcher.cut_all`): the run ends at once as 503 `shutting_down` (metered with
+   what it delivered), a `start()` in progress raises `RunFailure`, and the consumer's
+   next read is the run's `shutting_down` failure, so the server of the request ends
+   the exchange properly (an error event and `[DONE]`, or a 503). Runs opened after
+   that are cut as they start.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ __all__ = [
     "CALLER_GONE",
     "INTERNAL_ERROR",
     "RUN_EVENT_BUFFER",
+    "SHUTTING_DOWN",
     "Dispatcher",
     "Outcome",
     "Run",
@@ -117,6 +124,8 @@ class Outcome:
 CALLER_GONE: Final = Outcome(499, "client_closed")
 #: A bug of the Edge's ended the exchange.
 INTERNAL_ERROR: Final = Outcome(500, "internal_error")
+#: The Edge stopped before the run ended (Rule 6).
+SHUTTING_DOWN: Final = Outcome(503, str(wire.FailureCode.SHUTTING_DOWN))
 
 
 class RunFailure(Exception):
@@ -204,6 +213,8 @@ class Run:
         self._live_on_node = False
         """Whether the Node may still be running the current attempt (cancel on end)."""
         self._admitted = False
+        self._start_scope = trio.CancelScope()
+        self._cut: wire.RunFailed | None = None
 
     @property
     def provider_id(self) -> str:
@@ -226,7 +237,27 @@ class Run:
         Raises the scheduler's `AdmissionError`s when the run is not admitted, and
         `RunFailure` when every allowed attempt failed before the first byte (Rules 1-2).
         """
-        await self._dispatcher.start(self)
+        if self._cut is None:
+            with self._start_scope:  # cancelled by `cut` (Rule 6)
+                await self._dispatcher.start(self)
+        if self._cut is not None:
+            # A slot granted just as the cut came may have begun an attempt after `end`:
+            # it is closed here, so no slot outlives the run.
+            attempt = self._attempt
+            if attempt is not None:
+                attempt.close(cancel_on_node=self._live_on_node)
+                self._live_on_node = False
+            raise RunFailure(self._cut, self._provider_id)
+
+    def cut(self, reason: str) -> None:
+        """End the run now because the Edge is stopping (Rule 6); idempotent."""
+        if self.outcome is not None:
+            return
+        self._cut = _failed(self.plan.run_id, wire.FailureCode.SHUTTING_DOWN, reason)
+        if self._attempt is not None:
+            self._attempt.end_reason = self._cut
+        self._start_scope.cancel()
+        self.end(SHUTTING_DOWN)
 
     # --- 2. events -----------------------------------------------------------------
 
@@ -294,6 +325,7 @@ class Run:
         if self.outcome is not None:
             return
         self.outcome = outcome
+        self._dispatcher.forget(self)
         attempt = self._attempt
         if attempt is not None:
             attempt.close(cancel_on_node=self._live_on_node)
@@ -362,10 +394,44 @@ class Dispatcher:
         self._hub = hub
         self._on_failover = on_failover
         self._retries = retries_before_first_byte
+        self._open: set[Run] = set()
+        self._stopped: str | None = None
+        self._idle = trio.Event()
+        self._idle.set()
 
     def open(self, plan: RunPlan) -> Run:
         """A new run of `plan`; the caller must `end()` it on every path (Rule 4)."""
-        return Run(plan, self)
+        run = Run(plan, self)
+        self._open.add(run)
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        if self._stopped is not None:
+            run.cut(self._stopped)  # after the grace period nothing new runs (Rule 6)
+        return run
+
+    def forget(self, run: Run) -> None:
+        """`run` ended (called by `Run.end`)."""
+        self._open.discard(run)
+        if not self._open:
+            self._idle.set()
+
+    @property
+    def open_runs(self) -> int:
+        return len(self._open)
+
+    async def wait_idle(self) -> None:
+        """Return once no run is open."""
+        await self._idle.wait()
+
+    def cut_all(self, reason: str) -> int:
+        """The Edge's grace period is over: end every open run, and every later one, as
+        503 `shutting_down` (Rule 6). Returns how many were open."""
+        self._stopped = reason
+        runs, self._open = list(self._open), set()
+        for run in runs:
+            run.cut(reason)
+        self._idle.set()
+        return len(runs)
 
     def note_failure(self, provider_id: str, failure: wire.RunFailed) -> None:
         if failure.capacity:
