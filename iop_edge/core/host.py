@@ -40,6 +40,8 @@ def node_tls_context(tls: TlsSection) -> ssl.SSLContext:
             f"the key {tls.key_file} is protected by a passphrase; give the Edge an "
             "unencrypted key (readable by its user only)"
         ) from None
+    except (TypeError, ValueError) as exc:  # a name the OS cannot take (a NUL byte...)
+        raise ValueError(f"cannot use {tls.cert_file!r} / {tls.key_file!r}: {exc}") from None
     except OSError as exc:  # ssl.SSLError is an OSError too
         if isinstance(exc, ssl.SSLError):
             raise ValueError(
@@ -66,6 +68,13 @@ def check_host(config: EdgeConfig) -> list[ConfigError]:
 
 
 def _state_dir_problem(path: Path) -> str | None:
+    try:
+        return _state_dir_check(path)
+    except (OSError, ValueError) as exc:  # a name the OS cannot take (a NUL byte...)
+        return f"{path!r} cannot be used as a directory here: {exc}"
+
+
+def _state_dir_check(path: Path) -> str | None:
     if path.exists():
         if not path.is_dir():
             return f"{path} exists and is not a directory"
