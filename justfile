@@ -37,3 +37,7 @@ check: lint typecheck test
 # gateway overhead vs a direct upstream (and LiteLLM when installed)
 bench *ARGS:
     {{python}} -m bench {{ARGS}}
+
+# minutes of mixed load with a Node kill -9 and live refreshes; prints the books (not in CI)
+soak *ARGS:
+    {{python}} -m bench.soak {{ARGS}}

@@ -33,6 +33,7 @@ FAST = settings(
     deadline=None,  # the machine's speed drifts; the examples are small
     suppress_health_check=[HealthCheck.too_slow],
     derandomize=True,  # the same examples in CI as here
+    database=None,  # nothing written into the work tree
 )
 
 scalars = (
