@@ -326,12 +326,14 @@ def _report(books: Books, idle: dict[str, int], lost: int, run: str) -> int:
     print(f"\nledger rows lost (completed responses not in the ledger): {lost}")
     leaked = {name: value for name, value in idle.items() if value}
     print(f"slot counters after idle: {leaked or 'all 0'}")
-    print("\nresident memory (MiB): first / max / last, sampled every 5 s")
+    print("\nresident memory (MiB) at each fifth of the run, and the peak (sampled every 5 s)")
     for name, samples in books.rss.items():
-        values = [rss / 1024 for _, rss in samples]
-        if values:
-            print(f"  {name:7s} {values[0]:7.1f} / {max(values):7.1f} / {values[-1]:7.1f}"
-                  f"   ({len(values)} samples)")  # fmt: skip
+        if not samples:
+            continue
+        fifths = [samples[min(len(samples) - 1, i * (len(samples) - 1) // 5)] for i in range(6)]
+        series = "  ".join(f"{at:5.0f}s {rss / 1024:5.1f}" for at, rss in fifths)
+        peak = max(rss for _, rss in samples) / 1024
+        print(f"  {name:7s} {series}   peak {peak:5.1f}")
     return 0 if lost == 0 and not leaked else 1
 
 

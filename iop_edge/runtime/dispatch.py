@@ -396,15 +396,11 @@ class Dispatcher:
         self._retries = retries_before_first_byte
         self._open: set[Run] = set()
         self._stopped: str | None = None
-        self._idle = trio.Event()
-        self._idle.set()
 
     def open(self, plan: RunPlan) -> Run:
         """A new run of `plan`; the caller must `end()` it on every path (Rule 4)."""
         run = Run(plan, self)
         self._open.add(run)
-        if self._idle.is_set():
-            self._idle = trio.Event()
         if self._stopped is not None:
             run.cut(self._stopped)  # after the grace period nothing new runs (Rule 6)
         return run
@@ -412,16 +408,6 @@ class Dispatcher:
     def forget(self, run: Run) -> None:
         """`run` ended (called by `Run.end`)."""
         self._open.discard(run)
-        if not self._open:
-            self._idle.set()
-
-    @property
-    def open_runs(self) -> int:
-        return len(self._open)
-
-    async def wait_idle(self) -> None:
-        """Return once no run is open."""
-        await self._idle.wait()
 
     def cut_all(self, reason: str) -> int:
         """The Edge's grace period is over: end every open run, and every later one, as
@@ -430,7 +416,6 @@ class Dispatcher:
         runs, self._open = list(self._open), set()
         for run in runs:
             run.cut(reason)
-        self._idle.set()
         return len(runs)
 
     def note_failure(self, provider_id: str, failure: wire.RunFailed) -> None:

@@ -34,7 +34,7 @@ import logging
 import os
 import secrets
 import sqlite3
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -45,6 +45,7 @@ __all__ = [
     "Segment",
     "UsageJournal",
     "read_lines",
+    "saved_checkpoints",
 ]
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,6 @@ class Segment:
     checkpoint: int = 0
     """Bytes already in SQLite (Rule 2)."""
     retired: bool = False
-    lines: int = field(default=0)
-    """Lines appended by this process."""
 
     @property
     def name(self) -> str:
@@ -109,7 +108,6 @@ class UsageJournal:
         while view:  # a regular file takes it all at once; a short write is continued
             view = view[os.write(segment.fd, view) :]
         segment.written += len(line)
-        segment.lines += 1
         if segment.written >= ROTATE_BYTES:  # Rule 4
             segment.retired = True
             self.segments.append(self._new_segment())
