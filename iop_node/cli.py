@@ -170,6 +170,8 @@ def _load_file_config(path: Path) -> NodeFileConfig:
         raw = safe_yaml.load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise UsageError(f"cannot read --config {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--config {path} is not UTF-8 (byte offset {exc.start})") from None
     except yaml.YAMLError as exc:
         raise UsageError(f"--config {path} is not valid YAML: {exc}") from None
     try:

@@ -1,8 +1,10 @@
 """Whatever it is asked, the sim engine neither blocks the Node's event loop nor grows
-without bound (issue 10 item 2): it refuses what exceeds its context, as an engine does."""
+without bound (issue 10 item 2): it refuses what exceeds its context, as an engine does.
+And the Node's own config file cannot be built to hurt it either (item 4)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -16,6 +18,7 @@ from iop_node.adapters.sim import (
     MAX_TOKENS,
     SimAdapter,
 )
+from iop_node.cli import UsageError, build_parser, resolve_invocation
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import FailureCode, Operation, Run
 
@@ -77,3 +80,17 @@ async def test_embedding_batches_are_bounded() -> None:
         with pytest.raises(AdapterError) as refused:
             await _adapter().execute(_run(body, operation="embedding"), _ignore)
         assert refused.value.code == FailureCode.INVALID_REQUEST
+
+
+def test_a_node_config_file_built_to_hurt_is_a_usage_error(tmp_path: Path) -> None:
+    """The Node's `--config` YAML is read as boundedly as the Edge's (issue 10 item 4)."""
+    bomb = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    bomb += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    config = tmp_path / "node.yaml"
+    for text in ("\n".join(bomb) + "\nedge: *a8\n", "edge: " + "[" * 5000):
+        config.write_text(text)
+        with pytest.raises(UsageError, match="not valid YAML"):
+            resolve_invocation(build_parser().parse_args(["run", "--config", str(config)]), {})
+    config.write_bytes(b"edge: \xff\xfe\n")
+    with pytest.raises(UsageError, match="not UTF-8"):
+        resolve_invocation(build_parser().parse_args(["run", "--config", str(config)]), {})
