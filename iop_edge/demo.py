@@ -30,7 +30,7 @@ import trio
 
 from iop_edge.core.config import ParsedConfig, load_config
 from iop_edge.core.tokens import DEMO_NODE_TOKEN, DEMO_NODE_TOKEN_SHA256
-from iop_edge.edge import Edge, EdgeAddresses, Listeners, PreflightFailed, preflight
+from iop_edge.edge import Edge, EdgeAddresses, Listeners
 from iop_edge.main import handle_signals, log_start
 from iop_node.main import run_node
 
@@ -152,13 +152,10 @@ EPHEMERAL = Listeners(node="127.0.0.1:0", openai="127.0.0.1:0", admin="127.0.0.1
 
 def load_demo_config(config_path: Path | None) -> tuple[Path, ParsedConfig]:
     """The demo's config file and its contents, checked as `serve` checks a config, plus
-    the demo's own rule; raises `ConfigInvalid`, `PreflightFailed` or `DemoError`."""
+    the demo's own rule; raises `ConfigInvalid` or `DemoError`."""
     path = Path(_relative((config_path or demo_config_path()).absolute()))
     parsed = load_config(path)
     check_demo_config(parsed, path)
-    problems = preflight(parsed.config)
-    if problems:
-        raise PreflightFailed(problems)
     return path, parsed
 
 

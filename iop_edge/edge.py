@@ -14,7 +14,6 @@ listener (each may be port 0), then reports their URLs via `task_status`.
 from __future__ import annotations
 
 import logging
-import os
 import ssl
 import time
 from collections.abc import Iterator, Mapping
@@ -29,17 +28,24 @@ from hypercorn.trio import serve as hypercorn_serve
 from trio_websocket import serve_websocket
 
 from iop_edge.core.config import ParsedConfig
+from iop_edge.core.host import node_tls_context
 from iop_edge.core.listen import parse_listen_address
 from iop_edge.core.readiness import Readiness, readiness
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.admin import AdminServices, create_admin_app
+from iop_edge.http.final_send import ShieldFinalSend
 from iop_edge.http.openai_app import OpenAIApp
 from iop_edge.http.runs import RunEndpoints
 from iop_edge.runtime.access_log import AccessLog, RefusedRequest
 from iop_edge.runtime.activity import Activity
 from iop_edge.runtime.audit import AuditLog
 from iop_edge.runtime.dispatch import Dispatcher
-from iop_edge.runtime.hub import LISTENER_MAX_FRAME_BYTES, NodeDirectory, NodeHub
+from iop_edge.runtime.hub import (
+    HANDSHAKE_TIMEOUT_S,
+    LISTENER_MAX_FRAME_BYTES,
+    NodeDirectory,
+    NodeHub,
+)
 from iop_edge.runtime.metering import Metering, RunRecord
 from iop_edge.runtime.metrics import EdgeMetrics
 from iop_edge.runtime.refresh import Refresher
@@ -47,20 +53,23 @@ from iop_edge.runtime.scheduler import Scheduler
 from iop_edge.runtime.session import SessionClosed
 from iop_edge.runtime.usage import UsageLedger
 from schemas import wire
-from schemas.config import ConfigError, EdgeConfig, NodeConfig
+from schemas.config import DEFAULT_SHUTDOWN_GRACE_S, NodeConfig
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_S = 10.0
+SHUTDOWN_GRACE_S = DEFAULT_SHUTDOWN_GRACE_S
+#: After the grace period, how long the cut exchanges have to write their last bytes (an
+#: error event and `[DONE]`, or a 503) before Hypercorn cancels what is left.
+CUT_WRITE_S = 2.0
 
 
-def hypercorn_config(listen: str) -> HypercornConfig:
+def hypercorn_config(listen: str, grace_s: float = SHUTDOWN_GRACE_S) -> HypercornConfig:
     """How the Edge configures Hypercorn for a listener (the bench's floor uses it too)."""
     config = HypercornConfig()
     config.bind = [listen]
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
-    config.graceful_timeout = SHUTDOWN_GRACE_S
+    config.graceful_timeout = grace_s + CUT_WRITE_S
     config.keep_alive_timeout = 75
     config.include_server_header = False
     return config
@@ -81,14 +90,6 @@ class ListenerUnavailable(EdgeStartupError):
         self.reason = reason
 
 
-class PreflightFailed(EdgeStartupError):
-    """The machine is not ready for this config (see `preflight`)."""
-
-    def __init__(self, errors: list[ConfigError]) -> None:
-        super().__init__("; ".join(f"{e.path}: {e.message}" for e in errors))
-        self.errors = errors
-
-
 @dataclass(frozen=True, slots=True)
 class Listeners:
     """Where to bind, when not where the config says (the demo's free ports).
@@ -99,44 +100,6 @@ class Listeners:
     node: str | None = None
     openai: str | None = None
     admin: str | None = None
-
-
-def preflight(config: EdgeConfig) -> list[ConfigError]:
-    """What `serve` needs of the machine beyond a valid config, checked before it starts:
-    the TLS files load, and `state_dir` is (or can be made) a writable directory.
-
-    `iop-edge check-config` runs the same checks, so it never says OK to a config that
-    `serve` refuses. Relative paths are relative to the current directory, as `serve`
-    resolves them."""
-    errors: list[ConfigError] = []
-    tls = config.edge.tls
-    if tls is not None:
-        try:
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-                tls.cert_file, tls.key_file
-            )
-        except (OSError, ssl.SSLError) as exc:
-            problem = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            errors.append(
-                ConfigError(path="edge.tls", message=f"cannot load the certificate: {problem}")
-            )
-    state_dir = Path(config.edge.state_dir)
-    existing = state_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    where = f"{state_dir} (resolved: {state_dir.resolve()})"
-    if existing == state_dir and not state_dir.is_dir():
-        errors.append(
-            ConfigError(path="edge.state_dir", message=f"{where} exists and is not a directory")
-        )
-    elif not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        errors.append(
-            ConfigError(
-                path="edge.state_dir",
-                message=f"{where} cannot be written: {existing} is not a writable directory",
-            )
-        )
-    return errors
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +231,7 @@ class Edge:
             refresh=self.refresher.refresh,
             readiness=self.readiness,
             activity=self.activity.report,
+            refuse_refresh=self.refresher.refuse_unreadable,
         )
 
     # --- observation ------------------------------------------------------------------
@@ -291,16 +255,27 @@ class Edge:
     # --- lifecycle ------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Begin a graceful stop: listeners close, in-flight requests get a grace period."""
+        """Begin a graceful stop: listeners close, in-flight requests get a grace period
+        (`edge.shutdown_grace_s`); the runs still open then are cut (`_cut_at_deadline`)."""
         self._shutdown.set()
+
+    async def _cut_at_deadline(self, grace_s: float) -> None:
+        """Once stopping, give the runs `grace_s` to finish, then end the rest: each caller
+        gets an error event and `[DONE]` (a stream) or a 503, each run its record."""
+        await self._shutdown.wait()
+        await trio.sleep(grace_s)  # the deadline; cancelled if the listeners drain first
+        cut = self.dispatcher.cut_all("the Edge is shutting down")
+        if cut:
+            log.warning("grace period over: %d run(s) cut", cut)
 
     def _node_ssl_context(self) -> ssl.SSLContext | None:
         tls = self._snapshot.config.edge.tls
         if tls is None:
             return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(tls.cert_file, tls.key_file)
-        return context
+        try:
+            return node_tls_context(tls)  # validation made the same call
+        except ValueError as exc:  # the files changed since: say so, not a traceback
+            raise EdgeStartupError(f"edge.tls: {exc}") from None
 
     async def serve(
         self, *, task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED
@@ -329,6 +304,8 @@ class Edge:
                         ssl_context,
                         max_message_size=LISTENER_MAX_FRAME_BYTES,
                         receive_buffer_size=256 * 1024,
+                        # An upgrade that does not arrive is an anonymous peer too (hub Rule 1).
+                        connect_timeout=HANDSHAKE_TIMEOUT_S,
                     )
                 )
             scheme = "wss" if ssl_context else "ws"
@@ -347,35 +324,39 @@ class Edge:
                 started_unix=self.started_unix,
                 readiness=self.readiness,
             )
-            async with trio.open_nursery() as http:
-                with _naming_the_listener("openai.listen", "OpenAI API", openai_address):
-                    openai_binds = await http.start(
-                        partial(
-                            hypercorn_serve,
-                            openai_app,
-                            hypercorn_config(openai_address),
-                            shutdown_trigger=self._shutdown.wait,
+            grace_s = config.edge.shutdown_grace_s
+            async with trio.open_nursery() as stopping:
+                stopping.start_soon(self._cut_at_deadline, grace_s)
+                async with trio.open_nursery() as http:
+                    with _naming_the_listener("openai.listen", "OpenAI API", openai_address):
+                        openai_binds = await http.start(
+                            partial(
+                                hypercorn_serve,
+                                openai_app,
+                                hypercorn_config(openai_address, grace_s),
+                                shutdown_trigger=self._shutdown.wait,
+                            )
                         )
-                    )
-                with _naming_the_listener("admin.listen", "admin API", admin_address):
-                    admin_binds = await http.start(
-                        partial(
-                            hypercorn_serve,
-                            create_admin_app(self._admin_services()),
-                            hypercorn_config(admin_address),
-                            shutdown_trigger=self._shutdown.wait,
+                    with _naming_the_listener("admin.listen", "admin API", admin_address):
+                        admin_binds = await http.start(
+                            partial(
+                                hypercorn_serve,
+                                ShieldFinalSend(create_admin_app(self._admin_services())),
+                                hypercorn_config(admin_address, grace_s),
+                                shutdown_trigger=self._shutdown.wait,
+                            )
                         )
+                    addresses = EdgeAddresses(
+                        openai_url=openai_binds[0], node_url=node_url, admin_url=admin_binds[0]
                     )
-                addresses = EdgeAddresses(
-                    openai_url=openai_binds[0], node_url=node_url, admin_url=admin_binds[0]
-                )
-                log.info("OpenAI API listening on %s", addresses.openai_url)
-                log.info("admin API listening on %s", addresses.admin_url)
-                task_status.started(addresses)
+                    log.info("OpenAI API listening on %s", addresses.openai_url)
+                    log.info("admin API listening on %s", addresses.admin_url)
+                    task_status.started(addresses)
+                stopping.cancel_scope.cancel()  # the listeners drained before the deadline
             # The HTTP listeners drained (graceful stop): the ledger writes what it holds,
             # then the node side ends too.
             self.ledger.close()
-            with trio.move_on_after(SHUTDOWN_GRACE_S):
+            with trio.move_on_after(grace_s):
                 await self.ledger.wait_stopped()
             self.hub.abort_all()
             nursery.cancel_scope.cancel()

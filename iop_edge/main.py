@@ -11,7 +11,7 @@ import trio
 
 from iop_edge import __version__
 from iop_edge.core.config import ParsedConfig, load_config
-from iop_edge.edge import Edge, EdgeAddresses, PreflightFailed, preflight
+from iop_edge.edge import Edge, EdgeAddresses
 from schemas.log_lines import LogFormat, configure_logging
 from schemas.refresh import RefreshRequest
 
@@ -72,11 +72,8 @@ async def serve_edge(
 ) -> None:
     """Load the config and serve until a stop signal drains the listeners.
 
-    Raises `ConfigInvalid`, `PreflightFailed` or `ListenerUnavailable` when it cannot."""
-    parsed = load_config(config_path)
-    problems = preflight(parsed.config)
-    if problems:
-        raise PreflightFailed(problems)
+    Raises `ConfigInvalid` or `ListenerUnavailable` when it cannot."""
+    parsed = load_config(config_path)  # validation includes what serve needs of the host
     for warning in parsed.warnings:
         log.warning("%s", warning)
     log_start(parsed, config_path)

@@ -33,6 +33,7 @@ import yaml
 from iop_node import __version__
 from iop_node.link import EdgeRejected
 from iop_node.main import serve_until_signalled
+from schemas import safe_yaml
 from schemas.log_lines import LOG_FORMATS, LOG_LEVELS, LogFormat
 from schemas.log_lines import configure_logging as configure_log_lines
 
@@ -192,9 +193,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _load_file_config(path: Path) -> NodeFileConfig:
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = safe_yaml.load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise UsageError(f"cannot read --config {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--config {path} is not UTF-8 (byte offset {exc.start})") from None
     except yaml.YAMLError as exc:
         raise UsageError(f"--config {path} is not valid YAML: {exc}") from None
     try:

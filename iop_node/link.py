@@ -64,9 +64,9 @@ from iop_node.registry import (
     create_adapter,
 )
 from iop_node.runner import Outbound
+from schemas import limits
 from schemas.config import NodeConfig
 from schemas.wire import (
-    MAX_MESSAGE_BYTES,
     NODE_REPLACED,
     PERMANENT_REJECTIONS,
     PROTOCOL_VERSION,
@@ -91,7 +91,8 @@ log = logging.getLogger(__name__)
 #: Messages queued for the writer; producers wait (back-pressure) when it is full.
 OUTBOX_SIZE = 256
 #: Runs carry whole request bodies; the library default (1 MiB) is too small for them.
-MAX_FRAME_BYTES = MAX_MESSAGE_BYTES
+#: The same bound as the Edge's.
+MAX_FRAME_BYTES = limits.MAX_FRAME_BYTES
 #: Bytes asked of the socket per read. The library default (4 KiB) splits every request
 #: body of a few KiB into several reads, each a trip through the event loop; the Edge
 #: reads with the same size.

@@ -62,7 +62,7 @@ class ReplyShaper:
         changed = False
         if usage is not None and self._record_usage(usage) and self._strip_usage:
             choices = fields.get("choices")
-            if choices is None or not _decode_list(choices):
+            if choices is None or not self._list(choices):
                 return None
             del fields["usage"]
             changed = True
@@ -81,6 +81,8 @@ class ReplyShaper:
             return _decode_top_level(data)
         except msgspec.DecodeError as exc:
             raise NotAnObject(f"not a JSON object ({exc})") from None
+        except RecursionError:  # skipping a value nested deeper than the decoder's stack
+            raise NotAnObject("nested too deeply") from None
 
     def _encode(self, original: bytes, fields: dict[str, msgspec.Raw], changed: bool) -> bytes:
         """`fields` as JSON with the alias in `model`; `original` itself when unchanged."""
@@ -90,11 +92,18 @@ class ReplyShaper:
             return original
         return _encode(fields)
 
+    @staticmethod
+    def _list(raw: msgspec.Raw) -> list[msgspec.Raw] | None:
+        try:
+            return _decode_list(raw)
+        except (msgspec.DecodeError, RecursionError):
+            raise NotAnObject("`choices` is not a list") from None
+
     def _record_usage(self, raw: msgspec.Raw) -> bool:
         """Keep the usage in `raw`; False when it is JSON null (no usage in this chunk)."""
         try:
             view = _decode_usage(raw)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             return False  # not a usage object: relay it as it is, count nothing
         if view is None:
             return False

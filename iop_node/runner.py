@@ -13,7 +13,9 @@ the adapter does, the Edge hears exactly one of:
 - `run_failed{code: unknown_provider}` when this Node has no such provider (the Edge's
   view and ours can differ for a moment around a refresh: another provider may succeed);
 - `run_failed{code: internal}` for any other exception: an adapter bug fails its run,
-  never the Node.
+  never the Node;
+- `run_failed{code: response_too_large}` for a chunk or response larger than the wire
+  carries: sent, it would cost the Node its link to the Edge and every run on it.
 
 Only a cancellation from *outside* the run (the session ending) sends nothing: the
 connection the answer would travel on is gone, and the Edge fails the run itself.
@@ -46,6 +48,7 @@ import trio
 from iop_node.activity import RunActivity
 from iop_node.adapters.base import Adapter, AdapterError, RunResult
 from iop_node.reply import NotAnObject, ReplyShaper
+from schemas.limits import MAX_PAYLOAD_BYTES
 from schemas.tokens import OutputTally, estimate_input_tokens
 from schemas.wire import FailureCode, Message, Run, RunDone, RunFailed, Usage
 
@@ -112,6 +115,8 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
     activity = handle.activity
 
     async def emit(data: bytes) -> None:
+        if len(data) > MAX_PAYLOAD_BYTES:
+            raise _too_large("a chunk", len(data))
         try:
             event = shaper.event(data)
         except NotAnObject as exc:
@@ -153,6 +158,10 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
             response = shaper.response(response)
         except NotAnObject as exc:
             return _failure(run, handle, _broken_output(handle, f"the response is {exc}"))
+    if response is not None and len(response) > MAX_PAYLOAD_BYTES:
+        # Sent, it would make the Edge drop this link and every run on it.
+        error = _too_large("the response", len(response))
+        return _failed(run, handle, error.code, error.message)
     usage = result.usage or shaper.usage
     if usage is not None:
         return RunDone(
@@ -203,6 +212,13 @@ def _estimate(run: Run, tally: OutputTally) -> Usage:
     completion = tally.tokens()
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def _too_large(what: str, size: int) -> AdapterError:
+    return AdapterError(
+        FailureCode.RESPONSE_TOO_LARGE,
+        f"{what} of {size} bytes exceeds the wire's limit of {MAX_PAYLOAD_BYTES} bytes",
     )
 
 

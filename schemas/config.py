@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from schemas.limits import MAX_PAYLOAD_BYTES
+
 ProviderType = Literal["ollama", "vllm", "sglang", "lemonade", "openai_api", "cli", "sim"]
 Category = Literal["api", "cli", "local_inference"]
 LifecycleFlag = Literal["list_models", "load_model", "unload_model", "pull_model", "delete_model"]
@@ -29,6 +31,17 @@ EnvVarName = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 PositiveInt = Annotated[int, Meta(gt=0)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
+#: A request body the node wire can carry in one message (SPEC §3): no larger.
+RequestBytes = Annotated[
+    int,
+    Meta(gt=0, le=MAX_PAYLOAD_BYTES, description="at most the node wire's payload limit"),
+]
+
+#: The `max_tokens` limit of a model that sets none (SPEC §2, generation): generation
+#: length is always bounded, so one request cannot occupy a provider indefinitely.
+DEFAULT_MAX_TOKENS_LIMIT = 32_768
+#: Seconds a stopping Edge lets in-flight requests finish before it ends them itself.
+DEFAULT_SHUTDOWN_GRACE_S = 10.0
 
 
 def default_category(provider_type: str) -> Category:
@@ -54,6 +67,7 @@ class EdgeSection(ConfigStruct, frozen=True, kw_only=True):
     listen: NonEmptyStr = "0.0.0.0:7700"
     state_dir: NonEmptyStr = "./var"
     tls: TlsSection | None = None
+    shutdown_grace_s: PositiveFloat = DEFAULT_SHUTDOWN_GRACE_S
 
 
 class AdminSection(ConfigStruct, frozen=True, kw_only=True):
@@ -78,7 +92,7 @@ class ModelRoute(ConfigStruct, frozen=True, kw_only=True):
 class OpenAISection(ConfigStruct, frozen=True, kw_only=True):
     listen: NonEmptyStr = "0.0.0.0:8080"
     long_context_threshold_tokens: PositiveInt = 100_000
-    max_request_bytes: PositiveInt = 8 * 1024 * 1024
+    max_request_bytes: RequestBytes = 8 * 1024 * 1024
     principal_tokens: list[PrincipalToken] = []
     model_routes: list[ModelRoute] = []
 
@@ -102,7 +116,7 @@ class QueueOverride(ConfigStruct, frozen=True, kw_only=True):
 
 class GenerationPolicy(ConfigStruct, frozen=True, kw_only=True):
     defaults: dict[str, Any] = {}
-    max_tokens_limit: PositiveInt | None = None
+    max_tokens_limit: PositiveInt = DEFAULT_MAX_TOKENS_LIMIT
 
 
 class ModelEntry(ConfigStruct, frozen=True, kw_only=True):

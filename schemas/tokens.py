@@ -117,8 +117,8 @@ def output_chars(payload: bytes) -> int | None:
     is not shaped like one (it is counted as output all the same)."""
     try:
         output = _decode_output(payload)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return None
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None  # RecursionError: nested deeper than the decoder follows
     total = 0
     for choice in output.choices or ():
         for message in (choice.delta, choice.message):

@@ -27,6 +27,7 @@ from typing import Final, Literal
 import msgspec
 
 from schemas.config import LifecycleFlag, NodeConfig
+from schemas.limits import MAX_FRAME_BYTES
 
 #: Bumped on any incompatible change; travels in `hello` and `welcome`. A peer speaking
 #: another version is refused at the handshake with a reason naming both versions.
@@ -34,9 +35,6 @@ from schemas.config import LifecycleFlag, NodeConfig
 #: `run.strip_usage`, chunks framed as server-sent events).
 PROTOCOL_VERSION = 2
 
-#: The largest websocket message either side accepts (a run carries a whole request body;
-#: a batch or a non-stream response can be large).
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 Operation = Literal["chat", "completion", "embedding"]
 Health = Literal["available", "busy", "draining", "unavailable", "unknown"]
@@ -181,6 +179,12 @@ class FailureCode(StrEnum):
         node_lost               the Node's connection ended during the run
         caller_too_slow         the caller fell a whole buffer behind the provider
         bad_chunk, bad_response what the Node sent is not an OpenAI JSON object
+        request_too_large       the run message would exceed the wire's frame limit
+        shutting_down           the Edge stopped before the run ended (grace period over)
+
+    The Node's answer to a provider whose output cannot travel:
+
+        response_too_large      a chunk or response exceeds the wire's payload limit
     """
 
     UPSTREAM_UNREACHABLE = "upstream_unreachable"
@@ -206,6 +210,9 @@ class FailureCode(StrEnum):
     CALLER_TOO_SLOW = "caller_too_slow"
     BAD_CHUNK = "bad_chunk"
     BAD_RESPONSE = "bad_response"
+    REQUEST_TOO_LARGE = "request_too_large"
+    SHUTTING_DOWN = "shutting_down"
+    RESPONSE_TOO_LARGE = "response_too_large"
 
 
 class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
@@ -278,12 +285,30 @@ class WireError(Exception):
 
 
 _encoder = msgspec.msgpack.Encoder()
+#: msgspec skips unknown fields recursively: a peer can nest them deeper than the
+#: interpreter's stack allows, and the decoder says so with `RecursionError`.
+_TOO_DEEP = "bad frame: nested too deeply"
 _from_node = msgspec.msgpack.Decoder(NodeToEdge)
 _from_edge = msgspec.msgpack.Decoder(EdgeToNode)
 
 
+class FrameTooLarge(ValueError):
+    """An encoded message would exceed `MAX_FRAME_BYTES`: sending it would cost the link."""
+
+
 def encode(message: Message) -> bytes:
     return _encoder.encode(message)
+
+
+def encode_bounded(message: Message) -> bytes:
+    """`encode`, refusing a frame the peer would disconnect for (`FrameTooLarge`)."""
+    frame = _encoder.encode(message)
+    if len(frame) > MAX_FRAME_BYTES:
+        raise FrameTooLarge(
+            f"a {type(message).__name__} message of {len(frame)} bytes exceeds the wire's "
+            f"limit of {MAX_FRAME_BYTES} bytes"
+        )
+    return frame
 
 
 def decode_from_node(frame: bytes | str) -> NodeToEdge:
@@ -294,6 +319,8 @@ def decode_from_node(frame: bytes | str) -> NodeToEdge:
         return _from_node.decode(frame)
     except msgspec.DecodeError as exc:
         raise WireError(f"bad frame: {exc}") from None
+    except RecursionError:
+        raise WireError(_TOO_DEEP) from None
 
 
 def decode_from_edge(frame: bytes | str) -> EdgeToNode:
@@ -304,3 +331,5 @@ def decode_from_edge(frame: bytes | str) -> EdgeToNode:
         return _from_edge.decode(frame)
     except msgspec.DecodeError as exc:
         raise WireError(f"bad frame: {exc}") from None
+    except RecursionError:
+        raise WireError(_TOO_DEEP) from None

@@ -155,7 +155,7 @@ def _unwrap(error: BaseException) -> BaseException:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from iop_edge.edge import ListenerUnavailable, PreflightFailed
+    from iop_edge.edge import ListenerUnavailable
     from iop_edge.main import serve_edge, setup_logging
 
     setup_logging(args.log_level, args.log_format)
@@ -165,8 +165,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         match _unwrap(raised):
             case ConfigInvalid() as exc:
                 _fail(f"{args.config}: invalid config\n{format_errors(exc.errors)}")
-            case PreflightFailed() as exc:
-                _fail(f"{args.config}: cannot start\n{format_errors(exc.errors)}")
             case ListenerUnavailable() as exc:
                 _fail(
                     f"{exc}. Stop whatever holds that port, or set another port in "
@@ -180,7 +178,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from iop_edge.demo import DemoError, load_demo_config, run_demo
-    from iop_edge.edge import ListenerUnavailable, PreflightFailed
+    from iop_edge.edge import ListenerUnavailable
     from iop_edge.main import setup_logging
 
     setup_logging(args.log_level, args.log_format)
@@ -200,8 +198,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         match _unwrap(raised):
             case ConfigInvalid() as exc:
                 _fail(f"invalid demo config\n{format_errors(exc.errors)}")
-            case PreflightFailed() as exc:
-                _fail(f"the demo cannot start\n{format_errors(exc.errors)}")
             case DemoError() as exc:
                 _fail(str(exc))
             case ListenerUnavailable() as exc:
@@ -215,8 +211,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from iop_edge.edge import preflight
-
     try:
         parsed = load_config(args.path)
     except ConfigInvalid as exc:
@@ -225,15 +219,6 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     for warning in parsed.warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    problems = preflight(parsed.config)
-    if problems:
-        print(
-            f"{args.path}: valid, but `iop-edge serve` would refuse to start here: "
-            f"{len(problems)} error(s)",
-            file=sys.stderr,
-        )
-        print(format_errors(problems), file=sys.stderr)
-        return EXIT_FAILURE
     config = parsed.config
     providers = sum(len(node.providers) for node in config.nodes)
     print(

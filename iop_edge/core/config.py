@@ -4,7 +4,8 @@ The same pipeline runs at startup, for `iop-edge check-config` and for every ref
 candidate, so a config that loads is a config the Edge can serve. It runs in four steps:
 
 1. **YAML**: text -> plain data. A syntax error stops here and names its line and column.
-   A key given twice in one mapping is an error too (PyYAML would silently keep the last).
+   A key given twice in one mapping is an error too (PyYAML would silently keep the last),
+   and so are aliases that expand too far and nesting too deep (`schemas.safe_yaml`).
 2. **Shape**: `iop_edge.core.config_shape` walks the schema Structs in `schemas.config`
    alongside the data and lets msgspec judge each leaf against its annotated type, so the
    `Meta` constraints in the schema stay the single source of truth for ranges. msgspec
@@ -16,6 +17,8 @@ candidate, so a config that loads is a config the Edge can serve. It runs in fou
    raw data tolerantly, so one mistyped field does not hide a broken reference elsewhere.
 4. **Build**: only when steps 2 and 3 found nothing, msgspec builds the real Structs;
    derived legacy models are appended and every provider's `category` is resolved.
+5. **Host**: what `serve` needs from this machine (`core.host`, read-only): the TLS
+   files load, `state_dir` is writable or creatable. Every rule `serve` applies is here.
 
 Every problem is a `ConfigError(path, message)` with a path like
 `nodes[0].providers[1].capacity`. Messages never echo a token hash or anything that
@@ -44,7 +47,8 @@ from iop_edge.core.config_shape import (
     key_path,
     kind_of,
 )
-from iop_edge.core.listen import parse_listen_address
+from iop_edge.core.host import check_host
+from iop_edge.core.listen import ListenAddress, parse_listen_address
 from iop_edge.core.tokens import DEMO_NODE_TOKEN_SHA256
 from schemas.config import (
     OPENAI_COMPATIBLE_TYPES,
@@ -55,6 +59,7 @@ from schemas.config import (
     ProviderType,
     Sha256Hex,
 )
+from schemas.safe_yaml import BoundedLoader, check_expansion
 
 __all__ = [
     "ConfigInvalid",
@@ -107,8 +112,12 @@ def parse_config(text: str) -> ParsedConfig:
     errors.extend(rules.errors)
     if errors:
         raise ConfigInvalid(errors)
+    config = _build(raw, rules.derived_models)
+    errors.extend(check_host(config))
+    if errors:
+        raise ConfigInvalid(errors)
     return ParsedConfig(
-        config=_build(raw, rules.derived_models),
+        config=config,
         text=text,
         sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
         warnings=rules.warnings,
@@ -149,8 +158,9 @@ def _whole_file(message: str) -> ConfigInvalid:
 # --------------------------------------------------------------------------- step 1: YAML
 
 
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, with value-construction failures turned into marked errors.
+class _Loader(BoundedLoader):
+    """The bounded safe loader (`schemas.safe_yaml`: no alias bombs, no deep nesting), with
+    value-construction failures turned into marked errors.
 
     A plain `SafeLoader` raises a bare `ValueError` (no position, the offending text in its
     message) for things like `2024-13-45` or `!!int abc`, and even an `AttributeError` for
@@ -173,6 +183,9 @@ class _Loader(yaml.SafeLoader):
 def _read_yaml(text: str) -> tuple[object, list[ConfigError]]:
     """Plain data from YAML text, plus an error per duplicate key or recursive alias.
 
+    Aliases that expand too far and nesting too deep are refused like syntax errors
+    (`schemas.safe_yaml`): the document is never built.
+
     Raises `ConfigInvalid` on a syntax error. The message is built from the parser's
     problem and position only, never `str(exc)`, which quotes the offending source line
     (and that line may hold a token hash).
@@ -185,6 +198,8 @@ def _read_yaml(text: str) -> tuple[object, list[ConfigError]]:
                 return None, []
             errors: list[ConfigError] = []
             _scan_nodes(node, "", errors, set(), set())
+            if not errors:  # a recursive alias is reported with its path instead
+                check_expansion(node)
             return loader.construct_document(node), errors
         finally:
             loader.dispose()
@@ -319,6 +334,7 @@ class _Rules:
         self.errors.append(ConfigError(path=path, message=message))
 
     def _listen_addresses(self) -> None:
+        bound: dict[str, ListenAddress] = {}
         for section in ("edge", "admin", "openai"):
             listen = _text(_as_dict(self.raw.get(section)).get("listen"))
             if listen is None:
@@ -328,6 +344,13 @@ class _Rules:
             except ValueError as exc:
                 self._error(f"{section}.listen", str(exc))
                 continue
+            for other, taken in bound.items():
+                if _overlap(address, taken):
+                    self._error(
+                        f"{section}.listen",
+                        f"{listen} is also {other}.listen: each listener needs its own port",
+                    )
+            bound[section] = address
             if section == "admin" and not address.is_loopback:
                 # SPEC §5.1: the admin API never listens beyond this machine.
                 self._error(
@@ -553,6 +576,15 @@ def _text_list(value: object) -> list[str] | None:
     if isinstance(value, list) and all(isinstance(entry, str) for entry in value):
         return value
     return None
+
+
+def _overlap(a: ListenAddress, b: ListenAddress) -> bool:
+    """Whether binding both would fail: one port (not 0, "any free"), the same host or a
+    wildcard on either side."""
+    wildcards = ("0.0.0.0", "::")
+    return a.port == b.port != 0 and (
+        a.host == b.host or a.host in wildcards or b.host in wildcards
+    )
 
 
 def _is_http_url(url: str) -> bool:

@@ -23,6 +23,7 @@ Mutations are POST only.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -64,9 +65,13 @@ def parse_time(value: str | None) -> float | None:
     if not value:
         return None
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(seconds):
+            raise ValueError(f"'{value}' is not a point in time")
+        return seconds
     try:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
@@ -154,6 +159,8 @@ class AdminServices:
     refresh: Callable[[RefreshRequest], Awaitable[RefreshResult]]
     readiness: Callable[[], Readiness]
     activity: Callable[[], ActivityReport]
+    refuse_refresh: Callable[[str], Awaitable[None]]
+    """Audit a refresh request that could not be read."""
 
 
 def create_admin_app(services: AdminServices) -> QuartTrio:
@@ -236,8 +243,12 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
         assert isinstance(raw, bytes)
         try:
             refresh_request = msgspec.json.decode(raw or b"{}", type=RefreshRequest)
-        except msgspec.DecodeError as exc:
-            return _error(400, f"invalid refresh request: {exc}")
+        except (msgspec.DecodeError, RecursionError) as exc:
+            # msgspec skips unknown fields recursively: a deep one is a RecursionError.
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            problem = f"invalid refresh request: {reason}"
+            await services.refuse_refresh(problem)  # every attempt is audited (SPEC §5)
+            return _error(400, problem)
         result = await services.refresh(refresh_request)
         return _json(result.report, REFRESH_STATUS[result.verdict])
 

@@ -130,6 +130,16 @@ def run_failure_error(
     - Anything else: 502, naming the provider and what went wrong.
     """
     code = str(failure.code)
+    if failure.code == wire.FailureCode.REQUEST_TOO_LARGE:
+        return ApiError(413, f"Request too large to dispatch: {failure.message}", code=code)
+    if failure.code == wire.FailureCode.SHUTTING_DOWN:
+        return ApiError(
+            503,
+            failure.message,
+            type="service_unavailable_error",
+            code=code,
+            retry_after_s=RETRY_AFTER_BUSY_S,
+        )
     status = failure.status
     if status is not None and (
         request_fault or (failure.code in _REQUEST_FAILURES and 400 <= status < 500)

@@ -25,6 +25,7 @@ from iop_edge.core.readiness import Readiness
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.auth import authenticate
 from iop_edge.http.errors import ApiError, method_not_allowed, model_not_found
+from iop_edge.http.final_send import shield_final_send
 from iop_edge.http.runs import RUN_PATHS, RunEndpoints, new_run_id, request_id
 from schemas import openai as oai
 
@@ -57,6 +58,7 @@ class OpenAIApp:
             if operation is not None:
                 await self._runs(operation, scope, receive, send)
                 return
+            send = shield_final_send(send)  # Quart would cancel a closing connection's close
         await self._quart(scope, receive, send)
 
 

@@ -34,7 +34,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -78,6 +78,12 @@ RUN_PATHS: Final[dict[str, wire.Operation]] = {
 }
 #: How long a caller may take to send its request body (Quart's default, kept).
 BODY_TIMEOUT_S: Final = 60.0
+#: How deep a request's JSON may nest. OpenAI requests nest a few levels (tool schemas a
+#: few more); a deeper body is refused (400) before anything walks it (the decoders and
+#: encoders on the way to the upstream all recurse).
+MAX_JSON_DEPTH: Final = 64
+#: OpenAI's own bound on `n` (choices per request).
+MAX_CHOICES: Final = 128
 
 _VIEWS: Final[dict[wire.Operation, type[oai.RequestView]]] = {
     "chat": oai.ChatRequest,
@@ -285,12 +291,15 @@ class RunEndpoints:
             limit = model.generation.max_tokens_limit
             for key in ("max_tokens", "max_completion_tokens"):
                 requested = body.get(key)
-                if limit is not None and isinstance(requested, int) and requested > limit:
+                if isinstance(requested, int) and requested > limit:
                     raise bad_request(
                         f"{key}={requested} exceeds this model's limit of {limit}",
                         param=key,
                         code="max_tokens_exceeded",
                     )
+            choices = body.get("n")
+            if isinstance(choices, int) and choices > MAX_CHOICES:
+                raise bad_request(f"n={choices} exceeds the limit of {MAX_CHOICES}", param="n")
             if stream:
                 # The Edge meters every stream, so it always asks for the usage chunk and
                 # hides it from callers that did not ask for it themselves.
@@ -340,12 +349,19 @@ class RunEndpoints:
                 f"The request body did not arrive within {BODY_TIMEOUT_S:g}s",
                 code="request_timeout",
             )
+        data = b"".join(parts)
         try:
-            body = _decode_json(b"".join(parts))
+            body = _decode_json(data)
         except msgspec.DecodeError as exc:
             raise bad_request(
                 f"Could not parse the JSON body: {exc}", code="invalid_json"
             ) from None
+        except RecursionError:
+            body = None  # deeper than the decoder's stack: surely deeper than the limit
+        if body is None or _nests_deeper(data, body, MAX_JSON_DEPTH):
+            raise bad_request(
+                f"The JSON body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
+            )
         if not isinstance(body, dict):
             raise bad_request("The request body must be a JSON object", code="invalid_json")
         return body
@@ -471,6 +487,26 @@ async def _cancel_on_disconnect(
         pass
     if not reply.complete:
         scope.cancel()
+
+
+def _nests_deeper(data: bytes, value: object, limit: int) -> bool:
+    """Whether the decoded `value` nests more than `limit` arrays/objects deep.
+
+    A body with at most `limit` brackets cannot (two C-speed counts, the usual case);
+    only a larger one is walked, without recursion."""
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return False
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        assert isinstance(children, Iterable)
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _param_of(error: msgspec.ValidationError) -> str | None:

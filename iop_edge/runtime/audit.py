@@ -44,7 +44,8 @@ class AuditRecord(msgspec.Struct, frozen=True, kw_only=True):
 
     time: str
     """ISO 8601, UTC."""
-    mode: RefreshMode
+    mode: RefreshMode | None
+    """None when the request itself could not be read (see `AuditLog.append_unreadable`)."""
     outcome: RefreshOutcome
     verdict: RefreshVerdict
     """How the attempt was answered (`accepted`, `invalid`, `conflict`)."""
@@ -105,10 +106,34 @@ class AuditLog:
         record = AuditRecord.of(
             report, verdict=verdict, config_sha256=config_sha256, now=now or datetime.now(UTC)
         )
+        await self._write(record)
+        return record
+
+    async def append_unreadable(
+        self, problem: str, *, revision: int, now: datetime | None = None
+    ) -> AuditRecord:
+        """Record an attempt whose request could not even be read (bad JSON, wrong
+        fields): rejected as invalid, its mode unknown, `problem` as its one error."""
+        record = AuditRecord(
+            time=(now or datetime.now(UTC)).astimezone(UTC).isoformat(),
+            mode=None,
+            outcome="rejected",
+            verdict="invalid",
+            base_revision=revision,
+            revision=revision,
+            config_sha256=None,
+            changed_paths=[],
+            pending_restart=[],
+            nodes=[],
+            errors=[RefreshError(path="", message=problem)],
+        )
+        await self._write(record)
+        return record
+
+    async def _write(self, record: AuditRecord) -> None:
         line = self._encoder.encode(record) + b"\n"
         async with self._lock:
             await trio.to_thread.run_sync(_append_line, self.path, line)
-        return record
 
 
 def _append_line(path: Path, line: bytes) -> None:

@@ -45,6 +45,12 @@ Rules:
    next read says `caller_too_slow`.
 6. What a run hears is caller-ready bytes (server-sent events the Node shaped) and then
    one end; the Edge does not parse them (SPEC §3 revision 2).
+7. A stopping Edge cuts every run still open when its grace period ends
+   (`Dispatcher.cut_all`): the run ends at once as 503 `shutting_down` (metered with
+   what it delivered), a `start()` in progress raises `RunFailure`, and the consumer's
+   next read is the run's `shutting_down` failure, so the server of the request ends
+   the exchange properly (an error event and `[DONE]`, or a 503). Runs opened after
+   that are cut as they start.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ __all__ = [
     "INTERNAL_ERROR",
     "RUN_BUFFER_BYTES",
     "RUN_BUFFER_ITEMS",
+    "SHUTTING_DOWN",
     "Dispatcher",
     "Outcome",
     "Run",
@@ -158,6 +165,8 @@ class Outcome:
 CALLER_GONE: Final = Outcome(499, "client_closed")
 #: A bug of the Edge's ended the exchange.
 INTERNAL_ERROR: Final = Outcome(500, "internal_error")
+#: The Edge stopped before the run ended (Rule 6).
+SHUTTING_DOWN: Final = Outcome(503, str(wire.FailureCode.SHUTTING_DOWN))
 
 
 class RunFailure(Exception):
@@ -266,11 +275,14 @@ class Run:
         self._first: RunEvent | None = None
         self._live_on_node = False
         """Whether the Node may still be running the current attempt (cancel on end)."""
-        self._cut = False
+        self._stopped_working = False
         """The run was stopped while its provider worked on it (Rule 4)."""
         self._unmetered_response: bytes | None = None
         """A whole answer that came without usage (from a Node that does not estimate)."""
         self._admitted = False
+        self._start_scope = trio.CancelScope()
+        self._cut: wire.RunFailed | None = None
+        """Why the Edge cut the run short (it is stopping, Rule 7)."""
 
     @property
     def provider_id(self) -> str:
@@ -289,7 +301,27 @@ class Run:
         Raises the scheduler's `AdmissionError`s when the run is not admitted, and
         `RunFailure` when every allowed attempt failed before the first byte (Rules 1-2).
         """
-        await self._dispatcher.start(self)
+        if self._cut is None:
+            with self._start_scope:  # cancelled by `cut` (Rule 7)
+                await self._dispatcher.start(self)
+        if self._cut is not None:
+            # A slot granted just as the cut came may have begun an attempt after `end`:
+            # it is closed here, so no slot outlives the run.
+            attempt = self._attempt
+            if attempt is not None:
+                attempt.close(cancel_on_node=self._live_on_node)
+                self._live_on_node = False
+            raise RunFailure(self._cut, self._provider_id)
+
+    def cut(self, reason: str) -> None:
+        """End the run now because the Edge is stopping (Rule 7); idempotent."""
+        if self.outcome is not None:
+            return
+        self._cut = _failed(self.plan.run_id, wire.FailureCode.SHUTTING_DOWN, reason)
+        if self._attempt is not None:
+            self._attempt.end_reason = self._cut
+        self._start_scope.cancel()
+        self.end(SHUTTING_DOWN)
 
     # --- 2. events -----------------------------------------------------------------
 
@@ -342,7 +374,7 @@ class Run:
                 self._unmetered_response = event.response
             self._dispatcher.scheduler.record_success(self._provider_id)
         else:
-            self._cut = event.code in _CUT_WHILE_WORKING
+            self._stopped_working = event.code in _CUT_WHILE_WORKING
             self._dispatcher.note_failure(self._provider_id, event)
         return event
 
@@ -365,10 +397,11 @@ class Run:
         if self.outcome is not None:
             return
         self.outcome = outcome
+        self._dispatcher.forget(self)
         attempt = self._attempt
         if attempt is not None:
             if self._live_on_node:
-                self._cut = True  # the caller left (or we gave up) while it ran
+                self._stopped_working = True  # the caller left (or we gave up) meanwhile
             attempt.close(cancel_on_node=self._live_on_node)
             self._live_on_node = False
         plan = self.plan
@@ -400,7 +433,7 @@ class Run:
         if self.usage is not None:
             return self.usage, self.usage_source
         answered = self._unmetered_response is not None
-        if self._attempt is None or not (self.chunks or self._cut or answered):
+        if self._attempt is None or not (self.chunks or self._stopped_working or answered):
             return None, "estimated"  # never reached a provider, or refused outright
         completion = self.chunks
         if self._unmetered_response is not None:
@@ -461,10 +494,29 @@ class Dispatcher:
         self._hub = hub
         self._on_failover = on_failover
         self._retries = retries_before_first_byte
+        self._open: set[Run] = set()
+        self._stopped: str | None = None
 
     def open(self, plan: RunPlan) -> Run:
         """A new run of `plan`; the caller must `end()` it on every path (Rule 4)."""
-        return Run(plan, self)
+        run = Run(plan, self)
+        self._open.add(run)
+        if self._stopped is not None:
+            run.cut(self._stopped)  # after the grace period nothing new runs (Rule 6)
+        return run
+
+    def forget(self, run: Run) -> None:
+        """`run` ended (called by `Run.end`)."""
+        self._open.discard(run)
+
+    def cut_all(self, reason: str) -> int:
+        """The Edge's grace period is over: end every open run, and every later one, as
+        503 `shutting_down` (Rule 6). Returns how many were open."""
+        self._stopped = reason
+        runs, self._open = list(self._open), set()
+        for run in runs:
+            run.cut(reason)
+        return len(runs)
 
     def note_failure(self, provider_id: str, failure: wire.RunFailed) -> None:
         """Record what `failure` says about its provider (Rule 3; an ambiguous 5xx says
@@ -558,6 +610,11 @@ class Dispatcher:
             first = await attempt.receive.receive()
         except (SessionClosed, trio.EndOfChannel):
             first = _node_lost_before_start(wire_id, lease)  # nothing reached the caller
+        except wire.FrameTooLarge as exc:
+            # The request grew past the wire's limit on its way (model defaults, the
+            # re-encoding): refused here, never sent, so no Node loses its link over it.
+            run._live_on_node = False
+            first = _failed(wire_id, wire.FailureCode.REQUEST_TOO_LARGE, str(exc))
         finally:
             # Cancelled or not, the caller waited this long on the provider (Rule 1).
             run.timings.upstream_s += time.perf_counter() - sent_at

@@ -12,13 +12,16 @@ Rules:
 1. A connection must send a valid `hello` within `handshake_timeout_s`; the token is
    checked against the node's `token_hash_sha256` in constant time. Anything else gets a
    `reject{code, reason}` and a close, never an exception that escapes the handler.
-   At most `MAX_PENDING_HANDSHAKES` unauthenticated connections wait at once; more are
-   refused with HTTP 503 before the websocket opens.
+   Waiting handshakes are bounded per source and in total by a `HandshakeGate`, which
+   evicts the oldest anonymous peer instead of refusing a newcomer (see `handshakes`),
+   so idle upgrades can never lock a Node out.
 2. Until its `hello` checked out a peer may send messages of at most
    `PRE_AUTH_MAX_FRAME_BYTES`; afterwards the wire's `MAX_FRAME_BYTES`.
 3. When a session ends for any reason, its runs hear `lost()` (node lost) and the
    scheduler learns the node is gone. Connects and disconnects are logged with the
    peer's address and the reason the session ended.
+4. Nothing a peer sends ends the listener: an unexpected error while serving one
+   connection is logged and ends that connection only.
 """
 
 from __future__ import annotations
@@ -33,14 +36,15 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 
 from iop_edge.core.tokens import tokens_match
 from iop_edge.runtime.compat.trio_websocket import MESSAGE_LIMIT_LIFTABLE, lift_message_limit
+from iop_edge.runtime.handshakes import MAX_PENDING_HANDSHAKES, HandshakeGate, source_key
 from iop_edge.runtime.session import NodeSession, StatusListener, peer_address, reject
 from schemas import wire
 from schemas.config import NodeConfig
+from schemas.limits import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 
 
-MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
 #: The message limit before a peer's `hello` checked out (a `hello` is a few hundred bytes):
 #: an anonymous peer cannot make the Edge assemble 64 MiB messages (Rule 2).
 PRE_AUTH_MAX_FRAME_BYTES: Final = 64 * 1024
@@ -48,7 +52,19 @@ PRE_AUTH_MAX_FRAME_BYTES: Final = 64 * 1024
 LISTENER_MAX_FRAME_BYTES: Final = (
     PRE_AUTH_MAX_FRAME_BYTES if MESSAGE_LIMIT_LIFTABLE else MAX_FRAME_BYTES
 )
-MAX_PENDING_HANDSHAKES: Final = 16
+#: How long a peer has from its upgrade to a `hello` that checks out (a Node sends it at
+#: once: one round trip), and the listener's bound on the upgrade itself.
+HANDSHAKE_TIMEOUT_S: Final = 5.0
+
+__all__ = [
+    "HANDSHAKE_TIMEOUT_S",
+    "LISTENER_MAX_FRAME_BYTES",
+    "MAX_FRAME_BYTES",
+    "MAX_PENDING_HANDSHAKES",
+    "PRE_AUTH_MAX_FRAME_BYTES",
+    "NodeDirectory",
+    "NodeHub",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +89,7 @@ class NodeHub:
         on_status: StatusListener,
         heartbeat_s: float = 5.0,
         heartbeat_timeout_s: float = 15.0,
-        handshake_timeout_s: float = 10.0,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
         self._directory = directory
         self._on_connect = on_connect
@@ -83,7 +99,7 @@ class NodeHub:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
         self._sessions: dict[str, NodeSession] = {}
-        self._pending_handshakes = trio.CapacityLimiter(MAX_PENDING_HANDSHAKES)
+        self.handshakes = HandshakeGate()
 
     def session(self, node_id: str) -> NodeSession | None:
         return self._sessions.get(node_id)
@@ -95,27 +111,36 @@ class NodeHub:
         return list(self._sessions.values())
 
     async def handle(self, request: WebSocketRequest) -> None:
-        """trio-websocket handler for one incoming node connection."""
+        """trio-websocket handler for one incoming node connection (Rule 4: an error
+        here ends this connection, never the listener)."""
         try:
-            self._pending_handshakes.acquire_nowait()
-        except trio.WouldBlock:
-            # Before a `hello` is checked a peer is anonymous, yet it holds a connection
-            # and buffers (up to PRE_AUTH_MAX_FRAME_BYTES): bound how many can at once.
-            with trio.move_on_after(2, shield=True):
-                try:
-                    await request.reject(503, body=b"too many pending node handshakes")
-                except ConnectionClosed:
-                    pass
-            return
+            await self._handle(request)
+        except Exception:
+            log.exception("node connection from %s failed", _remote(request))
+
+    async def _handle(self, request: WebSocketRequest) -> None:
+        ticket = self.handshakes.admit(source_key(_remote(request)))
+        websocket: WebSocketConnection | None = None
+        hello: wire.Hello | None = None
         try:
-            websocket = await request.accept()
-            hello = await self._handshake(websocket)
+            with ticket.scope:  # cancelled if a newer peer evicts this one (Rule 1)
+                websocket = await request.accept()
+                hello = await self._handshake(websocket)
         except ConnectionClosed:
             return
         finally:
-            self._pending_handshakes.release()
-        if hello is None:
+            self.handshakes.release(ticket)
+        if ticket.evicted:
+            log.info("anonymous node peer %s evicted by newer handshakes", _remote(request))
+            if websocket is not None:
+                with trio.move_on_after(0.2, shield=True):
+                    await websocket.aclose(code=1013, reason="too many pending handshakes")
             return
+        if hello is None or websocket is None:
+            return
+        await self._serve_session(hello, websocket)
+
+    async def _serve_session(self, hello: wire.Hello, websocket: WebSocketConnection) -> None:
         lift_message_limit(websocket, MAX_FRAME_BYTES)
         directory = self._directory()
         session = NodeSession(
@@ -230,3 +255,9 @@ class NodeHub:
     def abort_all(self) -> None:
         for session in list(self._sessions.values()):
             session.abort("the edge is shutting down")
+
+
+def _remote(request: WebSocketRequest) -> object:
+    """The peer's address (an `Endpoint` has one; a Unix socket is a string)."""
+    remote = request.remote
+    return getattr(remote, "address", remote)

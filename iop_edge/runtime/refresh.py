@@ -355,6 +355,15 @@ class Refresher:
         error = RefreshError(path=path, message=message)
         return self._report(request, "rejected", self._target.snapshot, errors=[error])
 
+    async def refuse_unreadable(self, problem: str) -> None:
+        """A refresh request that could not be read is an attempt too: audit it."""
+        revision = self._target.snapshot.revision
+        with trio.move_on_after(COMMIT_GRACE_S, shield=True):
+            try:
+                await self._audit.append_unreadable(problem, revision=revision)
+            except OSError as exc:
+                log.error("refresh audit log %s not written: %s", self._audit.path, exc)
+
     async def _finish(
         self, verdict: RefreshVerdict, report: RefreshReport, *, config_sha256: str | None
     ) -> RefreshResult:

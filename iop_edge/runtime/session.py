@@ -11,7 +11,9 @@ Rules:
    run on the Node and forgets it, instead of stalling every other run and the heartbeat.
 2. A terminal event (`run_done`, `run_failed`) is the last a sink hears from the session;
    when the session ends for any reason, every sink still registered hears `lost()`.
-3. A malformed frame from a connected Node gets a `reject{bad_frame}` and a close.
+3. A malformed frame from a connected Node gets a `reject{bad_frame}` and a close; a
+   well-formed one is still only input: its numbers and texts are checked and corrected
+   (`core.node_input`) before anything acts on them.
 4. A `cancel` is never dropped, even on a full outbox: otherwise the provider keeps
    running a run whose slot the Edge already gave back.
 """
@@ -25,6 +27,7 @@ from typing import Final, Protocol
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
+from iop_edge.core.node_input import check_node_message
 from schemas import wire
 from schemas.config import NodeConfig
 
@@ -111,10 +114,11 @@ class NodeSession:
         """Queue a frame for the writer; waits only while the outbox is full.
 
         Not a checkpoint when there is room: a caller that goes on to wait for the
-        answer yields there, and the writer runs then."""
+        answer yields there, and the writer runs then. Raises `wire.FrameTooLarge` for a
+        message the Node would disconnect for (nothing is sent)."""
         if self.closed.is_set():
             raise SessionClosed(self.node_id)
-        frame = wire.encode(message)
+        frame = wire.encode_bounded(message)
         try:
             try:
                 self._outbox_send.send_nowait(frame)
@@ -249,6 +253,9 @@ class NodeSession:
                 sink.push(end)
 
     def _route(self, message: wire.NodeToEdge) -> None:
+        message, notes = check_node_message(message)
+        for note in notes:
+            log.warning("node %s sent something out of range: %s", self.node_id, note)
         match message:
             case wire.RunEvents():
                 self._deliver(message)

@@ -8,13 +8,17 @@ a GPU:
 - time to first token is `adapter.ttft_ms` (default 20), then one token per chunk at
   `adapter.tokens_per_second` (default 200), on an absolute schedule so the pace does not
   drift with back-pressure;
-- it generates exactly `max_completion_tokens` / `max_tokens` tokens (default 16), so
-  every response ends with `finish_reason: "length"`;
+- it generates exactly `max_completion_tokens` / `max_tokens` tokens (default 16, at
+  most `MAX_TOKENS`, its "context length"), so every response ends with
+  `finish_reason: "length"`;
 - the text is deterministic: words cycled from a fixed list, starting at an offset
   derived from the prompt, so the same request always yields the same text;
 - usage numbers are real: prompt tokens come from `schemas.tokens`, the same estimator
   the Edge uses for admission, and completion tokens are the tokens generated;
-- every wait is a Trio sleep, so cancelling the run's scope stops it at once.
+- every wait is a Trio sleep, so cancelling the run's scope stops it at once, and no
+  request can make it block the Node's event loop or grow without bound: tokens come
+  one at a time, and embeddings are bounded in count and size and computed with a
+  checkpoint per input.
 
 Responses are OpenAI objects (`chat.completion[.chunk]`, `text_completion`, embedding
 `list`), encoded with msgspec from the shared Structs of `schemas.openai`; like the
@@ -55,8 +59,16 @@ from schemas.tokens import estimate_input_tokens
 from schemas.wire import FailureCode, ProviderStatus, Run, Usage
 
 DEFAULT_MAX_TOKENS = 16
+#: The engine's context: a larger `max_tokens` is refused, as a real engine refuses one
+#: past its context length. What one run can cost the Node (time, memory) is bounded by it.
+MAX_TOKENS = 65_536
 EMBEDDING_DIMENSIONS = 16
 MAX_EMBEDDING_DIMENSIONS = 4096
+#: OpenAI's bound on inputs per embedding request.
+MAX_EMBEDDING_INPUTS = 2048
+#: Bound on inputs x dimensions: the response stays a few MB and the work a few hundred
+#: milliseconds, spread over checkpoints.
+MAX_EMBEDDING_VALUES = 1 << 20
 
 #: The vocabulary of the simulated engine. Any fixed list works; this one reads well.
 WORDS: tuple[str, ...] = (
@@ -187,9 +199,17 @@ class SimAdapter:
         inputs = _embedding_inputs(body.get("input"))
         dimensions = _dimensions(body)
         as_base64 = body.get("encoding_format") == "base64"
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise _invalid(f"`input` must have at most {MAX_EMBEDDING_INPUTS} items")
+        if len(inputs) * dimensions > MAX_EMBEDDING_VALUES:
+            raise _invalid(
+                f"{len(inputs)} inputs x {dimensions} dimensions exceeds this engine's "
+                f"{MAX_EMBEDDING_VALUES} values per request"
+            )
         await self._until_token(trio.current_time(), 0)  # one forward pass
         data: list[Embedding] = []
         for index, item in enumerate(inputs):
+            await trio.lowlevel.checkpoint()  # a large batch never holds the event loop
             vector = _vector(_encode(item), dimensions)
             encoded: list[float] | str = (
                 base64.b64encode(struct.pack(f"<{dimensions}f", *vector)).decode("ascii")
@@ -237,6 +257,8 @@ def _max_tokens(body: dict[str, Any]) -> int:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise _invalid(f"`{key}` must be a non-negative integer")
+        if value > MAX_TOKENS:
+            raise _invalid(f"`{key}` must be at most {MAX_TOKENS} (this engine's context)")
         return value
     return DEFAULT_MAX_TOKENS
 

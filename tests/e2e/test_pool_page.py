@@ -77,7 +77,7 @@ async def _hold(stack: Stack, model: str) -> None:
         stream = await client.chat.completions.create(
             model=model,
             stream=True,
-            max_tokens=100_000,
+            max_tokens=30_000,  # under the default max_tokens_limit
             messages=[{"role": "user", "content": "a long answer, please"}],
         )
         async for _ in stream:

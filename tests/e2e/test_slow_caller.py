@@ -7,6 +7,7 @@ from pathlib import Path
 import httpx2
 import trio
 
+from iop_node.adapters.sim import MAX_TOKENS
 from tests.e2e.stack import edge_config, sim_provider, start_stack
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -19,10 +20,16 @@ async def test_stalled_reader_loses_its_run_and_others_flow(
     text = edge_config(
         tmp_path,
         providers=[sim_provider("sim-1", capacity=4, adapter=fast)],
-        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+        models=[
+            {
+                "id": "m",
+                "providers": {"sim-1": "sim-small"},
+                "generation": {"max_tokens_limit": MAX_TOKENS},
+            }
+        ],
     )
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
-    body = {"model": "m", "stream": True, "max_tokens": 1_000_000, "messages": MESSAGES}
+    body = {"model": "m", "stream": True, "max_tokens": MAX_TOKENS, "messages": MESSAGES}
     async with (
         httpx2.AsyncClient(base_url=stack.addresses.openai_url, timeout=30) as http,
         http.stream("POST", "/v1/chat/completions", json=body) as stalled,

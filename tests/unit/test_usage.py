@@ -25,24 +25,25 @@ def _rows(path: Path) -> list[str]:
         return [row[0] for row in db.execute("SELECT run_id FROM usage ORDER BY run_id")]
 
 
-async def test_a_failing_write_is_counted_and_the_writer_lives_on(tmp_path: Path) -> None:
+async def test_a_failing_write_is_retried_and_loses_nothing(tmp_path: Path) -> None:
     path = tmp_path / "usage.sqlite3"
-    ledger = UsageLedger(path)
+    ledger = UsageLedger(path, retry_s=0.01)
     async with trio.open_nursery() as nursery:
         await nursery.start(ledger.run)
         with sqlite3.connect(path) as db:
             db.execute("ALTER TABLE usage RENAME TO hidden")  # every insert now fails
-        ledger.record(_record("lost"))
-        with trio.fail_after(5):
+        ledger.record(_record("held"))
+        with trio.move_on_after(0.3):  # it cannot be written while the table is gone
             await ledger.wait_flushed()
-        assert ledger.dropped == 1
+        assert ledger.statistics().committed == 0 and ledger.statistics().failed_writes >= 1
         with sqlite3.connect(path) as db:
             db.execute("ALTER TABLE hidden RENAME TO usage")
         ledger.record(_record("kept"))
         with trio.fail_after(5):
             await ledger.wait_flushed()
         nursery.cancel_scope.cancel()
-    assert _rows(path) == ["kept"]
+    assert _rows(path) == ["held", "kept"]
+    assert ledger.dropped == 0
 
 
 async def test_close_drains_what_is_queued(tmp_path: Path) -> None:
@@ -117,3 +118,67 @@ async def test_an_older_ledger_gains_usage_source_and_keeps_its_rows(tmp_path: P
         1,
         7,
     )
+
+
+def _journal_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("usage-journal-*.jsonl"))
+
+
+async def test_records_journaled_before_a_kill_are_replayed_once(tmp_path: Path) -> None:
+    """The writer dies before committing (as with kill -9); the next start-up inserts
+    every journaled record exactly once, skipping a torn last line and an unreadable one."""
+    path = tmp_path / "usage.sqlite3"
+    first = UsageLedger(path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(first.run)
+        first.record(_record("committed"))
+        with trio.fail_after(5):
+            await first.wait_flushed()
+        for name in ("a", "b", "c"):
+            first.record(_record(name))
+        nursery.cancel_scope.cancel()  # before the batch window ends: nothing committed
+    assert _rows(path) == ["committed"]
+    (segment,) = _journal_files(tmp_path)
+    with segment.open("ab") as file:
+        file.write(b"not a record\n")
+        file.write(b'{"time": 1.0, "run_id": "torn"')  # no newline: a torn write
+    second = UsageLedger(path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(second.run)
+        assert second.statistics().replayed == 4  # a, b, c and the unreadable line
+        second.close()
+        await second.wait_stopped()
+    assert _rows(path) == ["a", "b", "c", "committed"]
+    assert _journal_files(tmp_path) == []  # replayed, then deleted; the clean stop too
+
+
+async def test_a_live_ledgers_journal_is_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "usage.sqlite3"
+    live, starting = UsageLedger(path), UsageLedger(path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(live.run)
+        live.record(_record("live"))
+        await nursery.start(starting.run)  # another Edge on the same state_dir
+        assert starting.statistics().replayed == 0
+        with trio.fail_after(5):
+            await live.wait_flushed()
+        nursery.cancel_scope.cancel()
+    assert _rows(path) == ["live"]
+
+
+async def test_segments_rotate_and_are_deleted_once_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("iop_edge.runtime.journal.ROTATE_BYTES", 600)
+    path = tmp_path / "usage.sqlite3"
+    ledger = UsageLedger(path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ledger.run)
+        for index in range(20):
+            ledger.record(_record(f"r{index:02}"))
+        assert len(_journal_files(tmp_path)) > 3
+        with trio.fail_after(5):
+            await ledger.wait_flushed()
+        assert len(_journal_files(tmp_path)) == 1  # the live one
+        nursery.cancel_scope.cancel()
+    assert _rows(path) == [f"r{index:02}" for index in range(20)]

@@ -1,0 +1,354 @@
+"""`python -m bench.soak` (`just soak`): minutes of mixed load with chaos, then the books.
+
+One Edge and two Nodes, each a real process, serving one model from two `sim`
+providers. For `--minutes`, `--concurrency` callers send stream and non-stream requests
+of random lengths and hang up on a random fraction of them; meanwhile one Node is
+killed with SIGKILL and restarted, and live refreshes change a provider's capacity back
+and forth. Then the load stops and the report says:
+
+- every request's end, by class (200, each HTTP error code, a stream cut by an error
+  event, the callers' own hang-ups);
+- ledger rows lost: responses a caller received completely whose run is not in the
+  usage ledger after the Edge stopped (must be 0);
+- slot counters once idle: `in_flight` and `queued` of every provider and model in the
+  catalog (must be 0);
+- Edge and Node resident memory over time (must stay bounded).
+
+Exit status 0 when the books balance (0 lost rows, 0 leaked slots), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import trio
+import yaml
+
+from bench.services import REPO_ROOT, ServiceFailed, child_env, python_argv, start_service
+
+NODE_TOKEN = "soak-node-token-not-a-secret"
+MESSAGES = [{"role": "user", "content": "soak"}]
+
+
+@dataclass
+class Books:
+    outcomes: Counter[str] = field(default_factory=Counter)
+    completed: list[str] = field(default_factory=list)
+    """Run ids of responses their caller received to the end."""
+    rss: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    events: list[str] = field(default_factory=list)
+
+
+def _config(state: Path, capacity: int) -> str:
+    token_hash = hashlib.sha256(NODE_TOKEN.encode()).hexdigest()
+    adapter = {"ttft_ms": 20, "tokens_per_second": 400}
+
+    def node(index: int, cap: int) -> dict[str, Any]:
+        provider = {"id": f"sim-{index}", "type": "sim", "models": ["sim-small"],
+                    "capacity": cap, "adapter": adapter}  # fmt: skip
+        return {"id": f"node-{index}", "token_hash_sha256": token_hash, "providers": [provider]}
+
+    config = {
+        "edge": {"listen": "127.0.0.1:0", "state_dir": str(state), "shutdown_grace_s": 5},
+        "admin": {"listen": "127.0.0.1:0"},
+        "openai": {"listen": "127.0.0.1:0"},
+        "dispatch": {"max_queue": 512, "queue_timeout_ms": 30_000},
+        "models": [{"id": "m", "providers": {"sim-1": "sim-small", "sim-2": "sim-small"}}],
+        "nodes": [node(1, 8), node(2, capacity)],
+    }
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def _rss_kib(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class Node:
+    """A Node process that the soak may kill and restart at will."""
+
+    def __init__(self, node_id: str, edge_url: str, log: Path) -> None:
+        self.node_id = node_id
+        self.edge_url = edge_url
+        self.log = log
+        self.process: trio.Process | None = None
+        self._scope: trio.CancelScope | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        argv = python_argv("iop_node", "run", "--edge", self.edge_url, "--node-id", self.node_id)
+        with self.log.open("ab") as output, trio.CancelScope() as scope:
+            self._scope = scope
+            self.process = await trio.lowlevel.open_process(
+                argv, stdin=subprocess.DEVNULL, stdout=output, stderr=output,
+                cwd=str(REPO_ROOT), env=child_env({"IOP_NODE_TOKEN": NODE_TOKEN}),
+            )  # fmt: skip
+            task_status.started()
+            try:
+                await self.process.wait()
+            finally:
+                if self.process.returncode is None:
+                    self.process.kill()
+                    with trio.CancelScope(shield=True), trio.move_on_after(5):
+                        await self.process.wait()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.send_signal(signal.SIGKILL)
+
+
+async def _caller(
+    http: httpx2.AsyncClient, books: Books, rng: random.Random, stop: trio.Event
+) -> None:
+    while not stop.is_set():
+        stream = rng.random() < 0.5
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": rng.randint(1, 64),
+                "stream": stream}  # fmt: skip
+        hang_up_after = rng.uniform(0.01, 0.2) if rng.random() < 0.15 else None
+        with trio.move_on_after(hang_up_after or 120) as scope:
+            try:
+                await (_stream if stream else _call)(http, body, books)
+            except httpx2.TransportError as exc:
+                books.outcomes[f"transport: {type(exc).__name__}"] += 1
+        if scope.cancelled_caught:
+            books.outcomes["caller hung up" if hang_up_after else "caller timeout"] += 1
+
+
+async def _call(http: httpx2.AsyncClient, body: dict[str, Any], books: Books) -> None:
+    response = await http.post("/v1/chat/completions", json=body)
+    if response.status_code == 200:
+        books.completed.append(response.headers["x-request-id"])
+        books.outcomes["200"] += 1
+    else:
+        books.outcomes[f"{response.status_code} {_code(response.content)}"] += 1
+
+
+async def _stream(http: httpx2.AsyncClient, body: dict[str, Any], books: Books) -> None:
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            books.outcomes[f"{response.status_code} {_code(response.content)}"] += 1
+            return
+        last = previous = ""
+        async for line in response.aiter_lines():
+            if line:
+                previous, last = last, line
+        if last != "data: [DONE]":
+            books.outcomes["stream without [DONE]"] += 1
+        elif '"error"' in previous:
+            books.outcomes[f"stream error event {_code(previous.removeprefix('data: '))}"] += 1
+        else:
+            books.completed.append(response.headers["x-request-id"])
+            books.outcomes["200 stream"] += 1
+
+
+def _code(body: bytes | str) -> str:
+    try:
+        return str(json.loads(body)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return "?"
+
+
+@dataclass(frozen=True)
+class _Chaos:
+    nursery: trio.Nursery
+    node: Node
+    admin: httpx2.AsyncClient
+    state: Path
+    minutes: float
+    started: float
+
+
+async def _chaos(chaos: _Chaos, books: Books) -> None:
+    """A SIGKILL of node-2 at a third of the run (restarted 3 s later), and a live
+    refresh of its capacity every 20 s."""
+    node, admin, started = chaos.node, chaos.admin, chaos.started
+    kill_at = started + chaos.minutes * 60 / 3
+    killed = False
+    capacity = 8
+    while True:
+        await trio.sleep(min(20.0, max(0.0, kill_at - time.monotonic())) if not killed else 20.0)
+        if not killed and time.monotonic() >= kill_at:
+            node.kill()
+            books.events.append(f"{time.monotonic() - started:6.1f}s node-2 SIGKILL")
+            killed = True
+            await trio.sleep(3)
+            await chaos.nursery.start(node.run)
+            books.events.append(f"{time.monotonic() - started:6.1f}s node-2 restarted")
+            continue
+        capacity = 6 if capacity == 8 else 8
+        body = {"mode": "apply", "config_yaml": _config(chaos.state, capacity)}
+        response = await admin.post("/refresh", json=body)
+        outcome = response.json().get("outcome", response.status_code)
+        books.events.append(
+            f"{time.monotonic() - started:6.1f}s refresh sim-2 capacity={capacity}: {outcome}"
+        )
+
+
+def _pid(node: Node) -> int | None:
+    return node.process.pid if node.process is not None else None
+
+
+async def _sample_rss(
+    pids: dict[str, Callable[[], int | None]], books: Books, started: float
+) -> None:
+    while True:
+        for name, pid in pids.items():
+            value = pid()
+            rss = _rss_kib(value) if value else None
+            if rss is not None:
+                books.rss.setdefault(name, []).append((time.monotonic() - started, rss))
+        await trio.sleep(5)
+
+
+async def soak(minutes: float, concurrency: int, seed: int) -> int:
+    books = Books()
+    folder = Path(tempfile.mkdtemp(prefix="iop-soak-"))
+    state = folder / "state"
+    config = folder / "edge.yaml"
+    config.write_text(_config(state, 8), encoding="utf-8")
+    urls: dict[str, str] = {}
+
+    def ready(line: str) -> dict[str, str] | None:
+        for name in ("node websocket", "OpenAI API", "admin API"):
+            if f"{name} listening on " in line:
+                urls[name] = line.rsplit(" ", 1)[1]
+        return dict(urls) if len(urls) == 3 else None
+
+    stopping = False
+    try:
+        async with trio.open_nursery() as nursery:
+            argv = python_argv("iop_edge", "serve", "--config", str(config))
+            edge = await start_service(nursery, "edge", argv, ready)
+            node_url = urls["node websocket"]
+            nodes = [Node(f"node-{i}", node_url, folder / f"node-{i}.log") for i in (1, 2)]
+            for node in nodes:
+                await nursery.start(node.run)
+            limits = httpx2.Limits(max_connections=concurrency * 2)
+            async with (
+                httpx2.AsyncClient(base_url=urls["OpenAI API"], timeout=60, limits=limits) as http,
+                httpx2.AsyncClient(base_url=urls["admin API"], timeout=60) as admin,
+            ):
+                await _wait_servable(admin)
+                started = time.monotonic()
+                stop = trio.Event()
+                async with trio.open_nursery() as work:
+                    pids: dict[str, Callable[[], int | None]] = {
+                        "edge": lambda: edge.pid,
+                        **{node.node_id: partial(_pid, node) for node in nodes},
+                    }
+                    work.start_soon(_sample_rss, pids, books, started)
+                    chaos = _Chaos(nursery, nodes[1], admin, state, minutes, started)
+                    work.start_soon(_chaos, chaos, books)
+                    rng = random.Random(seed)
+                    async with trio.open_nursery() as callers:
+                        for _ in range(concurrency):
+                            caller_rng = random.Random(rng.random())
+                            callers.start_soon(_caller, http, books, caller_rng, stop)
+                        await trio.sleep(minutes * 60)
+                        stop.set()
+                    work.cancel_scope.cancel()
+                idle = await _catalog_when_idle(admin)
+            stopping = True
+            edge.process.send_signal(signal.SIGTERM)  # a graceful stop: the ledger drains
+            with trio.move_on_after(30):
+                await edge.process.wait()
+            nursery.cancel_scope.cancel()
+    except* ServiceFailed:
+        if not stopping:  # the Edge died under load: that is a finding, not the end
+            raise
+    lost = _lost_rows(state / "usage.sqlite3", books.completed)
+    return _report(books, idle, lost, f"{minutes:g} min, {concurrency} callers ({folder})")
+
+
+async def _wait_servable(admin: httpx2.AsyncClient) -> None:
+    """Until both providers are available (bounded): the soak's own start-up."""
+    with trio.fail_after(30):
+        while True:
+            catalog = (await admin.get("/catalog")).json()
+            if all(p["health"] == "available" and p["connected"] for p in catalog["providers"]):
+                return
+            await trio.sleep(0.2)
+
+
+async def _catalog_when_idle(admin: httpx2.AsyncClient) -> dict[str, int]:
+    """Every slot and queue counter once the load stopped (bounded wait for the cancels
+    the Nodes still have to answer)."""
+    counters: dict[str, int] = {}
+    with trio.move_on_after(30):
+        while True:
+            catalog = (await admin.get("/catalog")).json()
+            counters = {f"{p['id']}.in_flight": p["in_flight"] for p in catalog["providers"]}
+            counters |= {f"{p['id']}.queued": p["queued"] for p in catalog["providers"]}
+            counters |= {f"{m['id']}.queued": m["queued"] for m in catalog["models"]}
+            if not any(counters.values()):
+                return counters
+            await trio.sleep(0.5)
+    return counters
+
+
+def _lost_rows(ledger: Path, completed: list[str]) -> int:
+    with sqlite3.connect(ledger) as db:
+        rows = {row[0] for row in db.execute("SELECT run_id FROM usage")}
+    return len(set(completed) - rows)
+
+
+def _report(books: Books, idle: dict[str, int], lost: int, run: str) -> int:
+    total = sum(books.outcomes.values())
+    print(f"soak: {run}, {total} requests")
+    print("\nends by class:")
+    for outcome, count in books.outcomes.most_common():
+        print(f"  {count:8d}  {outcome}")
+    print("\nchaos:")
+    for event in books.events:
+        print(f"  {event}")
+    print(f"\nledger rows lost (completed responses not in the ledger): {lost}")
+    leaked = {name: value for name, value in idle.items() if value}
+    print(f"slot counters after idle: {leaked or 'all 0'}")
+    print("\nresident memory (MiB) at each fifth of the run, and the peak (sampled every 5 s)")
+    for name, samples in books.rss.items():
+        if not samples:
+            continue
+        fifths = [samples[min(len(samples) - 1, i * (len(samples) - 1) // 5)] for i in range(6)]
+        series = "  ".join(f"{at:5.0f}s {rss / 1024:5.1f}" for at, rss in fifths)
+        peak = max(rss for _, rss in samples) / 1024
+        print(f"  {name:7s} {series}   peak {peak:5.1f}")
+    return 0 if lost == 0 and not leaked else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.soak",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--minutes", type=float, default=3.0)
+    parser.add_argument("--concurrency", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=int(os.environ.get("IOP_SOAK_SEED", "1")))
+    args = parser.parse_args(argv)
+    return trio.run(partial(soak, args.minutes, args.concurrency, args.seed))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

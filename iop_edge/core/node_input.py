@@ -1,0 +1,117 @@
+"""What a Node says is input, not truth: the checks the Edge applies before acting on it.
+
+A Node is authenticated, not trusted: a buggy adapter, an upstream that reports nonsense
+or a compromised host must not be able to turn a success into a 500, poison the usage
+ledger or bloat what the Edge holds and shows. Every run end and status a Node sends
+goes through `check_node_message`, which returns the message the Edge acts on and what
+it had to correct (the session logs that, naming the node). Chunks pass untouched: the
+Edge relays them and checks only their framing (`http.runs`).
+
+Rules:
+1. Token counts are integers in `0..MAX_REPORTED_TOKENS`; a negative count becomes 0 and
+   an absurd one the maximum. `total_tokens` is at least the sum of the other two.
+2. A failure's `message` is at most `MAX_TEXT_CHARS` characters (it reaches callers and
+   logs); its `status` is an HTTP status (100..599) or nothing.
+3. A provider status carries at most `MAX_REPORTED_MODELS` model names of at most
+   `MAX_NAME_CHARS` characters each, and a `detail` of at most `MAX_TEXT_CHARS`.
+4. Nothing here raises: the worst a Node's numbers can do is be corrected.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+from schemas import wire
+
+__all__ = [
+    "MAX_NAME_CHARS",
+    "MAX_REPORTED_MODELS",
+    "MAX_REPORTED_TOKENS",
+    "MAX_TEXT_CHARS",
+    "check_node_message",
+]
+
+#: More tokens than any model reads or writes in one run (Rule 1).
+MAX_REPORTED_TOKENS: Final = 100_000_000
+MAX_TEXT_CHARS: Final = 8192
+MAX_REPORTED_MODELS: Final = 4096
+MAX_NAME_CHARS: Final = 512
+
+
+def check_node_message(message: wire.NodeToEdge) -> tuple[wire.NodeToEdge, list[str]]:
+    """The message to act on, and a note per correction (empty when it was sound)."""
+    match message:
+        case wire.RunEvents(ends=ends) if ends:
+            checked: list[wire.RunDone | wire.RunFailed] = []
+            notes: list[str] = []
+            for end in ends:
+                sound, corrections = _check_end(end)
+                checked.append(sound)
+                notes += corrections
+            if notes:
+                return msgspec.structs.replace(message, ends=checked), notes
+        case wire.Status():
+            return _check_status(message)
+    return message, []
+
+
+def _check_end(
+    end: wire.RunDone | wire.RunFailed,
+) -> tuple[wire.RunDone | wire.RunFailed, list[str]]:
+    notes: list[str] = []
+    changes: dict[str, object] = {}
+    if end.usage is not None:
+        usage, corrections = _check_usage(end.usage)
+        if corrections:
+            changes["usage"] = usage
+            notes += corrections
+    if isinstance(end, wire.RunFailed):
+        if len(end.message) > MAX_TEXT_CHARS:
+            changes["message"] = end.message[:MAX_TEXT_CHARS] + "…"
+            notes.append(f"run {end.run_id}: failure message of {len(end.message)} chars cut")
+        if end.status is not None and not 100 <= end.status <= 599:
+            changes["status"] = None
+            notes.append(f"run {end.run_id}: status {end.status} is not an HTTP status")
+    if not changes:
+        return end, []
+    return msgspec.structs.replace(end, **changes), notes
+
+
+def _check_usage(usage: wire.Usage) -> tuple[wire.Usage, list[str]]:
+    prompt = _tokens(usage.prompt_tokens)
+    completion = _tokens(usage.completion_tokens)
+    total = min(max(_tokens(usage.total_tokens), prompt + completion), 2 * MAX_REPORTED_TOKENS)
+    checked = wire.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total)
+    if checked == usage:
+        return usage, []
+    reported = (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+    return checked, [
+        f"usage out of range (prompt/completion/total tokens {reported}); "
+        f"metered as {(prompt, completion, total)}"
+    ]
+
+
+def _tokens(value: int) -> int:
+    return min(max(value, 0), MAX_REPORTED_TOKENS)
+
+
+def _check_status(status: wire.Status) -> tuple[wire.NodeToEdge, list[str]]:
+    notes: list[str] = []
+    providers = []
+    for provider in status.providers:
+        changes: dict[str, object] = {}
+        models = provider.models
+        if len(models) > MAX_REPORTED_MODELS or any(len(m) > MAX_NAME_CHARS for m in models):
+            changes["models"] = [m for m in models if len(m) <= MAX_NAME_CHARS][
+                :MAX_REPORTED_MODELS
+            ]
+            notes.append(f"provider {provider.id[:MAX_NAME_CHARS]}: model list cut")
+        if provider.detail is not None and len(provider.detail) > MAX_TEXT_CHARS:
+            changes["detail"] = provider.detail[:MAX_TEXT_CHARS] + "…"
+            notes.append(f"provider {provider.id[:MAX_NAME_CHARS]}: detail cut")
+        providers.append(msgspec.structs.replace(provider, **changes) if changes else provider)
+    if not notes:
+        return status, []
+    return wire.Status(providers=providers), notes

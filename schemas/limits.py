@@ -1,0 +1,21 @@
+"""Size limits both processes and the config share (SPEC §3, §8): how much one wire
+message carries, and so how large a caller's request may be configured to be."""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["FRAME_ENVELOPE_BYTES", "MAX_FRAME_BYTES", "MAX_PAYLOAD_BYTES"]
+
+#: The largest websocket message either side accepts from the other (an authenticated
+#: peer; the Edge's hub allows an anonymous one far less). A peer that sends more is
+#: disconnected, with every run on the link, so neither side ever sends more
+#: (`schemas.wire.encode_bounded`).
+MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
+#: Room a message keeps beside its JSON payload (`run.body`, `run_chunk.data`,
+#: `run_done.response`): ids, provider and target names, and msgpack framing.
+FRAME_ENVELOPE_BYTES: Final = 1024 * 1024
+#: The largest JSON payload one message carries: the bound config validation puts on
+#: `openai.max_request_bytes`. A payload that still grows past it on the way (the Edge
+#: re-encodes a request with the model's defaults) is refused where it is encoded.
+MAX_PAYLOAD_BYTES: Final = MAX_FRAME_BYTES - FRAME_ENVELOPE_BYTES

@@ -1,0 +1,3 @@
+from tests.e2e.conftest import stack_one
+
+__all__ = ["stack_one"]

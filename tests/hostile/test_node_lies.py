@@ -1,0 +1,148 @@
+"""An authenticated Node that reports nonsense: the caller is served, the ledger keeps its
+row, the Edge corrects what it must and keeps going (SPEC §7; issue 10 item 9)."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import httpx2
+import trio
+from trio_websocket import WebSocketConnection
+
+from iop_edge.core.node_input import MAX_REPORTED_TOKENS, MAX_TEXT_CHARS
+from schemas import wire
+from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
+from tests.hostile.peers import OnMessage, hand_driven_node
+
+RESPONSE = b'{"object":"chat.completion","model":"sim-small","choices":[]}'
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+
+async def _stack(
+    nursery: trio.Nursery, tmp_path: Path, on_message: OnMessage, status: wire.Status | None = None
+) -> Stack:
+    text = edge_config(
+        tmp_path,
+        providers=[sim_provider("sim-1")],
+        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+    )
+    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", nodes=())
+    await nursery.start(
+        lambda task_status: hand_driven_node(
+            stack.addresses.node_url, on_message, status=status, task_status=task_status
+        )
+    )
+    await stack.wait_servable("m")
+    return stack
+
+
+async def _rows(stack: Stack) -> list[tuple[int, int, int]]:
+    with trio.fail_after(5):
+        await stack.edge.ledger.wait_flushed()
+    with sqlite3.connect(stack.edge.ledger.path) as db:
+        return list(db.execute("SELECT status, prompt_tokens, completion_tokens FROM usage"))
+
+
+def _answering(usage: wire.Usage) -> OnMessage:
+    async def on_message(ws: WebSocketConnection, message: wire.EdgeToNode) -> None:
+        if isinstance(message, wire.Run):
+            done = wire.RunDone(run_id=message.run_id, usage=usage, response=RESPONSE)
+            await ws.send_message(wire.encode(wire.RunEvents(ends=[done])))
+
+    return on_message
+
+
+async def test_negative_and_absurd_token_counts_are_clamped_not_fatal(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    usages = iter(
+        [
+            wire.Usage(prompt_tokens=-5, completion_tokens=-7, total_tokens=-12),
+            wire.Usage(prompt_tokens=2**64 - 1, completion_tokens=2**63, total_tokens=1),
+        ]
+    )
+
+    async def on_message(ws: WebSocketConnection, message: wire.EdgeToNode) -> None:
+        if isinstance(message, wire.Run):
+            done = wire.RunDone(run_id=message.run_id, usage=next(usages), response=RESPONSE)
+            await ws.send_message(wire.encode(wire.RunEvents(ends=[done])))
+
+    stack = await _stack(nursery, tmp_path, on_message)
+    async with stack.http() as http:
+        for _ in range(2):
+            response = await http.post("/v1/chat/completions", json=CHAT)
+            assert response.status_code == 200, response.text
+        async with stack.admin() as admin:
+            assert (await admin.get("/metrics")).status_code == 200
+    assert sorted(await _rows(stack)) == [
+        (200, 0, 0),
+        (200, MAX_REPORTED_TOKENS, MAX_REPORTED_TOKENS),
+    ]
+
+
+async def test_a_failure_with_an_impossible_status_and_a_huge_message(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    async def on_message(ws: WebSocketConnection, message: wire.EdgeToNode) -> None:
+        if isinstance(message, wire.Run):
+            failed = wire.RunFailed(
+                run_id=message.run_id,
+                code=wire.FailureCode.UPSTREAM_REJECTED,
+                message="x" * 1_000_000,
+                status=99999,
+            )
+            await ws.send_message(wire.encode(wire.RunEvents(ends=[failed])))
+
+    stack = await _stack(nursery, tmp_path, on_message)
+    async with stack.http() as http:
+        response = await http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 502
+    assert len(response.json()["error"]["message"]) < MAX_TEXT_CHARS + 200
+    assert [row[0] for row in await _rows(stack)] == [502]
+
+
+async def test_payloads_nested_past_any_decoder_are_relayed_not_parsed(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """The Edge never decodes what a Node relays (the Node shaped it): a payload nested far
+    past any decoder's stack passes through as bytes, and only bytes that are not framed
+    as events end their run (`bad_chunk`)."""
+    deep = b'{"choices":[],"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+    async def on_message(ws: WebSocketConnection, message: wire.EdgeToNode) -> None:
+        if isinstance(message, wire.Run) and message.stream:
+            chunks = [(message.run_id, b"data: " + deep + b"\n\n")]
+            await ws.send_message(wire.encode(wire.RunEvents(chunks=chunks)))
+            chunks = [(message.run_id, deep)]  # not framed as an event
+            await ws.send_message(wire.encode(wire.RunEvents(chunks=chunks)))
+        elif isinstance(message, wire.Run):
+            done = wire.RunDone(run_id=message.run_id, response=deep)
+            await ws.send_message(wire.encode(wire.RunEvents(ends=[done])))
+
+    stack = await _stack(nursery, tmp_path, on_message)
+    async with stack.http() as http:
+        response = await http.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 200 and response.content == deep
+        body = {**CHAT, "stream": True}
+        async with http.stream("POST", "/v1/chat/completions", json=body) as stream:
+            events = [line async for line in stream.aiter_lines() if line.startswith("data: ")]
+    assert events[0] == "data: " + deep.decode()
+    assert '"code":"bad_chunk"' in events[1] and events[-1] == "data: [DONE]"
+    assert sorted(row[0] for row in await _rows(stack)) == [200, 502]
+
+
+async def test_an_oversized_status_report_is_cut(nursery: trio.Nursery, tmp_path: Path) -> None:
+    models = ["sim-small", "y" * 10_000, *(f"m{i}" for i in range(20_000))]
+    status = wire.Status(
+        providers=[
+            wire.ProviderStatus(id="sim-1", health="available", models=models, detail="d" * 10**6)
+        ]
+    )
+    stack = await _stack(nursery, tmp_path, _answering(wire.Usage()), status=status)
+    catalog = await stack.catalog()
+    provider = catalog["providers"][0]
+    assert len(provider["discovered_models"]) == 4096
+    assert "y" * 10_000 not in provider["discovered_models"]
+    async with httpx2.AsyncClient(base_url=stack.addresses.openai_url, timeout=10) as http:
+        assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200

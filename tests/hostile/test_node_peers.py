@@ -1,0 +1,101 @@
+"""Hostile peers on the node listener: idle upgrades, slow hellos, frames built to crash.
+
+None of them may lock a Node out, hold anything for long, or end the listener."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+import trio.testing
+
+from iop_edge.runtime.handshakes import (
+    MAX_PENDING_HANDSHAKES,
+    MAX_PENDING_HANDSHAKES_PER_SOURCE,
+)
+from schemas import wire
+from tests.e2e.stack import NODE_TOKEN, Stack, edge_config, sim_provider, start_stack
+from tests.hostile.peers import RawPeer, open_raw_peer
+
+
+async def _stack(nursery: trio.Nursery, tmp_path: Path) -> Stack:
+    text = edge_config(
+        tmp_path,
+        providers=[sim_provider("sim-1")],
+        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+    )
+    return await start_stack(nursery, text, tmp_path / "edge.yaml", nodes=())
+
+
+async def test_idle_upgrades_from_many_sources_never_lock_a_node_out(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    stack = await _stack(nursery, tmp_path)
+    url = stack.addresses.node_url
+    sources = MAX_PENDING_HANDSHAKES // MAX_PENDING_HANDSHAKES_PER_SOURCE + 4
+    holders: list[RawPeer] = []
+    with trio.fail_after(10):
+        for index in range(sources):  # more idle upgrades than the whole table holds
+            for _ in range(MAX_PENDING_HANDSHAKES_PER_SOURCE):
+                holders.append(await open_raw_peer(url, source=f"127.0.1.{index + 1}"))
+    stats = stack.edge.hub.handshakes.statistics()
+    assert stats.pending == MAX_PENDING_HANDSHAKES
+    assert stats.evicted == len(holders) - MAX_PENDING_HANDSHAKES
+    # A real Node, arriving while every slot is held, gets in (an idle holder makes room).
+    await stack.start_node()
+    await stack.wait_servable("m")
+    for holder in holders:
+        await holder.aclose()
+
+
+async def test_one_source_holds_at_most_its_share(nursery: trio.Nursery, tmp_path: Path) -> None:
+    stack = await _stack(nursery, tmp_path)
+    url = stack.addresses.node_url
+    with trio.fail_after(10):
+        holders = [await open_raw_peer(url, source="127.0.2.1") for _ in range(10)]
+        stats = stack.edge.hub.handshakes.statistics()
+        assert stats.pending == MAX_PENDING_HANDSHAKES_PER_SOURCE and stats.sources == 1
+        # The evicted ones were closed by the Edge, oldest first.
+        for holder in holders[: 10 - MAX_PENDING_HANDSHAKES_PER_SOURCE]:
+            await holder.wait_closed()
+    for holder in holders:
+        await holder.aclose()
+
+
+async def test_a_silent_peer_is_dropped_at_the_handshake_deadline(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    stack = await _stack(nursery, tmp_path)
+    stack.edge.hub.handshake_timeout_s = 0.05
+    peer = await open_raw_peer(stack.addresses.node_url)
+    with trio.fail_after(5):
+        reply = await peer.next_message()
+        await peer.wait_closed()
+    assert isinstance(reply, wire.Reject) and reply.code == "handshake_timeout"
+    await trio.testing.wait_all_tasks_blocked()
+    assert stack.edge.hub.handshakes.statistics().pending == 0
+    await peer.aclose()
+
+
+async def test_frames_built_to_crash_the_decoder_are_rejected(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A `hello` whose unknown field nests deeper than the decoder's stack (it fits in
+    the anonymous message limit) is a bad frame, not a crash of the listener."""
+    stack = await _stack(nursery, tmp_path)
+    nested = b"\x91" * 50_000 + b"\xc0"  # 50,000 msgpack arrays of one element
+    hello = wire.encode(
+        wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="node-1", token=NODE_TOKEN)
+    )
+    # Append one more key to the hello map (fixmap header 0x8N -> 0x8N+1).
+    frame = bytes([hello[0] + 1]) + hello[1:] + b"\xa5extra" + nested
+    for attack in (frame, nested, b"\xdd\xff\xff\xff\xff", b"\xc1" * 100):
+        peer = await open_raw_peer(stack.addresses.node_url)
+        await peer.send(attack)
+        with trio.fail_after(5):
+            reply = await peer.next_message()
+            await peer.wait_closed()
+        assert isinstance(reply, wire.Reject) and reply.code == "bad_frame", attack[:8]
+        await peer.aclose()
+    await stack.start_node()  # the listener still serves
+    await stack.wait_servable("m")
