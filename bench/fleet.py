@@ -222,6 +222,9 @@ class _Connection:
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             await self.aclose()
             raise _BadStream(f"connection failed: {exc!r}") from None
+        except _BadStream:
+            await self.aclose()  # the answer may be half read: start afresh
+            raise
         except BaseException:
             with trio.CancelScope(shield=True):
                 await self.aclose()  # a stream cut short leaves the connection unusable

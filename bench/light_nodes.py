@@ -85,7 +85,10 @@ async def _handshake(
         protocol=wire.PROTOCOL_VERSION, node_id=node_id, token=token, agent_version="light"
     )
     await ws.send_message(wire.encode(hello))
-    message = wire.decode_from_edge(await ws.get_message())
+    try:
+        message = wire.decode_from_edge(await ws.get_message())
+    except wire.WireError as exc:
+        raise LightNodeRejected(f"node {node_id}: the Edge's answer to hello: {exc}") from None
     if isinstance(message, wire.Reject):
         raise LightNodeRejected(f"node {node_id}: {message.code}: {message.reason}")
     if not isinstance(message, wire.Welcome):

@@ -56,6 +56,9 @@ _ADMIN_TIMEOUT_S: Final = 60.0
 #: After the last Node reported in, before the idle window: the Edge's log lines of the
 #: connect burst are still being written.
 _SETTLE_S: Final = 1.0
+#: An Edge that just lost a thousand Nodes takes a few seconds to tear their sessions
+#: down before it exits (longer on a busy machine): more than the default 5 s grace.
+_EDGE_STOP_GRACE_S: Final = 30.0
 
 try:  # libyaml's emitter: a thousand Node entries take a while with the pure-Python one
     _Dumper: Any = yaml.CSafeDumper
@@ -241,7 +244,10 @@ async def _refresh_everything(
         "/refresh", content=body, headers={"content-type": "application/json"}
     )
     elapsed = time.perf_counter() - began
-    report = response.json()
+    try:
+        report = response.json()
+    except ValueError:
+        report = {"errors": response.text[:300]}
     nodes = report.get("nodes", []) if isinstance(report, dict) else []
     applied = sum(1 for node in nodes if node.get("status") == "applied")
     problem: str | None = None
@@ -280,6 +286,7 @@ async def measure_many_nodes(
             # INFO: the Edge logs the URLs it bound at INFO (and a line per Node connect).
             python_argv("iop_edge", "serve", "--config", str(config_path), "--log-level", "INFO"),
             EdgeLog(),
+            stop_grace_s=_EDGE_STOP_GRACE_S,
         )
         rss_empty = await rss_bytes(edge.pid)
         async with (

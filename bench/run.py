@@ -31,6 +31,7 @@ costs CPU, so the numbers of a profiled run are not the ones to quote.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -146,6 +147,7 @@ async def run_bench(
     `workdir` receives the generated configs and the Edge's state; `progress` gets one
     line per step (what started where, each measurement's headline numbers)."""
     say = progress or (lambda _: None)
+    load_at_start = _load_average()
     notes: list[str] = []
     measurements: list[Measurement] = []
     fleet: list[FleetMeasurement] = []
@@ -156,14 +158,25 @@ async def run_bench(
         fleet = await _run_fleet(options, workdir / "fleet", notes, say)
     if NODES in options.parts:
         many_nodes = await _run_many_nodes(options.nodes, workdir / "nodes", notes, say)
+    settings = options.settings()
+    if load_at_start is not None and (load_at_end := _load_average()) is not None:
+        # Other work on the machine inflates every number; this says how much there was.
+        settings["load average (1 min) at start/end"] = f"{load_at_start:.1f}/{load_at_end:.1f}"
     return BenchResult(
         machine=Machine.this(),
         measurements=tuple(measurements),
         fleet=tuple(fleet),
         many_nodes=many_nodes,
         notes=tuple(notes),
-        settings=options.settings(),
+        settings=settings,
     )
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return None
 
 
 # --- starting targets -----------------------------------------------------------------------------
