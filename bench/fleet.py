@@ -171,6 +171,10 @@ class _BadStream(Exception):
     """The target answered, but not with a complete stream."""
 
 
+class _NothingReceived(_BadStream):
+    """The connection failed before a byte of the answer arrived."""
+
+
 @dataclass
 class _Tally:
     """What the callers saw; only what arrives inside the window counts."""
@@ -216,7 +220,19 @@ class _Connection:
             await stream.aclose()
 
     async def exchange(self, on_body: Callable[[bytes, int], None]) -> None:
-        """Send the request and hand the answer's body to `on_body` as it arrives."""
+        """Send the request and hand the answer's body to `on_body` as it arrives.
+
+        A kept-alive connection the target closed while it sat idle fails before a byte
+        of the answer arrives; then the request goes once more on a new connection."""
+        if self._stream is not None:
+            try:
+                await self._exchange_or_drop(on_body)
+                return
+            except _NothingReceived:
+                pass  # dropped: once more, on a new connection
+        await self._exchange_or_drop(on_body)
+
+    async def _exchange_or_drop(self, on_body: Callable[[bytes, int], None]) -> None:
         try:
             await self._exchange(on_body)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -241,9 +257,12 @@ class _Connection:
     async def _exchange(self, on_body: Callable[[bytes, int], None]) -> None:
         if self._stream is None:
             self._stream = await trio.open_tcp_stream(self._host, self._port)
-        await self._stream.send_all(self._request)
         buffer = self._buffer
-        now_ns = 0
+        try:
+            await self._stream.send_all(self._request)
+            now_ns = await self._receive()
+        except (_BadStream, trio.BrokenResourceError, OSError) as exc:
+            raise _NothingReceived(str(exc)) from None
         while (end := buffer.find(_HEAD_END)) < 0:
             if len(buffer) > _MAX_HEAD_BYTES:
                 raise _BadStream("answer head too large")

@@ -313,6 +313,40 @@ async def test_a_paced_stream_arrives_whole_with_a_stamp_per_token() -> None:
         nursery.cancel_scope.cancel()
 
 
+async def test_a_connection_the_target_closed_while_idle_is_replaced_once() -> None:
+    """The target closes every connection after one answer; each stream still arrives."""
+    events = stream_events(include_usage=False, tokens=2, stamped=True)
+    body = b"".join(
+        b"%x\r\n%s\r\n" % (len(sse), sse)
+        for sse in [b"data: " + e.replace(b"STAMP-SLOT", b"1") + b"\n\n" for e in events]
+        + [b"data: [DONE]\n\n"]
+    )
+    answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body + b"0\r\n\r\n"
+    connections = 0
+
+    async def answer_once_then_close(stream: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        received = b""
+        while b"\r\n\r\n" not in received or not received.endswith(b"}"):
+            received += await stream.receive_some(65536)
+        await stream.send_all(answer)
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, answer_once_then_close, 0)
+        port = listeners[0].socket.getsockname()[1]
+        host, port, request = _request(f"http://127.0.0.1:{port}")
+        connection = _Connection(host, port, request)
+        for _ in range(3):
+            reader = _StreamReader(None)
+            await connection.exchange(reader)
+            assert (reader.tokens, reader.done) == (2, True)
+        assert connections == 3
+        await connection.aclose()
+        nursery.cancel_scope.cancel()
+
+
 def test_the_stream_reader_finds_events_split_across_reads() -> None:
     tally = _Tally(expected_tokens=2, window_start_ns=0)
     reader = _StreamReader(tally)
