@@ -32,6 +32,9 @@ more to reach a steady state), one window of `window_s` seconds is measured:
   core` is its inverse: how many tokens per second one core of that process could relay.
 - **RSS per open stream**: the process's resident memory at its highest in the window
   minus its resident memory idle after the warm-up, over `streams`.
+- **waited for a core**: the time the process was ready to run but got no core, as a
+  share of the window. A target that falls behind the offered load while this is high
+  was starved by other work on the machine, not (only) slow by itself.
 
 The callers speak HTTP/1.1 themselves (`_Connection`: one keep-alive connection each, a
 prebuilt request, a chunked-body reader) instead of through httpx2: at thousands of
@@ -55,7 +58,13 @@ from urllib.parse import urlsplit
 import trio
 
 from bench.load import CHAT_PATH, Target, percentile, request_body
-from bench.procfs import cpu_by_process, cpu_delta, process_cpu_seconds, rss_by_process
+from bench.procfs import (
+    cpu_by_process,
+    cpu_delta,
+    process_cpu_seconds,
+    rss_by_process,
+    run_delay_by_process,
+)
 from bench.upstream import STAMP_PATTERN
 
 _EVENT_END: Final = b"\n\n"
@@ -122,6 +131,8 @@ class FleetMeasurement:
     process_cpu_s: Mapping[str, float] | None = None
     rss_idle: Mapping[str, int] | None = None
     rss_loaded: Mapping[str, int] | None = None
+    process_wait_s: Mapping[str, float] | None = None
+    """Time each process was runnable but waited for a core, in the window."""
     caller_cpu_s: float | None = None
     """CPU time of the load generator (this process) in the window."""
     first_error: str | None = None
@@ -147,6 +158,12 @@ class FleetMeasurement:
         else:
             return None
         return spent / self.chunks * 1e6
+
+    def waited_share(self, process: str) -> float | None:
+        """The share of the window `process` was runnable without a core."""
+        if self.process_wait_s is None or process not in self.process_wait_s:
+            return None
+        return self.process_wait_s[process] / self.window_s if self.window_s > 0 else None
 
     @property
     def caller_us_per_chunk(self) -> float | None:
@@ -462,12 +479,14 @@ async def measure_fleet(target: Target, shape: FleetShape) -> FleetMeasurement:
         # The load is paced by the upstream: the schedule is the measurement's own.
         await trio.sleep(2 * shape.stream_s)
         cpu_before = await cpu_by_process(target.processes)
+        wait_before = await run_delay_by_process(target.processes)
         caller_before = await process_cpu_seconds(os.getpid())
         tally.window_start_ns = time.monotonic_ns()
         until_ns = tally.window_start_ns + math.ceil(shape.window_s * 1e9)
         rss_loaded = await _highest_rss(target.processes, until_ns)
         tally.window_end_ns = time.monotonic_ns()
         caller_after = await process_cpu_seconds(os.getpid())
+        wait_after = await run_delay_by_process(target.processes)
         cpu_after = await cpu_by_process(target.processes)
         callers.cancel_scope.cancel()
     caller_cpu_s = None
@@ -483,6 +502,7 @@ async def measure_fleet(target: Target, shape: FleetShape) -> FleetMeasurement:
         delays_s=tuple(sorted(ns / 1e9 for ns in tally.delays_ns)),
         gaps_s=tuple(sorted(ns / 1e9 for ns in tally.gaps_ns)),
         process_cpu_s=cpu_delta(cpu_before, cpu_after),
+        process_wait_s=cpu_delta(wait_before, wait_after),
         rss_idle=rss_idle,
         rss_loaded=rss_loaded,
         caller_cpu_s=caller_cpu_s,

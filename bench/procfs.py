@@ -6,7 +6,10 @@ processes nothing and include every thread (the Rust router's runtime threads, t
 Edge's worker threads). On another OS there is no `/proc`, and these return None.
 
 CPU time is counted in clock ticks (10 ms), which is why a measured window should last
-a few seconds; resident memory (`VmRSS`) is exact at the moment it is read.
+a few seconds; resident memory (`VmRSS`) is exact at the moment it is read. The
+scheduler's run delay (`schedstat`, nanoseconds) is the time a process's threads were
+ready to run but waited for a core: on a machine shared with other work it tells a
+target starved of CPU from one that is slow by itself.
 """
 
 from __future__ import annotations
@@ -50,6 +53,35 @@ async def cpu_seconds(pids: tuple[int, ...]) -> float | None:
     return None if by_process is None else sum(by_process.values())
 
 
+async def run_delay_seconds(pid: int) -> float | None:
+    """Seconds `pid`'s threads have spent runnable but waiting for a core, so far."""
+    try:
+        tasks = list(await trio.Path(f"/proc/{pid}/task").iterdir())
+        total_ns = 0
+        for task in tasks:
+            try:
+                fields = (await (task / "schedstat").read_text()).split()
+            except FileNotFoundError:
+                continue  # a thread that ended meanwhile
+            total_ns += int(fields[1])
+    except OSError:
+        return None
+    return total_ns / 1e9
+
+
+async def run_delay_by_process(processes: Mapping[str, int]) -> dict[str, float] | None:
+    """Run delay so far of each named process; None when any of them cannot be read."""
+    if not processes:
+        return None
+    delays: dict[str, float] = {}
+    for name, pid in processes.items():
+        value = await run_delay_seconds(pid)
+        if value is None:
+            return None
+        delays[name] = value
+    return delays
+
+
 async def rss_bytes(pid: int) -> int | None:
     """Resident memory of `pid` right now (`VmRSS`); None when it cannot be read."""
     try:
@@ -78,7 +110,8 @@ async def rss_by_process(processes: Mapping[str, int]) -> dict[str, int] | None:
 def cpu_delta(
     before: Mapping[str, float] | None, after: Mapping[str, float] | None
 ) -> dict[str, float] | None:
-    """CPU seconds each process spent between two readings (None when either is missing)."""
+    """Seconds each process added between two readings of a counter (CPU time, run delay);
+    None when either reading is missing."""
     if before is None or after is None:
         return None
     return {name: after[name] - before[name] for name in before if name in after}

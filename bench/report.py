@@ -19,8 +19,9 @@ Fleet-shaped streams (`bench.fleet` says how they are measured). `token delay` i
 token's arrival at the caller minus the moment the upstream sent it; `+p50`/`+p99` are a
 target's percentiles minus the direct ones; `gap` is the time between two tokens of one
 stream at the caller. Per process: `CPU us/chunk` over the chunks relayed in the window,
-`chunks/s per core` its inverse, resident memory idle (after a warm-up) and at its
-highest under load, and the difference per open stream.
+`chunks/s per core` its inverse, the share of the window it was runnable but waited
+for a core (other work on the machine), resident memory idle (after a warm-up) and at
+its highest under load, and the difference per open stream.
 
 Many Nodes (`bench.many_nodes`). The Edge's memory before any Node and with all of them
 connected, its CPU while idle, `/catalog` latency, and the time to validate (dry run)
@@ -175,7 +176,8 @@ def fleet_cost_table(result: BenchResult) -> Table:
     table.add_column("target")
     table.add_column("process")
     for name in (
-        "CPU us/chunk", "chunks/s per core", "RSS idle MB", "RSS loaded MB", "KB/open stream",
+        "CPU us/chunk", "chunks/s per core", "waited for a core", "RSS idle MB",
+        "RSS loaded MB", "KB/open stream",
     ):  # fmt: skip
         table.add_column(name, justify="right")
     for index, m in enumerate(result.fleet):
@@ -184,11 +186,13 @@ def fleet_cost_table(result: BenchResult) -> Table:
             idle = m.rss_idle.get(process) if m.rss_idle and process else None
             loaded = m.rss_loaded.get(process) if m.rss_loaded and process else None
             per_core = m.chunks_per_core_s(process)
+            waited = m.waited_share(process) if process else None
             table.add_row(
                 _label(m.target) if row == 0 else "",
                 label,
                 _num(m.cpu_us_per_chunk(process), 0),
                 "-" if per_core is None else f"{per_core:,.0f}",
+                "-" if waited is None else f"{waited:.0%}",
                 _mb(idle),
                 _mb(loaded),
                 _num(m.rss_kb_per_stream(process), 1) if process else "-",
@@ -303,6 +307,7 @@ def _fleet_json(result: BenchResult, m: FleetMeasurement) -> dict[str, Any]:
                 "rss_idle_bytes": m.rss_idle.get(name) if m.rss_idle else None,
                 "rss_loaded_bytes": m.rss_loaded.get(name) if m.rss_loaded else None,
                 "rss_kb_per_stream": m.rss_kb_per_stream(name),
+                "waited_for_a_core_share": m.waited_share(name),
             }
             for name in processes
         },

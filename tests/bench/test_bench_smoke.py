@@ -112,7 +112,7 @@ async def test_fleet_streams_measure_delay_cost_and_memory_per_target(tmp_path: 
         assert m.errors == 0, m.first_error
         assert m.chunks > 0 and m.delays_s and m.gaps_s
         assert m.process_cpu_s is not None and m.rss_idle and m.rss_loaded
-        assert m.caller_cpu_s is not None
+        assert m.process_wait_s is not None and m.caller_cpu_s is not None
     iop = result.fleet_of(IOP)
     assert iop is not None and iop.process_cpu_s is not None
     assert set(iop.process_cpu_s) == {"edge", "node"}
