@@ -59,12 +59,9 @@ class LightNodeRejected(Exception):
 
 @dataclass
 class FleetProgress:
-    """Counts shared by every light Node of one process."""
+    """Shared by every light Node of one process: how many the Edge has welcomed."""
 
-    expected: int
     welcomed: int = 0
-    refresh_acks: int = 0
-    runs_refused: int = 0
 
 
 def status_of(config: NodeConfig) -> wire.Status:
@@ -96,7 +93,7 @@ async def _handshake(
     return ws, message
 
 
-async def _serve(ws: WebSocketConnection, progress: FleetProgress) -> None:
+async def _serve(ws: WebSocketConnection) -> None:
     """Answer the Edge until the connection ends."""
     try:
         while True:
@@ -109,7 +106,6 @@ async def _serve(ws: WebSocketConnection, progress: FleetProgress) -> None:
                     ack = wire.RefreshAck(revision=message.revision, ok=True)
                     await ws.send_message(wire.encode(ack))
                     await ws.send_message(wire.encode(status_of(message.node_config)))
-                    progress.refresh_acks += 1
                 case wire.Run():
                     failed = wire.RunFailed(
                         run_id=message.run_id,
@@ -117,7 +113,6 @@ async def _serve(ws: WebSocketConnection, progress: FleetProgress) -> None:
                         message="a light Node has no upstream",
                     )
                     await ws.send_message(wire.encode(failed))
-                    progress.runs_refused += 1
                 case _:
                     pass  # cancel, a late welcome: nothing to do
     except ConnectionClosed:
@@ -141,7 +136,7 @@ async def light_node(
                 await ws.send_message(wire.encode(status_of(welcome.node_config)))
         progress.welcomed += 1
         task_status.started()
-        await _serve(ws, progress)
+        await _serve(ws)
         connection.cancel_scope.cancel()
 
 
@@ -150,14 +145,13 @@ async def run_light_nodes(
     credentials: Mapping[str, str],
     *,
     handshakes: int = DEFAULT_HANDSHAKES,
-    progress: FleetProgress | None = None,
     task_status: trio.TaskStatus[FleetProgress] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Connect one light Node per `credentials` entry (node id -> token) and serve them.
 
     Startable: reports started (with the shared progress) once every Node is welcomed
     and has sent its status."""
-    progress = progress or FleetProgress(expected=len(credentials))
+    progress = FleetProgress()
     limiter = trio.CapacityLimiter(handshakes)
     async with trio.open_nursery() as nodes:
         async with trio.open_nursery() as connecting:
