@@ -56,11 +56,13 @@ class Gateway:
         return self.edge.ready.openai
 
     @property
-    def pids(self) -> dict[str, int]:
+    def processes(self) -> dict[str, int]:
         return {"edge": self.edge.pid, "node": self.node.pid}
 
 
-def edge_config(upstream_root: str, state_dir: Path, node_token: str) -> str:
+def edge_config(
+    upstream_root: str, state_dir: Path, node_token: str, *, capacity: int = CAPACITY
+) -> str:
     """The Edge config (YAML) for one model on one provider at `upstream_root`."""
     config: dict[str, Any] = {
         "edge": {"id": "bench-edge", "listen": "127.0.0.1:0", "state_dir": str(state_dir)},
@@ -77,7 +79,7 @@ def edge_config(upstream_root: str, state_dir: Path, node_token: str) -> str:
                         "id": PROVIDER_ID,
                         "type": "vllm",
                         "models": [SERVED_MODEL],
-                        "capacity": CAPACITY,
+                        "capacity": capacity,
                         "adapter": {"base_url": f"{upstream_root}/v1"},
                     }
                 ],
@@ -87,7 +89,7 @@ def edge_config(upstream_root: str, state_dir: Path, node_token: str) -> str:
     return yaml.safe_dump(config, sort_keys=False)
 
 
-class _EdgeLog:
+class EdgeLog:
     """Collects the three URLs the Edge logs as it binds; ready once it has all of them."""
 
     def __init__(self) -> None:
@@ -102,19 +104,23 @@ class _EdgeLog:
         return EdgeUrls(**self._found)
 
 
-async def start_gateway(nursery: trio.Nursery, upstream_root: str, workdir: Path) -> Gateway:
+async def start_gateway(
+    nursery: trio.Nursery, upstream_root: str, workdir: Path, *, capacity: int = CAPACITY
+) -> Gateway:
     """Start the Edge, then the Node; return once the model is servable.
 
-    The caller owns the deadline (startup takes about a second)."""
+    `workdir` gets the config and the Edge's state. The caller owns the deadline
+    (startup takes about a second)."""
     token = secrets.token_urlsafe(24)
+    await trio.Path(workdir).mkdir(parents=True, exist_ok=True)
     config_path = workdir / "edge.yaml"
-    text = edge_config(upstream_root, workdir / "edge-state", token)
+    text = edge_config(upstream_root, workdir / "edge-state", token, capacity=capacity)
     await trio.Path(config_path).write_text(text, encoding="utf-8")
     edge = await start_service(
         nursery,
         "iop-edge",
         python_argv("iop_edge", "serve", "--config", str(config_path), "--log-level", "INFO"),
-        _EdgeLog(),
+        EdgeLog(),
     )
     # The Node runs with its default logging (`info`), as an operator runs it: it logs
     # nothing per run (httpx2's per-request line is silenced by `iop-node` itself).

@@ -20,15 +20,15 @@ is kept to show why.
 from __future__ import annotations
 
 import math
-import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
 import httpx2
 import trio
 
+from bench.procfs import cpu_by_process, cpu_delta
 from bench.upstream import MODEL, STREAM_CHUNKS
 
 CHAT_PATH: Final = "/v1/chat/completions"
@@ -38,7 +38,6 @@ STREAM_EVENTS: Final = STREAM_CHUNKS + 1
 _REQUEST_TIMEOUT_S: Final = 60.0
 #: Below uvicorn's 5 s idle timeout (LiteLLM), so no request lands on a closing connection.
 _KEEPALIVE_EXPIRY_S: Final = 4.0
-_CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _HEADERS: Final = {"content-type": "application/json", "authorization": "Bearer unused"}
 
 
@@ -55,12 +54,17 @@ def request_body(*, stream: bool) -> bytes:
 class Target:
     """A server to measure: `name` labels it in the report, `root_url` is scheme://host:port.
 
-    `pids` are the processes that make up the target (for IOP: the Edge and the Node); the
-    CPU time they spend during a measured phase is reported per request."""
+    `processes` names the processes that make up the target and their pids (IOP: `edge`
+    and `node`; a peer: its one process); the CPU time each spends during a measured
+    phase is reported per request and per chunk, each process apart."""
 
     name: str
     root_url: str
-    pids: tuple[int, ...] = ()
+    processes: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(self.processes.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,20 +104,42 @@ class Measurement:
     errors: int
     wall_s: float
     first_error: str | None = None
-    server_cpu_s: float | None = None
-    """CPU time (user + system) of the target's processes during the phase, when known."""
+    process_cpu_s: Mapping[str, float] | None = None
+    """CPU time (user + system) of each of the target's processes during the phase."""
 
     @property
     def ok(self) -> int:
         return len(self.latencies_s)
 
     @property
+    def server_cpu_s(self) -> float | None:
+        """CPU time of all the target's processes together during the phase, when known."""
+        return None if self.process_cpu_s is None else sum(self.process_cpu_s.values())
+
+    @property
     def cpu_ms_per_request(self) -> float | None:
         """The target's own CPU cost of one request: what bounds its throughput per core."""
+        return self.process_cpu_ms_per_request(None)
+
+    def process_cpu_ms_per_request(self, process: str | None) -> float | None:
+        """CPU ms per request of one of the target's processes (None: all of them)."""
         requests = self.ok + self.errors
-        if self.server_cpu_s is None or not requests:
+        if self.process_cpu_s is None or not requests:
             return None
-        return self.server_cpu_s / requests * 1000
+        if process is None:
+            spent = sum(self.process_cpu_s.values())
+        elif process in self.process_cpu_s:
+            spent = self.process_cpu_s[process]
+        else:
+            return None
+        return spent / requests * 1000
+
+    def process_cpu_us_per_chunk(self, process: str | None) -> float | None:
+        """CPU µs per relayed stream chunk (`STREAM_CHUNKS` per request); streams only."""
+        per_request = self.process_cpu_ms_per_request(process)
+        if not self.scenario.stream or per_request is None:
+            return None
+        return per_request * 1000 / STREAM_CHUNKS
 
     @property
     def p50_ms(self) -> float | None:
@@ -137,25 +163,6 @@ def percentile(sorted_values: tuple[float, ...], q: float) -> float:
     high = min(low + 1, len(sorted_values) - 1)
     fraction = rank - low
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * fraction
-
-
-async def cpu_seconds(pids: tuple[int, ...]) -> float | None:
-    """User + system CPU seconds the processes used so far, from Linux's `/proc`.
-
-    None when there is no `/proc` (another OS) or a process is gone. The kernel counts in
-    clock ticks (10 ms), which is why a phase should last a few seconds."""
-    if not pids:
-        return None
-    total = 0.0
-    for pid in pids:
-        try:
-            stat = await trio.Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return None
-        # Fields after the parenthesised command name; utime and stime are the 12th, 13th.
-        fields = stat.rpartition(")")[2].split()
-        total += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-    return total
 
 
 class _BadResponse(Exception):
@@ -261,14 +268,11 @@ async def measure(
     warmup = max(budget.warmup_requests, scenario.concurrency) if budget.warmup_requests else 0
     if warmup:
         await _closed_loop(send, scenario.concurrency, requests=warmup, duration_s=math.inf)
-    cpu_before = await cpu_seconds(target.pids)
+    cpu_before = await cpu_by_process(target.processes)
     tally, wall_s = await _closed_loop(
         send, scenario.concurrency, requests=budget.requests, duration_s=budget.duration_s
     )
-    cpu_after = await cpu_seconds(target.pids)
-    server_cpu_s = None
-    if cpu_before is not None and cpu_after is not None:
-        server_cpu_s = cpu_after - cpu_before
+    cpu_after = await cpu_by_process(target.processes)
     return Measurement(
         target=target.name,
         scenario=scenario,
@@ -276,5 +280,5 @@ async def measure(
         errors=tally.errors,
         wall_s=wall_s,
         first_error=tally.first_error,
-        server_cpu_s=server_cpu_s,
+        process_cpu_s=cpu_delta(cpu_before, cpu_after),
     )

@@ -1,159 +1,74 @@
-"""The bench's report: the machine, one table of measurements, and the issue's targets.
+"""The bench's report: the machine, one table per measured part, and the issue's targets.
 
-Everything here is pure: `BenchResult` is what a run measured, `check_targets` compares
-it with the goals of the issue ("measure the gateway against a direct upstream and
-against the most used open gateway"), and `render` turns both into rich renderables.
-The goals are printed as PASS/MISS next to the measured values, never asserted: a number
-on a shared 2-core CI machine is an observation, not a test.
+Everything here is pure: `render` turns a `BenchResult` into rich renderables and
+`to_json` into a document for tooling. What the columns mean:
 
-Column meanings: `CPU ms/req` is the CPU time the target's own processes spent per
-request (the upstream for `direct`, the Edge plus the Node for IOP, the proxy for
-LiteLLM): on a machine whose cores are all busy it is what bounds throughput. The
-`Hypercorn` row is the Edge's HTTP server answering by itself (`bench.asgi_floor`): the
-floor under IOP's numbers. `+p50` is
-the median latency a target adds over calling the upstream directly (for a stream, time
-to the last byte); `vs direct` is its throughput as a share of the direct one;
-`IOP/LiteLLM` is IOP's throughput over LiteLLM's.
+Closed-loop table. `CPU ms/req` is the CPU time the target's own processes spent per
+request (the upstream for `direct`, the Edge plus the Node for IOP, the proxy or the
+router for a peer): on a machine whose cores are all busy it is what bounds throughput.
+The `Hypercorn` row is the Edge's HTTP server answering by itself (`bench.asgi_floor`):
+the floor under IOP's numbers. `+p50` is the median latency a target adds over calling
+the upstream directly (for a stream, time to the last byte); `vs direct` is its
+throughput as a share of the direct one; `IOP/LiteLLM` is IOP's throughput over
+LiteLLM's.
+
+CPU by process. The same CPU time split by process (IOP's Edge and Node apart), per
+request and, for streams, per relayed chunk (22 per stream).
+
+Fleet-shaped streams (`bench.fleet` says how they are measured). `token delay` is a
+token's arrival at the caller minus the moment the upstream sent it; `+p50`/`+p99` are a
+target's percentiles minus the direct ones; `gap` is the time between two tokens of one
+stream at the caller. Per process: `CPU us/chunk` over the chunks relayed in the window,
+`chunks/s per core` its inverse, the share of the window it was runnable but waited
+for a core (other work on the machine), resident memory idle (after a warm-up) and at
+its highest under load, and the difference per open stream.
+
+Many Nodes (`bench.many_nodes`). The Edge's memory before any Node and with all of them
+connected, its CPU while idle, `/catalog` latency, and the time to validate (dry run)
+and to apply a refresh that changes every Node's providers, until every Node acked.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import platform
-import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any
 
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from bench.load import Measurement, Scenario
+from bench.fleet import FleetMeasurement
+from bench.load import Measurement
+from bench.result import (
+    DIRECT,
+    IOP,
+    LITELLM,
+    PROCESSES,
+    TARGET_LABELS,
+    BenchResult,
+    added_gap_ms,
+    added_p50_ms,
+    added_token_delay_ms,
+    throughput_ratio,
+)
+from bench.targets import TargetCheck, check_targets
 
-DIRECT: Final = "direct"
-HYPERCORN: Final = "hypercorn"
-IOP: Final = "iop"
-LITELLM: Final = "litellm"
-TARGET_LABELS: Final = {
-    DIRECT: "direct",
-    HYPERCORN: "Hypercorn",
-    IOP: "IOP",
-    LITELLM: "LiteLLM",
-}
-
-#: Goals from the issue.
-MAX_ADDED_P50_MS: Final = {False: 1.5, True: 3.0}  # by `stream`, at concurrency 1
-MIN_THROUGHPUT_VS_LITELLM: Final = 5.0  # at concurrency 32
-
-Verdict = Literal["PASS", "MISS", "n/a"]
-
-
-@dataclass(frozen=True, slots=True)
-class Machine:
-    cores: int
-    python: str
-    platform: str
-
-    @classmethod
-    def this(cls) -> Machine:
-        return cls(
-            cores=os.cpu_count() or 1,
-            python=f"{platform.python_implementation()} {sys.version.split()[0]}",
-            platform=platform.platform(terse=True),
-        )
+_MB = 2**20
 
 
-@dataclass(frozen=True, slots=True)
-class BenchResult:
-    machine: Machine
-    measurements: tuple[Measurement, ...]
-    notes: tuple[str, ...] = ()
-    """Why a target was skipped, and the like; printed under the table."""
-    settings: dict[str, Any] = field(default_factory=dict)
-
-    def scenarios(self) -> list[Scenario]:
-        seen: dict[Scenario, None] = {}
-        for m in self.measurements:
-            seen.setdefault(m.scenario, None)
-        return list(seen)
-
-    def get(self, target: str, scenario: Scenario) -> Measurement | None:
-        for m in self.measurements:
-            if m.target == target and m.scenario == scenario:
-                return m
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class TargetCheck:
-    goal: str
-    measured: str
-    verdict: Verdict
-
-
-# --- derived numbers (pure) ---------------------------------------------------------------------
-
-
-def added_p50_ms(result: BenchResult, target: str, scenario: Scenario) -> float | None:
-    """Median latency `target` adds over the direct upstream, in ms."""
-    measured, direct = result.get(target, scenario), result.get(DIRECT, scenario)
-    if measured is None or direct is None or measured.p50_ms is None or direct.p50_ms is None:
-        return None
-    return measured.p50_ms - direct.p50_ms
-
-
-def throughput_ratio(
-    result: BenchResult, target: str, baseline: str, scenario: Scenario
-) -> float | None:
-    measured, base = result.get(target, scenario), result.get(baseline, scenario)
-    if measured is None or base is None or measured.rps is None or not base.rps:
-        return None
-    return measured.rps / base.rps
-
-
-def check_targets(result: BenchResult) -> list[TargetCheck]:
-    checks: list[TargetCheck] = []
-    for stream in (False, True):
-        scenario = Scenario(concurrency=1, stream=stream)
-        limit = MAX_ADDED_P50_MS[stream]
-        kind = "stream (22 chunks, to last byte)" if stream else "non-stream"
-        goal = f"IOP adds <= {limit:g} ms p50 at c=1, {kind}"
-        added = added_p50_ms(result, IOP, scenario)
-        if added is None:
-            missing = IOP if result.get(DIRECT, scenario) else DIRECT
-            checks.append(TargetCheck(goal, f"not measured ({missing})", "n/a"))
-        else:
-            verdict: Verdict = "PASS" if added <= limit else "MISS"
-            checks.append(TargetCheck(goal, f"{added:+.2f} ms", verdict))
-    for stream in (False, True):
-        scenario = Scenario(concurrency=32, stream=stream)
-        goal = (
-            f"IOP throughput >= {MIN_THROUGHPUT_VS_LITELLM:g}x LiteLLM's at c=32, "
-            f"{'stream' if stream else 'non-stream'}"
-        )
-        ratio = throughput_ratio(result, IOP, LITELLM, scenario)
-        if ratio is None:
-            missing = LITELLM if result.get(IOP, scenario) else IOP
-            checks.append(TargetCheck(goal, f"not measured ({missing})", "n/a"))
-        else:
-            verdict = "PASS" if ratio >= MIN_THROUGHPUT_VS_LITELLM else "MISS"
-            checks.append(TargetCheck(goal, f"{ratio:.2f}x", verdict))
-    return checks
-
-
-# --- rendering ------------------------------------------------------------------------------------
-
-
-def _ms(value: float | None, *, signed: bool = False) -> str:
+def _num(value: float | None, digits: int = 2, *, signed: bool = False) -> str:
     if value is None:
         return "-"
-    return f"{value:+.2f}" if signed else f"{value:.2f}"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
 
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
+
+
+def _label(target: str) -> str:
+    return TARGET_LABELS.get(target, target)
 
 
 def measurements_table(result: BenchResult) -> Table:
@@ -172,18 +87,155 @@ def measurements_table(result: BenchResult) -> Table:
             baseline = m.target == DIRECT
             table.add_row(
                 scenario.label if row == 0 else "",
-                TARGET_LABELS.get(m.target, m.target),
+                _label(m.target),
                 str(m.ok),
                 Text(str(m.errors), style="red" if m.errors else ""),
-                _ms(m.p50_ms),
-                _ms(m.p99_ms),
+                _num(m.p50_ms),
+                _num(m.p99_ms),
                 "-" if m.rps is None else f"{m.rps:.0f}",
-                _ms(m.cpu_ms_per_request),
-                "" if baseline else _ms(added_p50_ms(result, m.target, scenario), signed=True),
+                _num(m.cpu_ms_per_request),
+                "" if baseline else _num(added_p50_ms(result, m.target, scenario), signed=True),
                 "" if baseline else _ratio(throughput_ratio(result, m.target, DIRECT, scenario)),
                 _ratio(throughput_ratio(result, IOP, LITELLM, scenario)) if m.target == IOP else "",
                 end_section=row == len(rows) - 1 and index < len(scenarios) - 1,
             )
+    return table
+
+
+def _process_rows(target: str) -> list[tuple[str, str | None]]:
+    """(label, process) rows of a target; a target of several processes gets a total."""
+    processes = PROCESSES.get(target, ())
+    rows: list[tuple[str, str | None]] = [(name, name) for name in processes]
+    if len(processes) > 1:
+        rows.append(("+".join(processes), None))
+    return rows
+
+
+def cpu_by_process_table(result: BenchResult) -> Table:
+    table = Table(title="CPU by process: ms per request; us per relayed chunk for streams")
+    table.add_column("target")
+    table.add_column("process")
+    scenarios = result.scenarios()
+    for scenario in scenarios:
+        table.add_column(f"{scenario.label}\nms/req", justify="right")
+        if scenario.stream:
+            table.add_column(f"{scenario.label}\nus/chunk", justify="right")
+    targets = list(dict.fromkeys(m.target for m in result.measurements))
+    for index, target in enumerate(targets):
+        rows = _process_rows(target)
+        for row, (label, process) in enumerate(rows):
+            cells: list[str] = []
+            for scenario in scenarios:
+                m: Measurement | None = result.get(target, scenario)
+                cells.append(_num(m.process_cpu_ms_per_request(process) if m else None))
+                if scenario.stream:
+                    per_chunk = m.process_cpu_us_per_chunk(process) if m else None
+                    cells.append(_num(per_chunk, 0))
+            table.add_row(
+                _label(target) if row == 0 else "",
+                label,
+                *cells,
+                end_section=row == len(rows) - 1 and index < len(targets) - 1,
+            )
+    return table
+
+
+def fleet_delivery_table(result: BenchResult) -> Table:
+    shape = result.fleet[0].shape
+    table = Table(title=f"Fleet-shaped streams: {shape.label}, {shape.window_s:g} s measured")
+    table.add_column("target")
+    for name in (
+        "chunks/s", "streams", "err", "delay p50 ms", "delay p99 ms", "+p50 ms", "+p99 ms",
+        "gap p50 ms", "gap p99 ms", "+gap p99 ms",
+    ):  # fmt: skip
+        table.add_column(name, justify="right")
+    for m in result.fleet:
+        baseline = m.target == DIRECT
+        table.add_row(
+            _label(m.target),
+            _num(m.chunks_per_s, 0),
+            str(m.streams_done),
+            Text(str(m.errors), style="red" if m.errors else ""),
+            _num(m.delay_ms(50.0)),
+            _num(m.delay_ms(99.0)),
+            "" if baseline else _num(added_token_delay_ms(result, m.target, 50.0), signed=True),
+            "" if baseline else _num(added_token_delay_ms(result, m.target, 99.0), signed=True),
+            _num(m.gap_ms(50.0)),
+            _num(m.gap_ms(99.0)),
+            "" if baseline else _num(added_gap_ms(result, m.target, 99.0), signed=True),
+        )
+    return table
+
+
+def _mb(value: int | None) -> str:
+    return "-" if value is None else f"{value / _MB:.1f}"
+
+
+def fleet_cost_table(result: BenchResult) -> Table:
+    table = Table(title="Fleet-shaped streams: cost by process")
+    table.add_column("target")
+    table.add_column("process")
+    for name in (
+        "CPU us/chunk", "chunks/s per core", "waited for a core", "RSS idle MB",
+        "RSS loaded MB", "KB/open stream",
+    ):  # fmt: skip
+        table.add_column(name, justify="right")
+    for index, m in enumerate(result.fleet):
+        rows = _process_rows(m.target)
+        for row, (label, process) in enumerate(rows):
+            idle = m.rss_idle.get(process) if m.rss_idle and process else None
+            loaded = m.rss_loaded.get(process) if m.rss_loaded and process else None
+            per_core = m.chunks_per_core_s(process)
+            waited = m.waited_share(process) if process else None
+            table.add_row(
+                _label(m.target) if row == 0 else "",
+                label,
+                _num(m.cpu_us_per_chunk(process), 0),
+                "-" if per_core is None else f"{per_core:,.0f}",
+                "-" if waited is None else f"{waited:.0%}",
+                _mb(idle),
+                _mb(loaded),
+                _num(m.rss_kb_per_stream(process), 1) if process else "-",
+                end_section=row == len(rows) - 1 and index < len(result.fleet) - 1,
+            )
+    return table
+
+
+def many_nodes_table(result: BenchResult) -> Table:
+    m = result.many_nodes
+    assert m is not None
+    shape = m.shape
+    table = Table(
+        title=(
+            f"Many Nodes on one Edge: {shape.nodes} light Nodes x "
+            f"{shape.providers_per_node} providers, {shape.models} models"
+        )
+    )
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    catalog_p50 = m.catalog_ms(50.0)
+    rows = [
+        ("connect (until the catalog shows every provider available)", f"{m.connect_s:.1f} s"),
+        ("Edge RSS before any Node", f"{_mb(m.rss_empty)} MB"),
+        ("Edge RSS, every Node connected, idle", f"{_mb(m.rss_connected)} MB"),
+        ("Edge RSS per connected Node", f"{_num(m.rss_kb_per_node, 1)} KB"),
+        ("Edge RSS after the refresh", f"{_mb(m.rss_after_refresh)} MB"),
+        (
+            f"idle Edge CPU over {m.idle_window_s:g} s",
+            "-" if m.idle_cpu_share is None else f"{m.idle_cpu_share:.1%} of a core",
+        ),
+        (
+            f"/catalog p50 / slowest of {len(m.catalog_s)} ({m.catalog_bytes / 1024:,.0f} KB)",
+            f"{_num(catalog_p50, 0)} / {_num(m.catalog_max_ms, 0)} ms",
+        ),
+        ("refresh dry run (validate + plan)", f"{_num(m.dry_run_s, 1)} s"),
+        (
+            "refresh apply, until every Node acked",
+            f"{_num(m.refresh_s, 1)} s ({m.refresh_applied}/{m.refresh_nodes} applied)",
+        ),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
     return table
 
 
@@ -208,13 +260,59 @@ def render(result: BenchResult) -> RenderableType:
     ]
     if result.settings:
         parts.append(Text("settings: " + ", ".join(f"{k}={v}" for k, v in result.settings.items())))
-    parts.append(measurements_table(result))
+    if result.measurements:
+        parts.append(measurements_table(result))
+        parts.append(cpu_by_process_table(result))
     for m in result.measurements:
         if m.first_error:
             parts.append(Text(f"{m.target} {m.scenario.label}: first error: {m.first_error}"))
+    if result.fleet:
+        parts.append(fleet_delivery_table(result))
+        parts.append(fleet_cost_table(result))
+    for f in result.fleet:
+        if f.first_error:
+            parts.append(Text(f"{f.target} fleet: first error: {f.first_error}"))
+    if result.many_nodes is not None:
+        parts.append(many_nodes_table(result))
+        if result.many_nodes.refresh_problem:
+            parts.append(Text(f"refresh: {result.many_nodes.refresh_problem}"))
     parts.extend(Text(note) for note in result.notes)
     parts.append(targets_table(check_targets(result)))
     return Group(*parts)
+
+
+# --- JSON -----------------------------------------------------------------------------------------
+
+
+def _fleet_json(result: BenchResult, m: FleetMeasurement) -> dict[str, Any]:
+    processes = PROCESSES.get(m.target, ())
+    return {
+        "target": m.target,
+        "streams": m.shape.streams,
+        "tokens_per_second": m.shape.tokens_per_second,
+        "tokens": m.shape.tokens,
+        "window_s": m.window_s,
+        "chunks": m.chunks,
+        "streams_done": m.streams_done,
+        "errors": m.errors,
+        "delay_p50_ms": m.delay_ms(50.0),
+        "delay_p99_ms": m.delay_ms(99.0),
+        "added_delay_p50_ms": added_token_delay_ms(result, m.target, 50.0),
+        "added_delay_p99_ms": added_token_delay_ms(result, m.target, 99.0),
+        "gap_p50_ms": m.gap_ms(50.0),
+        "gap_p99_ms": m.gap_ms(99.0),
+        "processes": {
+            name: {
+                "cpu_us_per_chunk": m.cpu_us_per_chunk(name),
+                "rss_idle_bytes": m.rss_idle.get(name) if m.rss_idle else None,
+                "rss_loaded_bytes": m.rss_loaded.get(name) if m.rss_loaded else None,
+                "rss_kb_per_stream": m.rss_kb_per_stream(name),
+                "waited_for_a_core_share": m.waited_share(name),
+            }
+            for name in processes
+        },
+        "first_error": m.first_error,
+    }
 
 
 def to_json(result: BenchResult) -> str:
@@ -230,11 +328,39 @@ def to_json(result: BenchResult) -> str:
             "p99_ms": m.p99_ms,
             "rps": m.rps,
             "cpu_ms_per_request": m.cpu_ms_per_request,
+            "processes": {
+                name: {
+                    "cpu_ms_per_request": m.process_cpu_ms_per_request(name),
+                    "cpu_us_per_chunk": m.process_cpu_us_per_chunk(name),
+                }
+                for name in PROCESSES.get(m.target, ())
+            },
             "added_p50_ms": added_p50_ms(result, m.target, m.scenario),
             "first_error": m.first_error,
         }
         for m in result.measurements
     ]
+    nodes = result.many_nodes
+    many_nodes = None
+    if nodes is not None:
+        many_nodes = {
+            "nodes": nodes.shape.nodes,
+            "providers_per_node": nodes.shape.providers_per_node,
+            "connect_s": nodes.connect_s,
+            "rss_empty_bytes": nodes.rss_empty,
+            "rss_connected_bytes": nodes.rss_connected,
+            "rss_after_refresh_bytes": nodes.rss_after_refresh,
+            "idle_cpu_share": nodes.idle_cpu_share,
+            "catalog_p50_ms": nodes.catalog_ms(50.0),
+            "catalog_max_ms": nodes.catalog_max_ms,
+            "catalog_bytes": nodes.catalog_bytes,
+            "dry_run_s": nodes.dry_run_s,
+            "refresh_s": nodes.refresh_s,
+            "refresh_status": nodes.refresh_status,
+            "refresh_applied": nodes.refresh_applied,
+            "refresh_nodes": nodes.refresh_nodes,
+            "refresh_problem": nodes.refresh_problem,
+        }
     checks = [
         {"goal": c.goal, "measured": c.measured, "verdict": c.verdict}
         for c in check_targets(result)
@@ -247,6 +373,8 @@ def to_json(result: BenchResult) -> str:
         },
         "settings": result.settings,
         "measurements": rows,
+        "fleet": [_fleet_json(result, m) for m in result.fleet],
+        "many_nodes": many_nodes,
         "targets": checks,
         "notes": list(result.notes),
     }

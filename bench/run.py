@@ -1,27 +1,40 @@
-"""`python -m bench` (`just bench`): measure IOP against a direct upstream and LiteLLM.
+"""`python -m bench` (`just bench`): measure IOP against a direct upstream and its peers.
 
-One command, one run: it starts the fast fake upstream, an IOP Edge and Node in front of
-it, and LiteLLM's proxy when installed (`bench.litellm_proxy` says how), each in its own
-process; then, for every scenario (concurrency x stream/non-stream), it measures each
-target in turn with the closed-loop generator in this process, prints one table and the
-issue's targets as PASS/MISS, stops every child and exits 0.
+One command, one run, in up to three parts (`--parts`), each starting and stopping its
+own processes so no part's servers weigh on another's:
 
-    python -m bench [--duration S | --requests N] [--concurrency 1,32]
-                    [--only direct,hypercorn,iop,litellm] [--warmup N] [--json FILE]
-                    [--profile DIR [--profile-format flamegraph|speedscope|raw]]
+- `closed`: the fast fake upstream, the Hypercorn floor, an IOP Edge and Node in front
+  of the upstream, and the peers when installed (LiteLLM's proxy: `bench.litellm_proxy`;
+  vLLM's Rust router: `bench.vllm_router`), each in its own process; for every scenario
+  (concurrency x stream/non-stream) each target is measured in turn by the closed-loop
+  generator in this process (`bench.load`).
+- `fleet`: the fleet-shaped stream scenario (`bench.fleet`): the paced upstream, then
+  each fleet target in turn (started, measured, stopped).
+- `nodes`: many light Nodes on one Edge (`bench.many_nodes`).
+
+It prints the tables and the issue's targets as PASS/MISS, stops every child and exits 0.
+
+    python -m bench [--parts closed,fleet,nodes]
+                    [--duration S | --requests N] [--concurrency 1,32] [--warmup N]
+                    [--only direct,hypercorn,iop,litellm,vllm-router]
+                    [--fleet-only direct,iop,vllm-router] [--streams 100]
+                    [--tokens-per-second 10] [--stream-tokens 30] [--window 5]
+                    [--nodes 1000] [--providers-per-node 3] [--idle-window 10]
+                    [--json FILE] [--profile DIR [--profile-format flamegraph|speedscope|raw]]
 
 `--profile DIR` attaches `py-spy record` (when on PATH; it is not a dependency) to the
-Edge and the Node while the scenarios run and writes `edge.*` and `node.*` there; run it
-with `--only iop` for a profile of IOP alone. Sampling costs CPU, so the numbers of a
-profiled run are not the ones to quote.
+Edge and the Node while the closed-loop scenarios run and writes `edge.*` and `node.*`
+there; run it with `--parts closed --only iop` for a profile of IOP alone. Sampling
+costs CPU, so the numbers of a profiled run are not the ones to quote.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -30,37 +43,46 @@ import trio
 from rich.console import Console
 
 from bench.asgi_floor import READY_PREFIX as FLOOR_READY_PREFIX
-from bench.gateway import start_gateway
+from bench.fleet import FleetMeasurement, FleetShape, measure_fleet
+from bench.gateway import CAPACITY, start_gateway
 from bench.litellm_proxy import find_litellm, start_litellm
-from bench.load import (
-    Budget,
-    Measurement,
-    Scenario,
-    Target,
-    cpu_seconds,
-    measure,
-    open_client,
-)
+from bench.load import Budget, Measurement, Scenario, Target, measure, open_client
+from bench.many_nodes import ManyNodesMeasurement, ManyNodesShape, measure_many_nodes
+from bench.procfs import cpu_seconds
 from bench.profiler import FORMATS, find_py_spy, start_profilers
-from bench.report import (
+from bench.report import render, to_json
+from bench.result import (
+    ALL_TARGETS,
     DIRECT,
     HYPERCORN,
     IOP,
     LITELLM,
     TARGET_LABELS,
+    VLLM_ROUTER,
     BenchResult,
     Machine,
-    render,
-    to_json,
 )
 from bench.services import Service, ServiceFailed, python_argv, start_service
 from bench.upstream import READY_PREFIX
+from bench.vllm_router import find_vllm_router, start_vllm_router
 
-ALL_TARGETS: Final = (DIRECT, HYPERCORN, IOP, LITELLM)
+CLOSED: Final = "closed"
+FLEET: Final = "fleet"
+NODES: Final = "nodes"
+ALL_PARTS: Final = (CLOSED, FLEET, NODES)
+#: The fleet scenario's targets unless `--fleet-only` says otherwise. LiteLLM is left out:
+#: at ~1.7 ms of CPU per relayed chunk (closed-loop stream column) it would need ~1.7
+#: cores for the default 1,000 chunks/s, and would only measure its own backlog.
+DEFAULT_FLEET_TARGETS: Final = (DIRECT, IOP, VLLM_ROUTER)
+FLEET_TARGETS: Final = (DIRECT, IOP, LITELLM, VLLM_ROUTER)
 _UPSTREAM_START_S: Final = 30.0
 _GATEWAY_START_S: Final = 60.0
-_LITELLM_START_S: Final = 180.0
-_REPORT_WIDTH: Final = 120
+_PEER_START_S: Final = 180.0
+#: A thousand Nodes: the Edge parses a large config, a thousand handshakes, a refresh.
+_NODES_DEADLINE_S: Final = 900.0
+#: Beyond the fleet measurement's own schedule: slow warm-up streams, slow process reads.
+_FLEET_SLACK_S: Final = 120.0
+_REPORT_WIDTH: Final = 130
 #: Before measuring, the started targets must go quiet (below this share of one core
 #: over a window): LiteLLM keeps working for a while after it answers its readiness
 #: probe, and that work would land on whichever target is measured first.
@@ -73,9 +95,13 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True, slots=True)
 class BenchOptions:
+    parts: tuple[str, ...] = ALL_PARTS
     budget: Budget = field(default_factory=Budget)
     concurrency: tuple[int, ...] = (1, 32)
     only: tuple[str, ...] = ALL_TARGETS
+    fleet_only: tuple[str, ...] = DEFAULT_FLEET_TARGETS
+    fleet: FleetShape = field(default_factory=FleetShape)
+    nodes: ManyNodesShape = field(default_factory=ManyNodesShape)
     profile_dir: Path | None = None
     profile_format: str = "flamegraph"
 
@@ -87,13 +113,21 @@ class BenchOptions:
         ]
 
     def settings(self) -> dict[str, object]:
-        budget = self.budget
-        length = (
-            f"{budget.requests} requests"
-            if budget.requests is not None
-            else f"{budget.duration_s:g} s"
-        )
-        return {"per scenario": length, "warm-up": f"{budget.warmup_requests} requests"}
+        settings: dict[str, object] = {}
+        if CLOSED in self.parts:
+            budget = self.budget
+            length = (
+                f"{budget.requests} requests"
+                if budget.requests is not None
+                else f"{budget.duration_s:g} s"
+            )
+            settings["per scenario"] = length
+            settings["warm-up"] = f"{budget.warmup_requests} requests"
+        if FLEET in self.parts:
+            settings["fleet"] = self.fleet.label
+        if NODES in self.parts:
+            settings["nodes"] = f"{self.nodes.nodes} x {self.nodes.providers_per_node} providers"
+        return settings
 
 
 def _ready_line(prefix: str) -> Callable[[str], str | None]:
@@ -108,84 +142,139 @@ def _ready_line(prefix: str) -> Callable[[str], str | None]:
 async def run_bench(
     options: BenchOptions, workdir: Path, progress: Progress | None = None
 ) -> BenchResult:
-    """Start every target, measure every scenario on each, stop everything, return numbers.
+    """Run every part of `options`, each with its own processes; return the numbers.
 
     `workdir` receives the generated configs and the Edge's state; `progress` gets one
-    line per step (what started where, each scenario's headline numbers)."""
+    line per step (what started where, each measurement's headline numbers)."""
     say = progress or (lambda _: None)
+    load_at_start = _load_average()
     notes: list[str] = []
-    async with trio.open_nursery() as services:
-        with trio.fail_after(_UPSTREAM_START_S):
-            upstream = await start_service(
-                services, "bench-upstream", python_argv("bench.upstream"), _ready_line(READY_PREFIX)
-            )
-        say(f"upstream: {upstream.ready} (pid {upstream.pid})")
-        targets: list[Target] = []
-        if DIRECT in options.only:
-            targets.append(Target(DIRECT, upstream.ready, (upstream.pid,)))
-        if HYPERCORN in options.only:
-            with trio.fail_after(_UPSTREAM_START_S):
-                floor = await start_service(
-                    services,
-                    "bench-asgi-floor",
-                    python_argv("bench.asgi_floor"),
-                    _ready_line(FLOOR_READY_PREFIX),
-                )
-            say(f"hypercorn floor: {floor.ready} (pid {floor.pid})")
-            targets.append(Target(HYPERCORN, floor.ready, (floor.pid,)))
-        profiled: dict[str, int] = {}
-        if IOP in options.only:
-            with trio.fail_after(_GATEWAY_START_S):
-                gateway = await start_gateway(services, upstream.ready, workdir)
-            say(
-                f"iop: {gateway.openai_url} (edge pid {gateway.edge.pid}, "
-                f"node pid {gateway.node.pid})"
-            )
-            targets.append(Target(IOP, gateway.openai_url, tuple(gateway.pids.values())))
-            profiled = gateway.pids
-        if LITELLM in options.only:
-            litellm = await _start_litellm(services, upstream.ready, workdir, notes, say)
-            if litellm is not None:
-                targets.append(Target(LITELLM, litellm.ready, (litellm.pid,)))
-        await _wait_until_quiet(targets, notes, say)
-        async with trio.open_nursery() as profilers:
-            if options.profile_dir is not None:
-                await _start_profilers(profilers, options, profiled, notes, say)
-            measurements = await _measure_all(options, targets, say)
-            profilers.cancel_scope.cancel()
-        services.cancel_scope.cancel()
+    measurements: list[Measurement] = []
+    fleet: list[FleetMeasurement] = []
+    many_nodes: ManyNodesMeasurement | None = None
+    if CLOSED in options.parts:
+        measurements = await _run_closed_loop(options, workdir / "closed", notes, say)
+    if FLEET in options.parts:
+        fleet = await _run_fleet(options, workdir / "fleet", notes, say)
+    if NODES in options.parts:
+        many_nodes = await _run_many_nodes(options.nodes, workdir / "nodes", notes, say)
+    settings = options.settings()
+    if load_at_start is not None and (load_at_end := _load_average()) is not None:
+        # Other work on the machine inflates every number; this says how much there was.
+        settings["load average (1 min) at start/end"] = f"{load_at_start:.1f}/{load_at_end:.1f}"
     return BenchResult(
         machine=Machine.this(),
         measurements=tuple(measurements),
+        fleet=tuple(fleet),
+        many_nodes=many_nodes,
         notes=tuple(notes),
-        settings=options.settings(),
+        settings=settings,
     )
 
 
-async def _start_litellm(
-    services: trio.Nursery, upstream_root: str, workdir: Path, notes: list[str], say: Progress
-) -> Service[str] | None:
-    executable = find_litellm()
-    if executable is None:
-        note = "litellm: not installed, skipped (see bench/litellm_proxy.py to enable it)"
-        notes.append(note)
-        say(note)
-        return None
-    say(f"litellm: starting {executable} (takes a few seconds)")
+def _load_average() -> float | None:
     try:
-        with trio.fail_after(_LITELLM_START_S):
-            service = await start_litellm(services, executable, upstream_root, workdir)
+        return os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return None
+
+
+# --- starting targets -----------------------------------------------------------------------------
+
+
+async def _start_upstream(services: trio.Nursery, *args: str) -> Service[str]:
+    with trio.fail_after(_UPSTREAM_START_S):
+        return await start_service(
+            services,
+            "bench-upstream",
+            python_argv("bench.upstream", *args),
+            _ready_line(READY_PREFIX),
+        )
+
+
+def _skip(notes: list[str], say: Progress, note: str) -> None:
+    notes.append(note)
+    say(note)
+
+
+async def _start_target(
+    services: trio.Nursery,
+    name: str,
+    upstream: Service[str],
+    workdir: Path,
+    *,
+    notes: list[str],
+    say: Progress,
+    capacity: int = CAPACITY,
+) -> Target | None:
+    """Start target `name` in front of `upstream` (None, with a note, when it cannot be)."""
+    await trio.Path(workdir).mkdir(parents=True, exist_ok=True)
+    if name == DIRECT:
+        return Target(DIRECT, upstream.ready, {"upstream": upstream.pid})
+    if name == HYPERCORN:
+        with trio.fail_after(_UPSTREAM_START_S):
+            floor = await start_service(
+                services,
+                "bench-asgi-floor",
+                python_argv("bench.asgi_floor"),
+                _ready_line(FLOOR_READY_PREFIX),
+            )
+        say(f"hypercorn floor: {floor.ready} (pid {floor.pid})")
+        return Target(HYPERCORN, floor.ready, {"hypercorn": floor.pid})
+    if name == IOP:
+        with trio.fail_after(_GATEWAY_START_S):
+            gateway = await start_gateway(services, upstream.ready, workdir, capacity=capacity)
+        say(f"iop: {gateway.openai_url} (edge pid {gateway.edge.pid}, node pid {gateway.node.pid})")
+        return Target(IOP, gateway.openai_url, gateway.processes)
+    if name == LITELLM:
+        service = await _start_peer(
+            name,
+            find_litellm(),
+            howto="bench/litellm_proxy.py",
+            notes=notes,
+            say=say,
+            start=lambda exe: start_litellm(services, exe, upstream.ready, workdir),
+        )
+        return None if service is None else Target(LITELLM, service.ready, {"proxy": service.pid})
+    if name == VLLM_ROUTER:
+        service = await _start_peer(
+            name,
+            find_vllm_router(),
+            howto="bench/vllm_router.py",
+            notes=notes,
+            say=say,
+            start=lambda exe: start_vllm_router(services, exe, upstream.ready),
+        )
+        if service is None:
+            return None
+        return Target(VLLM_ROUTER, service.ready, {"router": service.pid})
+    raise ValueError(f"unknown target {name!r}")
+
+
+async def _start_peer(
+    name: str,
+    executable: str | None,
+    *,
+    howto: str,
+    notes: list[str],
+    say: Progress,
+    start: Callable[[str], Awaitable[Service[str]]],
+) -> Service[str] | None:
+    """Start an optional peer gateway; None, with a note saying why, when it cannot be."""
+    if executable is None:
+        _skip(notes, say, f"{name}: not installed, skipped (see {howto} to enable it)")
+        return None
+    say(f"{name}: starting {executable}")
+    try:
+        with trio.fail_after(_PEER_START_S):
+            service = await start(executable)
     except trio.TooSlowError:
-        note = f"litellm: not ready within {_LITELLM_START_S:g} s, skipped"
-        notes.append(note)
-        say(note)
+        _skip(notes, say, f"{name}: not ready within {_PEER_START_S:g} s, skipped")
         return None
     except ServiceFailed as exc:
-        note = f"litellm: failed to start, skipped: {exc}"
-        notes.append(note)
-        say(note)
+        _skip(notes, say, f"{name}: failed to start, skipped: {exc}")
         return None
-    say(f"litellm: {service.ready} (pid {service.pid})")
+    say(f"{name}: {service.ready} (pid {service.pid})")
     return service
 
 
@@ -205,9 +294,34 @@ async def _wait_until_quiet(targets: Sequence[Target], notes: list[str], say: Pr
                 if waited > 2 * _QUIET_WINDOW_S:
                     say(f"targets idle after {waited:.1f} s")
                 return
-    note = f"targets still busy after {_QUIET_WAIT_MAX_S:g} s idle; measured anyway"
-    notes.append(note)
-    say(note)
+    _skip(notes, say, f"targets still busy after {_QUIET_WAIT_MAX_S:g} s idle; measured anyway")
+
+
+# --- the closed-loop part -------------------------------------------------------------------------
+
+
+async def _run_closed_loop(
+    options: BenchOptions, workdir: Path, notes: list[str], say: Progress
+) -> list[Measurement]:
+    async with trio.open_nursery() as services:
+        upstream = await _start_upstream(services)
+        say(f"upstream: {upstream.ready} (pid {upstream.pid})")
+        targets: list[Target] = []
+        for name in options.only:
+            target = await _start_target(
+                services, name, upstream, workdir / name, notes=notes, say=say
+            )
+            if target is not None:
+                targets.append(target)
+        await _wait_until_quiet(targets, notes, say)
+        profiled = next((dict(t.processes) for t in targets if t.name == IOP), {})
+        async with trio.open_nursery() as profilers:
+            if options.profile_dir is not None:
+                await _start_profilers(profilers, options, profiled, notes, say)
+            measurements = await _measure_all(options, targets, say)
+            profilers.cancel_scope.cancel()
+        services.cancel_scope.cancel()
+    return measurements
 
 
 async def _measure_all(
@@ -225,7 +339,7 @@ async def _measure_all(
                 cpu = m.cpu_ms_per_request
                 cost = f"{cpu:.2f} ms CPU/req" if cpu is not None else ""
                 say(
-                    f"{scenario.label:<16} {TARGET_LABELS[target.name]:<8} "
+                    f"{scenario.label:<16} {TARGET_LABELS[target.name]:<11} "
                     f"p50 {p50:>10}  {rps:>11}  {cost:>16}  ok {m.ok}  errors {m.errors}"
                 )
     finally:
@@ -238,7 +352,7 @@ async def _measure_all(
 async def _start_profilers(
     profilers: trio.Nursery,
     options: BenchOptions,
-    pids: dict[str, int],
+    pids: Mapping[str, int],
     notes: list[str],
     say: Progress,
 ) -> None:
@@ -257,7 +371,83 @@ async def _start_profilers(
         say(f"profiling {name} (pid {pid}) -> {output}")
 
 
-# --- command line ------------------------------------------------------------------------------
+# --- the fleet part -------------------------------------------------------------------------------
+
+
+async def _run_fleet(
+    options: BenchOptions, workdir: Path, notes: list[str], say: Progress
+) -> list[FleetMeasurement]:
+    shape = options.fleet
+    measurements: list[FleetMeasurement] = []
+    async with trio.open_nursery() as services:
+        upstream = await _start_upstream(
+            services,
+            "--stream-tokens", str(shape.tokens),
+            "--tokens-per-second", f"{shape.tokens_per_second:g}",
+        )  # fmt: skip
+        say(f"fleet: paced upstream {upstream.ready} (pid {upstream.pid}), {shape.label}")
+        for name in options.fleet_only:
+            async with trio.open_nursery() as target_services:
+                target = await _start_target(
+                    target_services,
+                    name,
+                    upstream,
+                    workdir / name,
+                    notes=notes,
+                    say=say,
+                    capacity=max(CAPACITY, 2 * shape.streams),
+                )
+                if target is not None:
+                    await _wait_until_quiet([target], notes, say)
+                    deadline = 3 * shape.stream_s + shape.window_s + _FLEET_SLACK_S
+                    with trio.fail_after(deadline):
+                        m = await measure_fleet(target, shape)
+                    measurements.append(m)
+                    say(_fleet_line(m))
+                target_services.cancel_scope.cancel()
+        services.cancel_scope.cancel()
+    return measurements
+
+
+def _fleet_line(m: FleetMeasurement) -> str:
+    p99 = m.delay_ms(99.0)
+    rate = m.chunks_per_s
+    cost = m.cpu_us_per_chunk()
+    return (
+        f"fleet {TARGET_LABELS[m.target]:<11} {rate or 0:>7.0f} chunks/s  "
+        f"delay p99 {'-' if p99 is None else f'{p99:.2f} ms':>9}  "
+        f"CPU {'-' if cost is None else f'{cost:.0f} us/chunk':>12}  errors {m.errors}"
+    )
+
+
+# --- the many-Nodes part --------------------------------------------------------------------------
+
+
+async def _run_many_nodes(
+    shape: ManyNodesShape, workdir: Path, notes: list[str], say: Progress
+) -> ManyNodesMeasurement | None:
+    say(f"nodes: an Edge with {shape.nodes} Nodes x {shape.providers_per_node} providers")
+    try:
+        with trio.fail_after(_NODES_DEADLINE_S):
+            m = await measure_many_nodes(shape, workdir)
+    except trio.TooSlowError:
+        _skip(notes, say, f"nodes: not done within {_NODES_DEADLINE_S:g} s, not measured")
+        return None
+    except ServiceFailed as exc:
+        _skip(notes, say, f"nodes: a process failed, not measured: {exc}")
+        return None
+    idle = m.idle_cpu_share
+    say(
+        f"nodes: connected in {m.connect_s:.1f} s, idle CPU "
+        f"{'-' if idle is None else f'{idle:.1%}'}, /catalog max "
+        f"{m.catalog_max_ms or 0:.0f} ms, refresh "
+        f"{'-' if m.refresh_s is None else f'{m.refresh_s:.1f} s'} "
+        f"({m.refresh_applied}/{m.refresh_nodes} applied)"
+    )
+    return m
+
+
+# --- command line ---------------------------------------------------------------------------------
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -272,39 +462,90 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def _targets(text: str) -> tuple[str, ...]:
-    names = tuple(part.strip().lower() for part in text.split(",") if part.strip())
-    unknown = [name for name in names if name not in ALL_TARGETS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown target(s) {', '.join(unknown) or '(none)'}; choose from "
-            + ", ".join(ALL_TARGETS)
-        )
-    return tuple(name for name in ALL_TARGETS if name in names)
+def _choices(allowed: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]:
+    """A comma-separated subset of `allowed`, in `allowed`'s order."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(part.strip().lower() for part in text.split(",") if part.strip())
+        unknown = [name for name in names if name not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what}(s) {', '.join(unknown) or '(none)'}; choose from "
+                + ", ".join(allowed)
+            )
+        return tuple(name for name in allowed if name in names)
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
-        description="Measure IOP against a direct upstream and LiteLLM's proxy (if installed).",
+        description=(
+            "Measure IOP against a direct upstream and its peers (LiteLLM, vllm-router; "
+            "when installed): closed-loop overhead, fleet-shaped streams, many Nodes."
+        ),
     )
-    length = parser.add_mutually_exclusive_group()
+    parser.add_argument(
+        "--parts", type=_choices(ALL_PARTS, "part"), default=ALL_PARTS, metavar="P,P",
+        help="which parts to run, among closed,fleet,nodes (all)",
+    )  # fmt: skip
+    closed = parser.add_argument_group("closed-loop scenarios")
+    length = closed.add_mutually_exclusive_group()
     length.add_argument(
         "--duration", type=float, default=4.0, metavar="S", help="seconds per scenario (4)"
     )
     length.add_argument(
         "--requests", type=int, default=None, metavar="N", help="requests per scenario instead"
     )
-    parser.add_argument(
+    closed.add_argument(
         "--concurrency", type=_int_list, default=(1, 32), metavar="C,C", help="(1,32)"
     )
-    parser.add_argument(
-        "--only", type=_targets, default=ALL_TARGETS, metavar="T,T",
-        help="targets among direct,iop,litellm (all)",
+    closed.add_argument(
+        "--only", type=_choices(ALL_TARGETS, "target"), default=ALL_TARGETS, metavar="T,T",
+        help="targets among " + ",".join(ALL_TARGETS) + " (all)",
     )  # fmt: skip
-    parser.add_argument(
+    closed.add_argument(
         "--warmup", type=int, default=50, metavar="N", help="warm-up requests per scenario (50)"
     )
+    fleet = parser.add_argument_group("fleet-shaped streams")
+    defaults = FleetShape()
+    fleet.add_argument(
+        "--fleet-only", type=_choices(FLEET_TARGETS, "fleet target"),
+        default=DEFAULT_FLEET_TARGETS, metavar="T,T",
+        help="targets among " + ",".join(FLEET_TARGETS) + " ("
+        + ",".join(DEFAULT_FLEET_TARGETS) + ")",
+    )  # fmt: skip
+    fleet.add_argument(
+        "--streams", type=int, default=defaults.streams, metavar="S",
+        help=f"streams open at once ({defaults.streams})",
+    )  # fmt: skip
+    fleet.add_argument(
+        "--tokens-per-second", type=float, default=defaults.tokens_per_second, metavar="T",
+        help=f"tokens per second of each stream ({defaults.tokens_per_second:g})",
+    )  # fmt: skip
+    fleet.add_argument(
+        "--stream-tokens", type=int, default=defaults.tokens, metavar="N",
+        help=f"tokens per stream ({defaults.tokens})",
+    )  # fmt: skip
+    fleet.add_argument(
+        "--window", type=float, default=defaults.window_s, metavar="S",
+        help=f"seconds measured per target ({defaults.window_s:g})",
+    )  # fmt: skip
+    nodes = parser.add_argument_group("many Nodes")
+    node_defaults = ManyNodesShape()
+    nodes.add_argument(
+        "--nodes", type=int, default=node_defaults.nodes, metavar="N",
+        help=f"light Nodes on one Edge ({node_defaults.nodes})",
+    )  # fmt: skip
+    nodes.add_argument(
+        "--providers-per-node", type=int, default=node_defaults.providers_per_node, metavar="P",
+        help=f"({node_defaults.providers_per_node})",
+    )  # fmt: skip
+    nodes.add_argument(
+        "--idle-window", type=float, default=node_defaults.idle_window_s, metavar="S",
+        help=f"seconds of idle Edge CPU measured ({node_defaults.idle_window_s:g})",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the numbers here")
     parser.add_argument(
         "--profile", type=Path, metavar="DIR", help="py-spy the Edge and Node into DIR"
@@ -313,22 +554,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchOptions:
     try:
         budget = Budget(
             requests=args.requests, duration_s=args.duration, warmup_requests=args.warmup
         )
+        fleet = FleetShape(
+            streams=args.streams,
+            tokens_per_second=args.tokens_per_second,
+            tokens=args.stream_tokens,
+            window_s=args.window,
+        )
+        nodes = ManyNodesShape(
+            nodes=args.nodes,
+            providers_per_node=args.providers_per_node,
+            idle_window_s=args.idle_window,
+        )
     except ValueError as exc:
         parser.error(str(exc))
-    options = BenchOptions(
+    return BenchOptions(
+        parts=args.parts,
         budget=budget,
         concurrency=args.concurrency,
         only=args.only,
+        fleet_only=args.fleet_only,
+        fleet=fleet,
+        nodes=nodes,
         profile_dir=args.profile,
         profile_format=args.profile_format,
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    options = options_from(args, parser)
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, _REPORT_WIDTH)  # a pipe or CI log: room for the table

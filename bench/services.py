@@ -5,13 +5,14 @@ upstream, the Edge, the Node and LiteLLM each run as a child process. `start_ser
 starts one and returns once the child printed the line that says it is ready (its URL);
 the task that owns the process keeps draining its output (a full pipe would stall the
 child) and remembers the last lines, so a child that dies is reported with its own words.
-Cancelling the owning nursery terminates the child (SIGTERM, then SIGKILL after 5 s: the
-default of `trio.run_process`).
+Cancelling the owning nursery terminates the child: SIGTERM, then SIGKILL once its
+`stop_grace_s` (5 s by default, as `trio.run_process` does) has passed.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections import deque
@@ -28,6 +29,7 @@ import trio
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 _TAIL_LINES: Final = 40
 _READ_BYTES: Final = 64 * 1024
+DEFAULT_STOP_GRACE_S: Final = 5.0
 
 T = TypeVar("T")
 
@@ -78,13 +80,17 @@ async def start_service(
     ready: Callable[[str], T | None],
     *,
     env: Mapping[str, str] | None = None,
+    stop_grace_s: float = DEFAULT_STOP_GRACE_S,
 ) -> Service[T]:
     """Start `argv` as a child owned by `nursery`; return once `ready(line)` gave a value.
 
     `ready` sees every output line (stdout and stderr, merged) until it returns something
-    other than None. The caller owns the deadline for startup.
+    other than None. The caller owns the deadline for startup. When the nursery is
+    cancelled the child gets SIGTERM and `stop_grace_s` to exit before SIGKILL.
     """
-    service: Service[T] = await nursery.start(partial(_own, name, list(argv), ready, env))
+    service: Service[T] = await nursery.start(
+        partial(_own, name, list(argv), ready, env, stop_grace_s)
+    )
     return service
 
 
@@ -93,7 +99,9 @@ async def spawn_service(
 ) -> Service[None]:
     """Start a child that announces nothing; it counts as started once it runs, and the
     caller finds out when it is ready its own way."""
-    service: Service[None] = await nursery.start(partial(_own, name, list(argv), None, env))
+    service: Service[None] = await nursery.start(
+        partial(_own, name, list(argv), None, env, DEFAULT_STOP_GRACE_S)
+    )
     return service
 
 
@@ -102,6 +110,7 @@ async def _own(
     argv: list[str],
     ready: Callable[[str], object] | None,
     env: Mapping[str, str] | None,
+    stop_grace_s: float,
     *,
     task_status: trio.TaskStatus[Service[Any]],
 ) -> None:
@@ -117,6 +126,7 @@ async def _own(
                 check=False,
                 cwd=str(REPO_ROOT),
                 env=child_env(env),
+                deliver_cancel=partial(_terminate, grace_s=stop_grace_s),
             )
         )
         assert process.stdout is not None
@@ -139,6 +149,15 @@ async def _own(
     if service is None:
         raise ServiceFailed(name, f"{reason} before it was ready", tail)
     raise ServiceFailed(name, reason, tail)
+
+
+async def _terminate(process: trio.Process, *, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL if the child has not exited within `grace_s`."""
+    process.send_signal(signal.SIGTERM)
+    with trio.move_on_after(grace_s):
+        await process.wait()
+        return
+    process.kill()
 
 
 async def _lines(stream: trio.abc.ReceiveStream) -> AsyncGenerator[str, None]:

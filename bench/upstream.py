@@ -7,16 +7,23 @@ Per request it only finds the end of the head, reads `Content-Length` bytes of b
 looks for `"stream": true`; it never decodes the JSON.
 
 - `POST /v1/chat/completions`, non-stream: one fixed `chat.completion` (with `usage`).
-- `POST /v1/chat/completions`, `"stream": true`: `STREAM_CHUNKS` (22) `data:` events in
-  separate chunked-encoding writes, then `data: [DONE]`. When the request asks for
-  `stream_options.include_usage` (the IOP Edge always does, to meter usage), one usage
-  chunk comes before `[DONE]`, as vLLM sends it; the caller-visible stream is the same.
+- `POST /v1/chat/completions`, `"stream": true`: one `data:` event per token (21 by
+  default, `--stream-tokens`), one with the finish reason (`STREAM_CHUNKS` = 22 events
+  by default), then `data: [DONE]`, each in its own chunked-encoding write. When the
+  request asks for `stream_options.include_usage` (the IOP Edge always does, to meter
+  usage), one usage chunk comes before `[DONE]`, as vLLM sends it; the caller-visible
+  stream is the same.
 - `GET /v1/models`, `GET /health`: what gateways probe.
 
-There is no artificial delay unless `--chunk-interval-ms` asks for one. (Trio's socket
-streams set TCP_NODELAY, so every write leaves at once.)
+**Paced mode** (`--tokens-per-second T`, the fleet-shaped scenario's upstream): token `i`
+of a stream leaves at `i / T` seconds after the request, the way a busy GPU emits them,
+and its content carries the moment it left, `tok@<time.monotonic_ns()> `
+(`STAMP_PATTERN`). The clock is the system-wide monotonic one, so a client on the same
+machine computes each token's delay through a gateway as its own arrival time minus the
+stamp. Without pacing there is no artificial delay. (Trio's socket streams set
+TCP_NODELAY, so every write leaves at once.)
 
-    python -m bench.upstream [--port 0] [--chunk-interval-ms 0]
+    python -m bench.upstream [--port 0] [--stream-tokens 21] [--tokens-per-second T]
 
 prints `bench-upstream listening on http://127.0.0.1:PORT` once accepting, then serves
 until stopped (SIGINT/SIGTERM). In-process: `url = await nursery.start(upstream.serve)`.
@@ -25,10 +32,13 @@ until stopped (SIGINT/SIGTERM). In-process: `url = await nursery.start(upstream.
 from __future__ import annotations
 
 import argparse
+import heapq
+import itertools
 import json
 import re
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import trio
@@ -37,10 +47,16 @@ import trio
 MODEL: Final = "bench-model"
 #: The model name the upstream serves (what a gateway puts in `model` upstream).
 SERVED_MODEL: Final = "bench-served"
-#: `data:` events of one stream (first carries the role, last the finish reason).
-STREAM_CHUNKS: Final = 22
+#: Content tokens of one stream by default (one `data:` event each).
+STREAM_TOKENS: Final = 21
+#: `data:` events of a default stream: the tokens (the first also carries the role) and
+#: the one with the finish reason.
+STREAM_CHUNKS: Final = STREAM_TOKENS + 1
 PROMPT_TOKENS: Final = 12
 READY_PREFIX: Final = "bench-upstream listening on "
+#: Finds the send time (`time.monotonic_ns()`) in a paced token's content.
+STAMP_PATTERN: Final = re.compile(rb"tok@(\d+) ")
+_STAMP_SLOT: Final = "STAMP-SLOT"
 
 _MAX_HEAD_BYTES: Final = 64 * 1024
 _MAX_BODY_BYTES: Final = 16 * 1024 * 1024
@@ -61,13 +77,12 @@ def _json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode()
 
 
-def _tokens() -> list[str]:
+def _tokens(count: int = STREAM_TOKENS) -> list[str]:
     """The completion's text, one token per content chunk."""
-    return [f"tok{i} " for i in range(STREAM_CHUNKS - 1)]
+    return [f"tok{i} " for i in range(count)]
 
 
-def _usage() -> dict[str, int]:
-    completion = STREAM_CHUNKS - 1
+def _usage(completion: int = STREAM_TOKENS) -> dict[str, int]:
     return {
         "prompt_tokens": PROMPT_TOKENS,
         "completion_tokens": completion,
@@ -112,14 +127,19 @@ def _chunk(delta: dict[str, Any], finish: str | None, **extra: Any) -> dict[str,
     }
 
 
-def stream_events(*, include_usage: bool) -> list[bytes]:
-    """The `data:` payloads of one stream, in order, without `[DONE]`."""
-    tokens = _tokens()
-    chunks = [_chunk({"role": "assistant", "content": tokens[0]}, None)]
-    chunks += [_chunk({"content": token}, None) for token in tokens[1:]]
+def stream_events(
+    *, include_usage: bool, tokens: int = STREAM_TOKENS, stamped: bool = False
+) -> list[bytes]:
+    """The `data:` payloads of one stream, in order, without `[DONE]`.
+
+    `stamped`: each token's content is `tok@STAMP-SLOT `, where the paced upstream puts the
+    send time."""
+    texts = [f"tok@{_STAMP_SLOT} "] * tokens if stamped else _tokens(tokens)
+    chunks = [_chunk({"role": "assistant", "content": texts[0]}, None)] if texts else []
+    chunks += [_chunk({"content": text}, None) for text in texts[1:]]
     chunks.append(_chunk({}, "stop"))
     if include_usage:
-        chunks.append({**_chunk({}, None), "choices": [], "usage": _usage()})
+        chunks.append({**_chunk({}, None), "choices": [], "usage": _usage(tokens)})
     return [_json(chunk) for chunk in chunks]
 
 
@@ -128,14 +148,40 @@ def _http_chunk(payload: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(payload), payload)
 
 
-def _sse_writes(*, include_usage: bool) -> tuple[bytes, ...]:
-    """The socket writes of a stream's body: one per event, then [DONE] and the last chunk."""
-    writes = [
-        _http_chunk(b"data: " + event + b"\n\n")
-        for event in stream_events(include_usage=include_usage)
-    ]
-    writes.append(_http_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
-    return tuple(writes)
+_LAST_CHUNK: Final = b"0\r\n\r\n"
+
+
+@dataclass(frozen=True, slots=True)
+class _StreamBody:
+    """The socket writes of one stream's body, built once: one per event, then [DONE].
+
+    A paced token's write is a template split around its stamp (`stamped`), framed when
+    it is sent; every other write is ready bytes. `tokens` writes come first."""
+
+    writes: tuple[bytes | tuple[bytes, bytes], ...]
+    tokens: int
+
+    @classmethod
+    def build(cls, *, include_usage: bool, tokens: int, stamped: bool) -> _StreamBody:
+        writes: list[bytes | tuple[bytes, bytes]] = []
+        events = stream_events(include_usage=include_usage, tokens=tokens, stamped=stamped)
+        for index, event in enumerate(events):
+            sse = b"data: " + event + b"\n\n"
+            if stamped and index < tokens:
+                before, _, after = sse.partition(_STAMP_SLOT.encode())
+                writes.append((before, after))
+            else:
+                writes.append(_http_chunk(sse))
+        writes.append(_http_chunk(b"data: [DONE]\n\n") + _LAST_CHUNK)
+        return cls(writes=tuple(writes), tokens=tokens)
+
+    @staticmethod
+    def render(write: bytes | tuple[bytes, bytes]) -> bytes:
+        """The bytes to send now: a template gets the current monotonic time."""
+        if isinstance(write, bytes):
+            return write
+        before, after = write
+        return _http_chunk(before + b"%d" % time.monotonic_ns() + after)
 
 
 def _fixed_response(status: str, body: bytes) -> bytes:
@@ -156,8 +202,6 @@ _MODELS_BODY: Final = _json(
 _NOT_FOUND_BODY: Final = _json({"error": {"message": "no such route", "type": "not_found"}})
 
 _COMPLETION: Final = _fixed_response("200 OK", completion_body())
-_STREAM: Final = _sse_writes(include_usage=False)
-_STREAM_WITH_USAGE: Final = _sse_writes(include_usage=True)
 _MODELS: Final = _fixed_response("200 OK", _MODELS_BODY)
 _HEALTH: Final = _fixed_response("200 OK", b"{}")
 _NOT_FOUND: Final = _fixed_response("404 Not Found", _NOT_FOUND_BODY)
@@ -170,11 +214,102 @@ class _Malformed(Exception):
     """The peer sent something this tiny server does not speak; the connection is closed."""
 
 
-@dataclass(frozen=True, slots=True)
-class BenchUpstream:
-    """A fast fake OpenAI upstream; `chunk_interval_s` paces stream events (default: none)."""
+@dataclass(order=True)
+class _PacedStream:
+    """One paced stream in the pacer's heap, ordered by when its next write is due."""
 
-    chunk_interval_s: float = 0.0
+    due: float
+    order: int
+    stream: trio.SocketStream = field(compare=False)
+    body: _StreamBody = field(compare=False)
+    started: float = field(compare=False)
+    next_write: int = field(default=0, compare=False)
+    finished: trio.Event = field(default_factory=trio.Event, compare=False)
+
+
+class _Pacer:
+    """Sends the writes of every paced stream from one task, each when it is due.
+
+    A task per stream sleeping between its tokens costs a wake-up per token; at
+    thousands of tokens per second that made the upstream the bottleneck of the direct
+    baseline. One task with a heap wakes once for every token due within `TICK_S` of
+    the same moment and writes them one after the other, as a GPU emits the tokens of
+    a batch together. The stamp is taken at each write, so what the callers measure is
+    unaffected by the grouping. A stream whose caller is gone is dropped; the writes of
+    one stream are small (a few KiB), so a write never waits on a full socket buffer.
+    """
+
+    TICK_S: Final = 0.002
+
+    def __init__(self, interval_s: float) -> None:
+        self._interval_s = interval_s
+        self._heap: list[_PacedStream] = []
+        self._order = itertools.count()
+        self._wake = trio.Event()
+
+    async def stream(self, stream: trio.SocketStream, body: _StreamBody) -> None:
+        """Send `body` on `stream`, paced; return once it is all sent (or the caller left)."""
+        now = trio.current_time()
+        paced = _PacedStream(now, next(self._order), stream, body, now)
+        heapq.heappush(self._heap, paced)
+        self._wake.set()
+        await paced.finished.wait()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        heap = self._heap
+        while True:
+            if not heap:
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            await trio.sleep_until(heap[0].due)
+            horizon = trio.current_time() + self.TICK_S
+            while heap and heap[0].due <= horizon:
+                paced = heapq.heappop(heap)
+                if await self._write(paced):
+                    heapq.heappush(heap, paced)
+                else:
+                    paced.finished.set()
+
+    async def _write(self, paced: _PacedStream) -> bool:
+        """Send the stream's next token (with everything after the last); True if more follow."""
+        body = paced.body
+        index = paced.next_write
+        last = index + 1 >= body.tokens
+        writes = body.writes[index:] if last else body.writes[index : index + 1]
+        try:
+            await paced.stream.send_all(b"".join(_StreamBody.render(w) for w in writes))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        if last:
+            return False
+        paced.next_write = index + 1
+        paced.due = paced.started + paced.next_write * self._interval_s
+        return True
+
+
+class BenchUpstream:
+    """A fast fake OpenAI upstream.
+
+    `stream_tokens` content tokens per stream; `tokens_per_second` paces and stamps them
+    (None: neither, every write leaves at once)."""
+
+    def __init__(
+        self, *, stream_tokens: int = STREAM_TOKENS, tokens_per_second: float | None = None
+    ) -> None:
+        if stream_tokens < 1:
+            raise ValueError("stream_tokens must be >= 1")
+        if tokens_per_second is not None and tokens_per_second <= 0:
+            raise ValueError("tokens_per_second must be > 0")
+        self.stream_tokens = stream_tokens
+        self.tokens_per_second = tokens_per_second
+        stamped = tokens_per_second is not None
+        self._streams = {
+            usage: _StreamBody.build(include_usage=usage, tokens=stream_tokens, stamped=stamped)
+            for usage in (False, True)
+        }
+        self._pacer = _Pacer(1.0 / tokens_per_second) if tokens_per_second else None
 
     async def serve(
         self,
@@ -184,10 +319,13 @@ class BenchUpstream:
         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Listen; `task_status.started(root_url)` once accepting, then serve forever."""
-        listeners = await trio.open_tcp_listeners(port, host=host, backlog=1024)
-        bound_host, bound_port = listeners[0].socket.getsockname()[:2]
-        task_status.started(f"http://{bound_host}:{bound_port}")
-        await trio.serve_listeners(self._serve_connection, listeners)
+        async with trio.open_nursery() as nursery:
+            if self._pacer is not None:
+                await nursery.start(self._pacer.run)
+            listeners = await trio.open_tcp_listeners(port, host=host, backlog=1024)
+            bound_host, bound_port = listeners[0].socket.getsockname()[:2]
+            task_status.started(f"http://{bound_host}:{bound_port}")
+            await trio.serve_listeners(self._serve_connection, listeners)
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
         buffer = bytearray()
@@ -229,13 +367,13 @@ class BenchUpstream:
             if not asks_for_stream(body):
                 await stream.send_all(_COMPLETION)
                 return
-            with_usage = _INCLUDE_USAGE.search(body) is not None
-            writes = _STREAM_WITH_USAGE if with_usage else _STREAM
+            stream_body = self._streams[_INCLUDE_USAGE.search(body) is not None]
             await stream.send_all(_STREAM_HEAD)
-            for i, write in enumerate(writes):
-                if i and self.chunk_interval_s:
-                    await trio.sleep(self.chunk_interval_s)
-                await stream.send_all(write)
+            if self._pacer is not None:
+                await self._pacer.stream(stream, stream_body)
+            else:
+                for write in stream_body.writes:
+                    await stream.send_all(_StreamBody.render(write))
         elif method == b"GET" and path == b"/v1/models":
             await stream.send_all(_MODELS)
         elif method == b"GET" and path in (b"/health", b"/healthz"):
@@ -272,13 +410,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument(
-        "--chunk-interval-ms",
+        "--stream-tokens", type=int, default=STREAM_TOKENS, help="content tokens per stream"
+    )
+    parser.add_argument(
+        "--tokens-per-second",
         type=float,
-        default=0.0,
-        help="pause between stream events (default 0: no artificial delay)",
+        default=None,
+        help="pace and time-stamp stream tokens (default: no artificial delay)",
     )
     args = parser.parse_args(argv)
-    upstream = BenchUpstream(chunk_interval_s=args.chunk_interval_ms / 1000)
+    try:
+        upstream = BenchUpstream(
+            stream_tokens=args.stream_tokens, tokens_per_second=args.tokens_per_second
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         trio.run(_serve_process, upstream, args.host, args.port)
     except KeyboardInterrupt:

@@ -1,10 +1,10 @@
-"""The benchmark harness works end to end: a tiny run, every scenario on every target.
+"""The benchmark harness works end to end: each part in a tiny run, on real processes.
 
 No timing is asserted (a shared CI machine makes any number noise); what is asserted is
-that the harness starts the upstream, the Hypercorn floor, an Edge and a Node as real
-processes, drives every target through stream and non-stream scenarios without a single
-failed request, skips LiteLLM with a note when it is not installed, and prints the table
-with all its rows.
+that every part starts its processes, drives its targets without a single failed
+request, measures each process's CPU apart, skips a peer that is not installed with a
+note, and prints its tables; and that the report's pure parts (targets, derived
+numbers, the stamped paced stream and the callers' HTTP reader) do what they say.
 """
 
 from __future__ import annotations
@@ -18,41 +18,45 @@ import pytest
 import trio
 from rich.console import Console
 
+from bench.fleet import FleetMeasurement, FleetShape, _Connection, _request, _StreamReader, _Tally
 from bench.load import Budget, Measurement, Scenario, percentile
-from bench.report import (
-    DIRECT,
-    HYPERCORN,
-    IOP,
-    LITELLM,
-    BenchResult,
-    Machine,
-    check_targets,
-    render,
-    to_json,
-)
-from bench.run import BenchOptions, build_parser, run_bench
-from bench.upstream import STREAM_CHUNKS, stream_events
+from bench.many_nodes import ManyNodesMeasurement, ManyNodesShape, fleet_config, node_credentials
+from bench.report import render, to_json
+from bench.result import DIRECT, HYPERCORN, IOP, LITELLM, VLLM_ROUTER, BenchResult, Machine
+from bench.run import CLOSED, FLEET, NODES, BenchOptions, build_parser, options_from, run_bench
+from bench.targets import check_targets
+from bench.upstream import STAMP_PATTERN, STREAM_CHUNKS, BenchUpstream, stream_events
+from iop_edge.core.config import parse_config
 
-#: Startup of three Python processes plus a handful of requests, on a slow CI machine.
+#: Startup of a few Python processes plus a handful of requests, on a slow CI machine.
 SMOKE_GUARD_S = 120
 
 
 def _text(result: BenchResult) -> str:
-    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console = Console(file=io.StringIO(), width=220, color_system=None)
     console.print(render(result))
     output = console.file
     assert isinstance(output, io.StringIO)
     return output.getvalue()
 
 
-async def test_tiny_run_measures_every_scenario_and_prints_the_table(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def no_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither peer installed, whatever this machine has."""
     monkeypatch.setenv("IOP_BENCH_LITELLM", str(tmp_path / "no-litellm-here"))
+    monkeypatch.setenv("IOP_BENCH_VLLM_ROUTER", str(tmp_path / "no-vllm-router-here"))
+
+
+# --- the three parts, each in a tiny run ---------------------------------------------------------
+
+
+@pytest.mark.usefixtures("no_peers")
+async def test_closed_loop_measures_every_scenario_and_each_process(tmp_path: Path) -> None:
     options = BenchOptions(
+        parts=(CLOSED,),
         budget=Budget(requests=4, warmup_requests=2),
         concurrency=(1, 2),
-        only=(DIRECT, HYPERCORN, IOP, LITELLM),
+        only=(DIRECT, HYPERCORN, IOP, LITELLM, VLLM_ROUTER),
     )
     lines: list[str] = []
     with trio.fail_after(SMOKE_GUARD_S):
@@ -66,8 +70,15 @@ async def test_tiny_run_measures_every_scenario_and_prints_the_table(
             assert measured is not None, (target, scenario)
             assert (measured.ok, measured.errors) == (4, 0), measured.first_error
         assert result.get(LITELLM, scenario) is None
+        assert result.get(VLLM_ROUTER, scenario) is None
+        iop = result.get(IOP, scenario)
+        assert iop is not None and iop.process_cpu_s is not None
+        assert set(iop.process_cpu_s) == {"edge", "node"}
+        assert (iop.process_cpu_us_per_chunk("edge") is None) == (not scenario.stream)
     assert any(note.startswith("litellm: not installed, skipped") for note in result.notes)
+    assert any(note.startswith("vllm-router: not installed, skipped") for note in result.notes)
     assert any(line.startswith("iop: http://127.0.0.1:") for line in lines)
+    assert result.fleet == () and result.many_nodes is None
 
     text = _text(result)
     for label in ("c=1 non-stream", "c=1 stream", "c=2 non-stream", "c=2 stream"):
@@ -75,15 +86,78 @@ async def test_tiny_run_measures_every_scenario_and_prints_the_table(
     rows = re.findall(r"│ (direct|Hypercorn|IOP) +│ +(\d+) │ +(\d+) │", text)  # target, ok, err
     expected = [("direct", "4", "0"), ("Hypercorn", "4", "0"), ("IOP", "4", "0")]
     assert sorted(rows) == sorted(expected * 4)
-    assert "litellm: not installed, skipped" in text
+    assert "CPU by process" in text
+    for process in ("upstream", "hypercorn", "edge", "node", "edge+node"):
+        assert re.search(rf"│ {re.escape(process)} +│", text), process
+    assert "vllm-router: not installed, skipped" in text
     assert "Targets from the issue" in text
     assert "machine: " in text
 
     document = json.loads(to_json(result))
     assert len(document["measurements"]) == 12
+    iop_rows = [row for row in document["measurements"] if row["target"] == IOP]
+    assert all(set(row["processes"]) == {"edge", "node"} for row in iop_rows)
 
 
-def _measurement(target: str, scenario: Scenario, latency_ms: float, rps: float) -> Measurement:
+@pytest.mark.usefixtures("no_peers")
+async def test_fleet_streams_measure_delay_cost_and_memory_per_target(tmp_path: Path) -> None:
+    shape = FleetShape(streams=4, tokens_per_second=50.0, tokens=4, window_s=1.0)
+    options = BenchOptions(parts=(FLEET,), fleet_only=(DIRECT, IOP, VLLM_ROUTER), fleet=shape)
+    lines: list[str] = []
+    with trio.fail_after(SMOKE_GUARD_S):
+        result = await run_bench(options, tmp_path, lines.append)
+
+    assert [m.target for m in result.fleet] == [DIRECT, IOP]
+    for m in result.fleet:
+        assert m.errors == 0, m.first_error
+        assert m.chunks > 0 and m.delays_s and m.gaps_s
+        assert m.process_cpu_s is not None and m.rss_idle and m.rss_loaded
+        assert m.process_wait_s is not None and m.caller_cpu_s is not None
+    iop = result.fleet_of(IOP)
+    assert iop is not None and iop.process_cpu_s is not None
+    assert set(iop.process_cpu_s) == {"edge", "node"}
+    assert iop.rss_kb_per_stream("edge") is not None
+    assert any(note.startswith("vllm-router: not installed, skipped") for note in result.notes)
+    assert result.measurements == () and result.many_nodes is None
+
+    text = _text(result)
+    assert "Fleet-shaped streams: 4 streams x 50 tok/s" in text
+    assert "cost by process" in text
+    assert re.search(r"│ IOP +│ edge +│", text)
+    document = json.loads(to_json(result))
+    assert [row["target"] for row in document["fleet"]] == [DIRECT, IOP]
+
+
+async def test_many_nodes_connect_and_every_node_applies_the_refresh(tmp_path: Path) -> None:
+    shape = ManyNodesShape(
+        nodes=12, providers_per_node=2, models=3, idle_window_s=0.2, catalog_requests=3
+    )
+    lines: list[str] = []
+    options = BenchOptions(parts=(NODES,), nodes=shape)
+    with trio.fail_after(SMOKE_GUARD_S):
+        result = await run_bench(options, tmp_path, lines.append)
+
+    m = result.many_nodes
+    assert m is not None, result.notes
+    assert m.refresh_status == 200, m.refresh_problem
+    assert (m.refresh_nodes, m.refresh_applied, m.refresh_problem) == (12, 12, None)
+    assert m.refresh_s is not None and m.dry_run_s is not None
+    assert len(m.catalog_s) == 3 and m.catalog_bytes > 0
+    assert None not in (m.rss_empty, m.rss_connected, m.rss_after_refresh, m.idle_cpu_s)
+
+    text = _text(result)
+    assert "Many Nodes on one Edge: 12 light Nodes x 2 providers" in text
+    assert "(12/12 applied)" in text
+    verdicts = {c.goal: c.verdict for c in check_targets(result) if c.goal.startswith("1000")}
+    assert set(verdicts.values()) == {"n/a"}  # measured at 12 Nodes, not the goal's 1,000
+
+
+# --- the pure parts -------------------------------------------------------------------------------
+
+
+def _measurement(
+    target: str, scenario: Scenario, latency_ms: float, rps: float, cpu_ms: float = 0.0
+) -> Measurement:
     count = 100
     return Measurement(
         target=target,
@@ -91,6 +165,23 @@ def _measurement(target: str, scenario: Scenario, latency_ms: float, rps: float)
         latencies_s=(latency_ms / 1000,) * count,
         errors=0,
         wall_s=count / rps,
+        process_cpu_s={"all": cpu_ms * count / 1000},
+    )
+
+
+def _fleet(target: str, delay_ms: float, cpu_s: dict[str, float]) -> FleetMeasurement:
+    return FleetMeasurement(
+        target=target,
+        shape=FleetShape(),
+        window_s=1.0,
+        chunks=1000,
+        streams_done=10,
+        errors=0,
+        delays_s=(delay_ms / 1000,) * 10,
+        gaps_s=(0.1,) * 10,
+        process_cpu_s=cpu_s,
+        rss_idle={name: 10 * 2**20 for name in cpu_s},
+        rss_loaded={name: 10 * 2**20 + 100 * 1024 * 100 for name in cpu_s},
     )
 
 
@@ -101,21 +192,87 @@ def test_targets_are_judged_from_the_measured_numbers() -> None:
         machine=Machine.this(),
         measurements=(
             _measurement(DIRECT, c1, 1.0, 1000),
-            _measurement(IOP, c1, 2.0, 500),  # +1 ms: within 1.5 ms
+            _measurement(HYPERCORN, c1, 1.5, 800),  # floor +0.5 ms
+            _measurement(IOP, c1, 2.0, 500, cpu_ms=1.0),  # +1 ms = 2x the floor: within 3x
+            _measurement(LITELLM, c1, 20.0, 50, cpu_ms=10.0),  # IOP at 1/10: within 1/8
             _measurement(DIRECT, c1s, 1.0, 1000),
-            _measurement(IOP, c1s, 5.0, 200),  # +4 ms: over 3 ms
+            _measurement(HYPERCORN, c1s, 2.0, 500),  # floor +1 ms
+            _measurement(IOP, c1s, 4.0, 200),  # +3 ms = 3x the floor: over 2x
             _measurement(IOP, c32, 10.0, 1000),
-            _measurement(LITELLM, c32, 10.0, 100),  # 10x
+            _measurement(LITELLM, c32, 10.0, 100),  # 10x: over 8x
             _measurement(IOP, c32s, 10.0, 1000),
         ),
+        fleet=(
+            _fleet(DIRECT, 1.0, {"upstream": 0.05}),
+            _fleet(IOP, 4.0, {"edge": 0.2, "node": 0.2}),  # +3 ms; 200 us/chunk
+            _fleet(VLLM_ROUTER, 1.5, {"router": 0.05}),  # 50 us/chunk: the Edge at 4x
+        ),
     )
-    verdicts = [(check.measured, check.verdict) for check in check_targets(result)]
-    assert verdicts == [
-        ("+1.00 ms", "PASS"),
-        ("+4.00 ms", "MISS"),
-        ("10.00x", "PASS"),
-        ("not measured (litellm)", "n/a"),
-    ]
+    verdicts = {check.goal: (check.measured, check.verdict) for check in check_targets(result)}
+    assert verdicts["fleet: Edge CPU per relayed chunk <= 3x vllm-router's"] == (
+        "200 vs 50 us = 4.0x",
+        "MISS",
+    )
+    assert verdicts["fleet: IOP adds <= 5 ms token delay p99 at 100 x 10 tok/s"] == (
+        "+3.00 ms",
+        "PASS",
+    )
+    assert verdicts["CPU per request, Edge + Node <= 1/8 of LiteLLM's, non-stream, c=1"] == (
+        "1/10.0",
+        "PASS",
+    )
+    assert verdicts["throughput >= 8x LiteLLM's at c=32, non-stream"] == ("10.00x", "PASS")
+    assert verdicts["throughput >= 15x LiteLLM's at c=32, stream"] == (
+        "not measured (litellm)",
+        "n/a",
+    )
+    assert verdicts["c=1 added p50 <= 3x the Hypercorn floor's, non-stream"] == (
+        "+1.00 vs +0.50 ms = 2.0x",
+        "PASS",
+    )
+    assert verdicts["c=1 added p50 <= 2x the Hypercorn floor's, 22-chunk stream"] == (
+        "+3.00 vs +1.00 ms = 3.0x",
+        "MISS",
+    )
+    nodes = [verdict for goal, (_, verdict) in verdicts.items() if goal.startswith("1000 Nodes")]
+    assert nodes == ["n/a"] * 4  # not run
+
+
+def test_many_nodes_budgets_are_judged_at_1000_nodes_only() -> None:
+    def measured(nodes: int, refresh_s: float) -> ManyNodesMeasurement:
+        return ManyNodesMeasurement(
+            shape=ManyNodesShape(nodes=nodes),
+            connect_s=5.0,
+            rss_empty=50 * 2**20,
+            rss_connected=120 * 2**20,
+            rss_after_refresh=150 * 2**20,
+            idle_cpu_s=0.2,
+            idle_window_s=10.0,  # 2% of a core
+            catalog_s=(0.03, 0.05, 0.2),  # the slowest over 100 ms
+            catalog_bytes=1000,
+            dry_run_s=1.0,
+            refresh_s=refresh_s,
+            refresh_status=200,
+            refresh_nodes=nodes,
+            refresh_applied=nodes,
+        )
+
+    at_scale = BenchResult(machine=Machine.this(), many_nodes=measured(1000, 4.0))
+    verdicts = [c.verdict for c in check_targets(at_scale) if c.goal.startswith("1000 Nodes")]
+    assert verdicts == ["PASS", "PASS", "MISS", "PASS"]
+    smaller = BenchResult(machine=Machine.this(), many_nodes=measured(10, 4.0))
+    verdicts = [c.verdict for c in check_targets(smaller) if c.goal.startswith("1000 Nodes")]
+    assert verdicts == ["n/a"] * 4
+
+
+def test_fleet_numbers_are_derived_per_process() -> None:
+    m = _fleet(IOP, 4.0, {"edge": 0.3, "node": 0.1})
+    assert m.cpu_us_per_chunk("edge") == pytest.approx(300.0)
+    assert m.cpu_us_per_chunk() == pytest.approx(400.0)
+    assert m.chunks_per_core_s("edge") == pytest.approx(1e6 / 300)
+    assert m.cpu_us_per_chunk("router") is None
+    assert m.rss_kb_per_stream("edge") == pytest.approx(100 * 100 / FleetShape().streams)
+    assert m.delay_ms(99.0) == pytest.approx(4.0)
 
 
 def test_percentile_interpolates_between_ranks() -> None:
@@ -133,13 +290,111 @@ def test_the_upstream_stream_has_the_documented_shape() -> None:
     with_usage = stream_events(include_usage=True)
     assert with_usage[:-1] == plain
     assert b'"usage"' in with_usage[-1]
+    stamped = stream_events(include_usage=False, tokens=3, stamped=True)
+    assert len(stamped) == 4
+    assert all(b"STAMP-SLOT" in event for event in stamped[:3])
 
 
-def test_command_line_rejects_unknown_targets_and_bad_concurrency() -> None:
+async def test_a_paced_stream_arrives_whole_with_a_stamp_per_token() -> None:
+    upstream = BenchUpstream(stream_tokens=5, tokens_per_second=200.0)
+    async with trio.open_nursery() as nursery:
+        root = await nursery.start(upstream.serve)
+        host, port, request = _request(root)
+        connection = _Connection(host, port, request)
+        for _ in range(2):  # the second stream reuses the keep-alive connection
+            tally = _Tally(expected_tokens=5, window_start_ns=0)
+            reader = _StreamReader(tally)
+            await connection.exchange(reader)
+            assert (reader.tokens, reader.done) == (5, True)
+            assert tally.chunks == 6  # five tokens and the finish-reason chunk
+            assert len(tally.delays_ns) == len(tally.gaps_ns) == 4  # the first token aside
+            assert all(delay >= 0 for delay in tally.delays_ns)
+        await connection.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_connection_the_target_closed_while_idle_is_replaced_once() -> None:
+    """The target closes every connection after one answer; each stream still arrives."""
+    events = stream_events(include_usage=False, tokens=2, stamped=True)
+    body = b"".join(
+        b"%x\r\n%s\r\n" % (len(sse), sse)
+        for sse in [b"data: " + e.replace(b"STAMP-SLOT", b"1") + b"\n\n" for e in events]
+        + [b"data: [DONE]\n\n"]
+    )
+    answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body + b"0\r\n\r\n"
+    connections = 0
+
+    async def answer_once_then_close(stream: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        received = b""
+        while b"\r\n\r\n" not in received or not received.endswith(b"}"):
+            received += await stream.receive_some(65536)
+        await stream.send_all(answer)
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, answer_once_then_close, 0)
+        port = listeners[0].socket.getsockname()[1]
+        host, port, request = _request(f"http://127.0.0.1:{port}")
+        connection = _Connection(host, port, request)
+        for _ in range(3):
+            reader = _StreamReader(None)
+            await connection.exchange(reader)
+            assert (reader.tokens, reader.done) == (2, True)
+        assert connections == 3
+        await connection.aclose()
+        nursery.cancel_scope.cancel()
+
+
+def test_the_stream_reader_finds_events_split_across_reads() -> None:
+    tally = _Tally(expected_tokens=2, window_start_ns=0)
+    reader = _StreamReader(tally)
+    body = b"".join(
+        b"data: " + event + b"\n\n"
+        for event in stream_events(include_usage=False, tokens=2, stamped=True)
+    ).replace(b"STAMP-SLOT", b"100")
+    body += b"data: [DONE]\n\n"
+    for index in range(0, len(body), 7):  # seven bytes at a time
+        reader(body[index : index + 7], 1000 + index)
+    assert (reader.tokens, reader.done, tally.chunks) == (2, True, 3)
+    assert len(tally.delays_ns) == 1 and tally.delays_ns[0] > 0
+    assert STAMP_PATTERN.search(b'"content":"tok@123 "') is not None
+
+
+def test_the_many_nodes_config_is_a_valid_edge_config() -> None:
+    shape = ManyNodesShape(nodes=5, providers_per_node=3, models=4)
+    credentials = node_credentials(shape.nodes)
+    parsed = parse_config(fleet_config(shape, credentials, Path("/tmp/state"), capacity=2))
+    config = parsed.config
+    assert [node.id for node in config.nodes] == list(credentials)
+    assert sum(len(node.providers) for node in config.nodes) == shape.providers
+    served = {provider for model in config.models for provider in model.providers}
+    assert len(served) == shape.providers  # every provider serves a model
+    assert all(token not in parsed.text for token in credentials.values())
+
+
+def test_command_line_parts_targets_and_shapes() -> None:
     parser = build_parser()
-    args = parser.parse_args(["--only", "iop,direct", "--concurrency", "4,1"])
+    args = parser.parse_args(
+        ["--only", "iop,direct", "--concurrency", "4,1", "--parts", "nodes,closed"]
+    )
     assert args.only == (DIRECT, IOP)
     assert args.concurrency == (4, 1)
-    for bad in (["--only", "nginx"], ["--concurrency", "0"], ["--concurrency", "x"]):
+    assert args.parts == (CLOSED, NODES)
+    options = options_from(
+        parser.parse_args(["--streams", "7", "--tokens-per-second", "3", "--nodes", "9"]), parser
+    )
+    assert (options.fleet.streams, options.fleet.tokens_per_second) == (7, 3.0)
+    assert options.nodes.nodes == 9
+    for bad in (
+        ["--only", "nginx"],
+        ["--concurrency", "0"],
+        ["--concurrency", "x"],
+        ["--parts", "warp"],
+        ["--fleet-only", "hypercorn"],
+    ):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
+    with pytest.raises(SystemExit):
+        options_from(parser.parse_args(["--streams", "0"]), parser)

@@ -1,0 +1,137 @@
+"""What one bench run measured, and the numbers derived from it (all pure).
+
+A run has up to three parts (`bench.run` says which ran): the closed-loop scenarios
+(`measurements`, from `bench.load`), the fleet-shaped stream scenario (`fleet`, from
+`bench.fleet`) and the many-Nodes scenario (`many_nodes`, from `bench.many_nodes`).
+Targets are named by the constants here; each is made of named processes (`PROCESSES`),
+whose CPU and memory the report shows apart.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from bench.fleet import FleetMeasurement
+from bench.load import Measurement, Scenario
+from bench.many_nodes import ManyNodesMeasurement
+
+DIRECT: Final = "direct"
+HYPERCORN: Final = "hypercorn"
+IOP: Final = "iop"
+LITELLM: Final = "litellm"
+VLLM_ROUTER: Final = "vllm-router"
+ALL_TARGETS: Final = (DIRECT, HYPERCORN, IOP, LITELLM, VLLM_ROUTER)
+TARGET_LABELS: Final = {
+    DIRECT: "direct",
+    HYPERCORN: "Hypercorn",
+    IOP: "IOP",
+    LITELLM: "LiteLLM",
+    VLLM_ROUTER: "vllm-router",
+}
+#: The processes each target is made of, by the name the report gives them.
+PROCESSES: Final = {
+    DIRECT: ("upstream",),
+    HYPERCORN: ("hypercorn",),
+    IOP: ("edge", "node"),
+    LITELLM: ("proxy",),
+    VLLM_ROUTER: ("router",),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    cores: int
+    python: str
+    platform: str
+
+    @classmethod
+    def this(cls) -> Machine:
+        return cls(
+            cores=os.cpu_count() or 1,
+            python=f"{platform.python_implementation()} {sys.version.split()[0]}",
+            platform=platform.platform(terse=True),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BenchResult:
+    machine: Machine
+    measurements: tuple[Measurement, ...] = ()
+    """The closed-loop scenarios."""
+    fleet: tuple[FleetMeasurement, ...] = ()
+    """The fleet-shaped stream scenario, one per target."""
+    many_nodes: ManyNodesMeasurement | None = None
+    notes: tuple[str, ...] = ()
+    """Why a target was skipped, and the like; printed under the tables."""
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def scenarios(self) -> list[Scenario]:
+        seen: dict[Scenario, None] = {}
+        for m in self.measurements:
+            seen.setdefault(m.scenario, None)
+        return list(seen)
+
+    def get(self, target: str, scenario: Scenario) -> Measurement | None:
+        for m in self.measurements:
+            if m.target == target and m.scenario == scenario:
+                return m
+        return None
+
+    def fleet_of(self, target: str) -> FleetMeasurement | None:
+        for m in self.fleet:
+            if m.target == target:
+                return m
+        return None
+
+
+# --- derived numbers ------------------------------------------------------------------------------
+
+
+def added_p50_ms(result: BenchResult, target: str, scenario: Scenario) -> float | None:
+    """Median latency `target` adds over the direct upstream, in ms."""
+    measured, direct = result.get(target, scenario), result.get(DIRECT, scenario)
+    if measured is None or direct is None or measured.p50_ms is None or direct.p50_ms is None:
+        return None
+    return measured.p50_ms - direct.p50_ms
+
+
+def throughput_ratio(
+    result: BenchResult, target: str, baseline: str, scenario: Scenario
+) -> float | None:
+    measured, base = result.get(target, scenario), result.get(baseline, scenario)
+    if measured is None or base is None or measured.rps is None or not base.rps:
+        return None
+    return measured.rps / base.rps
+
+
+def cpu_ratio(result: BenchResult, target: str, baseline: str, scenario: Scenario) -> float | None:
+    """`target`'s CPU per request (all its processes) over `baseline`'s."""
+    measured, base = result.get(target, scenario), result.get(baseline, scenario)
+    if measured is None or base is None:
+        return None
+    mine, theirs = measured.cpu_ms_per_request, base.cpu_ms_per_request
+    if mine is None or not theirs:
+        return None
+    return mine / theirs
+
+
+def added_token_delay_ms(result: BenchResult, target: str, q: float) -> float | None:
+    """The q-th percentile token delay through `target` minus the direct one, in ms."""
+    measured, direct = result.fleet_of(target), result.fleet_of(DIRECT)
+    if measured is None or direct is None:
+        return None
+    mine, floor = measured.delay_ms(q), direct.delay_ms(q)
+    return None if mine is None or floor is None else mine - floor
+
+
+def added_gap_ms(result: BenchResult, target: str, q: float) -> float | None:
+    """The q-th percentile gap between tokens through `target` minus the direct one."""
+    measured, direct = result.fleet_of(target), result.fleet_of(DIRECT)
+    if measured is None or direct is None:
+        return None
+    mine, floor = measured.gap_ms(q), direct.gap_ms(q)
+    return None if mine is None or floor is None else mine - floor

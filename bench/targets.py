@@ -1,0 +1,204 @@
+"""The goals of the data-plane issue, judged against one run's numbers (pure).
+
+Each goal is printed as PASS/MISS next to what was measured, never asserted: a number
+on a shared 2-core machine is an observation, not a test. A goal whose numbers were not
+measured in the run (a peer not installed, a part not run) is `n/a` and says what is
+missing; a goal stated for a scale (1,000 Nodes, the default fleet) is `n/a` when the
+run used another one, with the value shown anyway.
+
+The goals compare targets within one run (ratios), except the absolute ones of the
+many-Nodes scenario, which are budgets for one Edge on this machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from bench.fleet import FleetShape
+from bench.load import Scenario
+from bench.result import (
+    HYPERCORN,
+    IOP,
+    LITELLM,
+    VLLM_ROUTER,
+    BenchResult,
+    added_p50_ms,
+    added_token_delay_ms,
+    cpu_ratio,
+    throughput_ratio,
+)
+
+Verdict = Literal["PASS", "MISS", "n/a"]
+
+#: Edge CPU per relayed chunk in the fleet scenario, at most this many times the router's.
+MAX_EDGE_CHUNK_CPU_VS_ROUTER: Final = 3.0
+#: Added token delay p99 in the fleet scenario at the default shape (ms).
+MAX_ADDED_TOKEN_DELAY_P99_MS: Final = 5.0
+#: Edge + Node CPU per request as a share of LiteLLM's, by `stream`.
+MAX_CPU_SHARE_OF_LITELLM: Final = {False: 1 / 8, True: 1 / 12}
+#: Throughput at c=32 over LiteLLM's, by `stream`.
+MIN_THROUGHPUT_VS_LITELLM: Final = {False: 8.0, True: 15.0}
+THROUGHPUT_CONCURRENCY: Final = 32
+#: IOP's added p50 at c=1 over the Hypercorn floor's own added p50, by `stream`.
+MAX_ADDED_P50_VS_FLOOR: Final = {False: 3.0, True: 2.0}
+#: The many-Nodes budgets for one Edge.
+NODES_AT_SCALE: Final = 1000
+MAX_EDGE_RSS_MB: Final = 300.0
+MAX_IDLE_CPU_SHARE: Final = 0.05
+MAX_CATALOG_MS: Final = 100.0
+MAX_REFRESH_S: Final = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class TargetCheck:
+    goal: str
+    measured: str
+    verdict: Verdict
+
+
+def _at_most(value: float, limit: float) -> Verdict:
+    return "PASS" if value <= limit else "MISS"
+
+
+def _kind(stream: bool) -> str:
+    return "22-chunk stream" if stream else "non-stream"
+
+
+def _fleet_checks(result: BenchResult) -> list[TargetCheck]:
+    checks: list[TargetCheck] = []
+    iop, router = result.fleet_of(IOP), result.fleet_of(VLLM_ROUTER)
+    goal = f"fleet: Edge CPU per relayed chunk <= {MAX_EDGE_CHUNK_CPU_VS_ROUTER:g}x vllm-router's"
+    edge_cost = iop.cpu_us_per_chunk("edge") if iop else None
+    router_cost = router.cpu_us_per_chunk("router") if router else None
+    if edge_cost is None or not router_cost:
+        missing = "iop" if edge_cost is None else "vllm-router"
+        checks.append(TargetCheck(goal, f"not measured ({missing})", "n/a"))
+    else:
+        ratio = edge_cost / router_cost
+        measured = f"{edge_cost:.0f} vs {router_cost:.0f} us = {ratio:.1f}x"
+        checks.append(TargetCheck(goal, measured, _at_most(ratio, MAX_EDGE_CHUNK_CPU_VS_ROUTER)))
+
+    default = FleetShape()
+    goal = (
+        f"fleet: IOP adds <= {MAX_ADDED_TOKEN_DELAY_P99_MS:g} ms token delay p99 "
+        f"at {default.streams} x {default.tokens_per_second:g} tok/s"
+    )
+    added = added_token_delay_ms(result, IOP, 99.0)
+    if added is None or iop is None:
+        checks.append(TargetCheck(goal, "not measured (iop or direct)", "n/a"))
+    else:
+        at_default = (iop.shape.streams, iop.shape.tokens_per_second) == (
+            default.streams,
+            default.tokens_per_second,
+        )
+        if at_default:
+            checks.append(
+                TargetCheck(goal, f"{added:+.2f} ms", _at_most(added, MAX_ADDED_TOKEN_DELAY_P99_MS))
+            )
+        else:
+            shape = f"{iop.shape.streams} x {iop.shape.tokens_per_second:g}"
+            checks.append(TargetCheck(goal, f"{added:+.2f} ms (at {shape})", "n/a"))
+    return checks
+
+
+def _closed_loop_checks(result: BenchResult) -> list[TargetCheck]:
+    checks: list[TargetCheck] = []
+    concurrencies = sorted({s.concurrency for s in result.scenarios()}) or [1, 32]
+    for stream in (False, True):
+        share = MAX_CPU_SHARE_OF_LITELLM[stream]
+        for concurrency in concurrencies:
+            scenario = Scenario(concurrency=concurrency, stream=stream)
+            goal = (
+                f"CPU per request, Edge + Node <= 1/{1 / share:.0f} of LiteLLM's, "
+                f"{_kind(stream)}, c={concurrency}"
+            )
+            ratio = cpu_ratio(result, IOP, LITELLM, scenario)
+            if ratio is None:
+                missing = LITELLM if result.get(IOP, scenario) else IOP
+                checks.append(TargetCheck(goal, f"not measured ({missing})", "n/a"))
+            else:
+                checks.append(TargetCheck(goal, f"1/{1 / ratio:.1f}", _at_most(ratio, share)))
+    for stream in (False, True):
+        scenario = Scenario(concurrency=THROUGHPUT_CONCURRENCY, stream=stream)
+        least = MIN_THROUGHPUT_VS_LITELLM[stream]
+        goal = (
+            f"throughput >= {least:g}x LiteLLM's at c={THROUGHPUT_CONCURRENCY}, "
+            f"{'stream' if stream else 'non-stream'}"
+        )
+        ratio = throughput_ratio(result, IOP, LITELLM, scenario)
+        if ratio is None:
+            missing = LITELLM if result.get(IOP, scenario) else IOP
+            checks.append(TargetCheck(goal, f"not measured ({missing})", "n/a"))
+        else:
+            checks.append(TargetCheck(goal, f"{ratio:.2f}x", "PASS" if ratio >= least else "MISS"))
+    for stream in (False, True):
+        scenario = Scenario(concurrency=1, stream=stream)
+        limit = MAX_ADDED_P50_VS_FLOOR[stream]
+        goal = f"c=1 added p50 <= {limit:g}x the Hypercorn floor's, {_kind(stream)}"
+        iop, floor = added_p50_ms(result, IOP, scenario), added_p50_ms(result, HYPERCORN, scenario)
+        if iop is None or floor is None or floor <= 0:
+            missing = "iop" if iop is None else "hypercorn"
+            checks.append(TargetCheck(goal, f"not measured ({missing})", "n/a"))
+        else:
+            ratio = iop / floor
+            measured = f"{iop:+.2f} vs {floor:+.2f} ms = {ratio:.1f}x"
+            checks.append(TargetCheck(goal, measured, _at_most(ratio, limit)))
+    return checks
+
+
+def _nodes_checks(result: BenchResult) -> list[TargetCheck]:
+    prefix = f"{NODES_AT_SCALE} Nodes: "
+    m = result.many_nodes
+    if m is None:
+        names = ("Edge RSS", "idle Edge CPU", "/catalog latency", "refresh of every Node")
+        return [TargetCheck(prefix + name, "not measured (nodes)", "n/a") for name in names]
+    at_scale = m.shape.nodes == NODES_AT_SCALE
+    scale_note = "" if at_scale else f" (at {m.shape.nodes} Nodes)"
+    rss = max((v for v in (m.rss_connected, m.rss_after_refresh) if v is not None), default=None)
+    rss_mb = None if rss is None else rss / 2**20
+    idle, slowest = m.idle_cpu_share, m.catalog_max_ms
+    budgets: list[tuple[str, float | None, str, float]] = [
+        (
+            f"Edge RSS <= {MAX_EDGE_RSS_MB:g} MB (highest: idle or after the refresh)",
+            rss_mb,
+            f"{rss_mb:.0f} MB" if rss_mb is not None else "",
+            MAX_EDGE_RSS_MB,
+        ),
+        (
+            f"idle Edge CPU <= {MAX_IDLE_CPU_SHARE:.0%} of a core",
+            idle,
+            f"{idle:.1%}" if idle is not None else "",
+            MAX_IDLE_CPU_SHARE,
+        ),
+        (
+            f"/catalog <= {MAX_CATALOG_MS:g} ms (slowest of {len(m.catalog_s)})",
+            slowest,
+            f"{slowest:.0f} ms" if slowest is not None else "",
+            MAX_CATALOG_MS,
+        ),
+    ]
+    checks: list[TargetCheck] = []
+    for goal, value, text, limit in budgets:
+        if value is None:
+            checks.append(TargetCheck(prefix + goal, "not measured", "n/a"))
+        else:
+            verdict: Verdict = _at_most(value, limit) if at_scale else "n/a"
+            checks.append(TargetCheck(prefix + goal, text + scale_note, verdict))
+    goal = prefix + f"refresh of every Node <= {MAX_REFRESH_S:g} s (until all acked)"
+    if m.refresh_s is None:
+        measured = f"refused: {m.refresh_problem}"[:80]
+        checks.append(TargetCheck(goal, measured, "MISS" if at_scale else "n/a"))
+        return checks
+    everyone = m.refresh_applied == m.shape.nodes
+    measured = f"{m.refresh_s:.1f} s, {m.refresh_applied}/{m.refresh_nodes} applied" + scale_note
+    verdict = "n/a"
+    if at_scale:
+        verdict = "PASS" if everyone and m.refresh_s <= MAX_REFRESH_S else "MISS"
+    checks.append(TargetCheck(goal, measured, verdict))
+    return checks
+
+
+def check_targets(result: BenchResult) -> list[TargetCheck]:
+    """Every goal of the issue, in the order the issue lists them."""
+    return [*_fleet_checks(result), *_closed_loop_checks(result), *_nodes_checks(result)]
