@@ -15,7 +15,7 @@ wire (`schemas.wire`), so the Edge does exactly the work it does for real Nodes:
 At most `handshakes` connections are in their handshake at once: the Edge refuses more
 than 16 unauthenticated peers at a time (HTTP 503), as it should.
 
-    python -m bench.light_nodes --edge ws://HOST:PORT --nodes-file FILE [--handshakes 8]
+    python -m bench.light_nodes --edge ws://HOST:PORT --nodes-file FILE [--handshakes 4]
 
 `FILE` holds `{"node id": "token", ...}` as JSON: tokens never go on a command line. The
 process prints `light-nodes ready: N nodes` once every Node was welcomed and sent its
@@ -42,13 +42,15 @@ from trio_websocket import (
     connect_websocket_url,
 )
 
+from iop_edge.runtime.handshakes import MAX_PENDING_HANDSHAKES_PER_SOURCE
 from schemas import wire
 from schemas.config import NodeConfig
 
 READY_PREFIX: Final = "light-nodes ready: "
 FAILED_PREFIX: Final = "light-nodes failed: "
-#: Below the Edge's 16 pending handshakes, so no Node is ever refused for that.
-DEFAULT_HANDSHAKES: Final = 8
+#: All light Nodes dial from one address: at most the Edge's per-source bound of pending
+#: handshakes at once, so none is evicted by its siblings.
+DEFAULT_HANDSHAKES: Final = MAX_PENDING_HANDSHAKES_PER_SOURCE
 _HANDSHAKE_TIMEOUT_S: Final = 30.0
 _MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 
@@ -112,7 +114,7 @@ async def _serve(ws: WebSocketConnection) -> None:
                         code=wire.FailureCode.INTERNAL,
                         message="a light Node has no upstream",
                     )
-                    await ws.send_message(wire.encode(failed))
+                    await ws.send_message(wire.encode(wire.RunEvents(ends=[failed])))
                 case _:
                     pass  # cancel, a late welcome: nothing to do
     except ConnectionClosed:
