@@ -8,23 +8,29 @@ are `core` (pure) < `runtime` (Trio state and tasks) < `http` (the surfaces) < t
 `Edge` holds the current immutable `Snapshot` (swapped in one step by refresh) and the
 long-lived runtime parts that outlive snapshots. `Edge.serve` is a startable service: it
 binds the OpenAI listener, the node websocket listener and the loopback-only admin
-listener (each may be port 0), then reports their URLs via `task_status`.
+listener (each may be port 0; or takes them over from the Edge it replaces, see
+`runtime.handover`), then reports their URLs via `task_status`.
+
+Stopping (`stop()`, SIGTERM) and handing over to a successor (`restart()`, SIGUSR2) end the
+same way: accept nothing more (callers, admin, Nodes), send `goaway` to the Nodes (they
+link again, to the successor if there is one, and keep this link for its runs), tell
+each keep-alive caller to reconnect on its next request, wait until no request has been
+in progress for `DRAIN_LINGER_S` (bounded by the grace period), close what is left, write
+the ledger, close the node links.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
-from trio_websocket import serve_websocket
 
 from iop_edge.core.config import ParsedConfig
 from iop_edge.core.listen import parse_listen_address
@@ -32,21 +38,38 @@ from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.admin import AdminServices, create_admin_app
 from iop_edge.http.openai_app import OpenAIApp
 from iop_edge.http.runs import RunEndpoints
+from iop_edge.http.server import HttpServer
 from iop_edge.runtime.audit import AuditLog
 from iop_edge.runtime.dispatch import Dispatcher
+from iop_edge.runtime.handover import Handover, HandoverFailed, Successor
 from iop_edge.runtime.hub import LISTENER_MAX_FRAME_BYTES, NodeDirectory, NodeHub
+from iop_edge.runtime.listeners import Listener, ListenerError, Role, adopt_listener, bind_listener
 from iop_edge.runtime.metering import Metering
 from iop_edge.runtime.metrics import EdgeMetrics
+from iop_edge.runtime.node_server import NodeServer
 from iop_edge.runtime.refresh import Refresher
 from iop_edge.runtime.scheduler import Scheduler
 from iop_edge.runtime.session import SessionClosed
 from iop_edge.runtime.usage import UsageLedger
 from schemas import wire
 from schemas.config import NodeConfig
+from schemas.restart import RestartReport
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 10.0
+#: While draining, how long no request may have been in progress before the remaining
+#: keep-alive connections are closed: a client that just got a response sends its next
+#: request within this, is answered with `Connection: close`, and reconnects elsewhere.
+DRAIN_LINGER_S = 0.5
+#: Bound on queueing `goaway` to every node (a node with a full outbox is slow).
+GOAWAY_TIMEOUT_S = 2.0
+#: A successor must be listening for Nodes within this (imports, config, ledger) ...
+HANDOVER_START_TIMEOUT_S = 60.0
+#: ... must have the old Edge's Nodes linked within this (else it goes on without) ...
+HANDOVER_NODES_TIMEOUT_S = 15.0
+#: ... and must say it is ready within this, or the restart fails and nothing changes.
+HANDOVER_READY_TIMEOUT_S = HANDOVER_NODES_TIMEOUT_S + 30.0
 
 
 def hypercorn_config(listen: str) -> HypercornConfig:
@@ -80,9 +103,21 @@ class Edge:
         config_path: Path | None = None,
         heartbeat_s: float = 5.0,
         heartbeat_timeout_s: float = 15.0,
+        node_listen: str | None = None,
+        admin_listen: str | None = None,
+        successor_argv: Sequence[str] | None = None,
+        handover: Handover | None = None,
     ) -> None:
+        """`node_listen`/`admin_listen` override the config's addresses for this process
+        (each replica on a host needs its own); `successor_argv` is how to start this
+        Edge again (`restart()`; None: it cannot restart itself); `handover` is set when
+        this process is the successor of a restarting Edge."""
         config = parsed.config
-        self._snapshot = Snapshot.build(config, revision=1, config_sha256=parsed.sha256)
+        revision = handover.revision if handover is not None else 1
+        self._snapshot = Snapshot.build(config, revision=revision, config_sha256=parsed.sha256)
+        self._config_time = time.time()
+        """When the running snapshot was taken: a node serving several Edges runs the
+        newest config (SPEC §3 "Several Edges")."""
         self.config_path = config_path
         self.started_unix = int(time.time())
         self.scheduler = Scheduler(self._snapshot)
@@ -94,6 +129,7 @@ class Edge:
             on_connect=self.scheduler.node_connected,
             on_disconnect=self.scheduler.node_disconnected,
             on_status=self._on_status,
+            on_load=self._on_load,
             heartbeat_s=heartbeat_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
         )
@@ -109,7 +145,18 @@ class Edge:
         self.refresher = Refresher(
             self, config_path=config_path, audit=AuditLog(Path(config.edge.state_dir))
         )
-        self._shutdown = trio.Event()
+        self._listen: dict[Role, str] = {
+            "openai": config.openai.listen,
+            "node": node_listen or config.edge.listen,
+            "admin": admin_listen or config.admin.listen,
+        }
+        self._successor_argv = list(successor_argv) if successor_argv is not None else None
+        self._handover = handover
+        self._listeners: dict[Role, Listener] = {}
+        self._node_server: NodeServer | None = None
+        self._stop_requested = trio.Event()
+        self._stop_reason = "stopping"
+        self._restarting = False
 
     # --- RefreshTarget --------------------------------------------------------------
 
@@ -120,6 +167,7 @@ class Edge:
     def swap_snapshot(self, snapshot: Snapshot) -> None:
         """Install a new snapshot in one step (no await): requests see old or new."""
         self._snapshot = snapshot
+        self._config_time = time.time()
         self.scheduler.apply_snapshot(snapshot)
 
     def connected_nodes(self) -> frozenset[str]:
@@ -136,7 +184,7 @@ class Edge:
         if session is None:
             return None
         try:
-            return await session.request_refresh(revision, node_config)
+            return await session.request_refresh(revision, node_config, self._config_time)
         except SessionClosed:
             return None
 
@@ -154,6 +202,7 @@ class Edge:
             revision=snapshot.revision,
             token_hash=token_hash,
             node_config=snapshot.node_config,
+            config_time=self._config_time,
         )
 
     def _on_status(self, node_id: str, status: wire.Status) -> None:
@@ -167,6 +216,15 @@ class Edge:
                 provider.id, provider.health, provider.models, provider.lifecycle, provider.detail
             )
 
+    def _on_load(self, node_id: str, load: wire.Load) -> None:
+        """What other Edges hold on this node's providers (SPEC §13)."""
+        owner = self._snapshot.provider_node
+        for provider in load.providers:
+            if owner.get(provider.id) == node_id:
+                self.scheduler.provider_load(
+                    provider.id, provider.in_flight, provider.long_in_flight
+                )
+
     def _count_failover(self, model_id: str, provider_id: str) -> None:
         self.metrics.failovers.labels(model_id, provider_id).inc()
 
@@ -178,6 +236,7 @@ class Edge:
             metrics=self.metrics.render,
             usage=self.ledger.aggregate,
             refresh=self.refresher.refresh,
+            restart=self.restart,
         )
 
     # --- observation ------------------------------------------------------------------
@@ -202,9 +261,11 @@ class Edge:
 
     # --- lifecycle ------------------------------------------------------------------
 
-    def stop(self) -> None:
-        """Begin a graceful stop: listeners close, in-flight requests get a grace period."""
-        self._shutdown.set()
+    def stop(self, reason: str = "stopping") -> None:
+        """Begin a graceful stop (module docstring): `serve` returns once drained."""
+        if not self._stop_requested.is_set():
+            self._stop_reason = reason
+            self._stop_requested.set()
 
     def _node_ssl_context(self) -> ssl.SSLContext | None:
         tls = self._snapshot.config.edge.tls
@@ -214,57 +275,90 @@ class Edge:
         context.load_cert_chain(tls.cert_file, tls.key_file)
         return context
 
+    def open_listeners(self) -> None:
+        """Bind every listener (or take over the ones a restarting Edge handed us); raises
+        `EdgeStartupError`. `serve` does it when not done before."""
+        if not self._listeners:
+            self._listeners = self._open_listeners()
+
+    def _open_listeners(self) -> dict[Role, Listener]:
+        listeners: dict[Role, Listener] = {}
+        handover = self._handover
+        try:
+            for role in ("node", "openai", "admin"):
+                configured = self._listen[role]
+                fd = handover.take_listener(role, configured) if handover else None
+                if fd is not None:
+                    listeners[role] = adopt_listener(role, configured, fd)
+                else:
+                    address = parse_listen_address(configured)
+                    listeners[role] = bind_listener(role, configured, address)
+        except ListenerError as exc:
+            for listener in listeners.values():
+                listener.close()
+            raise EdgeStartupError(str(exc)) from None
+        finally:
+            if handover is not None:
+                handover.close_unused()
+        return listeners
+
     async def serve(
         self, *, task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        self.open_listeners()
+        try:
+            await self._serve(self._listeners, task_status)
+        finally:
+            for listener in self._listeners.values():
+                listener.close()
+
+    async def _serve(
+        self, listeners: dict[Role, Listener], task_status: trio.TaskStatus[EdgeAddresses]
     ) -> None:
         config = self._snapshot.config
         async with trio.open_nursery() as nursery:
             await nursery.start(self.scheduler.run)
             await nursery.start(self.ledger.run)
-            node_listen = parse_listen_address(config.edge.listen)
-            ssl_context = self._node_ssl_context()
-            ws_server = await nursery.start(
-                partial(
-                    serve_websocket,
-                    self.hub.handle,
-                    node_listen.host,
-                    node_listen.port,
-                    ssl_context,
-                    max_message_size=LISTENER_MAX_FRAME_BYTES,
-                    receive_buffer_size=256 * 1024,
-                )
+            node_server = self._node_server = NodeServer(
+                self.hub.handle,
+                listeners["node"],
+                self._node_ssl_context(),
+                max_message_size=LISTENER_MAX_FRAME_BYTES,
+                receive_buffer_size=256 * 1024,
             )
-            scheme = "wss" if ssl_context else "ws"
-            node_url = f"{scheme}://{node_listen.url_host}:{ws_server.port}"
+            node_url = await nursery.start(node_server.serve)
             log.info("node websocket listening on %s", node_url)
+            if self._handover is not None:
+                await self._take_over_nodes(self._handover)
 
             runs = RunEndpoints(lambda: self._snapshot, self.dispatcher, self.metering)
             openai_app = OpenAIApp(
                 runs, snapshot=lambda: self._snapshot, started_unix=self.started_unix
             )
+            servers = [
+                HttpServer(
+                    openai_app, hypercorn_config(config.openai.listen), listeners["openai"].socket
+                ),
+                HttpServer(
+                    create_admin_app(self._admin_services()),
+                    hypercorn_config(self._listen["admin"]),
+                    listeners["admin"].socket,
+                ),
+            ]
             async with trio.open_nursery() as http:
-                openai_binds = await http.start(
-                    partial(
-                        hypercorn_serve,
-                        openai_app,
-                        hypercorn_config(config.openai.listen),
-                        shutdown_trigger=self._shutdown.wait,
-                    )
-                )
-                admin_binds = await http.start(
-                    partial(
-                        hypercorn_serve,
-                        create_admin_app(self._admin_services()),
-                        hypercorn_config(config.admin.listen),
-                        shutdown_trigger=self._shutdown.wait,
-                    )
-                )
+                openai_url = await http.start(servers[0].serve)
+                admin_url = await http.start(servers[1].serve)
                 addresses = EdgeAddresses(
-                    openai_url=openai_binds[0], node_url=node_url, admin_url=admin_binds[0]
+                    openai_url=openai_url, node_url=node_url, admin_url=admin_url
                 )
                 log.info("OpenAI API listening on %s", addresses.openai_url)
                 log.info("admin API listening on %s", addresses.admin_url)
                 task_status.started(addresses)
+                if self._handover is not None:
+                    await self._handover.ready()
+                    self._handover = None
+                await self._stop_requested.wait()
+                await self._drain(servers)
             # The HTTP listeners drained (graceful stop): the ledger writes what it holds,
             # then the node side ends too.
             self.ledger.close()
@@ -272,3 +366,113 @@ class Edge:
                 await self.ledger.wait_stopped()
             self.hub.abort_all()
             nursery.cancel_scope.cancel()
+
+    async def _drain(self, servers: Sequence[HttpServer]) -> None:
+        """Stop accepting, tell the Nodes, let callers finish (module docstring)."""
+        log.info("%s: draining in-flight requests", self._stop_reason)
+        assert self._node_server is not None
+        self._node_server.stop_accepting()
+        for server in servers:
+            server.stop_accepting()
+        with trio.move_on_after(GOAWAY_TIMEOUT_S):
+            await self.hub.goaway_all(self._stop_reason)
+        with trio.move_on_after(SHUTDOWN_GRACE_S) as grace:
+            async with trio.open_nursery() as nursery:
+                for server in servers:
+                    nursery.start_soon(server.wait_quiet, DRAIN_LINGER_S)
+        if grace.cancelled_caught:
+            left = sum(server.in_flight for server in servers)
+            log.warning("grace period over with %d request(s) still in progress", left)
+        for server in servers:
+            server.terminate()
+
+    async def _take_over_nodes(self, handover: Handover) -> None:
+        """As a successor: tell the old Edge we take Nodes, then wait (bounded) until the
+        Nodes it had linked here and reported their providers' health."""
+        expected = set(await handover.listening())
+        if not expected:
+            return
+        with trio.move_on_after(HANDOVER_NODES_TIMEOUT_S):
+            while missing := expected - self._nodes_reporting():
+                log.debug("restart: waiting for node(s) %s", ", ".join(sorted(missing)))
+                await self.scheduler.wait_changed()
+        missing = expected - self._nodes_reporting()
+        if missing:
+            log.warning(
+                "restart: node(s) %s did not link within %gs; going on without them",
+                ", ".join(sorted(missing)),
+                HANDOVER_NODES_TIMEOUT_S,
+            )
+        else:
+            log.info("restart: node(s) %s linked", ", ".join(sorted(expected)))
+
+    def _nodes_reporting(self) -> set[str]:
+        """Connected nodes whose every provider has reported a health."""
+        waiting = {
+            provider.node_id
+            for provider in self.scheduler.catalog().providers
+            if provider.health == "unknown"
+        }
+        return {node for node in self.hub.connected_nodes() if node not in waiting}
+
+    async def restart(self) -> RestartReport:
+        """Hand over to a new process of this Edge (zero-downtime restart, SPEC §13; see
+        `runtime.handover`). Returns once the successor serves (then this Edge drains
+        and `serve` returns) or the restart failed (this Edge serves on, unchanged)."""
+        pid = os.getpid()
+        if self._successor_argv is None:
+            detail = (
+                "this Edge was not started by `iop-edge serve`, so it cannot start itself again"
+            )
+            return RestartReport(outcome="refused", pid=pid, detail=detail)
+        if self._restarting or self._stop_requested.is_set() or self._node_server is None:
+            detail = "a restart or stop is already in progress"
+            return RestartReport(outcome="refused", pid=pid, detail=detail)
+        self._restarting = True
+        revision = self._snapshot.revision + 1
+        successor = Successor(
+            self._successor_argv, list(self._listeners.values()), revision=revision
+        )
+        try:
+            successor_pid = await self._hand_over(successor, self._node_server)
+        except HandoverFailed as exc:
+            log.error("restart failed, serving on: %s", exc)
+            await trio.to_thread.run_sync(successor.abort)
+            self._node_server.resume_accepting()
+            return RestartReport(outcome="failed", pid=pid, detail=str(exc))
+        finally:
+            self._restarting = False
+            with trio.move_on_after(1, shield=True):
+                await successor.close()
+        log.info(
+            "restart: the successor (pid %d) serves; this Edge drains and exits", successor_pid
+        )
+        self.stop("restarting")
+        return RestartReport(
+            outcome="handed_over",
+            pid=pid,
+            successor_pid=successor_pid,
+            revision=revision,
+            detail="the successor serves; this process finishes its in-flight runs and exits",
+        )
+
+    async def _hand_over(self, successor: Successor, node_server: NodeServer) -> int:
+        try:
+            with trio.fail_after(HANDOVER_START_TIMEOUT_S):
+                await successor.start()
+                await successor.wait_listening()
+        except trio.TooSlowError:
+            raise HandoverFailed(
+                f"the successor was not listening within {HANDOVER_START_TIMEOUT_S:g}s"
+            ) from None
+        node_server.stop_accepting()
+        with trio.move_on_after(GOAWAY_TIMEOUT_S):
+            await self.hub.goaway_all("restarting")
+        try:
+            with trio.fail_after(HANDOVER_READY_TIMEOUT_S):
+                await successor.expect_nodes(sorted(self.hub.connected_nodes()))
+                return await successor.wait_ready()
+        except trio.TooSlowError:
+            raise HandoverFailed(
+                f"the successor was not ready within {HANDOVER_READY_TIMEOUT_S:g}s"
+            ) from None

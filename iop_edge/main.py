@@ -1,16 +1,23 @@
-"""Run the Edge as a process: logging, signals (SIGHUP = refresh apply, SIGTERM/SIGINT =
-graceful stop, a second one = stop now), and the root nursery."""
+"""Run the Edge as a process: logging, signals (SIGHUP = refresh apply, SIGUSR2 =
+zero-downtime restart, SIGTERM/SIGINT = graceful stop, a second one = stop now), and the
+root nursery.
+
+A process started by a restarting Edge (see `runtime.handover`) finds its handover in
+the environment; when it cannot start (an invalid config, a port it cannot bind) it says
+why to the old Edge, which then serves on."""
 
 from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 
 import trio
 
-from iop_edge.core.config import load_config
-from iop_edge.edge import Edge, EdgeAddresses
+from iop_edge.core.config import ConfigInvalid, format_errors, load_config
+from iop_edge.edge import Edge, EdgeAddresses, EdgeStartupError
+from iop_edge.runtime.handover import Handover
 from schemas.refresh import RefreshRequest
 
 log = logging.getLogger(__name__)
@@ -40,13 +47,24 @@ async def _apply_from_file(edge: Edge) -> None:
         log.error("refresh rejected: %s: %s", error.path, error.message)
 
 
+async def _restart(edge: Edge) -> None:
+    report = await edge.restart()
+    if report.outcome == "handed_over":
+        log.info("SIGUSR2 restart: handed over to pid %s", report.successor_pid)
+    else:
+        log.error("SIGUSR2 restart %s: %s", report.outcome, report.detail)
+
+
 async def handle_signals(edge: Edge, cancel_scope: trio.CancelScope) -> None:
     stopping = False
-    with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:
+    signums = (signal.SIGHUP, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+    with trio.open_signal_receiver(*signums) as signals:
         async with trio.open_nursery() as nursery:
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     nursery.start_soon(_apply_from_file, edge)
+                elif signum == signal.SIGUSR2:
+                    nursery.start_soon(_restart, edge)
                 elif not stopping:
                     stopping = True
                     log.info("stopping: draining in-flight requests (signal again to stop now)")
@@ -56,13 +74,43 @@ async def handle_signals(edge: Edge, cancel_scope: trio.CancelScope) -> None:
 
 
 async def serve_edge(
-    config_path: Path, *, task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED
+    config_path: Path,
+    *,
+    node_listen: str | None = None,
+    admin_listen: str | None = None,
+    successor_argv: Sequence[str] | None = None,
+    task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Load the config and serve until a stop signal drains the listeners."""
-    parsed = load_config(config_path)
-    for warning in parsed.warnings:
-        log.warning("%s", warning)
-    edge = Edge(parsed, config_path=config_path)
+    """Load the config and serve until a stop signal drains the listeners.
+
+    `successor_argv` is how to start this Edge again (`iop-edge restart`, SIGUSR2)."""
+    handover = Handover.from_environ()
+    try:
+        parsed = load_config(config_path)
+        for warning in parsed.warnings:
+            log.warning("%s", warning)
+        edge = Edge(
+            parsed,
+            config_path=config_path,
+            node_listen=node_listen,
+            admin_listen=admin_listen,
+            successor_argv=successor_argv,
+            handover=handover,
+        )
+    except ConfigInvalid as exc:
+        if handover is not None:
+            handover.failed(f"{config_path}: invalid config\n{format_errors(exc.errors)}")
+        raise
+    try:
+        edge.open_listeners()
+    except EdgeStartupError as exc:
+        if handover is not None:
+            handover.failed(f"cannot start: {exc}")
+        raise
+    await _serve(edge, task_status)
+
+
+async def _serve(edge: Edge, task_status: trio.TaskStatus[EdgeAddresses]) -> None:
     async with trio.open_nursery() as nursery:
 
         async def run_edge(*, task_status: trio.TaskStatus[EdgeAddresses]) -> None:

@@ -1,4 +1,4 @@
-"""`iop-edge`: serve, demo, check-config, refresh, catalog, hash-token."""
+"""`iop-edge`: serve, demo, check-config, refresh, catalog, usage, restart, hash-token."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -14,6 +15,7 @@ import trio
 from rich.console import Console
 
 from iop_edge.core.config import ConfigInvalid, format_errors, load_config
+from iop_edge.core.listen import parse_listen_address
 from iop_edge.core.tokens import hash_token
 
 DEFAULT_CONFIG = Path("configs/edge.yaml")
@@ -50,13 +52,36 @@ def _admin_call(
         ) from None
 
 
+def _listen_override(flag: str, value: str | None, *, loopback: bool = False) -> str | None:
+    if value is None:
+        return None
+    try:
+        address = parse_listen_address(value)
+    except ValueError as exc:
+        raise SystemExit(f"{flag} {value}: {exc}") from None
+    if loopback and not address.is_loopback:
+        raise SystemExit(f"{flag} {value}: the admin API listens on loopback addresses only")
+    return value
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from iop_edge.edge import EdgeStartupError
     from iop_edge.main import serve_edge, setup_logging
 
+    node_listen = _listen_override("--node-listen", args.node_listen)
+    admin_listen = _listen_override("--admin-listen", args.admin_listen, loopback=True)
     setup_logging(args.log_level)
     try:
-        trio.run(serve_edge, args.config)
+        trio.run(
+            partial(
+                serve_edge,
+                args.config,
+                node_listen=node_listen,
+                admin_listen=admin_listen,
+                # How to start this very Edge again (`iop-edge restart`, SIGUSR2).
+                successor_argv=sys.orig_argv,
+            )
+        )
     except ConfigInvalid as exc:
         print(f"{args.config}: invalid config\n{format_errors(exc.errors)}", file=sys.stderr)
         return 1
@@ -145,6 +170,27 @@ def cmd_usage(args: argparse.Namespace) -> int:
     return _show(args, "/usage?" + urlencode(query), render_usage)
 
 
+def cmd_restart(args: argparse.Namespace) -> int:
+    status, report = _admin_call(args, "POST", "/restart")
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0 if status == 200 else 1
+    outcome = report.get("outcome") if isinstance(report, dict) else None
+    if outcome == "handed_over":
+        print(
+            f"restarted: the new Edge (pid {report.get('successor_pid')}, config revision "
+            f"{report.get('revision')}) serves; the old one (pid {report.get('pid')}) finishes "
+            "its in-flight runs and exits"
+        )
+        return 0
+    detail = report.get("detail") if isinstance(report, dict) else None
+    message = detail or (
+        report.get("error", {}).get("message") if isinstance(report, dict) else None
+    )
+    print(f"restart {outcome or 'failed'} (HTTP {status}): {message or report}", file=sys.stderr)
+    return 1
+
+
 def cmd_hash_token(args: argparse.Namespace) -> int:
     token = sys.stdin.readline().strip()
     if not token:
@@ -162,10 +208,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser(
-        "serve", help="run the Edge (SIGHUP = refresh apply, SIGTERM/SIGINT = drain and stop)"
+        "serve",
+        help="run the Edge (SIGHUP = refresh apply, SIGUSR2 = restart, SIGTERM/SIGINT = drain "
+        "and stop)",
     )
     serve.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     serve.add_argument("--log-level", default="INFO")
+    serve.add_argument(
+        "--node-listen",
+        metavar="HOST:PORT",
+        help="this process's node listener instead of edge.listen (each replica on a host "
+        "needs its own)",
+    )
+    serve.add_argument(
+        "--admin-listen",
+        metavar="HOST:PORT",
+        help="this process's admin listener instead of admin.listen (loopback; each replica "
+        "on a host needs its own)",
+    )
     serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser(
@@ -192,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("refresh", cmd_refresh, "dry-run (default) or apply a config refresh"),
         ("catalog", cmd_catalog, "show models and providers with live load"),
         ("usage", cmd_usage, "metered usage from the ledger, aggregated"),
+        (
+            "restart",
+            cmd_restart,
+            "zero-downtime restart: a new Edge process (the config file re-read) takes over "
+            "the ports and Nodes, the old one drains and exits",
+        ),
     ):
         command = sub.add_parser(name, help=helptext)
         command.add_argument("--admin", help="admin API URL (default: admin.listen of --config)")

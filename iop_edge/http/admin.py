@@ -1,4 +1,4 @@
-"""The loopback-only admin API: health, status, catalog, metrics, config refresh.
+"""The loopback-only admin API: health, status, catalog, metrics, config refresh, restart.
 
 SPEC §5.1: the listener itself must be a loopback address (checked at startup), and every
 request is refused when it carries `Origin` or any `Sec-Fetch-*` header or a `Host` that
@@ -24,6 +24,7 @@ from iop_edge.runtime.refresh import RefreshResult
 from iop_edge.runtime.usage import UsageReport
 from schemas.catalog import Catalog
 from schemas.refresh import RefreshRequest, RefreshVerdict, StatusReport
+from schemas.restart import RestartOutcome, RestartReport
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,14 @@ REFRESH_STATUS: Final[dict[RefreshVerdict, int]] = {
 }
 
 
+#: What each restart outcome is answered with.
+RESTART_STATUS: Final[dict[RestartOutcome, int]] = {
+    "handed_over": 200,
+    "failed": 500,
+    "refused": 409,
+}
+
+
 class UsageQuery(Protocol):
     def __call__(
         self, *, since: float | None, until: float | None, group_by: Sequence[str]
@@ -96,6 +105,7 @@ class AdminServices:
     metrics: Callable[[], bytes]
     usage: UsageQuery
     refresh: Callable[[RefreshRequest], Awaitable[RefreshResult]]
+    restart: Callable[[], Awaitable[RestartReport]] | None = None
 
 
 def create_admin_app(services: AdminServices) -> QuartTrio:
@@ -148,6 +158,15 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
             return _error(400, f"invalid refresh request: {exc}")
         result = await services.refresh(refresh_request)
         return _json(result.report, REFRESH_STATUS[result.verdict])
+
+    @app.post("/restart")
+    async def restart() -> Response:
+        """Zero-downtime restart (SPEC §13): answers once the successor serves (200), or
+        why it did not take over (500: this Edge serves on) or was not tried (409)."""
+        if services.restart is None:
+            return _error(409, "this Edge cannot restart itself")
+        report = await services.restart()
+        return _json(report, RESTART_STATUS[report.outcome])
 
     @app.errorhandler(HTTPException)
     async def on_http_error(error: HTTPException) -> Response:

@@ -30,10 +30,16 @@ Rules:
    next read says `caller_too_slow`.
 6. What a run hears is caller-ready bytes (server-sent events the Node shaped) and then
    one end; the Edge does not parse them (SPEC §3 revision 2).
+7. A `busy` answer (the Node's slots are all taken, by another Edge's runs: SPEC §13) is
+   neither a failure of the provider nor a failover: the provider counts as full at once
+   (in the session's reader, before any later `load` report is read) and the run goes
+   back to the queue for the same providers, at most `MAX_BUSY_REQUEUES` times; after
+   that it is a capacity failure like an upstream 429.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -67,6 +73,8 @@ log = logging.getLogger(__name__)
 #: What a run buffers for a consumer that is slower than its provider (Rule 5).
 RUN_BUFFER_BYTES: Final = 4 * 1024 * 1024
 RUN_BUFFER_ITEMS: Final = 1024
+#: How often one run may find its provider `busy` and wait again (Rule 7).
+MAX_BUSY_REQUEUES: Final = 16
 
 _json_encode = msgspec.json.Encoder().encode
 
@@ -141,6 +149,7 @@ class _Attempt:
 
     __slots__ = (
         "_give_up",
+        "_on_busy",
         "buffered",
         "end_reason",
         "lease",
@@ -151,7 +160,12 @@ class _Attempt:
     )
 
     def __init__(
-        self, wire_id: str, lease: Lease, session: NodeSession, give_up: Callable[[], None]
+        self,
+        wire_id: str,
+        lease: Lease,
+        session: NodeSession,
+        give_up: Callable[[], None],
+        on_busy: Callable[[str], None],
     ) -> None:
         self.wire_id = wire_id
         self.lease = lease
@@ -162,6 +176,7 @@ class _Attempt:
         """Bytes delivered and not yet read by the run."""
         self.end_reason: wire.RunFailed | None = None
         self._give_up = give_up
+        self._on_busy = on_busy
 
     # --- RunSink --------------------------------------------------------------------
 
@@ -183,6 +198,8 @@ class _Attempt:
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the run already stopped reading: its end has been decided
         if not isinstance(event, bytes):
+            if isinstance(event, wire.RunFailed) and event.code == wire.FailureCode.BUSY:
+                self._on_busy(self.lease.provider_id)  # Rule 7: before any later report
             self.send.close()
         return True
 
@@ -394,12 +411,14 @@ class Dispatcher:
             self.scheduler.record_failure(provider_id)
 
     async def start(self, run: Run) -> None:
-        """Admit and start `run` (Rules 1-2); see `Run.start`."""
+        """Admit and start `run` (Rules 1-2, 7); see `Run.start`."""
         plan = run.plan
         retries = self._retries()
         tried: set[str] = set()
         last_failure: RunFailure | None = None
-        for attempt in range(retries + 1):
+        failovers = 0
+        busy = 0
+        for attempt in itertools.count():
             wire_id = plan.run_id if attempt == 0 else f"{plan.run_id}.{attempt}"
             try:
                 lease = await self.scheduler.acquire(
@@ -410,15 +429,18 @@ class Dispatcher:
                     raise last_failure from None
                 raise
             run.timings.queued_s += lease.queued_s
-            tried.add(lease.provider_id)
             failure = await self._attempt(run, wire_id, lease)
             if failure is None:
                 return
             last_failure = failure
-            if not failure.failure.retryable:
+            if failure.failure.code == wire.FailureCode.BUSY and busy < MAX_BUSY_REQUEUES:
+                busy += 1
+                continue  # Rule 7: full after all; wait for a slot like any request
+            tried.add(lease.provider_id)
+            if not failure.failure.retryable or failovers >= retries:
                 break
-            if attempt < retries:  # another provider gets the run
-                self._on_failover(plan.model_id, lease.provider_id)
+            failovers += 1  # another provider gets the run
+            self._on_failover(plan.model_id, lease.provider_id)
         assert last_failure is not None
         raise last_failure
 
@@ -438,7 +460,7 @@ class Dispatcher:
                 ),
                 lease.provider_id,
             )
-        attempt = _Attempt(wire_id, lease, session, run._give_up)
+        attempt = _Attempt(wire_id, lease, session, run._give_up, self.scheduler.provider_saturated)
         try:
             session.open_run(wire_id, attempt)
         except SessionClosed:
@@ -456,6 +478,7 @@ class Dispatcher:
             stream=plan.stream,
             reply_model=plan.model_id,
             strip_usage=plan.stream and not plan.caller_wants_usage,
+            long=lease.long,
         )
         sent_at = time.perf_counter()
         try:

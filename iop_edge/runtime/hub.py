@@ -15,6 +15,9 @@ Rules:
    `PRE_AUTH_MAX_FRAME_BYTES`; afterwards the wire's `MAX_FRAME_BYTES`.
 3. When a session ends for any reason, its runs hear `lost()` (node lost) and the
    scheduler learns the node is gone.
+4. After `goaway` (the Edge is going away, `goaway_all`) a node links again; if that
+   reaches this Edge (it still accepts nodes), the old session is not replaced but
+   retired: new runs go to the new session, the old one ends once its runs are done.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 
 from iop_edge.core.tokens import tokens_match
 from iop_edge.runtime.compat.trio_websocket import MESSAGE_LIMIT_LIFTABLE, lift_message_limit
-from iop_edge.runtime.session import NodeSession, StatusListener, reject
+from iop_edge.runtime.session import LoadListener, NodeSession, StatusListener, reject
 from schemas import wire
 from schemas.config import NodeConfig
 
@@ -55,6 +58,9 @@ class NodeDirectory:
     revision: int
     token_hash: Callable[[str], str | None]
     node_config: Callable[[str], NodeConfig]
+    config_time: float = 0.0
+    """When this Edge took its config (unix seconds): a node serving several Edges runs
+    the newest config."""
 
 
 class NodeHub:
@@ -67,6 +73,7 @@ class NodeHub:
         on_connect: Callable[[str], None],
         on_disconnect: Callable[[str], None],
         on_status: StatusListener,
+        on_load: LoadListener | None = None,
         heartbeat_s: float = 5.0,
         heartbeat_timeout_s: float = 15.0,
         handshake_timeout_s: float = 10.0,
@@ -75,6 +82,7 @@ class NodeHub:
         self._on_connect = on_connect
         self._on_disconnect = on_disconnect
         self._on_status = on_status
+        self._on_load = on_load
         self.heartbeat_s = heartbeat_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
@@ -119,9 +127,15 @@ class NodeHub:
             websocket,
             applied_revision=directory.revision,
             on_status=self._on_status,
+            on_load=self._on_load,
         )
         previous = self._sessions.get(hello.node_id)
-        if previous is not None:
+        if previous is not None and previous.goaway_sent:
+            # Rule 4: the node answered our `goaway` by linking again; new runs go to the
+            # new session, the old one ends once the runs still on it are done.
+            log.info("node %s linked again after goaway; its old session drains", hello.node_id)
+            previous.retire()
+        elif previous is not None:
             log.info("node %s reconnected; replacing its previous session", hello.node_id)
             previous.abort()
         self._sessions[hello.node_id] = session
@@ -131,6 +145,7 @@ class NodeHub:
             revision=directory.revision,
             node_config=directory.node_config(hello.node_id),
             heartbeat_s=self.heartbeat_s,
+            config_time=directory.config_time,
         )
         session.send_nowait(welcome)  # the first frame: the outbox has room
         log.info("node %s connected from %s", hello.node_id, websocket.remote)
@@ -186,3 +201,11 @@ class NodeHub:
     def abort_all(self) -> None:
         for session in list(self._sessions.values()):
             session.abort()
+
+    async def goaway_all(self, reason: str) -> None:
+        """Send `goaway` to every connected node (SPEC §3): each dials this Edge's address
+        again for new runs and keeps its session here only for the runs on it. The
+        caller bounds the wait (a node whose outbox is full makes us wait for room)."""
+        async with trio.open_nursery() as nursery:
+            for session in list(self._sessions.values()):
+                nursery.start_soon(session.goaway, reason)

@@ -39,7 +39,7 @@ def _resolve(argv: list[str], environ: dict[str, str] | None = None) -> NodeInvo
 
 def test_flags_and_token_from_the_environment() -> None:
     invocation = _resolve(["--edge", EDGE, "--node-id", "gpu1"], {TOKEN_ENV_VAR: f" {TOKEN}\n"})
-    assert invocation == NodeInvocation(edge_url=EDGE, node_id="gpu1", token=TOKEN)
+    assert invocation == NodeInvocation(edge_urls=(EDGE,), node_id="gpu1", token=TOKEN)
     assert TOKEN not in repr(invocation)
 
 
@@ -58,7 +58,7 @@ def test_yaml_config_with_relative_token_file(tmp_path: Path) -> None:
     config = tmp_path / "node.yaml"
     config.write_text(f"edge: {EDGE}\nnode_id: gpu1\ntoken_file: node.token\n")
     assert _resolve(["--config", str(config)]) == NodeInvocation(
-        edge_url=EDGE, node_id="gpu1", token=TOKEN
+        edge_urls=(EDGE,), node_id="gpu1", token=TOKEN
     )
     # Flags win over the file.
     overridden = _resolve(["--config", str(config), "--node-id", "gpu2"])

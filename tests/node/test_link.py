@@ -27,7 +27,7 @@ from trio_websocket import (
 
 from iop_node.adapters.base import Adapter, Emit, RunResult
 from iop_node.backoff import BackoffPolicy
-from iop_node.link import NodeLink
+from iop_node.edges import EdgeLinks
 from iop_node.main import run_node
 from iop_node.registry import create_adapter
 from schemas.config import AdapterSettings, NodeConfig, ProviderConfig
@@ -286,7 +286,7 @@ async def test_started_after_the_first_welcome(edge: FakeEdge, nursery: trio.Nur
 
     nursery.start_soon(edge_script)
     link = await nursery.start(partial(run_node, edge.url, "n1", TOKEN, **FAST))
-    assert isinstance(link, NodeLink)
+    assert isinstance(link, EdgeLinks)
     assert link.connected and link.sessions == 1
 
 
