@@ -87,6 +87,8 @@ async def open_edge_websocket(
         try:
             yield ws
         finally:
-            with trio.move_on_after(disconnect_timeout, shield=True):
+            # As `open_websocket_url` does: bounded, and not shielded (cancelled, the
+            # socket is closed at once instead of waiting for the peer's answer).
+            with trio.move_on_after(disconnect_timeout):
                 await ws.aclose()
             nursery.cancel_scope.cancel()

@@ -135,6 +135,7 @@ class ProviderHost:
         self._apply_lock = trio.Lock()
         self._stopping = False
         self._drained = trio.Event()
+        self._links_changed = trio.Event()
 
     # --- links -------------------------------------------------------------------------
 
@@ -142,6 +143,7 @@ class ProviderHost:
         port = LinkPort(serial=next(self._serials), send=send, label=label)
         self._links[port.serial] = port
         self._slots.add_link(port.serial)
+        self._notify_links_changed()
         return port
 
     def detach(self, port: LinkPort) -> None:
@@ -158,6 +160,15 @@ class ProviderHost:
             )
             port._forget(run_id)
         self._slots.remove_link(port.serial)
+        self._notify_links_changed()
+
+    def _notify_links_changed(self) -> None:
+        self._links_changed.set()
+        self._links_changed = trio.Event()
+
+    async def wait_links_changed(self) -> None:
+        """Return at the next attach or detach of a link (for observers and tests)."""
+        await self._links_changed.wait()
 
     # --- config ------------------------------------------------------------------------
 

@@ -99,7 +99,7 @@ class UsageLedger:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 log.error("usage ledger is behind; %d record(s) dropped so far", self.dropped)
-        except trio.ClosedResourceError:
+        except (trio.ClosedResourceError, trio.BrokenResourceError):  # the writer is gone
             self.dropped += 1
 
     def _connect(self) -> sqlite3.Connection:

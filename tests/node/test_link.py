@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -34,9 +35,12 @@ from schemas.config import AdapterSettings, NodeConfig, ProviderConfig
 from schemas.wire import (
     PROTOCOL_VERSION,
     Cancel,
+    GoAway,
     Hello,
+    Load,
     Message,
     NodeToEdge,
+    ProviderLoad,
     ProviderStatus,
     Refresh,
     RefreshAck,
@@ -173,14 +177,15 @@ class EdgeSide:
 class FakeEdge:
     """Accepts node websockets on 127.0.0.1 and hands each to the test as an `EdgeSide`."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._accepted, self._accepted_out = trio.open_memory_channel[EdgeSide](16)
         self._scope: trio.CancelScope | None = None
-        self.port = 0
+        self.host = host
+        self.port = port
 
     @property
     def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/"
+        return f"ws://{self.host}:{self.port}/"
 
     async def start(self, nursery: trio.Nursery) -> None:
         self.port = await nursery.start(self._serve, self.port)
@@ -197,7 +202,7 @@ class FakeEdge:
         with trio.CancelScope() as self._scope:
             async with trio.open_nursery() as nursery:
                 server = await nursery.start(
-                    partial(serve_websocket, self._handle, "127.0.0.1", port, None)
+                    partial(serve_websocket, self._handle, self.host, port, None)
                 )
                 task_status.started(server.port)
 
@@ -638,3 +643,142 @@ async def test_bursts_of_chunks_arrive_whole_and_in_order(
     for run_id in run_ids:
         assert [msgspec.json.decode(c)["index"] for c in chunks[run_id]] == list(range(200))
     assert side.batches < 3 * 200 // 2  # batched: far fewer messages than chunks
+
+
+# --- several Edges (SPEC §3 "Several Edges") ---------------------------------------------
+
+
+async def test_goaway_dials_again_and_the_old_link_finishes_its_run(
+    edge: FakeEdge, nursery: trio.Nursery
+) -> None:
+    slow = NodeConfig(node_id="n1", providers=[_sim(tokens_per_second=50)])
+    _start_node(nursery, edge.url)
+    old = await edge.accept()
+    await old.welcome(slow)
+    await old.expect(Status)
+    await old.send(_chat_run("r1", max_tokens=5))
+    await old.expect(RunChunk)
+
+    await old.send(GoAway(reason="restarting"))
+    new = await edge.accept()  # the node dials again at once, no backoff
+    await new.welcome(slow, revision=2)
+    assert await new.receive() == _available("sim-a")  # the registry was kept: no re-probe
+    # new runs arrive on the new link; the old one still carries r1 to its end
+    [*_, done] = await new.run_until_terminal(_chat_run("r2", max_tokens=1))
+    assert isinstance(done, RunDone) and done.run_id == "r2"
+    messages = [await old.receive()]
+    while not isinstance(messages[-1], RunDone):
+        messages.append(await old.receive())
+    # (the old link also hears `load`: r2 ran on another link of the same node)
+    runs = {message.run_id for message in messages if isinstance(message, RunChunk | RunDone)}
+    assert runs == {"r1"}
+    # The Edge closes the old link once its runs are done; the node does not redial it.
+    await old.ws.aclose()
+    old.released.set()
+    [*_, done] = await new.run_until_terminal(_chat_run("r3", max_tokens=1))
+    assert isinstance(done, RunDone)
+
+
+async def test_the_node_closes_an_old_link_the_edge_keeps_open(
+    edge: FakeEdge, nursery: trio.Nursery
+) -> None:
+    _start_node(nursery, edge.url, goaway_linger_s=0.05)
+    old = await edge.accept()
+    await old.welcome()
+    await old.expect(Status)
+    await old.send(GoAway())
+    new = await edge.accept()
+    await new.welcome()
+    closed = await old.wait_closed()
+    assert closed.reason is not None and closed.reason.code == 1001
+    await new.expect(Status)
+
+
+async def test_a_link_hears_what_the_other_links_hold(
+    nursery: trio.Nursery,
+) -> None:
+    """Two Edges, one provider of capacity 1: the second Edge hears the first Edge's run
+    in `load` and, when it sends a run anyway (a race), `busy` and a fresh `load`."""
+    first, second = FakeEdge(), FakeEdge()
+    await first.start(nursery)
+    await second.start(nursery)
+    single = NodeConfig(
+        node_id="n1",
+        providers=[
+            ProviderConfig(
+                id="sim-a",
+                type="sim",
+                models=["sim-small"],
+                capacity=1,
+                adapter=AdapterSettings(ttft_ms=1, tokens_per_second=20),
+            )
+        ],
+    )
+    with trio.fail_after(10):
+        nursery.start_soon(partial(run_node, [first.url, second.url], "n1", TOKEN, **FAST))
+        a = await first.accept()
+        b = await second.accept()
+        await a.welcome(single)
+        await b.welcome(single)
+        await a.expect(Status)
+        await b.expect(Status)
+
+        await a.send(_chat_run("r1", max_tokens=20))
+        await a.expect(RunChunk)
+        assert await b.receive() == Load(providers=[ProviderLoad(id="sim-a", in_flight=1)])
+
+        await b.send(_chat_run("r1", max_tokens=1))  # same id, other Edge: a separate run
+        busy = await b.expect(RunFailed)
+        assert (busy.code, busy.retryable, busy.capacity) == ("busy", True, True)
+        assert await b.receive() == Load(providers=[ProviderLoad(id="sim-a", in_flight=1)])
+
+        await a.send(Cancel(run_id="r1"))
+        assert await b.receive() == Load(providers=[ProviderLoad(id="sim-a", in_flight=0)])
+        [*_, done] = await b.run_until_terminal(_chat_run("r2", max_tokens=1))
+        assert isinstance(done, RunDone)
+        # the first Edge heard the second one's run come and go (coalesced or not)
+        loads = []
+        while True:
+            message = await a.receive()
+            if isinstance(message, Load):
+                loads.append(message.providers[0].in_flight)
+                if message.providers[0].in_flight == 0 and 1 in loads:
+                    break
+        a.released.set()
+        b.released.set()
+
+
+async def test_an_edge_that_goes_away_ends_its_runs_on_the_node(nursery: trio.Nursery) -> None:
+    first, second = FakeEdge(), FakeEdge()
+    await first.start(nursery)
+    await second.start(nursery)
+    slow = NodeConfig(node_id="n1", providers=[_sim(tokens_per_second=2)])
+    with trio.fail_after(10):
+        nursery.start_soon(partial(run_node, [first.url, second.url], "n1", TOKEN, **FAST))
+        a = await first.accept()
+        b = await second.accept()
+        await a.welcome(slow)
+        await b.welcome(slow)
+        await a.expect(Status)
+        await b.expect(Status)
+        for run_id in ("r1", "r2"):
+            await a.send(_chat_run(run_id, max_tokens=50))
+
+        async def drain(side: EdgeSide) -> None:  # keep a's socket read (pongs included)
+            with contextlib.suppress(ConnectionClosed):
+                while True:
+                    await side.receive()
+
+        nursery.start_soon(drain, a)
+        while True:
+            load = await b.receive()
+            assert isinstance(load, Load)
+            if load.providers[0].in_flight == 2:
+                break
+        first.stop()  # the first Edge dies: its runs end on the node, the count falls
+        while True:
+            load = await b.receive()
+            assert isinstance(load, Load)
+            if load.providers[0].in_flight == 0:
+                break
+        b.released.set()
