@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import trio
 from hypercorn.config import Config as HypercornConfig
 
@@ -53,6 +54,7 @@ from iop_edge.runtime.session import SessionClosed
 from iop_edge.runtime.usage import UsageLedger
 from schemas import wire
 from schemas.config import NodeConfig
+from schemas.refresh import StatusReport
 from schemas.restart import RestartReport
 
 log = logging.getLogger(__name__)
@@ -231,7 +233,7 @@ class Edge:
     def _admin_services(self) -> AdminServices:
         return AdminServices(
             revision=lambda: self._snapshot.revision,
-            status=self.refresher.status,
+            status=self.status,
             catalog=self.scheduler.catalog,
             metrics=self.metrics.render,
             usage=self.ledger.aggregate,
@@ -240,6 +242,10 @@ class Edge:
         )
 
     # --- observation ------------------------------------------------------------------
+
+    def status(self) -> StatusReport:
+        """`GET /status`: the refresher's view, and which process answers."""
+        return msgspec.structs.replace(self.refresher.status(), pid=os.getpid())
 
     def model_servable(self, model_id: str) -> bool:
         """True when some provider of the model is connected, enabled and available."""

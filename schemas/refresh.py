@@ -104,3 +104,5 @@ class StatusReport(RefreshRecord, frozen=True, kw_only=True):
     config_sha256: str
     pending_restart: list[str] = []
     nodes: list[NodeStatus] = []
+    pid: int | None = None
+    """The Edge process answering (it changes with every zero-downtime restart)."""
