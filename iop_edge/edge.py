@@ -21,8 +21,10 @@ the ledger, close the node links.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import socket
 import ssl
 import time
 from collections.abc import Mapping, Sequence
@@ -44,17 +46,18 @@ from iop_edge.runtime.audit import AuditLog
 from iop_edge.runtime.dispatch import Dispatcher
 from iop_edge.runtime.handover import Handover, HandoverFailed, Successor
 from iop_edge.runtime.hub import LISTENER_MAX_FRAME_BYTES, NodeDirectory, NodeHub
+from iop_edge.runtime.ledger import LedgerUnavailable, choose_ledger
 from iop_edge.runtime.listeners import Listener, ListenerError, Role, adopt_listener, bind_listener
 from iop_edge.runtime.metering import Metering
 from iop_edge.runtime.metrics import EdgeMetrics
 from iop_edge.runtime.node_server import NodeServer
-from iop_edge.runtime.refresh import Refresher
+from iop_edge.runtime.refresh import Refresher, RefreshResult
+from iop_edge.runtime.replicas import ReplicaRoster
 from iop_edge.runtime.scheduler import Scheduler
 from iop_edge.runtime.session import SessionClosed
-from iop_edge.runtime.usage import UsageLedger
 from schemas import wire
 from schemas.config import NodeConfig
-from schemas.refresh import StatusReport
+from schemas.refresh import RefreshRequest, ReplicaStatus, StatusReport
 from schemas.restart import RestartReport
 
 log = logging.getLogger(__name__)
@@ -84,6 +87,16 @@ def hypercorn_config(listen: str) -> HypercornConfig:
     config.keep_alive_timeout = 75
     config.include_server_header = False
     return config
+
+
+_edges_in_this_process = itertools.count(1)
+
+
+def _instance_name() -> str:
+    """`HOST/PID` (and `#N` for the Nth Edge of one process: tests, the demo)."""
+    number = next(_edges_in_this_process)
+    suffix = "" if number == 1 else f"#{number}"
+    return f"{socket.gethostname()}/{os.getpid()}{suffix}"
 
 
 class EdgeStartupError(Exception):
@@ -124,7 +137,12 @@ class Edge:
         self.started_unix = int(time.time())
         self.scheduler = Scheduler(self._snapshot)
         self.metrics = EdgeMetrics(self.scheduler.catalog)
-        self.ledger = UsageLedger(Path(config.edge.state_dir) / "usage.sqlite3")
+        try:
+            self._ledger_choice = choose_ledger(config.edge)
+        except LedgerUnavailable as exc:
+            raise EdgeStartupError(str(exc)) from None
+        self._ledger_checked = False
+        self.ledger = self._ledger_choice.ledger
         self.metering = Metering(self.metrics, self.ledger)
         self.hub = NodeHub(
             self._directory,
@@ -159,6 +177,9 @@ class Edge:
         self._stop_requested = trio.Event()
         self._stop_reason = "stopping"
         self._restarting = False
+        self._addresses: EdgeAddresses | None = None
+        self._instance = _instance_name()
+        self.roster = ReplicaRoster(self._ledger_choice.open_replica_store, self._describe)
 
     # --- RefreshTarget --------------------------------------------------------------
 
@@ -237,15 +258,51 @@ class Edge:
             catalog=self.scheduler.catalog,
             metrics=self.metrics.render,
             usage=self.ledger.aggregate,
-            refresh=self.refresher.refresh,
+            refresh=self.refresh,
             restart=self.restart,
         )
 
     # --- observation ------------------------------------------------------------------
 
     def status(self) -> StatusReport:
-        """`GET /status`: the refresher's view, and which process answers."""
-        return msgspec.structs.replace(self.refresher.status(), pid=os.getpid())
+        """`GET /status`: the refresher's view, which process answers, and the replicas
+        sharing the ledger (as of their last heartbeat)."""
+        return msgspec.structs.replace(
+            self.refresher.status(), pid=os.getpid(), replicas=self.roster.cached()
+        )
+
+    async def refresh(self, request: RefreshRequest) -> RefreshResult:
+        """A config refresh (`Refresher`); its report also lists every replica sharing the
+        ledger, read after the attempt, so the operator sees which run another config."""
+        result = await self.refresher.refresh(request)
+        if result.report.outcome in ("applied", "no_change"):
+            replicas = await self.roster.publish()
+        else:
+            replicas = await self.roster.read()
+        return RefreshResult(
+            result.verdict, msgspec.structs.replace(result.report, replicas=replicas)
+        )
+
+    def _describe(self) -> ReplicaStatus:
+        """This process, as its row in the replica roster says."""
+        snapshot = self._snapshot
+        addresses = self._addresses
+        return ReplicaStatus(
+            instance=self._instance,
+            edge_id=snapshot.config.edge.id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            state="draining" if self._stop_requested.is_set() else "serving",
+            revision=snapshot.revision,
+            config_sha256=snapshot.config_sha256,
+            pending_restart=list(self.refresher.pending_restart),
+            openai_url=addresses.openai_url if addresses else "",
+            node_url=addresses.node_url if addresses else "",
+            admin_url=addresses.admin_url if addresses else "",
+            started_at=float(self.started_unix),
+            seen_at=time.time(),
+            current=True,
+        )
 
     def model_servable(self, model_id: str) -> bool:
         """True when some provider of the model is connected, enabled and available."""
@@ -308,9 +365,22 @@ class Edge:
                 handover.close_unused()
         return listeners
 
+    async def check_ledger(self) -> None:
+        """Reach the ledger once (PostgreSQL: connect, set up the schema); raises
+        `EdgeStartupError` saying why not. `serve` does it when not done before."""
+        if self._ledger_checked:
+            return
+        try:
+            await self._ledger_choice.check_reachable()
+        except LedgerUnavailable as exc:
+            raise EdgeStartupError(str(exc)) from None
+        self._ledger_checked = True
+        log.info("usage ledger: %s", self._ledger_choice.description)
+
     async def serve(
         self, *, task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        await self.check_ledger()
         self.open_listeners()
         try:
             await self._serve(self._listeners, task_status)
@@ -354,9 +424,10 @@ class Edge:
             async with trio.open_nursery() as http:
                 openai_url = await http.start(servers[0].serve)
                 admin_url = await http.start(servers[1].serve)
-                addresses = EdgeAddresses(
+                addresses = self._addresses = EdgeAddresses(
                     openai_url=openai_url, node_url=node_url, admin_url=admin_url
                 )
+                await nursery.start(self.roster.run)
                 log.info("OpenAI API listening on %s", addresses.openai_url)
                 log.info("admin API listening on %s", addresses.admin_url)
                 task_status.started(addresses)
@@ -376,6 +447,7 @@ class Edge:
     async def _drain(self, servers: Sequence[HttpServer]) -> None:
         """Stop accepting, tell the Nodes, let callers finish (module docstring)."""
         log.info("%s: draining in-flight requests", self._stop_reason)
+        await self.roster.publish()  # the roster shows this replica draining
         assert self._node_server is not None
         self._node_server.stop_accepting()
         for server in servers:

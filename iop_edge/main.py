@@ -101,7 +101,12 @@ async def serve_edge(
         if handover is not None:
             handover.failed(f"{config_path}: invalid config\n{format_errors(exc.errors)}")
         raise
+    except EdgeStartupError as exc:
+        if handover is not None:
+            handover.failed(f"cannot start: {exc}")
+        raise
     try:
+        await edge.check_ledger()
         edge.open_listeners()
     except EdgeStartupError as exc:
         if handover is not None:

@@ -54,6 +54,12 @@ class EdgeSection(ConfigStruct, frozen=True, kw_only=True):
     listen: NonEmptyStr = "0.0.0.0:7700"
     state_dir: NonEmptyStr = "./var"
     tls: TlsSection | None = None
+    ledger: NonEmptyStr | None = None
+    """The usage ledger: None = SQLite in `state_dir`; `postgresql://USER@HOST/DB` = a
+    PostgreSQL ledger Edge replicas share (no password in it, see below)."""
+    ledger_password_env: EnvVarName | None = None
+    """The environment variable holding the PostgreSQL password (else libpq's own
+    `PGPASSWORD` or `~/.pgpass`)."""
 
 
 class AdminSection(ConfigStruct, frozen=True, kw_only=True):

@@ -44,6 +44,7 @@ from iop_edge.core.config_shape import (
     key_path,
     kind_of,
 )
+from iop_edge.core.ledger_url import parse_ledger_url
 from iop_edge.core.listen import parse_listen_address
 from schemas.config import (
     OPENAI_COMPATIBLE_TYPES,
@@ -309,6 +310,7 @@ class _Rules:
 
     def run(self) -> None:
         self._listen_addresses()
+        self._ledger()
         self._principal_tokens()
         providers = self._providers()
         explicit_models = self._models(providers)
@@ -334,6 +336,14 @@ class _Rules:
                     f"{listen} is not a loopback address; the admin API only listens on "
                     "127.0.0.1, ::1 or localhost",
                 )
+
+    def _ledger(self) -> None:
+        ledger = _text(_as_dict(self.raw.get("edge")).get("ledger"))
+        if ledger is not None:
+            try:
+                parse_ledger_url(ledger)
+            except ValueError as exc:
+                self._error("edge.ledger", str(exc))
 
     def _principal_tokens(self) -> None:
         refs = _FirstSeen()

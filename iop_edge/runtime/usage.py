@@ -15,6 +15,7 @@ import sqlite3
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import msgspec
 import trio
@@ -82,6 +83,10 @@ class UsageReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class UsageLedger:
+    #: What a failed write raises (a batch is then lost, never the gateway); a ledger on
+    #: another database names its driver's errors (see `ledger_postgres`).
+    WRITE_ERRORS: ClassVar[tuple[type[Exception], ...]] = (sqlite3.Error,)
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self._send, self._receive = trio.open_memory_channel[UsageRecord](BUFFER)
@@ -130,7 +135,7 @@ class UsageLedger:
                                 break
                     try:
                         await trio.to_thread.run_sync(self._insert, connection, batch)
-                    except sqlite3.Error:
+                    except self.WRITE_ERRORS:
                         # Locked, full or broken disk: lose this batch, never the gateway.
                         self.dropped += len(batch)
                         log.exception("usage ledger: %d record(s) not written", len(batch))
