@@ -102,6 +102,8 @@ class HostStatistics:
     """Attached links: serial -> label (the Edge address)."""
     runs: dict[int, int]
     """Active runs per link."""
+    run_ids: dict[int, list[str]]
+    """The ids of those runs, per link."""
     slots: SlotStatistics
     config_time: float
     revision: int | None
@@ -135,7 +137,7 @@ class ProviderHost:
         self._apply_lock = trio.Lock()
         self._stopping = False
         self._drained = trio.Event()
-        self._links_changed = trio.Event()
+        self._changed = trio.Event()
 
     # --- links -------------------------------------------------------------------------
 
@@ -143,7 +145,7 @@ class ProviderHost:
         port = LinkPort(serial=next(self._serials), send=send, label=label)
         self._links[port.serial] = port
         self._slots.add_link(port.serial)
-        self._notify_links_changed()
+        self._notify_changed()
         return port
 
     def detach(self, port: LinkPort) -> None:
@@ -160,15 +162,16 @@ class ProviderHost:
             )
             port._forget(run_id)
         self._slots.remove_link(port.serial)
-        self._notify_links_changed()
+        self._notify_changed()
 
-    def _notify_links_changed(self) -> None:
-        self._links_changed.set()
-        self._links_changed = trio.Event()
+    def _notify_changed(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
 
-    async def wait_links_changed(self) -> None:
-        """Return at the next attach or detach of a link (for observers and tests)."""
-        await self._links_changed.wait()
+    async def wait_changed(self) -> None:
+        """Return at the next link attached or detached, or run started or ended (for
+        observers and tests, instead of polling `statistics()`)."""
+        await self._changed.wait()
 
     # --- config ------------------------------------------------------------------------
 
@@ -258,10 +261,13 @@ class ProviderHost:
                 port._forget(run.run_id)
             if hold is not None:
                 hold.release()
+            self._notify_changed()
 
         started = await self._registries.start_run(run, send=port.send, key=key, on_end=ended)
         if not started and hold is not None:
             ended()
+        elif started:
+            self._notify_changed()
 
     def cancel_run(self, port: LinkPort, run_id: str) -> bool:
         """The Edge cancelled a run: its slot is free now (Rule 3), the run stops."""
@@ -367,6 +373,7 @@ class ProviderHost:
         return HostStatistics(
             links={serial: port.label for serial, port in self._links.items()},
             runs={serial: port.active_runs for serial, port in self._links.items()},
+            run_ids={serial: sorted(port.runs) for serial, port in self._links.items()},
             slots=self._slots.statistics(),
             config_time=self._config_time,
             revision=None if current is None else current.revision,

@@ -127,13 +127,23 @@ async def run_cli(*argv: str) -> subprocess.CompletedProcess[bytes]:
     )
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A request that did not complete: when it ran, its run id if any chunk said it."""
+
+    started: float
+    ended: float
+    run_id: str | None
+    reason: str
+
+
 @dataclass
 class Tally:
     complete: int = 0
     failed: list[str] = field(default_factory=list)
     truncated: int = 0
-    run_ids: set[str] = field(default_factory=set)
-    """The completion ids of the requests that completed (sim: `chatcmpl-<run id>`)."""
+    failures: list[Failure] = field(default_factory=list)
+    """Every failed or truncated request, with its times (trio clock) and run id."""
 
     @property
     def total(self) -> int:
@@ -188,6 +198,8 @@ class MixedLoad:
 
     async def _one(self, client: openai.AsyncOpenAI, stream: bool) -> None:
         tally = self.tally
+        started = trio.current_time()
+        run_id: str | None = None
         try:
             if stream:
                 chunks = await client.chat.completions.create(
@@ -195,22 +207,30 @@ class MixedLoad:
                 )
                 finish = None
                 async for chunk in chunks:
+                    run_id = _run_id(chunk.id)
                     if chunk.choices and chunk.choices[0].finish_reason:
                         finish = chunk.choices[0].finish_reason
-                    run_id = chunk.id
                 if finish is None:
                     tally.truncated += 1
+                    tally.failures.append(
+                        Failure(started, trio.current_time(), run_id, "no finish reason")
+                    )
                     return
             else:
-                completion = await client.chat.completions.create(
+                await client.chat.completions.create(
                     model="m", max_tokens=self.max_tokens, messages=MESSAGES
                 )
-                run_id = completion.id
         except openai.APIError as exc:
-            tally.failed.append(f"{type(exc).__name__}: {exc}")
+            reason = f"{type(exc).__name__}: {exc}"
+            tally.failed.append(reason)
+            tally.failures.append(Failure(started, trio.current_time(), run_id, reason))
             return
         tally.complete += 1
-        tally.run_ids.add(run_id)
+
+
+def _run_id(completion_id: str) -> str:
+    """The run id in a sim completion id (`chatcmpl-<run id>`)."""
+    return completion_id.split("-", 1)[-1]
 
 
 async def wait_for(predicate: Callable[[], bool], changed: Callable[[], Any]) -> None:

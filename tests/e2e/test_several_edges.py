@@ -241,7 +241,7 @@ async def test_goaway_to_an_edge_that_still_accepts_nodes(
     assert host is not None
     with trio.fail_after(WAIT_GUARD_S):
         while len(host.statistics().links) != 2:  # the old link to a closed
-            await host.wait_links_changed()
+            await host.wait_changed()
     assert edges.node_slots() == {"sim-1": 0}
 
 
