@@ -9,6 +9,7 @@ issue's targets as PASS/MISS, stops every child and exits 0.
     python -m bench [--duration S | --requests N] [--concurrency 1,32]
                     [--only direct,hypercorn,iop,litellm] [--warmup N] [--json FILE]
                     [--profile DIR [--profile-format flamegraph|speedscope|raw]]
+    python -m bench --replicas [--duration S] [--concurrency 32]
 
 `--profile DIR` attaches `py-spy record` (when on PATH; it is not a dependency) to the
 Edge and the Node while the scenarios run and writes `edge.*` and `node.*` there; run it
@@ -42,6 +43,7 @@ from bench.load import (
     open_client,
 )
 from bench.profiler import FORMATS, find_py_spy, start_profilers
+from bench.replicas import render_replicas, run_replicas_bench
 from bench.report import (
     DIRECT,
     HYPERCORN,
@@ -310,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile", type=Path, metavar="DIR", help="py-spy the Edge and Node into DIR"
     )
     parser.add_argument("--profile-format", choices=FORMATS, default="flamegraph")
+    parser.add_argument(
+        "--replicas",
+        action="store_true",
+        help="instead: one Edge vs two Edge replicas as workers on one host, non-stream at "
+        "the highest --concurrency (see bench/replicas.py)",
+    )
     return parser
 
 
@@ -337,6 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def say(line: str) -> None:
         status.print(line, highlight=False, markup=False, soft_wrap=True)
 
+    if args.replicas:
+        return _replicas(options, console, say)
     try:
         with tempfile.TemporaryDirectory(prefix="iop-bench-") as workdir:
             result = trio.run(run_bench, options, Path(workdir), say)
@@ -345,6 +355,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(render(result))
     if args.json is not None:
         args.json.write_text(to_json(result), encoding="utf-8")
+    return 0
+
+
+def _replicas(options: BenchOptions, console: Console, say: Progress) -> int:
+    scenarios = [Scenario(concurrency=max(options.concurrency), stream=False)]
+    try:
+        with tempfile.TemporaryDirectory(prefix="iop-bench-") as workdir:
+            setups = trio.run(run_replicas_bench, scenarios, options.budget, Path(workdir), say)
+    except KeyboardInterrupt:
+        return 130
+    console.print(render_replicas(setups, Machine.this().cores))
     return 0
 
 
