@@ -65,6 +65,34 @@ def test_yaml_config_with_relative_token_file(tmp_path: Path) -> None:
     assert overridden.node_id == "gpu2"
 
 
+def test_several_edges_from_flags_or_the_file(tmp_path: Path) -> None:
+    other = "ws://127.0.0.1:7710"
+    env = {TOKEN_ENV_VAR: TOKEN}
+    invocation = _resolve(["--edge", EDGE, "--edge", other, "--node-id", "gpu1"], env)
+    assert invocation.edge_urls == (EDGE, other)
+    config = tmp_path / "node.yaml"
+    config.write_text(
+        f"edge: [{EDGE}, {other}]\nedge_dns: ws://edges.internal:7700\nnode_id: gpu1\n"
+    )
+    invocation = _resolve(["--config", str(config)], env)
+    assert invocation.edge_urls == (EDGE, other)
+    assert invocation.edge_dns == ("ws://edges.internal:7700",)
+    only_dns = _resolve(["--edge-dns", "ws://edges.internal:7700", "--node-id", "gpu1"], env)
+    assert only_dns.edge_urls == () and only_dns.edge_url == "ws://edges.internal:7700"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--edge", EDGE, "--edge", EDGE], "the same --edge url is given twice"),
+        (["--edge-dns", "http://edges.internal"], "--edge-dns must be a ws:// or wss:// url"),
+    ],
+)
+def test_bad_edge_lists(argv: list[str], message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        _resolve([*argv, "--node-id", "gpu1"], {TOKEN_ENV_VAR: TOKEN})
+
+
 @pytest.mark.parametrize(
     ("argv", "environ", "message"),
     [
