@@ -63,6 +63,11 @@ __all__ = ["HostStatistics", "LinkPort", "ProviderHost"]
 
 log = logging.getLogger(__name__)
 
+#: Why an older config is not applied (Rule 1); what that Edge's `refresh_ack` says.
+NEWER_CONFIG_RUNNING = (
+    "this node runs a newer config, sent by another Edge; refresh this Edge to the current config"
+)
+
 
 @dataclass(eq=False)
 class LinkPort:
@@ -195,10 +200,7 @@ class ProviderHost:
                     revision,
                 )
                 await self._send_statuses(port)
-                return (
-                    "this node runs a newer config, sent by another Edge; "
-                    "refresh this Edge to the current config"
-                )
+                return NEWER_CONFIG_RUNNING
             try:
                 registry = await self._registries.apply(revision, config)
             except RegistryBuildError as exc:
@@ -218,8 +220,8 @@ class ProviderHost:
         Node stays up with no providers (runs fail as `unknown_provider`), tells this
         Edge why, and waits for a refresh to fix it."""
         error = await self.apply(port, revision, config, config_time)
-        if error is None:
-            return
+        if error is None or error is NEWER_CONFIG_RUNNING:
+            return  # live, or another Edge's newer config is (this one heard its status)
         if self._registries.current is None and not self._stopping:
             await self._registries.apply(revision, NodeConfig(node_id=self.node_id))
             self._slots.configure(())

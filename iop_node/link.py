@@ -254,7 +254,10 @@ class NodeLink:
         self._connections.add(connection)
         try:
             with connection.scope:
-                connection.ended(await self._connect_once(connection, ready))
+                outcome = await self._connect_once(connection, ready)
+                if connection.goaway:
+                    log.info("old link to edge %s closed: %s", self.settings.label, outcome.reason)
+                connection.ended(outcome)
         finally:
             self._connections.discard(connection)
 

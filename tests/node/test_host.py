@@ -193,3 +193,21 @@ async def test_stop_tells_every_link_and_refuses_new_runs(nursery: trio.Nursery)
     with trio.fail_after(5):
         await host.wait_drained()
     assert [type(item) for item in a.received][-1] is RunDone
+
+
+async def test_an_edge_welcoming_with_an_older_config_hears_the_running_providers(
+    nursery: trio.Nursery,
+) -> None:
+    """A replica not refreshed yet links: the Node keeps the newer config, and that Edge is
+    told the providers' real health, not that they could not be built."""
+    factory = Factory()
+    host = await _host(nursery, factory)
+    a = Edge(host, "a")
+    await host.apply(a.port, 3, _config(capacity=2), 100.0)
+    await trio.testing.wait_all_tasks_blocked()
+    b = Edge(host, "b")
+    await host.apply_welcome(b.port, 1, _config(capacity=1), 50.0)
+    [status] = b.of(Status)
+    assert isinstance(status, Status)
+    assert [(p.id, p.health) for p in status.providers] == [("p", "available")]
+    assert host.current is not None and host.current.config == _config(capacity=2)
