@@ -83,6 +83,8 @@ class LinkPort:
     reported: dict[str, tuple[int, int]] = field(default_factory=dict)
     """The others' load this link's Edge last heard, providers with runs only (an Edge
     starts from zero for every provider)."""
+    reported_under_pressure: bool = False
+    """Some provider was under pressure (`slots` Rule 6) when this link last heard."""
     _idle: trio.Event = field(default_factory=trio.Event)
 
     @property
@@ -295,7 +297,16 @@ class ProviderHost:
         }
         if force or current != port.reported:
             port.reported = current
+            port.reported_under_pressure = self._slots.under_pressure()
             await port.send(Load(providers=loads))
+
+    def load_pressing(self, port: LinkPort) -> bool:
+        """Whether `port`'s Edge must hear changes promptly: some provider is under
+        pressure now, or was when it last heard (so a drain back to calm is prompt too)."""
+        return port.reported_under_pressure or self._slots.under_pressure()
+
+    async def wait_load_pressing(self) -> None:
+        await self._slots.wait_pressure()
 
     def load_version(self, port: LinkPort) -> int:
         return self._slots.version(port.serial)

@@ -16,8 +16,8 @@ Lifecycle of one connection (SPEC §3):
    - the *keepalive*, pinging the Edge and dropping the connection when no pong comes
      back within a bounded time (the Edge pings us too and drops a silent Node);
    - the *load reporter*, telling this Edge how many runs the Node's *other* Edge links
-     hold per provider whenever that changes (at most one `load` per
-     `load_report_interval_s`, and one right after a `busy` answer);
+     hold per provider whenever that changes (promptly while a provider is at half its
+     capacity or more, lazily below; and right after a `busy` answer);
    - the *closer*, which turns a graceful stop (or a finished goaway) into a clean close.
 4. A malformed frame from the Edge is answered with `reject{code: bad_frame}` and the
    connection is closed; anything unexpected the Edge sends is logged, never fatal.
@@ -101,6 +101,9 @@ HEARTBEAT_MISSES = 3
 #: on other links costs this link one message, not one per run. (Capacity never depends
 #: on it: a run that finds no slot is answered `busy`.)
 LOAD_REPORT_INTERVAL_S = 0.01
+#: Fewest seconds between two `load` reports while no provider is under pressure (less
+#: than half its slots held): the others' runs then only shape ranking.
+LOAD_REPORT_RELAXED_S = 0.25
 #: After `goaway`, how long the Node waits for the Edge to close the old link before it
 #: closes it itself (once that link's runs are done).
 GOAWAY_LINGER_S = 30.0
@@ -126,6 +129,7 @@ class LinkSettings:
     address: str | None = None
     """Dial this IP address instead of the URL's host (one address of a named Edge)."""
     load_report_interval_s: float = LOAD_REPORT_INTERVAL_S
+    load_report_relaxed_s: float = LOAD_REPORT_RELAXED_S
     goaway_linger_s: float = GOAWAY_LINGER_S
 
     def __post_init__(self) -> None:
@@ -554,14 +558,22 @@ class _Session:
     async def _report_load(self, port: LinkPort) -> None:
         """Tell this Edge what the other links hold, when it changes (module docstring).
 
-        The first change after a quiet spell is reported at once; what changes within the
-        next `load_report_interval_s` goes in one report after it. A link that never
-        shares its Node hears no `load` (the Edge starts from zero)."""
+        While a provider is under pressure (half its slots or more held: the others'
+        runs decide admission) the first change after a quiet spell is reported at once,
+        and what changes within the next `load_report_interval_s` goes in one report
+        after it. Below that the others' runs only shape ranking, so changes are reported
+        at most every `load_report_relaxed_s` (sooner if pressure comes). A link that
+        never shares its Node hears no `load` (the Edge starts from zero); after a `busy`
+        answer the host reports at once."""
         host = self._host
+        settings = self._settings
         while True:
             version = host.load_version(port)
             await host.report_load(port)
-            await trio.sleep(self._settings.load_report_interval_s)
+            await trio.sleep(settings.load_report_interval_s)
+            if not host.load_pressing(port):
+                with trio.move_on_after(settings.load_report_relaxed_s):
+                    await host.wait_load_pressing()
             await host.wait_load_changed(port, version)
 
     # --- closing -----------------------------------------------------------------------

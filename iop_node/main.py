@@ -20,7 +20,12 @@ from iop_node.backoff import BackoffPolicy
 from iop_node.edges import DEFAULT_DNS_INTERVAL_S, EdgeLinks, Resolver, resolve_addresses
 from iop_node.health import DEFAULT_PROBE_TIMEOUT_S
 from iop_node.host import ProviderHost
-from iop_node.link import GOAWAY_LINGER_S, LOAD_REPORT_INTERVAL_S, LinkSettings
+from iop_node.link import (
+    GOAWAY_LINGER_S,
+    LOAD_REPORT_INTERVAL_S,
+    LOAD_REPORT_RELAXED_S,
+    LinkSettings,
+)
 from iop_node.registry import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_RETIRING,
@@ -48,6 +53,7 @@ async def run_node(
     probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
     adapter_factory: AdapterFactory = create_adapter,
     load_report_interval_s: float = LOAD_REPORT_INTERVAL_S,
+    load_report_relaxed_s: float = LOAD_REPORT_RELAXED_S,
     goaway_linger_s: float = GOAWAY_LINGER_S,
     dns_interval_s: float = DEFAULT_DNS_INTERVAL_S,
     resolver: Resolver = resolve_addresses,
@@ -83,6 +89,7 @@ async def run_node(
         ping_interval_s=ping_interval_s,
         ping_timeout_s=ping_timeout_s,
         load_report_interval_s=load_report_interval_s,
+        load_report_relaxed_s=load_report_relaxed_s,
         goaway_linger_s=goaway_linger_s,
     )
     for url in [*urls, *edge_dns]:

@@ -23,6 +23,9 @@ Rules:
 5. A provider not in the config has no slots: its runs are not counted (they fail as
    `unknown_provider`). A provider removed from the config keeps its limiters until
    its last run ends.
+6. A provider is *under pressure* while at least half its slots are held: then what the
+   other links hold decides admission, and links must hear changes promptly; below that
+   it only shapes ranking, and reports may be lazy (see `link`).
 """
 
 from __future__ import annotations
@@ -78,6 +81,10 @@ class _Provider:
         return self.limiter.borrowed_tokens == 0
 
 
+def _pressed(state: _Provider) -> bool:
+    return 2 * state.limiter.borrowed_tokens >= state.capacity
+
+
 def _long_total(config: ProviderConfig) -> int | float:
     slots = config.long_context_slots
     return math.inf if slots is None else slots
@@ -114,6 +121,7 @@ class ProviderSlots:
         self._held: dict[LinkId, Counter[tuple[str, bool]]] = {}
         self._versions: dict[LinkId, int] = {}
         self._changed: dict[LinkId, trio.Event] = {}
+        self._pressure = trio.Event()
 
     # --- config ------------------------------------------------------------------------
 
@@ -176,6 +184,9 @@ class ProviderSlots:
                     "node are taken"
                 ) from None
         state.peak = max(state.peak, state.limiter.borrowed_tokens)
+        if _pressed(state):
+            self._pressure.set()
+            self._pressure = trio.Event()
         self._held[link][provider_id, long] += 1
         self._touch_others(link)
         return hold
@@ -210,6 +221,14 @@ class ProviderSlots:
                 )
             )
         return loads
+
+    def under_pressure(self) -> bool:
+        """Whether some provider has at least half its slots held (Rule 6)."""
+        return any(_pressed(state) for state in self._providers.values())
+
+    async def wait_pressure(self) -> None:
+        """Return at the next run that leaves its provider under pressure (Rule 6)."""
+        await self._pressure.wait()
 
     def held_by(self, link: LinkId) -> int:
         return sum((self._held.get(link) or Counter()).values())

@@ -138,3 +138,23 @@ async def test_removing_a_link_wakes_its_waiter() -> None:
         nursery.start_soon(slots.wait_changed, 1, slots.version(1))
         await trio.testing.wait_all_tasks_blocked()
         slots.remove_link(1)
+
+
+async def test_pressure_starts_at_half_the_slots() -> None:
+    slots = _slots(_provider(capacity=4))
+    holds = [slots.hold(1, "p", long=False)]
+    assert not slots.under_pressure()
+    woke = trio.Event()
+
+    async def wait() -> None:
+        await slots.wait_pressure()
+        woke.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait)
+        await trio.testing.wait_all_tasks_blocked()
+        holds.append(slots.hold(2, "p", long=False))  # 2 of 4: under pressure
+        await trio.testing.wait_all_tasks_blocked()
+        assert woke.is_set() and slots.under_pressure()
+    holds[0].release()  # type: ignore[union-attr]
+    assert not slots.under_pressure()
