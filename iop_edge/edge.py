@@ -447,13 +447,13 @@ class Edge:
     async def _drain(self, servers: Sequence[HttpServer]) -> None:
         """Stop accepting, tell the Nodes, let callers finish (module docstring)."""
         log.info("%s: draining in-flight requests", self._stop_reason)
-        await self.roster.publish()  # the roster shows this replica draining
         assert self._node_server is not None
         self._node_server.stop_accepting()
         for server in servers:
             server.stop_accepting()
         with trio.move_on_after(GOAWAY_TIMEOUT_S):
             await self.hub.goaway_all(self._stop_reason)
+        await self.roster.publish()  # the roster shows this replica draining
         with trio.move_on_after(SHUTDOWN_GRACE_S) as grace:
             async with trio.open_nursery() as nursery:
                 for server in servers:
