@@ -9,7 +9,7 @@ issue's targets as PASS/MISS, stops every child and exits 0.
     python -m bench [--duration S | --requests N] [--concurrency 1,32]
                     [--only direct,hypercorn,iop,litellm] [--warmup N] [--json FILE]
                     [--profile DIR [--profile-format flamegraph|speedscope|raw]]
-    python -m bench --replicas [--duration S] [--concurrency 32]
+    python -m bench --replicas [ROUNDS] [--duration S] [--concurrency 32]
 
 `--profile DIR` attaches `py-spy record` (when on PATH; it is not a dependency) to the
 Edge and the Node while the scenarios run and writes `edge.*` and `node.*` there; run it
@@ -314,9 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-format", choices=FORMATS, default="flamegraph")
     parser.add_argument(
         "--replicas",
-        action="store_true",
+        type=int,
+        nargs="?",
+        const=2,
+        default=None,
+        metavar="ROUNDS",
         help="instead: one Edge vs two Edge replicas as workers on one host, non-stream at "
-        "the highest --concurrency (see bench/replicas.py)",
+        "the highest --concurrency, measured in turns ROUNDS times (2; bench/replicas.py)",
     )
     return parser
 
@@ -345,8 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def say(line: str) -> None:
         status.print(line, highlight=False, markup=False, soft_wrap=True)
 
-    if args.replicas:
-        return _replicas(options, console, say)
+    if args.replicas is not None:
+        return _replicas(options, args.replicas, console, say)
     try:
         with tempfile.TemporaryDirectory(prefix="iop-bench-") as workdir:
             result = trio.run(run_bench, options, Path(workdir), say)
@@ -358,11 +362,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _replicas(options: BenchOptions, console: Console, say: Progress) -> int:
+def _replicas(options: BenchOptions, rounds: int, console: Console, say: Progress) -> int:
     scenarios = [Scenario(concurrency=max(options.concurrency), stream=False)]
     try:
         with tempfile.TemporaryDirectory(prefix="iop-bench-") as workdir:
-            setups = trio.run(run_replicas_bench, scenarios, options.budget, Path(workdir), say)
+            setups = trio.run(
+                run_replicas_bench, scenarios, options.budget, Path(workdir), say, max(rounds, 1)
+            )
     except KeyboardInterrupt:
         return 130
     console.print(render_replicas(setups, Machine.this().cores))
