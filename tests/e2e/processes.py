@@ -19,12 +19,10 @@ import signal
 import subprocess
 import sys
 from collections import deque
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx2
 import openai
 import trio
 
@@ -54,9 +52,6 @@ class EdgeProcess:
     @property
     def log(self) -> str:
         return "\n".join(self.lines)
-
-    def admin(self) -> httpx2.AsyncClient:
-        return httpx2.AsyncClient(base_url=self.urls["admin"], timeout=30)
 
     async def _read(self) -> None:
         assert self.process.stdout is not None
@@ -233,12 +228,6 @@ def _run_id(completion_id: str) -> str:
     return completion_id.split("-", 1)[-1]
 
 
-async def wait_for(predicate: Callable[[], bool], changed: Callable[[], Any]) -> None:
-    """Wait until `predicate()` holds, re-checking whenever `changed()` returns."""
-    while not predicate():
-        await changed()
-
-
 def sim_config(
     state_dir: Path,
     token_hash: str,
@@ -274,17 +263,3 @@ def sim_config(
         ],
         **(extra or {}),
     }
-
-
-def free_ports(count: int) -> Sequence[int]:
-    """Ports free right now on 127.0.0.1 (for a balancer's config, which needs numbers)."""
-    import socket
-
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()

@@ -6,6 +6,8 @@ password travels only in the environment variable the config names.
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +70,7 @@ async def test_two_edges_share_one_ledger(
         [row] = await _usage(stack)
         assert row["model"] == "m" and row["requests"] == 5
         assert row["completion_tokens"] == 3 * 3 + 2 * 5
-    password = __import__("os").environ[PASSWORD_ENV]
+    password = os.environ[PASSWORD_ENV]
     with psycopg.connect(ledger_url, password=password) as db:
         [(count,)] = db.execute("SELECT COUNT(*) FROM iop_usage").fetchall()
     assert count == 5
@@ -145,7 +147,7 @@ async def test_an_unreachable_ledger_stops_the_edge_from_starting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(PASSWORD_ENV, "not-used")
-    with __import__("socket").socket() as sock:  # a port nobody listens on
+    with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     text = _config(tmp_path, f"postgresql://iop@127.0.0.1:{port}/iop")

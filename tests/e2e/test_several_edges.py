@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,6 @@ class Edges:
     stacks: dict[str, Stack]
     scopes: dict[str, trio.CancelScope]
     node: EdgeLinks
-    tasks: list[trio.CancelScope] = field(default_factory=list)
 
     def provider(self, name: str) -> dict[str, Any]:
         catalog: dict[str, Any] = msgspec.to_builtins(self.stacks[name].edge.scheduler.catalog())
