@@ -13,6 +13,8 @@ own processes so no part's servers weigh on another's:
 - `nodes`: many light Nodes on one Edge (`bench.many_nodes`).
 
 It prints the tables and the issue's targets as PASS/MISS, stops every child and exits 0.
+`--replicas [ROUNDS]` measures one Edge against two replicas sharing the caller port
+(`bench.replicas`) instead.
 
     python -m bench [--parts closed,fleet,nodes]
                     [--duration S | --requests N] [--concurrency 1,32] [--warmup N]
@@ -21,6 +23,7 @@ It prints the tables and the issue's targets as PASS/MISS, stops every child and
                     [--tokens-per-second 10] [--stream-tokens 30] [--window 5]
                     [--nodes 1000] [--providers-per-node 3] [--idle-window 10]
                     [--json FILE] [--profile DIR [--profile-format flamegraph|speedscope|raw]]
+    python -m bench --replicas [ROUNDS] [--duration S] [--concurrency 32]
 
 `--profile DIR` attaches `py-spy record` (when on PATH; it is not a dependency) to the
 Edge and the Node while the closed-loop scenarios run and writes `edge.*` and `node.*`
@@ -50,6 +53,7 @@ from bench.load import Budget, Measurement, Scenario, Target, measure, open_clie
 from bench.many_nodes import ManyNodesMeasurement, ManyNodesShape, measure_many_nodes
 from bench.procfs import cpu_seconds
 from bench.profiler import FORMATS, find_py_spy, start_profilers
+from bench.replicas import render_replicas, run_replicas_bench
 from bench.report import render, to_json
 from bench.result import (
     ALL_TARGETS,
@@ -551,6 +555,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile", type=Path, metavar="DIR", help="py-spy the Edge and Node into DIR"
     )
     parser.add_argument("--profile-format", choices=FORMATS, default="flamegraph")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        nargs="?",
+        const=2,
+        default=None,
+        metavar="ROUNDS",
+        help="instead: one Edge vs two Edge replicas as workers on one host, non-stream at "
+        "the highest --concurrency, measured in turns ROUNDS times (2; bench/replicas.py)",
+    )
     return parser
 
 
@@ -597,6 +611,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def say(line: str) -> None:
         status.print(line, highlight=False, markup=False, soft_wrap=True)
 
+    if args.replicas is not None:
+        return _replicas(options, args.replicas, console, say)
     try:
         with tempfile.TemporaryDirectory(prefix="iop-bench-") as workdir:
             result = trio.run(run_bench, options, Path(workdir), say)
@@ -605,6 +621,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(render(result))
     if args.json is not None:
         args.json.write_text(to_json(result), encoding="utf-8")
+    return 0
+
+
+def _replicas(options: BenchOptions, rounds: int, console: Console, say: Progress) -> int:
+    scenarios = [Scenario(concurrency=max(options.concurrency), stream=False)]
+    try:
+        with tempfile.TemporaryDirectory(prefix="iop-bench-") as workdir:
+            setups = trio.run(
+                run_replicas_bench, scenarios, options.budget, Path(workdir), say, max(rounds, 1)
+            )
+    except KeyboardInterrupt:
+        return 130
+    console.print(render_replicas(setups, Machine.this().cores))
     return 0
 
 

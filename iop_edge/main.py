@@ -1,17 +1,24 @@
-"""Run the Edge as a process: logging, signals (SIGHUP = refresh apply, SIGTERM/SIGINT =
-graceful stop, a second one = stop now), and the root nursery."""
+"""Run the Edge as a process: logging, signals (SIGHUP = refresh apply, SIGUSR2 =
+zero-downtime restart, SIGTERM/SIGINT = graceful stop, a second one = stop now), and the
+root nursery.
+
+A process started by a restarting Edge (see `runtime.handover`) finds its handover in
+the environment; when it cannot start (an invalid config, a port it cannot bind) it says
+why to the old Edge, which then serves on."""
 
 from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 
 import trio
 
 from iop_edge import __version__
-from iop_edge.core.config import ParsedConfig, load_config
-from iop_edge.edge import Edge, EdgeAddresses
+from iop_edge.core.config import ConfigInvalid, ParsedConfig, format_errors, load_config
+from iop_edge.edge import Edge, EdgeAddresses, EdgeStartupError, Listeners
+from iop_edge.runtime.handover import Handover
 from schemas.log_lines import LogFormat, configure_logging
 from schemas.refresh import RefreshRequest
 
@@ -46,15 +53,26 @@ def log_start(parsed: ParsedConfig, config_path: Path | None) -> None:
     )
 
 
+async def _restart(edge: Edge) -> None:
+    report = await edge.restart()
+    if report.outcome == "handed_over":
+        log.info("SIGUSR2 restart: handed over to pid %s", report.successor_pid)
+    else:
+        log.error("SIGUSR2 restart %s: %s", report.outcome, report.detail)
+
+
 async def handle_signals(edge: Edge, cancel_scope: trio.CancelScope) -> None:
     stopping = False
-    with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:
+    signums = (signal.SIGHUP, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+    with trio.open_signal_receiver(*signums) as signals:
         async with trio.open_nursery() as nursery:
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if signum == signal.SIGHUP:
                     log.info("SIGHUP: refreshing from the config file")
                     nursery.start_soon(_apply_from_file, edge)
+                elif signum == signal.SIGUSR2:
+                    nursery.start_soon(_restart, edge)
                 elif not stopping:
                     stopping = True
                     log.info(
@@ -68,16 +86,48 @@ async def handle_signals(edge: Edge, cancel_scope: trio.CancelScope) -> None:
 
 
 async def serve_edge(
-    config_path: Path, *, task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED
+    config_path: Path,
+    *,
+    node_listen: str | None = None,
+    admin_listen: str | None = None,
+    successor_argv: Sequence[str] | None = None,
+    task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Load the config and serve until a stop signal drains the listeners.
 
-    Raises `ConfigInvalid` or `ListenerUnavailable` when it cannot."""
-    parsed = load_config(config_path)  # validation includes what serve needs of the host
-    for warning in parsed.warnings:
-        log.warning("%s", warning)
-    log_start(parsed, config_path)
-    edge = Edge(parsed, config_path=config_path)
+    `successor_argv` is how to start this Edge again (`iop-edge restart`, SIGUSR2)."""
+    handover = Handover.from_environ()
+    try:
+        parsed = load_config(config_path)
+        for warning in parsed.warnings:
+            log.warning("%s", warning)
+        log_start(parsed, config_path)
+        edge = Edge(
+            parsed,
+            config_path=config_path,
+            listeners=Listeners(node=node_listen, admin=admin_listen),
+            successor_argv=successor_argv,
+            handover=handover,
+        )
+    except ConfigInvalid as exc:
+        if handover is not None:
+            handover.failed(f"{config_path}: invalid config\n{format_errors(exc.errors)}")
+        raise
+    except EdgeStartupError as exc:
+        if handover is not None:
+            handover.failed(f"cannot start: {exc}")
+        raise
+    try:
+        await edge.check_ledger()
+        edge.open_listeners()
+    except EdgeStartupError as exc:
+        if handover is not None:
+            handover.failed(f"cannot start: {exc}")
+        raise
+    await _serve(edge, task_status)
+
+
+async def _serve(edge: Edge, task_status: trio.TaskStatus[EdgeAddresses]) -> None:
     async with trio.open_nursery() as nursery:
 
         async def run_edge(*, task_status: trio.TaskStatus[EdgeAddresses]) -> None:

@@ -1,12 +1,15 @@
 """`iop-node`: the Node's command line (SPEC §2.2, §10).
 
-    iop-node run --edge ws://HOST:PORT --node-id ID [--token-file F] [--config node.yaml]
+    iop-node run --edge ws://HOST:PORT [--edge ...] [--edge-dns ws://NAME:PORT]
+                 --node-id ID [--token-file F] [--config node.yaml]
                  [--log-level LEVEL] [--log-format text|json]
 
-A Node needs only where the Edge is, who it is, and its token; everything else (its
-providers) comes from the Edge. The token is read from `--token-file` or else from the
-`IOP_NODE_TOKEN` environment variable, never from the command line, so it does not show
-up in `ps` or shell history. The optional YAML file holds the same fields (`edge`,
+A Node needs only where its Edges are, who it is, and its token; everything else (its
+providers) comes from the Edges. `--edge` may be given several times (Edge replicas:
+one link each); `--edge-dns` links to every address a name resolves to. The token is
+read from `--token-file` or else from the `IOP_NODE_TOKEN` environment variable, never
+from the command line, so it does not show up in `ps` or shell history. The optional YAML
+file holds the same fields (`edge` and `edge_dns`, each a URL or a list of them,
 `node_id`, `token_file`); command-line flags win over it, and a relative `token_file` is
 relative to the YAML file.
 
@@ -23,6 +26,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Final
 
@@ -48,7 +52,8 @@ log = logging.getLogger("iop_node")
 class NodeFileConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The optional `--config` YAML: the same fields as the flags, typos rejected."""
 
-    edge: str | None = None
+    edge: str | list[str] | None = None
+    edge_dns: str | list[str] | None = None
     node_id: str | None = None
     token_file: str | None = None
 
@@ -57,9 +62,15 @@ class NodeFileConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 class NodeInvocation:
     """What `iop-node run` resolved to; the token stays out of `repr`."""
 
-    edge_url: str
+    edge_urls: tuple[str, ...]
     node_id: str
     token: str = field(repr=False)
+    edge_dns: tuple[str, ...] = ()
+
+    @property
+    def edge_url(self) -> str:
+        """The first Edge URL (or DNS URL): where a single-Edge Node connects."""
+        return (self.edge_urls or self.edge_dns)[0]
 
 
 class UsageError(Exception):
@@ -85,7 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--edge",
         metavar="URL",
-        help="the Edge's node listener (its edge.listen), ws://HOST:PORT or wss://HOST:PORT",
+        action="append",
+        help="an Edge's node listener (its edge.listen), ws://HOST:PORT or wss://HOST:PORT; "
+        "repeat for several Edges",
+    )
+    run.add_argument(
+        "--edge-dns",
+        metavar="URL",
+        action="append",
+        help="link to every address this URL's host name resolves to (re-resolved every "
+        "30 s; repeatable)",
     )
     run.add_argument(
         "--node-id", metavar="ID", help="this node's id: a nodes[].id in the Edge config"
@@ -126,12 +146,17 @@ def resolve_invocation(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         file_config = _load_file_config(config_path)
         config_dir = config_path.parent
 
-    edge_url = args.edge or file_config.edge
+    edge_urls = tuple(args.edge or _as_list(file_config.edge))
+    edge_dns = tuple(args.edge_dns or _as_list(file_config.edge_dns))
     node_id = args.node_id or file_config.node_id
-    if not edge_url:
+    if not edge_urls and not edge_dns:
         raise UsageError("no Edge url: pass --edge ws://HOST:PORT (or `edge` in --config)")
-    if not edge_url.startswith(("ws://", "wss://")):
-        raise UsageError(f"--edge must be a ws:// or wss:// url, got {edge_url!r}")
+    for flag, urls in (("--edge", edge_urls), ("--edge-dns", edge_dns)):
+        for url in urls:
+            if not url.startswith(("ws://", "wss://")):
+                raise UsageError(f"{flag} must be a ws:// or wss:// url, got {url!r}")
+    if len(set(edge_urls)) != len(edge_urls):
+        raise UsageError("the same --edge url is given twice")
     if not node_id:
         raise UsageError("no node id: pass --node-id ID (or `node_id` in --config)")
 
@@ -143,7 +168,13 @@ def resolve_invocation(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         token = environ.get(TOKEN_ENV_VAR, "").strip()
         if not token:
             raise UsageError(f"no node token: set {TOKEN_ENV_VAR} or pass --token-file FILE")
-    return NodeInvocation(edge_url=edge_url, node_id=node_id, token=token)
+    return NodeInvocation(edge_urls=edge_urls, node_id=node_id, token=token, edge_dns=edge_dns)
+
+
+def _as_list(value: str | list[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
 
 
 #: Libraries on the run path and the least severe level of theirs we show. The websocket
@@ -179,7 +210,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     configure_logging(args.log_level, args.log_format)
     try:
-        trio.run(serve_until_signalled, invocation.edge_url, invocation.node_id, invocation.token)
+        trio.run(
+            partial(
+                serve_until_signalled,
+                invocation.edge_urls,
+                invocation.node_id,
+                invocation.token,
+                edge_dns=invocation.edge_dns,
+            )
+        )
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers were installed
         return EXIT_INTERRUPTED
     except EdgeRejected as exc:

@@ -1,43 +1,52 @@
-"""The Node's link to its Edge: dial out, handshake, serve the session, reconnect forever.
+"""The Node's link to one Edge: dial out, handshake, serve sessions, reconnect forever.
 
 Lifecycle of one connection (SPEC §3):
 
-1. Dial the Edge (`ws://` or `wss://`) and send `hello{protocol, node_id, token,
-   agent_version}`; expect `welcome` within the handshake timeout. A permanent `reject`
-   (bad token, unknown node id, protocol; see `wire.PERMANENT_REJECTIONS`) is logged
-   with its reason and retried a few times, slowly; then `run` raises `EdgeRejected`
-   and the process exits non-zero (see `backoff` rule 5). So does a session the Edge
-   ends with `reject{node_replaced}`: another Node connected with our id.
-2. Build the adapter registry from `welcome.node_config`, start the reader, then the
-   health monitor, whose first `status` goes out once the initial probes finished.
+1. Dial the Edge (`ws://` or `wss://`; or one address of a named Edge, see `dial`) and
+   send `hello{protocol, node_id, token, agent_version}`; expect `welcome` within the
+   handshake timeout. A permanent `reject` (bad token, unknown node id, protocol; see
+   `wire.PERMANENT_REJECTIONS`) is logged with its reason and retried a few times,
+   slowly; then `run` raises `EdgeRejected` and the process exits non-zero (see `backoff`
+   rule 5). So does a session the Edge ends with `reject{node_replaced}`: another Node
+   connected with our id.
+2. Attach to the Node's `ProviderHost` (the providers every link shares), apply the
+   welcome's config there (the newest config any Edge sent wins, see `host`), start the
+   reader; the link is ready once its Edge was sent the providers' status.
 3. Serve until the session ends. The session is a nursery of named tasks:
    - the *writer*, the only task that sends on the websocket, draining a bounded outbox
-     channel that every producer (runs, health, acks) feeds;
-   - the *reader*, dispatching `run`, `cancel` and `refresh`;
+     channel that every producer (runs, health, acks, load) feeds;
+   - the *reader*, dispatching `run`, `cancel`, `refresh` and `goaway`;
    - the *keepalive*, pinging the Edge and dropping the connection when no pong comes
      back within a bounded time (the Edge pings us too and drops a silent Node);
-   - the *stopper*, which turns a graceful stop into a drain (below);
-   - the registries' run nurseries and the health monitor.
+   - the *load reporter*, telling this Edge how many runs the Node's *other* Edge links
+     hold per provider whenever that changes (promptly while a provider is at half its
+     capacity or more, lazily below; and right after a `busy` answer);
+   - the *closer*, which turns a graceful stop (or a finished goaway) into a clean close.
 4. A malformed frame from the Edge is answered with `reject{code: bad_frame}` and the
    connection is closed; anything unexpected the Edge sends is logged, never fatal.
    Closing on purpose means: close the outbox, let the writer flush what is queued,
    close the websocket with a code, end the session.
-5. Whatever ended the session (Edge gone, ping timeout, reject, a bug), the runs of that
-   session are cancelled with it (the Edge fails runs of a lost Node itself) and the link
+5. Whatever ended the session (Edge gone, ping timeout, reject, a bug), the host cancels
+   the runs of that session (the Edge fails runs of a lost Node itself) and the link
    reconnects after the backoff delay (fast after a healthy session: the Edge is likely
    restarting).
+6. `goaway` from the Edge (it is restarting or stopping): the link dials the Edge's
+   address again at once, for new runs, while the old session keeps serving what its
+   Edge still sends; that Edge closes it once its runs are done (or, if it never does,
+   the Node closes it once idle after `goaway_linger_s`).
 
-A graceful stop (`NodeLink.stop()`, SIGTERM) tells the Edge every provider is now
-`draining` so nothing new is routed here, refuses runs that still arrive
-(`run_failed{code: node_stopping, retryable}`), lets active runs finish within the drain
-timeout, then closes the connection with "going away" (1001).
+A graceful stop of the Node (SIGTERM) is the host's: it tells every Edge that every
+provider is now `draining`, refuses runs that still arrive (`run_failed{code:
+node_stopping, retryable}`) and lets active runs finish within the drain timeout; then
+each session closes with "going away" (1001). `retire()` stops one link alone (an
+address that left its DNS name): no more dials, sessions close once their runs are done.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final, Literal, cast
 
@@ -48,38 +57,27 @@ from trio_websocket import (
     ConnectionTimeout,
     HandshakeError,
     WebSocketConnection,
-    open_websocket_url,
 )
 
 from iop_node.backoff import Backoff, BackoffPolicy
 from iop_node.batch import RunEventBatch
-from iop_node.health import DEFAULT_PROBE_TIMEOUT_S, HealthMonitor
-from iop_node.registry import (
-    DEFAULT_DRAIN_TIMEOUT_S,
-    DEFAULT_MAX_RETIRING,
-    AdapterFactory,
-    AdapterRegistry,
-    RegistryBuildError,
-    RegistryManager,
-    create_adapter,
-)
+from iop_node.dial import open_edge_websocket
+from iop_node.host import LinkPort, ProviderHost
 from iop_node.runner import Outbound
 from schemas import limits
-from schemas.config import NodeConfig
 from schemas.wire import (
     NODE_REPLACED,
     PERMANENT_REJECTIONS,
     PROTOCOL_VERSION,
     Cancel,
     EdgeToNode,
+    GoAway,
     Hello,
     Message,
-    ProviderStatus,
     Refresh,
     RefreshAck,
     Reject,
     Run,
-    Status,
     Welcome,
     WireError,
     decode_from_edge,
@@ -91,7 +89,6 @@ log = logging.getLogger(__name__)
 #: Messages queued for the writer; producers wait (back-pressure) when it is full.
 OUTBOX_SIZE = 256
 #: Runs carry whole request bodies; the library default (1 MiB) is too small for them.
-#: The same bound as the Edge's.
 MAX_FRAME_BYTES = limits.MAX_FRAME_BYTES
 #: Bytes asked of the socket per read. The library default (4 KiB) splits every request
 #: body of a few KiB into several reads, each a trip through the event loop; the Edge
@@ -106,6 +103,16 @@ MESSAGE_QUEUE_SIZE = 64
 CLOSE_TIMEOUT_S = 5.0
 #: Heartbeat timeout when not given: about three missed pings, as the Edge does.
 HEARTBEAT_MISSES = 3
+#: Fewest seconds between two `load` reports on one link: a burst of run starts and ends
+#: on other links costs this link one message, not one per run. (Capacity never depends
+#: on it: a run that finds no slot is answered `busy`.)
+LOAD_REPORT_INTERVAL_S = 0.01
+#: Fewest seconds between two `load` reports while no provider is under pressure (less
+#: than half its slots held): the others' runs then only shape ranking.
+LOAD_REPORT_RELAXED_S = 0.25
+#: After `goaway`, how long the Node waits for the Edge to close the old link before it
+#: closes it itself (once that link's runs are done).
+GOAWAY_LINGER_S = 30.0
 
 _GOING_AWAY = 1001
 _PROTOCOL_ERROR = 1002
@@ -113,7 +120,7 @@ _PROTOCOL_ERROR = 1002
 
 @dataclass(frozen=True, slots=True)
 class LinkSettings:
-    """Everything the link needs; the token is kept out of `repr` (and so out of logs)."""
+    """Everything one link needs; the token is kept out of `repr` (and so out of logs)."""
 
     edge_url: str
     node_id: str
@@ -125,14 +132,20 @@ class LinkSettings:
     """None: use the `heartbeat_s` the Edge announces in `welcome`."""
     ping_timeout_s: float | None = None
     """None: `HEARTBEAT_MISSES` ping intervals."""
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
-    max_retiring: int = DEFAULT_MAX_RETIRING
-    probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
-    adapter_factory: AdapterFactory = create_adapter
+    address: str | None = None
+    """Dial this IP address instead of the URL's host (one address of a named Edge)."""
+    load_report_interval_s: float = LOAD_REPORT_INTERVAL_S
+    load_report_relaxed_s: float = LOAD_REPORT_RELAXED_S
+    goaway_linger_s: float = GOAWAY_LINGER_S
 
     def __post_init__(self) -> None:
         if not self.edge_url.startswith(("ws://", "wss://")):
             raise ValueError(f"edge url must start with ws:// or wss://, got {self.edge_url!r}")
+
+    @property
+    def label(self) -> str:
+        """How logs name this link: the URL, and the address when dialled by address."""
+        return self.edge_url if self.address is None else f"{self.edge_url} ({self.address})"
 
 
 #: What to do about each permanent rejection, for the message a Node exits with.
@@ -182,85 +195,149 @@ class _Outcome:
         return self.kind == "rejected" and self.code in PERMANENT_REJECTIONS
 
 
-@dataclass(frozen=True, slots=True)
-class LinkStatistics:
-    """The link at one instant (for tests and diagnostics)."""
+class _Connection:
+    """One connection attempt, as the link's dial loop follows it."""
 
-    connected: bool
-    sessions: int
-    """How many sessions were welcomed so far (reconnects included)."""
+    def __init__(self) -> None:
+        self.decided = trio.Event()
+        """Set when the loop may move on: a `goaway` came, or the connection ended."""
+        self.goaway = False
+        self.outcome: _Outcome | None = None
+        self.session: _Session | None = None
+        self.scope = trio.CancelScope()
+
+    def going_away(self) -> None:
+        self.goaway = True
+        self.decided.set()
+
+    def ended(self, outcome: _Outcome) -> None:
+        self.outcome = outcome
+        self.decided.set()
 
 
 class NodeLink:
-    """The Node's connection to its Edge, reconnecting forever until stopped."""
+    """The Node's connection to one Edge, reconnecting forever until stopped."""
 
-    def __init__(self, settings: LinkSettings, *, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        settings: LinkSettings,
+        host: ProviderHost,
+        *,
+        rng: random.Random | None = None,
+        on_ready: Callable[[], object] | None = None,
+    ) -> None:
         self.settings = settings
+        self._host = host
         self._backoff = Backoff(settings.backoff, rng)
+        self._on_ready = _Once(on_ready or (lambda: None))
         self._stop_requested = trio.Event()
-        self._session: _Session | None = None
-        self._sessions = 0
+        self._retiring = False
+        self._sessions: set[_Session] = set()
+        self._connections: set[_Connection] = set()
+        self.sessions = 0
+        """How many sessions were welcomed so far (reconnects and redials included)."""
 
-    def statistics(self) -> LinkStatistics:
-        return LinkStatistics(connected=self._session is not None, sessions=self._sessions)
+    @property
+    def connected(self) -> bool:
+        """Whether a session that takes new runs is up (one not told to go away)."""
+        return any(not session.goaway_received for session in self._sessions)
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested.is_set()
+
+    @property
+    def retiring(self) -> bool:
+        return self._retiring
 
     def stop(self) -> None:
-        """Ask for a graceful stop: drain the active runs, close, and make `run` return."""
+        """The Node is stopping: dial no more; sessions close once the host drained."""
+        self._stop_requested.set()
+
+    def retire(self) -> None:
+        """This Edge address is no longer wanted: dial no more; sessions close once the
+        runs on them are done (the rest of the Node goes on)."""
+        self._retiring = True
         self._stop_requested.set()
 
     async def run(
         self, *, task_status: trio.TaskStatus[NodeLink] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Connect and serve, reconnecting until stopped; returns after `stop()`.
+        """Connect and serve, reconnecting until stopped; returns only after `stop()` or
+        `retire()`, once every session of this link closed.
 
         Raises `EdgeRejected` when the Edge refused this Node permanently a few times in
         a row (bad token, unknown id, protocol, or another Node took the id).
 
         Startable: reports started (with this link) once the first session is live: the
-        Edge welcomed us, the registry is built and the first `status` is queued."""
+        Edge welcomed us and the providers' status is on its way."""
         ready = _Once(lambda: task_status.started(self))
-        settings = self.settings
-        while not self._stop_requested.is_set():
-            outcome = await self._connect_once(ready)
-            if self._stop_requested.is_set():
-                break
-            if outcome.permanent:
-                rejected_delay = self._backoff.after_reject(outcome.uptime_s)
-                if rejected_delay is None:
-                    raise EdgeRejected(
-                        settings.edge_url,
-                        settings.node_id,
-                        outcome.code,
-                        outcome.reason,
-                        self._backoff.rejections,
-                    )
-                delay_s = rejected_delay
-            elif outcome.kind == "ended":
-                delay_s = self._backoff.after_session(outcome.uptime_s)
-            else:
-                delay_s = self._backoff.after_failure()
-            log.warning("%s; reconnecting in %.2fs", outcome.reason, delay_s)
-            with trio.move_on_after(delay_s):
-                await self._stop_requested.wait()
-        log.info("node link stopped")
+        async with trio.open_nursery() as connections:
+            while not self._stop_requested.is_set():
+                connection = _Connection()
+                connections.start_soon(self._connect, connection, ready)
+                await wait_first(connection.decided.wait, self._stop_requested.wait)
+                if self._stop_requested.is_set():
+                    break
+                if connection.goaway:
+                    log.info("edge %s is going away: dialling it again", self.settings.label)
+                    continue
+                outcome = connection.outcome
+                assert outcome is not None
+                if outcome.permanent:
+                    rejected_delay = self._backoff.after_reject(outcome.uptime_s)
+                    if rejected_delay is None:
+                        raise EdgeRejected(
+                            self.settings.label,
+                            self.settings.node_id,
+                            outcome.code,
+                            outcome.reason,
+                            self._backoff.rejections,
+                        )
+                    delay_s = rejected_delay
+                elif outcome.kind == "ended":
+                    delay_s = self._backoff.after_session(outcome.uptime_s)
+                else:
+                    delay_s = self._backoff.after_failure()
+                log.warning("%s; reconnecting in %.2fs", outcome.reason, delay_s)
+                with trio.move_on_after(delay_s):
+                    await self._stop_requested.wait()
+            for pending in list(self._connections):
+                if pending.session is None:
+                    pending.scope.cancel()  # a dial in progress has nothing to finish
+            for session in list(self._sessions):
+                session.wind_down()
+        log.info("link to edge %s stopped", self.settings.label)
 
-    async def _connect_once(self, ready: _Once) -> _Outcome:
+    async def _connect(self, connection: _Connection, ready: _Once) -> None:
+        self._connections.add(connection)
+        try:
+            with connection.scope:
+                outcome = await self._connect_once(connection, ready)
+                if connection.goaway:
+                    log.info("old link to edge %s closed: %s", self.settings.label, outcome.reason)
+                connection.ended(outcome)
+        finally:
+            self._connections.discard(connection)
+
+    async def _connect_once(self, connection: _Connection, ready: _Once) -> _Outcome:
         settings = self.settings
         outcome: _Outcome | None = None
         try:
-            async with open_websocket_url(
+            async with open_edge_websocket(
                 settings.edge_url,
+                settings.address,
                 max_message_size=MAX_FRAME_BYTES,
                 message_queue_size=MESSAGE_QUEUE_SIZE,
                 receive_buffer_size=RECEIVE_BUFFER_BYTES,
                 connect_timeout=settings.handshake_timeout_s,
                 disconnect_timeout=CLOSE_TIMEOUT_S,
             ) as ws:
-                outcome = await self._handshake_and_serve(ws, ready)
+                outcome = await self._handshake_and_serve(ws, connection, ready)
         except (HandshakeError, ConnectionClosed, OSError, trio.TooSlowError) as exc:
             if outcome is None:
                 outcome = _Outcome(
-                    "unreachable", f"edge {settings.edge_url} unreachable: {_describe(exc)}"
+                    "unreachable", f"edge {settings.label} unreachable: {_describe(exc)}"
                 )
         except trio.BrokenResourceError as exc:
             if outcome is None:
@@ -272,7 +349,9 @@ class NodeLink:
         assert outcome is not None
         return outcome
 
-    async def _handshake_and_serve(self, ws: WebSocketConnection, ready: _Once) -> _Outcome:
+    async def _handshake_and_serve(
+        self, ws: WebSocketConnection, connection: _Connection, ready: _Once
+    ) -> _Outcome:
         settings = self.settings
         hello = Hello(
             protocol=PROTOCOL_VERSION,
@@ -297,21 +376,22 @@ class NodeLink:
                 log.info(
                     "connected to edge %s (%s) as node %s, config revision %s",
                     message.edge_id,
-                    settings.edge_url,
+                    settings.label,
                     settings.node_id,
                     message.revision,
                 )
-                self._sessions += 1
-                session = _Session(settings, ws, message, self._stop_requested)
-                self._session = session
+                self.sessions += 1
+                session = _Session(self, ws, message, connection)
+                connection.session = session
+                self._sessions.add(session)
                 try:
-                    return await session.serve(ready)
+                    return await session.serve(_Both(ready, self._on_ready))
                 finally:
-                    self._session = None
+                    self._sessions.discard(session)
             case Reject(code=code, reason=reason):
                 log.error(
                     "edge %s rejected node %s: %s (%s)",
-                    settings.edge_url,
+                    settings.label,
                     settings.node_id,
                     reason,
                     code,
@@ -324,56 +404,66 @@ class NodeLink:
 
 
 class _Session:
-    """One welcomed connection: its tasks, outbox, registries and health monitor."""
+    """One welcomed connection: its tasks, its outbox, its port on the host."""
 
     def __init__(
         self,
-        settings: LinkSettings,
+        link: NodeLink,
         ws: WebSocketConnection,
         welcome: Welcome,
-        stop_requested: trio.Event,
+        connection: _Connection,
     ) -> None:
-        self._settings = settings
-        self._stop_requested = stop_requested
+        self._link = link
+        self._settings = link.settings
+        self._host = link._host
         self._ws = ws
         self._welcome = welcome
+        self._connection = connection
         self._outbox, self._outbox_out = trio.open_memory_channel[Outbound](OUTBOX_SIZE)
         self._nursery: trio.Nursery | None = None
-        self._registries: RegistryManager | None = None
-        self._health_scope: trio.CancelScope | None = None
+        self._port: LinkPort | None = None
         self._end_reason: str | None = None
         self._rejected: Reject | None = None
         self._close_code = 1000
-        self._stopping = False
-        self._first_status_sent = trio.Event()
+        self._wind_down = trio.Event()
+        self.goaway_received = False
 
-    async def serve(self, ready: _Once) -> _Outcome:
+    async def serve(self, ready: Callable[[], None]) -> _Outcome:
         """Run the session until it ends; never raises for anything the Edge does."""
         started_at = trio.current_time()
         interval_s = self._settings.ping_interval_s or self._welcome.heartbeat_s
         timeout_s = self._settings.ping_timeout_s or HEARTBEAT_MISSES * interval_s
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            self._registries = RegistryManager(
-                nursery,
-                self.send,
-                drain_timeout_s=self._settings.drain_timeout_s,
-                max_retiring=self._settings.max_retiring,
-                factory=self._settings.adapter_factory,
-            )
-            nursery.start_soon(self._write, name="node link writer")
-            nursery.start_soon(self._keepalive, interval_s, timeout_s, name="node link keepalive")
-            registry = await self._apply_welcome()
-            nursery.start_soon(self._read, name="node link reader")
-            nursery.start_soon(self._stop_when_asked, name="node link stopper")
-            if registry is not None:
-                self._watch_health(registry)
-            await self._first_status_sent.wait()
-            ready()
+        host = self._host
+        port = self._port = host.attach(self.send, self._settings.label)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._write, name="node link writer")
+                nursery.start_soon(
+                    self._keepalive, interval_s, timeout_s, name="node link keepalive"
+                )
+                welcome = self._welcome
+                await host.apply_welcome(
+                    port, welcome.revision, welcome.node_config, welcome.config_time
+                )
+                nursery.start_soon(self._read, name="node link reader")
+                nursery.start_soon(self._close_when_done, name="node link closer")
+                nursery.start_soon(self._report_load, port, name="node link load reporter")
+                if self._link.stop_requested:
+                    self.wind_down()
+                await port.first_status.wait()
+                ready()
+        finally:
+            host.detach(port)
         uptime_s = trio.current_time() - started_at
         if self._rejected is not None:
             return _Outcome("rejected", self._rejected.reason, uptime_s, code=self._rejected.code)
         return _Outcome("ended", self._end_reason or "session ended", uptime_s)
+
+    def wind_down(self) -> None:
+        """The link stopped or retired: close once the host drained (a Node stopping) or
+        once this session's runs are done (a retired link)."""
+        self._wind_down.set()
 
     # --- outbound ----------------------------------------------------------------------
 
@@ -485,16 +575,18 @@ class _Session:
                 log.exception("failed to handle %s from the edge", type(message).__name__)
 
     async def _dispatch(self, message: EdgeToNode) -> None:
-        registries = self._registries
-        assert registries is not None
+        port = self._port
+        assert port is not None
         match message:
             case Run():
-                await registries.start_run(message)
+                await self._host.start_run(port, message)
             case Cancel(run_id=run_id):
-                if not registries.cancel_run(run_id):
+                if not self._host.cancel_run(port, run_id):
                     log.debug("cancel for run %s, which is not active here", run_id)
             case Refresh():
-                await self._refresh(message)
+                await self._refresh(port, message)
+            case GoAway(reason=reason):
+                self._goaway(reason)
             case Reject(code=code, reason=reason):
                 log.error("edge ended the session: %s (%s)", reason, code)
                 self._rejected = message
@@ -502,104 +594,96 @@ class _Session:
             case Welcome():
                 log.warning("ignoring a second welcome on an established session")
 
-    async def _refresh(self, refresh: Refresh) -> None:
-        error: str | None = None
-        if self._stopping:
-            error = "the node is stopping"
+    async def _refresh(self, port: LinkPort, refresh: Refresh) -> None:
+        error = await self._host.apply(
+            port, refresh.revision, refresh.node_config, refresh.config_time
+        )
+        if error is None:
+            log.info("config revision %s is live", refresh.revision)
         else:
-            assert self._registries is not None
-            previous = self._registries.current
-            try:
-                registry = await self._apply(refresh.revision, refresh.node_config)
-            except RegistryBuildError as exc:
-                error = str(exc)
-                log.error(
-                    "refresh to revision %s failed, keeping the old registry: %s",
-                    refresh.revision,
-                    error,
-                )
-            else:
-                log.info("config revision %s is live", refresh.revision)
-                if registry is not previous:
-                    self._watch_health(registry)
+            log.error("refresh to revision %s not applied: %s", refresh.revision, error)
         await self.send(RefreshAck(revision=refresh.revision, ok=error is None, error=error))
 
-    # --- registries and health ---------------------------------------------------------
-
-    async def _apply(self, revision: int, config: NodeConfig) -> AdapterRegistry:
-        """Make `config` the live registry; raises `RegistryBuildError` (nothing changed)."""
-        assert self._registries is not None
-        if config.node_id != self._settings.node_id:
-            raise RegistryBuildError(
-                f"config is for node {config.node_id!r}, this node is {self._settings.node_id!r}"
-            )
-        return await self._registries.apply(revision, config)
-
-    async def _apply_welcome(self) -> AdapterRegistry | None:
-        """Build the welcome's registry. On failure the session stays up with no providers
-        (runs fail with `unknown_provider`), tells the Edge why in `status`, and waits for
-        a refresh to fix it."""
-        assert self._registries is not None
-        welcome = self._welcome
-        try:
-            return await self._apply(welcome.revision, welcome.node_config)
-        except RegistryBuildError as exc:
-            log.error("cannot build providers from config revision %s: %s", welcome.revision, exc)
-            await self._registries.apply(
-                welcome.revision, NodeConfig(node_id=self._settings.node_id)
-            )
-            detail = f"node could not build its providers: {exc}"
-            await self._report_status(
-                [
-                    ProviderStatus(id=provider.id, health="unavailable", detail=detail)
-                    for provider in welcome.node_config.providers
-                ]
-            )
-            return None
-
-    def _watch_health(self, registry: AdapterRegistry) -> None:
-        """Monitor `registry`'s adapters, and stop monitoring the previous registry's."""
-        assert self._nursery is not None
-        if self._health_scope is not None:
-            self._health_scope.cancel()
-        scope = self._health_scope = trio.CancelScope()
-        monitor = HealthMonitor(
-            registry.adapters,
-            self._report_status,
-            probe_timeout_s=self._settings.probe_timeout_s,
-            activity=registry.activity,
+    def _goaway(self, reason: str) -> None:
+        if self.goaway_received:
+            return
+        self.goaway_received = True
+        log.info(
+            "edge %s is going away%s; %d run(s) finish on this link",
+            self._settings.label,
+            f" ({reason})" if reason else "",
+            self._port.active_runs if self._port else 0,
         )
+        self._connection.going_away()
+        assert self._nursery is not None
+        self._nursery.start_soon(self._close_after_goaway, name="node link goaway")
 
-        async def monitor_health() -> None:
-            with scope:
-                await monitor.run()
+    # --- load --------------------------------------------------------------------------
 
-        self._nursery.start_soon(monitor_health, name=f"health of revision {registry.revision}")
+    async def _report_load(self, port: LinkPort) -> None:
+        """Tell this Edge what the other links hold, when it changes (module docstring).
 
-    async def _report_status(self, statuses: list[ProviderStatus]) -> None:
-        await self.send(Status(providers=statuses))
-        self._first_status_sent.set()
+        While a provider is under pressure (half its slots or more held: the others'
+        runs decide admission) the first change after a quiet spell is reported at once,
+        and what changes within the next `load_report_interval_s` goes in one report
+        after it. Below that the others' runs only shape ranking, so changes are reported
+        at most every `load_report_relaxed_s` (sooner if pressure comes). A link that
+        never shares its Node hears no `load` (the Edge starts from zero); after a `busy`
+        answer the host reports at once."""
+        host = self._host
+        settings = self._settings
+        while True:
+            version = host.load_version(port)
+            await host.report_load(port)
+            await trio.sleep(settings.load_report_interval_s)
+            if not host.load_pressing(port):
+                with trio.move_on_after(settings.load_report_relaxed_s):
+                    await host.wait_load_pressing()
+            await host.wait_load_changed(port, version)
 
-    # --- graceful stop -----------------------------------------------------------------
+    # --- closing -----------------------------------------------------------------------
 
-    async def _stop_when_asked(self) -> None:
-        await self._stop_requested.wait()
-        assert self._registries is not None
-        self._stopping = True
-        if self._health_scope is not None:
-            self._health_scope.cancel()
-        current = self._registries.current
-        if current is not None:
-            log.info("stopping: draining %d active run(s)", current.active_runs)
-            detail = "node is shutting down: finishing its runs, taking no new ones"
-            await self._report_status(
-                [
-                    ProviderStatus(id=provider_id, health="draining", detail=detail)
-                    for provider_id in current.adapters
-                ]
-            )
-        await self._registries.aclose()
-        self._close("node stopped", _GOING_AWAY)
+    async def _close_after_goaway(self) -> None:
+        """The Edge normally closes the old link itself once its runs are done; if it
+        never does, close it once idle after `goaway_linger_s`."""
+        await trio.sleep(self._settings.goaway_linger_s)
+        assert self._port is not None
+        await self._port.wait_idle()
+        self._close("edge went away", _GOING_AWAY)
+
+    async def _close_when_done(self) -> None:
+        await self._wind_down.wait()
+        if self._link.retiring:
+            assert self._port is not None
+            await self._port.wait_idle()
+            self._close("edge address retired", _GOING_AWAY)
+        else:
+            await self._host.wait_drained()
+            self._close("node stopped", _GOING_AWAY)
+
+
+async def wait_first(*waits: Callable[[], Awaitable[object]]) -> None:
+    """Return as soon as any of `waits` returns (the others are cancelled)."""
+    async with trio.open_nursery() as nursery:
+
+        async def wait(function: Callable[[], Awaitable[object]]) -> None:
+            await function()
+            nursery.cancel_scope.cancel()
+
+        for function in waits:
+            nursery.start_soon(wait, function)
+
+
+class _Both:
+    """Call two callbacks as one (the session's `ready`: the run's and the link's)."""
+
+    def __init__(self, first: Callable[[], object], second: Callable[[], object]) -> None:
+        self._first = first
+        self._second = second
+
+    def __call__(self) -> None:
+        self._first()
+        self._second()
 
 
 class _Once:

@@ -1,4 +1,4 @@
-"""The Node process: one Trio nursery around the link to the Edge.
+"""The Node process: one Trio nursery around its links to the Edges.
 
 `run_node` is the whole Node as a startable Trio function. The `iop-node run` command
 uses it with signal handling (`serve_until_signalled`); the Edge's in-process demo and
@@ -10,14 +10,23 @@ from __future__ import annotations
 import logging
 import random
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 
 import trio
 
 from iop_node import __version__
 from iop_node.backoff import BackoffPolicy
+from iop_node.edges import DEFAULT_DNS_INTERVAL_S, EdgeLinks, Resolver, resolve_addresses
 from iop_node.health import DEFAULT_PROBE_TIMEOUT_S
-from iop_node.link import EdgeRejected, LinkSettings, NodeLink
+from iop_node.host import ProviderHost
+from iop_node.link import (
+    GOAWAY_LINGER_S,
+    LOAD_REPORT_INTERVAL_S,
+    LOAD_REPORT_RELAXED_S,
+    EdgeRejected,
+    LinkSettings,
+)
 from iop_node.registry import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_RETIRING,
@@ -29,10 +38,11 @@ log = logging.getLogger(__name__)
 
 
 async def run_node(
-    edge_url: str,
+    edge_url: str | Sequence[str],
     node_id: str,
     token: str,
     *,
+    edge_dns: Sequence[str] = (),
     agent_version: str = f"iop-node/{__version__}",
     backoff: BackoffPolicy | None = None,
     rng: random.Random | None = None,
@@ -43,27 +53,37 @@ async def run_node(
     max_retiring: int = DEFAULT_MAX_RETIRING,
     probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
     adapter_factory: AdapterFactory = create_adapter,
+    load_report_interval_s: float = LOAD_REPORT_INTERVAL_S,
+    load_report_relaxed_s: float = LOAD_REPORT_RELAXED_S,
+    goaway_linger_s: float = GOAWAY_LINGER_S,
+    dns_interval_s: float = DEFAULT_DNS_INTERVAL_S,
+    resolver: Resolver = resolve_addresses,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
-    task_status: trio.TaskStatus[NodeLink] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[EdgeLinks] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run a Node against the Edge at `edge_url` (`ws://` or `wss://`), reconnecting forever.
+    """Run a Node against its Edges, reconnecting forever.
 
-    Startable: `link = await nursery.start(run_node, ...)` returns once the Edge has
-    welcomed the Node, its providers are built and their first `status` is on its way
-    (so a demo can print "ready" truthfully). Until then the Node keeps retrying, and
-    logs why (an unreachable Edge, a rejected token).
+    `edge_url` is one Edge URL (`ws://` or `wss://`) or several; `edge_dns` names Edges by
+    a DNS name, one link per address it resolves to (see `edges`). All links share the
+    Node's providers.
 
-    It returns only when `shutdown_trigger` returns (or `link.stop()` is called) and the
+    Startable: `links = await nursery.start(run_node, ...)` returns once an Edge has
+    welcomed the Node, its providers are built and their status is on its way (so a
+    demo can print "ready" truthfully). Until then the Node keeps retrying, and logs why
+    (an unreachable Edge, a rejected token).
+
+    It returns only when `shutdown_trigger` returns (or `links.stop()` is called) and the
     graceful stop completed: providers reported draining, active runs drained within
-    `drain_timeout_s`, connection closed. Cancel it to stop at once. It raises
-    `EdgeRejected` when the Edge refused this Node permanently a few times in a row (a
-    bad token, an unknown node id, another protocol, or another Node with the same id).
+    `drain_timeout_s`, connections closed. Cancel it to stop at once. It raises
+    `EdgeRejected` when an Edge refused this Node permanently a few times in a row (a bad
+    token, an unknown node id, another protocol, or another Node with the same id).
 
     `ping_interval_s` defaults to the heartbeat the Edge announces, `ping_timeout_s` to
-    three intervals; `backoff` and `rng` make reconnect timing injectable for tests.
+    three intervals; `backoff`, `rng` and `resolver` are injectable for tests.
     """
-    settings = LinkSettings(
-        edge_url=edge_url,
+    urls = [edge_url] if isinstance(edge_url, str) else list(edge_url)
+    template = LinkSettings(
+        edge_url=urls[0] if urls else _dns_url_for_template(edge_dns),
         node_id=node_id,
         token=token,
         agent_version=agent_version,
@@ -71,41 +91,78 @@ async def run_node(
         handshake_timeout_s=handshake_timeout_s,
         ping_interval_s=ping_interval_s,
         ping_timeout_s=ping_timeout_s,
-        drain_timeout_s=drain_timeout_s,
-        max_retiring=max_retiring,
-        probe_timeout_s=probe_timeout_s,
-        adapter_factory=adapter_factory,
+        load_report_interval_s=load_report_interval_s,
+        load_report_relaxed_s=load_report_relaxed_s,
+        goaway_linger_s=goaway_linger_s,
     )
-    link = NodeLink(settings, rng=rng)
+    for url in [*urls, *edge_dns]:
+        replace(template, edge_url=url)  # raises ValueError for a URL that is not ws(s)://
+
+    def host_factory(nursery: trio.Nursery) -> ProviderHost:
+        return ProviderHost(
+            nursery,
+            node_id,
+            drain_timeout_s=drain_timeout_s,
+            max_retiring=max_retiring,
+            probe_timeout_s=probe_timeout_s,
+            factory=adapter_factory,
+        )
+
+    links = EdgeLinks(
+        template=template,
+        host_factory=host_factory,
+        urls=urls,
+        dns_urls=list(edge_dns),
+        dns_interval_s=dns_interval_s,
+        resolver=resolver,
+        rng=rng,
+    )
     rejected: EdgeRejected | None = None
-    async with trio.open_nursery() as nursery:
-        if shutdown_trigger is not None:
-            trigger = shutdown_trigger
+    try:
+        async with trio.open_nursery() as nursery:
+            if shutdown_trigger is not None:
+                trigger = shutdown_trigger
 
-            async def stop_when_triggered() -> None:
-                await trigger()
-                link.stop()
+                async def stop_when_triggered() -> None:
+                    await trigger()
+                    links.stop()
 
-            nursery.start_soon(stop_when_triggered, name="node shutdown trigger")
-        try:
-            await link.run(task_status=task_status)
-        except EdgeRejected as exc:
-            rejected = exc  # raised bare below, not wrapped in the nursery's group
-        nursery.cancel_scope.cancel()
+                nursery.start_soon(stop_when_triggered, name="node shutdown trigger")
+            await links.run(task_status=task_status)
+            nursery.cancel_scope.cancel()
+    except* EdgeRejected as group:
+        rejected = _first_rejection(group)
     if rejected is not None:
-        raise rejected
+        raise rejected  # bare, not wrapped in the nurseries' groups
 
 
-async def serve_until_signalled(edge_url: str, node_id: str, token: str) -> None:
+def _first_rejection(group: BaseExceptionGroup[EdgeRejected]) -> EdgeRejected:
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, EdgeRejected)
+    return error
+
+
+def _dns_url_for_template(edge_dns: Sequence[str]) -> str:
+    if not edge_dns:
+        raise ValueError("a node needs at least one edge url or edge dns name")
+    return edge_dns[0]
+
+
+async def serve_until_signalled(
+    edge_urls: Sequence[str], node_id: str, token: str, *, edge_dns: Sequence[str] = ()
+) -> None:
     """Run a Node until SIGINT/SIGTERM: the first signal drains and stops gracefully, a
     second one stops at once."""
     stop = trio.Event()
     rejected: EdgeRejected | None = None
     async with trio.open_nursery() as nursery:
         await nursery.start(_watch_signals, stop, nursery.cancel_scope)
-        log.info("iop-node %s: node %s, edge %s", __version__, node_id, edge_url)
+        edges = ", ".join([*edge_urls, *(f"{url} (every address)" for url in edge_dns)])
+        log.info("iop-node %s: node %s, edges %s", __version__, node_id, edges)
         try:
-            await run_node(edge_url, node_id, token, shutdown_trigger=stop.wait)
+            await run_node(edge_urls, node_id, token, edge_dns=edge_dns, shutdown_trigger=stop.wait)
         except EdgeRejected as exc:
             rejected = exc
         nursery.cancel_scope.cancel()

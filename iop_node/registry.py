@@ -164,29 +164,49 @@ class AdapterRegistry:
     def adapter(self, provider_id: str) -> Adapter | None:
         return self.adapters.get(provider_id)
 
-    def has_run(self, run_id: str) -> bool:
-        return run_id in self._runs
+    def has_run(self, key: str) -> bool:
+        return key in self._runs
 
     # --- runs --------------------------------------------------------------------------
 
-    def start_run(self, run: Run, send: Send) -> RunHandle:
+    def start_run(
+        self,
+        run: Run,
+        send: Send,
+        *,
+        key: str | None = None,
+        on_end: Callable[[], None] | None = None,
+    ) -> RunHandle:
         """Start `run` in this registry's nursery; its handle is registered at once, so a
-        `cancel` that arrives right behind the run finds it."""
+        `cancel` that arrives right behind the run finds it.
+
+        `key` names the run here (default: its id; a Node serving several Edges scopes
+        ids by link); `on_end` is called once when the run's task ends, however."""
         if self._state != "live" or self._nursery is None:
             raise RuntimeError(f"registry revision {self.revision} is {self._state}")
+        key = run.run_id if key is None else key
         handle = RunHandle(run.run_id)
-        self._runs[run.run_id] = handle
-        self._nursery.start_soon(self._run, run, handle, send, name=f"run {run.run_id}")
+        self._runs[key] = handle
+        self._nursery.start_soon(
+            self._run, run, key, handle, send, on_end, name=f"run {run.run_id}"
+        )
         return handle
 
-    def cancel_run(self, run_id: str, code: FailureCode, message: str) -> bool:
-        handle = self._runs.get(run_id)
+    def cancel_run(self, key: str, code: FailureCode, message: str) -> bool:
+        handle = self._runs.get(key)
         if handle is None:
             return False
         handle.cancel(code, message)
         return True
 
-    async def _run(self, run: Run, handle: RunHandle, send: Send) -> None:
+    async def _run(
+        self,
+        run: Run,
+        key: str,
+        handle: RunHandle,
+        send: Send,
+        on_end: Callable[[], None] | None,
+    ) -> None:
         adapter = self.adapter(run.provider_id)
         if adapter is not None:
             handle.activity = self.activity.start(adapter.provider, stream=run.stream)
@@ -195,7 +215,9 @@ class AdapterRegistry:
         finally:
             if handle.activity is not None:
                 self.activity.finish(run.provider_id, handle.activity)
-            del self._runs[run.run_id]
+            del self._runs[key]
+            if on_end is not None:
+                on_end()
             if self._state == "retiring" and not self._runs:
                 self._drained.set()
 
@@ -269,16 +291,16 @@ class AdapterRegistry:
 
 
 class RegistryManager:
-    """The current registry plus the retiring ones, for one session with the Edge.
+    """The current registry plus the retiring ones, shared by the Node's Edge links.
 
-    `nursery` hosts every registry's `serve` task: it must outlive the manager's use (the
-    session nursery). `send` queues a message for the Edge.
+    `nursery` hosts every registry's `serve` task: it must outlive the manager's use.
+    `send` queues a message for the Edge when a run does not bring its own.
     """
 
     def __init__(
         self,
         nursery: trio.Nursery,
-        send: Send,
+        send: Send | None = None,
         *,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         max_retiring: int = DEFAULT_MAX_RETIRING,
@@ -329,27 +351,55 @@ class RegistryManager:
             self._retire(previous)
         return registry
 
-    async def start_run(self, run: Run) -> None:
-        """Route `run` to the current registry (or answer why it cannot run)."""
-        if any(registry.has_run(run.run_id) for registry in self._all()):
-            await self._reject_run(
-                run, FailureCode.DUPLICATE_RUN, "a run with this id is already active"
+    def has_run(self, key: str) -> bool:
+        return any(registry.has_run(key) for registry in self._all())
+
+    @property
+    def accepting(self) -> bool:
+        """Whether a run that arrives now has a registry to run on."""
+        return not self._closing and self._current is not None
+
+    async def start_run(
+        self,
+        run: Run,
+        *,
+        send: Send | None = None,
+        key: str | None = None,
+        on_end: Callable[[], None] | None = None,
+    ) -> bool:
+        """Route `run` to the current registry (or answer why it cannot run); True when
+        it started. `send` carries its events (default: the manager's); `key` and
+        `on_end` are as in `AdapterRegistry.start_run` (`on_end` is called only for a run
+        that started)."""
+        send = self._send if send is None else send
+        if send is None:
+            raise ValueError("a run needs a `send` when the manager has none")
+        if self.has_run(run.run_id if key is None else key):
+            await _reject_run(
+                send, run, FailureCode.DUPLICATE_RUN, "a run with this id is already active"
             )
-            return
+            return False
         registry = self._current
         if self._closing or registry is None:
-            await self._reject_run(
-                run, FailureCode.NODE_STOPPING, "the node is not accepting runs", retryable=True
+            await _reject_run(
+                send,
+                run,
+                FailureCode.NODE_STOPPING,
+                "the node is not accepting runs",
+                retryable=True,
             )
-            return
-        registry.start_run(run, self._send)
+            return False
+        registry.start_run(run, send, key=key, on_end=on_end)
+        return True
 
-    def cancel_run(self, run_id: str) -> bool:
-        """Cancel `run_id` wherever it runs; its answer is `run_failed{code: cancelled}`."""
-        return any(
-            registry.cancel_run(run_id, FailureCode.CANCELLED, "cancelled by the edge")
-            for registry in self._all()
-        )
+    def cancel_run(
+        self,
+        key: str,
+        code: FailureCode = FailureCode.CANCELLED,
+        message: str = "cancelled by the edge",
+    ) -> bool:
+        """Cancel the run `key` wherever it runs; its answer is `run_failed{code}`."""
+        return any(registry.cancel_run(key, code, message) for registry in self._all())
 
     async def aclose(self) -> None:
         """Stop: accept no new runs, drain every registry (bounded), close all adapters."""
@@ -402,12 +452,11 @@ class RegistryManager:
             if self._closing and not self._retiring and self._current is None:
                 self._all_closed.set()
 
-    async def _reject_run(
-        self, run: Run, code: FailureCode, message: str, *, retryable: bool = False
-    ) -> None:
-        await self._send(
-            RunFailed(run_id=run.run_id, code=code, message=message, retryable=retryable)
-        )
+
+async def _reject_run(
+    send: Send, run: Run, code: FailureCode, message: str, *, retryable: bool = False
+) -> None:
+    await send(RunFailed(run_id=run.run_id, code=code, message=message, retryable=retryable))
 
 
 async def _aclose_all(adapters: Iterable[Adapter]) -> None:

@@ -45,10 +45,14 @@ class CatalogProvider(CatalogRecord, frozen=True, kw_only=True):
     down, disabled); null when it is fully in the pool."""
     capacity: int
     in_flight: int
+    """Runs on the provider: this Edge's, plus those other Edges hold (as its Node last
+    reported, `other_edges_in_flight`)."""
     load_ratio: float | None
     """`in_flight / capacity`; null when the capacity is unknown."""
     long_context_slots: int | None
     long_in_flight: int
+    other_edges_in_flight: int = 0
+    """Of `in_flight`, the runs other Edges sharing the provider's Node hold."""
     models: list[str] = []
     """Served model names from config: what the Edge routes to this provider."""
     discovered_models: list[str] = []

@@ -68,6 +68,12 @@ class EdgeSection(ConfigStruct, frozen=True, kw_only=True):
     state_dir: NonEmptyStr = "./var"
     tls: TlsSection | None = None
     shutdown_grace_s: PositiveFloat = DEFAULT_SHUTDOWN_GRACE_S
+    ledger: NonEmptyStr | None = None
+    """The usage ledger: None = SQLite in `state_dir`; `postgresql://USER@HOST/DB` = a
+    PostgreSQL ledger Edge replicas share (no password in it, see below)."""
+    ledger_password_env: EnvVarName | None = None
+    """The environment variable holding the PostgreSQL password (else libpq's own
+    `PGPASSWORD` or `~/.pgpass`)."""
 
 
 class AdminSection(ConfigStruct, frozen=True, kw_only=True):

@@ -72,6 +72,32 @@ class RefreshError(RefreshRecord, frozen=True, kw_only=True):
     message: str
 
 
+class ReplicaStatus(RefreshRecord, frozen=True, kw_only=True):
+    """One Edge process sharing this Edge's ledger (a replica; or, during a zero-downtime
+    restart, the old and the new process), as it last reported itself there."""
+
+    instance: str
+    """`HOST/PID`: unique per process."""
+    edge_id: str
+    host: str
+    pid: int
+    state: Literal["serving", "draining"]
+    revision: int
+    config_sha256: str
+    pending_restart: list[str] = []
+    openai_url: str = ""
+    node_url: str = ""
+    admin_url: str = ""
+    started_at: float = 0.0
+    seen_at: float = 0.0
+    """When it last wrote its row (unix seconds); rows not refreshed for a while are
+    left out (a replica that died)."""
+    current: bool = False
+    """This is the process that answered."""
+    same_config: bool = True
+    """It runs the same config (sha256) as the process that answered."""
+
+
 class RefreshReport(RefreshRecord, frozen=True, kw_only=True):
     """The answer to `POST /refresh`, in both modes; also the audit log's core."""
 
@@ -88,6 +114,9 @@ class RefreshReport(RefreshRecord, frozen=True, kw_only=True):
     pending_restart: list[str] = []
     errors: list[RefreshError] = []
     nodes: list[NodeResult] = []
+    replicas: list[ReplicaStatus] = []
+    """Every Edge process sharing this one's ledger, read after the attempt: a refresh
+    applies to one replica only, and this says which others still run another config."""
 
 
 class NodeStatus(RefreshRecord, frozen=True, kw_only=True):
@@ -107,3 +136,7 @@ class StatusReport(RefreshRecord, frozen=True, kw_only=True):
     candidate re-reads); null when it runs from a config given in memory."""
     pending_restart: list[str] = []
     nodes: list[NodeStatus] = []
+    pid: int | None = None
+    """The Edge process answering (it changes with every zero-downtime restart)."""
+    replicas: list[ReplicaStatus] = []
+    """Every Edge process sharing this one's ledger, as of their last heartbeat."""

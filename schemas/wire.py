@@ -17,6 +17,14 @@ Run events travel in batches (`run_events`): everything a Node's writer finds qu
 one pass, chunks of several runs and the ends of runs, leaves as one websocket message.
 Per-token work scales out with the Nodes; the Edge pays one parse and one scheduling pass
 per batch, not per token.
+
+A Node may hold links to several Edges at once (replicas, or an old and a new Edge process
+during a zero-downtime restart; SPEC §3 "Several Edges", §13). The slots of its providers
+are counted on the Node across all links: a run that finds its provider full is answered
+at once with `run_failed{code: busy}`, and each Edge hears, in `load`, how many runs the
+*other* links hold, so it ranks and admits with the provider's whole load. An Edge that
+is going away sends `goaway`: the Node dials it again for new runs and keeps the old link
+only until its runs finish.
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ from schemas.limits import MAX_FRAME_BYTES
 #: another version is refused at the handshake with a reason naming both versions.
 #: 2: batched run events (`run_events`), Node-side shaping (`run.reply_model`,
 #: `run.strip_usage`, chunks framed as server-sent events).
-PROTOCOL_VERSION = 2
+#: 3: several Edges per Node: `goaway`, `load`, `run_failed{code: busy}`, `run.long`,
+#: `config_time` in `welcome` and `refresh`.
+PROTOCOL_VERSION = 3
 
 
 Operation = Literal["chat", "completion", "embedding"]
@@ -83,6 +93,9 @@ class Welcome(Message, tag="welcome", frozen=True, kw_only=True):
     revision: int
     node_config: NodeConfig
     heartbeat_s: float = 5.0
+    config_time: float = 0.0
+    """When this Edge took `node_config` (unix seconds): a Node linked to several Edges
+    runs the newest config any of them sent (see `Refresh.config_time`)."""
 
 
 class Reject(Message, tag="reject", frozen=True, kw_only=True):
@@ -132,6 +145,9 @@ class Run(Message, tag="run", frozen=True, kw_only=True):
     """The caller's request this run serves ("" = `run_id`). A retry on another provider has
     its own `run_id` (`req_x.1`); adapters that make up response ids use this one, so the
     id a caller sees stays tied to its request."""
+    long: bool = False
+    """A long-context run (SPEC §4 step 4): it holds one of the provider's long slots
+    on the Node too."""
 
 
 class Cancel(Message, tag="cancel", frozen=True, kw_only=True):
@@ -166,6 +182,8 @@ class FailureCode(StrEnum):
 
     The Node's own:
 
+        busy                    every slot of the provider is taken (by the runs of all
+                                the Node's Edge links): `capacity`, retry when one frees
         unknown_provider        no such provider here (a refresh in flight)
         adapter_closed          the provider's adapter was retired under the run
         registry_retired        a refresh replaced the registry; its drain timed out
@@ -199,6 +217,7 @@ class FailureCode(StrEnum):
     UNSUPPORTED_OPERATION = "unsupported_operation"
     UNSUPPORTED_REQUEST = "unsupported_request"
     CLI_FAILED = "cli_failed"
+    BUSY = "busy"
     UNKNOWN_PROVIDER = "unknown_provider"
     ADAPTER_CLOSED = "adapter_closed"
     REGISTRY_RETIRED = "registry_retired"
@@ -254,6 +273,10 @@ class RunEvents(Message, tag="run_events", frozen=True, kw_only=True):
 class Refresh(Message, tag="refresh", frozen=True, kw_only=True):
     revision: int
     node_config: NodeConfig
+    config_time: float = 0.0
+    """When the Edge applied this config (unix seconds). A Node linked to several Edges
+    keeps the newest config it was sent: a replica that reconnects with an older one
+    (not refreshed yet) does not undo another replica's refresh."""
 
 
 class RefreshAck(Message, tag="refresh_ack", frozen=True, kw_only=True):
@@ -276,8 +299,36 @@ class Status(Message, tag="status", frozen=True, kw_only=True):
     providers: list[ProviderStatus]
 
 
-EdgeToNode = Welcome | Reject | Run | Cancel | Refresh
-NodeToEdge = Hello | Reject | RunEvents | RefreshAck | Status
+# --- several Edges -----------------------------------------------------------------------
+
+
+class ProviderLoad(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    in_flight: int
+    """Runs that the Node's *other* Edge links hold on this provider."""
+    long_in_flight: int = 0
+    """Of those, long-context runs."""
+
+
+class Load(Message, tag="load", frozen=True, kw_only=True):
+    """What the Node's other Edge links hold on each provider (Node -> Edge).
+
+    Sent to each link when its view changes (coalesced: at most one per short interval),
+    and right after a `busy` answer. The Edge counts these runs against capacity with its
+    own; a link that never shares its Node hears nothing (the Edge starts from zero)."""
+
+    providers: list[ProviderLoad]
+
+
+class GoAway(Message, tag="goaway", frozen=True, kw_only=True):
+    """The Edge is going away (Edge -> Node): dial it again now for new runs; this link
+    stays only until the runs on it finish, then the Edge closes it."""
+
+    reason: str = ""
+
+
+EdgeToNode = Welcome | Reject | Run | Cancel | Refresh | GoAway
+NodeToEdge = Hello | Reject | RunEvents | RefreshAck | Status | Load
 
 
 class WireError(Exception):

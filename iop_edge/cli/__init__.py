@@ -1,4 +1,4 @@
-"""`iop-edge`: serve, demo, check-config, refresh, catalog, usage, hash-token.
+"""`iop-edge`: serve, demo, check-config, refresh, catalog, usage, restart, hash-token.
 
 Rules for every command:
 1. An error is one `iop-edge: error: ...` line (or a few) on stderr saying what is wrong
@@ -154,13 +154,36 @@ def _unwrap(error: BaseException) -> BaseException:
 # --- commands ---------------------------------------------------------------------------------
 
 
+def _listen_override(flag: str, value: str | None, *, loopback: bool = False) -> str | None:
+    if value is None:
+        return None
+    try:
+        address = parse_listen_address(value)
+    except ValueError as exc:
+        raise SystemExit(f"{flag} {value}: {exc}") from None
+    if loopback and not address.is_loopback:
+        raise SystemExit(f"{flag} {value}: the admin API listens on loopback addresses only")
+    return value
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    from iop_edge.edge import ListenerUnavailable
+    from iop_edge.edge import EdgeStartupError, ListenerUnavailable
     from iop_edge.main import serve_edge, setup_logging
 
+    node_listen = _listen_override("--node-listen", args.node_listen)
+    admin_listen = _listen_override("--admin-listen", args.admin_listen, loopback=True)
     setup_logging(args.log_level, args.log_format)
     try:
-        trio.run(serve_edge, args.config)
+        trio.run(
+            partial(
+                serve_edge,
+                args.config,
+                node_listen=node_listen,
+                admin_listen=admin_listen,
+                # How to start this very Edge again (`iop-edge restart`, SIGUSR2).
+                successor_argv=sys.orig_argv,
+            )
+        )
     except BaseException as raised:
         match _unwrap(raised):
             case ConfigInvalid() as exc:
@@ -171,6 +194,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     f"{exc.config_key} of {args.config} (port 0 picks a free one; the Edge "
                     "logs the port it got)"
                 )
+            case EdgeStartupError() as exc:
+                _fail(f"{args.config}: cannot start: {exc}")
             case _:
                 raise
     return 0
@@ -318,6 +343,27 @@ def cmd_usage(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_restart(args: argparse.Namespace) -> int:
+    status, report = _admin_call(args, "POST", "/restart")
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0 if status == 200 else 1
+    outcome = report.get("outcome") if isinstance(report, dict) else None
+    if outcome == "handed_over":
+        print(
+            f"restarted: the new Edge (pid {report.get('successor_pid')}, config revision "
+            f"{report.get('revision')}) serves; the old one (pid {report.get('pid')}) finishes "
+            "its in-flight runs and exits"
+        )
+        return 0
+    detail = report.get("detail") if isinstance(report, dict) else None
+    message = detail or (
+        report.get("error", {}).get("message") if isinstance(report, dict) else None
+    )
+    print(f"restart {outcome or 'failed'} (HTTP {status}): {message or report}", file=sys.stderr)
+    return 1
+
+
 def cmd_hash_token(args: argparse.Namespace) -> int:
     """Read a token (prompted without echo at a terminal, else a line of stdin); print its
     sha256. The token itself is never printed."""
@@ -408,8 +454,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser(
         "serve",
-        help="run the Edge (SIGHUP = refresh apply, SIGTERM/SIGINT = drain and stop)",
+        help="run the Edge (SIGHUP = refresh apply, SIGUSR2 = restart, SIGTERM/SIGINT = drain "
+        "and stop)",
         description="Run the Edge. SIGHUP applies the config file again (a live refresh); "
+        "SIGUSR2 restarts it with no downtime (a new process takes over the ports and Nodes); "
         "SIGTERM/SIGINT drain in-flight requests and stop, a second one stops at once.",
     )
     serve.add_argument(
@@ -421,6 +469,18 @@ def build_parser() -> argparse.ArgumentParser:
         "tls files) are relative to the current directory",
     )
     _add_logging(serve, "info")
+    serve.add_argument(
+        "--node-listen",
+        metavar="HOST:PORT",
+        help="this process's node listener instead of edge.listen (each replica on a host "
+        "needs its own)",
+    )
+    serve.add_argument(
+        "--admin-listen",
+        metavar="HOST:PORT",
+        help="this process's admin listener instead of admin.listen (loopback; each replica "
+        "on a host needs its own)",
+    )
     serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser(
@@ -485,6 +545,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="apply the live changes now; list the rest as pending until a restart",
     )
     refresh.set_defaults(func=cmd_refresh)
+
+    restart = sub.add_parser(
+        "restart",
+        help="zero-downtime restart: a new Edge process takes over, the old one drains",
+        description="Start a new Edge process (the config file re-read, so restart-required "
+        "changes apply) that takes over the ports and Nodes; the old process finishes its "
+        "in-flight runs and exits. Callers see no error.",
+    )
+    _add_admin(restart)
+    restart.set_defaults(func=cmd_restart)
 
     catalog = sub.add_parser(
         "catalog",

@@ -250,6 +250,31 @@ def render_refresh_report(
                 _cell(node.get("detail") or ""),
             )
         console.print(table)
+    render_replicas(console, report.get("replicas") or [])
+
+
+def render_replicas(console: Console, replicas: list[dict[str, Any]]) -> None:
+    """The Edge processes sharing the ledger, when there is more than this one; those on
+    another config stand out (refresh them too)."""
+    if len(replicas) < 2:
+        return
+    table = Table(title="replicas (sharing this ledger)", title_justify="left")
+    for column in ("instance", "state", "revision", "config", "admin"):
+        table.add_column(column, overflow="fold")
+    for replica in replicas:
+        same = replica.get("same_config", True)
+        mark = " (this one)" if replica.get("current") else ""
+        table.add_row(
+            _cell(f"{replica.get('instance', '')}{mark}"),
+            _cell(replica.get("state", "")),
+            str(replica.get("revision", "-")),
+            Text(
+                str(replica.get("config_sha256", ""))[:12] + ("" if same else "  other config"),
+                style="" if same else "bold yellow",
+            ),
+            _cell(replica.get("admin_url", "")),
+        )
+    console.print(table)
 
 
 #: Counts every usage row has; any other key it carries is a grouping column. The

@@ -48,6 +48,7 @@ from iop_edge.core.config_shape import (
     kind_of,
 )
 from iop_edge.core.host import check_host
+from iop_edge.core.ledger_url import parse_ledger_url
 from iop_edge.core.listen import ListenAddress, parse_listen_address
 from iop_edge.core.tokens import DEMO_NODE_TOKEN_SHA256
 from schemas.config import (
@@ -325,6 +326,7 @@ class _Rules:
 
     def run(self) -> None:
         self._listen_addresses()
+        self._ledger()
         self._principal_tokens()
         providers = self._providers()
         explicit_models = self._models(providers)
@@ -369,6 +371,14 @@ class _Rules:
             return parse_listen_address(listen).is_loopback
         except ValueError:
             return True
+
+    def _ledger(self) -> None:
+        ledger = _text(_as_dict(self.raw.get("edge")).get("ledger"))
+        if ledger is not None:
+            try:
+                parse_ledger_url(ledger)
+            except ValueError as exc:
+                self._error("edge.ledger", str(exc))
 
     def _principal_tokens(self) -> None:
         refs = _FirstSeen()

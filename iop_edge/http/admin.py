@@ -1,5 +1,5 @@
-"""The loopback-only admin API: health, status, catalog, metrics, config refresh, and the
-live pool page.
+"""The loopback-only admin API: health, status, catalog, metrics, config refresh, restart,
+and the live pool page.
 
 SPEC §5.1: the listener itself must be a loopback address (checked at startup), every
 request with a `Host` that is not a loopback name is refused (DNS rebinding), and a
@@ -42,6 +42,7 @@ from iop_edge.runtime.refresh import RefreshResult
 from iop_edge.runtime.usage import UsageReport
 from schemas.catalog import Catalog
 from schemas.refresh import RefreshRequest, RefreshVerdict, StatusReport
+from schemas.restart import RestartOutcome, RestartReport
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,14 @@ REFRESH_STATUS: Final[dict[RefreshVerdict, int]] = {
 }
 
 
+#: What each restart outcome is answered with.
+RESTART_STATUS: Final[dict[RestartOutcome, int]] = {
+    "handed_over": 200,
+    "failed": 500,
+    "refused": 409,
+}
+
+
 class UsageQuery(Protocol):
     def __call__(
         self, *, since: float | None, until: float | None, group_by: Sequence[str]
@@ -161,6 +170,7 @@ class AdminServices:
     activity: Callable[[], ActivityReport]
     refuse_refresh: Callable[[str], Awaitable[None]]
     """Audit a refresh request that could not be read."""
+    restart: Callable[[], Awaitable[RestartReport]] | None = None
 
 
 def create_admin_app(services: AdminServices) -> QuartTrio:
@@ -251,6 +261,15 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
             return _error(400, problem)
         result = await services.refresh(refresh_request)
         return _json(result.report, REFRESH_STATUS[result.verdict])
+
+    @app.post("/restart")
+    async def restart() -> Response:
+        """Zero-downtime restart (SPEC §13): answers once the successor serves (200), or
+        why it did not take over (500: this Edge serves on) or was not tried (409)."""
+        if services.restart is None:
+            return _error(409, "this Edge cannot restart itself")
+        report = await services.restart()
+        return _json(report, RESTART_STATUS[report.outcome])
 
     @app.errorhandler(HTTPException)
     async def on_http_error(error: HTTPException) -> Response:

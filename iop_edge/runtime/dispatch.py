@@ -51,10 +51,16 @@ Rules:
    next read is the run's `shutting_down` failure, so the server of the request ends
    the exchange properly (an error event and `[DONE]`, or a 503). Runs opened after
    that are cut as they start.
+8. A `busy` answer (the Node's slots are all taken, by another Edge's runs: SPEC §13) is
+   neither a failure of the provider nor a failover: the provider counts as full at once
+   (in the session's reader, before any later `load` report is read) and the run goes
+   back to the queue for the same providers, at most `MAX_BUSY_REQUEUES` times; after
+   that it is a capacity failure like an upstream 429.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -90,6 +96,8 @@ log = logging.getLogger(__name__)
 #: What a run buffers for a consumer that is slower than its provider (Rule 5).
 RUN_BUFFER_BYTES: Final = 4 * 1024 * 1024
 RUN_BUFFER_ITEMS: Final = 1024
+#: How often one run may find its provider `busy` and wait again (Rule 7).
+MAX_BUSY_REQUEUES: Final = 16
 
 _json_encode = msgspec.json.Encoder().encode
 
@@ -192,6 +200,7 @@ class _Attempt:
 
     __slots__ = (
         "_give_up",
+        "_on_busy",
         "buffered",
         "end_reason",
         "lease",
@@ -202,7 +211,12 @@ class _Attempt:
     )
 
     def __init__(
-        self, wire_id: str, lease: Lease, session: NodeSession, give_up: Callable[[], None]
+        self,
+        wire_id: str,
+        lease: Lease,
+        session: NodeSession,
+        give_up: Callable[[], None],
+        on_busy: Callable[[str], None],
     ) -> None:
         self.wire_id = wire_id
         self.lease = lease
@@ -213,6 +227,7 @@ class _Attempt:
         """Bytes delivered and not yet read by the run."""
         self.end_reason: wire.RunFailed | None = None
         self._give_up = give_up
+        self._on_busy = on_busy
 
     # --- RunSink --------------------------------------------------------------------
 
@@ -234,6 +249,8 @@ class _Attempt:
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the run already stopped reading: its end has been decided
         if not isinstance(event, bytes):
+            if isinstance(event, wire.RunFailed) and event.code == wire.FailureCode.BUSY:
+                self._on_busy(self.lease.provider_id)  # Rule 7: before any later report
             self.send.close()
         return True
 
@@ -527,13 +544,15 @@ class Dispatcher:
             self.scheduler.record_failure(provider_id)
 
     async def start(self, run: Run) -> None:
-        """Admit and start `run` (Rules 1-2); see `Run.start`."""
+        """Admit and start `run` (Rules 1-2, 7); see `Run.start`."""
         plan = run.plan
         retries = self._retries()
         tried: set[str] = set()
         last_failure: RunFailure | None = None
         ambiguous: list[RunFailure] = []  # upstream 5xx answers, blame pending (Rule 3)
-        for attempt in range(retries + 1):
+        failovers = 0
+        busy = 0
+        for attempt in itertools.count():
             wire_id = plan.run_id if attempt == 0 else f"{plan.run_id}.{attempt}"
             asked_at = time.perf_counter()
             try:
@@ -547,7 +566,6 @@ class Dispatcher:
                     raise last_failure from None
                 raise
             run.timings.queued_s += lease.queued_s
-            tried.add(lease.provider_id)
             failure = await self._attempt(run, wire_id, lease)
             if failure is None:
                 # The request is fine: the 5xx answers it got elsewhere were the providers'.
@@ -555,16 +573,20 @@ class Dispatcher:
                     self.scheduler.record_failure(earlier.provider_id)
                 return
             last_failure = failure
+            if failure.failure.code == wire.FailureCode.BUSY and busy < MAX_BUSY_REQUEUES:
+                busy += 1
+                continue  # Rule 7: full after all; wait for a slot like any request
+            tried.add(lease.provider_id)
             if _ambiguous(failure.failure):
                 status = failure.failure.status
                 if any(earlier.failure.status == status for earlier in ambiguous):
                     failure.request_fault = True  # the same answer twice: the request's fault
                     break
                 ambiguous.append(failure)
-            if not failure.failure.retryable:
+            if not failure.failure.retryable or failovers >= retries:
                 break
-            if attempt < retries:  # another provider gets the run
-                self._on_failover(plan.model_id, lease.provider_id)
+            failovers += 1  # another provider gets the run
+            self._on_failover(plan.model_id, lease.provider_id)
         assert last_failure is not None
         raise last_failure
 
@@ -584,7 +606,7 @@ class Dispatcher:
                 ),
                 lease.provider_id,
             )
-        attempt = _Attempt(wire_id, lease, session, run._give_up)
+        attempt = _Attempt(wire_id, lease, session, run._give_up, self.scheduler.provider_saturated)
         try:
             session.open_run(wire_id, attempt)
         except SessionClosed:
@@ -603,6 +625,7 @@ class Dispatcher:
             reply_model=plan.model_id,
             strip_usage=plan.stream and not plan.caller_wants_usage,
             request_id=plan.run_id,
+            long=lease.long,
         )
         sent_at = time.perf_counter()
         try:

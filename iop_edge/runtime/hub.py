@@ -22,6 +22,9 @@ Rules:
    peer's address and the reason the session ended.
 4. Nothing a peer sends ends the listener: an unexpected error while serving one
    connection is logged and ends that connection only.
+5. After `goaway` (the Edge is going away, `goaway_all`) a node links again; if that
+   reaches this Edge (it still accepts nodes), the old session is not replaced but
+   retired: new runs go to the new session, the old one ends once its runs are done.
 """
 
 from __future__ import annotations
@@ -37,7 +40,13 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 from iop_edge.core.tokens import tokens_match
 from iop_edge.runtime.compat.trio_websocket import MESSAGE_LIMIT_LIFTABLE, lift_message_limit
 from iop_edge.runtime.handshakes import MAX_PENDING_HANDSHAKES, HandshakeGate, source_key
-from iop_edge.runtime.session import NodeSession, StatusListener, peer_address, reject
+from iop_edge.runtime.session import (
+    LoadListener,
+    NodeSession,
+    StatusListener,
+    peer_address,
+    reject,
+)
 from schemas import wire
 from schemas.config import NodeConfig
 from schemas.limits import MAX_FRAME_BYTES
@@ -75,6 +84,9 @@ class NodeDirectory:
     revision: int
     token_hash: Callable[[str], str | None]
     node_config: Callable[[str], NodeConfig]
+    config_time: float = 0.0
+    """When this Edge took its config (unix seconds): a node serving several Edges runs
+    the newest config."""
 
 
 class NodeHub:
@@ -87,6 +99,7 @@ class NodeHub:
         on_connect: Callable[[str], None],
         on_disconnect: Callable[[str], None],
         on_status: StatusListener,
+        on_load: LoadListener | None = None,
         heartbeat_s: float = 5.0,
         heartbeat_timeout_s: float = 15.0,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
@@ -95,6 +108,7 @@ class NodeHub:
         self._on_connect = on_connect
         self._on_disconnect = on_disconnect
         self._on_status = on_status
+        self._on_load = on_load
         self.heartbeat_s = heartbeat_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
@@ -148,10 +162,16 @@ class NodeHub:
             websocket,
             applied_revision=directory.revision,
             on_status=self._on_status,
+            on_load=self._on_load,
         )
         peer = peer_address(websocket)
         previous = self._sessions.get(hello.node_id)
-        if previous is not None:
+        if previous is not None and previous.goaway_sent:
+            # Rule 5: the node answered our `goaway` by linking again; new runs go to the
+            # new session, the old one ends once the runs still on it are done.
+            log.info("node %s linked again after goaway; its old session drains", hello.node_id)
+            previous.retire()
+        elif previous is not None:
             log.warning(
                 "node %s connected again from %s while its session from %s was open; the "
                 "new connection replaces it (if this repeats, two Nodes share the node id %s)",
@@ -168,6 +188,7 @@ class NodeHub:
             revision=directory.revision,
             node_config=directory.node_config(hello.node_id),
             heartbeat_s=self.heartbeat_s,
+            config_time=directory.config_time,
         )
         session.send_nowait(welcome)  # the first frame: the outbox has room
         log.info(
@@ -255,6 +276,14 @@ class NodeHub:
     def abort_all(self) -> None:
         for session in list(self._sessions.values()):
             session.abort("the edge is shutting down")
+
+    async def goaway_all(self, reason: str) -> None:
+        """Send `goaway` to every connected node (SPEC §3): each dials this Edge's address
+        again for new runs and keeps its session here only for the runs on it. The
+        caller bounds the wait (a node whose outbox is full makes us wait for room)."""
+        async with trio.open_nursery() as nursery:
+            for session in list(self._sessions.values()):
+                nursery.start_soon(session.goaway, reason)
 
 
 def _remote(request: WebSocketRequest) -> object:

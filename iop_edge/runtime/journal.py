@@ -10,9 +10,9 @@ journal, as its queue, into SQLite.
 Rules:
 1. `append` is one `write()` of one line to a segment opened `O_APPEND`: a record is
    durable against a crash of the process as soon as `append` returns.
-2. A line is in SQLite exactly when its segment's checkpoint (`journal_checkpoint`
-   table) is past it; both change in one transaction, so whatever is killed when, a
-   record is inserted once: replay starts at the checkpoint.
+2. A line is in the ledger's store exactly when its segment's checkpoint (kept in the
+   store, `LedgerStore.checkpoints`) is past it; both change in one transaction, so
+   whatever is killed when, a record is inserted once: replay starts at the checkpoint.
 3. Each process writes its own segments (`usage-journal-<pid>-<random>.jsonl`) and holds
    an exclusive `flock` on each while it lives; the kernel drops the lock when the
    process dies, however it dies. At start-up, every segment that nobody holds is
@@ -33,19 +33,16 @@ import fcntl
 import logging
 import os
 import secrets
-import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 __all__ = [
-    "CHECKPOINT_SCHEMA",
     "ROTATE_BYTES",
     "SYNC_INTERVAL_S",
     "Segment",
     "UsageJournal",
     "read_lines",
-    "saved_checkpoints",
 ]
 
 log = logging.getLogger(__name__)
@@ -55,13 +52,6 @@ SYNC_INTERVAL_S: Final = 1.0
 #: How much of a segment the writer reads into one SQLite transaction.
 READ_BYTES: Final = 1024 * 1024
 PREFIX: Final = "usage-journal-"
-
-CHECKPOINT_SCHEMA: Final = """
-CREATE TABLE IF NOT EXISTS journal_checkpoint (
-    segment TEXT PRIMARY KEY,
-    offset INTEGER NOT NULL
-);
-"""
 
 
 @dataclass(eq=False)
@@ -175,8 +165,3 @@ def read_lines(segment: Segment) -> tuple[list[bytes], int]:
             return [], segment.checkpoint + len(data)
         return [], segment.checkpoint
     return data[:end].split(b"\n")[:-1], segment.checkpoint + end
-
-
-def saved_checkpoints(connection: sqlite3.Connection) -> dict[str, int]:
-    connection.executescript(CHECKPOINT_SCHEMA)
-    return dict(connection.execute("SELECT segment, offset FROM journal_checkpoint"))

@@ -136,6 +136,11 @@ class Refresher:
     def statistics(self) -> RefresherStatistics:
         return RefresherStatistics(busy=self._busy)
 
+    @property
+    def pending_restart(self) -> tuple[str, ...]:
+        """Restart-required paths the running config leaves at their old value."""
+        return self._pending_restart
+
     def status(self) -> StatusReport:
         """`GET /status`: the running revision, what waits for a restart, and each node."""
         snapshot = self._target.snapshot

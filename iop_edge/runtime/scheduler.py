@@ -36,6 +36,12 @@ How the pieces fit:
   is FIFO, so the walk is a merge of the queues by sequence number. A waiter that
   cannot use what was freed (a long run, say) stays put without blocking those behind
   it. Nothing polls; `Scheduler.run()` sleeps until the earliest cooldown ends.
+- Several Edges may share a Node (SPEC §13). A provider's load is what this Edge holds
+  (its limiter) plus what the Node reports the *other* Edges hold (`provider_load`);
+  decisions see the sum, and a report that frees slots wakes the queue like a release.
+  A `busy` answer from the Node (another Edge won the race for the last slot) marks the
+  provider full in this Edge's eyes (`provider_saturated`) until the Node's next load
+  report, which follows every `busy`, says how full it really is.
 """
 
 from __future__ import annotations
@@ -202,8 +208,11 @@ class _ProviderState:
         "limiter",
         "long_limiter",
         "node_id",
+        "others",
+        "others_long",
         "passive",
         "removed",
+        "saturated",
         "trial",
     )
 
@@ -223,6 +232,24 @@ class _ProviderState:
         """The half-open breaker's one trial run, while it is in flight."""
         self.removed = False
         """Gone from config; kept only until its last lease is released."""
+        self.others = 0
+        """Runs other Edges hold on the provider, as its Node last reported."""
+        self.others_long = 0
+        self.saturated = False
+        """The Node answered `busy`: full until its next load report."""
+
+    def forget_others(self) -> None:
+        self.others = self.others_long = 0
+        self.saturated = False
+
+    @property
+    def in_flight(self) -> int:
+        """Every run on the provider: this Edge's and the other Edges'."""
+        return self.limiter.borrowed_tokens + self.others
+
+    @property
+    def long_in_flight(self) -> int:
+        return self.long_limiter.borrowed_tokens + self.others_long
 
     def configure(self, config: ProviderConfig, node_id: str) -> None:
         """Adopt a refreshed config, resizing the limiters in place."""
@@ -406,6 +433,7 @@ class Scheduler:
         affected = [state for state in self._states.values() if state.node_id == node_id]
         for state in affected:
             state.health = health
+            state.forget_others()
             state.detail = None
             state.discovered = []
             state.discovered_lifecycle = None
@@ -429,6 +457,27 @@ class Scheduler:
         state.discovered = list(models)
         state.discovered_lifecycle = None if lifecycle is None else list(lifecycle)
         self._serve(self._models_serving((provider_id,)))
+
+    def provider_load(self, provider_id: str, in_flight: int, long_in_flight: int) -> None:
+        """What the other Edges hold on the provider, from its node's `load` report."""
+        state = self._states.get(provider_id)
+        if state is None:
+            return
+        freed = in_flight < state.others or long_in_flight < state.others_long or state.saturated
+        state.others = max(in_flight, 0)
+        state.others_long = max(long_in_flight, 0)
+        state.saturated = False
+        if freed:
+            self._serve(self._models_serving((provider_id,)))
+        else:
+            self._notify_changed()
+
+    def provider_saturated(self, provider_id: str) -> None:
+        """The node answered `busy`: count the provider full until its next load report."""
+        state = self._states.get(provider_id)
+        if state is not None and not state.saturated:
+            state.saturated = True
+            self._notify_changed()
 
     # -- passive health ------------------------------------------------------------
 
@@ -567,13 +616,14 @@ class Scheduler:
     def _view(self, state: _ProviderState, now: float) -> ProviderView:
         breaker = state.passive.breaker(now=now, probing=state.trial is not None)
         until = state.passive.cooldown_until
+        capacity = state.config.capacity
         return ProviderView(
             id=state.id,
-            capacity=state.config.capacity,
-            in_flight=state.limiter.borrowed_tokens,
+            capacity=capacity,
+            in_flight=max(state.in_flight, capacity) if state.saturated else state.in_flight,
             priority=state.config.priority,
             long_context_slots=state.config.long_context_slots,
-            long_in_flight=state.long_limiter.borrowed_tokens,
+            long_in_flight=state.long_in_flight,
             connected=state.node_id in self._connected,
             enabled=state.config.enabled,
             health=state.health,
@@ -679,6 +729,11 @@ class Scheduler:
 
     # -- observation ---------------------------------------------------------------
 
+    def in_flight(self, provider_id: str) -> int:
+        """Runs this Edge holds on the provider (not counting other Edges')."""
+        state = self._states.get(provider_id)
+        return state.limiter.borrowed_tokens if state is not None else 0
+
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(
             providers={
@@ -724,7 +779,7 @@ class Scheduler:
     def _catalog_provider(self, state: _ProviderState, now: float) -> CatalogProvider:
         config = state.config
         connected = state.node_id in self._connected
-        in_flight = state.limiter.borrowed_tokens
+        in_flight = state.in_flight
         queued = sum(
             waiter.could_use(state)
             for model_id in self._models_of.get(state.id, ())
@@ -744,7 +799,8 @@ class Scheduler:
             in_flight=in_flight,
             load_ratio=in_flight / config.capacity if config.capacity > 0 else None,
             long_context_slots=config.long_context_slots,
-            long_in_flight=state.long_limiter.borrowed_tokens,
+            long_in_flight=state.long_in_flight,
+            other_edges_in_flight=state.others,
             models=list(config.models),
             discovered_models=list(state.discovered),
             queued=queued,

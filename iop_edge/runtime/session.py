@@ -64,6 +64,14 @@ class StatusListener(Protocol):
     def __call__(self, node_id: str, status: wire.Status) -> None: ...
 
 
+class LoadListener(Protocol):
+    def __call__(self, node_id: str, load: wire.Load) -> None: ...
+
+
+def _ignore_load(node_id: str, load: wire.Load) -> None:
+    """A node that shares no provider with another Edge never reports load."""
+
+
 @dataclass(frozen=True, slots=True)
 class SessionStatistics:
     """What a session holds right now (for tests and diagnostics)."""
@@ -83,12 +91,17 @@ class NodeSession:
         *,
         applied_revision: int,
         on_status: StatusListener,
+        on_load: LoadListener | None = None,
     ) -> None:
         self.node_id = node_id
         self.websocket = websocket
         self.applied_revision = applied_revision
         """The last config revision the node acked (or was welcomed with)."""
         self._on_status = on_status
+        self._on_load = on_load or _ignore_load
+        self.goaway_sent = False
+        self._retired = False
+        self._idle = trio.Event()
         self._outbox_send, self._outbox_recv = trio.open_memory_channel[bytes](OUTBOX_SIZE)
         self._runs: dict[str, RunSink] = {}
         self._acks: dict[int, trio.MemorySendChannel[wire.RefreshAck]] = {}
@@ -146,7 +159,7 @@ class NodeSession:
 
     def cancel_run(self, run_id: str) -> None:
         """Forget `run_id` and tell the Node to cancel it (if the session is still up)."""
-        self._runs.pop(run_id, None)
+        self._forget(run_id)
         try:
             self.send_nowait(wire.Cancel(run_id=run_id))
         except SessionClosed:
@@ -162,14 +175,34 @@ class NodeSession:
 
     def close_run(self, run_id: str) -> None:
         """Stop delivering `run_id`'s events (late ones are dropped)."""
-        self._runs.pop(run_id, None)
+        self._forget(run_id)
 
-    async def request_refresh(self, revision: int, node_config: NodeConfig) -> wire.RefreshAck:
+    def _forget(self, run_id: str) -> None:
+        if self._runs.pop(run_id, None) is not None and not self._runs:
+            self._idle.set()
+            self._idle = trio.Event()
+
+    def retire(self) -> None:
+        """The node linked again after our `goaway` and new runs go there: end this
+        session once the runs still on it are done."""
+        self._retired = True
+        self._idle.set()
+        self._idle = trio.Event()
+
+    async def _end_when_retired_and_idle(self) -> None:
+        while not (self._retired and not self._runs):
+            await self._idle.wait()
+
+    async def request_refresh(
+        self, revision: int, node_config: NodeConfig, config_time: float = 0.0
+    ) -> wire.RefreshAck:
         """Push a node-specific config and wait for its ack (the caller bounds the wait)."""
         send, receive = trio.open_memory_channel[wire.RefreshAck](1)
         self._acks[revision] = send
         try:
-            await self.send(wire.Refresh(revision=revision, node_config=node_config))
+            await self.send(
+                wire.Refresh(revision=revision, node_config=node_config, config_time=config_time)
+            )
             with receive:
                 try:
                     return await receive.receive()
@@ -177,6 +210,17 @@ class NodeSession:
                     raise SessionClosed(self.node_id) from None
         finally:
             self._acks.pop(revision, None)
+
+    async def goaway(self, reason: str) -> None:
+        """Tell the node this Edge is going away: it dials again for new runs and keeps
+        this session only for the runs on it (SPEC §3). Sent once."""
+        if self.goaway_sent:
+            return
+        self.goaway_sent = True
+        try:
+            await self.send(wire.GoAway(reason=reason))
+        except SessionClosed:
+            pass
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -210,8 +254,13 @@ class NodeSession:
                         await self._heartbeat(heartbeat_s, heartbeat_timeout_s)
                         nursery.cancel_scope.cancel()
 
+                    async def retired_then_stop() -> None:
+                        await self._end_when_retired_and_idle()
+                        nursery.cancel_scope.cancel()
+
                     nursery.start_soon(reader_then_stop)
                     nursery.start_soon(heartbeat_then_stop)
+                    nursery.start_soon(retired_then_stop)
         except* ConnectionClosed as closed:
             self._ended(_closed_reason(closed.exceptions[0]))
         finally:
@@ -248,8 +297,9 @@ class NodeSession:
                 log.warning("run %s: caller is not reading; cancelling the run", run_id)
                 self.cancel_run(run_id)
         for end in events.ends:
-            sink = runs.pop(end.run_id, None)
+            sink = runs.get(end.run_id)
             if sink is not None:
+                self._forget(end.run_id)
                 sink.push(end)
 
     def _route(self, message: wire.NodeToEdge) -> None:
@@ -261,6 +311,8 @@ class NodeSession:
                 self._deliver(message)
             case wire.Status():
                 self._on_status(self.node_id, message)
+            case wire.Load():
+                self._on_load(self.node_id, message)
             case wire.RefreshAck():
                 ack = self._acks.pop(message.revision, None)
                 if message.ok:

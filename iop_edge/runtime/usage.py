@@ -26,24 +26,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
-from typing import Final
+from typing import Any, Final, Protocol
 
 import msgspec
 import trio
 
-from iop_edge.runtime.journal import (
-    CHECKPOINT_SCHEMA,
-    SYNC_INTERVAL_S,
-    Segment,
-    UsageJournal,
-    read_lines,
-    saved_checkpoints,
-)
+from iop_edge.runtime.journal import SYNC_INTERVAL_S, Segment, UsageJournal, read_lines
 
 log = logging.getLogger(__name__)
 
 BATCH_WINDOW_S = 0.05
-#: Pause before retrying a batch SQLite refused (locked, disk full).
+#: Pause before retrying a batch the store refused (locked, disk full, unreachable).
 RETRY_S: Final = 1.0
 GROUP_COLUMNS = (
     "principal_ref",
@@ -131,12 +124,6 @@ class UsageReport(msgspec.Struct, frozen=True, kw_only=True):
 
 _encode_record: Final = msgspec.json.Encoder().encode
 _decode_record: Final = msgspec.json.Decoder(UsageRecord).decode
-_SAVE_CHECKPOINT: Final = (
-    "INSERT INTO journal_checkpoint (segment, offset) VALUES (?, ?) "
-    "ON CONFLICT (segment) DO UPDATE SET offset = excluded.offset"
-)
-#: A row SQLite cannot store (an integer past 64 bits...): skipped, never retried.
-_BAD_ROW: Final = (OverflowError, sqlite3.InterfaceError, sqlite3.IntegrityError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,9 +140,52 @@ class LedgerStatistics:
     """Batches SQLite refused (each retried)."""
 
 
+class LedgerStore(Protocol):
+    """Where journaled records end up: SQLite (`SqliteStore`, the embedded default) or a
+    database Edge replicas share (`ledger_postgres.PostgresStore`). Every method blocks and
+    runs in a worker thread; the ledger calls one at a time."""
+
+    WRITE_ERRORS: tuple[type[Exception], ...]
+    """What a refused write raises (the ledger retries it later; the journal keeps the
+    records meanwhile)."""
+    shared: bool
+    """Edges with other journal folders checkpoint here too (a database replicas share),
+    so a checkpoint whose segment is not in this journal's folder may be theirs."""
+
+    def open(self) -> None:
+        """Connect; create or migrate the schema (the usage table, the checkpoints)."""
+
+    def checkpoints(self) -> dict[str, int]:
+        """Every journal segment's checkpoint saved so far (journal Rule 2)."""
+        ...
+
+    def insert(self, records: Sequence[UsageRecord], segment: str, offset: int) -> None:
+        """Insert `records` and set `segment`'s checkpoint to `offset`, in one transaction.
+        A record the store cannot hold is logged and skipped; the others go in."""
+
+    def forget(self, segments: Sequence[str]) -> None:
+        """Make what is committed durable, then drop these segments' checkpoints."""
+
+    def aggregate(
+        self, since: float | None, until: float | None, columns: list[str]
+    ) -> UsageReport:
+        """Rows grouped by `columns` (checked against `GROUP_COLUMNS` by the caller)."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class UsageLedger:
-    def __init__(self, path: Path, *, retry_s: float = RETRY_S) -> None:
+    """Records journaled on the event loop, moved into a `LedgerStore` by one writer task
+    (see the module docstring)."""
+
+    def __init__(
+        self, path: Path, *, store: LedgerStore | None = None, retry_s: float = RETRY_S
+    ) -> None:
+        """`path` is the SQLite ledger file and its folder the journal's; `store` is where
+        records go instead of that file (a database replicas share)."""
         self.path = path
+        self.store = store if store is not None else SqliteStore(path)
         self.journal = UsageJournal(path.parent)
         self.dropped = 0
         self._retry_s = retry_s
@@ -188,24 +218,13 @@ class UsageLedger:
         self._journaled += 1
         self._appended.set()
 
-    def _connect(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        connection = sqlite3.connect(self.path, check_same_thread=False)
-        # WAL + NORMAL: a commit is an append, not an fsync'd rewrite. A power cut may
-        # lose the last commits; the journal (fsynced every SYNC_INTERVAL_S) replays them.
-        connection.execute("PRAGMA journal_mode=WAL")
-        connection.execute("PRAGMA synchronous=NORMAL")
-        connection.executescript(_SCHEMA)
-        connection.executescript(CHECKPOINT_SCHEMA)
-        _migrate(connection)
-        return connection
-
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The writer: owned by the Edge's nursery. Replays a killed Edge's journal, then
-        moves this process's journal into SQLite in batches until `close`."""
-        connection = await trio.to_thread.run_sync(self._connect)
+        moves this process's journal into the store in batches until `close`."""
+        store = self.store
+        await trio.to_thread.run_sync(store.open)
         try:
-            self._replayed = await trio.to_thread.run_sync(self._replay_orphans, connection)
+            self._replayed = await trio.to_thread.run_sync(self._replay_orphans)
             if self._replayed:
                 log.warning(
                     "usage ledger: %d record(s) recovered from the journal of an Edge that "
@@ -224,7 +243,7 @@ class UsageLedger:
                     await trio.sleep(BATCH_WINDOW_S)
                 self._appended = trio.Event()
                 closing = self.journal.closed
-                if not await self._write_available(connection, closing=closing):
+                if not await self._write_available(closing=closing):
                     await trio.sleep(self._retry_s)
                     continue
                 if closing and self._caught_up():
@@ -236,19 +255,19 @@ class UsageLedger:
             # What is left stays on disk for the next start-up; the locks go with the
             # descriptors, as they would with the process.
             self.journal.release()
-            connection.close()
+            store.close()
             self._stopped.set()
 
     def _caught_up(self) -> bool:
         return all(s.checkpoint >= s.written for s in self.journal.segments)
 
-    async def _write_available(self, connection: sqlite3.Connection, *, closing: bool) -> bool:
+    async def _write_available(self, *, closing: bool) -> bool:
         """Insert everything journaled so far and delete the segments done with; False
-        when SQLite refused (the journal keeps the records: retry later)."""
+        when the store refused (the journal keeps the records: retry later)."""
         segments = list(self.journal.segments)
         try:
-            committed, done = await trio.to_thread.run_sync(_drain, connection, segments, closing)
-        except sqlite3.Error:
+            committed, done = await trio.to_thread.run_sync(_drain, self.store, segments, closing)
+        except self.store.WRITE_ERRORS:
             self._failed_writes += 1
             log.exception("usage ledger: batch not written; retrying in %gs", self._retry_s)
             return False
@@ -268,25 +287,27 @@ class UsageLedger:
         await self._stopped.wait()
 
     async def wait_flushed(self) -> None:
-        """Return once every record journaled before this call is in SQLite."""
+        """Return once every record journaled before this call is in the store."""
         target = self._journaled
         while self._committed < target:
             await self._batch_written.wait()
 
-    def _replay_orphans(self, connection: sqlite3.Connection) -> int:
+    def _replay_orphans(self) -> int:
         """Worker thread: insert what dead Edges left in their journals, then delete
         those segments (journal Rule 3)."""
-        checkpoints = saved_checkpoints(connection)
+        checkpoints = self.store.checkpoints()
         orphans = self.journal.claim_orphans()
         total = 0
         for segment in orphans:
             segment.checkpoint = checkpoints.pop(segment.name, 0)
-            total += _insert_all(connection, segment)
-        _finish(connection, orphans)
-        # Checkpoints of segments already gone: left by a crash in the middle of a cleanup.
-        stale = [(name,) for name in checkpoints if not (self.path.parent / name).exists()]
-        with connection:
-            connection.executemany("DELETE FROM journal_checkpoint WHERE segment = ?", stale)
+            total += _insert_all(self.store, segment)
+        _finish(self.store, orphans)
+        # Checkpoints of segments already gone (a crash in the middle of a cleanup); in a
+        # shared store the others may belong to other Edges' journals: left alone.
+        if not self.store.shared:
+            stale = [name for name in checkpoints if not (self.path.parent / name).exists()]
+            if stale:
+                self.store.forget(stale)
         return total
 
     async def aggregate(
@@ -299,9 +320,121 @@ class UsageLedger:
                 f"choose from {', '.join(GROUP_COLUMNS)}"
             )
         columns = list(dict.fromkeys(group_by))
-        return await trio.to_thread.run_sync(self._aggregate, since, until, columns)
+        return await trio.to_thread.run_sync(self.store.aggregate, since, until, columns)
 
-    def _aggregate(
+
+def _drain(store: LedgerStore, segments: list[Segment], closing: bool) -> tuple[int, list[Segment]]:
+    """Worker thread: insert what `segments` hold past their checkpoints, then delete the
+    ones read to their end that take no more appends (journal Rule 4). Returns the lines
+    consumed and the segments deleted; raises the store's `WRITE_ERRORS`."""
+    committed = sum(_insert_all(store, segment) for segment in segments)
+    done = [s for s in segments if (s.retired or closing) and s.checkpoint >= s.written]
+    _finish(store, done)
+    return committed, done
+
+
+def _insert_all(store: LedgerStore, segment: Segment) -> int:
+    """Insert `segment`'s complete lines past its checkpoint; returns how many. A torn
+    last line (a dead writer's) is left where it is."""
+    total = 0
+    while segment.checkpoint < segment.written:
+        before = segment.checkpoint
+        lines, end = read_lines(segment)
+        records = []
+        for line in lines:
+            try:
+                records.append(_decode_record(line))
+            except msgspec.DecodeError:  # journal Rule 6
+                log.error("usage journal %s: an unreadable record skipped", segment.name)
+        store.insert(records, segment.name, end)  # journal Rule 2: one transaction
+        segment.checkpoint = end
+        total += len(lines)
+        if segment.checkpoint == before:
+            break
+    return total
+
+
+def _finish(store: LedgerStore, segments: Sequence[Segment]) -> None:
+    """Sync the store, then delete the segments and their checkpoints (Rule 4)."""
+    if not segments:
+        return
+    for segment in segments:
+        UsageJournal.delete(segment)
+    store.forget([segment.name for segment in segments])
+
+
+# --- SQLite -----------------------------------------------------------------------------
+
+_CHECKPOINT_SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS journal_checkpoint (
+    segment TEXT PRIMARY KEY,
+    offset INTEGER NOT NULL
+);
+"""
+_SAVE_CHECKPOINT: Final = (
+    "INSERT INTO journal_checkpoint (segment, offset) VALUES (?, ?) "
+    "ON CONFLICT (segment) DO UPDATE SET offset = excluded.offset"
+)
+#: A row SQLite cannot store (an integer past 64 bits...): skipped, never retried.
+_BAD_ROW: Final = (OverflowError, sqlite3.InterfaceError, sqlite3.IntegrityError)
+
+
+class SqliteStore:
+    """The embedded ledger: one SQLite file in WAL mode (several Edges on one host may
+    share it: SQLite takes their writers in turn)."""
+
+    WRITE_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error,)
+    shared = False
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._connection: sqlite3.Connection | None = None
+
+    def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        connection = sqlite3.connect(self.path, check_same_thread=False)
+        # WAL + NORMAL: a commit is an append, not an fsync'd rewrite. A power cut may
+        # lose the last commits; the journal (fsynced every SYNC_INTERVAL_S) replays them.
+        connection.execute("PRAGMA journal_mode=WAL")
+        connection.execute("PRAGMA synchronous=NORMAL")
+        connection.executescript(_SCHEMA)
+        connection.executescript(_CHECKPOINT_SCHEMA)
+        _migrate(connection)
+        self._connection = connection
+
+    def _db(self) -> sqlite3.Connection:
+        if self._connection is None:
+            raise RuntimeError("the SQLite ledger is not open")
+        return self._connection
+
+    def checkpoints(self) -> dict[str, int]:
+        return dict(self._db().execute("SELECT segment, offset FROM journal_checkpoint"))
+
+    def insert(self, records: Sequence[UsageRecord], segment: str, offset: int) -> None:
+        connection = self._db()
+        rows = [astuple(record) for record in records]
+        with connection:
+            try:
+                connection.executemany(_INSERT, rows)
+            except _BAD_ROW:
+                # One bad row must not hold back the others: insert them one by one.
+                connection.rollback()
+                for row in rows:
+                    try:
+                        connection.execute(_INSERT, row)
+                    except _BAD_ROW:
+                        log.error("usage ledger: record %s cannot be stored; skipped", row[1])
+            connection.execute(_SAVE_CHECKPOINT, (segment, offset))
+
+    def forget(self, segments: Sequence[str]) -> None:
+        connection = self._db()
+        connection.execute("PRAGMA wal_checkpoint(FULL)")
+        with connection:
+            connection.executemany(
+                "DELETE FROM journal_checkpoint WHERE segment = ?", [(s,) for s in segments]
+            )
+
+    def aggregate(
         self, since: float | None, until: float | None, columns: list[str]
     ) -> UsageReport:
         where, params = [], []
@@ -311,17 +444,7 @@ class UsageLedger:
         if until is not None:
             where.append("time < ?")
             params.append(until)
-        select = ", ".join(
-            [
-                *columns,
-                "COUNT(*)",
-                "SUM(prompt_tokens)",
-                "SUM(completion_tokens)",
-                "SUM(usage_source = 'estimated')",
-                "SUM(CASE WHEN usage_source = 'estimated'"
-                " THEN prompt_tokens + completion_tokens ELSE 0 END)",
-            ]
-        )
+        select = ", ".join([*columns, *AGGREGATES])
         sql = f"SELECT {select} FROM usage"  # columns come from GROUP_COLUMNS only
         if where:
             sql += " WHERE " + " AND ".join(where)
@@ -333,23 +456,45 @@ class UsageLedger:
             rows = connection.execute(sql, params).fetchall()
         finally:
             connection.close()
-        result = []
-        for row in rows:
-            keys = dict(zip(columns, row[: len(columns)], strict=True))
-            requests, prompt, completion, estimated, estimated_tokens = row[len(columns) :]
-            if not requests:
-                continue
-            result.append(
-                UsageRow(
-                    requests=requests,
-                    prompt_tokens=prompt or 0,
-                    completion_tokens=completion or 0,
-                    estimated_requests=estimated or 0,
-                    estimated_tokens=estimated_tokens or 0,
-                    **keys,
-                )
+        return usage_report(since, until, columns, rows)
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+
+#: The sums every usage row carries, in `usage_report`'s order (standard SQL).
+AGGREGATES: Final = (
+    "COUNT(*)",
+    "SUM(prompt_tokens)",
+    "SUM(completion_tokens)",
+    "SUM(CASE WHEN usage_source = 'estimated' THEN 1 ELSE 0 END)",
+    "SUM(CASE WHEN usage_source = 'estimated' THEN prompt_tokens + completion_tokens ELSE 0 END)",
+)
+
+
+def usage_report(
+    since: float | None, until: float | None, columns: list[str], rows: Sequence[Sequence[Any]]
+) -> UsageReport:
+    """The report of grouped rows (`columns`, then `AGGREGATES`), whatever the store."""
+    result = []
+    for row in rows:
+        keys = dict(zip(columns, row[: len(columns)], strict=True))
+        requests, prompt, completion, estimated, estimated_tokens = row[len(columns) :]
+        if not requests:
+            continue
+        result.append(
+            UsageRow(
+                requests=int(requests),
+                prompt_tokens=int(prompt or 0),
+                completion_tokens=int(completion or 0),
+                estimated_requests=int(estimated or 0),
+                estimated_tokens=int(estimated_tokens or 0),
+                **keys,
             )
-        return UsageReport(since=since, until=until, group_by=columns, rows=result)
+        )
+    return UsageReport(since=since, until=until, group_by=columns, rows=result)
 
 
 def _migrate(connection: sqlite3.Connection) -> None:
@@ -360,66 +505,3 @@ def _migrate(connection: sqlite3.Connection) -> None:
             log.info("usage ledger: adding column %s (a ledger from an older Edge)", name)
             with connection:
                 connection.execute(f"ALTER TABLE usage ADD COLUMN {name} {definition}")
-
-
-def _drain(
-    connection: sqlite3.Connection, segments: list[Segment], closing: bool
-) -> tuple[int, list[Segment]]:
-    """Worker thread: insert what `segments` hold past their checkpoints, then delete the
-    ones read to their end that take no more appends (journal Rule 4). Returns the lines
-    consumed and the segments deleted; raises `sqlite3.Error` when SQLite refuses."""
-    committed = sum(_insert_all(connection, segment) for segment in segments)
-    done = [s for s in segments if (s.retired or closing) and s.checkpoint >= s.written]
-    _finish(connection, done)
-    return committed, done
-
-
-def _insert_all(connection: sqlite3.Connection, segment: Segment) -> int:
-    """Insert `segment`'s complete lines past its checkpoint; returns how many. A torn
-    last line (a dead writer's) is left where it is."""
-    total = 0
-    while segment.checkpoint < segment.written:
-        before = segment.checkpoint
-        total += _insert_from(connection, segment)
-        if segment.checkpoint == before:
-            break
-    return total
-
-
-def _insert_from(connection: sqlite3.Connection, segment: Segment) -> int:
-    """Insert the next batch of `segment`'s lines and move its checkpoint past them, in
-    one transaction (journal Rule 2); returns the lines consumed."""
-    lines, end = read_lines(segment)
-    rows = []
-    for line in lines:
-        try:
-            rows.append(astuple(_decode_record(line)))
-        except msgspec.DecodeError:  # journal Rule 6
-            log.error("usage journal %s: an unreadable record skipped", segment.name)
-    with connection:
-        try:
-            connection.executemany(_INSERT, rows)
-        except _BAD_ROW:
-            # One bad row must not hold back the others: insert them one by one.
-            connection.rollback()
-            for row in rows:
-                try:
-                    connection.execute(_INSERT, row)
-                except _BAD_ROW:
-                    log.error("usage ledger: record %s cannot be stored; skipped", row[1])
-        connection.execute(_SAVE_CHECKPOINT, (segment.name, end))
-    segment.checkpoint = end
-    return len(lines)
-
-
-def _finish(connection: sqlite3.Connection, segments: Sequence[Segment]) -> None:
-    """Sync the database, then delete the segments and their checkpoints (Rule 4)."""
-    if not segments:
-        return
-    connection.execute("PRAGMA wal_checkpoint(FULL)")
-    for segment in segments:
-        UsageJournal.delete(segment)
-    with connection:
-        connection.executemany(
-            "DELETE FROM journal_checkpoint WHERE segment = ?", [(s.name,) for s in segments]
-        )

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
 
+from tests.e2e.postgres import PASSWORD_ENV, Postgres, create_database, start_postgres
 from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
 
 
@@ -17,3 +20,19 @@ async def stack_one(nursery: trio.Nursery, tmp_path: Path) -> Stack:
         models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
     )
     return await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[Postgres]:
+    """A throwaway PostgreSQL server for this test session (see `tests/e2e/postgres.py`)."""
+    yield from start_postgres()
+
+
+@pytest.fixture
+def ledger_url(
+    postgres_server: Postgres, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> str:
+    """A fresh database for one test; the `iop` role's password is in `PASSWORD_ENV`."""
+    monkeypatch.setenv(PASSWORD_ENV, postgres_server.password)
+    name = "t_" + re.sub(r"[^a-z0-9]+", "_", request.node.name.lower())[:50]
+    return create_database(postgres_server, name)

@@ -37,10 +37,16 @@ def edge_config(
     openai_section: dict[str, Any] | None = None,
     extra_nodes: list[dict[str, Any]] | None = None,
     node_id: str = "node-1",
+    edge_section: dict[str, Any] | None = None,
 ) -> str:
     """An Edge config (YAML text) with every listener on 127.0.0.1 port 0."""
     config: dict[str, Any] = {
-        "edge": {"id": "edge-test", "listen": "127.0.0.1:0", "state_dir": str(state_dir)},
+        "edge": {
+            "id": "edge-test",
+            "listen": "127.0.0.1:0",
+            "state_dir": str(state_dir),
+            **(edge_section or {}),
+        },
         "admin": {"listen": "127.0.0.1:0"},
         "openai": {"listen": "127.0.0.1:0", **(openai_section or {})},
         "models": models,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -237,6 +238,10 @@ async def test_status_names_revision_config_and_nodes(stack: Stack, tmp_path: Pa
     assert response.status_code == 200
     status = response.json()
     config_text = (tmp_path / "edge.yaml").read_bytes()
+    assert status.pop("pid") == os.getpid()  # the Edge runs in this test's process
+    [replica] = status.pop("replicas")  # this Edge alone writes to its ledger
+    assert replica["current"] and replica["same_config"] and replica["state"] == "serving"
+    assert replica["pid"] == os.getpid() and replica["revision"] == 1
     assert status == {
         "revision": 1,
         "config_sha256": hashlib.sha256(config_text).hexdigest(),

@@ -144,8 +144,7 @@ def test_a_busy_port_names_the_port_and_the_setting(tmp_path: Path, taken_port: 
     assert "Traceback" not in result.stderr and "ExceptionGroup" not in result.stderr
     [line] = result.stderr.strip().splitlines()
     assert line.startswith(
-        f"iop-edge: error: cannot listen on 127.0.0.1:{taken_port} for the OpenAI API "
-        "(openai.listen): "
+        f"iop-edge: error: openai.listen 127.0.0.1:{taken_port}: the port is in use"
     )
     assert f"set another port in openai.listen of {config}" in line
 
@@ -162,9 +161,7 @@ def test_a_busy_demo_port_suggests_ephemeral_ports(tmp_path: Path, taken_port: i
     result = _run("demo", "--once", "--config", str(config))
 
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert f"cannot listen on 127.0.0.1:{taken_port} for the admin API (admin.listen)" in (
-        result.stderr
-    )
+    assert f"admin.listen 127.0.0.1:{taken_port}: the port is in use" in result.stderr
     assert "Rerun with --ephemeral-ports" in result.stderr
 
 

@@ -65,6 +65,7 @@ REPORT_LISTS = (
     "pending_restart",
     "errors",
     "nodes",
+    "replicas",
 )
 
 

@@ -39,7 +39,7 @@ def _resolve(argv: list[str], environ: dict[str, str] | None = None) -> NodeInvo
 
 def test_flags_and_token_from_the_environment() -> None:
     invocation = _resolve(["--edge", EDGE, "--node-id", "gpu1"], {TOKEN_ENV_VAR: f" {TOKEN}\n"})
-    assert invocation == NodeInvocation(edge_url=EDGE, node_id="gpu1", token=TOKEN)
+    assert invocation == NodeInvocation(edge_urls=(EDGE,), node_id="gpu1", token=TOKEN)
     assert TOKEN not in repr(invocation)
 
 
@@ -58,11 +58,39 @@ def test_yaml_config_with_relative_token_file(tmp_path: Path) -> None:
     config = tmp_path / "node.yaml"
     config.write_text(f"edge: {EDGE}\nnode_id: gpu1\ntoken_file: node.token\n")
     assert _resolve(["--config", str(config)]) == NodeInvocation(
-        edge_url=EDGE, node_id="gpu1", token=TOKEN
+        edge_urls=(EDGE,), node_id="gpu1", token=TOKEN
     )
     # Flags win over the file.
     overridden = _resolve(["--config", str(config), "--node-id", "gpu2"])
     assert overridden.node_id == "gpu2"
+
+
+def test_several_edges_from_flags_or_the_file(tmp_path: Path) -> None:
+    other = "ws://127.0.0.1:7710"
+    env = {TOKEN_ENV_VAR: TOKEN}
+    invocation = _resolve(["--edge", EDGE, "--edge", other, "--node-id", "gpu1"], env)
+    assert invocation.edge_urls == (EDGE, other)
+    config = tmp_path / "node.yaml"
+    config.write_text(
+        f"edge: [{EDGE}, {other}]\nedge_dns: ws://edges.internal:7700\nnode_id: gpu1\n"
+    )
+    invocation = _resolve(["--config", str(config)], env)
+    assert invocation.edge_urls == (EDGE, other)
+    assert invocation.edge_dns == ("ws://edges.internal:7700",)
+    only_dns = _resolve(["--edge-dns", "ws://edges.internal:7700", "--node-id", "gpu1"], env)
+    assert only_dns.edge_urls == () and only_dns.edge_url == "ws://edges.internal:7700"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--edge", EDGE, "--edge", EDGE], "the same --edge url is given twice"),
+        (["--edge-dns", "http://edges.internal"], "--edge-dns must be a ws:// or wss:// url"),
+    ],
+)
+def test_bad_edge_lists(argv: list[str], message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        _resolve([*argv, "--node-id", "gpu1"], {TOKEN_ENV_VAR: TOKEN})
 
 
 @pytest.mark.parametrize(
@@ -189,8 +217,10 @@ def test_a_permanent_rejection_exits_3_saying_what_to_fix(
 ) -> None:
     from iop_node.link import EdgeRejected
 
-    async def rejected(edge_url: str, node_id: str, token: str) -> None:
-        raise EdgeRejected(edge_url, node_id, "unknown_node", "node id 'gpu9' is not known", 3)
+    async def rejected(
+        edge_urls: list[str], node_id: str, token: str, *, edge_dns: list[str]
+    ) -> None:
+        raise EdgeRejected(edge_urls[0], node_id, "unknown_node", "node id 'gpu9' is not known", 3)
 
     monkeypatch.setattr("iop_node.cli.serve_until_signalled", rejected)
     argv = ["run", "--edge", EDGE, "--node-id", "gpu9"]

@@ -27,7 +27,8 @@ from trio_websocket import (
 
 from iop_node.adapters.base import Adapter, Emit, RunResult
 from iop_node.backoff import BackoffPolicy
-from iop_node.link import EdgeRejected, NodeLink
+from iop_node.edges import EdgeLinks
+from iop_node.link import EdgeRejected
 from iop_node.main import run_node
 from iop_node.registry import create_adapter
 from schemas.config import AdapterSettings, NodeConfig, ProviderConfig
@@ -175,14 +176,15 @@ class EdgeSide:
 class FakeEdge:
     """Accepts node websockets on 127.0.0.1 and hands each to the test as an `EdgeSide`."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._accepted, self._accepted_out = trio.open_memory_channel[EdgeSide](16)
         self._scope: trio.CancelScope | None = None
-        self.port = 0
+        self.host = host
+        self.port = port
 
     @property
     def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/"
+        return f"ws://{self.host}:{self.port}/"
 
     async def start(self, nursery: trio.Nursery) -> None:
         self.port = await nursery.start(self._serve, self.port)
@@ -199,7 +201,7 @@ class FakeEdge:
         with trio.CancelScope() as self._scope:
             async with trio.open_nursery() as nursery:
                 server = await nursery.start(
-                    partial(serve_websocket, self._handle, "127.0.0.1", port, None)
+                    partial(serve_websocket, self._handle, self.host, port, None)
                 )
                 task_status.started(server.port)
 
@@ -288,9 +290,8 @@ async def test_started_after_the_first_welcome(edge: FakeEdge, nursery: trio.Nur
 
     nursery.start_soon(edge_script)
     link = await nursery.start(partial(run_node, edge.url, "n1", TOKEN, **FAST))
-    assert isinstance(link, NodeLink)
-    statistics = link.statistics()
-    assert statistics.connected and statistics.sessions == 1
+    assert isinstance(link, EdgeLinks)
+    assert link.connected and link.sessions == 1
 
 
 async def test_run_streams_chunks_then_done(edge: FakeEdge, nursery: trio.Nursery) -> None:

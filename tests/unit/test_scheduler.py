@@ -1103,3 +1103,70 @@ async def test_catalog_shows_the_lifecycle_the_node_reported() -> None:
     scheduler.node_disconnected("n1")  # what a gone node said is no longer known
     (listed,) = scheduler.catalog().providers
     assert listed.discovered_lifecycle is None
+
+
+# -- other Edges sharing the provider's Node (SPEC §13) ---------------------------------
+
+
+async def test_runs_other_edges_hold_count_against_capacity() -> None:
+    snapshot = make_snapshot(
+        {"n1": [provider("a", capacity=4), provider("b", capacity=4)]}, {"m": ["a", "b"]}
+    )
+    scheduler = online(snapshot)
+    scheduler.provider_load("a", 3, 0)  # another Edge holds 3 of a's 4 slots
+    picks = [(await scheduler.acquire("m", f"r{i}", long=False)).provider_id for i in range(5)]
+    # b fills to 3/4 before a (3/4 already) gets a turn; a's last slot is the 5th pick
+    assert sorted(picks) == ["a", "b", "b", "b", "b"]
+    [a] = [p for p in scheduler.catalog().providers if p.id == "a"]
+    assert (a.in_flight, a.other_edges_in_flight, a.load_ratio) == (4, 3, 1.0)
+
+
+async def test_a_load_report_that_frees_slots_wakes_the_queue(nursery: trio.Nursery) -> None:
+    scheduler = online(ONE)
+    scheduler.provider_load("a", 1, 0)
+    waiting = await start(nursery, scheduler, "m", "r1")
+    assert not waiting.done.is_set() and scheduler.statistics().queued["m"] == 1
+    scheduler.provider_load("a", 0, 0)
+    await wait_all_tasks_blocked()
+    assert waiting.lease is not None and waiting.lease.provider_id == "a"
+
+
+async def test_long_runs_of_other_edges_count_against_long_slots(nursery: trio.Nursery) -> None:
+    snapshot = make_snapshot(
+        {"n1": [provider("a", capacity=4, long_context_slots=1)]}, {"m": ["a"]}
+    )
+    scheduler = online(snapshot)
+    scheduler.provider_load("a", 1, 1)
+    waiting = await start(nursery, scheduler, "m", "long", long=True)
+    assert not waiting.done.is_set()
+    short = await scheduler.acquire("m", "short", long=False)  # regular slots are free
+    assert short.provider_id == "a"
+    scheduler.provider_load("a", 0, 0)
+    await wait_all_tasks_blocked()
+    assert waiting.lease is not None
+
+
+async def test_busy_counts_the_provider_full_until_the_next_load_report(
+    nursery: trio.Nursery,
+) -> None:
+    snapshot = make_snapshot({"n1": [provider("a", capacity=2)]}, {"m": ["a"]})
+    scheduler = online(snapshot)
+    scheduler.provider_saturated("a")  # the node said `busy`: another Edge took the slots
+    waiting = await start(nursery, scheduler, "m", "r1")
+    assert not waiting.done.is_set()
+    scheduler.provider_load("a", 1, 0)  # the report that follows every `busy`
+    await wait_all_tasks_blocked()
+    assert waiting.lease is not None
+
+
+async def test_what_other_edges_hold_is_forgotten_with_the_node(nursery: trio.Nursery) -> None:
+    scheduler = online(ONE)
+    scheduler.provider_load("a", 1, 0)
+    scheduler.provider_saturated("a")
+    scheduler.node_disconnected("n1")
+    scheduler.node_connected("n1")
+    scheduler.provider_status("a", "available", [served("a")])
+    with await scheduler.acquire("m", "r1", long=False) as lease:
+        assert lease.provider_id == "a"
+    [a] = scheduler.catalog().providers
+    assert a.other_edges_in_flight == 0

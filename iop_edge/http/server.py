@@ -1,0 +1,170 @@
+"""Serving an ASGI app with Hypercorn on a socket the Edge owns, with a drain it controls.
+
+`hypercorn.trio.serve` binds its own sockets and couples two things the Edge must keep
+apart when it hands over to a successor process (a zero-downtime restart, SPEC §13):
+*stop accepting* and *close idle connections*. Its shutdown does both at once, and a
+keep-alive connection closed while its client is sending the next request loses that
+request. So this module runs Hypercorn's own connection handler (`TCPServer`), lifespan
+and worker context, the way `hypercorn.trio.run.worker_serve` does, on a listening socket
+the Edge bound (or inherited), and drains in three steps:
+
+1. `stop_accepting()`: no new connections from this process (the socket stays open for
+   the successor, which shares it: nothing queued in it is lost). Every response from
+   now on carries `Connection: close`, so each keep-alive client learns on its next
+   request, which is still served here, that it must reconnect (and reaches the
+   successor).
+2. `wait_quiet(linger_s)`: until no request has been in progress for `linger_s`.
+3. `terminate()`: Hypercorn closes the idle connections left and gives in-flight ones
+   its graceful timeout; `serve` returns when they are gone.
+
+The Hypercorn internals used here (`TCPServer`, `WorkerContext`, `Lifespan`) are those of
+`worker_serve` in Hypercorn 0.18; `tests/e2e/test_http_server.py` pins their behaviour.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, ConnectionState, Scope
+from hypercorn.utils import repr_socket_addr, wrap_app
+
+__all__ = ["HttpServer"]
+
+log = logging.getLogger(__name__)
+
+ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
+
+_CONNECTION_CLOSE = (b"connection", b"close")
+
+
+class HttpServer:
+    """One ASGI app on one listening socket (see the module docstring).
+
+    The socket stays the caller's: it is not closed here (accepting uses a duplicate of
+    it), so the Edge can hand it to a successor and take accepting up again if that
+    successor fails."""
+
+    def __init__(self, app: ASGIApp, config: HypercornConfig, sock: socket.socket) -> None:
+        self._config = config
+        self._socket = sock
+        self._app = wrap_app(self._track, config.wsgi_max_body_size, "asgi")
+        self._inner = app
+        self._context = WorkerContext(None)
+        self._connections: trio.Nursery | None = None
+        self._accept_scope: trio.CancelScope | None = None
+        self._terminate = trio.Event()
+        self._draining = False
+        self._in_flight = 0
+        self._idle = trio.Event()
+        self._next_request: trio.Event | None = None
+
+    @property
+    def url(self) -> str:
+        return "http://" + repr_socket_addr(self._socket.family, self._socket.getsockname())
+
+    @property
+    def in_flight(self) -> int:
+        """Requests being handled right now."""
+        return self._in_flight
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the app's lifespan and accept connections until `terminate()`; startable
+        (reports the URL once accepting)."""
+        lifespan = Lifespan(self._app, self._config, {})
+        async with trio.open_nursery() as lifespan_nursery:
+            await lifespan_nursery.start(lifespan.handle_lifespan)
+            await lifespan.wait_for_startup()
+            async with trio.open_nursery() as connections:
+                self._connections = connections
+                self.resume_accepting()
+                task_status.started(self.url)
+                await self._terminate.wait()
+                self.stop_accepting()
+                await self._context.terminated.set()  # idle keep-alive connections close
+                connections.cancel_scope.deadline = (
+                    trio.current_time() + self._config.graceful_timeout
+                )
+            self._connections = None
+            await lifespan.wait_for_shutdown()
+            lifespan_nursery.cancel_scope.cancel()
+
+    def stop_accepting(self) -> None:
+        """Accept nothing more here, and ask every client to reconnect (step 1)."""
+        self._draining = True
+        if self._accept_scope is not None:
+            self._accept_scope.cancel()
+            self._accept_scope = None
+
+    def resume_accepting(self) -> None:
+        """Accept connections (again: a handover that failed gives the socket back)."""
+        if self._connections is None or self._accept_scope is not None:
+            return
+        self._draining = False
+        scope = self._accept_scope = trio.CancelScope()
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._socket.dup()))
+        handler = partial(TCPServer, self._app, self._config, self._context, ConnectionState({}))
+        connections = self._connections
+
+        async def accept() -> None:
+            with scope:
+                await trio.serve_listeners(handler, [listener], handler_nursery=connections)
+
+        connections.start_soon(accept, name=f"accept {self.url}")
+
+    async def wait_quiet(self, linger_s: float) -> None:
+        """Return once no request has been in progress for `linger_s` (step 2)."""
+        while True:
+            while self._in_flight:
+                await self._idle.wait()
+            request = self._next_request = trio.Event()
+            with trio.move_on_after(linger_s) as quiet:
+                await request.wait()
+            self._next_request = None
+            if quiet.cancelled_caught and not self._in_flight:
+                return
+
+    def terminate(self) -> None:
+        """Close idle connections, give in-flight ones the graceful timeout (step 3)."""
+        self._terminate.set()
+
+    # --- the app, wrapped -----------------------------------------------------------------
+
+    async def _track(
+        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
+        """Count requests in progress; while draining, close each connection after its
+        response (step 1). Costs a counter per request, nothing per message."""
+        if scope["type"] != "http":
+            await self._inner(scope, receive, send)
+            return
+        self._in_flight += 1
+        if self._next_request is not None:
+            self._next_request.set()
+        try:
+            if self._draining:
+                send = partial(_closing_send, send)
+            await self._inner(scope, receive, send)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+                self._idle = trio.Event()
+
+
+async def _closing_send(send: ASGISendCallable, message: Any) -> None:
+    """Forward `message`, adding `Connection: close` to the response's headers."""
+    if message["type"] == "http.response.start":
+        headers = [*message.get("headers", ()), _CONNECTION_CLOSE]
+        message = {**message, "headers": headers}
+    await send(message)

@@ -1,0 +1,121 @@
+"""The Edge's HTTP serving with a drain it controls (`iop_edge.http.server`).
+
+What a zero-downtime restart relies on, shown on real sockets: a second server on the
+same listening socket (the successor) takes the connections the first stops accepting,
+including those already waiting in the accept queue; keep-alive clients are told to
+reconnect on their next request; the drain waits for requests in progress.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import httpx2
+import trio
+import trio.testing
+
+from iop_edge.core.listen import parse_listen_address
+from iop_edge.edge import hypercorn_config
+from iop_edge.http.server import HttpServer
+from iop_edge.runtime.listeners import bind_listener
+
+
+class App:
+    """Answers every request with the server's name; `/slow` waits for `release`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.release = trio.Event()
+        self.served = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                kind = message["type"].rsplit(".", 1)[-1]
+                await send({"type": f"lifespan.{kind}.complete"})
+                if kind == "shutdown":
+                    return
+        if scope["path"] == "/slow":
+            await self.release.wait()
+        self.served += 1
+        body = self.name.encode()
+        headers = [(b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _socket() -> socket.socket:
+    return bind_listener("openai", "127.0.0.1:0", parse_listen_address("127.0.0.1:0")).socket
+
+
+async def _start(nursery: trio.Nursery, app: App, sock: socket.socket) -> HttpServer:
+    server = HttpServer(app, hypercorn_config("127.0.0.1:0"), sock)
+    await nursery.start(server.serve)
+    return server
+
+
+async def test_keep_alive_clients_are_told_to_reconnect(nursery: trio.Nursery) -> None:
+    sock = _socket()
+    server = await _start(nursery, App("old"), sock)
+    async with httpx2.AsyncClient(base_url=server.url) as client:
+        first = await client.get("/")
+        assert "close" not in first.headers.get("connection", "")
+        server.stop_accepting()
+        second = await client.get("/")  # same connection: still served here ...
+        assert second.text == "old"
+        assert second.headers["connection"] == "close"  # ... and told to go
+
+
+async def test_connections_waiting_to_be_accepted_go_to_the_successor(
+    nursery: trio.Nursery,
+) -> None:
+    """The old server stops accepting before the new one starts: connections arriving in
+    between wait in the shared socket's queue and are served by the successor."""
+    sock = _socket()
+    old = await _start(nursery, App("old"), sock)
+    url = old.url
+    old.stop_accepting()
+    answers: list[str] = []
+
+    async def call() -> None:
+        async with httpx2.AsyncClient(base_url=url) as client:
+            answers.append((await client.get("/")).text)
+
+    async with trio.open_nursery() as callers:
+        for _ in range(20):
+            callers.start_soon(call)
+        await trio.testing.wait_all_tasks_blocked()
+        assert answers == []  # connected (queued by the kernel), not accepted yet
+        await _start(nursery, App("new"), sock)
+    assert answers == ["new"] * 20
+
+
+async def test_drain_waits_for_requests_in_progress(nursery: trio.Nursery) -> None:
+    app = App("old")
+    server = await _start(nursery, app, _socket())
+    answers: list[str] = []
+
+    async def slow() -> None:
+        async with httpx2.AsyncClient(base_url=server.url) as client:
+            answers.append((await client.get("/slow")).text)
+
+    nursery.start_soon(slow)
+    await trio.testing.wait_all_tasks_blocked()
+    assert server.in_flight == 1
+    server.stop_accepting()
+    quiet = trio.Event()
+
+    async def drain() -> None:
+        await server.wait_quiet(0.05)
+        quiet.set()
+
+    nursery.start_soon(drain)
+    await trio.testing.wait_all_tasks_blocked()
+    assert not quiet.is_set()
+    app.release.set()
+    with trio.fail_after(5):
+        await quiet.wait()
+    assert answers == ["old"]
+    server.terminate()

@@ -1,0 +1,180 @@
+"""The usage ledger in PostgreSQL, shared by Edge replicas (SPEC §7, §13).
+
+A real PostgreSQL server (`tests/e2e/postgres.py`) and real Edges in-process; the
+password travels only in the environment variable the config names.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import trio
+import yaml
+
+from iop_edge.core.config import parse_config
+from iop_edge.edge import Edge, EdgeStartupError
+from tests.e2e.postgres import PASSWORD_ENV
+from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
+
+MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
+
+
+def _config(state_dir: Path, ledger_url: str, *, capacity: int = 4) -> str:
+    return edge_config(
+        state_dir,
+        providers=[sim_provider("sim-1", capacity=capacity)],
+        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+        edge_section={"ledger": ledger_url, "ledger_password_env": PASSWORD_ENV},
+    )
+
+
+async def _chat(stack: Stack, count: int, max_tokens: int = 3) -> None:
+    async with stack.client() as client:
+        for _ in range(count):
+            await client.chat.completions.create(
+                model="m", max_tokens=max_tokens, messages=MESSAGES
+            )
+
+
+async def _usage(stack: Stack, group_by: str = "model") -> list[dict[str, Any]]:
+    async with stack.admin() as admin:
+        response = await admin.get("/usage", params={"group_by": group_by})
+        response.raise_for_status()
+        rows: list[dict[str, Any]] = response.json()["rows"]
+        return rows
+
+
+async def test_two_edges_share_one_ledger(
+    nursery: trio.Nursery, tmp_path: Path, ledger_url: str
+) -> None:
+    stacks = [
+        await start_stack(
+            nursery,
+            _config(tmp_path / name, ledger_url),
+            tmp_path / f"{name}.yaml",
+            wait_models=("m",),
+        )
+        for name in ("a", "b")
+    ]
+    await _chat(stacks[0], 3)
+    await _chat(stacks[1], 2, max_tokens=5)
+    for stack in stacks:
+        with trio.fail_after(5):
+            await stack.edge.ledger.wait_flushed()
+    for stack in stacks:  # either Edge's GET /usage reads the shared ledger
+        [row] = await _usage(stack)
+        assert row["model"] == "m" and row["requests"] == 5
+        assert row["completion_tokens"] == 3 * 3 + 2 * 5
+    password = os.environ[PASSWORD_ENV]
+    with psycopg.connect(ledger_url, password=password) as db:
+        [(count,)] = db.execute("SELECT COUNT(*) FROM iop_usage").fetchall()
+    assert count == 5
+    # No secret sits in any config file or ledger URL.
+    for name in ("a", "b"):
+        assert password not in (tmp_path / f"{name}.yaml").read_text()
+
+
+async def test_a_refresh_reports_which_replicas_run_another_config(
+    nursery: trio.Nursery, tmp_path: Path, ledger_url: str
+) -> None:
+    """The procedure the README gives: refresh each replica; every report lists the
+    replicas and whether each runs the same config as the one that answered."""
+    stacks = {
+        name: await start_stack(
+            nursery,
+            _config(tmp_path / name, ledger_url),
+            tmp_path / f"{name}.yaml",
+            wait_models=("m",),
+        )
+        for name in ("a", "b")
+    }
+    candidate = _config(tmp_path / "a", ledger_url, capacity=8)
+
+    async def refresh(name: str, text: str) -> dict[str, Any]:
+        async with stacks[name].admin() as admin:
+            response = await admin.post("/refresh", json={"mode": "apply", "config_yaml": text})
+        assert response.status_code == 200, response.text
+        report: dict[str, Any] = response.json()
+        return report
+
+    report = await refresh("a", candidate)
+    assert len(report["replicas"]) == 2
+    mine = [r for r in report["replicas"] if r["current"]]
+    others = [r for r in report["replicas"] if not r["current"]]
+    assert len(mine) == 1 and mine[0]["revision"] == 2 and mine[0]["same_config"]
+    assert len(others) == 1 and others[0]["revision"] == 1 and not others[0]["same_config"]
+
+    # b, refreshed with the same config text (its own state_dir is the one difference):
+    candidate_b = candidate.replace(str(tmp_path / "a"), str(tmp_path / "b"))
+    report = await refresh("b", candidate_b)
+    by_revision = sorted(r["revision"] for r in report["replicas"])
+    assert by_revision == [2, 2]
+    status = stacks["a"].edge.status()
+    assert {r.instance for r in status.replicas} == {r["instance"] for r in report["replicas"]}
+
+
+async def test_the_writer_reconnects_after_losing_its_connection(
+    nursery: trio.Nursery, tmp_path: Path, ledger_url: str, postgres_server: Any
+) -> None:
+    stack = await start_stack(
+        nursery, _config(tmp_path, ledger_url), tmp_path / "edge.yaml", wait_models=("m",)
+    )
+    await _chat(stack, 1)
+    with trio.fail_after(5):
+        await stack.edge.ledger.wait_flushed()
+    with psycopg.connect(postgres_server.admin_url(), autocommit=True) as admin:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE usename = 'iop' AND application_name = '' AND pid <> pg_backend_pid()"
+        )
+    await _chat(stack, 1)  # its batch meets the dead connection: lost, and counted
+    with trio.fail_after(5):
+        await stack.edge.ledger.wait_flushed()
+    await _chat(stack, 2)  # the next batches reconnect
+    with trio.fail_after(5):
+        await stack.edge.ledger.wait_flushed()
+    [row] = await _usage(stack)
+    assert row["requests"] + stack.edge.ledger.dropped == 4
+    assert stack.edge.ledger.dropped <= 1 and row["requests"] >= 3
+
+
+async def test_an_unreachable_ledger_stops_the_edge_from_starting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PASSWORD_ENV, "not-used")
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    text = _config(tmp_path, f"postgresql://iop@127.0.0.1:{port}/iop")
+    edge = Edge(parse_config(text))
+    with pytest.raises(
+        EdgeStartupError, match=f"cannot reach the ledger at postgresql://iop@127.0.0.1:{port}/iop"
+    ):
+        await edge.check_ledger()
+
+
+async def test_a_missing_password_variable_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    edge = Edge(parse_config(_config(tmp_path, "postgresql://iop@127.0.0.1:1/iop")))
+    with pytest.raises(EdgeStartupError, match=f"names {PASSWORD_ENV}, which is not set"):
+        await edge.check_ledger()
+
+
+def test_the_config_refuses_a_password_in_the_ledger_url(tmp_path: Path) -> None:
+    from iop_edge.core.config import ConfigInvalid
+
+    text = yaml.safe_dump(
+        {"edge": {"ledger": "postgresql://iop:hunter2@db.example/iop"}}, sort_keys=False
+    )
+    with pytest.raises(ConfigInvalid) as caught:
+        parse_config(text)
+    [error] = caught.value.errors
+    assert error.path == "edge.ledger" and "must not contain a password" in error.message
+    assert "hunter2" not in str(caught.value)

@@ -1,0 +1,204 @@
+"""Zero-downtime restart of a real `iop-edge serve` process (SPEC §13).
+
+The Edge runs as its own process, as an operator runs it; the Node runs in the test (so
+its slot counts can be read) and callers use the official `openai` SDK with no retries:
+every error they see counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import trio
+import yaml
+
+from iop_edge.core.tokens import hash_token
+from iop_node.edges import EdgeLinks
+from iop_node.main import run_node
+from tests.e2e.processes import (
+    MixedLoad,
+    pid_alive,
+    run_cli,
+    sim_config,
+    start_edge,
+    stop_pid,
+)
+from tests.e2e.stack import NODE_TOKEN, NODE_TOKEN_HASH, edge_config, sim_provider, start_stack
+
+CAPACITY = 16
+
+
+def _write(path: Path, config: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    return path
+
+
+async def _status(admin_url: str) -> dict[str, Any]:
+    async with httpx2.AsyncClient(base_url=admin_url, timeout=10) as admin:
+        response = await admin.get("/status")
+        response.raise_for_status()
+        document: dict[str, Any] = response.json()
+        return document
+
+
+async def test_restart_under_continuous_load_fails_nothing(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """32 streams and 8 non-stream callers, back to back, on a provider of 16 slots
+    (so the two Edges share it during the overlap): `iop-edge restart` in the middle."""
+    path = _write(
+        tmp_path / "edge.yaml",
+        sim_config(tmp_path / "state", NODE_TOKEN_HASH, capacity=CAPACITY, tokens_per_second=400),
+    )
+    edge = await start_edge(nursery, path)
+    successor = 0
+    try:
+        node: EdgeLinks = await nursery.start(
+            partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN)
+        )
+        load = MixedLoad(edge.urls["openai"], streams=32, non_streams=8)
+        async with trio.open_nursery() as callers:
+            callers.start_soon(load.run)
+            with trio.fail_after(60):
+                await load.wait_total(48)
+            result = await run_cli("restart", "--admin", edge.urls["admin"], "--json")
+            assert result.returncode == 0, result.stderr.decode() + edge.log
+            report = json.loads(result.stdout)
+            assert report["outcome"] == "handed_over" and report["revision"] == 2
+            successor = report["successor_pid"]
+            with trio.fail_after(60):
+                assert await edge.process.wait() == 0  # the old Edge drained and exited
+                await load.wait_total(load.tally.total + 48)
+            load.stop()
+        tally = load.tally
+        assert tally.failed == [], edge.log
+        assert tally.truncated == 0
+        slots = node.statistics().slots
+        assert slots.peak["sim-1"] <= CAPACITY
+        assert slots.in_flight == {"sim-1": 0}
+        assert len(node.statistics().links) == 1  # the old link closed
+        status = await _status(edge.urls["admin"])  # same address: the successor answers
+        assert status["revision"] == 2 and status["pending_restart"] == []
+        assert status["nodes"] == [{"id": "node-1", "connected": True, "applied_revision": 2}]
+    finally:
+        stop_pid(successor)
+        stop_pid(edge.pid)
+
+
+async def test_sigusr2_applies_a_pending_restart_required_change(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A new caller token (restart-required) is applied by a restart: `pending_restart`
+    clears, the token works, callers of the old token never notice."""
+    old_token, new_token = "caller-one", "caller-two"
+
+    def tokens(*names: str) -> dict[str, Any]:
+        return {
+            "principal_tokens": [
+                {"token_ref": name, "token_hash_sha256": hash_token(name), "principal_ref": name}
+                for name in names
+            ]
+        }
+
+    config = sim_config(tmp_path / "state", NODE_TOKEN_HASH, capacity=8, tokens_per_second=400)
+    config["openai"].update(tokens(old_token))
+    path = _write(tmp_path / "edge.yaml", config)
+    edge = await start_edge(nursery, path)
+    successor = 0
+    try:
+        await nursery.start(partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN))
+        config["openai"].update(tokens(old_token, new_token))
+        candidate = yaml.safe_dump(config, sort_keys=False)
+        async with httpx2.AsyncClient(base_url=edge.urls["admin"], timeout=30) as admin:
+            response = await admin.post(
+                "/refresh",
+                json={"mode": "apply", "config_yaml": candidate, "allow_restart_required": True},
+            )
+        assert response.status_code == 200, response.text
+        status = await _status(edge.urls["admin"])
+        assert status["pending_restart"] == ["openai.principal_tokens[caller-two]"]
+
+        async def call(token: str) -> int:
+            async with httpx2.AsyncClient(base_url=edge.urls["openai"], timeout=30) as http:
+                response = await http.post(
+                    "/v1/chat/completions",
+                    headers={"authorization": f"Bearer {token}"},
+                    json={
+                        "model": "m",
+                        "max_tokens": 2,
+                        "messages": [{"role": "user", "content": "x"}],
+                    },
+                )
+                return response.status_code
+
+        assert await call(new_token) == 401
+        load = MixedLoad(edge.urls["openai"], streams=4, non_streams=2, api_key=old_token)
+        async with trio.open_nursery() as callers:
+            callers.start_soon(load.run)
+            with trio.fail_after(30):
+                await load.wait_total(20)
+            os.kill(edge.pid, signal.SIGUSR2)
+            with trio.fail_after(60):
+                assert await edge.process.wait() == 0
+                await load.wait_total(load.tally.total + 20)
+            load.stop()
+        assert load.tally.failed == [] and load.tally.truncated == 0
+        status = await _status(edge.urls["admin"])
+        assert status["pending_restart"] == [] and status["revision"] == 3
+        assert await call(new_token) == 200
+        successor = status.get("pid", 0)
+    finally:
+        stop_pid(successor)
+        stop_pid(edge.pid)
+
+
+async def test_a_successor_that_cannot_start_changes_nothing(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    config = sim_config(tmp_path / "state", NODE_TOKEN_HASH, capacity=4, tokens_per_second=400)
+    path = _write(tmp_path / "edge.yaml", config)
+    edge = await start_edge(nursery, path)
+    try:
+        node: EdgeLinks = await nursery.start(
+            partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN)
+        )
+        config["nodes"][0]["providers"][0]["capacity"] = 0  # the file is broken now
+        _write(path, config)
+        result = await run_cli("restart", "--admin", edge.urls["admin"])
+        assert result.returncode == 1
+        stderr = result.stderr.decode()
+        assert "restart failed" in stderr and "nodes[0].providers[0].capacity" in stderr, stderr
+        assert pid_alive(edge.pid)
+        load = MixedLoad(edge.urls["openai"], streams=2, non_streams=2)
+        async with trio.open_nursery() as callers:
+            callers.start_soon(load.run)
+            with trio.fail_after(30):
+                await load.wait_total(8)
+            load.stop()
+        assert load.tally.failed == []
+        assert node.sessions == 1  # the Node was never told to go away
+    finally:
+        stop_pid(edge.pid)
+
+
+async def test_an_in_process_edge_cannot_restart_itself(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Only `iop-edge serve` knows how to start itself again; an embedded Edge refuses."""
+    text = edge_config(
+        tmp_path,
+        providers=[sim_provider("sim-1")],
+        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+    )
+    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", nodes=())
+    async with stack.admin() as admin:
+        response = await admin.post("/restart")
+    assert response.status_code == 409
+    assert response.json()["outcome"] == "refused"
+    assert "cannot start itself again" in response.json()["detail"]

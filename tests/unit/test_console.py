@@ -1,0 +1,57 @@
+"""The refresh report's replica table (`iop_edge.cli.console`)."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from iop_edge.cli.console import render_refresh_report
+
+
+def _text(report: dict[str, object]) -> str:
+    console = Console(file=io.StringIO(), width=160, color_system=None)
+    render_refresh_report(console, report, 200)
+    output = console.file
+    assert isinstance(output, io.StringIO)
+    return output.getvalue()
+
+
+def _replica(instance: str, *, current: bool, same: bool) -> dict[str, object]:
+    return {
+        "instance": instance,
+        "state": "serving",
+        "revision": 3 if same else 1,
+        "config_sha256": ("a" if same else "b") * 64,
+        "current": current,
+        "same_config": same,
+        "admin_url": f"http://127.0.0.1:77{len(instance)}",
+    }
+
+
+def test_replicas_on_another_config_stand_out() -> None:
+    report = {
+        "mode": "apply",
+        "outcome": "applied",
+        "base_revision": 2,
+        "revision": 3,
+        "replicas": [
+            _replica("edge-a/101", current=True, same=True),
+            _replica("edge-b/202", current=False, same=False),
+        ],
+    }
+    text = _text(report)
+    assert "edge-a/101 (this one)" in text
+    [line] = [line for line in text.splitlines() if "edge-b/202" in line]
+    assert "other config" in line and "bbbbbbbbbbbb" in line
+
+
+def test_a_lone_edge_shows_no_replica_table() -> None:
+    report = {
+        "mode": "apply",
+        "outcome": "applied",
+        "base_revision": 2,
+        "revision": 3,
+        "replicas": [_replica("edge-a/101", current=True, same=True)],
+    }
+    assert "replicas" not in _text(report)
