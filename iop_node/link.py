@@ -68,6 +68,8 @@ from schemas.wire import (
     PROTOCOL_VERSION,
     Cancel,
     EdgeToNode,
+    FailureCode,
+    FrameTooLarge,
     Hello,
     Message,
     ProviderStatus,
@@ -75,11 +77,13 @@ from schemas.wire import (
     RefreshAck,
     Reject,
     Run,
+    RunFailed,
     Status,
     Welcome,
     WireError,
     decode_from_edge,
     encode,
+    encode_bounded,
 )
 
 log = logging.getLogger(__name__)
@@ -341,11 +345,11 @@ class _Session:
         async with outbox:
             try:
                 async for message in outbox:
-                    frames = [encode(message)]
+                    frames = [_bounded_frame(message)]
                     size = len(frames[0])
                     while len(frames) < BATCH_MAX_MESSAGES and size < BATCH_MAX_BYTES:
                         try:
-                            frame = encode(outbox.receive_nowait())
+                            frame = _bounded_frame(outbox.receive_nowait())
                         except (trio.WouldBlock, trio.EndOfChannel):
                             break
                         frames.append(frame)
@@ -604,6 +608,21 @@ async def _reject_and_close(ws: WebSocketConnection, code: str, reason: str) -> 
             await ws.aclose(_PROTOCOL_ERROR, _close_reason(reason))
         except ConnectionClosed:
             pass
+
+
+def _bounded_frame(message: Message) -> bytes:
+    """`message` encoded, or, when it would exceed the wire's frame limit (the Edge would
+    drop the link and every run on it), a smaller message saying so: the run's failure
+    for a run event, an empty status for anything else (logged either way)."""
+    try:
+        return encode_bounded(message)
+    except FrameTooLarge as exc:
+        log.error("not sent to the Edge: %s", exc)
+        run_id = getattr(message, "run_id", None)
+        if isinstance(run_id, str):
+            failed = RunFailed(run_id=run_id, code=FailureCode.RESPONSE_TOO_LARGE, message=str(exc))
+            return encode(failed)
+        return encode(Status(providers=[]))
 
 
 def _close_reason(text: str) -> str:

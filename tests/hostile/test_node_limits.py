@@ -19,8 +19,19 @@ from iop_node.adapters.sim import (
     SimAdapter,
 )
 from iop_node.cli import UsageError, build_parser, resolve_invocation
+from iop_node.link import _bounded_frame
 from schemas.config import AdapterSettings, ProviderConfig
-from schemas.wire import FailureCode, Operation, Run
+from schemas.limits import MAX_FRAME_BYTES
+from schemas.wire import (
+    FailureCode,
+    Operation,
+    ProviderStatus,
+    Run,
+    RunChunk,
+    RunFailed,
+    Status,
+    decode_from_node,
+)
 
 
 def _adapter() -> SimAdapter:
@@ -94,3 +105,17 @@ def test_a_node_config_file_built_to_hurt_is_a_usage_error(tmp_path: Path) -> No
     config.write_bytes(b"edge: \xff\xfe\n")
     with pytest.raises(UsageError, match="not UTF-8"):
         resolve_invocation(build_parser().parse_args(["run", "--config", str(config)]), {})
+
+
+def test_the_node_never_sends_a_frame_the_edge_would_drop_the_link_for() -> None:
+    """Whatever produced it, a message past the wire's limit leaves as a small one: the
+    run's failure, or an empty status (item 3: one message must not cost every run)."""
+    huge = "x" * (MAX_FRAME_BYTES + 1)
+    failed = RunFailed(run_id="r", code=FailureCode.UPSTREAM_ERROR, message=huge)
+    replaced = decode_from_node(_bounded_frame(failed))
+    assert isinstance(replaced, RunFailed) and replaced.run_id == "r"
+    assert replaced.code == FailureCode.RESPONSE_TOO_LARGE
+    status = Status(providers=[ProviderStatus(id="p", health="available", detail=huge)])
+    assert decode_from_node(_bounded_frame(status)) == Status(providers=[])
+    small = RunChunk(run_id="r", data=b"{}")
+    assert decode_from_node(_bounded_frame(small)) == small
