@@ -71,6 +71,7 @@ from schemas.wire import (
     PROTOCOL_VERSION,
     Cancel,
     EdgeToNode,
+    FrameTooLarge,
     GoAway,
     Hello,
     Message,
@@ -78,10 +79,12 @@ from schemas.wire import (
     RefreshAck,
     Reject,
     Run,
+    Status,
     Welcome,
     WireError,
     decode_from_edge,
     encode,
+    encode_bounded,
 )
 
 log = logging.getLogger(__name__)
@@ -509,7 +512,7 @@ class _Session:
                     if batch:
                         await self._ws.send_message(encode(batch.message()))
                     for message in others:
-                        await self._ws.send_message(encode(message))
+                        await self._ws.send_message(_bounded_frame(message))
             except ConnectionClosed as exc:
                 self._end(f"connection to the edge closed: {_describe(exc)}")
                 return
@@ -706,6 +709,17 @@ async def _reject_and_close(ws: WebSocketConnection, code: str, reason: str) -> 
             await ws.aclose(_PROTOCOL_ERROR, _close_reason(reason))
         except ConnectionClosed:
             pass
+
+
+def _bounded_frame(message: Message) -> bytes:
+    """`message` (not a run event: those travel in batches whose items the runner bounds)
+    encoded, or, when it would exceed the wire's frame limit (the Edge would drop the link
+    and every run on it), an empty status instead (logged)."""
+    try:
+        return encode_bounded(message)
+    except FrameTooLarge as exc:
+        log.error("not sent to the Edge: %s", exc)
+        return encode(Status(providers=[]))
 
 
 def _close_reason(text: str) -> str:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Final
 
 import msgspec
 import trio
@@ -228,7 +229,7 @@ def _failure(run: Run, handle: RunHandle, exc: Exception) -> RunFailed:
         return RunFailed(
             run_id=run.run_id,
             code=error.code,
-            message=error.message,
+            message=_bounded_text(error.message),
             retryable=error.retryable and not handle.emitted,
             capacity=error.capacity,
             status=error.status,
@@ -266,6 +267,15 @@ def _failed(
     return RunFailed(
         run_id=run.run_id,
         code=code,
-        message=message,
+        message=_bounded_text(message),
         retryable=retryable and not handle.emitted,
     )
+
+
+#: The longest failure text a run's end carries (the Edge keeps no more, and a batch of
+#: run ends must stay far below the wire's frame limit).
+MAX_FAILURE_TEXT: Final = 8192
+
+
+def _bounded_text(text: str) -> str:
+    return text if len(text) <= MAX_FAILURE_TEXT else text[: MAX_FAILURE_TEXT - 1] + "…"

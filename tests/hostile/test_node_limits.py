@@ -19,8 +19,19 @@ from iop_node.adapters.sim import (
     SimAdapter,
 )
 from iop_node.cli import UsageError, build_parser, resolve_invocation
+from iop_node.link import _bounded_frame
+from iop_node.runner import MAX_FAILURE_TEXT, RunHandle, execute_run
 from schemas.config import AdapterSettings, ProviderConfig
-from schemas.wire import FailureCode, Operation, Run
+from schemas.limits import MAX_FRAME_BYTES
+from schemas.wire import (
+    FailureCode,
+    Operation,
+    ProviderStatus,
+    Run,
+    RunFailed,
+    Status,
+    decode_from_node,
+)
 
 
 def _adapter() -> SimAdapter:
@@ -94,3 +105,32 @@ def test_a_node_config_file_built_to_hurt_is_a_usage_error(tmp_path: Path) -> No
     config.write_bytes(b"edge: \xff\xfe\n")
     with pytest.raises(UsageError, match="not UTF-8"):
         resolve_invocation(build_parser().parse_args(["run", "--config", str(config)]), {})
+
+
+def test_the_node_never_sends_a_frame_the_edge_would_drop_the_link_for() -> None:
+    """Whatever produced it, a message past the wire's limit leaves as a small one (item 3:
+    one message must not cost every run): a status as an empty one; a run's failure text
+    is bounded where the run ends, so a batch of run ends stays far below the limit."""
+    huge = "x" * (MAX_FRAME_BYTES + 1)
+    status = Status(providers=[ProviderStatus(id="p", health="available", detail=huge)])
+    assert decode_from_node(_bounded_frame(status)) == Status(providers=[])
+    small = Status(providers=[ProviderStatus(id="p", health="available")])
+    assert decode_from_node(_bounded_frame(small)) == small
+
+
+async def test_a_huge_failure_text_is_bounded_where_the_run_ends() -> None:
+    async def failing(run: Run, emit: Any) -> Any:
+        raise AdapterError(FailureCode.UPSTREAM_ERROR, "x" * (MAX_FRAME_BYTES + 1))
+
+    class Failing:
+        provider = _adapter().provider
+        execute = staticmethod(failing)
+
+    sent: list[Any] = []
+
+    async def send(item: Any) -> None:
+        sent.append(item)
+
+    await execute_run(_run({"messages": MESSAGES}), Failing(), RunHandle("r"), send)  # type: ignore[arg-type]
+    [failed] = sent
+    assert isinstance(failed, RunFailed) and len(failed.message) <= MAX_FAILURE_TEXT
