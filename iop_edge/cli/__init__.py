@@ -357,11 +357,10 @@ def cmd_restart(args: argparse.Namespace) -> int:
         )
         return 0
     detail = report.get("detail") if isinstance(report, dict) else None
-    message = detail or (
-        report.get("error", {}).get("message") if isinstance(report, dict) else None
+    _fail(
+        f"restart {outcome or 'failed'} (the admin API answered HTTP {status}): "
+        f"{detail or _server_message(report)}"
     )
-    print(f"restart {outcome or 'failed'} (HTTP {status}): {message or report}", file=sys.stderr)
-    return 1
 
 
 def cmd_hash_token(args: argparse.Namespace) -> int:
