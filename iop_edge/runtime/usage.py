@@ -21,10 +21,11 @@ in place when the Edge opens it; its old rows count as "provider" (all that Edge
 from __future__ import annotations
 
 import logging
+import operator
 import sqlite3
 import time
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Final
 
@@ -98,6 +99,8 @@ class UsageRecord:
     """"provider" or "estimated" (see the module docstring)."""
 
 
+#: A record's values in `_INSERT`'s column order (`dataclasses.astuple` deep-copies each).
+_row: Final = operator.attrgetter(*(field.name for field in fields(UsageRecord)))
 _INSERT = "INSERT INTO usage ({}) VALUES ({})".format(
     ", ".join(field.name for field in fields(UsageRecord)),
     ", ".join("?" for _ in fields(UsageRecord)),
@@ -393,7 +396,7 @@ def _insert_from(connection: sqlite3.Connection, segment: Segment) -> int:
     rows = []
     for line in lines:
         try:
-            rows.append(astuple(_decode_record(line)))
+            rows.append(_row(_decode_record(line)))
         except msgspec.DecodeError:  # journal Rule 6
             log.error("usage journal %s: an unreadable record skipped", segment.name)
     with connection:
