@@ -10,7 +10,9 @@ wire (`schemas.wire`), so the Edge does exactly the work it does for real Nodes:
 - for every `refresh`: `refresh_ack{ok}` for its revision, then a `status` for the new
   providers (a real Node's health monitor reports after a refresh too);
 - a `run` (the scenario routes none) gets `run_failed{internal}`: there is no upstream;
-- pings are answered by trio-websocket itself, as for a real Node.
+- every `heartbeat_s` the Edge announced in `welcome`, a ping to the Edge, as a real
+  Node's keepalive sends (`iop_node.link`); the Edge's pings are answered by
+  trio-websocket itself, as for a real Node.
 
 At most `handshakes` connections are in their handshake at once: the Edge refuses more
 than 16 unauthenticated peers at a time (HTTP 503), as it should.
@@ -138,8 +140,20 @@ async def light_node(
                 await ws.send_message(wire.encode(status_of(welcome.node_config)))
         progress.welcomed += 1
         task_status.started()
+        connection.start_soon(_keepalive, ws, welcome.heartbeat_s)
         await _serve(ws)
         connection.cancel_scope.cancel()
+
+
+async def _keepalive(ws: WebSocketConnection, interval_s: float) -> None:
+    """Ping the Edge every `interval_s`, as a real Node does (its answer is not checked:
+    a light Node that lost its Edge ends with the connection)."""
+    try:
+        while True:
+            await trio.sleep(interval_s)
+            await ws.ping()
+    except ConnectionClosed:
+        return
 
 
 async def run_light_nodes(

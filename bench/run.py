@@ -404,8 +404,13 @@ async def _run_fleet(
                 if target is not None:
                     await _wait_until_quiet([target], notes, say)
                     deadline = 3 * shape.stream_s + shape.window_s + _FLEET_SLACK_S
-                    with trio.fail_after(deadline):
-                        m = await measure_fleet(target, shape)
+                    async with trio.open_nursery() as profilers:
+                        if options.profile_dir is not None and name == IOP:
+                            pids = {f"fleet-{p}": pid for p, pid in target.processes.items()}
+                            await _start_profilers(profilers, options, pids, notes, say)
+                        with trio.fail_after(deadline):
+                            m = await measure_fleet(target, shape)
+                        profilers.cancel_scope.cancel()
                     measurements.append(m)
                     say(_fleet_line(m))
                 target_services.cancel_scope.cancel()

@@ -14,6 +14,10 @@ Rules:
    writes them to the caller as they are.
 4. What is not a JSON object cannot be shaped: `NotAnObject` (the adapter's output is
    broken, and the run fails here rather than at the caller).
+5. A stream chunk is read once (`read_chunk`) for everything the Node does with it: the
+   relay's checks (usage, finish, an in-band error), the caller's shape (Rules 1-3) and
+   the output estimate (`schemas.tokens`). An adapter that read it already hands the
+   reading over with the chunk, so nothing parses a chunk twice.
 """
 
 from __future__ import annotations
@@ -23,25 +27,127 @@ from typing import Final
 import msgspec
 
 from schemas import wire
+from schemas.tokens import ChoiceView, read_choices
 
-__all__ = ["NotAnObject", "ReplyShaper"]
+__all__ = ["NotAnObject", "ParsedChunk", "ReplyShaper", "UsageView", "read_chunk"]
 
 _decode_top_level: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _encode: Final = msgspec.json.Encoder().encode
 
 
-class _UsageView(msgspec.Struct):
+class UsageView(msgspec.Struct):
+    """A `usage` object as an upstream reports it (numbers unchecked)."""
+
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     total_tokens: int | None = None
 
+    def to_usage(self) -> wire.Usage:
+        """As reported: missing counts are 0, a missing total is the sum."""
+        prompt = self.prompt_tokens or 0
+        completion = self.completion_tokens or 0
+        total = self.total_tokens if self.total_tokens is not None else prompt + completion
+        return wire.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total)
 
-_decode_usage: Final = msgspec.json.Decoder(_UsageView | None).decode
+
+_decode_usage: Final = msgspec.json.Decoder(UsageView | None).decode
 _decode_list: Final = msgspec.json.Decoder(list[msgspec.Raw] | None).decode
+_decode_text: Final = msgspec.json.Decoder(str | None).decode
 
 
 class NotAnObject(ValueError):
-    """A chunk or response that is not a JSON object (Rule 4)."""
+    """A chunk or response that is not a JSON object (Rule 4); `malformed` when it is not
+    JSON at all."""
+
+    def __init__(self, message: str, *, malformed: bool = False) -> None:
+        super().__init__(message)
+        self.malformed = malformed
+
+
+class ParsedChunk:
+    """One stream chunk, read once (Rule 5). `fields` holds its top-level values as raw
+    JSON; the rest is what the relay, the shaper and the estimate need of them."""
+
+    __slots__ = ("choices", "data", "fields", "usage")
+
+    def __init__(self, data: bytes, fields: dict[str, msgspec.Raw]) -> None:
+        self.data = data
+        self.fields = fields
+        usage = fields.get("usage")
+        self.usage: UsageView | None = None if usage is None else _usage_view(usage)
+        """The chunk's usage; None when it has none (or JSON null, or not an object)."""
+        self.choices: list[ChoiceView] | NotChoices | None = _choices_of(fields.get("choices"))
+
+    @property
+    def finished(self) -> bool:
+        """Some choice has a `finish_reason`."""
+        choices = self.choices
+        return isinstance(choices, list) and any(
+            isinstance(choice.finish_reason, str) and choice.finish_reason for choice in choices
+        )
+
+    @property
+    def is_error(self) -> bool:
+        """The upstream reports an error in band: an `error` member that is not null, or
+        `"object": "error"` (older vLLM)."""
+        error = self.fields.get("error")
+        if error is not None and bytes(error) != b"null":
+            return True
+        kind = self.fields.get("object")
+        if kind is None:
+            return False
+        try:
+            return _decode_text(kind) == "error"
+        except msgspec.DecodeError:
+            return False
+
+    def output_chars(self) -> int | None:
+        """`schemas.tokens.output_chars` of the chunk (None: not shaped like output)."""
+        choices = self.choices
+        if isinstance(choices, NotChoices):
+            return None
+        return sum(choice.chars() for choice in choices or ())
+
+
+class NotChoices:
+    """`choices` that do not read as OpenAI choices (counted, never parsed again)."""
+
+    __slots__ = ()
+
+
+_NOT_CHOICES: Final = NotChoices()
+
+
+def _choices_of(raw: msgspec.Raw | None) -> list[ChoiceView] | NotChoices | None:
+    if raw is None:
+        return None
+    try:
+        return read_choices(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return _NOT_CHOICES
+
+
+def _usage_view(raw: msgspec.Raw) -> UsageView | None:
+    try:
+        return _decode_usage(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return None  # not a usage object: relayed as it is, counted as nothing
+
+
+def read_chunk(data: bytes) -> ParsedChunk:
+    """Read one stream chunk (Rule 5); `NotAnObject` when it is not a JSON object."""
+    return ParsedChunk(data, _fields(data))
+
+
+def _fields(data: bytes) -> dict[str, msgspec.Raw]:
+    try:
+        return _decode_top_level(data)
+    except msgspec.ValidationError as exc:
+        raise NotAnObject(f"not a JSON object ({exc})") from None
+    except msgspec.DecodeError as exc:
+        raise NotAnObject(f"not a JSON object ({exc})", malformed=True) from None
+    except RecursionError:  # skipping a value nested deeper than the decoder's stack
+        raise NotAnObject("nested too deeply") from None
 
 
 class ReplyShaper:
@@ -55,34 +161,33 @@ class ReplyShaper:
         self.usage: wire.Usage | None = None
         """The last usage the upstream reported in a chunk or response (Rule 2)."""
 
-    def event(self, chunk: bytes) -> bytes | None:
-        """One stream chunk as a server-sent event, or None when it is dropped."""
-        fields = self._fields(chunk)
-        usage = fields.get("usage")
+    def event(self, chunk: bytes | ParsedChunk) -> bytes | None:
+        """One stream chunk (or its reading, Rule 5) as a server-sent event, or None when
+        it is dropped. The reading's `fields` are the shaper's to change."""
+        parsed = read_chunk(chunk) if isinstance(chunk, bytes) else chunk
+        fields = parsed.fields
         changed = False
-        if usage is not None and self._record_usage(usage) and self._strip_usage:
-            choices = fields.get("choices")
-            if choices is None or not self._list(choices):
-                return None
-            del fields["usage"]
-            changed = True
-        return b"data: " + self._encode(chunk, fields, changed) + b"\n\n"
+        if parsed.usage is not None:
+            self._record(parsed.usage)
+            if self._strip_usage:
+                choices = parsed.choices
+                if choices is None or not (
+                    choices if isinstance(choices, list) else self._list(fields["choices"])
+                ):
+                    return None
+                del fields["usage"]
+                changed = True
+        return b"data: " + self._encode(parsed.data, fields, changed) + b"\n\n"
 
     def response(self, body: bytes) -> bytes:
         """A whole (non-stream) response with the caller's alias."""
-        fields = self._fields(body)
+        fields = _fields(body)
         usage = fields.get("usage")
         if usage is not None:
-            self._record_usage(usage)
+            view = _usage_view(usage)
+            if view is not None:
+                self._record(view)
         return self._encode(body, fields, False)
-
-    def _fields(self, data: bytes) -> dict[str, msgspec.Raw]:
-        try:
-            return _decode_top_level(data)
-        except msgspec.DecodeError as exc:
-            raise NotAnObject(f"not a JSON object ({exc})") from None
-        except RecursionError:  # skipping a value nested deeper than the decoder's stack
-            raise NotAnObject("nested too deeply") from None
 
     def _encode(self, original: bytes, fields: dict[str, msgspec.Raw], changed: bool) -> bytes:
         """`fields` as JSON with the alias in `model`; `original` itself when unchanged."""
@@ -99,18 +204,11 @@ class ReplyShaper:
         except (msgspec.DecodeError, RecursionError):
             raise NotAnObject("`choices` is not a list") from None
 
-    def _record_usage(self, raw: msgspec.Raw) -> bool:
-        """Keep the usage in `raw`; False when it is JSON null (no usage in this chunk)."""
-        try:
-            view = _decode_usage(raw)
-        except (msgspec.DecodeError, RecursionError):
-            return False  # not a usage object: relay it as it is, count nothing
-        if view is None:
-            return False
+    def _record(self, view: UsageView) -> None:
+        """Keep the usage the upstream reported (Rule 2), negative counts as 0."""
         prompt = max(view.prompt_tokens or 0, 0)
         completion = max(view.completion_tokens or 0, 0)
         total = view.total_tokens if view.total_tokens is not None else prompt + completion
         self.usage = wire.Usage(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=max(total, 0)
         )
-        return True

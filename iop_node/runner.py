@@ -48,7 +48,7 @@ import trio
 
 from iop_node.activity import RunActivity
 from iop_node.adapters.base import Adapter, AdapterError, RunResult
-from iop_node.reply import NotAnObject, ReplyShaper
+from iop_node.reply import NotAnObject, ParsedChunk, ReplyShaper, read_chunk
 from schemas.limits import MAX_PAYLOAD_BYTES
 from schemas.tokens import OutputTally, estimate_input_tokens
 from schemas.wire import FailureCode, Message, Run, RunDone, RunFailed, Usage
@@ -115,16 +115,18 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
     tally = OutputTally()
     activity = handle.activity
 
-    async def emit(data: bytes) -> None:
+    async def emit(data: bytes, parsed: ParsedChunk | None = None, /) -> None:
         if len(data) > MAX_PAYLOAD_BYTES:
             raise _too_large("a chunk", len(data))
         try:
-            event = shaper.event(data)
+            if parsed is None:
+                parsed = read_chunk(data)
+            event = shaper.event(parsed)
         except NotAnObject as exc:
             raise _broken_output(handle, f"a chunk is {exc}") from None
         if activity is not None:
             activity.output()
-        tally.add(data)
+        tally.add_chars(parsed.output_chars())
         if event is not None:
             handle.emitted = True
             await send(Chunk(run.run_id, event))

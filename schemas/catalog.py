@@ -14,8 +14,13 @@ from schemas.config import Category, ProviderType
 from schemas.wire import Health
 
 
-class CatalogRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """Base of every catalog record: immutable, keyword-only."""
+class CatalogRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Base of every catalog record: immutable, keyword-only.
+
+    Not tracked by the cycle collector (`gc=False`): a record holds strings, numbers,
+    lists of strings and other records, never a cycle, and a catalog of thousands of
+    providers, built on every request, would otherwise push the collector into full
+    collections of the whole heap."""
 
 
 class CatalogLifecycle(CatalogRecord, frozen=True, kw_only=True):

@@ -1,19 +1,30 @@
-"""YAML for config files, bounded: no alias bombs, no nesting past a sane depth.
+"""YAML for config files, bounded: no alias bombs, no nesting past a sane depth; and fast.
 
 PyYAML's safe loader builds an alias as a reference to the anchored value, so ten lines
 of `&a [*b, *b, ...]` load in microseconds into a value that *means* 10^9 items; the
 first thing that walks it (a JSON encoder sending a model's generation defaults with
 every request, the refresh diff) stalls or crashes the process. And its composer
 recurses once per nesting level, so a deep enough document raises `RecursionError`.
-Both Edge config and Node config files are read through `BoundedLoader`, which refuses
-such documents as YAML errors with a position, like any syntax error.
+Both Edge config and Node config files are read through `compose` (then `check_expansion`
+and a constructor, or all three at once: `load`), which refuses such documents as YAML
+errors with a position, like any syntax error.
+
+Parsing and composing run in libyaml (PyYAML's `CSafeLoader`) when PyYAML was built with
+a libyaml that bounds nesting itself (0.2.5 and later: 1000 levels, so its recursive
+composer cannot exhaust the C stack), about six times faster than the pure-Python parser
+on a config of a thousand Nodes; otherwise in the pure-Python parser, which enforces Rule
+1 while it composes. Values are always constructed by PyYAML's Python `SafeConstructor`,
+so both paths give the same data.
 
 Rules:
-1. A document nests at most `MAX_DEPTH` levels.
+1. A document nests at most `MAX_DEPTH` levels (a scalar or an alias counts as a level
+   of its own, as a collection does).
 2. Aliases may add at most `max(MIN_ALIAS_BUDGET, written nodes)` nodes to the document
    (counted as if each alias were written out): sharing a common block among providers
    stays free, an exponential expansion is refused, and a document can at most double.
 3. An alias that contains itself is refused.
+4. Text the parser cannot take (a lone surrogate, which only a string built in memory can
+   hold) is a `yaml.reader.ReaderError` with its position, as on the pure-Python path.
 """
 
 from __future__ import annotations
@@ -22,19 +33,37 @@ from typing import Any, Final
 
 import yaml
 
-__all__ = ["MAX_DEPTH", "MIN_ALIAS_BUDGET", "BoundedLoader", "check_expansion", "load"]
+__all__ = [
+    "LIBYAML",
+    "MAX_DEPTH",
+    "MIN_ALIAS_BUDGET",
+    "check_expansion",
+    "compose",
+    "load",
+]
 
 MAX_DEPTH: Final = 64
 MIN_ALIAS_BUDGET: Final = 10_000
 
 
-class BoundedLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that refuses documents nested deeper than `MAX_DEPTH` (Rule 1).
+def _libyaml_bounds_nesting() -> bool:
+    try:
+        from yaml import _yaml
+    except ImportError:  # PyYAML built without libyaml
+        return False
+    version: tuple[int, int, int] = _yaml.get_version()
+    return version >= (0, 2, 5) and hasattr(yaml, "CSafeLoader")
 
-    Use `load` (or call `check_expansion` on the composed node before constructing it)
-    for Rules 2 and 3."""
 
-    def __init__(self, stream: str | bytes) -> None:
+LIBYAML: Final = _libyaml_bounds_nesting()
+"""Whether `compose` parses with libyaml (see the module docstring)."""
+
+
+class _PureLoader(yaml.SafeLoader):
+    """The pure-Python parser, refusing documents nested deeper than `MAX_DEPTH` as it
+    composes them (Rule 1)."""
+
+    def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self._depth = 0
 
@@ -42,19 +71,69 @@ class BoundedLoader(yaml.SafeLoader):
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
-                raise yaml.composer.ComposerError(
-                    None,
-                    None,
-                    f"nested deeper than {MAX_DEPTH} levels",
-                    self.peek_event().start_mark,  # type: ignore[no-untyped-call]
-                )
+                raise _too_deep(self.peek_event().start_mark)  # type: ignore[no-untyped-call]
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
 
 
+def compose(text: str, *, libyaml: bool = LIBYAML) -> yaml.Node | None:
+    """The document's node graph (None for an empty document), Rule 1 checked.
+
+    Raises `yaml.YAMLError` subclasses: `MarkedYAMLError` for syntax and for Rule 1,
+    `ReaderError` for characters YAML does not allow (Rule 4). `libyaml=False` forces the
+    pure-Python parser (the fallback; tests compare the two)."""
+    if not libyaml:
+        pure = _PureLoader(text)
+        try:
+            return pure.get_single_node()
+        finally:
+            pure.dispose()
+    try:
+        parser = yaml.CSafeLoader(text)
+    except UnicodeEncodeError as exc:  # libyaml reads UTF-8; a lone surrogate has none
+        raise yaml.reader.ReaderError(
+            "<unicode string>", exc.start, ord(text[exc.start]), "utf-8", "not encodable"
+        ) from None
+    try:
+        node = parser.get_single_node()
+    finally:
+        parser.dispose()
+    if node is not None:
+        _check_depth(node)
+    return node
+
+
+def _check_depth(root: yaml.Node) -> None:
+    """Rule 1 on a composed graph, as the pure-Python composer applies it while composing.
+
+    Walks in document order without recursion (libyaml allows 1000 levels), descending
+    into each node once: where it was written, not where an alias repeats it."""
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node, int]] = [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _too_deep(node.start_mark)
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((item, depth + 1) for item in reversed(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            for key, value in reversed(node.value):
+                stack.append((value, depth + 1))
+                stack.append((key, depth + 1))
+
+
+def _too_deep(mark: Any) -> yaml.composer.ComposerError:
+    return yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", mark)
+
+
 def check_expansion(root: yaml.Node) -> None:
-    """Raise a `yaml.MarkedYAMLError` when aliases expand `root` too far (Rules 2, 3)."""
+    """Raise a `yaml.MarkedYAMLError` when aliases expand `root` too far (Rules 2, 3).
+
+    `root` must have passed Rule 1 (`compose` checks it): the walk recurses per level."""
     sizes: dict[int, int] = {}
     in_progress: set[int] = set()
 
@@ -92,12 +171,8 @@ def check_expansion(root: yaml.Node) -> None:
 
 def load(text: str) -> Any:
     """`yaml.safe_load` with the rules above; raises `yaml.YAMLError` subclasses."""
-    loader = BoundedLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        check_expansion(node)
-        return loader.construct_document(node)
-    finally:
-        loader.dispose()
+    node = compose(text)
+    if node is None:
+        return None
+    check_expansion(node)
+    return yaml.constructor.SafeConstructor().construct_document(node)

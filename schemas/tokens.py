@@ -99,17 +99,28 @@ class _Message(msgspec.Struct):
         return total
 
 
-class _Choice(msgspec.Struct):
+class ChoiceView(msgspec.Struct):
+    """One choice of a chunk or response, as far as its text and its end go."""
+
     delta: _Message | None = None
     message: _Message | None = None
     text: str | None = None
+    finish_reason: Any = None
+
+    def chars(self) -> int:
+        total = len(self.text) if self.text else 0
+        for message in (self.delta, self.message):
+            if message is not None:
+                total += message.chars()
+        return total
 
 
 class _Output(msgspec.Struct):
-    choices: list[_Choice] | None = None
+    choices: list[ChoiceView] | None = None
 
 
 _decode_output: Final = msgspec.json.Decoder(_Output).decode
+_decode_choices: Final = msgspec.json.Decoder(list[ChoiceView] | None).decode
 
 
 def output_chars(payload: bytes) -> int | None:
@@ -119,14 +130,14 @@ def output_chars(payload: bytes) -> int | None:
         output = _decode_output(payload)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return None  # RecursionError: nested deeper than the decoder follows
-    total = 0
-    for choice in output.choices or ():
-        for message in (choice.delta, choice.message):
-            if message is not None:
-                total += message.chars()
-        if choice.text:
-            total += len(choice.text)
-    return total
+    return sum(choice.chars() for choice in output.choices or ())
+
+
+def read_choices(raw: bytes | msgspec.Raw) -> list[ChoiceView] | None:
+    """The `choices` of a chunk or response (the raw JSON of that one field), for a
+    reader that already split the object: raises `msgspec.DecodeError` (its subclass
+    `ValidationError` included) or `RecursionError` when they are not shaped as choices."""
+    return _decode_choices(raw)
 
 
 class OutputTally:
@@ -142,7 +153,10 @@ class OutputTally:
     def add(self, payload: bytes, *, whole: bool = False) -> None:
         """Count one stream chunk, or (`whole`) a whole non-stream response, whose text
         is counted by characters only."""
-        chars = output_chars(payload)
+        self.add_chars(output_chars(payload), whole=whole)
+
+    def add_chars(self, chars: int | None, *, whole: bool = False) -> None:
+        """`add` for a payload already read: its `output_chars` (None: unreadable)."""
         if chars is None:  # unreadable, but output all the same
             chars = 1
         if chars > 0:

@@ -60,7 +60,7 @@ from schemas.config import (
     ProviderType,
     Sha256Hex,
 )
-from schemas.safe_yaml import BoundedLoader, check_expansion
+from schemas.safe_yaml import check_expansion, compose
 
 __all__ = [
     "ConfigInvalid",
@@ -159,9 +159,8 @@ def _whole_file(message: str) -> ConfigInvalid:
 # --------------------------------------------------------------------------- step 1: YAML
 
 
-class _Loader(BoundedLoader):
-    """The bounded safe loader (`schemas.safe_yaml`: no alias bombs, no deep nesting), with
-    value-construction failures turned into marked errors.
+class _Constructor(yaml.constructor.SafeConstructor):
+    """PyYAML's safe constructor, with value-construction failures turned into marked errors.
 
     A plain `SafeLoader` raises a bare `ValueError` (no position, the offending text in its
     message) for things like `2024-13-45` or `!!int abc`, and even an `AttributeError` for
@@ -192,18 +191,14 @@ def _read_yaml(text: str) -> tuple[object, list[ConfigError]]:
     (and that line may hold a token hash).
     """
     try:
-        loader = _Loader(text)
-        try:
-            node = loader.get_single_node()
-            if node is None:
-                return None, []
-            errors: list[ConfigError] = []
-            _scan_nodes(node, "", errors, set(), set())
-            if not errors:  # a recursive alias is reported with its path instead
-                check_expansion(node)
-            return loader.construct_document(node), errors
-        finally:
-            loader.dispose()
+        node = compose(text)
+        if node is None:
+            return None, []
+        errors: list[ConfigError] = []
+        _scan_nodes(node, "", errors, set(), set())
+        if not errors:  # a recursive alias is reported with its path instead
+            check_expansion(node)
+        return _Constructor().construct_document(node), errors
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f" at {_position(mark)}" if mark else ""

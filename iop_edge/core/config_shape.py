@@ -24,6 +24,7 @@ Rules of the walk:
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import re
 import types
@@ -167,7 +168,7 @@ class _Walker:
         if not isinstance(value, dict):
             self.error(path, f"expected a mapping, got {kind_of(value)}")
             return
-        fields = {info.encode_name: info for info in msgspec.structs.fields(cls)}
+        fields, required = _fields_of(cls)
         forbid_unknown = cls.__struct_config__.forbid_unknown_fields
         for key, item in value.items():
             info = fields.get(key) if isinstance(key, str) else None
@@ -175,8 +176,8 @@ class _Walker:
                 self.shape(item, info.type, key_path(path, key))
             elif forbid_unknown:
                 self.error(key_path(path, key), _unknown_field(key, fields))
-        for name, info in fields.items():
-            if info.required and name not in value:
+        for name in required:
+            if name not in value:
                 self.error(key_path(path, name), "required field missing")
 
     def leaf(self, value: object, tp: Any, path: str) -> None:
@@ -200,6 +201,19 @@ class _Walker:
                 return wording.invalid
             return _humanize(str(exc), tp)
         return None
+
+
+@functools.cache
+def _fields_of(
+    cls: type[msgspec.Struct],
+) -> tuple[Mapping[str, msgspec.structs.FieldInfo], tuple[str, ...]]:
+    """A Struct's fields by their name in the data, and the names of the required ones.
+
+    Worked out once per class: `msgspec.structs.fields` evaluates the class's annotations
+    again on every call, which made a config of a thousand Nodes take seconds to check."""
+    fields = {info.encode_name: info for info in msgspec.structs.fields(cls)}
+    required = tuple(name for name, info in fields.items() if info.required)
+    return types.MappingProxyType(fields), required
 
 
 def _is_struct(tp: object) -> typing.TypeGuard[type[msgspec.Struct]]:

@@ -450,12 +450,12 @@ class RunEndpoints:
                     )
                     break
                 pending.append(event)
-                try:
-                    event = run.next_event_nowait()
-                except trio.WouldBlock:
+                ready = run.ready_event()
+                if ready is None:
                     await reply.stream(pending[0] if len(pending) == 1 else b"".join(pending))
                     pending = []
-                    event = await run.next_event()
+                    ready = await run.next_event()
+                event = ready
             outcome = Outcome(200)
             if isinstance(event, wire.RunFailed):
                 error = run_failure_error(event, run.provider_id)

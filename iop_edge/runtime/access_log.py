@@ -76,7 +76,7 @@ def logfmt(fields: dict[str, Any]) -> str:
             text = "-"
         else:
             text = str(value)
-            if not text or any(char in _NEEDS_QUOTES for char in text):
+            if not text or not _NEEDS_QUOTES.isdisjoint(text):
                 text = _encode(text).decode()
         parts.append(f"{key}={text}")
     return " ".join(parts)

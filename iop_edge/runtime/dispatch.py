@@ -63,6 +63,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -195,17 +196,20 @@ class RunFailure(Exception):
 class _Attempt:
     """One try of a run on one provider: its slot, its session, its buffered events.
 
-    The session delivers events here (`RunSink`) without ever blocking; the run reads
-    them from the channel."""
+    The session delivers events here (`RunSink`) without ever blocking; the run takes
+    them in order (`take`, `receive`). Every chunk of every stream passes through here,
+    so the buffer is a deque with one parked reader rather than a memory channel."""
 
     __slots__ = (
+        "_closed",
+        "_events",
         "_give_up",
         "_on_busy",
+        "_open",
+        "_reader",
         "buffered",
         "end_reason",
         "lease",
-        "receive",
-        "send",
         "session",
         "wire_id",
     )
@@ -221,8 +225,12 @@ class _Attempt:
         self.wire_id = wire_id
         self.lease = lease
         self.session = session
-        # One spare slot so the end always fits behind a full buffer of chunks.
-        self.send, self.receive = trio.open_memory_channel[RunEvent](RUN_BUFFER_ITEMS + 1)
+        self._events: deque[RunEvent] = deque()
+        self._reader = trio.lowlevel.ParkingLot()
+        self._open = True
+        """Events are still taken: no end, give-up or loss yet (what is buffered stays)."""
+        self._closed = False
+        """Torn down: what was buffered is dropped, and so is anything later."""
         self.buffered = 0
         """Bytes delivered and not yet read by the run."""
         self.end_reason: wire.RunFailed | None = None
@@ -232,26 +240,25 @@ class _Attempt:
     # --- RunSink --------------------------------------------------------------------
 
     def push(self, event: RunEvent) -> bool:
+        if not self._open:
+            return True  # the run already stopped listening: its end has been decided
         if isinstance(event, bytes):
             self.buffered += len(event)
-            behind = self.send.statistics().current_buffer_used >= RUN_BUFFER_ITEMS
-            if behind or self.buffered > RUN_BUFFER_BYTES:
+            if len(self._events) >= RUN_BUFFER_ITEMS or self.buffered > RUN_BUFFER_BYTES:
                 self.end_reason = _failed(
                     self.wire_id,
                     wire.FailureCode.CALLER_TOO_SLOW,
                     f"the caller fell {self.buffered} bytes of events behind the provider",
                 )
-                self.send.close()
+                self._stop()
                 self._give_up()
                 return False
-        try:
-            self.send.send_nowait(event)
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the run already stopped reading: its end has been decided
-        if not isinstance(event, bytes):
+        else:
             if isinstance(event, wire.RunFailed) and event.code == wire.FailureCode.BUSY:
-                self._on_busy(self.lease.provider_id)  # Rule 7: before any later report
-            self.send.close()
+                self._on_busy(self.lease.provider_id)  # Rule 8: before any later report
+            self._open = False  # the end is the last event
+        self._events.append(event)
+        self._reader.unpark()
         return True
 
     def lost(self) -> None:
@@ -260,7 +267,33 @@ class _Attempt:
             wire.FailureCode.NODE_LOST,
             f"node '{self.lease.node_id}' disconnected during the run",
         )
-        self.send.close()
+        self._stop()
+
+    def _stop(self) -> None:
+        """Take no more events; the reader still gets those buffered, then the end."""
+        self._open = False
+        self._reader.unpark()
+
+    # --- the run's side -------------------------------------------------------------
+
+    def take(self) -> RunEvent | None:
+        """The next event if one is here; None when the reader would have to wait.
+
+        Raises `trio.EndOfChannel` once nothing more will come (ended, given up, lost,
+        torn down): the run then hears `end_reason`."""
+        if self._events:
+            return self._events.popleft()
+        if self._open:
+            return None
+        raise trio.EndOfChannel
+
+    async def receive(self) -> RunEvent:
+        """The next event, waiting for it; raises `trio.EndOfChannel` as `take` does."""
+        while not self._events and self._open:
+            await self._reader.park()
+        event = self.take()
+        assert event is not None
+        return event
 
     # --- teardown -------------------------------------------------------------------
 
@@ -270,8 +303,11 @@ class _Attempt:
             self.session.cancel_run(self.wire_id)
         else:
             self.session.close_run(self.wire_id)
-        self.send.close()
-        self.receive.close()
+        if not self._closed:
+            self._closed = True
+            self._events.clear()
+            self.buffered = 0
+            self._stop()
         self.lease.release()
 
 
@@ -344,29 +380,36 @@ class Run:
 
     async def next_event(self) -> RunEvent:
         """The next event of the run; a terminal one is the last (Rule 3)."""
-        try:
-            return self.next_event_nowait()
-        except trio.WouldBlock:
-            pass
+        event = self.ready_event()
+        if event is not None:
+            return event
         attempt = self._require_attempt()
         try:
-            event = await attempt.receive.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
+            event = await attempt.receive()
+        except trio.EndOfChannel:
             event = self._ended_without_terminal(attempt)
         return self._seen(event, attempt)
 
-    def next_event_nowait(self) -> RunEvent:
-        """The next event if one is already here (lets callers coalesce), else raise
-        `trio.WouldBlock`."""
+    def ready_event(self) -> RunEvent | None:
+        """The next event if one is already here (lets callers coalesce), else None."""
         attempt = self._require_attempt()
         if self._first is not None:
             first, self._first = self._first, None
             return self._seen(first, attempt)
         try:
-            event = attempt.receive.receive_nowait()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
+            event = attempt.take()
+        except trio.EndOfChannel:
             event = self._ended_without_terminal(attempt)
+        if event is None:
+            return None
         return self._seen(event, attempt)
+
+    def next_event_nowait(self) -> RunEvent:
+        """The next event if one is already here, else raise `trio.WouldBlock`."""
+        event = self.ready_event()
+        if event is None:
+            raise trio.WouldBlock
+        return event
 
     def reject_payload(self, code: wire.FailureCode, message: str) -> wire.RunFailed:
         """The Edge found what the Node sent unusable (not framed as events, not a JSON
@@ -630,7 +673,7 @@ class Dispatcher:
         sent_at = time.perf_counter()
         try:
             await session.send(message)
-            first = await attempt.receive.receive()
+            first = await attempt.receive()
         except (SessionClosed, trio.EndOfChannel):
             first = _node_lost_before_start(wire_id, lease)  # nothing reached the caller
         except wire.FrameTooLarge as exc:

@@ -37,7 +37,7 @@ from psycopg import sql
 
 from iop_edge.core.ledger_url import PostgresUrl
 from iop_edge.runtime.replicas import FORGET_AFTER_S, STALE_AFTER_S
-from iop_edge.runtime.usage import AGGREGATES, UsageRecord, UsageReport, usage_report
+from iop_edge.runtime.usage import AGGREGATES, UsageRecord, UsageReport, row_of, usage_report
 
 __all__ = ["LedgerUnavailable", "PostgresReplicaStore", "PostgresStore", "connect"]
 
@@ -133,7 +133,7 @@ class PostgresStore:
             sql.SQL(", ").join(map(sql.Identifier, names)),
             sql.SQL(", ").join(sql.Placeholder() * len(names)),
         )
-        rows = [dataclasses.astuple(record) for record in records]
+        rows = [row_of(record) for record in records]
         try:
             connection = self._db()
             with connection.transaction():

@@ -8,6 +8,7 @@ could drift: a collector reads them from the scheduler at scrape time.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -54,6 +55,29 @@ class _PoolCollector(Collector):
         yield from (in_flight, capacity, long_in_flight, queued, available, model_queued)
 
 
+_Metric = TypeVar("_Metric", Counter, Histogram)
+
+
+class _Children(Generic[_Metric]):
+    """`metric.labels(*values)`, remembered per label values.
+
+    prometheus_client converts, checks and locks on every `labels()` call, and every
+    finished request asks for up to six children; the children kept here are the ones
+    the metric keeps anyway (same label values, same count)."""
+
+    __slots__ = ("_known", "_metric")
+
+    def __init__(self, metric: _Metric) -> None:
+        self._metric: _Metric = metric
+        self._known: dict[tuple[str, ...], _Metric] = {}
+
+    def __call__(self, *values: str) -> _Metric:
+        child = self._known.get(values)
+        if child is None:
+            child = self._known[values] = self._metric.labels(*values)
+        return child
+
+
 class EdgeMetrics:
     def __init__(self, catalog: Callable[[], Catalog]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -98,6 +122,11 @@ class EdgeMetrics:
             registry=r,
         )
         r.register(_PoolCollector(catalog))
+        self._requests = _Children(self.requests)
+        self._latency = _Children(self.latency)
+        self._ttft = _Children(self.ttft)
+        self._queue_wait = _Children(self.queue_wait)
+        self._tokens = _Children(self.tokens)
 
     def observe_request(
         self,
@@ -113,18 +142,18 @@ class EdgeMetrics:
         principal_ref: str = "anonymous",
         token_ref: str = "anonymous",
     ) -> None:
-        self.requests.labels(model, provider, str(status), code).inc()
+        self._requests(model, provider, str(status), code).inc()
         if provider:
-            self.latency.labels(model, provider).observe(latency_s)
+            self._latency(model, provider).observe(latency_s)
             if ttft_s is not None:
-                self.ttft.labels(model, provider).observe(ttft_s)
+                self._ttft(model, provider).observe(ttft_s)
         if queued_s is not None:
-            self.queue_wait.labels(model).observe(queued_s)
+            self._queue_wait(model).observe(queued_s)
         if usage is not None:
-            self.tokens.labels(principal_ref, token_ref, model, provider, "prompt").inc(
+            self._tokens(principal_ref, token_ref, model, provider, "prompt").inc(
                 usage.prompt_tokens
             )
-            self.tokens.labels(principal_ref, token_ref, model, provider, "completion").inc(
+            self._tokens(principal_ref, token_ref, model, provider, "completion").inc(
                 usage.completion_tokens
             )
 
@@ -133,7 +162,7 @@ class EdgeMetrics:
 
         No model label: the caller's string is untrusted and would explode cardinality.
         """
-        self.requests.labels("", "", str(status), code).inc()
+        self._requests("", "", str(status), code).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -46,6 +46,7 @@ How the pieces fit:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -333,6 +334,8 @@ class Scheduler:
         self._snapshot = snapshot
         self._clock = clock
         self._states: dict[str, _ProviderState] = {}
+        self._on_node: dict[str, list[_ProviderState]] = {}
+        """Per node id: the states of its providers (removed ones with leases out too)."""
         self._connected: set[str] = set()
         self._queues: dict[str, deque[_Waiter]] = {}
         self._arrivals = itertools.count()
@@ -398,6 +401,9 @@ class Scheduler:
                 state.removed = True
                 if state.idle:
                     del self._states[provider_id]
+        self._on_node = {}
+        for state in self._states.values():
+            self._on_node.setdefault(state.node_id, []).append(state)
         models_of: dict[str, list[str]] = {}
         for model in snapshot.models.values():
             for provider_id in model.providers:
@@ -430,7 +436,7 @@ class Scheduler:
         self._set_node_health(node_id, "unavailable")
 
     def _set_node_health(self, node_id: str, health: Health) -> None:
-        affected = [state for state in self._states.values() if state.node_id == node_id]
+        affected = self._on_node.get(node_id, ())
         for state in affected:
             state.health = health
             state.forget_others()
@@ -661,6 +667,7 @@ class Scheduler:
             state.trial = None  # ended without a verdict: another run may be the trial
         if state.removed and state.idle and self._states.get(state.id) is state:
             del self._states[state.id]
+            self._on_node[state.node_id].remove(state)
         self._serve(self._models_serving((state.id,)))
 
     def _abandon(self, waiter: _Waiter) -> None:
@@ -761,6 +768,7 @@ class Scheduler:
         """The pool as `GET /catalog` shows it: models and providers, sorted by id."""
         snapshot = self._snapshot
         now = self._clock()
+        waiting = any(self._queues.values())
         models = [
             CatalogModel(
                 id=model.id,
@@ -771,20 +779,27 @@ class Scheduler:
             for model in sorted(snapshot.models.values(), key=lambda model: model.id)
         ]
         providers = [
-            self._catalog_provider(self._states[provider_id], now)
+            self._catalog_provider(self._states[provider_id], now, waiting=waiting)
             for provider_id in sorted(snapshot.providers)
         ]
         return Catalog(revision=snapshot.revision, models=models, providers=providers)
 
-    def _catalog_provider(self, state: _ProviderState, now: float) -> CatalogProvider:
+    def _catalog_provider(
+        self, state: _ProviderState, now: float, *, waiting: bool
+    ) -> CatalogProvider:
+        """One provider's record. Its lists are the config's and the state's own (both are
+        replaced, never changed in place): a catalog of thousands of providers allocates
+        one untracked record per provider, and nothing for the cycle collector to chase."""
         config = state.config
         connected = state.node_id in self._connected
         in_flight = state.in_flight
-        queued = sum(
-            waiter.could_use(state)
-            for model_id in self._models_of.get(state.id, ())
-            for waiter in self._queues.get(model_id, ())
-        )
+        queued = 0
+        if waiting:
+            queued = sum(
+                waiter.could_use(state)
+                for model_id in self._models_of.get(state.id, ())
+                for waiter in self._queues.get(model_id, ())
+            )
         cooling_down = state.passive.breaker(now=now, probing=state.trial is not None) == "open"
         return CatalogProvider(
             id=state.id,
@@ -801,8 +816,8 @@ class Scheduler:
             long_context_slots=config.long_context_slots,
             long_in_flight=state.long_in_flight,
             other_edges_in_flight=state.others,
-            models=list(config.models),
-            discovered_models=list(state.discovered),
+            models=config.models,
+            discovered_models=state.discovered,
             queued=queued,
             priority=config.priority,
             lifecycle=_catalog_lifecycle(config.lifecycle),
@@ -832,7 +847,12 @@ def _health_reason(state: _ProviderState, *, connected: bool, cooling_down: bool
 
 
 def _catalog_lifecycle(flags: Iterable[LifecycleFlag]) -> CatalogLifecycle:
-    present = set(flags)
+    return _lifecycle_of(frozenset(flags))
+
+
+@functools.cache
+def _lifecycle_of(present: frozenset[LifecycleFlag]) -> CatalogLifecycle:
+    """One shared (frozen) record per set of flags."""
     return CatalogLifecycle(
         list_models="list_models" in present,
         load_model="load_model" in present,

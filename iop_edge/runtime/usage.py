@@ -21,10 +21,11 @@ in place when the Edge opens it; its old rows count as "provider" (all that Edge
 from __future__ import annotations
 
 import logging
+import operator
 import sqlite3
 import time
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -91,6 +92,8 @@ class UsageRecord:
     """"provider" or "estimated" (see the module docstring)."""
 
 
+#: A record's values in `_INSERT`'s column order (`dataclasses.astuple` deep-copies each).
+row_of: Final = operator.attrgetter(*(field.name for field in fields(UsageRecord)))
 _INSERT = "INSERT INTO usage ({}) VALUES ({})".format(
     ", ".join(field.name for field in fields(UsageRecord)),
     ", ".join("?" for _ in fields(UsageRecord)),
@@ -412,7 +415,7 @@ class SqliteStore:
 
     def insert(self, records: Sequence[UsageRecord], segment: str, offset: int) -> None:
         connection = self._db()
-        rows = [astuple(record) for record in records]
+        rows = [row_of(record) for record in records]
         with connection:
             try:
                 connection.executemany(_INSERT, rows)

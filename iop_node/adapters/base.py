@@ -11,15 +11,21 @@ Failures are raised as `AdapterError`, whose fields map one-to-one onto the wire
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from iop_node.reply import ParsedChunk
 from schemas.config import ProviderConfig
 from schemas.wire import FailureCode, ProviderStatus, Run, Usage, UsageSource
 
-Emit = Callable[[bytes], Awaitable[None]]
-"""Send one OpenAI JSON chunk (raw bytes) to the Edge; may block on back-pressure."""
+
+class Emit(Protocol):
+    """Send one OpenAI JSON chunk (raw bytes) to the Edge; may block on back-pressure.
+
+    An adapter that read the chunk already (`reply.read_chunk`) passes its reading along,
+    so the chunk is parsed once (`reply`, Rule 5)."""
+
+    async def __call__(self, data: bytes, parsed: ParsedChunk | None = None, /) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,6 +73,7 @@ import trio
 from iop_node.adapters.base import AdapterError, Emit, ProbeTimeout, RunResult
 from iop_node.adapters.sse import SSEDecoder, SSEError
 from iop_node.compat.httpx2 import connection_pool_for
+from iop_node.reply import NotAnObject, ParsedChunk, UsageView, read_chunk
 from schemas.config import ProviderConfig
 from schemas.wire import FailureCode, Operation, ProviderStatus, Run, Usage
 
@@ -114,27 +115,11 @@ _T = TypeVar("_T")
 # --- msgspec views: decode only the few fields we look at ----------------------------------
 
 
-class _UsageView(msgspec.Struct):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    total_tokens: int | None = None
-
-    def to_usage(self) -> Usage:
-        prompt = self.prompt_tokens or 0
-        completion = self.completion_tokens or 0
-        total = self.total_tokens if self.total_tokens is not None else prompt + completion
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total)
-
-
-class _ChoiceView(msgspec.Struct):
-    finish_reason: str | None = None
-
-
 class _BodyView(msgspec.Struct):
-    """A chunk or a whole response, as far as the relay cares."""
+    """A whole response, as far as the relay cares (a stream chunk is read by
+    `reply.read_chunk`, once for the whole Node)."""
 
-    usage: _UsageView | None = None
-    choices: list[_ChoiceView] | None = None
+    usage: UsageView | None = None
     error: Any = None
     object: str | None = None
 
@@ -517,13 +502,12 @@ class OpenAICompatAdapter:
                         break
                     if not data.strip():
                         continue
-                    view = self._inspect_chunk(data, event.event, progress)
-                    if view is not None:
-                        if view.usage is not None:
-                            usage = view.usage.to_usage()
-                        if view.choices and any(c.finish_reason for c in view.choices):
-                            finished = True
-                    await emit(data)
+                    parsed = self._inspect_chunk(data, event.event, progress)
+                    if parsed is not None:
+                        if parsed.usage is not None:
+                            usage = parsed.usage.to_usage()
+                        finished = finished or parsed.finished
+                    await emit(data, parsed)
                     progress.emitted += 1
                 if done:
                     break
@@ -538,20 +522,21 @@ class OpenAICompatAdapter:
             return RunResult(usage=usage)
         raise self._stream_cut(progress, "upstream stream ended before [DONE]")
 
-    def _inspect_chunk(self, data: bytes, event: str, progress: _Progress) -> _BodyView | None:
-        """Peek at one chunk: its usage and finish state, or raise if it reports an error.
+    def _inspect_chunk(self, data: bytes, event: str, progress: _Progress) -> ParsedChunk | None:
+        """Read one chunk (once: the runner shapes and counts it from this reading), or
+        raise if it is not JSON or reports an error.
 
-        Returns None for valid JSON of an unexpected shape, which is relayed untouched."""
+        Returns None for valid JSON that is not an object: the runner refuses it."""
         try:
-            view = _body_decoder.decode(data)
-        except msgspec.ValidationError:
-            view = None
-        except msgspec.DecodeError:
-            raise self._stream_cut(progress, "upstream sent a chunk that is not JSON") from None
-        if event == "error" or (view is not None and view.is_error()):
+            parsed: ParsedChunk | None = read_chunk(data)
+        except NotAnObject as exc:
+            if exc.malformed:
+                raise self._stream_cut(progress, "upstream sent a chunk that is not JSON") from None
+            parsed = None
+        if event == "error" or (parsed is not None and parsed.is_error):
             message = error_message(data) or "unknown error"
             raise self._stream_cut(progress, f"upstream reported an error: {message}")
-        return view
+        return parsed
 
     def _stream_cut(self, progress: _Progress, message: str) -> AdapterError:
         if progress.emitted:

@@ -13,6 +13,7 @@ import trio
 
 from iop_node.adapters.base import Adapter, AdapterError
 from iop_node.adapters.cli import CliAdapter, build_argv, render_prompt
+from iop_node.reply import ParsedChunk
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.tokens import estimate_input_tokens, text_tokens
 from schemas.wire import Operation, Run
@@ -208,7 +209,7 @@ async def test_cancel_kills_the_process_group() -> None:
     seen = ""
     pids_known = trio.Event()
 
-    async def emit(data: bytes) -> None:
+    async def emit(data: bytes, parsed: ParsedChunk | None = None, /) -> None:
         nonlocal seen
         seen += json.loads(data)["choices"][0]["delta"].get("content") or ""
         if "\n" in seen:

@@ -9,6 +9,7 @@ import pytest
 import trio
 
 from iop_node.adapters.ollama import OllamaAdapter, lifecycle_of, native_root
+from iop_node.reply import ParsedChunk
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import Run
 
@@ -86,7 +87,7 @@ async def test_stream_runs_through_the_openai_endpoint(
     )
     chunks: list[bytes] = []
 
-    async def emit(data: bytes) -> None:
+    async def emit(data: bytes, parsed: ParsedChunk | None = None, /) -> None:
         chunks.append(data)
 
     with trio.fail_after(GUARD_S):

@@ -16,6 +16,7 @@ from iop_node.adapters.openai_compat import (
     error_message,
     status_failure,
 )
+from iop_node.reply import ParsedChunk
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import Operation, Run, Usage
 
@@ -64,10 +65,12 @@ class Collector:
 
     def __init__(self, expect: int = 32) -> None:
         self.chunks: list[bytes] = []
+        self.readings: list[ParsedChunk | None] = []
         self.seen = [trio.Event() for _ in range(expect)]
 
-    async def __call__(self, data: bytes) -> None:
+    async def __call__(self, data: bytes, parsed: ParsedChunk | None = None, /) -> None:
         self.chunks.append(data)
+        self.readings.append(parsed)
         self.seen[len(self.chunks) - 1].set()
 
 
@@ -155,6 +158,9 @@ async def test_stream_relays_each_event_before_the_next_exists(
         )
     )
     assert upstream.requests[-1].headers["accept"] == "text/event-stream"
+    # Each chunk comes with the adapter's reading of it: the runner parses nothing again.
+    assert [r.data if r is not None else None for r in collector.readings] == collector.chunks
+    assert sum(r is not None and r.finished for r in collector.readings) == 1
 
 
 async def test_stream_without_usage_still_succeeds(

@@ -34,6 +34,7 @@ from iop_edge.main import _apply_from_file, handle_signals
 from iop_edge.runtime.audit import AUDIT_FILE_NAME
 from iop_node.adapters.base import Adapter, Emit, RunResult
 from iop_node.registry import create_adapter
+from iop_node.reply import ParsedChunk
 from schemas import wire
 from schemas.config import ProviderConfig
 from schemas.wire import ProviderStatus, Run
@@ -218,9 +219,9 @@ class TrackedAdapter:
             return emit
         sent = 0
 
-        async def emit_then_hold(data: bytes) -> None:
+        async def emit_then_hold(data: bytes, parsed: ParsedChunk | None = None, /) -> None:
             nonlocal sent
-            await emit(data)
+            await emit(data, parsed)
             sent += 1
             if sent == 2:  # the role chunk, then the first token
                 await hold.wait()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from iop_node.reply import NotAnObject, ReplyShaper
+from iop_node.reply import NotAnObject, ReplyShaper, read_chunk
+from schemas.tokens import output_chars
 from schemas.wire import Run, Usage
 
 
@@ -83,3 +84,60 @@ def test_anything_but_a_json_object_is_refused(data: bytes) -> None:
         _shaper().event(data)
     with pytest.raises(NotAnObject):
         _shaper().response(data)
+
+
+_CHUNKS = [
+    b'{"model":"x","choices":[{"index":0,"delta":{"content":"hello"}}]}',
+    b'{"model":"x","choices":[{"delta":{"reasoning_content":"hm"},"finish_reason":"stop"}]}',
+    b'{"model":"x","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}',
+    b'{"model":"x","choices":[{"delta":{}}],"usage":null}',
+    b'{"model":"x","choices":"not a list"}',
+    b'{"model":"x","choices":[1, 2],"usage":{"total_tokens":1}}',
+    b'{"model":"x","choices":[{"finish_reason":7,"text":"abc"}],"usage":"odd"}',
+    b'{"choices":[{"text":"t"}]}',
+]
+
+
+@pytest.mark.parametrize("chunk", _CHUNKS)
+@pytest.mark.parametrize("strip_usage", [True, False])
+def test_one_reading_shapes_and_counts_as_the_bytes_would(chunk: bytes, strip_usage: bool) -> None:
+    """`read_chunk` serves the shaper and the estimate alike (reply Rule 5)."""
+    assert read_chunk(chunk).output_chars() == output_chars(chunk)
+    from_bytes, from_reading = _shaper(strip_usage=strip_usage), _shaper(strip_usage=strip_usage)
+    try:
+        expected = from_bytes.event(chunk)
+    except NotAnObject:
+        with pytest.raises(NotAnObject):
+            from_reading.event(read_chunk(chunk))
+        return
+    assert from_reading.event(read_chunk(chunk)) == expected
+    assert from_reading.usage == from_bytes.usage
+
+
+@pytest.mark.parametrize(
+    ("chunk", "finished", "error"),
+    [
+        (b'{"choices":[{"delta":{"content":"a"},"finish_reason":null}]}', False, False),
+        (b'{"choices":[{"delta":{},"finish_reason":"length"}]}', True, False),
+        (b'{"choices":[{"finish_reason":""}]}', False, False),
+        (b'{"choices":[{"finish_reason":7}]}', False, False),
+        (b'{"error":{"message":"boom"}}', False, True),
+        (b'{"error":null,"choices":[]}', False, False),
+        (b'{"object":"error","message":"old vLLM"}', False, True),
+        (b'{"object":"err\\u006fr"}', False, True),
+        (b'{"object":"chat.completion.chunk"}', False, False),
+    ],
+)
+def test_a_reading_tells_a_finished_choice_and_an_in_band_error(
+    chunk: bytes, finished: bool, error: bool
+) -> None:
+    reading = read_chunk(chunk)
+    assert (reading.finished, reading.is_error) == (finished, error)
+
+
+def test_a_chunk_that_is_not_json_is_told_from_json_that_is_not_an_object() -> None:
+    with pytest.raises(NotAnObject) as not_json:
+        read_chunk(b"{oops")
+    with pytest.raises(NotAnObject) as not_object:
+        read_chunk(b"[1]")
+    assert (not_json.value.malformed, not_object.value.malformed) == (True, False)

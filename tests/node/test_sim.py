@@ -13,6 +13,7 @@ import trio
 
 from iop_node.adapters.base import AdapterError, RunResult
 from iop_node.adapters.sim import DEFAULT_MAX_TOKENS, EMBEDDING_DIMENSIONS, SimAdapter
+from iop_node.reply import ParsedChunk
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.tokens import estimate_input_tokens
 from schemas.wire import Operation, Run, Usage
@@ -269,7 +270,7 @@ async def test_cancellation_stops_at_once(autojump_clock: trio.abc.Clock) -> Non
     chunks: list[bytes] = []
     with trio.CancelScope() as scope:
 
-        async def emit(data: bytes) -> None:
+        async def emit(data: bytes, parsed: ParsedChunk | None = None, /) -> None:
             chunks.append(data)
             if len(chunks) == 2:  # the role chunk and the first token
                 scope.cancel()

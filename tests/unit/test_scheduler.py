@@ -678,6 +678,28 @@ async def test_node_disconnect_fails_waiters_that_have_nowhere_else_to_go(
         await scheduler.acquire("x", "late", long=False)
 
 
+async def test_a_node_event_reaches_the_providers_on_that_node_after_a_refresh() -> None:
+    """Connects and disconnects reach exactly the node's providers, as the latest
+    snapshot places them, including a removed one whose run is still out."""
+    nodes = {"n1": [provider("a"), provider("gone")], "n2": [provider("b")]}
+    scheduler = online(make_snapshot(nodes, {"m": ["a", "b", "gone"]}))
+    held = await scheduler.acquire("m", "held", long=False, exclude=frozenset({"a", "b"}))
+    assert held.provider_id == "gone"
+    moved = {"n1": [], "n2": [provider("b"), provider("a")]}  # `a` moves, `gone` goes
+    scheduler.apply_snapshot(make_snapshot(moved, {"m": ["a", "b"]}, revision=2))
+    scheduler.node_disconnected("n1")
+    health = {p.id: p.health for p in scheduler.catalog().providers}
+    assert health == {"a": "available", "b": "available"}
+    scheduler.node_disconnected("n2")
+    scheduler.node_connected("n2")
+    health = {p.id: p.health for p in scheduler.catalog().providers}
+    assert health == {"a": "unknown", "b": "unknown"}
+    held.release()  # the removed provider is forgotten with its last lease ...
+    assert "gone" not in scheduler.statistics().providers
+    scheduler.node_connected("n1")  # ... and its old node's events find nothing of it
+    scheduler.node_disconnected("n1")
+
+
 async def test_fresh_node_waits_for_its_first_status(nursery: trio.Nursery) -> None:
     scheduler = Scheduler(ONE)
     with pytest.raises(NoProvider, match="is connected"):

@@ -1,0 +1,111 @@
+"""`schemas.safe_yaml`: libyaml's parser and the pure-Python fallback hold the same rules.
+
+The fast path composes in libyaml and checks the depth on the composed graph; the
+fallback checks it while composing. Every rule is asserted on both, at its boundary, so
+the two cannot drift apart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from iop_edge.core.config import ConfigInvalid, parse_config
+from schemas import safe_yaml
+
+PARSERS = [
+    pytest.param(
+        True,
+        id="libyaml",
+        marks=pytest.mark.skipif(not safe_yaml.LIBYAML, reason="PyYAML without libyaml >= 0.2.5"),
+    ),
+    pytest.param(False, id="pure-python"),
+]
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _nested(levels: int, leaf: str = "x") -> str:
+    """A flow document whose deepest node (`leaf`) sits `levels` levels down."""
+    return "[" * (levels - 1) + leaf + "]" * (levels - 1)
+
+
+def _load(text: str, libyaml: bool) -> object:
+    node = safe_yaml.compose(text, libyaml=libyaml)
+    if node is None:
+        return None
+    safe_yaml.check_expansion(node)
+    return yaml.constructor.SafeConstructor().construct_document(node)
+
+
+@pytest.mark.parametrize("libyaml", PARSERS)
+def test_nesting_up_to_the_limit_loads(libyaml: bool) -> None:
+    value = _load(_nested(safe_yaml.MAX_DEPTH), libyaml)
+    for _ in range(safe_yaml.MAX_DEPTH - 1):
+        assert isinstance(value, list) and len(value) == 1
+        value = value[0]
+    assert value == "x"
+
+
+@pytest.mark.parametrize("libyaml", PARSERS)
+@pytest.mark.parametrize(
+    "text",
+    [
+        _nested(safe_yaml.MAX_DEPTH + 1),  # a scalar one level too deep
+        "a: &a 1\nb: " + _nested(safe_yaml.MAX_DEPTH, "*a"),  # an alias one level too deep
+        # a mapping, then 63 block sequences: the last one's null item is 65 levels down
+        "k:\n" + "".join("  " * i + "- \n" for i in range(1, safe_yaml.MAX_DEPTH)),
+    ],
+    ids=["scalar", "alias", "block"],
+)
+def test_one_level_past_the_limit_is_refused_with_a_position(libyaml: bool, text: str) -> None:
+    with pytest.raises(yaml.MarkedYAMLError, match=f"nested deeper than {safe_yaml.MAX_DEPTH}"):
+        safe_yaml.compose(text, libyaml=libyaml)
+
+
+@pytest.mark.parametrize("libyaml", PARSERS)
+def test_nesting_far_past_any_stack_is_a_yaml_error(libyaml: bool) -> None:
+    with pytest.raises(yaml.YAMLError):
+        safe_yaml.compose("[" * 100_000 + "]" * 100_000, libyaml=libyaml)
+
+
+@pytest.mark.parametrize("libyaml", PARSERS)
+def test_an_alias_used_deeper_than_where_it_was_written_counts_where_it_was_written(
+    libyaml: bool,
+) -> None:
+    # The anchored block is 3 levels deep where written; repeated 60 levels down it
+    # would reach 63 if it counted again, and it does not.
+    text = "a: &a [[1]]\nb: " + _nested(safe_yaml.MAX_DEPTH - 1, "*a")
+    assert isinstance(_load(text, libyaml), dict)
+
+
+@pytest.mark.parametrize("libyaml", PARSERS)
+def test_alias_bombs_and_recursive_aliases_are_refused(libyaml: bool) -> None:
+    bomb = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    bomb += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 6)]
+    with pytest.raises(yaml.MarkedYAMLError, match="aliases expand this document"):
+        _load("\n".join(bomb), libyaml)
+    with pytest.raises(yaml.MarkedYAMLError, match="recursive alias"):
+        _load("a: &loop [1, *loop]\n", libyaml)
+
+
+@pytest.mark.parametrize("libyaml", PARSERS)
+def test_a_lone_surrogate_is_a_reader_error_with_its_position(libyaml: bool) -> None:
+    with pytest.raises(yaml.reader.ReaderError) as error:
+        safe_yaml.compose("a: b\nc: \ud800\n", libyaml=libyaml)
+    assert error.value.position == 8
+
+
+def test_a_config_with_a_lone_surrogate_is_refused_with_its_position() -> None:
+    with pytest.raises(ConfigInvalid) as invalid:
+        parse_config("edge: {id: \ud800}\n")
+    assert invalid.value.errors[0].message.startswith("invalid YAML at character 11")
+
+
+@pytest.mark.skipif(not safe_yaml.LIBYAML, reason="PyYAML without libyaml >= 0.2.5")
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda path: path.name)
+def test_both_parsers_build_the_same_data_from_the_shipped_configs(path: Path) -> None:
+    text = path.read_text(encoding="utf-8")
+    text += "x-shared: &shared {a: 1, b: [1.5, true, null, '2024-01-01']}\n"
+    text += "x-merged: {<<: *shared, c: 2024-01-01}\n"  # a merge key and a timestamp
+    assert _load(text, True) == _load(text, False)

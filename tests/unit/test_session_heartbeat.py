@@ -1,0 +1,103 @@
+"""The Edge's heartbeats: every session pings on one shared grid, and a silent peer is dropped.
+
+A thousand sessions pinging on independent timers woke the Edge 200 times a second; on
+the grid, the sessions due at the same instant ping in one scheduling pass. Driven by
+Trio's autojump clock, so no test here waits in real time."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import cast
+
+import trio
+from trio.testing import MockClock
+from trio_websocket import WebSocketConnection
+
+from iop_edge.runtime.session import HEARTBEAT_SLOTS, NodeSession
+
+INTERVAL_S = 5.0
+TIMEOUT_S = 15.0
+STEP_S = INTERVAL_S / HEARTBEAT_SLOTS
+
+
+class _Peer:
+    """A websocket whose peer answers each ping after `answer_s` (never, when None) and
+    sends nothing else."""
+
+    def __init__(self, answer_s: float | None = 0.0) -> None:
+        self.answer_s = answer_s
+        self.pings: list[float] = []
+
+    async def ping(self) -> None:
+        self.pings.append(trio.current_time())
+        if self.answer_s is None:
+            await trio.sleep_forever()
+        await trio.sleep(self.answer_s)
+
+    async def get_message(self) -> bytes:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def send_message(self, message: bytes) -> None:
+        pass
+
+
+def _session(peer: _Peer) -> NodeSession:
+    return NodeSession(
+        "n1",
+        cast(WebSocketConnection, peer),
+        applied_revision=1,
+        on_status=lambda node_id, status: None,
+    )
+
+
+def _gaps(moments: list[float]) -> list[float]:
+    return [later - earlier for earlier, later in itertools.pairwise(moments)]
+
+
+def _on_grid(moment: float) -> bool:
+    return math.isclose(moment / STEP_S, round(moment / STEP_S), abs_tol=1e-6)
+
+
+async def test_sessions_started_apart_ping_every_interval_on_the_shared_grid(
+    autojump_clock: MockClock,
+) -> None:
+    peers = [_Peer(), _Peer(answer_s=0.01)]
+    started: list[float] = []
+    with trio.move_on_after(60):
+        async with trio.open_nursery() as nursery:
+            for delay, peer in zip((0.013, 2.718), peers, strict=True):
+                await trio.sleep(delay)
+                started.append(trio.current_time())
+                nursery.start_soon(_session(peer).serve, INTERVAL_S, TIMEOUT_S)
+    for start, peer in zip(started, peers, strict=True):
+        assert len(peer.pings) >= 10
+        assert all(_on_grid(moment) for moment in peer.pings), peer.pings
+        gaps = _gaps(peer.pings)
+        assert all(math.isclose(gap, INTERVAL_S) for gap in gaps), gaps
+        assert INTERVAL_S <= peer.pings[0] - start < INTERVAL_S + STEP_S  # no ping early
+
+
+async def test_a_slow_answer_moves_the_next_ping_to_the_next_beat_after_it(
+    autojump_clock: MockClock,
+) -> None:
+    peer = _Peer(answer_s=7.0)  # slower than the interval, within the timeout
+    with trio.move_on_after(40):
+        await _session(peer).serve(INTERVAL_S, TIMEOUT_S)
+    assert len(peer.pings) >= 3
+    gaps = _gaps(peer.pings)
+    assert all(math.isclose(gap, 2 * INTERVAL_S) for gap in gaps), gaps
+    assert all(_on_grid(moment) for moment in peer.pings)
+
+
+async def test_a_peer_that_never_answers_is_dropped_after_the_timeout(
+    autojump_clock: MockClock,
+) -> None:
+    peer = _Peer(answer_s=None)
+    session = _session(peer)
+    await session.serve(INTERVAL_S, TIMEOUT_S)
+    assert len(peer.pings) == 1
+    assert math.isclose(trio.current_time() - peer.pings[0], TIMEOUT_S)
+    assert session.end_reason == f"no heartbeat answer within {TIMEOUT_S:g}s"
+    assert session.closed.is_set()
