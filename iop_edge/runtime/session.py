@@ -16,11 +16,13 @@ Rules:
    (`core.node_input`) before anything acts on them.
 4. A `cancel` is never dropped, even on a full outbox: otherwise the provider keeps
    running a run whose slot the Edge already gave back.
-5. The heartbeat pings every `heartbeat_s` (the first one a whole interval after the
-   session began), at instants of a grid shared by all sessions (`HEARTBEAT_SLOTS` per
-   interval), and drops a peer that leaves a ping unanswered for `heartbeat_timeout_s`.
-   After an answer slower than the interval, the next ping goes at the next beat of the
-   grid after it.
+5. The heartbeat looks at the peer every `heartbeat_s`, at instants of a grid shared by
+   all sessions (`HEARTBEAT_SLOTS` per interval; the first look a whole interval after
+   the session began), and pings it unless something arrived from it since about the
+   previous look (`heard`: any frame, its own pings included: a Node pings every
+   `heartbeat_s` on its own). A peer that leaves a ping unanswered for
+   `heartbeat_timeout_s` is dropped. After an answer slower than the interval, the next
+   look is at the next beat of the grid after it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from iop_edge.core.node_input import check_node_message
+from iop_edge.runtime.compat.trio_websocket import watch_arrivals
 from schemas import wire
 from schemas.config import NodeConfig
 
@@ -123,6 +126,13 @@ class NodeSession:
         self.replaced_by: str | None = None
         """Set when a newer connection for the same node id took this session's place:
         the hub then tells this connection's Node so with a `node_replaced` reject."""
+        self._heard_at = trio.current_time()
+        """When something last arrived from the peer (its `hello`, at first; Rule 5)."""
+        watch_arrivals(websocket, self.heard)
+
+    def heard(self) -> None:
+        """Something arrived from the peer: it is alive (Rule 5)."""
+        self._heard_at = trio.current_time()
 
     def statistics(self) -> SessionStatistics:
         return SessionStatistics(
@@ -358,11 +368,15 @@ class NodeSession:
         beat = math.ceil((trio.current_time() + interval_s) / step) * step
         while True:
             await trio.sleep_until(beat)
-            with trio.move_on_after(timeout_s) as scope:
-                await self.websocket.ping()
-            if scope.cancelled_caught:
-                self._ended(f"no heartbeat answer within {timeout_s:g}s")
-                return
+            # "Since about the previous look": a pong to the previous ping arrives a little
+            # after that look, and still leaves the peer to be pinged now.
+            if trio.current_time() - self._heard_at > interval_s - step:
+                with trio.move_on_after(timeout_s) as scope:
+                    await self.websocket.ping()
+                if scope.cancelled_caught:
+                    self._ended(f"no heartbeat answer within {timeout_s:g}s")
+                    return
+                self.heard()  # the answer (also seen arriving, where that is watched)
             beat += interval_s
             late = trio.current_time() - beat
             if late > 0:  # a slow answer: the next beat of the grid after now

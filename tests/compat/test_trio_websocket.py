@@ -1,6 +1,6 @@
 """iop_edge.runtime.compat.trio_websocket on the installed trio-websocket, on a real
 connection: a listener's message limit holds until `lift_message_limit`, and the lifted
-limit holds after it.
+limit holds after it; `watch_arrivals` hears every frame that arrives, pings included.
 
 The server below behaves like the Edge's node listener: a small limit for whatever a peer
 sends first, then, once the peer said `lift`, a larger one for that connection only.
@@ -9,6 +9,7 @@ sends first, then, once the peer said `lift`, a larger one for that connection o
 from __future__ import annotations
 
 from functools import partial
+from typing import cast
 
 import pytest
 import trio
@@ -20,7 +21,12 @@ from trio_websocket import (
     serve_websocket,
 )
 
-from iop_edge.runtime.compat.trio_websocket import MESSAGE_LIMIT_LIFTABLE, lift_message_limit
+from iop_edge.runtime.compat.trio_websocket import (
+    ARRIVALS_WATCHABLE,
+    MESSAGE_LIMIT_LIFTABLE,
+    lift_message_limit,
+    watch_arrivals,
+)
 
 PRE_LIFT_LIMIT = 1024
 LIFTED_LIMIT = 16 * 1024
@@ -94,3 +100,50 @@ async def test_the_lift_is_per_connection(url: str) -> None:
             assert await _refused(other, PRE_LIFT_LIMIT + 1)
             await lifted.send_message(b"\x00" * LIFTED_LIMIT)
             assert await lifted.get_message() == b"%d" % LIFTED_LIMIT
+
+
+# --- hearing arrivals ------------------------------------------------------------------------
+
+
+def test_the_installed_version_is_one_whose_arrivals_can_be_watched() -> None:
+    assert ARRIVALS_WATCHABLE
+
+
+async def test_every_arrival_is_heard_a_ping_included(nursery: trio.Nursery) -> None:
+    """The server hears each of the client's pings and messages as it arrives; trio-websocket
+    still answers the pings and delivers the messages."""
+    arrivals: list[float] = []
+    watching: list[bool] = []
+    heard = trio.Event()
+
+    def arrived() -> None:
+        arrivals.append(trio.current_time())
+        heard.set()
+
+    async def watched(request: WebSocketRequest) -> None:
+        websocket = await request.accept()
+        watching.append(watch_arrivals(websocket, arrived))
+        try:
+            while True:
+                await websocket.send_message(await websocket.get_message())
+        except ConnectionClosed:
+            pass
+
+    server = await nursery.start(serve_websocket, watched, "127.0.0.1", 0, None)
+    async with open_websocket_url(f"ws://127.0.0.1:{server.port}/") as client:
+        with trio.fail_after(GUARD_S):
+            await client.send_message(b"first")
+            assert await client.get_message() == b"first"
+            assert watching == [True]
+            before = len(arrivals)
+            assert before >= 1
+            heard = trio.Event()
+            await client.ping(b"are you there")  # answered by trio-websocket itself
+            await heard.wait()
+            assert len(arrivals) > before
+            await client.send_message(b"second")
+            assert await client.get_message() == b"second"
+
+
+async def test_nothing_is_watched_on_something_that_is_not_a_known_connection() -> None:
+    assert not watch_arrivals(cast(WebSocketConnection, object()), lambda: None)

@@ -1,8 +1,10 @@
-"""The Edge's heartbeats: every session pings on one shared grid, and a silent peer is dropped.
+"""The Edge's heartbeats: every session looks on one shared grid, pings only a peer it has
+not heard from, and drops one that leaves a ping unanswered (session Rule 5).
 
 A thousand sessions pinging on independent timers woke the Edge 200 times a second; on
-the grid, the sessions due at the same instant ping in one scheduling pass. Driven by
-Trio's autojump clock, so no test here waits in real time."""
+the grid, the sessions due at the same instant ping in one scheduling pass, and a Node
+that pings the Edge itself (as every Node does) needs no ping back. Driven by Trio's
+autojump clock, so no test here waits in real time."""
 
 from __future__ import annotations
 
@@ -79,16 +81,37 @@ async def test_sessions_started_apart_ping_every_interval_on_the_shared_grid(
         assert INTERVAL_S <= peer.pings[0] - start < INTERVAL_S + STEP_S  # no ping early
 
 
-async def test_a_slow_answer_moves_the_next_ping_to_the_next_beat_after_it(
+async def test_a_slow_answer_moves_the_next_look_to_the_next_beat_after_it(
     autojump_clock: MockClock,
 ) -> None:
     peer = _Peer(answer_s=7.0)  # slower than the interval, within the timeout
-    with trio.move_on_after(40):
+    with trio.move_on_after(50):
         await _session(peer).serve(INTERVAL_S, TIMEOUT_S)
+    # Ping at 0, answer at 7; the look at 10 finds the peer heard from 3 s ago, the
+    # one at 15 pings again.
     assert len(peer.pings) >= 3
     gaps = _gaps(peer.pings)
-    assert all(math.isclose(gap, 2 * INTERVAL_S) for gap in gaps), gaps
+    assert all(math.isclose(gap, 3 * INTERVAL_S) for gap in gaps), gaps
     assert all(_on_grid(moment) for moment in peer.pings)
+
+
+async def test_a_peer_heard_from_every_interval_is_not_pinged_until_it_falls_silent(
+    autojump_clock: MockClock,
+) -> None:
+    """A Node pings the Edge every interval on its own: that is proof enough of life."""
+    peer = _Peer()
+    session = _session(peer)
+    quiet_from = 42.0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(session.serve, INTERVAL_S, TIMEOUT_S)
+        while trio.current_time() < quiet_from:
+            await trio.sleep(INTERVAL_S - 0.3)  # the peer's own ping, a bit off the grid
+            session.heard()
+        await trio.sleep(3 * INTERVAL_S)
+        nursery.cancel_scope.cancel()
+    assert peer.pings, "a silent peer is pinged"
+    assert peer.pings[0] > quiet_from
+    assert peer.pings[0] - quiet_from <= 2 * INTERVAL_S
 
 
 async def test_a_peer_that_never_answers_is_dropped_after_the_timeout(

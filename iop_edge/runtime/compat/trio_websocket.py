@@ -1,4 +1,5 @@
-"""trio-websocket: raising one connection's message size limit after the handshake.
+"""trio-websocket: raising one connection's message size limit after the handshake, and
+hearing when anything arrives on a connection.
 
 The node listener must accept a first message (`hello`, a few hundred bytes) from anyone,
 so it listens with a small message limit; an authenticated node may then send messages
@@ -10,24 +11,53 @@ which trio-websocket 0.12 reads for every incoming message.
 `MESSAGE_LIMIT_LIFTABLE` says whether the installed version is one known to work that
 way (`tests/compat` proves it on a real connection). When it is not, the listener allows
 the full limit from the first message on: slower to refuse abuse, equally correct.
+
+A Node pings the Edge on its own schedule, and trio-websocket answers pings (and takes
+pongs) inside its reader, so nothing public says a peer was just heard from. Whatever
+arrives goes through the connection's wsproto `receive_data`, which trio-websocket 0.12
+looks up on every read: `watch_arrivals` wraps it on one connection. When the installed
+version is not one known to read there (`ARRIVALS_WATCHABLE`), nothing is watched and the
+Edge pings every Node every beat, as it would without the hook.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib.metadata import version
 from typing import Final
 
 from trio_websocket import WebSocketConnection
 
-__all__ = ["MESSAGE_LIMIT_LIFTABLE", "lift_message_limit"]
+__all__ = ["ARRIVALS_WATCHABLE", "MESSAGE_LIMIT_LIFTABLE", "lift_message_limit", "watch_arrivals"]
 
 _KNOWN_MINOR_VERSIONS: Final = ("0.12.",)
 
 MESSAGE_LIMIT_LIFTABLE: Final = version("trio-websocket").startswith(_KNOWN_MINOR_VERSIONS)
 """Whether this trio-websocket keeps the limit where `lift_message_limit` changes it."""
 
+ARRIVALS_WATCHABLE: Final = MESSAGE_LIMIT_LIFTABLE
+"""Whether this trio-websocket hands every read to `_wsproto.receive_data` (the same
+versions)."""
+
 
 def lift_message_limit(websocket: WebSocketConnection, limit: int) -> None:
     """Let `websocket` receive messages of up to `limit` bytes from now on (if liftable)."""
     if MESSAGE_LIMIT_LIFTABLE and hasattr(websocket, "_max_message_size"):
         websocket._max_message_size = limit
+
+
+def watch_arrivals(websocket: WebSocketConnection, heard: Callable[[], None]) -> bool:
+    """Call `heard()` whenever bytes arrive on `websocket` (a message, a ping, a pong, a
+    close), before trio-websocket parses them. False when not watchable: nothing is
+    called then."""
+    wsproto = getattr(websocket, "_wsproto", None) if ARRIVALS_WATCHABLE else None
+    receive_data = getattr(wsproto, "receive_data", None)
+    if receive_data is None:
+        return False
+
+    def receive_and_tell(data: bytes | None) -> None:
+        heard()
+        receive_data(data)
+
+    wsproto.receive_data = receive_and_tell  # type: ignore[union-attr]
+    return True
