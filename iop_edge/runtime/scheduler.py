@@ -736,11 +736,6 @@ class Scheduler:
 
     # -- observation ---------------------------------------------------------------
 
-    def in_flight(self, provider_id: str) -> int:
-        """Runs this Edge holds on the provider (not counting other Edges')."""
-        state = self._states.get(provider_id)
-        return state.limiter.borrowed_tokens if state is not None else 0
-
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(
             providers={
