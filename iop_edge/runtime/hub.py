@@ -130,7 +130,7 @@ class NodeHub:
         try:
             await self._handle(request)
         except Exception:
-            log.exception("node connection from %s failed", _remote(request))
+            log.exception("node connection from %s failed", peer_address(request))
 
     async def _handle(self, request: WebSocketRequest) -> None:
         ticket = self.handshakes.admit(source_key(_remote(request)))
@@ -145,7 +145,7 @@ class NodeHub:
         finally:
             self.handshakes.release(ticket)
         if ticket.evicted:
-            log.info("anonymous node peer %s evicted by newer handshakes", _remote(request))
+            log.info("anonymous node peer %s evicted by newer handshakes", peer_address(request))
             if websocket is not None:
                 with trio.move_on_after(0.2, shield=True):
                     await websocket.aclose(code=1013, reason="too many pending handshakes")
@@ -287,6 +287,7 @@ class NodeHub:
 
 
 def _remote(request: WebSocketRequest) -> object:
-    """The peer's address (an `Endpoint` has one; a Unix socket is a string)."""
+    """The peer's address without its port, as handshakes are counted per source (an
+    `Endpoint` has one; a Unix socket is a string)."""
     remote = request.remote
     return getattr(remote, "address", remote)

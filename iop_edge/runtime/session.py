@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
 
 from iop_edge.core.node_input import check_node_message
 from iop_edge.runtime.compat.trio_websocket import watch_arrivals
@@ -402,9 +402,10 @@ def _closed_reason(exc: BaseException) -> str:
     return f"connection closed, {reason.name} ({reason.code}){detail}"
 
 
-def peer_address(websocket: WebSocketConnection) -> str:
-    """`HOST:PORT` of the peer (trio-websocket's `Endpoint` repr is not for log lines)."""
-    remote = websocket.remote
+def peer_address(peer: WebSocketConnection | WebSocketRequest) -> str:
+    """`HOST:PORT` of a connection's (or an upgrade request's) peer, for log lines
+    (trio-websocket's `Endpoint` repr is not for them)."""
+    remote = peer.remote
     address = getattr(remote, "address", None)
     if address is None:
         return str(remote)
