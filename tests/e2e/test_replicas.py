@@ -152,13 +152,16 @@ async def test_killing_one_replica_fails_only_its_in_flight_runs(
 
 
 def _runs_of(nodes: list[EdgeLinks], edge_url: str) -> set[str]:
-    """The run ids the Nodes hold for the Edge at `edge_url`, right now."""
+    """The requests whose runs the Nodes hold for the Edge at `edge_url`, right now, by
+    the caller's request id (a retried attempt's run id `req_x.1` counts as `req_x`)."""
     runs: set[str] = set()
     for node in nodes:
         statistics = node.statistics()
         for serial, label in statistics.links.items():
             if label == edge_url:
-                runs.update(statistics.run_ids.get(serial, ()))
+                runs.update(
+                    run_id.partition(".")[0] for run_id in statistics.run_ids.get(serial, ())
+                )
     return runs
 
 
