@@ -203,6 +203,7 @@ class Edge:
             self.hub,
             meter=self._run_finished,
             on_failover=self._count_failover,
+            on_busy_answer=self._count_busy_answer,
             retries_before_first_byte=lambda: (
                 self._snapshot.config.dispatch.retries_before_first_byte
             ),
@@ -296,6 +297,9 @@ class Edge:
 
     def _count_failover(self, model_id: str, provider_id: str) -> None:
         self.metrics.failovers.labels(model_id, provider_id).inc()
+
+    def _count_busy_answer(self, model_id: str, provider_id: str) -> None:
+        self.metrics.busy_answers.labels(model_id, provider_id).inc()
 
     def _run_finished(self, record: RunRecord) -> None:
         """Every run's one record: metering, the access log, the pool page's activity."""

@@ -547,12 +547,14 @@ class Dispatcher:
         *,
         meter: Callable[[RunRecord], None],
         on_failover: Callable[[str, str], None],
+        on_busy_answer: Callable[[str, str], None],
         retries_before_first_byte: Callable[[], int],
     ) -> None:
         self.scheduler = scheduler
         self.meter = meter
         self._hub = hub
         self._on_failover = on_failover
+        self._on_busy_answer = on_busy_answer
         self._retries = retries_before_first_byte
         self._open: set[Run] = set()
         self._stopped: str | None = None
@@ -616,6 +618,8 @@ class Dispatcher:
                     self.scheduler.record_failure(earlier.provider_id)
                 return
             last_failure = failure
+            if failure.failure.code == wire.FailureCode.BUSY:
+                self._on_busy_answer(plan.model_id, lease.provider_id)
             if failure.failure.code == wire.FailureCode.BUSY and busy < MAX_BUSY_REQUEUES:
                 busy += 1
                 continue  # Rule 7: full after all; wait for a slot like any request

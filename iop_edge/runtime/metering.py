@@ -62,6 +62,7 @@ class Metering:
             ttft_s=record.ttft_s,
             queued_s=record.queued_s,
             usage=usage,
+            usage_source=record.usage_source,
             principal_ref=record.principal_ref,
             token_ref=record.token_ref,
         )

@@ -15,7 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from schemas.catalog import Catalog
-from schemas.wire import Usage
+from schemas.wire import Usage, UsageSource
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -115,10 +115,25 @@ class EdgeMetrics:
             ["model", "provider"],
             registry=r,
         )
+        self.busy_answers = Counter(
+            "iop_busy_answers",
+            "Runs a Node answered `busy` (its provider's slots were taken by another Edge's"
+            " runs); each waited for a slot again or, after too many, was refused",
+            ["model", "provider"],
+            registry=r,
+        )
+        token_labels = ["principal_ref", "token_ref", "model", "provider", "kind"]
         self.tokens = Counter(
             "iop_tokens",
-            "Tokens metered per finished run",
-            ["principal_ref", "token_ref", "model", "provider", "kind"],
+            "Tokens metered per finished run (reported by the provider or estimated)",
+            token_labels,
+            registry=r,
+        )
+        self.estimated_tokens = Counter(
+            "iop_estimated_tokens",
+            "The part of iop_tokens that was estimated: the provider reported no usage"
+            " (the ledger's usage_source `estimated`)",
+            token_labels,
             registry=r,
         )
         r.register(_PoolCollector(catalog))
@@ -127,6 +142,7 @@ class EdgeMetrics:
         self._ttft = _Children(self.ttft)
         self._queue_wait = _Children(self.queue_wait)
         self._tokens = _Children(self.tokens)
+        self._estimated_tokens = _Children(self.estimated_tokens)
 
     def observe_request(
         self,
@@ -139,6 +155,7 @@ class EdgeMetrics:
         ttft_s: float | None = None,
         queued_s: float | None = None,
         usage: Usage | None = None,
+        usage_source: UsageSource = "provider",
         principal_ref: str = "anonymous",
         token_ref: str = "anonymous",
     ) -> None:
@@ -150,12 +167,14 @@ class EdgeMetrics:
         if queued_s is not None:
             self._queue_wait(model).observe(queued_s)
         if usage is not None:
-            self._tokens(principal_ref, token_ref, model, provider, "prompt").inc(
-                usage.prompt_tokens
-            )
-            self._tokens(principal_ref, token_ref, model, provider, "completion").inc(
-                usage.completion_tokens
-            )
+            counters = [self._tokens]
+            if usage_source == "estimated":
+                counters.append(self._estimated_tokens)
+            for tokens in counters:
+                tokens(principal_ref, token_ref, model, provider, "prompt").inc(usage.prompt_tokens)
+                tokens(principal_ref, token_ref, model, provider, "completion").inc(
+                    usage.completion_tokens
+                )
 
     def observe_refusal(self, *, status: int, code: str) -> None:
         """A request refused before it named a model we know (400/401/404/413).

@@ -227,6 +227,10 @@ async def test_metrics_are_prometheus_text_with_every_family(stack: Stack) -> No
     tokens = {"principal_ref": "anonymous", "token_ref": "anonymous", **served}
     assert value("iop_tokens_total", kind="completion", **tokens) == 9
     assert value("iop_tokens_total", kind="prompt", **tokens) > 0
+    # The sim reports its usage: none of it is an estimate (the family is there, empty).
+    assert "# TYPE iop_estimated_tokens_total counter" in scrape.text
+    assert not any(name == "iop_estimated_tokens_total" for name, _ in samples)
+    assert "# TYPE iop_busy_answers_total counter" in scrape.text
 
 
 # --- GET /status, /healthz -------------------------------------------------------------------

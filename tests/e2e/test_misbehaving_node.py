@@ -163,3 +163,14 @@ async def test_a_node_that_reports_no_usage_still_gets_its_runs_metered(
             "SELECT prompt_tokens, completion_tokens, usage_source FROM usage ORDER BY time"
         ).fetchall()
     assert rows == [(7, 3, "estimated"), (7, 10, "estimated")]
+    # Prometheus tells the estimated part of the token counts apart (all of it, here).
+    metrics = stack.edge.metrics.registry
+    for kind, tokens in (("prompt", 14), ("completion", 13)):
+        for name in ("iop_tokens_total", "iop_estimated_tokens_total"):
+            samples = [
+                sample.value
+                for metric in metrics.collect()
+                for sample in metric.samples
+                if sample.name == name and sample.labels.get("kind") == kind
+            ]
+            assert sum(samples) == tokens, (name, kind)

@@ -304,3 +304,7 @@ async def test_busy_sends_the_run_back_to_the_queue_without_blaming_the_provider
     catalog = await stack.catalog()
     [provider] = catalog["providers"]
     assert provider["consecutive_failures"] == 0 and provider["in_flight"] == 0
+    metrics = stack.edge.metrics.registry
+    labels = {"model": "m", "provider": "sim-1"}
+    assert metrics.get_sample_value("iop_busy_answers_total", labels) == 1
+    assert metrics.get_sample_value("iop_failovers_total", labels) is None

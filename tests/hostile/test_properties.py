@@ -176,6 +176,7 @@ def _endpoints() -> RunEndpoints:
                   on_status=lambda *_: None)  # fmt: skip
     metering = Metering(EdgeMetrics(scheduler.catalog), UsageLedger(_NOWHERE))
     dispatcher = Dispatcher(scheduler, hub, meter=metering.record, on_failover=lambda *_: None,
+                            on_busy_answer=lambda *_: None,
                             retries_before_first_byte=lambda: 1)  # fmt: skip
     return RunEndpoints(lambda: _SNAPSHOT, dispatcher, metering)
 
