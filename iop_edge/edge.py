@@ -460,6 +460,7 @@ class Edge:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.scheduler.run)
             await nursery.start(self.ledger.run)
+            await nursery.start(self.hub.run_heartbeats)
             node_server = self._node_server = NodeServer(
                 self.hub.handle,
                 listeners["node"],

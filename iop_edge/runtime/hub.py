@@ -40,6 +40,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 from iop_edge.core.tokens import tokens_match
 from iop_edge.runtime.compat.trio_websocket import MESSAGE_LIMIT_LIFTABLE, lift_message_limit
 from iop_edge.runtime.handshakes import MAX_PENDING_HANDSHAKES, HandshakeGate, source_key
+from iop_edge.runtime.heartbeat import HeartbeatGrid
 from iop_edge.runtime.session import (
     LoadListener,
     NodeSession,
@@ -110,10 +111,18 @@ class NodeHub:
         self._on_status = on_status
         self._on_load = on_load
         self.heartbeat_s = heartbeat_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.heartbeats = HeartbeatGrid(heartbeat_s, heartbeat_timeout_s)
+        """Looks at every session (`run_heartbeats`, owned by the Edge's nursery)."""
         self.handshake_timeout_s = handshake_timeout_s
         self._sessions: dict[str, NodeSession] = {}
         self.handshakes = HandshakeGate()
+
+    async def run_heartbeats(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Keep the heartbeat grid's time (session Rule 5) until cancelled."""
+        task_status.started()
+        await self.heartbeats.run()
 
     def session(self, node_id: str) -> NodeSession | None:
         return self._sessions.get(node_id)
@@ -200,7 +209,7 @@ class NodeHub:
         )
         self._on_connect(hello.node_id)
         try:
-            await session.serve(self.heartbeat_s, self.heartbeat_timeout_s)
+            await session.serve(self.heartbeats)
         finally:
             if self._sessions.get(hello.node_id) is session:
                 del self._sessions[hello.node_id]

@@ -16,19 +16,19 @@ Rules:
    (`core.node_input`) before anything acts on them.
 4. A `cancel` is never dropped, even on a full outbox: otherwise the provider keeps
    running a run whose slot the Edge already gave back.
-5. The heartbeat looks at the peer every `heartbeat_s`, at instants of a grid shared by
-   all sessions (`HEARTBEAT_SLOTS` per interval; the first look a whole interval after
-   the session began), and pings it unless something arrived from it since about the
+5. The heartbeat grid (`heartbeat.HeartbeatGrid`, one timer for all sessions) looks at
+   the peer every interval (the first ping, if any, a whole interval after the session
+   began), and a look pings it unless something arrived from it since about the
    previous look (`heard`: any frame, its own pings included: a Node pings every
-   `heartbeat_s` on its own). A peer that leaves a ping unanswered for
-   `heartbeat_timeout_s` is dropped. After an answer slower than the interval, the next
-   look is at the next beat of the grid after it.
+   `heartbeat_s` on its own). The ping is sent by the session's heartbeat task, which
+   waits for such a look without a timer. A peer that leaves a ping unanswered for the
+   grid's `timeout_s` is dropped. Looks while a ping is out do nothing; after a slow
+   answer, the next ping is at the next look that finds the peer silent.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -37,6 +37,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 
 from iop_edge.core.node_input import check_node_message
 from iop_edge.runtime.compat.trio_websocket import watch_arrivals
+from iop_edge.runtime.heartbeat import HeartbeatGrid
 from schemas import wire
 from schemas.config import NodeConfig
 
@@ -49,10 +50,6 @@ one end."""
 
 #: Frames queued for the writer; senders wait (back-pressure) when it is full.
 OUTBOX_SIZE: Final = 256
-#: Heartbeats fall on a grid of this many instants per interval, shared by every session
-#: (Rule 5): at a thousand Nodes, 20 sessions ping in one scheduling pass every 100 ms
-#: instead of 200 passes a second each waking one session; a pass stays short.
-HEARTBEAT_SLOTS: Final = 50
 
 
 class SessionClosed(Exception):
@@ -128,11 +125,20 @@ class NodeSession:
         the hub then tells this connection's Node so with a `node_replaced` reject."""
         self._heard_at = trio.current_time()
         """When something last arrived from the peer (its `hello`, at first; Rule 5)."""
+        self._ping_due = trio.Event()
+        self._pinging = False
         watch_arrivals(websocket, self.heard)
 
     def heard(self) -> None:
         """Something arrived from the peer: it is alive (Rule 5)."""
         self._heard_at = trio.current_time()
+
+    def look(self, now: float, quiet_s: float) -> None:
+        """The heartbeat grid's look (Rule 5): have the peer pinged if it was silent for
+        `quiet_s` and no ping is out."""
+        if not self._pinging and now - self._heard_at > quiet_s:
+            self._pinging = True
+            self._ping_due.set()
 
     def statistics(self) -> SessionStatistics:
         return SessionStatistics(
@@ -259,8 +265,9 @@ class NodeSession:
         if self.end_reason is None:
             self.end_reason = reason
 
-    async def serve(self, heartbeat_s: float, heartbeat_timeout_s: float) -> None:
-        """Run the session until the peer goes away, misses heartbeats or is replaced."""
+    async def serve(self, heartbeats: HeartbeatGrid) -> None:
+        """Run the session until the peer goes away, misses heartbeats or is replaced;
+        the grid looks at it meanwhile (Rule 5; its `run` is the grid owner's)."""
         try:
             with self._scope:
                 async with trio.open_nursery() as nursery:
@@ -271,7 +278,7 @@ class NodeSession:
                         nursery.cancel_scope.cancel()
 
                     async def heartbeat_then_stop() -> None:
-                        await self._heartbeat(heartbeat_s, heartbeat_timeout_s)
+                        await self._heartbeat(heartbeats)
                         nursery.cancel_scope.cancel()
 
                     async def retired_then_stop() -> None:
@@ -362,25 +369,23 @@ class NodeSession:
                 await reject(self.websocket, "protocol_error", str(exc))
                 return
 
-    async def _heartbeat(self, interval_s: float, timeout_s: float) -> None:
-        """Rule 5."""
-        step = interval_s / HEARTBEAT_SLOTS
-        beat = math.ceil((trio.current_time() + interval_s) / step) * step
-        while True:
-            await trio.sleep_until(beat)
-            # "Since about the previous look": a pong to the previous ping arrives a little
-            # after that look, and still leaves the peer to be pinged now.
-            if trio.current_time() - self._heard_at > interval_s - step:
+    async def _heartbeat(self, heartbeats: HeartbeatGrid) -> None:
+        """Rule 5: ping whenever a look of the grid asks for it."""
+        timeout_s = heartbeats.timeout_s
+        heartbeats.join(self)
+        try:
+            while True:
+                await self._ping_due.wait()
+                self._ping_due = trio.Event()
                 with trio.move_on_after(timeout_s) as scope:
                     await self.websocket.ping()
                 if scope.cancelled_caught:
                     self._ended(f"no heartbeat answer within {timeout_s:g}s")
                     return
                 self.heard()  # the answer (also seen arriving, where that is watched)
-            beat += interval_s
-            late = trio.current_time() - beat
-            if late > 0:  # a slow answer: the next beat of the grid after now
-                beat += math.ceil(late / interval_s) * interval_s
+                self._pinging = False
+        finally:
+            heartbeats.leave(self)
 
 
 async def reject(websocket: WebSocketConnection, code: str, reason: str) -> None:

@@ -1,22 +1,26 @@
-"""The Edge's heartbeats: every session looks on one shared grid, pings only a peer it has
-not heard from, and drops one that leaves a ping unanswered (session Rule 5).
+"""The Edge's heartbeats: one grid looks at every session, a look pings only a peer the
+Edge has not heard from, and a peer that leaves a ping unanswered is dropped (session
+Rule 5, `runtime/heartbeat.py`).
 
 A thousand sessions pinging on independent timers woke the Edge 200 times a second; on
-the grid, the sessions due at the same instant ping in one scheduling pass, and a Node
-that pings the Edge itself (as every Node does) needs no ping back. Driven by Trio's
-autojump clock, so no test here waits in real time."""
+the grid, the sessions due at the same instant ping in one scheduling pass, a Node that
+pings the Edge itself (as every Node does) needs no ping back, and no session keeps a
+timer of its own. Driven by Trio's autojump clock, so no test here waits in real time."""
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import cast
 
 import trio
 from trio.testing import MockClock
 from trio_websocket import WebSocketConnection
 
-from iop_edge.runtime.session import HEARTBEAT_SLOTS, NodeSession
+from iop_edge.runtime.heartbeat import HEARTBEAT_SLOTS, HeartbeatGrid
+from iop_edge.runtime.session import NodeSession
 
 INTERVAL_S = 5.0
 TIMEOUT_S = 15.0
@@ -54,6 +58,16 @@ def _session(peer: _Peer) -> NodeSession:
     )
 
 
+@asynccontextmanager
+async def _grid() -> AsyncIterator[HeartbeatGrid]:
+    """A heartbeat grid keeping its time for the block (as the Edge's nursery does)."""
+    grid = HeartbeatGrid(INTERVAL_S, TIMEOUT_S)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(grid.run)
+        yield grid
+        nursery.cancel_scope.cancel()
+
+
 def _gaps(moments: list[float]) -> list[float]:
     return [later - earlier for earlier, later in itertools.pairwise(moments)]
 
@@ -68,11 +82,11 @@ async def test_sessions_started_apart_ping_every_interval_on_the_shared_grid(
     peers = [_Peer(), _Peer(answer_s=0.01)]
     started: list[float] = []
     with trio.move_on_after(60):
-        async with trio.open_nursery() as nursery:
+        async with _grid() as grid, trio.open_nursery() as nursery:
             for delay, peer in zip((0.013, 2.718), peers, strict=True):
                 await trio.sleep(delay)
                 started.append(trio.current_time())
-                nursery.start_soon(_session(peer).serve, INTERVAL_S, TIMEOUT_S)
+                nursery.start_soon(_session(peer).serve, grid)
     for start, peer in zip(started, peers, strict=True):
         assert len(peer.pings) >= 10
         assert all(_on_grid(moment) for moment in peer.pings), peer.pings
@@ -86,7 +100,8 @@ async def test_a_slow_answer_moves_the_next_look_to_the_next_beat_after_it(
 ) -> None:
     peer = _Peer(answer_s=7.0)  # slower than the interval, within the timeout
     with trio.move_on_after(50):
-        await _session(peer).serve(INTERVAL_S, TIMEOUT_S)
+        async with _grid() as grid:
+            await _session(peer).serve(grid)
     # Ping at 0, answer at 7; the look at 10 finds the peer heard from 3 s ago, the
     # one at 15 pings again.
     assert len(peer.pings) >= 3
@@ -102,8 +117,8 @@ async def test_a_peer_heard_from_every_interval_is_not_pinged_until_it_falls_sil
     peer = _Peer()
     session = _session(peer)
     quiet_from = 42.0
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(session.serve, INTERVAL_S, TIMEOUT_S)
+    async with _grid() as grid, trio.open_nursery() as nursery:
+        nursery.start_soon(session.serve, grid)
         while trio.current_time() < quiet_from:
             await trio.sleep(INTERVAL_S - 0.3)  # the peer's own ping, a bit off the grid
             session.heard()
@@ -119,7 +134,8 @@ async def test_a_peer_that_never_answers_is_dropped_after_the_timeout(
 ) -> None:
     peer = _Peer(answer_s=None)
     session = _session(peer)
-    await session.serve(INTERVAL_S, TIMEOUT_S)
+    async with _grid() as grid:
+        await session.serve(grid)
     assert len(peer.pings) == 1
     assert math.isclose(trio.current_time() - peer.pings[0], TIMEOUT_S)
     assert session.end_reason == f"no heartbeat answer within {TIMEOUT_S:g}s"

@@ -1,0 +1,79 @@
+"""The Edge's heartbeat grid: one timer for every Node session's liveness (session Rule 5).
+
+Every session is looked at once per `interval_s`, at one of `HEARTBEAT_SLOTS` instants
+of a grid shared by all sessions; a look pings the peer only when nothing arrived from it
+since about the previous look (a Node pings the Edge every interval on its own, and its
+runs' events are proof of life too). One task, the grid's, keeps the time: it wakes once
+per slot and looks at that slot's sessions in one pass. A session's own heartbeat task
+waits without a timer until a look finds its peer silent.
+
+Why one timer: a thousand sessions each sleeping until their next look cost the idle
+Edge a timer per session per interval (a cancel scope, a deadline, and the `Cancelled`
+that ends each sleep) just to find, nearly every time, a peer that had pinged the Edge
+a moment ago. The grid's look is an attribute read per session.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final, Protocol
+
+import trio
+
+__all__ = ["HEARTBEAT_SLOTS", "HeartbeatGrid", "Watched"]
+
+#: Looks fall on a grid of this many instants per interval: at a thousand Nodes, 20
+#: sessions are looked at in one scheduling pass every 100 ms.
+HEARTBEAT_SLOTS: Final = 50
+
+
+class Watched(Protocol):
+    def look(self, now: float, quiet_s: float) -> None:
+        """Ping the peer if nothing arrived from it in the last `quiet_s` seconds."""
+
+
+class HeartbeatGrid:
+    """The looks of every session joined (see the module docstring); `run` keeps the time.
+
+    A session joins at the slot of the first beat a whole interval after it joined, so
+    its first ping (if it ever needs one) comes an interval after the session began; a
+    look at that slot sooner than that finds it heard from (its `hello`) and does
+    nothing."""
+
+    def __init__(self, interval_s: float, timeout_s: float) -> None:
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        """A ping unanswered for this long ends the session (its own task enforces it)."""
+        self._step = interval_s / HEARTBEAT_SLOTS
+        self._slots: list[set[Watched]] = [set() for _ in range(HEARTBEAT_SLOTS)]
+        self._slot_of: dict[Watched, int] = {}
+
+    @property
+    def quiet_s(self) -> float:
+        """Silence that makes a look ping: "since about the previous look". The answer to
+        the previous ping arrives just after that look and does not count."""
+        return self.interval_s - self._step
+
+    def join(self, session: Watched) -> None:
+        beat = math.ceil((trio.current_time() + self.interval_s) / self._step)
+        slot = beat % HEARTBEAT_SLOTS
+        self._slots[slot].add(session)
+        self._slot_of[session] = slot
+
+    def leave(self, session: Watched) -> None:
+        slot = self._slot_of.pop(session, None)
+        if slot is not None:
+            self._slots[slot].discard(session)
+
+    async def run(self) -> None:
+        """Look at each slot's sessions at its beats, forever. A late wake-up (a busy
+        Edge) looks at every slot it passed, in order, once."""
+        beat = math.ceil(trio.current_time() / self._step)
+        while True:
+            await trio.sleep_until(beat * self._step)
+            now = trio.current_time()
+            quiet_s = self.quiet_s
+            while beat * self._step <= now:
+                for session in tuple(self._slots[beat % HEARTBEAT_SLOTS]):
+                    session.look(now, quiet_s)
+                beat += 1
