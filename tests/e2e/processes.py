@@ -165,6 +165,8 @@ class MixedLoad:
         self.max_tokens = max_tokens
         self.retries = retries
         self.tally = Tally()
+        self.streaming: set[str] = set()
+        """Run ids of the streams under way that have had a chunk: what a kill cuts."""
         self._stop = trio.Event()
         self._progress = trio.Event()
 
@@ -175,6 +177,14 @@ class MixedLoad:
         """Return once `total` requests have ended, however."""
         while self.tally.total < total:
             await self._progress.wait()
+
+    async def wait_progress(self) -> None:
+        """Return once a request ended or a stream had its first chunk."""
+        await self._progress.wait()
+
+    def _notify(self) -> None:
+        self._progress.set()
+        self._progress = trio.Event()
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -188,8 +198,7 @@ class MixedLoad:
         async with client:
             while not self._stop.is_set():
                 await self._one(client, stream)
-                self._progress.set()
-                self._progress = trio.Event()
+                self._notify()
 
     async def _one(self, client: openai.AsyncOpenAI, stream: bool) -> None:
         tally = self.tally
@@ -201,10 +210,16 @@ class MixedLoad:
                     model="m", stream=True, max_tokens=self.max_tokens, messages=MESSAGES
                 )
                 finish = None
-                async for chunk in chunks:
-                    run_id = _run_id(chunk.id)
-                    if chunk.choices and chunk.choices[0].finish_reason:
-                        finish = chunk.choices[0].finish_reason
+                try:
+                    async for chunk in chunks:
+                        if run_id is None:
+                            run_id = _run_id(chunk.id)
+                            self.streaming.add(run_id)
+                            self._notify()
+                        if chunk.choices and chunk.choices[0].finish_reason:
+                            finish = chunk.choices[0].finish_reason
+                finally:
+                    self.streaming.discard(run_id or "")
                 if finish is None:
                     tally.truncated += 1
                     tally.failures.append(

@@ -109,9 +109,14 @@ async def test_killing_one_replica_fails_only_its_in_flight_runs(
             callers.start_soon(load.run)
             with trio.fail_after(60):
                 await load.wait_total(40)
-                # both replicas carry runs right now (the balancer spreads connections)
-                while not _on_both(nodes, node_urls):
-                    await load.wait_total(load.tally.total + 1)
+                # Both replicas carry runs right now (the balancer spreads connections),
+                # and a stream that already had chunks runs on the victim: killing it
+                # must cut that stream (non-streams are retried elsewhere and succeed).
+                while not (
+                    _on_both(nodes, node_urls) and load.streaming & _runs_of(nodes, node_urls[0])
+                ):
+                    await load.wait_progress()
+            on_victim.update(_runs_of(nodes, node_urls[0]))
             killed_at = trio.current_time()
             victim.process.send_signal(signal.SIGKILL)
             with trio.fail_after(60):
