@@ -2,23 +2,33 @@
 accepting without touching the sessions already open (see `listeners`, `handover`).
 
 trio-websocket's `serve_websocket` binds its own sockets and accepts until cancelled;
-here the accept loop (a `WebSocketServer` over a duplicate of the Edge's socket) has its
-own cancel scope, while every connection runs in the server's handler nursery. So a
-restarting Edge can stop taking Nodes (its successor, which shares the socket, takes
-them) and, should the successor fail, take them up again.
+here the accept loop (over a duplicate of the Edge's socket) has its own cancel scope,
+while every connection runs in the server's connection nursery. So a restarting Edge can
+stop taking Nodes (its successor, which shares the socket, takes them) and, should the
+successor fail, take them up again.
+
+Each connection is upgraded with trio-websocket's public `wrap_server_stream` in a
+nursery of its own, and whatever the library raises for that connection ends it alone.
+trio-websocket's own server lets such an error out of its handler nursery, which would
+end every session and the Edge with it: in 0.12 a peer that answers the Edge's Close
+with a ping makes its reader send a pong that wsproto refuses (`LocalProtocolError` on a
+closing connection, trio-websocket issue #184), three frames any anonymous peer can send.
 """
 
 from __future__ import annotations
 
+import logging
 import ssl
 from collections.abc import Awaitable, Callable
 
 import trio
-from trio_websocket import WebSocketRequest, WebSocketServer
+from trio_websocket import WebSocketRequest, wrap_server_stream
 
 from iop_edge.runtime.listeners import Listener
 
 __all__ = ["NodeServer"]
+
+log = logging.getLogger(__name__)
 
 
 class NodeServer:
@@ -73,18 +83,54 @@ class NodeServer:
         listener: trio.SocketListener | trio.SSLListener[trio.SocketStream] = socket_listener
         if self._ssl_context is not None:
             listener = trio.SSLListener(socket_listener, self._ssl_context, https_compatible=False)
-        server = WebSocketServer(
-            self._handler,
-            [listener],
-            handler_nursery=connections,
-            max_message_size=self._max_message_size,
-            receive_buffer_size=self._receive_buffer_size,
-            # An upgrade that does not arrive is an anonymous peer too (hub Rule 1).
-            connect_timeout=self._connect_timeout,
-        )
 
         async def accept() -> None:
             with scope:
-                await server.run()
+                await trio.serve_listeners(
+                    self._serve_connection, [listener], handler_nursery=connections
+                )
 
         connections.start_soon(accept, name=f"accept {self.url}")
+
+    async def _serve_connection(self, stream: trio.abc.Stream) -> None:
+        """Upgrade one connection and hand it to the handler; an error of the websocket
+        library ends this connection only (see the module docstring)."""
+        peer = _peer(stream)
+        try:
+            async with trio.open_nursery() as connection:
+                # An upgrade that does not arrive is an anonymous peer too (hub Rule 1).
+                request: WebSocketRequest | None = None
+                with trio.move_on_after(self._connect_timeout):
+                    request = await wrap_server_stream(
+                        connection,
+                        stream,
+                        max_message_size=self._max_message_size,
+                        receive_buffer_size=self._receive_buffer_size,
+                    )
+                if request is not None:
+                    await self._handler(request)
+                connection.cancel_scope.cancel()  # the connection's reader task
+        except Exception as exc:  # one peer's connection, never the listener
+            log.warning(
+                "node connection from %s ended by the websocket layer: %r", peer, _cause(exc)
+            )
+        finally:
+            await trio.aclose_forcefully(stream)
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The one error inside nested single-error groups (what a log line should name)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _peer(stream: trio.abc.Stream) -> str:
+    """`HOST:PORT` of a connection's peer (through TLS too), for a log line."""
+    inner = getattr(stream, "transport_stream", stream)
+    socket = getattr(inner, "socket", None)
+    try:
+        host, port = socket.getpeername()[:2] if socket is not None else ("?", "?")
+    except OSError:
+        return "an unknown peer"
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"

@@ -27,8 +27,9 @@ class RawPeer:
     async def send(self, data: bytes) -> None:
         await self.stream.send_all(self.ws.send(BytesMessage(data=data)))
 
-    async def next_message(self) -> wire.EdgeToNode | None:
-        """The next message from the Edge, or None once it closed the connection."""
+    async def next_message(self, *, answer_close: bool = True) -> wire.EdgeToNode | None:
+        """The next message from the Edge, or None once it closed the connection (its
+        Close answered unless `answer_close` is False)."""
         buffer = bytearray()
         while True:
             for event in self._events():
@@ -37,12 +38,21 @@ class RawPeer:
                     if event.message_finished:
                         return wire.decode_from_edge(bytes(buffer))
                 elif isinstance(event, CloseConnection):
-                    await self._answer_close(event)
+                    if answer_close:
+                        await self._answer_close(event)
                     return None
             data = await self.stream.receive_some()
             if not data:
                 return None
             self.ws.receive_data(data)
+
+    async def wait_eof(self) -> None:
+        """Read (and drop) bytes until the Edge closes (or resets) the TCP connection."""
+        try:
+            while await self.stream.receive_some():
+                pass
+        except trio.BrokenResourceError:
+            pass
 
     async def wait_closed(self) -> None:
         """Read until the Edge closes the connection (messages are discarded)."""

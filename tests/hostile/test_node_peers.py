@@ -99,3 +99,32 @@ async def test_frames_built_to_crash_the_decoder_are_rejected(
         await peer.aclose()
     await stack.start_node()  # the listener still serves
     await stack.wait_servable("m")
+
+
+async def test_a_ping_answering_the_edges_close_ends_only_that_connection(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """The Edge closes a peer (here: a bad `hello`) and the peer pings instead of closing
+    too. trio-websocket 0.12 answers that ping with a pong wsproto refuses to send on a
+    closing connection, and raises out of the connection's reader (trio-websocket issue
+    #184): that must end this one connection, never the listener, an open session or the
+    Edge."""
+    stack = await _stack(nursery, tmp_path)
+    await stack.start_node()
+    await stack.wait_servable("m")
+    peer = await open_raw_peer(stack.addresses.node_url)
+    await peer.send(b"\xc1 not a hello")
+    with trio.fail_after(5):
+        reply = await peer.next_message(answer_close=False)
+        assert isinstance(reply, wire.Reject) and reply.code == "bad_frame"
+        assert await peer.next_message(answer_close=False) is None  # the Edge's Close
+        # A ping frame by hand (wsproto would not send one now): FIN + opcode 9,
+        # masked (as from a client) with a zero key, so the payload reads as is.
+        payload = b"still there?"
+        await peer.stream.send_all(bytes([0x89, 0x80 | len(payload)]) + bytes(4) + payload)
+        await peer.wait_eof()
+    await peer.aclose()
+    # The listener still accepts, and the Node connected before is still connected.
+    assert "node-1" in stack.edge.connected_nodes()
+    await stack.start_node("node-1")  # a new connection for the same id replaces the old
+    await stack.wait_servable("m")

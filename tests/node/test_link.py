@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -21,8 +22,7 @@ import trio.testing
 from trio_websocket import (
     ConnectionClosed,
     WebSocketConnection,
-    WebSocketRequest,
-    serve_websocket,
+    wrap_server_stream,
 )
 
 from iop_node.adapters.base import Adapter, Emit, RunResult
@@ -200,15 +200,21 @@ class FakeEdge:
     async def _serve(self, port: int, *, task_status: trio.TaskStatus[int]) -> None:
         with trio.CancelScope() as self._scope:
             async with trio.open_nursery() as nursery:
-                server = await nursery.start(
-                    partial(serve_websocket, self._handle, self.host, port, None)
-                )
-                task_status.started(server.port)
+                serve = partial(trio.serve_tcp, self._connection, port, host=self.host)
+                [listener] = await nursery.start(serve)
+                task_status.started(listener.socket.getsockname()[1])
 
-    async def _handle(self, request: WebSocketRequest) -> None:
-        side = EdgeSide(await request.accept())
-        await self._accepted.send(side)
-        await side.released.wait()
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        """One node connection, its errors its own, as on the real Edge
+        (`iop_edge.runtime.node_server`): trio-websocket's own server lets a pong it cannot
+        send (a Node's ping as we close) end the whole server."""
+        with contextlib.suppress(Exception):
+            async with trio.open_nursery() as connection:
+                request = await wrap_server_stream(connection, stream)
+                side = EdgeSide(await request.accept())
+                await self._accepted.send(side)
+                await side.released.wait()
+                connection.cancel_scope.cancel()
 
 
 class Partition:
