@@ -10,8 +10,9 @@ wire (`schemas.wire`), so the Edge does exactly the work it does for real Nodes:
 - for every `refresh`: `refresh_ack{ok}` for its revision, then a `status` for the new
   providers (a real Node's health monitor reports after a refresh too);
 - a `run` (the scenario routes none) gets `run_failed{internal}`: there is no upstream;
-- every `heartbeat_s` the Edge announced in `welcome`, a ping to the Edge, as a real
-  Node's keepalive sends (`iop_node.link`); the Edge's pings are answered by
+- every `heartbeat_s` the Edge announced in `welcome`, at the node's instant of the
+  shared grid (`schemas.heartbeat`), a ping to the Edge, as a real Node's keepalive
+  sends (`iop_node.link`); the Edge's pings are answered by
   trio-websocket itself, as for a real Node.
 
 At most `handshakes` connections are in their handshake at once: the Edge refuses more
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -47,6 +49,7 @@ from trio_websocket import (
 from iop_edge.runtime.handshakes import MAX_PENDING_HANDSHAKES_PER_SOURCE
 from schemas import wire
 from schemas.config import NodeConfig
+from schemas.heartbeat import seconds_to_next_ping
 
 READY_PREFIX: Final = "light-nodes ready: "
 FAILED_PREFIX: Final = "light-nodes failed: "
@@ -140,17 +143,18 @@ async def light_node(
                 await ws.send_message(wire.encode(status_of(welcome.node_config)))
         progress.welcomed += 1
         task_status.started()
-        connection.start_soon(_keepalive, ws, welcome.heartbeat_s)
+        connection.start_soon(_keepalive, ws, node_id, welcome.heartbeat_s)
         await _serve(ws)
         connection.cancel_scope.cancel()
 
 
-async def _keepalive(ws: WebSocketConnection, interval_s: float) -> None:
-    """Ping the Edge every `interval_s`, as a real Node does (its answer is not checked:
-    a light Node that lost its Edge ends with the connection)."""
+async def _keepalive(ws: WebSocketConnection, node_id: str, interval_s: float) -> None:
+    """Ping the Edge every `interval_s` at the node's instant of the shared grid, as a
+    real Node does (its answer is not checked: a light Node that lost its Edge ends with
+    the connection)."""
     try:
         while True:
-            await trio.sleep(interval_s)
+            await trio.sleep(seconds_to_next_ping(node_id, interval_s, time.time()))
             await ws.ping()
     except ConnectionClosed:
         return

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final, Literal, cast
@@ -65,6 +66,7 @@ from iop_node.dial import open_edge_websocket
 from iop_node.host import LinkPort, ProviderHost
 from iop_node.runner import Outbound
 from schemas import limits
+from schemas.heartbeat import seconds_to_next_ping
 from schemas.wire import (
     NODE_REPLACED,
     PERMANENT_REJECTIONS,
@@ -543,8 +545,11 @@ class _Session:
     # --- liveness ----------------------------------------------------------------------
 
     async def _keepalive(self, interval_s: float, timeout_s: float) -> None:
+        """Ping the Edge once per interval, at this node's instant of the shared grid
+        (`schemas.heartbeat`: the fleet's pings reach the Edge in batches)."""
+        node_id = self._settings.node_id
         while True:
-            await trio.sleep(interval_s)
+            await trio.sleep(seconds_to_next_ping(node_id, interval_s, time.time()))
             try:
                 with trio.fail_after(timeout_s):
                     await self._ws.ping()
