@@ -16,15 +16,13 @@ a moment ago. The grid's look is an attribute read per session.
 from __future__ import annotations
 
 import math
-from typing import Final, Protocol
+from typing import Protocol
 
 import trio
 
-__all__ = ["HEARTBEAT_SLOTS", "HeartbeatGrid", "Watched"]
+from schemas.heartbeat import HEARTBEAT_SLOTS
 
-#: Looks fall on a grid of this many instants per interval: at a thousand Nodes, 20
-#: sessions are looked at in one scheduling pass every 100 ms.
-HEARTBEAT_SLOTS: Final = 50
+__all__ = ["HeartbeatGrid", "Watched"]
 
 
 class Watched(Protocol):

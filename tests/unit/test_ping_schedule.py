@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 
-from schemas.heartbeat import SLOTS, seconds_to_next_ping
+from schemas.heartbeat import HEARTBEAT_SLOTS, seconds_to_next_ping
 
 INTERVAL_S = 5.0
-STEP_S = INTERVAL_S / SLOTS
+STEP_S = INTERVAL_S / HEARTBEAT_SLOTS
 
 
 def _ping_instant(node_id: str, now_unix: float) -> float:
@@ -38,8 +38,8 @@ def test_a_fleet_spreads_over_the_slots_and_shares_them() -> None:
     now = 1_700_000_000.0
     slots: dict[int, int] = {}
     for index in range(1_000):
-        slot = round(_ping_instant(f"node-{index}", now) % INTERVAL_S / STEP_S) % SLOTS
+        slot = round(_ping_instant(f"node-{index}", now) % INTERVAL_S / STEP_S) % HEARTBEAT_SLOTS
         slots[slot] = slots.get(slot, 0) + 1
     # Every slot is used, none by many more than the fleet's share (1000 / 50 = 20).
-    assert len(slots) == SLOTS
-    assert max(slots.values()) <= 3 * 1_000 // SLOTS
+    assert len(slots) == HEARTBEAT_SLOTS
+    assert max(slots.values()) <= 3 * 1_000 // HEARTBEAT_SLOTS
