@@ -620,9 +620,9 @@ class Dispatcher:
             last_failure = failure
             if failure.failure.code == wire.FailureCode.BUSY:
                 self._on_busy_answer(plan.model_id, lease.provider_id)
-            if failure.failure.code == wire.FailureCode.BUSY and busy < MAX_BUSY_REQUEUES:
-                busy += 1
-                continue  # Rule 7: full after all; wait for a slot like any request
+                if busy < MAX_BUSY_REQUEUES:
+                    busy += 1
+                    continue  # Rule 7: full after all; wait for a slot like any request
             tried.add(lease.provider_id)
             if _ambiguous(failure.failure):
                 status = failure.failure.status

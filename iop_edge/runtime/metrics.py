@@ -167,10 +167,8 @@ class EdgeMetrics:
         if queued_s is not None:
             self._queue_wait(model).observe(queued_s)
         if usage is not None:
-            counters = [self._tokens]
-            if usage_source == "estimated":
-                counters.append(self._estimated_tokens)
-            for tokens in counters:
+            estimated = usage_source == "estimated"
+            for tokens in (self._tokens, self._estimated_tokens) if estimated else (self._tokens,):
                 tokens(principal_ref, token_ref, model, provider, "prompt").inc(usage.prompt_tokens)
                 tokens(principal_ref, token_ref, model, provider, "completion").inc(
                     usage.completion_tokens
