@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 import trio
 from trio_websocket import WebSocketRequest, wrap_server_stream
 
+from iop_edge.core.listen import ListenAddress
 from iop_edge.runtime.listeners import Listener
 
 __all__ = ["NodeServer"]
@@ -56,8 +57,7 @@ class NodeServer:
     @property
     def url(self) -> str:
         host, port = self._listener.socket.getsockname()[:2]
-        host = f"[{host}]" if ":" in host else host
-        return f"{'wss' if self._ssl_context else 'ws'}://{host}:{port}"
+        return f"{'wss' if self._ssl_context else 'ws'}://{ListenAddress(host, port)}"
 
     async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Accept until cancelled; startable (reports the URL once accepting)."""
@@ -130,7 +130,7 @@ def _peer(stream: trio.abc.Stream) -> str:
     inner = getattr(stream, "transport_stream", stream)
     socket = getattr(inner, "socket", None)
     try:
-        host, port = socket.getpeername()[:2] if socket is not None else ("?", "?")
+        host, port = socket.getpeername()[:2] if socket is not None else ("?", 0)
     except OSError:
         return "an unknown peer"
-    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(ListenAddress(host, port))

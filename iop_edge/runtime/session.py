@@ -35,6 +35,7 @@ from typing import Final, Protocol
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
 
+from iop_edge.core.listen import ListenAddress
 from iop_edge.core.node_input import check_node_message
 from iop_edge.runtime.compat.trio_websocket import watch_arrivals
 from iop_edge.runtime.heartbeat import HeartbeatGrid
@@ -411,9 +412,6 @@ def peer_address(peer: WebSocketConnection | WebSocketRequest) -> str:
     """`HOST:PORT` of a connection's (or an upgrade request's) peer, for log lines
     (trio-websocket's `Endpoint` repr is not for them)."""
     remote = peer.remote
-    address = getattr(remote, "address", None)
-    if address is None:
-        return str(remote)
-    host = str(address)
-    host = f"[{host}]" if ":" in host else host
-    return f"{host}:{getattr(remote, 'port', '?')}"
+    if isinstance(remote, str):  # a Unix socket's path, say
+        return remote
+    return str(ListenAddress(str(remote.address), remote.port))
