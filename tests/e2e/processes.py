@@ -20,6 +20,7 @@ import subprocess
 import sys
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -67,29 +68,35 @@ class EdgeProcess:
                         self.urls[name] = match.group(1)
                 if len(self.urls) == len(_URLS):
                     self._urls_found.set()
+        self._urls_found.set()  # exited: the starter sees whether it was ready
 
 
 async def start_edge(
     nursery: trio.Nursery, config_path: Path, *extra: str, env: dict[str, str] | None = None
 ) -> EdgeProcess:
-    """Start `iop-edge serve` and return once it logged all three URLs."""
+    """Start `iop-edge serve` and return once it logged all three URLs. `nursery` owns
+    the process (killed when it is cancelled) and the reader of its output; the process
+    may exit, or be killed, at any time without failing the nursery."""
     argv = [sys.executable, "-m", "iop_edge", "serve", "--config", str(config_path), *extra]
-    process = await trio.lowlevel.open_process(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        cwd=str(REPO),
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    process: trio.Process = await nursery.start(
+        partial(
+            trio.run_process,
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            check=False,
+            cwd=str(REPO),
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
     )
     edge = EdgeProcess(process=process)
     nursery.start_soon(edge._read)
-    try:
-        with trio.fail_after(30):
-            await edge._urls_found.wait()
-    except trio.TooSlowError:
+    with trio.move_on_after(30):
+        await edge._urls_found.wait()
+    if len(edge.urls) < len(_URLS):
         process.kill()
-        raise AssertionError(f"the Edge did not start:\n{edge.log}") from None
+        raise AssertionError(f"the Edge did not start:\n{edge.log}")
     return edge
 
 

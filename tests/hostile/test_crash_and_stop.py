@@ -12,6 +12,7 @@ import sqlite3
 from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import trio
@@ -19,10 +20,26 @@ import yaml
 
 from iop_edge.runtime.usage import UsageLedger
 from iop_node.main import run_node
-from tests.e2e.stack import NODE_TOKEN, Stack, start_stack
-from tests.hostile.edge_process import start_edge_process, write_config
+from tests.e2e.processes import start_edge
+from tests.e2e.stack import NODE_TOKEN, Stack, edge_config, sim_provider, start_stack
 
 MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _write_config(
+    folder: Path, *, grace_s: float = 10.0, adapter: dict[str, Any] | None = None, capacity: int = 4
+) -> Path:
+    """An Edge config of one `sim` provider with this shutdown grace, written to FOLDER."""
+    text = edge_config(
+        folder / "state",
+        providers=[sim_provider("sim-1", capacity=capacity, adapter=adapter or {"ttft_ms": 0})],
+        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+    )
+    config = yaml.safe_load(text)
+    config["edge"]["shutdown_grace_s"] = grace_s
+    path = folder / "edge.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    return path
 
 
 def _ledger(state: Path) -> list[tuple[str, int, str | None]]:
@@ -45,17 +62,17 @@ async def _complete(http: httpx2.AsyncClient, index: int, completed: list[str]) 
 
 
 async def test_every_response_received_before_a_sigkill_is_in_the_ledger(tmp_path: Path) -> None:
-    config = write_config(tmp_path, adapter={"ttft_ms": 0, "tokens_per_second": 50_000})
+    config = _write_config(tmp_path, adapter={"ttft_ms": 0, "tokens_per_second": 50_000})
     completed: list[str] = []
     async with trio.open_nursery() as nursery:
-        edge = await start_edge_process(nursery, config)
-        await nursery.start(partial(run_node, edge.node_url, "node-1", NODE_TOKEN))
-        async with httpx2.AsyncClient(base_url=edge.openai_url, timeout=30) as http:
+        edge = await start_edge(nursery, config)
+        await nursery.start(partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN))
+        async with httpx2.AsyncClient(base_url=edge.urls["openai"], timeout=30) as http:
             async with trio.open_nursery() as load:
                 for index in range(80):
                     load.start_soon(_complete, http, index, completed)
-            edge.signal(signal.SIGKILL)  # within a batch window of the last response
-        assert await edge.wait() == -signal.SIGKILL
+            edge.process.send_signal(signal.SIGKILL)  # within a batch window of the last response
+        assert await edge.process.wait() == -signal.SIGKILL
         nursery.cancel_scope.cancel()
     state = tmp_path / "state"
     unwritten = set(completed) - {row[0] for row in _ledger(state)}
@@ -88,27 +105,27 @@ async def _rest(lines: AsyncIterator[str]) -> list[str]:
 
 async def test_sigterm_past_the_grace_period_ends_every_stream_properly(tmp_path: Path) -> None:
     slow = {"ttft_ms": 0, "tokens_per_second": 20}  # 500 tokens: 25 s, far past the grace
-    config = write_config(tmp_path, grace_s=0.5, adapter=slow)
+    config = _write_config(tmp_path, grace_s=0.5, adapter=slow)
     async with trio.open_nursery() as nursery:
-        edge = await start_edge_process(nursery, config)
-        await nursery.start(partial(run_node, edge.node_url, "node-1", NODE_TOKEN))
+        edge = await start_edge(nursery, config)
+        await nursery.start(partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN))
         body = {"model": "m", "messages": MESSAGES, "max_tokens": 500, "stream": True}
         async with (
-            httpx2.AsyncClient(base_url=edge.openai_url, timeout=30) as http,
+            httpx2.AsyncClient(base_url=edge.urls["openai"], timeout=30) as http,
             http.stream("POST", "/v1/chat/completions", json=body) as first,
             http.stream("POST", "/v1/chat/completions", json=body) as second,
         ):
             streams = [first.aiter_lines(), second.aiter_lines()]
             for lines in streams:
                 await _next_lines(lines, 2)
-            edge.signal(signal.SIGTERM)
+            edge.process.send_signal(signal.SIGTERM)
             for stream in streams:
                 lines = await _rest(stream)
                 assert lines[-1] == "data: [DONE]", lines[-3:]
                 error = json.loads(lines[-2].removeprefix("data: "))["error"]
                 assert error["code"] == "shutting_down"
         with trio.fail_after(20):
-            assert await edge.wait() == 0
+            assert await edge.process.wait() == 0
         nursery.cancel_scope.cancel()
     statuses = sorted((status, provider) for _, status, provider in _ledger(tmp_path / "state"))
     assert statuses == [(503, "sim-1"), (503, "sim-1")]
@@ -118,7 +135,7 @@ async def test_the_cut_answers_every_kind_of_exchange(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     """In-process, with a stream, a non-stream run and a queued request in flight."""
-    config = yaml.safe_load(write_config(tmp_path, grace_s=0.3, capacity=2,
+    config = yaml.safe_load(_write_config(tmp_path, grace_s=0.3, capacity=2,
                                          adapter={"ttft_ms": 0, "tokens_per_second": 20})
                             .read_text())  # fmt: skip
     stack: Stack = await start_stack(
