@@ -160,3 +160,13 @@ async def start_stack(
         await stack.start_node(node_id, **(node_kwargs or {}))
     await stack.wait_servable(*wait_models)
     return stack
+
+
+async def hang_up_after(stream: openai.AsyncStream[Any], chunks: int) -> None:
+    """Read `chunks` events of `stream`, then hang up as a caller who has seen enough."""
+    received = 0
+    async for _chunk in stream:
+        received += 1
+        if received == chunks:
+            break
+    await stream.close()

@@ -37,7 +37,7 @@ from tests.adapters.fake_upstream import (
     expected_events,
     invalid_report,
 )
-from tests.e2e.stack import Stack, sim_provider
+from tests.e2e.stack import Stack, hang_up_after, sim_provider
 from tests.e2e.test_upstreams import (
     ALIAS,
     GUARD_S,
@@ -447,12 +447,7 @@ async def test_a_stream_the_caller_cancels_is_metered_with_what_reached_it(
             stream = await client.chat.completions.create(
                 model=ALIAS, messages=MESSAGES, stream=True
             )
-            received = 0
-            async for _chunk in stream:
-                received += 1
-                if received == 3:
-                    break
-            await stream.close()
+            await hang_up_after(stream, 3)
     await wait_idle(stack)
     [record] = await _ledger(stack)
     assert (record["status"], record["usage_source"]) == (499, "estimated")

@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from tests.adapters.fake_upstream import FakeUpstream
-from tests.e2e.stack import Stack
+from tests.e2e.stack import Stack, hang_up_after
 from tests.e2e.test_upstreams import (
     ALIAS,
     GUARD_S,
@@ -468,12 +468,7 @@ async def test_caller_gone_mid_stream_closes_the_upstream_request(
             stream = await client.chat.completions.create(
                 model=ALIAS, messages=MESSAGES, stream=True
             )
-            received = 0
-            async for _chunk in stream:
-                received += 1
-                if received == 2:
-                    break
-            await stream.close()
+            await hang_up_after(stream, 2)
     assert fake.disconnects == 0
     with trio.fail_after(1.0):  # SPEC: the run is cancelled, its slot back within a second
         await fake.wait_for(lambda: fake.disconnects == 1 and fake.active == 0)

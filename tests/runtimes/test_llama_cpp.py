@@ -33,7 +33,7 @@ import trio
 from pydantic import BaseModel
 
 from schemas.tokens import estimate_input_tokens
-from tests.e2e.stack import Stack
+from tests.e2e.stack import Stack, hang_up_after
 from tests.e2e.test_upstreams import (
     ALIAS,
     MakeStack,
@@ -336,12 +336,7 @@ async def test_streams_are_metered_with_estimates_never_zero(one_provider: Stack
             cancelled = await client.chat.completions.create(
                 **{**request, "max_tokens": 200}, stream=True
             )
-            received = 0
-            async for _chunk in cancelled:
-                received += 1
-                if received == 5:
-                    break
-            await cancelled.close()
+            await hang_up_after(cancelled, 5)
     assert whole.usage is not None and whole.usage.completion_tokens == 32
     assert all(chunk.usage is None for chunk in chunks)  # llama.cpp ignored the request
     await stack.wait_catalog(all_idle, within_s=GUARD_S)
