@@ -131,22 +131,19 @@ async def start_gateway(
 
 
 async def wait_servable(admin_url: str) -> None:
-    """Return once the Edge's catalog shows the provider connected and available.
+    """Return once the Edge's catalog shows every provider connected and available.
 
-    The Node reports its provider's health to the Edge a moment after the handshake
-    (after its first probe of the upstream). Across the process boundary the admin
-    catalog is the only place that state is visible, and there is nothing to wait on
-    but the next look, so this re-reads it at a short interval; the caller's deadline
-    bounds the whole wait.
+    A Node reports its providers' health to the Edge a moment after the handshake (after
+    its first probe of the upstream). Across the process boundary the admin catalog is
+    the only place that state is visible, and there is nothing to wait on but the next
+    look, so this re-reads it at a short interval; the caller's deadline bounds the whole
+    wait.
     """
     async with httpx2.AsyncClient(base_url=admin_url, timeout=5) as admin:
         while True:
             response = await admin.get("/catalog")
             response.raise_for_status()
             providers = response.json().get("providers", [])
-            if any(
-                p.get("id") == PROVIDER_ID and p.get("connected") and p.get("health") == "available"
-                for p in providers
-            ):
+            if providers and all(p["connected"] and p["health"] == "available" for p in providers):
                 return
             await trio.sleep(_READINESS_INTERVAL_S)

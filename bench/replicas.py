@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import secrets
 import socket
 from collections.abc import Callable, Sequence
@@ -30,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-import httpx2
 import trio
 import yaml
 from rich.table import Table
 
+from bench.gateway import EdgeLog, wait_servable
 from bench.load import Budget, Measurement, Scenario, Target, measure, open_client
 from bench.procfs import cpu_seconds
 from bench.services import python_argv, spawn_service, start_service
@@ -46,13 +45,6 @@ _START_S: Final = 60.0
 #: Run slots per provider: far above the bench's concurrency.
 _CAPACITY: Final = 256
 _NODES: Final = 2
-#: Between two readiness checks of an Edge's catalog (see `_wait_servable`).
-_READINESS_INTERVAL_S: Final = 0.02
-_URL = {
-    "node": re.compile(r"node websocket listening on (\S+)"),
-    "openai": re.compile(r"OpenAI API listening on (\S+)"),
-    "admin": re.compile(r"admin API listening on (\S+)"),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,17 +60,6 @@ class _Running:
     name: str
     url: str
     pids: dict[str, tuple[int, ...]]
-
-
-class _Urls:
-    def __init__(self) -> None:
-        self.found: dict[str, str] = {}
-
-    def __call__(self, line: str) -> dict[str, str] | None:
-        for name, pattern in _URL.items():
-            if match := pattern.search(line):
-                self.found[name] = match.group(1)
-        return dict(self.found) if len(self.found) == len(_URL) else None
 
 
 def _free_port() -> int:
@@ -121,21 +102,6 @@ def _config(upstream_root: str, state_dir: Path, token_hash: str, openai_listen:
     return yaml.safe_dump(config, sort_keys=False)
 
 
-async def _wait_servable(admin_url: str) -> None:
-    """Return once every provider shows connected and available in the Edge's catalog.
-
-    Across the process boundary the admin catalog is the only place that state is
-    visible, so this re-reads it at a short interval; the caller bounds the wait."""
-    async with httpx2.AsyncClient(base_url=admin_url, timeout=5) as admin:
-        while True:
-            response = await admin.get("/catalog")
-            response.raise_for_status()
-            providers = response.json().get("providers", [])
-            if providers and all(p["connected"] and p["health"] == "available" for p in providers):
-                return
-            await trio.sleep(_READINESS_INTERVAL_S)
-
-
 async def _start(services: trio.Nursery, upstream_root: str, workdir: Path, edges: int) -> _Running:
     """`edges` Edge processes (sharing the caller port when more than one) and the Nodes."""
     token = secrets.token_urlsafe(24)
@@ -147,21 +113,21 @@ async def _start(services: trio.Nursery, upstream_root: str, workdir: Path, edge
     await trio.Path(path).write_text(text, encoding="utf-8")
     argv = python_argv("iop_edge", "serve", "--config", str(path), "--log-level", "INFO")
     started = [
-        await start_service(services, f"iop-edge-{index}", argv, _Urls())
+        await start_service(services, f"iop-edge-{index}", argv, EdgeLog())
         for index in range(1, edges + 1)
     ]
     nodes = []
     for index in range(1, _NODES + 1):
         node_argv = python_argv("iop_node", "run", "--node-id", f"bench-node-{index}")
         for edge in started:
-            node_argv += ["--edge", edge.ready["node"]]
+            node_argv += ["--edge", edge.ready.node]
         nodes.append(
             await spawn_service(
                 services, f"iop-node-{index}", node_argv, env={"IOP_NODE_TOKEN": token}
             )
         )
     for edge in started:
-        await _wait_servable(edge.ready["admin"])
+        await wait_servable(edge.ready.admin)
     name = "one Edge" if edges == 1 else f"{edges} replicas"
     pids: dict[str, tuple[int, ...]] = {
         f"edge {i}": (edge.pid,) for i, edge in enumerate(started, 1)
@@ -169,7 +135,7 @@ async def _start(services: trio.Nursery, upstream_root: str, workdir: Path, edge
     if edges == 1:
         pids = {"edge": (started[0].pid,)}
     pids["nodes"] = tuple(node.pid for node in nodes)
-    return _Running(name, started[0].ready["openai"], pids)
+    return _Running(name, started[0].ready.openai, pids)
 
 
 async def _measure(running: _Running, scenario: Scenario, budget: Budget) -> Setup:

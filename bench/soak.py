@@ -41,6 +41,7 @@ import httpx2
 import trio
 import yaml
 
+from bench.gateway import EdgeLog, wait_servable
 from bench.services import REPO_ROOT, ServiceFailed, child_env, python_argv, start_service
 
 NODE_TOKEN = "soak-node-token-not-a-secret"
@@ -228,29 +229,22 @@ async def soak(minutes: float, concurrency: int, seed: int) -> int:
     state = folder / "state"
     config = folder / "edge.yaml"
     config.write_text(_config(state, 8), encoding="utf-8")
-    urls: dict[str, str] = {}
-
-    def ready(line: str) -> dict[str, str] | None:
-        for name in ("node websocket", "OpenAI API", "admin API"):
-            if f"{name} listening on " in line:
-                urls[name] = line.rsplit(" ", 1)[1]
-        return dict(urls) if len(urls) == 3 else None
-
     stopping = False
     try:
         async with trio.open_nursery() as nursery:
             argv = python_argv("iop_edge", "serve", "--config", str(config))
-            edge = await start_service(nursery, "edge", argv, ready)
-            node_url = urls["node websocket"]
-            nodes = [Node(f"node-{i}", node_url, folder / f"node-{i}.log") for i in (1, 2)]
+            edge = await start_service(nursery, "edge", argv, EdgeLog())
+            urls = edge.ready
+            nodes = [Node(f"node-{i}", urls.node, folder / f"node-{i}.log") for i in (1, 2)]
             for node in nodes:
                 await nursery.start(node.run)
             limits = httpx2.Limits(max_connections=concurrency * 2)
             async with (
-                httpx2.AsyncClient(base_url=urls["OpenAI API"], timeout=60, limits=limits) as http,
-                httpx2.AsyncClient(base_url=urls["admin API"], timeout=60) as admin,
+                httpx2.AsyncClient(base_url=urls.openai, timeout=60, limits=limits) as http,
+                httpx2.AsyncClient(base_url=urls.admin, timeout=60) as admin,
             ):
-                await _wait_servable(admin)
+                with trio.fail_after(30):  # the soak's own start-up
+                    await wait_servable(urls.admin)
                 started = time.monotonic()
                 stop = trio.Event()
                 async with trio.open_nursery() as work:
@@ -280,16 +274,6 @@ async def soak(minutes: float, concurrency: int, seed: int) -> int:
             raise
     lost = _lost_rows(state / "usage.sqlite3", books.completed)
     return _report(books, idle, lost, f"{minutes:g} min, {concurrency} callers ({folder})")
-
-
-async def _wait_servable(admin: httpx2.AsyncClient) -> None:
-    """Until both providers are available (bounded): the soak's own start-up."""
-    with trio.fail_after(30):
-        while True:
-            catalog = (await admin.get("/catalog")).json()
-            if all(p["health"] == "available" and p["connected"] for p in catalog["providers"]):
-                return
-            await trio.sleep(0.2)
 
 
 async def _catalog_when_idle(admin: httpx2.AsyncClient) -> dict[str, int]:
