@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import openai
 import trio
 
@@ -98,6 +99,15 @@ async def start_edge(
         process.kill()
         raise AssertionError(f"the Edge did not start:\n{edge.log}")
     return edge
+
+
+async def admin_get(admin_url: str, path: str) -> dict[str, Any]:
+    """`GET path` on an Edge process's admin API: its JSON document (an error status fails)."""
+    async with httpx2.AsyncClient(base_url=admin_url, timeout=10) as admin:
+        response = await admin.get(path)
+        response.raise_for_status()
+        document: dict[str, Any] = response.json()
+        return document
 
 
 def stop_pid(pid: int) -> None:

@@ -28,7 +28,7 @@ import yaml
 from iop_node.edges import EdgeLinks
 from iop_node.main import run_node
 from tests.e2e.balancer import require_haproxy, start_balancer
-from tests.e2e.processes import MixedLoad, start_edge, stop_pid
+from tests.e2e.processes import MixedLoad, admin_get, start_edge, stop_pid
 from tests.e2e.stack import NODE_TOKEN, NODE_TOKEN_HASH
 
 CAPACITY = 6
@@ -58,14 +58,6 @@ def _config(state_dir: Path) -> dict[str, Any]:
         "models": [{"id": "m", "providers": {"sim-1": "sim-small", "sim-2": "sim-small"}}],
         "nodes": [node(1), node(2)],
     }
-
-
-async def _catalog(admin_url: str) -> dict[str, Any]:
-    async with httpx2.AsyncClient(base_url=admin_url, timeout=10) as admin:
-        response = await admin.get("/catalog")
-        response.raise_for_status()
-        document: dict[str, Any] = response.json()
-        return document
 
 
 async def test_killing_one_replica_fails_only_its_in_flight_runs(
@@ -147,7 +139,7 @@ async def test_killing_one_replica_fails_only_its_in_flight_runs(
                     await host.wait_changed()
             slots = host.statistics().slots
             assert max(slots.peak.values()) <= CAPACITY
-        catalog = await _catalog(survivor.urls["admin"])
+        catalog = await admin_get(survivor.urls["admin"], "/catalog")
         for provider in catalog["providers"]:
             assert provider["in_flight"] == 0 and provider["other_edges_in_flight"] == 0
             assert provider["connected"]

@@ -23,6 +23,7 @@ from iop_node.edges import EdgeLinks
 from iop_node.main import run_node
 from tests.e2e.processes import (
     MixedLoad,
+    admin_get,
     pid_alive,
     run_cli,
     sim_config,
@@ -37,14 +38,6 @@ CAPACITY = 16
 def _write(path: Path, config: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return path
-
-
-async def _status(admin_url: str) -> dict[str, Any]:
-    async with httpx2.AsyncClient(base_url=admin_url, timeout=10) as admin:
-        response = await admin.get("/status")
-        response.raise_for_status()
-        document: dict[str, Any] = response.json()
-        return document
 
 
 async def test_restart_under_continuous_load_fails_nothing(
@@ -83,7 +76,8 @@ async def test_restart_under_continuous_load_fails_nothing(
         assert slots.peak["sim-1"] <= CAPACITY
         assert slots.in_flight == {"sim-1": 0}
         assert len(node.statistics().links) == 1  # the old link closed
-        status = await _status(edge.urls["admin"])  # same address: the successor answers
+        # same address: the successor answers
+        status = await admin_get(edge.urls["admin"], "/status")
         assert status["revision"] == 2 and status["pending_restart"] == []
         assert status["nodes"] == [{"id": "node-1", "connected": True, "applied_revision": 2}]
     finally:
@@ -121,7 +115,7 @@ async def test_sigusr2_applies_a_pending_restart_required_change(
                 json={"mode": "apply", "config_yaml": candidate, "allow_restart_required": True},
             )
         assert response.status_code == 200, response.text
-        status = await _status(edge.urls["admin"])
+        status = await admin_get(edge.urls["admin"], "/status")
         assert status["pending_restart"] == ["openai.principal_tokens[caller-two]"]
 
         async def call(token: str) -> int:
@@ -149,7 +143,7 @@ async def test_sigusr2_applies_a_pending_restart_required_change(
                 await load.wait_total(load.tally.total + 20)
             load.stop()
         assert load.tally.failed == [] and load.tally.truncated == 0
-        status = await _status(edge.urls["admin"])
+        status = await admin_get(edge.urls["admin"], "/status")
         assert status["pending_restart"] == [] and status["revision"] == 3
         assert await call(new_token) == 200
         successor = status.get("pid", 0)
