@@ -74,6 +74,17 @@ def sim_provider(
     }
 
 
+def one_sim_config(state_dir: Path, **sections: Any) -> str:
+    """An Edge config (YAML text) of one `sim` provider, `sim-1`, serving the model `m`;
+    `sections` as `edge_config` takes them."""
+    return edge_config(
+        state_dir,
+        providers=[sim_provider("sim-1")],
+        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+        **sections,
+    )
+
+
 @dataclass
 class Stack:
     edge: Edge

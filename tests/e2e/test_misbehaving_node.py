@@ -11,7 +11,7 @@ import trio
 from trio_websocket import WebSocketConnection, open_websocket_url
 
 from schemas import wire
-from tests.e2e.stack import NODE_TOKEN, Stack, edge_config, sim_provider, start_stack
+from tests.e2e.stack import NODE_TOKEN, Stack, one_sim_config, start_stack
 
 OnMessage = Callable[[WebSocketConnection, wire.EdgeToNode], Awaitable[None]]
 GOOD_EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}],"model":"m"}\n\n'
@@ -33,8 +33,7 @@ async def _hand_driven_node(
 
 
 async def _stack(nursery: trio.Nursery, tmp_path: Path, on_message: OnMessage) -> Stack:
-    text = edge_config(tmp_path, providers=[sim_provider("sim-1")],
-                       models=[{"id": "m", "providers": {"sim-1": "sim-small"}}])  # fmt: skip
+    text = one_sim_config(tmp_path)
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", nodes=())
     await nursery.start(_hand_driven_node, stack.addresses.node_url, on_message)
     await stack.wait_servable("m")

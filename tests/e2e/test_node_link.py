@@ -18,15 +18,11 @@ from iop_edge.edge import Edge
 from iop_edge.runtime.hub import PRE_AUTH_MAX_FRAME_BYTES
 from iop_node.backoff import BackoffPolicy
 from schemas import wire
-from tests.e2e.stack import NODE_TOKEN, Stack, edge_config, sim_provider, start_stack
+from tests.e2e.stack import NODE_TOKEN, Stack, one_sim_config, start_stack
 
 
 def _text(tmp_path: Path) -> str:
-    return edge_config(
-        tmp_path,
-        providers=[sim_provider("sim-1")],
-        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
-    )
+    return one_sim_config(tmp_path)
 
 
 async def _handshake(url: str, hello: wire.Hello | bytes) -> wire.EdgeToNode:

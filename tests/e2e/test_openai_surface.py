@@ -10,7 +10,7 @@ import openai
 import pytest
 import trio
 
-from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
+from tests.e2e.stack import Stack, edge_config, one_sim_config, sim_provider, start_stack
 
 CALLER_TOKEN = "caller-token-for-tests"
 
@@ -186,11 +186,7 @@ async def test_caller_request_id_is_echoed(stack: Stack) -> None:
 async def test_no_provider_connected_is_immediate_503(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    text = edge_config(
-        tmp_path,
-        providers=[sim_provider("sim-1")],
-        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
-    )
+    text = one_sim_config(tmp_path)
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", nodes=())
     async with stack.client() as client:
         with trio.fail_after(5):
@@ -203,10 +199,8 @@ async def test_no_provider_connected_is_immediate_503(
 
 
 async def test_principal_tokens_gate_the_api(nursery: trio.Nursery, tmp_path: Path) -> None:
-    text = edge_config(
+    text = one_sim_config(
         tmp_path,
-        providers=[sim_provider("sim-1")],
-        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
         openai_section={
             "principal_tokens": [
                 {

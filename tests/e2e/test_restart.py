@@ -30,7 +30,7 @@ from tests.e2e.processes import (
     start_edge,
     stop_pid,
 )
-from tests.e2e.stack import NODE_TOKEN, NODE_TOKEN_HASH, edge_config, sim_provider, start_stack
+from tests.e2e.stack import NODE_TOKEN, NODE_TOKEN_HASH, one_sim_config, start_stack
 
 CAPACITY = 16
 
@@ -185,11 +185,7 @@ async def test_an_in_process_edge_cannot_restart_itself(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     """Only `iop-edge serve` knows how to start itself again; an embedded Edge refuses."""
-    text = edge_config(
-        tmp_path,
-        providers=[sim_provider("sim-1")],
-        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
-    )
+    text = one_sim_config(tmp_path)
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", nodes=())
     async with stack.admin() as admin:
         response = await admin.post("/restart")

@@ -8,7 +8,7 @@ from pathlib import Path
 import trio
 
 from iop_edge.cli import main as edge_cli
-from tests.e2e.stack import edge_config, sim_provider, start_stack
+from tests.e2e.stack import one_sim_config, start_stack
 
 TOKENS = {"app-a": "usage-test-token-a", "app-b": "usage-test-token-b"}
 
@@ -24,10 +24,8 @@ async def test_every_finished_run_is_metered_per_principal(
         }
         for ref, token in TOKENS.items()
     ]
-    text = edge_config(
+    text = one_sim_config(
         tmp_path / "state",
-        providers=[sim_provider("sim-1")],
-        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
         openai_section={"principal_tokens": principals},
     )
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))

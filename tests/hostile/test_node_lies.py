@@ -12,7 +12,7 @@ from trio_websocket import WebSocketConnection
 
 from iop_edge.core.node_input import MAX_REPORTED_TOKENS, MAX_TEXT_CHARS
 from schemas import wire
-from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
+from tests.e2e.stack import Stack, one_sim_config, start_stack
 from tests.hostile.peers import OnMessage, hand_driven_node
 
 RESPONSE = b'{"object":"chat.completion","model":"sim-small","choices":[]}'
@@ -22,11 +22,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
 async def _stack(
     nursery: trio.Nursery, tmp_path: Path, on_message: OnMessage, status: wire.Status | None = None
 ) -> Stack:
-    text = edge_config(
-        tmp_path,
-        providers=[sim_provider("sim-1")],
-        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
-    )
+    text = one_sim_config(tmp_path)
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", nodes=())
     await nursery.start(
         lambda task_status: hand_driven_node(

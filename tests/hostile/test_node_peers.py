@@ -14,16 +14,12 @@ from iop_edge.runtime.handshakes import (
     MAX_PENDING_HANDSHAKES_PER_SOURCE,
 )
 from schemas import wire
-from tests.e2e.stack import NODE_TOKEN, Stack, edge_config, sim_provider, start_stack
+from tests.e2e.stack import NODE_TOKEN, Stack, one_sim_config, start_stack
 from tests.hostile.peers import RawPeer, open_raw_peer
 
 
 async def _stack(nursery: trio.Nursery, tmp_path: Path) -> Stack:
-    text = edge_config(
-        tmp_path,
-        providers=[sim_provider("sim-1")],
-        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
-    )
+    text = one_sim_config(tmp_path)
     return await start_stack(nursery, text, tmp_path / "edge.yaml", nodes=())
 
 
