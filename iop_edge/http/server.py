@@ -19,6 +19,8 @@ the Edge bound (or inherited), and drains in three steps:
 
 The Hypercorn internals used here (`TCPServer`, `WorkerContext`, `Lifespan`) are those of
 `worker_serve` in Hypercorn 0.18; `tests/e2e/test_http_server.py` pins their behaviour.
+Each connection is a `connection.Connection`: Hypercorn's handler with writes that skip
+its per-piece task switches (see that module).
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from typing import Any
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio.lifespan import Lifespan
-from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, ConnectionState, Scope
 from hypercorn.utils import repr_socket_addr, wrap_app
+
+from iop_edge.http.connection import ChunkedBodyWriter, Connection, current_connection
 
 __all__ = ["HttpServer"]
 
@@ -113,7 +116,7 @@ class HttpServer:
         self._draining = False
         scope = self._accept_scope = trio.CancelScope()
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._socket.dup()))
-        handler = partial(TCPServer, self._app, self._config, self._context, ConnectionState({}))
+        handler = partial(Connection, self._app, self._config, self._context, ConnectionState({}))
         connections = self._connections
 
         async def accept() -> None:
@@ -144,7 +147,7 @@ class HttpServer:
         self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
     ) -> None:
         """Count requests in progress; while draining, close each connection after its
-        response (step 1). Costs a counter per request, nothing per message."""
+        response (step 1); write chunked bodies directly (`ChunkedBodyWriter`)."""
         if scope["type"] != "http":
             await self._inner(scope, receive, send)
             return
@@ -154,6 +157,9 @@ class HttpServer:
         try:
             if self._draining:
                 send = partial(_closing_send, send)
+            connection = current_connection()
+            if connection is not None:
+                send = ChunkedBodyWriter(send, connection, scope)
             await self._inner(scope, receive, send)
         finally:
             self._in_flight -= 1

@@ -1,0 +1,165 @@
+"""The Edge's HTTP connections write responses themselves when they can
+(`iop_edge.http.connection`): what reaches the client must be byte for byte what
+Hypercorn alone would have written, whatever the socket takes at once.
+
+The client side is a raw socket, so each test sees the exact bytes on the wire."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import httpx2
+import trio
+import trio.testing
+
+from iop_edge.core.listen import parse_listen_address
+from iop_edge.edge import hypercorn_config
+from iop_edge.http.server import HttpServer
+from iop_edge.runtime.listeners import bind_listener
+
+Headers = Sequence[tuple[bytes, bytes]]
+
+
+class StreamingApp:
+    """Answers with `pieces`, one body message each, then an empty last message.
+
+    `hold` (when given) is awaited after the first piece; `finished` is set once the
+    app has sent everything without an error."""
+
+    def __init__(
+        self, pieces: Sequence[bytes], headers: Headers = (), hold: trio.Event | None = None
+    ) -> None:
+        self.pieces = pieces
+        self.headers = list(headers)
+        self.hold = hold
+        self.finished = trio.Event()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                kind = message["type"].rsplit(".", 1)[-1]
+                await send({"type": f"lifespan.{kind}.complete"})
+                if kind == "shutdown":
+                    return
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        for number, piece in enumerate(self.pieces):
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+            if number == 0 and self.hold is not None:
+                await self.hold.wait()
+        await send({"type": "http.response.body", "body": b""})
+        self.finished.set()
+
+
+async def _serve(nursery: trio.Nursery, app: StreamingApp) -> tuple[str, int]:
+    sock = bind_listener("openai", "127.0.0.1:0", parse_listen_address("127.0.0.1:0")).socket
+    server = HttpServer(app, hypercorn_config("127.0.0.1:0"), sock)
+    await nursery.start(server.serve)
+    host, port = sock.getsockname()[:2]
+    return host, port
+
+
+async def _exchange(address: tuple[str, int], request: bytes) -> bytes:
+    """Send `request` on a new connection; everything the server writes until it closes."""
+    stream = await trio.open_tcp_stream(*address)
+    async with stream:
+        await stream.send_all(request)
+        received = bytearray()
+        while data := await stream.receive_some(1 << 16):
+            received += data
+    return bytes(received)
+
+
+def _request(method: str = "POST", version: str = "1.1") -> bytes:
+    return f"{method} /stream HTTP/{version}\r\nhost: t\r\nconnection: close\r\n\r\n".encode()
+
+
+def _body(response: bytes) -> bytes:
+    return response.partition(b"\r\n\r\n")[2]
+
+
+PIECES = [b"data: one\n\n", b"data: two\n\n", b"x" * 1000]
+
+
+async def test_a_streamed_body_is_chunked_piece_by_piece(nursery: trio.Nursery) -> None:
+    address = await _serve(nursery, StreamingApp(PIECES))
+    response = await _exchange(address, _request())
+    assert b"\r\ntransfer-encoding: chunked\r\n" in response.lower()
+    chunks = [
+        b"b\r\ndata: one\n\n\r\n",
+        b"b\r\ndata: two\n\n\r\n",
+        b"3e8\r\n" + b"x" * 1000 + b"\r\n",
+    ]
+    last_chunk = b"0\r\n\r\n"  # written by h11 with the last body message
+    assert _body(response) == b"".join(chunks) + last_chunk
+
+
+async def test_a_body_framed_by_its_length_is_left_to_hypercorn(nursery: trio.Nursery) -> None:
+    length = sum(map(len, PIECES))
+    headers = [(b"content-length", str(length).encode())]
+    address = await _serve(nursery, StreamingApp(PIECES, headers))
+    response = await _exchange(address, _request())
+    assert b"transfer-encoding" not in response.lower()
+    assert _body(response) == b"".join(PIECES)
+
+
+async def test_an_http_1_0_caller_gets_the_body_unframed(nursery: trio.Nursery) -> None:
+    address = await _serve(nursery, StreamingApp(PIECES))
+    response = await _exchange(address, _request(version="1.0"))
+    assert b"transfer-encoding" not in response.lower()
+    assert _body(response) == b"".join(PIECES)  # ended by the close
+
+
+async def test_a_head_request_gets_no_body(nursery: trio.Nursery) -> None:
+    address = await _serve(nursery, StreamingApp(PIECES))
+    response = await _exchange(address, _request(method="HEAD"))
+    assert response.startswith(b"HTTP/1.1 200")
+    assert _body(response) == b""
+
+
+async def test_a_caller_that_does_not_read_gets_every_piece_in_order(
+    nursery: trio.Nursery,
+) -> None:
+    """Pieces far larger than the socket buffers: most writes are partial and the rest
+    waits for the socket on Hypercorn's path, while later pieces queue behind it."""
+    pieces = [bytes([65 + number]) * 300_000 for number in range(20)]
+    app = StreamingApp(pieces)
+    address = await _serve(nursery, app)
+    stream = await trio.open_tcp_stream(*address)
+    async with stream:
+        await stream.send_all(_request())
+        await trio.testing.wait_all_tasks_blocked()
+        assert not app.finished.is_set()  # the buffers are full: the app waits on the socket
+        received = bytearray()
+        while data := await stream.receive_some(1 << 16):
+            received += data
+    expected = b"".join(b"%x\r\n%b\r\n" % (len(piece), piece) for piece in pieces)
+    assert _body(bytes(received)) == expected + b"0\r\n\r\n"
+    assert app.finished.is_set()
+
+
+async def test_a_caller_gone_mid_stream_ends_only_its_connection(nursery: trio.Nursery) -> None:
+    """Writes to a connection the caller closed fail quietly, as Hypercorn's own do: the
+    app finishes its sends, and the server goes on serving."""
+    hold = trio.Event()
+    app = StreamingApp([b"data: first\n\n"] + [b"data: more\n\n"] * 50, hold=hold)
+    address = await _serve(nursery, app)
+    stream = await trio.open_tcp_stream(*address)
+    await stream.send_all(_request())
+    received = b""
+    while b"data: first" not in received:
+        received += await stream.receive_some(1 << 16)
+    linger_zero = struct.pack("ii", 1, 0)  # close with a reset: every later write fails
+    stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_zero)
+    await stream.aclose()
+    await trio.testing.wait_all_tasks_blocked()
+    hold.set()
+    with trio.fail_after(5):
+        await app.finished.wait()
+    app.hold = None
+    async with httpx2.AsyncClient() as client:
+        again = await client.post(f"http://{address[0]}:{address[1]}/stream")
+    assert again.content == b"".join(app.pieces)
