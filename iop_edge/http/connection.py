@@ -23,7 +23,9 @@ Two shortcuts, both falling back to Hypercorn's own path whenever they cannot fi
 
 The app tasks of a connection are spawned from the connection's task, so they see the
 connection through a context variable (`current_connection`). Hypercorn 0.18's
-`TCPServer` is the base (`tests/e2e/test_http_server.py` pins what is relied on).
+`TCPServer` is the base; on a Hypercorn whose handler has no `send_lock`, both shortcuts
+step aside (`Connection.writes_directly`), and `tests/e2e/test_http_connection.py` fails
+to say so.
 """
 
 from __future__ import annotations
@@ -55,15 +57,23 @@ def current_connection() -> Connection | None:
 class Connection(TCPServer):
     """One client connection (Hypercorn's `TCPServer`, see the module docstring).
 
-    The listener is a plain `trio.SocketListener` (TLS, when wanted, ends in front of
-    the Edge), so the stream is a `trio.SocketStream`."""
+    `writes_directly` says whether the shortcuts apply: the connection is a plain
+    `trio.SocketStream` (the Edge's listeners are; TLS, when wanted, ends in front of the
+    Edge) and Hypercorn keeps its writes under `send_lock` as 0.18 does. Otherwise this is
+    Hypercorn's handler unchanged, only slower."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.writes_directly = isinstance(self.stream, trio.SocketStream) and isinstance(
+            getattr(self, "send_lock", None), trio.Lock
+        )
 
     async def run(self) -> None:
         _current.set(self)  # seen by this connection's app tasks, spawned from here
         await super().run()
 
     async def protocol_send(self, event: Event) -> None:
-        if type(event) is RawData:
+        if type(event) is RawData and self.writes_directly:
             await self.write(event.data)
         else:
             await super().protocol_send(event)

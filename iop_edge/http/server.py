@@ -158,7 +158,7 @@ class HttpServer:
             if self._draining:
                 send = partial(_closing_send, send)
             connection = current_connection()
-            if connection is not None:
+            if connection is not None and connection.writes_directly:
                 send = ChunkedBodyWriter(send, connection, scope)
             await self._inner(scope, receive, send)
         finally:
