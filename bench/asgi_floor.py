@@ -1,14 +1,21 @@
-"""The floor under the Edge: its HTTP server answering by itself (`Hypercorn floor` in the table).
+"""The floors under the Edge: an HTTP server answering by itself, two ways.
 
-A plain ASGI function under Hypercorn, configured exactly as the Edge configures its
-OpenAI listener, answers the benchmark's chat request with the fake upstream's own bytes:
-the same completion, or the same stream events, one ASGI body message each (as a
-gateway relaying a stream sends them). No routing, no Node, no upstream call. What is
-left is Hypercorn and Trio serving one request, so its added latency and CPU are the
-least any gateway built on the Edge's HTTP server can add: the part of IOP's numbers
-that no work in IOP itself can remove.
+A plain ASGI function answers the benchmark's chat request with the fake upstream's own
+bytes: the same completion, or the same stream events, one ASGI body message each (as a
+gateway relaying a stream sends them). No routing, no Node, no upstream call. It is
+served by one of:
 
-    python -m bench.asgi_floor [--port 0]
+- `--server hypercorn` (`Hypercorn` in the tables): stock `hypercorn.trio.serve`,
+  configured as the Edge configures its OpenAI listener. The floor the issue's c=1 goals
+  are stated against.
+- `--server edge` (`Edge HTTP`): exactly as the Edge serves that listener,
+  `iop_edge.http.server.HttpServer` on a socket bound the same way, so with the Edge's
+  own connection handler (`iop_edge.http.connection`, which writes responses without
+  Hypercorn's per-piece task switches). What is left is the Edge's HTTP server and Trio
+  serving one request: the least any gateway built on that server can add, the part of
+  IOP's numbers that no work in IOP itself can remove.
+
+    python -m bench.asgi_floor [--server edge|hypercorn] [--port 0]
 
 prints `bench-asgi-floor listening on http://127.0.0.1:PORT` once accepting, then serves
 until stopped (SIGINT/SIGTERM).
@@ -25,9 +32,13 @@ from hypercorn.trio import serve
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 
 from bench.upstream import asks_for_stream, completion_body, stream_events
+from iop_edge.core.listen import parse_listen_address
 from iop_edge.edge import hypercorn_config
+from iop_edge.http.server import HttpServer
+from iop_edge.runtime.listeners import bind_listener
 
 READY_PREFIX: Final = "bench-asgi-floor listening on "
+SERVERS: Final = ("edge", "hypercorn")
 _CHAT_PATH: Final = "/v1/chat/completions"
 _COMPLETION: Final = completion_body()
 _EVENTS: Final = tuple(b"data: " + event + b"\n\n" for event in stream_events(include_usage=False))
@@ -72,22 +83,28 @@ async def app(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
     await send({"type": "http.response.body", "body": _DONE, "more_body": False})
 
 
-async def _serve_process(host: str, port: int) -> None:
+async def _serve_process(server: str, host: str, port: int) -> None:
+    listen = f"{host}:{port}"
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(serve, app, hypercorn_config(f"{host}:{port}"))
-        print(READY_PREFIX + binds[0], flush=True)
+        if server == "hypercorn":
+            url = (await nursery.start(serve, app, hypercorn_config(listen)))[0]
+        else:
+            sock = bind_listener("openai", listen, parse_listen_address(listen)).socket
+            url = await nursery.start(HttpServer(app, hypercorn_config(listen), sock).serve)
+        print(READY_PREFIX + url, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.asgi_floor",
-        description="Hypercorn answering the benchmark's request by itself.",
+        description="An HTTP server answering the benchmark's request by itself.",
     )
+    parser.add_argument("--server", choices=SERVERS, default="edge")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        trio.run(_serve_process, args.host, args.port)
+        trio.run(_serve_process, args.server, args.host, args.port)
     except KeyboardInterrupt:
         return 130
     return 0

@@ -6,8 +6,10 @@ Everything here is pure: `render` turns a `BenchResult` into rich renderables an
 Closed-loop table. `CPU ms/req` is the CPU time the target's own processes spent per
 request (the upstream for `direct`, the Edge plus the Node for IOP, the proxy or the
 router for a peer): on a machine whose cores are all busy it is what bounds throughput.
-The `Hypercorn` row is the Edge's HTTP server answering by itself (`bench.asgi_floor`):
-the floor under IOP's numbers. `+p50` is the median latency a target adds over calling
+The `Hypercorn` and `Edge HTTP` rows are the floors (`bench.asgi_floor`): stock Hypercorn,
+and the Edge's own HTTP server (Hypercorn with the Edge's connection handler), answering
+by themselves; the second is the floor under IOP's numbers, the first the one the
+issue's c=1 goals name. `+p50` is the median latency a target adds over calling
 the upstream directly (for a stream, time to the last byte); `vs direct` is its
 throughput as a share of the direct one; `IOP/LiteLLM` is IOP's throughput over
 LiteLLM's.

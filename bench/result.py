@@ -21,13 +21,15 @@ from bench.many_nodes import ManyNodesMeasurement
 
 DIRECT: Final = "direct"
 HYPERCORN: Final = "hypercorn"
+EDGE_HTTP: Final = "edge-http"
 IOP: Final = "iop"
 LITELLM: Final = "litellm"
 VLLM_ROUTER: Final = "vllm-router"
-ALL_TARGETS: Final = (DIRECT, HYPERCORN, IOP, LITELLM, VLLM_ROUTER)
+ALL_TARGETS: Final = (DIRECT, HYPERCORN, EDGE_HTTP, IOP, LITELLM, VLLM_ROUTER)
 TARGET_LABELS: Final = {
     DIRECT: "direct",
     HYPERCORN: "Hypercorn",
+    EDGE_HTTP: "Edge HTTP",
     IOP: "IOP",
     LITELLM: "LiteLLM",
     VLLM_ROUTER: "vllm-router",
@@ -36,6 +38,7 @@ TARGET_LABELS: Final = {
 PROCESSES: Final = {
     DIRECT: ("upstream",),
     HYPERCORN: ("hypercorn",),
+    EDGE_HTTP: ("server",),
     IOP: ("edge", "node"),
     LITELLM: ("proxy",),
     VLLM_ROUTER: ("router",),

@@ -3,8 +3,9 @@
 One command, one run, in up to three parts (`--parts`), each starting and stopping its
 own processes so no part's servers weigh on another's:
 
-- `closed`: the fast fake upstream, the Hypercorn floor, an IOP Edge and Node in front
-  of the upstream, and the peers when installed (LiteLLM's proxy: `bench.litellm_proxy`;
+- `closed`: the fast fake upstream, the two HTTP floors (stock Hypercorn and the Edge's
+  own HTTP server answering by themselves: `bench.asgi_floor`), an IOP Edge and Node in
+  front of the upstream, and the peers when installed (LiteLLM's proxy: `bench.litellm_proxy`;
   vLLM's Rust router: `bench.vllm_router`), each in its own process; for every scenario
   (concurrency x stream/non-stream) each target is measured in turn by the closed-loop
   generator in this process (`bench.load`).
@@ -18,7 +19,7 @@ It prints the tables and the issue's targets as PASS/MISS, stops every child and
 
     python -m bench [--parts closed,fleet,nodes]
                     [--duration S | --requests N] [--concurrency 1,32] [--warmup N]
-                    [--only direct,hypercorn,iop,litellm,vllm-router]
+                    [--only direct,hypercorn,edge-http,iop,litellm,vllm-router]
                     [--fleet-only direct,iop,vllm-router] [--streams 100]
                     [--tokens-per-second 10] [--stream-tokens 30] [--window 5]
                     [--nodes 1000] [--providers-per-node 3] [--idle-window 10]
@@ -58,6 +59,7 @@ from bench.report import render, to_json
 from bench.result import (
     ALL_TARGETS,
     DIRECT,
+    EDGE_HTTP,
     HYPERCORN,
     IOP,
     LITELLM,
@@ -215,16 +217,17 @@ async def _start_target(
     await trio.Path(workdir).mkdir(parents=True, exist_ok=True)
     if name == DIRECT:
         return Target(DIRECT, upstream.ready, {"upstream": upstream.pid})
-    if name == HYPERCORN:
+    if name in (HYPERCORN, EDGE_HTTP):
+        server, process = ("hypercorn", "hypercorn") if name == HYPERCORN else ("edge", "server")
         with trio.fail_after(_UPSTREAM_START_S):
             floor = await start_service(
                 services,
-                "bench-asgi-floor",
-                python_argv("bench.asgi_floor"),
+                f"bench-asgi-floor-{server}",
+                python_argv("bench.asgi_floor", "--server", server),
                 _ready_line(FLOOR_READY_PREFIX),
             )
-        say(f"hypercorn floor: {floor.ready} (pid {floor.pid})")
-        return Target(HYPERCORN, floor.ready, {"hypercorn": floor.pid})
+        say(f"{name} floor: {floor.ready} (pid {floor.pid})")
+        return Target(name, floor.ready, {process: floor.pid})
     if name == IOP:
         with trio.fail_after(_GATEWAY_START_S):
             gateway = await start_gateway(services, upstream.ready, workdir, capacity=capacity)

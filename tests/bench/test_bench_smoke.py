@@ -22,7 +22,17 @@ from bench.fleet import FleetMeasurement, FleetShape, _Connection, _request, _St
 from bench.load import Budget, Measurement, Scenario, percentile
 from bench.many_nodes import ManyNodesMeasurement, ManyNodesShape, fleet_config, node_credentials
 from bench.report import render, to_json
-from bench.result import DIRECT, HYPERCORN, IOP, LITELLM, VLLM_ROUTER, BenchResult, Machine
+from bench.result import (
+    ALL_TARGETS,
+    DIRECT,
+    EDGE_HTTP,
+    HYPERCORN,
+    IOP,
+    LITELLM,
+    VLLM_ROUTER,
+    BenchResult,
+    Machine,
+)
 from bench.run import CLOSED, FLEET, NODES, BenchOptions, build_parser, options_from, run_bench
 from bench.targets import check_targets
 from bench.upstream import STAMP_PATTERN, STREAM_CHUNKS, BenchUpstream, stream_events
@@ -56,7 +66,7 @@ async def test_closed_loop_measures_every_scenario_and_each_process(tmp_path: Pa
         parts=(CLOSED,),
         budget=Budget(requests=4, warmup_requests=2),
         concurrency=(1, 2),
-        only=(DIRECT, HYPERCORN, IOP, LITELLM, VLLM_ROUTER),
+        only=ALL_TARGETS,
     )
     lines: list[str] = []
     with trio.fail_after(SMOKE_GUARD_S):
@@ -65,7 +75,7 @@ async def test_closed_loop_measures_every_scenario_and_each_process(tmp_path: Pa
     scenarios = [Scenario(c, stream) for c in (1, 2) for stream in (False, True)]
     assert result.scenarios() == scenarios
     for scenario in scenarios:
-        for target in (DIRECT, HYPERCORN, IOP):
+        for target in (DIRECT, HYPERCORN, EDGE_HTTP, IOP):
             measured = result.get(target, scenario)
             assert measured is not None, (target, scenario)
             assert (measured.ok, measured.errors) == (4, 0), measured.first_error
@@ -94,7 +104,7 @@ async def test_closed_loop_measures_every_scenario_and_each_process(tmp_path: Pa
     assert "machine: " in text
 
     document = json.loads(to_json(result))
-    assert len(document["measurements"]) == 12
+    assert len(document["measurements"]) == 16  # 4 scenarios x (direct, the two floors, IOP)
     iop_rows = [row for row in document["measurements"] if row["target"] == IOP]
     assert all(set(row["processes"]) == {"edge", "node"} for row in iop_rows)
 
