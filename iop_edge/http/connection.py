@@ -12,9 +12,11 @@ Two shortcuts, both falling back to Hypercorn's own path whenever they cannot fi
 - `Connection.protocol_send` writes a piece with one non-blocking `write` when no other
   write is in progress on the connection. The socket takes the whole piece almost always
   (a caller reading its stream keeps the kernel's send buffer near empty); what it does
-  not take goes through Hypercorn's lock and `send_all`, which wait for the socket and
-  report a broken connection as they always do. A piece is written whole or the
-  connection ends: a remainder is sent under the same shield Hypercorn puts on its sends.
+  not take is written under Hypercorn's `send_lock` as the socket takes it, shielded as
+  Hypercorn shields its sends (a piece is written whole or the connection ends), with
+  two bounds Hypercorn lacks: a caller that takes nothing for `SEND_STALL_S` is
+  disconnected, and the server `abort`s a connection a write still holds once its
+  graceful timeout is over (Hypercorn would wait for that write for ever).
 - `ChunkedBodyWriter` frames the body messages of a chunked HTTP/1.1 response itself
   (`hex-size CRLF data CRLF`, RFC 9112 §7.1) and hands them to the connection, skipping
   the ASGI stream and h11 for them. h11 keeps no state about a chunked body's data, so
@@ -30,16 +32,25 @@ to say so.
 
 from __future__ import annotations
 
+import logging
 import os
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Final
 
 import trio
-from hypercorn.events import Event, RawData
+from hypercorn.config import Config
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.trio.tcp_server import TCPServer
-from hypercorn.typing import ASGISendCallable, HTTPScope
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import AppWrapper, ASGISendCallable, HTTPScope, LifespanState
 
-__all__ = ["ChunkedBodyWriter", "Connection", "current_connection"]
+__all__ = ["SEND_STALL_S", "ChunkedBodyWriter", "Connection", "current_connection"]
+
+log = logging.getLogger(__name__)
+
+#: A caller that takes none of a response's bytes for this long is disconnected; like
+#: nginx's `send_timeout` (same default), it bounds what a reader that stalls holds.
+SEND_STALL_S: Final = 60.0
 
 _current: ContextVar[Connection | None] = ContextVar("iop_http_connection", default=None)
 
@@ -60,17 +71,42 @@ class Connection(TCPServer):
     `writes_directly` says whether the shortcuts apply: the connection is a plain
     `trio.SocketStream` (the Edge's listeners are; TLS, when wanted, ends in front of the
     Edge) and Hypercorn keeps its writes under `send_lock` as 0.18 does. Otherwise this is
-    Hypercorn's handler unchanged, only slower."""
+    Hypercorn's handler unchanged, only slower.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    While it runs, the connection is in `live` (its server's set), so the server can
+    `abort` the ones a write still holds when its graceful timeout is over."""
+
+    def __init__(
+        self,
+        app: AppWrapper,
+        config: Config,
+        context: WorkerContext,
+        state: LifespanState,
+        stream: trio.SocketStream,
+        *,
+        live: set[Connection],
+    ) -> None:
+        super().__init__(app, config, context, state, stream)  # type: ignore[arg-type]
+        self._live = live
         self.writes_directly = isinstance(self.stream, trio.SocketStream) and isinstance(
             getattr(self, "send_lock", None), trio.Lock
         )
 
     async def run(self) -> None:
         _current.set(self)  # seen by this connection's app tasks, spawned from here
-        await super().run()
+        self._live.add(self)
+        try:
+            await super().run()
+        finally:
+            self._live.discard(self)
+
+    def abort(self) -> None:
+        """Close the socket now. A write waiting on it fails, and Hypercorn ends the
+        connection as it does when a caller leaves. Hypercorn shields its writes (and so
+        does `write`, for a piece begun), and waits for them before it closes a
+        connection, so without this a caller that reads nothing keeps a stopping server
+        running for ever."""
+        self.stream.socket.close()
 
     async def protocol_send(self, event: Event) -> None:
         if type(event) is RawData and self.writes_directly:
@@ -79,27 +115,51 @@ class Connection(TCPServer):
             await super().protocol_send(event)
 
     async def write(self, data: bytes) -> None:
-        """Write `data` to the client: at once when the socket takes it all, else the
-        rest through Hypercorn's locked send, whole or not at all."""
+        """Write `data` to the client: at once when the socket takes it all (no task
+        switch), else as the socket takes it (`_write_waiting`)."""
         sent = self._write_now(data)
-        if sent == len(data):
-            return
-        if sent == 0:
-            await super().protocol_send(RawData(data=data))
-            return
-        with trio.CancelScope(shield=True):  # half a piece on the wire: finish it
-            await super().protocol_send(RawData(data=data[sent:]))
+        if sent < len(data):
+            await self._write_waiting(memoryview(data)[sent:])
 
     def _write_now(self, data: bytes) -> int:
         """How much of `data` the socket took without waiting: 0 when a write is in
-        progress (order is kept by going after it) or on any error (the locked path
-        meets it again and reports it as Hypercorn does)."""
+        progress (order is kept by going after it) or on any error (`_write_waiting`
+        meets it again and ends the connection)."""
         if self.send_lock.locked():
             return 0
         try:
             return os.write(self.stream.socket.fileno(), data)
         except OSError:  # BlockingIOError, or a closed or broken connection
             return 0
+
+    async def _write_waiting(self, rest: memoryview) -> None:
+        """Write `rest` under the send lock, after any write in progress, as the socket
+        takes it. Shielded as Hypercorn shields its sends (a piece is written whole or the
+        connection ends); a caller that takes nothing for `SEND_STALL_S` is disconnected
+        (nginx's `send_timeout`), and `abort` ends the wait at once."""
+        socket = self.stream.socket
+        with trio.CancelScope(shield=True):
+            async with self.send_lock:
+                while rest:
+                    try:
+                        rest = rest[os.write(socket.fileno(), rest) :]
+                        continue
+                    except BlockingIOError:
+                        pass
+                    except OSError:  # the caller is gone, or `abort` closed the socket
+                        break
+                    with trio.move_on_after(SEND_STALL_S) as stalled:
+                        try:
+                            await trio.lowlevel.wait_writable(socket)
+                        except trio.ClosedResourceError:  # `abort`, while waiting
+                            break
+                    if stalled.cancelled_caught:
+                        log.info("caller took nothing for %gs: disconnected", SEND_STALL_S)
+                        self.abort()
+                        break
+                else:
+                    return
+            await self.protocol.handle(Closed())  # as Hypercorn's own send does
 
 
 class ChunkedBodyWriter:

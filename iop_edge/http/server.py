@@ -69,6 +69,7 @@ class HttpServer:
         self._in_flight = 0
         self._idle = trio.Event()
         self._next_request: trio.Event | None = None
+        self._live: set[Connection] = set()
 
     @property
     def url(self) -> str:
@@ -95,9 +96,9 @@ class HttpServer:
                 await self._terminate.wait()
                 self.stop_accepting()
                 await self._context.terminated.set()  # idle keep-alive connections close
-                connections.cancel_scope.deadline = (
-                    trio.current_time() + self._config.graceful_timeout
-                )
+                deadline = trio.current_time() + self._config.graceful_timeout
+                connections.cancel_scope.deadline = deadline
+                lifespan_nursery.start_soon(self._abort_at, deadline)
             self._connections = None
             await lifespan.wait_for_shutdown()
             lifespan_nursery.cancel_scope.cancel()
@@ -116,7 +117,14 @@ class HttpServer:
         self._draining = False
         scope = self._accept_scope = trio.CancelScope()
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._socket.dup()))
-        handler = partial(Connection, self._app, self._config, self._context, ConnectionState({}))
+        handler = partial(
+            Connection,
+            self._app,
+            self._config,
+            self._context,
+            ConnectionState({}),
+            live=self._live,
+        )
         connections = self._connections
 
         async def accept() -> None:
@@ -140,6 +148,14 @@ class HttpServer:
     def terminate(self) -> None:
         """Close idle connections, give in-flight ones the graceful timeout (step 3)."""
         self._terminate.set()
+
+    async def _abort_at(self, deadline: float) -> None:
+        """At the end of the graceful timeout, close the connections still there: the
+        cancellation ends everything but the shielded writes to callers that read
+        nothing, and closing their sockets ends those (`Connection.abort`)."""
+        await trio.sleep_until(deadline)
+        for connection in list(self._live):
+            connection.abort()
 
     # --- the app, wrapped -----------------------------------------------------------------
 

@@ -46,6 +46,7 @@ class EdgeProcess:
     urls: dict[str, str] = field(default_factory=dict)
     lines: deque[str] = field(default_factory=lambda: deque(maxlen=400))
     _urls_found: trio.Event = field(default_factory=trio.Event)
+    _more_lines: trio.Event = field(default_factory=trio.Event)
 
     @property
     def pid(self) -> int:
@@ -54,6 +55,14 @@ class EdgeProcess:
     @property
     def log(self) -> str:
         return "\n".join(self.lines)
+
+    async def wait_for_line(self, text: str) -> str:
+        """The first logged line containing `text`, once there is one."""
+        while True:
+            for line in self.lines:
+                if text in line:
+                    return line
+            await self._more_lines.wait()
 
     async def _read(self) -> None:
         assert self.process.stdout is not None
@@ -69,6 +78,8 @@ class EdgeProcess:
                         self.urls[name] = match.group(1)
                 if len(self.urls) == len(_URLS):
                     self._urls_found.set()
+            self._more_lines.set()
+            self._more_lines = trio.Event()
         self._urls_found.set()  # exited: the starter sees whether it was ready
 
 

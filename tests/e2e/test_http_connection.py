@@ -6,17 +6,20 @@ The client side is a raw socket, so each test sees the exact bytes on the wire."
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 from collections.abc import Sequence
 from typing import Any
 
 import httpx2
+import pytest
 import trio
 import trio.testing
 
 from iop_edge.core.listen import parse_listen_address
 from iop_edge.edge import hypercorn_config
+from iop_edge.http import connection
 from iop_edge.http.connection import Connection, current_connection
 from iop_edge.http.server import HttpServer
 from iop_edge.runtime.listeners import bind_listener
@@ -182,3 +185,42 @@ async def test_a_caller_gone_mid_stream_ends_only_its_connection(nursery: trio.N
     async with httpx2.AsyncClient() as client:
         again = await client.post(f"http://{address[0]}:{address[1]}/stream")
     assert again.content == b"".join(app.pieces)
+
+
+async def test_stopping_does_not_wait_for_a_caller_that_does_not_read() -> None:
+    """A piece half written to a caller that reads nothing is finished under a shield;
+    the server's graceful timeout still ends it (closing the connection frees the write)."""
+    app = StreamingApp([b"z" * 1_000_000] * 10)
+    sock = bind_listener("openai", "127.0.0.1:0", parse_listen_address("127.0.0.1:0")).socket
+    config = hypercorn_config("127.0.0.1:0")
+    config.graceful_timeout = 0.1
+    server = HttpServer(app, config, sock)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            stream = await trio.open_tcp_stream(*sock.getsockname()[:2])
+            await stream.send_all(_request())
+            await trio.testing.wait_all_tasks_blocked()
+            assert server.in_flight == 1  # blocked on the full socket
+            server.terminate()
+        await stream.aclose()
+    assert not app.finished.is_set()
+
+
+async def test_a_caller_that_takes_nothing_for_the_stall_time_is_disconnected(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(connection, "SEND_STALL_S", 0.2)
+    app = StreamingApp([b"z" * 1_000_000] * 10)
+    address = await _serve(nursery, app)
+    stream = await trio.open_tcp_stream(*address)
+    async with stream:
+        await stream.send_all(_request())
+        with trio.fail_after(5):
+            await app.finished.wait()  # its writes failed quietly, as for a caller gone
+        received = bytearray()
+        with contextlib.suppress(trio.BrokenResourceError):  # a reset: bytes left unsent
+            while data := await stream.receive_some(1 << 16):
+                received += data
+    assert len(_body(bytes(received))) < 10_000_000
+    assert not received.endswith(b"0\r\n\r\n")

@@ -19,6 +19,7 @@ import trio
 import yaml
 
 from iop_edge.runtime.usage import UsageLedger
+from iop_node.adapters.sim import MAX_TOKENS
 from iop_node.main import run_node
 from tests.e2e.processes import start_edge
 from tests.e2e.stack import NODE_TOKEN, Stack, edge_config, sim_provider, start_stack
@@ -27,13 +28,21 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def _write_config(
-    folder: Path, *, grace_s: float = 10.0, adapter: dict[str, Any] | None = None, capacity: int = 4
+    folder: Path,
+    *,
+    grace_s: float = 10.0,
+    adapter: dict[str, Any] | None = None,
+    capacity: int = 4,
+    generation: dict[str, Any] | None = None,
 ) -> Path:
     """An Edge config of one `sim` provider with this shutdown grace, written to FOLDER."""
+    model: dict[str, Any] = {"id": "m", "providers": {"sim-1": "sim-small"}}
+    if generation is not None:
+        model["generation"] = generation
     text = edge_config(
         folder / "state",
         providers=[sim_provider("sim-1", capacity=capacity, adapter=adapter or {"ttft_ms": 0})],
-        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+        models=[model],
     )
     config = yaml.safe_load(text)
     config["edge"]["shutdown_grace_s"] = grace_s
@@ -129,6 +138,34 @@ async def test_sigterm_past_the_grace_period_ends_every_stream_properly(tmp_path
         nursery.cancel_scope.cancel()
     statuses = sorted((status, provider) for _, status, provider in _ledger(tmp_path / "state"))
     assert statuses == [(503, "sim-1"), (503, "sim-1")]
+
+
+async def test_a_caller_that_reads_nothing_does_not_keep_a_stopping_edge_alive(
+    tmp_path: Path,
+) -> None:
+    """Its run is given up (it fell a whole buffer behind), but a write of its reply waits
+    on a full socket, shielded; past the grace the Edge closes that connection."""
+    fast = {"ttft_ms": 0, "tokens_per_second": 1_000_000}
+    generation = {"max_tokens_limit": MAX_TOKENS}
+    config = _write_config(tmp_path, grace_s=0.3, adapter=fast, generation=generation)
+    async with trio.open_nursery() as nursery:
+        edge = await start_edge(nursery, config)
+        await nursery.start(partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN))
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "stream": True}
+        request = json.dumps(body).encode()
+        host, port = edge.urls["openai"].removeprefix("http://").rsplit(":", 1)
+        async with await trio.open_tcp_stream(host, int(port)) as stalled:
+            await stalled.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: edge\r\n"
+                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                % (len(request), request)
+            )  # and never read
+            with trio.fail_after(20):
+                await edge.wait_for_line("caller is not reading")
+            edge.process.send_signal(signal.SIGTERM)
+            with trio.fail_after(20):
+                assert await edge.process.wait() == 0
+        nursery.cancel_scope.cancel()
 
 
 async def test_the_cut_answers_every_kind_of_exchange(
