@@ -7,7 +7,7 @@ sending each yield to the scheduler once. For a streamed reply, where every rela
 is one small write, that was most of the Edge's CPU per chunk (README, "Session 5":
 ~230 -> ~150 us per chunk in the fleet-shaped bench).
 
-Two shortcuts, both falling back to Hypercorn's own path whenever they cannot finish:
+Two shortcuts:
 
 - `Connection.protocol_send` writes a piece with one non-blocking `write` when no other
   write is in progress on the connection. The socket takes the whole piece almost always
@@ -22,6 +22,7 @@ Two shortcuts, both falling back to Hypercorn's own path whenever they cannot fi
   the ASGI stream and h11 for them. h11 keeps no state about a chunked body's data, so
   the head and the last body message, which do go through Hypercorn (h11 writes the
   last-chunk `0 CRLF CRLF` there), find it exactly as if it had written the chunks.
+  Any other response, or message, takes Hypercorn's path.
 
 The app tasks of a connection are spawned from the connection's task, so they see the
 connection through a context variable (`current_connection`). Hypercorn 0.18's
@@ -88,7 +89,7 @@ class Connection(TCPServer):
     ) -> None:
         super().__init__(app, config, context, state, stream)  # type: ignore[arg-type]
         self._live = live
-        self.writes_directly = isinstance(self.stream, trio.SocketStream) and isinstance(
+        self.writes_directly = isinstance(stream, trio.SocketStream) and isinstance(
             getattr(self, "send_lock", None), trio.Lock
         )
 
@@ -106,7 +107,8 @@ class Connection(TCPServer):
         does `write`, for a piece begun), and waits for them before it closes a
         connection, so without this a caller that reads nothing keeps a stopping server
         running for ever."""
-        self.stream.socket.close()
+        transport = getattr(self.stream, "transport_stream", self.stream)  # under TLS
+        transport.socket.close()
 
     async def protocol_send(self, event: Event) -> None:
         if type(event) is RawData and self.writes_directly:

@@ -15,7 +15,8 @@ the Edge bound (or inherited), and drains in three steps:
    successor).
 2. `wait_quiet(linger_s)`: until no request has been in progress for `linger_s`.
 3. `terminate()`: Hypercorn closes the idle connections left and gives in-flight ones
-   its graceful timeout; `serve` returns when they are gone.
+   its graceful timeout, after which the ones a write to a caller still holds are
+   closed (`_abort_at`); `serve` returns when they are gone.
 
 The Hypercorn internals used here (`TCPServer`, `WorkerContext`, `Lifespan`) are those of
 `worker_serve` in Hypercorn 0.18; `tests/e2e/test_http_server.py` pins their behaviour.
