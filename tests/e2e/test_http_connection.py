@@ -94,6 +94,9 @@ def _body(response: bytes) -> bytes:
 
 
 PIECES = [b"data: one\n\n", b"data: two\n\n", b"x" * 1000]
+#: 20 MB: more than a loopback connection's kernel buffers hold (Linux lets them grow to
+#: 4 MB sending and 6 MB receiving by default), so a caller that reads nothing blocks.
+BEYOND_SOCKET_BUFFERS = [b"z" * 1_000_000] * 20
 
 
 async def test_a_streamed_body_is_chunked_piece_by_piece(nursery: trio.Nursery) -> None:
@@ -145,9 +148,9 @@ async def test_a_status_without_a_body_gets_none(nursery: trio.Nursery) -> None:
 async def test_a_caller_that_does_not_read_gets_every_piece_in_order(
     nursery: trio.Nursery,
 ) -> None:
-    """Pieces far larger than the socket buffers: most writes are partial and the rest
-    waits for the socket on Hypercorn's path, while later pieces queue behind it."""
-    pieces = [bytes([65 + number]) * 300_000 for number in range(20)]
+    """Pieces larger than the socket buffers (20 MB in all): writes are partial, and the
+    rest of each waits for the socket under the send lock."""
+    pieces = [bytes([65 + number]) * 1_000_000 for number in range(20)]
     app = StreamingApp(pieces)
     address = await _serve(nursery, app)
     stream = await trio.open_tcp_stream(*address)
@@ -190,7 +193,7 @@ async def test_a_caller_gone_mid_stream_ends_only_its_connection(nursery: trio.N
 async def test_stopping_does_not_wait_for_a_caller_that_does_not_read() -> None:
     """A piece half written to a caller that reads nothing is finished under a shield;
     the server's graceful timeout still ends it (closing the connection frees the write)."""
-    app = StreamingApp([b"z" * 1_000_000] * 10)
+    app = StreamingApp(BEYOND_SOCKET_BUFFERS)
     sock = bind_listener("openai", "127.0.0.1:0", parse_listen_address("127.0.0.1:0")).socket
     config = hypercorn_config("127.0.0.1:0")
     config.graceful_timeout = 0.1
@@ -211,7 +214,7 @@ async def test_a_caller_that_takes_nothing_for_the_stall_time_is_disconnected(
     nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(connection, "SEND_STALL_S", 0.2)
-    app = StreamingApp([b"z" * 1_000_000] * 10)
+    app = StreamingApp(BEYOND_SOCKET_BUFFERS)
     address = await _serve(nursery, app)
     stream = await trio.open_tcp_stream(*address)
     async with stream:
@@ -222,5 +225,5 @@ async def test_a_caller_that_takes_nothing_for_the_stall_time_is_disconnected(
         with contextlib.suppress(trio.BrokenResourceError):  # a reset: bytes left unsent
             while data := await stream.receive_some(1 << 16):
                 received += data
-    assert len(_body(bytes(received))) < 10_000_000
+    assert len(_body(bytes(received))) < 20_000_000
     assert not received.endswith(b"0\r\n\r\n")
