@@ -67,15 +67,19 @@ async def open_edge_websocket(
             try:
                 with trio.fail_after(connect_timeout):
                     stream = await _connect(address or name, port, name if secure else None)
-                    ws = await wrap_client_stream(
-                        nursery,
-                        stream,
-                        host_header,
-                        resource,
-                        max_message_size=max_message_size,
-                        message_queue_size=message_queue_size,
-                        receive_buffer_size=receive_buffer_size,
-                    )
+                    try:
+                        ws = await wrap_client_stream(
+                            nursery,
+                            stream,
+                            host_header,
+                            resource,
+                            max_message_size=max_message_size,
+                            message_queue_size=message_queue_size,
+                            receive_buffer_size=receive_buffer_size,
+                        )
+                    except BaseException:
+                        await trio.aclose_forcefully(stream)
+                        raise
             except trio.TooSlowError:
                 raise ConnectionTimeout from None
             except OSError as exc:
