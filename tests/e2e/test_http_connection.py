@@ -66,12 +66,22 @@ class StreamingApp:
         self.finished.set()
 
 
-async def _serve(nursery: trio.Nursery, app: StreamingApp) -> tuple[str, int]:
+def _server(
+    app: StreamingApp, *, graceful_timeout_s: float | None = None
+) -> tuple[HttpServer, tuple[str, int]]:
+    """An Edge HTTP server for `app` on a loopback port (not started), and its address."""
     sock = bind_listener("openai", "127.0.0.1:0", parse_listen_address("127.0.0.1:0")).socket
-    server = HttpServer(app, hypercorn_config("127.0.0.1:0"), sock)
-    await nursery.start(server.serve)
+    config = hypercorn_config("127.0.0.1:0")
+    if graceful_timeout_s is not None:
+        config.graceful_timeout = graceful_timeout_s
     host, port = sock.getsockname()[:2]
-    return host, port
+    return HttpServer(app, config, sock), (host, port)
+
+
+async def _serve(nursery: trio.Nursery, app: StreamingApp) -> tuple[str, int]:
+    server, address = _server(app)
+    await nursery.start(server.serve)
+    return address
 
 
 async def _exchange(address: tuple[str, int], request: bytes) -> bytes:
@@ -194,14 +204,11 @@ async def test_stopping_does_not_wait_for_a_caller_that_does_not_read() -> None:
     """A piece half written to a caller that reads nothing is finished under a shield;
     the server's graceful timeout still ends it (closing the connection frees the write)."""
     app = StreamingApp(BEYOND_SOCKET_BUFFERS)
-    sock = bind_listener("openai", "127.0.0.1:0", parse_listen_address("127.0.0.1:0")).socket
-    config = hypercorn_config("127.0.0.1:0")
-    config.graceful_timeout = 0.1
-    server = HttpServer(app, config, sock)
+    server, address = _server(app, graceful_timeout_s=0.1)
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
-            stream = await trio.open_tcp_stream(*sock.getsockname()[:2])
+            stream = await trio.open_tcp_stream(*address)
             await stream.send_all(_request())
             await trio.testing.wait_all_tasks_blocked()
             assert server.in_flight == 1  # blocked on the full socket
