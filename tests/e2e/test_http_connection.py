@@ -125,6 +125,26 @@ async def test_a_streamed_body_is_chunked_piece_by_piece(nursery: trio.Nursery) 
     assert _body(response) == b"".join(chunks) + last_chunk
 
 
+async def test_a_draining_server_still_chunks_and_closes_after_the_reply(
+    nursery: trio.Nursery,
+) -> None:
+    """While the server drains, a connection accepted before is still served: the reply
+    carries `Connection: close` and its pieces are framed as usual."""
+    server, address = _server(StreamingApp(PIECES))
+    await nursery.start(server.serve)
+    stream = await trio.open_tcp_stream(*address)
+    async with stream:
+        await trio.testing.wait_all_tasks_blocked()  # accepted
+        server.stop_accepting()
+        await stream.send_all(b"POST /stream HTTP/1.1\r\nhost: t\r\n\r\n")  # keep-alive
+        received = bytearray()
+        while data := await stream.receive_some(1 << 16):
+            received += data
+    head, _, body = bytes(received).partition(b"\r\n\r\n")
+    assert b"\r\nconnection: close" in head.lower()
+    assert body == b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in PIECES) + b"0\r\n\r\n"
+
+
 async def test_a_body_framed_by_its_length_is_left_to_hypercorn(nursery: trio.Nursery) -> None:
     length = sum(map(len, PIECES))
     headers = [(b"content-length", str(length).encode())]
