@@ -104,6 +104,8 @@ def _body(response: bytes) -> bytes:
 
 
 PIECES = [b"data: one\n\n", b"data: two\n\n", b"x" * 1000]
+#: `PIECES` as a chunked body on the wire, the last chunk included.
+PIECES_CHUNKED = b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in PIECES) + b"0\r\n\r\n"
 #: 20 MB: more than a loopback connection's kernel buffers hold (Linux lets them grow to
 #: 4 MB sending and 6 MB receiving by default), so a caller that reads nothing blocks.
 BEYOND_SOCKET_BUFFERS = [b"z" * 1_000_000] * 20
@@ -142,7 +144,18 @@ async def test_a_draining_server_still_chunks_and_closes_after_the_reply(
             received += data
     head, _, body = bytes(received).partition(b"\r\n\r\n")
     assert b"\r\nconnection: close" in head.lower()
-    assert body == b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in PIECES) + b"0\r\n\r\n"
+    assert body == PIECES_CHUNKED
+
+
+async def test_pipelined_requests_get_their_replies_whole_and_in_order(
+    nursery: trio.Nursery,
+) -> None:
+    address = await _serve(nursery, StreamingApp(PIECES))
+    keep_alive = b"POST /stream HTTP/1.1\r\nhost: t\r\n\r\n"
+    response = await _exchange(address, keep_alive + _request())  # the second one closes
+    first, second = response.split(b"HTTP/1.1 200")[1:]
+    assert first.endswith(b"\r\n\r\n" + PIECES_CHUNKED)
+    assert second.endswith(b"\r\n\r\n" + PIECES_CHUNKED)
 
 
 async def test_a_body_framed_by_its_length_is_left_to_hypercorn(nursery: trio.Nursery) -> None:
