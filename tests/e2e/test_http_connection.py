@@ -23,6 +23,7 @@ from iop_edge.http import connection
 from iop_edge.http.connection import Connection, current_connection
 from iop_edge.http.server import HttpServer
 from iop_edge.runtime.listeners import bind_listener
+from tests.e2e.asgi import complete_lifespan
 
 Headers = Sequence[tuple[bytes, bytes]]
 
@@ -49,12 +50,8 @@ class StreamingApp:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                kind = message["type"].rsplit(".", 1)[-1]
-                await send({"type": f"lifespan.{kind}.complete"})
-                if kind == "shutdown":
-                    return
+            await complete_lifespan(receive, send)
+            return
         self.connection = current_connection()
         start = {"type": "http.response.start", "status": self.status, "headers": self.headers}
         await send(start)

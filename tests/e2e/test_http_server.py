@@ -19,6 +19,7 @@ from iop_edge.core.listen import parse_listen_address
 from iop_edge.edge import hypercorn_config
 from iop_edge.http.server import HttpServer
 from iop_edge.runtime.listeners import bind_listener
+from tests.e2e.asgi import complete_lifespan
 
 
 class App:
@@ -31,12 +32,8 @@ class App:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                kind = message["type"].rsplit(".", 1)[-1]
-                await send({"type": f"lifespan.{kind}.complete"})
-                if kind == "shutdown":
-                    return
+            await complete_lifespan(receive, send)
+            return
         if scope["path"] == "/slow":
             await self.release.wait()
         self.served += 1

@@ -17,15 +17,9 @@ from trio_websocket import ConnectionClosed, HandshakeError
 from iop_node.dial import open_edge_websocket
 from iop_node.main import run_node
 from tests.e2e.stack import NODE_TOKEN, Stack, one_sim_config, start_stack
+from tests.node.test_dial import LIMITS  # the same small bounds as the dial tests
 
 MESSAGES = [{"role": "user", "content": "hi"}]
-LINK_LIMITS = {
-    "max_message_size": 1 << 20,
-    "message_queue_size": 1,
-    "receive_buffer_size": 1 << 16,
-    "connect_timeout": 10.0,
-    "disconnect_timeout": 1.0,
-}
 
 
 @pytest.fixture
@@ -97,7 +91,7 @@ async def test_a_certificate_the_node_does_not_trust_fails_the_dial_saying_so(
     monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "no-such-ca.pem"))
     address = "127.0.0.1" if by_address else None
     with trio.fail_after(2), pytest.raises(HandshakeError) as raised:  # the limit is 10 s
-        async with open_edge_websocket(stack.addresses.node_url, address, **LINK_LIMITS):
+        async with open_edge_websocket(stack.addresses.node_url, address, **LIMITS):
             pass
     cause = raised.value.__cause__
     assert isinstance(cause, ssl.SSLCertVerificationError)
@@ -110,7 +104,7 @@ async def test_an_edge_that_goes_away_ends_the_session_with_connection_closed(
     """Not an exception group: the link reads why a session ended from this."""
     stack = await _start(nursery, tmp_path, edge_tls)
     with pytest.raises(ConnectionClosed):
-        async with open_edge_websocket(stack.addresses.node_url, "127.0.0.1", **LINK_LIMITS) as ws:
+        async with open_edge_websocket(stack.addresses.node_url, "127.0.0.1", **LIMITS) as ws:
             await ws.send_message(b"not a hello")
             while True:
                 await ws.get_message()  # the Edge's reject, then its close
