@@ -119,11 +119,11 @@ class Connection(TCPServer):
     async def write(self, data: bytes) -> None:
         """Write `data` to the client: at once when the socket takes it all (no task
         switch), else as the socket takes it (`_write_waiting`)."""
-        sent = self._write_now(data)
+        sent = self.write_now(data)
         if sent < len(data):
             await self._write_waiting(memoryview(data)[sent:])
 
-    def _write_now(self, data: bytes) -> int:
+    def write_now(self, data: bytes) -> int:
         """How much of `data` the socket took without waiting: 0 when a write is in
         progress (order is kept by going after it) or on any error (`_write_waiting`
         meets it again and ends the connection)."""
@@ -189,6 +189,21 @@ class ChunkedBodyWriter:
         if message["type"] == "http.response.start":
             self._chunked = _is_chunked(self._scope, message)
         await self._send(message)
+
+    def write_now(self, body: bytes) -> bytes | None:
+        """Write `body` as one chunk of the response, without waiting: None when nothing
+        was written (the body is not chunked, or a write is in progress), else the bytes
+        the socket did not take (b"" when it took all), which `write_rest` writes. The
+        run relay's `DirectWrite` (see `iop_edge.runtime.dispatch`, Rule 9)."""
+        if not self._chunked:
+            return None
+        piece = b"%x\r\n%b\r\n" % (len(body), body)
+        sent = self._connection.write_now(piece)
+        return piece[sent:] if sent else None
+
+    async def write_rest(self, rest: bytes) -> None:
+        """Finish a piece `write_now` began (before anything else is sent)."""
+        await self._connection.write(rest)
 
 
 def _is_chunked(scope: HTTPScope, start: Any) -> bool:

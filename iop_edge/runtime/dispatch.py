@@ -56,6 +56,14 @@ Rules:
    (in the session's reader, before any later `load` report is read) and the run goes
    back to the queue for the same providers, at most `MAX_BUSY_REQUEUES` times; after
    that it is a capacity failure like an upstream 429.
+9. A consumer that can write to its caller without waiting hands the run a `DirectWrite`
+   (`write_directly`). While the consumer waits for events and has none buffered, the
+   session's reader hands each run's chunks to it at once: written whole, they never wake
+   the consumer (for a stream, that is one task switch less per upstream read). The
+   write takes what the caller's socket takes; the rest, if any, comes to the consumer
+   as the next event (`Unwritten`), to be written before anything else, and no chunk
+   goes to the `DirectWrite` again until the consumer waits once more. Order is kept,
+   nothing is written twice, and a chunk written so is counted as any other (Rule 4).
 """
 
 from __future__ import annotations
@@ -66,7 +74,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import msgspec
 import trio
@@ -84,12 +92,15 @@ __all__ = [
     "RUN_BUFFER_BYTES",
     "RUN_BUFFER_ITEMS",
     "SHUTTING_DOWN",
+    "DirectWrite",
     "Dispatcher",
     "Outcome",
+    "RelayEvent",
     "Run",
     "RunFailure",
     "RunPlan",
     "RunTimings",
+    "Unwritten",
 ]
 
 log = logging.getLogger(__name__)
@@ -120,6 +131,11 @@ _HEALTH_FAILURES: Final = frozenset(
 _CUT_WHILE_WORKING: Final = frozenset(
     {wire.FailureCode.NODE_LOST, wire.FailureCode.CALLER_TOO_SLOW}
 )
+
+
+def _writes_nothing(events: bytes) -> None:
+    """A run's `DirectWrite` until its consumer gives one."""
+    return None
 
 
 def _ambiguous(failure: wire.RunFailed) -> bool:
@@ -178,6 +194,31 @@ INTERNAL_ERROR: Final = Outcome(500, "internal_error")
 SHUTTING_DOWN: Final = Outcome(503, str(wire.FailureCode.SHUTTING_DOWN))
 
 
+class DirectWrite(Protocol):
+    """Writes a run's chunks to its caller without waiting, when it can (Rule 9)."""
+
+    def __call__(self, events: bytes, /) -> bytes | None:
+        """Write `events` now, as far as the caller's socket takes them.
+
+        None: nothing was written (the events are buffered for the consumer as usual).
+        Otherwise the bytes of the write the socket did not take, b"" when it took all:
+        the consumer writes them first (`Unwritten`)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Unwritten:
+    """The rest of a write a `DirectWrite` began (Rule 9): bytes for the caller's
+    connection, as they are, before any later event."""
+
+    data: bytes
+
+
+RelayEvent = RunEvent | Unwritten
+"""What a consumer that writes directly (Rule 9) hears: run events, and the rest of a
+write it began."""
+
+
 class RunFailure(Exception):
     """Every allowed attempt failed before the first byte; `failure` is the last reason.
 
@@ -208,6 +249,7 @@ class _Attempt:
         "_open",
         "_reader",
         "buffered",
+        "direct",
         "end_reason",
         "lease",
         "session",
@@ -225,7 +267,7 @@ class _Attempt:
         self.wire_id = wire_id
         self.lease = lease
         self.session = session
-        self._events: deque[RunEvent] = deque()
+        self._events: deque[RelayEvent] = deque()
         self._reader = trio.lowlevel.ParkingLot()
         self._open = True
         """Events are still taken: no end, give-up or loss yet (what is buffered stays)."""
@@ -234,6 +276,8 @@ class _Attempt:
         self.buffered = 0
         """Bytes delivered and not yet read by the run."""
         self.end_reason: wire.RunFailed | None = None
+        self.direct: DirectWrite | None = None
+        """Set while the consumer waits with nothing buffered (Rule 9)."""
         self._give_up = give_up
         self._on_busy = on_busy
 
@@ -243,6 +287,14 @@ class _Attempt:
         if not self._open:
             return True  # the run already stopped listening: its end has been decided
         if isinstance(event, bytes):
+            direct = self.direct
+            if direct is not None and not self._events:
+                rest = direct(event)
+                if rest is not None:
+                    if rest:  # the consumer writes it first; later chunks queue behind
+                        self._events.append(Unwritten(rest))
+                        self._reader.unpark()
+                    return True
             self.buffered += len(event)
             if len(self._events) >= RUN_BUFFER_ITEMS or self.buffered > RUN_BUFFER_BYTES:
                 self.end_reason = _failed(
@@ -276,7 +328,7 @@ class _Attempt:
 
     # --- the run's side -------------------------------------------------------------
 
-    def take(self) -> RunEvent | None:
+    def take(self) -> RelayEvent | None:
         """The next event if one is here; None when the reader would have to wait.
 
         Raises `trio.EndOfChannel` once nothing more will come (ended, given up, lost,
@@ -287,10 +339,16 @@ class _Attempt:
             return None
         raise trio.EndOfChannel
 
-    async def receive(self) -> RunEvent:
-        """The next event, waiting for it; raises `trio.EndOfChannel` as `take` does."""
+    async def receive(self, direct: DirectWrite | None = None) -> RelayEvent:
+        """The next event, waiting for it; raises `trio.EndOfChannel` as `take` does.
+
+        While it waits, chunks go to `direct` when it takes them (Rule 9)."""
         while not self._events and self._open:
-            await self._reader.park()
+            self.direct = direct
+            try:
+                await self._reader.park()
+            finally:
+                self.direct = None
         event = self.take()
         assert event is not None
         return event
@@ -303,6 +361,7 @@ class _Attempt:
             self.session.cancel_run(self.wire_id)
         else:
             self.session.close_run(self.wire_id)
+        self.direct = None
         if not self._closed:
             self._closed = True
             self._events.clear()
@@ -325,7 +384,10 @@ class Run:
         self._dispatcher = dispatcher
         self._attempt: _Attempt | None = None
         self._provider_id = ""
-        self._first: RunEvent | None = None
+        self._first: RelayEvent | None = None
+        self._direct: DirectWrite | None = None
+        """`write_directly`'s writer, counting what it writes (Rule 9)."""
+        self._to_caller: DirectWrite = _writes_nothing
         self._live_on_node = False
         """Whether the Node may still be running the current attempt (cancel on end)."""
         self._stopped_working = False
@@ -378,19 +440,31 @@ class Run:
 
     # --- 2. events -----------------------------------------------------------------
 
-    async def next_event(self) -> RunEvent:
+    def write_directly(self, direct: DirectWrite) -> None:
+        """From now on, while the consumer waits, chunks go to `direct` (Rule 9); the
+        consumer then hears `Unwritten` events too."""
+        self._to_caller = direct
+        self._direct = self._write_counted  # the bound method made once, not per wait
+
+    def _write_counted(self, events: bytes) -> bytes | None:
+        rest = self._to_caller(events)
+        if rest is not None:
+            self.chunks += events.count(b"\n\n")  # as `_seen` counts them (Rule 4)
+        return rest
+
+    async def next_event(self) -> RelayEvent:
         """The next event of the run; a terminal one is the last (Rule 3)."""
         event = self.ready_event()
         if event is not None:
             return event
         attempt = self._require_attempt()
         try:
-            event = await attempt.receive()
+            event = await attempt.receive(self._direct)
         except trio.EndOfChannel:
             event = self._ended_without_terminal(attempt)
         return self._seen(event, attempt)
 
-    def ready_event(self) -> RunEvent | None:
+    def ready_event(self) -> RelayEvent | None:
         """The next event if one is already here (lets callers coalesce), else None."""
         attempt = self._require_attempt()
         if self._first is not None:
@@ -404,7 +478,7 @@ class Run:
             return None
         return self._seen(event, attempt)
 
-    def next_event_nowait(self) -> RunEvent:
+    def next_event_nowait(self) -> RelayEvent:
         """The next event if one is already here, else raise `trio.WouldBlock`."""
         event = self.ready_event()
         if event is None:
@@ -420,7 +494,9 @@ class Run:
         self._dispatcher.note_failure(self._provider_id, failure)
         return failure
 
-    def _seen(self, event: RunEvent, attempt: _Attempt) -> RunEvent:
+    def _seen(self, event: RelayEvent, attempt: _Attempt) -> RelayEvent:
+        if isinstance(event, Unwritten):  # counted when it was written (Rule 9)
+            return event
         if isinstance(event, bytes):
             attempt.buffered -= len(event)
             self.chunks += event.count(b"\n\n")  # one server-sent event each
@@ -526,7 +602,7 @@ class Run:
         if attempt is not None:
             attempt.close(cancel_on_node=False)
 
-    def _first_event(self, event: RunEvent) -> None:
+    def _first_event(self, event: RelayEvent) -> None:
         self._first = event
 
     def _give_up(self) -> None:

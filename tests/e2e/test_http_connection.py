@@ -20,7 +20,7 @@ import trio.testing
 from iop_edge.core.listen import parse_listen_address
 from iop_edge.edge import hypercorn_config
 from iop_edge.http import connection
-from iop_edge.http.connection import Connection, current_connection
+from iop_edge.http.connection import ChunkedBodyWriter, Connection, current_connection
 from iop_edge.http.server import HttpServer
 from iop_edge.runtime.listeners import bind_listener
 from tests.e2e.asgi import complete_lifespan
@@ -264,3 +264,72 @@ async def test_a_caller_that_takes_nothing_for_the_stall_time_is_disconnected(
                 received += data
     assert len(_body(bytes(received))) < 20_000_000
     assert not received.endswith(b"0\r\n\r\n")
+
+
+class DirectApp:
+    """Writes 1 MB pieces with `ChunkedBodyWriter.write_now` (the run relay's way, from
+    a task that never waits) until the socket takes one only in part, then the rest with
+    `write_rest`; `partial` is set at that point."""
+
+    def __init__(self, headers: Headers = ()) -> None:
+        self.headers = list(headers)
+        self.written: list[bytes] = []
+        self.refused = 0
+        """Pieces `write_now` did not take (they went as body messages instead)."""
+        self.partial = trio.Event()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await complete_lifespan(receive, send)
+            return
+        assert isinstance(send, ChunkedBodyWriter)
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        for number in range(len(BEYOND_SOCKET_BUFFERS)):
+            piece = bytes([65 + number]) * 1_000_000
+            rest = send.write_now(piece)
+            if rest is None:
+                self.refused += 1
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            self.written.append(piece)
+            if rest:
+                self.partial.set()
+                await send.write_rest(rest)
+                break
+        await send({"type": "http.response.body", "body": b""})
+
+
+async def test_a_piece_written_without_waiting_is_finished_by_write_rest(
+    nursery: trio.Nursery,
+) -> None:
+    """What the socket did not take of a piece written at once comes before anything
+    else, so the caller reads every piece whole and in order."""
+    app = DirectApp()
+    address = await _serve(nursery, app)  # type: ignore[arg-type]
+    stream = await trio.open_tcp_stream(*address)
+    async with stream:
+        await stream.send_all(_request())
+        with trio.fail_after(5):
+            await app.partial.wait()  # the socket is full: that piece was taken in part
+        received = bytearray()
+        while data := await stream.receive_some(1 << 16):
+            received += data
+    assert app.refused == 0
+    expected = b"".join(b"%x\r\n%b\r\n" % (len(piece), piece) for piece in app.written)
+    assert _body(bytes(received)) == expected + b"0\r\n\r\n"
+
+
+async def test_a_body_framed_by_its_length_is_not_written_without_waiting(
+    nursery: trio.Nursery,
+) -> None:
+    length = 1_000_000 * len(BEYOND_SOCKET_BUFFERS)
+    app = DirectApp(headers=[(b"content-length", str(length).encode())])
+    address = await _serve(nursery, app)  # type: ignore[arg-type]
+    stream = await trio.open_tcp_stream(*address)
+    async with stream:
+        await stream.send_all(_request())
+        received = bytearray()
+        while data := await stream.receive_some(1 << 16):
+            received += data
+    assert app.refused == len(app.written) == len(BEYOND_SOCKET_BUFFERS)
+    assert not app.partial.is_set()
+    assert _body(bytes(received)) == b"".join(app.written)

@@ -1,0 +1,138 @@
+"""Dispatch Rule 9, step by step: how an attempt hands chunks to its consumer's
+`DirectWrite` while the consumer waits, and what it buffers instead.
+
+The session's reader is played by the test task: it pushes events with no await in
+between, so nothing else runs meanwhile; `wait_all_tasks_blocked` lets the consumer
+run until it waits again."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import trio
+from trio.testing import wait_all_tasks_blocked
+
+from iop_edge.runtime.dispatch import RelayEvent, Unwritten, _Attempt
+from iop_edge.runtime.scheduler import Lease
+from iop_edge.runtime.session import NodeSession
+from schemas import wire
+
+DONE = wire.RunDone(run_id="r")
+
+
+class Socket:
+    """A caller's socket that takes `room` more bytes at once (None: nothing at all)."""
+
+    def __init__(self, room: int | None = 1 << 20) -> None:
+        self.room = room
+        self.written: list[bytes] = []
+
+    def write_now(self, events: bytes) -> bytes | None:
+        if self.room is None:
+            return None
+        taken = events[: self.room]
+        self.room -= len(taken)
+        self.written.append(taken)
+        return events[len(taken) :]
+
+
+class Consumer:
+    """Waits for the attempt's events the way a run's relay does."""
+
+    def __init__(self, attempt: _Attempt, socket: Socket) -> None:
+        self.attempt = attempt
+        self.socket = socket
+        self.heard: list[RelayEvent] = []
+
+    async def run(self) -> None:
+        while True:
+            event = await self.attempt.receive(self.socket.write_now)
+            self.heard.append(event)
+            if isinstance(event, wire.RunDone):
+                return
+
+
+def _attempt() -> _Attempt:
+    lease = Lease(
+        run_id="r",
+        provider_id="p",
+        node_id="n",
+        target="t",
+        long=False,
+        queued_s=0.0,
+        limiters=(),
+        on_release=lambda _lease: None,
+    )
+    session = cast(NodeSession, cast(Any, object()))  # push and receive never touch it
+    return _Attempt("r", lease, session, give_up=lambda: None, on_busy=lambda _p: None)
+
+
+async def test_chunks_for_a_waiting_consumer_are_written_without_waking_it(
+    nursery: trio.Nursery,
+) -> None:
+    attempt, socket = _attempt(), Socket()
+    consumer = Consumer(attempt, socket)
+    nursery.start_soon(consumer.run)
+    await wait_all_tasks_blocked()
+    assert attempt.push(b"data: 1\n\n") and attempt.push(b"data: 2\n\n")
+    await wait_all_tasks_blocked()
+    assert socket.written == [b"data: 1\n\n", b"data: 2\n\n"]
+    assert consumer.heard == []  # still waiting: nothing came its way
+    assert attempt.buffered == 0
+    attempt.push(DONE)
+    await wait_all_tasks_blocked()
+    assert consumer.heard == [DONE]
+
+
+async def test_the_rest_of_a_partial_write_comes_before_later_chunks(
+    nursery: trio.Nursery,
+) -> None:
+    attempt, socket = _attempt(), Socket(room=4)
+    consumer = Consumer(attempt, socket)
+    nursery.start_soon(consumer.run)
+    await wait_all_tasks_blocked()
+    attempt.push(b"data: 1\n\n")  # the socket takes "data"
+    socket.room = 1 << 20  # ... and then would take more: it must not get the next one
+    attempt.push(b"data: 2\n\n")
+    attempt.push(DONE)
+    await wait_all_tasks_blocked()
+    assert socket.written == [b"data"]
+    assert consumer.heard == [Unwritten(b": 1\n\n"), b"data: 2\n\n", DONE]
+
+
+async def test_the_consumer_gets_direct_writes_again_once_it_waits_again(
+    nursery: trio.Nursery,
+) -> None:
+    attempt, socket = _attempt(), Socket(room=4)
+    consumer = Consumer(attempt, socket)
+    nursery.start_soon(consumer.run)
+    await wait_all_tasks_blocked()
+    attempt.push(b"data: 1\n\n")
+    await wait_all_tasks_blocked()  # it heard the rest and waits again
+    socket.room = 1 << 20
+    attempt.push(b"data: 2\n\n")
+    await wait_all_tasks_blocked()
+    assert socket.written == [b"data", b"data: 2\n\n"]
+    assert consumer.heard == [Unwritten(b": 1\n\n")]
+
+
+async def test_a_chunk_the_socket_cannot_take_now_is_buffered(nursery: trio.Nursery) -> None:
+    attempt, socket = _attempt(), Socket(room=None)
+    consumer = Consumer(attempt, socket)
+    nursery.start_soon(consumer.run)
+    await wait_all_tasks_blocked()
+    attempt.push(b"data: 1\n\n")
+    assert attempt.buffered == len(b"data: 1\n\n")
+    attempt.push(DONE)
+    await wait_all_tasks_blocked()
+    assert socket.written == []
+    assert consumer.heard == [b"data: 1\n\n", DONE]
+
+
+async def test_nothing_is_written_directly_while_events_wait_for_the_consumer() -> None:
+    attempt, socket = _attempt(), Socket()
+    attempt.push(b"data: 1\n\n")  # nobody waits yet: buffered
+    attempt.direct = socket.write_now  # as if a consumer were waiting, the queue not empty
+    attempt.push(b"data: 2\n\n")
+    assert socket.written == []
+    assert attempt.take() == b"data: 1\n\n" and attempt.take() == b"data: 2\n\n"
