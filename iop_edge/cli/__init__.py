@@ -28,6 +28,7 @@ from rich.console import Console
 
 from iop_edge import __version__
 from iop_edge.core.config import ConfigInvalid, format_errors, load_config
+from iop_edge.core.exception_groups import sole_exception
 from iop_edge.core.listen import parse_listen_address
 from iop_edge.core.tokens import hash_token
 from schemas.log_lines import LOG_FORMATS, LOG_LEVELS
@@ -143,14 +144,6 @@ def _get(args: argparse.Namespace, path: str) -> Any:
     return document
 
 
-def _unwrap(error: BaseException) -> BaseException:
-    """The one exception inside nested single-exception groups (Trio's nurseries wrap
-    what escapes them), else `error` itself."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error
-
-
 # --- commands ---------------------------------------------------------------------------------
 
 
@@ -185,7 +178,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
         )
     except BaseException as raised:
-        match _unwrap(raised):
+        match sole_exception(raised):
             case ConfigInvalid() as exc:
                 _fail(f"{args.config}: invalid config\n{format_errors(exc.errors)}")
             case ListenerUnavailable() as exc:
@@ -220,7 +213,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             )
         )
     except BaseException as raised:
-        match _unwrap(raised):
+        match sole_exception(raised):
             case ConfigInvalid() as exc:
                 _fail(f"invalid demo config\n{format_errors(exc.errors)}")
             case DemoError() as exc:
@@ -618,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
     except BaseException as raised:
-        if isinstance(_unwrap(raised), KeyboardInterrupt):  # Ctrl-C, perhaps in a nursery
+        if isinstance(sole_exception(raised), KeyboardInterrupt):  # Ctrl-C, perhaps in a nursery
             return 130
         raise
 

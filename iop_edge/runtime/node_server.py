@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 import trio
 from trio_websocket import WebSocketRequest, wrap_server_stream
 
+from iop_edge.core.exception_groups import sole_exception
 from iop_edge.core.listen import ListenAddress
 from iop_edge.runtime.listeners import Listener
 
@@ -111,18 +112,10 @@ class NodeServer:
                     await self._handler(request)
                 connection.cancel_scope.cancel()  # the connection's reader task
         except Exception as exc:  # one peer's connection, never the listener
-            log.warning(
-                "node connection from %s ended by the websocket layer: %r", peer, _cause(exc)
-            )
+            cause = sole_exception(exc)
+            log.warning("node connection from %s ended by the websocket layer: %r", peer, cause)
         finally:
             await trio.aclose_forcefully(stream)
-
-
-def _cause(exc: BaseException) -> BaseException:
-    """The one error inside nested single-error groups (what a log line should name)."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
 
 
 def _peer(stream: trio.abc.Stream) -> str:
