@@ -15,8 +15,9 @@ A request, in the task Hypercorn gives it:
    result is a `RunPlan`; anything wrong is an OpenAI error reply naming the field.
 2. *Dispatch*: the scheduler admits the plan and a Node starts it (`runtime.dispatch.Run`,
    which owns the slot until the run ends).
-3. *Respond*: one JSON body, or the run relayed as server-sent events. Every reply, an
-   error too, carries `x-request-id` (the caller's, when sane) and `Server-Timing` with
+3. *Respond*: one JSON body, or the run relayed as server-sent events (written by the
+   session's reader itself while this task waits, when the caller's socket takes them
+   at once: dispatch Rule 9). Every reply, an error too, carries `x-request-id` (the caller's, when sane) and `Server-Timing` with
    the queue wait, the upstream time (every attempt's, a failed one's too) and the Edge's
    own share; every reply from a run that reached a provider carries `x-iop-provider`.
 
