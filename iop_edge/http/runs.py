@@ -17,9 +17,10 @@ A request, in the task Hypercorn gives it:
    which owns the slot until the run ends).
 3. *Respond*: one JSON body, or the run relayed as server-sent events (written by the
    session's reader itself while this task waits, when the caller's socket takes them
-   at once: dispatch Rule 9). Every reply, an error too, carries `x-request-id` (the caller's, when sane) and `Server-Timing` with
-   the queue wait, the upstream time (every attempt's, a failed one's too) and the Edge's
-   own share; every reply from a run that reached a provider carries `x-iop-provider`.
+   at once: dispatch Rule 9). Every reply, an error too, carries `x-request-id` (the
+   caller's, when sane) and `Server-Timing` with the queue wait, the upstream time (every
+   attempt's, a failed one's too) and the Edge's own share; every reply from a run that
+   reached a provider carries `x-iop-provider`.
 
 From step 2 on, a watcher task cancels the request when the caller disconnects. The run
 (`runtime.dispatch.Run`) owns its slot and its metering: this module tells it how the
