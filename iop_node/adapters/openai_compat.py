@@ -42,19 +42,20 @@ An error status's message is the upstream's own, whitespace kept, up to `MESSAGE
 the caller of a request the upstream refused deserves to read it. Whom a failure blames
 (the provider, or the request) is the Edge's decision (SPEC §4.10), not the adapter's.
 
-The HTTP client is one long-lived `httpx2.AsyncClient` per adapter, so runs reuse
-keep-alive connections (pool of capacity+2 idle connections, forgotten after 4 s); httpcore2
-picks its Trio backend by sniffing the running async library, so nothing here names a
-backend. Health probes go through the client. Runs do not: they are sent as prepared
-`httpcore2.Request`s straight into the httpcore2 pool the client routes `base_url` to, its
-own pool or, when HTTP(S)_PROXY/ALL_PROXY apply (NO_PROXY honoured, decided by httpx2's own
-routing), the proxy pool it mounted (`iop_node.compat.httpx2`). So runs and probes share
-connections, TLS settings (verification on) and proxy, and the hot path (every run, every
-chunk of a stream) skips httpx2's per-request models, auth/redirect/cookie plumbing,
-transport lookup and per-chunk stream wrappers (the README's benchmark section has what
-that saves). Because httpcore2 does not decode content codings, runs ask for
-`Accept-Encoding: identity` and refuse an encoded body as `upstream_error`. Once
-`aclose()`d the adapter cannot be reused.
+The HTTP client is one long-lived `httpx2.AsyncClient` per adapter; httpcore2 picks its
+Trio backend by sniffing the running async library, so nothing here names a backend.
+Health probes go through the client. Runs do not: they are sent as prepared
+`httpcore2.Request`s on keep-alive connections of their own (`RunConnections`: up to
+capacity+2 idle, forgotten after 4 s), made by the httpcore2 pool the client routes
+`base_url` to, its own pool or, when HTTP(S)_PROXY/ALL_PROXY apply (NO_PROXY honoured,
+decided by httpx2's own routing), the proxy pool it mounted (`iop_node.compat.httpx2`). So
+runs have the client's TLS settings (verification on) and proxy, and the hot path (every
+run, every chunk of a stream) skips httpx2's per-request models, auth/redirect/cookie
+plumbing, transport lookup and per-chunk stream wrappers, and the pool's bookkeeping of
+every connection it holds (the README's benchmark section has what each saves). Because
+httpcore2 does not decode content codings, runs ask for `Accept-Encoding: identity` and
+refuse an encoded body as `upstream_error`. Once `aclose()`d the adapter cannot be
+reused.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ import msgspec
 import trio
 
 from iop_node.adapters.base import AdapterError, Emit, ProbeTimeout, RunResult
+from iop_node.adapters.run_connections import RunConnections
 from iop_node.adapters.sse import SSEDecoder, SSEError
 from iop_node.compat.httpx2 import connection_pool_for
 from iop_node.reply import NotAnObject, ParsedChunk, UsageView, read_chunk
@@ -325,15 +327,17 @@ class OpenAICompatAdapter:
             follow_redirects=False,
         )
         self._models_url = httpx2.URL(self.base_url + "/models")
-        # Runs skip the httpx2 layer: they go straight into the httpcore2 connection pool
-        # the client above routes `base_url` to (see the module doc for why). Asking the
-        # client for that pool, rather than building a second one, keeps one set of
-        # keep-alive connections for runs and probes and keeps every connection setting
-        # (limits, expiry, TLS verification, the environment's proxy) exactly the
-        # client's. Everything about a run's request that does not depend on the run is
-        # prepared here, once: URLs, header lists, the timeout table; per run only the
+        # Runs skip the httpx2 layer: they go out on connections made by the httpcore2
+        # pool the client above routes `base_url` to (see the module doc for why). Asking
+        # the client for that pool, rather than building a second one, keeps every
+        # connection setting (expiry, TLS verification, the environment's proxy) exactly
+        # the client's. Everything about a run's request that does not depend on the run
+        # is prepared here, once: URLs, header lists, the timeout table; per run only the
         # body and its length change.
         self._pool = connection_pool_for(self._client, url)
+        self._connections = RunConnections(
+            self._pool, keep=provider.capacity + 2, expiry_s=_KEEPALIVE_EXPIRY_S
+        )
         self._run_urls = {
             operation: _core_url(httpx2.URL(self.base_url + path))
             for operation, path in OPERATION_PATHS.items()
@@ -407,6 +411,7 @@ class OpenAICompatAdapter:
 
     async def aclose(self) -> None:
         self._closed = True
+        await self._connections.aclose()
         with trio.move_on_after(_CLOSE_GRACE_S, shield=True):
             await self._client.aclose()
 
@@ -455,7 +460,7 @@ class OpenAICompatAdapter:
             content=body_out,
             extensions=self._request_extensions,
         )
-        response = await self._pool.handle_async_request(request)
+        connection, response = await self._connections.send(request)
         try:
             if not 200 <= response.status < 300:
                 body = await _read_body(response, progress, limit=_ERROR_BODY_LIMIT)
@@ -466,7 +471,10 @@ class OpenAICompatAdapter:
                 return await self._relay_stream(response, emit, progress)
             body = await _read_body(response, progress)
         finally:
-            await response.aclose()
+            try:
+                await response.aclose()
+            finally:
+                await self._connections.give_back(connection)
         try:
             view = _body_decoder.decode(body)
         except msgspec.ValidationError:

@@ -54,16 +54,21 @@ def no_proxy_env(monkeypatch: pytest.MonkeyPatch) -> None:
 # --- routing: which pool runs go into ---------------------------------------------------------
 
 
-async def test_runs_go_into_the_pool_the_client_routes_base_url_to(
+async def test_runs_connections_come_from_the_pool_the_client_routes_base_url_to(
     make_adapter: MakeAdapter,
 ) -> None:
-    """One pool for runs and probes, with the client's limits (capacity + 2 idle, 4 s)."""
+    """Runs' connections are made by the pool the client routes `base_url` to, and kept
+    as the client keeps its own (capacity + 2 idle, 4 s)."""
     base_url = "http://127.0.0.1:8000/v1"
     adapter = make_adapter(base_url)
     pool = adapter._pool
     assert pool is connection_pool_for(adapter._client, httpx2.URL(base_url))
     assert pool._max_keepalive_connections == ADAPTER_CAPACITY + 2
     assert pool._keepalive_expiry == 4.0
+    connections = adapter._connections
+    assert connections._pool is pool
+    assert connections._keep == ADAPTER_CAPACITY + 2
+    assert connections._expiry_s == 4.0
 
 
 PROXY_BODY = json.dumps(
@@ -116,8 +121,8 @@ async def test_runs_and_probes_go_through_the_environment_proxy(
     for seen in proxy.seen:
         assert seen.values(b"host") == [host]
     assert [s.body for s in proxy.seen[:2]] == [body for _, body in runs]
-    # Runs and the probe share the one keep-alive connection to the proxy.
-    assert proxy.connections == 1
+    # Runs keep one keep-alive connection to the proxy; the probe has the client's.
+    assert proxy.connections == 2
 
 
 async def test_no_proxy_keeps_runs_direct(
