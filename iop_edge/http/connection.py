@@ -19,9 +19,10 @@ Two shortcuts:
   graceful timeout is over (Hypercorn would wait for that write for ever).
 - `ChunkedBodyWriter` frames the body messages of a chunked HTTP/1.1 response itself
   (`hex-size CRLF data CRLF`, RFC 9112 §7.1) and hands them to the connection, skipping
-  the ASGI stream and h11 for them. h11 keeps no state about a chunked body's data, so
-  the head and the last body message, which do go through Hypercorn (h11 writes the
-  last-chunk `0 CRLF CRLF` there), find it exactly as if it had written the chunks.
+  the ASGI stream and h11 for them, the last message's data too. h11 keeps no state
+  about a chunked body's data, so the head and the end of the body, which do go through
+  Hypercorn (as an empty last message: h11 writes the last-chunk `0 CRLF CRLF`), find it
+  exactly as if it had written the chunks.
   Any other response, or message, takes Hypercorn's path.
 
 The app tasks of a connection are spawned from the connection's task, so they see the
@@ -57,6 +58,8 @@ _current: ContextVar[Connection | None] = ContextVar("iop_http_connection", defa
 
 #: Responses with these headers are framed by them, not by chunked transfer coding.
 _FRAMING_HEADERS = frozenset((b"content-length", b"transfer-encoding"))
+#: The last body message of a chunked response whose data the connection wrote itself.
+_END_OF_BODY: Final = {"type": "http.response.body", "body": b"", "more_body": False}
 #: Statuses whose responses have no body (RFC 9110 §6.4.1).
 _NO_BODY_STATUSES = frozenset((204, 304))
 
@@ -177,16 +180,14 @@ class ChunkedBodyWriter:
         self._chunked = False
 
     async def __call__(self, message: Any) -> None:
-        if (
-            self._chunked
-            and message["type"] == "http.response.body"
-            and message.get("more_body", False)
-        ):
+        if self._chunked and message["type"] == "http.response.body":
             body = message.get("body", b"")
             if body:
                 await self._connection.write(b"%x\r\n%b\r\n" % (len(body), body))
-            return
-        if message["type"] == "http.response.start":
+            if message.get("more_body", False):
+                return
+            message = _END_OF_BODY  # Hypercorn ends the exchange; h11 writes the last chunk
+        elif message["type"] == "http.response.start":
             self._chunked = _is_chunked(self._scope, message)
         await self._send(message)
 

@@ -29,7 +29,7 @@ Headers = Sequence[tuple[bytes, bytes]]
 
 
 class StreamingApp:
-    """Answers with `pieces`, one body message each, then an empty last message.
+    """Answers with `pieces`, one body message each, then a last message carrying `last`.
 
     `hold` (when given) is awaited after the first piece; `finished` is set once the
     app has sent everything without an error."""
@@ -40,8 +40,10 @@ class StreamingApp:
         headers: Headers = (),
         hold: trio.Event | None = None,
         status: int = 200,
+        last: bytes = b"",
     ) -> None:
         self.pieces = pieces
+        self.last = last
         self.status = status
         self.headers = list(headers)
         self.hold = hold
@@ -59,7 +61,7 @@ class StreamingApp:
             await send({"type": "http.response.body", "body": piece, "more_body": True})
             if number == 0 and self.hold is not None:
                 await self.hold.wait()
-        await send({"type": "http.response.body", "body": b""})
+        await send({"type": "http.response.body", "body": self.last})
         self.finished.set()
 
 
@@ -122,6 +124,13 @@ async def test_a_streamed_body_is_chunked_piece_by_piece(nursery: trio.Nursery) 
     ]
     last_chunk = b"0\r\n\r\n"  # written by h11 with the last body message
     assert _body(response) == b"".join(chunks) + last_chunk
+
+
+async def test_the_last_body_message_may_carry_data(nursery: trio.Nursery) -> None:
+    address = await _serve(nursery, StreamingApp(PIECES, last=b"data: [DONE]\n\n"))
+    response = await _exchange(address, _request())
+    last = b"e\r\ndata: [DONE]\n\n\r\n"
+    assert _body(response) == PIECES_CHUNKED.removesuffix(b"0\r\n\r\n") + last + b"0\r\n\r\n"
 
 
 async def test_a_draining_server_still_chunks_and_closes_after_the_reply(
