@@ -476,6 +476,40 @@ async def test_caller_gone_mid_stream_closes_the_upstream_request(
     assert provider_of(await stack.catalog(), "gpu")["consecutive_failures"] == 0
 
 
+async def test_runs_after_a_hang_up_share_one_new_connection(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    """The connection of a run cut short is closed, never reused; the runs that follow
+    open one new connection and keep it (`iop_node/adapters/run_connections.py`)."""
+    release = trio.Event()  # never set: the upstream stalls after two chunks
+
+    async def hold_after_two(index: int) -> None:
+        if index >= 2:
+            await release.wait()
+
+    fake = FakeUpstream(chunks=50, pace=hold_after_two)
+    base_url = await nursery.start(fake.serve)
+    stack = await make_stack([upstream_provider("gpu", base_url)])
+    with trio.fail_after(GUARD_S):
+        async with stack.client() as client:
+            stream = await client.chat.completions.create(
+                model=ALIAS, messages=MESSAGES, stream=True
+            )
+            await hang_up_after(stream, 2)
+            await fake.wait_for(lambda: fake.disconnects == 1 and fake.active == 0)
+            opened = fake.connections_total
+            fake.pace = None
+            await client.chat.completions.create(model=ALIAS, messages=MESSAGES)
+            again = await client.chat.completions.create(
+                model=ALIAS, messages=MESSAGES, stream=True
+            )
+            async for _chunk in again:
+                pass
+            await client.chat.completions.create(model=ALIAS, messages=MESSAGES)
+    assert fake.connections_total == opened + 1
+    assert fake.disconnects == 1
+
+
 async def test_caller_gone_while_upstream_thinks_closes_the_upstream_request(
     nursery: trio.Nursery, make_stack: MakeStack
 ) -> None:
