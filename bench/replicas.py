@@ -36,7 +36,7 @@ from rich.table import Table
 from bench.gateway import EdgeLog, wait_servable
 from bench.load import Budget, Measurement, Scenario, Target, measure, open_client
 from bench.procfs import cpu_seconds
-from bench.services import python_argv, spawn_service, start_service
+from bench.services import python_argv, spawn_service, start_service, url_after
 from bench.upstream import MODEL, READY_PREFIX, SERVED_MODEL
 
 __all__ = ["Setup", "render_replicas", "run_replicas", "run_replicas_bench"]
@@ -233,9 +233,7 @@ async def run_replicas_bench(
                 services,
                 "bench-upstream",
                 python_argv("bench.upstream"),
-                lambda line: (
-                    line.removeprefix(READY_PREFIX) if line.startswith(READY_PREFIX) else None
-                ),
+                url_after(READY_PREFIX),
             )
         say(f"upstream: {upstream.ready} (pid {upstream.pid})")
         setups = await run_replicas(

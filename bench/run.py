@@ -68,7 +68,7 @@ from bench.result import (
     BenchResult,
     Machine,
 )
-from bench.services import Service, ServiceFailed, python_argv, start_service
+from bench.services import Service, ServiceFailed, python_argv, start_service, url_after
 from bench.upstream import READY_PREFIX
 from bench.vllm_router import find_vllm_router, start_vllm_router
 
@@ -136,15 +136,6 @@ class BenchOptions:
         return settings
 
 
-def _ready_line(prefix: str) -> Callable[[str], str | None]:
-    """Readiness of a service that prints `prefix` + its URL once accepting: the URL."""
-
-    def ready(line: str) -> str | None:
-        return line.removeprefix(prefix) if line.startswith(prefix) else None
-
-    return ready
-
-
 async def run_bench(
     options: BenchOptions, workdir: Path, progress: Progress | None = None
 ) -> BenchResult:
@@ -194,7 +185,7 @@ async def _start_upstream(services: trio.Nursery, *args: str) -> Service[str]:
             services,
             "bench-upstream",
             python_argv("bench.upstream", *args),
-            _ready_line(READY_PREFIX),
+            url_after(READY_PREFIX),
         )
 
 
@@ -224,7 +215,7 @@ async def _start_target(
                 services,
                 f"bench-asgi-floor-{server}",
                 python_argv("bench.asgi_floor", "--server", server),
-                _ready_line(FLOOR_READY_PREFIX),
+                url_after(FLOOR_READY_PREFIX),
             )
         say(f"{name} floor: {floor.ready} (pid {floor.pid})")
         return Target(name, floor.ready, {process: floor.pid})

@@ -63,6 +63,15 @@ def python_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
+def url_after(prefix: str) -> Callable[[str], str | None]:
+    """Readiness of a service that prints `prefix` + its URL once accepting: the URL."""
+
+    def ready(line: str) -> str | None:
+        return line.removeprefix(prefix) if line.startswith(prefix) else None
+
+    return ready
+
+
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This environment plus the repo on `PYTHONPATH` (so an uninstalled checkout works)."""
     env = dict(os.environ)

@@ -1,7 +1,9 @@
 """`python -m bench.soak` (`just soak`): minutes of mixed load with chaos, then the books.
 
 One Edge and two Nodes, each a real process, serving one model from two `sim`
-providers. For `--minutes`, `--concurrency` callers send stream and non-stream requests
+providers and one `vllm` provider in front of the bench's upstream (its streams paced,
+so hang-ups cut some of them: the HTTP adapter's connections live through the chaos
+too). For `--minutes`, `--concurrency` callers send stream and non-stream requests
 of random lengths and hang up on a random fraction of them; meanwhile one Node is
 killed with SIGKILL and restarted, and live refreshes change a provider's capacity back
 and forth. Then the load stops and the report says:
@@ -42,9 +44,19 @@ import trio
 import yaml
 
 from bench.gateway import EdgeLog, wait_servable
-from bench.services import REPO_ROOT, ServiceFailed, child_env, python_argv, start_service
+from bench.services import (
+    REPO_ROOT,
+    ServiceFailed,
+    child_env,
+    python_argv,
+    start_service,
+    url_after,
+)
+from bench.upstream import READY_PREFIX, SERVED_MODEL
 
 NODE_TOKEN = "soak-node-token-not-a-secret"
+#: The upstream's pace: a 22-token stream takes about 55 ms, so some hang-ups land in it.
+UPSTREAM_TOKENS_PER_SECOND = 400
 MESSAGES = [{"role": "user", "content": "soak"}]
 
 
@@ -57,21 +69,30 @@ class Books:
     events: list[str] = field(default_factory=list)
 
 
-def _config(state: Path, capacity: int) -> str:
+def _config(state: Path, capacity: int, upstream_url: str) -> str:
     token_hash = hashlib.sha256(NODE_TOKEN.encode()).hexdigest()
     adapter = {"ttft_ms": 20, "tokens_per_second": 400}
+    http = {"id": "vllm-2", "type": "vllm", "models": [SERVED_MODEL], "capacity": 8,
+            "adapter": {"base_url": f"{upstream_url}/v1"}}  # fmt: skip
 
     def node(index: int, cap: int) -> dict[str, Any]:
         provider = {"id": f"sim-{index}", "type": "sim", "models": ["sim-small"],
                     "capacity": cap, "adapter": adapter}  # fmt: skip
-        return {"id": f"node-{index}", "token_hash_sha256": token_hash, "providers": [provider]}
+        # The second Node, killed and restarted, also relays to the HTTP upstream.
+        providers = [provider, http] if index == 2 else [provider]
+        return {"id": f"node-{index}", "token_hash_sha256": token_hash, "providers": providers}
 
     config = {
         "edge": {"listen": "127.0.0.1:0", "state_dir": str(state), "shutdown_grace_s": 5},
         "admin": {"listen": "127.0.0.1:0"},
         "openai": {"listen": "127.0.0.1:0"},
         "dispatch": {"max_queue": 512, "queue_timeout_ms": 30_000},
-        "models": [{"id": "m", "providers": {"sim-1": "sim-small", "sim-2": "sim-small"}}],
+        "models": [
+            {
+                "id": "m",
+                "providers": {"sim-1": "sim-small", "sim-2": "sim-small", "vllm-2": SERVED_MODEL},
+            }
+        ],
         "nodes": [node(1, 8), node(2, capacity)],
     }
     return yaml.safe_dump(config, sort_keys=False)
@@ -177,6 +198,7 @@ class _Chaos:
     node: Node
     admin: httpx2.AsyncClient
     state: Path
+    upstream_url: str
     minutes: float
     started: float
 
@@ -199,7 +221,8 @@ async def _chaos(chaos: _Chaos, books: Books) -> None:
             books.events.append(f"{time.monotonic() - started:6.1f}s node-2 restarted")
             continue
         capacity = 6 if capacity == 8 else 8
-        body = {"mode": "apply", "config_yaml": _config(chaos.state, capacity)}
+        text = _config(chaos.state, capacity, chaos.upstream_url)
+        body = {"mode": "apply", "config_yaml": text}
         response = await admin.post("/refresh", json=body)
         outcome = response.json().get("outcome", response.status_code)
         books.events.append(
@@ -228,10 +251,17 @@ async def soak(minutes: float, concurrency: int, seed: int) -> int:
     folder = Path(tempfile.mkdtemp(prefix="iop-soak-"))
     state = folder / "state"
     config = folder / "edge.yaml"
-    config.write_text(_config(state, 8), encoding="utf-8")
     stopping = False
     try:
         async with trio.open_nursery() as nursery:
+            pace = str(UPSTREAM_TOKENS_PER_SECOND)
+            upstream = await start_service(
+                nursery,
+                "upstream",
+                python_argv("bench.upstream", "--tokens-per-second", pace),
+                url_after(READY_PREFIX),
+            )
+            config.write_text(_config(state, 8, upstream.ready), encoding="utf-8")
             argv = python_argv("iop_edge", "serve", "--config", str(config))
             edge = await start_service(nursery, "edge", argv, EdgeLog())
             urls = edge.ready
@@ -253,7 +283,9 @@ async def soak(minutes: float, concurrency: int, seed: int) -> int:
                         **{node.node_id: partial(_pid, node) for node in nodes},
                     }
                     work.start_soon(_sample_rss, pids, books, started)
-                    chaos = _Chaos(nursery, nodes[1], admin, state, minutes, started)
+                    chaos = _Chaos(
+                        nursery, nodes[1], admin, state, upstream.ready, minutes, started
+                    )
                     work.start_soon(_chaos, chaos, books)
                     rng = random.Random(seed)
                     async with trio.open_nursery() as callers:
@@ -272,8 +304,10 @@ async def soak(minutes: float, concurrency: int, seed: int) -> int:
     except* ServiceFailed:
         if not stopping:  # the Edge died under load: that is a finding, not the end
             raise
-    lost = _lost_rows(state / "usage.sqlite3", books.completed)
-    return _report(books, idle, lost, f"{minutes:g} min, {concurrency} callers ({folder})")
+    ledger = state / "usage.sqlite3"
+    lost = _lost_rows(ledger, books.completed)
+    served = _runs_by_provider(ledger)
+    return _report(books, idle, lost, served, f"{minutes:g} min, {concurrency} callers ({folder})")
 
 
 async def _catalog_when_idle(admin: httpx2.AsyncClient) -> dict[str, int]:
@@ -298,7 +332,14 @@ def _lost_rows(ledger: Path, completed: list[str]) -> int:
     return len(set(completed) - rows)
 
 
-def _report(books: Books, idle: dict[str, int], lost: int, run: str) -> int:
+def _runs_by_provider(ledger: Path) -> Counter[str]:
+    """The ledger's runs by the provider that served them ("" for none)."""
+    with sqlite3.connect(ledger) as db:
+        query = "SELECT provider, COUNT(*) FROM usage GROUP BY provider"
+        return Counter({provider: count for provider, count in db.execute(query)})
+
+
+def _report(books: Books, idle: dict[str, int], lost: int, served: Counter[str], run: str) -> int:
     total = sum(books.outcomes.values())
     print(f"soak: {run}, {total} requests")
     print("\nends by class:")
@@ -307,6 +348,9 @@ def _report(books: Books, idle: dict[str, int], lost: int, run: str) -> int:
     print("\nchaos:")
     for event in books.events:
         print(f"  {event}")
+    print("\nruns in the ledger by provider:")
+    for provider, count in sorted(served.items()):
+        print(f"  {count:8d}  {provider or '(none: refused or cut before a provider)'}")
     print(f"\nledger rows lost (completed responses not in the ledger): {lost}")
     leaked = {name: value for name, value in idle.items() if value}
     print(f"slot counters after idle: {leaked or 'all 0'}")
