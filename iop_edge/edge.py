@@ -492,6 +492,7 @@ class Edge:
                     openai_app,
                     hypercorn_config(self._listen["openai"], grace_s),
                     listeners["openai"].socket,
+                    send_timeout_s=config.openai.send_timeout_s,
                 ),
                 HttpServer(
                     ShieldFinalSend(create_admin_app(self._admin_services())),

@@ -42,6 +42,9 @@ RequestBytes = Annotated[
 DEFAULT_MAX_TOKENS_LIMIT = 32_768
 #: Seconds a stopping Edge lets in-flight requests finish before it ends them itself.
 DEFAULT_SHUTDOWN_GRACE_S = 10.0
+#: A caller that takes none of a response's bytes for this long is disconnected (nginx's
+#: `send_timeout`, same default).
+DEFAULT_SEND_TIMEOUT_S = 60.0
 
 
 def default_category(provider_type: str) -> Category:
@@ -99,6 +102,7 @@ class OpenAISection(ConfigStruct, frozen=True, kw_only=True):
     listen: NonEmptyStr = "0.0.0.0:8080"
     long_context_threshold_tokens: PositiveInt = 100_000
     max_request_bytes: RequestBytes = 8 * 1024 * 1024
+    send_timeout_s: PositiveFloat = DEFAULT_SEND_TIMEOUT_S
     principal_tokens: list[PrincipalToken] = []
     model_routes: list[ModelRoute] = []
 

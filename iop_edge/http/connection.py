@@ -14,9 +14,10 @@ Two shortcuts:
   (a caller reading its stream keeps the kernel's send buffer near empty); what it does
   not take is written under Hypercorn's `send_lock` as the socket takes it, shielded as
   Hypercorn shields its sends (a piece is written whole or the connection ends), with
-  two bounds Hypercorn lacks: a caller that takes nothing for `SEND_STALL_S` is
-  disconnected, and the server `abort`s a connection a write still holds once its
-  graceful timeout is over (Hypercorn would wait for that write for ever).
+  two bounds Hypercorn lacks: a caller that takes nothing for `send_timeout_s`
+  (`openai.send_timeout_s`, 60 s by default) is disconnected, and the server `abort`s
+  a connection a write still holds once its graceful timeout is over (Hypercorn would
+  wait for that write for ever).
 - `ChunkedBodyWriter` frames the body messages of a chunked HTTP/1.1 response itself
   (`hex-size CRLF data CRLF`, RFC 9112 §7.1) and hands them to the connection, skipping
   the ASGI stream and h11 for them, the last message's data too. h11 keeps no state
@@ -46,13 +47,11 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ASGISendCallable, HTTPScope, LifespanState
 
-__all__ = ["SEND_STALL_S", "ChunkedBodyWriter", "Connection", "current_connection"]
+from schemas.config import DEFAULT_SEND_TIMEOUT_S
+
+__all__ = ["ChunkedBodyWriter", "Connection", "current_connection"]
 
 log = logging.getLogger(__name__)
-
-#: A caller that takes none of a response's bytes for this long is disconnected; like
-#: nginx's `send_timeout` (same default), it bounds what a reader that stalls holds.
-SEND_STALL_S: Final = 60.0
 
 _current: ContextVar[Connection | None] = ContextVar("iop_http_connection", default=None)
 
@@ -89,9 +88,11 @@ class Connection(TCPServer):
         stream: trio.SocketStream,
         *,
         live: set[Connection],
+        send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
     ) -> None:
         super().__init__(app, config, context, state, stream)  # type: ignore[arg-type]
         self._live = live
+        self._send_timeout_s = send_timeout_s
         self.writes_directly = isinstance(stream, trio.SocketStream) and isinstance(
             getattr(self, "send_lock", None), trio.Lock
         )
@@ -140,7 +141,7 @@ class Connection(TCPServer):
     async def _write_waiting(self, rest: memoryview) -> None:
         """Write `rest` under the send lock, after any write in progress, as the socket
         takes it. Shielded as Hypercorn shields its sends (a piece is written whole or the
-        connection ends); a caller that takes nothing for `SEND_STALL_S` is disconnected
+        connection ends); a caller that takes nothing for `send_timeout_s` is disconnected
         (nginx's `send_timeout`), and `abort` ends the wait at once."""
         socket = self.stream.socket
         with trio.CancelScope(shield=True):
@@ -153,13 +154,13 @@ class Connection(TCPServer):
                         pass
                     except OSError:  # the caller is gone, or `abort` closed the socket
                         break
-                    with trio.move_on_after(SEND_STALL_S) as stalled:
+                    with trio.move_on_after(self._send_timeout_s) as stalled:
                         try:
                             await trio.lowlevel.wait_writable(socket)
                         except trio.ClosedResourceError:  # `abort`, while waiting
                             break
                     if stalled.cancelled_caught:
-                        log.info("caller took nothing for %gs: disconnected", SEND_STALL_S)
+                        log.info("caller took nothing for %gs: disconnected", self._send_timeout_s)
                         self.abort()
                         break
                 else:

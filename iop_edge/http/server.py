@@ -40,6 +40,7 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, ConnectionSt
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 from iop_edge.http.connection import ChunkedBodyWriter, Connection, current_connection
+from schemas.config import DEFAULT_SEND_TIMEOUT_S
 
 __all__ = ["HttpServer"]
 
@@ -57,8 +58,17 @@ class HttpServer:
     it), so the Edge can hand it to a successor and take accepting up again if that
     successor fails."""
 
-    def __init__(self, app: ASGIApp, config: HypercornConfig, sock: socket.socket) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        config: HypercornConfig,
+        sock: socket.socket,
+        *,
+        send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+    ) -> None:
         self._config = config
+        self._send_timeout_s = send_timeout_s
+        """A caller that takes no bytes of a response for this long is disconnected."""
         self._socket = sock
         self._app = wrap_app(self._track, config.wsgi_max_body_size, "asgi")
         self._inner = app
@@ -125,6 +135,7 @@ class HttpServer:
             self._context,
             ConnectionState({}),
             live=self._live,
+            send_timeout_s=self._send_timeout_s,
         )
         connections = self._connections
 

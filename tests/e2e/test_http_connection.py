@@ -13,16 +13,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx2
-import pytest
 import trio
 import trio.testing
 
 from iop_edge.core.listen import parse_listen_address
 from iop_edge.edge import hypercorn_config
-from iop_edge.http import connection
 from iop_edge.http.connection import ChunkedBodyWriter, Connection, current_connection
 from iop_edge.http.server import HttpServer
 from iop_edge.runtime.listeners import bind_listener
+from schemas.config import DEFAULT_SEND_TIMEOUT_S
 from tests.e2e.asgi import complete_lifespan
 
 Headers = Sequence[tuple[bytes, bytes]]
@@ -66,7 +65,10 @@ class StreamingApp:
 
 
 def _server(
-    app: StreamingApp, *, graceful_timeout_s: float | None = None
+    app: StreamingApp,
+    *,
+    graceful_timeout_s: float | None = None,
+    send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
 ) -> tuple[HttpServer, tuple[str, int]]:
     """An Edge HTTP server for `app` on a loopback port (not started), and its address."""
     sock = bind_listener("openai", "127.0.0.1:0", parse_listen_address("127.0.0.1:0")).socket
@@ -74,7 +76,7 @@ def _server(
     if graceful_timeout_s is not None:
         config.graceful_timeout = graceful_timeout_s
     host, port = sock.getsockname()[:2]
-    return HttpServer(app, config, sock), (host, port)
+    return HttpServer(app, config, sock, send_timeout_s=send_timeout_s), (host, port)
 
 
 async def _serve(nursery: trio.Nursery, app: StreamingApp) -> tuple[str, int]:
@@ -256,12 +258,12 @@ async def test_stopping_does_not_wait_for_a_caller_that_does_not_read() -> None:
     assert not app.finished.is_set()
 
 
-async def test_a_caller_that_takes_nothing_for_the_stall_time_is_disconnected(
-    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+async def test_a_caller_that_takes_nothing_for_the_send_timeout_is_disconnected(
+    nursery: trio.Nursery,
 ) -> None:
-    monkeypatch.setattr(connection, "SEND_STALL_S", 0.2)
     app = StreamingApp(BEYOND_SOCKET_BUFFERS)
-    address = await _serve(nursery, app)
+    server, address = _server(app, send_timeout_s=0.2)
+    await nursery.start(server.serve)
     stream = await trio.open_tcp_stream(*address)
     async with stream:
         await stream.send_all(_request())

@@ -281,6 +281,7 @@ RANGE_AND_TYPE_CASES: list[tuple[str, Any, str]] = [
     ("nodes.0.providers.0.capacity", 0, "must be >= 1"),
     ("openai.long_context_threshold_tokens", 0, "must be >= 1"),
     ("openai.max_request_bytes", 0, "must be >= 1"),
+    ("openai.send_timeout_s", 0, "must be > 0"),
     ("dispatch.max_queue", -1, "must be >= 0"),
     ("dispatch.queue_timeout_ms", 0, "must be >= 1"),
     ("dispatch.retries_before_first_byte", -1, "must be >= 0"),
