@@ -64,6 +64,10 @@ Rules:
    as the next event (`Unwritten`), to be written before anything else, and no chunk
    goes to the `DirectWrite` again until the consumer waits once more. Order is kept,
    nothing is written twice, and a chunk written so is counted as any other (Rule 4).
+   A `DirectWrite` that raises (a bug) is logged and never used again for that run: the
+   chunk is buffered for the consumer, whose own write then meets the problem in the
+   request's task, so one request's trouble never reaches the session that serves the
+   Node's other runs.
 """
 
 from __future__ import annotations
@@ -250,6 +254,7 @@ class _Attempt:
         "_reader",
         "buffered",
         "direct",
+        "direct_failed",
         "end_reason",
         "lease",
         "session",
@@ -278,6 +283,8 @@ class _Attempt:
         self.end_reason: wire.RunFailed | None = None
         self.direct: DirectWrite | None = None
         """Set while the consumer waits with nothing buffered (Rule 9)."""
+        self.direct_failed = False
+        """The `DirectWrite` raised once: it is not used again (Rule 9)."""
         self._give_up = give_up
         self._on_busy = on_busy
 
@@ -289,7 +296,12 @@ class _Attempt:
         if isinstance(event, bytes):
             direct = self.direct
             if direct is not None and not self._events:
-                rest = direct(event)
+                try:
+                    rest = direct(event)
+                except Exception:
+                    log.exception("run %s: writing to its caller directly failed", self.wire_id)
+                    self.direct, self.direct_failed = None, True
+                    rest = None
                 if rest is not None:
                     if rest:  # the consumer writes it first; later chunks queue behind
                         self._events.append(Unwritten(rest))
@@ -343,6 +355,8 @@ class _Attempt:
         """The next event, waiting for it; raises `trio.EndOfChannel` as `take` does.
 
         While it waits, chunks go to `direct` when it takes them (Rule 9)."""
+        if self.direct_failed:
+            direct = None
         while not self._events and self._open:
             self.direct = direct
             try:

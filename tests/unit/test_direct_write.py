@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+import pytest
 import trio
 from trio.testing import wait_all_tasks_blocked
 
@@ -34,6 +35,14 @@ class Socket:
         self.room -= len(taken)
         self.written.append(taken)
         return events[len(taken) :]
+
+
+class BrokenSocket(Socket):
+    """A writer with a bug: it raises."""
+
+    def write_now(self, events: bytes) -> bytes | None:
+        self.written.append(events)
+        raise RuntimeError("a bug")
 
 
 class Consumer:
@@ -136,3 +145,22 @@ async def test_nothing_is_written_directly_while_events_wait_for_the_consumer() 
     attempt.push(b"data: 2\n\n")
     assert socket.written == []
     assert attempt.take() == b"data: 1\n\n" and attempt.take() == b"data: 2\n\n"
+
+
+async def test_a_direct_write_that_raises_is_not_used_again(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug in the caller's writer stays with its run: the session's reader (the test
+    task here) is not hurt, the chunk is buffered, and nothing more is written directly."""
+    attempt, socket = _attempt(), BrokenSocket()
+    consumer = Consumer(attempt, socket)
+    nursery.start_soon(consumer.run)
+    await wait_all_tasks_blocked()
+    assert attempt.push(b"data: 1\n\n")
+    await wait_all_tasks_blocked()  # the consumer heard it, and waits again
+    assert attempt.push(b"data: 2\n\n")
+    attempt.push(DONE)
+    await wait_all_tasks_blocked()
+    assert socket.written == [b"data: 1\n\n"]  # offered once, never again
+    assert consumer.heard == [b"data: 1\n\n", b"data: 2\n\n", DONE]
+    assert "writing to its caller directly failed" in caplog.text
