@@ -72,7 +72,7 @@ import msgspec
 import trio
 
 from iop_node.adapters.base import AdapterError, Emit, ProbeTimeout, RunResult
-from iop_node.adapters.run_connections import RunConnections
+from iop_node.adapters.run_connections import CLOSE_GRACE_S, RunConnections
 from iop_node.adapters.sse import SSEDecoder, SSEError
 from iop_node.compat.httpx2 import connection_pool_for
 from iop_node.reply import NotAnObject, ParsedChunk, UsageView, read_chunk
@@ -98,8 +98,6 @@ _DETAIL_LIMIT = 500
 #: After `[DONE]`, how long to wait for the end of the chunked body so the connection can
 #: go back to the pool; a server that keeps talking past `[DONE]` just loses its connection.
 _DRAIN_AFTER_DONE_S = 1.0
-#: Bound on closing the client's connections when the adapter is retired.
-_CLOSE_GRACE_S = 5.0
 _DONE: Final = b"[DONE]"
 #: What the run path raises from `httpcore2` (it has no common base class); the probe path
 #: and anything httpx2 raises are `httpx2.HTTPError`s.
@@ -307,10 +305,12 @@ class OpenAICompatAdapter:
         )
         self._closed = False
         # Concurrency is bounded by the Edge's admission (`capacity`), not here: a pool
-        # limit could only make runs wait where the Edge cannot see them. We keep enough
-        # idle connections for every slot plus the probe. The per-operation timeouts are
-        # ceilings; the real budgets are the two deadlines of `execute`. Proxy settings
-        # from the Node's environment (HTTPS_PROXY, NO_PROXY) apply, as for any client.
+        # limit could only make runs wait where the Edge cannot see them. Runs and the
+        # client's pool each keep up to `idle_kept` idle connections: enough for every
+        # slot and then some. The per-operation timeouts are ceilings; the real budgets
+        # are the two deadlines of `execute`. Proxy settings from the Node's environment
+        # (HTTPS_PROXY, NO_PROXY) apply, as for any client.
+        idle_kept = provider.capacity + 2
         self._client = httpx2.AsyncClient(
             headers=headers,
             timeout=httpx2.Timeout(
@@ -321,7 +321,7 @@ class OpenAICompatAdapter:
             ),
             limits=httpx2.Limits(
                 max_connections=None,
-                max_keepalive_connections=provider.capacity + 2,
+                max_keepalive_connections=idle_kept,
                 keepalive_expiry=_KEEPALIVE_EXPIRY_S,
             ),
             follow_redirects=False,
@@ -335,9 +335,7 @@ class OpenAICompatAdapter:
         # is prepared here, once: URLs, header lists, the timeout table; per run only the
         # body and its length change.
         self._pool = connection_pool_for(self._client, url)
-        self._connections = RunConnections(
-            self._pool, keep=provider.capacity + 2, expiry_s=_KEEPALIVE_EXPIRY_S
-        )
+        self._connections = RunConnections(self._pool, keep=idle_kept, expiry_s=_KEEPALIVE_EXPIRY_S)
         self._run_urls = {
             operation: _core_url(httpx2.URL(self.base_url + path))
             for operation, path in OPERATION_PATHS.items()
@@ -412,7 +410,7 @@ class OpenAICompatAdapter:
     async def aclose(self) -> None:
         self._closed = True
         await self._connections.aclose()
-        with trio.move_on_after(_CLOSE_GRACE_S, shield=True):
+        with trio.move_on_after(CLOSE_GRACE_S, shield=True):
             await self._client.aclose()
 
     # --- health ---------------------------------------------------------------------------

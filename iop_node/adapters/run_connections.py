@@ -38,7 +38,8 @@ from httpcore2 import AsyncConnectionInterface
 
 __all__ = ["CLOSE_GRACE_S", "RunConnections"]
 
-#: Bound on closing one connection (a TLS close_notify to a peer that does not read).
+#: Bound on closing one connection, or a client's (a TLS close_notify to a peer that
+#: does not read).
 CLOSE_GRACE_S: Final = 5.0
 
 
