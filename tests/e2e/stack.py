@@ -20,6 +20,7 @@ import yaml
 
 from iop_edge.core.config import parse_config
 from iop_edge.edge import Edge, EdgeAddresses
+from iop_edge.runtime.dispatch import RunPlan
 from iop_node.main import run_node
 
 NODE_TOKEN = "test-node-token-not-a-secret"
@@ -171,6 +172,20 @@ async def start_stack(
         await stack.start_node(node_id, **(node_kwargs or {}))
     await stack.wait_servable(*wait_models)
     return stack
+
+
+def chat_stream_plan(run_id: str, body: dict[str, Any]) -> RunPlan:
+    """The plan of a chat stream with `body` (its `model` is the run's), for tests that
+    open and drive a run through the dispatcher themselves."""
+    return RunPlan(
+        run_id=run_id,
+        model_id=body["model"],
+        operation="chat",
+        body=body,
+        stream=True,
+        long=False,
+        caller_wants_usage=False,
+    )
 
 
 async def hang_up_after(stream: openai.AsyncStream[Any], chunks: int) -> None:

@@ -11,9 +11,16 @@ from typing import Any
 import msgspec
 import trio
 
-from iop_edge.runtime.dispatch import CALLER_GONE, Outcome, Run, RunPlan, Unwritten
+from iop_edge.runtime.dispatch import CALLER_GONE, Outcome, Run, Unwritten
 from schemas import wire
-from tests.e2e.stack import WAIT_GUARD_S, Stack, edge_config, sim_provider, start_stack
+from tests.e2e.stack import (
+    WAIT_GUARD_S,
+    Stack,
+    chat_stream_plan,
+    edge_config,
+    sim_provider,
+    start_stack,
+)
 
 TOKENS = 40
 BODY = {
@@ -75,15 +82,7 @@ async def _stack(nursery: trio.Nursery, tmp_path: Path) -> Stack:
 
 
 async def _stream(stack: Stack, caller: Caller, *, direct: bool) -> Run:
-    plan = RunPlan(
-        run_id=f"direct-{direct}-{caller.leave}",
-        model_id="m",
-        operation="chat",
-        body=dict(BODY),
-        stream=True,
-        long=False,
-        caller_wants_usage=False,
-    )
+    plan = chat_stream_plan(f"direct-{direct}-{caller.leave}", dict(BODY))
     run = stack.edge.dispatcher.open(plan)
     try:
         with trio.fail_after(WAIT_GUARD_S):

@@ -14,10 +14,17 @@ import trio
 from trio.testing import wait_all_tasks_blocked
 from trio_websocket import open_websocket_url
 
-from iop_edge.runtime.dispatch import CALLER_GONE, RunPlan
+from iop_edge.runtime.dispatch import CALLER_GONE
 from iop_edge.runtime.session import OUTBOX_SIZE
 from schemas import wire
-from tests.e2e.stack import NODE_TOKEN, WAIT_GUARD_S, edge_config, sim_provider, start_stack
+from tests.e2e.stack import (
+    NODE_TOKEN,
+    WAIT_GUARD_S,
+    chat_stream_plan,
+    edge_config,
+    sim_provider,
+    start_stack,
+)
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -37,16 +44,7 @@ async def test_run_next_event_nowait_raises_would_block_when_no_event_is_here(
     text = _text(tmp_path, {"ttft_ms": 0, "tokens_per_second": 20})
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
     body = {"model": "m", "messages": MESSAGES, "max_tokens": 1000, "stream": True}
-    plan = RunPlan(
-        run_id="nowait-1",
-        model_id="m",
-        operation="chat",
-        body=body,
-        stream=True,
-        long=False,
-        caller_wants_usage=False,
-    )
-    run = stack.edge.dispatcher.open(plan)
+    run = stack.edge.dispatcher.open(chat_stream_plan("nowait-1", body))
     try:
         with trio.fail_after(WAIT_GUARD_S):
             await run.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
@@ -16,11 +17,11 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 CONNECTION_LOGGER = "iop_edge.http.connection"
 
 
-async def test_stalled_reader_loses_its_run_and_others_flow(
-    nursery: trio.Nursery, tmp_path: Path
-) -> None:
+def _fast_stream_config(tmp_path: Path, **sections: Any) -> str:
+    """One sim provider as fast as it goes, its streams as long as it allows: a caller
+    that stops reading fills every buffer on the way at once."""
     fast = {"ttft_ms": 0, "tokens_per_second": 1_000_000}
-    text = edge_config(
+    return edge_config(
         tmp_path,
         providers=[sim_provider("sim-1", capacity=4, adapter=fast)],
         models=[
@@ -30,7 +31,14 @@ async def test_stalled_reader_loses_its_run_and_others_flow(
                 "generation": {"max_tokens_limit": MAX_TOKENS},
             }
         ],
+        **sections,
     )
+
+
+async def test_stalled_reader_loses_its_run_and_others_flow(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    text = _fast_stream_config(tmp_path)
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
     body = {"model": "m", "stream": True, "max_tokens": MAX_TOKENS, "messages": MESSAGES}
     async with (
@@ -65,19 +73,7 @@ async def test_a_caller_that_takes_nothing_is_disconnected_after_the_send_timeou
     """`openai.send_timeout_s` bounds how long a reply's write waits on a caller that
     reads nothing: then the Edge closes the connection, and the caller, reading at last,
     finds the stream cut (no last chunk)."""
-    fast = {"ttft_ms": 0, "tokens_per_second": 1_000_000}
-    text = edge_config(
-        tmp_path,
-        providers=[sim_provider("sim-1", capacity=4, adapter=fast)],
-        models=[
-            {
-                "id": "m",
-                "providers": {"sim-1": "sim-small"},
-                "generation": {"max_tokens_limit": MAX_TOKENS},
-            }
-        ],
-        openai_section={"send_timeout_s": 0.2},
-    )
+    text = _fast_stream_config(tmp_path, openai_section={"send_timeout_s": 0.2})
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
     body = {"model": "m", "stream": True, "max_tokens": MAX_TOKENS, "messages": MESSAGES}
     caplog.set_level(logging.INFO, logger=CONNECTION_LOGGER)

@@ -451,9 +451,11 @@ async def test_stream_broken_mid_way_ends_with_error_then_done(
 # --- the caller hangs up --------------------------------------------------------------------
 
 
-async def test_caller_gone_mid_stream_closes_the_upstream_request(
+async def _hang_up_on_a_stalled_stream(
     nursery: trio.Nursery, make_stack: MakeStack
-) -> None:
+) -> tuple[FakeUpstream, Stack]:
+    """A stack on an upstream whose streams stall after two chunks, and a caller that
+    hung up on one after those two."""
     release = trio.Event()  # never set: the upstream stalls after two chunks
 
     async def hold_after_two(index: int) -> None:
@@ -469,6 +471,13 @@ async def test_caller_gone_mid_stream_closes_the_upstream_request(
                 model=ALIAS, messages=MESSAGES, stream=True
             )
             await hang_up_after(stream, 2)
+    return fake, stack
+
+
+async def test_caller_gone_mid_stream_closes_the_upstream_request(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    fake, stack = await _hang_up_on_a_stalled_stream(nursery, make_stack)
     assert fake.disconnects == 0
     with trio.fail_after(1.0):  # SPEC: the run is cancelled, its slot back within a second
         await fake.wait_for(lambda: fake.disconnects == 1 and fake.active == 0)
@@ -481,24 +490,12 @@ async def test_runs_after_a_hang_up_share_one_new_connection(
 ) -> None:
     """The connection of a run cut short is closed, never reused; the runs that follow
     open one new connection and keep it (`iop_node/adapters/run_connections.py`)."""
-    release = trio.Event()  # never set: the upstream stalls after two chunks
-
-    async def hold_after_two(index: int) -> None:
-        if index >= 2:
-            await release.wait()
-
-    fake = FakeUpstream(chunks=50, pace=hold_after_two)
-    base_url = await nursery.start(fake.serve)
-    stack = await make_stack([upstream_provider("gpu", base_url)])
+    fake, stack = await _hang_up_on_a_stalled_stream(nursery, make_stack)
     with trio.fail_after(GUARD_S):
+        await fake.wait_for(lambda: fake.disconnects == 1 and fake.active == 0)
+        opened = fake.connections_total
+        fake.pace = None
         async with stack.client() as client:
-            stream = await client.chat.completions.create(
-                model=ALIAS, messages=MESSAGES, stream=True
-            )
-            await hang_up_after(stream, 2)
-            await fake.wait_for(lambda: fake.disconnects == 1 and fake.active == 0)
-            opened = fake.connections_total
-            fake.pace = None
             await client.chat.completions.create(model=ALIAS, messages=MESSAGES)
             again = await client.chat.completions.create(
                 model=ALIAS, messages=MESSAGES, stream=True

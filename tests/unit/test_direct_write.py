@@ -61,6 +61,15 @@ class Consumer:
                 return
 
 
+async def _waiting_consumer(nursery: trio.Nursery, socket: Socket) -> tuple[_Attempt, Consumer]:
+    """A new attempt, and its consumer waiting for the first event, writing to `socket`."""
+    attempt = _attempt()
+    consumer = Consumer(attempt, socket)
+    nursery.start_soon(consumer.run)
+    await wait_all_tasks_blocked()
+    return attempt, consumer
+
+
 def _attempt() -> _Attempt:
     lease = Lease(
         run_id="r",
@@ -79,10 +88,8 @@ def _attempt() -> _Attempt:
 async def test_chunks_for_a_waiting_consumer_are_written_without_waking_it(
     nursery: trio.Nursery,
 ) -> None:
-    attempt, socket = _attempt(), Socket()
-    consumer = Consumer(attempt, socket)
-    nursery.start_soon(consumer.run)
-    await wait_all_tasks_blocked()
+    socket = Socket()
+    attempt, consumer = await _waiting_consumer(nursery, socket)
     assert attempt.push(b"data: 1\n\n") and attempt.push(b"data: 2\n\n")
     await wait_all_tasks_blocked()
     assert socket.written == [b"data: 1\n\n", b"data: 2\n\n"]
@@ -96,10 +103,8 @@ async def test_chunks_for_a_waiting_consumer_are_written_without_waking_it(
 async def test_the_rest_of_a_partial_write_comes_before_later_chunks(
     nursery: trio.Nursery,
 ) -> None:
-    attempt, socket = _attempt(), Socket(room=4)
-    consumer = Consumer(attempt, socket)
-    nursery.start_soon(consumer.run)
-    await wait_all_tasks_blocked()
+    socket = Socket(room=4)
+    attempt, consumer = await _waiting_consumer(nursery, socket)
     attempt.push(b"data: 1\n\n")  # the socket takes "data"
     socket.room = 1 << 20  # ... and then would take more: it must not get the next one
     attempt.push(b"data: 2\n\n")
@@ -112,10 +117,8 @@ async def test_the_rest_of_a_partial_write_comes_before_later_chunks(
 async def test_the_consumer_gets_direct_writes_again_once_it_waits_again(
     nursery: trio.Nursery,
 ) -> None:
-    attempt, socket = _attempt(), Socket(room=4)
-    consumer = Consumer(attempt, socket)
-    nursery.start_soon(consumer.run)
-    await wait_all_tasks_blocked()
+    socket = Socket(room=4)
+    attempt, consumer = await _waiting_consumer(nursery, socket)
     attempt.push(b"data: 1\n\n")
     await wait_all_tasks_blocked()  # it heard the rest and waits again
     socket.room = 1 << 20
@@ -126,10 +129,8 @@ async def test_the_consumer_gets_direct_writes_again_once_it_waits_again(
 
 
 async def test_a_chunk_the_socket_cannot_take_now_is_buffered(nursery: trio.Nursery) -> None:
-    attempt, socket = _attempt(), Socket(room=None)
-    consumer = Consumer(attempt, socket)
-    nursery.start_soon(consumer.run)
-    await wait_all_tasks_blocked()
+    socket = Socket(room=None)
+    attempt, consumer = await _waiting_consumer(nursery, socket)
     attempt.push(b"data: 1\n\n")
     assert attempt.buffered == len(b"data: 1\n\n")
     attempt.push(DONE)
@@ -152,10 +153,8 @@ async def test_a_direct_write_that_raises_is_not_used_again(
 ) -> None:
     """A bug in the caller's writer stays with its run: the session's reader (the test
     task here) is not hurt, the chunk is buffered, and nothing more is written directly."""
-    attempt, socket = _attempt(), BrokenSocket()
-    consumer = Consumer(attempt, socket)
-    nursery.start_soon(consumer.run)
-    await wait_all_tasks_blocked()
+    socket = BrokenSocket()
+    attempt, consumer = await _waiting_consumer(nursery, socket)
     assert attempt.push(b"data: 1\n\n")
     await wait_all_tasks_blocked()  # the consumer heard it, and waits again
     assert attempt.push(b"data: 2\n\n")
