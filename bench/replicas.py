@@ -36,8 +36,8 @@ from rich.table import Table
 from bench.gateway import EdgeLog, wait_servable
 from bench.load import Budget, Measurement, Scenario, Target, measure, open_client
 from bench.procfs import cpu_seconds
-from bench.services import python_argv, spawn_service, start_service, url_after
-from bench.upstream import MODEL, READY_PREFIX, SERVED_MODEL
+from bench.services import python_argv, spawn_service, start_service
+from bench.upstream import MODEL, SERVED_MODEL, start_upstream
 
 __all__ = ["Setup", "render_replicas", "run_replicas", "run_replicas_bench"]
 
@@ -229,12 +229,7 @@ async def run_replicas_bench(
     """The whole `--replicas` run: the upstream, then `run_replicas`."""
     async with trio.open_nursery() as services:
         with trio.fail_after(_START_S):
-            upstream = await start_service(
-                services,
-                "bench-upstream",
-                python_argv("bench.upstream"),
-                url_after(READY_PREFIX),
-            )
+            upstream = await start_upstream(services)
         say(f"upstream: {upstream.ready} (pid {upstream.pid})")
         setups = await run_replicas(
             upstream.ready,

@@ -69,7 +69,7 @@ from bench.result import (
     Machine,
 )
 from bench.services import Service, ServiceFailed, python_argv, start_service, url_after
-from bench.upstream import READY_PREFIX
+from bench.upstream import start_upstream
 from bench.vllm_router import find_vllm_router, start_vllm_router
 
 CLOSED: Final = "closed"
@@ -181,12 +181,7 @@ def _load_average() -> float | None:
 
 async def _start_upstream(services: trio.Nursery, *args: str) -> Service[str]:
     with trio.fail_after(_UPSTREAM_START_S):
-        return await start_service(
-            services,
-            "bench-upstream",
-            python_argv("bench.upstream", *args),
-            url_after(READY_PREFIX),
-        )
+        return await start_upstream(services, *args)
 
 
 def _skip(notes: list[str], say: Progress, note: str) -> None:

@@ -50,9 +50,8 @@ from bench.services import (
     child_env,
     python_argv,
     start_service,
-    url_after,
 )
-from bench.upstream import READY_PREFIX, SERVED_MODEL
+from bench.upstream import SERVED_MODEL, start_upstream
 
 NODE_TOKEN = "soak-node-token-not-a-secret"
 #: The upstream's pace: a 22-token stream takes about 55 ms, so some hang-ups land in it.
@@ -255,12 +254,7 @@ async def soak(minutes: float, concurrency: int, seed: int) -> int:
     try:
         async with trio.open_nursery() as nursery:
             pace = str(UPSTREAM_TOKENS_PER_SECOND)
-            upstream = await start_service(
-                nursery,
-                "upstream",
-                python_argv("bench.upstream", "--tokens-per-second", pace),
-                url_after(READY_PREFIX),
-            )
+            upstream = await start_upstream(nursery, "--tokens-per-second", pace)
             config.write_text(_config(state, 8, upstream.ready), encoding="utf-8")
             argv = python_argv("iop_edge", "serve", "--config", str(config))
             edge = await start_service(nursery, "edge", argv, EdgeLog())

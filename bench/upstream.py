@@ -43,6 +43,8 @@ from typing import Any, Final
 
 import trio
 
+from bench.services import Service, python_argv, start_service, url_after
+
 #: The logical model id callers name; the gateways under test map it to SERVED_MODEL.
 MODEL: Final = "bench-model"
 #: The model name the upstream serves (what a gateway puts in `model` upstream).
@@ -395,6 +397,14 @@ def _body_length(head: bytes) -> int:
 
 
 # --- process entry point ------------------------------------------------------------------------
+
+
+async def start_upstream(nursery: trio.Nursery, *args: str) -> Service[str]:
+    """`python -m bench.upstream ARGS` as a child owned by `nursery`, once accepting (its
+    `ready` is its root URL). The caller owns the deadline for startup."""
+    return await start_service(
+        nursery, "bench-upstream", python_argv("bench.upstream", *args), url_after(READY_PREFIX)
+    )
 
 
 async def _serve_process(upstream: BenchUpstream, host: str, port: int) -> None:
