@@ -557,8 +557,9 @@ class _Session:
                 self._end(f"no pong from the edge within {timeout_s:g}s")
                 await self._abort()
                 return
-            except ConnectionClosed as exc:
-                self._end(f"connection to the edge closed: {_describe(exc)}")
+            except ConnectionClosed:
+                # Closed or closing: by the Edge (the reader ends the session) or by us
+                # (the writer is sending our Close; ending here would cancel it unsent).
                 return
 
     # --- inbound -----------------------------------------------------------------------

@@ -166,6 +166,14 @@ class EdgeSide:
             messages.append(await self.receive())
         return messages
 
+    async def close(self, code: int = 1000) -> None:
+        """Close as the real Edge does (`iop_edge.runtime.hub`, `session.reject`): bounded.
+        A Node's ping that crosses our Close makes trio-websocket 0.12's reader fail on
+        the pong it may no longer send (issue #184); the closing handshake then never
+        completes, and an unbounded `aclose` would hold the test forever."""
+        with trio.move_on_after(0.5):
+            await self.ws.aclose(code=code)
+
     async def wait_closed(self) -> ConnectionClosed:
         with pytest.raises(ConnectionClosed) as info:
             while True:
@@ -409,7 +417,7 @@ async def test_reject_is_logged_and_retried_with_backoff(
     side = await edge.accept()
     await side.expect(Hello)
     await side.send(Reject(code="bad_token", reason="the node token does not match"))
-    await side.ws.aclose(code=1008)
+    await side.close(code=1008)
     rejected_at = trio.current_time()
 
     again = await edge.accept()
@@ -444,7 +452,7 @@ async def test_edge_closing_the_connection_makes_the_node_reconnect(
     side = await edge.accept()
     await side.welcome()
     await side.expect(Status)
-    await side.ws.aclose()
+    await side.close()
     await (await edge.accept()).welcome()
 
 
@@ -465,6 +473,37 @@ async def test_malformed_frame_rejects_and_reconnects(
     again = await edge.accept()
     await again.welcome()
     assert await again.receive() == _available("sim-a")
+
+
+async def test_a_ping_that_finds_our_close_begun_does_not_cut_it(
+    edge: FakeEdge, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Node's keepalive may ping just as its writer starts the closing handshake: the
+    ping is refused (`ConnectionClosed`) while the Close waits its turn to be sent. That
+    is no reason to end the session, whose ending would cancel the Close unsent (the Edge
+    then saw 1006 instead of 1002). Here every ping of the Node waits for its own close
+    to begin; which of the two runs first is Trio's choice, so a few rounds are tried."""
+    ping = WebSocketConnection.ping
+    pinging = trio.Event()
+
+    async def ping_once_closing(ws: WebSocketConnection, payload: bytes | None = None) -> None:
+        pinging.set()
+        while ws.closed is None:
+            await trio.lowlevel.checkpoint()
+        await ping(ws, payload)
+
+    monkeypatch.setattr(WebSocketConnection, "ping", ping_once_closing)
+    _start_node(nursery, edge.url)
+    for _ in range(6):
+        side = await edge.accept()
+        await side.welcome()
+        await side.expect(Status)
+        await pinging.wait()
+        pinging = trio.Event()
+        await side.ws.send_message(b"\xc1 not msgpack")
+        await side.expect(Reject)
+        closed = await side.wait_closed()
+        assert closed.reason is not None and closed.reason.code == 1002
 
 
 async def test_welcome_with_another_protocol_is_rejected(
@@ -663,7 +702,7 @@ async def test_permanent_rejection_gives_up_after_a_few_tries(
             side = await edge.accept()
             await side.expect(Hello)
             await side.send(Reject(code=code, reason=f"refused: {code}"))
-            await side.ws.aclose(code=1008)
+            await side.close(code=1008)
 
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
@@ -683,7 +722,7 @@ async def test_transient_rejection_keeps_retrying(edge: FakeEdge, nursery: trio.
         side = await edge.accept()
         await side.expect(Hello)
         await side.send(Reject(code="handshake_timeout", reason="too slow"))
-        await side.ws.aclose(code=1008)
+        await side.close(code=1008)
     await (await edge.accept()).welcome()
 
 
@@ -701,7 +740,7 @@ async def test_replaced_session_is_a_permanent_rejection(
             await side.welcome()
             await side.expect(Status)
             await side.send(Reject(code="node_replaced", reason=reason))
-            await side.ws.aclose(code=1008)
+            await side.close(code=1008)
 
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
