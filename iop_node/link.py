@@ -364,9 +364,19 @@ class NodeLink:
             token=settings.token,
             agent_version=settings.agent_version,
         )
-        with trio.fail_after(settings.handshake_timeout_s):
+        frame: str | bytes | None = None
+        with trio.move_on_after(settings.handshake_timeout_s):
             await ws.send_message(encode(hello))
             frame = await ws.get_message()
+        if frame is None:
+            # Reachable, yet silent: a peer that answers no welcome answers no Close either.
+            with trio.move_on_after(0):
+                await ws.aclose(_GOING_AWAY)
+            return _Outcome(
+                "unreachable",
+                f"edge {settings.label} took the connection but sent no welcome within "
+                f"{settings.handshake_timeout_s:g}s",
+            )
         try:
             message = decode_from_edge(frame)
         except WireError as exc:

@@ -28,7 +28,7 @@ from trio_websocket import (
 from iop_node.adapters.base import Adapter, Emit, RunResult
 from iop_node.backoff import BackoffPolicy
 from iop_node.edges import EdgeLinks
-from iop_node.link import EdgeRejected
+from iop_node.link import CLOSE_TIMEOUT_S, EdgeRejected
 from iop_node.main import run_node
 from iop_node.registry import create_adapter
 from schemas.config import AdapterSettings, NodeConfig, ProviderConfig
@@ -540,6 +540,28 @@ async def test_silent_edge_is_dropped_and_the_node_reconnects(
     again = await edge.accept()
     await again.welcome()
     assert await again.receive() == _available("sim-a")
+
+
+async def test_an_edge_that_sends_no_welcome_is_named_so_and_dropped(
+    edge: FakeEdge, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer that takes the websocket and the hello but answers nothing is reported as
+    such (not as an unreachable address), and dropped without waiting for a Close it
+    will not answer either (`CLOSE_TIMEOUT_S`)."""
+    partition = Partition(edge.port)
+    await partition.start(nursery)
+    url = f"ws://127.0.0.1:{partition.port}/"
+    _start_node(nursery, url, handshake_timeout_s=0.2)
+    silent = await edge.accept()
+    await silent.expect(Hello)
+    partition.freeze()  # nothing more gets through: no welcome, no answer to a Close
+    heard_at = trio.current_time()
+    again = await edge.accept()
+    assert trio.current_time() - heard_at < 0.2 + CLOSE_TIMEOUT_S / 2
+    await again.welcome()
+    assert await again.receive() == _available("sim-a")
+    assert f"edge {url} took the connection but sent no welcome within 0.2s" in caplog.text
+    assert "unreachable" not in caplog.text
 
 
 async def test_graceful_stop_drains_then_closes(edge: FakeEdge, nursery: trio.Nursery) -> None:
