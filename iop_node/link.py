@@ -368,10 +368,8 @@ class NodeLink:
         with trio.move_on_after(settings.handshake_timeout_s):
             await ws.send_message(encode(hello))
             frame = await ws.get_message()
-        if frame is None:
-            # Reachable, yet silent: a peer that answers no welcome answers no Close either.
-            with trio.move_on_after(0):
-                await ws.aclose(_GOING_AWAY)
+        if frame is None:  # reachable, yet silent: it would not answer a Close either
+            await _drop(ws)
             return _Outcome(
                 "unreachable",
                 f"edge {settings.label} took the connection but sent no welcome within "
@@ -540,12 +538,6 @@ class _Session:
         self._close_code = code
         self._outbox.close()
 
-    async def _abort(self) -> None:
-        """Drop the connection without a closing handshake: a silent peer would only make
-        us wait for its answer. (Cancelled at once, `aclose` still closes the socket.)"""
-        with trio.move_on_after(0):
-            await self._ws.aclose(_GOING_AWAY)
-
     def _end(self, reason: str) -> None:
         if self._end_reason is None:
             self._end_reason = reason
@@ -565,7 +557,7 @@ class _Session:
                     await self._ws.ping()
             except trio.TooSlowError:
                 self._end(f"no pong from the edge within {timeout_s:g}s")
-                await self._abort()
+                await _drop(self._ws)
                 return
             except ConnectionClosed:
                 # Closed or closing: by the Edge (the reader ends the session) or by us
@@ -715,6 +707,13 @@ class _Once:
         function, self._function = self._function, None
         if function is not None:
             function()
+
+
+async def _drop(ws: WebSocketConnection) -> None:
+    """Drop the connection without a closing handshake: a silent peer would only make
+    us wait for its answer. (Cancelled at once, `aclose` still closes the socket.)"""
+    with trio.move_on_after(0):
+        await ws.aclose(_GOING_AWAY)
 
 
 async def _reject_and_close(ws: WebSocketConnection, code: str, reason: str) -> None:
