@@ -184,7 +184,7 @@ class ChunkedBodyWriter:
         if self._chunked and message["type"] == "http.response.body":
             body = message.get("body", b"")
             if body:
-                await self._connection.write(b"%x\r\n%b\r\n" % (len(body), body))
+                await self._connection.write(_chunk(body))
             if message.get("more_body", False):
                 return
             message = _END_OF_BODY  # Hypercorn ends the exchange; h11 writes the last chunk
@@ -199,13 +199,18 @@ class ChunkedBodyWriter:
         run relay's `DirectWrite` (see `iop_edge.runtime.dispatch`, Rule 9)."""
         if not self._chunked:
             return None
-        piece = b"%x\r\n%b\r\n" % (len(body), body)
+        piece = _chunk(body)
         sent = self._connection.write_now(piece)
         return piece[sent:] if sent else None
 
     async def write_rest(self, rest: bytes) -> None:
         """Finish a piece `write_now` began (before anything else is sent)."""
         await self._connection.write(rest)
+
+
+def _chunk(data: bytes) -> bytes:
+    """`data` framed as one chunk of a chunked body: `hex-size CRLF data CRLF`."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 def _is_chunked(scope: HTTPScope, start: Any) -> bool:

@@ -137,11 +137,6 @@ _CUT_WHILE_WORKING: Final = frozenset(
 )
 
 
-def _writes_nothing(events: bytes) -> None:
-    """A run's `DirectWrite` until its consumer gives one."""
-    return None
-
-
 def _ambiguous(failure: wire.RunFailed) -> bool:
     """An upstream 5xx error answer: the provider's fault or the request's (Rule 3)."""
     return (
@@ -401,7 +396,6 @@ class Run:
         self._first: RelayEvent | None = None
         self._direct: DirectWrite | None = None
         """`write_directly`'s writer, counting what it writes (Rule 9)."""
-        self._to_caller: DirectWrite = _writes_nothing
         self._live_on_node = False
         """Whether the Node may still be running the current attempt (cancel on end)."""
         self._stopped_working = False
@@ -457,14 +451,14 @@ class Run:
     def write_directly(self, direct: DirectWrite) -> None:
         """From now on, while the consumer waits, chunks go to `direct` (Rule 9); the
         consumer then hears `Unwritten` events too."""
-        self._to_caller = direct
-        self._direct = self._write_counted  # the bound method made once, not per wait
 
-    def _write_counted(self, events: bytes) -> bytes | None:
-        rest = self._to_caller(events)
-        if rest is not None:
-            self.chunks += events.count(b"\n\n")  # as `_seen` counts them (Rule 4)
-        return rest
+        def write_counted(events: bytes) -> bytes | None:
+            rest = direct(events)
+            if rest is not None:
+                self.chunks += events.count(b"\n\n")  # as `_seen` counts them (Rule 4)
+            return rest
+
+        self._direct = write_counted
 
     async def next_event(self) -> RelayEvent:
         """The next event of the run; a terminal one is the last (Rule 3)."""
