@@ -22,14 +22,16 @@ from bench.many_nodes import ManyNodesMeasurement
 DIRECT: Final = "direct"
 HYPERCORN: Final = "hypercorn"
 EDGE_HTTP: Final = "edge-http"
+STACK_FLOOR: Final = "stack-floor"
 IOP: Final = "iop"
 LITELLM: Final = "litellm"
 VLLM_ROUTER: Final = "vllm-router"
-ALL_TARGETS: Final = (DIRECT, HYPERCORN, EDGE_HTTP, IOP, LITELLM, VLLM_ROUTER)
+ALL_TARGETS: Final = (DIRECT, HYPERCORN, EDGE_HTTP, STACK_FLOOR, IOP, LITELLM, VLLM_ROUTER)
 TARGET_LABELS: Final = {
     DIRECT: "direct",
     HYPERCORN: "Hypercorn",
     EDGE_HTTP: "Edge HTTP",
+    STACK_FLOOR: "Stack floor",
     IOP: "IOP",
     LITELLM: "LiteLLM",
     VLLM_ROUTER: "vllm-router",
@@ -39,6 +41,7 @@ PROCESSES: Final = {
     DIRECT: ("upstream",),
     HYPERCORN: ("hypercorn",),
     EDGE_HTTP: ("server",),
+    STACK_FLOOR: ("front", "back"),
     IOP: ("edge", "node"),
     LITELLM: ("proxy",),
     VLLM_ROUTER: ("router",),

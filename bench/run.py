@@ -4,11 +4,12 @@ One command, one run, in up to three parts (`--parts`), each starting and stoppi
 own processes so no part's servers weigh on another's:
 
 - `closed`: the fast fake upstream, the two HTTP floors (stock Hypercorn and the Edge's
-  own HTTP server answering by themselves: `bench.asgi_floor`), an IOP Edge and Node in
-  front of the upstream, and the peers when installed (LiteLLM's proxy: `bench.litellm_proxy`;
-  vLLM's Rust router: `bench.vllm_router`), each in its own process; for every scenario
-  (concurrency x stream/non-stream) each target is measured in turn by the closed-loop
-  generator in this process (`bench.load`).
+  own HTTP server answering by themselves: `bench.asgi_floor`), the stack floor (IOP's
+  transport parts relaying with none of its logic: `bench.stack_floor`), an IOP Edge and
+  Node in front of the upstream, and the peers when installed (LiteLLM's proxy:
+  `bench.litellm_proxy`; vLLM's Rust router: `bench.vllm_router`), each in its own
+  process; for every scenario (concurrency x stream/non-stream) each target is measured
+  in turn by the closed-loop generator in this process (`bench.load`).
 - `fleet`: the fleet-shaped stream scenario (`bench.fleet`): the paced upstream, then
   each fleet target in turn (started, measured, stopped).
 - `nodes`: many light Nodes on one Edge (`bench.many_nodes`).
@@ -19,7 +20,7 @@ It prints the tables and the issue's targets as PASS/MISS, stops every child and
 
     python -m bench [--parts closed,fleet,nodes]
                     [--duration S | --requests N] [--concurrency 1,32] [--warmup N]
-                    [--only direct,hypercorn,edge-http,iop,litellm,vllm-router]
+                    [--only direct,hypercorn,edge-http,stack-floor,iop,litellm,vllm-router]
                     [--fleet-only direct,iop,vllm-router] [--streams 100]
                     [--tokens-per-second 10] [--stream-tokens 30] [--window 5]
                     [--nodes 1000] [--providers-per-node 3] [--idle-window 10]
@@ -63,12 +64,14 @@ from bench.result import (
     HYPERCORN,
     IOP,
     LITELLM,
+    STACK_FLOOR,
     TARGET_LABELS,
     VLLM_ROUTER,
     BenchResult,
     Machine,
 )
 from bench.services import Service, ServiceFailed, python_argv, start_service, url_after
+from bench.stack_floor import start_stack_floor
 from bench.upstream import start_upstream
 from bench.vllm_router import find_vllm_router, start_vllm_router
 
@@ -214,6 +217,11 @@ async def _start_target(
             )
         say(f"{name} floor: {floor.ready} (pid {floor.pid})")
         return Target(name, floor.ready, {process: floor.pid})
+    if name == STACK_FLOOR:
+        with trio.fail_after(_GATEWAY_START_S):
+            stack = await start_stack_floor(services, upstream.ready)
+        say(f"{name}: {stack.url} (front pid {stack.front.pid}, back pid {stack.back.pid})")
+        return Target(STACK_FLOOR, stack.url, stack.processes)
     if name == IOP:
         with trio.fail_after(_GATEWAY_START_S):
             gateway = await start_gateway(services, upstream.ready, workdir, capacity=capacity)

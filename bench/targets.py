@@ -7,7 +7,10 @@ missing; a goal stated for a scale (1,000 Nodes, the default fleet) is `n/a` whe
 run used another one, with the value shown anyway.
 
 The goals compare targets within one run (ratios), except the absolute ones of the
-many-Nodes scenario, which are budgets for one Edge on this machine.
+many-Nodes scenario, which are budgets for one Edge on this machine. Where the run
+measured the stack floor (`bench.stack_floor`: IOP's transport parts relaying, with none
+of its logic), each closed-loop goal shows the floor's number beside IOP's: what those
+parts alone make of the goal.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from bench.result import (
     HYPERCORN,
     IOP,
     LITELLM,
+    STACK_FLOOR,
     VLLM_ROUTER,
     BenchResult,
     added_p50_ms,
@@ -59,6 +63,12 @@ class TargetCheck:
 
 def _at_most(value: float, limit: float) -> Verdict:
     return "PASS" if value <= limit else "MISS"
+
+
+def _floor_note(floor: str | None) -> str:
+    """The same number for the stack floor, when measured: what the transport parts alone
+    make of the goal (`bench.stack_floor`)."""
+    return "" if floor is None else f" (stack floor {floor})"
 
 
 def _kind(stream: bool) -> str:
@@ -118,7 +128,11 @@ def _closed_loop_checks(result: BenchResult) -> list[TargetCheck]:
                 missing = LITELLM if result.get(IOP, scenario) else IOP
                 checks.append(TargetCheck(goal, f"not measured ({missing})", "n/a"))
             else:
-                checks.append(TargetCheck(goal, f"1/{1 / ratio:.1f}", _at_most(ratio, share)))
+                floor = cpu_ratio(result, STACK_FLOOR, LITELLM, scenario)
+                measured = f"1/{1 / ratio:.1f}" + _floor_note(
+                    None if floor is None else f"1/{1 / floor:.1f}"
+                )
+                checks.append(TargetCheck(goal, measured, _at_most(ratio, share)))
     for stream in (False, True):
         scenario = Scenario(concurrency=THROUGHPUT_CONCURRENCY, stream=stream)
         least = MIN_THROUGHPUT_VS_LITELLM[stream]
@@ -131,7 +145,9 @@ def _closed_loop_checks(result: BenchResult) -> list[TargetCheck]:
             missing = LITELLM if result.get(IOP, scenario) else IOP
             checks.append(TargetCheck(goal, f"not measured ({missing})", "n/a"))
         else:
-            checks.append(TargetCheck(goal, f"{ratio:.2f}x", "PASS" if ratio >= least else "MISS"))
+            floor = throughput_ratio(result, STACK_FLOOR, LITELLM, scenario)
+            measured = f"{ratio:.2f}x" + _floor_note(None if floor is None else f"{floor:.2f}x")
+            checks.append(TargetCheck(goal, measured, "PASS" if ratio >= least else "MISS"))
     for stream in (False, True):
         scenario = Scenario(concurrency=1, stream=stream)
         limit = MAX_ADDED_P50_VS_FLOOR[stream]
@@ -142,7 +158,10 @@ def _closed_loop_checks(result: BenchResult) -> list[TargetCheck]:
             checks.append(TargetCheck(goal, f"not measured ({missing})", "n/a"))
         else:
             ratio = iop / floor
-            measured = f"{iop:+.2f} vs {floor:+.2f} ms = {ratio:.1f}x"
+            stack = added_p50_ms(result, STACK_FLOOR, scenario)
+            measured = f"{iop:+.2f} vs {floor:+.2f} ms = {ratio:.1f}x" + _floor_note(
+                None if stack is None else f"{stack / floor:.1f}x"
+            )
             checks.append(TargetCheck(goal, measured, _at_most(ratio, limit)))
     return checks
 

@@ -29,6 +29,7 @@ from bench.result import (
     HYPERCORN,
     IOP,
     LITELLM,
+    STACK_FLOOR,
     VLLM_ROUTER,
     BenchResult,
     Machine,
@@ -75,7 +76,7 @@ async def test_closed_loop_measures_every_scenario_and_each_process(tmp_path: Pa
     scenarios = [Scenario(c, stream) for c in (1, 2) for stream in (False, True)]
     assert result.scenarios() == scenarios
     for scenario in scenarios:
-        for target in (DIRECT, HYPERCORN, EDGE_HTTP, IOP):
+        for target in (DIRECT, HYPERCORN, EDGE_HTTP, STACK_FLOOR, IOP):
             measured = result.get(target, scenario)
             assert measured is not None, (target, scenario)
             assert (measured.ok, measured.errors) == (4, 0), measured.first_error
@@ -85,6 +86,9 @@ async def test_closed_loop_measures_every_scenario_and_each_process(tmp_path: Pa
         assert iop is not None and iop.process_cpu_s is not None
         assert set(iop.process_cpu_s) == {"edge", "node"}
         assert (iop.process_cpu_us_per_chunk("edge") is None) == (not scenario.stream)
+        floor = result.get(STACK_FLOOR, scenario)
+        assert floor is not None and floor.process_cpu_s is not None
+        assert set(floor.process_cpu_s) == {"front", "back"}
     assert any(note.startswith("litellm: not installed, skipped") for note in result.notes)
     assert any(note.startswith("vllm-router: not installed, skipped") for note in result.notes)
     assert any(line.startswith("iop: http://127.0.0.1:") for line in lines)
@@ -93,18 +97,19 @@ async def test_closed_loop_measures_every_scenario_and_each_process(tmp_path: Pa
     text = _text(result)
     for label in ("c=1 non-stream", "c=1 stream", "c=2 non-stream", "c=2 stream"):
         assert label in text
-    rows = re.findall(r"│ (direct|Hypercorn|IOP) +│ +(\d+) │ +(\d+) │", text)  # target, ok, err
-    expected = [("direct", "4", "0"), ("Hypercorn", "4", "0"), ("IOP", "4", "0")]
+    rows = re.findall(r"│ (direct|Hypercorn|Stack floor|IOP) +│ +(\d+) │ +(\d+) │", text)
+    expected = [("direct", "4", "0"), ("Hypercorn", "4", "0"), ("Stack floor", "4", "0")]
+    expected.append(("IOP", "4", "0"))  # (target, ok, err)
     assert sorted(rows) == sorted(expected * 4)
     assert "CPU by process" in text
-    for process in ("upstream", "hypercorn", "edge", "node", "edge+node"):
+    for process in ("upstream", "hypercorn", "front", "back", "edge", "node", "edge+node"):
         assert re.search(rf"│ {re.escape(process)} +│", text), process
     assert "vllm-router: not installed, skipped" in text
     assert "Targets from the issue" in text
     assert "machine: " in text
 
     document = json.loads(to_json(result))
-    assert len(document["measurements"]) == 16  # 4 scenarios x (direct, the two floors, IOP)
+    assert len(document["measurements"]) == 20  # 4 scenarios x (direct, the 3 floors, IOP)
     iop_rows = [row for row in document["measurements"] if row["target"] == IOP]
     assert all(set(row["processes"]) == {"edge", "node"} for row in iop_rows)
 
@@ -205,6 +210,7 @@ def test_targets_are_judged_from_the_measured_numbers() -> None:
             _measurement(HYPERCORN, c1, 1.5, 800),  # floor +0.5 ms
             _measurement(IOP, c1, 2.0, 500, cpu_ms=1.0),  # +1 ms = 2x the floor: within 3x
             _measurement(LITELLM, c1, 20.0, 50, cpu_ms=10.0),  # IOP at 1/10: within 1/8
+            _measurement(STACK_FLOOR, c1, 1.75, 600, cpu_ms=0.8),  # 1/12.5 of LiteLLM; 1.5x
             _measurement(DIRECT, c1s, 1.0, 1000),
             _measurement(HYPERCORN, c1s, 2.0, 500),  # floor +1 ms
             _measurement(IOP, c1s, 4.0, 200),  # +3 ms = 3x the floor: over 2x
@@ -228,7 +234,7 @@ def test_targets_are_judged_from_the_measured_numbers() -> None:
         "PASS",
     )
     assert verdicts["CPU per request, Edge + Node <= 1/8 of LiteLLM's, non-stream, c=1"] == (
-        "1/10.0",
+        "1/10.0 (stack floor 1/12.5)",
         "PASS",
     )
     assert verdicts["throughput >= 8x LiteLLM's at c=32, non-stream"] == ("10.00x", "PASS")
@@ -237,7 +243,7 @@ def test_targets_are_judged_from_the_measured_numbers() -> None:
         "n/a",
     )
     assert verdicts["c=1 added p50 <= 3x the Hypercorn floor's, non-stream"] == (
-        "+1.00 vs +0.50 ms = 2.0x",
+        "+1.00 vs +0.50 ms = 2.0x (stack floor 1.5x)",
         "PASS",
     )
     assert verdicts["c=1 added p50 <= 2x the Hypercorn floor's, 22-chunk stream"] == (
