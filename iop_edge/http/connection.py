@@ -26,6 +26,10 @@ Two shortcuts:
   exactly as if it had written the chunks.
   Any other response, or message, takes Hypercorn's path.
 
+The keep-alive timeout is one task per connection whose deadline moves
+(`iop_edge.http.keep_alive`), not Hypercorn's task per request, and a connection its
+client closed is released at once rather than when that timeout is up.
+
 The app tasks of a connection are spawned from the connection's task, so they see the
 connection through a context variable (`current_connection`). Hypercorn 0.18's
 `TCPServer` is the base; on a Hypercorn whose handler has no `send_lock`, both shortcuts
@@ -47,6 +51,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ASGISendCallable, HTTPScope, LifespanState
 
+from iop_edge.http.keep_alive import KeepAliveTimer
 from schemas.config import DEFAULT_SEND_TIMEOUT_S
 
 __all__ = ["ChunkedBodyWriter", "Connection", "current_connection"]
@@ -96,6 +101,10 @@ class Connection(TCPServer):
         self.writes_directly = isinstance(stream, trio.SocketStream) and isinstance(
             getattr(self, "send_lock", None), trio.Lock
         )
+        self._keep_alive = KeepAliveTimer(
+            config.keep_alive_timeout, context.terminated, self._initiate_server_close
+        )
+        self.idle_task = self._keep_alive  # type: ignore[assignment]
 
     async def run(self) -> None:
         _current.set(self)  # seen by this connection's app tasks, spawned from here
@@ -104,6 +113,12 @@ class Connection(TCPServer):
             await super().run()
         finally:
             self._live.discard(self)
+
+    async def _read_data(self) -> None:
+        try:
+            await super()._read_data()
+        finally:
+            self._keep_alive.end()  # the client closed, or we did: release the connection
 
     def abort(self) -> None:
         """Close the socket now. A write waiting on it fails, and Hypercorn ends the

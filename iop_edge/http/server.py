@@ -91,6 +91,11 @@ class HttpServer:
         """Requests being handled right now."""
         return self._in_flight
 
+    @property
+    def open_connections(self) -> int:
+        """Client connections open right now, idle keep-alive ones included."""
+        return len(self._live)
+
     # --- lifecycle -----------------------------------------------------------------------
 
     async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:

@@ -69,12 +69,15 @@ def _server(
     *,
     graceful_timeout_s: float | None = None,
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+    keep_alive_timeout_s: float | None = None,
 ) -> tuple[HttpServer, tuple[str, int]]:
     """An Edge HTTP server for `app` on a loopback port (not started), and its address."""
     sock = bind_listener("openai", "127.0.0.1:0", parse_listen_address("127.0.0.1:0")).socket
     config = hypercorn_config("127.0.0.1:0")
     if graceful_timeout_s is not None:
         config.graceful_timeout = graceful_timeout_s
+    if keep_alive_timeout_s is not None:
+        config.keep_alive_timeout = keep_alive_timeout_s
     host, port = sock.getsockname()[:2]
     return HttpServer(app, config, sock, send_timeout_s=send_timeout_s), (host, port)
 
@@ -344,3 +347,93 @@ async def test_a_body_framed_by_its_length_is_not_written_without_waiting(
     assert app.refused == len(app.written) == len(BEYOND_SOCKET_BUFFERS)
     assert not app.partial.is_set()
     assert _body(bytes(received)) == b"".join(app.written)
+
+
+# --- keep-alive (iop_edge.http.keep_alive) ------------------------------------------------
+
+KEEP_ALIVE_REQUEST = b"POST /stream HTTP/1.1\r\nhost: t\r\n\r\n"
+
+
+async def _one_response(stream: trio.SocketStream) -> bytes:
+    """Read one chunked response of `PIECES` off a keep-alive connection."""
+    received = bytearray()
+    while not received.endswith(b"0\r\n\r\n"):
+        data = await stream.receive_some(1 << 16)
+        assert data, "the server closed the connection mid-response"
+        received += data
+    return bytes(received)
+
+
+async def test_a_connection_its_client_closed_is_released_at_once(nursery: trio.Nursery) -> None:
+    """Hypercorn kept a connection its client had closed (its task, and its socket in
+    CLOSE_WAIT) until the keep-alive timeout was up: 75 s of a descriptor per request for
+    a client that connects per request."""
+    server, address = _server(StreamingApp(PIECES))
+    await nursery.start(server.serve)
+    for _ in range(3):
+        stream = await trio.open_tcp_stream(*address)
+        await stream.send_all(KEEP_ALIVE_REQUEST)
+        await _one_response(stream)
+        assert server.open_connections >= 1
+        await stream.aclose()
+    await trio.testing.wait_all_tasks_blocked()
+    assert server.open_connections == 0
+
+
+async def test_an_idle_connection_is_closed_when_its_keep_alive_time_is_up(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    server, address = _server(StreamingApp(PIECES), keep_alive_timeout_s=30)
+    await nursery.start(server.serve)
+    stream = await trio.open_tcp_stream(*address)
+    async with stream:
+        for _ in range(2):  # each request starts the time again
+            await stream.send_all(KEEP_ALIVE_REQUEST)
+            await _one_response(stream)
+            idle_from = trio.current_time()
+            with trio.move_on_after(29):
+                assert await stream.receive_some(1) == b"", "closed before its time"
+        assert await stream.receive_some(1) == b""  # closed by the server
+        assert 30 <= trio.current_time() - idle_from < 31
+    await trio.testing.wait_all_tasks_blocked()
+    assert server.open_connections == 0
+
+
+async def test_a_request_longer_than_the_keep_alive_time_is_not_cut(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    hold = trio.Event()
+    app = StreamingApp(PIECES, hold=hold)
+    server, address = _server(app, keep_alive_timeout_s=30)
+    await nursery.start(server.serve)
+    stream = await trio.open_tcp_stream(*address)
+    async with stream:
+        await stream.send_all(KEEP_ALIVE_REQUEST)
+        await trio.sleep(300)  # the reply waits on `hold` meanwhile; time only jumps
+        hold.set()
+        response = await _one_response(stream)
+    assert _body(response) == PIECES_CHUNKED  # whole: not cut when the time was up
+
+
+async def test_stopping_closes_idle_connections_at_once_and_busy_ones_after_their_reply(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    hold = trio.Event()
+    app = StreamingApp(PIECES, hold=hold)
+    server, address = _server(app)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        idle = await trio.open_tcp_stream(*address)
+        busy = await trio.open_tcp_stream(*address)
+        await busy.send_all(KEEP_ALIVE_REQUEST)
+        await trio.testing.wait_all_tasks_blocked()  # the busy one's reply waits on `hold`
+        stopped_at = trio.current_time()
+        server.terminate()
+        assert await idle.receive_some(1) == b""
+        assert trio.current_time() == stopped_at  # at once, not after any timeout
+        hold.set()
+        response = await _one_response(busy)
+        assert await busy.receive_some(1) == b""  # closed after its reply
+    assert _body(response) == PIECES_CHUNKED
+    await idle.aclose()
+    await busy.aclose()

@@ -1,0 +1,84 @@
+"""The keep-alive timeout of one HTTP connection: one task for the connection's life.
+
+Hypercorn 0.18 (`TrioSingleTask`, its `TCPServer.idle_task`) starts a task each time a
+connection goes idle and cancels it when the next request begins, each step under a
+lock: about five task switches and a new task per request, on every request the Edge
+serves. And when the client closes an idle connection, nothing stops that task: the
+connection's task, its socket (left in CLOSE_WAIT) and its state stayed until the
+keep-alive timeout was up (75 s on the Edge). A client opening a connection per request
+(a health checker, a script without a pool) held a descriptor per request for that long;
+at a few hundred requests a second that is the process's descriptor limit.
+
+`KeepAliveTimer` implements the same `SingleTask` interface with one task for the whole
+connection, waiting for the server to stop under a cancel scope whose deadline is the
+timeout:
+
+1. `restart` (the connection went idle: Hypercorn's `Updated(idle=True)`) moves the
+   deadline to `timeout_s` from now; `stop` (a request began) moves it to never. Neither
+   switches tasks; the first `restart` starts the task.
+2. When the deadline passes, or the server stops (`terminated`) while the connection is
+   idle, the connection is closed as Hypercorn closes it (`close`, shielded). A server
+   that stops while a request is in progress leaves the connection to Hypercorn, which
+   closes it after the response.
+3. `end` (the connection stopped reading: the client closed it, or it was closed) ends
+   the task without closing anything, so the connection is released at once.
+
+Hypercorn's `TCPServer` is the one caller: `iop_edge.http.connection.Connection` sets
+its `idle_task` to a `KeepAliveTimer` and calls `end` once its reading loop returns;
+`tests/e2e/test_http_connection.py` pins the behaviour.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+from hypercorn.typing import Event, TaskGroup
+
+__all__ = ["KeepAliveTimer"]
+
+#: Bound on closing an idle connection (Hypercorn's close, shielded).
+CLOSE_TIMEOUT_S = 5.0
+
+
+class KeepAliveTimer:
+    """One connection's keep-alive timeout (see the module docstring)."""
+
+    def __init__(
+        self, timeout_s: float, terminated: Event, close: Callable[[], Awaitable[None]]
+    ) -> None:
+        self._timeout_s = timeout_s
+        self._terminated = terminated
+        self._close = close
+        self._scope = trio.CancelScope(deadline=math.inf)
+        self._started = False
+        self._idle = False
+        self._ended = False
+
+    async def restart(self, task_group: TaskGroup, action: Callable[..., Any]) -> None:
+        """The connection is idle: close it `timeout_s` from now (Rule 1). `action` is
+        Hypercorn's own timeout task, which this replaces."""
+        self._idle = True
+        self._scope.deadline = trio.current_time() + self._timeout_s
+        if not self._started:
+            self._started = True
+            task_group.spawn(self._wait)
+
+    async def stop(self) -> None:
+        """A request began: no timeout until the connection is idle again (Rule 1)."""
+        self._idle = False
+        self._scope.deadline = math.inf
+
+    def end(self) -> None:
+        """The connection stopped reading: the task ends, closing nothing (Rule 3)."""
+        self._ended = True
+        self._scope.cancel()
+
+    async def _wait(self) -> None:
+        with self._scope:
+            await self._terminated.wait()
+        if self._idle and not self._ended:  # Rule 2
+            with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
+                await self._close()
