@@ -112,7 +112,9 @@ class NodeSession:
         self._on_load = on_load or _ignore_load
         self.goaway_sent = False
         self._retired = False
-        self._idle = trio.Event()
+        self._retired_and_idle = trio.Event()
+        """Set once: retired (`retire`) with no run left. Only then, not each time the
+        session runs out of runs, so the task waiting on it wakes once."""
         self._outbox_send, self._outbox_recv = trio.open_memory_channel[bytes](OUTBOX_SIZE)
         self._runs: dict[str, RunSink] = {}
         self._acks: dict[int, trio.MemorySendChannel[wire.RefreshAck]] = {}
@@ -205,20 +207,18 @@ class NodeSession:
         self._forget(run_id)
 
     def _forget(self, run_id: str) -> None:
-        if self._runs.pop(run_id, None) is not None and not self._runs:
-            self._idle.set()
-            self._idle = trio.Event()
+        if self._runs.pop(run_id, None) is not None and not self._runs and self._retired:
+            self._retired_and_idle.set()
 
     def retire(self) -> None:
         """The node linked again after our `goaway` and new runs go there: end this
         session once the runs still on it are done."""
         self._retired = True
-        self._idle.set()
-        self._idle = trio.Event()
+        if not self._runs:
+            self._retired_and_idle.set()
 
     async def _end_when_retired_and_idle(self) -> None:
-        while not (self._retired and not self._runs):
-            await self._idle.wait()
+        await self._retired_and_idle.wait()
 
     async def request_refresh(
         self, revision: int, node_config: NodeConfig, config_time: float = 0.0
