@@ -300,6 +300,8 @@ async def _call(
 
 @dataclass(frozen=True, slots=True)
 class StackFloor:
+    """The running pair; `url` is where callers send requests."""
+
     front: Service[str]
     back: Service[str]
 
