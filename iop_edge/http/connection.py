@@ -7,7 +7,7 @@ sending each yield to the scheduler once. For a streamed reply, where every rela
 is one small write, that was most of the Edge's CPU per chunk (README, "Session 5":
 ~230 -> ~150 us per chunk in the fleet-shaped bench).
 
-Two shortcuts:
+Three shortcuts:
 
 - `Connection.protocol_send` writes a piece with one non-blocking `write` when no other
   write is in progress on the connection. The socket takes the whole piece almost always
@@ -25,6 +25,11 @@ Two shortcuts:
   Hypercorn (as an empty last message: h11 writes the last-chunk `0 CRLF CRLF`), find it
   exactly as if it had written the chunks.
   Any other response, or message, takes Hypercorn's path.
+- A response framed by its length (a completion, an error) goes out in one write:
+  Hypercorn writes the head when the app starts the response and the body when it sends
+  it, then h11's empty end of the body, three writes and two reads for the client. The
+  connection holds the head (`hold_next_write`) and writes it with the body, and skips
+  empty writes.
 
 The keep-alive timeout is one task per connection whose deadline moves
 (`iop_edge.http.keep_alive`), not Hypercorn's task per request, and a connection its
@@ -105,6 +110,9 @@ class Connection(TCPServer):
             config.keep_alive_timeout, context.terminated, self._initiate_server_close
         )
         self.idle_task = self._keep_alive  # type: ignore[assignment]
+        self._holding = False
+        self._held = b""
+        """A response's head, waiting to go out with the first bytes after it."""
 
     async def run(self) -> None:
         _current.set(self)  # seen by this connection's app tasks, spawned from here
@@ -135,9 +143,24 @@ class Connection(TCPServer):
         else:
             await super().protocol_send(event)
 
+    def hold_next_write(self, hold: bool = True) -> None:
+        """Keep the next write (a response's head) to send it with the one after it (its
+        body, or h11's empty end of a body framed by its length): one write, and one read
+        for the client, instead of two. `hold_next_write(False)` cancels a hold that no
+        write took (the head was refused)."""
+        self._holding = hold
+
     async def write(self, data: bytes) -> None:
         """Write `data` to the client: at once when the socket takes it all (no task
-        switch), else as the socket takes it (`_write_waiting`)."""
+        switch), else as the socket takes it (`_write_waiting`). Nothing for no bytes."""
+        if self._holding:
+            self._holding = False
+            self._held = data
+            return
+        if self._held:
+            data, self._held = self._held + data, b""
+        if not data:
+            return  # h11's end of a body framed by its length: no bytes to write
         sent = self.write_now(data)
         if sent < len(data):
             await self._write_waiting(memoryview(data)[sent:])
@@ -205,6 +228,13 @@ class ChunkedBodyWriter:
             message = _END_OF_BODY  # Hypercorn ends the exchange; h11 writes the last chunk
         elif message["type"] == "http.response.start":
             self._chunked = _is_chunked(self._scope, message)
+            if not self._chunked:  # the head goes out with the body, in one write
+                self._connection.hold_next_write()
+                try:
+                    await self._send(message)
+                finally:
+                    self._connection.hold_next_write(False)
+                return
         await self._send(message)
 
     def write_now(self, body: bytes) -> bytes | None:

@@ -7,12 +7,14 @@ The client side is a raw socket, so each test sees the exact bytes on the wire."
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import struct
 from collections.abc import Sequence
 from typing import Any
 
 import httpx2
+import pytest
 import trio
 import trio.testing
 
@@ -437,3 +439,28 @@ async def test_stopping_closes_idle_connections_at_once_and_busy_ones_after_thei
     assert _body(response) == PIECES_CHUNKED
     await idle.aclose()
     await busy.aclose()
+
+
+async def test_a_response_framed_by_its_length_goes_out_in_one_write(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Head and body in one write (Hypercorn: the head, the body, then an empty write),
+    byte for byte what Hypercorn writes; a body-less reply's head still goes out."""
+    writes: list[bytes] = []
+    write = os.write
+
+    def recording_write(fd: int, data: bytes) -> int:
+        writes.append(bytes(data))
+        return write(fd, data)
+
+    monkeypatch.setattr("iop_edge.http.connection.os.write", recording_write)
+    body = b'{"id": "cmpl-1"}'
+    app = StreamingApp([], last=body, headers=[(b"content-length", b"%d" % len(body))])
+    address = await _serve(nursery, app)
+    response = await _exchange(address, _request())
+    assert writes == [response]
+    assert response.startswith(b"HTTP/1.1 200 \r\n") and _body(response) == body
+
+    writes.clear()
+    head = await _exchange(address, _request(method="HEAD"))
+    assert writes == [head] and head.endswith(b"\r\n\r\n")
