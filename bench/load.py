@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -79,11 +79,15 @@ class Scenario:
 
 @dataclass(frozen=True, slots=True)
 class Budget:
-    """How long one measured phase lasts: `requests` when set, else `duration_s`."""
+    """How long one measured phase lasts: `requests` when set, else `duration_s`, in
+    `turns` turns interleaved with the other targets' (`per_turn`): a machine whose speed
+    drifts then weighs on every target alike, not on whichever was measured in a slow
+    minute. Each turn warms up first."""
 
     requests: int | None = None
     duration_s: float = 4.0
     warmup_requests: int = 50
+    turns: int = 1
 
     def __post_init__(self) -> None:
         if self.requests is not None and self.requests < 1:
@@ -92,6 +96,18 @@ class Budget:
             raise ValueError("duration must be > 0")
         if self.warmup_requests < 0:
             raise ValueError("warm-up requests must be >= 0")
+        if self.turns < 1:
+            raise ValueError("turns must be >= 1")
+        if self.requests is not None and self.requests < self.turns:
+            raise ValueError("requests must be at least one per turn")
+
+    def per_turn(self) -> Budget:
+        """The budget of one turn: an equal share of the requests or of the time."""
+        return Budget(
+            requests=None if self.requests is None else -(-self.requests // self.turns),
+            duration_s=self.duration_s / self.turns,
+            warmup_requests=self.warmup_requests,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +168,28 @@ class Measurement:
     @property
     def rps(self) -> float | None:
         return self.ok / self.wall_s if self.ok and self.wall_s > 0 else None
+
+
+def combined(turns: Sequence[Measurement]) -> Measurement:
+    """One target's turns under one scenario as one measurement: every latency, failure,
+    second and CPU second of them."""
+    first = turns[0]
+    cpu: dict[str, float] | None = {}
+    for turn in turns:
+        if turn.process_cpu_s is None or cpu is None:
+            cpu = None
+            continue
+        for process, seconds in turn.process_cpu_s.items():
+            cpu[process] = cpu.get(process, 0.0) + seconds
+    return Measurement(
+        target=first.target,
+        scenario=first.scenario,
+        latencies_s=tuple(sorted(latency for turn in turns for latency in turn.latencies_s)),
+        errors=sum(turn.errors for turn in turns),
+        wall_s=sum(turn.wall_s for turn in turns),
+        first_error=next((t.first_error for t in turns if t.first_error is not None), None),
+        process_cpu_s=cpu,
+    )
 
 
 def percentile(sorted_values: tuple[float, ...], q: float) -> float:

@@ -19,7 +19,7 @@ It prints the tables and the issue's targets as PASS/MISS, stops every child and
 (`bench.replicas`) instead.
 
     python -m bench [--parts closed,fleet,nodes]
-                    [--duration S | --requests N] [--concurrency 1,32] [--warmup N]
+                    [--duration S | --requests N] [--concurrency 1,32] [--warmup N] [--turns 2]
                     [--only direct,hypercorn,edge-http,stack-floor,iop,litellm,vllm-router]
                     [--fleet-only direct,iop,vllm-router] [--streams 100]
                     [--tokens-per-second 10] [--stream-tokens 30] [--window 5]
@@ -39,6 +39,7 @@ import argparse
 import os
 import sys
 import tempfile
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +52,7 @@ from bench.asgi_floor import READY_PREFIX as FLOOR_READY_PREFIX
 from bench.fleet import FleetMeasurement, FleetShape, measure_fleet
 from bench.gateway import CAPACITY, start_gateway
 from bench.litellm_proxy import find_litellm, start_litellm
-from bench.load import Budget, Measurement, Scenario, Target, measure, open_client
+from bench.load import Budget, Measurement, Scenario, Target, combined, measure, open_client
 from bench.many_nodes import ManyNodesMeasurement, ManyNodesShape, measure_many_nodes
 from bench.procfs import cpu_seconds
 from bench.profiler import FORMATS, find_py_spy, start_profilers
@@ -131,7 +132,8 @@ class BenchOptions:
                 else f"{budget.duration_s:g} s"
             )
             settings["per scenario"] = length
-            settings["warm-up"] = f"{budget.warmup_requests} requests"
+            settings["turns"] = f"{budget.turns}, the targets interleaved"
+            settings["warm-up"] = f"{budget.warmup_requests} requests a turn"
         if FLEET in self.parts:
             settings["fleet"] = self.fleet.label
         if NODES in self.parts:
@@ -328,26 +330,32 @@ async def _run_closed_loop(
 async def _measure_all(
     options: BenchOptions, targets: Sequence[Target], say: Progress
 ) -> list[Measurement]:
+    """Every target under every scenario, in `budget.turns` turns: each turn measures
+    every scenario of every target once (`Budget.per_turn`); a target's turns are then
+    combined into one measurement per scenario."""
     clients = {t.name: open_client(max(options.concurrency)) for t in targets}
-    measurements: list[Measurement] = []
+    budget = options.budget
+    turns: dict[tuple[str, Scenario], list[Measurement]] = defaultdict(list)
     try:
-        for scenario in options.scenarios():
-            for target in targets:
-                m = await measure(clients[target.name], target, scenario, options.budget)
-                measurements.append(m)
-                p50 = f"{m.p50_ms:.2f} ms" if m.p50_ms is not None else "-"
-                rps = f"{m.rps:.0f} req/s" if m.rps is not None else "-"
-                cpu = m.cpu_ms_per_request
-                cost = f"{cpu:.2f} ms CPU/req" if cpu is not None else ""
-                say(
-                    f"{scenario.label:<16} {TARGET_LABELS[target.name]:<11} "
-                    f"p50 {p50:>10}  {rps:>11}  {cost:>16}  ok {m.ok}  errors {m.errors}"
-                )
+        for turn in range(1, budget.turns + 1):
+            for scenario in options.scenarios():
+                for target in targets:
+                    m = await measure(clients[target.name], target, scenario, budget.per_turn())
+                    turns[target.name, scenario].append(m)
+                    p50 = f"{m.p50_ms:.2f} ms" if m.p50_ms is not None else "-"
+                    rps = f"{m.rps:.0f} req/s" if m.rps is not None else "-"
+                    cpu = m.cpu_ms_per_request
+                    cost = f"{cpu:.2f} ms CPU/req" if cpu is not None else ""
+                    of = f"turn {turn}/{budget.turns} " if budget.turns > 1 else ""
+                    say(
+                        f"{of}{scenario.label:<16} {TARGET_LABELS[target.name]:<11} "
+                        f"p50 {p50:>10}  {rps:>11}  {cost:>16}  ok {m.ok}  errors {m.errors}"
+                    )
     finally:
         with trio.move_on_after(5, shield=True):
             for client in clients.values():
                 await client.aclose()
-    return measurements
+    return [combined(turns[t.name, s]) for s in options.scenarios() for t in targets]
 
 
 async def _start_profilers(
@@ -512,8 +520,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="targets among " + ",".join(ALL_TARGETS) + " (all)",
     )  # fmt: skip
     closed.add_argument(
-        "--warmup", type=int, default=50, metavar="N", help="warm-up requests per scenario (50)"
+        "--warmup", type=int, default=50, metavar="N", help="warm-up requests per turn (50)"
     )
+    closed.add_argument(
+        "--turns", type=int, default=2, metavar="N",
+        help="measure in N turns, the targets interleaved, and combine them (2)",
+    )  # fmt: skip
     fleet = parser.add_argument_group("fleet-shaped streams")
     defaults = FleetShape()
     fleet.add_argument(
@@ -573,7 +585,10 @@ def build_parser() -> argparse.ArgumentParser:
 def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchOptions:
     try:
         budget = Budget(
-            requests=args.requests, duration_s=args.duration, warmup_requests=args.warmup
+            requests=args.requests,
+            duration_s=args.duration,
+            warmup_requests=args.warmup,
+            turns=args.turns,
         )
         fleet = FleetShape(
             streams=args.streams,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ import trio
 from rich.console import Console
 
 from bench.fleet import FleetMeasurement, FleetShape, _Connection, _request, _StreamReader, _Tally
-from bench.load import Budget, Measurement, Scenario, percentile
+from bench.load import Budget, Measurement, Scenario, combined, percentile
 from bench.many_nodes import ManyNodesMeasurement, ManyNodesShape, fleet_config, node_credentials
 from bench.report import render, to_json
 from bench.result import (
@@ -65,7 +66,7 @@ def no_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 async def test_closed_loop_measures_every_scenario_and_each_process(tmp_path: Path) -> None:
     options = BenchOptions(
         parts=(CLOSED,),
-        budget=Budget(requests=4, warmup_requests=2),
+        budget=Budget(requests=4, warmup_requests=2, turns=2),
         concurrency=(1, 2),
         only=ALL_TARGETS,
     )
@@ -92,6 +93,8 @@ async def test_closed_loop_measures_every_scenario_and_each_process(tmp_path: Pa
     assert any(note.startswith("litellm: not installed, skipped") for note in result.notes)
     assert any(note.startswith("vllm-router: not installed, skipped") for note in result.notes)
     assert any(line.startswith("iop: http://127.0.0.1:") for line in lines)
+    turns = [line.split()[1] for line in lines if line.startswith("turn ")]
+    assert turns == ["1/2"] * 20 + ["2/2"] * 20  # 4 scenarios x 5 targets, then again
     assert result.fleet == () and result.many_nodes is None
 
     text = _text(result)
@@ -403,6 +406,8 @@ def test_command_line_parts_targets_and_shapes() -> None:
     )
     assert (options.fleet.streams, options.fleet.tokens_per_second) == (7, 3.0)
     assert options.nodes.nodes == 9
+    assert options.budget.turns == 2  # the default: targets interleaved
+    assert options_from(parser.parse_args(["--turns", "1"]), parser).budget.turns == 1
     for bad in (
         ["--only", "nginx"],
         ["--concurrency", "0"],
@@ -414,3 +419,23 @@ def test_command_line_parts_targets_and_shapes() -> None:
             parser.parse_args(bad)
     with pytest.raises(SystemExit):
         options_from(parser.parse_args(["--streams", "0"]), parser)
+    for bad_turns in (["--turns", "0"], ["--requests", "3", "--turns", "4"]):
+        with pytest.raises(SystemExit):
+            options_from(parser.parse_args(bad_turns), parser)
+
+
+def test_turns_share_the_budget_and_combine_into_one_measurement() -> None:
+    assert Budget(duration_s=4, turns=2).per_turn() == Budget(duration_s=2)
+    assert Budget(requests=5, turns=2, warmup_requests=3).per_turn() == Budget(
+        requests=3, duration_s=2, warmup_requests=3
+    )
+    scenario = Scenario(1, False)
+    turns = [
+        Measurement("iop", scenario, (0.003, 0.001), 0, 1.0, None, {"edge": 0.5, "node": 0.25}),
+        Measurement("iop", scenario, (0.002,), 1, 2.0, "boom", {"edge": 0.25, "node": 0.5}),
+    ]
+    whole = combined(turns)
+    assert whole.latencies_s == (0.001, 0.002, 0.003)
+    assert (whole.errors, whole.wall_s, whole.first_error) == (1, 3.0, "boom")
+    assert whole.process_cpu_s == {"edge": 0.75, "node": 0.75}
+    assert combined([turns[0], replace(turns[1], process_cpu_s=None)]).process_cpu_s is None
