@@ -335,18 +335,19 @@ async def _measure_all(
     combined into one measurement per scenario."""
     clients = {t.name: open_client(max(options.concurrency)) for t in targets}
     budget = options.budget
+    per_turn = budget.per_turn()
     turns: dict[tuple[str, Scenario], list[Measurement]] = defaultdict(list)
     try:
         for turn in range(1, budget.turns + 1):
+            of = f"turn {turn}/{budget.turns} " if budget.turns > 1 else ""
             for scenario in options.scenarios():
                 for target in targets:
-                    m = await measure(clients[target.name], target, scenario, budget.per_turn())
+                    m = await measure(clients[target.name], target, scenario, per_turn)
                     turns[target.name, scenario].append(m)
                     p50 = f"{m.p50_ms:.2f} ms" if m.p50_ms is not None else "-"
                     rps = f"{m.rps:.0f} req/s" if m.rps is not None else "-"
                     cpu = m.cpu_ms_per_request
                     cost = f"{cpu:.2f} ms CPU/req" if cpu is not None else ""
-                    of = f"turn {turn}/{budget.turns} " if budget.turns > 1 else ""
                     say(
                         f"{of}{scenario.label:<16} {TARGET_LABELS[target.name]:<11} "
                         f"p50 {p50:>10}  {rps:>11}  {cost:>16}  ok {m.ok}  errors {m.errors}"
