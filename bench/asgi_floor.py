@@ -35,7 +35,7 @@ from bench.upstream import asks_for_stream, completion_body, stream_events
 from iop_edge.core.listen import parse_listen_address
 from iop_edge.edge import hypercorn_config
 from iop_edge.http.server import HttpServer
-from iop_edge.runtime.listeners import bind_listener
+from iop_edge.runtime.lifecycle.listeners import bind_listener
 
 READY_PREFIX: Final = "bench-asgi-floor listening on "
 SERVERS: Final = ("edge", "hypercorn")

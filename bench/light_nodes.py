@@ -46,7 +46,7 @@ from trio_websocket import (
     connect_websocket_url,
 )
 
-from iop_edge.runtime.handshakes import MAX_PENDING_HANDSHAKES_PER_SOURCE
+from iop_edge.runtime.nodes.handshakes import MAX_PENDING_HANDSHAKES_PER_SOURCE
 from schemas import wire
 from schemas.config import NodeConfig
 from schemas.heartbeat import seconds_to_next_ping

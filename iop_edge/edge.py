@@ -47,19 +47,8 @@ from iop_edge.http.final_send import ShieldFinalSend
 from iop_edge.http.openai_app import OpenAIApp
 from iop_edge.http.runs import RunEndpoints
 from iop_edge.http.server import HttpServer
-from iop_edge.runtime.access_log import AccessLog, RefusedRequest
-from iop_edge.runtime.activity import Activity
-from iop_edge.runtime.audit import AuditLog
-from iop_edge.runtime.dispatch import Dispatcher
-from iop_edge.runtime.handover import Handover, HandoverFailed, Successor
-from iop_edge.runtime.hub import (
-    HANDSHAKE_TIMEOUT_S,
-    LISTENER_MAX_FRAME_BYTES,
-    NodeDirectory,
-    NodeHub,
-)
-from iop_edge.runtime.ledger import LedgerUnavailable, choose_ledger
-from iop_edge.runtime.listeners import (
+from iop_edge.runtime.lifecycle.handover import Handover, HandoverFailed, Successor
+from iop_edge.runtime.lifecycle.listeners import (
     CONFIG_KEYS,
     Listener,
     ListenerError,
@@ -67,13 +56,24 @@ from iop_edge.runtime.listeners import (
     adopt_listener,
     bind_listener,
 )
-from iop_edge.runtime.metering import Metering, RunRecord
-from iop_edge.runtime.metrics import EdgeMetrics
-from iop_edge.runtime.node_server import NodeServer
-from iop_edge.runtime.refresh import Refresher, RefreshResult
-from iop_edge.runtime.replicas import ReplicaRoster
-from iop_edge.runtime.scheduler import Scheduler
-from iop_edge.runtime.session import SessionClosed
+from iop_edge.runtime.lifecycle.replicas import ReplicaRoster
+from iop_edge.runtime.metering.access_log import AccessLog, RefusedRequest
+from iop_edge.runtime.metering.activity import Activity
+from iop_edge.runtime.metering.ledger import LedgerUnavailable, choose_ledger
+from iop_edge.runtime.metering.metering import Metering, RunRecord
+from iop_edge.runtime.metering.metrics import EdgeMetrics
+from iop_edge.runtime.nodes.hub import (
+    HANDSHAKE_TIMEOUT_S,
+    LISTENER_MAX_FRAME_BYTES,
+    NodeDirectory,
+    NodeHub,
+)
+from iop_edge.runtime.nodes.node_server import NodeServer
+from iop_edge.runtime.nodes.session import SessionClosed
+from iop_edge.runtime.refresh.audit import AuditLog
+from iop_edge.runtime.refresh.refresh import Refresher, RefreshResult
+from iop_edge.runtime.runs.dispatch import Dispatcher
+from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas import wire
 from schemas.config import DEFAULT_SHUTDOWN_GRACE_S, NodeConfig
 from schemas.refresh import RefreshRequest, ReplicaStatus, StatusReport

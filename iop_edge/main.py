@@ -18,7 +18,7 @@ import trio
 from iop_edge import __version__
 from iop_edge.core.config import ConfigInvalid, ParsedConfig, format_errors, load_config
 from iop_edge.edge import Edge, EdgeAddresses, EdgeStartupError, Listeners
-from iop_edge.runtime.handover import Handover
+from iop_edge.runtime.lifecycle.handover import Handover
 from schemas.log_lines import LogFormat, configure_logging
 from schemas.refresh import RefreshRequest
 

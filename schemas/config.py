@@ -15,6 +15,7 @@ import msgspec
 from msgspec import Meta
 
 from schemas.limits import MAX_PAYLOAD_BYTES
+from schemas.protocols import CallerProtocol, default_protocols
 
 ProviderType = Literal["ollama", "vllm", "sglang", "lemonade", "openai_api", "cli", "sim"]
 Category = Literal["api", "cli", "local_inference"]
@@ -151,6 +152,10 @@ class AdapterSettings(ConfigStruct, frozen=True, kw_only=True):
     connect_timeout_s: PositiveFloat = 5.0
     first_byte_timeout_s: PositiveFloat | None = None
     health_interval_s: PositiveFloat = 10.0
+    protocols: list[CallerProtocol] | None = None
+    """The caller protocols the upstream speaks natively (design §14); None = the type's
+    default (`schemas.protocols.DEFAULT_PROTOCOLS`). An explicit list is trusted: the Node
+    does not second-guess it from a 404."""
     # cli
     command: list[NonEmptyStr] | None = None
     # sim
@@ -173,6 +178,14 @@ class ProviderConfig(ConfigStruct, frozen=True, kw_only=True):
     @property
     def effective_category(self) -> Category:
         return self.category or default_category(self.type)
+
+    @property
+    def native_protocols(self) -> tuple[CallerProtocol, ...]:
+        """What the config says the upstream speaks natively: the operator's list, or the
+        type's default."""
+        if self.adapter.protocols is not None:
+            return tuple(self.adapter.protocols)
+        return default_protocols(self.type)
 
 
 class NodeEntry(ConfigStruct, frozen=True, kw_only=True):

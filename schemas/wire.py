@@ -36,6 +36,7 @@ import msgspec
 
 from schemas.config import LifecycleFlag, NodeConfig
 from schemas.limits import MAX_FRAME_BYTES
+from schemas.protocols import CallerProtocol
 
 #: Bumped on any incompatible change; travels in `hello` and `welcome`. A peer speaking
 #: another version is refused at the handshake with a reason naming both versions.
@@ -43,10 +44,16 @@ from schemas.limits import MAX_FRAME_BYTES
 #: `run.strip_usage`, chunks framed as server-sent events).
 #: 3: several Edges per Node: `goaway`, `load`, `run_failed{code: busy}`, `run.long`,
 #: `config_time` in `welcome` and `refresh`.
-PROTOCOL_VERSION = 3
+#: 4: caller protocols (`messages`, `responses` operations, `run.caller_headers`,
+#: `run.keep_output`, `ProviderStatus.protocols`).
+PROTOCOL_VERSION = 4
 
 
-Operation = Literal["chat", "completion", "embedding"]
+Operation = Literal["chat", "completion", "embedding", "messages", "responses"]
+"""What a run asks of its provider. `messages` (Anthropic Messages) and `responses` (OpenAI
+Responses) carry the caller's body in that protocol: the Node sends it natively to a
+provider that speaks it, or translates it to chat completions and the reply back
+(design §14)."""
 Health = Literal["available", "busy", "draining", "unavailable", "unknown"]
 """A provider's health as its Node sees it (SPEC §4 item 11, §12):
 
@@ -148,6 +155,13 @@ class Run(Message, tag="run", frozen=True, kw_only=True):
     long: bool = False
     """A long-context run (SPEC §4 step 4): it holds one of the provider's long slots
     on the Node too."""
+    caller_headers: dict[str, str] = {}
+    """Protocol headers of the caller's request that a native upstream must see as they
+    were sent (`anthropic-version`, `anthropic-beta`); never credentials."""
+    keep_output: bool = False
+    """The Edge stores this run's result (a Responses request with `store: true`): the
+    Node puts the final response object, in the caller's protocol, in `run_done.response`
+    even for a stream."""
 
 
 class Cancel(Message, tag="cancel", frozen=True, kw_only=True):
@@ -293,6 +307,10 @@ class ProviderStatus(msgspec.Struct, frozen=True, kw_only=True):
     lifecycle: list[LifecycleFlag] | None = None
     """The lifecycle operations the provider's runtime API offers, as the adapter found
     them (e.g. Ollama's native API); None when the adapter cannot tell."""
+    protocols: list[CallerProtocol] | None = None
+    """The caller protocols the provider speaks natively as its Node knows now: the
+    configured ones less any the upstream answered 404/405 on (design §14); None when the
+    Node does not say (the Edge then assumes the configured ones)."""
 
 
 class Status(Message, tag="status", frozen=True, kw_only=True):

@@ -37,9 +37,9 @@ from werkzeug.exceptions import HTTPException
 
 from iop_edge.core.listen import is_loopback_host_header
 from iop_edge.core.readiness import Readiness
-from iop_edge.runtime.activity import ActivityReport
-from iop_edge.runtime.refresh import RefreshResult
-from iop_edge.runtime.usage import UsageReport
+from iop_edge.runtime.metering.activity import ActivityReport
+from iop_edge.runtime.metering.usage import UsageReport
+from iop_edge.runtime.refresh.refresh import RefreshResult
 from schemas.catalog import Catalog
 from schemas.refresh import RefreshRequest, RefreshVerdict, StatusReport
 from schemas.restart import RestartOutcome, RestartReport

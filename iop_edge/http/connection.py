@@ -241,7 +241,7 @@ class ChunkedBodyWriter:
         """Write `body` as one chunk of the response, without waiting: None when nothing
         was written (the body is not chunked, or a write is in progress), else the bytes
         the socket did not take (b"" when it took all), which `write_rest` writes. The
-        run relay's `DirectWrite` (see `iop_edge.runtime.dispatch`, Rule 9)."""
+        run relay's `DirectWrite` (see `iop_edge.runtime.runs.dispatch`, Rule 9)."""
         if not self._chunked:
             return None
         piece = _chunk(body)

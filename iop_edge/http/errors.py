@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from iop_edge.runtime.scheduler import (
+from iop_edge.runtime.runs.scheduler import (
     RETRY_AFTER_BUSY_S,
     AdmissionError,
     QueueFull,

@@ -54,8 +54,9 @@ from iop_edge.http.errors import (
     model_not_found,
     run_failure_error,
 )
-from iop_edge.runtime.access_log import RefusedRequest
-from iop_edge.runtime.dispatch import (
+from iop_edge.runtime.metering.access_log import RefusedRequest
+from iop_edge.runtime.metering.metering import Metering
+from iop_edge.runtime.runs.dispatch import (
     CALLER_GONE,
     INTERNAL_ERROR,
     DirectWrite,
@@ -67,8 +68,7 @@ from iop_edge.runtime.dispatch import (
     RunPlan,
     Unwritten,
 )
-from iop_edge.runtime.metering import Metering
-from iop_edge.runtime.scheduler import AdmissionError
+from iop_edge.runtime.runs.scheduler import AdmissionError
 from schemas import openai as oai
 from schemas import wire
 from schemas.tokens import estimate_input_tokens

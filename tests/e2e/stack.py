@@ -20,7 +20,7 @@ import yaml
 
 from iop_edge.core.config import parse_config
 from iop_edge.edge import Edge, EdgeAddresses
-from iop_edge.runtime.dispatch import RunPlan
+from iop_edge.runtime.runs.dispatch import RunPlan
 from iop_node.main import run_node
 
 NODE_TOKEN = "test-node-token-not-a-secret"

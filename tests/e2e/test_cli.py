@@ -243,14 +243,14 @@ async def test_refresh_json_is_the_report(
 async def test_refresh_attempts_are_logged_by_the_edge(
     stack: Stack, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="iop_edge.runtime.refresh")
+    caplog.set_level(logging.INFO, logger="iop_edge.runtime.refresh.refresh")
     candidate = _candidate(stack, tmp_path, capacity=6, adapter={"ttft_ms": 9})
     admin = stack.addresses.admin_url
 
     assert await run_cli("refresh", "--admin", admin, "--apply", "--candidate", str(candidate)) == 1
     assert await run_cli("refresh", "--admin", admin, "--apply") == 0
 
-    lines = [r.getMessage() for r in caplog.records if r.name == "iop_edge.runtime.refresh"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "iop_edge.runtime.refresh.refresh"]
     assert lines[0] == (
         "refresh apply of inline candidate from admin API: rejected, revision 1 -> 1, "
         "3 change(s) (1 live, 2 restart-required)"

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import trio
 
-from iop_edge.runtime.dispatch import CALLER_GONE, Outcome, Run, Unwritten
+from iop_edge.runtime.runs.dispatch import CALLER_GONE, Outcome, Run, Unwritten
 from schemas import wire
 from tests.e2e.stack import (
     WAIT_GUARD_S,

@@ -18,7 +18,7 @@ import trio.testing
 from iop_edge.core.listen import parse_listen_address
 from iop_edge.edge import hypercorn_config
 from iop_edge.http.server import HttpServer
-from iop_edge.runtime.listeners import bind_listener
+from iop_edge.runtime.lifecycle.listeners import bind_listener
 from tests.e2e.asgi import complete_lifespan
 
 

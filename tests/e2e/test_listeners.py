@@ -1,5 +1,5 @@
-"""The Edge's own listening sockets (`iop_edge.runtime.listeners`) and the handover's
-bookkeeping of inherited ones (`iop_edge.runtime.handover`)."""
+"""The Edge's own listening sockets (`iop_edge.runtime.lifecycle.listeners`) and the handover's
+bookkeeping of inherited ones (`iop_edge.runtime.lifecycle.handover`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 from iop_edge.cli import main
 from iop_edge.core.listen import parse_listen_address
-from iop_edge.runtime.handover import HANDOVER_ENV, Handover, HandoverFailed
-from iop_edge.runtime.listeners import ListenerError, bind_listener
+from iop_edge.runtime.lifecycle.handover import HANDOVER_ENV, Handover, HandoverFailed
+from iop_edge.runtime.lifecycle.listeners import ListenerError, bind_listener
 
 
 def _bind(role: str, text: str):  # type: ignore[no-untyped-def]

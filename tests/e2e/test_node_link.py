@@ -15,7 +15,7 @@ from wsproto.events import AcceptConnection, BytesMessage, Request
 
 from iop_edge.core.config import parse_config
 from iop_edge.edge import Edge
-from iop_edge.runtime.hub import PRE_AUTH_MAX_FRAME_BYTES
+from iop_edge.runtime.nodes.hub import PRE_AUTH_MAX_FRAME_BYTES
 from iop_node.backoff import BackoffPolicy
 from schemas import wire
 from tests.e2e.stack import NODE_TOKEN, Stack, one_sim_config, start_stack
@@ -121,7 +121,7 @@ async def test_a_duplicate_node_id_is_named_on_both_sides(
     assert "a new connection for node id 'node-1' from 127.0.0.1:" in message.reason
     assert "second Node running with the same id" in message.reason
     await stack.wait_servable("m")
-    edge_lines = [r.getMessage() for r in caplog.records if r.name == "iop_edge.runtime.hub"]
+    edge_lines = [r.getMessage() for r in caplog.records if r.name == "iop_edge.runtime.nodes.hub"]
     assert any(
         "node node-1 connected again from 127.0.0.1:" in line
         and "two Nodes share the node id node-1" in line

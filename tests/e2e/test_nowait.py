@@ -14,8 +14,8 @@ import trio
 from trio.testing import wait_all_tasks_blocked
 from trio_websocket import open_websocket_url
 
-from iop_edge.runtime.dispatch import CALLER_GONE
-from iop_edge.runtime.session import OUTBOX_SIZE
+from iop_edge.runtime.nodes.session import OUTBOX_SIZE
+from iop_edge.runtime.runs.dispatch import CALLER_GONE
 from schemas import wire
 from tests.e2e.stack import (
     NODE_TOKEN,

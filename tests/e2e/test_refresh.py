@@ -31,7 +31,7 @@ from trio_websocket import open_websocket_url
 
 from iop_edge.core.snapshot import QueuePolicy
 from iop_edge.main import _apply_from_file, handle_signals
-from iop_edge.runtime.audit import AUDIT_FILE_NAME
+from iop_edge.runtime.refresh.audit import AUDIT_FILE_NAME
 from iop_node.adapters.base import Adapter, Emit, RunResult
 from iop_node.registry import create_adapter
 from iop_node.reply import ParsedChunk

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import trio
 
-from iop_edge.runtime.audit import AUDIT_FILE_NAME
+from iop_edge.runtime.refresh.audit import AUDIT_FILE_NAME
 from tests.e2e.stack import Stack
 
 

@@ -18,7 +18,7 @@ import httpx2
 import trio
 import yaml
 
-from iop_edge.runtime.usage import UsageLedger
+from iop_edge.runtime.metering.usage import UsageLedger
 from iop_node.adapters.sim import MAX_TOKENS
 from iop_node.main import run_node
 from tests.e2e.processes import start_edge

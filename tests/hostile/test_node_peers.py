@@ -9,7 +9,7 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from iop_edge.runtime.handshakes import (
+from iop_edge.runtime.nodes.handshakes import (
     MAX_PENDING_HANDSHAKES,
     MAX_PENDING_HANDSHAKES_PER_SOURCE,
 )

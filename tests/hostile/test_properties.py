@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 from iop_edge.core.config import ConfigInvalid, parse_config
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.runs import RUN_PATHS, RunEndpoints
-from iop_edge.runtime.dispatch import Dispatcher
-from iop_edge.runtime.hub import NodeDirectory, NodeHub
-from iop_edge.runtime.metering import Metering
-from iop_edge.runtime.metrics import EdgeMetrics
-from iop_edge.runtime.scheduler import Scheduler
-from iop_edge.runtime.usage import UsageLedger
+from iop_edge.runtime.metering.metering import Metering
+from iop_edge.runtime.metering.metrics import EdgeMetrics
+from iop_edge.runtime.metering.usage import UsageLedger
+from iop_edge.runtime.nodes.hub import NodeDirectory, NodeHub
+from iop_edge.runtime.runs.dispatch import Dispatcher
+from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas import wire
 from schemas.config import NodeConfig
 from tests.unit.test_config import valid

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 
 from iop_edge.http.runs import MAX_CHOICES, MAX_JSON_DEPTH
-from iop_edge.runtime.audit import AUDIT_FILE_NAME
+from iop_edge.runtime.refresh.audit import AUDIT_FILE_NAME
 from schemas.config import DEFAULT_MAX_TOKENS_LIMIT
 from tests.e2e.stack import Stack
 

@@ -167,7 +167,7 @@ class EdgeSide:
         return messages
 
     async def close(self, code: int = 1000) -> None:
-        """Close as the real Edge does (`iop_edge.runtime.hub`, `session.reject`): bounded.
+        """Close as the real Edge does (`iop_edge.runtime.nodes.hub`, `session.reject`): bounded.
         A Node's ping that crosses our Close makes trio-websocket 0.12's reader fail on
         the pong it may no longer send (issue #184); the closing handshake then never
         completes, and an unbounded `aclose` would hold the test forever."""
@@ -214,7 +214,7 @@ class FakeEdge:
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         """One node connection, its errors its own, as on the real Edge
-        (`iop_edge.runtime.node_server`): trio-websocket's own server lets a pong it cannot
+        (`iop_edge.runtime.nodes.node_server`): trio-websocket's own server lets a pong it cannot
         send (a Node's ping as we close) end the whole server."""
         with contextlib.suppress(Exception):
             async with trio.open_nursery() as connection:

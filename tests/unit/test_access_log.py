@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from iop_edge.runtime.access_log import AccessLog, RefusedRequest, access_fields, logfmt
-from iop_edge.runtime.activity import Activity
-from iop_edge.runtime.metering import RunRecord
+from iop_edge.runtime.metering.access_log import AccessLog, RefusedRequest, access_fields, logfmt
+from iop_edge.runtime.metering.activity import Activity
+from iop_edge.runtime.metering.metering import RunRecord
 from schemas import wire
 from schemas.log_lines import FIELDS, JsonLinesFormatter, iso_time
 

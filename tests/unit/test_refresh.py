@@ -16,8 +16,8 @@ import yaml
 
 from iop_edge.core.config import ParsedConfig, parse_config
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.runtime.audit import AuditLog, write_config_atomically
-from iop_edge.runtime.refresh import Refresher, RefreshResult, RefreshTarget
+from iop_edge.runtime.refresh.audit import AuditLog, write_config_atomically
+from iop_edge.runtime.refresh.refresh import Refresher, RefreshResult, RefreshTarget
 from schemas.config import NodeConfig
 from schemas.refresh import RefreshReport, RefreshRequest
 from schemas.wire import RefreshAck

@@ -1,4 +1,4 @@
-"""The scheduler (iop_edge.runtime.scheduler): slots, FIFO queues, waits, cooldowns, refresh.
+"""The scheduler (iop_edge.runtime.runs.scheduler): slots, FIFO queues, waits, cooldowns, refresh.
 
 Time is virtual (`autojump_clock`); ordering is established with
 `wait_all_tasks_blocked()`, never with sleeps.
@@ -18,7 +18,7 @@ import trio
 from trio.testing import MockClock, wait_all_tasks_blocked
 
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.runtime.scheduler import (
+from iop_edge.runtime.runs.scheduler import (
     RETRY_AFTER_BUSY_S,
     AdmissionError,
     Lease,

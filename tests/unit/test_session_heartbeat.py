@@ -19,8 +19,8 @@ import trio
 from trio.testing import MockClock
 from trio_websocket import WebSocketConnection
 
-from iop_edge.runtime.heartbeat import HeartbeatGrid
-from iop_edge.runtime.session import NodeSession
+from iop_edge.runtime.nodes.heartbeat import HeartbeatGrid
+from iop_edge.runtime.nodes.session import NodeSession
 from schemas.heartbeat import HEARTBEAT_SLOTS
 
 INTERVAL_S = 5.0

@@ -43,7 +43,7 @@ from typing import Any
 
 import trio
 
-from iop_edge.runtime.listeners import Listener, Role
+from iop_edge.runtime.lifecycle.listeners import Listener, Role
 
 __all__ = ["HANDOVER_ENV", "Handover", "HandoverFailed", "Successor"]
 

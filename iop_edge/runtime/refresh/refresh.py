@@ -46,7 +46,7 @@ import trio
 from iop_edge.core.config import ConfigInvalid, ParsedConfig, load_config, parse_config
 from iop_edge.core.refresh_plan import ApplyPlan, error_order, plan_apply
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.runtime.audit import AuditLog, write_config_atomically
+from iop_edge.runtime.refresh.audit import AuditLog, write_config_atomically
 from schemas.config import ConfigError, NodeConfig
 from schemas.refresh import (
     NodeResult,

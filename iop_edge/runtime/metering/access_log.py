@@ -24,7 +24,7 @@ from typing import Any, Final
 
 import msgspec
 
-from iop_edge.runtime.metering import RunRecord
+from iop_edge.runtime.metering.metering import RunRecord
 from schemas.log_lines import FIELDS
 
 __all__ = ["ACCESS_LOGGER", "AccessLog", "RefusedRequest", "access_fields", "logfmt"]

@@ -83,10 +83,10 @@ from typing import Any, Final, Protocol
 import msgspec
 import trio
 
-from iop_edge.runtime.hub import NodeHub
-from iop_edge.runtime.metering import RunRecord
-from iop_edge.runtime.scheduler import AdmissionError, Lease, NoProvider, Scheduler
-from iop_edge.runtime.session import NodeSession, RunEvent, SessionClosed
+from iop_edge.runtime.metering.metering import RunRecord
+from iop_edge.runtime.nodes.hub import NodeHub
+from iop_edge.runtime.nodes.session import NodeSession, RunEvent, SessionClosed
+from iop_edge.runtime.runs.scheduler import AdmissionError, Lease, NoProvider, Scheduler
 from schemas import wire
 from schemas.tokens import OutputTally
 

@@ -38,7 +38,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 from iop_edge.core.listen import ListenAddress
 from iop_edge.core.node_input import check_node_message
 from iop_edge.runtime.compat.trio_websocket import watch_arrivals
-from iop_edge.runtime.heartbeat import HeartbeatGrid
+from iop_edge.runtime.nodes.heartbeat import HeartbeatGrid
 from schemas import wire
 from schemas.config import NodeConfig
 

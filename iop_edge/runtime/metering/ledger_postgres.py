@@ -36,8 +36,14 @@ import psycopg
 from psycopg import sql
 
 from iop_edge.core.ledger_url import PostgresUrl
-from iop_edge.runtime.replicas import FORGET_AFTER_S, STALE_AFTER_S
-from iop_edge.runtime.usage import AGGREGATES, UsageRecord, UsageReport, row_of, usage_report
+from iop_edge.runtime.lifecycle.replicas import FORGET_AFTER_S, STALE_AFTER_S
+from iop_edge.runtime.metering.usage import (
+    AGGREGATES,
+    UsageRecord,
+    UsageReport,
+    row_of,
+    usage_report,
+)
 
 __all__ = ["LedgerUnavailable", "PostgresReplicaStore", "PostgresStore", "connect"]
 

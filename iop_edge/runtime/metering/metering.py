@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from iop_edge.runtime.metrics import EdgeMetrics
-from iop_edge.runtime.usage import UsageLedger, UsageRecord
+from iop_edge.runtime.metering.metrics import EdgeMetrics
+from iop_edge.runtime.metering.usage import UsageLedger, UsageRecord
 from schemas import wire
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import trio
 
 from iop_edge.core.ledger_url import parse_ledger_url
-from iop_edge.runtime.replicas import ReplicaStore, SqliteReplicaStore
-from iop_edge.runtime.usage import UsageLedger
+from iop_edge.runtime.lifecycle.replicas import ReplicaStore, SqliteReplicaStore
+from iop_edge.runtime.metering.usage import UsageLedger
 from schemas.config import EdgeSection
 
 __all__ = ["LedgerChoice", "LedgerUnavailable", "choose_ledger"]
@@ -56,7 +56,7 @@ def choose_ledger(edge: EdgeSection) -> LedgerChoice:
         )
     url = parse_ledger_url(edge.ledger)
     try:
-        from iop_edge.runtime import ledger_postgres
+        from iop_edge.runtime.metering import ledger_postgres
     except ImportError:
         raise LedgerUnavailable(
             "edge.ledger is a PostgreSQL URL, which needs the psycopg package: "

@@ -39,9 +39,9 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 
 from iop_edge.core.tokens import tokens_match
 from iop_edge.runtime.compat.trio_websocket import MESSAGE_LIMIT_LIFTABLE, lift_message_limit
-from iop_edge.runtime.handshakes import MAX_PENDING_HANDSHAKES, HandshakeGate, source_key
-from iop_edge.runtime.heartbeat import HeartbeatGrid
-from iop_edge.runtime.session import (
+from iop_edge.runtime.nodes.handshakes import MAX_PENDING_HANDSHAKES, HandshakeGate, source_key
+from iop_edge.runtime.nodes.heartbeat import HeartbeatGrid
+from iop_edge.runtime.nodes.session import (
     LoadListener,
     NodeSession,
     StatusListener,

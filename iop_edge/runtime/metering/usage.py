@@ -32,7 +32,7 @@ from typing import Any, Final, Protocol
 import msgspec
 import trio
 
-from iop_edge.runtime.journal import SYNC_INTERVAL_S, Segment, UsageJournal, read_lines
+from iop_edge.runtime.metering.journal import SYNC_INTERVAL_S, Segment, UsageJournal, read_lines
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,107 @@
+"""The caller protocols the Edge serves (design §14), named once for both processes.
+
+A run's protocol decides three things: the caller's endpoint (`/v1/chat/completions`,
+`/v1/messages`, `/v1/responses`), the upstream endpoint a provider serves it on natively,
+and the shape of errors and stream events the caller expects. A provider either speaks a
+protocol natively (the Node relays the body and the reply as they are, but for the model
+name) or the Node translates it to chat completions and back.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import msgspec
+
+CallerProtocol = Literal["chat", "messages", "responses"]
+"""`chat`: OpenAI chat completions (and the legacy completions and embeddings, which only
+ever go natively). `messages`: Anthropic Messages. `responses`: OpenAI Responses."""
+
+ALL_PROTOCOLS: Final[tuple[CallerProtocol, ...]] = ("chat", "messages", "responses")
+
+#: What a provider type speaks natively unless its `adapter.protocols` says otherwise.
+#: A guess, not a promise: a `vllm`-type provider may be a server that speaks chat only,
+#: so the Node learns from a 404/405 on a native endpoint and translates from then on.
+DEFAULT_PROTOCOLS: Final[dict[str, tuple[CallerProtocol, ...]]] = {
+    "vllm": ALL_PROTOCOLS,
+    "sglang": ALL_PROTOCOLS,
+    "ollama": ALL_PROTOCOLS,
+    "lemonade": ("chat",),
+    "openai_api": ("chat", "responses"),
+    "cli": ("chat",),
+    "sim": ("chat",),
+}
+
+
+def default_protocols(provider_type: str) -> tuple[CallerProtocol, ...]:
+    """The protocols a provider of this type is assumed to speak natively."""
+    return DEFAULT_PROTOCOLS.get(provider_type, ("chat",))
+
+
+# --- errors in the caller's protocol -----------------------------------------------------
+
+#: Anthropic's error `type` for an HTTP status (its documented error types); a status not
+#: listed is an `api_error`.
+_ANTHROPIC_ERROR_TYPES: Final[dict[int, str]] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+class _OpenAIErrorDetail(msgspec.Struct, frozen=True, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class _OpenAIError(msgspec.Struct, frozen=True, kw_only=True):
+    error: _OpenAIErrorDetail
+
+
+class _AnthropicErrorDetail(msgspec.Struct, frozen=True, kw_only=True):
+    type: str
+    message: str
+
+
+class _AnthropicError(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="error"):
+    error: _AnthropicErrorDetail
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's error `type` for an HTTP status."""
+    if status in _ANTHROPIC_ERROR_TYPES:
+        return _ANTHROPIC_ERROR_TYPES[status]
+    return "invalid_request_error" if 400 <= status < 500 else "api_error"
+
+
+def error_body(
+    protocol: CallerProtocol,
+    status: int,
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
+) -> bytes:
+    """An error body in the caller's protocol: OpenAI's `{"error": {message, type, param,
+    code}}` for chat and Responses, Anthropic's `{"type": "error", "error": {type,
+    message}}` for Messages (whose `type` follows the status, as Anthropic's API does;
+    IOP's machine-readable `code` is kept at the front of the message there, since the
+    Anthropic shape has no field for it)."""
+    if protocol == "messages":
+        text = message if code is None else f"{code}: {message}"
+        detail = _AnthropicErrorDetail(type=anthropic_error_type(status), message=text)
+        return _encode(_AnthropicError(error=detail))
+    return _encode(
+        _OpenAIError(error=_OpenAIErrorDetail(message=message, type=type, param=param, code=code))
+    )
