@@ -21,6 +21,10 @@ demo *ARGS:
 test *ARGS:
     {{python}} -m pytest -q {{ARGS}}
 
+# build the wheel and the sdist, install each into a fresh venv like a user, run docs/install.md
+test-install *ARGS:
+    {{python}} -m pytest -q -m install --durations=5 tests/install {{ARGS}}
+
 # ruff lint + format check + the architecture's import contracts (pyproject.toml)
 lint:
     {{python}} -m ruff check .

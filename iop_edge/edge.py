@@ -9,16 +9,13 @@ are `core` (pure) < `runtime` (Trio state and tasks) < `http` (the surfaces) < t
 long-lived runtime parts that outlive snapshots. `Edge.serve` is a startable service: it
 binds the OpenAI listener, the node websocket listener and the loopback-only admin
 listener (each may be port 0; or takes them over from the Edge it replaces, see
-`runtime.handover`), then reports their URLs via `task_status`.
+`runtime.lifecycle.handover`), builds the servers on them, and runs them with the
+`procedures.serve` procedure, which reports their URLs via `task_status`.
 
-Stopping (`stop()`, SIGTERM) and handing over to a successor (`restart()`, SIGUSR2) end the
-same way: accept nothing more (callers, admin, Nodes), send `goaway` to the Nodes (they
-link again, to the successor if there is one, and keep this link for its runs), tell
-each keep-alive caller to reconnect on its next request, wait until no request has been
-in progress for `DRAIN_LINGER_S` (bounded by the grace period `edge.shutdown_grace_s`),
-then cut the runs still open (each caller gets an error event and `[DONE]`, or a 503; each
-run its record) and give those exchanges `CUT_WRITE_S` to write their last bytes, close
-what is left, write the ledger, close the node links.
+This module wires; the procedures run elsewhere, each in the module named after it
+(`iop_edge.procedures`): serving, draining (how a stop, `stop()` or SIGTERM, ends),
+restarting (`restart()`, SIGUSR2: handing over to a successor) and a successor's taking
+over of the Nodes.
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ import ssl
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -45,9 +43,13 @@ from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.admin import AdminServices, create_admin_app
 from iop_edge.http.final_send import ShieldFinalSend
 from iop_edge.http.openai_app import OpenAIApp
+from iop_edge.http.responses import ResponsesSurface
 from iop_edge.http.runs import RunEndpoints
 from iop_edge.http.server import HttpServer
-from iop_edge.runtime.lifecycle.handover import Handover, HandoverFailed, Successor
+from iop_edge.procedures.drain import CUT_WRITE_S
+from iop_edge.procedures.restart import Restarter
+from iop_edge.procedures.serve import EdgeAddresses, EdgeParts, StopRequest, serve
+from iop_edge.runtime.lifecycle.handover import Handover
 from iop_edge.runtime.lifecycle.listeners import (
     CONFIG_KEYS,
     Listener,
@@ -62,6 +64,8 @@ from iop_edge.runtime.metering.activity import Activity
 from iop_edge.runtime.metering.ledger import LedgerUnavailable, choose_ledger
 from iop_edge.runtime.metering.metering import Metering, RunRecord
 from iop_edge.runtime.metering.metrics import EdgeMetrics
+from iop_edge.runtime.metering.response_store import ResponseStore
+from iop_edge.runtime.metering.usage import UsageReport
 from iop_edge.runtime.nodes.hub import (
     HANDSHAKE_TIMEOUT_S,
     LISTENER_MAX_FRAME_BYTES,
@@ -73,30 +77,28 @@ from iop_edge.runtime.nodes.session import SessionClosed
 from iop_edge.runtime.refresh.audit import AuditLog
 from iop_edge.runtime.refresh.refresh import Refresher, RefreshResult
 from iop_edge.runtime.runs.dispatch import Dispatcher
+from iop_edge.runtime.runs.limits import LedgerTotals, PrincipalLimiter
 from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas import wire
+from schemas.channel import RECEIVE_BUFFER_BYTES
 from schemas.config import DEFAULT_SHUTDOWN_GRACE_S, NodeConfig
+from schemas.principals import PrincipalsReport
 from schemas.refresh import RefreshRequest, ReplicaStatus, StatusReport
 from schemas.restart import RestartReport
 
 log = logging.getLogger(__name__)
 
+__all__ = [
+    "SHUTDOWN_GRACE_S",
+    "Edge",
+    "EdgeAddresses",
+    "EdgeStartupError",
+    "ListenerUnavailable",
+    "Listeners",
+    "hypercorn_config",
+]
+
 SHUTDOWN_GRACE_S = DEFAULT_SHUTDOWN_GRACE_S
-#: After the grace period, how long the cut exchanges have to write their last bytes (an
-#: error event and `[DONE]`, or a 503) before what is left is closed.
-CUT_WRITE_S = 2.0
-#: While draining, how long no request may have been in progress before the remaining
-#: keep-alive connections are closed: a client that just got a response sends its next
-#: request within this, is answered with `Connection: close`, and reconnects elsewhere.
-DRAIN_LINGER_S = 0.5
-#: Bound on queueing `goaway` to every node (a node with a full outbox is slow).
-GOAWAY_TIMEOUT_S = 2.0
-#: A successor must be listening for Nodes within this (imports, config, ledger) ...
-HANDOVER_START_TIMEOUT_S = 60.0
-#: ... must have the old Edge's Nodes linked within this (else it goes on without) ...
-HANDOVER_NODES_TIMEOUT_S = 15.0
-#: ... and must say it is ready within this, or the restart fails and nothing changes.
-HANDOVER_READY_TIMEOUT_S = HANDOVER_NODES_TIMEOUT_S + 30.0
 
 
 def hypercorn_config(listen: str, grace_s: float = SHUTDOWN_GRACE_S) -> HypercornConfig:
@@ -109,6 +111,14 @@ def hypercorn_config(listen: str, grace_s: float = SHUTDOWN_GRACE_S) -> Hypercor
     config.keep_alive_timeout = 75
     config.include_server_header = False
     return config
+
+
+def _not_the_node_port(port: str, node_url: str) -> str:
+    """What a websocket upgrade on one of the Edge's HTTP ports is told."""
+    return (
+        f"This is the IOP Edge's {port}, not its node listener: Nodes connect to "
+        f"edge.listen, {node_url}"
+    )
 
 
 _edges_in_this_process = itertools.count(1)
@@ -146,13 +156,6 @@ class Listeners:
     admin: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class EdgeAddresses:
-    openai_url: str
-    node_url: str
-    admin_url: str
-
-
 class Edge:
     def __init__(
         self,
@@ -179,7 +182,8 @@ class Edge:
         self.config_path = config_path
         self.started_unix = int(time.time())
         self.scheduler = Scheduler(self._snapshot)
-        self.metrics = EdgeMetrics(self.scheduler.catalog)
+        self.limiter = PrincipalLimiter(lambda: self._snapshot.policies)
+        self.metrics = EdgeMetrics(self.scheduler.catalog, self._principal_load)
         try:
             self._ledger_choice = choose_ledger(config.edge)
         except LedgerUnavailable as exc:
@@ -187,6 +191,7 @@ class Edge:
         self._ledger_checked = False
         self.ledger = self._ledger_choice.ledger
         self.metering = Metering(self.metrics, self.ledger)
+        self.responses = ResponseStore(self._ledger_choice.responses, config.edge.responses)
         self.access_log = AccessLog()
         self.activity = Activity()
         self.hub = NodeHub(
@@ -207,6 +212,7 @@ class Edge:
             retries_before_first_byte=lambda: (
                 self._snapshot.config.dispatch.retries_before_first_byte
             ),
+            limits=self.limiter,
         )
         self.refresher = Refresher(
             self, config_path=config_path, audit=AuditLog(Path(config.edge.state_dir))
@@ -217,16 +223,20 @@ class Edge:
             "node": overrides.node or config.edge.listen,
             "admin": overrides.admin or config.admin.listen,
         }
-        self._successor_argv = list(successor_argv) if successor_argv is not None else None
         self._handover = handover
         self._listeners: dict[Role, Listener] = {}
         self._node_server: NodeServer | None = None
-        self._stop_requested = trio.Event()
-        self._stop_reason = "stopping"
-        self._restarting = False
+        self._stop = StopRequest()
+        self._restarter = Restarter(
+            successor_argv,
+            goaway_all=self.hub.goaway_all,
+            connected_nodes=self.hub.connected_nodes,
+        )
         self._addresses: EdgeAddresses | None = None
         self._instance = _instance_name()
-        self.roster = ReplicaRoster(self._ledger_choice.open_replica_store, self._describe)
+        self.roster = ReplicaRoster(
+            self._ledger_choice.open_replica_store, self._describe, on_read=self._replicas_seen
+        )
 
     # --- RefreshTarget --------------------------------------------------------------
 
@@ -283,7 +293,12 @@ class Edge:
                 )
                 continue
             self.scheduler.provider_status(
-                provider.id, provider.health, provider.models, provider.lifecycle, provider.detail
+                provider.id,
+                provider.health,
+                provider.models,
+                provider.lifecycle,
+                provider.detail,
+                protocols=provider.protocols,
             )
 
     def _on_load(self, node_id: str, load: wire.Load) -> None:
@@ -317,7 +332,8 @@ class Edge:
             status=self.status,
             catalog=self.scheduler.catalog,
             metrics=self.metrics.render,
-            usage=self.ledger.aggregate,
+            usage=self.usage,
+            principals=self.principals,
             refresh=self.refresh,
             readiness=self.readiness,
             activity=self.activity.report,
@@ -355,7 +371,7 @@ class Edge:
             edge_id=snapshot.config.edge.id,
             host=socket.gethostname(),
             pid=os.getpid(),
-            state="draining" if self._stop_requested.is_set() else "serving",
+            state="draining" if self._stop.requested else "serving",
             revision=snapshot.revision,
             config_sha256=snapshot.config_sha256,
             pending_restart=list(self.refresher.pending_restart),
@@ -386,10 +402,8 @@ class Edge:
     # --- lifecycle ------------------------------------------------------------------
 
     def stop(self, reason: str = "stopping") -> None:
-        """Begin a graceful stop (module docstring): `serve` returns once drained."""
-        if not self._stop_requested.is_set():
-            self._stop_reason = reason
-            self._stop_requested.set()
+        """Begin a graceful stop (`procedures.drain`): `serve` returns once drained."""
+        self._stop.request(reason)
 
     def _node_ssl_context(self) -> ssl.SSLContext | None:
         tls = self._snapshot.config.edge.tls
@@ -445,203 +459,120 @@ class Edge:
     async def serve(
         self, *, task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        """Serve until stopped and drained (`procedures.serve`); startable (reports the
+        addresses once every listener accepts)."""
         await self.check_ledger()
         self.open_listeners()
         try:
-            await self._serve(self._listeners, task_status)
+            parts = self._build(self._listeners)
+            await serve(
+                parts,
+                stop=self._stop,
+                grace_s=self._snapshot.config.edge.shutdown_grace_s,
+                handover=self._handover,
+                on_listening=self._listening,
+                task_status=task_status,
+            )
         finally:
             for listener in self._listeners.values():
                 listener.close()
 
-    async def _serve(
-        self, listeners: dict[Role, Listener], task_status: trio.TaskStatus[EdgeAddresses]
-    ) -> None:
+    def _build(self, listeners: Mapping[Role, Listener]) -> EdgeParts:
+        """The servers on `listeners`, wired to the long-lived parts."""
         config = self._snapshot.config
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self.scheduler.run)
-            await nursery.start(self.ledger.run)
-            await nursery.start(self.hub.run_heartbeats)
-            node_server = self._node_server = NodeServer(
-                self.hub.handle,
-                listeners["node"],
-                self._node_ssl_context(),
-                max_message_size=LISTENER_MAX_FRAME_BYTES,
-                receive_buffer_size=256 * 1024,
-                connect_timeout=HANDSHAKE_TIMEOUT_S,
-            )
-            node_url = await nursery.start(node_server.serve)
-            log.info("node websocket listening on %s", node_url)
-            if self._handover is not None:
-                await self._take_over_nodes(self._handover)
+        node_server = self._node_server = NodeServer(
+            self.hub.handle,
+            listeners["node"],
+            self._node_ssl_context(),
+            max_message_size=LISTENER_MAX_FRAME_BYTES,
+            receive_buffer_size=RECEIVE_BUFFER_BYTES,
+            connect_timeout=HANDSHAKE_TIMEOUT_S,
+        )
+        responses = ResponsesSurface(self.responses)
+        runs = RunEndpoints(
+            lambda: self._snapshot,
+            self.dispatcher,
+            self.metering,
+            responses,
+            on_refused=self._request_refused,
+        )
+        openai_app = OpenAIApp(
+            runs,
+            snapshot=lambda: self._snapshot,
+            started_unix=self.started_unix,
+            readiness=self.readiness,
+            responses=responses,
+        )
+        grace_s = config.edge.shutdown_grace_s
+        return EdgeParts(
+            services=(
+                self.scheduler.run,
+                self.ledger.run,
+                # Today's budgets are read before anything is served (limits Rule 3).
+                partial(self.limiter.run, LedgerTotals(self.ledger), shared=self._ledger_shared),
+                self.responses.run,
+                self.hub.run_heartbeats,
+            ),
+            scheduler=self.scheduler,
+            ledger=self.ledger,
+            hub=self.hub,
+            dispatcher=self.dispatcher,
+            roster=self.roster,
+            node_server=node_server,
+            openai=HttpServer(
+                openai_app,
+                hypercorn_config(self._listen["openai"], grace_s),
+                listeners["openai"].socket,
+                send_timeout_s=config.openai.send_timeout_s,
+                websocket_refusal=_not_the_node_port("caller port (OpenAI API)", node_server.url),
+            ),
+            admin=HttpServer(
+                ShieldFinalSend(create_admin_app(self._admin_services())),
+                hypercorn_config(self._listen["admin"], grace_s),
+                listeners["admin"].socket,
+                websocket_refusal=_not_the_node_port("admin port", node_server.url),
+            ),
+        )
 
-            runs = RunEndpoints(
-                lambda: self._snapshot,
-                self.dispatcher,
-                self.metering,
-                on_refused=self._request_refused,
-            )
-            openai_app = OpenAIApp(
-                runs,
-                snapshot=lambda: self._snapshot,
-                started_unix=self.started_unix,
-                readiness=self.readiness,
-            )
-            grace_s = config.edge.shutdown_grace_s
-            servers = [
-                HttpServer(
-                    openai_app,
-                    hypercorn_config(self._listen["openai"], grace_s),
-                    listeners["openai"].socket,
-                    send_timeout_s=config.openai.send_timeout_s,
-                ),
-                HttpServer(
-                    ShieldFinalSend(create_admin_app(self._admin_services())),
-                    hypercorn_config(self._listen["admin"], grace_s),
-                    listeners["admin"].socket,
-                ),
-            ]
-            async with trio.open_nursery() as http:
-                openai_url = await http.start(servers[0].serve)
-                admin_url = await http.start(servers[1].serve)
-                addresses = self._addresses = EdgeAddresses(
-                    openai_url=openai_url, node_url=node_url, admin_url=admin_url
-                )
-                await nursery.start(self.roster.run)
-                log.info("OpenAI API listening on %s", addresses.openai_url)
-                log.info("admin API listening on %s", addresses.admin_url)
-                task_status.started(addresses)
-                if self._handover is not None:
-                    await self._handover.ready()
-                    self._handover = None
-                await self._stop_requested.wait()
-                await self._drain(servers, grace_s)
-            # The HTTP listeners drained (graceful stop): the ledger writes what it holds,
-            # then the node side ends too.
-            self.ledger.close()
-            with trio.move_on_after(grace_s):
-                await self.ledger.wait_stopped()
-            self.hub.abort_all()
-            nursery.cancel_scope.cancel()
+    def _replicas_seen(self, replicas: list[ReplicaStatus]) -> None:
+        """Per-minute and concurrency limits are split between the replicas serving."""
+        serving = sum(replica.state == "serving" for replica in replicas) or 1
+        self.limiter.replicas = serving
+        self.scheduler.set_replicas(serving)
 
-    async def _drain(self, servers: Sequence[HttpServer], grace_s: float) -> None:
-        """Stop accepting, tell the Nodes, let callers finish, cut the rest (module
-        docstring)."""
-        log.info("%s: draining in-flight requests", self._stop_reason)
-        assert self._node_server is not None
-        self._node_server.stop_accepting()
-        for server in servers:
-            server.stop_accepting()
-        with trio.move_on_after(GOAWAY_TIMEOUT_S):
-            await self.hub.goaway_all(self._stop_reason)
-        await self.roster.publish()  # the roster shows this replica draining
-        with trio.move_on_after(grace_s) as grace:
-            await self._wait_quiet(servers)
-        if grace.cancelled_caught:
-            left = sum(server.in_flight for server in servers)
-            cut = self.dispatcher.cut_all("the Edge is shutting down")
-            log.warning(
-                "grace period over with %d request(s) still in progress: %d run(s) cut",
-                left,
-                cut,
-            )
-            with trio.move_on_after(CUT_WRITE_S):  # the cut exchanges write their ends
-                await self._wait_quiet(servers)
-        for server in servers:
-            server.terminate()
+    def _principal_load(self) -> list[tuple[str, int, int]]:
+        return [
+            (principal, load.in_flight, load.queued)
+            for principal, load in sorted(self.scheduler.principal_load().items())
+        ]
 
-    @staticmethod
-    async def _wait_quiet(servers: Sequence[HttpServer]) -> None:
-        async with trio.open_nursery() as nursery:
-            for server in servers:
-                nursery.start_soon(server.wait_quiet, DRAIN_LINGER_S)
+    def _ledger_shared(self) -> bool:
+        """Whether other Edges write to this ledger (their usage counts toward budgets)."""
+        return self.limiter.replicas > 1 or self.ledger.store.shared
 
-    async def _take_over_nodes(self, handover: Handover) -> None:
-        """As a successor: tell the old Edge we take Nodes, then wait (bounded) until the
-        Nodes it had linked here and reported their providers' health."""
-        expected = set(await handover.listening())
-        if not expected:
-            return
-        with trio.move_on_after(HANDOVER_NODES_TIMEOUT_S):
-            while missing := expected - self._nodes_reporting():
-                log.debug("restart: waiting for node(s) %s", ", ".join(sorted(missing)))
-                await self.scheduler.wait_changed()
-        missing = expected - self._nodes_reporting()
-        if missing:
-            log.warning(
-                "restart: node(s) %s did not link within %gs; going on without them",
-                ", ".join(sorted(missing)),
-                HANDOVER_NODES_TIMEOUT_S,
-            )
-        else:
-            log.info("restart: node(s) %s linked", ", ".join(sorted(expected)))
+    def principals(self) -> PrincipalsReport:
+        """`GET /principals`: each principal against its limits, now."""
+        return self.limiter.report(self.scheduler.principal_load())
 
-    def _nodes_reporting(self) -> set[str]:
-        """Connected nodes whose every provider has reported a health."""
-        waiting = {
-            provider.node_id
-            for provider in self.scheduler.catalog().providers
-            if provider.health == "unknown"
-        }
-        return {node for node in self.hub.connected_nodes() if node not in waiting}
+    async def usage(
+        self, *, since: float | None, until: float | None, group_by: Sequence[str]
+    ) -> UsageReport:
+        """`GET /usage`: the ledger's report, and each principal against its limits."""
+        report = await self.ledger.aggregate(since=since, until=until, group_by=group_by)
+        return msgspec.structs.replace(report, principals=self.principals())
+
+    def _listening(self, addresses: EdgeAddresses) -> None:
+        """Every listener accepts: the replica roster describes this process with them."""
+        self._addresses = addresses
 
     async def restart(self) -> RestartReport:
-        """Hand over to a new process of this Edge (zero-downtime restart, SPEC §13; see
-        `runtime.handover`). Returns once the successor serves (then this Edge drains
+        """Hand over to a new process of this Edge (zero-downtime restart, design §13;
+        `procedures.restart`). Returns once the successor serves (then this Edge drains
         and `serve` returns) or the restart failed (this Edge serves on, unchanged)."""
-        pid = os.getpid()
-        if self._successor_argv is None:
-            detail = (
-                "this Edge was not started by `iop-edge serve`, so it cannot start itself again"
-            )
-            return RestartReport(outcome="refused", pid=pid, detail=detail)
-        if self._restarting or self._stop_requested.is_set() or self._node_server is None:
-            detail = "a restart or stop is already in progress"
-            return RestartReport(outcome="refused", pid=pid, detail=detail)
-        self._restarting = True
-        revision = self._snapshot.revision + 1
-        successor = Successor(
-            self._successor_argv, list(self._listeners.values()), revision=revision
+        return await self._restarter.restart(
+            node_server=self._node_server,
+            listeners=list(self._listeners.values()),
+            revision=self._snapshot.revision + 1,
+            stopping=self._stop.requested,
+            stop=self.stop,
         )
-        try:
-            successor_pid = await self._hand_over(successor, self._node_server)
-        except HandoverFailed as exc:
-            log.error("restart failed, serving on: %s", exc)
-            await trio.to_thread.run_sync(successor.abort)
-            self._node_server.resume_accepting()
-            return RestartReport(outcome="failed", pid=pid, detail=str(exc))
-        finally:
-            self._restarting = False
-            with trio.move_on_after(1, shield=True):
-                await successor.close()
-        log.info(
-            "restart: the successor (pid %d) serves; this Edge drains and exits", successor_pid
-        )
-        self.stop("restarting")
-        return RestartReport(
-            outcome="handed_over",
-            pid=pid,
-            successor_pid=successor_pid,
-            revision=revision,
-            detail="the successor serves; this process finishes its in-flight runs and exits",
-        )
-
-    async def _hand_over(self, successor: Successor, node_server: NodeServer) -> int:
-        try:
-            with trio.fail_after(HANDOVER_START_TIMEOUT_S):
-                await successor.start()
-                await successor.wait_listening()
-        except trio.TooSlowError:
-            raise HandoverFailed(
-                f"the successor was not listening within {HANDOVER_START_TIMEOUT_S:g}s"
-            ) from None
-        node_server.stop_accepting()
-        with trio.move_on_after(GOAWAY_TIMEOUT_S):
-            await self.hub.goaway_all("restarting")
-        try:
-            with trio.fail_after(HANDOVER_READY_TIMEOUT_S):
-                await successor.expect_nodes(sorted(self.hub.connected_nodes()))
-                return await successor.wait_ready()
-        except trio.TooSlowError:
-            raise HandoverFailed(
-                f"the successor was not ready within {HANDOVER_READY_TIMEOUT_S:g}s"
-            ) from None

@@ -2,9 +2,12 @@
 zero-downtime restart, SIGTERM/SIGINT = graceful stop, a second one = stop now), and the
 root nursery.
 
+A stop by Ctrl-C exits with 130, by SIGTERM with 0 (`schemas.stop_signal`).
+
 A process started by a restarting Edge (see `runtime.handover`) finds its handover in
 the environment; when it cannot start (an invalid config, a port it cannot bind) it says
-why to the old Edge, which then serves on."""
+why to the old Edge, which then serves on. Under systemd, the process that serves says so
+(`runtime.lifecycle.service_manager`), a successor included."""
 
 from __future__ import annotations
 
@@ -18,9 +21,11 @@ import trio
 from iop_edge import __version__
 from iop_edge.core.config import ConfigInvalid, ParsedConfig, format_errors, load_config
 from iop_edge.edge import Edge, EdgeAddresses, EdgeStartupError, Listeners
+from iop_edge.runtime.lifecycle import service_manager
 from iop_edge.runtime.lifecycle.handover import Handover
 from schemas.log_lines import LogFormat, configure_logging
 from schemas.refresh import RefreshRequest
+from schemas.stop_signal import StopSignal
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +66,13 @@ async def _restart(edge: Edge) -> None:
         log.error("SIGUSR2 restart %s: %s", report.outcome, report.detail)
 
 
-async def handle_signals(edge: Edge, cancel_scope: trio.CancelScope) -> None:
+async def handle_signals(
+    edge: Edge, cancel_scope: trio.CancelScope, stopped_by: StopSignal | None = None
+) -> None:
+    """SIGHUP refreshes, SIGUSR2 restarts; SIGTERM/SIGINT drains and stops, and a second
+    one stops now: the runs still open are cut as the Edge's (`shutting_down`), not left
+    to end as callers who went away, then `cancel_scope` is cancelled. `stopped_by` notes
+    the stop signals (the exit status follows from them)."""
     stopping = False
     signums = (signal.SIGHUP, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
     with trio.open_signal_receiver(*signums) as signals:
@@ -75,13 +86,19 @@ async def handle_signals(edge: Edge, cancel_scope: trio.CancelScope) -> None:
                     nursery.start_soon(_restart, edge)
                 elif not stopping:
                     stopping = True
+                    if stopped_by is not None:
+                        stopped_by.received(signum)
                     log.info(
                         "%s: stopping; draining in-flight requests (signal again to stop now)",
                         name,
                     )
+                    service_manager.notify_stopping()
                     edge.stop()
                 else:
-                    log.warning("%s again: stopping now", name)
+                    if stopped_by is not None:
+                        stopped_by.received(signum)
+                    cut = edge.dispatcher.cut_all(f"the Edge was stopped at once ({name} again)")
+                    log.warning("%s again: stopping now (%d run(s) cut)", name, cut)
                     cancel_scope.cancel()
 
 
@@ -92,8 +109,9 @@ async def serve_edge(
     admin_listen: str | None = None,
     successor_argv: Sequence[str] | None = None,
     task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Load the config and serve until a stop signal drains the listeners.
+) -> int:
+    """Load the config and serve until a stop signal drains the listeners; returns the
+    process's exit status (130 after Ctrl-C, `schemas.stop_signal`).
 
     `successor_argv` is how to start this Edge again (`iop-edge restart`, SIGUSR2)."""
     handover = Handover.from_environ()
@@ -124,16 +142,22 @@ async def serve_edge(
         if handover is not None:
             handover.failed(f"cannot start: {exc}")
         raise
-    await _serve(edge, task_status)
+    return await _serve(edge, task_status)
 
 
-async def _serve(edge: Edge, task_status: trio.TaskStatus[EdgeAddresses]) -> None:
+async def _serve(edge: Edge, task_status: trio.TaskStatus[EdgeAddresses]) -> int:
+    stopped_by = StopSignal()
     async with trio.open_nursery() as nursery:
 
         async def run_edge(*, task_status: trio.TaskStatus[EdgeAddresses]) -> None:
             await edge.serve(task_status=task_status)
             nursery.cancel_scope.cancel()  # listeners drained: the signal watcher is done too
 
-        nursery.start_soon(handle_signals, edge, nursery.cancel_scope)
-        task_status.started(await nursery.start(run_edge))
+        nursery.start_soon(handle_signals, edge, nursery.cancel_scope, stopped_by)
+        addresses = await nursery.start(run_edge)
+        # Under systemd (Type=notify): serving now, and this is the process to supervise,
+        # a restart's successor included (`service_manager`).
+        service_manager.notify_serving()
+        task_status.started(addresses)
     log.info("IOP Edge stopped")
+    return stopped_by.exit_status

@@ -3,19 +3,24 @@
     iop-node run --edge ws://HOST:PORT [--edge ...] [--edge-dns ws://NAME:PORT]
                  --node-id ID [--token-file F] [--config node.yaml]
                  [--log-level LEVEL] [--log-format text|json]
+    iop-node example [NAME]      print a file the package ships (node.yaml, a systemd unit)
 
 A Node needs only where its Edges are, who it is, and its token; everything else (its
 providers) comes from the Edges. `--edge` may be given several times (Edge replicas:
 one link each); `--edge-dns` links to every address a name resolves to. The token is
 read from `--token-file` or else from the `IOP_NODE_TOKEN` environment variable, never
-from the command line, so it does not show up in `ps` or shell history. The optional YAML
+from the command line, so it does not show up in `ps` or shell history. A token file must
+not be readable by every user, and may end in a newline; under systemd it is a credential
+(`LoadCredential=`, read from `%d/NAME`, see `iop-node example iop-node.service`). The
+optional YAML
 file holds the same fields (`edge` and `edge_dns`, each a URL or a list of them,
 `node_id`, `token_file`); command-line flags win over it, and a relative `token_file` is
 relative to the YAML file.
 
-Exit codes: 0 after a stop by signal, 2 for a usage or configuration error, 3 when the
-Edge refused this Node for good (bad token, unknown node id, protocol version, another
-Node with the same id; after a few tries), 130 when interrupted before the Node was up.
+Exit codes: 0 after a stop by SIGTERM, 130 after Ctrl-C (SIGINT, as a shell reports an
+interrupted command), 2 for a usage or configuration error, 3 when the Edge refused this
+Node for good (bad token, unknown node id, protocol version, another Node with the same
+id; after a few tries).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,16 +41,19 @@ import trio
 import yaml
 
 from iop_node import __version__
+from iop_node.examples import EXAMPLES, read_example
 from iop_node.link import EdgeRejected
 from iop_node.main import serve_until_signalled
 from schemas import safe_yaml
 from schemas.log_lines import LOG_FORMATS, LOG_LEVELS, LogFormat
 from schemas.log_lines import configure_logging as configure_log_lines
+from schemas.stop_signal import EXIT_INTERRUPTED
 
 TOKEN_ENV_VAR = "IOP_NODE_TOKEN"
+#: A token is a line; a token file far larger is the wrong file.
+MAX_TOKEN_FILE_BYTES: Final = 4096
 EXIT_USAGE = 2
 EXIT_REJECTED = 3
-EXIT_INTERRUPTED = 130
 
 log = logging.getLogger("iop_node")
 
@@ -113,13 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--token-file",
         metavar="FILE",
-        help=f"file holding the node token (relative to the current directory); "
-        f"default: the {TOKEN_ENV_VAR} environment variable",
+        help="file holding the node token, readable by this user only, e.g. a systemd "
+        f"credential (relative to the current directory); default: the {TOKEN_ENV_VAR} "
+        "environment variable",
     )
     run.add_argument(
         "--config",
         metavar="FILE",
-        help="YAML with edge, node_id, token_file (see configs/node.yaml); flags win over "
+        help="YAML with edge, node_id, token_file (`iop-node example node.yaml`); flags win "
+        "over "
         "it, and its token_file is relative to the YAML file",
     )
     run.add_argument(
@@ -134,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LOG_FORMATS,
         help="text: readable lines; json: one JSON object per line (default: text)",
     )
+    example = commands.add_parser(
+        "example",
+        help="print a file the package ships (node.yaml, a systemd unit); none: list them",
+        description="Print one of the files the package ships for Nodes: the commented "
+        "--config file, a systemd unit. Without NAME, list them.",
+    )
+    example.add_argument("name", nargs="?", metavar="NAME", help="the file to print")
     return parser
 
 
@@ -200,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse reports usage errors (and --help) by exiting
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if args.command == "example":
+        return print_example(args.name)
     if args.command != "run":
         parser.print_help(sys.stderr)
         return EXIT_USAGE
@@ -210,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     configure_logging(args.log_level, args.log_format)
     try:
-        trio.run(
+        status = trio.run(
             partial(
                 serve_until_signalled,
                 invocation.edge_urls,
@@ -227,6 +247,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"iop-node: error: {exc}", file=sys.stderr)
         return EXIT_REJECTED
     log.info("iop-node stopped")
+    return status
+
+
+def print_example(name: str | None) -> int:
+    """`iop-node example [NAME]`: print a shipped file, or list them."""
+    if name is None:
+        width = max(map(len, EXAMPLES))
+        for example, what in EXAMPLES.items():
+            print(f"{example:<{width}}  {what}")
+        print("\n`iop-node example NAME > FILE` writes one; `iop-edge example` lists the Edge's.")
+        return 0
+    try:
+        text = read_example(name)
+    except KeyError:
+        print(
+            f"iop-node: error: no example {name!r}; there are: {', '.join(EXAMPLES)}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    sys.stdout.write(text)
     return 0
 
 
@@ -246,10 +286,34 @@ def _load_file_config(path: Path) -> NodeFileConfig:
 
 
 def _read_token_file(path: Path) -> str:
+    """The token in `path`: one word, surrounding whitespace (a trailing newline) dropped.
+
+    A file every user can read gives the token to every user of the host: refused, as
+    ssh refuses such a private key. A systemd credential (`LoadCredential=`) is 0400 and
+    owned by the service's user, so it passes."""
     try:
-        token = path.read_text(encoding="utf-8").strip()
+        mode = path.stat().st_mode
+        if not stat.S_ISREG(mode):  # a folder, or a pipe that would block the read
+            raise UsageError(f"token file {path} is not a regular file")
+        with path.open("rb") as file:
+            data = file.read(MAX_TOKEN_FILE_BYTES + 1)
     except OSError as exc:
         raise UsageError(f"cannot read token file {path}: {exc.strerror or exc}") from None
+    if mode & stat.S_IROTH:
+        raise UsageError(
+            f"token file {path} can be read by every user of this host (mode "
+            f"{stat.S_IMODE(mode):o}); make it private: chmod 600 {path}"
+        )
+    if len(data) > MAX_TOKEN_FILE_BYTES:
+        raise UsageError(
+            f"token file {path} is larger than a token can be ({MAX_TOKEN_FILE_BYTES} bytes)"
+        )
+    try:
+        token = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise UsageError(f"token file {path} is not UTF-8 text") from None
     if not token:
-        raise UsageError(f"token file {path} is empty")
+        raise UsageError(f"token file {path} is empty: put the node's token in it")
+    if len(token.split()) > 1:
+        raise UsageError(f"token file {path} holds more than one word; a token is one")
     return token

@@ -16,13 +16,24 @@ when some provider's health or model list changed.
   not probed at all (see `_generating` for why), unless the last probe found it down.
   A probe that *times out* (ours, or the adapter's `ProbeTimeout`) is judged by the
   runs too: `busy` while one of them progresses (a run may start during the probe);
-  `unavailable` when they are stalled or there are none. A `busy` provider keeps its
-  models and stays in the pool up to capacity. A probe that fails any other way
-  (connection refused, an error status) is `unavailable` whatever runs are in flight.
-  Each interval decides afresh, so a provider whose runs stall, or finish while it
-  still does not answer, leaves the pool within one interval (plus the probe timeout).
+  `unavailable` when they are stalled. With none in flight, it is judged by how far the
+  probe got: a runtime that accepted the connection and took the request is alive,
+  whoever keeps it busy (another client of the runtime, which the Node does not see),
+  so it is `busy` ("probe timed out; upstream accepted the connection") and passive
+  signals decide: a run that gets no first byte within its timeout fails as the
+  provider's (`upstream_timeout`), which the Edge's cooldown counts. A probe that never
+  reached the runtime (the adapter's `ProbeWitness` says so, or cannot tell) makes it
+  `unavailable`. A `busy` provider keeps its models and stays in the pool up to
+  capacity. A probe that fails any other way (connection refused, an error status) is
+  `unavailable` whatever runs are in flight. Each interval decides afresh, so a
+  provider whose runs stall, or that refuses connections, leaves the pool within one
+  interval (plus the probe timeout).
 - Reports are serialised and each one is taken when it is sent, so the last report the
   Edge receives always describes the latest state.
+- Every status names the caller protocols the provider speaks natively as the Node knows
+  now (`protocol_support`, design §14). When a run finds that the upstream lacks one, the
+  change is reported at once, not at the next probe: the Edge stops preferring the
+  provider for that protocol and its catalog shows it.
 """
 
 from __future__ import annotations
@@ -34,12 +45,15 @@ import msgspec
 import trio
 
 from iop_node.activity import ProviderActivity
-from iop_node.adapters.base import Adapter, ProbeTimeout
+from iop_node.adapters.base import Adapter, NativeRelay, ProbeTimeout, ProbeWitness
+from iop_node.protocol_support import ProtocolSupport
 from schemas.wire import ProviderStatus
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PROBE_TIMEOUT_S = 5.0
+#: Why a provider whose probe went unanswered, with no run of ours in flight, is busy.
+ACCEPTED_BUT_SILENT = "probe timed out; upstream accepted the connection"
 
 OnStatus = Callable[[list[ProviderStatus]], Awaitable[None]]
 """Receives every provider's status whenever one of them changed."""
@@ -64,6 +78,9 @@ class HealthMonitor:
             provider_id: ProviderStatus(id=provider_id, health="unknown")
             for provider_id in self._adapters
         }
+        self._protocols = {
+            provider_id: _support_of(adapter) for provider_id, adapter in self._adapters.items()
+        }
         self._report_lock = trio.Lock()
 
     def statuses(self) -> list[ProviderStatus]:
@@ -80,6 +97,22 @@ class HealthMonitor:
         async with trio.open_nursery() as nursery:
             for provider_id, adapter in self._adapters.items():
                 nursery.start_soon(self._watch, provider_id, adapter, name=f"health {provider_id}")
+                if isinstance(adapter, NativeRelay):
+                    nursery.start_soon(
+                        self._watch_protocols,
+                        provider_id,
+                        adapter.protocol_support,
+                        name=f"protocols {provider_id}",
+                    )
+
+    async def _watch_protocols(self, provider_id: str, support: ProtocolSupport) -> None:
+        """Report a protocol the provider turned out not to speak as soon as a run learns it."""
+        seen = support.version
+        while True:
+            await support.wait_changed(seen)
+            seen = support.version
+            if self._record(provider_id, self._statuses[provider_id]):
+                await self._report()
 
     async def _watch(self, provider_id: str, adapter: Adapter) -> None:
         interval_s = adapter.provider.adapter.health_interval_s
@@ -122,8 +155,15 @@ class HealthMonitor:
 
     def _record(self, provider_id: str, status: ProviderStatus) -> bool:
         previous = self._statuses[provider_id]
+        protocols = self._protocols[provider_id].protocols()
+        if status.protocols != protocols:
+            status = msgspec.structs.replace(status, protocols=protocols)
         self._statuses[provider_id] = status
-        changed = (previous.health, previous.models) != (status.health, status.models)
+        changed = (previous.health, previous.models, previous.protocols) != (
+            status.health,
+            status.models,
+            status.protocols,
+        )
         if changed and previous.health != status.health:
             if status.health == "unavailable":
                 level = logging.WARNING
@@ -146,9 +186,12 @@ class HealthMonitor:
             with trio.fail_after(timeout_s):
                 status = await adapter.probe()
         except trio.TooSlowError:
-            return self._timed_out(provider_id, f"health probe timed out after {timeout_s:g}s")
-        except ProbeTimeout as exc:
-            return self._timed_out(provider_id, f"health probe timed out ({exc})")
+            accepted = isinstance(adapter, ProbeWitness) and adapter.probe_reached_upstream
+            return self._timed_out(
+                provider_id, f"health probe timed out after {timeout_s:g}s", accepted=accepted
+            )
+        except ProbeTimeout as exc:  # the adapter's own: connected, then no answer
+            return self._timed_out(provider_id, f"health probe timed out ({exc})", accepted=True)
         except Exception as exc:  # a probe bug marks its provider down, never the Node
             log.debug("health probe of %s raised", provider_id, exc_info=True)
             return _unavailable(provider_id, f"health probe failed: {type(exc).__name__}: {exc}")
@@ -156,13 +199,14 @@ class HealthMonitor:
             status = msgspec.structs.replace(status, id=provider_id)
         return status
 
-    def _timed_out(self, provider_id: str, what: str) -> ProviderStatus:
-        """A probe got no answer in time: busy if the provider's runs progress, else down."""
+    def _timed_out(self, provider_id: str, what: str, *, accepted: bool) -> ProviderStatus:
+        """A probe got no answer in time: busy if the provider's runs progress, or, with
+        none in flight, if the runtime `accepted` the probe's connection; else down."""
         progress = self._activity.progress(provider_id)
         runs = _runs(progress.runs)
+        previous = self._statuses[provider_id]
         match progress.state:
             case "alive":
-                previous = self._statuses[provider_id]
                 return ProviderStatus(
                     id=provider_id,
                     health="busy",
@@ -176,12 +220,28 @@ class HealthMonitor:
                     f"{what}, and its {runs} in flight produced nothing for "
                     f"{progress.silent_s:.0f}s (stalled)",
                 )
+            case _ if accepted:
+                return ProviderStatus(
+                    id=provider_id,
+                    health="busy",
+                    models=previous.models or list(self._adapters[provider_id].provider.models),
+                    lifecycle=previous.lifecycle,
+                    detail=f"busy: {ACCEPTED_BUT_SILENT} ({what}, no run of ours in flight)",
+                )
             case _:
                 return _unavailable(provider_id, f"{what} with no run in flight")
 
     async def _report(self) -> None:
         async with self._report_lock:
             await self._on_change(self.statuses())
+
+
+def _support_of(adapter: Adapter) -> ProtocolSupport:
+    """The adapter's record of what its upstream speaks; an adapter that relays nothing
+    natively speaks what its config says of chat, and never learns more."""
+    if isinstance(adapter, NativeRelay):
+        return adapter.protocol_support
+    return ProtocolSupport(adapter.provider, relayable=("chat",))
 
 
 def _unavailable(provider_id: str, detail: str) -> ProviderStatus:

@@ -12,20 +12,22 @@ Lifecycle of one connection (SPEC §3):
 2. Attach to the Node's `ProviderHost` (the providers every link shares), apply the
    welcome's config there (the newest config any Edge sent wins, see `host`), start the
    reader; the link is ready once its Edge was sent the providers' status.
-3. Serve until the session ends. The session is a nursery of named tasks:
-   - the *writer*, the only task that sends on the websocket, draining a bounded outbox
-     channel that every producer (runs, health, acks, load) feeds;
+3. Serve until the session ends. The session is the Node's end of the channel both
+   processes share (`schemas.channel`), run as a nursery of named tasks:
+   - the *writer*, the channel's one writer, draining the bounded outbox that every
+     producer (runs, health, acks, load) feeds, run events packed into one message;
    - the *reader*, dispatching `run`, `cancel`, `refresh` and `goaway`;
-   - the *keepalive*, pinging the Edge and dropping the connection when no pong comes
-     back within a bounded time (the Edge pings us too and drops a silent Node);
+   - the *keepalive*, the channel's heartbeat at this Node's instant of the shared grid,
+     dropping the connection when no pong comes back within a bounded time (the Edge
+     pings a silent Node too, and drops it);
    - the *load reporter*, telling this Edge how many runs the Node's *other* Edge links
      hold per provider whenever that changes (promptly while a provider is at half its
      capacity or more, lazily below; and right after a `busy` answer);
    - the *closer*, which turns a graceful stop (or a finished goaway) into a clean close.
 4. A malformed frame from the Edge is answered with `reject{code: bad_frame}` and the
-   connection is closed; anything unexpected the Edge sends is logged, never fatal.
-   Closing on purpose means: close the outbox, let the writer flush what is queued,
-   close the websocket with a code, end the session.
+   connection is closed (the channel's Rule 3); anything unexpected the Edge sends is
+   logged, never fatal. Closing on purpose means: close the outbox, let the writer flush
+   what is queued, close the websocket with a code, end the session.
 5. Whatever ended the session (Edge gone, ping timeout, reject, a bug), the host cancels
    the runs of that session (the Edge fails runs of a lost Node itself) and the link
    reconnects after the backoff delay (fast after a healthy session: the Edge is likely
@@ -62,10 +64,21 @@ from trio_websocket import (
 
 from iop_node.backoff import Backoff, BackoffPolicy
 from iop_node.batch import RunEventBatch
-from iop_node.dial import open_edge_websocket
+from iop_node.dial import describe_refused_upgrade, open_edge_websocket
 from iop_node.host import LinkPort, ProviderHost
 from iop_node.runner import Outbound
 from schemas import limits
+from schemas.channel import (
+    CLOSE_TIMEOUT_S,
+    GOING_AWAY,
+    RECEIVE_BUFFER_BYTES,
+    Channel,
+    ChannelClosed,
+    MalformedFrame,
+    describe_close,
+    drop,
+    reject_and_close,
+)
 from schemas.heartbeat import seconds_to_next_ping
 from schemas.wire import (
     NODE_REPLACED,
@@ -91,21 +104,13 @@ from schemas.wire import (
 
 log = logging.getLogger(__name__)
 
-#: Messages queued for the writer; producers wait (back-pressure) when it is full.
-OUTBOX_SIZE = 256
 #: Runs carry whole request bodies; the library default (1 MiB) is too small for them.
 MAX_FRAME_BYTES = limits.MAX_FRAME_BYTES
-#: Bytes asked of the socket per read. The library default (4 KiB) splits every request
-#: body of a few KiB into several reads, each a trip through the event loop; the Edge
-#: reads with the same size.
-RECEIVE_BUFFER_BYTES = 256 * 1024
 #: Messages the connection's reader may parse ahead of ours. The library default (1) makes
 #: its reader wait for ours after every message; with room, the messages of one socket
 #: read are parsed in one go. (The Edge keeps the default: before a peer has
 #: authenticated, every queued message may be up to MAX_FRAME_BYTES.)
 MESSAGE_QUEUE_SIZE = 64
-#: Bound on a closing handshake, ours or the Edge's.
-CLOSE_TIMEOUT_S = 5.0
 #: Heartbeat timeout when not given: about three missed pings, as the Edge does.
 HEARTBEAT_MISSES = 3
 #: Fewest seconds between two `load` reports on one link: a burst of run starts and ends
@@ -118,9 +123,6 @@ LOAD_REPORT_RELAXED_S = 0.25
 #: After `goaway`, how long the Node waits for the Edge to close the old link before it
 #: closes it itself (once that link's runs are done).
 GOAWAY_LINGER_S = 30.0
-
-_GOING_AWAY = 1001
-_PROTOCOL_ERROR = 1002
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,7 +371,7 @@ class NodeLink:
             await ws.send_message(encode(hello))
             frame = await ws.get_message()
         if frame is None:  # reachable, yet silent: it would not answer a Close either
-            await _drop(ws)
+            await drop(ws)
             return _Outcome(
                 "unreachable",
                 f"edge {settings.label} took the connection but sent no welcome within "
@@ -378,12 +380,12 @@ class NodeLink:
         try:
             message = decode_from_edge(frame)
         except WireError as exc:
-            await _reject_and_close(ws, "bad_frame", str(exc))
+            await reject_and_close(ws, "bad_frame", str(exc))
             return _Outcome("unreachable", f"edge sent a malformed handshake frame: {exc}")
         match message:
             case Welcome(protocol=protocol) if protocol != PROTOCOL_VERSION:
                 reason = f"edge speaks protocol {protocol}, this node speaks {PROTOCOL_VERSION}"
-                await _reject_and_close(ws, "protocol_version", reason)
+                await reject_and_close(ws, "protocol_version", reason)
                 return _Outcome("rejected", reason, code="protocol_version")
             case Welcome():
                 log.info(
@@ -412,7 +414,7 @@ class NodeLink:
                 return _Outcome("rejected", reason, code=code)
             case _:
                 reason = f"expected welcome, got {type(message).__name__}"
-                await _reject_and_close(ws, "protocol_error", reason)
+                await reject_and_close(ws, "protocol_error", reason)
                 return _Outcome("unreachable", f"edge broke the handshake: {reason}")
 
 
@@ -429,15 +431,15 @@ class _Session:
         self._link = link
         self._settings = link.settings
         self._host = link._host
-        self._ws = ws
         self._welcome = welcome
         self._connection = connection
-        self._outbox, self._outbox_out = trio.open_memory_channel[Outbound](OUTBOX_SIZE)
+        self._channel = Channel[Outbound, EdgeToNode](
+            ws, decode=decode_from_edge, pack=_pack_outbound
+        )
         self._nursery: trio.Nursery | None = None
         self._port: LinkPort | None = None
         self._end_reason: str | None = None
         self._rejected: Reject | None = None
-        self._close_code = 1000
         self._wind_down = trio.Event()
         self.goaway_received = False
 
@@ -485,58 +487,28 @@ class _Session:
 
         Does not yield while the outbox has room: a stream's chunks that arrived in one
         upstream read are all queued before the writer runs, so they leave in one
-        message (see `_write`). The producer still yields at its next read of the
+        message (`_pack_outbound`). The producer still yields at its next read of the
         upstream, and waits here (back-pressure) only when the outbox is full."""
         try:
-            try:
-                self._outbox.send_nowait(item)
-            except trio.WouldBlock:
-                await self._outbox.send(item)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            await self._channel.send(item)
+        except ChannelClosed:
             log.debug("session closing: dropped %s", type(item).__name__)
 
     async def _write(self) -> None:
-        """The only task that sends on the websocket: each wake-up sends what is queued.
-
-        The run events among the queued items (chunks of any run, run ends) leave as one
-        `run_events` message (`batch.RunEventBatch`); other messages follow it one by
-        one. Nothing waits for a batch to fill: the first item is sent as soon as it
-        arrives, so batching never adds latency, and a batch grows only when producers
-        are ahead of the socket."""
-        outbox = self._outbox_out
-        async with outbox:
-            try:
-                async for first in outbox:
-                    batch = RunEventBatch()
-                    others: list[Message] = []
-                    item: Outbound = first
-                    while True:
-                        if not batch.add(item):
-                            others.append(cast(Message, item))
-                        if batch.full:
-                            break
-                        try:
-                            item = outbox.receive_nowait()
-                        except (trio.WouldBlock, trio.EndOfChannel):
-                            break
-                    if batch:
-                        await self._ws.send_message(encode(batch.message()))
-                    for message in others:
-                        await self._ws.send_message(_bounded_frame(message))
-            except ConnectionClosed as exc:
-                self._end(f"connection to the edge closed: {_describe(exc)}")
-                return
-        # The outbox was closed on purpose: everything queued is sent, now close.
-        with trio.move_on_after(CLOSE_TIMEOUT_S):
-            await self._ws.aclose(self._close_code, _close_reason(self._end_reason or ""))
+        """The channel's one writer; the session ends when it does (the Edge closed the
+        connection, or it sent our Close after what was queued)."""
+        try:
+            await self._channel.write()
+        except ConnectionClosed as exc:
+            self._end(f"connection to the edge closed: {describe_close(exc)}")
+            return
         self._end("session closed")
 
     def _close(self, reason: str, code: int) -> None:
-        """End the session on purpose after flushing the outbox (see `_write`)."""
+        """End the session on purpose after flushing the outbox (the channel's Rule 2)."""
         if self._end_reason is None:
             self._end_reason = reason
-        self._close_code = code
-        self._outbox.close()
+        self._channel.close(code, self._end_reason)
 
     def _end(self, reason: str) -> None:
         if self._end_reason is None:
@@ -550,35 +522,32 @@ class _Session:
         """Ping the Edge once per interval, at this node's instant of the shared grid
         (`schemas.heartbeat`: the fleet's pings reach the Edge in batches)."""
         node_id = self._settings.node_id
-        while True:
+
+        async def next_instant() -> None:
             await trio.sleep(seconds_to_next_ping(node_id, interval_s, time.time()))
-            try:
-                with trio.fail_after(timeout_s):
-                    await self._ws.ping()
-            except trio.TooSlowError:
-                self._end(f"no pong from the edge within {timeout_s:g}s")
-                await _drop(self._ws)
-                return
-            except ConnectionClosed:
-                # Closed or closing: by the Edge (the reader ends the session) or by us
-                # (the writer is sending our Close; ending here would cancel it unsent).
-                return
+
+        try:
+            await self._channel.heartbeat(next_instant, timeout_s)
+        except ConnectionClosed:
+            # Closed or closing: by the Edge (the reader ends the session) or by us (the
+            # writer is sending our Close; ending here would cancel it unsent).
+            return
+        self._end(f"no pong from the edge within {timeout_s:g}s")
+        await self._channel.drop()
 
     # --- inbound -----------------------------------------------------------------------
 
     async def _read(self) -> None:
         while True:
             try:
-                frame = await self._ws.get_message()
+                message = await self._channel.receive()
             except ConnectionClosed as exc:
-                self._end(f"connection to the edge closed: {_describe(exc)}")
+                self._end(f"connection to the edge closed: {describe_close(exc)}")
                 return
-            try:
-                message = decode_from_edge(frame)
-            except WireError as exc:
+            except MalformedFrame as exc:  # the channel rejects it and closes
                 log.error("malformed frame from the edge, closing: %s", exc)
-                await self.send(Reject(code="bad_frame", reason=str(exc)))
-                self._close(f"sent bad_frame reject: {exc}", _PROTOCOL_ERROR)
+                if self._end_reason is None:
+                    self._end_reason = f"sent bad_frame reject: {exc}"
                 return
             try:
                 await self._dispatch(message)
@@ -660,17 +629,17 @@ class _Session:
         await trio.sleep(self._settings.goaway_linger_s)
         assert self._port is not None
         await self._port.wait_idle()
-        self._close("edge went away", _GOING_AWAY)
+        self._close("edge went away", GOING_AWAY)
 
     async def _close_when_done(self) -> None:
         await self._wind_down.wait()
         if self._link.retiring:
             assert self._port is not None
             await self._port.wait_idle()
-            self._close("edge address retired", _GOING_AWAY)
+            self._close("edge address retired", GOING_AWAY)
         else:
             await self._host.wait_drained()
-            self._close("node stopped", _GOING_AWAY)
+            self._close("node stopped", GOING_AWAY)
 
 
 async def wait_first(*waits: Callable[[], Awaitable[object]]) -> None:
@@ -709,21 +678,24 @@ class _Once:
             function()
 
 
-async def _drop(ws: WebSocketConnection) -> None:
-    """Drop the connection without a closing handshake: a silent peer would only make
-    us wait for its answer. (Cancelled at once, `aclose` still closes the socket.)"""
-    with trio.move_on_after(0):
-        await ws.aclose(_GOING_AWAY)
-
-
-async def _reject_and_close(ws: WebSocketConnection, code: str, reason: str) -> None:
-    """Tell the Edge why we hang up, then close; bounded, and indifferent to a dead peer."""
-    with trio.move_on_after(CLOSE_TIMEOUT_S):
-        try:
-            await ws.send_message(encode(Reject(code=code, reason=reason)))
-            await ws.aclose(_PROTOCOL_ERROR, _close_reason(reason))
-        except ConnectionClosed:
-            pass
+def _pack_outbound(first: Outbound, take: Callable[[], Outbound | None]) -> list[bytes]:
+    """The frames for one wake-up of the channel's writer: the run events among the
+    queued items (chunks of any run, run ends) as one `run_events` message
+    (`batch.RunEventBatch`), then the other messages one by one. Nothing waits for a
+    batch to fill: the first item is sent as soon as it arrives, so batching never adds
+    latency, and a batch grows only when producers are ahead of the socket."""
+    batch = RunEventBatch()
+    others: list[Message] = []
+    item: Outbound | None = first
+    while item is not None:
+        if not batch.add(item):
+            others.append(cast(Message, item))
+        if batch.full:
+            break
+        item = take()
+    frames = [encode(batch.message())] if batch else []
+    frames.extend(_bounded_frame(message) for message in others)
+    return frames
 
 
 def _bounded_frame(message: Message) -> bytes:
@@ -737,20 +709,12 @@ def _bounded_frame(message: Message) -> bytes:
         return encode(Status(providers=[]))
 
 
-def _close_reason(text: str) -> str:
-    """A websocket close reason is at most 123 bytes of UTF-8."""
-    return text.encode()[:120].decode(errors="ignore")
-
-
 def _describe(exc: BaseException) -> str:
     """One readable line for why a connection failed or ended."""
     if isinstance(exc, ConnectionClosed):
-        if exc.reason is None:
-            return "closed"
-        detail = f": {exc.reason.reason}" if exc.reason.reason else ""
-        return f"{exc.reason.name} ({exc.reason.code}){detail}"
+        return describe_close(exc)
     if isinstance(exc, ConnectionRejected):
-        return f"websocket upgrade refused with HTTP {exc.status_code}"
+        return describe_refused_upgrade(exc)
     if isinstance(exc, ConnectionTimeout | trio.TooSlowError):
         return "timed out"
     cause = exc.__cause__ or exc.__context__

@@ -33,6 +33,7 @@ from iop_node.registry import (
     AdapterFactory,
     create_adapter,
 )
+from schemas.stop_signal import StopSignal
 
 log = logging.getLogger(__name__)
 
@@ -152,13 +153,15 @@ def _dns_url_for_template(edge_dns: Sequence[str]) -> str:
 
 async def serve_until_signalled(
     edge_urls: Sequence[str], node_id: str, token: str, *, edge_dns: Sequence[str] = ()
-) -> None:
+) -> int:
     """Run a Node until SIGINT/SIGTERM: the first signal drains and stops gracefully, a
-    second one stops at once."""
+    second one stops at once. Returns the process's exit status: 130 after Ctrl-C, 0
+    after SIGTERM (`schemas.stop_signal`)."""
     stop = trio.Event()
+    stopped_by = StopSignal()
     rejected: EdgeRejected | None = None
     async with trio.open_nursery() as nursery:
-        await nursery.start(_watch_signals, stop, nursery.cancel_scope)
+        await nursery.start(_watch_signals, stop, nursery.cancel_scope, stopped_by)
         edges = ", ".join([*edge_urls, *(f"{url} (every address)" for url in edge_dns)])
         log.info("iop-node %s: node %s, edges %s", __version__, node_id, edges)
         try:
@@ -168,17 +171,20 @@ async def serve_until_signalled(
         nursery.cancel_scope.cancel()
     if rejected is not None:
         raise rejected
+    return stopped_by.exit_status
 
 
 async def _watch_signals(
     stop: trio.Event,
     hard_stop: trio.CancelScope,
+    stopped_by: StopSignal,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         task_status.started()
         async for signum in signals:
+            stopped_by.received(signum)
             name = signal.Signals(signum).name
             if not stop.is_set():
                 log.info("%s: draining active runs, then stopping (repeat to stop now)", name)

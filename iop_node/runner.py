@@ -22,12 +22,15 @@ connection the answer would travel on is gone, and the Edge fails the run itself
 
 Everything the run sends is shaped for the caller first (`reply.ReplyShaper`: the
 caller's alias, usage kept and its chunk stripped when not asked for, stream chunks
-framed as server-sent events), so the Edge relays bytes. Chunks leave as `Chunk` items;
-the session's writer batches them into `run_events` messages.
+framed as server-sent events), so the Edge relays bytes. A run in a caller protocol
+(Messages, Responses, `count_tokens`) is shaped by `protocol_run` instead, natively or
+translated, and its events and response arrive here caller-ready. Chunks leave as
+`Chunk` items; the session's writer batches them into `run_events` messages.
 
 Every terminal message says what the run consumed (SPEC §7, no run unmetered): the
 provider's usage when it reported some (`usage_source: provider`), else an estimate
-(`estimated`): prompt tokens from `schemas.tokens.estimate_input_tokens`, completion
+(`estimated`): prompt tokens from `schemas.tokens.estimate_input_tokens` (for a run that
+finished, the runtime's own tokenizer's count when it has one, asked then, briefly), completion
 tokens from the output the run emitted (`OutputTally`). A failed run is estimated when it
 produced output or was stopped while the provider worked on it (cancelled, timed out,
 cut); one the upstream refused outright consumed nothing and carries no usage.
@@ -48,6 +51,8 @@ import trio
 
 from iop_node.activity import RunActivity
 from iop_node.adapters.base import Adapter, AdapterError, RunResult
+from iop_node.adapters.openai_compat import OpenAICompatAdapter
+from iop_node.protocol_run import PROTOCOL_OPERATIONS, estimate_prompt_tokens, execute_protocol
 from iop_node.reply import NotAnObject, ParsedChunk, ReplyShaper, read_chunk
 from schemas.limits import MAX_PAYLOAD_BYTES
 from schemas.tokens import OutputTally, estimate_input_tokens
@@ -131,11 +136,26 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
             handle.emitted = True
             await send(Chunk(run.run_id, event))
 
+    async def emit_events(events: bytes, output_tokens: int, /) -> None:
+        """Caller-ready events of a protocol run (`protocol_run`)."""
+        if len(events) > MAX_PAYLOAD_BYTES:
+            raise _too_large("a chunk", len(events))
+        if activity is not None:
+            activity.output()
+        tally.add_tokens(output_tokens)
+        if events:
+            handle.emitted = True
+            await send(Chunk(run.run_id, events))
+
+    in_protocol = run.operation in PROTOCOL_OPERATIONS
     result: RunResult | None = None
     failure: RunFailed | None = None
     with handle.scope:
         try:
-            result = await adapter.execute(run, emit)
+            if in_protocol:
+                result = await execute_protocol(run, adapter, emit_events)
+            else:
+                result = await adapter.execute(run, emit)
         except Exception as exc:  # the isolation boundary: adapter errors fail the run only
             failure = _failure(run, handle, exc)
     if handle.cancel_code is not None:
@@ -149,14 +169,14 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
     elif failure is None and result is None:  # a misbehaving adapter swallowed our cancel
         failure = _failed(run, handle, FailureCode.INTERNAL, "adapter returned no result")
     if failure is not None:
-        if tally.pieces or failure.code in _CUT_WHILE_WORKING:
+        if run.operation != "count_tokens" and (tally.pieces or failure.code in _CUT_WHILE_WORKING):
             failure = msgspec.structs.replace(
                 failure, usage=_estimate(run, tally), usage_source="estimated"
             )
         return failure
     assert result is not None
     response = result.response
-    if response is not None:
+    if response is not None and not in_protocol:
         try:
             response = shaper.response(response)
         except NotAnObject as exc:
@@ -177,7 +197,7 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
         tally.add(response, whole=True)
     return RunDone(
         run_id=run.run_id,
-        usage=_estimate(run, tally),
+        usage=await _counted_estimate(run, tally, adapter),
         response=response,
         usage_source="estimated",
     )
@@ -203,19 +223,52 @@ _CUT_WHILE_WORKING = frozenset(
 )
 
 _decode_body = msgspec.json.Decoder().decode
+#: How long a run that finished without usage may wait for the runtime's own count of its
+#: prompt (`_counted_estimate`); past it, the estimate stands.
+RUNTIME_COUNT_TIMEOUT_S: Final = 0.5
+#: The operations whose prompt a runtime's tokenizer counts (embeddings report usage).
+_COUNTED: Final = frozenset({"chat", "completion"})
 
 
 def _estimate(run: Run, tally: OutputTally) -> Usage:
     """The run's usage by IOP's estimators (see the module docstring)."""
-    try:
-        body = _decode_body(run.body)
-    except msgspec.DecodeError:
-        body = None
-    prompt = estimate_input_tokens(body) if isinstance(body, dict) else 0
+    if run.operation in PROTOCOL_OPERATIONS:
+        prompt = estimate_prompt_tokens(run)
+    else:
+        try:
+            body = _decode_body(run.body)
+        except msgspec.DecodeError:
+            body = None
+        prompt = estimate_input_tokens(body) if isinstance(body, dict) else 0
     completion = tally.tokens()
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )
+
+
+async def _counted_estimate(run: Run, tally: OutputTally, adapter: Adapter) -> Usage:
+    """`_estimate`, with the prompt counted by the runtime's own tokenizer when it has
+    one: asked only here (a run that finished without usage), within
+    `RUNTIME_COUNT_TIMEOUT_S`, past which the estimate stands."""
+    usage = _estimate(run, tally)
+    if not isinstance(adapter, OpenAICompatAdapter) or run.operation not in _COUNTED:
+        return usage
+    try:
+        body = _decode_body(run.body)
+    except msgspec.DecodeError:
+        return usage
+    if not isinstance(body, dict):
+        return usage
+    with trio.move_on_after(RUNTIME_COUNT_TIMEOUT_S):
+        counted = await adapter.runtime_prompt_tokens(run.target, body)
+        if counted is not None:
+            completion = usage.completion_tokens
+            return Usage(
+                prompt_tokens=counted,
+                completion_tokens=completion,
+                total_tokens=counted + completion,
+            )
+    return usage
 
 
 def _too_large(what: str, size: int) -> AdapterError:
@@ -235,6 +288,8 @@ def _failure(run: Run, handle: RunHandle, exc: Exception) -> RunFailed:
             retryable=error.retryable and not handle.emitted,
             capacity=error.capacity,
             status=error.status,
+            upstream_code=error.upstream_code,
+            param=error.param,
         )
     log.error(
         "run %s on provider %s failed inside its adapter",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from schemas.config import Category, ProviderType
+from schemas.protocols import CallerProtocol
 from schemas.wire import Health
 
 
@@ -72,6 +73,10 @@ class CatalogProvider(CatalogRecord, frozen=True, kw_only=True):
     (Ollama: from its native API); null when the adapter cannot tell."""
     cooling_down: bool = False
     consecutive_failures: int = 0
+    protocols: list[CallerProtocol] = []
+    """The caller protocols it speaks natively (design §14), as its Node last reported
+    them, else as configured (`adapter.protocols` or the type's default); it serves the
+    others translated to chat by its Node."""
 
 
 class CatalogModel(CatalogRecord, frozen=True, kw_only=True):

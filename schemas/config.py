@@ -66,6 +66,24 @@ class TlsSection(ConfigStruct, frozen=True, kw_only=True):
     key_file: NonEmptyStr
 
 
+#: How long a stored Responses response is kept after it was stored or last continued
+#: (OpenAI keeps them 30 days).
+DEFAULT_RESPONSES_MAX_AGE_S = 30 * 24 * 3600.0
+#: How many stored Responses responses an Edge (or replicas sharing a ledger) keeps.
+DEFAULT_RESPONSES_MAX_STORED = 10_000
+
+
+class ResponsesSection(ConfigStruct, frozen=True, kw_only=True):
+    """The OpenAI Responses store (design §14): responses kept for `previous_response_id`,
+    `GET` and `DELETE /v1/responses/{id}`, in the usage ledger's database. The oldest go
+    first once either bound is passed."""
+
+    max_age_s: PositiveFloat = DEFAULT_RESPONSES_MAX_AGE_S
+    """Seconds a response is kept after it was stored or last continued."""
+    max_stored: PositiveInt = DEFAULT_RESPONSES_MAX_STORED
+    """Responses kept at most, all principals together."""
+
+
 class EdgeSection(ConfigStruct, frozen=True, kw_only=True):
     id: NonEmptyStr = "edge-1"
     listen: NonEmptyStr = "0.0.0.0:7700"
@@ -78,6 +96,7 @@ class EdgeSection(ConfigStruct, frozen=True, kw_only=True):
     ledger_password_env: EnvVarName | None = None
     """The environment variable holding the PostgreSQL password (else libpq's own
     `PGPASSWORD` or `~/.pgpass`)."""
+    responses: ResponsesSection = ResponsesSection()
 
 
 class AdminSection(ConfigStruct, frozen=True, kw_only=True):
@@ -195,6 +214,36 @@ class NodeEntry(ConfigStruct, frozen=True, kw_only=True):
     providers: list[ProviderConfig] = []
 
 
+#: `principals[].ref` that sets the limits of every principal not listed by name.
+EVERY_OTHER_PRINCIPAL = "*"
+ModelPatterns = Annotated[
+    list[NonEmptyStr],
+    Meta(min_length=1, description="model id glob patterns (`*`, `?`, `[...]`)"),
+]
+
+
+class PrincipalLimits(ConfigStruct, frozen=True, kw_only=True):
+    """What one principal may use of a shared pool (design §15). Every limit is optional
+    (absent = unlimited) and live-refreshable: a limit is policy, not a credential.
+
+    `ref` is a `principal_ref` of `openai.principal_tokens`, `anonymous` when the API is
+    open, or `"*"`: each principal not listed gets these limits, each its own."""
+
+    ref: NonEmptyStr
+    models: ModelPatterns | None = None
+    """The model ids (glob patterns) the principal may use; None = every model. Any other
+    model is unknown to it: 404 as for an id that does not exist, and not listed."""
+    max_concurrent: PositiveInt | None = None
+    """Runs in flight at once; more wait in the model's queue (not refused)."""
+    requests_per_minute: NonNegativeInt | None = None
+    tokens_per_minute: NonNegativeInt | None = None
+    """Input + output tokens: estimated at admission, settled from the metered usage."""
+    tokens_per_day: NonNegativeInt | None = None
+    """A budget over the UTC day, counted from the usage ledger (survives restarts)."""
+    weight: PositiveFloat = 1.0
+    """Share of a saturated model against the other waiting principals (fair queueing)."""
+
+
 class EdgeConfig(ConfigStruct, frozen=True, kw_only=True):
     edge: EdgeSection = EdgeSection()
     admin: AdminSection = AdminSection()
@@ -202,6 +251,7 @@ class EdgeConfig(ConfigStruct, frozen=True, kw_only=True):
     dispatch: DispatchSection = DispatchSection()
     models: list[ModelEntry] = []
     nodes: list[NodeEntry] = []
+    principals: list[PrincipalLimits] = []
 
 
 class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):

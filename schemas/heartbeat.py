@@ -7,7 +7,7 @@ and costs it whole scheduling passes. So every Node pings at an instant of one
 wall-clock grid, `HEARTBEAT_SLOTS` instants per interval, its instant chosen by its node
 id: the pings of about 1/HEARTBEAT_SLOTS of the fleet reach the Edge together and are
 answered in the same passes. The Edge looks at its Node sessions on a grid of as many
-instants (`iop_edge.runtime.heartbeat`). Clocks need not agree for this to be correct,
+instants (`iop_edge.runtime.nodes.heartbeat`). Clocks need not agree for this to be correct,
 only for it to batch; a clock step makes one ping come early or late, nothing more.
 """
 

@@ -44,16 +44,31 @@ from schemas.protocols import CallerProtocol
 #: `run.strip_usage`, chunks framed as server-sent events).
 #: 3: several Edges per Node: `goaway`, `load`, `run_failed{code: busy}`, `run.long`,
 #: `config_time` in `welcome` and `refresh`.
-#: 4: caller protocols (`messages`, `responses` operations, `run.caller_headers`,
-#: `run.keep_output`, `ProviderStatus.protocols`).
+#: 4: caller protocols (`messages`, `responses`, `count_tokens` operations,
+#: `run.caller_headers`, `run.keep_output`, `ProviderStatus.protocols`).
 PROTOCOL_VERSION = 4
 
 
-Operation = Literal["chat", "completion", "embedding", "messages", "responses"]
-"""What a run asks of its provider. `messages` (Anthropic Messages) and `responses` (OpenAI
-Responses) carry the caller's body in that protocol: the Node sends it natively to a
-provider that speaks it, or translates it to chat completions and the reply back
-(design §14)."""
+Operation = Literal["chat", "completion", "embedding", "messages", "responses", "count_tokens"]
+"""What a run asks of its provider.
+
+- `chat`, `completion`, `embedding`: the OpenAI request of that name, sent as it is.
+- `messages` (Anthropic Messages) and `responses` (OpenAI Responses): the caller's body in
+  that protocol. The Node sends it natively to a provider that speaks it, or translates
+  it to chat completions and the reply (and each stream event) back (design §14). Either
+  way what comes back is in the caller's protocol: a stream's chunks are whole
+  server-sent events with their `event:` line (`event: NAME\ndata: {...}\n\n`), a
+  non-stream run's `run_done.response` is the protocol's response object.
+- `count_tokens`: Anthropic's `POST /v1/messages/count_tokens`; `body` is that request
+  (`model` = `target`), never a stream. The run ends with `run_done.response =
+  {"input_tokens": N}` and a zero `usage` (counting consumes nothing). N comes from the
+  provider's own `/v1/messages/count_tokens` when it speaks Messages natively, else from
+  the runtime's tokenizer endpoint (llama.cpp, vLLM: `POST /tokenize`; llama-cpp-python:
+  `POST /extras/tokenize/count`) over the text of the request translated to chat, else
+  from IOP's estimator (`schemas.tokens`); `usage_source` is `provider` for the first two,
+  `estimated` for the last. A request that cannot be translated fails as for `messages`
+  (`invalid_request`, status 400, the message naming the field).
+"""
 Health = Literal["available", "busy", "draining", "unavailable", "unknown"]
 """A provider's health as its Node sees it (SPEC §4 item 11, §12):
 
@@ -255,7 +270,10 @@ class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
     anything and another provider may succeed (connect refused, upstream 5xx, 429/503).
     `capacity` marks a 429/503 from the upstream: a load signal, not a health failure.
     `status` is the upstream's HTTP status when the failure is its error answer: the
-    Edge's blame rules (SPEC §4.10) read it.
+    Edge's blame rules (design §4.10) read it. `upstream_code` and `param` are the
+    upstream's error code and the request field it named (OpenAI's `code` and `param`,
+    e.g. `context_length_exceeded` and `messages`): a caller acts on them, so a request
+    the upstream refused reaches the caller with them.
     """
 
     run_id: str
@@ -267,13 +285,16 @@ class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
     usage: Usage | None = None
     """What the run consumed before it failed (an estimate unless the provider said)."""
     usage_source: UsageSource | None = None
+    upstream_code: str | None = None
+    param: str | None = None
 
 
 class RunEvents(Message, tag="run_events", frozen=True, kw_only=True):
     """Run events of one writer pass (Node -> Edge).
 
-    `chunks`: per run, caller-ready bytes (one or more complete server-sent events,
-    `data: {...}\n\n`), in the order they were produced; a run appears at most once.
+    `chunks`: per run, caller-ready bytes (one or more complete server-sent events:
+    `data: {...}\n\n` for chat and completions, `event: NAME\ndata: {...}\n\n` for
+    Messages and Responses), in the order they were produced; a run appears at most once.
     `ends`: runs that ended, applied after every chunk of this message (a run's end never
     comes before its chunks)."""
 

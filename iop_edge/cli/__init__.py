@@ -1,4 +1,5 @@
-"""`iop-edge`: serve, demo, check-config, refresh, catalog, usage, restart, hash-token.
+"""`iop-edge`: serve, demo, check-config, refresh, catalog, usage, restart, hash-token,
+init, example.
 
 Rules for every command:
 1. An error is one `iop-edge: error: ...` line (or a few) on stderr saying what is wrong
@@ -28,9 +29,12 @@ from rich.console import Console
 
 from iop_edge import __version__
 from iop_edge.core.config import ConfigInvalid, format_errors, load_config
+from iop_edge.core.config_reference import json_schema
 from iop_edge.core.exception_groups import sole_exception
 from iop_edge.core.listen import parse_listen_address
+from iop_edge.core.principals import describe_limits
 from iop_edge.core.tokens import hash_token
+from schemas.config import PrincipalLimits
 from schemas.log_lines import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_CONFIG = Path("configs/edge.yaml")
@@ -167,7 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     admin_listen = _listen_override("--admin-listen", args.admin_listen, loopback=True)
     setup_logging(args.log_level, args.log_format)
     try:
-        trio.run(
+        return trio.run(
             partial(
                 serve_edge,
                 args.config,
@@ -191,7 +195,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 _fail(f"{args.config}: cannot start: {exc}")
             case _:
                 raise
-    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -201,12 +204,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level, args.log_format)
     try:
-        path, parsed = load_demo_config(args.config)
+        demo = load_demo_config(args.config)
         return trio.run(
             partial(
                 run_demo,
-                path,
-                parsed,
+                demo,
                 once=args.once,
                 no_request=args.no_request,
                 ephemeral_ports=args.ephemeral_ports,
@@ -243,7 +245,19 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         f"{args.path}: OK — {len(config.models)} model(s), {len(config.nodes)} node(s), "
         f"{providers} provider(s); sha256 {parsed.sha256[:12]}"
     )
+    _print_principal_limits(config.principals)
     return 0
+
+
+#: `check-config` lists each principal's limits up to this many entries, then counts.
+_LIMITS_SHOWN = 20
+
+
+def _print_principal_limits(entries: list[PrincipalLimits]) -> None:
+    for entry in entries[:_LIMITS_SHOWN]:
+        print(f"  principal {entry.ref}: {describe_limits(entry)}")
+    if len(entries) > _LIMITS_SHOWN:
+        print(f"  ... and {len(entries) - _LIMITS_SHOWN} more principal limit entries")
 
 
 def _check_refresh_source(args: argparse.Namespace) -> str:
@@ -354,6 +368,34 @@ def cmd_restart(args: argparse.Namespace) -> int:
         f"restart {outcome or 'failed'} (the admin API answered HTTP {status}): "
         f"{detail or _server_message(report)}"
     )
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from iop_edge.cli.starter import StarterError, report, write_starter
+
+    try:
+        starter = write_starter(args.dir, node_id=args.node_id, force=args.force)
+    except StarterError as exc:
+        _fail(str(exc))
+    print(report(starter), end="")
+    return 0
+
+
+def cmd_example(args: argparse.Namespace) -> int:
+    from iop_edge.examples import EXAMPLES, read_example
+
+    if args.name is None:
+        width = max(map(len, EXAMPLES))
+        for name, what in EXAMPLES.items():
+            print(f"{name:<{width}}  {what}")
+        print("\n`iop-edge example NAME > FILE` writes one; `iop-node example` lists the Node's.")
+        return 0
+    try:
+        text = read_example(args.name)
+    except KeyError:
+        _fail(f"no example {args.name!r}; there are: {', '.join(EXAMPLES)}")
+    sys.stdout.write(text)
+    return 0
 
 
 def cmd_hash_token(args: argparse.Namespace) -> int:
@@ -477,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="Edge + an in-process Node + sim providers (configs/demo.yaml)",
+        help="Edge + an in-process Node + sim providers (`iop-edge example demo.yaml`)",
         description="An Edge and an in-process Node serving simulated providers, then one "
         "real streamed request. Needs no GPU, network or secret.",
     )
@@ -486,7 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="FILE",
-        help="the demo config (default: configs/demo.yaml); a copy you edit can be "
+        help="the demo config (default: the built-in one, `iop-edge example demo.yaml`); "
+        "a copy you edit can be "
         "applied while the demo runs with `iop-edge refresh --config FILE --apply`",
     )
     demo.add_argument("--once", action="store_true", help="exit after the example request")
@@ -594,7 +637,56 @@ def build_parser() -> argparse.ArgumentParser:
         "stdin. The token is never printed.",
     )
     hash_cmd.set_defaults(func=cmd_hash_token)
+
+    init = sub.add_parser(
+        "init",
+        help="write a starter Edge config with a fresh node token",
+        description="Write DIR/edge.yaml: an Edge on loopback addresses with one Node "
+        "serving the built-in simulated engine, ready for `serve`. The node's token is "
+        "made now and printed once; the file keeps only its sha256. Then prints the next "
+        "commands.",
+    )
+    init.add_argument(
+        "dir",
+        type=Path,
+        nargs="?",
+        default=Path(),
+        metavar="DIR",
+        help="the folder to write edge.yaml in, made if missing (default: this one)",
+    )
+    init.add_argument(
+        "--node-id",
+        default="node-1",
+        metavar="ID",
+        help="the node's id, for `iop-node run --node-id` (default: node-1)",
+    )
+    init.add_argument("--force", action="store_true", help="replace an existing DIR/edge.yaml")
+    init.set_defaults(func=cmd_init)
+
+    example = sub.add_parser(
+        "example",
+        help="print a file the package ships (configs, a systemd unit); none: list them",
+        description="Print one of the files the package ships: the commented Edge config, "
+        "the demo's config, a systemd unit. Without NAME, list them.",
+    )
+    example.add_argument("name", nargs="?", metavar="NAME", help="the file to print")
+    example.set_defaults(func=cmd_example)
+
+    schema_cmd = sub.add_parser(
+        "config-schema",
+        help="print the Edge config's JSON Schema (for editors' YAML validation)",
+        description="Print the JSON Schema of the Edge config, generated from the schema "
+        "IOP validates with. Point an editor's YAML language server at it; `check-config` "
+        "still applies the cross-reference rules a schema cannot express.",
+    )
+    schema_cmd.set_defaults(func=cmd_config_schema)
     return parser
+
+
+def cmd_config_schema(args: argparse.Namespace) -> int:
+    """`iop-edge config-schema`: the JSON Schema on stdout."""
+    print(json.dumps(json_schema(), indent=2))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,6 +67,7 @@ _PROVIDER_COLUMNS: tuple[tuple[str, bool], ...] = (
     ("load", False),
     ("long", False),
     ("type", False),
+    ("protocols", False),
     ("enabled", False),
     ("priority", False),
     ("category", False),
@@ -90,6 +91,8 @@ def _provider_cells(p: dict[str, Any]) -> dict[str, Text]:
         "provider": _cell(p["id"]),
         "node": _cell(p.get("node_id", "")),
         "type": _cell(p.get("type", "")),
+        # Spoken natively; the Node translates the others (design §14).
+        "protocols": _cell(", ".join(p.get("protocols", [])) or "-"),
         "category": _cell(p.get("category", "")),
         "enabled": _yes(p.get("enabled")),
         "connected": _yes(p.get("connected")),
@@ -301,11 +304,13 @@ def _window(report: dict[str, Any]) -> str:
 def render_usage(
     console: Console, report: dict[str, Any], by_status: dict[str, Any] | None = None
 ) -> None:
-    """The grouped rows with a totals row, then requests by HTTP status. Columns the
-    server adds to its rows (e.g. `usage_source`) are shown as they come."""
+    """The grouped rows with a totals row, then requests by HTTP status, then each
+    principal against its limits. Columns the server adds to its rows (e.g.
+    `usage_source`) are shown as they come."""
     rows = report.get("rows") or []
     if not rows:
         console.print(f"no usage recorded from {_window(report)}")
+        _render_principals(console, report.get("principals"))
         return
     columns = list(report.get("group_by") or [])
     for row in rows:
@@ -331,3 +336,51 @@ def render_usage(
     if statuses:
         parts = [f"{row['status']}: {row.get('requests', 0)}" for row in statuses]
         console.print(_cell(f"requests by status: {', '.join(parts)}"))
+    _render_principals(console, report.get("principals"))
+
+
+def _render_principals(console: Console, standing: dict[str, Any] | None) -> None:
+    """Each principal against its limits (design §15): `used/limit` per limit, blank
+    where none is set."""
+    principals = (standing or {}).get("principals") or []
+    if not principals:
+        return
+    replicas = standing.get("replicas", 1) if standing else 1
+    title = "Principals against their limits"
+    if replicas > 1:
+        title += f" (per-minute and concurrency: this replica's share of {replicas})"
+    table = Table(title=title, title_justify="left")
+    for column in ("principal", "limits", "models", "in flight", "queued", "requests/min"):
+        table.add_column(
+            column, justify="left" if column in ("principal", "limits", "models") else "right"
+        )
+    table.add_column("tokens/min", justify="right")
+    table.add_column("tokens today", justify="right")
+    table.add_column("refused", justify="left")
+
+    def against(limit: int | None, remaining: int | None) -> str:
+        return (
+            ""
+            if limit is None
+            else f"{remaining if remaining is not None else '?'} left of {limit}"
+        )
+
+    for row in principals:
+        concurrent = row.get("max_concurrent")
+        budget = row.get("tokens_per_day")
+        today = row.get("tokens_today", 0)
+        refused = ", ".join(
+            f"{limit} {count}" for limit, count in sorted((row.get("rejected") or {}).items())
+        )
+        table.add_row(
+            _cell(row["principal_ref"]),
+            _cell(row.get("limited_by") or ""),
+            _cell(", ".join(row["models"]) if row.get("models") else "all"),
+            _cell(f"{row.get('in_flight', 0)}" + (f"/{concurrent}" if concurrent else "")),
+            _cell(row.get("queued", 0)),
+            _cell(against(row.get("requests_per_minute"), row.get("requests_remaining"))),
+            _cell(against(row.get("tokens_per_minute"), row.get("tokens_remaining"))),
+            _cell(f"{today}" + (f" of {budget}" if budget is not None else "")),
+            _cell(refused),
+        )
+    console.print(table)

@@ -33,6 +33,7 @@ import os
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -50,8 +51,10 @@ from iop_edge.core.config_shape import (
 from iop_edge.core.host import check_host
 from iop_edge.core.ledger_url import parse_ledger_url
 from iop_edge.core.listen import ListenAddress, parse_listen_address
+from iop_edge.core.principals import ANONYMOUS_PRINCIPAL
 from iop_edge.core.tokens import DEMO_NODE_TOKEN_SHA256
 from schemas.config import (
+    EVERY_OTHER_PRINCIPAL,
     OPENAI_COMPATIBLE_TYPES,
     ConfigError,
     EdgeConfig,
@@ -103,7 +106,7 @@ def parse_config(text: str) -> ParsedConfig:
             ConfigError(
                 path="",
                 message="the top level must be a mapping of sections (edge, admin, openai, "
-                f"dispatch, models, nodes), got {got}",
+                f"dispatch, models, nodes, principals), got {got}",
             )
         )
         raise ConfigInvalid(errors)
@@ -326,6 +329,7 @@ class _Rules:
         providers = self._providers()
         explicit_models = self._models(providers)
         self._legacy_routes(explicit_models, providers)
+        self._principals(explicit_models | set(self.derived_models))
 
     def _error(self, path: str, message: str) -> None:
         self.errors.append(ConfigError(path=path, message=message))
@@ -386,6 +390,47 @@ class _Rules:
             if first := hashes.repeat(_text(token.get("token_hash_sha256")), path):
                 # Never echo the hash: say where the twin is, not what it is.
                 self._error(f"{path}.token_hash_sha256", f"duplicate token hash ({first})")
+
+    def _principals(self, model_ids: set[str]) -> None:
+        """`principals[]` (design §15): each ref names a principal callers can be, once.
+
+        A model pattern that matches no model is only a warning: models come and go with
+        refreshes, and an allow-list may name one before it exists."""
+        tokens = self.openai.get("principal_tokens")
+        known = {
+            ref
+            for _, token in _entries(tokens, "openai.principal_tokens")
+            if (ref := _text(token.get("principal_ref"))) is not None
+        }
+        if not (isinstance(tokens, list) and tokens):
+            known.add(ANONYMOUS_PRINCIPAL)  # an open API: every caller is anonymous
+        refs = _FirstSeen()
+        matches: dict[str, bool] = {}  # pattern -> matches a model (configs repeat them)
+        for path, entry in _entries(self.raw.get("principals"), "principals"):
+            ref = _text(entry.get("ref"))
+            if first := refs.repeat(ref, path):
+                self._error(f"{path}.ref", f"duplicate ref '{ref}' ({first})")
+            elif ref is not None and ref != EVERY_OTHER_PRINCIPAL and ref not in known:
+                close = difflib.get_close_matches(ref, sorted(known), n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                where = (
+                    "a principal_ref of openai.principal_tokens"
+                    if ANONYMOUS_PRINCIPAL not in known
+                    else "'anonymous' (no openai.principal_tokens are configured)"
+                )
+                self._error(
+                    f"{path}.ref",
+                    f"unknown principal '{ref}'{hint}: a ref is {where}, or '*' for every "
+                    "principal not listed",
+                )
+            for index, pattern in enumerate(_text_list(entry.get("models")) or []):
+                if pattern and not matches.setdefault(
+                    pattern, any(fnmatchcase(model, pattern) for model in model_ids)
+                ):
+                    self.warnings.append(
+                        f"{path}.models[{index}]: '{pattern}' matches no model in models[] "
+                        "(yet); this principal cannot use it until one is added"
+                    )
 
     def _providers(self) -> dict[str, _Provider]:
         """Check nodes and their providers; return every provider by id (first wins)."""

@@ -27,11 +27,22 @@ Rule 3. An eligible provider is *admissible* when it has a free slot for this ru
         A provider `probing` (its trial run is still in flight) is eligible but not
         admissible.
 
-Rule 4. Rank admissible providers by lowest load ratio `in_flight / capacity` (exact
-        fractions: 1/3 beats 2/3, 1/3 ties 2/6), then lower `priority`, then
+Rule 4. Rank admissible providers: first those that speak the run's caller protocol
+        natively (`native`, design §14), then by lowest load ratio `in_flight / capacity`
+        (exact fractions: 1/3 beats 2/3, 1/3 ties 2/6), then lower `priority`, then
         round-robin: the provider next after the model's last pick in the model's
-        provider order. A provider with a higher load ratio is never preferred, and N
-        identical idle providers take turns instead of one absorbing all the traffic.
+        provider order. Among providers that are equally native, one with a higher load
+        ratio is never preferred, and N identical idle providers take turns instead of
+        one absorbing all the traffic.
+
+        Native first means a Messages or Responses run goes to a provider that would
+        have to translate it (on its Node, to chat completions) only when no native
+        provider has a free slot now, even if the translating one is idler or has the
+        better priority: the runtime's own implementation of the protocol is the more
+        faithful one. The run does not wait for a native slot either: a translating
+        provider with a free slot takes it at once. Every provider speaks chat, so for
+        chat, completions and embeddings the first key is always equal and the ranking
+        is load ratio, priority, round-robin.
 
 Rule 5. The answer is `Grant(best)` when any provider is admissible, else `Wait` when
         any is eligible (busy, or health not yet known), else `Refuse(reason)`.
@@ -151,6 +162,8 @@ class ProviderView:
     breaker: Breaker = "closed"
     cooldown_remaining_s: float | None = None
     """Seconds until the cooldown ends, while the breaker is `open`."""
+    native: bool = True
+    """It speaks the run's caller protocol natively (Rule 4); False: its Node translates."""
 
 
 def ineligibility(view: ProviderView, *, long: bool) -> Ineligible | None:
@@ -181,7 +194,7 @@ def is_admissible(view: ProviderView, *, long: bool) -> bool:
     return True
 
 
-_RankKey = tuple[int, int, int, str]
+_RankKey = tuple[bool, int, int, int, str]
 
 
 def _rank_key(
@@ -206,7 +219,7 @@ def _rank_key(
         # providers are ranked, so this only keeps the key total
         load = view.in_flight * (denominator // view.capacity) if view.capacity > 0 else denominator
         turn = (position[view.id] - start) % size if view.id in position else size
-        return (load, view.priority, turn, view.id)
+        return (not view.native, load, view.priority, turn, view.id)
 
     return key
 

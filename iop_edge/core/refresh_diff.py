@@ -26,9 +26,10 @@ Rules:
 6. The live subset of a candidate is the candidate with every restart-required change
    put back to its running value; by construction it differs from the running config
    in live paths only, and from the candidate in restart-required paths only.
-7. The live subset keeps the running node set, provider set, provider types and adapter
-   settings, so the one way it can be invalid where the candidate is valid is a model
-   mapped to a provider that only the candidate adds. `live_subset_errors` names each.
+7. The live subset keeps the running node set, provider set, provider types, adapter
+   settings and principal tokens, so it can be invalid where the candidate is valid in
+   two ways: a model mapped to a provider that only the candidate adds, and limits for a
+   principal whose token only the candidate adds. `live_subset_errors` names each.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from schemas.config import EdgeConfig
+from iop_edge.core.principals import ANONYMOUS_PRINCIPAL
+from schemas.config import EVERY_OTHER_PRINCIPAL, EdgeConfig
 from schemas.refresh import Change, ChangeClass, RefreshError
 
 __all__ = [
@@ -63,6 +65,7 @@ LIVE_PATTERNS: tuple[str, ...] = (
     "nodes[].providers[].models",
     "nodes[].providers[].lifecycle",
     "nodes[].providers[].category",
+    "principals",
 )
 
 
@@ -119,6 +122,7 @@ _LIST_KEYS: dict[str, _KeyOf] = {
     "nodes[].providers": lambda provider: (provider.id,),
     "openai.principal_tokens": lambda token: (token.token_ref,),
     "openai.model_routes": lambda route: (route.model, route.provider),
+    "principals": lambda entry: (entry.ref,),
 }
 
 _T = TypeVar("_T")
@@ -244,9 +248,23 @@ def live_subset(old: EdgeConfig, new: EdgeConfig, diff: ConfigDiff) -> EdgeConfi
 
 
 def live_subset_errors(effective: EdgeConfig) -> list[RefreshError]:
-    """Model mappings of a live subset that name a provider it does not have (rule 7)."""
+    """Model mappings of a live subset that name a provider it does not have, and limits
+    for a principal it has no token for (rule 7)."""
     providers = {provider.id for node in effective.nodes for provider in node.providers}
-    return [
+    principals = {token.principal_ref for token in effective.openai.principal_tokens}
+    if not principals:
+        principals = {ANONYMOUS_PRINCIPAL}
+    unknown_principals = [
+        RefreshError(
+            path=_render((_Field("principals"), _Item((entry.ref,)))),
+            message=f"principal '{entry.ref}' only exists after a restart (a principal "
+            "token is a credential: changing one is restart-required), so its limits "
+            "cannot go live before then",
+        )
+        for entry in effective.principals
+        if entry.ref != EVERY_OTHER_PRINCIPAL and entry.ref not in principals
+    ]
+    return unknown_principals + [
         RefreshError(
             path=_render(
                 (_Field("models"), _Item((model.id,)), _Field("providers"), _Item((pid,)))

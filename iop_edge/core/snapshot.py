@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from iop_edge.core.principals import PrincipalPolicies
 from schemas.config import (
     EdgeConfig,
     ModelEntry,
@@ -37,6 +38,8 @@ class Snapshot:
     nodes: dict[str, NodeEntry] = field(default_factory=dict)
     principals: dict[str, PrincipalToken] = field(default_factory=dict)
     """Principal tokens keyed by their sha256 hex."""
+    policies: PrincipalPolicies = field(default_factory=lambda: PrincipalPolicies([]))
+    """Each principal's limits and allow-list (`principals[]`)."""
 
     @classmethod
     def build(cls, config: EdgeConfig, *, revision: int, config_sha256: str) -> Snapshot:
@@ -55,6 +58,7 @@ class Snapshot:
             provider_node=provider_node,
             nodes={node.id: node for node in config.nodes},
             principals={t.token_hash_sha256: t for t in config.openai.principal_tokens},
+            policies=PrincipalPolicies.from_config(config),
         )
 
     @property

@@ -37,9 +37,9 @@ def tokens_match(token: str, expected_hash: str) -> bool:
     return hmac.compare_digest(hash_token(token).encode("ascii"), expected_hash.encode("utf-8"))
 
 
-#: The demo's node token. PUBLIC: it is printed in the README and its hash is in
-#: `configs/demo.yaml`, so `iop-edge demo` runs that file exactly as written and an edited
-#: copy refreshes without a (false) token change. Config validation refuses its hash
-#: unless `edge.listen` is a loopback address: no other machine can present it.
+#: The demo's node token. PUBLIC: it is printed in the README and its hash is in the demo
+#: config (`iop_edge/examples/demo.yaml`), so `iop-edge demo` runs that file as written and
+#: an edited copy refreshes without a (false) token change. Config validation refuses its
+#: hash unless `edge.listen` is a loopback address: no other machine can present it.
 DEMO_NODE_TOKEN: Final = "iop-demo-node-token"
 DEMO_NODE_TOKEN_SHA256: Final = hash_token(DEMO_NODE_TOKEN)

@@ -41,6 +41,7 @@ from iop_edge.runtime.metering.activity import ActivityReport
 from iop_edge.runtime.metering.usage import UsageReport
 from iop_edge.runtime.refresh.refresh import RefreshResult
 from schemas.catalog import Catalog
+from schemas.principals import PrincipalsReport
 from schemas.refresh import RefreshRequest, RefreshVerdict, StatusReport
 from schemas.restart import RestartOutcome, RestartReport
 
@@ -171,6 +172,8 @@ class AdminServices:
     refuse_refresh: Callable[[str], Awaitable[None]]
     """Audit a refresh request that could not be read."""
     restart: Callable[[], Awaitable[RestartReport]] | None = None
+    principals: Callable[[], PrincipalsReport] | None = None
+    """Each principal against its limits now (design §15)."""
 
 
 def create_admin_app(services: AdminServices) -> QuartTrio:
@@ -194,7 +197,8 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
     @app.get("/pool.js")
     @app.get("/pool.css")
     async def pool_page() -> Response:
-        """The live pool page (read-only; it polls /catalog, /status, /activity)."""
+        """The live pool page (read-only; it polls /catalog, /status, /activity,
+        /principals)."""
         body, content_type = page_files[request.path]
         return Response(body, content_type=content_type, headers=_PAGE_HEADERS)
 
@@ -229,6 +233,14 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
     @app.get("/catalog")
     async def catalog() -> Response:
         return _json(services.catalog())
+
+    @app.get("/principals")
+    async def principals() -> Response:
+        """Each principal against its limits: in flight, queued, what is left of each
+        limit, today's tokens (the pool page shows it)."""
+        if services.principals is None:
+            return _error(404, "this Edge does not report principals")
+        return _json(services.principals())
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,8 +1,11 @@
-"""Who is calling: the caller's `Authorization: Bearer` token against the principal list.
+"""Who is calling: the caller's token against the principal list.
 
-With no `openai.principal_tokens` configured the API is open and every caller is
-`ANONYMOUS`; otherwise a request without a known token is refused with 401, in OpenAI's
-error shape (`invalid_api_key`), before anything else about it is looked at.
+A caller presents its token as `Authorization: Bearer <token>` (OpenAI's clients) or as
+`x-api-key: <token>` (Anthropic's clients, design §14); both are the same principal
+tokens. With no `openai.principal_tokens` configured the API is open and every caller is
+`ANONYMOUS`; otherwise a request without a known token is refused with 401
+(`invalid_api_key`, in the caller's protocol's error shape) before anything else about
+it is looked at. When both headers are sent, `Authorization` is the one checked.
 """
 
 from __future__ import annotations
@@ -19,17 +22,30 @@ ANONYMOUS = PrincipalToken(
 )
 
 
-def authenticate(principals: Mapping[str, PrincipalToken], authorization: str) -> PrincipalToken:
-    """The principal behind an `Authorization` header value (`""` when absent).
+def authenticate(
+    principals: Mapping[str, PrincipalToken], authorization: str, api_key: str = ""
+) -> PrincipalToken:
+    """The principal behind an `Authorization` header value, or else an `x-api-key` one
+    (`""` when absent).
 
     `principals` maps token hashes to principals (the snapshot's index)."""
     if not principals:
         return ANONYMOUS
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+    if authorization:
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(
+                401,
+                "Missing bearer token in the Authorization header",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+    elif api_key.strip():
+        token = api_key
+    else:
         raise ApiError(
             401,
-            "Missing bearer token in the Authorization header",
+            "Missing API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`",
             type="authentication_error",
             code="invalid_api_key",
         )

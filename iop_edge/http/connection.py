@@ -31,6 +31,10 @@ Three shortcuts:
   connection holds the head (`hold_next_write`) and writes it with the body, and skips
   empty writes.
 
+Requests are read with strict framing (`iop_edge.http.framing`): a request whose end two
+parsers could place differently is refused with a 400 and the connection closed, and
+framing errors carry OpenAI's error body.
+
 The keep-alive timeout is one task per connection whose deadline moves
 (`iop_edge.http.keep_alive`), not Hypercorn's task per request, and a connection its
 client closed is released at once rather than when that timeout is up.
@@ -52,10 +56,12 @@ from typing import Any, Final
 import trio
 from hypercorn.config import Config
 from hypercorn.events import Closed, Event, RawData
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ASGISendCallable, HTTPScope, LifespanState
 
+from iop_edge.http.framing import StrictH11Protocol
 from iop_edge.http.keep_alive import KeepAliveTimer
 from schemas.config import DEFAULT_SEND_TIMEOUT_S
 
@@ -123,10 +129,28 @@ class Connection(TCPServer):
             self._live.discard(self)
 
     async def _read_data(self) -> None:
+        self._use_strict_framing()
         try:
             await super()._read_data()
         finally:
             self._keep_alive.end()  # the client closed, or we did: release the connection
+
+    def _use_strict_framing(self) -> None:
+        """Read requests with `StrictH11Protocol` (see `iop_edge.http.framing`): swapped in
+        for the HTTP/1.1 protocol Hypercorn built, before it has read a byte."""
+        wrapper = self.protocol
+        if type(wrapper.protocol) is H11Protocol:
+            wrapper.protocol = StrictH11Protocol(
+                wrapper.app,
+                wrapper.config,
+                wrapper.context,
+                wrapper.task_group,
+                wrapper.state,
+                wrapper.ssl,
+                wrapper.client,
+                wrapper.server,
+                wrapper.send,
+            )
 
     def abort(self) -> None:
         """Close the socket now. A write waiting on it fails, and Hypercorn ends the

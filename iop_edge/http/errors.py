@@ -1,26 +1,29 @@
-"""Errors the OpenAI surface answers with, as one exception type carrying its HTTP shape.
+"""Errors the caller surface answers with, as one exception type carrying its HTTP shape.
 
-Handlers raise `ApiError`; one error handler turns it into OpenAI's error body with the
-right status and headers, so every failure a caller sees has the same shape. The runtime
-reports refusals and failures in its own terms; `admission_error` and `run_failure_error`
-are where those become HTTP statuses.
+Handlers raise `ApiError`; the reply writes it in the caller's protocol (`body`: OpenAI's
+error body for chat and Responses, Anthropic's for Messages, `schemas.protocols`) with the
+right status and headers, so every failure a caller sees has the shape its client expects.
+The runtime reports refusals and failures in its own terms; `admission_error` and
+`run_failure_error` are where those become HTTP statuses.
 """
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
+from iop_edge.runtime.runs.limits import LimitExceeded, RateLimits
 from iop_edge.runtime.runs.scheduler import (
     RETRY_AFTER_BUSY_S,
     AdmissionError,
+    ConcurrencyLimited,
     QueueFull,
     QueueTimeout,
     UnknownModel,
 )
 from schemas import wire
-from schemas.openai import ErrorBody, ErrorDetail
-
-_encoder = msgspec.json.Encoder()
+from schemas.protocols import CallerProtocol, error_body
 
 
 class ApiError(Exception):
@@ -34,6 +37,7 @@ class ApiError(Exception):
         param: str | None = None,
         retry_after_s: float | None = None,
         allow: str | None = None,
+        rate_limits: RateLimits | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -44,10 +48,15 @@ class ApiError(Exception):
         self.retry_after_s = retry_after_s
         self.allow = allow
         """For a 405: the methods the path does accept (the `Allow` header)."""
+        self.rate_limits = rate_limits
+        """For a request over a principal's limit: where it stands (the reply writes them
+        as the caller's protocol's rate-limit headers)."""
 
-    def body(self) -> bytes:
-        detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
-        return _encoder.encode(ErrorBody(error=detail))
+    def body(self, protocol: CallerProtocol = "chat") -> bytes:
+        """The error body in `protocol`'s shape."""
+        return error_body(
+            protocol, self.status, self.message, type=self.type, code=self.code, param=self.param
+        )
 
     def headers(self) -> dict[str, str]:
         headers = {}
@@ -60,6 +69,18 @@ class ApiError(Exception):
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def invalid_request(error: msgspec.ValidationError) -> ApiError:
+    """A body that does not fit the view of it the Edge reads: 400 naming the field in
+    `param` (a wrong field's path, or a missing one's)."""
+    text = str(error)
+    at = re.search(r"at `\$\.?([^`]*)`", text)
+    missing = re.search(r"missing required field `([^`]*)`", text)
+    param = at.group(1) if at else None
+    if missing is not None:
+        param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+    return bad_request(f"Invalid request: {text}", param=param)
 
 
 def method_not_allowed(method: str, path: str, allow: str | None) -> ApiError:
@@ -79,7 +100,24 @@ def model_not_found(model: str) -> ApiError:
 
 
 def admission_error(exc: AdmissionError) -> ApiError:
-    """The scheduler's refusals as OpenAI-shaped HTTP errors."""
+    """The scheduler's and the rate limiter's refusals as HTTP errors."""
+    if isinstance(exc, LimitExceeded):
+        return ApiError(
+            429,
+            exc.reason,
+            type=exc.type,
+            code=exc.code,
+            retry_after_s=exc.retry_after_s,
+            rate_limits=exc.rate_limits,
+        )
+    if isinstance(exc, ConcurrencyLimited):
+        return ApiError(
+            429,
+            exc.reason,
+            type="rate_limit_error",
+            code="concurrency_limit",
+            retry_after_s=exc.retry_after_s or 1.0,
+        )
     if isinstance(exc, QueueFull):
         return ApiError(
             429,
@@ -122,8 +160,9 @@ def run_failure_error(
     """What the caller gets for a run that failed on `provider_id` (SPEC §4.10, §8).
 
     - The upstream refused the request (a 4xx other than 401/403/404/408/429, which the
-      Node reports as the provider's problem): its status and its message, as calling the
-      upstream directly would give.
+      Node reports as the provider's problem): its status, message, error code and the
+      field it named (`context_length_exceeded`, `messages`), as calling the upstream
+      directly would give; `upstream_rejected` when it gave no code.
     - `request_fault`: two providers answered the request with the same 5xx, so it is the
       request's fault: again the upstream's status and message.
     - An upstream 429/503 on every provider tried: a retryable 503 (busy, not broken).
@@ -147,7 +186,8 @@ def run_failure_error(
         return ApiError(
             status,
             failure.message,
-            code="upstream_rejected" if request_fault else code,
+            code=failure.upstream_code or ("upstream_rejected" if request_fault else code),
+            param=failure.param,
         )
     if failure.capacity:
         # Upstream 429/503 on every provider tried: busy, not broken, so the caller gets

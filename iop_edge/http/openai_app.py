@@ -1,11 +1,17 @@
-"""The caller-facing OpenAI-compatible HTTP API, served by Hypercorn.
+"""The caller-facing HTTP API (OpenAI's, and Anthropic's Messages), served by Hypercorn.
 
 `OpenAIApp` is the ASGI app: the run endpoints (`runs.RUN_PATHS`: chat completions,
-completions, embeddings) are plain ASGI in `runs`, because they carry the traffic and a
-web framework's per-request cost would outweigh the Edge's own work per run (see there).
-Everything else (`/v1/models`, `/healthz`, 404/405/413 pages and the ASGI lifespan) is a
-small Quart-Trio app. Every response carries `x-request-id` and `Server-Timing`, and every
-error has OpenAI's error shape.
+completions, embeddings, Messages, count_tokens, Responses) are plain ASGI in `runs`,
+because they carry the traffic and a web framework's per-request cost would outweigh the
+Edge's own work per run (see there). Everything else (`/v1/models`, stored responses,
+`/`, `/healthz`, 404/405/413 pages and the ASGI lifespan) is a small Quart-Trio app.
+Every response carries `x-request-id` and `Server-Timing`. Every error has OpenAI's error
+shape, except for Anthropic's clients (a request with `anthropic-version`, or on a
+`/v1/messages` path), which get Anthropic's (`caller_protocol.protocol_of_request`).
+
+Anthropic's clients check the server first: Claude Code sends `HEAD /`, so `/` answers
+200. `GET /v1/models` answers in Anthropic's list shape to a request that carries
+`anthropic-version`, paged as Anthropic pages it (`messages.model_page`).
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ from werkzeug.exceptions import HTTPException
 from iop_edge.core.readiness import Readiness
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.auth import authenticate
+from iop_edge.http.caller_protocol import protocol_of_request
 from iop_edge.http.errors import ApiError, method_not_allowed, model_not_found
 from iop_edge.http.final_send import shield_final_send
+from iop_edge.http.messages import anthropic_model, model_page
+from iop_edge.http.responses import ResponsesSurface
 from iop_edge.http.runs import RUN_PATHS, RunEndpoints, new_run_id, request_id
 from schemas import openai as oai
 
@@ -34,10 +43,19 @@ log = logging.getLogger(__name__)
 _encode_json = msgspec.json.Encoder().encode
 _ID_KEY = "iop.request_id"
 _STARTED_KEY = "iop.started"
+_ANTHROPIC_VERSION = "anthropic-version"
+
+
+class _Deleted(msgspec.Struct, frozen=True, kw_only=True):
+    """`DELETE /v1/responses/{id}`'s answer."""
+
+    id: str
+    object: str = "response"
+    deleted: bool = True
 
 
 class OpenAIApp:
-    """The OpenAI API's ASGI app: run endpoints as plain ASGI, the rest on Quart."""
+    """The caller API's ASGI app: run endpoints as plain ASGI, the rest on Quart."""
 
     def __init__(
         self,
@@ -46,9 +64,10 @@ class OpenAIApp:
         snapshot: Callable[[], Snapshot],
         started_unix: int,
         readiness: Callable[[], Readiness],
+        responses: ResponsesSurface,
     ) -> None:
         self._runs = runs
-        self._quart = _create_quart_app(snapshot, started_unix, readiness)
+        self._quart = _create_quart_app(snapshot, started_unix, readiness, responses)
 
     async def __call__(
         self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
@@ -74,7 +93,10 @@ def _json_response(
 
 
 def _create_quart_app(
-    snapshot: Callable[[], Snapshot], started_unix: int, readiness: Callable[[], Readiness]
+    snapshot: Callable[[], Snapshot],
+    started_unix: int,
+    readiness: Callable[[], Readiness],
+    responses: ResponsesSurface,
 ) -> QuartTrio:
     app = QuartTrio("iop_edge.http.openai_app")
     app.config.update(
@@ -91,8 +113,13 @@ def _create_quart_app(
             rid = state[_ID_KEY] = request_id(request.headers.get("x-request-id"), new_run_id())
         return str(rid)
 
-    def check_caller() -> None:
-        authenticate(snapshot().principals, request.headers.get("authorization", ""))
+    def check_caller() -> str:
+        """The caller's principal_ref (401 without a known token)."""
+        principals = snapshot().principals
+        headers = request.headers
+        return authenticate(
+            principals, headers.get("authorization", ""), headers.get("x-api-key", "")
+        ).principal_ref
 
     @app.before_request
     async def start_clock() -> None:
@@ -117,16 +144,47 @@ def _create_quart_app(
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        check_caller()
-        cards = [model_card(model_id) for model_id in snapshot().models]
+        principal_ref = check_caller()
+        current = snapshot()
+        allowed = {
+            model_id: entry
+            for model_id, entry in current.models.items()
+            if current.policies.allows(principal_ref, model_id)  # only what it may use
+        }
+        if _ANTHROPIC_VERSION in request.headers:
+            page = model_page(allowed, started_unix, request.args)
+            return _json_response(_encode_json(page))
+        cards = [model_card(model_id) for model_id in allowed]
         return _json_response(_encode_json(oai.ModelList(data=cards)))
 
     @app.get("/v1/models/<path:model_id>")
     async def get_model(model_id: str) -> Response:
-        check_caller()
-        if model_id not in snapshot().models:
+        principal_ref = check_caller()
+        current = snapshot()
+        if model_id not in current.models or not current.policies.allows(principal_ref, model_id):
             raise model_not_found(model_id)
+        if _ANTHROPIC_VERSION in request.headers:
+            card = anthropic_model(current.models[model_id], started_unix)
+            return _json_response(_encode_json(card))
         return _json_response(_encode_json(model_card(model_id)))
+
+    @app.get("/v1/responses/<response_id>")
+    async def get_response(response_id: str) -> Response:
+        """A stored response (design §14): the caller's own only."""
+        principal_ref = check_caller()
+        return _json_response(await responses.read(principal_ref, response_id))
+
+    @app.delete("/v1/responses/<response_id>")
+    async def delete_response(response_id: str) -> Response:
+        principal_ref = check_caller()
+        await responses.delete(principal_ref, response_id)
+        return _json_response(_encode_json(_Deleted(id=response_id)))
+
+    @app.route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        """The server answers (Claude Code sends `HEAD /` before anything else). Callers
+        need no token here, as for `/healthz`."""
+        return _json_response(b'{"service":"iop-edge","status":"ok"}')
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -148,7 +206,10 @@ def _create_quart_app(
     async def on_api_error(error: ApiError) -> Response:
         headers = error.headers()
         headers.setdefault("x-request-id", current_request_id())
-        return _json_response(error.body(), error.status, headers)
+        protocol = protocol_of_request(
+            request.path, anthropic_version=_ANTHROPIC_VERSION in request.headers
+        )
+        return _json_response(error.body(protocol), error.status, headers)
 
     @app.errorhandler(HTTPException)
     async def on_http_error(error: HTTPException) -> Response:

@@ -1,6 +1,7 @@
-"""The run endpoints, as plain ASGI under Hypercorn: chat completions, completions, embeddings.
+"""The run endpoints, as plain ASGI under Hypercorn: chat completions, completions,
+embeddings, Anthropic Messages (and its count_tokens) and OpenAI Responses (design §8, §14).
 
-These three carry nearly all of the Edge's traffic, so they skip the web framework: a
+These carry nearly all of the Edge's traffic, so they skip the web framework: a
 request is one function from ASGI `receive` to ASGI `send`. Quart-Trio's per-request
 machinery (request and response objects, app and request contexts, hooks, two extra tasks
 per request) would cost more than everything IOP itself does for a run (the README's
@@ -9,10 +10,12 @@ on Quart, where that cost does not matter (see `openai_app`).
 
 A request, in the task Hypercorn gives it:
 
-1. *Prepare*: authenticate, read the body (bounded in size and time), decode it once into
-   a dict (provider-specific fields pass through untouched), check it against a small view
-   of the fields the Edge acts on, apply the model's generation defaults and limits. The
-   result is a `RunPlan`; anything wrong is an OpenAI error reply naming the field.
+1. *Prepare*: authenticate (`Authorization: Bearer` or `x-api-key`), read the body
+   (bounded in size and time), decode it once into a dict (provider-specific fields pass
+   through untouched); the protocol's planner (`chat`, `messages`, `responses`) checks it
+   against a small view of the fields the Edge acts on and applies the model's generation
+   defaults and limits. The result is a `RunPlan`; anything wrong is an error reply in the
+   caller's protocol (`caller_protocol`) naming the field.
 2. *Dispatch*: the scheduler admits the plan and a Node starts it (`runtime.dispatch.Run`,
    which owns the slot until the run ends).
 3. *Respond*: one JSON body, or the run relayed as server-sent events (written by the
@@ -20,7 +23,8 @@ A request, in the task Hypercorn gives it:
    at once: dispatch Rule 9). Every reply, an error too, carries `x-request-id` (the
    caller's, when sane) and `Server-Timing` with the queue wait, the upstream time (every
    attempt's, a failed one's too) and the Edge's own share; every reply from a run that
-   reached a provider carries `x-iop-provider`.
+   reached a provider carries `x-iop-provider`. A Responses run with `store: true` is
+   stored before its reply's last bytes go out (`responses`).
 
 From step 2 on, a watcher task cancels the request when the caller disconnects. The run
 (`runtime.dispatch.Run`) owns its slot and its metering: this module tells it how the
@@ -45,15 +49,25 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
 
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.auth import authenticate
+from iop_edge.http.caller_protocol import (
+    PROTOCOL_OF,
+    STREAM_END,
+    Caller,
+    edge_renders,
+    stream_error,
+)
+from iop_edge.http.chat import plan_chat
 from iop_edge.http.connection import ChunkedBodyWriter
 from iop_edge.http.errors import (
     ApiError,
     admission_error,
     bad_request,
     method_not_allowed,
-    model_not_found,
     run_failure_error,
 )
+from iop_edge.http.messages import plan_messages
+from iop_edge.http.rate_limit_headers import rate_limit_headers
+from iop_edge.http.responses import ResponsesSurface, ToStore
 from iop_edge.runtime.metering.access_log import RefusedRequest
 from iop_edge.runtime.metering.metering import Metering
 from iop_edge.runtime.runs.dispatch import (
@@ -68,10 +82,10 @@ from iop_edge.runtime.runs.dispatch import (
     RunPlan,
     Unwritten,
 )
+from iop_edge.runtime.runs.limits import NO_RATE_LIMITS
 from iop_edge.runtime.runs.scheduler import AdmissionError
-from schemas import openai as oai
 from schemas import wire
-from schemas.tokens import estimate_input_tokens
+from schemas.protocols import CallerProtocol
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +94,9 @@ RUN_PATHS: Final[dict[str, wire.Operation]] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completion",
     "/v1/embeddings": "embedding",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "count_tokens",
+    "/v1/responses": "responses",
 }
 #: How long a caller may take to send its request body (Quart's default, kept).
 BODY_TIMEOUT_S: Final = 60.0
@@ -87,16 +104,7 @@ BODY_TIMEOUT_S: Final = 60.0
 #: few more); a deeper body is refused (400) before anything walks it (the decoders and
 #: encoders on the way to the upstream all recurse).
 MAX_JSON_DEPTH: Final = 64
-#: OpenAI's own bound on `n` (choices per request).
-MAX_CHOICES: Final = 128
-
-_VIEWS: Final[dict[wire.Operation, type[oai.RequestView]]] = {
-    "chat": oai.ChatRequest,
-    "completion": oai.CompletionRequest,
-    "embedding": oai.EmbeddingRequest,
-}
 _REQUEST_ID: Final = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-_SSE_DONE: Final = b"data: [DONE]\n\n"
 _decode_json: Final = msgspec.json.Decoder().decode
 _JSON_TYPE: Final = (b"content-type", b"application/json")
 _SSE_HEADERS: Final = ((b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"))
@@ -139,12 +147,15 @@ class _Timing:
 class _Request:
     """The few request headers the run endpoints read, found in one pass."""
 
-    __slots__ = ("authorization", "content_length", "request_id")
+    __slots__ = ("anthropic", "api_key", "authorization", "content_length", "request_id")
 
     def __init__(self, scope: HTTPScope) -> None:
         self.authorization = ""
+        self.api_key = ""
         self.content_length: int | None = None
         self.request_id: str | None = None
+        self.anthropic: dict[str, str] = {}
+        """`anthropic-version` and `anthropic-beta`, as sent."""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 self.authorization = value.decode("latin-1")
@@ -152,17 +163,40 @@ class _Request:
                 self.content_length = int(value)
             elif name == b"x-request-id":
                 self.request_id = value.decode("latin-1")
+            elif name == b"x-api-key":
+                self.api_key = value.decode("latin-1")
+            elif name in _ANTHROPIC_HEADERS:
+                key = name.decode("latin-1")
+                joined = self.anthropic.get(key)
+                text = value.decode("latin-1")
+                self.anthropic[key] = text if joined is None else f"{joined},{text}"
+
+
+#: The caller's protocol headers a native Messages upstream sees as they were sent.
+_ANTHROPIC_HEADERS: Final = frozenset({b"anthropic-version", b"anthropic-beta"})
 
 
 class _Reply:
     """Writes one response through ASGI `send`, with the headers every reply carries."""
 
-    __slots__ = ("_send", "complete", "provider", "request_id", "started")
+    __slots__ = (
+        "_send",
+        "complete",
+        "protocol",
+        "provider",
+        "rate_limits",
+        "request_id",
+        "started",
+    )
 
-    def __init__(self, send: ASGISendCallable, request_id: str) -> None:
+    def __init__(self, send: ASGISendCallable, request_id: str, protocol: CallerProtocol) -> None:
         self._send = send
         self.request_id = request_id
+        self.protocol = protocol
+        """Whose shape the errors take."""
         self.provider: str | None = None
+        self.rate_limits = NO_RATE_LIMITS
+        """Where the caller's principal stands against its limits, once admitted."""
         self.started = False
         self.complete = False
         """The last body message is on its way: a disconnect from now on is the normal end
@@ -173,6 +207,7 @@ class _Reply:
         if self.provider is not None:
             headers.append((b"x-iop-provider", self.provider.encode()))
         headers += extra
+        headers += rate_limit_headers(self.rate_limits, self.protocol)
         return headers
 
     async def json(
@@ -187,8 +222,10 @@ class _Reply:
         await self.finish(body)
 
     async def error(self, error: ApiError, timing: _Timing) -> None:
+        if error.rate_limits is not None:  # refused for a limit: where it stands now
+            self.rate_limits = error.rate_limits
         extra = [(name.lower().encode(), value.encode()) for name, value in error.headers().items()]
-        await self.json(error.body(), timing, error.status, extra)
+        await self.json(error.body(self.protocol), timing, error.status, extra)
 
     async def start_stream(self, timing: _Timing) -> None:
         await self._start(200, self._headers(timing, list(_SSE_HEADERS)))
@@ -220,11 +257,13 @@ class RunEndpoints:
         snapshot: Callable[[], Snapshot],
         dispatcher: Dispatcher,
         metering: Metering,
+        responses: ResponsesSurface,
         on_refused: Callable[[RefusedRequest], None] | None = None,
     ) -> None:
         self._snapshot = snapshot
         self._dispatcher = dispatcher
         self._metering = metering
+        self._responses = responses
         self._on_refused = on_refused
 
     async def __call__(
@@ -237,14 +276,16 @@ class RunEndpoints:
         timing = _Timing()
         run_id = new_run_id()
         request = _Request(scope)
-        reply = _Reply(send, request_id(request.request_id, run_id))
+        reply = _Reply(send, request_id(request.request_id, run_id), PROTOCOL_OF[operation])
         try:
             if scope["method"] != "POST":
                 refusal = method_not_allowed(scope["method"], scope["path"], allow="POST")
                 await reply.error(refusal, timing)
                 return
             try:
-                plan = await self._prepare(operation, run_id, reply.request_id, request, receive)
+                plan, to_store = await self._prepare(
+                    operation, run_id, reply.request_id, request, receive
+                )
             except ApiError as exc:
                 self._metering.refused(status=exc.status, code=exc.code)
                 if self._on_refused is not None:
@@ -261,7 +302,7 @@ class RunEndpoints:
                 return
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope, reply)
-                await self._run(plan, reply, timing)
+                await self._run(plan, reply, timing, to_store)
                 nursery.cancel_scope.cancel()
         except _CallerGone:
             return
@@ -282,58 +323,25 @@ class RunEndpoints:
         request_id: str,
         request: _Request,
         receive: ASGIReceiveCallable,
-    ) -> RunPlan:
-        """Authenticate, read and check the request; the plan the dispatcher runs."""
+    ) -> tuple[RunPlan, ToStore | None]:
+        """Authenticate, read and check the request: the plan the dispatcher runs, and
+        what to store of its result (a Responses run with `store: true`)."""
         snapshot = self._snapshot()
-        principal = authenticate(snapshot.principals, request.authorization)
+        principal = authenticate(snapshot.principals, request.authorization, request.api_key)
         body = await self._read_json(request, receive, snapshot.config.openai.max_request_bytes)
-        try:
-            view = msgspec.convert(body, _VIEWS[operation])
-        except msgspec.ValidationError as exc:
-            raise bad_request(f"Invalid request: {exc}", param=_param_of(exc)) from None
-        model = snapshot.models.get(view.model)
-        if model is None:
-            raise model_not_found(view.model)
-        stream = view.stream and operation != "embedding"
-        caller_wants_usage = False
-        if operation != "embedding":
-            for key, value in model.generation.defaults.items():
-                body.setdefault(key, value)
-            limit = model.generation.max_tokens_limit
-            for key in ("max_tokens", "max_completion_tokens"):
-                requested = body.get(key)
-                if isinstance(requested, int) and requested > limit:
-                    raise bad_request(
-                        f"{key}={requested} exceeds this model's limit of {limit}",
-                        param=key,
-                        code="max_tokens_exceeded",
-                    )
-            choices = body.get("n")
-            if isinstance(choices, int) and choices > MAX_CHOICES:
-                raise bad_request(f"n={choices} exceeds the limit of {MAX_CHOICES}", param="n")
-            if stream:
-                # The Edge meters every stream, so it always asks for the usage chunk and
-                # hides it from callers that did not ask for it themselves.
-                options = body.get("stream_options")
-                caller_wants_usage = (
-                    isinstance(options, dict) and options.get("include_usage") is True
-                )
-                body["stream_options"] = {**(options or {}), "include_usage": True}
-        prompt_tokens = estimate_input_tokens(body)
-        return RunPlan(
+        caller = Caller(
             run_id=run_id,
             request_id=request_id,
-            model_id=view.model,
-            operation=operation,
-            body=body,
-            stream=stream,
-            long=prompt_tokens >= snapshot.long_context_threshold_tokens,
-            caller_wants_usage=caller_wants_usage,
-            prompt_tokens=prompt_tokens,
-            principal_ref=principal.principal_ref,
-            token_ref=principal.token_ref,
-            principal_alias=principal.alias,
+            principal=principal,
+            anthropic_headers=request.anthropic,
         )
+        match operation:
+            case "responses":
+                return await self._responses.plan(body, snapshot, caller)
+            case "messages" | "count_tokens":
+                return plan_messages(operation, body, snapshot, caller), None
+            case _:
+                return plan_chat(operation, body, snapshot, caller), None
 
     async def _read_json(
         self, request: _Request, receive: ASGIReceiveCallable, limit: int
@@ -379,7 +387,9 @@ class RunEndpoints:
 
     # --- 2. dispatch ------------------------------------------------------------------
 
-    async def _run(self, plan: RunPlan, reply: _Reply, timing: _Timing) -> None:
+    async def _run(
+        self, plan: RunPlan, reply: _Reply, timing: _Timing, to_store: ToStore | None
+    ) -> None:
         run = self._dispatcher.open(plan)
         try:
             try:
@@ -397,11 +407,12 @@ class RunEndpoints:
             finally:
                 timing.queued_s = run.timings.queued_s
                 timing.upstream_s = run.timings.upstream_s
+                reply.rate_limits = run.rate_limits
             reply.provider = run.provider_id
             if plan.stream:
-                await self._relay_stream(run, reply, timing)
+                await self._relay_stream(run, reply, timing, to_store)
             else:
-                await self._respond(run, reply, timing)
+                await self._respond(run, reply, timing, to_store)
         except Exception:
             run.end(INTERNAL_ERROR)  # a bug of ours, not the caller leaving
             raise
@@ -410,16 +421,19 @@ class RunEndpoints:
 
     async def _refuse(self, run: Run, error: ApiError, reply: _Reply, timing: _Timing) -> None:
         """Answer with `error`; the reply carries the same timing (every failed attempt's
-        wait charged to `upstream`) and provider headers as a success would."""
+        wait charged to `upstream`) and provider and rate-limit headers as a success would."""
         run.end(Outcome(error.status, error.code))
         timing.queued_s = run.timings.queued_s
         timing.upstream_s = run.timings.upstream_s
+        reply.rate_limits = run.rate_limits
         await reply.error(error, timing)
 
     # --- 3. respond -------------------------------------------------------------------
 
-    async def _respond(self, run: Run, reply: _Reply, timing: _Timing) -> None:
-        """A non-stream run: one JSON body (or the run's failure as an OpenAI error)."""
+    async def _respond(
+        self, run: Run, reply: _Reply, timing: _Timing, to_store: ToStore | None
+    ) -> None:
+        """A non-stream run: one JSON body (or the run's failure as an error)."""
         event = await run.next_event()
         while isinstance(event, bytes | Unwritten):  # a non-stream run has none: strays
             event = await run.next_event()
@@ -439,10 +453,15 @@ class RunEndpoints:
             await self._refuse(run, error, reply, timing)
             return
         run.end(Outcome(200))
+        if to_store is not None:
+            await self._responses.keep(to_store, payload)
         await reply.json(payload, timing)
 
-    async def _relay_stream(self, run: Run, reply: _Reply, timing: _Timing) -> None:
-        """Relay a stream run's events as they come, ending with `[DONE]`.
+    async def _relay_stream(
+        self, run: Run, reply: _Reply, timing: _Timing, to_store: ToStore | None
+    ) -> None:
+        """Relay a stream run's events as they come, then the protocol's end (chat's
+        `[DONE]`; Messages and Responses end with their last event).
 
         The Node sends events ready for the caller (SSE-framed, with the caller's alias);
         the Edge checks their framing and writes them as they are. While this task waits,
@@ -478,12 +497,25 @@ class RunEndpoints:
                     ready = await run.next_event()
                 event = ready
             outcome = Outcome(200)
+            protocol = reply.protocol
             if isinstance(event, wire.RunFailed):
                 error = run_failure_error(event, run.provider_id)
                 outcome = Outcome(error.status, error.code)
-                pending.append(b"data: " + error.body() + b"\n\n")
-            pending.append(_SSE_DONE)
+                if edge_renders(protocol, event):
+                    plan = run.plan
+                    pending.append(
+                        stream_error(
+                            protocol,
+                            error,
+                            model=plan.model_id,
+                            response_id=f"resp_{plan.run_id}",
+                            sequence=run.chunks,
+                        )
+                    )
+            pending.append(STREAM_END[protocol])
             run.end(outcome)
+            if to_store is not None and isinstance(event, wire.RunDone):
+                await self._responses.keep(to_store, event.response)
             await reply.finish(b"".join(pending))
             return
 
@@ -499,8 +531,12 @@ def _framing_checked(write_now: Callable[[bytes], bytes | None]) -> DirectWrite:
 
 
 def _is_sse_events(data: bytes) -> bool:
-    """Whether `data` looks like whole server-sent data events (a framing check, O(1))."""
-    return data.startswith(b"data: ") and data.endswith(b"\n\n")
+    """Whether `data` looks like whole server-sent events (a framing check, O(1)): chat's
+    start with their `data:` line, Messages' and Responses' with their `event:` line."""
+    return data.startswith(_SSE_STARTS) and data.endswith(b"\n\n")
+
+
+_SSE_STARTS: Final = (b"data: ", b"event: ")
 
 
 def _is_json_object(data: bytes) -> bool:
@@ -538,11 +574,6 @@ def _nests_deeper(data: bytes, value: object, limit: int) -> bool:
                     return True
                 stack.append((child, depth + 1))
     return False
-
-
-def _param_of(error: msgspec.ValidationError) -> str | None:
-    match = re.search(r"at `\$\.([^`]*)`", str(error))
-    return match.group(1) if match else None
 
 
 def _too_large(what: str, limit: int) -> ApiError:

@@ -22,6 +22,12 @@ The Hypercorn internals used here (`TCPServer`, `WorkerContext`, `Lifespan`) are
 `worker_serve` in Hypercorn 0.18; `tests/e2e/test_http_server.py` pins their behaviour.
 Each connection is a `connection.Connection`: Hypercorn's handler with writes that skip
 its per-piece task switches (see that module).
+
+The Edge's HTTP ports take no websockets. A websocket upgrade there is almost always a
+Node given the wrong port (the caller port is one digit away from the node listener in
+most configs): it is refused with a 400 whose body says which port this is and where
+Nodes connect (`websocket_refusal`), in one log line; a Node's websocket library reports
+that body.
 """
 
 from __future__ import annotations
@@ -36,19 +42,30 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, ConnectionState, Scope
+from hypercorn.typing import (
+    ASGIReceiveCallable,
+    ASGISendCallable,
+    ConnectionState,
+    Scope,
+    WebsocketResponseBodyEvent,
+    WebsocketResponseStartEvent,
+    WebsocketScope,
+)
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 from iop_edge.http.connection import ChunkedBodyWriter, Connection, current_connection
+from iop_edge.http.errors import ApiError
 from schemas.config import DEFAULT_SEND_TIMEOUT_S
 
-__all__ = ["HttpServer"]
+__all__ = ["WRONG_PORT_CODE", "HttpServer"]
 
 log = logging.getLogger(__name__)
 
 ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
 
 _CONNECTION_CLOSE = (b"connection", b"close")
+#: The error code of a websocket upgrade refused on an HTTP port.
+WRONG_PORT_CODE = "not_a_node_port"
 
 
 class HttpServer:
@@ -65,8 +82,12 @@ class HttpServer:
         sock: socket.socket,
         *,
         send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+        websocket_refusal: str = "this HTTP port takes no websocket connections",
     ) -> None:
+        """`websocket_refusal` is what a websocket upgrade here is told: which port this
+        is, and where Nodes connect."""
         self._config = config
+        self._websocket_refusal = ApiError(400, websocket_refusal, code=WRONG_PORT_CODE).body()
         self._send_timeout_s = send_timeout_s
         """A caller that takes no bytes of a response for this long is disconnected."""
         self._socket = sock
@@ -180,7 +201,11 @@ class HttpServer:
         self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
     ) -> None:
         """Count requests in progress; while draining, close each connection after its
-        response (step 1); write chunked bodies directly (`ChunkedBodyWriter`)."""
+        response (step 1); write chunked bodies directly (`ChunkedBodyWriter`); refuse
+        websockets (module docstring)."""
+        if scope["type"] == "websocket":
+            await self._refuse_websocket(scope, send)
+            return
         if scope["type"] != "http":
             await self._inner(scope, receive, send)
             return
@@ -199,6 +224,35 @@ class HttpServer:
             if not self._in_flight:
                 self._idle.set()
                 self._idle = trio.Event()
+
+    async def _refuse_websocket(self, scope: WebsocketScope, send: ASGISendCallable) -> None:
+        """Answer a websocket upgrade with a 400 saying where Nodes connect (ASGI's
+        websocket denial response, which Hypercorn offers), and log one line."""
+        client = scope["client"]
+        peer = f"{client[0]}:{client[1]}" if client else "a client"
+        log.warning(
+            "refused a websocket upgrade from %s on %s (%s): is a Node pointed at this port?",
+            peer,
+            self.url,
+            scope["path"],
+        )
+        body = self._websocket_refusal
+        start: WebsocketResponseStartEvent = {
+            "type": "websocket.http.response.start",
+            "status": 400,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(body)),
+                _CONNECTION_CLOSE,
+            ],
+        }
+        end: WebsocketResponseBodyEvent = {
+            "type": "websocket.http.response.body",
+            "body": body,
+            "more_body": False,
+        }
+        await send(start)
+        await send(end)
 
 
 async def _closing_send(send: ASGISendCallable, message: Any) -> None:

@@ -7,15 +7,23 @@ output goes out through `emit`, one OpenAI JSON chunk per call, as soon as it ex
 
 Failures are raised as `AdapterError`, whose fields map one-to-one onto the wire's
 `run_failed`: the Edge decides on failover from `retryable` and `capacity`.
+
+Every adapter speaks chat completions. One whose upstream may also speak the caller
+protocols natively (Anthropic Messages, OpenAI Responses; design §14) is a `NativeRelay`
+too: the Node sends such runs to it as they are while its `protocol_support` says the
+upstream speaks them, and translates them to chat for every other adapter.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+from iop_node.protocol_support import ProtocolSupport
 from iop_node.reply import ParsedChunk
 from schemas.config import ProviderConfig
+from schemas.protocols import CallerProtocol
 from schemas.wire import FailureCode, ProviderStatus, Run, Usage, UsageSource
 
 
@@ -43,7 +51,9 @@ class RunResult:
 class AdapterError(Exception):
     """A run failed. `retryable`: nothing reached the upstream's output yet and another
     provider may succeed. `capacity`: the upstream said 429/503 (a load signal, not a
-    health failure). `status`: the upstream HTTP status, when there was one."""
+    health failure). `status`: the upstream HTTP status, when there was one.
+    `upstream_code`, `param`: the upstream's error code and the field it named, for a
+    request it refused (the caller acts on them)."""
 
     def __init__(
         self,
@@ -53,6 +63,8 @@ class AdapterError(Exception):
         retryable: bool = False,
         capacity: bool = False,
         status: int | None = None,
+        upstream_code: str | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -60,6 +72,8 @@ class AdapterError(Exception):
         self.retryable = retryable
         self.capacity = capacity
         self.status = status
+        self.upstream_code = upstream_code
+        self.param = param
 
 
 class ProbeTimeout(Exception):
@@ -67,6 +81,17 @@ class ProbeTimeout(Exception):
 
     Not a verdict: a runtime that is generating may not answer its model list (SPEC §4.11),
     so the health monitor decides from the provider's runs whether it is busy or down."""
+
+
+@runtime_checkable
+class ProbeWitness(Protocol):
+    """An adapter that can tell whether its last probe reached the upstream: the runtime
+    accepted the connection and the request went out, whatever came back. A probe that
+    then times out met a runtime that is alive but busy (another client may be keeping
+    it so), not one that is down (design §4.11)."""
+
+    @property
+    def probe_reached_upstream(self) -> bool: ...
 
 
 class Adapter(Protocol):
@@ -86,3 +111,51 @@ class Adapter(Protocol):
     async def aclose(self) -> None:
         """Release long-lived resources (HTTP clients). Called once, after the last run."""
         ...
+
+
+# --- caller protocols spoken natively ---------------------------------------------------------
+
+
+class EmitEvents(Protocol):
+    """Send caller-ready bytes (whole server-sent events in the run's protocol) to the
+    Edge; may block on back-pressure. `output` counts the generated pieces they carry
+    (for the usage estimate of a run whose upstream reports none); empty `events` only
+    tell that the upstream is alive."""
+
+    async def __call__(self, events: bytes, output: int, /) -> None: ...
+
+
+class NativeUnsupported(Exception):
+    """The upstream has no endpoint for the run's protocol: its route answered 404, or
+    405. The Node decides (`ProtocolSupport.learn_unsupported`) whether the run is
+    translated instead or fails with `failure`."""
+
+    def __init__(self, protocol: CallerProtocol, failure: AdapterError) -> None:
+        super().__init__(failure.message)
+        self.protocol = protocol
+        self.failure = failure
+
+
+class NativeRelay(ABC):
+    """An adapter whose upstream may speak the caller protocols natively."""
+
+    protocol_support: ProtocolSupport
+
+    @abstractmethod
+    async def execute_native(self, run: Run, events: EmitEvents) -> RunResult:
+        """Send a `messages` or `responses` run to the upstream's own endpoint as it is.
+
+        The reply comes back as the upstream wrote it but for `model` (`run.reply_model`):
+        a non-stream run's object in `RunResult.response`, a stream's events through
+        `events`, and for a stream with `run.keep_output` the final response object in
+        `RunResult.response`. Raises `NativeUnsupported` when the endpoint is missing."""
+
+    @abstractmethod
+    async def count_tokens_native(self, run: Run) -> int | None:
+        """The upstream's own count of a `count_tokens` run's input tokens; None when it
+        has no such endpoint (404/405)."""
+
+    @abstractmethod
+    async def tokenize_count(self, model: str, text: str) -> int | None:
+        """The tokens of `text` by the runtime's own tokenizer; None when the runtime
+        offers no tokenizer endpoint or it failed (the caller then estimates)."""

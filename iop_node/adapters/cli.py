@@ -21,6 +21,13 @@ completion operation), with `model` = the target; for non-stream runs the pieces
 collected into one `chat.completion` / `text_completion`. Usage: prompt tokens from the
 shared estimator (`schemas.tokens`), completion tokens from the output's length.
 
+The answer is bounded as an engine bounds it: once the output reaches the request's
+`max_completion_tokens` / `max_tokens` (counted by the same estimator as its usage, so
+`max_tokens * CHARS_PER_TOKEN` characters), reading stops, the process group is ended and
+the run finishes with `finish_reason: length`; a run that does not finish within
+`adapter.request_timeout_s` fails (`upstream_timeout`, or `upstream_stream_error` once
+output was streamed).
+
 A non-zero exit is a run failure (`cli_failed`, with the exit status and the tail of
 stderr). The process gets a session of its own, so cancelling a run (or a failure) kills
 the whole process group — wrapper scripts and their children included — and reaps it,
@@ -55,7 +62,7 @@ from schemas.openai import (
     TextChoice,
     TextCompletion,
 )
-from schemas.tokens import estimate_input_tokens, text_tokens
+from schemas.tokens import CHARS_PER_TOKEN, estimate_input_tokens, text_tokens
 from schemas.wire import FailureCode, ProviderStatus, Run, Usage
 
 #: How much of stderr is kept for the failure message (the tail is what explains it).
@@ -97,12 +104,12 @@ class _Shaper:
             return self._text([], CompletionUsage.of(usage))
         return self._chat_chunk([], CompletionUsage.of(usage))
 
-    def response(self, text: str, usage: Usage) -> bytes:
+    def response(self, text: str, usage: Usage, finish_reason: str) -> bytes:
         if not self._chat:
             return self._text(
-                [TextChoice(text=text, finish_reason="stop")], CompletionUsage.of(usage)
+                [TextChoice(text=text, finish_reason=finish_reason)], CompletionUsage.of(usage)
             )
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason="stop")
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
         return _encode(
             ChatCompletion(
                 id=self._id,
@@ -167,6 +174,41 @@ def build_argv(command: list[str], target: str) -> list[str]:
     return [part.replace("{model}", target) for part in command]
 
 
+def max_output_chars(body: dict[str, Any]) -> int | None:
+    """How many characters of output the request allows (its `max_completion_tokens`,
+    else `max_tokens`, by the estimator's characters per token); None: no limit."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value * CHARS_PER_TOKEN
+    return None
+
+
+class _Answer:
+    """The text of one answer so far, cut at the request's limit (`max_output_chars`)."""
+
+    __slots__ = ("_room", "pieces", "truncated")
+
+    def __init__(self, limit_chars: int | None) -> None:
+        self._room = limit_chars
+        self.pieces: list[str] = []
+        self.truncated = False
+        """The limit was reached: the rest of the output is not wanted."""
+
+    def take(self, text: str) -> str:
+        """The part of `text` that fits (all of it without a limit); notes when full."""
+        if self._room is not None:
+            text = text[: self._room]
+            self._room -= len(text)
+            self.truncated = self._room == 0
+        if text:
+            self.pieces.append(text)
+        return text
+
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
 # --- process plumbing ---------------------------------------------------------------------
 
 
@@ -226,27 +268,31 @@ class CliAdapter:
         self.command = list(command)
 
     async def execute(self, run: Run, emit: Emit) -> RunResult:
-        if run.operation == "embedding":
-            raise AdapterError(
-                FailureCode.UNSUPPORTED_OPERATION,
-                "cli providers do not serve embeddings",
-                retryable=True,
-            )
+        match run.operation:
+            case "chat" | "completion" as operation:
+                pass
+            case other:  # Messages and Responses reach a CLI translated to chat (design §14)
+                raise AdapterError(
+                    FailureCode.UNSUPPORTED_OPERATION,
+                    f"cli providers do not serve the {other} operation",
+                    retryable=True,
+                )
         try:
             body = msgspec.json.decode(run.body, type=dict[str, Any])
         except msgspec.DecodeError as exc:
             raise AdapterError(FailureCode.INVALID_REQUEST, f"request body: {exc}") from None
-        prompt = render_prompt(body, run.operation)
+        prompt = render_prompt(body, operation)
         shaper = _Shaper(run)
-        pieces: list[str] = []
+        answer = _Answer(max_output_chars(body))
         emitted = 0
 
-        async def on_text(text: str) -> None:
+        async def on_text(text: str) -> bool:
             nonlocal emitted
-            pieces.append(text)
-            if run.stream:
+            text = answer.take(text)
+            if run.stream and text:
                 await emit(shaper.chunk(text))
                 emitted += 1
+            return not answer.truncated
 
         timeout_s = self.provider.adapter.request_timeout_s
         with trio.move_on_after(timeout_s) as scope:
@@ -257,13 +303,14 @@ class CliAdapter:
                 f"{self.command[0]} did not finish within {timeout_s:g}s",
                 retryable=not emitted,
             )
-        if code != 0:
+        if code is not None and code != 0:
             message = f"{self.command[0]} {_exit_description(code)}"
             if stderr_tail:
                 message += f": {stderr_tail}"
             raise AdapterError(FailureCode.CLI_FAILED, message, retryable=not emitted)
 
-        text = "".join(pieces)
+        text = answer.text()
+        finish_reason = "length" if answer.truncated else "stop"
         prompt_tokens, completion_tokens = estimate_input_tokens(body), text_tokens(text)
         usage = Usage(
             prompt_tokens=prompt_tokens,
@@ -271,21 +318,23 @@ class CliAdapter:
             total_tokens=prompt_tokens + completion_tokens,
         )
         if not run.stream:
-            response = shaper.response(text, usage)
+            response = shaper.response(text, usage, finish_reason)
             return RunResult(usage=usage, response=response, usage_source="estimated")
-        await emit(shaper.chunk(None, finish_reason="stop"))
+        await emit(shaper.chunk(None, finish_reason=finish_reason))
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
             await emit(shaper.usage_chunk(usage))
         return RunResult(usage=usage, usage_source="estimated")
 
     async def _run_process(
-        self, run: Run, stdin_data: bytes, on_text: Callable[[str], Awaitable[None]]
-    ) -> tuple[int, str]:
-        """Run the command to completion, passing decoded stdout to `on_text` as it comes.
+        self, run: Run, stdin_data: bytes, on_text: Callable[[str], Awaitable[bool]]
+    ) -> tuple[int | None, str]:
+        """Run the command to completion, passing decoded stdout to `on_text` as it comes,
+        until `on_text` says it wants no more.
 
-        Returns the exit status and the decoded tail of stderr. However this ends (normal
-        exit, failure, cancellation), the process group is killed and the process reaped.
+        Returns the exit status (None when `on_text` stopped the reading) and the decoded
+        tail of stderr. However this ends (normal exit, enough output, failure,
+        cancellation), the process group is killed and the process reaped.
         """
         argv = build_argv(self.command, run.target)
         try:
@@ -311,6 +360,9 @@ class CliAdapter:
                     nursery.start_soon(_feed, process.stdin, stdin_data)
                     nursery.start_soon(_keep_tail, process.stderr, tail)
                     code = await self._relay_stdout(process, on_text)
+                    if code is None:  # enough output: end the process, its stdin and stderr
+                        _kill(process)
+                        nursery.cancel_scope.cancel()
             except BaseExceptionGroup as group:
                 # `_feed` and `_keep_tail` never raise, so a group holds the body's own
                 # exception (an emit failure, a cancellation): surface it as itself, as
@@ -328,18 +380,19 @@ class CliAdapter:
 
     @staticmethod
     async def _relay_stdout(
-        process: trio.Process, on_text: Callable[[str], Awaitable[None]]
-    ) -> int:
-        """Pass stdout to `on_text` as it arrives, then wait for the exit status."""
+        process: trio.Process, on_text: Callable[[str], Awaitable[bool]]
+    ) -> int | None:
+        """Pass stdout to `on_text` as it arrives, then wait for the exit status; None,
+        at once, when `on_text` wants no more (the caller ends the process)."""
         assert process.stdout is not None
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         async for data in process.stdout:
             text = decoder.decode(data)
-            if text:
-                await on_text(text)
+            if text and not await on_text(text):
+                return None
         rest = decoder.decode(b"", final=True)
-        if rest:
-            await on_text(rest)
+        if rest and not await on_text(rest):
+            return None
         return await process.wait()
 
     async def probe(self) -> ProviderStatus:

@@ -7,6 +7,17 @@ time as each arrives, never re-encoded, so every provider-specific field (reason
 content, tool calls, logprobs) passes through untouched. JSON is decoded only to peek at
 `usage` and at in-band errors, through small msgspec views that skip everything else.
 
+Caller protocols (design §14): a runtime that speaks Anthropic Messages or OpenAI
+Responses itself gets such runs as they are (`execute_native`), at `{base_url}/messages`
+and `{base_url}/responses` (beside chat's `/chat/completions`), with the caller's protocol
+headers (`anthropic-version`, `anthropic-beta`) and, for Messages, the API key as
+`x-api-key` too. The reply comes back under the same deadlines and failure rules as
+chat's, shaped by `native` (the caller's alias, usage read from the few events that carry
+it). A 404 on the route itself (not about the model), or a 405, is `NativeUnsupported`:
+the Node translates that run, and learns (`protocol_support`). Token counts, rare and
+small, go through the client: Anthropic's `/messages/count_tokens`, and the runtime's
+tokenizer endpoint at the server root (`tokenizer`).
+
 Deadlines (set here, once, from the provider's adapter settings):
 
 - *first byte* (streams only): from the start of the request until the first whole
@@ -60,8 +71,9 @@ reused.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterable
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, TypeVar, cast
@@ -71,19 +83,73 @@ import httpx2
 import msgspec
 import trio
 
-from iop_node.adapters.base import AdapterError, Emit, ProbeTimeout, RunResult
+from iop_node.adapters import native
+from iop_node.adapters.base import (
+    AdapterError,
+    Emit,
+    EmitEvents,
+    NativeRelay,
+    NativeUnsupported,
+    ProbeTimeout,
+    RunResult,
+)
 from iop_node.adapters.run_connections import CLOSE_GRACE_S, RunConnections
 from iop_node.adapters.sse import SSEDecoder, SSEError
+from iop_node.adapters.tokenizer import TokenizerEndpoint
+from iop_node.adapters.upstream_errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    INPUT_FIELDS,
+    read_error_facts,
+)
 from iop_node.compat.httpx2 import connection_pool_for
+from iop_node.protocol_support import ProtocolSupport
 from iop_node.reply import NotAnObject, ParsedChunk, UsageView, read_chunk
 from schemas.config import ProviderConfig
+from schemas.protocols import CallerProtocol
+from schemas.tokens import estimate_input_tokens, input_text, template_tokens
 from schemas.wire import FailureCode, Operation, ProviderStatus, Run, Usage
+
+log = logging.getLogger(__name__)
 
 OPERATION_PATHS: Final[dict[Operation, str]] = {
     "chat": "/chat/completions",
     "completion": "/completions",
     "embedding": "/embeddings",
 }
+#: The endpoints of the caller protocols a runtime may speak natively, under `base_url`
+#: like chat's (design §14).
+NATIVE_PATHS: Final[dict[CallerProtocol, str]] = {
+    "messages": "/messages",
+    "responses": "/responses",
+}
+_NATIVE_OPERATIONS: Final[dict[str, CallerProtocol]] = {
+    "messages": "messages",
+    "responses": "responses",
+}
+COUNT_TOKENS_PATH: Final = "/messages/count_tokens"
+#: Anthropic's API refuses a request without `anthropic-version`; a caller that sent none
+#: (the Edge passes the caller's own when there is one) gets the first stable version,
+#: which every Messages-speaking runtime accepts.
+DEFAULT_ANTHROPIC_VERSION: Final = "2023-06-01"
+#: Headers the adapter owns: a caller's header of these names is never passed on.
+_OWN_HEADERS: Final = frozenset(
+    {
+        "host",
+        "content-length",
+        "content-type",
+        "accept",
+        "accept-encoding",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "upgrade",
+        "authorization",
+        "x-api-key",
+        "user-agent",
+        "proxy-authorization",
+    }
+)
 
 #: uvicorn (under vLLM, SGLang, most Python servers) drops idle connections after 5 s;
 #: forgetting ours a little earlier avoids sending a request on a connection being closed.
@@ -131,13 +197,38 @@ class _ModelView(msgspec.Struct):
     id: str
 
 
+class _TokenCount(msgspec.Struct):
+    input_tokens: int
+
+
 class _ModelList(msgspec.Struct):
     data: list[_ModelView]
 
 
 _body_decoder: Final = msgspec.json.Decoder(_BodyView)
+_request_decoder: Final = msgspec.json.Decoder(dict[str, Any])
+
+
+def _max_output_tokens(body: dict[str, Any]) -> int:
+    """The output a request asks room for (its `max_completion_tokens` or `max_tokens`)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+def _decode_body(body: bytes) -> dict[str, Any] | None:
+    """A run's request body as a dict (None if it is not one)."""
+    try:
+        return _request_decoder.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+
+
 _any_decoder: Final = msgspec.json.Decoder()
 _model_list_decoder: Final = msgspec.json.Decoder(_ModelList)
+_token_count_decoder: Final = msgspec.json.Decoder(_TokenCount)
 
 
 # --- helpers (pure) ---------------------------------------------------------------------------
@@ -186,8 +277,9 @@ def error_message(body: bytes) -> str | None:
     return _bound(text) if text else None
 
 
-def status_failure(status: int, body: bytes) -> AdapterError:
-    """Map a non-2xx upstream response onto an `AdapterError` (table in the module doc)."""
+def status_failure(status: int, body: bytes, operation: Operation | None = None) -> AdapterError:
+    """Map a non-2xx upstream response onto an `AdapterError` (table in the module doc);
+    a refusal keeps the upstream's error code and the field it names (`upstream_errors`)."""
     detail = error_message(body)
     suffix = f": {detail}" if detail else ""
     if status in (429, 503):
@@ -213,10 +305,13 @@ def status_failure(status: int, body: bytes) -> AdapterError:
             status=status,
         )
     if 400 <= status < 500:
+        facts = read_error_facts(body, operation)
         return AdapterError(
             FailureCode.UPSTREAM_REJECTED,
             detail or f"upstream rejected the request ({status})",
             status=status,
+            upstream_code=facts.code,
+            param=facts.param,
         )
     # The upstream's own words: the Edge decides whom a 5xx blames (the provider, or the
     # request when another provider fails it the same way) and words the reply itself.
@@ -266,10 +361,49 @@ class _ProbeFailure(Exception):
     """A health check found the upstream unusable; the message is the status detail."""
 
 
+class _EmptyStream(Exception):
+    """A stream answered 200 and ended with no event at all: how llama.cpp's server
+    answers a streamed prompt longer than its context. `failure` is what it is when the
+    prompt fits (a broken stream)."""
+
+    def __init__(self, failure: AdapterError) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+class _PropsView(msgspec.Struct):
+    """llama.cpp's `GET /props`, as far as the context size goes (per slot)."""
+
+    n_ctx: int | None = None
+    default_generation_settings: dict[str, Any] | None = None
+
+    def context_tokens(self) -> int | None:
+        settings = self.default_generation_settings or {}
+        value = settings.get("n_ctx", self.n_ctx)
+        return value if isinstance(value, int) and value > 0 else None
+
+
+_props_decoder: Final = msgspec.json.Decoder(_PropsView)
+#: Bound on what a failed stream may spend finding out whether it was a context overflow.
+_OVERFLOW_CHECK_S: Final = 2.0
+
+
 # --- the adapter ------------------------------------------------------------------------------
 
 
-class OpenAICompatAdapter:
+def missing_route(status: int, body: bytes, model: str) -> bool:
+    """Whether a native endpoint's error answer means the route does not exist: a 405, or
+    a 404 that is not about the model (a server without the route says "Not Found"; one
+    with it says which model it does not know, and that is no lesson about the protocol)."""
+    if status == 405:
+        return True
+    if status != 404:
+        return False
+    message = error_message(body) or ""
+    return not model or model not in message
+
+
+class OpenAICompatAdapter(NativeRelay):
     """Relay runs to an OpenAI-compatible HTTP upstream at `provider.adapter.base_url`."""
 
     #: Used when the config has no `base_url`; None means the setting is required.
@@ -292,12 +426,22 @@ class OpenAICompatAdapter:
 
         headers = {"User-Agent": "iop-node"}
         self._missing_key_env: str | None = None
+        key: str | None = None
         if settings.api_key_env is not None:
             key = os.environ.get(settings.api_key_env)
             if key:
                 headers["Authorization"] = f"Bearer {key}"
             else:
                 self._missing_key_env = settings.api_key_env
+        self.protocol_support = ProtocolSupport(provider)
+        self.root_url = base_url.rstrip("/").removesuffix("/v1")
+        """The server root, where runtimes put what is not OpenAI's (tokenizers)."""
+        self._tokenizer = TokenizerEndpoint()
+        self._probe_sent = False
+        self._context_tokens: int | None = None
+        """The runtime's context size (per slot), once learnt: from llama.cpp's `/props`
+        or an overflow answer's `n_ctx`."""
+        self._props_absent = False
 
         self._first_byte_s = min(
             settings.first_byte_timeout_s or settings.request_timeout_s,
@@ -356,11 +500,170 @@ class OpenAICompatAdapter:
             ]
             for stream in (False, True)
         }
+        # Anthropic's clients authenticate with `x-api-key`; a Messages runtime may read
+        # either header, so both carry the key.
+        api_key = [(b"x-api-key", key.encode())] if key else []
+        self._native_urls = {
+            protocol: _core_url(httpx2.URL(self.base_url + path))
+            for protocol, path in NATIVE_PATHS.items()
+        }
+        self._native_headers: dict[tuple[CallerProtocol, bool], list[tuple[bytes, bytes]]] = {
+            (protocol, stream): [
+                *self._run_headers[stream],
+                *(api_key if protocol == "messages" else ()),
+            ]
+            for protocol in NATIVE_PATHS
+            for stream in (False, True)
+        }
+        self._count_tokens_url = httpx2.URL(self.base_url + COUNT_TOKENS_PATH)
+        self._count_tokens_headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json",
+            **({"x-api-key": key} if key else {}),
+        }
         self._request_extensions: dict[str, object] = {"timeout": self._client.timeout.as_dict()}
 
     # --- Adapter protocol -----------------------------------------------------------------
 
     async def execute(self, run: Run, emit: Emit) -> RunResult:
+        url = self._run_urls.get(run.operation)
+        if url is None:
+            raise AdapterError(
+                FailureCode.UNSUPPORTED_OPERATION,
+                f"operation {run.operation!r} is not an OpenAI-compatible endpoint",
+            )
+
+        async def exchange(progress: _Progress) -> RunResult:
+            return await self._exchange(run, url, emit, progress)
+
+        try:
+            return await self._bounded(run, exchange)
+        except _EmptyStream as empty:
+            raise await self._overflow_or(run, empty.failure) from None
+
+    async def execute_native(self, run: Run, events: EmitEvents) -> RunResult:
+        protocol = _NATIVE_OPERATIONS.get(run.operation)
+        if protocol is None:
+            raise AdapterError(
+                FailureCode.UNSUPPORTED_OPERATION,
+                f"operation {run.operation!r} is not a caller protocol",
+            )
+
+        async def exchange(progress: _Progress) -> RunResult:
+            return await self._exchange_native(run, protocol, events, progress)
+
+        return await self._bounded(run, exchange)
+
+    async def count_tokens_native(self, run: Run) -> int | None:
+        headers = {**self._count_tokens_headers, **_caller_headers(run, "messages")}
+        status, body = await self._post_bounded(self._count_tokens_url, run.body, headers)
+        if status in (404, 405):
+            self.protocol_support.learn_no_token_count()
+            return None
+        if not 200 <= status < 300:
+            raise status_failure(status, body)
+        try:
+            return max(_token_count_decoder.decode(body).input_tokens, 0)
+        except msgspec.DecodeError:
+            raise AdapterError(
+                FailureCode.UPSTREAM_ERROR,
+                "upstream's count_tokens answer has no `input_tokens` count",
+                retryable=True,
+            ) from None
+
+    async def tokenize_count(self, model: str, text: str) -> int | None:
+        tokenizer = self._tokenizer
+        for candidate in tokenizer.plan():
+            url = self.root_url + tokenizer.path(candidate)
+            body = tokenizer.body(candidate, model, text)
+            try:
+                status, answer = await self._post_bounded(
+                    url, body, {"Content-Type": "application/json"}
+                )
+            except AdapterError as exc:
+                log.debug("tokenizer of provider %s failed: %s", self.provider.id, exc.message)
+                return None
+            count = tokenizer.learn(candidate, status, answer)
+            if count is not None:
+                return count
+            if not tokenizer.missing(status):
+                log.debug(
+                    "tokenizer of provider %s answered %s: %s",
+                    self.provider.id,
+                    status,
+                    _clip(error_message(answer) or ""),
+                )
+                return None
+        return None
+
+    # --- context overflow -----------------------------------------------------------------
+
+    def _learn_context(self, tokens: int | None) -> None:
+        if tokens is not None:
+            self._context_tokens = tokens
+
+    async def _overflow_or(self, run: Run, failure: AdapterError) -> AdapterError:
+        """What an empty stream was: a context overflow when the prompt and the output
+        it asks room for exceed the runtime's context (llama-cpp-python counts both),
+        else `failure`. Only on this failure path, within `_OVERFLOW_CHECK_S`: the
+        context size (learnt from an earlier overflow answer, else llama.cpp's `/props`)
+        and the prompt's tokens (the runtime's tokenizer, else the estimate)."""
+        with trio.move_on_after(_OVERFLOW_CHECK_S):
+            context = self._context_tokens or await self._fetch_context()
+            if context is None:
+                return failure
+            body = _decode_body(run.body)
+            if body is None:
+                return failure
+            counted = await self.runtime_prompt_tokens(run.target, body)
+            tokens = estimate_input_tokens(body) if counted is None else counted
+            output = _max_output_tokens(body)
+            if tokens + output > context:
+                asked = f" and {output} of output" if output else ""
+                return AdapterError(
+                    FailureCode.UPSTREAM_REJECTED,
+                    f"the request needs about {tokens} tokens of prompt{asked}, more than "
+                    f"the provider's context of {context} tokens (the upstream ended the "
+                    "stream without a word)",
+                    status=400,
+                    upstream_code=CONTEXT_LENGTH_EXCEEDED,
+                    param=INPUT_FIELDS.get(run.operation),
+                )
+        return failure
+
+    async def _fetch_context(self) -> int | None:
+        """The runtime's context size from llama.cpp's `GET /props` (asked until it says
+        there is no such route)."""
+        if self._props_absent:
+            return None
+        try:
+            response = await self._client.get(
+                self.root_url + "/props", headers={"Accept": "application/json"}
+            )
+        except httpx2.HTTPError:
+            return None
+        if response.status_code in (404, 405):
+            self._props_absent = True
+            return None
+        try:
+            tokens = _props_decoder.decode(response.content).context_tokens()
+        except msgspec.DecodeError:
+            return None
+        self._learn_context(tokens)
+        return tokens
+
+    async def runtime_prompt_tokens(self, model: str, body: dict[str, Any]) -> int | None:
+        """The prompt tokens of a request `body` by the runtime's own tokenizer: its count
+        of the text plus the chat template's share (`schemas.tokens`); None when the
+        runtime has no tokenizer endpoint (or it failed). The caller bounds the wait."""
+        counted = await self.tokenize_count(model, input_text(body))
+        return None if counted is None else counted + template_tokens(body)
+
+    async def _bounded(
+        self, run: Run, exchange: Callable[[_Progress], Awaitable[RunResult]]
+    ) -> RunResult:
+        """Run one exchange under the adapter's deadlines (see the module doc), mapping
+        transport failures and deadlines onto `AdapterError`s."""
         if self._closed:
             raise AdapterError(FailureCode.ADAPTER_CLOSED, "adapter was retired", retryable=True)
         start = trio.current_time()
@@ -369,7 +672,7 @@ class OpenAICompatAdapter:
         with trio.CancelScope(deadline=start + first_byte_s) as scope:
             progress = _Progress(scope=scope, request_deadline=start + request_timeout_s)
             try:
-                return await self._exchange(run, emit, progress)
+                return await exchange(progress)
             except (*_CORE_ERRORS, SSEError) as exc:
                 raise self._transport_failure(exc, progress) from exc
         # Only reached when one of our own deadlines fired.
@@ -391,7 +694,20 @@ class OpenAICompatAdapter:
             retryable=True,
         )
 
+    @property
+    def probe_reached_upstream(self) -> bool:
+        """Whether the last probe's request went out on a connection the upstream
+        accepted (`base.ProbeWitness`)."""
+        return self._probe_sent
+
+    async def _note_probe_progress(self, event: str, info: dict[str, Any]) -> None:
+        """httpcore2's trace of a probe: its request headers were sent, so the upstream
+        accepted the connection (a fresh one or a kept-alive one)."""
+        if event.endswith("send_request_headers.complete"):
+            self._probe_sent = True
+
     async def probe(self) -> ProviderStatus:
+        self._probe_sent = False
         if self._closed:
             return self._unavailable("adapter was retired")
         if self._missing_key_env is not None:
@@ -431,7 +747,11 @@ class OpenAICompatAdapter:
     async def _get_json(
         self, url: httpx2.URL | str, decoder: msgspec.json.Decoder[_T], name: str
     ) -> _T:
-        response = await self._client.get(url, headers={"Accept": "application/json"})
+        response = await self._client.get(
+            url,
+            headers={"Accept": "application/json"},
+            extensions={"trace": self._note_probe_progress},
+        )
         if response.status_code != 200:
             detail = error_message(response.content[:_ERROR_BODY_LIMIT])
             suffix = f": {detail}" if detail else ""
@@ -446,11 +766,13 @@ class OpenAICompatAdapter:
 
     # --- one request ----------------------------------------------------------------------
 
-    async def _exchange(self, run: Run, emit: Emit, progress: _Progress) -> RunResult:
+    async def _exchange(
+        self, run: Run, url: httpcore2.URL, emit: Emit, progress: _Progress
+    ) -> RunResult:
         body_out = run.body
         request = httpcore2.Request(
             b"POST",
-            self._run_urls[run.operation],
+            url,
             headers=[
                 *self._run_headers[run.stream],
                 (b"Content-Length", b"%d" % len(body_out)),
@@ -463,7 +785,9 @@ class OpenAICompatAdapter:
             if not 200 <= response.status < 300:
                 body = await _read_body(response, progress, limit=_ERROR_BODY_LIMIT)
                 # An encoded error body cannot be read; the status alone has to do.
-                raise status_failure(response.status, b"" if _encoded(response) else body)
+                body = b"" if _encoded(response) else body
+                self._learn_context(read_error_facts(body).context_tokens)
+                raise status_failure(response.status, body, run.operation)
             _check_encoding(response)
             if run.stream:
                 return await self._relay_stream(response, emit, progress)
@@ -526,7 +850,139 @@ class OpenAICompatAdapter:
         # The body ended without `[DONE]`: fine if the model had finished, else truncated.
         if finished:
             return RunResult(usage=usage)
-        raise self._stream_cut(progress, "upstream stream ended before [DONE]")
+        failure = self._stream_cut(progress, "upstream stream ended before [DONE]")
+        if not progress.first_byte:
+            raise _EmptyStream(failure)
+        raise failure
+
+    async def _exchange_native(
+        self, run: Run, protocol: CallerProtocol, events: EmitEvents, progress: _Progress
+    ) -> RunResult:
+        """A `messages` or `responses` run sent as it is (`native` has the rules of what
+        comes back)."""
+        body_out = run.body
+        request = httpcore2.Request(
+            b"POST",
+            self._native_urls[protocol],
+            headers=[
+                *self._native_headers[protocol, run.stream],
+                *_caller_header_pairs(run, protocol),
+                (b"Content-Length", b"%d" % len(body_out)),
+            ],
+            content=body_out,
+            extensions=self._request_extensions,
+        )
+        reply = native.NativeReply(run, protocol)
+        connection, response = await self._connections.send(request)
+        try:
+            if not 200 <= response.status < 300:
+                body = await _read_body(response, progress, limit=_ERROR_BODY_LIMIT)
+                body = b"" if _encoded(response) else body
+                failure = status_failure(response.status, body)
+                if missing_route(response.status, body, run.target):
+                    raise NativeUnsupported(protocol, failure)
+                raise failure
+            _check_encoding(response)
+            if run.stream:
+                return await self._relay_native_stream(response, reply, events, progress)
+            body = await _read_body(response, progress)
+        finally:
+            try:
+                await response.aclose()
+            finally:
+                await self._connections.give_back(connection)
+        try:
+            shaped = reply.response(body)
+        except native.NotAnObject as exc:
+            raise AdapterError(
+                FailureCode.UPSTREAM_ERROR, f"bad upstream output: {exc}", retryable=True
+            ) from None
+        except native.InBandError as exc:
+            raise AdapterError(
+                FailureCode.UPSTREAM_ERROR, f"upstream returned an error: {exc}", retryable=True
+            ) from None
+        return RunResult(usage=reply.usage, response=shaped)
+
+    async def _relay_native_stream(
+        self,
+        response: httpcore2.Response,
+        reply: native.NativeReply,
+        events: EmitEvents,
+        progress: _Progress,
+    ) -> RunResult:
+        """Relay a native stream: what one upstream read completed leaves as one piece."""
+        decoder = SSEDecoder()
+        async with aclosing(_body_chunks(response)) as body:
+            async for raw in body:
+                framed: list[bytes] = []
+                output = 0
+                failure: str | None = None
+                for event in decoder.feed(raw):
+                    progress.saw_first_byte()
+                    data = event.data
+                    if not data.strip() or data == _DONE:
+                        continue
+                    try:
+                        shaped, tokens = reply.event(event.event, data)
+                    except native.NotAnObject as exc:
+                        failure = f"bad upstream output: {exc}"
+                        break
+                    except native.InBandError as exc:
+                        failure = f"upstream reported an error: {exc}"
+                        break
+                    framed.append(shaped)
+                    output += tokens
+                    if reply.ended:
+                        break
+                if framed:
+                    await events(framed[0] if len(framed) == 1 else b"".join(framed), output)
+                    progress.emitted += len(framed)
+                if failure is not None:
+                    # The events before the error went out; the failure names the error.
+                    raise self._stream_cut(progress, failure)
+                if reply.ended:
+                    # Let the end of the chunked body arrive so the connection is reused.
+                    with trio.move_on_after(_DRAIN_AFTER_DONE_S):
+                        async for _ in body:
+                            pass
+                    return RunResult(usage=reply.usage, response=reply.final_response)
+        raise self._stream_cut(progress, "upstream stream ended before its last event")
+
+    async def _post_bounded(
+        self, url: httpx2.URL | str, body: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes]:
+        """One small JSON POST through the client (token counts: rare, not the hot path),
+        within the whole-request deadline; transport failures as `AdapterError`s."""
+        if self._closed:
+            raise AdapterError(FailureCode.ADAPTER_CLOSED, "adapter was retired", retryable=True)
+        timeout_s = self.provider.adapter.request_timeout_s
+        with trio.move_on_after(timeout_s):
+            try:
+                response = await self._client.post(url, content=body, headers=headers)
+            except httpx2.ConnectError as exc:
+                raise AdapterError(
+                    FailureCode.UPSTREAM_UNREACHABLE,
+                    f"{self._origin} unreachable: {describe_transport_error(exc)}",
+                    retryable=True,
+                ) from exc
+            except httpx2.TimeoutException as exc:
+                raise AdapterError(
+                    FailureCode.UPSTREAM_TIMEOUT,
+                    f"{self._origin}: {describe_transport_error(exc)}",
+                    retryable=True,
+                ) from exc
+            except httpx2.HTTPError as exc:
+                raise AdapterError(
+                    FailureCode.UPSTREAM_ERROR,
+                    f"{self._origin}: {describe_transport_error(exc)}",
+                    retryable=True,
+                ) from exc
+            return response.status_code, response.content
+        raise AdapterError(
+            FailureCode.UPSTREAM_TIMEOUT,
+            f"no answer from {self._origin} within {timeout_s:g}s",
+            retryable=True,
+        )
 
     def _inspect_chunk(self, data: bytes, event: str, progress: _Progress) -> ParsedChunk | None:
         """Read one chunk (once: the runner shapes and counts it from this reading), or
@@ -570,6 +1026,26 @@ class OpenAICompatAdapter:
                 FailureCode.UPSTREAM_TIMEOUT, f"{self._origin}: {detail}", retryable=True
             )
         return AdapterError(FailureCode.UPSTREAM_ERROR, f"{self._origin}: {detail}", retryable=True)
+
+
+def _caller_headers(run: Run, protocol: CallerProtocol) -> dict[str, str]:
+    """The caller's protocol headers a native upstream sees (never one the adapter owns),
+    with Anthropic's version header for a Messages request that came without one."""
+    headers = {
+        name: value
+        for name, value in run.caller_headers.items()
+        if name.lower() not in _OWN_HEADERS
+    }
+    if protocol == "messages" and not any(name.lower() == "anthropic-version" for name in headers):
+        headers["anthropic-version"] = DEFAULT_ANTHROPIC_VERSION
+    return headers
+
+
+def _caller_header_pairs(run: Run, protocol: CallerProtocol) -> list[tuple[bytes, bytes]]:
+    return [
+        (name.encode("latin-1"), value.encode("latin-1"))
+        for name, value in _caller_headers(run, protocol).items()
+    ]
 
 
 def _core_url(url: httpx2.URL) -> httpcore2.URL:

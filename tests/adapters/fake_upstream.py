@@ -9,6 +9,7 @@ connection reuse, real disconnects. The benchmark reuses it as its upstream.
 
 Knobs are plain attributes, read per request, so a test may change them between requests:
 `chunks`, `first_byte_delay_s`, `chunk_interval_s`, `hang`, `status`, `drop_after_chunks`,
+`error_code`, `error_param`,
 `error_after_chunks` (an in-band `data: {"error": ...}` event, then `[DONE]`, as vLLM
 does when generation fails mid-stream), `models`, `models_status`, and `pace` (an async
 hook awaited before each stream event, so a test can hold the stream until it has seen
@@ -33,6 +34,14 @@ four; `FakeUpstream(**LLAMA_CPP)` switches on the first three):
   `interrupt_requests`, on by default). Not in `LLAMA_CPP`: a test switches it on once
   its stream runs, so only requests that arrive from then on count.
 
+Caller protocols (design §14; the bytes are in `fake_protocols`): `native` names the
+ones served natively (`POST /v1/messages`, `/v1/responses`, stream and not, with usage;
+`/v1/messages/count_tokens` unless `count_tokens_route` is off); a protocol not named
+answers `native_missing_status` (404, or 405) as a chat-only server does;
+`drop_after_chunks` and `error_after_chunks` (the protocol's own in-band error event)
+apply to their streams too. `tokenizer`
+names a tokenizer endpoint's dialect (llama.cpp's, vLLM's, llama-cpp-python's).
+
 Endpoints: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models;
 Ollama's GET /api/tags and /api/version. Responses are serialized with `json.dumps`
 defaults (spaces after separators, ASCII escapes) and carry provider-specific extras, so
@@ -51,11 +60,9 @@ from typing import Any
 import h11
 import trio
 
-PROMPT_TOKENS = 11
-EMBEDDING = [0.125, -0.5, 0.75]
-#: Provider-specific top-level field on every body; its ASCII escape (\u00e9) would be
-#: rewritten as raw UTF-8 by any JSON re-encoder.
-EXTRA = {"provider_extra": {"engine": "fake", "note": "caf\u00e9"}}
+from . import fake_protocols
+from .fake_data import EMBEDDING, EXTRA, PROMPT_TOKENS
+
 _MAX_RECORDED = 256
 
 
@@ -206,9 +213,33 @@ def invalid_report() -> str:
     return "\n".join([f"{len(noise) + 1} validation errors:", *noise, f"  {INVALID_REASON}"])
 
 
-def error_body(message: str, status: int) -> bytes:
+def error_body(
+    message: str, status: int, *, code: str | None = None, param: str | None = None
+) -> bytes:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return _dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
+    return _dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+def prompt_tokens(payload: dict[str, Any]) -> int:
+    """The fake's count of a chat request's prompt: a token per 4 characters of text."""
+    messages = payload.get("messages") or []
+    return sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict)) // 4
+
+
+def overflow_body(tokens: int, context: int) -> bytes:
+    """llama.cpp's answer to a prompt longer than its context (llama-server's words)."""
+    message = (
+        f"request ({tokens} tokens) exceeds the available context size ({context} tokens), "
+        "try increasing it"
+    )
+    error = {
+        "code": 400,
+        "message": message,
+        "type": "exceed_context_size_error",
+        "n_prompt_tokens": tokens,
+        "n_ctx": context,
+    }
+    return _dumps({"error": error})
 
 
 _LISTINGS = frozenset({"/v1/models", "/api/tags"})
@@ -216,7 +247,12 @@ _OPERATIONS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completion",
     "/v1/embeddings": "embedding",
+    "/v1/messages": "messages",
+    "/v1/responses": "responses",
 }
+#: Inference in a caller protocol: answered only when the `native` knob names it.
+_NATIVE = frozenset({"messages", "responses"})
+_TOKENIZE_PATHS = frozenset({"/tokenize", "/extras/tokenize/count"})
 
 
 # --- the server -----------------------------------------------------------------------------
@@ -243,6 +279,25 @@ class FakeUpstream:
     ignore_stream_options: bool = False
     warmup: Callable[[], Awaitable[None]] | None = None
     interrupt_streams: bool = False
+    native: frozenset[str] = frozenset()
+    """The caller protocols served natively ("messages", "responses"); the others' routes
+    answer `native_missing_status`, as a chat-only server does."""
+    native_missing_status: int = 404
+    count_tokens_route: bool = True
+    """With "messages" native: whether `/v1/messages/count_tokens` exists."""
+    tokenizer: str | None = None
+    """The tokenizer endpoint's dialect (`fake_protocols.TOKENIZERS`); None: none. A
+    `status` other than 200 fails it too."""
+    error_code: str | None = None
+    error_param: str | None = None
+    """The `code` and `param` of the error answers `status` makes (None: null)."""
+    context_tokens: int | None = None
+    """llama.cpp's context (`n_ctx`, told by `GET /props`): a chat prompt longer than this
+    (`prompt_tokens`) is refused as llama.cpp refuses it, with a 400
+    `exceed_context_size_error` (`overflow_body`), or, streamed, with a 200 whose body
+    ends at once."""
+    empty_streams: bool = False
+    """Every stream is answered with a 200 whose body ends at once."""
 
     requests: deque[RecordedRequest] = field(
         init=False, default_factory=lambda: deque(maxlen=_MAX_RECORDED)
@@ -365,12 +420,34 @@ class FakeUpstream:
             return 200, _dumps({"models": tags})
         if request.method == "GET" and request.path == "/api/version":
             return 200, _dumps({"version": self.version})
+        if (
+            request.method == "POST"
+            and request.path == "/v1/messages/count_tokens"
+            and "messages" in self.native
+            and self.count_tokens_route
+        ):
+            return 200, _dumps({"input_tokens": fake_protocols.NATIVE_COUNT})
+        if request.method == "GET" and request.path == "/props" and self.context_tokens:
+            settings = {"n_ctx": self.context_tokens, "params": {}}
+            return 200, _dumps({"default_generation_settings": settings, "total_slots": 1})
+        if request.method == "POST" and request.path in _TOKENIZE_PATHS and self.tokenizer:
+            if self.status != 200:
+                return self.status, error_body(self.error_message, self.status)
+            answer = fake_protocols.tokenize_answer(
+                self.tokenizer, request.path, json.loads(request.body)
+            )
+            if answer is not None:
+                return answer
         return 404, error_body(f"no route for {request.method} {request.path}", 404)
 
     async def _respond(
         self, stream: trio.SocketStream, conn: h11.Connection, request: RecordedRequest
     ) -> None:
         operation = _OPERATIONS.get(request.path)
+        if operation in _NATIVE and operation not in self.native:
+            status = self.native_missing_status
+            await self._send_json(stream, conn, status, _not_found(status))
+            return
         if request.method != "POST" or operation is None:
             if self.models_blocked_while_generating and request.path in _LISTINGS:
                 await self.wait_for(lambda: self.active == 0)
@@ -429,15 +506,33 @@ class FakeUpstream:
         if self.hang:
             await trio.sleep_forever()
         if self.status != 200:
-            body = error_body(self.error_message, self.status)
+            if operation == "messages":
+                body = fake_protocols.messages_error(self.error_message, self.status)
+            else:
+                body = error_body(
+                    self.error_message, self.status, code=self.error_code, param=self.error_param
+                )
             await self._send_json(stream, conn, self.status, body)
             return
         payload = json.loads(request.body)
+        tokens = prompt_tokens(payload)
+        overflow = self.context_tokens is not None and tokens > self.context_tokens
+        if payload.get("stream") and (overflow or self.empty_streams):
+            headers = [("content-type", "text/event-stream")]
+            await self._send(stream, conn, h11.Response(status_code=200, headers=headers))
+            await self._send(stream, conn, h11.EndOfMessage())
+            return
+        if overflow and self.context_tokens is not None:
+            await self._send_json(stream, conn, 400, overflow_body(tokens, self.context_tokens))
+            return
         if self.invalid_status is not None and is_invalid(payload):
             body = error_body(invalid_report(), self.invalid_status)
             await self._send_json(stream, conn, self.invalid_status, body)
             return
         model = str(payload.get("model", ""))
+        if operation in _NATIVE:
+            await self._answer_natively(stream, conn, operation, model, bool(payload.get("stream")))
+            return
         if operation == "embedding" or not payload.get("stream"):
             body = expected_response(model, self.chunks, operation=operation)
             await self._send_json(stream, conn, 200, body)
@@ -471,3 +566,44 @@ class FakeUpstream:
             await self._send(stream, conn, h11.Data(data=b"data: " + event + b"\n\n"))
         await self._send(stream, conn, h11.Data(data=b"data: [DONE]\n\n"))
         await self._send(stream, conn, h11.EndOfMessage())
+
+    async def _answer_natively(
+        self,
+        stream: trio.SocketStream,
+        conn: h11.Connection,
+        operation: str,
+        model: str,
+        streaming: bool,
+    ) -> None:
+        """A Messages or Responses request, answered as a runtime that speaks it does."""
+        if not streaming:
+            if operation == "messages":
+                body = fake_protocols.messages_response(model, self.chunks)
+            else:
+                body = fake_protocols.responses_response(model, self.chunks)
+            await self._send_json(stream, conn, 200, body)
+            return
+        if operation == "messages":
+            events = fake_protocols.messages_events(model, self.chunks)
+        else:
+            events = fake_protocols.responses_events(model, self.chunks)
+        headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
+        await self._send(stream, conn, h11.Response(status_code=200, headers=headers))
+        for i, (name, data) in enumerate(events):
+            if self.drop_after_chunks is not None and i >= self.drop_after_chunks:
+                raise _Drop
+            if self.error_after_chunks is not None and i >= self.error_after_chunks:
+                failure = fake_protocols.sse(
+                    *fake_protocols.in_band_error(operation, self.error_message)
+                )
+                await self._send(stream, conn, h11.Data(data=failure))
+                break
+            if self.pace is not None:
+                await self.pace(i)
+            await self._send(stream, conn, h11.Data(data=fake_protocols.sse(name, data)))
+        await self._send(stream, conn, h11.EndOfMessage())
+
+
+def _not_found(status: int) -> bytes:
+    """What a server without the route says (FastAPI's words, as vLLM's would be)."""
+    return _dumps({"detail": "Not Found" if status == 404 else "Method Not Allowed"})

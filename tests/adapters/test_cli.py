@@ -17,9 +17,9 @@ from iop_node.reply import ParsedChunk
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.tokens import estimate_input_tokens, text_tokens
 from schemas.wire import Operation, Run
+from tests.timing import PROCESS_GUARD_S
 
 MODEL = "tiny-cli-model"
-GUARD_S = 10.0  # starting an interpreter can take a moment on a loaded machine
 
 ECHO_STDIN = "import sys; sys.stdout.write(sys.stdin.read())"
 # Prints lines with a pause between them, flushing each: output that arrives over time.
@@ -79,7 +79,7 @@ class Collector:
 
 async def test_stream_emits_stdout_as_chat_chunks() -> None:
     collector = Collector()
-    with trio.fail_after(GUARD_S):
+    with trio.fail_after(PROCESS_GUARD_S):
         result = await python(LINES).execute(make_run(CHAT, stream=True), collector)
     assert collector.text() == "alpha beta gamma"
     assert len(collector.chunks) >= 2  # at least one delta, then the finish chunk
@@ -102,7 +102,7 @@ async def test_stream_emits_stdout_as_chat_chunks() -> None:
 async def test_stream_usage_chunk_when_asked() -> None:
     collector = Collector()
     body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
-    with trio.fail_after(GUARD_S):
+    with trio.fail_after(PROCESS_GUARD_S):
         result = await python(ECHO_STDIN).execute(make_run(body, stream=True), collector)
     usage_chunk = collector.chunks[-1]
     assert usage_chunk["choices"] == []
@@ -115,7 +115,7 @@ async def test_stream_usage_chunk_when_asked() -> None:
 
 async def test_non_stream_collects_a_chat_completion() -> None:
     collector = Collector()
-    with trio.fail_after(GUARD_S):
+    with trio.fail_after(PROCESS_GUARD_S):
         result = await python(LINES).execute(make_run(CHAT, stream=False), collector)
     assert collector.chunks == []
     assert result.response is not None
@@ -134,7 +134,7 @@ async def test_non_stream_collects_a_chat_completion() -> None:
 
 async def test_completion_gets_the_prompt_on_stdin_and_text_completion_shape() -> None:
     body = {"model": MODEL, "prompt": "Once upon a time, caf\u00e9"}
-    with trio.fail_after(GUARD_S):
+    with trio.fail_after(PROCESS_GUARD_S):
         result = await python(ECHO_STDIN).execute(
             make_run(body, stream=False, operation="completion"), Collector()
         )
@@ -152,7 +152,7 @@ async def test_chat_transcript_on_stdin() -> None:
             {"role": "user", "content": [{"type": "text", "text": "Hello"}]},
         ],
     }
-    with trio.fail_after(GUARD_S):
+    with trio.fail_after(PROCESS_GUARD_S):
         result = await python(ECHO_STDIN).execute(make_run(body, stream=False), Collector())
     assert result.response is not None
     content = json.loads(result.response)["choices"][0]["message"]["content"]
@@ -161,7 +161,7 @@ async def test_chat_transcript_on_stdin() -> None:
 
 async def test_model_is_substituted_in_argv() -> None:
     adapter = python("import sys; print(sys.argv[1:])", "{model}", "--model={model}")
-    with trio.fail_after(GUARD_S):
+    with trio.fail_after(PROCESS_GUARD_S):
         result = await adapter.execute(make_run(CHAT, stream=False), Collector())
     assert result.response is not None
     content = json.loads(result.response)["choices"][0]["message"]["content"]
@@ -177,7 +177,7 @@ async def test_non_zero_exit_reports_the_stderr_tail() -> None:
         sys.exit(3)
         """
     )
-    with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as info:
+    with trio.fail_after(PROCESS_GUARD_S), pytest.raises(AdapterError) as info:
         await python(script).execute(make_run(CHAT, stream=True), Collector())
     error = info.value
     assert error.code == "cli_failed"
@@ -215,7 +215,7 @@ async def test_cancel_kills_the_process_group() -> None:
         if "\n" in seen:
             pids_known.set()
 
-    with trio.fail_after(GUARD_S):
+    with trio.fail_after(PROCESS_GUARD_S):
         with trio.CancelScope() as runner_scope:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(adapter.execute, make_run(CHAT, stream=True), emit)
@@ -234,7 +234,7 @@ async def test_cancel_kills_the_process_group() -> None:
 
 async def test_request_timeout_kills_a_stuck_process() -> None:
     adapter = adapter_for(sys.executable, "-c", "import time; time.sleep(60)", timeout_s=0.3)
-    with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as info:
+    with trio.fail_after(PROCESS_GUARD_S), pytest.raises(AdapterError) as info:
         await adapter.execute(make_run(CHAT, stream=True), Collector())
     assert (info.value.code, info.value.retryable) == ("upstream_timeout", True)
 
@@ -250,7 +250,7 @@ async def test_embeddings_are_unsupported() -> None:
 
 async def test_missing_executable_fails_the_run() -> None:
     adapter = adapter_for("/nonexistent/iop-test-cli", "{model}")
-    with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as info:
+    with trio.fail_after(PROCESS_GUARD_S), pytest.raises(AdapterError) as info:
         await adapter.execute(make_run(CHAT, stream=True), Collector())
     assert (info.value.code, info.value.retryable) == ("cli_failed", True)
 

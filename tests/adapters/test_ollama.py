@@ -12,11 +12,11 @@ from iop_node.adapters.ollama import OllamaAdapter, lifecycle_of, native_root
 from iop_node.reply import ParsedChunk
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import Run
+from tests.timing import GUARD_S
 
 from .fake_upstream import FakeUpstream, expected_events
 
 MODEL = "llama3.2:latest"
-GUARD_S = 5.0
 
 
 def provider(base_url: str | None) -> ProviderConfig:

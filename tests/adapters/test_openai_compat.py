@@ -19,6 +19,7 @@ from iop_node.adapters.openai_compat import (
 from iop_node.reply import ParsedChunk
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import Operation, Run, Usage
+from tests.timing import GUARD_S
 
 from .conftest import MODEL, MakeAdapter
 from .fake_upstream import (
@@ -30,7 +31,6 @@ from .fake_upstream import (
     invalid_report,
 )
 
-GUARD_S = 5.0  # a test that needs this long is broken; the behaviour under test is ~0.2 s
 FAKE_KEY_ENV = "IOP_TEST_FAKE_UPSTREAM_KEY"
 FAKE_KEY = "sk-test-not-a-real-key"
 

@@ -21,11 +21,12 @@ from iop_node.adapters.base import AdapterError
 from iop_node.adapters.openai_compat import _host_header
 from iop_node.compat.httpx2 import connection_pool_for
 from schemas.wire import Usage
+from tests.timing import GUARD_S
 
 from ..recording_server import Answer, RecordingServer, Seen, clear_proxy_env
 from .conftest import ADAPTER_CAPACITY, MODEL, MakeAdapter
 from .fake_upstream import FakeUpstream, expected_events, expected_response
-from .test_openai_compat import GUARD_S, Collector, make_run
+from .test_openai_compat import Collector, make_run
 
 KEY_ENV = "IOP_TEST_TRANSPORT_KEY"
 KEY_VALUE = "test-key-value"

@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from iop_node.compat.httpx2 import KNOWN_VERSIONS, UnsupportedHttpx2, connection_pool_for
+from tests.timing import GUARD_S
 
 from ..recording_server import Answer, RecordingServer, Seen, clear_proxy_env
 
@@ -24,7 +25,6 @@ from ..recording_server import Answer, RecordingServer, Seen, clear_proxy_env
 UNUSED_PROXY = "http://127.0.0.1:9"
 HTTP_UPSTREAM = "http://127.0.0.1:8000/v1"
 HTTPS_UPSTREAM = "https://api.example.com/v1"
-GUARD_S = 10
 
 
 @pytest.fixture(autouse=True)

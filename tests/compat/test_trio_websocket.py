@@ -1,4 +1,4 @@
-"""iop_edge.runtime.compat.trio_websocket on the installed trio-websocket, on a real
+"""schemas.compat.trio_websocket on the installed trio-websocket, on a real
 connection: a listener's message limit holds until `lift_message_limit`, and the lifted
 limit holds after it; `watch_arrivals` hears every frame that arrives, pings included.
 
@@ -21,16 +21,16 @@ from trio_websocket import (
     serve_websocket,
 )
 
-from iop_edge.runtime.compat.trio_websocket import (
+from schemas.compat.trio_websocket import (
     ARRIVALS_WATCHABLE,
     MESSAGE_LIMIT_LIFTABLE,
     lift_message_limit,
     watch_arrivals,
 )
+from tests.timing import GUARD_S
 
 PRE_LIFT_LIMIT = 1024
 LIFTED_LIMIT = 16 * 1024
-GUARD_S = 10
 #: The close code for a message over the limit (RFC 6455 "message too big").
 MESSAGE_TOO_BIG = 1009
 

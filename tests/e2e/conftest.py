@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -9,6 +9,7 @@ import trio
 
 from tests.e2e.postgres import PASSWORD_ENV, Postgres, create_database, start_postgres
 from tests.e2e.stack import Stack, one_sim_config, start_stack
+from tests.e2e.upstreams import MakeStack, upstream_stacks
 
 
 @pytest.fixture
@@ -32,3 +33,10 @@ def ledger_url(
     monkeypatch.setenv(PASSWORD_ENV, postgres_server.password)
     name = "t_" + re.sub(r"[^a-z0-9]+", "_", request.node.name.lower())[:50]
     return create_database(postgres_server, name)
+
+
+@pytest.fixture
+async def make_stack(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[MakeStack]:
+    """A factory of stacks relaying to fake upstreams (`upstreams.upstream_stacks`)."""
+    async with upstream_stacks(nursery, tmp_path) as make:
+        yield make

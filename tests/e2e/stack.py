@@ -22,10 +22,11 @@ from iop_edge.core.config import parse_config
 from iop_edge.edge import Edge, EdgeAddresses
 from iop_edge.runtime.runs.dispatch import RunPlan
 from iop_node.main import run_node
+from tests.timing import GUARD_S
 
 NODE_TOKEN = "test-node-token-not-a-secret"
-#: Upper bound for event-driven waits, so a broken test fails instead of hanging.
-WAIT_GUARD_S = 5.0
+#: Upper bound for event-driven waits (the e2e modules' name for `tests.timing.GUARD_S`).
+WAIT_GUARD_S = GUARD_S
 NODE_TOKEN_HASH = hashlib.sha256(NODE_TOKEN.encode()).hexdigest()
 
 

@@ -37,7 +37,7 @@ def wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_check_config_accepts_the_shipped_configs(
     name: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = REPO / "configs" / name
+    path = REPO / "iop_edge" / "examples" / name
 
     assert main(["check-config", str(path)]) == 0
 

@@ -150,7 +150,9 @@ def test_a_busy_port_names_the_port_and_the_setting(tmp_path: Path, taken_port: 
 
 
 def test_a_busy_demo_port_suggests_ephemeral_ports(tmp_path: Path, taken_port: int) -> None:
-    demo = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text(encoding="utf-8"))
+    demo = yaml.safe_load(
+        (REPO / "iop_edge" / "examples" / "demo.yaml").read_text(encoding="utf-8")
+    )
     demo["edge"]["state_dir"] = str(tmp_path / "var")
     demo["edge"]["listen"] = "127.0.0.1:0"
     demo["openai"]["listen"] = "127.0.0.1:0"
@@ -222,7 +224,7 @@ async def test_check_config_refuses_what_serve_refuses(
 def test_the_public_demo_token_only_on_loopback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    demo = (REPO / "configs" / "demo.yaml").read_text(encoding="utf-8")
+    demo = (REPO / "iop_edge" / "examples" / "demo.yaml").read_text(encoding="utf-8")
     exposed = tmp_path / "exposed.yaml"
     exposed.write_text(demo.replace("listen: 127.0.0.1:7700", "listen: 0.0.0.0:7700"), "utf-8")
     assert main(["check-config", str(exposed)]) == 1

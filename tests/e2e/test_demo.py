@@ -25,7 +25,9 @@ async def test_an_edited_copy_of_the_demo_config_refreshes_without_a_restart(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("COLUMNS", "200")
-    demo = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text(encoding="utf-8"))
+    demo = yaml.safe_load(
+        (REPO / "iop_edge" / "examples" / "demo.yaml").read_text(encoding="utf-8")
+    )
     demo["edge"]["state_dir"] = str(tmp_path / "var")
     copy = tmp_path / "my-demo.yaml"
     copy.write_text(yaml.safe_dump(demo, sort_keys=False), encoding="utf-8")

@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import psycopg
 import pytest
 import trio
@@ -141,6 +142,36 @@ async def test_the_writer_reconnects_after_losing_its_connection(
     [row] = await _usage(stack)
     assert row["requests"] + stack.edge.ledger.dropped == 4
     assert stack.edge.ledger.dropped <= 1 and row["requests"] >= 3
+
+
+async def test_an_older_table_gains_the_protocol_column_its_rows_chat(
+    nursery: trio.Nursery, tmp_path: Path, ledger_url: str
+) -> None:
+    with psycopg.connect(ledger_url, password=os.environ[PASSWORD_ENV], autocommit=True) as db:
+        db.execute(
+            "CREATE TABLE iop_usage (time DOUBLE PRECISION NOT NULL, run_id TEXT NOT NULL, "
+            "principal_ref TEXT NOT NULL, token_ref TEXT NOT NULL, alias TEXT, "
+            "model TEXT NOT NULL, provider TEXT NOT NULL, node TEXT NOT NULL, "
+            "prompt_tokens BIGINT NOT NULL, completion_tokens BIGINT NOT NULL, "
+            "status BIGINT NOT NULL, latency_ms DOUBLE PRECISION NOT NULL, "
+            "ttft_ms DOUBLE PRECISION, usage_source TEXT NOT NULL)"
+        )
+        db.execute(
+            "INSERT INTO iop_usage VALUES "
+            "(1, 'old', 'p', 't', NULL, 'm', 'sim-1', 'node-1', 1, 2, 200, 1, NULL, 'provider')"
+        )
+    stack = await start_stack(
+        nursery, _config(tmp_path, ledger_url), tmp_path / "edge.yaml", wait_models=("m",)
+    )
+    await _chat(stack, 1)
+    async with anthropic.AsyncAnthropic(
+        base_url=stack.addresses.openai_url, api_key="open", max_retries=0
+    ) as client:
+        await client.messages.create(model="m", max_tokens=2, messages=MESSAGES)
+    with trio.fail_after(5):
+        await stack.edge.ledger.wait_flushed()
+    rows = await _usage(stack, group_by="protocol")
+    assert [(row["protocol"], row["requests"]) for row in rows] == [("chat", 2), ("messages", 1)]
 
 
 async def test_an_unreachable_ledger_stops_the_edge_from_starting(

@@ -20,8 +20,7 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -38,17 +37,16 @@ from tests.adapters.fake_upstream import (
     invalid_report,
 )
 from tests.e2e.stack import Stack, hang_up_after, sim_provider
-from tests.e2e.test_upstreams import (
+from tests.e2e.upstreams import (
     ALIAS,
-    GUARD_S,
     MESSAGES,
     MakeStack,
     all_idle,
     provider_of,
     upstream_provider,
-    upstream_stacks,
     wait_idle,
 )
+from tests.timing import GUARD_S
 
 #: Probes every 50 ms: a probe of a runtime that is generating times out within 50 ms.
 PROBE_EVERY_S = 0.05
@@ -66,12 +64,6 @@ BAD_MESSAGES: list[Any] = [
     },
     {"role": "tool", "tool_call_id": "c1", "content": None},
 ]
-
-
-@pytest.fixture
-async def make_stack(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[MakeStack]:
-    async with upstream_stacks(nursery, tmp_path) as make:
-        yield make
 
 
 def _health(provider_id: str, health: str) -> Callable[[dict[str, Any]], bool]:

@@ -8,8 +8,6 @@ a leaked slot is the failure that matters most in a gateway.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -18,9 +16,8 @@ import trio
 
 from tests.adapters.fake_upstream import FakeUpstream
 from tests.e2e.stack import Stack, hang_up_after
-from tests.e2e.test_upstreams import (
+from tests.e2e.upstreams import (
     ALIAS,
-    GUARD_S,
     MESSAGES,
     MakeStack,
     RunningUpstream,
@@ -28,16 +25,9 @@ from tests.e2e.test_upstreams import (
     posts,
     provider_of,
     upstream_provider,
-    upstream_stacks,
     wait_idle,
 )
-
-
-@pytest.fixture
-async def make_stack(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[MakeStack]:
-    async with upstream_stacks(nursery, tmp_path) as make:
-        yield make
-
+from tests.timing import GUARD_S
 
 #: Long enough that a cooldown never ends by itself during a test.
 COOLDOWN = {"cooldown": {"failures": 3, "seconds": 60}}

@@ -6,8 +6,7 @@ wait for it event-driven (`Stack.wait_catalog`), never by sleeping.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -16,25 +15,18 @@ import trio
 
 from tests.adapters.fake_upstream import FakeUpstream
 from tests.e2e.stack import Stack
-from tests.e2e.test_upstreams import (
+from tests.e2e.upstreams import (
     ALIAS,
-    GUARD_S,
     MESSAGES,
     MakeStack,
     RunningUpstream,
     all_idle,
     provider_of,
     upstream_provider,
-    upstream_stacks,
 )
+from tests.timing import GUARD_S
 
 PROBE_EVERY_S = 0.05
-
-
-@pytest.fixture
-async def make_stack(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[MakeStack]:
-    async with upstream_stacks(nursery, tmp_path) as make:
-        yield make
 
 
 def _health_is(health: str) -> Callable[[dict[str, Any]], bool]:

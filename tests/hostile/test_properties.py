@@ -17,15 +17,17 @@ from hypothesis import strategies as st
 
 from iop_edge.core.config import ConfigInvalid, parse_config
 from iop_edge.core.snapshot import Snapshot
+from iop_edge.http.responses import ResponsesSurface
 from iop_edge.http.runs import RUN_PATHS, RunEndpoints
 from iop_edge.runtime.metering.metering import Metering
 from iop_edge.runtime.metering.metrics import EdgeMetrics
+from iop_edge.runtime.metering.response_store import ResponseStore, SqliteResponses
 from iop_edge.runtime.metering.usage import UsageLedger
 from iop_edge.runtime.nodes.hub import NodeDirectory, NodeHub
 from iop_edge.runtime.runs.dispatch import Dispatcher
 from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas import wire
-from schemas.config import NodeConfig
+from schemas.config import NodeConfig, ResponsesSection
 from tests.unit.test_config import valid
 
 FAST = settings(
@@ -178,7 +180,8 @@ def _endpoints() -> RunEndpoints:
     dispatcher = Dispatcher(scheduler, hub, meter=metering.record, on_failover=lambda *_: None,
                             on_busy_answer=lambda *_: None,
                             retries_before_first_byte=lambda: 1)  # fmt: skip
-    return RunEndpoints(lambda: _SNAPSHOT, dispatcher, metering)
+    responses = ResponsesSurface(ResponseStore(SqliteResponses(_NOWHERE), ResponsesSection()))
+    return RunEndpoints(lambda: _SNAPSHOT, dispatcher, metering, responses)
 
 
 _NOWHERE = Path("/nonexistent-iop-test/usage.sqlite3")  # never opened: nothing is billed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -37,6 +38,12 @@ def _resolve(argv: list[str], environ: dict[str, str] | None = None) -> NodeInvo
     return resolve_invocation(build_parser().parse_args(["run", *argv]), environ or {})
 
 
+def _token_file(path: Path, text: str, mode: int = 0o600) -> Path:
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
 def test_flags_and_token_from_the_environment() -> None:
     invocation = _resolve(["--edge", EDGE, "--node-id", "gpu1"], {TOKEN_ENV_VAR: f" {TOKEN}\n"})
     assert invocation == NodeInvocation(edge_urls=(EDGE,), node_id="gpu1", token=TOKEN)
@@ -44,8 +51,7 @@ def test_flags_and_token_from_the_environment() -> None:
 
 
 def test_token_file_wins_over_the_environment(tmp_path: Path) -> None:
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN + "\n")
+    token_file = _token_file(tmp_path / "token", TOKEN + "\n")
     invocation = _resolve(
         ["--edge", EDGE, "--node-id", "gpu1", "--token-file", str(token_file)],
         {TOKEN_ENV_VAR: "from-env"},
@@ -54,7 +60,7 @@ def test_token_file_wins_over_the_environment(tmp_path: Path) -> None:
 
 
 def test_yaml_config_with_relative_token_file(tmp_path: Path) -> None:
-    (tmp_path / "node.token").write_text(TOKEN)
+    _token_file(tmp_path / "node.token", TOKEN)
     config = tmp_path / "node.yaml"
     config.write_text(f"edge: {EDGE}\nnode_id: gpu1\ntoken_file: node.token\n")
     assert _resolve(["--config", str(config)]) == NodeInvocation(
@@ -111,10 +117,70 @@ def test_usage_errors(argv: list[str], environ: dict[str, str], message: str) ->
 
 
 def test_empty_token_file_is_an_error(tmp_path: Path) -> None:
-    token_file = tmp_path / "token"
-    token_file.write_text("\n")
+    token_file = _token_file(tmp_path / "token", "\n")
     with pytest.raises(UsageError, match="is empty"):
         _resolve(["--edge", EDGE, "--node-id", "a", "--token-file", str(token_file)])
+
+
+def test_a_systemd_credential_is_a_token_file(tmp_path: Path) -> None:
+    """`LoadCredential=` puts a 0400 copy in `$CREDENTIALS_DIRECTORY`; the unit passes
+    `--token-file %d/iop-node-token`, systemd's name for that folder."""
+    credentials = tmp_path / "credentials"
+    credentials.mkdir(mode=0o500)
+    token_file = _token_file(credentials / "iop-node-token", TOKEN + "\n", mode=0o400)
+    invocation = _resolve(["--edge", EDGE, "--node-id", "gpu1", "--token-file", str(token_file)])
+    assert invocation.token == TOKEN
+
+
+@pytest.mark.parametrize(
+    ("content", "mode", "message"),
+    [
+        (
+            TOKEN,
+            0o644,
+            "can be read by every user of this host (mode 644); make it private: chmod 600",
+        ),
+        (TOKEN, 0o604, "can be read by every user"),
+        (f"{TOKEN}\nsecond-line\n", 0o600, "holds more than one word"),
+        ("x" * 5000, 0o600, "larger than a token can be"),
+    ],
+)
+def test_a_token_file_that_is_not_one_private_token_is_refused(
+    tmp_path: Path, content: str, mode: int, message: str
+) -> None:
+    token_file = _token_file(tmp_path / "token", content, mode)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        _resolve(["--edge", EDGE, "--node-id", "a", "--token-file", str(token_file)])
+
+
+def test_a_token_file_that_is_a_folder_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="is not a regular file"):
+        _resolve(["--edge", EDGE, "--node-id", "a", "--token-file", str(tmp_path)])
+
+
+def test_token_file_errors_reach_the_terminal_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    token_file = _token_file(tmp_path / "token", TOKEN, 0o644)
+    assert main(["run", "--edge", EDGE, "--node-id", "a", "--token-file", str(token_file)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"iop-node: error: token file {token_file} can be read by every user")
+    assert TOKEN not in err
+
+
+def test_example_lists_and_prints_the_shipped_files(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["example"]) == 0
+    listing = capsys.readouterr().out
+    assert "node.yaml" in listing and "iop-node.service" in listing
+    assert main(["example", "iop-node.service"]) == 0
+    unit = capsys.readouterr().out
+    assert unit == (REPO_ROOT / "iop_node" / "examples" / "iop-node.service").read_text()
+    assert "LoadCredential=iop-node-token:" in unit
+    assert "--token-file %d/iop-node-token" in unit
+    assert main(["example", "nope.yaml"]) == 2
+    assert "no example 'nope.yaml'; there are: node.yaml, iop-node.service" in (
+        capsys.readouterr().err
+    )
 
 
 def test_yaml_typos_and_bad_yaml_are_errors(tmp_path: Path) -> None:
@@ -207,7 +273,7 @@ def test_an_upstream_request_logs_nothing_at_info(caplog: pytest.LogCaptureFixtu
 
 
 def test_example_node_config_is_valid() -> None:
-    example = Path(__file__).resolve().parents[2] / "configs" / "node.yaml"
+    example = Path(__file__).resolve().parents[2] / "iop_node" / "examples" / "node.yaml"
     loaded = msgspec.convert(yaml.safe_load(example.read_text()), NodeFileConfig)
     assert loaded.edge == "ws://127.0.0.1:7700" and loaded.node_id == "gpu1"
 

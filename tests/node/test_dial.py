@@ -4,11 +4,14 @@ from it; an exception group would read as a bug)."""
 from __future__ import annotations
 
 import socket
+import struct
+from functools import partial
 
 import pytest
-from trio_websocket import HandshakeError
+import trio
+from trio_websocket import ConnectionRejected, HandshakeError
 
-from iop_node.dial import open_edge_websocket
+from iop_node.dial import WRONG_PORT_HINT, describe_refused_upgrade, open_edge_websocket
 
 LIMITS = {
     "max_message_size": 1 << 20,
@@ -38,3 +41,47 @@ async def test_a_refused_dial_is_a_handshake_error_caused_by_the_refusal(
     cause = raised.value.__cause__
     assert isinstance(cause, OSError)
     assert f"connect to 127.0.0.1:{url.rsplit(':', 1)[1]} failed" in str(cause)
+
+
+@pytest.mark.parametrize("how", ["closed", "reset"])
+async def test_a_connection_closed_before_the_upgrade_is_answered_fails_at_once(
+    nursery: trio.Nursery, how: str
+) -> None:
+    """A peer that takes the connection and closes it unanswered (an Edge stopping with
+    the connection in its backlog) fails the dial now, not at the connect timeout."""
+
+    async def take_and_close(stream: trio.SocketStream) -> None:
+        await stream.receive_some()  # the upgrade request
+        if how == "reset":  # SO_LINGER 0: the close is a reset, as from a closed backlog
+            stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await stream.aclose()
+
+    [listener] = await nursery.start(partial(trio.serve_tcp, take_and_close, 0, host="127.0.0.1"))
+    url = f"ws://127.0.0.1:{listener.socket.getsockname()[1]}"
+    with trio.fail_after(LIMITS["connect_timeout"] / 2), pytest.raises(HandshakeError) as raised:
+        async with open_edge_websocket(url, None, **LIMITS):
+            pass
+    assert "closed before the websocket upgrade was answered" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "says", "hint"),
+    [
+        (400, b'{"error":{"message":"not here","code":"not_a_node_port"}}', ": not here;", True),
+        (404, b"<html>\n<h1>Not   Found</h1></html>", ": <html> <h1>Not Found</h1></html>;", True),
+        (502, None, "HTTP 502", False),
+    ],
+    ids=["an-edge-http-port", "another-http-server", "a-proxy-whose-upstream-is-down"],
+)
+def test_a_refused_upgrade_says_what_the_server_said_and_what_to_fix(
+    status: int, body: bytes | None, says: str, hint: bool
+) -> None:
+    line = describe_refused_upgrade(ConnectionRejected(status, (), body))
+    assert line.startswith(f"websocket upgrade refused with HTTP {status}")
+    assert says in line
+    assert (WRONG_PORT_HINT in line) is hint
+
+
+def test_a_long_refusal_body_is_quoted_in_part() -> None:
+    line = describe_refused_upgrade(ConnectionRejected(404, (), b"x" * 10_000))
+    assert len(line) < 600 and line.count("x") <= 300

@@ -57,7 +57,11 @@ class ScriptedProbe:
 
 
 def _up(provider_id: str, *models: str) -> ProviderStatus:
-    return ProviderStatus(id=provider_id, health="available", models=list(models or ("m",)))
+    """An available provider as reported: it speaks chat (its adapter relays no other
+    protocol natively)."""
+    return ProviderStatus(
+        id=provider_id, health="available", models=list(models or ("m",)), protocols=["chat"]
+    )
 
 
 class Reports:

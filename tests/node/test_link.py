@@ -95,7 +95,9 @@ CONFIG = NodeConfig(node_id="n1", providers=[_sim()])
 def _available(*provider_ids: str) -> Status:
     return Status(
         providers=[
-            ProviderStatus(id=provider_id, health="available", models=["sim-small"])
+            ProviderStatus(
+                id=provider_id, health="available", models=["sim-small"], protocols=["chat"]
+            )
             for provider_id in provider_ids
         ]
     )

@@ -169,10 +169,12 @@ async def test_non_stream_response_is_passed_through() -> None:
 
 # --- usage: the provider's, else an estimate (SPEC §7) ------------------------------------
 
-#: 8 + 2 characters of content in two messages: ceil(10 / 4) + 2 * 4 framing = 11 tokens.
+#: 8 + 2 characters of content in two messages, a system message among them:
+#: ceil(10 / 4) + 2 * 5 framing + 3 for the reply's opening = 16 tokens.
 BODY = (
     b'{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}'
 )
+PROMPT = 16
 
 
 def _chunk(text: str) -> bytes:
@@ -200,7 +202,7 @@ async def test_a_stream_without_usage_is_estimated_from_what_it_emitted() -> Non
         return RunResult()
 
     done = (await _execute(FakeAdapter(behaviour), _body_run()))[-1]
-    assert done == RunDone(run_id="r1", usage=_estimated(11, 10), usage_source="estimated")
+    assert done == RunDone(run_id="r1", usage=_estimated(PROMPT, 10), usage_source="estimated")
 
 
 async def test_a_non_stream_response_without_usage_is_estimated_from_its_text() -> None:
@@ -211,7 +213,7 @@ async def test_a_non_stream_response_without_usage_is_estimated_from_its_text() 
 
     [done] = await _execute(FakeAdapter(behaviour), _body_run())
     assert done == RunDone(
-        run_id="r1", usage=_estimated(11, 3), response=response, usage_source="estimated"
+        run_id="r1", usage=_estimated(PROMPT, 3), response=response, usage_source="estimated"
     )
 
 
@@ -231,7 +233,7 @@ async def test_a_stream_cut_mid_way_reports_what_it_consumed() -> None:
 
     failed = (await _execute(FakeAdapter(behaviour), _body_run()))[-1]
     assert isinstance(failed, RunFailed)
-    assert (failed.usage, failed.usage_source) == (_estimated(11, 2), "estimated")
+    assert (failed.usage, failed.usage_source) == (_estimated(PROMPT, 2), "estimated")
 
 
 async def test_an_upstream_refusal_consumed_nothing() -> None:
@@ -248,7 +250,7 @@ async def test_a_run_cancelled_before_output_still_counts_its_prompt() -> None:
     handle.cancel("cancelled", "by the edge")
     [failed] = await _execute(FakeAdapter(_silent_forever), _body_run(), handle=handle)
     assert isinstance(failed, RunFailed)
-    assert (failed.usage, failed.usage_source) == (_estimated(11, 0), "estimated")
+    assert (failed.usage, failed.usage_source) == (_estimated(PROMPT, 0), "estimated")
 
 
 async def test_every_emitted_chunk_is_a_sign_of_life(autojump_clock: trio.abc.Clock) -> None:

@@ -41,6 +41,7 @@ def test_fields_name_everything_the_spec_asks_for() -> None:
         "request_id": "caller-id-7",
         "principal_ref": "team-search",
         "model": "qwen3.6:35b",
+        "protocol": "chat",
         "provider": "gpu1-vllm",
         "node": "gpu1",
         "status": 200,
@@ -72,7 +73,7 @@ def test_text_line(caplog: pytest.LogCaptureFixture) -> None:
     [record] = caplog.records
     assert record.name == "iop_edge.access" and record.levelno == logging.INFO
     assert record.getMessage() == (
-        "request_id=caller-id-7 principal_ref=team-search model=qwen3.6:35b "
+        "request_id=caller-id-7 principal_ref=team-search model=qwen3.6:35b protocol=chat "
         "provider=gpu1-vllm node=gpu1 status=200 code=- latency_ms=250.0 ttft_ms=41.2 "
         "prompt_tokens=12 completion_tokens=30"
     )

@@ -26,7 +26,7 @@ from iop_edge.core.listen import ListenAddress, parse_listen_address
 from iop_edge.core.tokens import hash_token, tokens_match
 from schemas.config import ConfigError
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "iop_edge" / "examples"
 NODE_HASH = hash_token("unit-test-node-token")
 OTHER_HASH = hash_token("unit-test-other-token")
 

@@ -1,4 +1,4 @@
-"""The refresh report's replica table (`iop_edge.cli.console`)."""
+"""The console's tables (`iop_edge.cli.console`): refresh replicas, catalog providers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from iop_edge.cli.console import render_refresh_report
+from iop_edge.cli.console import render_catalog, render_refresh_report
 
 
 def _text(report: dict[str, object]) -> str:
@@ -55,3 +55,25 @@ def test_a_lone_edge_shows_no_replica_table() -> None:
         "replicas": [_replica("edge-a/101", current=True, same=True)],
     }
     assert "replicas" not in _text(report)
+
+
+def test_the_catalog_table_shows_what_each_provider_speaks_natively() -> None:
+    provider = {
+        "id": "gpu1-vllm",
+        "node_id": "gpu1",
+        "type": "vllm",
+        "connected": True,
+        "health": "available",
+        "capacity": 4,
+        "in_flight": 0,
+        "protocols": ["chat", "messages", "responses"],
+    }
+    translating = {**provider, "id": "cpu-sim", "type": "sim", "protocols": ["chat"]}
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    render_catalog(console, {"models": [], "providers": [provider, translating]})
+    output = console.file
+    assert isinstance(output, io.StringIO)
+    lines = output.getvalue().splitlines()
+    assert any("protocols" in line for line in lines)
+    assert any("gpu1-vllm" in line and "chat, messages, responses" in line for line in lines)
+    assert any("cpu-sim" in line and "│ chat " in line for line in lines)

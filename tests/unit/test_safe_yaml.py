@@ -22,7 +22,15 @@ PARSERS = [
     ),
     pytest.param(False, id="pure-python"),
 ]
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+ROOT = Path(__file__).resolve().parents[2]
+#: Every YAML file the repository and the package ship.
+SHIPPED_CONFIGS = sorted(
+    [
+        *(ROOT / "configs").glob("*.yaml"),
+        *(ROOT / "iop_edge" / "examples").glob("*.yaml"),
+        *(ROOT / "iop_node" / "examples").glob("*.yaml"),
+    ]
+)
 
 
 def _nested(levels: int, leaf: str = "x") -> str:
@@ -103,7 +111,7 @@ def test_a_config_with_a_lone_surrogate_is_refused_with_its_position() -> None:
 
 
 @pytest.mark.skipif(not safe_yaml.LIBYAML, reason="PyYAML without libyaml >= 0.2.5")
-@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda path: path.name)
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda path: path.name)
 def test_both_parsers_build_the_same_data_from_the_shipped_configs(path: Path) -> None:
     text = path.read_text(encoding="utf-8")
     text += "x-shared: &shared {a: 1, b: [1.5, true, null, '2024-01-01']}\n"

@@ -182,3 +182,24 @@ async def test_segments_rotate_and_are_deleted_once_read(
         assert len(_journal_files(tmp_path)) == 1  # the live one
         nursery.cancel_scope.cancel()
     assert _rows(path) == [f"r{index:02}" for index in range(20)]
+
+
+async def test_an_older_ledger_gains_protocol_and_groups_by_it(tmp_path: Path) -> None:
+    """Rows from before the caller protocols were all chat completions."""
+    path = tmp_path / "usage.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.executescript(_OLD_SCHEMA)
+    ledger = UsageLedger(path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ledger.run)
+        ledger.record(replace(_record("agent"), protocol="messages"))
+        ledger.record(replace(_record("codex"), protocol="responses"))
+        with trio.fail_after(5):
+            await ledger.wait_flushed()
+        report = await ledger.aggregate(since=None, until=None, group_by=["protocol"])
+        nursery.cancel_scope.cancel()
+    assert [(row.protocol, row.requests) for row in report.rows] == [
+        ("chat", 1),
+        ("messages", 1),
+        ("responses", 1),
+    ]

@@ -53,6 +53,7 @@ function drawProviders(catalog) {
       el("td", {}, bar(p.in_flight, p.capacity, "runs in flight / capacity")),
       el("td", {}, long),
       el("td", {}, p.type),
+      el("td", { "data-protocols": (p.protocols || []).join(" ") }, (p.protocols || []).join(", ")),
       el("td", { class: "num" }, p.priority));
   });
   replaceRows(document.getElementById("providers"), rows);
@@ -71,6 +72,34 @@ function drawModels(catalog, readiness) {
       el("td", {}, el("span", { class: `health ${ok ? "available" : "unavailable"}` }, ok ? "yes" : "no")));
   });
   replaceRows(document.getElementById("models"), rows);
+}
+
+function limitCell(left, limit) {
+  if (limit === null || limit === undefined) return el("span", { class: "meta" }, "–");
+  return bar(limit - left, limit, "used / limit");
+}
+
+function drawPrincipals(report) {
+  const principals = report.principals || [];
+  document.getElementById("principals-section").hidden = principals.length === 0;
+  document.getElementById("principals-note").textContent = report.replicas > 1
+    ? `each against its limits (per-minute and concurrency: this replica's share of ${report.replicas})`
+    : "each against its limits";
+  const rows = principals.map((p) => el("tr", { "data-principal": p.principal_ref },
+    el("td", {}, el("strong", {}, p.principal_ref),
+      p.models ? el("div", { class: "reason" }, `models: ${p.models.join(", ")}`) : ""),
+    el("td", {}, p.limited_by || el("span", { class: "meta" }, "none")),
+    el("td", { "data-in-flight": p.in_flight }, p.max_concurrent
+      ? bar(p.in_flight, p.max_concurrent, "runs in flight / max_concurrent")
+      : String(p.in_flight)),
+    el("td", { class: "num", "data-queued": p.queued }, p.queued),
+    el("td", {}, limitCell(p.requests_remaining, p.requests_per_minute)),
+    el("td", {}, limitCell(p.tokens_remaining, p.tokens_per_minute)),
+    el("td", {}, p.tokens_per_day === null
+      ? String(p.tokens_today)
+      : bar(p.tokens_today, p.tokens_per_day, "tokens metered today (UTC) / tokens_per_day")),
+    el("td", { class: "num" }, p.weight)));
+  replaceRows(document.getElementById("principals"), rows);
 }
 
 function drawNodes(status) {
@@ -131,13 +160,14 @@ async function getJson(path) {
 async function poll() {
   const live = document.getElementById("live");
   try {
-    const [catalog, status, activity, readiness] = await Promise.all(
-      ["/catalog", "/status", "/activity", "/readyz"].map(getJson));
+    const [catalog, status, activity, readiness, principals] = await Promise.all(
+      ["/catalog", "/status", "/activity", "/readyz", "/principals"].map(getJson));
     drawHeader(status, readiness);
     drawActivity(activity);
     drawProviders(catalog);
     drawModels(catalog, readiness);
     drawNodes(status);
+    drawPrincipals(principals);
     live.textContent = `live · updated ${new Date().toLocaleTimeString()}`;
     live.className = "meta";
     document.body.dataset.updated = String(Date.now());

@@ -107,9 +107,15 @@ class ReplicaRoster:
     """This Edge's row in the shared ledger, and everyone's (see the module rules)."""
 
     def __init__(
-        self, open_store: Callable[[], ReplicaStore], describe: Callable[[], ReplicaStatus]
+        self,
+        open_store: Callable[[], ReplicaStore],
+        describe: Callable[[], ReplicaStatus],
+        on_read: Callable[[list[ReplicaStatus]], None] | None = None,
     ) -> None:
+        """`on_read` hears every fresh read of the rows (the principals' limits are split
+        between the replicas serving)."""
         self._open_store = open_store
+        self._on_read = on_read
         self._describe = describe
         self._store: ReplicaStore | None = None
         self._lock = trio.Lock()
@@ -172,6 +178,8 @@ class ReplicaRoster:
                 )
             )
         self._cached = replicas
+        if self._on_read is not None:
+            self._on_read(list(replicas))
         return list(replicas)
 
     async def _call(self, operation: Callable[[ReplicaStore], T]) -> T | None:

@@ -7,7 +7,8 @@ are not inference requests and are not logged.
 
 Rules:
 1. A line carries: time, request id (the `x-request-id` the caller saw), principal_ref,
-   model, provider, node, status, error code, latency, time to first token and tokens.
+   model, the caller's protocol (chat, messages, responses), provider, node, status,
+   error code, latency, time to first token and tokens.
    Never a token, never a prompt, never a response: nothing here reads a body.
 2. Lines go to the `iop_edge.access` logger at INFO, so `--log-level warning` silences
    them and `--log-format json` makes each one a JSON object whose keys are the fields
@@ -57,6 +58,7 @@ def access_fields(record: RunRecord) -> dict[str, Any]:
         "request_id": record.request_id,
         "principal_ref": record.principal_ref,
         "model": record.model,
+        "protocol": record.protocol,
         "provider": record.provider or None,
         "node": record.node or None,
         "status": record.status,

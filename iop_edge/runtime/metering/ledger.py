@@ -5,8 +5,9 @@
 - `postgresql://...`: `UsageLedger` with a `PostgresStore`, one ledger for Edge replicas on
   any hosts (each keeps its own crash-safe journal in its `state_dir`).
 
-Both keep the replica roster (`replicas`) beside the usage records. The PostgreSQL module
-(and psycopg) is imported only when configured.
+Both keep the replica roster (`replicas`) and the Responses store (`response_store`)
+beside the usage records. The PostgreSQL modules (and psycopg) are imported only when
+configured.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import trio
 
 from iop_edge.core.ledger_url import parse_ledger_url
 from iop_edge.runtime.lifecycle.replicas import ReplicaStore, SqliteReplicaStore
+from iop_edge.runtime.metering.response_store import ResponseBackend, SqliteResponses
 from iop_edge.runtime.metering.usage import UsageLedger
 from schemas.config import EdgeSection
 
@@ -33,10 +35,13 @@ class LedgerUnavailable(Exception):
 
 @dataclass(frozen=True, slots=True)
 class LedgerChoice:
-    """The ledger, how to open its replica roster, and how to check it before serving."""
+    """The ledger, how to open its replica roster, where stored responses live, and how
+    to check it before serving."""
 
     ledger: UsageLedger
     open_replica_store: Callable[[], ReplicaStore]
+    responses: ResponseBackend
+    """The Responses store's table, in the same database (not connected yet)."""
     check: Callable[[], None]
     """Blocking: connect once and set up the schema; raises `LedgerUnavailable`."""
     description: str
@@ -51,12 +56,13 @@ def choose_ledger(edge: EdgeSection) -> LedgerChoice:
         return LedgerChoice(
             ledger=UsageLedger(path),
             open_replica_store=lambda: SqliteReplicaStore(path),
+            responses=SqliteResponses(path),
             check=lambda: None,
             description=f"SQLite {path}",
         )
     url = parse_ledger_url(edge.ledger)
     try:
-        from iop_edge.runtime.metering import ledger_postgres
+        from iop_edge.runtime.metering import ledger_postgres, response_store_postgres
     except ImportError:
         raise LedgerUnavailable(
             "edge.ledger is a PostgreSQL URL, which needs the psycopg package: "
@@ -78,6 +84,7 @@ def choose_ledger(edge: EdgeSection) -> LedgerChoice:
     return LedgerChoice(
         ledger=UsageLedger(journal_path, store=ledger_postgres.PostgresStore(url, password_env)),
         open_replica_store=lambda: ledger_postgres.PostgresReplicaStore(url, password_env),
+        responses=response_store_postgres.PostgresResponses(url, password_env),
         check=check,
         description=f"PostgreSQL {url}",
     )

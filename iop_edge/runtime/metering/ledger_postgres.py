@@ -6,8 +6,9 @@ batches from a worker thread, a refused batch is retried (the journal holds it),
 killed Edge's journal is replayed at its next start. `PostgresStore` is the storage:
 
 - The table's columns are `UsageRecord`'s fields (`iop_usage`), created when missing and
-  extended when a newer Edge adds a field (`ADD COLUMN IF NOT EXISTS`), under an advisory
-  lock so replicas starting together do not race on the DDL.
+  extended when a newer Edge adds a field (`ADD COLUMN IF NOT EXISTS`, the older rows
+  taking the field's default: `protocol` is `chat` for them), under an advisory lock so
+  replicas starting together do not race on the DDL.
 - Each journal segment's checkpoint (`iop_journal_checkpoint`) moves in the same
   transaction as its records, so a replayed journal inserts every record exactly once.
   Segment names carry the writing process's pid and a random part, so replicas never
@@ -53,7 +54,7 @@ TABLE: Final = "iop_usage"
 #: Each journal segment's checkpoint (journal Rule 2), beside the records it moved.
 CHECKPOINTS: Final = "iop_journal_checkpoint"
 #: One number for every replica's schema setup (pg_advisory_xact_lock).
-_SCHEMA_LOCK: Final = 0x1017_0001
+SCHEMA_LOCK: Final = 0x1017_0001
 CONNECT_TIMEOUT_S: Final = 10
 
 _SQL_TYPES: Final = {str: "TEXT", int: "BIGINT", float: "DOUBLE PRECISION", bool: "BOOLEAN"}
@@ -92,6 +93,16 @@ def _columns() -> list[tuple[str, str, bool]]:
             kind = members[0]
         columns.append((field.name, _SQL_TYPES.get(kind, "TEXT"), nullable))
     return columns
+
+
+def _defaults() -> dict[str, sql.Literal]:
+    """The SQL default of each `UsageRecord` field that has one: what the rows of an older
+    table get when the column is added."""
+    return {
+        field.name: sql.Literal(field.default)
+        for field in dataclasses.fields(UsageRecord)
+        if field.default is not dataclasses.MISSING and field.default is not None
+    }
 
 
 class PostgresStore:
@@ -215,16 +226,21 @@ class PostgresStore:
             for name, kind, nullable in columns
         )
         with connection.transaction():
-            connection.execute("SELECT pg_advisory_xact_lock(%s)", [_SCHEMA_LOCK])
+            connection.execute("SELECT pg_advisory_xact_lock(%s)", [SCHEMA_LOCK])
             connection.execute(
                 sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
                     sql.Identifier(TABLE), definitions
                 )
             )
+            defaults = _defaults()
             for name, kind, _ in columns:  # a newer Edge's fields, on an older table
+                default = defaults.get(name)
                 connection.execute(
-                    sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
-                        sql.Identifier(TABLE), sql.Identifier(name), sql.SQL(kind)
+                    sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}{}").format(
+                        sql.Identifier(TABLE),
+                        sql.Identifier(name),
+                        sql.SQL(kind),
+                        sql.SQL("") if default is None else sql.SQL(" DEFAULT {}").format(default),
                     )
                 )
             connection.execute(
@@ -254,7 +270,7 @@ class PostgresReplicaStore:
         self._connection: psycopg.Connection[Any] | None = None
         connection = self._connect()
         with connection.transaction():
-            connection.execute("SELECT pg_advisory_xact_lock(%s)", [_SCHEMA_LOCK])
+            connection.execute("SELECT pg_advisory_xact_lock(%s)", [SCHEMA_LOCK])
             connection.execute(
                 "CREATE TABLE IF NOT EXISTS iop_replicas ("
                 "instance TEXT PRIMARY KEY, document TEXT NOT NULL, "

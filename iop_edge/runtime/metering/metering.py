@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from iop_edge.runtime.metering.metrics import EdgeMetrics
 from iop_edge.runtime.metering.usage import UsageLedger, UsageRecord
 from schemas import wire
+from schemas.protocols import CallerProtocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,9 @@ class RunRecord:
     ttft_s: float | None
     queued_s: float | None
     """Seconds spent waiting for a slot; None when the run was never admitted."""
+    protocol: CallerProtocol = "chat"
+    """The caller's protocol (design §14): chat (completions and embeddings too),
+    messages (Anthropic Messages, count_tokens too) or responses (OpenAI Responses)."""
 
 
 class Metering:
@@ -84,6 +88,7 @@ class Metering:
                 latency_ms=record.latency_s * 1000,
                 ttft_ms=None if record.ttft_s is None else record.ttft_s * 1000,
                 usage_source=record.usage_source,
+                protocol=record.protocol,
             )
         )
 

@@ -7,8 +7,8 @@ could drift: a collector reads them from the scheduler at scrape time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Final, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -55,6 +55,38 @@ class _PoolCollector(Collector):
         yield from (in_flight, capacity, long_in_flight, queued, available, model_queued)
 
 
+#: The error code a principal's limit refuses with -> the limit (`principals[]` key).
+LIMIT_OF_CODE: Final[dict[str, str]] = {
+    "rate_limit_requests": "requests_per_minute",
+    "rate_limit_tokens": "tokens_per_minute",
+    "budget_exceeded": "tokens_per_day",
+    "concurrency_limit": "max_concurrent",
+}
+
+#: principal_ref, runs in flight, requests queued (this Edge's).
+PrincipalLoadRow = tuple[str, int, int]
+
+
+class _PrincipalCollector(Collector):
+    """Per principal with runs in flight or waiting, read at scrape time."""
+
+    def __init__(self, load: Callable[[], Iterable[PrincipalLoadRow]]) -> None:
+        self._load = load
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["principal_ref"]
+        in_flight = GaugeMetricFamily(
+            "iop_principal_in_flight", "Runs of the principal holding a slot", labels=labels
+        )
+        queued = GaugeMetricFamily(
+            "iop_principal_queued", "Requests of the principal waiting for a slot", labels=labels
+        )
+        for principal, running, waiting in self._load():
+            in_flight.add_metric([principal], running)
+            queued.add_metric([principal], waiting)
+        yield from (in_flight, queued)
+
+
 _Metric = TypeVar("_Metric", Counter, Histogram)
 
 
@@ -79,7 +111,11 @@ class _Children(Generic[_Metric]):
 
 
 class EdgeMetrics:
-    def __init__(self, catalog: Callable[[], Catalog]) -> None:
+    def __init__(
+        self,
+        catalog: Callable[[], Catalog],
+        principal_load: Callable[[], Iterable[PrincipalLoadRow]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -136,11 +172,30 @@ class EdgeMetrics:
             token_labels,
             registry=r,
         )
+        self.principal_rejections = Counter(
+            "iop_principal_rejections",
+            "Requests refused for a principal's limit (`limit`: requests_per_minute,"
+            " tokens_per_minute, tokens_per_day; max_concurrent when a request timed out"
+            " waiting at its principal's max_concurrent)",
+            ["principal_ref", "limit"],
+            registry=r,
+        )
+        self.principal_queue_wait = Histogram(
+            "iop_principal_queue_wait_seconds",
+            "Time a principal's requests spent waiting for a slot",
+            ["principal_ref"],
+            buckets=_QUEUE_BUCKETS,
+            registry=r,
+        )
         r.register(_PoolCollector(catalog))
+        if principal_load is not None:
+            r.register(_PrincipalCollector(principal_load))
         self._requests = _Children(self.requests)
         self._latency = _Children(self.latency)
         self._ttft = _Children(self.ttft)
         self._queue_wait = _Children(self.queue_wait)
+        self._principal_queue_wait = _Children(self.principal_queue_wait)
+        self._principal_rejections = _Children(self.principal_rejections)
         self._tokens = _Children(self.tokens)
         self._estimated_tokens = _Children(self.estimated_tokens)
 
@@ -166,6 +221,10 @@ class EdgeMetrics:
                 self._ttft(model, provider).observe(ttft_s)
         if queued_s is not None:
             self._queue_wait(model).observe(queued_s)
+            self._principal_queue_wait(principal_ref).observe(queued_s)
+        limit = LIMIT_OF_CODE.get(code)
+        if limit is not None:
+            self._principal_rejections(principal_ref, limit).inc()
         if usage is not None:
             estimated = usage_source == "estimated"
             for tokens in (self._tokens, self._estimated_tokens) if estimated else (self._tokens,):

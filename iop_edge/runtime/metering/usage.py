@@ -14,8 +14,10 @@ Queries also run in a worker thread.
 
 Every record says where its token counts come from (`usage_source`, SPEC §7): "provider"
 (the provider reported them) or "estimated" (IOP estimated them: the provider reported
-none, or the run was cut short). A ledger written before that column existed is migrated
-in place when the Edge opens it; its old rows count as "provider" (all that Edge knew).
+none, or the run was cut short), and the caller's protocol (`protocol`: chat, messages or
+responses, design §14). A ledger written before one of those columns existed is migrated
+in place when the Edge opens it; its old rows take the column's default ("provider",
+"chat": all that Edge knew).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import msgspec
 import trio
 
 from iop_edge.runtime.metering.journal import SYNC_INTERVAL_S, Segment, UsageJournal, read_lines
+from schemas.principals import PrincipalsReport
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ GROUP_COLUMNS = (
     "node",
     "usage_source",
     "status",
+    "protocol",
 )
 
 _SCHEMA = """
@@ -64,13 +68,17 @@ CREATE TABLE IF NOT EXISTS usage (
     status INTEGER NOT NULL,
     latency_ms REAL NOT NULL,
     ttft_ms REAL,
-    usage_source TEXT NOT NULL DEFAULT 'provider'
+    usage_source TEXT NOT NULL DEFAULT 'provider',
+    protocol TEXT NOT NULL DEFAULT 'chat'
 );
 CREATE INDEX IF NOT EXISTS usage_time ON usage(time);
 """
 #: Columns added since the first schema, with their definitions: an older ledger file gets
 #: them with `ALTER TABLE` when opened (its rows take the default).
-_ADDED_COLUMNS = {"usage_source": "TEXT NOT NULL DEFAULT 'provider'"}
+_ADDED_COLUMNS = {
+    "usage_source": "TEXT NOT NULL DEFAULT 'provider'",
+    "protocol": "TEXT NOT NULL DEFAULT 'chat'",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +98,8 @@ class UsageRecord:
     ttft_ms: float | None
     usage_source: str = "provider"
     """"provider" or "estimated" (see the module docstring)."""
+    protocol: str = "chat"
+    """The caller's protocol: "chat", "messages" or "responses"."""
 
 
 #: A record's values in `_INSERT`'s column order (`dataclasses.astuple` deep-copies each).
@@ -116,6 +126,7 @@ class UsageRow(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     usage_source: str | None = None
     status: int | None = None
     """The HTTP status the caller got (when grouped by `status`)."""
+    protocol: str | None = None
 
 
 class UsageReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -123,6 +134,8 @@ class UsageReport(msgspec.Struct, frozen=True, kw_only=True):
     until: float | None
     group_by: list[str]
     rows: list[UsageRow]
+    principals: PrincipalsReport | None = None
+    """Each principal against its limits now (the Edge adds it; a store does not)."""
 
 
 _encode_record: Final = msgspec.json.Encoder().encode

@@ -30,6 +30,7 @@ Rules:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
@@ -38,7 +39,6 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
 
 from iop_edge.core.tokens import tokens_match
-from iop_edge.runtime.compat.trio_websocket import MESSAGE_LIMIT_LIFTABLE, lift_message_limit
 from iop_edge.runtime.nodes.handshakes import MAX_PENDING_HANDSHAKES, HandshakeGate, source_key
 from iop_edge.runtime.nodes.heartbeat import HeartbeatGrid
 from iop_edge.runtime.nodes.session import (
@@ -46,15 +46,18 @@ from iop_edge.runtime.nodes.session import (
     NodeSession,
     StatusListener,
     peer_address,
-    reject,
 )
 from schemas import wire
+from schemas.channel import TRY_AGAIN_LATER, reject_and_close
+from schemas.compat.trio_websocket import MESSAGE_LIMIT_LIFTABLE, lift_message_limit
 from schemas.config import NodeConfig
 from schemas.limits import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 
 
+#: Bound on closing a connection politely (a closing handshake with a peer we are done with).
+COURTESY_CLOSE_S: Final = 0.2
 #: The message limit before a peer's `hello` checked out (a `hello` is a few hundred bytes):
 #: an anonymous peer cannot make the Edge assemble 64 MiB messages (Rule 2).
 PRE_AUTH_MAX_FRAME_BYTES: Final = 64 * 1024
@@ -156,8 +159,10 @@ class NodeHub:
         if ticket.evicted:
             log.info("anonymous node peer %s evicted by newer handshakes", peer_address(request))
             if websocket is not None:
-                with trio.move_on_after(0.2, shield=True):
-                    await websocket.aclose(code=1013, reason="too many pending handshakes")
+                with trio.move_on_after(COURTESY_CLOSE_S, shield=True):
+                    await websocket.aclose(
+                        code=TRY_AGAIN_LATER, reason="too many pending handshakes"
+                    )
             return
         if hello is None or websocket is None:
             return
@@ -218,15 +223,18 @@ class NodeHub:
             if session.replaced_by is not None:
                 # Tell the replaced Node why (bounded): a duplicate id is then named in
                 # its log too, and it stops fighting for the id (iop_node.backoff rule 5).
-                await reject(
+                await reject_and_close(
                     websocket,
                     wire.NODE_REPLACED,
                     f"a new connection for node id '{hello.node_id}' from "
                     f"{session.replaced_by} replaced this one: is a second Node running "
                     "with the same id?",
                 )
-            # Courtesy close; the peer may already be gone (or be cancelled with us).
-            with trio.move_on_after(0.2, shield=True):
+            # Courtesy close, bounded: the peer may already be gone. When the Edge itself
+            # is being cancelled, so is the connection's reader, which would hear the
+            # peer's answer: the socket is closed without waiting for it.
+            stopping = trio.current_effective_deadline() == -math.inf
+            with trio.move_on_after(0 if stopping else COURTESY_CLOSE_S, shield=True):
                 await websocket.aclose()
 
     async def _handshake(self, websocket: WebSocketConnection) -> wire.Hello | None:
@@ -235,10 +243,10 @@ class NodeHub:
             try:
                 message = wire.decode_from_node(frame)
             except wire.WireError as exc:
-                await reject(websocket, "bad_frame", str(exc))
+                await reject_and_close(websocket, "bad_frame", str(exc))
                 return None
             if not isinstance(message, wire.Hello):
-                await reject(
+                await reject_and_close(
                     websocket, "protocol_error", f"expected hello, got {message.__class__.__name__}"
                 )
                 return None
@@ -250,7 +258,7 @@ class NodeHub:
                     message.protocol,
                     wire.PROTOCOL_VERSION,
                 )
-                await reject(
+                await reject_and_close(
                     websocket,
                     "unsupported_protocol",
                     f"protocol {message.protocol} is not supported; "
@@ -264,7 +272,7 @@ class NodeHub:
                     message.node_id,
                     peer_address(websocket),
                 )
-                await reject(
+                await reject_and_close(
                     websocket,
                     "unknown_node",
                     f"node id '{message.node_id}' is not in the Edge config",
@@ -276,10 +284,12 @@ class NodeHub:
                     message.node_id,
                     peer_address(websocket),
                 )
-                await reject(websocket, "bad_token", "the node token does not match")
+                await reject_and_close(websocket, "bad_token", "the node token does not match")
                 return None
             return message
-        await reject(websocket, "handshake_timeout", "no hello within the handshake timeout")
+        await reject_and_close(
+            websocket, "handshake_timeout", "no hello within the handshake timeout"
+        )
         return None
 
     def abort_all(self) -> None:

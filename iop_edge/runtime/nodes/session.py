@@ -1,9 +1,10 @@
 """One connected Node, as the Edge sees it: a websocket session and the runs it carries.
 
-A `NodeSession` has one writer task fed by a bounded outbox (so frames never interleave),
-a reader that routes each run event to the `RunSink` that owns the run, and a heartbeat
-that drops a silent peer. The hub (`hub.py`) creates sessions after a `hello` checked
-out and keeps at most one per node id.
+A `NodeSession` is the Edge's end of the channel both processes share
+(`schemas.channel`: one writer fed by a bounded outbox, a reader that rejects a bad frame,
+the heartbeat, close codes): its reader routes each run event to the `RunSink` that owns
+the run, and its heartbeat pings a silent peer when the Edge's grid says so. The hub
+(`hub.py`) creates sessions after a `hello` checked out and keeps at most one per node id.
 
 Rules:
 1. The reader never waits on one run. A sink takes an event without blocking or says it
@@ -11,7 +12,8 @@ Rules:
    run on the Node and forgets it, instead of stalling every other run and the heartbeat.
 2. A terminal event (`run_done`, `run_failed`) is the last a sink hears from the session;
    when the session ends for any reason, every sink still registered hears `lost()`.
-3. A malformed frame from a connected Node gets a `reject{bad_frame}` and a close; a
+3. A malformed frame from a connected Node gets a `reject{bad_frame}` and a close (the
+   channel's Rule 3), a message that breaks the protocol a `reject{protocol_error}`; a
    well-formed one is still only input: its numbers and texts are checked and corrected
    (`core.node_input`) before anything acts on them.
 4. A `cancel` is never dropped, even on a full outbox: otherwise the provider keeps
@@ -29,17 +31,25 @@ Rules:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Protocol
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
 
+from iop_edge.core.exception_groups import sole_exception
 from iop_edge.core.listen import ListenAddress
 from iop_edge.core.node_input import check_node_message
-from iop_edge.runtime.compat.trio_websocket import watch_arrivals
 from iop_edge.runtime.nodes.heartbeat import HeartbeatGrid
 from schemas import wire
+from schemas.channel import (
+    OUTBOX_SIZE,
+    Channel,
+    ChannelClosed,
+    MalformedFrame,
+    describe_close,
+)
 from schemas.config import NodeConfig
 
 log = logging.getLogger(__name__)
@@ -49,8 +59,18 @@ RunEvent = bytes | RunEnd
 """What a run hears: caller-ready bytes (server-sent events, shaped by the Node), then
 one end."""
 
-#: Frames queued for the writer; senders wait (back-pressure) when it is full.
-OUTBOX_SIZE: Final = 256
+__all__ = [
+    "OUTBOX_SIZE",
+    "LoadListener",
+    "NodeSession",
+    "RunEnd",
+    "RunEvent",
+    "RunSink",
+    "SessionClosed",
+    "SessionStatistics",
+    "StatusListener",
+    "peer_address",
+]
 
 
 class SessionClosed(Exception):
@@ -106,6 +126,9 @@ class NodeSession:
     ) -> None:
         self.node_id = node_id
         self.websocket = websocket
+        self._channel = Channel[bytes, wire.NodeToEdge](
+            websocket, decode=wire.decode_from_node, pack=self._frames, heard=self.heard
+        )
         self.applied_revision = applied_revision
         """The last config revision the node acked (or was welcomed with)."""
         self._on_status = on_status
@@ -115,7 +138,6 @@ class NodeSession:
         self._retired_and_idle = trio.Event()
         """Set once: retired (`retire`) with no run left. Only then, not each time the
         session runs out of runs, so the task waiting on it wakes once."""
-        self._outbox_send, self._outbox_recv = trio.open_memory_channel[bytes](OUTBOX_SIZE)
         self._runs: dict[str, RunSink] = {}
         self._acks: dict[int, trio.MemorySendChannel[wire.RefreshAck]] = {}
         self._pending_cancels: set[str] = set()
@@ -130,7 +152,6 @@ class NodeSession:
         """When something last arrived from the peer (its `hello`, at first; Rule 5)."""
         self._ping_due = trio.Event()
         self._pinging = False
-        watch_arrivals(websocket, self.heard)
 
     def heard(self) -> None:
         """Something arrived from the peer: it is alive (Rule 5)."""
@@ -146,7 +167,7 @@ class NodeSession:
     def statistics(self) -> SessionStatistics:
         return SessionStatistics(
             runs=len(self._runs),
-            outbox_used=self._outbox_send.statistics().current_buffer_used,
+            outbox_used=self._channel.outbox_used,
             pending_cancels=len(self._pending_cancels),
         )
 
@@ -162,11 +183,8 @@ class NodeSession:
             raise SessionClosed(self.node_id)
         frame = wire.encode_bounded(message)
         try:
-            try:
-                self._outbox_send.send_nowait(frame)
-            except trio.WouldBlock:
-                await self._outbox_send.send(frame)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            await self._channel.send(frame)
+        except ChannelClosed:
             raise SessionClosed(self.node_id) from None
 
     def send_nowait(self, message: wire.Message) -> None:
@@ -178,12 +196,12 @@ class NodeSession:
         if self.closed.is_set():
             raise SessionClosed(self.node_id)
         try:
-            self._outbox_send.send_nowait(wire.encode(message))
+            self._channel.send_nowait(wire.encode(message))
         except trio.WouldBlock:
             if not isinstance(message, wire.Cancel):
                 raise
             self._pending_cancels.add(message.run_id)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
+        except ChannelClosed:
             raise SessionClosed(self.node_id) from None
 
     def cancel_run(self, run_id: str) -> None:
@@ -272,10 +290,9 @@ class NodeSession:
         try:
             with self._scope:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._writer)
 
-                    async def reader_then_stop() -> None:
-                        await self._reader()
+                    async def writer_then_stop() -> None:
+                        await self._channel.write()  # returns after a reject's Close
                         nursery.cancel_scope.cancel()
 
                     async def heartbeat_then_stop() -> None:
@@ -286,18 +303,21 @@ class NodeSession:
                         await self._end_when_retired_and_idle()
                         nursery.cancel_scope.cancel()
 
-                    nursery.start_soon(reader_then_stop)
+                    nursery.start_soon(writer_then_stop)
+                    nursery.start_soon(self._reader)
                     nursery.start_soon(heartbeat_then_stop)
                     nursery.start_soon(retired_then_stop)
         except* ConnectionClosed as closed:
-            self._ended(_closed_reason(closed.exceptions[0]))
+            first = sole_exception(closed.exceptions[0])
+            how = describe_close(first) if isinstance(first, ConnectionClosed) else "closed"
+            self._ended(f"connection closed, {how}")
         finally:
             self._ended("session ended")
             self._finish()
 
     def _finish(self) -> None:
         self.closed.set()
-        self._outbox_send.close()
+        self._channel.close()  # wakes senders waiting for room: the session is over
         runs, self._runs = self._runs, {}
         for sink in runs.values():
             sink.lost()
@@ -305,13 +325,14 @@ class NodeSession:
             ack.close()
         self._acks.clear()
 
-    async def _writer(self) -> None:
-        async with self._outbox_recv:
-            async for frame in self._outbox_recv:
-                await self.websocket.send_message(frame)
-                while self._pending_cancels:
-                    run_id = self._pending_cancels.pop()
-                    await self.websocket.send_message(wire.encode(wire.Cancel(run_id=run_id)))
+    def _frames(self, frame: bytes, _take: Callable[[], bytes | None]) -> Iterable[bytes]:
+        """What the channel's writer sends for one queued frame: the frame, then the
+        cancels kept aside while the outbox was full (Rule 4)."""
+        if not self._pending_cancels:
+            return (frame,)
+        cancels = [wire.encode(wire.Cancel(run_id=run_id)) for run_id in self._pending_cancels]
+        self._pending_cancels.clear()
+        return (frame, *cancels)
 
     def _deliver(self, events: wire.RunEvents) -> None:
         """Hand each run its events without ever blocking the reader (Rules 1, 2).
@@ -355,57 +376,38 @@ class NodeSession:
                 raise wire.WireError("hello on an established session")
 
     async def _reader(self) -> None:
+        """Route every message (Rules 1-3); after a reject it ends, and the session ends
+        once the channel's writer sent the reject and the Close."""
+        channel = self._channel
         while True:
-            frame = await self.websocket.get_message()
             try:
-                message = wire.decode_from_node(frame)
-            except wire.WireError as exc:
+                message = await channel.receive()
+            except MalformedFrame as exc:
                 self._ended(f"sent a malformed frame: {exc}")
-                await reject(self.websocket, "bad_frame", str(exc))
                 return
             try:
                 self._route(message)
             except wire.WireError as exc:
                 self._ended(f"broke the protocol: {exc}")
-                await reject(self.websocket, "protocol_error", str(exc))
+                channel.reject("protocol_error", str(exc))
                 return
 
     async def _heartbeat(self, heartbeats: HeartbeatGrid) -> None:
-        """Rule 5: ping whenever a look of the grid asks for it."""
-        timeout_s = heartbeats.timeout_s
+        """Rule 5: ping whenever a look of the grid asks for it (the channel's heartbeat)."""
         heartbeats.join(self)
         try:
-            while True:
-                await self._ping_due.wait()
-                self._ping_due = trio.Event()
-                with trio.move_on_after(timeout_s) as scope:
-                    await self.websocket.ping()
-                if scope.cancelled_caught:
-                    self._ended(f"no heartbeat answer within {timeout_s:g}s")
-                    return
-                self.heard()  # the answer (also seen arriving, where that is watched)
-                self._pinging = False
+            await self._channel.heartbeat(self._wait_ping_due, heartbeats.timeout_s, self._answered)
+            self._ended(f"no heartbeat answer within {heartbeats.timeout_s:g}s")
         finally:
             heartbeats.leave(self)
 
+    async def _wait_ping_due(self) -> None:
+        await self._ping_due.wait()
+        self._ping_due = trio.Event()
 
-async def reject(websocket: WebSocketConnection, code: str, reason: str) -> None:
-    """Tell the peer why, then close; bounded so a stuck peer cannot hold us."""
-    with trio.move_on_after(2, shield=True):
-        try:
-            await websocket.send_message(wire.encode(wire.Reject(code=code, reason=reason)))
-            await websocket.aclose(code=1008, reason=reason[:120])
-        except ConnectionClosed:
-            pass
-
-
-def _closed_reason(exc: BaseException) -> str:
-    """One readable line for a websocket that was closed (by the peer or broken)."""
-    reason = exc.reason if isinstance(exc, ConnectionClosed) else None
-    if reason is None:
-        return "connection closed"
-    detail = f": {reason.reason}" if reason.reason else ""
-    return f"connection closed, {reason.name} ({reason.code}){detail}"
+    def _answered(self) -> None:
+        self.heard()  # the answer (also seen arriving, where that is watched)
+        self._pinging = False
 
 
 def peer_address(peer: WebSocketConnection | WebSocketRequest) -> str:

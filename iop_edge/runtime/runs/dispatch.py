@@ -86,8 +86,16 @@ import trio
 from iop_edge.runtime.metering.metering import RunRecord
 from iop_edge.runtime.nodes.hub import NodeHub
 from iop_edge.runtime.nodes.session import NodeSession, RunEvent, SessionClosed
+from iop_edge.runtime.runs.limits import (
+    NO_RATE_LIMITS,
+    PrincipalLimiter,
+    RateLimits,
+    Ticket,
+    output_bound,
+)
 from iop_edge.runtime.runs.scheduler import AdmissionError, Lease, NoProvider, Scheduler
 from schemas import wire
+from schemas.protocols import CallerProtocol
 from schemas.tokens import OutputTally
 
 __all__ = [
@@ -166,6 +174,13 @@ class RunPlan:
     received_at: float = field(default_factory=time.perf_counter)
     request_id: str = ""
     """The `x-request-id` the caller sees; "" means the run id."""
+    protocol: CallerProtocol = "chat"
+    """The caller's protocol (design §14): providers that speak it natively rank first."""
+    caller_headers: dict[str, str] = field(default_factory=dict)
+    """Protocol headers a native upstream must see as the caller sent them."""
+    keep_output: bool = False
+    """The Edge stores the run's result: the Node returns the final response object in
+    `run_done.response`, a stream's too."""
 
 
 @dataclass(slots=True)
@@ -403,6 +418,8 @@ class Run:
         self._unmetered_response: bytes | None = None
         """A whole answer that came without usage (from a Node that does not estimate)."""
         self._admitted = False
+        self.ticket: Ticket | None = None
+        """The run's hold on its principal's rate limits (admitted), settled by `end`."""
         self._start_scope = trio.CancelScope()
         self._cut: wire.RunFailed | None = None
         """Why the Edge cut the run short (it is stopping, Rule 7)."""
@@ -415,6 +432,12 @@ class Run:
     @property
     def node_id(self) -> str:
         return self._attempt.lease.node_id if self._attempt is not None else ""
+
+    @property
+    def rate_limits(self) -> RateLimits:
+        """Where the run's principal stood against its limits when the run was admitted
+        (nothing set: empty)."""
+        return self.ticket.rate_limits if self.ticket is not None else NO_RATE_LIMITS
 
     # --- 1. start ------------------------------------------------------------------
 
@@ -514,7 +537,8 @@ class Run:
             self.usage = event.usage
             self.usage_source = event.usage_source or "provider"
         if isinstance(event, wire.RunDone):
-            if event.usage is None:
+            if event.usage is None and not self.plan.stream:
+                # (a stream's `response`, kept for the Edge, repeats what the chunks said)
                 self._unmetered_response = event.response
             self._dispatcher.scheduler.record_success(self._provider_id)
         else:
@@ -552,6 +576,8 @@ class Run:
         timings = self.timings
         first_event_at = timings.first_event_at
         usage, usage_source = self._metered_usage()
+        if self.ticket is not None:
+            self._dispatcher.settle(self.ticket, usage)
         self._dispatcher.meter(
             RunRecord(
                 run_id=plan.run_id,
@@ -569,6 +595,7 @@ class Run:
                 latency_s=time.perf_counter() - plan.received_at,
                 ttft_s=None if first_event_at is None else first_event_at - plan.received_at,
                 queued_s=timings.queued_s if self._admitted else None,
+                protocol=plan.protocol,
             )
         )
 
@@ -633,9 +660,12 @@ class Dispatcher:
         on_failover: Callable[[str, str], None],
         on_busy_answer: Callable[[str, str], None],
         retries_before_first_byte: Callable[[], int],
+        limits: PrincipalLimiter | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.meter = meter
+        self._limits = limits
+        """Per-principal rate limits and budgets, asked before a run queues."""
         self._hub = hub
         self._on_failover = on_failover
         self._on_busy_answer = on_busy_answer
@@ -672,9 +702,22 @@ class Dispatcher:
         elif failure.code in _HEALTH_FAILURES and not _ambiguous(failure):
             self.scheduler.record_failure(provider_id)
 
+    def settle(self, ticket: Ticket, usage: wire.Usage | None) -> None:
+        """A run ended: its rate-limit ticket is settled with what it was metered for."""
+        if self._limits is not None:
+            used = 0 if usage is None else usage.prompt_tokens + usage.completion_tokens
+            self._limits.settle(ticket, used)
+
     async def start(self, run: Run) -> None:
         """Admit and start `run` (Rules 1-2, 7); see `Run.start`."""
         plan = run.plan
+        if self._limits is not None and run.ticket is None:
+            # Before it queues: a request over its principal's limits waits for nothing.
+            run.ticket = self._limits.admit(
+                plan.principal_ref,
+                prompt_tokens=plan.prompt_tokens,
+                max_output=output_bound(plan.operation, plan.body),
+            )
         retries = self._retries()
         tried: set[str] = set()
         last_failure: RunFailure | None = None
@@ -686,7 +729,12 @@ class Dispatcher:
             asked_at = time.perf_counter()
             try:
                 lease = await self.scheduler.acquire(
-                    plan.model_id, wire_id, long=plan.long, exclude=frozenset(tried)
+                    plan.model_id,
+                    wire_id,
+                    long=plan.long,
+                    exclude=frozenset(tried),
+                    protocol=plan.protocol,
+                    principal=plan.principal_ref,
                 )
             except AdmissionError as exc:
                 # A refusal after a wait (queue timeout) shows that wait as `queue`.
@@ -757,6 +805,8 @@ class Dispatcher:
             strip_usage=plan.stream and not plan.caller_wants_usage,
             request_id=plan.run_id,
             long=lease.long,
+            caller_headers=plan.caller_headers,
+            keep_output=plan.keep_output,
         )
         sent_at = time.perf_counter()
         try:

@@ -10,6 +10,8 @@
     │                     unavailable, cooling down, all tried)     -> 503
     ├── QueueFull         M's queue already holds max_queue waiters -> 429
     └── QueueTimeout      no slot within queue_timeout              -> 503
+        └── ConcurrencyLimited  ... while the principal was at its
+                          `max_concurrent` (its own limit held it)  -> 429
 
 How the pieces fit:
 
@@ -36,34 +38,47 @@ How the pieces fit:
   is FIFO, so the walk is a merge of the queues by sequence number. A waiter that
   cannot use what was freed (a long run, say) stays put without blocking those behind
   it. Nothing polls; `Scheduler.run()` sleeps until the earliest cooldown ends.
+- Within one model's queue, requests are offered slots in fair order between
+  principals (`fair_queue`: per-principal FIFO lanes, weighted fair queueing, design
+  §15); across the models of one walk, the request each queue offers next is taken in
+  arrival order. With one principal that is the plain arrival order. A principal at its
+  `max_concurrent` (split between the Edge replicas) is passed over, never granted a
+  slot: its requests wait, and its own lease releases wake the queues it waits in.
 - Several Edges may share a Node (SPEC §13). A provider's load is what this Edge holds
   (its limiter) plus what the Node reports the *other* Edges hold (`provider_load`);
   decisions see the sum, and a report that frees slots wakes the queue like a release.
   A `busy` answer from the Node (another Edge won the race for the last slot) marks the
   provider full in this Edge's eyes (`provider_saturated`) until the Node's next load
   report, which follows every `busy`, says how full it really is.
+- A run asks in a caller protocol (chat, Anthropic Messages, OpenAI Responses: design
+  §14). A provider speaks it natively when its Node's last `status` says so, or, before
+  any such report (or from a Node that does not say), when its config does
+  (`adapter.protocols`, or the type's default). The pool ranks native providers first
+  (`core.pool` Rule 4); the others take the run, translated on their Node, only when no
+  native one has a free slot. Waiters asking in different protocols get different
+  answers, so the queue walk keys its answers by protocol too.
 """
 
 from __future__ import annotations
 
 import functools
-import heapq
 import itertools
 import logging
 import math
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from operator import attrgetter
 from types import TracebackType
 
 import trio
 
 from iop_edge.core.pool import Decision, Grant, PassiveHealth, ProviderView, Refuse, Wait, decide
+from iop_edge.core.principals import ANONYMOUS_PRINCIPAL, concurrency_share
 from iop_edge.core.snapshot import Snapshot
+from iop_edge.runtime.runs.fair_queue import FairQueue
 from schemas.catalog import Catalog, CatalogLifecycle, CatalogModel, CatalogProvider
 from schemas.config import LifecycleFlag, ProviderConfig
+from schemas.protocols import CallerProtocol
 from schemas.wire import Health
 
 logger = logging.getLogger(__name__)
@@ -97,6 +112,11 @@ class QueueTimeout(AdmissionError):
     """The request waited `queue_timeout` without a slot coming free."""
 
 
+class ConcurrencyLimited(QueueTimeout):
+    """The request waited `queue_timeout` while its principal held its `max_concurrent`
+    runs: its own limit kept it waiting, not the pool."""
+
+
 class Lease:
     """One run's hold on a provider slot (and a long slot, for a long run).
 
@@ -110,6 +130,7 @@ class Lease:
         "_released",
         "long",
         "node_id",
+        "principal",
         "provider_id",
         "queued_s",
         "run_id",
@@ -127,8 +148,11 @@ class Lease:
         queued_s: float,
         limiters: tuple[trio.CapacityLimiter, ...],
         on_release: Callable[[Lease], None],
+        principal: str = ANONYMOUS_PRINCIPAL,
     ) -> None:
         self.run_id = run_id
+        self.principal = principal
+        """Who the run is for (counted against its `max_concurrent`)."""
         self.provider_id = provider_id
         self.node_id = node_id
         self.target = target
@@ -181,6 +205,14 @@ class SlotStatistics:
 
 
 @dataclass(frozen=True, slots=True)
+class PrincipalLoad:
+    """One principal's share of the pool at one instant (this Edge's)."""
+
+    in_flight: int
+    queued: int
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerStatistics:
     """The scheduler's state at one instant (for tests and diagnostics)."""
 
@@ -213,6 +245,7 @@ class _ProviderState:
         "others_long",
         "passive",
         "removed",
+        "reported_protocols",
         "saturated",
         "trial",
     )
@@ -228,6 +261,9 @@ class _ProviderState:
         """The Node's reason for `health`, from its last `status`."""
         self.discovered: list[str] = []
         self.discovered_lifecycle: list[LifecycleFlag] | None = None
+        self.reported_protocols: frozenset[CallerProtocol] | None = None
+        """The protocols the Node last said the provider speaks natively; None until it
+        says (the config's then count)."""
         self.passive = PassiveHealth()
         self.trial: Lease | None = None
         """The half-open breaker's one trial run, while it is in flight."""
@@ -242,6 +278,20 @@ class _ProviderState:
     def forget_others(self) -> None:
         self.others = self.others_long = 0
         self.saturated = False
+
+    def speaks(self, protocol: CallerProtocol) -> bool:
+        """Whether the provider speaks `protocol` natively, as far as the Edge knows now."""
+        reported = self.reported_protocols
+        if reported is not None:
+            return protocol in reported
+        return protocol in self.config.native_protocols
+
+    @property
+    def protocols(self) -> list[CallerProtocol]:
+        """What the provider speaks natively, as far as the Edge knows now."""
+        if self.reported_protocols is not None:
+            return sorted(self.reported_protocols)
+        return sorted(self.config.native_protocols)
 
     @property
     def in_flight(self) -> int:
@@ -276,6 +326,8 @@ class _Waiter:
         "lease",
         "long",
         "model_id",
+        "principal",
+        "protocol",
         "run_id",
         "scope",
         "seq",
@@ -292,13 +344,17 @@ class _Waiter:
         exclude: frozenset[str],
         enqueued_at: float,
         timeout_s: float,
+        protocol: CallerProtocol,
+        principal: str,
     ) -> None:
         self.seq = seq
+        self.principal = principal
         """Arrival order across all models' queues (a clock reading could tie)."""
         self.model_id = model_id
         self.run_id = run_id
         self.long = long
         self.exclude = exclude
+        self.protocol = protocol
         self.enqueued_at = enqueued_at
         self.timeout_s = timeout_s
         self.event = trio.Event()
@@ -315,9 +371,6 @@ class _Waiter:
         return state.id not in self.exclude and not (
             self.long and state.config.long_context_slots == 0
         )
-
-
-_arrival = attrgetter("seq")
 
 
 class Scheduler:
@@ -337,8 +390,12 @@ class Scheduler:
         self._on_node: dict[str, list[_ProviderState]] = {}
         """Per node id: the states of its providers (removed ones with leases out too)."""
         self._connected: set[str] = set()
-        self._queues: dict[str, deque[_Waiter]] = {}
+        self._queues: dict[str, FairQueue[_Waiter]] = {}
         self._arrivals = itertools.count()
+        self._running: dict[str, int] = {}
+        """Per principal: the leases it holds (this Edge's runs in flight)."""
+        self._replicas = 1
+        """Live Edge replicas sharing the principals' concurrency limits."""
         self._last_pick: dict[str, str] = {}
         self._models_of: dict[str, tuple[str, ...]] = {}
         self._rivals: dict[str, tuple[str, ...]] = {}
@@ -443,6 +500,7 @@ class Scheduler:
             state.detail = None
             state.discovered = []
             state.discovered_lifecycle = None
+            state.reported_protocols = None
         self._serve(self._models_serving(state.id for state in affected))
 
     def provider_status(
@@ -452,9 +510,12 @@ class Scheduler:
         models: list[str],
         lifecycle: Sequence[LifecycleFlag] | None = None,
         detail: str | None = None,
+        *,
+        protocols: Sequence[CallerProtocol] | None = None,
     ) -> None:
-        """A provider's health (and the Node's reason for it), discovered models and
-        lifecycle operations, from its node's `status` message."""
+        """A provider's health (and the Node's reason for it), discovered models,
+        lifecycle operations and native protocols, from its node's `status` message
+        (`protocols` None: the Node does not say; the config's count)."""
         state = self._states.get(provider_id)
         if state is None or state.removed:
             return
@@ -462,6 +523,7 @@ class Scheduler:
         state.detail = detail
         state.discovered = list(models)
         state.discovered_lifecycle = None if lifecycle is None else list(lifecycle)
+        state.reported_protocols = None if protocols is None else frozenset(protocols)
         self._serve(self._models_serving((provider_id,)))
 
     def provider_load(self, provider_id: str, in_flight: int, long_in_flight: int) -> None:
@@ -539,10 +601,14 @@ class Scheduler:
         *,
         long: bool,
         exclude: frozenset[str] = frozenset(),
+        protocol: CallerProtocol = "chat",
+        principal: str = ANONYMOUS_PRINCIPAL,
     ) -> Lease:
-        """A slot on the best provider of `model_id`, waiting in its FIFO queue if busy.
+        """A slot on the best provider of `model_id`, waiting in its queue if busy, or
+        while `principal` holds its `max_concurrent` runs.
 
-        `exclude` names providers already tried for this run (failover). Raises an
+        `exclude` names providers already tried for this run (failover); `protocol` is
+        the caller's, which native providers speak (ranked first). Raises an
         `AdmissionError` subclass when the request is not admitted. Cancellation while
         waiting leaves nothing behind. The caller owns the returned lease and releases
         it in every path (`with lease:`).
@@ -550,23 +616,25 @@ class Scheduler:
         await trio.lowlevel.checkpoint_if_cancelled()
         if model_id not in self._snapshot.models:
             raise UnknownModel(f"model {model_id!r} is not in the catalog")
-        queue = self._queues.setdefault(model_id, deque())
+        queue = self._queues.setdefault(model_id, FairQueue())
         rivals = self._rivals[model_id]
         if any(self._queues.get(rival) for rival in rivals):
             # Earlier arrivals choose first, on this model or any model sharing a
             # provider with it: no barging. Only time (a cooldown ending before `run()`
             # noticed) can have freed a slot they have not been offered yet.
             self._serve(rivals)
-        match self._decide(model_id, long=long, exclude=exclude):
-            case Grant(provider=view):
-                lease = self._grant(model_id, view.id, run_id, long=long, queued_s=0.0)
+        match self._decide(model_id, long=long, exclude=exclude, protocol=protocol):
+            case Grant(provider=view) if self._may_run(principal):
+                lease = self._grant(
+                    model_id, view.id, run_id, long=long, queued_s=0.0, principal=principal
+                )
                 self._notify_changed()
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 return lease
             case Refuse(reason=reason, retry_after_s=retry_after_s):
                 raise NoProvider(reason, retry_after_s=retry_after_s)
-            case Wait():
-                pass
+            case Grant() | Wait():
+                pass  # no slot, or none for this principal now: it waits
         policy = self._snapshot.queue_policy(model_id)
         if len(queue) >= policy.max_queue:
             raise QueueFull(
@@ -581,6 +649,8 @@ class Scheduler:
             exclude=exclude,
             enqueued_at=self._clock(),
             timeout_s=policy.queue_timeout_s,
+            protocol=protocol,
+            principal=principal,
         )
         queue.append(waiter)
         self._notify_changed()
@@ -593,6 +663,12 @@ class Scheduler:
                 self._abandon(waiter)
                 raise
         if waiter.scope.cancelled_caught:
+            if not self._may_run(principal):
+                raise ConcurrencyLimited(
+                    f"{principal!r} already has its max_concurrent runs in flight; this "
+                    f"request waited {waiter.timeout_s:g}s for one of them to end",
+                    retry_after_s=RETRY_AFTER_BUSY_S,
+                )
             raise QueueTimeout(
                 f"no slot for model {model_id!r} came free within {waiter.timeout_s:g}s",
                 retry_after_s=RETRY_AFTER_BUSY_S,
@@ -602,11 +678,18 @@ class Scheduler:
         assert waiter.lease is not None, "a waiter is woken with a lease or an error"
         return waiter.lease
 
-    def _decide(self, model_id: str, *, long: bool, exclude: frozenset[str]) -> Decision:
+    def _decide(
+        self,
+        model_id: str,
+        *,
+        long: bool,
+        exclude: frozenset[str],
+        protocol: CallerProtocol = "chat",
+    ) -> Decision:
         rotation = tuple(self._snapshot.models[model_id].providers)
         now = self._clock()
         views = {
-            provider_id: self._view(state, now)
+            provider_id: self._view(state, now, protocol)
             for provider_id in rotation
             if (state := self._states.get(provider_id)) is not None and not state.removed
         }
@@ -619,7 +702,7 @@ class Scheduler:
             last=self._last_pick.get(model_id),
         )
 
-    def _view(self, state: _ProviderState, now: float) -> ProviderView:
+    def _view(self, state: _ProviderState, now: float, protocol: CallerProtocol) -> ProviderView:
         breaker = state.passive.breaker(now=now, probing=state.trial is not None)
         until = state.passive.cooldown_until
         capacity = state.config.capacity
@@ -635,10 +718,18 @@ class Scheduler:
             health=state.health,
             breaker=breaker,
             cooldown_remaining_s=until - now if breaker == "open" and until is not None else None,
+            native=protocol == "chat" or state.speaks(protocol),
         )
 
     def _grant(
-        self, model_id: str, provider_id: str, run_id: str, *, long: bool, queued_s: float
+        self,
+        model_id: str,
+        provider_id: str,
+        run_id: str,
+        *,
+        long: bool,
+        queued_s: float,
+        principal: str,
     ) -> Lease:
         """Take the slot(s) `decide()` found free: synchronous, so nobody can interleave."""
         state = self._states[provider_id]
@@ -652,9 +743,11 @@ class Scheduler:
             queued_s=queued_s,
             limiters=limiters,
             on_release=partial(self._released, state),
+            principal=principal,
         )
         for limiter in limiters:
             limiter.acquire_on_behalf_of_nowait(lease)
+        self._running[principal] = self._running.get(principal, 0) + 1
         if state.passive.breaker(now=self._clock(), probing=state.trial is not None) == (
             "half_open"
         ):
@@ -668,7 +761,17 @@ class Scheduler:
         if state.removed and state.idle and self._states.get(state.id) is state:
             del self._states[state.id]
             self._on_node[state.node_id].remove(state)
-        self._serve(self._models_serving((state.id,)))
+        principal = lease.principal
+        running = self._running[principal] - 1
+        if running:
+            self._running[principal] = running
+        else:
+            del self._running[principal]
+        models = self._models_serving((state.id,))
+        if self._snapshot.policies.of(principal).max_concurrent is not None:
+            # Below its limit again: its requests may wait on models of other providers.
+            models += [m for m, queue in self._queues.items() if queue.waiting(principal)]
+        self._serve(models)
 
     def _abandon(self, waiter: _Waiter) -> None:
         queue = self._queues.get(waiter.model_id)
@@ -687,39 +790,54 @@ class Scheduler:
         waiter.event.set()
 
     def _serve(self, model_ids: Iterable[str]) -> None:
-        """Offer what is free to the waiters of `model_ids`, earliest arrival first.
+        """Offer what is free to the waiters of `model_ids`.
 
-        The models' queues are merged by arrival sequence, so the earliest waiter of
-        any of these models is asked first and a model listed first in the config
-        gets no head start. Every waiter is settled if it can be: granted a slot,
-        refused with `NoProvider`, or left in place (`Wait`) without holding up the
-        waiters behind it. Waiters asking the same thing (same model, same `long`,
-        same `exclude`) get the same answer until a grant changes the pool, so a
-        long queue costs one decision per kind of request, not one per waiter.
-        Every caller has just changed something, so observers are notified here.
+        Each model's queue offers its waiters in fair order between principals
+        (`fair_queue`), passing over principals at their `max_concurrent`; across the
+        models, the waiter each queue offers next is asked in arrival order, so a model
+        listed first in the config gets no head start. Every waiter is settled if it can
+        be: granted a slot, refused with `NoProvider`, or left in place (`Wait`) without
+        holding up the waiters behind it. Waiters asking the same thing (same model, same
+        `long`, same `exclude`, same protocol) get the same answer until a grant changes
+        the pool, so a long queue costs one decision per kind of request, not one per
+        waiter. Every caller has just changed something, so observers are notified here.
         """
         self._notify_changed()
-        queues = [
-            list(queue)  # a copy: settled waiters leave the queue during the walk
+        walks = [
+            queue.walk(self._may_run)
             for model_id in dict.fromkeys(model_ids)
             if (queue := self._queues.get(model_id)) and model_id in self._snapshot.models
         ]
-        answers: dict[tuple[str, bool, frozenset[str]], Decision] = {}
-        for waiter in heapq.merge(*queues, key=_arrival):
+        answers: dict[tuple[str, bool, frozenset[str], CallerProtocol], Decision] = {}
+        while walks:
+            walk, waiter = walks[0], walks[0].peek()
+            if len(walks) > 1:
+                for other in walks[1:]:
+                    candidate = other.peek()
+                    if candidate is not None and (waiter is None or candidate.seq < waiter.seq):
+                        walk, waiter = other, candidate
+            if waiter is None:
+                return
             model_id = waiter.model_id
-            key = (model_id, waiter.long, waiter.exclude)
+            key = (model_id, waiter.long, waiter.exclude, waiter.protocol)
             answer = answers.get(key)
             if answer is None:
                 answer = answers[key] = self._decide(
-                    model_id, long=waiter.long, exclude=waiter.exclude
+                    model_id, long=waiter.long, exclude=waiter.exclude, protocol=waiter.protocol
                 )
             match answer:
                 case Grant(provider=view):
                     answers.clear()  # the pool changed
-                    self._queues[model_id].remove(waiter)
+                    principal = waiter.principal
+                    self._queues[model_id].served(waiter, self._weight(principal))
                     queued_s = self._clock() - waiter.enqueued_at
                     lease = self._grant(
-                        model_id, view.id, waiter.run_id, long=waiter.long, queued_s=queued_s
+                        model_id,
+                        view.id,
+                        waiter.run_id,
+                        long=waiter.long,
+                        queued_s=queued_s,
+                        principal=principal,
                     )
                     self._settle(waiter, lease=lease)
                 case Refuse(reason=reason, retry_after_s=retry_after_s):
@@ -727,6 +845,38 @@ class Scheduler:
                     self._settle(waiter, error=NoProvider(reason, retry_after_s=retry_after_s))
                 case Wait():
                     pass
+            walk.advance()
+
+    def _may_run(self, principal: str) -> bool:
+        """Whether `principal` is below its `max_concurrent` (this replica's share)."""
+        limit = self._snapshot.policies.of(principal).max_concurrent
+        if limit is None:
+            return True
+        return self._running.get(principal, 0) < concurrency_share(limit, self._replicas)
+
+    def _weight(self, principal: str) -> float:
+        return self._snapshot.policies.of(principal).weight
+
+    def set_replicas(self, replicas: int) -> None:
+        """The number of live Edge replicas changed: concurrency shares change with it."""
+        replicas = max(1, replicas)
+        if replicas != self._replicas:
+            self._replicas = replicas
+            self._serve(list(self._queues))
+
+    def principal_load(self) -> dict[str, PrincipalLoad]:
+        """Each principal with runs in flight or waiting: how many of each."""
+        load = {
+            principal: PrincipalLoad(in_flight=n, queued=0)
+            for principal, n in self._running.items()
+        }
+        for queue in self._queues.values():
+            for principal, waiting in queue.principals():
+                known = load.get(principal)
+                in_flight = known.in_flight if known is not None else 0
+                queued = (known.queued if known is not None else 0) + waiting
+                load[principal] = PrincipalLoad(in_flight=in_flight, queued=queued)
+        return load
 
     def _models_serving(self, provider_ids: Iterable[str]) -> list[str]:
         models: dict[str, None] = {}
@@ -823,6 +973,7 @@ class Scheduler:
             ),
             cooling_down=cooling_down,
             consecutive_failures=state.passive.consecutive_failures,
+            protocols=state.protocols,
         )
 
 

@@ -12,12 +12,15 @@ which trio-websocket 0.12 reads for every incoming message.
 way (`tests/compat` proves it on a real connection). When it is not, the listener allows
 the full limit from the first message on: slower to refuse abuse, equally correct.
 
-A Node pings the Edge on its own schedule, and trio-websocket answers pings (and takes
-pongs) inside its reader, so nothing public says a peer was just heard from. Whatever
+A peer pings on its own schedule, and trio-websocket answers pings (and takes pongs)
+inside its reader, so nothing public says a peer was just heard from. Whatever
 arrives goes through the connection's wsproto `receive_data`, which trio-websocket 0.12
 looks up on every read: `watch_arrivals` wraps it on one connection. When the installed
 version is not one known to read there (`ARRIVALS_WATCHABLE`), nothing is watched and the
 Edge pings every Node every beat, as it would without the hook.
+
+Both are used through `schemas.channel` (arrivals) and the Edge's node hub (the limit);
+this module is the only place that names trio-websocket's private attributes.
 """
 
 from __future__ import annotations

@@ -1,0 +1,156 @@
+"""What differs between the caller protocols at the HTTP surface (design §8, §14).
+
+The run endpoints (`runs`) serve chat completions, Anthropic Messages and OpenAI Responses
+with one flow; the differences are few and all here: which protocol a path speaks, who a
+request is for (`Caller`), how a stream ends, and how the Edge writes a failure of its own
+into a stream that already began.
+
+In-stream failures (a stream that began, then failed):
+- chat: the Edge writes every failure as an OpenAI error event, then `[DONE]`.
+- Messages and Responses: the Node writes the failures it sees (the upstream's, its
+  translator's) as the protocol's own events (Anthropic's `event: error`, a Responses
+  `response.failed`); the Edge writes only its own diagnoses, which the Node cannot know
+  (`EDGE_FAILURES`: the Node's link was lost, the caller fell behind, the Edge shut down,
+  what the Node sent was malformed), in the same shapes. Neither protocol ends its stream
+  with a `[DONE]` line: the last event is the end.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from iop_edge.core.snapshot import Snapshot
+from iop_edge.http.errors import ApiError, model_not_found
+from schemas import wire
+from schemas.config import ModelEntry, PrincipalToken
+from schemas.protocols import CallerProtocol
+
+__all__ = [
+    "EDGE_FAILURES",
+    "PROTOCOL_OF",
+    "STREAM_END",
+    "Caller",
+    "catalog_model",
+    "edge_renders",
+    "protocol_of_request",
+    "stream_error",
+]
+
+#: The protocol each run operation speaks to its caller.
+PROTOCOL_OF: Final[dict[wire.Operation, CallerProtocol]] = {
+    "chat": "chat",
+    "completion": "chat",
+    "embedding": "chat",
+    "messages": "messages",
+    "count_tokens": "messages",
+    "responses": "responses",
+}
+
+#: What ends a stream after its last event.
+STREAM_END: Final[dict[CallerProtocol, bytes]] = {
+    "chat": b"data: [DONE]\n\n",
+    "messages": b"",
+    "responses": b"",
+}
+
+#: The failures only the Edge can diagnose: it writes them into a Messages or Responses
+#: stream itself (the Node writes the others).
+EDGE_FAILURES: Final = frozenset(
+    {
+        wire.FailureCode.NODE_LOST,
+        wire.FailureCode.CALLER_TOO_SLOW,
+        wire.FailureCode.BAD_CHUNK,
+        wire.FailureCode.BAD_RESPONSE,
+        wire.FailureCode.REQUEST_TOO_LARGE,
+        wire.FailureCode.SHUTTING_DOWN,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who a request is and the ids it goes by: what every protocol's plan needs besides
+    the body."""
+
+    run_id: str
+    request_id: str
+    principal: PrincipalToken
+    anthropic_headers: dict[str, str]
+    """The `anthropic-version` and `anthropic-beta` headers it sent, for a native
+    upstream (never credentials)."""
+
+
+def catalog_model(snapshot: Snapshot, caller: Caller, model_id: str) -> ModelEntry:
+    """The catalog model a request names; 404 `model_not_found` when there is none, or
+    when the caller's principal may not use it (the very same 404: an allow-list does not
+    reveal what it hides)."""
+    model = snapshot.models.get(model_id)
+    if model is None or not snapshot.policies.allows(caller.principal.principal_ref, model_id):
+        raise model_not_found(model_id)
+    return model
+
+
+def protocol_of_request(path: str, *, anthropic_version: bool) -> CallerProtocol:
+    """The protocol whose error shape a request outside the run endpoints gets: Anthropic's
+    for its paths and for any request that says `anthropic-version` (an Anthropic client
+    listing models, say), OpenAI's otherwise."""
+    if anthropic_version or path.startswith("/v1/messages"):
+        return "messages"
+    return "chat"
+
+
+def edge_renders(protocol: CallerProtocol, failure: wire.RunFailed) -> bool:
+    """Whether the Edge writes `failure` into the caller's stream (module docstring)."""
+    return protocol == "chat" or failure.code in EDGE_FAILURES
+
+
+class _FailedResponse(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    object: str = "response"
+    created_at: int
+    status: str = "failed"
+    model: str
+    output: list[Any] = []
+    error: _ResponseError
+
+
+class _ResponseError(msgspec.Struct, frozen=True, kw_only=True):
+    code: str
+    message: str
+
+
+class _ResponseFailed(msgspec.Struct, frozen=True, kw_only=True):
+    type: str = "response.failed"
+    sequence_number: int
+    response: _FailedResponse
+
+
+_encode: Final = msgspec.json.Encoder().encode
+
+
+def stream_error(
+    protocol: CallerProtocol, error: ApiError, *, model: str, response_id: str, sequence: int
+) -> bytes:
+    """`error` as the event that ends a stream in `protocol`.
+
+    For Responses, `sequence` is the event's `sequence_number` (the events the stream
+    carried so far: they count from 0) and `response_id` the id the failed response
+    goes by (the Edge does not read the Node's events, so it cannot know theirs)."""
+    if protocol == "messages":
+        return b"event: error\ndata: " + error.body(protocol) + b"\n\n"
+    if protocol == "responses":
+        failed = _ResponseFailed(
+            sequence_number=sequence,
+            response=_FailedResponse(
+                id=response_id,
+                created_at=int(time.time()),
+                model=model,
+                error=_ResponseError(code=error.code or "server_error", message=error.message),
+            ),
+        )
+        return b"event: response.failed\ndata: " + _encode(failed) + b"\n\n"
+    return b"data: " + error.body(protocol) + b"\n\n"

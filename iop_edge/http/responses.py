@@ -1,0 +1,192 @@
+"""The OpenAI Responses surface's Edge side (design §14): the plan of a `POST /v1/responses`,
+the conversation it continues, and what is stored of it.
+
+The Edge reads the few fields admission needs (`core.protocol_requests`) and relays the
+body: the Node sends it natively to a provider that speaks Responses or translates it to
+chat completions. Same catalog, aliases, limits and long-context admission as chat:
+
+- `max_output_tokens` above the model's `generation.max_tokens_limit` is a 400.
+- `generation.defaults` apply where the protocol has the same setting (`DEFAULT_KEYS`;
+  chat's `max_tokens` is Responses' `max_output_tokens`).
+- `previous_response_id`: the stored conversation is loaded (the principal's own only)
+  and sent whole, without the id (`core.response_chain`); an unknown, expired or other
+  principal's id is 404 `previous_response_not_found`. The estimate counts the whole
+  conversation, which the model reads.
+- `store` (true unless the caller says false): the run keeps its final response
+  (`run.keep_output`) and the Edge stores it with the request's own input items before
+  the caller's response completes (`ResponseStore.keep`). The runtime is always sent
+  `store: false`: the Edge is the store.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from iop_edge.core.protocol_requests import (
+    ResponsesRequest,
+    estimate_responses_tokens,
+    input_items,
+)
+from iop_edge.core.response_chain import ChainBroken, continue_body, conversation
+from iop_edge.core.snapshot import Snapshot
+from iop_edge.http.caller_protocol import Caller, catalog_model
+from iop_edge.http.errors import ApiError, bad_request, invalid_request
+from iop_edge.runtime.metering.response_store import ResponseStore, StoreUnavailable
+from iop_edge.runtime.runs.dispatch import RunPlan
+
+__all__ = ["DEFAULT_KEYS", "ResponsesSurface", "ToStore", "store_unavailable"]
+
+log = logging.getLogger(__name__)
+
+#: A model's `generation.defaults` key (chat's name) -> the Responses field it sets.
+DEFAULT_KEYS: Final = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ToStore:
+    """What a `store: true` run's response is stored with, once it is known."""
+
+    principal_ref: str
+    input_items: list[Any]
+    """The request's own input items (not the conversation's)."""
+    previous_id: str | None
+    continues: tuple[str, ...]
+    """The ids of the conversation it continues (renewed when it is stored)."""
+
+
+def store_unavailable(exc: StoreUnavailable) -> ApiError:
+    return ApiError(
+        503,
+        f"Stored responses are unavailable now: {exc}",
+        type="service_unavailable_error",
+        code="store_unavailable",
+        retry_after_s=1.0,
+    )
+
+
+def response_not_found(response_id: str) -> ApiError:
+    return ApiError(
+        404,
+        f"Response with id '{response_id}' not found.",
+        type="not_found_error",
+        code="response_not_found",
+    )
+
+
+class ResponsesSurface:
+    """Plans Responses runs and stores their results (see the module docstring)."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+
+    async def plan(
+        self, body: dict[str, Any], snapshot: Snapshot, caller: Caller
+    ) -> tuple[RunPlan, ToStore | None]:
+        """The plan of a Responses request, and what to store of it (None: `store:
+        false`); raises `ApiError`."""
+        try:
+            view = msgspec.convert(body, ResponsesRequest)
+        except msgspec.ValidationError as exc:
+            raise invalid_request(exc) from None
+        model = catalog_model(snapshot, caller, view.model)
+        for key, value in model.generation.defaults.items():
+            if key in DEFAULT_KEYS:
+                body.setdefault(DEFAULT_KEYS[key], value)
+        limit = model.generation.max_tokens_limit
+        requested = body.get("max_output_tokens")
+        if isinstance(requested, int) and requested > limit:
+            raise bad_request(
+                f"max_output_tokens={requested} exceeds this model's limit of {limit}",
+                param="max_output_tokens",
+                code="max_tokens_exceeded",
+            )
+        principal = caller.principal
+        own_items = input_items(body.get("input", []))
+        earlier: list[Any] = []
+        continues: tuple[str, ...] = ()
+        previous_id = view.previous_response_id
+        if previous_id is not None:
+            try:
+                chain = await self.store.conversation(principal.principal_ref, previous_id)
+            except ChainBroken as exc:
+                raise ApiError(
+                    404,
+                    str(exc),
+                    code="previous_response_not_found",
+                    param="previous_response_id",
+                ) from None
+            except StoreUnavailable as exc:
+                raise store_unavailable(exc) from None
+            earlier = conversation(chain, ())
+            continues = tuple(turn.id for turn in chain)
+            continue_body(body, earlier + own_items)
+        else:
+            body["store"] = False
+        prompt_tokens = estimate_responses_tokens(view, earlier)
+        plan = RunPlan(
+            run_id=caller.run_id,
+            request_id=caller.request_id,
+            model_id=view.model,
+            operation="responses",
+            body=body,
+            stream=view.stream,
+            long=prompt_tokens >= snapshot.long_context_threshold_tokens,
+            caller_wants_usage=True,  # usage is part of every Responses reply and stream
+            prompt_tokens=prompt_tokens,
+            principal_ref=principal.principal_ref,
+            token_ref=principal.token_ref,
+            principal_alias=principal.alias,
+            protocol="responses",
+            keep_output=view.store,
+        )
+        if not view.store:
+            return plan, None
+        return plan, ToStore(
+            principal_ref=principal.principal_ref,
+            input_items=own_items,
+            previous_id=previous_id,
+            continues=continues,
+        )
+
+    async def keep(self, to_store: ToStore, response: bytes | None) -> None:
+        """Store a finished run's final response (`run_done.response`)."""
+        if response is None:
+            log.warning(
+                "a stored response's run ended without its final response object; not stored"
+            )
+            return
+        await self.store.keep(
+            to_store.principal_ref,
+            response,
+            to_store.input_items,
+            previous_id=to_store.previous_id,
+            continues=to_store.continues,
+        )
+
+    async def read(self, principal_ref: str, response_id: str) -> bytes:
+        """`GET /v1/responses/{id}`: the stored response object; raises `ApiError`."""
+        try:
+            response = await self.store.read(principal_ref, response_id)
+        except StoreUnavailable as exc:
+            raise store_unavailable(exc) from None
+        if response is None:
+            raise response_not_found(response_id)
+        return response
+
+    async def delete(self, principal_ref: str, response_id: str) -> None:
+        """`DELETE /v1/responses/{id}`; raises `ApiError`."""
+        try:
+            deleted = await self.store.delete(principal_ref, response_id)
+        except StoreUnavailable as exc:
+            raise store_unavailable(exc) from None
+        if not deleted:
+            raise response_not_found(response_id)

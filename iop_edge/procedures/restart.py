@@ -1,0 +1,127 @@
+"""Restarting: this Edge hands its sockets and Nodes over to a new process of itself.
+
+The protocol between the two processes is `iop_edge.runtime.lifecycle.handover`'s; this
+is the old Edge's procedure (design §13):
+
+1. Start the successor with the listening sockets; it must listen for Nodes within
+   `HANDOVER_START_TIMEOUT_S`.
+2. Stop accepting Nodes and send each a `goaway` (bounded): they link again, now to the
+   successor, and keep their link here for the runs on it.
+3. Tell the successor which Nodes to expect; it must say it is ready within
+   `HANDOVER_READY_TIMEOUT_S` (its wait for the Nodes, `takeover`, included).
+4. Ready: this Edge stops ("restarting") and drains. Any failure before: the successor
+   is killed, this Edge accepts Nodes again and serves on as if nothing happened.
+
+At most one restart runs at a time, and none while the Edge stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Final
+
+import trio
+
+from iop_edge.procedures.drain import GOAWAY_TIMEOUT_S
+from iop_edge.procedures.takeover import HANDOVER_NODES_TIMEOUT_S
+from iop_edge.runtime.lifecycle.handover import HandoverFailed, Successor
+from iop_edge.runtime.lifecycle.listeners import Listener
+from iop_edge.runtime.nodes.node_server import NodeServer
+from schemas.restart import RestartReport
+
+__all__ = ["HANDOVER_READY_TIMEOUT_S", "HANDOVER_START_TIMEOUT_S", "Restarter"]
+
+log = logging.getLogger(__name__)
+
+#: A successor must be listening for Nodes within this (imports, config, ledger) ...
+HANDOVER_START_TIMEOUT_S: Final = 60.0
+#: ... and must say it is ready within this (its Nodes linked), or the restart fails.
+HANDOVER_READY_TIMEOUT_S: Final = HANDOVER_NODES_TIMEOUT_S + 30.0
+
+
+class Restarter:
+    """One Edge's restarts (module docstring). `successor_argv` is how to start this Edge
+    again (None: it cannot restart itself)."""
+
+    def __init__(
+        self,
+        successor_argv: Sequence[str] | None,
+        *,
+        goaway_all: Callable[[str], Awaitable[None]],
+        connected_nodes: Callable[[], Iterable[str]],
+    ) -> None:
+        self._successor_argv = list(successor_argv) if successor_argv is not None else None
+        self._goaway_all = goaway_all
+        self._connected_nodes = connected_nodes
+        self._restarting = False
+
+    async def restart(
+        self,
+        *,
+        node_server: NodeServer | None,
+        listeners: Sequence[Listener],
+        revision: int,
+        stopping: bool,
+        stop: Callable[[str], object],
+    ) -> RestartReport:
+        """Hand over to a successor that continues with `revision`. Returns once the
+        successor serves (then `stop("restarting")` was called: this Edge drains) or the
+        restart failed or was refused (this Edge serves on, unchanged). `node_server` is
+        None until the Edge serves; `stopping` says whether a stop began."""
+        pid = os.getpid()
+        if self._successor_argv is None:
+            detail = (
+                "this Edge was not started by `iop-edge serve`, so it cannot start itself again"
+            )
+            return RestartReport(outcome="refused", pid=pid, detail=detail)
+        if self._restarting or stopping or node_server is None:
+            detail = "a restart or stop is already in progress"
+            return RestartReport(outcome="refused", pid=pid, detail=detail)
+        self._restarting = True
+        successor = Successor(self._successor_argv, list(listeners), revision=revision)
+        try:
+            successor_pid = await self._hand_over(successor, node_server)
+        except HandoverFailed as exc:
+            log.error("restart failed, serving on: %s", exc)
+            await trio.to_thread.run_sync(successor.abort)
+            node_server.resume_accepting()
+            return RestartReport(outcome="failed", pid=pid, detail=str(exc))
+        finally:
+            self._restarting = False
+            with trio.move_on_after(1, shield=True):
+                await successor.close()
+        log.info(
+            "restart: the successor (pid %d) serves; this Edge drains and exits", successor_pid
+        )
+        stop("restarting")
+        return RestartReport(
+            outcome="handed_over",
+            pid=pid,
+            successor_pid=successor_pid,
+            revision=revision,
+            detail="the successor serves; this process finishes its in-flight runs and exits",
+        )
+
+    async def _hand_over(self, successor: Successor, node_server: NodeServer) -> int:
+        """Steps 1-3; the successor's pid once it is ready. Raises `HandoverFailed`."""
+        try:
+            with trio.fail_after(HANDOVER_START_TIMEOUT_S):
+                await successor.start()
+                await successor.wait_listening()
+        except trio.TooSlowError:
+            raise HandoverFailed(
+                f"the successor was not listening within {HANDOVER_START_TIMEOUT_S:g}s"
+            ) from None
+        node_server.stop_accepting()
+        with trio.move_on_after(GOAWAY_TIMEOUT_S):
+            await self._goaway_all("restarting")
+        try:
+            with trio.fail_after(HANDOVER_READY_TIMEOUT_S):
+                await successor.expect_nodes(sorted(self._connected_nodes()))
+                return await successor.wait_ready()
+        except trio.TooSlowError:
+            raise HandoverFailed(
+                f"the successor was not ready within {HANDOVER_READY_TIMEOUT_S:g}s"
+            ) from None

@@ -1,0 +1,165 @@
+"""A caller protocol's reply relayed as the upstream wrote it, but for the model name
+(design §14, native first): what an adapter does to each event of a native Messages or
+Responses stream, and to a native non-stream body.
+
+Rules:
+1. Bytes pass through. The protocol's reader (`iop_node.protocols.MessagesNative`,
+   `ResponsesNative`) writes the caller's alias where the protocol puts the model and
+   reads the usage; it parses only the few events that carry them, named by their SSE
+   event name. Everything else is relayed untouched.
+2. Events leave framed as the protocol frames them, `event: NAME\\ndata: JSON\\n\\n`. An
+   upstream that leaves the `event:` line out is read by the data's `type`.
+3. A stream has ended well at its protocol's last event (`message_stop`;
+   `response.completed` or `response.incomplete`). An in-band error (`error`,
+   `response.failed`) raises `InBandError` with the upstream's message: the events
+   before it were relayed, the error itself is for the run's failure to carry (the Edge
+   words it in the caller's protocol).
+4. Each delta event counts as one output token, for the estimate of a stream whose usage
+   never came (a cut stream): engines stream about a token per event, and no delta is
+   parsed to count it.
+5. `keep_output`: the object of the Responses stream's last event, as the caller saw it,
+   is kept for `run_done.response` (the Edge stores it).
+
+Pure: no I/O. The adapter feeds events from its SSE decoder and sends what comes out.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+from iop_node.protocols import MessagesNative, ResponsesNative, TokenUsage
+from schemas.protocols import CallerProtocol
+from schemas.wire import Run, Usage
+
+__all__ = ["InBandError", "NativeReply", "NotAnObject"]
+
+
+class NotAnObject(ValueError):
+    """An event's data, or a body, is not a JSON object: the upstream's output is broken."""
+
+
+class InBandError(Exception):
+    """The upstream reported an error inside a successful answer (Rule 3)."""
+
+
+class _Type(msgspec.Struct):
+    type: str | None = None
+
+
+class _Error(msgspec.Struct):
+    message: str | None = None
+
+
+class _ErrorEvent(msgspec.Struct):
+    """Anthropic's `error` event (`error.message`), OpenAI's (`message`)."""
+
+    error: _Error | None = None
+    message: str | None = None
+
+
+class _Failed(msgspec.Struct):
+    error: _Error | None = None
+
+
+class _FailedEvent(msgspec.Struct):
+    response: _Failed | None = None
+
+
+_decode_type: Final = msgspec.json.Decoder(_Type).decode
+_decode_error_event: Final = msgspec.json.Decoder(_ErrorEvent).decode
+_decode_failed_event: Final = msgspec.json.Decoder(_FailedEvent).decode
+_decode_fields: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+
+_ENDS: Final[dict[CallerProtocol, frozenset[str]]] = {
+    "messages": frozenset({"message_stop"}),
+    "responses": frozenset({"response.completed", "response.incomplete"}),
+}
+_ERRORS: Final = frozenset({"error", "response.failed"})
+_UNKNOWN: Final = "unknown error"
+
+
+def _error_message(data: bytes, name: str) -> str:
+    """The upstream's words in an in-band error event (Rule 3)."""
+    try:
+        if name == "response.failed":
+            failed = _decode_failed_event(data).response
+            error = failed.error if failed is not None else None
+            return (error.message if error is not None else None) or _UNKNOWN
+        event = _decode_error_event(data)
+    except (msgspec.DecodeError, RecursionError):
+        return _UNKNOWN
+    if event.error is not None and event.error.message:
+        return event.error.message
+    return event.message or _UNKNOWN
+
+
+class NativeReply:
+    """One run's native reply, shaped for its caller (see the module rules)."""
+
+    __slots__ = ("_ends", "_keep", "_reader", "ended", "final_response", "protocol")
+
+    def __init__(self, run: Run, protocol: CallerProtocol) -> None:
+        self.protocol = protocol
+        alias = run.reply_model or run.target
+        self._reader = MessagesNative(alias) if protocol == "messages" else ResponsesNative(alias)
+        self._ends = _ENDS[protocol]
+        self._keep = run.keep_output and protocol == "responses"
+        self.ended = False
+        """The stream's last event went by (Rule 3)."""
+        self.final_response: bytes | None = None
+        """With `run.keep_output`: the final response object of a Responses stream."""
+
+    @property
+    def usage(self) -> Usage | None:
+        """The usage the upstream reported so far, in the wire's counts."""
+        return _wire_usage(self._reader.usage)
+
+    def response(self, body: bytes) -> bytes:
+        """A whole non-stream body with the caller's alias (`NotAnObject` when the body
+        is not a JSON object)."""
+        if body.lstrip()[:1] != b"{":
+            raise NotAnObject("the response is not a JSON object")
+        return self._reader.response(body)
+
+    def event(self, name: str, data: bytes) -> tuple[bytes, int]:
+        """One upstream event as the caller's framed event, and the output tokens it
+        carries (Rule 4)."""
+        if name == "message":  # no `event:` line (Rule 2)
+            name = self._type_of(data)
+        if name in _ERRORS:
+            raise InBandError(_error_message(data, name))
+        shaped = self._reader.event(data, name)
+        if name in self._ends:
+            self.ended = True
+            if self._keep:
+                self.final_response = self._final(shaped)
+        tokens = 1 if name == "content_block_delta" or name.endswith(".delta") else 0
+        return b"event: " + name.encode() + b"\ndata: " + shaped + b"\n\n", tokens
+
+    @staticmethod
+    def _type_of(data: bytes) -> str:
+        try:
+            kind = _decode_type(data).type
+        except (msgspec.DecodeError, RecursionError):
+            raise NotAnObject("an event is not a JSON object") from None
+        return kind or "message"
+
+    @staticmethod
+    def _final(data: bytes) -> bytes | None:
+        try:
+            response = _decode_fields(data).get("response")
+        except (msgspec.DecodeError, RecursionError):
+            raise NotAnObject("the last event is not a JSON object") from None
+        return None if response is None else bytes(response)
+
+
+def _wire_usage(usage: TokenUsage | None) -> Usage | None:
+    if usage is None:
+        return None
+    return Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.prompt_tokens + usage.completion_tokens,
+    )

@@ -1,0 +1,184 @@
+"""Chat completions as the translators read them: a response, a stream chunk, a usage.
+
+Runtimes differ in what they put in a chat reply, so these views are lenient on purpose:
+every field is optional, unknown fields are skipped, and the two names runtimes use for
+reasoning (`reasoning_content`: llama.cpp, vLLM, SGLang, DeepSeek; `reasoning`: newer
+vLLM, Ollama, OpenRouter) are both read. Only what the Messages and Responses shapes can
+carry is decoded; the rest of a chunk is never looked at.
+
+A value of the wrong type (a runtime that sends `"usage": "n/a"`) is a
+`ReplyTranslationError` naming the field, so a broken upstream fails its run with a
+message that says where, rather than an exception from deep inside a translator.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import msgspec
+
+from iop_node.protocols.errors import ReplyTranslationError, join_path
+
+__all__ = [
+    "ChatChunk",
+    "ChatResponse",
+    "ChunkChoice",
+    "Delta",
+    "StopReason",
+    "TokenUsage",
+    "ToolCallDelta",
+    "UsageView",
+    "read_chunk",
+    "read_response",
+    "stop_reason",
+]
+
+
+class TokenUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """A run's token counts as chat completions reports them. `prompt_tokens` includes
+    `cached_tokens` (OpenAI's convention); `completion_tokens` includes
+    `reasoning_tokens`."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _CompletionDetails(msgspec.Struct):
+    reasoning_tokens: int | None = None
+
+
+class UsageView(msgspec.Struct):
+    """A chat `usage` object; counts an upstream leaves out are 0, negative ones too."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    prompt_tokens_details: _PromptDetails | None = None
+    completion_tokens_details: _CompletionDetails | None = None
+
+    def tokens(self) -> TokenUsage:
+        prompt = max(self.prompt_tokens or 0, 0)
+        cached = self.prompt_tokens_details.cached_tokens if self.prompt_tokens_details else 0
+        details = self.completion_tokens_details
+        return TokenUsage(
+            prompt_tokens=prompt,
+            completion_tokens=max(self.completion_tokens or 0, 0),
+            cached_tokens=min(max(cached or 0, 0), prompt),
+            reasoning_tokens=max((details.reasoning_tokens if details else 0) or 0, 0),
+        )
+
+
+class FunctionDelta(msgspec.Struct):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct):
+    """A fragment of a tool call in a stream, or a whole one in a response."""
+
+    index: int | None = None
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
+class Delta(msgspec.Struct):
+    """A chunk's `delta`, or a response's `message` (the same fields, whole)."""
+
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+    @property
+    def thinking(self) -> str | None:
+        """The reasoning text, under whichever name the runtime uses."""
+        return self.reasoning_content or self.reasoning
+
+
+class ChunkChoice(msgspec.Struct):
+    index: int = 0
+    delta: Delta | None = None
+    message: Delta | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    """vLLM and SGLang: the stop string that ended the run (an int is a stop token id)."""
+
+    @property
+    def said(self) -> Delta | None:
+        """What the choice says: a chunk's delta, or a whole response's message."""
+        return self.delta if self.delta is not None else self.message
+
+
+class ChatChunk(msgspec.Struct):
+    """One chat completion chunk, or a whole chat completion (`message` for `delta`)."""
+
+    id: str | None = None
+    created: int | float | None = None
+    choices: list[ChunkChoice] | None = None
+    usage: UsageView | None = None
+
+    def first(self) -> ChunkChoice | None:
+        """Choice 0: Messages and Responses have one answer per request (the translated
+        request never asks for `n`), so other choices are never read."""
+        for choice in self.choices or ():
+            if choice.index == 0:
+                return choice
+        return None
+
+
+ChatResponse = ChatChunk
+
+_decode_chunk: Final = msgspec.json.Decoder(ChatChunk).decode
+
+
+def _read(data: bytes, what: str) -> ChatChunk:
+    try:
+        return _decode_chunk(data)
+    except msgspec.ValidationError as exc:
+        message, _, path = str(exc).partition(" - at `$")
+        raise ReplyTranslationError(
+            f"the runtime's {what} does not read as chat completions ({message})",
+            param=join_path(None, path.rstrip("`")),
+        ) from None
+    except msgspec.DecodeError as exc:
+        raise ReplyTranslationError(f"the runtime's {what} is not JSON ({exc})") from None
+
+
+def read_chunk(data: bytes) -> ChatChunk:
+    """A chat stream chunk (the `data:` payload)."""
+    return _read(data, "stream chunk")
+
+
+def read_response(data: bytes) -> ChatResponse:
+    """A whole chat completion."""
+    return _read(data, "response")
+
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "refusal"]
+
+
+def stop_reason(
+    finish_reason: str | None, *, called_tools: bool, matched: str | int | None = None
+) -> tuple[StopReason, str | None]:
+    """Anthropic's `stop_reason` (and `stop_sequence`) for a chat `finish_reason`.
+
+    A run that called tools stopped for them whatever the runtime says: llama.cpp and
+    Ollama have answered `stop` after a tool call, and an agent that reads `end_turn`
+    there ends its turn with the calls unanswered. A `stop` that vLLM or SGLang says was
+    a stop string (`stop_reason` is a string) is `stop_sequence`, with that string."""
+    if called_tools or finish_reason in ("tool_calls", "function_call"):
+        return "tool_use", None
+    if finish_reason == "length":
+        return "max_tokens", None
+    if finish_reason == "content_filter":
+        return "refusal", None
+    if finish_reason == "stop" and isinstance(matched, str) and matched:
+        return "stop_sequence", matched
+    return "end_turn", None

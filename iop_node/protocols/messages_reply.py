@@ -1,0 +1,167 @@
+"""A chat completion as an Anthropic Messages response (non-stream), and the shapes the
+Messages stream shares with it.
+
+Rules:
+
+1. The message is `msg_<request_id>`, its model the caller's alias. Content blocks come
+   in the order a model produces them: thinking (the runtime's `reasoning_content`),
+   text (a refusal is text too: Messages has no refusal block, and `stop_reason` says
+   `refusal` when the runtime filtered), then one `tool_use` per tool call.
+2. A tool call keeps the runtime's id; one with no id, or an id already used in this
+   message, gets `toolu_<request_id>_<n>` (deterministic, so a retried translation
+   names the same calls). Its arguments must be a JSON object (empty is `{}`): Messages
+   carries `input` as an object, so arguments that are not one are the runtime's error
+   (`ReplyTranslationError`), not something to guess at.
+3. `stop_reason` as `chat_view.stop_reason` maps it.
+4. Usage: Anthropic counts cached input apart (`input_tokens` excludes
+   `cache_read_input_tokens`), chat includes it in `prompt_tokens`, so `input_tokens` is
+   prompt minus cached. Nothing is written to a runtime's cache on request, so
+   `cache_creation_input_tokens` is 0.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+from iop_node.protocols.chat_body import encode
+from iop_node.protocols.chat_view import (
+    ChatChunk,
+    StopReason,
+    TokenUsage,
+    read_response,
+    stop_reason,
+)
+from iop_node.protocols.errors import ReplyTranslationError
+
+__all__ = [
+    "AnthropicUsage",
+    "Message",
+    "TextBlock",
+    "ThinkingBlock",
+    "ToolUseBlock",
+    "messages_response_from_chat",
+    "tool_input",
+    "tool_use_id",
+]
+
+
+class AnthropicUsage(msgspec.Struct, frozen=True, kw_only=True):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+    @classmethod
+    def of(cls, usage: TokenUsage) -> AnthropicUsage:
+        """Rule 4."""
+        return cls(
+            input_tokens=usage.prompt_tokens - usage.cached_tokens,
+            output_tokens=usage.completion_tokens,
+            cache_read_input_tokens=usage.cached_tokens,
+        )
+
+
+class TextBlock(msgspec.Struct, frozen=True, tag_field="type", tag="text"):
+    text: str
+
+
+class ThinkingBlock(msgspec.Struct, frozen=True, tag_field="type", tag="thinking"):
+    thinking: str
+    signature: str = ""
+    """Anthropic signs its own models' thinking; a runtime's reasoning has no signature."""
+
+
+class ToolUseBlock(msgspec.Struct, frozen=True, tag_field="type", tag="tool_use"):
+    id: str
+    name: str
+    input: msgspec.Raw
+
+
+Block = TextBlock | ThinkingBlock | ToolUseBlock
+
+
+class Message(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "message"
+    role: str = "assistant"
+    model: str
+    content: list[Block]
+    stop_reason: StopReason | None = None
+    stop_sequence: str | None = None
+    usage: AnthropicUsage
+
+
+_check_object: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_EMPTY_INPUT: Final = msgspec.Raw(b"{}")
+
+
+def tool_input(arguments: str, param: str) -> msgspec.Raw:
+    """Rule 2: a tool call's arguments as the `input` object, bytes untouched."""
+    data = arguments.strip().encode()
+    if not data:
+        return _EMPTY_INPUT
+    try:
+        _check_object(data)
+    except (msgspec.DecodeError, RecursionError):
+        raise ReplyTranslationError(
+            "the runtime called a tool with arguments that are not a JSON object: "
+            f"{arguments!r:.200}",
+            param=param,
+        ) from None
+    return msgspec.Raw(data)
+
+
+def tool_use_id(runtime_id: str | None, request_id: str, n: int, used: set[str]) -> str:
+    """Rule 2."""
+    chosen = runtime_id if runtime_id and runtime_id not in used else f"toolu_{request_id}_{n}"
+    used.add(chosen)
+    return chosen
+
+
+def messages_response_from_chat(chat: bytes, *, reply_model: str, request_id: str) -> bytes:
+    """The Messages response for a whole chat completion."""
+    response: ChatChunk = read_response(chat)
+    choice = response.first()
+    message = choice.said if choice is not None else None
+    blocks: list[Block] = []
+    calls = 0
+    if message is not None:
+        if message.thinking:
+            blocks.append(ThinkingBlock(thinking=message.thinking))
+        text = (message.content or "") + (message.refusal or "")
+        if text:
+            blocks.append(TextBlock(text=text))
+        used: set[str] = set()
+        for n, call in enumerate(message.tool_calls or ()):
+            param = f"choices[0].message.tool_calls[{n}]"
+            function = call.function
+            if function is None or not function.name:
+                raise ReplyTranslationError(
+                    "the runtime called a tool without naming it", param=f"{param}.function.name"
+                )
+            blocks.append(
+                ToolUseBlock(
+                    id=tool_use_id(call.id, request_id, n, used),
+                    name=function.name,
+                    input=tool_input(function.arguments or "", f"{param}.function.arguments"),
+                )
+            )
+            calls += 1
+    reason, sequence = stop_reason(
+        choice.finish_reason if choice is not None else None,
+        called_tools=calls > 0,
+        matched=choice.stop_reason if choice is not None else None,
+    )
+    usage = response.usage.tokens() if response.usage is not None else TokenUsage()
+    return encode(
+        Message(
+            id=f"msg_{request_id}",
+            model=reply_model,
+            content=blocks,
+            stop_reason=reason,
+            stop_sequence=sequence,
+            usage=AnthropicUsage.of(usage),
+        )
+    )

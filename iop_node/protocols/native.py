@@ -1,0 +1,255 @@
+"""A native Messages or Responses reply on its way to the caller: the alias, the usage.
+
+A provider that speaks the caller's protocol gets the body as the caller sent it and
+its reply goes back as it came (design §14), with two exceptions the Node owes every
+caller (design §3): the `model` the caller sees is the alias it asked for, and the run's
+usage is read for metering. Both live in a few events only, so these readers parse only
+those, and only their top level plus the one object below it that holds the model:
+
+- Messages: `message_start` (`message.model`, `message.usage` with the input counts)
+  and `message_delta` (`usage`, cumulative: output counts, sometimes input counts);
+  the non-stream body (`model`, `usage`).
+- Responses: the lifecycle events `response.created`, `.queued`, `.in_progress`,
+  `.completed`, `.incomplete` and `.failed` (`response.model`, `response.usage` on the
+  last three); the non-stream body (`model`, `usage`).
+
+Every other event (the bulk: text and argument deltas) is returned as it is, unread
+when the caller passes the SSE event name along, which is what a relay has in hand.
+Values are kept as raw JSON and written back untouched, so a 40 KB `tools` echo costs
+a scan, not a decode and re-encode.
+
+`ResponsesNative.final_response` keeps the response object a stream ended with, for the
+Edge to store (`store: true`).
+
+Usage is read into `TokenUsage`, chat completions' convention: Anthropic's
+`input_tokens` excludes cached input, so prompt tokens are input + cache read + cache
+creation there.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+from iop_node.protocols.chat_body import encode
+from iop_node.protocols.chat_view import TokenUsage
+
+__all__ = ["MessagesNative", "ResponsesNative"]
+
+_decode_fields: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+
+
+class _Type(msgspec.Struct):
+    type: str = ""
+
+
+_decode_type: Final = msgspec.json.Decoder(_Type).decode
+
+
+class _AnthropicUsage(msgspec.Struct):
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
+
+
+_decode_anthropic_usage: Final = msgspec.json.Decoder(_AnthropicUsage).decode
+
+
+class _Cached(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Reasoning(msgspec.Struct):
+    reasoning_tokens: int | None = None
+
+
+class _ResponsesUsage(msgspec.Struct):
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    input_tokens_details: _Cached | None = None
+    output_tokens_details: _Reasoning | None = None
+
+
+_decode_responses_usage: Final = msgspec.json.Decoder(_ResponsesUsage).decode
+
+
+def _kind(data: bytes, name: str | None) -> str:
+    if name is not None and name != "message":
+        return name
+    try:
+        return _decode_type(data).type
+    except (msgspec.DecodeError, RecursionError):
+        return ""
+
+
+def _fields(data: bytes) -> dict[str, msgspec.Raw] | None:
+    try:
+        return _decode_fields(data)
+    except (msgspec.DecodeError, RecursionError):
+        return None  # not an object: relayed as it is, read as nothing
+
+
+class _Native:
+    """What both readers share: the alias, and the usage read so far."""
+
+    __slots__ = ("_alias", "usage")
+
+    def __init__(self, reply_model: str) -> None:
+        self._alias = msgspec.Raw(encode(reply_model))
+        self.usage: TokenUsage | None = None
+        """The run's usage as the upstream reported it, once it has."""
+
+    def _with_alias(self, fields: dict[str, msgspec.Raw]) -> bool:
+        if "model" in fields:
+            fields["model"] = self._alias
+            return True
+        return False
+
+
+class MessagesNative(_Native):
+    """Reads one native Anthropic Messages reply (module docstring)."""
+
+    __slots__ = ("_input",)
+
+    def __init__(self, reply_model: str) -> None:
+        super().__init__(reply_model)
+        self._input = _AnthropicUsage()
+
+    def event(self, data: bytes, name: str | None = None) -> bytes:
+        """One stream event's `data` as the caller gets it. `name` is its SSE event name
+        (Anthropic names every event after its type), to skip reading the rest."""
+        kind = _kind(data, name)
+        if kind == "message_start":
+            fields = _fields(data)
+            message = _fields(fields["message"]) if fields and "message" in fields else None
+            if fields is None or message is None:
+                return data
+            if "usage" in message:
+                self._read(message["usage"])
+            if self._with_alias(message):
+                fields["message"] = msgspec.Raw(encode(message))
+                return encode(fields)
+        elif kind == "message_delta":
+            fields = _fields(data)
+            if fields is not None and "usage" in fields:
+                self._read(fields["usage"])
+        return data
+
+    def response(self, body: bytes) -> bytes:
+        """A whole (non-stream) Messages response as the caller gets it."""
+        fields = _fields(body)
+        if fields is None:
+            return body
+        if "usage" in fields:
+            self._read(fields["usage"])
+        return encode(fields) if self._with_alias(fields) else body
+
+    def _read(self, raw: msgspec.Raw) -> None:
+        """Usage counts are cumulative; a count a later event leaves out keeps its value
+        from an earlier one (message_start has the input counts, message_delta the
+        output)."""
+        try:
+            seen = _decode_anthropic_usage(raw)
+        except (msgspec.DecodeError, RecursionError):
+            return
+        known = self._input
+        self._input = known = _AnthropicUsage(
+            input_tokens=_pick(seen.input_tokens, known.input_tokens),
+            output_tokens=_pick(seen.output_tokens, known.output_tokens),
+            cache_read_input_tokens=_pick(
+                seen.cache_read_input_tokens, known.cache_read_input_tokens
+            ),
+            cache_creation_input_tokens=_pick(
+                seen.cache_creation_input_tokens, known.cache_creation_input_tokens
+            ),
+        )
+        cached = max(known.cache_read_input_tokens or 0, 0)
+        prompt = (
+            max(known.input_tokens or 0, 0)
+            + cached
+            + max(known.cache_creation_input_tokens or 0, 0)
+        )
+        self.usage = TokenUsage(
+            prompt_tokens=prompt,
+            completion_tokens=max(known.output_tokens or 0, 0),
+            cached_tokens=cached,
+        )
+
+
+_LIFECYCLE: Final = frozenset(
+    {
+        "response.created",
+        "response.queued",
+        "response.in_progress",
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+    }
+)
+
+
+_TERMINAL: Final = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+class ResponsesNative(_Native):
+    """Reads one native OpenAI Responses reply (module docstring)."""
+
+    __slots__ = ("final_response",)
+
+    def __init__(self, reply_model: str) -> None:
+        super().__init__(reply_model)
+        self.final_response: bytes | None = None
+        """The response object a stream ended with (its terminal event's `response`, with
+        the alias), for the Edge to store when the caller asked for `store: true`."""
+
+    def event(self, data: bytes, name: str | None = None) -> bytes:
+        """One stream event's `data` as the caller gets it. `name` is its SSE event name
+        (OpenAI names every event after its type), to skip reading the rest."""
+        kind = _kind(data, name)
+        if kind not in _LIFECYCLE:
+            return data
+        fields = _fields(data)
+        response = _fields(fields["response"]) if fields and "response" in fields else None
+        if fields is None or response is None:
+            return data
+        self._read(response.get("usage"))
+        changed = self._with_alias(response)
+        if kind in _TERMINAL:
+            self.final_response = encode(response) if changed else bytes(fields["response"])
+        if not changed:
+            return data
+        fields["response"] = msgspec.Raw(encode(response))
+        return encode(fields)
+
+    def response(self, body: bytes) -> bytes:
+        """A whole (non-stream) Responses response (or a stored one) as the caller gets it."""
+        fields = _fields(body)
+        if fields is None:
+            return body
+        self._read(fields.get("usage"))
+        return encode(fields) if self._with_alias(fields) else body
+
+    def _read(self, raw: msgspec.Raw | None) -> None:
+        if raw is None:
+            return
+        try:
+            seen = _decode_responses_usage(raw)
+        except (msgspec.DecodeError, RecursionError):
+            return  # `null` before the response completes, or not a usage object
+        if seen.input_tokens is None and seen.output_tokens is None:
+            return
+        prompt = max(seen.input_tokens or 0, 0)
+        details = seen.input_tokens_details
+        reasoning = seen.output_tokens_details
+        self.usage = TokenUsage(
+            prompt_tokens=prompt,
+            completion_tokens=max(seen.output_tokens or 0, 0),
+            cached_tokens=min(max((details.cached_tokens if details else 0) or 0, 0), prompt),
+            reasoning_tokens=max((reasoning.reasoning_tokens if reasoning else 0) or 0, 0),
+        )
+
+
+def _pick(new: int | None, old: int | None) -> int | None:
+    return new if new is not None else old

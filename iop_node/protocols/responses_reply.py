@@ -1,0 +1,363 @@
+"""A chat completion as an OpenAI Responses response object (non-stream), and the shapes
+the Responses stream shares with it.
+
+Rules:
+
+1. The response is `resp_<request_id>`, its model the caller's alias. It echoes the
+   request's settings as OpenAI's service does (`instructions`, `tools`, `tool_choice`,
+   `previous_response_id`, `store`, ...), copied as the caller sent them, with the
+   service's defaults for those it left out.
+2. Output items come in the order a model produces them: `reasoning` (the runtime's
+   `reasoning_content`, as `reasoning_text` content: it is the reasoning itself, not a
+   summary), `message` (output text; a refusal as a `refusal` part), then one item per
+   tool call. Item ids are `<kind>_<request_id>_<output index>`, so they are stable.
+3. A tool call becomes the item its tool's kind asks for (`responses_tools`): a
+   `function_call` (arguments as the runtime wrote them; none is `{}`), with its
+   `namespace` when it has one, or a `custom_tool_call` whose `input` is the string the
+   runtime passed as the one argument. `call_id` keeps the runtime's id unless it has
+   none or repeats one (`call_<request_id>_<n>`).
+4. `finish_reason` `length` makes the response `incomplete` (`max_output_tokens`), as
+   does `content_filter` (`content_filter`); anything else is `completed`.
+5. Usage: `input_tokens` is the runtime's prompt tokens (cached ones included, as in
+   chat), `input_tokens_details.cached_tokens` the cached ones, `output_tokens_details
+   .reasoning_tokens` the reasoning ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Final, Literal
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from iop_node.protocols.chat_body import encode
+from iop_node.protocols.chat_view import TokenUsage, read_response
+from iop_node.protocols.errors import ReplyTranslationError
+from iop_node.protocols.responses_request import read_tool_map
+from iop_node.protocols.responses_tools import CallerTool, ToolMap
+
+__all__ = [
+    "CustomCallItem",
+    "FunctionCallItem",
+    "MessageItem",
+    "OutputItem",
+    "OutputText",
+    "ReasoningItem",
+    "ReasoningText",
+    "Refusal",
+    "ResponseShell",
+    "ResponsesUsage",
+    "Status",
+    "call_id",
+    "call_item",
+    "custom_input",
+    "failure",
+    "item_id",
+    "responses_response_from_chat",
+    "status_of",
+]
+
+Status = Literal["in_progress", "completed", "incomplete", "failed"]
+
+
+class _Cached(msgspec.Struct, frozen=True):
+    cached_tokens: int
+    cache_write_tokens: int = 0
+    """A runtime caches prefixes by itself; nothing is written to a cache on request."""
+
+
+class _Reasoning(msgspec.Struct, frozen=True):
+    reasoning_tokens: int
+
+
+class ResponsesUsage(msgspec.Struct, frozen=True, kw_only=True):
+    input_tokens: int
+    input_tokens_details: _Cached
+    output_tokens: int
+    output_tokens_details: _Reasoning
+    total_tokens: int
+
+    @classmethod
+    def of(cls, usage: TokenUsage) -> ResponsesUsage:
+        """Rule 5."""
+        return cls(
+            input_tokens=usage.prompt_tokens,
+            input_tokens_details=_Cached(cached_tokens=usage.cached_tokens),
+            output_tokens=usage.completion_tokens,
+            output_tokens_details=_Reasoning(reasoning_tokens=usage.reasoning_tokens),
+            total_tokens=usage.prompt_tokens + usage.completion_tokens,
+        )
+
+
+class OutputText(msgspec.Struct, tag_field="type", tag="output_text"):
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[Any] = []
+
+
+class Refusal(msgspec.Struct, tag_field="type", tag="refusal"):
+    refusal: str
+
+
+class ReasoningText(msgspec.Struct, tag_field="type", tag="reasoning_text"):
+    text: str
+
+
+class MessageItem(msgspec.Struct, kw_only=True, tag_field="type", tag="message"):
+    id: str
+    status: Status
+    role: str = "assistant"
+    content: list[OutputText | Refusal]
+
+
+class ReasoningItem(msgspec.Struct, kw_only=True, tag_field="type", tag="reasoning"):
+    id: str
+    summary: list[Any] = []
+    content: list[ReasoningText]
+
+
+class FunctionCallItem(
+    msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="type", tag="function_call"
+):
+    id: str
+    status: Status
+    call_id: str
+    name: str
+    arguments: str
+    namespace: str | UnsetType = UNSET
+
+
+class CustomCallItem(
+    msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="type", tag="custom_tool_call"
+):
+    id: str
+    call_id: str
+    name: str
+    input: str
+    namespace: str | UnsetType = UNSET
+
+
+OutputItem = MessageItem | ReasoningItem | FunctionCallItem | CustomCallItem
+
+
+class _Error(msgspec.Struct, frozen=True):
+    code: str
+    message: str
+
+
+class _Incomplete(msgspec.Struct, frozen=True):
+    reason: str
+
+
+#: What a Response echoes of its request (Rule 1), with OpenAI's defaults.
+_ECHO_DEFAULTS: Final[tuple[tuple[str, bytes], ...]] = (
+    ("instructions", b"null"),
+    ("max_output_tokens", b"null"),
+    ("max_tool_calls", b"null"),
+    ("metadata", b"{}"),
+    ("parallel_tool_calls", b"true"),
+    ("previous_response_id", b"null"),
+    ("prompt_cache_key", b"null"),
+    ("reasoning", b'{"effort":null,"summary":null}'),
+    ("safety_identifier", b"null"),
+    ("service_tier", b'"default"'),
+    ("store", b"true"),
+    ("temperature", b"1.0"),
+    ("text", b'{"format":{"type":"text"}}'),
+    ("tool_choice", b'"auto"'),
+    ("tools", b"[]"),
+    ("top_logprobs", b"0"),
+    ("top_p", b"1.0"),
+    ("truncation", b'"disabled"'),
+    ("user", b"null"),
+)
+
+_decode_fields: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+
+
+class ResponseShell:
+    """What every Response object of one run shares: id, time, model, the echo."""
+
+    __slots__ = ("_clock", "created_at", "echo", "id", "model", "tools")
+
+    def __init__(
+        self, reply_model: str, request_id: str, request: bytes, clock: Callable[[], float]
+    ) -> None:
+        self.id = f"resp_{request_id}"
+        self.model = reply_model
+        self._clock = clock
+        self.created_at = int(clock())
+        self.tools: ToolMap = read_tool_map(request)
+        try:
+            fields = _decode_fields(request)
+        except (msgspec.DecodeError, RecursionError):
+            fields = {}
+        self.echo: dict[str, msgspec.Raw] = {
+            name: fields.get(name) or msgspec.Raw(default) for name, default in _ECHO_DEFAULTS
+        }
+
+    def body(
+        self,
+        status: Status,
+        output: list[OutputItem],
+        usage: TokenUsage | None,
+        *,
+        error: _Error | None = None,
+        incomplete: str | None = None,
+    ) -> dict[str, Any]:
+        """The response object, as OpenAI orders its fields."""
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": False,
+            "error": error,
+            "incomplete_details": _Incomplete(incomplete) if incomplete else None,
+            "model": self.model,
+            "output": output,
+            "usage": ResponsesUsage.of(usage) if usage is not None else None,
+        }
+        if status == "completed":
+            body["completed_at"] = int(self._clock())
+        body.update(self.echo)
+        return body
+
+
+def status_of(finish_reason: str | None) -> tuple[Status, str | None]:
+    """Rule 4: the response's status and, when incomplete, why."""
+    if finish_reason == "length":
+        return "incomplete", "max_output_tokens"
+    if finish_reason == "content_filter":
+        return "incomplete", "content_filter"
+    return "completed", None
+
+
+def failure(message: str, code: str) -> _Error:
+    """A failed response's `error`: OpenAI's code for a load signal, `server_error` for
+    the rest; IOP's own code leads the message."""
+    kind = "rate_limit_exceeded" if code in ("busy", "upstream_busy") else "server_error"
+    return _Error(code=kind, message=f"{code}: {message}")
+
+
+_decode_any: Final = msgspec.json.Decoder().decode
+
+
+def custom_input(arguments: str, param: str) -> str:
+    """The string a custom tool's call passes (Rule 3): the one argument's value."""
+    if not arguments.strip():
+        return ""
+    try:
+        value = _decode_any(arguments)
+    except msgspec.DecodeError:
+        value = None
+    if isinstance(value, dict):
+        if isinstance(value.get("input"), str):
+            return str(value["input"])
+        strings = [item for item in value.values() if isinstance(item, str)]
+        if len(value) == 1 and len(strings) == 1:
+            return strings[0]
+    elif isinstance(value, str):
+        return value
+    raise ReplyTranslationError(
+        f"the runtime called a custom tool without its one string argument: {arguments!r:.200}",
+        param=param,
+    )
+
+
+def call_item(
+    tool: CallerTool, item_id: str, call_id: str, arguments: str, *, param: str, status: Status
+) -> FunctionCallItem | CustomCallItem:
+    """Rule 3."""
+    namespace = tool.namespace if tool.namespace is not None else UNSET
+    if tool.custom:
+        return CustomCallItem(
+            id=item_id,
+            call_id=call_id,
+            name=tool.name,
+            input=custom_input(arguments, param),
+            namespace=namespace,
+        )
+    return FunctionCallItem(
+        id=item_id,
+        status=status,
+        call_id=call_id,
+        name=tool.name,
+        arguments=arguments if arguments.strip() else "{}",
+        namespace=namespace,
+    )
+
+
+def call_id(runtime_id: str | None, request_id: str, n: int, used: set[str]) -> str:
+    """Rule 3."""
+    chosen = runtime_id if runtime_id and runtime_id not in used else f"call_{request_id}_{n}"
+    used.add(chosen)
+    return chosen
+
+
+def item_id(kind: str, request_id: str, output_index: int) -> str:
+    """Rule 2."""
+    return f"{kind}_{request_id}_{output_index}"
+
+
+def responses_response_from_chat(
+    chat: bytes,
+    *,
+    reply_model: str,
+    request_id: str,
+    request: bytes,
+    clock: Callable[[], float] = time.time,
+) -> bytes:
+    """The Responses response object for a whole chat completion; `request` is the
+    caller's request body (echoed, and read for its tools). `clock` dates it."""
+    shell = ResponseShell(reply_model, request_id, request, clock)
+    response = read_response(chat)
+    choice = response.first()
+    message = choice.said if choice is not None else None
+    status, incomplete = status_of(choice.finish_reason if choice is not None else None)
+    output: list[OutputItem] = []
+    if message is not None:
+        if message.thinking:
+            output.append(
+                ReasoningItem(
+                    id=item_id("rs", request_id, len(output)),
+                    content=[ReasoningText(text=message.thinking)],
+                )
+            )
+        parts: list[OutputText | Refusal] = []
+        if message.content:
+            parts.append(OutputText(text=message.content))
+        if message.refusal:
+            parts.append(Refusal(refusal=message.refusal))
+        if parts:
+            output.append(
+                MessageItem(
+                    id=item_id("msg", request_id, len(output)),
+                    status="incomplete" if status == "incomplete" else "completed",
+                    content=parts,
+                )
+            )
+        used: set[str] = set()
+        for n, call in enumerate(message.tool_calls or ()):
+            param = f"choices[0].message.tool_calls[{n}]"
+            function = call.function
+            if function is None or not function.name:
+                raise ReplyTranslationError(
+                    "the runtime called a tool without naming it", param=f"{param}.function.name"
+                )
+            tool = shell.tools.caller(function.name)
+            output.append(
+                call_item(
+                    tool,
+                    item_id("ctc" if tool.custom else "fc", request_id, len(output)),
+                    call_id(call.id, request_id, n, used),
+                    function.arguments or "",
+                    param=f"{param}.function.arguments",
+                    status="completed",
+                )
+            )
+    usage = response.usage.tokens() if response.usage is not None else TokenUsage()
+    body = shell.body(status, output, usage, incomplete=incomplete)
+    return encode(body)

@@ -1,0 +1,631 @@
+"""A chat completion stream as an OpenAI Responses stream, chunk by chunk.
+
+`ResponsesStream` is a pure state machine, one per run: `feed` takes one chat chunk (the
+`data:` payload) and returns the Responses events it completes, already framed
+(`event: NAME\\ndata: {...}\\n\\n`); `finish` closes the response; `fail` ends it with
+`response.failed`; `final_response` is the response object the stream ended with (the
+Edge stores it for `store: true`). Every event carries `sequence_number`, counting from
+0; `output_index`, `content_index` and `item_id` agree across an item's events. The rules
+are the ones gateways that translate in the middle get wrong:
+
+1. Exactly one `response.created`, then one `response.in_progress`, before anything else
+   (on the first chunk, or at `finish`/`fail` if the runtime said nothing at all).
+2. One output item is open at a time. Reasoning goes in a `reasoning` item
+   (`reasoning_text` content), text in a `message` item (`output_text` part; a refusal
+   in a `refusal` part of the same item), each tool call in its own item: a switch of
+   kind, or a new tool call, closes the open item (its `.done` events, then
+   `response.output_item.done`) and adds the next. Reasoning never lands in a text part.
+3. Text is sent once: as `output_text.delta` while it streams, and whole in the `.done`
+   events and the final object, which are built from the same pieces, never by
+   appending a final copy to the deltas.
+4. Function-call argument fragments are relayed as `function_call_arguments.delta` as
+   they arrive (a call whose name has not come yet keeps them until it has one; a
+   repeated name is not doubled; a call with no arguments gets `{}`). A custom tool's
+   input is a string inside the chat arguments' JSON, so it is sent whole when its call
+   closes (`custom_tool_call_input.delta`, then `.done`). Parallel calls are told apart
+   by the chat `tool_calls[].index`; a fragment for a call already closed (an upstream
+   that interleaves calls' arguments, which no runtime we know does) is a
+   `ReplyTranslationError`.
+5. `finish` closes the open item, then `response.completed` (or `response.incomplete`
+   for `length` / `content_filter`) with the whole response and its usage: the
+   runtime's own numbers when it reported them in a chunk; `finish(usage)` is the
+   fallback (an estimate) for one that did not.
+6. Empty strings open nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import msgspec
+
+from iop_node.protocols.chat_body import encode, sse_event
+from iop_node.protocols.chat_view import ChatChunk, TokenUsage, ToolCallDelta, read_chunk
+from iop_node.protocols.errors import ReplyTranslationError
+from iop_node.protocols.responses_reply import (
+    CustomCallItem,
+    FunctionCallItem,
+    MessageItem,
+    OutputItem,
+    OutputText,
+    ReasoningItem,
+    ReasoningText,
+    Refusal,
+    ResponseShell,
+    Status,
+    call_id,
+    call_item,
+    failure,
+    item_id,
+    status_of,
+)
+from iop_node.protocols.responses_tools import CallerTool
+
+__all__ = ["ResponsesStream"]
+
+
+# --- events ------------------------------------------------------------------------------
+
+
+class _Event(msgspec.Struct, kw_only=True, tag_field="type"):
+    sequence_number: int
+
+
+class _Lifecycle(_Event, kw_only=True):
+    response: dict[str, Any]
+
+
+class _ItemEvent(_Event, kw_only=True):
+    output_index: int
+    item: OutputItem
+
+
+class _PartEvent(_Event, kw_only=True):
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText | Refusal | ReasoningText
+
+
+class _Delta(_Event, kw_only=True):
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class _TextDelta(_Delta, kw_only=True, tag="response.output_text.delta"):
+    logprobs: list[Any] = []
+
+
+class _RefusalDelta(_Delta, kw_only=True, tag="response.refusal.delta"):
+    pass
+
+
+class _ReasoningDelta(_Delta, kw_only=True, tag="response.reasoning_text.delta"):
+    pass
+
+
+_DELTAS: Final[dict[str, type[_Delta]]] = {
+    "output_text": _TextDelta,
+    "refusal": _RefusalDelta,
+    "reasoning_text": _ReasoningDelta,
+}
+
+
+class _TextDone(_Event, kw_only=True, tag="response.output_text.done"):
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Any] = []
+
+
+class _RefusalDone(_Event, kw_only=True, tag="response.refusal.done"):
+    item_id: str
+    output_index: int
+    content_index: int
+    refusal: str
+
+
+class _ReasoningDone(_Event, kw_only=True, tag="response.reasoning_text.done"):
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+
+
+class _ArgumentsDelta(_Event, kw_only=True, tag="response.function_call_arguments.delta"):
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class _ArgumentsDone(_Event, kw_only=True, tag="response.function_call_arguments.done"):
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+class _InputDelta(_Event, kw_only=True, tag="response.custom_tool_call_input.delta"):
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class _InputDone(_Event, kw_only=True, tag="response.custom_tool_call_input.done"):
+    item_id: str
+    output_index: int
+    input: str
+
+
+def _lifecycle(name: str) -> type[_Lifecycle]:
+    return msgspec.defstruct(  # type: ignore[return-value]
+        "_Lifecycle", [], bases=(_Lifecycle,), kw_only=True, tag=name
+    )
+
+
+def _item_event(name: str) -> type[_ItemEvent]:
+    return msgspec.defstruct(  # type: ignore[return-value]
+        "_ItemEvent", [], bases=(_ItemEvent,), kw_only=True, tag=name
+    )
+
+
+def _part_event(name: str) -> type[_PartEvent]:
+    return msgspec.defstruct(  # type: ignore[return-value]
+        "_PartEvent", [], bases=(_PartEvent,), kw_only=True, tag=name
+    )
+
+
+_CREATED: Final = _lifecycle("response.created")
+_IN_PROGRESS: Final = _lifecycle("response.in_progress")
+_COMPLETED: Final = _lifecycle("response.completed")
+_INCOMPLETE: Final = _lifecycle("response.incomplete")
+_FAILED: Final = _lifecycle("response.failed")
+_ITEM_ADDED: Final = _item_event("response.output_item.added")
+_ITEM_DONE: Final = _item_event("response.output_item.done")
+_PART_ADDED: Final = _part_event("response.content_part.added")
+_PART_DONE: Final = _part_event("response.content_part.done")
+
+PartKind = Literal["output_text", "refusal", "reasoning_text"]
+
+
+# --- state -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Call:
+    """One tool call of the stream (Rule 4)."""
+
+    position: int  # the chat `tool_calls[].index`
+    id: str | None = None
+    name: str | None = None
+    tool: CallerTool | None = None
+    output_index: int | None = None  # its item, once added
+    item_id: str = ""
+    call_id: str = ""
+    closed: bool = False
+    arguments: list[str] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Item:
+    """The open output item."""
+
+    kind: Literal["message", "reasoning", "call"]
+    output_index: int
+    item_id: str
+    parts: list[OutputText | Refusal | ReasoningText] = field(default_factory=list)
+    part: PartKind | None = None  # the open content part
+    pieces: list[str] = field(default_factory=list)  # its text so far
+    call: _Call | None = None
+
+
+class ResponsesStream:
+    """Translates one run's chat stream into Responses events (module docstring)."""
+
+    def __init__(
+        self,
+        reply_model: str,
+        request_id: str,
+        request: bytes,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._shell = ResponseShell(reply_model, request_id, request, clock)
+        self._request_id = request_id
+        self._sequence = 0
+        self._started = False
+        self._ended = False
+        self._output: list[OutputItem] = []  # closed items, by output index
+        self._open: _Item | None = None
+        self._calls: dict[int, _Call] = {}
+        self._ids: set[str] = set()
+        self._finish_reason: str | None = None
+        self._usage: TokenUsage | None = None
+        self._final: bytes | None = None
+
+    @property
+    def usage(self) -> TokenUsage | None:
+        """The last usage the runtime reported in a chunk."""
+        return self._usage
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The events one chat chunk completes (possibly none). After a
+        `ReplyTranslationError` the stream can only `fail`."""
+        self._check_live()
+        view: ChatChunk = read_chunk(chunk)
+        out: list[bytes] = []
+        if view.usage is not None:
+            self._usage = view.usage.tokens()
+        if not self._started:
+            self._start(out)
+        choice = view.first()
+        if choice is None:
+            return b"".join(out)
+        delta = choice.said
+        if delta is not None:
+            if delta.thinking:
+                self._text("reasoning", "reasoning_text", delta.thinking, out)
+            if delta.content:
+                self._text("message", "output_text", delta.content, out)
+            if delta.refusal:
+                self._text("message", "refusal", delta.refusal, out)
+            for k, call in enumerate(delta.tool_calls or ()):
+                self._tool(call, f"choices[0].delta.tool_calls[{k}]", out)
+        if choice.finish_reason:
+            self._finish_reason = choice.finish_reason
+        return b"".join(out)
+
+    def finish(self, usage: TokenUsage | None = None) -> bytes:
+        """The closing events (Rule 5). `usage` counts only when the runtime reported
+        none in its chunks."""
+        self._check_live()
+        out: list[bytes] = []
+        if not self._started:
+            self._start(out)
+        for call in self._calls.values():
+            if call.name is None:
+                raise ReplyTranslationError(
+                    f"the runtime's tool call {call.position} never said which tool it calls",
+                    param=f"choices[0].delta.tool_calls[{call.position}].function.name",
+                )
+        status, incomplete = status_of(self._finish_reason)
+        self._close(out, "incomplete" if status == "incomplete" else "completed")
+        self._ended = True
+        counts = self._usage or usage or TokenUsage()
+        body = self._shell.body(status, self._output, counts, incomplete=incomplete)
+        self._final = encode(body)
+        kind = _COMPLETED if status == "completed" else _INCOMPLETE
+        out.append(self._emit(kind(sequence_number=self._next(), response=body)))
+        return b"".join(out)
+
+    def fail(self, message: str, code: str) -> bytes:
+        """`response.failed` for a failure after the stream began, with the items output
+        so far (the open one `incomplete`). Nothing follows it."""
+        self._check_live()
+        out: list[bytes] = []
+        if not self._started:
+            self._start(out)
+        output = list(self._output)
+        if self._open is not None:
+            try:
+                output.append(self._snapshot(self._open, "incomplete"))
+            except ReplyTranslationError:
+                pass  # a custom call whose input cannot be read: the failure says enough
+        self._ended = True
+        body = self._shell.body("failed", output, self._usage, error=failure(message, code))
+        self._final = encode(body)
+        out.append(self._emit(_FAILED(sequence_number=self._next(), response=body)))
+        return b"".join(out)
+
+    def final_response(self) -> bytes:
+        """The response object the stream ended with (after `finish` or `fail`)."""
+        if self._final is None:
+            raise RuntimeError("the Responses stream has not ended")
+        return self._final
+
+    # --- events ---------------------------------------------------------------------------
+
+    def _check_live(self) -> None:
+        if self._ended:
+            raise RuntimeError("the Responses stream has already ended")
+
+    def _next(self) -> int:
+        number = self._sequence
+        self._sequence += 1
+        return number
+
+    @staticmethod
+    def _emit(event: _Event) -> bytes:
+        return sse_event(str(event.__struct_config__.tag), encode(event))
+
+    def _start(self, out: list[bytes]) -> None:
+        self._started = True
+        body = self._shell.body("in_progress", [], None)
+        out.append(self._emit(_CREATED(sequence_number=self._next(), response=body)))
+        out.append(self._emit(_IN_PROGRESS(sequence_number=self._next(), response=body)))
+
+    # --- items ----------------------------------------------------------------------------
+
+    def _add(
+        self, kind: Literal["message", "reasoning", "call"], prefix: str, out: list[bytes]
+    ) -> _Item:
+        self._close(out, "completed")
+        index = len(self._output)
+        item = _Item(
+            kind=kind, output_index=index, item_id=item_id(prefix, self._request_id, index)
+        )
+        self._open = item
+        return item
+
+    def _close(self, out: list[bytes], status: Status) -> None:
+        """Close the open item: its part's `.done` events, then `output_item.done`."""
+        item = self._open
+        if item is None:
+            return
+        self._close_part(item, out)
+        call = item.call
+        if call is not None:
+            self._close_call(item, call, out)
+        done = self._snapshot(item, status)
+        out.append(
+            self._emit(
+                _ITEM_DONE(sequence_number=self._next(), output_index=item.output_index, item=done)
+            )
+        )
+        self._output.append(done)
+        self._open = None
+
+    def _snapshot(self, item: _Item, status: Status) -> OutputItem:
+        """The item as it stands (its open part included)."""
+        parts = list(item.parts)
+        if item.part is not None:
+            parts.append(_part(item.part, "".join(item.pieces)))
+        if item.kind == "message":
+            content = [part for part in parts if not isinstance(part, ReasoningText)]
+            return MessageItem(id=item.item_id, status=status, content=content)
+        if item.kind == "reasoning":
+            texts = [part for part in parts if isinstance(part, ReasoningText)]
+            return ReasoningItem(id=item.item_id, content=texts)
+        call = item.call
+        assert call is not None and call.tool is not None
+        return call_item(
+            call.tool,
+            item.item_id,
+            call.call_id,
+            "".join(call.arguments),
+            param=f"choices[0].delta.tool_calls[{call.position}].function.arguments",
+            status=status,
+        )
+
+    # --- text -----------------------------------------------------------------------------
+
+    def _text(
+        self, kind: Literal["message", "reasoning"], part: PartKind, text: str, out: list[bytes]
+    ) -> None:
+        item = self._open
+        if item is None or item.kind != kind:
+            item = self._add(kind, "msg" if kind == "message" else "rs", out)
+            added: OutputItem = (
+                MessageItem(id=item.item_id, status="in_progress", content=[])
+                if kind == "message"
+                else ReasoningItem(id=item.item_id, content=[])
+            )
+            out.append(
+                self._emit(
+                    _ITEM_ADDED(
+                        sequence_number=self._next(), output_index=item.output_index, item=added
+                    )
+                )
+            )
+        if item.part != part:
+            self._close_part(item, out)
+            item.part = part
+            out.append(
+                self._emit(
+                    _PART_ADDED(
+                        sequence_number=self._next(),
+                        item_id=item.item_id,
+                        output_index=item.output_index,
+                        content_index=len(item.parts),
+                        part=_part(part, ""),
+                    )
+                )
+            )
+        item.pieces.append(text)
+        event = _DELTAS[part](
+            sequence_number=self._next(),
+            item_id=item.item_id,
+            output_index=item.output_index,
+            content_index=len(item.parts),
+            delta=text,
+        )
+        out.append(self._emit(event))
+
+    def _close_part(self, item: _Item, out: list[bytes]) -> None:
+        if item.part is None:
+            return
+        text = "".join(item.pieces)
+        seq, item_id_, output_index, index = (
+            self._next(),
+            item.item_id,
+            item.output_index,
+            len(item.parts),
+        )
+        done: _Event
+        if item.part == "output_text":
+            done = _TextDone(
+                sequence_number=seq,
+                item_id=item_id_,
+                output_index=output_index,
+                content_index=index,
+                text=text,
+            )
+        elif item.part == "refusal":
+            done = _RefusalDone(
+                sequence_number=seq,
+                item_id=item_id_,
+                output_index=output_index,
+                content_index=index,
+                refusal=text,
+            )
+        else:
+            done = _ReasoningDone(
+                sequence_number=seq,
+                item_id=item_id_,
+                output_index=output_index,
+                content_index=index,
+                text=text,
+            )
+        out.append(self._emit(done))
+        whole = _part(item.part, text)
+        part_done = _PART_DONE(
+            sequence_number=self._next(),
+            item_id=item_id_,
+            output_index=output_index,
+            content_index=index,
+            part=whole,
+        )
+        out.append(self._emit(part_done))
+        item.parts.append(whole)
+        item.part = None
+        item.pieces = []
+
+    # --- tool calls -----------------------------------------------------------------------
+
+    def _tool(self, fragment: ToolCallDelta, param: str, out: list[bytes]) -> None:
+        call = self._call_for(fragment)
+        function = fragment.function
+        if call.id is None and fragment.id:
+            call.id = fragment.id
+        if call.name is None and function is not None and function.name:
+            call.name = function.name
+        arguments = function.arguments if function is not None else None
+        if call.closed:
+            if arguments:
+                raise ReplyTranslationError(
+                    f"the runtime sent arguments for tool call {call.position} after another "
+                    "call began; a Responses stream cannot reopen its item",
+                    param=f"{param}.function.arguments",
+                )
+            return
+        if call.output_index is None:
+            if call.name is None:
+                if arguments:
+                    call.held.append(arguments)
+                return
+            self._add_call(call, out)
+            held, call.held = call.held, []
+            for piece in held:
+                self._arguments(call, piece, out)
+        if arguments:
+            self._arguments(call, arguments, out)
+
+    def _add_call(self, call: _Call, out: list[bytes]) -> None:
+        assert call.name is not None
+        tool = call.tool = self._shell.tools.caller(call.name)
+        item = self._add("call", "ctc" if tool.custom else "fc", out)
+        item.call = call
+        call.output_index = item.output_index
+        call.item_id = item.item_id
+        call.call_id = call_id(call.id, self._request_id, call.position, self._ids)
+        namespace = tool.namespace if tool.namespace is not None else msgspec.UNSET
+        added: OutputItem
+        if tool.custom:
+            added = CustomCallItem(
+                id=call.item_id, call_id=call.call_id, name=tool.name, input="", namespace=namespace
+            )
+        else:
+            added = FunctionCallItem(
+                id=call.item_id,
+                status="in_progress",
+                call_id=call.call_id,
+                name=tool.name,
+                arguments="",
+                namespace=namespace,
+            )
+        out.append(
+            self._emit(
+                _ITEM_ADDED(
+                    sequence_number=self._next(), output_index=item.output_index, item=added
+                )
+            )
+        )
+
+    def _arguments(self, call: _Call, text: str, out: list[bytes]) -> None:
+        call.arguments.append(text)
+        assert call.tool is not None and call.output_index is not None
+        if not call.tool.custom:  # a custom tool's input is sent whole at the close
+            event = _ArgumentsDelta(
+                sequence_number=self._next(),
+                item_id=call.item_id,
+                output_index=call.output_index,
+                delta=text,
+            )
+            out.append(self._emit(event))
+
+    def _close_call(self, item: _Item, call: _Call, out: list[bytes]) -> None:
+        assert call.tool is not None and call.output_index is not None
+        call.closed = True
+        if not "".join(call.arguments).strip() and not call.tool.custom:
+            self._arguments(call, "{}", out)
+        done = self._snapshot(item, "completed")
+        item_id_, output_index = call.item_id, call.output_index
+        if isinstance(done, CustomCallItem):
+            if done.input:
+                delta = _InputDelta(
+                    sequence_number=self._next(),
+                    item_id=item_id_,
+                    output_index=output_index,
+                    delta=done.input,
+                )
+                out.append(self._emit(delta))
+            finished: _Event = _InputDone(
+                sequence_number=self._next(),
+                item_id=item_id_,
+                output_index=output_index,
+                input=done.input,
+            )
+        else:
+            assert isinstance(done, FunctionCallItem)
+            finished = _ArgumentsDone(
+                sequence_number=self._next(),
+                item_id=item_id_,
+                output_index=output_index,
+                name=done.name,
+                arguments=done.arguments,
+            )
+        out.append(self._emit(finished))
+
+    def _call_for(self, fragment: ToolCallDelta) -> _Call:
+        """The call a fragment belongs to: by its chat index; without one (some runtimes
+        leave it out), by its id, else the call being streamed."""
+        position = fragment.index
+        if position is None:
+            if fragment.id:
+                for known in self._calls.values():
+                    if known.id == fragment.id:
+                        return known
+                position = len(self._calls)
+            elif self._open is not None and self._open.call is not None:
+                return self._open.call
+            else:
+                position = max(self._calls) if self._calls else 0
+        call = self._calls.get(position)
+        if call is None:
+            call = self._calls[position] = _Call(position=position)
+        return call
+
+
+def _part(kind: PartKind, text: str) -> OutputText | Refusal | ReasoningText:
+    if kind == "output_text":
+        return OutputText(text=text)
+    if kind == "refusal":
+        return Refusal(refusal=text)
+    return ReasoningText(text=text)

@@ -1,0 +1,139 @@
+"""The `cli` adapter's bounds, with real processes that write for ever: `max_tokens` stops
+the run (finish reason `length`, output counted by the shared estimator, the process
+group ended) and `adapter.request_timeout_s` ends a run that never finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from iop_node.adapters.base import AdapterError
+from iop_node.adapters.cli import CliAdapter
+from iop_node.reply import ParsedChunk
+from schemas.config import AdapterSettings, ProviderConfig
+from schemas.tokens import CHARS_PER_TOKEN, text_tokens
+from schemas.wire import Operation, Run
+
+GUARD_S = 10.0  # starting an interpreter can take a moment on a loaded machine
+MODEL = "endless"
+
+#: Writes its pid to the file named by argv[1], then words to stdout for ever.
+ENDLESS = textwrap.dedent(
+    """
+    import os, sys
+    with open(sys.argv[1], "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        sys.stdout.write("word ")
+        sys.stdout.flush()
+    """
+)
+
+
+def endless(pid_file: Path, *, timeout_s: float = 600.0) -> CliAdapter:
+    settings = AdapterSettings(
+        command=[sys.executable, "-c", ENDLESS, str(pid_file)], request_timeout_s=timeout_s
+    )
+    return CliAdapter(
+        ProviderConfig(id="cli-1", type="cli", models=[MODEL], capacity=1, adapter=settings)
+    )
+
+
+def make_run(body: dict[str, Any], *, stream: bool, operation: Operation = "chat") -> Run:
+    return Run(
+        run_id="run-1",
+        provider_id="cli-1",
+        target=MODEL,
+        operation=operation,
+        body=json.dumps(body).encode(),
+        stream=stream,
+    )
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], **extra}
+
+
+class Chunks:
+    def __init__(self) -> None:
+        self.chunks: list[dict[str, Any]] = []
+
+    async def __call__(self, data: bytes, parsed: ParsedChunk | None = None, /) -> None:
+        self.chunks.append(json.loads(data))
+
+
+def assert_gone(pid_file: Path) -> None:
+    """The process was ended and reaped: its pid no longer exists."""
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+async def test_max_tokens_stops_a_stream_with_finish_reason_length(
+    tmp_path: Path, key: str
+) -> None:
+    pid_file = tmp_path / "pid"
+    chunks = Chunks()
+    body = chat(**{key: 5}, stream_options={"include_usage": True})
+    with trio.fail_after(GUARD_S):
+        result = await endless(pid_file).execute(make_run(body, stream=True), chunks)
+    *content, finish, usage_chunk = chunks.chunks
+    text = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in content)
+    assert len(text) == 5 * CHARS_PER_TOKEN and text.startswith("word word")
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert result.usage is not None and result.usage.completion_tokens == 5 == text_tokens(text)
+    assert usage_chunk["usage"]["completion_tokens"] == 5
+    assert_gone(pid_file)
+
+
+async def test_max_tokens_stops_a_whole_answer_with_finish_reason_length(
+    tmp_path: Path,
+) -> None:
+    pid_file = tmp_path / "pid"
+    with trio.fail_after(GUARD_S):
+        result = await endless(pid_file).execute(
+            make_run(chat(max_tokens=3), stream=False), Chunks()
+        )
+    assert result.response is not None
+    [choice] = json.loads(result.response)["choices"]
+    assert choice["finish_reason"] == "length"
+    assert len(choice["message"]["content"]) == 3 * CHARS_PER_TOKEN
+    assert result.usage is not None and result.usage.completion_tokens == 3
+    assert_gone(pid_file)
+
+
+async def test_max_tokens_stops_a_text_completion(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    body = {"model": MODEL, "prompt": "go on", "max_tokens": 2}
+    with trio.fail_after(GUARD_S):
+        result = await endless(pid_file).execute(
+            make_run(body, stream=False, operation="completion"), Chunks()
+        )
+    assert result.response is not None
+    [choice] = json.loads(result.response)["choices"]
+    assert (choice["text"], choice["finish_reason"]) == ("word wor", "length")
+    assert_gone(pid_file)
+
+
+async def test_the_run_timeout_ends_a_process_that_writes_for_ever(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    chunks = Chunks()
+    with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as raised:
+        await endless(pid_file, timeout_s=0.5).execute(make_run(chat(), stream=True), chunks)
+    assert chunks.chunks  # it streamed until the deadline...
+    assert raised.value.code == "upstream_stream_error" and not raised.value.retryable
+    assert "did not finish within 0.5s" in raised.value.message
+    assert_gone(pid_file)  # ...and was ended with it
+
+    with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as raised:
+        await endless(pid_file, timeout_s=0.5).execute(make_run(chat(), stream=False), Chunks())
+    assert raised.value.code == "upstream_timeout"
+    assert_gone(pid_file)

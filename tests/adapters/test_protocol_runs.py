@@ -1,0 +1,383 @@
+"""Messages, Responses and `count_tokens` runs through the Node's runner to an HTTP
+upstream (the fake, on a real socket): native when it speaks the protocol, translated
+when it does not, and the 404 that teaches the Node which (design §14)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from iop_node.adapters.ollama import OllamaAdapter
+from iop_node.adapters.openai_compat import OpenAICompatAdapter
+from iop_node.health import HealthMonitor
+from iop_node.runner import Chunk, Outbound, RunHandle, execute_run
+from schemas.config import AdapterSettings, ProviderConfig
+from schemas.protocols import CallerProtocol
+from schemas.tokens import estimate_input_tokens, template_tokens, text_tokens
+from schemas.wire import Operation, ProviderStatus, Run, RunDone, RunFailed, Usage
+
+from .conftest import MODEL
+from .fake_data import PROMPT_TOKENS
+from .fake_protocols import NATIVE_COUNT, fake_tokens
+from .fake_upstream import LLAMA_CPP, FakeUpstream
+
+GUARD_S = 5.0
+ALIAS = "team-alias"
+USAGE = Usage(prompt_tokens=PROMPT_TOKENS, completion_tokens=3, total_tokens=PROMPT_TOKENS + 3)
+MESSAGES_BODY: dict[str, Any] = {
+    "model": MODEL,
+    "max_tokens": 64,
+    "system": "be brief",
+    "messages": [{"role": "user", "content": "hi"}],
+}
+RESPONSES_BODY: dict[str, Any] = {"model": MODEL, "instructions": "be brief", "input": "hi"}
+
+
+def make_adapter(
+    upstream: FakeUpstream, protocols: list[CallerProtocol] | None = None
+) -> OpenAICompatAdapter:
+    """A `vllm`-type provider: by default it is assumed to speak all three protocols."""
+    return OpenAICompatAdapter(
+        ProviderConfig(
+            id="p1",
+            type="vllm",
+            models=[MODEL],
+            capacity=4,
+            adapter=AdapterSettings(base_url=upstream.base_url, protocols=protocols),
+        )
+    )
+
+
+@pytest.fixture
+async def upstream(nursery: trio.Nursery) -> FakeUpstream:
+    fake = FakeUpstream()
+    await nursery.start(fake.serve)
+    return fake
+
+
+def protocol_run(
+    operation: Operation,
+    body: dict[str, Any] | None = None,
+    *,
+    stream: bool = False,
+    keep_output: bool = False,
+) -> Run:
+    if body is None:
+        body = RESPONSES_BODY if operation == "responses" else MESSAGES_BODY
+    payload = {**body, "stream": True} if stream else body
+    return Run(
+        run_id="r1",
+        provider_id="p1",
+        target=MODEL,
+        operation=operation,
+        body=json.dumps(payload).encode(),
+        stream=stream,
+        reply_model=ALIAS,
+        request_id="req_1",
+        keep_output=keep_output,
+    )
+
+
+async def execute(
+    adapter: OpenAICompatAdapter, run: Run
+) -> tuple[list[bytes], RunDone | RunFailed]:
+    """Run `run` through the runner: the caller-ready chunks, and the terminal message."""
+    sent: list[Outbound] = []
+
+    async def send(message: Outbound) -> None:
+        sent.append(message)
+
+    with trio.fail_after(GUARD_S):
+        await execute_run(run, adapter, RunHandle(run.run_id), send)
+    *chunks, end = sent
+    assert all(isinstance(chunk, Chunk) for chunk in chunks)
+    assert isinstance(end, RunDone | RunFailed)
+    return [chunk.data for chunk in chunks if isinstance(chunk, Chunk)], end
+
+
+def events_of(chunks: list[bytes]) -> list[tuple[str, dict[str, Any]]]:
+    """The server-sent events in `chunks`, each `event: NAME` + one `data:` line."""
+    found = []
+    for block in b"".join(chunks).split(b"\n\n"):
+        if block:
+            name, data = block.split(b"\n")
+            assert name.startswith(b"event: ") and data.startswith(b"data: "), block
+            found.append((name[7:].decode(), json.loads(data[6:])))
+    return found
+
+
+def paths(upstream: FakeUpstream) -> list[str]:
+    return [request.path for request in upstream.requests]
+
+
+# --- native ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("operation", ["messages", "responses"])
+async def test_a_native_stream_goes_to_the_protocols_endpoint(
+    upstream: FakeUpstream, operation: Operation
+) -> None:
+    upstream.native = frozenset({"messages", "responses"})
+    adapter = make_adapter(upstream)
+    try:
+        chunks, end = await execute(adapter, protocol_run(operation, stream=True))
+    finally:
+        await adapter.aclose()
+    assert paths(upstream) == [f"/v1/{operation}"]
+    events = events_of(chunks)
+    assert events[-1][0] == ("message_stop" if operation == "messages" else "response.completed")
+    assert all(b"[DONE]" not in chunk for chunk in chunks)
+    models = [
+        value[key]["model"]
+        for _, value in events
+        for key in ("message", "response")
+        if isinstance(value.get(key), dict)
+    ]
+    assert models and set(models) == {ALIAS}
+    assert end == RunDone(run_id="r1", usage=USAGE, usage_source="provider")
+
+
+async def test_a_native_non_stream_answer_has_the_alias(upstream: FakeUpstream) -> None:
+    upstream.native = frozenset({"responses"})
+    adapter = make_adapter(upstream, ["chat", "responses"])
+    try:
+        chunks, end = await execute(adapter, protocol_run("responses"))
+    finally:
+        await adapter.aclose()
+    assert chunks == []
+    assert isinstance(end, RunDone) and end.response is not None
+    assert json.loads(end.response)["model"] == ALIAS
+    assert (end.usage, end.usage_source) == (USAGE, "provider")
+
+
+@pytest.mark.parametrize("operation", ["messages", "responses"])
+async def test_ollama_speaks_both_protocols_natively_under_v1(
+    upstream: FakeUpstream, operation: Operation
+) -> None:
+    upstream.native = frozenset({"messages", "responses"})
+    adapter = OllamaAdapter(
+        ProviderConfig(
+            id="p1",
+            type="ollama",
+            models=[MODEL],
+            capacity=2,
+            adapter=AdapterSettings(base_url=upstream.base_url),
+        )
+    )
+    try:
+        _, end = await execute(adapter, protocol_run(operation))
+    finally:
+        await adapter.aclose()
+    assert paths(upstream) == [f"/v1/{operation}"]
+    assert isinstance(end, RunDone) and end.response is not None
+    assert json.loads(end.response)["model"] == ALIAS
+    assert end.usage == USAGE
+
+
+# --- learned: the upstream does not speak it ------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [404, 405])
+async def test_a_missing_native_endpoint_is_learnt_and_the_run_translated(
+    upstream: FakeUpstream, status: int
+) -> None:
+    upstream.native_missing_status = status
+    adapter = make_adapter(upstream)
+    try:
+        chunks, end = await execute(adapter, protocol_run("messages", stream=True))
+        assert paths(upstream) == ["/v1/messages", "/v1/chat/completions"]
+        assert not adapter.protocol_support.speaks("messages")
+        assert adapter.protocol_support.speaks("responses")  # not asked yet: still assumed
+        # The caller got a whole Messages stream, translated from the chat stream (whose
+        # chunks carry reasoning and text each: thinking and text blocks take turns).
+        events = events_of(chunks)
+        names = [name for name, _ in events]
+        assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+        assert events[0][1]["message"]["model"] == ALIAS
+        deltas = [value["delta"] for name, value in events if name == "content_block_delta"]
+        assert "".join(d["text"] for d in deltas if d["type"] == "text_delta") == "tok0 tok1 tok2 "
+        assert "".join(d["thinking"] for d in deltas if d["type"] == "thinking_delta") == (
+            "why0why1why2"
+        )
+        assert events[-2][1]["delta"]["stop_reason"] == "end_turn"
+        assert end == RunDone(run_id="r1", usage=USAGE, usage_source="provider")
+        # The chat request asked for the usage chunk (which no caller saw as a chunk).
+        chat = json.loads(upstream.requests[-1].body)
+        assert chat["stream_options"] == {"include_usage": True}
+        assert chat["messages"][0] == {"role": "system", "content": "be brief"}
+
+        # From now on, straight to chat: the native endpoint is not asked again.
+        await execute(adapter, protocol_run("messages", stream=True))
+        assert paths(upstream)[2:] == ["/v1/chat/completions"]
+    finally:
+        await adapter.aclose()
+
+
+async def test_what_was_learnt_is_reported_in_the_next_status(upstream: FakeUpstream) -> None:
+    adapter = make_adapter(upstream)
+    reports: list[list[ProviderStatus]] = []
+
+    async def report(statuses: list[ProviderStatus]) -> None:
+        reports.append(statuses)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(HealthMonitor({"p1": adapter}, report).run)
+            assert [status.protocols for status in reports[-1]] == [
+                ["chat", "messages", "responses"]
+            ]
+            await execute(adapter, protocol_run("responses"))
+            await trio.testing.wait_all_tasks_blocked()
+            # Reported at once, not at the next probe ten seconds from now.
+            assert len(reports) == 2
+            assert [status.protocols for status in reports[-1]] == [["chat", "messages"]]
+            assert reports[-1][0].health == "available"
+            nursery.cancel_scope.cancel()
+    finally:
+        await adapter.aclose()
+
+
+async def test_an_explicit_protocol_list_is_trusted(upstream: FakeUpstream) -> None:
+    adapter = make_adapter(upstream, ["chat", "messages"])
+    try:
+        chunks, end = await execute(adapter, protocol_run("messages", stream=True))
+    finally:
+        await adapter.aclose()
+    # The operator said the runtime speaks Messages: its 404 is the run's failure, seen
+    # by the Edge (another provider may serve it), and nothing is learnt.
+    assert chunks == []
+    assert isinstance(end, RunFailed)
+    assert (end.code, end.status, end.retryable) == ("upstream_misconfigured", 404, True)
+    assert adapter.protocol_support.speaks("messages")
+    assert paths(upstream) == ["/v1/messages"]
+
+
+# --- translated -----------------------------------------------------------------------------
+
+
+async def test_keep_output_returns_the_final_response_of_a_translated_stream(
+    upstream: FakeUpstream,
+) -> None:
+    adapter = make_adapter(upstream, ["chat"])
+    try:
+        chunks, end = await execute(
+            adapter, protocol_run("responses", stream=True, keep_output=True)
+        )
+    finally:
+        await adapter.aclose()
+    events = events_of(chunks)
+    completed = events[-1]
+    assert completed[0] == "response.completed"
+    assert isinstance(end, RunDone) and end.response is not None
+    final = json.loads(end.response)
+    assert final == completed[1]["response"]  # what the caller saw last, stored as is
+    assert (final["id"], final["model"], final["status"]) == ("resp_req_1", ALIAS, "completed")
+    text = [
+        part["text"]
+        for item in final["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+    ]
+    assert "".join(text) == "tok0 tok1 tok2 "
+    assert final["usage"]["input_tokens"] == PROMPT_TOKENS
+
+
+async def test_a_runtime_that_reports_no_usage_gets_an_estimate(nursery: trio.Nursery) -> None:
+    upstream = FakeUpstream(**LLAMA_CPP)  # ignores `stream_options`: no usage chunk
+    await nursery.start(upstream.serve)
+    adapter = make_adapter(upstream, ["chat"])
+    try:
+        chunks, end = await execute(adapter, protocol_run("messages", stream=True))
+    finally:
+        await adapter.aclose()
+    chat = json.loads(upstream.requests[-1].body)
+    prompt = estimate_input_tokens(chat)
+    assert isinstance(end, RunDone)
+    # Three text chunks and the final one: the tally's one token per short chunk.
+    assert end.usage == Usage(prompt_tokens=prompt, completion_tokens=3, total_tokens=prompt + 3)
+    assert end.usage_source == "estimated"
+    delta = [value for name, value in events_of(chunks) if name == "message_delta"]
+    assert delta[0]["usage"]["output_tokens"] == 3
+
+
+async def test_a_request_that_cannot_be_translated_fails_naming_the_field(
+    upstream: FakeUpstream,
+) -> None:
+    adapter = make_adapter(upstream, ["chat"])
+    body = {
+        **MESSAGES_BODY,
+        "messages": [{"role": "user", "content": [{"type": "hologram", "data": "x"}]}],
+    }
+    try:
+        chunks, end = await execute(adapter, protocol_run("messages", body, stream=True))
+    finally:
+        await adapter.aclose()
+    assert chunks == []
+    assert isinstance(end, RunFailed)
+    assert (end.code, end.status, end.retryable) == ("invalid_request", 400, False)
+    assert end.param == "messages[0].content[0].type"
+    assert end.message.startswith("messages[0].content[0].type: ")
+    assert end.usage is None  # nothing ran: nothing is metered
+    assert upstream.requests_total == 0
+
+
+# --- count_tokens ---------------------------------------------------------------------------
+
+
+async def test_count_tokens_asks_a_messages_upstream_itself(upstream: FakeUpstream) -> None:
+    upstream.native = frozenset({"messages"})
+    adapter = make_adapter(upstream)
+    try:
+        chunks, end = await execute(adapter, protocol_run("count_tokens"))
+    finally:
+        await adapter.aclose()
+    assert chunks == []
+    assert end == RunDone(
+        run_id="r1",
+        usage=Usage(),
+        response=json.dumps({"input_tokens": NATIVE_COUNT}, separators=(",", ":")).encode(),
+        usage_source="provider",
+    )
+    assert paths(upstream) == ["/v1/messages/count_tokens"]
+
+
+RENDERED = "system\nbe brief\nuser\nhi"
+#: The chat template's share of the translated request (a system and a user message).
+TEMPLATE = template_tokens(
+    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+)
+
+
+@pytest.mark.parametrize("dialect", ["llama_cpp", "vllm", "llama_cpp_python"])
+async def test_count_tokens_uses_the_runtime_tokenizer(
+    upstream: FakeUpstream, dialect: str
+) -> None:
+    upstream.tokenizer = dialect  # and Messages is not spoken: its routes are 404
+    adapter = make_adapter(upstream)
+    try:
+        _, end = await execute(adapter, protocol_run("count_tokens"))
+    finally:
+        await adapter.aclose()
+    expected = len(fake_tokens(RENDERED)) + TEMPLATE
+    assert isinstance(end, RunDone) and end.response is not None
+    assert json.loads(end.response) == {"input_tokens": expected}
+    assert (end.usage, end.usage_source) == (Usage(), "provider")
+    assert paths(upstream)[0] == "/v1/messages/count_tokens"  # asked once, then learnt
+    assert not adapter.protocol_support.counts_tokens
+
+
+async def test_count_tokens_without_a_tokenizer_is_estimated(upstream: FakeUpstream) -> None:
+    adapter = make_adapter(upstream, ["chat"])
+    try:
+        _, end = await execute(adapter, protocol_run("count_tokens"))
+    finally:
+        await adapter.aclose()
+    assert isinstance(end, RunDone) and end.response is not None
+    expected = text_tokens(RENDERED) + TEMPLATE
+    assert json.loads(end.response) == {"input_tokens": expected}
+    assert (end.usage, end.usage_source) == (Usage(), "estimated")
+    assert paths(upstream) == ["/tokenize", "/extras/tokenize/count"]

@@ -1,0 +1,111 @@
+"""A hung test fails on its own, saying where every task waits, and the suite goes on.
+
+pytest-timeout (`timeout` in pyproject.toml, or `@pytest.mark.timeout(S)`) is the
+backstop for every test: after `S` seconds it prints every thread's stack and ends the
+run. Its stacks say little about a Trio test, though: a hung Trio test is one whose tasks
+all wait, and the only thread's stack is Trio's scheduler waiting for I/O. (Its `signal`
+method, which fails just the one test, raises inside that scheduler and leaves the next
+test to find a broken Trio run.)
+
+So each Trio test also runs under a guard of half that time, measured on the wall clock
+(a test's autojump clock can race through hours): the guard cancels the test and fails it
+with the await stack of every Trio task (`trio.lowlevel.Task.iter_await_frames`): which
+task waits for what, where. Only a test that blocks the event loop itself (a busy loop,
+blocking I/O) is left to the backstop. Hypothesis tests keep their own per-example
+deadline and only the backstop.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import traceback
+from collections.abc import Awaitable, Callable, Iterator
+from inspect import iscoroutinefunction
+from typing import Any
+
+import pytest
+import trio
+
+#: Where Trio's own source files are: their frames say nothing about a test.
+_TRIO_SOURCES = os.path.dirname(trio.__file__) + os.sep
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if not isinstance(item, pytest.Function) or item.get_closest_marker("trio") is None:
+            continue
+        if hasattr(item.obj, "hypothesis") or not iscoroutinefunction(item.obj):
+            continue
+        item.obj = _guarded(item.obj, _guard_s(item, config))
+
+
+def _guard_s(item: pytest.Item, config: pytest.Config) -> float:
+    """Half the test's pytest-timeout (its marker's, else the configured one)."""
+    marker = item.get_closest_marker("timeout")
+    timeout = marker.args[0] if marker is not None and marker.args else config.getini("timeout")
+    return float(timeout) / 2
+
+
+def _guarded(test: Callable[..., Awaitable[None]], guard_s: float) -> Callable[..., Any]:
+    """`test`, cancelled and failed with every task's await stack after `guard_s` seconds
+    of wall-clock time."""
+
+    @functools.wraps(test)
+    async def guarded(**kwargs: Any) -> None:
+        token = trio.lowlevel.current_trio_token()
+        stacks: list[str] = []
+        with trio.CancelScope() as scope:
+
+            def hung() -> None:  # in the Trio thread, between two scheduling passes
+                stacks.append(_await_stacks())
+                scope.cancel()
+
+            def fire() -> None:  # in the timer's thread
+                try:
+                    token.run_sync_soon(hung)
+                except trio.RunFinishedError:
+                    pass
+
+            timer = threading.Timer(guard_s, fire)
+            timer.daemon = True
+            timer.start()
+            try:
+                await test(**kwargs)
+            finally:
+                timer.cancel()
+        if stacks:
+            pytest.fail(
+                f"the test hung: not done after {guard_s:g}s; where each task waits:\n" + stacks[0],
+                pytrace=False,
+            )
+
+    return guarded
+
+
+def _await_stacks() -> str:
+    """Every task of the current Trio run with its await stack (Trio's own frames left
+    out), as a tree."""
+    lines: list[str] = []
+    for depth, task in _tasks(trio.lowlevel.current_root_task(), 0):
+        indent = "  " * depth
+        lines.append(f"{indent}task {task.name}")
+        frames = [
+            (frame, line)
+            for frame, line in task.iter_await_frames()
+            if not frame.f_code.co_filename.startswith(_TRIO_SOURCES)
+        ]
+        for entry in traceback.StackSummary.extract(frames).format():
+            lines.extend(indent + "  " + text for text in entry.rstrip("\n").split("\n"))
+    return "\n".join(lines)
+
+
+def _tasks(task: trio.lowlevel.Task | None, depth: int) -> Iterator[tuple[int, trio.lowlevel.Task]]:
+    if task is None:
+        return
+    yield depth, task
+    for nursery in task.child_nurseries:
+        for child in nursery.child_tasks:
+            yield from _tasks(child, depth + 1)

@@ -1,0 +1,185 @@
+"""Stored OpenAI Responses (design §14) through a real Edge + Node, with the `openai` SDK:
+`store` and `previous_response_id` across an Edge restart and across replicas sharing a
+PostgreSQL ledger, `GET` and `DELETE /v1/responses/{id}`, principals kept apart,
+`store: false` keeping nothing, and the body a native runtime gets for a continuation."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import openai
+import pytest
+import trio
+
+from tests.adapters.fake_upstream import FakeUpstream
+from tests.e2e.postgres import PASSWORD_ENV
+from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
+
+ALICE = "alice-token-for-tests"
+BOB = "bob-token-for-tests"
+
+
+def _config(state_dir: Path, **edge_section: Any) -> str:
+    return edge_config(
+        state_dir,
+        providers=[sim_provider("sim-1", capacity=4)],
+        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+        openai_section={
+            "principal_tokens": [
+                {
+                    "token_ref": name,
+                    "principal_ref": name,
+                    "token_hash_sha256": hashlib.sha256(token.encode()).hexdigest(),
+                }
+                for name, token in (("alice", ALICE), ("bob", BOB))
+            ]
+        },
+        edge_section=edge_section or None,
+    )
+
+
+async def _ask(stack: Stack, text: str, **kwargs: Any) -> Any:
+    kwargs.setdefault("max_output_tokens", 4)
+    async with stack.client(api_key=kwargs.pop("token", ALICE)) as client:
+        return await client.responses.create(model="m", input=text, **kwargs)
+
+
+async def test_a_conversation_goes_on_after_an_edge_restart(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    text = _config(tmp_path / "state")
+    async with trio.open_nursery() as first_life:
+        first = await start_stack(first_life, text, tmp_path / "edge.yaml", wait_models=("m",))
+        one = await _ask(first, "The secret word is pineapple.")
+        two = await _ask(first, "Remember it.", previous_response_id=one.id)
+        first.edge.stop()
+        first.kill_node()
+    # a new Edge process on the same state_dir
+    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+    alone = await _ask(stack, "What was the word?", store=False)
+    three = await _ask(stack, "What was the word?", previous_response_id=two.id)
+    # the runtime read the whole conversation: two earlier turns in and out, then this one
+    assert three.usage.input_tokens > alone.usage.input_tokens + 2 * 4
+    async with stack.client(api_key=ALICE) as client:
+        again = await client.responses.retrieve(two.id)
+        assert again.id == two.id and again.output_text == two.output_text
+        streamed = await client.responses.create(
+            model="m",
+            input="And now?",
+            previous_response_id=three.id,
+            max_output_tokens=4,
+            stream=True,
+        )
+        events = [event async for event in streamed]
+        final = events[-1].response  # type: ignore[union-attr]
+        stored = await client.responses.retrieve(final.id)  # stored before the stream ended
+    assert stored.id == final.id and stored.output_text == final.output_text
+
+
+async def test_another_principals_responses_do_not_exist_for_it(stack_store: Stack) -> None:
+    mine = await _ask(stack_store, "hi")
+    async with stack_store.client(api_key=BOB) as bob:
+        with pytest.raises(openai.NotFoundError) as read:
+            await bob.responses.retrieve(mine.id)
+        with pytest.raises(openai.NotFoundError) as continued:
+            await bob.responses.create(model="m", input="x", previous_response_id=mine.id)
+        with pytest.raises(openai.NotFoundError):
+            await bob.responses.delete(mine.id)
+    assert isinstance(read.value.body, dict) and read.value.body["code"] == "response_not_found"
+    assert continued.value.body == {
+        "message": f"Previous response with id '{mine.id}' not found.",
+        "type": "invalid_request_error",
+        "param": "previous_response_id",
+        "code": "previous_response_not_found",
+    }
+    async with stack_store.client(api_key=ALICE) as alice:
+        assert (await alice.responses.retrieve(mine.id)).id == mine.id
+
+
+async def test_delete_removes_it_and_store_false_keeps_nothing(stack_store: Stack) -> None:
+    kept = await _ask(stack_store, "hi")
+    unkept = await _ask(stack_store, "hi", store=False)
+    async with stack_store.http() as http:
+        deleted = await http.delete(
+            f"/v1/responses/{kept.id}", headers={"authorization": f"Bearer {ALICE}"}
+        )
+    assert deleted.status_code == 200
+    assert deleted.json() == {"id": kept.id, "object": "response", "deleted": True}
+    async with stack_store.client(api_key=ALICE) as client:
+        for gone in (kept.id, unkept.id):
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve(gone)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.create(model="m", input="x", previous_response_id=kept.id)
+
+
+@pytest.fixture
+async def stack_store(nursery: trio.Nursery, tmp_path: Path) -> Stack:
+    return await start_stack(
+        nursery, _config(tmp_path / "state"), tmp_path / "edge.yaml", wait_models=("m",)
+    )
+
+
+async def test_a_native_runtime_is_sent_the_conversation_without_state(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    fake = FakeUpstream(native=frozenset({"responses"}))
+    base_url = await nursery.start(fake.serve)
+    native = {
+        "id": "native",
+        "type": "openai_api",
+        "models": ["fake-model"],
+        "capacity": 2,
+        "adapter": {"base_url": base_url},
+    }
+    text = edge_config(
+        tmp_path / "state",
+        providers=[native],
+        models=[{"id": "m", "providers": {"native": "fake-model"}}],
+    )
+    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+    async with stack.client() as client:
+        first = await client.responses.create(model="m", input="hi", instructions="Be brief.")
+        await client.responses.create(model="m", input="more", previous_response_id=first.id)
+    bodies = [msgspec.json.decode(r.body) for r in fake.requests if r.path == "/v1/responses"]
+    assert [body.get("store") for body in bodies] == [False, False]
+    sent = bodies[1]
+    assert "previous_response_id" not in sent and "instructions" not in sent
+    assert sent["input"][0] == {"type": "message", "role": "user", "content": "hi"}
+    assert sent["input"][1]["type"] == "message" and sent["input"][1]["role"] == "assistant"
+    assert sent["input"][1]["content"][0]["text"] == first.output_text
+    assert sent["input"][-1] == {"type": "message", "role": "user", "content": "more"}
+    assert len(sent["input"]) == 3
+
+
+async def test_replicas_sharing_a_postgresql_ledger_share_conversations(
+    nursery: trio.Nursery, tmp_path: Path, ledger_url: str
+) -> None:
+    shared = {"ledger": ledger_url, "ledger_password_env": PASSWORD_ENV}
+    one = await start_stack(
+        nursery,
+        _config(tmp_path / "one", **shared),
+        tmp_path / "one.yaml",
+        wait_models=("m",),
+    )
+    two = await start_stack(
+        nursery,
+        _config(tmp_path / "two", **shared),
+        tmp_path / "two.yaml",
+        wait_models=("m",),
+    )
+    first = await _ask(one, "The secret word is pineapple.")
+    second = await _ask(two, "Remember it.", previous_response_id=first.id)
+    async with two.client(api_key=ALICE) as client:
+        assert (await client.responses.retrieve(first.id)).id == first.id
+    async with one.client(api_key=BOB) as client:
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(second.id)
+    async with one.client(api_key=ALICE) as client:
+        await client.responses.delete(second.id)
+    async with two.client(api_key=ALICE) as client:
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(second.id)

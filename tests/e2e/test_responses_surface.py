@@ -1,0 +1,150 @@
+"""The OpenAI Responses surface through a real Edge + Node, with the official `openai` SDK:
+translated on the Node (the sim speaks chat only) and native (a fake upstream that speaks
+Responses), stream and not; errors in OpenAI's shape, an Edge failure inside a stream
+included; one ledger record per run, with its protocol. Stored responses are in
+`test_response_store.py`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import openai
+import pytest
+import trio
+
+from tests.adapters.fake_upstream import FakeUpstream
+from tests.e2e.stack import WAIT_GUARD_S, Stack, edge_config, sim_provider, start_stack
+
+
+@pytest.fixture
+async def stack(nursery: trio.Nursery, tmp_path: Path) -> Stack:
+    text = edge_config(
+        tmp_path / "state",
+        providers=[sim_provider("sim-1", capacity=4)],
+        models=[
+            {
+                "id": "codex-local",
+                "providers": {"sim-1": "sim-small"},
+                "generation": {"max_tokens_limit": 64, "defaults": {"max_tokens": 6}},
+            }
+        ],
+    )
+    return await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("codex-local",))
+
+
+async def _usage_by_protocol(stack: Stack) -> dict[str, int]:
+    await stack.edge.ledger.wait_flushed()
+    async with stack.admin() as admin:
+        response = await admin.get("/usage", params={"group_by": "protocol"})
+    response.raise_for_status()
+    return {row["protocol"]: row["requests"] for row in response.json()["rows"]}
+
+
+async def test_a_response_and_a_stream_translated_on_the_node(stack: Stack) -> None:
+    async with stack.client() as client:
+        response = await client.responses.create(
+            model="codex-local", input="Say something.", instructions="Be brief.", store=False
+        )
+        stream = await client.responses.create(
+            model="codex-local",
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi."}]}],
+            stream=True,
+            store=False,
+        )
+        events = [event async for event in stream]
+    assert response.model == "codex-local" and response.output_text
+    # the model's default `max_tokens: 6` applies as Responses' `max_output_tokens`: the
+    # sim generates up to the bound, so the response is cut there
+    assert response.status == "incomplete"
+    assert response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage is not None and 0 < response.usage.output_tokens <= 6
+    # the sim always stops at its bound, as `response.incomplete`
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text and final.model == "codex-local"
+    assert await _usage_by_protocol(stack) == {"responses": 2}
+
+
+async def test_edge_errors_come_in_openais_shape(stack: Stack) -> None:
+    async with stack.client() as client:
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await client.responses.create(model="gpt-9", input="x")
+        with pytest.raises(openai.BadRequestError) as too_long:
+            await client.responses.create(model="codex-local", input="x", max_output_tokens=65)
+        with pytest.raises(openai.BadRequestError) as wrong_type:
+            await client.responses.create(model="codex-local", input=[{"content": 3}])  # type: ignore[list-item]
+    assert unknown.value.body == {
+        "message": "The model 'gpt-9' does not exist",
+        "type": "not_found_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    assert isinstance(too_long.value.body, dict)
+    assert too_long.value.body["code"] == "max_tokens_exceeded"
+    assert too_long.value.body["param"] == "max_output_tokens"
+    assert isinstance(wrong_type.value.body, dict)
+    assert wrong_type.value.body["param"] == "input[0].content"
+    assert await _usage_by_protocol(stack) == {}  # refused before any run: nothing billed
+
+
+async def test_a_node_lost_mid_stream_ends_it_with_response_failed(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    slow = sim_provider("sim-1", adapter={"ttft_ms": 1, "tokens_per_second": 2})
+    text = edge_config(
+        tmp_path / "state",
+        providers=[slow],
+        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+    )
+    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+    events: list[Any] = []
+    async with stack.client() as client:
+        with trio.fail_after(WAIT_GUARD_S):
+            stream = await client.responses.create(
+                model="m", input="Tell a long story.", max_output_tokens=40, stream=True
+            )
+            async for event in stream:
+                events.append(event)
+                if event.type == "response.output_text.delta":
+                    stack.kill_node()
+    failed = events[-1]
+    assert failed.type == "response.failed"
+    assert failed.sequence_number == events[-2].sequence_number + 1
+    assert failed.response.status == "failed" and failed.response.model == "m"
+    assert failed.response.error.code == "node_lost"
+    assert await _usage_by_protocol(stack) == {"responses": 1}
+
+
+async def test_a_native_provider_gets_the_body_with_no_state(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    fake = FakeUpstream(native=frozenset({"responses"}))
+    base_url = await nursery.start(fake.serve)
+    native = {
+        "id": "native",
+        "type": "openai_api",
+        "models": ["fake-model"],
+        "capacity": 2,
+        "adapter": {"base_url": base_url},
+    }
+    text = edge_config(
+        tmp_path / "state",
+        providers=[native, sim_provider("sim-1", served="fake-model")],
+        models=[{"id": "m", "providers": {"native": "fake-model", "sim-1": "fake-model"}}],
+    )
+    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+    async with stack.client() as client:
+        for _ in range(2):
+            raw = await client.responses.with_raw_response.create(
+                model="m", input="hi", store=False, metadata={"trace": "t-1"}
+            )
+            assert raw.headers["x-iop-provider"] == "native"
+            assert raw.parse().model == "m"
+    [first, _] = [r for r in fake.requests if r.path == "/v1/responses"]
+    body = msgspec.json.decode(first.body)
+    assert body["model"] == "fake-model" and body["metadata"] == {"trace": "t-1"}
+    assert body["store"] is False and "previous_response_id" not in body

@@ -1,0 +1,133 @@
+"""Native replies on their way to the caller: the alias in `model`, usage read, every
+other byte as the upstream wrote it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pydantic
+from anthropic.types import Message, RawMessageStreamEvent
+from openai.types.responses import Response, ResponseCompletedEvent
+
+from iop_node.protocols import MessagesNative, ResponsesNative, TokenUsage
+
+_anthropic_event = pydantic.TypeAdapter(RawMessageStreamEvent)
+
+MESSAGE_START = (
+    b'{"type":"message_start","message":{"id":"msg_1","type":"message","role":"assistant",'
+    b'"model":"served/Qwen3","content":[],"stop_reason":null,"stop_sequence":null,'
+    b'"usage":{"input_tokens":25,"cache_creation_input_tokens":5,'
+    b'"cache_read_input_tokens":300,"output_tokens":1}}}'
+)
+DELTA = (
+    b'{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hi \\u00e9"}}'
+)
+MESSAGE_DELTA = (
+    b'{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},'
+    b'"usage":{"output_tokens":42}}'
+)
+
+
+def test_messages_stream() -> None:
+    native = MessagesNative("alias")
+    start = native.event(MESSAGE_START, "message_start")
+    event: Any = _anthropic_event.validate_json(start)
+    assert event.message.model == "alias"
+    assert json.loads(start)["message"]["usage"] == json.loads(MESSAGE_START)["message"]["usage"]
+    assert native.usage == TokenUsage(prompt_tokens=330, completion_tokens=1, cached_tokens=300)
+    # The bulk is not read at all when the event name is known, and untouched without it.
+    assert native.event(DELTA, "content_block_delta") is DELTA
+    assert native.event(DELTA) is DELTA
+    assert native.event(MESSAGE_DELTA, "message_delta") is MESSAGE_DELTA
+    # Counts are cumulative: the input counts of message_start stay.
+    assert native.usage == TokenUsage(prompt_tokens=330, completion_tokens=42, cached_tokens=300)
+
+
+def test_messages_stream_without_event_names() -> None:
+    native = MessagesNative("alias")
+    assert json.loads(native.event(MESSAGE_START))["message"]["model"] == "alias"
+    native.event(MESSAGE_DELTA)
+    assert native.usage is not None and native.usage.completion_tokens == 42
+
+
+def test_messages_body() -> None:
+    body = (
+        b'{"id":"msg_1","type":"message","role":"assistant","model":"served","content":'
+        b'[{"type":"text","text":"ok"}],"stop_reason":"end_turn","stop_sequence":null,'
+        b'"usage":{"input_tokens":7,"output_tokens":2}}'
+    )
+    native = MessagesNative("alias")
+    message = Message.model_validate_json(native.response(body))
+    assert message.model == "alias" and message.content[0].type == "text"
+    assert native.usage == TokenUsage(prompt_tokens=7, completion_tokens=2)
+
+
+def test_what_is_not_an_object_passes_as_it_is() -> None:
+    for native in (MessagesNative("alias"), ResponsesNative("alias")):
+        assert native.event(b"[DONE]") == b"[DONE]"
+        assert native.response(b"oops") == b"oops"
+        assert native.usage is None
+
+
+def _response(status: str, usage: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "status": status,
+        "model": "served",
+        "output": [],
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+        "usage": usage,
+    }
+
+
+USAGE = {
+    "input_tokens": 90,
+    "input_tokens_details": {"cached_tokens": 64, "cache_write_tokens": 0},
+    "output_tokens": 12,
+    "output_tokens_details": {"reasoning_tokens": 5},
+    "total_tokens": 102,
+}
+
+
+def test_responses_stream() -> None:
+    native = ResponsesNative("alias")
+    created = json.dumps(
+        {
+            "type": "response.created",
+            "sequence_number": 0,
+            "response": _response("in_progress", None),
+        }
+    ).encode()
+    assert json.loads(native.event(created, "response.created"))["response"]["model"] == "alias"
+    assert native.usage is None
+    delta = b'{"type":"response.output_text.delta","sequence_number":3,"delta":"x"}'
+    assert native.event(delta, "response.output_text.delta") is delta
+    completed = json.dumps(
+        {
+            "type": "response.completed",
+            "sequence_number": 9,
+            "response": _response("completed", USAGE),
+        }
+    ).encode()
+    out = native.event(completed)
+    event = ResponseCompletedEvent.model_validate_json(out)
+    assert event.response.model == "alias" and event.response.tools[0].type == "function"
+    assert native.usage == TokenUsage(
+        prompt_tokens=90, completion_tokens=12, cached_tokens=64, reasoning_tokens=5
+    )
+    assert native.final_response is not None
+    assert Response.model_validate_json(native.final_response) == event.response
+
+
+def test_responses_body() -> None:
+    native = ResponsesNative("alias")
+    response = Response.model_validate_json(
+        native.response(json.dumps(_response("completed", USAGE)).encode())
+    )
+    assert response.model == "alias"
+    assert native.usage is not None and native.usage.prompt_tokens == 90

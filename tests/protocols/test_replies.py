@@ -1,0 +1,263 @@
+"""Whole (non-stream) chat completions as Messages and Responses replies, parsed by the
+official SDKs (`messages.create`, `responses.create`) from a real HTTP answer."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from iop_node.protocols import (
+    ReplyTranslationError,
+    messages_response_from_chat,
+    responses_response_from_chat,
+)
+
+from .replay_server import ReplayServer
+
+NOW = 1767225600.0
+
+
+def _chat(
+    message: dict[str, Any],
+    finish: str | None = "stop",
+    usage: dict[str, Any] | None = None,
+    **choice: Any,
+) -> bytes:
+    body: dict[str, Any] = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "served",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", **message},
+                "finish_reason": finish,
+                **choice,
+            }
+        ],
+    }
+    if usage is not None:
+        body["usage"] = usage
+    return json.dumps(body).encode()
+
+
+USAGE = {
+    "prompt_tokens": 120,
+    "completion_tokens": 30,
+    "total_tokens": 150,
+    "prompt_tokens_details": {"cached_tokens": 100},
+    "completion_tokens_details": {"reasoning_tokens": 12},
+}
+FULL = {
+    "reasoning_content": "Think first.",
+    "content": "Calling two tools.",
+    "tool_calls": [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        },
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": ""}},
+    ],
+}
+
+
+def _messages(chat: bytes) -> bytes:
+    return messages_response_from_chat(chat, reply_model="alias", request_id="r7")
+
+
+def _responses(chat: bytes, request: dict[str, Any] | None = None) -> bytes:
+    body = json.dumps(request or {"model": "served", "input": "hi"}).encode()
+    return responses_response_from_chat(
+        chat, reply_model="alias", request_id="r7", request=body, clock=lambda: NOW
+    )
+
+
+def test_messages_reply(replay: ReplayServer, anthropic_client: anthropic.Anthropic) -> None:
+    replay.answer(_messages(_chat(FULL, "tool_calls", USAGE)))
+    message = anthropic_client.messages.create(
+        model="alias", max_tokens=10, messages=[{"role": "user", "content": "hi"}]
+    )
+    assert message.id == "msg_r7" and message.model == "alias" and message.role == "assistant"
+    thinking, text, weather, time = message.content
+    assert thinking.type == "thinking" and thinking.thinking == "Think first."
+    assert text.type == "text" and text.text == "Calling two tools."
+    assert weather.type == "tool_use" and (weather.id, weather.name, weather.input) == (
+        "call_1",
+        "get_weather",
+        {"city": "Oslo"},
+    )
+    # A repeated runtime id is replaced by a deterministic one; no arguments is `{}`.
+    assert time.type == "tool_use" and (time.id, time.input) == ("toolu_r7_1", {})
+    assert message.stop_reason == "tool_use" and message.stop_sequence is None
+    assert message.usage.input_tokens == 20
+    assert message.usage.cache_read_input_tokens == 100
+    assert message.usage.cache_creation_input_tokens == 0
+    assert message.usage.output_tokens == 30
+
+
+@pytest.mark.parametrize(
+    ("finish", "extra", "reason", "sequence"),
+    [
+        ("stop", {}, "end_turn", None),
+        ("length", {}, "max_tokens", None),
+        ("tool_calls", {}, "tool_use", None),
+        ("content_filter", {}, "refusal", None),
+        ("stop", {"stop_reason": "###"}, "stop_sequence", "###"),
+        ("stop", {"stop_reason": 128009}, "end_turn", None),  # a stop token, not a string
+        (None, {}, "end_turn", None),
+    ],
+)
+def test_messages_stop_reasons(
+    finish: str | None, extra: dict[str, Any], reason: str, sequence: str | None
+) -> None:
+    reply = json.loads(_messages(_chat({"content": "x"}, finish, **extra)))
+    assert (reply["stop_reason"], reply["stop_sequence"]) == (reason, sequence)
+
+
+def test_messages_reply_without_usage_or_content() -> None:
+    reply = json.loads(_messages(_chat({"content": None}, "stop")))
+    assert reply["content"] == []
+    assert reply["usage"] == {
+        "input_tokens": 0,
+        "output_tokens": 0,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+
+
+@pytest.mark.parametrize("arguments", ['{"city": "Oslo"', "[1, 2]", "Oslo"])
+def test_messages_tool_arguments_that_are_not_an_object(arguments: str) -> None:
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    with pytest.raises(ReplyTranslationError) as caught:
+        _messages(_chat({"tool_calls": [call]}, "tool_calls"))
+    assert caught.value.param == "choices[0].message.tool_calls[0].function.arguments"
+
+
+def test_a_reply_that_is_not_chat_completions() -> None:
+    with pytest.raises(ReplyTranslationError) as caught:
+        _messages(b'{"choices": "none"}')
+    assert caught.value.param == "choices"
+    with pytest.raises(ReplyTranslationError, match="not JSON"):
+        _responses(b"<html>")
+
+
+def test_responses_reply(replay: ReplayServer, openai_client: openai.OpenAI) -> None:
+    tools = [
+        {"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
+        {"type": "function", "name": "get_time"},
+    ]
+    request = {
+        "model": "served",
+        "input": "hi",
+        "instructions": "Be brief.",
+        "tools": tools,
+        "previous_response_id": "resp_prev",
+        "store": True,
+        "max_output_tokens": 99,
+    }
+    replay.answer(_responses(_chat(FULL, "tool_calls", USAGE), request))
+    response = openai_client.responses.create(model="alias", input="hi")
+    assert response.id == "resp_r7" and response.model == "alias"
+    assert response.status == "completed" and response.created_at == NOW
+    reasoning, message, weather, time = response.output
+    assert reasoning.type == "reasoning" and [c.text for c in reasoning.content or ()] == [
+        "Think first."
+    ]
+    assert message.type == "message" and response.output_text == "Calling two tools."
+    assert weather.type == "function_call" and (
+        weather.call_id,
+        weather.name,
+        weather.arguments,
+    ) == (
+        "call_1",
+        "get_weather",
+        '{"city": "Oslo"}',
+    )
+    assert time.type == "function_call" and (time.call_id, time.arguments) == ("call_r7_1", "{}")
+    assert len({item.id for item in response.output}) == 4
+    # The request's settings are echoed as sent.
+    assert response.instructions == "Be brief."
+    assert [tool.name for tool in response.tools if tool.type == "function"] == [
+        "get_weather",
+        "get_time",
+    ]
+    assert response.previous_response_id == "resp_prev"
+    assert response.max_output_tokens == 99
+    assert json.loads(replay.reply.body)["store"] is True
+    usage = response.usage
+    assert usage is not None
+    assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (120, 30, 150)
+    assert usage.input_tokens_details.cached_tokens == 100
+    assert usage.output_tokens_details.reasoning_tokens == 12
+
+
+def test_responses_custom_and_namespaced_calls() -> None:
+    tools = [
+        {"type": "custom", "name": "apply_patch"},
+        {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "go"}]},
+    ]
+    calls = [
+        {
+            "id": "a",
+            "type": "function",
+            "function": {"name": "apply_patch", "arguments": '{"input": "*** Begin"}'},
+        },
+        {"id": "b", "type": "function", "function": {"name": "ns__go", "arguments": "{}"}},
+    ]
+    reply = json.loads(
+        _responses(_chat({"tool_calls": calls}, "tool_calls"), {"model": "m", "tools": tools})
+    )
+    assert reply["output"] == [
+        {
+            "type": "custom_tool_call",
+            "id": "ctc_r7_0",
+            "call_id": "a",
+            "name": "apply_patch",
+            "input": "*** Begin",
+        },
+        {
+            "type": "function_call",
+            "id": "fc_r7_1",
+            "status": "completed",
+            "call_id": "b",
+            "name": "go",
+            "arguments": "{}",
+            "namespace": "ns",
+        },
+    ]
+
+
+def test_responses_incomplete_and_refusal() -> None:
+    reply = json.loads(_responses(_chat({"content": "It is"}, "length")))
+    assert reply["status"] == "incomplete"
+    assert reply["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert reply["output"][0]["status"] == "incomplete"
+    refused = json.loads(_responses(_chat({"content": None, "refusal": "No."}, "content_filter")))
+    assert refused["incomplete_details"] == {"reason": "content_filter"}
+    assert refused["output"][0]["content"] == [{"type": "refusal", "refusal": "No."}]
+
+
+def test_responses_defaults_echoed_for_a_bare_request() -> None:
+    reply = json.loads(_responses(_chat({"content": "x"})))
+    assert reply["tools"] == [] and reply["tool_choice"] == "auto"
+    assert reply["parallel_tool_calls"] is True and reply["store"] is True
+    assert reply["text"] == {"format": {"type": "text"}}
+    assert reply["completed_at"] == int(NOW)
+
+
+def test_responses_custom_call_without_its_string_argument() -> None:
+    tools = [{"type": "custom", "name": "apply_patch"}]
+    call = {
+        "id": "a",
+        "type": "function",
+        "function": {"name": "apply_patch", "arguments": '{"n": 1}'},
+    }
+    with pytest.raises(ReplyTranslationError) as caught:
+        _responses(_chat({"tool_calls": [call]}, "tool_calls"), {"model": "m", "tools": tools})
+    assert caught.value.param == "choices[0].message.tool_calls[0].function.arguments"
