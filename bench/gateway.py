@@ -4,7 +4,11 @@ The Edge runs exactly as an operator runs it (`python -m iop_edge serve --config
 every listener on 127.0.0.1 port 0; the URLs it bound are read from its log. The Node is
 `python -m iop_node run`, with its token in `IOP_NODE_TOKEN`. The config has one model,
 `bench-model`, on one `vllm` provider pointing at the bench upstream, with capacity and
-queue large enough that the pool is never what limits throughput.
+queue large enough that the pool is never what limits throughput. That provider speaks
+Anthropic Messages and OpenAI Responses natively (a `vllm` type's default), as the
+upstream does; a second model, `bench-model-translated`, is on a provider declared to
+speak chat only (`adapter.protocols: [chat]`) on the same upstream, so the Node
+translates its Messages and Responses runs: the same Edge and Node, either path.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -21,9 +26,11 @@ import trio
 import yaml
 
 from bench.services import Service, python_argv, spawn_service, start_service
-from bench.upstream import MODEL, SERVED_MODEL
+from bench.upstream import MODEL, MODEL_TRANSLATED, SERVED_MODEL
 
 PROVIDER_ID: Final = "bench-vllm"
+#: The provider the Node translates caller protocols for (chat only).
+CHAT_PROVIDER_ID: Final = "bench-vllm-chat"
 NODE_ID: Final = "bench-node"
 #: Run slots of the one provider: far above any concurrency the bench uses.
 CAPACITY: Final = 256
@@ -61,32 +68,54 @@ class Gateway:
 
 
 def edge_config(
-    upstream_root: str, state_dir: Path, node_token: str, *, capacity: int = CAPACITY
+    upstream_root: str,
+    state_dir: Path,
+    node_token: str,
+    *,
+    capacity: int = CAPACITY,
+    extra_models: Sequence[Mapping[str, Any]] = (),
 ) -> str:
-    """The Edge config (YAML) for one model on one provider at `upstream_root`."""
+    """The Edge config (YAML): `bench-model` on a provider at `upstream_root` that speaks
+    every caller protocol, `bench-model-translated` on one that speaks chat only, and
+    `extra_models` (model entries naming either provider)."""
     config: dict[str, Any] = {
         "edge": {"id": "bench-edge", "listen": "127.0.0.1:0", "state_dir": str(state_dir)},
         "admin": {"listen": "127.0.0.1:0"},
         "openai": {"listen": "127.0.0.1:0"},
         "dispatch": {"max_queue": 4096, "queue_timeout_ms": 120_000},
-        "models": [{"id": MODEL, "providers": {PROVIDER_ID: SERVED_MODEL}}],
+        "models": [
+            {"id": MODEL, "providers": {PROVIDER_ID: SERVED_MODEL}},
+            {"id": MODEL_TRANSLATED, "providers": {CHAT_PROVIDER_ID: SERVED_MODEL}},
+            *(dict(model) for model in extra_models),
+        ],
         "nodes": [
             {
                 "id": NODE_ID,
                 "token_hash_sha256": hashlib.sha256(node_token.encode()).hexdigest(),
                 "providers": [
-                    {
-                        "id": PROVIDER_ID,
-                        "type": "vllm",
-                        "models": [SERVED_MODEL],
-                        "capacity": capacity,
-                        "adapter": {"base_url": f"{upstream_root}/v1"},
-                    }
+                    _provider(PROVIDER_ID, upstream_root, capacity),
+                    _provider(CHAT_PROVIDER_ID, upstream_root, capacity, protocols=["chat"]),
                 ],
             }
         ],
     }
     return yaml.safe_dump(config, sort_keys=False)
+
+
+def _provider(
+    provider_id: str, upstream_root: str, capacity: int, *, protocols: list[str] | None = None
+) -> dict[str, Any]:
+    """A `vllm` provider on the upstream; `protocols` overrides what it speaks natively."""
+    adapter: dict[str, Any] = {"base_url": f"{upstream_root}/v1"}
+    if protocols is not None:
+        adapter["protocols"] = protocols
+    return {
+        "id": provider_id,
+        "type": "vllm",
+        "models": [SERVED_MODEL],
+        "capacity": capacity,
+        "adapter": adapter,
+    }
 
 
 class EdgeLog:
@@ -105,16 +134,27 @@ class EdgeLog:
 
 
 async def start_gateway(
-    nursery: trio.Nursery, upstream_root: str, workdir: Path, *, capacity: int = CAPACITY
+    nursery: trio.Nursery,
+    upstream_root: str,
+    workdir: Path,
+    *,
+    capacity: int = CAPACITY,
+    extra_models: Sequence[Mapping[str, Any]] = (),
 ) -> Gateway:
-    """Start the Edge, then the Node; return once the model is servable.
+    """Start the Edge, then the Node; return once the models are servable.
 
     `workdir` gets the config and the Edge's state. The caller owns the deadline
     (startup takes about a second)."""
     token = secrets.token_urlsafe(24)
     await trio.Path(workdir).mkdir(parents=True, exist_ok=True)
     config_path = workdir / "edge.yaml"
-    text = edge_config(upstream_root, workdir / "edge-state", token, capacity=capacity)
+    text = edge_config(
+        upstream_root,
+        workdir / "edge-state",
+        token,
+        capacity=capacity,
+        extra_models=extra_models,
+    )
     await trio.Path(config_path).write_text(text, encoding="utf-8")
     edge = await start_service(
         nursery,

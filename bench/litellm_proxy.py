@@ -8,11 +8,15 @@ separate virtualenv (its dependency tree is large and pins versions of its own):
     /tmp/litellm-venv/bin/pip install 'litellm[proxy]'
     IOP_BENCH_LITELLM=/tmp/litellm-venv/bin/litellm just bench
 
-It is configured like the IOP gateway under test: one model, `bench-model`, on the same
-upstream (`openai/` provider prefix = any OpenAI-compatible server), one worker process
-(the IOP Edge is one process too), no authentication (the IOP config under test has no
-principal tokens either), no network fetch of its model price map, and uvicorn's access
-log off so neither side pays for per-request logging.
+It is configured like the IOP gateway under test: `bench-model` on the same upstream
+(`openai/` provider prefix = any OpenAI-compatible server), and, for the Anthropic
+Messages and OpenAI Responses scenarios, `bench-model-translated` on it through LiteLLM's
+`custom_openai/` provider, which LiteLLM serves by translating both protocols to chat
+completions and back, as IOP's Node does for a chat-only provider (with `openai/`
+LiteLLM would instead send both protocols to the upstream's own `/v1/responses`); one
+worker process (the IOP Edge is one process too), no authentication (the IOP config
+under test has no principal tokens either), no network fetch of its model price map,
+and uvicorn's access log off so neither side pays for per-request logging.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import trio
 import yaml
 
 from bench.services import Service, start_service
-from bench.upstream import MODEL, SERVED_MODEL
+from bench.upstream import MODEL, MODEL_TRANSLATED, SERVED_MODEL
 
 ENV_VAR: Final = "IOP_BENCH_LITELLM"
 _READY = re.compile(r"Uvicorn running on (http://\S+)")
@@ -70,17 +74,19 @@ def find_litellm() -> str | None:
 
 
 def litellm_config(upstream_root: str) -> str:
-    """LiteLLM's proxy config: `bench-model` on the bench upstream."""
+    """LiteLLM's proxy config: `bench-model` and `bench-model-translated` on the bench
+    upstream (see the module docstring)."""
     config = {
         "model_list": [
             {
-                "model_name": MODEL,
+                "model_name": name,
                 "litellm_params": {
-                    "model": f"openai/{SERVED_MODEL}",
+                    "model": f"{provider}/{SERVED_MODEL}",
                     "api_base": f"{upstream_root}/v1",
                     "api_key": "unused",
                 },
             }
+            for name, provider in ((MODEL, "openai"), (MODEL_TRANSLATED, "custom_openai"))
         ]
     }
     return yaml.safe_dump(config, sort_keys=False)

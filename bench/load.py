@@ -12,9 +12,14 @@ client builds it until the last byte of the body: for a stream, every SSE event 
 so the number is the time to the end of the generation (`data: [DONE]`). A warm-up phase
 (connections opened, caches filled) runs before each measured one and is discarded.
 
+A scenario speaks one caller protocol (`Scenario.protocol`): chat completions, Anthropic
+Messages (`POST /v1/messages`) or OpenAI Responses (`POST /v1/responses`, `store: false`
+as Codex sends it), each asking for the same short answer; a target is measured under
+the protocols it serves (`Target.models`).
+
 Failures (a non-200 status, a transport error, a stream that lost an event or ended
-without `[DONE]`) are counted apart and never enter the latency numbers; the first one
-is kept to show why.
+without its last one: `[DONE]`, `message_stop`, `response.completed`) are counted apart
+and never enter the latency numbers; the first one is kept to show why.
 """
 
 from __future__ import annotations
@@ -23,30 +28,68 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Literal
 
 import httpx2
+import msgspec
 import trio
 
 from bench.procfs import cpu_by_process, cpu_delta
-from bench.upstream import MODEL, STREAM_CHUNKS
+from bench.upstream import (
+    MESSAGES_STREAM_EVENTS,
+    MODEL,
+    RESPONSES_STREAM_EVENTS,
+    STREAM_CHUNKS,
+    STREAM_TOKENS,
+)
 
+Protocol = Literal["chat", "messages", "responses"]
+PROTOCOLS: Final[tuple[Protocol, ...]] = ("chat", "messages", "responses")
 CHAT_PATH: Final = "/v1/chat/completions"
+PATHS: Final[dict[Protocol, str]] = {
+    "chat": CHAT_PATH,
+    "messages": "/v1/messages",
+    "responses": "/v1/responses",
+}
 _DONE: Final = b"data: [DONE]\n\n"
 #: A complete stream: every chunk of the upstream's, then `[DONE]`.
 STREAM_EVENTS: Final = STREAM_CHUNKS + 1
+#: The events of a stream a caller receives, by protocol (chat's `[DONE]` aside): what
+#: the per-chunk cost divides by.
+CALLER_EVENTS: Final[dict[Protocol, int]] = {
+    "chat": STREAM_CHUNKS,
+    "messages": MESSAGES_STREAM_EVENTS,
+    "responses": RESPONSES_STREAM_EVENTS,
+}
 _REQUEST_TIMEOUT_S: Final = 60.0
 #: Below uvicorn's 5 s idle timeout (LiteLLM), so no request lands on a closing connection.
 _KEEPALIVE_EXPIRY_S: Final = 4.0
 _HEADERS: Final = {"content-type": "application/json", "authorization": "Bearer unused"}
+_PROTOCOL_HEADERS: Final[dict[Protocol, dict[str, str]]] = {
+    "chat": _HEADERS,
+    "messages": {**_HEADERS, "anthropic-version": "2023-06-01"},
+    "responses": _HEADERS,
+}
+_PROMPT: Final = b'"Say hello in twenty-one tokens."'
 
 
-def request_body(*, stream: bool) -> bytes:
-    """The request every target gets: a short chat turn (`model` is the logical id)."""
+def request_body(*, stream: bool, protocol: Protocol = "chat", model: str = MODEL) -> bytes:
+    """The request every target gets, in `protocol`: a short turn asking for the same
+    answer (`model` is the logical id)."""
     flag = b"true" if stream else b"false"
+    name = b'{"model":"' + model.encode() + b'",'
+    if protocol == "responses":
+        return (
+            name
+            + b'"input":'
+            + _PROMPT
+            + b',"max_output_tokens":64,"store":false,"stream":'
+            + flag
+            + b"}"
+        )
     return (
-        b'{"model":"' + MODEL.encode() + b'","messages":[{"role":"user","content":'
-        b'"Say hello in twenty-one tokens."}],"max_tokens":64,"stream":' + flag + b"}"
+        name + b'"messages":[{"role":"user","content":' + _PROMPT + b'}],"max_tokens":64,'
+        b'"stream":' + flag + b"}"
     )
 
 
@@ -56,11 +99,13 @@ class Target:
 
     `processes` names the processes that make up the target and their pids (IOP: `edge`
     and `node`; a peer: its one process); the CPU time each spends during a measured
-    phase is reported per request and per chunk, each process apart."""
+    phase is reported per request and per chunk, each process apart. `models` names the
+    protocols it is measured under and the model its requests name in each."""
 
     name: str
     root_url: str
     processes: Mapping[str, int] = field(default_factory=dict)
+    models: Mapping[Protocol, str] = field(default_factory=lambda: {"chat": MODEL})
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -71,10 +116,16 @@ class Target:
 class Scenario:
     concurrency: int
     stream: bool
+    protocol: Protocol = "chat"
 
     @property
     def label(self) -> str:
-        return f"c={self.concurrency} {'stream' if self.stream else 'non-stream'}"
+        label = f"c={self.concurrency} {'stream' if self.stream else 'non-stream'}"
+        return label if self.protocol == "chat" else f"{label} {self.protocol}"
+
+    def like(self, protocol: Protocol) -> Scenario:
+        """The same load in another protocol."""
+        return Scenario(self.concurrency, self.stream, protocol)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,11 +202,12 @@ class Measurement:
         return spent / requests * 1000
 
     def process_cpu_us_per_chunk(self, process: str | None) -> float | None:
-        """CPU µs per relayed stream chunk (`STREAM_CHUNKS` per request); streams only."""
+        """CPU µs per stream event the caller receives (`CALLER_EVENTS` per request);
+        streams only."""
         per_request = self.process_cpu_ms_per_request(process)
         if not self.scenario.stream or per_request is None:
             return None
-        return per_request * 1000 / STREAM_CHUNKS
+        return per_request * 1000 / CALLER_EVENTS[self.scenario.protocol]
 
     @property
     def p50_ms(self) -> float | None:
@@ -220,19 +272,88 @@ def open_client(max_concurrency: int) -> httpx2.AsyncClient:
     )
 
 
-async def _complete(client: httpx2.AsyncClient, url: str, body: bytes) -> None:
-    response = await client.post(url, content=body, headers=_HEADERS)
+class _Whole(msgspec.Struct):
+    """What a non-stream answer of a caller protocol must say: a message with content
+    (Messages), a completed response with output (Responses)."""
+
+    type: str | None = None
+    content: list[msgspec.Raw] = []
+    object: str | None = None
+    status: str | None = None
+    output: list[msgspec.Raw] = []
+
+
+_decode_whole: Final = msgspec.json.Decoder(_Whole).decode
+
+
+def _check_whole(protocol: Protocol, body: bytes) -> None:
+    if protocol == "chat":
+        if b'"choices"' not in body:
+            raise _BadResponse(f"not a chat completion: {body[:200]!r}")
+        return
+    try:
+        whole = _decode_whole(body)
+    except msgspec.DecodeError:
+        raise _BadResponse(f"not a {protocol} answer: {body[:200]!r}") from None
+    if protocol == "messages" and not (whole.type == "message" and whole.content):
+        raise _BadResponse(f"not a message with content: {body[:200]!r}")
+    if protocol == "responses" and not (
+        whole.object == "response" and whole.status == "completed" and whole.output
+    ):
+        raise _BadResponse(f"not a completed response: {body[:200]!r}")
+
+
+async def _complete(
+    client: httpx2.AsyncClient, url: str, body: bytes, protocol: Protocol = "chat"
+) -> None:
+    response = await client.post(url, content=body, headers=_PROTOCOL_HEADERS[protocol])
     if response.status_code != 200:
         raise _BadResponse(f"HTTP {response.status_code}: {response.text[:200]}")
-    if b'"choices"' not in response.content:
-        raise _BadResponse(f"not a chat completion: {response.content[:200]!r}")
+    _check_whole(protocol, response.content)
 
 
-async def _stream(client: httpx2.AsyncClient, url: str, body: bytes) -> None:
-    async with client.stream("POST", url, content=body, headers=_HEADERS) as response:
+class _Markers:
+    """Counts where `markers` occur in a body read in pieces (one may straddle two)."""
+
+    def __init__(self, *markers: bytes) -> None:
+        self.counts = dict.fromkeys(markers, 0)
+        self._tail = b""
+        self._keep = max(len(marker) for marker in markers) - 1
+
+    def feed(self, chunk: bytes) -> None:
+        for marker in self.counts:
+            start = max(len(self._tail) - len(marker) + 1, 0)
+            self.counts[marker] += (self._tail[start:] + chunk).count(marker)
+        self._tail = (self._tail + chunk)[-self._keep :]
+
+
+#: A caller protocol's stream is whole when it carried one text delta per token (the
+#: marker each delta has once, whatever a gateway's JSON spacing) and its last event.
+_DELTA: Final[dict[Protocol, bytes]] = {"messages": b"text_delta", "responses": b'"delta"'}
+_LAST: Final[dict[Protocol, bytes]] = {
+    "messages": b"message_stop",
+    "responses": b"response.completed",
+}
+
+
+async def _stream(
+    client: httpx2.AsyncClient, url: str, body: bytes, protocol: Protocol = "chat"
+) -> None:
+    headers = _PROTOCOL_HEADERS[protocol]
+    async with client.stream("POST", url, content=body, headers=headers) as response:
         if response.status_code != 200:
             await response.aread()
             raise _BadResponse(f"HTTP {response.status_code}: {response.text[:200]}")
+        if protocol != "chat":
+            markers = _Markers(_DELTA[protocol], _LAST[protocol])
+            async for chunk in response.aiter_raw():
+                markers.feed(chunk)
+            deltas, last = markers.counts.values()
+            if not last:
+                raise _BadResponse(f"stream ended without {_LAST[protocol].decode()}")
+            if deltas != STREAM_TOKENS:
+                raise _BadResponse(f"{deltas} text deltas instead of {STREAM_TOKENS}")
+            return
         events = 0
         tail = b""
         async for chunk in response.aiter_raw():
@@ -296,12 +417,13 @@ async def measure(
     client: httpx2.AsyncClient, target: Target, scenario: Scenario, budget: Budget
 ) -> Measurement:
     """Warm up, then measure `target` under `scenario`."""
-    url = target.root_url.rstrip("/") + CHAT_PATH
-    body = request_body(stream=scenario.stream)
+    protocol = scenario.protocol
+    url = target.root_url.rstrip("/") + PATHS[protocol]
+    body = request_body(stream=scenario.stream, protocol=protocol, model=target.models[protocol])
     request = _stream if scenario.stream else _complete
 
     async def send() -> None:
-        await request(client, url, body)
+        await request(client, url, body, protocol)
 
     warmup = max(budget.warmup_requests, scenario.concurrency) if budget.warmup_requests else 0
     if warmup:

@@ -17,6 +17,17 @@ LiteLLM's.
 CPU by process. The same CPU time split by process (IOP's Edge and Node apart), per
 request and, for streams, per relayed chunk (22 per stream).
 
+Caller protocols. The Anthropic Messages and OpenAI Responses scenarios: the upstream
+answering them itself (`direct`), IOP relaying them to it natively (`IOP`) and
+translating them to chat on the Node (`IOP transl.`), LiteLLM's `/v1/messages` and
+`/v1/responses`. `vs IOP chat` is a row's CPU per request over IOP's on the chat
+scenario of the same load; `of LiteLLM` its CPU per request as a share of LiteLLM's.
+
+Agent prefix cache (`bench.agent_cache`). Each turn of a Claude-Code-shaped
+conversation through IOP to an upstream with a prompt prefix cache, with Claude Code's
+attribution block removed (the default) and kept: the time to the whole answer, the
+prompt's tokens and the share of them the upstream read from its cache.
+
 Fleet-shaped streams (`bench.fleet` says how they are measured). `token delay` is a
 token's arrival at the caller minus the moment the upstream sent it; `+p50`/`+p99` are a
 target's percentiles minus the direct ones; `gap` is the time between two tokens of one
@@ -40,11 +51,13 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from bench.agent_cache import AgentCacheMeasurement
 from bench.fleet import FleetMeasurement
-from bench.load import Measurement
+from bench.load import Measurement, Scenario
 from bench.result import (
     DIRECT,
     IOP,
+    IOP_TRANSLATED,
     LITELLM,
     PROCESSES,
     TARGET_LABELS,
@@ -52,6 +65,7 @@ from bench.result import (
     added_gap_ms,
     added_p50_ms,
     added_token_delay_ms,
+    cpu_ratio,
     throughput_ratio,
 )
 from bench.targets import TargetCheck, check_targets
@@ -73,6 +87,10 @@ def _label(target: str) -> str:
     return TARGET_LABELS.get(target, target)
 
 
+def _chat_scenarios(result: BenchResult) -> list[Scenario]:
+    return [s for s in result.scenarios() if s.protocol == "chat"]
+
+
 def measurements_table(result: BenchResult) -> Table:
     table = Table(title="Gateway overhead: closed-loop load, fake upstream with no delay")
     table.add_column("scenario")
@@ -82,7 +100,7 @@ def measurements_table(result: BenchResult) -> Table:
         "IOP/LiteLLM",
     ):  # fmt: skip
         table.add_column(name, justify="right")
-    scenarios = result.scenarios()
+    scenarios = _chat_scenarios(result)
     for index, scenario in enumerate(scenarios):
         rows = [m for m in result.measurements if m.scenario == scenario]
         for row, m in enumerate(rows):
@@ -117,12 +135,12 @@ def cpu_by_process_table(result: BenchResult) -> Table:
     table = Table(title="CPU by process: ms per request; us per relayed chunk for streams")
     table.add_column("target")
     table.add_column("process")
-    scenarios = result.scenarios()
+    scenarios = _chat_scenarios(result)
     for scenario in scenarios:
         table.add_column(f"{scenario.label}\nms/req", justify="right")
         if scenario.stream:
             table.add_column(f"{scenario.label}\nus/chunk", justify="right")
-    targets = list(dict.fromkeys(m.target for m in result.measurements))
+    targets = list(dict.fromkeys(m.target for m in result.measurements if m.scenario in scenarios))
     for index, target in enumerate(targets):
         rows = _process_rows(target)
         for row, (label, process) in enumerate(rows):
@@ -139,6 +157,85 @@ def cpu_by_process_table(result: BenchResult) -> Table:
                 *cells,
                 end_section=row == len(rows) - 1 and index < len(targets) - 1,
             )
+    return table
+
+
+def _share(value: float | None) -> str:
+    return "-" if not value else f"1/{1 / value:.1f}"
+
+
+def protocols_table(result: BenchResult) -> Table:
+    """The Messages and Responses scenarios (see the module docstring)."""
+    table = Table(
+        title="Caller protocols: Anthropic Messages and OpenAI Responses, closed-loop",
+        caption="IOP relays them natively; IOP transl. and LiteLLM translate them to chat "
+        "completions and back, for a model each serves from a chat-only provider",
+    )
+    table.add_column("scenario")
+    table.add_column("target")
+    for name in (
+        "ok", "err", "p50 ms", "req/s", "CPU ms/req", "edge", "node", "vs IOP chat",
+        "of LiteLLM",
+    ):  # fmt: skip
+        table.add_column(name, justify="right")
+    scenarios = [s for s in result.scenarios() if s.protocol != "chat"]
+    for index, scenario in enumerate(scenarios):
+        rows = [m for m in result.measurements if m.scenario == scenario]
+        chat = result.get(IOP, scenario.like("chat"))
+        chat_cpu = chat.cpu_ms_per_request if chat is not None else None
+        for row, m in enumerate(rows):
+            iop = m.target in (IOP, IOP_TRANSLATED)
+            cpu = m.cpu_ms_per_request
+            vs_chat = cpu / chat_cpu if iop and cpu is not None and chat_cpu else None
+            table.add_row(
+                scenario.label if row == 0 else "",
+                _label(m.target),
+                str(m.ok),
+                Text(str(m.errors), style="red" if m.errors else ""),
+                _num(m.p50_ms),
+                "-" if m.rps is None else f"{m.rps:.0f}",
+                _num(cpu),
+                _num(m.process_cpu_ms_per_request("edge")) if iop else "",
+                _num(m.process_cpu_ms_per_request("node")) if iop else "",
+                _ratio(vs_chat) if iop else "",
+                _share(cpu_ratio(result, m.target, LITELLM, scenario)) if iop else "",
+                end_section=row == len(rows) - 1 and index < len(scenarios) - 1,
+            )
+    return table
+
+
+def agent_cache_table(m: AgentCacheMeasurement) -> Table:
+    table = Table(
+        title=(
+            "Agent prefix cache: a Claude-Code-shaped conversation, the attribution block "
+            f"removed (default) and kept; {m.shape.label}"
+        )
+    )
+    table.add_column("turn", justify="right")
+    for name in (
+        "prompt tokens", "removed: ms", "cached", "kept: ms", "cached",
+    ):  # fmt: skip
+        table.add_column(name, justify="right")
+    for n, (stripped, as_sent) in enumerate(zip(m.stripped, m.as_sent, strict=True), 1):
+        table.add_row(
+            str(n),
+            str(stripped.prompt_tokens),
+            f"{stripped.seconds * 1000:.0f}",
+            f"{stripped.cached_share:.0%}",
+            f"{as_sent.seconds * 1000:.0f}",
+            f"{as_sent.cached_share:.0%}",
+        )
+    speedup = m.speedup
+    table.add_row(
+        "all",
+        str(sum(turn.prompt_tokens for turn in m.stripped)),
+        f"{m.total_s(m.stripped) * 1000:.0f}",
+        f"{m.cached_share(m.stripped):.0%}",
+        f"{m.total_s(m.as_sent) * 1000:.0f}",
+        f"{m.cached_share(m.as_sent):.0%}"
+        + ("" if speedup is None else f" ({speedup:.1f}x the time)"),
+        style="bold",
+    )
     return table
 
 
@@ -262,9 +359,11 @@ def render(result: BenchResult) -> RenderableType:
     ]
     if result.settings:
         parts.append(Text("settings: " + ", ".join(f"{k}={v}" for k, v in result.settings.items())))
-    if result.measurements:
+    if _chat_scenarios(result):
         parts.append(measurements_table(result))
         parts.append(cpu_by_process_table(result))
+    if any(s.protocol != "chat" for s in result.scenarios()):
+        parts.append(protocols_table(result))
     for m in result.measurements:
         if m.first_error:
             parts.append(Text(f"{m.target} {m.scenario.label}: first error: {m.first_error}"))
@@ -278,6 +377,8 @@ def render(result: BenchResult) -> RenderableType:
         parts.append(many_nodes_table(result))
         if result.many_nodes.refresh_problem:
             parts.append(Text(f"refresh: {result.many_nodes.refresh_problem}"))
+    if result.agent_cache is not None:
+        parts.append(agent_cache_table(result.agent_cache))
     parts.extend(Text(note) for note in result.notes)
     parts.append(targets_table(check_targets(result)))
     return Group(*parts)
@@ -322,6 +423,7 @@ def to_json(result: BenchResult) -> str:
     rows = [
         {
             "target": m.target,
+            "protocol": m.scenario.protocol,
             "concurrency": m.scenario.concurrency,
             "stream": m.scenario.stream,
             "ok": m.ok,
@@ -363,6 +465,25 @@ def to_json(result: BenchResult) -> str:
             "refresh_nodes": nodes.refresh_nodes,
             "refresh_problem": nodes.refresh_problem,
         }
+    agent = result.agent_cache
+    agent_cache = None
+    if agent is not None:
+        agent_cache = {
+            "turns": agent.shape.turns,
+            "prefill_us_per_token": agent.shape.prefill_us,
+            "cached_prefill_us_per_token": agent.shape.cached_us,
+            **{
+                name: [
+                    {
+                        "seconds": turn.seconds,
+                        "prompt_tokens": turn.prompt_tokens,
+                        "cached_tokens": turn.cached_tokens,
+                    }
+                    for turn in turns
+                ]
+                for name, turns in (("removed", agent.stripped), ("kept", agent.as_sent))
+            },
+        }
     checks = [
         {"goal": c.goal, "measured": c.measured, "verdict": c.verdict}
         for c in check_targets(result)
@@ -377,6 +498,7 @@ def to_json(result: BenchResult) -> str:
         "measurements": rows,
         "fleet": [_fleet_json(result, m) for m in result.fleet],
         "many_nodes": many_nodes,
+        "agent_cache": agent_cache,
         "targets": checks,
         "notes": list(result.notes),
     }

@@ -1,10 +1,12 @@
 """What one bench run measured, and the numbers derived from it (all pure).
 
-A run has up to three parts (`bench.run` says which ran): the closed-loop scenarios
+A run has up to four parts (`bench.run` says which ran): the closed-loop scenarios
 (`measurements`, from `bench.load`), the fleet-shaped stream scenario (`fleet`, from
-`bench.fleet`) and the many-Nodes scenario (`many_nodes`, from `bench.many_nodes`).
-Targets are named by the constants here; each is made of named processes (`PROCESSES`),
-whose CPU and memory the report shows apart.
+`bench.fleet`), the many-Nodes scenario (`many_nodes`, from `bench.many_nodes`) and the
+agent prefix-cache scenario (`agent_cache`, from `bench.agent_cache`). Targets are named
+by the constants here; each is made of named processes (`PROCESSES`), whose CPU and
+memory the report shows apart. `iop-translated` is IOP's Edge and Node again, asked for
+the model whose Messages and Responses runs the Node translates (`bench.gateway`).
 """
 
 from __future__ import annotations
@@ -15,24 +17,37 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from bench.agent_cache import AgentCacheMeasurement
 from bench.fleet import FleetMeasurement
-from bench.load import Measurement, Scenario
+from bench.load import PROTOCOLS, Measurement, Protocol, Scenario
 from bench.many_nodes import ManyNodesMeasurement
+from bench.upstream import MODEL, MODEL_TRANSLATED
 
 DIRECT: Final = "direct"
 HYPERCORN: Final = "hypercorn"
 EDGE_HTTP: Final = "edge-http"
 STACK_FLOOR: Final = "stack-floor"
 IOP: Final = "iop"
+IOP_TRANSLATED: Final = "iop-translated"
 LITELLM: Final = "litellm"
 VLLM_ROUTER: Final = "vllm-router"
-ALL_TARGETS: Final = (DIRECT, HYPERCORN, EDGE_HTTP, STACK_FLOOR, IOP, LITELLM, VLLM_ROUTER)
+ALL_TARGETS: Final = (
+    DIRECT,
+    HYPERCORN,
+    EDGE_HTTP,
+    STACK_FLOOR,
+    IOP,
+    IOP_TRANSLATED,
+    LITELLM,
+    VLLM_ROUTER,
+)
 TARGET_LABELS: Final = {
     DIRECT: "direct",
     HYPERCORN: "Hypercorn",
     EDGE_HTTP: "Edge HTTP",
     STACK_FLOOR: "Stack floor",
     IOP: "IOP",
+    IOP_TRANSLATED: "IOP transl.",
     LITELLM: "LiteLLM",
     VLLM_ROUTER: "vllm-router",
 }
@@ -43,8 +58,31 @@ PROCESSES: Final = {
     EDGE_HTTP: ("server",),
     STACK_FLOOR: ("front", "back"),
     IOP: ("edge", "node"),
+    IOP_TRANSLATED: ("edge", "node"),
     LITELLM: ("proxy",),
     VLLM_ROUTER: ("router",),
+}
+_EVERY_PROTOCOL: Final[dict[Protocol, str]] = {protocol: MODEL for protocol in PROTOCOLS}
+_CHAT: Final[dict[Protocol, str]] = {"chat": MODEL}
+_TRANSLATED: Final[dict[Protocol, str]] = {
+    "messages": MODEL_TRANSLATED,
+    "responses": MODEL_TRANSLATED,
+}
+#: The protocols each target is measured under, and the model its requests name in
+#: each. The floors and the router relay chat only; the upstream (direct) and IOP
+#: (natively) serve all three with `bench-model`; `iop-translated` and LiteLLM take
+#: Messages and Responses for `bench-model-translated`, a model each is set up to
+#: serve from a chat-only upstream (IOP: `adapter.protocols: [chat]`; LiteLLM: its
+#: `custom_openai/` provider), so each translates them to chat completions and back.
+TARGET_MODELS: Final[dict[str, dict[Protocol, str]]] = {
+    DIRECT: _EVERY_PROTOCOL,
+    HYPERCORN: _CHAT,
+    EDGE_HTTP: _CHAT,
+    STACK_FLOOR: _CHAT,
+    IOP: _EVERY_PROTOCOL,
+    IOP_TRANSLATED: _TRANSLATED,
+    LITELLM: {**_CHAT, **_TRANSLATED},
+    VLLM_ROUTER: _CHAT,
 }
 
 
@@ -71,6 +109,7 @@ class BenchResult:
     fleet: tuple[FleetMeasurement, ...] = ()
     """The fleet-shaped stream scenario, one per target."""
     many_nodes: ManyNodesMeasurement | None = None
+    agent_cache: AgentCacheMeasurement | None = None
     notes: tuple[str, ...] = ()
     """Why a target was skipped, and the like; printed under the tables."""
     settings: dict[str, Any] = field(default_factory=dict)

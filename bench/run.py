@@ -1,6 +1,6 @@
 """`python -m bench` (`just bench`): measure IOP against a direct upstream and its peers.
 
-One command, one run, in up to three parts (`--parts`), each starting and stopping its
+One command, one run, in up to four parts (`--parts`), each starting and stopping its
 own processes so no part's servers weigh on another's:
 
 - `closed`: the fast fake upstream, the two HTTP floors (stock Hypercorn and the Edge's
@@ -8,22 +8,31 @@ own processes so no part's servers weigh on another's:
   transport parts relaying with none of its logic: `bench.stack_floor`), an IOP Edge and
   Node in front of the upstream, and the peers when installed (LiteLLM's proxy:
   `bench.litellm_proxy`; vLLM's Rust router: `bench.vllm_router`), each in its own
-  process; for every scenario (concurrency x stream/non-stream) each target is measured
-  in turn by the closed-loop generator in this process (`bench.load`).
+  process; for every scenario (caller protocol x concurrency x stream/non-stream) each
+  target that serves the protocol is measured in turn by the closed-loop generator in
+  this process (`bench.load`). Anthropic Messages and OpenAI Responses go to the
+  upstream directly, to IOP natively (`iop`) and translated on the Node
+  (`iop-translated`), and to LiteLLM's `/v1/messages` and `/v1/responses`.
 - `fleet`: the fleet-shaped stream scenario (`bench.fleet`): the paced upstream, then
   each fleet target in turn (started, measured, stopped).
 - `nodes`: many light Nodes on one Edge (`bench.many_nodes`).
+- `agent-cache`: a Claude-Code-shaped conversation through IOP to an upstream with a
+  prompt prefix cache, with Claude Code's attribution block removed and kept
+  (`bench.agent_cache`).
 
 It prints the tables and the issue's targets as PASS/MISS, stops every child and exits 0.
 `--replicas [ROUNDS]` measures one Edge against two replicas sharing the caller port
 (`bench.replicas`) instead.
 
-    python -m bench [--parts closed,fleet,nodes]
+    python -m bench [--parts closed,fleet,nodes,agent-cache]
                     [--duration S | --requests N] [--concurrency 1,32] [--warmup N] [--turns 2]
-                    [--only direct,hypercorn,edge-http,stack-floor,iop,litellm,vllm-router]
+                    [--protocols chat,messages,responses]
+                    [--only direct,hypercorn,edge-http,stack-floor,iop,iop-translated,
+                            litellm,vllm-router]
                     [--fleet-only direct,iop,vllm-router] [--streams 100]
                     [--tokens-per-second 10] [--stream-tokens 30] [--window 5]
                     [--nodes 1000] [--providers-per-node 3] [--idle-window 10]
+                    [--agent-turns 6] [--prefill-us-per-token 200]
                     [--json FILE] [--profile DIR [--profile-format flamegraph|speedscope|raw]]
     python -m bench --replicas [ROUNDS] [--duration S] [--concurrency 32]
 
@@ -48,11 +57,22 @@ from typing import Final
 import trio
 from rich.console import Console
 
+from bench.agent_cache import AgentCacheMeasurement, AgentCacheShape, measure_agent_cache
 from bench.asgi_floor import READY_PREFIX as FLOOR_READY_PREFIX
 from bench.fleet import FleetMeasurement, FleetShape, measure_fleet
 from bench.gateway import CAPACITY, start_gateway
 from bench.litellm_proxy import find_litellm, start_litellm
-from bench.load import Budget, Measurement, Scenario, Target, combined, measure, open_client
+from bench.load import (
+    PROTOCOLS,
+    Budget,
+    Measurement,
+    Protocol,
+    Scenario,
+    Target,
+    combined,
+    measure,
+    open_client,
+)
 from bench.many_nodes import ManyNodesMeasurement, ManyNodesShape, measure_many_nodes
 from bench.procfs import cpu_seconds
 from bench.profiler import FORMATS, find_py_spy, start_profilers
@@ -64,9 +84,11 @@ from bench.result import (
     EDGE_HTTP,
     HYPERCORN,
     IOP,
+    IOP_TRANSLATED,
     LITELLM,
     STACK_FLOOR,
     TARGET_LABELS,
+    TARGET_MODELS,
     VLLM_ROUTER,
     BenchResult,
     Machine,
@@ -79,7 +101,8 @@ from bench.vllm_router import find_vllm_router, start_vllm_router
 CLOSED: Final = "closed"
 FLEET: Final = "fleet"
 NODES: Final = "nodes"
-ALL_PARTS: Final = (CLOSED, FLEET, NODES)
+AGENT_CACHE: Final = "agent-cache"
+ALL_PARTS: Final = (CLOSED, FLEET, NODES, AGENT_CACHE)
 #: The fleet scenario's targets unless `--fleet-only` says otherwise. LiteLLM is left out:
 #: at ~1.7 ms of CPU per relayed chunk (closed-loop stream column) it would need ~1.7
 #: cores for the default 1,000 chunks/s, and would only measure its own backlog.
@@ -90,6 +113,8 @@ _GATEWAY_START_S: Final = 60.0
 _PEER_START_S: Final = 180.0
 #: A thousand Nodes: the Edge parses a large config, a thousand handshakes, a refresh.
 _NODES_DEADLINE_S: Final = 900.0
+#: Beyond the agent conversation's own prefill time: two processes' startup and a slow machine.
+_AGENT_CACHE_SLACK_S: Final = 120.0
 #: Beyond the fleet measurement's own schedule: slow warm-up streams, slow process reads.
 _FLEET_SLACK_S: Final = 120.0
 _REPORT_WIDTH: Final = 130
@@ -108,16 +133,19 @@ class BenchOptions:
     parts: tuple[str, ...] = ALL_PARTS
     budget: Budget = field(default_factory=Budget)
     concurrency: tuple[int, ...] = (1, 32)
+    protocols: tuple[Protocol, ...] = PROTOCOLS
     only: tuple[str, ...] = ALL_TARGETS
     fleet_only: tuple[str, ...] = DEFAULT_FLEET_TARGETS
     fleet: FleetShape = field(default_factory=FleetShape)
     nodes: ManyNodesShape = field(default_factory=ManyNodesShape)
+    agent_cache: AgentCacheShape = field(default_factory=AgentCacheShape)
     profile_dir: Path | None = None
     profile_format: str = "flamegraph"
 
     def scenarios(self) -> list[Scenario]:
         return [
-            Scenario(concurrency=c, stream=stream)
+            Scenario(concurrency=c, stream=stream, protocol=protocol)
+            for protocol in self.protocols
             for c in self.concurrency
             for stream in (False, True)
         ]
@@ -134,10 +162,13 @@ class BenchOptions:
             settings["per scenario"] = length
             settings["turns"] = f"{budget.turns}, the targets interleaved"
             settings["warm-up"] = f"{budget.warmup_requests} requests a turn"
+            settings["protocols"] = ",".join(self.protocols)
         if FLEET in self.parts:
             settings["fleet"] = self.fleet.label
         if NODES in self.parts:
             settings["nodes"] = f"{self.nodes.nodes} x {self.nodes.providers_per_node} providers"
+        if AGENT_CACHE in self.parts:
+            settings["agent cache"] = self.agent_cache.label
         return settings
 
 
@@ -154,12 +185,17 @@ async def run_bench(
     measurements: list[Measurement] = []
     fleet: list[FleetMeasurement] = []
     many_nodes: ManyNodesMeasurement | None = None
+    agent_cache: AgentCacheMeasurement | None = None
     if CLOSED in options.parts:
         measurements = await _run_closed_loop(options, workdir / "closed", notes, say)
     if FLEET in options.parts:
         fleet = await _run_fleet(options, workdir / "fleet", notes, say)
     if NODES in options.parts:
         many_nodes = await _run_many_nodes(options.nodes, workdir / "nodes", notes, say)
+    if AGENT_CACHE in options.parts:
+        agent_cache = await _run_agent_cache(
+            options.agent_cache, workdir / "agent-cache", notes, say
+        )
     settings = options.settings()
     if load_at_start is not None and (load_at_end := _load_average()) is not None:
         # Other work on the machine inflates every number; this says how much there was.
@@ -169,6 +205,7 @@ async def run_bench(
         measurements=tuple(measurements),
         fleet=tuple(fleet),
         many_nodes=many_nodes,
+        agent_cache=agent_cache,
         notes=tuple(notes),
         settings=settings,
     )
@@ -203,11 +240,15 @@ async def _start_target(
     notes: list[str],
     say: Progress,
     capacity: int = CAPACITY,
+    started: Sequence[Target] = (),
 ) -> Target | None:
-    """Start target `name` in front of `upstream` (None, with a note, when it cannot be)."""
+    """Start target `name` in front of `upstream` (None, with a note, when it cannot be).
+    `iop-translated` is the IOP target of `started` asked for another model, or an IOP
+    started for it."""
     await trio.Path(workdir).mkdir(parents=True, exist_ok=True)
+    models = TARGET_MODELS[name]
     if name == DIRECT:
-        return Target(DIRECT, upstream.ready, {"upstream": upstream.pid})
+        return Target(DIRECT, upstream.ready, {"upstream": upstream.pid}, models)
     if name in (HYPERCORN, EDGE_HTTP):
         server, process = ("hypercorn", "hypercorn") if name == HYPERCORN else ("edge", "server")
         with trio.fail_after(_UPSTREAM_START_S):
@@ -224,11 +265,19 @@ async def _start_target(
             stack = await start_stack_floor(services, upstream.ready)
         say(f"{name}: {stack.url} (front pid {stack.front.pid}, back pid {stack.back.pid})")
         return Target(STACK_FLOOR, stack.url, stack.processes)
+    if name == IOP_TRANSLATED:
+        iop = next((target for target in started if target.name == IOP), None)
+        if iop is None:
+            iop = await _start_target(
+                services, IOP, upstream, workdir, notes=notes, say=say, capacity=capacity
+            )
+        assert iop is not None
+        return Target(IOP_TRANSLATED, iop.root_url, iop.processes, models)
     if name == IOP:
         with trio.fail_after(_GATEWAY_START_S):
             gateway = await start_gateway(services, upstream.ready, workdir, capacity=capacity)
         say(f"iop: {gateway.openai_url} (edge pid {gateway.edge.pid}, node pid {gateway.node.pid})")
-        return Target(IOP, gateway.openai_url, gateway.processes)
+        return Target(IOP, gateway.openai_url, gateway.processes, models)
     if name == LITELLM:
         service = await _start_peer(
             name,
@@ -238,7 +287,9 @@ async def _start_target(
             say=say,
             start=lambda exe: start_litellm(services, exe, upstream.ready, workdir),
         )
-        return None if service is None else Target(LITELLM, service.ready, {"proxy": service.pid})
+        if service is None:
+            return None
+        return Target(LITELLM, service.ready, {"proxy": service.pid}, models)
     if name == VLLM_ROUTER:
         service = await _start_peer(
             name,
@@ -311,8 +362,10 @@ async def _run_closed_loop(
         say(f"upstream: {upstream.ready} (pid {upstream.pid})")
         targets: list[Target] = []
         for name in options.only:
+            if not TARGET_MODELS[name].keys() & set(options.protocols):
+                continue  # serves none of the run's protocols
             target = await _start_target(
-                services, name, upstream, workdir / name, notes=notes, say=say
+                services, name, upstream, workdir / name, notes=notes, say=say, started=targets
             )
             if target is not None:
                 targets.append(target)
@@ -342,6 +395,8 @@ async def _measure_all(
             of = f"turn {turn}/{budget.turns} " if budget.turns > 1 else ""
             for scenario in options.scenarios():
                 for target in targets:
+                    if scenario.protocol not in target.models:
+                        continue
                     m = await measure(clients[target.name], target, scenario, per_turn)
                     turns[target.name, scenario].append(m)
                     p50 = f"{m.p50_ms:.2f} ms" if m.p50_ms is not None else "-"
@@ -349,14 +404,19 @@ async def _measure_all(
                     cpu = m.cpu_ms_per_request
                     cost = f"{cpu:.2f} ms CPU/req" if cpu is not None else ""
                     say(
-                        f"{of}{scenario.label:<16} {TARGET_LABELS[target.name]:<11} "
+                        f"{of}{scenario.label:<26} {TARGET_LABELS[target.name]:<11} "
                         f"p50 {p50:>10}  {rps:>11}  {cost:>16}  ok {m.ok}  errors {m.errors}"
                     )
     finally:
         with trio.move_on_after(5, shield=True):
             for client in clients.values():
                 await client.aclose()
-    return [combined(turns[t.name, s]) for s in options.scenarios() for t in targets]
+    return [
+        combined(turns[t.name, s])
+        for s in options.scenarios()
+        for t in targets
+        if (t.name, s) in turns
+    ]
 
 
 async def _start_profilers(
@@ -462,6 +522,39 @@ async def _run_many_nodes(
     return m
 
 
+# --- the agent prefix-cache part ------------------------------------------------------------------
+
+
+async def _run_agent_cache(
+    shape: AgentCacheShape, workdir: Path, notes: list[str], say: Progress
+) -> AgentCacheMeasurement | None:
+    say(f"agent cache: a Claude-Code-shaped conversation, {shape.label}")
+    try:
+        with trio.fail_after(_AGENT_CACHE_SLACK_S + 2 * shape.turns * _worst_turn_s(shape)):
+            m = await measure_agent_cache(shape, workdir)
+    except trio.TooSlowError:
+        _skip(notes, say, "agent cache: not done in time, not measured")
+        return None
+    except (ServiceFailed, RuntimeError) as exc:
+        _skip(notes, say, f"agent cache: not measured: {exc}")
+        return None
+    speedup = m.speedup
+    say(
+        f"agent cache: {m.total_s(m.stripped):.2f} s with the block removed "
+        f"({m.cached_share(m.stripped):.0%} of prompt tokens cached), "
+        f"{m.total_s(m.as_sent):.2f} s with it kept ({m.cached_share(m.as_sent):.0%})"
+        + ("" if speedup is None else f": {speedup:.1f}x")
+    )
+    return m
+
+
+def _worst_turn_s(shape: AgentCacheShape) -> float:
+    """A turn's prefill with nothing cached, at the conversation's largest prompt (the
+    system prompt, the tools and every turn's messages: a generous character count)."""
+    chars = shape.instructions_chars + 1000 * shape.tools + 2000 * shape.turns + 1000
+    return chars / 4 * shape.prefill_us / 1e6 + 1.0
+
+
 # --- command line ---------------------------------------------------------------------------------
 
 
@@ -503,7 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--parts", type=_choices(ALL_PARTS, "part"), default=ALL_PARTS, metavar="P,P",
-        help="which parts to run, among closed,fleet,nodes (all)",
+        help="which parts to run, among " + ",".join(ALL_PARTS) + " (all)",
     )  # fmt: skip
     closed = parser.add_argument_group("closed-loop scenarios")
     length = closed.add_mutually_exclusive_group()
@@ -519,6 +612,10 @@ def build_parser() -> argparse.ArgumentParser:
     closed.add_argument(
         "--only", type=_choices(ALL_TARGETS, "target"), default=ALL_TARGETS, metavar="T,T",
         help="targets among " + ",".join(ALL_TARGETS) + " (all)",
+    )  # fmt: skip
+    closed.add_argument(
+        "--protocols", type=_choices(PROTOCOLS, "protocol"), default=PROTOCOLS, metavar="P,P",
+        help="caller protocols among " + ",".join(PROTOCOLS) + " (all)",
     )  # fmt: skip
     closed.add_argument(
         "--warmup", type=int, default=50, metavar="N", help="warm-up requests per turn (50)"
@@ -565,6 +662,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-window", type=float, default=node_defaults.idle_window_s, metavar="S",
         help=f"seconds of idle Edge CPU measured ({node_defaults.idle_window_s:g})",
     )  # fmt: skip
+    agent = parser.add_argument_group("agent prefix cache")
+    agent_defaults = AgentCacheShape()
+    agent.add_argument(
+        "--agent-turns", type=int, default=agent_defaults.turns, metavar="N",
+        help=f"turns of the conversation ({agent_defaults.turns})",
+    )  # fmt: skip
+    agent.add_argument(
+        "--prefill-us-per-token", type=float, default=agent_defaults.prefill_us, metavar="U",
+        help=f"prefill cost of an uncached prompt token, us ({agent_defaults.prefill_us:g})",
+    )  # fmt: skip
+    agent.add_argument(
+        "--cached-prefill-us-per-token", type=float, default=agent_defaults.cached_us,
+        metavar="C", help=f"... and of a cached one ({agent_defaults.cached_us:g})",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the numbers here")
     parser.add_argument(
         "--profile", type=Path, metavar="DIR", help="py-spy the Edge and Node into DIR"
@@ -579,6 +690,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ROUNDS",
         help="instead: one Edge vs two Edge replicas as workers on one host, non-stream at "
         "the highest --concurrency, measured in turns ROUNDS times (2; bench/replicas.py)",
+    )
+    parser.add_argument(
+        "--fair-share",
+        action="store_true",
+        help="instead: the scheduler sharing a saturated model between principals, in "
+        "process: cost per admitted request with 1, 100, 10,000 principals, and the "
+        "fairness targets on virtual time (bench/fair_share.py)",
     )
     return parser
 
@@ -602,16 +720,23 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> B
             providers_per_node=args.providers_per_node,
             idle_window_s=args.idle_window,
         )
+        agent_cache = AgentCacheShape(
+            turns=args.agent_turns,
+            prefill_us=args.prefill_us_per_token,
+            cached_us=args.cached_prefill_us_per_token,
+        )
     except ValueError as exc:
         parser.error(str(exc))
     return BenchOptions(
         parts=args.parts,
         budget=budget,
         concurrency=args.concurrency,
+        protocols=args.protocols,
         only=args.only,
         fleet_only=args.fleet_only,
         fleet=fleet,
         nodes=nodes,
+        agent_cache=agent_cache,
         profile_dir=args.profile,
         profile_format=args.profile_format,
     )
@@ -631,6 +756,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.replicas is not None:
         return _replicas(options, args.replicas, console, say)
+    if args.fair_share:
+        from bench.fair_share import render_fair_share, run_fair_share
+
+        console.print(render_fair_share(run_fair_share()))
+        return 0
     try:
         with tempfile.TemporaryDirectory(prefix="iop-bench-") as workdir:
             result = trio.run(run_bench, options, Path(workdir), say)

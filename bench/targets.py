@@ -15,14 +15,16 @@ parts alone make of the goal.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Literal
 
 from bench.fleet import FleetShape
-from bench.load import Scenario
+from bench.load import Protocol, Scenario
 from bench.result import (
     HYPERCORN,
     IOP,
+    IOP_TRANSLATED,
     LITELLM,
     STACK_FLOOR,
     VLLM_ROUTER,
@@ -46,6 +48,12 @@ MIN_THROUGHPUT_VS_LITELLM: Final = {False: 8.0, True: 15.0}
 THROUGHPUT_CONCURRENCY: Final = 32
 #: IOP's added p50 at c=1 over the Hypercorn floor's own added p50, by `stream`.
 MAX_ADDED_P50_VS_FLOOR: Final = {False: 3.0, True: 2.0}
+#: Messages and Responses translated on the Node: CPU per request (Edge + Node) as a
+#: share of LiteLLM's on the same protocol.
+MAX_TRANSLATED_CPU_SHARE_OF_LITELLM: Final = 1 / 5
+#: Messages and Responses relayed natively: CPU per request over IOP's on chat.
+MAX_NATIVE_CPU_VS_CHAT: Final = 1.10
+_PROTOCOL_NAMES: Final[dict[Protocol, str]] = {"messages": "Messages", "responses": "Responses"}
 #: The many-Nodes budgets for one Edge.
 NODES_AT_SCALE: Final = 1000
 MAX_EDGE_RSS_MB: Final = 300.0
@@ -166,6 +174,65 @@ def _closed_loop_checks(result: BenchResult) -> list[TargetCheck]:
     return checks
 
 
+def _ratio_check(
+    goal: str,
+    ratios: list[tuple[int, float | None]],
+    limit: float,
+    show: Callable[[float], str],
+    missing: str,
+) -> TargetCheck:
+    """One goal over every concurrency measured: PASS when each ratio is within `limit`
+    (`missing`: the targets it needs, named when none was measured)."""
+    measured = [(c, r) for c, r in ratios if r is not None]
+    if not measured:
+        return TargetCheck(goal, f"not measured ({missing})", "n/a")
+    shown = ", ".join(f"c={c} {show(r)}" for c, r in measured)
+    return TargetCheck(goal, shown, "PASS" if all(r <= limit for _, r in measured) else "MISS")
+
+
+def _native_vs_chat(result: BenchResult, scenario: Scenario) -> float | None:
+    native = result.get(IOP, scenario)
+    chat = result.get(IOP, scenario.like("chat"))
+    if native is None or chat is None:
+        return None
+    mine, theirs = native.cpu_ms_per_request, chat.cpu_ms_per_request
+    return None if mine is None or not theirs else mine / theirs
+
+
+def _protocol_checks(result: BenchResult) -> list[TargetCheck]:
+    checks: list[TargetCheck] = []
+    for protocol, name in _PROTOCOL_NAMES.items():
+        for stream in (False, True):
+            scenarios = [
+                s for s in result.scenarios() if s.protocol == protocol and s.stream == stream
+            ]
+            share = MAX_TRANSLATED_CPU_SHARE_OF_LITELLM
+            kind = "stream" if stream else "non-stream"
+            checks.append(
+                _ratio_check(
+                    f"{name} translated: CPU per request <= 1/{1 / share:.0f} of LiteLLM's, {kind}",
+                    [
+                        (s.concurrency, cpu_ratio(result, IOP_TRANSLATED, LITELLM, s))
+                        for s in scenarios
+                    ],
+                    share,
+                    lambda ratio: f"1/{1 / ratio:.1f}" if ratio else "0",
+                    f"{IOP_TRANSLATED}, {LITELLM}",
+                )
+            )
+            checks.append(
+                _ratio_check(
+                    f"{name} native: CPU per request <= {MAX_NATIVE_CPU_VS_CHAT:g}x IOP's chat, "
+                    f"{kind}",
+                    [(s.concurrency, _native_vs_chat(result, s)) for s in scenarios],
+                    MAX_NATIVE_CPU_VS_CHAT,
+                    lambda ratio: f"{ratio:.2f}x",
+                    f"{IOP} on {protocol} and chat",
+                )
+            )
+    return checks
+
+
 def _nodes_checks(result: BenchResult) -> list[TargetCheck]:
     prefix = f"{NODES_AT_SCALE} Nodes: "
     m = result.many_nodes
@@ -220,4 +287,9 @@ def _nodes_checks(result: BenchResult) -> list[TargetCheck]:
 
 def check_targets(result: BenchResult) -> list[TargetCheck]:
     """Every goal of the issue, in the order the issue lists them."""
-    return [*_fleet_checks(result), *_closed_loop_checks(result), *_nodes_checks(result)]
+    return [
+        *_fleet_checks(result),
+        *_closed_loop_checks(result),
+        *_protocol_checks(result),
+        *_nodes_checks(result),
+    ]

@@ -13,6 +13,9 @@ looks for `"stream": true`; it never decodes the JSON.
   request asks for `stream_options.include_usage` (the IOP Edge always does, to meter
   usage), one usage chunk comes before `[DONE]`, as vLLM sends it; the caller-visible
   stream is the same.
+- `POST /v1/messages` and `POST /v1/responses` (`?beta=true` too), stream or not: the
+  same answer in Anthropic's and OpenAI's caller protocols, as a runtime that speaks
+  them natively sends it (`bench.upstream_protocols`). Never paced.
 - `GET /v1/models`, `GET /health`: what gateways probe.
 
 **Paced mode** (`--tokens-per-second T`, the fleet-shaped scenario's upstream): token `i`
@@ -23,7 +26,15 @@ machine computes each token's delay through a gateway as its own arrival time mi
 stamp. Without pacing there is no artificial delay. (Trio's socket streams set
 TCP_NODELAY, so every write leaves at once.)
 
+**Prefix-cache mode** (`--prefill-us-per-token U`, the agent-cache scenario's upstream):
+before it answers an inference request the upstream waits for the prompt's prefill as
+`bench.prefix_cache` models it (each token it computes costs U µs, each token it reuses
+from a recent prompt `--cached-prefill-us-per-token`), and a non-stream answer reports
+the prompt's tokens and cached tokens in its usage. This mode decodes each request's
+JSON, as a runtime does; it is not a baseline for overhead.
+
     python -m bench.upstream [--port 0] [--stream-tokens 21] [--tokens-per-second T]
+                             [--prefill-us-per-token U [--cached-prefill-us-per-token C]]
 
 prints `bench-upstream listening on http://127.0.0.1:PORT` once accepting, then serves
 until stopped (SIGINT/SIGTERM). In-process: `url = await nursery.start(upstream.serve)`.
@@ -43,10 +54,21 @@ from typing import Any, Final
 
 import trio
 
+from bench.prefix_cache import DEFAULT_SLOTS, PrefillCost, PrefixCache, render_prompt
 from bench.services import Service, python_argv, start_service, url_after
+from bench.upstream_protocols import (
+    messages_body,
+    messages_events,
+    responses_body,
+    responses_events,
+    with_usage,
+)
 
 #: The logical model id callers name; the gateways under test map it to SERVED_MODEL.
 MODEL: Final = "bench-model"
+#: The logical id of the same model where a gateway is set up to treat the upstream as
+#: speaking chat completions only, so it translates Messages and Responses requests.
+MODEL_TRANSLATED: Final = "bench-model-translated"
 #: The model name the upstream serves (what a gateway puts in `model` upstream).
 SERVED_MODEL: Final = "bench-served"
 #: Content tokens of one stream by default (one `data:` event each).
@@ -56,6 +78,12 @@ STREAM_TOKENS: Final = 21
 STREAM_CHUNKS: Final = STREAM_TOKENS + 1
 PROMPT_TOKENS: Final = 12
 READY_PREFIX: Final = "bench-upstream listening on "
+CHAT_PATH: Final = b"/v1/chat/completions"
+MESSAGES_PATH: Final = b"/v1/messages"
+RESPONSES_PATH: Final = b"/v1/responses"
+#: The cost of a reused prompt token when only the uncached one's is given: reading a
+#: cached prefix is one to two orders cheaper than computing it.
+CACHED_COST_SHARE: Final = 0.02
 #: Finds the send time (`time.monotonic_ns()`) in a paced token's content.
 STAMP_PATTERN: Final = re.compile(rb"tok@(\d+) ")
 _STAMP_SLOT: Final = "STAMP-SLOT"
@@ -203,10 +231,56 @@ _MODELS_BODY: Final = _json(
 )
 _NOT_FOUND_BODY: Final = _json({"error": {"message": "no such route", "type": "not_found"}})
 
-_COMPLETION: Final = _fixed_response("200 OK", completion_body())
+_BAD_REQUEST_BODY: Final = _json({"error": {"message": "not JSON", "type": "invalid_request"}})
+
 _MODELS: Final = _fixed_response("200 OK", _MODELS_BODY)
 _HEALTH: Final = _fixed_response("200 OK", b"{}")
 _NOT_FOUND: Final = _fixed_response("404 Not Found", _NOT_FOUND_BODY)
+_BAD_REQUEST: Final = _fixed_response("400 Bad Request", _BAD_REQUEST_BODY)
+
+
+def _event_writes(events: list[bytes]) -> tuple[bytes, ...]:
+    """A caller protocol's stream as socket writes: one per event, the body's end with
+    the last (these protocols have no `[DONE]`)."""
+    writes = [_http_chunk(event) for event in events]
+    writes[-1] += _LAST_CHUNK
+    return tuple(writes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Answers:
+    """What one inference endpoint answers: the whole body (and the response ready to
+    send), and for a caller protocol, its stream's writes (chat's are `_StreamBody`s)."""
+
+    body: bytes
+    response: bytes
+    stream: tuple[bytes, ...] = ()
+
+    @classmethod
+    def of(cls, body: bytes, events: list[bytes] | None = None) -> _Answers:
+        writes = _event_writes(events) if events else ()
+        return cls(body=body, response=_fixed_response("200 OK", body), stream=writes)
+
+
+def _answers(tokens: int) -> dict[bytes, _Answers]:
+    """Every inference endpoint's answers (chat's stream aside), built once."""
+    completion = completion_body()
+    chunks = stream_events(include_usage=True, tokens=tokens)
+    return {
+        CHAT_PATH: _Answers.of(completion),
+        MESSAGES_PATH: _Answers.of(
+            messages_body(completion, SERVED_MODEL),
+            messages_events(chunks, SERVED_MODEL, PROMPT_TOKENS),
+        ),
+        RESPONSES_PATH: _Answers.of(
+            responses_body(completion, SERVED_MODEL), responses_events(chunks, SERVED_MODEL)
+        ),
+    }
+
+
+#: Events of a default stream of each caller protocol, as its caller counts them.
+MESSAGES_STREAM_EVENTS: Final = len(_answers(STREAM_TOKENS)[MESSAGES_PATH].stream)
+RESPONSES_STREAM_EVENTS: Final = len(_answers(STREAM_TOKENS)[RESPONSES_PATH].stream)
 
 
 # --- the server ---------------------------------------------------------------------------------
@@ -294,11 +368,17 @@ class _Pacer:
 class BenchUpstream:
     """A fast fake OpenAI upstream.
 
-    `stream_tokens` content tokens per stream; `tokens_per_second` paces and stamps them
-    (None: neither, every write leaves at once)."""
+    `stream_tokens` content tokens per stream; `tokens_per_second` paces and stamps chat
+    streams' (None: neither, every write leaves at once); `prefill` models a prefix
+    cache (None: no prefill time at all)."""
 
     def __init__(
-        self, *, stream_tokens: int = STREAM_TOKENS, tokens_per_second: float | None = None
+        self,
+        *,
+        stream_tokens: int = STREAM_TOKENS,
+        tokens_per_second: float | None = None,
+        prefill: PrefillCost | None = None,
+        cache_slots: int = DEFAULT_SLOTS,
     ) -> None:
         if stream_tokens < 1:
             raise ValueError("stream_tokens must be >= 1")
@@ -311,7 +391,9 @@ class BenchUpstream:
             usage: _StreamBody.build(include_usage=usage, tokens=stream_tokens, stamped=stamped)
             for usage in (False, True)
         }
+        self._answers = _answers(stream_tokens)
         self._pacer = _Pacer(1.0 / tokens_per_second) if tokens_per_second else None
+        self._cache = None if prefill is None else PrefixCache(prefill, slots=cache_slots)
 
     async def serve(
         self,
@@ -365,23 +447,52 @@ class BenchUpstream:
         request_line = head[: head.find(b"\r\n")]
         method, _, rest = request_line.partition(b" ")
         path = rest.partition(b" ")[0].partition(b"?")[0]
-        if method == b"POST" and path == b"/v1/chat/completions":
-            if not asks_for_stream(body):
-                await stream.send_all(_COMPLETION)
-                return
-            stream_body = self._streams[_INCLUDE_USAGE.search(body) is not None]
-            await stream.send_all(_STREAM_HEAD)
-            if self._pacer is not None:
-                await self._pacer.stream(stream, stream_body)
-            else:
-                for write in stream_body.writes:
-                    await stream.send_all(_StreamBody.render(write))
+        if method == b"POST" and path in self._answers:
+            await self._infer(stream, path, body)
         elif method == b"GET" and path == b"/v1/models":
             await stream.send_all(_MODELS)
         elif method == b"GET" and path in (b"/health", b"/healthz"):
             await stream.send_all(_HEALTH)
         else:
             await stream.send_all(_NOT_FOUND)
+
+    async def _infer(self, stream: trio.SocketStream, path: bytes, body: bytes) -> None:
+        """Answer an inference request at `path` (after its prefill, in prefix-cache mode)."""
+        answers = self._answers[path]
+        prefill = None
+        if self._cache is not None:
+            try:
+                payload = json.loads(body)
+            except ValueError:
+                await stream.send_all(_BAD_REQUEST)
+                return
+            prefill = self._cache.prefill(
+                render_prompt(payload if isinstance(payload, dict) else {})
+            )
+            await trio.sleep(prefill.seconds)
+        if not asks_for_stream(body):
+            if prefill is None:
+                await stream.send_all(answers.response)
+            else:
+                counted = with_usage(
+                    answers.body,
+                    path,
+                    prompt_tokens=prefill.tokens,
+                    cached_tokens=prefill.cached_tokens,
+                )
+                await stream.send_all(_fixed_response("200 OK", counted))
+            return
+        await stream.send_all(_STREAM_HEAD)
+        if path != CHAT_PATH:
+            for event in answers.stream:
+                await stream.send_all(event)
+            return
+        stream_body = self._streams[_INCLUDE_USAGE.search(body) is not None]
+        if self._pacer is not None:
+            await self._pacer.stream(stream, stream_body)
+        else:
+            for write in stream_body.writes:
+                await stream.send_all(_StreamBody.render(write))
 
 
 def _body_length(head: bytes) -> int:
@@ -428,10 +539,39 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="pace and time-stamp stream tokens (default: no artificial delay)",
     )
+    parser.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=None,
+        metavar="U",
+        help="model a prompt prefix cache: U µs to prefill each uncached prompt token "
+        "(default: no prefill time)",
+    )
+    parser.add_argument(
+        "--cached-prefill-us-per-token",
+        type=float,
+        default=None,
+        metavar="C",
+        help=f"µs per prompt token reused from the cache ({CACHED_COST_SHARE:g} x U)",
+    )
+    parser.add_argument(
+        "--cache-slots", type=int, default=DEFAULT_SLOTS, help="prompts the cache keeps"
+    )
     args = parser.parse_args(argv)
     try:
+        prefill = None
+        if args.prefill_us_per_token is not None:
+            cached = args.cached_prefill_us_per_token
+            if cached is None:
+                cached = CACHED_COST_SHARE * args.prefill_us_per_token
+            prefill = PrefillCost(uncached_us=args.prefill_us_per_token, cached_us=cached)
+        elif args.cached_prefill_us_per_token is not None:
+            parser.error("--cached-prefill-us-per-token needs --prefill-us-per-token")
         upstream = BenchUpstream(
-            stream_tokens=args.stream_tokens, tokens_per_second=args.tokens_per_second
+            stream_tokens=args.stream_tokens,
+            tokens_per_second=args.tokens_per_second,
+            prefill=prefill,
+            cache_slots=args.cache_slots,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -35,6 +35,7 @@ import msgspec
 import trio
 from hypercorn.config import Config as HypercornConfig
 
+from iop_edge import __version__
 from iop_edge.core.config import ParsedConfig
 from iop_edge.core.host import node_tls_context
 from iop_edge.core.listen import parse_listen_address
@@ -65,6 +66,7 @@ from iop_edge.runtime.metering.ledger import LedgerUnavailable, choose_ledger
 from iop_edge.runtime.metering.metering import Metering, RunRecord
 from iop_edge.runtime.metering.metrics import EdgeMetrics
 from iop_edge.runtime.metering.response_store import ResponseStore
+from iop_edge.runtime.metering.tracing import edge_tracing
 from iop_edge.runtime.metering.usage import UsageReport
 from iop_edge.runtime.nodes.hub import (
     HANDSHAKE_TIMEOUT_S,
@@ -85,6 +87,7 @@ from schemas.config import DEFAULT_SHUTDOWN_GRACE_S, NodeConfig
 from schemas.principals import PrincipalsReport
 from schemas.refresh import RefreshRequest, ReplicaStatus, StatusReport
 from schemas.restart import RestartReport
+from schemas.telemetry import TelemetryError, provider_name
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +186,9 @@ class Edge:
         self.started_unix = int(time.time())
         self.scheduler = Scheduler(self._snapshot)
         self.limiter = PrincipalLimiter(lambda: self._snapshot.policies)
-        self.metrics = EdgeMetrics(self.scheduler.catalog, self._principal_load)
+        self.metrics = EdgeMetrics(
+            self.scheduler.catalog, self._principal_load, provider_name=self._provider_name
+        )
         try:
             self._ledger_choice = choose_ledger(config.edge)
         except LedgerUnavailable as exc:
@@ -191,9 +196,10 @@ class Edge:
         self._ledger_checked = False
         self.ledger = self._ledger_choice.ledger
         self.metering = Metering(self.metrics, self.ledger)
+        self.metrics.watch_ledger(self.ledger.statistics)
         self.responses = ResponseStore(self._ledger_choice.responses, config.edge.responses)
         self.access_log = AccessLog()
-        self.activity = Activity()
+        self.activity = Activity(queue_depth=lambda: self.scheduler.statistics().queued)
         self.hub = NodeHub(
             self._directory,
             on_connect=self.scheduler.node_connected,
@@ -234,6 +240,17 @@ class Edge:
         )
         self._addresses: EdgeAddresses | None = None
         self._instance = _instance_name()
+        try:
+            self.tracing = edge_tracing(
+                config.edge.telemetry,
+                os.environ,
+                instance_id=self._instance,
+                version=__version__,
+                provider_name=self._provider_name,
+            )
+        except TelemetryError as exc:
+            raise EdgeStartupError(str(exc)) from None
+        """The Edge's OpenTelemetry traces; None when off (`metering.tracing`)."""
         self.roster = ReplicaRoster(
             self._ledger_choice.open_replica_store, self._describe, on_read=self._replicas_seen
         )
@@ -310,8 +327,13 @@ class Edge:
                     provider.id, provider.in_flight, provider.long_in_flight
                 )
 
-    def _count_failover(self, model_id: str, provider_id: str) -> None:
-        self.metrics.failovers.labels(model_id, provider_id).inc()
+    def _count_failover(self, model_id: str, provider_id: str, reason: str) -> None:
+        self.metrics.failovers.labels(model_id, provider_id, reason).inc()
+
+    def _provider_name(self, provider_id: str) -> str:
+        """`gen_ai.provider.name` of a provider of the running config (metrics, traces)."""
+        provider = self._snapshot.providers.get(provider_id)
+        return provider_name(provider) if provider is not None else provider_id
 
     def _count_busy_answer(self, model_id: str, provider_id: str) -> None:
         self.metrics.busy_answers.labels(model_id, provider_id).inc()
@@ -320,7 +342,7 @@ class Edge:
         """Every run's one record: metering, the access log, the pool page's activity."""
         self.metering.record(record)
         self.access_log.run_finished(record)
-        self.activity.record(record.status)
+        self.activity.run_finished(record)
 
     def _request_refused(self, request: RefusedRequest) -> None:
         self.access_log.refused(request)
@@ -384,8 +406,11 @@ class Edge:
         )
 
     def readiness(self) -> Readiness:
-        """Which models could be served now (`GET /readyz`, `core.readiness`)."""
-        return readiness(self.scheduler.catalog())
+        """Which models could be served now, and whether runs can be metered (`GET
+        /readyz`, `core.readiness`)."""
+        state = readiness(self.scheduler.catalog())
+        unmetered = self.metering.refusal()
+        return state if unmetered is None else state.unready(unmetered)
 
     def model_servable(self, model_id: str) -> bool:
         """True when some provider of the model can take runs now (`core.readiness`)."""
@@ -476,6 +501,8 @@ class Edge:
         finally:
             for listener in self._listeners.values():
                 listener.close()
+            if self.tracing is not None:
+                await self.tracing.aclose()  # the last spans leave (bounded)
 
     def _build(self, listeners: Mapping[Role, Listener]) -> EdgeParts:
         """The servers on `listeners`, wired to the long-lived parts."""
@@ -495,6 +522,7 @@ class Edge:
             self.metering,
             responses,
             on_refused=self._request_refused,
+            tracing=self.tracing,
         )
         openai_app = OpenAIApp(
             runs,
@@ -555,10 +583,19 @@ class Edge:
         return self.limiter.report(self.scheduler.principal_load())
 
     async def usage(
-        self, *, since: float | None, until: float | None, group_by: Sequence[str]
+        self,
+        *,
+        since: float | None,
+        until: float | None,
+        group_by: Sequence[str],
+        limit: int | None = None,
+        after: str | None = None,
     ) -> UsageReport:
-        """`GET /usage`: the ledger's report, and each principal against its limits."""
-        report = await self.ledger.aggregate(since=since, until=until, group_by=group_by)
+        """`GET /usage`: the ledger's report (a page of it), and each principal against
+        its limits."""
+        report = await self.ledger.aggregate(
+            since=since, until=until, group_by=group_by, limit=limit, after=after
+        )
         return msgspec.structs.replace(report, principals=self.principals())
 
     def _listening(self, addresses: EdgeAddresses) -> None:

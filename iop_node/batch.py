@@ -48,9 +48,9 @@ class RunEventBatch:
                 else:
                     parts.append(data)
                 self._size += len(data)
-            case RunDone(response=response):
+            case RunDone(response=response, tail=tail):
                 self._ends.append(item)
-                self._size += len(response or b"")
+                self._size += len(response or b"") + len(tail or b"")
             case RunFailed():
                 self._ends.append(item)
             case _:

@@ -3,6 +3,8 @@
     iop-node run --edge ws://HOST:PORT [--edge ...] [--edge-dns ws://NAME:PORT]
                  --node-id ID [--token-file F] [--config node.yaml]
                  [--log-level LEVEL] [--log-format text|json]
+                 [--otlp-endpoint URL] [--otlp-protocol http/protobuf]
+                 [--trace-sampler NAME] [--trace-sampler-arg RATIO] [--service-name NAME]
     iop-node example [NAME]      print a file the package ships (node.yaml, a systemd unit)
 
 A Node needs only where its Edges are, who it is, and its token; everything else (its
@@ -14,8 +16,13 @@ not be readable by every user, and may end in a newline; under systemd it is a c
 (`LoadCredential=`, read from `%d/NAME`, see `iop-node example iop-node.service`). The
 optional YAML
 file holds the same fields (`edge` and `edge_dns`, each a URL or a list of them,
-`node_id`, `token_file`); command-line flags win over it, and a relative `token_file` is
-relative to the YAML file.
+`node_id`, `token_file`, and `telemetry` as the Edge config's `edge.telemetry`); command-line
+flags win over it, and a relative `token_file` is relative to the YAML file.
+
+Traces (design §16) are off unless an OTLP/HTTP endpoint is given (`--otlp-endpoint`, the
+file's `telemetry.endpoint`, or the standard `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` /
+`OTEL_EXPORTER_OTLP_ENDPOINT`); the other `--otlp-*`/`--trace-*` flags, and their
+`OTEL_*` variables, say how (`schemas.telemetry`). Tracing needs `pip install 'iop[otel]'`.
 
 Exit codes: 0 after a stop by SIGTERM, 130 after Ctrl-C (SIGINT, as a shell reports an
 interrupted command), 2 for a usage or configuration error, 3 when the Edge refused this
@@ -34,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Final
+from typing import Final, get_args
 
 import msgspec
 import trio
@@ -44,10 +51,13 @@ from iop_node import __version__
 from iop_node.examples import EXAMPLES, read_example
 from iop_node.link import EdgeRejected
 from iop_node.main import serve_until_signalled
+from iop_node.tracing import NodeTracing, node_tracing
 from schemas import safe_yaml
+from schemas.config import OtlpProtocol, TelemetrySection, TraceSampler
 from schemas.log_lines import LOG_FORMATS, LOG_LEVELS, LogFormat
 from schemas.log_lines import configure_logging as configure_log_lines
 from schemas.stop_signal import EXIT_INTERRUPTED
+from schemas.telemetry import OTEL_EXTRA, TelemetryError, endpoint_problem
 
 TOKEN_ENV_VAR = "IOP_NODE_TOKEN"
 #: A token is a line; a token file far larger is the wrong file.
@@ -65,6 +75,7 @@ class NodeFileConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     edge_dns: str | list[str] | None = None
     node_id: str | None = None
     token_file: str | None = None
+    telemetry: TelemetrySection | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +86,8 @@ class NodeInvocation:
     node_id: str
     token: str = field(repr=False)
     edge_dns: tuple[str, ...] = ()
+    telemetry: TelemetrySection = field(default_factory=TelemetrySection)
+    """The trace settings from the flags and the `--config` file (flags win)."""
 
     @property
     def edge_url(self) -> str:
@@ -145,6 +158,40 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LOG_FORMATS,
         help="text: readable lines; json: one JSON object per line (default: text)",
     )
+    traces = run.add_argument_group(
+        "traces",
+        "OpenTelemetry traces, off unless an endpoint is set here, in --config's telemetry "
+        "or in OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT; a flag wins over its OTEL_* variable. "
+        f"Needs pip install '{OTEL_EXTRA}'.",
+    )
+    traces.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="OTLP/HTTP receiver: base URL (http://collector:4318) or the full /v1/traces URL",
+    )
+    traces.add_argument(
+        "--otlp-protocol",
+        choices=get_args(OtlpProtocol),
+        help="OTLP protocol (default: OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf)",
+    )
+    traces.add_argument(
+        "--trace-sampler",
+        metavar="NAME",
+        choices=get_args(TraceSampler),
+        help="sampler, as OTEL_TRACES_SAMPLER (default: parentbased_always_on: the Edge's "
+        "decision is kept); one of " + ", ".join(get_args(TraceSampler)),
+    )
+    traces.add_argument(
+        "--trace-sampler-arg",
+        metavar="RATIO",
+        type=_ratio,
+        help="the ratio of the *traceidratio samplers, 0 to 1 (as OTEL_TRACES_SAMPLER_ARG)",
+    )
+    traces.add_argument(
+        "--service-name",
+        metavar="NAME",
+        help="service.name of the Node's spans (default: OTEL_SERVICE_NAME, else iop-node)",
+    )
     example = commands.add_parser(
         "example",
         help="print a file the package ships (node.yaml, a systemd unit); none: list them",
@@ -186,7 +233,68 @@ def resolve_invocation(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         token = environ.get(TOKEN_ENV_VAR, "").strip()
         if not token:
             raise UsageError(f"no node token: set {TOKEN_ENV_VAR} or pass --token-file FILE")
-    return NodeInvocation(edge_urls=edge_urls, node_id=node_id, token=token, edge_dns=edge_dns)
+    return NodeInvocation(
+        edge_urls=edge_urls,
+        node_id=node_id,
+        token=token,
+        edge_dns=edge_dns,
+        telemetry=_telemetry(args, file_config.telemetry or TelemetrySection()),
+    )
+
+
+#: How the operator spells each trace setting (error messages name it).
+TELEMETRY_FLAGS: Final = {
+    "endpoint": "--otlp-endpoint",
+    "protocol": "--otlp-protocol",
+    "sampler": "--trace-sampler",
+    "sampler_arg": "--trace-sampler-arg",
+    "service_name": "--service-name",
+}
+
+
+def _telemetry(args: argparse.Namespace, from_file: TelemetrySection) -> TelemetrySection:
+    """The `--config` file's telemetry with every flag given put over it."""
+    given = {
+        name: value
+        for name, flag in TELEMETRY_FLAGS.items()
+        if (value := getattr(args, flag.removeprefix("--").replace("-", "_"), None)) is not None
+    }
+    if given.get("endpoint") is not None:
+        problem = endpoint_problem(given["endpoint"])
+        if problem is not None:
+            raise UsageError(f"--otlp-endpoint: {problem}")
+    if from_file.endpoint is not None and "endpoint" not in given:
+        problem = endpoint_problem(from_file.endpoint)
+        if problem is not None:
+            raise UsageError(f"--config telemetry.endpoint: {problem}")
+    return msgspec.structs.replace(from_file, **given)
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a ratio from 0 to 1")
+    return value
+
+
+def start_node_tracing(
+    invocation: NodeInvocation, environ: Mapping[str, str]
+) -> NodeTracing | None:
+    """The Node's tracing, or None when off; raises `UsageError` saying what is wrong (a
+    bad setting, or the SDK missing)."""
+    try:
+        return node_tracing(
+            invocation.telemetry,
+            environ,
+            node_id=invocation.node_id,
+            version=__version__,
+            names=TELEMETRY_FLAGS,
+        )
+    except TelemetryError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _as_list(value: str | list[str] | None) -> list[str]:
@@ -225,10 +333,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         invocation = resolve_invocation(args, os.environ)
+        tracing = start_node_tracing(invocation, os.environ)
     except UsageError as exc:
         print(f"iop-node: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(args.log_level, args.log_format)
+    if tracing is not None:
+        log.info("traces: exported to %s", tracing.endpoint)
     try:
         status = trio.run(
             partial(
@@ -237,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                 invocation.node_id,
                 invocation.token,
                 edge_dns=invocation.edge_dns,
+                tracing=tracing,
             )
         )
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers were installed

@@ -11,6 +11,7 @@ import logging
 import random
 import signal
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 
 import trio
@@ -33,6 +34,7 @@ from iop_node.registry import (
     AdapterFactory,
     create_adapter,
 )
+from iop_node.tracing import NodeTracing
 from schemas.stop_signal import StopSignal
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ async def run_node(
     dns_interval_s: float = DEFAULT_DNS_INTERVAL_S,
     resolver: Resolver = resolve_addresses,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
+    tracing: NodeTracing | None = None,
     task_status: trio.TaskStatus[EdgeLinks] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a Node against its Edges, reconnecting forever.
@@ -81,6 +84,9 @@ async def run_node(
 
     `ping_interval_s` defaults to the heartbeat the Edge announces, `ping_timeout_s` to
     three intervals; `backoff`, `rng` and `resolver` are injectable for tests.
+
+    `tracing`: the Node's OpenTelemetry traces (`iop_node.tracing`), for every run of this
+    Node; its creator closes it.
     """
     urls = [edge_url] if isinstance(edge_url, str) else list(edge_url)
     template = LinkSettings(
@@ -120,21 +126,30 @@ async def run_node(
     )
     rejected: EdgeRejected | None = None
     try:
-        async with trio.open_nursery() as nursery:
-            if shutdown_trigger is not None:
-                trigger = shutdown_trigger
-
-                async def stop_when_triggered() -> None:
-                    await trigger()
-                    links.stop()
-
-                nursery.start_soon(stop_when_triggered, name="node shutdown trigger")
-            await links.run(task_status=task_status)
-            nursery.cancel_scope.cancel()
+        with tracing.installed() if tracing is not None else nullcontext():
+            await _run_links(links, shutdown_trigger, task_status)
     except* EdgeRejected as group:
         rejected = _first_rejection(group)
     if rejected is not None:
         raise rejected  # bare, not wrapped in the nurseries' groups
+
+
+async def _run_links(
+    links: EdgeLinks,
+    shutdown_trigger: Callable[[], Awaitable[object]] | None,
+    task_status: trio.TaskStatus[EdgeLinks],
+) -> None:
+    async with trio.open_nursery() as nursery:
+        if shutdown_trigger is not None:
+            trigger = shutdown_trigger
+
+            async def stop_when_triggered() -> None:
+                await trigger()
+                links.stop()
+
+            nursery.start_soon(stop_when_triggered, name="node shutdown trigger")
+        await links.run(task_status=task_status)
+        nursery.cancel_scope.cancel()
 
 
 def _first_rejection(group: BaseExceptionGroup[EdgeRejected]) -> EdgeRejected:
@@ -152,11 +167,31 @@ def _dns_url_for_template(edge_dns: Sequence[str]) -> str:
 
 
 async def serve_until_signalled(
-    edge_urls: Sequence[str], node_id: str, token: str, *, edge_dns: Sequence[str] = ()
+    edge_urls: Sequence[str],
+    node_id: str,
+    token: str,
+    *,
+    edge_dns: Sequence[str] = (),
+    tracing: NodeTracing | None = None,
 ) -> int:
     """Run a Node until SIGINT/SIGTERM: the first signal drains and stops gracefully, a
     second one stops at once. Returns the process's exit status: 130 after Ctrl-C, 0
-    after SIGTERM (`schemas.stop_signal`)."""
+    after SIGTERM (`schemas.stop_signal`). `tracing` is closed at the end (its last spans
+    sent)."""
+    try:
+        return await _serve_until_signalled(edge_urls, node_id, token, edge_dns, tracing)
+    finally:
+        if tracing is not None:
+            await tracing.aclose()
+
+
+async def _serve_until_signalled(
+    edge_urls: Sequence[str],
+    node_id: str,
+    token: str,
+    edge_dns: Sequence[str],
+    tracing: NodeTracing | None,
+) -> int:
     stop = trio.Event()
     stopped_by = StopSignal()
     rejected: EdgeRejected | None = None
@@ -165,7 +200,14 @@ async def serve_until_signalled(
         edges = ", ".join([*edge_urls, *(f"{url} (every address)" for url in edge_dns)])
         log.info("iop-node %s: node %s, edges %s", __version__, node_id, edges)
         try:
-            await run_node(edge_urls, node_id, token, edge_dns=edge_dns, shutdown_trigger=stop.wait)
+            await run_node(
+                edge_urls,
+                node_id,
+                token,
+                edge_dns=edge_dns,
+                shutdown_trigger=stop.wait,
+                tracing=tracing,
+            )
         except EdgeRejected as exc:
             rejected = exc
         nursery.cancel_scope.cancel()

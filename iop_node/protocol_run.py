@@ -22,12 +22,18 @@ Rules:
    the chunk feeds the caller's protocol's own usage report and never reaches the caller
    as a chat chunk. A runtime that reports none (llama.cpp's Python server ignores the
    option; a cut stream) gets IOP's estimate (`schemas.tokens`): prompt tokens from the
-   translated chat request, output tokens from the chunks it sent.
+   translated chat request, output tokens from the chunks it sent. A whole reply
+   without usage shows the caller the counts the run is metered at, never zeros.
+   A chunk the adapter has read already (`reply.ParsedChunk`) reaches the translator
+   with that reading, so a chunk of text (most of a stream) is decoded once.
 5. The caller's alias is the model name everywhere: the translators write it, and the
    native relay rewrites it (`adapters.native`).
 6. `keep_output`: the final response object of a Responses stream (native: the
    `response.completed` event's; translated: the translator's) travels in
-   `run_done.response`, so the Edge can store it.
+   `run_done.response`, so the Edge can store it. With `hold_tail`, the events that end
+   a stream travel in `run_done.tail` instead of ahead of the end (native: the relay's
+   `message_delta`/`message_stop` or last `response.*`; translated: all the translator's
+   `finish` writes), so no caller reads them before the Edge recorded the run's end.
 7. `count_tokens` asks, in order: the upstream's own `/v1/messages/count_tokens` when it
    speaks Messages natively; the runtime's tokenizer endpoint, over the text of the
    request translated to chat (`rendered_prompt`: the messages, tool calls and tool
@@ -54,6 +60,7 @@ from iop_node.adapters.base import (
 )
 from iop_node.protocols import (
     MessagesStream,
+    ReadChunk,
     ReplyTranslationError,
     ResponsesStream,
     TokenUsage,
@@ -129,7 +136,7 @@ class _StreamTranslator(Protocol):
     @property
     def usage(self) -> TokenUsage | None: ...
 
-    def feed(self, chunk: bytes) -> bytes: ...
+    def feed(self, chunk: bytes, read: ReadChunk | None = None) -> bytes: ...
 
     def finish(self, usage: TokenUsage | None = None) -> bytes: ...
 
@@ -147,6 +154,12 @@ def _to_chat(run: Run) -> bytes:
     if run.operation == "responses":
         return responses_request_to_chat(run.body)
     return messages_request_to_chat(run.body)
+
+
+def _alias(run: Run) -> str:
+    """The model a translated reply names (Rule 5). Messages and Responses replies must
+    name one, so a run without an alias names the served model, not nothing."""
+    return run.reply_model or run.target
 
 
 def _invalid(exc: TranslationError) -> AdapterError:
@@ -167,7 +180,7 @@ async def _translated(
     chat_run = msgspec.structs.replace(
         run, operation="chat", body=chat_body, strip_usage=False, caller_headers={}
     )
-    alias = run.reply_model or run.target
+    alias = _alias(run)
     request_id = run.request_id or run.run_id
     if not run.stream:
         return await _translated_response(run, protocol, chat_run, adapter)
@@ -183,7 +196,7 @@ async def _translated(
     async def emit(data: bytes, parsed: ParsedChunk | None = None, /) -> None:
         nonlocal output_tokens, emitted
         try:
-            out = translator.feed(data)
+            out = translator.feed(data, parsed)
         except ReplyTranslationError as exc:
             raise _broken_reply(exc, emitted=emitted) from None
         # An adapter that read the chunk already says how much text it carries; for one
@@ -216,12 +229,14 @@ async def _translated(
         tail = translator.finish(usage)
     except ReplyTranslationError as exc:
         raise _broken_reply(exc, emitted=emitted) from None
-    await events(tail, 0)
+    if not run.hold_tail:
+        await events(tail, 0)
     final = translator.final_response() if isinstance(translator, ResponsesStream) else None
     return RunResult(
         usage=_wire_usage(usage),
         response=final if run.keep_output else None,
         usage_source=source,
+        tail=tail if run.hold_tail else None,
     )
 
 
@@ -233,29 +248,39 @@ async def _translated_response(
         raise AdapterError(
             FailureCode.UPSTREAM_ERROR, "the upstream sent no response", retryable=True
         )
-    alias = run.reply_model or run.target
+    usage, source = result.usage, result.usage_source
+    if usage is None:
+        # Rule 4, read off the chat exchange (the caller's protocol's shape has no
+        # `choices` for the runner's estimate to count).
+        prompt = estimate_input_tokens(_decode_any(chat_run.body))
+        completion = chunk_tokens(output_chars(result.response), whole=True)
+        usage = Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+        source = "estimated"
+    # The caller's body shows the runtime's own counts when its reply has them, else
+    # what the run is metered at (an adapter's own count, or the estimate): never zeros.
+    fallback = TokenUsage(
+        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens
+    )
+    alias = _alias(run)
     request_id = run.request_id or run.run_id
     try:
         if protocol == "messages":
             response = messages_response_from_chat(
-                result.response, reply_model=alias, request_id=request_id
+                result.response, reply_model=alias, request_id=request_id, usage=fallback
             )
         else:
             response = responses_response_from_chat(
-                result.response, reply_model=alias, request_id=request_id, request=run.body
+                result.response,
+                reply_model=alias,
+                request_id=request_id,
+                request=run.body,
+                usage=fallback,
             )
     except ReplyTranslationError as exc:
         raise _broken_reply(exc, emitted=False) from None
-    if result.usage is not None:
-        return RunResult(usage=result.usage, response=response, usage_source=result.usage_source)
-    # Rule 4, read off the chat exchange (the caller's protocol's shape has no `choices`
-    # for the runner's estimate to count).
-    prompt = estimate_input_tokens(_decode_any(chat_run.body))
-    completion = chunk_tokens(output_chars(result.response), whole=True)
-    usage = Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-    )
-    return RunResult(usage=usage, response=response, usage_source="estimated")
+    return RunResult(usage=usage, response=response, usage_source=source)
 
 
 async def _no_chunks(data: bytes, parsed: ParsedChunk | None = None, /) -> None:

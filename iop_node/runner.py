@@ -25,7 +25,10 @@ caller's alias, usage kept and its chunk stripped when not asked for, stream chu
 framed as server-sent events), so the Edge relays bytes. A run in a caller protocol
 (Messages, Responses, `count_tokens`) is shaped by `protocol_run` instead, natively or
 translated, and its events and response arrive here caller-ready. Chunks leave as
-`Chunk` items; the session's writer batches them into `run_events` messages.
+`Chunk` items; the session's writer batches them into `run_events` messages. A
+protocol stream's last events, held back for a run with `hold_tail`, leave inside its
+`run_done` (`tail`), or ahead of it as a chunk when the end's message cannot hold them
+beside a whole response.
 
 Every terminal message says what the run consumed (SPEC §7, no run unmetered): the
 provider's usage when it reported some (`usage_source: provider`), else an estimate
@@ -49,6 +52,7 @@ from typing import Final
 import msgspec
 import trio
 
+from iop_node import tracing
 from iop_node.activity import RunActivity
 from iop_node.adapters.base import Adapter, AdapterError, RunResult
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
@@ -102,20 +106,50 @@ class RunHandle:
 
 async def execute_run(run: Run, adapter: Adapter | None, handle: RunHandle, send: Send) -> None:
     """Execute `run` through `adapter` and send its chunks and terminal message."""
-    if adapter is None:
-        await send(
-            RunFailed(
-                run_id=run.run_id,
-                code=FailureCode.UNKNOWN_PROVIDER,
-                message=f"provider {run.provider_id!r} is not configured on this node",
-                retryable=True,
-            )
-        )
+    node_tracing = tracing.current()
+    if node_tracing is not None:
+        await _traced(run, adapter, handle, send, node_tracing)
         return
-    await send(await _outcome(run, adapter, handle, send))
+    if adapter is None:
+        await send(_unknown_provider(run))
+        return
+    await send(await _outcome(run, adapter, handle, send, None))
 
 
-async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) -> Message:
+async def _traced(
+    run: Run,
+    adapter: Adapter | None,
+    handle: RunHandle,
+    send: Send,
+    node_tracing: tracing.NodeTracing,
+) -> None:
+    """`execute_run` in the run's span (`iop_node.tracing`): the span ends as the run's
+    answer leaves, or without one when the run is cut from outside."""
+    trace = node_tracing.attempt(run, adapter.provider if adapter is not None else None)
+    message: Message | None = None
+    try:
+        if adapter is None:
+            message = _unknown_provider(run)
+        else:
+            with trace.active():
+                message = await _outcome(run, adapter, handle, send, trace)
+    finally:
+        trace.finish(message)  # before the Edge hears the end: the span is complete
+    await send(message)
+
+
+def _unknown_provider(run: Run) -> RunFailed:
+    return RunFailed(
+        run_id=run.run_id,
+        code=FailureCode.UNKNOWN_PROVIDER,
+        message=f"provider {run.provider_id!r} is not configured on this node",
+        retryable=True,
+    )
+
+
+async def _outcome(
+    run: Run, adapter: Adapter, handle: RunHandle, send: Send, trace: tracing.AttemptTrace | None
+) -> Message:
     shaper = ReplyShaper(run)
     tally = OutputTally()
     activity = handle.activity
@@ -126,6 +160,8 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
         try:
             if parsed is None:
                 parsed = read_chunk(data)
+            if trace is not None:  # before the shaper puts the caller's alias in
+                trace.chunk(parsed.fields, parsed.choices)
             event = shaper.event(parsed)
         except NotAnObject as exc:
             raise _broken_output(handle, f"a chunk is {exc}") from None
@@ -142,6 +178,8 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
             raise _too_large("a chunk", len(events))
         if activity is not None:
             activity.output()
+        if trace is not None:
+            trace.events(events)
         tally.add_tokens(output_tokens)
         if events:
             handle.emitted = True
@@ -176,6 +214,8 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
         return failure
     assert result is not None
     response = result.response
+    if trace is not None and response is not None:
+        trace.response(response, upstream_model=not in_protocol)
     if response is not None and not in_protocol:
         try:
             response = shaper.response(response)
@@ -185,6 +225,15 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
         # Sent, it would make the Edge drop this link and every run on it.
         error = _too_large("the response", len(response))
         return _failed(run, handle, error.code, error.message)
+    tail = result.tail or None
+    if tail is not None and len(tail) > MAX_PAYLOAD_BYTES:
+        error = _too_large("the stream's last events", len(tail))  # as a chunk would
+        return _failed(run, handle, error.code, error.message)
+    if tail is not None and len(response or b"") + len(tail) > MAX_PAYLOAD_BYTES:
+        # The end's message cannot hold both (a stored Responses run repeats its whole
+        # output in each): the events go ahead, as from a Node that holds none back.
+        await send(Chunk(run.run_id, tail))
+        tail = None
     usage = result.usage or shaper.usage
     if usage is not None:
         return RunDone(
@@ -192,6 +241,7 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
             usage=usage,
             response=response,
             usage_source=result.usage_source if result.usage is not None else "provider",
+            tail=tail,
         )
     if response is not None:
         tally.add(response, whole=True)
@@ -200,6 +250,7 @@ async def _outcome(run: Run, adapter: Adapter, handle: RunHandle, send: Send) ->
         usage=await _counted_estimate(run, tally, adapter),
         response=response,
         usage_source="estimated",
+        tail=tail,
     )
 
 

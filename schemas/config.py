@@ -71,6 +71,12 @@ class TlsSection(ConfigStruct, frozen=True, kw_only=True):
 DEFAULT_RESPONSES_MAX_AGE_S = 30 * 24 * 3600.0
 #: How many stored Responses responses an Edge (or replicas sharing a ledger) keeps.
 DEFAULT_RESPONSES_MAX_STORED = 10_000
+#: Usage records an Edge keeps in memory while its journal in `state_dir` cannot be
+#: written (a full disk), about 300 bytes each.
+DEFAULT_LEDGER_BUFFER_RECORDS = 100_000
+#: What an Edge does once that buffer is full: refuse new runs (503
+#: `metering_unavailable`) or serve them unmetered.
+WhenUnwritable = Literal["refuse", "serve"]
 
 
 class ResponsesSection(ConfigStruct, frozen=True, kw_only=True):
@@ -82,6 +88,41 @@ class ResponsesSection(ConfigStruct, frozen=True, kw_only=True):
     """Seconds a response is kept after it was stored or last continued."""
     max_stored: PositiveInt = DEFAULT_RESPONSES_MAX_STORED
     """Responses kept at most, all principals together."""
+
+
+#: The OTLP wire formats IOP exports traces in (the OpenTelemetry SDK's HTTP exporter).
+OtlpProtocol = Literal["http/protobuf"]
+#: `OTEL_TRACES_SAMPLER`'s values that need no extra package.
+TraceSampler = Literal[
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+]
+
+
+class TelemetrySection(ConfigStruct, frozen=True, kw_only=True):
+    """OpenTelemetry traces (design §16): off unless an endpoint is set here or in the
+    standard `OTEL_EXPORTER_OTLP_*` environment variables. A key set here wins over its
+    variable; `OTEL_SDK_DISABLED=true` turns tracing off whatever is set
+    (`schemas.telemetry`)."""
+
+    endpoint: NonEmptyStr | None = None
+    """The OTLP/HTTP receiver: its base URL (`http://collector:4318`; spans go to
+    `/v1/traces` under it) or the full URL ending in `/v1/traces`."""
+    protocol: OtlpProtocol | None = None
+    """None: `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` or `OTEL_EXPORTER_OTLP_PROTOCOL`, else
+    `http/protobuf`."""
+    sampler: TraceSampler | None = None
+    """None: `OTEL_TRACES_SAMPLER`, else `parentbased_always_on` (a caller's sampled
+    trace is always continued)."""
+    sampler_arg: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    """The ratio of the `*traceidratio` samplers; None: `OTEL_TRACES_SAMPLER_ARG`, else 1."""
+    service_name: NonEmptyStr | None = None
+    """The `service.name` of the spans; None: `OTEL_SERVICE_NAME`, else `iop-edge`
+    (`iop-node` on a Node)."""
 
 
 class EdgeSection(ConfigStruct, frozen=True, kw_only=True):
@@ -96,7 +137,16 @@ class EdgeSection(ConfigStruct, frozen=True, kw_only=True):
     ledger_password_env: EnvVarName | None = None
     """The environment variable holding the PostgreSQL password (else libpq's own
     `PGPASSWORD` or `~/.pgpass`)."""
+    ledger_buffer_records: PositiveInt = DEFAULT_LEDGER_BUFFER_RECORDS
+    """Usage records kept in memory, in order, while the journal in `state_dir` cannot be
+    written (a full disk); they are written once it can."""
+    ledger_when_unwritable: WhenUnwritable = "refuse"
+    """Once that many records wait: `refuse` new runs (503 `metering_unavailable`, and
+    `/readyz` says not ready) or `serve` them unmetered (their records are dropped and
+    counted)."""
     responses: ResponsesSection = ResponsesSection()
+    telemetry: TelemetrySection = TelemetrySection()
+    """OpenTelemetry traces; read at startup (a change takes a restart)."""
 
 
 class AdminSection(ConfigStruct, frozen=True, kw_only=True):
@@ -147,6 +197,13 @@ class QueueOverride(ConfigStruct, frozen=True, kw_only=True):
 class GenerationPolicy(ConfigStruct, frozen=True, kw_only=True):
     defaults: dict[str, Any] = {}
     max_tokens_limit: PositiveInt = DEFAULT_MAX_TOKENS_LIMIT
+    strip_agent_attribution: bool = True
+    """Remove the attribution block Claude Code puts first in the system prompt of every
+    Messages request (`x-anthropic-billing-header: cc_version=...; cc_entrypoint=...;
+    cch=...;`) before the run. Its values change from one request to the next, and a
+    runtime's prompt cache reuses only the unchanged prefix of a prompt: with the block
+    in, every turn of an agent's conversation prefills its whole prompt again. The block
+    says nothing to a model; only a block of exactly that shape is removed."""
 
 
 class ModelEntry(ConfigStruct, frozen=True, kw_only=True):

@@ -21,10 +21,12 @@ import msgspec
 RefreshMode = Literal["dry_run", "apply"]
 ChangeClass = Literal["live", "restart_required"]
 RefreshOutcome = Literal["no_change", "applied", "rejected", "dry_run"]
-RefreshVerdict = Literal["accepted", "invalid", "conflict"]
+RefreshVerdict = Literal["accepted", "invalid", "conflict", "unavailable"]
 """How an attempt was answered: `accepted` (applied, no change, or a dry run), `invalid`
-(the candidate failed validation; nothing changed) or `conflict` (refused as things stand:
-another refresh running, a stale `if_revision`, or restart-required changes not allowed)."""
+(the candidate failed validation; nothing changed), `conflict` (refused as things stand:
+another refresh running, a stale `if_revision`, or restart-required changes not allowed)
+or `unavailable` (the Edge cannot record the attempt, its audit log cannot be written:
+nothing changed; retry once it can)."""
 NodePushStatus = Literal["pushed", "applied", "failed", "not_connected"]
 """`applied`: the node acked the new revision. `failed`: it refused, or no ack came in
 time (`detail` says which). `not_connected`: the node was not connected; it receives the

@@ -177,6 +177,16 @@ class Run(Message, tag="run", frozen=True, kw_only=True):
     """The Edge stores this run's result (a Responses request with `store: true`): the
     Node puts the final response object, in the caller's protocol, in `run_done.response`
     even for a stream."""
+    traceparent: str = ""
+    """W3C trace context (design §16): the Edge's span of the caller's request when the
+    Edge traces, else the caller's own `traceparent` as it came ("" = none). The Node's
+    spans continue it, and the upstream request carries it on."""
+    tracestate: str = ""
+    """The W3C `tracestate` that goes with `traceparent`."""
+    hold_tail: bool = False
+    """The Edge writes `run_done.tail` (see there): the Node holds a Messages or Responses
+    stream's last events back for it. An Edge that does not say so gets them as chunks,
+    as before the field existed (a Node and an Edge of different releases still agree)."""
 
 
 class Cancel(Message, tag="cancel", frozen=True, kw_only=True):
@@ -189,6 +199,16 @@ class RunDone(Message, tag="run_done", frozen=True, kw_only=True):
     response: bytes | None = None
     usage_source: UsageSource | None = None
     """None: a Node that does not say; `usage` then is the provider's when present."""
+    tail: bytes | None = None
+    """A Messages or Responses stream's last events, caller-ready (framed as its chunks
+    are): Anthropic's `message_delta` and `message_stop`, a Responses `response.completed`
+    or `response.incomplete`. They tell the caller the reply is whole, and a caller may
+    hang up the moment it reads them (Codex CLI does), so they travel with the run's end
+    instead of ahead of it: the Edge records the end, then writes them, where it writes a
+    chat stream's `data: [DONE]`. A caller that leaves after reading them left a
+    completed run. Only for a run with `hold_tail`; None for chat and completions (the
+    Edge ends those streams itself) and from a Node that does not know the field (the
+    events came as chunks)."""
 
 
 class FailureCode(StrEnum):
@@ -296,7 +316,7 @@ class RunEvents(Message, tag="run_events", frozen=True, kw_only=True):
     `data: {...}\n\n` for chat and completions, `event: NAME\ndata: {...}\n\n` for
     Messages and Responses), in the order they were produced; a run appears at most once.
     `ends`: runs that ended, applied after every chunk of this message (a run's end never
-    comes before its chunks)."""
+    comes before its chunks; a stream's last events may come inside it, `RunDone.tail`)."""
 
     chunks: list[tuple[str, bytes]] = []
     ends: list[RunDone | RunFailed] = []

@@ -34,7 +34,7 @@ from iop_edge.core.exception_groups import sole_exception
 from iop_edge.core.listen import parse_listen_address
 from iop_edge.core.principals import describe_limits
 from iop_edge.core.tokens import hash_token
-from schemas.config import PrincipalLimits
+from schemas.config import ConfigError, EdgeSection, PrincipalLimits
 from schemas.log_lines import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_CONFIG = Path("configs/edge.yaml")
@@ -42,6 +42,9 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 #: What a shell reports for a program stopped by SIGPIPE (`| head`).
 EXIT_BROKEN_PIPE = 141
+#: Groups `iop-edge usage` shows at once (the admin API returns at most `MAX_USAGE_ROWS`).
+DEFAULT_USAGE_ROWS = 100
+MAX_USAGE_ROWS = 10_000
 
 #: Refresh request fields, as the flags that set them (Rule 2).
 FIELD_FLAGS = {
@@ -166,6 +169,7 @@ def _listen_override(flag: str, value: str | None, *, loopback: bool = False) ->
 def cmd_serve(args: argparse.Namespace) -> int:
     from iop_edge.edge import EdgeStartupError, ListenerUnavailable
     from iop_edge.main import serve_edge, setup_logging
+    from iop_edge.runtime.metering.usage import LedgerUnavailable
 
     node_listen = _listen_override("--node-listen", args.node_listen)
     admin_listen = _listen_override("--admin-listen", args.admin_listen, loopback=True)
@@ -191,7 +195,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     f"{exc.config_key} of {args.config} (port 0 picks a free one; the Edge "
                     "logs the port it got)"
                 )
-            case EdgeStartupError() as exc:
+            case EdgeStartupError() | LedgerUnavailable() as exc:
                 _fail(f"{args.config}: cannot start: {exc}")
             case _:
                 raise
@@ -233,6 +237,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_check_config(args: argparse.Namespace) -> int:
     try:
         parsed = load_config(args.path)
+        if not args.offline:
+            _check_ledger(parsed.config.edge)
     except ConfigInvalid as exc:
         print(f"{args.path}: {len(exc.errors)} error(s)", file=sys.stderr)
         print(format_errors(exc.errors), file=sys.stderr)
@@ -247,6 +253,22 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     )
     _print_principal_limits(config.principals)
     return 0
+
+
+def _check_ledger(edge: EdgeSection) -> None:
+    """What `serve` checks of the ledger before it serves, changing nothing: room in
+    `state_dir`, and a PostgreSQL ledger's package, password variable and server (it is
+    connected to, not set up). Raises `ConfigInvalid` naming each problem's setting."""
+    from iop_edge.runtime.metering.ledger import choose_ledger
+    from iop_edge.runtime.metering.usage import LedgerUnavailable
+
+    try:
+        choice = choose_ledger(edge)
+    except LedgerUnavailable as exc:
+        raise ConfigInvalid([ConfigError(path="edge.ledger", message=str(exc))]) from None
+    problems = choice.inspect()
+    if problems:
+        raise ConfigInvalid(problems)
 
 
 #: `check-config` lists each principal's limits up to this many entries, then counts.
@@ -308,8 +330,18 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     return 0 if status == 200 else EXIT_FAILURE
 
 
+class _PipedConsole(Console):
+    """rich's Console, leaving a closed pipe to `main` (Rule 3): rich's own handling exits
+    with 1, which a shell script reads as a failure; `main` exits 141, as a program
+    stopped by SIGPIPE does."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # nothing more is written, not even at exit
+        raise BrokenPipeError
+
+
 def _console() -> Console:
-    return Console(highlight=False)
+    return _PipedConsole(highlight=False)
 
 
 def _show(args: argparse.Namespace, path: str, render: Callable[[Console, Any], None]) -> int:
@@ -341,7 +373,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
         query["since"] = args.since
     if args.until:
         query["until"] = args.until
-    report = _get(args, "/usage?" + urlencode(query))
+    page = {"limit": str(args.limit), **({"after": args.after} if args.after else {})}
+    report = _get(args, "/usage?" + urlencode({**query, **page}))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -430,6 +463,16 @@ def _log_level(value: str) -> str:
             f"invalid log level {value!r}; choose from {', '.join(LOG_LEVELS)}"
         )
     return level
+
+
+def _page_size(value: str) -> int:
+    try:
+        size = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a whole number") from None
+    if not 1 <= size <= MAX_USAGE_ROWS:
+        raise argparse.ArgumentTypeError(f"{size} is not between 1 and {MAX_USAGE_ROWS}")
+    return size
 
 
 def _positive_seconds(value: str) -> float:
@@ -547,10 +590,17 @@ def build_parser() -> argparse.ArgumentParser:
         "check-config",
         help="validate a config; every error with its path",
         description="Validate an Edge config with every rule `serve` applies (including "
-        "the TLS files and state_dir on this machine): exit 0 and a summary, or 1 and every "
+        "the TLS files, state_dir and its room on this machine, and a PostgreSQL ledger's "
+        "server, connected to but not changed): exit 0 and a summary, or 1 and every "
         "error with its path.",
     )
     check.add_argument("path", type=Path, metavar="FILE", help="the Edge config to check")
+    check.add_argument(
+        "--offline",
+        action="store_true",
+        help="check the file only: not the room in state_dir, nor a PostgreSQL ledger's "
+        "server (for a machine that will not run the Edge)",
+    )
     check.set_defaults(func=cmd_check_config)
 
     refresh = sub.add_parser(
@@ -624,8 +674,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="principal_ref,token_ref,model",
         metavar="COLUMNS",
         help="comma-separated: principal_ref, token_ref, model, provider, node, usage_source, "
-        "status"
-        "(default: principal_ref,token_ref,model)",
+        "status, protocol (default: principal_ref,token_ref,model)",
+    )
+    usage.add_argument(
+        "--limit",
+        type=_page_size,
+        default=DEFAULT_USAGE_ROWS,
+        metavar="N",
+        help=f"groups to show, 1 to 10000 (default: {DEFAULT_USAGE_ROWS}); the totals "
+        "cover them all, and the last line says how to see the next ones",
+    )
+    usage.add_argument(
+        "--after",
+        metavar="CURSOR",
+        help="show the groups after a previous page (the cursor it printed)",
     )
     usage.set_defaults(func=cmd_usage)
 

@@ -318,7 +318,14 @@ def render_usage(
             if key not in columns and key not in _USAGE_COUNTS:
                 columns.append(key)
     table = Table(title=f"Usage from {_window(report)}", title_justify="left", show_footer=True)
-    totals = {count: sum(int(row.get(count) or 0) for row in rows) for count in _USAGE_COUNTS}
+    # The window's totals, every page's, when the server sends them (a page is a part).
+    whole = report.get("totals")
+    totals = {
+        count: int(whole.get(count) or 0)
+        if whole
+        else sum(int(row.get(count) or 0) for row in rows)
+        for count in _USAGE_COUNTS
+    }
     for index, column in enumerate(columns):
         table.add_column(column, footer="total" if index == 0 else "")
     for count in _USAGE_COUNTS:
@@ -329,6 +336,15 @@ def render_usage(
             *(str(row.get(count, 0)) for count in _USAGE_COUNTS),
         )
     console.print(table)
+    if report.get("truncated"):
+        console.print(
+            _cell(
+                f"{len(rows)} groups shown, more follow (the total covers them all); the "
+                f"next page: iop-edge usage --after {report.get('next')} (with the same "
+                "--since, --until and --group-by)"
+            ),
+            soft_wrap=True,
+        )
     statuses = sorted(
         (row for row in (by_status or {}).get("rows") or [] if row.get("status") is not None),
         key=lambda row: int(row["status"]),

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import importlib.util
 import os
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Final
@@ -48,6 +49,8 @@ from iop_edge.core.config_shape import (
     key_path,
     kind_of,
 )
+from iop_edge.core.config_proof import ConfigProof, entry_key
+from iop_edge.core.gc_pause import gc_paused
 from iop_edge.core.host import check_host
 from iop_edge.core.ledger_url import parse_ledger_url
 from iop_edge.core.listen import ListenAddress, parse_listen_address
@@ -60,10 +63,11 @@ from schemas.config import (
     EdgeConfig,
     EnvVarName,
     ModelEntry,
+    NodeEntry,
     ProviderType,
     Sha256Hex,
 )
-from schemas.safe_yaml import check_expansion, compose
+from schemas.safe_yaml import check_expansion, compose, construct, has_aliases
 
 __all__ = [
     "ConfigInvalid",
@@ -95,10 +99,24 @@ class ParsedConfig:
     """sha256 hex of `text` (UTF-8): the config's identity in `/status` and the audit log."""
     warnings: list[str] = field(default_factory=list)
     """Non-fatal notes, e.g. one deprecation warning per legacy `openai.model_routes[]`."""
+    proof: ConfigProof | None = None
+    """What this config proved about its node entries: pass it to the next parse."""
+    checked_nodes: int = 0
+    """Node entries checked here, not taken from the proof it was given."""
 
 
-def parse_config(text: str) -> ParsedConfig:
-    """Parse and validate config text; raise `ConfigInvalid` listing every problem."""
+def parse_config(text: str, *, proof: ConfigProof | None = None) -> ParsedConfig:
+    """Parse and validate config text; raise `ConfigInvalid` listing every problem.
+
+    `proof` is what an earlier valid config proved (`core.config_proof`): its node
+    entries whose raw data is unchanged are not checked again. A fleet's config is about
+    a million objects built in one go: the cyclic collector is paused meanwhile
+    (`core.gc_pause`)."""
+    with gc_paused():
+        return _parse(text, proof)
+
+
+def _parse(text: str, proof: ConfigProof | None) -> ParsedConfig:
     raw, errors = _read_yaml(text)
     if not isinstance(raw, dict):
         got = "an empty document" if raw is None else kind_of(raw)
@@ -110,13 +128,20 @@ def parse_config(text: str) -> ParsedConfig:
             )
         )
         raise ConfigInvalid(errors)
-    errors.extend(check_shape(raw, EdgeConfig, wording=_WORDING))
-    rules = _Rules(raw)
+    entries = _NodeEntries.read(raw, proof)
+    if entries.proven:
+        errors.extend(check_shape({**raw, "nodes": []}, EdgeConfig, wording=_WORDING))
+        for index, entry in entries.to_check():
+            path = index_path("nodes", index)
+            errors.extend(check_shape(entry, NodeEntry, wording=_WORDING, path=path))
+    else:
+        errors.extend(check_shape(raw, EdgeConfig, wording=_WORDING))
+    rules = _Rules(raw, proven=entries.proven.keys())
     rules.run()
     errors.extend(rules.errors)
     if errors:
         raise ConfigInvalid(errors)
-    config = _build(raw, rules.derived_models)
+    config = _build(raw, rules.derived_models, entries.proven)
     errors.extend(check_host(config))
     if errors:
         raise ConfigInvalid(errors)
@@ -125,10 +150,52 @@ def parse_config(text: str) -> ParsedConfig:
         text=text,
         sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
         warnings=rules.warnings,
+        proof=entries.proof(config.nodes),
+        checked_nodes=len(entries.keys) - len(entries.proven),
     )
 
 
-def load_config(path: str | os.PathLike[str]) -> ParsedConfig:
+@dataclass(frozen=True, slots=True)
+class _NodeEntries:
+    """A candidate's raw node entries against a proof (`core.config_proof`)."""
+
+    raw: list[Any]
+    keys: list[bytes | None]
+    """Each entry's `entry_key`; None for an entry that is not a mapping."""
+    edge_loopback: bool
+    proven: dict[int, NodeEntry]
+    """By index in `nodes`: the entries the proof already holds."""
+
+    @classmethod
+    def read(cls, raw: dict[Any, Any], proof: ConfigProof | None) -> _NodeEntries:
+        nodes = raw.get("nodes")
+        entries = nodes if isinstance(nodes, list) else []
+        keys = [entry_key(entry) if isinstance(entry, dict) else None for entry in entries]
+        loopback = _listens_on_loopback(raw, "edge")
+        proven: dict[int, NodeEntry] = {}
+        if proof is not None:
+            for index, key in enumerate(keys):
+                if key is not None and (
+                    entry := proof.entry(key, edge_loopback=loopback)
+                ) is not None:
+                    proven[index] = entry
+        return cls(entries, keys, loopback, proven)
+
+    def to_check(self) -> Iterator[tuple[int, Any]]:
+        """The entries the proof does not hold, with their index."""
+        for index, entry in enumerate(self.raw):
+            if index not in self.proven:
+                yield index, entry
+
+    def proof(self, built: list[NodeEntry]) -> ConfigProof:
+        """What this valid config proves: every entry, as built."""
+        keyed = {key: node for key, node in zip(self.keys, built, strict=True) if key}
+        return ConfigProof(edge_loopback=self.edge_loopback, entries=keyed)
+
+
+def load_config(
+    path: str | os.PathLike[str], *, proof: ConfigProof | None = None
+) -> ParsedConfig:
     """Read and validate the config file at `path`. An unreadable file is `ConfigInvalid` too.
 
     The file is decoded as UTF-8 without newline translation, so `sha256` is the digest of
@@ -146,7 +213,7 @@ def load_config(path: str | os.PathLike[str]) -> ParsedConfig:
         raise _whole_file(
             f"config file {os.fspath(path)} is not valid UTF-8 (byte offset {exc.start})"
         ) from exc
-    return parse_config(text)
+    return parse_config(text, proof=proof)
 
 
 def format_errors(errors: list[ConfigError]) -> str:
@@ -198,10 +265,14 @@ def _read_yaml(text: str) -> tuple[object, list[ConfigError]]:
         if node is None:
             return None, []
         errors: list[ConfigError] = []
-        _scan_nodes(node, "", errors, set(), set())
-        if not errors:  # a recursive alias is reported with its path instead
-            check_expansion(node)
-        return _Constructor().construct_document(node), errors
+        aliases = has_aliases(text)
+        if aliases:
+            _scan_nodes(node, "", errors, set(), set())
+            if not errors:  # a recursive alias is reported with its path instead
+                check_expansion(node)
+        else:
+            _scan_tree(node, errors)
+        return construct(node, _Constructor(), aliases=aliases), errors
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f" at {_position(mark)}" if mark else ""
@@ -218,6 +289,55 @@ def _position(mark: yaml.Mark) -> str:
 
 
 _MERGE_TAG: Final = "tag:yaml.org,2002:merge"
+
+
+#: A collection's place in the document, built only when an error names it: the parent's
+#: place and the step (an index or a key) from there, or None for the root.
+_Place = tuple["_Place", int | str] | None
+
+
+def _render_place(place: _Place) -> str:
+    steps: list[int | str] = []
+    while place is not None:
+        place, step = place
+        steps.append(step)
+    path = ""
+    for step in reversed(steps):
+        path = index_path(path, step) if isinstance(step, int) else key_path(path, step)
+    return path
+
+
+def _scan_tree(root: yaml.Node, errors: list[ConfigError]) -> None:
+    """`_scan_nodes` for a document without aliases (a tree, nothing recursive): the
+    duplicate keys only, each mapping's keys compared at once, paths built only for a
+    mapping that repeats a key. Iterative: the depth is bounded, but this is cheaper."""
+    stack: list[tuple[yaml.Node, _Place]] = [(root, None)]
+    while stack:
+        node, place = stack.pop()
+        if isinstance(node, yaml.SequenceNode):
+            for index in range(len(node.value) - 1, -1, -1):
+                item = node.value[index]
+                if not isinstance(item, yaml.ScalarNode):
+                    stack.append((item, (place, index)))
+        elif isinstance(node, yaml.MappingNode):
+            pairs = node.value
+            signatures = [
+                (key.tag, key.value)
+                for key, _ in pairs
+                if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE_TAG
+            ]
+            if len(set(signatures)) != len(signatures):
+                # Rare: the full scan words the errors, in document order, for this subtree.
+                _scan_nodes(node, _render_place(place), errors, set(), set())
+                continue
+            for key, value in reversed(pairs):
+                # As `_scan_nodes`: the value of a merge key or a complex key is not scanned.
+                if (
+                    isinstance(key, yaml.ScalarNode)
+                    and key.tag != _MERGE_TAG
+                    and not isinstance(value, yaml.ScalarNode)
+                ):
+                    stack.append((value, (place, key.value)))
 
 
 def _scan_nodes(
@@ -314,8 +434,11 @@ class _Rules:
     rule only ever reports its own kind of problem.
     """
 
-    def __init__(self, raw: dict[Any, Any]) -> None:
+    def __init__(self, raw: dict[Any, Any], *, proven: Iterable[int] = ()) -> None:
         self.raw = raw
+        self.proven = frozenset(proven)
+        """Indexes in `nodes` of entries a proof holds: only the rules that span entries
+        run on them (`core.config_proof` Rule 3)."""
         self.openai = _as_dict(raw.get("openai"))
         self.errors: list[ConfigError] = []
         self.warnings: list[str] = []
@@ -325,6 +448,7 @@ class _Rules:
     def run(self) -> None:
         self._listen_addresses()
         self._ledger()
+        self._telemetry()
         self._principal_tokens()
         providers = self._providers()
         explicit_models = self._models(providers)
@@ -361,15 +485,7 @@ class _Rules:
                 )
 
     def _loopback(self, section: str) -> bool:
-        """Whether `<section>.listen` is a loopback address (True when malformed: that
-        problem is reported on its own)."""
-        listen = _text(_as_dict(self.raw.get(section)).get("listen"))
-        if listen is None:
-            return False  # the default, 0.0.0.0
-        try:
-            return parse_listen_address(listen).is_loopback
-        except ValueError:
-            return True
+        return _listens_on_loopback(self.raw, section)
 
     def _ledger(self) -> None:
         ledger = _text(_as_dict(self.raw.get("edge")).get("ledger"))
@@ -378,6 +494,25 @@ class _Rules:
                 parse_ledger_url(ledger)
             except ValueError as exc:
                 self._error("edge.ledger", str(exc))
+
+    def _telemetry(self) -> None:
+        """`edge.telemetry.endpoint` (design §16): an OTLP/HTTP URL, and the SDK that
+        exports to it installed (else `serve` would refuse to start)."""
+        endpoint = _text(_as_dict(_as_dict(self.raw.get("edge")).get("telemetry")).get("endpoint"))
+        if endpoint is None:
+            return
+        if not _is_http_url(endpoint):
+            self._error(
+                "edge.telemetry.endpoint",
+                f"{endpoint!r} is not an http:// or https:// URL; OTLP/HTTP receivers "
+                "listen on e.g. http://collector:4318",
+            )
+        elif not _installed("opentelemetry.sdk"):
+            self._error(
+                "edge.telemetry.endpoint",
+                "tracing is configured but the OpenTelemetry SDK is not installed: "
+                "pip install 'iop[otel]'",
+            )
 
     def _principal_tokens(self) -> None:
         refs = _FirstSeen()
@@ -437,12 +572,15 @@ class _Rules:
         node_ids = _FirstSeen()
         provider_ids = _FirstSeen()
         providers: dict[str, _Provider] = {}
-        for node_path, node in _entries(self.raw.get("nodes"), "nodes"):
+        for index, (node_path, node) in _indexed_entries(self.raw.get("nodes"), "nodes"):
+            proven = index in self.proven
             node_id = _text(node.get("id"))
             if first := node_ids.repeat(node_id, node_path):
                 self._error(f"{node_path}.id", f"duplicate node id '{node_id}' ({first})")
-            if node.get("token_hash_sha256") == DEMO_NODE_TOKEN_SHA256 and not self._loopback(
-                "edge"
+            if (
+                not proven
+                and node.get("token_hash_sha256") == DEMO_NODE_TOKEN_SHA256
+                and not self._loopback("edge")
             ):
                 self._error(
                     f"{node_path}.token_hash_sha256",
@@ -460,8 +598,9 @@ class _Rules:
                     )
                 elif provider_id is not None:
                     providers[provider_id] = _Provider(path, _text_list(provider.get("models")))
-                self._long_context_slots(path, provider)
-                self._adapter(path, provider)
+                if not proven:
+                    self._long_context_slots(path, provider)
+                    self._adapter(path, provider)
         return providers
 
     def _long_context_slots(self, path: str, provider: dict[Any, Any]) -> None:
@@ -587,6 +726,18 @@ class _Rules:
             )
 
 
+def _listens_on_loopback(raw: dict[Any, Any], section: str) -> bool:
+    """Whether `<section>.listen` is a loopback address (True when malformed: that
+    problem is reported on its own)."""
+    listen = _text(_as_dict(raw.get(section)).get("listen"))
+    if listen is None:
+        return False  # the default, 0.0.0.0
+    try:
+        return parse_listen_address(listen).is_loopback
+    except ValueError:
+        return True
+
+
 class _FirstSeen:
     """Remembers where each value was first seen, to name it in a "duplicate" error."""
 
@@ -607,10 +758,18 @@ def _as_dict(value: object) -> dict[Any, Any]:
 
 def _entries(value: object, path: str) -> Iterator[tuple[str, dict[Any, Any]]]:
     """`(path[i], item)` for the mapping items of a list; anything else is skipped."""
+    for _, entry in _indexed_entries(value, path):
+        yield entry
+
+
+def _indexed_entries(
+    value: object, path: str
+) -> Iterator[tuple[int, tuple[str, dict[Any, Any]]]]:
+    """`_entries`, each with its index `i`."""
     if isinstance(value, list):
         for index, item in enumerate(value):
             if isinstance(item, dict):
-                yield index_path(path, index), item
+                yield index, (index_path(path, index), item)
 
 
 def _text(value: object) -> str | None:
@@ -637,6 +796,14 @@ def _overlap(a: ListenAddress, b: ListenAddress) -> bool:
     )
 
 
+def _installed(module: str) -> bool:
+    """Whether `module` could be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
 def _is_http_url(url: str) -> bool:
     try:
         parts = urlsplit(url)
@@ -648,24 +815,36 @@ def _is_http_url(url: str) -> bool:
 # --------------------------------------------------------------------------- step 4: build
 
 
-def _build(raw: dict[Any, Any], derived_models: dict[str, dict[str, str]]) -> EdgeConfig:
-    """The real Structs, with legacy models appended and provider categories resolved."""
+def _build(
+    raw: dict[Any, Any],
+    derived_models: dict[str, dict[str, str]],
+    proven: Mapping[int, NodeEntry],
+) -> EdgeConfig:
+    """The real Structs, with legacy models appended and provider categories resolved;
+    the node entries a proof holds are taken from it as built then."""
+    nodes = raw.get("nodes")
     try:
-        config = msgspec.convert(raw, EdgeConfig)
+        config = msgspec.convert({**raw, "nodes": []}, EdgeConfig)
+        built = [
+            proven[index] if index in proven else _node(entry)
+            for index, entry in enumerate(nodes if isinstance(nodes, list) else [])
+        ]
     except msgspec.ValidationError as exc:  # the shape step should have caught it: report it
         raise ConfigInvalid([error_from_msgspec(exc)]) from None
-    nodes = [
-        msgspec.structs.replace(
-            node,
-            providers=[
-                msgspec.structs.replace(provider, category=provider.effective_category)
-                for provider in node.providers
-            ],
-        )
-        for node in config.nodes
-    ]
     legacy = [
         ModelEntry(id=model_id, providers=providers)
         for model_id, providers in derived_models.items()
     ]
-    return msgspec.structs.replace(config, nodes=nodes, models=[*config.models, *legacy])
+    return msgspec.structs.replace(config, nodes=built, models=[*config.models, *legacy])
+
+
+def _node(entry: object) -> NodeEntry:
+    """One node entry's Structs, every provider's `category` resolved."""
+    node = msgspec.convert(entry, NodeEntry)
+    return msgspec.structs.replace(
+        node,
+        providers=[
+            msgspec.structs.replace(provider, category=provider.effective_category)
+            for provider in node.providers
+        ],
+    )

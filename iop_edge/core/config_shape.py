@@ -19,6 +19,10 @@ Rules of the walk:
    items are fine, so one mistake is not reported twice.
 5. Nothing here knows the Edge: wording for particular schema aliases is passed in as
    `LeafWording`.
+6. A Struct value that msgspec converts as a whole has no misfit below it (msgspec
+   judges every leaf and container the walk would): the walk only runs the wordings'
+   prechecks there, and only into fields whose type can hold such a leaf. A config of
+   ten thousand Nodes is then checked in one conversion, not one per leaf.
 """
 
 from __future__ import annotations
@@ -58,15 +62,20 @@ class LeafWording:
 
 
 def check_shape(
-    value: object, schema: Any, *, wording: Mapping[Any, LeafWording] | None = None
+    value: object,
+    schema: Any,
+    *,
+    wording: Mapping[Any, LeafWording] | None = None,
+    path: str = "",
 ) -> list[ConfigError]:
     """Every place where `value` does not fit schema type `schema`, in the order met.
 
     `wording` is keyed by schema aliases (like `Sha256Hex`): a leaf declared with one of
-    them is described by its `LeafWording` rather than by msgspec's message.
+    them is described by its `LeafWording` rather than by msgspec's message. `path` is
+    where `value` sits in a larger document (`nodes[3]`), for the errors' paths.
     """
     walker = _Walker(wording or {})
-    walker.shape(value, schema, "")
+    walker.shape(value, schema, path)
     return walker.errors
 
 
@@ -115,12 +124,20 @@ class _Walker:
     def __init__(self, wording: Mapping[Any, LeafWording]) -> None:
         self.wording = wording
         self.errors: list[ConfigError] = []
+        self.prechecks_only = False
+        """Below a value msgspec converted whole (Rule 6): only prechecks can fail."""
+        self._may_precheck: dict[int, bool] = {}
+        """By `id` of a schema type (types outlive the walk): can it hold a leaf whose
+        wording has a precheck?"""
+        self._prechecked_fields: dict[int, list[tuple[str, Any]]] = {}
 
     def error(self, path: str, message: str) -> None:
         self.errors.append(ConfigError(path=path, message=message))
 
     def shape(self, value: object, tp: Any, path: str) -> None:
         if tp is Any:
+            return
+        if self.prechecks_only and not self.may_precheck(tp):
             return
         origin = typing.get_origin(tp)
         if origin is typing.Union or origin is types.UnionType:
@@ -169,6 +186,19 @@ class _Walker:
             self.error(path, f"expected a mapping, got {kind_of(value)}")
             return
         fields, required = _fields_of(cls)
+        if self.prechecks_only:
+            for name, tp in self.prechecked_fields(cls):
+                if name in value:
+                    self.shape(value[name], tp, key_path(path, name))
+            return
+        if _fits(value, cls):  # Rule 6
+            if self.may_precheck(cls):
+                self.prechecks_only = True
+                try:
+                    self.struct(value, cls, path)
+                finally:
+                    self.prechecks_only = False
+            return
         forbid_unknown = cls.__struct_config__.forbid_unknown_fields
         for key, item in value.items():
             info = fields.get(key) if isinstance(key, str) else None
@@ -187,13 +217,13 @@ class _Walker:
 
     def leaf_problem(self, value: object, tp: Any) -> str | None:
         """msgspec's verdict on one value, in human words; None when the value fits."""
-        # Compared with ==, never hashed: an `Annotated` type whose metadata is unhashable
-        # is still a valid schema type.
-        wording = next((w for alias, w in self.wording.items() if alias == tp), None)
+        wording = self.wording_of(tp)
         if wording is not None and wording.precheck is not None and isinstance(value, str):
             problem = wording.precheck(value)
             if problem is not None:
                 return problem
+        if self.prechecks_only:
+            return None
         try:
             msgspec.convert(value, tp)
         except msgspec.ValidationError as exc:
@@ -201,6 +231,52 @@ class _Walker:
                 return wording.invalid
             return _humanize(str(exc), tp)
         return None
+
+
+    def wording_of(self, tp: Any) -> LeafWording | None:
+        # Compared with ==, never hashed: an `Annotated` type whose metadata is unhashable
+        # is still a valid schema type.
+        return next((w for alias, w in self.wording.items() if alias == tp), None)
+
+    def prechecked_fields(self, cls: type[msgspec.Struct]) -> list[tuple[str, Any]]:
+        """The fields of `cls` (name in the data, type) that can hold a prechecked leaf."""
+        known = self._prechecked_fields.get(id(cls))
+        if known is None:
+            known = [
+                (name, info.type)
+                for name, info in _fields_of(cls)[0].items()
+                if self.may_precheck(info.type)
+            ]
+            self._prechecked_fields[id(cls)] = known
+        return known
+
+    def may_precheck(self, tp: Any) -> bool:
+        """Whether a value of type `tp` can hold a leaf whose wording has a precheck."""
+        known = self._may_precheck.get(id(tp))
+        if known is not None:
+            return known
+        self._may_precheck[id(tp)] = False  # a recursive type: not through itself
+        wording = self.wording_of(tp)
+        if wording is not None and wording.precheck is not None:
+            found = True
+        elif _is_struct(tp):
+            found = any(self.may_precheck(info.type) for info in _fields_of(tp)[0].values())
+        else:
+            args = typing.get_args(tp)
+            if typing.get_origin(tp) is typing.Annotated:
+                args = args[:1]  # the rest is metadata
+            found = any(self.may_precheck(arg) for arg in args)
+        self._may_precheck[id(tp)] = found
+        return found
+
+
+def _fits(value: object, cls: type[msgspec.Struct]) -> bool:
+    """Whether msgspec converts `value` to `cls` (Rule 6)."""
+    try:
+        msgspec.convert(value, cls)
+    except msgspec.ValidationError:
+        return False
+    return True
 
 
 @functools.cache

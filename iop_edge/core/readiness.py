@@ -9,7 +9,9 @@ Rules:
    is not cooling down after failures. (A full provider still counts: a request would
    queue and be served, not be refused.)
 2. A model is *servable* when at least one of its providers can take runs now.
-3. The Edge is *ready* when at least one model is servable.
+3. The Edge is *ready* when at least one model is servable, and nothing else stops it
+   from serving (a usage ledger that cannot record refuses every run: `unready`, with
+   the reason).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import msgspec
 
 from schemas.catalog import Catalog, CatalogProvider
 
-__all__ = ["Readiness", "can_take_runs", "readiness"]
+__all__ = ["NO_SERVABLE_MODEL", "Readiness", "can_take_runs", "readiness"]
+
+NO_SERVABLE_MODEL = "no model has a provider that can take runs now"
 
 
 class Readiness(msgspec.Struct, frozen=True, kw_only=True):
@@ -27,6 +31,12 @@ class Readiness(msgspec.Struct, frozen=True, kw_only=True):
     """Sorted ids of the models that could be served now (Rule 2)."""
     models: int
     """How many models the catalog has."""
+    reason: str | None = None
+    """Why the Edge is not ready, when it is not."""
+
+    def unready(self, reason: str) -> Readiness:
+        """This state, made not ready for `reason` (Rule 3)."""
+        return msgspec.structs.replace(self, ready=False, reason=reason)
 
 
 def can_take_runs(provider: CatalogProvider) -> bool:
@@ -45,4 +55,9 @@ def readiness(catalog: Catalog) -> Readiness:
     servable = sorted(
         model.id for model in catalog.models if any(pid in taking for pid in model.providers)
     )
-    return Readiness(ready=bool(servable), servable_models=servable, models=len(catalog.models))
+    return Readiness(
+        ready=bool(servable),
+        servable_models=servable,
+        models=len(catalog.models),
+        reason=None if servable else NO_SERVABLE_MODEL,
+    )

@@ -34,6 +34,7 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -102,14 +103,16 @@ def _pattern(path: _Path) -> str:
     return _render(tuple(_Item(()) if isinstance(step, _Item) else step for step in path))
 
 
+@functools.cache
 def _is_live_pattern(pattern: str) -> bool:
+    """Cached: a fleet's config has tens of thousands of changes, of a dozen patterns."""
     return any(
         pattern == live or pattern.startswith((f"{live}.", f"{live}[")) for live in LIVE_PATTERNS
     )
 
 
-def _class_of(path: _Path) -> ChangeClass:
-    return "live" if _is_live_pattern(_pattern(path)) else "restart_required"
+def _class_of(pattern: str) -> ChangeClass:
+    return "live" if _is_live_pattern(pattern) else "restart_required"
 
 
 # --- keyed lists (rule 2) ----------------------------------------------------------------
@@ -137,39 +140,64 @@ def _by_key(items: Sequence[_T], key_of: _KeyOf) -> dict[tuple[str, ...], _T] | 
 # --- the walk (rules 1-3) ----------------------------------------------------------------
 
 
-def _walk(old: Any, new: Any, path: _Path, out: list[_Path]) -> None:
-    if old == new:
-        return
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """A change found by the walk: its path, rendered (rule 3) and as a pattern (rule 4),
+    built step by step as the walk descends rather than once per change afterwards."""
+
+    path: _Path
+    text: str
+    pattern: str
+
+
+@functools.cache
+def _field(name: str) -> _Field:
+    return _Field(name)
+
+
+def _walk(old: Any, new: Any, here: _Found, out: list[_Found]) -> None:
+    """Append to `out` every change below `here`; `old != new` (the caller compared)."""
     if isinstance(old, msgspec.Struct) and type(old) is type(new):
+        path, text, pattern = here.path, here.text, here.pattern
         for name in old.__struct_fields__:
-            _walk(getattr(old, name), getattr(new, name), (*path, _Field(name)), out)
+            before, after = getattr(old, name), getattr(new, name)
+            if before != after:
+                step = f".{name}" if text else name
+                _walk(
+                    before,
+                    after,
+                    _Found((*path, _field(name)), text + step, pattern + step),
+                    out,
+                )
         return
     if isinstance(old, Mapping) and isinstance(new, Mapping):
         old_entries: dict[tuple[str, ...], Any] = {(str(k),): v for k, v in old.items()}
         new_entries: dict[tuple[str, ...], Any] = {(str(k),): v for k, v in new.items()}
-        _walk_keyed(old_entries, new_entries, path, out)
+        _walk_keyed(old_entries, new_entries, here, out)
         return
-    key_of = _LIST_KEYS.get(_pattern(path))
+    key_of = _LIST_KEYS.get(here.pattern)
     if key_of is not None and isinstance(old, list) and isinstance(new, list):
         old_items, new_items = _by_key(old, key_of), _by_key(new, key_of)
         if old_items is not None and new_items is not None:
-            _walk_keyed(old_items, new_items, path, out)
+            _walk_keyed(old_items, new_items, here, out)
             return
-    out.append(path)
+    out.append(here)
 
 
 def _walk_keyed(
     old: Mapping[tuple[str, ...], Any],
     new: Mapping[tuple[str, ...], Any],
-    path: _Path,
-    out: list[_Path],
+    here: _Found,
+    out: list[_Found],
 ) -> None:
+    pattern = here.pattern + "[]"
     for key in old.keys() | new.keys():
-        item_path = (*path, _Item(key))
+        item = _Found((*here.path, _Item(key)), f"{here.text}[{','.join(key)}]", pattern)
         if key in old and key in new:
-            _walk(old[key], new[key], item_path, out)
+            if old[key] != new[key]:
+                _walk(old[key], new[key], item, out)
         else:
-            out.append(item_path)
+            out.append(item)
 
 
 # --- the result --------------------------------------------------------------------------
@@ -201,9 +229,11 @@ class ConfigDiff:
 
 def compare_configs(old: EdgeConfig, new: EdgeConfig) -> ConfigDiff:
     """Diff two configs (rules 1-5)."""
-    found: list[_Path] = []
-    _walk(old, new, (), found)
-    paths = sorted(found, key=_render)
+    found: list[_Found] = []
+    if old != new:
+        _walk(old, new, _Found((), "", ""), found)
+    found.sort(key=lambda change: change.text)
+    paths = [change.path for change in found]
     nodes: set[str] = set()
     providers: set[str] = set()
     models: set[str] = set()
@@ -221,7 +251,7 @@ def compare_configs(old: EdgeConfig, new: EdgeConfig) -> ConfigDiff:
             case (_Field("openai"), _Field("model_routes"), _Item((model, _)), *_):
                 models.add(model)
     return ConfigDiff(
-        changes=tuple(Change(path=_render(p), class_=_class_of(p)) for p in paths),
+        changes=tuple(Change(path=c.text, class_=_class_of(c.pattern)) for c in found),
         changed_nodes=tuple(sorted(nodes)),
         changed_providers=tuple(sorted(providers)),
         changed_models=tuple(sorted(models)),

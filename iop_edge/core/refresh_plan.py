@@ -12,22 +12,40 @@ Rules:
    operator accepted that it waits, and whatever the file says at restart wins.
 4. An apply that is not blocked can still be impossible: a live change that depends on a
    restart-required one (a model mapped to a provider being added) is an error.
+5. The Nodes an apply pushes to are those whose own config (`Snapshot.node_config`)
+   differs between the running snapshot and the new one.
+
+`prepare_refresh` does all of a refresh that needs no I/O and no event loop - reading
+the candidate, planning, building the new snapshot, choosing the Nodes to push - as one
+call, so the Refresher runs it in a worker thread: for a fleet's config that is seconds
+of work, and the event loop keeps serving callers meanwhile.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from iop_edge.core.config import ParsedConfig
+from iop_edge.core.gc_pause import gc_paused
 from iop_edge.core.refresh_diff import (
     ConfigDiff,
     compare_configs,
     live_subset,
     live_subset_errors,
 )
+from iop_edge.core.snapshot import Snapshot
 from schemas.config import EdgeConfig
 from schemas.refresh import RefreshError
 
-__all__ = ["ApplyPlan", "error_order", "plan_apply"]
+__all__ = [
+    "ApplyPlan",
+    "PreparedRefresh",
+    "error_order",
+    "nodes_to_push",
+    "plan_apply",
+    "prepare_refresh",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,3 +102,60 @@ def plan_apply(
 def error_order(error: RefreshError) -> tuple[str, str]:
     """Reports list errors sorted by path, then message."""
     return (error.path, error.message)
+
+
+def nodes_to_push(running: Snapshot, new: Snapshot) -> tuple[str, ...]:
+    """The Nodes whose own config differs between the two snapshots (rule 5), sorted.
+
+    An entry a refresh left alone is the very same Struct in both (`core.config_proof`),
+    so comparing them costs next to nothing; what changed is compared field by field."""
+    changed: list[str] = []
+    for node_id, node in new.nodes.items():
+        before = running.nodes.get(node_id)
+        providers = before.providers if before is not None else []
+        if node.providers is not providers and node.providers != providers:
+            changed.append(node_id)
+    return tuple(sorted(changed))
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRefresh:
+    """A candidate read and decided against a running snapshot, ready to be applied."""
+
+    parsed: ParsedConfig
+    plan: ApplyPlan
+    snapshot: Snapshot | None
+    """What an apply swaps in (revision + 1); None for a dry run or a refused plan."""
+    to_push: tuple[str, ...]
+    """The Nodes an apply pushes to (rule 5)."""
+
+
+def prepare_refresh(
+    load: Callable[[], ParsedConfig],
+    running: Snapshot,
+    *,
+    pending_restart: tuple[str, ...],
+    allow_restart_required: bool,
+    build: bool,
+) -> PreparedRefresh:
+    """Read the candidate (`load` raises `ConfigInvalid`), plan it over `running` and,
+    with `build` (an apply) and nothing refusing it, build the snapshot to swap in.
+
+    Pure and synchronous: no await, nothing shared is touched, so it may run in a worker
+    thread while `running` keeps serving (snapshots are immutable)."""
+    parsed = load()
+    with gc_paused():
+        plan = plan_apply(
+            running.config,
+            parsed.config,
+            pending_restart=pending_restart,
+            allow_restart_required=allow_restart_required,
+        )
+        if not build or plan.errors:
+            return PreparedRefresh(parsed=parsed, plan=plan, snapshot=None, to_push=())
+        snapshot = Snapshot.build(
+            plan.effective, revision=running.revision + 1, config_sha256=parsed.sha256
+        )
+        return PreparedRefresh(
+            parsed=parsed, plan=plan, snapshot=snapshot, to_push=nodes_to_push(running, snapshot)
+        )

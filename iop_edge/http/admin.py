@@ -36,9 +36,9 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from iop_edge.core.listen import is_loopback_host_header
-from iop_edge.core.readiness import Readiness
+from iop_edge.core.readiness import NO_SERVABLE_MODEL, Readiness
 from iop_edge.runtime.metering.activity import ActivityReport
-from iop_edge.runtime.metering.usage import UsageReport
+from iop_edge.runtime.metering.usage import LedgerUnavailable, UsageReport
 from iop_edge.runtime.refresh.refresh import RefreshResult
 from schemas.catalog import Catalog
 from schemas.principals import PrincipalsReport
@@ -60,6 +60,8 @@ def _error(status: int, message: str) -> Response:
 
 
 DEFAULT_GROUP_BY = "principal_ref,token_ref,model"
+#: `Retry-After` of a `/usage` the ledger's database cannot answer now.
+USAGE_RETRY_AFTER_S: Final = 5
 
 
 def parse_time(value: str | None) -> float | None:
@@ -83,6 +85,24 @@ def parse_time(value: str | None) -> float | None:
     return parsed.timestamp()
 
 
+#: Groups one `GET /usage` returns unless told (`limit`), and the most it returns.
+DEFAULT_USAGE_LIMIT: Final = 1000
+MAX_USAGE_LIMIT: Final = 10_000
+
+
+def parse_limit(value: str | None) -> int:
+    """`limit`: groups per page, 1 to `MAX_USAGE_LIMIT` (`DEFAULT_USAGE_LIMIT` if absent)."""
+    if not value:
+        return DEFAULT_USAGE_LIMIT
+    try:
+        limit = int(value)
+    except ValueError:
+        raise ValueError(f"limit: '{value}' is not a whole number") from None
+    if not 1 <= limit <= MAX_USAGE_LIMIT:
+        raise ValueError(f"limit: {limit} is not between 1 and {MAX_USAGE_LIMIT}")
+    return limit
+
+
 #: The pool page's files (package data in `pool_page/`) by the path they are served at.
 POOL_PAGE_FILES: Final[dict[str, tuple[str, str]]] = {
     "/": ("index.html", "text/html; charset=utf-8"),
@@ -91,7 +111,7 @@ POOL_PAGE_FILES: Final[dict[str, tuple[str, str]]] = {
 }
 #: What a browser page may GET (Rule 3): the page, its assets, what it polls.
 BROWSER_READABLE: Final = frozenset(
-    {*POOL_PAGE_FILES, "/catalog", "/status", "/activity", "/readyz"}
+    {*POOL_PAGE_FILES, "/catalog", "/status", "/activity", "/readyz", "/principals"}
 )
 #: Sent with the page's files: nothing from elsewhere, no inline script, no framing.
 _PAGE_HEADERS: Final = {
@@ -140,6 +160,7 @@ REFRESH_STATUS: Final[dict[RefreshVerdict, int]] = {
     "accepted": 200,
     "invalid": 400,
     "conflict": 409,
+    "unavailable": 503,
 }
 
 
@@ -153,7 +174,13 @@ RESTART_STATUS: Final[dict[RestartOutcome, int]] = {
 
 class UsageQuery(Protocol):
     def __call__(
-        self, *, since: float | None, until: float | None, group_by: Sequence[str]
+        self,
+        *,
+        since: float | None,
+        until: float | None,
+        group_by: Sequence[str],
+        limit: int | None,
+        after: str | None,
     ) -> Awaitable[UsageReport]: ...
 
 
@@ -218,7 +245,8 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
             "models": state.models,
         }
         if not state.ready:
-            body["reason"] = "no model has a provider that can take runs now (see /catalog)"
+            reason = state.reason or NO_SERVABLE_MODEL
+            body["reason"] = f"{reason} (see /catalog)" if reason == NO_SERVABLE_MODEL else reason
         return _json(body, 200 if state.ready else 503)
 
     @app.get("/activity")
@@ -249,14 +277,27 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
     @app.get("/usage")
     async def usage() -> Response:
         """`?since=&until=` (ISO 8601 or unix seconds) `&group_by=principal_ref,token_ref,model`
-        (also `provider`, `node`, `usage_source`)."""
+        (also `provider`, `node`, `usage_source`, `status`, `protocol`); at most `limit`
+        groups (`DEFAULT_USAGE_LIMIT`), the next page with `after=` the report's `next`.
+        The database sums; `totals` covers the whole window whatever the page."""
         try:
             since = parse_time(request.args.get("since"))
             until = parse_time(request.args.get("until"))
             group_by = [c for c in request.args.get("group_by", DEFAULT_GROUP_BY).split(",") if c]
-            report = await services.usage(since=since, until=until, group_by=group_by)
+            limit = parse_limit(request.args.get("limit"))
+            report = await services.usage(
+                since=since,
+                until=until,
+                group_by=group_by,
+                limit=limit,
+                after=request.args.get("after") or None,
+            )
         except ValueError as exc:
             return _error(400, str(exc))
+        except LedgerUnavailable as exc:  # a database that is down: say so, retry later
+            response = _error(503, str(exc))
+            response.headers["Retry-After"] = str(USAGE_RETRY_AFTER_S)
+            return response
         return _json(report)
 
     @app.post("/refresh")

@@ -41,9 +41,10 @@ client closed is released at once rather than when that timeout is up.
 
 The app tasks of a connection are spawned from the connection's task, so they see the
 connection through a context variable (`current_connection`). Hypercorn 0.18's
-`TCPServer` is the base; on a Hypercorn whose handler has no `send_lock`, both shortcuts
-step aside (`Connection.writes_directly`), and `tests/e2e/test_http_connection.py` fails
-to say so.
+`TCPServer` is the base, through `iop_edge.http.compat.hypercorn` (every Hypercorn internal
+used here is named there); on a Hypercorn whose handler has no `send_lock`, both shortcuts
+step aside (`Connection.writes_directly`), and `tests/compat/test_hypercorn.py` fails to
+say so.
 """
 
 from __future__ import annotations
@@ -55,12 +56,15 @@ from typing import Any, Final
 
 import trio
 from hypercorn.config import Config
-from hypercorn.events import Closed, Event, RawData
-from hypercorn.protocol.h11 import H11Protocol
-from hypercorn.trio.tcp_server import TCPServer
-from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ASGISendCallable, HTTPScope, LifespanState
 
+from iop_edge.http.compat.hypercorn import (
+    Closed,
+    Event,
+    HypercornConnection,
+    RawData,
+    WorkerContext,
+)
 from iop_edge.http.framing import StrictH11Protocol
 from iop_edge.http.keep_alive import KeepAliveTimer
 from schemas.config import DEFAULT_SEND_TIMEOUT_S
@@ -84,7 +88,7 @@ def current_connection() -> Connection | None:
     return _current.get()
 
 
-class Connection(TCPServer):
+class Connection(HypercornConnection):
     """One client connection (Hypercorn's `TCPServer`, see the module docstring).
 
     `writes_directly` says whether the shortcuts apply: the connection is a plain
@@ -109,13 +113,15 @@ class Connection(TCPServer):
         super().__init__(app, config, context, state, stream)  # type: ignore[arg-type]
         self._live = live
         self._send_timeout_s = send_timeout_s
-        self.writes_directly = isinstance(stream, trio.SocketStream) and isinstance(
-            getattr(self, "send_lock", None), trio.Lock
-        )
+        lock = self.write_lock
+        self.writes_directly = isinstance(stream, trio.SocketStream) and lock is not None
+        self._send_lock = lock if lock is not None else trio.Lock()
+        """Hypercorn's lock around its writes: ours take it too (unused when not
+        `writes_directly`)."""
         self._keep_alive = KeepAliveTimer(
-            config.keep_alive_timeout, context.terminated, self._initiate_server_close
+            config.keep_alive_timeout, context.terminated, self.close_from_server
         )
-        self.idle_task = self._keep_alive  # type: ignore[assignment]
+        self.replace_idle_task(self._keep_alive)
         self._holding = False
         self._held = b""
         """A response's head, waiting to go out with the first bytes after it."""
@@ -128,29 +134,13 @@ class Connection(TCPServer):
         finally:
             self._live.discard(self)
 
-    async def _read_data(self) -> None:
-        self._use_strict_framing()
-        try:
-            await super()._read_data()
-        finally:
-            self._keep_alive.end()  # the client closed, or we did: release the connection
+    def reading_begins(self) -> None:
+        """Read requests with `StrictH11Protocol` (see `iop_edge.http.framing`), swapped
+        in for the HTTP/1.1 protocol Hypercorn built, before it has read a byte."""
+        self.replace_http11_protocol(StrictH11Protocol)
 
-    def _use_strict_framing(self) -> None:
-        """Read requests with `StrictH11Protocol` (see `iop_edge.http.framing`): swapped in
-        for the HTTP/1.1 protocol Hypercorn built, before it has read a byte."""
-        wrapper = self.protocol
-        if type(wrapper.protocol) is H11Protocol:
-            wrapper.protocol = StrictH11Protocol(
-                wrapper.app,
-                wrapper.config,
-                wrapper.context,
-                wrapper.task_group,
-                wrapper.state,
-                wrapper.ssl,
-                wrapper.client,
-                wrapper.server,
-                wrapper.send,
-            )
+    def reading_ended(self) -> None:
+        self._keep_alive.end()  # the client closed, or we did: release the connection
 
     def abort(self) -> None:
         """Close the socket now. A write waiting on it fails, and Hypercorn ends the
@@ -193,7 +183,7 @@ class Connection(TCPServer):
         """How much of `data` the socket took without waiting: 0 when a write is in
         progress (order is kept by going after it) or on any error (`_write_waiting`
         meets it again and ends the connection)."""
-        if self.send_lock.locked():
+        if self._send_lock.locked():
             return 0
         try:
             return os.write(self.stream.socket.fileno(), data)
@@ -207,7 +197,7 @@ class Connection(TCPServer):
         (nginx's `send_timeout`), and `abort` ends the wait at once."""
         socket = self.stream.socket
         with trio.CancelScope(shield=True):
-            async with self.send_lock:
+            async with self._send_lock:
                 while rest:
                     try:
                         rest = rest[os.write(socket.fileno(), rest) :]

@@ -99,6 +99,21 @@ def model_not_found(model: str) -> ApiError:
     )
 
 
+#: How long a caller refused for an unwritable usage ledger is asked to wait.
+RETRY_AFTER_METERING_S = 5.0
+
+
+def metering_unavailable(reason: str) -> ApiError:
+    """A run refused because its usage could not be recorded (`Metering.refusal`)."""
+    return ApiError(
+        503,
+        f"The IOP Edge cannot meter new runs now: {reason}",
+        type="service_unavailable_error",
+        code="metering_unavailable",
+        retry_after_s=RETRY_AFTER_METERING_S,
+    )
+
+
 def admission_error(exc: AdmissionError) -> ApiError:
     """The scheduler's and the rate limiter's refusals as HTTP errors."""
     if isinstance(exc, LimitExceeded):

@@ -18,8 +18,9 @@ Rule 4: every framing error (these, h11's, a 431 for a head past the size limit,
         body and `Connection: close`, as every other error of the Edge is.
 
 `StrictH11Protocol` is Hypercorn's HTTP/1.1 protocol with `StrictRequestReader` as its
-h11 connection and `_send_error_response` answering with a body (Rule 4): the only
-method of Hypercorn's it replaces, pinned by `tests/hostile/test_http_framing.py`.
+h11 connection and `send_error_response` answering with a body (Rule 4): the only
+method of Hypercorn's it replaces (its `_send_error_response`, behind the hook of
+`iop_edge.http.compat.hypercorn`), pinned by `tests/hostile/test_http_framing.py`.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from itertools import chain
 from typing import Any, Final
 
 import h11
-from hypercorn.protocol.h11 import H11Protocol
 
+from iop_edge.http.compat.hypercorn import Http11Protocol
 from iop_edge.http.errors import ApiError
 
 __all__ = ["StrictH11Protocol", "StrictRequestReader", "framing_error", "framing_problem"]
@@ -110,7 +111,7 @@ def framing_error(status: int, reason: str | None, max_head_bytes: int) -> ApiEr
     return ApiError(status, f"Malformed HTTP request{detail}", code="malformed_request")
 
 
-class StrictH11Protocol(H11Protocol):
+class StrictH11Protocol(Http11Protocol):
     """Hypercorn's HTTP/1.1 protocol with strict framing (see the module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -119,7 +120,7 @@ class StrictH11Protocol(H11Protocol):
             h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
         )
 
-    async def _send_error_response(self, status_code: int) -> None:
+    async def send_error_response(self, status_code: int) -> None:
         """Hypercorn's answer to a request h11 (or Rules 1-3) refused, with a body."""
         reason = getattr(self.connection, "refusal", None)
         error = framing_error(status_code, reason, self.config.h11_max_incomplete_size)
@@ -133,6 +134,6 @@ class StrictH11Protocol(H11Protocol):
             status_code=status_code,
             headers=list(chain(headers, self.config.response_headers("h11"))),
         )
-        await self._send_h11_event(response)
-        await self._send_h11_event(h11.Data(data=body))
-        await self._send_h11_event(h11.EndOfMessage())
+        await self.send_h11_event(response)
+        await self.send_h11_event(h11.Data(data=body))
+        await self.send_h11_event(h11.EndOfMessage())

@@ -9,14 +9,25 @@ chat completions. Same catalog, aliases, limits and long-context admission as ch
 - `generation.defaults` apply where the protocol has the same setting (`DEFAULT_KEYS`):
   a chat default with no Messages counterpart is not applied.
 - The caller's `anthropic-version` and `anthropic-beta` headers travel with the run, for a
-  native upstream.
+  native upstream. Its query string does not: Anthropic's SDKs mark their beta namespace
+  with `?beta=true`, but the betas themselves are named by `anthropic-beta`, and no
+  runtime reads the flag (llama.cpp's server, vLLM and Ollama ignore query parameters on
+  `/v1/messages`). Passing a caller's query on would let it add parameters the operator
+  did not configure to the upstream request (a proxy's `api-version` or key parameter).
 - `count_tokens` runs on a provider too (its tokenizer knows the count), but consumes
   nothing: its plan's prompt estimate is 0 and it is never a long run.
+- Claude Code's attribution block (`generation.strip_agent_attribution`, on by default)
+  is removed from the body before the run, of a Messages or count_tokens request alike
+  (the count is of what the model reads): it changes with every request and sits
+  first in the prompt, where it keeps a runtime's prompt cache from ever hitting. Only
+  a first `system` block of exactly its shape goes (`strip_attribution`); nothing else
+  in the body is touched.
 """
 
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -41,6 +52,7 @@ __all__ = [
     "anthropic_model",
     "model_page",
     "plan_messages",
+    "strip_attribution",
 ]
 
 #: A model's `generation.defaults` key (chat's name) -> the Messages field it sets.
@@ -65,6 +77,12 @@ def plan_messages(
     except msgspec.ValidationError as exc:
         raise invalid_request(exc) from None
     model = catalog_model(snapshot, caller, view.model)
+    if (
+        model.generation.strip_agent_attribution
+        and isinstance(view.system, list)
+        and strip_attribution(body)
+    ):
+        view = msgspec.structs.replace(view, system=view.system[1:] or None)
     stream = False
     prompt_tokens = 0
     if isinstance(view, MessagesRequest):
@@ -97,6 +115,40 @@ def plan_messages(
         protocol="messages",
         caller_headers=caller.anthropic_headers,
     )
+
+
+# --- Claude Code's attribution block ---------------------------------------------------
+
+#: The text of the block, whole: the header's name, then `key=value;` pairs
+#: (`cc_version=2.1.197.0df; cc_entrypoint=cli; cch=fa690;`), values without spaces.
+_ATTRIBUTION: Final = re.compile(r"x-anthropic-billing-header:(?: [a-z][a-z0-9_]*=[^;\s]*;)+")
+_ATTRIBUTION_PREFIX: Final = "x-anthropic-billing-header:"
+
+
+def strip_attribution(body: dict[str, Any]) -> bool:
+    """Remove Claude Code's attribution block from a Messages body; True when it was there.
+
+    The block is the first of a `system` list, exactly `{"type": "text", "text":
+    "x-anthropic-billing-header: k=v; ...;"}` (no other key, no other text): a block
+    with anything more is the caller's content and stays. A `system` left empty is
+    removed, as if the caller had sent none."""
+    system = body.get("system")
+    if not isinstance(system, list) or not system:
+        return False
+    first = system[0]
+    if not isinstance(first, dict) or len(first) != 2 or first.get("type") != "text":
+        return False
+    text = first.get("text")
+    if (
+        not isinstance(text, str)
+        or not text.startswith(_ATTRIBUTION_PREFIX)
+        or _ATTRIBUTION.fullmatch(text) is None
+    ):
+        return False
+    del system[0]
+    if not system:
+        del body["system"]
+    return True
 
 
 # --- GET /v1/models in Anthropic's shape ----------------------------------------------

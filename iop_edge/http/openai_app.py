@@ -195,11 +195,11 @@ def _create_quart_app(
     async def readyz() -> Response:
         """Readiness (SPEC §12): 200 only when some model could be served now. Callers
         need no token here (a load balancer asks), so it names no model."""
-        if readiness().ready:
+        state = readiness()
+        if state.ready:
             return _json_response(b'{"status":"ready"}')
         return _json_response(
-            b'{"status":"not_ready","reason":"no model has a provider that can take runs now"}',
-            503,
+            msgspec.json.encode({"status": "not_ready", "reason": state.reason}), 503
         )
 
     @app.errorhandler(ApiError)

@@ -31,7 +31,8 @@ From step 2 on, a watcher task cancels the request when the caller disconnects. 
 exchange ended, on every path it knows, and once more in a `finally` for the paths it
 does not (the caller left: 499 `client_closed`; a bug: 500). On a normal end the run is
 ended (slot released, run metered) *before* the last bytes go out, so a caller that saw
-the response (or `[DONE]`) can count on both.
+the response (or `[DONE]`, or the last event of a Messages or Responses stream) can
+count on both.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from iop_edge.http.errors import (
     ApiError,
     admission_error,
     bad_request,
+    metering_unavailable,
     method_not_allowed,
     run_failure_error,
 )
@@ -70,6 +72,7 @@ from iop_edge.http.rate_limit_headers import rate_limit_headers
 from iop_edge.http.responses import ResponsesSurface, ToStore
 from iop_edge.runtime.metering.access_log import RefusedRequest
 from iop_edge.runtime.metering.metering import Metering
+from iop_edge.runtime.metering.tracing import EdgeTracing, RequestTrace
 from iop_edge.runtime.runs.dispatch import (
     CALLER_GONE,
     INTERNAL_ERROR,
@@ -86,6 +89,7 @@ from iop_edge.runtime.runs.limits import NO_RATE_LIMITS
 from iop_edge.runtime.runs.scheduler import AdmissionError
 from schemas import wire
 from schemas.protocols import CallerProtocol
+from schemas.telemetry import valid_traceparent, valid_tracestate
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +151,15 @@ class _Timing:
 class _Request:
     """The few request headers the run endpoints read, found in one pass."""
 
-    __slots__ = ("anthropic", "api_key", "authorization", "content_length", "request_id")
+    __slots__ = (
+        "anthropic",
+        "api_key",
+        "authorization",
+        "content_length",
+        "request_id",
+        "traceparent",
+        "tracestate",
+    )
 
     def __init__(self, scope: HTTPScope) -> None:
         self.authorization = ""
@@ -156,6 +168,9 @@ class _Request:
         self.request_id: str | None = None
         self.anthropic: dict[str, str] = {}
         """`anthropic-version` and `anthropic-beta`, as sent."""
+        self.traceparent = ""
+        self.tracestate = ""
+        """The caller's W3C trace context (`schemas.telemetry` Rule 6: checked when used)."""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 self.authorization = value.decode("latin-1")
@@ -165,6 +180,10 @@ class _Request:
                 self.request_id = value.decode("latin-1")
             elif name == b"x-api-key":
                 self.api_key = value.decode("latin-1")
+            elif name == b"traceparent":
+                self.traceparent = value.decode("latin-1").strip()
+            elif name == b"tracestate":
+                self.tracestate = value.decode("latin-1").strip()
             elif name in _ANTHROPIC_HEADERS:
                 key = name.decode("latin-1")
                 joined = self.anthropic.get(key)
@@ -182,11 +201,13 @@ class _Reply:
     __slots__ = (
         "_send",
         "complete",
+        "error_code",
         "protocol",
         "provider",
         "rate_limits",
         "request_id",
         "started",
+        "status",
     )
 
     def __init__(self, send: ASGISendCallable, request_id: str, protocol: CallerProtocol) -> None:
@@ -198,6 +219,9 @@ class _Reply:
         self.rate_limits = NO_RATE_LIMITS
         """Where the caller's principal stands against its limits, once admitted."""
         self.started = False
+        self.status = 499
+        """The status the caller was answered with (499 until a response starts)."""
+        self.error_code: str | None = None
         self.complete = False
         """The last body message is on its way: a disconnect from now on is the normal end
         of the exchange (Hypercorn reports one once the response is written)."""
@@ -222,6 +246,7 @@ class _Reply:
         await self.finish(body)
 
     async def error(self, error: ApiError, timing: _Timing) -> None:
+        self.error_code = error.code
         if error.rate_limits is not None:  # refused for a limit: where it stands now
             self.rate_limits = error.rate_limits
         extra = [(name.lower().encode(), value.encode()) for name, value in error.headers().items()]
@@ -240,6 +265,7 @@ class _Reply:
 
     async def _start(self, status: int, headers: Headers) -> None:
         self.started = True
+        self.status = status
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     def chunk_writer(self) -> ChunkedBodyWriter | None:
@@ -259,8 +285,11 @@ class RunEndpoints:
         metering: Metering,
         responses: ResponsesSurface,
         on_refused: Callable[[RefusedRequest], None] | None = None,
+        *,
+        tracing: EdgeTracing | None = None,
     ) -> None:
         self._snapshot = snapshot
+        self._tracing = tracing
         self._dispatcher = dispatcher
         self._metering = metering
         self._responses = responses
@@ -277,6 +306,15 @@ class RunEndpoints:
         run_id = new_run_id()
         request = _Request(scope)
         reply = _Reply(send, request_id(request.request_id, run_id), PROTOCOL_OF[operation])
+        trace = None
+        if self._tracing is not None:
+            traceparent, tracestate = _caller_context(request)
+            trace = self._tracing.begin(
+                method=scope["method"],
+                path=scope["path"],
+                traceparent=traceparent,
+                tracestate=tracestate,
+            )
         try:
             if scope["method"] != "POST":
                 refusal = method_not_allowed(scope["method"], scope["path"], allow="POST")
@@ -300,6 +338,7 @@ class RunEndpoints:
                     )
                 await reply.error(exc, timing)
                 return
+            _continue_trace(plan, trace, request)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope, reply)
                 await self._run(plan, reply, timing, to_store)
@@ -313,6 +352,9 @@ class RunEndpoints:
                     500, "Internal error in the IOP Edge", type="api_error", code="internal_error"
                 )
                 await reply.error(error, timing)
+        finally:
+            if trace is not None:
+                trace.end(status=reply.status, code=reply.error_code)
 
     # --- 1. prepare -------------------------------------------------------------------
 
@@ -329,6 +371,9 @@ class RunEndpoints:
         snapshot = self._snapshot()
         principal = authenticate(snapshot.principals, request.authorization, request.api_key)
         body = await self._read_json(request, receive, snapshot.config.openai.max_request_bytes)
+        unmetered = self._metering.refusal()
+        if unmetered is not None:  # no run starts that could not be metered
+            raise metering_unavailable(unmetered)
         caller = Caller(
             run_id=run_id,
             request_id=request_id,
@@ -461,7 +506,9 @@ class RunEndpoints:
         self, run: Run, reply: _Reply, timing: _Timing, to_store: ToStore | None
     ) -> None:
         """Relay a stream run's events as they come, then the protocol's end (chat's
-        `[DONE]`; Messages and Responses end with their last event).
+        `[DONE]`; Messages and Responses end with their last events, which the run's end
+        carries, `run_done.tail`), written only once the run is ended and metered: a
+        caller may hang up the moment it reads them, and that is a completed run.
 
         The Node sends events ready for the caller (SSE-framed, with the caller's alias);
         the Edge checks their framing and writes them as they are. While this task waits,
@@ -496,6 +543,14 @@ class RunEndpoints:
                     pending = []
                     ready = await run.next_event()
                 event = ready
+            if isinstance(event, wire.RunDone) and event.tail:
+                if _is_sse_events(event.tail):
+                    pending.append(event.tail)  # after `run.end` below, as `[DONE]` is
+                else:
+                    event = run.reject_payload(
+                        wire.FailureCode.BAD_CHUNK,
+                        "the stream's last events are not framed as server-sent events",
+                    )
             outcome = Outcome(200)
             protocol = reply.protocol
             if isinstance(event, wire.RunFailed):
@@ -518,6 +573,34 @@ class RunEndpoints:
                 await self._responses.keep(to_store, event.response)
             await reply.finish(b"".join(pending))
             return
+
+
+def _caller_context(request: _Request) -> tuple[str, str]:
+    """The caller's `traceparent` and `tracestate`, each "" when absent or malformed
+    (`schemas.telemetry` Rule 6)."""
+    if not valid_traceparent(request.traceparent):
+        return "", ""
+    return request.traceparent, request.tracestate if valid_tracestate(request.tracestate) else ""
+
+
+def _continue_trace(plan: RunPlan, trace: RequestTrace | None, request: _Request) -> None:
+    """Set the trace context the Node continues: the request's span when the Edge traces,
+    else the caller's own context, passed on as it came (an Edge that does not trace is
+    transparent to a caller's trace)."""
+    if trace is not None:
+        trace.planned(
+            model=plan.model_id,
+            operation=plan.operation,
+            protocol=plan.protocol,
+            principal_ref=plan.principal_ref,
+            request_id=plan.request_id or plan.run_id,
+            stream=plan.stream,
+            body=plan.body,
+        )
+        plan.trace = trace
+        plan.traceparent, plan.tracestate = trace.traceparent, trace.tracestate
+    elif request.traceparent:
+        plan.traceparent, plan.tracestate = _caller_context(request)
 
 
 def _framing_checked(write_now: Callable[[bytes], bytes | None]) -> DirectWrite:

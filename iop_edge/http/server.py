@@ -19,7 +19,8 @@ the Edge bound (or inherited), and drains in three steps:
    closed (`_abort_at`); `serve` returns when they are gone.
 
 The Hypercorn internals used here (`TCPServer`, `WorkerContext`, `Lifespan`) are those of
-`worker_serve` in Hypercorn 0.18; `tests/e2e/test_http_server.py` pins their behaviour.
+`worker_serve` in Hypercorn 0.18, named in `iop_edge.http.compat.hypercorn` and proved by
+`tests/compat/test_hypercorn.py`; `tests/e2e/test_http_server.py` pins their behaviour.
 Each connection is a `connection.Connection`: Hypercorn's handler with writes that skip
 its per-piece task switches (see that module).
 
@@ -40,8 +41,6 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio.lifespan import Lifespan
-from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import (
     ASGIReceiveCallable,
     ASGISendCallable,
@@ -51,8 +50,8 @@ from hypercorn.typing import (
     WebsocketResponseStartEvent,
     WebsocketScope,
 )
-from hypercorn.utils import repr_socket_addr, wrap_app
 
+from iop_edge.http.compat.hypercorn import Lifespan, WorkerContext, repr_socket_addr, wrap_app
 from iop_edge.http.connection import ChunkedBodyWriter, Connection, current_connection
 from iop_edge.http.errors import ApiError
 from schemas.config import DEFAULT_SEND_TIMEOUT_S

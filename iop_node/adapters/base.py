@@ -41,11 +41,15 @@ class RunResult:
     """How a run ended well: usage when known, and the whole JSON response for non-stream.
 
     `usage_source`: "estimated" when the adapter made the numbers up itself (the `cli`
-    adapter counts characters). With no `usage` at all, the runner estimates it."""
+    adapter counts characters). With no `usage` at all, the runner estimates it.
+
+    `tail`: a caller-protocol stream's last events, held back from `events` for the
+    run's end to carry (`run_done.tail`, when the run asks for it with `hold_tail`)."""
 
     usage: Usage | None = None
     response: bytes | None = None
     usage_source: UsageSource = "provider"
+    tail: bytes | None = None
 
 
 class AdapterError(Exception):
@@ -147,7 +151,8 @@ class NativeRelay(ABC):
 
         The reply comes back as the upstream wrote it but for `model` (`run.reply_model`):
         a non-stream run's object in `RunResult.response`, a stream's events through
-        `events`, and for a stream with `run.keep_output` the final response object in
+        `events` (with `run.hold_tail`, its last events in `RunResult.tail` instead), and
+        for a stream with `run.keep_output` the final response object in
         `RunResult.response`. Raises `NativeUnsupported` when the endpoint is missing."""
 
     @abstractmethod

@@ -19,6 +19,13 @@ Rules:
    parsed to count it.
 5. `keep_output`: the object of the Responses stream's last event, as the caller saw it,
    is kept for `run_done.response` (the Edge stores it).
+6. `hold_tail`: the events that tell the caller its reply is whole (`message_delta` and
+   `message_stop`; `response.completed`, `response.incomplete`) are held back, not
+   returned, for the run's end to carry (`run_done.tail`, written by the Edge once it
+   recorded the end: a caller may hang up the moment it reads them). An event that is not
+   one of them, after some were held, takes them out with it, in order, so nothing is
+   reordered and the held part stays one event or two. A stream that breaks off
+   `release`s them as ordinary events.
 
 Pure: no I/O. The adapter feeds events from its SSE decoder and sends what comes out.
 """
@@ -76,6 +83,11 @@ _ENDS: Final[dict[CallerProtocol, frozenset[str]]] = {
     "messages": frozenset({"message_stop"}),
     "responses": frozenset({"response.completed", "response.incomplete"}),
 }
+#: The events held back for the run's end (Rule 6).
+_TAIL: Final[dict[CallerProtocol, frozenset[str]]] = {
+    "messages": frozenset({"message_delta", "message_stop"}),
+    "responses": _ENDS["responses"],
+}
 _ERRORS: Final = frozenset({"error", "response.failed"})
 _UNKNOWN: Final = "unknown error"
 
@@ -98,14 +110,25 @@ def _error_message(data: bytes, name: str) -> str:
 class NativeReply:
     """One run's native reply, shaped for its caller (see the module rules)."""
 
-    __slots__ = ("_ends", "_keep", "_reader", "ended", "final_response", "protocol")
+    __slots__ = (
+        "_ends",
+        "_held",
+        "_keep",
+        "_reader",
+        "_tail",
+        "ended",
+        "final_response",
+        "protocol",
+    )
 
     def __init__(self, run: Run, protocol: CallerProtocol) -> None:
         self.protocol = protocol
-        alias = run.reply_model or run.target
-        self._reader = MessagesNative(alias) if protocol == "messages" else ResponsesNative(alias)
+        reader = MessagesNative if protocol == "messages" else ResponsesNative
+        self._reader: MessagesNative | ResponsesNative = reader(run.reply_model)
         self._ends = _ENDS[protocol]
         self._keep = run.keep_output and protocol == "responses"
+        self._tail = _TAIL[protocol] if run.hold_tail else frozenset[str]()
+        self._held: list[bytes] = []
         self.ended = False
         """The stream's last event went by (Rule 3)."""
         self.final_response: bytes | None = None
@@ -124,8 +147,9 @@ class NativeReply:
         return self._reader.response(body)
 
     def event(self, name: str, data: bytes) -> tuple[bytes, int]:
-        """One upstream event as the caller's framed event, and the output tokens it
-        carries (Rule 4)."""
+        """One upstream event as the caller's framed events to send now (b"" when it is
+        held back, with the events held before it when it is not: Rule 6), and the output
+        tokens it carries (Rule 4)."""
         if name == "message":  # no `event:` line (Rule 2)
             name = self._type_of(data)
         if name in _ERRORS:
@@ -136,7 +160,20 @@ class NativeReply:
             if self._keep:
                 self.final_response = self._final(shaped)
         tokens = 1 if name == "content_block_delta" or name.endswith(".delta") else 0
-        return b"event: " + name.encode() + b"\ndata: " + shaped + b"\n\n", tokens
+        framed = b"event: " + name.encode() + b"\ndata: " + shaped + b"\n\n"
+        if name in self._tail:
+            self._held.append(framed)
+            return b"", tokens
+        if self._held:
+            framed = self.release() + framed
+        return framed, tokens
+
+    def release(self) -> bytes:
+        """The events held back so far (Rule 6), framed, and no longer held; b"" when
+        none are: the run's `tail` once the stream ended well, else what the caller
+        still gets ahead of the failure."""
+        held, self._held = self._held, []
+        return b"".join(held)
 
     @staticmethod
     def _type_of(data: bytes) -> str:

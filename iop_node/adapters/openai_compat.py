@@ -104,6 +104,7 @@ from iop_node.adapters.upstream_errors import (
 from iop_node.compat.httpx2 import connection_pool_for
 from iop_node.protocol_support import ProtocolSupport
 from iop_node.reply import NotAnObject, ParsedChunk, UsageView, read_chunk
+from iop_node.tracing import UpstreamCall, passed_on, upstream_call
 from schemas.config import ProviderConfig
 from schemas.protocols import CallerProtocol
 from schemas.tokens import estimate_input_tokens, input_text, template_tokens
@@ -148,6 +149,8 @@ _OWN_HEADERS: Final = frozenset(
         "x-api-key",
         "user-agent",
         "proxy-authorization",
+        "traceparent",
+        "tracestate",
     }
 )
 
@@ -350,11 +353,20 @@ class _Progress:
     request_deadline: float
     first_byte: bool = False
     emitted: int = 0
+    call: UpstreamCall | None = None
+    """The request's span when the run is traced (`iop_node.tracing`)."""
 
     def saw_first_byte(self) -> None:
         if not self.first_byte:
             self.first_byte = True
             self.scope.deadline = self.request_deadline
+            if self.call is not None:
+                self.call.first_byte()
+
+    def trace_headers(self, run: Run) -> list[tuple[bytes, bytes]]:
+        """The W3C trace context the upstream request carries: its own span's when
+        traced, else the Edge's as the run brought it."""
+        return self.call.headers if self.call is not None else passed_on(run)
 
 
 class _ProbeFailure(Exception):
@@ -537,7 +549,7 @@ class OpenAICompatAdapter(NativeRelay):
             return await self._exchange(run, url, emit, progress)
 
         try:
-            return await self._bounded(run, exchange)
+            return await self._bounded(run, exchange, OPERATION_PATHS[run.operation])
         except _EmptyStream as empty:
             raise await self._overflow_or(run, empty.failure) from None
 
@@ -552,7 +564,7 @@ class OpenAICompatAdapter(NativeRelay):
         async def exchange(progress: _Progress) -> RunResult:
             return await self._exchange_native(run, protocol, events, progress)
 
-        return await self._bounded(run, exchange)
+        return await self._bounded(run, exchange, NATIVE_PATHS[protocol])
 
     async def count_tokens_native(self, run: Run) -> int | None:
         headers = {**self._count_tokens_headers, **_caller_headers(run, "messages")}
@@ -660,7 +672,29 @@ class OpenAICompatAdapter(NativeRelay):
         return None if counted is None else counted + template_tokens(body)
 
     async def _bounded(
-        self, run: Run, exchange: Callable[[_Progress], Awaitable[RunResult]]
+        self, run: Run, exchange: Callable[[_Progress], Awaitable[RunResult]], path: str
+    ) -> RunResult:
+        """Run one exchange to `path` under the adapter's deadlines, in its own span when
+        the run is traced (`iop_node.tracing`)."""
+        call = upstream_call(self.base_url, path)
+        if call is None:
+            return await self._within_deadlines(run, exchange, None)
+        try:
+            return await self._within_deadlines(run, exchange, call)
+        except AdapterError as exc:
+            call.failed(str(exc.code))
+            raise
+        except _EmptyStream as exc:
+            call.failed(str(exc.failure.code))
+            raise
+        finally:
+            call.done()
+
+    async def _within_deadlines(
+        self,
+        run: Run,
+        exchange: Callable[[_Progress], Awaitable[RunResult]],
+        call: UpstreamCall | None,
     ) -> RunResult:
         """Run one exchange under the adapter's deadlines (see the module doc), mapping
         transport failures and deadlines onto `AdapterError`s."""
@@ -670,7 +704,7 @@ class OpenAICompatAdapter(NativeRelay):
         request_timeout_s = self.provider.adapter.request_timeout_s
         first_byte_s = self._first_byte_s if run.stream else request_timeout_s
         with trio.CancelScope(deadline=start + first_byte_s) as scope:
-            progress = _Progress(scope=scope, request_deadline=start + request_timeout_s)
+            progress = _Progress(scope=scope, request_deadline=start + request_timeout_s, call=call)
             try:
                 return await exchange(progress)
             except (*_CORE_ERRORS, SSEError) as exc:
@@ -775,12 +809,15 @@ class OpenAICompatAdapter(NativeRelay):
             url,
             headers=[
                 *self._run_headers[run.stream],
+                *progress.trace_headers(run),
                 (b"Content-Length", b"%d" % len(body_out)),
             ],
             content=body_out,
             extensions=self._request_extensions,
         )
         connection, response = await self._connections.send(request)
+        if progress.call is not None:
+            progress.call.status(response.status)
         try:
             if not 200 <= response.status < 300:
                 body = await _read_body(response, progress, limit=_ERROR_BODY_LIMIT)
@@ -867,6 +904,7 @@ class OpenAICompatAdapter(NativeRelay):
             headers=[
                 *self._native_headers[protocol, run.stream],
                 *_caller_header_pairs(run, protocol),
+                *progress.trace_headers(run),
                 (b"Content-Length", b"%d" % len(body_out)),
             ],
             content=body_out,
@@ -874,6 +912,8 @@ class OpenAICompatAdapter(NativeRelay):
         )
         reply = native.NativeReply(run, protocol)
         connection, response = await self._connections.send(request)
+        if progress.call is not None:
+            progress.call.status(response.status)
         try:
             if not 200 <= response.status < 300:
                 body = await _read_body(response, progress, limit=_ERROR_BODY_LIMIT)
@@ -910,7 +950,27 @@ class OpenAICompatAdapter(NativeRelay):
         events: EmitEvents,
         progress: _Progress,
     ) -> RunResult:
-        """Relay a native stream: what one upstream read completed leaves as one piece."""
+        """Relay a native stream: what one upstream read completed leaves as one piece;
+        the last events, when the run holds them back, leave with its end (`native`,
+        Rule 6), or, when the stream breaks off, ahead of the failure, as they came."""
+        try:
+            result = await self._relay_native_events(response, reply, events, progress)
+            if result is None:
+                raise self._stream_cut(progress, "upstream stream ended before its last event")
+        except (*_CORE_ERRORS, SSEError, AdapterError):
+            if held := reply.release():
+                await events(held, 0)
+            raise
+        return result
+
+    async def _relay_native_events(
+        self,
+        response: httpcore2.Response,
+        reply: native.NativeReply,
+        events: EmitEvents,
+        progress: _Progress,
+    ) -> RunResult | None:
+        """`_relay_native_stream`'s loop; None when the body ended before the last event."""
         decoder = SSEDecoder()
         async with aclosing(_body_chunks(response)) as body:
             async for raw in body:
@@ -930,7 +990,8 @@ class OpenAICompatAdapter(NativeRelay):
                     except native.InBandError as exc:
                         failure = f"upstream reported an error: {exc}"
                         break
-                    framed.append(shaped)
+                    if shaped:
+                        framed.append(shaped)
                     output += tokens
                     if reply.ended:
                         break
@@ -945,8 +1006,12 @@ class OpenAICompatAdapter(NativeRelay):
                     with trio.move_on_after(_DRAIN_AFTER_DONE_S):
                         async for _ in body:
                             pass
-                    return RunResult(usage=reply.usage, response=reply.final_response)
-        raise self._stream_cut(progress, "upstream stream ended before its last event")
+                    return RunResult(
+                        usage=reply.usage,
+                        response=reply.final_response,
+                        tail=reply.release() or None,
+                    )
+        return None
 
     async def _post_bounded(
         self, url: httpx2.URL | str, body: bytes, headers: dict[str, str]

@@ -7,17 +7,18 @@ synchronously and costs the Node nothing but CPU.
 Requests (the caller's body, `model` already the served name) to a chat body:
 `messages_request_to_chat`, `responses_request_to_chat`. Whole replies back:
 `messages_response_from_chat`, `responses_response_from_chat`. Streams, one translator
-per run, fed chat chunks and returning framed events: `MessagesStream`,
-`ResponsesStream`. What cannot be translated is a `TranslationError` naming the field (a
-400 in the caller's protocol); a runtime reply that cannot be said in the caller's
-protocol is a `ReplyTranslationError` (the run fails).
+per run, fed chat chunks (with the relay's reading of each, `ReadChunk`, when it has
+one) and returning framed events: `MessagesStream`, `ResponsesStream`. What cannot be
+translated is a `TranslationError` naming the field (a 400 in the caller's protocol); a
+runtime reply that cannot be said in the caller's protocol is a `ReplyTranslationError`
+(the run fails).
 
 A provider that speaks the caller's protocol natively gets no translation; its reply is
 read by `MessagesNative` / `ResponsesNative` for the alias and the usage.
 """
 
 from iop_node.protocols.chat_body import sse_event
-from iop_node.protocols.chat_view import TokenUsage
+from iop_node.protocols.chat_view import ReadChunk, TokenUsage
 from iop_node.protocols.errors import (
     ReplyTranslationError,
     TranslationError,
@@ -34,6 +35,7 @@ from iop_node.protocols.responses_stream import ResponsesStream
 __all__ = [
     "MessagesNative",
     "MessagesStream",
+    "ReadChunk",
     "ReplyTranslationError",
     "ResponsesNative",
     "ResponsesStream",

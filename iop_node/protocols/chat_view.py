@@ -9,28 +9,36 @@ carry is decoded; the rest of a chunk is never looked at.
 A value of the wrong type (a runtime that sends `"usage": "n/a"`) is a
 `ReplyTranslationError` naming the field, so a broken upstream fails its run with a
 message that says where, rather than an exception from deep inside a translator.
+
+A chunk a relay has read already (`ReadChunk`) is not decoded again when it carries
+only text (`text_delta`), which is most of a stream: the relay's reading has all of it.
 """
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from collections.abc import Mapping
+from typing import Final, Literal, NamedTuple, Protocol
 
 import msgspec
 
 from iop_node.protocols.errors import ReplyTranslationError, join_path
+from schemas.tokens import ChoiceView
 
 __all__ = [
     "ChatChunk",
     "ChatResponse",
     "ChunkChoice",
     "Delta",
+    "ReadChunk",
     "StopReason",
+    "TextDelta",
     "TokenUsage",
     "ToolCallDelta",
     "UsageView",
     "read_chunk",
     "read_response",
     "stop_reason",
+    "text_delta",
 ]
 
 
@@ -154,6 +162,54 @@ def _read(data: bytes, what: str) -> ChatChunk:
 def read_chunk(data: bytes) -> ChatChunk:
     """A chat stream chunk (the `data:` payload)."""
     return _read(data, "stream chunk")
+
+
+class ReadChunk(Protocol):
+    """A stream chunk a relay has read already (`iop_node.reply.ParsedChunk`): its
+    top-level members as raw JSON, and its `choices` as the token estimate reads them
+    (`schemas.tokens.ChoiceView`: text and finish, no tool-call fragment; anything else
+    when they did not read as choices)."""
+
+    @property
+    def fields(self) -> Mapping[str, msgspec.Raw]: ...
+
+    @property
+    def choices(self) -> object: ...
+
+
+class TextDelta(NamedTuple):
+    """What the bulk of a stream's chunks say: a piece of reasoning, of text, of refusal."""
+
+    thinking: str | None
+    content: str | None
+    refusal: str | None
+
+
+def text_delta(read: ReadChunk) -> TextDelta | None:
+    """The text of a chunk a relay has read, when that is all the translators need of
+    it: one choice (the translated request never asks for `n`, so it is choice 0), a
+    delta of text only, no finish, no usage. Most chunks of a stream are that, and the
+    relay's reading has it all, so they are not decoded a second time. None: the chunk
+    says more (a tool-call fragment, a finish, usage) and is read whole."""
+    choices = read.choices
+    if "usage" in read.fields or not isinstance(choices, list) or len(choices) != 1:
+        return None
+    choice = choices[0]
+    if not isinstance(choice, ChoiceView):
+        return None
+    delta = choice.delta
+    if (
+        delta is None
+        or choice.finish_reason is not None
+        or choice.message is not None
+        or choice.text is not None
+        or delta.tool_calls
+    ):
+        return None
+    content = delta.content
+    if content is not None and not isinstance(content, str):
+        return None  # content parts: the whole reading says whether it is broken
+    return TextDelta(delta.reasoning_content or delta.reasoning, content, delta.refusal)
 
 
 def read_response(data: bytes) -> ChatResponse:

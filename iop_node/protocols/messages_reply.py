@@ -16,7 +16,8 @@ Rules:
 4. Usage: Anthropic counts cached input apart (`input_tokens` excludes
    `cache_read_input_tokens`), chat includes it in `prompt_tokens`, so `input_tokens` is
    prompt minus cached. Nothing is written to a runtime's cache on request, so
-   `cache_creation_input_tokens` is 0.
+   `cache_creation_input_tokens` is 0. A runtime that reports no usage gets the caller's
+   fallback (`usage=`: the Node's estimate), never zeros it did not count.
 """
 
 from __future__ import annotations
@@ -120,8 +121,11 @@ def tool_use_id(runtime_id: str | None, request_id: str, n: int, used: set[str])
     return chosen
 
 
-def messages_response_from_chat(chat: bytes, *, reply_model: str, request_id: str) -> bytes:
-    """The Messages response for a whole chat completion."""
+def messages_response_from_chat(
+    chat: bytes, *, reply_model: str, request_id: str, usage: TokenUsage | None = None
+) -> bytes:
+    """The Messages response for a whole chat completion. `usage` counts only when the
+    runtime's reply has none (Rule 4)."""
     response: ChatChunk = read_response(chat)
     choice = response.first()
     message = choice.said if choice is not None else None
@@ -154,7 +158,7 @@ def messages_response_from_chat(chat: bytes, *, reply_model: str, request_id: st
         called_tools=calls > 0,
         matched=choice.stop_reason if choice is not None else None,
     )
-    usage = response.usage.tokens() if response.usage is not None else TokenUsage()
+    counts = response.usage.tokens() if response.usage is not None else usage or TokenUsage()
     return encode(
         Message(
             id=f"msg_{request_id}",
@@ -162,6 +166,6 @@ def messages_response_from_chat(chat: bytes, *, reply_model: str, request_id: st
             content=blocks,
             stop_reason=reason,
             stop_sequence=sequence,
-            usage=AnthropicUsage.of(usage),
+            usage=AnthropicUsage.of(counts),
         )
     )

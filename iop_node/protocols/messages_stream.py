@@ -39,10 +39,12 @@ import msgspec
 from iop_node.protocols.chat_body import encode, sse_event
 from iop_node.protocols.chat_view import (
     ChatChunk,
+    ReadChunk,
     TokenUsage,
     ToolCallDelta,
     read_chunk,
     stop_reason,
+    text_delta,
 )
 from iop_node.protocols.errors import ReplyTranslationError
 from iop_node.protocols.messages_reply import (
@@ -160,12 +162,19 @@ class MessagesStream:
         """The last usage the runtime reported in a chunk."""
         return self._usage
 
-    def feed(self, chunk: bytes) -> bytes:
-        """The events one chat chunk completes (possibly none). After a
-        `ReplyTranslationError` the stream can only `fail`."""
+    def feed(self, chunk: bytes, read: ReadChunk | None = None) -> bytes:
+        """The events one chat chunk (the `data:` payload) completes, possibly none.
+        `read` is the relay's reading of it, if it has one: a chunk of text only is then
+        not decoded again. After a `ReplyTranslationError` the stream can only `fail`."""
         self._check_live()
-        view: ChatChunk = read_chunk(chunk)
         out: list[bytes] = []
+        text = text_delta(read) if read is not None else None
+        if text is not None:
+            if not self._started:
+                out.append(self._start())
+            self._say(text.thinking, text.content, text.refusal, out)
+            return b"".join(out)
+        view: ChatChunk = read_chunk(chunk)
         if view.usage is not None:
             self._usage = view.usage.tokens()
         if not self._started:
@@ -175,12 +184,7 @@ class MessagesStream:
             return b"".join(out)
         delta = choice.said
         if delta is not None:
-            if delta.thinking:
-                self._text("thinking", delta.thinking, out)
-            if delta.content:
-                self._text("text", delta.content, out)
-            if delta.refusal:
-                self._text("text", delta.refusal, out)
+            self._say(delta.thinking, delta.content, delta.refusal, out)
             for k, call in enumerate(delta.tool_calls or ()):
                 self._tool(call, f"choices[0].delta.tool_calls[{k}]", out)
         if choice.finish_reason:
@@ -259,6 +263,17 @@ class MessagesStream:
             self._open_call = None
         out.append(_event("content_block_stop", _BlockStop(index=self._open_index)))
         self._open_kind = None
+
+    def _say(
+        self, thinking: str | None, content: str | None, refusal: str | None, out: list[bytes]
+    ) -> None:
+        """A delta's text, in the order a model produces it (Rule 2)."""
+        if thinking:
+            self._text("thinking", thinking, out)
+        if content:
+            self._text("text", content, out)
+        if refusal:
+            self._text("text", refusal, out)
 
     def _text(self, kind: Literal["text", "thinking"], text: str, out: list[bytes]) -> None:
         if self._open_kind != kind:

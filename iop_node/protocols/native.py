@@ -21,6 +21,8 @@ a scan, not a decode and re-encode.
 `ResponsesNative.final_response` keeps the response object a stream ended with, for the
 Edge to store (`store: true`).
 
+An empty alias (`""`) keeps the upstream's `model`.
+
 Usage is read into `TokenUsage`, chat completions' convention: Anthropic's
 `input_tokens` excludes cached input, so prompt tokens are input + cache read + cache
 creation there.
@@ -92,17 +94,20 @@ def _fields(data: bytes) -> dict[str, msgspec.Raw] | None:
 
 
 class _Native:
-    """What both readers share: the alias, and the usage read so far."""
+    """What both readers share: the alias, and the usage read so far.
+
+    An empty `reply_model` leaves `model` as the upstream wrote it (`schemas.wire.Run
+    .reply_model`): the reader then only reads the usage, and returns what it is given."""
 
     __slots__ = ("_alias", "usage")
 
     def __init__(self, reply_model: str) -> None:
-        self._alias = msgspec.Raw(encode(reply_model))
+        self._alias = msgspec.Raw(encode(reply_model)) if reply_model else None
         self.usage: TokenUsage | None = None
         """The run's usage as the upstream reported it, once it has."""
 
     def _with_alias(self, fields: dict[str, msgspec.Raw]) -> bool:
-        if "model" in fields:
+        if self._alias is not None and "model" in fields:
             fields["model"] = self._alias
             return True
         return False

@@ -20,7 +20,8 @@ Rules:
    does `content_filter` (`content_filter`); anything else is `completed`.
 5. Usage: `input_tokens` is the runtime's prompt tokens (cached ones included, as in
    chat), `input_tokens_details.cached_tokens` the cached ones, `output_tokens_details
-   .reasoning_tokens` the reasoning ones.
+   .reasoning_tokens` the reasoning ones. A runtime that reports no usage gets the
+   caller's fallback (`usage=`: the Node's estimate), never zeros it did not count.
 """
 
 from __future__ import annotations
@@ -308,10 +309,12 @@ def responses_response_from_chat(
     reply_model: str,
     request_id: str,
     request: bytes,
+    usage: TokenUsage | None = None,
     clock: Callable[[], float] = time.time,
 ) -> bytes:
     """The Responses response object for a whole chat completion; `request` is the
-    caller's request body (echoed, and read for its tools). `clock` dates it."""
+    caller's request body (echoed, and read for its tools). `usage` counts only when the
+    runtime's reply has none (Rule 5). `clock` dates it."""
     shell = ResponseShell(reply_model, request_id, request, clock)
     response = read_response(chat)
     choice = response.first()
@@ -358,6 +361,6 @@ def responses_response_from_chat(
                     status="completed",
                 )
             )
-    usage = response.usage.tokens() if response.usage is not None else TokenUsage()
-    body = shell.body(status, output, usage, incomplete=incomplete)
+    counts = response.usage.tokens() if response.usage is not None else usage or TokenUsage()
+    body = shell.body(status, output, counts, incomplete=incomplete)
     return encode(body)

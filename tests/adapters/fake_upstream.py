@@ -9,7 +9,7 @@ connection reuse, real disconnects. The benchmark reuses it as its upstream.
 
 Knobs are plain attributes, read per request, so a test may change them between requests:
 `chunks`, `first_byte_delay_s`, `chunk_interval_s`, `hang`, `status`, `drop_after_chunks`,
-`error_code`, `error_param`,
+`error_code`, `error_param`, `before_end`,
 `error_after_chunks` (an in-band `data: {"error": ...}` event, then `[DONE]`, as vLLM
 does when generation fails mid-stream), `models`, `models_status`, and `pace` (an async
 hook awaited before each stream event, so a test can hold the stream until it has seen
@@ -271,6 +271,9 @@ class FakeUpstream:
     drop_after_chunks: int | None = None
     error_after_chunks: int | None = None
     pace: Callable[[int], Awaitable[None]] | None = None
+    before_end: Callable[[], Awaitable[None]] | None = None
+    """Awaited after a stream's last event (chat's `[DONE]`), before its body ends: the
+    relay has the whole reply while the transport is not done with it yet."""
     models: list[str] = field(default_factory=lambda: ["fake-model"])
     models_status: int = 200
     version: str = "0.0.0-fake"
@@ -565,6 +568,8 @@ class FakeUpstream:
                 break
             await self._send(stream, conn, h11.Data(data=b"data: " + event + b"\n\n"))
         await self._send(stream, conn, h11.Data(data=b"data: [DONE]\n\n"))
+        if self.before_end is not None:
+            await self.before_end()
         await self._send(stream, conn, h11.EndOfMessage())
 
     async def _answer_natively(
@@ -601,6 +606,8 @@ class FakeUpstream:
             if self.pace is not None:
                 await self.pace(i)
             await self._send(stream, conn, h11.Data(data=fake_protocols.sse(name, data)))
+        if self.before_end is not None:
+            await self.before_end()
         await self._send(stream, conn, h11.EndOfMessage())
 
 

@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 import trio.testing
 
+from iop_node import runner
+from iop_node.adapters.base import Emit, RunResult
 from iop_node.adapters.ollama import OllamaAdapter
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
 from iop_node.health import HealthMonitor
@@ -18,11 +21,11 @@ from iop_node.runner import Chunk, Outbound, RunHandle, execute_run
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.protocols import CallerProtocol
 from schemas.tokens import estimate_input_tokens, template_tokens, text_tokens
-from schemas.wire import Operation, ProviderStatus, Run, RunDone, RunFailed, Usage
+from schemas.wire import FailureCode, Operation, ProviderStatus, Run, RunDone, RunFailed, Usage
 
 from .conftest import MODEL
 from .fake_data import PROMPT_TOKENS
-from .fake_protocols import NATIVE_COUNT, fake_tokens
+from .fake_protocols import NATIVE_COUNT, fake_tokens, messages_events
 from .fake_upstream import LLAMA_CPP, FakeUpstream
 
 GUARD_S = 5.0
@@ -65,6 +68,7 @@ def protocol_run(
     *,
     stream: bool = False,
     keep_output: bool = False,
+    hold_tail: bool = False,
 ) -> Run:
     if body is None:
         body = RESPONSES_BODY if operation == "responses" else MESSAGES_BODY
@@ -79,6 +83,7 @@ def protocol_run(
         reply_model=ALIAS,
         request_id="req_1",
         keep_output=keep_output,
+        hold_tail=hold_tail,
     )
 
 
@@ -155,6 +160,21 @@ async def test_a_native_non_stream_answer_has_the_alias(upstream: FakeUpstream) 
 
 
 @pytest.mark.parametrize("operation", ["messages", "responses"])
+async def test_a_native_answer_without_an_alias_keeps_the_upstreams_model(
+    upstream: FakeUpstream, operation: CallerProtocol
+) -> None:
+    upstream.native = frozenset({operation})
+    adapter = make_adapter(upstream, ["chat", operation])
+    run = msgspec.structs.replace(protocol_run(operation), reply_model="")
+    try:
+        _, end = await execute(adapter, run)
+    finally:
+        await adapter.aclose()
+    assert isinstance(end, RunDone) and end.response is not None
+    assert json.loads(end.response)["model"] == MODEL
+
+
+@pytest.mark.parametrize("operation", ["messages", "responses"])
 async def test_ollama_speaks_both_protocols_natively_under_v1(
     upstream: FakeUpstream, operation: Operation
 ) -> None:
@@ -176,6 +196,96 @@ async def test_ollama_speaks_both_protocols_natively_under_v1(
     assert isinstance(end, RunDone) and end.response is not None
     assert json.loads(end.response)["model"] == ALIAS
     assert end.usage == USAGE
+
+
+# --- the stream's last events travel with its end ------------------------------------------
+
+#: What a held-back stream's end carries: native, the events that end it; translated,
+#: everything the translator writes when the chat stream is over.
+HELD_NATIVE: dict[str, list[str]] = {
+    "messages": ["message_delta", "message_stop"],
+    "responses": ["response.completed"],
+}
+HELD_TRANSLATED: dict[str, list[str]] = {
+    "messages": ["content_block_stop", "message_delta", "message_stop"],
+    "responses": [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ],
+}
+
+
+@pytest.mark.parametrize("path", ["native", "translated"])
+@pytest.mark.parametrize("operation", ["messages", "responses"])
+async def test_with_hold_tail_the_last_events_come_inside_run_done(
+    upstream: FakeUpstream, operation: CallerProtocol, path: str
+) -> None:
+    """A caller may hang up the moment it reads them: the Edge must have the run's end
+    first, so they travel in it, and nothing else about the stream changes."""
+    native = path == "native"
+    upstream.native = frozenset({operation}) if native else frozenset()
+    adapter = make_adapter(upstream, ["chat", operation] if native else ["chat"])
+    keep = operation == "responses"
+    try:
+        plain, plain_end = await execute(
+            adapter, protocol_run(operation, stream=True, keep_output=keep)
+        )
+        held, end = await execute(
+            adapter, protocol_run(operation, stream=True, keep_output=keep, hold_tail=True)
+        )
+    finally:
+        await adapter.aclose()
+    assert isinstance(end, RunDone) and end.tail is not None
+    tail = [name for name, _ in events_of([end.tail])]
+    assert tail == (HELD_NATIVE if native else HELD_TRANSLATED)[operation]
+    before = [name for name, _ in events_of(held)]
+    assert not set(before) & set(HELD_NATIVE[operation])
+    assert before + tail == [name for name, _ in events_of(plain)]
+    assert isinstance(plain_end, RunDone) and plain_end.tail is None
+    assert (end.usage, end.usage_source) == (plain_end.usage, plain_end.usage_source)
+    if keep:  # the stored response is the one the last event carries
+        assert end.response is not None
+        assert json.loads(end.response) == events_of([end.tail])[-1][1]["response"]
+
+
+async def test_a_held_message_delta_reaches_the_caller_when_the_stream_breaks_off(
+    upstream: FakeUpstream,
+) -> None:
+    """Held back for the end, the stop reason and usage still go out ahead of a failure,
+    as the upstream sent them."""
+    upstream.native = frozenset({"messages"})
+    upstream.drop_after_chunks = len(messages_events(MODEL, upstream.chunks)) - 1
+    adapter = make_adapter(upstream, ["chat", "messages"])
+    try:
+        chunks, end = await execute(adapter, protocol_run("messages", stream=True, hold_tail=True))
+    finally:
+        await adapter.aclose()
+    assert isinstance(end, RunFailed) and end.code == FailureCode.UPSTREAM_STREAM_ERROR
+    events = events_of(chunks)
+    assert events[-1][0] == "message_delta"
+    assert events[-1][1]["usage"]["output_tokens"] == upstream.chunks
+
+
+async def test_last_events_too_large_to_travel_beside_the_response_go_ahead_as_a_chunk(
+    upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stored Responses stream repeats its whole output in the tail and the response:
+    when one message cannot hold both, the events go ahead of the end, not lost."""
+    upstream.native = frozenset({"responses"})
+    adapter = make_adapter(upstream, ["chat", "responses"])
+    run = protocol_run("responses", stream=True, keep_output=True, hold_tail=True)
+    try:
+        _, sized = await execute(adapter, run)
+        assert isinstance(sized, RunDone) and sized.tail and sized.response
+        limit = max(len(sized.tail), len(sized.response)) + 1
+        monkeypatch.setattr(runner, "MAX_PAYLOAD_BYTES", limit)
+        chunks, end = await execute(adapter, run)
+    finally:
+        await adapter.aclose()
+    assert isinstance(end, RunDone) and end.tail is None
+    assert chunks[-1] == sized.tail and end.response == sized.response
 
 
 # --- learned: the upstream does not speak it ------------------------------------------------
@@ -302,6 +412,45 @@ async def test_a_runtime_that_reports_no_usage_gets_an_estimate(nursery: trio.Nu
     assert end.usage_source == "estimated"
     delta = [value for name, value in events_of(chunks) if name == "message_delta"]
     assert delta[0]["usage"]["output_tokens"] == 3
+
+
+class _ChatWithoutUsage:
+    """A chat-only adapter whose runtime answers without a `usage` (and reports none)."""
+
+    provider = ProviderConfig(id="p1", type="cli", models=[MODEL], capacity=1)
+
+    async def execute(self, run: Run, emit: Emit) -> RunResult:
+        message = {"role": "assistant", "content": "four words of text"}
+        body = {"object": "chat.completion", "choices": [{"index": 0, "message": message}]}
+        return RunResult(response=json.dumps(body).encode())
+
+    async def probe(self) -> ProviderStatus:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("operation", ["messages", "responses"])
+async def test_a_whole_reply_without_usage_shows_the_estimate(operation: Operation) -> None:
+    """The caller's body carries what the run is metered at, not zeros."""
+    sent: list[Outbound] = []
+
+    async def send(message: Outbound) -> None:
+        sent.append(message)
+
+    run = protocol_run(operation)
+    with trio.fail_after(GUARD_S):
+        await execute_run(run, _ChatWithoutUsage(), RunHandle(run.run_id), send)
+    [end] = sent
+    assert isinstance(end, RunDone) and end.usage is not None and end.response is not None
+    assert end.usage_source == "estimated" and end.usage.prompt_tokens > 0
+    usage = json.loads(end.response)["usage"]
+    assert (usage["input_tokens"], usage["output_tokens"]) == (
+        end.usage.prompt_tokens,
+        end.usage.completion_tokens,
+    )
+    assert usage["output_tokens"] > 0
 
 
 async def test_a_request_that_cannot_be_translated_fails_naming_the_field(

@@ -11,14 +11,6 @@ import trio
 from tests.agents.agent_stack import PATHS, AgentStack, open_agent_stack
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "agents: drives a real agent CLI (Claude Code, Codex CLI) through IOP; part of "
-        "every run and of CI (which installs the CLIs from npm)",
-    )
-
-
 @pytest.fixture(params=PATHS)
 async def agent_stack(
     request: pytest.FixtureRequest, nursery: trio.Nursery, tmp_path: Path

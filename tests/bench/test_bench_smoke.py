@@ -10,6 +10,7 @@ numbers, the stamped paced stream and the callers' HTTP reader) do what they say
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import re
 from dataclasses import replace
@@ -19,6 +20,7 @@ import pytest
 import trio
 from rich.console import Console
 
+from bench.agent_cache import AgentCacheShape
 from bench.fleet import FleetMeasurement, FleetShape, _Connection, _request, _StreamReader, _Tally
 from bench.load import Budget, Measurement, Scenario, combined, percentile
 from bench.many_nodes import ManyNodesMeasurement, ManyNodesShape, fleet_config, node_credentials
@@ -29,13 +31,23 @@ from bench.result import (
     EDGE_HTTP,
     HYPERCORN,
     IOP,
+    IOP_TRANSLATED,
     LITELLM,
     STACK_FLOOR,
     VLLM_ROUTER,
     BenchResult,
     Machine,
 )
-from bench.run import CLOSED, FLEET, NODES, BenchOptions, build_parser, options_from, run_bench
+from bench.run import (
+    AGENT_CACHE,
+    CLOSED,
+    FLEET,
+    NODES,
+    BenchOptions,
+    build_parser,
+    options_from,
+    run_bench,
+)
 from bench.targets import check_targets
 from bench.upstream import STAMP_PATTERN, STREAM_CHUNKS, BenchUpstream, stream_events
 from iop_edge.core.config import parse_config
@@ -68,6 +80,7 @@ async def test_closed_loop_measures_every_scenario_and_each_process(tmp_path: Pa
         parts=(CLOSED,),
         budget=Budget(requests=4, warmup_requests=2, turns=2),
         concurrency=(1, 2),
+        protocols=("chat",),
         only=ALL_TARGETS,
     )
     lines: list[str] = []
@@ -76,6 +89,7 @@ async def test_closed_loop_measures_every_scenario_and_each_process(tmp_path: Pa
 
     scenarios = [Scenario(c, stream) for c in (1, 2) for stream in (False, True)]
     assert result.scenarios() == scenarios
+    assert not any(m.target == IOP_TRANSLATED for m in result.measurements)  # no chat there
     for scenario in scenarios:
         for target in (DIRECT, HYPERCORN, EDGE_HTTP, STACK_FLOOR, IOP):
             measured = result.get(target, scenario)
@@ -115,6 +129,71 @@ async def test_closed_loop_measures_every_scenario_and_each_process(tmp_path: Pa
     assert len(document["measurements"]) == 20  # 4 scenarios x (direct, the 3 floors, IOP)
     iop_rows = [row for row in document["measurements"] if row["target"] == IOP]
     assert all(set(row["processes"]) == {"edge", "node"} for row in iop_rows)
+
+
+@pytest.mark.usefixtures("no_peers")
+async def test_messages_and_responses_natively_and_translated(tmp_path: Path) -> None:
+    options = BenchOptions(
+        parts=(CLOSED,),
+        budget=Budget(requests=3, warmup_requests=1, turns=1),
+        concurrency=(1,),
+        protocols=("chat", "messages", "responses"),
+        only=(DIRECT, IOP, IOP_TRANSLATED, LITELLM),
+    )
+    with trio.fail_after(SMOKE_GUARD_S):
+        result = await run_bench(options, tmp_path, lambda _: None)
+
+    for protocol in ("messages", "responses"):
+        for stream in (False, True):
+            scenario = Scenario(1, stream, protocol)
+            for target in (DIRECT, IOP, IOP_TRANSLATED):
+                measured = result.get(target, scenario)
+                assert measured is not None, (target, scenario)
+                assert (measured.ok, measured.errors) == (3, 0), measured.first_error
+            translated = result.get(IOP_TRANSLATED, scenario)
+            assert translated is not None and translated.process_cpu_s is not None
+            assert set(translated.process_cpu_s) == {"edge", "node"}
+    assert result.get(IOP_TRANSLATED, Scenario(1, False)) is None
+    assert result.get(IOP, Scenario(1, True)) is not None  # the chat path, to compare with
+
+    text = _text(result)
+    assert "Caller protocols: Anthropic Messages and OpenAI Responses" in text
+    assert "c=1 stream messages" in text and "c=1 non-stream responses" in text
+    assert re.search(r"│ IOP transl\. +│ +3 │ +0 │", text)
+    goals = {check.goal: check for check in check_targets(result)}
+    translated_goal = goals["Responses translated: CPU per request <= 1/5 of LiteLLM's, stream"]
+    assert translated_goal.measured == "not measured (iop-translated, litellm)"
+    rows = json.loads(to_json(result))["measurements"]
+    assert {row["protocol"] for row in rows} == {"chat", "messages", "responses"}
+
+
+async def test_the_agent_cache_part_shows_what_the_attribution_block_costs(
+    tmp_path: Path,
+) -> None:
+    shape = AgentCacheShape(
+        turns=3, prefill_us=20.0, cached_us=0.5, instructions_chars=4000, tools=2
+    )
+    with trio.fail_after(SMOKE_GUARD_S):
+        result = await run_bench(
+            BenchOptions(parts=(AGENT_CACHE,), agent_cache=shape), tmp_path, lambda _: None
+        )
+
+    m = result.agent_cache
+    assert m is not None, result.notes
+    assert len(m.stripped) == len(m.as_sent) == 3
+    # The same conversation both times, the kept block adding its few tokens.
+    for stripped, as_sent in zip(m.stripped, m.as_sent, strict=True):
+        assert 0 < as_sent.prompt_tokens - stripped.prompt_tokens < 40
+    assert m.stripped[0].cached_tokens < 5  # a cold cache
+    # Removed: each turn reuses the whole prompt of the turn before. Kept: nothing past
+    # the block's first values.
+    for before, turn in itertools.pairwise(m.stripped):
+        assert abs(turn.cached_tokens - before.prompt_tokens) <= 1
+    assert all(turn.cached_tokens < 20 for turn in m.as_sent)
+    text = _text(result)
+    assert "Agent prefix cache: a Claude-Code-shaped conversation" in text
+    document = json.loads(to_json(result))["agent_cache"]
+    assert [len(document[name]) for name in ("removed", "kept")] == [3, 3]
 
 
 @pytest.mark.usefixtures("no_peers")

@@ -20,7 +20,7 @@ import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -35,6 +35,20 @@ class Postgres:
     superuser_password: str
     password: str
     """The `iop` role's password (tests put it in `PASSWORD_ENV`)."""
+    cluster: _Cluster | None = field(default=None, compare=False, repr=False)
+    options: str = ""
+    """`pg_ctl -o` options it was started with (it restarts with the same)."""
+
+    def stop(self) -> None:
+        """Stop the server as an outage does (fast shutdown: every session is cut).
+        Blocking; a test that stops it starts it again before it ends (`start`)."""
+        assert self.cluster is not None
+        self.cluster.run("pg_ctl", "-D", "data", "-m", "fast", "-w", "stop")
+
+    def start(self) -> None:
+        """Start the stopped server again, on the same port. Blocking."""
+        assert self.cluster is not None
+        self.cluster.run("pg_ctl", "-D", "data", "-o", self.options, "-l", "log", "-w", "start")
 
     def url(self, database: str) -> str:
         return f"postgresql://iop@{self.host}:{self.port}/{database}"
@@ -125,7 +139,9 @@ def start_postgres() -> Iterator[Postgres]:
         shutil.rmtree(root, ignore_errors=True)
         unavailable(f"the server did not start: {output.strip()[-500:]}")
         raise
-    server = Postgres("127.0.0.1", port, superuser_password, password)
+    server = Postgres(
+        "127.0.0.1", port, superuser_password, password, cluster=cluster, options=options
+    )
     try:
         with psycopg.connect(server.admin_url(), autocommit=True) as admin:
             admin.execute(f"CREATE ROLE iop LOGIN PASSWORD '{password}'")

@@ -100,10 +100,18 @@ def test_log_level_ignores_case() -> None:
 # --- output into a closed pipe (`| head`) ---------------------------------------------------------
 
 
-async def test_a_closed_pipe_ends_quietly(stack: Stack) -> None:
+@pytest.mark.parametrize(
+    "command",
+    [["catalog", "--json"], ["catalog"], ["usage"], ["usage", "--json"]],
+    ids=" ".join,
+)
+async def test_a_closed_pipe_ends_quietly(stack: Stack, command: list[str]) -> None:
+    """JSON goes out with `print`, tables with rich (which exits 1 on a closed pipe unless
+    told otherwise): both end with 141 and nothing on stderr."""
+
     def catalog_into_a_closed_pipe() -> tuple[int, str]:
         process = subprocess.Popen(
-            [*IOP_EDGE, "catalog", "--json", "--admin", stack.addresses.admin_url],
+            [*IOP_EDGE, *command, "--admin", stack.addresses.admin_url],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=REPO,

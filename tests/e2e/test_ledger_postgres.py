@@ -17,9 +17,11 @@ import pytest
 import trio
 import yaml
 
+from iop_edge.cli import main as edge_cli
 from iop_edge.core.config import parse_config
 from iop_edge.edge import Edge, EdgeStartupError
-from tests.e2e.postgres import PASSWORD_ENV
+from iop_edge.runtime.metering.usage import UsageRecord
+from tests.e2e.postgres import PASSWORD_ENV, Postgres
 from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
 
 MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
@@ -209,3 +211,104 @@ def test_the_config_refuses_a_password_in_the_ledger_url(tmp_path: Path) -> None
     [error] = caught.value.errors
     assert error.path == "edge.ledger" and "must not contain a password" in error.message
     assert "hunter2" not in str(caught.value)
+
+
+async def test_an_outage_is_a_503_two_log_lines_and_nothing_lost(
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    ledger_url: str,
+    postgres_server: Postgres,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """While the server is down: runs are served (their records wait in the journal),
+    `GET /usage` answers 503 with the reason, and the writer logs one line when the
+    outage begins and one when it ends, with how many records waited."""
+    stack = await start_stack(
+        nursery, _config(tmp_path, ledger_url), tmp_path / "edge.yaml", wait_models=("m",)
+    )
+    await _chat(stack, 2)
+    with trio.fail_after(5):
+        await stack.edge.ledger.wait_flushed()
+    caplog.clear()
+    await trio.to_thread.run_sync(postgres_server.stop)
+    try:
+        await _chat(stack, 5)
+        with trio.move_on_after(2.5):  # the writer retries every second, and fails
+            await stack.edge.ledger.wait_flushed()
+        assert stack.edge.ledger.store_problem() is not None
+        async with stack.admin() as admin:
+            down = await admin.get("/usage")
+        assert down.status_code == 503
+        assert down.headers["retry-after"] == "5"
+        message = down.json()["error"]["message"]
+        assert f"the usage ledger (PostgreSQL {ledger_url}) cannot be read now" in message
+        assert "cannot reach the ledger" in message
+    finally:
+        await trio.to_thread.run_sync(postgres_server.start)
+    with trio.fail_after(10):
+        await stack.edge.ledger.wait_flushed()
+    [row] = await _usage(stack)
+    assert row["requests"] == 7
+    lines = [r for r in caplog.records if r.name == "iop_edge.runtime.metering.usage"]
+    began = [r.getMessage() for r in lines if "refuses writes" in r.getMessage()]
+    ended = [r.getMessage() for r in lines if "takes writes again" in r.getMessage()]
+    assert len(began) == 1 and len(ended) == 1, [r.getMessage() for r in lines]
+    assert "the 5 record(s) that waited in the journal are written" in ended[0]
+    assert not [r for r in lines if r.exc_info], "a traceback in the log"
+
+
+async def test_usage_pages_in_postgresql_as_in_sqlite(
+    nursery: trio.Nursery, tmp_path: Path, ledger_url: str
+) -> None:
+    stack = await start_stack(nursery, _config(tmp_path, ledger_url), tmp_path / "edge.yaml")
+    for index in range(5):
+        stack.edge.ledger.record(
+            UsageRecord(
+                time=1.0, run_id=f"r{index}", principal_ref=f"team-{index}", token_ref="t",
+                alias=None, model="m", provider="sim-1", node="node-1", prompt_tokens=3,
+                completion_tokens=4, status=200, latency_ms=1.0, ttft_ms=None,
+            )  # fmt: skip
+        )
+    with trio.fail_after(5):
+        await stack.edge.ledger.wait_flushed()
+    params = {"group_by": "principal_ref,model", "limit": "2"}
+    seen = []
+    async with stack.admin() as admin:
+        while True:
+            page = (await admin.get("/usage", params=params)).json()
+            assert page["totals"]["requests"] == 5
+            seen += [row["principal_ref"] for row in page["rows"]]
+            if not page["truncated"]:
+                break
+            params["after"] = page["next"]
+    assert seen == [f"team-{index}" for index in range(5)]
+
+
+def test_check_config_refuses_the_ledger_serve_would_refuse(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    ledger_url: str,
+) -> None:
+    """`check-config` asks what `serve` asks before it serves (design §12): the password
+    variable, the server (connected to, not changed); `--offline` checks the file only."""
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    unreachable = tmp_path / "unreachable.yaml"
+    unreachable.write_text(_config(tmp_path, f"postgresql://iop@127.0.0.1:{port}/iop"))
+    reachable = tmp_path / "reachable.yaml"
+    reachable.write_text(_config(tmp_path, ledger_url))
+
+    assert edge_cli(["check-config", str(reachable)]) == 0
+    assert "OK" in capsys.readouterr().out
+    assert edge_cli(["check-config", str(unreachable)]) == 1
+    assert f"edge.ledger: cannot reach the ledger at postgresql://iop@127.0.0.1:{port}/iop" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.delenv(PASSWORD_ENV)
+    assert edge_cli(["check-config", str(reachable)]) == 1
+    assert f"edge.ledger_password_env names {PASSWORD_ENV}, which is not set" in (
+        capsys.readouterr().err
+    )
+    assert edge_cli(["check-config", "--offline", str(unreachable)]) == 0

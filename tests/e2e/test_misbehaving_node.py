@@ -111,6 +111,36 @@ async def test_a_malformed_batch_ends_only_its_own_run(
     assert sorted(await _statuses(stack)) == [200, 502]
 
 
+async def test_last_events_not_framed_as_events_end_the_stream_with_an_error(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """The last events a run's end carries (`run_done.tail`) are checked as its chunks are:
+    unframed, they never reach the caller, whose stream ends with the Edge's error."""
+    start = b'event: message_start\ndata: {"type":"message_start","message":{}}\n\n'
+    held: list[bool] = []
+
+    async def on_message(ws: WebSocketConnection, message: wire.EdgeToNode) -> None:
+        if isinstance(message, wire.Run):
+            held.append(message.hold_tail)
+            done = wire.RunDone(run_id=message.run_id, usage=wire.Usage(), tail=b"<oops>")
+            batch = wire.RunEvents(chunks=[(message.run_id, start)], ends=[done])
+            await ws.send_message(wire.encode(batch))
+
+    stack = await _stack(nursery, tmp_path, on_message)
+    body = {
+        "model": "m",
+        "max_tokens": 4,
+        "stream": True,
+        "messages": [{"role": "user", "content": "x"}],
+    }
+    async with stack.http() as http, http.stream("POST", "/v1/messages", json=body) as r:
+        text = b"".join([part async for part in r.aiter_bytes()])
+    assert held == [True]  # a stream asks the Node to hold its last events for its end
+    assert text.startswith(start) and b"<oops>" not in text
+    assert text[len(start) :].startswith(b"event: error\n") and b"bad_chunk" in text
+    assert await _statuses(stack) == [502]
+
+
 async def test_bad_non_stream_response_is_a_502_and_metered_as_such(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
@@ -150,7 +180,8 @@ async def test_a_node_that_reports_no_usage_still_gets_its_runs_metered(
             await ws.send_message(wire.encode(wire.RunEvents(ends=[done])))
 
     stack = await _stack(nursery, tmp_path, on_message)
-    messages = [{"role": "user", "content": "x" * 12}]  # 3 + 4 framing = 7 prompt tokens
+    # 3 tokens of text + the template (5 a message, 3 a request, 20 implied system) = 31
+    messages = [{"role": "user", "content": "x" * 12}]
     async with httpx2.AsyncClient(base_url=stack.addresses.openai_url, timeout=10) as http:
         for stream in (True, False):
             body = {"model": "m", "messages": messages, "stream": stream}
@@ -161,10 +192,10 @@ async def test_a_node_that_reports_no_usage_still_gets_its_runs_metered(
         rows = db.execute(
             "SELECT prompt_tokens, completion_tokens, usage_source FROM usage ORDER BY time"
         ).fetchall()
-    assert rows == [(7, 3, "estimated"), (7, 10, "estimated")]
+    assert rows == [(31, 3, "estimated"), (31, 10, "estimated")]
     # Prometheus tells the estimated part of the token counts apart (all of it, here).
     metrics = stack.edge.metrics.registry
-    for kind, tokens in (("prompt", 14), ("completion", 13)):
+    for kind, tokens in (("prompt", 62), ("completion", 13)):
         for name in ("iop_tokens_total", "iop_estimated_tokens_total"):
             samples = [
                 sample.value

@@ -71,6 +71,16 @@ def _config(tmp_path: Path) -> str:
     )
 
 
+async def _stream(stack: Stack, model: str) -> None:
+    """A short streamed request, read to its end."""
+    async with stack.client() as client:
+        stream = await client.chat.completions.create(
+            model=model, stream=True, max_tokens=2, messages=[{"role": "user", "content": "x"}]
+        )
+        async for _ in stream:
+            pass
+
+
 async def _hold(stack: Stack, model: str) -> None:
     """A streamed request that keeps its slot until the test ends."""
     async with stack.client() as client:
@@ -108,6 +118,15 @@ def _browse(admin_url: str, profile: Path, screenshot: Path) -> dict[str, Any]:
             page.wait_for_function(
                 "document.getElementById('rps').textContent !== '0.00'", timeout=15_000
             )
+            # The per-model charts: the finished streams' time to first token and output
+            # rate, the queue behind the full provider.
+            page.wait_for_selector(
+                'tr[data-model-chart="qwen3.6:35b"] td[data-ttft-p50]:not([data-ttft-p50=""])',
+                timeout=15_000,
+            )
+            page.wait_for_selector(
+                'tr[data-model-chart="llama-3.1-8b"] td[data-queue-max="1"]', timeout=15_000
+            )
             result = {
                 "providers": page.eval_on_selector_all(
                     "tr[data-provider]",
@@ -122,6 +141,14 @@ def _browse(admin_url: str, profile: Path, screenshot: Path) -> dict[str, Any]:
                 ),
                 "nodes": page.eval_on_selector_all(
                     "tr[data-node]", "rows => rows.map(r => r.innerText)"
+                ),
+                "charts": page.eval_on_selector_all(
+                    "tr[data-model-chart]",
+                    "rows => rows.map(r => [r.dataset.modelChart, "
+                    "Number(r.querySelector('[data-ttft-p50]').dataset.ttftP50), "
+                    "Number(r.querySelector('[data-tokens-per-s]').dataset.tokensPerS), "
+                    "Number(r.querySelector('[data-queue-max]').dataset.queueMax), "
+                    "r.querySelectorAll('svg path, svg rect').length])",
                 ),
                 "errors": errors,
             }
@@ -147,6 +174,9 @@ async def test_the_pool_page_shows_providers_and_their_load_live(
             await client.chat.completions.create(
                 model="qwen3.6:35b", max_tokens=1, messages=[{"role": "user", "content": "x"}]
             )
+    async with trio.open_nursery() as streams:  # finished streams for the model charts
+        for _ in range(4):
+            streams.start_soon(_stream, stack, "qwen3.6:35b")
     async with trio.open_nursery() as load:
         for model in ["qwen3.6:35b"] * 3 + ["llama-3.1-8b"] * 3:  # the last one queues
             load.start_soon(_hold, stack, model)
@@ -173,5 +203,9 @@ async def test_the_pool_page_shows_providers_and_their_load_live(
     llama = next(row for row in seen["models"] if row.startswith("llama-3.1-8b"))
     assert "\t1\t" in llama  # its queue depth
     assert any(row.startswith("gpu-c") and "no" in row for row in seen["nodes"])
+    charts = {row[0]: row[1:] for row in seen["charts"]}
+    ttft_p50, tokens_per_s, _, shapes = charts["qwen3.6:35b"]
+    assert 0 < ttft_p50 < 5 and tokens_per_s > 0 and shapes >= 3  # p50, p95, rate
+    assert charts["llama-3.1-8b"][2] == 1  # its queue, as sampled
     assert seen["errors"] == []  # no CSP violation, no script error
     assert (await trio.Path(screenshot).stat()).st_size > 10_000

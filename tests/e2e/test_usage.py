@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
+import pytest
 import trio
 
 from iop_edge.cli import main as edge_cli
+from iop_edge.runtime.metering.usage import UsageRecord
 from tests.e2e.stack import one_sim_config, start_stack
 
 TOKENS = {"app-a": "usage-test-token-a", "app-b": "usage-test-token-b"}
@@ -61,3 +64,46 @@ async def test_every_finished_run_is_metered_per_principal(
     assert code == 0
     out = capsys.readouterr().out  # type: ignore[attr-defined]
     assert "team-x" in out and "team-y" in out
+
+
+def _record(run_id: str, principal: str) -> UsageRecord:
+    return UsageRecord(
+        time=time.time(), run_id=run_id, principal_ref=principal, token_ref="t", alias=None,
+        model="m", provider="sim-1", node="node-1", prompt_tokens=3, completion_tokens=4,
+        status=200, latency_ms=1.0, ttft_ms=None,
+    )  # fmt: skip
+
+
+async def test_usage_comes_in_bounded_pages(
+    nursery: trio.Nursery, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stack = await start_stack(nursery, one_sim_config(tmp_path / "state"), tmp_path / "e.yaml")
+    for index in range(5):
+        stack.edge.ledger.record(_record(f"r{index}", f"team-{index}"))
+    with trio.fail_after(5):
+        await stack.edge.ledger.wait_flushed()
+    async with stack.admin() as admin:
+        seen: list[str] = []
+        params = {"group_by": "principal_ref", "limit": "2"}
+        for expected in (["team-0", "team-1"], ["team-2", "team-3"], ["team-4"]):
+            page = (await admin.get("/usage", params=params)).json()
+            assert [row["principal_ref"] for row in page["rows"]] == expected
+            assert page["totals"]["requests"] == 5  # the window, whatever the page
+            assert page["truncated"] is (expected != ["team-4"])
+            seen += expected
+            params["after"] = page["next"]
+        assert page["next"] is None
+        for bad, named in (({"limit": "0"}, "limit"), ({"after": "x"}, "after")):
+            refused = await admin.get("/usage", params=bad)
+            assert refused.status_code == 400
+            assert refused.json()["error"]["message"].startswith(f"{named}: ")
+    code = await trio.to_thread.run_sync(
+        edge_cli,
+        ["usage", "--admin", stack.addresses.admin_url, "--group-by", "principal_ref",
+         "--limit", "3"],
+    )  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "team-2" in out and "team-3" not in out
+    assert "3 groups shown, more follow" in out and "iop-edge usage --after " in out
+    assert "total" in out and " 5 " in out  # the totals row covers all five

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from iop_node.protocols import MessagesStream, ResponsesStream, TokenUsage
+from iop_node.reply import ParsedChunk, read_chunk
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("IOP_UPDATE_GOLDEN") == "1"
@@ -71,15 +72,22 @@ def cases(protocol: str) -> list[Case]:
     return [case for case in found if case.applies_to(protocol)]
 
 
-def messages_sse(case: Case) -> bytes:
+def _reading(chunk: bytes, relayed: bool) -> ParsedChunk | None:
+    """The relay's reading of `chunk` when the stream came through one (`relayed`)."""
+    return read_chunk(chunk) if relayed else None
+
+
+def messages_sse(case: Case, *, relayed: bool = False) -> bytes:
+    """The case translated; `relayed`: each chunk handed over with an HTTP relay's reading."""
     stream = MessagesStream(REPLY_MODEL, REQUEST_ID)
-    out = b"".join(stream.feed(chunk) for chunk in case.chunks)
+    out = b"".join(stream.feed(chunk, _reading(chunk, relayed)) for chunk in case.chunks)
     return out + stream.finish(case.finish_usage)
 
 
-def responses_sse(case: Case) -> bytes:
+def responses_sse(case: Case, *, relayed: bool = False) -> bytes:
+    """The case translated; `relayed`: each chunk handed over with an HTTP relay's reading."""
     stream = ResponsesStream(REPLY_MODEL, REQUEST_ID, case.request, clock=clock)
-    out = b"".join(stream.feed(chunk) for chunk in case.chunks)
+    out = b"".join(stream.feed(chunk, _reading(chunk, relayed)) for chunk in case.chunks)
     return out + stream.finish(case.finish_usage)
 
 

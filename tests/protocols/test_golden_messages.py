@@ -29,6 +29,13 @@ def test_events_match_the_golden_file(case: Case) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_a_relayed_stream_translates_the_same(case: Case) -> None:
+    """Chunks an HTTP relay has read come with its reading, and text-only ones are not
+    decoded again: the events are the same to the byte."""
+    assert messages_sse(case, relayed=True) == messages_sse(case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_every_event_is_an_sdk_event(case: Case) -> None:
     for event in parse_sse(messages_sse(case)):
         _events.validate_python(event["data"], strict=True)

@@ -131,3 +131,25 @@ def test_responses_body() -> None:
     )
     assert response.model == "alias"
     assert native.usage is not None and native.usage.prompt_tokens == 90
+
+
+def test_an_empty_alias_leaves_the_model_alone() -> None:
+    """`run.reply_model` empty: the upstream's `model` stays, byte for byte; the usage is
+    read all the same."""
+    messages = MessagesNative("")
+    assert messages.event(MESSAGE_START, "message_start") is MESSAGE_START
+    assert messages.usage is not None and messages.usage.prompt_tokens == 330
+    body = json.dumps(_response("completed", USAGE)).encode()
+    responses = ResponsesNative("")
+    assert responses.response(body) is body
+    completed = json.dumps(
+        {
+            "type": "response.completed",
+            "sequence_number": 1,
+            "response": _response("completed", USAGE),
+        }
+    ).encode()
+    assert responses.event(completed, "response.completed") is completed
+    assert responses.final_response is not None
+    assert json.loads(responses.final_response)["model"] == "served"
+    assert responses.usage is not None and responses.usage.completion_tokens == 12

@@ -12,6 +12,7 @@ import pytest
 
 from iop_node.protocols import (
     ReplyTranslationError,
+    TokenUsage,
     messages_response_from_chat,
     responses_response_from_chat,
 )
@@ -129,6 +130,29 @@ def test_messages_reply_without_usage_or_content() -> None:
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": 0,
     }
+
+
+def test_a_reply_without_usage_shows_the_fallback() -> None:
+    """The Node's count (an estimate, or an adapter's own) stands in for usage the
+    runtime left out; the runtime's own numbers win when it has them."""
+    fallback = TokenUsage(prompt_tokens=21, completion_tokens=4)
+    chat = _chat({"content": "hi"}, "stop")
+    usage = json.loads(
+        messages_response_from_chat(chat, reply_model="a", request_id="r", usage=fallback)
+    )["usage"]
+    assert (usage["input_tokens"], usage["output_tokens"]) == (21, 4)
+    request = json.dumps({"model": "served", "input": "hi"}).encode()
+    usage = json.loads(
+        responses_response_from_chat(
+            chat, reply_model="a", request_id="r", request=request, usage=fallback
+        )
+    )["usage"]
+    assert (usage["input_tokens"], usage["output_tokens"], usage["total_tokens"]) == (21, 4, 25)
+    reported = _chat({"content": "hi"}, "stop", {"prompt_tokens": 9, "completion_tokens": 1})
+    usage = json.loads(
+        messages_response_from_chat(reported, reply_model="a", request_id="r", usage=fallback)
+    )["usage"]
+    assert (usage["input_tokens"], usage["output_tokens"]) == (9, 1)
 
 
 @pytest.mark.parametrize("arguments", ['{"city": "Oslo"', "[1, 2]", "Oslo"])

@@ -16,6 +16,8 @@ from iop_node.protocols import (
     ResponsesStream,
     TokenUsage,
 )
+from iop_node.protocols.chat_view import text_delta
+from iop_node.reply import read_chunk as relay_read
 
 from .golden_cases import parse_sse
 from .replay_server import ReplayServer
@@ -277,3 +279,29 @@ def test_responses_custom_call_without_its_argument_fails_cleanly() -> None:
     events = parse_sse(stream.fail("bad tool call", "upstream_error"))
     assert [e["event"] for e in events] == ["response.failed"]
     assert events[0]["data"]["response"]["status"] == "failed"
+
+
+# --- chunks a relay has read -------------------------------------------------------------
+
+
+def test_a_relay_reading_of_text_is_used_as_it_is() -> None:
+    """The text of a relayed chunk comes from the relay's reading (the translator does
+    not decode it again); anything more than text is read whole."""
+    text = _chunk({"content": "Hi"})
+    assert text_delta(relay_read(text)) == (None, "Hi", None)
+    for more in (
+        _chunk({"content": "Hi"}, "stop"),
+        _call(0, id="c1", name="f", args="{}"),
+        _chunk({"content": "Hi"}, usage={"prompt_tokens": 1, "completion_tokens": 1}),
+        _chunk({"content": [{"type": "text", "text": "Hi"}]}),
+        _chunk(),
+    ):
+        assert text_delta(relay_read(more)) is None
+
+
+def test_a_relayed_chunk_that_is_broken_fails_as_one_read_whole() -> None:
+    chunk = _chunk({"content": [{"type": "text", "text": "Hi"}]})
+    for stream in (MessagesStream("alias", "r1"), _responses()):
+        with pytest.raises(ReplyTranslationError) as caught:
+            stream.feed(chunk, relay_read(chunk))
+        assert caught.value.param == "choices[0].delta.content"

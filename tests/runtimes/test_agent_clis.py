@@ -31,12 +31,13 @@ from tests.e2e.stack import Stack, edge_config, start_stack
 from tests.e2e.upstreams import upstream_provider
 from tests.runtimes.conftest import SERVED
 
-pytestmark = [pytest.mark.runtime, pytest.mark.agents]
+#: A 135M model on two busy cores: a run can take a minute or more.
+pytestmark = [pytest.mark.runtime, pytest.mark.agents, pytest.mark.timeout(600)]
 
 MODEL = "smol"
 TOKEN = "sk-runtime-agents"
-#: Bound on one CLI run: a 135M model on two busy cores, a few dozen tokens.
-CLI_LIMIT_S = 180.0
+#: Bound on one CLI run, under the test's hang guard (half its timeout).
+CLI_LIMIT_S = 240.0
 INSTRUCTIONS = "You are a helpful assistant. Answer in one short sentence."
 PROMPT = "Say hello."
 

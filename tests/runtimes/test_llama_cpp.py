@@ -44,7 +44,8 @@ from tests.e2e.upstreams import (
 )
 from tests.runtimes.conftest import SERVED
 
-pytestmark = pytest.mark.runtime
+# A real model loads and generates: minutes on a loaded 2-core machine.
+pytestmark = [pytest.mark.runtime, pytest.mark.timeout(900)]
 
 #: Bound on one exchange with the runtime (a 135M model on 2 busy cores).
 GUARD_S = 120.0

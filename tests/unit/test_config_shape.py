@@ -186,3 +186,41 @@ def test_error_from_msgspec_reads_its_path_and_rewords_it() -> None:
     assert error_from_msgspec(caught.value) == ConfigError(
         path="listeners[0].port", message="must be >= 0"
     )
+
+
+EnvName = Annotated[str, Meta(pattern=r"^[A-Z_]+$")]
+
+
+class Account(msgspec.Struct, forbid_unknown_fields=True):
+    name: Name
+    key_env: EnvName | None = None
+
+
+class Team(msgspec.Struct, forbid_unknown_fields=True):
+    accounts: list[Account]
+    service: Service | None = None
+
+
+def _no_long_names(value: str) -> str | None:
+    return "looks like a secret" if len(value) > 8 else None
+
+
+def test_a_value_msgspec_takes_whole_still_runs_the_prechecks_below_it() -> None:
+    # Every leaf fits its type, so msgspec converts the whole value at once (Rule 6); the
+    # precheck of the one leaf whose wording has one still speaks.
+    wording = {EnvName: LeafWording(invalid="never used", precheck=_no_long_names)}
+    value = {"accounts": [{"name": "a", "key_env": "SHORT"}, {"name": "b", "key_env": "X" * 9}]}
+    msgspec.convert(value, Team)
+    assert pairs(check_shape(value, Team, wording=wording)) == [
+        ("accounts[1].key_env", "looks like a secret")
+    ]
+
+
+def test_below_a_misfit_the_walk_reports_misfits_and_prechecks_in_document_order() -> None:
+    wording = {EnvName: LeafWording(invalid="never used", precheck=_no_long_names)}
+    value = {"accounts": [{"name": "", "key_env": "X" * 9}, {"name": "b", "key_env": "X" * 9}]}
+    assert pairs(check_shape(value, Team, wording=wording)) == [
+        ("accounts[0].name", "must not be empty"),
+        ("accounts[0].key_env", "looks like a secret"),
+        ("accounts[1].key_env", "looks like a secret"),
+    ]

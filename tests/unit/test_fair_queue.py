@@ -8,9 +8,11 @@ runs, not in a machine's speed.
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import count
 
 import pytest
@@ -36,6 +38,7 @@ _seq = count()
 class Item:
     principal: str
     seq: int = field(default_factory=lambda: next(_seq))
+    kind: str = "chat"
 
 
 def drain(queue: FairQueue[Item], n: int, weights: dict[str, float] | None = None) -> list[str]:
@@ -43,11 +46,11 @@ def drain(queue: FairQueue[Item], n: int, weights: dict[str, float] | None = Non
     weights = weights or {}
     served = []
     for _ in range(n):
-        walk = queue.walk(lambda _principal: True)
-        item = walk.peek()
-        if item is None:
-            break
-        queue.served(item, weights.get(item.principal, 1.0))
+        with queue.walk(lambda _principal: True) as walk:
+            item = walk.peek()
+            if item is None:
+                break
+            queue.served(item, weights.get(item.principal, 1.0))
         served.append(item.principal)
     return served
 
@@ -61,9 +64,13 @@ def test_one_principal_is_plain_fifo() -> None:
     for item in items:
         queue.append(item)
     order = []
-    while (head := queue.walk(lambda _p: True).peek()) is not None:
-        order.append(head)
-        queue.served(head, 1.0)
+    while True:
+        with queue.walk(lambda _p: True) as walk:
+            head = walk.peek()
+            if head is None:
+                break
+            order.append(head)
+            queue.served(head, 1.0)
     assert order == items
     assert len(queue) == 0
 
@@ -102,12 +109,13 @@ def test_an_ineligible_principal_is_passed_over_and_keeps_its_place() -> None:
     a1, a2, b1 = Item("a"), Item("a"), Item("b")
     for item in (a1, a2, b1):
         queue.append(item)
-    walk = queue.walk(lambda principal: principal != "a")
-    assert walk.peek() is b1
-    queue.served(b1, 1.0)
-    walk.advance()
-    assert walk.peek() is None
-    assert queue.walk(lambda _p: True).peek() is a1  # its turn was kept
+    with queue.walk(lambda principal: principal != "a") as walk:
+        assert walk.peek() is b1
+        queue.served(b1, 1.0)
+        walk.advance()
+        assert walk.peek() is None
+    with queue.walk(lambda _p: True) as walk:
+        assert walk.peek() is a1  # its turn was kept
     assert queue.tag("a") == 0.0
 
 
@@ -116,12 +124,14 @@ def test_a_waiter_left_waiting_does_not_block_its_lane() -> None:
     first, second = Item("a"), Item("a")
     queue.append(first)
     queue.append(second)
-    walk = queue.walk(lambda _p: True)
-    assert walk.peek() is first
-    walk.advance()  # it keeps waiting (say, a long run with no long slot free)
-    assert walk.peek() is second
-    walk.advance()
-    assert walk.peek() is None
+    with queue.walk(lambda _p: True) as walk:
+        assert walk.peek() is first
+        walk.advance()  # it keeps waiting (say, a long run with no long slot free)
+        assert walk.peek() is second
+        walk.advance()
+        assert walk.peek() is None
+    with queue.walk(lambda _p: True) as walk:  # the next walk starts from the top again
+        assert walk.peek() is first
 
 
 def test_the_queue_forgets_everything_once_empty() -> None:
@@ -142,6 +152,44 @@ def test_removing_a_waiter_that_left_is_a_no_op() -> None:
     queue.remove(item)
     assert len(queue) == 0
     assert item not in queue
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_heap_offers_what_a_plain_scan_would(seed: int) -> None:
+    """The lanes' heap outlives walks; whatever happened to the queue, a walk offers
+    the lane a scan of every lane picks (least tag, then oldest waiter), eligible only."""
+    rng = random.Random(seed)
+    queue: FairQueue[Item] = FairQueue()
+    present: list[Item] = []
+    weights = {f"p{i}": rng.choice((0.5, 1.0, 3.0)) for i in range(8)}
+    for _ in range(400):
+        action = rng.random()
+        if action < 0.45 or not present:
+            item = Item(rng.choice(list(weights)))
+            queue.append(item)
+            present.append(item)
+        elif action < 0.55:
+            item = rng.choice(present)
+            queue.remove(item)
+            present.remove(item)
+        else:
+            banned = rng.choice(list(weights))
+            eligible = [item for item in present if item.principal != banned]
+            heads: dict[str, Item] = {}
+            for item in eligible:
+                heads.setdefault(item.principal, item)  # `present` keeps arrival order
+            expected = min(
+                heads.values(), key=lambda item: (queue.tag(item.principal), item.seq), default=None
+            )
+            with queue.walk(banned.__ne__) as walk:
+                offered = walk.peek()
+                assert offered is expected
+                if offered is not None and rng.random() < 0.7:
+                    queue.served(offered, weights[offered.principal])
+                    present.remove(offered)
+                    walk.advance()
+                    walk.peek()  # the walk goes on, then closes mid-way
+        assert len(queue) == len(present)
 
 
 # --- the scheduler ---------------------------------------------------------------------------
@@ -314,3 +362,47 @@ async def test_concurrency_is_split_between_replicas(autojump_clock: MockClock) 
         nursery.cancel_scope.cancel()
     for lease in leases:
         lease.release()
+
+
+async def test_a_request_that_cannot_use_the_slot_does_not_hold_up_another_principal(
+    autojump_clock: MockClock,
+) -> None:
+    config = EdgeConfig(
+        dispatch=DispatchSection(max_queue=100, queue_timeout_ms=60_000),
+        models=[ModelEntry(id="m", providers={"p": "p-served"})],
+        nodes=[
+            NodeEntry(
+                id="n",
+                token_hash_sha256=HASH,
+                providers=[
+                    ProviderConfig(
+                        id="p",
+                        type="sim",
+                        models=["p-served"],
+                        capacity=2,
+                        long_context_slots=1,
+                    )
+                ],
+            )
+        ],
+    )
+    scheduler = Scheduler(Snapshot.build(config, revision=1, config_sha256=HASH))
+    scheduler.node_connected("n")
+    scheduler.provider_status("p", "available", ["p-served"])
+    long_run = await scheduler.acquire("m", "l1", long=True, principal="a")
+    regular = await scheduler.acquire("m", "r1", long=False, principal="b")
+    got: dict[str, object] = {}
+
+    async def wait_for(run_id: str, principal: str, *, long: bool) -> None:
+        got[run_id] = await scheduler.acquire("m", run_id, long=long, principal=principal)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(wait_for, "l2", "a", long=True))
+        await wait_all_tasks_blocked()
+        nursery.start_soon(partial(wait_for, "r2", "c", long=False))
+        await wait_all_tasks_blocked()
+        regular.release()  # a regular slot: the long waiter, first in line, cannot use it
+        await wait_all_tasks_blocked()
+        assert list(got) == ["r2"]
+        long_run.release()
+    assert sorted(got) == ["l2", "r2"]

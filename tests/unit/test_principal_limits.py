@@ -5,12 +5,15 @@ policy (`core.principals`) and the limiter's admission and budgets
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import msgspec
 import pytest
+import trio
 import yaml
 from rich.console import Console
+from trio.testing import MockClock, wait_all_tasks_blocked
 
 from iop_edge.cli.console import render_usage
 from iop_edge.core.config import ConfigInvalid, parse_config
@@ -27,6 +30,7 @@ from iop_edge.core.refresh_diff import compare_configs, live_subset, live_subset
 from iop_edge.core.refresh_plan import plan_apply
 from iop_edge.http.rate_limit_headers import rate_limit_headers
 from iop_edge.runtime.runs.limits import (
+    BUDGET_SYNC_S,
     DEFAULT_OUTPUT_ESTIMATE,
     LimitExceeded,
     PrincipalLimiter,
@@ -505,3 +509,41 @@ def test_iop_edge_usage_shows_each_principal_against_its_limits() -> None:
     assert "60 left of 60" in text
     assert "120 of 500" in text
     assert "chat-*" in text
+
+
+async def test_the_limiter_reads_the_ledger_before_it_starts_and_again_when_shared(
+    autojump_clock: MockClock,
+) -> None:
+    clocks = Clocks()
+    limiter = limiter_for(PrincipalLimits(ref="alice", tokens_per_day=1000), clocks=clocks)
+    ledger = FakeLedger({"alice": 300})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(limiter.run, ledger, shared=lambda: True))
+        assert limiter.tokens_today("alice") == 300  # before anything is served
+        ledger.totals = {"alice": 900}  # another replica's runs
+        await trio.sleep(BUDGET_SYNC_S)
+        await wait_all_tasks_blocked()
+        assert limiter.tokens_today("alice") == 900
+        nursery.cancel_scope.cancel()
+    assert len(ledger.asked) == 2
+
+
+async def test_an_unreadable_ledger_is_retried_not_fatal(autojump_clock: MockClock) -> None:
+    clocks = Clocks()
+    limiter = limiter_for(PrincipalLimits(ref="alice", tokens_per_day=1000), clocks=clocks)
+
+    class Flaky(FakeLedger):
+        async def day_totals(self, since: float) -> dict[str, int]:
+            self.asked.append(since)
+            if len(self.asked) == 1:
+                raise OSError("the ledger is unreachable")
+            return dict(self.totals)
+
+    ledger = Flaky({"alice": 400})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(limiter.run, ledger, shared=lambda: False))
+        assert limiter.tokens_today("alice") == 0
+        await trio.sleep(BUDGET_SYNC_S)
+        await wait_all_tasks_blocked()
+        assert limiter.tokens_today("alice") == 400
+        nursery.cancel_scope.cancel()

@@ -361,7 +361,8 @@ async def test_concurrent_refresh_is_409_at_once(
     assert (verdict, report.outcome, report.revision) == ("accepted", "applied", 2)
     assert len(edge.swaps) == 1
     assert not refresher.statistics().busy
-    assert [line["verdict"] for line in (await audit_lines(audit))] == ["conflict", "accepted"]
+    # The apply's line is written before its swap, so it comes first.
+    assert [line["verdict"] for line in (await audit_lines(audit))] == ["accepted", "conflict"]
 
 
 async def test_no_change_apply_makes_a_new_revision_and_pushes_nothing(
@@ -416,7 +417,9 @@ async def test_push_results_per_node(
     assert details["gpu3"] == "no refresh_ack within 10s"
     assert sorted(n for n, _, _ in edge.pushes) == ["gpu1", "gpu2", "gpu3", "gpu4"]
     assert all(rev == 2 for _, rev, _ in edge.pushes)
-    assert set(edge.push_times.values()) == {start}  # all pushed at once, not one by one
+    # All pushed at once, not one by one (the audit line written ahead, in a worker
+    # thread, may let the autojump clock move before the pushes).
+    assert len(set(edge.push_times.values())) == 1 and min(edge.push_times.values()) >= start
     assert (await audit_lines(audit))[0]["nodes"][2]["detail"] == "no refresh_ack within 10s"
 
 

@@ -117,3 +117,67 @@ def test_both_parsers_build_the_same_data_from_the_shipped_configs(path: Path) -
     text += "x-shared: &shared {a: 1, b: [1.5, true, null, '2024-01-01']}\n"
     text += "x-merged: {<<: *shared, c: 2024-01-01}\n"  # a merge key and a timestamp
     assert _load(text, True) == _load(text, False)
+
+
+#: Documents whose every node the direct construction covers, or hands to the constructor.
+CONSTRUCTED = [
+    "a: 1\nb: [x, 2, 0755, 0x1f, -3, +4, 1_000, 190:20:30]\n",
+    "flags: [yes, No, true, ~, null, '', 1.5, .inf, -.nan, 1e3]\n",
+    "when: 2024-01-02\nat: 2024-01-02T03:04:05Z\nraw: !!binary aGVsbG8=\n",
+    "quoted: ['1', \"2\", !!str 3, !!int '4']\nempty:\n",
+    "nested: {a: {b: [{c: d}, [e, [f]]]}}\n1: int key\n2024-01-01: date key\n",
+    "set: !!set {a, b}\nomap: !!omap [{a: 1}, {b: 2}]\n",  # tagged collections
+    "base: {a: 1}\nmerged: {<<: {b: 2}, c: 3}\n",  # a merge key without an alias
+    "- top\n- level\n- [sequence]\n",
+    "just a scalar\n",
+]
+
+
+@pytest.mark.parametrize("text", CONSTRUCTED)
+def test_the_direct_construction_builds_what_pyyaml_builds(text: str) -> None:
+    node = safe_yaml.compose(text)
+    assert node is not None and not safe_yaml.has_aliases(text)
+    expected = yaml.constructor.SafeConstructor().construct_document(node)
+    direct = safe_yaml.construct(node, yaml.constructor.SafeConstructor(), aliases=False)
+    assert direct == expected
+    assert [type(v) for v in _leaves(direct)] == [type(v) for v in _leaves(expected)]
+
+
+def _leaves(value: object) -> list[object]:
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in (*_leaves(k), *_leaves(v))]
+    if isinstance(value, list):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value]
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("a: !!int abc\n", ValueError),  # a bad scalar: the constructor's own error
+        ("? [complex, key]\n: value\n", yaml.constructor.ConstructorError),  # unhashable key
+    ],
+)
+def test_the_direct_construction_fails_as_pyyaml_fails(text: str, error: type[Exception]) -> None:
+    node = safe_yaml.compose(text)
+    assert node is not None
+    with pytest.raises(error):
+        yaml.constructor.SafeConstructor().construct_document(node)
+    with pytest.raises(error):
+        safe_yaml.construct(node, yaml.constructor.SafeConstructor(), aliases=False)
+
+
+@pytest.mark.parametrize("libyaml", PARSERS)
+def test_duplicate_keys_are_reported_in_document_order_with_their_paths(libyaml: bool) -> None:
+    text = (
+        "edge: {id: a, id: b}\n"
+        "nodes:\n"
+        "  - id: n1\n"
+        "    providers:\n"
+        "      - {id: p, id: q}\n"
+        "edge: {}\n"
+    )
+    with pytest.raises(ConfigInvalid) as invalid:
+        parse_config(text)
+    duplicates = [e for e in invalid.value.errors if e.message.startswith("duplicate key")]
+    assert [e.path for e in duplicates] == ["edge.id", "nodes[0].providers[0].id", "edge"]

@@ -134,6 +134,137 @@ function drawActivity(activity) {
   document.getElementById("activity").replaceChildren(...columns);
 }
 
+// --- per-model charts: small inline SVG, drawn here (no library) ---------------------
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+const CHART_W = 220;
+const CHART_H = 56;
+const PAD = 4;
+
+function svg(tag, attrs, ...children) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, value);
+  node.append(...children);
+  return node;
+}
+
+function chartX(index, count) {
+  return PAD + (count > 1 ? (index * (CHART_W - 2 * PAD)) / (count - 1) : 0);
+}
+
+function chartY(value, top) {
+  return CHART_H - PAD - (Math.min(value, top) / top) * (CHART_H - 2 * PAD);
+}
+
+// A line through the values; null leaves a gap (no sample in that bucket).
+function linePath(values, top) {
+  let path = "";
+  let drawing = false;
+  values.forEach((value, index) => {
+    if (value === null || value === undefined) {
+      drawing = false;
+      return;
+    }
+    const point = `${chartX(index, values.length).toFixed(1)} ${chartY(value, top).toFixed(1)}`;
+    path += drawing ? ` L ${point}` : ` M ${point}`;
+    drawing = true;
+  });
+  return path.trim();
+}
+
+function frame(label, top, unit) {
+  const chart = svg("svg", {
+    viewBox: `0 0 ${CHART_W} ${CHART_H}`, role: "img", "aria-label": label,
+    preserveAspectRatio: "none",
+  }, svg("title", {}, `${label} (scale 0 to ${top}${unit})`));
+  chart.append(svg("line", {
+    class: "axis", x1: PAD, x2: CHART_W - PAD, y1: CHART_H - PAD, y2: CHART_H - PAD,
+  }));
+  return chart;
+}
+
+function niceTop(values, floor) {
+  const peak = Math.max(floor, ...values.filter((v) => v !== null && v !== undefined));
+  const magnitude = 10 ** Math.floor(Math.log10(peak));
+  for (const step of [1, 2, 2.5, 5, 10]) {
+    if (peak <= step * magnitude) return step * magnitude;
+  }
+  return peak;
+}
+
+function lastValue(values) {
+  for (let i = values.length - 1; i >= 0; i -= 1) {
+    if (values[i] !== null && values[i] !== undefined) return values[i];
+  }
+  return null;
+}
+
+function seconds(value) {
+  if (value === null) return "–";
+  return value < 1 ? `${Math.round(value * 1000)} ms` : `${value.toFixed(2)} s`;
+}
+
+function ttftCell(m) {
+  const top = niceTop([...m.ttft_p95_s, ...m.ttft_p50_s], 0.05);
+  const chart = frame(`time to first token of ${m.model}`, top * 1000, " ms");
+  chart.append(svg("path", { class: "p95", d: linePath(m.ttft_p95_s, top) }));
+  chart.append(svg("path", { class: "p50", d: linePath(m.ttft_p50_s, top) }));
+  const p50 = lastValue(m.ttft_p50_s);
+  const p95 = lastValue(m.ttft_p95_s);
+  return el("td", { "data-ttft-p50": p50 ?? "", "data-ttft-p95": p95 ?? "" },
+    el("div", { class: "chart" }, chart,
+      el("span", { class: "now" },
+        el("div", {}, el("span", { class: "key p50" }), "p50 ", el("strong", {}, seconds(p50))),
+        el("div", {}, el("span", { class: "key p95" }), "p95 ", el("strong", {}, seconds(p95))))));
+}
+
+function rateCell(m) {
+  const values = m.tokens_per_s;
+  const top = niceTop(values, 1);
+  const chart = frame(`output tokens per second of ${m.model}`, top, " tokens/s");
+  const line = linePath(values, top);
+  if (line) {
+    const baseline = (CHART_H - PAD).toFixed(1);
+    const first = chartX(0, values.length).toFixed(1);
+    const last = chartX(values.length - 1, values.length).toFixed(1);
+    chart.append(svg("path", { class: "rate", d: `M ${first} ${baseline} ${line.replace(/^M/, "L")} L ${last} ${baseline} Z` }));
+  }
+  const now = lastValue(values) ?? 0;
+  return el("td", { "data-tokens-per-s": now },
+    el("div", { class: "chart" }, chart,
+      el("span", { class: "now" }, el("strong", {}, now.toFixed(1)), " tokens/s")));
+}
+
+function queueCell(m) {
+  const values = m.queue_depth;
+  const top = niceTop(values, 1);
+  const chart = frame(`deepest queue of ${m.model}`, top, " requests");
+  const width = (CHART_W - 2 * PAD) / values.length;
+  values.forEach((depth, index) => {
+    if (depth > 0) {
+      const y = chartY(depth, top);
+      chart.append(svg("rect", {
+        class: "depth", x: (PAD + index * width).toFixed(1), y: y.toFixed(1),
+        width: Math.max(width - 1, 1).toFixed(1), height: (CHART_H - PAD - y).toFixed(1),
+      }));
+    }
+  });
+  const deepest = Math.max(0, ...values);
+  return el("td", { "data-queue-max": deepest },
+    el("div", { class: "chart" }, chart,
+      el("span", { class: "now" }, "max ", el("strong", {}, deepest))));
+}
+
+function drawModelCharts(activity) {
+  const models = activity.models || [];
+  document.getElementById("model-charts-section").hidden = models.length === 0;
+  const rows = models.map((m) => el("tr", { "data-model-chart": m.model },
+    el("td", {}, el("strong", {}, m.model),
+      el("div", { class: "reason" }, `${m.streams.reduce((a, b) => a + b, 0)} streams timed`)),
+    ttftCell(m), rateCell(m), queueCell(m)));
+  replaceRows(document.getElementById("model-charts"), rows);
+}
+
 function drawHeader(status, readiness) {
   const ready = document.getElementById("ready");
   ready.textContent = readiness.status === "ready" ? "ready" : "not ready";
@@ -164,6 +295,7 @@ async function poll() {
       ["/catalog", "/status", "/activity", "/readyz", "/principals"].map(getJson));
     drawHeader(status, readiness);
     drawActivity(activity);
+    drawModelCharts(activity);
     drawProviders(catalog);
     drawModels(catalog, readiness);
     drawNodes(status);

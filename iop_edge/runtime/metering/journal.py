@@ -24,6 +24,14 @@ Rules:
 6. A line that cannot be read back (torn by a power failure, or from a newer Edge) is
    logged and skipped, never retried forever; a line without its newline is not read
    until it has one.
+7. An append that fails (a full disk) leaves the segment as it was: a short write's
+   bytes are truncated away, so the next append does not glue a good line to a torn one.
+   Should that truncation fail too, the segment is marked torn and the next append
+   begins with `TORN_END`, which ends the fragment as a line of its own that no decoder
+   reads (NUL is not JSON), and the good line stays whole. An append that fails raises
+   `OSError` and may simply be retried (`usage.UsageLedger` does, from memory).
+8. Rotation never fails an append: a new segment that cannot be created (a full disk)
+   leaves the appends on the live one, and is tried again at the next append.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ SYNC_INTERVAL_S: Final = 1.0
 #: How much of a segment the writer reads into one SQLite transaction.
 READ_BYTES: Final = 1024 * 1024
 PREFIX: Final = "usage-journal-"
+#: Ends a fragment a failed append could not remove (Rule 7).
+TORN_END: Final = b"\0\n"
 
 
 @dataclass(eq=False)
@@ -65,6 +75,8 @@ class Segment:
     checkpoint: int = 0
     """Bytes already in SQLite (Rule 2)."""
     retired: bool = False
+    torn: bool = False
+    """A failed append left a fragment at the end (Rule 7)."""
 
     @property
     def name(self) -> str:
@@ -88,19 +100,52 @@ class UsageJournal:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.segments.append(self._new_segment())
 
-    def append(self, line: bytes) -> None:
-        """Append one line (Rule 1). Raises `OSError` (disk full...) and `ValueError`
-        once closed."""
+    def append(self, lines: bytes) -> None:
+        """Append whole lines (Rule 1): all of them, or none (Rule 7). Raises `OSError`
+        (disk full...) and `ValueError` once closed."""
         if self.closed or not self.segments:
             raise ValueError("the journal is closed")
+        segment = self._live_segment()
+        data = TORN_END + lines if segment.torn else lines
+        view = memoryview(data)
+        done = 0
+        try:
+            while done < len(data):  # a regular file takes it all at once, or fails
+                done += os.write(segment.fd, view[done:])
+        except OSError:
+            if done:
+                self._undo(segment)
+            raise
+        segment.written += len(data)
+        segment.torn = False
+
+    def _live_segment(self) -> Segment:
+        """The segment that takes appends, rotated first when it is full (Rules 4, 8)."""
         segment = self.segments[-1]
-        view = memoryview(line)
-        while view:  # a regular file takes it all at once; a short write is continued
-            view = view[os.write(segment.fd, view) :]
-        segment.written += len(line)
-        if segment.written >= ROTATE_BYTES:  # Rule 4
-            segment.retired = True
-            self.segments.append(self._new_segment())
+        if segment.written < ROTATE_BYTES:
+            return segment
+        try:
+            fresh = self._new_segment()
+        except OSError:
+            return segment  # Rule 8: the next append tries again
+        segment.retired = True
+        self.segments.append(fresh)
+        return fresh
+
+    @staticmethod
+    def _undo(segment: Segment) -> None:
+        """Remove what a failed append wrote (Rule 7)."""
+        try:
+            os.ftruncate(segment.fd, segment.written)
+        except OSError as exc:
+            segment.torn = True
+            segment.written = os.fstat(segment.fd).st_size
+            log.error(
+                "usage journal %s: a torn line could not be removed (%s); it is ended and "
+                "will be skipped",
+                segment.name,
+                exc.strerror or exc,
+            )
 
     def close(self) -> None:
         """No more appends; the writer finishes reading and deletes what it read."""

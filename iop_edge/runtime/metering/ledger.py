@@ -12,6 +12,7 @@ configured.
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,17 +21,19 @@ import trio
 
 from iop_edge.core.ledger_url import parse_ledger_url
 from iop_edge.runtime.lifecycle.replicas import ReplicaStore, SqliteReplicaStore
+from iop_edge.runtime.metering import state_dir as state_dirs
 from iop_edge.runtime.metering.response_store import ResponseBackend, SqliteResponses
-from iop_edge.runtime.metering.usage import UsageLedger
-from schemas.config import EdgeSection
+from iop_edge.runtime.metering.usage import (
+    LedgerStore,
+    LedgerUnavailable,
+    SqliteStore,
+    UsageLedger,
+)
+from schemas.config import ConfigError, EdgeSection
 
 __all__ = ["LedgerChoice", "LedgerUnavailable", "choose_ledger"]
 
 SQLITE_FILE = "usage.sqlite3"
-
-
-class LedgerUnavailable(Exception):
-    """The configured ledger cannot be used; the message says why and what to do."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +46,12 @@ class LedgerChoice:
     responses: ResponseBackend
     """The Responses store's table, in the same database (not connected yet)."""
     check: Callable[[], None]
-    """Blocking: connect once and set up the schema; raises `LedgerUnavailable`."""
+    """Blocking, what `serve` does before it serves: make sure `state_dir` takes writes,
+    open the store once and set up its schema; raises `LedgerUnavailable`."""
+    inspect: Callable[[], list[ConfigError]]
+    """Blocking, what `check-config` does: the same questions, changing nothing (the
+    folder is not created, a database is connected to but not set up); the problems,
+    each at its config path."""
     description: str
 
     async def check_reachable(self) -> None:
@@ -51,13 +59,37 @@ class LedgerChoice:
 
 
 def choose_ledger(edge: EdgeSection) -> LedgerChoice:
+    """The ledger `edge` configures; raises `LedgerUnavailable` when it cannot be built
+    here at all (PostgreSQL without psycopg)."""
+    state_dir = Path(edge.state_dir)
+    path = state_dir / SQLITE_FILE
+
+    def usage_ledger(store: LedgerStore | None = None) -> UsageLedger:
+        return UsageLedger(
+            path,
+            store=store,
+            buffer_records=edge.ledger_buffer_records,
+            when_full=edge.ledger_when_unwritable,
+        )
+
     if edge.ledger is None:
-        path = Path(edge.state_dir) / SQLITE_FILE
+
+        def check_sqlite() -> None:
+            _ensure_state_dir(state_dir)
+            store = SqliteStore(path)
+            try:
+                store.open()
+            except sqlite3.Error as exc:
+                raise LedgerUnavailable(f"cannot open the usage ledger {path}: {exc}") from None
+            finally:
+                store.close()
+
         return LedgerChoice(
-            ledger=UsageLedger(path),
+            ledger=usage_ledger(),
             open_replica_store=lambda: SqliteReplicaStore(path),
             responses=SqliteResponses(path),
-            check=lambda: None,
+            check=check_sqlite,
+            inspect=lambda: _inspect_state_dir(state_dir),
             description=f"SQLite {path}",
         )
     url = parse_ledger_url(edge.ledger)
@@ -70,7 +102,8 @@ def choose_ledger(edge: EdgeSection) -> LedgerChoice:
         ) from None
     password_env = edge.ledger_password_env
 
-    def check() -> None:
+    def check_postgres() -> None:
+        _ensure_state_dir(state_dir)
         store = ledger_postgres.PostgresStore(url, password_env)
         try:
             store.open()
@@ -79,12 +112,35 @@ def choose_ledger(edge: EdgeSection) -> LedgerChoice:
         finally:
             store.close()
 
+    def inspect_postgres() -> list[ConfigError]:
+        problems = _inspect_state_dir(state_dir)
+        try:
+            ledger_postgres.connect(url, password_env).close()
+        except ledger_postgres.LedgerUnavailable as exc:
+            problems.append(ConfigError(path="edge.ledger", message=str(exc)))
+        return problems
+
     # The journal (crash safety) stays local, in state_dir; the records go to PostgreSQL.
-    journal_path = Path(edge.state_dir) / SQLITE_FILE
     return LedgerChoice(
-        ledger=UsageLedger(journal_path, store=ledger_postgres.PostgresStore(url, password_env)),
+        ledger=usage_ledger(ledger_postgres.PostgresStore(url, password_env)),
         open_replica_store=lambda: ledger_postgres.PostgresReplicaStore(url, password_env),
         responses=response_store_postgres.PostgresResponses(url, password_env),
-        check=check,
+        check=check_postgres,
+        inspect=inspect_postgres,
         description=f"PostgreSQL {url}",
     )
+
+
+def _ensure_state_dir(path: Path) -> None:
+    try:
+        state_dirs.ensure_writable(path)
+    except state_dirs.StateDirUnusable as exc:
+        raise LedgerUnavailable(f"edge.state_dir {exc}") from None
+
+
+def _inspect_state_dir(path: Path) -> list[ConfigError]:
+    try:
+        state_dirs.inspect(path)
+    except state_dirs.StateDirUnusable as exc:
+        return [ConfigError(path="edge.state_dir", message=str(exc))]
+    return []

@@ -42,6 +42,8 @@ from iop_edge.runtime.metering.usage import (
     AGGREGATES,
     UsageRecord,
     UsageReport,
+    UsageSelection,
+    paged,
     row_of,
     usage_report,
 )
@@ -117,7 +119,7 @@ class PostgresStore:
         self._connection: psycopg.Connection[Any] | None = None
 
     def __repr__(self) -> str:
-        return f"<PostgresStore {self.url}>"
+        return f"PostgreSQL {self.url}"
 
     def _db(self) -> psycopg.Connection[Any]:
         """The writer's connection, reopened after a failure (a restarted server)."""
@@ -180,30 +182,46 @@ class PostgresStore:
             for segment in segments:
                 connection.execute(f"DELETE FROM {CHECKPOINTS} WHERE segment = %s", [segment])
 
-    def aggregate(
-        self, since: float | None, until: float | None, columns: list[str]
-    ) -> UsageReport:
+    def aggregate(self, selection: UsageSelection) -> UsageReport:
+        """`usage.aggregate_sql`'s page and `usage.totals_sql`'s sums, composed with the
+        columns as identifiers."""
         where: list[sql.Composable] = []
-        params: list[float] = []
-        if since is not None:
+        params: list[Any] = []
+        if selection.since is not None:
             where.append(sql.SQL("time >= %s"))
-            params.append(since)
-        if until is not None:
+            params.append(selection.since)
+        if selection.until is not None:
             where.append(sql.SQL("time < %s"))
-            params.append(until)
-        keys = [sql.Identifier(column) for column in columns]
+            params.append(selection.until)
+        keys = [sql.Identifier(column) for column in selection.columns]
         totals = sql.SQL(", ".join(AGGREGATES))
-        query = sql.SQL("SELECT {} FROM {}").format(
-            sql.SQL(", ").join([*keys, totals]), sql.Identifier(TABLE)
-        )
-        if where:
-            query += sql.SQL(" WHERE ") + sql.SQL(" AND ").join(where)
+        table = sql.Identifier(TABLE)
+        window = sql.SQL(" WHERE ") + sql.SQL(" AND ").join(where) if where else sql.SQL("")
+        total_query = sql.SQL("SELECT {} FROM {}").format(totals, table) + window
+        page_where = list(where)
+        page_params = list(params)
+        if selection.after is not None and keys:
+            page_where.append(
+                sql.SQL("({}) > ({})").format(
+                    sql.SQL(", ").join(keys), sql.SQL(", ").join(sql.Placeholder() * len(keys))
+                )
+            )
+            page_params.extend(selection.after)
+        query = sql.SQL("SELECT {} FROM {}").format(sql.SQL(", ").join([*keys, totals]), table)
+        if page_where:
+            query += sql.SQL(" WHERE ") + sql.SQL(" AND ").join(page_where)
         if keys:
             grouping = sql.SQL(", ").join(keys)
             query += sql.SQL(" GROUP BY {} ORDER BY {}").format(grouping, grouping)
+            if selection.limit is not None:
+                query += sql.SQL(" LIMIT %s")
+                page_params.append(selection.limit + 1)
         with connect(self.url, self.password_env) as connection:
-            rows = connection.execute(query, params).fetchall()
-        return usage_report(since, until, columns, rows)
+            rows = connection.execute(query, page_params).fetchall()
+            total = None
+            if paged(selection, rows):
+                total = connection.execute(total_query, params).fetchone()
+        return usage_report(selection, rows, total)
 
     def close(self) -> None:
         if self._connection is not None:
@@ -247,6 +265,14 @@ class PostgresStore:
                 sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (time)").format(
                     sql.Identifier(f"{TABLE}_time"), sql.Identifier(TABLE)
                 )
+            )
+            # `GET /usage`'s default grouping in order, every sum from the index alone
+            # (as the SQLite ledger's `usage_by_principal`).
+            connection.execute(
+                sql.SQL(
+                    "CREATE INDEX IF NOT EXISTS {} ON {} (principal_ref, token_ref, model, "
+                    "time) INCLUDE (prompt_tokens, completion_tokens, usage_source)"
+                ).format(sql.Identifier(f"{TABLE}_by_principal"), sql.Identifier(TABLE))
             )
             connection.execute(
                 f"CREATE TABLE IF NOT EXISTS {CHECKPOINTS} "

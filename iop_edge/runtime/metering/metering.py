@@ -46,6 +46,11 @@ class RunRecord:
     protocol: CallerProtocol = "chat"
     """The caller's protocol (design §14): chat (completions and embeddings too),
     messages (Anthropic Messages, count_tokens too) or responses (OpenAI Responses)."""
+    operation: wire.Operation = "chat"
+    """What the run asked of its provider (`gen_ai.operation.name` in metrics and traces)."""
+    stream: bool = False
+    """Whether the caller asked for a stream: time to first token and per output token
+    are measured on streams only (a whole answer has no first token to time)."""
 
 
 class Metering:
@@ -69,6 +74,8 @@ class Metering:
             usage_source=record.usage_source,
             principal_ref=record.principal_ref,
             token_ref=record.token_ref,
+            operation=record.operation,
+            stream=record.stream,
         )
         if not record.provider:
             return  # refused at admission: no run, nothing to bill
@@ -91,6 +98,12 @@ class Metering:
                 protocol=record.protocol,
             )
         )
+
+    def refusal(self) -> str | None:
+        """Why new runs must be refused now: their usage could not be recorded (the
+        ledger's buffer is full and `edge.ledger_when_unwritable` is `refuse`); None
+        while they may run."""
+        return self._ledger.problem() if self._ledger.refuses_runs else None
 
     def refused(self, *, status: int, code: str | None) -> None:
         """A request refused before it named a model the Edge knows (no run was made)."""

@@ -11,9 +11,11 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Final, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from iop_edge.runtime.metering.genai_metrics import GenAIMetrics
+from iop_edge.runtime.metering.usage import LedgerStatistics
 from schemas.catalog import Catalog
 from schemas.wire import Usage, UsageSource
 
@@ -53,6 +55,46 @@ class _PoolCollector(Collector):
         for m in catalog.models:
             model_queued.add_metric([m.id], m.queued)
         yield from (in_flight, capacity, long_in_flight, queued, available, model_queued)
+
+
+class _LedgerCollector(Collector):
+    """The usage ledger's health, read at scrape time from its `statistics()`."""
+
+    def __init__(self, statistics: Callable[[], LedgerStatistics]) -> None:
+        self._statistics = statistics
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self._statistics()
+        unwritten = GaugeMetricFamily(
+            "iop_usage_unwritten_records",
+            "Usage records waiting in memory: the journal in state_dir cannot be written",
+        )
+        unwritten.add_metric([], stats.unwritten)
+        state = GaugeMetricFamily(
+            "iop_usage_ledger_state",
+            "1 for the usage journal's state now: writable, buffering (records wait in "
+            "memory) or full (at edge.ledger_buffer_records)",
+            labels=["state"],
+        )
+        changes = CounterMetricFamily(
+            "iop_usage_ledger_state_changes",
+            "Times the usage journal entered each state",
+            labels=["state"],
+        )
+        for name in ("writable", "buffering", "full"):
+            state.add_metric([name], 1.0 if stats.state == name else 0.0)
+            changes.add_metric([name], stats.state_changes.get(name, 0))
+        dropped = CounterMetricFamily(
+            "iop_usage_dropped_records",
+            "Usage records lost (past the in-memory buffer, or after the ledger closed)",
+        )
+        dropped.add_metric([], stats.dropped)
+        store_down = GaugeMetricFamily(
+            "iop_usage_store_down",
+            "1 while the ledger's database refuses writes (records wait in the journal)",
+        )
+        store_down.add_metric([], 1.0 if stats.store_down else 0.0)
+        yield from (unwritten, state, changes, dropped, store_down)
 
 
 #: The error code a principal's limit refuses with -> the limit (`principals[]` key).
@@ -115,7 +157,9 @@ class EdgeMetrics:
         self,
         catalog: Callable[[], Catalog],
         principal_load: Callable[[], Iterable[PrincipalLoadRow]] | None = None,
+        provider_name: Callable[[str], str] = str,
     ) -> None:
+        """`provider_name`: a provider id's `gen_ai.provider.name` (`genai_metrics`)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -147,8 +191,9 @@ class EdgeMetrics:
         )
         self.failovers = Counter(
             "iop_failovers",
-            "Attempts moved to another provider before the first byte",
-            ["model", "provider"],
+            "Attempts moved to another provider before the first byte; `provider` is the"
+            " one that failed, `reason` its failure code",
+            ["model", "provider", "reason"],
             registry=r,
         )
         self.busy_answers = Counter(
@@ -187,6 +232,7 @@ class EdgeMetrics:
             buckets=_QUEUE_BUCKETS,
             registry=r,
         )
+        self.genai = GenAIMetrics(r, provider_name)
         r.register(_PoolCollector(catalog))
         if principal_load is not None:
             r.register(_PrincipalCollector(principal_load))
@@ -213,12 +259,25 @@ class EdgeMetrics:
         usage_source: UsageSource = "provider",
         principal_ref: str = "anonymous",
         token_ref: str = "anonymous",
+        operation: str = "chat",
+        stream: bool = False,
     ) -> None:
         self._requests(model, provider, str(status), code).inc()
         if provider:
             self._latency(model, provider).observe(latency_s)
             if ttft_s is not None:
                 self._ttft(model, provider).observe(ttft_s)
+            self.genai.observe(
+                operation=operation,
+                model=model,
+                provider=provider,
+                status=status,
+                code=code,
+                stream=stream,
+                latency_s=latency_s,
+                ttft_s=ttft_s,
+                usage=usage,
+            )
         if queued_s is not None:
             self._queue_wait(model).observe(queued_s)
             self._principal_queue_wait(principal_ref).observe(queued_s)
@@ -239,6 +298,10 @@ class EdgeMetrics:
         No model label: the caller's string is untrusted and would explode cardinality.
         """
         self._requests("", "", str(status), code).inc()
+
+    def watch_ledger(self, statistics: Callable[[], LedgerStatistics]) -> None:
+        """Report the usage ledger's state and backlog (`iop_usage_*`) from now on."""
+        self.registry.register(_LedgerCollector(statistics))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

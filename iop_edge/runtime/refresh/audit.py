@@ -4,6 +4,14 @@ Both are blocking file I/O, so both run in a worker thread (`trio.to_thread.run_
 and never stall the event loop that serves requests. Refreshes are rare, so every write
 is fsynced: after a crash the audit log and the config file say what actually happened.
 
+An apply's line is written before the new config is swapped in (`reserve`): a refresh
+whose audit line cannot be written (a full disk) is refused, never applied unaudited.
+What the push to the Nodes then reports is only known after the swap, so `reserve`
+leaves room in the line (trailing spaces, which JSON readers skip) and `complete` writes
+the whole record over it, in place: one line per attempt, and overwriting blocks a file
+already holds needs no free space. Until completed, the line says what the attempt
+decided, its Node pushes "interrupted": what the log keeps if the Edge stops meanwhile.
+
 The config write keeps the file whole at every instant: the new text goes to a temp
 file in the same directory, is fsynced, and replaces the old one with `os.replace` (an
 atomic rename). The previous text is kept beside it as `<file>.prev`, written the same
@@ -12,11 +20,14 @@ way, so a bad refresh can be undone by hand.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Final
 
 import msgspec
 import trio
@@ -30,10 +41,38 @@ from schemas.refresh import (
     RefreshVerdict,
 )
 
-__all__ = ["AUDIT_FILE_NAME", "AuditLog", "AuditRecord", "write_config_atomically"]
+__all__ = [
+    "AUDIT_FILE_NAME",
+    "AuditLog",
+    "AuditRecord",
+    "Reservation",
+    "reserve_room",
+    "write_config_atomically",
+]
 
 AUDIT_FILE_NAME = "refresh-audit.jsonl"
 _NEW_FILE_MODE = 0o644
+#: A Node's push result detail is kept to this many characters in the audit log (the
+#: report the operator gets has all of it), so a reserved line has a known bound.
+DETAIL_CHARS: Final = 256
+#: Room a reserved line leaves for what completing it adds: its errors...
+_ROOM_BASE: Final = 1024
+#: ... and each Node push result.
+_ROOM_PER_NODE: Final = 2 * DETAIL_CHARS
+
+
+def reserve_room(nodes: int) -> int:
+    """Bytes a reserved line leaves for `nodes` push results and the errors of a commit."""
+    return _ROOM_BASE + _ROOM_PER_NODE * nodes
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A line written ahead by `AuditLog.reserve`, to be completed in place."""
+
+    offset: int
+    length: int
+    """The line's length, its newline included."""
 
 
 class AuditRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,9 +116,15 @@ class AuditRecord(msgspec.Struct, frozen=True, kw_only=True):
             config_sha256=config_sha256,
             changed_paths=[change.path for change in report.changes],
             pending_restart=list(report.pending_restart),
-            nodes=list(report.nodes),
+            nodes=[_bounded(node) for node in report.nodes],
             errors=list(report.errors),
         )
+
+
+def _bounded(node: NodeResult) -> NodeResult:
+    if node.detail is None or len(node.detail) <= DETAIL_CHARS:
+        return node
+    return msgspec.structs.replace(node, detail=node.detail[: DETAIL_CHARS - 1] + "…")
 
 
 class AuditLog:
@@ -109,6 +154,49 @@ class AuditLog:
         await self._write(record)
         return record
 
+    async def reserve(
+        self,
+        report: RefreshReport,
+        *,
+        verdict: RefreshVerdict,
+        config_sha256: str | None,
+        room: int,
+        now: datetime | None = None,
+    ) -> Reservation:
+        """Write the attempt's line ahead, with `room` bytes to spare (module docstring);
+        raises `OSError` if it cannot be written: the attempt must then not go ahead."""
+        record = AuditRecord.of(
+            report, verdict=verdict, config_sha256=config_sha256, now=now or datetime.now(UTC)
+        )
+        line = self._encoder.encode(record) + b" " * room + b"\n"
+        async with self._lock:
+            offset = await trio.to_thread.run_sync(_append_line, self.path, line)
+        return Reservation(offset=offset, length=len(line))
+
+    async def complete(
+        self,
+        reservation: Reservation,
+        report: RefreshReport,
+        *,
+        verdict: RefreshVerdict,
+        config_sha256: str | None,
+        now: datetime | None = None,
+    ) -> AuditRecord:
+        """Write the attempt's whole record over its reserved line; a record that does not
+        fit (cannot happen within `reserve_room`'s bounds) is appended after it instead.
+        Raises `OSError` if the log cannot be written."""
+        record = AuditRecord.of(
+            report, verdict=verdict, config_sha256=config_sha256, now=now or datetime.now(UTC)
+        )
+        encoded = self._encoder.encode(record)
+        async with self._lock:
+            if len(encoded) < reservation.length:
+                line = encoded.ljust(reservation.length - 1) + b"\n"
+                await trio.to_thread.run_sync(_overwrite, self.path, reservation.offset, line)
+            else:
+                await trio.to_thread.run_sync(_append_line, self.path, encoded + b"\n")
+        return record
+
     async def append_unreadable(
         self, problem: str, *, revision: int, now: datetime | None = None
     ) -> AuditRecord:
@@ -136,12 +224,34 @@ class AuditLog:
             await trio.to_thread.run_sync(_append_line, self.path, line)
 
 
-def _append_line(path: Path, line: bytes) -> None:
+def _append_line(path: Path, line: bytes) -> int:
+    """Append `line` with one write (another Edge sharing the folder may append too) and
+    fsync it; returns the offset it starts at."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("ab") as file:
-        file.write(line)
-        file.flush()
-        os.fsync(file.fileno())
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, _NEW_FILE_MODE)
+    try:
+        written = os.write(fd, line)
+        end = os.lseek(fd, 0, os.SEEK_CUR)  # just past our line, whoever appended before
+        if written < len(line):  # a full disk: take the piece back, the line is not there
+            if os.fstat(fd).st_size == end:  # unless another Edge appended after it
+                os.ftruncate(fd, end - written)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return end - len(line)
+
+
+def _overwrite(path: Path, offset: int, line: bytes) -> None:
+    """Write `line` over the bytes at `offset` (a reserved line of the same length)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        view = memoryview(line)
+        while view:
+            view = view[os.pwrite(fd, view, offset + len(line) - len(view)) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 async def write_config_atomically(path: Path, text: str) -> None:

@@ -8,8 +8,9 @@ means in HTTP is the admin API's business.
 
 One refresh runs at a time. A second one that arrives meanwhile is a conflict at once
 instead of queueing: the operator is told to look at the result of the first, and two
-candidates can never be applied on top of each other. Between deciding and swapping
-there is no await, so the decision is made against the very snapshot it replaces.
+candidates can never be applied on top of each other. Between deciding and swapping the
+one await is the audit line's write, and only the Refresher swaps snapshots, so the
+decision is made against the very snapshot it replaces.
 
 An apply goes through these steps, and stops at the first that says no (every attempt,
 rejected ones too, ends with one audit log line):
@@ -21,12 +22,15 @@ rejected ones too, ends with one audit log line):
    pending is a conflict unless `allow_restart_required`; then the live subset is applied
    and the rest becomes `pending_restart`. A dry run stops here with the same report (its
    `errors` say what an apply would be refused for);
-4. swap a new snapshot (revision + 1), even when nothing changed;
-5. push each affected connected node its own config and wait, bounded, for its ack;
-   write an applied inline candidate to the config file (keeping `.prev`).
+4. write the attempt's audit line ahead (`AuditLog.reserve`): a line that cannot be
+   written (a full disk) refuses the refresh (`unavailable`), nothing applied;
+5. swap a new snapshot (revision + 1), even when nothing changed;
+6. push each affected connected node its own config and wait, bounded, for its ack;
+   write an applied inline candidate to the config file (keeping `.prev`); complete the
+   audit line with what the push reported.
 
-Step 5 and the audit line run shielded (each with a deadline): once the snapshot is
-swapped, a caller who hangs up must not leave the nodes unpushed or the file stale.
+Steps 4 to 6 run shielded (each with a deadline): once the line is written, a caller
+who hangs up must not leave the attempt half done, the nodes unpushed or the file stale.
 
 `pending_restart` holds the restart-required paths where the last applied candidate
 differs from what runs. It is recomputed by every apply (a candidate that reverts a
@@ -36,17 +40,25 @@ pending change clears it) and otherwise kept until the process restarts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
 import trio
 
 from iop_edge.core.config import ConfigInvalid, ParsedConfig, load_config, parse_config
-from iop_edge.core.refresh_plan import ApplyPlan, error_order, plan_apply
+from iop_edge.core.config_proof import ConfigProof
+from iop_edge.core.refresh_plan import ApplyPlan, PreparedRefresh, error_order, prepare_refresh
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.runtime.refresh.audit import AuditLog, write_config_atomically
+from iop_edge.runtime.refresh.audit import (
+    AuditLog,
+    Reservation,
+    reserve_room,
+    write_config_atomically,
+)
 from schemas.config import ConfigError, NodeConfig
 from schemas.refresh import (
     NodeResult,
@@ -179,16 +191,19 @@ class Refresher:
         return result
 
     async def _refresh(self, request: RefreshRequest) -> RefreshResult:
+        base = self._target.snapshot
         try:
-            parsed = await self._load(request)
+            prepared = await self._prepare(request, base)
         except ConfigInvalid as invalid:
             errors = [RefreshError(path=e.path, message=e.message) for e in invalid.errors]
             report = self._report(request, "rejected", self._target.snapshot, errors=errors)
             return await self._finish("invalid", report, config_sha256=None)
-
-        # From here to the swap there is no await: the plan is made against the very
-        # snapshot it replaces.
-        base = self._target.snapshot
+        parsed, plan = prepared.parsed, prepared.plan
+        if self._target.snapshot is not base:  # only the Refresher swaps: a safety net
+            report = self._rejected(
+                request, "", "the running config changed while this candidate was checked; retry"
+            )
+            return await self._finish("conflict", report, config_sha256=parsed.sha256)
         if request.if_revision is not None and request.if_revision != base.revision:
             report = self._rejected(
                 request,
@@ -196,25 +211,55 @@ class Refresher:
                 f"the running revision is {base.revision}, not {request.if_revision}",
             )
             return await self._finish("conflict", report, config_sha256=parsed.sha256)
-        plan = plan_apply(
-            base.config,
-            parsed.config,
-            pending_restart=self._pending_restart,
-            allow_restart_required=request.allow_restart_required,
-        )
         if request.mode == "dry_run":
             report = self._report(request, "dry_run", base, plan=plan, errors=plan.errors)
             return await self._finish("accepted", report, config_sha256=parsed.sha256)
         if plan.errors:
             report = self._report(request, "rejected", base, plan=plan, errors=plan.errors)
             return await self._finish("conflict", report, config_sha256=parsed.sha256)
-        snapshot = Snapshot.build(
-            plan.effective, revision=base.revision + 1, config_sha256=parsed.sha256
+        snapshot, to_push = prepared.snapshot, list(prepared.to_push)
+        assert snapshot is not None  # an apply whose plan has no errors is built
+        planned = self._report(
+            request,
+            "applied" if plan.diff else "no_change",
+            base,
+            revision=snapshot.revision,
+            plan=plan,
+            nodes=_interrupted(to_push),
+            pending_restart=plan.pending_restart,
         )
+        reservation = await self._reserve(planned, config_sha256=parsed.sha256)
+        if isinstance(reservation, str):
+            report = self._rejected(request, "", reservation)
+            return RefreshResult("unavailable", report)
         self._target.swap_snapshot(snapshot)
         self._pending_restart = plan.pending_restart
 
-        return await self._commit(request, base, snapshot, parsed, plan)
+        return await self._commit(request, base, snapshot, parsed, plan, to_push, reservation)
+
+    async def _reserve(self, planned: RefreshReport, *, config_sha256: str) -> Reservation | str:
+        """Step 4: the audit line, written ahead; or why it could not be (the refresh is
+        then refused). Shielded: once written, the attempt goes ahead."""
+        problem = f"did not finish within {COMMIT_GRACE_S:g}s"
+        with trio.move_on_after(COMMIT_GRACE_S, shield=True):
+            try:
+                return await self._audit.reserve(
+                    planned,
+                    verdict="accepted",
+                    config_sha256=config_sha256,
+                    room=reserve_room(len(planned.nodes)),
+                )
+            except OSError as exc:
+                problem = exc.strerror or str(exc)
+        directory = self._audit.path.parent
+        log.error(
+            "refresh refused: the audit log %s cannot be written: %s", self._audit.path, problem
+        )
+        return (
+            f"the refresh audit log {self._audit.path} cannot be written ({problem}), so "
+            f"nothing was applied: a refresh is never applied unaudited. Make room in "
+            f"edge.state_dir ({directory}) and retry"
+        )
 
     async def _commit(
         self,
@@ -223,22 +268,17 @@ class Refresher:
         snapshot: Snapshot,
         parsed: ParsedConfig,
         plan: ApplyPlan,
+        to_push: list[str],
+        reservation: Reservation,
     ) -> RefreshResult:
-        """After the swap: push to the nodes, persist an inline candidate, report.
+        """After the swap: push to the nodes, persist an inline candidate, report, and
+        complete the audit line written ahead.
 
         Shielded with deadlines: the swap has happened, so a caller who hangs up must not
         leave the nodes unpushed or the file stale. The per-node push timeout ends the
         pushes well before the shield's deadline.
         """
-        to_push = sorted(
-            node_id
-            for node_id in snapshot.nodes
-            if snapshot.node_config(node_id) != base.node_config(node_id)
-        )
-        nodes = [
-            NodeResult(id=node_id, status="failed", detail="push interrupted")
-            for node_id in to_push
-        ]
+        nodes = _interrupted(to_push)
         with trio.move_on_after(self._push_timeout_s + COMMIT_GRACE_S, shield=True):
             nodes = await self._push_all(to_push, snapshot)
         errors: list[RefreshError] = []
@@ -254,7 +294,9 @@ class Refresher:
             errors=errors,
             nodes=nodes,
         )
-        return await self._finish("accepted", report, config_sha256=parsed.sha256)
+        return await self._finish(
+            "accepted", report, config_sha256=parsed.sha256, reservation=reservation
+        )
 
     async def _persist(self, path: Path, text: str) -> list[RefreshError]:
         """Write an applied inline candidate to the config file; problems as report errors."""
@@ -274,13 +316,31 @@ class Refresher:
             )
         ]
 
-    async def _load(self, request: RefreshRequest) -> ParsedConfig:
-        """The candidate, validated; parsing runs in a thread (a big YAML takes a while)."""
+    async def _prepare(self, request: RefreshRequest, base: Snapshot) -> PreparedRefresh:
+        """Steps 2 and 3 and the new snapshot (`core.refresh_plan.prepare_refresh`), in a
+        worker thread: for a fleet's config that is seconds of work the event loop must
+        not hold. Raises `ConfigInvalid`. A valid candidate's proof
+        (`core.config_proof`) spares the next one re-checking the Nodes it did not
+        change."""
+        load: Callable[[], ParsedConfig]
         if request.config_yaml is not None:
-            return await trio.to_thread.run_sync(parse_config, request.config_yaml)
-        if self._config_path is None:
+            load = partial(parse_config, request.config_yaml, proof=self._proof)
+        elif self._config_path is not None:
+            load = partial(load_config, self._config_path, proof=self._proof)
+        else:
             raise ConfigInvalid([_no_candidate()])
-        return await trio.to_thread.run_sync(load_config, self._config_path)
+        prepared = await trio.to_thread.run_sync(
+            partial(
+                prepare_refresh,
+                load,
+                base,
+                pending_restart=self._pending_restart,
+                allow_restart_required=request.allow_restart_required,
+                build=request.mode == "apply",
+            )
+        )
+        self._proof = prepared.parsed.proof
+        return prepared
 
     # --- pushing -------------------------------------------------------------------------
 
@@ -334,10 +394,12 @@ class Refresher:
         plan: ApplyPlan | None = None,
         errors: tuple[RefreshError, ...] | list[RefreshError] = (),
         nodes: list[NodeResult] | None = None,
+        pending_restart: tuple[str, ...] | None = None,
     ) -> RefreshReport:
         """A report with every list present and sorted (the diff arrives sorted).
 
-        `revision` defaults to the base revision: nothing was swapped.
+        `revision` defaults to the base revision: nothing was swapped; `pending_restart`
+        to what waits for a restart now.
         """
         diff = plan.diff if plan is not None else None
         return RefreshReport(
@@ -351,7 +413,9 @@ class Refresher:
             changes=list(diff.changes) if diff else [],
             live_paths=list(diff.live_paths) if diff else [],
             restart_required_paths=list(diff.restart_required_paths) if diff else [],
-            pending_restart=list(self._pending_restart),
+            pending_restart=list(
+                self._pending_restart if pending_restart is None else pending_restart
+            ),
             errors=sorted(errors, key=error_order),
             nodes=sorted(nodes or [], key=lambda result: result.id),
         )
@@ -370,23 +434,42 @@ class Refresher:
                 log.error("refresh audit log %s not written: %s", self._audit.path, exc)
 
     async def _finish(
-        self, verdict: RefreshVerdict, report: RefreshReport, *, config_sha256: str | None
+        self,
+        verdict: RefreshVerdict,
+        report: RefreshReport,
+        *,
+        config_sha256: str | None,
+        reservation: Reservation | None = None,
     ) -> RefreshResult:
-        """Audit the attempt, then hand back the answer.
+        """Audit the attempt (completing its line written ahead, if any), then hand back
+        the answer.
 
         Shielded (with a deadline) so an attempt is audited even if its caller hung up. A
-        failed audit write is logged, not raised: the attempt has already happened and its
-        caller deserves the report.
+        failed audit write is logged, not raised: the attempt has already happened (an
+        apply's line was written ahead, and says what it decided) and its caller deserves
+        the report. A dry run's report says an apply would be refused.
         """
-        with trio.move_on_after(COMMIT_GRACE_S, shield=True) as scope:
+        problem = f"not written within {COMMIT_GRACE_S:g}s"
+        with trio.move_on_after(COMMIT_GRACE_S, shield=True):
             try:
-                await self._audit.append(report, verdict=verdict, config_sha256=config_sha256)
+                if reservation is None:
+                    await self._audit.append(report, verdict=verdict, config_sha256=config_sha256)
+                else:
+                    await self._audit.complete(
+                        reservation, report, verdict=verdict, config_sha256=config_sha256
+                    )
+                return RefreshResult(verdict, report)
             except OSError as exc:
-                log.error("refresh audit log %s not written: %s", self._audit.path, exc)
-        if scope.cancelled_caught:
-            log.error(
-                "refresh audit log %s not written within %gs", self._audit.path, COMMIT_GRACE_S
+                problem = exc.strerror or str(exc)
+        log.error("refresh audit log %s not written: %s", self._audit.path, problem)
+        if report.mode == "dry_run":
+            unaudited = RefreshError(
+                path="",
+                message=f"the refresh audit log {self._audit.path} cannot be written "
+                f"({problem}): an apply is refused until it can",
             )
+            errors = sorted([*report.errors, unaudited], key=error_order)
+            report = msgspec.structs.replace(report, errors=errors)
         return RefreshResult(verdict, report)
 
 
@@ -440,6 +523,13 @@ def _push_result(node_id: str, revision: int, ack: RefreshAck | None) -> NodeRes
             detail=ack.error or "the node refused the new config",
         )
     return NodeResult(id=node_id, status="applied", revision=ack.revision)
+
+
+def _interrupted(node_ids: list[str]) -> list[NodeResult]:
+    """Each push, as it stands before it is made (and if the Edge stops meanwhile)."""
+    return [
+        NodeResult(id=node_id, status="failed", detail="push interrupted") for node_id in node_ids
+    ]
 
 
 def _no_candidate() -> ConfigError:

@@ -18,7 +18,7 @@ Rules:
    Node says `retryable`; upstream 429/503 (`capacity`) are load signals, never health
    failures.
 3. The provider's verdict (a success, or a failure that counts toward its cooldown) is
-   recorded once, when the run's terminal event is read. Blame (SPEC §4.10): a failure
+   recorded once, when the run's terminal event is read. Blame (`core.blame`): a failure
    counts against a provider only when it is the provider's. Transport errors, timeouts,
    a broken stream, a misconfigured provider count at once. An upstream 4xx refusal is the
    request's: it is not retried and counts against nobody. An upstream 5xx is ambiguous
@@ -44,7 +44,11 @@ Rules:
    consumer may still be stuck on its socket, the Node cancels it, and the consumer's
    next read says `caller_too_slow`.
 6. What a run hears is caller-ready bytes (server-sent events the Node shaped) and then
-   one end; the Edge does not parse them (SPEC §3 revision 2).
+   one end; the Edge does not parse them (SPEC §3 revision 2). A stream asks the Node to
+   hold its last events back (`hold_tail`): a Messages or Responses stream's end then
+   carries them (`run_done.tail`), and the consumer writes them only after `end`, as it
+   writes chat's `[DONE]`, so a caller that hangs up the moment it reads them (Codex CLI
+   does) left a run already recorded as complete.
 7. A stopping Edge cuts every run still open when its grace period ends
    (`Dispatcher.cut_all`): the run ends at once as 503 `shutting_down` (metered with
    what it delivered), a `start()` in progress raises `RunFailure`, and the consumer's
@@ -83,7 +87,9 @@ from typing import Any, Final, Protocol
 import msgspec
 import trio
 
+from iop_edge.core.blame import Attempts, Next, Verdict, verdict
 from iop_edge.runtime.metering.metering import RunRecord
+from iop_edge.runtime.metering.tracing import RequestTrace
 from iop_edge.runtime.nodes.hub import NodeHub
 from iop_edge.runtime.nodes.session import NodeSession, RunEvent, SessionClosed
 from iop_edge.runtime.runs.limits import (
@@ -125,34 +131,11 @@ MAX_BUSY_REQUEUES: Final = 16
 
 _json_encode = msgspec.json.Encoder().encode
 
-# Failure codes that say something about the provider's health (count toward cooldown),
-# except an upstream 5xx, which is ambiguous (`_ambiguous`, Rule 3).
-_HEALTH_FAILURES: Final = frozenset(
-    {
-        wire.FailureCode.UPSTREAM_UNREACHABLE,
-        wire.FailureCode.UPSTREAM_TIMEOUT,
-        wire.FailureCode.UPSTREAM_ERROR,
-        wire.FailureCode.UPSTREAM_STREAM_ERROR,
-        wire.FailureCode.UPSTREAM_MISCONFIGURED,
-        wire.FailureCode.BAD_CHUNK,
-        wire.FailureCode.BAD_RESPONSE,
-    }
-)
 #: Failures that stop a run while its provider may still be working on it (Rule 4: its
 #: prompt was being read, so the estimate counts it even without output).
 _CUT_WHILE_WORKING: Final = frozenset(
     {wire.FailureCode.NODE_LOST, wire.FailureCode.CALLER_TOO_SLOW}
 )
-
-
-def _ambiguous(failure: wire.RunFailed) -> bool:
-    """An upstream 5xx error answer: the provider's fault or the request's (Rule 3)."""
-    return (
-        failure.code == wire.FailureCode.UPSTREAM_ERROR
-        and failure.status is not None
-        and failure.status >= 500
-        and not failure.capacity
-    )
 
 
 @dataclass(slots=True)
@@ -181,6 +164,13 @@ class RunPlan:
     keep_output: bool = False
     """The Edge stores the run's result: the Node returns the final response object in
     `run_done.response`, a stream's too."""
+    trace: RequestTrace | None = None
+    """The request's span when the Edge traces (`metering.tracing`): the run adds its
+    admission, failed attempts and failovers, and its record when it ends."""
+    traceparent: str = ""
+    tracestate: str = ""
+    """The W3C trace context the Node continues (`run.traceparent`): the request's span
+    when traced, else the caller's own context as it came."""
 
 
 @dataclass(slots=True)
@@ -537,6 +527,8 @@ class Run:
             self.usage = event.usage
             self.usage_source = event.usage_source or "provider"
         if isinstance(event, wire.RunDone):
+            if event.tail:
+                self.chunks += event.tail.count(b"\n\n")  # handed to the caller's side too
             if event.usage is None and not self.plan.stream:
                 # (a stream's `response`, kept for the Edge, repeats what the chunks said)
                 self._unmetered_response = event.response
@@ -578,26 +570,29 @@ class Run:
         usage, usage_source = self._metered_usage()
         if self.ticket is not None:
             self._dispatcher.settle(self.ticket, usage)
-        self._dispatcher.meter(
-            RunRecord(
-                run_id=plan.run_id,
-                request_id=plan.request_id or plan.run_id,
-                model=plan.model_id,
-                principal_ref=plan.principal_ref,
-                token_ref=plan.token_ref,
-                alias=plan.principal_alias,
-                provider=self._provider_id,
-                node=self.node_id,
-                status=outcome.status,
-                code=outcome.code,
-                usage=usage,
-                usage_source=usage_source,
-                latency_s=time.perf_counter() - plan.received_at,
-                ttft_s=None if first_event_at is None else first_event_at - plan.received_at,
-                queued_s=timings.queued_s if self._admitted else None,
-                protocol=plan.protocol,
-            )
+        record = RunRecord(
+            run_id=plan.run_id,
+            request_id=plan.request_id or plan.run_id,
+            model=plan.model_id,
+            principal_ref=plan.principal_ref,
+            token_ref=plan.token_ref,
+            alias=plan.principal_alias,
+            provider=self._provider_id,
+            node=self.node_id,
+            status=outcome.status,
+            code=outcome.code,
+            usage=usage,
+            usage_source=usage_source,
+            latency_s=time.perf_counter() - plan.received_at,
+            ttft_s=None if first_event_at is None else first_event_at - plan.received_at,
+            queued_s=timings.queued_s if self._admitted else None,
+            protocol=plan.protocol,
+            operation=plan.operation,
+            stream=plan.stream,
         )
+        if plan.trace is not None:
+            plan.trace.finished(record)
+        self._dispatcher.meter(record)
 
     def _metered_usage(self) -> tuple[wire.Usage | None, wire.UsageSource]:
         """What the run consumed (Rule 4): the Node's report, else the Edge's estimate."""
@@ -657,7 +652,7 @@ class Dispatcher:
         hub: NodeHub,
         *,
         meter: Callable[[RunRecord], None],
-        on_failover: Callable[[str, str], None],
+        on_failover: Callable[[str, str, str], None],
         on_busy_answer: Callable[[str, str], None],
         retries_before_first_byte: Callable[[], int],
         limits: PrincipalLimiter | None = None,
@@ -695,12 +690,13 @@ class Dispatcher:
         return len(runs)
 
     def note_failure(self, provider_id: str, failure: wire.RunFailed) -> None:
-        """Record what `failure` says about its provider (Rule 3; an ambiguous 5xx says
-        nothing on its own: `start` settles it once the request's fate is known)."""
-        if failure.capacity:
-            self.scheduler.record_capacity_signal(provider_id)
-        elif failure.code in _HEALTH_FAILURES and not _ambiguous(failure):
-            self.scheduler.record_failure(provider_id)
+        """Record what `failure` says about its provider (Rule 3, `core.blame`; a pending
+        5xx says nothing on its own: `start` settles it once the request's fate is known)."""
+        match verdict(failure):
+            case Verdict.CAPACITY:
+                self.scheduler.record_capacity_signal(provider_id)
+            case Verdict.HEALTH:
+                self.scheduler.record_failure(provider_id)
 
     def settle(self, ticket: Ticket, usage: wire.Usage | None) -> None:
         """A run ended: its rate-limit ticket is settled with what it was metered for."""
@@ -718,12 +714,9 @@ class Dispatcher:
                 prompt_tokens=plan.prompt_tokens,
                 max_output=output_bound(plan.operation, plan.body),
             )
-        retries = self._retries()
-        tried: set[str] = set()
+        attempts = Attempts(retries=self._retries(), max_busy=MAX_BUSY_REQUEUES)
         last_failure: RunFailure | None = None
-        ambiguous: list[RunFailure] = []  # upstream 5xx answers, blame pending (Rule 3)
-        failovers = 0
-        busy = 0
+        trace = plan.trace
         for attempt in itertools.count():
             wire_id = plan.run_id if attempt == 0 else f"{plan.run_id}.{attempt}"
             asked_at = time.perf_counter()
@@ -732,40 +725,54 @@ class Dispatcher:
                     plan.model_id,
                     wire_id,
                     long=plan.long,
-                    exclude=frozenset(tried),
+                    exclude=attempts.tried,
                     protocol=plan.protocol,
                     principal=plan.principal_ref,
                 )
             except AdmissionError as exc:
                 # A refusal after a wait (queue timeout) shows that wait as `queue`.
                 run.timings.queued_s += time.perf_counter() - asked_at
+                if trace is not None:
+                    trace.not_admitted(reason=exc.reason, kind=type(exc).__name__)
                 if isinstance(exc, NoProvider) and last_failure is not None:
                     raise last_failure from None
                 raise
             run.timings.queued_s += lease.queued_s
+            if trace is not None:
+                trace.admitted(
+                    queued_s=lease.queued_s,
+                    provider_id=lease.provider_id,
+                    node_id=lease.node_id,
+                    attempt=attempt,
+                )
             failure = await self._attempt(run, wire_id, lease)
             if failure is None:
                 # The request is fine: the 5xx answers it got elsewhere were the providers'.
-                for earlier in ambiguous:
-                    self.scheduler.record_failure(earlier.provider_id)
+                for provider_id in attempts.blamed():
+                    self.scheduler.record_failure(provider_id)
                 return
             last_failure = failure
-            if failure.failure.code == wire.FailureCode.BUSY:
+            reason = str(failure.failure.code)
+            if trace is not None:
+                trace.attempt_failed(
+                    provider_id=lease.provider_id,
+                    node_id=lease.node_id,
+                    code=reason,
+                    retryable=failure.failure.retryable,
+                    attempt=attempt,
+                )
+            if reason == wire.FailureCode.BUSY:
                 self._on_busy_answer(plan.model_id, lease.provider_id)
-                if busy < MAX_BUSY_REQUEUES:
-                    busy += 1
-                    continue  # Rule 7: full after all; wait for a slot like any request
-            tried.add(lease.provider_id)
-            if _ambiguous(failure.failure):
-                status = failure.failure.status
-                if any(earlier.failure.status == status for earlier in ambiguous):
-                    failure.request_fault = True  # the same answer twice: the request's fault
-                    break
-                ambiguous.append(failure)
-            if not failure.failure.retryable or failovers >= retries:
+            step = attempts.after(failure.failure, lease.provider_id)
+            if step == Next.REQUEUE:
+                continue  # Rule 8: full after all; wait for a slot like any request
+            if step == Next.GIVE_UP:
+                failure.request_fault = attempts.request_fault
                 break
-            failovers += 1  # another provider gets the run
-            self._on_failover(plan.model_id, lease.provider_id)
+            # Another provider gets it.
+            self._on_failover(plan.model_id, lease.provider_id, reason)
+            if trace is not None:
+                trace.failover(provider_id=lease.provider_id, reason=reason)
         assert last_failure is not None
         raise last_failure
 
@@ -807,6 +814,9 @@ class Dispatcher:
             long=lease.long,
             caller_headers=plan.caller_headers,
             keep_output=plan.keep_output,
+            hold_tail=plan.stream,
+            traceparent=plan.traceparent,
+            tracestate=plan.tracestate,
         )
         sent_at = time.perf_counter()
         try:

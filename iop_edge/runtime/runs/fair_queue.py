@@ -26,13 +26,18 @@ Rules:
 The queue knows nothing of slots or providers: the scheduler walks it (`walk`) and says,
 for each waiter it is offered, whether it was served (`served`), dropped (`remove`) or
 left waiting. The walk reflects those answers as it goes.
+
+Cost: the lanes sit in a heap by (tag, oldest waiter) that outlives walks, so a walk
+that grants one slot and then finds the next request must wait touches two lanes,
+however many principals wait (`O(log P)`); the scheduler ends a walk as soon as every
+kind of request waiting has been told to wait (`kinds`).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, KeysView
 from typing import Generic, Protocol, TypeVar
 
 __all__ = ["FairQueue", "FairWalk", "Queued"]
@@ -49,6 +54,12 @@ class Queued(Protocol):
         """Arrival order (unique, increasing): FIFO within a lane, ties between lanes."""
         ...
 
+    @property
+    def kind(self) -> Hashable:
+        """What the waiter asks for: waiters of one kind get one answer (they all wait,
+        or one is granted), so a walk that found every kind waiting can stop."""
+        ...
+
 
 W = TypeVar("W", bound=Queued)
 
@@ -56,7 +67,7 @@ W = TypeVar("W", bound=Queued)
 class FairQueue(Generic[W]):
     """Waiters of one model in per-principal FIFO lanes (see the module rules)."""
 
-    __slots__ = ("_lanes", "_size", "_tags", "_vtime")
+    __slots__ = ("_entry", "_heap", "_kinds", "_lanes", "_out", "_size", "_tags", "_vtime")
 
     def __init__(self) -> None:
         self._lanes: dict[str, deque[W]] = {}
@@ -64,6 +75,15 @@ class FairQueue(Generic[W]):
         self._tags: dict[str, float] = {}
         self._vtime = 0.0
         self._size = 0
+        self._kinds: dict[Hashable, int] = {}
+        """How many waiters of each kind wait here."""
+        self._heap: list[tuple[float, int, str]] = []
+        """(tag, oldest waiter's seq, principal) per lane; entries that no longer match
+        `_entry` are stale and skipped."""
+        self._entry: dict[str, tuple[float, int, str]] = {}
+        """Each lane's current heap entry."""
+        self._out: set[str] = set()
+        """Lanes a walk has taken out of the heap; it puts them back when it closes."""
 
     def __len__(self) -> int:
         return self._size
@@ -91,6 +111,10 @@ class FairQueue(Generic[W]):
         for principal, lane in self._lanes.items():
             yield principal, len(lane)
 
+    def kinds(self) -> KeysView[Hashable]:
+        """The kinds of request waiting here (see `Queued.kind`)."""
+        return self._kinds.keys()
+
     def tag(self, principal: str) -> float:
         """The principal's weighted service so far (Rule 1), for tests and diagnostics."""
         return self._tags.get(principal, self._vtime)
@@ -102,8 +126,13 @@ class FairQueue(Generic[W]):
         if lane is None:
             lane = self._lanes[principal] = deque()
             self._tags[principal] = max(self._tags.get(principal, 0.0), self._vtime)
-        lane.append(waiter)
+            lane.append(waiter)
+            self._place(principal)
+        else:
+            lane.append(waiter)
         self._size += 1
+        kind = waiter.kind
+        self._kinds[kind] = self._kinds.get(kind, 0) + 1
 
     def remove(self, waiter: W) -> None:
         """Take `waiter` out (served, refused, timed out, cancelled); absent is a no-op."""
@@ -111,18 +140,30 @@ class FairQueue(Generic[W]):
         lane = self._lanes.get(principal)
         if lane is None:
             return
+        was_oldest = lane[0] is waiter
         try:
             lane.remove(waiter)
         except ValueError:
             return
         self._size -= 1
+        kind = waiter.kind
+        left = self._kinds[kind] - 1
+        if left:
+            self._kinds[kind] = left
+        else:
+            del self._kinds[kind]
         if not lane:
             del self._lanes[principal]
+            self._entry.pop(principal, None)
             if self._tags.get(principal, 0.0) <= self._vtime:
                 self._tags.pop(principal, None)  # it would restart at vtime anyway
+        elif was_oldest:
+            self._place(principal)
         if not self._size:  # Rule 4
             self._tags.clear()
             self._vtime = 0.0
+            self._heap.clear()
+            self._entry.clear()
 
     def served(self, waiter: W, weight: float) -> None:
         """`waiter` got a slot: out of the queue, its principal charged (Rule 2)."""
@@ -131,10 +172,53 @@ class FairQueue(Generic[W]):
         self._vtime = max(self._vtime, start)
         self._tags[principal] = start + 1.0 / weight
         self.remove(waiter)
+        if principal in self._lanes:
+            self._place(principal)  # its tag moved
 
     def walk(self, eligible: Callable[[str], bool]) -> FairWalk[W]:
-        """The waiters in the order a freed slot should be offered to them (Rules 1, 5)."""
+        """The waiters in the order a freed slot should be offered to them (Rules 1, 5).
+        Close the walk (`with`) before the queue is walked again."""
         return FairWalk(self, eligible)
+
+    def _place(self, principal: str) -> None:
+        """(Re)enter a lane in the heap at its current tag and oldest waiter."""
+        if principal in self._out:
+            return  # a walk holds it: it puts it back when it closes
+        entry = (self._tags[principal], self._lanes[principal][0].seq, principal)
+        self._entry[principal] = entry
+        heap = self._heap
+        heapq.heappush(heap, entry)
+        if len(heap) > 2 * len(self._lanes) + 64:  # mostly stale: rebuild
+            self._heap = list(self._entry.values())
+            heapq.heapify(self._heap)
+
+    def _take_next(self) -> str | None:
+        """Take the lane at the top of the heap out of it (for a walk), or None."""
+        heap, entries = self._heap, self._entry
+        while heap:
+            entry = heapq.heappop(heap)
+            principal = entry[2]
+            if entries.get(principal) == entry:
+                del entries[principal]
+                self._out.add(principal)
+                return principal
+        return None
+
+    def _peek_key(self) -> tuple[float, int] | None:
+        """(tag, seq) of the lane at the top of the heap, stale entries dropped."""
+        heap, entries = self._heap, self._entry
+        while heap:
+            entry = heap[0]
+            if entries.get(entry[2]) == entry:
+                return entry[0], entry[1]
+            heapq.heappop(heap)
+        return None
+
+    def _put_back(self, principals: Iterable[str]) -> None:
+        for principal in principals:
+            self._out.discard(principal)
+            if principal in self._lanes:
+                self._place(principal)
 
 
 class FairWalk(Generic[W]):
@@ -145,49 +229,71 @@ class FairWalk(Generic[W]):
     the queue (`served`, `remove`, or nothing: it keeps waiting) decides what comes
     next. Each waiter is offered at most once per walk, and never while its principal is
     ineligible (eligibility is asked again at every `peek()`: a grant elsewhere may have
-    taken the principal to its limit)."""
+    taken the principal to its limit). Lanes the walk visits leave the queue's heap for
+    the walk's own and go back when it closes (`close`, or `with`)."""
 
-    __slots__ = ("_current", "_eligible", "_heap", "_queue")
+    __slots__ = ("_current", "_eligible", "_local", "_taken", "queue")
 
     def __init__(self, queue: FairQueue[W], eligible: Callable[[str], bool]) -> None:
-        self._queue = queue
+        self.queue = queue
         self._eligible = eligible
-        self._heap: list[tuple[float, int, str, int]] = [
-            (queue.tag(principal), lane[0].seq, principal, 0)
-            for principal, lane in queue._lanes.items()
-        ]
-        heapq.heapify(self._heap)
+        self._local: list[tuple[float, int, str, int]] = []
+        """(tag, seq of the next waiter to offer, principal, its position) per visited lane."""
+        self._taken: list[str] = []
         self._current: tuple[str, int, W] | None = None
-        """The lane, position and waiter at the top of the heap, once `peek()` found it."""
+        """The lane, position and waiter at the top of `_local`, once `peek()` found it."""
+
+    def __enter__(self) -> FairWalk[W]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Put the visited lanes back in the queue's heap; the walk is over."""
+        taken, self._taken = self._taken, []
+        self._local.clear()
+        self._current = None
+        self.queue._put_back(taken)
 
     def peek(self) -> W | None:
-        heap = self._heap
-        lanes = self._queue._lanes
-        while heap:
-            _tag, _seq, principal, position = heap[0]
+        queue = self.queue
+        local = self._local
+        lanes = queue._lanes
+        while True:
+            top = queue._peek_key()
+            if top is not None and (not local or top < (local[0][0], local[0][1])):
+                principal = queue._take_next()
+                assert principal is not None
+                self._taken.append(principal)
+                oldest = lanes[principal][0]
+                heapq.heappush(local, (queue.tag(principal), oldest.seq, principal, 0))
+                continue
+            if not local:
+                self._current = None
+                return None
+            _tag, _seq, principal, position = local[0]
             lane = lanes.get(principal)
             if lane is None or position >= len(lane) or not self._eligible(principal):
-                heapq.heappop(heap)  # nothing more to offer from this lane in this walk
+                heapq.heappop(local)  # nothing more to offer from this lane in this walk
                 self._current = None
                 continue
             waiter = lane[position]
             self._current = (principal, position, waiter)
             return waiter
-        self._current = None
-        return None
 
     def advance(self) -> None:
         """The waiter `peek()` named has had its answer: move past it (its lane goes back
-        in the heap at its new tag, with its next waiter when it was left waiting)."""
+        in the walk's heap at its new tag, with its next waiter when it was left waiting)."""
         current, self._current = self._current, None
         if current is None:
             return
         principal, position, waiter = current
-        queue = self._queue
+        queue = self.queue
         lane = queue._lanes.get(principal)
         if lane is not None and position < len(lane) and lane[position] is waiter:
             position += 1  # left waiting: offer the lane's next one (no head-of-line block)
-        heapq.heappop(self._heap)
+        heapq.heappop(self._local)
         if lane is not None and position < len(lane):
             entry = (queue.tag(principal), lane[position].seq, principal, position)
-            heapq.heappush(self._heap, entry)
+            heapq.heappush(self._local, entry)

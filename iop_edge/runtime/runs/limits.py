@@ -387,19 +387,30 @@ class PrincipalLimiter:
     ) -> None:
         """Keep the day's usage current (Rule 3). Owned by the Edge's nursery; reads the
         ledger once before it reports started, so the Edge serves no request before it
-        knows today's usage."""
-        await self.read_ledger(ledger)
+        knows today's usage. A ledger it cannot read does not stop the Edge: it says so
+        and tries again every `BUDGET_SYNC_S` (budgets meanwhile count this Edge's runs)."""
+        read = await self._try_read(ledger)
         task_status.started()
         while True:
             wall = self._wall()
             wait = next_utc_day(wall) - wall
-            if shared():
+            if shared() or not read:
                 wait = min(wait, BUDGET_SYNC_S)
             await trio.sleep(wait)
-            try:
-                await self.read_ledger(ledger)
-            except Exception as exc:  # an unreachable ledger must not take the Edge down
-                log.warning("principal budgets: cannot read today's usage: %s", exc)
+            read = await self._try_read(ledger)
+
+    async def _try_read(self, ledger: UsageTotals) -> bool:
+        try:
+            await self.read_ledger(ledger)
+        except Exception as exc:  # an unreachable ledger must not take the Edge down
+            log.error(
+                "principal budgets: cannot read today's usage from the ledger (%s); "
+                "retrying in %gs",
+                exc,
+                BUDGET_SYNC_S,
+            )
+            return False
+        return True
 
     # --- observation ----------------------------------------------------------------
 

@@ -61,22 +61,22 @@ How the pieces fit:
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
 
 import trio
 
+from iop_edge.core.catalog_view import catalog_provider
 from iop_edge.core.pool import Decision, Grant, PassiveHealth, ProviderView, Refuse, Wait, decide
 from iop_edge.core.principals import ANONYMOUS_PRINCIPAL, concurrency_share
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.runtime.runs.fair_queue import FairQueue
-from schemas.catalog import Catalog, CatalogLifecycle, CatalogModel, CatalogProvider
+from iop_edge.runtime.runs.fair_queue import FairQueue, FairWalk
+from schemas.catalog import Catalog, CatalogModel, CatalogProvider
 from schemas.config import LifecycleFlag, ProviderConfig
 from schemas.protocols import CallerProtocol
 from schemas.wire import Health
@@ -323,6 +323,7 @@ class _Waiter:
         "error",
         "event",
         "exclude",
+        "kind",
         "lease",
         "long",
         "model_id",
@@ -355,6 +356,8 @@ class _Waiter:
         self.long = long
         self.exclude = exclude
         self.protocol = protocol
+        self.kind = (model_id, long, exclude, protocol)
+        """What it asks for: the same kind gets the same answer until the pool changes."""
         self.enqueued_at = enqueued_at
         self.timeout_s = timeout_s
         self.event = trio.Event()
@@ -798,9 +801,11 @@ class Scheduler:
         listed first in the config gets no head start. Every waiter is settled if it can
         be: granted a slot, refused with `NoProvider`, or left in place (`Wait`) without
         holding up the waiters behind it. Waiters asking the same thing (same model, same
-        `long`, same `exclude`, same protocol) get the same answer until a grant changes
-        the pool, so a long queue costs one decision per kind of request, not one per
-        waiter. Every caller has just changed something, so observers are notified here.
+        `long`, same `exclude`, same protocol: their `kind`) get the same answer until a
+        grant changes the pool, and a queue is left as soon as every kind waiting in it
+        was told to wait, so a long queue costs a decision or two per kind of request,
+        not one per waiter. Every caller has just changed something, so observers are
+        notified here.
         """
         self._notify_changed()
         walks = [
@@ -808,18 +813,30 @@ class Scheduler:
             for model_id in dict.fromkeys(model_ids)
             if (queue := self._queues.get(model_id)) and model_id in self._snapshot.models
         ]
-        answers: dict[tuple[str, bool, frozenset[str], CallerProtocol], Decision] = {}
-        while walks:
-            walk, waiter = walks[0], walks[0].peek()
-            if len(walks) > 1:
-                for other in walks[1:]:
-                    candidate = other.peek()
-                    if candidate is not None and (waiter is None or candidate.seq < waiter.seq):
-                        walk, waiter = other, candidate
-            if waiter is None:
+        try:
+            self._walk(walks)
+        finally:
+            for walk in walks:
+                walk.close()
+
+    def _walk(self, walks: list[FairWalk[_Waiter]]) -> None:
+        """`_serve`'s walk over the queues of one set of models (see there)."""
+        answers: dict[Hashable, Decision] = {}
+        waiting: set[Hashable] = set()
+        """The kinds answered `Wait` since the pool last changed: a queue whose every kind
+        is among them has nothing more to grant in this walk."""
+        while True:
+            walk = waiter = None
+            for candidate_walk in walks:
+                if waiting and candidate_walk.queue.kinds() <= waiting:
+                    continue
+                candidate = candidate_walk.peek()
+                if candidate is not None and (waiter is None or candidate.seq < waiter.seq):
+                    walk, waiter = candidate_walk, candidate
+            if walk is None or waiter is None:
                 return
             model_id = waiter.model_id
-            key = (model_id, waiter.long, waiter.exclude, waiter.protocol)
+            key = waiter.kind
             answer = answers.get(key)
             if answer is None:
                 answer = answers[key] = self._decide(
@@ -828,6 +845,7 @@ class Scheduler:
             match answer:
                 case Grant(provider=view):
                     answers.clear()  # the pool changed
+                    waiting.clear()
                     principal = waiter.principal
                     self._queues[model_id].served(waiter, self._weight(principal))
                     queued_s = self._clock() - waiter.enqueued_at
@@ -844,7 +862,7 @@ class Scheduler:
                     self._queues[model_id].remove(waiter)
                     self._settle(waiter, error=NoProvider(reason, retry_after_s=retry_after_s))
                 case Wait():
-                    pass
+                    waiting.add(key)
             walk.advance()
 
     def _may_run(self, principal: str) -> bool:
@@ -932,12 +950,10 @@ class Scheduler:
     def _catalog_provider(
         self, state: _ProviderState, now: float, *, waiting: bool
     ) -> CatalogProvider:
-        """One provider's record. Its lists are the config's and the state's own (both are
-        replaced, never changed in place): a catalog of thousands of providers allocates
-        one untracked record per provider, and nothing for the cycle collector to chase."""
-        config = state.config
-        connected = state.node_id in self._connected
-        in_flight = state.in_flight
+        """One provider's record (`core.catalog_view`) from its state. Its lists are the
+        config's and the state's own (both are replaced, never changed in place): a
+        catalog of thousands of providers allocates one untracked record per provider,
+        and nothing for the cycle collector to chase."""
         queued = 0
         if waiting:
             queued = sum(
@@ -945,64 +961,19 @@ class Scheduler:
                 for model_id in self._models_of.get(state.id, ())
                 for waiter in self._queues.get(model_id, ())
             )
-        cooling_down = state.passive.breaker(now=now, probing=state.trial is not None) == "open"
-        return CatalogProvider(
-            id=state.id,
+        return catalog_provider(
+            state.config,
             node_id=state.node_id,
-            type=config.type,
-            category=config.effective_category,
-            enabled=config.enabled,
-            connected=connected,
-            health=state.health if connected else "unavailable",
-            health_reason=_health_reason(state, connected=connected, cooling_down=cooling_down),
-            capacity=config.capacity,
-            in_flight=in_flight,
-            load_ratio=in_flight / config.capacity if config.capacity > 0 else None,
-            long_context_slots=config.long_context_slots,
+            connected=state.node_id in self._connected,
+            health=state.health,
+            detail=state.detail,
+            in_flight=state.in_flight,
             long_in_flight=state.long_in_flight,
             other_edges_in_flight=state.others,
-            models=config.models,
             discovered_models=state.discovered,
+            discovered_lifecycle=state.discovered_lifecycle,
             queued=queued,
-            priority=config.priority,
-            lifecycle=_catalog_lifecycle(config.lifecycle),
-            discovered_lifecycle=(
-                None
-                if state.discovered_lifecycle is None or not connected
-                else _catalog_lifecycle(state.discovered_lifecycle)
-            ),
-            cooling_down=cooling_down,
+            cooling_down=state.passive.breaker(now=now, probing=state.trial is not None) == "open",
             consecutive_failures=state.passive.consecutive_failures,
             protocols=state.protocols,
         )
-
-
-def _health_reason(state: _ProviderState, *, connected: bool, cooling_down: bool) -> str | None:
-    """Why the provider is not fully in the pool (SPEC §12), or None when it is."""
-    if not connected:
-        return "node disconnected"
-    if cooling_down:
-        return f"cooling down after {state.passive.consecutive_failures} consecutive failures"
-    if not state.config.enabled:
-        return "disabled in config"
-    if state.health == "available":
-        return None
-    if state.health == "unknown":
-        return state.detail or "waiting for the node's first health report"
-    return state.detail or state.health
-
-
-def _catalog_lifecycle(flags: Iterable[LifecycleFlag]) -> CatalogLifecycle:
-    return _lifecycle_of(frozenset(flags))
-
-
-@functools.cache
-def _lifecycle_of(present: frozenset[LifecycleFlag]) -> CatalogLifecycle:
-    """One shared (frozen) record per set of flags."""
-    return CatalogLifecycle(
-        list_models="list_models" in present,
-        load_model="load_model" in present,
-        unload_model="unload_model" in present,
-        pull_model="pull_model" in present,
-        delete_model="delete_model" in present,
-    )

@@ -1,0 +1,165 @@
+"""`python -m bench --fair-share`: the scheduler sharing a saturated model between principals.
+
+In process, no sockets: what is measured is the Edge's scheduler (`runtime.runs`), the
+part fair queueing changes.
+
+- *cost*: CPU per admitted request while a capacity-8 model is saturated by 1, 100 and
+  10,000 principals (at least 200 requests waiting, one per principal at 10,000), each
+  request taking its slot and giving it back at once. It includes Trio's task switches
+  (a waiter wakes for each grant), so it is an upper bound on the scheduler's share.
+- *fairness*, on virtual time (Trio's `MockClock`), every run holding its slot for one
+  run time, as the sim provider's fixed run time would: how long one request of a
+  second principal waits behind a flood of 200 from the first on a capacity-2 model,
+  in run times; and how weights 3:1 split the served runs under steady load.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Final
+
+import trio
+from rich.table import Table
+from trio.testing import MockClock
+
+from iop_edge.core.snapshot import Snapshot
+from iop_edge.runtime.runs.scheduler import Scheduler
+from schemas.config import (
+    DispatchSection,
+    EdgeConfig,
+    ModelEntry,
+    NodeEntry,
+    PrincipalLimits,
+    ProviderConfig,
+)
+
+__all__ = ["FairShareResult", "render_fair_share", "run_fair_share"]
+
+PRINCIPAL_COUNTS: Final = (1, 100, 10_000)
+_GRANTS: Final = 20_000
+_RUN_S: Final = 1.0
+
+
+def _pool(capacity: int, principals: list[PrincipalLimits] | None = None) -> Scheduler:
+    digest = "0" * 64
+    config = EdgeConfig(
+        dispatch=DispatchSection(max_queue=1_000_000, queue_timeout_ms=86_400_000),
+        models=[ModelEntry(id="m", providers={"p": "served"})],
+        nodes=[
+            NodeEntry(
+                id="n",
+                token_hash_sha256=digest,
+                providers=[
+                    ProviderConfig(id="p", type="sim", models=["served"], capacity=capacity)
+                ],
+            )
+        ],
+        principals=principals or [],
+    )
+    scheduler = Scheduler(Snapshot.build(config, revision=1, config_sha256=digest))
+    scheduler.node_connected("n")
+    scheduler.provider_status("p", "available", ["served"])
+    return scheduler
+
+
+async def _cost_us(principals: int) -> float:
+    """CPU microseconds per admitted request with `principals` waiting principals."""
+    scheduler = _pool(capacity=8)
+    admitted = 0
+
+    async def caller(principal: str) -> None:
+        nonlocal admitted
+        while admitted < _GRANTS:
+            lease = await scheduler.acquire("m", "r", long=False, principal=principal)
+            admitted += 1
+            await trio.lowlevel.checkpoint()
+            lease.release()
+
+    started = time.process_time()
+    async with trio.open_nursery() as nursery:
+        for index in range(max(200, principals)):
+            nursery.start_soon(caller, f"p{index % principals}")
+    return (time.process_time() - started) / admitted * 1e6
+
+
+async def _flood_wait_runs() -> float:
+    """Run times a second principal's one request waits behind a flood of 200."""
+    scheduler = _pool(capacity=2)
+    waited: list[float] = []
+
+    async def one(principal: str) -> None:
+        asked = trio.current_time()
+        with await scheduler.acquire("m", "r", long=False, principal=principal):
+            if principal == "person":
+                waited.append(trio.current_time() - asked)
+            await trio.sleep(_RUN_S)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(200):
+            nursery.start_soon(one, "batch")
+        await trio.sleep(_RUN_S * 3.5)
+        nursery.start_soon(one, "person")
+        await trio.sleep(_RUN_S * 3)
+        nursery.cancel_scope.cancel()
+    return waited[0] / _RUN_S
+
+
+async def _weighted_split() -> tuple[int, int]:
+    """Runs served to principals of weight 3 and 1, both always waiting."""
+    weights = [PrincipalLimits(ref="heavy", weight=3), PrincipalLimits(ref="light", weight=1)]
+    scheduler = _pool(capacity=2, principals=weights)
+    served = {"heavy": 0, "light": 0}
+
+    async def worker(principal: str) -> None:
+        while True:
+            with await scheduler.acquire("m", "r", long=False, principal=principal):
+                served[principal] += 1
+                await trio.sleep(_RUN_S)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(20):
+            nursery.start_soon(worker, "heavy")
+            nursery.start_soon(worker, "light")
+        await trio.sleep(_RUN_S * 20)  # both lanes fill
+        before = dict(served)
+        await trio.sleep(_RUN_S * 200)
+        nursery.cancel_scope.cancel()
+    return served["heavy"] - before["heavy"], served["light"] - before["light"]
+
+
+@dataclass(frozen=True, slots=True)
+class FairShareResult:
+    cost_us: dict[int, float]
+    """Principals -> CPU microseconds per admitted request."""
+    flood_wait_runs: float
+    heavy: int
+    light: int
+
+
+def run_fair_share() -> FairShareResult:
+    cost = {count: trio.run(_cost_us, count) for count in PRINCIPAL_COUNTS}
+    flood = trio.run(_flood_wait_runs, clock=MockClock(autojump_threshold=0))
+    heavy, light = trio.run(_weighted_split, clock=MockClock(autojump_threshold=0))
+    return FairShareResult(cost_us=cost, flood_wait_runs=flood, heavy=heavy, light=light)
+
+
+def render_fair_share(result: FairShareResult) -> Table:
+    table = Table(title="Fair sharing of a saturated model (in process)", title_justify="left")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_column("target", justify="right")
+    for count, micros in result.cost_us.items():
+        table.add_row(f"CPU per admitted request, {count:,} principal(s)", f"{micros:.0f} µs", "")
+    table.add_row(
+        "one request behind a flood of 200 (capacity 2)",
+        f"{result.flood_wait_runs:.2f} run times",
+        "≤ about 1",
+    )
+    ratio = result.heavy / result.light if result.light else float("inf")
+    table.add_row(
+        "weights 3:1 under steady load",
+        f"{result.heavy}:{result.light} = {ratio:.2f}",
+        "3 ± 10 %",
+    )
+    return table

@@ -1,0 +1,51 @@
+"""What a valid config already proved about its node entries, so the next one re-checks
+only the entries that changed.
+
+A refresh of a fleet's config usually changes a few Nodes of thousands. Most of the
+checks on a node entry depend on that entry alone: its shape against `NodeEntry`, its
+providers' adapter settings and slot counts, the demo-token rule (which also reads
+whether `edge.listen` is a loopback address), and the Structs built from it. Those
+results are kept per entry, keyed by the entry's raw data, and reused while the raw
+data is the same.
+
+Rules:
+1. An entry is the same when its raw data pickles to the same bytes: type for type
+   (`1`, `1.0` and `true` differ, unlike with `==`) and key order for key order. Equal
+   data may pickle differently (shared strings); such an entry is merely checked again.
+2. A proof holds for configs whose `edge.listen` is as loopback as the proving one's.
+3. What spans entries is never taken from a proof: unique node and provider ids, the
+   models' references to providers, the legacy routes. Those checks run on every config.
+4. A proof is the last valid config's, whole: the entries of a config before it are
+   not kept, so a proof costs one key and one Struct per Node of the running fleet.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from schemas.config import NodeEntry
+
+__all__ = ["ConfigProof", "entry_key"]
+
+
+def entry_key(raw_entry: object) -> bytes:
+    """The identity of one raw node entry (Rule 1)."""
+    return pickle.dumps(raw_entry, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigProof:
+    """The node entries a valid config proved, by `entry_key` of their raw data."""
+
+    edge_loopback: bool
+    """Whether `edge.listen` was a loopback address (Rule 2)."""
+    entries: Mapping[bytes, NodeEntry] = field(default_factory=dict)
+    """Each entry's Structs, as the config that proved it built them."""
+
+    def entry(self, key: bytes, *, edge_loopback: bool) -> NodeEntry | None:
+        """The proven entry for raw data `key`, or None when it must be checked."""
+        if edge_loopback != self.edge_loopback:
+            return None
+        return self.entries.get(key)

@@ -1,0 +1,177 @@
+"""`schemas.channel`, the websocket channel both processes run their sessions on, rule by
+rule, on a real loopback websocket (the Edge's and the Node's sessions on it are pinned
+in tests/unit/test_session_heartbeat.py, tests/node/test_link.py and the e2e tests)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import cast
+
+import pytest
+import trio
+from trio.testing import MockClock, wait_all_tasks_blocked
+from trio_websocket import (
+    ConnectionClosed,
+    WebSocketConnection,
+    WebSocketRequest,
+    open_websocket_url,
+    serve_websocket,
+)
+
+from schemas import wire
+from schemas.channel import (
+    NORMAL_CLOSURE,
+    OUTBOX_SIZE,
+    POLICY_VIOLATION,
+    PROTOCOL_ERROR,
+    Channel,
+    ChannelClosed,
+    MalformedFrame,
+    close_code_for,
+    close_reason,
+)
+from tests.timing import GUARD_S
+
+
+def _one_frame_each(first: bytes, take: Callable[[], bytes | None]) -> Iterable[bytes]:
+    return (first,)
+
+
+@asynccontextmanager
+async def _pair(
+    nursery: trio.Nursery,
+) -> AsyncIterator[tuple[WebSocketConnection, WebSocketConnection]]:
+    """A server-side and a client-side websocket, connected over loopback."""
+    accepted: trio.MemorySendChannel[WebSocketConnection]
+    accepted, taken = trio.open_memory_channel[WebSocketConnection](1)
+
+    async def handler(request: WebSocketRequest) -> None:
+        await accepted.send(await request.accept())
+        await trio.sleep_forever()  # the connection lives as long as the test needs it
+
+    server = await nursery.start(partial(serve_websocket, handler, "127.0.0.1", 0, None))
+    async with open_websocket_url(f"ws://127.0.0.1:{server.port}/") as client:
+        yield await taken.receive(), client
+
+
+async def _closed(client: WebSocketConnection) -> ConnectionClosed:
+    with pytest.raises(ConnectionClosed) as closed:
+        while True:
+            await client.get_message()
+    return closed.value
+
+
+async def test_a_reject_leaves_after_what_was_queued_then_the_close(nursery: trio.Nursery) -> None:
+    async with _pair(nursery) as (server, client):
+        channel = Channel[bytes, wire.NodeToEdge](
+            server, decode=wire.decode_from_node, pack=_one_frame_each
+        )
+        channel.send_nowait(b"first")
+        await channel.send(b"second")
+        channel.reject("protocol_error", "no hello twice")
+        with pytest.raises(ChannelClosed):
+            channel.send_nowait(b"too late")
+        with trio.fail_after(GUARD_S):
+            nursery.start_soon(channel.write)
+            assert await client.get_message() == b"first"
+            assert await client.get_message() == b"second"
+            reject = wire.decode_from_edge(await client.get_message())
+            assert reject == wire.Reject(code="protocol_error", reason="no hello twice")
+            closed = await _closed(client)
+    assert closed.reason is not None and closed.reason.code == PROTOCOL_ERROR
+
+
+async def test_a_frame_that_does_not_decode_is_rejected_and_the_reader_told(
+    nursery: trio.Nursery,
+) -> None:
+    async with _pair(nursery) as (server, client):
+        channel = Channel[bytes, wire.NodeToEdge](
+            server, decode=wire.decode_from_node, pack=_one_frame_each
+        )
+        nursery.start_soon(channel.write)
+        await client.send_message(b"\xc1 not msgpack")
+        with trio.fail_after(GUARD_S):
+            with pytest.raises(MalformedFrame):
+                await channel.receive()
+            reject = wire.decode_from_edge(await client.get_message())
+            closed = await _closed(client)
+    assert isinstance(reject, wire.Reject) and reject.code == "bad_frame"
+    assert closed.reason is not None and closed.reason.code == PROTOCOL_ERROR
+    assert channel.closing
+
+
+async def test_a_producer_waits_while_the_outbox_is_full(nursery: trio.Nursery) -> None:
+    async with _pair(nursery) as (server, client):
+        channel = Channel[bytes, wire.NodeToEdge](
+            server, decode=wire.decode_from_node, pack=_one_frame_each
+        )
+        for _ in range(OUTBOX_SIZE):
+            channel.send_nowait(b"x")
+        with pytest.raises(trio.WouldBlock):
+            channel.send_nowait(b"x")
+        sent = trio.Event()
+
+        async def produce() -> None:
+            await channel.send(b"x")
+            sent.set()
+
+        nursery.start_soon(produce)
+        await wait_all_tasks_blocked()
+        assert not sent.is_set() and channel.outbox_used == OUTBOX_SIZE
+        with trio.fail_after(GUARD_S):
+            async with trio.open_nursery() as writing:
+                writing.start_soon(channel.write)  # the writer makes room
+                await sent.wait()
+                channel.close()  # the writer flushes, sends the Close, returns
+                closed = await _closed(client)  # the peer reads it all, then the Close
+    assert closed.reason is not None and closed.reason.code == NORMAL_CLOSURE
+
+
+class _SilentPeer:
+    """A websocket whose peer answers the first `answers` pings and then none."""
+
+    def __init__(self, answers: int) -> None:
+        self.answers = answers
+        self.pings = 0
+
+    async def ping(self) -> None:
+        self.pings += 1
+        if self.pings > self.answers:
+            await trio.sleep_forever()
+
+
+async def test_the_heartbeat_returns_when_a_ping_goes_unanswered(autojump_clock: MockClock) -> None:
+    peer = _SilentPeer(answers=2)
+    channel = Channel[bytes, wire.NodeToEdge](
+        cast(WebSocketConnection, peer), decode=wire.decode_from_node, pack=_one_frame_each
+    )
+    answered: list[float] = []
+    await channel.heartbeat(
+        partial(trio.sleep, 5.0), 15.0, lambda: answered.append(trio.current_time())
+    )
+    assert answered == [5.0, 10.0]
+    assert trio.current_time() == 15.0 + 15.0  # the third ping, then its whole timeout
+
+
+@pytest.mark.parametrize(
+    ("reject_code", "close_code"),
+    [
+        ("bad_frame", PROTOCOL_ERROR),
+        ("protocol_error", PROTOCOL_ERROR),
+        ("protocol_version", PROTOCOL_ERROR),
+        ("bad_token", POLICY_VIOLATION),
+        ("unknown_node", POLICY_VIOLATION),
+        ("handshake_timeout", POLICY_VIOLATION),
+        (wire.NODE_REPLACED, POLICY_VIOLATION),
+    ],
+)
+def test_the_close_code_follows_the_reject(reject_code: str, close_code: int) -> None:
+    assert close_code_for(reject_code) == close_code
+
+
+def test_a_close_reason_fits_its_frame_and_never_splits_a_character() -> None:
+    reason = close_reason("é" * 100)  # 200 bytes of UTF-8
+    assert len(reason.encode()) <= 123
+    assert reason == "é" * 60
