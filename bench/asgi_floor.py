@@ -6,7 +6,7 @@ gateway relaying a stream sends them). No routing, no Node, no upstream call. It
 served by one of:
 
 - `--server hypercorn` (`Hypercorn` in the tables): stock `hypercorn.trio.serve`,
-  configured as the Edge configures its OpenAI listener. The floor the issue's c=1 goals
+  configured as the Edge configures its OpenAI listener. The floor the c=1 latency goals
   are stated against.
 - `--server edge` (`Edge HTTP`): exactly as the Edge serves that listener,
   `iop_edge.http.server.HttpServer` on a socket bound the same way, so with the Edge's

@@ -13,7 +13,7 @@ The default shape, 100 streams x 10 tokens/s (1,000 chunks/s), is sized to the 2
 development machine shared with other work: the direct path alone (the paced upstream
 and these callers, both Python) costs ~0.2-0.3 ms of CPU per chunk, so 200 x 25
 (5,000 chunks/s) saturates the machine before any gateway is in the path, and a gateway
-meeting the issue's goals (Edge ~0.3 ms per chunk, plus its Node) still fits beside the
+meeting the performance goals (Edge ~0.3 ms per chunk, plus its Node) still fits beside the
 generator at 1,000 chunks/s. `--streams` and `--tokens-per-second` change it.
 
 Per target, after a warm-up round and a ramp (one stream length to open them all, one

@@ -140,10 +140,12 @@ async def start_gateway(
     *,
     capacity: int = CAPACITY,
     extra_models: Sequence[Mapping[str, Any]] = (),
+    env: Mapping[str, str] | None = None,
 ) -> Gateway:
     """Start the Edge, then the Node; return once the models are servable.
 
-    `workdir` gets the config and the Edge's state. The caller owns the deadline
+    `workdir` gets the config and the Edge's state; `env` is added to both processes'
+    environment (the tracing bench's `OTEL_*` variables). The caller owns the deadline
     (startup takes about a second)."""
     token = secrets.token_urlsafe(24)
     await trio.Path(workdir).mkdir(parents=True, exist_ok=True)
@@ -161,11 +163,14 @@ async def start_gateway(
         "iop-edge",
         python_argv("iop_edge", "serve", "--config", str(config_path), "--log-level", "INFO"),
         EdgeLog(),
+        env=env,
     )
     # The Node runs with its default logging (`info`), as an operator runs it: it logs
     # nothing per run (httpx2's per-request line is silenced by `iop-node` itself).
     node_argv = python_argv("iop_node", "run", "--edge", edge.ready.node, "--node-id", NODE_ID)
-    node = await spawn_service(nursery, "iop-node", node_argv, env={"IOP_NODE_TOKEN": token})
+    node = await spawn_service(
+        nursery, "iop-node", node_argv, env={**(env or {}), "IOP_NODE_TOKEN": token}
+    )
     await wait_servable(edge.ready.admin)
     return Gateway(edge=edge, node=node)
 

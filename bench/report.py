@@ -1,4 +1,4 @@
-"""The bench's report: the machine, one table per measured part, and the issue's targets.
+"""The bench's report: the machine, one table per measured part, and the performance targets.
 
 Everything here is pure: `render` turns a `BenchResult` into rich renderables and
 `to_json` into a document for tooling. What the columns mean:
@@ -9,7 +9,7 @@ router for a peer): on a machine whose cores are all busy it is what bounds thro
 The `Hypercorn` and `Edge HTTP` rows are the floors (`bench.asgi_floor`): stock Hypercorn,
 and the Edge's own HTTP server (Hypercorn with the Edge's connection handler), answering
 by themselves; the second is the floor under IOP's numbers, the first the one the
-issue's c=1 goals name. `+p50` is the median latency a target adds over calling
+c=1 latency goals name. `+p50` is the median latency a target adds over calling
 the upstream directly (for a stream, time to the last byte); `vs direct` is its
 throughput as a share of the direct one; `IOP/LiteLLM` is IOP's throughput over
 LiteLLM's.
@@ -339,7 +339,7 @@ def many_nodes_table(result: BenchResult) -> Table:
 
 
 def targets_table(checks: Sequence[TargetCheck]) -> Table:
-    table = Table(title="Targets from the issue (reported, not asserted)")
+    table = Table(title="Performance targets (reported, not asserted)")
     table.add_column("goal")
     table.add_column("measured", justify="right")
     table.add_column("verdict", justify="center")

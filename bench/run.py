@@ -20,9 +20,10 @@ own processes so no part's servers weigh on another's:
   prompt prefix cache, with Claude Code's attribution block removed and kept
   (`bench.agent_cache`).
 
-It prints the tables and the issue's targets as PASS/MISS, stops every child and exits 0.
+It prints the tables and the performance targets as PASS/MISS, stops every child and exits 0.
 `--replicas [ROUNDS]` measures one Edge against two replicas sharing the caller port
-(`bench.replicas`) instead.
+(`bench.replicas`) instead; `--tracing [ROUNDS]` the CPU per request of OpenTelemetry
+traces, off against on at 100 % sampling (`bench.tracing`).
 
     python -m bench [--parts closed,fleet,nodes,agent-cache]
                     [--duration S | --requests N] [--concurrency 1,32] [--warmup N] [--turns 2]
@@ -35,6 +36,7 @@ It prints the tables and the issue's targets as PASS/MISS, stops every child and
                     [--agent-turns 6] [--prefill-us-per-token 200]
                     [--json FILE] [--profile DIR [--profile-format flamegraph|speedscope|raw]]
     python -m bench --replicas [ROUNDS] [--duration S] [--concurrency 32]
+    python -m bench --tracing [ROUNDS] [--duration S] [--concurrency 32]
 
 `--profile DIR` attaches `py-spy record` (when on PATH; it is not a dependency) to the
 Edge and the Node while the closed-loop scenarios run and writes `edge.*` and `node.*`
@@ -692,6 +694,17 @@ def build_parser() -> argparse.ArgumentParser:
         "the highest --concurrency, measured in turns ROUNDS times (2; bench/replicas.py)",
     )
     parser.add_argument(
+        "--tracing",
+        type=int,
+        nargs="?",
+        const=3,
+        default=None,
+        metavar="ROUNDS",
+        help="instead: the CPU per request of OpenTelemetry traces, off, off again (the "
+        "noise floor) and on at 100 %% sampling, stream and non-stream at the highest "
+        "--concurrency, measured in turns ROUNDS times (3; bench/tracing.py)",
+    )
+    parser.add_argument(
         "--fair-share",
         action="store_true",
         help="instead: the scheduler sharing a saturated model between principals, in "
@@ -756,6 +769,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.replicas is not None:
         return _replicas(options, args.replicas, console, say)
+    if args.tracing is not None:
+        return _tracing(options, args.tracing, console, say)
     if args.fair_share:
         from bench.fair_share import render_fair_share, run_fair_share
 
@@ -782,6 +797,22 @@ def _replicas(options: BenchOptions, rounds: int, console: Console, say: Progres
     except KeyboardInterrupt:
         return 130
     console.print(render_replicas(setups, Machine.this().cores))
+    return 0
+
+
+def _tracing(options: BenchOptions, rounds: int, console: Console, say: Progress) -> int:
+    from bench.tracing import render_tracing, run_tracing_bench
+
+    concurrency = max(options.concurrency)
+    scenarios = [Scenario(concurrency, stream=False), Scenario(concurrency, stream=True)]
+    try:
+        with tempfile.TemporaryDirectory(prefix="iop-bench-") as workdir:
+            turns = trio.run(
+                run_tracing_bench, scenarios, options.budget, Path(workdir), say, max(rounds, 1)
+            )
+    except KeyboardInterrupt:
+        return 130
+    console.print(render_tracing(turns, Machine.this().cores))
     return 0
 
 

@@ -14,7 +14,7 @@ same three, in two processes, and does nothing else:
 - `back` dials the front (as a Node dials its Edge) and sends each request upstream the
   way the Node's HTTP adapter does. Each upstream read is one frame (request number,
   kind, length, data), then an end; one writer sends every frame queued by then in one
-  message, as a Node's writer coalesces its runs' chunks (the batched wire, SPEC §3).
+  message, as a Node's writer coalesces its runs' chunks (the batched wire, design §3).
 
 Nothing is parsed (the front asks the body whether it streams as the fake upstream does,
 by a byte search), no model is resolved, nothing is admitted, queued, metered, relabelled

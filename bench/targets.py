@@ -1,4 +1,4 @@
-"""The goals of the data-plane issue, judged against one run's numbers (pure).
+"""IOP's performance goals, judged against one run's numbers (pure).
 
 Each goal is printed as PASS/MISS next to what was measured, never asserted: a number
 on a shared 2-core machine is an observation, not a test. A goal whose numbers were not
@@ -286,7 +286,7 @@ def _nodes_checks(result: BenchResult) -> list[TargetCheck]:
 
 
 def check_targets(result: BenchResult) -> list[TargetCheck]:
-    """Every goal of the issue, in the order the issue lists them."""
+    """Every goal, in the order of the targets table."""
     return [
         *_fleet_checks(result),
         *_closed_loop_checks(result),

@@ -39,7 +39,7 @@ from iop_edge import __version__
 from iop_edge.core.config import ParsedConfig
 from iop_edge.core.host import node_tls_context
 from iop_edge.core.listen import parse_listen_address
-from iop_edge.core.readiness import Readiness, readiness
+from iop_edge.core.readiness import Readiness, readiness_of
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.admin import AdminServices, create_admin_app
 from iop_edge.http.final_send import ShieldFinalSend
@@ -181,7 +181,7 @@ class Edge:
         self._snapshot = Snapshot.build(config, revision=revision, config_sha256=parsed.sha256)
         self._config_time = time.time()
         """When the running snapshot was taken: a node serving several Edges runs the
-        newest config (SPEC §3 "Several Edges")."""
+        newest config (design §3 "Several Edges")."""
         self.config_path = config_path
         self.started_unix = int(time.time())
         self.scheduler = Scheduler(self._snapshot)
@@ -221,7 +221,10 @@ class Edge:
             limits=self.limiter,
         )
         self.refresher = Refresher(
-            self, config_path=config_path, audit=AuditLog(Path(config.edge.state_dir))
+            self,
+            config_path=config_path,
+            audit=AuditLog(Path(config.edge.state_dir)),
+            proof=parsed.proof,
         )
         overrides = listeners or Listeners()
         self._listen: dict[Role, str] = {
@@ -251,6 +254,8 @@ class Edge:
         except TelemetryError as exc:
             raise EdgeStartupError(str(exc)) from None
         """The Edge's OpenTelemetry traces; None when off (`metering.tracing`)."""
+        if self.tracing is not None:
+            log.info("traces: exported to %s", self.tracing.endpoint)
         self.roster = ReplicaRoster(
             self._ledger_choice.open_replica_store, self._describe, on_read=self._replicas_seen
         )
@@ -319,7 +324,7 @@ class Edge:
             )
 
     def _on_load(self, node_id: str, load: wire.Load) -> None:
-        """What other Edges hold on this node's providers (SPEC §13)."""
+        """What other Edges hold on this node's providers (design §13)."""
         owner = self._snapshot.provider_node
         for provider in load.providers:
             if owner.get(provider.id) == node_id:
@@ -352,7 +357,7 @@ class Edge:
         return AdminServices(
             revision=lambda: self._snapshot.revision,
             status=self.status,
-            catalog=self.scheduler.catalog,
+            catalog=self.scheduler,
             metrics=self.metrics.render,
             usage=self.usage,
             principals=self.principals,
@@ -408,7 +413,11 @@ class Edge:
     def readiness(self) -> Readiness:
         """Which models could be served now, and whether runs can be metered (`GET
         /readyz`, `core.readiness`)."""
-        state = readiness(self.scheduler.catalog())
+        models = self.scheduler.snapshot.models
+        state = readiness_of(
+            {model_id: model.providers for model_id, model in models.items()},
+            self.scheduler.catalog_provider,
+        )
         unmetered = self.metering.refusal()
         return state if unmetered is None else state.unready(unmetered)
 
@@ -540,6 +549,7 @@ class Edge:
                 partial(self.limiter.run, LedgerTotals(self.ledger), shared=self._ledger_shared),
                 self.responses.run,
                 self.hub.run_heartbeats,
+                self.refresher.catch_up.run,
             ),
             scheduler=self.scheduler,
             ledger=self.ledger,

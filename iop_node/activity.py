@@ -1,4 +1,5 @@
-"""What each provider's runs are doing, so a health probe can tell busy from down (SPEC §4.11).
+"""What each provider's runs are doing, so a health probe can tell busy from down
+(design §4 item 11).
 
 Real runtimes stop answering their model list while they generate (llama.cpp's Python
 server holds one lock for both), so a probe that times out does not by itself mean the

@@ -1,4 +1,4 @@
-"""Run events of one writer pass, packed into one `run_events` message (SPEC §3 rev. 2).
+"""Run events of one writer pass, packed into one `run_events` message (design §3).
 
 A websocket message costs the Edge a parse, a scheduling pass and a wake-up of every
 run it touches, whatever its size; so the Node's writer sends everything it finds queued

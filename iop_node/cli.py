@@ -1,4 +1,4 @@
-"""`iop-node`: the Node's command line (SPEC §2.2, §10).
+"""`iop-node`: the Node's command line (design §2.2, §10).
 
     iop-node run --edge ws://HOST:PORT [--edge ...] [--edge-dns ws://NAME:PORT]
                  --node-id ID [--token-file F] [--config node.yaml]

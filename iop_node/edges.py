@@ -1,6 +1,6 @@
 """Every Edge this Node serves: one link per Edge address, one set of providers for all.
 
-A Node may serve several Edges at once (SPEC §3 "Several Edges", §13): Edge replicas
+A Node may serve several Edges at once (design §3 "Several Edges", §13): Edge replicas
 with the same config behind a balancer, or the old and the new process of an Edge during
 a zero-downtime restart. It is told where they are in two ways, which may be combined:
 

@@ -1,4 +1,4 @@
-"""Periodic health probes for one registry's adapters (SPEC §3 `status`, §9).
+"""Periodic health probes for one registry's adapters (design §3 `status`, §9).
 
 The Edge routes only to providers whose health is `available`, so it must hear about a
 change quickly, and about nothing else: the monitor reports the full provider list
@@ -11,7 +11,7 @@ when some provider's health or model list changed.
 - A probe is bounded by `probe_timeout_s` (never more than the interval). A probe that
   raises, or answers `unavailable`, makes the provider `unavailable` with the reason in
   `detail`; a probe must never take the Node down.
-- Busy is not down (SPEC §4.11). A provider whose runs are progressing
+- Busy is not down (design §4 item 11). A provider whose runs are progressing
   (`activity.ProviderActivity`: output within each run's stall window) is `busy` and is
   not probed at all (see `_generating` for why), unless the last probe found it down.
   A probe that *times out* (ours, or the adapter's `ProbeTimeout`) is judged by the

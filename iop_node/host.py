@@ -1,4 +1,4 @@
-"""The providers this Node hosts, shared by every Edge link (SPEC §3 "Several Edges", §13).
+"""The providers this Node hosts, shared by every Edge link (design §3 "Several Edges", §13).
 
 A Node holds one link per Edge it serves (replicas; an old and a new Edge process during
 a restart) but has one set of providers: one adapter registry (with the retiring ones),

@@ -1,6 +1,6 @@
 """The Node's link to one Edge: dial out, handshake, serve sessions, reconnect forever.
 
-Lifecycle of one connection (SPEC §3):
+Lifecycle of one connection (design §3):
 
 1. Dial the Edge (`ws://` or `wss://`; or one address of a named Edge, see `dial`) and
    send `hello{protocol, node_id, token, agent_version}`; expect `welcome` within the

@@ -1,4 +1,4 @@
-"""The Node's adapter registries: build, swap, drain (SPEC §5 step 7).
+"""The Node's adapter registries: build, swap, drain (design §5 step 7).
 
 An `AdapterRegistry` maps provider ids to adapter instances built from one `NodeConfig`,
 and owns the runs started on it: each registry has its own nursery, so "stop this

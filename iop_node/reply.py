@@ -1,4 +1,4 @@
-"""What the caller sees, shaped on the Node (SPEC §3, revision 2: per-token work).
+"""What the caller sees, shaped on the Node (design §3, per-token work).
 
 The Edge is the one shared part of a fleet; Nodes scale out with it. So the per-chunk
 work a gateway must do is done here, once per chunk, and the Edge relays bytes:

@@ -30,7 +30,7 @@ protocol stream's last events, held back for a run with `hold_tail`, leave insid
 `run_done` (`tail`), or ahead of it as a chunk when the end's message cannot hold them
 beside a whole response.
 
-Every terminal message says what the run consumed (SPEC §7, no run unmetered): the
+Every terminal message says what the run consumed (design §7, no run unmetered): the
 provider's usage when it reported some (`usage_source: provider`), else an estimate
 (`estimated`): prompt tokens from `schemas.tokens.estimate_input_tokens` (for a run that
 finished, the runtime's own tokenizer's count when it has one, asked then, briefly), completion

@@ -1,4 +1,4 @@
-"""Run slots of this Node's providers, counted across every Edge link (SPEC §13).
+"""Run slots of this Node's providers, counted across every Edge link (design §13).
 
 Several Edges may send runs to the same provider (replicas, or an old and a new Edge
 during a restart). Each Edge counts what it dispatched itself; only the Node sees them

@@ -1,4 +1,4 @@
-"""Catalog records (SPEC §6): what `GET /catalog` and `iop-edge catalog` show.
+"""Catalog records (design §6): what `GET /catalog` and `iop-edge catalog` show.
 
 The Edge's scheduler builds one `Catalog` on demand from its live state; the admin API
 encodes it as JSON and the CLI renders it as a table, so both read the very same
@@ -93,3 +93,6 @@ class Catalog(CatalogRecord, frozen=True, kw_only=True):
     revision: int
     models: list[CatalogModel] = []
     providers: list[CatalogProvider] = []
+    next: str | None = None
+    """A page's cursor for the page after it (`GET /catalog?limit=&cursor=`); null on
+    the last page and when the catalog is not paged."""

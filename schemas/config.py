@@ -1,4 +1,4 @@
-"""The Edge config schema (SPEC §2): one YAML file describes the Edge, its models and every Node.
+"""The Edge config schema (design §2): one YAML file describes the Edge, its models and every Node.
 
 The Structs here are the *shape*; `iop_edge.core.config` loads YAML into them, collects every
 error with its config path, and runs the cross-reference rules. Config Structs forbid
@@ -32,13 +32,13 @@ EnvVarName = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 PositiveInt = Annotated[int, Meta(gt=0)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
-#: A request body the node wire can carry in one message (SPEC §3): no larger.
+#: A request body the node wire can carry in one message (design §3): no larger.
 RequestBytes = Annotated[
     int,
     Meta(gt=0, le=MAX_PAYLOAD_BYTES, description="at most the node wire's payload limit"),
 ]
 
-#: The `max_tokens` limit of a model that sets none (SPEC §2, generation): generation
+#: The `max_tokens` limit of a model that sets none (design §2, generation): generation
 #: length is always bounded, so one request cannot occupy a provider indefinitely.
 DEFAULT_MAX_TOKENS_LIMIT = 32_768
 #: Seconds a stopping Edge lets in-flight requests finish before it ends them itself.
@@ -49,7 +49,7 @@ DEFAULT_SEND_TIMEOUT_S = 60.0
 
 
 def default_category(provider_type: str) -> Category:
-    """SPEC §2.1: `openai_api` is an api, `cli` is a cli, everything else runs locally."""
+    """design §2.1: `openai_api` is an api, `cli` is a cli, everything else runs locally."""
     if provider_type == "openai_api":
         return "api"
     if provider_type == "cli":
@@ -161,7 +161,7 @@ class PrincipalToken(ConfigStruct, frozen=True, kw_only=True):
 
 
 class ModelRoute(ConfigStruct, frozen=True, kw_only=True):
-    """Legacy `openai.model_routes[]` entry: one route = one provider (SPEC §2.4)."""
+    """Legacy `openai.model_routes[]` entry: one route = one provider (design §2.4)."""
 
     model: NonEmptyStr
     provider: NonEmptyStr

@@ -1,4 +1,4 @@
-"""Size limits both processes and the config share (SPEC §3, §8): how much one wire
+"""Size limits both processes and the config share (design §3, §8): how much one wire
 message carries, and so how large a caller's request may be configured to be."""
 
 from __future__ import annotations

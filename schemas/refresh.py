@@ -1,4 +1,4 @@
-"""Config refresh records (SPEC §5): the admin request, the report, and the status view.
+"""Config refresh records (design §5): the admin request, the report, and the status view.
 
 These are what `POST /refresh` accepts and returns, what `GET /status` returns, and what
 `iop-edge refresh` decodes to print its diff, so they live in `schemas/` beside the config
@@ -7,7 +7,7 @@ they describe. Rules every producer follows:
 - Every list is present (empty, never null) and sorted, so two reports of the same
   refresh compare equal and a reader can diff them line by line.
 - A change names a *path* and its class, never a value: a token hash that changed shows
-  only as changed (SPEC §2.3).
+  only as changed (design §2.3).
 - `revision` is the revision in force after the attempt: the new one for an applied or
   no-change apply, the unchanged base for a dry run or a rejection.
 """

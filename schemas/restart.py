@@ -1,4 +1,4 @@
-"""The answer to `POST /restart` (admin API) and `iop-edge restart` (SPEC §13).
+"""The answer to `POST /restart` (admin API) and `iop-edge restart` (design §13).
 
 A zero-downtime restart starts a new Edge process beside the running one, hands it the
 listening sockets and the Nodes, and lets the old one drain and exit. The report says how

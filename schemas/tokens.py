@@ -1,6 +1,6 @@
 """IOP's token estimators: input tokens, shared by the Edge's long-context admission and the
 `sim` adapter's usage numbers so the two always agree, and output tokens, for the usage
-of runs whose provider reports none (SPEC §7, `usage_source: estimated`).
+of runs whose provider reports none (design §7, `usage_source: estimated`).
 
 Rule: a request's input tokens are ceil(characters / 4) over every piece of text the
 model will read (message contents, including text parts of multimodal content; the

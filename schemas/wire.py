@@ -1,4 +1,4 @@
-"""The runtime wire between Edge and Node (SPEC §3).
+"""The runtime wire between Edge and Node (design §3).
 
 One websocket per Node, one msgpack-encoded message per websocket message. Every message
 is a tagged Struct (`type` field); tags are explicit so renaming a class never changes
@@ -9,7 +9,7 @@ into a `reject`/close with the reason instead of crashing.
 
 Payloads travel as raw bytes, never re-encoded in between: `run.body` is the caller's
 OpenAI JSON request (the Node hands it to the upstream as it is); what comes back is
-already shaped for the caller by the Node (SPEC §3, revision 2): every chunk and response
+already shaped for the caller by the Node (design §3): every chunk and response
 carries the caller's alias in `model`, and stream chunks arrive framed as server-sent
 events, so the Edge writes them to the caller without parsing them.
 
@@ -19,7 +19,7 @@ Per-token work scales out with the Nodes; the Edge pays one parse and one schedu
 per batch, not per token.
 
 A Node may hold links to several Edges at once (replicas, or an old and a new Edge process
-during a zero-downtime restart; SPEC §3 "Several Edges", §13). The slots of its providers
+during a zero-downtime restart; design §3 "Several Edges", §13). The slots of its providers
 are counted on the Node across all links: a run that finds its provider full is answered
 at once with `run_failed{code: busy}`, and each Edge hears, in `load`, how many runs the
 *other* links hold, so it ranks and admits with the provider's whole load. An Edge that
@@ -70,7 +70,7 @@ Operation = Literal["chat", "completion", "embedding", "messages", "responses", 
   (`invalid_request`, status 400, the message naming the field).
 """
 Health = Literal["available", "busy", "draining", "unavailable", "unknown"]
-"""A provider's health as its Node sees it (SPEC §4 item 11, §12):
+"""A provider's health as its Node sees it (design §4 item 11, §12):
 
 - `available`: answers its probes; takes runs up to capacity.
 - `busy`: its runs are producing output, so its Node does not probe it meanwhile (a
@@ -84,7 +84,7 @@ Health = Literal["available", "busy", "draining", "unavailable", "unknown"]
 
 
 UsageSource = Literal["provider", "estimated"]
-"""Where a run's token counts come from (SPEC §7): the provider's own report, or IOP's
+"""Where a run's token counts come from (design §7): the provider's own report, or IOP's
 estimate (`schemas.tokens`) when the provider gave none (no usage chunk, a cut stream, a
 cancelled run)."""
 
@@ -168,7 +168,7 @@ class Run(Message, tag="run", frozen=True, kw_only=True):
     its own `run_id` (`req_x.1`); adapters that make up response ids use this one, so the
     id a caller sees stays tied to its request."""
     long: bool = False
-    """A long-context run (SPEC §4 step 4): it holds one of the provider's long slots
+    """A long-context run (design §4 step 4): it holds one of the provider's long slots
     on the Node too."""
     caller_headers: dict[str, str] = {}
     """Protocol headers of the caller's request that a native upstream must see as they
@@ -290,7 +290,7 @@ class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
     anything and another provider may succeed (connect refused, upstream 5xx, 429/503).
     `capacity` marks a 429/503 from the upstream: a load signal, not a health failure.
     `status` is the upstream's HTTP status when the failure is its error answer: the
-    Edge's blame rules (design §4.10) read it. `upstream_code` and `param` are the
+    Edge's blame rules (design §4 item 10) read it. `upstream_code` and `param` are the
     upstream's error code and the request field it named (OpenAI's `code` and `param`,
     e.g. `context_length_exceeded` and `messages`): a caller acts on them, so a request
     the upstream refused reaches the caller with them.

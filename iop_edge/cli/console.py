@@ -29,7 +29,7 @@ def _yes(value: object) -> Text:
     return Text("yes", style="green") if value else Text("no", style="red")
 
 
-#: Colour of each health state (SPEC §4, §12): up, alive but generating, on its way out,
+#: Colour of each health state (design §4, §12): up, alive but generating, on its way out,
 #: not known yet, down.
 _HEALTH_STYLES = {
     "available": "green",

@@ -1,5 +1,5 @@
 """Blame and retry: what a failed attempt says about its provider, and what the request
-does next (design §4.10). Pure: the dispatcher (`runtime.runs.dispatch`) asks, acts on
+does next (design §4 item 10). Pure: the dispatcher (`runtime.runs.dispatch`) asks, acts on
 the answer, and keeps the slots, sessions and metrics to itself.
 
 Rules:

@@ -1,4 +1,4 @@
-"""Load and validate the Edge config (SPEC §2): YAML text in, a checked `EdgeConfig` out.
+"""Load and validate the Edge config (design §2): YAML text in, a checked `EdgeConfig` out.
 
 The same pipeline runs at startup, for `iop-edge check-config` and for every refresh
 candidate, so a config that loads is a config the Edge can serve. It runs in four steps:
@@ -13,7 +13,7 @@ candidate, so a config that loads is a config the Edge can serve. It runs in fou
    The Edge adds only the wording for two schema aliases (`Sha256Hex`, `EnvVarName`).
 3. **Rules**: what a type cannot say - unique ids, cross-references between models and
    providers, adapter settings per provider type, listen addresses, no secret values, and
-   the legacy `openai.model_routes[]` folded into models (SPEC §2.4). The rules read the
+   the legacy `openai.model_routes[]` folded into models (design §2.4). The rules read the
    raw data tolerantly, so one mistyped field does not hide a broken reference elsewhere.
 4. **Build**: only when steps 2 and 3 found nothing, msgspec builds the real Structs;
    derived legacy models are appended and every provider's `category` is resolved.
@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
+from iop_edge.core.config_proof import ConfigProof, entry_key
 from iop_edge.core.config_shape import (
     LeafWording,
     check_shape,
@@ -49,7 +50,6 @@ from iop_edge.core.config_shape import (
     key_path,
     kind_of,
 )
-from iop_edge.core.config_proof import ConfigProof, entry_key
 from iop_edge.core.gc_pause import gc_paused
 from iop_edge.core.host import check_host
 from iop_edge.core.ledger_url import parse_ledger_url
@@ -175,9 +175,10 @@ class _NodeEntries:
         proven: dict[int, NodeEntry] = {}
         if proof is not None:
             for index, key in enumerate(keys):
-                if key is not None and (
-                    entry := proof.entry(key, edge_loopback=loopback)
-                ) is not None:
+                if (
+                    key is not None
+                    and (entry := proof.entry(key, edge_loopback=loopback)) is not None
+                ):
                     proven[index] = entry
         return cls(entries, keys, loopback, proven)
 
@@ -193,9 +194,7 @@ class _NodeEntries:
         return ConfigProof(edge_loopback=self.edge_loopback, entries=keyed)
 
 
-def load_config(
-    path: str | os.PathLike[str], *, proof: ConfigProof | None = None
-) -> ParsedConfig:
+def load_config(path: str | os.PathLike[str], *, proof: ConfigProof | None = None) -> ParsedConfig:
     """Read and validate the config file at `path`. An unreadable file is `ConfigInvalid` too.
 
     The file is decoded as UTF-8 without newline translation, so `sha256` is the digest of
@@ -405,7 +404,7 @@ _WORDING: Final[dict[object, LeafWording]] = {
 # --------------------------------------------------------------------------- step 3: rules
 
 
-#: Adapter keys that only some provider types use (SPEC §9), and the types that need them.
+#: Adapter keys that only some provider types use (design §9), and the types that need them.
 _HTTP_TYPES: Final = OPENAI_COMPATIBLE_TYPES | {"ollama"}
 _ADAPTER_KEY_TYPES: Final[dict[str, frozenset[str]]] = {
     "base_url": _HTTP_TYPES,
@@ -428,7 +427,7 @@ class _Provider:
 
 
 class _Rules:
-    """The rules no type can express (SPEC §2.1, §2.4), read tolerantly from raw data.
+    """The rules no type can express (design §2.1, §2.4), read tolerantly from raw data.
 
     A field of the wrong type is skipped here (the shape step already reported it), so a
     rule only ever reports its own kind of problem.
@@ -477,7 +476,7 @@ class _Rules:
                     )
             bound[section] = address
             if section == "admin" and not address.is_loopback:
-                # SPEC §5.1: the admin API never listens beyond this machine.
+                # design §5.1: the admin API never listens beyond this machine.
                 self._error(
                     "admin.listen",
                     f"{listen} is not a loopback address; the admin API only listens on "
@@ -667,7 +666,7 @@ class _Rules:
         return set(model_ids.first)
 
     def _legacy_routes(self, explicit_models: set[str], providers: dict[str, _Provider]) -> None:
-        """Fold `openai.model_routes[]` into derived models (SPEC §2.4)."""
+        """Fold `openai.model_routes[]` into derived models (design §2.4)."""
         route_of: dict[tuple[str, str], str] = {}
         routes = self.openai.get("model_routes")
         for path, route in _entries(routes, "openai.model_routes"):
@@ -762,9 +761,7 @@ def _entries(value: object, path: str) -> Iterator[tuple[str, dict[Any, Any]]]:
         yield entry
 
 
-def _indexed_entries(
-    value: object, path: str
-) -> Iterator[tuple[int, tuple[str, dict[Any, Any]]]]:
+def _indexed_entries(value: object, path: str) -> Iterator[tuple[int, tuple[str, dict[Any, Any]]]]:
     """`_entries`, each with its index `i`."""
     if isinstance(value, list):
         for index, item in enumerate(value):

@@ -232,7 +232,6 @@ class _Walker:
             return _humanize(str(exc), tp)
         return None
 
-
     def wording_of(self, tp: Any) -> LeafWording | None:
         # Compared with ==, never hashed: an `Annotated` type whose metadata is unhashable
         # is still a valid schema type.

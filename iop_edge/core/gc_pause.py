@@ -26,24 +26,37 @@ from contextlib import contextmanager
 
 __all__ = ["gc_paused"]
 
-_lock = threading.Lock()
-_open = 0
-_was_enabled = False
+
+class _Pauses:
+    """The open pauses of this process (Rule 1)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open = 0
+        self.was_enabled = False
+
+    def enter(self) -> None:
+        with self.lock:
+            if self.open == 0:
+                self.was_enabled = gc.isenabled()
+                gc.disable()
+            self.open += 1
+
+    def exit(self) -> None:
+        with self.lock:
+            self.open -= 1
+            if self.open == 0 and self.was_enabled:
+                gc.enable()
+
+
+_pauses = _Pauses()
 
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """Disable the cyclic collector for the body (Rules 1, 2)."""
-    global _open, _was_enabled
-    with _lock:
-        if _open == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _open += 1
+    _pauses.enter()
     try:
         yield
     finally:
-        with _lock:
-            _open -= 1
-            if _open == 0 and _was_enabled:
-                gc.enable()
+        _pauses.exit()

@@ -1,6 +1,6 @@
 """Validation that looks at this machine: what `serve` needs from the host, checked
 read-only at load time, so `check-config` (and a refresh candidate) never passes a config
-that `serve` then refuses (SPEC §12).
+that `serve` then refuses (design §12).
 
 Rules:
 1. `edge.tls`: the certificate chain and key load, through the very call `serve` makes

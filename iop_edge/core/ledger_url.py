@@ -1,11 +1,11 @@
-"""Where the usage ledger lives: the one parser of `edge.ledger` (SPEC §7, §13).
+"""Where the usage ledger lives: the one parser of `edge.ledger` (design §7, §13).
 
 Rules:
 1. No `edge.ledger`: the embedded SQLite ledger in `state_dir` (one Edge, or replicas on
    one host sharing a `state_dir`).
 2. `postgresql://USER@HOST[:PORT]/DATABASE` (or `postgres://`): a PostgreSQL ledger that
    several Edges share. Query parameters pass to libpq as they are (`sslmode=require`).
-3. A password never sits in the config (SPEC §2.3): not in the URL's user part, not as a
+3. A password never sits in the config (design §2.3): not in the URL's user part, not as a
    `password` parameter. It comes from the environment variable `edge.ledger_password_env`
    names, or libpq's own `PGPASSWORD` / `~/.pgpass`.
 4. The database must be named: a URL without one would silently use the user's.

@@ -2,7 +2,7 @@
 
 Config validation parses every `*.listen` with `parse_listen_address` (so a bad address
 fails `check-config`, not `serve`), the Edge binds what it parsed, and the admin API's
-Host check uses the same notion of loopback as the listener rule (SPEC §5.1).
+Host check uses the same notion of loopback as the listener rule (design §5.1).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The provider pool's decisions, as pure functions (SPEC §4 steps 2-4 and 9).
+"""The provider pool's decisions, as pure functions (design §4 steps 2-4 and 9).
 
 Nothing here awaits, reads a clock, or mutates anything: the scheduler describes each
 provider as an immutable `ProviderView`, asks `decide()`, and acts on the answer. That

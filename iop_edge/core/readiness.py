@@ -1,11 +1,11 @@
-"""Readiness (SPEC §12): can the Edge serve a request right now?
+"""Readiness (design §12): can the Edge serve a request right now?
 
 `GET /healthz` is liveness (the process answers); `GET /readyz` is readiness, what a
 load balancer or an orchestrator should route by. Pure: it reads a `Catalog`.
 
 Rules:
 1. A provider *can take runs now* when its node is connected, it is enabled, its health
-   admits runs (`available`, or `busy`: alive and generating, SPEC §4 item 11), and it
+   admits runs (`available`, or `busy`: alive and generating, design §4 item 11), and it
    is not cooling down after failures. (A full provider still counts: a request would
    queue and be served, not be refused.)
 2. A model is *servable* when at least one of its providers can take runs now.
@@ -16,11 +16,13 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
+
 import msgspec
 
 from schemas.catalog import Catalog, CatalogProvider
 
-__all__ = ["NO_SERVABLE_MODEL", "Readiness", "can_take_runs", "readiness"]
+__all__ = ["NO_SERVABLE_MODEL", "Readiness", "can_take_runs", "readiness", "readiness_of"]
 
 NO_SERVABLE_MODEL = "no model has a provider that can take runs now"
 
@@ -51,13 +53,31 @@ def can_take_runs(provider: CatalogProvider) -> bool:
 
 def readiness(catalog: Catalog) -> Readiness:
     """Rules 2 and 3."""
-    taking = {provider.id for provider in catalog.providers if can_take_runs(provider)}
+    records = {provider.id: provider for provider in catalog.providers}
+    return readiness_of({model.id: model.providers for model in catalog.models}, records.get)
+
+
+def readiness_of(
+    models: Mapping[str, Iterable[str]], provider: Callable[[str], CatalogProvider | None]
+) -> Readiness:
+    """Rules 2 and 3 over each model's provider ids, reading a provider's record only
+    when needed: a model is servable at its first provider that can take runs, so a
+    fleet's pool is judged by a few records per model, not a catalog of all of them."""
+    judged: dict[str, bool] = {}
+
+    def taking(provider_id: str) -> bool:
+        verdict = judged.get(provider_id)
+        if verdict is None:
+            record = provider(provider_id)
+            verdict = judged[provider_id] = record is not None and can_take_runs(record)
+        return verdict
+
     servable = sorted(
-        model.id for model in catalog.models if any(pid in taking for pid in model.providers)
+        model_id for model_id, providers in models.items() if any(map(taking, providers))
     )
     return Readiness(
         ready=bool(servable),
         servable_models=servable,
-        models=len(catalog.models),
+        models=len(models),
         reason=None if servable else NO_SERVABLE_MODEL,
     )

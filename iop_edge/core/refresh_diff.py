@@ -1,4 +1,4 @@
-"""What a config refresh changes, and which of those changes can go live (SPEC §5.2).
+"""What a config refresh changes, and which of those changes can go live (design §5 step 2).
 
 Pure functions over two validated `EdgeConfig`s: no I/O, no awaits, no clock. The
 Refresher decides with them; the tests drive them synchronously.
@@ -53,7 +53,7 @@ __all__ = [
     "live_subset_errors",
 ]
 
-#: Patterns (rule 4) whose subtree can change without a restart (SPEC §5.2).
+#: Patterns (rule 4) whose subtree can change without a restart (design §5 step 2).
 LIVE_PATTERNS: tuple[str, ...] = (
     "models",
     "dispatch",

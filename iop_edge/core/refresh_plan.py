@@ -1,4 +1,4 @@
-"""Whether and how to apply a refresh candidate (SPEC §5 step 4), decided without effects.
+"""Whether and how to apply a refresh candidate (design §5 step 4), decided without effects.
 
 Rules:
 

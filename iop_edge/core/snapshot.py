@@ -40,15 +40,40 @@ class Snapshot:
     """Principal tokens keyed by their sha256 hex."""
     policies: PrincipalPolicies = field(default_factory=lambda: PrincipalPolicies([]))
     """Each principal's limits and allow-list (`principals[]`)."""
+    node_providers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Each node's provider ids, in config order."""
+    provider_models: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """The models each provider serves (`models[].providers`), in config order."""
+    rivals: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """For each model, every model that shares a provider with it (itself included), in
+    config order: whose waiters a slot freed for this model's providers may serve."""
+    provider_order: tuple[str, ...] = ()
+    """Every provider id, sorted: the catalog's order."""
 
     @classmethod
     def build(cls, config: EdgeConfig, *, revision: int, config_sha256: str) -> Snapshot:
+        """Everything a request or the scheduler looks up, worked out once: for a fleet's
+        config this is tens of milliseconds, done with the rest of a refresh's planning
+        in a worker thread rather than at the swap, on the event loop."""
         providers: dict[str, ProviderConfig] = {}
         provider_node: dict[str, str] = {}
+        node_providers: dict[str, tuple[str, ...]] = {}
         for node in config.nodes:
             for provider in node.providers:
                 providers[provider.id] = provider
                 provider_node[provider.id] = node.id
+            node_providers[node.id] = tuple(provider.id for provider in node.providers)
+        serving: dict[str, list[str]] = {}
+        for model in config.models:
+            for provider_id in model.providers:
+                serving.setdefault(provider_id, []).append(model.id)
+        provider_models = {pid: tuple(models) for pid, models in serving.items()}
+        rivals: dict[str, tuple[str, ...]] = {}
+        for model in config.models:
+            shared: dict[str, None] = {}
+            for provider_id in model.providers:
+                shared.update(dict.fromkeys(provider_models[provider_id]))
+            rivals[model.id] = tuple(shared) or (model.id,)
         return cls(
             config=config,
             revision=revision,
@@ -59,6 +84,10 @@ class Snapshot:
             nodes={node.id: node for node in config.nodes},
             principals={t.token_hash_sha256: t for t in config.openai.principal_tokens},
             policies=PrincipalPolicies.from_config(config),
+            node_providers=node_providers,
+            provider_models=provider_models,
+            rivals=rivals,
+            provider_order=tuple(sorted(providers)),
         )
 
     @property

@@ -1,4 +1,4 @@
-"""Bearer tokens are stored and compared as sha256 hex digests, never as themselves (SPEC §2.3).
+"""Bearer tokens are stored and compared as sha256 hex digests, never as themselves (design §2.3).
 
 One helper serves both kinds of token the Edge checks: a Node's token in `hello` against
 `nodes[].token_hash_sha256`, and a caller's `Authorization: Bearer` token against

@@ -1,7 +1,7 @@
 """The loopback-only admin API: health, status, catalog, metrics, config refresh, restart,
 and the live pool page.
 
-SPEC §5.1: the listener itself must be a loopback address (checked at startup), every
+design §5.1: the listener itself must be a loopback address (checked at startup), every
 request with a `Host` that is not a loopback name is refused (DNS rebinding), and a
 browser page cannot drive it (CSRF). The one thing a browser may do is *read* the pool
 page: the rules, checked before every request (`browser_request_reason`):
@@ -35,12 +35,13 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from iop_edge.core.catalog_query import CatalogQuery, CatalogQueryError
 from iop_edge.core.listen import is_loopback_host_header
 from iop_edge.core.readiness import NO_SERVABLE_MODEL, Readiness
+from iop_edge.http.catalog_stream import CatalogSource, catalog_chunks
 from iop_edge.runtime.metering.activity import ActivityReport
 from iop_edge.runtime.metering.usage import LedgerUnavailable, UsageReport
 from iop_edge.runtime.refresh.refresh import RefreshResult
-from schemas.catalog import Catalog
 from schemas.principals import PrincipalsReport
 from schemas.refresh import RefreshRequest, RefreshVerdict, StatusReport
 from schemas.restart import RestartOutcome, RestartReport
@@ -190,7 +191,8 @@ class AdminServices:
 
     revision: Callable[[], int]
     status: Callable[[], StatusReport]
-    catalog: Callable[[], Catalog]
+    catalog: CatalogSource
+    """The pool, read a slice at a time (`catalog_stream`)."""
     metrics: Callable[[], bytes]
     usage: UsageQuery
     refresh: Callable[[RefreshRequest], Awaitable[RefreshResult]]
@@ -236,7 +238,7 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
 
     @app.get("/readyz")
     async def readyz() -> Response:
-        """Readiness (SPEC §12): 200 only when some model could be served now."""
+        """Readiness (design §12): 200 only when some model could be served now."""
         state = services.readiness()
         body = {
             "status": "ready" if state.ready else "not_ready",
@@ -260,7 +262,15 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
 
     @app.get("/catalog")
     async def catalog() -> Response:
-        return _json(services.catalog())
+        """`?model=&node=&health=` filter, `?limit=&cursor=` page (`core.catalog_query`);
+        the answer is written as it is built, in slices (`catalog_stream`)."""
+        try:
+            query = CatalogQuery.from_arguments(request.args.to_dict())
+        except CatalogQueryError as exc:
+            return _error(400, str(exc))
+        return Response(
+            catalog_chunks(services.catalog, query), content_type="application/json"
+        )
 
     @app.get("/principals")
     async def principals() -> Response:
@@ -310,14 +320,14 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
             # msgspec skips unknown fields recursively: a deep one is a RecursionError.
             reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             problem = f"invalid refresh request: {reason}"
-            await services.refuse_refresh(problem)  # every attempt is audited (SPEC §5)
+            await services.refuse_refresh(problem)  # every attempt is audited (design §5)
             return _error(400, problem)
         result = await services.refresh(refresh_request)
         return _json(result.report, REFRESH_STATUS[result.verdict])
 
     @app.post("/restart")
     async def restart() -> Response:
-        """Zero-downtime restart (SPEC §13): answers once the successor serves (200), or
+        """Zero-downtime restart (design §13): answers once the successor serves (200), or
         why it did not take over (500: this Edge serves on) or was not tried (409)."""
         if services.restart is None:
             return _error(409, "this Edge cannot restart itself")

@@ -5,14 +5,15 @@ with one flow; the differences are few and all here: which protocol a path speak
 request is for (`Caller`), how a stream ends, and how the Edge writes a failure of its own
 into a stream that already began.
 
-In-stream failures (a stream that began, then failed):
-- chat: the Edge writes every failure as an OpenAI error event, then `[DONE]`.
-- Messages and Responses: the Node writes the failures it sees (the upstream's, its
-  translator's) as the protocol's own events (Anthropic's `event: error`, a Responses
-  `response.failed`); the Edge writes only its own diagnoses, which the Node cannot know
-  (`EDGE_FAILURES`: the Node's link was lost, the caller fell behind, the Edge shut down,
-  what the Node sent was malformed), in the same shapes. Neither protocol ends its stream
-  with a `[DONE]` line: the last event is the end.
+In-stream failures (a stream that began, then failed): the Edge writes every one into
+the caller's stream after it has recorded the run's end, in the caller's protocol (an
+OpenAI error event then `[DONE]` for chat, Anthropic's `event: error`, a Responses
+`response.failed`), whoever diagnosed it: the Node (the upstream's error, a broken
+translation) reports a failure in `run_failed` and never writes the event itself, so a
+failure event can never reach a caller before the run's end is recorded (a caller that
+hangs up on it would otherwise be metered as gone, as with a stream's last events).
+Neither Messages nor Responses ends its stream with a `[DONE]` line: the last event is
+the end.
 """
 
 from __future__ import annotations
@@ -30,12 +31,10 @@ from schemas.config import ModelEntry, PrincipalToken
 from schemas.protocols import CallerProtocol
 
 __all__ = [
-    "EDGE_FAILURES",
     "PROTOCOL_OF",
     "STREAM_END",
     "Caller",
     "catalog_model",
-    "edge_renders",
     "protocol_of_request",
     "stream_error",
 ]
@@ -56,19 +55,6 @@ STREAM_END: Final[dict[CallerProtocol, bytes]] = {
     "messages": b"",
     "responses": b"",
 }
-
-#: The failures only the Edge can diagnose: it writes them into a Messages or Responses
-#: stream itself (the Node writes the others).
-EDGE_FAILURES: Final = frozenset(
-    {
-        wire.FailureCode.NODE_LOST,
-        wire.FailureCode.CALLER_TOO_SLOW,
-        wire.FailureCode.BAD_CHUNK,
-        wire.FailureCode.BAD_RESPONSE,
-        wire.FailureCode.REQUEST_TOO_LARGE,
-        wire.FailureCode.SHUTTING_DOWN,
-    }
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +87,6 @@ def protocol_of_request(path: str, *, anthropic_version: bool) -> CallerProtocol
     if anthropic_version or path.startswith("/v1/messages"):
         return "messages"
     return "chat"
-
-
-def edge_renders(protocol: CallerProtocol, failure: wire.RunFailed) -> bool:
-    """Whether the Edge writes `failure` into the caller's stream (module docstring)."""
-    return protocol == "chat" or failure.code in EDGE_FAILURES
 
 
 class _FailedResponse(msgspec.Struct, frozen=True, kw_only=True):

@@ -172,7 +172,7 @@ _REQUEST_FAILURES = frozenset(
 def run_failure_error(
     failure: wire.RunFailed, provider_id: str, *, request_fault: bool = False
 ) -> ApiError:
-    """What the caller gets for a run that failed on `provider_id` (SPEC §4.10, §8).
+    """What the caller gets for a run that failed on `provider_id` (design §4 item 10, §8).
 
     - The upstream refused the request (a 4xx other than 401/403/404/408/429, which the
       Node reports as the provider's problem): its status, message, error code and the

@@ -22,6 +22,13 @@ timeout:
    closes it after the response.
 3. `end` (the connection stopped reading: the client closed it, or it was closed) ends
    the task without closing anything, so the connection is released at once.
+4. `drain` (the server drains) closes the connection as soon as it is idle: at once if
+   it is, else when its response is done. A draining server takes no new request on an
+   old connection; a client whose pooled connection is closed while idle opens a new one
+   (to the server's successor) before it sends, and no run starts here that the drain
+   might have to cut. Unless bytes are already waiting on it (`pending`): a request on
+   its way in is read and answered (the server refuses it, saying to retry, and closes)
+   rather than reset unanswered.
 
 Hypercorn's `TCPServer` is the one caller: `iop_edge.http.connection.Connection` sets
 its `idle_task` to a `KeepAliveTimer` and calls `end` once its reading loop returns;
@@ -47,21 +54,30 @@ class KeepAliveTimer:
     """One connection's keep-alive timeout (see the module docstring)."""
 
     def __init__(
-        self, timeout_s: float, terminated: Event, close: Callable[[], Awaitable[None]]
+        self,
+        timeout_s: float,
+        terminated: Event,
+        close: Callable[[], Awaitable[None]],
+        pending: Callable[[], bool] = lambda: False,
     ) -> None:
+        """`close` closes the connection; `pending` says whether bytes wait to be read."""
         self._timeout_s = timeout_s
         self._terminated = terminated
         self._close = close
+        self._pending = pending
         self._scope = trio.CancelScope(deadline=math.inf)
         self._started = False
         self._idle = False
         self._ended = False
+        self._draining = False
 
     async def restart(self, task_group: TaskGroup, action: Callable[..., Any]) -> None:
         """The connection is idle: close it `timeout_s` from now (Rule 1). `action` is
         Hypercorn's own timeout task, which this replaces."""
         self._idle = True
-        self._scope.deadline = trio.current_time() + self._timeout_s
+        self._scope.deadline = (
+            -math.inf if self._draining else trio.current_time() + self._timeout_s
+        )
         if not self._started:
             self._started = True
             task_group.spawn(self._wait)
@@ -70,6 +86,12 @@ class KeepAliveTimer:
         """A request began: no timeout until the connection is idle again (Rule 1)."""
         self._idle = False
         self._scope.deadline = math.inf
+
+    def drain(self) -> None:
+        """The server drains: close the connection once idle, now if it is (Rule 4)."""
+        self._draining = True
+        if self._idle:
+            self._scope.deadline = -math.inf
 
     def end(self) -> None:
         """The connection stopped reading: the task ends, closing nothing (Rule 3)."""
@@ -80,5 +102,7 @@ class KeepAliveTimer:
         with self._scope:
             await self._terminated.wait()
         if self._idle and not self._ended:  # Rule 2
+            if self._draining and self._pending():
+                return  # Rule 4: a request on its way in is answered, not reset
             with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
                 await self._close()

@@ -193,7 +193,7 @@ def _create_quart_app(
 
     @app.get("/readyz")
     async def readyz() -> Response:
-        """Readiness (SPEC §12): 200 only when some model could be served now. Callers
+        """Readiness (design §12): 200 only when some model could be served now. Callers
         need no token here (a load balancer asks), so it names no model."""
         state = readiness()
         if state.ready:

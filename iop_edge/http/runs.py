@@ -12,7 +12,7 @@ A request, in the task Hypercorn gives it:
 
 1. *Prepare*: authenticate (`Authorization: Bearer` or `x-api-key`), read the body
    (bounded in size and time), decode it once into a dict (provider-specific fields pass
-   through untouched); the protocol's planner (`chat`, `messages`, `responses`) checks it
+   through untouched); the protocol's module (`chat`, `messages`, `responses`) checks it
    against a small view of the fields the Edge acts on and applies the model's generation
    defaults and limits. The result is a `RunPlan`; anything wrong is an error reply in the
    caller's protocol (`caller_protocol`) naming the field.
@@ -54,7 +54,6 @@ from iop_edge.http.caller_protocol import (
     PROTOCOL_OF,
     STREAM_END,
     Caller,
-    edge_renders,
     stream_error,
 )
 from iop_edge.http.chat import plan_chat
@@ -556,17 +555,16 @@ class RunEndpoints:
             if isinstance(event, wire.RunFailed):
                 error = run_failure_error(event, run.provider_id)
                 outcome = Outcome(error.status, error.code)
-                if edge_renders(protocol, event):
-                    plan = run.plan
-                    pending.append(
-                        stream_error(
-                            protocol,
-                            error,
-                            model=plan.model_id,
-                            response_id=f"resp_{plan.run_id}",
-                            sequence=run.chunks,
-                        )
+                plan = run.plan
+                pending.append(
+                    stream_error(
+                        protocol,
+                        error,
+                        model=plan.model_id,
+                        response_id=f"resp_{plan.run_id}",
+                        sequence=run.chunks,
                     )
+                )
             pending.append(STREAM_END[protocol])
             run.end(outcome)
             if to_store is not None and isinstance(event, wire.RunDone):

@@ -1,7 +1,7 @@
 """Serving an ASGI app with Hypercorn on a socket the Edge owns, with a drain it controls.
 
 `hypercorn.trio.serve` binds its own sockets and couples two things the Edge must keep
-apart when it hands over to a successor process (a zero-downtime restart, SPEC §13):
+apart when it hands over to a successor process (a zero-downtime restart, design §13):
 *stop accepting* and *close idle connections*. Its shutdown does both at once, and a
 keep-alive connection closed while its client is sending the next request loses that
 request. So this module runs Hypercorn's own connection handler (`TCPServer`), lifespan
@@ -9,10 +9,15 @@ and worker context, the way `hypercorn.trio.run.worker_serve` does, on a listeni
 the Edge bound (or inherited), and drains in three steps:
 
 1. `stop_accepting()`: no new connections from this process (the socket stays open for
-   the successor, which shares it: nothing queued in it is lost). Every response from
-   now on carries `Connection: close`, so each keep-alive client learns on its next
-   request, which is still served here, that it must reconnect (and reaches the
-   successor).
+   the successor, which shares it: nothing queued in it is lost), and no new request on
+   an old one: a draining server never starts a run it might have to cut when its grace
+   period ends. Idle keep-alive connections are closed at once (a client's pool sees the
+   close before it reuses the connection and opens a new one, which reaches the
+   successor); the others as soon as their response is done, which carries
+   `Connection: close`. A request that arrives on an old connection all the same (sent
+   as the server closed it) is answered, unread, with a 503 `shutting_down`,
+   `Connection: close` and `Retry-After` (`DRAINING_REFUSAL`): the SDKs retry it, on a
+   new connection, and no run starts here.
 2. `wait_quiet(linger_s)`: until no request has been in progress for `linger_s`.
 3. `terminate()`: Hypercorn closes the idle connections left and gives in-flight ones
    its graceful timeout, after which the ones a write to a caller still holds are
@@ -45,24 +50,38 @@ from hypercorn.typing import (
     ASGIReceiveCallable,
     ASGISendCallable,
     ConnectionState,
+    HTTPResponseBodyEvent,
+    HTTPResponseStartEvent,
+    HTTPScope,
     Scope,
     WebsocketResponseBodyEvent,
     WebsocketResponseStartEvent,
     WebsocketScope,
 )
 
+from iop_edge.http.caller_protocol import protocol_of_request
 from iop_edge.http.compat.hypercorn import Lifespan, WorkerContext, repr_socket_addr, wrap_app
 from iop_edge.http.connection import ChunkedBodyWriter, Connection, current_connection
 from iop_edge.http.errors import ApiError
 from schemas.config import DEFAULT_SEND_TIMEOUT_S
 
-__all__ = ["WRONG_PORT_CODE", "HttpServer"]
+__all__ = ["DRAINING_REFUSAL", "WRONG_PORT_CODE", "HttpServer"]
 
 log = logging.getLogger(__name__)
 
 ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
 
 _CONNECTION_CLOSE = (b"connection", b"close")
+#: How soon a request refused by a draining server may be sent again (a new connection
+#: reaches the successor, or another replica, at once).
+DRAINING_RETRY_AFTER_S = 1
+DRAINING_REFUSAL = ApiError(
+    503,
+    "This IOP Edge is stopping (a restart hands over to its successor) and takes no new "
+    "request on this connection: send it again on a new connection",
+    type="service_unavailable_error",
+    code="shutting_down",
+)
 #: The error code of a websocket upgrade refused on an HTTP port.
 WRONG_PORT_CODE = "not_a_node_port"
 
@@ -140,11 +159,13 @@ class HttpServer:
             lifespan_nursery.cancel_scope.cancel()
 
     def stop_accepting(self) -> None:
-        """Accept nothing more here, and ask every client to reconnect (step 1)."""
+        """Accept nothing more here, no connection and no new request (step 1)."""
         self._draining = True
         if self._accept_scope is not None:
             self._accept_scope.cancel()
             self._accept_scope = None
+        for connection in self._live:
+            connection.drain()
 
     def resume_accepting(self) -> None:
         """Accept connections (again: a handover that failed gives the socket back)."""
@@ -199,21 +220,23 @@ class HttpServer:
     async def _track(
         self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
     ) -> None:
-        """Count requests in progress; while draining, close each connection after its
-        response (step 1); write chunked bodies directly (`ChunkedBodyWriter`); refuse
-        websockets (module docstring)."""
+        """Count requests in progress; while draining, refuse new ones and close each
+        connection after its response (step 1); write chunked bodies directly
+        (`ChunkedBodyWriter`); refuse websockets (module docstring)."""
         if scope["type"] == "websocket":
             await self._refuse_websocket(scope, send)
             return
         if scope["type"] != "http":
             await self._inner(scope, receive, send)
             return
+        if self._draining:
+            await self._refuse_draining(scope, send)
+            return
         self._in_flight += 1
         if self._next_request is not None:
             self._next_request.set()
         try:
-            if self._draining:
-                send = partial(_closing_send, send)
+            send = partial(self._close_if_draining, send)
             connection = current_connection()
             if connection is not None and connection.writes_directly:
                 send = ChunkedBodyWriter(send, connection, scope)
@@ -223,6 +246,43 @@ class HttpServer:
             if not self._in_flight:
                 self._idle.set()
                 self._idle = trio.Event()
+
+    async def _close_if_draining(self, send: ASGISendCallable, message: Any) -> None:
+        """Forward `message`; a response that begins while draining says `Connection:
+        close`, whenever its request came (its client then never sends another on this
+        connection). Only a response's head and end pass here: a chunked body's pieces
+        go straight to the connection (`ChunkedBodyWriter`)."""
+        if self._draining:
+            await _closing_send(send, message)
+        else:
+            await send(message)
+
+    async def _refuse_draining(self, scope: HTTPScope, send: ASGISendCallable) -> None:
+        """A request on an old connection while draining: a 503 that says to retry, the
+        request unread, the connection closed after it (step 1)."""
+        protocol = protocol_of_request(
+            scope["path"],
+            anthropic_version=any(name == b"anthropic-version" for name, _ in scope["headers"]),
+        )
+        body = DRAINING_REFUSAL.body(protocol)
+        start: HTTPResponseStartEvent = {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(body)),
+                (b"retry-after", b"%d" % DRAINING_RETRY_AFTER_S),
+                _CONNECTION_CLOSE,
+            ],
+            "trailers": False,
+        }
+        end: HTTPResponseBodyEvent = {
+            "type": "http.response.body",
+            "body": body,
+            "more_body": False,
+        }
+        await send(start)
+        await send(end)
 
     async def _refuse_websocket(self, scope: WebsocketScope, send: ASGISendCallable) -> None:
         """Answer a websocket upgrade with a 400 saying where Nodes connect (ASGI's

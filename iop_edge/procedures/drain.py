@@ -1,13 +1,16 @@
 """Draining: how every stop ends, and every restart once the successor serves.
 
 1. Accept nothing more: no Nodes, no callers, no admin requests on this process (the
-   listening sockets stay open for a successor that shares them).
+   listening sockets stay open for a successor that shares them), and no new request on
+   an old connection: idle keep-alive connections are closed (their clients reconnect,
+   to the successor), the others once their response is done, and a request that
+   arrives all the same is answered with a 503 to retry (`HttpServer.stop_accepting`).
+   So no run starts that the grace period might cut.
 2. Send `goaway` to the Nodes (bounded by `GOAWAY_TIMEOUT_S`): each links again, to the
    successor if there is one, and keeps this link for the runs on it.
 3. Publish this replica's state (the roster shows it draining).
 4. Wait until no request has been in progress for `DRAIN_LINGER_S` on any server,
-   within the grace period: each keep-alive caller is told to reconnect on its next
-   request, which is still served here.
+   within the grace period.
 5. When the grace period is over, cut the runs still open (each caller gets an error
    event and `[DONE]`, or a 503; each run its record) and give those exchanges
    `CUT_WRITE_S` to write their last bytes.
@@ -32,9 +35,8 @@ log = logging.getLogger(__name__)
 #: After the grace period, how long the cut exchanges have to write their last bytes (an
 #: error event and `[DONE]`, or a 503) before what is left is closed.
 CUT_WRITE_S: Final = 2.0
-#: While draining, how long no request may have been in progress before the remaining
-#: keep-alive connections are closed: a client that just got a response sends its next
-#: request within this, is answered with `Connection: close`, and reconnects elsewhere.
+#: While draining, how long no request may have been in progress before the servers are
+#: terminated (the exchanges that just ended write their last bytes meanwhile).
 DRAIN_LINGER_S: Final = 0.5
 #: Bound on queueing `goaway` to every node (a node with a full outbox is slow).
 GOAWAY_TIMEOUT_S: Final = 2.0

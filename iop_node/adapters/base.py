@@ -83,7 +83,7 @@ class AdapterError(Exception):
 class ProbeTimeout(Exception):
     """Raised by `probe()` when the upstream accepted the probe but did not answer in time.
 
-    Not a verdict: a runtime that is generating may not answer its model list (SPEC §4.11),
+    Not a verdict: a runtime that is generating may not answer its model list (design §4 item 11),
     so the health monitor decides from the provider's runs whether it is busy or down."""
 
 
@@ -92,7 +92,7 @@ class ProbeWitness(Protocol):
     """An adapter that can tell whether its last probe reached the upstream: the runtime
     accepted the connection and the request went out, whatever came back. A probe that
     then times out met a runtime that is alive but busy (another client may be keeping
-    it so), not one that is down (design §4.11)."""
+    it so), not one that is down (design §4 item 11)."""
 
     @property
     def probe_reached_upstream(self) -> bool: ...

@@ -51,7 +51,7 @@ After the first chunk: anything                upstream_stream_error not retryab
 An error status's message is the upstream's own, whitespace kept, up to `MESSAGE_LIMIT`
 (8 KiB): llama.cpp puts the reason for a 500 at the end of a long validation report, and
 the caller of a request the upstream refused deserves to read it. Whom a failure blames
-(the provider, or the request) is the Edge's decision (SPEC §4.10), not the adapter's.
+(the provider, or the request) is the Edge's decision (design §4 item 10), not the adapter's.
 
 The HTTP client is one long-lived `httpx2.AsyncClient` per adapter; httpcore2 picks its
 Trio backend by sniffing the running async library, so nothing here names a backend.
@@ -160,7 +160,7 @@ _KEEPALIVE_EXPIRY_S = 4.0
 #: Bytes of an error response read to find the upstream's message; the rest is dropped.
 _ERROR_BODY_LIMIT = 64 * 1024
 #: Longest upstream error message carried into an AdapterError, whitespace and all: the
-#: caller gets the upstream's own words (SPEC §4.10), and the reason is often at the end.
+#: caller gets the upstream's own words (design §4 item 10), and the reason is often at the end.
 MESSAGE_LIMIT = 8 * 1024
 #: Longest one-line detail of a probe or transport failure (a status detail, a log line).
 _DETAIL_LIMIT = 500

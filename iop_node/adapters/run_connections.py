@@ -5,7 +5,7 @@ assigns a request and each time a response is closed: it polls every idle connec
 socket for a close by the server (one `poll()` each) and counts them against its limits,
 and it wraps each response's body in one more stream layer. A busy provider has a
 connection per run in flight, dozens, so that bookkeeping was about a quarter of a
-Node's CPU per non-stream run (README, "Session 6"). A run needs much less: one idle
+Node's CPU per non-stream run in the closed-loop bench. A run needs much less: one idle
 connection to reuse, else a new one.
 
 So an adapter's runs keep their own idle connections, the most recently used on top:

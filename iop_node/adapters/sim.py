@@ -1,4 +1,4 @@
-"""The `sim` provider: a built-in simulated local inference engine (SPEC §9).
+"""The `sim` provider: a built-in simulated local inference engine (design §9).
 
 It is a real adapter, not a test double: the demo's default provider and the workhorse
 of tests and benchmarks. It behaves like a small OpenAI-compatible engine with a known,

@@ -122,7 +122,7 @@ async def test_closed_loop_measures_every_scenario_and_each_process(tmp_path: Pa
     for process in ("upstream", "hypercorn", "front", "back", "edge", "node", "edge+node"):
         assert re.search(rf"│ {re.escape(process)} +│", text), process
     assert "vllm-router: not installed, skipped" in text
-    assert "Targets from the issue" in text
+    assert "Performance targets" in text
     assert "machine: " in text
 
     document = json.loads(to_json(result))

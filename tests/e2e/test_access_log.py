@@ -1,4 +1,4 @@
-"""The access log through a real Edge and Node: one line per finished request (SPEC §12)."""
+"""The access log through a real Edge and Node: one line per finished request (design §12)."""
 
 from __future__ import annotations
 

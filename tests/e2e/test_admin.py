@@ -1,4 +1,4 @@
-"""The admin surface (SPEC §5.1, §6, §10): catalog, metrics, status, and who may call it."""
+"""The admin surface (design §5.1, §6, §10): catalog, metrics, status, and who may call it."""
 
 from __future__ import annotations
 
@@ -103,8 +103,8 @@ async def test_catalog_has_every_field_with_live_values(stack: Stack) -> None:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("application/json")
         catalog = response.json()
-        assert set(catalog) == {"revision", "models", "providers"}
-        assert catalog["revision"] == 1
+        assert set(catalog) == {"revision", "models", "providers", "next"}
+        assert (catalog["revision"], catalog["next"]) == (1, None)  # not paged
         models = _by_id(catalog["models"])
         providers = _by_id(catalog["providers"])
         assert [m["id"] for m in catalog["models"]] == ["m", "offline"]
@@ -260,7 +260,7 @@ async def test_status_names_revision_config_and_nodes(stack: Stack, tmp_path: Pa
     assert (health.status_code, health.json()) == (200, {"status": "ok", "revision": 1})
 
 
-# --- who may call it (SPEC §5.1) ------------------------------------------------------------
+# --- who may call it (design §5.1) ------------------------------------------------------------
 
 
 #: Requests no browser page may make to the documents the pool page reads.
@@ -394,7 +394,7 @@ async def test_loopback_admin_listeners_are_accepted(tmp_path: Path, listen: str
     assert Edge(parse_config(text)).snapshot.config.admin.listen == listen
 
 
-# --- GET /readyz (SPEC §12) ------------------------------------------------------------------
+# --- GET /readyz (design §12) ------------------------------------------------------------------
 
 
 async def test_readyz_follows_whether_any_model_can_be_served(stack: Stack) -> None:

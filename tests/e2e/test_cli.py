@@ -1,4 +1,4 @@
-"""`iop-edge` commands (SPEC §10): check-config, hash-token, and catalog/refresh against a
+"""`iop-edge` commands (design §10): check-config, hash-token, and catalog/refresh against a
 running Edge. The blocking CLI runs in a worker thread while the stack serves in Trio."""
 
 from __future__ import annotations

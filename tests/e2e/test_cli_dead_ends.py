@@ -1,4 +1,4 @@
-"""`iop-edge` without dead ends (issue 11): every way an operator got stuck, checked.
+"""`iop-edge` without dead ends: every way an operator got stuck, checked.
 
 Commands that need a process of their own (a busy port, a closed pipe, a terminal) run as
 subprocesses; the rest call `main()` in a worker thread while the stack serves in Trio.

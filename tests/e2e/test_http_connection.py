@@ -140,24 +140,51 @@ async def test_the_last_body_message_may_carry_data(nursery: trio.Nursery) -> No
     assert _body(response) == PIECES_CHUNKED.removesuffix(b"0\r\n\r\n") + last + b"0\r\n\r\n"
 
 
-async def test_a_draining_server_still_chunks_and_closes_after_the_reply(
+async def test_a_draining_server_ends_a_reply_whole_then_closes(
     nursery: trio.Nursery,
 ) -> None:
-    """While the server drains, a connection accepted before is still served: the reply
-    carries `Connection: close` and its pieces are framed as usual."""
-    server, address = _server(StreamingApp(PIECES))
+    """A reply begun before the drain goes out whole, its pieces framed as usual, and the
+    connection closes after it (a draining server takes no new request on it)."""
+    hold = trio.Event()
+    app = StreamingApp(PIECES, hold=hold)
+    server, address = _server(app)
+    await nursery.start(server.serve)
+    stream = await trio.open_tcp_stream(*address)
+    async with stream:
+        await stream.send_all(b"POST /stream HTTP/1.1\r\nhost: t\r\n\r\n")  # keep-alive
+        await trio.testing.wait_all_tasks_blocked()  # the first piece is out
+        server.stop_accepting()
+        hold.set()
+        received = bytearray()
+        while data := await stream.receive_some(1 << 16):
+            received += data
+    head, _, body = bytes(received).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert body == PIECES_CHUNKED and app.finished.is_set()
+
+
+async def test_a_draining_server_refuses_a_request_on_an_old_connection_unread(
+    nursery: trio.Nursery,
+) -> None:
+    """A request that reaches a connection accepted before the drain is answered, unread,
+    with a 503 to retry elsewhere and `Connection: close` (not reset: its bytes were
+    waiting when the server came to close the idle connection); the app never sees it."""
+    app = StreamingApp(PIECES)
+    server, address = _server(app)
     await nursery.start(server.serve)
     stream = await trio.open_tcp_stream(*address)
     async with stream:
         await trio.testing.wait_all_tasks_blocked()  # accepted
         server.stop_accepting()
-        await stream.send_all(b"POST /stream HTTP/1.1\r\nhost: t\r\n\r\n")  # keep-alive
+        # Sent before the server's tasks run: already there when the connection is read.
+        await stream.send_all(b"POST /stream HTTP/1.1\r\nhost: t\r\n\r\n")
         received = bytearray()
         while data := await stream.receive_some(1 << 16):
             received += data
     head, _, body = bytes(received).partition(b"\r\n\r\n")
-    assert b"\r\nconnection: close" in head.lower()
-    assert body == PIECES_CHUNKED
+    assert head.startswith(b"HTTP/1.1 503 ") and b"\r\nconnection: close" in head.lower()
+    assert b"\r\nretry-after: 1" in head.lower() and b'"code":"shutting_down"' in body
+    assert app.connection is None  # the app was never called
 
 
 async def test_pipelined_requests_get_their_replies_whole_and_in_order(

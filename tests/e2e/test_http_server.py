@@ -53,16 +53,52 @@ async def _start(nursery: trio.Nursery, app: App, sock: socket.socket) -> HttpSe
     return server
 
 
-async def test_keep_alive_clients_are_told_to_reconnect(nursery: trio.Nursery) -> None:
+async def test_an_idle_keep_alive_connection_is_closed_and_its_client_reconnects(
+    nursery: trio.Nursery,
+) -> None:
+    """A draining server closes its idle keep-alive connections at once: the client's
+    pool sees the close before it reuses the connection, and its next request goes over
+    a new one, to the successor, without an error."""
     sock = _socket()
-    server = await _start(nursery, App("old"), sock)
-    async with httpx2.AsyncClient(base_url=server.url) as client:
-        first = await client.get("/")
-        assert "close" not in first.headers.get("connection", "")
+    old = await _start(nursery, App("old"), sock)
+    async with httpx2.AsyncClient(base_url=old.url) as client:
+        assert (await client.get("/")).text == "old"
+        assert old.open_connections == 1
+        old.stop_accepting()
+        await trio.testing.wait_all_tasks_blocked()
+        assert old.open_connections == 0
+        await _start(nursery, App("new"), sock)
+        assert (await client.get("/")).text == "new"
+
+
+async def test_a_reply_begun_while_draining_closes_its_connection(
+    nursery: trio.Nursery,
+) -> None:
+    """A response that begins while the server drains says `Connection: close`, whenever
+    its request came; a request pipelined behind it is never read (its client sends it
+    again, on a new connection) and never reaches the app."""
+    app = App("old")
+    server = await _start(nursery, app, _socket())
+    address = parse_listen_address(server.url.removeprefix("http://"))
+    with socket.create_connection((address.host, address.port)) as raw:
+        raw.sendall(
+            b"GET /slow HTTP/1.1\r\nHost: edge\r\n\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: edge\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+        )
+        with trio.fail_after(5):
+            while server.in_flight == 0:
+                await trio.testing.wait_all_tasks_blocked()
         server.stop_accepting()
-        second = await client.get("/")  # same connection: still served here ...
-        assert second.text == "old"
-        assert second.headers["connection"] == "close"  # ... and told to go
+        app.release.set()
+        received = b""
+        with trio.fail_after(5):
+            while chunk := await trio.to_thread.run_sync(raw.recv, 65536):
+                received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"\r\nconnection: close" in head.lower()
+    assert body == b"old"  # and nothing after it
+    assert app.served == 1
 
 
 async def test_connections_waiting_to_be_accepted_go_to_the_successor(

@@ -1,4 +1,4 @@
-"""The usage ledger in PostgreSQL, shared by Edge replicas (SPEC §7, §13).
+"""The usage ledger in PostgreSQL, shared by Edge replicas (design §7, §13).
 
 A real PostgreSQL server (`tests/e2e/postgres.py`) and real Edges in-process; the
 password travels only in the environment variable the config names.

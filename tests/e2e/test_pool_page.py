@@ -9,6 +9,7 @@ skips, saying why, when Chromium or Playwright is missing; `.ci/run` installs bo
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 from pathlib import Path
@@ -31,6 +32,9 @@ CHROMIUM_FLAGS = [
 ]
 #: Slow enough that the held requests stay in flight for the whole test.
 HOLDING = {"ttft_ms": 5, "tokens_per_second": 4}
+#: With a screenshot to write: traffic for this long first, a wave every `WAVE_S`.
+HISTORY_S = 80.0
+WAVE_S = 3.0
 
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None,
@@ -81,6 +85,24 @@ async def _stream(stack: Stack, model: str) -> None:
             pass
 
 
+async def _history(stack: Stack, seconds: float) -> None:
+    """Waves of streams of changing size for `seconds`, so the screenshot's charts show
+    some history: time to first token rising with the queue, the output rate following
+    the load (the sims serve `HOLDING`'s 4 tokens/s per stream)."""
+    waves = itertools.cycle([(2, 1), (6, 2), (12, 3), (4, 1), (16, 4), (8, 2), (3, 3)])
+    start = trio.current_time()
+    for wave in itertools.count():
+        if trio.current_time() > start + seconds:
+            return
+        qwen, llama = next(waves)
+        async with trio.open_nursery() as load:
+            for _ in range(qwen):
+                load.start_soon(_stream, stack, "qwen3.6:35b")
+            for _ in range(llama):
+                load.start_soon(_stream, stack, "llama-3.1-8b")
+        await trio.sleep_until(start + (wave + 1) * WAVE_S)  # the load's shape over time
+
+
 async def _hold(stack: Stack, model: str) -> None:
     """A streamed request that keeps its slot until the test ends."""
     async with stack.client() as client:
@@ -125,7 +147,7 @@ def _browse(admin_url: str, profile: Path, screenshot: Path) -> dict[str, Any]:
                 timeout=15_000,
             )
             page.wait_for_selector(
-                'tr[data-model-chart="llama-3.1-8b"] td[data-queue-max="1"]', timeout=15_000
+                'tr[data-model-chart="llama-3.1-8b"] td[data-queue-now="1"]', timeout=15_000
             )
             result = {
                 "providers": page.eval_on_selector_all(
@@ -147,7 +169,7 @@ def _browse(admin_url: str, profile: Path, screenshot: Path) -> dict[str, Any]:
                     "rows => rows.map(r => [r.dataset.modelChart, "
                     "Number(r.querySelector('[data-ttft-p50]').dataset.ttftP50), "
                     "Number(r.querySelector('[data-tokens-per-s]').dataset.tokensPerS), "
-                    "Number(r.querySelector('[data-queue-max]').dataset.queueMax), "
+                    "Number(r.querySelector('[data-queue-now]').dataset.queueNow), "
                     "r.querySelectorAll('svg path, svg rect').length])",
                 ),
                 "errors": errors,
@@ -158,6 +180,7 @@ def _browse(admin_url: str, profile: Path, screenshot: Path) -> dict[str, Any]:
             context.close()
 
 
+@pytest.mark.timeout(2 * HISTORY_S + 60)
 async def test_the_pool_page_shows_providers_and_their_load_live(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
@@ -174,6 +197,9 @@ async def test_the_pool_page_shows_providers_and_their_load_live(
             await client.chat.completions.create(
                 model="qwen3.6:35b", max_tokens=1, messages=[{"role": "user", "content": "x"}]
             )
+    screenshot = Path(os.environ.get("IOP_POOL_PAGE_SCREENSHOT", tmp_path / "pool.png"))
+    if "IOP_POOL_PAGE_SCREENSHOT" in os.environ:
+        await _history(stack, HISTORY_S)  # minutes of traffic for the picture
     async with trio.open_nursery() as streams:  # finished streams for the model charts
         for _ in range(4):
             streams.start_soon(_stream, stack, "qwen3.6:35b")
@@ -186,7 +212,6 @@ async def test_the_pool_page_shows_providers_and_their_load_live(
                 and any(m["queued"] == 1 for m in c["models"])
             )
         )
-        screenshot = Path(os.environ.get("IOP_POOL_PAGE_SCREENSHOT", tmp_path / "pool.png"))
         seen = await trio.to_thread.run_sync(
             _browse, stack.addresses.admin_url, tmp_path / "profile", screenshot
         )
@@ -206,6 +231,6 @@ async def test_the_pool_page_shows_providers_and_their_load_live(
     charts = {row[0]: row[1:] for row in seen["charts"]}
     ttft_p50, tokens_per_s, _, shapes = charts["qwen3.6:35b"]
     assert 0 < ttft_p50 < 5 and tokens_per_s > 0 and shapes >= 3  # p50, p95, rate
-    assert charts["llama-3.1-8b"][2] == 1  # its queue, as sampled
+    assert charts["llama-3.1-8b"][2] == 1  # its queue now, as sampled
     assert seen["errors"] == []  # no CSP violation, no script error
     assert (await trio.Path(screenshot).stat()).st_size > 10_000

@@ -1,4 +1,4 @@
-"""Live config refresh end to end (SPEC §5): a real Edge, real Nodes, the `openai` SDK.
+"""Live config refresh end to end (design §5): a real Edge, real Nodes, the `openai` SDK.
 
 The headline test applies one live change after another while eight callers stream in a
 loop, and checks every single request against the configs it could have run under: a
@@ -32,6 +32,7 @@ from trio_websocket import open_websocket_url
 from iop_edge.core.snapshot import QueuePolicy
 from iop_edge.main import _apply_from_file, handle_signals
 from iop_edge.runtime.refresh.audit import AUDIT_FILE_NAME
+from iop_edge.runtime.refresh.push import RETRY_NOTE
 from iop_node.adapters.base import Adapter, Emit, RunResult
 from iop_node.registry import create_adapter
 from iop_node.reply import ParsedChunk
@@ -164,7 +165,7 @@ def all_idle(catalog: Doc) -> bool:
 
 
 def assert_report_shape(report: Doc) -> None:
-    """SPEC §5.3: every field present, every list a list (never null) and sorted."""
+    """design §5 step 3: every field present, every list a list (never null) and sorted."""
     assert set(report) == {"mode", "outcome", "base_revision", "revision", *REPORT_LISTS}
     for key in REPORT_LISTS:
         assert isinstance(report[key], list), key
@@ -859,7 +860,7 @@ async def test_one_refresh_at_a_time_and_a_refused_ack_is_reported(
             "id": "node-1",
             "status": "failed",
             "revision": 2,
-            "detail": "cannot build sim-a: out of memory",
+            "detail": f"cannot build sim-a: out of memory; {RETRY_NOTE}",
         }
     ]
     assert stack.edge.snapshot.revision == 2

@@ -1,4 +1,4 @@
-"""Two Edge replicas behind a real L4 balancer, two Nodes linked to both (SPEC §13).
+"""Two Edge replicas behind a real L4 balancer, two Nodes linked to both (design §13).
 
 Each replica is its own `iop-edge serve` process with the same config file (every
 listener on port 0, so each binds its own ports; they share the `state_dir`, and so the

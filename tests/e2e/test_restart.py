@@ -1,8 +1,10 @@
-"""Zero-downtime restart of a real `iop-edge serve` process (SPEC §13).
+"""Zero-downtime restart of a real `iop-edge serve` process (design §13).
 
 The Edge runs as its own process, as an operator runs it; the Node runs in the test (so
-its slot counts can be read) and callers use the official `openai` SDK with no retries:
-every error they see counts.
+its slot counts can be read) and callers use the official `openai` SDK with its default
+retries (`SDK_RETRIES`): the draining Edge closes its idle keep-alive connections, and a
+request sent on one at that very instant gets no answer, so the SDK sends it again, to
+the successor. Every error the callers see counts, and so does a stream cut short.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
+import openai
 import trio
 import yaml
 
@@ -22,6 +25,7 @@ from iop_edge.core.tokens import hash_token
 from iop_node.edges import EdgeLinks
 from iop_node.main import run_node
 from tests.e2e.processes import (
+    MESSAGES,
     MixedLoad,
     admin_get,
     pid_alive,
@@ -33,6 +37,8 @@ from tests.e2e.processes import (
 from tests.e2e.stack import NODE_TOKEN, NODE_TOKEN_HASH, one_sim_config, start_stack
 
 CAPACITY = 16
+#: The openai SDK's default `max_retries`.
+SDK_RETRIES = 2
 
 
 def _write(path: Path, config: dict[str, Any]) -> Path:
@@ -55,7 +61,7 @@ async def test_restart_under_continuous_load_fails_nothing(
         node: EdgeLinks = await nursery.start(
             partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN)
         )
-        load = MixedLoad(edge.urls["openai"], streams=32, non_streams=8)
+        load = MixedLoad(edge.urls["openai"], streams=32, non_streams=8, retries=SDK_RETRIES)
         async with trio.open_nursery() as callers:
             callers.start_soon(load.run)
             with trio.fail_after(60):
@@ -132,7 +138,9 @@ async def test_sigusr2_applies_a_pending_restart_required_change(
                 return response.status_code
 
         assert await call(new_token) == 401
-        load = MixedLoad(edge.urls["openai"], streams=4, non_streams=2, api_key=old_token)
+        load = MixedLoad(
+            edge.urls["openai"], streams=4, non_streams=2, api_key=old_token, retries=SDK_RETRIES
+        )
         async with trio.open_nursery() as callers:
             callers.start_soon(load.run)
             with trio.fail_after(30):
@@ -192,3 +200,49 @@ async def test_an_in_process_edge_cannot_restart_itself(
     assert response.status_code == 409
     assert response.json()["outcome"] == "refused"
     assert "cannot start itself again" in response.json()["detail"]
+
+
+async def test_a_keep_alive_callers_next_request_is_never_cut_by_the_drain(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A caller whose pooled keep-alive connection is idle when the old Edge starts to
+    drain sends a stream that lasts longer than the old Edge's grace period: it is served
+    whole (by the successor: the old Edge closed the idle connection, the SDK's pool
+    opened a new one), not started on the old Edge and cut when its grace ran out."""
+    config = sim_config(tmp_path / "state", NODE_TOKEN_HASH, capacity=4, tokens_per_second=20)
+    config["edge"]["shutdown_grace_s"] = 3
+    path = _write(tmp_path / "edge.yaml", config)
+    edge = await start_edge(nursery, path)
+    successor = 0
+    try:
+        await nursery.start(partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN))
+        base_url = f"{edge.urls['openai']}/v1"
+        keep_alive = openai.AsyncOpenAI(base_url=base_url, api_key="-", max_retries=SDK_RETRIES)
+        busy = openai.AsyncOpenAI(base_url=base_url, api_key="-", max_retries=SDK_RETRIES)
+        async with keep_alive, busy:
+            await keep_alive.chat.completions.create(model="m", max_tokens=1, messages=MESSAGES)
+            # A stream in progress on the old Edge (3 s) keeps it draining for a while.
+            in_progress = await busy.chat.completions.create(
+                model="m", max_tokens=60, messages=MESSAGES, stream=True
+            )
+            first = await in_progress.__anext__()
+            result = await run_cli("restart", "--admin", edge.urls["admin"], "--json")
+            assert result.returncode == 0, result.stderr.decode() + edge.log
+            successor = json.loads(result.stdout)["successor_pid"]
+            # The old Edge drains now; the pooled connection is its. A 5 s stream, longer
+            # than the old Edge's 3 s of grace:
+            with trio.fail_after(30):
+                stream = await keep_alive.chat.completions.create(
+                    model="m", max_tokens=100, messages=MESSAGES, stream=True
+                )
+                chunks = [chunk async for chunk in stream]
+                rest = [chunk async for chunk in in_progress]
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] == "length", chunks[-3:]
+        assert [c.choices[0].finish_reason for c in [first, *rest] if c.choices][-1] == "length"
+        with trio.fail_after(30):
+            assert await edge.process.wait() == 0
+        assert "run(s) cut" not in edge.log, edge.log
+    finally:
+        stop_pid(successor)
+        stop_pid(edge.pid)

@@ -1,8 +1,9 @@
 """What real runtimes do, through a real Edge and Node, with the openai SDK as the caller.
 
 llama.cpp's Python server broke four things that never break when it is called directly
-(issue 9). The fake upstream reproduces each of its behaviours (`LLAMA_CPP`, `warmup`),
-and these tests pin IOP's answers (SPEC §4.10-11, §7, §8):
+(`tests/runtimes` checks them against the real server). The fake upstream reproduces
+each of its behaviours (`LLAMA_CPP`, `warmup`), and these tests pin IOP's answers
+(design §4 items 10-11, §7, §8):
 
 1. busy is not down: a provider generating (or loading its model) while its model list
    does not answer stays in the pool as `busy`, and is not probed meanwhile (a probe

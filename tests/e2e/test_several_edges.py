@@ -1,4 +1,4 @@
-"""Several Edges sharing Nodes, in-process (SPEC §3 "Several Edges", §13 slot truth).
+"""Several Edges sharing Nodes, in-process (design §3 "Several Edges", §13 slot truth).
 
 Two real Edges and real Nodes on 127.0.0.1, each Node linked to both: the provider's
 slots are counted on the Node across links, each Edge counts the runs the other holds,

@@ -75,7 +75,7 @@ async def test_upstream_500_is_a_502_and_frees_the_slot(
         await wait_idle(stack)
     assert fake.requests_total == 2  # never retried on the provider that failed
     # A 500 with no other provider to try may be the request's fault: it counts against
-    # nobody (SPEC §4.10).
+    # nobody (design §4 item 10).
     assert provider_of(await stack.catalog(), "gpu")["consecutive_failures"] == 0
 
 

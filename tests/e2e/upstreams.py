@@ -160,7 +160,7 @@ def all_idle(catalog: dict[str, Any]) -> bool:
 
 
 async def wait_idle(stack: Stack, within_s: float = 1.0) -> None:
-    """Every slot is back within `within_s` (SPEC §4.7: released exactly once, promptly)."""
+    """Every slot is back within `within_s` (design §4 item 7: released exactly once, promptly)."""
     with trio.fail_after(within_s):
         await stack.wait_catalog(all_idle)
 

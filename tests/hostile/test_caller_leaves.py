@@ -1,4 +1,4 @@
-"""A caller that leaves at any stage still leaves a record (SPEC §7, issue 10 item 6):
+"""A caller that leaves at any stage still leaves a record (design §7):
 queued, dispatched before the first event (stream or not), or mid-stream."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`Connection: close` and HTTP/1.0 are honoured on every route (issue 10 item 11),
+"""`Connection: close` and HTTP/1.0 are honoured on every route,
 watched on raw sockets: the Edge closes the connection once the response is written."""
 
 from __future__ import annotations

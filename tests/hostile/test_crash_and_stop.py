@@ -1,8 +1,7 @@
 """A killed Edge loses no completed response; a stopped one leaves no caller hanging.
 
 Real `iop-edge serve` processes (SIGKILL, SIGTERM) with an in-process Node; and the
-shutdown cut in-process, where every kind of exchange can be watched (issue 10 items 7
-and 8)."""
+shutdown cut in-process, where every kind of exchange can be watched."""
 
 from __future__ import annotations
 

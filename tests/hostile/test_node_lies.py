@@ -1,5 +1,5 @@
 """An authenticated Node that reports nonsense: the caller is served, the ledger keeps its
-row, the Edge corrects what it must and keeps going (SPEC §7; issue 10 item 9)."""
+row, the Edge corrects what it must and keeps going (design §7)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Whatever it is asked, the sim engine neither blocks the Node's event loop nor grows
-without bound (issue 10 item 2): it refuses what exceeds its context, as an engine does.
-And the Node's own config file cannot be built to hurt it either (item 4)."""
+without bound: it refuses what exceeds its context, as an engine does.
+And the Node's own config file cannot be built to hurt it either."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ async def test_embedding_batches_are_bounded() -> None:
 
 
 def test_a_node_config_file_built_to_hurt_is_a_usage_error(tmp_path: Path) -> None:
-    """The Node's `--config` YAML is read as boundedly as the Edge's (issue 10 item 4)."""
+    """The Node's `--config` YAML is read as boundedly as the Edge's."""
     bomb = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
     bomb += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
     config = tmp_path / "node.yaml"

@@ -1,5 +1,5 @@
 """Property-based: whatever arrives, the config loader, the wire decoders and the request
-parser answer with their own errors, never a crash or a 500 (issue 10, tests/hostile).
+parser answer with their own errors, never a crash or a 500.
 
 Examples are bounded so the suite stays fast in CI; every case hypothesis ever found is
 kept in the `@example`s below as a regression."""

@@ -1,5 +1,5 @@
 """Health probes (`iop_node.health`): first report after the initial probes, then changes
-only; a probe that times out while runs progress means busy, not down (SPEC §4.11)."""
+only; a probe that times out while runs progress means busy, not down (design §4 item 11)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One set of providers for every Edge link (`iop_node.host`, SPEC §3 "Several Edges")."""
+"""One set of providers for every Edge link (`iop_node.host`, design §3 "Several Edges")."""
 
 from __future__ import annotations
 

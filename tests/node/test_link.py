@@ -169,9 +169,10 @@ class EdgeSide:
         return messages
 
     async def close(self, code: int = 1000) -> None:
-        """Close as the real Edge does (`iop_edge.runtime.nodes.hub`, `session.reject`): bounded.
+        """Close as the real Edge does (`iop_edge.runtime.nodes.hub`, `schemas.channel`):
+        bounded.
         A Node's ping that crosses our Close makes trio-websocket 0.12's reader fail on
-        the pong it may no longer send (issue #184); the closing handshake then never
+        the pong it may no longer send (trio-websocket#184); the closing handshake then never
         completes, and an unbounded `aclose` would hold the test forever."""
         with trio.move_on_after(0.5):
             await self.ws.aclose(code=code)

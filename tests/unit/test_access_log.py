@@ -1,4 +1,4 @@
-"""The access log's line formats and the shared log-line formatter (SPEC §12)."""
+"""The access log's line formats and the shared log-line formatter (design §12)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests for `iop_edge.core.config` (SPEC §2) and `iop_edge.core.tokens`.
+"""Tests for `iop_edge.core.config` (design §2) and `iop_edge.core.tokens`.
 
 Each validation rule has its own test, built from one small valid config (`valid()`) with
 exactly one mistake, asserting the exact path and a fragment of the message. Removing a

@@ -1,6 +1,6 @@
-"""Config validation holds the limits `serve` and the wire depend on (issue 10 items 2-4,
-10): alias bombs and deep nesting, the wire's request size, the default generation
-limit, and every host rule `serve` applies (TLS files, state_dir, listener ports)."""
+"""Config validation holds the limits `serve` and the wire depend on: alias bombs and deep
+nesting, the wire's request size, the default generation limit, and every host rule
+`serve` applies (TLS files, state_dir, listener ports)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The pure refresh diff: changed paths, their class (SPEC §5.2), and the live subset."""
+"""The pure refresh diff: changed paths, their class (design §5 step 2), and the live subset."""
 
 from __future__ import annotations
 

@@ -1127,7 +1127,7 @@ async def test_catalog_shows_the_lifecycle_the_node_reported() -> None:
     assert listed.discovered_lifecycle is None
 
 
-# -- other Edges sharing the provider's Node (SPEC §13) ---------------------------------
+# -- other Edges sharing the provider's Node (design §13) ---------------------------------
 
 
 async def test_runs_other_edges_hold_count_against_capacity() -> None:

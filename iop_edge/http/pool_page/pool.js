@@ -192,6 +192,19 @@ function niceTop(values, floor) {
   return peak;
 }
 
+// A dot per sample: a bucket whose neighbours have none still shows.
+function dots(values, top, cls) {
+  const group = svg("g", { class: cls });
+  values.forEach((value, index) => {
+    if (value !== null && value !== undefined) {
+      group.append(svg("circle", {
+        cx: chartX(index, values.length).toFixed(1), cy: chartY(value, top).toFixed(1), r: 1.6,
+      }));
+    }
+  });
+  return group;
+}
+
 function lastValue(values) {
   for (let i = values.length - 1; i >= 0; i -= 1) {
     if (values[i] !== null && values[i] !== undefined) return values[i];
@@ -209,6 +222,7 @@ function ttftCell(m) {
   const chart = frame(`time to first token of ${m.model}`, top * 1000, " ms");
   chart.append(svg("path", { class: "p95", d: linePath(m.ttft_p95_s, top) }));
   chart.append(svg("path", { class: "p50", d: linePath(m.ttft_p50_s, top) }));
+  chart.append(dots(m.ttft_p95_s, top, "p95-dots"), dots(m.ttft_p50_s, top, "p50-dots"));
   const p50 = lastValue(m.ttft_p50_s);
   const p95 = lastValue(m.ttft_p95_s);
   return el("td", { "data-ttft-p50": p50 ?? "", "data-ttft-p95": p95 ?? "" },
@@ -250,7 +264,7 @@ function queueCell(m) {
     }
   });
   const deepest = Math.max(0, ...values);
-  return el("td", { "data-queue-max": deepest },
+  return el("td", { "data-queue-max": deepest, "data-queue-now": values[values.length - 1] ?? 0 },
     el("div", { class: "chart" }, chart,
       el("span", { class: "now" }, "max ", el("strong", {}, deepest))));
 }

@@ -1,7 +1,7 @@
 """The Edge's listening sockets: bound here, or inherited from the Edge process it replaces.
 
 The Edge binds its sockets itself (Hypercorn and trio-websocket get them ready-made)
-because of what a zero-downtime restart needs (SPEC §13):
+because of what a zero-downtime restart needs (design §13):
 
 - The successor process inherits the very same listening sockets (same file
   descriptions, passed at `exec`): the port stays the same, port 0 included, and a

@@ -1,4 +1,4 @@
-"""Which Edge processes share this ledger, and which config each runs (SPEC §13).
+"""Which Edge processes share this ledger, and which config each runs (design §13).
 
 Replicas of an Edge run the same config, but each applies a refresh on its own: an
 operator refreshes them one by one (see the README's "Scaling" section). To tell which

@@ -1,4 +1,4 @@
-"""The access log (SPEC §12): one line per finished inference request.
+"""The access log (design §12): one line per finished inference request.
 
 Fed by the same `RunRecord` metering gets (`Run.end`, exactly once per run) and, for a
 request refused before it became a run (bad JSON, bad token, unknown model, body too

@@ -1,11 +1,11 @@
 """The usage ledger's journal: a record is in the kernel's hands before the caller's last byte.
 
 SQLite commits are batched off the request path, so a process killed between a run's
-end and the next commit used to lose that batch (3 of 628 completed responses, in the
-issue 10 run). Now every record is first appended to a journal file with one `write()`
-from the event loop (microseconds, no fsync): once `write()` returns, the bytes are in
-the page cache and survive the process being killed. The ledger's writer then reads the
-journal, as its queue, into SQLite.
+end and the next commit would lose that batch (3 of 628 completed responses in a
+SIGKILL test, before this journal). So every record is first appended to a journal
+file with one `write()` from the event loop (microseconds, no fsync): once `write()`
+returns, the bytes are in the page cache and survive the process being killed. The
+ledger's writer then reads the journal, as its queue, into SQLite.
 
 Rules:
 1. `append` is one `write()` of one line to a segment opened `O_APPEND`: a record is

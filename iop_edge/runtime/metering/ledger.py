@@ -1,4 +1,4 @@
-"""Which usage ledger an Edge keeps, from `edge.ledger` (SPEC §7, §13; `core.ledger_url`).
+"""Which usage ledger an Edge keeps, from `edge.ledger` (design §7, §13; `core.ledger_url`).
 
 - Not set: `UsageLedger`, SQLite at `<state_dir>/usage.sqlite3` (one Edge, or replicas on
   one host sharing a `state_dir`: SQLite takes writers of several processes in turn).

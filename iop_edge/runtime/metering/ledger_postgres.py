@@ -1,4 +1,4 @@
-"""The usage ledger in PostgreSQL, shared by Edge replicas (SPEC §7, §13).
+"""The usage ledger in PostgreSQL, shared by Edge replicas (design §7, §13).
 
 Everything but the storage is `UsageLedger`'s: `record` appends to this Edge's journal
 in its `state_dir` without waiting, one writer task moves the journal into the store in

@@ -1,4 +1,4 @@
-"""Metering (SPEC §7): one record per finished run, to Prometheus and the usage ledger.
+"""Metering (design §7): one record per finished run, to Prometheus and the usage ledger.
 
 A run hands its `RunRecord` here exactly once, whatever ended it (see `dispatch.Run`).
 Every record is counted in the metrics; a record with a provider (the run reached one)

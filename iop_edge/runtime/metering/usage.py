@@ -1,7 +1,7 @@
-"""The durable usage ledger (SPEC §7): one record per finished run, in SQLite.
+"""The durable usage ledger (design §7): one record per finished run, in SQLite.
 
 Requests must not wait on SQLite, yet a response its caller received completely must be
-in the ledger even if the Edge is killed right after (SPEC §7, crash-safe). So
+in the ledger even if the Edge is killed right after (design §7, crash-safe). So
 `UsageLedger.record` is synchronous and does one thing: append the record to the journal
 (`journal.py`: one `write()` to a file in `state_dir`, done before the run's last bytes
 go to the caller). One writer task (owned by the Edge's nursery) reads the journal in
@@ -28,7 +28,7 @@ A full disk (the journal in `state_dir` cannot be written):
 3. A record is lost only past those bounds, or when the Edge stops before the disk has
    room (its grace period is spent retrying): each loss is logged with its count.
 
-Every record says where its token counts come from (`usage_source`, SPEC §7): "provider"
+Every record says where its token counts come from (`usage_source`, design §7): "provider"
 (the provider reported them) or "estimated" (IOP estimated them: the provider reported
 none, or the run was cut short), and the caller's protocol (`protocol`: chat, messages or
 responses, design §14). A ledger written before one of those columns existed is migrated

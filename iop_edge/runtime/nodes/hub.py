@@ -297,7 +297,7 @@ class NodeHub:
             session.abort("the edge is shutting down")
 
     async def goaway_all(self, reason: str) -> None:
-        """Send `goaway` to every connected node (SPEC §3): each dials this Edge's address
+        """Send `goaway` to every connected node (design §3): each dials this Edge's address
         again for new runs and keeps its session here only for the runs on it. The
         caller bounds the wait (a node whose outbox is full makes us wait for room)."""
         async with trio.open_nursery() as nursery:

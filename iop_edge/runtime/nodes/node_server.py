@@ -12,7 +12,7 @@ nursery of its own, and whatever the library raises for that connection ends it 
 trio-websocket's own server lets such an error out of its handler nursery, which would
 end every session and the Edge with it: in 0.12 a peer that answers the Edge's Close
 with a ping makes its reader send a pong that wsproto refuses (`LocalProtocolError` on a
-closing connection, trio-websocket issue #184), three frames any anonymous peer can send.
+closing connection, trio-websocket#184), three frames any anonymous peer can send.
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ class NodeSession:
 
     async def goaway(self, reason: str) -> None:
         """Tell the node this Edge is going away: it dials again for new runs and keeps
-        this session only for the runs on it (SPEC §3). Sent once."""
+        this session only for the runs on it (design §3). Sent once."""
         if self.goaway_sent:
             return
         self.goaway_sent = True

@@ -1,4 +1,4 @@
-"""Config refresh (SPEC §5): validate a candidate, decide, swap the snapshot, push to nodes.
+"""Config refresh (design §5): validate a candidate, decide, swap the snapshot, push to nodes.
 
 The `Refresher` coordinates; the pure parts live in the core (`refresh_diff` diffs and
 classifies, `refresh_plan` decides) and the Edge is reached only through the small
@@ -59,6 +59,7 @@ from iop_edge.runtime.refresh.audit import (
     reserve_room,
     write_config_atomically,
 )
+from iop_edge.runtime.refresh.push import CatchUp, PushPolicy, push_all
 from schemas.config import ConfigError, NodeConfig
 from schemas.refresh import (
     NodeResult,
@@ -83,7 +84,7 @@ COMMIT_GRACE_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class RefreshResult:
-    """How one refresh attempt ended: the verdict and the report (SPEC §5 step 3)."""
+    """How one refresh attempt ended: the verdict and the report (design §5 step 3)."""
 
     verdict: RefreshVerdict
     report: RefreshReport
@@ -136,12 +137,20 @@ class Refresher:
         *,
         config_path: Path | None,
         audit: AuditLog,
+        proof: ConfigProof | None = None,
         push_timeout_s: float = 10.0,
+        push_policy: PushPolicy | None = None,
     ) -> None:
+        """`proof` is what the running config proved (`ParsedConfig.proof`);
+        `push_timeout_s` is a Node's time to ack, unless a whole `push_policy` is given."""
         self._target = target
         self._config_path = config_path
         self._audit = audit
-        self._push_timeout_s = push_timeout_s
+        self._proof = proof
+        self._push = push_policy or PushPolicy(timeout_s=push_timeout_s)
+        self.catch_up = CatchUp(target, self._push)
+        """Pushes the running config again to the Nodes that missed a refresh; its `run`
+        is a service of the Edge."""
         self._busy = False
         self._pending_restart: tuple[str, ...] = ()
 
@@ -174,7 +183,7 @@ class Refresher:
         )
 
     async def refresh(self, request: RefreshRequest, *, source: str = "admin API") -> RefreshResult:
-        """Run one refresh; returns its verdict and report (SPEC §5). `source` says who
+        """Run one refresh; returns its verdict and report (design §5). `source` says who
         asked (the admin API, SIGHUP) in the log line every attempt gets."""
         if self._busy:
             report = self._rejected(
@@ -275,12 +284,16 @@ class Refresher:
         complete the audit line written ahead.
 
         Shielded with deadlines: the swap has happened, so a caller who hangs up must not
-        leave the nodes unpushed or the file stale. The per-node push timeout ends the
-        pushes well before the shield's deadline.
+        leave the nodes unpushed or the file stale. The push's own deadline (it grows
+        with the Nodes pushed, `push.PushPolicy`) ends it well before the shield's. A
+        connected Node that did not apply the new revision is pushed again later
+        (`push.CatchUp`), and its line in the report says so.
         """
         nodes = _interrupted(to_push)
-        with trio.move_on_after(self._push_timeout_s + COMMIT_GRACE_S, shield=True):
-            nodes = await self._push_all(to_push, snapshot)
+        self.catch_up.forget(to_push)
+        with trio.move_on_after(self._push.deadline_s(len(to_push)) + COMMIT_GRACE_S, shield=True):
+            nodes = await push_all(self._target, to_push, snapshot, self._push)
+        nodes = self.catch_up.take_failures(nodes)
         errors: list[RefreshError] = []
         if request.config_yaml is not None and self._config_path is not None:
             errors = await self._persist(self._config_path, request.config_yaml)
@@ -341,46 +354,6 @@ class Refresher:
         )
         self._proof = prepared.parsed.proof
         return prepared
-
-    # --- pushing -------------------------------------------------------------------------
-
-    async def _push_all(self, node_ids: list[str], snapshot: Snapshot) -> list[NodeResult]:
-        """Push concurrently to every connected node in `node_ids`; one result each."""
-        connected = self._target.connected_nodes()
-        results = {
-            node_id: NodeResult(id=node_id, status="not_connected")
-            for node_id in node_ids
-            if node_id not in connected
-        }
-        async with trio.open_nursery() as nursery:
-            for node_id in node_ids:
-                if node_id in connected:
-                    nursery.start_soon(self._push_one, node_id, snapshot, results)
-        return [results[node_id] for node_id in node_ids]
-
-    async def _push_one(
-        self, node_id: str, snapshot: Snapshot, results: dict[str, NodeResult]
-    ) -> None:
-        revision = snapshot.revision
-        results[node_id] = NodeResult(
-            id=node_id,
-            status="failed",
-            detail=f"no refresh_ack within {self._push_timeout_s:g}s",
-        )
-        with trio.move_on_after(self._push_timeout_s):
-            try:
-                ack = await self._target.push_node_config(
-                    node_id, revision, snapshot.node_config(node_id)
-                )
-            except Exception as exc:
-                # The snapshot is already swapped: one node's broken push must not cost
-                # the operator the report on every other node.
-                log.exception("refresh push to node %s failed", node_id)
-                results[node_id] = NodeResult(
-                    id=node_id, status="failed", detail=f"push failed: {type(exc).__name__}"
-                )
-                return
-            results[node_id] = _push_result(node_id, revision, ack)
 
     # --- reports -------------------------------------------------------------------------
 
@@ -503,26 +476,6 @@ def _log_attempt(source: str, request: RefreshRequest, result: RefreshResult) ->
             len(report.pending_restart),
             ", ".join(report.pending_restart),
         )
-
-
-def _push_result(node_id: str, revision: int, ack: RefreshAck | None) -> NodeResult:
-    if ack is None:
-        return NodeResult(id=node_id, status="not_connected", detail="disconnected during the push")
-    if ack.revision != revision:
-        return NodeResult(
-            id=node_id,
-            status="failed",
-            revision=ack.revision,
-            detail=f"acked revision {ack.revision}, expected {revision}",
-        )
-    if not ack.ok:
-        return NodeResult(
-            id=node_id,
-            status="failed",
-            revision=ack.revision,
-            detail=ack.error or "the node refused the new config",
-        )
-    return NodeResult(id=node_id, status="applied", revision=ack.revision)
 
 
 def _interrupted(node_ids: list[str]) -> list[NodeResult]:

@@ -1,4 +1,4 @@
-"""One caller request's run, from admission to its usage record (SPEC §4 steps 5-9, §7).
+"""One caller request's run, from admission to its usage record (design §4 steps 5-9, §7).
 
 `Dispatcher.open(plan)` makes a `Run`, and the run owns everything that happens to the
 request from then on: the slot, the attempts on providers, the events the Node sends,
@@ -44,7 +44,7 @@ Rules:
    consumer may still be stuck on its socket, the Node cancels it, and the consumer's
    next read says `caller_too_slow`.
 6. What a run hears is caller-ready bytes (server-sent events the Node shaped) and then
-   one end; the Edge does not parse them (SPEC §3 revision 2). A stream asks the Node to
+   one end; the Edge does not parse them (design §3). A stream asks the Node to
    hold its last events back (`hold_tail`): a Messages or Responses stream's end then
    carries them (`run_done.tail`), and the consumer writes them only after `end`, as it
    writes chat's `[DONE]`, so a caller that hangs up the moment it reads them (Codex CLI
@@ -55,7 +55,7 @@ Rules:
    next read is the run's `shutting_down` failure, so the server of the request ends
    the exchange properly (an error event and `[DONE]`, or a 503). Runs opened after
    that are cut as they start.
-8. A `busy` answer (the Node's slots are all taken, by another Edge's runs: SPEC §13) is
+8. A `busy` answer (the Node's slots are all taken, by another Edge's runs: design §13) is
    neither a failure of the provider nor a failover: the provider counts as full at once
    (in the session's reader, before any later `load` report is read) and the run goes
    back to the queue for the same providers, at most `MAX_BUSY_REQUEUES` times; after
@@ -126,7 +126,7 @@ log = logging.getLogger(__name__)
 #: What a run buffers for a consumer that is slower than its provider (Rule 5).
 RUN_BUFFER_BYTES: Final = 4 * 1024 * 1024
 RUN_BUFFER_ITEMS: Final = 1024
-#: How often one run may find its provider `busy` and wait again (Rule 7).
+#: How often one run may find its provider `busy` and wait again (Rule 8).
 MAX_BUSY_REQUEUES: Final = 16
 
 _json_encode = msgspec.json.Encoder().encode
@@ -194,7 +194,7 @@ class Outcome:
 CALLER_GONE: Final = Outcome(499, "client_closed")
 #: A bug of the Edge's ended the exchange.
 INTERNAL_ERROR: Final = Outcome(500, "internal_error")
-#: The Edge stopped before the run ended (Rule 6).
+#: The Edge stopped before the run ended (Rule 7).
 SHUTTING_DOWN: Final = Outcome(503, str(wire.FailureCode.SHUTTING_DOWN))
 
 
@@ -474,7 +474,7 @@ class Run:
         self._direct = write_counted
 
     async def next_event(self) -> RelayEvent:
-        """The next event of the run; a terminal one is the last (Rule 3)."""
+        """The next event of the run; a terminal one is the last (Rule 6)."""
         event = self.ready_event()
         if event is not None:
             return event
@@ -673,7 +673,7 @@ class Dispatcher:
         run = Run(plan, self)
         self._open.add(run)
         if self._stopped is not None:
-            run.cut(self._stopped)  # after the grace period nothing new runs (Rule 6)
+            run.cut(self._stopped)  # after the grace period nothing new runs (Rule 7)
         return run
 
     def forget(self, run: Run) -> None:
@@ -682,7 +682,7 @@ class Dispatcher:
 
     def cut_all(self, reason: str) -> int:
         """The Edge's grace period is over: end every open run, and every later one, as
-        503 `shutting_down` (Rule 6). Returns how many were open."""
+        503 `shutting_down` (Rule 7). Returns how many were open."""
         self._stopped = reason
         runs, self._open = list(self._open), set()
         for run in runs:

@@ -1,4 +1,4 @@
-"""Admission for the Edge: provider slots, per-model FIFO queues, cooldowns (SPEC §4).
+"""Admission for the Edge: provider slots, per-model FIFO queues, cooldowns (design §4).
 
 `Scheduler.acquire()` turns "run model M" into a `Lease` on one provider slot, or an
 `AdmissionError` the HTTP layer maps to a status code::
@@ -44,7 +44,7 @@ How the pieces fit:
   arrival order. With one principal that is the plain arrival order. A principal at its
   `max_concurrent` (split between the Edge replicas) is passed over, never granted a
   slot: its requests wait, and its own lease releases wake the queues it waits in.
-- Several Edges may share a Node (SPEC §13). A provider's load is what this Edge holds
+- Several Edges may share a Node (design §13). A provider's load is what this Edge holds
   (its limiter) plus what the Node reports the *other* Edges hold (`provider_load`);
   decisions see the sum, and a report that frees slots wakes the queue like a release.
   A `busy` answer from the Node (another Edge won the race for the last slot) marks the
@@ -303,12 +303,21 @@ class _ProviderState:
         return self.long_limiter.borrowed_tokens + self.others_long
 
     def configure(self, config: ProviderConfig, node_id: str) -> None:
-        """Adopt a refreshed config, resizing the limiters in place."""
+        """Adopt a refreshed config; the limiters follow it when a slot is next taken
+        (`fit_limiters`), so a refresh of a whole fleet swaps in without touching them."""
         self.config = config
         self.node_id = node_id
         self.removed = False
-        self.limiter.total_tokens = config.capacity
-        self.long_limiter.total_tokens = _long_total(config)
+
+    def fit_limiters(self) -> None:
+        """Resize the limiters to the config, in place (never replaced). Decisions read
+        the config's capacity; only taking a slot needs the limiter's own size."""
+        config = self.config
+        if self.limiter.total_tokens != config.capacity:
+            self.limiter.total_tokens = config.capacity
+        long_total = _long_total(config)
+        if self.long_limiter.total_tokens != long_total:
+            self.long_limiter.total_tokens = long_total
 
     @property
     def idle(self) -> bool:
@@ -447,32 +456,37 @@ class Scheduler:
     # -- inputs from config and nodes --------------------------------------------
 
     def apply_snapshot(self, snapshot: Snapshot) -> None:
-        """Adopt a new snapshot: synchronous, so no request sees a half-applied pool."""
+        """Adopt a new snapshot: synchronous, so no request sees a half-applied pool.
+
+        The snapshot brings its lookups worked out (`Snapshot.build`, off the event loop
+        in a refresh); what is left here is a pass over the providers, cheap per provider
+        (a fleet's swap must not hold the loop)."""
         self._snapshot = snapshot
+        states = self._states
+        provider_node = snapshot.provider_node
         for provider_id, config in snapshot.providers.items():
-            node_id = snapshot.provider_node[provider_id]
-            state = self._states.get(provider_id)
+            node_id = provider_node[provider_id]
+            state = states.get(provider_id)
             if state is None:
-                self._states[provider_id] = _ProviderState(config, node_id)
-            else:
+                states[provider_id] = _ProviderState(config, node_id)
+            elif state.config is not config or state.node_id != node_id or state.removed:
                 state.configure(config, node_id)
-        for provider_id, state in list(self._states.items()):
-            if provider_id not in snapshot.providers:
-                state.removed = True
-                if state.idle:
-                    del self._states[provider_id]
-        self._on_node = {}
-        for state in self._states.values():
-            self._on_node.setdefault(state.node_id, []).append(state)
-        models_of: dict[str, list[str]] = {}
-        for model in snapshot.models.values():
-            for provider_id in model.providers:
-                models_of.setdefault(provider_id, []).append(model.id)
-        self._models_of = {pid: tuple(models) for pid, models in models_of.items()}
-        self._rivals = {
-            model.id: tuple(self._models_serving(model.providers)) or (model.id,)
-            for model in snapshot.models.values()
+        held: list[_ProviderState] = []
+        for provider_id in states.keys() - snapshot.providers.keys():
+            state = states[provider_id]
+            state.removed = True
+            if state.idle:
+                del states[provider_id]
+            else:
+                held.append(state)  # until its last lease is released
+        self._on_node = {
+            node_id: [states[provider_id] for provider_id in provider_ids]
+            for node_id, provider_ids in snapshot.node_providers.items()
         }
+        for state in held:
+            self._on_node.setdefault(state.node_id, []).append(state)
+        self._models_of = snapshot.provider_models
+        self._rivals = snapshot.rivals
         for model_id in [m for m in self._queues if m not in snapshot.models]:
             for waiter in self._queues.pop(model_id):
                 self._settle(waiter, error=UnknownModel(f"model {model_id!r} was removed"))
@@ -736,6 +750,7 @@ class Scheduler:
     ) -> Lease:
         """Take the slot(s) `decide()` found free: synchronous, so nobody can interleave."""
         state = self._states[provider_id]
+        state.fit_limiters()
         limiters = (state.limiter, state.long_limiter) if long else (state.limiter,)
         lease = Lease(
             run_id=run_id,
@@ -911,7 +926,7 @@ class Scheduler:
                     in_flight=state.limiter.borrowed_tokens,
                     capacity=state.config.capacity,
                     long_in_flight=state.long_limiter.borrowed_tokens,
-                    long_capacity=state.long_limiter.total_tokens,
+                    long_capacity=_long_total(state.config),
                     holders=tuple(
                         lease
                         for lease in state.limiter.statistics().borrowers
@@ -930,22 +945,57 @@ class Scheduler:
     def catalog(self) -> Catalog:
         """The pool as `GET /catalog` shows it: models and providers, sorted by id."""
         snapshot = self._snapshot
-        now = self._clock()
-        waiting = any(self._queues.values())
-        models = [
+        return Catalog(
+            revision=snapshot.revision,
+            models=self.catalog_models(),
+            providers=self.catalog_providers(snapshot.provider_order),
+        )
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The snapshot the pool runs on (the catalog's provider set and revision)."""
+        return self._snapshot
+
+    def catalog_models(self, model_ids: Iterable[str] | None = None) -> list[CatalogModel]:
+        """The catalog's model records, sorted by id: all, or those of `model_ids`."""
+        models = self._snapshot.models
+        chosen = models.values() if model_ids is None else [
+            models[m] for m in model_ids if m in models
+        ]
+        return [
             CatalogModel(
                 id=model.id,
                 display_name=model.display_name,
                 providers=dict(sorted(model.providers.items())),
                 queued=self._queued(model.id),
             )
-            for model in sorted(snapshot.models.values(), key=lambda model: model.id)
+            for model in sorted(chosen, key=lambda model: model.id)
         ]
-        providers = [
-            self._catalog_provider(self._states[provider_id], now, waiting=waiting)
-            for provider_id in sorted(snapshot.providers)
+
+    def catalog_providers(self, provider_ids: Iterable[str]) -> list[CatalogProvider]:
+        """The catalog's records of `provider_ids`, in that order; ids no longer in the
+        pool are left out (a catalog read in pages meets refreshes)."""
+        now = self._clock()
+        waiting = any(self._queues.values())
+        states = self._states
+        return [
+            self._catalog_provider(state, now, waiting=waiting)
+            for provider_id in provider_ids
+            if (state := states.get(provider_id)) is not None and not state.removed
         ]
-        return Catalog(revision=snapshot.revision, models=models, providers=providers)
+
+    def catalog_provider(self, provider_id: str) -> CatalogProvider | None:
+        """One provider's catalog record, or None when it is not in the pool."""
+        found = self.catalog_providers((provider_id,))
+        return found[0] if found else None
+
+    def catalog_health(self, provider_id: str) -> Health | None:
+        """A provider's health as its catalog record says it (`unavailable` while its
+        Node is not connected), or None when it is not in the pool."""
+        state = self._states.get(provider_id)
+        if state is None or state.removed:
+            return None
+        return state.health if state.node_id in self._connected else "unavailable"
 
     def _catalog_provider(
         self, state: _ProviderState, now: float, *, waiting: bool

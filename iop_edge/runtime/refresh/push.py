@@ -1,0 +1,284 @@
+"""Pushing a refresh to a fleet, and catching up the Nodes that missed it (design §5).
+
+An apply pushes each affected connected Node its own config and waits for the Node's
+`refresh_ack`. With thousands of Nodes that is thousands of messages out and acks in, on
+the Edge's one event loop, so:
+
+1. At most `PushPolicy.fanout` pushes are in flight at once (each waits for its ack):
+   the loop keeps room for callers, and a Node's ack wait starts when its push is sent,
+   not when the refresh began.
+2. A Node has `timeout_s` to ack once its push is sent; the whole push has
+   `deadline_s(nodes)`: `timeout_s` plus `per_node_s` for each Node pushed, since the
+   pushes queue behind the fan-out. A Node that misses either is reported `failed`,
+   saying it was not acked in time and that the Edge pushes again.
+3. A connected Node that did not apply the new revision (no ack in time, a refused
+   config, a broken push) is never left behind silently: besides the report, the
+   `CatchUp` pushes it the running config again, after `first_retry_s` and then at
+   doubling intervals up to `max_retry_s`, until it acks the running revision or its
+   session ends (a Node that links again is welcomed with the running config).
+4. A Node that is not connected, or whose session ends during the push, is reported
+   `not_connected`: its next `welcome` carries the running config.
+
+The catch-up keeps one timer for every Node it waits on (the earliest retry), not one
+per Node: a fleet that missed a refresh costs one task.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+import msgspec
+import trio
+
+from iop_edge.core.snapshot import Snapshot
+from schemas.config import NodeConfig
+from schemas.refresh import NodeResult
+from schemas.wire import RefreshAck
+
+__all__ = ["RETRY_NOTE", "CatchUp", "PushPolicy", "PushTarget", "push_all"]
+
+log = logging.getLogger(__name__)
+
+#: Pushes in flight at once (Rule 1).
+PUSH_FANOUT: Final = 128
+#: What each pushed Node adds to the whole push's deadline (Rule 2): about the Edge's
+#: own cost of one push and its ack, with room for a busy machine.
+PUSH_BUDGET_PER_NODE_S: Final = 0.002
+
+
+@dataclass(frozen=True, slots=True)
+class PushPolicy:
+    """How a refresh reaches the fleet (module Rules 1-3)."""
+
+    timeout_s: float = 10.0
+    """A Node's time to ack once its push is sent."""
+    per_node_s: float = PUSH_BUDGET_PER_NODE_S
+    fanout: int = PUSH_FANOUT
+    first_retry_s: float = 2.0
+    max_retry_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.fanout < 1:
+            raise ValueError("the push fan-out must be >= 1")
+
+    def deadline_s(self, nodes: int) -> float:
+        """The whole push's deadline for `nodes` Nodes (Rule 2)."""
+        return self.timeout_s + self.per_node_s * nodes
+
+
+class PushTarget(Protocol):
+    """What pushing needs from the Edge (a part of the Refresher's `RefreshTarget`)."""
+
+    @property
+    def snapshot(self) -> Snapshot: ...
+
+    def connected_nodes(self) -> frozenset[str]: ...
+
+    def applied_revisions(self) -> Mapping[str, int]: ...
+
+    async def push_node_config(
+        self, node_id: str, revision: int, node_config: NodeConfig
+    ) -> RefreshAck | None: ...
+
+
+#: How a refresh report tells that the Edge pushes again to a Node that did not apply.
+RETRY_NOTE: Final = "the Edge pushes the config again until the node applies it"
+
+
+def _late(node_id: str, within_s: float) -> NodeResult:
+    return NodeResult(id=node_id, status="failed", detail=f"no refresh_ack within {within_s:g}s")
+
+
+async def push_all(
+    target: PushTarget, node_ids: Iterable[str], snapshot: Snapshot, policy: PushPolicy
+) -> list[NodeResult]:
+    """Push `snapshot`'s config to every connected Node of `node_ids` (Rules 1, 2, 4);
+    one result per Node, in the order given. The caller bounds nothing: the deadline is
+    the policy's."""
+    ids = list(node_ids)
+    connected = target.connected_nodes()
+    pushed = [node_id for node_id in ids if node_id in connected]
+    deadline_s = policy.deadline_s(len(pushed))
+    results = {node_id: NodeResult(id=node_id, status="not_connected") for node_id in ids}
+    for node_id in pushed:
+        results[node_id] = _late(node_id, deadline_s)
+    queue = iter(pushed)
+    with trio.move_on_after(deadline_s):
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(policy.fanout, len(pushed))):
+                nursery.start_soon(_push_worker, target, queue, snapshot, policy, results)
+    return [results[node_id] for node_id in ids]
+
+
+async def _push_worker(
+    target: PushTarget,
+    queue: Iterator[str],
+    snapshot: Snapshot,
+    policy: PushPolicy,
+    results: dict[str, NodeResult],
+) -> None:
+    """Push to Nodes taken from the shared `queue` one after the other (Rule 1)."""
+    for node_id in queue:
+        results[node_id] = await push_one(target, node_id, snapshot, policy.timeout_s)
+
+
+async def push_one(
+    target: PushTarget, node_id: str, snapshot: Snapshot, timeout_s: float
+) -> NodeResult:
+    """Push `snapshot`'s config to one Node and wait up to `timeout_s` for its ack."""
+    revision = snapshot.revision
+    with trio.move_on_after(timeout_s):
+        try:
+            ack = await target.push_node_config(node_id, revision, snapshot.node_config(node_id))
+        except Exception as exc:
+            # The snapshot is already swapped: one node's broken push must not cost the
+            # operator the report on every other node.
+            log.exception("refresh push to node %s failed", node_id)
+            return NodeResult(
+                id=node_id, status="failed", detail=f"push failed: {type(exc).__name__}"
+            )
+        return _push_result(node_id, revision, ack)
+    return _late(node_id, timeout_s)
+
+
+def _push_result(node_id: str, revision: int, ack: RefreshAck | None) -> NodeResult:
+    if ack is None:
+        return NodeResult(id=node_id, status="not_connected", detail="disconnected during the push")
+    if ack.revision != revision:
+        return NodeResult(
+            id=node_id,
+            status="failed",
+            revision=ack.revision,
+            detail=f"acked revision {ack.revision}, expected {revision}",
+        )
+    if not ack.ok:
+        return NodeResult(
+            id=node_id,
+            status="failed",
+            revision=ack.revision,
+            detail=ack.error or "the node refused the new config",
+        )
+    return NodeResult(id=node_id, status="applied", revision=ack.revision)
+
+
+@dataclass(frozen=True, slots=True)
+class CatchUpStatistics:
+    waiting: int
+    """Nodes the catch-up will push the running config to again."""
+
+
+class CatchUp:
+    """Pushes the running config again to connected Nodes that missed a refresh (Rule 3).
+
+    `behind()` schedules Nodes; `run()` (a service the Edge's nursery owns) pushes to
+    each when its retry is due, with doubling intervals, until it acks the running
+    revision or is gone. One refresh's own push takes its Nodes out (`forget`) first, so
+    a Node never gets two pushes of the same revision at once."""
+
+    def __init__(self, target: PushTarget, policy: PushPolicy) -> None:
+        self._target = target
+        self._policy = policy
+        self._due: dict[str, float] = {}
+        self._interval: dict[str, float] = {}
+        self._timers: list[tuple[float, str]] = []
+        self._scheduled = trio.Event()
+
+    def statistics(self) -> CatchUpStatistics:
+        return CatchUpStatistics(waiting=len(self._due))
+
+    def waiting(self) -> frozenset[str]:
+        """The Nodes waiting for a retry."""
+        return frozenset(self._due)
+
+    def behind(self, node_ids: Iterable[str]) -> None:
+        """These connected Nodes did not apply the running revision: push again."""
+        now, interval = trio.current_time(), self._policy.first_retry_s
+        for node_id in node_ids:
+            self._schedule(node_id, now + interval, interval)
+
+    def take_failures(self, results: list[NodeResult]) -> list[NodeResult]:
+        """A refresh's push results, the `failed` Nodes scheduled for a retry (`behind`)
+        and their detail saying so."""
+        failed = [result.id for result in results if result.status == "failed"]
+        self.behind(failed)
+        return [
+            msgspec.structs.replace(result, detail=f"{result.detail}; {RETRY_NOTE}")
+            if result.status == "failed"
+            else result
+            for result in results
+        ]
+
+    def forget(self, node_ids: Iterable[str]) -> None:
+        """No retry for these Nodes (a refresh pushes to them right now)."""
+        for node_id in node_ids:
+            self._due.pop(node_id, None)
+            self._interval.pop(node_id, None)
+
+    def _schedule(self, node_id: str, due: float, interval: float) -> None:
+        self._due[node_id] = due
+        self._interval[node_id] = interval
+        heapq.heappush(self._timers, (due, node_id))
+        self._scheduled.set()
+        self._scheduled = trio.Event()
+
+    def _take_due(self, now: float) -> list[str]:
+        """Pop the Nodes whose retry is due (stale timers are dropped on the way)."""
+        due: list[str] = []
+        while self._timers and self._timers[0][0] <= now:
+            at, node_id = heapq.heappop(self._timers)
+            if self._due.get(node_id) == at:
+                del self._due[node_id]
+                due.append(node_id)
+        return due
+
+    async def _wait_for_due(self) -> None:
+        while True:
+            while self._timers and self._due.get(self._timers[0][1]) != self._timers[0][0]:
+                heapq.heappop(self._timers)  # a forgotten or rescheduled Node
+            scheduled = self._scheduled
+            if not self._timers:
+                await scheduled.wait()
+                continue
+            with trio.move_on_at(self._timers[0][0]):
+                await scheduled.wait()  # an earlier retry was scheduled: look again
+                continue
+            return
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Retry the due Nodes, forever (Rule 3)."""
+        task_status.started()
+        while True:
+            await self._wait_for_due()
+            await self._retry(self._take_due(trio.current_time()))
+
+    async def _retry(self, node_ids: list[str]) -> None:
+        snapshot = self._target.snapshot
+        connected = self._target.connected_nodes()
+        applied = self._target.applied_revisions()
+        stale = [
+            node_id
+            for node_id in node_ids
+            if node_id in connected and applied.get(node_id, 0) < snapshot.revision
+        ]
+        for node_id in node_ids:
+            if node_id not in stale:
+                self._interval.pop(node_id, None)  # gone (welcomed anew) or caught up
+        results = await push_all(self._target, stale, snapshot, self._policy)
+        now = trio.current_time()
+        for result in results:
+            interval = self._interval.pop(result.id, self._policy.first_retry_s)
+            if result.status == "applied":
+                log.info("node %s caught up with config revision %d", result.id, result.revision)
+            elif result.status == "failed" and result.id not in self._due:
+                longer = min(interval * 2, self._policy.max_retry_s)
+                log.warning(
+                    "node %s still runs an older config (%s); pushing again in %gs",
+                    result.id,
+                    result.detail,
+                    longer,
+                )
+                self._schedule(result.id, now + longer, longer)

@@ -1,0 +1,106 @@
+"""The documentation is part of the product: its links resolve, its config reference matches
+the schema, and the repository speaks of the product alone.
+
+A reader follows a link and finds the page; an operator reads a key in the reference and
+finds it in the schema (and the reverse); nothing points outside the repository or tells
+the story of how the code came to be (git history keeps that).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from iop_edge.core.config_reference import config_key_paths, json_schema
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+_HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.MULTILINE)
+_FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, punctuation dropped, spaces to dashes."""
+    text = re.sub(r"`", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = _FENCE.sub("", path.read_text())
+    return {_anchor(h) for h in _HEADING.findall(text)}
+
+
+def _links(path: Path) -> list[str]:
+    text = _FENCE.sub("", path.read_text())
+    return [a or b for a, b in _LINK.findall(text)]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_link_resolves_inside_the_repository(doc: Path) -> None:
+    broken = []
+    for link in _links(doc):
+        if re.match(r"^[a-z]+://|^mailto:", link):
+            continue
+        target, _, anchor = link.partition("#")
+        path = (doc.parent / target).resolve() if target else doc
+        if not path.is_relative_to(ROOT):
+            broken.append(f"{link}: outside the repository")
+        elif not path.exists():
+            broken.append(f"{link}: no such file")
+        elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+            broken.append(f"{link}: no heading #{anchor} in {path.name}")
+    assert broken == [], f"{doc.name}: {broken}"
+
+
+def test_the_json_schema_in_docs_is_the_generated_one() -> None:
+    written = json.loads((ROOT / "docs" / "edge-config.schema.json").read_text())
+    assert written == json_schema(), (
+        "docs/edge-config.schema.json is stale: run "
+        "`iop-edge config-schema > docs/edge-config.schema.json`"
+    )
+
+
+def test_the_configuration_reference_names_exactly_the_schema_keys() -> None:
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    documented = re.findall(r"^\| `([a-z0-9_\[\].]+)` \|", text, re.MULTILINE)
+    schema = config_key_paths()
+    assert sorted(set(schema) - set(documented)) == [], "keys missing from the reference"
+    assert sorted(set(documented) - set(schema)) == [], "keys the schema does not have"
+    assert len(documented) == len(set(documented)), "a key documented twice"
+
+
+#: Words that tell the story of the work rather than the product.
+_HISTORY = re.compile(
+    r"\bSPEC(\.md)? ?§|\.\./shared|\bissue #?\d+|\b(work|field) round\b|\bsession \d+\b"
+    r"|\bplanners?\b|\bBaseline before\b",
+    re.IGNORECASE,
+)
+
+
+def test_the_repository_speaks_of_the_product_alone() -> None:
+    tracked = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    this = Path(__file__).relative_to(ROOT).as_posix()
+    offenders = []
+    for name in tracked:
+        path = ROOT / name
+        if name == this or path.suffix not in {".py", ".md", ".yaml", ".toml", ".html", ".js"}:
+            continue
+        if not path.exists():
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if _HISTORY.search(line):
+                offenders.append(f"{name}:{number}: {line.strip()[:100]}")
+    assert offenders == [], "\n".join(offenders[:40])
