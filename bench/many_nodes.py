@@ -1,25 +1,34 @@
-"""Many Nodes on one Edge: what a thousand connected Nodes cost the Edge when idle.
+"""Many Nodes on one Edge: what a fleet of connected Nodes costs the Edge, idle and while
+its config is refreshed, and what callers feel meanwhile.
 
 A real Edge process (`python -m iop_edge serve`) gets a generated config with `nodes`
 Node entries (each with its own token, stored only as its sha256 in the config) of
-`providers_per_node` providers each, spread over `models` models. One child process
-(`bench.light_nodes`) connects a light Node for every entry. Then, from outside, as an
-operator would see it:
+`providers_per_node` providers each, spread over `models` models, and one more Node, a
+real one (`python -m iop_node run`) with a `sim` provider serving `sim-model`, for the
+callers. `node_processes` child processes (`bench.light_nodes`) connect a light Node for
+every fleet entry between them (ten thousand light Nodes are more than one Python
+process keeps up with on a small machine). Then, from outside, as an operator would see
+it:
 
 - **connect**: from starting the light Nodes until the Edge's `/catalog` shows every
   provider connected and available;
 - **Edge RSS** before any Node connected, with all of them connected (idle), and after
   the refresh;
 - **idle Edge CPU**: its CPU time over `idle_window_s` seconds of doing nothing but
-  keeping the links (heartbeat pings every 5 s per Node), as a share of one core;
+  keeping the links (every Node pings every `heartbeat_s`), as a share of one core;
 - **`/catalog` latency**: `catalog_requests` requests one after the other, each timed to
-  its last byte;
+  its last byte, of the whole catalog and of filtered ones (one Node's providers; one
+  model's available providers, a page of 100);
 - **refresh of every Node**: `POST /refresh` (apply) with a candidate that changes the
-  capacity of every provider of every Node (a live change), timed until the Edge
+  capacity of every provider of every light Node (a live change), timed until the Edge
   answers: it answers once every Node acked (or its push timed out), and the report it
   returns says, per Node, whether the Node applied the new revision. The same candidate
   as a dry run first, timed too: validating and planning, the part of the refresh that
-  does not depend on the Nodes.
+  does not depend on the Nodes;
+- **callers**: `caller_rate` chat requests a second to `sim-model`, open loop, for
+  `caller_window_s` while the Edge is idle, then throughout the dry run and the apply:
+  each request's latency to its last byte, and the p99 of each phase (the refresh must
+  not make callers wait).
 
 The light Nodes stop before the Edge does, so the Edge is not stopped while a thousand
 links break at once.
@@ -32,7 +41,8 @@ import json
 import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -43,9 +53,9 @@ import yaml
 from bench.gateway import EdgeLog
 from bench.light_nodes import DEFAULT_HANDSHAKES
 from bench.light_nodes import READY_PREFIX as NODES_READY_PREFIX
-from bench.load import percentile
+from bench.load import open_client, percentile
 from bench.procfs import process_cpu_seconds, rss_bytes
-from bench.services import python_argv, start_service
+from bench.services import python_argv, spawn_service, start_service
 
 #: Where the light Nodes' providers point: never contacted (a light Node has no upstream).
 _UNUSED_UPSTREAM: Final = "http://127.0.0.1:9/v1"
@@ -59,6 +69,21 @@ _SETTLE_S: Final = 1.0
 #: An Edge that just lost a thousand Nodes takes a few seconds to tear their sessions
 #: down before it exits (longer on a busy machine): more than the default 5 s grace.
 _EDGE_STOP_GRACE_S: Final = 30.0
+#: The real Node the callers' requests run on, and its model.
+SIM_NODE: Final = "sim-node"
+SIM_PROVIDER: Final = "sim-node-p0"
+SIM_MODEL: Final = "sim-model"
+#: A caller's request: a short answer from the sim provider (its default pace: 20 ms to
+#: the first token, 200 tokens/s), about 60 ms when nothing is in the way.
+_CALLER_BODY: Final = json.dumps(
+    {
+        "model": SIM_MODEL,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 8,
+    }
+).encode()
+#: A filtered catalog: one model's available providers, a page of this many.
+_CATALOG_PAGE: Final = 100
 
 try:  # libyaml's emitter: a thousand Node entries take a while with the pure-Python one
     _Dumper: Any = yaml.CSafeDumper
@@ -73,12 +98,30 @@ class ManyNodesShape:
     models: int = 10
     idle_window_s: float = 10.0
     catalog_requests: int = 20
+    node_processes: int = 1
+    """Processes the light Nodes are spread over."""
+    caller_rate: float = 50.0
+    """Caller requests a second, idle and during the refresh."""
+    caller_window_s: float = 6.0
+    """How long the callers are measured while the Edge is idle."""
 
     def __post_init__(self) -> None:
-        if min(self.nodes, self.providers_per_node, self.models, self.catalog_requests) < 1:
-            raise ValueError("nodes, providers per node, models and catalog requests must be >= 1")
-        if self.idle_window_s <= 0:
-            raise ValueError("the idle window must be > 0")
+        least = min(
+            self.nodes,
+            self.providers_per_node,
+            self.models,
+            self.catalog_requests,
+            self.node_processes,
+        )
+        if least < 1:
+            raise ValueError(
+                "nodes, providers per node, models, catalog requests and node processes "
+                "must be >= 1"
+            )
+        if self.node_processes > self.nodes:
+            raise ValueError("more node processes than nodes")
+        if min(self.idle_window_s, self.caller_rate, self.caller_window_s) <= 0:
+            raise ValueError("the idle window, the caller rate and window must be > 0")
 
     @property
     def providers(self) -> int:
@@ -109,6 +152,19 @@ class ManyNodesMeasurement:
     """... of which acked the new revision as applied."""
     refresh_problem: str | None = None
     """The first Node that did not apply, and why; or why the refresh was refused."""
+    catalog_filtered_s: tuple[float, ...] = ()
+    """Filtered `/catalog` latencies (one Node; a page of one model's available
+    providers), sorted."""
+    caller_idle_s: tuple[float, ...] = ()
+    """Callers' latencies while the Edge was idle, sorted."""
+    caller_refresh_s: tuple[float, ...] = ()
+    """Callers' latencies of requests sent during the dry run or the apply, sorted."""
+    caller_dry_run_s: tuple[float, ...] = ()
+    """... of those sent during the dry run."""
+    caller_apply_s: tuple[float, ...] = ()
+    """... of those sent during the apply."""
+    caller_errors: int = 0
+    """Callers' requests that failed, in both phases."""
 
     @property
     def idle_cpu_share(self) -> float | None:
@@ -128,6 +184,27 @@ class ManyNodesMeasurement:
     def catalog_max_ms(self) -> float | None:
         return self.catalog_s[-1] * 1000 if self.catalog_s else None
 
+    @property
+    def catalog_filtered_max_ms(self) -> float | None:
+        return self.catalog_filtered_s[-1] * 1000 if self.catalog_filtered_s else None
+
+    def caller_ms(self, phase: str, q: float) -> float | None:
+        """A percentile of the callers' latency in `phase`: `idle`, `refresh` (the dry
+        run and the apply), `dry_run` or `apply`."""
+        values = {
+            "idle": self.caller_idle_s,
+            "refresh": self.caller_refresh_s,
+            "dry_run": self.caller_dry_run_s,
+            "apply": self.caller_apply_s,
+        }[phase]
+        return percentile(values, q) * 1000 if values else None
+
+    @property
+    def caller_p99_ratio(self) -> float | None:
+        """Callers' p99 during the refresh over their p99 while idle."""
+        idle, busy = self.caller_ms("idle", 99.0), self.caller_ms("refresh", 99.0)
+        return None if idle is None or busy is None or idle <= 0 else busy / idle
+
 
 # --- the config -----------------------------------------------------------------------------------
 
@@ -138,9 +215,15 @@ def node_credentials(count: int) -> dict[str, str]:
 
 
 def fleet_config(
-    shape: ManyNodesShape, credentials: Mapping[str, str], state_dir: Path, *, capacity: int
+    shape: ManyNodesShape,
+    credentials: Mapping[str, str],
+    state_dir: Path,
+    *,
+    capacity: int,
+    sim_token: str | None = None,
 ) -> str:
-    """The Edge config (YAML): every Node with its providers, each model on its providers.
+    """The Edge config (YAML): every Node with its providers, each model on its providers,
+    and with `sim_token` the callers' real Node (`SIM_NODE`) serving `SIM_MODEL`.
 
     Provider `j` of Node `i` serves model `(i * providers_per_node + j) % models`, so
     every model is served by providers on many Nodes."""
@@ -168,11 +251,23 @@ def fleet_config(
                 "providers": providers,
             }
         )
+    models = [{"id": f"model-{m}", "providers": served[m]} for m in range(shape.models)]
+    if sim_token is not None:
+        nodes.append(
+            {
+                "id": SIM_NODE,
+                "token_hash_sha256": hashlib.sha256(sim_token.encode()).hexdigest(),
+                "providers": [
+                    {"id": SIM_PROVIDER, "type": "sim", "models": [SIM_MODEL], "capacity": 64}
+                ],
+            }
+        )
+        models.append({"id": SIM_MODEL, "providers": {SIM_PROVIDER: SIM_MODEL}})
     config = {
         "edge": {"id": "bench-edge", "listen": "127.0.0.1:0", "state_dir": str(state_dir)},
         "admin": {"listen": "127.0.0.1:0"},
         "openai": {"listen": "127.0.0.1:0"},
-        "models": [{"id": f"model-{m}", "providers": served[m]} for m in range(shape.models)],
+        "models": models,
         "nodes": nodes,
     }
     text: str = yaml.dump(config, Dumper=_Dumper, sort_keys=False)
@@ -211,16 +306,77 @@ async def _idle_cpu(pid: int, window_s: float) -> float | None:
     return None if before is None or after is None else after - before
 
 
-async def _catalog_latencies(admin: httpx2.AsyncClient, count: int) -> tuple[list[float], int]:
+async def _catalog_latencies(
+    admin: httpx2.AsyncClient, count: int, paths: list[str] | None = None
+) -> tuple[list[float], int]:
+    """`count` requests one after the other, cycling through `paths` (the whole catalog
+    by default); their latencies and the last answer's size."""
     latencies: list[float] = []
     size = 0
-    for _ in range(count):
+    paths = paths or ["/catalog"]
+    for index in range(count):
         began = time.perf_counter()
-        response = await admin.get("/catalog")
+        response = await admin.get(paths[index % len(paths)])
         size = len(response.content)
         latencies.append(time.perf_counter() - began)
         response.raise_for_status()
     return latencies, size
+
+
+def _filtered_paths(shape: ManyNodesShape, node_ids: list[str], count: int) -> list[str]:
+    """One Node's providers, and a page of one model's available providers, by turns."""
+    paths: list[str] = []
+    for index in range(count):
+        if index % 2 == 0:
+            paths.append(f"/catalog?node={node_ids[(index * 7919) % len(node_ids)]}")
+        else:
+            model = f"model-{index % shape.models}"
+            paths.append(f"/catalog?model={model}&health=available&limit={_CATALOG_PAGE}")
+    return paths
+
+
+@dataclass
+class _Callers:
+    """Callers' requests to `SIM_MODEL`, open loop: each latency and its phase."""
+
+    client: httpx2.AsyncClient
+    url: str
+    rate: float
+    phase: str = "idle"
+    latencies: dict[str, list[float]] = field(
+        default_factory=lambda: {"idle": [], "dry_run": [], "apply": []}
+    )
+    errors: int = 0
+    _stopped: trio.Event = field(default_factory=trio.Event)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Send requests at `rate` a second until `stop()`, each in its own task; return
+        once the last one finished (a slow one is what the refresh phase is about)."""
+        async with trio.open_nursery() as requests:
+            task_status.started()
+            due = trio.current_time()
+            while not self._stopped.is_set():
+                requests.start_soon(self._one, self.phase)
+                due += 1 / self.rate
+                with trio.move_on_at(due):  # the pace of an open-loop load
+                    await self._stopped.wait()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    async def _one(self, phase: str) -> None:
+        began = time.perf_counter()
+        try:
+            response = await self.client.post(
+                self.url, content=_CALLER_BODY, headers={"content-type": "application/json"}
+            )
+        except httpx2.HTTPError:
+            self.errors += 1
+            return
+        if response.status_code != 200:
+            self.errors += 1
+            return
+        self.latencies[phase].append(time.perf_counter() - began)
 
 
 async def _dry_run(admin: httpx2.AsyncClient, candidate: str) -> float | None:
@@ -261,23 +417,37 @@ async def _refresh_everything(
     return elapsed, response.status_code, len(nodes), applied, problem
 
 
+async def _nodes_files(workdir: Path, credentials: Mapping[str, str], processes: int) -> list[Path]:
+    """The light Nodes' credentials split into one file per process. Tokens go only in
+    files readable by this user, never on a command line."""
+    items = list(credentials.items())
+    files: list[Path] = []
+    for index in range(processes):
+        part = dict(items[index::processes])
+        path = workdir / f"light-nodes-{index}.json"
+        await trio.Path(path).touch(mode=0o600)
+        await trio.Path(path).write_text(json.dumps(part), encoding="utf-8")
+        files.append(path)
+    return files
+
+
 async def measure_many_nodes(
     shape: ManyNodesShape, workdir: Path, *, handshakes: int = DEFAULT_HANDSHAKES
 ) -> ManyNodesMeasurement:
     """Start an Edge with `shape.nodes` Nodes configured, connect them, measure, stop both.
 
-    The caller owns the deadline (a thousand Nodes take a minute or two on 2 cores)."""
+    The caller owns the deadline (ten thousand Nodes take several minutes on 2 cores)."""
     await trio.Path(workdir).mkdir(parents=True, exist_ok=True)
     credentials = node_credentials(shape.nodes)
+    sim_token = secrets.token_urlsafe(18)
     config_path = workdir / "edge.yaml"
     state_dir = workdir / "edge-state"
-    text = fleet_config(shape, credentials, state_dir, capacity=_CAPACITY)
+    text = fleet_config(shape, credentials, state_dir, capacity=_CAPACITY, sim_token=sim_token)
     await trio.Path(config_path).write_text(text, encoding="utf-8")
-    nodes_file = workdir / "light-nodes.json"
-    # Tokens only in a file readable by this user, never on a command line.
-    await trio.Path(nodes_file).touch(mode=0o600)
-    await trio.Path(nodes_file).write_text(json.dumps(credentials), encoding="utf-8")
-    candidate = fleet_config(shape, credentials, state_dir, capacity=_CAPACITY + 1)
+    nodes_files = await _nodes_files(workdir, credentials, shape.node_processes)
+    candidate = fleet_config(
+        shape, credentials, state_dir, capacity=_CAPACITY + 1, sim_token=sim_token
+    )
 
     async with trio.open_nursery() as edge_scope:
         edge = await start_service(
@@ -289,32 +459,61 @@ async def measure_many_nodes(
             stop_grace_s=_EDGE_STOP_GRACE_S,
         )
         rss_empty = await rss_bytes(edge.pid)
+        sim_argv = python_argv("iop_node", "run", "--edge", edge.ready.node, "--node-id", SIM_NODE)
+        await spawn_service(
+            edge_scope, "iop-node (sim)", sim_argv, env={"IOP_NODE_TOKEN": sim_token}
+        )
         async with (
             trio.open_nursery() as nodes_scope,
             httpx2.AsyncClient(base_url=edge.ready.admin, timeout=_ADMIN_TIMEOUT_S) as admin,
+            open_client(64) as caller_client,
         ):
             began = time.perf_counter()
-            await start_service(
-                nodes_scope,
-                "light-nodes",
-                python_argv(
-                    "bench.light_nodes",
-                    "--edge", edge.ready.node,
-                    "--nodes-file", str(nodes_file),
-                    "--handshakes", str(handshakes),
-                ),
-                lambda line: line if line.startswith(NODES_READY_PREFIX) else None,
-            )  # fmt: skip
-            await _wait_all_available(admin, shape.providers)
+            # Every light Node dials from this host: the processes share the Edge's bound
+            # of pending handshakes per source.
+            per_process = str(max(1, handshakes // len(nodes_files)))
+            async with trio.open_nursery() as starting:
+                for index, nodes_file in enumerate(nodes_files):
+                    starting.start_soon(
+                        partial(
+                            start_service,
+                            nodes_scope,
+                            f"light-nodes {index + 1}/{len(nodes_files)}",
+                            # At the lowest priority: on a small machine the fleet's
+                            # own work is not the Edge's, nor the callers' or their Node's.
+                            ["nice", "-n", "19", *python_argv(
+                                "bench.light_nodes",
+                                "--edge", edge.ready.node,
+                                "--nodes-file", str(nodes_file),
+                                "--handshakes", per_process,
+                            )],
+                            lambda line: line if line.startswith(NODES_READY_PREFIX) else None,
+                        )
+                    )  # fmt: skip
+            await _wait_all_available(admin, shape.providers + 1)
             connect_s = time.perf_counter() - began
             await trio.sleep(_SETTLE_S)
             idle_cpu_s = await _idle_cpu(edge.pid, shape.idle_window_s)
             rss_connected = await rss_bytes(edge.pid)
             latencies, catalog_bytes = await _catalog_latencies(admin, shape.catalog_requests)
-            dry_run_s = await _dry_run(admin, candidate)
-            refresh_s, status, reported, applied, problem = await _refresh_everything(
-                admin, candidate
+            filtered, _ = await _catalog_latencies(
+                admin,
+                shape.catalog_requests,
+                _filtered_paths(shape, list(credentials), shape.catalog_requests),
             )
+            callers = _Callers(
+                caller_client, f"{edge.ready.openai}/v1/chat/completions", shape.caller_rate
+            )
+            async with trio.open_nursery() as load:
+                await load.start(callers.run)
+                await trio.sleep(shape.caller_window_s)  # the idle phase is a time window
+                callers.phase = "dry_run"
+                dry_run_s = await _dry_run(admin, candidate)
+                callers.phase = "apply"
+                refresh_s, status, reported, applied, problem = await _refresh_everything(
+                    admin, candidate
+                )
+                callers.stop()  # requests still in flight finish, in their phase
             rss_after_refresh = await rss_bytes(edge.pid)
             nodes_scope.cancel_scope.cancel()
         edge_scope.cancel_scope.cancel()
@@ -334,4 +533,10 @@ async def measure_many_nodes(
         refresh_nodes=reported,
         refresh_applied=applied,
         refresh_problem=problem,
+        catalog_filtered_s=tuple(sorted(filtered)),
+        caller_idle_s=tuple(sorted(callers.latencies["idle"])),
+        caller_refresh_s=tuple(sorted(callers.latencies["dry_run"] + callers.latencies["apply"])),
+        caller_dry_run_s=tuple(sorted(callers.latencies["dry_run"])),
+        caller_apply_s=tuple(sorted(callers.latencies["apply"])),
+        caller_errors=callers.errors,
     )

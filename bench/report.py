@@ -307,7 +307,8 @@ def many_nodes_table(result: BenchResult) -> Table:
     table = Table(
         title=(
             f"Many Nodes on one Edge: {shape.nodes} light Nodes x "
-            f"{shape.providers_per_node} providers, {shape.models} models"
+            f"{shape.providers_per_node} providers, {shape.models} models "
+            f"({shape.node_processes} process{'es' if shape.node_processes > 1 else ''})"
         )
     )
     table.add_column("measure")
@@ -327,10 +328,30 @@ def many_nodes_table(result: BenchResult) -> Table:
             f"/catalog p50 / slowest of {len(m.catalog_s)} ({m.catalog_bytes / 1024:,.0f} KB)",
             f"{_num(catalog_p50, 0)} / {_num(m.catalog_max_ms, 0)} ms",
         ),
+        (
+            f"/catalog filtered (one Node; a page of a model's available), slowest of "
+            f"{len(m.catalog_filtered_s)}",
+            f"{_num(m.catalog_filtered_max_ms, 0)} ms",
+        ),
         ("refresh dry run (validate + plan)", f"{_num(m.dry_run_s, 1)} s"),
         (
             "refresh apply, until every Node acked",
             f"{_num(m.refresh_s, 1)} s ({m.refresh_applied}/{m.refresh_nodes} applied)",
+        ),
+        (
+            f"callers ({m.shape.caller_rate:g}/s to the sim model) p50 / p99 idle "
+            f"({len(m.caller_idle_s)} requests)",
+            f"{_num(m.caller_ms('idle', 50.0), 0)} / {_num(m.caller_ms('idle', 99.0), 0)} ms",
+        ),
+        (
+            f"... during the dry run and the apply ({len(m.caller_refresh_s)} requests, "
+            f"{m.caller_errors} failed)",
+            f"{_num(m.caller_ms('refresh', 50.0), 0)} / {_num(m.caller_ms('refresh', 99.0), 0)} ms",
+        ),
+        (
+            f"... of which during the dry run ({len(m.caller_dry_run_s)}) / the apply "
+            f"({len(m.caller_apply_s)}), p99",
+            f"{_num(m.caller_ms('dry_run', 99.0), 0)} / {_num(m.caller_ms('apply', 99.0), 0)} ms",
         ),
     ]
     for name, value in rows:
@@ -464,6 +485,15 @@ def to_json(result: BenchResult) -> str:
             "refresh_applied": nodes.refresh_applied,
             "refresh_nodes": nodes.refresh_nodes,
             "refresh_problem": nodes.refresh_problem,
+            "node_processes": nodes.shape.node_processes,
+            "catalog_filtered_max_ms": nodes.catalog_filtered_max_ms,
+            "caller_rate": nodes.shape.caller_rate,
+            "caller_idle_p50_ms": nodes.caller_ms("idle", 50.0),
+            "caller_idle_p99_ms": nodes.caller_ms("idle", 99.0),
+            "caller_refresh_p50_ms": nodes.caller_ms("refresh", 50.0),
+            "caller_refresh_p99_ms": nodes.caller_ms("refresh", 99.0),
+            "caller_p99_ratio": nodes.caller_p99_ratio,
+            "caller_errors": nodes.caller_errors,
         }
     agent = result.agent_cache
     agent_cache = None

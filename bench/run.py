@@ -33,6 +33,7 @@ traces, off against on at 100 % sampling (`bench.tracing`).
                     [--fleet-only direct,iop,vllm-router] [--streams 100]
                     [--tokens-per-second 10] [--stream-tokens 30] [--window 5]
                     [--nodes 1000] [--providers-per-node 3] [--idle-window 10]
+                    [--node-processes 1] [--caller-rate 50]
                     [--agent-turns 6] [--prefill-us-per-token 200]
                     [--json FILE] [--profile DIR [--profile-format flamegraph|speedscope|raw]]
     python -m bench --replicas [ROUNDS] [--duration S] [--concurrency 32]
@@ -519,7 +520,9 @@ async def _run_many_nodes(
         f"{'-' if idle is None else f'{idle:.1%}'}, /catalog max "
         f"{m.catalog_max_ms or 0:.0f} ms, refresh "
         f"{'-' if m.refresh_s is None else f'{m.refresh_s:.1f} s'} "
-        f"({m.refresh_applied}/{m.refresh_nodes} applied)"
+        f"({m.refresh_applied}/{m.refresh_nodes} applied), callers' p99 "
+        f"{m.caller_ms('idle', 99.0) or 0:.0f} ms idle, "
+        f"{m.caller_ms('refresh', 99.0) or 0:.0f} ms during the refresh"
     )
     return m
 
@@ -664,6 +667,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-window", type=float, default=node_defaults.idle_window_s, metavar="S",
         help=f"seconds of idle Edge CPU measured ({node_defaults.idle_window_s:g})",
     )  # fmt: skip
+    nodes.add_argument(
+        "--node-processes", type=int, default=node_defaults.node_processes, metavar="K",
+        help=f"processes the light Nodes are spread over ({node_defaults.node_processes}; "
+        "10,000 light Nodes need 2 or more)",
+    )  # fmt: skip
+    nodes.add_argument(
+        "--caller-rate", type=float, default=node_defaults.caller_rate, metavar="R",
+        help="callers' requests a second to the sim model, idle and during the refresh "
+        f"({node_defaults.caller_rate:g})",
+    )  # fmt: skip
     agent = parser.add_argument_group("agent prefix cache")
     agent_defaults = AgentCacheShape()
     agent.add_argument(
@@ -732,6 +745,8 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> B
             nodes=args.nodes,
             providers_per_node=args.providers_per_node,
             idle_window_s=args.idle_window,
+            node_processes=args.node_processes,
+            caller_rate=args.caller_rate,
         )
         agent_cache = AgentCacheShape(
             turns=args.agent_turns,

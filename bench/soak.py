@@ -5,8 +5,11 @@ providers and one `vllm` provider in front of the bench's upstream (its streams 
 so hang-ups cut some of them: the HTTP adapter's connections live through the chaos
 too). For `--minutes`, `--concurrency` callers send stream and non-stream requests
 of random lengths and hang up on a random fraction of them; meanwhile one Node is
-killed with SIGKILL and restarted, and live refreshes change a provider's capacity back
-and forth. Then the load stops and the report says:
+killed with SIGKILL and restarted, live refreshes change a provider's capacity back
+and forth, and, at two thirds of the run, the disk under `state_dir` is full for
+`--full-disk-s` seconds (a tmpfs of `STATE_DISK_SIZE` filled with a ballast file, then
+emptied: the usage ledger keeps the records in memory meanwhile; mounting needs root,
+else the window is skipped, saying so). Then the load stops and the report says:
 
 - every request's end, by class (200, each HTTP error code, a stream cut by an error
   event, the callers' own hang-ups);
@@ -22,6 +25,7 @@ Exit status 0 when the books balance (0 lost rows, 0 leaked slots), 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
@@ -33,7 +37,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -54,6 +59,8 @@ from bench.services import (
 from bench.upstream import SERVED_MODEL, start_upstream
 
 NODE_TOKEN = "soak-node-token-not-a-secret"
+#: The tmpfs `state_dir` lives on when the soak can mount one (the full-disk window).
+STATE_DISK_SIZE = "256m"
 #: The upstream's pace: a 22-token stream takes about 55 ms, so some hang-ups land in it.
 UPSTREAM_TOKENS_PER_SECOND = 400
 MESSAGES = [{"role": "user", "content": "soak"}]
@@ -200,6 +207,8 @@ class _Chaos:
     upstream_url: str
     minutes: float
     started: float
+    full_disk_s: float
+    """0: no full-disk window (not asked for, or no disk of its own to fill)."""
 
 
 async def _chaos(chaos: _Chaos, books: Books) -> None:
@@ -229,6 +238,85 @@ async def _chaos(chaos: _Chaos, books: Books) -> None:
         )
 
 
+async def _full_disk(chaos: _Chaos, books: Books) -> None:
+    """At two thirds of the run, fill the disk under `state_dir` for `full_disk_s`
+    seconds, then empty it (module docstring)."""
+    if not chaos.full_disk_s:
+        return
+    await trio.sleep(chaos.minutes * 60 * 2 / 3)
+    ballast = chaos.state.parent / "ballast"
+    await trio.to_thread.run_sync(_fill, ballast)
+    since = time.monotonic() - chaos.started
+    books.events.append(f"{since:6.1f}s disk under state_dir full")
+    try:
+        await trio.sleep(chaos.full_disk_s)
+        metrics = (await chaos.admin.get("/metrics")).text
+        books.events.append(f"{time.monotonic() - chaos.started:6.1f}s {_ledger_line(metrics)}")
+    finally:
+        ballast.unlink(missing_ok=True)
+    books.events.append(f"{time.monotonic() - chaos.started:6.1f}s disk emptied")
+
+
+def _fill(ballast: Path) -> None:
+    """Write `ballast` until the disk says ENOSPC."""
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for size in (1 << 20, 1 << 16, 1 << 12, 1):
+            block = bytes(size)
+            while True:
+                try:
+                    os.write(fd, block)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    break
+    finally:
+        os.close(fd)
+
+
+def _ledger_line(metrics: str) -> str:
+    """The usage ledger's state and backlog, from `/metrics`."""
+    values = {}
+    for line in metrics.splitlines():
+        if line.startswith(("iop_usage_unwritten_records ", "iop_usage_ledger_state{")):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    state = next(
+        (name.split('"')[1] for name, value in values.items() if "state{" in name and value),
+        "?",
+    )
+    waiting = int(values.get("iop_usage_unwritten_records", 0))
+    return f"usage ledger {state}, {waiting} record(s) waiting in memory"
+
+
+@contextmanager
+def _state_disk(folder: Path, wanted_s: float) -> Iterator[float]:
+    """Mount a tmpfs at `folder/disk` for the state when a full-disk window is wanted and
+    this process may mount; yields the window's length (0: none)."""
+    if not wanted_s:
+        yield 0.0
+        return
+    disk = folder / "disk"
+    disk.mkdir()
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={STATE_DISK_SIZE},mode=0700", "tmpfs", str(disk)],
+            capture_output=True,
+            check=False,
+        ).returncode
+        == 0
+    )
+    if not mounted:
+        print("soak: no full-disk window (mounting a tmpfs for state_dir needs root)")
+        yield 0.0
+        return
+    try:
+        yield wanted_s
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True, check=False)
+
+
 def _pid(node: Node) -> int | None:
     return node.process.pid if node.process is not None else None
 
@@ -245,10 +333,19 @@ async def _sample_rss(
         await trio.sleep(5)
 
 
-async def soak(minutes: float, concurrency: int, seed: int) -> int:
-    books = Books()
+async def soak(minutes: float, concurrency: int, seed: int, full_disk_s: float) -> int:
     folder = Path(tempfile.mkdtemp(prefix="iop-soak-"))
-    state = folder / "state"
+    with _state_disk(folder, full_disk_s) as window_s:
+        state = folder / "disk" / "state" if window_s else folder / "state"
+        return await _soak(
+            minutes, concurrency, seed, folder=folder, state=state, full_disk_s=window_s
+        )
+
+
+async def _soak(
+    minutes: float, concurrency: int, seed: int, *, folder: Path, state: Path, full_disk_s: float
+) -> int:
+    books = Books()
     config = folder / "edge.yaml"
     stopping = False
     try:
@@ -278,9 +375,17 @@ async def soak(minutes: float, concurrency: int, seed: int) -> int:
                     }
                     work.start_soon(_sample_rss, pids, books, started)
                     chaos = _Chaos(
-                        nursery, nodes[1], admin, state, upstream.ready, minutes, started
+                        nursery,
+                        nodes[1],
+                        admin,
+                        state,
+                        upstream.ready,
+                        minutes,
+                        started,
+                        full_disk_s,
                     )
                     work.start_soon(_chaos, chaos, books)
+                    work.start_soon(_full_disk, chaos, books)
                     rng = random.Random(seed)
                     async with trio.open_nursery() as callers:
                         for _ in range(concurrency):
@@ -368,8 +473,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--concurrency", type=int, default=24)
     parser.add_argument("--seed", type=int, default=int(os.environ.get("IOP_SOAK_SEED", "1")))
+    parser.add_argument(
+        "--full-disk-s",
+        type=float,
+        default=15.0,
+        help="seconds the disk under state_dir is full, at two thirds of the run (0: none)",
+    )
     args = parser.parse_args(argv)
-    return trio.run(partial(soak, args.minutes, args.concurrency, args.seed))
+    return trio.run(partial(soak, args.minutes, args.concurrency, args.seed, args.full_disk_s))
 
 
 if __name__ == "__main__":

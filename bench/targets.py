@@ -60,6 +60,16 @@ MAX_EDGE_RSS_MB: Final = 300.0
 MAX_IDLE_CPU_SHARE: Final = 0.05
 MAX_CATALOG_MS: Final = 100.0
 MAX_REFRESH_S: Final = 10.0
+#: The fleet budgets for one Edge, stated for 10,000 Nodes x 3 providers and judged at
+#: whatever scale the run used (a smaller fleet must fit them too).
+FLEET_NODES: Final = 10_000
+FLEET_MAX_IDLE_CPU_SHARE: Final = 0.10
+FLEET_MAX_DRY_RUN_S: Final = 2.0
+FLEET_MAX_APPLY_S: Final = 15.0
+FLEET_MAX_CALLER_P99_RATIO: Final = 1.2
+FLEET_MAX_FILTERED_CATALOG_MS: Final = 50.0
+FLEET_MAX_CATALOG_MS: Final = 1000.0
+FLEET_MAX_EDGE_RSS_MB: Final = 1024.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +295,62 @@ def _nodes_checks(result: BenchResult) -> list[TargetCheck]:
     return checks
 
 
+def _fleet_scale_checks(result: BenchResult) -> list[TargetCheck]:
+    """The fleet budgets (stated for `FLEET_NODES`), judged at the run's scale."""
+    m = result.many_nodes
+    names = (
+        f"idle Edge CPU <= {FLEET_MAX_IDLE_CPU_SHARE:.0%} of a core",
+        f"refresh dry run <= {FLEET_MAX_DRY_RUN_S:g} s",
+        f"refresh apply <= {FLEET_MAX_APPLY_S:g} s until every Node acked, none left behind",
+        f"callers' p99 during the refresh <= {FLEET_MAX_CALLER_P99_RATIO:g}x idle",
+        f"filtered /catalog <= {FLEET_MAX_FILTERED_CATALOG_MS:g} ms (slowest)",
+        f"whole /catalog <= {FLEET_MAX_CATALOG_MS:g} ms (slowest)",
+        f"Edge RSS <= {FLEET_MAX_EDGE_RSS_MB:g} MB, idle and after the refresh",
+    )
+    if m is None:
+        return [TargetCheck(f"fleet: {name}", "not measured (nodes)", "n/a") for name in names]
+    prefix = f"fleet ({m.shape.nodes:,} Nodes; budget for {FLEET_NODES:,}): "
+    rss = max((v for v in (m.rss_connected, m.rss_after_refresh) if v is not None), default=None)
+    ratio = m.caller_p99_ratio
+    p99_idle, p99_busy = m.caller_ms("idle", 99.0), m.caller_ms("refresh", 99.0)
+    values: list[tuple[float | None, str, float]] = [
+        (m.idle_cpu_share, f"{m.idle_cpu_share or 0:.1%}", FLEET_MAX_IDLE_CPU_SHARE),
+        (m.dry_run_s, f"{m.dry_run_s or 0:.2f} s", FLEET_MAX_DRY_RUN_S),
+        (
+            None if m.refresh_s is None else m.refresh_s,
+            f"{m.refresh_s or 0:.1f} s, {m.refresh_applied}/{m.shape.nodes} applied",
+            FLEET_MAX_APPLY_S,
+        ),
+        (
+            ratio,
+            f"{p99_busy or 0:.0f} vs {p99_idle or 0:.0f} ms = {ratio or 0:.2f}x",
+            FLEET_MAX_CALLER_P99_RATIO,
+        ),
+        (
+            m.catalog_filtered_max_ms,
+            f"{m.catalog_filtered_max_ms or 0:.0f} ms",
+            FLEET_MAX_FILTERED_CATALOG_MS,
+        ),
+        (m.catalog_max_ms, f"{m.catalog_max_ms or 0:.0f} ms", FLEET_MAX_CATALOG_MS),
+        (
+            None if rss is None else rss / 2**20,
+            f"{(rss or 0) / 2**20:.0f} MB",
+            FLEET_MAX_EDGE_RSS_MB,
+        ),
+    ]
+    checks: list[TargetCheck] = []
+    for name, (value, text, limit) in zip(names, values, strict=True):
+        if value is None:
+            reason = m.refresh_problem if name.startswith("refresh") else None
+            checks.append(TargetCheck(prefix + name, f"not measured {reason or ''}"[:80], "n/a"))
+            continue
+        verdict = _at_most(value, limit)
+        if name.startswith("refresh apply") and m.refresh_applied != m.shape.nodes:
+            verdict = "MISS"  # a Node left behind misses the goal, however fast
+        checks.append(TargetCheck(prefix + name, text, verdict))
+    return checks
+
+
 def check_targets(result: BenchResult) -> list[TargetCheck]:
     """Every goal, in the order of the targets table."""
     return [
@@ -292,4 +358,5 @@ def check_targets(result: BenchResult) -> list[TargetCheck]:
         *_closed_loop_checks(result),
         *_protocol_checks(result),
         *_nodes_checks(result),
+        *_fleet_scale_checks(result),
     ]

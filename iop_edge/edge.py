@@ -59,6 +59,7 @@ from iop_edge.runtime.lifecycle.listeners import (
     adopt_listener,
     bind_listener,
 )
+from iop_edge.runtime.lifecycle.port_claim import CallerPortClaim, PortShared, own_identity
 from iop_edge.runtime.lifecycle.replicas import ReplicaRoster
 from iop_edge.runtime.metering.access_log import AccessLog, RefusedRequest
 from iop_edge.runtime.metering.activity import Activity
@@ -234,6 +235,9 @@ class Edge:
         }
         self._handover = handover
         self._listeners: dict[Role, Listener] = {}
+        self._inherited: set[Role] = set()
+        """The listeners a restarting Edge handed over (not bound here)."""
+        self._port_claim: CallerPortClaim | None = None
         self._node_server: NodeServer | None = None
         self._stop = StopRequest()
         self._restarter = Restarter(
@@ -463,6 +467,7 @@ class Edge:
                 fd = handover.take_listener(role, configured) if handover else None
                 if fd is not None:
                     listeners[role] = adopt_listener(role, configured, fd)
+                    self._inherited.add(role)
                 else:
                     address = parse_listen_address(configured)
                     try:
@@ -477,6 +482,35 @@ class Edge:
             if handover is not None:
                 handover.close_unused()
         return listeners
+
+    async def claim_caller_port(self) -> None:
+        """Claim the caller port by name (`runtime.lifecycle.port_claim`): only a replica
+        of the same config, or this Edge's restart successor, may share it. Raises
+        `EdgeStartupError` naming the other Edge. `serve` does it when not done before."""
+        if self._port_claim is not None:
+            return
+        config_file = "" if self.config_path is None else str(self.config_path.resolve())
+        identity = own_identity(self._instance, self._snapshot.config_sha256, config_file)
+        claim = partial(
+            CallerPortClaim.claim,
+            self._listeners["openai"].socket,
+            identity,
+            inherited="openai" in self._inherited,
+        )
+        try:
+            # In a thread: the claim's holder may be an Edge of this very process.
+            self._port_claim = await trio.to_thread.run_sync(claim)
+        except PortShared as exc:
+            raise EdgeStartupError(str(exc)) from None
+
+    async def _hold_caller_port(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Answer who holds the caller port's claim, or take it over when its holder
+        exits, for this Edge's life (a service of `procedures.serve`)."""
+        assert self._port_claim is not None
+        task_status.started()
+        await self._port_claim.serve()
 
     async def check_ledger(self) -> None:
         """Reach the ledger once (PostgreSQL: connect, set up the schema); raises
@@ -498,6 +532,7 @@ class Edge:
         await self.check_ledger()
         self.open_listeners()
         try:
+            await self.claim_caller_port()
             parts = self._build(self._listeners)
             await serve(
                 parts,
@@ -508,6 +543,8 @@ class Edge:
                 task_status=task_status,
             )
         finally:
+            if self._port_claim is not None:
+                self._port_claim.close()
             for listener in self._listeners.values():
                 listener.close()
             if self.tracing is not None:
@@ -543,6 +580,7 @@ class Edge:
         grace_s = config.edge.shutdown_grace_s
         return EdgeParts(
             services=(
+                self._hold_caller_port,
                 self.scheduler.run,
                 self.ledger.run,
                 # Today's budgets are read before anything is served (limits Rule 3).

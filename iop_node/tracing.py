@@ -26,41 +26,39 @@ Rules:
    upstream wrote, before the Node puts the caller's alias in), the finish reasons (each
    distinct one, in order), and from the run's end its usage and where that came from.
 4. The upstream span ends when the exchange does (its own end time) and leaves with the
-   attempt's span, carrying the output facts the attempt learnt by then.
+   attempt's span, with the response model the attempt learnt by then; the finish
+   reasons and the usage are the attempt's.
 5. Names, ids, counts and codes only: never a prompt, a completion or a token.
+6. Spans are recorded by `schemas.spans`; the first output and the first upstream byte
+   are attributes (`iop.time_to_first_output_s`, `iop.time_to_first_byte_s`, seconds
+   from the span's start), which trace backends search more readily than events.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import msgspec
 import trio
 
 from schemas.config import ProviderConfig, TelemetrySection
+from schemas.spans import Parent, SpanRecorder, Tracing, remote_parent, start_tracing
 from schemas.telemetry import (
     OPERATION_NAMES,
     SHUTDOWN_TIMEOUT_S,
-    Tracing,
-    carrier_of,
-    parent_context,
     provider_name,
-    start_tracing,
     trace_settings,
     valid_traceparent,
     valid_tracestate,
 )
-from schemas.tokens import ChoiceView
 from schemas.wire import FailureCode, Message, Run, RunDone, RunFailed
-
-if TYPE_CHECKING:
-    from opentelemetry.trace import Span, Status
 
 __all__ = [
     "AttemptTrace",
@@ -103,11 +101,16 @@ class _Limits(msgspec.Struct):
         return None
 
 
+class _Choice(msgspec.Struct):
+    finish_reason: Any = None
+
+
 class _Ending(msgspec.Struct):
-    """What a whole response says of how it ended (chat, completions, Messages, Responses)."""
+    """What a whole response says of how it ended (chat, completions, Messages, Responses);
+    everything else in it is skipped unread."""
 
     model: Any = None
-    choices: list[ChoiceView] | None = None
+    choices: list[_Choice] | None = None
     stop_reason: Any = None
     status: Any = None
 
@@ -143,18 +146,12 @@ class NodeTracing:
     """Opens an `AttemptTrace` per run; owns the export pipeline (`aclose`)."""
 
     def __init__(self, tracing: Tracing, node_id: str) -> None:
-        from opentelemetry.trace import SpanKind, Status, StatusCode
-
-        self._tracing = tracing
-        self.tracer = tracing.tracer
+        self.tracing = tracing
         self.node_id = node_id
-        self.internal = SpanKind.INTERNAL
-        self.client = SpanKind.CLIENT
-        self.error = Status(StatusCode.ERROR)
 
     @property
     def endpoint(self) -> str:
-        return self._tracing.settings.endpoint
+        return self.tracing.settings.endpoint
 
     @contextmanager
     def installed(self) -> Iterator[None]:
@@ -168,22 +165,15 @@ class NodeTracing:
     def attempt(self, run: Run, provider: ProviderConfig | None) -> AttemptTrace:
         model = run.reply_model or run.target
         operation = OPERATION_NAMES.get(run.operation, run.operation)
-        span = self.tracer.start_span(
-            f"{operation} {model}",
-            context=parent_context(*_context_of(run)),
-            kind=self.internal,
-        )
-        trace = AttemptTrace(span, self, run, provider)
-        if trace.recording:
-            attributes: dict[str, str | int | bool] = {
-                "gen_ai.operation.name": operation,
-                "gen_ai.request.model": model,
-                "iop.node.id": self.node_id,
-                "iop.provider.id": run.provider_id,
-                "iop.run_id": run.run_id,
-                "iop.protocol": _PROTOCOL_OF.get(run.operation, "chat"),
-                "iop.stream": run.stream,
-            }
+        span = self.tracing.start(f"{operation} {model}", "internal", _parent_of(run))
+        if span.sampled:
+            attributes = span.attributes
+            attributes["gen_ai.operation.name"] = operation
+            attributes["gen_ai.request.model"] = model
+            attributes["iop.node.id"] = self.node_id
+            attributes["iop.provider.id"] = run.provider_id
+            attributes["iop.run_id"] = run.run_id
+            attributes["iop.protocol"] = _PROTOCOL_OF.get(run.operation, "chat")
             if provider is not None:
                 attributes["gen_ai.provider.name"] = provider_name(provider)
             try:
@@ -192,14 +182,13 @@ class NodeTracing:
                 bound = None
             if bound is not None:
                 attributes["gen_ai.request.max_tokens"] = bound
-            span.set_attributes(attributes)
-        return trace
+        return AttemptTrace(span, self.tracing, run, provider)
 
     async def aclose(self) -> None:
         """Send what is queued and stop exporting, in a worker thread, under a deadline
         (a receiver that does not answer must not hold a stopping Node)."""
         with trio.move_on_after(SHUTDOWN_TIMEOUT_S * 2, shield=True):
-            await trio.to_thread.run_sync(self._tracing.shutdown, abandon_on_cancel=True)
+            await trio.to_thread.run_sync(self.tracing.shutdown, abandon_on_cancel=True)
 
 
 def _context_of(run: Run) -> tuple[str, str]:
@@ -207,6 +196,10 @@ def _context_of(run: Run) -> tuple[str, str]:
     if not valid_traceparent(run.traceparent):
         return "", ""
     return run.traceparent, run.tracestate if valid_tracestate(run.tracestate) else ""
+
+
+def _parent_of(run: Run) -> Parent | None:
+    return remote_parent(*_context_of(run))
 
 
 def passed_on(run: Run) -> list[Header]:
@@ -228,22 +221,24 @@ class AttemptTrace:
         "_calls",
         "_finish_reasons",
         "_first_output",
-        "_owner",
         "_provider",
         "_response_model",
         "_run",
+        "_started",
+        "_tracing",
         "recording",
         "span",
     )
 
     def __init__(
-        self, span: Span, owner: NodeTracing, run: Run, provider: ProviderConfig | None
+        self, span: SpanRecorder, tracing: Tracing, run: Run, provider: ProviderConfig | None
     ) -> None:
         self.span = span
-        self.recording = span.is_recording()
-        self._owner = owner
+        self.recording = span.sampled
+        self._tracing = tracing
         self._run = run
         self._provider = provider
+        self._started = time.monotonic()
         self._first_output = False
         self._response_model: str | None = None
         self._finish_reasons: list[str] = []
@@ -269,9 +264,9 @@ class AttemptTrace:
             model = fields.get("model")
             if model is not None:
                 self._learn_model(model)
-        if isinstance(choices, list):
+        if type(choices) is list:
             for choice in choices:
-                if isinstance(choice, ChoiceView):
+                if choice.finish_reason:  # each chunk has choices; few end one
                     self._learn_reason(choice.finish_reason)
 
     def events(self, events: bytes) -> None:
@@ -304,7 +299,8 @@ class AttemptTrace:
 
     def _output_began(self) -> None:
         self._first_output = True
-        self.span.add_event("iop.first_output")
+        elapsed = round(time.monotonic() - self._started, 6)
+        self.span.attributes["iop.time_to_first_output_s"] = elapsed
 
     def _learn_model(self, raw: msgspec.Raw) -> None:
         try:
@@ -320,34 +316,22 @@ class AttemptTrace:
 
     def upstream(self, url: str) -> UpstreamCall:
         """A CLIENT span for the upstream request to `url`, a child of this attempt."""
-        from opentelemetry.trace import set_span_in_context
-
-        owner = self._owner
         run = self._run
-        span = owner.tracer.start_span(
-            f"{OPERATION_NAMES.get(run.operation, run.operation)} {run.target}",
-            context=set_span_in_context(self.span),
-            kind=owner.client,
-        )
-        call = UpstreamCall(span, owner.error)
-        if call.recording:
-            try:
-                parts = urlsplit(url)
-                host, port = parts.hostname or "", parts.port
-            except ValueError:
-                host, port = "", None
-            attributes: dict[str, str | int] = {
-                "http.request.method": "POST",
-                "url.full": url,
-                "server.address": host,
-                "gen_ai.operation.name": OPERATION_NAMES.get(run.operation, run.operation),
-                "gen_ai.request.model": run.target,
-            }
+        operation = OPERATION_NAMES.get(run.operation, run.operation)
+        span = self._tracing.start(f"{operation} {run.target}", "client", self.span.as_parent())
+        if span.sampled:
+            host, port = _server_of(url)
+            attributes = span.attributes
+            attributes["http.request.method"] = "POST"
+            attributes["url.full"] = url
+            attributes["server.address"] = host
             if port is not None:
                 attributes["server.port"] = port
+            attributes["gen_ai.operation.name"] = operation
+            attributes["gen_ai.request.model"] = run.target
             if self._provider is not None:
                 attributes["gen_ai.provider.name"] = provider_name(self._provider)
-            span.set_attributes(attributes)
+        call = UpstreamCall(span)
         self._calls.append(call)
         return call
 
@@ -356,46 +340,38 @@ class AttemptTrace:
     def finish(self, message: Message | None) -> None:
         """The run ended with `message` (None: it was cut from outside, unanswered)."""
         span = self.span
-        if not self.recording:
-            for call in self._calls:
-                call.span.end(end_time=call.ended_at)
-            span.end()
-            return
-        output: dict[str, str | int | list[str]] = {}
-        if self._response_model is not None:
-            output["gen_ai.response.model"] = self._response_model
-        if self._finish_reasons:
-            output["gen_ai.response.finish_reasons"] = list(self._finish_reasons)
-        usage = message.usage if isinstance(message, RunDone | RunFailed) else None
-        if usage is not None:
-            output["gen_ai.usage.input_tokens"] = usage.prompt_tokens
-            output["gen_ai.usage.output_tokens"] = usage.completion_tokens
-        attributes = dict(output)
-        if isinstance(message, RunDone | RunFailed) and message.usage_source is not None:
-            attributes["iop.usage_source"] = message.usage_source
-        if isinstance(message, RunFailed):
-            attributes["error.type"] = str(message.code)
-            span.set_status(self._owner.error)
-        elif message is None:
-            attributes["error.type"] = str(FailureCode.CANCELLED)
-        span.set_attributes(attributes)
+        if self.recording:
+            attributes = span.attributes
+            if self._response_model is not None:
+                attributes["gen_ai.response.model"] = self._response_model
+            if self._finish_reasons:
+                attributes["gen_ai.response.finish_reasons"] = self._finish_reasons
+            if isinstance(message, RunDone | RunFailed):
+                usage = message.usage
+                if usage is not None:
+                    attributes["gen_ai.usage.input_tokens"] = usage.prompt_tokens
+                    attributes["gen_ai.usage.output_tokens"] = usage.completion_tokens
+                if message.usage_source is not None:
+                    attributes["iop.usage_source"] = message.usage_source
+            if isinstance(message, RunFailed):
+                attributes["error.type"] = str(message.code)
+                span.error = True
+            elif message is None:
+                attributes["error.type"] = str(FailureCode.CANCELLED)
         for call in self._calls:
-            if call.error is None:
-                call.span.set_attributes(output)
-            call.span.end(end_time=call.ended_at)
+            call.end(self._response_model)
         span.end()
 
 
 class UpstreamCall:
     """The CLIENT span of one upstream request (Rule 4: the attempt ends it)."""
 
-    __slots__ = ("_error_status", "ended_at", "error", "headers", "recording", "span")
+    __slots__ = ("_started", "ended_at", "error", "headers", "span")
 
-    def __init__(self, span: Span, error_status: Status) -> None:
+    def __init__(self, span: SpanRecorder) -> None:
         self.span = span
-        self._error_status = error_status
-        self.recording = span.is_recording()
-        traceparent, tracestate = carrier_of(span)
+        self._started = time.monotonic()
+        traceparent, tracestate = span.carrier()
         self.headers: list[Header] = [(b"traceparent", traceparent.encode("ascii"))]
         """The trace context the upstream request carries: this span as its parent."""
         if tracestate:
@@ -404,28 +380,48 @@ class UpstreamCall:
         self.ended_at: int | None = None
 
     def first_byte(self) -> None:
-        if self.recording:
-            self.span.add_event("iop.first_byte")
+        attributes = self.span.attributes
+        if self.span.sampled and "iop.time_to_first_byte_s" not in attributes:
+            attributes["iop.time_to_first_byte_s"] = round(time.monotonic() - self._started, 6)
 
     def status(self, code: int) -> None:
-        if self.recording:
-            self.span.set_attribute("http.response.status_code", code)
-            if code >= 400:
-                self.error = str(code)
-                self.span.set_attribute("error.type", self.error)
-                self.span.set_status(self._error_status)
+        if self.span.sampled:
+            self.span.attributes["http.response.status_code"] = code
+        if code >= 400:
+            self.error = str(code)
 
     def failed(self, code: str) -> None:
         """The exchange failed (the adapter's failure code)."""
-        if self.recording and self.error is None:
+        if self.error is None:
             self.error = code
-            self.span.set_attribute("error.type", code)
-            self.span.set_status(self._error_status)
 
     def done(self) -> None:
         """The exchange is over: its span's end time (it leaves with the attempt)."""
         if self.ended_at is None:
             self.ended_at = time.time_ns()
+
+    def end(self, response_model: str | None) -> None:
+        """End the span at its own end time, with the model the upstream answered as
+        (Rule 4: the finish reasons and usage are on the attempt's span); a failed call
+        gets its error instead."""
+        span = self.span
+        if span.sampled:
+            if self.error is not None:
+                span.attributes["error.type"] = self.error
+                span.error = True
+            elif response_model is not None:
+                span.attributes["gen_ai.response.model"] = response_model
+        span.end(self.ended_at)
+
+
+@functools.lru_cache(maxsize=256)
+def _server_of(url: str) -> tuple[str, int | None]:
+    """`server.address` and `server.port` of an upstream URL (a provider's few URLs)."""
+    try:
+        parts = urlsplit(url)
+        return parts.hostname or "", parts.port
+    except ValueError:
+        return "", None
 
 
 def upstream_call(base_url: str, path: str) -> UpstreamCall | None:

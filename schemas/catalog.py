@@ -96,3 +96,15 @@ class Catalog(CatalogRecord, frozen=True, kw_only=True):
     next: str | None = None
     """A page's cursor for the page after it (`GET /catalog?limit=&cursor=`); null on
     the last page and when the catalog is not paged."""
+
+
+class CatalogSummary(CatalogRecord, frozen=True, kw_only=True):
+    """The pool in a few numbers (`GET /catalog/summary`): what a page shows of a fleet
+    before it lists anyone."""
+
+    revision: int
+    models: int
+    nodes: int
+    providers: int
+    by_health: dict[str, int] = {}
+    """Providers per catalog health (`unavailable` while their Node is not connected)."""

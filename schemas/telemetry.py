@@ -4,9 +4,10 @@ Why here: the Edge and the Node read the same settings (the Edge config's
 `edge.telemetry`, the Node's `--otlp-*` flags or its `--config` file's `telemetry`, and
 the standard `OTEL_*` environment variables), start the same SDK pipeline and speak the
 same GenAI vocabulary; `schemas` is the one package both may import (a Node never
-imports the Edge). What each process records lives beside the code it watches:
-`iop_edge.runtime.metering.tracing` (the Edge's span per request) and `iop_node.tracing`
-(a span per attempt, and the upstream call as its child).
+imports the Edge). How spans are recorded and exported is `schemas.spans`; what each
+process records lives beside the code it watches: `iop_edge.runtime.metering.tracing`
+(the Edge's span per request) and `iop_node.tracing` (a span per attempt, and the
+upstream call as its child).
 
 Rules:
 1. Off by default. Tracing is on only when an endpoint is set (the config or a flag, else
@@ -22,7 +23,7 @@ Rules:
    `..._TIMEOUT`, `..._CERTIFICATE`, `..._COMPRESSION`; the `TRACES_` ones first).
 4. Spans leave in batches from the SDK's own thread (`BatchSpanProcessor`): the request
    path only hands a finished span to a bounded queue (`OTEL_BSP_MAX_QUEUE_SIZE`, 2048 by
-   default). A slow or absent receiver costs spans, never requests.
+   default). A slow or absent receiver costs spans, never requests (`schemas.spans`).
 5. Attributes name things and count them (models, providers, ids, token counts, codes);
    never a prompt, a completion or a token.
 6. Trace context is W3C `traceparent`/`tracestate`. A well-formed `traceparent` from a
@@ -35,15 +36,10 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, get_args
+from typing import Final, get_args
 from urllib.parse import urlsplit
 
 from schemas.config import OtlpProtocol, ProviderConfig, TelemetrySection, TraceSampler
-
-if TYPE_CHECKING:
-    from opentelemetry.context import Context
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.trace import Span, Tracer
 
 __all__ = [
     "OPERATION_NAMES",
@@ -51,12 +47,8 @@ __all__ = [
     "TelemetryError",
     "TelemetryUnavailable",
     "TraceSettings",
-    "Tracing",
-    "carrier_of",
     "endpoint_problem",
-    "parent_context",
     "provider_name",
-    "start_tracing",
     "trace_settings",
     "valid_traceparent",
     "valid_tracestate",
@@ -271,88 +263,3 @@ def _sampler_arg(
             f"OTEL_TRACES_SAMPLER_ARG={value}: the ratio of {sampler} is a number from 0 to 1"
         )
     return ratio
-
-
-class Tracing:
-    """A running SDK pipeline: tracer provider, batch processor, OTLP/HTTP exporter.
-
-    Made by `start_tracing`; `shutdown` (blocking) sends what is queued and stops the
-    export thread. The processes hold one per process (several in one test process: each
-    its own, none installed as OpenTelemetry's global provider)."""
-
-    def __init__(self, provider: TracerProvider, tracer: Tracer, settings: TraceSettings) -> None:
-        self._provider = provider
-        self.tracer = tracer
-        self.settings = settings
-
-    def shutdown(self) -> None:
-        """Flush the queued spans (within `SHUTDOWN_TIMEOUT_S`) and stop exporting.
-
-        Blocking (the export is an HTTP request): a Trio process runs it in a worker
-        thread under a deadline, so a receiver that does not answer cannot hold a
-        stopping process."""
-        self._provider.force_flush(int(SHUTDOWN_TIMEOUT_S * 1000))
-        self._provider.shutdown()
-
-
-def start_tracing(settings: TraceSettings, *, instance_id: str, version: str) -> Tracing:
-    """Start exporting per `settings`; raises `TelemetryUnavailable` (naming the extra to
-    install) when the SDK or its exporter is missing."""
-    try:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import (
-            ALWAYS_OFF,
-            ALWAYS_ON,
-            ParentBased,
-            Sampler,
-            TraceIdRatioBased,
-        )
-    except ImportError as exc:
-        raise TelemetryUnavailable(
-            f"tracing is on ({settings.source}) but the OpenTelemetry SDK is not installed "
-            f"({exc.name or exc}): pip install '{OTEL_EXTRA}'"
-        ) from None
-    root: Sampler
-    match settings.sampler:
-        case "always_on" | "parentbased_always_on":
-            root = ALWAYS_ON
-        case "always_off" | "parentbased_always_off":
-            root = ALWAYS_OFF
-        case "traceidratio" | "parentbased_traceidratio":
-            root = TraceIdRatioBased(settings.sampler_arg)
-    sampler = ParentBased(root) if settings.sampler.startswith("parentbased_") else root
-    resource = Resource.create(
-        {
-            "service.name": settings.service_name,
-            "service.version": version,
-            "service.instance.id": instance_id,
-        }
-    )
-    provider = TracerProvider(sampler=sampler, resource=resource, shutdown_on_exit=False)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.endpoint)))
-    return Tracing(provider, provider.get_tracer("iop", version), settings)
-
-
-def parent_context(traceparent: str, tracestate: str) -> Context | None:
-    """The context a span continues: the remote parent that `traceparent` names (None
-    when there is none)."""
-    if not traceparent:
-        return None
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-    carrier = {"traceparent": traceparent}
-    if tracestate:
-        carrier["tracestate"] = tracestate
-    return TraceContextTextMapPropagator().extract(carrier)
-
-
-def carrier_of(span: Span) -> tuple[str, str]:
-    """`(traceparent, tracestate)` that make `span` the parent of what comes next."""
-    context = span.get_span_context()
-    traceparent = (
-        f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
-    )
-    return traceparent, context.trace_state.to_header()

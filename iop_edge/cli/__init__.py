@@ -17,7 +17,9 @@ import argparse
 import getpass
 import json
 import os
+import shlex
 import sys
+import typing
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -28,6 +30,7 @@ import trio
 from rich.console import Console
 
 from iop_edge import __version__
+from iop_edge.core.catalog_query import MAX_LIMIT as CATALOG_MAX_LIMIT
 from iop_edge.core.config import ConfigInvalid, format_errors, load_config
 from iop_edge.core.config_reference import json_schema
 from iop_edge.core.exception_groups import sole_exception
@@ -36,6 +39,7 @@ from iop_edge.core.principals import describe_limits
 from iop_edge.core.tokens import hash_token
 from schemas.config import ConfigError, EdgeSection, PrincipalLimits
 from schemas.log_lines import LOG_FORMATS, LOG_LEVELS
+from schemas.wire import Health
 
 DEFAULT_CONFIG = Path("configs/edge.yaml")
 EXIT_FAILURE = 1
@@ -354,15 +358,58 @@ def _show(args: argparse.Namespace, path: str, render: Callable[[Console, Any], 
     return 0
 
 
+def _catalog_path(args: argparse.Namespace) -> str:
+    """`/catalog` with the command's filters and page (`core.catalog_query`)."""
+    query = {
+        name: str(value)
+        for name in ("model", "node", "health", "limit", "cursor")
+        if (value := getattr(args, name)) is not None
+    }
+    return f"/catalog?{urlencode(query)}" if query else "/catalog"
+
+
+def _next_page_hint(args: argparse.Namespace, catalog: dict[str, Any]) -> str | None:
+    """How to ask for the page after this one, when there is one."""
+    following = catalog.get("next")
+    if not following:
+        return None
+    flags = [
+        f"--{name} {shlex.quote(str(value))}"
+        for name in ("model", "node", "health", "limit")
+        if (value := getattr(args, name)) is not None
+    ]
+    return "more: iop-edge catalog " + " ".join([*flags, f"--cursor {shlex.quote(following)}"])
+
+
 def cmd_catalog(args: argparse.Namespace) -> int:
     from iop_edge.cli.console import render_catalog, watch_catalog
 
+    path = _catalog_path(args)
     if args.watch:
         if args.json:
             raise CliError("--watch redraws a table; it does not combine with --json")
-        watch_catalog(_console(), lambda: _get(args, "/catalog"), interval_s=args.interval)
+        watch_catalog(_console(), lambda: _get(args, path), interval_s=args.interval)
         return 0
-    return _show(args, "/catalog", render_catalog)
+    catalog = _get(args, path)
+    if args.json:
+        print(json.dumps(catalog, indent=2))
+        return 0
+    console = _console()
+    render_catalog(console, catalog)
+    hint = _next_page_hint(args, catalog)
+    if hint is not None:
+        console.print(hint, soft_wrap=True, markup=False)
+    return 0
+
+
+def _catalog_limit(text: str) -> int:
+    try:
+        limit = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text}") from None
+    if not 1 <= limit <= CATALOG_MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be 1..{CATALOG_MAX_LIMIT}")
+    return limit
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
@@ -648,6 +695,23 @@ def build_parser() -> argparse.ArgumentParser:
         "provider table fits the terminal and names the columns it left out.",
     )
     _add_admin(catalog)
+    catalog.add_argument("--model", metavar="ID", help="only the providers of this model")
+    catalog.add_argument("--node", metavar="ID", help="only the providers of this Node")
+    catalog.add_argument(
+        "--health",
+        choices=typing.get_args(Health),
+        help="only the providers whose health is this",
+    )
+    catalog.add_argument(
+        "--limit",
+        type=_catalog_limit,
+        metavar="N",
+        help=f"a page of at most N providers (1..{CATALOG_MAX_LIMIT}); the command then "
+        "prints how to ask for the next page",
+    )
+    catalog.add_argument(
+        "--cursor", metavar="ID", help="start after this provider id (a page's `next`)"
+    )
     catalog.add_argument(
         "--watch", action="store_true", help="redraw in place as the pool changes (Ctrl-C stops)"
     )

@@ -38,7 +38,7 @@ from werkzeug.exceptions import HTTPException
 from iop_edge.core.catalog_query import CatalogQuery, CatalogQueryError
 from iop_edge.core.listen import is_loopback_host_header
 from iop_edge.core.readiness import NO_SERVABLE_MODEL, Readiness
-from iop_edge.http.catalog_stream import CatalogSource, catalog_chunks
+from iop_edge.http.catalog_stream import CatalogSource, catalog_chunks, catalog_summary
 from iop_edge.runtime.metering.activity import ActivityReport
 from iop_edge.runtime.metering.usage import LedgerUnavailable, UsageReport
 from iop_edge.runtime.refresh.refresh import RefreshResult
@@ -112,7 +112,15 @@ POOL_PAGE_FILES: Final[dict[str, tuple[str, str]]] = {
 }
 #: What a browser page may GET (Rule 3): the page, its assets, what it polls.
 BROWSER_READABLE: Final = frozenset(
-    {*POOL_PAGE_FILES, "/catalog", "/status", "/activity", "/readyz", "/principals"}
+    {
+        *POOL_PAGE_FILES,
+        "/catalog",
+        "/catalog/summary",
+        "/status",
+        "/activity",
+        "/readyz",
+        "/principals",
+    }
 )
 #: Sent with the page's files: nothing from elsewhere, no inline script, no framing.
 _PAGE_HEADERS: Final = {
@@ -268,9 +276,13 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
             query = CatalogQuery.from_arguments(request.args.to_dict())
         except CatalogQueryError as exc:
             return _error(400, str(exc))
-        return Response(
-            catalog_chunks(services.catalog, query), content_type="application/json"
-        )
+        return Response(catalog_chunks(services.catalog, query), content_type="application/json")
+
+    @app.get("/catalog/summary")
+    async def catalog_summary_() -> Response:
+        """Providers counted by health, and how many models and Nodes: the pool page's
+        headline for a fleet too large to list at once."""
+        return _json(await catalog_summary(services.catalog))
 
     @app.get("/principals")
     async def principals() -> Response:

@@ -19,7 +19,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Final, Protocol
 
@@ -28,10 +28,10 @@ import trio
 
 from iop_edge.core.catalog_query import CatalogQuery
 from iop_edge.core.snapshot import Snapshot
-from schemas.catalog import CatalogModel, CatalogProvider
+from schemas.catalog import CatalogModel, CatalogProvider, CatalogSummary
 from schemas.wire import Health
 
-__all__ = ["SCAN", "SLICE", "CatalogSource", "catalog_chunks"]
+__all__ = ["SCAN", "SLICE", "CatalogSource", "catalog_chunks", "catalog_summary"]
 
 #: Provider records built per step (Rule 1).
 SLICE: Final = 256
@@ -76,6 +76,27 @@ async def catalog_chunks(source: CatalogSource, query: CatalogQuery) -> AsyncIte
         await trio.lowlevel.checkpoint()  # Rule 1: the next slice is another step
     following = last if limit is not None and await selection.more() else None
     yield b'],"next":%b}' % _encode(following)
+
+
+async def catalog_summary(source: CatalogSource) -> CatalogSummary:
+    """Providers counted by health, `SCAN` looks a step (Rule 1)."""
+    snapshot = source.snapshot
+    order = snapshot.provider_order
+    counts: Counter[str] = Counter()
+    for start in range(0, len(order), SCAN):
+        if start:
+            await trio.lowlevel.checkpoint()
+        for provider_id in order[start : start + SCAN]:
+            health = source.catalog_health(provider_id)
+            if health is not None:
+                counts[health] += 1
+    return CatalogSummary(
+        revision=snapshot.revision,
+        models=len(snapshot.models),
+        nodes=len(snapshot.nodes),
+        providers=sum(counts.values()),
+        by_health=dict(sorted(counts.items())),
+    )
 
 
 class _Selection:

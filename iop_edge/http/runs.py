@@ -592,7 +592,6 @@ def _continue_trace(plan: RunPlan, trace: RequestTrace | None, request: _Request
             protocol=plan.protocol,
             principal_ref=plan.principal_ref,
             request_id=plan.request_id or plan.run_id,
-            stream=plan.stream,
             body=plan.body,
         )
         plan.trace = trace

@@ -227,7 +227,14 @@ async def test_fleet_streams_measure_delay_cost_and_memory_per_target(tmp_path: 
 
 async def test_many_nodes_connect_and_every_node_applies_the_refresh(tmp_path: Path) -> None:
     shape = ManyNodesShape(
-        nodes=12, providers_per_node=2, models=3, idle_window_s=0.2, catalog_requests=3
+        nodes=12,
+        providers_per_node=2,
+        models=3,
+        idle_window_s=0.2,
+        catalog_requests=3,
+        node_processes=2,
+        caller_rate=20.0,
+        caller_window_s=0.5,
     )
     lines: list[str] = []
     options = BenchOptions(parts=(NODES,), nodes=shape)
@@ -240,7 +247,11 @@ async def test_many_nodes_connect_and_every_node_applies_the_refresh(tmp_path: P
     assert (m.refresh_nodes, m.refresh_applied, m.refresh_problem) == (12, 12, None)
     assert m.refresh_s is not None and m.dry_run_s is not None
     assert len(m.catalog_s) == 3 and m.catalog_bytes > 0
+    assert len(m.catalog_filtered_s) == 3
     assert None not in (m.rss_empty, m.rss_connected, m.rss_after_refresh, m.idle_cpu_s)
+    # Callers got their answers from the sim Node while idle and during the refresh.
+    assert m.caller_errors == 0 and m.caller_idle_s and m.caller_refresh_s
+    assert m.caller_p99_ratio is not None
 
     text = _text(result)
     assert "Many Nodes on one Edge: 12 light Nodes x 2 providers" in text
@@ -361,6 +372,45 @@ def test_many_nodes_budgets_are_judged_at_1000_nodes_only() -> None:
     smaller = BenchResult(machine=Machine.this(), many_nodes=measured(10, 4.0))
     verdicts = [c.verdict for c in check_targets(smaller) if c.goal.startswith("1000 Nodes")]
     assert verdicts == ["n/a"] * 4
+
+
+def test_fleet_budgets_are_judged_at_the_run_scale_and_a_node_left_behind_misses() -> None:
+    def measured(applied: int) -> ManyNodesMeasurement:
+        return ManyNodesMeasurement(
+            shape=ManyNodesShape(nodes=5000),
+            connect_s=60.0,
+            rss_empty=100 * 2**20,
+            rss_connected=400 * 2**20,
+            rss_after_refresh=500 * 2**20,
+            idle_cpu_s=0.5,
+            idle_window_s=10.0,  # 5% of a core
+            catalog_s=(0.3, 0.5),
+            catalog_bytes=5_000_000,
+            dry_run_s=1.5,
+            refresh_s=9.0,
+            refresh_status=200,
+            refresh_nodes=5000,
+            refresh_applied=applied,
+            catalog_filtered_s=(0.01, 0.08),  # the slowest over 50 ms
+            caller_idle_s=(0.05,) * 99 + (0.06,),
+            caller_refresh_s=(0.05,) * 99 + (0.07,),  # p99 1.17x idle's
+        )
+
+    checks = {
+        c.goal.split(": ", 1)[1]: (c.measured, c.verdict)
+        for c in check_targets(BenchResult(machine=Machine.this(), many_nodes=measured(5000)))
+        if c.goal.startswith("fleet (5,000 Nodes")
+    }
+    assert [verdict for _, verdict in checks.values()] == [
+        "PASS", "PASS", "PASS", "PASS", "MISS", "PASS", "PASS"
+    ]  # fmt: skip
+    assert checks["refresh apply <= 15 s until every Node acked, none left behind"] == (
+        "9.0 s, 5000/5000 applied",
+        "PASS",
+    )
+    behind = check_targets(BenchResult(machine=Machine.this(), many_nodes=measured(4999)))
+    [apply] = [c for c in behind if "refresh apply" in c.goal and c.goal.startswith("fleet")]
+    assert apply.verdict == "MISS"
 
 
 def test_fleet_numbers_are_derived_per_process() -> None:

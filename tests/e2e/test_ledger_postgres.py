@@ -257,18 +257,20 @@ async def test_an_outage_is_a_503_two_log_lines_and_nothing_lost(
     assert not [r for r in lines if r.exc_info], "a traceback in the log"
 
 
+def _record(run_id: str, principal: str) -> UsageRecord:
+    return UsageRecord(
+        time=1.0, run_id=run_id, principal_ref=principal, token_ref="t", alias=None,
+        model="m", provider="sim-1", node="node-1", prompt_tokens=3, completion_tokens=4,
+        status=200, latency_ms=1.0, ttft_ms=None,
+    )  # fmt: skip
+
+
 async def test_usage_pages_in_postgresql_as_in_sqlite(
     nursery: trio.Nursery, tmp_path: Path, ledger_url: str
 ) -> None:
     stack = await start_stack(nursery, _config(tmp_path, ledger_url), tmp_path / "edge.yaml")
     for index in range(5):
-        stack.edge.ledger.record(
-            UsageRecord(
-                time=1.0, run_id=f"r{index}", principal_ref=f"team-{index}", token_ref="t",
-                alias=None, model="m", provider="sim-1", node="node-1", prompt_tokens=3,
-                completion_tokens=4, status=200, latency_ms=1.0, ttft_ms=None,
-            )  # fmt: skip
-        )
+        stack.edge.ledger.record(_record(f"r{index}", f"team-{index}"))
     with trio.fail_after(5):
         await stack.edge.ledger.wait_flushed()
     params = {"group_by": "principal_ref,model", "limit": "2"}

@@ -261,7 +261,11 @@ async def test_one_trace_per_request_from_the_caller_through_edge_and_node_to_up
     }.items() <= call.attributes.items()
     [admitted] = edge.events()["iop.admitted"]
     assert admitted["iop.provider.id"] == "up-1" and admitted["iop.queue_wait_s"] >= 0
-    assert "iop.first_output" in attempt.events() and "iop.first_byte" in call.events()
+    first_output = attempt.attributes["iop.time_to_first_output_s"]
+    first_byte = call.attributes["iop.time_to_first_byte_s"]
+    attempt_s = (attempt.span.end_time_unix_nano - attempt.span.start_time_unix_nano) / 1e9
+    assert 0 < first_byte and 0 < first_output <= attempt_s
+    assert call.span.end_time_unix_nano <= attempt.span.end_time_unix_nano
 
     # Never a prompt, never a completion.
     words = [*PROMPT.split(), *answer.split()]

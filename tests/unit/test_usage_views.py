@@ -120,9 +120,7 @@ async def test_an_unbounded_query_still_returns_every_group(tmp_path: Path) -> N
     """The principals' budgets read every principal (no `limit`)."""
     path = tmp_path / "usage.sqlite3"
     build_ledger(path, 3_000, 1_500)
-    report = await UsageLedger(path).aggregate(
-        since=None, until=None, group_by=["principal_ref"]
-    )
+    report = await UsageLedger(path).aggregate(since=None, until=None, group_by=["principal_ref"])
     assert len(report.rows) == 1_500 and not report.truncated
     assert report.totals is not None and report.totals.requests == 3_000
 

@@ -41,6 +41,30 @@ function replaceRows(tbody, rows) {
   tbody.replaceChildren(...rows);
 }
 
+// A fleet has tens of thousands of providers: the page shows them counted by health
+// (/catalog/summary) and lists one page of them (/catalog?limit=&cursor=), filtered by
+// health, Node or model as the operator chooses.
+const PROVIDERS_PAGE = 50;
+const providerView = { cursors: [null], filters: {} };
+
+function providersPath() {
+  const query = new URLSearchParams({ limit: String(PROVIDERS_PAGE) });
+  for (const [name, value] of Object.entries(providerView.filters)) {
+    if (value) query.set(name, value);
+  }
+  const cursor = providerView.cursors[providerView.cursors.length - 1];
+  if (cursor) query.set("cursor", cursor);
+  return `/catalog?${query}`;
+}
+
+function drawProviderSummary(summary) {
+  const parts = Object.entries(summary.by_health).map(([health, count]) =>
+    el("span", { class: `health ${health}`, "data-health-count": health }, `${count} ${health}`));
+  const line = document.getElementById("provider-summary");
+  line.replaceChildren(`${summary.providers} providers on ${summary.nodes} nodes: `);
+  parts.forEach((part, index) => line.append(index ? " · " : "", part));
+}
+
 function drawProviders(catalog) {
   const rows = catalog.providers.map((p) => {
     const long = p.long_context_slots === null
@@ -57,17 +81,52 @@ function drawProviders(catalog) {
       el("td", { class: "num" }, p.priority));
   });
   replaceRows(document.getElementById("providers"), rows);
+  const page = providerView.cursors.length;
+  providerView.next = catalog.next;
+  document.getElementById("providers-page").textContent =
+    `page ${page} · ${rows.length} shown${catalog.next ? "" : " · last page"}`;
+  document.getElementById("providers-prev").disabled = page === 1;
+  document.getElementById("providers-next").disabled = !catalog.next;
 }
+
+function setupProviderControls() {
+  const restart = () => { providerView.cursors = [null]; pollNow(); };
+  const form = document.getElementById("provider-filters");
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    const data = new FormData(form);
+    providerView.filters = {
+      health: data.get("health") || "", node: (data.get("node") || "").trim(),
+      model: (data.get("model") || "").trim(),
+    };
+    restart();
+  });
+  form.addEventListener("change", (event) => {
+    if (event.target.name === "health") form.requestSubmit();
+  });
+  document.getElementById("providers-next").addEventListener("click", () => {
+    if (providerView.next) { providerView.cursors.push(providerView.next); pollNow(); }
+  });
+  document.getElementById("providers-prev").addEventListener("click", () => {
+    if (providerView.cursors.length > 1) { providerView.cursors.pop(); pollNow(); }
+  });
+}
+
+// A model of a fleet is served by thousands of providers: the table names a few.
+const MODEL_PROVIDERS_SHOWN = 4;
 
 function drawModels(catalog, readiness) {
   const servable = new Set(readiness.servable_models || []);
   const rows = catalog.models.map((m) => {
-    const mapping = Object.entries(m.providers).map(([pid, served]) => `${pid} → ${served}`);
+    const entries = Object.entries(m.providers);
+    const mapping = entries.slice(0, MODEL_PROVIDERS_SHOWN).map(([pid, served]) => `${pid} → ${served}`);
+    const more = entries.length - mapping.length;
     const ok = servable.has(m.id);
     return el("tr", { "data-model": m.id },
       el("td", {}, el("strong", {}, m.id)),
       el("td", {}, m.display_name || ""),
-      el("td", {}, mapping.join(", ")),
+      el("td", { "data-providers": entries.length },
+        mapping.join(", "), more > 0 ? el("span", { class: "meta" }, ` and ${more} more`) : ""),
       el("td", { class: "num", "data-queue": m.queued }, m.queued),
       el("td", {}, el("span", { class: `health ${ok ? "available" : "unavailable"}` }, ok ? "yes" : "no")));
   });
@@ -102,8 +161,22 @@ function drawPrincipals(report) {
   replaceRows(document.getElementById("principals"), rows);
 }
 
+// The Nodes table lists the ones that need a look - not connected, or behind the
+// running revision - up to NODES_SHOWN; the rest are counted.
+const NODES_SHOWN = 100;
+
 function drawNodes(status) {
-  const rows = status.nodes.map((n) => el("tr", { "data-node": n.id },
+  const nodes = status.nodes;
+  const connected = nodes.filter((n) => n.connected).length;
+  const behind = (n) => n.connected && (n.applied_revision ?? 0) < status.revision;
+  const notable = nodes.filter((n) => !n.connected || behind(n));
+  const shown = (notable.length || nodes.length <= NODES_SHOWN ? notable : nodes)
+    .slice(0, NODES_SHOWN);
+  const lagging = nodes.filter(behind).length;
+  document.getElementById("nodes-summary").textContent =
+    `${nodes.length} nodes: ${connected} connected, ${lagging} behind revision ${status.revision}` +
+    (notable.length > shown.length ? ` · first ${shown.length} of ${notable.length} shown` : "");
+  const rows = (nodes.length <= NODES_SHOWN ? nodes : shown).map((n) => el("tr", { "data-node": n.id },
     el("td", {}, el("strong", {}, n.id)),
     el("td", {}, el("span", { class: `health ${n.connected ? "available" : "unavailable"}` },
       n.connected ? "yes" : "no")),
@@ -302,14 +375,32 @@ async function getJson(path) {
   return response.json();
 }
 
+// One poll at a time: a control that changes what is shown asks for one at once
+// (`pollNow`), which runs after the one in flight if there is one.
+let pollTimer = null;
+let polling = false;
+let pollAgain = false;
+
+function pollNow() {
+  if (polling) {
+    pollAgain = true;
+  } else {
+    poll();
+  }
+}
+
 async function poll() {
+  polling = true;
+  clearTimeout(pollTimer);
   const live = document.getElementById("live");
   try {
-    const [catalog, status, activity, readiness, principals] = await Promise.all(
-      ["/catalog", "/status", "/activity", "/readyz", "/principals"].map(getJson));
+    const [catalog, summary, status, activity, readiness, principals] = await Promise.all(
+      [providersPath(), "/catalog/summary", "/status", "/activity", "/readyz", "/principals"]
+        .map(getJson));
     drawHeader(status, readiness);
     drawActivity(activity);
     drawModelCharts(activity);
+    drawProviderSummary(summary);
     drawProviders(catalog);
     drawModels(catalog, readiness);
     drawNodes(status);
@@ -321,8 +412,15 @@ async function poll() {
     live.textContent = `cannot reach the Edge (${error.message}); retrying`;
     live.className = "meta bad-text";
   } finally {
-    setTimeout(poll, POLL_MS);
+    polling = false;
+    if (pollAgain) {
+      pollAgain = false;
+      poll();
+    } else {
+      pollTimer = setTimeout(poll, POLL_MS);
+    }
   }
 }
 
+setupProviderControls();
 poll();

@@ -25,29 +25,21 @@ Rules:
    so the Node drops its spans too) and records nothing: each method returns at once.
 3. Attributes hold names, ids, counts and codes; never a prompt, a completion, a token or
    a credential (the principal's `principal_ref`, not its token).
+4. The span is recorded by `schemas.spans` (a plain record, handed to the SDK's export
+   pipeline as it ends).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import trio
 
 from iop_edge.runtime.metering.metering import RunRecord
 from schemas.config import TelemetrySection
-from schemas.telemetry import (
-    OPERATION_NAMES,
-    SHUTDOWN_TIMEOUT_S,
-    Tracing,
-    carrier_of,
-    parent_context,
-    start_tracing,
-    trace_settings,
-)
-
-if TYPE_CHECKING:
-    from opentelemetry.trace import Span
+from schemas.spans import SpanRecorder, Tracing, remote_parent, start_tracing
+from schemas.telemetry import OPERATION_NAMES, SHUTDOWN_TIMEOUT_S, trace_settings
 
 __all__ = ["EdgeTracing", "RequestTrace", "edge_tracing"]
 
@@ -83,12 +75,7 @@ class EdgeTracing:
     """Opens a `RequestTrace` per request; owns the export pipeline (`aclose`)."""
 
     def __init__(self, tracing: Tracing, provider_name: Callable[[str], str]) -> None:
-        from opentelemetry.trace import SpanKind, Status, StatusCode
-
         self._tracing = tracing
-        self._tracer = tracing.tracer
-        self._server = SpanKind.SERVER
-        self._error = Status(StatusCode.ERROR)
         self.provider_name = provider_name
         """`gen_ai.provider.name` of a provider id (the running config's)."""
 
@@ -98,16 +85,13 @@ class EdgeTracing:
 
     def begin(self, *, method: str, path: str, traceparent: str, tracestate: str) -> RequestTrace:
         """The span of a request that just arrived, continuing the caller's trace."""
-        span = self._tracer.start_span(
-            f"{method} {path}",
-            context=parent_context(traceparent, tracestate),
-            kind=self._server,
-            attributes={"http.request.method": method, "url.path": path, "http.route": path},
+        span = self._tracing.start(
+            f"{method} {path}", "server", remote_parent(traceparent, tracestate)
         )
-        return RequestTrace(span, self)
-
-    def failed(self, span: Span) -> None:
-        span.set_status(self._error)
+        if span.sampled:
+            span.attributes["http.request.method"] = method
+            span.attributes["url.path"] = path
+        return RequestTrace(span, self.provider_name)
 
     async def aclose(self) -> None:
         """Send what is queued and stop exporting, in a worker thread, under a deadline
@@ -119,13 +103,13 @@ class EdgeTracing:
 class RequestTrace:
     """The span of one caller request (see the module docstring)."""
 
-    __slots__ = ("_owner", "recording", "span", "traceparent", "tracestate")
+    __slots__ = ("_provider_name", "recording", "span", "traceparent", "tracestate")
 
-    def __init__(self, span: Span, owner: EdgeTracing) -> None:
+    def __init__(self, span: SpanRecorder, provider_name: Callable[[str], str]) -> None:
         self.span = span
-        self._owner = owner
-        self.recording = span.is_recording()
-        self.traceparent, self.tracestate = carrier_of(span)
+        self._provider_name = provider_name
+        self.recording = span.sampled
+        self.traceparent, self.tracestate = span.carrier()
         """What the Node continues (`run.traceparent`): this span as the parent."""
 
     def planned(
@@ -136,87 +120,77 @@ class RequestTrace:
         protocol: str,
         principal_ref: str,
         request_id: str,
-        stream: bool,
         body: Mapping[str, Any],
     ) -> None:
         """The request is valid: what it asks for."""
         if not self.recording:
             return
-        attributes: dict[str, str | int | bool] = {
-            "gen_ai.operation.name": OPERATION_NAMES.get(operation, operation),
-            "gen_ai.request.model": model,
-            "iop.principal_ref": principal_ref,
-            "iop.protocol": protocol,
-            "iop.request_id": request_id,
-            "iop.stream": stream,
-        }
+        attributes = self.span.attributes
+        attributes["gen_ai.operation.name"] = OPERATION_NAMES.get(operation, operation)
+        attributes["gen_ai.request.model"] = model
+        attributes["iop.principal_ref"] = principal_ref
+        attributes["iop.protocol"] = protocol
+        attributes["iop.request_id"] = request_id
         for key in _MAX_TOKENS_KEYS:
             value = body.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
                 attributes["gen_ai.request.max_tokens"] = value
                 break
-        self.span.set_attributes(attributes)
 
     def admitted(self, *, queued_s: float, provider_id: str, node_id: str, attempt: int) -> None:
-        if self.recording:
-            self.span.add_event(
-                "iop.admitted",
-                {
-                    "iop.queue_wait_s": queued_s,
-                    "iop.provider.id": provider_id,
-                    "iop.node.id": node_id,
-                    "iop.attempt": attempt,
-                },
-            )
+        self.span.event(
+            "iop.admitted",
+            {
+                "iop.queue_wait_s": queued_s,
+                "iop.provider.id": provider_id,
+                "iop.node.id": node_id,
+                "iop.attempt": attempt,
+            },
+        )
 
     def not_admitted(self, *, reason: str, kind: str) -> None:
-        if self.recording:
-            self.span.add_event("iop.not_admitted", {"iop.reason": kind, "message": reason})
+        self.span.event("iop.not_admitted", {"iop.reason": kind, "message": reason})
 
     def attempt_failed(
         self, *, provider_id: str, node_id: str, code: str, retryable: bool, attempt: int
     ) -> None:
-        if self.recording:
-            self.span.add_event(
-                "iop.attempt_failed",
-                {
-                    "iop.provider.id": provider_id,
-                    "iop.node.id": node_id,
-                    "error.type": code,
-                    "iop.retryable": retryable,
-                    "iop.attempt": attempt,
-                },
-            )
+        self.span.event(
+            "iop.attempt_failed",
+            {
+                "iop.provider.id": provider_id,
+                "iop.node.id": node_id,
+                "error.type": code,
+                "iop.retryable": retryable,
+                "iop.attempt": attempt,
+            },
+        )
 
     def failover(self, *, provider_id: str, reason: str) -> None:
-        if self.recording:
-            self.span.add_event(
-                "iop.failover", {"iop.provider.id": provider_id, "iop.reason": reason}
-            )
+        self.span.event("iop.failover", {"iop.provider.id": provider_id, "iop.reason": reason})
 
     def finished(self, record: RunRecord) -> None:
         """The run ended: who served it and what it consumed."""
         if not self.recording:
             return
-        attributes: dict[str, str | int] = {"iop.usage_source": record.usage_source}
+        attributes = self.span.attributes
+        attributes["iop.usage_source"] = record.usage_source
         if record.provider:
             attributes["iop.provider.id"] = record.provider
-            attributes["gen_ai.provider.name"] = self._owner.provider_name(record.provider)
+            attributes["gen_ai.provider.name"] = self._provider_name(record.provider)
         if record.node:
             attributes["iop.node.id"] = record.node
         usage = record.usage
         if usage is not None:
             attributes["gen_ai.usage.input_tokens"] = usage.prompt_tokens
             attributes["gen_ai.usage.output_tokens"] = usage.completion_tokens
-        self.span.set_attributes(attributes)
 
     def end(self, *, status: int, code: str | None) -> None:
         """The reply is written (or the caller left: 499): the span ends."""
         span = self.span
         if self.recording:
-            span.set_attribute("http.response.status_code", status)
+            attributes = span.attributes
+            attributes["http.response.status_code"] = status
             if status >= 400:
-                span.set_attribute("error.type", code or str(status))
-            if status >= 500:
-                self._owner.failed(span)
+                attributes["error.type"] = code or str(status)
+            span.error = status >= 500
         span.end()

@@ -329,6 +329,8 @@ class UsageLedger:
                 self.journal.append(line)
             except OSError as exc:
                 self._journal_problem = _os_problem(exc)
+            except ValueError:  # not open yet: the writer opens it first thing
+                self._journal_problem = "the journal is not open yet"
             else:
                 self._journaled += 1
                 self._appended.set()

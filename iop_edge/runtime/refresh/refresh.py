@@ -53,6 +53,7 @@ from iop_edge.core.config import ConfigInvalid, ParsedConfig, load_config, parse
 from iop_edge.core.config_proof import ConfigProof
 from iop_edge.core.refresh_plan import ApplyPlan, PreparedRefresh, error_order, prepare_refresh
 from iop_edge.core.snapshot import Snapshot
+from iop_edge.runtime.refresh import off_loop
 from iop_edge.runtime.refresh.audit import (
     AuditLog,
     Reservation,
@@ -244,7 +245,15 @@ class Refresher:
         self._target.swap_snapshot(snapshot)
         self._pending_restart = plan.pending_restart
 
-        return await self._commit(request, base, snapshot, parsed, plan, to_push, reservation)
+        return await self._commit(
+            request,
+            base=base,
+            snapshot=snapshot,
+            parsed=parsed,
+            plan=plan,
+            to_push=to_push,
+            reservation=reservation,
+        )
 
     async def _reserve(self, planned: RefreshReport, *, config_sha256: str) -> Reservation | str:
         """Step 4: the audit line, written ahead; or why it could not be (the refresh is
@@ -273,6 +282,7 @@ class Refresher:
     async def _commit(
         self,
         request: RefreshRequest,
+        *,
         base: Snapshot,
         snapshot: Snapshot,
         parsed: ParsedConfig,
@@ -342,7 +352,7 @@ class Refresher:
             load = partial(load_config, self._config_path, proof=self._proof)
         else:
             raise ConfigInvalid([_no_candidate()])
-        prepared = await trio.to_thread.run_sync(
+        prepared = await off_loop.run_sync(
             partial(
                 prepare_refresh,
                 load,

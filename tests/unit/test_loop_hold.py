@@ -1,0 +1,186 @@
+"""A refresh of a fleet's config never holds the Edge's event loop (design §5, §13).
+
+The Refresher runs against a fake Edge whose pool is a real `Scheduler`, with a config
+of thousands of Nodes. An instrument measures every task step's CPU time on the event
+loop's thread: a caller's request waits at most one step between two of its own, so the
+longest step bounds how much a refresh can delay it. CPU time, not wall time: a busy
+machine that preempts the test does not make the Edge hold its loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import yaml
+
+from iop_edge.core import refresh_plan
+from iop_edge.core.config import parse_config
+from iop_edge.core.snapshot import Snapshot
+from iop_edge.runtime.refresh import refresh as refresh_module
+from iop_edge.runtime.refresh.audit import AuditLog
+from iop_edge.runtime.refresh.refresh import Refresher
+from iop_edge.runtime.runs.scheduler import Scheduler
+from schemas.config import NodeConfig
+from schemas.refresh import RefreshRequest
+from schemas.wire import RefreshAck
+
+NODES = 2000
+PER_NODE = 3
+#: The longest a refresh may hold the loop in one step (CPU seconds).
+LOOP_HOLD_BOUND_S = 0.05
+
+
+def fleet_yaml(capacity: int) -> str:
+    models = 10
+    served: dict[int, dict[str, str]] = {m: {} for m in range(models)}
+    nodes = []
+    for i in range(NODES):
+        providers = []
+        for j in range(PER_NODE):
+            pid = f"node-{i:04d}-p{j}"
+            model = (i * PER_NODE + j) % models
+            served[model][pid] = f"served-{model}"
+            providers.append(
+                {
+                    "id": pid,
+                    "type": "vllm",
+                    "models": [f"served-{model}"],
+                    "capacity": capacity,
+                    "adapter": {"base_url": "http://127.0.0.1:9/v1"},
+                }
+            )
+        nodes.append({"id": f"node-{i:04d}", "token_hash_sha256": "a" * 64, "providers": providers})
+    config = {
+        "edge": {"id": "edge", "listen": "127.0.0.1:0", "state_dir": "./var"},
+        "admin": {"listen": "127.0.0.1:0"},
+        "openai": {"listen": "127.0.0.1:0"},
+        "models": [{"id": f"model-{m}", "providers": served[m]} for m in range(models)],
+        "nodes": nodes,
+    }
+    text: str = yaml.dump(config, Dumper=yaml.CSafeDumper, sort_keys=False)
+    return text
+
+
+class FleetEdge:
+    """A `RefreshTarget` whose pool is a real scheduler and whose Nodes all ack."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        self.scheduler = Scheduler(snapshot)
+        self.nodes = frozenset(snapshot.nodes)
+        self.applied = dict.fromkeys(self.nodes, snapshot.revision)
+
+    def swap_snapshot(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        self.scheduler.apply_snapshot(snapshot)
+
+    def connected_nodes(self) -> frozenset[str]:
+        return self.nodes
+
+    def applied_revisions(self) -> Mapping[str, int]:
+        return self.applied
+
+    async def push_node_config(
+        self, node_id: str, revision: int, node_config: NodeConfig
+    ) -> RefreshAck | None:
+        await trio.lowlevel.checkpoint()  # the ack arrives in a later step
+        self.applied[node_id] = revision
+        return RefreshAck(revision=revision, ok=True)
+
+
+class LongestStep(trio.abc.Instrument):
+    """The most CPU time any task step took on the event loop's thread."""
+
+    def __init__(self) -> None:
+        self.began: float | None = None
+        """None until a step begins (the step that adds the instrument is not one)."""
+        self.longest = 0.0
+        self.task = ""
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.began = time.thread_time()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self.began is None:
+            return
+        spent = time.thread_time() - self.began
+        if spent > self.longest:
+            self.longest, self.task = spent, task.name
+
+
+@pytest.fixture(scope="module")
+def fleet() -> tuple[str, str]:
+    return fleet_yaml(capacity=4), fleet_yaml(capacity=5)
+
+
+async def test_a_fleet_refresh_holds_the_loop_no_step_longer_than_the_bound(
+    fleet: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    running, candidate = fleet
+    parsed = await trio.to_thread.run_sync(parse_config, running)
+    edge = FleetEdge(Snapshot.build(parsed.config, revision=1, config_sha256=parsed.sha256))
+    refresher = Refresher(edge, config_path=None, audit=AuditLog(tmp_path), proof=parsed.proof)
+    threads: list[bool] = []
+    prepare = refresh_plan.prepare_refresh
+
+    def recorded(*args: Any, **kwargs: Any) -> refresh_plan.PreparedRefresh:
+        threads.append(threading.current_thread() is threading.main_thread())
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(refresh_module, "prepare_refresh", recorded)
+    steps = LongestStep()
+    trio.lowlevel.add_instrument(steps)
+    try:
+        dry = await refresher.refresh(RefreshRequest(mode="dry_run", config_yaml=candidate))
+        applied = await refresher.refresh(RefreshRequest(mode="apply", config_yaml=candidate))
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+
+    assert dry.report.outcome == "dry_run" and len(dry.report.changes) == NODES * PER_NODE
+    assert applied.report.outcome == "applied"
+    assert [node.status for node in applied.report.nodes] == ["applied"] * NODES
+    assert edge.scheduler.snapshot.revision == 2
+    assert threads == [False, False]  # reading and planning ran in a worker thread
+    assert steps.longest <= LOOP_HOLD_BOUND_S, (steps.task, steps.longest)
+
+
+async def test_a_change_to_one_node_checks_and_pushes_that_node_only(
+    fleet: tuple[str, str], tmp_path: Path
+) -> None:
+    running, _ = fleet
+    parsed = await trio.to_thread.run_sync(parse_config, running)
+    edge = FleetEdge(Snapshot.build(parsed.config, revision=1, config_sha256=parsed.sha256))
+    refresher = Refresher(edge, config_path=None, audit=AuditLog(tmp_path), proof=parsed.proof)
+    pushed: list[str] = []
+    push = edge.push_node_config
+
+    async def recorded(node_id: str, revision: int, node_config: NodeConfig) -> RefreshAck | None:
+        pushed.append(node_id)
+        return await push(node_id, revision, node_config)
+
+    edge.push_node_config = recorded  # type: ignore[method-assign]
+    checked: list[int] = []
+    parse = refresh_module.parse_config
+
+    def counting(text: str, **kwargs: Any) -> Any:
+        result = parse(text, **kwargs)
+        checked.append(result.checked_nodes)
+        return result
+
+    one = running.replace("capacity: 4", "capacity: 9", 1)  # node-0000's first provider
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(refresh_module, "parse_config", counting)
+        result = await refresher.refresh(RefreshRequest(mode="apply", config_yaml=one))
+
+    report = result.report
+    assert checked == [1]
+    assert [c.path for c in report.changes] == ["nodes[node-0000].providers[node-0000-p0].capacity"]
+    assert pushed == ["node-0000"]
+    assert [(n.id, n.status) for n in report.nodes] == [("node-0000", "applied")]
+    assert edge.scheduler.statistics().providers["node-0000-p0"].capacity == 9

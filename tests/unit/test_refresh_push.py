@@ -1,0 +1,187 @@
+"""Pushing a refresh to a fleet (`runtime.refresh.push`): bounded fan-out, a deadline that
+grows with the Nodes pushed, and the catch-up of the Nodes that missed it. Time is the
+autojump clock's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import pytest
+import trio
+import trio.testing
+
+from iop_edge.core.snapshot import Snapshot
+from iop_edge.runtime.refresh.push import CatchUp, PushPolicy, push_all
+from schemas.config import EdgeConfig, NodeConfig, NodeEntry, ProviderConfig
+from schemas.wire import RefreshAck
+
+
+def snapshot(nodes: int, revision: int = 2) -> Snapshot:
+    config = EdgeConfig(
+        nodes=[
+            NodeEntry(
+                id=f"n{i}",
+                token_hash_sha256="0" * 64,
+                providers=[ProviderConfig(id=f"n{i}-p", type="sim", models=["m"], capacity=1)],
+            )
+            for i in range(nodes)
+        ]
+    )
+    return Snapshot.build(config, revision=revision, config_sha256="0" * 64)
+
+
+class Fleet:
+    """A `PushTarget`: each Node acks after `ack_after_s`, or never (`silent`), or is
+    gone (`gone`); it records when each push began and how many were in flight."""
+
+    def __init__(self, current: Snapshot, *, ack_after_s: float = 1.0) -> None:
+        self.snapshot = current
+        self.connected = set(current.nodes)
+        self.applied = dict.fromkeys(current.nodes, current.revision - 1)
+        self.ack_after_s = ack_after_s
+        self.silent: set[str] = set()
+        self.pushes: list[tuple[str, float]] = []
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self._changed = trio.Event()
+
+    def _change(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_until(self, condition: Callable[[], bool]) -> None:
+        """Return once `condition()` holds, looking again after each push and each ack."""
+        while not condition():
+            await self._changed.wait()
+
+    def connected_nodes(self) -> frozenset[str]:
+        return frozenset(self.connected)
+
+    def applied_revisions(self) -> Mapping[str, int]:
+        return self.applied
+
+    async def push_node_config(
+        self, node_id: str, revision: int, node_config: NodeConfig
+    ) -> RefreshAck | None:
+        if node_id not in self.connected:
+            return None
+        self.pushes.append((node_id, trio.current_time()))
+        self._change()
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if node_id in self.silent:
+                await trio.sleep_forever()
+            await trio.sleep(self.ack_after_s)
+        finally:
+            self.in_flight -= 1
+        self.applied[node_id] = revision
+        self._change()
+        return RefreshAck(revision=revision, ok=True)
+
+
+async def test_pushes_stay_within_the_fan_out_and_the_deadline_grows_with_the_fleet(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    current = snapshot(12)
+    fleet = Fleet(current, ack_after_s=4.0)
+    # Each Node acks within its own 5 s, but 12 Nodes two at a time take 24 s: the whole
+    # push's deadline (5 s + 2 s a Node = 29 s) leaves room for every one of them.
+    policy = PushPolicy(timeout_s=5.0, per_node_s=2.0, fanout=2)
+    began = trio.current_time()
+    results = await push_all(fleet, sorted(current.nodes), current, policy)
+    assert [r.status for r in results] == ["applied"] * 12
+    assert fleet.most_in_flight == 2
+    assert trio.current_time() - began == pytest.approx(24.0)
+
+
+async def test_nodes_still_queued_at_the_deadline_are_failed_not_forgotten(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    current = snapshot(6)
+    fleet = Fleet(current, ack_after_s=4.0)
+    policy = PushPolicy(timeout_s=5.0, per_node_s=0.6, fanout=2)  # 8.6 s: two rounds of 4 s
+    results = await push_all(fleet, sorted(current.nodes), current, policy)
+    assert [(r.id, r.status) for r in results] == [
+        ("n0", "applied"),
+        ("n1", "applied"),
+        ("n2", "applied"),
+        ("n3", "applied"),
+        ("n4", "failed"),
+        ("n5", "failed"),
+    ]
+    assert results[4].detail == "no refresh_ack within 8.6s"
+
+
+async def test_a_silent_node_fails_after_its_own_timeout_and_does_not_hold_the_rest(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    current = snapshot(4)
+    fleet = Fleet(current)
+    fleet.silent.add("n0")
+    fleet.connected.discard("n3")
+    policy = PushPolicy(timeout_s=3.0, per_node_s=1.0, fanout=1)
+    results = await push_all(fleet, sorted(current.nodes), current, policy)
+    assert [(r.id, r.status, r.detail) for r in results] == [
+        ("n0", "failed", "no refresh_ack within 3s"),
+        ("n1", "applied", None),
+        ("n2", "applied", None),
+        ("n3", "not_connected", None),
+    ]
+
+
+async def test_the_catch_up_pushes_again_with_doubling_intervals_until_the_node_applies(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    current = snapshot(3)
+    fleet = Fleet(current, ack_after_s=0.5)
+    fleet.silent.add("n1")
+    policy = PushPolicy(timeout_s=1.0, per_node_s=0.0, first_retry_s=2.0, max_retry_s=5.0)
+    catch_up = CatchUp(fleet, policy)
+    results = await push_all(fleet, sorted(current.nodes), current, policy)
+    noted = catch_up.take_failures(results)
+    assert [r.status for r in noted] == ["applied", "failed", "applied"]
+    assert noted[1].detail is not None and "pushes the config again" in noted[1].detail
+    assert catch_up.waiting() == {"n1"}
+    start = trio.current_time()
+    fleet.pushes.clear()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(catch_up.run)
+        # Three more misses: retries 2 s, then 4 s, then 5 s (capped) after each miss.
+        await fleet.wait_until(lambda: len(fleet.pushes) == 3)
+        fleet.silent.clear()  # the third push is already waiting: it misses too
+        await fleet.wait_until(lambda: fleet.applied["n1"] == current.revision)
+        nursery.cancel_scope.cancel()
+
+    times = [round(at - start, 1) for _, at in fleet.pushes]
+    # Each push is 1 s of waiting for an ack that does not come, then the interval.
+    assert times == [2.0, 7.0, 13.0, 19.0]
+    assert [node for node, _ in fleet.pushes] == ["n1"] * 4
+    assert catch_up.waiting() == frozenset()
+
+
+async def test_the_catch_up_leaves_a_node_that_left_or_was_welcomed_with_the_revision(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    current = snapshot(2)
+    fleet = Fleet(current)
+    catch_up = CatchUp(fleet, PushPolicy(first_retry_s=1.0))
+    catch_up.behind(["n0", "n1"])
+    fleet.connected.discard("n0")  # gone: its next welcome carries the running config
+    fleet.applied["n1"] = current.revision  # linked again and welcomed with it
+    async with trio.open_nursery() as nursery:
+        await nursery.start(catch_up.run)
+        await trio.sleep(2.0)
+        nursery.cancel_scope.cancel()
+    assert fleet.pushes == [] and catch_up.waiting() == frozenset()
+
+
+async def test_a_refresh_takes_its_nodes_out_of_the_catch_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    current = snapshot(2)
+    catch_up = CatchUp(Fleet(current), PushPolicy())
+    catch_up.behind(["n0", "n1"])
+    catch_up.forget(["n0"])
+    assert catch_up.waiting() == {"n1"}
