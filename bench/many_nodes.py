@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -55,7 +55,7 @@ from bench.light_nodes import DEFAULT_HANDSHAKES
 from bench.light_nodes import READY_PREFIX as NODES_READY_PREFIX
 from bench.load import open_client, percentile
 from bench.procfs import process_cpu_seconds, rss_bytes
-from bench.services import python_argv, spawn_service, start_service
+from bench.services import Service, ServiceFailed, python_argv, spawn_service, start_service
 
 #: Where the light Nodes' providers point: never contacted (a light Node has no upstream).
 _UNUSED_UPSTREAM: Final = "http://127.0.0.1:9/v1"
@@ -417,6 +417,10 @@ async def _refresh_everything(
     return elapsed, response.status_code, len(nodes), applied, problem
 
 
+def _nodes_ready(line: str) -> str | None:
+    return line if line.startswith(NODES_READY_PREFIX) else None
+
+
 async def _nodes_files(workdir: Path, credentials: Mapping[str, str], processes: int) -> list[Path]:
     """The light Nodes' credentials split into one file per process. Tokens go only in
     files readable by this user, never on a command line."""
@@ -472,26 +476,30 @@ async def measure_many_nodes(
             # Every light Node dials from this host: the processes share the Edge's bound
             # of pending handshakes per source.
             per_process = str(max(1, handshakes // len(nodes_files)))
-            async with trio.open_nursery() as starting:
-                for index, nodes_file in enumerate(nodes_files):
-                    starting.start_soon(
-                        partial(
-                            start_service,
-                            nodes_scope,
-                            f"light-nodes {index + 1}/{len(nodes_files)}",
-                            # At the lowest priority: on a small machine the fleet's
-                            # own work is not the Edge's, nor the callers' or their Node's.
-                            ["nice", "-n", "19", *python_argv(
-                                "bench.light_nodes",
-                                "--edge", edge.ready.node,
-                                "--nodes-file", str(nodes_file),
-                                "--handshakes", per_process,
-                            )],
-                            lambda line: line if line.startswith(NODES_READY_PREFIX) else None,
-                        )
-                    )  # fmt: skip
+            light: list[Service[str]] = []
+
+            async def start_light(index: int, nodes_file: Path) -> None:
+                argv = python_argv(
+                    "bench.light_nodes",
+                    "--edge", edge.ready.node,
+                    "--nodes-file", str(nodes_file),
+                    "--handshakes", per_process,
+                )  # fmt: skip
+                name = f"light-nodes {index + 1}/{len(nodes_files)}"
+                light.append(await start_service(nodes_scope, name, argv, _nodes_ready))
+
+            try:
+                async with trio.open_nursery() as starting:
+                    for index, nodes_file in enumerate(nodes_files):
+                        starting.start_soon(start_light, index, nodes_file)
+            except* ServiceFailed as failed:
+                raise failed.exceptions[0] from None
             await _wait_all_available(admin, shape.providers + 1)
             connect_s = time.perf_counter() - began
+            # From now on at the lowest priority: on a small machine the fleet's own work
+            # (acking a refresh) is not the Edge's, nor the callers' or their Node's.
+            for service in light:
+                os.setpriority(os.PRIO_PROCESS, service.pid, 19)
             await trio.sleep(_SETTLE_S)
             idle_cpu_s = await _idle_cpu(edge.pid, shape.idle_window_s)
             rss_connected = await rss_bytes(edge.pid)

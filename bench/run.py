@@ -718,6 +718,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency, measured in turns ROUNDS times (3; bench/tracing.py)",
     )
     parser.add_argument(
+        "--tokens",
+        type=int,
+        nargs="?",
+        const=10_000,
+        default=None,
+        metavar="N",
+        help="instead: an Edge with N caller tokens (10,000) and principal limits against a "
+        "small config: its startup, its check-config, and how long a refresh dry run holds "
+        "callers' requests (bench/many_tokens.py)",
+    )
+    parser.add_argument(
         "--fair-share",
         action="store_true",
         help="instead: the scheduler sharing a saturated model between principals, in "
@@ -786,6 +797,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _replicas(options, args.replicas, console, say)
     if args.tracing is not None:
         return _tracing(options, args.tracing, console, say)
+    if args.tokens is not None:
+        return _many_tokens(args.tokens, console, say)
     if args.fair_share:
         from bench.fair_share import render_fair_share, run_fair_share
 
@@ -828,6 +841,26 @@ def _tracing(options: BenchOptions, rounds: int, console: Console, say: Progress
     except KeyboardInterrupt:
         return 130
     console.print(render_tracing(turns, Machine.this().cores))
+    return 0
+
+
+def _many_tokens(tokens: int, console: Console, say: Progress) -> int:
+    from bench.many_tokens import ManyTokensShape, measure_many_tokens, render_many_tokens
+
+    try:
+        shape = ManyTokensShape(tokens=tokens)
+    except ValueError as exc:
+        say(f"--tokens: {exc}")
+        return 2
+    try:
+        with tempfile.TemporaryDirectory(prefix="iop-bench-") as workdir:
+            measured = trio.run(measure_many_tokens, shape, Path(workdir), say)
+    except KeyboardInterrupt:
+        return 130
+    except (ServiceFailed, RuntimeError) as exc:
+        say(f"many tokens: not measured: {exc}")
+        return 1
+    console.print(render_many_tokens(measured))
     return 0
 
 

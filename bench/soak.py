@@ -9,7 +9,27 @@ killed with SIGKILL and restarted, live refreshes change a provider's capacity b
 and forth, and, at two thirds of the run, the disk under `state_dir` is full for
 `--full-disk-s` seconds (a tmpfs of `STATE_DISK_SIZE` filled with a ballast file, then
 emptied: the usage ledger keeps the records in memory meanwhile; mounting needs root,
-else the window is skipped, saying so). Then the load stops and the report says:
+else the window is skipped, saying so).
+
+**Shared runtime.** The upstream is a runtime IOP shares with another application
+(`bench.upstream --slots`): node-2 also relays a second model, `SHARED_MODEL`, to it
+through `SHARED_PROVIDER`, the only provider of that model, which `SHARED_CALLERS`
+callers ask now and then (a pause between requests), so the provider is often idle
+on IOP's side when its health probe runs (every `SHARED_HEALTH_INTERVAL_S`). At half
+the run, between the Node's SIGKILL and the full disk, a process that is not IOP
+(`bench.shared_runtime`) keeps the runtime saturated for `--shared-runtime-s` seconds:
+IOP's streams there come slower and the runtime's model list does not answer, so the
+probe times out on a connection the runtime accepted. Busy is not down: the phase holds
+when, from the moment the other application's streams are all answered until it is
+stopped,
+- every look at the catalog (every `HEALTH_SAMPLE_S`) shows both providers on the
+  runtime (`vllm-2`, `SHARED_PROVIDER`) `available` or `busy`, never anything else;
+- every `SHARED_MODEL` request that started in the window was served (200, or a
+  stream to `[DONE]`) unless its own caller hung up: no `503 no_provider`, which is
+  what callers got when such a probe timeout marked the provider down, and no other
+  error; and at least one was served.
+
+Then the load stops and the report says:
 
 - every request's end, by class (200, each HTTP error code, a stream cut by an error
   event, the callers' own hang-ups);
@@ -17,14 +37,19 @@ else the window is skipped, saying so). Then the load stops and the report says:
   usage ledger after the Edge stopped (must be 0);
 - slot counters once idle: `in_flight` and `queued` of every provider and model in the
   catalog (must be 0);
-- Edge and Node resident memory over time (must stay bounded).
+- Edge and Node resident memory over time (must stay bounded);
+- the shared-runtime phase: the providers' health as the catalog showed it, and how
+  the `SHARED_MODEL` requests that started in the window ended, against those of the
+  rest of the run.
 
-Exit status 0 when the books balance (0 lost rows, 0 leaked slots), 1 otherwise.
+Exit status 0 when the books balance (0 lost rows, 0 leaked slots) and the
+shared-runtime phase held, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import hashlib
 import json
@@ -56,7 +81,10 @@ from bench.services import (
     python_argv,
     start_service,
 )
+from bench.shared_runtime import PROGRESS_PREFIX
+from bench.shared_runtime import READY_PREFIX as SHARED_RUNTIME_READY
 from bench.upstream import SERVED_MODEL, start_upstream
+from iop_node.health import ACCEPTED_BUT_SILENT
 
 NODE_TOKEN = "soak-node-token-not-a-secret"
 #: The tmpfs `state_dir` lives on when the soak can mount one (the full-disk window).
@@ -64,6 +92,34 @@ STATE_DISK_SIZE = "256m"
 #: The upstream's pace: a 22-token stream takes about 55 ms, so some hang-ups land in it.
 UPSTREAM_TOKENS_PER_SECOND = 400
 MESSAGES = [{"role": "user", "content": "soak"}]
+#: The model only the shared runtime serves, through node-2's `SHARED_PROVIDER`.
+SHARED_MODEL = "m-shared"
+SHARED_PROVIDER = "shared-2"
+SHARED_CAPACITY = 2
+#: `SHARED_PROVIDER`'s `health_interval_s` (its probe timeout is the same, the shorter of
+#: the two): a shared-runtime window of 15 s holds several of its probes.
+SHARED_HEALTH_INTERVAL_S = 2.0
+SHARED_CALLERS = 2
+#: Seconds a `SHARED_MODEL` caller waits between two requests (uniform), so that the
+#: provider has no run of IOP's in flight at most of its health probes.
+SHARED_PAUSE_S = (0.5, 1.5)
+#: The runtime's full-pace sequences: vllm-2's capacity (8) and `SHARED_CAPACITY`, so
+#: IOP alone never saturates it; only the other application does.
+UPSTREAM_SLOTS = 10
+#: The other application's streams: enough above the slots that the runtime stays
+#: saturated when some of them are between two requests.
+OTHER_APP_STREAMS = UPSTREAM_SLOTS + 4
+#: The providers in front of the shared runtime.
+RUNTIME_PROVIDERS = ("vllm-2", SHARED_PROVIDER)
+HEALTH_SAMPLE_S = 0.5
+#: How long the report waits for `SHARED_PROVIDER` to be `available` again after the
+#: phase: two health intervals and a probe timeout.
+RECOVERY_BOUND_S = 25.0
+#: Kept free between the shared-runtime and full-disk windows: the other application's
+#: start-up.
+PHASE_GAP_S = 5.0
+BUSY_ACCEPTED = f"busy: {ACCEPTED_BUT_SILENT}"
+BUSY_GENERATING = "busy: runs in flight producing output"
 
 
 @dataclass
@@ -73,19 +129,37 @@ class Books:
     """Run ids of responses their caller received to the end."""
     rss: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
+    shared_ends: list[tuple[float, str]] = field(default_factory=list)
+    """(start, in seconds into the run; end class) of every `SHARED_MODEL` request."""
+    window: tuple[float, float] | None = None
+    """The shared-runtime window, in seconds into the run (None: it did not run)."""
+    health: dict[str, Counter[str]] = field(default_factory=dict)
+    """Catalog looks during the window: per runtime provider, how many saw each state."""
+
+    def end(self, model: str, started_s: float, outcome: str, run_id: str | None) -> None:
+        """Book one request's end; `run_id` when its caller received it to the end."""
+        self.outcomes[outcome] += 1
+        if run_id is not None:
+            self.completed.append(run_id)
+        if model == SHARED_MODEL:
+            self.shared_ends.append((started_s, outcome))
 
 
 def _config(state: Path, capacity: int, upstream_url: str) -> str:
     token_hash = hashlib.sha256(NODE_TOKEN.encode()).hexdigest()
     adapter = {"ttft_ms": 20, "tokens_per_second": 400}
+    runtime = {"base_url": f"{upstream_url}/v1"}
     http = {"id": "vllm-2", "type": "vllm", "models": [SERVED_MODEL], "capacity": 8,
-            "adapter": {"base_url": f"{upstream_url}/v1"}}  # fmt: skip
+            "adapter": runtime}  # fmt: skip
+    shared = {"id": SHARED_PROVIDER, "type": "vllm", "models": [SERVED_MODEL],
+              "capacity": SHARED_CAPACITY,
+              "adapter": {**runtime, "health_interval_s": SHARED_HEALTH_INTERVAL_S}}  # fmt: skip
 
     def node(index: int, cap: int) -> dict[str, Any]:
         provider = {"id": f"sim-{index}", "type": "sim", "models": ["sim-small"],
                     "capacity": cap, "adapter": adapter}  # fmt: skip
         # The second Node, killed and restarted, also relays to the HTTP upstream.
-        providers = [provider, http] if index == 2 else [provider]
+        providers = [provider, http, shared] if index == 2 else [provider]
         return {"id": f"node-{index}", "token_hash_sha256": token_hash, "providers": providers}
 
     config = {
@@ -97,7 +171,8 @@ def _config(state: Path, capacity: int, upstream_url: str) -> str:
             {
                 "id": "m",
                 "providers": {"sim-1": "sim-small", "sim-2": "sim-small", "vllm-2": SERVED_MODEL},
-            }
+            },
+            {"id": SHARED_MODEL, "providers": {SHARED_PROVIDER: SERVED_MODEL}},
         ],
         "nodes": [node(1, 8), node(2, capacity)],
     }
@@ -146,49 +221,59 @@ class Node:
             self.process.send_signal(signal.SIGKILL)
 
 
-async def _caller(
-    http: httpx2.AsyncClient, books: Books, rng: random.Random, stop: trio.Event
-) -> None:
+@dataclass(frozen=True)
+class _Calls:
+    """What one caller asks for: `model`, and how long it pauses between two requests
+    (None: it sends the next one at once)."""
+
+    http: httpx2.AsyncClient
+    books: Books
+    started: float
+    model: str = "m"
+    pause_s: tuple[float, float] | None = None
+
+
+async def _caller(calls: _Calls, rng: random.Random, stop: trio.Event) -> None:
     while not stop.is_set():
         stream = rng.random() < 0.5
-        body = {"model": "m", "messages": MESSAGES, "max_tokens": rng.randint(1, 64),
+        body = {"model": calls.model, "messages": MESSAGES, "max_tokens": rng.randint(1, 64),
                 "stream": stream}  # fmt: skip
         hang_up_after = rng.uniform(0.01, 0.2) if rng.random() < 0.15 else None
-        with trio.move_on_after(hang_up_after or 120) as scope:
+        started_s = time.monotonic() - calls.started
+        outcome, run_id = "caller hung up" if hang_up_after else "caller timeout", None
+        with trio.move_on_after(hang_up_after or 120):
             try:
-                await (_stream if stream else _call)(http, body, books)
+                outcome, run_id = await (_stream if stream else _call)(calls.http, body)
             except httpx2.TransportError as exc:
-                books.outcomes[f"transport: {type(exc).__name__}"] += 1
-        if scope.cancelled_caught:
-            books.outcomes["caller hung up" if hang_up_after else "caller timeout"] += 1
+                outcome = f"transport: {type(exc).__name__}"
+        calls.books.end(calls.model, started_s, outcome, run_id)
+        if calls.pause_s is not None:
+            await trio.sleep(rng.uniform(*calls.pause_s))
 
 
-async def _call(http: httpx2.AsyncClient, body: dict[str, Any], books: Books) -> None:
+async def _call(http: httpx2.AsyncClient, body: dict[str, Any]) -> tuple[str, str | None]:
+    """A non-stream request: its end class, and its run id if it completed."""
     response = await http.post("/v1/chat/completions", json=body)
     if response.status_code == 200:
-        books.completed.append(response.headers["x-request-id"])
-        books.outcomes["200"] += 1
-    else:
-        books.outcomes[f"{response.status_code} {_code(response.content)}"] += 1
+        return "200", response.headers["x-request-id"]
+    return f"{response.status_code} {_code(response.content)}", None
 
 
-async def _stream(http: httpx2.AsyncClient, body: dict[str, Any], books: Books) -> None:
+async def _stream(http: httpx2.AsyncClient, body: dict[str, Any]) -> tuple[str, str | None]:
+    """A stream request read to its end: its end class, and its run id if it completed."""
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             await response.aread()
-            books.outcomes[f"{response.status_code} {_code(response.content)}"] += 1
-            return
+            return f"{response.status_code} {_code(response.content)}", None
         last = previous = ""
         async for line in response.aiter_lines():
             if line:
                 previous, last = last, line
         if last != "data: [DONE]":
-            books.outcomes["stream without [DONE]"] += 1
-        elif '"error"' in previous:
-            books.outcomes[f"stream error event {_code(previous.removeprefix('data: '))}"] += 1
-        else:
-            books.completed.append(response.headers["x-request-id"])
-            books.outcomes["200 stream"] += 1
+            return "stream without [DONE]", None
+        if '"error"' in previous:
+            return f"stream error event {_code(previous.removeprefix('data: '))}", None
+        return "200 stream", response.headers["x-request-id"]
 
 
 def _code(body: bytes | str) -> str:
@@ -209,6 +294,12 @@ class _Chaos:
     started: float
     full_disk_s: float
     """0: no full-disk window (not asked for, or no disk of its own to fill)."""
+    shared_runtime_s: float
+    """0: no shared-runtime phase."""
+
+    def since(self) -> float:
+        """Seconds into the run."""
+        return time.monotonic() - self.started
 
 
 async def _chaos(chaos: _Chaos, books: Books) -> None:
@@ -236,6 +327,91 @@ async def _chaos(chaos: _Chaos, books: Books) -> None:
         books.events.append(
             f"{time.monotonic() - started:6.1f}s refresh sim-2 capacity={capacity}: {outcome}"
         )
+
+
+async def _shared_runtime(chaos: _Chaos, books: Books) -> None:
+    """At half the run, another application saturates the runtime for
+    `shared_runtime_s` seconds while the catalog is watched (module docstring)."""
+    if not chaos.shared_runtime_s:
+        return
+    await trio.sleep(chaos.minutes * 60 / 2)
+    argv = python_argv(
+        "bench.shared_runtime", chaos.upstream_url, "--streams", str(OTHER_APP_STREAMS)
+    )
+    async with trio.open_nursery() as own:
+        with trio.fail_after(30):  # its start-up, and a 200 head on each of its streams
+            other = await start_service(own, "shared-runtime client", argv, _all_answered)
+        opened = chaos.since()
+        books.events.append(
+            f"{opened:6.1f}s another application keeps the runtime saturated "
+            f"({OTHER_APP_STREAMS} streams, {UPSTREAM_SLOTS} slots)"
+        )
+        with trio.move_on_after(chaos.shared_runtime_s):
+            await _watch_runtime_health(chaos.admin, books)
+        books.window = (opened, chaos.since())
+        progress = next(
+            (
+                line.removeprefix(PROGRESS_PREFIX)
+                for line in reversed(other.tail)
+                if line.startswith(PROGRESS_PREFIX)
+            ),
+            "no progress line yet",
+        )
+        own.cancel_scope.cancel()
+    books.events.append(f"{chaos.since():6.1f}s another application stopped; its {progress}")
+    with trio.move_on_after(RECOVERY_BOUND_S):
+        await _until_available(chaos.admin, SHARED_PROVIDER)
+        books.events.append(f"{chaos.since():6.1f}s {SHARED_PROVIDER} available again")
+        return
+    books.events.append(
+        f"{chaos.since():6.1f}s {SHARED_PROVIDER} still not available "
+        f"{RECOVERY_BOUND_S:g}s after the other application stopped"
+    )
+
+
+def _all_answered(line: str) -> int | None:
+    """The shared-runtime client's ready line: how many of its streams are in flight."""
+    if not line.startswith(SHARED_RUNTIME_READY):
+        return None
+    return int(line.removeprefix(SHARED_RUNTIME_READY))
+
+
+async def _until_available(admin: httpx2.AsyncClient, provider: str) -> None:
+    """Return once the catalog shows `provider` available. Across the process boundary
+    the catalog is the only place its health is visible, so this looks again every
+    `HEALTH_SAMPLE_S`; the caller bounds the wait."""
+    while True:
+        if (await _runtime_health(admin)).get(provider) == "available":
+            return
+        await trio.sleep(HEALTH_SAMPLE_S)
+
+
+async def _watch_runtime_health(admin: httpx2.AsyncClient, books: Books) -> None:
+    """Book what the catalog says of each runtime provider every `HEALTH_SAMPLE_S`."""
+    while True:
+        for provider, state in (await _runtime_health(admin)).items():
+            books.health.setdefault(provider, Counter())[state] += 1
+        await trio.sleep(HEALTH_SAMPLE_S)
+
+
+async def _runtime_health(admin: httpx2.AsyncClient) -> dict[str, str]:
+    """Each runtime provider's state in the catalog now: `available`, one of the two
+    kinds of busy (`BUSY_ACCEPTED`, `BUSY_GENERATING`), or its health and reason."""
+    response = await admin.get("/catalog")
+    response.raise_for_status()
+    states = {}
+    for entry in response.json()["providers"]:
+        if entry["id"] in RUNTIME_PROVIDERS:
+            states[entry["id"]] = _state(entry["health"], entry.get("health_reason") or "")
+    return states
+
+
+def _state(health: str, reason: str) -> str:
+    if health == "busy" and ACCEPTED_BUT_SILENT in reason:
+        return BUSY_ACCEPTED
+    if health == "busy" and any(s in reason for s in ("producing output", "produced output")):
+        return BUSY_GENERATING
+    return f"{health}: {reason}" if reason else health
 
 
 async def _full_disk(chaos: _Chaos, books: Books) -> None:
@@ -333,25 +509,33 @@ async def _sample_rss(
         await trio.sleep(5)
 
 
-async def soak(minutes: float, concurrency: int, seed: int, full_disk_s: float) -> int:
+@dataclass(frozen=True)
+class SoakOptions:
+    minutes: float
+    concurrency: int
+    seed: int
+    full_disk_s: float
+    shared_runtime_s: float
+
+
+async def soak(options: SoakOptions) -> int:
     folder = Path(tempfile.mkdtemp(prefix="iop-soak-"))
-    with _state_disk(folder, full_disk_s) as window_s:
+    with _state_disk(folder, options.full_disk_s) as window_s:
         state = folder / "disk" / "state" if window_s else folder / "state"
         return await _soak(
-            minutes, concurrency, seed, folder=folder, state=state, full_disk_s=window_s
+            dataclasses.replace(options, full_disk_s=window_s), folder=folder, state=state
         )
 
 
-async def _soak(
-    minutes: float, concurrency: int, seed: int, *, folder: Path, state: Path, full_disk_s: float
-) -> int:
+async def _soak(options: SoakOptions, *, folder: Path, state: Path) -> int:
+    minutes, concurrency = options.minutes, options.concurrency
     books = Books()
     config = folder / "edge.yaml"
     stopping = False
     try:
         async with trio.open_nursery() as nursery:
-            pace = str(UPSTREAM_TOKENS_PER_SECOND)
-            upstream = await start_upstream(nursery, "--tokens-per-second", pace)
+            pace, slots = str(UPSTREAM_TOKENS_PER_SECOND), str(UPSTREAM_SLOTS)
+            upstream = await start_upstream(nursery, "--tokens-per-second", pace, "--slots", slots)
             config.write_text(_config(state, 8, upstream.ready), encoding="utf-8")
             argv = python_argv("iop_edge", "serve", "--config", str(config))
             edge = await start_service(nursery, "edge", argv, EdgeLog())
@@ -382,15 +566,19 @@ async def _soak(
                         upstream.ready,
                         minutes,
                         started,
-                        full_disk_s,
+                        options.full_disk_s,
+                        options.shared_runtime_s,
                     )
                     work.start_soon(_chaos, chaos, books)
                     work.start_soon(_full_disk, chaos, books)
-                    rng = random.Random(seed)
+                    work.start_soon(_shared_runtime, chaos, books)
+                    rng = random.Random(options.seed)
+                    calls = _Calls(http, books, started)
+                    shared = _Calls(http, books, started, SHARED_MODEL, SHARED_PAUSE_S)
                     async with trio.open_nursery() as callers:
-                        for _ in range(concurrency):
+                        for caller in [calls] * concurrency + [shared] * SHARED_CALLERS:
                             caller_rng = random.Random(rng.random())
-                            callers.start_soon(_caller, http, books, caller_rng, stop)
+                            callers.start_soon(_caller, caller, caller_rng, stop)
                         await trio.sleep(minutes * 60)
                         stop.set()
                     work.cancel_scope.cancel()
@@ -406,7 +594,8 @@ async def _soak(
     ledger = state / "usage.sqlite3"
     lost = _lost_rows(ledger, books.completed)
     served = _runs_by_provider(ledger)
-    return _report(books, idle, lost, served, f"{minutes:g} min, {concurrency} callers ({folder})")
+    run = f"{minutes:g} min, {concurrency} callers + {SHARED_CALLERS} on {SHARED_MODEL} ({folder})"
+    return _report(books, idle, lost, served, run)
 
 
 async def _catalog_when_idle(admin: httpx2.AsyncClient) -> dict[str, int]:
@@ -461,7 +650,43 @@ def _report(books: Books, idle: dict[str, int], lost: int, served: Counter[str],
         series = "  ".join(f"{at:5.0f}s {rss / 1024:5.1f}" for at, rss in fifths)
         peak = max(rss for _, rss in samples) / 1024
         print(f"  {name:7s} {series}   peak {peak:5.1f}")
-    return 0 if lost == 0 and not leaked else 1
+    held = _report_shared_runtime(books)
+    return 0 if lost == 0 and not leaked and held else 1
+
+
+def _report_shared_runtime(books: Books) -> bool:
+    """Print the shared-runtime phase; whether it held (module docstring). True when it
+    did not run: there is nothing to hold."""
+    if books.window is None:
+        print("\nshared runtime: no phase (--shared-runtime-s 0)")
+        return True
+    opened, closed = books.window
+    print(
+        f"\nshared runtime saturated by another application, {opened:.1f}s-{closed:.1f}s:"
+        f" catalog looks every {HEALTH_SAMPLE_S:g}s"
+    )
+    not_routable = 0
+    for provider in RUNTIME_PROVIDERS:
+        states = books.health.get(provider, Counter())
+        for state, count in states.most_common():
+            print(f"  {provider:9s} {count:5d}  {state}")
+            if state not in ("available", BUSY_ACCEPTED, BUSY_GENERATING):
+                not_routable += count
+    inside = Counter(end for at, end in books.shared_ends if opened <= at <= closed)
+    outside = Counter(end for at, end in books.shared_ends if not opened <= at <= closed)
+    for label, ends in (("started in the window", inside), ("the rest of the run", outside)):
+        summary = ", ".join(f"{count} {end}" for end, count in ends.most_common()) or "none"
+        print(f"  {SHARED_MODEL} requests, {label}: {summary}")
+    served = inside["200"] + inside["200 stream"]
+    failed = sum(inside.values()) - served - inside["caller hung up"]
+    held = not_routable == 0 and failed == 0 and served > 0
+    verdict = "held" if held else "FAILED"
+    print(
+        f"  {verdict}: {not_routable} look(s) with a runtime provider neither available nor"
+        f" busy; {SHARED_MODEL} in the window: {served} served, {inside['503 no_provider']}"
+        f" 503 no_provider, {failed} failed in all"
+    )
+    return held
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -479,8 +704,29 @@ def main(argv: list[str] | None = None) -> int:
         default=15.0,
         help="seconds the disk under state_dir is full, at two thirds of the run (0: none)",
     )
+    parser.add_argument(
+        "--shared-runtime-s",
+        type=float,
+        default=15.0,
+        help="seconds another application keeps the runtime saturated, from half the run (0: none)",
+    )
     args = parser.parse_args(argv)
-    return trio.run(partial(soak, args.minutes, args.concurrency, args.seed, args.full_disk_s))
+    options = SoakOptions(
+        args.minutes, args.concurrency, args.seed, args.full_disk_s, args.shared_runtime_s
+    )
+    if options.shared_runtime_s < 0 or options.full_disk_s < 0:
+        parser.error("--shared-runtime-s and --full-disk-s must be >= 0")
+    run_s = options.minutes * 60
+    if options.shared_runtime_s and run_s / 2 + options.shared_runtime_s + PHASE_GAP_S > (
+        run_s * 2 / 3 if options.full_disk_s else run_s
+    ):
+        parser.error(
+            f"--shared-runtime-s {options.shared_runtime_s:g} from half the run "
+            f"({run_s / 2:g}s) does not end {PHASE_GAP_S:g}s before "
+            + ("the full-disk window (two thirds)" if options.full_disk_s else "the run")
+            + ": run longer (--minutes) or shorten it"
+        )
+    return trio.run(soak, options)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ alike:
   each exported in batches by the SDK's thread in the process that made it.
 
 The cost is CPU per request: the Edge's and the Node's CPU time (user + system, from
-/proc) during a measured phase, over the requests it served. The report gives each turn
-and, per scenario, the on/off ratio of the summed medians.
+/proc) during a measured phase, over the requests it served. The report gives, per
+scenario and set-up, the median over the turns, and each against tracing off: the median
+of both off pairs' turns together (so one slow off turn does not make tracing look cheap).
 """
 
 from __future__ import annotations
@@ -126,12 +127,11 @@ def render_tracing(turns: Sequence[TracingTurn], cores: int) -> Table:
     table.add_column("vs off")
     scenarios = list(dict.fromkeys(t.measurement.scenario for t in turns))
     for scenario in scenarios:
-        base: float | None = None
+        off = [t for t in turns if t.setup != ON and t.measurement.scenario == scenario]
+        base = _median(off, None)
         for name in SETUPS:
             mine = [t for t in turns if t.setup == name and t.measurement.scenario == scenario]
             total = _median(mine, None)
-            if name == OFF:
-                base = total
             rps = statistics.median(t.measurement.rps or 0.0 for t in mine) if mine else 0.0
             edge, node = _median(mine, "edge"), _median(mine, "node")
             ratio = f"{(total / base - 1) * 100:+.1f} %" if total and base else ""
@@ -143,6 +143,6 @@ def render_tracing(turns: Sequence[TracingTurn], cores: int) -> Table:
                 f"{edge:.3f}" if edge is not None else "-",
                 f"{node:.3f}" if node is not None else "-",
                 f"{total:.3f}" if total is not None else "-",
-                ratio if name != OFF else "",
+                ratio,
             )
     return table

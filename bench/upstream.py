@@ -33,8 +33,21 @@ from a recent prompt `--cached-prefill-us-per-token`), and a non-stream answer r
 the prompt's tokens and cached tokens in its usage. This mode decodes each request's
 JSON, as a runtime does; it is not a baseline for overhead.
 
+**Saturation** (`--slots N`, the soak's shared-runtime phase): the runtime generates N
+sequences at full pace. With more inference requests in flight than that (whoever sent
+them), it is saturated, as a runtime that another application keeps busy is: its
+throughput is shared, so every paced stream's tokens come `in_flight / N` times further
+apart, and `GET /v1/models` is answered only once no more than N requests are in flight
+(llama.cpp's Python server answers its model list under the lock its generation holds).
+Completions are still served, only slower; a health probe of the model list meanwhile
+times out on a connection the runtime accepted. Without `--slots` nothing saturates.
+The other application's generations are long: a chat stream request with the header
+`x-bench-stream-tokens: N` gets N content tokens instead of `--stream-tokens` (the
+shared-runtime client, `bench.shared_runtime`, sends it; nothing else does).
+
     python -m bench.upstream [--port 0] [--stream-tokens 21] [--tokens-per-second T]
                              [--prefill-us-per-token U [--cached-prefill-us-per-token C]]
+                             [--slots N]
 
 prints `bench-upstream listening on http://127.0.0.1:PORT` once accepting, then serves
 until stopped (SIGINT/SIGTERM). In-process: `url = await nursery.start(upstream.serve)`.
@@ -43,12 +56,14 @@ until stopped (SIGINT/SIGTERM). In-process: `url = await nursery.start(upstream.
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import itertools
 import json
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -96,6 +111,9 @@ _HEAD_END: Final = b"\r\n\r\n"
 _CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
 _CONNECTION_CLOSE = re.compile(rb"\r\nconnection:[ \t]*close", re.IGNORECASE)
 _CHUNKED_BODY = re.compile(rb"\r\ntransfer-encoding:[ \t]*chunked", re.IGNORECASE)
+_STREAM_TOKENS_HEADER = re.compile(rb"\r\nx-bench-stream-tokens:[ \t]*(\S*)", re.IGNORECASE)
+#: The longest stream `x-bench-stream-tokens` may ask for.
+MAX_STREAM_TOKENS: Final = 100_000
 _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 _INCLUDE_USAGE = re.compile(rb'"include_usage"\s*:\s*true')
 
@@ -214,6 +232,25 @@ class _StreamBody:
         return _http_chunk(before + b"%d" % time.monotonic_ns() + after)
 
 
+@functools.lru_cache(maxsize=64)
+def _long_stream(*, include_usage: bool, tokens: int, stamped: bool) -> _StreamBody:
+    """The writes of a stream of a length a request asked for (`x-bench-stream-tokens`),
+    built on first use and kept for the next request of that length."""
+    return _StreamBody.build(include_usage=include_usage, tokens=tokens, stamped=stamped)
+
+
+def stream_tokens_asked(head: bytes) -> int | None:
+    """The stream length a request's `x-bench-stream-tokens` header asks for (None: no
+    header); ValueError when it is not an integer from 1 to `MAX_STREAM_TOKENS`."""
+    match = _STREAM_TOKENS_HEADER.search(head)
+    if match is None:
+        return None
+    value = match.group(1)
+    if not value.isdigit() or not 1 <= int(value) <= MAX_STREAM_TOKENS:
+        raise ValueError(f"x-bench-stream-tokens: {value!r}")
+    return int(value)
+
+
 def _fixed_response(status: str, body: bytes) -> bytes:
     """A whole JSON response, head and body, ready for one write."""
     head = f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}"
@@ -232,11 +269,20 @@ _MODELS_BODY: Final = _json(
 _NOT_FOUND_BODY: Final = _json({"error": {"message": "no such route", "type": "not_found"}})
 
 _BAD_REQUEST_BODY: Final = _json({"error": {"message": "not JSON", "type": "invalid_request"}})
+_BAD_STREAM_TOKENS_BODY: Final = _json(
+    {
+        "error": {
+            "message": f"x-bench-stream-tokens must be an integer from 1 to {MAX_STREAM_TOKENS}",
+            "type": "invalid_request",
+        }
+    }
+)
 
 _MODELS: Final = _fixed_response("200 OK", _MODELS_BODY)
 _HEALTH: Final = _fixed_response("200 OK", b"{}")
 _NOT_FOUND: Final = _fixed_response("404 Not Found", _NOT_FOUND_BODY)
 _BAD_REQUEST: Final = _fixed_response("400 Bad Request", _BAD_REQUEST_BODY)
+_BAD_STREAM_TOKENS: Final = _fixed_response("400 Bad Request", _BAD_STREAM_TOKENS_BODY)
 
 
 def _event_writes(events: list[bytes]) -> tuple[bytes, ...]:
@@ -298,7 +344,6 @@ class _PacedStream:
     order: int
     stream: trio.SocketStream = field(compare=False)
     body: _StreamBody = field(compare=False)
-    started: float = field(compare=False)
     next_write: int = field(default=0, compare=False)
     finished: trio.Event = field(default_factory=trio.Event, compare=False)
 
@@ -313,12 +358,15 @@ class _Pacer:
     a batch together. The stamp is taken at each write, so what the callers measure is
     unaffected by the grouping. A stream whose caller is gone is dropped; the writes of
     one stream are small (a few KiB), so a write never waits on a full socket buffer.
+    Each token is due `interval_s` times the `slowdown` of that moment after the one
+    before it (1 unless the runtime is saturated).
     """
 
     TICK_S: Final = 0.002
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, slowdown: Callable[[], float]) -> None:
         self._interval_s = interval_s
+        self._slowdown = slowdown
         self._heap: list[_PacedStream] = []
         self._order = itertools.count()
         self._wake = trio.Event()
@@ -326,7 +374,7 @@ class _Pacer:
     async def stream(self, stream: trio.SocketStream, body: _StreamBody) -> None:
         """Send `body` on `stream`, paced; return once it is all sent (or the caller left)."""
         now = trio.current_time()
-        paced = _PacedStream(now, next(self._order), stream, body, now)
+        paced = _PacedStream(now, next(self._order), stream, body)
         heapq.heappush(self._heap, paced)
         self._wake.set()
         await paced.finished.wait()
@@ -361,7 +409,7 @@ class _Pacer:
         if last:
             return False
         paced.next_write = index + 1
-        paced.due = paced.started + paced.next_write * self._interval_s
+        paced.due += self._interval_s * self._slowdown()
         return True
 
 
@@ -370,7 +418,8 @@ class BenchUpstream:
 
     `stream_tokens` content tokens per stream; `tokens_per_second` paces and stamps chat
     streams' (None: neither, every write leaves at once); `prefill` models a prefix
-    cache (None: no prefill time at all)."""
+    cache (None: no prefill time at all); `slots`, the sequences generated at full pace,
+    beyond which the runtime is saturated (None: never; module docstring)."""
 
     def __init__(
         self,
@@ -379,11 +428,14 @@ class BenchUpstream:
         tokens_per_second: float | None = None,
         prefill: PrefillCost | None = None,
         cache_slots: int = DEFAULT_SLOTS,
+        slots: int | None = None,
     ) -> None:
         if stream_tokens < 1:
             raise ValueError("stream_tokens must be >= 1")
         if tokens_per_second is not None and tokens_per_second <= 0:
             raise ValueError("tokens_per_second must be > 0")
+        if slots is not None and slots < 1:
+            raise ValueError("slots must be >= 1")
         self.stream_tokens = stream_tokens
         self.tokens_per_second = tokens_per_second
         stamped = tokens_per_second is not None
@@ -392,8 +444,47 @@ class BenchUpstream:
             for usage in (False, True)
         }
         self._answers = _answers(stream_tokens)
-        self._pacer = _Pacer(1.0 / tokens_per_second) if tokens_per_second else None
+        self._slots = slots
+        self._in_flight = 0
+        """Inference requests being answered now, from every client."""
+        self._unsaturated = trio.Event()
+        """Set while no more than `slots` requests are in flight; replaced when that ends."""
+        self._unsaturated.set()
+        pacer = _Pacer(1.0 / tokens_per_second, self._slowdown) if tokens_per_second else None
+        self._pacer = pacer
         self._cache = None if prefill is None else PrefixCache(prefill, slots=cache_slots)
+
+    @property
+    def in_flight(self) -> int:
+        """Inference requests being answered now."""
+        return self._in_flight
+
+    @property
+    def saturated(self) -> bool:
+        """More inference requests in flight than `slots` (never without `slots`)."""
+        return self._slots is not None and self._in_flight > self._slots
+
+    def _slowdown(self) -> float:
+        """How many times further apart paced tokens come now: the runtime's throughput
+        (`slots` sequences at full pace) shared among every request in flight."""
+        if self._slots is None or self._in_flight <= self._slots:
+            return 1.0
+        return self._in_flight / self._slots
+
+    def _occupy(self) -> None:
+        self._in_flight += 1
+        if self.saturated and self._unsaturated.is_set():
+            self._unsaturated = trio.Event()
+
+    def _release(self) -> None:
+        self._in_flight -= 1
+        if not self.saturated:
+            self._unsaturated.set()
+
+    async def _until_unsaturated(self) -> None:
+        """Return once no more than `slots` requests are in flight (at once if so now)."""
+        while self.saturated:
+            await self._unsaturated.wait()
 
     async def serve(
         self,
@@ -448,17 +539,29 @@ class BenchUpstream:
         method, _, rest = request_line.partition(b" ")
         path = rest.partition(b" ")[0].partition(b"?")[0]
         if method == b"POST" and path in self._answers:
-            await self._infer(stream, path, body)
+            self._occupy()
+            try:
+                await self._infer(stream, path, head, body)
+            finally:
+                self._release()
         elif method == b"GET" and path == b"/v1/models":
+            await self._until_unsaturated()
             await stream.send_all(_MODELS)
         elif method == b"GET" and path in (b"/health", b"/healthz"):
             await stream.send_all(_HEALTH)
         else:
             await stream.send_all(_NOT_FOUND)
 
-    async def _infer(self, stream: trio.SocketStream, path: bytes, body: bytes) -> None:
+    async def _infer(
+        self, stream: trio.SocketStream, path: bytes, head: bytes, body: bytes
+    ) -> None:
         """Answer an inference request at `path` (after its prefill, in prefix-cache mode)."""
         answers = self._answers[path]
+        try:
+            tokens = stream_tokens_asked(head)
+        except ValueError:
+            await stream.send_all(_BAD_STREAM_TOKENS)
+            return
         prefill = None
         if self._cache is not None:
             try:
@@ -487,7 +590,12 @@ class BenchUpstream:
             for event in answers.stream:
                 await stream.send_all(event)
             return
-        stream_body = self._streams[_INCLUDE_USAGE.search(body) is not None]
+        include_usage = _INCLUDE_USAGE.search(body) is not None
+        if tokens is None or tokens == self.stream_tokens:
+            stream_body = self._streams[include_usage]
+        else:
+            stamped = self.tokens_per_second is not None
+            stream_body = _long_stream(include_usage=include_usage, tokens=tokens, stamped=stamped)
         if self._pacer is not None:
             await self._pacer.stream(stream, stream_body)
         else:
@@ -557,6 +665,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cache-slots", type=int, default=DEFAULT_SLOTS, help="prompts the cache keeps"
     )
+    parser.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        metavar="N",
+        help="sequences generated at full pace; with more requests in flight the runtime "
+        "is saturated: paced tokens slow down and GET /v1/models waits (default: never)",
+    )
     args = parser.parse_args(argv)
     try:
         prefill = None
@@ -572,6 +688,7 @@ def main(argv: list[str] | None = None) -> int:
             tokens_per_second=args.tokens_per_second,
             prefill=prefill,
             cache_slots=args.cache_slots,
+            slots=args.slots,
         )
     except ValueError as exc:
         parser.error(str(exc))

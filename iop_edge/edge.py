@@ -69,6 +69,7 @@ from iop_edge.runtime.metering.metrics import EdgeMetrics
 from iop_edge.runtime.metering.response_store import ResponseStore
 from iop_edge.runtime.metering.tracing import edge_tracing
 from iop_edge.runtime.metering.usage import UsageReport
+from iop_edge.runtime.nodes.heartbeat import fleet_interval
 from iop_edge.runtime.nodes.hub import (
     HANDSHAKE_TIMEOUT_S,
     LISTENER_MAX_FRAME_BYTES,
@@ -200,14 +201,16 @@ class Edge:
         self.metrics.watch_ledger(self.ledger.statistics)
         self.responses = ResponseStore(self._ledger_choice.responses, config.edge.responses)
         self.access_log = AccessLog()
-        self.activity = Activity(queue_depth=lambda: self.scheduler.statistics().queued)
+        self.activity = Activity(queue_depth=self.scheduler.queue_depths)
         self.hub = NodeHub(
             self._directory,
             on_connect=self.scheduler.node_connected,
             on_disconnect=self.scheduler.node_disconnected,
             on_status=self._on_status,
             on_load=self._on_load,
-            heartbeat_s=heartbeat_s,
+            # An idle fleet's pings cost the Edge in proportion to their rate: a large
+            # fleet pings less often (`heartbeat.fleet_interval`).
+            heartbeat_s=fleet_interval(heartbeat_s, len(config.nodes)),
             heartbeat_timeout_s=heartbeat_timeout_s,
         )
         self.dispatcher = Dispatcher(

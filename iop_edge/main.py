@@ -21,7 +21,7 @@ import trio
 from iop_edge import __version__
 from iop_edge.core.config import ConfigInvalid, ParsedConfig, format_errors, load_config
 from iop_edge.edge import Edge, EdgeAddresses, EdgeStartupError, Listeners
-from iop_edge.runtime.lifecycle import service_manager
+from iop_edge.runtime.lifecycle import heap, service_manager
 from iop_edge.runtime.lifecycle.handover import Handover
 from schemas.log_lines import LogFormat, configure_logging
 from schemas.refresh import RefreshRequest
@@ -142,6 +142,7 @@ async def serve_edge(
         if handover is not None:
             handover.failed(f"cannot start: {exc}")
         raise
+    heap.settle()  # what startup built lives as long as the process
     return await _serve(edge, task_status)
 
 

@@ -41,7 +41,15 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.sampling import Sampler
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-__all__ = ["Kind", "Parent", "SpanRecorder", "Tracing", "remote_parent", "start_tracing"]
+__all__ = [
+    "Kind",
+    "Parent",
+    "SpanRecorder",
+    "Tracing",
+    "remote_parent",
+    "sdk_sampler",
+    "start_tracing",
+]
 
 Kind = Literal["internal", "server", "client"]
 AttributeValue = str | int | float | bool | Sequence[str]
@@ -230,12 +238,6 @@ def start_tracing(settings: TraceSettings, *, instance_id: str, version: str) ->
     try:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import (
-            ALWAYS_OFF,
-            ALWAYS_ON,
-            ParentBased,
-            TraceIdRatioBased,
-        )
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
         from schemas.compat.otlp_http import span_exporter
@@ -244,17 +246,6 @@ def start_tracing(settings: TraceSettings, *, instance_id: str, version: str) ->
             f"tracing is on ({settings.source}) but the OpenTelemetry SDK is not installed "
             f"({exc.name or exc}): pip install '{OTEL_EXTRA}'"
         ) from None
-    root: Sampler
-    match settings.sampler:
-        case "always_on" | "parentbased_always_on":
-            root = ALWAYS_ON
-        case "always_off" | "parentbased_always_off":
-            root = ALWAYS_OFF
-        case "traceidratio" | "parentbased_traceidratio":
-            root = TraceIdRatioBased(settings.sampler_arg)
-    # A root span has no parent, so `ParentBased` would hand it to `root` anyway; and a
-    # span with a parent never reaches the sampler under a parent-based rule (Rule 2).
-    sampler = ParentBased(root) if settings.sampler.startswith("parentbased_") else root
     resource = Resource.create(
         {
             "service.name": settings.service_name,
@@ -264,8 +255,30 @@ def start_tracing(settings: TraceSettings, *, instance_id: str, version: str) ->
     )
     return Tracing(
         settings,
-        sampler=sampler,
+        sampler=sdk_sampler(settings),
         resource=resource,
         scope=InstrumentationScope("iop", version),
         processor=BatchSpanProcessor(span_exporter(settings.endpoint)),
     )
+
+
+def sdk_sampler(settings: TraceSettings) -> Sampler:
+    """The SDK sampler `settings` name (`OTEL_TRACES_SAMPLER`'s meaning)."""
+    from opentelemetry.sdk.trace.sampling import (
+        ALWAYS_OFF,
+        ALWAYS_ON,
+        ParentBased,
+        TraceIdRatioBased,
+    )
+
+    root: Sampler
+    match settings.sampler:
+        case "always_on" | "parentbased_always_on":
+            root = ALWAYS_ON
+        case "always_off" | "parentbased_always_off":
+            root = ALWAYS_OFF
+        case "traceidratio" | "parentbased_traceidratio":
+            root = TraceIdRatioBased(settings.sampler_arg)
+    # A root span has no parent, so `ParentBased` hands it to `root`; and a span with a
+    # parent never reaches the sampler under a parent-based rule (Rule 2).
+    return ParentBased(root) if settings.sampler.startswith("parentbased_") else root

@@ -122,6 +122,11 @@ def _fitting_columns(rows: list[dict[str, Text]], width: int) -> list[str]:
     return shown
 
 
+#: A model's providers the models table names; the rest are counted (`--model M` lists
+#: them all as rows of the providers table).
+MODEL_PROVIDERS_SHOWN = 8
+
+
 def catalog_view(catalog: dict[str, Any], width: int) -> Group:
     """The models table, the providers table and, when columns were left out, a note."""
     rows = [_provider_cells(p) for p in catalog.get("providers", [])]
@@ -130,9 +135,12 @@ def catalog_view(catalog: dict[str, Any], width: int) -> Group:
     for column in ("model", "display name", "providers (served name)", "queued"):
         models.add_column(column, overflow="fold")
     for m in catalog.get("models", []):
+        entries = list((m.get("providers") or {}).items())
         mapping = ", ".join(
-            f"{pid} -> {served}" for pid, served in (m.get("providers") or {}).items()
+            f"{pid} -> {served}" for pid, served in entries[:MODEL_PROVIDERS_SHOWN]
         )
+        if len(entries) > MODEL_PROVIDERS_SHOWN:  # a fleet's model: thousands of providers
+            mapping += f" and {len(entries) - MODEL_PROVIDERS_SHOWN} more"
         models.add_row(
             _cell(m["id"]),
             _cell(m.get("display_name") or ""),

@@ -10,8 +10,9 @@ Rules:
 1. Providers are listed sorted by id (the snapshot's `provider_order`).
 2. `model=M` keeps the providers of model M (its `providers` map); `node=N` those of Node
    N; `health=H` those whose catalog health is H (`schemas.wire.Health`; a provider
-   whose Node is not connected is `unavailable`). Filters combine (all must hold). An unknown model or Node selects
-   nothing, which is an answer, not an error: configs change.
+   whose Node is not connected is `unavailable`). Filters combine (all must hold). An
+   unknown model or Node selects nothing, which is an answer, not an error: configs
+   change.
 3. `limit=K` (1..`MAX_LIMIT`) makes a page: at most K providers, and `next`, the cursor of
    the page after it, or null on the last page. Without `limit` every selected provider
    is listed and `next` is null.

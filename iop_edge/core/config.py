@@ -45,6 +45,7 @@ from iop_edge.core.config_proof import ConfigProof, entry_key
 from iop_edge.core.config_shape import (
     LeafWording,
     check_shape,
+    convert,
     error_from_msgspec,
     index_path,
     key_path,
@@ -529,7 +530,13 @@ class _Rules:
         """`principals[]` (design §15): each ref names a principal callers can be, once.
 
         A model pattern that matches no model is only a warning: models come and go with
-        refreshes, and an allow-list may name one before it exists."""
+        refreshes, and an allow-list may name one before it exists. It is one warning per
+        pattern, however many entries repeat it: a list of ten thousand principals
+        written from one template must not flood the log with identical lines.
+
+        Linear in the entries: each distinct pattern is matched against the models once,
+        and the "did you mean" hints of unknown refs share a bounded budget
+        (`_HINT_BUDGET`)."""
         tokens = self.openai.get("principal_tokens")
         known = {
             ref
@@ -538,33 +545,39 @@ class _Rules:
         }
         if not (isinstance(tokens, list) and tokens):
             known.add(ANONYMOUS_PRINCIPAL)  # an open API: every caller is anonymous
+        where = (
+            "a principal_ref of openai.principal_tokens"
+            if ANONYMOUS_PRINCIPAL not in known
+            else "'anonymous' (no openai.principal_tokens are configured)"
+        )
+        hints = _Hints(known)
         refs = _FirstSeen()
         matches: dict[str, bool] = {}  # pattern -> matches a model (configs repeat them)
+        unmatched: dict[str, list[str]] = {}  # pattern -> where it is named, in order
         for path, entry in _entries(self.raw.get("principals"), "principals"):
             ref = _text(entry.get("ref"))
             if first := refs.repeat(ref, path):
                 self._error(f"{path}.ref", f"duplicate ref '{ref}' ({first})")
             elif ref is not None and ref != EVERY_OTHER_PRINCIPAL and ref not in known:
-                close = difflib.get_close_matches(ref, sorted(known), n=1)
-                hint = f" (did you mean '{close[0]}'?)" if close else ""
-                where = (
-                    "a principal_ref of openai.principal_tokens"
-                    if ANONYMOUS_PRINCIPAL not in known
-                    else "'anonymous' (no openai.principal_tokens are configured)"
-                )
                 self._error(
                     f"{path}.ref",
-                    f"unknown principal '{ref}'{hint}: a ref is {where}, or '*' for every "
-                    "principal not listed",
+                    f"unknown principal '{ref}'{hints.did_you_mean(ref)}: a ref is {where}, "
+                    "or '*' for every principal not listed",
                 )
             for index, pattern in enumerate(_text_list(entry.get("models")) or []):
-                if pattern and not matches.setdefault(
-                    pattern, any(fnmatchcase(model, pattern) for model in model_ids)
-                ):
-                    self.warnings.append(
-                        f"{path}.models[{index}]: '{pattern}' matches no model in models[] "
-                        "(yet); this principal cannot use it until one is added"
-                    )
+                matched = matches.get(pattern)
+                if matched is None:
+                    matched = any(fnmatchcase(model, pattern) for model in model_ids)
+                    matches[pattern] = matched
+                if pattern and not matched:
+                    unmatched.setdefault(pattern, []).append(f"{path}.models[{index}]")
+        for pattern, places in unmatched.items():
+            others = len(places) - 1
+            also = f"; {others:,} more entries name it too" if others else ""
+            self.warnings.append(
+                f"{places[0]}: '{pattern}' matches no model in models[] (yet); this "
+                f"principal cannot use it until one is added{also}"
+            )
 
     def _providers(self) -> dict[str, _Provider]:
         """Check nodes and their providers; return every provider by id (first wins)."""
@@ -751,6 +764,29 @@ class _FirstSeen:
         return "" if first == path else f"first at {first}"
 
 
+#: Candidate comparisons all "did you mean" hints of one check may make together. A hint
+#: compares the unknown name with every known one (`difflib`, tens of microseconds
+#: each): with a dozen principals every unknown ref gets one, with ten thousand only the
+#: first does, so a list of ten thousand unknown refs is not a quadratic wait.
+_HINT_BUDGET: Final = 10_000
+
+
+class _Hints:
+    """"Did you mean" for names that are not among `known`, within `_HINT_BUDGET`."""
+
+    def __init__(self, known: Iterable[str]) -> None:
+        self.known = sorted(known)
+        self.budget = _HINT_BUDGET
+
+    def did_you_mean(self, name: str) -> str:
+        """` (did you mean 'x'?)`, or '' when nothing is close or the budget is spent."""
+        if len(self.known) > self.budget:
+            return ""
+        self.budget -= len(self.known)
+        close = difflib.get_close_matches(name, self.known, n=1)
+        return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 def _as_dict(value: object) -> dict[Any, Any]:
     return value if isinstance(value, dict) else {}
 
@@ -821,7 +857,7 @@ def _build(
     the node entries a proof holds are taken from it as built then."""
     nodes = raw.get("nodes")
     try:
-        config = msgspec.convert({**raw, "nodes": []}, EdgeConfig)
+        config = convert({**raw, "nodes": []}, EdgeConfig)  # long lists a chunk at a time
         built = [
             proven[index] if index in proven else _node(entry)
             for index, entry in enumerate(nodes if isinstance(nodes, list) else [])

@@ -22,7 +22,15 @@ Rules of the walk:
 6. A Struct value that msgspec converts as a whole has no misfit below it (msgspec
    judges every leaf and container the walk would): the walk only runs the wordings'
    prechecks there, and only into fields whose type can hold such a leaf. A config of
-   ten thousand Nodes is then checked in one conversion, not one per leaf.
+   ten thousand Nodes is then checked in a few conversions, not one per leaf.
+7. No one conversion takes a long list whole: a list of more than `CHUNK_ITEMS` items
+   is converted `CHUNK_ITEMS` at a time (a chunk that fits has no misfit; one that does
+   not is walked item by item, to name each misfit), and a Struct value holding such a
+   list, at any depth through mappings, is walked field by field instead of converted
+   whole. A conversion is C code that keeps the GIL until it returns, and a config is
+   checked in a worker thread beside the event loop: converting ten thousand principal
+   tokens at once would hold every caller's request for tens of milliseconds, a chunk
+   holds them well under one. `convert` builds values under the same rule.
 """
 
 from __future__ import annotations
@@ -41,9 +49,17 @@ import msgspec
 
 from schemas.config import ConfigError
 
+S = typing.TypeVar("S", bound=msgspec.Struct)
+
+CHUNK_ITEMS: Final = 256
+"""Items of a list converted at once (Rule 7): a few hundred microseconds of principal
+tokens, a few milliseconds of Node entries."""
+
 __all__ = [
+    "CHUNK_ITEMS",
     "LeafWording",
     "check_shape",
+    "convert",
     "error_from_msgspec",
     "index_path",
     "key_path",
@@ -77,6 +93,21 @@ def check_shape(
     walker = _Walker(wording or {})
     walker.shape(value, schema, path)
     return walker.errors
+
+
+def convert(value: object, schema: type[S]) -> S:
+    """`msgspec.convert(value, schema)` for a Struct type, each long list converted a chunk
+    at a time (Rule 7); raises `msgspec.ValidationError` as msgspec does."""
+    stripped, long_lists = _strip_long_lists(value, schema)
+    built = msgspec.convert(stripped, schema)
+    for attributes, item_type, items in long_lists:
+        converted = [
+            item
+            for start in range(0, len(items), CHUNK_ITEMS)
+            for item in msgspec.convert(items[start : start + CHUNK_ITEMS], _list_of(item_type))
+        ]
+        built = _replace_at(built, attributes, converted)
+    return built
 
 
 def error_from_msgspec(exc: msgspec.ValidationError) -> ConfigError:
@@ -165,6 +196,9 @@ class _Walker:
                 self.error(path, f"expected a list, got {kind_of(value)}")
                 return
             (item_type,) = typing.get_args(tp)
+            if len(value) > CHUNK_ITEMS and not self.prechecks_only:
+                self.long_list(value, item_type, path)
+                return
             for index, item in enumerate(value):
                 self.shape(item, item_type, index_path(path, index))
         elif origin is dict:
@@ -191,7 +225,7 @@ class _Walker:
                 if name in value:
                     self.shape(value[name], tp, key_path(path, name))
             return
-        if _fits(value, cls):  # Rule 6
+        if not _holds_long_list(value) and _fits(value, cls):  # Rules 6, 7
             if self.may_precheck(cls):
                 self.prechecks_only = True
                 try:
@@ -209,6 +243,21 @@ class _Walker:
         for name in required:
             if name not in value:
                 self.error(key_path(path, name), "required field missing")
+
+    def long_list(self, value: list[Any], item_type: Any, path: str) -> None:
+        """A list of more than `CHUNK_ITEMS` items, a chunk at a time (Rule 7)."""
+        chunk_type = _list_of(item_type)
+        for start in range(0, len(value), CHUNK_ITEMS):
+            chunk = value[start : start + CHUNK_ITEMS]
+            fits = _fits(chunk, chunk_type)
+            if fits and not self.may_precheck(item_type):
+                continue
+            self.prechecks_only = fits  # a chunk that fits: its prechecks only (Rule 6)
+            try:
+                for index, item in enumerate(chunk, start):
+                    self.shape(item, item_type, index_path(path, index))
+            finally:
+                self.prechecks_only = False
 
     def leaf(self, value: object, tp: Any, path: str) -> None:
         problem = self.leaf_problem(value, tp)
@@ -269,13 +318,76 @@ class _Walker:
         return found
 
 
-def _fits(value: object, cls: type[msgspec.Struct]) -> bool:
-    """Whether msgspec converts `value` to `cls` (Rule 6)."""
+def _fits(value: object, tp: Any) -> bool:
+    """Whether msgspec converts `value` to `tp` (Rules 6, 7)."""
     try:
-        msgspec.convert(value, cls)
+        msgspec.convert(value, tp)
     except msgspec.ValidationError:
         return False
     return True
+
+
+def _holds_long_list(value: dict[Any, Any]) -> bool:
+    """Whether a list of more than `CHUNK_ITEMS` items sits in `value`, or in a mapping
+    in it at any depth (Rule 7). Lists are not entered: their items are converted apart."""
+    mappings = [value]
+    while mappings:
+        for item in mappings.pop().values():
+            if isinstance(item, list):
+                if len(item) > CHUNK_ITEMS:
+                    return True
+            elif isinstance(item, dict):
+                mappings.append(item)
+    return False
+
+
+#: A long list taken out of a value (Rule 7): the attribute names that lead to it from
+#: the Struct built, its item type, its items.
+_LongList = tuple[tuple[str, ...], Any, list[Any]]
+
+
+def _strip_long_lists(value: object, cls: Any) -> tuple[object, list[_LongList]]:
+    """`value` with each long list in a field of plain list type (at any depth through
+    Struct-typed mappings) emptied, and those lists; `value` itself is not changed."""
+    if not (_is_struct(cls) and isinstance(value, dict) and _holds_long_list(value)):
+        return value, []
+    fields, _ = _fields_of(cls)
+    stripped = dict(value)
+    found: list[_LongList] = []
+    for key, item in value.items():
+        info = fields.get(key) if isinstance(key, str) else None
+        if info is None:
+            continue  # msgspec reports it, or ignores it, as it would anyway
+        if isinstance(item, list) and len(item) > CHUNK_ITEMS:
+            if typing.get_origin(info.type) is list:  # [] fits: no constraint of its own
+                stripped[key] = []
+                found.append(((info.name,), typing.get_args(info.type)[0], item))
+        elif isinstance(item, dict):
+            inner, below = _strip_long_lists(item, _struct_in(info.type))
+            stripped[key] = inner
+            found.extend(((info.name, *names), tp, items) for names, tp, items in below)
+    return stripped, found
+
+
+def _list_of(item_type: Any) -> Any:
+    """The schema type `list[item_type]`, for one conversion of a chunk of items."""
+    return list[item_type]
+
+
+def _struct_in(tp: Any) -> Any:
+    """The Struct type a field of type `tp` holds (`X`, `X | None`), else `tp`."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        present = [member for member in typing.get_args(tp) if member is not type(None)]
+        if len(present) == 1:
+            return present[0]
+    return tp
+
+
+def _replace_at(built: Any, attributes: tuple[str, ...], value: object) -> Any:
+    """`built` with the attribute at the end of `attributes` set to `value`."""
+    name, rest = attributes[0], attributes[1:]
+    inner = value if not rest else _replace_at(getattr(built, name), rest, value)
+    return msgspec.structs.replace(built, **{name: inner})
 
 
 @functools.cache

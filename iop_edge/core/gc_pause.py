@@ -1,20 +1,32 @@
-"""Bulk builds without the cyclic garbage collector: a fleet's config is a million objects.
+"""Bulk work and CPython's cyclic collector: a fleet's config is a million objects, and a
+fleet's Edge holds millions more.
 
 Reading the config of ten thousand Nodes creates about a million Python objects (YAML
 nodes, then plain data, then Structs), and none of them is garbage until the build is
 done. CPython's cyclic collector does not know that: every few hundred allocations it
 runs, and as the live heap grows its full collections walk every object the Edge holds
-again (sessions, snapshots, the build so far) - two thirds of the time of composing a
-large YAML document went there. Pausing the collector for the build removes that work;
-whatever cyclic garbage the rest of the process makes meanwhile is collected when the
-collector resumes, seconds later.
+again (the sessions of every Node, the snapshot, the build so far) - two thirds of the
+time of composing a large YAML document went there, and each full collection holds the
+GIL, so the event loop waits too.
 
 Rules:
-1. `gc_paused()` is re-entrant and thread-safe: the collector is disabled while at least
-   one pause is open (a refresh building in a worker thread and a catalog request on the
-   event loop may overlap) and re-enabled when the last one closes.
-2. A pause never enables a collector that was disabled before the first pause opened
-   (an embedding program's choice stands).
+1. `gc_paused()` disables the collector for its body. It is re-entrant and thread-safe:
+   the collector is disabled while at least one pause is open (a refresh building in a
+   worker thread, a catalog request on the event loop) and re-enabled when the last one
+   closes. A pause never enables a collector that was disabled before it opened.
+2. `gc_paused(freeze=True)` also freezes (`gc.freeze`) what is alive when it closes,
+   before the collector resumes: the build's result, long-lived, is not walked by the
+   next collections, nor is anything else alive then. Only inside `gc_held()`, whose end
+   puts frozen objects back in the collector's sight.
+3. `gc_held()` keeps the live heap out of the collector's sight while a bulk operation
+   runs (a refresh: its build, the swap, a push to every Node): it freezes everything
+   alive when it opens, forbids full collections while open, and when it closes
+   unfreezes all of it (`gc.unfreeze`: into the oldest generation, where the next full
+   collection, at CPython's own pace, looks at it as it always would). Meanwhile the
+   collector runs on what the operation and the callers' requests allocate, young
+   objects that are cheap to look at. Nothing is lost: frozen objects are still freed by
+   reference counting, and cyclic garbage among them is collected after the hold. Holds
+   are re-entrant; only the event loop's thread opens them.
 """
 
 from __future__ import annotations
@@ -23,8 +35,12 @@ import gc
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Final
 
-__all__ = ["gc_paused"]
+__all__ = ["gc_held", "gc_paused"]
+
+#: The full-collection threshold while held: no full collection (Rule 3).
+_NEVER: Final = 2**30
 
 
 class _Pauses:
@@ -42,8 +58,10 @@ class _Pauses:
                 gc.disable()
             self.open += 1
 
-    def exit(self) -> None:
+    def exit(self, *, freeze: bool) -> None:
         with self.lock:
+            if freeze:
+                gc.freeze()
             self.open -= 1
             if self.open == 0 and self.was_enabled:
                 gc.enable()
@@ -53,10 +71,36 @@ _pauses = _Pauses()
 
 
 @contextmanager
-def gc_paused() -> Iterator[None]:
-    """Disable the cyclic collector for the body (Rules 1, 2)."""
+def gc_paused(*, freeze: bool = False) -> Iterator[None]:
+    """Disable the cyclic collector for the body (Rule 1); with `freeze`, freeze what is
+    alive at its end (Rule 2: inside `gc_held` only)."""
     _pauses.enter()
     try:
         yield
     finally:
-        _pauses.exit()
+        _pauses.exit(freeze=freeze)
+
+
+class _Holds:
+    """The open holds and the thresholds to restore when the last one closes (Rule 3)."""
+
+    open = 0
+    thresholds: tuple[int, int, int] = (700, 10, 10)
+
+
+@contextmanager
+def gc_held() -> Iterator[None]:
+    """Keep the live heap out of the collector's sight for the body (Rule 3)."""
+    if _Holds.open == 0:
+        _Holds.thresholds = gc.get_threshold()
+        young, middle, _ = _Holds.thresholds
+        gc.freeze()
+        gc.set_threshold(young, middle, _NEVER)
+    _Holds.open += 1
+    try:
+        yield
+    finally:
+        _Holds.open -= 1
+        if _Holds.open == 0:
+            gc.set_threshold(*_Holds.thresholds)
+            gc.unfreeze()

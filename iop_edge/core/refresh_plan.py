@@ -142,20 +142,32 @@ def prepare_refresh(
     with `build` (an apply) and nothing refusing it, build the snapshot to swap in.
 
     Pure and synchronous: no await, nothing shared is touched, so it may run in a worker
-    thread while `running` keeps serving (snapshots are immutable)."""
+    thread while `running` keeps serving (snapshots are immutable). The collector is
+    paused throughout, and what it built frozen at the end (`core.gc_pause` Rules 1, 2:
+    the caller holds the heap, `gc_held`)."""
+    with gc_paused(freeze=True):
+        return _prepare(load, running, pending_restart, allow_restart_required, build)
+
+
+def _prepare(
+    load: Callable[[], ParsedConfig],
+    running: Snapshot,
+    pending_restart: tuple[str, ...],
+    allow_restart_required: bool,
+    build: bool,
+) -> PreparedRefresh:
     parsed = load()
-    with gc_paused():
-        plan = plan_apply(
-            running.config,
-            parsed.config,
-            pending_restart=pending_restart,
-            allow_restart_required=allow_restart_required,
-        )
-        if not build or plan.errors:
-            return PreparedRefresh(parsed=parsed, plan=plan, snapshot=None, to_push=())
-        snapshot = Snapshot.build(
-            plan.effective, revision=running.revision + 1, config_sha256=parsed.sha256
-        )
-        return PreparedRefresh(
-            parsed=parsed, plan=plan, snapshot=snapshot, to_push=nodes_to_push(running, snapshot)
-        )
+    plan = plan_apply(
+        running.config,
+        parsed.config,
+        pending_restart=pending_restart,
+        allow_restart_required=allow_restart_required,
+    )
+    if not build or plan.errors:
+        return PreparedRefresh(parsed=parsed, plan=plan, snapshot=None, to_push=())
+    snapshot = Snapshot.build(
+        plan.effective, revision=running.revision + 1, config_sha256=parsed.sha256
+    )
+    return PreparedRefresh(
+        parsed=parsed, plan=plan, snapshot=snapshot, to_push=nodes_to_push(running, snapshot)
+    )

@@ -33,12 +33,12 @@ from tests.e2e.upstreams import upstream_provider
 from tests.recording_server import RecordingServer, Seen
 
 pytest.importorskip("opentelemetry.sdk", reason="the `otel` extra is not installed")
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue  # noqa: E402
-from opentelemetry.proto.trace.v1.trace_pb2 import Span  # noqa: E402
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 #: Words a caller sends or an upstream writes: no attribute may carry them.
 PROMPT = "the password is PAPAYA-7731, keep it secret"
@@ -141,9 +141,7 @@ async def traced_stack(
         providers = []
         for index, upstream in enumerate(upstreams, 1):
             await nursery.start(upstream.serve)
-            providers.append(
-                upstream_provider(f"up-{index}", upstream.base_url, priority=index)
-            )
+            providers.append(upstream_provider(f"up-{index}", upstream.base_url, priority=index))
         text = edge_config(
             tmp_path / "state",
             providers=providers,
@@ -264,7 +262,7 @@ async def test_one_trace_per_request_from_the_caller_through_edge_and_node_to_up
     first_output = attempt.attributes["iop.time_to_first_output_s"]
     first_byte = call.attributes["iop.time_to_first_byte_s"]
     attempt_s = (attempt.span.end_time_unix_nano - attempt.span.start_time_unix_nano) / 1e9
-    assert 0 < first_byte and 0 < first_output <= attempt_s
+    assert first_byte > 0 and 0 < first_output <= attempt_s
     assert call.span.end_time_unix_nano <= attempt.span.end_time_unix_nano
 
     # Never a prompt, never a completion.

@@ -284,7 +284,7 @@ def test_a_permanent_rejection_exits_3_saying_what_to_fix(
     from iop_node.link import EdgeRejected
 
     async def rejected(
-        edge_urls: list[str], node_id: str, token: str, *, edge_dns: list[str]
+        edge_urls: list[str], node_id: str, token: str, *, edge_dns: list[str], tracing: None
     ) -> None:
         raise EdgeRejected(edge_urls[0], node_id, "unknown_node", "node id 'gpu9' is not known", 3)
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 
 from iop_edge.core.catalog_query import MAX_LIMIT, CatalogQuery, CatalogQueryError
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http import catalog_stream
 from iop_edge.http.catalog_stream import SCAN, SLICE, catalog_chunks
 from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas.catalog import Catalog
@@ -97,7 +97,7 @@ def test_an_empty_query_is_the_whole_catalog() -> None:
 async def test_the_unfiltered_answer_is_the_catalog_document() -> None:
     scheduler = scheduler_with_health(fleet_snapshot())
     answer = await read(scheduler)
-    whole = json.loads(catalog_stream.msgspec.json.encode(scheduler.catalog()))
+    whole = json.loads(msgspec.json.encode(scheduler.catalog()))
     assert answer == whole
     assert list(answer) == list(Catalog.__struct_fields__)  # the same field order
     assert ids(answer) == sorted(ids(answer)) and len(ids(answer)) == NODES * PER_NODE

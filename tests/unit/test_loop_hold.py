@@ -166,7 +166,7 @@ async def test_a_change_to_one_node_checks_and_pushes_that_node_only(
 
     edge.push_node_config = recorded  # type: ignore[method-assign]
     checked: list[int] = []
-    parse = refresh_module.parse_config
+    parse = parse_config
 
     def counting(text: str, **kwargs: Any) -> Any:
         result = parse(text, **kwargs)

@@ -6,10 +6,13 @@ the two cannot drift apart."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from iop_edge.core.config import ConfigInvalid, parse_config
 from schemas import safe_yaml
@@ -181,3 +184,131 @@ def test_duplicate_keys_are_reported_in_document_order_with_their_paths(libyaml:
         parse_config(text)
     duplicates = [e for e in invalid.value.errors if e.message.startswith("duplicate key")]
     assert [e.path for e in duplicates] == ["edge.id", "nodes[0].providers[0].id", "edge"]
+
+
+# --- has_aliases: the tree path is taken only where no alias can be ---------------------------
+
+
+def _shares_a_node(root: yaml.Node) -> bool:
+    """Whether the composed graph reaches one node twice: what an alias makes."""
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            return True
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            stack.extend(part for pair in node.value for part in pair)
+    return False
+
+
+#: Every place YAML lets an alias stand, each to an anchor written where YAML lets one.
+WITH_ALIASES = [
+    "a: &x 1\nb: *x\n",
+    "- &x [1]\n- *x\n",
+    "[&x 1, *x]\n",
+    "[&x 1,*x]\n",
+    "{a: &x 1, b: *x}\n",
+    '{"a":&x 1, "b":*x}\n',
+    "a: !!seq &x [1]\nb: *x\n",
+    "? &x k\n: v\n? *x\n: w\n",
+    "a: &x {b: 1}\nc: {<<: *x}\n",
+    "\ufeff&x [a]: *x\n",
+    "a:\t&x 1\nb:\t*x\n",
+    "a: &x 1\u2028b: *x\n",
+]
+
+#: A `*` or `&` that is text: principals' "*", glob patterns, URLs, comments of words.
+WITHOUT_ALIASES = [
+    "principals:\n  - {ref: '*', models: [qwen3*, \"llama-*\", 'm-?*']}\n",
+    'principals:\n  - ref: "*"\n    requests_per_minute: 60\n',
+    "url: http://h/v1?a=1&b=2  # one & another*\n",
+    "anchor-only: &x [1]\nglob: a*b\n",
+    "star-only: [x, '*', b*]\nand: R&D\n",
+]
+
+
+@pytest.mark.parametrize("text", WITH_ALIASES)
+def test_every_alias_is_seen_by_has_aliases(text: str) -> None:
+    node = safe_yaml.compose(text)
+    assert node is not None and _shares_a_node(node), "the case must hold a real alias"
+    assert safe_yaml.has_aliases(text)
+
+
+@pytest.mark.parametrize("text", WITHOUT_ALIASES)
+def test_a_star_or_ampersand_that_is_text_keeps_the_tree_path(text: str) -> None:
+    node = safe_yaml.compose(text)
+    assert node is not None and not _shares_a_node(node)
+    assert not safe_yaml.has_aliases(text)
+    expected = yaml.constructor.SafeConstructor().construct_document(node)
+    assert safe_yaml.construct(node, yaml.constructor.SafeConstructor(), aliases=False) == expected
+
+
+_SPACE = st.sampled_from(["", " ", "  ", "\t"])
+_ANCHOR_GAP = st.sampled_from([" ", "\t", " !!str "])
+
+
+def _flow_node(node: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+    """One more level of flow YAML around `node`: a sequence or a mapping (plain or quoted
+    keys, the latter allowing `"k":value`), maybe anchored (`%`, see `_anchor_first`);
+    each with or without the optional white space."""
+    items = st.lists(st.tuples(_SPACE, node), max_size=3)
+    sequence = items.map(lambda xs: "[" + ",".join(sp + x for sp, x in xs) + "]")
+    key = st.sampled_from(["k", '"k"', "'k'", "k2", '"k2"'])
+    pairs = st.lists(st.tuples(_SPACE, key, st.sampled_from([": ", ":"]), node), max_size=3)
+    mapping = pairs.map(lambda ps: "{" + ",".join(sp + k + c + v for sp, k, c, v in ps) + "}")
+    return (sequence | mapping).flatmap(lambda text: st.sampled_from([text, "%" + text]))
+
+
+def _anchor_first(text: str, gap: str) -> str:
+    """The first placeholder becomes the anchor `&a`; every later `@` an alias `*a`."""
+    anchored = False
+
+    def fill(placeholder: re.Match[str]) -> str:
+        nonlocal anchored
+        if not anchored:
+            anchored = True
+            return f"&a{gap}" + ("x" if placeholder[0] == "@" else "")
+        return "*a" if placeholder[0] == "@" else ""
+
+    return re.sub("[@%]", fill, text)
+
+
+#: Documents built from YAML's grammar: an anchor, then aliases, at every place a node
+#: can stand, in flow and block collections, with every optional white space, beside
+#: a `*` and an `&` that are text. Some are invalid (a repeated flow key): skipped.
+_FLOW = st.recursive(st.sampled_from(["x", "'*'", '"&"', "a*b", "@", "@"]), _flow_node, max_leaves=8)
+_BLOCK = st.tuples(
+    st.sampled_from(["- ", "k: ", "k:\t", "? ", '"k":']), st.lists(_FLOW, min_size=1, max_size=4)
+).map(lambda block: "\n".join(block[0] + node for node in block[1]))
+_YAMLISH = st.builds(
+    lambda start, body, gap: start + _anchor_first(body, gap),
+    st.sampled_from(["", "\ufeff", "---\n"]),
+    _FLOW | _BLOCK,
+    _ANCHOR_GAP,
+)
+
+
+@settings(
+    max_examples=400,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+    database=None,
+)
+@given(_YAMLISH)
+@example("- &a x\n- *a\n")
+@example("[&a x,*a]")
+def test_has_aliases_never_misses_an_alias(text: str) -> None:
+    """Soundness: a document that composes into a graph with a shared node (an alias) is
+    always one `has_aliases` says may hold aliases, on both parsers."""
+    for libyaml in (True, False) if safe_yaml.LIBYAML else (False,):
+        try:
+            node = safe_yaml.compose(text, libyaml=libyaml)
+        except yaml.YAMLError:
+            continue
+        if node is not None and _shares_a_node(node):
+            assert safe_yaml.has_aliases(text)

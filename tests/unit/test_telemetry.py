@@ -15,8 +15,10 @@ import pytest
 from iop_edge.core.config import ConfigInvalid, parse_config
 from iop_node.cli import TELEMETRY_FLAGS, build_parser, resolve_invocation
 from schemas.config import AdapterSettings, ProviderConfig, TelemetrySection
+from schemas.spans import start_tracing
 from schemas.telemetry import (
     TelemetryError,
+    TelemetryUnavailable,
     TraceSettings,
     provider_name,
     trace_settings,
@@ -129,9 +131,9 @@ def test_the_node_flags_win_over_its_config_file(tmp_path: Path) -> None:
         "edge: ws://edge:7700\nnode_id: n1\n"
         "telemetry: {endpoint: 'http://file:4318', service_name: from-file}\n"
     )
+    flags = ["--otlp-endpoint", "http://flag:4318", "--trace-sampler", "traceidratio"]
     args = build_parser().parse_args(
-        ["run", "--config", str(config), "--otlp-endpoint", "http://flag:4318"]
-        + ["--trace-sampler", "traceidratio", "--trace-sampler-arg", "0.5"]
+        ["run", "--config", str(config), *flags, "--trace-sampler-arg", "0.5"]
     )
     invocation = resolve_invocation(args, {"IOP_NODE_TOKEN": "t"})
     assert invocation.telemetry == TelemetrySection(
@@ -218,3 +220,14 @@ def test_tracing_off_imports_no_opentelemetry_module(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_tracing_without_the_sdk_says_which_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    chosen = settings(OTEL_EXPORTER_OTLP_ENDPOINT="http://collector:4318")
+    assert chosen is not None
+    # As when the package is absent: importing it fails.
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace.export", None)
+    with pytest.raises(TelemetryUnavailable, match=r"OTEL_EXPORTER_OTLP_ENDPOINT.*iop\[otel\]"):
+        start_tracing(chosen, instance_id="edge/1", version="0")

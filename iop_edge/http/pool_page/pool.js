@@ -316,10 +316,11 @@ function rateCell(m) {
     const last = chartX(values.length - 1, values.length).toFixed(1);
     chart.append(svg("path", { class: "rate", d: `M ${first} ${baseline} ${line.replace(/^M/, "L")} L ${last} ${baseline} Z` }));
   }
-  const now = lastValue(values) ?? 0;
-  return el("td", { "data-tokens-per-s": now },
+  const minute = m.tokens_per_s_last_minute;
+  return el("td", { "data-tokens-per-s": minute },
     el("div", { class: "chart" }, chart,
-      el("span", { class: "now" }, el("strong", {}, now.toFixed(1)), " tokens/s")));
+      el("span", { class: "now", title: "output tokens per second over the last minute" },
+        el("strong", {}, minute.toFixed(1)), " tokens/s")));
 }
 
 function queueCell(m) {

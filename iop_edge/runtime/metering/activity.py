@@ -65,6 +65,8 @@ class ModelActivity(msgspec.Struct, frozen=True, kw_only=True):
     ttft_p95_s: list[float | None]
     tokens_per_s: list[float]
     """Output tokens of the runs that ended in the bucket, per second."""
+    tokens_per_s_last_minute: float
+    """Over the last minute (as `ActivityReport.requests_per_s`)."""
     queue_depth: list[int]
     """The deepest queue sampled in the bucket."""
     streams: list[int]
@@ -232,6 +234,9 @@ class Activity:
         queue: list[int] = []
         streams: list[int] = []
         current = indexes[-1]
+        minute = indexes[-max(1, 60 // self._bucket_s) :]
+        minute_tokens = sum(series[i].tokens for i in minute if i in series)
+        minute_s = (len(minute) - 1) * self._bucket_s + (now - current * self._bucket_s)
         for index in indexes:
             bucket = series.get(index)
             if bucket is None:
@@ -254,6 +259,7 @@ class Activity:
             ttft_p50_s=p50,
             ttft_p95_s=p95,
             tokens_per_s=tokens,
+            tokens_per_s_last_minute=round(minute_tokens / max(minute_s, 1.0), 2),
             queue_depth=queue,
             streams=streams,
         )

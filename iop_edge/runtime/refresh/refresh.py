@@ -51,6 +51,7 @@ import trio
 
 from iop_edge.core.config import ConfigInvalid, ParsedConfig, load_config, parse_config
 from iop_edge.core.config_proof import ConfigProof
+from iop_edge.core.gc_pause import gc_held
 from iop_edge.core.refresh_plan import ApplyPlan, PreparedRefresh, error_order, prepare_refresh
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.refresh import off_loop
@@ -194,7 +195,10 @@ class Refresher:
         else:
             self._busy = True
             try:
-                result = await self._refresh(request)
+                # The Edge's heap (every Node's session) is out of the collector's sight
+                # while the refresh builds and pushes (`core.gc_pause.gc_held`).
+                with gc_held():
+                    result = await self._refresh(request)
             finally:
                 self._busy = False
         _log_attempt(source, request, result)

@@ -936,8 +936,13 @@ class Scheduler:
                 )
                 for provider_id, state in self._states.items()
             },
-            queued={model_id: self._queued(model_id) for model_id in self._snapshot.models},
+            queued=self.queue_depths(),
         )
+
+    def queue_depths(self) -> dict[str, int]:
+        """Waiters per model of the running snapshot: `statistics().queued` without
+        looking at every provider (a fleet has tens of thousands)."""
+        return {model_id: self._queued(model_id) for model_id in self._snapshot.models}
 
     def _queued(self, model_id: str) -> int:
         return len(self._queues.get(model_id, ()))
