@@ -59,6 +59,6 @@ test-runtimes *ARGS:
     fi
     {{python}} -m pytest -q -m runtime -rs tests/runtimes {{ARGS}}
 
-# minutes of mixed load with a Node kill -9 and live refreshes; prints the books (not in CI)
+# minutes of mixed load with a Node kill -9, live refreshes, a full disk and a shared runtime; prints the books (not in CI)
 soak *ARGS:
     {{python}} -m bench.soak {{ARGS}}

@@ -5,7 +5,8 @@
 in `upstream_protocols`, its prompt prefix-cache model in `prefix_cache`), `services`
 (child processes), `gateway` (IOP's Edge and Node), `litellm_proxy` and `vllm_router`
 (the optional peers), `load` (closed-loop generator), `fleet` (fleet-shaped streams),
-`many_nodes` and `light_nodes` (a thousand Nodes on one Edge), `agent_cache` (Claude
+`many_nodes` and `light_nodes` (a thousand Nodes on one Edge), `many_tokens` (ten
+thousand caller tokens: startup, and a refresh's hold on callers), `agent_cache` (Claude
 Code's attribution block against a prefix cache), `procfs` (the processes' own CPU and
 memory counters), `result`, `targets` and `report` (the numbers, the performance goals, the
 tables), `profiler` (optional py-spy profiles).

@@ -2,8 +2,8 @@
 
 Two Edge configs alike but for their callers: a *small* one with `SMALL_TOKENS` tokens,
 and a *large* one with N `openai.principal_tokens` entries (each its own sha256, two per
-principal) and a `principals:` list giving every tenth principal its own limits (allow-
-list, concurrency, requests per minute, daily budget) besides a `"*"` entry. Measured
+principal) and a `principals:` list giving each principal its own limits (allow-list,
+concurrency, requests per minute, daily budget) besides a `"*"` entry. Measured
 from outside, as an operator sees it:
 
 - **startup**: from spawning `python -m iop_edge serve` until the Edge has logged its
@@ -78,8 +78,8 @@ except AttributeError:  # pragma: no cover - PyYAML built without libyaml
 class ManyTokensShape:
     tokens: int = 10_000
     tokens_per_principal: int = 2
-    limited_every: int = 10
-    """Every this many principals, one has a `principals:` entry of its own."""
+    limited_every: int = 1
+    """One principal in this many has a `principals:` entry of its own (1: each)."""
     models: int = 10
     starts: int = 3
     dry_runs: int = 3

@@ -91,28 +91,47 @@ def _chat_scenarios(result: BenchResult) -> list[Scenario]:
     return [s for s in result.scenarios() if s.protocol == "chat"]
 
 
-def measurements_table(result: BenchResult) -> Table:
-    table = Table(title="Gateway overhead: closed-loop load, fake upstream with no delay")
+def _scenario_table(title: str, columns: Sequence[str], caption: str | None = None) -> Table:
+    """A table of closed-loop measurements: a row per target within each scenario, the
+    first five columns `_outcome_cells`, then `columns` (numbers, right-aligned)."""
+    table = Table(title=title, caption=caption)
     table.add_column("scenario")
     table.add_column("target")
-    for name in (
-        "ok", "err", "p50 ms", "p99 ms", "req/s", "CPU ms/req", "+p50 ms", "vs direct",
-        "IOP/LiteLLM",
-    ):  # fmt: skip
+    for name in ("ok", "err", "p50 ms", *columns):
         table.add_column(name, justify="right")
+    return table
+
+
+def _outcome_cells(scenario: Scenario, row: int, m: Measurement) -> list[RenderableType]:
+    """What every closed-loop row starts with: the scenario (on its first row only), the
+    target, requests answered and failed (red when any failed), median latency."""
+    return [
+        scenario.label if row == 0 else "",
+        _label(m.target),
+        str(m.ok),
+        Text(str(m.errors), style="red" if m.errors else ""),
+        _num(m.p50_ms),
+    ]
+
+
+def _rps(m: Measurement) -> str:
+    return "-" if m.rps is None else f"{m.rps:.0f}"
+
+
+def measurements_table(result: BenchResult) -> Table:
+    table = _scenario_table(
+        "Gateway overhead: closed-loop load, fake upstream with no delay",
+        ("p99 ms", "req/s", "CPU ms/req", "+p50 ms", "vs direct", "IOP/LiteLLM"),
+    )
     scenarios = _chat_scenarios(result)
     for index, scenario in enumerate(scenarios):
         rows = [m for m in result.measurements if m.scenario == scenario]
         for row, m in enumerate(rows):
             baseline = m.target == DIRECT
             table.add_row(
-                scenario.label if row == 0 else "",
-                _label(m.target),
-                str(m.ok),
-                Text(str(m.errors), style="red" if m.errors else ""),
-                _num(m.p50_ms),
+                *_outcome_cells(scenario, row, m),
                 _num(m.p99_ms),
-                "-" if m.rps is None else f"{m.rps:.0f}",
+                _rps(m),
                 _num(m.cpu_ms_per_request),
                 "" if baseline else _num(added_p50_ms(result, m.target, scenario), signed=True),
                 "" if baseline else _ratio(throughput_ratio(result, m.target, DIRECT, scenario)),
@@ -166,18 +185,12 @@ def _share(value: float | None) -> str:
 
 def protocols_table(result: BenchResult) -> Table:
     """The Messages and Responses scenarios (see the module docstring)."""
-    table = Table(
-        title="Caller protocols: Anthropic Messages and OpenAI Responses, closed-loop",
+    table = _scenario_table(
+        "Caller protocols: Anthropic Messages and OpenAI Responses, closed-loop",
+        ("req/s", "CPU ms/req", "edge", "node", "vs IOP chat", "of LiteLLM"),
         caption="IOP relays them natively; IOP transl. and LiteLLM translate them to chat "
         "completions and back, for a model each serves from a chat-only provider",
     )
-    table.add_column("scenario")
-    table.add_column("target")
-    for name in (
-        "ok", "err", "p50 ms", "req/s", "CPU ms/req", "edge", "node", "vs IOP chat",
-        "of LiteLLM",
-    ):  # fmt: skip
-        table.add_column(name, justify="right")
     scenarios = [s for s in result.scenarios() if s.protocol != "chat"]
     for index, scenario in enumerate(scenarios):
         rows = [m for m in result.measurements if m.scenario == scenario]
@@ -188,12 +201,8 @@ def protocols_table(result: BenchResult) -> Table:
             cpu = m.cpu_ms_per_request
             vs_chat = cpu / chat_cpu if iop and cpu is not None and chat_cpu else None
             table.add_row(
-                scenario.label if row == 0 else "",
-                _label(m.target),
-                str(m.ok),
-                Text(str(m.errors), style="red" if m.errors else ""),
-                _num(m.p50_ms),
-                "-" if m.rps is None else f"{m.rps:.0f}",
+                *_outcome_cells(scenario, row, m),
+                _rps(m),
                 _num(cpu),
                 _num(m.process_cpu_ms_per_request("edge")) if iop else "",
                 _num(m.process_cpu_ms_per_request("node")) if iop else "",

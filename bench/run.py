@@ -55,7 +55,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
 import trio
 from rich.console import Console
@@ -100,6 +100,8 @@ from bench.services import Service, ServiceFailed, python_argv, start_service, u
 from bench.stack_floor import start_stack_floor
 from bench.upstream import start_upstream
 from bench.vllm_router import find_vllm_router, start_vllm_router
+
+_T = TypeVar("_T")
 
 CLOSED: Final = "closed"
 FLEET: Final = "fleet"
@@ -793,6 +795,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     def say(line: str) -> None:
         status.print(line, highlight=False, markup=False, soft_wrap=True)
 
+    try:
+        return _run(args, options, console, say)
+    except KeyboardInterrupt:
+        return 130  # as a shell reports an interrupted command
+
+
+def _run(args: argparse.Namespace, options: BenchOptions, console: Console, say: Progress) -> int:
+    """The one measurement the command line asks for, reported."""
     if args.replicas is not None:
         return _replicas(options, args.replicas, console, say)
     if args.tracing is not None:
@@ -804,26 +814,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         console.print(render_fair_share(run_fair_share()))
         return 0
-    try:
-        with tempfile.TemporaryDirectory(prefix="iop-bench-") as workdir:
-            result = trio.run(run_bench, options, Path(workdir), say)
-    except KeyboardInterrupt:
-        return 130
+    result = _in_scratch_dir(lambda workdir: run_bench(options, workdir, say))
     console.print(render(result))
     if args.json is not None:
         args.json.write_text(to_json(result), encoding="utf-8")
     return 0
 
 
+def _in_scratch_dir(measure: Callable[[Path], Awaitable[_T]]) -> _T:
+    """Run one measurement under Trio with a scratch folder of its own, removed after."""
+    with tempfile.TemporaryDirectory(prefix="iop-bench-") as workdir:
+        return trio.run(measure, Path(workdir))
+
+
 def _replicas(options: BenchOptions, rounds: int, console: Console, say: Progress) -> int:
     scenarios = [Scenario(concurrency=max(options.concurrency), stream=False)]
-    try:
-        with tempfile.TemporaryDirectory(prefix="iop-bench-") as workdir:
-            setups = trio.run(
-                run_replicas_bench, scenarios, options.budget, Path(workdir), say, max(rounds, 1)
-            )
-    except KeyboardInterrupt:
-        return 130
+    setups = _in_scratch_dir(
+        lambda workdir: run_replicas_bench(scenarios, options.budget, workdir, say, max(rounds, 1))
+    )
     console.print(render_replicas(setups, Machine.this().cores))
     return 0
 
@@ -833,13 +841,9 @@ def _tracing(options: BenchOptions, rounds: int, console: Console, say: Progress
 
     concurrency = max(options.concurrency)
     scenarios = [Scenario(concurrency, stream=False), Scenario(concurrency, stream=True)]
-    try:
-        with tempfile.TemporaryDirectory(prefix="iop-bench-") as workdir:
-            turns = trio.run(
-                run_tracing_bench, scenarios, options.budget, Path(workdir), say, max(rounds, 1)
-            )
-    except KeyboardInterrupt:
-        return 130
+    turns = _in_scratch_dir(
+        lambda workdir: run_tracing_bench(scenarios, options.budget, workdir, say, max(rounds, 1))
+    )
     console.print(render_tracing(turns, Machine.this().cores))
     return 0
 
@@ -853,10 +857,7 @@ def _many_tokens(tokens: int, console: Console, say: Progress) -> int:
         say(f"--tokens: {exc}")
         return 2
     try:
-        with tempfile.TemporaryDirectory(prefix="iop-bench-") as workdir:
-            measured = trio.run(measure_many_tokens, shape, Path(workdir), say)
-    except KeyboardInterrupt:
-        return 130
+        measured = _in_scratch_dir(lambda workdir: measure_many_tokens(shape, workdir, say))
     except (ServiceFailed, RuntimeError) as exc:
         say(f"many tokens: not measured: {exc}")
         return 1

@@ -113,8 +113,9 @@ OTHER_APP_STREAMS = UPSTREAM_SLOTS + 4
 RUNTIME_PROVIDERS = ("vllm-2", SHARED_PROVIDER)
 HEALTH_SAMPLE_S = 0.5
 #: How long the report waits for `SHARED_PROVIDER` to be `available` again after the
-#: phase: two health intervals and a probe timeout.
-RECOVERY_BOUND_S = 25.0
+#: phase: a few of its health intervals (a probe waiting on the model list is answered
+#: as soon as the runtime has a free slot).
+RECOVERY_BOUND_S = 5 * SHARED_HEALTH_INTERVAL_S
 #: Kept free between the shared-runtime and full-disk windows: the other application's
 #: start-up.
 PHASE_GAP_S = 5.0
@@ -346,9 +347,11 @@ async def _shared_runtime(chaos: _Chaos, books: Books) -> None:
             f"{opened:6.1f}s another application keeps the runtime saturated "
             f"({OTHER_APP_STREAMS} streams, {UPSTREAM_SLOTS} slots)"
         )
-        with trio.move_on_after(chaos.shared_runtime_s):
-            await _watch_runtime_health(chaos.admin, books)
-        books.window = (opened, chaos.since())
+        try:
+            with trio.move_on_after(chaos.shared_runtime_s):
+                await _watch_runtime_health(chaos.admin, books)
+        finally:  # a run that ends first still reports the window it had
+            books.window = (opened, chaos.since())
         progress = next(
             (
                 line.removeprefix(PROGRESS_PREFIX)
@@ -407,6 +410,7 @@ async def _runtime_health(admin: httpx2.AsyncClient) -> dict[str, str]:
 
 
 def _state(health: str, reason: str) -> str:
+    """A label for one look at a provider; it starts with the provider's health."""
     if health == "busy" and ACCEPTED_BUT_SILENT in reason:
         return BUSY_ACCEPTED
     if health == "busy" and any(s in reason for s in ("producing output", "produced output")):
@@ -511,6 +515,8 @@ async def _sample_rss(
 
 @dataclass(frozen=True)
 class SoakOptions:
+    """The command line: the run's length and load, and the two windows (0: none)."""
+
     minutes: float
     concurrency: int
     seed: int
@@ -654,6 +660,12 @@ def _report(books: Books, idle: dict[str, int], lost: int, served: Counter[str],
     return 0 if lost == 0 and not leaked and held else 1
 
 
+def _routable(state: str) -> bool:
+    """Whether a look's state (`_state`) keeps the provider in the pool: available or
+    busy, whatever the reason."""
+    return state.partition(":")[0] in ("available", "busy")
+
+
 def _report_shared_runtime(books: Books) -> bool:
     """Print the shared-runtime phase; whether it held (module docstring). True when it
     did not run: there is nothing to hold."""
@@ -670,7 +682,7 @@ def _report_shared_runtime(books: Books) -> bool:
         states = books.health.get(provider, Counter())
         for state, count in states.most_common():
             print(f"  {provider:9s} {count:5d}  {state}")
-            if state not in ("available", BUSY_ACCEPTED, BUSY_GENERATING):
+            if not _routable(state):
                 not_routable += count
     inside = Counter(end for at, end in books.shared_ends if opened <= at <= closed)
     outside = Counter(end for at, end in books.shared_ends if not opened <= at <= closed)

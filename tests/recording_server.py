@@ -1,8 +1,8 @@
 """A recording HTTP/1.1 server for tests that must see requests exactly as they arrived.
 
-A few lines of h11 on 127.0.0.1:0 that record each request as it arrived on the wire
-(request target as sent, every header line in order) and answer with whatever the test
-wants, so a test sees what `tests/adapters/fake_upstream.py` normalises away
+h11 on 127.0.0.1:0 (`tests.h11_server`) recording each request as it arrived on the
+wire (request target as sent, every header line in order) and answering with whatever
+the test wants, so a test sees what `tests/adapters/fake_upstream.py` normalises away
 (absolute-form targets, duplicate headers) and can answer what it never would (a
 gzip-encoded body, a forward proxy's reply).
 """
@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import h11
 import pytest
 import trio
+
+from tests.h11_server import Send, listen_local, serve_connection
 
 Headers = list[tuple[bytes, bytes]]
 Answer = tuple[int, Headers, bytes]
@@ -49,39 +50,22 @@ class RecordingServer:
     url: str = field(init=False, default="")
 
     async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        self.url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        listeners, self.url = await listen_local()
         task_status.started(self.url)
         await trio.serve_listeners(self._connection, listeners)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         self.connections += 1
-        conn = h11.Connection(h11.SERVER)
+        await serve_connection(stream, self._respond)
 
-        async def next_event() -> Any:
-            while (event := conn.next_event()) is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            return event
-
-        async def send(event: Any) -> None:
-            await stream.send_all(conn.send(event) or b"")
-
-        async with stream:
-            try:
-                while isinstance(head := await next_event(), h11.Request):
-                    body = b""
-                    while isinstance(event := await next_event(), h11.Data):
-                        body += event.data
-                    seen = Seen(head.method, head.target, list(head.headers), body)
-                    self.seen.append(seen)
-                    status, headers, content = self.answer(seen)
-                    headers = [*headers, (b"content-length", b"%d" % len(content))]
-                    await send(h11.Response(status_code=status, headers=headers))
-                    await send(h11.Data(data=content))
-                    await send(h11.EndOfMessage())
-                    conn.start_next_cycle()
-            except (h11.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+    async def _respond(self, head: h11.Request, body: bytes, send: Send) -> None:
+        seen = Seen(head.method, head.target, list(head.headers), body)
+        self.seen.append(seen)
+        status, headers, content = self.answer(seen)
+        headers = [*headers, (b"content-length", b"%d" % len(content))]
+        await send(h11.Response(status_code=status, headers=headers))
+        await send(h11.Data(data=content))
+        await send(h11.EndOfMessage())
 
 
 def clear_proxy_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -402,16 +402,6 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     return 0
 
 
-def _catalog_limit(text: str) -> int:
-    try:
-        limit = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text}") from None
-    if not 1 <= limit <= CATALOG_MAX_LIMIT:
-        raise argparse.ArgumentTypeError(f"must be 1..{CATALOG_MAX_LIMIT}")
-    return limit
-
-
 def cmd_usage(args: argparse.Namespace) -> int:
     from iop_edge.cli.console import render_usage
 
@@ -512,14 +502,20 @@ def _log_level(value: str) -> str:
     return level
 
 
-def _page_size(value: str) -> int:
-    try:
-        size = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{value}' is not a whole number") from None
-    if not 1 <= size <= MAX_USAGE_ROWS:
-        raise argparse.ArgumentTypeError(f"{size} is not between 1 and {MAX_USAGE_ROWS}")
-    return size
+def _page_size(largest: int) -> Callable[[str], int]:
+    """The argparse type of a page size: a whole number from 1 to `largest` (what the
+    admin API answers at most)."""
+
+    def parse(value: str) -> int:
+        try:
+            size = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{value}' is not a whole number") from None
+        if not 1 <= size <= largest:
+            raise argparse.ArgumentTypeError(f"{size} is not between 1 and {largest}")
+        return size
+
+    return parse
 
 
 def _positive_seconds(value: str) -> float:
@@ -704,7 +700,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     catalog.add_argument(
         "--limit",
-        type=_catalog_limit,
+        type=_page_size(CATALOG_MAX_LIMIT),
         metavar="N",
         help=f"a page of at most N providers (1..{CATALOG_MAX_LIMIT}); the command then "
         "prints how to ask for the next page",
@@ -742,7 +738,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     usage.add_argument(
         "--limit",
-        type=_page_size,
+        type=_page_size(MAX_USAGE_ROWS),
         default=DEFAULT_USAGE_ROWS,
         metavar="N",
         help=f"groups to show, 1 to 10000 (default: {DEFAULT_USAGE_ROWS}); the totals "

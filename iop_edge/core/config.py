@@ -50,6 +50,7 @@ from iop_edge.core.config_shape import (
     index_path,
     key_path,
     kind_of,
+    release_long_lists,
 )
 from iop_edge.core.gc_pause import gc_paused
 from iop_edge.core.host import check_host
@@ -68,7 +69,7 @@ from schemas.config import (
     ProviderType,
     Sha256Hex,
 )
-from schemas.safe_yaml import check_expansion, compose, construct, has_aliases
+from schemas.safe_yaml import check_expansion, compose, construct, has_aliases, release
 
 __all__ = [
     "ConfigInvalid",
@@ -146,7 +147,7 @@ def _parse(text: str, proof: ConfigProof | None) -> ParsedConfig:
     errors.extend(check_host(config))
     if errors:
         raise ConfigInvalid(errors)
-    return ParsedConfig(
+    parsed = ParsedConfig(
         config=config,
         text=text,
         sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
@@ -154,6 +155,8 @@ def _parse(text: str, proof: ConfigProof | None) -> ParsedConfig:
         proof=entries.proof(config.nodes),
         checked_nodes=len(entries.keys) - len(entries.proven),
     )
+    release_long_lists(raw, EdgeConfig)  # built: what it was read from goes, in pieces
+    return parsed
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +275,9 @@ def _read_yaml(text: str) -> tuple[object, list[ConfigError]]:
                 check_expansion(node)
         else:
             _scan_tree(node, errors)
-        return construct(node, _Constructor(), aliases=aliases), errors
+        data = construct(node, _Constructor(), aliases=aliases)
+        release(node)  # in pieces: all at once, it would hold the GIL (`safe_yaml` Rule 6)
+        return data, errors
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f" at {_position(mark)}" if mark else ""
@@ -772,10 +777,12 @@ _HINT_BUDGET: Final = 10_000
 
 
 class _Hints:
-    """"Did you mean" for names that are not among `known`, within `_HINT_BUDGET`."""
+    """The "did you mean" of names that are not among `known`, within `_HINT_BUDGET`."""
 
-    def __init__(self, known: Iterable[str]) -> None:
-        self.known = sorted(known)
+    def __init__(self, known: set[str]) -> None:
+        self.known = known
+        self._sorted: list[str] | None = None
+        """`known` in order, sorted only once a hint is asked for."""
         self.budget = _HINT_BUDGET
 
     def did_you_mean(self, name: str) -> str:
@@ -783,7 +790,9 @@ class _Hints:
         if len(self.known) > self.budget:
             return ""
         self.budget -= len(self.known)
-        close = difflib.get_close_matches(name, self.known, n=1)
+        if self._sorted is None:
+            self._sorted = sorted(self.known)
+        close = difflib.get_close_matches(name, self._sorted, n=1)
         return f" (did you mean '{close[0]}'?)" if close else ""
 
 

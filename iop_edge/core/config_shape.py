@@ -23,14 +23,16 @@ Rules of the walk:
    judges every leaf and container the walk would): the walk only runs the wordings'
    prechecks there, and only into fields whose type can hold such a leaf. A config of
    ten thousand Nodes is then checked in a few conversions, not one per leaf.
-7. No one conversion takes a long list whole: a list of more than `CHUNK_ITEMS` items
-   is converted `CHUNK_ITEMS` at a time (a chunk that fits has no misfit; one that does
-   not is walked item by item, to name each misfit), and a Struct value holding such a
-   list, at any depth through mappings, is walked field by field instead of converted
-   whole. A conversion is C code that keeps the GIL until it returns, and a config is
-   checked in a worker thread beside the event loop: converting ten thousand principal
-   tokens at once would hold every caller's request for tens of milliseconds, a chunk
-   holds them well under one. `convert` builds values under the same rule.
+7. No one conversion takes a long list whole: a list the walk meets is converted
+   `CHUNK_ITEMS` items at a time (a chunk that fits has no misfit; one that does not is
+   walked item by item, to name each misfit), and a Struct value holding a list of more
+   than `CHUNK_ITEMS` items, at any depth through mappings, is walked field by field
+   instead of converted whole. A conversion is C code that keeps the GIL until it
+   returns, and a config is checked in a worker thread beside the event loop:
+   converting ten thousand principal tokens at once would hold every caller's request
+   for tens of milliseconds, a chunk holds them well under one. `convert` builds values
+   under the same rule, and `release_long_lists` lets go of the data they were built
+   from under it too.
 """
 
 from __future__ import annotations
@@ -49,12 +51,6 @@ import msgspec
 
 from schemas.config import ConfigError
 
-S = typing.TypeVar("S", bound=msgspec.Struct)
-
-CHUNK_ITEMS: Final = 256
-"""Items of a list converted at once (Rule 7): a few hundred microseconds of principal
-tokens, a few milliseconds of Node entries."""
-
 __all__ = [
     "CHUNK_ITEMS",
     "LeafWording",
@@ -64,7 +60,14 @@ __all__ = [
     "index_path",
     "key_path",
     "kind_of",
+    "release_long_lists",
 ]
+
+S = typing.TypeVar("S", bound=msgspec.Struct)
+
+CHUNK_ITEMS: Final = 256
+"""Items of a list converted at once (Rule 7): a few hundred microseconds of principal
+tokens, a few milliseconds of Node entries."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +111,19 @@ def convert(value: object, schema: type[S]) -> S:
         ]
         built = _replace_at(built, attributes, converted)
     return built
+
+
+def release_long_lists(value: object, schema: Any) -> None:
+    """Let go of the items of the long lists `convert` converted a chunk at a time, a
+    chunk at a time (Rule 7), once `value` is no longer needed: freeing ten thousand
+    entries at once is as long a hold of the GIL as converting them at once.
+
+    Only those lists are emptied, and nothing in them is touched: msgspec builds a list
+    of its own for a field of list type, so they are `value`'s alone, while an item may
+    be shared with what was built (a value of a field of type `Any` is)."""
+    for _, _, items in _strip_long_lists(value, schema)[1]:
+        while items:
+            del items[-CHUNK_ITEMS:]
 
 
 def error_from_msgspec(exc: msgspec.ValidationError) -> ConfigError:
@@ -196,8 +212,8 @@ class _Walker:
                 self.error(path, f"expected a list, got {kind_of(value)}")
                 return
             (item_type,) = typing.get_args(tp)
-            if len(value) > CHUNK_ITEMS and not self.prechecks_only:
-                self.long_list(value, item_type, path)
+            if not self.prechecks_only:
+                self.chunks(value, item_type, path)
                 return
             for index, item in enumerate(value):
                 self.shape(item, item_type, index_path(path, index))
@@ -244,8 +260,9 @@ class _Walker:
             if name not in value:
                 self.error(key_path(path, name), "required field missing")
 
-    def long_list(self, value: list[Any], item_type: Any, path: str) -> None:
-        """A list of more than `CHUNK_ITEMS` items, a chunk at a time (Rule 7)."""
+    def chunks(self, value: list[Any], item_type: Any, path: str) -> None:
+        """A list, `CHUNK_ITEMS` items at a time: a chunk msgspec converts whole has no
+        misfit in it (Rules 6, 7)."""
         chunk_type = _list_of(item_type)
         for start in range(0, len(value), CHUNK_ITEMS):
             chunk = value[start : start + CHUNK_ITEMS]
@@ -329,14 +346,17 @@ def _fits(value: object, tp: Any) -> bool:
 
 def _holds_long_list(value: dict[Any, Any]) -> bool:
     """Whether a list of more than `CHUNK_ITEMS` items sits in `value`, or in a mapping
-    in it at any depth (Rule 7). Lists are not entered: their items are converted apart."""
+    in it at any depth (Rule 7). Lists are not entered: their items are converted apart.
+    Each mapping is looked at once: YAML aliases can share one, or make it hold itself."""
     mappings = [value]
+    seen = {id(value)}
     while mappings:
         for item in mappings.pop().values():
             if isinstance(item, list):
                 if len(item) > CHUNK_ITEMS:
                     return True
-            elif isinstance(item, dict):
+            elif isinstance(item, dict) and id(item) not in seen:
+                seen.add(id(item))
                 mappings.append(item)
     return False
 

@@ -19,13 +19,15 @@ the end.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
 
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.errors import ApiError, model_not_found
+from iop_edge.http.errors import ApiError, bad_request, model_not_found
+from iop_edge.runtime.runs.dispatch import RunPlan
 from schemas import wire
 from schemas.config import ModelEntry, PrincipalToken
 from schemas.protocols import CallerProtocol
@@ -34,7 +36,9 @@ __all__ = [
     "PROTOCOL_OF",
     "STREAM_END",
     "Caller",
+    "apply_defaults",
     "catalog_model",
+    "check_max_tokens",
     "protocol_of_request",
     "stream_error",
 ]
@@ -69,6 +73,41 @@ class Caller:
     """The `anthropic-version` and `anthropic-beta` headers it sent, for a native
     upstream (never credentials)."""
 
+    def plan(
+        self,
+        snapshot: Snapshot,
+        *,
+        model_id: str,
+        operation: wire.Operation,
+        body: dict[str, Any],
+        stream: bool,
+        prompt_tokens: int,
+        caller_wants_usage: bool,
+        protocol: CallerProtocol = "chat",
+        caller_headers: dict[str, str] | None = None,
+        keep_output: bool = False,
+    ) -> RunPlan:
+        """The plan of this caller's request: its ids and principal go with the run, and
+        it is a long run when its prompt estimate reaches the snapshot's threshold."""
+        principal = self.principal
+        return RunPlan(
+            run_id=self.run_id,
+            request_id=self.request_id,
+            model_id=model_id,
+            operation=operation,
+            body=body,
+            stream=stream,
+            long=prompt_tokens >= snapshot.long_context_threshold_tokens,
+            caller_wants_usage=caller_wants_usage,
+            prompt_tokens=prompt_tokens,
+            principal_ref=principal.principal_ref,
+            token_ref=principal.token_ref,
+            principal_alias=principal.alias,
+            protocol=protocol,
+            caller_headers=caller_headers if caller_headers is not None else {},
+            keep_output=keep_output,
+        )
+
 
 def catalog_model(snapshot: Snapshot, caller: Caller, model_id: str) -> ModelEntry:
     """The catalog model a request names; 404 `model_not_found` when there is none, or
@@ -78,6 +117,27 @@ def catalog_model(snapshot: Snapshot, caller: Caller, model_id: str) -> ModelEnt
     if model is None or not snapshot.policies.allows(caller.principal.principal_ref, model_id):
         raise model_not_found(model_id)
     return model
+
+
+def check_max_tokens(model: ModelEntry, field: str, requested: object) -> None:
+    """400 `max_tokens_exceeded` naming `field` when a request asks for more tokens than
+    the model's `generation.max_tokens_limit`, in any protocol."""
+    limit = model.generation.max_tokens_limit
+    if isinstance(requested, int) and requested > limit:
+        raise bad_request(
+            f"{field}={requested} exceeds this model's limit of {limit}",
+            param=field,
+            code="max_tokens_exceeded",
+        )
+
+
+def apply_defaults(model: ModelEntry, body: dict[str, Any], fields: Mapping[str, str]) -> None:
+    """The model's `generation.defaults` a protocol has a setting for, where the caller
+    set none: `fields` maps a default's key (chat's name) to the protocol's field; a
+    default with no counterpart is not applied."""
+    for key, value in model.generation.defaults.items():
+        if key in fields:
+            body.setdefault(fields[key], value)
 
 
 def protocol_of_request(path: str, *, anthropic_version: bool) -> CallerProtocol:

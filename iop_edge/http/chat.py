@@ -14,7 +14,7 @@ from typing import Any, Final
 import msgspec
 
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.caller_protocol import Caller, catalog_model
+from iop_edge.http.caller_protocol import Caller, catalog_model, check_max_tokens
 from iop_edge.http.errors import bad_request, invalid_request
 from iop_edge.runtime.runs.dispatch import RunPlan
 from schemas import openai as oai
@@ -47,15 +47,8 @@ def plan_chat(
     if operation != "embedding":
         for key, value in model.generation.defaults.items():
             body.setdefault(key, value)
-        limit = model.generation.max_tokens_limit
         for key in ("max_tokens", "max_completion_tokens"):
-            requested = body.get(key)
-            if isinstance(requested, int) and requested > limit:
-                raise bad_request(
-                    f"{key}={requested} exceeds this model's limit of {limit}",
-                    param=key,
-                    code="max_tokens_exceeded",
-                )
+            check_max_tokens(model, key, body.get(key))
         choices = body.get("n")
         if isinstance(choices, int) and choices > MAX_CHOICES:
             raise bad_request(f"n={choices} exceeds the limit of {MAX_CHOICES}", param="n")
@@ -65,19 +58,12 @@ def plan_chat(
             options = body.get("stream_options")
             caller_wants_usage = isinstance(options, dict) and options.get("include_usage") is True
             body["stream_options"] = {**(options or {}), "include_usage": True}
-    prompt_tokens = estimate_input_tokens(body)
-    principal = caller.principal
-    return RunPlan(
-        run_id=caller.run_id,
-        request_id=caller.request_id,
+    return caller.plan(
+        snapshot,
         model_id=view.model,
         operation=operation,
         body=body,
         stream=stream,
-        long=prompt_tokens >= snapshot.long_context_threshold_tokens,
+        prompt_tokens=estimate_input_tokens(body),
         caller_wants_usage=caller_wants_usage,
-        prompt_tokens=prompt_tokens,
-        principal_ref=principal.principal_ref,
-        token_ref=principal.token_ref,
-        principal_alias=principal.alias,
     )

@@ -10,6 +10,7 @@ The runtime reports refusals and failures in its own terms; `admission_error` an
 from __future__ import annotations
 
 import re
+from typing import Final
 
 import msgspec
 
@@ -114,6 +115,17 @@ def metering_unavailable(reason: str) -> ApiError:
     )
 
 
+#: Refusals that ask the caller to come back later (`Retry-After`, 1 s unless the refusal
+#: says): the status, error type and code each is answered with.
+_COME_BACK_LATER: Final[tuple[tuple[type[AdmissionError], tuple[int, str, str]], ...]] = (
+    (ConcurrencyLimited, (429, "rate_limit_error", "concurrency_limit")),
+    (QueueFull, (429, "rate_limit_error", "queue_full")),
+    (QueueTimeout, (503, "service_unavailable_error", "queue_timeout")),
+)
+#: Any other refusal: no provider can take the run now.
+_NO_PROVIDER: Final = (503, "service_unavailable_error", "no_provider")
+
+
 def admission_error(exc: AdmissionError) -> ApiError:
     """The scheduler's and the rate limiter's refusals as HTTP errors."""
     if isinstance(exc, LimitExceeded):
@@ -125,40 +137,15 @@ def admission_error(exc: AdmissionError) -> ApiError:
             retry_after_s=exc.retry_after_s,
             rate_limits=exc.rate_limits,
         )
-    if isinstance(exc, ConcurrencyLimited):
-        return ApiError(
-            429,
-            exc.reason,
-            type="rate_limit_error",
-            code="concurrency_limit",
-            retry_after_s=exc.retry_after_s or 1.0,
-        )
-    if isinstance(exc, QueueFull):
-        return ApiError(
-            429,
-            exc.reason,
-            type="rate_limit_error",
-            code="queue_full",
-            retry_after_s=exc.retry_after_s or 1.0,
-        )
-    if isinstance(exc, QueueTimeout):
-        return ApiError(
-            503,
-            exc.reason,
-            type="service_unavailable_error",
-            code="queue_timeout",
-            retry_after_s=exc.retry_after_s or 1.0,
-        )
     if isinstance(exc, UnknownModel):
         return ApiError(
             404, exc.reason, type="not_found_error", code="model_not_found", param="model"
         )
+    status, type_, code = next(
+        (answer for kind, answer in _COME_BACK_LATER if isinstance(exc, kind)), _NO_PROVIDER
+    )
     return ApiError(
-        503,
-        exc.reason,
-        type="service_unavailable_error",
-        code="no_provider",
-        retry_after_s=exc.retry_after_s or 1.0,
+        status, exc.reason, type=type_, code=code, retry_after_s=exc.retry_after_s or 1.0
     )
 
 

@@ -39,7 +39,12 @@ from iop_edge.core.protocol_requests import (
     estimate_messages_tokens,
 )
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.caller_protocol import Caller, catalog_model
+from iop_edge.http.caller_protocol import (
+    Caller,
+    apply_defaults,
+    catalog_model,
+    check_max_tokens,
+)
 from iop_edge.http.errors import bad_request, invalid_request
 from iop_edge.runtime.runs.dispatch import RunPlan
 from schemas import wire
@@ -86,32 +91,18 @@ def plan_messages(
     stream = False
     prompt_tokens = 0
     if isinstance(view, MessagesRequest):
-        limit = model.generation.max_tokens_limit
-        if view.max_tokens > limit:
-            raise bad_request(
-                f"max_tokens={view.max_tokens} exceeds this model's limit of {limit}",
-                param="max_tokens",
-                code="max_tokens_exceeded",
-            )
-        for key, value in model.generation.defaults.items():
-            if key in DEFAULT_KEYS:
-                body.setdefault(DEFAULT_KEYS[key], value)
+        check_max_tokens(model, "max_tokens", view.max_tokens)
+        apply_defaults(model, body, DEFAULT_KEYS)
         stream = view.stream
         prompt_tokens = estimate_messages_tokens(view)
-    principal = caller.principal
-    return RunPlan(
-        run_id=caller.run_id,
-        request_id=caller.request_id,
+    return caller.plan(
+        snapshot,
         model_id=view.model,
         operation=operation,
         body=body,
         stream=stream,
-        long=prompt_tokens >= snapshot.long_context_threshold_tokens,
-        caller_wants_usage=True,  # usage is part of every Messages reply and stream
         prompt_tokens=prompt_tokens,
-        principal_ref=principal.principal_ref,
-        token_ref=principal.token_ref,
-        principal_alias=principal.alias,
+        caller_wants_usage=True,  # usage is part of every Messages reply and stream
         protocol="messages",
         caller_headers=caller.anthropic_headers,
     )

@@ -33,8 +33,13 @@ from iop_edge.core.protocol_requests import (
 )
 from iop_edge.core.response_chain import ChainBroken, continue_body, conversation
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.caller_protocol import Caller, catalog_model
-from iop_edge.http.errors import ApiError, bad_request, invalid_request
+from iop_edge.http.caller_protocol import (
+    Caller,
+    apply_defaults,
+    catalog_model,
+    check_max_tokens,
+)
+from iop_edge.http.errors import ApiError, invalid_request
 from iop_edge.runtime.metering.response_store import ResponseStore, StoreUnavailable
 from iop_edge.runtime.runs.dispatch import RunPlan
 
@@ -98,17 +103,8 @@ class ResponsesSurface:
         except msgspec.ValidationError as exc:
             raise invalid_request(exc) from None
         model = catalog_model(snapshot, caller, view.model)
-        for key, value in model.generation.defaults.items():
-            if key in DEFAULT_KEYS:
-                body.setdefault(DEFAULT_KEYS[key], value)
-        limit = model.generation.max_tokens_limit
-        requested = body.get("max_output_tokens")
-        if isinstance(requested, int) and requested > limit:
-            raise bad_request(
-                f"max_output_tokens={requested} exceeds this model's limit of {limit}",
-                param="max_output_tokens",
-                code="max_tokens_exceeded",
-            )
+        apply_defaults(model, body, DEFAULT_KEYS)
+        check_max_tokens(model, "max_output_tokens", body.get("max_output_tokens"))
         principal = caller.principal
         own_items = input_items(body.get("input", []))
         earlier: list[Any] = []
@@ -131,20 +127,14 @@ class ResponsesSurface:
             continue_body(body, earlier + own_items)
         else:
             body["store"] = False
-        prompt_tokens = estimate_responses_tokens(view, earlier)
-        plan = RunPlan(
-            run_id=caller.run_id,
-            request_id=caller.request_id,
+        plan = caller.plan(
+            snapshot,
             model_id=view.model,
             operation="responses",
             body=body,
             stream=view.stream,
-            long=prompt_tokens >= snapshot.long_context_threshold_tokens,
+            prompt_tokens=estimate_responses_tokens(view, earlier),
             caller_wants_usage=True,  # usage is part of every Responses reply and stream
-            prompt_tokens=prompt_tokens,
-            principal_ref=principal.principal_ref,
-            token_ref=principal.token_ref,
-            principal_alias=principal.alias,
             protocol="responses",
             keep_output=view.store,
         )

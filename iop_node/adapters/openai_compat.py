@@ -803,26 +803,13 @@ class OpenAICompatAdapter(NativeRelay):
     async def _exchange(
         self, run: Run, url: httpcore2.URL, emit: Emit, progress: _Progress
     ) -> RunResult:
-        body_out = run.body
-        request = httpcore2.Request(
-            b"POST",
-            url,
-            headers=[
-                *self._run_headers[run.stream],
-                *progress.trace_headers(run),
-                (b"Content-Length", b"%d" % len(body_out)),
-            ],
-            content=body_out,
-            extensions=self._request_extensions,
+        request = self._post(
+            url, [*self._run_headers[run.stream], *progress.trace_headers(run)], run.body
         )
-        connection, response = await self._connections.send(request)
-        if progress.call is not None:
-            progress.call.status(response.status)
+        connection, response = await self._send(request, progress)
         try:
             if not 200 <= response.status < 300:
-                body = await _read_body(response, progress, limit=_ERROR_BODY_LIMIT)
-                # An encoded error body cannot be read; the status alone has to do.
-                body = b"" if _encoded(response) else body
+                body = await _error_body(response, progress)
                 self._learn_context(read_error_facts(body).context_tokens)
                 raise status_failure(response.status, body, run.operation)
             _check_encoding(response)
@@ -830,10 +817,7 @@ class OpenAICompatAdapter(NativeRelay):
                 return await self._relay_stream(response, emit, progress)
             body = await _read_body(response, progress)
         finally:
-            try:
-                await response.aclose()
-            finally:
-                await self._connections.give_back(connection)
+            await self._close(connection, response)
         try:
             view = _body_decoder.decode(body)
         except msgspec.ValidationError:
@@ -851,6 +835,37 @@ class OpenAICompatAdapter(NativeRelay):
                 retryable=True,
             )
         return RunResult(usage=view.usage.to_usage() if view.usage else None, response=body)
+
+    def _post(
+        self, url: httpcore2.URL, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> httpcore2.Request:
+        """A run's POST: `headers` and the body's length, within the client's timeouts."""
+        return httpcore2.Request(
+            b"POST",
+            url,
+            headers=[*headers, (b"Content-Length", b"%d" % len(body))],
+            content=body,
+            extensions=self._request_extensions,
+        )
+
+    async def _send(
+        self, request: httpcore2.Request, progress: _Progress
+    ) -> tuple[httpcore2.AsyncConnectionInterface, httpcore2.Response]:
+        """Send a run's request on a pooled connection (`_close` gives it back), noting
+        the status on the run's trace."""
+        connection, response = await self._connections.send(request)
+        if progress.call is not None:
+            progress.call.status(response.status)
+        return connection, response
+
+    async def _close(
+        self, connection: httpcore2.AsyncConnectionInterface, response: httpcore2.Response
+    ) -> None:
+        """Close a run's response and give its connection back, even when closing fails."""
+        try:
+            await response.aclose()
+        finally:
+            await self._connections.give_back(connection)
 
     async def _relay_stream(
         self, response: httpcore2.Response, emit: Emit, progress: _Progress
@@ -897,27 +912,17 @@ class OpenAICompatAdapter(NativeRelay):
     ) -> RunResult:
         """A `messages` or `responses` run sent as it is (`native` has the rules of what
         comes back)."""
-        body_out = run.body
-        request = httpcore2.Request(
-            b"POST",
-            self._native_urls[protocol],
-            headers=[
-                *self._native_headers[protocol, run.stream],
-                *_caller_header_pairs(run, protocol),
-                *progress.trace_headers(run),
-                (b"Content-Length", b"%d" % len(body_out)),
-            ],
-            content=body_out,
-            extensions=self._request_extensions,
-        )
+        headers = [
+            *self._native_headers[protocol, run.stream],
+            *_caller_header_pairs(run, protocol),
+            *progress.trace_headers(run),
+        ]
+        request = self._post(self._native_urls[protocol], headers, run.body)
         reply = native.NativeReply(run, protocol)
-        connection, response = await self._connections.send(request)
-        if progress.call is not None:
-            progress.call.status(response.status)
+        connection, response = await self._send(request, progress)
         try:
             if not 200 <= response.status < 300:
-                body = await _read_body(response, progress, limit=_ERROR_BODY_LIMIT)
-                body = b"" if _encoded(response) else body
+                body = await _error_body(response, progress)
                 failure = status_failure(response.status, body)
                 if missing_route(response.status, body, run.target):
                     raise NativeUnsupported(protocol, failure)
@@ -927,10 +932,7 @@ class OpenAICompatAdapter(NativeRelay):
                 return await self._relay_native_stream(response, reply, events, progress)
             body = await _read_body(response, progress)
         finally:
-            try:
-                await response.aclose()
-            finally:
-                await self._connections.give_back(connection)
+            await self._close(connection, response)
         try:
             shaped = reply.response(body)
         except native.NotAnObject as exc:
@@ -1024,23 +1026,11 @@ class OpenAICompatAdapter(NativeRelay):
         with trio.move_on_after(timeout_s):
             try:
                 response = await self._client.post(url, content=body, headers=headers)
-            except httpx2.ConnectError as exc:
-                raise AdapterError(
-                    FailureCode.UPSTREAM_UNREACHABLE,
-                    f"{self._origin} unreachable: {describe_transport_error(exc)}",
-                    retryable=True,
-                ) from exc
-            except httpx2.TimeoutException as exc:
-                raise AdapterError(
-                    FailureCode.UPSTREAM_TIMEOUT,
-                    f"{self._origin}: {describe_transport_error(exc)}",
-                    retryable=True,
-                ) from exc
             except httpx2.HTTPError as exc:
-                raise AdapterError(
-                    FailureCode.UPSTREAM_ERROR,
-                    f"{self._origin}: {describe_transport_error(exc)}",
-                    retryable=True,
+                raise self._unanswered(
+                    exc,
+                    unreachable=isinstance(exc, httpx2.ConnectError),
+                    timed_out=isinstance(exc, httpx2.TimeoutException),
                 ) from exc
             return response.status_code, response.content
         raise AdapterError(
@@ -1080,17 +1070,32 @@ class OpenAICompatAdapter(NativeRelay):
                 FailureCode.UPSTREAM_STREAM_ERROR,
                 f"upstream stream broke after {progress.emitted} chunks: {detail}",
             )
-        if isinstance(exc, httpcore2.ConnectError | httpcore2.ConnectTimeout):
+        return self._unanswered(
+            exc,
+            unreachable=isinstance(exc, httpcore2.ConnectError | httpcore2.ConnectTimeout),
+            timed_out=isinstance(exc, httpcore2.TimeoutException),
+        )
+
+    def _unanswered(self, exc: Exception, *, unreachable: bool, timed_out: bool) -> AdapterError:
+        """A request the upstream did not answer, nothing relayed yet: retryable, coded by
+        what went wrong (`unreachable`, `timed_out`: as the client library that sent it
+        classes the error)."""
+        detail = describe_transport_error(exc)
+        if unreachable:
             return AdapterError(
                 FailureCode.UPSTREAM_UNREACHABLE,
                 f"{self._origin} unreachable: {detail}",
                 retryable=True,
             )
-        if isinstance(exc, httpcore2.TimeoutException):
-            return AdapterError(
-                FailureCode.UPSTREAM_TIMEOUT, f"{self._origin}: {detail}", retryable=True
-            )
-        return AdapterError(FailureCode.UPSTREAM_ERROR, f"{self._origin}: {detail}", retryable=True)
+        code = FailureCode.UPSTREAM_TIMEOUT if timed_out else FailureCode.UPSTREAM_ERROR
+        return AdapterError(code, f"{self._origin}: {detail}", retryable=True)
+
+
+async def _error_body(response: httpcore2.Response, progress: _Progress) -> bytes:
+    """The start of an error response's body, to find the upstream's message in. An
+    encoded one cannot be read: the status alone has to do."""
+    body = await _read_body(response, progress, limit=_ERROR_BODY_LIMIT)
+    return b"" if _encoded(response) else body
 
 
 def _caller_headers(run: Run, protocol: CallerProtocol) -> dict[str, str]:

@@ -16,6 +16,7 @@ Rules the translators follow when writing a chat body:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Final
 
 import msgspec
@@ -32,8 +33,10 @@ __all__ = [
     "ImageURL",
     "Part",
     "TextPart",
+    "chat_body",
     "encode",
     "sse_event",
+    "text_and_images",
     "text_or_parts",
 ]
 
@@ -91,7 +94,7 @@ class _StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = True
 
 
-STREAM_OPTIONS: Final = _StreamOptions()
+_STREAM_OPTIONS: Final = _StreamOptions()
 
 
 class ChatBody(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -109,6 +112,43 @@ class ChatBody(msgspec.Struct, kw_only=True, omit_defaults=True):
     parallel_tool_calls: bool | UnsetType = UNSET
     reasoning_effort: str | UnsetType = UNSET
     response_format: msgspec.Raw | dict[str, Any] | UnsetType = UNSET
+
+
+def chat_body(
+    model: str,
+    messages: list[ChatMessage],
+    *,
+    stream: bool,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+) -> ChatBody:
+    """The body with the settings every caller protocol has: what the caller left out
+    stays out (Rule 3), and a stream asks for usage (Rule 4)."""
+    chat = ChatBody(model=model, messages=messages, stream=stream)
+    if stream:
+        chat.stream_options = _STREAM_OPTIONS
+    if max_tokens is not None:
+        chat.max_tokens = max_tokens
+    if temperature is not None:
+        chat.temperature = temperature
+    if top_p is not None:
+        chat.top_p = top_p
+    return chat
+
+
+def text_and_images(parts: Iterable[Part]) -> tuple[str, list[Part]]:
+    """A tool result's parts as a `tool` message can carry them: its text (joined by a
+    newline), and the images apart, since a tool message carries text only (they travel
+    in a user message after it)."""
+    texts: list[str] = []
+    images: list[Part] = []
+    for part in parts:
+        if isinstance(part, TextPart):
+            texts.append(part.text)
+        else:
+            images.append(part)
+    return "\n".join(texts), images
 
 
 def text_or_parts(parts: list[Part]) -> str | list[Part]:

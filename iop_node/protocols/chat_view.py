@@ -16,7 +16,7 @@ only text (`text_delta`), which is most of a stream: the relay's reading has all
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Final, Literal, NamedTuple, Protocol
 
 import msgspec
@@ -29,12 +29,14 @@ __all__ = [
     "ChatResponse",
     "ChunkChoice",
     "Delta",
+    "NamedCall",
     "ReadChunk",
     "StopReason",
     "TextDelta",
     "TokenUsage",
     "ToolCallDelta",
     "UsageView",
+    "named_calls",
     "read_chunk",
     "read_response",
     "stop_reason",
@@ -108,6 +110,31 @@ class Delta(msgspec.Struct):
     def thinking(self) -> str | None:
         """The reasoning text, under whichever name the runtime uses."""
         return self.reasoning_content or self.reasoning
+
+
+class NamedCall(NamedTuple):
+    """A whole reply's tool call, named, with where its arguments are (for errors)."""
+
+    n: int
+    id: str | None
+    name: str
+    arguments: str
+    arguments_param: str
+
+
+def named_calls(message: Delta) -> Iterator[NamedCall]:
+    """A whole reply's tool calls, in order. A call without a name is a
+    `ReplyTranslationError`: neither caller protocol can say a call to no tool."""
+    for n, call in enumerate(message.tool_calls or ()):
+        param = f"choices[0].message.tool_calls[{n}]"
+        function = call.function
+        if function is None or not function.name:
+            raise ReplyTranslationError(
+                "the runtime called a tool without naming it", param=f"{param}.function.name"
+            )
+        yield NamedCall(
+            n, call.id, function.name, function.arguments or "", f"{param}.function.arguments"
+        )
 
 
 class ChunkChoice(msgspec.Struct):

@@ -31,6 +31,7 @@ from iop_node.protocols.chat_view import (
     ChatChunk,
     StopReason,
     TokenUsage,
+    named_calls,
     read_response,
     stop_reason,
 )
@@ -138,18 +139,12 @@ def messages_response_from_chat(
         if text:
             blocks.append(TextBlock(text=text))
         used: set[str] = set()
-        for n, call in enumerate(message.tool_calls or ()):
-            param = f"choices[0].message.tool_calls[{n}]"
-            function = call.function
-            if function is None or not function.name:
-                raise ReplyTranslationError(
-                    "the runtime called a tool without naming it", param=f"{param}.function.name"
-                )
+        for call in named_calls(message):
             blocks.append(
                 ToolUseBlock(
-                    id=tool_use_id(call.id, request_id, n, used),
-                    name=function.name,
-                    input=tool_input(function.arguments or "", f"{param}.function.arguments"),
+                    id=tool_use_id(call.id, request_id, call.n, used),
+                    name=call.name,
+                    input=tool_input(call.arguments, call.arguments_param),
                 )
             )
             calls += 1

@@ -38,7 +38,6 @@ import msgspec
 from msgspec import UNSET
 
 from iop_node.protocols.chat_body import (
-    STREAM_OPTIONS,
     ChatBody,
     ChatFunction,
     ChatMessage,
@@ -49,7 +48,9 @@ from iop_node.protocols.chat_body import (
     ImageURL,
     Part,
     TextPart,
+    chat_body,
     encode,
+    text_and_images,
     text_or_parts,
 )
 from iop_node.protocols.errors import TranslationError, from_validation
@@ -237,15 +238,14 @@ def messages_request_to_chat(body: bytes) -> bytes:
                 f"role '{message.role}' is not one of user, assistant, system",
                 param=f"{path}.role",
             )
-    chat = ChatBody(model=request.model, messages=messages, stream=request.stream)
-    if request.stream:
-        chat.stream_options = STREAM_OPTIONS
-    if request.max_tokens is not None:
-        chat.max_tokens = request.max_tokens
-    if request.temperature is not None:
-        chat.temperature = request.temperature
-    if request.top_p is not None:
-        chat.top_p = request.top_p
+    chat = chat_body(
+        request.model,
+        messages,
+        stream=request.stream,
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+    )
     if request.top_k is not None:
         chat.top_k = request.top_k
     if request.stop_sequences:
@@ -334,18 +334,12 @@ def _assistant(content: str | list[_Block], path: str, calls: set[str]) -> ChatM
 def _tool_result(block: _ToolResult, path: str) -> tuple[str, list[Part]]:
     """A tool result's text, and the images it returned (they travel in a user message)."""
     content = block.content
-    texts: list[str] = []
     images: list[Part] = []
     if isinstance(content, str):
-        texts.append(content)
-    elif content is not None:
-        for k, inner in enumerate(content):
-            part = _part(inner, f"{path}.content[{k}]")
-            if isinstance(part, TextPart):
-                texts.append(part.text)
-            else:
-                images.append(part)
-    text = "\n".join(texts)
+        text = content
+    else:
+        parts = (_part(inner, f"{path}.content[{k}]") for k, inner in enumerate(content or ()))
+        text, images = text_and_images(parts)
     return (f"Error: {text}" if block.is_error else text), images
 
 

@@ -31,22 +31,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final, Literal
 
 import msgspec
 
 from iop_node.protocols.chat_body import encode, sse_event
-from iop_node.protocols.chat_view import (
-    ChatChunk,
-    ReadChunk,
-    TokenUsage,
-    ToolCallDelta,
-    read_chunk,
-    stop_reason,
-    text_delta,
-)
-from iop_node.protocols.errors import ReplyTranslationError
+from iop_node.protocols.chat_stream import ChatStreamTranslator, StreamedCall
+from iop_node.protocols.chat_view import TokenUsage, stop_reason
 from iop_node.protocols.messages_reply import (
     AnthropicUsage,
     Message,
@@ -124,87 +116,35 @@ Kind = Literal["text", "thinking", "tool_use"]
 
 
 @dataclass(slots=True)
-class _Call:
+class _Call(StreamedCall):
     """One tool call of the stream (Rule 3)."""
 
-    position: int  # the chat `tool_calls[].index`
-    id: str | None = None
-    name: str | None = None
     index: int | None = None  # its content block, once open
-    closed: bool = False
     sent: bool = False  # some argument bytes went out
-    held: list[str] = field(default_factory=list)  # fragments before the name came
 
 
-class MessagesStream:
+class MessagesStream(ChatStreamTranslator[_Call]):
     """Translates one run's chat stream into Messages events (module docstring)."""
 
+    _PROTOCOL = "Messages"
+    _CONTAINER = "block"
+
     def __init__(self, reply_model: str, request_id: str, *, input_tokens: int = 0) -> None:
+        super().__init__(request_id)
         self._model = reply_model
-        self._request_id = request_id
         self._input_tokens = input_tokens
         """What `message_start` reports before the runtime's usage is known (an estimate
         the caller may pass; the final `message_delta` carries the real count)."""
-        self._started = False
-        self._ended = False
         self._next_index = 0
         self._open_kind: Kind | None = None
         self._open_index = 0
-        self._open_call: _Call | None = None
-        self._calls: dict[int, _Call] = {}
-        self._ids: set[str] = set()
-        self._finish_reason: str | None = None
-        self._matched: str | int | None = None
-        self._usage: TokenUsage | None = None
-
-    @property
-    def usage(self) -> TokenUsage | None:
-        """The last usage the runtime reported in a chunk."""
-        return self._usage
-
-    def feed(self, chunk: bytes, read: ReadChunk | None = None) -> bytes:
-        """The events one chat chunk (the `data:` payload) completes, possibly none.
-        `read` is the relay's reading of it, if it has one: a chunk of text only is then
-        not decoded again. After a `ReplyTranslationError` the stream can only `fail`."""
-        self._check_live()
-        out: list[bytes] = []
-        text = text_delta(read) if read is not None else None
-        if text is not None:
-            if not self._started:
-                out.append(self._start())
-            self._say(text.thinking, text.content, text.refusal, out)
-            return b"".join(out)
-        view: ChatChunk = read_chunk(chunk)
-        if view.usage is not None:
-            self._usage = view.usage.tokens()
-        if not self._started:
-            out.append(self._start())
-        choice = view.first()
-        if choice is None:
-            return b"".join(out)
-        delta = choice.said
-        if delta is not None:
-            self._say(delta.thinking, delta.content, delta.refusal, out)
-            for k, call in enumerate(delta.tool_calls or ()):
-                self._tool(call, f"choices[0].delta.tool_calls[{k}]", out)
-        if choice.finish_reason:
-            self._finish_reason = choice.finish_reason
-            self._matched = choice.stop_reason
-        return b"".join(out)
+        self._streaming: _Call | None = None
 
     def finish(self, usage: TokenUsage | None = None) -> bytes:
         """The closing events (Rule 4). `usage` counts only when the runtime reported
         none in its chunks."""
-        self._check_live()
-        out: list[bytes] = []
-        if not self._started:
-            out.append(self._start())
-        for call in self._calls.values():
-            if call.name is None:
-                raise ReplyTranslationError(
-                    f"the runtime's tool call {call.position} never said which tool it calls",
-                    param=f"choices[0].delta.tool_calls[{call.position}].function.name",
-                )
+        out = self._start_if_silent()
+        self._check_calls_named()
         self._close(out)
         self._ended = True
         reason, sequence = stop_reason(
@@ -229,18 +169,14 @@ class MessagesStream:
 
     # --- blocks ---------------------------------------------------------------------------
 
-    def _check_live(self) -> None:
-        if self._ended:
-            raise RuntimeError("the Messages stream has already ended")
-
-    def _start(self) -> bytes:
+    def _start(self, out: list[bytes]) -> None:
         self._started = True
         counts = self._usage or TokenUsage(prompt_tokens=self._input_tokens)
         usage = AnthropicUsage.of(
             TokenUsage(prompt_tokens=counts.prompt_tokens, cached_tokens=counts.cached_tokens)
         )
         message = Message(id=f"msg_{self._request_id}", model=self._model, content=[], usage=usage)
-        return _event("message_start", _MessageStart(message=message))
+        out.append(_event("message_start", _MessageStart(message=message)))
 
     def _open(
         self, kind: Kind, block: TextBlock | ThinkingBlock | _ToolUseStart, out: list[bytes]
@@ -255,12 +191,12 @@ class MessagesStream:
     def _close(self, out: list[bytes]) -> None:
         if self._open_kind is None:
             return
-        call = self._open_call
+        call = self._streaming
         if call is not None:
             if not call.sent:
                 self._arguments(call, "{}", out)
             call.closed = True
-            self._open_call = None
+            self._streaming = None
         out.append(_event("content_block_stop", _BlockStop(index=self._open_index)))
         self._open_kind = None
 
@@ -282,55 +218,20 @@ class MessagesStream:
         delta = _TextDelta(text=text) if kind == "text" else _ThinkingDelta(thinking=text)
         out.append(_event("content_block_delta", _BlockDelta(index=self._open_index, delta=delta)))
 
-    def _tool(self, fragment: ToolCallDelta, param: str, out: list[bytes]) -> None:
-        call = self._call_for(fragment)
-        function = fragment.function
-        if call.id is None and fragment.id:
-            call.id = fragment.id
-        if call.name is None and function is not None and function.name:
-            call.name = function.name
-        arguments = function.arguments if function is not None else None
-        if call.closed:
-            if arguments:
-                raise ReplyTranslationError(
-                    f"the runtime sent arguments for tool call {call.position} after another "
-                    "call began; a Messages stream cannot reopen its block",
-                    param=f"{param}.function.arguments",
-                )
-            return
-        if call.index is None:
-            if call.name is None:
-                if arguments:
-                    call.held.append(arguments)
-                return
-            identifier = tool_use_id(call.id, self._request_id, call.position, self._ids)
-            start = _ToolUseStart(id=identifier, name=call.name, input={})
-            call.index = self._open("tool_use", start, out)
-            self._open_call = call
-            held, call.held = call.held, []
-            for piece in held:
-                self._arguments(call, piece, out)
-        if arguments:
-            self._arguments(call, arguments, out)
+    # --- tool calls -----------------------------------------------------------------------
 
-    def _call_for(self, fragment: ToolCallDelta) -> _Call:
-        """The call a fragment belongs to: by its chat index; without one (some runtimes
-        leave it out), by its id, else the call being streamed."""
-        position = fragment.index
-        if position is None:
-            if fragment.id:
-                for known in self._calls.values():
-                    if known.id == fragment.id:
-                        return known
-                position = len(self._calls)
-            elif self._open_call is not None:
-                return self._open_call
-            else:
-                position = max(self._calls) if self._calls else 0
-        call = self._calls.get(position)
-        if call is None:
-            call = self._calls[position] = _Call(position=position)
-        return call
+    def _new_call(self, position: int) -> _Call:
+        return _Call(position=position)
+
+    def _streaming_call(self) -> _Call | None:
+        return self._streaming
+
+    def _open_call(self, call: _Call, out: list[bytes]) -> None:
+        assert call.name is not None
+        identifier = tool_use_id(call.id, self._request_id, call.position, self._ids)
+        start = _ToolUseStart(id=identifier, name=call.name, input={})
+        call.index = self._open("tool_use", start, out)
+        self._streaming = call
 
     def _arguments(self, call: _Call, text: str, out: list[bytes]) -> None:
         call.sent = True

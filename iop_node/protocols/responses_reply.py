@@ -34,7 +34,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from iop_node.protocols.chat_body import encode
-from iop_node.protocols.chat_view import TokenUsage, read_response
+from iop_node.protocols.chat_view import TokenUsage, named_calls, read_response
 from iop_node.protocols.errors import ReplyTranslationError
 from iop_node.protocols.responses_request import read_tool_map
 from iop_node.protocols.responses_tools import CallerTool, ToolMap
@@ -343,21 +343,15 @@ def responses_response_from_chat(
                 )
             )
         used: set[str] = set()
-        for n, call in enumerate(message.tool_calls or ()):
-            param = f"choices[0].message.tool_calls[{n}]"
-            function = call.function
-            if function is None or not function.name:
-                raise ReplyTranslationError(
-                    "the runtime called a tool without naming it", param=f"{param}.function.name"
-                )
-            tool = shell.tools.caller(function.name)
+        for call in named_calls(message):
+            tool = shell.tools.caller(call.name)
             output.append(
                 call_item(
                     tool,
                     item_id("ctc" if tool.custom else "fc", request_id, len(output)),
-                    call_id(call.id, request_id, n, used),
-                    function.arguments or "",
-                    param=f"{param}.function.arguments",
+                    call_id(call.id, request_id, call.n, used),
+                    call.arguments,
+                    param=call.arguments_param,
                     status="completed",
                 )
             )

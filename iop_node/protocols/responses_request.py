@@ -37,7 +37,6 @@ import msgspec
 from msgspec import UNSET
 
 from iop_node.protocols.chat_body import (
-    STREAM_OPTIONS,
     ChatBody,
     ChatMessage,
     ChatToolCall,
@@ -46,7 +45,9 @@ from iop_node.protocols.chat_body import (
     ImageURL,
     Part,
     TextPart,
+    chat_body,
     encode,
+    text_and_images,
     text_or_parts,
 )
 from iop_node.protocols.errors import TranslationError, from_validation
@@ -230,15 +231,14 @@ def responses_request_to_chat(body: bytes) -> bytes:
         messages.append(ChatMessage(role="user", content=request.input))
     else:
         _Items(tools, messages).add_all(request.input)
-    chat = ChatBody(model=request.model, messages=messages, stream=request.stream)
-    if request.stream:
-        chat.stream_options = STREAM_OPTIONS
-    if request.max_output_tokens is not None:
-        chat.max_tokens = request.max_output_tokens
-    if request.temperature is not None:
-        chat.temperature = request.temperature
-    if request.top_p is not None:
-        chat.top_p = request.top_p
+    chat = chat_body(
+        request.model,
+        messages,
+        stream=request.stream,
+        max_tokens=request.max_output_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+    )
     if tools.chat_tools:
         chat.tools = tools.chat_tools
     _tool_choice(request.tool_choice, tools, chat)
@@ -368,14 +368,9 @@ class _Items:
         if isinstance(output, str):
             text = output
         else:
-            texts: list[str] = []
-            for k, part in enumerate(output):
-                converted = _part(part, f"{path}.output[{k}]")
-                if isinstance(converted, TextPart):
-                    texts.append(converted.text)
-                else:
-                    self._images.append(converted)
-            text = "\n".join(texts)
+            parts = (_part(part, f"{path}.output[{k}]") for k, part in enumerate(output))
+            text, images = text_and_images(parts)
+            self._images.extend(images)
         self._out.append(ChatMessage(role="tool", content=text, tool_call_id=item.call_id))
 
     def _flush_images(self) -> None:

@@ -43,14 +43,8 @@ from typing import Any, Final, Literal
 import msgspec
 
 from iop_node.protocols.chat_body import encode, sse_event
-from iop_node.protocols.chat_view import (
-    ChatChunk,
-    ReadChunk,
-    TokenUsage,
-    ToolCallDelta,
-    read_chunk,
-    text_delta,
-)
+from iop_node.protocols.chat_stream import ChatStreamTranslator, StreamedCall
+from iop_node.protocols.chat_view import TokenUsage
 from iop_node.protocols.errors import ReplyTranslationError
 from iop_node.protocols.responses_reply import (
     CustomCallItem,
@@ -90,17 +84,24 @@ class _ItemEvent(_Event, kw_only=True):
     item: OutputItem
 
 
-class _PartEvent(_Event, kw_only=True):
+class _InItem(_Event, kw_only=True):
+    """An event about the content of one item, named by both its id and its index."""
+
     item_id: str
     output_index: int
+
+
+class _InPart(_InItem, kw_only=True):
+    """An event about one content part of an item."""
+
     content_index: int
+
+
+class _PartEvent(_InPart, kw_only=True):
     part: OutputText | Refusal | ReasoningText
 
 
-class _Delta(_Event, kw_only=True):
-    item_id: str
-    output_index: int
-    content_index: int
+class _Delta(_InPart, kw_only=True):
     delta: str
 
 
@@ -123,50 +124,33 @@ _DELTAS: Final[dict[str, type[_Delta]]] = {
 }
 
 
-class _TextDone(_Event, kw_only=True, tag="response.output_text.done"):
-    item_id: str
-    output_index: int
-    content_index: int
+class _TextDone(_InPart, kw_only=True, tag="response.output_text.done"):
     text: str
     logprobs: list[Any] = []
 
 
-class _RefusalDone(_Event, kw_only=True, tag="response.refusal.done"):
-    item_id: str
-    output_index: int
-    content_index: int
+class _RefusalDone(_InPart, kw_only=True, tag="response.refusal.done"):
     refusal: str
 
 
-class _ReasoningDone(_Event, kw_only=True, tag="response.reasoning_text.done"):
-    item_id: str
-    output_index: int
-    content_index: int
+class _ReasoningDone(_InPart, kw_only=True, tag="response.reasoning_text.done"):
     text: str
 
 
-class _ArgumentsDelta(_Event, kw_only=True, tag="response.function_call_arguments.delta"):
-    item_id: str
-    output_index: int
+class _ArgumentsDelta(_InItem, kw_only=True, tag="response.function_call_arguments.delta"):
     delta: str
 
 
-class _ArgumentsDone(_Event, kw_only=True, tag="response.function_call_arguments.done"):
-    item_id: str
-    output_index: int
+class _ArgumentsDone(_InItem, kw_only=True, tag="response.function_call_arguments.done"):
     name: str
     arguments: str
 
 
-class _InputDelta(_Event, kw_only=True, tag="response.custom_tool_call_input.delta"):
-    item_id: str
-    output_index: int
+class _InputDelta(_InItem, kw_only=True, tag="response.custom_tool_call_input.delta"):
     delta: str
 
 
-class _InputDone(_Event, kw_only=True, tag="response.custom_tool_call_input.done"):
-    item_id: str
-    output_index: int
+class _InputDone(_InItem, kw_only=True, tag="response.custom_tool_call_input.done"):
     input: str
 
 
@@ -205,19 +189,14 @@ PartKind = Literal["output_text", "refusal", "reasoning_text"]
 
 
 @dataclass(slots=True)
-class _Call:
+class _Call(StreamedCall):
     """One tool call of the stream (Rule 4)."""
 
-    position: int  # the chat `tool_calls[].index`
-    id: str | None = None
-    name: str | None = None
     tool: CallerTool | None = None
     output_index: int | None = None  # its item, once added
     item_id: str = ""
     call_id: str = ""
-    closed: bool = False
     arguments: list[str] = field(default_factory=list)
-    held: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -233,8 +212,11 @@ class _Item:
     call: _Call | None = None
 
 
-class ResponsesStream:
+class ResponsesStream(ChatStreamTranslator[_Call]):
     """Translates one run's chat stream into Responses events (module docstring)."""
+
+    _PROTOCOL = "Responses"
+    _CONTAINER = "item"
 
     def __init__(
         self,
@@ -244,66 +226,18 @@ class ResponsesStream:
         *,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        super().__init__(request_id)
         self._shell = ResponseShell(reply_model, request_id, request, clock)
-        self._request_id = request_id
         self._sequence = 0
-        self._started = False
-        self._ended = False
         self._output: list[OutputItem] = []  # closed items, by output index
         self._open: _Item | None = None
-        self._calls: dict[int, _Call] = {}
-        self._ids: set[str] = set()
-        self._finish_reason: str | None = None
-        self._usage: TokenUsage | None = None
         self._final: bytes | None = None
-
-    @property
-    def usage(self) -> TokenUsage | None:
-        """The last usage the runtime reported in a chunk."""
-        return self._usage
-
-    def feed(self, chunk: bytes, read: ReadChunk | None = None) -> bytes:
-        """The events one chat chunk (the `data:` payload) completes, possibly none.
-        `read` is the relay's reading of it, if it has one: a chunk of text only is then
-        not decoded again. After a `ReplyTranslationError` the stream can only `fail`."""
-        self._check_live()
-        out: list[bytes] = []
-        text = text_delta(read) if read is not None else None
-        if text is not None:
-            if not self._started:
-                self._start(out)
-            self._say(text.thinking, text.content, text.refusal, out)
-            return b"".join(out)
-        view: ChatChunk = read_chunk(chunk)
-        if view.usage is not None:
-            self._usage = view.usage.tokens()
-        if not self._started:
-            self._start(out)
-        choice = view.first()
-        if choice is None:
-            return b"".join(out)
-        delta = choice.said
-        if delta is not None:
-            self._say(delta.thinking, delta.content, delta.refusal, out)
-            for k, call in enumerate(delta.tool_calls or ()):
-                self._tool(call, f"choices[0].delta.tool_calls[{k}]", out)
-        if choice.finish_reason:
-            self._finish_reason = choice.finish_reason
-        return b"".join(out)
 
     def finish(self, usage: TokenUsage | None = None) -> bytes:
         """The closing events (Rule 5). `usage` counts only when the runtime reported
         none in its chunks."""
-        self._check_live()
-        out: list[bytes] = []
-        if not self._started:
-            self._start(out)
-        for call in self._calls.values():
-            if call.name is None:
-                raise ReplyTranslationError(
-                    f"the runtime's tool call {call.position} never said which tool it calls",
-                    param=f"choices[0].delta.tool_calls[{call.position}].function.name",
-                )
+        out = self._start_if_silent()
+        self._check_calls_named()
         status, incomplete = status_of(self._finish_reason)
         self._close(out, "incomplete" if status == "incomplete" else "completed")
         self._ended = True
@@ -317,10 +251,7 @@ class ResponsesStream:
     def fail(self, message: str, code: str) -> bytes:
         """`response.failed` for a failure after the stream began, with the items output
         so far (the open one `incomplete`). Nothing follows it."""
-        self._check_live()
-        out: list[bytes] = []
-        if not self._started:
-            self._start(out)
+        out = self._start_if_silent()
         output = list(self._output)
         if self._open is not None:
             try:
@@ -340,10 +271,6 @@ class ResponsesStream:
         return self._final
 
     # --- events ---------------------------------------------------------------------------
-
-    def _check_live(self) -> None:
-        if self._ended:
-            raise RuntimeError("the Responses stream has already ended")
 
     def _next(self) -> int:
         number = self._sequence
@@ -519,35 +446,13 @@ class ResponsesStream:
 
     # --- tool calls -----------------------------------------------------------------------
 
-    def _tool(self, fragment: ToolCallDelta, param: str, out: list[bytes]) -> None:
-        call = self._call_for(fragment)
-        function = fragment.function
-        if call.id is None and fragment.id:
-            call.id = fragment.id
-        if call.name is None and function is not None and function.name:
-            call.name = function.name
-        arguments = function.arguments if function is not None else None
-        if call.closed:
-            if arguments:
-                raise ReplyTranslationError(
-                    f"the runtime sent arguments for tool call {call.position} after another "
-                    "call began; a Responses stream cannot reopen its item",
-                    param=f"{param}.function.arguments",
-                )
-            return
-        if call.output_index is None:
-            if call.name is None:
-                if arguments:
-                    call.held.append(arguments)
-                return
-            self._add_call(call, out)
-            held, call.held = call.held, []
-            for piece in held:
-                self._arguments(call, piece, out)
-        if arguments:
-            self._arguments(call, arguments, out)
+    def _new_call(self, position: int) -> _Call:
+        return _Call(position=position)
 
-    def _add_call(self, call: _Call, out: list[bytes]) -> None:
+    def _streaming_call(self) -> _Call | None:
+        return self._open.call if self._open is not None else None
+
+    def _open_call(self, call: _Call, out: list[bytes]) -> None:
         assert call.name is not None
         tool = call.tool = self._shell.tools.caller(call.name)
         item = self._add("call", "ctc" if tool.custom else "fc", out)
@@ -622,25 +527,6 @@ class ResponsesStream:
                 arguments=done.arguments,
             )
         out.append(self._emit(finished))
-
-    def _call_for(self, fragment: ToolCallDelta) -> _Call:
-        """The call a fragment belongs to: by its chat index; without one (some runtimes
-        leave it out), by its id, else the call being streamed."""
-        position = fragment.index
-        if position is None:
-            if fragment.id:
-                for known in self._calls.values():
-                    if known.id == fragment.id:
-                        return known
-                position = len(self._calls)
-            elif self._open is not None and self._open.call is not None:
-                return self._open.call
-            else:
-                position = max(self._calls) if self._calls else 0
-        call = self._calls.get(position)
-        if call is None:
-            call = self._calls[position] = _Call(position=position)
-        return call
 
 
 def _part(kind: PartKind, text: str) -> OutputText | Refusal | ReasoningText:

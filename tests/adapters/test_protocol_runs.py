@@ -17,18 +17,17 @@ from iop_node.adapters.base import Emit, RunResult
 from iop_node.adapters.ollama import OllamaAdapter
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
 from iop_node.health import HealthMonitor
-from iop_node.runner import Chunk, Outbound, RunHandle, execute_run
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.protocols import CallerProtocol
 from schemas.tokens import estimate_input_tokens, template_tokens, text_tokens
 from schemas.wire import FailureCode, Operation, ProviderStatus, Run, RunDone, RunFailed, Usage
+from tests.node_runs import run_to_end, sse_events
 
 from .conftest import MODEL
 from .fake_data import PROMPT_TOKENS
 from .fake_protocols import NATIVE_COUNT, fake_tokens, messages_events
 from .fake_upstream import LLAMA_CPP, FakeUpstream
 
-GUARD_S = 5.0
 ALIAS = "team-alias"
 USAGE = Usage(prompt_tokens=PROMPT_TOKENS, completion_tokens=3, total_tokens=PROMPT_TOKENS + 3)
 MESSAGES_BODY: dict[str, Any] = {
@@ -87,34 +86,6 @@ def protocol_run(
     )
 
 
-async def execute(
-    adapter: OpenAICompatAdapter, run: Run
-) -> tuple[list[bytes], RunDone | RunFailed]:
-    """Run `run` through the runner: the caller-ready chunks, and the terminal message."""
-    sent: list[Outbound] = []
-
-    async def send(message: Outbound) -> None:
-        sent.append(message)
-
-    with trio.fail_after(GUARD_S):
-        await execute_run(run, adapter, RunHandle(run.run_id), send)
-    *chunks, end = sent
-    assert all(isinstance(chunk, Chunk) for chunk in chunks)
-    assert isinstance(end, RunDone | RunFailed)
-    return [chunk.data for chunk in chunks if isinstance(chunk, Chunk)], end
-
-
-def events_of(chunks: list[bytes]) -> list[tuple[str, dict[str, Any]]]:
-    """The server-sent events in `chunks`, each `event: NAME` + one `data:` line."""
-    found = []
-    for block in b"".join(chunks).split(b"\n\n"):
-        if block:
-            name, data = block.split(b"\n")
-            assert name.startswith(b"event: ") and data.startswith(b"data: "), block
-            found.append((name[7:].decode(), json.loads(data[6:])))
-    return found
-
-
 def paths(upstream: FakeUpstream) -> list[str]:
     return [request.path for request in upstream.requests]
 
@@ -129,11 +100,11 @@ async def test_a_native_stream_goes_to_the_protocols_endpoint(
     upstream.native = frozenset({"messages", "responses"})
     adapter = make_adapter(upstream)
     try:
-        chunks, end = await execute(adapter, protocol_run(operation, stream=True))
+        chunks, end = await run_to_end(adapter, protocol_run(operation, stream=True))
     finally:
         await adapter.aclose()
     assert paths(upstream) == [f"/v1/{operation}"]
-    events = events_of(chunks)
+    events = sse_events(chunks)
     assert events[-1][0] == ("message_stop" if operation == "messages" else "response.completed")
     assert all(b"[DONE]" not in chunk for chunk in chunks)
     models = [
@@ -150,7 +121,7 @@ async def test_a_native_non_stream_answer_has_the_alias(upstream: FakeUpstream) 
     upstream.native = frozenset({"responses"})
     adapter = make_adapter(upstream, ["chat", "responses"])
     try:
-        chunks, end = await execute(adapter, protocol_run("responses"))
+        chunks, end = await run_to_end(adapter, protocol_run("responses"))
     finally:
         await adapter.aclose()
     assert chunks == []
@@ -167,7 +138,7 @@ async def test_a_native_answer_without_an_alias_keeps_the_upstreams_model(
     adapter = make_adapter(upstream, ["chat", operation])
     run = msgspec.structs.replace(protocol_run(operation), reply_model="")
     try:
-        _, end = await execute(adapter, run)
+        _, end = await run_to_end(adapter, run)
     finally:
         await adapter.aclose()
     assert isinstance(end, RunDone) and end.response is not None
@@ -189,7 +160,7 @@ async def test_ollama_speaks_both_protocols_natively_under_v1(
         )
     )
     try:
-        _, end = await execute(adapter, protocol_run(operation))
+        _, end = await run_to_end(adapter, protocol_run(operation))
     finally:
         await adapter.aclose()
     assert paths(upstream) == [f"/v1/{operation}"]
@@ -229,25 +200,25 @@ async def test_with_hold_tail_the_last_events_come_inside_run_done(
     adapter = make_adapter(upstream, ["chat", operation] if native else ["chat"])
     keep = operation == "responses"
     try:
-        plain, plain_end = await execute(
+        plain, plain_end = await run_to_end(
             adapter, protocol_run(operation, stream=True, keep_output=keep)
         )
-        held, end = await execute(
+        held, end = await run_to_end(
             adapter, protocol_run(operation, stream=True, keep_output=keep, hold_tail=True)
         )
     finally:
         await adapter.aclose()
     assert isinstance(end, RunDone) and end.tail is not None
-    tail = [name for name, _ in events_of([end.tail])]
+    tail = [name for name, _ in sse_events([end.tail])]
     assert tail == (HELD_NATIVE if native else HELD_TRANSLATED)[operation]
-    before = [name for name, _ in events_of(held)]
+    before = [name for name, _ in sse_events(held)]
     assert not set(before) & set(HELD_NATIVE[operation])
-    assert before + tail == [name for name, _ in events_of(plain)]
+    assert before + tail == [name for name, _ in sse_events(plain)]
     assert isinstance(plain_end, RunDone) and plain_end.tail is None
     assert (end.usage, end.usage_source) == (plain_end.usage, plain_end.usage_source)
     if keep:  # the stored response is the one the last event carries
         assert end.response is not None
-        assert json.loads(end.response) == events_of([end.tail])[-1][1]["response"]
+        assert json.loads(end.response) == sse_events([end.tail])[-1][1]["response"]
 
 
 async def test_a_held_message_delta_reaches_the_caller_when_the_stream_breaks_off(
@@ -259,11 +230,13 @@ async def test_a_held_message_delta_reaches_the_caller_when_the_stream_breaks_of
     upstream.drop_after_chunks = len(messages_events(MODEL, upstream.chunks)) - 1
     adapter = make_adapter(upstream, ["chat", "messages"])
     try:
-        chunks, end = await execute(adapter, protocol_run("messages", stream=True, hold_tail=True))
+        chunks, end = await run_to_end(
+            adapter, protocol_run("messages", stream=True, hold_tail=True)
+        )
     finally:
         await adapter.aclose()
     assert isinstance(end, RunFailed) and end.code == FailureCode.UPSTREAM_STREAM_ERROR
-    events = events_of(chunks)
+    events = sse_events(chunks)
     assert events[-1][0] == "message_delta"
     assert events[-1][1]["usage"]["output_tokens"] == upstream.chunks
 
@@ -277,11 +250,11 @@ async def test_last_events_too_large_to_travel_beside_the_response_go_ahead_as_a
     adapter = make_adapter(upstream, ["chat", "responses"])
     run = protocol_run("responses", stream=True, keep_output=True, hold_tail=True)
     try:
-        _, sized = await execute(adapter, run)
+        _, sized = await run_to_end(adapter, run)
         assert isinstance(sized, RunDone) and sized.tail and sized.response
         limit = max(len(sized.tail), len(sized.response)) + 1
         monkeypatch.setattr(runner, "MAX_PAYLOAD_BYTES", limit)
-        chunks, end = await execute(adapter, run)
+        chunks, end = await run_to_end(adapter, run)
     finally:
         await adapter.aclose()
     assert isinstance(end, RunDone) and end.tail is None
@@ -298,13 +271,13 @@ async def test_a_missing_native_endpoint_is_learnt_and_the_run_translated(
     upstream.native_missing_status = status
     adapter = make_adapter(upstream)
     try:
-        chunks, end = await execute(adapter, protocol_run("messages", stream=True))
+        chunks, end = await run_to_end(adapter, protocol_run("messages", stream=True))
         assert paths(upstream) == ["/v1/messages", "/v1/chat/completions"]
         assert not adapter.protocol_support.speaks("messages")
         assert adapter.protocol_support.speaks("responses")  # not asked yet: still assumed
         # The caller got a whole Messages stream, translated from the chat stream (whose
         # chunks carry reasoning and text each: thinking and text blocks take turns).
-        events = events_of(chunks)
+        events = sse_events(chunks)
         names = [name for name, _ in events]
         assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
         assert events[0][1]["message"]["model"] == ALIAS
@@ -321,7 +294,7 @@ async def test_a_missing_native_endpoint_is_learnt_and_the_run_translated(
         assert chat["messages"][0] == {"role": "system", "content": "be brief"}
 
         # From now on, straight to chat: the native endpoint is not asked again.
-        await execute(adapter, protocol_run("messages", stream=True))
+        await run_to_end(adapter, protocol_run("messages", stream=True))
         assert paths(upstream)[2:] == ["/v1/chat/completions"]
     finally:
         await adapter.aclose()
@@ -340,7 +313,7 @@ async def test_what_was_learnt_is_reported_in_the_next_status(upstream: FakeUpst
             assert [status.protocols for status in reports[-1]] == [
                 ["chat", "messages", "responses"]
             ]
-            await execute(adapter, protocol_run("responses"))
+            await run_to_end(adapter, protocol_run("responses"))
             await trio.testing.wait_all_tasks_blocked()
             # Reported at once, not at the next probe ten seconds from now.
             assert len(reports) == 2
@@ -354,7 +327,7 @@ async def test_what_was_learnt_is_reported_in_the_next_status(upstream: FakeUpst
 async def test_an_explicit_protocol_list_is_trusted(upstream: FakeUpstream) -> None:
     adapter = make_adapter(upstream, ["chat", "messages"])
     try:
-        chunks, end = await execute(adapter, protocol_run("messages", stream=True))
+        chunks, end = await run_to_end(adapter, protocol_run("messages", stream=True))
     finally:
         await adapter.aclose()
     # The operator said the runtime speaks Messages: its 404 is the run's failure, seen
@@ -374,12 +347,12 @@ async def test_keep_output_returns_the_final_response_of_a_translated_stream(
 ) -> None:
     adapter = make_adapter(upstream, ["chat"])
     try:
-        chunks, end = await execute(
+        chunks, end = await run_to_end(
             adapter, protocol_run("responses", stream=True, keep_output=True)
         )
     finally:
         await adapter.aclose()
-    events = events_of(chunks)
+    events = sse_events(chunks)
     completed = events[-1]
     assert completed[0] == "response.completed"
     assert isinstance(end, RunDone) and end.response is not None
@@ -401,7 +374,7 @@ async def test_a_runtime_that_reports_no_usage_gets_an_estimate(nursery: trio.Nu
     await nursery.start(upstream.serve)
     adapter = make_adapter(upstream, ["chat"])
     try:
-        chunks, end = await execute(adapter, protocol_run("messages", stream=True))
+        chunks, end = await run_to_end(adapter, protocol_run("messages", stream=True))
     finally:
         await adapter.aclose()
     chat = json.loads(upstream.requests[-1].body)
@@ -410,7 +383,7 @@ async def test_a_runtime_that_reports_no_usage_gets_an_estimate(nursery: trio.Nu
     # Three text chunks and the final one: the tally's one token per short chunk.
     assert end.usage == Usage(prompt_tokens=prompt, completion_tokens=3, total_tokens=prompt + 3)
     assert end.usage_source == "estimated"
-    delta = [value for name, value in events_of(chunks) if name == "message_delta"]
+    delta = [value for name, value in sse_events(chunks) if name == "message_delta"]
     assert delta[0]["usage"]["output_tokens"] == 3
 
 
@@ -434,15 +407,8 @@ class _ChatWithoutUsage:
 @pytest.mark.parametrize("operation", ["messages", "responses"])
 async def test_a_whole_reply_without_usage_shows_the_estimate(operation: Operation) -> None:
     """The caller's body carries what the run is metered at, not zeros."""
-    sent: list[Outbound] = []
-
-    async def send(message: Outbound) -> None:
-        sent.append(message)
-
-    run = protocol_run(operation)
-    with trio.fail_after(GUARD_S):
-        await execute_run(run, _ChatWithoutUsage(), RunHandle(run.run_id), send)
-    [end] = sent
+    chunks, end = await run_to_end(_ChatWithoutUsage(), protocol_run(operation))
+    assert chunks == []
     assert isinstance(end, RunDone) and end.usage is not None and end.response is not None
     assert end.usage_source == "estimated" and end.usage.prompt_tokens > 0
     usage = json.loads(end.response)["usage"]
@@ -462,7 +428,7 @@ async def test_a_request_that_cannot_be_translated_fails_naming_the_field(
         "messages": [{"role": "user", "content": [{"type": "hologram", "data": "x"}]}],
     }
     try:
-        chunks, end = await execute(adapter, protocol_run("messages", body, stream=True))
+        chunks, end = await run_to_end(adapter, protocol_run("messages", body, stream=True))
     finally:
         await adapter.aclose()
     assert chunks == []
@@ -481,7 +447,7 @@ async def test_count_tokens_asks_a_messages_upstream_itself(upstream: FakeUpstre
     upstream.native = frozenset({"messages"})
     adapter = make_adapter(upstream)
     try:
-        chunks, end = await execute(adapter, protocol_run("count_tokens"))
+        chunks, end = await run_to_end(adapter, protocol_run("count_tokens"))
     finally:
         await adapter.aclose()
     assert chunks == []
@@ -508,7 +474,7 @@ async def test_count_tokens_uses_the_runtime_tokenizer(
     upstream.tokenizer = dialect  # and Messages is not spoken: its routes are 404
     adapter = make_adapter(upstream)
     try:
-        _, end = await execute(adapter, protocol_run("count_tokens"))
+        _, end = await run_to_end(adapter, protocol_run("count_tokens"))
     finally:
         await adapter.aclose()
     expected = len(fake_tokens(RENDERED)) + TEMPLATE
@@ -522,7 +488,7 @@ async def test_count_tokens_uses_the_runtime_tokenizer(
 async def test_count_tokens_without_a_tokenizer_is_estimated(upstream: FakeUpstream) -> None:
     adapter = make_adapter(upstream, ["chat"])
     try:
-        _, end = await execute(adapter, protocol_run("count_tokens"))
+        _, end = await run_to_end(adapter, protocol_run("count_tokens"))
     finally:
         await adapter.aclose()
     assert isinstance(end, RunDone) and end.response is not None

@@ -26,7 +26,7 @@ import gzip
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 import h11
 import trio
@@ -42,6 +42,7 @@ from tests.agents.script import (
     render_events,
     usage_for,
 )
+from tests.h11_server import Send, listen_local, serve_connection
 
 _INFERENCE: Final[dict[str, Protocol]] = {
     "/v1/chat/completions": "chat",
@@ -114,38 +115,16 @@ class ScriptedUpstream:
 
     async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on 127.0.0.1:0; `task_status.started(base_url)` once accepting."""
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        self.root_url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        listeners, self.root_url = await listen_local()
         task_status.started(self.base_url)
         await trio.serve_listeners(self._connection, listeners)
 
     # --- HTTP ---------------------------------------------------------------------------
 
     async def _connection(self, stream: trio.SocketStream) -> None:
-        conn = h11.Connection(h11.SERVER)
+        await serve_connection(stream, self._answer)
 
-        async def next_event() -> Any:
-            while (event := conn.next_event()) is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            return event
-
-        async def send(event: Any) -> None:
-            await stream.send_all(conn.send(event) or b"")
-
-        async with stream:
-            try:
-                while isinstance(head := await next_event(), h11.Request):
-                    body = bytearray()
-                    while isinstance(event := await next_event(), h11.Data):
-                        body += event.data
-                    await self._answer(head, bytes(body), send)
-                    if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                        return
-                    conn.start_next_cycle()
-            except (h11.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the client went away; nothing to answer
-
-    async def _answer(self, head: h11.Request, body: bytes, send: Any) -> None:
+    async def _answer(self, head: h11.Request, body: bytes, send: Send) -> None:
         path, _, query = head.target.decode().partition("?")
         headers = {name.decode(): value.decode() for name, value in head.headers}
         method = head.method.decode()
@@ -195,7 +174,7 @@ class ScriptedUpstream:
         return _Answer(200, render_body(turn, reply, usage, reply_id), turn=turn, reply=reply)
 
     @staticmethod
-    async def _send_json(send: Any, status: int, body: bytes, *, head_only: bool = False) -> None:
+    async def _send_json(send: Send, status: int, body: bytes, *, head_only: bool = False) -> None:
         headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
         await send(h11.Response(status_code=status, headers=headers))
         if not head_only:

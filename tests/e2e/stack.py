@@ -7,7 +7,7 @@ Edge and Node tasks, so they are cancelled when the test ends.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,36 @@ def sim_provider(
     }
 
 
+def principals_section(tokens: Mapping[str, str]) -> dict[str, Any]:
+    """An `openai` section giving each principal (by name) its caller token; the name is
+    its `token_ref` and its `principal_ref` both."""
+    return {
+        "principal_tokens": [
+            {
+                "token_ref": name,
+                "principal_ref": name,
+                "token_hash_sha256": hashlib.sha256(token.encode()).hexdigest(),
+            }
+            for name, token in tokens.items()
+        ]
+    }
+
+
+def native_provider(
+    base_url: str, provider_type: str = "openai_api", **extra: Any
+) -> dict[str, Any]:
+    """The provider `native`, serving `fake-model` from a fake upstream at `base_url` that
+    speaks a caller protocol natively (`tests.adapters.fake_upstream`)."""
+    return {
+        "id": "native",
+        "type": provider_type,
+        "models": ["fake-model"],
+        "capacity": 2,
+        "adapter": {"base_url": base_url},
+        **extra,
+    }
+
+
 def one_sim_config(state_dir: Path, **sections: Any) -> str:
     """An Edge config (YAML text) of one `sim` provider, `sim-1`, serving the model `m`;
     `sections` as `edge_config` takes them."""
@@ -131,6 +161,15 @@ class Stack:
             for model in models:
                 await self.edge.wait_model_servable(model)
 
+    async def requests_by_protocol(self) -> dict[str, int]:
+        """The requests metered per caller protocol, once every finished run's record is
+        written (`/usage` grouped by protocol)."""
+        await self.edge.ledger.wait_flushed()
+        async with self.admin() as admin:
+            response = await admin.get("/usage", params={"group_by": "protocol"})
+        response.raise_for_status()
+        return {row["protocol"]: row["requests"] for row in response.json()["rows"]}
+
     async def catalog(self) -> dict[str, Any]:
         async with self.admin() as admin:
             response = await admin.get("/catalog")
@@ -173,6 +212,18 @@ async def start_stack(
         await stack.start_node(node_id, **(node_kwargs or {}))
     await stack.wait_servable(*wait_models)
     return stack
+
+
+async def start_slow_stack(nursery: trio.Nursery, folder: Path) -> Stack:
+    """A stack whose one model, `m`, streams two tokens a second: time for a test to act
+    in the middle of a stream (kill the Node, hang up)."""
+    slow = sim_provider("sim-1", adapter={"ttft_ms": 1, "tokens_per_second": 2})
+    text = edge_config(
+        folder / "state",
+        providers=[slow],
+        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+    )
+    return await start_stack(nursery, text, folder / "edge.yaml", wait_models=("m",))
 
 
 def chat_stream_plan(run_id: str, body: dict[str, Any]) -> RunPlan:

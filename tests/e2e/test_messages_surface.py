@@ -6,7 +6,6 @@ with its protocol."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -18,24 +17,20 @@ import pytest
 import trio
 
 from tests.adapters.fake_upstream import FakeUpstream
-from tests.e2e.stack import WAIT_GUARD_S, Stack, edge_config, sim_provider, start_stack
+from tests.e2e.stack import (
+    WAIT_GUARD_S,
+    Stack,
+    edge_config,
+    native_provider,
+    principals_section,
+    sim_provider,
+    start_slow_stack,
+    start_stack,
+)
 
 CALLER_TOKEN = "caller-token-for-tests"
 OTHER_TOKEN = "another-callers-token"
 MESSAGES: list[Any] = [{"role": "user", "content": "Say something."}]
-
-
-def _principals() -> dict[str, Any]:
-    return {
-        "principal_tokens": [
-            {
-                "token_ref": ref,
-                "principal_ref": ref,
-                "token_hash_sha256": hashlib.sha256(token.encode()).hexdigest(),
-            }
-            for ref, token in (("alice", CALLER_TOKEN), ("bob", OTHER_TOKEN))
-        ]
-    }
 
 
 def _client(stack: Stack, **kwargs: Any) -> anthropic.AsyncAnthropic:
@@ -59,17 +54,9 @@ async def stack(nursery: trio.Nursery, tmp_path: Path) -> Stack:
             },
             {"id": "second", "providers": {"sim-1": "sim-small"}},
         ],
-        openai_section=_principals(),
+        openai_section=principals_section({"alice": CALLER_TOKEN, "bob": OTHER_TOKEN}),
     )
     return await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("claude-local",))
-
-
-async def _usage_by_protocol(stack: Stack) -> dict[str, int]:
-    await stack.edge.ledger.wait_flushed()
-    async with stack.admin() as admin:
-        response = await admin.get("/usage", params={"group_by": "protocol"})
-    response.raise_for_status()
-    return {row["protocol"]: row["requests"] for row in response.json()["rows"]}
 
 
 async def test_a_message_and_a_stream_translated_on_the_node(stack: Stack) -> None:
@@ -88,7 +75,7 @@ async def test_a_message_and_a_stream_translated_on_the_node(stack: Stack) -> No
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert final.model == "claude-local" and final.content[0].type == "text"
     assert final.stop_reason in ("end_turn", "max_tokens")
-    assert await _usage_by_protocol(stack) == {"messages": 2}
+    assert await stack.requests_by_protocol() == {"messages": 2}
 
 
 async def test_count_tokens_and_the_beta_path(stack: Stack) -> None:
@@ -182,13 +169,7 @@ async def test_head_and_get_root_answer_without_a_token(stack: Stack) -> None:
 async def test_a_node_lost_mid_stream_ends_it_with_an_anthropic_error_event(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    slow = sim_provider("sim-1", adapter={"ttft_ms": 1, "tokens_per_second": 2})
-    text = edge_config(
-        tmp_path / "state",
-        providers=[slow],
-        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
-    )
-    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+    stack = await start_slow_stack(nursery, tmp_path)
     async with anthropic.AsyncAnthropic(
         base_url=stack.addresses.openai_url, api_key="open", max_retries=0
     ) as client:
@@ -201,7 +182,7 @@ async def test_a_node_lost_mid_stream_ends_it_with_an_anthropic_error_event(
     body = caught.value.body
     assert isinstance(body, dict) and body["type"] == "error"
     assert body["error"]["message"].startswith("node_lost: ")
-    assert await _usage_by_protocol(stack) == {"messages": 1}
+    assert await stack.requests_by_protocol() == {"messages": 1}
 
 
 async def test_a_native_provider_is_preferred_and_gets_the_body_and_headers_unchanged(
@@ -209,14 +190,8 @@ async def test_a_native_provider_is_preferred_and_gets_the_body_and_headers_unch
 ) -> None:
     fake = FakeUpstream(native=frozenset({"messages"}))
     base_url = await nursery.start(fake.serve)
-    native = {
-        "id": "native",
-        "type": "vllm",
-        "models": ["fake-model"],
-        "capacity": 2,
-        "priority": 200,  # the worse priority: only the protocol can make it win
-        "adapter": {"base_url": base_url},
-    }
+    # the worse priority: only the protocol can make it win
+    native = native_provider(base_url, "vllm", priority=200)
     text = edge_config(
         tmp_path / "state",
         providers=[sim_provider("sim-1", served="fake-model"), native],
@@ -264,7 +239,7 @@ async def test_chat_and_messages_callers_share_the_pool(stack: Stack) -> None:
         for _ in range(3):
             nursery.start_soon(chat, openai_client)
             nursery.start_soon(message, anthropic_client)
-    assert await _usage_by_protocol(stack) == {"chat": 3, "messages": 3}
+    assert await stack.requests_by_protocol() == {"chat": 3, "messages": 3}
     with pytest.raises(openai.NotFoundError):
         async with stack.client(api_key=CALLER_TOKEN) as client:
             await client.models.retrieve("gpt-9")

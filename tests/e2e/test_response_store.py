@@ -5,7 +5,6 @@ PostgreSQL ledger, `GET` and `DELETE /v1/responses/{id}`, principals kept apart,
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,14 @@ import trio
 
 from tests.adapters.fake_upstream import FakeUpstream
 from tests.e2e.postgres import PASSWORD_ENV
-from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
+from tests.e2e.stack import (
+    Stack,
+    edge_config,
+    native_provider,
+    principals_section,
+    sim_provider,
+    start_stack,
+)
 
 ALICE = "alice-token-for-tests"
 BOB = "bob-token-for-tests"
@@ -27,16 +33,7 @@ def _config(state_dir: Path, **edge_section: Any) -> str:
         state_dir,
         providers=[sim_provider("sim-1", capacity=4)],
         models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
-        openai_section={
-            "principal_tokens": [
-                {
-                    "token_ref": name,
-                    "principal_ref": name,
-                    "token_hash_sha256": hashlib.sha256(token.encode()).hexdigest(),
-                }
-                for name, token in (("alice", ALICE), ("bob", BOB))
-            ]
-        },
+        openai_section=principals_section({"alice": ALICE, "bob": BOB}),
         edge_section=edge_section or None,
     )
 
@@ -128,16 +125,9 @@ async def test_a_native_runtime_is_sent_the_conversation_without_state(
 ) -> None:
     fake = FakeUpstream(native=frozenset({"responses"}))
     base_url = await nursery.start(fake.serve)
-    native = {
-        "id": "native",
-        "type": "openai_api",
-        "models": ["fake-model"],
-        "capacity": 2,
-        "adapter": {"base_url": base_url},
-    }
     text = edge_config(
         tmp_path / "state",
-        providers=[native],
+        providers=[native_provider(base_url)],
         models=[{"id": "m", "providers": {"native": "fake-model"}}],
     )
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))

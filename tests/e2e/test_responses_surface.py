@@ -15,7 +15,15 @@ import pytest
 import trio
 
 from tests.adapters.fake_upstream import FakeUpstream
-from tests.e2e.stack import WAIT_GUARD_S, Stack, edge_config, sim_provider, start_stack
+from tests.e2e.stack import (
+    WAIT_GUARD_S,
+    Stack,
+    edge_config,
+    native_provider,
+    sim_provider,
+    start_slow_stack,
+    start_stack,
+)
 
 
 @pytest.fixture
@@ -32,14 +40,6 @@ async def stack(nursery: trio.Nursery, tmp_path: Path) -> Stack:
         ],
     )
     return await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("codex-local",))
-
-
-async def _usage_by_protocol(stack: Stack) -> dict[str, int]:
-    await stack.edge.ledger.wait_flushed()
-    async with stack.admin() as admin:
-        response = await admin.get("/usage", params={"group_by": "protocol"})
-    response.raise_for_status()
-    return {row["protocol"]: row["requests"] for row in response.json()["rows"]}
 
 
 async def test_a_response_and_a_stream_translated_on_the_node(stack: Stack) -> None:
@@ -66,7 +66,7 @@ async def test_a_response_and_a_stream_translated_on_the_node(stack: Stack) -> N
     assert [event.sequence_number for event in events] == list(range(len(events)))
     final = events[-1].response  # type: ignore[union-attr]
     assert final.output_text and final.model == "codex-local"
-    assert await _usage_by_protocol(stack) == {"responses": 2}
+    assert await stack.requests_by_protocol() == {"responses": 2}
 
 
 async def test_edge_errors_come_in_openais_shape(stack: Stack) -> None:
@@ -88,19 +88,13 @@ async def test_edge_errors_come_in_openais_shape(stack: Stack) -> None:
     assert too_long.value.body["param"] == "max_output_tokens"
     assert isinstance(wrong_type.value.body, dict)
     assert wrong_type.value.body["param"] == "input[0].content"
-    assert await _usage_by_protocol(stack) == {}  # refused before any run: nothing billed
+    assert await stack.requests_by_protocol() == {}  # refused before any run: nothing billed
 
 
 async def test_a_node_lost_mid_stream_ends_it_with_response_failed(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    slow = sim_provider("sim-1", adapter={"ttft_ms": 1, "tokens_per_second": 2})
-    text = edge_config(
-        tmp_path / "state",
-        providers=[slow],
-        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
-    )
-    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+    stack = await start_slow_stack(nursery, tmp_path)
     events: list[Any] = []
     async with stack.client() as client:
         with trio.fail_after(WAIT_GUARD_S):
@@ -116,7 +110,7 @@ async def test_a_node_lost_mid_stream_ends_it_with_response_failed(
     assert failed.sequence_number == events[-2].sequence_number + 1
     assert failed.response.status == "failed" and failed.response.model == "m"
     assert failed.response.error.code == "node_lost"
-    assert await _usage_by_protocol(stack) == {"responses": 1}
+    assert await stack.requests_by_protocol() == {"responses": 1}
 
 
 async def test_a_native_provider_gets_the_body_with_no_state(
@@ -124,16 +118,9 @@ async def test_a_native_provider_gets_the_body_with_no_state(
 ) -> None:
     fake = FakeUpstream(native=frozenset({"responses"}))
     base_url = await nursery.start(fake.serve)
-    native = {
-        "id": "native",
-        "type": "openai_api",
-        "models": ["fake-model"],
-        "capacity": 2,
-        "adapter": {"base_url": base_url},
-    }
     text = edge_config(
         tmp_path / "state",
-        providers=[native, sim_provider("sim-1", served="fake-model")],
+        providers=[native_provider(base_url), sim_provider("sim-1", served="fake-model")],
         models=[{"id": "m", "providers": {"native": "fake-model", "sim-1": "fake-model"}}],
     )
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))

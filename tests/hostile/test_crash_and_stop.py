@@ -9,9 +9,7 @@ import json
 import signal
 import sqlite3
 from collections.abc import AsyncIterator
-from functools import partial
 from pathlib import Path
-from typing import Any
 
 import httpx2
 import trio
@@ -19,35 +17,8 @@ import yaml
 
 from iop_edge.runtime.metering.usage import UsageLedger
 from iop_node.adapters.sim import MAX_TOKENS
-from iop_node.main import run_node
-from tests.e2e.processes import start_edge
-from tests.e2e.stack import NODE_TOKEN, Stack, edge_config, sim_provider, start_stack
-
-MESSAGES = [{"role": "user", "content": "hi"}]
-
-
-def _write_config(
-    folder: Path,
-    *,
-    grace_s: float = 10.0,
-    adapter: dict[str, Any] | None = None,
-    capacity: int = 4,
-    generation: dict[str, Any] | None = None,
-) -> Path:
-    """An Edge config of one `sim` provider with this shutdown grace, written to FOLDER."""
-    model: dict[str, Any] = {"id": "m", "providers": {"sim-1": "sim-small"}}
-    if generation is not None:
-        model["generation"] = generation
-    text = edge_config(
-        folder / "state",
-        providers=[sim_provider("sim-1", capacity=capacity, adapter=adapter or {"ttft_ms": 0})],
-        models=[model],
-    )
-    config = yaml.safe_load(text)
-    config["edge"]["shutdown_grace_s"] = grace_s
-    path = folder / "edge.yaml"
-    path.write_text(yaml.safe_dump(config), encoding="utf-8")
-    return path
+from tests.e2e.stack import Stack, start_stack
+from tests.hostile.served_edge import MESSAGES, SLOW_SIM, start_edge_with_node, write_config
 
 
 def _ledger(state: Path) -> list[tuple[str, int, str | None]]:
@@ -70,11 +41,10 @@ async def _complete(http: httpx2.AsyncClient, index: int, completed: list[str]) 
 
 
 async def test_every_response_received_before_a_sigkill_is_in_the_ledger(tmp_path: Path) -> None:
-    config = _write_config(tmp_path, adapter={"ttft_ms": 0, "tokens_per_second": 50_000})
+    config = write_config(tmp_path, adapter={"ttft_ms": 0, "tokens_per_second": 50_000})
     completed: list[str] = []
     async with trio.open_nursery() as nursery:
-        edge = await start_edge(nursery, config)
-        await nursery.start(partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN))
+        edge = await start_edge_with_node(nursery, config)
         async with httpx2.AsyncClient(base_url=edge.urls["openai"], timeout=30) as http:
             async with trio.open_nursery() as load:
                 for index in range(80):
@@ -112,11 +82,9 @@ async def _rest(lines: AsyncIterator[str]) -> list[str]:
 
 
 async def test_sigterm_past_the_grace_period_ends_every_stream_properly(tmp_path: Path) -> None:
-    slow = {"ttft_ms": 0, "tokens_per_second": 20}  # 500 tokens: 25 s, far past the grace
-    config = _write_config(tmp_path, grace_s=0.5, adapter=slow)
+    config = write_config(tmp_path, grace_s=0.5, adapter=SLOW_SIM)
     async with trio.open_nursery() as nursery:
-        edge = await start_edge(nursery, config)
-        await nursery.start(partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN))
+        edge = await start_edge_with_node(nursery, config)
         body = {"model": "m", "messages": MESSAGES, "max_tokens": 500, "stream": True}
         async with (
             httpx2.AsyncClient(base_url=edge.urls["openai"], timeout=30) as http,
@@ -146,10 +114,9 @@ async def test_a_caller_that_reads_nothing_does_not_keep_a_stopping_edge_alive(
     on a full socket, shielded; past the grace the Edge closes that connection."""
     fast = {"ttft_ms": 0, "tokens_per_second": 1_000_000}
     generation = {"max_tokens_limit": MAX_TOKENS}
-    config = _write_config(tmp_path, grace_s=0.3, adapter=fast, generation=generation)
+    config = write_config(tmp_path, grace_s=0.3, adapter=fast, generation=generation)
     async with trio.open_nursery() as nursery:
-        edge = await start_edge(nursery, config)
-        await nursery.start(partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN))
+        edge = await start_edge_with_node(nursery, config)
         body = {"model": "m", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "stream": True}
         request = json.dumps(body).encode()
         host, port = edge.urls["openai"].removeprefix("http://").rsplit(":", 1)
@@ -171,9 +138,9 @@ async def test_the_cut_answers_every_kind_of_exchange(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     """In-process, with a stream, a non-stream run and a queued request in flight."""
-    config = yaml.safe_load(_write_config(tmp_path, grace_s=0.3, capacity=2,
-                                         adapter={"ttft_ms": 0, "tokens_per_second": 20})
-                            .read_text())  # fmt: skip
+    config = yaml.safe_load(
+        write_config(tmp_path, grace_s=0.3, capacity=2, adapter=SLOW_SIM).read_text()
+    )
     stack: Stack = await start_stack(
         nursery, yaml.safe_dump(config), tmp_path / "edge.yaml", wait_models=("m",)
     )

@@ -10,20 +10,17 @@ import signal
 import sqlite3
 import subprocess
 import sys
-from functools import partial
 from pathlib import Path
 
 import httpx2
 import trio
 
 from iop_edge.runtime.metering.usage import UsageLedger
-from iop_node.main import run_node
 from schemas.stop_signal import EXIT_INTERRUPTED
 from tests.e2e.processes import REPO, start_edge
 from tests.e2e.stack import NODE_TOKEN, WAIT_GUARD_S, one_sim_config, start_stack
-from tests.hostile.test_crash_and_stop import _write_config
+from tests.hostile.served_edge import MESSAGES, SLOW_SIM, start_edge_with_node, write_config
 
-MESSAGES = [{"role": "user", "content": "hi"}]
 #: A process given a stop signal exits within this (drain included, nothing in flight).
 EXIT_GUARD_S = 20.0
 
@@ -45,7 +42,7 @@ async def test_ctrl_c_stops_the_edge_with_130_and_sigterm_with_0(tmp_path: Path)
         folder = tmp_path / signum.name
         folder.mkdir()
         async with trio.open_nursery() as nursery:
-            edge = await start_edge(nursery, _write_config(folder))
+            edge = await start_edge(nursery, write_config(folder))
             edge.process.send_signal(signum)
             with trio.fail_after(EXIT_GUARD_S):
                 assert await edge.process.wait() == status, edge.log
@@ -53,11 +50,9 @@ async def test_ctrl_c_stops_the_edge_with_130_and_sigterm_with_0(tmp_path: Path)
 
 
 async def test_a_second_ctrl_c_meters_the_runs_it_cuts_as_shutting_down(tmp_path: Path) -> None:
-    slow = {"ttft_ms": 0, "tokens_per_second": 20}  # 500 tokens: 25 s, far past the test
-    config = _write_config(tmp_path, grace_s=60, adapter=slow)
+    config = write_config(tmp_path, grace_s=60, adapter=SLOW_SIM)
     async with trio.open_nursery() as nursery:
-        edge = await start_edge(nursery, config)
-        await nursery.start(partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN))
+        edge = await start_edge_with_node(nursery, config)
         body = {"model": "m", "messages": MESSAGES, "max_tokens": 500, "stream": True}
         async with (
             httpx2.AsyncClient(base_url=edge.urls["openai"], timeout=30) as http,

@@ -18,6 +18,7 @@ from iop_node.runner import Chunk, Outbound, RunHandle, execute_run
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.tokens import estimate_input_tokens, template_tokens, text_tokens
 from schemas.wire import FailureCode, Operation, ProviderStatus, Run, RunDone, RunFailed, Usage
+from tests.node_runs import run_to_end, sse_events
 
 ALIAS = "claude-local"
 MAX_TOKENS = 4
@@ -62,26 +63,8 @@ def make_run(
     )
 
 
-async def execute(run: Run, handle: RunHandle | None = None) -> tuple[list[bytes], Outbound]:
-    sent: list[Outbound] = []
-
-    async def send(message: Outbound) -> None:
-        sent.append(message)
-
-    with trio.fail_after(5):
-        await execute_run(run, SimAdapter(SIM), handle or RunHandle(run.run_id), send)
-    *chunks, end = sent
-    return [chunk.data for chunk in chunks if isinstance(chunk, Chunk)], end
-
-
-def events_of(chunks: list[bytes]) -> list[tuple[str, dict[str, Any]]]:
-    found = []
-    for block in b"".join(chunks).split(b"\n\n"):
-        if block:
-            name, data = block.split(b"\n")
-            assert name.startswith(b"event: ") and data.startswith(b"data: "), block
-            found.append((name[7:].decode(), json.loads(data[6:])))
-    return found
+async def execute(run: Run) -> tuple[list[bytes], RunDone | RunFailed]:
+    return await run_to_end(SimAdapter(SIM), run)
 
 
 def sim_usage(chat_body: bytes) -> Usage:
@@ -112,7 +95,7 @@ async def test_messages_non_stream() -> None:
 
 async def test_messages_stream_events_arrive_as_the_sim_generates() -> None:
     chunks, end = await execute(make_run("messages", MESSAGES, stream=True))
-    events = events_of(chunks)
+    events = sse_events(chunks)
     assert [name for name, _ in events] == [
         "message_start",
         "content_block_start",
@@ -156,7 +139,7 @@ async def test_responses_non_stream() -> None:
 
 async def test_responses_stream_keeps_the_final_response_when_asked() -> None:
     chunks, end = await execute(make_run("responses", RESPONSES, stream=True, keep_output=True))
-    events = events_of(chunks)
+    events = sse_events(chunks)
     assert [name for name, _ in events[:2]] == ["response.created", "response.in_progress"]
     assert [value["sequence_number"] for _, value in events] == list(range(len(events)))
     deltas = [value["delta"] for name, value in events if name == "response.output_text.delta"]

@@ -7,24 +7,17 @@ translate without error, with nothing the runtime needs left behind."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from iop_node.protocols import TranslationError, messages_request_to_chat
 
-FIXTURES = Path(__file__).parent / "fixtures"
-
-
-def _fixture(name: str) -> dict[str, Any]:
-    loaded: dict[str, Any] = json.loads((FIXTURES / name).read_text())
-    return loaded
+from .translate import fixture, refusal, translated
 
 
 def _chat(body: dict[str, Any]) -> dict[str, Any]:
-    translated: dict[str, Any] = json.loads(messages_request_to_chat(json.dumps(body).encode()))
-    return translated
+    return translated(messages_request_to_chat, body)
 
 
 def _request(*messages: dict[str, Any], **fields: Any) -> dict[str, Any]:
@@ -32,14 +25,11 @@ def _request(*messages: dict[str, Any], **fields: Any) -> dict[str, Any]:
 
 
 def _error(body: dict[str, Any] | bytes) -> TranslationError:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    with pytest.raises(TranslationError) as caught:
-        messages_request_to_chat(data)
-    return caught.value
+    return refusal(messages_request_to_chat, body)
 
 
 def test_claude_code_first_turn() -> None:
-    request = _fixture("claude_code_first_turn.json")
+    request = fixture("claude_code_first_turn.json")
     chat = _chat(request)
     assert chat["model"] == "served-model"
     assert chat["stream"] is True and chat["stream_options"] == {"include_usage": True}
@@ -63,7 +53,7 @@ def test_claude_code_first_turn() -> None:
 
 
 def test_claude_code_tool_result_turn() -> None:
-    request = _fixture("claude_code_tool_result.json")
+    request = fixture("claude_code_tool_result.json")
     chat = _chat(request)
     assistant, tool = chat["messages"][-2:]
     turn = request["messages"][-2]["content"]

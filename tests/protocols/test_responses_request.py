@@ -7,35 +7,25 @@ is refused with a message saying how."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from iop_node.protocols import TranslationError, responses_request_to_chat
 
-FIXTURES = Path(__file__).parent / "fixtures"
-
-
-def _fixture(name: str) -> dict[str, Any]:
-    loaded: dict[str, Any] = json.loads((FIXTURES / name).read_text())
-    return loaded
+from .translate import fixture, refusal, translated
 
 
 def _chat(body: dict[str, Any]) -> dict[str, Any]:
-    translated: dict[str, Any] = json.loads(responses_request_to_chat(json.dumps(body).encode()))
-    return translated
+    return translated(responses_request_to_chat, body)
 
 
 def _request(input: Any, **fields: Any) -> dict[str, Any]:
     return {"model": "served", "input": input, **fields}
 
 
-def _error(body: dict[str, Any]) -> TranslationError:
-    with pytest.raises(TranslationError) as caught:
-        responses_request_to_chat(json.dumps(body).encode())
-    return caught.value
+def _error(body: dict[str, Any] | bytes) -> TranslationError:
+    return refusal(responses_request_to_chat, body)
 
 
 def _call(call_id: str, name: str = "read", **fields: Any) -> dict[str, Any]:
@@ -43,7 +33,7 @@ def _call(call_id: str, name: str = "read", **fields: Any) -> dict[str, Any]:
 
 
 def test_codex_first_turn() -> None:
-    request = _fixture("codex_first_turn.json")
+    request = fixture("codex_first_turn.json")
     chat = _chat(request)
     assert chat["model"] == "served-model"
     assert chat["stream"] is True and chat["stream_options"] == {"include_usage": True}
@@ -71,7 +61,7 @@ def test_codex_first_turn() -> None:
 
 
 def test_codex_web_search_is_refused_with_the_way_out() -> None:
-    request = _fixture("codex_first_turn.json")
+    request = fixture("codex_first_turn.json")
     request["tools"].append({"type": "web_search", "external_web_access": False})
     error = _error(request)
     assert error.param == f"tools[{len(request['tools']) - 1}].type"
@@ -79,7 +69,7 @@ def test_codex_web_search_is_refused_with_the_way_out() -> None:
 
 
 def test_codex_tool_output_turn() -> None:
-    request = _fixture("codex_tool_output.json")
+    request = fixture("codex_tool_output.json")
     chat = _chat(request)
     reasoning, message, call, output = request["input"][-4:]
     assistant, tool = chat["messages"][-2:]

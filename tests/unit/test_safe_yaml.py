@@ -280,7 +280,9 @@ def _anchor_first(text: str, gap: str) -> str:
 #: Documents built from YAML's grammar: an anchor, then aliases, at every place a node
 #: can stand, in flow and block collections, with every optional white space, beside
 #: a `*` and an `&` that are text. Some are invalid (a repeated flow key): skipped.
-_FLOW = st.recursive(st.sampled_from(["x", "'*'", '"&"', "a*b", "@", "@"]), _flow_node, max_leaves=8)
+_FLOW = st.recursive(
+    st.sampled_from(["x", "'*'", '"&"', "a*b", "@", "@"]), _flow_node, max_leaves=8
+)
 _BLOCK = st.tuples(
     st.sampled_from(["- ", "k: ", "k:\t", "? ", '"k":']), st.lists(_FLOW, min_size=1, max_size=4)
 ).map(lambda block: "\n".join(block[0] + node for node in block[1]))
@@ -293,7 +295,7 @@ _YAMLISH = st.builds(
 
 
 @settings(
-    max_examples=400,
+    max_examples=200,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
     derandomize=True,

@@ -44,7 +44,7 @@ __all__ = ["RETRY_NOTE", "CatchUp", "PushPolicy", "PushTarget", "push_all"]
 log = logging.getLogger(__name__)
 
 #: Pushes in flight at once (Rule 1).
-PUSH_FANOUT: Final = 16
+PUSH_FANOUT: Final = 64
 #: What each pushed Node adds to the whole push's deadline (Rule 2): about the Edge's
 #: own cost of one push and its ack, with room for a busy machine.
 PUSH_BUDGET_PER_NODE_S: Final = 0.002
