@@ -30,10 +30,10 @@ it:
   each request's latency to its last byte, and the p99 of each phase (the refresh must
   not make callers wait).
 
-The Edge and the callers' Node run on the machine's first core, the light Nodes (at a
-lower priority once connected) and this process on the others (`_Cores`): deployed, the
-fleet is not on the Edge's machine, and on a small one its work would be the Edge's
-competition rather than the Edge's load. The light Nodes stop before the Edge
+The Edge and the callers' Node run on the machine's first core, the light Nodes (once
+connected) and this process on the others (`_Cores`): deployed, the fleet is not on the
+Edge's machine, and on a small one its work would be the Edge's competition rather than
+the Edge's load. The light Nodes stop before the Edge
 does, so the Edge is not stopped while a thousand links break at once.
 """
 
@@ -85,8 +85,6 @@ _CALLER_BODY: Final = json.dumps(
         "max_tokens": 8,
     }
 ).encode()
-#: The light Nodes' niceness once connected (see `_Cores`).
-_FLEET_NICENESS: Final = 10
 #: A filtered catalog: one model's available providers, a page of this many.
 _CATALOG_PAGE: Final = 100
 
@@ -561,10 +559,7 @@ async def measure_many_nodes(
                     raise failed.exceptions[0] from None
                 await _wait_all_available(admin, shape.providers + 1)
                 connect_s = time.perf_counter() - began
-                # From now on at a lower priority: on a small machine the fleet's own work
-                # (acking a refresh) must not delay the callers' requests.
                 for service in light:
-                    os.setpriority(os.PRIO_PROCESS, service.pid, _FLEET_NICENESS)
                     cores.give_rest(service.pid)
                 await trio.sleep(_SETTLE_S)
                 idle_cpu_s = await _idle_cpu(edge.pid, shape.idle_window_s)

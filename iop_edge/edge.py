@@ -51,6 +51,7 @@ from iop_edge.procedures.drain import CUT_WRITE_S
 from iop_edge.procedures.restart import Restarter
 from iop_edge.procedures.serve import EdgeAddresses, EdgeParts, StopRequest, serve
 from iop_edge.runtime.lifecycle.handover import Handover
+from iop_edge.runtime.lifecycle.heap import HeapKeeper
 from iop_edge.runtime.lifecycle.listeners import (
     CONFIG_KEYS,
     Listener,
@@ -202,10 +203,12 @@ class Edge:
         self.responses = ResponseStore(self._ledger_choice.responses, config.edge.responses)
         self.access_log = AccessLog()
         self.activity = Activity(queue_depth=self.scheduler.queue_depths)
+        self.heap = HeapKeeper()
+        """Keeps the fleet's sessions out of the collector's sight (`lifecycle.heap`)."""
         self.hub = NodeHub(
             self._directory,
-            on_connect=self.scheduler.node_connected,
-            on_disconnect=self.scheduler.node_disconnected,
+            on_connect=self._node_connected,
+            on_disconnect=self._node_disconnected,
             on_status=self._on_status,
             on_load=self._on_load,
             # An idle fleet's pings cost the Edge in proportion to their rate: a large
@@ -313,6 +316,14 @@ class Edge:
             node_config=snapshot.node_config,
             config_time=self._config_time,
         )
+
+    def _node_connected(self, node_id: str) -> None:
+        self.scheduler.node_connected(node_id)
+        self.heap.node_connected()
+
+    def _node_disconnected(self, node_id: str) -> None:
+        self.scheduler.node_disconnected(node_id)
+        self.heap.node_disconnected()
 
     def _on_status(self, node_id: str, status: wire.Status) -> None:
         for provider in status.providers:
@@ -591,6 +602,7 @@ class Edge:
                 self.responses.run,
                 self.hub.run_heartbeats,
                 self.refresher.catch_up.run,
+                self.heap.run,
             ),
             scheduler=self.scheduler,
             ledger=self.ledger,

@@ -22,7 +22,8 @@ flags win over it, and a relative `token_file` is relative to the YAML file.
 Traces (design §16) are off unless an OTLP/HTTP endpoint is given (`--otlp-endpoint`, the
 file's `telemetry.endpoint`, or the standard `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` /
 `OTEL_EXPORTER_OTLP_ENDPOINT`); the other `--otlp-*`/`--trace-*` flags, and their
-`OTEL_*` variables, say how (`schemas.telemetry`). Tracing needs `pip install 'iop[otel]'`.
+`OTEL_*` variables, say how (`schemas.telemetry`). Tracing needs
+`pip install 'iop-gateway[otel]'`.
 
 Exit codes: 0 after a stop by SIGTERM, 130 after Ctrl-C (SIGINT, as a shell reports an
 interrupted command), 2 for a usage or configuration error, 3 when the Edge refused this

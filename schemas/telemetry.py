@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 #: The optional dependency group that brings the SDK and its OTLP/HTTP exporter.
-OTEL_EXTRA: Final = "iop[otel]"
+OTEL_EXTRA: Final = "iop-gateway[otel]"
 TRACES_PATH: Final = "/v1/traces"
 DEFAULT_PROTOCOL: Final[OtlpProtocol] = "http/protobuf"
 DEFAULT_SAMPLER: Final[TraceSampler] = "parentbased_always_on"

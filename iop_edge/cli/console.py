@@ -136,9 +136,7 @@ def catalog_view(catalog: dict[str, Any], width: int) -> Group:
         models.add_column(column, overflow="fold")
     for m in catalog.get("models", []):
         entries = list((m.get("providers") or {}).items())
-        mapping = ", ".join(
-            f"{pid} -> {served}" for pid, served in entries[:MODEL_PROVIDERS_SHOWN]
-        )
+        mapping = ", ".join(f"{pid} -> {served}" for pid, served in entries[:MODEL_PROVIDERS_SHOWN])
         if len(entries) > MODEL_PROVIDERS_SHOWN:  # a fleet's model: thousands of providers
             mapping += f" and {len(entries) - MODEL_PROVIDERS_SHOWN} more"
         models.add_row(

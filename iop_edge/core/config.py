@@ -516,7 +516,7 @@ class _Rules:
             self._error(
                 "edge.telemetry.endpoint",
                 "tracing is configured but the OpenTelemetry SDK is not installed: "
-                "pip install 'iop[otel]'",
+                "pip install 'iop-gateway[otel]'",
             )
 
     def _principal_tokens(self) -> None:

@@ -20,13 +20,12 @@ Rules:
    puts frozen objects back in the collector's sight.
 3. `gc_held()` keeps the live heap out of the collector's sight while a bulk operation
    runs (a refresh: its build, the swap, a push to every Node): it freezes everything
-   alive when it opens, forbids full collections while open, and when it closes
-   unfreezes all of it (`gc.unfreeze`: into the oldest generation, where the next full
-   collection, at CPython's own pace, looks at it as it always would). Meanwhile the
-   collector runs on what the operation and the callers' requests allocate, young
-   objects that are cheap to look at. Nothing is lost: frozen objects are still freed by
-   reference counting, and cyclic garbage among them is collected after the hold. Holds
-   are re-entrant; only the event loop's thread opens them.
+   alive when it opens and forbids full collections while open. Meanwhile the collector
+   runs on what the operation and the callers' requests allocate, young objects that are
+   cheap to look at. The heap stays frozen after the hold: frozen objects are still freed
+   by reference counting, and the process's heap keeper (`runtime.lifecycle.heap`) thaws
+   it now and then to collect the cyclic garbage among them (`freezes()` tells it that
+   something was frozen). Holds are re-entrant; only the event loop's thread opens them.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final
 
-__all__ = ["gc_held", "gc_paused"]
+__all__ = ["freezes", "gc_held", "gc_paused"]
 
 #: The full-collection threshold while held: no full collection (Rule 3).
 _NEVER: Final = 2**30
@@ -61,7 +60,7 @@ class _Pauses:
     def exit(self, *, freeze: bool) -> None:
         with self.lock:
             if freeze:
-                gc.freeze()
+                _freeze()
             self.open -= 1
             if self.open == 0 and self.was_enabled:
                 gc.enable()
@@ -81,6 +80,20 @@ def gc_paused(*, freeze: bool = False) -> Iterator[None]:
         _pauses.exit(freeze=freeze)
 
 
+class _Freezes:
+    count = 0
+
+
+def _freeze() -> None:
+    gc.freeze()
+    _Freezes.count += 1
+
+
+def freezes() -> int:
+    """How many times this module froze the heap (Rules 2, 3), for the heap keeper."""
+    return _Freezes.count
+
+
 class _Holds:
     """The open holds and the thresholds to restore when the last one closes (Rule 3)."""
 
@@ -94,7 +107,7 @@ def gc_held() -> Iterator[None]:
     if _Holds.open == 0:
         _Holds.thresholds = gc.get_threshold()
         young, middle, _ = _Holds.thresholds
-        gc.freeze()
+        _freeze()
         gc.set_threshold(young, middle, _NEVER)
     _Holds.open += 1
     try:
@@ -103,4 +116,3 @@ def gc_held() -> Iterator[None]:
         _Holds.open -= 1
         if _Holds.open == 0:
             gc.set_threshold(*_Holds.thresholds)
-            gc.unfreeze()

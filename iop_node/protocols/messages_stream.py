@@ -124,7 +124,8 @@ class _Call(StreamedCall):
 
 
 class MessagesStream(ChatStreamTranslator[_Call]):
-    """Translates one run's chat stream into Messages events (module docstring)."""
+    """Translates one run's chat stream into Messages events (module docstring); the
+    stream is read, tool-call fragments included, as `chat_stream` says."""
 
     _PROTOCOL = "Messages"
     _CONTAINER = "block"

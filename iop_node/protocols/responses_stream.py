@@ -213,7 +213,8 @@ class _Item:
 
 
 class ResponsesStream(ChatStreamTranslator[_Call]):
-    """Translates one run's chat stream into Responses events (module docstring)."""
+    """Translates one run's chat stream into Responses events (module docstring); the
+    stream is read, tool-call fragments included, as `chat_stream` says."""
 
     _PROTOCOL = "Responses"
     _CONTAINER = "item"

@@ -22,6 +22,7 @@ from iop_edge.core.config import parse_config
 from iop_edge.edge import Edge, EdgeAddresses
 from iop_edge.runtime.runs.dispatch import RunPlan
 from iop_node.main import run_node
+from tests.adapters.fake_upstream import FakeUpstream
 from tests.timing import GUARD_S
 
 NODE_TOKEN = "test-node-token-not-a-secret"
@@ -91,12 +92,14 @@ def principals_section(tokens: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-def native_provider(
-    base_url: str, provider_type: str = "openai_api", **extra: Any
-) -> dict[str, Any]:
-    """The provider `native`, serving `fake-model` from a fake upstream at `base_url` that
-    speaks a caller protocol natively (`tests.adapters.fake_upstream`)."""
-    return {
+async def start_native_upstream(
+    nursery: trio.Nursery, protocol: str, provider_type: str = "openai_api", **extra: Any
+) -> tuple[FakeUpstream, dict[str, Any]]:
+    """A fake upstream that speaks `protocol` natively (`tests.adapters.fake_upstream`),
+    owned by `nursery`; and the provider `native` that serves `fake-model` from it."""
+    fake = FakeUpstream(native=frozenset({protocol}))
+    base_url = await nursery.start(fake.serve)
+    provider = {
         "id": "native",
         "type": provider_type,
         "models": ["fake-model"],
@@ -104,6 +107,7 @@ def native_provider(
         "adapter": {"base_url": base_url},
         **extra,
     }
+    return fake, provider
 
 
 def one_sim_config(state_dir: Path, **sections: Any) -> str:

@@ -16,14 +16,13 @@ import openai
 import pytest
 import trio
 
-from tests.adapters.fake_upstream import FakeUpstream
 from tests.e2e.stack import (
     WAIT_GUARD_S,
     Stack,
     edge_config,
-    native_provider,
     principals_section,
     sim_provider,
+    start_native_upstream,
     start_slow_stack,
     start_stack,
 )
@@ -188,10 +187,8 @@ async def test_a_node_lost_mid_stream_ends_it_with_an_anthropic_error_event(
 async def test_a_native_provider_is_preferred_and_gets_the_body_and_headers_unchanged(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    fake = FakeUpstream(native=frozenset({"messages"}))
-    base_url = await nursery.start(fake.serve)
     # the worse priority: only the protocol can make it win
-    native = native_provider(base_url, "vllm", priority=200)
+    fake, native = await start_native_upstream(nursery, "messages", "vllm", priority=200)
     text = edge_config(
         tmp_path / "state",
         providers=[sim_provider("sim-1", served="fake-model"), native],

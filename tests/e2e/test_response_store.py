@@ -13,14 +13,13 @@ import openai
 import pytest
 import trio
 
-from tests.adapters.fake_upstream import FakeUpstream
 from tests.e2e.postgres import PASSWORD_ENV
 from tests.e2e.stack import (
     Stack,
     edge_config,
-    native_provider,
     principals_section,
     sim_provider,
+    start_native_upstream,
     start_stack,
 )
 
@@ -123,11 +122,10 @@ async def stack_store(nursery: trio.Nursery, tmp_path: Path) -> Stack:
 async def test_a_native_runtime_is_sent_the_conversation_without_state(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    fake = FakeUpstream(native=frozenset({"responses"}))
-    base_url = await nursery.start(fake.serve)
+    fake, native = await start_native_upstream(nursery, "responses")
     text = edge_config(
         tmp_path / "state",
-        providers=[native_provider(base_url)],
+        providers=[native],
         models=[{"id": "m", "providers": {"native": "fake-model"}}],
     )
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))

@@ -14,13 +14,12 @@ import openai
 import pytest
 import trio
 
-from tests.adapters.fake_upstream import FakeUpstream
 from tests.e2e.stack import (
     WAIT_GUARD_S,
     Stack,
     edge_config,
-    native_provider,
     sim_provider,
+    start_native_upstream,
     start_slow_stack,
     start_stack,
 )
@@ -116,11 +115,10 @@ async def test_a_node_lost_mid_stream_ends_it_with_response_failed(
 async def test_a_native_provider_gets_the_body_with_no_state(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    fake = FakeUpstream(native=frozenset({"responses"}))
-    base_url = await nursery.start(fake.serve)
+    fake, native = await start_native_upstream(nursery, "responses")
     text = edge_config(
         tmp_path / "state",
-        providers=[native_provider(base_url), sim_provider("sim-1", served="fake-model")],
+        providers=[native, sim_provider("sim-1", served="fake-model")],
         models=[{"id": "m", "providers": {"native": "fake-model", "sim-1": "fake-model"}}],
     )
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))

@@ -14,11 +14,13 @@ from iop_node.main import run_node
 from tests.e2e.processes import EdgeProcess, start_edge
 from tests.e2e.stack import NODE_TOKEN, edge_config, sim_provider
 
-__all__ = ["MESSAGES", "SLOW_SIM", "start_edge_with_node", "write_config"]
+__all__ = ["LONG_STREAM", "MESSAGES", "SLOW_SIM", "start_edge_with_node", "write_config"]
 
 MESSAGES: Final = [{"role": "user", "content": "hi"}]
-#: A sim generating 20 tokens a second: a 500-token stream takes 25 s, far past any test.
+#: A sim generating 20 tokens a second: `LONG_STREAM` takes 25 s on it, far past any test.
 SLOW_SIM: Final = {"ttft_ms": 0, "tokens_per_second": 20}
+#: A chat completions body streaming 500 tokens of the model `m`.
+LONG_STREAM: Final = {"model": "m", "messages": MESSAGES, "max_tokens": 500, "stream": True}
 
 
 def write_config(

@@ -18,7 +18,13 @@ import yaml
 from iop_edge.runtime.metering.usage import UsageLedger
 from iop_node.adapters.sim import MAX_TOKENS
 from tests.e2e.stack import Stack, start_stack
-from tests.hostile.served_edge import MESSAGES, SLOW_SIM, start_edge_with_node, write_config
+from tests.hostile.served_edge import (
+    LONG_STREAM,
+    MESSAGES,
+    SLOW_SIM,
+    start_edge_with_node,
+    write_config,
+)
 
 
 def _ledger(state: Path) -> list[tuple[str, int, str | None]]:
@@ -85,11 +91,10 @@ async def test_sigterm_past_the_grace_period_ends_every_stream_properly(tmp_path
     config = write_config(tmp_path, grace_s=0.5, adapter=SLOW_SIM)
     async with trio.open_nursery() as nursery:
         edge = await start_edge_with_node(nursery, config)
-        body = {"model": "m", "messages": MESSAGES, "max_tokens": 500, "stream": True}
         async with (
             httpx2.AsyncClient(base_url=edge.urls["openai"], timeout=30) as http,
-            http.stream("POST", "/v1/chat/completions", json=body) as first,
-            http.stream("POST", "/v1/chat/completions", json=body) as second,
+            http.stream("POST", "/v1/chat/completions", json=LONG_STREAM) as first,
+            http.stream("POST", "/v1/chat/completions", json=LONG_STREAM) as second,
         ):
             streams = [first.aiter_lines(), second.aiter_lines()]
             for lines in streams:
@@ -151,10 +156,9 @@ async def test_the_cut_answers_every_kind_of_exchange(
             body = {"model": "m", "messages": MESSAGES, "max_tokens": 500}
             results[name] = await http.post("/v1/chat/completions", json=body)
 
-    body = {"model": "m", "messages": MESSAGES, "max_tokens": 500, "stream": True}
     async with (
         stack.http() as http,
-        http.stream("POST", "/v1/chat/completions", json=body) as stream,
+        http.stream("POST", "/v1/chat/completions", json=LONG_STREAM) as stream,
         trio.open_nursery() as callers,
     ):
         stream_lines = stream.aiter_lines()

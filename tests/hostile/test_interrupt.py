@@ -19,7 +19,12 @@ from iop_edge.runtime.metering.usage import UsageLedger
 from schemas.stop_signal import EXIT_INTERRUPTED
 from tests.e2e.processes import REPO, start_edge
 from tests.e2e.stack import NODE_TOKEN, WAIT_GUARD_S, one_sim_config, start_stack
-from tests.hostile.served_edge import MESSAGES, SLOW_SIM, start_edge_with_node, write_config
+from tests.hostile.served_edge import (
+    LONG_STREAM,
+    SLOW_SIM,
+    start_edge_with_node,
+    write_config,
+)
 
 #: A process given a stop signal exits within this (drain included, nothing in flight).
 EXIT_GUARD_S = 20.0
@@ -53,10 +58,9 @@ async def test_a_second_ctrl_c_meters_the_runs_it_cuts_as_shutting_down(tmp_path
     config = write_config(tmp_path, grace_s=60, adapter=SLOW_SIM)
     async with trio.open_nursery() as nursery:
         edge = await start_edge_with_node(nursery, config)
-        body = {"model": "m", "messages": MESSAGES, "max_tokens": 500, "stream": True}
         async with (
             httpx2.AsyncClient(base_url=edge.urls["openai"], timeout=30) as http,
-            http.stream("POST", "/v1/chat/completions", json=body) as stream,
+            http.stream("POST", "/v1/chat/completions", json=LONG_STREAM) as stream,
         ):
             lines = stream.aiter_lines()
             while not (await anext(lines)).startswith("data: "):

@@ -46,7 +46,7 @@ pytestmark = pytest.mark.install
 GUIDE = REPO / "docs" / "install.md"
 
 # The guide's commands, as it writes them.
-INSTALL = "pipx install iop"
+INSTALL = "pipx install iop-gateway"
 EDGE_VERSION = "iop-edge --version"
 NODE_VERSION = "iop-node --version"
 DEMO = "iop-edge demo --once --ephemeral-ports"
@@ -101,7 +101,7 @@ RUN_HERE = {
 HOST_ONLY = {
     "apt install pipx",
     "pipx ensurepath",
-    "PIPX_HOME=/opt/pipx PIPX_BIN_DIR=/usr/local/bin pipx install iop",
+    "PIPX_HOME=/opt/pipx PIPX_BIN_DIR=/usr/local/bin pipx install iop-gateway",
     "systemctl daemon-reload",
     "systemctl enable --now iop-edge",
     "systemctl enable --now iop-node",
@@ -257,7 +257,9 @@ async def test_a_postgres_ledger_without_its_extra_names_the_extra(shell: Shell)
         check=False,
     )
     assert result.returncode == 1
-    assert "needs the psycopg package: pip install 'iop[postgres]'" in result.stderr.decode()
+    assert (
+        "needs the psycopg package: pip install 'iop-gateway[postgres]'" in result.stderr.decode()
+    )
     assert "Traceback" not in result.stderr.decode()
 
 

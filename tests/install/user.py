@@ -34,8 +34,8 @@ def build_distributions(out: Path) -> dict[str, Path]:
         check=True,
         capture_output=True,
     )
-    (wheel,) = out.glob("iop-*.whl")
-    (sdist,) = out.glob("iop-*.tar.gz")
+    (wheel,) = out.glob("iop_gateway-*.whl")
+    (sdist,) = out.glob("iop_gateway-*.tar.gz")
     return {"wheel": wheel, "sdist": sdist}
 
 

@@ -9,15 +9,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from iop_edge.runtime.metering.usage import UsageLedger, UsageRecord
-
-
-def _record(run_id: str) -> UsageRecord:
-    return UsageRecord(
-        time=1.0, run_id=run_id, principal_ref="p", token_ref="t", alias=None, model="m",
-        provider="pr", node="n", prompt_tokens=3, completion_tokens=4, status=200,
-        latency_ms=1.0, ttft_ms=None,
-    )  # fmt: skip
+from iop_edge.runtime.metering.usage import UsageLedger
+from tests.unit.usage_records import usage_record
 
 
 def _rows(path: Path) -> list[str]:
@@ -32,13 +25,13 @@ async def test_a_failing_write_is_retried_and_loses_nothing(tmp_path: Path) -> N
         await nursery.start(ledger.run)
         with sqlite3.connect(path) as db:
             db.execute("ALTER TABLE usage RENAME TO hidden")  # every insert now fails
-        ledger.record(_record("held"))
+        ledger.record(usage_record("held"))
         with trio.move_on_after(0.3):  # it cannot be written while the table is gone
             await ledger.wait_flushed()
         assert ledger.statistics().committed == 0 and ledger.statistics().failed_writes >= 1
         with sqlite3.connect(path) as db:
             db.execute("ALTER TABLE hidden RENAME TO usage")
-        ledger.record(_record("kept"))
+        ledger.record(usage_record("kept"))
         with trio.fail_after(5):
             await ledger.wait_flushed()
         nursery.cancel_scope.cancel()
@@ -52,11 +45,11 @@ async def test_close_drains_what_is_queued(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(ledger.run)
         for index in range(5):
-            ledger.record(_record(f"r{index}"))
+            ledger.record(usage_record(f"r{index}"))
         ledger.close()
         with trio.fail_after(5):
             await ledger.wait_stopped()
-        ledger.record(_record("late"))  # after close: counted, not written, no crash
+        ledger.record(usage_record("late"))  # after close: counted, not written, no crash
     assert _rows(path) == [f"r{index}" for index in range(5)]
     assert ledger.dropped == 1
 
@@ -65,8 +58,8 @@ async def test_aggregate_groups_and_rejects_unknown_columns(tmp_path: Path) -> N
     ledger = UsageLedger(tmp_path / "usage.sqlite3")
     async with trio.open_nursery() as nursery:
         await nursery.start(ledger.run)
-        ledger.record(_record("a"))
-        ledger.record(_record("b"))
+        ledger.record(usage_record("a"))
+        ledger.record(usage_record("b"))
         with trio.fail_after(5):
             await ledger.wait_flushed()
         report = await ledger.aggregate(since=None, until=None, group_by=["model"])
@@ -90,15 +83,20 @@ INSERT INTO usage VALUES (0.5, 'old', 'p', 't', NULL, 'm', 'pr', 'n', 1, 2, 200,
 """
 
 
-async def test_an_older_ledger_gains_usage_source_and_keeps_its_rows(tmp_path: Path) -> None:
+def _older_ledger(tmp_path: Path) -> tuple[Path, UsageLedger]:
+    """A ledger on the file an Edge from before `usage_source` and `protocol` wrote."""
     path = tmp_path / "usage.sqlite3"
     with sqlite3.connect(path) as db:
         db.executescript(_OLD_SCHEMA)
-    ledger = UsageLedger(path)
+    return path, UsageLedger(path)
+
+
+async def test_an_older_ledger_gains_usage_source_and_keeps_its_rows(tmp_path: Path) -> None:
+    path, ledger = _older_ledger(tmp_path)
     async with trio.open_nursery() as nursery:
         await nursery.start(ledger.run)
-        ledger.record(_record("reported"))
-        ledger.record(replace(_record("guessed"), usage_source="estimated"))
+        ledger.record(usage_record("reported"))
+        ledger.record(replace(usage_record("guessed"), usage_source="estimated"))
         with trio.fail_after(5):
             await ledger.wait_flushed()
         by_source = await ledger.aggregate(since=None, until=None, group_by=["usage_source"])
@@ -131,11 +129,11 @@ async def test_records_journaled_before_a_kill_are_replayed_once(tmp_path: Path)
     first = UsageLedger(path)
     async with trio.open_nursery() as nursery:
         await nursery.start(first.run)
-        first.record(_record("committed"))
+        first.record(usage_record("committed"))
         with trio.fail_after(5):
             await first.wait_flushed()
         for name in ("a", "b", "c"):
-            first.record(_record(name))
+            first.record(usage_record(name))
         nursery.cancel_scope.cancel()  # before the batch window ends: nothing committed
     assert _rows(path) == ["committed"]
     (segment,) = _journal_files(tmp_path)
@@ -157,7 +155,7 @@ async def test_a_live_ledgers_journal_is_left_alone(tmp_path: Path) -> None:
     live, starting = UsageLedger(path), UsageLedger(path)
     async with trio.open_nursery() as nursery:
         await nursery.start(live.run)
-        live.record(_record("live"))
+        live.record(usage_record("live"))
         await nursery.start(starting.run)  # another Edge on the same state_dir
         assert starting.statistics().replayed == 0
         with trio.fail_after(5):
@@ -175,7 +173,7 @@ async def test_segments_rotate_and_are_deleted_once_read(
     async with trio.open_nursery() as nursery:
         await nursery.start(ledger.run)
         for index in range(20):
-            ledger.record(_record(f"r{index:02}"))
+            ledger.record(usage_record(f"r{index:02}"))
         assert len(_journal_files(tmp_path)) > 3
         with trio.fail_after(5):
             await ledger.wait_flushed()
@@ -186,14 +184,11 @@ async def test_segments_rotate_and_are_deleted_once_read(
 
 async def test_an_older_ledger_gains_protocol_and_groups_by_it(tmp_path: Path) -> None:
     """Rows from before the caller protocols were all chat completions."""
-    path = tmp_path / "usage.sqlite3"
-    with sqlite3.connect(path) as db:
-        db.executescript(_OLD_SCHEMA)
-    ledger = UsageLedger(path)
+    _, ledger = _older_ledger(tmp_path)
     async with trio.open_nursery() as nursery:
         await nursery.start(ledger.run)
-        ledger.record(replace(_record("agent"), protocol="messages"))
-        ledger.record(replace(_record("codex"), protocol="responses"))
+        ledger.record(replace(usage_record("agent"), protocol="messages"))
+        ledger.record(replace(usage_record("codex"), protocol="responses"))
         with trio.fail_after(5):
             await ledger.wait_flushed()
         report = await ledger.aggregate(since=None, until=None, group_by=["protocol"])

@@ -14,22 +14,15 @@ import pytest
 import trio
 
 from iop_edge.runtime.metering.journal import UsageJournal
-from iop_edge.runtime.metering.usage import UsageLedger, UsageRecord
+from iop_edge.runtime.metering.usage import UsageLedger
 from tests.small_disk import SmallDisk, small_disk
+from tests.unit.usage_records import usage_record
 
 
 @pytest.fixture
 def disk(tmp_path: Path) -> Iterator[SmallDisk]:
     with small_disk(tmp_path, "1m") as mounted:
         yield mounted
-
-
-def _record(run_id: str) -> UsageRecord:
-    return UsageRecord(
-        time=1.0, run_id=run_id, principal_ref="p", token_ref="t", alias=None, model="m",
-        provider="pr", node="n", prompt_tokens=3, completion_tokens=4, status=200,
-        latency_ms=1.0, ttft_ms=None,
-    )  # fmt: skip
 
 
 def _rows(path: Path) -> list[str]:
@@ -61,7 +54,7 @@ async def _record_until_unwritten(ledger: UsageLedger, prefix: str) -> list[str]
     while ledger.statistics().unwritten == 0:
         assert len(recorded) < 1000, "a full disk took every record"
         recorded.append(f"{prefix}{len(recorded)}")
-        ledger.record(_record(recorded[-1]))
+        ledger.record(usage_record(recorded[-1]))
     return recorded
 
 
@@ -72,14 +65,14 @@ async def test_records_wait_in_memory_in_order_and_are_written_when_space_return
     ledger = UsageLedger(path, retry_s=0.01)
     async with trio.open_nursery() as nursery:
         await nursery.start(ledger.run)
-        ledger.record(_record("before"))
+        ledger.record(usage_record("before"))
         with trio.fail_after(5):
             await ledger.wait_flushed()
         disk.fill()
         recorded = ["before", *await _record_until_unwritten(ledger, "slack-")]
         for index in range(50):
             recorded.append(f"held-{index}")
-            ledger.record(_record(recorded[-1]))
+            ledger.record(usage_record(recorded[-1]))
         stats = ledger.statistics()
         assert (stats.state, stats.unwritten, stats.dropped) == ("buffering", 51, 0)
         problem = ledger.problem()
@@ -123,7 +116,7 @@ async def test_a_full_buffer_refuses_runs_or_drops_records_as_configured(
         assert not ledger.refuses_runs
         for index in range(5):
             recorded.append(f"more-{index}")
-            ledger.record(_record(recorded[-1]))
+            ledger.record(usage_record(recorded[-1]))
         stats = ledger.statistics()
         assert (stats.state, stats.unwritten, stats.dropped) == ("full", kept, dropped)
         assert ledger.refuses_runs is (when_full == "refuse")
@@ -155,7 +148,7 @@ async def test_closing_on_a_full_disk_writes_what_waits_once_there_is_room(
         disk.fill()
         recorded = await _record_until_unwritten(ledger, "r")
         ledger.close()
-        ledger.record(replace(_record("late")))  # after close: dropped, counted
+        ledger.record(replace(usage_record("late")))  # after close: dropped, counted
         with trio.move_on_after(0.2):
             await ledger.wait_stopped()
         assert ledger.statistics().unwritten == 1

@@ -98,7 +98,7 @@ def choose_ledger(edge: EdgeSection) -> LedgerChoice:
     except ImportError:
         raise LedgerUnavailable(
             "edge.ledger is a PostgreSQL URL, which needs the psycopg package: "
-            "pip install 'iop[postgres]'"
+            "pip install 'iop-gateway[postgres]'"
         ) from None
     password_env = edge.ledger_password_env
 

@@ -20,7 +20,7 @@ killed Edge's journal is replayed at its next start. `PostgresStore` is the stor
   from libpq's own `PGPASSWORD` / `~/.pgpass`; never from the config (`core.ledger_url`).
 
 psycopg (3) is imported here only, so an Edge without a PostgreSQL ledger never needs it
-(`pip install 'iop[postgres]'`).
+(`pip install 'iop-gateway[postgres]'`).
 """
 
 from __future__ import annotations
