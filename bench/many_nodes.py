@@ -30,10 +30,9 @@ it:
   each request's latency to its last byte, and the p99 of each phase (the refresh must
   not make callers wait).
 
-The Edge and the callers' Node run on the machine's first core, the light Nodes (once
-connected) and this process on the others (`_Cores`): deployed, the fleet is not on the
-Edge's machine, and on a small one its work would be the Edge's competition rather than
-the Edge's load. The light Nodes stop before the Edge
+Every process of the scenario shares the machine: on a small one the light Nodes' own
+work (acking a refresh) competes with the Edge's, which a deployed fleet, on machines of
+its own, does not. The light Nodes stop before the Edge
 does, so the Edge is not stopped while a thousand links break at once.
 """
 
@@ -41,7 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import secrets
 import time
 from collections.abc import Mapping
@@ -58,7 +56,7 @@ from bench.light_nodes import DEFAULT_HANDSHAKES
 from bench.light_nodes import READY_PREFIX as NODES_READY_PREFIX
 from bench.load import open_client, percentile
 from bench.procfs import process_cpu_seconds, rss_bytes
-from bench.services import Service, ServiceFailed, python_argv, spawn_service, start_service
+from bench.services import ServiceFailed, python_argv, spawn_service, start_service
 
 #: Where the light Nodes' providers point: never contacted (a light Node has no upstream).
 _UNUSED_UPSTREAM: Final = "http://127.0.0.1:9/v1"
@@ -420,59 +418,6 @@ async def _refresh_everything(
     return elapsed, response.status_code, len(nodes), applied, problem
 
 
-@dataclass
-class _Cores:
-    """The Edge and the callers' Node on the first core, the fleet's light Nodes and this
-    load generator on the others: as deployed, the fleet is not on the Edge's machine, and
-    on one small machine the fleet's work (acking a refresh) would otherwise be the
-    Edge's competition. A no-op on one core, or where affinity cannot be set."""
-
-    edge: set[int]
-    rest: set[int]
-    own: set[int]
-    """This process's cores before, restored at the end."""
-
-    @classmethod
-    def split(cls) -> _Cores:
-        try:
-            own = os.sched_getaffinity(0)
-        except (AttributeError, OSError):
-            return cls(set(), set(), set())
-        if len(own) < 2:
-            return cls(set(), set(), own)
-        first = min(own)
-        cores = cls({first}, own - {first}, own)
-        cores.give_rest(os.getpid())
-        return cores
-
-    def give_edge(self, pid: int) -> None:
-        _set_affinity(pid, self.edge)
-
-    def give_rest(self, pid: int) -> None:
-        _set_affinity(pid, self.rest)
-
-    def __enter__(self) -> _Cores:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        _set_affinity(os.getpid(), self.own)  # this process's cores as they were
-
-
-def _set_affinity(pid: int, cores: set[int]) -> None:
-    """Every thread of `pid` on `cores` (threads started later inherit it)."""
-    if not cores:
-        return
-    try:
-        threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        threads = [pid]
-    for tid in threads:
-        try:
-            os.sched_setaffinity(tid, cores)
-        except OSError:  # a thread that just ended
-            pass
-
-
 def _nodes_ready(line: str) -> str | None:
     return line if line.startswith(NODES_READY_PREFIX) else None
 
@@ -509,83 +454,73 @@ async def measure_many_nodes(
         shape, credentials, state_dir, capacity=_CAPACITY + 1, sim_token=sim_token
     )
 
-    with _Cores.split() as cores:
-        async with trio.open_nursery() as edge_scope:
-            edge = await start_service(
-                edge_scope,
-                "iop-edge (many nodes)",
-                # INFO: the Edge logs the URLs it bound at INFO (and a line per Node connect).
-                python_argv(
-                    "iop_edge", "serve", "--config", str(config_path), "--log-level", "INFO"
-                ),
-                EdgeLog(),
-                stop_grace_s=_EDGE_STOP_GRACE_S,
-            )
-            rss_empty = await rss_bytes(edge.pid)
-            cores.give_edge(edge.pid)
-            sim_argv = python_argv(
-                "iop_node", "run", "--edge", edge.ready.node, "--node-id", SIM_NODE
-            )
-            sim = await spawn_service(
-                edge_scope, "iop-node (sim)", sim_argv, env={"IOP_NODE_TOKEN": sim_token}
-            )
-            cores.give_edge(sim.pid)
-            async with (
-                trio.open_nursery() as nodes_scope,
-                httpx2.AsyncClient(base_url=edge.ready.admin, timeout=_ADMIN_TIMEOUT_S) as admin,
-                open_client(64) as caller_client,
-            ):
-                began = time.perf_counter()
-                # Every light Node dials from this host: the processes share the Edge's bound
-                # of pending handshakes per source.
-                per_process = str(max(1, handshakes // len(nodes_files)))
-                light: list[Service[str]] = []
+    async with trio.open_nursery() as edge_scope:
+        edge = await start_service(
+            edge_scope,
+            "iop-edge (many nodes)",
+            # INFO: the Edge logs the URLs it bound at INFO (and a line per Node connect).
+            python_argv("iop_edge", "serve", "--config", str(config_path), "--log-level", "INFO"),
+            EdgeLog(),
+            stop_grace_s=_EDGE_STOP_GRACE_S,
+        )
+        rss_empty = await rss_bytes(edge.pid)
+        sim_argv = python_argv("iop_node", "run", "--edge", edge.ready.node, "--node-id", SIM_NODE)
+        await spawn_service(
+            edge_scope, "iop-node (sim)", sim_argv, env={"IOP_NODE_TOKEN": sim_token}
+        )
+        async with (
+            trio.open_nursery() as nodes_scope,
+            httpx2.AsyncClient(base_url=edge.ready.admin, timeout=_ADMIN_TIMEOUT_S) as admin,
+            open_client(64) as caller_client,
+        ):
+            began = time.perf_counter()
+            # Every light Node dials from this host: the processes share the Edge's bound
+            # of pending handshakes per source.
+            per_process = str(max(1, handshakes // len(nodes_files)))
 
-                async def start_light(index: int, nodes_file: Path) -> None:
-                    argv = python_argv(
-                        "bench.light_nodes",
-                        "--edge", edge.ready.node,
-                        "--nodes-file", str(nodes_file),
-                        "--handshakes", per_process,
-                    )  # fmt: skip
-                    name = f"light-nodes {index + 1}/{len(nodes_files)}"
-                    light.append(await start_service(nodes_scope, name, argv, _nodes_ready))
+            async def start_light(index: int, nodes_file: Path) -> None:
+                argv = python_argv(
+                    "bench.light_nodes",
+                    "--edge", edge.ready.node,
+                    "--nodes-file", str(nodes_file),
+                    "--handshakes", per_process,
+                )  # fmt: skip
+                name = f"light-nodes {index + 1}/{len(nodes_files)}"
+                await start_service(nodes_scope, name, argv, _nodes_ready)
 
-                try:
-                    async with trio.open_nursery() as starting:
-                        for index, nodes_file in enumerate(nodes_files):
-                            starting.start_soon(start_light, index, nodes_file)
-                except* ServiceFailed as failed:
-                    raise failed.exceptions[0] from None
-                await _wait_all_available(admin, shape.providers + 1)
-                connect_s = time.perf_counter() - began
-                for service in light:
-                    cores.give_rest(service.pid)
-                await trio.sleep(_SETTLE_S)
-                idle_cpu_s = await _idle_cpu(edge.pid, shape.idle_window_s)
-                rss_connected = await rss_bytes(edge.pid)
-                latencies, catalog_bytes = await _catalog_latencies(admin, shape.catalog_requests)
-                filtered, _ = await _catalog_latencies(
-                    admin,
-                    shape.catalog_requests,
-                    _filtered_paths(shape, list(credentials), shape.catalog_requests),
+            try:
+                async with trio.open_nursery() as starting:
+                    for index, nodes_file in enumerate(nodes_files):
+                        starting.start_soon(start_light, index, nodes_file)
+            except* ServiceFailed as failed:
+                raise failed.exceptions[0] from None
+            await _wait_all_available(admin, shape.providers + 1)
+            connect_s = time.perf_counter() - began
+            await trio.sleep(_SETTLE_S)
+            idle_cpu_s = await _idle_cpu(edge.pid, shape.idle_window_s)
+            rss_connected = await rss_bytes(edge.pid)
+            latencies, catalog_bytes = await _catalog_latencies(admin, shape.catalog_requests)
+            filtered, _ = await _catalog_latencies(
+                admin,
+                shape.catalog_requests,
+                _filtered_paths(shape, list(credentials), shape.catalog_requests),
+            )
+            callers = _Callers(
+                caller_client, f"{edge.ready.openai}/v1/chat/completions", shape.caller_rate
+            )
+            async with trio.open_nursery() as load:
+                await load.start(callers.run)
+                await trio.sleep(shape.caller_window_s)  # the idle phase is a time window
+                callers.phase = "dry_run"
+                dry_run_s = await _dry_run(admin, candidate)
+                callers.phase = "apply"
+                refresh_s, status, reported, applied, problem = await _refresh_everything(
+                    admin, candidate
                 )
-                callers = _Callers(
-                    caller_client, f"{edge.ready.openai}/v1/chat/completions", shape.caller_rate
-                )
-                async with trio.open_nursery() as load:
-                    await load.start(callers.run)
-                    await trio.sleep(shape.caller_window_s)  # the idle phase is a time window
-                    callers.phase = "dry_run"
-                    dry_run_s = await _dry_run(admin, candidate)
-                    callers.phase = "apply"
-                    refresh_s, status, reported, applied, problem = await _refresh_everything(
-                        admin, candidate
-                    )
-                    callers.stop()  # requests still in flight finish, in their phase
-                rss_after_refresh = await rss_bytes(edge.pid)
-                nodes_scope.cancel_scope.cancel()
-            edge_scope.cancel_scope.cancel()
+                callers.stop()  # requests still in flight finish, in their phase
+            rss_after_refresh = await rss_bytes(edge.pid)
+            nodes_scope.cancel_scope.cancel()
+        edge_scope.cancel_scope.cancel()
     return ManyNodesMeasurement(
         shape=shape,
         connect_s=connect_s,

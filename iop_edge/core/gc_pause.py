@@ -19,13 +19,16 @@ Rules:
    next collections, nor is anything else alive then. Only inside `gc_held()`, whose end
    puts frozen objects back in the collector's sight.
 3. `gc_held()` keeps the live heap out of the collector's sight while a bulk operation
-   runs (a refresh: its build, the swap, a push to every Node): it freezes everything
-   alive when it opens and forbids full collections while open. Meanwhile the collector
-   runs on what the operation and the callers' requests allocate, young objects that are
-   cheap to look at. The heap stays frozen after the hold: frozen objects are still freed
-   by reference counting, and the process's heap keeper (`runtime.lifecycle.heap`) thaws
-   it now and then to collect the cyclic garbage among them (`freezes()` tells it that
-   something was frozen). Holds are re-entrant; only the event loop's thread opens them.
+   runs (a refresh: its build, the swap, a push to every Node): when it opens it
+   collects the young and middle generations (the recent cyclic garbage of requests, so
+   that it is not frozen; a full collection would walk every Node's session) and freezes
+   everything alive; while open only young collections run (what the operation and the
+   callers' requests allocate, cheap to look at; what survives them waits, unwalked);
+   when it closes it freezes what is alive. The heap stays frozen after the hold: frozen
+   objects are still freed by reference counting, and the process's heap keeper
+   (`runtime.lifecycle.heap`) thaws it now and then to collect the cyclic garbage among
+   them (`freezes()` tells it how often something was frozen). Holds are re-entrant;
+   only the event loop's thread opens them.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ from typing import Final
 
 __all__ = ["freezes", "gc_held", "gc_paused"]
 
-#: The full-collection threshold while held: no full collection (Rule 3).
+#: The older generations' thresholds while held: no collection of them (Rule 3).
 _NEVER: Final = 2**30
+#: The oldest generation `gc_held` collects when it opens (Rule 3): young and middle.
+_RECENT: Final = 1
 
 
 class _Pauses:
@@ -106,13 +111,14 @@ def gc_held() -> Iterator[None]:
     """Keep the live heap out of the collector's sight for the body (Rule 3)."""
     if _Holds.open == 0:
         _Holds.thresholds = gc.get_threshold()
-        young, middle, _ = _Holds.thresholds
+        gc.collect(_RECENT)
         _freeze()
-        gc.set_threshold(young, middle, _NEVER)
+        gc.set_threshold(_Holds.thresholds[0], _NEVER, _NEVER)
     _Holds.open += 1
     try:
         yield
     finally:
         _Holds.open -= 1
         if _Holds.open == 0:
+            _freeze()
             gc.set_threshold(*_Holds.thresholds)

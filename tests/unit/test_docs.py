@@ -104,3 +104,18 @@ def test_the_repository_speaks_of_the_product_alone() -> None:
             if _HISTORY.search(line):
                 offenders.append(f"{name}:{number}: {line.strip()[:100]}")
     assert offenders == [], "\n".join(offenders[:40])
+
+
+def test_the_readme_install_commands_are_the_tested_guides() -> None:
+    """The README's install block is a digest of docs/install.md, whose every command the
+    install test runs against a built wheel and sdist (`just test-install`): each of its
+    commands must be one of the guide's, as written there."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Install\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```sh\n(.*?)```", section, re.DOTALL)
+    assert block is not None, "the README's Install section has no sh block"
+    commands = [line.split("  #")[0].strip() for line in block.group(1).splitlines()]
+    guide = (ROOT / "docs" / "install.md").read_text()
+    guide_lines = {line.strip() for line in guide.splitlines()}
+    missing = [command for command in commands if command and command not in guide_lines]
+    assert missing == [], f"README install commands not in docs/install.md: {missing}"

@@ -14,16 +14,25 @@ at it again only at moments it chooses:
    threshold (`THRESHOLDS`): a young collection runs every `THRESHOLDS[0]` net
    allocations instead of 700, so a request's or a message's objects are gone before a
    collection could promote them.
-2. After a connect burst (at least `BURST` Nodes connected since the last freeze) has been
-   quiet for `QUIET_S`, the heap is frozen again: the new sessions are never walked.
+2. Every `BURST` Nodes that connected since the last freeze, the heap is frozen again
+   (freezing costs nothing): a connect burst's sessions are never walked, and at most
+   `BURST` sessions' objects wait for a collection. A burst smaller than `BURST` is
+   frozen once no Node connected for `QUIET_S`.
    A refresh freezes the heap when it starts and what it built when that is done
    (`core.gc_pause`), and leaves it so.
-3. Only cyclic garbage among frozen objects waits: a session that ended after it was
+3. Every `SWEEP_S` the young generation is counted, and frozen when it holds more than
+   `SWEEP_AT` objects. CPython starts a young collection when allocations exceed
+   deallocations by its threshold, and counts the deallocation of an old object too: a
+   Node's status replaces its providers' lists (old ones freed, young ones made), so the
+   young generation grows unwalked past the threshold, and the collection that finally
+   walks it holds the loop for as long as it grew (a quarter of a second with ten
+   thousand Nodes reporting after a refresh).
+4. Only cyclic garbage among frozen objects waits: a session that ended after it was
    frozen keeps its memory until a thaw. A thaw (`gc.unfreeze`, a full collection, freeze
    again) runs once sessions that ended since the last one reach `CHURN_SHARE` of those
-   connected (at least `BURST`), or `THAW_INTERVAL_S` after the last one if anything was
-   frozen since. It is the one pause left, proportional to the heap, and it is logged
-   with what it reclaimed.
+   connected (at least `BURST`), after `THAW_AFTER_FREEZES` freezes by refreshes, or
+   `THAW_INTERVAL_S` after the last one if anything was frozen since. It is the one
+   pause left, proportional to the heap, and it is logged with what it reclaimed.
 """
 
 from __future__ import annotations
@@ -41,6 +50,9 @@ __all__ = [
     "BURST",
     "CHURN_SHARE",
     "QUIET_S",
+    "SWEEP_AT",
+    "SWEEP_S",
+    "THAW_AFTER_FREEZES",
     "THAW_INTERVAL_S",
     "THRESHOLDS",
     "Collector",
@@ -52,15 +64,21 @@ log = logging.getLogger(__name__)
 
 #: `gc.set_threshold` for the Edge process (CPython's defaults: 700, 10, 10).
 THRESHOLDS: Final = (10_000, 20, 10)
-#: Node connects since the last freeze that make a burst worth freezing (Rule 2), and the
-#: least churn worth a thaw (Rule 3).
+#: Node connects that bring a freeze (Rule 2), and the least churn worth a thaw (Rule 3).
 BURST: Final = 64
-#: How long no Node may have connected before a burst's sessions are frozen (Rule 2).
+#: How long no Node may have connected before fewer than `BURST` new sessions are frozen
+#: (Rule 2).
 QUIET_S: Final = 2.0
-#: Ended sessions, as a share of the connected ones, that bring a thaw (Rule 3).
+#: How often the young generation is counted, and the count that gets it frozen (Rule 3).
+SWEEP_S: Final = 1.0
+SWEEP_AT: Final = 30_000
+#: Ended sessions, as a share of the connected ones, that bring a thaw (Rule 4).
 CHURN_SHARE: Final = 0.1
-#: The longest the heap stays frozen without a thaw while things get frozen (Rule 3).
-THAW_INTERVAL_S: Final = 3600.0
+#: The longest the heap stays frozen without a thaw while things get frozen (Rule 4).
+THAW_INTERVAL_S: Final = 600.0
+#: Freezes by bulk operations (`core.gc_pause.freezes`: two or three a refresh) that bring
+#: a thaw sooner (Rule 4): what was frozen with them may hold garbage.
+THAW_AFTER_FREEZES: Final = 64
 
 
 class Collector(Protocol):
@@ -71,6 +89,11 @@ class Collector(Protocol):
     def unfreeze(self) -> None: ...
 
     def collect(self) -> int: ...
+
+    def young(self) -> int:
+        """Objects in the young generation now (0 while the collector is paused: a bulk
+        build is frozen when it ends, `core.gc_pause`). Costs a pass over them."""
+        ...
 
 
 class _Gc:
@@ -83,6 +106,11 @@ class _Gc:
     def collect(self) -> int:
         return gc.collect()
 
+    def young(self) -> int:
+        if not gc.isenabled():  # a bulk build (`gc_paused`): its objects are not counted
+            return 0
+        return len(gc.get_objects(generation=0))
+
 
 def settle() -> None:
     """Rule 1: call once the Edge is built, before it serves."""
@@ -92,7 +120,8 @@ def settle() -> None:
 
 
 class HeapKeeper:
-    """Freezes the heap after connect bursts, thaws it after churn (Rules 2, 3).
+    """Freezes the heap after connect bursts and a grown young generation, thaws it after
+    churn or a long freeze (Rules 2-4).
 
     The hub reports connects and disconnects (`node_connected`, `node_disconnected`);
     `run` is a service of the Edge that acts on them."""
@@ -133,20 +162,35 @@ class HeapKeeper:
     def _thaw_due(self, now: float) -> bool:
         churn = self._ended >= max(BURST, CHURN_SHARE * self._connected)
         stale = self._frozen_since_thaw() and now - self._last_thaw >= THAW_INTERVAL_S
-        return churn or stale
+        bulk = freezes() - self._freezes_at_thaw >= THAW_AFTER_FREEZES
+        return churn or stale or bulk
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Freeze after quiet bursts, thaw after churn or a long freeze, until cancelled."""
-        task_status.started()
+        """Freeze and thaw as Rules 2-4 say, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._sweep)
+            task_status.started()
+            await self._watch()
+
+    async def _sweep(self) -> None:
+        """Rule 3, every `SWEEP_S`: a periodic look, not a wait for a condition."""
+        while True:
+            await trio.sleep(SWEEP_S)
+            if self._gc.young() > SWEEP_AT:
+                self._gc.freeze()
+                self._froze = True
+
+    async def _watch(self) -> None:
+        """Rules 2 and 4, as connects and disconnects come."""
         while True:
             now = trio.current_time()
             if self._thaw_due(now):
                 self._thaw()
                 continue
             deadline = self._last_thaw + THAW_INTERVAL_S if self._frozen_since_thaw() else None
-            if self._arrived >= BURST:
+            if self._arrived:
                 quiet_at = self._last_arrival + QUIET_S
-                if now >= quiet_at:
+                if self._arrived >= BURST or now >= quiet_at:
                     self._gc.freeze()
                     self._arrived = 0
                     self._froze = True
@@ -160,14 +204,13 @@ class HeapKeeper:
                     await changed.wait()
 
     def _thaw(self) -> None:
-        """Rule 3: unfreeze, collect everything once, freeze the survivors."""
+        """Rule 4: unfreeze, collect everything once, freeze the survivors."""
         began = time.perf_counter()
         self._gc.unfreeze()
         reclaimed = self._gc.collect()
         self._gc.freeze()
         log.info(
-            "heap: a full collection after %d ended session(s) reclaimed %d object(s) in "
-            "%.0f ms",
+            "heap: a full collection after %d ended session(s) reclaimed %d object(s) in %.0f ms",
             self._ended,
             reclaimed,
             (time.perf_counter() - began) * 1000,

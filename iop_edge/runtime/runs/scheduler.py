@@ -964,9 +964,9 @@ class Scheduler:
     def catalog_models(self, model_ids: Iterable[str] | None = None) -> list[CatalogModel]:
         """The catalog's model records, sorted by id: all, or those of `model_ids`."""
         models = self._snapshot.models
-        chosen = models.values() if model_ids is None else [
-            models[m] for m in model_ids if m in models
-        ]
+        chosen = (
+            models.values() if model_ids is None else [models[m] for m in model_ids if m in models]
+        )
         return [
             CatalogModel(
                 id=model.id,
