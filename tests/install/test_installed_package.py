@@ -44,6 +44,8 @@ from tests.install.user import (
 pytestmark = pytest.mark.install
 
 GUIDE = REPO / "docs" / "install.md"
+#: The modules that need the `otel` extra (the OpenTelemetry SDK and OTLP exporter).
+OTEL_MODULES = {"schemas.compat.otlp_http"}
 
 # The guide's commands, as it writes them.
 INSTALL = "pipx install iop-gateway"
@@ -197,8 +199,9 @@ async def test_installs_without_a_warning_and_declares_what_it_imports(
     assert warnings == [], installed.pip_output
     await shell.run("python -m pip check")
     # Every module imports with the declared dependencies alone, but the PostgreSQL ones
-    # (`*_postgres`), whose driver is the `postgres` extra; the SDK the tests use is not
-    # there either, and nothing needs it.
+    # (`*_postgres`), whose driver is the `postgres` extra, and the OTLP exporter's compat
+    # module, which the `otel` extra brings (imported only when tracing is configured);
+    # the SDK the tests use is not there either, and nothing needs it.
     modules = """
 import importlib, json, pkgutil, iop_edge, iop_node, schemas
 missing = {}
@@ -215,8 +218,9 @@ print(json.dumps({"missing": missing, "at": iop_edge.__file__}))
     result = json.loads((await shell.run(f"python - <<'PY'\n{modules}\nPY")).stdout)
     missing: dict[str, str] = result["missing"]
     assert "iop_edge.runtime.metering.ledger_postgres" in missing
-    assert {name for name in missing if name.endswith("_postgres")} == set(missing)
-    assert set(missing.values()) == {"psycopg"}
+    extras = {name for name in missing if name.endswith("_postgres")} | OTEL_MODULES
+    assert set(missing) == extras
+    assert set(missing.values()) == {"psycopg", "opentelemetry"}
     assert result["at"].startswith(str(installed.venv))
     openai = await trio.run_process(
         ["bash", "-c", "python -c 'import openai'"],
