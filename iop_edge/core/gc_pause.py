@@ -39,12 +39,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final
 
-__all__ = ["freezes", "gc_held", "gc_paused"]
+__all__ = ["RECENT", "freezes", "gc_held", "gc_paused"]
 
 #: The older generations' thresholds while held: no collection of them (Rule 3).
 _NEVER: Final = 2**30
-#: The oldest generation `gc_held` collects when it opens (Rule 3): young and middle.
-_RECENT: Final = 1
+#: The oldest generation collected before the heap is frozen (`gc_held` when it opens,
+#: Rule 3; the heap keeper's freezes of new sessions): the young and the middle one, where
+#: the cyclic garbage of finished requests waits. Frozen with the live heap, it would
+#: stay until a thaw.
+RECENT: Final = 1
 
 
 class _Pauses:
@@ -111,7 +114,7 @@ def gc_held() -> Iterator[None]:
     """Keep the live heap out of the collector's sight for the body (Rule 3)."""
     if _Holds.open == 0:
         _Holds.thresholds = gc.get_threshold()
-        gc.collect(_RECENT)
+        gc.collect(RECENT)
         _freeze()
         gc.set_threshold(_Holds.thresholds[0], _NEVER, _NEVER)
     _Holds.open += 1

@@ -6,48 +6,15 @@ heap; garbage frozen with the live heap stays in memory as long. The Edge's thre
 let cyclic garbage wait for tens of thousands of allocations, so a hold that froze it
 (every refresh opens one) kept megabytes of finished requests each time.
 
-The collector is real here: each test disables its automatic runs, so what is garbage
-when the hold opens is decided by the test alone, and gives the process its heap back
-unfrozen.
+The collector is real here (`manual_collector`, `garbage`: tests/unit/conftest.py).
 """
 
 from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
-
-import pytest
 
 from iop_edge.core.gc_pause import freezes, gc_held
-
-
-@pytest.fixture
-def manual_collector() -> Iterator[None]:
-    """No automatic collection during the test; the collector's state restored after."""
-    enabled, thresholds = gc.isenabled(), gc.get_threshold()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*thresholds)
-        if enabled:
-            gc.enable()
-
-
-class Cycle:
-    """An object that references itself: only the cyclic collector frees it."""
-
-    def __init__(self) -> None:
-        self.itself = self
-
-
-def finished_request() -> weakref.ref[Cycle]:
-    """Cyclic garbage, as a finished request leaves it (a task and its exception, a
-    stream and its cancel scope): nothing refers to it, reference counting cannot free
-    it."""
-    return weakref.ref(Cycle())
 
 
 def watched(obj: object) -> bool:
@@ -56,9 +23,8 @@ def watched(obj: object) -> bool:
 
 
 def test_a_hold_does_not_freeze_the_garbage_waiting_for_the_collector(
-    manual_collector: None,
+    garbage: weakref.ref[object],
 ) -> None:
-    garbage = finished_request()
     assert garbage() is not None  # waiting for a collection
     with gc_held():
         pass
@@ -67,10 +33,11 @@ def test_a_hold_does_not_freeze_the_garbage_waiting_for_the_collector(
 
 
 def test_a_hold_freezes_what_is_alive(manual_collector: None) -> None:
-    alive = Cycle()
+    alive: list[object] = []
+    alive.append(alive)  # a cycle, as the Edge's long-lived objects are
     before = freezes()
     with gc_held():
         pass
     assert freezes() > before
     assert not watched(alive)  # frozen: still alive, out of the collector's sight
-    assert alive.itself is alive
+    assert alive[0] is alive

@@ -1,16 +1,20 @@
 """The heap keeper (`runtime.lifecycle.heap`): a quiet connect burst is frozen, churn or
-a long freeze brings one thaw. The collector is a fake; time is the autojump clock's."""
+a long freeze brings one thaw. The collector is a fake, time the autojump clock's; the
+last test drives the real collector (`garbage`: tests/unit/conftest.py)."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import trio
 import trio.testing
 
-from iop_edge.core.gc_pause import freezes, gc_held
+from iop_edge.core.gc_pause import RECENT, freezes, gc_held
 from iop_edge.runtime.lifecycle.heap import (
     BURST,
     QUIET_S,
-    SWEEP_AT,
+    SWEEP_FLEET,
     SWEEP_S,
     THAW_AFTER_FREEZES,
     THAW_INTERVAL_S,
@@ -21,21 +25,17 @@ from iop_edge.runtime.lifecycle.heap import (
 class FakeCollector:
     def __init__(self) -> None:
         self.calls: list[tuple[str, float]] = []
-        self.young_objects = 0
 
     def freeze(self) -> None:
         self.calls.append(("freeze", trio.current_time()))
-        self.young_objects = 0  # frozen: nothing young is left
 
     def unfreeze(self) -> None:
         self.calls.append(("unfreeze", trio.current_time()))
 
-    def collect(self) -> int:
-        self.calls.append(("collect", trio.current_time()))
+    def collect(self, generation: int = 2) -> int:
+        name = "collect" if generation == 2 else f"collect {generation}"
+        self.calls.append((name, trio.current_time()))
         return 7
-
-    def young(self) -> int:
-        return self.young_objects
 
     def names(self) -> list[str]:
         return [name for name, _ in self.calls]
@@ -59,11 +59,12 @@ async def test_a_burst_is_frozen_every_burst_and_its_tail_once_quiet(
         assert collector.calls == []  # fewer than a burst, still arriving
         await connect(keeper, 1)
         await trio.testing.wait_all_tasks_blocked()
-        assert collector.names() == ["freeze"]  # a whole burst: at once
+        young = f"collect {RECENT}"
+        assert collector.names() == [young, "freeze"]  # a whole burst: at once
         await connect(keeper, 3)
-        last = trio.current_time() - 0.01
+        quiet = trio.current_time() - 0.01 + QUIET_S
         await trio.sleep(QUIET_S * 3)
-        assert collector.calls[1:] == [("freeze", last + QUIET_S)]  # the tail, once quiet
+        assert collector.calls[2:] == [(young, quiet), ("freeze", quiet)]  # the tail, once quiet
         nursery.cancel_scope.cancel()
 
 
@@ -111,19 +112,23 @@ async def test_a_refresh_freeze_is_thawed_after_the_interval(
         nursery.cancel_scope.cancel()
 
 
-async def test_a_young_generation_grown_past_the_mark_is_frozen_at_the_next_look(
+async def test_a_large_fleets_heap_is_frozen_every_sweep(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     collector = FakeCollector()
     keeper = HeapKeeper(collector)
     async with trio.open_nursery() as nursery:
         await nursery.start(keeper.run)
-        collector.young_objects = SWEEP_AT
+        await connect(keeper, SWEEP_FLEET - 1, every_s=0)
+        await trio.sleep(QUIET_S * 2)
+        collector.calls.clear()
         await trio.sleep(SWEEP_S * 3.5)
-        assert collector.calls == []  # not past the mark
-        collector.young_objects = SWEEP_AT + 1
-        await trio.sleep(SWEEP_S * 1.5)
-        assert collector.names() == ["freeze"]
+        assert collector.calls == []  # a smaller fleet: frozen after bursts only
+        await connect(keeper, 1, every_s=0)
+        await trio.sleep(QUIET_S * 2 + SWEEP_S / 4)  # the last connects' freeze, once quiet
+        collector.calls.clear()
+        await trio.sleep(SWEEP_S * 3)  # a quarter period off the sweeps: three of them
+        assert collector.names() == ["collect 0", "freeze"] * 3
         nursery.cancel_scope.cancel()
 
 
@@ -146,4 +151,19 @@ async def test_many_refresh_freezes_bring_a_thaw_before_the_interval(
         keeper.node_connected()
         await trio.testing.wait_all_tasks_blocked()
         assert collector.names()[:3] == ["unfreeze", "collect", "freeze"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_garbage_waiting_for_the_collector_is_not_frozen_with_new_sessions(
+    autojump_clock: trio.testing.MockClock, garbage: weakref.ref[object]
+) -> None:
+    keeper = HeapKeeper()  # the real collector
+    async with trio.open_nursery() as nursery:
+        await nursery.start(keeper.run)
+        frozen = gc.get_freeze_count()
+        keeper.node_connected()  # a Node reconnects; its session is frozen once quiet
+        await trio.sleep(QUIET_S * 2)
+        assert gc.get_freeze_count() > frozen
+        gc.collect()
+        assert garbage() is None
         nursery.cancel_scope.cancel()

@@ -229,5 +229,7 @@ def test_tracing_without_the_sdk_says_which_extra_to_install(
     assert chosen is not None
     # As when the package is absent: importing it fails.
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace.export", None)
-    with pytest.raises(TelemetryUnavailable, match=r"OTEL_EXPORTER_OTLP_ENDPOINT.*iop\[otel\]"):
+    with pytest.raises(
+        TelemetryUnavailable, match=r"OTEL_EXPORTER_OTLP_ENDPOINT.*iop-gateway\[otel\]"
+    ):
         start_tracing(chosen, instance_id="edge/1", version="0")

@@ -14,19 +14,23 @@ at it again only at moments it chooses:
    threshold (`THRESHOLDS`): a young collection runs every `THRESHOLDS[0]` net
    allocations instead of 700, so a request's or a message's objects are gone before a
    collection could promote them.
-2. Every `BURST` Nodes that connected since the last freeze, the heap is frozen again
-   (freezing costs nothing): a connect burst's sessions are never walked, and at most
-   `BURST` sessions' objects wait for a collection. A burst smaller than `BURST` is
-   frozen once no Node connected for `QUIET_S`.
+2. Every `BURST` Nodes that connected since the last freeze, the heap is frozen again:
+   a connect burst's sessions are never walked again, and at most `BURST` sessions'
+   objects wait for a collection. A burst smaller than `BURST` is frozen once no Node
+   connected for `QUIET_S`. The young and middle generations are collected first
+   (`gc_pause.RECENT`, a pass over those sessions and the requests since the last
+   freeze): the cyclic garbage of finished requests waits there, thousands of objects,
+   and frozen with the sessions it would stay until a thaw (each Node that reconnects
+   would leave megabytes behind).
    A refresh freezes the heap when it starts and what it built when that is done
    (`core.gc_pause`), and leaves it so.
-3. Every `SWEEP_S` the young generation is counted, and frozen when it holds more than
-   `SWEEP_AT` objects. CPython starts a young collection when allocations exceed
-   deallocations by its threshold, and counts the deallocation of an old object too: a
-   Node's status replaces its providers' lists (old ones freed, young ones made), so the
-   young generation grows unwalked past the threshold, and the collection that finally
-   walks it holds the loop for as long as it grew (a quarter of a second with ten
-   thousand Nodes reporting after a refresh).
+3. With at least `SWEEP_FLEET` Nodes connected, the heap is frozen every `SWEEP_S` too.
+   CPython starts a young collection when allocations exceed deallocations by its
+   threshold, and counts the deallocation of an old object too: a fleet's statuses
+   replace its providers' lists (old ones freed, young ones made), so the young
+   generation grows unwalked far past the threshold, and the collection that finally
+   walks it held the loop for a quarter of a second with ten thousand Nodes. Collected
+   and frozen every second, it never holds more than a second's worth.
 4. Only cyclic garbage among frozen objects waits: a session that ended after it was
    frozen keeps its memory until a thaw. A thaw (`gc.unfreeze`, a full collection, freeze
    again) runs once sessions that ended since the last one reach `CHURN_SHARE` of those
@@ -44,13 +48,13 @@ from typing import Final, Protocol
 
 import trio
 
-from iop_edge.core.gc_pause import freezes
+from iop_edge.core.gc_pause import RECENT, freezes
 
 __all__ = [
     "BURST",
     "CHURN_SHARE",
     "QUIET_S",
-    "SWEEP_AT",
+    "SWEEP_FLEET",
     "SWEEP_S",
     "THAW_AFTER_FREEZES",
     "THAW_INTERVAL_S",
@@ -69,9 +73,9 @@ BURST: Final = 64
 #: How long no Node may have connected before fewer than `BURST` new sessions are frozen
 #: (Rule 2).
 QUIET_S: Final = 2.0
-#: How often the young generation is counted, and the count that gets it frozen (Rule 3).
+#: How often a large fleet's heap is frozen (Rule 3), and from how many Nodes on.
 SWEEP_S: Final = 1.0
-SWEEP_AT: Final = 30_000
+SWEEP_FLEET: Final = 1000
 #: Ended sessions, as a share of the connected ones, that bring a thaw (Rule 4).
 CHURN_SHARE: Final = 0.1
 #: The longest the heap stays frozen without a thaw while things get frozen (Rule 4).
@@ -88,11 +92,8 @@ class Collector(Protocol):
 
     def unfreeze(self) -> None: ...
 
-    def collect(self) -> int: ...
-
-    def young(self) -> int:
-        """Objects in the young generation now (0 while the collector is paused: a bulk
-        build is frozen when it ends, `core.gc_pause`). Costs a pass over them."""
+    def collect(self, generation: int = 2) -> int:
+        """Collect `generation` and the younger ones; the objects it reclaimed."""
         ...
 
 
@@ -103,13 +104,8 @@ class _Gc:
     def unfreeze(self) -> None:
         gc.unfreeze()
 
-    def collect(self) -> int:
-        return gc.collect()
-
-    def young(self) -> int:
-        if not gc.isenabled():  # a bulk build (`gc_paused`): its objects are not counted
-            return 0
-        return len(gc.get_objects(generation=0))
+    def collect(self, generation: int = 2) -> int:
+        return gc.collect(generation)
 
 
 def settle() -> None:
@@ -120,8 +116,8 @@ def settle() -> None:
 
 
 class HeapKeeper:
-    """Freezes the heap after connect bursts and a grown young generation, thaws it after
-    churn or a long freeze (Rules 2-4).
+    """Freezes the heap after connect bursts and, for a large fleet, every second; thaws
+    it after churn or a long freeze (Rules 2-4).
 
     The hub reports connects and disconnects (`node_connected`, `node_disconnected`);
     `run` is a service of the Edge that acts on them."""
@@ -173,10 +169,11 @@ class HeapKeeper:
             await self._watch()
 
     async def _sweep(self) -> None:
-        """Rule 3, every `SWEEP_S`: a periodic look, not a wait for a condition."""
+        """Rule 3: a period, not a wait for a condition."""
         while True:
             await trio.sleep(SWEEP_S)
-            if self._gc.young() > SWEEP_AT:
+            if self._connected >= SWEEP_FLEET:
+                self._gc.collect(0)  # a second's young garbage: not frozen (Rule 2's why)
                 self._gc.freeze()
                 self._froze = True
 
@@ -191,6 +188,7 @@ class HeapKeeper:
             if self._arrived:
                 quiet_at = self._last_arrival + QUIET_S
                 if self._arrived >= BURST or now >= quiet_at:
+                    self._gc.collect(RECENT)
                     self._gc.freeze()
                     self._arrived = 0
                     self._froze = True

@@ -26,6 +26,7 @@ import stat
 import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Final
 
@@ -121,6 +122,14 @@ class AuditRecord(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+#: Paths and Nodes in a report beyond which its line is encoded in a worker thread.
+_LARGE_RECORD: Final = 2000
+
+
+def _large(report: RefreshReport) -> bool:
+    return len(report.changes) + len(report.nodes) > _LARGE_RECORD
+
+
 def _bounded(node: NodeResult) -> NodeResult:
     if node.detail is None or len(node.detail) <= DETAIL_CHARS:
         return node
@@ -165,10 +174,14 @@ class AuditLog:
     ) -> Reservation:
         """Write the attempt's line ahead, with `room` bytes to spare (module docstring);
         raises `OSError` if it cannot be written: the attempt must then not go ahead."""
-        record = AuditRecord.of(
-            report, verdict=verdict, config_sha256=config_sha256, now=now or datetime.now(UTC)
-        )
-        line = self._encoder.encode(record) + b" " * room + b"\n"
+        when = now or datetime.now(UTC)
+
+        def encode() -> bytes:
+            record = AuditRecord.of(report, verdict=verdict, config_sha256=config_sha256, now=when)
+            return msgspec.json.encode(record) + b" " * room + b"\n"
+
+        # A fleet's record is megabytes: built and encoded in a worker thread, off the loop.
+        line = await trio.to_thread.run_sync(encode) if _large(report) else encode()
         async with self._lock:
             offset = await trio.to_thread.run_sync(_append_line, self.path, line)
         return Reservation(offset=offset, length=len(line))
@@ -185,10 +198,19 @@ class AuditLog:
         """Write the attempt's whole record over its reserved line; a record that does not
         fit (cannot happen within `reserve_room`'s bounds) is appended after it instead.
         Raises `OSError` if the log cannot be written."""
-        record = AuditRecord.of(
-            report, verdict=verdict, config_sha256=config_sha256, now=now or datetime.now(UTC)
+        build = partial(
+            AuditRecord.of,
+            report,
+            verdict=verdict,
+            config_sha256=config_sha256,
+            now=now or datetime.now(UTC),
         )
-        encoded = self._encoder.encode(record)
+        if _large(report):  # a fleet's record is megabytes: off the loop
+            record = await trio.to_thread.run_sync(build)
+            encoded = await trio.to_thread.run_sync(msgspec.json.encode, record)
+        else:
+            record = build()
+            encoded = self._encoder.encode(record)
         async with self._lock:
             if len(encoded) < reservation.length:
                 line = encoded.ljust(reservation.length - 1) + b"\n"

@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Protocol
+from typing import Final, Protocol
 
 import msgspec
 import trio
@@ -233,14 +233,18 @@ class Refresher:
             return await self._finish("conflict", report, config_sha256=parsed.sha256)
         snapshot, to_push = prepared.snapshot, list(prepared.to_push)
         assert snapshot is not None  # an apply whose plan has no errors is built
-        planned = self._report(
-            request,
-            "applied" if plan.diff else "no_change",
-            base,
-            revision=snapshot.revision,
-            plan=plan,
-            nodes=_interrupted(to_push),
-            pending_restart=plan.pending_restart,
+        planned = await _built(
+            partial(
+                self._report,
+                request,
+                "applied" if plan.diff else "no_change",
+                base,
+                revision=snapshot.revision,
+                plan=plan,
+                nodes=_interrupted(to_push),
+                pending_restart=plan.pending_restart,
+            ),
+            size=len(plan.diff.changes) + len(to_push),
         )
         reservation = await self._reserve(planned, config_sha256=parsed.sha256)
         if isinstance(reservation, str):
@@ -312,7 +316,8 @@ class Refresher:
         if request.config_yaml is not None and self._config_path is not None:
             errors = await self._persist(self._config_path, request.config_yaml)
         outcome: RefreshOutcome = "applied" if plan.diff else "no_change"
-        report = self._report(
+        build = partial(
+            self._report,
             request,
             outcome,
             base,
@@ -321,6 +326,12 @@ class Refresher:
             errors=errors,
             nodes=nodes,
         )
+        # Shielded like the rest of the commit, with its deadline.
+        report: RefreshReport | None = None
+        with trio.move_on_after(COMMIT_GRACE_S, shield=True):
+            report = await _built(build, size=len(plan.diff.changes) + len(nodes))
+        if report is None:  # the worker threads are busy: build it here after all
+            report = build()
         return await self._finish(
             "accepted", report, config_sha256=parsed.sha256, reservation=reservation
         )
@@ -481,15 +492,35 @@ def _log_attempt(source: str, request: RefreshRequest, result: RefreshResult) ->
     )
     for error in report.errors:
         log.log(level, "refresh %s: %s: %s", report.outcome, error.path or "-", error.message)
-    for node in report.nodes:
-        if node.status != "applied":
-            log.warning("refresh: node %s %s: %s", node.id, node.status, node.detail or "")
+    behind = [node for node in report.nodes if node.status != "applied"]
+    for node in behind[:_NODES_LOGGED]:
+        log.warning("refresh: node %s %s: %s", node.id, node.status, node.detail or "")
+    if len(behind) > _NODES_LOGGED:  # a fleet's: the report and the audit log have them all
+        log.warning(
+            "refresh: %d more node(s) did not apply it (see the report)",
+            len(behind) - _NODES_LOGGED,
+        )
     if report.pending_restart and report.mode == "apply" and report.outcome == "applied":
         log.warning(
             "%d change(s) wait for a restart of the Edge: %s",
             len(report.pending_restart),
             ", ".join(report.pending_restart),
         )
+
+
+#: Nodes that did not apply a refresh named one by one in the log.
+_NODES_LOGGED: Final = 20
+#: Paths and Nodes in a report beyond which it is built in a worker thread (`_built`).
+_LARGE_REPORT: Final = 2000
+
+
+async def _built(build: Callable[[], RefreshReport], *, size: int) -> RefreshReport:
+    """`build()`: in a worker thread when the report lists more than `_LARGE_REPORT`
+    paths and Nodes (a fleet's is tens of thousands, tens of milliseconds of the loop),
+    else here (a thread costs more than a small report)."""
+    if size > _LARGE_REPORT:
+        return await trio.to_thread.run_sync(build)
+    return build()
 
 
 def _interrupted(node_ids: list[str]) -> list[NodeResult]:

@@ -1,0 +1,40 @@
+"""The real cyclic collector, driven by the test alone (`core.gc_pause`, the heap keeper)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture
+def manual_collector() -> Iterator[None]:
+    """No automatic collection during the test, so what is garbage when the test freezes
+    the heap is decided by the test alone; the collector's state restored after (the heap
+    unfrozen, the thresholds, enabled)."""
+    enabled, thresholds = gc.isenabled(), gc.get_threshold()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
+        if enabled:
+            gc.enable()
+
+
+class _Cycle:
+    """An object that references itself: only the cyclic collector frees it."""
+
+    def __init__(self) -> None:
+        self.itself = self
+
+
+@pytest.fixture
+def garbage(manual_collector: None) -> weakref.ref[object]:
+    """A weak reference to cyclic garbage waiting for the collector, as a finished request
+    leaves it (a task and its exception, a stream and its cancel scope): nothing refers to
+    it, and reference counting cannot free it."""
+    return weakref.ref(_Cycle())
