@@ -48,6 +48,10 @@ class ApiError(Exception):
         self.param = param
         self.retry_after_s = retry_after_s
         self.allow = allow
+        self.close_connection = False
+        """Answered before the request's body was read: the connection cannot carry another
+        request, so the reply says `Connection: close` (else a client that reuses it races
+        the server's close and sees "server disconnected")."""
         """For a 405: the methods the path does accept (the `Allow` header)."""
         self.rate_limits = rate_limits
         """For a request over a principal's limit: where it stands (the reply writes them
@@ -65,6 +69,8 @@ class ApiError(Exception):
             headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
         if self.allow is not None:
             headers["Allow"] = self.allow
+        if self.close_connection:
+            headers["Connection"] = "close"
         return headers
 
 

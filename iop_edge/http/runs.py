@@ -368,7 +368,11 @@ class RunEndpoints:
         """Authenticate, read and check the request: the plan the dispatcher runs, and
         what to store of its result (a Responses run with `store: true`)."""
         snapshot = self._snapshot()
-        principal = authenticate(snapshot.principals, request.authorization, request.api_key)
+        try:
+            principal = authenticate(snapshot.principals, request.authorization, request.api_key)
+        except ApiError as refused:  # the body stays unread: the connection ends here
+            refused.close_connection = True
+            raise
         body = await self._read_json(request, receive, snapshot.config.openai.max_request_bytes)
         unmetered = self._metering.refusal()
         if unmetered is not None:  # no run starts that could not be metered

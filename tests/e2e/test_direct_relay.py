@@ -5,6 +5,8 @@ is the same, in order, counted the same, whichever way each chunk went."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -125,3 +127,24 @@ async def test_what_a_direct_write_leaves_comes_first_and_in_order(
     assert partial.unwritten == partial.direct_writes
     assert partial.contents() == queued.contents()
     assert run.chunks == len(partial.contents())
+
+
+async def test_a_finished_run_goes_with_its_last_reference(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """While it runs, a run's attempt (its give-up) and its direct writer point back to
+    it; once it ended, nothing does, so reference counting frees it. Left in a cycle it
+    would wait for the cyclic collector, and for a thaw when a freeze of the heap caught
+    it in flight (`runtime.lifecycle.heap`): megabytes of finished requests."""
+    stack = await _stack(nursery, tmp_path)
+    enabled = gc.isenabled()
+    gc.disable()  # only reference counting frees anything now
+    try:
+        for direct in (False, True):
+            run = await _stream(stack, Caller(), direct=direct)
+            gone = weakref.ref(run)
+            del run
+            assert gone() is None, f"a finished run ({direct=}) is in a reference cycle"
+    finally:
+        if enabled:
+            gc.enable()

@@ -247,3 +247,19 @@ async def test_chat_and_messages_callers_share_the_pool(stack: Stack) -> None:
         )
     assert anthropic_404.status_code == 404
     assert anthropic_404.json()["error"]["type"] == "not_found_error"
+
+
+async def test_a_refused_token_closes_the_connection_its_unread_body_came_on(
+    stack: Stack,
+) -> None:
+    """A 401 is answered before the body is read, so that connection cannot carry another
+    request: the reply says `Connection: close`, and a client that pools connections opens
+    a new one for its next request instead of racing the server's close."""
+    async with httpx2.AsyncClient(base_url=stack.addresses.openai_url) as http:
+        body = {"model": "claude-local", "max_tokens": 2, "messages": MESSAGES}
+        for _ in range(3):
+            refused = await http.post("/v1/messages", json=body, headers={"x-api-key": "wrong"})
+            assert refused.status_code == 401
+            assert refused.headers["connection"] == "close"
+            ok = await http.post("/v1/messages", json=body, headers={"x-api-key": CALLER_TOKEN})
+            assert ok.status_code == 200

@@ -382,6 +382,11 @@ class _Attempt:
             self.buffered = 0
             self._stop()
         self.lease.release()
+        # Torn down, it gives nothing up any more (`push` takes no event now). The run's
+        # bound method was the one reference back to the run: without it a finished run
+        # is freed by reference counting, not left to the cyclic collector (nor kept
+        # until a thaw when a freeze caught it in flight: `runtime.lifecycle.heap`).
+        self._give_up = _nothing
 
 
 class Run:
@@ -558,6 +563,9 @@ class Run:
             return
         self.outcome = outcome
         self._dispatcher.forget(self)
+        # Nothing is written from now on; the writer, a closure over the run, was its one
+        # reference back to itself besides the attempt's (`_Attempt.close`).
+        self._direct = None
         attempt = self._attempt
         if attempt is not None:
             if self._live_on_node:
@@ -839,6 +847,10 @@ class Dispatcher:
             return RunFailure(first, lease.provider_id)
         run._first_event(first)
         return None
+
+
+def _nothing() -> None:
+    """What a torn-down attempt gives up (`_Attempt.close`)."""
 
 
 def _node_lost_before_start(wire_id: str, lease: Lease) -> wire.RunFailed:
