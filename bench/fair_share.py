@@ -16,6 +16,7 @@ part fair queueing changes.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -34,28 +35,39 @@ from schemas.config import (
     ProviderConfig,
 )
 
-__all__ = ["FairShareResult", "render_fair_share", "run_fair_share"]
+__all__ = ["FairShareResult", "one_model_pool", "render_fair_share", "run_fair_share"]
 
 PRINCIPAL_COUNTS: Final = (1, 100, 10_000)
 _GRANTS: Final = 20_000
 _RUN_S: Final = 1.0
 
 
-def _pool(capacity: int, principals: list[PrincipalLimits] | None = None) -> Scheduler:
+def one_model_pool(
+    principals: Sequence[PrincipalLimits] = (),
+    *,
+    capacity: int,
+    long_context_slots: int | None = None,
+    max_queue: int = 1_000_000,
+    queue_timeout_ms: int = 86_400_000,
+) -> Scheduler:
+    """A scheduler for one model, `m`, served by one connected Node's provider `p` with
+    `capacity` slots, ready to grant: the smallest pool a flood saturates. The fair-share
+    tests (tests/unit/test_fair_queue.py) build their pool here too, so what this
+    benchmark measures is the pool they check. By default nothing is refused for a full
+    queue or a long wait: the measures count grants, not refusals."""
     digest = "0" * 64
+    provider = ProviderConfig(
+        id="p",
+        type="sim",
+        models=["served"],
+        capacity=capacity,
+        long_context_slots=long_context_slots,
+    )
     config = EdgeConfig(
-        dispatch=DispatchSection(max_queue=1_000_000, queue_timeout_ms=86_400_000),
+        dispatch=DispatchSection(max_queue=max_queue, queue_timeout_ms=queue_timeout_ms),
         models=[ModelEntry(id="m", providers={"p": "served"})],
-        nodes=[
-            NodeEntry(
-                id="n",
-                token_hash_sha256=digest,
-                providers=[
-                    ProviderConfig(id="p", type="sim", models=["served"], capacity=capacity)
-                ],
-            )
-        ],
-        principals=principals or [],
+        nodes=[NodeEntry(id="n", token_hash_sha256=digest, providers=[provider])],
+        principals=list(principals),
     )
     scheduler = Scheduler(Snapshot.build(config, revision=1, config_sha256=digest))
     scheduler.node_connected("n")
@@ -65,7 +77,7 @@ def _pool(capacity: int, principals: list[PrincipalLimits] | None = None) -> Sch
 
 async def _cost_us(principals: int) -> float:
     """CPU microseconds per admitted request with `principals` waiting principals."""
-    scheduler = _pool(capacity=8)
+    scheduler = one_model_pool(capacity=8)
     admitted = 0
 
     async def caller(principal: str) -> None:
@@ -85,7 +97,7 @@ async def _cost_us(principals: int) -> float:
 
 async def _flood_wait_runs() -> float:
     """Run times a second principal's one request waits behind a flood of 200."""
-    scheduler = _pool(capacity=2)
+    scheduler = one_model_pool(capacity=2)
     waited: list[float] = []
 
     async def one(principal: str) -> None:
@@ -108,7 +120,7 @@ async def _flood_wait_runs() -> float:
 async def _weighted_split() -> tuple[int, int]:
     """Runs served to principals of weight 3 and 1, both always waiting."""
     weights = [PrincipalLimits(ref="heavy", weight=3), PrincipalLimits(ref="light", weight=1)]
-    scheduler = _pool(capacity=2, principals=weights)
+    scheduler = one_model_pool(weights, capacity=2)
     served = {"heavy": 0, "light": 0}
 
     async def worker(principal: str) -> None:

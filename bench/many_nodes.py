@@ -349,10 +349,12 @@ class _Callers:
     )
     errors: int = 0
     _stopped: trio.Event = field(default_factory=trio.Event)
+    _entered: trio.Event = field(default_factory=trio.Event)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Send requests at `rate` a second until `stop()`, each in its own task; return
-        once the last one finished (a slow one is what the refresh phase is about)."""
+        """Send requests at `rate` a second until `stop()`, each in its own task, and one
+        at once on entering a phase (a phase shorter than the pace still has its sample);
+        return once the last one finished (a slow one is what the refresh phase is about)."""
         async with trio.open_nursery() as requests:
             task_status.started()
             due = trio.current_time()
@@ -360,10 +362,18 @@ class _Callers:
                 requests.start_soon(self._one, self.phase)
                 due += 1 / self.rate
                 with trio.move_on_at(due):  # the pace of an open-loop load
-                    await self._stopped.wait()
+                    await self._entered.wait()
+                    self._entered = trio.Event()
+                    due = trio.current_time()
+
+    def enter(self, phase: str) -> None:
+        """From now on requests belong to `phase`; the first is sent at once."""
+        self.phase = phase
+        self._entered.set()
 
     def stop(self) -> None:
         self._stopped.set()
+        self._entered.set()
 
     async def _one(self, phase: str) -> None:
         began = time.perf_counter()
@@ -511,9 +521,9 @@ async def measure_many_nodes(
             async with trio.open_nursery() as load:
                 await load.start(callers.run)
                 await trio.sleep(shape.caller_window_s)  # the idle phase is a time window
-                callers.phase = "dry_run"
+                callers.enter("dry_run")
                 dry_run_s = await _dry_run(admin, candidate)
-                callers.phase = "apply"
+                callers.enter("apply")
                 refresh_s, status, reported, applied, problem = await _refresh_everything(
                     admin, candidate
                 )

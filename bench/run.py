@@ -698,44 +698,44 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile", type=Path, metavar="DIR", help="py-spy the Edge and Node into DIR"
     )
     parser.add_argument("--profile-format", choices=FORMATS, default="flamegraph")
-    parser.add_argument(
-        "--replicas",
-        type=int,
-        nargs="?",
-        const=2,
-        default=None,
-        metavar="ROUNDS",
-        help="instead: one Edge vs two Edge replicas as workers on one host, non-stream at "
-        "the highest --concurrency, measured in turns ROUNDS times (2; bench/replicas.py)",
-    )
-    parser.add_argument(
-        "--tracing",
-        type=int,
-        nargs="?",
-        const=3,
-        default=None,
-        metavar="ROUNDS",
-        help="instead: the CPU per request of OpenTelemetry traces, off, off again (the "
-        "noise floor) and on at 100 %% sampling, stream and non-stream at the highest "
-        "--concurrency, measured in turns ROUNDS times (3; bench/tracing.py)",
-    )
-    parser.add_argument(
-        "--tokens",
-        type=int,
-        nargs="?",
-        const=10_000,
-        default=None,
-        metavar="N",
-        help="instead: an Edge with N caller tokens (10,000) and principal limits against a "
-        "small config: its startup, its check-config, and how long a refresh dry run holds "
-        "callers' requests (bench/many_tokens.py)",
-    )
-    parser.add_argument(
+    instead = parser.add_argument_group(
+        "other measurements", "one of these runs instead of the parts, in its own set-up"
+    ).add_mutually_exclusive_group()
+    # Each given bare runs at its usual size; a number sets the size (rounds, tokens).
+    for flag, usual, metavar, what in (
+        (
+            "--replicas",
+            2,
+            "ROUNDS",
+            "one Edge vs two Edge replicas as workers on one host, non-stream at the "
+            "highest --concurrency, measured in turns ROUNDS times (2; bench/replicas.py)",
+        ),
+        (
+            "--tracing",
+            3,
+            "ROUNDS",
+            "the CPU per request of OpenTelemetry traces, off, off again (the noise floor) "
+            "and on at 100 %% sampling, stream and non-stream at the highest --concurrency, "
+            "measured in turns ROUNDS times (3; bench/tracing.py)",
+        ),
+        (
+            "--tokens",
+            10_000,
+            "N",
+            "an Edge with N caller tokens (10,000) and principal limits against a small "
+            "config: its startup, its check-config, and how long a refresh dry run holds "
+            "callers' requests (bench/many_tokens.py)",
+        ),
+    ):
+        instead.add_argument(
+            flag, type=int, nargs="?", const=usual, default=None, metavar=metavar, help=what
+        )
+    instead.add_argument(
         "--fair-share",
         action="store_true",
-        help="instead: the scheduler sharing a saturated model between principals, in "
-        "process: cost per admitted request with 1, 100, 10,000 principals, and the "
-        "fairness targets on virtual time (bench/fair_share.py)",
+        help="the scheduler sharing a saturated model between principals, in process: cost "
+        "per admitted request with 1, 100, 10,000 principals, and the fairness targets on "
+        "virtual time (bench/fair_share.py)",
     )
     return parser
 

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import hashlib
 import json
 import os
@@ -73,6 +72,7 @@ import httpx2
 import trio
 import yaml
 
+from bench.ballast import fill_disk
 from bench.gateway import EdgeLog, wait_servable
 from bench.services import (
     REPO_ROOT,
@@ -425,7 +425,7 @@ async def _full_disk(chaos: _Chaos, books: Books) -> None:
         return
     await trio.sleep(chaos.minutes * 60 * 2 / 3)
     ballast = chaos.state.parent / "ballast"
-    await trio.to_thread.run_sync(_fill, ballast)
+    await trio.to_thread.run_sync(fill_disk, ballast)
     since = time.monotonic() - chaos.started
     books.events.append(f"{since:6.1f}s disk under state_dir full")
     try:
@@ -435,23 +435,6 @@ async def _full_disk(chaos: _Chaos, books: Books) -> None:
     finally:
         ballast.unlink(missing_ok=True)
     books.events.append(f"{time.monotonic() - chaos.started:6.1f}s disk emptied")
-
-
-def _fill(ballast: Path) -> None:
-    """Write `ballast` until the disk says ENOSPC."""
-    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        for size in (1 << 20, 1 << 16, 1 << 12, 1):
-            block = bytes(size)
-            while True:
-                try:
-                    os.write(fd, block)
-                except OSError as exc:
-                    if exc.errno != errno.ENOSPC:
-                        raise
-                    break
-    finally:
-        os.close(fd)
 
 
 def _ledger_line(metrics: str) -> str:

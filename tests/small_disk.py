@@ -11,7 +11,6 @@ running them.
 
 from __future__ import annotations
 
-import errno
 import os
 import subprocess
 from collections.abc import Iterator
@@ -19,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from bench.ballast import fill_disk
 
 __all__ = ["SmallDisk", "small_disk"]
 
@@ -31,21 +32,8 @@ class SmallDisk:
         self._ballast = path / "ballast"
 
     def fill(self) -> None:
-        """Write until the disk is full: every free block taken (slack in the last block
-        of a file already written stays, as on any disk)."""
-        fd = os.open(self._ballast, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            for size in (1024 * 1024, 64 * 1024, 4096, 512, 1):
-                block = bytes(size)
-                while True:
-                    try:
-                        os.write(fd, block)
-                    except OSError as exc:
-                        if exc.errno != errno.ENOSPC:
-                            raise
-                        break
-        finally:
-            os.close(fd)
+        """Write the ballast until the disk is full (`bench.ballast`)."""
+        fill_disk(self._ballast)
 
     def free(self) -> None:
         """Give the ballast's space back."""

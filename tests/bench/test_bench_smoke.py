@@ -543,6 +543,7 @@ def test_command_line_parts_targets_and_shapes() -> None:
         ["--concurrency", "x"],
         ["--parts", "warp"],
         ["--fleet-only", "hypercorn"],
+        ["--replicas", "--tokens"],  # one other measurement at a time
     ):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)

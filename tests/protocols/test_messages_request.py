@@ -224,24 +224,78 @@ def test_what_carries_nothing_for_a_runtime_is_left_out() -> None:
     ]
 
 
+def _user(content: Any) -> dict[str, Any]:
+    return {"role": "user", "content": content}
+
+
+def _assistant(*blocks: dict[str, Any]) -> dict[str, Any]:
+    return {"role": "assistant", "content": list(blocks)}
+
+
+def _assert_named(body: dict[str, Any], param: str, words: str) -> None:
+    """The refusal names the field first (the message starts with its path), then why."""
+    error = _error(body)
+    assert error.param == param
+    assert str(error).startswith(param)
+    assert words in str(error)
+
+
+_PDF = {"type": "base64", "media_type": "application/pdf", "data": "JVBE"}
+
+
+@pytest.mark.parametrize(
+    ("block", "field", "words"),
+    [
+        pytest.param({"type": "video", "url": "x"}, "type", "unknown type 'video'", id="video"),
+        pytest.param({"type": "thinking", "thinking": "x"}, "type", "'thinking'", id="thinking"),
+        pytest.param({"type": "document", "source": _PDF}, "source.type", "PDF", id="pdf"),
+        pytest.param(
+            {"type": "image", "source": {"type": "file", "file_id": "f1"}},
+            "source.type",
+            "Files API",
+            id="image-by-file-id",
+        ),
+    ],
+)
+def test_a_user_block_that_cannot_be_translated_is_named(
+    block: dict[str, Any], field: str, words: str
+) -> None:
+    _assert_named(_request(_user([block])), f"messages[0].content[0].{field}", words)
+
+
+@pytest.mark.parametrize(
+    ("tool", "field", "words"),
+    [
+        pytest.param(
+            {"type": "web_search_20250305", "name": "web_search"},
+            "type",
+            "server-side",
+            id="server-tool",
+        ),
+        pytest.param(
+            {"type": "bash_20250124", "name": "bash"},
+            "type",
+            "Anthropic-defined",
+            id="anthropic-defined-tool",
+        ),
+        pytest.param({"name": "f"}, "input_schema", "input_schema", id="custom-without-schema"),
+    ],
+)
+def test_a_tool_that_cannot_be_offered_is_named(
+    tool: dict[str, Any], field: str, words: str
+) -> None:
+    _assert_named(_request(_user("x"), tools=[tool]), f"tools[0].{field}", words)
+
+
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
         pytest.param(
-            _request({"role": "user", "content": [{"type": "video", "url": "x"}]}),
-            "messages[0].content[0].type",
-            "unknown type 'video'",
-            id="unknown-content-block-type",
-        ),
-        pytest.param(
             _request(
-                {"role": "user", "content": "search"},
-                {
-                    "role": "assistant",
-                    "content": [
-                        {"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}}
-                    ],
-                },
+                _user("search"),
+                _assistant(
+                    {"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}}
+                ),
             ),
             "messages[1].content[0].type",
             "server-side",
@@ -249,12 +303,9 @@ def test_what_carries_nothing_for_a_runtime_is_left_out() -> None:
         ),
         pytest.param(
             _request(
-                {"role": "user", "content": "x"},
+                _user("x"),
                 _called("t1"),
-                {
-                    "role": "user",
-                    "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "?"}],
-                },
+                _user([{"type": "tool_result", "tool_use_id": "t9", "content": "?"}]),
             ),
             "messages[2].content[0].tool_use_id",
             "'t9'",
@@ -262,45 +313,19 @@ def test_what_carries_nothing_for_a_runtime_is_left_out() -> None:
         ),
         pytest.param(
             _request(
-                {"role": "user", "content": "x"},
-                tools=[{"type": "web_search_20250305", "name": "web_search"}],
-            ),
-            "tools[0].type",
-            "server-side",
-            id="server-tool",
-        ),
-        pytest.param(
-            _request(
-                {"role": "user", "content": "x"}, tools=[{"type": "bash_20250124", "name": "bash"}]
-            ),
-            "tools[0].type",
-            "Anthropic-defined",
-            id="anthropic-defined-tool",
-        ),
-        pytest.param(
-            _request({"role": "user", "content": "x"}, tools=[{"name": "f"}]),
-            "tools[0].input_schema",
-            "input_schema",
-            id="custom-tool-without-schema",
-        ),
-        pytest.param(
-            _request(
-                {"role": "user", "content": "x"},
-                {
-                    "role": "assistant",
-                    "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "[1]"}],
-                },
+                _user("x"), _assistant({"type": "tool_use", "id": "t", "name": "f", "input": "[1]"})
             ),
             "messages[1].content[0].input",
             "JSON object",
             id="tool-use-input-not-an-object",
         ),
         pytest.param(
-            _request({"role": "user", "content": 7}),
-            "messages[0].content",
-            "Expected",
-            id="wrong-type",
+            _request(_user("x"), _called("t1"), _called("t1")),
+            "messages[2].content[0].id",
+            "twice",
+            id="tool-use-id-reused",
         ),
+        pytest.param(_request(_user(7)), "messages[0].content", "Expected", id="wrong-type"),
         pytest.param(
             _request({"role": "tool", "content": "x"}),
             "messages[0].role",
@@ -308,63 +333,15 @@ def test_what_carries_nothing_for_a_runtime_is_left_out() -> None:
             id="unknown-role",
         ),
         pytest.param(
-            _request(
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "document",
-                            "source": {
-                                "type": "base64",
-                                "media_type": "application/pdf",
-                                "data": "JVBE",
-                            },
-                        }
-                    ],
-                }
-            ),
-            "messages[0].content[0].source.type",
-            "PDF",
-            id="pdf-document",
-        ),
-        pytest.param(
-            _request(
-                {
-                    "role": "user",
-                    "content": [{"type": "image", "source": {"type": "file", "file_id": "f1"}}],
-                }
-            ),
-            "messages[0].content[0].source.type",
-            "Files API",
-            id="image-by-file-id",
-        ),
-        pytest.param(
-            _request(
-                {"role": "user", "content": "x"}, mcp_servers=[{"type": "url", "url": "https://m"}]
-            ),
+            _request(_user("x"), mcp_servers=[{"type": "url", "url": "https://m"}]),
             "mcp_servers",
             "MCP",
             id="mcp-servers",
         ),
-        pytest.param(
-            _request({"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}),
-            "messages[0].content[0].type",
-            "'thinking'",
-            id="thinking-in-a-user-turn",
-        ),
-        pytest.param(
-            _request({"role": "user", "content": "x"}, _called("t1"), _called("t1")),
-            "messages[2].content[0].id",
-            "twice",
-            id="tool-use-id-reused",
-        ),
     ],
 )
 def test_what_cannot_be_translated_is_named(body: dict[str, Any], param: str, words: str) -> None:
-    error = _error(body)
-    assert error.param == param
-    assert words in str(error)
-    assert str(error).startswith(param)
+    _assert_named(body, param, words)
 
 
 def test_a_body_that_is_not_json() -> None:

@@ -79,7 +79,8 @@ def test_the_configuration_reference_names_exactly_the_schema_keys() -> None:
 #: Words that tell the story of the work rather than the product.
 _HISTORY = re.compile(
     r"\bSPEC(\.md)? ?§|\.\./shared|\bissue #?\d+|\b(work|field) round\b|\bsession \d+\b"
-    r"|\bplanners?\b|\bBaseline before\b",
+    r"|\bplanners?\b|\bBaseline before\b|\bbefore this (work|change|fix)\b|^what it took\b"
+    r"|^\| (before|after) \|",
     re.IGNORECASE,
 )
 

@@ -1,16 +1,17 @@
 """Fair queueing between principals: the queue itself (`fair_queue`), then the scheduler
 sharing a saturated model with it (design §15).
 
-The scheduler tests run on virtual time (`autojump_clock`): every run holds its slot for
-exactly `RUN_S`, as the sim provider's fixed run time would, so waits are measured in
-runs, not in a machine's speed.
+The scheduler tests build their pool as the fair-share benchmark does
+(`bench.fair_share.one_model_pool`: one model on one Node's provider), so the benchmark
+measures the pool these tests check. They run on virtual time (`autojump_clock`): every
+run holds its slot for exactly `RUN_S`, as the sim provider's fixed run time would, so
+waits are measured in runs, not in a machine's speed.
 """
 
 from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import count
@@ -19,17 +20,10 @@ import pytest
 import trio
 from trio.testing import MockClock, wait_all_tasks_blocked
 
-from iop_edge.core.snapshot import Snapshot
+from bench.fair_share import one_model_pool
 from iop_edge.runtime.runs.fair_queue import FairQueue
 from iop_edge.runtime.runs.scheduler import ConcurrencyLimited, QueueTimeout, Scheduler
-from schemas.config import (
-    DispatchSection,
-    EdgeConfig,
-    ModelEntry,
-    NodeEntry,
-    PrincipalLimits,
-    ProviderConfig,
-)
+from schemas.config import PrincipalLimits
 
 _seq = count()
 
@@ -196,34 +190,6 @@ def test_the_heap_offers_what_a_plain_scan_would(seed: int) -> None:
 
 RUN_S = 1.0
 """Every run's fixed duration (the sim's fixed run time)."""
-HASH = "0" * 64
-
-
-def shared_pool(
-    principals: Sequence[PrincipalLimits] = (),
-    *,
-    capacity: int = 2,
-    max_queue: int = 1000,
-    queue_timeout_ms: int = 3_600_000,
-) -> Scheduler:
-    config = EdgeConfig(
-        dispatch=DispatchSection(max_queue=max_queue, queue_timeout_ms=queue_timeout_ms),
-        models=[ModelEntry(id="m", providers={"p": "p-served"})],
-        nodes=[
-            NodeEntry(
-                id="n",
-                token_hash_sha256=HASH,
-                providers=[
-                    ProviderConfig(id="p", type="sim", models=["p-served"], capacity=capacity)
-                ],
-            )
-        ],
-        principals=list(principals),
-    )
-    scheduler = Scheduler(Snapshot.build(config, revision=1, config_sha256=HASH))
-    scheduler.node_connected("n")
-    scheduler.provider_status("p", "available", ["p-served"])
-    return scheduler
 
 
 @dataclass
@@ -244,7 +210,7 @@ async def run_once(scheduler: Scheduler, principal: str, run_id: str, log: Log) 
 async def test_a_flood_delays_another_principal_by_about_one_run(
     autojump_clock: MockClock,
 ) -> None:
-    scheduler = shared_pool()
+    scheduler = one_model_pool(capacity=2)
     log = Log()
     async with trio.open_nursery() as nursery:
         for i in range(200):
@@ -260,7 +226,7 @@ async def test_a_flood_delays_another_principal_by_about_one_run(
 
 
 async def test_with_one_principal_the_queue_is_fifo(autojump_clock: MockClock) -> None:
-    scheduler = shared_pool(capacity=1)  # one grant at a time: the grant order is observable
+    scheduler = one_model_pool(capacity=1)  # one grant at a time: the grant order is observable
     order: list[str] = []
 
     async def numbered(i: int) -> None:
@@ -278,7 +244,7 @@ async def test_with_one_principal_the_queue_is_fifo(autojump_clock: MockClock) -
 async def test_weights_split_served_runs_three_to_one_under_steady_load(
     autojump_clock: MockClock,
 ) -> None:
-    scheduler = shared_pool(
+    scheduler = one_model_pool(
         [PrincipalLimits(ref="heavy", weight=3), PrincipalLimits(ref="light", weight=1)],
         capacity=2,
     )
@@ -304,7 +270,7 @@ async def test_weights_split_served_runs_three_to_one_under_steady_load(
 async def test_max_concurrent_waits_in_the_queue_and_never_gets_a_slot_over_it(
     autojump_clock: MockClock,
 ) -> None:
-    scheduler = shared_pool([PrincipalLimits(ref="capped", max_concurrent=1)], capacity=4)
+    scheduler = one_model_pool([PrincipalLimits(ref="capped", max_concurrent=1)], capacity=4)
     log = Log()
     peak = 0
 
@@ -332,7 +298,7 @@ async def test_max_concurrent_waits_in_the_queue_and_never_gets_a_slot_over_it(
 async def test_a_request_held_by_its_own_concurrency_limit_times_out_as_such(
     autojump_clock: MockClock,
 ) -> None:
-    scheduler = shared_pool(
+    scheduler = one_model_pool(
         [PrincipalLimits(ref="capped", max_concurrent=1)], capacity=4, queue_timeout_ms=500
     )
     async with trio.open_nursery() as nursery:
@@ -347,7 +313,7 @@ async def test_a_request_held_by_its_own_concurrency_limit_times_out_as_such(
 
 
 async def test_concurrency_is_split_between_replicas(autojump_clock: MockClock) -> None:
-    scheduler = shared_pool([PrincipalLimits(ref="capped", max_concurrent=4)], capacity=8)
+    scheduler = one_model_pool([PrincipalLimits(ref="capped", max_concurrent=4)], capacity=8)
     scheduler.set_replicas(2)
     leases = [
         await scheduler.acquire("m", f"c{i}", long=False, principal="capped") for i in range(2)
@@ -367,28 +333,7 @@ async def test_concurrency_is_split_between_replicas(autojump_clock: MockClock) 
 async def test_a_request_that_cannot_use_the_slot_does_not_hold_up_another_principal(
     autojump_clock: MockClock,
 ) -> None:
-    config = EdgeConfig(
-        dispatch=DispatchSection(max_queue=100, queue_timeout_ms=60_000),
-        models=[ModelEntry(id="m", providers={"p": "p-served"})],
-        nodes=[
-            NodeEntry(
-                id="n",
-                token_hash_sha256=HASH,
-                providers=[
-                    ProviderConfig(
-                        id="p",
-                        type="sim",
-                        models=["p-served"],
-                        capacity=2,
-                        long_context_slots=1,
-                    )
-                ],
-            )
-        ],
-    )
-    scheduler = Scheduler(Snapshot.build(config, revision=1, config_sha256=HASH))
-    scheduler.node_connected("n")
-    scheduler.provider_status("p", "available", ["p-served"])
+    scheduler = one_model_pool(capacity=2, long_context_slots=1)
     long_run = await scheduler.acquire("m", "l1", long=True, principal="a")
     regular = await scheduler.acquire("m", "r1", long=False, principal="b")
     got: dict[str, object] = {}

@@ -1,12 +1,14 @@
 """The heap keeper (`runtime.lifecycle.heap`): a quiet connect burst is frozen, churn or
-a long freeze brings one thaw. The collector is a fake, time the autojump clock's; the
-last test drives the real collector (`garbage`: tests/unit/conftest.py)."""
+a long freeze brings one thaw. The collector is a fake, time the autojump clock's, and
+the keeper runs in the test's nursery (the `keeper` fixture); the last test drives the
+real collector (`garbage`: tests/unit/conftest.py)."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
+import pytest
 import trio
 import trio.testing
 
@@ -41,6 +43,20 @@ class FakeCollector:
         return [name for name, _ in self.calls]
 
 
+@pytest.fixture
+def collector() -> FakeCollector:
+    return FakeCollector()
+
+
+@pytest.fixture
+async def keeper(collector: FakeCollector, nursery: trio.Nursery) -> HeapKeeper:
+    """A keeper running on the fake collector until the test ends (pytest-trio cancels
+    the test's nursery then)."""
+    keeper = HeapKeeper(collector)
+    await nursery.start(keeper.run)
+    return keeper
+
+
 async def connect(keeper: HeapKeeper, nodes: int, every_s: float = 0.01) -> None:
     for _ in range(nodes):
         keeper.node_connected()
@@ -48,122 +64,97 @@ async def connect(keeper: HeapKeeper, nodes: int, every_s: float = 0.01) -> None
 
 
 async def test_a_burst_is_frozen_every_burst_and_its_tail_once_quiet(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
 ) -> None:
-    collector = FakeCollector()
-    keeper = HeapKeeper(collector)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(keeper.run)
-        await connect(keeper, BURST - 1)
-        await trio.testing.wait_all_tasks_blocked()
-        assert collector.calls == []  # fewer than a burst, still arriving
-        await connect(keeper, 1)
-        await trio.testing.wait_all_tasks_blocked()
-        young = f"collect {RECENT}"
-        assert collector.names() == [young, "freeze"]  # a whole burst: at once
-        await connect(keeper, 3)
-        quiet = trio.current_time() - 0.01 + QUIET_S
-        await trio.sleep(QUIET_S * 3)
-        assert collector.calls[2:] == [(young, quiet), ("freeze", quiet)]  # the tail, once quiet
-        nursery.cancel_scope.cancel()
+    await connect(keeper, BURST - 1)
+    await trio.testing.wait_all_tasks_blocked()
+    assert collector.calls == []  # fewer than a burst, still arriving
+    await connect(keeper, 1)
+    await trio.testing.wait_all_tasks_blocked()
+    young = f"collect {RECENT}"
+    assert collector.names() == [young, "freeze"]  # a whole burst: at once
+    await connect(keeper, 3)
+    quiet = trio.current_time() - 0.01 + QUIET_S
+    await trio.sleep(QUIET_S * 3)
+    assert collector.calls[2:] == [(young, quiet), ("freeze", quiet)]  # the tail, once quiet
 
 
 async def test_churn_brings_one_thaw_and_the_survivors_are_frozen_again(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
 ) -> None:
-    collector = FakeCollector()
-    keeper = HeapKeeper(collector)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(keeper.run)
-        await connect(keeper, 1000)
-        await trio.sleep(QUIET_S * 2)
-        collector.calls.clear()  # a freeze per burst of connects
-        for _ in range(90):  # 90 ended, 910 connected: under a tenth of them
-            keeper.node_disconnected()
-        await trio.testing.wait_all_tasks_blocked()
-        assert collector.calls == []
-        keeper.node_disconnected()  # 91 ended, 909 connected: a tenth
-        await trio.testing.wait_all_tasks_blocked()
-        assert collector.names() == ["unfreeze", "collect", "freeze"]
-        nursery.cancel_scope.cancel()
+    await connect(keeper, 1000)
+    await trio.sleep(QUIET_S * 2)
+    collector.calls.clear()  # a freeze per burst of connects
+    for _ in range(90):  # 90 ended, 910 connected: under a tenth of them
+        keeper.node_disconnected()
+    await trio.testing.wait_all_tasks_blocked()
+    assert collector.calls == []
+    keeper.node_disconnected()  # 91 ended, 909 connected: a tenth
+    await trio.testing.wait_all_tasks_blocked()
+    assert collector.names() == ["unfreeze", "collect", "freeze"]
 
 
 async def test_a_refresh_freeze_is_thawed_after_the_interval(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
 ) -> None:
-    collector = FakeCollector()
-    keeper = HeapKeeper(collector)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(keeper.run)
-        await trio.sleep(THAW_INTERVAL_S * 2)
-        assert collector.calls == []  # nothing frozen since the start: nothing to thaw
-        with gc_held():  # a refresh freezes the heap
-            pass
-        keeper.node_connected()  # any wake-up: the keeper looks again, the thaw is due
-        await trio.testing.wait_all_tasks_blocked()
-        assert collector.names() == ["unfreeze", "collect", "freeze"]
-        thawed = trio.current_time()
-        with gc_held():  # the next refresh: thawed an interval after the last thaw
-            pass
-        keeper.node_connected()
-        await trio.sleep(THAW_INTERVAL_S * 2)
-        thaws = [at for name, at in collector.calls if name == "unfreeze"]
-        assert thaws == [thawed, thawed + THAW_INTERVAL_S]
-        nursery.cancel_scope.cancel()
+    await trio.sleep(THAW_INTERVAL_S * 2)
+    assert collector.calls == []  # nothing frozen since the start: nothing to thaw
+    with gc_held():  # a refresh freezes the heap
+        pass
+    keeper.node_connected()  # any wake-up: the keeper looks again, the thaw is due
+    await trio.testing.wait_all_tasks_blocked()
+    assert collector.names() == ["unfreeze", "collect", "freeze"]
+    thawed = trio.current_time()
+    with gc_held():  # the next refresh: thawed an interval after the last thaw
+        pass
+    keeper.node_connected()
+    await trio.sleep(THAW_INTERVAL_S * 2)
+    thaws = [at for name, at in collector.calls if name == "unfreeze"]
+    assert thaws == [thawed, thawed + THAW_INTERVAL_S]
 
 
 async def test_a_large_fleets_heap_is_frozen_every_sweep(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
 ) -> None:
-    collector = FakeCollector()
-    keeper = HeapKeeper(collector)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(keeper.run)
-        await connect(keeper, SWEEP_FLEET - 1, every_s=0)
-        await trio.sleep(QUIET_S * 2)
-        collector.calls.clear()
-        await trio.sleep(SWEEP_S * 3.5)
-        assert collector.calls == []  # a smaller fleet: frozen after bursts only
-        await connect(keeper, 1, every_s=0)
-        await trio.sleep(QUIET_S * 2 + SWEEP_S / 4)  # the last connects' freeze, once quiet
-        collector.calls.clear()
-        await trio.sleep(SWEEP_S * 3)  # a quarter period off the sweeps: three of them
-        assert collector.names() == ["collect 0", "freeze"] * 3
-        nursery.cancel_scope.cancel()
+    await connect(keeper, SWEEP_FLEET - 1, every_s=0)
+    await trio.sleep(QUIET_S * 2)
+    collector.calls.clear()
+    await trio.sleep(SWEEP_S * 3.5)
+    assert collector.calls == []  # a smaller fleet: frozen after bursts only
+    await connect(keeper, 1, every_s=0)
+    await trio.sleep(QUIET_S * 2 + SWEEP_S / 4)  # the last connects' freeze, once quiet
+    collector.calls.clear()
+    await trio.sleep(SWEEP_S * 3)  # a quarter period off the sweeps: three of them
+    assert collector.names() == ["collect 0", "freeze"] * 3
 
 
 async def test_many_refresh_freezes_bring_a_thaw_before_the_interval(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
 ) -> None:
-    collector = FakeCollector()
-    keeper = HeapKeeper(collector)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(keeper.run)
-        before = freezes()
-        while freezes() - before < THAW_AFTER_FREEZES - 2:  # a hold freezes twice
-            with gc_held():
-                pass
-        keeper.node_connected()  # a wake-up: the keeper looks
-        await trio.testing.wait_all_tasks_blocked()
-        assert "unfreeze" not in collector.names()
+    before = freezes()
+    while freezes() - before < THAW_AFTER_FREEZES - 2:  # a hold freezes twice
         with gc_held():
             pass
-        keeper.node_connected()
-        await trio.testing.wait_all_tasks_blocked()
-        assert collector.names()[:3] == ["unfreeze", "collect", "freeze"]
-        nursery.cancel_scope.cancel()
+    keeper.node_connected()  # a wake-up: the keeper looks
+    await trio.testing.wait_all_tasks_blocked()
+    assert "unfreeze" not in collector.names()
+    with gc_held():
+        pass
+    keeper.node_connected()
+    await trio.testing.wait_all_tasks_blocked()
+    assert collector.names()[:3] == ["unfreeze", "collect", "freeze"]
 
 
 async def test_the_garbage_waiting_for_the_collector_is_not_frozen_with_new_sessions(
-    autojump_clock: trio.testing.MockClock, garbage: weakref.ref[object]
+    autojump_clock: trio.testing.MockClock,
+    garbage: weakref.ref[object],
+    nursery: trio.Nursery,
 ) -> None:
     keeper = HeapKeeper()  # the real collector
-    async with trio.open_nursery() as nursery:
-        await nursery.start(keeper.run)
-        frozen = gc.get_freeze_count()
-        keeper.node_connected()  # a Node reconnects; its session is frozen once quiet
-        await trio.sleep(QUIET_S * 2)
-        assert gc.get_freeze_count() > frozen
-        gc.collect()
-        assert garbage() is None
-        nursery.cancel_scope.cancel()
+    await nursery.start(keeper.run)
+    frozen = gc.get_freeze_count()
+    keeper.node_connected()  # a Node reconnects; its session is frozen once quiet
+    await trio.sleep(QUIET_S * 2)
+    assert gc.get_freeze_count() > frozen
+    gc.collect()
+    assert garbage() is None

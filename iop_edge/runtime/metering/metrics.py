@@ -8,6 +8,7 @@ could drift: a collector reads them from the scheduler at scrape time.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import Final, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -68,8 +69,8 @@ class _LedgerCollector(Collector):
         unwritten = GaugeMetricFamily(
             "iop_usage_unwritten_records",
             "Usage records waiting in memory: the journal in state_dir cannot be written",
+            value=stats.unwritten,
         )
-        unwritten.add_metric([], stats.unwritten)
         state = GaugeMetricFamily(
             "iop_usage_ledger_state",
             "1 for the usage journal's state now: writable, buffering (records wait in "
@@ -87,13 +88,13 @@ class _LedgerCollector(Collector):
         dropped = CounterMetricFamily(
             "iop_usage_dropped_records",
             "Usage records lost (past the in-memory buffer, or after the ledger closed)",
+            value=stats.dropped,
         )
-        dropped.add_metric([], stats.dropped)
         store_down = GaugeMetricFamily(
             "iop_usage_store_down",
             "1 while the ledger's database refuses writes (records wait in the journal)",
+            value=1.0 if stats.store_down else 0.0,
         )
-        store_down.add_metric([], 1.0 if stats.store_down else 0.0)
         yield from (unwritten, state, changes, dropped, store_down)
 
 
@@ -168,20 +169,12 @@ class EdgeMetrics:
             ["model", "provider", "status", "code"],
             registry=r,
         )
-        self.latency = Histogram(
-            "iop_request_latency_seconds",
-            "Request latency at the Edge",
-            ["model", "provider"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        # A run's two timings, with the same labels and buckets.
+        timing = partial(
+            Histogram, labelnames=["model", "provider"], buckets=_LATENCY_BUCKETS, registry=r
         )
-        self.ttft = Histogram(
-            "iop_time_to_first_token_seconds",
-            "Time to the first streamed chunk",
-            ["model", "provider"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.latency = timing("iop_request_latency_seconds", "Request latency at the Edge")
+        self.ttft = timing("iop_time_to_first_token_seconds", "Time to the first streamed chunk")
         self.queue_wait = Histogram(
             "iop_queue_wait_seconds",
             "Time spent waiting for a slot",
@@ -203,19 +196,19 @@ class EdgeMetrics:
             ["model", "provider"],
             registry=r,
         )
-        token_labels = ["principal_ref", "token_ref", "model", "provider", "kind"]
-        self.tokens = Counter(
-            "iop_tokens",
-            "Tokens metered per finished run (reported by the provider or estimated)",
-            token_labels,
+        # The tokens, and the estimated part of them, with the same labels.
+        token_count = partial(
+            Counter,
+            labelnames=["principal_ref", "token_ref", "model", "provider", "kind"],
             registry=r,
         )
-        self.estimated_tokens = Counter(
+        self.tokens = token_count(
+            "iop_tokens", "Tokens metered per finished run (reported by the provider or estimated)"
+        )
+        self.estimated_tokens = token_count(
             "iop_estimated_tokens",
             "The part of iop_tokens that was estimated: the provider reported no usage"
             " (the ledger's usage_source `estimated`)",
-            token_labels,
-            registry=r,
         )
         self.principal_rejections = Counter(
             "iop_principal_rejections",
