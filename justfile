@@ -17,9 +17,10 @@ setup:
 demo *ARGS:
     {{python}} -m iop_edge demo {{ARGS}}
 
-# the test suite (real sockets on 127.0.0.1, port 0)
+# the test suite (real sockets on 127.0.0.1, port 0), one worker per core (at most 4);
+# `just test -n 0 tests/…` runs a few tests in this process
 test *ARGS:
-    {{python}} -m pytest -q {{ARGS}}
+    {{python}} -m pytest -q -n auto --maxprocesses 4 {{ARGS}}
 
 # build the wheel and the sdist, install each into a fresh venv like a user, run docs/install.md
 test-install *ARGS:
