@@ -62,11 +62,13 @@ from iop_node.protocols import (
     MessagesStream,
     ReadChunk,
     ReplyTranslationError,
+    ResponsesRequest,
     ResponsesStream,
     TokenUsage,
     TranslationError,
     messages_request_to_chat,
     messages_response_from_chat,
+    read_responses_request,
     responses_request_to_chat,
     responses_response_from_chat,
 )
@@ -171,8 +173,15 @@ def _invalid(exc: TranslationError) -> AdapterError:
 async def _translated(
     run: Run, protocol: CallerProtocol, adapter: Adapter, events: EmitEvents
 ) -> RunResult:
+    # A Responses request is read once: its reply echoes it and maps calls back through
+    # the same tools.
+    request: ResponsesRequest | None = None
     try:
-        chat_body = _to_chat(run)
+        if protocol == "responses":
+            request = read_responses_request(run.body)
+            chat_body = responses_request_to_chat(request)
+        else:
+            chat_body = messages_request_to_chat(run.body)
     except TranslationError as exc:
         raise _invalid(exc) from None
     # The adapter runs plain chat: the translators write the caller's alias (Rule 5) and
@@ -183,12 +192,12 @@ async def _translated(
     alias = _alias(run)
     request_id = run.request_id or run.run_id
     if not run.stream:
-        return await _translated_response(run, protocol, chat_run, adapter)
+        return await _translated_response(run, request, chat_run, adapter)
     translator: _StreamTranslator
-    if protocol == "messages":
+    if request is None:
         translator = MessagesStream(alias, request_id)
     else:
-        translator = ResponsesStream(alias, request_id, run.body)
+        translator = ResponsesStream(alias, request_id, request)
     delta_marker = _DELTA_EVENTS[protocol]
     output_tokens = 0
     emitted = False
@@ -231,18 +240,22 @@ async def _translated(
         raise _broken_reply(exc, emitted=emitted) from None
     if not run.hold_tail:
         await events(tail, 0)
-    final = translator.final_response() if isinstance(translator, ResponsesStream) else None
+    final = None
+    if run.keep_output and isinstance(translator, ResponsesStream):
+        final = translator.final_response()
     return RunResult(
         usage=_wire_usage(usage),
-        response=final if run.keep_output else None,
+        response=final,
         usage_source=source,
         tail=tail if run.hold_tail else None,
     )
 
 
 async def _translated_response(
-    run: Run, protocol: CallerProtocol, chat_run: Run, adapter: Adapter
+    run: Run, request: ResponsesRequest | None, chat_run: Run, adapter: Adapter
 ) -> RunResult:
+    """A whole reply, translated back: Responses when `request` is the Responses request
+    read for the run, else Messages."""
     result = await adapter.execute(chat_run, _no_chunks)
     if result.response is None:
         raise AdapterError(
@@ -266,7 +279,7 @@ async def _translated_response(
     alias = _alias(run)
     request_id = run.request_id or run.run_id
     try:
-        if protocol == "messages":
+        if request is None:
             response = messages_response_from_chat(
                 result.response, reply_model=alias, request_id=request_id, usage=fallback
             )
@@ -275,7 +288,7 @@ async def _translated_response(
                 result.response,
                 reply_model=alias,
                 request_id=request_id,
-                request=run.body,
+                request=request,
                 usage=fallback,
             )
     except ReplyTranslationError as exc:

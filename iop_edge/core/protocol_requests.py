@@ -198,20 +198,25 @@ class ResponsesRequest(_View, frozen=True, kw_only=True):
     previous_response_id: NonEmptyStr | None = None
 
 
-def estimate_responses_tokens(request: ResponsesRequest, earlier: Sequence[Any] = ()) -> int:
+_decode_item: Final = msgspec.json.Decoder(_Item).decode
+
+
+def estimate_responses_tokens(
+    request: ResponsesRequest, earlier: Sequence[msgspec.Raw] = ()
+) -> int:
     """Input tokens of a Responses request by the module's rule; `earlier` are the items
-    of the stored conversation it continues (`previous_response_id`), which the model
-    reads too. An earlier item that is not shaped as the view expects (an output item
-    of a kind it does not know) counts as its JSON text."""
+    of the stored conversation it continues (`previous_response_id`), as stored (JSON),
+    which the model reads too. An earlier item that is not shaped as the view expects (an
+    output item of a kind it does not know) counts as its JSON text."""
     chars = len(request.instructions or "")
     has_system = bool(request.instructions)
     count = len(earlier) + has_system
     items: list[_Item] = []
     for raw in earlier:
         try:
-            items.append(msgspec.convert(raw, _Item))
-        except msgspec.ValidationError:
-            chars += len(_json_encode(raw))
+            items.append(_decode_item(raw))
+        except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError
+            chars += len(raw)
     if isinstance(request.input, str):
         chars += len(request.input)
         count += 1

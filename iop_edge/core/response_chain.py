@@ -37,6 +37,7 @@ __all__ = [
     "conversation",
     "order_chain",
     "read_final_response",
+    "read_response_id",
 ]
 
 #: The longest conversation followed back from a `previous_response_id` (Rule 4).
@@ -45,13 +46,16 @@ MAX_CHAIN: Final = 10_000
 
 @dataclass(frozen=True, slots=True)
 class StoredTurn:
-    """One stored response, as a conversation needs it."""
+    """One stored response, as a conversation needs it. Its items stay the JSON they were
+    stored as: the Edge sends them on as they are (an encoder writes `msgspec.Raw`
+    verbatim), so a long conversation is never decoded into objects only to be encoded
+    again."""
 
     id: str
     previous_id: str | None
-    input_items: list[Any]
+    input_items: list[msgspec.Raw]
     """The items of the request that produced it (its own, not the conversation's)."""
-    output_items: list[Any]
+    output_items: list[msgspec.Raw]
     """The `output` items of its final response object."""
 
 
@@ -60,16 +64,22 @@ class ChainBroken(Exception):
 
 
 class FinalResponse(msgspec.Struct, frozen=True, kw_only=True):
-    """What the Edge reads of a final Responses object: its id and its output items."""
+    """What the Edge reads of a final Responses object: its id and its output items (as
+    JSON, unread)."""
 
     id: str = ""
-    output: list[Any] = []
+    output: list[msgspec.Raw] = []
+
+
+class _ResponseId(msgspec.Struct, frozen=True):
+    id: str = ""
 
 
 _decode_final: Final = msgspec.json.Decoder(FinalResponse).decode
+_decode_id: Final = msgspec.json.Decoder(_ResponseId).decode
 
 
-def read_final_response(data: bytes) -> tuple[str, list[Any]]:
+def read_final_response(data: bytes) -> tuple[str, list[msgspec.Raw]]:
     """The id and output items of a final Responses object (`run_done.response`); raises
     `ValueError` saying what is wrong when `data` is not one."""
     try:
@@ -79,6 +89,18 @@ def read_final_response(data: bytes) -> tuple[str, list[Any]]:
     if not final.id:
         raise ValueError("the response object has no `id`")
     return final.id, final.output
+
+
+def read_response_id(data: bytes) -> str:
+    """The id of a final Responses object, the rest skipped (what storing it needs);
+    raises `ValueError` as `read_final_response` does."""
+    try:
+        response_id = _decode_id(data).id
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise ValueError(f"not a Responses object: {exc}") from None
+    if not response_id:
+        raise ValueError("the response object has no `id`")
+    return response_id
 
 
 def order_chain(tip: str, turns: Mapping[str, StoredTurn]) -> list[StoredTurn]:
@@ -112,7 +134,8 @@ def order_chain(tip: str, turns: Mapping[str, StoredTurn]) -> list[StoredTurn]:
 
 
 def conversation(chain: Sequence[StoredTurn], new_items: Sequence[Any]) -> list[Any]:
-    """The input items of a request continuing `chain` (Rule 1)."""
+    """The input items of a request continuing `chain` (Rule 1): the stored ones as JSON
+    (`msgspec.Raw`), then `new_items` as they are."""
     items: list[Any] = []
     for turn in chain:
         items += turn.input_items

@@ -37,7 +37,9 @@ framing errors carry OpenAI's error body.
 
 The keep-alive timeout is one task per connection whose deadline moves
 (`iop_edge.http.keep_alive`), not Hypercorn's task per request, and a connection its
-client closed is released at once rather than when that timeout is up.
+client closed is released at once rather than when that timeout is up. The same moment
+is told to whoever watches the connection (`on_client_gone`): a request in flight learns
+that its caller left without a task of its own waiting on ASGI `receive` for it.
 
 The app tasks of a connection are spawned from the connection's task, so they see the
 connection through a context variable (`current_connection`). Hypercorn 0.18's
@@ -52,7 +54,9 @@ from __future__ import annotations
 import logging
 import os
 import select
+from collections.abc import Callable
 from contextvars import ContextVar
+from functools import partial
 from typing import Any, Final
 
 import trio
@@ -129,6 +133,8 @@ class Connection(HypercornConnection):
         self._holding = False
         self._held = b""
         """A response's head, waiting to go out with the first bytes after it."""
+        self._reading = True
+        self._gone_watchers: set[Callable[[], None]] = set()
 
     async def run(self) -> None:
         _current.set(self)  # seen by this connection's app tasks, spawned from here
@@ -145,6 +151,23 @@ class Connection(HypercornConnection):
 
     def reading_ended(self) -> None:
         self._keep_alive.end()  # the client closed, or we did: release the connection
+        self._reading = False
+        watchers, self._gone_watchers = self._gone_watchers, set()
+        for watcher in watchers:
+            watcher()
+
+    def on_client_gone(self, watcher: Callable[[], None]) -> Callable[[], None]:
+        """Call `watcher` (once, from the connection's task) when the connection stops
+        reading: its client closed it or the socket broke, or the server closed it. That
+        is when Hypercorn tells the requests in flight `http.disconnect`; an HTTP/1.1
+        request learns it here instead of from a task of its own waiting on `receive`.
+        A connection that stopped reading already calls `watcher` at once. Returns the
+        function that stops the watch (the request is over)."""
+        if not self._reading:
+            watcher()
+            return _nothing
+        self._gone_watchers.add(watcher)
+        return partial(self._gone_watchers.discard, watcher)
 
     def _bytes_waiting(self) -> bool:
         """Whether the client sent bytes not read yet (a request on its way in)."""
@@ -283,6 +306,10 @@ class ChunkedBodyWriter:
     async def write_rest(self, rest: bytes) -> None:
         """Finish a piece `write_now` began (before anything else is sent)."""
         await self._connection.write(rest)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _chunk(data: bytes) -> bytes:

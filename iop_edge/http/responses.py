@@ -106,8 +106,11 @@ class ResponsesSurface:
         apply_defaults(model, body, DEFAULT_KEYS)
         check_max_tokens(model, "max_output_tokens", body.get("max_output_tokens"))
         principal = caller.principal
-        own_items = input_items(body.get("input", []))
-        earlier: list[Any] = []
+        # The request's own items are needed to continue a conversation or to store one.
+        own_items = (
+            input_items(body.get("input", [])) if view.store or view.previous_response_id else []
+        )
+        earlier: list[msgspec.Raw] = []
         continues: tuple[str, ...] = ()
         previous_id = view.previous_response_id
         if previous_id is not None:
@@ -125,7 +128,7 @@ class ResponsesSurface:
             earlier = conversation(chain, ())
             continues = tuple(turn.id for turn in chain)
             continue_body(body, earlier + own_items)
-        else:
+        elif view.store:
             body["store"] = False
         plan = caller.plan(
             snapshot,

@@ -42,6 +42,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any, Final
 
 import msgspec
@@ -57,7 +58,7 @@ from iop_edge.http.caller_protocol import (
     stream_error,
 )
 from iop_edge.http.chat import plan_chat
-from iop_edge.http.connection import ChunkedBodyWriter
+from iop_edge.http.connection import ChunkedBodyWriter, current_connection
 from iop_edge.http.errors import (
     ApiError,
     admission_error,
@@ -110,6 +111,9 @@ MAX_JSON_DEPTH: Final = 64
 _REQUEST_ID: Final = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _decode_json: Final = msgspec.json.Decoder().decode
 _JSON_TYPE: Final = (b"content-type", b"application/json")
+#: The HTTP versions whose connections carry one request at a time: their caller left
+#: when the connection ends (`Connection.on_client_gone`).
+_HTTP1: Final = frozenset(("1.0", "1.1"))
 _SSE_HEADERS: Final = ((b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"))
 
 Headers = list[tuple[bytes, bytes]]
@@ -338,10 +342,19 @@ class RunEndpoints:
                 await reply.error(exc, timing)
                 return
             _continue_trace(plan, trace, request)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope, reply)
-                await self._run(plan, reply, timing, to_store)
-                nursery.cancel_scope.cancel()
+            connection = current_connection()
+            if connection is not None and scope["http_version"] in _HTTP1:
+                with trio.CancelScope() as cancel:
+                    stop_watching = connection.on_client_gone(partial(_caller_left, cancel, reply))
+                    try:
+                        await self._run(plan, reply, timing, to_store)
+                    finally:
+                        stop_watching()
+            else:  # HTTP/2 (a stream ends alone), or another server: a watcher task
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope, reply)
+                    await self._run(plan, reply, timing, to_store)
+                    nursery.cancel_scope.cancel()
         except _CallerGone:
             return
         except Exception:
@@ -629,15 +642,20 @@ def _is_json_object(data: bytes) -> bool:
     return body.startswith(b"{") and body.endswith(b"}")
 
 
+def _caller_left(scope: trio.CancelScope, reply: _Reply) -> None:
+    """Cancel the request when its caller disconnects (the body is already read) before
+    the response is complete; after that, the disconnect only ends the exchange."""
+    if not reply.complete:
+        scope.cancel()
+
+
 async def _cancel_on_disconnect(
     receive: ASGIReceiveCallable, scope: trio.CancelScope, reply: _Reply
 ) -> None:
-    """Cancel the request when its caller disconnects (the body is already read) before
-    the response is complete; after that, the disconnect only ends the exchange."""
+    """`_caller_left` when ASGI `receive` says the caller disconnected."""
     while (await receive())["type"] != "http.disconnect":
         pass
-    if not reply.complete:
-        scope.cancel()
+    _caller_left(scope, reply)
 
 
 def _nests_deeper(data: bytes, value: object, limit: int) -> bool:

@@ -36,6 +36,7 @@ __all__ = [
     "chat_body",
     "encode",
     "sse_event",
+    "sse_head",
     "text_and_images",
     "text_or_parts",
 ]
@@ -161,4 +162,11 @@ def text_or_parts(parts: list[Part]) -> str | list[Part]:
 def sse_event(name: str, data: bytes) -> bytes:
     """One named server-sent event. msgspec escapes every newline inside a JSON string, so
     the payload is always one `data:` line."""
-    return b"event: " + name.encode() + b"\ndata: " + data + b"\n\n"
+    return sse_head(name) + data + b"\n\n"
+
+
+def sse_head(name: str) -> bytes:
+    """A named server-sent event up to its data (`event: NAME\\ndata: `): what
+    `sse_event` writes before the payload, for a translator that frames many events of
+    one name."""
+    return b"event: " + name.encode() + b"\ndata: "

@@ -36,7 +36,7 @@ from msgspec import UNSET, UnsetType
 from iop_node.protocols.chat_body import encode
 from iop_node.protocols.chat_view import TokenUsage, named_calls, read_response
 from iop_node.protocols.errors import ReplyTranslationError
-from iop_node.protocols.responses_request import read_tool_map
+from iop_node.protocols.responses_request import ResponsesRequest, read_tool_map
 from iop_node.protocols.responses_tools import CallerTool, ToolMap
 
 __all__ = [
@@ -53,7 +53,9 @@ __all__ = [
     "Status",
     "call_id",
     "call_item",
+    "closing_members",
     "custom_input",
+    "echo_members",
     "failure",
     "item_id",
     "responses_response_from_chat",
@@ -152,7 +154,7 @@ class _Incomplete(msgspec.Struct, frozen=True):
     reason: str
 
 
-#: What a Response echoes of its request (Rule 1), with OpenAI's defaults.
+#: What a Response echoes of its request (Rule 1), in order, with OpenAI's defaults.
 _ECHO_DEFAULTS: Final[tuple[tuple[str, bytes], ...]] = (
     ("instructions", b"null"),
     ("max_output_tokens", b"null"),
@@ -175,29 +177,80 @@ _ECHO_DEFAULTS: Final[tuple[tuple[str, bytes], ...]] = (
     ("user", b"null"),
 )
 
-_decode_fields: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+#: The echoed fields of a request as the caller wrote them, each defaulting to OpenAI's
+#: default: decoded from the request (the other fields are skipped), it encodes as the
+#: echo.
+_Echo = msgspec.defstruct(
+    "_Echo",
+    [(name, msgspec.Raw, msgspec.Raw(default)) for name, default in _ECHO_DEFAULTS],
+    frozen=True,
+)
+_decode_echo: Final = msgspec.json.Decoder(_Echo).decode
+_DEFAULT_ECHO: Final = _Echo()
+
+
+def echo_members(body: bytes) -> bytes:
+    """Rule 1's echo of a request body, encoded as the members that close a Response
+    object (`,"instructions":...,"user":null}`): each field as the caller sent it, else
+    OpenAI's default. A body that is not a JSON object echoes the defaults (its
+    translation has refused it already)."""
+    try:
+        echo = _decode_echo(body)
+    except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError
+        echo = _DEFAULT_ECHO
+    return closing_members(encode(echo))
+
+
+def closing_members(encoded: bytes) -> bytes:
+    """The members of an encoded JSON object, written to close another object that has
+    members of its own: `{"a":1}` -> `,"a":1}`, and `{}` -> `}`. With `opened[:-1]`
+    (an encoded object without its `}`) in front, the two are one object."""
+    if not encoded.startswith(b"{") or not encoded.endswith(b"}"):
+        raise ValueError("not an encoded JSON object")
+    inner = encoded[1:]
+    return inner if inner == b"}" else b"," + inner
+
+
+class _Response(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A Response object's own fields, in OpenAI's order; the echo follows them."""
+
+    id: str
+    object: str
+    created_at: int
+    status: Status
+    background: bool
+    error: _Error | None
+    incomplete_details: _Incomplete | None
+    model: str
+    output: list[OutputItem]
+    usage: ResponsesUsage | None
+    completed_at: int | UnsetType = UNSET
 
 
 class ResponseShell:
-    """What every Response object of one run shares: id, time, model, the echo."""
+    """What every Response object of one run shares: id, time, model, the echo (encoded
+    once per run)."""
 
-    __slots__ = ("_clock", "created_at", "echo", "id", "model", "tools")
+    __slots__ = ("_clock", "_echo", "created_at", "id", "model", "tools")
 
     def __init__(
-        self, reply_model: str, request_id: str, request: bytes, clock: Callable[[], float]
+        self,
+        reply_model: str,
+        request_id: str,
+        request: bytes | ResponsesRequest,
+        clock: Callable[[], float],
     ) -> None:
         self.id = f"resp_{request_id}"
         self.model = reply_model
         self._clock = clock
         self.created_at = int(clock())
-        self.tools: ToolMap = read_tool_map(request)
-        try:
-            fields = _decode_fields(request)
-        except (msgspec.DecodeError, RecursionError):
-            fields = {}
-        self.echo: dict[str, msgspec.Raw] = {
-            name: fields.get(name) or msgspec.Raw(default) for name, default in _ECHO_DEFAULTS
-        }
+        if isinstance(request, ResponsesRequest):
+            self.tools: ToolMap = request.tools
+            body = request.body
+        else:
+            self.tools = read_tool_map(request)
+            body = request
+        self._echo = echo_members(body)
 
     def body(
         self,
@@ -207,24 +260,23 @@ class ResponseShell:
         *,
         error: _Error | None = None,
         incomplete: str | None = None,
-    ) -> dict[str, Any]:
-        """The response object, as OpenAI orders its fields."""
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created_at,
-            "status": status,
-            "background": False,
-            "error": error,
-            "incomplete_details": _Incomplete(incomplete) if incomplete else None,
-            "model": self.model,
-            "output": output,
-            "usage": ResponsesUsage.of(usage) if usage is not None else None,
-        }
+    ) -> bytes:
+        """The response object, encoded, its fields as OpenAI orders them."""
+        response = _Response(
+            id=self.id,
+            object="response",
+            created_at=self.created_at,
+            status=status,
+            background=False,
+            error=error,
+            incomplete_details=_Incomplete(incomplete) if incomplete else None,
+            model=self.model,
+            output=output,
+            usage=ResponsesUsage.of(usage) if usage is not None else None,
+        )
         if status == "completed":
-            body["completed_at"] = int(self._clock())
-        body.update(self.echo)
-        return body
+            response.completed_at = int(self._clock())
+        return encode(response)[:-1] + self._echo
 
 
 def status_of(finish_reason: str | None) -> tuple[Status, str | None]:
@@ -308,13 +360,14 @@ def responses_response_from_chat(
     *,
     reply_model: str,
     request_id: str,
-    request: bytes,
+    request: bytes | ResponsesRequest,
     usage: TokenUsage | None = None,
     clock: Callable[[], float] = time.time,
 ) -> bytes:
     """The Responses response object for a whole chat completion; `request` is the
-    caller's request body (echoed, and read for its tools). `usage` counts only when the
-    runtime's reply has none (Rule 5). `clock` dates it."""
+    caller's request (its body, or the body as the run read it) echoed, and read for its
+    tools. `usage` counts only when the runtime's reply has none (Rule 5). `clock` dates
+    it."""
     shell = ResponseShell(reply_model, request_id, request, clock)
     response = read_response(chat)
     choice = response.first()
@@ -356,5 +409,4 @@ def responses_response_from_chat(
                 )
             )
     counts = response.usage.tokens() if response.usage is not None else usage or TokenUsage()
-    body = shell.body(status, output, counts, incomplete=incomplete)
-    return encode(body)
+    return shell.body(status, output, counts, incomplete=incomplete)

@@ -53,7 +53,13 @@ from iop_node.protocols.chat_body import (
 from iop_node.protocols.errors import TranslationError, from_validation
 from iop_node.protocols.responses_tools import UNSUPPORTED_TOOLS, Tool, ToolMap
 
-__all__ = ["UNSUPPORTED", "read_tool_map", "responses_request_to_chat"]
+__all__ = [
+    "UNSUPPORTED",
+    "ResponsesRequest",
+    "read_responses_request",
+    "read_tool_map",
+    "responses_request_to_chat",
+]
 
 _STATE = "it refers to state kept by OpenAI's service; send the items themselves"
 
@@ -205,25 +211,46 @@ _ITEMS: Final[dict[str, msgspec.json.Decoder[Any]]] = {
 
 
 def read_tool_map(body: bytes) -> ToolMap:
-    """The tool map of a Responses request body (for the reply's translator)."""
+    """The tool map of a Responses request body (for a reply's translator given only the
+    body: a run reads its request once, `read_responses_request`)."""
     try:
         return ToolMap(_decode_tools(body).tools)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise from_validation(exc, unsupported=UNSUPPORTED) from None
 
 
-# --- translation -------------------------------------------------------------------------
+class ResponsesRequest:
+    """A Responses request body read once, for both directions of a run: the request's
+    translation to chat and the reply's translation back (which echoes the body and
+    maps tool calls back through the same `tools`)."""
+
+    __slots__ = ("body", "request", "tools")
+
+    def __init__(self, body: bytes, request: _Request, tools: ToolMap) -> None:
+        self.body = body
+        self.request = request
+        self.tools = tools
 
 
-def responses_request_to_chat(body: bytes) -> bytes:
-    """The chat completions body for a Responses request body (its `model` already the
-    served name). `TranslationError` names what cannot be translated."""
+def read_responses_request(body: bytes) -> ResponsesRequest:
+    """Read a Responses request body (its `model` already the served name);
+    `TranslationError` names what cannot be translated."""
     try:
         request = _decode_request(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise from_validation(exc, unsupported=UNSUPPORTED) from None
     _refuse_state(request)
-    tools = ToolMap(request.tools)
+    return ResponsesRequest(body, request, ToolMap(request.tools))
+
+
+# --- translation -------------------------------------------------------------------------
+
+
+def responses_request_to_chat(body: bytes | ResponsesRequest) -> bytes:
+    """The chat completions body for a Responses request (its body, or the body read by
+    `read_responses_request`). `TranslationError` names what cannot be translated."""
+    read = body if isinstance(body, ResponsesRequest) else read_responses_request(body)
+    request, tools = read.request, read.tools
     messages: list[ChatMessage] = []
     if request.instructions:
         messages.append(ChatMessage(role="system", content=request.instructions))

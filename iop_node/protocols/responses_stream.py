@@ -35,6 +35,7 @@ are the ones gateways that translate in the middle get wrong:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from iop_node.protocols.chat_body import encode, sse_event
+from iop_node.protocols.chat_body import encode, sse_head
 from iop_node.protocols.chat_stream import ChatStreamTranslator, StreamedCall
 from iop_node.protocols.chat_view import TokenUsage
 from iop_node.protocols.errors import ReplyTranslationError
@@ -63,6 +64,7 @@ from iop_node.protocols.responses_reply import (
     item_id,
     status_of,
 )
+from iop_node.protocols.responses_request import ResponsesRequest
 from iop_node.protocols.responses_tools import CallerTool
 
 __all__ = ["ResponsesStream"]
@@ -76,7 +78,8 @@ class _Event(msgspec.Struct, kw_only=True, tag_field="type"):
 
 
 class _Lifecycle(_Event, kw_only=True):
-    response: dict[str, Any]
+    response: msgspec.Raw
+    """The response object, encoded once (a stream's last one is also its final response)."""
 
 
 class _ItemEvent(_Event, kw_only=True):
@@ -185,6 +188,12 @@ _PART_DONE: Final = _part_event("response.content_part.done")
 PartKind = Literal["output_text", "refusal", "reasoning_text"]
 
 
+@functools.cache
+def _event_head(kind: type[_Event]) -> bytes:
+    """An event type's framing up to its data, made once per type (`sse_head`)."""
+    return sse_head(str(kind.__struct_config__.tag))
+
+
 # --- state -------------------------------------------------------------------------------
 
 
@@ -223,7 +232,7 @@ class ResponsesStream(ChatStreamTranslator[_Call]):
         self,
         reply_model: str,
         request_id: str,
-        request: bytes,
+        request: bytes | ResponsesRequest,
         *,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -243,10 +252,10 @@ class ResponsesStream(ChatStreamTranslator[_Call]):
         self._close(out, "incomplete" if status == "incomplete" else "completed")
         self._ended = True
         counts = self._usage or usage or TokenUsage()
-        body = self._shell.body(status, self._output, counts, incomplete=incomplete)
-        self._final = encode(body)
+        self._final = self._shell.body(status, self._output, counts, incomplete=incomplete)
         kind = _COMPLETED if status == "completed" else _INCOMPLETE
-        out.append(self._emit(kind(sequence_number=self._next(), response=body)))
+        response = msgspec.Raw(self._final)
+        out.append(self._emit(kind(sequence_number=self._next(), response=response)))
         return b"".join(out)
 
     def fail(self, message: str, code: str) -> bytes:
@@ -260,9 +269,9 @@ class ResponsesStream(ChatStreamTranslator[_Call]):
             except ReplyTranslationError:
                 pass  # a custom call whose input cannot be read: the failure says enough
         self._ended = True
-        body = self._shell.body("failed", output, self._usage, error=failure(message, code))
-        self._final = encode(body)
-        out.append(self._emit(_FAILED(sequence_number=self._next(), response=body)))
+        self._final = self._shell.body("failed", output, self._usage, error=failure(message, code))
+        response = msgspec.Raw(self._final)
+        out.append(self._emit(_FAILED(sequence_number=self._next(), response=response)))
         return b"".join(out)
 
     def final_response(self) -> bytes:
@@ -280,11 +289,11 @@ class ResponsesStream(ChatStreamTranslator[_Call]):
 
     @staticmethod
     def _emit(event: _Event) -> bytes:
-        return sse_event(str(event.__struct_config__.tag), encode(event))
+        return _event_head(type(event)) + encode(event) + b"\n\n"
 
     def _start(self, out: list[bytes]) -> None:
         self._started = True
-        body = self._shell.body("in_progress", [], None)
+        body = msgspec.Raw(self._shell.body("in_progress", [], None))
         out.append(self._emit(_CREATED(sequence_number=self._next(), response=body)))
         out.append(self._emit(_IN_PROGRESS(sequence_number=self._next(), response=body)))
 

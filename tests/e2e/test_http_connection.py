@@ -67,7 +67,7 @@ class StreamingApp:
 
 
 def _server(
-    app: StreamingApp,
+    app: StreamingApp | WatchingApp,
     *,
     graceful_timeout_s: float | None = None,
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
@@ -84,7 +84,7 @@ def _server(
     return HttpServer(app, config, sock, send_timeout_s=send_timeout_s), (host, port)
 
 
-async def _serve(nursery: trio.Nursery, app: StreamingApp) -> tuple[str, int]:
+async def _serve(nursery: trio.Nursery, app: StreamingApp | WatchingApp) -> tuple[str, int]:
     server, address = _server(app)
     await nursery.start(server.serve)
     return address
@@ -491,3 +491,57 @@ async def test_a_response_framed_by_its_length_goes_out_in_one_write(
     writes.clear()
     head = await _exchange(address, _request(method="HEAD"))
     assert writes == [head] and head.endswith(b"\r\n\r\n")
+
+
+class WatchingApp:
+    """Holds each request open, watching its connection (`Connection.on_client_gone`);
+    `stop_first` stops the first request's watch before its caller leaves."""
+
+    def __init__(self, *, stop_first: bool = False) -> None:
+        self.stop_first = stop_first
+        self.watching = trio.Event()
+        self.gone: list[str] = []
+        self.connection: Connection | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await complete_lifespan(receive, send)
+            return
+        self.connection = current_connection()
+        assert self.connection is not None
+        stop = self.connection.on_client_gone(lambda: self.gone.append(scope["path"]))
+        if self.stop_first:
+            stop()
+        self.watching.set()
+        await trio.sleep_forever()
+
+
+async def test_a_request_in_flight_hears_its_caller_leave(nursery: trio.Nursery) -> None:
+    """A caller that closes its connection mid-request is heard by the watch of the
+    request in flight, once; a watch begun after the connection stopped reading is
+    answered at once."""
+    app = WatchingApp()
+    address = await _serve(nursery, app)
+    stream = await trio.open_tcp_stream(*address)
+    await stream.send_all(b"POST /first HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n")
+    with trio.fail_after(5):
+        await app.watching.wait()
+    assert app.gone == []
+    await stream.aclose()
+    await trio.testing.wait_all_tasks_blocked()
+    assert app.gone == ["/first"]
+    assert app.connection is not None
+    app.connection.on_client_gone(lambda: app.gone.append("late"))
+    assert app.gone == ["/first", "late"]
+
+
+async def test_a_watch_stopped_hears_nothing(nursery: trio.Nursery) -> None:
+    app = WatchingApp(stop_first=True)
+    address = await _serve(nursery, app)
+    stream = await trio.open_tcp_stream(*address)
+    await stream.send_all(b"POST /first HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n")
+    with trio.fail_after(5):
+        await app.watching.wait()
+    await stream.aclose()
+    await trio.testing.wait_all_tasks_blocked()
+    assert app.gone == []

@@ -14,8 +14,10 @@ from iop_node.protocols import (
     ReplyTranslationError,
     TokenUsage,
     messages_response_from_chat,
+    read_responses_request,
     responses_response_from_chat,
 )
+from iop_node.protocols.responses_reply import closing_members, echo_members
 
 from .replay_server import ReplayServer
 
@@ -285,3 +287,48 @@ def test_responses_custom_call_without_its_string_argument() -> None:
     with pytest.raises(ReplyTranslationError) as caught:
         _responses(_chat({"tool_calls": [call]}, "tool_calls"), {"model": "m", "tools": tools})
     assert caught.value.param == "choices[0].message.tool_calls[0].function.arguments"
+
+
+def test_a_request_read_once_replies_as_its_body_does() -> None:
+    """The Node reads a run's Responses body once and hands the reading to the reply's
+    translator: the reply is byte for byte the one made from the body itself."""
+    tools = [
+        {"type": "custom", "name": "apply_patch"},
+        {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "go"}]},
+    ]
+    body = json.dumps({"model": "m", "input": "hi", "tools": tools, "top_p": 0.5}).encode()
+    chat = _chat({"content": "x", "tool_calls": [FULL["tool_calls"][0]]}, "tool_calls")
+    read = read_responses_request(body)
+    replies = [
+        responses_response_from_chat(
+            chat, reply_model="alias", request_id="r7", request=request, clock=lambda: NOW
+        )
+        for request in (body, read)
+    ]
+    assert replies[0] == replies[1]
+    assert json.loads(replies[1])["top_p"] == 0.5
+
+
+def test_the_echo_closes_a_response_object_in_openais_order() -> None:
+    echo = echo_members(b'{"model":"m","store":false,"metadata":{"a":"b"},"user":null}')
+    assert echo.startswith(b',"instructions":null,') and echo.endswith(b',"user":null}')
+    fields = json.loads(b'{"id":"x"' + echo)
+    assert list(fields)[:3] == ["id", "instructions", "max_output_tokens"]
+    assert (fields["store"], fields["metadata"], fields["top_p"]) == (False, {"a": "b"}, 1.0)
+    # a body that is not a JSON object echoes the defaults
+    assert json.loads(b'{"id":"x"' + echo_members(b"[1, 2]"))["store"] is True
+
+
+@pytest.mark.parametrize(
+    ("encoded", "members"),
+    [(b'{"a":1}', b',"a":1}'), (b'{"a":1,"b":[{}]}', b',"a":1,"b":[{}]}'), (b"{}", b"}")],
+)
+def test_closing_members(encoded: bytes, members: bytes) -> None:
+    assert closing_members(encoded) == members
+    assert json.loads(b'{"z":0' + members) == {"z": 0, **json.loads(encoded)}
+
+
+@pytest.mark.parametrize("encoded", [b"[]", b"", b'"{}"', b"{"])
+def test_closing_members_of_what_is_not_an_object(encoded: bytes) -> None:
+    with pytest.raises(ValueError, match="not an encoded JSON object"):
+        closing_members(encoded)

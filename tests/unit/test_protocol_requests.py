@@ -178,7 +178,8 @@ def test_earlier_turns_of_a_conversation_count_too() -> None:
         {"type": "web_search_call", "content": {"odd": "shape"}},  # not a shape the view knows
     ]
     odd = len(_encode(earlier[2]))
-    assert estimate_responses_tokens(request, earlier) == -(-(4 + 80 + odd) // 4) + framing(
+    stored = [msgspec.Raw(_encode(item)) for item in earlier]  # as the store keeps them
+    assert estimate_responses_tokens(request, stored) == -(-(4 + 80 + odd) // 4) + framing(
         4, system=False
     )
 

@@ -16,6 +16,7 @@ from iop_edge.core.response_chain import (
     conversation,
     order_chain,
     read_final_response,
+    read_response_id,
 )
 
 
@@ -35,8 +36,8 @@ def _turn(response_id: str, previous: str | None, asked: str, said: str) -> Stor
     return StoredTurn(
         id=response_id,
         previous_id=previous,
-        input_items=[_user(asked)],
-        output_items=[_answer(said)],
+        input_items=[msgspec.Raw(msgspec.json.encode(_user(asked)))],
+        output_items=[msgspec.Raw(msgspec.json.encode(_answer(said)))],
     )
 
 
@@ -49,7 +50,10 @@ def test_a_chain_is_ordered_oldest_first_and_spelled_out_in_turn_order() -> None
     }
     chain = order_chain("r3", turns)
     assert [turn.id for turn in chain] == ["r1", "r2", "r3"]
-    assert conversation(chain, [_user("now")]) == [
+    items = conversation(chain, [_user("now")])
+    # the stored items go on as the JSON they were stored as, the new ones as they came
+    assert all(isinstance(item, msgspec.Raw) for item in items[:-1])
+    assert msgspec.json.decode(msgspec.json.encode(items)) == [
         _user("hi"),
         _answer("hello"),
         _user("and?"),
@@ -104,7 +108,12 @@ def test_a_final_response_is_read_for_its_id_and_output() -> None:
     data = msgspec.json.encode(
         {"id": "resp_1", "object": "response", "status": "completed", "output": [_answer("x")]}
     )
-    assert read_final_response(data) == ("resp_1", [_answer("x")])
+    response_id, output = read_final_response(data)
+    assert response_id == "resp_1"
+    assert [msgspec.json.decode(item) for item in output] == [_answer("x")]
+    assert read_response_id(data) == "resp_1"
     for bad in (b"[]", b'{"output": []}', b'{"id": 3}', b"not json"):
         with pytest.raises(ValueError, match=r"not a Responses object|no `id`"):
             read_final_response(bad)
+        with pytest.raises(ValueError, match=r"not a Responses object|no `id`"):
+            read_response_id(bad)

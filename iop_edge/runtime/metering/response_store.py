@@ -50,6 +50,7 @@ from iop_edge.core.response_chain import (
     StoredTurn,
     order_chain,
     read_final_response,
+    read_response_id,
 )
 from schemas.config import ResponsesSection
 
@@ -70,7 +71,7 @@ _T = TypeVar("_T")
 CLOSE_TIMEOUT_S: Final = 5.0
 
 _encode: Final = msgspec.json.Encoder().encode
-_decode_items: Final = msgspec.json.Decoder(list[Any]).decode
+_decode_items: Final = msgspec.json.Decoder(list[msgspec.Raw]).decode
 
 
 class StoreUnavailable(Exception):
@@ -173,7 +174,7 @@ class ResponseStore:
         """Store a finished run's response (Rule 3); returns its id, or None when it was
         not stored (Rule 4: said in the log)."""
         try:
-            response_id, _ = read_final_response(response)
+            response_id = read_response_id(response)
         except ValueError as exc:
             log.warning("responses store: a response was not stored: %s", exc)
             return None
