@@ -597,6 +597,7 @@ class Edge:
                 self._hold_caller_port,
                 self.scheduler.run,
                 self.ledger.run,
+                self.access_log.run,  # writes its lines in batches while it runs
                 # Today's budgets are read before anything is served (limits Rule 3).
                 partial(self.limiter.run, LedgerTotals(self.ledger), shared=self._ledger_shared),
                 self.responses.run,

@@ -30,10 +30,13 @@ Rules:
    native relay rewrites it (`adapters.native`).
 6. `keep_output`: the final response object of a Responses stream (native: the
    `response.completed` event's; translated: the translator's) travels in
-   `run_done.response`, so the Edge can store it. With `hold_tail`, the events that end
-   a stream travel in `run_done.tail` instead of ahead of the end (native: the relay's
-   `message_delta`/`message_stop` or last `response.*`; translated: all the translator's
-   `finish` writes), so no caller reads them before the Edge recorded the run's end.
+   `run_done.response`, so the Edge can store it. Such a response says `store: true`,
+   as its caller asked, though the body says `store: false` (the Edge is the store and
+   the runtime keeps nothing): the translators write it, the native relay rewrites it.
+   With `hold_tail`, the events that end a stream travel in `run_done.tail` instead of
+   ahead of the end (native: the relay's `message_delta`/`message_stop` or last
+   `response.*`; translated: all the translator's `finish` writes), so no caller reads
+   them before the Edge recorded the run's end.
 7. `count_tokens` asks, in order: the upstream's own `/v1/messages/count_tokens` when it
    speaks Messages natively; the runtime's tokenizer endpoint, over the text of the
    request translated to chat (`rendered_prompt`: the messages, tool calls and tool
@@ -197,7 +200,7 @@ async def _translated(
     if request is None:
         translator = MessagesStream(alias, request_id)
     else:
-        translator = ResponsesStream(alias, request_id, request)
+        translator = ResponsesStream(alias, request_id, request, stored=run.keep_output)
     delta_marker = _DELTA_EVENTS[protocol]
     output_tokens = 0
     emitted = False
@@ -290,6 +293,7 @@ async def _translated_response(
                 request_id=request_id,
                 request=request,
                 usage=fallback,
+                stored=run.keep_output,
             )
     except ReplyTranslationError as exc:
         raise _broken_reply(exc, emitted=False) from None

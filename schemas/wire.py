@@ -176,7 +176,8 @@ class Run(Message, tag="run", frozen=True, kw_only=True):
     keep_output: bool = False
     """The Edge stores this run's result (a Responses request with `store: true`): the
     Node puts the final response object, in the caller's protocol, in `run_done.response`
-    even for a stream."""
+    even for a stream. The body says `store: false` (the runtime keeps nothing), and the
+    response says `store: true`, as the caller asked."""
     traceparent: str = ""
     """W3C trace context (design §16): the Edge's span of the caller's request when the
     Edge traces, else the caller's own `traceparent` as it came ("" = none). The Node's

@@ -15,7 +15,9 @@ chat completions. Same catalog, aliases, limits and long-context admission as ch
 - `store` (true unless the caller says false): the run keeps its final response
   (`run.keep_output`) and the Edge stores it with the request's own input items before
   the caller's response completes (`ResponseStore.keep`). The runtime is always sent
-  `store: false`: the Edge is the store.
+  `store: false`: the Edge is the store. The caller still sees the `store` it asked for:
+  the Node writes `store: true` into the response of a run that keeps its output
+  (translated or relayed natively alike).
 """
 
 from __future__ import annotations

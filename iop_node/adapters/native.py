@@ -4,9 +4,10 @@ Responses stream, and to a native non-stream body.
 
 Rules:
 1. Bytes pass through. The protocol's reader (`iop_node.protocols.MessagesNative`,
-   `ResponsesNative`) writes the caller's alias where the protocol puts the model and
-   reads the usage; it parses only the few events that carry them, named by their SSE
-   event name. Everything else is relayed untouched.
+   `ResponsesNative`) writes the caller's alias where the protocol puts the model (and,
+   for a Responses run the Edge stores, `store: true`: Rule 5) and reads the usage; it
+   parses only the few events that carry them, named by their SSE event name.
+   Everything else is relayed untouched.
 2. Events leave framed as the protocol frames them, `event: NAME\\ndata: JSON\\n\\n`. An
    upstream that leaves the `event:` line out is read by the data's `type`.
 3. A stream has ended well at its protocol's last event (`message_stop`;
@@ -18,7 +19,9 @@ Rules:
    never came (a cut stream): engines stream about a token per event, and no delta is
    parsed to count it.
 5. `keep_output`: the object of the Responses stream's last event, as the caller saw it,
-   is kept for `run_done.response` (the Edge stores it).
+   is kept for `run_done.response` (the Edge stores it). The caller asked for `store:
+   true` and the runtime was sent `store: false` (the Edge is the store): the reply's
+   `store` says true again.
 6. `hold_tail`: the events that tell the caller its reply is whole (`message_delta` and
    `message_stop`; `response.completed`, `response.incomplete`) are held back, not
    returned, for the run's end to carry (`run_done.tail`, written by the Edge once it
@@ -123,10 +126,13 @@ class NativeReply:
 
     def __init__(self, run: Run, protocol: CallerProtocol) -> None:
         self.protocol = protocol
-        reader = MessagesNative if protocol == "messages" else ResponsesNative
-        self._reader: MessagesNative | ResponsesNative = reader(run.reply_model)
-        self._ends = _ENDS[protocol]
         self._keep = run.keep_output and protocol == "responses"
+        self._reader: MessagesNative | ResponsesNative = (
+            MessagesNative(run.reply_model)
+            if protocol == "messages"
+            else ResponsesNative(run.reply_model, stored=self._keep)
+        )
+        self._ends = _ENDS[protocol]
         self._tail = _TAIL[protocol] if run.hold_tail else frozenset[str]()
         self._held: list[bytes] = []
         self.ended = False

@@ -3,15 +3,19 @@
 A provider that speaks the caller's protocol gets the body as the caller sent it and
 its reply goes back as it came (design §14), with two exceptions the Node owes every
 caller (design §3): the `model` the caller sees is the alias it asked for, and the run's
-usage is read for metering. Both live in a few events only, so these readers parse only
-those, and only their top level plus the one object below it that holds the model:
+usage is read for metering. A Responses reply the Edge stores (`stored`) also says
+`store: true`, as its caller asked: the runtime was sent `store: false`, since the Edge
+is the store (design §14), and echoes that. All of these live in a few events only, so
+these readers parse only those, and only their top level plus the one object below it
+that holds the model:
 
 - Messages: `message_start` (`message.model`, `message.usage` with the input counts)
   and `message_delta` (`usage`, cumulative: output counts, sometimes input counts);
   the non-stream body (`model`, `usage`).
 - Responses: the lifecycle events `response.created`, `.queued`, `.in_progress`,
-  `.completed`, `.incomplete` and `.failed` (`response.model`, `response.usage` on the
-  last three); the non-stream body (`model`, `usage`).
+  `.completed`, `.incomplete` and `.failed` (`response.model`, `response.store`,
+  `response.usage` on the last three); the non-stream body (`model`, `store`, `usage`).
+  A reply without `store` is left without it.
 
 Every other event (the bulk: text and argument deltas) is returned as it is, unread
 when the caller passes the SSE event name along, which is what a relay has in hand.
@@ -198,16 +202,31 @@ _LIFECYCLE: Final = frozenset(
 _TERMINAL: Final = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
+_STORED: Final = msgspec.Raw(b"true")
+
+
 class ResponsesNative(_Native):
     """Reads one native OpenAI Responses reply (module docstring)."""
 
-    __slots__ = ("final_response",)
+    __slots__ = ("_stored", "final_response")
 
-    def __init__(self, reply_model: str) -> None:
+    def __init__(self, reply_model: str, *, stored: bool = False) -> None:
+        """`stored`: the Edge stores this run's response (`run.keep_output`)."""
         super().__init__(reply_model)
+        self._stored = stored
         self.final_response: bytes | None = None
         """The response object a stream ended with (its terminal event's `response`, with
         the alias), for the Edge to store when the caller asked for `store: true`."""
+
+    def _shaped(self, response: dict[str, msgspec.Raw]) -> bool:
+        """Give a response object's members the caller's alias and `store`; whether any
+        changed."""
+        changed = self._with_alias(response)
+        stored = response.get("store")
+        if self._stored and stored is not None and stored != _STORED:
+            response["store"] = _STORED
+            changed = True
+        return changed
 
     def event(self, data: bytes, name: str | None = None) -> bytes:
         """One stream event's `data` as the caller gets it. `name` is its SSE event name
@@ -220,7 +239,7 @@ class ResponsesNative(_Native):
         if fields is None or response is None:
             return data
         self._read(response.get("usage"))
-        changed = self._with_alias(response)
+        changed = self._shaped(response)
         if kind in _TERMINAL:
             self.final_response = encode(response) if changed else bytes(fields["response"])
         if not changed:
@@ -234,7 +253,7 @@ class ResponsesNative(_Native):
         if fields is None:
             return body
         self._read(fields.get("usage"))
-        return encode(fields) if self._with_alias(fields) else body
+        return encode(fields) if self._shaped(fields) else body
 
     def _read(self, raw: msgspec.Raw | None) -> None:
         if raw is None:

@@ -6,7 +6,10 @@ Rules:
 1. The response is `resp_<request_id>`, its model the caller's alias. It echoes the
    request's settings as OpenAI's service does (`instructions`, `tools`, `tool_choice`,
    `previous_response_id`, `store`, ...), copied as the caller sent them, with the
-   service's defaults for those it left out.
+   service's defaults for those it left out. A response the Edge stores (`stored`:
+   `run.keep_output`) says `store: true`, as its caller asked: the body the Node got says
+   `store: false`, since the Edge is the store and the runtime must keep nothing
+   (design §14).
 2. Output items come in the order a model produces them: `reasoning` (the runtime's
    `reasoning_content`, as `reasoning_text` content: it is the reasoning itself, not a
    summary), `message` (output text; a refusal as a `refusal` part), then one item per
@@ -189,15 +192,20 @@ _decode_echo: Final = msgspec.json.Decoder(_Echo).decode
 _DEFAULT_ECHO: Final = _Echo()
 
 
-def echo_members(body: bytes) -> bytes:
+_STORED: Final = msgspec.Raw(b"true")
+
+
+def echo_members(body: bytes, *, stored: bool = False) -> bytes:
     """Rule 1's echo of a request body, encoded as the members that close a Response
     object (`,"instructions":...,"user":null}`): each field as the caller sent it, else
-    OpenAI's default. A body that is not a JSON object echoes the defaults (its
-    translation has refused it already)."""
+    OpenAI's default; `store: true` when the response is `stored`. A body that is not a
+    JSON object echoes the defaults (its translation has refused it already)."""
     try:
         echo = _decode_echo(body)
     except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError
         echo = _DEFAULT_ECHO
+    if stored:
+        echo = msgspec.structs.replace(echo, store=_STORED)
     return closing_members(encode(echo))
 
 
@@ -239,7 +247,10 @@ class ResponseShell:
         request_id: str,
         request: bytes | ResponsesRequest,
         clock: Callable[[], float],
+        *,
+        stored: bool = False,
     ) -> None:
+        """`stored`: the Edge stores the response (Rule 1)."""
         self.id = f"resp_{request_id}"
         self.model = reply_model
         self._clock = clock
@@ -250,7 +261,7 @@ class ResponseShell:
         else:
             self.tools = read_tool_map(request)
             body = request
-        self._echo = echo_members(body)
+        self._echo = echo_members(body, stored=stored)
 
     def body(
         self,
@@ -363,12 +374,13 @@ def responses_response_from_chat(
     request: bytes | ResponsesRequest,
     usage: TokenUsage | None = None,
     clock: Callable[[], float] = time.time,
+    stored: bool = False,
 ) -> bytes:
     """The Responses response object for a whole chat completion; `request` is the
     caller's request (its body, or the body as the run read it) echoed, and read for its
     tools. `usage` counts only when the runtime's reply has none (Rule 5). `clock` dates
-    it."""
-    shell = ResponseShell(reply_model, request_id, request, clock)
+    it. `stored`: the Edge stores it (Rule 1)."""
+    shell = ResponseShell(reply_model, request_id, request, clock, stored=stored)
     response = read_response(chat)
     choice = response.first()
     message = choice.said if choice is not None else None

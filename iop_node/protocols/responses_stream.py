@@ -235,9 +235,12 @@ class ResponsesStream(ChatStreamTranslator[_Call]):
         request: bytes | ResponsesRequest,
         *,
         clock: Callable[[], float] = time.time,
+        stored: bool = False,
     ) -> None:
+        """`stored`: the Edge stores the response, which then says `store: true`
+        (`responses_reply` Rule 1)."""
         super().__init__(request_id)
-        self._shell = ResponseShell(reply_model, request_id, request, clock)
+        self._shell = ResponseShell(reply_model, request_id, request, clock, stored=stored)
         self._sequence = 0
         self._output: list[OutputItem] = []  # closed items, by output index
         self._open: _Item | None = None

@@ -169,8 +169,13 @@ def _message_item(text: str, status: str) -> dict[str, Any]:
 
 
 def _response_object(
-    model: str, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None
+    model: str,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+    store: bool = True,
 ) -> dict[str, Any]:
+    """A response object; `store` echoes the request's, as a runtime does."""
     return {
         "id": "resp_fake",
         "object": "response",
@@ -182,6 +187,7 @@ def _response_object(
         "model": model,
         "output": output,
         "parallel_tool_calls": True,
+        "store": store,
         "tool_choice": "auto",
         "tools": [],
         "usage": usage,
@@ -189,21 +195,25 @@ def _response_object(
     }
 
 
-def responses_response(model: str, chunks: int) -> bytes:
-    """The exact body of a non-stream Responses answer."""
+def responses_response(model: str, chunks: int, *, store: bool = True) -> bytes:
+    """The exact body of a non-stream Responses answer to a request with `store`."""
     item = _message_item(_text(chunks), "completed")
-    return _dumps(_response_object(model, "completed", [item], _responses_usage(chunks)))
+    return _dumps(_response_object(model, "completed", [item], _responses_usage(chunks), store))
 
 
-def responses_events(model: str, chunks: int) -> list[tuple[str, bytes]]:
-    """The (event name, data) pairs of one Responses stream, in order."""
+def responses_events(model: str, chunks: int, *, store: bool = True) -> list[tuple[str, bytes]]:
+    """The (event name, data) pairs of one Responses stream, in order, answering a request
+    with `store`."""
     text = _text(chunks)
     part_done = {"type": "output_text", "text": text, "annotations": []}
     events: list[dict[str, Any]] = [
-        {"type": "response.created", "response": _response_object(model, "in_progress", [], None)},
+        {
+            "type": "response.created",
+            "response": _response_object(model, "in_progress", [], None, store),
+        },
         {
             "type": "response.in_progress",
-            "response": _response_object(model, "in_progress", [], None),
+            "response": _response_object(model, "in_progress", [], None, store),
         },
         {
             "type": "response.output_item.added",
@@ -247,7 +257,9 @@ def responses_events(model: str, chunks: int) -> list[tuple[str, bytes]]:
         {"type": "response.output_item.done", "output_index": 0, "item": done_item},
         {
             "type": "response.completed",
-            "response": _response_object(model, "completed", [done_item], _responses_usage(chunks)),
+            "response": _response_object(
+                model, "completed", [done_item], _responses_usage(chunks), store
+            ),
         },
     ]
     for number, event in enumerate(events):

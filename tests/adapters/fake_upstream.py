@@ -534,7 +534,14 @@ class FakeUpstream:
             return
         model = str(payload.get("model", ""))
         if operation in _NATIVE:
-            await self._answer_natively(stream, conn, operation, model, bool(payload.get("stream")))
+            await self._answer_natively(
+                stream,
+                conn,
+                operation,
+                model,
+                bool(payload.get("stream")),
+                store=payload.get("store") is not False,
+            )
             return
         if operation == "embedding" or not payload.get("stream"):
             body = expected_response(model, self.chunks, operation=operation)
@@ -579,19 +586,22 @@ class FakeUpstream:
         operation: str,
         model: str,
         streaming: bool,
+        *,
+        store: bool = True,
     ) -> None:
-        """A Messages or Responses request, answered as a runtime that speaks it does."""
+        """A Messages or Responses request, answered as a runtime that speaks it does (a
+        Responses answer echoes the request's `store`)."""
         if not streaming:
             if operation == "messages":
                 body = fake_protocols.messages_response(model, self.chunks)
             else:
-                body = fake_protocols.responses_response(model, self.chunks)
+                body = fake_protocols.responses_response(model, self.chunks, store=store)
             await self._send_json(stream, conn, 200, body)
             return
         if operation == "messages":
             events = fake_protocols.messages_events(model, self.chunks)
         else:
-            events = fake_protocols.responses_events(model, self.chunks)
+            events = fake_protocols.responses_events(model, self.chunks, store=store)
         headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
         await self._send(stream, conn, h11.Response(status_code=200, headers=headers))
         for i, (name, data) in enumerate(events):

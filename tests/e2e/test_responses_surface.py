@@ -133,3 +133,46 @@ async def test_a_native_provider_gets_the_body_with_no_state(
     body = msgspec.json.decode(first.body)
     assert body["model"] == "fake-model" and body["metadata"] == {"trace": "t-1"}
     assert body["store"] is False and "previous_response_id" not in body
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_the_response_says_the_store_its_caller_asked_for(
+    nursery: trio.Nursery, tmp_path: Path, stream: bool
+) -> None:
+    """The runtime is sent `store: false` (the Edge is the store), natively and translated
+    alike; the caller sees `store` as it asked for it: true when it asked or left it to
+    the default and the Edge stored the response, false when it said false."""
+    fake, native = await start_native_upstream(nursery, "responses")
+    text = edge_config(
+        tmp_path / "state",
+        providers=[native, sim_provider("sim-1")],
+        models=[
+            {"id": "native-m", "providers": {"native": "fake-model"}},
+            {"id": "translated-m", "providers": {"sim-1": "sim-small"}},
+        ],
+    )
+    stack = await start_stack(
+        nursery, text, tmp_path / "edge.yaml", wait_models=("native-m", "translated-m")
+    )
+    asked: list[dict[str, Any]] = [{"store": True}, {}, {"store": False}]  # {}: the default
+    async with stack.client() as client:
+        for model in ("native-m", "translated-m"):
+            for store in asked:
+                expected = store.get("store", True)
+                if stream:
+                    events = await client.responses.create(
+                        model=model, input="hi", max_output_tokens=4, stream=True, **store
+                    )
+                    lifecycle = [e.response async for e in events if hasattr(e, "response")]
+                    assert [r.store for r in lifecycle] == [expected] * 3, (model, store)
+                    response = lifecycle[-1]
+                else:
+                    response = await client.responses.create(
+                        model=model, input="hi", max_output_tokens=4, **store
+                    )
+                    assert response.store is expected, (model, store)
+                assert response.model == model
+                if expected:  # stored as the caller saw it
+                    assert (await client.responses.retrieve(response.id)).store is True
+    sent = [msgspec.json.decode(r.body) for r in fake.requests if r.path == "/v1/responses"]
+    assert [body["store"] for body in sent] == [False] * 3  # the runtime keeps nothing

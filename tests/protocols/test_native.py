@@ -153,3 +153,41 @@ def test_an_empty_alias_leaves_the_model_alone() -> None:
     assert responses.final_response is not None
     assert json.loads(responses.final_response)["model"] == "served"
     assert responses.usage is not None and responses.usage.completion_tokens == 12
+
+
+def _lifecycle(kind: str, status: str, **members: Any) -> bytes:
+    response = {**_response(status, USAGE if status == "completed" else None), **members}
+    return json.dumps({"type": kind, "sequence_number": 0, "response": response}).encode()
+
+
+def test_a_stored_response_says_store_true_as_its_caller_asked() -> None:
+    """The Edge stores the run's response, so the runtime was sent `store: false` and
+    echoes it; the caller asked for `store: true` and sees it, in every lifecycle event,
+    the final response kept for the store and a whole body alike."""
+    native = ResponsesNative("alias", stored=True)
+    for kind, status in (
+        ("response.created", "in_progress"),
+        ("response.in_progress", "in_progress"),
+        ("response.completed", "completed"),
+    ):
+        shaped = json.loads(native.event(_lifecycle(kind, status, store=False), kind))
+        assert shaped["response"]["store"] is True and shaped["response"]["model"] == "alias"
+    assert native.final_response is not None
+    assert Response.model_validate_json(native.final_response).store is True
+    body = json.dumps({**_response("completed", USAGE), "store": False}).encode()
+    assert Response.model_validate_json(native.response(body)).store is True
+    # Already true: nothing to rewrite (with no alias to write either, the bytes stay).
+    keep_model = ResponsesNative("", stored=True)
+    already = json.dumps({**_response("completed", USAGE), "store": True}).encode()
+    assert keep_model.response(already) is already
+    # A reply that says nothing of `store` is not given one.
+    silent = json.dumps(_response("completed", USAGE)).encode()
+    assert "store" not in json.loads(keep_model.response(silent))
+
+
+def test_a_response_not_stored_keeps_the_store_false_its_caller_sent() -> None:
+    native = ResponsesNative("alias")
+    created = native.event(_lifecycle("response.created", "in_progress", store=False))
+    assert json.loads(created)["response"]["store"] is False
+    body = json.dumps({**_response("completed", USAGE), "store": False}).encode()
+    assert Response.model_validate_json(native.response(body)).store is False

@@ -332,3 +332,24 @@ def test_closing_members(encoded: bytes, members: bytes) -> None:
 def test_closing_members_of_what_is_not_an_object(encoded: bytes) -> None:
     with pytest.raises(ValueError, match="not an encoded JSON object"):
         closing_members(encoded)
+
+
+@pytest.mark.parametrize("stored", [True, False])
+def test_a_stored_response_says_store_true_whatever_the_body_says(stored: bool) -> None:
+    """The Edge stores the response (`run.keep_output`), so it sent the Node the body with
+    `store: false`: the response says `store: true`, as the caller asked; one the Edge
+    does not store echoes the body's `store` (the caller's false)."""
+    body = {"model": "m", "input": "hi", "store": False}
+    reply = responses_response_from_chat(
+        _chat({"content": "x"}),
+        reply_model="alias",
+        request_id="r1",
+        request=read_responses_request(json.dumps(body).encode()),
+        clock=lambda: NOW,
+        stored=stored,
+    )
+    assert json.loads(reply)["store"] is stored
+    assert (
+        json.loads(b'{"id":"x"' + echo_members(b'{"store":false}', stored=stored))["store"]
+        is stored
+    )

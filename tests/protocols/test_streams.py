@@ -305,3 +305,24 @@ def test_a_relayed_chunk_that_is_broken_fails_as_one_read_whole() -> None:
         with pytest.raises(ReplyTranslationError) as caught:
             stream.feed(chunk, relay_read(chunk))
         assert caught.value.param == "choices[0].delta.content"
+
+
+@pytest.mark.parametrize("stored", [True, False])
+def test_responses_every_lifecycle_event_of_a_stored_response_says_store_true(
+    stored: bool,
+) -> None:
+    """`responses_reply` Rule 1: the body says `store: false` (the Edge is the store); a
+    response the Edge stores says `store: true` in each event that carries it."""
+    body = json.dumps({"model": "served", "input": "hi", "stream": True, "store": False})
+    stream = ResponsesStream("alias", "r1", body.encode(), clock=lambda: 1.0, stored=stored)
+    data = stream.feed(_chunk({"content": "Hi"})) + stream.finish(
+        TokenUsage(prompt_tokens=3, completion_tokens=1)
+    )
+    lifecycle = [e for e in parse_sse(data) if "response" in e["data"]]
+    assert [e["event"] for e in lifecycle] == [
+        "response.created",
+        "response.in_progress",
+        "response.completed",
+    ]
+    assert all(e["data"]["response"]["store"] is stored for e in lifecycle)
+    assert json.loads(stream.final_response())["store"] is stored

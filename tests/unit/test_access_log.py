@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 
-from iop_edge.runtime.metering.access_log import AccessLog, RefusedRequest, access_fields, logfmt
+from iop_edge.runtime.metering.access_log import (
+    ACCESS_LOGGER,
+    HOLD_S,
+    AccessLog,
+    RefusedRequest,
+    access_fields,
+    logfmt,
+)
 from iop_edge.runtime.metering.activity import Activity
 from iop_edge.runtime.metering.metering import RunRecord
 from schemas import wire
-from schemas.log_lines import FIELDS, JsonLinesFormatter, iso_time
+from schemas.log_lines import (
+    FIELDS,
+    JsonLinesFormatter,
+    LineHandler,
+    TextLinesFormatter,
+    iso_time,
+    sole_handler,
+)
 
 
 def _record(**changes: object) -> RunRecord:
@@ -154,3 +176,222 @@ def test_activity_buckets_and_rates() -> None:
     now[0] = 1100.0  # the window moved past every bucket
     activity.record(200)
     assert sum(b.requests for b in activity.report().buckets) == 1
+
+
+# --- the direct route: the line `logging` would write, written without a record ---------
+
+
+@pytest.fixture
+def isolated() -> Iterator[logging.Logger]:
+    """A logger of its own (not propagating), whose handlers each test sets (pytest adds
+    its capture handler to the non-propagating loggers it finds); reset afterwards."""
+    logger = logging.getLogger("iop_test.access")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    yield logger
+    logger.handlers.clear()
+    logger.filters.clear()
+    logger.propagate = True
+
+
+def _handler(
+    formatter: logging.Formatter,
+    cls: type[logging.StreamHandler] = LineHandler,  # type: ignore[type-arg]
+) -> tuple[logging.StreamHandler, io.StringIO]:  # type: ignore[type-arg]
+    stream = io.StringIO()
+    handler = cls(stream)
+    handler.setFormatter(formatter)
+    return handler, stream
+
+
+def _at(monkeypatch: pytest.MonkeyPatch, moment: float) -> None:
+    """Freeze the clock both routes read (`LogRecord` and the access log)."""
+    monkeypatch.setattr(time, "time", lambda: moment)
+    monkeypatch.setattr(time, "time_ns", lambda: int(moment * 1e9))
+
+
+@pytest.mark.parametrize("formatter_class", [TextLinesFormatter, JsonLinesFormatter])
+def test_the_direct_route_writes_what_logging_writes(
+    isolated: logging.Logger,
+    monkeypatch: pytest.MonkeyPatch,
+    formatter_class: type[TextLinesFormatter | JsonLinesFormatter],
+) -> None:
+    direct, direct_stream = _handler(formatter_class())
+    # Any other handler, a plain `StreamHandler` too, is left to `logging`.
+    through_logging, logging_stream = _handler(formatter_class(), logging.StreamHandler)
+    refused = RefusedRequest(
+        request_id="r 2", path="/v1/messages", status=401, code="invalid_api_key", latency_s=0.001
+    )
+    for handler in (direct, through_logging):
+        isolated.handlers[:] = [handler]
+        assert (sole_handler(isolated, logging.INFO) is not None) == (handler is direct)
+        for moment in (1_764_000_000.0, 1_764_000_000.9996, 1_764_000_001.0004):
+            _at(monkeypatch, moment)
+            AccessLog(isolated).run_finished(_record(model='a "quoted" model'))
+            AccessLog(isolated).refused(refused)
+    lines = direct_stream.getvalue().splitlines()
+    assert lines == logging_stream.getvalue().splitlines() and len(lines) == 6
+    assert "iop_test.access" in lines[0] and "request_id=caller-id-7" in lines[0]
+
+
+def test_the_direct_route_keeps_levels_filters_and_other_handlers(
+    isolated: logging.Logger,
+) -> None:
+    handler, stream = _handler(TextLinesFormatter())
+    isolated.handlers[:] = [handler]
+    assert sole_handler(isolated, logging.INFO) == (handler, handler.formatter)
+    isolated.setLevel(logging.WARNING)  # --log-level warning
+    AccessLog(isolated).run_finished(_record())
+    assert sole_handler(isolated, logging.INFO) is None and stream.getvalue() == ""
+    isolated.setLevel(logging.INFO)
+    handler.setLevel(logging.WARNING)  # the one handler takes warnings only: no line
+    assert sole_handler(isolated, logging.INFO) is None
+    AccessLog(isolated).run_finished(_record())
+    assert stream.getvalue() == ""
+    handler.setLevel(logging.NOTSET)
+    isolated.addFilter(lambda record: "team-search" not in record.getMessage())
+    assert sole_handler(isolated, logging.INFO) is None  # a filter decides: logging's route
+    AccessLog(isolated).run_finished(_record())
+    assert stream.getvalue() == ""
+    isolated.filters.clear()
+    second, second_stream = _handler(JsonLinesFormatter())
+    isolated.addHandler(second)  # two destinations: logging's route, both get the line
+    assert sole_handler(isolated, logging.INFO) is None
+    AccessLog(isolated).run_finished(_record())
+    assert "request_id=caller-id-7" in stream.getvalue()
+    assert json.loads(second_stream.getvalue())["request_id"] == "caller-id-7"
+    plain, _ = _handler(logging.Formatter("%(message)s"))
+    isolated.handlers[:] = [plain]  # a formatter of someone else's: logging's route
+    assert sole_handler(isolated, logging.INFO) is None
+
+
+def test_a_failed_write_is_reported_as_logging_reports_it(
+    isolated: logging.Logger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Broken(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(28, "No space left on device")
+
+    handler = LineHandler(Broken())
+    handler.setFormatter(TextLinesFormatter())
+    isolated.handlers[:] = [handler]
+    reported: list[logging.LogRecord] = []
+    monkeypatch.setattr(handler, "handleError", reported.append)
+    AccessLog(isolated).run_finished(_record())
+    [record] = reported
+    assert record.getMessage() == "1 log line(s) could not be written"
+
+
+async def test_held_lines_are_written_together_in_order_and_at_the_end(
+    isolated: logging.Logger, autojump_clock: trio.abc.Clock
+) -> None:
+    """Rule 5: while `run` runs, lines wait at most `HOLD_S` to go out in one write; a
+    line of another logger takes the held ones out first, so the order holds; what is
+    held when `run` ends is written."""
+    writes: list[str] = []
+
+    class Recording(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+    handler = LineHandler(Recording())
+    handler.setFormatter(TextLinesFormatter())
+    isolated.handlers[:] = [handler]
+    other = logging.getLogger("iop_test.access.other")  # reaches the same one handler
+    access = AccessLog(isolated)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(access.run)
+        for request_id in ("a", "b"):
+            access.run_finished(_record(request_id=request_id))
+        assert writes == []
+        await trio.sleep(HOLD_S)
+        await trio.testing.wait_all_tasks_blocked()
+        [both] = writes
+        assert [line.split()[4] for line in both.splitlines()] == [
+            "request_id=a",
+            "request_id=b",
+        ]
+        access.run_finished(_record(request_id="c"))
+        other.warning("a node left")  # held lines first, then this one
+        assert [line.split()[4] for line in "".join(writes[1:]).splitlines()] == [
+            "request_id=c",
+            "a",
+        ]
+        access.run_finished(_record(request_id="d"))
+        nursery.cancel_scope.cancel()
+    assert writes[-1].split()[4] == "request_id=d"
+    # Without `run`, each line is written at once.
+    access.run_finished(_record(request_id="e"))
+    assert writes[-1].split()[4] == "request_id=e"
+
+
+def test_a_json_line_is_timed_as_iso_time_says() -> None:
+    """The formatter remembers the text of the last second; its lines still round as
+    `datetime` does, at the edges of a second too."""
+    formatter = JsonLinesFormatter()
+    boundaries = [0.0, 0.0005, 1.9999995, 1.9999994, 59.9999996, 1_764_000_000.9999999]
+    spread = [1_764_000_000 + n / 7919 for n in range(20_000)]
+    for moment in boundaries + spread:
+        line = json.loads(formatter.line("l", "INFO", moment, "m"))
+        assert line["time"] == iso_time(moment), moment
+
+
+_PROCESS = """
+import logging, sys
+from iop_edge.main import setup_logging
+from iop_edge.runtime.metering.access_log import AccessLog, RefusedRequest
+from tests.unit.test_access_log import _record
+
+setup_logging(sys.argv[1], sys.argv[2])
+logging.getLogger("iop_edge.edge").warning("before")
+AccessLog().run_finished(_record())
+AccessLog().refused(RefusedRequest("r2", "/v1/responses", 401, "invalid_api_key", 0.001))
+logging.getLogger("iop_edge.edge").warning("after")
+"""
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+@pytest.mark.parametrize("level", ["info", "warning"])
+def test_an_edge_process_writes_its_access_lines_to_stderr_in_order(
+    log_format: str, level: str
+) -> None:
+    """As `iop-edge serve --log-level LEVEL --log-format FORMAT` sets logging up: the
+    access lines come on stderr (at info, none at warning), in their place among the
+    other lines, in the process's format."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PROCESS, level, log_format],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    if log_format == "json":
+        parsed = [json.loads(line) for line in lines]
+        messages = [line["message"] if line["logger"] != ACCESS_LOGGER else line for line in parsed]
+    else:
+        messages = [line.split(": ", 1)[1] if ACCESS_LOGGER not in line else line for line in lines]
+    if level == "warning":
+        assert messages == ["before", "after"]
+        return
+    before, run, refused, after = messages
+    assert (before, after) == ("before", "after")
+    if log_format == "json":
+        assert isinstance(run, dict) and isinstance(refused, dict)
+        assert (run["level"], run["request_id"], run["status"], run["ttft_ms"]) == (
+            "info",
+            "caller-id-7",
+            200,
+            41.2,
+        )
+        assert refused["path"] == "/v1/responses" and refused["code"] == "invalid_api_key"
+    else:
+        assert isinstance(run, str) and isinstance(refused, str)
+        assert f" INFO    {ACCESS_LOGGER}: request_id=caller-id-7 principal_ref=team-search " in run
+        assert run.endswith("prompt_tokens=12 completion_tokens=30")
+        assert refused.endswith(
+            "request_id=r2 path=/v1/responses status=401 code=invalid_api_key latency_ms=1.0"
+        )

@@ -3,8 +3,7 @@ pool page's per-model series (`metering.activity`) stay bounded and say it per b
 
 from __future__ import annotations
 
-from dataclasses import replace
-
+import msgspec
 import pytest
 
 from iop_edge.runtime.metering.activity import Activity
@@ -40,7 +39,7 @@ def _record(**changes: object) -> RunRecord:
         queued_s=0.0,
         stream=True,
     )
-    return replace(base, **changes)  # type: ignore[arg-type]
+    return msgspec.structs.replace(base, **changes)
 
 
 def _metrics() -> EdgeMetrics:

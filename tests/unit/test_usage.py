@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import replace
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 
@@ -96,7 +96,7 @@ async def test_an_older_ledger_gains_usage_source_and_keeps_its_rows(tmp_path: P
     async with trio.open_nursery() as nursery:
         await nursery.start(ledger.run)
         ledger.record(usage_record("reported"))
-        ledger.record(replace(usage_record("guessed"), usage_source="estimated"))
+        ledger.record(msgspec.structs.replace(usage_record("guessed"), usage_source="estimated"))
         with trio.fail_after(5):
             await ledger.wait_flushed()
         by_source = await ledger.aggregate(since=None, until=None, group_by=["usage_source"])
@@ -187,8 +187,8 @@ async def test_an_older_ledger_gains_protocol_and_groups_by_it(tmp_path: Path) -
     _, ledger = _older_ledger(tmp_path)
     async with trio.open_nursery() as nursery:
         await nursery.start(ledger.run)
-        ledger.record(replace(usage_record("agent"), protocol="messages"))
-        ledger.record(replace(usage_record("codex"), protocol="responses"))
+        ledger.record(msgspec.structs.replace(usage_record("agent"), protocol="messages"))
+        ledger.record(msgspec.structs.replace(usage_record("codex"), protocol="responses"))
         with trio.fail_after(5):
             await ledger.wait_flushed()
         report = await ledger.aggregate(since=None, until=None, group_by=["protocol"])

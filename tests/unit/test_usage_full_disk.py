@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import msgspec
@@ -148,7 +147,7 @@ async def test_closing_on_a_full_disk_writes_what_waits_once_there_is_room(
         disk.fill()
         recorded = await _record_until_unwritten(ledger, "r")
         ledger.close()
-        ledger.record(replace(usage_record("late")))  # after close: dropped, counted
+        ledger.record(usage_record("late"))  # after close: dropped, counted
         with trio.move_on_after(0.2):
             await ledger.wait_stopped()
         assert ledger.statistics().unwritten == 1

@@ -15,25 +15,42 @@ Rules:
    above (typed: numbers stay numbers), alongside every other log line of the process.
 3. The readable form is `key=value` pairs (logfmt): a value with a space, a quote or
    an `=` is written as a JSON string; a missing value is `-`.
+4. A line goes through `logging` unless it would only reach the handler of
+   `configure_logging` (`log_lines.sole_handler`, checked per line, so a change to the
+   logging setup counts at once): then it is made without a `LogRecord`, the same line
+   `logging` would write (its formatter's `line`), and given to that handler
+   (`LineHandler.write_line`). A record, a caller lookup and a flush per request cost
+   more than the rest of the request's bookkeeping.
+5. While `run` runs (the Edge owns it), the handler holds those lines and they are
+   written together at most `HOLD_S` after the first of them: one write to stderr per
+   `HOLD_S` instead of one per request (a write into a pipe wakes its reader, which
+   costs more than making the line). The handler writes held lines before any other
+   line, so the order of the process's lines holds; what is held when `run` ends, or
+   when the process exits, is written then.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
+import trio
 
 from iop_edge.runtime.metering.metering import RunRecord
-from schemas.log_lines import FIELDS
+from schemas.log_lines import FIELDS, LineHandler, sole_handler
 
-__all__ = ["ACCESS_LOGGER", "AccessLog", "RefusedRequest", "access_fields", "logfmt"]
+__all__ = ["ACCESS_LOGGER", "HOLD_S", "AccessLog", "RefusedRequest", "access_fields", "logfmt"]
 
 ACCESS_LOGGER: Final = "iop_edge.access"
+#: How long a line may be held to be written with the next ones (Rule 5).
+HOLD_S: Final = 0.05
 
 _encode = msgspec.json.Encoder().encode
 _NEEDS_QUOTES: Final = frozenset(' "=\t\n\\')
+_INFO: Final = logging.getLevelName(logging.INFO)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +106,12 @@ class AccessLog:
 
     def __init__(self, logger: logging.Logger | None = None) -> None:
         self._log = logger or logging.getLogger(ACCESS_LOGGER)
+        self._holding = False
+        """`run` runs: lines may be held (Rule 5)."""
+        self._held_by: set[LineHandler] = set()
+        """The handlers holding lines of ours, to flush."""
+        self._held = trio.Event()
+        """Set when a line is held and not yet flushed."""
 
     def run_finished(self, record: RunRecord) -> None:
         if self._log.isEnabledFor(logging.INFO):
@@ -106,5 +129,38 @@ class AccessLog:
                 }
             )
 
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Owned by the Edge's nursery: lets the lines be held, and writes them at most
+        `HOLD_S` after the first of them (Rule 5); what is held when it ends is written."""
+        self._holding = True
+        task_status.started()
+        try:
+            while True:
+                await self._held.wait()
+                await trio.sleep(HOLD_S)
+                self._held = trio.Event()
+                self._flush()
+        finally:
+            self._holding = False
+            self._flush()
+
+    def _flush(self) -> None:
+        holders, self._held_by = self._held_by, set()
+        for handler in holders:
+            handler.flush()
+
     def _write(self, fields: dict[str, Any]) -> None:
-        self._log.info("%s", logfmt(fields), extra={FIELDS: fields})
+        log = self._log
+        message = logfmt(fields)
+        route = sole_handler(log, logging.INFO)
+        if route is None:
+            log.info("%s", message, extra={FIELDS: fields})
+            return
+        handler, formatter = route  # Rule 4: what `logging` would write, without a record
+        line = formatter.line(log.name, _INFO, time.time(), message, fields)
+        if not self._holding:
+            handler.write_line(line + handler.terminator)
+            return
+        handler.write_line(line + handler.terminator, hold=True)
+        self._held_by.add(handler)
+        self._held.set()

@@ -143,6 +143,25 @@ class Activity:
         self._sampled_at = -math.inf
 
     def record(self, status: int) -> None:
+        self._count(status)
+
+    def run_finished(self, record: RunRecord) -> None:
+        """A run ended: counted as any request (`record`), and in its model's series."""
+        index = self._count(record.status)
+        usage = record.usage
+        timed = record.stream and record.status < 400 and record.ttft_s is not None
+        if not timed and (usage is None or usage.completion_tokens == 0):
+            return
+        bucket = self._model_bucket(record.model, index)
+        if usage is not None:
+            bucket.tokens += usage.completion_tokens
+        if timed:
+            assert record.ttft_s is not None
+            ttft_bin = _ttft_bin(record.ttft_s)
+            bucket.ttft[ttft_bin] = bucket.ttft.get(ttft_bin, 0) + 1
+
+    def _count(self, status: int) -> int:
+        """Count one finished request now (Rules 1-2); returns the index of its bucket."""
         now = self._clock()
         index = int(now // self._bucket_s)
         counts = self._counts.get(index)
@@ -153,21 +172,7 @@ class Activity:
         counts[1 if status < 400 else 2 if status < 500 else 3] += 1
         if now - self._sampled_at >= QUEUE_SAMPLE_S:
             self._sample_queues(now)
-
-    def run_finished(self, record: RunRecord) -> None:
-        """A run ended: counted as any request (`record`), and in its model's series."""
-        self.record(record.status)
-        usage = record.usage
-        timed = record.stream and record.status < 400 and record.ttft_s is not None
-        if not timed and (usage is None or usage.completion_tokens == 0):
-            return
-        bucket = self._model_bucket(record.model, int(self._clock() // self._bucket_s))
-        if usage is not None:
-            bucket.tokens += usage.completion_tokens
-        if timed:
-            assert record.ttft_s is not None
-            index = _ttft_bin(record.ttft_s)
-            bucket.ttft[index] = bucket.ttft.get(index, 0) + 1
+        return index
 
     def report(self) -> ActivityReport:
         now = self._clock()

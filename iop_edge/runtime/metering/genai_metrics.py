@@ -36,8 +36,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry
 
+from iop_edge.runtime.metering.series import HistogramSeries
 from schemas.telemetry import OPERATION_NAMES
 from schemas.wire import Usage
 
@@ -70,42 +71,39 @@ class GenAIMetrics:
 
     def __init__(self, registry: CollectorRegistry, provider_name: Callable[[str], str]) -> None:
         self._provider_name = provider_name
-        self.ttft = Histogram(
+        self.ttft = HistogramSeries(
             "gen_ai_server_time_to_first_token_seconds",
             "gen_ai.server.time_to_first_token: time from a stream request's arrival at the"
             " Edge to its first event, successful streams only (queue wait included)",
             _LABELS,
+            registry,
             buckets=_TTFT_BUCKETS,
-            registry=registry,
         )
-        self.tpot = Histogram(
+        self.tpot = HistogramSeries(
             "gen_ai_server_time_per_output_token_seconds",
             "gen_ai.server.time_per_output_token: time per output token after the first,"
             " (duration - time to first token) / (output tokens - 1), successful streams",
             _LABELS,
+            registry,
             buckets=_TPOT_BUCKETS,
-            registry=registry,
         )
-        self.duration = Histogram(
+        self.duration = HistogramSeries(
             "gen_ai_client_operation_duration_seconds",
             "gen_ai.client.operation.duration: a run from the request's arrival at the Edge"
             " to its end, measured by the Edge as its provider's client; error_type is the"
             " error code (empty on success)",
             [*_LABELS, "error_type"],
+            registry,
             buckets=_DURATION_BUCKETS,
-            registry=registry,
         )
-        self.token_usage = Histogram(
+        self.token_usage = HistogramSeries(
             "gen_ai_client_token_usage",
             "gen_ai.client.token.usage: tokens per run (gen_ai_token_type input or output),"
             " as metered (reported by the provider or estimated)",
             [*_LABELS, "gen_ai_token_type"],
+            registry,
             buckets=_TOKEN_BUCKETS,
-            registry=registry,
         )
-        # prometheus_client checks and locks on every `labels()`: children are kept per
-        # label values, as `metrics._Children` does.
-        self._children: dict[tuple[str, ...], Histogram] = {}
 
     def observe(
         self,
@@ -128,20 +126,14 @@ class GenAIMetrics:
             provider,
         )
         ok = status < 400
-        self._child(self.duration, "d", *key, "" if ok else code or str(status)).observe(latency_s)
+        self.duration.labels(*key, "" if ok else code or str(status)).observe(latency_s)
         if usage is not None:
-            self._child(self.token_usage, "u", *key, "input").observe(usage.prompt_tokens)
-            self._child(self.token_usage, "u", *key, "output").observe(usage.completion_tokens)
+            self.token_usage.labels(*key, "input").observe(usage.prompt_tokens)
+            self.token_usage.labels(*key, "output").observe(usage.completion_tokens)
         if not (ok and stream and ttft_s is not None):
             return
-        self._child(self.ttft, "f", *key).observe(ttft_s)
+        self.ttft.labels(*key).observe(ttft_s)
         output = usage.completion_tokens if usage is not None else 0
         if output > 1:
             per_token = max(latency_s - ttft_s, 0.0) / (output - 1)
-            self._child(self.tpot, "t", *key).observe(per_token)
-
-    def _child(self, metric: Histogram, tag: str, *values: str) -> Histogram:
-        child = self._children.get((tag, *values))
-        if child is None:
-            child = self._children[(tag, *values)] = metric.labels(*values)
-        return child
+            self.tpot.labels(*key).observe(per_token)

@@ -25,7 +25,6 @@ psycopg (3) is imported here only, so an Edge without a PostgreSQL ledger never 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import types
@@ -33,6 +32,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any, Final
 
+import msgspec
 import psycopg
 from psycopg import sql
 
@@ -86,7 +86,7 @@ def _columns() -> list[tuple[str, str, bool]]:
     """(name, SQL type, nullable) of every `UsageRecord` field, in field order."""
     hints = typing.get_type_hints(UsageRecord)
     columns = []
-    for field in dataclasses.fields(UsageRecord):
+    for field in msgspec.structs.fields(UsageRecord):
         kind = hints[field.name]
         nullable = False
         if isinstance(kind, types.UnionType):
@@ -102,8 +102,8 @@ def _defaults() -> dict[str, sql.Literal]:
     table get when the column is added."""
     return {
         field.name: sql.Literal(field.default)
-        for field in dataclasses.fields(UsageRecord)
-        if field.default is not dataclasses.MISSING and field.default is not None
+        for field in msgspec.structs.fields(UsageRecord)
+        if field.default is not msgspec.NODEFAULT and field.default is not None
     }
 
 

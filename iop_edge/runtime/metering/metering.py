@@ -9,7 +9,8 @@ Edge knows (bad JSON, bad token, unknown model) is counted as a refusal only.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+
+import msgspec
 
 from iop_edge.runtime.metering.metrics import EdgeMetrics
 from iop_edge.runtime.metering.usage import UsageLedger, UsageRecord
@@ -17,9 +18,12 @@ from schemas import wire
 from schemas.protocols import CallerProtocol
 
 
-@dataclass(frozen=True, slots=True)
-class RunRecord:
-    """How one run ended, with everything metering needs."""
+class RunRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """How one run ended, with everything metering needs.
+
+    A struct, not a dataclass: one is built for every request, and a frozen dataclass's
+    constructor sets each of its fields through `object.__setattr__`. It holds strings,
+    numbers and a `wire.Usage`, never a cycle, so the collector need not track it."""
 
     run_id: str
     request_id: str

@@ -2,20 +2,23 @@
 
 Each Edge owns its own `CollectorRegistry` (several Edges can live in one test process).
 Per-provider gauges (in_flight, capacity, queued, health) are not kept as counters that
-could drift: a collector reads them from the scheduler at scrape time.
+could drift: a collector reads them from the scheduler at scrape time. What every
+finished request updates (requests, timings, tokens, the GenAI histograms) is kept in
+plain numbers on the event loop (`series`), exposed as prometheus_client would.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
-from typing import Final, Generic, TypeVar
+from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from iop_edge.runtime.metering.genai_metrics import GenAIMetrics
+from iop_edge.runtime.metering.series import CounterSeries, HistogramSeries
 from iop_edge.runtime.metering.usage import LedgerStatistics
 from schemas.catalog import Catalog
 from schemas.wire import Usage, UsageSource
@@ -130,29 +133,6 @@ class _PrincipalCollector(Collector):
         yield from (in_flight, queued)
 
 
-_Metric = TypeVar("_Metric", Counter, Histogram)
-
-
-class _Children(Generic[_Metric]):
-    """`metric.labels(*values)`, remembered per label values.
-
-    prometheus_client converts, checks and locks on every `labels()` call, and every
-    finished request asks for up to six children; the children kept here are the ones
-    the metric keeps anyway (same label values, same count)."""
-
-    __slots__ = ("_known", "_metric")
-
-    def __init__(self, metric: _Metric) -> None:
-        self._metric: _Metric = metric
-        self._known: dict[tuple[str, ...], _Metric] = {}
-
-    def __call__(self, *values: str) -> _Metric:
-        child = self._known.get(values)
-        if child is None:
-            child = self._known[values] = self._metric.labels(*values)
-        return child
-
-
 class EdgeMetrics:
     def __init__(
         self,
@@ -163,24 +143,26 @@ class EdgeMetrics:
         """`provider_name`: a provider id's `gen_ai.provider.name` (`genai_metrics`)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
+        # The series every finished request updates are plain numbers (`series`); the
+        # rare ones (failovers, busy answers) are prometheus_client's own.
+        self.requests = CounterSeries(
             "iop_requests",
             "Finished requests; `code` is the OpenAI error code (empty on success)",
             ["model", "provider", "status", "code"],
-            registry=r,
+            r,
         )
         # A run's two timings, with the same labels and buckets.
         timing = partial(
-            Histogram, labelnames=["model", "provider"], buckets=_LATENCY_BUCKETS, registry=r
+            HistogramSeries, labelnames=["model", "provider"], registry=r, buckets=_LATENCY_BUCKETS
         )
         self.latency = timing("iop_request_latency_seconds", "Request latency at the Edge")
         self.ttft = timing("iop_time_to_first_token_seconds", "Time to the first streamed chunk")
-        self.queue_wait = Histogram(
+        self.queue_wait = HistogramSeries(
             "iop_queue_wait_seconds",
             "Time spent waiting for a slot",
             ["model"],
+            r,
             buckets=_QUEUE_BUCKETS,
-            registry=r,
         )
         self.failovers = Counter(
             "iop_failovers",
@@ -198,7 +180,7 @@ class EdgeMetrics:
         )
         # The tokens, and the estimated part of them, with the same labels.
         token_count = partial(
-            Counter,
+            CounterSeries,
             labelnames=["principal_ref", "token_ref", "model", "provider", "kind"],
             registry=r,
         )
@@ -210,33 +192,25 @@ class EdgeMetrics:
             "The part of iop_tokens that was estimated: the provider reported no usage"
             " (the ledger's usage_source `estimated`)",
         )
-        self.principal_rejections = Counter(
+        self.principal_rejections = CounterSeries(
             "iop_principal_rejections",
             "Requests refused for a principal's limit (`limit`: requests_per_minute,"
             " tokens_per_minute, tokens_per_day; max_concurrent when a request timed out"
             " waiting at its principal's max_concurrent)",
             ["principal_ref", "limit"],
-            registry=r,
+            r,
         )
-        self.principal_queue_wait = Histogram(
+        self.principal_queue_wait = HistogramSeries(
             "iop_principal_queue_wait_seconds",
             "Time a principal's requests spent waiting for a slot",
             ["principal_ref"],
+            r,
             buckets=_QUEUE_BUCKETS,
-            registry=r,
         )
         self.genai = GenAIMetrics(r, provider_name)
         r.register(_PoolCollector(catalog))
         if principal_load is not None:
             r.register(_PrincipalCollector(principal_load))
-        self._requests = _Children(self.requests)
-        self._latency = _Children(self.latency)
-        self._ttft = _Children(self.ttft)
-        self._queue_wait = _Children(self.queue_wait)
-        self._principal_queue_wait = _Children(self.principal_queue_wait)
-        self._principal_rejections = _Children(self.principal_rejections)
-        self._tokens = _Children(self.tokens)
-        self._estimated_tokens = _Children(self.estimated_tokens)
 
     def observe_request(
         self,
@@ -255,11 +229,11 @@ class EdgeMetrics:
         operation: str = "chat",
         stream: bool = False,
     ) -> None:
-        self._requests(model, provider, str(status), code).inc()
+        self.requests.labels(model, provider, str(status), code).inc()
         if provider:
-            self._latency(model, provider).observe(latency_s)
+            self.latency.labels(model, provider).observe(latency_s)
             if ttft_s is not None:
-                self._ttft(model, provider).observe(ttft_s)
+                self.ttft.labels(model, provider).observe(ttft_s)
             self.genai.observe(
                 operation=operation,
                 model=model,
@@ -272,17 +246,21 @@ class EdgeMetrics:
                 usage=usage,
             )
         if queued_s is not None:
-            self._queue_wait(model).observe(queued_s)
-            self._principal_queue_wait(principal_ref).observe(queued_s)
+            self.queue_wait.labels(model).observe(queued_s)
+            self.principal_queue_wait.labels(principal_ref).observe(queued_s)
         limit = LIMIT_OF_CODE.get(code)
         if limit is not None:
-            self._principal_rejections(principal_ref, limit).inc()
+            self.principal_rejections.labels(principal_ref, limit).inc()
         if usage is not None:
-            estimated = usage_source == "estimated"
-            for tokens in (self._tokens, self._estimated_tokens) if estimated else (self._tokens,):
-                tokens(principal_ref, token_ref, model, provider, "prompt").inc(usage.prompt_tokens)
-                tokens(principal_ref, token_ref, model, provider, "completion").inc(
-                    usage.completion_tokens
+            prompt, completion = usage.prompt_tokens, usage.completion_tokens
+            tokens = self.tokens
+            tokens.labels(principal_ref, token_ref, model, provider, "prompt").inc(prompt)
+            tokens.labels(principal_ref, token_ref, model, provider, "completion").inc(completion)
+            if usage_source == "estimated":
+                tokens = self.estimated_tokens
+                tokens.labels(principal_ref, token_ref, model, provider, "prompt").inc(prompt)
+                tokens.labels(principal_ref, token_ref, model, provider, "completion").inc(
+                    completion
                 )
 
     def observe_refusal(self, *, status: int, code: str) -> None:
@@ -290,7 +268,7 @@ class EdgeMetrics:
 
         No model label: the caller's string is untrusted and would explode cardinality.
         """
-        self._requests("", "", str(status), code).inc()
+        self.requests.labels("", "", str(status), code).inc()
 
     def watch_ledger(self, statistics: Callable[[], LedgerStatistics]) -> None:
         """Report the usage ledger's state and backlog (`iop_usage_*`) from now on."""

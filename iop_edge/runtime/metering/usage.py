@@ -40,12 +40,11 @@ from __future__ import annotations
 
 import base64
 import logging
-import operator
 import sqlite3
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, Protocol
 
@@ -111,8 +110,11 @@ _ADDED_COLUMNS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class UsageRecord:
+class UsageRecord(msgspec.Struct, frozen=True, gc=False):
+    """One finished run, as the ledger keeps it: a journal line (JSON, an object of these
+    fields) and a row of the `usage` table (these columns, in this order). A struct: one
+    is built, encoded and decoded for every run."""
+
     time: float
     run_id: str
     principal_ref: str
@@ -132,11 +134,11 @@ class UsageRecord:
     """The caller's protocol: "chat", "messages" or "responses"."""
 
 
-#: A record's values in `_INSERT`'s column order (`dataclasses.astuple` deep-copies each).
-row_of: Final = operator.attrgetter(*(field.name for field in fields(UsageRecord)))
+#: A record's values in `_INSERT`'s column order.
+row_of: Final = msgspec.structs.astuple
 _INSERT = "INSERT INTO usage ({}) VALUES ({})".format(
-    ", ".join(field.name for field in fields(UsageRecord)),
-    ", ".join("?" for _ in fields(UsageRecord)),
+    ", ".join(UsageRecord.__struct_fields__),
+    ", ".join("?" for _ in UsageRecord.__struct_fields__),
 )
 
 
