@@ -19,16 +19,19 @@ it:
 - **`/catalog` latency**: `catalog_requests` requests one after the other, each timed to
   its last byte, of the whole catalog and of filtered ones (one Node's providers; one
   model's available providers, a page of 100);
+- **dry run of a few Nodes' change**: `POST /refresh` (dry run) with a candidate that
+  changes the capacity of `FEW_NODES` light Nodes' providers, the refresh an operator
+  makes most: validating and planning, proportional to the change;
 - **refresh of every Node**: `POST /refresh` (apply) with a candidate that changes the
   capacity of every provider of every light Node (a live change), timed until the Edge
   answers: it answers once every Node acked (or its push timed out), and the report it
   returns says, per Node, whether the Node applied the new revision. The same candidate
-  as a dry run first, timed too: validating and planning, the part of the refresh that
-  does not depend on the Nodes;
+  as a dry run first, timed too: validating and planning every Node;
 - **callers**: `caller_rate` chat requests a second to `sim-model`, open loop, for
-  `caller_window_s` while the Edge is idle, then throughout the dry run and the apply:
-  each request's latency to its last byte, and the p99 of each phase (the refresh must
-  not make callers wait).
+  `caller_window_s` while the Edge is idle, then throughout the dry runs and the apply,
+  then for `caller_window_s` once more, idle again: each request's latency to its last
+  byte, and the p99 of each phase (the refresh must not make callers wait; the second
+  idle window shows how far the machine alone moves a p99).
 
 Every process of the scenario shares the machine: on a small one the light Nodes' own
 work (acking a refresh) competes with the Edge's, which a deployed fleet, on machines of
@@ -85,6 +88,8 @@ _CALLER_BODY: Final = json.dumps(
 ).encode()
 #: A filtered catalog: one model's available providers, a page of this many.
 _CATALOG_PAGE: Final = 100
+#: Light Nodes whose providers the few-Nodes dry run's candidate changes.
+FEW_NODES: Final = 10
 
 try:  # libyaml's emitter: a thousand Node entries take a while with the pure-Python one
     _Dumper: Any = yaml.CSafeDumper
@@ -144,7 +149,7 @@ class ManyNodesMeasurement:
     """`/catalog` latencies, sorted."""
     catalog_bytes: int
     dry_run_s: float | None
-    """The same candidate as a dry run: validation and plan only."""
+    """The apply's candidate (every Node changed) as a dry run: validation and plan."""
     refresh_s: float | None
     refresh_status: int
     refresh_nodes: int
@@ -166,6 +171,11 @@ class ManyNodesMeasurement:
     """... of those sent during the apply."""
     caller_errors: int = 0
     """Callers' requests that failed, in both phases."""
+    dry_run_few_s: float | None = None
+    """A dry run of a candidate that changes `FEW_NODES` Nodes."""
+    caller_after_s: tuple[float, ...] = ()
+    """Callers' latencies once the refresh is over, idle again, sorted: what the machine
+    itself spreads them by, with no refresh to blame."""
 
     @property
     def idle_cpu_share(self) -> float | None:
@@ -191,12 +201,13 @@ class ManyNodesMeasurement:
 
     def caller_ms(self, phase: str, q: float) -> float | None:
         """A percentile of the callers' latency in `phase`: `idle`, `refresh` (the dry
-        run and the apply), `dry_run` or `apply`."""
+        run and the apply), `dry_run`, `apply` or `after` (idle again)."""
         values = {
             "idle": self.caller_idle_s,
             "refresh": self.caller_refresh_s,
             "dry_run": self.caller_dry_run_s,
             "apply": self.caller_apply_s,
+            "after": self.caller_after_s,
         }[phase]
         return percentile(values, q) * 1000 if values else None
 
@@ -222,9 +233,11 @@ def fleet_config(
     *,
     capacity: int,
     sim_token: str | None = None,
+    capacities: Mapping[str, int] | None = None,
 ) -> str:
     """The Edge config (YAML): every Node with its providers, each model on its providers,
     and with `sim_token` the callers' real Node (`SIM_NODE`) serving `SIM_MODEL`.
+    Every provider has `capacity`, but those of the Nodes in `capacities`.
 
     Provider `j` of Node `i` serves model `(i * providers_per_node + j) % models`, so
     every model is served by providers on many Nodes."""
@@ -241,7 +254,7 @@ def fleet_config(
                     "id": provider_id,
                     "type": "vllm",
                     "models": [f"served-{model}"],
-                    "capacity": capacity,
+                    "capacity": (capacities or {}).get(node_id, capacity),
                     "adapter": {"base_url": _UNUSED_UPSTREAM},
                 }
             )
@@ -345,7 +358,7 @@ class _Callers:
     rate: float
     phase: str = "idle"
     latencies: dict[str, list[float]] = field(
-        default_factory=lambda: {"idle": [], "dry_run": [], "apply": []}
+        default_factory=lambda: {"idle": [], "dry_run": [], "apply": [], "after": []}
     )
     errors: int = 0
     _stopped: trio.Event = field(default_factory=trio.Event)
@@ -390,9 +403,15 @@ class _Callers:
         self.latencies[phase].append(time.perf_counter() - began)
 
 
-async def _dry_run(admin: httpx2.AsyncClient, candidate: str) -> float | None:
-    """Seconds a dry run of `candidate` takes; None when the Edge refuses it."""
-    body = json.dumps({"mode": "dry_run", "config_yaml": candidate})
+def _refresh_body(mode: str, candidate: str) -> bytes:
+    """A `POST /refresh` body. Encoded before the callers' load starts: a fleet's config
+    is megabytes of JSON, and encoding it on this process's event loop would hold the
+    callers' requests, whose latency is the measurement."""
+    return json.dumps({"mode": mode, "config_yaml": candidate}).encode()
+
+
+async def _dry_run(admin: httpx2.AsyncClient, body: bytes) -> float | None:
+    """Seconds a dry run (`body`) takes; None when the Edge refuses it."""
     began = time.perf_counter()
     response = await admin.post(
         "/refresh", content=body, headers={"content-type": "application/json"}
@@ -401,16 +420,18 @@ async def _dry_run(admin: httpx2.AsyncClient, candidate: str) -> float | None:
     return elapsed if response.status_code == 200 else None
 
 
-async def _refresh_everything(
-    admin: httpx2.AsyncClient, candidate: str
-) -> tuple[float, int, int, int, str | None]:
-    """Apply `candidate`; (seconds, status, nodes reported, nodes applied, first problem)."""
-    body = json.dumps({"mode": "apply", "config_yaml": candidate})
+async def _apply(admin: httpx2.AsyncClient, body: bytes) -> tuple[float, httpx2.Response]:
+    """Apply (`body`): the seconds it took and the answer, read later (`_applied`)."""
     began = time.perf_counter()
     response = await admin.post(
         "/refresh", content=body, headers={"content-type": "application/json"}
     )
-    elapsed = time.perf_counter() - began
+    return time.perf_counter() - began, response
+
+
+def _applied(response: httpx2.Response) -> tuple[int, int, str | None]:
+    """An apply's answer: (Nodes reported, Nodes applied, the first problem). Read once
+    the callers stopped: decoding a fleet's report takes this process's loop a while."""
     try:
         report = response.json()
     except ValueError:
@@ -425,7 +446,7 @@ async def _refresh_everything(
     if response.status_code != 200:
         errors = report.get("errors") if isinstance(report, dict) else None
         problem = f"HTTP {response.status_code}: {json.dumps(errors or report)[:300]}"
-    return elapsed, response.status_code, len(nodes), applied, problem
+    return len(nodes), applied, problem
 
 
 def _nodes_ready(line: str) -> str | None:
@@ -462,6 +483,15 @@ async def measure_many_nodes(
     nodes_files = await _nodes_files(workdir, credentials, shape.node_processes)
     candidate = fleet_config(
         shape, credentials, state_dir, capacity=_CAPACITY + 1, sim_token=sim_token
+    )
+    spread = list(credentials)[:: max(1, shape.nodes // FEW_NODES)][:FEW_NODES]
+    few_candidate = fleet_config(
+        shape,
+        credentials,
+        state_dir,
+        capacity=_CAPACITY,
+        sim_token=sim_token,
+        capacities=dict.fromkeys(spread, _CAPACITY + 2),
     )
 
     async with trio.open_nursery() as edge_scope:
@@ -518,16 +548,21 @@ async def measure_many_nodes(
             callers = _Callers(
                 caller_client, f"{edge.ready.openai}/v1/chat/completions", shape.caller_rate
             )
+            few_dry_run = _refresh_body("dry_run", few_candidate)
+            dry_run, apply = _refresh_body("dry_run", candidate), _refresh_body("apply", candidate)
             async with trio.open_nursery() as load:
                 await load.start(callers.run)
                 await trio.sleep(shape.caller_window_s)  # the idle phase is a time window
                 callers.enter("dry_run")
-                dry_run_s = await _dry_run(admin, candidate)
+                dry_run_few_s = await _dry_run(admin, few_dry_run)
+                dry_run_s = await _dry_run(admin, dry_run)
                 callers.enter("apply")
-                refresh_s, status, reported, applied, problem = await _refresh_everything(
-                    admin, candidate
-                )
+                refresh_s, answer = await _apply(admin, apply)
+                callers.enter("after")
+                await trio.sleep(shape.caller_window_s)  # idle again: the control window
                 callers.stop()  # requests still in flight finish, in their phase
+            reported, applied, problem = _applied(answer)
+            status = answer.status_code
             rss_after_refresh = await rss_bytes(edge.pid)
             nodes_scope.cancel_scope.cancel()
         edge_scope.cancel_scope.cancel()
@@ -553,4 +588,6 @@ async def measure_many_nodes(
         caller_dry_run_s=tuple(sorted(callers.latencies["dry_run"])),
         caller_apply_s=tuple(sorted(callers.latencies["apply"])),
         caller_errors=callers.errors,
+        dry_run_few_s=dry_run_few_s,
+        caller_after_s=tuple(sorted(callers.latencies["after"])),
     )

@@ -54,6 +54,7 @@ from rich.text import Text
 from bench.agent_cache import AgentCacheMeasurement
 from bench.fleet import FleetMeasurement
 from bench.load import Measurement, Scenario
+from bench.many_nodes import FEW_NODES
 from bench.result import (
     DIRECT,
     IOP,
@@ -342,7 +343,11 @@ def many_nodes_table(result: BenchResult) -> Table:
             f"{len(m.catalog_filtered_s)}",
             f"{_num(m.catalog_filtered_max_ms, 0)} ms",
         ),
-        ("refresh dry run (validate + plan)", f"{_num(m.dry_run_s, 1)} s"),
+        (
+            f"refresh dry run (validate + plan), {FEW_NODES} Nodes changed",
+            f"{_num(m.dry_run_few_s, 2)} s",
+        ),
+        ("refresh dry run (validate + plan), every Node changed", f"{_num(m.dry_run_s, 1)} s"),
         (
             "refresh apply, until every Node acked",
             f"{_num(m.refresh_s, 1)} s ({m.refresh_applied}/{m.refresh_nodes} applied)",
@@ -361,6 +366,10 @@ def many_nodes_table(result: BenchResult) -> Table:
             f"... of which during the dry run ({len(m.caller_dry_run_s)}) / the apply "
             f"({len(m.caller_apply_s)}), p99",
             f"{_num(m.caller_ms('dry_run', 99.0), 0)} / {_num(m.caller_ms('apply', 99.0), 0)} ms",
+        ),
+        (
+            f"... idle again after the refresh ({len(m.caller_after_s)} requests), p50 / p99",
+            f"{_num(m.caller_ms('after', 50.0), 0)} / {_num(m.caller_ms('after', 99.0), 0)} ms",
         ),
     ]
     for name, value in rows:
@@ -489,6 +498,7 @@ def to_json(result: BenchResult) -> str:
             "catalog_max_ms": nodes.catalog_max_ms,
             "catalog_bytes": nodes.catalog_bytes,
             "dry_run_s": nodes.dry_run_s,
+            "dry_run_few_s": nodes.dry_run_few_s,
             "refresh_s": nodes.refresh_s,
             "refresh_status": nodes.refresh_status,
             "refresh_applied": nodes.refresh_applied,
@@ -502,6 +512,7 @@ def to_json(result: BenchResult) -> str:
             "caller_refresh_p50_ms": nodes.caller_ms("refresh", 50.0),
             "caller_refresh_p99_ms": nodes.caller_ms("refresh", 99.0),
             "caller_p99_ratio": nodes.caller_p99_ratio,
+            "caller_after_p99_ms": nodes.caller_ms("after", 99.0),
             "caller_errors": nodes.caller_errors,
         }
     agent = result.agent_cache

@@ -6,6 +6,9 @@ candidate, so a config that loads is a config the Edge can serve. It runs in fou
 1. **YAML**: text -> plain data. A syntax error stops here and names its line and column.
    A key given twice in one mapping is an error too (PyYAML would silently keep the last),
    and so are aliases that expand too far and nesting too deep (`schemas.safe_yaml`).
+   A refresh candidate is parsed without the Node entries the running config has word
+   for word (`core.config_pieces`); whenever that is not sure to read the same, or the
+   rest has an error, the whole text is read, so errors read as they always do.
 2. **Shape**: `iop_edge.core.config_shape` walks the schema Structs in `schemas.config`
    alongside the data and lets msgspec judge each leaf against its annotated type, so the
    `Meta` constraints in the schema stay the single source of truth for ranges. msgspec
@@ -32,7 +35,7 @@ import hashlib
 import importlib.util
 import os
 import typing
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Final
@@ -41,10 +44,11 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
+from iop_edge.core.config_pieces import NODES, ConfigPieces, cut, entries_in_place
 from iop_edge.core.config_proof import ConfigProof, entry_key
 from iop_edge.core.config_shape import (
     LeafWording,
-    check_shape,
+    ShapeChecker,
     convert,
     error_from_msgspec,
     index_path,
@@ -105,21 +109,25 @@ class ParsedConfig:
     """What this config proved about its node entries: pass it to the next parse."""
     checked_nodes: int = 0
     """Node entries checked here, not taken from the proof it was given."""
+    parsed_nodes: int = 0
+    """Node entries parsed here, not known by their text to the proof it was given."""
 
 
 def parse_config(text: str, *, proof: ConfigProof | None = None) -> ParsedConfig:
     """Parse and validate config text; raise `ConfigInvalid` listing every problem.
 
     `proof` is what an earlier valid config proved (`core.config_proof`): its node
-    entries whose raw data is unchanged are not checked again. A fleet's config is about
-    a million objects built in one go: the cyclic collector is paused meanwhile
+    entries whose raw data is unchanged are not checked again, and those whose text is
+    unchanged are not even parsed (`core.config_pieces`). A fleet's config is about a
+    million objects built in one go: the cyclic collector is paused meanwhile
     (`core.gc_pause`)."""
     with gc_paused():
         return _parse(text, proof)
 
 
 def _parse(text: str, proof: ConfigProof | None) -> ParsedConfig:
-    raw, errors = _read_yaml(text)
+    read = _read(text, proof)
+    raw, errors = read.data, read.errors
     if not isinstance(raw, dict):
         got = "an empty document" if raw is None else kind_of(raw)
         errors.append(
@@ -130,15 +138,15 @@ def _parse(text: str, proof: ConfigProof | None) -> ParsedConfig:
             )
         )
         raise ConfigInvalid(errors)
-    entries = _NodeEntries.read(raw, proof)
+    entries = _NodeEntries.read(raw, proof, read.known)
+    shape = ShapeChecker(_WORDING)
     if entries.proven:
-        errors.extend(check_shape({**raw, "nodes": []}, EdgeConfig, wording=_WORDING))
+        errors.extend(shape.check({**raw, "nodes": []}, EdgeConfig))
         for index, entry in entries.to_check():
-            path = index_path("nodes", index)
-            errors.extend(check_shape(entry, NodeEntry, wording=_WORDING, path=path))
+            errors.extend(shape.check(entry, NodeEntry, path=index_path("nodes", index)))
     else:
-        errors.extend(check_shape(raw, EdgeConfig, wording=_WORDING))
-    rules = _Rules(raw, proven=entries.proven.keys())
+        errors.extend(shape.check(raw, EdgeConfig))
+    rules = _Rules(raw, proven=entries.proven)
     rules.run()
     errors.extend(rules.errors)
     if errors:
@@ -152,8 +160,9 @@ def _parse(text: str, proof: ConfigProof | None) -> ParsedConfig:
         text=text,
         sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
         warnings=rules.warnings,
-        proof=entries.proof(config.nodes),
+        proof=entries.proof(config.nodes, read.pieces),
         checked_nodes=len(entries.keys) - len(entries.proven),
+        parsed_nodes=len(entries.keys) - len(read.known),
     )
     release_long_lists(raw, EdgeConfig)  # built: what it was read from goes, in pieces
     return parsed
@@ -164,6 +173,7 @@ class _NodeEntries:
     """A candidate's raw node entries against a proof (`core.config_proof`)."""
 
     raw: list[Any]
+    """The raw entries; None in place of an entry known by its text (`_Read.known`)."""
     keys: list[bytes | None]
     """Each entry's `entry_key`; None for an entry that is not a mapping."""
     edge_loopback: bool
@@ -171,10 +181,20 @@ class _NodeEntries:
     """By index in `nodes`: the entries the proof already holds."""
 
     @classmethod
-    def read(cls, raw: dict[Any, Any], proof: ConfigProof | None) -> _NodeEntries:
+    def read(
+        cls, raw: dict[Any, Any], proof: ConfigProof | None, known: Mapping[int, bytes]
+    ) -> _NodeEntries:
+        """`known`: the keys of the entries that were not parsed, by index."""
         nodes = raw.get("nodes")
         entries = nodes if isinstance(nodes, list) else []
-        keys = [entry_key(entry) if isinstance(entry, dict) else None for entry in entries]
+        keys = [
+            known[index]
+            if index in known
+            else entry_key(entry)
+            if isinstance(entry, dict)
+            else None
+            for index, entry in enumerate(entries)
+        ]
         loopback = _listens_on_loopback(raw, "edge")
         proven: dict[int, NodeEntry] = {}
         if proof is not None:
@@ -192,10 +212,16 @@ class _NodeEntries:
             if index not in self.proven:
                 yield index, entry
 
-    def proof(self, built: list[NodeEntry]) -> ConfigProof:
-        """What this valid config proves: every entry, as built."""
+    def proof(self, built: list[NodeEntry], pieces: ConfigPieces | None) -> ConfigProof:
+        """What this valid config proves: every entry, as built; and with `pieces` (its
+        text's, confirmed by the parse), each entry's key by its text."""
         keyed = {key: node for key, node in zip(self.keys, built, strict=True) if key}
-        return ConfigProof(edge_loopback=self.edge_loopback, entries=keyed)
+        texts: dict[str, bytes] = {}
+        if pieces is not None and pieces.entries == len(self.keys):
+            texts = {
+                pieces.entry(index): key for index, key in enumerate(self.keys) if key is not None
+            }
+        return ConfigProof(edge_loopback=self.edge_loopback, entries=keyed, texts=texts)
 
 
 def load_config(path: str | os.PathLike[str], *, proof: ConfigProof | None = None) -> ParsedConfig:
@@ -253,8 +279,83 @@ class _Constructor(yaml.constructor.SafeConstructor):
             ) from exc
 
 
-def _read_yaml(text: str) -> tuple[object, list[ConfigError]]:
-    """Plain data from YAML text, plus an error per duplicate key or recursive alias.
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """A config text as plain data (step 1)."""
+
+    data: object
+    errors: list[ConfigError]
+    """Duplicate keys and recursive aliases, each with its path."""
+    pieces: ConfigPieces | None = None
+    """The text's pieces, when the parse confirmed where its Node entries are: a valid
+    config's proof then knows each entry by its text (`core.config_pieces`)."""
+    known: Mapping[int, bytes] = field(default_factory=dict)
+    """The Node entries not parsed because a proof knew their text: by index in
+    `nodes`, their `entry_key`. `data` holds None in their place."""
+
+
+def _read(text: str, proof: ConfigProof | None) -> _Read:
+    """Read `text`, parsing only its Node entries that `proof` does not know word for
+    word (`core.config_pieces`); when its pieces cannot be confirmed, or anything in the
+    rest is wrong, the whole text is read instead, so every error is found and worded
+    (positions included) as in a text read whole. Raises `ConfigInvalid` on a syntax
+    error."""
+    pieces = cut(text)
+    if pieces is not None and not pieces.entries:
+        pieces = None  # nothing to know an entry by
+    if pieces is not None and proof is not None:
+        known = proof.known(pieces)
+        if known:
+            read = _read_without(pieces, known, proof)
+            if read is not None:
+                return read
+    data, errors, starts = _read_yaml(text)
+    if pieces is not None and (errors or not _in_place(data, pieces, starts)):
+        pieces = None
+    return _Read(data, errors, pieces)
+
+
+def _read_without(
+    pieces: ConfigPieces, known: Mapping[int, bytes], proof: ConfigProof
+) -> _Read | None:
+    """`pieces` read with the entries in `known` cut out and taken from `proof`; None
+    when the cut is not confirmed, the rest has an error, or the proof does not hold
+    for this config's `edge.listen` (`core.config_proof` Rule 2)."""
+    text, spans = pieces.without(known)
+    try:
+        data, errors, starts = _read_yaml(text)
+    except ConfigInvalid:
+        return None
+    if errors or not isinstance(data, dict) or not _in_place(data, pieces, starts, spans):
+        return None
+    loopback = _listens_on_loopback(data, "edge")
+    if any(proof.entry(key, edge_loopback=loopback) is None for key in known.values()):
+        return None
+    parsed = iter(data.get(NODES) or ())
+    data[NODES] = [None if index in known else next(parsed) for index in range(pieces.entries)]
+    return _Read(data, [], pieces, known)
+
+
+def _in_place(
+    data: object,
+    pieces: ConfigPieces,
+    starts: list[int] | None,
+    spans: list[tuple[int, int]] | None = None,
+) -> bool:
+    """Whether a parse (of all of `pieces`, or of the text with its entries at `spans`)
+    confirms the cut: the top-level keys it found, and each entry inside its
+    own piece (`config_pieces.entries_in_place`)."""
+    if not isinstance(data, dict) or list(data) != list(pieces.keys):
+        return False
+    if spans is None:
+        spans = pieces.without(())[1]
+    return entries_in_place(starts, spans)
+
+
+def _read_yaml(text: str) -> tuple[object, list[ConfigError], list[int] | None]:
+    """Plain data from YAML text, plus an error per duplicate key or recursive alias, and
+    where each entry of the top-level `nodes` starts in `text` (None when there is no
+    such list), for `config_pieces.entries_in_place`.
 
     Aliases that expand too far and nesting too deep are refused like syntax errors
     (`schemas.safe_yaml`): the document is never built.
@@ -266,7 +367,8 @@ def _read_yaml(text: str) -> tuple[object, list[ConfigError]]:
     try:
         node = compose(text)
         if node is None:
-            return None, []
+            return None, [], None
+        starts = _entry_starts(node)
         errors: list[ConfigError] = []
         aliases = has_aliases(text)
         if aliases:
@@ -277,7 +379,7 @@ def _read_yaml(text: str) -> tuple[object, list[ConfigError]]:
             _scan_tree(node, errors)
         data = construct(node, _Constructor(), aliases=aliases)
         release(node)  # in pieces: all at once, it would hold the GIL (`safe_yaml` Rule 6)
-        return data, errors
+        return data, errors, starts
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f" at {_position(mark)}" if mark else ""
@@ -286,6 +388,17 @@ def _read_yaml(text: str) -> tuple[object, list[ConfigError]]:
     except yaml.reader.ReaderError as exc:  # a character YAML does not allow
         reason = str(exc).splitlines()[0]
         raise _whole_file(f"invalid YAML at character {exc.position}: {reason}") from None
+
+
+def _entry_starts(root: yaml.Node) -> list[int] | None:
+    """Where each item of the root mapping's `nodes` sequence starts (character index)."""
+    if isinstance(root, yaml.MappingNode):
+        for key, value in root.value:
+            if isinstance(key, yaml.ScalarNode) and key.value == NODES:
+                if isinstance(value, yaml.SequenceNode):
+                    return [item.start_mark.index for item in value.value]
+                return None
+    return None
 
 
 def _position(mark: yaml.Mark) -> str:
@@ -439,11 +552,13 @@ class _Rules:
     rule only ever reports its own kind of problem.
     """
 
-    def __init__(self, raw: dict[Any, Any], *, proven: Iterable[int] = ()) -> None:
+    def __init__(
+        self, raw: dict[Any, Any], *, proven: Mapping[int, NodeEntry] | None = None
+    ) -> None:
         self.raw = raw
-        self.proven = frozenset(proven)
-        """Indexes in `nodes` of entries a proof holds: only the rules that span entries
-        run on them (`core.config_proof` Rule 3)."""
+        self.proven: Mapping[int, NodeEntry] = proven or {}
+        """By index in `nodes`, the entries a proof holds: only the rules that span
+        entries run on them (`core.config_proof` Rule 3)."""
         self.openai = _as_dict(raw.get("openai"))
         self.errors: list[ConfigError] = []
         self.warnings: list[str] = []
@@ -585,19 +700,28 @@ class _Rules:
             )
 
     def _providers(self) -> dict[str, _Provider]:
-        """Check nodes and their providers; return every provider by id (first wins)."""
+        """Check nodes and their providers; return every provider by id (first wins).
+
+        An entry a proof holds is read from its Structs (its raw data may not even have
+        been parsed, `_Read.known`), and only the rules that span entries run on it."""
         node_ids = _FirstSeen()
         provider_ids = _FirstSeen()
         providers: dict[str, _Provider] = {}
-        for index, (node_path, node) in _indexed_entries(self.raw.get("nodes"), "nodes"):
-            proven = index in self.proven
-            node_id = _text(node.get("id"))
-            if first := node_ids.repeat(node_id, node_path):
-                self._error(f"{node_path}.id", f"duplicate node id '{node_id}' ({first})")
-            if (
-                not proven
-                and node.get("token_hash_sha256") == DEMO_NODE_TOKEN_SHA256
-                and not self._loopback("edge")
+        nodes = self.raw.get("nodes")
+        for index, node in enumerate(nodes if isinstance(nodes, list) else []):
+            node_path = index_path("nodes", index)
+            proven = self.proven.get(index)
+            if proven is not None:
+                self._node_id(node_ids, proven.id, node_path)
+                for number, built in enumerate(proven.providers):
+                    path = index_path(f"{node_path}.providers", number)
+                    self._provider_id(provider_ids, providers, built.id, built.models, path)
+                continue
+            if not isinstance(node, dict):
+                continue
+            self._node_id(node_ids, _text(node.get("id")), node_path)
+            if node.get("token_hash_sha256") == DEMO_NODE_TOKEN_SHA256 and not self._loopback(
+                "edge"
             ):
                 self._error(
                     f"{node_path}.token_hash_sha256",
@@ -607,18 +731,33 @@ class _Rules:
                 )
             for path, provider in _entries(node.get("providers"), f"{node_path}.providers"):
                 provider_id = _text(provider.get("id"))
-                if first := provider_ids.repeat(provider_id, path):
-                    self._error(
-                        f"{path}.id",
-                        f"duplicate provider id '{provider_id}' ({first}); provider ids "
-                        "are unique across all nodes",
-                    )
-                elif provider_id is not None:
-                    providers[provider_id] = _Provider(path, _text_list(provider.get("models")))
-                if not proven:
-                    self._long_context_slots(path, provider)
-                    self._adapter(path, provider)
+                models = _text_list(provider.get("models"))
+                self._provider_id(provider_ids, providers, provider_id, models, path)
+                self._long_context_slots(path, provider)
+                self._adapter(path, provider)
         return providers
+
+    def _node_id(self, node_ids: _FirstSeen, node_id: str | None, node_path: str) -> None:
+        if first := node_ids.repeat(node_id, node_path):
+            self._error(f"{node_path}.id", f"duplicate node id '{node_id}' ({first})")
+
+    def _provider_id(
+        self,
+        provider_ids: _FirstSeen,
+        providers: dict[str, _Provider],
+        provider_id: str | None,
+        models: list[str] | None,
+        path: str,
+    ) -> None:
+        """Provider ids are unique across all nodes; the first of each is kept."""
+        if first := provider_ids.repeat(provider_id, path):
+            self._error(
+                f"{path}.id",
+                f"duplicate provider id '{provider_id}' ({first}); provider ids "
+                "are unique across all nodes",
+            )
+        elif provider_id is not None:
+            providers[provider_id] = _Provider(path, models)
 
     def _long_context_slots(self, path: str, provider: dict[Any, Any]) -> None:
         slots = _integer(provider.get("long_context_slots"))
@@ -802,16 +941,10 @@ def _as_dict(value: object) -> dict[Any, Any]:
 
 def _entries(value: object, path: str) -> Iterator[tuple[str, dict[Any, Any]]]:
     """`(path[i], item)` for the mapping items of a list; anything else is skipped."""
-    for _, entry in _indexed_entries(value, path):
-        yield entry
-
-
-def _indexed_entries(value: object, path: str) -> Iterator[tuple[int, tuple[str, dict[Any, Any]]]]:
-    """`_entries`, each with its index `i`."""
     if isinstance(value, list):
         for index, item in enumerate(value):
             if isinstance(item, dict):
-                yield index, (index_path(path, index), item)
+                yield index_path(path, index), item
 
 
 def _text(value: object) -> str | None:

@@ -16,7 +16,12 @@ Rules:
 3. What spans entries is never taken from a proof: unique node and provider ids, the
    models' references to providers, the legacy routes. Those checks run on every config.
 4. A proof is the last valid config's, whole: the entries of a config before it are
-   not kept, so a proof costs one key and one Struct per Node of the running fleet.
+   not kept, so a proof costs one key, one Struct and one entry's text per Node of the
+   running fleet.
+5. An entry is also known by its text (`core.config_pieces`), when the parse confirmed
+   where the proving config's entries are: a candidate's entry with the very same text
+   is the same raw data, so it needs no parse either. The text gives the key; Rule 2
+   still decides whether the entry holds.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from iop_edge.core.config_pieces import ConfigPieces
 from schemas.config import NodeEntry
 
 __all__ = ["ConfigProof", "entry_key"]
@@ -43,9 +49,24 @@ class ConfigProof:
     """Whether `edge.listen` was a loopback address (Rule 2)."""
     entries: Mapping[bytes, NodeEntry] = field(default_factory=dict)
     """Each entry's Structs, as the config that proved it built them."""
+    texts: Mapping[str, bytes] = field(default_factory=dict)
+    """Each entry's key by the entry's text (Rule 5); empty when the proving config's
+    entries could not be told apart in its text."""
 
     def entry(self, key: bytes, *, edge_loopback: bool) -> NodeEntry | None:
         """The proven entry for raw data `key`, or None when it must be checked."""
         if edge_loopback != self.edge_loopback:
             return None
         return self.entries.get(key)
+
+    def known(self, pieces: ConfigPieces) -> dict[int, bytes]:
+        """The entries of `pieces` this proof knows by their text (Rule 5): their keys,
+        by index in `nodes`."""
+        texts, entries = self.texts, self.entries
+        known: dict[int, bytes] = {}
+        if texts:
+            for index in range(pieces.entries):
+                key = texts.get(pieces.entry(index))
+                if key is not None and key in entries:
+                    known[index] = key
+        return known

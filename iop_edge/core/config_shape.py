@@ -54,6 +54,7 @@ from schemas.config import ConfigError
 __all__ = [
     "CHUNK_ITEMS",
     "LeafWording",
+    "ShapeChecker",
     "check_shape",
     "convert",
     "error_from_msgspec",
@@ -93,9 +94,27 @@ def check_shape(
     them is described by its `LeafWording` rather than by msgspec's message. `path` is
     where `value` sits in a larger document (`nodes[3]`), for the errors' paths.
     """
-    walker = _Walker(wording or {})
-    walker.shape(value, schema, path)
-    return walker.errors
+    return ShapeChecker(wording or {}).check(value, schema, path=path)
+
+
+class ShapeChecker:
+    """`check_shape` for many values under one wording: what it works out about the
+    schema types (which of them can hold a prechecked leaf, each one's wording) is kept
+    from one value to the next.
+
+    Working that out is a walk of the schema, a few hundred microseconds: once per
+    config, nothing; once per Node entry of a fleet's changed Nodes, seconds. Not for
+    sharing between threads (its caches are built as it goes); one per config read.
+    """
+
+    def __init__(self, wording: Mapping[Any, LeafWording]) -> None:
+        self._types = _TypeFacts(wording)
+
+    def check(self, value: object, schema: Any, *, path: str = "") -> list[ConfigError]:
+        """Every place where `value` does not fit `schema` (as `check_shape`)."""
+        walker = _Walker(self._types)
+        walker.shape(value, schema, path)
+        return walker.errors
 
 
 def convert(value: object, schema: type[S]) -> S:
@@ -167,16 +186,67 @@ def index_path(path: str, index: int) -> str:
 # --------------------------------------------------------------------------- the walk
 
 
-class _Walker:
+class _TypeFacts:
+    """What the walk needs to know about schema types, worked out once per type.
+
+    Keyed by `id` of the type, and each entry keeps its type alive, so an id is never
+    reused for another type while the facts are held."""
+
     def __init__(self, wording: Mapping[Any, LeafWording]) -> None:
         self.wording = wording
+        self._wording_of: dict[int, tuple[Any, LeafWording | None]] = {}
+        self._may_precheck: dict[int, tuple[Any, bool]] = {}
+        self._prechecked_fields: dict[int, tuple[Any, list[tuple[str, Any]]]] = {}
+
+    def wording_of(self, tp: Any) -> LeafWording | None:
+        known = self._wording_of.get(id(tp))
+        if known is None:
+            # Compared with ==, never hashed: an `Annotated` type whose metadata is
+            # unhashable is still a valid schema type.
+            found = next((w for alias, w in self.wording.items() if alias == tp), None)
+            known = self._wording_of[id(tp)] = (tp, found)
+        return known[1]
+
+    def prechecked_fields(self, cls: type[msgspec.Struct]) -> list[tuple[str, Any]]:
+        """The fields of `cls` (name in the data, type) that can hold a prechecked leaf."""
+        known = self._prechecked_fields.get(id(cls))
+        if known is None:
+            fields = [
+                (name, info.type)
+                for name, info in _fields_of(cls)[0].items()
+                if self.may_precheck(info.type)
+            ]
+            known = self._prechecked_fields[id(cls)] = (cls, fields)
+        return known[1]
+
+    def may_precheck(self, tp: Any) -> bool:
+        """Whether a value of type `tp` can hold a leaf whose wording has a precheck."""
+        known = self._may_precheck.get(id(tp))
+        if known is not None:
+            return known[1]
+        self._may_precheck[id(tp)] = (tp, False)  # a recursive type: not through itself
+        wording = self.wording_of(tp)
+        if wording is not None and wording.precheck is not None:
+            found = True
+        elif _is_struct(tp):
+            found = any(self.may_precheck(info.type) for info in _fields_of(tp)[0].values())
+        else:
+            args = typing.get_args(tp)
+            if typing.get_origin(tp) is typing.Annotated:
+                args = args[:1]  # the rest is metadata
+            found = any(self.may_precheck(arg) for arg in args)
+        self._may_precheck[id(tp)] = (tp, found)
+        return found
+
+
+class _Walker:
+    def __init__(self, types: _TypeFacts) -> None:
+        self.wording_of = types.wording_of
+        self.may_precheck = types.may_precheck
+        self.prechecked_fields = types.prechecked_fields
         self.errors: list[ConfigError] = []
         self.prechecks_only = False
         """Below a value msgspec converted whole (Rule 6): only prechecks can fail."""
-        self._may_precheck: dict[int, bool] = {}
-        """By `id` of a schema type (types outlive the walk): can it hold a leaf whose
-        wording has a precheck?"""
-        self._prechecked_fields: dict[int, list[tuple[str, Any]]] = {}
 
     def error(self, path: str, message: str) -> None:
         self.errors.append(ConfigError(path=path, message=message))
@@ -297,42 +367,6 @@ class _Walker:
                 return wording.invalid
             return _humanize(str(exc), tp)
         return None
-
-    def wording_of(self, tp: Any) -> LeafWording | None:
-        # Compared with ==, never hashed: an `Annotated` type whose metadata is unhashable
-        # is still a valid schema type.
-        return next((w for alias, w in self.wording.items() if alias == tp), None)
-
-    def prechecked_fields(self, cls: type[msgspec.Struct]) -> list[tuple[str, Any]]:
-        """The fields of `cls` (name in the data, type) that can hold a prechecked leaf."""
-        known = self._prechecked_fields.get(id(cls))
-        if known is None:
-            known = [
-                (name, info.type)
-                for name, info in _fields_of(cls)[0].items()
-                if self.may_precheck(info.type)
-            ]
-            self._prechecked_fields[id(cls)] = known
-        return known
-
-    def may_precheck(self, tp: Any) -> bool:
-        """Whether a value of type `tp` can hold a leaf whose wording has a precheck."""
-        known = self._may_precheck.get(id(tp))
-        if known is not None:
-            return known
-        self._may_precheck[id(tp)] = False  # a recursive type: not through itself
-        wording = self.wording_of(tp)
-        if wording is not None and wording.precheck is not None:
-            found = True
-        elif _is_struct(tp):
-            found = any(self.may_precheck(info.type) for info in _fields_of(tp)[0].values())
-        else:
-            args = typing.get_args(tp)
-            if typing.get_origin(tp) is typing.Annotated:
-                args = args[:1]  # the rest is metadata
-            found = any(self.may_precheck(arg) for arg in args)
-        self._may_precheck[id(tp)] = found
-        return found
 
 
 def _fits(value: object, tp: Any) -> bool:

@@ -29,17 +29,22 @@ Rules:
    (`runtime.lifecycle.heap`) thaws it now and then to collect the cyclic garbage among
    them (`freezes()` tells it how often something was frozen). Holds are re-entrant;
    only the event loop's thread opens them.
+4. While a pause is open (`paused()`), everything the bulk work made so far is young: a
+   collection of the young generation would walk all of it, holding the GIL (half a
+   second into a fleet's config). Whoever collects on its own schedule (the heap
+   keeper) leaves the collector alone meanwhile, and hears when the last hold closes
+   (`watch_holds`) to catch up.
 """
 
 from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Final
 
-__all__ = ["RECENT", "freezes", "gc_held", "gc_paused"]
+__all__ = ["RECENT", "freezes", "gc_held", "gc_paused", "paused", "watch_holds"]
 
 #: The older generations' thresholds while held: no collection of them (Rule 3).
 _NEVER: Final = 2**30
@@ -77,6 +82,11 @@ class _Pauses:
 _pauses = _Pauses()
 
 
+def paused() -> bool:
+    """Whether a pause is open: bulk work is building, the collector off (Rule 4)."""
+    return _pauses.open > 0
+
+
 @contextmanager
 def gc_paused(*, freeze: bool = False) -> Iterator[None]:
     """Disable the cyclic collector for the body (Rule 1); with `freeze`, freeze what is
@@ -103,10 +113,23 @@ def freezes() -> int:
 
 
 class _Holds:
-    """The open holds and the thresholds to restore when the last one closes (Rule 3)."""
+    """The open holds and the thresholds to restore when the last one closes (Rule 3),
+    and who hears of it (Rule 4)."""
 
     open = 0
     thresholds: tuple[int, int, int] = (700, 10, 10)
+    watchers: list[Callable[[], None]] = []
+
+
+@contextmanager
+def watch_holds(closed: Callable[[], None]) -> Iterator[None]:
+    """Call `closed()` each time the last open hold closes, while the body runs (Rule 4).
+    It is called on the event loop's thread, right after the heap was frozen."""
+    _Holds.watchers.append(closed)
+    try:
+        yield
+    finally:
+        _Holds.watchers.remove(closed)
 
 
 @contextmanager
@@ -125,3 +148,5 @@ def gc_held() -> Iterator[None]:
         if _Holds.open == 0:
             _freeze()
             gc.set_threshold(*_Holds.thresholds)
+            for closed in list(_Holds.watchers):
+                closed()

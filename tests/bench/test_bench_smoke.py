@@ -386,7 +386,8 @@ def test_fleet_budgets_are_judged_at_the_run_scale_and_a_node_left_behind_misses
             idle_window_s=10.0,  # 5% of a core
             catalog_s=(0.3, 0.5),
             catalog_bytes=5_000_000,
-            dry_run_s=1.5,
+            dry_run_s=2.5,  # every Node changed: reported beside the few Nodes' dry run
+            dry_run_few_s=0.4,
             refresh_s=9.0,
             refresh_status=200,
             refresh_nodes=5000,
@@ -404,6 +405,10 @@ def test_fleet_budgets_are_judged_at_the_run_scale_and_a_node_left_behind_misses
     assert [verdict for _, verdict in checks.values()] == [
         "PASS", "PASS", "PASS", "PASS", "MISS", "PASS", "PASS"
     ]  # fmt: skip
+    assert checks["refresh dry run of a few Nodes' change <= 2 s"] == (
+        "0.40 s (10 Nodes; every Node 2.5 s)",
+        "PASS",
+    )
     assert checks["refresh apply <= 15 s until every Node acked, none left behind"] == (
         "9.0 s, 5000/5000 applied",
         "PASS",

@@ -12,9 +12,10 @@ The collector is real here (`manual_collector`, `garbage`: tests/unit/conftest.p
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
-from iop_edge.core.gc_pause import freezes, gc_held
+from iop_edge.core.gc_pause import freezes, gc_held, gc_paused, paused, watch_holds
 
 
 def watched(obj: object) -> bool:
@@ -41,3 +42,28 @@ def test_a_hold_freezes_what_is_alive(manual_collector: None) -> None:
     assert freezes() > before
     assert not watched(alive)  # frozen: still alive, out of the collector's sight
     assert alive[0] is alive
+
+
+def test_a_pause_is_seen_while_it_is_open_whatever_the_thread() -> None:
+    seen: list[bool] = []
+    assert not paused()
+    with gc_paused():
+        assert paused()
+        worker = threading.Thread(target=lambda: seen.append(paused()))
+        worker.start()
+        worker.join()
+    assert seen == [True]
+    assert not paused()
+
+
+def test_the_watchers_hear_when_the_last_hold_closes(manual_collector: None) -> None:
+    heard: list[int] = []
+    with watch_holds(lambda: heard.append(freezes())):
+        with gc_held():
+            with gc_held():
+                pass
+            assert heard == []  # an inner hold: the heap is still held
+        assert heard == [freezes()]  # after the freeze that closed the hold
+    with gc_held():
+        pass
+    assert len(heard) == 1  # no longer watching

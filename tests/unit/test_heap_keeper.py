@@ -158,3 +158,88 @@ async def test_the_garbage_waiting_for_the_collector_is_not_frozen_with_new_sess
     assert gc.get_freeze_count() > frozen
     gc.collect()
     assert garbage() is None
+
+
+class Pause:
+    """Whether bulk work has the collector paused, as the test says."""
+
+    def __init__(self) -> None:
+        self.open = False
+
+    def __call__(self) -> bool:
+        return self.open
+
+
+@pytest.fixture
+def pause() -> Pause:
+    return Pause()
+
+
+@pytest.fixture
+async def paused_keeper(
+    collector: FakeCollector, pause: Pause, nursery: trio.Nursery
+) -> HeapKeeper:
+    keeper = HeapKeeper(collector, paused=pause)
+    await nursery.start(keeper.run)
+    return keeper
+
+
+async def test_the_end_of_a_refresh_alone_brings_the_thaw_after_many_freezes(
+    autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
+) -> None:
+    before = freezes()
+    while freezes() - before < THAW_AFTER_FREEZES:  # refreshes, no Node comes or goes
+        with gc_held():
+            pass
+    await trio.testing.wait_all_tasks_blocked()
+    assert collector.names() == ["unfreeze", "collect", "freeze"]
+
+
+async def test_no_collection_and_no_thaw_while_a_build_has_the_collector_paused(
+    autojump_clock: trio.testing.MockClock,
+    collector: FakeCollector,
+    pause: Pause,
+    paused_keeper: HeapKeeper,
+) -> None:
+    await connect(paused_keeper, SWEEP_FLEET, every_s=0)
+    await trio.sleep(QUIET_S * 2)
+    collector.calls.clear()
+    pause.open = True  # a refresh reads a candidate in a worker thread
+    await trio.sleep(SWEEP_S * 3.5)
+    assert collector.calls == []  # the sweep leaves the build alone
+    await connect(paused_keeper, BURST, every_s=0)
+    await trio.testing.wait_all_tasks_blocked()
+    assert collector.names() == ["freeze"]  # a burst: frozen, not collected
+    collector.calls.clear()
+    for _ in range(SWEEP_FLEET // 5):  # churn: a thaw is due, and waits
+        paused_keeper.node_disconnected()
+    await trio.sleep(SWEEP_S / 2)
+    assert "unfreeze" not in collector.names()
+    pause.open = False
+    with gc_held():  # the refresh lets go of the heap: the keeper catches up at once
+        pass
+    await trio.testing.wait_all_tasks_blocked()
+    assert collector.names() == ["unfreeze", "collect", "freeze"]
+
+
+async def test_a_thaw_that_waited_for_a_pause_is_tried_again_a_sweep_later(
+    autojump_clock: trio.testing.MockClock,
+    collector: FakeCollector,
+    pause: Pause,
+    paused_keeper: HeapKeeper,
+) -> None:
+    """A pause without a hold (a catalog, a config read for `check-config`) ends with
+    no word to the keeper: it looks again a sweep period later."""
+    await connect(paused_keeper, BURST, every_s=0)
+    await trio.testing.wait_all_tasks_blocked()
+    collector.calls.clear()
+    pause.open = True
+    for _ in range(BURST):
+        paused_keeper.node_disconnected()
+    await trio.sleep(SWEEP_S * 2.5)
+    assert collector.calls == []
+    pause.open = False
+    ended = trio.current_time()
+    await trio.sleep(SWEEP_S)
+    thaws = [at for name, at in collector.calls if name == "unfreeze"]
+    assert len(thaws) == 1 and ended < thaws[0] <= ended + SWEEP_S

@@ -165,12 +165,12 @@ async def test_a_change_to_one_node_checks_and_pushes_that_node_only(
         return await push(node_id, revision, node_config)
 
     edge.push_node_config = recorded  # type: ignore[method-assign]
-    checked: list[int] = []
+    checked: list[tuple[int, int]] = []
     parse = parse_config
 
     def counting(text: str, **kwargs: Any) -> Any:
         result = parse(text, **kwargs)
-        checked.append(result.checked_nodes)
+        checked.append((result.parsed_nodes, result.checked_nodes))
         return result
 
     one = running.replace("capacity: 4", "capacity: 9", 1)  # node-0000's first provider
@@ -179,7 +179,7 @@ async def test_a_change_to_one_node_checks_and_pushes_that_node_only(
         result = await refresher.refresh(RefreshRequest(mode="apply", config_yaml=one))
 
     report = result.report
-    assert checked == [1]
+    assert checked == [(1, 1)]  # one entry's YAML parsed, one entry checked
     assert [c.path for c in report.changes] == ["nodes[node-0000].providers[node-0000-p0].capacity"]
     assert pushed == ["node-0000"]
     assert [(n.id, n.status) for n in report.nodes] == [("node-0000", "applied")]

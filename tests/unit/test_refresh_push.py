@@ -40,6 +40,8 @@ class Fleet:
         self.applied = dict.fromkeys(current.nodes, current.revision - 1)
         self.ack_after_s = ack_after_s
         self.silent: set[str] = set()
+        self.ack_after: dict[str, float] = {}
+        """A Node's own time to ack, where it is not `ack_after_s`."""
         self.pushes: list[tuple[str, float]] = []
         self.in_flight = 0
         self.most_in_flight = 0
@@ -72,7 +74,7 @@ class Fleet:
         try:
             if node_id in self.silent:
                 await trio.sleep_forever()
-            await trio.sleep(self.ack_after_s)
+            await trio.sleep(self.ack_after.get(node_id, self.ack_after_s))
         finally:
             self.in_flight -= 1
         self.applied[node_id] = revision
@@ -92,7 +94,46 @@ async def test_pushes_stay_within_the_fan_out_and_the_deadline_grows_with_the_fl
     results = await push_all(fleet, sorted(current.nodes), current, policy)
     assert [r.status for r in results] == ["applied"] * 12
     assert fleet.most_in_flight == 2
-    assert trio.current_time() - began == pytest.approx(24.0)
+    # Six rounds of 4 s; the pushes of a round start half a millisecond apart (the rate).
+    assert trio.current_time() - began == pytest.approx(24.0, abs=0.01)
+
+
+async def test_pushes_start_evenly_at_the_rate_and_the_deadline_makes_room_for_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    current = snapshot(30)
+    fleet = Fleet(current, ack_after_s=0.0)  # a fleet on a fast link: the rate decides
+    # 30 pushes at 10 a second take 2.9 s; the per-Node budget alone (0 s) would leave
+    # the whole push 1 s, the Node's own timeout: the rate's spacing counts instead.
+    policy = PushPolicy(timeout_s=1.0, per_node_s=0.0, fanout=64, rate_per_s=10.0)
+    assert policy.deadline_s(30) == pytest.approx(4.0)
+    began = trio.current_time()
+    results = await push_all(fleet, sorted(current.nodes), current, policy)
+    assert [r.status for r in results] == ["applied"] * 30
+    starts = [at - began for _, at in fleet.pushes]
+    assert starts == pytest.approx([i / 10 for i in range(30)])
+
+
+async def test_a_slow_ack_does_not_let_the_pushes_after_it_burst(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A worker whose Node acked late has missed its turns; the pushes that follow still
+    start a spacing apart, not all at once to catch up."""
+    current = snapshot(4)
+    fleet = Fleet(current, ack_after_s=0.0)
+    fleet.ack_after = {"n0": 1.0, "n1": 0.9}  # both workers busy until 1 s
+    policy = PushPolicy(timeout_s=5.0, fanout=2, rate_per_s=10.0)
+    began = trio.current_time()
+    await push_all(fleet, sorted(current.nodes), current, policy)
+    starts = sorted(at - began for _, at in fleet.pushes)
+    assert starts == pytest.approx([0.0, 0.1, 1.0, 1.1])  # the turns missed are not made up
+
+
+def test_a_push_policy_needs_a_positive_fan_out_and_rate() -> None:
+    with pytest.raises(ValueError, match="fan-out"):
+        PushPolicy(fanout=0)
+    with pytest.raises(ValueError, match="rate"):
+        PushPolicy(rate_per_s=0.0)
 
 
 async def test_nodes_still_queued_at_the_deadline_are_failed_not_forgotten(

@@ -36,7 +36,15 @@ at it again only at moments it chooses:
    again) runs once sessions that ended since the last one reach `CHURN_SHARE` of those
    connected (at least `BURST`), after `THAW_AFTER_FREEZES` freezes by refreshes, or
    `THAW_INTERVAL_S` after the last one if anything was frozen since. It is the one
-   pause left, proportional to the heap, and it is logged with what it reclaimed.
+   pause left, proportional to the heap, and it is logged with what it reclaimed. The
+   keeper looks whether one is due at each connect and disconnect, at the deadline, and
+   each time a refresh lets go of the heap (`gc_pause.watch_holds`).
+5. While bulk work in a worker thread has the collector paused (`gc_pause.paused()`,
+   a refresh reading a candidate), what it built so far is all young: the keeper does
+   not collect then (a young collection would walk the build, half a second of the
+   loop with ten thousand Nodes) and does not thaw. The sweep skips its turn; a burst is
+   frozen without its collection (the refresh freezes its build anyway); a thaw that
+   is due waits until the refresh lets go of the heap, or a sweep period.
 """
 
 from __future__ import annotations
@@ -44,11 +52,12 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from typing import Final, Protocol
 
 import trio
 
-from iop_edge.core.gc_pause import RECENT, freezes
+from iop_edge.core.gc_pause import RECENT, freezes, paused, watch_holds
 
 __all__ = [
     "BURST",
@@ -120,10 +129,14 @@ class HeapKeeper:
     it after churn or a long freeze (Rules 2-4).
 
     The hub reports connects and disconnects (`node_connected`, `node_disconnected`);
-    `run` is a service of the Edge that acts on them."""
+    `run` is a service of the Edge that acts on them, and on the end of each refresh.
+    `paused` says whether bulk work has the collector paused (Rule 5)."""
 
-    def __init__(self, collector: Collector | None = None) -> None:
+    def __init__(
+        self, collector: Collector | None = None, *, paused: Callable[[], bool] = paused
+    ) -> None:
         self._gc = collector or _Gc()
+        self._paused = paused
         self._connected = 0
         self._arrived = 0
         """Nodes connected since the last freeze."""
@@ -162,33 +175,40 @@ class HeapKeeper:
         return churn or stale or bulk
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Freeze and thaw as Rules 2-4 say, until cancelled."""
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._sweep)
-            task_status.started()
-            await self._watch()
+        """Freeze and thaw as Rules 2-5 say, until cancelled."""
+        with watch_holds(self._wake):  # a refresh let go of the heap: look again (Rule 4)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._sweep)
+                task_status.started()
+                await self._watch()
 
     async def _sweep(self) -> None:
         """Rule 3: a period, not a wait for a condition."""
         while True:
             await trio.sleep(SWEEP_S)
-            if self._connected >= SWEEP_FLEET:
+            if self._connected >= SWEEP_FLEET and not self._paused():  # Rule 5
                 self._gc.collect(0)  # a second's young garbage: not frozen (Rule 2's why)
                 self._gc.freeze()
                 self._froze = True
 
     async def _watch(self) -> None:
-        """Rules 2 and 4, as connects and disconnects come."""
+        """Rules 2, 4 and 5, as connects, disconnects and refreshes come."""
         while True:
             now = trio.current_time()
+            deferred = False
             if self._thaw_due(now):
-                self._thaw()
-                continue
+                if not self._paused():
+                    self._thaw()
+                    continue
+                deferred = True  # Rule 5: tried again when the refresh is done
             deadline = self._last_thaw + THAW_INTERVAL_S if self._frozen_since_thaw() else None
+            if deferred:
+                deadline = now + SWEEP_S
             if self._arrived:
                 quiet_at = self._last_arrival + QUIET_S
                 if self._arrived >= BURST or now >= quiet_at:
-                    self._gc.collect(RECENT)
+                    if not self._paused():  # Rule 5: the freeze alone, during a build
+                        self._gc.collect(RECENT)
                     self._gc.freeze()
                     self._arrived = 0
                     self._froze = True

@@ -4,13 +4,19 @@ An apply pushes each affected connected Node its own config and waits for the No
 `refresh_ack`. With thousands of Nodes that is thousands of messages out and acks in, on
 the Edge's one event loop, so:
 
-1. At most `PushPolicy.fanout` pushes are in flight at once (each waits for its ack):
-   the loop keeps room for callers, and a Node's ack wait starts when its push is sent,
-   not when the refresh began.
+1. At most `PushPolicy.fanout` pushes are in flight at once (each waits for its ack),
+   and they start at most `rate_per_s` a second, evenly spaced: a Node's ack wait
+   starts when its push is sent, not when the refresh began, and the fleet's acks and
+   status reports, each work for the event loop (and, on the Nodes' side, a registry
+   rebuilt), come as a steady stream the loop serves between callers' requests rather
+   than as bursts a fan-out's worth deep. The fan-out keeps a fleet across slow links
+   busy; the rate keeps a fleet on fast ones from taking the loop (and the machine)
+   from callers.
 2. A Node has `timeout_s` to ack once its push is sent; the whole push has
-   `deadline_s(nodes)`: `timeout_s` plus `per_node_s` for each Node pushed, since the
-   pushes queue behind the fan-out. A Node that misses either is reported `failed`,
-   saying it was not acked in time and that the Edge pushes again.
+   `deadline_s(nodes)`: `timeout_s` plus, for each Node pushed, `per_node_s` or the
+   rate's spacing, whichever is longer, since the pushes queue behind the fan-out and
+   the rate. A Node that misses either is reported `failed`, saying it was not acked
+   in time and that the Edge pushes again.
 3. A connected Node that did not apply the new revision (no ack in time, a refused
    config, a broken push) is never left behind silently: besides the report, the
    `CatchUp` pushes it the running config again, after `first_retry_s` and then at
@@ -27,7 +33,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -48,6 +54,8 @@ PUSH_FANOUT: Final = 64
 #: What each pushed Node adds to the whole push's deadline (Rule 2): about the Edge's
 #: own cost of one push and its ack, with room for a busy machine.
 PUSH_BUDGET_PER_NODE_S: Final = 0.002
+#: Pushes started a second at most (Rule 1): ten thousand Nodes in five seconds.
+PUSH_RATE_PER_S: Final = 2000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,16 +66,19 @@ class PushPolicy:
     """A Node's time to ack once its push is sent."""
     per_node_s: float = PUSH_BUDGET_PER_NODE_S
     fanout: int = PUSH_FANOUT
+    rate_per_s: float = PUSH_RATE_PER_S
     first_retry_s: float = 2.0
     max_retry_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.fanout < 1:
             raise ValueError("the push fan-out must be >= 1")
+        if not self.rate_per_s > 0:
+            raise ValueError("the push rate must be > 0")
 
     def deadline_s(self, nodes: int) -> float:
         """The whole push's deadline for `nodes` Nodes (Rule 2)."""
-        return self.timeout_s + self.per_node_s * nodes
+        return self.timeout_s + max(self.per_node_s, 1 / self.rate_per_s) * nodes
 
 
 class PushTarget(Protocol):
@@ -106,23 +117,43 @@ async def push_all(
     results = {node_id: NodeResult(id=node_id, status="not_connected") for node_id in ids}
     for node_id in pushed:
         results[node_id] = _late(node_id, deadline_s)
-    queue = iter(pushed)
+    turns = _Turns(pushed, policy.rate_per_s)
     with trio.move_on_after(deadline_s):
         async with trio.open_nursery() as nursery:
             for _ in range(min(policy.fanout, len(pushed))):
-                nursery.start_soon(_push_worker, target, queue, snapshot, policy, results)
+                nursery.start_soon(_push_worker, target, turns, snapshot, policy, results)
     return [results[node_id] for node_id in ids]
+
+
+class _Turns:
+    """The Nodes still to push, each handed out at its turn: `rate` a second, evenly
+    spaced (Rule 1). The first turn is now; a turn no worker was free for (their Nodes
+    acked late) is not made up in a burst."""
+
+    def __init__(self, node_ids: Iterable[str], rate: float) -> None:
+        self._queue = iter(node_ids)
+        self._spacing = 1 / rate
+        self._next = trio.current_time()
+
+    async def next(self) -> str | None:
+        """The next Node to push, at its turn; None when every Node was handed out."""
+        node_id = next(self._queue, None)
+        if node_id is not None:
+            turn = max(self._next, trio.current_time())
+            self._next = turn + self._spacing
+            await trio.sleep_until(turn)
+        return node_id
 
 
 async def _push_worker(
     target: PushTarget,
-    queue: Iterator[str],
+    turns: _Turns,
     snapshot: Snapshot,
     policy: PushPolicy,
     results: dict[str, NodeResult],
 ) -> None:
-    """Push to Nodes taken from the shared `queue` one after the other (Rule 1)."""
-    for node_id in queue:
+    """Push to Nodes handed out by the shared `turns` one after the other (Rule 1)."""
+    while (node_id := await turns.next()) is not None:
         results[node_id] = await push_one(target, node_id, snapshot, policy.timeout_s)
 
 

@@ -307,6 +307,10 @@ class Refresher:
         connected Node that did not apply the new revision is pushed again later
         (`push.CatchUp`), and its line in the report says so.
         """
+        with trio.move_on_after(COMMIT_GRACE_S, shield=True):
+            # The swap took a step of the loop of its own (a pass over a fleet's
+            # providers, tens of milliseconds); the rest of the commit starts in the next.
+            await trio.lowlevel.checkpoint()
         nodes = _interrupted(to_push)
         self.catch_up.forget(to_push)
         with trio.move_on_after(self._push.deadline_s(len(to_push)) + COMMIT_GRACE_S, shield=True):
