@@ -105,26 +105,19 @@ class RunHandle:
 
 
 async def execute_run(run: Run, adapter: Adapter | None, handle: RunHandle, send: Send) -> None:
-    """Execute `run` through `adapter` and send its chunks and terminal message."""
+    """Execute `run` through `adapter` and send its chunks and terminal message.
+
+    When the Node traces, the run is one attempt span (`iop_node.tracing`): it ends as
+    the run's answer leaves, or without one when the run is cut from outside. The run is
+    awaited here, not in a helper coroutine: each await in the chain is one more frame
+    every resumption of the run passes through."""
     node_tracing = tracing.current()
-    if node_tracing is not None:
-        await _traced(run, adapter, handle, send, node_tracing)
+    if node_tracing is None:
+        if adapter is None:
+            await send(_unknown_provider(run))
+        else:
+            await send(await _outcome(run, adapter, handle, send, None))
         return
-    if adapter is None:
-        await send(_unknown_provider(run))
-        return
-    await send(await _outcome(run, adapter, handle, send, None))
-
-
-async def _traced(
-    run: Run,
-    adapter: Adapter | None,
-    handle: RunHandle,
-    send: Send,
-    node_tracing: tracing.NodeTracing,
-) -> None:
-    """`execute_run` in the run's span (`iop_node.tracing`): the span ends as the run's
-    answer leaves, or without one when the run is cut from outside."""
     trace = node_tracing.attempt(run, adapter.provider if adapter is not None else None)
     message: Message | None = None
     try:

@@ -32,6 +32,9 @@ Rules:
 6. Spans are recorded by `schemas.spans`; the first output and the first upstream byte
    are attributes (`iop.time_to_first_output_s`, `iop.time_to_first_byte_s`, seconds
    from the span's start), which trace backends search more readily than events.
+7. What every attempt of one operation, model and provider says alike (and every call
+   to one upstream URL) is one shared attribute set (`schemas.spans.SharedSets`),
+   written once; a span carries its own values (run id, bound, usage, status) besides.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import re
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -49,8 +52,17 @@ import msgspec
 import trio
 
 from schemas.config import ProviderConfig, TelemetrySection
-from schemas.spans import Parent, SpanRecorder, Tracing, remote_parent, start_tracing
+from schemas.spans import (
+    Attributes,
+    Parent,
+    SharedSets,
+    SpanRecorder,
+    Tracing,
+    remote_parent,
+    start_tracing,
+)
 from schemas.telemetry import (
+    MAX_TRACESTATE_CHARS,
     OPERATION_NAMES,
     SHUTDOWN_TIMEOUT_S,
     provider_name,
@@ -118,6 +130,8 @@ class _Ending(msgspec.Struct):
 _decode_limits: Final = msgspec.json.Decoder(_Limits).decode
 _decode_ending: Final = msgspec.json.Decoder(_Ending).decode
 _decode_text: Final = msgspec.json.Decoder(str).decode
+#: The messages that end a run with its usage.
+_ENDED: Final = (RunDone, RunFailed)
 
 
 def current() -> NodeTracing | None:
@@ -148,6 +162,10 @@ class NodeTracing:
     def __init__(self, tracing: Tracing, node_id: str) -> None:
         self.tracing = tracing
         self.node_id = node_id
+        self._shared = SharedSets()
+        """The attributes attempts share, per operation, model and provider."""
+        self._call_sets = SharedSets()
+        """The attributes upstream calls share, per operation, model and URL."""
 
     @property
     def endpoint(self) -> str:
@@ -166,23 +184,31 @@ class NodeTracing:
         model = run.reply_model or run.target
         operation = OPERATION_NAMES.get(run.operation, run.operation)
         span = self.tracing.start(f"{operation} {model}", "internal", _parent_of(run))
+        name = provider_name(provider) if provider is not None and span.sampled else None
         if span.sampled:
+            key = (run.operation, model, run.provider_id, name)
+            shared = self._shared.get(key)
+            if shared is None:
+                values: Attributes = {
+                    "gen_ai.operation.name": operation,
+                    "gen_ai.request.model": model,
+                    "iop.node.id": self.node_id,
+                    "iop.provider.id": run.provider_id,
+                    "iop.protocol": _PROTOCOL_OF.get(run.operation, "chat"),
+                }
+                if name is not None:
+                    values["gen_ai.provider.name"] = name
+                shared = self._shared.add(key, values)
+            span.shared += shared
             attributes = span.attributes
-            attributes["gen_ai.operation.name"] = operation
-            attributes["gen_ai.request.model"] = model
-            attributes["iop.node.id"] = self.node_id
-            attributes["iop.provider.id"] = run.provider_id
             attributes["iop.run_id"] = run.run_id
-            attributes["iop.protocol"] = _PROTOCOL_OF.get(run.operation, "chat")
-            if provider is not None:
-                attributes["gen_ai.provider.name"] = provider_name(provider)
             try:
                 bound = _decode_limits(run.body).bound()
             except (msgspec.DecodeError, RecursionError):
                 bound = None
             if bound is not None:
                 attributes["gen_ai.request.max_tokens"] = bound
-        return AttemptTrace(span, self.tracing, run, provider)
+        return AttemptTrace(span, self.tracing, run, name, self._call_sets)
 
     async def aclose(self) -> None:
         """Send what is queued and stop exporting, in a worker thread, under a deadline
@@ -199,7 +225,12 @@ def _context_of(run: Run) -> tuple[str, str]:
 
 
 def _parent_of(run: Run) -> Parent | None:
-    return remote_parent(*_context_of(run))
+    """`_context_of(run)` as the parent of the run's span (one check of each field)."""
+    traceparent = run.traceparent
+    if not valid_traceparent(traceparent):
+        return None
+    tracestate = run.tracestate
+    return remote_parent(traceparent, tracestate if len(tracestate) <= MAX_TRACESTATE_CHARS else "")
 
 
 def passed_on(run: Run) -> list[Header]:
@@ -218,40 +249,52 @@ class AttemptTrace:
     """The span of one run on this Node (see the module docstring)."""
 
     __slots__ = (
+        "_call_sets",
         "_calls",
         "_finish_reasons",
         "_first_output",
-        "_provider",
+        "_provider_name",
         "_response_model",
         "_run",
-        "_started",
+        "_token",
         "_tracing",
         "recording",
         "span",
     )
 
     def __init__(
-        self, span: SpanRecorder, tracing: Tracing, run: Run, provider: ProviderConfig | None
+        self,
+        span: SpanRecorder,
+        tracing: Tracing,
+        run: Run,
+        provider_name: str | None,
+        call_sets: SharedSets,
     ) -> None:
+        self._token: Token[AttemptTrace | None] | None = None
         self.span = span
         self.recording = span.sampled
         self._tracing = tracing
         self._run = run
-        self._provider = provider
-        self._started = time.monotonic()
+        self._provider_name = provider_name
+        self._call_sets = call_sets
         self._first_output = False
         self._response_model: str | None = None
         self._finish_reasons: list[str] = []
         self._calls: list[UpstreamCall] = []
 
-    @contextmanager
-    def active(self) -> Iterator[None]:
-        """The current attempt of this task: the adapter's upstream calls join it."""
-        token = _attempt.set(self)
-        try:
-            yield
-        finally:
-            _attempt.reset(token)
+    def active(self) -> AttemptTrace:
+        """`with trace.active():` this is the current attempt of the task meanwhile: the
+        adapter's upstream calls join it. (A plain context manager: a generator-based one
+        costs more than the rest of a span.)"""
+        return self
+
+    def __enter__(self) -> None:
+        self._token = _attempt.set(self)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._token is not None:
+            _attempt.reset(self._token)
+            self._token = None
 
     # --- what the output says (Rule 3) ---------------------------------------------
 
@@ -264,7 +307,7 @@ class AttemptTrace:
             model = fields.get("model")
             if model is not None:
                 self._learn_model(model)
-        if type(choices) is list:
+        if choices.__class__ is list:  # not `type()`: a call per chunk
             for choice in choices:
                 if choice.finish_reason:  # each chunk has choices; few end one
                     self._learn_reason(choice.finish_reason)
@@ -291,16 +334,20 @@ class AttemptTrace:
             return
         if upstream_model and isinstance(ending.model, str):
             self._response_model = ending.model
-        for choice in ending.choices or ():
-            self._learn_reason(choice.finish_reason)
-        self._learn_reason(ending.stop_reason)
+        reasons = [choice.finish_reason for choice in ending.choices or ()]
+        reasons.append(ending.stop_reason)
         if self._run.operation == "responses":
-            self._learn_reason(ending.status)
+            reasons.append(ending.status)
+        for reason in reasons:
+            if reason.__class__ is str and reason and reason not in self._finish_reasons:
+                self._finish_reasons.append(reason)
 
     def _output_began(self) -> None:
         self._first_output = True
-        elapsed = round(time.monotonic() - self._started, 6)
-        self.span.attributes["iop.time_to_first_output_s"] = elapsed
+        span = self.span
+        span.attributes["iop.time_to_first_output_s"] = round(
+            (time.time_ns() - span.start_ns) / 1e9, 6
+        )
 
     def _learn_model(self, raw: msgspec.Raw) -> None:
         try:
@@ -320,17 +367,23 @@ class AttemptTrace:
         operation = OPERATION_NAMES.get(run.operation, run.operation)
         span = self._tracing.start(f"{operation} {run.target}", "client", self.span.as_parent())
         if span.sampled:
-            host, port = _server_of(url)
-            attributes = span.attributes
-            attributes["http.request.method"] = "POST"
-            attributes["url.full"] = url
-            attributes["server.address"] = host
-            if port is not None:
-                attributes["server.port"] = port
-            attributes["gen_ai.operation.name"] = operation
-            attributes["gen_ai.request.model"] = run.target
-            if self._provider is not None:
-                attributes["gen_ai.provider.name"] = provider_name(self._provider)
+            key = (run.operation, run.target, url, self._provider_name)
+            shared = self._call_sets.get(key)
+            if shared is None:
+                host, port = _server_of(url)
+                values: Attributes = {
+                    "http.request.method": "POST",
+                    "url.full": url,
+                    "server.address": host,
+                }
+                if port is not None:
+                    values["server.port"] = port
+                values["gen_ai.operation.name"] = operation
+                values["gen_ai.request.model"] = run.target
+                if self._provider_name is not None:
+                    values["gen_ai.provider.name"] = self._provider_name
+                shared = self._call_sets.add(key, values)
+            span.shared += shared
         call = UpstreamCall(span)
         self._calls.append(call)
         return call
@@ -345,8 +398,9 @@ class AttemptTrace:
             if self._response_model is not None:
                 attributes["gen_ai.response.model"] = self._response_model
             if self._finish_reasons:
-                attributes["gen_ai.response.finish_reasons"] = self._finish_reasons
-            if isinstance(message, RunDone | RunFailed):
+                # A tuple: the encoder keeps tuples of str written (a list it cannot).
+                attributes["gen_ai.response.finish_reasons"] = tuple(self._finish_reasons)
+            if isinstance(message, _ENDED):
                 usage = message.usage
                 if usage is not None:
                     attributes["gen_ai.usage.input_tokens"] = usage.prompt_tokens
@@ -366,11 +420,10 @@ class AttemptTrace:
 class UpstreamCall:
     """The CLIENT span of one upstream request (Rule 4: the attempt ends it)."""
 
-    __slots__ = ("_started", "ended_at", "error", "headers", "span")
+    __slots__ = ("ended_at", "error", "headers", "span")
 
     def __init__(self, span: SpanRecorder) -> None:
         self.span = span
-        self._started = time.monotonic()
         traceparent, tracestate = span.carrier()
         self.headers: list[Header] = [(b"traceparent", traceparent.encode("ascii"))]
         """The trace context the upstream request carries: this span as its parent."""
@@ -380,9 +433,11 @@ class UpstreamCall:
         self.ended_at: int | None = None
 
     def first_byte(self) -> None:
-        attributes = self.span.attributes
-        if self.span.sampled and "iop.time_to_first_byte_s" not in attributes:
-            attributes["iop.time_to_first_byte_s"] = round(time.monotonic() - self._started, 6)
+        span = self.span
+        attributes = span.attributes
+        if span.sampled and "iop.time_to_first_byte_s" not in attributes:
+            elapsed = (time.time_ns() - span.start_ns) / 1e9
+            attributes["iop.time_to_first_byte_s"] = round(elapsed, 6)
 
     def status(self, code: int) -> None:
         if self.span.sampled:

@@ -4,21 +4,25 @@ Why not through the SDK's `Tracer`: every span made there pays for a sampler cal
 context and span object with its lock, and a type check and a lock per attribute set;
 in Python that is more than IOP spends on a whole request, three spans a request. IOP's
 spans are few and known, so each is recorded in a plain object (`SpanRecorder`: ids,
-times, a dict of attributes, a list of events) and, when it ends, turned once into the
-SDK's own finished-span type (`ReadableSpan`) and handed to the SDK's
-`BatchSpanProcessor`, which queues it for its export thread and the OTLP/HTTP exporter
-(`schemas.compat.otlp_http`). The resource, batching, the export thread and everything
-the exporter does (headers, TLS, compression, retries) are the SDK's; so is the rule of
-which traces are sampled (its samplers). docs/observability.md has the measured costs.
+times, a dict of attributes, a list of events) and, when it ends, handed to the
+process's `SpanPipeline` (`schemas.compat.otlp_http`): queued in the SDK's
+`BatchSpanProcessor`, whose export thread writes a batch as OTLP protobuf
+(`schemas.otlp_encoding`) for the SDK's OTLP/HTTP exporter. The attributes a span shares
+with many others (a route's, a model's, a provider's) are written once for all
+(`SharedSets`).
+The resource, batching, the export thread and everything the exporter does (headers,
+TLS, compression, retries) are the SDK's; so is the rule of which traces are sampled
+(its samplers). docs/observability.md has the measured costs.
 
 Rules:
-1. Ids are random: 128-bit trace ids and 64-bit span ids from `random.getrandbits`, as
-   the SDK's `RandomIdGenerator` makes them. A child keeps its parent's trace id and
-   `tracestate`.
+1. Ids are random: 128-bit trace ids and 64-bit span ids from `random.getrandbits`, never
+   zero, as the SDK's `RandomIdGenerator` makes them. A child keeps its parent's trace
+   id and `tracestate`.
 2. Sampling: under a parent-based sampler, a span with a parent follows the parent's
    sampled flag (what the SDK's `ParentBased` does); any other span asks the SDK sampler
-   (`should_sample`), so a root is decided once, by the configured rule.
-3. A span that is not sampled records nothing and builds no SDK object; its context still
+   (`should_sample`), so a root is decided once, by the configured rule. `always_on` and
+   `always_off` answer the same for every span, so theirs is known without asking.
+3. A span that is not sampled records nothing and is not exported; its context still
    travels on (flags 00), so what follows is not sampled either.
 4. Attribute values are the ones IOP sets (str, int, float, bool, list of str): valid by
    construction, they are not checked again.
@@ -29,21 +33,24 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Final, Literal, Protocol
 
+import msgspec
+
+from schemas.otlp_encoding import SPAN_ATTRIBUTES, write_attributes
 from schemas.telemetry import OTEL_EXTRA, SHUTDOWN_TIMEOUT_S, TelemetryUnavailable, TraceSettings
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.trace.sampling import Sampler
-    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 __all__ = [
     "Kind",
     "Parent",
+    "Shared",
+    "SharedAttributes",
+    "SharedSets",
+    "SpanPipeline",
     "SpanRecorder",
     "Tracing",
     "remote_parent",
@@ -54,15 +61,23 @@ __all__ = [
 Kind = Literal["internal", "server", "client"]
 AttributeValue = str | int | float | bool | Sequence[str]
 Attributes = dict[str, AttributeValue]
+Event = tuple[str, int, Attributes]
+"""An event: its name, when (ns since the epoch), its attributes."""
 
 _getrandbits: Final = random.getrandbits
 _time_ns: Final = time.time_ns
+#: Samplers whose answer is the same for every span (Rule 2).
+_CONSTANT: Final[Mapping[str, bool]] = {
+    "always_on": True,
+    "parentbased_always_on": True,
+    "always_off": False,
+    "parentbased_always_off": False,
+}
 
 
-@dataclass(frozen=True, slots=True)
-class Parent:
+class Parent(msgspec.Struct, frozen=True, gc=False):
     """The span a new span continues: the caller's or the Edge's (`remote`), or one of
-    this process's own."""
+    this process's own. Not tracked by the cyclic collector: it holds no container."""
 
     trace_id: int
     span_id: int
@@ -77,52 +92,104 @@ def remote_parent(traceparent: str, tracestate: str) -> Parent | None:
     if not traceparent:
         return None
     return Parent(
-        trace_id=int(traceparent[3:35], 16),
-        span_id=int(traceparent[36:52], 16),
-        sampled=bool(int(traceparent[53:55], 16) & 1),
-        tracestate=tracestate,
+        int(traceparent[3:35], 16),
+        int(traceparent[36:52], 16),
+        bool(int(traceparent[53:55], 16) & 1),
+        tracestate,
     )
 
 
-class SpanRecorder:
-    """One span being recorded (see the module docstring). `end` hands it on, once."""
+def _random_id(bits: int) -> int:
+    """A random id of `bits` bits other than 0 (the invalid id), Rule 1."""
+    value = _getrandbits(bits)
+    while not value:
+        value = _getrandbits(bits)
+    return value
 
-    __slots__ = (
-        "_ended",
-        "_tracing",
-        "attributes",
-        "error",
-        "events",
-        "kind",
-        "name",
-        "parent",
-        "sampled",
-        "span_id",
-        "start_ns",
-        "trace_id",
-        "tracestate",
-    )
 
-    def __init__(
-        self, tracing: Tracing, name: str, kind: Kind, parent: Parent | None, sampled: bool
-    ) -> None:
-        self._tracing = tracing
-        self.name = name
-        self.kind = kind
-        self.parent = parent
-        self.trace_id = parent.trace_id if parent is not None else _getrandbits(128)
-        self.span_id = _getrandbits(64)
-        self.tracestate = parent.tracestate if parent is not None else ""
-        self.sampled = sampled
-        self.start_ns = _time_ns()
-        self.attributes: Attributes = {}
-        self.events: list[tuple[str, int, Attributes]] = []
-        self.error = False
-        self._ended = False
+class SharedAttributes(msgspec.Struct, frozen=True, gc=False):
+    """Attributes that many spans carry alike (a route's, a model's, a provider's),
+    written as OTLP once (`schemas.otlp_encoding`): a span that carries the set costs
+    one reference instead of an encoding per attribute. Made through `SharedSets`; not
+    tracked by the cyclic collector (it holds names and numbers)."""
+
+    values: Mapping[str, AttributeValue]
+    encoded: bytes
+    """The attributes as fields of a `Span` message."""
+
+
+Shared = tuple[SharedAttributes, ...]
+"""The shared attribute sets of a span (`SpanRecorder.shared`)."""
+
+
+class SharedSets(dict[Hashable, Shared]):
+    """Shared attribute sets by a key that decides their values (a provider id and a
+    model name, ...), made once per key: look one up with `get`, make it with `add`; each
+    is kept as a one-set `Shared`, so a span that carries only it (`span.shared +=`)
+    costs no new tuple. Bounded: once `limit` keys are kept, the memo starts afresh, so
+    keys that stopped coming (a provider removed, a model renamed) leave."""
+
+    __slots__ = ("_limit",)
+
+    def __init__(self, limit: int = 1024) -> None:
+        super().__init__()
+        self._limit = limit
+
+    def add(self, key: Hashable, values: Attributes) -> Shared:
+        """The set of `values`, kept under `key` (the values `key` decides)."""
+        if len(self) >= self._limit:
+            self.clear()
+        shared = self[key] = (SharedAttributes(values, write_attributes(SPAN_ATTRIBUTES, values)),)
+        return shared
+
+
+class SpanPipeline(Protocol):
+    """Where finished, sampled spans go (`schemas.compat.otlp_http.span_pipeline`)."""
+
+    def emit(self, span: SpanRecorder) -> None:
+        """Take a finished span; never blocks (a full queue drops it)."""
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Send what is queued, within `timeout_s`, and stop exporting."""
+
+
+class SpanRecorder(msgspec.Struct, gc=False):
+    """One span being recorded (see the module docstring); made by `Tracing.start`.
+    `end` hands it on, once.
+
+    Not tracked by the cyclic collector: a finished span waits in the export queue, and
+    a queue of tracked objects is walked by every collection until it drains. What it
+    holds refers to nothing that refers back to it, but for the pipeline that takes it:
+    `end` lets go of that (`_emit`) as it hands the span on."""
+
+    _emit: Callable[[SpanRecorder], None] | None
+    name: str
+    kind: Kind
+    parent: Parent | None
+    trace_id: int
+    """The parent's, or new for a root."""
+    span_id: int
+    tracestate: str
+    """The parent's `tracestate`, carried on."""
+    sampled: bool
+    start_ns: int
+    end_ns: int = 0
+    """When the span ended; 0 while it has not."""
+    attributes: Attributes = {}
+    """The span's own attributes (each written as it is exported)."""
+    shared: Shared = ()
+    """Attributes it shares with other spans (`SharedSets`, added with `+=`); no key is
+    both here and in `attributes`."""
+    events: list[Event] | None = None
+    """Its events (None: none yet; most spans have none)."""
+    error: bool = False
 
     def event(self, name: str, attributes: Attributes) -> None:
         if self.sampled:
-            self.events.append((name, _time_ns(), attributes))
+            if self.events is None:
+                self.events = [(name, _time_ns(), attributes)]
+            else:
+                self.events.append((name, _time_ns(), attributes))
 
     def carrier(self) -> tuple[str, str]:
         """`(traceparent, tracestate)` that make this span the parent of what follows."""
@@ -131,96 +198,81 @@ class SpanRecorder:
 
     def as_parent(self) -> Parent:
         """This span as the parent of another span of this process."""
-        return Parent(self.trace_id, self.span_id, self.sampled, self.tracestate, remote=False)
+        return Parent(self.trace_id, self.span_id, self.sampled, self.tracestate, False)
 
     def end(self, end_ns: int | None = None) -> None:
         """The span is over (at `end_ns`, else now); later calls do nothing."""
-        if self._ended:
+        if self.end_ns:
             return
-        self._ended = True
-        if self.sampled:
-            self._tracing.export(self, end_ns or _time_ns())
+        self.end_ns = end_ns or _time_ns()
+        emit = self._emit
+        self._emit = None
+        if self.sampled and emit is not None:
+            emit(self)
 
 
 class Tracing:
-    """A process's traces: its sampler, resource and the SDK's batch processor with the
-    OTLP/HTTP exporter behind it. Made by `start_tracing` (one per process; several in
-    one test process are independent: nothing is installed as OpenTelemetry's global)."""
+    """A process's traces: its sampler and its span pipeline. Made by `start_tracing`
+    (one per process; several in one test process are independent: nothing is installed
+    as OpenTelemetry's global)."""
 
     def __init__(
-        self,
-        settings: TraceSettings,
-        *,
-        sampler: Sampler,
-        resource: Resource,
-        scope: InstrumentationScope,
-        processor: BatchSpanProcessor,
+        self, settings: TraceSettings, *, sampler: Sampler, pipeline: SpanPipeline
     ) -> None:
-        from opentelemetry.sdk.trace import Event, ReadableSpan
         from opentelemetry.sdk.trace.sampling import Decision
-        from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
-        from opentelemetry.trace.span import TraceState
+        from opentelemetry.trace import SpanKind
 
         self.settings = settings
         self._sampler = sampler
-        self._record_and_sample = Decision.RECORD_AND_SAMPLE
+        self._constant = _CONSTANT.get(settings.sampler)
         self._parent_based = settings.sampler.startswith("parentbased_")
-        self._resource = resource
-        self._scope = scope
-        self._processor = processor
-        self._readable_span = ReadableSpan
-        self._event = Event
-        self._context = SpanContext
-        self._trace_state = TraceState
-        self._sampled_flags = TraceFlags(TraceFlags.SAMPLED)
-        self._unsampled_flags = TraceFlags(TraceFlags.DEFAULT)
-        self._kinds: Mapping[Kind, Any] = {
+        self._pipeline = pipeline
+        self._emit = pipeline.emit
+        self._sample = Decision.RECORD_AND_SAMPLE
+        self._kinds: Mapping[Kind, SpanKind] = {
             "internal": SpanKind.INTERNAL,
             "server": SpanKind.SERVER,
             "client": SpanKind.CLIENT,
         }
-        self._unset = Status(StatusCode.UNSET)
-        self._failed = Status(StatusCode.ERROR)
 
     def start(self, name: str, kind: Kind, parent: Parent | None) -> SpanRecorder:
         """A span starting now, under `parent` (None: the root of a new trace)."""
-        if parent is not None and self._parent_based:
-            return SpanRecorder(self, name, kind, parent, parent.sampled)  # Rule 2
-        span = SpanRecorder(self, name, kind, parent, False)
-        result = self._sampler.should_sample(None, span.trace_id, name, self._kinds[kind])
-        span.sampled = result.decision is self._record_and_sample
-        return span
-
-    def export(self, span: SpanRecorder, end_ns: int) -> None:
-        """Hand a finished, sampled span to the batch processor (its export thread)."""
-        state = self._trace_state.from_header([span.tracestate]) if span.tracestate else None
-        parent = span.parent
-        parent_context = None
-        if parent is not None:
-            parent_context = self._context(
-                parent.trace_id,
-                parent.span_id,
-                parent.remote,
-                self._sampled_flags if parent.sampled else self._unsampled_flags,
+        sampled = self._constant
+        if parent is None:
+            trace_id = _getrandbits(128) or _random_id(128)
+            if sampled is None:
+                sampled = self._decide(trace_id, name, kind)
+            return SpanRecorder(
+                self._emit,
+                name,
+                kind,
+                None,
+                trace_id,
+                _getrandbits(64) or _random_id(64),
+                "",
+                sampled,
+                _time_ns(),
             )
-        event = self._event
-        self._processor.on_end(
-            self._readable_span(
-                name=span.name,
-                context=self._context(
-                    span.trace_id, span.span_id, False, self._sampled_flags, state
-                ),
-                parent=parent_context,
-                resource=self._resource,
-                attributes=span.attributes,
-                events=[event(name, attrs, at) for name, at, attrs in span.events],
-                kind=self._kinds[span.kind],
-                status=self._failed if span.error else self._unset,
-                start_time=span.start_ns,
-                end_time=end_ns,
-                instrumentation_scope=self._scope,
-            )
+        if self._parent_based:  # Rule 2
+            sampled = parent.sampled
+        elif sampled is None:
+            sampled = self._decide(parent.trace_id, name, kind)
+        return SpanRecorder(
+            self._emit,
+            name,
+            kind,
+            parent,
+            parent.trace_id,
+            _getrandbits(64) or _random_id(64),
+            parent.tracestate,
+            sampled,
+            _time_ns(),
         )
+
+    def _decide(self, trace_id: int, name: str, kind: Kind) -> bool:
+        """Whether the SDK sampler samples a span of this trace (Rule 2)."""
+        result = self._sampler.should_sample(None, trace_id, name, self._kinds[kind])
+        return result.decision is self._sample
 
     def shutdown(self) -> None:
         """Send the queued spans (within `SHUTDOWN_TIMEOUT_S`) and stop exporting.
@@ -228,38 +280,26 @@ class Tracing:
         Blocking (the export is an HTTP request): a Trio process runs it in a worker
         thread under a deadline, so a receiver that does not answer cannot hold a
         stopping process."""
-        self._processor.force_flush(int(SHUTDOWN_TIMEOUT_S * 1000))
-        self._processor.shutdown()  # type: ignore[no-untyped-call]  # unannotated in the SDK
+        self._pipeline.shutdown(SHUTDOWN_TIMEOUT_S)
 
 
 def start_tracing(settings: TraceSettings, *, instance_id: str, version: str) -> Tracing:
     """Start exporting per `settings`; raises `TelemetryUnavailable` (naming the extra to
     install) when the SDK or its exporter is missing."""
     try:
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-
-        from schemas.compat.otlp_http import span_exporter
+        from schemas.compat.otlp_http import span_pipeline
     except ImportError as exc:
         raise TelemetryUnavailable(
             f"tracing is on ({settings.source}) but the OpenTelemetry SDK is not installed "
             f"({exc.name or exc}): pip install '{OTEL_EXTRA}'"
         ) from None
-    resource = Resource.create(
-        {
-            "service.name": settings.service_name,
-            "service.version": version,
-            "service.instance.id": instance_id,
-        }
+    pipeline = span_pipeline(
+        settings.endpoint,
+        service_name=settings.service_name,
+        instance_id=instance_id,
+        version=version,
     )
-    return Tracing(
-        settings,
-        sampler=sdk_sampler(settings),
-        resource=resource,
-        scope=InstrumentationScope("iop", version),
-        processor=BatchSpanProcessor(span_exporter(settings.endpoint)),
-    )
+    return Tracing(settings, sampler=sdk_sampler(settings), pipeline=pipeline)
 
 
 def sdk_sampler(settings: TraceSettings) -> Sampler:

@@ -33,6 +33,7 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -105,14 +106,21 @@ def provider_name(provider: ProviderConfig) -> str:
     where one fits (an `openai_api` provider at api.openai.com is `openai`), else the
     provider's type (`vllm`, `ollama`, `sglang`, ...), which names the runtime."""
     if provider.type == "openai_api" and provider.adapter.base_url:
-        try:
-            host = urlsplit(provider.adapter.base_url).hostname or ""
-        except ValueError:
-            host = ""
-        known = _KNOWN_API_HOSTS.get(host)
+        known = _known_api(provider.adapter.base_url)
         if known is not None:
             return known
     return provider.type
+
+
+@functools.lru_cache(maxsize=256)
+def _known_api(base_url: str) -> str | None:
+    """The well-known provider whose API `base_url` is (asked per traced span: a
+    config's few URLs, each parsed once)."""
+    try:
+        host = urlsplit(base_url).hostname or ""
+    except ValueError:
+        return None
+    return _KNOWN_API_HOSTS.get(host)
 
 
 def valid_traceparent(value: str) -> bool:

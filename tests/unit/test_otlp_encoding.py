@@ -3,6 +3,7 @@ follow the SDK's sampling rules (`schemas.otlp_encoding`, `schemas.spans`)."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,24 +20,32 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from schemas.otlp_encoding import encode_spans
-from schemas.spans import Parent, Tracing, remote_parent, sdk_sampler
+from schemas.compat.otlp_http import readable_span, trace_request
+from schemas.otlp_encoding import encode_span
+from schemas.spans import (
+    Parent,
+    SharedSets,
+    SpanRecorder,
+    Tracing,
+    remote_parent,
+    sdk_sampler,
+)
 from schemas.telemetry import TraceSettings
+
+RESOURCE = Resource.create({"service.name": "svc", "service.instance.id": "edge/1"})
+SCOPE = InstrumentationScope("iop", "9.9")
 
 
 class _Kept:
-    """A batch processor's place: keeps what the pipeline hands it."""
+    """A span pipeline's place: keeps what it is handed."""
 
     def __init__(self) -> None:
-        self.spans: list[ReadableSpan] = []
+        self.spans: list[SpanRecorder] = []
 
-    def on_end(self, span: ReadableSpan) -> None:
+    def emit(self, span: SpanRecorder) -> None:
         self.spans.append(span)
 
-    def force_flush(self, timeout_millis: int = 0) -> bool:
-        return True
-
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float) -> None:
         pass
 
 
@@ -49,19 +58,12 @@ def _tracing(sampler: str = "parentbased_always_on", ratio: float = 1.0) -> tupl
         source="test",
     )
     kept = _Kept()
-    tracing = Tracing(
-        settings,
-        sampler=sdk_sampler(settings),
-        resource=Resource.create({"service.name": "svc"}),
-        scope=InstrumentationScope("iop", "9.9"),
-        processor=kept,  # type: ignore[arg-type]
-    )
-    return tracing, kept
+    return Tracing(settings, sampler=sdk_sampler(settings), pipeline=kept), kept
 
 
-def _spans() -> Sequence[ReadableSpan]:
+def _spans(tracestate: str = "a=1,b=2") -> Sequence[SpanRecorder]:
     tracing, kept = _tracing()
-    caller = remote_parent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "a=1,b=2")
+    caller = remote_parent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", tracestate)
     server = tracing.start("POST /v1/chat/completions", "server", caller)
     values: dict[str, Any] = {
         "text": "π is not a token: ✓",
@@ -72,35 +74,75 @@ def _spans() -> Sequence[ReadableSpan]:
         "ratio": 0.25,
         "yes": True,
         "no": False,
+        "one": 1,  # equal to True, written as an int
         "reasons": ["stop", "length"],
+        "kept reasons": ("stop",),
+        "nested": (["a"], "b"),  # not a value IOP sets, and no value to look up: still written
         "none": [],
     }
     server.attributes.update(values)
+    shared = SharedSets()
+    route = {"http.request.method": "POST", "url.path": "/v1/chat/completions"}
+    server.shared += shared.add(("route",), route) + shared.add(("plan",), {"iop.protocol": "chat"})
     server.event("iop.admitted", {"iop.queue_wait_s": 0.5, "iop.attempt": 0})
     server.event("bare", {})
     child = tracing.start("chat m", "internal", server.as_parent())
     client = tracing.start("chat target", "client", child.as_parent())
+    client.shared += shared[("route",)]  # the same set on another span
     client.error = True
     client.end(server.start_ns + 5)
     child.end()
     server.end()
     root = tracing.start("root", "server", None)
     root.attributes.update(values)
+    root.attributes["one"] = True  # the same key, now a bool: not the int kept above
     root.end()
     return kept.spans
 
 
-def test_the_bytes_decode_to_the_message_the_exporter_builds() -> None:
-    spans = _spans()
+def _ours(spans: Sequence[SpanRecorder]) -> ExportTraceServiceRequest:
+    data = trace_request(RESOURCE, SCOPE)([encode_span(span) for span in spans])
+    request: ExportTraceServiceRequest = ExportTraceServiceRequest.FromString(data)
+    return request
+
+
+def _readable(spans: Sequence[SpanRecorder]) -> list[ReadableSpan]:
+    return [readable_span(span, RESOURCE, SCOPE) for span in spans]
+
+
+@pytest.mark.parametrize("tracestate", ["a=1,b=2", " a=1 , b=2,", ""])
+def test_the_bytes_decode_to_the_message_the_exporter_builds(tracestate: str) -> None:
+    spans = _spans(tracestate)
     assert len(spans) == 4
-    ours = ExportTraceServiceRequest.FromString(encode_spans(spans))
-    assert ours == sdk_encode_spans(spans)
+    ours = _ours(spans)
+    assert ours == sdk_encode_spans(_readable(spans))
     # ... twice over (the attribute cache answers the second time).
-    assert ExportTraceServiceRequest.FromString(encode_spans(spans)) == ours
+    assert _ours(spans) == ours
+    [root] = [s for s in ours.resource_spans[0].scope_spans[0].spans if s.name == "root"]
+    assert {kv.key: kv.value.WhichOneof("value") for kv in root.attributes}["one"] == ("bool_value")
+
+
+def test_shared_attributes_are_the_spans_own_as_the_sdk_sees_them() -> None:
+    server, client = _by_name(_readable(_spans()), "POST", "chat target")
+    assert (
+        server.attributes["url.path"] == client.attributes["url.path"] == ("/v1/chat/completions")
+    )
+    assert server.attributes["iop.protocol"] == "chat" and server.attributes["count"] == 42
+
+
+def test_shared_sets_start_afresh_when_full() -> None:
+    sets = SharedSets(limit=2)
+    first = sets.add("a", {"k": "a"})
+    sets.add("b", {"k": "b"})
+    assert sets.get("a") is first and first[0].values == {"k": "a"}
+    sets.add("c", {"k": "c"})
+    assert sets.get("a") is None and list(sets) == ["c"]
 
 
 def test_spans_keep_their_parents_and_the_callers_trace() -> None:
-    server, child, client, root = _by_name(_spans(), "POST", "chat m", "chat target", "root")
+    server, child, client, root = _by_name(
+        _readable(_spans()), "POST", "chat m", "chat target", "root"
+    )
     trace_id = 0x4BF92F3577B34DA6A3CE929D0E0E4736
     assert server.context.trace_id == child.context.trace_id == client.context.trace_id
     assert server.context.trace_id == trace_id and root.context.trace_id != trace_id
@@ -108,7 +150,7 @@ def test_spans_keep_their_parents_and_the_callers_trace() -> None:
     assert server.parent.is_remote and child.parent is not None and not child.parent.is_remote
     assert child.parent.span_id == server.context.span_id
     assert client.parent is not None and client.parent.span_id == child.context.span_id
-    assert client.end_time == server.start_time + 5
+    assert server.start_time is not None and client.end_time == server.start_time + 5
     assert client.status.status_code.name == "ERROR" and server.status.status_code.name == "UNSET"
     assert server.context.trace_state.to_header() == "a=1,b=2"
     assert root.parent is None
@@ -133,6 +175,15 @@ def test_a_parent_based_sampler_follows_the_parent_and_drops_what_it_does_not_sa
         span.end()
         span.end()  # once
     assert [s.name for s in kept.spans] == ["followed"]
+    assert dropped.events is None and root.events is None
+
+
+def test_a_constant_sampler_that_is_not_parent_based_ignores_the_parent() -> None:
+    on, _ = _tracing("always_on")
+    off, _ = _tracing("always_off")
+    unsampled = Parent(trace_id=1, span_id=3, sampled=False)
+    assert on.start("child", "client", unsampled).sampled
+    assert not off.start("child", "client", Parent(trace_id=1, span_id=3, sampled=True)).sampled
 
 
 def test_a_ratio_sampler_decides_roots_by_trace_id_and_ignores_parents_when_not_parent_based() -> (
@@ -146,3 +197,21 @@ def test_a_ratio_sampler_decides_roots_by_trace_id_and_ignores_parents_when_not_
     above = Parent(trace_id=(7 << 64) | (3 << 62), span_id=3, sampled=True)
     assert tracing.start("child", "server", below).sampled
     assert not tracing.start("child", "server", above).sampled
+
+
+def test_a_finished_span_waits_for_export_out_of_the_collectors_sight() -> None:
+    tracing, kept = _tracing()
+    span = tracing.start("s", "server", Parent(trace_id=1, span_id=2, sampled=True))
+    span.attributes["reasons"] = ["stop"]
+    span.end()
+    assert kept.spans == [span]
+    assert not gc.is_tracked(span) and not gc.is_tracked(span.parent)
+
+
+def test_ids_are_never_zero_and_children_keep_the_trace() -> None:
+    tracing, _ = _tracing()
+    roots = [tracing.start("r", "server", None) for _ in range(200)]
+    assert all(span.trace_id and span.span_id for span in roots)
+    assert len({span.trace_id for span in roots}) == len(roots)
+    child = tracing.start("c", "internal", roots[0].as_parent())
+    assert child.trace_id == roots[0].trace_id and child.span_id != roots[0].span_id

@@ -227,8 +227,10 @@ def test_tracing_without_the_sdk_says_which_extra_to_install(
 ) -> None:
     chosen = settings(OTEL_EXPORTER_OTLP_ENDPOINT="http://collector:4318")
     assert chosen is not None
-    # As when the package is absent: importing it fails.
+    # As when the package is absent: importing it fails (and the module that uses it is
+    # imported afresh, as in a process that never traced).
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace.export", None)
+    monkeypatch.delitem(sys.modules, "schemas.compat.otlp_http", raising=False)
     with pytest.raises(
         TelemetryUnavailable, match=r"OTEL_EXPORTER_OTLP_ENDPOINT.*iop-gateway\[otel\]"
     ):

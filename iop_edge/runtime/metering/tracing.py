@@ -26,7 +26,10 @@ Rules:
 3. Attributes hold names, ids, counts and codes; never a prompt, a completion, a token or
    a credential (the principal's `principal_ref`, not its token).
 4. The span is recorded by `schemas.spans` (a plain record, handed to the SDK's export
-   pipeline as it ends).
+   pipeline as it ends). What many requests say alike (the route; the operation, model,
+   principal and protocol; who served it) is one shared attribute set each
+   (`schemas.spans.SharedSets`), written once; the request id, bound, usage and status
+   are the span's own.
 """
 
 from __future__ import annotations
@@ -38,7 +41,14 @@ import trio
 
 from iop_edge.runtime.metering.metering import RunRecord
 from schemas.config import TelemetrySection
-from schemas.spans import SpanRecorder, Tracing, remote_parent, start_tracing
+from schemas.spans import (
+    Attributes,
+    SharedSets,
+    SpanRecorder,
+    Tracing,
+    remote_parent,
+    start_tracing,
+)
 from schemas.telemetry import OPERATION_NAMES, SHUTDOWN_TIMEOUT_S, trace_settings
 
 __all__ = ["EdgeTracing", "RequestTrace", "edge_tracing"]
@@ -78,6 +88,7 @@ class EdgeTracing:
         self._tracing = tracing
         self.provider_name = provider_name
         """`gen_ai.provider.name` of a provider id (the running config's)."""
+        self._shared = SharedSets()
 
     @property
     def endpoint(self) -> str:
@@ -89,9 +100,12 @@ class EdgeTracing:
             f"{method} {path}", "server", remote_parent(traceparent, tracestate)
         )
         if span.sampled:
-            span.attributes["http.request.method"] = method
-            span.attributes["url.path"] = path
-        return RequestTrace(span, self.provider_name)
+            key = ("route", method, path)
+            route = self._shared.get(key)
+            if route is None:
+                route = self._shared.add(key, {"http.request.method": method, "url.path": path})
+            span.shared += route
+        return RequestTrace(span, self.provider_name, self._shared)
 
     async def aclose(self) -> None:
         """Send what is queued and stop exporting, in a worker thread, under a deadline
@@ -103,11 +117,14 @@ class EdgeTracing:
 class RequestTrace:
     """The span of one caller request (see the module docstring)."""
 
-    __slots__ = ("_provider_name", "recording", "span", "traceparent", "tracestate")
+    __slots__ = ("_provider_name", "_shared", "recording", "span", "traceparent", "tracestate")
 
-    def __init__(self, span: SpanRecorder, provider_name: Callable[[str], str]) -> None:
+    def __init__(
+        self, span: SpanRecorder, provider_name: Callable[[str], str], shared: SharedSets
+    ) -> None:
         self.span = span
         self._provider_name = provider_name
+        self._shared = shared
         self.recording = span.sampled
         self.traceparent, self.tracestate = span.carrier()
         """What the Node continues (`run.traceparent`): this span as the parent."""
@@ -125,11 +142,20 @@ class RequestTrace:
         """The request is valid: what it asks for."""
         if not self.recording:
             return
+        plan_key = ("plan", operation, model, principal_ref, protocol)
+        plan = self._shared.get(plan_key)
+        if plan is None:
+            plan = self._shared.add(
+                plan_key,
+                {
+                    "gen_ai.operation.name": OPERATION_NAMES.get(operation, operation),
+                    "gen_ai.request.model": model,
+                    "iop.principal_ref": principal_ref,
+                    "iop.protocol": protocol,
+                },
+            )
+        self.span.shared += plan
         attributes = self.span.attributes
-        attributes["gen_ai.operation.name"] = OPERATION_NAMES.get(operation, operation)
-        attributes["gen_ai.request.model"] = model
-        attributes["iop.principal_ref"] = principal_ref
-        attributes["iop.protocol"] = protocol
         attributes["iop.request_id"] = request_id
         for key in _MAX_TOKENS_KEYS:
             value = body.get(key)
@@ -172,15 +198,22 @@ class RequestTrace:
         """The run ended: who served it and what it consumed."""
         if not self.recording:
             return
-        attributes = self.span.attributes
-        attributes["iop.usage_source"] = record.usage_source
-        if record.provider:
-            attributes["iop.provider.id"] = record.provider
-            attributes["gen_ai.provider.name"] = self._provider_name(record.provider)
-        if record.node:
-            attributes["iop.node.id"] = record.node
+        provider = record.provider
+        name = self._provider_name(provider) if provider else ""
+        key = ("served", record.usage_source, provider, name, record.node)
+        served = self._shared.get(key)
+        if served is None:
+            values: Attributes = {"iop.usage_source": record.usage_source}
+            if provider:
+                values["iop.provider.id"] = provider
+                values["gen_ai.provider.name"] = name
+            if record.node:
+                values["iop.node.id"] = record.node
+            served = self._shared.add(key, values)
+        self.span.shared += served
         usage = record.usage
         if usage is not None:
+            attributes = self.span.attributes
             attributes["gen_ai.usage.input_tokens"] = usage.prompt_tokens
             attributes["gen_ai.usage.output_tokens"] = usage.completion_tokens
 
