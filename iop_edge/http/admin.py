@@ -335,7 +335,11 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
             await services.refuse_refresh(problem)  # every attempt is audited (design §5)
             return _error(400, problem)
         result = await services.refresh(refresh_request)
-        return _json(result.report, REFRESH_STATUS[result.verdict])
+        return Response(
+            await result.report_json(),
+            status=REFRESH_STATUS[result.verdict],
+            content_type="application/json",
+        )
 
     @app.post("/restart")
     async def restart() -> Response:

@@ -6,6 +6,7 @@ real collector (`garbage`: tests/unit/conftest.py)."""
 from __future__ import annotations
 
 import gc
+import itertools
 import weakref
 
 import pytest
@@ -17,10 +18,13 @@ from iop_edge.runtime.lifecycle.heap import (
     BURST,
     QUIET_S,
     SWEEP_FLEET,
+    SWEEP_MIN_S,
     SWEEP_S,
+    SWEEP_STEP_S,
     THAW_AFTER_FREEZES,
     THAW_INTERVAL_S,
     HeapKeeper,
+    sweep_period,
 )
 
 
@@ -126,6 +130,64 @@ async def test_a_large_fleets_heap_is_frozen_every_sweep(
     collector.calls.clear()
     await trio.sleep(SWEEP_S * 3)  # a quarter period off the sweeps: three of them
     assert collector.names() == ["collect 0", "freeze"] * 3
+
+
+@pytest.mark.parametrize(
+    ("period", "took", "expected"),
+    [
+        (1.0, 0.0, SWEEP_S),  # nothing to walk: the longest period
+        (1.0, SWEEP_STEP_S / 2, SWEEP_S),  # cheap: never longer than the longest
+        (1.0, SWEEP_STEP_S * 4, 0.25),  # four times the aim: a quarter of the period
+        (0.25, SWEEP_STEP_S, 0.25),  # on the aim: the period stays
+        (0.1, SWEEP_STEP_S * 100, SWEEP_MIN_S),  # never shorter than the shortest
+        (0.1, SWEEP_STEP_S / 5, 0.5),  # the work eased: the period grows back
+    ],
+)
+def test_the_sweep_period_aims_each_sweep_at_its_step(
+    period: float, took: float, expected: float
+) -> None:
+    assert sweep_period(period, took) == pytest.approx(expected)
+
+
+class CostlyCollector(FakeCollector):
+    """A young collection costs the loop `per_s` for every second since the last one:
+    the young generation of a fleet whose Nodes keep sending."""
+
+    def __init__(self, per_s: float) -> None:
+        super().__init__()
+        self.per_s = per_s
+        self.cpu = 0.0
+        self._last = trio.current_time()
+
+    def collect(self, generation: int = 2) -> int:
+        now = trio.current_time()
+        self.cpu += (now - self._last) * self.per_s
+        self._last = now
+        return super().collect(generation)
+
+    def timer(self) -> float:
+        return self.cpu
+
+
+async def test_a_busy_fleets_sweeps_come_faster_and_slow_down_when_it_quiets(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    collector = CostlyCollector(per_s=SWEEP_STEP_S * 8)  # eight steps' worth a second
+    keeper = HeapKeeper(collector, timer=collector.timer)
+    await nursery.start(keeper.run)
+    await connect(keeper, SWEEP_FLEET, every_s=0)
+    await trio.sleep(QUIET_S * 2)
+    collector.calls.clear()
+    await trio.sleep(SWEEP_S * 2)
+    sweeps = [at for name, at in collector.calls if name == "collect 0"]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(sweeps)]
+    assert gaps and all(gap == pytest.approx(SWEEP_S / 8) for gap in gaps)
+    collector.per_s = SWEEP_STEP_S / 10  # the refresh is over
+    await trio.sleep(SWEEP_S * 2)
+    collector.calls.clear()
+    await trio.sleep(SWEEP_S * 3)
+    sweeps = [at for name, at in collector.calls if name == "collect 0"]
+    assert len(sweeps) == 3  # back to one a period
 
 
 async def test_many_refresh_freezes_bring_a_thaw_before_the_interval(

@@ -24,13 +24,21 @@ at it again only at moments it chooses:
    would leave megabytes behind).
    A refresh freezes the heap when it starts and what it built when that is done
    (`core.gc_pause`), and leaves it so.
-3. With at least `SWEEP_FLEET` Nodes connected, the heap is frozen every `SWEEP_S` too.
+3. With at least `SWEEP_FLEET` Nodes connected, the heap is also frozen periodically.
    CPython starts a young collection when allocations exceed deallocations by its
    threshold, and counts the deallocation of an old object too: a fleet's statuses
    replace its providers' lists (old ones freed, young ones made), so the young
    generation grows unwalked far past the threshold, and the collection that finally
    walks it held the loop for a quarter of a second with ten thousand Nodes. Collected
-   and frozen every second, it never holds more than a second's worth.
+   and frozen every `SWEEP_S` at most, it never holds more than that period's worth.
+   What a sweep walks is what the Edge made since the last one and still holds (the
+   await chains of sessions that received a message, their statuses): a few milliseconds
+   a second idle, but 60-80 ms a second while ten thousand Nodes ack a refresh, all of
+   it in one step of the loop. So the period follows the cost: after a sweep that took
+   `took` of a period `period`, the next comes after `period * SWEEP_STEP_S / took`,
+   between `SWEEP_MIN_S` and `SWEEP_S`, and a sweep holds the loop about `SWEEP_STEP_S`
+   however busy the fleet is. The total is the same (the collector walks each young
+   object once either way), only cut finer.
 4. Only cyclic garbage among frozen objects waits: a session that ended after it was
    frozen keeps its memory until a thaw. A thaw (`gc.unfreeze`, a full collection, freeze
    again) runs once sessions that ended since the last one reach `CHURN_SHARE` of those
@@ -64,13 +72,16 @@ __all__ = [
     "CHURN_SHARE",
     "QUIET_S",
     "SWEEP_FLEET",
+    "SWEEP_MIN_S",
     "SWEEP_S",
+    "SWEEP_STEP_S",
     "THAW_AFTER_FREEZES",
     "THAW_INTERVAL_S",
     "THRESHOLDS",
     "Collector",
     "HeapKeeper",
     "settle",
+    "sweep_period",
 ]
 
 log = logging.getLogger(__name__)
@@ -82,8 +93,11 @@ BURST: Final = 64
 #: How long no Node may have connected before fewer than `BURST` new sessions are frozen
 #: (Rule 2).
 QUIET_S: Final = 2.0
-#: How often a large fleet's heap is frozen (Rule 3), and from how many Nodes on.
+#: How often a large fleet's heap is frozen at most and at least (Rule 3), the loop time
+#: a sweep aims at, and from how many Nodes on.
 SWEEP_S: Final = 1.0
+SWEEP_MIN_S: Final = 0.05
+SWEEP_STEP_S: Final = 0.01
 SWEEP_FLEET: Final = 1000
 #: Ended sessions, as a share of the connected ones, that bring a thaw (Rule 4).
 CHURN_SHARE: Final = 0.1
@@ -92,6 +106,15 @@ THAW_INTERVAL_S: Final = 600.0
 #: Freezes by bulk operations (`core.gc_pause.freezes`: two or three a refresh) that bring
 #: a thaw sooner (Rule 4): what was frozen with them may hold garbage.
 THAW_AFTER_FREEZES: Final = 64
+
+
+def sweep_period(period: float, took: float) -> float:
+    """The period after a sweep that took `took` of loop time, `period` after the last
+    one (Rule 3): the young generation grows with time, so the next sweep aims at
+    `SWEEP_STEP_S`."""
+    if took <= 0:
+        return SWEEP_S
+    return min(SWEEP_S, max(SWEEP_MIN_S, period * SWEEP_STEP_S / took))
 
 
 class Collector(Protocol):
@@ -133,10 +156,17 @@ class HeapKeeper:
     `paused` says whether bulk work has the collector paused (Rule 5)."""
 
     def __init__(
-        self, collector: Collector | None = None, *, paused: Callable[[], bool] = paused
+        self,
+        collector: Collector | None = None,
+        *,
+        paused: Callable[[], bool] = paused,
+        timer: Callable[[], float] = time.thread_time,
     ) -> None:
+        """`timer` measures what a sweep cost the loop's thread (Rule 3): its CPU time,
+        so a machine that preempts the Edge does not make the sweeps come faster."""
         self._gc = collector or _Gc()
         self._paused = paused
+        self._timer = timer
         self._connected = 0
         self._arrived = 0
         """Nodes connected since the last freeze."""
@@ -183,13 +213,18 @@ class HeapKeeper:
                 await self._watch()
 
     async def _sweep(self) -> None:
-        """Rule 3: a period, not a wait for a condition."""
+        """Rule 3: a period that follows what a sweep costs, not a wait for a condition."""
+        period = SWEEP_S
         while True:
-            await trio.sleep(SWEEP_S)
-            if self._connected >= SWEEP_FLEET and not self._paused():  # Rule 5
-                self._gc.collect(0)  # a second's young garbage: not frozen (Rule 2's why)
-                self._gc.freeze()
-                self._froze = True
+            await trio.sleep(period)
+            if self._connected < SWEEP_FLEET or self._paused():  # Rule 5
+                period = SWEEP_S
+                continue
+            began = self._timer()
+            self._gc.collect(0)  # the period's young garbage: not frozen (Rule 2's why)
+            self._gc.freeze()
+            self._froze = True
+            period = sweep_period(period, self._timer() - began)
 
     async def _watch(self) -> None:
         """Rules 2, 4 and 5, as connects, disconnects and refreshes come."""

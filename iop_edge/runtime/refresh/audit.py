@@ -33,6 +33,7 @@ from typing import Final
 import msgspec
 import trio
 
+from iop_edge.runtime.refresh import off_loop
 from schemas.refresh import (
     NodeResult,
     RefreshError,
@@ -181,7 +182,7 @@ class AuditLog:
             return msgspec.json.encode(record) + b" " * room + b"\n"
 
         # A fleet's record is megabytes: built and encoded in a worker thread, off the loop.
-        line = await trio.to_thread.run_sync(encode) if _large(report) else encode()
+        line = await off_loop.run_sync(encode) if _large(report) else encode()
         async with self._lock:
             offset = await trio.to_thread.run_sync(_append_line, self.path, line)
         return Reservation(offset=offset, length=len(line))
@@ -206,8 +207,12 @@ class AuditLog:
             now=now or datetime.now(UTC),
         )
         if _large(report):  # a fleet's record is megabytes: off the loop
-            record = await trio.to_thread.run_sync(build)
-            encoded = await trio.to_thread.run_sync(msgspec.json.encode, record)
+
+            def built_and_encoded() -> tuple[AuditRecord, bytes]:
+                record = build()
+                return record, msgspec.json.encode(record)
+
+            record, encoded = await off_loop.run_sync(built_and_encoded)
         else:
             record = build()
             encoded = self._encoder.encode(record)

@@ -91,6 +91,17 @@ class RefreshResult:
     verdict: RefreshVerdict
     report: RefreshReport
 
+    async def report_json(self) -> bytes:
+        """The report as JSON: a fleet's is megabytes, encoded off the event loop."""
+        report = self.report
+        if len(report.changes) + len(report.nodes) > _LARGE_REPORT:
+            return await off_loop.run_sync(partial(_REPORT_ENCODER.encode, report))
+        return _REPORT_ENCODER.encode(report)
+
+
+#: Encodes the reports `RefreshResult.report_json` answers with.
+_REPORT_ENCODER: Final = msgspec.json.Encoder()
+
 
 @dataclass(frozen=True, slots=True)
 class RefresherStatistics:
@@ -519,11 +530,11 @@ _LARGE_REPORT: Final = 2000
 
 
 async def _built(build: Callable[[], RefreshReport], *, size: int) -> RefreshReport:
-    """`build()`: in a worker thread when the report lists more than `_LARGE_REPORT`
-    paths and Nodes (a fleet's is tens of thousands, tens of milliseconds of the loop),
-    else here (a thread costs more than a small report)."""
+    """`build()`: in a worker thread (`off_loop`) when the report lists more than
+    `_LARGE_REPORT` paths and Nodes (a fleet's is tens of thousands, tens of milliseconds
+    of the loop), else here (a thread costs more than a small report)."""
     if size > _LARGE_REPORT:
-        return await trio.to_thread.run_sync(build)
+        return await off_loop.run_sync(build)
     return build()
 
 
