@@ -21,11 +21,11 @@ from trio_websocket import WebSocketConnection
 
 from iop_edge.runtime.nodes.heartbeat import HeartbeatGrid
 from iop_edge.runtime.nodes.session import NodeSession
-from schemas.heartbeat import HEARTBEAT_SLOTS
+from schemas.heartbeat import heartbeat_slots
 
 INTERVAL_S = 5.0
 TIMEOUT_S = 15.0
-STEP_S = INTERVAL_S / HEARTBEAT_SLOTS
+STEP_S = INTERVAL_S / heartbeat_slots(INTERVAL_S)
 
 
 class _Peer:

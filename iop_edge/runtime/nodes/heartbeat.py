@@ -1,9 +1,10 @@
 """The Edge's heartbeat grid: one timer for every Node session's liveness (session Rule 5).
 
-Every session is looked at once per `interval_s`, at one of `HEARTBEAT_SLOTS` instants
-of a grid shared by all sessions; a look pings the peer only when nothing arrived from it
-since about the previous look (a Node pings the Edge every interval on its own, and its
-runs' events are proof of life too). One task, the grid's, keeps the time: it wakes once
+Every session is looked at once per `interval_s`, at one of the instants of a grid
+shared by all sessions (`schemas.heartbeat`: an instant every `HEARTBEAT_STEP_S`); a
+look pings the peer only when nothing arrived from it since about the previous look (a
+Node pings the Edge every interval on its own, and its runs' events are proof of life
+too). One task, the grid's, keeps the time: it wakes once
 per slot and looks at that slot's sessions in one pass. A session's own heartbeat task
 waits without a timer until a look finds its peer silent.
 
@@ -28,7 +29,7 @@ from typing import Final, Protocol
 
 import trio
 
-from schemas.heartbeat import HEARTBEAT_SLOTS
+from schemas.heartbeat import heartbeat_slots
 
 __all__ = ["PINGS_PER_S", "HeartbeatGrid", "Watched", "fleet_interval"]
 
@@ -59,8 +60,9 @@ class HeartbeatGrid:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         """A ping unanswered for this long ends the session (its own task enforces it)."""
-        self._step = interval_s / HEARTBEAT_SLOTS
-        self._slots: list[set[Watched]] = [set() for _ in range(HEARTBEAT_SLOTS)]
+        self._count = heartbeat_slots(interval_s)
+        self._step = interval_s / self._count
+        self._slots: list[set[Watched]] = [set() for _ in range(self._count)]
         self._slot_of: dict[Watched, int] = {}
 
     @property
@@ -71,7 +73,7 @@ class HeartbeatGrid:
 
     def join(self, session: Watched) -> None:
         beat = math.ceil((trio.current_time() + self.interval_s) / self._step)
-        slot = beat % HEARTBEAT_SLOTS
+        slot = beat % self._count
         self._slots[slot].add(session)
         self._slot_of[session] = slot
 
@@ -89,6 +91,6 @@ class HeartbeatGrid:
             now = trio.current_time()
             quiet_s = self.quiet_s
             while beat * self._step <= now:
-                for session in tuple(self._slots[beat % HEARTBEAT_SLOTS]):
+                for session in tuple(self._slots[beat % self._count]):
                     session.look(now, quiet_s)
                 beat += 1
