@@ -649,6 +649,32 @@ async def test_readded_provider_keeps_its_slots_while_leases_linger() -> None:
     (await scheduler.acquire("m", "r3", long=False)).release()
 
 
+async def test_a_held_provider_follows_its_node_across_swaps_until_released() -> None:
+    """A provider removed while a run holds it still goes with its node (connects and
+    disconnects reach it), stays held through later swaps without it, is configured
+    again when put back, and is forgotten with its last lease."""
+    nodes = {"n1": [provider("a", capacity=1), provider("b", capacity=1)]}
+    scheduler = online(make_snapshot(nodes, {"m": ["a", "b"]}))
+    lease = await scheduler.acquire("m", "r1", long=False)
+    assert lease.provider_id == "a"
+    without_a = {"n1": [provider("b", capacity=1)]}
+    scheduler.apply_snapshot(make_snapshot(without_a, {"m": ["b"]}, revision=2))
+    scheduler.apply_snapshot(make_snapshot(without_a, {"m": ["b"]}, revision=3))
+    assert slots(scheduler, "a").removed  # held once, not twice
+    scheduler.node_disconnected("n1")  # reaches the held provider: its health is reset
+    scheduler.node_connected("n1")
+    scheduler.provider_status("b", "available", [served("b")])
+    scheduler.apply_snapshot(make_snapshot(nodes, {"m": ["a", "b"]}, revision=4))
+    health = {p.id: p.health for p in scheduler.catalog().providers}
+    assert health == {"a": "unknown", "b": "available"}  # not the "available" it had
+    assert not slots(scheduler, "a").removed and slots(scheduler, "a").holders == (lease,)
+    scheduler.apply_snapshot(make_snapshot(without_a, {"m": ["b"]}, revision=5))
+    lease.release()
+    assert "a" not in scheduler.statistics().providers
+    scheduler.node_disconnected("n1")  # nothing of "a" is left on its node
+    assert [p.health for p in scheduler.catalog().providers] == ["unavailable"]
+
+
 # -- nodes and health ------------------------------------------------------------------
 
 

@@ -399,8 +399,9 @@ class Scheduler:
         self._snapshot = snapshot
         self._clock = clock
         self._states: dict[str, _ProviderState] = {}
-        self._on_node: dict[str, list[_ProviderState]] = {}
-        """Per node id: the states of its providers (removed ones with leases out too)."""
+        self._held: dict[str, list[_ProviderState]] = {}
+        """Per node id: the states of its providers removed from config, kept until their
+        last lease is released (`_states_on`)."""
         self._connected: set[str] = set()
         self._queues: dict[str, FairQueue[_Waiter]] = {}
         self._arrivals = itertools.count()
@@ -465,26 +466,23 @@ class Scheduler:
         states = self._states
         provider_node = snapshot.provider_node
         for provider_id, config in snapshot.providers.items():
-            node_id = provider_node[provider_id]
             state = states.get(provider_id)
             if state is None:
-                states[provider_id] = _ProviderState(config, node_id)
-            elif state.config is not config or state.node_id != node_id or state.removed:
-                state.configure(config, node_id)
-        held: list[_ProviderState] = []
+                states[provider_id] = _ProviderState(config, provider_node[provider_id])
+            elif state.removed:
+                self._let_go(state)  # back in config while its last leases ran
+                state.configure(config, provider_node[provider_id])
+            elif state.config is not config or state.node_id != provider_node[provider_id]:
+                state.configure(config, provider_node[provider_id])
         for provider_id in states.keys() - snapshot.providers.keys():
             state = states[provider_id]
+            if state.removed:
+                continue  # held since an earlier snapshot
             state.removed = True
             if state.idle:
                 del states[provider_id]
-            else:
-                held.append(state)  # until its last lease is released
-        self._on_node = {
-            node_id: [states[provider_id] for provider_id in provider_ids]
-            for node_id, provider_ids in snapshot.node_providers.items()
-        }
-        for state in held:
-            self._on_node.setdefault(state.node_id, []).append(state)
+            else:  # until its last lease is released
+                self._held.setdefault(state.node_id, []).append(state)
         self._models_of = snapshot.provider_models
         self._rivals = snapshot.rivals
         for model_id in [m for m in self._queues if m not in snapshot.models]:
@@ -509,8 +507,24 @@ class Scheduler:
         self._connected.discard(node_id)
         self._set_node_health(node_id, "unavailable")
 
+    def _states_on(self, node_id: str) -> list[_ProviderState]:
+        """The states of the node's providers, removed ones with leases out too. Worked
+        out when asked (a node connects or goes): kept up to date, a fleet's swap would
+        rebuild it for every node."""
+        states = self._states
+        on = [states[provider_id] for provider_id in self._snapshot.node_providers.get(node_id, ())]
+        return on + self._held.get(node_id, [])
+
+    def _let_go(self, state: _ProviderState) -> None:
+        """`state` is no longer held (released, or back in config)."""
+        held = self._held.get(state.node_id)
+        if held is not None and state in held:
+            held.remove(state)
+            if not held:
+                del self._held[state.node_id]
+
     def _set_node_health(self, node_id: str, health: Health) -> None:
-        affected = self._on_node.get(node_id, ())
+        affected = self._states_on(node_id)
         for state in affected:
             state.health = health
             state.forget_others()
@@ -778,7 +792,7 @@ class Scheduler:
             state.trial = None  # ended without a verdict: another run may be the trial
         if state.removed and state.idle and self._states.get(state.id) is state:
             del self._states[state.id]
-            self._on_node[state.node_id].remove(state)
+            self._let_go(state)
         principal = lease.principal
         running = self._running[principal] - 1
         if running:
