@@ -41,7 +41,7 @@ from iop_edge.core.readiness import NO_SERVABLE_MODEL, Readiness
 from iop_edge.http.catalog_stream import CatalogSource, catalog_chunks, catalog_summary
 from iop_edge.runtime.metering.activity import ActivityReport
 from iop_edge.runtime.metering.usage import LedgerUnavailable, UsageReport
-from iop_edge.runtime.refresh.refresh import RefreshResult
+from iop_edge.runtime.refresh.refresh import RefreshResult, decode_request
 from schemas.principals import PrincipalsReport
 from schemas.refresh import RefreshRequest, RefreshVerdict, StatusReport
 from schemas.restart import RestartOutcome, RestartReport
@@ -327,7 +327,7 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
         raw = await request.get_data(cache=False)
         assert isinstance(raw, bytes)
         try:
-            refresh_request = msgspec.json.decode(raw or b"{}", type=RefreshRequest)
+            refresh_request = await decode_request(raw or b"{}")
         except (msgspec.DecodeError, RecursionError) as exc:
             # msgspec skips unknown fields recursively: a deep one is a RecursionError.
             reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)

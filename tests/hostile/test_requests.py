@@ -74,7 +74,19 @@ async def test_unreadable_refresh_bodies_are_400s_in_the_audit_log(
 ) -> None:
     deep = b"[" * 5000 + b"]" * 5000
     deep_mode = b'{"mode":' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}"
-    bodies = (deep, deep_mode, b"{not json", b'{"mode":"sideways"}', b'{"mode":"apply","x":1}')
+    # A large body is decoded off the event loop: its errors read the same.
+    padding = b'{"config_yaml":"' + b"x" * 300_000 + b'",'
+    large_deep = padding + b'"mode":' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}"
+    large_broken = padding + b'"mode":"apply"'
+    bodies = (
+        deep,
+        deep_mode,
+        b"{not json",
+        b'{"mode":"sideways"}',
+        large_deep,
+        large_broken,
+        b'{"mode":"apply","x":1}',
+    )
     async with stack_one.admin() as admin:
         for body in bodies:
             response = await admin.post("/refresh", content=body)

@@ -190,6 +190,27 @@ async def test_a_busy_fleets_sweeps_come_faster_and_slow_down_when_it_quiets(
     assert len(sweeps) == 3  # back to one a period
 
 
+async def test_a_sweep_skipped_for_a_pause_keeps_its_period(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """A pause (a refresh reading its candidate) skips sweeps; the fleet keeps sending
+    meanwhile, so the sweeps after it come as often as before it, not a second apart."""
+    collector = CostlyCollector(per_s=SWEEP_STEP_S * 8)
+    pause = Pause()
+    keeper = HeapKeeper(collector, paused=pause, timer=collector.timer)
+    await nursery.start(keeper.run)
+    await connect(keeper, SWEEP_FLEET, every_s=0)
+    await trio.sleep(QUIET_S * 2)
+    pause.open = True
+    await trio.sleep(SWEEP_S / 2)
+    pause.open = False
+    resumed = trio.current_time()
+    collector.calls.clear()
+    await trio.sleep(SWEEP_S / 2)
+    sweeps = [at for name, at in collector.calls if name == "collect 0"]
+    assert sweeps and sweeps[0] - resumed <= SWEEP_S / 8
+
+
 async def test_many_refresh_freezes_bring_a_thaw_before_the_interval(
     autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
 ) -> None:

@@ -50,9 +50,11 @@ at it again only at moments it chooses:
 5. While bulk work in a worker thread has the collector paused (`gc_pause.paused()`,
    a refresh reading a candidate), what it built so far is all young: the keeper does
    not collect then (a young collection would walk the build, half a second of the
-   loop with ten thousand Nodes) and does not thaw. The sweep skips its turn; a burst is
-   frozen without its collection (the refresh freezes its build anyway); a thaw that
-   is due waits until the refresh lets go of the heap, or a sweep period.
+   loop with ten thousand Nodes) and does not thaw. The sweep skips its turn and keeps
+   its period (set back to `SWEEP_S`, the next sweep would walk a second of a fleet's
+   acks at once); a burst is frozen without its collection (the refresh freezes its
+   build anyway); a thaw that is due waits until the refresh lets go of the heap, or a
+   sweep period.
 """
 
 from __future__ import annotations
@@ -217,8 +219,10 @@ class HeapKeeper:
         period = SWEEP_S
         while True:
             await trio.sleep(period)
-            if self._connected < SWEEP_FLEET or self._paused():  # Rule 5
+            if self._connected < SWEEP_FLEET:
                 period = SWEEP_S
+                continue
+            if self._paused():  # Rule 5: skipped, its period kept
                 continue
             began = self._timer()
             self._gc.collect(0)  # the period's young garbage: not frozen (Rule 2's why)

@@ -75,7 +75,13 @@ from schemas.refresh import (
 )
 from schemas.wire import RefreshAck
 
-__all__ = ["RefreshResult", "RefreshTarget", "Refresher", "RefresherStatistics"]
+__all__ = [
+    "RefreshResult",
+    "RefreshTarget",
+    "Refresher",
+    "RefresherStatistics",
+    "decode_request",
+]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +107,20 @@ class RefreshResult:
 
 #: Encodes the reports `RefreshResult.report_json` answers with.
 _REPORT_ENCODER: Final = msgspec.json.Encoder()
+#: Decodes `POST /refresh` bodies (`decode_request`).
+_REQUEST_DECODER: Final = msgspec.json.Decoder(RefreshRequest)
+#: A request body beyond which it is decoded off the event loop (`decode_request`).
+_LARGE_REQUEST_BYTES: Final = 256 * 1024
+
+
+async def decode_request(raw: bytes) -> RefreshRequest:
+    """A `POST /refresh` body as a request: a fleet's config is megabytes of JSON string,
+    tens of milliseconds to unescape, so a large one is decoded off the event loop.
+    Raises `msgspec.DecodeError`, or `RecursionError` for an unknown field nested too
+    deeply (msgspec skips unknown fields recursively)."""
+    if len(raw) > _LARGE_REQUEST_BYTES:
+        return await off_loop.run_sync(partial(_REQUEST_DECODER.decode, raw))
+    return _REQUEST_DECODER.decode(raw)
 
 
 @dataclass(frozen=True, slots=True)
