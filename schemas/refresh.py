@@ -33,8 +33,13 @@ time (`detail` says which). `not_connected`: the node was not connected; it rece
 current config in its next `welcome`. `pushed`: sent without awaiting an ack (reserved)."""
 
 
-class RefreshRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """Base of the refresh records: immutable and keyword-only."""
+class RefreshRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Base of the refresh records: immutable and keyword-only.
+
+    Not tracked by the cycle collector (`gc=False`): a record holds strings, numbers,
+    lists of them and other records, never a cycle, and a fleet's report is tens of
+    thousands of records, which the Edge's collections would otherwise walk while the
+    report is answered."""
 
 
 class RefreshRequest(RefreshRecord, frozen=True, kw_only=True, forbid_unknown_fields=True):

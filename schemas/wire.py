@@ -341,7 +341,10 @@ class RefreshAck(Message, tag="refresh_ack", frozen=True, kw_only=True):
     error: str | None = None
 
 
-class ProviderStatus(msgspec.Struct, frozen=True, kw_only=True):
+class ProviderStatus(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Not tracked by the cycle collector (`gc=False`): strings and lists of them, never a
+    cycle, and a fleet's Nodes send thousands a second while a refresh is pushed."""
+
     id: str
     health: Health
     models: list[str] = []

@@ -77,10 +77,11 @@ class Reservation:
     """The line's length, its newline included."""
 
 
-class AuditRecord(msgspec.Struct, frozen=True, kw_only=True):
+class AuditRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One line of the audit log: one refresh attempt, whatever its outcome.
 
-    Paths only, never values: a changed token hash is recorded as a changed path.
+    Paths only, never values: a changed token hash is recorded as a changed path. Not
+    tracked by the cycle collector (`gc=False`), as the refresh records it holds.
     """
 
     time: str
