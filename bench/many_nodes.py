@@ -26,7 +26,9 @@ it:
   capacity of every provider of every light Node (a live change), timed until the Edge
   answers: it answers once every Node acked (or its push timed out), and the report it
   returns says, per Node, whether the Node applied the new revision. The same candidate
-  as a dry run first, timed too: validating and planning every Node;
+  as a dry run first, timed too: validating and planning every Node. Each refresh is
+  sent from a child process (`bench.admin_post`), as an operator's comes from elsewhere:
+  its megabytes, sent and read on this process's event loop, would hold the callers';
 - **callers**: `caller_rate` chat requests a second to `sim-model`, open loop, for
   `caller_window_s` while the Edge is idle, then throughout the dry runs and the apply,
   then for `caller_window_s` once more, idle again: each request's latency to its last
@@ -44,9 +46,12 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import aclosing
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -54,12 +59,21 @@ import httpx2
 import trio
 import yaml
 
+from bench.admin_post import READY_LINE as ADMIN_READY
 from bench.gateway import EdgeLog
 from bench.light_nodes import DEFAULT_HANDSHAKES
 from bench.light_nodes import READY_PREFIX as NODES_READY_PREFIX
 from bench.load import open_client, percentile
 from bench.procfs import process_cpu_seconds, rss_bytes
-from bench.services import ServiceFailed, python_argv, spawn_service, start_service
+from bench.services import (
+    REPO_ROOT,
+    ServiceFailed,
+    child_env,
+    output_lines,
+    python_argv,
+    spawn_service,
+    start_service,
+)
 
 #: Where the light Nodes' providers point: never contacted (a light Node has no upstream).
 _UNUSED_UPSTREAM: Final = "http://127.0.0.1:9/v1"
@@ -403,39 +417,55 @@ class _Callers:
         self.latencies[phase].append(time.perf_counter() - began)
 
 
-def _refresh_body(mode: str, candidate: str) -> bytes:
-    """A `POST /refresh` body. Encoded before the callers' load starts: a fleet's config
-    is megabytes of JSON, and encoding it on this process's event loop would hold the
-    callers' requests, whose latency is the measurement."""
-    return json.dumps({"mode": mode, "config_yaml": candidate}).encode()
+async def _refresh_body(workdir: Path, name: str, mode: str, candidate: str) -> Path:
+    """A `POST /refresh` body, written to a file before the callers' load starts (a
+    fleet's config is megabytes of JSON)."""
+    path = workdir / f"refresh-{name}.json"
+    body = json.dumps({"mode": mode, "config_yaml": candidate}).encode()
+    await trio.Path(path).write_bytes(body)
+    return path
 
 
-async def _dry_run(admin: httpx2.AsyncClient, body: bytes) -> float | None:
-    """Seconds a dry run (`body`) takes; None when the Edge refuses it."""
-    began = time.perf_counter()
-    response = await admin.post(
-        "/refresh", content=body, headers={"content-type": "application/json"}
-    )
-    elapsed = time.perf_counter() - began
-    return elapsed if response.status_code == 200 else None
+async def _refresh_elsewhere(
+    admin_url: str, body: Path, answer: Path, enter: Callable[[], None]
+) -> tuple[float, int]:
+    """`POST /refresh` with `body` from a child process (`bench.admin_post`), as an
+    operator's would come: megabytes sent and read on this process's event loop would
+    hold the callers' requests, whose latency is the measurement. `enter()` is called
+    once the child is connected and about to send. Returns the seconds the Edge took to
+    answer and the answer's status; the answer's body is left in `answer`."""
+    argv = python_argv("bench.admin_post", f"{admin_url}/refresh", str(body), str(answer))
+    async with trio.open_nursery() as nursery:
+        process: trio.Process = await nursery.start(
+            partial(
+                trio.run_process,
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                cwd=str(REPO_ROOT),
+                env=child_env(),
+            )
+        )
+        assert process.stdin is not None and process.stdout is not None
+        async with aclosing(output_lines(process.stdout)) as lines:
+            async for line in lines:
+                if line == ADMIN_READY:
+                    break
+            enter()
+            await process.stdin.send_all(b"go\n")
+            async for line in lines:
+                result = json.loads(line)
+                return float(result["elapsed_s"]), int(result["status"])
+    raise ServiceFailed("admin post", "exited without an answer", ())
 
 
-async def _apply(admin: httpx2.AsyncClient, body: bytes) -> tuple[float, httpx2.Response]:
-    """Apply (`body`): the seconds it took and the answer, read later (`_applied`)."""
-    began = time.perf_counter()
-    response = await admin.post(
-        "/refresh", content=body, headers={"content-type": "application/json"}
-    )
-    return time.perf_counter() - began, response
-
-
-def _applied(response: httpx2.Response) -> tuple[int, int, str | None]:
+def _applied(status: int, answer: bytes) -> tuple[int, int, str | None]:
     """An apply's answer: (Nodes reported, Nodes applied, the first problem). Read once
     the callers stopped: decoding a fleet's report takes this process's loop a while."""
     try:
-        report = response.json()
+        report = json.loads(answer)
     except ValueError:
-        report = {"errors": response.text[:300]}
+        report = {"errors": answer[:300].decode(errors="replace")}
     nodes = report.get("nodes", []) if isinstance(report, dict) else []
     applied = sum(1 for node in nodes if node.get("status") == "applied")
     problem: str | None = None
@@ -443,10 +473,14 @@ def _applied(response: httpx2.Response) -> tuple[int, int, str | None]:
         if node.get("status") != "applied":
             problem = f"node {node.get('id')}: {node.get('status')}: {node.get('detail')}"
             break
-    if response.status_code != 200:
+    if status != 200:
         errors = report.get("errors") if isinstance(report, dict) else None
-        problem = f"HTTP {response.status_code}: {json.dumps(errors or report)[:300]}"
+        problem = f"HTTP {status}: {json.dumps(errors or report)[:300]}"
     return len(nodes), applied, problem
+
+
+def _stay() -> None:
+    """A refresh that stays in the callers' current phase."""
 
 
 def _nodes_ready(line: str) -> str | None:
@@ -548,21 +582,27 @@ async def measure_many_nodes(
             callers = _Callers(
                 caller_client, f"{edge.ready.openai}/v1/chat/completions", shape.caller_rate
             )
-            few_dry_run = _refresh_body("dry_run", few_candidate)
-            dry_run, apply = _refresh_body("dry_run", candidate), _refresh_body("apply", candidate)
+            few_dry_run = await _refresh_body(workdir, "few", "dry_run", few_candidate)
+            dry_run = await _refresh_body(workdir, "dry-run", "dry_run", candidate)
+            apply = await _refresh_body(workdir, "apply", "apply", candidate)
+            answer = workdir / "refresh-answer.json"
+            admin_url = edge.ready.admin
             async with trio.open_nursery() as load:
                 await load.start(callers.run)
                 await trio.sleep(shape.caller_window_s)  # the idle phase is a time window
-                callers.enter("dry_run")
-                dry_run_few_s = await _dry_run(admin, few_dry_run)
-                dry_run_s = await _dry_run(admin, dry_run)
-                callers.enter("apply")
-                refresh_s, answer = await _apply(admin, apply)
+                dry_run_few = await _refresh_elsewhere(
+                    admin_url, few_dry_run, answer, partial(callers.enter, "dry_run")
+                )
+                dry_run_all = await _refresh_elsewhere(admin_url, dry_run, answer, _stay)
+                refresh_s, status = await _refresh_elsewhere(
+                    admin_url, apply, answer, partial(callers.enter, "apply")
+                )
                 callers.enter("after")
                 await trio.sleep(shape.caller_window_s)  # idle again: the control window
                 callers.stop()  # requests still in flight finish, in their phase
-            reported, applied, problem = _applied(answer)
-            status = answer.status_code
+            dry_run_few_s = dry_run_few[0] if dry_run_few[1] == 200 else None
+            dry_run_s = dry_run_all[0] if dry_run_all[1] == 200 else None
+            reported, applied, problem = _applied(status, await trio.Path(answer).read_bytes())
             rss_after_refresh = await rss_bytes(edge.pid)
             nodes_scope.cancel_scope.cancel()
         edge_scope.cancel_scope.cancel()

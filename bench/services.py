@@ -143,7 +143,7 @@ async def _own(
         if ready is None:
             service = Service(name=name, process=process, ready=None, tail=tail)
             task_status.started(service)
-        async with aclosing(_lines(process.stdout)) as lines:
+        async with aclosing(output_lines(process.stdout)) as lines:
             async for line in lines:
                 tail.append(line)
                 if service is None and ready is not None:
@@ -169,7 +169,7 @@ async def _terminate(process: trio.Process, *, grace_s: float) -> None:
     process.kill()
 
 
-async def _lines(stream: trio.abc.ReceiveStream) -> AsyncGenerator[str, None]:
+async def output_lines(stream: trio.abc.ReceiveStream) -> AsyncGenerator[str, None]:
     """Decoded output lines, without their line endings, until end of stream."""
     pending = b""
     while chunk := await stream.receive_some(_READ_BYTES):
