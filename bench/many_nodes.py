@@ -48,7 +48,7 @@ import json
 import secrets
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from functools import partial
@@ -426,16 +426,23 @@ async def _refresh_body(workdir: Path, name: str, mode: str, candidate: str) -> 
     return path
 
 
-async def _refresh_elsewhere(
-    admin_url: str, body: Path, answer: Path, enter: Callable[[], None]
-) -> tuple[float, int]:
-    """`POST /refresh` with `body` from a child process (`bench.admin_post`), as an
-    operator's would come: megabytes sent and read on this process's event loop would
-    hold the callers' requests, whose latency is the measurement. `enter()` is called
-    once the child is connected and about to send. Returns the seconds the Edge took to
-    answer and the answer's status; the answer's body is left in `answer`."""
-    argv = python_argv("bench.admin_post", f"{admin_url}/refresh", str(body), str(answer))
-    async with trio.open_nursery() as nursery:
+@dataclass
+class _AdminPost:
+    """One `POST /refresh` sent from a child process (`bench.admin_post`), as an
+    operator's comes from elsewhere: megabytes sent and read on this process's event loop
+    would hold the callers' requests, whose latency is the measurement. The child is
+    started (`start`) before the measurement, so a Python starting up is not measured
+    either; `send` has it send."""
+
+    process: trio.Process
+    lines: AsyncGenerator[str, None]
+
+    @classmethod
+    async def start(
+        cls, nursery: trio.Nursery, admin_url: str, body: Path, answer: Path
+    ) -> _AdminPost:
+        """The child, connected and waiting; `nursery` owns it."""
+        argv = python_argv("bench.admin_post", f"{admin_url}/refresh", str(body), str(answer))
         process: trio.Process = await nursery.start(
             partial(
                 trio.run_process,
@@ -446,17 +453,23 @@ async def _refresh_elsewhere(
                 env=child_env(),
             )
         )
-        assert process.stdin is not None and process.stdout is not None
-        async with aclosing(output_lines(process.stdout)) as lines:
-            async for line in lines:
-                if line == ADMIN_READY:
-                    break
-            enter()
-            await process.stdin.send_all(b"go\n")
+        assert process.stdout is not None
+        post = cls(process, output_lines(process.stdout))
+        async for line in post.lines:
+            if line == ADMIN_READY:
+                return post
+        raise ServiceFailed("admin post", "exited before it was ready", ())
+
+    async def send(self) -> tuple[float, int]:
+        """Send it: the seconds the Edge took to answer, and the answer's status (its
+        body is left in the child's answer file)."""
+        assert self.process.stdin is not None
+        await self.process.stdin.send_all(b"go\n")
+        async with aclosing(self.lines) as lines:
             async for line in lines:
                 result = json.loads(line)
                 return float(result["elapsed_s"]), int(result["status"])
-    raise ServiceFailed("admin post", "exited without an answer", ())
+        raise ServiceFailed("admin post", "exited without an answer", ())
 
 
 def _applied(status: int, answer: bytes) -> tuple[int, int, str | None]:
@@ -477,10 +490,6 @@ def _applied(status: int, answer: bytes) -> tuple[int, int, str | None]:
         errors = report.get("errors") if isinstance(report, dict) else None
         problem = f"HTTP {status}: {json.dumps(errors or report)[:300]}"
     return len(nodes), applied, problem
-
-
-def _stay() -> None:
-    """A refresh that stays in the callers' current phase."""
 
 
 def _nodes_ready(line: str) -> str | None:
@@ -582,21 +591,23 @@ async def measure_many_nodes(
             callers = _Callers(
                 caller_client, f"{edge.ready.openai}/v1/chat/completions", shape.caller_rate
             )
-            few_dry_run = await _refresh_body(workdir, "few", "dry_run", few_candidate)
-            dry_run = await _refresh_body(workdir, "dry-run", "dry_run", candidate)
-            apply = await _refresh_body(workdir, "apply", "apply", candidate)
+            bodies = [
+                await _refresh_body(workdir, "few", "dry_run", few_candidate),
+                await _refresh_body(workdir, "dry-run", "dry_run", candidate),
+                await _refresh_body(workdir, "apply", "apply", candidate),
+            ]
             answer = workdir / "refresh-answer.json"
-            admin_url = edge.ready.admin
             async with trio.open_nursery() as load:
+                few_dry_run, dry_run, apply = [
+                    await _AdminPost.start(load, edge.ready.admin, body, answer) for body in bodies
+                ]
                 await load.start(callers.run)
                 await trio.sleep(shape.caller_window_s)  # the idle phase is a time window
-                dry_run_few = await _refresh_elsewhere(
-                    admin_url, few_dry_run, answer, partial(callers.enter, "dry_run")
-                )
-                dry_run_all = await _refresh_elsewhere(admin_url, dry_run, answer, _stay)
-                refresh_s, status = await _refresh_elsewhere(
-                    admin_url, apply, answer, partial(callers.enter, "apply")
-                )
+                callers.enter("dry_run")
+                dry_run_few = await few_dry_run.send()
+                dry_run_all = await dry_run.send()
+                callers.enter("apply")
+                refresh_s, status = await apply.send()
                 callers.enter("after")
                 await trio.sleep(shape.caller_window_s)  # idle again: the control window
                 callers.stop()  # requests still in flight finish, in their phase
