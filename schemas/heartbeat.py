@@ -13,10 +13,10 @@ late, nothing more.
 
 The grid's step is fixed, not its number of instants: an Edge announces a longer
 interval to a larger fleet, so that the whole fleet pings at most a few hundred times a
-second, and with a fixed number of instants each one's batch grew with the fleet (two
-hundred pings at once every 0.4 s with ten thousand Nodes). While the Edge is busy (a
-refresh reading a fleet's config beside its event loop), answering a batch that size
-took tens of milliseconds, and callers' requests waited behind it. With a fixed step a
+second, and with a fixed number of instants each one's batch would grow with the fleet
+(two hundred pings at once every 0.4 s with ten thousand Nodes). While the Edge is busy
+(a refresh reading a fleet's config beside its event loop), answering a batch that size
+takes tens of milliseconds, and callers' requests wait behind it. With a fixed step a
 batch stays the size of a second's pings times the step, whatever the fleet.
 """
 
