@@ -63,6 +63,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
+
 from schemas.wire import Health
 
 Breaker = Literal["closed", "open", "half_open", "probing"]
@@ -146,9 +148,12 @@ _HEALTHY = PassiveHealth()
 _ADMITTING: frozenset[Health] = frozenset({"available", "busy"})
 
 
-@dataclass(frozen=True, slots=True)
-class ProviderView:
-    """One provider at one instant, as far as dispatch cares."""
+class ProviderView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One provider at one instant, as far as dispatch cares.
+
+    A decision looks at every provider of the model, thousands in a fleet, each seen
+    afresh: a Struct is made several times faster than a frozen dataclass, and it is
+    never tracked by the cycle collector."""
 
     id: str
     capacity: int

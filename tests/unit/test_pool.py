@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import replace
 from fractions import Fraction
 
 import pytest
+from msgspec.structs import replace
 
 from iop_edge.core.pool import (
     Grant,
