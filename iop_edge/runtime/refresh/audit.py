@@ -124,14 +124,6 @@ class AuditRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         )
 
 
-#: Paths and Nodes in a report beyond which its line is encoded in a worker thread.
-_LARGE_RECORD: Final = 2000
-
-
-def _large(report: RefreshReport) -> bool:
-    return len(report.changes) + len(report.nodes) > _LARGE_RECORD
-
-
 def _bounded(node: NodeResult) -> NodeResult:
     if node.detail is None or len(node.detail) <= DETAIL_CHARS:
         return node
@@ -183,7 +175,7 @@ class AuditLog:
             return msgspec.json.encode(record) + b" " * room + b"\n"
 
         # A fleet's record is megabytes: built and encoded in a worker thread, off the loop.
-        line = await off_loop.run_sync(encode) if _large(report) else encode()
+        line = await off_loop.run_sync_if(off_loop.large_report(report), encode)
         async with self._lock:
             offset = await trio.to_thread.run_sync(_append_line, self.path, line)
         return Reservation(offset=offset, length=len(line))
@@ -207,16 +199,15 @@ class AuditLog:
             config_sha256=config_sha256,
             now=now or datetime.now(UTC),
         )
-        if _large(report):  # a fleet's record is megabytes: off the loop
 
-            def built_and_encoded() -> tuple[AuditRecord, bytes]:
-                record = build()
-                return record, msgspec.json.encode(record)
-
-            record, encoded = await off_loop.run_sync(built_and_encoded)
-        else:
+        def built_and_encoded() -> tuple[AuditRecord, bytes]:
             record = build()
-            encoded = self._encoder.encode(record)
+            return record, self._encoder.encode(record)
+
+        # A fleet's record is megabytes: off the loop.
+        record, encoded = await off_loop.run_sync_if(
+            off_loop.large_report(report), built_and_encoded
+        )
         async with self._lock:
             if len(encoded) < reservation.length:
                 line = encoded.ljust(reservation.length - 1) + b"\n"

@@ -11,6 +11,10 @@ switches, and the interval is restored when the work ends.
 
 Only the event loop's thread calls `run_sync`, so the interval is set and restored by one
 thread; runs that overlap keep the short interval until the last one ends.
+
+Small work stays on the loop (`run_sync_if`): a thread costs more than a small report.
+A refresh report is large (`large_report`) past `LARGE_REPORT_ITEMS` paths and Nodes: a
+fleet's is tens of thousands, tens of milliseconds to build or encode.
 """
 
 from __future__ import annotations
@@ -21,10 +25,14 @@ from typing import Final, TypeVar
 
 import trio
 
-__all__ = ["SWITCH_INTERVAL_S", "run_sync"]
+from schemas.refresh import RefreshReport
+
+__all__ = ["LARGE_REPORT_ITEMS", "SWITCH_INTERVAL_S", "large_report", "run_sync", "run_sync_if"]
 
 #: The GIL switch interval while bulk work runs in a worker thread.
 SWITCH_INTERVAL_S: Final = 0.0005
+#: Paths and Nodes in a refresh report beyond which work on it goes to a worker thread.
+LARGE_REPORT_ITEMS: Final = 2000
 
 T = TypeVar("T")
 
@@ -48,3 +56,13 @@ async def run_sync(work: Callable[[], T]) -> T:
         _Interval.running -= 1
         if _Interval.running == 0:
             sys.setswitchinterval(_Interval.saved)
+
+
+async def run_sync_if(large: bool, work: Callable[[], T]) -> T:
+    """`work()` in a worker thread (`run_sync`) when `large`, else here."""
+    return await run_sync(work) if large else work()
+
+
+def large_report(report: RefreshReport) -> bool:
+    """Whether work on `report` goes to a worker thread (module docstring)."""
+    return len(report.changes) + len(report.nodes) > LARGE_REPORT_ITEMS

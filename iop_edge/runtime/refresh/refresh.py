@@ -99,10 +99,8 @@ class RefreshResult:
 
     async def report_json(self) -> bytes:
         """The report as JSON: a fleet's is megabytes, encoded off the event loop."""
-        report = self.report
-        if len(report.changes) + len(report.nodes) > _LARGE_REPORT:
-            return await off_loop.run_sync(partial(_REPORT_ENCODER.encode, report))
-        return _REPORT_ENCODER.encode(report)
+        encode = partial(_REPORT_ENCODER.encode, self.report)
+        return await off_loop.run_sync_if(off_loop.large_report(self.report), encode)
 
 
 #: Encodes the reports `RefreshResult.report_json` answers with.
@@ -118,9 +116,8 @@ async def decode_request(raw: bytes) -> RefreshRequest:
     tens of milliseconds to unescape, so a large one is decoded off the event loop.
     Raises `msgspec.DecodeError`, or `RecursionError` for an unknown field nested too
     deeply (msgspec skips unknown fields recursively)."""
-    if len(raw) > _LARGE_REQUEST_BYTES:
-        return await off_loop.run_sync(partial(_REQUEST_DECODER.decode, raw))
-    return _REQUEST_DECODER.decode(raw)
+    decode = partial(_REQUEST_DECODER.decode, raw)
+    return await off_loop.run_sync_if(len(raw) > _LARGE_REQUEST_BYTES, decode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +261,8 @@ class Refresher:
             return await self._finish("conflict", report, config_sha256=parsed.sha256)
         snapshot, to_push = prepared.snapshot, list(prepared.to_push)
         assert snapshot is not None  # an apply whose plan has no errors is built
-        planned = await _built(
+        planned = await off_loop.run_sync_if(
+            len(plan.diff.changes) + len(to_push) > off_loop.LARGE_REPORT_ITEMS,
             partial(
                 self._report,
                 request,
@@ -275,7 +273,6 @@ class Refresher:
                 nodes=_interrupted(to_push),
                 pending_restart=plan.pending_restart,
             ),
-            size=len(plan.diff.changes) + len(to_push),
         )
         reservation = await self._reserve(planned, config_sha256=parsed.sha256)
         if isinstance(reservation, str):
@@ -364,7 +361,8 @@ class Refresher:
         # Shielded like the rest of the commit, with its deadline.
         report: RefreshReport | None = None
         with trio.move_on_after(COMMIT_GRACE_S, shield=True):
-            report = await _built(build, size=len(plan.diff.changes) + len(nodes))
+            large = len(plan.diff.changes) + len(nodes) > off_loop.LARGE_REPORT_ITEMS
+            report = await off_loop.run_sync_if(large, build)
         if report is None:  # the worker threads are busy: build it here after all
             report = build()
         return await self._finish(
@@ -545,17 +543,6 @@ def _log_attempt(source: str, request: RefreshRequest, result: RefreshResult) ->
 
 #: Nodes that did not apply a refresh named one by one in the log.
 _NODES_LOGGED: Final = 20
-#: Paths and Nodes in a report beyond which it is built in a worker thread (`_built`).
-_LARGE_REPORT: Final = 2000
-
-
-async def _built(build: Callable[[], RefreshReport], *, size: int) -> RefreshReport:
-    """`build()`: in a worker thread (`off_loop`) when the report lists more than
-    `_LARGE_REPORT` paths and Nodes (a fleet's is tens of thousands, tens of milliseconds
-    of the loop), else here (a thread costs more than a small report)."""
-    if size > _LARGE_REPORT:
-        return await off_loop.run_sync(build)
-    return build()
 
 
 def _interrupted(node_ids: list[str]) -> list[NodeResult]:
