@@ -34,6 +34,9 @@ Rules:
    is one deallocation in C that keeps the GIL until it is done: tens of milliseconds
    for ten thousand principal tokens, during which a worker thread reading a refresh
    candidate holds the event loop as surely as if it ran there.
+7. Composing, checking, constructing and releasing call `schemas.give_way.give_way`
+   every few dozen nodes: a worker thread reading a fleet's config steps aside while
+   the event loop beside it is busy.
 
 A document without an alias has a graph that is a tree, so the checks of Rules 1-3 and
 the construction skip the bookkeeping that shared nodes need. A fleet's config is half a
@@ -45,9 +48,12 @@ text in a config that has none (the `"*"` entry of `principals:`, glob patterns)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
 import yaml
+
+from schemas.give_way import give_way
 
 __all__ = [
     "LIBYAML",
@@ -64,8 +70,8 @@ __all__ = [
 MAX_DEPTH: Final = 64
 MIN_ALIAS_BUDGET: Final = 10_000
 #: Items of a long collection freed at once (Rule 6): each item of a config list is a few
-#: dozen objects, so a piece is about a millisecond of deallocation.
-RELEASE_ITEMS: Final = 128
+#: dozen objects, so a piece is a fraction of a millisecond of deallocation.
+RELEASE_ITEMS: Final = 32
 
 
 def _libyaml_bounds_nesting() -> bool:
@@ -99,6 +105,26 @@ class _PureLoader(yaml.SafeLoader):
             self._depth -= 1
 
 
+#: Nodes libyaml composes between two `give_way()` calls (Rule 7): a few dozen
+#: microseconds of work.
+NODES_PER_TURN: Final = 32
+
+if hasattr(yaml, "CSafeLoader"):  # PyYAML built with libyaml (`LIBYAML` says if it is used)
+    _RESOLVE: Final[Callable[..., str]] = yaml.CSafeLoader.resolve
+
+    class _CLoader(yaml.CSafeLoader):
+        """libyaml's loader, giving way every `NODES_PER_TURN` nodes (Rule 7): it resolves
+        every node's tag, so that is where a long composition can step aside."""
+
+        _composed = 0
+
+        def resolve(self, kind: type[yaml.Node], value: Any, implicit: Any) -> str:
+            self._composed += 1
+            if not self._composed % NODES_PER_TURN:
+                give_way()
+            return _RESOLVE(self, kind, value, implicit)
+
+
 def compose(text: str, *, libyaml: bool = LIBYAML) -> yaml.Node | None:
     """The document's node graph (None for an empty document), Rule 1 checked.
 
@@ -112,7 +138,7 @@ def compose(text: str, *, libyaml: bool = LIBYAML) -> yaml.Node | None:
         finally:
             pure.dispose()
     try:
-        parser = yaml.CSafeLoader(text)
+        parser = _CLoader(text)
     except UnicodeEncodeError as exc:  # libyaml reads UTF-8; a lone surrogate has none
         raise yaml.reader.ReaderError(
             "<unicode string>", exc.start, ord(text[exc.start]), "utf-8", "not encodable"
@@ -163,8 +189,12 @@ def _check_tree_depth(root: yaml.Node) -> None:
     collections only (a scalar is too deep exactly when its parent sits at the limit)."""
     stack: list[tuple[yaml.Node, int]] = [(root, 1)]
     collections = (yaml.SequenceNode, yaml.MappingNode)
+    visited = 0
     while stack:
         node, depth = stack.pop()
+        visited += 1
+        if not visited % NODES_PER_TURN:
+            give_way()
         if isinstance(node, yaml.SequenceNode):
             children: list[yaml.Node] = node.value
         elif isinstance(node, yaml.MappingNode):
@@ -297,6 +327,7 @@ def _direct(node: yaml.Node, constructor: yaml.constructor.SafeConstructor) -> A
             return int(value)  # YAML 1.1 reads a leading 0 as octal: the constructor's job
         return constructor.construct_object(node, deep=True)
     if isinstance(node, yaml.MappingNode) and tag == _MAP_TAG:
+        give_way()  # a mapping is a few of its scalars' worth of work: a turn's share
         data: dict[Any, Any] = {}
         for key_node, value_node in node.value:
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE_TAG:
@@ -322,14 +353,19 @@ def release(root: yaml.Node) -> None:
     not the items of a list of ten thousand entries. A node that aliases share is
     emptied on its first visit and costs nothing on the next."""
     stack: list[yaml.Node] = [root]
+    visited = 0
     while stack:
         node = stack.pop()
+        visited += 1
+        if not visited % NODES_PER_TURN:
+            give_way()
         if not isinstance(node, yaml.CollectionNode):
             continue
         parts: list[Any]
         parts, node.value = node.value, []
         if len(parts) > RELEASE_ITEMS:
             while parts:
+                give_way()
                 del parts[-RELEASE_ITEMS:]
             continue
         for part in parts:

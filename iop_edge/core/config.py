@@ -73,6 +73,7 @@ from schemas.config import (
     ProviderType,
     Sha256Hex,
 )
+from schemas.give_way import give_way
 from schemas.safe_yaml import check_expansion, compose, construct, has_aliases, release
 
 __all__ = [
@@ -194,6 +195,7 @@ class _NodeEntries:
             if isinstance(entry, dict)
             else None
             for index, entry in enumerate(entries)
+            if _gave_way()
         ]
         loopback = _listens_on_loopback(raw, "edge")
         proven: dict[int, NodeEntry] = {}
@@ -209,7 +211,7 @@ class _NodeEntries:
     def to_check(self) -> Iterator[tuple[int, Any]]:
         """The entries the proof does not hold, with their index."""
         for index, entry in enumerate(self.raw):
-            if index not in self.proven:
+            if index not in self.proven and _gave_way():
                 yield index, entry
 
     def proof(self, built: list[NodeEntry], pieces: ConfigPieces | None) -> ConfigProof:
@@ -432,6 +434,7 @@ def _scan_tree(root: yaml.Node, errors: list[ConfigError]) -> None:
     stack: list[tuple[yaml.Node, _Place]] = [(root, None)]
     while stack:
         node, place = stack.pop()
+        give_way()  # a collection's keys: a turn's share of the work (`schemas.give_way`)
         if isinstance(node, yaml.SequenceNode):
             for index in range(len(node.value) - 1, -1, -1):
                 item = node.value[index]
@@ -709,6 +712,7 @@ class _Rules:
         providers: dict[str, _Provider] = {}
         nodes = self.raw.get("nodes")
         for index, node in enumerate(nodes if isinstance(nodes, list) else []):
+            give_way()  # `_entries` gives way for the providers of entries not proven
             node_path = index_path("nodes", index)
             proven = self.proven.get(index)
             if proven is not None:
@@ -940,9 +944,11 @@ def _as_dict(value: object) -> dict[Any, Any]:
 
 
 def _entries(value: object, path: str) -> Iterator[tuple[str, dict[Any, Any]]]:
-    """`(path[i], item)` for the mapping items of a list; anything else is skipped."""
+    """`(path[i], item)` for the mapping items of a list; anything else is skipped.
+    Gives way between items (`schemas.give_way`): a fleet's lists are long."""
     if isinstance(value, list):
         for index, item in enumerate(value):
+            give_way()
             if isinstance(item, dict):
                 yield index_path(path, index), item
 
@@ -1003,6 +1009,7 @@ def _build(
         built = [
             proven[index] if index in proven else _node(entry)
             for index, entry in enumerate(nodes if isinstance(nodes, list) else [])
+            if _gave_way()
         ]
     except msgspec.ValidationError as exc:  # the shape step should have caught it: report it
         raise ConfigInvalid([error_from_msgspec(exc)]) from None
@@ -1011,6 +1018,12 @@ def _build(
         for model_id, providers in derived_models.items()
     ]
     return msgspec.structs.replace(config, nodes=built, models=[*config.models, *legacy])
+
+
+def _gave_way() -> bool:
+    """`give_way()` in a comprehension's condition: always true."""
+    give_way()
+    return True
 
 
 def _node(entry: object) -> NodeEntry:

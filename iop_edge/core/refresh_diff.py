@@ -43,6 +43,7 @@ import msgspec
 
 from iop_edge.core.principals import ANONYMOUS_PRINCIPAL
 from schemas.config import EVERY_OTHER_PRINCIPAL, EdgeConfig
+from schemas.give_way import give_way
 from schemas.refresh import Change, ChangeClass, RefreshError
 
 __all__ = [
@@ -192,6 +193,7 @@ def _walk_keyed(
 ) -> None:
     pattern = here.pattern + "[]"
     for key in old.keys() | new.keys():
+        give_way()  # a fleet's Nodes are ten thousand keys (`schemas.give_way`)
         item = _Found((*here.path, _Item(key)), f"{here.text}[{','.join(key)}]", pattern)
         if key in old and key in new:
             if old[key] != new[key]:
@@ -227,6 +229,11 @@ class ConfigDiff:
         return tuple(c.path for c in self.changes if c.class_ == "restart_required")
 
 
+def _change(found: _Found) -> Change:
+    give_way()  # a fleet's refresh may change thirty thousand paths
+    return Change(path=found.text, class_=_class_of(found.pattern))
+
+
 def compare_configs(old: EdgeConfig, new: EdgeConfig) -> ConfigDiff:
     """Diff two configs (rules 1-5)."""
     found: list[_Found] = []
@@ -238,6 +245,7 @@ def compare_configs(old: EdgeConfig, new: EdgeConfig) -> ConfigDiff:
     providers: set[str] = set()
     models: set[str] = set()
     for path in paths:
+        give_way()
         match path:
             case (_Field("nodes"), _Item((node,))):
                 nodes.add(node)
@@ -251,7 +259,7 @@ def compare_configs(old: EdgeConfig, new: EdgeConfig) -> ConfigDiff:
             case (_Field("openai"), _Field("model_routes"), _Item((model, _)), *_):
                 models.add(model)
     return ConfigDiff(
-        changes=tuple(Change(path=c.text, class_=_class_of(c.pattern)) for c in found),
+        changes=tuple(_change(c) for c in found),
         changed_nodes=tuple(sorted(nodes)),
         changed_providers=tuple(sorted(providers)),
         changed_models=tuple(sorted(models)),

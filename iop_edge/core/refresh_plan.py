@@ -36,6 +36,7 @@ from iop_edge.core.refresh_diff import (
 )
 from iop_edge.core.snapshot import Snapshot
 from schemas.config import EdgeConfig
+from schemas.give_way import give_way
 from schemas.refresh import RefreshError
 
 __all__ = [
@@ -111,6 +112,7 @@ def nodes_to_push(running: Snapshot, new: Snapshot) -> tuple[str, ...]:
     so comparing them costs next to nothing; what changed is compared field by field."""
     changed: list[str] = []
     for node_id, node in new.nodes.items():
+        give_way()  # ten thousand Nodes (`schemas.give_way`)
         before = running.nodes.get(node_id)
         providers = before.providers if before is not None else []
         if node.providers is not providers and node.providers != providers:

@@ -1,16 +1,20 @@
-"""Bulk work beside the event loop: a worker thread that hands the GIL back often.
+"""Bulk work beside the event loop: a worker thread that steps aside while the loop is busy.
 
 Reading and planning a fleet's config is seconds of pure Python. In a worker thread it
-no longer holds the event loop, but it still holds the GIL, and CPython hands the GIL to
-a waiting thread only every `sys.getswitchinterval()` (5 ms by default). The event loop
-gives the GIL up at every socket call and every wait for I/O, and a caller's request
-makes a dozen of them: each one could cost up to an interval, tens of milliseconds a
-request. While such work runs, the interval is shortened to `SWITCH_INTERVAL_S`: the
-loop waits at most that long for the GIL, the worker loses a little to the extra
-switches, and the interval is restored when the work ends.
+no longer holds the event loop, but it still holds the GIL, and the loop gives the GIL up
+at every system call: without more, the loop would wait for the worker after each one,
+tens of milliseconds on a caller's request. So `run_sync` gives the work a gate
+(`schemas.give_way`): while the work runs, an instrument of the loop closes the gate when
+the loop has tasks to run and opens it when the loop waits for I/O, and the work, which
+calls `give_way()` every fraction of a millisecond, waits at a closed gate with the GIL
+released. The loop runs first; the work runs while it idles.
 
-Only the event loop's thread calls `run_sync`, so the interval is set and restored by one
-thread; runs that overlap keep the short interval until the last one ends.
+What a gate cannot reach (a stretch of the work between two `give_way()` calls, one C
+call such as encoding a report) is bounded by the GIL's switch interval instead, which is
+shortened to `SWITCH_INTERVAL_S` while the work runs and restored when it ends.
+
+Only the event loop's thread calls `run_sync`, so the interval and the instrument are set
+and restored by one thread; runs that overlap share them until the last one ends.
 
 Small work stays on the loop (`run_sync_if`): a thread costs more than a small report.
 A refresh report is large (`large_report`) past `LARGE_REPORT_ITEMS` paths and Nodes: a
@@ -25,37 +29,65 @@ from typing import Final, TypeVar
 
 import trio
 
+from schemas.give_way import Gate
 from schemas.refresh import RefreshReport
 
 __all__ = ["LARGE_REPORT_ITEMS", "SWITCH_INTERVAL_S", "large_report", "run_sync", "run_sync_if"]
 
 #: The GIL switch interval while bulk work runs in a worker thread.
-SWITCH_INTERVAL_S: Final = 0.0005
+SWITCH_INTERVAL_S: Final = 0.0002
 #: Paths and Nodes in a refresh report beyond which work on it goes to a worker thread.
 LARGE_REPORT_ITEMS: Final = 2000
 
 T = TypeVar("T")
 
 
-class _Interval:
-    """The open runs and the interval to restore when the last one ends."""
+class _LoopActivity(trio.abc.Instrument):
+    """Tells the gates of the running work whether the loop is busy (module docstring)."""
 
-    running = 0
-    saved = 0.0
+    def __init__(self) -> None:
+        self.gates: set[Gate] = set()
+
+    def before_io_wait(self, timeout: float) -> None:
+        if timeout > 0:  # nothing to run until I/O or a deadline: the loop idles
+            for gate in self.gates:
+                gate.loop_idle()
+
+    def after_io_wait(self, timeout: float) -> None:
+        for gate in self.gates:
+            gate.loop_busy()
+
+
+class _Runs:
+    """The open runs, the instrument they share and the interval to restore."""
+
+    activity: _LoopActivity | None = None
+    saved_interval = 0.0
 
 
 async def run_sync(work: Callable[[], T]) -> T:
-    """`work()` in a worker thread, the GIL switch interval short meanwhile."""
-    if _Interval.running == 0:
-        _Interval.saved = sys.getswitchinterval()
-        sys.setswitchinterval(min(SWITCH_INTERVAL_S, _Interval.saved))
-    _Interval.running += 1
+    """`work()` in a worker thread that gives way to this loop (module docstring)."""
+    gate = Gate()
+
+    def gated() -> T:
+        with gate.entered():
+            return work()
+
+    activity = _Runs.activity
+    if activity is None:
+        _Runs.saved_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(SWITCH_INTERVAL_S, _Runs.saved_interval))
+        activity = _Runs.activity = _LoopActivity()
+        trio.lowlevel.add_instrument(activity)
+    activity.gates.add(gate)
     try:
-        return await trio.to_thread.run_sync(work)
+        return await trio.to_thread.run_sync(gated)
     finally:
-        _Interval.running -= 1
-        if _Interval.running == 0:
-            sys.setswitchinterval(_Interval.saved)
+        activity.gates.discard(gate)
+        if not activity.gates:
+            trio.lowlevel.remove_instrument(activity)
+            _Runs.activity = None
+            sys.setswitchinterval(_Runs.saved_interval)
 
 
 async def run_sync_if(large: bool, work: Callable[[], T]) -> T:

@@ -1,0 +1,121 @@
+"""Work in a worker thread steps aside while the event loop beside it is busy
+(`schemas.give_way`, `runtime.refresh.off_loop`)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import trio
+
+from iop_edge.runtime.refresh import off_loop
+from schemas import give_way as give_way_module
+from schemas.give_way import MAX_WAIT_S, Gate, give_way
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Idle:
+    """A gate's event, recording the waits (`threading.Event`'s interface)."""
+
+    def __init__(self) -> None:
+        self.state = True
+        self.waits: list[float] = []
+
+    def is_set(self) -> bool:
+        return self.state
+
+    def set(self) -> None:
+        self.state = True
+
+    def clear(self) -> None:
+        self.state = False
+
+    def wait(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        return self.state
+
+
+def _gate() -> tuple[Gate, _Idle, _Clock]:
+    clock = _Clock()
+    gate = Gate(clock)
+    idle = _Idle()
+    gate._idle = idle  # type: ignore[assignment]
+    return gate, idle, clock
+
+
+def test_outside_a_gated_thread_give_way_returns_at_once() -> None:
+    gate, idle, _ = _gate()
+    gate.loop_busy()
+    give_way()  # this thread never entered the gate
+    assert idle.waits == []
+
+
+def test_an_idle_loop_lets_the_work_run() -> None:
+    gate, idle, _ = _gate()
+    with gate.entered():
+        gate.loop_busy()
+        gate.loop_idle()
+        give_way()
+    assert idle.waits == []
+    assert gate.open
+
+
+def test_a_busy_loop_makes_the_work_wait_then_run_as_long_again() -> None:
+    gate, idle, clock = _gate()
+    with gate.entered():
+        gate.loop_busy()
+        give_way()  # waits in vain (the fake event never opens)
+        assert idle.waits == [MAX_WAIT_S]
+        clock.now += MAX_WAIT_S / 2
+        give_way()  # within its share: runs on
+        assert idle.waits == [MAX_WAIT_S]
+        clock.now += MAX_WAIT_S
+        give_way()  # its share is used: steps aside again
+        assert idle.waits == [MAX_WAIT_S, MAX_WAIT_S]
+
+
+def test_the_gate_is_the_entering_threads_alone() -> None:
+    gate, _, _ = _gate()
+    with gate.entered():
+        assert give_way_module._thread.gate is gate
+        seen: list[Gate | None] = []
+        other = threading.Thread(target=lambda: seen.append(give_way_module._thread.gate))
+        other.start()
+        other.join()
+        assert seen == [None]
+    assert give_way_module._thread.gate is None
+
+
+async def test_run_sync_closes_the_gate_while_the_loop_is_busy_and_opens_it_when_idle() -> None:
+    closed_seen = threading.Event()
+    loop_still = threading.Event()
+
+    def work() -> bool:
+        gate = give_way_module._thread.gate
+        assert gate is not None
+        while gate.open:  # the loop below spins: its instrument closes the gate
+            give_way()
+        closed_seen.set()
+        loop_still.wait()
+        while not gate.open:  # the loop now waits for this thread: the gate opens
+            give_way()
+        return True
+
+    interval = sys.getswitchinterval()
+    async with trio.open_nursery() as nursery:
+
+        async def spin() -> None:
+            while not closed_seen.is_set():
+                await trio.lowlevel.checkpoint()  # always runnable: the loop never idles
+            loop_still.set()
+
+        nursery.start_soon(spin)
+        assert await off_loop.run_sync(work)
+    assert sys.getswitchinterval() == interval  # restored with the last run
