@@ -50,11 +50,12 @@ at it again only at moments it chooses:
 5. While bulk work in a worker thread has the collector paused (`gc_pause.paused()`,
    a refresh reading a candidate), what it built so far is all young: the keeper does
    not collect then (a young collection would walk the build, half a second of the
-   loop with ten thousand Nodes) and does not thaw. The sweep skips its turn and keeps
-   its period (set back to `SWEEP_S`, the next sweep would walk a second of a fleet's
-   acks at once); a burst is frozen without its collection (the refresh freezes its
-   build anyway); a thaw that is due waits until the refresh lets go of the heap, or a
-   sweep period.
+   loop with ten thousand Nodes) and does not thaw. The sweep skips its turn and looks
+   again every `SWEEP_MIN_S`, so the first sweep after the pause comes at once and walks
+   only what the loop made meanwhile (kept at a longer period, it would walk a second of
+   a fleet's acks at once when an apply's pushes begin); a burst is frozen without its
+   collection (the refresh freezes its build anyway); a thaw that is due waits until the
+   refresh lets go of the heap, or a sweep period.
 """
 
 from __future__ import annotations
@@ -222,7 +223,8 @@ class HeapKeeper:
             if self._connected < SWEEP_FLEET:
                 period = SWEEP_S
                 continue
-            if self._paused():  # Rule 5: skipped, its period kept
+            if self._paused():  # Rule 5: skipped, looked at again soon
+                period = SWEEP_MIN_S
                 continue
             began = self._timer()
             self._gc.collect(0)  # the period's young garbage: not frozen (Rule 2's why)
