@@ -53,7 +53,7 @@ from typing import Any, Final
 
 import yaml
 
-from schemas.give_way import give_way
+from schemas.give_way import RELEASE_ITEMS, free_in_pieces, give_way
 
 __all__ = [
     "LIBYAML",
@@ -69,9 +69,6 @@ __all__ = [
 
 MAX_DEPTH: Final = 64
 MIN_ALIAS_BUDGET: Final = 10_000
-#: Items of a long collection freed at once (Rule 6): each item of a config list is a few
-#: dozen objects, so a piece is a fraction of a millisecond of deallocation.
-RELEASE_ITEMS: Final = 32
 
 
 def _libyaml_bounds_nesting() -> bool:
@@ -364,9 +361,7 @@ def release(root: yaml.Node) -> None:
         parts: list[Any]
         parts, node.value = node.value, []
         if len(parts) > RELEASE_ITEMS:
-            while parts:
-                give_way()
-                del parts[-RELEASE_ITEMS:]
+            free_in_pieces(parts)
             continue
         for part in parts:
             if isinstance(part, tuple):  # a mapping node's (key, value) pair

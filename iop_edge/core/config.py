@@ -188,15 +188,13 @@ class _NodeEntries:
         """`known`: the keys of the entries that were not parsed, by index."""
         nodes = raw.get("nodes")
         entries = nodes if isinstance(nodes, list) else []
-        keys = [
-            known[index]
-            if index in known
-            else entry_key(entry)
-            if isinstance(entry, dict)
-            else None
-            for index, entry in enumerate(entries)
-            if _gave_way()
-        ]
+        keys: list[bytes | None] = []
+        for index, entry in enumerate(entries):
+            give_way()  # an entry's key pickles it: ten thousand of them (`schemas.give_way`)
+            if index in known:
+                keys.append(known[index])
+            else:
+                keys.append(entry_key(entry) if isinstance(entry, dict) else None)
         loopback = _listens_on_loopback(raw, "edge")
         proven: dict[int, NodeEntry] = {}
         if proof is not None:
@@ -211,7 +209,8 @@ class _NodeEntries:
     def to_check(self) -> Iterator[tuple[int, Any]]:
         """The entries the proof does not hold, with their index."""
         for index, entry in enumerate(self.raw):
-            if index not in self.proven and _gave_way():
+            if index not in self.proven:
+                give_way()
                 yield index, entry
 
     def proof(self, built: list[NodeEntry], pieces: ConfigPieces | None) -> ConfigProof:
@@ -1006,11 +1005,10 @@ def _build(
     nodes = raw.get("nodes")
     try:
         config = convert({**raw, "nodes": []}, EdgeConfig)  # long lists a chunk at a time
-        built = [
-            proven[index] if index in proven else _node(entry)
-            for index, entry in enumerate(nodes if isinstance(nodes, list) else [])
-            if _gave_way()
-        ]
+        built: list[NodeEntry] = []
+        for index, entry in enumerate(nodes if isinstance(nodes, list) else []):
+            give_way()
+            built.append(proven[index] if index in proven else _node(entry))
     except msgspec.ValidationError as exc:  # the shape step should have caught it: report it
         raise ConfigInvalid([error_from_msgspec(exc)]) from None
     legacy = [
@@ -1018,12 +1016,6 @@ def _build(
         for model_id, providers in derived_models.items()
     ]
     return msgspec.structs.replace(config, nodes=built, models=[*config.models, *legacy])
-
-
-def _gave_way() -> bool:
-    """`give_way()` in a comprehension's condition: always true."""
-    give_way()
-    return True
 
 
 def _node(entry: object) -> NodeEntry:

@@ -50,7 +50,7 @@ from typing import Any, Final
 import msgspec
 
 from schemas.config import ConfigError
-from schemas.give_way import give_way
+from schemas.give_way import free_in_pieces, give_way
 
 __all__ = [
     "CHUNK_ITEMS",
@@ -70,9 +70,6 @@ S = typing.TypeVar("S", bound=msgspec.Struct)
 CHUNK_ITEMS: Final = 64
 """Items of a list converted at once (Rule 7): a hundred microseconds of principal
 tokens, a millisecond of Node entries."""
-RELEASE_ITEMS: Final = 32
-"""Items of a long list freed at once (`release_long_lists`): a fleet's entry is a few
-dozen objects, so a piece is a fraction of a millisecond of deallocation."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,9 +141,7 @@ def release_long_lists(value: object, schema: Any) -> None:
     of its own for a field of list type, so they are `value`'s alone, while an item may
     be shared with what was built (a value of a field of type `Any` is)."""
     for _, _, items in _strip_long_lists(value, schema)[1]:
-        while items:
-            give_way()
-            del items[-RELEASE_ITEMS:]
+        free_in_pieces(items)
 
 
 def error_from_msgspec(exc: msgspec.ValidationError) -> ConfigError:

@@ -229,24 +229,20 @@ class ConfigDiff:
         return tuple(c.path for c in self.changes if c.class_ == "restart_required")
 
 
-def _change(found: _Found) -> Change:
-    give_way()  # a fleet's refresh may change thirty thousand paths
-    return Change(path=found.text, class_=_class_of(found.pattern))
-
-
 def compare_configs(old: EdgeConfig, new: EdgeConfig) -> ConfigDiff:
     """Diff two configs (rules 1-5)."""
     found: list[_Found] = []
     if old != new:
         _walk(old, new, _Found((), "", ""), found)
     found.sort(key=lambda change: change.text)
-    paths = [change.path for change in found]
+    changes: list[Change] = []
     nodes: set[str] = set()
     providers: set[str] = set()
     models: set[str] = set()
-    for path in paths:
-        give_way()
-        match path:
+    for change in found:
+        give_way()  # a fleet's refresh may change thirty thousand paths
+        changes.append(Change(path=change.text, class_=_class_of(change.pattern)))
+        match change.path:
             case (_Field("nodes"), _Item((node,))):
                 nodes.add(node)
             case (_Field("nodes"), _Item((node,)), _Field("providers"), _Item((provider,)), *_):
@@ -259,11 +255,11 @@ def compare_configs(old: EdgeConfig, new: EdgeConfig) -> ConfigDiff:
             case (_Field("openai"), _Field("model_routes"), _Item((model, _)), *_):
                 models.add(model)
     return ConfigDiff(
-        changes=tuple(_change(c) for c in found),
+        changes=tuple(changes),
         changed_nodes=tuple(sorted(nodes)),
         changed_providers=tuple(sorted(providers)),
         changed_models=tuple(sorted(models)),
-        _paths=tuple(paths),
+        _paths=tuple(change.path for change in found),
     )
 
 
