@@ -56,6 +56,17 @@ async def _export(url: str) -> None:
     tracing.start("late", "server", None).end()
 
 
+async def _exported_once() -> Seen:
+    """What a receiver saw of `_export`: one batch."""
+    receiver = RecordingServer(_answer)
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(receiver.serve)
+        await _export(url)
+        nursery.cancel_scope.cancel()
+    [seen] = receiver.seen
+    return seen
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["iop-encoding", "stock-pipeline"])
 async def test_spans_reach_a_receiver_through_the_sdk_pipeline(
     monkeypatch: pytest.MonkeyPatch, fast: bool
@@ -63,12 +74,7 @@ async def test_spans_reach_a_receiver_through_the_sdk_pipeline(
     clear_proxy_env(monkeypatch)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x-tenant=blue")
     monkeypatch.setattr(otlp_http, "FAST_ENCODING", fast)
-    receiver = RecordingServer(_answer)
-    async with trio.open_nursery() as nursery:
-        url = await nursery.start(receiver.serve)
-        await _export(url)
-        nursery.cancel_scope.cancel()
-    [seen] = receiver.seen  # one batch
+    seen = await _exported_once()
     assert (seen.method, seen.target) == (b"POST", b"/v1/traces")
     assert seen.values(b"content-type") == [b"application/x-protobuf"]
     assert seen.values(b"x-tenant") == [b"blue"]
@@ -98,12 +104,7 @@ async def test_the_same_spans_arrive_as_the_same_message_either_way(
     bodies = []
     for fast in (True, False):
         monkeypatch.setattr(otlp_http, "FAST_ENCODING", fast)
-        receiver = RecordingServer(_answer)
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(receiver.serve)
-            await _export(url)
-            nursery.cancel_scope.cancel()
-        [seen] = receiver.seen
+        seen = await _exported_once()
         request = ExportTraceServiceRequest.FromString(seen.body)
         for span in request.resource_spans[0].scope_spans[0].spans:
             span.trace_id = span.span_id = span.parent_span_id = b""
