@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
+from dataclasses import dataclass, field
 
+import msgspec
+import pytest
 import trio
 
 from iop_edge.runtime.refresh import off_loop
 from schemas import give_way as give_way_module
-from schemas.give_way import MAX_WAIT_S, Gate, give_way
+from schemas.give_way import MAX_WAIT_S, RELEASE_ITEMS, Gate, free_graph_in_pieces, give_way
 
 
 class _Clock:
@@ -119,3 +123,97 @@ async def test_run_sync_closes_the_gate_while_the_loop_is_busy_and_opens_it_when
         nursery.start_soon(spin)
         assert await off_loop.run_sync(work)
     assert sys.getswitchinterval() == interval  # restored with the last run
+
+
+@dataclass(slots=True, weakref_slot=True)
+class _Part:
+    parts: list[_Part] = field(default_factory=list)
+
+
+class _Record(msgspec.Struct, weakref=True):
+    by_id: dict[str, _Part]
+    order: tuple[_Part, ...]
+
+
+class _Deaths:
+    """When each watched object was freed, counted in `give_way()` calls made before."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.turns = 0
+        self.per_turn: dict[int, int] = {}
+        self.freed = 0
+
+        def counted() -> None:
+            self.turns += 1
+
+        monkeypatch.setattr(give_way_module, "give_way", counted)
+
+    def watch(self, value: object) -> None:
+        weakref.finalize(value, self._died)
+
+    def _died(self) -> None:
+        self.freed += 1
+        self.per_turn[self.turns] = self.per_turn.get(self.turns, 0) + 1
+
+
+def _fleet(deaths: _Deaths, nodes: int) -> _Record:
+    """A config-like graph: nodes with parts, a mapping and a tuple over the same nodes."""
+    by_id: dict[str, _Part] = {}
+    for index in range(nodes):
+        node = _Part([_Part() for _ in range(3)])
+        for part in [node, *node.parts]:
+            deaths.watch(part)
+        by_id[f"node-{index}"] = node
+    record = _Record(by_id=by_id, order=tuple(by_id.values()))
+    deaths.watch(record)
+    return record
+
+
+def test_a_large_graph_is_freed_a_piece_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    deaths = _Deaths(monkeypatch)
+    roots: list[object] = [_fleet(deaths, 2000)]
+
+    free_graph_in_pieces(roots)
+
+    assert roots == []
+    assert deaths.freed == 1 + 2000 * 4  # every object, each node held by two parents
+    assert max(deaths.per_turn.values()) <= RELEASE_ITEMS  # no cascade between turns
+    assert len(deaths.per_turn) >= deaths.freed // RELEASE_ITEMS
+
+
+def test_parts_held_elsewhere_outlive_the_graph_untouched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    deaths = _Deaths(monkeypatch)
+    record = _fleet(deaths, 100)
+    kept = record.by_id["node-7"]
+    roots: list[object] = [record]
+    del record
+
+    free_graph_in_pieces(roots)
+
+    assert deaths.freed == 1 + 99 * 4  # all but the kept node and its parts
+    assert len(kept.parts) == 3
+
+
+def test_a_graph_still_in_use_is_not_walked(monkeypatch: pytest.MonkeyPatch) -> None:
+    deaths = _Deaths(monkeypatch)
+    record = _fleet(deaths, 100)
+    roots: list[object] = [record]
+
+    free_graph_in_pieces(roots)
+
+    assert roots == [] and deaths.freed == 0 and deaths.turns == 0
+    assert len(record.by_id) == 100 and len(record.order) == 100
+
+
+def test_a_cycle_ends_the_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    _Deaths(monkeypatch)  # no gate: give_way() only counts
+    loop: list[object] = [_Part()]
+    loop.append(loop)
+    roots: list[object] = [loop]
+    del loop
+
+    free_graph_in_pieces(roots)  # returns: a part already held is not held again
+
+    assert roots == []

@@ -22,11 +22,13 @@ import yaml
 from iop_edge.core import refresh_plan
 from iop_edge.core.config import parse_config
 from iop_edge.core.snapshot import Snapshot
+from iop_edge.runtime.refresh import off_loop
 from iop_edge.runtime.refresh import refresh as refresh_module
 from iop_edge.runtime.refresh.audit import AuditLog
 from iop_edge.runtime.refresh.refresh import Refresher
 from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas.config import NodeConfig
+from schemas.give_way import free_graph_in_pieces
 from schemas.refresh import RefreshRequest
 from schemas.wire import RefreshAck
 
@@ -134,6 +136,15 @@ async def test_a_fleet_refresh_holds_the_loop_no_step_longer_than_the_bound(
         return prepare(*args, **kwargs)
 
     monkeypatch.setattr(refresh_module, "prepare_refresh", recorded)
+    let_go: list[tuple[bool, list[type]]] = []
+    free = free_graph_in_pieces
+
+    def freed(roots: list[object]) -> None:
+        on_loop = threading.current_thread() is threading.main_thread()
+        let_go.append((on_loop, list(map(type, roots))))
+        free(roots)
+
+    monkeypatch.setattr(off_loop, "free_graph_in_pieces", freed)
     steps = LongestStep()
     trio.lowlevel.add_instrument(steps)
     try:
@@ -147,6 +158,10 @@ async def test_a_fleet_refresh_holds_the_loop_no_step_longer_than_the_bound(
     assert [node.status for node in applied.report.nodes] == ["applied"] * NODES
     assert edge.scheduler.snapshot.revision == 2
     assert threads == [False, False]  # reading and planning ran in a worker thread
+    # what each left behind was let go of there too: the candidate read, and the
+    # snapshot the apply replaced
+    prepared = refresh_plan.PreparedRefresh
+    assert let_go == [(False, [prepared]), (False, [prepared, Snapshot])]
     assert steps.longest <= LOOP_HOLD_BOUND_S, (steps.task, steps.longest)
 
 

@@ -19,25 +19,41 @@ and restored by one thread; runs that overlap share them until the last one ends
 Small work stays on the loop (`run_sync_if`): a thread costs more than a small report.
 A refresh report is large (`large_report`) past `LARGE_REPORT_ITEMS` paths and Nodes: a
 fleet's is tens of thousands, tens of milliseconds to build or encode.
+
+What a refresh leaves behind (the candidate a dry run read, the snapshot an apply
+replaced) is let go of the same way (`let_go`): the last reference to a fleet's config,
+dropped on the loop, would free it in one step of tens of milliseconds.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Final, TypeVar
+from functools import partial
+from typing import Any, Final, TypeVar
 
 import trio
 
-from schemas.give_way import Gate
+from schemas.give_way import Gate, free_graph_in_pieces
 from schemas.refresh import RefreshReport
 
-__all__ = ["LARGE_REPORT_ITEMS", "SWITCH_INTERVAL_S", "large_report", "run_sync", "run_sync_if"]
+__all__ = [
+    "LARGE_GRAPH_NODES",
+    "LARGE_REPORT_ITEMS",
+    "SWITCH_INTERVAL_S",
+    "large_report",
+    "let_go",
+    "run_sync",
+    "run_sync_if",
+]
 
 #: The GIL switch interval while bulk work runs in a worker thread.
 SWITCH_INTERVAL_S: Final = 0.0002
 #: Paths and Nodes in a refresh report beyond which work on it goes to a worker thread.
 LARGE_REPORT_ITEMS: Final = 2000
+#: Nodes in a config beyond which letting go of it goes to a worker thread: a thousand
+#: Nodes' config takes a few milliseconds to free.
+LARGE_GRAPH_NODES: Final = 1000
 
 T = TypeVar("T")
 
@@ -98,3 +114,13 @@ async def run_sync_if(large: bool, work: Callable[[], T]) -> T:
 def large_report(report: RefreshReport) -> bool:
     """Whether work on `report` goes to a worker thread (module docstring)."""
     return len(report.changes) + len(report.nodes) > LARGE_REPORT_ITEMS
+
+
+async def let_go(leftovers: list[Any], *, large: bool) -> None:
+    """Free what `leftovers` holds (it should hold the last references) and empty it:
+    when `large`, in a worker thread and in pieces (`schemas.give_way.free_graph_in_pieces`),
+    else here at once."""
+    if large:
+        await run_sync(partial(free_graph_in_pieces, leftovers))
+    else:
+        leftovers.clear()

@@ -222,17 +222,24 @@ class Refresher:
             result = await self._finish("conflict", report, config_sha256=None)
         else:
             self._busy = True
+            leftovers: list[object] = []
             try:
                 # The Edge's heap (every Node's session) is out of the collector's sight
                 # while the refresh builds and pushes (`core.gc_pause.gc_held`).
                 with gc_held():
-                    result = await self._refresh(request)
+                    result = await self._refresh(request, leftovers)
+                # Its frame is gone: `leftovers` holds the last references.
+                large = len(self._target.snapshot.nodes) > off_loop.LARGE_GRAPH_NODES
+                await off_loop.let_go(leftovers, large=large)
             finally:
                 self._busy = False
         _log_attempt(source, request, result)
         return result
 
-    async def _refresh(self, request: RefreshRequest) -> RefreshResult:
+    async def _refresh(self, request: RefreshRequest, leftovers: list[object]) -> RefreshResult:
+        """Steps 2-6 of a refresh. What it leaves behind goes in `leftovers` for the caller
+        to let go of once this frame is gone (the candidate read; the snapshot an apply
+        replaced)."""
         base = self._target.snapshot
         try:
             prepared = await self._prepare(request, base)
@@ -240,6 +247,7 @@ class Refresher:
             errors = [RefreshError(path=e.path, message=e.message) for e in invalid.errors]
             report = self._report(request, "rejected", self._target.snapshot, errors=errors)
             return await self._finish("invalid", report, config_sha256=None)
+        leftovers.append(prepared)
         parsed, plan = prepared.parsed, prepared.plan
         if self._target.snapshot is not base:  # only the Refresher swaps: a safety net
             report = self._rejected(
@@ -279,6 +287,7 @@ class Refresher:
             report = self._rejected(request, "", reservation)
             return RefreshResult("unavailable", report)
         self._target.swap_snapshot(snapshot)
+        leftovers.append(base)
         self._pending_restart = plan.pending_restart
 
         return await self._commit(
