@@ -100,7 +100,7 @@ QUIET_S: Final = 2.0
 #: a sweep aims at, and from how many Nodes on.
 SWEEP_S: Final = 1.0
 SWEEP_MIN_S: Final = 0.05
-SWEEP_STEP_S: Final = 0.01
+SWEEP_STEP_S: Final = 0.003
 SWEEP_FLEET: Final = 1000
 #: Ended sessions, as a share of the connected ones, that bring a thaw (Rule 4).
 CHURN_SHARE: Final = 0.1
