@@ -163,6 +163,12 @@ def free_graph_in_pieces(roots: list[Any]) -> None:
 
 def _free_own(own: list[Any], shared: list[Any]) -> None:
     """Walk and free `own`, whose items only it holds; parts others hold go to `shared`."""
+    _walk(own, shared)  # its names are gone when it returns: nothing but `own` holds
+    own.reverse()  # parents last: `free_in_pieces` takes them first
+    free_in_pieces(own)
+
+
+def _walk(own: list[Any], shared: list[Any]) -> None:
     looked = walked = 0
     while walked < len(own):  # `own` grows as it goes: parts after their parents
         for part in _parts(own[walked]):
@@ -173,8 +179,6 @@ def _free_own(own: list[Any], shared: list[Any]) -> None:
             if walkable or (walkable is None and _walkable(type(part))):
                 (own if sys.getrefcount(part) <= _HELD_BY_PARENT_ONLY else shared).append(part)
         walked += 1
-    own.reverse()  # parents last: `free_in_pieces` takes them first
-    free_in_pieces(own)
 
 
 #: Whether a value of a type has parts to walk, by type (Rule 5).
