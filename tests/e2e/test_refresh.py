@@ -609,6 +609,30 @@ async def test_dry_run_changes_nothing(nursery: trio.Nursery, tmp_path: Path) ->
     assert report["changes"] == [] and report["revision"] == 1
 
 
+async def test_a_candidate_of_megabytes_sent_in_small_pieces_is_read_whole(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    stack = await _one_provider_stack(nursery, tmp_path, AdapterLog())
+    original = stack.config_path.read_text(encoding="utf-8")
+    padding = "".join(f"# note {i:07d}\n" for i in range(150_000))  # 2.25 MB of comments
+    candidate = _edit(original, set_provider("sim-a", capacity=9)) + padding
+    body = json.dumps({"mode": "dry_run", "config_yaml": candidate}).encode()
+
+    async def pieces() -> Any:
+        for start in range(0, len(body), 16 * 1024):
+            yield body[start : start + 16 * 1024]  # chunked: the Edge reads it as it comes
+
+    async with stack.admin() as admin:
+        response = await admin.post(
+            "/refresh", content=pieces(), headers={"content-type": "application/json"}
+        )
+
+    assert response.status_code == 200, response.text
+    report = response.json()
+    assert report["outcome"] == "dry_run"
+    assert report["live_paths"] == ["nodes[node-1].providers[sim-a].capacity"]
+
+
 async def test_restart_required_change_is_refused_unless_allowed(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:

@@ -111,13 +111,18 @@ _REQUEST_DECODER: Final = msgspec.json.Decoder(RefreshRequest)
 _LARGE_REQUEST_BYTES: Final = 256 * 1024
 
 
-async def decode_request(raw: bytes) -> RefreshRequest:
-    """A `POST /refresh` body as a request: a fleet's config is megabytes of JSON string,
-    tens of milliseconds to unescape, so a large one is decoded off the event loop.
-    Raises `msgspec.DecodeError`, or `RecursionError` for an unknown field nested too
-    deeply (msgspec skips unknown fields recursively)."""
-    decode = partial(_REQUEST_DECODER.decode, raw)
-    return await off_loop.run_sync_if(len(raw) > _LARGE_REQUEST_BYTES, decode)
+async def decode_request(pieces: list[bytes]) -> RefreshRequest:
+    """A `POST /refresh` body, in the pieces it arrived in, as a request (an empty body is
+    `{}`). A fleet's config is megabytes of JSON string: joining its pieces and
+    unescaping it are single steps of milliseconds each (more for memory the process
+    has not used yet), so a large one is joined and decoded off the event loop. Raises
+    `msgspec.DecodeError`, or `RecursionError` for an unknown field nested too deeply
+    (msgspec skips unknown fields recursively)."""
+
+    def decode() -> RefreshRequest:
+        return _REQUEST_DECODER.decode(b"".join(pieces) or b"{}")
+
+    return await off_loop.run_sync_if(sum(map(len, pieces)) > _LARGE_REQUEST_BYTES, decode)
 
 
 @dataclass(frozen=True, slots=True)
