@@ -20,7 +20,7 @@ from iop_edge.runtime.refresh.audit import AuditLog, write_config_atomically
 from iop_edge.runtime.refresh.push import PUSH_RATE_PER_S, RETRY_NOTE
 from iop_edge.runtime.refresh.refresh import Refresher, RefreshResult, RefreshTarget
 from schemas.config import NodeConfig
-from schemas.refresh import RefreshReport, RefreshRequest
+from schemas.refresh import NodeResult, RefreshReport, RefreshRequest
 from schemas.wire import RefreshAck
 
 
@@ -558,3 +558,36 @@ async def test_every_attempt_is_audited(
     assert last["nodes"] == [{"id": "gpu1", "status": "applied", "revision": 2, "detail": None}]
     assert last["time"].endswith("+00:00")
     assert SECRET_HASH not in (await read(audit.path))
+
+
+def _report_of(nodes: int) -> RefreshReport:
+    results = [NodeResult(id=f"node-{i}", status="applied", revision=2) for i in range(nodes)]
+    return RefreshReport(
+        mode="apply",
+        outcome="applied",
+        base_revision=1,
+        revision=2,
+        changed_nodes=[],
+        changed_providers=[],
+        changed_models=[],
+        changes=[],
+        live_paths=[],
+        restart_required_paths=[],
+        pending_restart=[],
+        errors=[],
+        nodes=results,
+    )
+
+
+async def test_a_line_written_ahead_is_completed_in_place_or_followed(audit: AuditLog) -> None:
+    planned = _report_of(0)
+    fits = await audit.reserve(planned, verdict="accepted", config_sha256=None, room=400)
+    await audit.complete(fits, _report_of(2), verdict="accepted", config_sha256=None)
+    raw = audit.path.read_bytes()
+    assert len(raw) == fits.length and raw.endswith(b"\n")  # one line, as long as reserved
+    assert [len(line["nodes"]) for line in await audit_lines(audit)] == [2]
+
+    tight = await audit.reserve(planned, verdict="accepted", config_sha256=None, room=0)
+    await audit.complete(tight, _report_of(50), verdict="accepted", config_sha256=None)
+    lines = await audit_lines(audit)
+    assert [len(line["nodes"]) for line in lines] == [2, 0, 50]  # the plan stays, the whole after

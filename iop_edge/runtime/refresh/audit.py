@@ -170,9 +170,9 @@ class AuditLog:
         raises `OSError` if it cannot be written: the attempt must then not go ahead."""
         when = now or datetime.now(UTC)
 
-        def encode() -> bytes:
+        def encode() -> bytearray:
             record = AuditRecord.of(report, verdict=verdict, config_sha256=config_sha256, now=when)
-            return msgspec.json.encode(record) + b" " * room + b"\n"
+            return _line(self._encoder, record, room=room)
 
         # A fleet's record is megabytes: built and encoded in a worker thread, off the loop.
         line = await off_loop.run_sync_if(off_loop.large_report(report), encode)
@@ -200,20 +200,17 @@ class AuditLog:
             now=now or datetime.now(UTC),
         )
 
-        def built_and_encoded() -> tuple[AuditRecord, bytes]:
+        def built_and_encoded() -> tuple[AuditRecord, bytearray]:
             record = build()
-            return record, self._encoder.encode(record)
+            return record, _line(self._encoder, record, width=reservation.length)
 
         # A fleet's record is megabytes: off the loop.
-        record, encoded = await off_loop.run_sync_if(
-            off_loop.large_report(report), built_and_encoded
-        )
+        record, line = await off_loop.run_sync_if(off_loop.large_report(report), built_and_encoded)
         async with self._lock:
-            if len(encoded) < reservation.length:
-                line = encoded.ljust(reservation.length - 1) + b"\n"
+            if len(line) == reservation.length:
                 await trio.to_thread.run_sync(_overwrite, self.path, reservation.offset, line)
             else:
-                await trio.to_thread.run_sync(_append_line, self.path, encoded + b"\n")
+                await trio.to_thread.run_sync(_append_line, self.path, line)
         return record
 
     async def append_unreadable(
@@ -238,12 +235,29 @@ class AuditLog:
         return record
 
     async def _write(self, record: AuditRecord) -> None:
-        line = self._encoder.encode(record) + b"\n"
+        encode = partial(_line, self._encoder, record)
+        large = len(record.changed_paths) + len(record.nodes) > off_loop.LARGE_REPORT_ITEMS
+        line = await off_loop.run_sync_if(large, encode)
         async with self._lock:
             await trio.to_thread.run_sync(_append_line, self.path, line)
 
 
-def _append_line(path: Path, line: bytes) -> int:
+def _line(
+    encoder: msgspec.json.Encoder, record: AuditRecord, *, room: int = 0, width: int = 0
+) -> bytearray:
+    """`record` as one line: JSON, then `room` spaces, or spaces up to `width` bytes in
+    all when it fits, then a newline. Built in one buffer: a fleet's record is megabytes,
+    and each copy of it a step of milliseconds."""
+    line = bytearray()
+    encoder.encode_into(record, line)
+    padding = max(room, width - 1 - len(line))
+    if padding > 0:
+        line += b" " * padding
+    line += b"\n"
+    return line
+
+
+def _append_line(path: Path, line: bytes | bytearray) -> int:
     """Append `line` with one write (another Edge sharing the folder may append too) and
     fsync it; returns the offset it starts at."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -261,7 +275,7 @@ def _append_line(path: Path, line: bytes) -> int:
     return end - len(line)
 
 
-def _overwrite(path: Path, offset: int, line: bytes) -> None:
+def _overwrite(path: Path, offset: int, line: bytes | bytearray) -> None:
     """Write `line` over the bytes at `offset` (a reserved line of the same length)."""
     fd = os.open(path, os.O_WRONLY)
     try:
