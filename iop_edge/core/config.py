@@ -159,7 +159,7 @@ def _parse(text: str, proof: ConfigProof | None) -> ParsedConfig:
     parsed = ParsedConfig(
         config=config,
         text=text,
-        sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        sha256=_sha256(text),
         warnings=rules.warnings,
         proof=entries.proof(config.nodes, read.pieces),
         checked_nodes=len(entries.keys) - len(entries.proven),
@@ -167,6 +167,20 @@ def _parse(text: str, proof: ConfigProof | None) -> ParsedConfig:
     )
     release_long_lists(raw, EdgeConfig)  # built: what it was read from goes, in pieces
     return parsed
+
+
+#: Characters of a config's text encoded and hashed at a time (`_sha256`).
+_HASH_PIECE_CHARS: Final = 1 << 20
+
+
+def _sha256(text: str) -> str:
+    """sha256 hex of `text` as UTF-8, a megabyte at a time: a fleet's text encoded at once
+    is one copy of megabytes that keeps the GIL (`schemas.give_way`)."""
+    digest = hashlib.sha256()
+    for start in range(0, len(text), _HASH_PIECE_CHARS):
+        give_way()
+        digest.update(text[start : start + _HASH_PIECE_CHARS].encode("utf-8"))
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,6 +174,9 @@ def test_parsed_config_carries_text_and_its_sha256() -> None:
     assert parsed.text == text
     assert parsed.sha256 == hashlib.sha256(text.encode()).hexdigest()
     assert parsed.warnings == []
+    # a text of megabytes, not ASCII, is hashed a piece at a time to the same digest
+    large = text + "".join(f"# é{i:07d}\n" for i in range(300_000))
+    assert parse_config(large).sha256 == hashlib.sha256(large.encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------- YAML level
