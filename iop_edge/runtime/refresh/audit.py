@@ -236,7 +236,7 @@ class AuditLog:
 
     async def _write(self, record: AuditRecord) -> None:
         encode = partial(_line, self._encoder, record)
-        large = len(record.changed_paths) + len(record.nodes) > off_loop.LARGE_REPORT_ITEMS
+        large = off_loop.large_items(len(record.changed_paths), len(record.nodes))
         line = await off_loop.run_sync_if(large, encode)
         async with self._lock:
             await trio.to_thread.run_sync(_append_line, self.path, line)

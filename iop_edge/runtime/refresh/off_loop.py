@@ -41,6 +41,7 @@ __all__ = [
     "LARGE_GRAPH_NODES",
     "LARGE_REPORT_ITEMS",
     "SWITCH_INTERVAL_S",
+    "large_items",
     "large_report",
     "let_go",
     "run_sync",
@@ -111,9 +112,15 @@ async def run_sync_if(large: bool, work: Callable[[], T]) -> T:
     return await run_sync(work) if large else work()
 
 
+def large_items(paths: int, nodes: int) -> bool:
+    """Whether work on a report of `paths` changed paths and `nodes` Nodes (built or yet to
+    be) goes to a worker thread (module docstring)."""
+    return paths + nodes > LARGE_REPORT_ITEMS
+
+
 def large_report(report: RefreshReport) -> bool:
-    """Whether work on `report` goes to a worker thread (module docstring)."""
-    return len(report.changes) + len(report.nodes) > LARGE_REPORT_ITEMS
+    """Whether work on `report` goes to a worker thread (`large_items`)."""
+    return large_items(len(report.changes), len(report.nodes))
 
 
 async def let_go(leftovers: list[Any], *, large: bool) -> None:

@@ -275,7 +275,7 @@ class Refresher:
         snapshot, to_push = prepared.snapshot, list(prepared.to_push)
         assert snapshot is not None  # an apply whose plan has no errors is built
         planned = await off_loop.run_sync_if(
-            len(plan.diff.changes) + len(to_push) > off_loop.LARGE_REPORT_ITEMS,
+            off_loop.large_items(len(plan.diff.changes), len(to_push)),
             partial(
                 self._report,
                 request,
@@ -375,7 +375,7 @@ class Refresher:
         # Shielded like the rest of the commit, with its deadline.
         report: RefreshReport | None = None
         with trio.move_on_after(COMMIT_GRACE_S, shield=True):
-            large = len(plan.diff.changes) + len(nodes) > off_loop.LARGE_REPORT_ITEMS
+            large = off_loop.large_items(len(plan.diff.changes), len(nodes))
             report = await off_loop.run_sync_if(large, build)
         if report is None:  # the worker threads are busy: build it here after all
             report = build()
