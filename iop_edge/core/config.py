@@ -169,17 +169,23 @@ def _parse(text: str, proof: ConfigProof | None) -> ParsedConfig:
     return parsed
 
 
-#: Characters of a config's text encoded and hashed at a time (`_sha256`).
-_HASH_PIECE_CHARS: Final = 1 << 20
+#: Characters of a config's text encoded at a time (`utf8_pieces`).
+_PIECE_CHARS: Final = 1 << 20
+
+
+def utf8_pieces(text: str) -> Iterator[bytes]:
+    """`text` as UTF-8, a megabyte at a time, giving way between pieces: a fleet's text
+    encoded at once is one copy of megabytes that keeps the GIL (`schemas.give_way`)."""
+    for start in range(0, len(text), _PIECE_CHARS):
+        give_way()
+        yield text[start : start + _PIECE_CHARS].encode("utf-8")
 
 
 def _sha256(text: str) -> str:
-    """sha256 hex of `text` as UTF-8, a megabyte at a time: a fleet's text encoded at once
-    is one copy of megabytes that keeps the GIL (`schemas.give_way`)."""
+    """sha256 hex of `text` as UTF-8 (`utf8_pieces`)."""
     digest = hashlib.sha256()
-    for start in range(0, len(text), _HASH_PIECE_CHARS):
-        give_way()
-        digest.update(text[start : start + _HASH_PIECE_CHARS].encode("utf-8"))
+    for piece in utf8_pieces(text):
+        digest.update(piece)
     return digest.hexdigest()
 
 

@@ -633,6 +633,28 @@ async def test_a_candidate_of_megabytes_sent_in_small_pieces_is_read_whole(
     assert report["live_paths"] == ["nodes[node-1].providers[sim-a].capacity"]
 
 
+async def test_a_report_of_megabytes_is_answered_whole(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    stack = await _one_provider_stack(nursery, tmp_path)
+    original = stack.config_path.read_text(encoding="utf-8")
+
+    def misspelt(doc: Doc) -> None:
+        _provider_of(doc, "sim-a").update({f"priorty_{i:05d}": i for i in range(20_000)})
+
+    async with stack.admin() as admin:
+        response = await admin.post(
+            "/refresh", json={"mode": "dry_run", "config_yaml": _edit(original, misspelt)}
+        )
+
+    assert response.status_code == 400
+    assert int(response.headers["content-length"]) == len(response.content) > 1_000_000
+    report = response.json()  # sent in pieces, read whole
+    assert report["outcome"] == "rejected"
+    assert len(report["errors"]) == 20_000
+    assert report["errors"][-1]["path"] == "nodes[0].providers[0].priorty_19999"
+
+
 async def test_restart_required_change_is_refused_unless_allowed(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:

@@ -24,6 +24,7 @@ import errno
 import os
 import stat
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -33,6 +34,7 @@ from typing import Final
 import msgspec
 import trio
 
+from iop_edge.core.config import utf8_pieces
 from iop_edge.runtime.refresh import off_loop
 from schemas.refresh import (
     NodeResult,
@@ -304,17 +306,20 @@ def _write_config(path: Path, text: str) -> None:
     except FileNotFoundError:
         previous, mode = None, _NEW_FILE_MODE
     if previous is not None:
-        _replace(target.with_name(f"{target.name}.prev"), previous, mode)
-    _replace(target, text.encode("utf-8"), mode)
+        _replace(target.with_name(f"{target.name}.prev"), (previous,), mode)
+    # A piece at a time: a fleet's text encoded at once is a copy of megabytes that
+    # keeps the GIL, and the event loop waits for it.
+    _replace(target, utf8_pieces(text), mode)
     _fsync_directory(target.parent)
 
 
-def _replace(path: Path, data: bytes, mode: int) -> None:
-    """Write `data` to a fsynced temp file beside `path`, then rename it over `path`."""
+def _replace(path: Path, pieces: Iterable[bytes], mode: int) -> None:
+    """Write `pieces` to a fsynced temp file beside `path`, then rename it over `path`."""
     fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as file:
-            file.write(data)
+            for piece in pieces:
+                file.write(piece)
             file.flush()
             os.fchmod(file.fileno(), mode)
             os.fsync(file.fileno())

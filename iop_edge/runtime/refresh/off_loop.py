@@ -11,7 +11,10 @@ released. The loop runs first; the work runs while it idles.
 
 What a gate cannot reach (a stretch of the work between two `give_way()` calls, one C
 call such as encoding a report) is bounded by the GIL's switch interval instead, which is
-shortened to `SWITCH_INTERVAL_S` while the work runs and restored when it ends.
+shortened to `SWITCH_INTERVAL_S` while the work runs and restored when it ends. A C call
+that makes a buffer of megabytes in memory the process has not used yet would also pay
+a page fault per page inside it: the work says how much it takes (`fresh_bytes`), and
+that much is written first where the GIL is released (`lifecycle.fresh_memory`).
 
 Only the event loop's thread calls `run_sync`, so the interval and the instrument are set
 and restored by one thread; runs that overlap share them until the last one ends.
@@ -34,6 +37,7 @@ from typing import Any, Final, TypeVar
 
 import trio
 
+from iop_edge.runtime.lifecycle import fresh_memory
 from schemas.give_way import Gate, free_graph_in_pieces
 from schemas.refresh import RefreshReport
 
@@ -82,12 +86,15 @@ class _Runs:
     saved_interval = 0.0
 
 
-async def run_sync(work: Callable[[], T]) -> T:
-    """`work()` in a worker thread that gives way to this loop (module docstring)."""
+async def run_sync(work: Callable[[], T], *, fresh_bytes: int = 0) -> T:
+    """`work()` in a worker thread that gives way to this loop (module docstring).
+    `fresh_bytes`: what the work takes in large buffers made by single C calls, written
+    first with the GIL released (`lifecycle.fresh_memory`)."""
     gate = Gate()
 
     def gated() -> T:
         with gate.entered():
+            fresh_memory.touch(fresh_bytes)
             return work()
 
     activity = _Runs.activity

@@ -247,6 +247,8 @@ class CatchUp:
 
     def forget(self, node_ids: Iterable[str]) -> None:
         """No retry for these Nodes (a refresh pushes to them right now)."""
+        if not self._due:  # nothing waits: a fleet's pushes need no pass
+            return
         for node_id in node_ids:
             self._due.pop(node_id, None)
             self._interval.pop(node_id, None)

@@ -109,20 +109,30 @@ _REPORT_ENCODER: Final = msgspec.json.Encoder()
 _REQUEST_DECODER: Final = msgspec.json.Decoder(RefreshRequest)
 #: A request body beyond which it is decoded off the event loop (`decode_request`).
 _LARGE_REQUEST_BYTES: Final = 256 * 1024
+#: A large body's decoding takes about three times its size in large buffers: the body
+#: joined, the decoder's scratch for the string's escapes, and the string.
+_DECODE_TAKES: Final = 3
+#: Reading a candidate takes about twice its text in large buffers: the text encoded for
+#: the YAML reader, and the text of the Nodes it did not know joined for parsing.
+_READ_TAKES: Final = 2
 
 
 async def decode_request(pieces: list[bytes]) -> RefreshRequest:
     """A `POST /refresh` body, in the pieces it arrived in, as a request (an empty body is
     `{}`). A fleet's config is megabytes of JSON string: joining its pieces and
-    unescaping it are single steps of milliseconds each (more for memory the process
-    has not used yet), so a large one is joined and decoded off the event loop. Raises
+    unescaping it are single steps of milliseconds each, so a large one is joined and
+    decoded off the event loop, in memory written first (`off_loop.run_sync`'s
+    `fresh_bytes`): fresh, it would cost tens of milliseconds more inside those steps. Raises
     `msgspec.DecodeError`, or `RecursionError` for an unknown field nested too deeply
     (msgspec skips unknown fields recursively)."""
 
     def decode() -> RefreshRequest:
         return _REQUEST_DECODER.decode(b"".join(pieces) or b"{}")
 
-    return await off_loop.run_sync_if(sum(map(len, pieces)) > _LARGE_REQUEST_BYTES, decode)
+    size = sum(map(len, pieces))
+    if size <= _LARGE_REQUEST_BYTES:
+        return decode()
+    return await off_loop.run_sync(decode, fresh_bytes=_DECODE_TAKES * size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +312,7 @@ class Refresher:
             parsed=parsed,
             plan=plan,
             to_push=to_push,
+            interrupted=planned.nodes,
             reservation=reservation,
         )
 
@@ -338,10 +349,12 @@ class Refresher:
         parsed: ParsedConfig,
         plan: ApplyPlan,
         to_push: list[str],
+        interrupted: list[NodeResult],
         reservation: Reservation,
     ) -> RefreshResult:
         """After the swap: push to the nodes, persist an inline candidate, report, and
-        complete the audit line written ahead.
+        complete the audit line written ahead. `interrupted`: each push as it stands
+        before it is made (`_interrupted`), what the report says if the Edge stops.
 
         Shielded with deadlines: the swap has happened, so a caller who hangs up must not
         leave the nodes unpushed or the file stale. The push's own deadline (it grows
@@ -353,7 +366,7 @@ class Refresher:
             # The swap took a step of the loop of its own (a pass over a fleet's
             # providers, tens of milliseconds); the rest of the commit starts in the next.
             await trio.lowlevel.checkpoint()
-        nodes = _interrupted(to_push)
+        nodes = interrupted  # the planned report's: a fleet's, built off the loop
         self.catch_up.forget(to_push)
         with trio.move_on_after(self._push.deadline_s(len(to_push)) + COMMIT_GRACE_S, shield=True):
             nodes = await push_all(self._target, to_push, snapshot, self._push)
@@ -408,8 +421,10 @@ class Refresher:
         (`core.config_proof`) spares the next one re-checking the Nodes it did not
         change."""
         load: Callable[[], ParsedConfig]
+        text_size = 0
         if request.config_yaml is not None:
             load = partial(parse_config, request.config_yaml, proof=self._proof)
+            text_size = len(request.config_yaml)
         elif self._config_path is not None:
             load = partial(load_config, self._config_path, proof=self._proof)
         else:
@@ -422,7 +437,8 @@ class Refresher:
                 pending_restart=self._pending_restart,
                 allow_restart_required=request.allow_restart_required,
                 build=request.mode == "apply",
-            )
+            ),
+            fresh_bytes=_READ_TAKES * text_size,
         )
         self._proof = prepared.parsed.proof
         return prepared
