@@ -463,10 +463,10 @@ class Scheduler:
         in a refresh); what is left here is a pass over the providers, cheap per provider
         (a fleet's swap must not hold the loop)."""
         self._snapshot = snapshot
-        states = self._states
-        provider_node = snapshot.provider_node
-        for provider_id, config in snapshot.providers.items():
-            state = states.get(provider_id)
+        states, providers, provider_node = self._states, snapshot.providers, snapshot.provider_node
+        state_of = states.get
+        for provider_id, config in providers.items():
+            state = state_of(provider_id)
             if state is None:
                 states[provider_id] = _ProviderState(config, provider_node[provider_id])
             elif state.removed:
@@ -474,7 +474,9 @@ class Scheduler:
                 state.configure(config, provider_node[provider_id])
             elif state.config is not config or state.node_id != provider_node[provider_id]:
                 state.configure(config, provider_node[provider_id])
-        for provider_id in states.keys() - snapshot.providers.keys():
+        # The same ids (a refresh of their configs): none removed, and no set to build.
+        removed = () if states.keys() == providers.keys() else states.keys() - providers.keys()
+        for provider_id in removed:
             state = states[provider_id]
             if state.removed:
                 continue  # held since an earlier snapshot
