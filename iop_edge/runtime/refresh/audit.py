@@ -177,7 +177,7 @@ class AuditLog:
             return _line(self._encoder, record, room=room)
 
         # A fleet's record is megabytes: built and encoded in a worker thread, off the loop.
-        line = await off_loop.run_sync_if(off_loop.large_report(report), encode)
+        line = await off_loop.run_report_work(len(report.changes), len(report.nodes), encode)
         async with self._lock:
             offset = await trio.to_thread.run_sync(_append_line, self.path, line)
         return Reservation(offset=offset, length=len(line))
@@ -207,7 +207,9 @@ class AuditLog:
             return record, _line(self._encoder, record, width=reservation.length)
 
         # A fleet's record is megabytes: off the loop.
-        record, line = await off_loop.run_sync_if(off_loop.large_report(report), built_and_encoded)
+        record, line = await off_loop.run_report_work(
+            len(report.changes), len(report.nodes), built_and_encoded
+        )
         async with self._lock:
             if len(line) == reservation.length:
                 await trio.to_thread.run_sync(_overwrite, self.path, reservation.offset, line)
@@ -238,8 +240,7 @@ class AuditLog:
 
     async def _write(self, record: AuditRecord) -> None:
         encode = partial(_line, self._encoder, record)
-        large = off_loop.large_items(len(record.changed_paths), len(record.nodes))
-        line = await off_loop.run_sync_if(large, encode)
+        line = await off_loop.run_report_work(len(record.changed_paths), len(record.nodes), encode)
         async with self._lock:
             await trio.to_thread.run_sync(_append_line, self.path, line)
 

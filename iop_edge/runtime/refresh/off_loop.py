@@ -19,8 +19,8 @@ that much is written first where the GIL is released (`lifecycle.fresh_memory`).
 Only the event loop's thread calls `run_sync`, so the interval and the instrument are set
 and restored by one thread; runs that overlap share them until the last one ends.
 
-Small work stays on the loop (`run_sync_if`): a thread costs more than a small report.
-A refresh report is large (`large_report`) past `LARGE_REPORT_ITEMS` paths and Nodes: a
+Small work stays on the loop (`run_report_work`): a thread costs more than a small report.
+A refresh report is large (`large_items`) past `LARGE_REPORT_ITEMS` paths and Nodes: a
 fleet's is tens of thousands, tens of milliseconds to build or encode.
 
 What a refresh leaves behind (the candidate a dry run read, the snapshot an apply
@@ -39,23 +39,25 @@ import trio
 
 from iop_edge.runtime.lifecycle import fresh_memory
 from schemas.give_way import Gate, free_graph_in_pieces
-from schemas.refresh import RefreshReport
 
 __all__ = [
+    "ENCODED_ITEM_BYTES",
     "LARGE_GRAPH_NODES",
     "LARGE_REPORT_ITEMS",
     "SWITCH_INTERVAL_S",
     "large_items",
-    "large_report",
     "let_go",
+    "run_report_work",
     "run_sync",
-    "run_sync_if",
 ]
 
 #: The GIL switch interval while bulk work runs in a worker thread.
 SWITCH_INTERVAL_S: Final = 0.0002
 #: Paths and Nodes in a refresh report beyond which work on it goes to a worker thread.
 LARGE_REPORT_ITEMS: Final = 2000
+#: About what a path or a Node of a report takes in JSON, with room: a Node's line in a
+#: fleet's report is about 70 bytes, a changed path's about 90.
+ENCODED_ITEM_BYTES: Final = 128
 #: Nodes in a config beyond which letting go of it goes to a worker thread: a thousand
 #: Nodes' config takes a few milliseconds to free.
 LARGE_GRAPH_NODES: Final = 1000
@@ -114,20 +116,20 @@ async def run_sync(work: Callable[[], T], *, fresh_bytes: int = 0) -> T:
             sys.setswitchinterval(_Runs.saved_interval)
 
 
-async def run_sync_if(large: bool, work: Callable[[], T]) -> T:
-    """`work()` in a worker thread (`run_sync`) when `large`, else here."""
-    return await run_sync(work) if large else work()
-
-
 def large_items(paths: int, nodes: int) -> bool:
     """Whether work on a report of `paths` changed paths and `nodes` Nodes (built or yet to
     be) goes to a worker thread (module docstring)."""
     return paths + nodes > LARGE_REPORT_ITEMS
 
 
-def large_report(report: RefreshReport) -> bool:
-    """Whether work on `report` goes to a worker thread (`large_items`)."""
-    return large_items(len(report.changes), len(report.nodes))
+async def run_report_work(paths: int, nodes: int, work: Callable[[], T]) -> T:
+    """`work()`, which builds or encodes a report of `paths` changed paths and `nodes`
+    Nodes: in a worker thread when that is large (`large_items`), with twice the JSON such
+    a report makes written first (`fresh_bytes`: an encoder's buffer grows by copying);
+    else here, where a small report costs less than a thread."""
+    if not large_items(paths, nodes):
+        return work()
+    return await run_sync(work, fresh_bytes=2 * ENCODED_ITEM_BYTES * (paths + nodes))
 
 
 async def let_go(leftovers: list[Any], *, large: bool) -> None:

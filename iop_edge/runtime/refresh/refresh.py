@@ -100,7 +100,8 @@ class RefreshResult:
     async def report_json(self) -> bytes:
         """The report as JSON: a fleet's is megabytes, encoded off the event loop."""
         encode = partial(_REPORT_ENCODER.encode, self.report)
-        return await off_loop.run_sync_if(off_loop.large_report(self.report), encode)
+        report = self.report
+        return await off_loop.run_report_work(len(report.changes), len(report.nodes), encode)
 
 
 #: Encodes the reports `RefreshResult.report_json` answers with.
@@ -284,8 +285,9 @@ class Refresher:
             return await self._finish("conflict", report, config_sha256=parsed.sha256)
         snapshot, to_push = prepared.snapshot, list(prepared.to_push)
         assert snapshot is not None  # an apply whose plan has no errors is built
-        planned = await off_loop.run_sync_if(
-            off_loop.large_items(len(plan.diff.changes), len(to_push)),
+        planned = await off_loop.run_report_work(
+            len(plan.diff.changes),
+            len(to_push),
             partial(
                 self._report,
                 request,
@@ -388,8 +390,7 @@ class Refresher:
         # Shielded like the rest of the commit, with its deadline.
         report: RefreshReport | None = None
         with trio.move_on_after(COMMIT_GRACE_S, shield=True):
-            large = off_loop.large_items(len(plan.diff.changes), len(nodes))
-            report = await off_loop.run_sync_if(large, build)
+            report = await off_loop.run_report_work(len(plan.diff.changes), len(nodes), build)
         if report is None:  # the worker threads are busy: build it here after all
             report = build()
         return await self._finish(
