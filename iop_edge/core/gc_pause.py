@@ -33,7 +33,7 @@ Rules:
    collection of the young generation would walk all of it, holding the GIL (half a
    second into a fleet's config). Whoever collects on its own schedule (the heap
    keeper) leaves the collector alone meanwhile, and hears when the last hold closes
-   (`watch_holds`) to catch up.
+   (`watch_holds`) to catch up, and when the first one opens.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Final
 
-__all__ = ["RECENT", "freezes", "gc_held", "gc_paused", "paused", "watch_holds"]
+__all__ = ["RECENT", "freezes", "gc_held", "gc_paused", "held", "paused", "watch_holds"]
 
 #: The older generations' thresholds while held: no collection of them (Rule 3).
 _NEVER: Final = 2**30
@@ -119,28 +119,45 @@ class _Holds:
     open = 0
     thresholds: tuple[int, int, int] = (700, 10, 10)
     watchers: list[Callable[[], None]] = []
+    openers: list[Callable[[], None]] = []
+
+
+def held() -> bool:
+    """Whether a hold is open: a bulk operation runs, the heap frozen as it began (Rule 3)."""
+    return _Holds.open > 0
 
 
 @contextmanager
-def watch_holds(closed: Callable[[], None]) -> Iterator[None]:
-    """Call `closed()` each time the last open hold closes, while the body runs (Rule 4).
-    It is called on the event loop's thread, right after the heap was frozen."""
+def watch_holds(
+    closed: Callable[[], None], opened: Callable[[], None] | None = None
+) -> Iterator[None]:
+    """Call `closed()` each time the last open hold closes, and `opened()` each time the
+    first one opens, while the body runs (Rule 4). Both are called on the event loop's
+    thread, right after the heap was frozen."""
     _Holds.watchers.append(closed)
+    if opened is not None:
+        _Holds.openers.append(opened)
     try:
         yield
     finally:
         _Holds.watchers.remove(closed)
+        if opened is not None:
+            _Holds.openers.remove(opened)
 
 
 @contextmanager
 def gc_held() -> Iterator[None]:
     """Keep the live heap out of the collector's sight for the body (Rule 3)."""
-    if _Holds.open == 0:
+    first = _Holds.open == 0
+    if first:
         _Holds.thresholds = gc.get_threshold()
         gc.collect(RECENT)
         _freeze()
         gc.set_threshold(_Holds.thresholds[0], _NEVER, _NEVER)
     _Holds.open += 1
+    if first:
+        for opened in list(_Holds.openers):
+            opened()
     try:
         yield
     finally:

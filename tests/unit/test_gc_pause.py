@@ -15,7 +15,7 @@ import gc
 import threading
 import weakref
 
-from iop_edge.core.gc_pause import freezes, gc_held, gc_paused, paused, watch_holds
+from iop_edge.core.gc_pause import freezes, gc_held, gc_paused, held, paused, watch_holds
 
 
 def watched(obj: object) -> bool:
@@ -56,14 +56,21 @@ def test_a_pause_is_seen_while_it_is_open_whatever_the_thread() -> None:
     assert not paused()
 
 
-def test_the_watchers_hear_when_the_last_hold_closes(manual_collector: None) -> None:
-    heard: list[int] = []
-    with watch_holds(lambda: heard.append(freezes())):
+def test_the_watchers_hear_when_the_first_hold_opens_and_the_last_closes(
+    manual_collector: None,
+) -> None:
+    heard: list[tuple[str, int, bool]] = []
+    with watch_holds(
+        lambda: heard.append(("closed", freezes(), held())),
+        opened=lambda: heard.append(("opened", freezes(), held())),
+    ):
+        assert not held()
         with gc_held():
+            assert heard == [("opened", freezes(), True)]  # after the freeze that opened it
             with gc_held():
                 pass
-            assert heard == []  # an inner hold: the heap is still held
-        assert heard == [freezes()]  # after the freeze that closed the hold
+            assert len(heard) == 1  # an inner hold: neither opened nor closed the heap
+        assert heard[1:] == [("closed", freezes(), False)]  # after the closing freeze
     with gc_held():
         pass
-    assert len(heard) == 1  # no longer watching
+    assert len(heard) == 2  # no longer watching

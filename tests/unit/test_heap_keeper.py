@@ -18,6 +18,7 @@ from iop_edge.runtime.lifecycle.heap import (
     BURST,
     QUIET_S,
     SWEEP_FLEET,
+    SWEEP_HELD_S,
     SWEEP_MIN_S,
     SWEEP_S,
     SWEEP_STEP_S,
@@ -209,6 +210,32 @@ async def test_the_first_sweep_after_a_pause_comes_at_once(
     await trio.sleep(SWEEP_S / 2)
     sweeps = [at for name, at in collector.calls if name == "collect 0"]
     assert sweeps and sweeps[0] - resumed <= SWEEP_MIN_S
+
+
+async def test_while_a_refresh_holds_the_heap_a_sweep_comes_every_held_period(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """An idle fleet's sweeps come a second apart; an apply's pushes begin right after its
+    swap, so a hold wakes the sweep and keeps its period short until it closes."""
+    collector = CostlyCollector(per_s=SWEEP_STEP_S / 10)  # idle: the longest period
+    keeper = HeapKeeper(collector, timer=collector.timer)
+    await nursery.start(keeper.run)
+    await connect(keeper, SWEEP_FLEET, every_s=0)
+    await trio.sleep(QUIET_S * 2 + SWEEP_S / 2)  # half way through a second-long period
+    collector.calls.clear()
+    with gc_held():  # the refresh begins
+        began = trio.current_time()
+        await trio.sleep(SWEEP_S)
+    ended = trio.current_time()
+    sweeps = [at for name, at in collector.calls if name == "collect 0"]
+    gaps = [later - earlier for earlier, later in itertools.pairwise([began, *sweeps])]
+    assert len(sweeps) >= SWEEP_S / SWEEP_HELD_S - 1
+    assert all(gap <= SWEEP_HELD_S for gap in gaps)
+    collector.calls.clear()
+    await trio.sleep(SWEEP_S * 4)  # let go: the period grows back to a second
+    sweeps = [at for name, at in collector.calls if name == "collect 0"]
+    assert sweeps[-1] - sweeps[-2] == pytest.approx(SWEEP_S)
+    assert sweeps[0] > ended
 
 
 async def test_many_refresh_freezes_bring_a_thaw_before_the_interval(
