@@ -50,6 +50,9 @@ class Snapshot:
     config order: whose waiters a slot freed for this model's providers may serve."""
     provider_order: tuple[str, ...] = ()
     """Every provider id, sorted: the catalog's order."""
+    rotations: dict[str, tuple[tuple[str, ProviderConfig, str], ...]] = field(default_factory=dict)
+    """For each model, its providers in config order, each with its config and Node: what
+    a decision reads of every one of them (`runtime.runs.scheduler`)."""
 
     @classmethod
     def build(cls, config: EdgeConfig, *, revision: int, config_sha256: str) -> Snapshot:
@@ -76,6 +79,14 @@ class Snapshot:
             for provider_id in model.providers:
                 shared.update(dict.fromkeys(provider_models[provider_id]))
             rivals[model.id] = tuple(shared) or (model.id,)
+        rotations = {
+            model.id: tuple(
+                (provider_id, providers[provider_id], provider_node[provider_id])
+                for provider_id in model.providers
+                if provider_id in providers
+            )
+            for model in config.models
+        }
         return cls(
             config=config,
             revision=revision,
@@ -90,6 +101,7 @@ class Snapshot:
             provider_models=provider_models,
             rivals=rivals,
             provider_order=tuple(sorted(providers)),
+            rotations=rotations,
         )
 
     @property

@@ -675,6 +675,32 @@ async def test_a_held_provider_follows_its_node_across_swaps_until_released() ->
     assert [p.health for p in scheduler.catalog().providers] == ["unavailable"]
 
 
+async def test_a_swap_gives_every_provider_its_new_config_and_node_at_once() -> None:
+    """The states read their config and Node through the running snapshot's lookups:
+    a swap that changes every provider (and moves one, its config object unchanged, to
+    another Node) is seen whole by the next decision and the next Node event."""
+    a, b = provider("a", capacity=1), provider("b", capacity=1)
+    scheduler = online(make_snapshot({"n1": [a], "n2": [b]}, {"m": ["a", "b"]}))
+    first = await scheduler.acquire("m", "r1", long=False)
+    second = await scheduler.acquire("m", "r2", long=False)
+    assert {first.provider_id, second.provider_id} == {"a", "b"}  # one slot each: full
+    wider = make_snapshot(
+        {"n1": [], "n2": [a, provider("b", capacity=3)]}, {"m": ["a", "b"]}, revision=2
+    )
+    scheduler.apply_snapshot(wider)
+    third = await scheduler.acquire("m", "r3", long=False)  # b's new slots, at once
+    assert (third.provider_id, third.node_id) == ("b", "n2")
+    scheduler.node_disconnected("n1")  # a is on n2 now: n1 going takes nothing of it
+    assert {p.id: p.health for p in scheduler.catalog().providers} == {
+        "a": "available",
+        "b": "available",
+    }
+    for lease in (first, second, third):
+        lease.release()
+    moved = await scheduler.acquire("m", "r4", long=False)
+    assert moved.node_id == "n2"
+
+
 # -- nodes and health ------------------------------------------------------------------
 
 

@@ -228,11 +228,29 @@ def _long_total(config: ProviderConfig) -> int | float:
     return math.inf if slots is None else slots
 
 
+class _Lookups:
+    """The running snapshot's per-provider lookups, through which every provider state
+    reads its config and Node: a swap replaces them for all states in one assignment, so
+    a refresh that changes every provider of a fleet costs the swap no pass over them."""
+
+    __slots__ = ("provider_node", "providers")
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.providers = snapshot.providers
+        self.provider_node = snapshot.provider_node
+
+    def adopt(self, snapshot: Snapshot) -> None:
+        self.providers = snapshot.providers
+        self.provider_node = snapshot.provider_node
+
+
 class _ProviderState:
     """Everything the Edge knows about one provider at run time, across snapshots."""
 
     __slots__ = (
-        "config",
+        "_last_config",
+        "_last_node",
+        "_lookups",
         "detail",
         "discovered",
         "discovered_lifecycle",
@@ -240,7 +258,6 @@ class _ProviderState:
         "id",
         "limiter",
         "long_limiter",
-        "node_id",
         "others",
         "others_long",
         "passive",
@@ -250,10 +267,11 @@ class _ProviderState:
         "trial",
     )
 
-    def __init__(self, config: ProviderConfig, node_id: str) -> None:
-        self.id = config.id
-        self.config = config
-        self.node_id = node_id
+    def __init__(self, provider_id: str, lookups: _Lookups) -> None:
+        self.id = provider_id
+        self._lookups = lookups
+        config = self._last_config = lookups.providers[provider_id]
+        self._last_node = lookups.provider_node[provider_id]
         self.limiter = trio.CapacityLimiter(config.capacity)
         self.long_limiter = trio.CapacityLimiter(_long_total(config))
         self.health: Health = "unknown"
@@ -302,12 +320,27 @@ class _ProviderState:
     def long_in_flight(self) -> int:
         return self.long_limiter.borrowed_tokens + self.others_long
 
-    def configure(self, config: ProviderConfig, node_id: str) -> None:
-        """Adopt a refreshed config; the limiters follow it when a slot is next taken
-        (`fit_limiters`), so a refresh of a whole fleet swaps in without touching them."""
-        self.config = config
-        self.node_id = node_id
-        self.removed = False
+    @property
+    def config(self) -> ProviderConfig:
+        """The provider's config in the running snapshot, its last one once removed. The
+        limiters follow it when a slot is next taken (`fit_limiters`)."""
+        if self.removed:
+            return self._last_config
+        return self._lookups.providers[self.id]
+
+    @property
+    def node_id(self) -> str:
+        """The Node the running snapshot puts the provider on, its last once removed."""
+        if self.removed:
+            return self._last_node
+        return self._lookups.provider_node[self.id]
+
+    def retire(self) -> None:
+        """Gone from config: keep the config and Node of the snapshot it leaves (before
+        the lookups adopt the next one)."""
+        self._last_config = self.config
+        self._last_node = self.node_id
+        self.removed = True
 
     def fit_limiters(self) -> None:
         """Resize the limiters to the config, in place (never replaced). Decisions read
@@ -399,6 +432,7 @@ class Scheduler:
         self._snapshot = snapshot
         self._clock = clock
         self._states: dict[str, _ProviderState] = {}
+        self._lookups = _Lookups(snapshot)
         self._held: dict[str, list[_ProviderState]] = {}
         """Per node id: the states of its providers removed from config, kept until their
         last lease is released (`_states_on`)."""
@@ -460,31 +494,28 @@ class Scheduler:
         """Adopt a new snapshot: synchronous, so no request sees a half-applied pool.
 
         The snapshot brings its lookups worked out (`Snapshot.build`, off the event loop
-        in a refresh); what is left here is a pass over the providers, cheap per provider
-        (a fleet's swap must not hold the loop)."""
+        in a refresh), and the provider states read their config and Node through them
+        (`_Lookups`): what is left here is proportional to the providers added and
+        removed, found by comparing the ids (a fleet's swap must not hold the loop)."""
         self._snapshot = snapshot
-        states, providers, provider_node = self._states, snapshot.providers, snapshot.provider_node
-        state_of = states.get
-        for provider_id, config in providers.items():
-            state = state_of(provider_id)
-            if state is None:
-                states[provider_id] = _ProviderState(config, provider_node[provider_id])
-            elif state.removed:
-                self._let_go(state)  # back in config while its last leases ran
-                state.configure(config, provider_node[provider_id])
-            elif state.config is not config or state.node_id != provider_node[provider_id]:
-                state.configure(config, provider_node[provider_id])
-        # The same ids (a refresh of their configs): none removed, and no set to build.
-        removed = () if states.keys() == providers.keys() else states.keys() - providers.keys()
-        for provider_id in removed:
+        states, providers = self._states, snapshot.providers
+        same_ids = states.keys() == providers.keys()  # a refresh of their configs
+        for provider_id in () if same_ids else states.keys() - providers.keys():
             state = states[provider_id]
             if state.removed:
                 continue  # held since an earlier snapshot
-            state.removed = True
+            state.retire()
             if state.idle:
                 del states[provider_id]
             else:  # until its last lease is released
                 self._held.setdefault(state.node_id, []).append(state)
+        self._lookups.adopt(snapshot)  # every other state's config and Node, at once
+        back = [state for held in self._held.values() for state in held if state.id in providers]
+        for state in back:  # back in config while its last leases ran
+            self._let_go(state)
+            state.removed = False
+        for provider_id in () if same_ids else providers.keys() - states.keys():
+            states[provider_id] = _ProviderState(provider_id, self._lookups)
         self._models_of = snapshot.provider_models
         self._rivals = snapshot.rivals
         for model_id in [m for m in self._queues if m not in snapshot.models]:
@@ -721,10 +752,11 @@ class Scheduler:
     ) -> Decision:
         rotation = tuple(self._snapshot.models[model_id].providers)
         now = self._clock()
+        state_of = self._states.get
         views = {
-            provider_id: self._view(state, now, protocol)
-            for provider_id in rotation
-            if (state := self._states.get(provider_id)) is not None and not state.removed
+            provider_id: self._view(state, config, node_id, now, protocol)
+            for provider_id, config, node_id in self._snapshot.rotations[model_id]
+            if (state := state_of(provider_id)) is not None and not state.removed
         }
         return decide(
             model_id,
@@ -735,19 +767,28 @@ class Scheduler:
             last=self._last_pick.get(model_id),
         )
 
-    def _view(self, state: _ProviderState, now: float, protocol: CallerProtocol) -> ProviderView:
+    def _view(
+        self,
+        state: _ProviderState,
+        config: ProviderConfig,
+        node_id: str,
+        now: float,
+        protocol: CallerProtocol,
+    ) -> ProviderView:
+        """What a decision sees of a provider in config (`config` and `node_id`: its
+        own, from the snapshot's rotation of the model)."""
         breaker = state.passive.breaker(now=now, probing=state.trial is not None)
         until = state.passive.cooldown_until
-        capacity = state.config.capacity
+        capacity = config.capacity
         return ProviderView(
             id=state.id,
             capacity=capacity,
             in_flight=max(state.in_flight, capacity) if state.saturated else state.in_flight,
-            priority=state.config.priority,
-            long_context_slots=state.config.long_context_slots,
+            priority=config.priority,
+            long_context_slots=config.long_context_slots,
             long_in_flight=state.long_in_flight,
-            connected=state.node_id in self._connected,
-            enabled=state.config.enabled,
+            connected=node_id in self._connected,
+            enabled=config.enabled,
             health=state.health,
             breaker=breaker,
             cooldown_remaining_s=until - now if breaker == "open" and until is not None else None,
