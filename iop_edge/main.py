@@ -21,7 +21,7 @@ import trio
 from iop_edge import __version__
 from iop_edge.core.config import ConfigInvalid, ParsedConfig, format_errors, load_config
 from iop_edge.edge import Edge, EdgeAddresses, EdgeStartupError, Listeners
-from iop_edge.runtime.lifecycle import fresh_memory, heap, service_manager
+from iop_edge.runtime.lifecycle import heap, service_manager
 from iop_edge.runtime.lifecycle.handover import Handover
 from schemas.log_lines import LogFormat, configure_logging
 from schemas.refresh import RefreshRequest
@@ -114,7 +114,6 @@ async def serve_edge(
     process's exit status (130 after Ctrl-C, `schemas.stop_signal`).
 
     `successor_argv` is how to start this Edge again (`iop-edge restart`, SIGUSR2)."""
-    fresh_memory.keep_freed()  # before a refresh's large buffers (`fresh_memory`)
     handover = Handover.from_environ()
     try:
         parsed = load_config(config_path)

@@ -35,13 +35,13 @@ def resident():
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-kept = fresh_memory.keep_freed() if sys.argv[1] == "keep" else False
 before = resident()
-fresh_memory.touch(48 << 20)
+if sys.argv[1] == "touch":
+    fresh_memory.touch(48 << 20)
 touched = resident()
 buffer = b"x" * (24 << 20)  # one C call making a buffer of megabytes
 made = resident()
-print(json.dumps({"kept": kept, "touch_stays": touched - before, "buffer_adds": made - touched}))
+print(json.dumps({"touch_stays": touched - before, "buffer_adds": made - touched}))
 """
 
 
@@ -60,21 +60,17 @@ def _resident_growth(mode: str) -> dict[str, int]:
 
 @pytest.mark.skipif(not (_glibc() and Path("/proc/self/statm").exists()), reason="glibc's")
 def test_touched_memory_stays_resident_and_the_next_buffer_is_made_in_it() -> None:
-    kept = _resident_growth("keep")
-    assert kept["kept"]
-    assert kept["touch_stays"] >= 40 << 20  # written, freed, and kept by the allocator
-    assert kept["buffer_adds"] < 8 << 20  # the buffer took those pages: no fresh ones
+    touched = _resident_growth("touch")
+    assert touched["touch_stays"] >= 40 << 20  # written, freed, and kept by the allocator
+    assert touched["buffer_adds"] < 8 << 20  # the buffer took those pages: no fresh ones
 
-    unkept = _resident_growth("default")  # before `keep_freed`, touching does nothing
-    assert not unkept["kept"]
-    assert unkept["touch_stays"] < 8 << 20
-    assert unkept["buffer_adds"] >= 20 << 20  # every page of the buffer was fresh
+    untouched = _resident_growth("none")  # glibc's defaults: nothing kept, nothing written
+    assert untouched["touch_stays"] < 8 << 20
+    assert untouched["buffer_adds"] >= 20 << 20  # every page of the buffer was fresh
 
 
-def test_nothing_is_touched_before_the_allocator_keeps_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(fresh_memory._Kept, "glibc", None)
+def test_nothing_is_touched_without_glibc(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fresh_memory, "_allocator", lambda: None)
     fresh_memory.touch(1 << 30)  # would write a gigabyte: returns at once instead
 
 
