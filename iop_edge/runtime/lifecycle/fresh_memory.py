@@ -13,12 +13,13 @@ now, to the buffers that follow. Those calls then cost what copying and decoding
 few milliseconds.
 
 Rules:
-1. The first `touch` sets glibc's thresholds for the rest of the process: blocks up to
-   `MMAP_THRESHOLD` come from the heap rather than mappings of their own (unmapped, and
-   gone, when freed), and a heap's free top goes back to the system only past
-   `TRIM_THRESHOLD`. The Edge then keeps up to that much free memory resident between
-   refreshes; one that never does work this large (no fleet) keeps glibc's defaults and
-   their smaller footprint (about 20 MB less after a few minutes of mixed traffic).
+1. The first `touch` of `LEAST_BYTES` or more (less is not worth it) sets glibc's
+   thresholds for the rest of the process: blocks up to `MMAP_THRESHOLD` come from the
+   heap rather than mappings of their own (unmapped, and gone, when freed), and a heap's
+   free top goes back to the system only past `TRIM_THRESHOLD`. The Edge then keeps up to
+   that much free memory resident between refreshes; one that never does work this
+   large (no fleet) keeps glibc's defaults and their smaller footprint (about 20 MB less
+   after a few minutes of mixed traffic).
 2. `touch(n)` writes n bytes in blocks of `BLOCK` (under the mapping threshold, so each
    comes from the heap of the calling thread's arena), allocated together and freed
    together: free neighbours merge, and the next buffers are cut from them. It costs the
@@ -35,7 +36,7 @@ import logging
 import os
 from typing import Final
 
-__all__ = ["BLOCK", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "touch"]
+__all__ = ["BLOCK", "LEAST_BYTES", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "touch"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ MMAP_THRESHOLD: Final = 32 << 20
 TRIM_THRESHOLD: Final = 64 << 20
 #: The block `touch` allocates at a time (Rule 2).
 BLOCK: Final = 8 << 20
+#: Less than this is not touched (Rule 1): fresh, it costs a few milliseconds at most.
+LEAST_BYTES: Final = 4 << 20
 
 _M_TRIM_THRESHOLD: Final = -1
 _M_MMAP_THRESHOLD: Final = -3
@@ -89,8 +92,9 @@ def _allocator() -> _Glibc | None:
 
 def touch(nbytes: int) -> None:
     """Write `nbytes` of heap and free it, the GIL released (Rule 2); the first call sets
-    the allocator's thresholds (Rule 1); nothing without glibc (Rule 3)."""
-    if nbytes <= 0:
+    the allocator's thresholds (Rule 1); nothing for less than `LEAST_BYTES`, or without
+    glibc (Rule 3)."""
+    if nbytes < LEAST_BYTES:
         return
     glibc = _allocator()
     if glibc is None:
