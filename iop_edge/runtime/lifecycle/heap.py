@@ -224,7 +224,7 @@ class HeapKeeper:
         return churn or stale or bulk
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Freeze and thaw as Rules 2-5 say, until cancelled."""
+        """Freeze and thaw as Rules 2-6 say, until cancelled."""
         # A refresh let go of the heap: look again (Rule 4); it took hold of it: sweep
         # sooner (Rule 6).
         with watch_holds(self._wake, opened=self._hold_began):
@@ -234,7 +234,8 @@ class HeapKeeper:
                 await self._watch()
 
     async def _sweep(self) -> None:
-        """Rule 3: a period that follows what a sweep costs, not a wait for a condition."""
+        """Rules 3 and 6: a period that follows what a sweep costs, not a wait for a
+        condition, and kept short while a refresh holds the heap."""
         period = SWEEP_S
         while True:
             with trio.move_on_after(period):

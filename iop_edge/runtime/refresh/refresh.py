@@ -365,8 +365,8 @@ class Refresher:
         (`push.CatchUp`), and its line in the report says so.
         """
         with trio.move_on_after(COMMIT_GRACE_S, shield=True):
-            # The swap took a step of the loop of its own (a pass over a fleet's
-            # providers, tens of milliseconds); the rest of the commit starts in the next.
+            # The audit line's reservation and the swap took a step of the loop; the
+            # rest of the commit starts in the next.
             await trio.lowlevel.checkpoint()
         nodes = interrupted  # the planned report's: a fleet's, built off the loop
         self.catch_up.forget(to_push)

@@ -236,8 +236,7 @@ class _Lookups:
     __slots__ = ("provider_node", "providers")
 
     def __init__(self, snapshot: Snapshot) -> None:
-        self.providers = snapshot.providers
-        self.provider_node = snapshot.provider_node
+        self.adopt(snapshot)
 
     def adopt(self, snapshot: Snapshot) -> None:
         self.providers = snapshot.providers
