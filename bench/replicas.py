@@ -6,8 +6,8 @@ against two set-ups that run side by side, each in its own processes:
 - *one Edge*: one `iop-edge serve`;
 - *two replicas*: two `iop-edge serve` with one config, sharing the caller port (the
   OpenAI listener sets `SO_REUSEPORT`, so the kernel spreads connections over them), each
-  with its own node and admin port (port 0 in the config), as the README's "Scaling"
-  section sets replicas up on one host.
+  with its own node and admin port (port 0 in the config), as docs/operations.md#replicas
+  sets replicas up on one host.
 
 Both have two Nodes (each with one provider on the upstream), linked to every Edge of
 their set-up, so that what is compared is the Edge: with one Node, the Node's own core

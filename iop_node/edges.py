@@ -12,7 +12,7 @@ a zero-downtime restart. It is told where they are in two ways, which may be com
 
 Callers never reach an Edge through the Node, so a balancer in front of the Edges is for
 callers only: Nodes must reach every replica's own node listener (each replica needs its
-own node address; see the README's "Scaling" section).
+own node address; docs/operations.md#replicas).
 
 `EdgeLinks.run` owns the `ProviderHost` and every link; it is startable and reports
 started once the first link is live. `stop()` drains gracefully: the host reports every

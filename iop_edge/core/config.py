@@ -750,7 +750,7 @@ class _Rules:
                     f"{node_path}.token_hash_sha256",
                     "is the hash of the public demo token, which anyone can present; it is "
                     "allowed only while edge.listen is a loopback address. Make a token "
-                    "(README: tokens) and put its hash here",
+                    "(docs/configuration.md#tokens) and put its hash here",
                 )
             for path, provider in _entries(node.get("providers"), f"{node_path}.providers"):
                 provider_id = _text(provider.get("id"))

@@ -63,7 +63,7 @@ decided by httpx2's own routing), the proxy pool it mounted (`iop_node.compat.ht
 runs have the client's TLS settings (verification on) and proxy, and the hot path (every
 run, every chunk of a stream) skips httpx2's per-request models, auth/redirect/cookie
 plumbing, transport lookup and per-chunk stream wrappers, and the pool's bookkeeping of
-every connection it holds (the README's benchmark section has what each saves). Because
+every connection it holds (docs/benchmarks.md#results has what each saves). Because
 httpcore2 does not decode content codings, runs ask for `Accept-Encoding: identity` and
 refuse an encoded body as `upstream_error`. Once `aclose()`d the adapter cannot be
 reused.

@@ -1,4 +1,4 @@
-"""The README's "Run an Edge and two Nodes" walkthrough, as a reader pastes it.
+"""The walkthrough of README.md#run-an-edge-and-two-nodes, as a reader pastes it.
 
 The setup block runs verbatim in bash (tokens, config, `sed`, `check-config`), then the
 Edge and both Nodes start as their own processes with the README's command lines and a
@@ -35,7 +35,7 @@ def readme_block(marker: str) -> str:
 
 
 def _environment() -> dict[str, str]:
-    """A shell whose `iop-edge`, `iop-node` and `python` are this venv's (README: activate)."""
+    """A shell whose `iop-edge`, `iop-node` and `python` are this venv's (README.md#quick-start)."""
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     return env

@@ -76,6 +76,44 @@ def test_the_configuration_reference_names_exactly_the_schema_keys() -> None:
     assert len(documented) == len(set(documented)), "a key documented twice"
 
 
+#: A pointer from code or config into the docs: `README.md#anchor` or `docs/page.md#anchor`.
+_POINTER = re.compile(r"\b(README(?:\.md)?|docs/[\w.-]+\.md)#([\w-]+)")
+#: A pointer by a section's name instead ("the README's "Scaling" section", "(README: tokens)"),
+#: which nothing checks and which goes stale when the section moves.
+_PROSE_POINTER = re.compile(r"README(?:'s)?,? *[(\"“:]|(?:the|see) README's \w+ section")
+
+
+def _tracked(*suffixes: str) -> list[Path]:
+    names = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return [ROOT / n for n in names if Path(n).suffix in suffixes and (ROOT / n).exists()]
+
+
+def test_every_pointer_into_the_docs_names_a_heading_that_exists() -> None:
+    """Code, config and units point at a section as `docs/page.md#anchor`, and it exists."""
+    this = Path(__file__)
+    broken = []
+    for path in _tracked(".py", ".yaml", ".toml", ".html", ".js", ".service", ".md"):
+        if path == this:
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            where = f"{path.relative_to(ROOT)}:{number}"
+            for page, anchor in _POINTER.findall(line):
+                target = ROOT / ("README.md" if page.startswith("README") else page)
+                if not target.exists():
+                    broken.append(f"{where}: {page} does not exist")
+                elif anchor not in _anchors(target):
+                    broken.append(f"{where}: no heading #{anchor} in {page}")
+            if path.suffix != ".md" and _PROSE_POINTER.search(line):
+                broken.append(f"{where}: name the section as docs/page.md#anchor: {line.strip()}")
+    assert broken == [], "\n".join(broken)
+
+
 #: Words that tell the story of the work rather than the product.
 _HISTORY = re.compile(
     r"\bSPEC(\.md)? ?§|\.\./shared|\bissue #?\d+|\b(work|field) round\b|\bsession \d+\b"

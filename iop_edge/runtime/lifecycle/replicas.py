@@ -1,7 +1,7 @@
 """Which Edge processes share this ledger, and which config each runs (design §13).
 
 Replicas of an Edge run the same config, but each applies a refresh on its own: an
-operator refreshes them one by one (see the README's "Scaling" section). To tell which
+operator refreshes them one by one (docs/operations.md#replicas). To tell which
 replicas run which config, every Edge keeps one row about itself in the shared ledger
 (SQLite for replicas on one host sharing a `state_dir`; PostgreSQL across hosts):
 instance (`HOST/PID`), state (serving or draining), revision, config sha256, pending

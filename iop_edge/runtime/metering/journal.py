@@ -20,7 +20,7 @@ Rules:
 4. A segment is retired at `ROTATE_BYTES` (a new one takes the appends) and deleted once
    it is checkpointed to its end and the database is synced.
 5. The live segment is fsynced at most every `SYNC_INTERVAL_S` by the writer: a power
-   failure loses at most the records of that interval (see the README, "Reliability").
+   failure loses at most the records of that interval (docs/operations.md#reliability).
 6. A line that cannot be read back (torn by a power failure, or from a newer Edge) is
    logged and skipped, never retried forever; a line without its newline is not read
    until it has one.
