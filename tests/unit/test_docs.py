@@ -8,6 +8,7 @@ the story of how the code came to be (git history keeps that).
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
@@ -158,3 +159,38 @@ def test_the_readme_install_commands_are_the_tested_guides() -> None:
     guide_lines = {line.strip() for line in guide.splitlines()}
     missing = [command for command in commands if command and command not in guide_lines]
     assert missing == [], f"README install commands not in docs/install.md: {missing}"
+
+
+def _section(title_prefix: str) -> str:
+    design = (ROOT / "docs" / "design.md").read_text()
+    start = design.index(f"\n## {title_prefix}")
+    return design[start : design.index("\n## ", start + 1)]
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> list[str]:
+    """argparse keeps a parser's subcommands in its (private) actions, and nowhere else."""
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [name for action in actions for name in action.choices]
+
+
+def test_design_section_10_names_every_command_and_admin_route() -> None:
+    """§10 is the reference of the command line and the admin API: it names each command
+    each CLI has and each route the admin app serves, so adding one without a word fails."""
+    from iop_edge.cli import build_parser
+    from iop_node.cli import build_parser as build_node_parser
+
+    section = _section("10.")
+    commands = [
+        f"{program} {command}"
+        for program, parser in (("iop-edge", build_parser()), ("iop-node", build_node_parser()))
+        for command in _subcommands(parser)
+    ]
+    admin = (ROOT / "iop_edge/http/admin.py").read_text()
+    routes = re.findall(r'@app\.(?:get|post)\("([^"]+)"\)', admin)
+    missing = [c for c in commands if c not in section]
+    missing += [
+        f"admin route {r}"
+        for r in routes
+        if not re.search(rf"`(GET |POST )?{re.escape(r)}`", section)
+    ]
+    assert missing == [], f"docs/design.md §10 does not name: {missing}"
