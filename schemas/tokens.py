@@ -126,7 +126,8 @@ def _content_text(content: Any) -> str:
 # longer; a longer chunk, or a whole non-stream response, counts ceil(characters / 4).
 # A chunk without text counts nothing, so a run that delivered output is never estimated
 # at zero. Per-chunk counting matches a token-per-chunk stream (llama.cpp, vLLM) where
-# characters / 4 alone is off by the vocabulary's average token length (docs/operations.md#real-runtimes-opt-in).
+# characters / 4 alone is off by the vocabulary's average token length
+# (docs/operations.md#real-runtimes-opt-in).
 
 #: The longest chunk of text counted as a single token.
 TOKEN_CHUNK_CHARS = 16

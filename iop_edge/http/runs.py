@@ -4,8 +4,9 @@ embeddings, Anthropic Messages (and its count_tokens) and OpenAI Responses (desi
 These carry nearly all of the Edge's traffic, so they skip the web framework: a
 request is one function from ASGI `receive` to ASGI `send`. Quart-Trio's per-request
 machinery (request and response objects, app and request contexts, hooks, two extra tasks
-per request) would cost more than everything IOP itself does for a run (docs/benchmarks.md#results); the rest of the surface (`/v1/models`, `/healthz`, error pages) stays
-on Quart, where that cost does not matter (see `openai_app`).
+per request) would cost more than everything IOP itself does for a run
+(docs/benchmarks.md#results); the rest of the surface (`/v1/models`, `/healthz`, error
+pages) stays on Quart, where that cost does not matter (see `openai_app`).
 
 A request, in the task Hypercorn gives it:
 
