@@ -214,6 +214,29 @@ class ModelEntry(ConfigStruct, frozen=True, kw_only=True):
     generation: GenerationPolicy = GenerationPolicy()
 
 
+#: How a `sim` provider replies (`adapter.reply.mode`): `fill` writes exactly `max_tokens`
+#: tokens and never calls a tool (a known, fixed length for tests and benchmarks);
+#: `model` behaves like a model (a reply of a natural length, tool calls when tools are
+#: offered; `iop_node.adapters.sim_replies`).
+SimReplyMode = Literal["fill", "model"]
+
+
+class SimReply(ConfigStruct, frozen=True, kw_only=True):
+    """What a `sim` provider says (`adapter.reply`)."""
+
+    mode: SimReplyMode = "fill"
+    median_tokens: PositiveInt = 120
+    """`model` mode: the median length of a text reply, in tokens. Lengths follow a
+    log-normal distribution around it; `max_tokens` only caps them (`finish_reason:
+    length`), a reply that ends by itself says `stop`."""
+    spread: Annotated[float, Meta(ge=0.0, le=3.0)] = 0.6
+    """`model` mode: the log-normal's sigma; 0 makes every reply `median_tokens` long,
+    0.6 puts nine replies in ten between about a third and 2.7 times the median."""
+    seed: int = 0
+    """`model` mode: mixed into every draw. The same seed and request always get the
+    same reply; another seed, another one."""
+
+
 class AdapterSettings(ConfigStruct, frozen=True, kw_only=True):
     """Adapter settings; which keys apply depends on the provider `type`.
 
@@ -237,6 +260,7 @@ class AdapterSettings(ConfigStruct, frozen=True, kw_only=True):
     # sim
     ttft_ms: NonNegativeInt = 20
     tokens_per_second: PositiveFloat = 200.0
+    reply: SimReply = SimReply()
 
 
 class ProviderConfig(ConfigStruct, frozen=True, kw_only=True):
