@@ -18,6 +18,8 @@ Rules:
    or each stream chunk, is translated back. A reply the caller's protocol cannot carry
    fails the run as the upstream's fault (`upstream_error`, `upstream_stream_error`
    once output went out).
+   Tools only a vendor's service runs are left out first and logged, unless the run's
+   model refuses them (`run.hosted_tools`, `schemas.hosted_tools`).
 4. A translated stream always asks the runtime for its usage chunk (`include_usage`);
    the chunk feeds the caller's protocol's own usage report and never reaches the caller
    as a chat chunk. A runtime that reports none (llama.cpp's Python server ignores the
@@ -49,6 +51,7 @@ output tally, cancellation, the payload bounds.
 
 from __future__ import annotations
 
+import logging
 from typing import Final, Protocol
 
 import msgspec
@@ -76,6 +79,7 @@ from iop_node.protocols import (
     responses_response_from_chat,
 )
 from iop_node.reply import ParsedChunk
+from schemas.hosted_tools import hosted_tool_types, may_offer_hosted_tools, without_hosted_tools
 from schemas.protocols import CallerProtocol
 from schemas.tokens import (
     chunk_tokens,
@@ -92,6 +96,8 @@ __all__ = ["PROTOCOL_OPERATIONS", "estimate_prompt_tokens", "execute_protocol"]
 PROTOCOL_OPERATIONS: Final[frozenset[Operation]] = frozenset(
     {"messages", "responses", "count_tokens"}
 )
+
+log = logging.getLogger(__name__)
 
 _encode: Final = msgspec.json.Encoder().encode
 _decode_any: Final = msgspec.json.Decoder().decode
@@ -176,6 +182,7 @@ def _invalid(exc: TranslationError) -> AdapterError:
 async def _translated(
     run: Run, protocol: CallerProtocol, adapter: Adapter, events: EmitEvents
 ) -> RunResult:
+    run = _without_hosted_tools(run, protocol)
     # A Responses request is read once: its reply echoes it and maps calls back through
     # the same tools.
     request: ResponsesRequest | None = None
@@ -252,6 +259,28 @@ async def _translated(
         usage_source=source,
         tail=tail if run.hold_tail else None,
     )
+
+
+def _without_hosted_tools(run: Run, protocol: CallerProtocol) -> Run:
+    """The run without the hosted tools it offers (`schemas.hosted_tools`), logged; as it
+    is when it offers none, or when its model refuses them (the translation then refuses
+    the run naming the tool)."""
+    if run.hosted_tools != "drop" or not may_offer_hosted_tools(run.body):
+        return run
+    try:
+        body = _decode_any(run.body)
+    except msgspec.DecodeError:
+        return run  # the translation says what is wrong with it
+    if not isinstance(body, dict) or not (dropped := hosted_tool_types(protocol, body)):
+        return run
+    log.info(
+        "run %s on provider %s: left out the hosted tools %s, which only the vendor's "
+        "service runs (the run is translated for a runtime)",
+        run.run_id,
+        run.provider_id,
+        ", ".join(dropped),
+    )
+    return msgspec.structs.replace(run, body=_encode(without_hosted_tools(protocol, body)))
 
 
 async def _translated_response(
@@ -399,7 +428,7 @@ async def _count_tokens(run: Run, relay: NativeRelay | None) -> RunResult:
         if count is not None:
             return _counted(count, "provider")
     try:
-        chat_body = messages_request_to_chat(run.body)
+        chat_body = messages_request_to_chat(_without_hosted_tools(run, "messages").body)
     except TranslationError as exc:
         raise _invalid(exc) from None
     text = rendered_prompt(chat_body)

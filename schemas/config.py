@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from schemas.hosted_tools import HostedTools
 from schemas.limits import MAX_PAYLOAD_BYTES
 from schemas.protocols import CallerProtocol, default_protocols
 
@@ -204,6 +205,12 @@ class GenerationPolicy(ConfigStruct, frozen=True, kw_only=True):
     runtime's prompt cache reuses only the unchanged prefix of a prompt: with the block
     in, every turn of an agent's conversation prefills its whole prompt again. The block
     says nothing to a model; only a block of exactly that shape is removed."""
+    hosted_tools: HostedTools = "drop"
+    """What a run translated for a runtime does with the tools only a vendor's service
+    runs (OpenAI's `web_search`, `file_search`, `code_interpreter`, computer use;
+    Anthropic's server tools, `schemas.hosted_tools`): `drop` leaves them out (the
+    response's `iop-dropped-tools` header names them, and the Node logs it); `refuse`
+    answers 400 naming the tool. A native runtime always gets them as they are."""
 
 
 class ModelEntry(ConfigStruct, frozen=True, kw_only=True):

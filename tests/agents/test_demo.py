@@ -12,6 +12,7 @@ that answer if the call and its result went through IOP both ways.
 
 from __future__ import annotations
 
+import logging
 import re
 import tomllib
 from collections.abc import AsyncIterator
@@ -138,7 +139,10 @@ async def test_claude_code_completes_a_tool_call_against_the_demo(demo: Demo) ->
     await _check_metered(demo, "messages")
 
 
-async def test_codex_completes_a_tool_call_against_the_demo(demo: Demo) -> None:
+async def test_codex_completes_a_tool_call_against_the_demo(
+    demo: Demo, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="iop_node.protocol_run")
     codex = require_cli("codex")
     argv = command(DEMO_CODEX)
     assert argv[:2] == ["codex", "exec"], argv
@@ -172,3 +176,7 @@ async def test_codex_completes_a_tool_call_against_the_demo(demo: Demo) -> None:
 
     _check_turn(outcome, _printed_command(argv))
     await _check_metered(demo, "responses")
+    # Codex offers its hosted `web_search` (the page's config leaves it on): the sim's
+    # runs are translated, so the Node left it out of each, and said so.
+    left_out = [r for r in caplog.records if "left out the hosted tools web_search" in r.message]
+    assert left_out, "Codex offered no web_search, or the Node did not say it left it out"
