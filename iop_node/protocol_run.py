@@ -44,6 +44,10 @@ Rules:
    request translated to chat (`rendered_prompt`: the messages, tool calls and tool
    definitions); IOP's estimator over that same text. Both counts of text add the chat
    template's share (`schemas.tokens.template_tokens`), which neither sees.
+8. Claude Code's beta extras (`anthropic-beta`, `context_management`,
+   `cache_control.ttl`) go to a native Messages runtime as they are; one that refuses
+   them (400 "Extra inputs are not permitted") gets the run again without them, once,
+   and, when that is taken, every later run without them (`protocols.anthropic_betas`).
 
 The runner (`runner.py`) owns what is common to every run: the terminal message, the
 output tally, cancellation, the payload bounds.
@@ -78,6 +82,7 @@ from iop_node.protocols import (
     responses_request_to_chat,
     responses_response_from_chat,
 )
+from iop_node.protocols.anthropic_betas import refuses_betas, without_betas
 from iop_node.reply import ParsedChunk
 from schemas.hosted_tools import hosted_tool_types, may_offer_hosted_tools, without_hosted_tools
 from schemas.protocols import CallerProtocol
@@ -117,11 +122,39 @@ async def execute_protocol(run: Run, adapter: Adapter, events: EmitEvents) -> Ru
             )
     if relay is not None and relay.protocol_support.speaks(protocol):
         try:
-            return await relay.execute_native(run, events)
+            return await _native(run, protocol, relay, events)
         except NativeUnsupported as exc:
             if not relay.protocol_support.learn_unsupported(protocol, exc.failure.message):
                 raise exc.failure from None
     return await _translated(run, protocol, adapter, events)
+
+
+async def _native(
+    run: Run, protocol: CallerProtocol, relay: NativeRelay, events: EmitEvents
+) -> RunResult:
+    """Rule 8: a native run, without Anthropic's beta extras once its provider refused them,
+    and sent again without them the first time it does."""
+    support = relay.protocol_support
+    if protocol != "messages":
+        return await relay.execute_native(run, events)
+    if not support.takes_betas:
+        return await relay.execute_native(without_betas(run) or run, events)
+    try:
+        return await relay.execute_native(run, events)
+    except AdapterError as exc:
+        retry = without_betas(run) if refuses_betas(exc.status, exc.message) else None
+        if retry is None:
+            raise
+        refused = exc
+    try:
+        result = await relay.execute_native(retry, events)
+    except AdapterError as again:
+        if refuses_betas(again.status, again.message):
+            raise refused from None  # the extras were not the cause: nothing learned
+        support.learn_refuses_betas(refused.message)
+        raise
+    support.learn_refuses_betas(refused.message)
+    return result
 
 
 def estimate_prompt_tokens(run: Run) -> int:
@@ -424,7 +457,10 @@ def rendered_prompt(chat_body: bytes) -> str:
 async def _count_tokens(run: Run, relay: NativeRelay | None) -> RunResult:
     """Rule 7. Counting consumes nothing: the usage is zero, whoever counted."""
     if relay is not None and relay.protocol_support.counts_tokens:
-        count = await relay.count_tokens_native(run)
+        native_run = run
+        if not relay.protocol_support.takes_betas:
+            native_run = without_betas(run) or run
+        count = await relay.count_tokens_native(native_run)
         if count is not None:
             return _counted(count, "provider")
     try:

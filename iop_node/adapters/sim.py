@@ -25,11 +25,12 @@ a GPU:
   checkpoint per input.
 
 It speaks chat completions only: a Messages or Responses run reaches it translated by
-the Node (`protocol_run`), tool calls included. Responses are OpenAI objects (`chat.completion[.chunk]`, `text_completion`, embedding
-`list`), encoded with msgspec from the shared Structs of `schemas.openai`; like the
-engines it imitates, it sends `logprobs: null` in every choice. A completion request produces one
-choice (a list `prompt` seeds one text); embeddings honour `dimensions` and the
-`encoding_format: base64` the official SDKs ask for by default.
+the Node (`protocol_run`), tool calls included. Responses are OpenAI objects
+(`chat.completion[.chunk]`, `text_completion`, embedding `list`), encoded with msgspec
+from the shared Structs of `schemas.openai`; like the engines it imitates, it sends
+`logprobs: null` in every choice. A completion request produces one choice (a list
+`prompt` seeds one text); embeddings honour `dimensions` and the `encoding_format:
+base64` the official SDKs ask for by default.
 """
 
 from __future__ import annotations

@@ -327,7 +327,8 @@ def _merge_all_of(schema: dict[str, Any], parts: list[Any], root: object) -> dic
     merged: dict[str, Any] = {k: v for k, v in schema.items() if k != "allOf"}
     properties: dict[str, Any] = dict(merged.get("properties") or {})
     required: list[str] = list(merged.get("required") or [])
-    for part in parts:
+    for branch in parts:
+        part = branch
         while isinstance(part, dict) and isinstance(part.get("$ref"), str):
             part = _resolve(root, part["$ref"])
         if not isinstance(part, dict):
@@ -403,9 +404,9 @@ def _number(schema: dict[str, Any], *, integer: bool) -> int | float:
         value = max(value, exclusive_low + 1) if integer else max(value, exclusive_low + 0.5)
     if isinstance(high, int | float) and value > high:
         value = high
-    if isinstance(exclusive_high, int | float) and not isinstance(exclusive_high, bool):
-        if value >= exclusive_high:
-            value = exclusive_high - 1 if integer else exclusive_high - 0.5
+    below = isinstance(exclusive_high, int | float) and not isinstance(exclusive_high, bool)
+    if below and value >= exclusive_high:
+        value = exclusive_high - 1 if integer else exclusive_high - 0.5
     if not integer:
         return value
     whole = math.ceil(value)

@@ -86,7 +86,9 @@ async def test_a_translated_run_leaves_hosted_tools_out_and_says_so(
         assert json.loads(last)["type"] in ("message_stop", "response.incomplete")
     else:
         assert response.json()["usage"]
-    [line] = [r.getMessage() for r in caplog.records if "left out the hosted tools" in r.getMessage()]
+    [line] = [
+        r.getMessage() for r in caplog.records if "left out the hosted tools" in r.getMessage()
+    ]
     assert DROPPED[protocol] in line and "sim-1" in line
 
 
@@ -96,7 +98,9 @@ async def test_a_model_set_to_refuse_them_answers_400_naming_the_tool(
 ) -> None:
     edge, _ = stack
     async with edge.http() as client:
-        response = await client.post(PATHS[protocol], json={**BODIES[protocol], "model": "m-refuse"})
+        response = await client.post(
+            PATHS[protocol], json={**BODIES[protocol], "model": "m-refuse"}
+        )
     assert response.status_code == 400, response.text
     assert "iop-dropped-tools" not in response.headers
     assert "tools[1].type" in response.text and "web_search" in response.text

@@ -65,9 +65,7 @@ def _check_arguments(arguments: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_chat_calls_the_tool_then_answers_with_its_result(
-    stack: Stack, stream: bool
-) -> None:
+async def test_chat_calls_the_tool_then_answers_with_its_result(stack: Stack, stream: bool) -> None:
     tools: list[Any] = [
         {"type": "function", "function": {"name": "search", "parameters": OTHER_SCHEMA}},
         {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}},
