@@ -404,8 +404,11 @@ def _number(schema: dict[str, Any], *, integer: bool) -> int | float:
         value = max(value, exclusive_low + 1) if integer else max(value, exclusive_low + 0.5)
     if isinstance(high, int | float) and value > high:
         value = high
-    below = isinstance(exclusive_high, int | float) and not isinstance(exclusive_high, bool)
-    if below and value >= exclusive_high:
+    if (
+        isinstance(exclusive_high, int | float)
+        and not isinstance(exclusive_high, bool)
+        and value >= exclusive_high
+    ):
         value = exclusive_high - 1 if integer else exclusive_high - 0.5
     if not integer:
         return value
