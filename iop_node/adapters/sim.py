@@ -46,7 +46,7 @@ import trio
 from msgspec import UNSET, UnsetType
 
 from iop_node.adapters.base import AdapterError, Emit, RunResult
-from iop_node.adapters.sim_replies import PlannedCall, ReplyPlan, plan_reply
+from iop_node.adapters.sim_replies import PlannedCall, ReplyPlan, plan_reply, plan_text
 from schemas.config import ProviderConfig
 from schemas.openai import (
     AssistantMessage,
@@ -199,7 +199,11 @@ class SimAdapter:
         prompt = body.get("prompt")
         if prompt is None:
             raise _invalid("`prompt` is required")
-        pieces = _generate(_encode(prompt), _max_tokens(body))
+        if self.provider.adapter.reply.mode == "model":
+            plan = plan_text(prompt, self.provider.adapter.reply, _max_tokens(body, MAX_TOKENS))
+        else:
+            plan = ReplyPlan(_generate(_encode(prompt), _max_tokens(body)), None, "length")
+        pieces, finish_reason = plan.pieces, plan.finish_reason
         usage = _usage(body, len(pieces))
         completion_id, created = f"cmpl-{run.request_id or run.run_id}", int(time.time())
         start = trio.current_time()
@@ -219,14 +223,14 @@ class SimAdapter:
 
         if not run.stream:
             await self._until_token(start, len(pieces) - 1)
-            choice = TextChoice(text="".join(pieces), finish_reason="length")
+            choice = TextChoice(text="".join(pieces), finish_reason=finish_reason)
             return RunResult(usage=usage, response=completion([choice], CompletionUsage.of(usage)))
 
         for index, piece in enumerate(pieces):
             await self._until_token(start, index)
             await emit(completion([TextChoice(text=piece)]))
         await self._until_token(start, 0)  # no-op unless zero tokens were asked for
-        await emit(completion([TextChoice(text="", finish_reason="length")]))
+        await emit(completion([TextChoice(text="", finish_reason=finish_reason)]))
         if _include_usage(body):
             await emit(completion([], CompletionUsage.of(usage)))
         return RunResult(usage=usage)

@@ -3,7 +3,8 @@
 An agent (Claude Code, Codex) needs a model that ends its replies by itself and calls
 the tools it is offered; a fixed `max_tokens`-long text (`fill` mode, kept for tests and
 benchmarks that need a known length) does neither. This module decides a chat turn's
-reply from the request alone; `sim.py` paces and encodes it.
+reply (and a text completion's: Rules 4 and 6) from the request alone; `sim.py` paces
+and encodes it.
 
 Rules:
 
@@ -46,7 +47,14 @@ import msgspec
 
 from schemas.config import SimReply
 
-__all__ = ["PlannedCall", "ReplyPlan", "plan_reply", "schema_instance"]
+__all__ = [
+    "PlannedCall",
+    "ReplyPlan",
+    "natural_length",
+    "plan_reply",
+    "plan_text",
+    "schema_instance",
+]
 
 #: The words a text is made of (as `sim.WORDS`: any fixed list works).
 WORDS: Final[tuple[str, ...]] = (
@@ -121,6 +129,17 @@ def plan_reply(body: dict[str, Any], settings: SimReply, max_tokens: int) -> Rep
     pieces = [("" if index == 0 else " ") + word for index, word in enumerate(words)]
     if pieces and finish_reason == "stop" and not quoted:
         pieces[-1] += "."
+    return ReplyPlan(pieces=pieces, call=None, finish_reason=finish_reason)
+
+
+def plan_text(prompt: object, settings: SimReply, max_tokens: int) -> ReplyPlan:
+    """A text completion's reply to `prompt` (Rules 4 and 6; it offers no tools)."""
+    draw = _Draw(settings.seed, [prompt], [])
+    words = _filler(draw, natural_length(settings, draw.unit("length")))
+    finish_reason = "stop"
+    if len(words) > max_tokens:
+        words, finish_reason = words[:max_tokens], "length"
+    pieces = [("" if index == 0 else " ") + word for index, word in enumerate(words)]
     return ReplyPlan(pieces=pieces, call=None, finish_reason=finish_reason)
 
 

@@ -118,3 +118,12 @@ async def test_a_native_runtime_gets_them_as_they_are(
     assert "iop-dropped-tools" not in response.headers
     [sent] = [r for r in native.requests if r.path == PATHS[protocol]]
     assert json.loads(sent.body)["tools"] == BODIES[protocol]["tools"]
+
+
+async def test_counting_tokens_leaves_them_out_too(stack: tuple[Stack, FakeUpstream]) -> None:
+    edge, _ = stack
+    body = {key: value for key, value in MESSAGES.items() if key != "max_tokens"}
+    async with edge.http() as client:
+        response = await client.post("/v1/messages/count_tokens", json={**body, "model": "m"})
+    assert response.status_code == 200, response.text
+    assert response.json()["input_tokens"] > 0

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from iop_node.adapters.sim import SimAdapter
-from iop_node.adapters.sim_replies import natural_length, plan_reply, schema_instance
+from iop_node.adapters.sim_replies import natural_length, plan_reply, plan_text, schema_instance
 from iop_node.protocols import messages_request_to_chat, responses_request_to_chat
 from schemas.config import AdapterSettings, ProviderConfig, SimReply
 from schemas.wire import Run
@@ -202,3 +202,11 @@ async def test_the_adapter_streams_a_tool_call_in_fragments_ending_tool_calls() 
     assert (
         chunks[-1]["usage"]["completion_tokens"] == result.usage.completion_tokens == len(fragments)
     )
+
+
+def test_a_text_completion_ends_by_itself_too() -> None:
+    plans = [plan_text(f"Once upon a time {i}", MODEL, 10_000) for i in range(20)]
+    assert {plan.finish_reason for plan in plans} == {"stop"}
+    assert len({len(plan.pieces) for plan in plans}) > 1
+    capped = plan_text("Once upon a time", MODEL, 2)
+    assert (len(capped.pieces), capped.finish_reason) == (2, "length")
