@@ -47,7 +47,7 @@ Rules:
 8. Claude Code's beta extras (`anthropic-beta`, `context_management`,
    `cache_control.ttl`) go to a native Messages runtime as they are; one that refuses
    them (400 "Extra inputs are not permitted") gets the run again without them, once,
-   and, when that is taken, every later run without them (`protocols.anthropic_betas`).
+   and, when that one succeeds, every later run without them (`protocols.anthropic_betas`).
 
 The runner (`runner.py`) owns what is common to every run: the terminal message, the
 output tally, cancellation, the payload bounds.
@@ -151,8 +151,7 @@ async def _native(
     except AdapterError as again:
         if refuses_betas(again.status, again.message):
             raise refused from None  # the extras were not the cause: nothing learned
-        support.learn_refuses_betas(refused.message)
-        raise
+        raise  # another failure proves nothing either way: nothing learned
     support.learn_refuses_betas(refused.message)
     return result
 

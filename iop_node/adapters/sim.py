@@ -46,7 +46,7 @@ import trio
 from msgspec import UNSET, UnsetType
 
 from iop_node.adapters.base import AdapterError, Emit, RunResult
-from iop_node.adapters.sim_replies import PlannedCall, ReplyPlan, plan_reply, plan_text
+from iop_node.adapters.sim_replies import WORDS, PlannedCall, ReplyPlan, plan_reply, plan_text
 from schemas.config import ProviderConfig
 from schemas.openai import (
     AssistantMessage,
@@ -78,14 +78,6 @@ MAX_EMBEDDING_INPUTS = 2048
 #: Bound on inputs x dimensions: the response stays a few MB and the work a few hundred
 #: milliseconds, spread over checkpoints.
 MAX_EMBEDDING_VALUES = 1 << 20
-
-#: The vocabulary of the simulated engine. Any fixed list works; this one reads well.
-WORDS: tuple[str, ...] = (
-    "the", "engine", "answers", "with", "simulated", "tokens", "that", "arrive",
-    "at", "a", "steady", "pace", "while", "the", "gateway", "routes", "each",
-    "request", "to", "a", "provider", "slot", "and", "streams", "every", "chunk",
-    "back", "through", "one", "calm", "endpoint", "today",
-)  # fmt: skip
 
 
 _encode = msgspec.json.Encoder().encode

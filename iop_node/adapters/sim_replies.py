@@ -48,6 +48,7 @@ import msgspec
 from schemas.config import SimReply
 
 __all__ = [
+    "WORDS",
     "PlannedCall",
     "ReplyPlan",
     "natural_length",
@@ -56,7 +57,8 @@ __all__ = [
     "schema_instance",
 ]
 
-#: The words a text is made of (as `sim.WORDS`: any fixed list works).
+#: The vocabulary of the simulated engine, in both modes. Any fixed list works; this one
+#: reads well.
 WORDS: Final[tuple[str, ...]] = (
     "the", "engine", "answers", "with", "simulated", "tokens", "that", "arrive",
     "at", "a", "steady", "pace", "while", "the", "gateway", "routes", "each",

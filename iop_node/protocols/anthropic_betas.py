@@ -16,11 +16,12 @@ Rules:
    one of the extras (`context_management`, `ttl`, `anthropic-beta`). Then the run is
    sent once more without them (`without_betas`): no `anthropic-beta` header, no
    `context_management`, no `ttl` in any `cache_control` (the marker itself stays).
-3. When that second attempt is not refused the same way, the provider refuses extras
-   (the Node remembers it for the adapter's life, as it remembers protocols:
-   `ProtocolSupport`, logged once), and its later runs go without them from the start.
-   When it is refused again, the extras were not the cause: nothing is learned, and the
-   run fails with the runtime's answer.
+3. When that second attempt succeeds, the provider refuses extras (the Node remembers
+   it for the adapter's life, as it remembers protocols: `ProtocolSupport`, logged
+   once), and its later runs go without them from the start. When it is refused again,
+   the extras were not the cause: nothing is learned, and the run fails with the
+   runtime's first answer; any other failure of it proves nothing either way, and the
+   run fails with it.
 4. A translated run never carries them (the translation drops `context_management` and
    `cache_control`; a chat endpoint sees no `anthropic-*` header).
 
