@@ -42,7 +42,7 @@ __all__ = ["BETA_HEADER", "refuses_betas", "without_betas"]
 BETA_HEADER: Final = "anthropic-beta"
 _REFUSED: Final = re.compile(
     r"extra inputs are not permitted|extra_forbidden|unrecognized|unknown field"
-    r"|unexpected keyword|additional properties|not permitted"
+    r"|unexpected keyword|additional properties"
     r"|context_management|\bttl\b|anthropic-beta",
     re.IGNORECASE,
 )
