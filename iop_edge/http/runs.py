@@ -491,8 +491,9 @@ class RunEndpoints:
 
     def _dropped_tools(self, plan: RunPlan, provider_id: str) -> str | None:
         """The hosted tools a run on `provider_id` leaves out, comma-separated: those of
-        a Messages or Responses request the provider's Node translates, unless the model
-        refuses them instead (`schemas.hosted_tools` Rule 2)."""
+        a Messages or Responses request the provider's Node translates (as far as the
+        Edge knows: the Node's last status), unless the model refuses them instead
+        (`schemas.hosted_tools` Rule 2)."""
         if plan.protocol == "chat" or plan.hosted_tools != "drop":
             return None
         if self._dispatcher.scheduler.speaks(provider_id, plan.protocol):

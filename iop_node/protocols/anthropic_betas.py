@@ -12,9 +12,9 @@ Rules:
    provider has refused them once.
 2. Refused: the upstream answered 400 or 422 and its message says an input was not
    permitted or not known (`Extra inputs are not permitted`, pydantic's
-   `extra_forbidden`, "unrecognized", "unknown field", "unexpected keyword") or names
-   one of the extras (`context_management`, `ttl`, `anthropic-beta`). Then the run is
-   sent once more without them (`without_betas`): no `anthropic-beta` header, no
+   `extra_forbidden`, "unrecognized", "unknown field", "unexpected keyword",
+   "additional properties") or names one of the extras (`context_management`, `ttl`,
+   `anthropic-beta`). Then the run is sent once more without them (`without_betas`): no `anthropic-beta` header, no
    `context_management`, no `ttl` in any `cache_control` (the marker itself stays).
 3. When that second attempt succeeds, the provider refuses extras (the Node remembers
    it for the adapter's life, as it remembers protocols: `ProtocolSupport`, logged
