@@ -18,6 +18,8 @@ Rules:
    or each stream chunk, is translated back. A reply the caller's protocol cannot carry
    fails the run as the upstream's fault (`upstream_error`, `upstream_stream_error`
    once output went out).
+   Tools only a vendor's service runs are left out first and logged, unless the run's
+   model refuses them (`run.hosted_tools`, `schemas.hosted_tools`).
 4. A translated stream always asks the runtime for its usage chunk (`include_usage`);
    the chunk feeds the caller's protocol's own usage report and never reaches the caller
    as a chat chunk. A runtime that reports none (llama.cpp's Python server ignores the
@@ -42,6 +44,10 @@ Rules:
    request translated to chat (`rendered_prompt`: the messages, tool calls and tool
    definitions); IOP's estimator over that same text. Both counts of text add the chat
    template's share (`schemas.tokens.template_tokens`), which neither sees.
+8. Claude Code's beta extras (`anthropic-beta`, `context_management`,
+   `cache_control.ttl`) go to a native Messages runtime as they are; one that refuses
+   them (400 "Extra inputs are not permitted") gets the run again without them, once,
+   and, when that one succeeds, every later run without them (`protocols.anthropic_betas`).
 
 The runner (`runner.py`) owns what is common to every run: the terminal message, the
 output tally, cancellation, the payload bounds.
@@ -49,6 +55,7 @@ output tally, cancellation, the payload bounds.
 
 from __future__ import annotations
 
+import logging
 from typing import Final, Protocol
 
 import msgspec
@@ -75,7 +82,9 @@ from iop_node.protocols import (
     responses_request_to_chat,
     responses_response_from_chat,
 )
+from iop_node.protocols.anthropic_betas import refuses_betas, without_betas
 from iop_node.reply import ParsedChunk
+from schemas.hosted_tools import hosted_tool_types, may_offer_hosted_tools, without_hosted_tools
 from schemas.protocols import CallerProtocol
 from schemas.tokens import (
     chunk_tokens,
@@ -92,6 +101,8 @@ __all__ = ["PROTOCOL_OPERATIONS", "estimate_prompt_tokens", "execute_protocol"]
 PROTOCOL_OPERATIONS: Final[frozenset[Operation]] = frozenset(
     {"messages", "responses", "count_tokens"}
 )
+
+log = logging.getLogger(__name__)
 
 _encode: Final = msgspec.json.Encoder().encode
 _decode_any: Final = msgspec.json.Decoder().decode
@@ -111,11 +122,38 @@ async def execute_protocol(run: Run, adapter: Adapter, events: EmitEvents) -> Ru
             )
     if relay is not None and relay.protocol_support.speaks(protocol):
         try:
-            return await relay.execute_native(run, events)
+            return await _native(run, protocol, relay, events)
         except NativeUnsupported as exc:
             if not relay.protocol_support.learn_unsupported(protocol, exc.failure.message):
                 raise exc.failure from None
     return await _translated(run, protocol, adapter, events)
+
+
+async def _native(
+    run: Run, protocol: CallerProtocol, relay: NativeRelay, events: EmitEvents
+) -> RunResult:
+    """Rule 8: a native run, without Anthropic's beta extras once its provider refused them,
+    and sent again without them the first time it does."""
+    support = relay.protocol_support
+    if protocol != "messages":
+        return await relay.execute_native(run, events)
+    if not support.takes_betas:
+        return await relay.execute_native(without_betas(run) or run, events)
+    try:
+        return await relay.execute_native(run, events)
+    except AdapterError as exc:
+        retry = without_betas(run) if refuses_betas(exc.status, exc.message) else None
+        if retry is None:
+            raise
+        refused = exc
+    try:
+        result = await relay.execute_native(retry, events)
+    except AdapterError as again:
+        if refuses_betas(again.status, again.message):
+            raise refused from None  # the extras were not the cause: nothing learned
+        raise  # another failure proves nothing either way: nothing learned
+    support.learn_refuses_betas(refused.message)
+    return result
 
 
 def estimate_prompt_tokens(run: Run) -> int:
@@ -176,6 +214,7 @@ def _invalid(exc: TranslationError) -> AdapterError:
 async def _translated(
     run: Run, protocol: CallerProtocol, adapter: Adapter, events: EmitEvents
 ) -> RunResult:
+    run = _without_hosted_tools(run, protocol)
     # A Responses request is read once: its reply echoes it and maps calls back through
     # the same tools.
     request: ResponsesRequest | None = None
@@ -252,6 +291,28 @@ async def _translated(
         usage_source=source,
         tail=tail if run.hold_tail else None,
     )
+
+
+def _without_hosted_tools(run: Run, protocol: CallerProtocol) -> Run:
+    """The run without the hosted tools it offers (`schemas.hosted_tools`), logged; as it
+    is when it offers none, or when its model refuses them (the translation then refuses
+    the run naming the tool)."""
+    if run.hosted_tools != "drop" or not may_offer_hosted_tools(run.body):
+        return run
+    try:
+        body = _decode_any(run.body)
+    except msgspec.DecodeError:
+        return run  # the translation says what is wrong with it
+    if not isinstance(body, dict) or not (dropped := hosted_tool_types(protocol, body)):
+        return run
+    log.info(
+        "run %s on provider %s: left out the hosted tools %s, which only the vendor's "
+        "service runs (the run is translated for a runtime)",
+        run.run_id,
+        run.provider_id,
+        ", ".join(dropped),
+    )
+    return msgspec.structs.replace(run, body=_encode(without_hosted_tools(protocol, body)))
 
 
 async def _translated_response(
@@ -395,11 +456,14 @@ def rendered_prompt(chat_body: bytes) -> str:
 async def _count_tokens(run: Run, relay: NativeRelay | None) -> RunResult:
     """Rule 7. Counting consumes nothing: the usage is zero, whoever counted."""
     if relay is not None and relay.protocol_support.counts_tokens:
-        count = await relay.count_tokens_native(run)
+        native_run = run
+        if not relay.protocol_support.takes_betas:
+            native_run = without_betas(run) or run
+        count = await relay.count_tokens_native(native_run)
         if count is not None:
             return _counted(count, "provider")
     try:
-        chat_body = messages_request_to_chat(run.body)
+        chat_body = messages_request_to_chat(_without_hosted_tools(run, "messages").body)
     except TranslationError as exc:
         raise _invalid(exc) from None
     text = rendered_prompt(chat_body)

@@ -18,7 +18,11 @@ Rules:
 4. What is learned lasts as long as the adapter (the registry's life): a config refresh
    that rebuilds the provider starts from the config again, which is how an operator
    who upgraded the runtime gets the native path back without restarting the Node.
-5. Every change bumps `version`, so the health monitor reports it to the Edge (the
+5. A provider whose runtime refuses Anthropic's beta extras (`anthropic-beta`,
+   `context_management`, `cache_control.ttl`) once gets native Messages runs without
+   them from then on (`takes_betas`; `protocols.anthropic_betas` has the rules). Like
+   Rule 4, it lasts as long as the adapter.
+6. Every change bumps `version`, so the health monitor reports it to the Edge (the
    catalog shows it) without polling, and a watcher that looked at an older version
    never misses one.
 
@@ -43,7 +47,15 @@ log = logging.getLogger(__name__)
 class ProtocolSupport:
     """What one provider speaks natively (see the module rules)."""
 
-    __slots__ = ("_changed", "_native", "counts_tokens", "explicit", "provider_id", "version")
+    __slots__ = (
+        "_changed",
+        "_native",
+        "counts_tokens",
+        "explicit",
+        "provider_id",
+        "takes_betas",
+        "version",
+    )
 
     def __init__(
         self, provider: ProviderConfig, relayable: Iterable[CallerProtocol] = ALL_PROTOCOLS
@@ -58,6 +70,8 @@ class ProtocolSupport:
         self.counts_tokens = "messages" in self._native
         """Whether to ask the upstream's own `/messages/count_tokens` (a runtime may speak
         Messages but lack that endpoint; it is then counted another way from then on)."""
+        self.takes_betas = True
+        """Whether native Messages runs carry Anthropic's beta extras (Rule 5)."""
         self.version = 0
         self._changed = trio.Event()
 
@@ -92,6 +106,18 @@ class ProtocolSupport:
         """The upstream speaks Messages but has no `count_tokens` endpoint: count another
         way from now on (not reported: it changes no protocol)."""
         self.counts_tokens = False
+
+    def learn_refuses_betas(self, why: str) -> None:
+        """The runtime refused Anthropic's beta extras and took the run without them
+        (Rule 5): later native Messages runs go without them (logged once)."""
+        if self.takes_betas:
+            self.takes_betas = False
+            log.warning(
+                "provider %s refuses Anthropic's beta extras (%s): its native Messages runs "
+                "go without anthropic-beta, context_management and cache_control.ttl from now on",
+                self.provider_id,
+                why,
+            )
 
     async def wait_changed(self, seen: int) -> None:
         """Return once `version` differs from `seen` (at once if it already does)."""

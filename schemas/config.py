@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from schemas.hosted_tools import HostedTools
 from schemas.limits import MAX_PAYLOAD_BYTES
 from schemas.protocols import CallerProtocol, default_protocols
 
@@ -204,6 +205,12 @@ class GenerationPolicy(ConfigStruct, frozen=True, kw_only=True):
     runtime's prompt cache reuses only the unchanged prefix of a prompt: with the block
     in, every turn of an agent's conversation prefills its whole prompt again. The block
     says nothing to a model; only a block of exactly that shape is removed."""
+    hosted_tools: HostedTools = "drop"
+    """What a run translated for a runtime does with the tools only a vendor's service
+    runs (OpenAI's `web_search`, `file_search`, `code_interpreter`, computer use;
+    Anthropic's server tools, `schemas.hosted_tools`): `drop` leaves them out (the
+    response's `iop-dropped-tools` header names them, and the Node logs it); `refuse`
+    answers 400 naming the tool. A native runtime always gets them as they are."""
 
 
 class ModelEntry(ConfigStruct, frozen=True, kw_only=True):
@@ -212,6 +219,29 @@ class ModelEntry(ConfigStruct, frozen=True, kw_only=True):
     providers: dict[NonEmptyStr, NonEmptyStr]
     queue: QueueOverride | None = None
     generation: GenerationPolicy = GenerationPolicy()
+
+
+#: How a `sim` provider replies (`adapter.reply.mode`): `fill` writes exactly `max_tokens`
+#: tokens and never calls a tool (a known, fixed length for tests and benchmarks);
+#: `model` behaves like a model (a reply of a natural length, tool calls when tools are
+#: offered; `iop_node.adapters.sim_replies`).
+SimReplyMode = Literal["fill", "model"]
+
+
+class SimReply(ConfigStruct, frozen=True, kw_only=True):
+    """What a `sim` provider says (`adapter.reply`)."""
+
+    mode: SimReplyMode = "fill"
+    median_tokens: PositiveInt = 120
+    """`model` mode: the median length of a text reply, in tokens. Lengths follow a
+    log-normal distribution around it; `max_tokens` only caps them (`finish_reason:
+    length`), a reply that ends by itself says `stop`."""
+    spread: Annotated[float, Meta(ge=0.0, le=3.0)] = 0.6
+    """`model` mode: the log-normal's sigma; 0 makes every reply `median_tokens` long,
+    0.6 puts nine replies in ten between about a third and 2.7 times the median."""
+    seed: int = 0
+    """`model` mode: mixed into every draw. The same seed and request always get the
+    same reply; another seed, another one."""
 
 
 class AdapterSettings(ConfigStruct, frozen=True, kw_only=True):
@@ -237,6 +267,7 @@ class AdapterSettings(ConfigStruct, frozen=True, kw_only=True):
     # sim
     ttft_ms: NonNegativeInt = 20
     tokens_per_second: PositiveFloat = 200.0
+    reply: SimReply = SimReply()
 
 
 class ProviderConfig(ConfigStruct, frozen=True, kw_only=True):

@@ -110,11 +110,30 @@ class CompletionUsage(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+class FunctionCall(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A tool call's function: its name (in a stream, on the call's first fragment only)
+    and its arguments, JSON text (in a stream, a fragment of it)."""
+
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One `tool_calls[]` entry of an assistant message, or a fragment of one in a chunk
+    (`index` says which call; `id` and `type` come on its first fragment only)."""
+
+    index: int | None = None
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall
+
+
 class Delta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What a chat chunk adds to the message; fields not set are left out."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChunkChoice(msgspec.Struct, frozen=True, kw_only=True):
@@ -138,7 +157,8 @@ class ChatCompletionChunk(msgspec.Struct, frozen=True, kw_only=True):
 
 class AssistantMessage(msgspec.Struct, frozen=True, kw_only=True):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):

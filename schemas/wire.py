@@ -35,6 +35,7 @@ from typing import Final, Literal
 import msgspec
 
 from schemas.config import LifecycleFlag, NodeConfig
+from schemas.hosted_tools import HostedTools
 from schemas.limits import MAX_FRAME_BYTES
 from schemas.protocols import CallerProtocol
 
@@ -188,6 +189,10 @@ class Run(Message, tag="run", frozen=True, kw_only=True):
     """The Edge writes `run_done.tail` (see there): the Node holds a Messages or Responses
     stream's last events back for it. An Edge that does not say so gets them as chunks,
     as before the field existed (a Node and an Edge of different releases still agree)."""
+    hosted_tools: HostedTools = "drop"
+    """What a translated Messages or Responses run does with the tools only a vendor's
+    service runs (`schemas.hosted_tools`): leave them out, or refuse the run (the
+    model's `generation.hosted_tools`)."""
 
 
 class Cancel(Message, tag="cancel", frozen=True, kw_only=True):

@@ -30,6 +30,7 @@ from iop_edge.http.errors import ApiError, bad_request, model_not_found
 from iop_edge.runtime.runs.dispatch import RunPlan
 from schemas import wire
 from schemas.config import ModelEntry, PrincipalToken
+from schemas.hosted_tools import HostedTools
 from schemas.protocols import CallerProtocol
 
 __all__ = [
@@ -86,6 +87,7 @@ class Caller:
         protocol: CallerProtocol = "chat",
         caller_headers: dict[str, str] | None = None,
         keep_output: bool = False,
+        hosted_tools: HostedTools = "drop",
     ) -> RunPlan:
         """The plan of this caller's request: its ids and principal go with the run, and
         it is a long run when its prompt estimate reaches the snapshot's threshold."""
@@ -106,6 +108,7 @@ class Caller:
             protocol=protocol,
             caller_headers=caller_headers if caller_headers is not None else {},
             keep_output=keep_output,
+            hosted_tools=hosted_tools,
         )
 
 

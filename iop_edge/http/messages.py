@@ -105,6 +105,7 @@ def plan_messages(
         caller_wants_usage=True,  # usage is part of every Messages reply and stream
         protocol="messages",
         caller_headers=caller.anthropic_headers,
+        hosted_tools=model.generation.hosted_tools,
     )
 
 

@@ -142,6 +142,7 @@ class ResponsesSurface:
             caller_wants_usage=True,  # usage is part of every Responses reply and stream
             protocol="responses",
             keep_output=view.store,
+            hosted_tools=model.generation.hosted_tools,
         )
         if not view.store:
             return plan, None

@@ -88,6 +88,7 @@ from iop_edge.runtime.runs.dispatch import (
 from iop_edge.runtime.runs.limits import NO_RATE_LIMITS
 from iop_edge.runtime.runs.scheduler import AdmissionError
 from schemas import wire
+from schemas.hosted_tools import DROPPED_TOOLS_HEADER, hosted_tool_types
 from schemas.protocols import CallerProtocol
 from schemas.telemetry import valid_traceparent, valid_tracestate
 
@@ -194,6 +195,7 @@ class _Request:
                 self.anthropic[key] = text if joined is None else f"{joined},{text}"
 
 
+_DROPPED_TOOLS: Final = DROPPED_TOOLS_HEADER.encode()
 #: The caller's protocol headers a native Messages upstream sees as they were sent.
 _ANTHROPIC_HEADERS: Final = frozenset({b"anthropic-version", b"anthropic-beta"})
 
@@ -204,6 +206,7 @@ class _Reply:
     __slots__ = (
         "_send",
         "complete",
+        "dropped_tools",
         "error_code",
         "protocol",
         "provider",
@@ -225,6 +228,9 @@ class _Reply:
         self.status = 499
         """The status the caller was answered with (499 until a response starts)."""
         self.error_code: str | None = None
+        self.dropped_tools: str | None = None
+        """The hosted tool types the run leaves out (`schemas.hosted_tools`), for the
+        `iop-dropped-tools` header; None: none."""
         self.complete = False
         """The last body message is on its way: a disconnect from now on is the normal end
         of the exchange (Hypercorn reports one once the response is written)."""
@@ -233,6 +239,8 @@ class _Reply:
         headers = [(b"x-request-id", self.request_id.encode()), (b"server-timing", timing.header())]
         if self.provider is not None:
             headers.append((b"x-iop-provider", self.provider.encode()))
+        if self.dropped_tools is not None:
+            headers.append((_DROPPED_TOOLS, self.dropped_tools.encode()))
         headers += extra
         headers += rate_limit_headers(self.rate_limits, self.protocol)
         return headers
@@ -470,6 +478,7 @@ class RunEndpoints:
                 timing.upstream_s = run.timings.upstream_s
                 reply.rate_limits = run.rate_limits
             reply.provider = run.provider_id
+            reply.dropped_tools = self._dropped_tools(plan, run.provider_id)
             if plan.stream:
                 await self._relay_stream(run, reply, timing, to_store)
             else:
@@ -479,6 +488,17 @@ class RunEndpoints:
             raise
         finally:
             run.end(CALLER_GONE)  # a no-op unless the caller left before the run ended
+
+    def _dropped_tools(self, plan: RunPlan, provider_id: str) -> str | None:
+        """The hosted tools a run on `provider_id` leaves out, comma-separated: those of
+        a Messages or Responses request the provider's Node translates (as far as the
+        Edge knows: the Node's last status), unless the model refuses them instead
+        (`schemas.hosted_tools` Rule 2)."""
+        if plan.protocol == "chat" or plan.hosted_tools != "drop":
+            return None
+        if self._dispatcher.scheduler.speaks(provider_id, plan.protocol):
+            return None
+        return ", ".join(hosted_tool_types(plan.protocol, plan.body)) or None
 
     async def _refuse(self, run: Run, error: ApiError, reply: _Reply, timing: _Timing) -> None:
         """Answer with `error`; the reply carries the same timing (every failed attempt's

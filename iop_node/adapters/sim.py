@@ -8,11 +8,15 @@ a GPU:
 - time to first token is `adapter.ttft_ms` (default 20), then one token per chunk at
   `adapter.tokens_per_second` (default 200), on an absolute schedule so the pace does not
   drift with back-pressure;
-- it generates exactly `max_completion_tokens` / `max_tokens` tokens (default 16, at
-  most `MAX_TOKENS`, its "context length"), so every response ends with
-  `finish_reason: "length"`;
+- what it says depends on `adapter.reply.mode`. `fill` (the default, what tests and
+  benchmarks measure with): exactly `max_completion_tokens` / `max_tokens` tokens
+  (default 16, at most `MAX_TOKENS`, its "context length"), so every response ends with
+  `finish_reason: "length"`, and never a tool call. `model` (the demo's): a reply of a
+  natural length that ends with `stop`, and tool calls when tools are offered
+  (`sim_replies` has the rules);
 - the text is deterministic: words cycled from a fixed list, starting at an offset
-  derived from the prompt, so the same request always yields the same text;
+  derived from the prompt (and, in `model` mode, `reply.seed`), so the same request
+  always yields the same text;
 - usage numbers are real: prompt tokens come from `schemas.tokens`, the same estimator
   the Edge uses for admission, and completion tokens are the tokens generated;
 - every wait is a Trio sleep, so cancelling the run's scope stops it at once, and no
@@ -20,11 +24,13 @@ a GPU:
   one at a time, and embeddings are bounded in count and size and computed with a
   checkpoint per input.
 
-Responses are OpenAI objects (`chat.completion[.chunk]`, `text_completion`, embedding
-`list`), encoded with msgspec from the shared Structs of `schemas.openai`; like the
-engines it imitates, it sends `logprobs: null` in every choice. A completion request produces one
-choice (a list `prompt` seeds one text); embeddings honour `dimensions` and the
-`encoding_format: base64` the official SDKs ask for by default.
+It speaks chat completions only: a Messages or Responses run reaches it translated by
+the Node (`protocol_run`), tool calls included. Responses are OpenAI objects
+(`chat.completion[.chunk]`, `text_completion`, embedding `list`), encoded with msgspec
+from the shared Structs of `schemas.openai`; like the engines it imitates, it sends
+`logprobs: null` in every choice. A completion request produces one choice (a list
+`prompt` seeds one text); embeddings honour `dimensions` and the `encoding_format:
+base64` the official SDKs ask for by default.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import trio
 from msgspec import UNSET, UnsetType
 
 from iop_node.adapters.base import AdapterError, Emit, RunResult
+from iop_node.adapters.sim_replies import WORDS, PlannedCall, ReplyPlan, plan_reply, plan_text
 from schemas.config import ProviderConfig
 from schemas.openai import (
     AssistantMessage,
@@ -52,10 +59,12 @@ from schemas.openai import (
     Embedding,
     EmbeddingList,
     EmbeddingUsage,
+    FunctionCall,
     TextChoice,
     TextCompletion,
+    ToolCall,
 )
-from schemas.tokens import estimate_input_tokens
+from schemas.tokens import CHARS_PER_TOKEN, estimate_input_tokens
 from schemas.wire import FailureCode, ProviderStatus, Run, Usage
 
 DEFAULT_MAX_TOKENS = 16
@@ -69,14 +78,6 @@ MAX_EMBEDDING_INPUTS = 2048
 #: Bound on inputs x dimensions: the response stays a few MB and the work a few hundred
 #: milliseconds, spread over checkpoints.
 MAX_EMBEDDING_VALUES = 1 << 20
-
-#: The vocabulary of the simulated engine. Any fixed list works; this one reads well.
-WORDS: tuple[str, ...] = (
-    "the", "engine", "answers", "with", "simulated", "tokens", "that", "arrive",
-    "at", "a", "steady", "pace", "while", "the", "gateway", "routes", "each",
-    "request", "to", "a", "provider", "slot", "and", "streams", "every", "chunk",
-    "back", "through", "one", "calm", "endpoint", "today",
-)  # fmt: skip
 
 
 _encode = msgspec.json.Encoder().encode
@@ -118,18 +119,32 @@ class SimAdapter:
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise _invalid("`messages` must be a list")
-        pieces = _generate(_encode(messages), _max_tokens(body))
-        usage = _usage(body, len(pieces))
+        if self.provider.adapter.reply.mode == "model":
+            # A model without `max_tokens` stops by itself, within its context.
+            cap = _max_tokens(body, default=MAX_TOKENS)
+            plan = plan_reply(body, self.provider.adapter.reply, cap)
+        else:
+            plan = ReplyPlan(_generate(_encode(messages), _max_tokens(body)), None, "length")
+        pieces, finish_reason = plan.pieces, plan.finish_reason
+        call_pieces = _argument_pieces(plan.call)
+        usage = _usage(body, len(pieces) + len(call_pieces))
         completion_id, created = f"chatcmpl-{run.request_id or run.run_id}", int(time.time())
         start = trio.current_time()
         if not run.stream:
-            await self._until_token(start, len(pieces) - 1)
-            message = AssistantMessage(content="".join(pieces))
+            await self._until_token(start, usage.completion_tokens - 1)
+            if plan.call is None:
+                message = AssistantMessage(content="".join(pieces))
+            else:
+                call = plan.call
+                function = FunctionCall(name=call.name, arguments=call.arguments)
+                tool_call = ToolCall(id=call.id, type="function", function=function)
+                message = AssistantMessage(content=None, tool_calls=[tool_call])
+            choice = ChatChoice(message=message, logprobs=None, finish_reason=finish_reason)
             response = ChatCompletion(
                 id=completion_id,
                 created=created,
                 model=run.target,
-                choices=[ChatChoice(message=message, logprobs=None, finish_reason="length")],
+                choices=[choice],
                 usage=CompletionUsage.of(usage),
             )
             return RunResult(usage=usage, response=_encode(response))
@@ -147,7 +162,20 @@ class SimAdapter:
         for index, piece in enumerate(pieces):
             await self._until_token(start, index)
             await emit(chunk(Delta(content=piece)))
-        await emit(chunk(Delta(), finish_reason="length"))
+        if plan.call is not None:
+            call = plan.call
+            for index, fragment in enumerate(call_pieces):
+                await self._until_token(start, index)
+                first = index == 0
+                function = FunctionCall(name=call.name if first else None, arguments=fragment)
+                tool_call = ToolCall(
+                    index=0,
+                    id=call.id if first else None,
+                    type="function" if first else None,
+                    function=function,
+                )
+                await emit(chunk(Delta(tool_calls=[tool_call])))
+        await emit(chunk(Delta(), finish_reason=finish_reason))
         if _include_usage(body):
             last = ChatCompletionChunk(
                 id=completion_id,
@@ -163,7 +191,11 @@ class SimAdapter:
         prompt = body.get("prompt")
         if prompt is None:
             raise _invalid("`prompt` is required")
-        pieces = _generate(_encode(prompt), _max_tokens(body))
+        if self.provider.adapter.reply.mode == "model":
+            plan = plan_text(prompt, self.provider.adapter.reply, _max_tokens(body, MAX_TOKENS))
+        else:
+            plan = ReplyPlan(_generate(_encode(prompt), _max_tokens(body)), None, "length")
+        pieces, finish_reason = plan.pieces, plan.finish_reason
         usage = _usage(body, len(pieces))
         completion_id, created = f"cmpl-{run.request_id or run.run_id}", int(time.time())
         start = trio.current_time()
@@ -183,14 +215,14 @@ class SimAdapter:
 
         if not run.stream:
             await self._until_token(start, len(pieces) - 1)
-            choice = TextChoice(text="".join(pieces), finish_reason="length")
+            choice = TextChoice(text="".join(pieces), finish_reason=finish_reason)
             return RunResult(usage=usage, response=completion([choice], CompletionUsage.of(usage)))
 
         for index, piece in enumerate(pieces):
             await self._until_token(start, index)
             await emit(completion([TextChoice(text=piece)]))
         await self._until_token(start, 0)  # no-op unless zero tokens were asked for
-        await emit(completion([TextChoice(text="", finish_reason="length")]))
+        await emit(completion([TextChoice(text="", finish_reason=finish_reason)]))
         if _include_usage(body):
             await emit(completion([], CompletionUsage.of(usage)))
         return RunResult(usage=usage)
@@ -250,7 +282,7 @@ def _invalid(message: str) -> AdapterError:
     return AdapterError(FailureCode.INVALID_REQUEST, message, status=400)
 
 
-def _max_tokens(body: dict[str, Any]) -> int:
+def _max_tokens(body: dict[str, Any], default: int = DEFAULT_MAX_TOKENS) -> int:
     for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)
         if value is None:
@@ -260,7 +292,7 @@ def _max_tokens(body: dict[str, Any]) -> int:
         if value > MAX_TOKENS:
             raise _invalid(f"`{key}` must be at most {MAX_TOKENS} (this engine's context)")
         return value
-    return DEFAULT_MAX_TOKENS
+    return default
 
 
 def _generate(seed: bytes, count: int) -> list[str]:
@@ -269,6 +301,15 @@ def _generate(seed: bytes, count: int) -> list[str]:
     return [
         ("" if index == 0 else " ") + WORDS[(offset + index) % len(WORDS)] for index in range(count)
     ]
+
+
+def _argument_pieces(call: PlannedCall | None) -> list[str]:
+    """A tool call's arguments as it streams them: one token's worth of text a chunk
+    (`schemas.tokens`' characters per token), at least one chunk (`{}` is one token)."""
+    if call is None:
+        return []
+    text = call.arguments
+    return [text[i : i + CHARS_PER_TOKEN] for i in range(0, len(text), CHARS_PER_TOKEN)] or [""]
 
 
 def _usage(body: dict[str, Any], completion_tokens: int) -> Usage:

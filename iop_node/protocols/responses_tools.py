@@ -16,8 +16,9 @@ mapping lives in one place, built from the request by both directions:
 Every other type is a tool OpenAI's service runs (`web_search`, `file_search`,
 `code_interpreter`, `mcp`, ...) or one built into OpenAI's models (`local_shell`,
 `shell`, `apply_patch`, `computer`): a chat runtime has neither, so the request is
-refused with the tool named. Codex offers `web_search` unless its config says
-`web_search = "disabled"`.
+refused with the tool named. Those OpenAI's service runs (Codex offers `web_search`
+unless its config says `web_search = "disabled"`) are left out of a translated run
+before it gets here, unless the model refuses them (`schemas.hosted_tools`).
 """
 
 from __future__ import annotations

@@ -132,6 +132,24 @@ def messages_error(message: str, status: int) -> bytes:
     return _dumps({"type": "error", "error": error})
 
 
+def unknown_input(payload: dict[str, Any], headers: dict[str, str]) -> str | None:
+    """The first of Anthropic's beta extras a strict runtime does not know, in a Messages
+    request: its `anthropic-beta` header, `context_management`, a `cache_control.ttl`."""
+    if any(name.lower() == "anthropic-beta" for name in headers):
+        return "anthropic-beta"
+    if "context_management" in payload:
+        return "context_management"
+    if '"ttl"' in json.dumps(payload, separators=(",", ":")):
+        return "cache_control.ttl"
+    return None
+
+
+def extra_forbidden(field: str) -> bytes:
+    """A strict runtime's 400 for an input it does not know (pydantic's words, in
+    Anthropic's error shape)."""
+    return messages_error(f"{field}: Extra inputs are not permitted", 400)
+
+
 def in_band_error(operation: str, message: str) -> tuple[str, bytes]:
     """The event a runtime sends when generation fails mid-stream: Anthropic's `error`
     event, or Responses' `response.failed` (whose response carries the error)."""

@@ -301,6 +301,11 @@ class FakeUpstream:
     ends at once."""
     empty_streams: bool = False
     """Every stream is answered with a 200 whose body ends at once."""
+    strict_messages: bool = False
+    """A native Messages request with an input a strict runtime does not know (an
+    `anthropic-beta` header, `context_management`, a `cache_control.ttl`) is answered
+    400 "Extra inputs are not permitted", naming the first one, as a runtime validating
+    with pydantic's `extra = "forbid"` answers (`fake_protocols.unknown_input`)."""
 
     requests: deque[RecordedRequest] = field(
         init=False, default_factory=lambda: deque(maxlen=_MAX_RECORDED)
@@ -518,6 +523,11 @@ class FakeUpstream:
             await self._send_json(stream, conn, self.status, body)
             return
         payload = json.loads(request.body)
+        if operation == "messages" and self.strict_messages:
+            unknown = fake_protocols.unknown_input(payload, request.headers)
+            if unknown is not None:
+                await self._send_json(stream, conn, 400, fake_protocols.extra_forbidden(unknown))
+                return
         tokens = prompt_tokens(payload)
         overflow = self.context_tokens is not None and tokens > self.context_tokens
         if payload.get("stream") and (overflow or self.empty_streams):

@@ -28,6 +28,9 @@ PLACEHOLDERS: Final = (URL_PLACEHOLDER, TOKEN_PLACEHOLDER, MODEL_PLACEHOLDER)
 CLAUDE_ENV: Final = "claude-code-env"
 CODEX_CONFIG: Final = "codex-config"
 CODEX_ENV: Final = "codex-env"
+#: The command lines the page runs against `iop-edge demo`.
+DEMO_CLAUDE: Final = "demo-claude"
+DEMO_CODEX: Final = "demo-codex"
 
 _SNIPPET = re.compile(
     r"^<!-- tested: (?P<name>[a-z0-9-]+) -->\n```(?P<lang>[a-z]*)\n(?P<body>.*?)^```$",
@@ -116,3 +119,12 @@ def codex_config(target: Target) -> str:
 def codex_env(target: Target) -> dict[str, str]:
     """The environment the page sets for Codex, filled in for `target`."""
     return exports(target.fill(snippet(CODEX_ENV)), name=CODEX_ENV)
+
+
+def command(name: str) -> list[str]:
+    """The argv of the page's one-line command snippet `name` (its first word is the
+    CLI, which a test replaces with the installed one)."""
+    lines = [line for line in snippet(name).body.splitlines() if line.strip()]
+    if len(lines) != 1:
+        raise SettingsError(f"snippet {name!r} must be one command line, not {len(lines)}")
+    return shlex.split(lines[0])

@@ -16,6 +16,8 @@ from tests.agents.settings import (
     CLAUDE_ENV,
     CODEX_CONFIG,
     CODEX_ENV,
+    DEMO_CLAUDE,
+    DEMO_CODEX,
     PAGE,
     PLACEHOLDERS,
     ROOT,
@@ -34,7 +36,7 @@ TARGET = Target(url="http://127.0.0.1:9", token="sk-test", model="m-test")
 
 def test_the_page_has_each_tested_snippet_once_and_nothing_else_marked() -> None:
     names = [found.name for found in snippets(PAGE)]
-    assert sorted(names) == sorted([CLAUDE_ENV, CODEX_CONFIG, CODEX_ENV])
+    assert sorted(names) == sorted([CLAUDE_ENV, CODEX_CONFIG, CODEX_ENV, DEMO_CLAUDE, DEMO_CODEX])
     assert (snippet(CLAUDE_ENV).lang, snippet(CODEX_CONFIG).lang) == ("sh", "toml")
     text = PAGE.read_text()
     for placeholder in PLACEHOLDERS:

@@ -101,6 +101,7 @@ from iop_edge.runtime.runs.limits import (
 )
 from iop_edge.runtime.runs.scheduler import AdmissionError, Lease, NoProvider, Scheduler
 from schemas import wire
+from schemas.hosted_tools import HostedTools
 from schemas.protocols import CallerProtocol
 from schemas.tokens import OutputTally
 
@@ -164,6 +165,9 @@ class RunPlan:
     keep_output: bool = False
     """The Edge stores the run's result: the Node returns the final response object in
     `run_done.response`, a stream's too."""
+    hosted_tools: HostedTools = "drop"
+    """The model's `generation.hosted_tools`: what a translated run does with tools only
+    a vendor's service runs."""
     trace: RequestTrace | None = None
     """The request's span when the Edge traces (`metering.tracing`): the run adds its
     admission, failed attempts and failovers, and its record when it ends."""
@@ -823,6 +827,7 @@ class Dispatcher:
             caller_headers=plan.caller_headers,
             keep_output=plan.keep_output,
             hold_tail=plan.stream,
+            hosted_tools=plan.hosted_tools,
             traceparent=plan.traceparent,
             tracestate=plan.tracestate,
         )

@@ -603,6 +603,12 @@ class Scheduler:
         else:
             self._notify_changed()
 
+    def speaks(self, provider_id: str, protocol: CallerProtocol) -> bool:
+        """Whether the provider speaks `protocol` natively, as far as the Edge knows now
+        (an unknown provider: no)."""
+        state = self._states.get(provider_id)
+        return state is not None and state.speaks(protocol)
+
     def provider_saturated(self, provider_id: str) -> None:
         """The node answered `busy`: count the provider full until its next load report."""
         state = self._states.get(provider_id)
