@@ -14,8 +14,9 @@ Rules:
    permitted or not known (`Extra inputs are not permitted`, pydantic's
    `extra_forbidden`, "unrecognized", "unknown field", "unexpected keyword",
    "additional properties") or names one of the extras (`context_management`, `ttl`,
-   `anthropic-beta`). Then the run is sent once more without them (`without_betas`): no `anthropic-beta` header, no
-   `context_management`, no `ttl` in any `cache_control` (the marker itself stays).
+   `anthropic-beta`). Then the run is sent once more without them (`without_betas`): no
+   `anthropic-beta` header, no `context_management`, no `ttl` in any `cache_control` (the
+   marker itself stays).
 3. When that second attempt succeeds, the provider refuses extras (the Node remembers
    it for the adapter's life, as it remembers protocols: `ProtocolSupport`, logged
    once), and its later runs go without them from the start. When it is refused again,
