@@ -339,6 +339,8 @@ class Edge:
                 provider.lifecycle,
                 provider.detail,
                 protocols=provider.protocols,
+                model_states=provider.model_states,
+                max_loaded=provider.max_loaded,
             )
 
     def _on_load(self, node_id: str, load: wire.Load) -> None:

@@ -12,7 +12,7 @@ import msgspec
 
 from schemas.config import Category, ProviderType
 from schemas.protocols import CallerProtocol
-from schemas.wire import Health
+from schemas.wire import Health, ModelState
 
 
 class CatalogRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -77,6 +77,13 @@ class CatalogProvider(CatalogRecord, frozen=True, kw_only=True):
     """The caller protocols it speaks natively (design §14), as its Node last reported
     them, else as configured (`adapter.protocols` or the type's default); it serves the
     others translated to chat by its Node."""
+    model_states: list[ModelState] | None = None
+    """Each served model's load state in the runtime (`loaded`, `loading`, `unloaded`,
+    `sleeping`, `failed` with a reason; design §18), as its Node last reported them; null
+    when the runtime does not say (its models count as loaded)."""
+    max_loaded: int | None = None
+    """How many models the runtime keeps loaded at once, where it says (llama.cpp's
+    `--models-max`)."""
 
 
 class CatalogModel(CatalogRecord, frozen=True, kw_only=True):

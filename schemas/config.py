@@ -17,12 +17,16 @@ from msgspec import Meta
 from schemas.limits import MAX_PAYLOAD_BYTES
 from schemas.protocols import CallerProtocol, default_protocols
 
-ProviderType = Literal["ollama", "vllm", "sglang", "lemonade", "openai_api", "cli", "sim"]
+ProviderType = Literal[
+    "ollama", "vllm", "sglang", "lemonade", "lmstudio", "openai_api", "cli", "sim"
+]
 Category = Literal["api", "cli", "local_inference"]
 LifecycleFlag = Literal["list_models", "load_model", "unload_model", "pull_model", "delete_model"]
 
 #: Provider types that speak the OpenAI HTTP API upstream.
-OPENAI_COMPATIBLE_TYPES: frozenset[str] = frozenset({"vllm", "sglang", "lemonade", "openai_api"})
+OPENAI_COMPATIBLE_TYPES: frozenset[str] = frozenset(
+    {"vllm", "sglang", "lemonade", "lmstudio", "openai_api"}
+)
 
 NonEmptyStr = Annotated[str, Meta(min_length=1)]
 Sha256Hex = Annotated[

@@ -341,6 +341,21 @@ class RefreshAck(Message, tag="refresh_ack", frozen=True, kw_only=True):
     error: str | None = None
 
 
+ModelLoadState = Literal["loaded", "loading", "unloaded", "sleeping", "failed"]
+"""Where a served model stands in its runtime's memory (design §18): `loaded` runs start
+at once; `loading` is on its way; `unloaded` and `sleeping` need a load (a sleeping one,
+vLLM's sleep mode, wakes in seconds); `failed` could not be loaded (`reason` says why)."""
+
+
+class ModelState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One served model's state in its runtime, as the runtime itself reports it."""
+
+    name: str
+    """The served model name (`models[].providers`' value), as the runtime lists it."""
+    state: ModelLoadState
+    reason: str | None = None
+
+
 class ProviderStatus(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Not tracked by the cycle collector (`gc=False`): strings and lists of them, never a
     cycle, and a fleet's Nodes send thousands a second while a refresh is pushed."""
@@ -356,6 +371,12 @@ class ProviderStatus(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The caller protocols the provider speaks natively as its Node knows now: the
     configured ones less any the upstream answered 404/405 on (design §14); None when the
     Node does not say (the Edge then assumes the configured ones)."""
+    model_states: list[ModelState] | None = None
+    """Each served model's load state, from the runtime's lifecycle API (design §18); None
+    when the runtime does not say (every model it lists is then taken as loaded)."""
+    max_loaded: int | None = None
+    """How many models the runtime keeps loaded at once, where it says (llama.cpp's
+    `--models-max`); None: it does not say."""
 
 
 class Status(Message, tag="status", frozen=True, kw_only=True):
