@@ -301,6 +301,19 @@ class FakeUpstream:
     ends at once."""
     empty_streams: bool = False
     """Every stream is answered with a 200 whose body ends at once."""
+    lifecycle: str | None = None
+    """The lifecycle API it speaks of its models' load states (`model_states`):
+    "llama_router" (a `status` in each `/v1/models` entry, `/props` with `max_instances`),
+    "ollama" (`/api/ps`), "lmstudio" (`/api/v1/models`), "vllm_sleep" (`/is_sleeping`);
+    None: none (`/props`, `/api/ps`, `/is_sleeping` answer 404)."""
+    loaded: set[str] = field(default_factory=set)
+    """With `lifecycle`: the models in memory (the others are on disk)."""
+    failed: dict[str, int] = field(default_factory=dict)
+    """With "llama_router": models whose instance exited, and its exit code."""
+    sleeping: bool = False
+    """With "vllm_sleep": the engine is asleep."""
+    max_loaded: int = 0
+    """With "llama_router": `--models-max` (0: no bound)."""
 
     requests: deque[RecordedRequest] = field(
         init=False, default_factory=lambda: deque(maxlen=_MAX_RECORDED)
@@ -413,8 +426,16 @@ class FakeUpstream:
         if request.method == "GET" and request.path == "/v1/models":
             if self.models_status != 200:
                 return self.models_status, error_body(self.error_message, self.models_status)
-            listing = [{"id": m, "object": "model", "owned_by": "fake"} for m in self.models]
+            listing: list[dict[str, Any]] = [
+                {"id": m, "object": "model", "owned_by": "fake"} for m in self.models
+            ]
+            if self.lifecycle == "llama_router":
+                for entry in listing:
+                    entry["status"] = self._router_status(entry["id"])
             return 200, _dumps({"object": "list", "data": listing})
+        lifecycle = self._answer_lifecycle(request)
+        if lifecycle is not None:
+            return lifecycle
         if request.method == "GET" and request.path == "/api/tags":
             tags = [
                 {"name": m, "model": m, "modified_at": "2025-01-01T00:00:00Z", "size": 1}
@@ -442,6 +463,34 @@ class FakeUpstream:
             if answer is not None:
                 return answer
         return 404, error_body(f"no route for {request.method} {request.path}", 404)
+
+    def _router_status(self, model: str) -> dict[str, Any]:
+        if model in self.failed:
+            return {"value": "unloaded", "failed": True, "exit_code": self.failed[model]}
+        return {"value": "loaded" if model in self.loaded else "unloaded", "args": ["llama"]}
+
+    def _answer_lifecycle(self, request: RecordedRequest) -> tuple[int, bytes] | None:
+        """The lifecycle dialect's own routes (`lifecycle`), or None for any other."""
+        if request.method != "GET":
+            return None
+        match (self.lifecycle, request.path):
+            case ("llama_router", "/props"):
+                return 200, _dumps({"role": "router", "max_instances": self.max_loaded})
+            case ("ollama", "/api/ps"):
+                return 200, _dumps({"models": [{"name": m} for m in sorted(self.loaded)]})
+            case ("lmstudio", "/api/v1/models"):
+                models = [
+                    {
+                        "type": "llm",
+                        "key": m,
+                        "loaded_instances": [{"id": m}] if m in self.loaded else [],
+                    }
+                    for m in self.models
+                ]
+                return 200, _dumps({"models": models})
+            case ("vllm_sleep", "/is_sleeping"):
+                return 200, _dumps({"is_sleeping": self.sleeping})
+        return None
 
     async def _respond(
         self, stream: trio.SocketStream, conn: h11.Connection, request: RecordedRequest
