@@ -1,4 +1,4 @@
-"""IOP in front of llama.cpp's own server in router mode (`../shared/llama-server`).
+"""IOP in front of llama.cpp's own server in router mode (the prebuilt `llama-server`).
 
 A router (`llama-server --models-dir DIR --models-max 1`) serves every GGUF file in DIR as
 a model of that name and keeps at most one loaded: a request for another unloads it and
