@@ -118,6 +118,15 @@ class HealthMonitor:
             if self._record(provider_id, self._statuses[provider_id]):
                 await self._report()
 
+    async def probe_now(self, provider_id: str) -> None:
+        """Probe one provider at once and report what changed: a load or unload the Node
+        just made, so the Edge hears the new states before the command's answer."""
+        adapter = self._adapters.get(provider_id)
+        if adapter is not None and self._record(
+            provider_id, await self._check(provider_id, adapter)
+        ):
+            await self._report()
+
     async def _watch(self, provider_id: str, adapter: Adapter) -> None:
         interval_s = adapter.provider.adapter.health_interval_s
         while True:

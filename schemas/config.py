@@ -232,6 +232,9 @@ class AdapterSettings(ConfigStruct, frozen=True, kw_only=True):
     connect_timeout_s: PositiveFloat = 5.0
     first_byte_timeout_s: PositiveFloat | None = None
     health_interval_s: PositiveFloat = 10.0
+    load_timeout_s: PositiveFloat = 300.0
+    """How long the runtime may take to load (or wake) a model the Edge asked for (design
+    §18): a load not done by then fails."""
     protocols: list[CallerProtocol] | None = None
     """The caller protocols the upstream speaks natively (design §14); None = the type's
     default (`schemas.protocols.DEFAULT_PROTOCOLS`). An explicit list is trusted: the Node

@@ -46,7 +46,9 @@ from schemas.protocols import CallerProtocol
 #: `config_time` in `welcome` and `refresh`.
 #: 4: caller protocols (`messages`, `responses`, `count_tokens` operations,
 #: `run.caller_headers`, `run.keep_output`, `ProviderStatus.protocols`).
-PROTOCOL_VERSION = 4
+#: 5: models' load states (`ProviderStatus.model_states`, `max_loaded`) and the Edge's
+#: `model_command` (load or unload a model on a provider), answered `model_command_done`.
+PROTOCOL_VERSION = 5
 
 
 Operation = Literal["chat", "completion", "embedding", "messages", "responses", "count_tokens"]
@@ -411,8 +413,35 @@ class GoAway(Message, tag="goaway", frozen=True, kw_only=True):
     reason: str = ""
 
 
-EdgeToNode = Welcome | Reject | Run | Cancel | Refresh | GoAway
-NodeToEdge = Hello | Reject | RunEvents | RefreshAck | Status | Load
+# --- models on demand (design §18) ---------------------------------------------------------
+
+ModelAction = Literal["load", "unload"]
+
+
+class ModelCommand(Message, tag="model_command", frozen=True, kw_only=True):
+    """Load (or wake) or unload a served model on one provider (Edge -> Node).
+
+    The Node serialises a provider's commands and answers each with `model_command_done`
+    once the runtime has done it (a load: the model is loaded, or failed); a command
+    equal to one in progress (another Edge's, say) joins it rather than running twice."""
+
+    command_id: str
+    provider_id: str
+    action: ModelAction
+    model: str
+    """The served model name (`models[].providers`' value)."""
+
+
+class ModelCommandDone(Message, tag="model_command_done", frozen=True, kw_only=True):
+    """How a `model_command` ended (Node -> Edge); `error` says why it did not."""
+
+    command_id: str
+    ok: bool
+    error: str | None = None
+
+
+EdgeToNode = Welcome | Reject | Run | Cancel | Refresh | GoAway | ModelCommand
+NodeToEdge = Hello | Reject | RunEvents | RefreshAck | Status | Load | ModelCommandDone
 
 
 class WireError(Exception):

@@ -7,7 +7,9 @@ model on disk whether loaded or not; its native REST API (LM Studio 0.4+) tells 
 
 - `GET {root}/api/v1/models` -> `{"models": [{"key": ..., "type": "llm",
   "loaded_instances": [{"id": ...}], ...}]}`: a model with an instance is loaded
-  (`model_states.from_lmstudio`); `POST /api/v1/models/load` and `/unload` exist.
+  (`model_states.from_lmstudio`);
+- `POST {root}/api/v1/models/load` (`{"model": key}`) loads one more instance of a model
+  and `POST {root}/api/v1/models/unload` (`{"instance_id": id}`) unloads one.
 
 An LM Studio before 0.4 answers 404 there: its models are listed from `/v1/models` and
 their states are not reported.
@@ -17,7 +19,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Final
 
-from iop_node.adapters.model_states import from_lmstudio
+from iop_node.adapters.base import ModelCommandFailed
+from iop_node.adapters.model_states import from_lmstudio, loaded_instances
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
 from schemas.config import LifecycleFlag
 from schemas.wire import ProviderStatus
@@ -43,3 +46,21 @@ class LmStudioAdapter(OpenAICompatAdapter):
             lifecycle=_LIFECYCLE,
             model_states=states,
         )
+
+    async def load_model(self, model: str) -> None:
+        """`base.ModelLifecycle`: LM Studio loads a second instance of a loaded model, so
+        a model already loaded is left as it is."""
+        if model in await self._loaded_instances():
+            return
+        await self._lifecycle.post("/api/v1/models/load", {"model": model})
+
+    async def unload_model(self, model: str) -> None:
+        """Unload every instance of `model`."""
+        for instance in (await self._loaded_instances()).get(model, []):
+            await self._lifecycle.post("/api/v1/models/unload", {"instance_id": instance})
+
+    async def _loaded_instances(self) -> dict[str, list[str]]:
+        native = await self._lifecycle.get_optional("/api/v1/models")
+        if native is None:
+            raise ModelCommandFailed("LM Studio's /api/v1/models did not answer (LM Studio 0.4+)")
+        return loaded_instances(native)

@@ -53,6 +53,7 @@ __all__ = [
     "from_ollama",
     "from_vllm_sleep",
     "llama_router_max_loaded",
+    "loaded_instances",
 ]
 
 
@@ -173,6 +174,19 @@ class _LmStudioModels(msgspec.Struct):
 
 
 LMSTUDIO_DECODER: Final = msgspec.json.Decoder(_LmStudioModels)
+
+
+def loaded_instances(body: bytes) -> dict[str, list[str]]:
+    """LM Studio's `GET /api/v1/models`: each loaded model's instance ids."""
+    try:
+        listing = LMSTUDIO_DECODER.decode(body)
+    except msgspec.DecodeError:
+        return {}
+    return {
+        model.key: [instance.id for instance in model.loaded_instances]
+        for model in listing.models
+        if model.loaded_instances
+    }
 
 
 def from_lmstudio(body: bytes) -> list[ModelState] | None:

@@ -98,3 +98,15 @@ class OllamaAdapter(OpenAICompatAdapter):
             lifecycle=lifecycle_of(version.version),
             model_states=None if running is None else from_ollama(models, running),
         )
+
+    async def load_model(self, model: str) -> None:
+        """`base.ModelLifecycle`: a generate request with no prompt loads the model, kept
+        loaded until the Edge unloads it (`keep_alive: -1`: the Edge owns keep-alive)."""
+        await self._lifecycle.post(
+            "/api/generate", {"model": model, "keep_alive": -1, "stream": False}
+        )
+
+    async def unload_model(self, model: str) -> None:
+        await self._lifecycle.post(
+            "/api/generate", {"model": model, "keep_alive": 0, "stream": False}
+        )

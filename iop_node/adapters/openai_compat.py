@@ -93,9 +93,9 @@ from iop_node.adapters.base import (
     ProbeTimeout,
     RunResult,
 )
-from iop_node.adapters.lifecycle_probe import LifecycleProbe
 from iop_node.adapters.model_states import LLAMA_LISTING_DECODER
 from iop_node.adapters.run_connections import CLOSE_GRACE_S, RunConnections
+from iop_node.adapters.runtime_lifecycle import RuntimeLifecycle
 from iop_node.adapters.sse import SSEDecoder, SSEError
 from iop_node.adapters.tokenizer import TokenizerEndpoint
 from iop_node.adapters.upstream_errors import (
@@ -476,8 +476,11 @@ class OpenAICompatAdapter(NativeRelay):
             follow_redirects=False,
         )
         self._models_url = httpx2.URL(self.base_url + "/models")
-        self._lifecycle = LifecycleProbe(
-            self._client, self.root_url, asks_sleep=provider.type == "vllm"
+        self._lifecycle = RuntimeLifecycle(
+            self._client,
+            self.root_url,
+            self.base_url + "/models",
+            asks_sleep=provider.type == "vllm",
         )
         # Runs skip the httpx2 layer: they go out on connections made by the httpcore2
         # pool the client above routes `base_url` to (see the module doc for why). Asking
@@ -768,6 +771,13 @@ class OpenAICompatAdapter(NativeRelay):
         listing = await self._get_json(self._models_url, LLAMA_LISTING_DECODER, "/models")
         # The OpenAI API lists models; some runtimes say more of their load states.
         return await self._lifecycle.status(self.provider.id, listing)
+
+    async def load_model(self, model: str) -> None:
+        """`base.ModelLifecycle`: a llama.cpp router loads it, a sleeping vLLM wakes."""
+        await self._lifecycle.load(model)
+
+    async def unload_model(self, model: str) -> None:
+        await self._lifecycle.unload(model)
 
     async def _get_json(
         self, url: httpx2.URL | str, decoder: msgspec.json.Decoder[_T], name: str
