@@ -313,7 +313,11 @@ class FakeUpstream:
     sleeping: bool = False
     """With "vllm_sleep": the engine is asleep."""
     max_loaded: int = 0
-    """With "llama_router": `--models-max` (0: no bound)."""
+    """`--models-max` of a router; how many any dialect keeps loaded (0: no bound)."""
+    loading: set[str] = field(default_factory=set)
+    """Models a load was asked for: listed `loading` once, then loaded."""
+    load_order: list[str] = field(default_factory=list)
+    """The loaded models, oldest load first (what a load evicts past `max_loaded`)."""
 
     requests: deque[RecordedRequest] = field(
         init=False, default_factory=lambda: deque(maxlen=_MAX_RECORDED)
@@ -465,12 +469,63 @@ class FakeUpstream:
         return 404, error_body(f"no route for {request.method} {request.path}", 404)
 
     def _router_status(self, model: str) -> dict[str, Any]:
+        if model in self.loading:
+            self.loading.discard(model)
+            self._load(model)
+            return {"value": "loading"}
         if model in self.failed:
             return {"value": "unloaded", "failed": True, "exit_code": self.failed[model]}
         return {"value": "loaded" if model in self.loaded else "unloaded", "args": ["llama"]}
 
+    def _load(self, model: str) -> None:
+        """Hold `model`, evicting the models loaded longest ago past `max_loaded`."""
+        self.loaded.add(model)
+        self.load_order = [m for m in self.load_order if m != model] + [model]
+        while self.max_loaded and len(self.loaded) > self.max_loaded:
+            self.loaded.discard(self.load_order.pop(0))
+
+    def _command(self, request: RecordedRequest) -> tuple[int, bytes] | None:
+        """A lifecycle dialect's load and unload routes, as each runtime answers them."""
+        body = json.loads(request.body or b"{}")
+        model = body.get("model", "")
+        match (self.lifecycle, request.path):
+            case ("llama_router", "/models/load"):
+                if model not in self.models:
+                    return 404, error_body("File Not Found", 404)
+                if model in self.loaded:
+                    return 400, error_body("model is already running", 400)
+                if model not in self.failed:  # a failed one stays failed
+                    self.loading.add(model)  # loaded by the next listing (its load takes time)
+                return 200, _dumps({"success": True})
+            case ("llama_router", "/models/unload"):
+                if model not in self.loaded:
+                    return 400, error_body("model is not running", 400)
+                self.loaded.discard(model)
+                return 200, _dumps({"success": True})
+            case ("ollama", "/api/generate"):
+                if body.get("keep_alive") == 0:
+                    self.loaded.discard(model)
+                else:
+                    self._load(model)
+                return 200, _dumps({"model": model, "done": True, "response": ""})
+            case ("lmstudio", "/api/v1/models/load"):
+                self._load(model)
+                return 200, _dumps({"type": "llm", "instance_id": model, "status": "loaded"})
+            case ("lmstudio", "/api/v1/models/unload"):
+                self.loaded.discard(body.get("instance_id", ""))
+                return 200, _dumps({"instance_id": body.get("instance_id")})
+            case ("vllm_sleep", "/wake_up"):
+                self.sleeping = False
+                return 200, b""
+            case ("vllm_sleep", path) if path.partition("?")[0] == "/sleep":
+                self.sleeping = True
+                return 200, b""
+        return None
+
     def _answer_lifecycle(self, request: RecordedRequest) -> tuple[int, bytes] | None:
         """The lifecycle dialect's own routes (`lifecycle`), or None for any other."""
+        if request.method == "POST":
+            return self._command(request)
         if request.method != "GET":
             return None
         match (self.lifecycle, request.path):
