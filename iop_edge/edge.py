@@ -70,6 +70,7 @@ from iop_edge.runtime.metering.metrics import EdgeMetrics
 from iop_edge.runtime.metering.response_store import ResponseStore
 from iop_edge.runtime.metering.tracing import edge_tracing
 from iop_edge.runtime.metering.usage import UsageReport
+from iop_edge.runtime.models.commands import ModelCommands
 from iop_edge.runtime.nodes.heartbeat import fleet_interval
 from iop_edge.runtime.nodes.hub import (
     HANDSHAKE_TIMEOUT_S,
@@ -233,6 +234,12 @@ class Edge:
             audit=AuditLog(Path(config.edge.state_dir)),
             proof=parsed.proof,
         )
+        self.model_commands = ModelCommands(
+            snapshot=lambda: self._snapshot,
+            providers=self.scheduler.catalog_providers,
+            session_of=self.hub.session,
+            state_dir=Path(config.edge.state_dir),
+        )
         overrides = listeners or Listeners()
         self._listen: dict[Role, str] = {
             "openai": overrides.openai or config.openai.listen,
@@ -339,6 +346,8 @@ class Edge:
                 provider.lifecycle,
                 provider.detail,
                 protocols=provider.protocols,
+                model_states=provider.model_states,
+                max_loaded=provider.max_loaded,
             )
 
     def _on_load(self, node_id: str, load: wire.Load) -> None:
@@ -384,6 +393,7 @@ class Edge:
             activity=self.activity.report,
             refuse_refresh=self.refresher.refuse_unreadable,
             restart=self.restart,
+            model_command=partial(self.model_commands.run, source="admin API"),
         )
 
     # --- observation ------------------------------------------------------------------

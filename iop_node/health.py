@@ -30,6 +30,10 @@ when some provider's health or model list changed.
   interval (plus the probe timeout).
 - Reports are serialised and each one is taken when it is sent, so the last report the
   Edge receives always describes the latest state.
+- A status carries each served model's load state where the runtime reports it (design
+  §18); a change of state (a model loaded or unloaded by the runtime, or by another
+  client) is reported like a change of health. A busy provider is not asked, so it
+  keeps the states of its last probe.
 - Every status names the caller protocols the provider speaks natively as the Node knows
   now (`protocol_support`, design §14). When a run finds that the upstream lacks one, the
   change is reported at once, not at the next probe: the Edge stops preferring the
@@ -114,6 +118,15 @@ class HealthMonitor:
             if self._record(provider_id, self._statuses[provider_id]):
                 await self._report()
 
+    async def probe_now(self, provider_id: str) -> None:
+        """Probe one provider at once and report what changed: a load or unload the Node
+        just made, so the Edge hears the new states before the command's answer."""
+        adapter = self._adapters.get(provider_id)
+        if adapter is not None and self._record(
+            provider_id, await self._check(provider_id, adapter)
+        ):
+            await self._report()
+
     async def _watch(self, provider_id: str, adapter: Adapter) -> None:
         interval_s = adapter.provider.adapter.health_interval_s
         while True:
@@ -158,12 +171,13 @@ class HealthMonitor:
         protocols = self._protocols[provider_id].protocols()
         if status.protocols != protocols:
             status = msgspec.structs.replace(status, protocols=protocols)
+        if status.health == "busy" and status.model_states is None:
+            # A busy provider was not asked: what it holds is what it held.
+            status = msgspec.structs.replace(
+                status, model_states=previous.model_states, max_loaded=previous.max_loaded
+            )
         self._statuses[provider_id] = status
-        changed = (previous.health, previous.models, previous.protocols) != (
-            status.health,
-            status.models,
-            status.protocols,
-        )
+        changed = _reported(previous) != _reported(status)
         if changed and previous.health != status.health:
             if status.health == "unavailable":
                 level = logging.WARNING
@@ -234,6 +248,18 @@ class HealthMonitor:
     async def _report(self) -> None:
         async with self._report_lock:
             await self._on_change(self.statuses())
+
+
+def _reported(status: ProviderStatus) -> tuple[object, ...]:
+    """What of a status is worth a report to the Edge when it changes (not the detail,
+    which a busy provider rewrites at every interval)."""
+    return (
+        status.health,
+        status.models,
+        status.protocols,
+        status.model_states,
+        status.max_loaded,
+    )
 
 
 def _support_of(adapter: Adapter) -> ProtocolSupport:

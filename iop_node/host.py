@@ -25,6 +25,10 @@ Rules:
    link, and a link that attaches later gets the latest statuses at once.
 6. Stop. `aclose()` reports every provider draining on every link, refuses new runs
    (`node_stopping`, retryable), and lets active runs finish within the drain timeout.
+7. Models. A link's `model_command` runs on the live registry's adapter through one
+   `ModelControl` for all links (one command per provider at a time; an equal one joins
+   it), is followed by a probe of that provider (every link hears the new states), and
+   is answered on the link it came from.
 """
 
 from __future__ import annotations
@@ -33,10 +37,13 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import trio
 
+from iop_node.adapters.base import Adapter
 from iop_node.health import DEFAULT_PROBE_TIMEOUT_S, HealthMonitor
+from iop_node.model_control import ModelControl
 from iop_node.registry import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_RETIRING,
@@ -52,6 +59,8 @@ from schemas.config import NodeConfig
 from schemas.wire import (
     FailureCode,
     Load,
+    ModelCommand,
+    ModelCommandDone,
     ProviderLoad,
     ProviderStatus,
     Run,
@@ -141,6 +150,8 @@ class ProviderHost:
         self._config_time = -math.inf
         self._statuses: list[ProviderStatus] | None = None
         self._health_scope: trio.CancelScope | None = None
+        self._monitor: HealthMonitor | None = None
+        self._models = ModelControl()
         self._apply_lock = trio.Lock()
         self._stopping = False
         self._drained = trio.Event()
@@ -280,6 +291,43 @@ class ProviderHost:
             hold.release()
         return self._registries.cancel_run(_key(port, run_id))
 
+    # --- models on demand ---------------------------------------------------------------
+
+    def model_command(self, port: LinkPort, command: ModelCommand) -> None:
+        """`port`'s Edge asked for a load or unload (Rule 7). It runs in the host's
+        nursery: a load takes seconds to minutes, and the link keeps reading meanwhile."""
+        self._nursery.start_soon(
+            self._model_command, port, command, name=f"model {command.action} {command.model}"
+        )
+
+    async def _model_command(self, port: LinkPort, command: ModelCommand) -> None:
+        current = self._registries.current
+        adapter = None if current is None else current.adapters.get(command.provider_id)
+        if adapter is None:
+            error: str | None = f"this node has no provider {command.provider_id!r}"
+        else:
+            error = await self._models.run(
+                adapter, command.action, command.model, after=partial(self._probe_now, adapter)
+            )
+        if error is None:
+            log.info("provider %s: %sed %s", command.provider_id, command.action, command.model)
+        else:
+            log.warning(
+                "provider %s: %s of %s failed: %s",
+                command.provider_id,
+                command.action,
+                command.model,
+                error,
+            )
+        await port.send(
+            ModelCommandDone(command_id=command.command_id, ok=error is None, error=error)
+        )
+
+    async def _probe_now(self, adapter: Adapter) -> None:
+        monitor = self._monitor
+        if monitor is not None:
+            await monitor.probe_now(adapter.provider.id)
+
     # --- what each link hears ----------------------------------------------------------
 
     def others(self, port: LinkPort) -> list[ProviderLoad]:
@@ -321,7 +369,7 @@ class ProviderHost:
         if self._health_scope is not None:
             self._health_scope.cancel()
         scope = self._health_scope = trio.CancelScope()
-        monitor = HealthMonitor(
+        monitor = self._monitor = HealthMonitor(
             registry.adapters,
             self._broadcast,
             probe_timeout_s=self._probe_timeout_s,

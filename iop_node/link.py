@@ -90,6 +90,7 @@ from schemas.wire import (
     GoAway,
     Hello,
     Message,
+    ModelCommand,
     Refresh,
     RefreshAck,
     Reject,
@@ -565,6 +566,8 @@ class _Session:
                     log.debug("cancel for run %s, which is not active here", run_id)
             case Refresh():
                 await self._refresh(port, message)
+            case ModelCommand():
+                self._host.model_command(port, message)
             case GoAway(reason=reason):
                 self._goaway(reason)
             case Reject(code=code, reason=reason):

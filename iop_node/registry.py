@@ -57,6 +57,7 @@ _ADAPTER_CLASSES: Mapping[str, tuple[str, str]] = {
     "lemonade": ("iop_node.adapters.openai_compat", "OpenAICompatAdapter"),
     "openai_api": ("iop_node.adapters.openai_compat", "OpenAICompatAdapter"),
     "ollama": ("iop_node.adapters.ollama", "OllamaAdapter"),
+    "lmstudio": ("iop_node.adapters.lmstudio", "LmStudioAdapter"),
     "cli": ("iop_node.adapters.cli", "CliAdapter"),
 }
 

@@ -8,11 +8,13 @@ is an answer, a null is a question) and are sorted by id so two catalogs diff cl
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from schemas.config import Category, ProviderType
 from schemas.protocols import CallerProtocol
-from schemas.wire import Health
+from schemas.wire import Health, ModelState
 
 
 class CatalogRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -77,6 +79,13 @@ class CatalogProvider(CatalogRecord, frozen=True, kw_only=True):
     """The caller protocols it speaks natively (design §14), as its Node last reported
     them, else as configured (`adapter.protocols` or the type's default); it serves the
     others translated to chat by its Node."""
+    model_states: list[ModelState] | None = None
+    """Each served model's load state in the runtime (`loaded`, `loading`, `unloaded`,
+    `sleeping`, `failed` with a reason; design §18), as its Node last reported them; null
+    when the runtime does not say (its models count as loaded)."""
+    max_loaded: int | None = None
+    """How many models the runtime keeps loaded at once, where it says (llama.cpp's
+    `--models-max`)."""
 
 
 class CatalogModel(CatalogRecord, frozen=True, kw_only=True):
@@ -108,3 +117,42 @@ class CatalogSummary(CatalogRecord, frozen=True, kw_only=True):
     providers: int
     by_health: dict[str, int] = {}
     """Providers per catalog health (`unavailable` while their Node is not connected)."""
+
+
+# --- models on demand: the operator's commands (design §18) ------------------------------
+
+ModelCommandAction = Literal["load", "unload"]
+ModelCommandOutcome = Literal["done", "failed", "unknown", "no_provider"]
+"""`done`: every provider acted on did it; `failed`: one did not (its result says why);
+`unknown`: the model, or the provider named, is not in the catalog; `no_provider`: no
+provider of the model could take the load (`error` says why of each)."""
+
+
+class ModelCommandRequest(CatalogRecord, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`POST /models/load` or `/models/unload`: a catalog model, and the provider to act
+    on; without one, a load picks a provider (one that holds it already, else one with
+    room, else the least recently used idle one) and an unload acts on every provider
+    that holds it."""
+
+    model: str
+    provider: str | None = None
+
+
+class ModelCommandResult(CatalogRecord, frozen=True, kw_only=True):
+    """What one provider's runtime did."""
+
+    provider: str
+    served_model: str
+    ok: bool
+    error: str | None = None
+
+
+class ModelCommandReport(CatalogRecord, frozen=True, kw_only=True):
+    """The answer to a load or unload: each provider acted on, and how it went."""
+
+    action: ModelCommandAction
+    model: str
+    outcome: ModelCommandOutcome
+    results: list[ModelCommandResult] = []
+    error: str | None = None
+    """Why nothing was done (an unknown model, no provider could act)."""

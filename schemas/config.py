@@ -18,12 +18,16 @@ from schemas.hosted_tools import HostedTools
 from schemas.limits import MAX_PAYLOAD_BYTES
 from schemas.protocols import CallerProtocol, default_protocols
 
-ProviderType = Literal["ollama", "vllm", "sglang", "lemonade", "openai_api", "cli", "sim"]
+ProviderType = Literal[
+    "ollama", "vllm", "sglang", "lemonade", "lmstudio", "openai_api", "cli", "sim"
+]
 Category = Literal["api", "cli", "local_inference"]
 LifecycleFlag = Literal["list_models", "load_model", "unload_model", "pull_model", "delete_model"]
 
 #: Provider types that speak the OpenAI HTTP API upstream.
-OPENAI_COMPATIBLE_TYPES: frozenset[str] = frozenset({"vllm", "sglang", "lemonade", "openai_api"})
+OPENAI_COMPATIBLE_TYPES: frozenset[str] = frozenset(
+    {"vllm", "sglang", "lemonade", "lmstudio", "openai_api"}
+)
 
 NonEmptyStr = Annotated[str, Meta(min_length=1)]
 Sha256Hex = Annotated[
@@ -258,6 +262,9 @@ class AdapterSettings(ConfigStruct, frozen=True, kw_only=True):
     connect_timeout_s: PositiveFloat = 5.0
     first_byte_timeout_s: PositiveFloat | None = None
     health_interval_s: PositiveFloat = 10.0
+    load_timeout_s: PositiveFloat = 300.0
+    """How long the runtime may take to load (or wake) a model the Edge asked for (design
+    §18): a load not done by then fails."""
     protocols: list[CallerProtocol] | None = None
     """The caller protocols the upstream speaks natively (design §14); None = the type's
     default (`schemas.protocols.DEFAULT_PROTOCOLS`). An explicit list is trusted: the Node

@@ -27,6 +27,7 @@ DEFAULT_PROTOCOLS: Final[dict[str, tuple[CallerProtocol, ...]]] = {
     "sglang": ALL_PROTOCOLS,
     "ollama": ALL_PROTOCOLS,
     "lemonade": ("chat",),
+    "lmstudio": ("chat", "responses"),
     "openai_api": ("chat", "responses"),
     "cli": ("chat",),
     "sim": ("chat",),

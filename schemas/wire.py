@@ -47,7 +47,9 @@ from schemas.protocols import CallerProtocol
 #: `config_time` in `welcome` and `refresh`.
 #: 4: caller protocols (`messages`, `responses`, `count_tokens` operations,
 #: `run.caller_headers`, `run.keep_output`, `ProviderStatus.protocols`).
-PROTOCOL_VERSION = 4
+#: 5: models' load states (`ProviderStatus.model_states`, `max_loaded`) and the Edge's
+#: `model_command` (load or unload a model on a provider), answered `model_command_done`.
+PROTOCOL_VERSION = 5
 
 
 Operation = Literal["chat", "completion", "embedding", "messages", "responses", "count_tokens"]
@@ -346,6 +348,21 @@ class RefreshAck(Message, tag="refresh_ack", frozen=True, kw_only=True):
     error: str | None = None
 
 
+ModelLoadState = Literal["loaded", "loading", "unloaded", "sleeping", "failed"]
+"""Where a served model stands in its runtime's memory (design §18): `loaded` runs start
+at once; `loading` is on its way; `unloaded` and `sleeping` need a load (a sleeping one,
+vLLM's sleep mode, wakes in seconds); `failed` could not be loaded (`reason` says why)."""
+
+
+class ModelState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One served model's state in its runtime, as the runtime itself reports it."""
+
+    name: str
+    """The served model name (`models[].providers`' value), as the runtime lists it."""
+    state: ModelLoadState
+    reason: str | None = None
+
+
 class ProviderStatus(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Not tracked by the cycle collector (`gc=False`): strings and lists of them, never a
     cycle, and a fleet's Nodes send thousands a second while a refresh is pushed."""
@@ -361,6 +378,12 @@ class ProviderStatus(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The caller protocols the provider speaks natively as its Node knows now: the
     configured ones less any the upstream answered 404/405 on (design §14); None when the
     Node does not say (the Edge then assumes the configured ones)."""
+    model_states: list[ModelState] | None = None
+    """Each served model's load state, from the runtime's lifecycle API (design §18); None
+    when the runtime does not say (every model it lists is then taken as loaded)."""
+    max_loaded: int | None = None
+    """How many models the runtime keeps loaded at once, where it says (llama.cpp's
+    `--models-max`); None: it does not say."""
 
 
 class Status(Message, tag="status", frozen=True, kw_only=True):
@@ -395,8 +418,35 @@ class GoAway(Message, tag="goaway", frozen=True, kw_only=True):
     reason: str = ""
 
 
-EdgeToNode = Welcome | Reject | Run | Cancel | Refresh | GoAway
-NodeToEdge = Hello | Reject | RunEvents | RefreshAck | Status | Load
+# --- models on demand (design §18) ---------------------------------------------------------
+
+ModelAction = Literal["load", "unload"]
+
+
+class ModelCommand(Message, tag="model_command", frozen=True, kw_only=True):
+    """Load (or wake) or unload a served model on one provider (Edge -> Node).
+
+    The Node serialises a provider's commands and answers each with `model_command_done`
+    once the runtime has done it (a load: the model is loaded, or failed); a command
+    equal to one in progress (another Edge's, say) joins it rather than running twice."""
+
+    command_id: str
+    provider_id: str
+    action: ModelAction
+    model: str
+    """The served model name (`models[].providers`' value)."""
+
+
+class ModelCommandDone(Message, tag="model_command_done", frozen=True, kw_only=True):
+    """How a `model_command` ended (Node -> Edge); `error` says why it did not."""
+
+    command_id: str
+    ok: bool
+    error: str | None = None
+
+
+EdgeToNode = Welcome | Reject | Run | Cancel | Refresh | GoAway | ModelCommand
+NodeToEdge = Hello | Reject | RunEvents | RefreshAck | Status | Load | ModelCommandDone
 
 
 class WireError(Exception):

@@ -30,6 +30,7 @@ import trio
 from rich.console import Console
 
 from iop_edge import __version__
+from iop_edge.cli.models import add_models_parser, run_models
 from iop_edge.core.catalog_query import MAX_LIMIT as CATALOG_MAX_LIMIT
 from iop_edge.core.config import ConfigInvalid, format_errors, load_config
 from iop_edge.core.config_reference import json_schema
@@ -118,13 +119,13 @@ def _admin_url(args: argparse.Namespace) -> str:
 
 
 def _admin_call(
-    args: argparse.Namespace, method: str, path: str, body: Any = None
+    args: argparse.Namespace, method: str, path: str, body: Any = None, *, timeout: float = 120
 ) -> tuple[int, Any]:
     import httpx2
 
     base = _admin_url(args)
     try:
-        with httpx2.Client(timeout=120) as client:
+        with httpx2.Client(timeout=timeout) as client:
             response = client.request(method, base + path, json=body)
     except httpx2.TransportError as exc:
         _fail(
@@ -418,6 +419,10 @@ def cmd_usage(args: argparse.Namespace) -> int:
     by_status = _get(args, "/usage?" + urlencode({**query, "group_by": "status"}))
     render_usage(_console(), report, by_status)
     return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    return run_models(args, partial(_admin_call, args), _console())
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
@@ -750,6 +755,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="show the groups after a previous page (the cursor it printed)",
     )
     usage.set_defaults(func=cmd_usage)
+
+    add_models_parser(sub, _add_admin).set_defaults(func=cmd_models)
 
     hash_cmd = sub.add_parser(
         "hash-token",

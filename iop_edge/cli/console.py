@@ -79,6 +79,23 @@ _COLUMN_FRAME = 3
 _HEALTH_PLAN_WIDTH = 28
 
 
+def _models_held(p: dict[str, Any]) -> str:
+    """The provider's served models, each with its load state where the runtime reports
+    one (design §18: `smol-a (loaded), smol-b (unloaded)`), and how many it holds at once."""
+    states = {s["name"]: s for s in p.get("model_states") or ()}
+    cells = []
+    for name in p.get("models", []):
+        state = states.get(name)
+        if state is None:
+            cells.append(name if not states else f"{name} (not listed)")
+        elif state.get("reason"):
+            cells.append(f"{name} ({state['state']}: {state['reason']})")
+        else:
+            cells.append(f"{name} ({state['state']})")
+    held = p.get("max_loaded")
+    return ", ".join(cells) + (f"; holds {held} at once" if held else "")
+
+
 def _provider_cells(p: dict[str, Any]) -> dict[str, Text]:
     load = p.get("load_ratio")
     long_slots = p.get("long_context_slots")
@@ -101,7 +118,7 @@ def _provider_cells(p: dict[str, Any]) -> dict[str, Text]:
         "load": _cell("-" if load is None else f"{load:.2f}"),
         "long": _cell("-" if long_slots is None else f"{p.get('long_in_flight', 0)}/{long_slots}"),
         "priority": _cell(p.get("priority", "")),
-        "models": _cell(", ".join(p.get("models", []))),
+        "models": _cell(_models_held(p)),
         "lifecycle": _cell(", ".join(lifecycle) or "-"),
     }
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from schemas.catalog import CatalogLifecycle, CatalogProvider
 from schemas.config import LifecycleFlag, ProviderConfig
 from schemas.protocols import CallerProtocol
-from schemas.wire import Health
+from schemas.wire import Health, ModelState
 
 __all__ = ["catalog_lifecycle", "catalog_provider", "health_reason"]
 
@@ -42,6 +42,8 @@ def catalog_provider(
     cooling_down: bool,
     consecutive_failures: int,
     protocols: list[CallerProtocol],
+    model_states: list[ModelState] | None = None,
+    max_loaded: int | None = None,
 ) -> CatalogProvider:
     """One provider's record (Rules 1-3). Its lists are the config's and the caller's own,
     not copied: a catalog of thousands of providers allocates one record per provider."""
@@ -80,6 +82,8 @@ def catalog_provider(
         cooling_down=cooling_down,
         consecutive_failures=consecutive_failures,
         protocols=protocols,
+        model_states=model_states if connected else None,
+        max_loaded=max_loaded if connected else None,
     )
 
 

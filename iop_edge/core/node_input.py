@@ -15,6 +15,9 @@ Rules:
 3. A provider status carries at most `MAX_REPORTED_MODELS` model names of at most
    `MAX_NAME_CHARS` characters each, and a `detail` of at most `MAX_TEXT_CHARS`.
 4. Nothing here raises: the worst a Node's numbers can do is be corrected.
+5. Models' load states follow Rule 3 (at most `MAX_REPORTED_MODELS`, names of at most
+   `MAX_NAME_CHARS`, a `reason` of at most `MAX_TEXT_CHARS`); `max_loaded` is positive or
+   nothing; a `model_command_done` error is at most `MAX_TEXT_CHARS`.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ def check_node_message(message: wire.NodeToEdge) -> tuple[wire.NodeToEdge, list[
                 return msgspec.structs.replace(message, ends=checked), notes
         case wire.Status():
             return _check_status(message)
+        case wire.ModelCommandDone(error=error) if error and len(error) > MAX_TEXT_CHARS:
+            cut = msgspec.structs.replace(message, error=error[:MAX_TEXT_CHARS] + "…")
+            return cut, [f"model command {message.command_id[:MAX_NAME_CHARS]}: error cut"]
     return message, []
 
 
@@ -111,7 +117,28 @@ def _check_status(status: wire.Status) -> tuple[wire.NodeToEdge, list[str]]:
         if provider.detail is not None and len(provider.detail) > MAX_TEXT_CHARS:
             changes["detail"] = provider.detail[:MAX_TEXT_CHARS] + "…"
             notes.append(f"provider {provider.id[:MAX_NAME_CHARS]}: detail cut")
+        if provider.model_states is not None:
+            states = _check_states(provider.model_states)
+            if states != provider.model_states:
+                changes["model_states"] = states
+                notes.append(f"provider {provider.id[:MAX_NAME_CHARS]}: model states cut")
+        if provider.max_loaded is not None and provider.max_loaded < 1:
+            changes["max_loaded"] = None
+            notes.append(f"provider {provider.id[:MAX_NAME_CHARS]}: max_loaded not positive")
         providers.append(msgspec.structs.replace(provider, **changes) if changes else provider)
     if not notes:
         return status, []
     return wire.Status(providers=providers), notes
+
+
+def _check_states(states: list[wire.ModelState]) -> list[wire.ModelState]:
+    """Rule 5: the states kept (the same list when all are sound)."""
+    if len(states) <= MAX_REPORTED_MODELS and all(
+        len(s.name) <= MAX_NAME_CHARS and len(s.reason or "") <= MAX_TEXT_CHARS for s in states
+    ):
+        return states
+    return [
+        msgspec.structs.replace(s, reason=s.reason[:MAX_TEXT_CHARS]) if s.reason else s
+        for s in states
+        if len(s.name) <= MAX_NAME_CHARS
+    ][:MAX_REPORTED_MODELS]

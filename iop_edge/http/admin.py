@@ -39,6 +39,7 @@ from werkzeug.exceptions import HTTPException, RequestTimeout
 from iop_edge.core.catalog_query import CatalogQuery, CatalogQueryError
 from iop_edge.core.listen import is_loopback_host_header
 from iop_edge.core.readiness import NO_SERVABLE_MODEL, Readiness
+from iop_edge.http.admin_models import ModelCommandRunner, add_model_routes
 from iop_edge.http.catalog_stream import CatalogSource, catalog_chunks, catalog_summary
 from iop_edge.runtime.metering.activity import ActivityReport
 from iop_edge.runtime.metering.usage import LedgerUnavailable, UsageReport
@@ -246,6 +247,8 @@ class AdminServices:
     restart: Callable[[], Awaitable[RestartReport]] | None = None
     principals: Callable[[], PrincipalsReport] | None = None
     """Each principal against its limits now (design §15)."""
+    model_command: ModelCommandRunner | None = None
+    """The operator's model loads and unloads (design §18); None: not offered."""
 
 
 def create_admin_app(services: AdminServices) -> QuartTrio:
@@ -378,6 +381,9 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
             return _error(409, "this Edge cannot restart itself")
         report = await services.restart()
         return _json(report, RESTART_STATUS[report.outcome])
+
+    if services.model_command is not None:
+        add_model_routes(app, services.catalog, services.model_command)
 
     @app.errorhandler(HTTPException)
     async def on_http_error(error: HTTPException) -> Response:

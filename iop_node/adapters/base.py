@@ -117,6 +117,25 @@ class Adapter(Protocol):
         ...
 
 
+# --- models on demand (design §18) ---------------------------------------------------------
+
+
+class ModelCommandFailed(Exception):
+    """The runtime did not load (or unload) the model; the message says why, in the
+    runtime's words where it gave any."""
+
+
+@runtime_checkable
+class ModelLifecycle(Protocol):
+    """An adapter whose runtime loads and unloads models on request. Each call returns
+    once the runtime has done it (a load: the model answers), or raises
+    `ModelCommandFailed`; the caller bounds the wait (`adapter.load_timeout_s`)."""
+
+    async def load_model(self, model: str) -> None: ...
+
+    async def unload_model(self, model: str) -> None: ...
+
+
 # --- caller protocols spoken natively ---------------------------------------------------------
 
 

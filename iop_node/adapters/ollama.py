@@ -13,7 +13,9 @@ that is where Ollama tells the truth about what is installed:
   (`GET /api/tags`), pulling (`POST /api/pull`) and deleting (`DELETE /api/delete`) models
   exist in every release; loading and unloading (`POST /api/generate` with `keep_alive`:
   `-1` keeps a model loaded, `0` unloads it) since 0.1.23. The Node reports them in
-  `status`, and the catalog shows them beside the flags the config declares.
+  `status`, and the catalog shows them beside the flags the config declares;
+- `GET {root}/api/ps` -> the models in memory now: with the tags, each model's load state
+  (`model_states`, design §18).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import ClassVar, Final
 
 import msgspec
 
+from iop_node.adapters.model_states import from_ollama
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
 from schemas.config import LifecycleFlag, ProviderConfig
 from schemas.wire import ProviderStatus
@@ -85,10 +88,25 @@ class OllamaAdapter(OpenAICompatAdapter):
         version = await self._get_json(
             self.root_url + "/api/version", _version_decoder, "/api/version"
         )
+        models = [tag.name for tag in tags.models or ()]
+        running = await self._lifecycle.get_optional("/api/ps")
         return ProviderStatus(
             id=self.provider.id,
             health="available",
-            models=[tag.name for tag in tags.models or ()],
+            models=models,
             detail=f"ollama {version.version}" if version.version else None,
             lifecycle=lifecycle_of(version.version),
+            model_states=None if running is None else from_ollama(models, running),
+        )
+
+    async def load_model(self, model: str) -> None:
+        """`base.ModelLifecycle`: a generate request with no prompt loads the model, kept
+        loaded until the Edge unloads it (`keep_alive: -1`: the Edge owns keep-alive)."""
+        await self._lifecycle.post(
+            "/api/generate", {"model": model, "keep_alive": -1, "stream": False}
+        )
+
+    async def unload_model(self, model: str) -> None:
+        await self._lifecycle.post(
+            "/api/generate", {"model": model, "keep_alive": 0, "stream": False}
         )

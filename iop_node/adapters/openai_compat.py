@@ -93,7 +93,9 @@ from iop_node.adapters.base import (
     ProbeTimeout,
     RunResult,
 )
+from iop_node.adapters.model_states import LLAMA_LISTING_DECODER
 from iop_node.adapters.run_connections import CLOSE_GRACE_S, RunConnections
+from iop_node.adapters.runtime_lifecycle import RuntimeLifecycle
 from iop_node.adapters.sse import SSEDecoder, SSEError
 from iop_node.adapters.tokenizer import TokenizerEndpoint
 from iop_node.adapters.upstream_errors import (
@@ -196,16 +198,8 @@ class _BodyView(msgspec.Struct):
         return self.error is not None or self.object == "error"
 
 
-class _ModelView(msgspec.Struct):
-    id: str
-
-
 class _TokenCount(msgspec.Struct):
     input_tokens: int
-
-
-class _ModelList(msgspec.Struct):
-    data: list[_ModelView]
 
 
 _body_decoder: Final = msgspec.json.Decoder(_BodyView)
@@ -230,7 +224,6 @@ def _decode_body(body: bytes) -> dict[str, Any] | None:
 
 
 _any_decoder: Final = msgspec.json.Decoder()
-_model_list_decoder: Final = msgspec.json.Decoder(_ModelList)
 _token_count_decoder: Final = msgspec.json.Decoder(_TokenCount)
 
 
@@ -483,6 +476,12 @@ class OpenAICompatAdapter(NativeRelay):
             follow_redirects=False,
         )
         self._models_url = httpx2.URL(self.base_url + "/models")
+        self._lifecycle = RuntimeLifecycle(
+            self._client,
+            self.root_url,
+            self.base_url + "/models",
+            asks_sleep=provider.type == "vllm",
+        )
         # Runs skip the httpx2 layer: they go out on connections made by the httpcore2
         # pool the client above routes `base_url` to (see the module doc for why). Asking
         # the client for that pool, rather than building a second one, keeps every
@@ -769,14 +768,16 @@ class OpenAICompatAdapter(NativeRelay):
         """One health check; raise `_ProbeFailure` or an httpx error when unhealthy.
 
         Subclasses override this to use a runtime's native API."""
-        listing = await self._get_json(self._models_url, _model_list_decoder, "/models")
-        # The OpenAI API lists models and nothing else of a model's lifecycle.
-        return ProviderStatus(
-            id=self.provider.id,
-            health="available",
-            models=[m.id for m in listing.data],
-            lifecycle=["list_models"],
-        )
+        listing = await self._get_json(self._models_url, LLAMA_LISTING_DECODER, "/models")
+        # The OpenAI API lists models; some runtimes say more of their load states.
+        return await self._lifecycle.status(self.provider.id, listing)
+
+    async def load_model(self, model: str) -> None:
+        """`base.ModelLifecycle`: a llama.cpp router loads it, a sleeping vLLM wakes."""
+        await self._lifecycle.load(model)
+
+    async def unload_model(self, model: str) -> None:
+        await self._lifecycle.unload(model)
 
     async def _get_json(
         self, url: httpx2.URL | str, decoder: msgspec.json.Decoder[_T], name: str

@@ -306,6 +306,23 @@ class FakeUpstream:
     `anthropic-beta` header, `context_management`, a `cache_control.ttl`) is answered
     400 "Extra inputs are not permitted", naming the first one, as a runtime validating
     with pydantic's `extra = "forbid"` answers (`fake_protocols.unknown_input`)."""
+    lifecycle: str | None = None
+    """The lifecycle API it speaks of its models' load states (`model_states`):
+    "llama_router" (a `status` in each `/v1/models` entry, `/props` with `max_instances`),
+    "ollama" (`/api/ps`), "lmstudio" (`/api/v1/models`), "vllm_sleep" (`/is_sleeping`);
+    None: none (`/props`, `/api/ps`, `/is_sleeping` answer 404)."""
+    loaded: set[str] = field(default_factory=set)
+    """With `lifecycle`: the models in memory (the others are on disk)."""
+    failed: dict[str, int] = field(default_factory=dict)
+    """With "llama_router": models whose instance exited, and its exit code."""
+    sleeping: bool = False
+    """With "vllm_sleep": the engine is asleep."""
+    max_loaded: int = 0
+    """`--models-max` of a router; how many any dialect keeps loaded (0: no bound)."""
+    loading: set[str] = field(default_factory=set)
+    """Models a load was asked for: listed `loading` once, then loaded."""
+    load_order: list[str] = field(default_factory=list)
+    """The loaded models, oldest load first (what a load evicts past `max_loaded`)."""
 
     requests: deque[RecordedRequest] = field(
         init=False, default_factory=lambda: deque(maxlen=_MAX_RECORDED)
@@ -418,8 +435,16 @@ class FakeUpstream:
         if request.method == "GET" and request.path == "/v1/models":
             if self.models_status != 200:
                 return self.models_status, error_body(self.error_message, self.models_status)
-            listing = [{"id": m, "object": "model", "owned_by": "fake"} for m in self.models]
+            listing: list[dict[str, Any]] = [
+                {"id": m, "object": "model", "owned_by": "fake"} for m in self.models
+            ]
+            if self.lifecycle == "llama_router":
+                for entry in listing:
+                    entry["status"] = self._router_status(entry["id"])
             return 200, _dumps({"object": "list", "data": listing})
+        lifecycle = self._answer_lifecycle(request)
+        if lifecycle is not None:
+            return lifecycle
         if request.method == "GET" and request.path == "/api/tags":
             tags = [
                 {"name": m, "model": m, "modified_at": "2025-01-01T00:00:00Z", "size": 1}
@@ -447,6 +472,85 @@ class FakeUpstream:
             if answer is not None:
                 return answer
         return 404, error_body(f"no route for {request.method} {request.path}", 404)
+
+    def _router_status(self, model: str) -> dict[str, Any]:
+        if model in self.loading:
+            self.loading.discard(model)
+            self._load(model)
+            return {"value": "loading"}
+        if model in self.failed:
+            return {"value": "unloaded", "failed": True, "exit_code": self.failed[model]}
+        return {"value": "loaded" if model in self.loaded else "unloaded", "args": ["llama"]}
+
+    def _load(self, model: str) -> None:
+        """Hold `model`, evicting the models loaded longest ago past `max_loaded`."""
+        self.loaded.add(model)
+        self.load_order = [m for m in self.load_order if m != model] + [model]
+        while self.max_loaded and len(self.loaded) > self.max_loaded:
+            self.loaded.discard(self.load_order.pop(0))
+
+    def _command(self, request: RecordedRequest) -> tuple[int, bytes] | None:
+        """A lifecycle dialect's load and unload routes, as each runtime answers them."""
+        body = json.loads(request.body or b"{}")
+        model = body.get("model", "")
+        match (self.lifecycle, request.path):
+            case ("llama_router", "/models/load"):
+                if model not in self.models:
+                    return 404, error_body("File Not Found", 404)
+                if model in self.loaded:
+                    return 400, error_body("model is already running", 400)
+                if model not in self.failed:  # a failed one stays failed
+                    self.loading.add(model)  # loaded by the next listing (its load takes time)
+                return 200, _dumps({"success": True})
+            case ("llama_router", "/models/unload"):
+                if model not in self.loaded:
+                    return 400, error_body("model is not running", 400)
+                self.loaded.discard(model)
+                return 200, _dumps({"success": True})
+            case ("ollama", "/api/generate"):
+                if body.get("keep_alive") == 0:
+                    self.loaded.discard(model)
+                else:
+                    self._load(model)
+                return 200, _dumps({"model": model, "done": True, "response": ""})
+            case ("lmstudio", "/api/v1/models/load"):
+                self._load(model)
+                return 200, _dumps({"type": "llm", "instance_id": model, "status": "loaded"})
+            case ("lmstudio", "/api/v1/models/unload"):
+                self.loaded.discard(body.get("instance_id", ""))
+                return 200, _dumps({"instance_id": body.get("instance_id")})
+            case ("vllm_sleep", "/wake_up"):
+                self.sleeping = False
+                return 200, b""
+            case ("vllm_sleep", path) if path.partition("?")[0] == "/sleep":
+                self.sleeping = True
+                return 200, b""
+        return None
+
+    def _answer_lifecycle(self, request: RecordedRequest) -> tuple[int, bytes] | None:
+        """The lifecycle dialect's own routes (`lifecycle`), or None for any other."""
+        if request.method == "POST":
+            return self._command(request)
+        if request.method != "GET":
+            return None
+        match (self.lifecycle, request.path):
+            case ("llama_router", "/props"):
+                return 200, _dumps({"role": "router", "max_instances": self.max_loaded})
+            case ("ollama", "/api/ps"):
+                return 200, _dumps({"models": [{"name": m} for m in sorted(self.loaded)]})
+            case ("lmstudio", "/api/v1/models"):
+                models = [
+                    {
+                        "type": "llm",
+                        "key": m,
+                        "loaded_instances": [{"id": m}] if m in self.loaded else [],
+                    }
+                    for m in self.models
+                ]
+                return 200, _dumps({"models": models})
+            case ("vllm_sleep", "/is_sleeping"):
+                return 200, _dumps({"is_sleeping": self.sleeping})
+        return None
 
     async def _respond(
         self, stream: trio.SocketStream, conn: h11.Connection, request: RecordedRequest

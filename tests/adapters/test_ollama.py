@@ -56,7 +56,7 @@ async def test_probe_uses_the_native_api(upstream: FakeUpstream, adapter: Ollama
         "pull_model",
         "delete_model",
     ]
-    assert [r.path for r in upstream.requests] == ["/api/tags", "/api/version"]
+    assert [r.path for r in upstream.requests] == ["/api/tags", "/api/version", "/api/ps"]
 
 
 async def test_probe_unavailable_when_down() -> None:

@@ -142,3 +142,30 @@ async def test_an_oversized_status_report_is_cut(nursery: trio.Nursery, tmp_path
     assert "y" * 10_000 not in provider["discovered_models"]
     async with httpx2.AsyncClient(base_url=stack.addresses.openai_url, timeout=10) as http:
         assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+
+async def test_oversized_model_states_are_cut(nursery: trio.Nursery, tmp_path: Path) -> None:
+    states = [
+        wire.ModelState(name="sim-small", state="loaded", reason="r" * 10**6),
+        wire.ModelState(name="y" * 10_000, state="loaded"),
+        *(wire.ModelState(name=f"m{i}", state="unloaded") for i in range(20_000)),
+    ]
+    status = wire.Status(
+        providers=[
+            wire.ProviderStatus(
+                id="sim-1",
+                health="available",
+                models=["sim-small"],
+                model_states=states,
+                max_loaded=-3,
+            )
+        ]
+    )
+    stack = await _stack(nursery, tmp_path, _answering(wire.Usage()), status=status)
+    provider = (await stack.catalog())["providers"][0]
+    assert len(provider["model_states"]) == 4096
+    assert provider["model_states"][0]["name"] == "sim-small"
+    assert len(provider["model_states"][0]["reason"]) == 8192
+    assert provider["max_loaded"] is None
+    async with httpx2.AsyncClient(base_url=stack.addresses.openai_url, timeout=10) as http:
+        assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200

@@ -11,7 +11,7 @@ from iop_node.activity import ProviderActivity
 from iop_node.adapters.base import Emit, ProbeTimeout, RunResult
 from iop_node.health import HealthMonitor
 from schemas.config import AdapterSettings, ProviderConfig
-from schemas.wire import ProviderStatus, Run
+from schemas.wire import ModelState, ProviderStatus, Run
 
 
 class ScriptedProbe:
@@ -264,3 +264,66 @@ async def test_a_provider_found_down_is_probed_even_with_runs_in_flight(
         assert status.detail.startswith("busy: health probe timed out (timed out: read)")
         activity.finish("p1", run)
         nursery.cancel_scope.cancel()
+
+
+def _holding(provider_id: str, **states: str) -> ProviderStatus:
+    """An available provider whose runtime reports its models' load states."""
+    return ProviderStatus(
+        id=provider_id,
+        health="available",
+        models=list(states),
+        protocols=["chat"],
+        model_states=[ModelState(name=n, state=s) for n, s in states.items()],  # type: ignore[arg-type]
+        max_loaded=1,
+    )
+
+
+async def test_a_change_of_load_state_is_reported_like_a_change_of_health(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The runtime unloaded one model and loaded the other (another client asked it, say):
+    the Edge hears of it at the next probe, and not again while nothing changes."""
+    adapter = ScriptedProbe(
+        "router",
+        [
+            _holding("router", a="loaded", b="unloaded"),
+            _holding("router", a="loaded", b="unloaded"),
+            _holding("router", a="unloaded", b="loading"),
+            _holding("router", a="unloaded", b="loaded"),
+        ],
+        interval_s=5,
+    )
+    reports = Reports()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(HealthMonitor({"router": adapter}, reports).run)
+        await trio.sleep(5 * 4 + 1)
+        nursery.cancel_scope.cancel()
+    assert [time for time, _ in reports.reports] == pytest.approx([0, 10, 15])
+    held = [
+        {s.name: s.state for s in report[0].model_states or ()} for _, report in reports.reports
+    ]
+    assert held == [
+        {"a": "loaded", "b": "unloaded"},
+        {"a": "unloaded", "b": "loading"},
+        {"a": "unloaded", "b": "loaded"},
+    ]
+
+
+async def test_a_busy_provider_keeps_the_states_of_its_last_probe(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A probe that times out with the runtime accepting the connection is `busy`, and
+    says nothing new of what it holds: the last probe's states stand."""
+    adapter = ScriptedProbe(
+        "router", [_holding("router", a="loaded"), ProbeTimeout("read timed out")], interval_s=5
+    )
+    reports = Reports()
+    monitor = HealthMonitor({"router": adapter}, reports)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(monitor.run)
+        await trio.sleep(6)
+        nursery.cancel_scope.cancel()
+    [busy] = monitor.statuses()
+    assert busy.health == "busy"
+    assert busy.model_states == [ModelState(name="a", state="loaded")]
+    assert busy.max_loaded == 1

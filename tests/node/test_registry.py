@@ -120,6 +120,7 @@ def test_create_adapter_imports_sim() -> None:
         ("lemonade", "OpenAICompatAdapter"),
         ("openai_api", "OpenAICompatAdapter"),
         ("ollama", "OllamaAdapter"),
+        ("lmstudio", "LmStudioAdapter"),
         ("cli", "CliAdapter"),
     ],
 )

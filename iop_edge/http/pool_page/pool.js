@@ -65,13 +65,26 @@ function drawProviderSummary(summary) {
   parts.forEach((part, index) => line.append(index ? " · " : "", part));
 }
 
+// Which served models the runtime holds (design §18), where it says: "smol-a loaded".
+function modelStates(p) {
+  if (!p.model_states) return "";
+  const states = p.model_states.map((s) => el("span", {
+    class: `model-state ${s.state}`, "data-model-state": `${s.name}=${s.state}`,
+    title: s.reason || "",
+  }, `${s.name} ${s.state}`));
+  const line = el("div", { class: "reason" });
+  states.forEach((state, index) => line.append(index ? " · " : "", state));
+  if (p.max_loaded) line.append(el("span", { class: "meta" }, ` (holds ${p.max_loaded})`));
+  return line;
+}
+
 function drawProviders(catalog) {
   const rows = catalog.providers.map((p) => {
     const long = p.long_context_slots === null
       ? el("span", { class: "meta", title: "long-context runs need only a regular slot" }, "shared")
       : bar(p.long_in_flight, p.long_context_slots, "long-context runs in flight / long slots");
     return el("tr", { "data-provider": p.id, class: p.enabled ? "" : "disabled" },
-      el("td", {}, el("strong", {}, p.id)),
+      el("td", {}, el("strong", {}, p.id), modelStates(p)),
       el("td", {}, p.node_id, p.connected ? "" : el("span", { class: "meta" }, " (disconnected)")),
       healthCell(p),
       el("td", {}, bar(p.in_flight, p.capacity, "runs in flight / capacity")),

@@ -48,6 +48,11 @@ class _PoolCollector(Collector):
             "iop_provider_available", "1 when connected, enabled and healthy", labels=labels
         )
         model_queued = GaugeMetricFamily("iop_model_queued", "Requests waiting", labels=["model"])
+        model_state = GaugeMetricFamily(
+            "iop_provider_model_state",
+            "1 for each served model's load state in its runtime, where the runtime reports it",
+            labels=["provider", "served_model", "state"],
+        )
         for p in catalog.providers:
             key = [p.id, p.node_id]
             in_flight.add_metric(key, p.in_flight)
@@ -56,9 +61,19 @@ class _PoolCollector(Collector):
             queued.add_metric(key, p.queued)
             up = p.connected and p.enabled and p.health == "available" and not p.cooling_down
             available.add_metric(key, 1.0 if up else 0.0)
+            for held in p.model_states or ():
+                model_state.add_metric([p.id, held.name, held.state], 1.0)
         for m in catalog.models:
             model_queued.add_metric([m.id], m.queued)
-        yield from (in_flight, capacity, long_in_flight, queued, available, model_queued)
+        yield from (
+            in_flight,
+            capacity,
+            long_in_flight,
+            queued,
+            available,
+            model_queued,
+            model_state,
+        )
 
 
 class _LedgerCollector(Collector):

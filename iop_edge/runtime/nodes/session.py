@@ -140,6 +140,7 @@ class NodeSession:
         session runs out of runs, so the task waiting on it wakes once."""
         self._runs: dict[str, RunSink] = {}
         self._acks: dict[int, trio.MemorySendChannel[wire.RefreshAck]] = {}
+        self._commands: dict[str, trio.MemorySendChannel[wire.ModelCommandDone]] = {}
         self._pending_cancels: set[str] = set()
         self._scope = trio.CancelScope()
         self.closed = trio.Event()
@@ -256,6 +257,21 @@ class NodeSession:
         finally:
             self._acks.pop(revision, None)
 
+    async def request_model_command(self, command: wire.ModelCommand) -> wire.ModelCommandDone:
+        """Ask the Node to load or unload a model and wait for its answer (the caller
+        bounds the wait: a load takes as long as the runtime needs)."""
+        send, receive = trio.open_memory_channel[wire.ModelCommandDone](1)
+        self._commands[command.command_id] = send
+        try:
+            await self.send(command)
+            with receive:
+                try:
+                    return await receive.receive()
+                except trio.EndOfChannel:
+                    raise SessionClosed(self.node_id) from None
+        finally:
+            self._commands.pop(command.command_id, None)
+
     async def goaway(self, reason: str) -> None:
         """Tell the node this Edge is going away: it dials again for new runs and keeps
         this session only for the runs on it (design §3). Sent once."""
@@ -324,6 +340,9 @@ class NodeSession:
         for ack in self._acks.values():
             ack.close()
         self._acks.clear()
+        for done in self._commands.values():
+            done.close()
+        self._commands.clear()
 
     def _frames(self, frame: bytes, _take: Callable[[], bytes | None]) -> Iterable[bytes]:
         """What the channel's writer sends for one queued frame: the frame, then the
@@ -369,6 +388,11 @@ class NodeSession:
                 if ack is not None:
                     ack.send_nowait(message)
                     ack.close()
+            case wire.ModelCommandDone():
+                waiting = self._commands.pop(message.command_id, None)
+                if waiting is not None:
+                    waiting.send_nowait(message)
+                    waiting.close()
             case wire.Reject():
                 log.warning("node %s rejected the session: %s", self.node_id, message.reason)
                 self.abort(f"the node rejected the session: {message.reason} ({message.code})")

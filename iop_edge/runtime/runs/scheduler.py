@@ -79,7 +79,7 @@ from iop_edge.runtime.runs.fair_queue import FairQueue, FairWalk
 from schemas.catalog import Catalog, CatalogModel, CatalogProvider
 from schemas.config import LifecycleFlag, ProviderConfig
 from schemas.protocols import CallerProtocol
-from schemas.wire import Health
+from schemas.wire import Health, ModelState
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +257,8 @@ class _ProviderState:
         "id",
         "limiter",
         "long_limiter",
+        "max_loaded",
+        "model_states",
         "others",
         "others_long",
         "passive",
@@ -278,6 +280,9 @@ class _ProviderState:
         """The Node's reason for `health`, from its last `status`."""
         self.discovered: list[str] = []
         self.discovered_lifecycle: list[LifecycleFlag] | None = None
+        self.model_states: list[ModelState] | None = None
+        """Each served model's load state, as the Node last reported it (design §18)."""
+        self.max_loaded: int | None = None
         self.reported_protocols: frozenset[CallerProtocol] | None = None
         """The protocols the Node last said the provider speaks natively; None until it
         says (the config's then count)."""
@@ -563,6 +568,8 @@ class Scheduler:
             state.detail = None
             state.discovered = []
             state.discovered_lifecycle = None
+            state.model_states = None
+            state.max_loaded = None
             state.reported_protocols = None
         self._serve(self._models_serving(state.id for state in affected))
 
@@ -575,10 +582,12 @@ class Scheduler:
         detail: str | None = None,
         *,
         protocols: Sequence[CallerProtocol] | None = None,
+        model_states: Sequence[ModelState] | None = None,
+        max_loaded: int | None = None,
     ) -> None:
         """A provider's health (and the Node's reason for it), discovered models,
-        lifecycle operations and native protocols, from its node's `status` message
-        (`protocols` None: the Node does not say; the config's count)."""
+        lifecycle operations, native protocols and models' load states, from its node's
+        `status` message (`protocols` None: the Node does not say; the config's count)."""
         state = self._states.get(provider_id)
         if state is None or state.removed:
             return
@@ -587,6 +596,8 @@ class Scheduler:
         state.discovered = list(models)
         state.discovered_lifecycle = None if lifecycle is None else list(lifecycle)
         state.reported_protocols = None if protocols is None else frozenset(protocols)
+        state.model_states = None if model_states is None else list(model_states)
+        state.max_loaded = max_loaded
         self._serve(self._models_serving((provider_id,)))
 
     def provider_load(self, provider_id: str, in_flight: int, long_in_flight: int) -> None:
@@ -1093,4 +1104,6 @@ class Scheduler:
             cooling_down=state.passive.breaker(now=now, probing=state.trial is not None) == "open",
             consecutive_failures=state.passive.consecutive_failures,
             protocols=state.protocols,
+            model_states=state.model_states,
+            max_loaded=state.max_loaded,
         )

@@ -1,0 +1,107 @@
+"""`iop-edge models`: each served model's load state per provider, and the operator's
+loads and unloads (design §10, §18), through the admin API (`GET /models`,
+`POST /models/load`, `POST /models/unload`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["AdminCall", "add_models_parser", "run_models"]
+
+AdminCall = Callable[..., tuple[int, Any]]
+"""`(method, path, body=None, *, timeout=...)` to the admin API: its status and JSON."""
+
+#: How long `load` waits for the Edge's answer: the runtime's load (up to the provider's
+#: `adapter.load_timeout_s`, 300 s by default) and then some.
+LOAD_WAIT_S = 660.0
+
+
+def add_models_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    add_admin: Callable[[argparse.ArgumentParser], None],
+) -> argparse.ArgumentParser:
+    """The `models` command and its `list`, `load` and `unload` actions."""
+    models = sub.add_parser(
+        "models",
+        help="models' load states per provider; load or unload one",
+        description="Without an action, each catalog model and, per provider serving it, "
+        "the load state its runtime reports. `load MODEL` loads it on a provider (one that "
+        "holds it already, else one with room, else the least busy; --provider picks one); "
+        "`unload MODEL` unloads it from every provider holding it (or --provider's). Each "
+        "command waits until the runtimes did it, and is audited.",
+    )
+    add_admin(models)
+    models.add_argument("action", nargs="?", choices=("list", "load", "unload"), default="list")
+    models.add_argument("model", nargs="?", metavar="MODEL", help="a catalog model id")
+    models.add_argument("--provider", metavar="ID", help="the provider to act on")
+    return models
+
+
+def run_models(args: argparse.Namespace, call: AdminCall, console: Console) -> int:
+    """Run `iop-edge models`; the exit status."""
+    if args.action == "list":
+        status, document = call("GET", "/models")
+        return _answer(args, console, status, document, _render_list)
+    if not args.model:
+        console.print(f"iop-edge models {args.action}: name the MODEL", markup=False)
+        return 2
+    body = {"model": args.model, "provider": args.provider}
+    status, report = call("POST", f"/models/{args.action}", body, timeout=LOAD_WAIT_S)
+    return _answer(args, console, status, report, _render_report)
+
+
+def _answer(
+    args: argparse.Namespace,
+    console: Console,
+    status: int,
+    document: Any,
+    render: Callable[[Console, dict[str, Any]], None],
+) -> int:
+    if args.json:
+        print(json.dumps(document, indent=2))
+    elif isinstance(document, dict) and "error" in document and "outcome" not in document:
+        console.print(f"the admin API answered HTTP {status}: {document['error']}", markup=False)
+    else:
+        render(console, document)
+    return 0 if status == 200 else 1
+
+
+def _render_list(console: Console, document: dict[str, Any]) -> None:
+    table = Table(title="Models by provider")
+    for column in ("model", "provider", "served as", "state", "holds at once"):
+        table.add_column(column)
+    for model in document.get("models", []):
+        for provider in model.get("providers", []):
+            state = provider.get("state") or "(not reported)"
+            if not provider.get("connected"):
+                state = "(node disconnected)"
+            elif provider.get("reason"):
+                state = f"{state}: {provider['reason']}"
+            held = provider.get("max_loaded")
+            table.add_row(
+                model["model"],
+                provider["provider"],
+                provider["served_model"],
+                state,
+                "-" if held is None else str(held),
+            )
+    console.print(table)
+
+
+def _render_report(console: Console, report: dict[str, Any]) -> None:
+    action, model = report.get("action", "?"), report.get("model", "?")
+    if report.get("error"):
+        console.print(f"{action} of {model}: {report['error']}", markup=False)
+        return
+    for result in report.get("results", []):
+        where = f"{result['provider']} ({result['served_model']})"
+        if result.get("ok"):
+            console.print(f"{action} of {model} on {where}: done", markup=False)
+        else:
+            console.print(f"{action} of {model} on {where}: {result.get('error')}", markup=False)

@@ -1,0 +1,214 @@
+"""The operator's model loads and unloads (design §18, `POST /models/load|unload`).
+
+An operator names a catalog model (and, optionally, a provider); the Edge picks the
+provider a load goes to (`core.placement`), sends its Node a `model_command` per
+provider and answers once every runtime did it, or said why not. The Node serialises
+the commands and joins equal ones (`iop_node.model_control`), so two Edges asking for
+the same load cause one.
+
+Every command that reaches a Node is audited, one line per provider acted on, in
+`state_dir/model-audit.jsonl` (fsynced, like the refresh audit log): who asked, what,
+where, and how it ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Final, Protocol
+
+import msgspec
+import trio
+
+from iop_edge.core.placement import choose_load, holders_of
+from iop_edge.core.snapshot import Snapshot
+from iop_edge.runtime.nodes.session import SessionClosed
+from schemas import wire
+from schemas.catalog import (
+    CatalogProvider,
+    ModelCommandAction,
+    ModelCommandReport,
+    ModelCommandRequest,
+    ModelCommandResult,
+)
+
+__all__ = ["AUDIT_FILE_NAME", "ModelCommands"]
+
+log = logging.getLogger(__name__)
+
+AUDIT_FILE_NAME: Final = "model-audit.jsonl"
+#: Beyond the provider's `adapter.load_timeout_s` (which bounds the runtime on the
+#: Node), the time a command's answer may take to come back.
+ANSWER_GRACE_S: Final = 10.0
+
+
+class CommandSession(Protocol):
+    """What a command needs of a Node's session."""
+
+    async def request_model_command(self, command: wire.ModelCommand) -> wire.ModelCommandDone: ...
+
+
+class _AuditLine(msgspec.Struct, frozen=True, kw_only=True):
+    time: str
+    source: str
+    action: ModelCommandAction
+    model: str
+    provider: str
+    served_model: str
+    ok: bool
+    error: str | None = None
+
+
+class ModelCommands:
+    """Runs the operator's loads and unloads against the pool."""
+
+    def __init__(
+        self,
+        *,
+        snapshot: Callable[[], Snapshot],
+        providers: Callable[[Sequence[str]], list[CatalogProvider]],
+        session_of: Callable[[str], CommandSession | None],
+        state_dir: Path,
+    ) -> None:
+        """`providers`: the catalog records of these provider ids (what their Nodes last
+        reported); `session_of`: a connected Node's session."""
+        self._snapshot = snapshot
+        self._providers = providers
+        self._session_of = session_of
+        self._audit_path = state_dir / AUDIT_FILE_NAME
+        self._encode = msgspec.json.Encoder().encode
+
+    async def run(
+        self, action: ModelCommandAction, request: ModelCommandRequest, *, source: str
+    ) -> ModelCommandReport:
+        """Do `action` for `request`; the report says what each provider's runtime did."""
+        snapshot = self._snapshot()
+        model = snapshot.models.get(request.model)
+        if model is None:
+            return ModelCommandReport(
+                action=action,
+                model=request.model,
+                outcome="unknown",
+                error=f"no model {request.model!r}",
+            )
+        served = dict(model.providers)
+        if request.provider is not None:
+            if request.provider not in served:
+                return ModelCommandReport(
+                    action=action,
+                    model=request.model,
+                    outcome="unknown",
+                    error=f"provider {request.provider!r} does not serve {request.model!r}",
+                )
+            served = {request.provider: served[request.provider]}
+        records = [(p, served[p.id]) for p in self._providers(list(served))]
+        targets: list[tuple[str, str]]
+        if action == "unload":
+            targets = holders_of(records) if request.provider is None else list(served.items())
+        else:
+            choice = choose_load(records)
+            if choice.provider is None:
+                return ModelCommandReport(
+                    action=action,
+                    model=request.model,
+                    outcome="no_provider",
+                    error=f"no provider can load {request.model!r}: {choice.reason}",
+                )
+            targets = [(choice.provider, served[choice.provider])]
+            if choice.already:  # nothing to do: it holds the model
+                result = ModelCommandResult(
+                    provider=choice.provider, served_model=served[choice.provider], ok=True
+                )
+                return ModelCommandReport(
+                    action=action, model=request.model, outcome="done", results=[result]
+                )
+        results: list[ModelCommandResult] = []
+        async with trio.open_nursery() as nursery:
+            for provider_id, served_name in targets:
+                nursery.start_soon(
+                    self._one, snapshot, action, provider_id, served_name, results.append
+                )
+        results.sort(key=lambda result: result.provider)
+        await self._audit(source, action, request.model, results)
+        ok = all(result.ok for result in results)
+        return ModelCommandReport(
+            action=action, model=request.model, outcome="done" if ok else "failed", results=results
+        )
+
+    async def _one(
+        self,
+        snapshot: Snapshot,
+        action: ModelCommandAction,
+        provider_id: str,
+        served: str,
+        report: Callable[[ModelCommandResult], None],
+    ) -> None:
+        node_id = snapshot.provider_node[provider_id]
+        session = self._session_of(node_id)
+        error: str | None
+        if session is None:
+            error = f"node {node_id} is not connected"
+        else:
+            command = wire.ModelCommand(
+                command_id=uuid.uuid4().hex,
+                provider_id=provider_id,
+                action=action,
+                model=served,
+            )
+            bound = snapshot.providers[provider_id].adapter.load_timeout_s + ANSWER_GRACE_S
+            error = f"node {node_id} did not answer within {bound:g}s"
+            with trio.move_on_after(bound):
+                try:
+                    done = await session.request_model_command(command)
+                except SessionClosed as exc:  # the Node is gone
+                    error = f"node {node_id} went away: {exc}"
+                else:
+                    error = None if done.ok else (done.error or "the runtime refused")
+        report(
+            ModelCommandResult(
+                provider=provider_id, served_model=served, ok=error is None, error=error
+            )
+        )
+
+    async def _audit(
+        self,
+        source: str,
+        action: ModelCommandAction,
+        model: str,
+        results: list[ModelCommandResult],
+    ) -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        lines = b"".join(
+            self._encode(
+                _AuditLine(
+                    time=stamp,
+                    source=source,
+                    action=action,
+                    model=model,
+                    provider=result.provider,
+                    served_model=result.served_model,
+                    ok=result.ok,
+                    error=result.error,
+                )
+            )
+            + b"\n"
+            for result in results
+        )
+        if not lines:
+            return
+        with trio.move_on_after(ANSWER_GRACE_S, shield=True):
+            try:
+                await trio.to_thread.run_sync(_append_synced, self._audit_path, lines)
+            except OSError as exc:
+                log.error("model audit log %s not written: %s", self._audit_path, exc)
+
+
+def _append_synced(path: Path, lines: bytes) -> None:
+    with open(path, "ab") as file:
+        file.write(lines)
+        file.flush()
+        os.fsync(file.fileno())

@@ -1,0 +1,199 @@
+"""What an OpenAI-compatible runtime says of its models' load states, and how it is asked to
+load and unload them (design §18).
+
+A probe lists the runtime's models (`GET /v1/models`); what else it can say of their load
+states depends on the runtime, and it is asked only where an answer is possible
+(`model_states` reads the answers):
+
+- a listing whose entries carry a `status` is llama.cpp's router: its `GET /props` says
+  how many models it keeps loaded (`--models-max`); it loads on `POST /models/load` (and
+  returns at once: the load is done when its listing says `loaded`, or `failed`) and
+  unloads on `POST /models/unload`;
+- a `vllm` provider is asked `GET /is_sleeping` until it answers 404 or 405 (a vLLM
+  started without sleep mode): asleep, its models are `sleeping`; `POST /wake_up` wakes
+  it (a "load") and `POST /sleep?level=1` puts it to sleep (an "unload");
+- anything else reports no states, and cannot be asked to load.
+
+Ollama and LM Studio have native APIs of their own (`ollama.py`, `lmstudio.py`), which
+use `get_optional` and `post` from here.
+
+An optional question that fails (the runtime answers an error, or not at all) costs the
+probe nothing: the provider's health is its model listing's, and the states are left
+unsaid rather than guessed. A command that fails raises `ModelCommandFailed` with the
+runtime's own message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any, Final
+
+import httpx2
+import msgspec
+import trio
+
+from iop_node.adapters.base import ModelCommandFailed
+from iop_node.adapters.model_states import (
+    LLAMA_LISTING_DECODER,
+    LlamaListing,
+    from_llama_listing,
+    from_vllm_sleep,
+    llama_router_max_loaded,
+)
+from schemas.config import LifecycleFlag
+from schemas.wire import ModelState, ProviderStatus
+
+log = logging.getLogger(__name__)
+
+#: What llama.cpp's router offers: `/models`, `/models/load`, `/models/unload`.
+ROUTER_LIFECYCLE: Final[list[LifecycleFlag]] = ["list_models", "load_model", "unload_model"]
+#: What the OpenAI API offers of a model's lifecycle: the listing.
+LISTING_ONLY: Final[list[LifecycleFlag]] = ["list_models"]
+#: Between looks at a router's listing while a model it was asked for loads. The runtime
+#: has no event for it (its `/models/sse` says nothing); a load takes seconds to minutes.
+LOAD_POLL_S: Final = 0.25
+#: llama.cpp's answers to a load of a running model and an unload of a stopped one: done.
+_ALREADY: Final = ("already running", "is not running")
+
+
+class RuntimeLifecycle:
+    """Asks one OpenAI-compatible runtime for its models' load states (remembering which
+    questions it cannot answer) and to load or unload them."""
+
+    def __init__(
+        self, client: httpx2.AsyncClient, root_url: str, models_url: str, *, asks_sleep: bool
+    ) -> None:
+        """`root_url`: the server root (no `/v1`); `models_url`: its model listing;
+        `asks_sleep`: the provider is a vLLM (it may have sleep mode)."""
+        self._client = client
+        self._root_url = root_url
+        self._models_url = models_url
+        self._asks_sleep = asks_sleep
+        self._router = False
+        """The last listing was a llama.cpp router's."""
+
+    async def status(self, provider_id: str, listing: LlamaListing) -> ProviderStatus:
+        """An `available` status for a runtime whose listing answered, with what it says
+        of its models' states."""
+        models = [model.id for model in listing.data]
+        states = from_llama_listing(listing)
+        self._router = states is not None
+        if states is not None:
+            props = await self.get_optional("/props")
+            return ProviderStatus(
+                id=provider_id,
+                health="available",
+                models=models,
+                lifecycle=ROUTER_LIFECYCLE,
+                model_states=states,
+                max_loaded=None if props is None else llama_router_max_loaded(props),
+            )
+        return ProviderStatus(
+            id=provider_id,
+            health="available",
+            models=models,
+            lifecycle=LISTING_ONLY,
+            model_states=await self._sleep_states(models),
+        )
+
+    async def _sleep_states(self, models: Sequence[str]) -> list[ModelState] | None:
+        if not self._asks_sleep:
+            return None
+        body = await self.get_optional("/is_sleeping")
+        return None if body is None else from_vllm_sleep(models, body)
+
+    # --- commands ----------------------------------------------------------------------
+
+    async def load(self, model: str) -> None:
+        """Load (or wake) `model`; returns once the runtime serves it."""
+        if self._router:
+            await self.post("/models/load", {"model": model}, done_if=_ALREADY)
+            await self._wait_router_loaded(model)
+        elif self._asks_sleep:
+            await self.post("/wake_up", None)
+        else:
+            raise ModelCommandFailed("this runtime does not load models on request")
+
+    async def unload(self, model: str) -> None:
+        """Unload `model` (put a vLLM to sleep); returns once the runtime has."""
+        if self._router:
+            await self.post("/models/unload", {"model": model}, done_if=_ALREADY)
+        elif self._asks_sleep:
+            await self.post("/sleep?level=1", None)
+        else:
+            raise ModelCommandFailed("this runtime does not unload models on request")
+
+    async def _wait_router_loaded(self, model: str) -> None:
+        """Look at the router's listing until `model` is loaded, or failed (raises)."""
+        while True:
+            response = await self._client.get(self._models_url)
+            try:
+                listing = LLAMA_LISTING_DECODER.decode(response.content)
+            except msgspec.DecodeError:
+                listing = LlamaListing(data=[])
+            states = {state.name: state for state in from_llama_listing(listing) or ()}
+            state = states.get(model)
+            if state is None:
+                raise ModelCommandFailed(f"the runtime does not list {model!r}")
+            if state.state == "loaded":
+                return
+            if state.state == "failed":
+                raise ModelCommandFailed(f"{model} {state.reason or 'failed to load'}")
+            await trio.sleep(LOAD_POLL_S)
+
+    # --- requests ----------------------------------------------------------------------
+
+    async def get_optional(self, path: str) -> bytes | None:
+        """GET `path` at the server root: the body of a 200, else None (a 404 or 405 to
+        `/is_sleeping` says the runtime has no sleep mode: it is not asked again)."""
+        try:
+            response = await self._client.get(
+                self._root_url + path, headers={"Accept": "application/json"}
+            )
+        except httpx2.HTTPError as exc:
+            log.debug("GET %s%s failed: %s", self._root_url, path, exc)
+            return None
+        if response.status_code in (404, 405) and path == "/is_sleeping":
+            self._asks_sleep = False
+        return response.content if response.status_code == 200 else None
+
+    async def post(
+        self, path: str, body: dict[str, Any] | None, *, done_if: Sequence[str] = ()
+    ) -> bytes:
+        """POST `body` to `path` at the server root; the answer's body, or
+        `ModelCommandFailed` with the runtime's message. An error whose message has one
+        of `done_if` in it says the runtime is already where it was asked to be."""
+        content = b"" if body is None else json.dumps(body).encode()
+        try:
+            response = await self._client.post(
+                self._root_url + path,
+                content=content,
+                headers={"Content-Type": "application/json", "Accept": "application/json"},
+            )
+        except httpx2.HTTPError as exc:
+            raise ModelCommandFailed(f"POST {path} failed: {exc}") from exc
+        if response.status_code < 300:
+            return response.content
+        detail = runtime_says(response.content)
+        if any(phrase in detail for phrase in done_if):
+            return response.content
+        suffix = f": {detail}" if detail else ""
+        raise ModelCommandFailed(f"POST {path} returned {response.status_code}{suffix}")
+
+
+#: How much of a runtime's refusal a failed command repeats.
+_SAID_LIMIT: Final = 300
+
+
+def runtime_says(body: bytes) -> str:
+    """A lifecycle API's refusal in its own words: llama.cpp, LM Studio and Ollama answer
+    `{"error": {"message": ...}}` or `{"error": "..."}`; anything else as text."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", errors="replace").strip()[:_SAID_LIMIT]
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    message = error.get("message") if isinstance(error, dict) else error
+    return str(message or parsed)[:_SAID_LIMIT]
