@@ -406,7 +406,13 @@ async def test_api_key_env_is_sent_as_bearer(
         await adapter.execute(make_run()[0], Collector())
         status = await adapter.probe()
     assert status.health == "available"
-    assert [r.headers.get("authorization") for r in upstream.requests] == [f"Bearer {FAKE_KEY}"] * 2
+    # The run, the listing and a vllm's sleep-mode question: each with the key.
+    assert [r.path for r in upstream.requests] == [
+        "/v1/chat/completions",
+        "/v1/models",
+        "/is_sleeping",
+    ]
+    assert {r.headers.get("authorization") for r in upstream.requests} == {f"Bearer {FAKE_KEY}"}
 
 
 async def test_missing_api_key_env_is_reported_by_name(
@@ -432,7 +438,8 @@ async def test_probe_lists_models(upstream: FakeUpstream, make_adapter: MakeAdap
         status = await adapter.probe()
     assert (status.id, status.health, status.models) == ("p1", "available", ["a/one", "b/two"])
     assert upstream.requests_total == 0  # a probe is never a completion
-    assert upstream.requests[-1].path == "/v1/models"
+    # The listing, then (a vllm may have sleep mode) the question the runtime answers 404.
+    assert [r.path for r in upstream.requests] == ["/v1/models", "/is_sleeping"]
 
 
 async def test_probe_reports_an_error_status(

@@ -113,10 +113,12 @@ async def test_runs_and_probes_go_through_the_environment_proxy(
     assert upstream.connections_total == 0
     chat_url = f"{upstream.base_url}/chat/completions".encode()
     models_url = f"{upstream.base_url}/models".encode()
+    sleep_url = f"{upstream.root_url}/is_sleeping".encode()  # a vllm may have sleep mode
     assert [(s.method, s.target) for s in proxy.seen] == [
         (b"POST", chat_url),
         (b"POST", chat_url),
         (b"GET", models_url),
+        (b"GET", sleep_url),
     ]
     host = upstream.root_url.removeprefix("http://").encode()
     for seen in proxy.seen:
