@@ -589,10 +589,13 @@ class RunEndpoints:
                 )
             pending.append(STREAM_END[protocol])
             run.end(outcome)
-            if to_store is not None and isinstance(event, wire.RunDone):
-                if await self._responses.keep(to_store, event.response) is not None:
-                    # The held tail's final response says so (`core.unstored_reply`).
-                    pending = [unstored_events(part) for part in pending]
+            if (
+                to_store is not None
+                and isinstance(event, wire.RunDone)
+                and await self._responses.keep(to_store, event.response) is not None
+            ):
+                # Not stored: the held tail's final response says so (`core.unstored_reply`).
+                pending = [unstored_events(part) for part in pending]
             await reply.finish(b"".join(pending))
             return
 

@@ -122,12 +122,12 @@ async def test_a_store_whose_database_fails_says_store_false_and_the_runs_are_me
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     stack = await _stack(nursery, tmp_path)
-    first, stored = await _ask(stack, ALICE, "hi")
+    _, stored = await _ask(stack, ALICE, "hi")
     assert stored == "true"
     path = tmp_path / "state" / SQLITE_FILE
     with sqlite3.connect(path) as db:
         db.execute("ALTER TABLE responses RENAME TO hidden")
-    answer, stored = await _ask(stack, ALICE, "more", previous_response_id=None)
+    answer, stored = await _ask(stack, ALICE, "more")
     assert (stored, answer.store) == ("false", False)
     _, completed = await _ask_streaming(stack, ALICE, "more")
     assert completed.store is False

@@ -71,8 +71,7 @@ class PostgresResponses:
                         f"CREATE INDEX IF NOT EXISTS {TABLE}_used_at ON {TABLE} (used_at)"
                     )
                     connection.execute(
-                        f"CREATE INDEX IF NOT EXISTS {TABLE}_principal "
-                        f"ON {TABLE} (principal_ref)"
+                        f"CREATE INDEX IF NOT EXISTS {TABLE}_principal ON {TABLE} (principal_ref)"
                     )
             except psycopg.Error:
                 connection.close()
@@ -190,8 +189,7 @@ class PostgresResponses:
                     [keep_bytes],
                 )
             rows = connection.execute(
-                f"SELECT principal_ref, COUNT(*), SUM({_SIZE}) FROM {TABLE} "
-                "GROUP BY principal_ref"
+                f"SELECT principal_ref, COUNT(*), SUM({_SIZE}) FROM {TABLE} GROUP BY principal_ref"
             ).fetchall()
         except psycopg.Error:
             self._failed()
