@@ -2,7 +2,8 @@
 Node with the `openai` SDK: a principal at its byte share, or a store whose database
 fails, is answered with `store: false` (body, final stream event,
 `x-iop-response-stored`), counted in `iop_responses_unstored_total`, while other
-principals store as before; a conversation past its byte bound is a 400; an upstream
+principals store as before, and PostgreSQL down is answered the same way; a
+conversation past its byte bound is a 400; an upstream
 that reuses Responses ids cannot make stored responses collide."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import trio
 
 from iop_edge.runtime.metering.ledger import SQLITE_FILE
 from tests.adapters.fake_protocols import responses_response
+from tests.e2e.postgres import PASSWORD_ENV, Postgres
 from tests.e2e.stack import (
     Stack,
     edge_config,
@@ -188,3 +190,32 @@ async def test_an_upstream_that_reuses_ids_cannot_make_stored_responses_collide(
     sent = msgspec.json.decode(fake.requests[-1].body)
     said = [item["content"] for item in sent["input"] if item.get("role") == "user"]
     assert said == ["one", "two", "three", "four"]  # every turn, none overwritten
+
+
+async def test_postgresql_down_is_answered_store_false_and_stored_again_once_back(
+    nursery: trio.Nursery, tmp_path: Path, ledger_url: str, postgres_server: Postgres
+) -> None:
+    text = edge_config(
+        tmp_path / "state",
+        providers=[sim_provider("sim-1", capacity=4)],
+        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+        openai_section=principals_section({"alice": ALICE}),
+        edge_section={"ledger": ledger_url, "ledger_password_env": PASSWORD_ENV},
+    )
+    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+    _, stored = await _ask(stack, ALICE, "hi")
+    assert stored == "true"
+    await trio.to_thread.run_sync(postgres_server.stop)
+    try:
+        for _ in range(2):
+            answer, stored = await _ask(stack, ALICE, "while it is down")
+            assert (stored, answer.store) == ("false", False)
+            _, completed = await _ask_streaming(stack, ALICE, "while it is down")
+            assert completed.store is False
+        assert await _unstored(stack, "unavailable") == 4
+    finally:
+        await trio.to_thread.run_sync(postgres_server.start)
+    answer, stored = await _ask(stack, ALICE, "back")
+    assert (stored, answer.store) == ("true", True)
+    async with stack.client(api_key=ALICE) as client:
+        assert (await client.responses.retrieve(answer.id)).id == answer.id
