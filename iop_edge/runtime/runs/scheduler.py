@@ -393,9 +393,9 @@ class _Waiter:
     ) -> None:
         self.seq = seq
         self.principal = principal
+        """Arrival order across all models' queues (a clock reading could tie)."""
         self.work = work
         """Its estimated tokens: what serving it charges its principal (`fair_queue`)."""
-        """Arrival order across all models' queues (a clock reading could tie)."""
         self.model_id = model_id
         self.run_id = run_id
         self.long = long
