@@ -17,7 +17,11 @@ import openai
 import pytest
 import trio
 
+from iop_edge.core.ledger_url import parse_ledger_url
 from iop_edge.runtime.metering.ledger import SQLITE_FILE
+from iop_edge.runtime.metering.response_store import ConversationTooLarge, ResponseStore
+from iop_edge.runtime.metering.response_store_postgres import PostgresResponses
+from schemas.config import ResponsesSection
 from tests.adapters.fake_protocols import responses_response
 from tests.e2e.postgres import PASSWORD_ENV, Postgres
 from tests.e2e.stack import (
@@ -219,3 +223,46 @@ async def test_postgresql_down_is_answered_store_false_and_stored_again_once_bac
     assert (stored, answer.store) == ("true", True)
     async with stack.client(api_key=ALICE) as client:
         assert (await client.responses.retrieve(answer.id)).id == answer.id
+
+
+def _final(response_id: str, text: str) -> bytes:
+    return msgspec.json.encode(
+        {"id": response_id, "object": "response", "output": [{"type": "message", "text": text}]}
+    )
+
+
+async def test_the_postgresql_store_keeps_the_same_bounds(ledger_url: str) -> None:
+    """The byte bounds' queries in PostgreSQL: a principal's share counted in the
+    database, the least recently used evicted past the total, a conversation's bytes,
+    an id never overwritten."""
+    now = [1_000.0]
+    one = len(_final("r00", "x" * 1_000)) + len(b"[]")
+    policy = ResponsesSection(
+        max_bytes=6 * one, max_bytes_per_principal=3 * one, max_conversation_bytes=2 * one
+    )
+    backend = PostgresResponses(parse_ledger_url(ledger_url), PASSWORD_ENV)
+    store = ResponseStore(backend, policy, clock=lambda: now[0])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+
+        async def keep(principal: str, number: int, previous: str | None = None) -> str | None:
+            now[0] += 1
+            return await store.keep(
+                principal, _final(f"r{number:02d}", "x" * 1_000), [], previous_id=previous
+            )
+
+        for number in range(3):
+            assert await keep("a", number, f"r{number - 1:02d}" if number else None) is None
+        assert await keep("a", 3) == "principal_full"
+        assert await store.delete("a", "r02")
+        assert await keep("a", 3, "r01") is None  # counted again in the database: room
+        assert await keep("b0", 3) == "id_conflict"  # a's id: never overwritten
+        assert len(await store.conversation("a", "r01")) == 2
+        with pytest.raises(ConversationTooLarge):
+            await store.conversation("a", "r03")  # three turns: past two turns' bytes
+        for number in range(4, 10):  # b's puts pass the total: the oldest go first
+            assert await keep(f"b{number % 2}", number) is None
+        assert await store.read("a", "r00") is None
+        assert await store.read("b1", "r09") is not None
+        assert store.statistics().bytes <= 6 * one
+        nursery.cancel_scope.cancel()
