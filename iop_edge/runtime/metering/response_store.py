@@ -27,7 +27,9 @@ Rules:
    principal filling the store never pushes out the others' conversations. A single
    response larger than that share is never stored. Whether a principal is at its share
    is counted in the database before a response is refused (expired and deleted ones,
-   and other replicas' puts, are seen then).
+   and other replicas' puts, are seen then); below it by this Edge's count, a put goes
+   ahead, so replicas sharing PostgreSQL may together pass a share by what the others
+   stored for that principal since this Edge last counted.
 4. Metering comes first: with SQLite, nothing is stored while `state_dir` has less than
    `min_free_bytes` free after the write, so the usage journal and ledger beside the
    store keep their room on a small disk.
