@@ -10,20 +10,26 @@ part fair queueing changes.
 - *fairness*, on virtual time (Trio's `MockClock`), every run holding its slot for one
   run time, as the sim provider's fixed run time would: how long one request of a
   second principal waits behind a flood of 200 from the first on a capacity-2 model,
-  in run times; and how weights 3:1 split the served runs under steady load.
+  in run times; how weights 3:1 split the served runs under steady load; and how slot
+  time is shared by work (`work_share`): one principal keeping 2 huge requests
+  outstanding against one keeping 24 small ones, at equal weights, each run holding its
+  slot for a time proportional to its estimated tokens.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
 import trio
+import trio.testing
 from rich.table import Table
 from trio.testing import MockClock
 
+from iop_edge.core.run_work import run_work
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas.config import (
@@ -35,7 +41,14 @@ from schemas.config import (
     ProviderConfig,
 )
 
-__all__ = ["FairShareResult", "one_model_pool", "render_fair_share", "run_fair_share"]
+__all__ = [
+    "FairShareResult",
+    "WorkShare",
+    "one_model_pool",
+    "render_fair_share",
+    "run_fair_share",
+    "work_share",
+]
 
 PRINCIPAL_COUNTS: Final = (1, 100, 10_000)
 _GRANTS: Final = 20_000
@@ -140,6 +153,67 @@ async def _weighted_split() -> tuple[int, int]:
     return served["heavy"] - before["heavy"], served["light"] - before["light"]
 
 
+#: The work-share scenario: (requests kept outstanding, input tokens, max_tokens) per
+#: principal.
+HUGE: Final = (2, 32_000, 4_096)
+SMALL: Final = (24, 500, 256)
+#: Tokens a slot serves per second of virtual time (a run holds its slot work / this).
+_TOKENS_PER_S: Final = 1_000.0
+#: The work-share window, in seconds of virtual time: after a start-up, long enough for
+#: each huge request to run several times.
+_WARM_UP_S: Final = 100.0
+_WINDOW_S: Final = 500.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkShare:
+    """Slot time per principal over the window, and the small requests' waits, in
+    seconds of virtual time."""
+
+    huge_s: float
+    small_s: float
+    small_waits: list[float]
+
+    @property
+    def ratio(self) -> float:
+        """The larger share over the smaller (1.0 is an even split)."""
+        low, high = sorted((self.huge_s, self.small_s))
+        return high / low if low else float("inf")
+
+
+async def work_share(capacity: int = 2) -> WorkShare:
+    """`HUGE` against `SMALL` at equal weights on one model of `capacity` slots, each
+    principal keeping its requests outstanding (a new one as soon as one ends). Every
+    run holds its slot for its estimated work (`core.run_work`) at `_TOKENS_PER_S`, so
+    slot time follows work. Needs a `MockClock`."""
+    scheduler = one_model_pool(capacity=capacity)
+    held = {"huge": 0.0, "small": 0.0}
+    waits: list[float] = []
+    start, end = _WARM_UP_S, _WARM_UP_S + _WINDOW_S
+
+    async def worker(principal: str, prompt: int, max_tokens: int) -> None:
+        work = run_work(prompt, max_tokens)
+        while True:
+            asked = trio.current_time()
+            with await scheduler.acquire("m", "r", long=False, principal=principal, work=work):
+                began = trio.current_time()
+                if principal == "small" and start <= asked < end:
+                    waits.append(began - asked)
+                try:
+                    await trio.sleep(work / _TOKENS_PER_S)
+                finally:
+                    held[principal] += max(0.0, min(trio.current_time(), end) - max(began, start))
+
+    async with trio.open_nursery() as nursery:
+        for principal, (count, prompt, max_tokens) in (("huge", HUGE), ("small", SMALL)):
+            for _ in range(count):
+                nursery.start_soon(worker, principal, prompt, max_tokens)
+            await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(end)
+        nursery.cancel_scope.cancel()
+    return WorkShare(huge_s=held["huge"], small_s=held["small"], small_waits=waits)
+
+
 @dataclass(frozen=True, slots=True)
 class FairShareResult:
     cost_us: dict[int, float]
@@ -147,13 +221,15 @@ class FairShareResult:
     flood_wait_runs: float
     heavy: int
     light: int
+    work: WorkShare
 
 
 def run_fair_share() -> FairShareResult:
     cost = {count: trio.run(_cost_us, count) for count in PRINCIPAL_COUNTS}
     flood = trio.run(_flood_wait_runs, clock=MockClock(autojump_threshold=0))
     heavy, light = trio.run(_weighted_split, clock=MockClock(autojump_threshold=0))
-    return FairShareResult(cost_us=cost, flood_wait_runs=flood, heavy=heavy, light=light)
+    work = trio.run(work_share, clock=MockClock(autojump_threshold=0))
+    return FairShareResult(cost_us=cost, flood_wait_runs=flood, heavy=heavy, light=light, work=work)
 
 
 def render_fair_share(result: FairShareResult) -> Table:
@@ -173,5 +249,16 @@ def render_fair_share(result: FairShareResult) -> Table:
         "weights 3:1 under steady load",
         f"{result.heavy}:{result.light} = {ratio:.2f}",
         "3 ± 10 %",
+    )
+    work = result.work
+    table.add_row(
+        f"slot time, {HUGE[0]} huge vs {SMALL[0]} small requests (capacity 2, weights 1:1)",
+        f"{work.huge_s:.1f} s : {work.small_s:.1f} s = {work.ratio:.2f}",
+        "≤ 1.5",
+    )
+    table.add_row(
+        "the small requests' wait, median / max",
+        f"{statistics.median(work.small_waits):.1f} s / {max(work.small_waits):.1f} s",
+        "",
     )
     return table

@@ -9,7 +9,12 @@ killed with SIGKILL and restarted, live refreshes change a provider's capacity b
 and forth, and, at two thirds of the run, the disk under `state_dir` is full for
 `--full-disk-s` seconds (a tmpfs of `STATE_DISK_SIZE` filled with a ballast file, then
 emptied: the usage ledger keeps the records in memory meanwhile; mounting needs root,
-else the window is skipped, saying so).
+else the window is skipped, saying so). All along, one caller stores large Responses
+(`store: true`, `STORE_FILLER_INPUT` each) as fast as it is answered, with no share of
+its own (`max_bytes_per_principal` above `STATE_DISK_SIZE`): the store fills the disk up to
+`edge.responses.min_free_bytes` and then answers it `store: false`
+(`x-iop-response-stored`, counted by that header's value), never taking the room the
+usage ledger needs: the other callers see no 503 for it and no row is lost.
 
 **Shared runtime.** The upstream is a runtime IOP shares with another application
 (`bench.upstream --slots`): node-2 also relays a second model, `SHARED_MODEL`, to it
@@ -100,6 +105,8 @@ SHARED_CAPACITY = 2
 #: the two): a shared-runtime window of 15 s holds several of its probes.
 SHARED_HEALTH_INTERVAL_S = 2.0
 SHARED_CALLERS = 2
+#: The store filler's input: about 250 KB, so it reaches the disk's reserve in minutes.
+STORE_FILLER_INPUT = "lorem ipsum " * 21_000
 #: Seconds a `SHARED_MODEL` caller waits between two requests (uniform), so that the
 #: provider has no run of IOP's in flight at most of its health probes.
 SHARED_PAUSE_S = (0.5, 1.5)
@@ -164,7 +171,13 @@ def _config(state: Path, capacity: int, upstream_url: str) -> str:
         return {"id": f"node-{index}", "token_hash_sha256": token_hash, "providers": providers}
 
     config = {
-        "edge": {"listen": "127.0.0.1:0", "state_dir": str(state), "shutdown_grace_s": 5},
+        "edge": {
+            "listen": "127.0.0.1:0",
+            "state_dir": str(state),
+            "shutdown_grace_s": 5,
+            # Above `STATE_DISK_SIZE`: there, only the disk's reserve bounds the filler.
+            "responses": {"max_bytes_per_principal": 512 << 20, "max_bytes": 512 << 20},
+        },
         "admin": {"listen": "127.0.0.1:0"},
         "openai": {"listen": "127.0.0.1:0"},
         "dispatch": {"max_queue": 512, "queue_timeout_ms": 30_000},
@@ -250,6 +263,28 @@ async def _caller(calls: _Calls, rng: random.Random, stop: trio.Event) -> None:
         calls.books.end(calls.model, started_s, outcome, run_id)
         if calls.pause_s is not None:
             await trio.sleep(rng.uniform(*calls.pause_s))
+
+
+async def _store_filler(calls: _Calls, stop: trio.Event) -> None:
+    """Store large Responses until stopped (module docstring)."""
+    body = {"model": calls.model, "input": STORE_FILLER_INPUT, "max_output_tokens": 8}
+    while not stop.is_set():
+        started_s = time.monotonic() - calls.started
+        outcome, run_id = "caller timeout", None
+        with trio.move_on_after(120):
+            try:
+                response = await calls.http.post("/v1/responses", json=body)
+                if response.status_code == 200:
+                    stored = response.headers.get("x-iop-response-stored")
+                    outcome, run_id = (
+                        f"200 responses stored={stored}",
+                        response.headers["x-request-id"],
+                    )
+                else:
+                    outcome = f"{response.status_code} {_code(response.content)}"
+            except httpx2.TransportError as exc:
+                outcome = f"transport: {type(exc).__name__}"
+        calls.books.end(calls.model, started_s, outcome, run_id)
 
 
 async def _call(http: httpx2.AsyncClient, body: dict[str, Any]) -> tuple[str, str | None]:
@@ -568,6 +603,7 @@ async def _soak(options: SoakOptions, *, folder: Path, state: Path) -> int:
                         for caller in [calls] * concurrency + [shared] * SHARED_CALLERS:
                             caller_rng = random.Random(rng.random())
                             callers.start_soon(_caller, caller, caller_rng, stop)
+                        callers.start_soon(_store_filler, calls, stop)
                         await trio.sleep(minutes * 60)
                         stop.set()
                     work.cancel_scope.cancel()

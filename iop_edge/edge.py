@@ -202,6 +202,7 @@ class Edge:
         self.metering = Metering(self.metrics, self.ledger)
         self.metrics.watch_ledger(self.ledger.statistics)
         self.responses = ResponseStore(self._ledger_choice.responses, config.edge.responses)
+        self.metrics.watch_responses(self.responses.statistics)
         self.access_log = AccessLog()
         self.activity = Activity(queue_depth=self.scheduler.queue_depths)
         self.heap = HeapKeeper()

@@ -76,6 +76,18 @@ class TlsSection(ConfigStruct, frozen=True, kw_only=True):
 DEFAULT_RESPONSES_MAX_AGE_S = 30 * 24 * 3600.0
 #: How many stored Responses responses an Edge (or replicas sharing a ledger) keeps.
 DEFAULT_RESPONSES_MAX_STORED = 10_000
+#: The bytes of stored responses kept at most, all principals together (their request
+#: items and response objects as stored): a small `state_dir` is not filled by them.
+DEFAULT_RESPONSES_MAX_BYTES = 256 * 1024 * 1024
+#: The bytes of stored responses one principal may hold: one principal cannot take the
+#: store (or the disk under it) from the others.
+DEFAULT_RESPONSES_MAX_BYTES_PER_PRINCIPAL = 32 * 1024 * 1024
+#: Free space the store leaves in `state_dir` (SQLite) for the usage journal and ledger:
+#: metering never waits for room that stored responses took.
+DEFAULT_RESPONSES_MIN_FREE_BYTES = 32 * 1024 * 1024
+#: The bytes of a stored conversation a `previous_response_id` may continue: longer ones
+#: are refused before they are loaded whole, so one turn costs bounded memory and time.
+DEFAULT_RESPONSES_MAX_CONVERSATION_BYTES = 16 * 1024 * 1024
 #: Usage records an Edge keeps in memory while its journal in `state_dir` cannot be
 #: written (a full disk), about 300 bytes each.
 DEFAULT_LEDGER_BUFFER_RECORDS = 100_000
@@ -93,6 +105,18 @@ class ResponsesSection(ConfigStruct, frozen=True, kw_only=True):
     """Seconds a response is kept after it was stored or last continued."""
     max_stored: PositiveInt = DEFAULT_RESPONSES_MAX_STORED
     """Responses kept at most, all principals together."""
+    max_bytes: PositiveInt = DEFAULT_RESPONSES_MAX_BYTES
+    """Bytes of stored responses kept at most, all principals together (the least
+    recently used go first)."""
+    max_bytes_per_principal: PositiveInt = DEFAULT_RESPONSES_MAX_BYTES_PER_PRINCIPAL
+    """Bytes of stored responses one principal holds at most: past it, its responses are
+    answered but not stored (`store: false`) until some expire or it deletes some."""
+    min_free_bytes: NonNegativeInt = DEFAULT_RESPONSES_MIN_FREE_BYTES
+    """Free space in `state_dir` below which nothing is stored (SQLite only): the room is
+    the usage journal's."""
+    max_conversation_bytes: PositiveInt = DEFAULT_RESPONSES_MAX_CONVERSATION_BYTES
+    """Bytes of stored conversation a `previous_response_id` continues at most (400
+    `conversation_too_large` past it)."""
 
 
 #: The OTLP wire formats IOP exports traces in (the OpenTelemetry SDK's HTTP exporter).

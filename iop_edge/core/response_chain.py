@@ -31,6 +31,7 @@ import msgspec
 __all__ = [
     "MAX_CHAIN",
     "ChainBroken",
+    "ConversationTooLarge",
     "FinalResponse",
     "StoredTurn",
     "continue_body",
@@ -61,6 +62,11 @@ class StoredTurn:
 
 class ChainBroken(Exception):
     """The conversation cannot be rebuilt (Rule 4); the message says which link failed."""
+
+
+class ConversationTooLarge(Exception):
+    """The conversation is longer than the store loads (`max_conversation_bytes`); the
+    message says so. The caller's 400: it asked for more than the Edge carries."""
 
 
 class FinalResponse(msgspec.Struct, frozen=True, kw_only=True):

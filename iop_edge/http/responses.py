@@ -17,12 +17,21 @@ chat completions. Same catalog, aliases, limits and long-context admission as ch
   the caller's response completes (`ResponseStore.keep`). The runtime is always sent
   `store: false`: the Edge is the store. The caller still sees the `store` it asked for:
   the Node writes `store: true` into the response of a run that keeps its output
-  (translated or relayed natively alike).
+  (translated or relayed natively alike), and its id is IOP's own (`resp_<request id>`),
+  never the upstream's, so an upstream that reuses ids cannot make two stored responses
+  collide.
+- A response that could not be stored (the store's bounds, its database failing) is
+  still answered, never refused: storing is a side effect of a request already served.
+  The reply says so (`core.unstored_reply`): `store: false` in the body or the stream's
+  final event, `x-iop-response-stored: false` on a non-stream reply (`true` when
+  stored), the reason in `iop_responses_unstored_total` and a log line with the request
+  id.
+- A conversation longer than `edge.responses.max_conversation_bytes` is a 400
+  `conversation_too_large`, refused before it is loaded whole.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -33,7 +42,12 @@ from iop_edge.core.protocol_requests import (
     estimate_responses_tokens,
     input_items,
 )
-from iop_edge.core.response_chain import ChainBroken, continue_body, conversation
+from iop_edge.core.response_chain import (
+    ChainBroken,
+    ConversationTooLarge,
+    continue_body,
+    conversation,
+)
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.caller_protocol import (
     Caller,
@@ -42,12 +56,10 @@ from iop_edge.http.caller_protocol import (
     check_max_tokens,
 )
 from iop_edge.http.errors import ApiError, invalid_request
-from iop_edge.runtime.metering.response_store import ResponseStore, StoreUnavailable
+from iop_edge.runtime.metering.response_store import ResponseStore, StoreUnavailable, Unstored
 from iop_edge.runtime.runs.dispatch import RunPlan
 
 __all__ = ["DEFAULT_KEYS", "ResponsesSurface", "ToStore", "store_unavailable"]
-
-log = logging.getLogger(__name__)
 
 #: A model's `generation.defaults` key (chat's name) -> the Responses field it sets.
 DEFAULT_KEYS: Final = {
@@ -68,6 +80,8 @@ class ToStore:
     previous_id: str | None
     continues: tuple[str, ...]
     """The ids of the conversation it continues (renewed when it is stored)."""
+    request_id: str = ""
+    """The caller's request id, for the log line of a response not stored."""
 
 
 def store_unavailable(exc: StoreUnavailable) -> ApiError:
@@ -125,6 +139,10 @@ class ResponsesSurface:
                     code="previous_response_not_found",
                     param="previous_response_id",
                 ) from None
+            except ConversationTooLarge as exc:
+                raise ApiError(
+                    400, str(exc), code="conversation_too_large", param="previous_response_id"
+                ) from None
             except StoreUnavailable as exc:
                 raise store_unavailable(exc) from None
             earlier = conversation(chain, ())
@@ -151,21 +169,19 @@ class ResponsesSurface:
             input_items=own_items,
             previous_id=previous_id,
             continues=continues,
+            request_id=plan.request_id or plan.run_id,
         )
 
-    async def keep(self, to_store: ToStore, response: bytes | None) -> None:
-        """Store a finished run's final response (`run_done.response`)."""
-        if response is None:
-            log.warning(
-                "a stored response's run ended without its final response object; not stored"
-            )
-            return
-        await self.store.keep(
+    async def keep(self, to_store: ToStore, response: bytes | None) -> Unstored | None:
+        """Store a finished run's final response (`run_done.response`); None when it is
+        stored, else why not (the store logged and counted it)."""
+        return await self.store.keep(
             to_store.principal_ref,
             response,
             to_store.input_items,
             previous_id=to_store.previous_id,
             continues=to_store.continues,
+            request_id=to_store.request_id,
         )
 
     async def read(self, principal_ref: str, response_id: str) -> bytes:

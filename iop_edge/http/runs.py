@@ -50,6 +50,7 @@ import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
 
 from iop_edge.core.snapshot import Snapshot
+from iop_edge.core.unstored_reply import unstored_body, unstored_events
 from iop_edge.http.auth import authenticate
 from iop_edge.http.caller_protocol import (
     PROTOCOL_OF,
@@ -534,9 +535,13 @@ class RunEndpoints:
             await self._refuse(run, error, reply, timing)
             return
         run.end(Outcome(200))
+        extra: list[tuple[bytes, bytes]] = []
         if to_store is not None:
-            await self._responses.keep(to_store, payload)
-        await reply.json(payload, timing)
+            unstored = await self._responses.keep(to_store, payload)
+            if unstored is not None:
+                payload = unstored_body(payload)
+            extra.append((_STORED_HEADER, b"false" if unstored else b"true"))
+        await reply.json(payload, timing, extra=extra)
 
     async def _relay_stream(
         self, run: Run, reply: _Reply, timing: _Timing, to_store: ToStore | None
@@ -604,10 +609,19 @@ class RunEndpoints:
                 )
             pending.append(STREAM_END[protocol])
             run.end(outcome)
-            if to_store is not None and isinstance(event, wire.RunDone):
-                await self._responses.keep(to_store, event.response)
+            if (
+                to_store is not None
+                and isinstance(event, wire.RunDone)
+                and await self._responses.keep(to_store, event.response) is not None
+            ):
+                # Not stored: the held tail's final response says so (`core.unstored_reply`).
+                pending = [unstored_events(part) for part in pending]
             await reply.finish(b"".join(pending))
             return
+
+
+#: Whether a `store: true` response was stored (non-stream replies; `http.responses`).
+_STORED_HEADER: Final = b"x-iop-response-stored"
 
 
 def _caller_context(request: _Request) -> tuple[str, str]:

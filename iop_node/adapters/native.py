@@ -21,7 +21,8 @@ Rules:
 5. `keep_output`: the object of the Responses stream's last event, as the caller saw it,
    is kept for `run_done.response` (the Edge stores it). The caller asked for `store:
    true` and the runtime was sent `store: false` (the Edge is the store): the reply's
-   `store` says true again.
+   `store` says true again, and its `id` is IOP's `resp_<request id>` (the Edge stores it
+   under that id), never the upstream's.
 6. `hold_tail`: the events that tell the caller its reply is whole (`message_delta` and
    `message_stop`; `response.completed`, `response.incomplete`) are held back, not
    returned, for the run's end to carry (`run_done.tail`, written by the Edge once it
@@ -130,7 +131,11 @@ class NativeReply:
         self._reader: MessagesNative | ResponsesNative = (
             MessagesNative(run.reply_model)
             if protocol == "messages"
-            else ResponsesNative(run.reply_model, stored=self._keep)
+            else ResponsesNative(
+                run.reply_model,
+                stored=self._keep,
+                response_id=f"resp_{run.request_id or run.run_id}",
+            )
         )
         self._ends = _ENDS[protocol]
         self._tail = _TAIL[protocol] if run.hold_tail else frozenset[str]()

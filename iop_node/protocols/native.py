@@ -5,7 +5,10 @@ its reply goes back as it came (design §14), with two exceptions the Node owes 
 caller (design §3): the `model` the caller sees is the alias it asked for, and the run's
 usage is read for metering. A Responses reply the Edge stores (`stored`) also says
 `store: true`, as its caller asked: the runtime was sent `store: false`, since the Edge
-is the store (design §14), and echoes that. All of these live in a few events only, so
+is the store (design §14), and echoes that; and its `id` is IOP's own (`response_id`,
+the `resp_<request id>` a translated reply has too), not the upstream's: the Edge stores
+it under that id, so an upstream that reuses ids (a restarted runtime counting from 1
+again) cannot make two stored responses collide. All of these live in a few events only, so
 these readers parse only those, and only their top level plus the one object below it
 that holds the model:
 
@@ -208,12 +211,14 @@ _STORED: Final = msgspec.Raw(b"true")
 class ResponsesNative(_Native):
     """Reads one native OpenAI Responses reply (module docstring)."""
 
-    __slots__ = ("_stored", "final_response")
+    __slots__ = ("_id", "_stored", "final_response")
 
-    def __init__(self, reply_model: str, *, stored: bool = False) -> None:
-        """`stored`: the Edge stores this run's response (`run.keep_output`)."""
+    def __init__(self, reply_model: str, *, stored: bool = False, response_id: str = "") -> None:
+        """`stored`: the Edge stores this run's response (`run.keep_output`), under
+        `response_id` (IOP's own; "" keeps the upstream's)."""
         super().__init__(reply_model)
         self._stored = stored
+        self._id = msgspec.Raw(encode(response_id)) if stored and response_id else None
         self.final_response: bytes | None = None
         """The response object a stream ended with (its terminal event's `response`, with
         the alias), for the Edge to store when the caller asked for `store: true`."""
@@ -225,6 +230,10 @@ class ResponsesNative(_Native):
         stored = response.get("store")
         if self._stored and stored is not None and stored != _STORED:
             response["store"] = _STORED
+            changed = True
+        own_id = self._id
+        if own_id is not None and response.get("id", own_id) != own_id:
+            response["id"] = own_id
             changed = True
         return changed
 

@@ -87,15 +87,19 @@ class Events:
         return found
 
 
-def with_alias(events: list[tuple[str, bytes]], where: str) -> list[tuple[str, Any]]:
+def with_alias(
+    events: list[tuple[str, bytes]], where: str, own_id: str | None = None
+) -> list[tuple[str, Any]]:
     """The upstream's events as the caller must see them: `model` is the alias in the
     object at `where` (`message` in Messages' `message_start`, `response` in Responses'
-    lifecycle events)."""
+    lifecycle events), and its `id` is `own_id` when given (a response the Edge stores)."""
     out = []
     for name, data in events:
         value = json.loads(data)
         if isinstance(value.get(where), dict) and "model" in value[where]:
             value[where]["model"] = ALIAS
+            if own_id is not None:
+                value[where]["id"] = own_id
         out.append((name, value))
     return out
 
@@ -241,7 +245,9 @@ async def test_responses_stream_relays_every_event_and_keeps_the_final_response(
     with trio.fail_after(GUARD_S):
         result = await adapter.execute_native(run, events)
     sent = responses_events(MODEL, 3)
-    assert events.parsed() == with_alias(sent, "response")
+    # A response the Edge stores carries IOP's own id, never the upstream's.
+    own_id = f"resp_{run.run_id}" if keep_output else None
+    assert events.parsed() == with_alias(sent, "response", own_id)
     relayed = b"".join(events.pieces)
     for name, data in sent:
         if not name.startswith("response.") or name.count(".") > 1:
@@ -251,7 +257,7 @@ async def test_responses_stream_relays_every_event_and_keeps_the_final_response(
     if keep_output:
         assert result.response is not None
         final = json.loads(completed_response(MODEL, 3))
-        assert json.loads(result.response) == {**final, "model": ALIAS}
+        assert json.loads(result.response) == {**final, "model": ALIAS, "id": own_id}
     else:
         assert result.response is None
 

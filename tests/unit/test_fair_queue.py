@@ -20,7 +20,8 @@ import pytest
 import trio
 from trio.testing import MockClock, wait_all_tasks_blocked
 
-from bench.fair_share import one_model_pool
+from bench.fair_share import one_model_pool, work_share
+from iop_edge.core.run_work import EXPECTED_OUTPUT_CAP, run_work
 from iop_edge.runtime.runs.fair_queue import FairQueue
 from iop_edge.runtime.runs.scheduler import ConcurrencyLimited, QueueTimeout, Scheduler
 from schemas.config import PrincipalLimits
@@ -33,6 +34,7 @@ class Item:
     principal: str
     seq: int = field(default_factory=lambda: next(_seq))
     kind: str = "chat"
+    work: int = 1
 
 
 def drain(queue: FairQueue[Item], n: int, weights: dict[str, float] | None = None) -> list[str]:
@@ -96,6 +98,35 @@ def test_weights_share_the_slots() -> None:
         queue.append(Item("light"))
     served = Counter(drain(queue, 400, {"heavy": 3.0, "light": 1.0}))
     assert served == {"heavy": 300, "light": 100}
+
+
+def test_service_is_counted_in_work_not_requests() -> None:
+    queue: FairQueue[Item] = FairQueue()
+    for _ in range(3):
+        queue.append(Item("huge", work=8_000))
+    for _ in range(40):
+        queue.append(Item("small", work=1_000))
+    # one huge request moves its principal's tag as far as eight small ones
+    assert drain(queue, 19) == ["huge"] + ["small"] * 8 + ["huge"] + ["small"] * 8 + ["huge"]
+
+
+def test_weights_scale_the_work_charged() -> None:
+    queue: FairQueue[Item] = FairQueue()
+    for _ in range(3):
+        queue.append(Item("huge", work=8_000))
+    for _ in range(40):
+        queue.append(Item("small", work=1_000))
+    # weight 2: a huge request costs its principal half as much
+    served = drain(queue, 10, {"huge": 2.0})
+    assert served == ["huge"] + ["small"] * 4 + ["huge"] + ["small"] * 4
+
+
+def test_a_runs_work_is_its_input_and_its_capped_expected_output() -> None:
+    assert run_work(500, 256) == 756
+    assert run_work(32_000, 32_768) == 32_000 + EXPECTED_OUTPUT_CAP  # a ceiling, capped
+    assert run_work(100, None) == 100 + EXPECTED_OUTPUT_CAP  # none named: the cap
+    assert run_work(300, 0) == 300  # embeddings generate nothing
+    assert run_work(0, 0) == 1  # every run is some service
 
 
 def test_an_ineligible_principal_is_passed_over_and_keeps_its_place() -> None:
@@ -351,3 +382,17 @@ async def test_a_request_that_cannot_use_the_slot_does_not_hold_up_another_princ
         assert list(got) == ["r2"]
         long_run.release()
     assert sorted(got) == ["l2", "r2"]
+
+
+async def test_slot_time_is_shared_by_work_between_few_huge_and_many_small_requests(
+    autojump_clock: MockClock,
+) -> None:
+    """The fair-share benchmark's scenario (`bench.fair_share.work_share`): at equal
+    weights, a principal keeping 24 small requests outstanding gets its share of slot
+    time against one keeping 2 huge ones (counting requests, it got a few percent)."""
+    share = await work_share()
+    assert share.ratio <= 1.5, (share.huge_s, share.small_s)
+    # a small request waits for the other small ones and one huge run at most, never
+    # for a run of huge requests
+    huge_run_s = run_work(32_000, 4_096) / 1_000.0
+    assert max(share.small_waits) <= 24 * run_work(500, 256) / 1_000.0 + huge_run_s

@@ -1,5 +1,6 @@
 """The Responses store (iop_edge.runtime.metering.response_store) over SQLite: principal
-scoping, conversations, bounds by count and by age, a database that fails."""
+scoping, conversations, bounds by count, age and bytes (total, per principal, free disk,
+a conversation's), ids never overwritten, a database that fails."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import yaml
 from iop_edge.core.config import parse_config
 from iop_edge.runtime.metering.response_store import (
     ChainBroken,
+    ConversationTooLarge,
     ResponseStore,
     SqliteResponses,
     StoreUnavailable,
@@ -64,7 +66,9 @@ async def test_a_conversation_is_continued_read_and_deleted_by_its_principal_onl
     path = tmp_path / "usage.sqlite3"
     async with trio.open_nursery() as nursery:
         store = await _open(nursery, path, Clock())
-        assert await store.keep("alice", _final("r1", "hello"), _asked("hi"), previous_id=None)
+        assert (
+            await store.keep("alice", _final("r1", "hello"), _asked("hi"), previous_id=None) is None
+        )
         await store.keep("alice", _final("r2", "more"), _asked("and?"), previous_id="r1")
         chain = await store.conversation("alice", "r2")
         assert [turn.id for turn in chain] == ["r1", "r2"]
@@ -76,8 +80,11 @@ async def test_a_conversation_is_continued_read_and_deleted_by_its_principal_onl
             await store.conversation("bob", "r2")
         assert await store.read("bob", "r1") is None
         assert await store.delete("bob", "r1") is False
-        # bob storing under alice's id does not overwrite hers
-        await store.keep("bob", _final("r1", "hijack"), _asked("x"), previous_id=None)
+        # bob storing under alice's id does not overwrite hers, and he is told
+        assert (
+            await store.keep("bob", _final("r1", "hijack"), _asked("x"), previous_id=None)
+            == "id_conflict"
+        )
         assert b"hello" in (await store.read("alice", "r1") or b"")
         assert await store.delete("alice", "r1") is True
         assert await store.read("alice", "r1") is None
@@ -144,8 +151,12 @@ async def test_a_failing_database_keeps_nothing_and_says_so(
         store = await _open(nursery, path, Clock())
         with sqlite3.connect(path) as db:
             db.execute("ALTER TABLE responses RENAME TO hidden")
-        stored = await store.keep("p", _final("r1", "a"), _asked("q"), previous_id=None)
-        assert stored is None and "response r1 was not stored" in caplog.text
+        unstored = await store.keep(
+            "p", _final("r1", "a"), _asked("q"), previous_id=None, request_id="req_1"
+        )
+        assert unstored == "unavailable"
+        assert "request req_1: response r1 not stored (unavailable)" in caplog.text
+        assert store.statistics().unstored["unavailable"] == 1
         with pytest.raises(StoreUnavailable, match="no such table"):
             await store.read("p", "r1")
         nursery.cancel_scope.cancel()
@@ -156,8 +167,12 @@ async def test_a_response_without_an_id_is_not_stored(
 ) -> None:
     async with trio.open_nursery() as nursery:
         store = await _open(nursery, tmp_path / "usage.sqlite3", Clock())
-        assert await store.keep("p", b'{"output": []}', _asked("q"), previous_id=None) is None
-        assert "was not stored" in caplog.text
+        assert await store.keep("p", b'{"output": []}', _asked("q"), previous_id=None) == (
+            "no_response"
+        )
+        assert await store.keep("p", None, _asked("q"), previous_id=None) == "no_response"
+        assert "not stored (no_response)" in caplog.text
+        assert store.statistics().unstored["no_response"] == 2
         nursery.cancel_scope.cancel()
 
 
@@ -171,3 +186,128 @@ def test_the_bounds_are_checked_with_their_config_paths() -> None:
     raw["edge"] = {"responses": {"max_age_s": 3600, "max_stored": 50}}
     parsed = parse_config(yaml.safe_dump(raw)).config.edge.responses
     assert parsed == ResponsesSection(max_age_s=3600, max_stored=50)
+
+
+def _size(response_id: str, text: str, asked: str) -> int:
+    return len(_final(response_id, text)) + len(msgspec.json.encode(_asked(asked)))
+
+
+async def test_one_principal_at_its_share_is_refused_and_the_others_are_not(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    one = _size("a0", "x" * 100, "q")
+    async with trio.open_nursery() as nursery:
+        store = await _open(
+            nursery, tmp_path / "usage.sqlite3", Clock(), max_bytes_per_principal=3 * one
+        )
+        for number in range(3):
+            assert (
+                await store.keep(
+                    "a", _final(f"a{number}", "x" * 100), _asked("q"), previous_id=None
+                )
+                is None
+            )
+        refused = await store.keep(
+            "a", _final("a3", "x" * 100), _asked("q"), previous_id=None, request_id="req_9"
+        )
+        assert refused == "principal_full"
+        assert "request req_9: response a3 not stored (principal_full)" in caplog.text
+        assert "edge.responses.max_bytes_per_principal" in caplog.text
+        assert await store.read("a", "a3") is None
+        assert await store.read("a", "a0") is not None  # refused, not evicted
+        # another principal stores as before
+        assert await store.keep("b", _final("b0", "x" * 100), _asked("q"), previous_id=None) is None
+        # deleting one makes room again (the refusal counts in the database first)
+        assert await store.delete("a", "a0") is True
+        assert await store.keep("a", _final("a3", "x" * 100), _asked("q"), previous_id=None) is None
+        assert store.statistics().unstored["principal_full"] == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_response_larger_than_a_principals_share_is_never_stored(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        store = await _open(
+            nursery, tmp_path / "usage.sqlite3", Clock(), max_bytes_per_principal=1_000
+        )
+        big = _final("big", "x" * 2_000)
+        assert await store.keep("a", big, _asked("q"), previous_id=None) == "too_large"
+        assert await store.read("a", "big") is None
+        nursery.cancel_scope.cancel()
+
+
+async def test_past_the_total_bytes_the_least_recently_used_go_first(tmp_path: Path) -> None:
+    clock = Clock()
+    one = _size("r0", "x" * 1_000, "q")
+    path = tmp_path / "usage.sqlite3"
+    async with trio.open_nursery() as nursery:
+        store = await _open(nursery, path, clock, max_bytes=4 * one)
+        for number in range(5):
+            clock.now += 1
+            owner = "a" if number % 2 else "b"
+            stored = await store.keep(
+                owner, _final(f"r{number}", "x" * 1_000), _asked("q"), previous_id=None
+            )
+            assert stored is None
+        assert await store.read("b", "r0") is None  # the least recently used went
+        assert await store.read("b", "r4") is not None
+        assert store.statistics().bytes <= 4 * one
+        with sqlite3.connect(path) as db:
+            [(held,)] = db.execute("SELECT SUM(length(input) + length(response)) FROM responses")
+        assert held == store.statistics().bytes
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_conversation_longer_than_its_bound_is_refused_before_it_is_loaded(
+    tmp_path: Path,
+) -> None:
+    one = _size("t00", "x" * 1_000, "q")
+    async with trio.open_nursery() as nursery:
+        store = await _open(
+            nursery, tmp_path / "usage.sqlite3", Clock(), max_conversation_bytes=5 * one
+        )
+        previous = None
+        for turn in range(8):
+            response_id = f"t{turn:02d}"
+            await store.keep(
+                "a", _final(response_id, "x" * 1_000), _asked("q"), previous_id=previous
+            )
+            previous = response_id
+        assert len(await store.conversation("a", "t04")) == 5
+        with pytest.raises(ConversationTooLarge, match="max_conversation_bytes"):
+            await store.conversation("a", "t07")
+        backend = SqliteResponses(tmp_path / "usage.sqlite3")
+        rows = backend.chain("a", "t07", 0.0, 5 * one)
+        backend.close()
+        assert len(rows) == 6  # what passes the bound is not read further
+        nursery.cancel_scope.cancel()
+
+
+class _LowDisk(SqliteResponses):
+    free = 10_000_000
+
+    def free_bytes(self) -> int | None:
+        return self.free
+
+
+async def test_nothing_is_stored_when_the_disk_would_be_left_without_room_for_metering(
+    tmp_path: Path,
+) -> None:
+    backend = _LowDisk(tmp_path / "usage.sqlite3")
+    store = ResponseStore(backend, ResponsesSection(min_free_bytes=10_000_000), clock=Clock())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        assert await store.keep("a", _final("r0", "x"), _asked("q"), previous_id=None) == "disk_low"
+        backend.free = 20_000_000
+        assert await store.keep("a", _final("r0", "x"), _asked("q"), previous_id=None) is None
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_reused_id_never_overwrites_a_stored_response(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        store = await _open(nursery, tmp_path / "usage.sqlite3", Clock())
+        assert await store.keep("a", _final("dup", "first"), _asked("q"), previous_id=None) is None
+        again = await store.keep("a", _final("dup", "second"), _asked("q"), previous_id="dup")
+        assert again == "id_conflict"
+        assert [turn.id for turn in await store.conversation("a", "dup")] == ["dup"]
+        assert b"first" in (await store.read("a", "dup") or b"")
+        nursery.cancel_scope.cancel()

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from iop_edge.runtime.metering.genai_metrics import GenAIMetrics
+from iop_edge.runtime.metering.response_store import StoreStatistics
 from iop_edge.runtime.metering.series import CounterSeries, HistogramSeries
 from iop_edge.runtime.metering.usage import LedgerStatistics
 from schemas.catalog import Catalog
@@ -114,6 +115,32 @@ class _LedgerCollector(Collector):
             value=1.0 if stats.store_down else 0.0,
         )
         yield from (unwritten, state, changes, dropped, store_down)
+
+
+class _ResponseStoreCollector(Collector):
+    """The Responses store's size and the responses it did not store, at scrape time."""
+
+    def __init__(self, statistics: Callable[[], StoreStatistics]) -> None:
+        self._statistics = statistics
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self._statistics()
+        yield GaugeMetricFamily(
+            "iop_responses_stored", "Stored Responses responses (this Edge's count)", stats.rows
+        )
+        yield GaugeMetricFamily(
+            "iop_responses_stored_bytes",
+            "Bytes of stored Responses responses (this Edge's count)",
+            stats.bytes,
+        )
+        unstored = CounterMetricFamily(
+            "iop_responses_unstored",
+            "store: true responses answered but not stored, by reason",
+            labels=["reason"],
+        )
+        for reason, count in stats.unstored.items():
+            unstored.add_metric([reason], count)
+        yield unstored
 
 
 #: The error code a principal's limit refuses with -> the limit (`principals[]` key).
@@ -288,6 +315,10 @@ class EdgeMetrics:
     def watch_ledger(self, statistics: Callable[[], LedgerStatistics]) -> None:
         """Report the usage ledger's state and backlog (`iop_usage_*`) from now on."""
         self.registry.register(_LedgerCollector(statistics))
+
+    def watch_responses(self, statistics: Callable[[], StoreStatistics]) -> None:
+        """Report the Responses store (`iop_responses_*`) from now on."""
+        self.registry.register(_ResponseStoreCollector(statistics))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,32 +14,53 @@ Rules:
    not exist (404, never 403: ids do not leak).
 2. Bounds (`edge.responses`): a response is kept `max_age_s` after it was stored or
    last continued (continuing a conversation renews every turn of it, so a live
-   conversation never loses its beginning), and at most `max_stored` responses are kept,
-   the least recently used going first. An expired response is unknown at once; its row
-   is deleted at the next prune. A prune runs when the store opens and whenever this
-   Edge's puts take the count past `max_stored` (then down to `max_stored` less a small
-   slack, so a full store does not prune on every put); replicas sharing PostgreSQL each
-   prune what they see, so together they may pass the bound by what one of them stored
-   since its last count.
-3. A write completes before the caller's response does (the HTTP layer awaits `keep`
+   conversation never loses its beginning), and at most `max_stored` responses and
+   `max_bytes` bytes (request items and response object as stored) are kept, the least
+   recently used going first. An expired response is unknown at once; its row is
+   deleted at the next prune. A prune runs when the store opens and whenever this
+   Edge's puts take the count or the bytes past their bound (then down to the bound less
+   a small slack, so a full store does not prune on every put); replicas sharing
+   PostgreSQL each prune what they see, so together they may pass the bound by what one
+   of them stored since its last count.
+3. One principal's share (`max_bytes_per_principal`) is refused, not evicted: a response
+   that would take its principal's live responses past it is not stored (Rule 5), so one
+   principal filling the store never pushes out the others' conversations. A single
+   response larger than that share is never stored. Whether a principal is at its share
+   is counted in the database before a response is refused (expired and deleted ones,
+   and other replicas' puts, are seen then); below it by this Edge's count, a put goes
+   ahead, so replicas sharing PostgreSQL may together pass a share by what the others
+   stored for that principal since this Edge last counted.
+4. Metering comes first: with SQLite, nothing is stored while `state_dir` has less than
+   `min_free_bytes` free after the write, so the usage journal and ledger beside the
+   store keep their room on a small disk.
+5. Not storing is never the caller's failure for a response already produced: `keep`
+   logs why with the request id, counts the reason (`statistics`) and returns it, and
+   the HTTP layer tells the caller (`store: false`, `x-iop-response-stored: false`).
+   Reasons: `unavailable` (the database failed: down, disk full), `principal_full`,
+   `too_large`, `disk_low`, `id_conflict` (an id already stored: never overwritten),
+   `no_response` (the run's final response object did not come or has no id).
+6. A write completes before the caller's response does (the HTTP layer awaits `keep`
    before its last bytes), so a caller that saw its response can continue it at once,
    on any replica. Every database call runs in a worker thread, one at a time per Edge
    (`to_thread` with a limiter of one: SQLite takes one writer anyway), never on the
-   event loop.
-4. The database failing is not the caller's problem for a response already produced:
-   `keep` logs it and the response is delivered unstored. Reading or continuing a
-   response while the database fails raises `StoreUnavailable` (503).
+   event loop. Reading or continuing a response while the database fails raises
+   `StoreUnavailable` (503).
+7. A conversation is loaded up to `max_conversation_bytes`: the database stops following
+   `previous_id` once the turns loaded pass it, and the request is refused
+   (`ConversationTooLarge`, a 400), so a long chain costs one bounded read, never the
+   Edge's memory.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, Literal, Protocol, TypeVar
 
 import msgspec
 import trio
@@ -47,6 +68,7 @@ import trio
 from iop_edge.core.response_chain import (
     MAX_CHAIN,
     ChainBroken,
+    ConversationTooLarge,
     StoredTurn,
     order_chain,
     read_final_response,
@@ -55,12 +77,17 @@ from iop_edge.core.response_chain import (
 from schemas.config import ResponsesSection
 
 __all__ = [
+    "UNSTORED_REASONS",
     "ChainBroken",
+    "ConversationTooLarge",
     "ResponseBackend",
     "ResponseRow",
     "ResponseStore",
     "SqliteResponses",
+    "StoreStatistics",
     "StoreUnavailable",
+    "Tally",
+    "Unstored",
 ]
 
 log = logging.getLogger(__name__)
@@ -78,6 +105,40 @@ class StoreUnavailable(Exception):
     """The store's database cannot be read or written now; the message says why."""
 
 
+#: Why a `store: true` response was not stored (Rule 5).
+Unstored = Literal[
+    "unavailable", "principal_full", "too_large", "disk_low", "id_conflict", "no_response"
+]
+UNSTORED_REASONS: Final[tuple[Unstored, ...]] = (
+    "unavailable",
+    "principal_full",
+    "too_large",
+    "disk_low",
+    "id_conflict",
+    "no_response",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Tally:
+    """What the database holds, as a prune counted it."""
+
+    rows: int
+    bytes: int
+    held: dict[str, int]
+    """Bytes per principal."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStatistics:
+    """The store as this Edge sees it, for `/metrics`."""
+
+    rows: int
+    bytes: int
+    unstored: dict[str, int]
+    """`store: true` responses not stored since start, by reason (Rule 5)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ResponseRow:
     """One stored response, as its database row holds it."""
@@ -90,9 +151,15 @@ class ResponseRow:
     response: bytes
     """The final response object, JSON, as the Node returned it."""
 
+    @property
+    def size(self) -> int:
+        """The bytes it holds, as the bounds count them (Rules 2, 3)."""
+        return len(self.input) + len(self.response)
 
-ChainRow = tuple[str, str | None, bytes, bytes]
-"""(id, previous_id, input, response) of one turn of a conversation."""
+
+ChainRow = tuple[str, str | None, bytes, bytes, int]
+"""(id, previous_id, input, response, bytes of the conversation from the tip to this
+turn) of one turn of a conversation."""
 
 
 class ResponseBackend(Protocol):
@@ -106,23 +173,33 @@ class ResponseBackend(Protocol):
         """Connect, create the table when missing; returns how many rows it holds."""
         ...
 
-    def put(self, row: ResponseRow, continues: Sequence[str], now: float) -> None:
+    def put(self, row: ResponseRow, continues: Sequence[str], now: float) -> bool:
         """Insert `row` (used at `now`) and renew `continues`, the ids of the conversation
-        it continues, in one transaction. An id already stored for another principal is
-        left alone."""
+        it continues, in one transaction; False (nothing written) when its id is
+        already stored, whoever's it is."""
+        ...
 
-    def chain(self, principal_ref: str, tip: str, since: float) -> list[ChainRow]:
+    def chain(self, principal_ref: str, tip: str, since: float, max_bytes: int) -> list[ChainRow]:
         """The principal's live turns reached from `tip` by following `previous_id`, at
-        most `MAX_CHAIN` + 1 of them, in no particular order."""
+        most `MAX_CHAIN` + 1 of them, and none past the first whose running bytes pass
+        `max_bytes`, in no particular order."""
+        ...
+
+    def held(self, principal_ref: str, since: float) -> int:
+        """The bytes of the principal's live responses."""
+        ...
+
+    def free_bytes(self) -> int | None:
+        """Free space where the database writes, when it is on this host's disk."""
         ...
 
     def get(self, principal_ref: str, response_id: str, since: float) -> bytes | None: ...
 
     def delete(self, principal_ref: str, response_id: str) -> bool: ...
 
-    def prune(self, before: float, keep: int) -> int:
+    def prune(self, before: float, keep: int, keep_bytes: int) -> Tally:
         """Delete rows last used before `before`, then all but the `keep` most recently
-        used; returns how many rows are left."""
+        used, then the least recently used past `keep_bytes`; returns what is left."""
         ...
 
     def close(self) -> None: ...
@@ -144,6 +221,14 @@ class ResponseStore:
         self._limiter = trio.CapacityLimiter(1)
         self._count = 0
         """Rows in the database as this Edge last counted, plus its puts since."""
+        self._bytes = 0
+        """Their bytes, likewise."""
+        self._held: dict[str, int] = {}
+        """Bytes per principal, likewise (Rule 3: a refusal counts again first)."""
+        self._unstored: dict[str, int] = dict.fromkeys(UNSTORED_REASONS, 0)
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(rows=self._count, bytes=self._bytes, unstored=dict(self._unstored))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Open the store and keep it open until cancelled (owned by the Edge's nursery).
@@ -153,7 +238,7 @@ class ResponseStore:
         try:
             try:
                 self._count = await self._call(self._backend.open)
-                self._count = await self._call(self._prune)
+                self._counted(await self._call(self._prune))
             except StoreUnavailable as exc:
                 log.error("responses store: %s; stored responses are unavailable", exc)
             task_status.started()
@@ -165,19 +250,21 @@ class ResponseStore:
     async def keep(
         self,
         principal_ref: str,
-        response: bytes,
+        response: bytes | None,
         input_items: list[Any],
         *,
         previous_id: str | None,
         continues: Sequence[str] = (),
-    ) -> str | None:
-        """Store a finished run's response (Rule 3); returns its id, or None when it was
-        not stored (Rule 4: said in the log)."""
+        request_id: str = "",
+    ) -> Unstored | None:
+        """Store a finished run's response (Rule 6); returns None when it is stored, else
+        why it is not (Rule 5: logged with `request_id` and counted)."""
+        if response is None:
+            return self._not_stored("no_response", request_id, "the run sent no response object")
         try:
             response_id = read_response_id(response)
         except ValueError as exc:
-            log.warning("responses store: a response was not stored: %s", exc)
-            return None
+            return self._not_stored("no_response", request_id, str(exc))
         row = ResponseRow(
             id=response_id,
             principal_ref=principal_ref,
@@ -186,19 +273,42 @@ class ResponseStore:
             response=response,
         )
         try:
-            await self._call(self._put, row, list(continues))
+            refused = await self._call(self._put, row, list(continues))
         except StoreUnavailable as exc:
-            log.error("responses store: response %s was not stored: %s", response_id, exc)
-            return None
-        return response_id
+            return self._not_stored("unavailable", request_id, str(exc), response_id)
+        if refused is not None:
+            reason, detail = refused
+            return self._not_stored(reason, request_id, detail, response_id)
+        return None
+
+    def _not_stored(
+        self, reason: Unstored, request_id: str, detail: str, response_id: str = ""
+    ) -> Unstored:
+        self._unstored[reason] += 1
+        named = f" {response_id}" if response_id else ""
+        log.warning(
+            "responses store: request %s: response%s not stored (%s): %s",
+            request_id or "-",
+            named,
+            reason,
+            detail,
+        )
+        return reason
 
     async def conversation(self, principal_ref: str, tip: str) -> list[StoredTurn]:
         """The conversation ending at `tip`, oldest turn first; raises `ChainBroken` (the
-        caller's 404) or `StoreUnavailable`."""
+        caller's 404), `ConversationTooLarge` (Rule 7) or `StoreUnavailable`."""
         since = self._clock() - self._policy.max_age_s
-        rows = await self._call(self._backend.chain, principal_ref, tip, since)
+        limit = self._policy.max_conversation_bytes
+        rows = await self._call(self._backend.chain, principal_ref, tip, since, limit)
+        if any(running > limit for *_, running in rows):
+            raise ConversationTooLarge(
+                f"Previous response with id '{tip}' continues a conversation of more than "
+                f"{limit} bytes as stored (edge.responses.max_conversation_bytes); "
+                "start a new conversation with the context it needs"
+            )
         turns: dict[str, StoredTurn] = {}
-        for response_id, previous_id, input_json, response in rows:
+        for response_id, previous_id, input_json, response, _ in rows:
             try:
                 _, output = read_final_response(response)
                 items = _decode_items(input_json)
@@ -223,18 +333,53 @@ class ResponseStore:
 
     # --- in the worker thread ---------------------------------------------------------
 
-    def _put(self, row: ResponseRow, continues: list[str]) -> None:
-        self._backend.put(row, continues, self._clock())
-        self._count += 1
-        if self._count > self._policy.max_stored:
-            self._count = self._prune()
-
-    def _prune(self) -> int:
-        """Apply the bounds (Rule 2); returns the rows left."""
+    def _put(self, row: ResponseRow, continues: list[str]) -> tuple[Unstored, str] | None:
+        """Store `row` within the bounds (Rules 2-4); the reason and detail of a refusal."""
         policy = self._policy
-        slack = policy.max_stored // 64
+        size = row.size
+        share = policy.max_bytes_per_principal
+        if size > min(share, policy.max_bytes):
+            limit = min(share, policy.max_bytes)
+            return "too_large", f"it takes {size} bytes, more than the {limit} a principal may hold"
+        principal = row.principal_ref
+        held = self._held.get(principal, 0)
+        if held + size > share:  # count again: some may have expired or gone (Rule 3)
+            held = self._backend.held(principal, self._clock() - policy.max_age_s)
+            self._held[principal] = held
+            if held + size > share:
+                return "principal_full", (
+                    f"its principal holds {held} bytes of stored responses; {size} more "
+                    f"would pass edge.responses.max_bytes_per_principal ({share})"
+                )
+        free = self._backend.free_bytes()
+        if free is not None and free - size < policy.min_free_bytes:
+            return "disk_low", (
+                f"state_dir has {free} bytes free; {size} more would leave less than "
+                f"edge.responses.min_free_bytes ({policy.min_free_bytes}) for metering"
+            )
+        if not self._backend.put(row, continues, self._clock()):
+            return "id_conflict", f"a response with id {row.id!r} is already stored"
+        self._count += 1
+        self._bytes += size
+        self._held[principal] = held + size
+        if self._count > policy.max_stored or self._bytes > policy.max_bytes:
+            self._counted(self._prune())
+        return None
+
+    def _prune(self) -> Tally:
+        """Apply the bounds (Rule 2); returns what is left."""
+        policy = self._policy
         before = self._clock() - policy.max_age_s
-        return self._backend.prune(before, policy.max_stored - slack)
+        return self._backend.prune(
+            before,
+            policy.max_stored - policy.max_stored // 64,
+            policy.max_bytes - policy.max_bytes // 64,
+        )
+
+    def _counted(self, tally: Tally) -> None:
+        self._count = tally.rows
+        self._bytes = tally.bytes
+        self._held = dict(tally.held)
 
     async def _call(self, function: Callable[..., _T], *args: Any) -> _T:
         try:
@@ -261,18 +406,22 @@ CREATE TABLE IF NOT EXISTS responses (
     response BLOB NOT NULL
 );
 CREATE INDEX IF NOT EXISTS responses_used_at ON responses(used_at);
+CREATE INDEX IF NOT EXISTS responses_principal ON responses(principal_ref);
 """
-#: A conversation, tip first, through the principal's live rows (Rule 1, 2).
-_SQLITE_CHAIN: Final = """
-WITH RECURSIVE chain(id, previous_id, input, response, depth) AS (
-    SELECT id, previous_id, input, response, 1 FROM responses
+#: A row's bytes as the bounds count them (`length` of a BLOB reads no content).
+_SQLITE_SIZE: Final = "(length(input) + length(response))"
+#: A conversation, tip first, through the principal's live rows (Rules 1, 2, 7).
+_SQLITE_CHAIN: Final = f"""
+WITH RECURSIVE chain(id, previous_id, input, response, depth, running) AS (
+    SELECT id, previous_id, input, response, 1, {_SQLITE_SIZE} FROM responses
     WHERE id = ? AND principal_ref = ? AND used_at >= ?
     UNION ALL
-    SELECT r.id, r.previous_id, r.input, r.response, chain.depth + 1
+    SELECT r.id, r.previous_id, r.input, r.response, chain.depth + 1,
+        chain.running + length(r.input) + length(r.response)
     FROM responses AS r JOIN chain ON r.id = chain.previous_id
-    WHERE r.principal_ref = ? AND r.used_at >= ? AND chain.depth <= ?
+    WHERE r.principal_ref = ? AND r.used_at >= ? AND chain.depth <= ? AND chain.running <= ?
 )
-SELECT id, previous_id, input, response FROM chain
+SELECT id, previous_id, input, response, running FROM chain
 """
 
 
@@ -304,28 +453,48 @@ class SqliteResponses:
     def open(self) -> int:
         return int(self._db().execute("SELECT COUNT(*) FROM responses").fetchone()[0])
 
-    def put(self, row: ResponseRow, continues: Sequence[str], now: float) -> None:
+    def put(self, row: ResponseRow, continues: Sequence[str], now: float) -> bool:
         connection = self._db()
         with connection:
-            connection.execute(
+            cursor = connection.execute(
                 "INSERT INTO responses "
                 "(id, principal_ref, previous_id, created_at, used_at, input, response) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
-                "previous_id = excluded.previous_id, used_at = excluded.used_at, "
-                "input = excluded.input, response = excluded.response "
-                "WHERE responses.principal_ref = excluded.principal_ref",
+                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
                 (row.id, row.principal_ref, row.previous_id, now, now, row.input, row.response),
             )
+            if cursor.rowcount != 1:
+                return False
             connection.executemany(
                 "UPDATE responses SET used_at = ? WHERE id = ? AND principal_ref = ?",
                 [(now, response_id, row.principal_ref) for response_id in continues],
             )
+        return True
 
-    def chain(self, principal_ref: str, tip: str, since: float) -> list[ChainRow]:
+    def chain(self, principal_ref: str, tip: str, since: float, max_bytes: int) -> list[ChainRow]:
         rows = self._db().execute(
-            _SQLITE_CHAIN, (tip, principal_ref, since, principal_ref, since, MAX_CHAIN)
+            _SQLITE_CHAIN,
+            (tip, principal_ref, since, principal_ref, since, MAX_CHAIN, max_bytes),
         )
-        return [(str(i), p, bytes(inp), bytes(resp)) for i, p, inp, resp in rows]
+        return [(str(i), p, bytes(inp), bytes(resp), int(n)) for i, p, inp, resp, n in rows]
+
+    def held(self, principal_ref: str, since: float) -> int:
+        row = (
+            self._db()
+            .execute(
+                f"SELECT COALESCE(SUM({_SQLITE_SIZE}), 0) FROM responses "
+                "WHERE principal_ref = ? AND used_at >= ?",
+                (principal_ref, since),
+            )
+            .fetchone()
+        )
+        return int(row[0])
+
+    def free_bytes(self) -> int | None:
+        try:
+            stats = os.statvfs(self.path.parent)
+        except OSError:
+            return None
+        return stats.f_bavail * stats.f_frsize
 
     def get(self, principal_ref: str, response_id: str, since: float) -> bytes | None:
         row = (
@@ -348,7 +517,7 @@ class SqliteResponses:
             )
         return cursor.rowcount > 0
 
-    def prune(self, before: float, keep: int) -> int:
+    def prune(self, before: float, keep: int, keep_bytes: int) -> Tally:
         connection = self._db()
         with connection:
             connection.execute("DELETE FROM responses WHERE used_at < ?", (before,))
@@ -357,9 +526,25 @@ class SqliteResponses:
                 "ORDER BY used_at DESC, id DESC LIMIT -1 OFFSET ?)",
                 (keep,),
             )
-        return int(connection.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+            connection.execute(
+                "DELETE FROM responses WHERE id IN (SELECT id FROM (SELECT id, "
+                f"SUM({_SQLITE_SIZE}) OVER (ORDER BY used_at DESC, id DESC) AS running "
+                "FROM responses) WHERE running > ?)",
+                (keep_bytes,),
+            )
+        rows = connection.execute(
+            f"SELECT principal_ref, COUNT(*), SUM({_SQLITE_SIZE}) FROM responses "
+            "GROUP BY principal_ref"
+        ).fetchall()
+        return _tally(rows)
 
     def close(self) -> None:
         if self._connection is not None:
             self._connection.close()
             self._connection = None
+
+
+def _tally(rows: Sequence[tuple[Any, ...]]) -> Tally:
+    """A `Tally` from (principal_ref, rows, bytes) per principal."""
+    held = {str(principal): int(size or 0) for principal, _, size in rows}
+    return Tally(rows=sum(int(count) for _, count, _ in rows), bytes=sum(held.values()), held=held)

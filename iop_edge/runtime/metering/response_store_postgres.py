@@ -18,23 +18,26 @@ import psycopg
 from iop_edge.core.ledger_url import PostgresUrl
 from iop_edge.core.response_chain import MAX_CHAIN
 from iop_edge.runtime.metering.ledger_postgres import SCHEMA_LOCK, LedgerUnavailable, connect
-from iop_edge.runtime.metering.response_store import ChainRow, ResponseRow
+from iop_edge.runtime.metering.response_store import ChainRow, ResponseRow, Tally
 
 __all__ = ["PostgresResponses"]
 
 TABLE: Final = "iop_responses"
 
+#: A row's bytes as the bounds count them.
+_SIZE: Final = "(octet_length(input) + octet_length(response))::bigint"
 _CHAIN: Final = f"""
-WITH RECURSIVE chain(id, previous_id, input, response, depth) AS (
-    SELECT id, previous_id, input, response, 1 FROM {TABLE}
+WITH RECURSIVE chain(id, previous_id, input, response, depth, running) AS (
+    SELECT id, previous_id, input, response, 1, {_SIZE} FROM {TABLE}
     WHERE id = %(tip)s AND principal_ref = %(principal)s AND used_at >= %(since)s
     UNION ALL
-    SELECT r.id, r.previous_id, r.input, r.response, chain.depth + 1
+    SELECT r.id, r.previous_id, r.input, r.response, chain.depth + 1,
+        chain.running + octet_length(r.input) + octet_length(r.response)
     FROM {TABLE} AS r JOIN chain ON r.id = chain.previous_id
     WHERE r.principal_ref = %(principal)s AND r.used_at >= %(since)s
-      AND chain.depth <= %(limit)s
+      AND chain.depth <= %(limit)s AND chain.running <= %(max_bytes)s
 )
-SELECT id, previous_id, input, response FROM chain
+SELECT id, previous_id, input, response, running FROM chain
 """
 
 
@@ -67,6 +70,9 @@ class PostgresResponses:
                     connection.execute(
                         f"CREATE INDEX IF NOT EXISTS {TABLE}_used_at ON {TABLE} (used_at)"
                     )
+                    connection.execute(
+                        f"CREATE INDEX IF NOT EXISTS {TABLE}_principal ON {TABLE} (principal_ref)"
+                    )
             except psycopg.Error:
                 connection.close()
                 raise
@@ -82,19 +88,18 @@ class PostgresResponses:
     def open(self) -> int:
         return self._count(self._db())
 
-    def put(self, row: ResponseRow, continues: Sequence[str], now: float) -> None:
+    def put(self, row: ResponseRow, continues: Sequence[str], now: float) -> bool:
         try:
             connection = self._db()
             with connection.transaction():
-                connection.execute(
+                cursor = connection.execute(
                     f"INSERT INTO {TABLE} "
                     "(id, principal_ref, previous_id, created_at, used_at, input, response) "
-                    "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET "
-                    "previous_id = excluded.previous_id, used_at = excluded.used_at, "
-                    "input = excluded.input, response = excluded.response "
-                    f"WHERE {TABLE}.principal_ref = excluded.principal_ref",
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
                     [row.id, row.principal_ref, row.previous_id, now, now, row.input, row.response],
                 )
+                if cursor.rowcount != 1:
+                    return False
                 if continues:
                     connection.execute(
                         f"UPDATE {TABLE} SET used_at = %s "
@@ -104,21 +109,41 @@ class PostgresResponses:
         except psycopg.Error:
             self._failed()
             raise
+        return True
 
-    def chain(self, principal_ref: str, tip: str, since: float) -> list[ChainRow]:
+    def chain(self, principal_ref: str, tip: str, since: float, max_bytes: int) -> list[ChainRow]:
+        parameters = {
+            "tip": tip,
+            "principal": principal_ref,
+            "since": since,
+            "limit": MAX_CHAIN,
+            "max_bytes": max_bytes,
+        }
         try:
-            rows = (
+            rows = self._db().execute(_CHAIN, parameters).fetchall()
+        except psycopg.Error:
+            self._failed()
+            raise
+        return [(str(i), p, bytes(inp), bytes(resp), int(n)) for i, p, inp, resp, n in rows]
+
+    def held(self, principal_ref: str, since: float) -> int:
+        try:
+            row = (
                 self._db()
                 .execute(
-                    _CHAIN,
-                    {"tip": tip, "principal": principal_ref, "since": since, "limit": MAX_CHAIN},
+                    f"SELECT COALESCE(SUM({_SIZE}), 0) FROM {TABLE} "
+                    "WHERE principal_ref = %s AND used_at >= %s",
+                    [principal_ref, since],
                 )
-                .fetchall()
+                .fetchone()
             )
         except psycopg.Error:
             self._failed()
             raise
-        return [(str(i), p, bytes(inp), bytes(resp)) for i, p, inp, resp in rows]
+        return int(row[0]) if row is not None else 0
+
+    def free_bytes(self) -> int | None:
+        return None  # the database's disk is not this host's to see
 
     def get(self, principal_ref: str, response_id: str, since: float) -> bytes | None:
         try:
@@ -147,7 +172,7 @@ class PostgresResponses:
             raise
         return cursor.rowcount > 0
 
-    def prune(self, before: float, keep: int) -> int:
+    def prune(self, before: float, keep: int, keep_bytes: int) -> Tally:
         try:
             connection = self._db()
             with connection.transaction():
@@ -157,10 +182,22 @@ class PostgresResponses:
                     "ORDER BY used_at DESC, id DESC OFFSET %s)",
                     [keep],
                 )
-            return self._count(connection)
+                connection.execute(
+                    f"DELETE FROM {TABLE} WHERE id IN (SELECT id FROM (SELECT id, "
+                    f"SUM({_SIZE}) OVER (ORDER BY used_at DESC, id DESC) AS running "
+                    f"FROM {TABLE}) AS ranked WHERE running > %s)",
+                    [keep_bytes],
+                )
+            rows = connection.execute(
+                f"SELECT principal_ref, COUNT(*), SUM({_SIZE}) FROM {TABLE} GROUP BY principal_ref"
+            ).fetchall()
         except psycopg.Error:
             self._failed()
             raise
+        held = {str(principal): int(size or 0) for principal, _, size in rows}
+        return Tally(
+            rows=sum(int(count) for _, count, _ in rows), bytes=sum(held.values()), held=held
+        )
 
     @staticmethod
     def _count(connection: psycopg.Connection[Any]) -> int:

@@ -88,6 +88,7 @@ import msgspec
 import trio
 
 from iop_edge.core.blame import Attempts, Next, Verdict, verdict
+from iop_edge.core.run_work import run_work
 from iop_edge.runtime.metering.metering import RunRecord
 from iop_edge.runtime.metering.tracing import RequestTrace
 from iop_edge.runtime.nodes.hub import NodeHub
@@ -740,6 +741,7 @@ class Dispatcher:
                     exclude=attempts.tried,
                     protocol=plan.protocol,
                     principal=plan.principal_ref,
+                    work=run_work(plan.prompt_tokens, output_bound(plan.operation, plan.body)),
                 )
             except AdmissionError as exc:
                 # A refusal after a wait (queue timeout) shows that wait as `queue`.

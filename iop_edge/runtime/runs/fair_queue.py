@@ -3,19 +3,23 @@
 A saturated model's queue is where one caller's batch job would otherwise make everyone
 else wait behind it. `FairQueue` keeps one FIFO lane per principal and decides whose
 request a freed slot goes to by start-time fair queueing (SFQ), the virtual-time form of
-deficit round robin over principals.
+deficit round robin over principals. Service is counted in work, not requests: each
+waiter says how much it will take (`Queued.work`, its estimated tokens: `core.run_work`),
+so a principal with a few huge requests and one with many small ones share slot time,
+not turns.
 
 Rules:
 
 1. Each waiting principal has a *tag*: the weighted service it has had so far, in
    virtual time. A freed slot goes to the eligible principal with the smallest tag, and
    within a principal to its oldest request (FIFO); equal tags go to the older request.
-2. Serving a principal advances its tag by `1 / weight`: with weights 3 and 1, the first
-   is served three times for each time of the second while both wait.
+2. Serving a request advances its principal's tag by `work / weight`: with weights 3
+   and 1, the first is served three times the work of the second while both wait; at
+   equal weights, one 8,000-token request moves a tag as far as eight 1,000-token ones.
 3. The queue's virtual time is the tag of the request served last. A principal that
    starts waiting gets `max(its tag, virtual time)`: no credit for the time it did not
    wait (a newcomer is not owed a burst), and no debt either (it does not queue behind
-   the backlog of the others: it waits about one service at most).
+   the backlog of the others: it waits about one request's service at most).
 4. When the queue empties, the virtual time and every tag are forgotten: fairness is
    between requests that wait together, so memory stays bounded by what waits.
 5. A principal the caller marks ineligible (at its `max_concurrent`) is passed over in
@@ -52,6 +56,11 @@ class Queued(Protocol):
     @property
     def seq(self) -> int:
         """Arrival order (unique, increasing): FIFO within a lane, ties between lanes."""
+        ...
+
+    @property
+    def work(self) -> int:
+        """The service it will take (estimated tokens; at least 1): Rule 2."""
         ...
 
     @property
@@ -166,11 +175,11 @@ class FairQueue(Generic[W]):
             self._entry.clear()
 
     def served(self, waiter: W, weight: float) -> None:
-        """`waiter` got a slot: out of the queue, its principal charged (Rule 2)."""
+        """`waiter` got a slot: out of the queue, its principal charged its work (Rule 2)."""
         principal = waiter.principal
         start = self._tags.get(principal, self._vtime)
         self._vtime = max(self._vtime, start)
-        self._tags[principal] = start + 1.0 / weight
+        self._tags[principal] = start + waiter.work / weight
         self.remove(waiter)
         if principal in self._lanes:
             self._place(principal)  # its tag moved

@@ -379,6 +379,7 @@ class _Waiter:
         "scope",
         "seq",
         "timeout_s",
+        "work",
     )
 
     def __init__(
@@ -393,10 +394,13 @@ class _Waiter:
         timeout_s: float,
         protocol: CallerProtocol,
         principal: str,
+        work: int = 1,
     ) -> None:
         self.seq = seq
         self.principal = principal
         """Arrival order across all models' queues (a clock reading could tie)."""
+        self.work = work
+        """Its estimated tokens: what serving it charges its principal (`fair_queue`)."""
         self.model_id = model_id
         self.run_id = run_id
         self.long = long
@@ -683,9 +687,11 @@ class Scheduler:
         exclude: frozenset[str] = frozenset(),
         protocol: CallerProtocol = "chat",
         principal: str = ANONYMOUS_PRINCIPAL,
+        work: int = 1,
     ) -> Lease:
         """A slot on the best provider of `model_id`, waiting in its queue if busy, or
-        while `principal` holds its `max_concurrent` runs.
+        while `principal` holds its `max_concurrent` runs; `work` is the run's estimated
+        tokens, its share of the queue's fairness (`core.run_work`).
 
         `exclude` names providers already tried for this run (failover); `protocol` is
         the caller's, which native providers speak (ranked first). Raises an
@@ -731,6 +737,7 @@ class Scheduler:
             timeout_s=policy.queue_timeout_s,
             protocol=protocol,
             principal=principal,
+            work=work,
         )
         queue.append(waiter)
         self._notify_changed()

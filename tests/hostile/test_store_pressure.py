@@ -1,0 +1,73 @@
+"""One principal tries to fill the Responses store, and with it the small disk under
+`state_dir` that the usage journal and ledger share: it is answered, unstored, once the
+store would leave less than `edge.responses.min_free_bytes`; the other principals are
+served and every run of everyone is metered (the ledger never stops being writable)."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from iop_edge.runtime.metering.ledger import SQLITE_FILE
+from tests.e2e.stack import edge_config, principals_section, sim_provider, start_stack
+from tests.small_disk import SmallDisk, small_disk
+
+FILLER = "filler-token-for-tests"
+OTHER = "other-token-for-tests"
+#: About 200 KB of input a request: each stored response takes that much of the disk.
+BIG_INPUT = "lorem ipsum " * 17_000
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[SmallDisk]:
+    with small_disk(tmp_path, "16m") as mounted:
+        yield mounted
+
+
+async def test_one_principal_filling_the_store_leaves_metering_and_the_others_alone(
+    nursery: trio.Nursery, tmp_path: Path, disk: SmallDisk
+) -> None:
+    state_dir = disk.path / "state"
+    text = edge_config(
+        state_dir,
+        providers=[sim_provider("sim-1", capacity=4)],
+        models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+        openai_section=principals_section({"filler": FILLER, "other": OTHER}),
+        edge_section={
+            "responses": {"min_free_bytes": 6 * 1024 * 1024},
+            "ledger_buffer_records": 5,  # a ledger that stopped writing would show at once
+        },
+    )
+    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+    stored: list[str] = []
+    unstored = 0
+    others: list[str] = []
+    async with stack.client(api_key=FILLER) as filler, stack.client(api_key=OTHER) as other:
+        for _ in range(80):  # more than the disk holds
+            raw = await filler.responses.with_raw_response.create(
+                model="m", input=BIG_INPUT, max_output_tokens=4
+            )
+            if raw.headers["x-iop-response-stored"] == "true":
+                stored.append(raw.parse().id)
+            else:
+                unstored += 1
+                assert raw.parse().store is False
+            answer = await other.responses.create(model="m", input="hi", max_output_tokens=4)
+            others.append(answer.id)
+        assert stored and unstored  # it stored until the disk's reserve, then no more
+        assert disk.free_bytes() >= 5 * 1024 * 1024  # the reserve held
+        assert stack.edge.ledger.state == "writable"
+        with trio.fail_after(10):
+            await stack.edge.ledger.wait_flushed()
+    with sqlite3.connect(state_dir / SQLITE_FILE) as db:
+        rows = dict(
+            db.execute(
+                "SELECT principal_ref, COUNT(*) FROM usage WHERE status = 200 "
+                "GROUP BY principal_ref"
+            ).fetchall()
+        )
+    assert rows == {"filler": 80, "other": 80}
