@@ -296,6 +296,12 @@ class AdapterSettings(ConfigStruct, frozen=True, kw_only=True):
     # cli
     command: list[NonEmptyStr] | None = None
     # sim
+    max_loaded: PositiveInt | None = None
+    """`sim`: how many of its models it holds at once, as a runtime that loads models on
+    demand (`adapters.sim_memory`); a run for another one loads it first. None: it holds
+    every model always."""
+    load_ms: NonNegativeInt = 0
+    """`sim` with `max_loaded`: how long loading a model takes."""
     ttft_ms: NonNegativeInt = 20
     tokens_per_second: PositiveFloat = 200.0
     reply: SimReply = SimReply()

@@ -551,6 +551,7 @@ _ADAPTER_KEY_TYPES: Final[dict[str, frozenset[str]]] = {
     "base_url": _HTTP_TYPES,
     "api_key_env": _HTTP_TYPES,
     "command": frozenset({"cli"}),
+    "max_loaded": frozenset({"sim"}),
 }
 #: provider type -> (adapter key it cannot run without, what that key gives it).
 _REQUIRED_ADAPTER_KEY: Final[dict[str, tuple[str, str]]] = dict.fromkeys(

@@ -19,6 +19,8 @@ a GPU:
   always yields the same text;
 - usage numbers are real: prompt tokens come from `schemas.tokens`, the same estimator
   the Edge uses for admission, and completion tokens are the tokens generated;
+- with `adapter.max_loaded` it holds only that many of its models at once and loads
+  the others on demand (`adapters.sim_memory`), as a router runtime does;
 - every wait is a Trio sleep, so cancelling the run's scope stops it at once, and no
   request can make it block the Node's event loop or grow without bound: tokens come
   one at a time, and embeddings are bounded in count and size and computed with a
@@ -45,7 +47,8 @@ import msgspec
 import trio
 from msgspec import UNSET, UnsetType
 
-from iop_node.adapters.base import AdapterError, Emit, RunResult
+from iop_node.adapters.base import AdapterError, Emit, ModelCommandFailed, RunResult
+from iop_node.adapters.sim_memory import SIM_LIFECYCLE, SimMemory
 from iop_node.adapters.sim_replies import WORDS, PlannedCall, ReplyPlan, plan_reply, plan_text
 from schemas.config import ProviderConfig
 from schemas.openai import (
@@ -92,9 +95,17 @@ class SimAdapter:
         settings = provider.adapter
         self._ttft_s = settings.ttft_ms / 1000
         self._token_interval_s = 1 / settings.tokens_per_second
+        self.memory = SimMemory.of(provider)
+        """Which models it holds, when it holds only some (`adapter.max_loaded`)."""
 
     async def execute(self, run: Run, emit: Emit) -> RunResult:
         body = self._parse(run)
+        if self.memory is None:
+            return await self._operation(run, body, emit)
+        async with self.memory.serving(run.target):
+            return await self._operation(run, body, emit)
+
+    async def _operation(self, run: Run, body: dict[str, Any], emit: Emit) -> RunResult:
         match run.operation:
             case "chat":
                 return await self._chat(run, body, emit)
@@ -106,9 +117,31 @@ class SimAdapter:
 
     async def probe(self) -> ProviderStatus:
         """The engine lives in this process: it is available whenever it exists."""
+        memory = self.memory
+        if memory is None:
+            return ProviderStatus(
+                id=self.provider.id, health="available", models=[*self.provider.models]
+            )
         return ProviderStatus(
-            id=self.provider.id, health="available", models=[*self.provider.models]
+            id=self.provider.id,
+            health="available",
+            models=[*self.provider.models],
+            lifecycle=SIM_LIFECYCLE,
+            model_states=memory.states(),
+            max_loaded=memory.max_loaded,
         )
+
+    async def load_model(self, model: str) -> None:
+        """`base.ModelLifecycle`, for a sim with `adapter.max_loaded`."""
+        await self._memory_or_refuse().load(model)
+
+    async def unload_model(self, model: str) -> None:
+        await self._memory_or_refuse().unload(model)
+
+    def _memory_or_refuse(self) -> SimMemory:
+        if self.memory is None:
+            raise ModelCommandFailed("this sim holds every model always (no adapter.max_loaded)")
+        return self.memory
 
     async def aclose(self) -> None:
         """Nothing to release: the engine holds no connections."""
