@@ -69,7 +69,7 @@ from typing import Any, Final
 
 import trio
 
-from bench.prefix_cache import DEFAULT_SLOTS, PrefillCost, PrefixCache, render_prompt
+from iop_node.adapters.prefix_cache import DEFAULT_SLOTS, PrefillCost, PrefixCache, render_prompt
 from bench.services import Service, python_argv, start_service, url_after
 from bench.upstream_protocols import (
     messages_body,

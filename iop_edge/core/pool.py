@@ -54,6 +54,23 @@ Rule 6. Passive health is a small circuit breaker per provider (`PassiveHealth`)
         `half_open` admits one trial run, `probing` while it runs. A success closes
         the breaker and resets the count; a failure after the cooldown reopens it.
         Capacity signals (upstream 429/503) never reach the breaker.
+
+Rule 7. Affinity (`core.affinity`): a run may come with a `Preference`, its rendezvous
+        key and the providers holding the longest known prefix of its prompt
+        (`core.prefix_index`). Among the admissible providers of the best native class
+        (Rule 4's first key), those *within the bound* are the ones whose load ratio
+        exceeds the lowest one's by at most `bound` (the model's `routing.load_bound`,
+        default 0.25: on four-slot providers, one run ahead of the idlest). The run goes
+        to, in order: the holder of its longest prefix within the bound (several: the
+        one the key ranks first), else the provider the key ranks first among those
+        within the bound (rendezvous, `core.affinity` Rule 4). So a conversation stays
+        where its prefix is cached, on every Edge alike, while that provider is not much
+        busier than another with a free slot; beyond the bound it moves to its next
+        choice, consistently, and a key shared by many runs (one hot prompt) spreads:
+        its first choice never gets more than the bound ahead of the idlest provider.
+        A run never waits for its preferred provider: only admissible providers are
+        considered, and with none the answer is Rule 5's. Priority and round-robin do
+        not apply to a run with a preference; a run without one is ranked by Rule 4.
 """
 
 from __future__ import annotations
@@ -61,10 +78,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
 
+from iop_edge.core.affinity import provider_seed, rendezvous_score
 from schemas.wire import Health
 
 Breaker = Literal["closed", "open", "half_open", "probing"]
@@ -230,6 +248,46 @@ def _rank_key(
 
 
 @dataclass(frozen=True, slots=True)
+class Preference:
+    """Where a run would rather go (Rule 7)."""
+
+    key: int
+    """Its rendezvous key (`core.affinity`)."""
+    holders: frozenset[str] = frozenset()
+    """The providers holding the longest known prefix of its prompt."""
+    bound: float = 0.25
+    """How much busier than the idlest admissible provider a preferred one may be."""
+
+
+#: Load ratios within this of each other are equal (they are fractions of small ints).
+_RATIO_EPSILON: Final = 1e-9
+
+
+def preferred(candidates: Sequence[ProviderView], preference: Preference) -> ProviderView:
+    """Rule 7's choice among admissible `candidates` (not empty)."""
+    if not any(view.native for view in candidates):
+        pool = candidates
+    else:
+        pool = [view for view in candidates if view.native]
+    lowest = min(view.in_flight / view.capacity for view in pool)
+    limit = lowest + preference.bound + _RATIO_EPSILON
+    within = [view for view in pool if view.in_flight / view.capacity <= limit]
+    holders = preference.holders
+    if holders:
+        holding = [view for view in within if view.id in holders]
+        if holding:
+            within = holding
+    key = preference.key
+    best = within[0]
+    best_score = -1
+    for view in within:
+        score = rendezvous_score(key, provider_seed(view.id))
+        if score > best_score:
+            best, best_score = view, score
+    return best
+
+
+@dataclass(frozen=True, slots=True)
 class Grant:
     """Take a slot on `provider` now."""
 
@@ -263,12 +321,14 @@ def decide(
     long: bool,
     exclude: frozenset[str] = frozenset(),
     last: str | None = None,
+    preference: Preference | None = None,
 ) -> Decision:
     """Where a run of `model_id` goes now (Rule 5).
 
     `rotation` lists the model's provider ids in config order; `views` describes them
     (an id without a view is not configured); `exclude` names providers already tried
-    for this run; `last` is the model's previous pick, for round-robin.
+    for this run; `last` is the model's previous pick, for round-robin; `preference`
+    where the run would rather go (Rule 7).
     """
     if not rotation:
         return Refuse(f"model {model_id!r} has no providers")
@@ -289,6 +349,8 @@ def decide(
             eligible.append(view)
     admissible = [view for view in eligible if is_admissible(view, long=long)]
     if admissible:
+        if preference is not None:
+            return Grant(preferred(admissible, preference))
         return Grant(min(admissible, key=_rank_key(admissible, rotation=rotation, last=last)))
     if eligible:
         return Wait(tuple(view.id for view in eligible))

@@ -142,6 +142,7 @@ class ResponsesSurface:
             caller_wants_usage=True,  # usage is part of every Responses reply and stream
             protocol="responses",
             keep_output=view.store,
+            chained=previous_id is not None,
         )
         if not view.store:
             return plan, None

@@ -15,6 +15,9 @@ a GPU:
   derived from the prompt, so the same request always yields the same text;
 - usage numbers are real: prompt tokens come from `schemas.tokens`, the same estimator
   the Edge uses for admission, and completion tokens are the tokens generated;
+- a chat run may model a runtime's prompt prefix cache (`adapters.sim_prefill`: the
+  prefill of the tokens not cached adds to the time to first token, and the usage says
+  how many were cached);
 - every wait is a Trio sleep, so cancelling the run's scope stops it at once, and no
   request can make it block the Node's event loop or grow without bound: tokens come
   one at a time, and embeddings are bounded in count and size and computed with a
@@ -40,6 +43,7 @@ import trio
 from msgspec import UNSET, UnsetType
 
 from iop_node.adapters.base import AdapterError, Emit, RunResult
+from iop_node.adapters.sim_prefill import SimPrefill
 from schemas.config import ProviderConfig
 from schemas.openai import (
     AssistantMessage,
@@ -91,6 +95,7 @@ class SimAdapter:
         settings = provider.adapter
         self._ttft_s = settings.ttft_ms / 1000
         self._token_interval_s = 1 / settings.tokens_per_second
+        self._prefill = SimPrefill(settings)
 
     async def execute(self, run: Run, emit: Emit) -> RunResult:
         body = self._parse(run)
@@ -120,8 +125,9 @@ class SimAdapter:
             raise _invalid("`messages` must be a list")
         pieces = _generate(_encode(messages), _max_tokens(body))
         usage = _usage(body, len(pieces))
+        cached = self._prefill.cached(body, usage.prompt_tokens)
         completion_id, created = f"chatcmpl-{run.request_id or run.run_id}", int(time.time())
-        start = trio.current_time()
+        start = trio.current_time() + cached.seconds
         if not run.stream:
             await self._until_token(start, len(pieces) - 1)
             message = AssistantMessage(content="".join(pieces))
@@ -130,7 +136,7 @@ class SimAdapter:
                 created=created,
                 model=run.target,
                 choices=[ChatChoice(message=message, logprobs=None, finish_reason="length")],
-                usage=CompletionUsage.of(usage),
+                usage=CompletionUsage.of(usage, cached_tokens=cached.tokens),
             )
             return RunResult(usage=usage, response=_encode(response))
 
@@ -154,7 +160,7 @@ class SimAdapter:
                 created=created,
                 model=run.target,
                 choices=[],
-                usage=CompletionUsage.of(usage),
+                usage=CompletionUsage.of(usage, cached_tokens=cached.tokens),
             )
             await emit(_encode(last))
         return RunResult(usage=usage)

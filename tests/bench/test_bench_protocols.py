@@ -24,7 +24,7 @@ from bench.load import (
     _Markers,
     request_body,
 )
-from bench.prefix_cache import PrefillCost, PrefixCache, common_prefix_chars, render_prompt
+from iop_node.adapters.prefix_cache import PrefillCost, PrefixCache, common_prefix_chars, render_prompt
 from bench.result import IOP, IOP_TRANSLATED, LITELLM, BenchResult, Machine
 from bench.targets import check_targets
 from bench.upstream import (
