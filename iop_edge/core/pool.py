@@ -61,13 +61,16 @@ Rule 7. Affinity (`core.affinity`): a run may come with a `Preference`, its rend
         (Rule 4's first key), those *within the bound* are the ones whose load ratio
         exceeds the lowest one's by at most `bound` (the model's `routing.load_bound`,
         default 0.25: on four-slot providers, one run ahead of the idlest). The run goes
-        to, in order: the holder of its longest prefix within the bound (several: the
-        one the key ranks first), else the provider the key ranks first among those
-        within the bound (rendezvous, `core.affinity` Rule 4). So a conversation stays
-        where its prefix is cached, on every Edge alike, while that provider is not much
-        busier than another with a free slot; beyond the bound it moves to its next
-        choice, consistently, and a key shared by many runs (one hot prompt) spreads:
-        its first choice never gets more than the bound ahead of the idlest provider.
+        to, in order: the holder of its longest prefix within the bound (several, as
+        for a prompt many sent: the least loaded of them, then the one the key ranks
+        first), else the provider the key ranks first among those within the bound
+        (rendezvous, `core.affinity` Rule 4). So a conversation stays where its prefix
+        is cached, on every Edge alike, while that provider is not much busier than
+        another with a free slot; beyond the bound it moves to its next choice,
+        consistently (and its prefix with it: it stays there). A key shared by many
+        runs (one hot prompt) spreads: its first choice is never more than the bound
+        ahead of the idlest provider, and once several hold the prompt, the idlest of
+        them takes it.
         A run never waits for its preferred provider: only admissible providers are
         considered, and with none the answer is Rule 5's. Priority and round-robin do
         not apply to a run with a preference; a run without one is ranked by Rule 4.
@@ -272,12 +275,15 @@ def preferred(candidates: Sequence[ProviderView], preference: Preference) -> Pro
     lowest = min(view.in_flight / view.capacity for view in pool)
     limit = lowest + preference.bound + _RATIO_EPSILON
     within = [view for view in pool if view.in_flight / view.capacity <= limit]
+    key = preference.key
     holders = preference.holders
     if holders:
         holding = [view for view in within if view.id in holders]
         if holding:
-            within = holding
-    key = preference.key
+            # one holder: the conversation's provider; several: a prompt many sent,
+            # which every one of them holds: the idlest takes it
+            least = min(view.in_flight / view.capacity for view in holding) + _RATIO_EPSILON
+            within = [view for view in holding if view.in_flight / view.capacity <= least]
     best = within[0]
     best_score = -1
     for view in within:
