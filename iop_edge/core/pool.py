@@ -57,10 +57,11 @@ Rule 6. Passive health is a small circuit breaker per provider (`PassiveHealth`)
 
 Rule 7. Affinity (`core.affinity`): a run may come with a `Preference`, its rendezvous
         key and the providers holding the longest known prefix of its prompt
-        (`core.prefix_index`). Among the admissible providers of the best native class
-        (Rule 4's first key), those *within the bound* are the ones whose load ratio
-        exceeds the lowest one's by at most `bound` (the model's `routing.load_bound`,
-        default 0.25: on four-slot providers, one run ahead of the idlest). The run goes
+        (`core.prefix_index`). Of the admissible providers as native as Rule 4's first
+        choice and of its priority, those *within the bound* are the ones whose load
+        ratio exceeds the first choice's (the lowest) by at most `bound` (the model's
+        `routing.load_bound`, default 0.25: on four-slot providers, one run ahead of the
+        idlest). The run goes
         to, in order: the holder of its longest prefix within the bound (several, as
         for a prompt many sent: the least loaded of them, then the one the key ranks
         first), else the provider the key ranks first among those within the bound
@@ -72,8 +73,10 @@ Rule 7. Affinity (`core.affinity`): a run may come with a `Preference`, its rend
         ahead of the idlest provider, and once several hold the prompt, the idlest of
         them takes it.
         A run never waits for its preferred provider: only admissible providers are
-        considered, and with none the answer is Rule 5's. Priority and round-robin do
-        not apply to a run with a preference; a run without one is ranked by Rule 4.
+        considered, and with none the answer is Rule 5's. Affinity chooses among equals
+        (replicas of one priority): it never sends a run to a worse priority or to a
+        translating provider that Rule 4 would not have chosen; round-robin does not
+        apply to a run with a preference.
 """
 
 from __future__ import annotations
@@ -266,15 +269,20 @@ class Preference:
 _RATIO_EPSILON: Final = 1e-9
 
 
-def preferred(candidates: Sequence[ProviderView], preference: Preference) -> ProviderView:
-    """Rule 7's choice among admissible `candidates` (not empty)."""
-    if not any(view.native for view in candidates):
-        pool = candidates
-    else:
-        pool = [view for view in candidates if view.native]
-    lowest = min(view.in_flight / view.capacity for view in pool)
-    limit = lowest + preference.bound + _RATIO_EPSILON
-    within = [view for view in pool if view.in_flight / view.capacity <= limit]
+def preferred(
+    candidates: Sequence[ProviderView], first: ProviderView, preference: Preference
+) -> ProviderView:
+    """Rule 7's choice among admissible `candidates`, of which Rule 4 ranks `first` first."""
+    ratio = first.in_flight / first.capacity
+    limit = ratio + preference.bound + _RATIO_EPSILON
+    native, priority = first.native, first.priority
+    within = [
+        view
+        for view in candidates
+        if view.native == native
+        and view.priority == priority
+        and view.in_flight / view.capacity <= limit
+    ]
     key = preference.key
     holders = preference.holders
     if holders:
@@ -355,9 +363,10 @@ def decide(
             eligible.append(view)
     admissible = [view for view in eligible if is_admissible(view, long=long)]
     if admissible:
+        first = min(admissible, key=_rank_key(admissible, rotation=rotation, last=last))
         if preference is not None:
-            return Grant(preferred(admissible, preference))
-        return Grant(min(admissible, key=_rank_key(admissible, rotation=rotation, last=last)))
+            return Grant(preferred(admissible, first, preference))
+        return Grant(first)
     if eligible:
         return Wait(tuple(view.id for view in eligible))
     return Refuse(
