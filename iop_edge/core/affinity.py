@@ -30,14 +30,20 @@ Rule 2. Keys are scoped: a key is the hash of the principal, the model and the v
         and of its blocks (Rule 3), never out of a session id's. (A chain is keyed as
         its first turn was; only its own principal can continue it.)
 
-Rule 3. A prompt's *blocks* are what the provider is sent, in the order a chat template
-        lays it out: the system prompt (or Responses `instructions`, or the leading
-        system and developer messages), the tool definitions, then each message or
-        input item. Block `i`'s hash covers blocks `0..i` (a running hash seeded with
-        the scope), so two prompts share block `i`'s hash exactly when they share their
-        first `i + 1` blocks. `anchor` is the number of blocks before the first message:
-        a match of those alone is a shared system prompt, not a conversation, and does
-        not count (`core.prefix_index`).
+Rule 3. A prompt's *blocks* name its prefixes, for the Edge's index of where prompts
+        went (`core.prefix_index`). The prompt is laid out as a chat template lays it
+        out: its head (the system prompt, or Responses `instructions`, or the leading
+        system and developer messages; then the tool definitions), then each message
+        or input item. The block of the prefix that ends with message `i` is the hash
+        of: the scope, the head, the first message, `i`, and messages `i` and `i - 1`.
+        Only the last `BLOCKS` prefixes get a block (a turn adds a few messages: the
+        previous turn's end is among them), so the cost of a turn is bounded whatever
+        its history. A message's hash reads its structure, and of a long string its
+        length and ends (`fingerprint`): what an agent re-sends is the very same text.
+        Two prefixes that differ only inside an earlier message share a block; that
+        costs a preference that misses, never a wrong answer. Blocks stay in this
+        process: they are Python's string hashes (keyed per process) combined, not
+        forgeable by a caller who does not know the key.
 
 Rule 4. Rendezvous: every provider has a fixed 64-bit seed from its id; a key's score
         on a provider mixes the two. The highest score is the key's provider, the next
@@ -57,11 +63,16 @@ from iop_edge.core.protocol_requests import input_items
 from schemas.protocols import CallerProtocol
 
 __all__ = [
+    "BLOCKS",
+    "GOLDEN",
+    "MASK",
     "MAX_SESSION_CHARS",
     "SESSION_HEADERS",
     "Affinity",
     "KeySource",
     "affinity_of",
+    "fingerprint",
+    "prompt_blocks",
     "provider_seed",
     "rendezvous_order",
     "rendezvous_score",
@@ -84,9 +95,9 @@ MAX_SESSION_CHARS: Final = 256
 
 KeySource = Literal["session", "chain", "prefix"]
 
-_MASK: Final = (1 << 64) - 1
+MASK: Final = (1 << 64) - 1
 #: An odd 64-bit constant (the golden ratio's): the multiplier of the score's mix.
-_GOLDEN: Final = 0x9E3779B97F4A7C15
+GOLDEN: Final = 0x9E3779B97F4A7C15
 _SYSTEM_ROLES: Final = frozenset({"system", "developer"})
 _encode: Final = msgspec.json.Encoder().encode
 
@@ -98,9 +109,7 @@ class Affinity(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The rendezvous key (Rules 1, 2, 4): 64 bits."""
     source: KeySource
     blocks: tuple[int, ...] = ()
-    """The running hashes of its prompt's blocks (Rule 3), 64 bits each."""
-    anchor: int = 0
-    """How many of `blocks` come before the first message (Rule 3)."""
+    """The blocks of its prompt's last prefixes (Rule 3), the longest last."""
 
 
 def session_header(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
@@ -134,39 +143,77 @@ def affinity_of(
     body sent on (a Responses continuation's with its conversation rebuilt: `chained`);
     `headers` the request's session headers, lowercase."""
     prefix_scope = "*" if shared_prefixes else principal
-    blocks, anchor = prompt_blocks(protocol, body, _scope(prefix_scope, model))
+    head, messages = _layout(protocol, body)
+    first = messages[0] if messages else None
     session = session_header(headers, body)
     if session is not None:
-        return Affinity(
-            key=_hash64(_scope(principal, model), b"session", session.encode()),
-            source="session",
-            blocks=blocks,
-            anchor=anchor,
-        )
-    # Rule 1 b/c: the first message, seeded with the scope (not with the system prompt
-    # or the tools, which may change between turns); a chain's first turn was keyed so
-    first = _first_message(protocol, body)
-    key = _hash64(_scope(prefix_scope, model), b"prompt", _encode(first))
-    return Affinity(key=key, source="chain" if chained else "prefix", blocks=blocks, anchor=anchor)
+        key = _hash64(_scope(principal, model), b"session", session.encode())
+    else:
+        # Rule 1 b/c: the first message, seeded with the scope (not with the system
+        # prompt or the tools, which may change between turns); a chain's first turn
+        # was keyed so
+        key = _hash64(_scope(prefix_scope, model), b"prompt", _encode(first))
+    blocks = prompt_blocks(head, messages, (prefix_scope, model))
+    source: KeySource = "session" if session is not None else "chain" if chained else "prefix"
+    return Affinity(key=key, source=source, blocks=blocks)
+
+
+#: How many of a prompt's last prefixes get a block (Rule 3).
+BLOCKS: Final = 16
 
 
 def prompt_blocks(
-    protocol: CallerProtocol, body: Mapping[str, Any], scope: bytes
-) -> tuple[tuple[int, ...], int]:
-    """The running hashes of a prompt's blocks and its anchor (Rule 3)."""
-    head, messages = _layout(protocol, body)
-    running = hashlib.blake2b(scope, digest_size=8)
-    hashes: list[int] = []
-    for block in head:
-        running.update(_encode(block))
-        running.update(b"\x1e")
-        hashes.append(int.from_bytes(running.copy().digest(), "big"))
-    anchor = len(hashes)
-    for message in messages:
-        running.update(_encode(message))
-        running.update(b"\x1e")
-        hashes.append(int.from_bytes(running.copy().digest(), "big"))
-    return tuple(hashes), anchor
+    head: Sequence[Any], messages: Sequence[Any], scope: tuple[str, str]
+) -> tuple[int, ...]:
+    """The blocks of a prompt's last `BLOCKS` prefixes, the longest last (Rule 3)."""
+    if not messages:
+        return ()
+    base = hash((scope, tuple([fingerprint(block) for block in head]), fingerprint(messages[0])))
+    count = len(messages)
+    start = max(1, count - BLOCKS + 1)
+    previous = fingerprint(messages[start - 2]) if start >= 2 else 0
+    blocks: list[int] = []
+    for position in range(start, count + 1):
+        current = fingerprint(messages[position - 1])
+        blocks.append(hash((base, position, current, previous)))
+        previous = current
+    return tuple(blocks)
+
+
+def fingerprint(value: object) -> int:
+    """A hash of a decoded JSON value, walked as it is (Rule 3): its strings' hashes
+    (computed in C, keyed per process; a long string's from its length and ends),
+    combined along the structure (a long list's from its length and its first and last
+    items). Nothing is encoded again, and a message costs a few objects' hashes, not a
+    pass over its bytes. A stored item (`msgspec.Raw`, a rebuilt Responses
+    conversation) is decoded first, so it hashes as the item it was when it arrived."""
+    kind = type(value)
+    if kind is str:
+        return _text_hash(value)  # type: ignore[arg-type]
+    if kind is dict:
+        pairs: dict[str, Any] = value  # type: ignore[assignment]
+        return hash(tuple([(key, fingerprint(item)) for key, item in pairs.items()]))
+    if kind is list:
+        items: list[Any] = value  # type: ignore[assignment]
+        if len(items) <= 2:
+            return hash((_LIST, *[fingerprint(item) for item in items]))
+        return hash((_LIST, len(items), fingerprint(items[0]), fingerprint(items[-1])))
+    if kind is msgspec.Raw:
+        return fingerprint(_decode_raw(value))  # type: ignore[arg-type]
+    return hash((kind.__name__, value))
+
+
+def _text_hash(text: str) -> int:
+    """A string's hash; a long one's by its length and its ends (`SAMPLE_CHARS` each)."""
+    if len(text) <= 2 * SAMPLE_CHARS:
+        return hash(text)
+    return hash((len(text), text[:SAMPLE_CHARS], text[-SAMPLE_CHARS:]))
+
+
+#: How much of each end of a long string its hash reads (`fingerprint`).
+SAMPLE_CHARS: Final = 96
+_LIST: Final = "\x00list"
+_decode_raw: Final = msgspec.json.Decoder().decode
 
 
 def _layout(protocol: CallerProtocol, body: Mapping[str, Any]) -> tuple[list[Any], Sequence[Any]]:
@@ -197,11 +244,6 @@ def _layout(protocol: CallerProtocol, body: Mapping[str, Any]) -> tuple[list[Any
     return head, messages[leading:]
 
 
-def _first_message(protocol: CallerProtocol, body: Mapping[str, Any]) -> Any:
-    _, messages = _layout(protocol, body)
-    return messages[0] if messages else None
-
-
 def _list(value: object) -> Sequence[Any]:
     return value if isinstance(value, list) else ()
 
@@ -215,11 +257,12 @@ def _scope(principal: str, model: str) -> bytes:
 
 
 def _hash64(*parts: bytes) -> int:
-    digest = hashlib.blake2b(digest_size=8)
+    """The same 64 bits on every Edge (a rendezvous key, a provider's seed)."""
+    digest = hashlib.sha256()
     for part in parts:
         digest.update(len(part).to_bytes(4, "big"))
         digest.update(part)
-    return int.from_bytes(digest.digest(), "big")
+    return int.from_bytes(digest.digest()[:8], "big")
 
 
 _seeds: dict[str, int] = {}
@@ -241,7 +284,7 @@ def rendezvous_score(key: int, seed: int) -> int:
     """A key's score on the provider of `seed` (Rule 4): higher is preferred. Both are
     already uniform hashes; the multiply spreads every bit of their combination into
     the high bits, which decide the comparison."""
-    mixed = ((key ^ seed) * _GOLDEN) & _MASK
+    mixed = ((key ^ seed) * GOLDEN) & MASK
     return mixed ^ (mixed >> 31)
 
 

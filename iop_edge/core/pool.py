@@ -63,15 +63,15 @@ Rule 7. Affinity (`core.affinity`): a run may come with a `Preference`, its rend
         `routing.load_bound`, default 0.25: on four-slot providers, one run ahead of the
         idlest). The run goes
         to, in order: the holder of its longest prefix within the bound (several, as
-        for a prompt many sent: the least loaded of them, then the one the key ranks
-        first), else the provider the key ranks first among those within the bound
+        for a prompt many sent: the first of them by Rule 4, so they take turns), else
+        the provider the key ranks first among those within the bound
         (rendezvous, `core.affinity` Rule 4). So a conversation stays where its prefix
         is cached, on every Edge alike, while that provider is not much busier than
         another with a free slot; beyond the bound it moves to its next choice,
         consistently (and its prefix with it: it stays there). A key shared by many
         runs (one hot prompt) spreads: its first choice is never more than the bound
-        ahead of the idlest provider, and once several hold the prompt, the idlest of
-        them takes it.
+        ahead of the idlest provider, and once several hold the prompt, they share it
+        as Rule 4 shares runs without a preference.
         A run never waits for its preferred provider: only admissible providers are
         considered, and with none the answer is Rule 5's. Affinity chooses among equals
         (replicas of one priority): it never sends a run to a worse priority or to a
@@ -88,7 +88,9 @@ from typing import Final, Literal
 
 import msgspec
 
-from iop_edge.core.affinity import provider_seed, rendezvous_score
+from iop_edge.core.affinity import GOLDEN as _GOLDEN
+from iop_edge.core.affinity import MASK as _MASK
+from iop_edge.core.affinity import provider_seed
 from schemas.wire import Health
 
 Breaker = Literal["closed", "open", "half_open", "probing"]
@@ -270,34 +272,52 @@ _RATIO_EPSILON: Final = 1e-9
 
 
 def preferred(
-    candidates: Sequence[ProviderView], first: ProviderView, preference: Preference
+    candidates: Sequence[ProviderView],
+    preference: Preference,
+    *,
+    rotation: Sequence[str],
+    last: str | None,
 ) -> ProviderView:
-    """Rule 7's choice among admissible `candidates`, of which Rule 4 ranks `first` first."""
-    ratio = first.in_flight / first.capacity
-    limit = ratio + preference.bound + _RATIO_EPSILON
-    native, priority = first.native, first.priority
-    within = [
-        view
-        for view in candidates
-        if view.native == native
-        and view.priority == priority
-        and view.in_flight / view.capacity <= limit
-    ]
-    key = preference.key
-    holders = preference.holders
-    if holders:
-        holding = [view for view in within if view.id in holders]
-        if holding:
-            # one holder: the conversation's provider; several: a prompt many sent,
-            # which every one of them holds: the idlest takes it
-            least = min(view.in_flight / view.capacity for view in holding) + _RATIO_EPSILON
-            within = [view for view in holding if view.in_flight / view.capacity <= least]
-    best = within[0]
+    """Rule 7's choice among admissible `candidates` (not empty).
+
+    Two passes over the candidates and no sort: Rule 4's first choice is only needed
+    for its nativeness, load ratio and priority, and the rendezvous score is worked out
+    inline (`core.affinity.rendezvous_score`), so a decision over thousands of
+    providers costs no more than Rule 4's own ranking."""
+    native = any(view.native for view in candidates)
+    lowest = math.inf
+    priority = 0
+    for view in candidates:
+        if view.native != native:
+            continue
+        ratio = view.in_flight / view.capacity
+        if ratio < lowest - _RATIO_EPSILON:
+            lowest, priority = ratio, view.priority
+        elif ratio <= lowest + _RATIO_EPSILON and view.priority < priority:
+            priority = view.priority
+    limit = lowest + preference.bound + _RATIO_EPSILON
+    key, holders = preference.key, preference.holders
+    holding: list[ProviderView] = []
+    best = candidates[0]
     best_score = -1
-    for view in within:
-        score = rendezvous_score(key, provider_seed(view.id))
+    for view in candidates:
+        if (
+            view.native != native
+            or view.priority != priority
+            or view.in_flight / view.capacity > limit
+        ):
+            continue
+        if holders and view.id in holders:
+            holding.append(view)
+        mixed = ((key ^ provider_seed(view.id)) * _GOLDEN) & _MASK
+        score = mixed ^ (mixed >> 31)
         if score > best_score:
             best, best_score = view, score
+    if len(holding) == 1:
+        return holding[0]  # the conversation's provider
+    if holding:
+        # a prompt many sent, which every one of them holds: Rule 4 among them
+        return min(holding, key=_rank_key(holding, rotation=rotation, last=last))
     return best
 
 
@@ -363,10 +383,9 @@ def decide(
             eligible.append(view)
     admissible = [view for view in eligible if is_admissible(view, long=long)]
     if admissible:
-        first = min(admissible, key=_rank_key(admissible, rotation=rotation, last=last))
         if preference is not None:
-            return Grant(preferred(admissible, first, preference))
-        return Grant(first)
+            return Grant(preferred(admissible, preference, rotation=rotation, last=last))
+        return Grant(min(admissible, key=_rank_key(admissible, rotation=rotation, last=last)))
     if eligible:
         return Wait(tuple(view.id for view in eligible))
     return Refuse(

@@ -14,10 +14,11 @@ Rule 1. Recording a prompt remembers its deepest block's hash with the provider 
         message, so it contains that hash among its own; one entry per run, whatever
         the prompt's length.
 
-Rule 2. A lookup walks a prompt's blocks from the deepest towards its anchor (the first
-        message) and answers the providers that hold the deepest block found, with its
-        depth: the providers holding the longest known prefix of it. A match of the
-        system prompt and tools alone (at or before the anchor) is no match.
+Rule 2. A lookup walks a prompt's blocks from the longest prefix back and answers the
+        providers that hold the first block found, with how many blocks back it was:
+        the providers holding the longest known prefix of it. Blocks name prefixes that
+        end with a message (`core.affinity` Rule 3): the system prompt and tools every
+        conversation shares are no match.
 
 Rule 3. The index is bounded and ages: at most `max_entries` block hashes, the least
         recently recorded forgotten first, and an entry older than `ttl_s` neither
@@ -42,9 +43,10 @@ DEFAULT_MAX_ENTRIES: Final = 65_536
 DEFAULT_TTL_S: Final = 1800.0
 
 PrefixMatch = tuple[int, frozenset[str]]
-"""The depth (blocks matched) and the providers holding that prefix."""
+"""How many blocks back from the prompt's longest prefix the match is, and the providers
+holding it (none: no match)."""
 
-_NO_MATCH: Final[PrefixMatch] = (0, frozenset())
+_NO_MATCH: Final[PrefixMatch] = (-1, frozenset())
 
 
 class PrefixIndex:
@@ -62,9 +64,9 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def record(self, provider_id: str, blocks: Sequence[int], anchor: int, now: float) -> None:
+    def record(self, provider_id: str, blocks: Sequence[int], now: float) -> None:
         """`provider_id` was sent the prompt of `blocks` (Rule 1); ages out the oldest."""
-        if len(blocks) <= anchor:
+        if not blocks:
             return  # no message: nothing a conversation could continue
         deepest = blocks[-1]
         entries = self._entries
@@ -76,17 +78,17 @@ class PrefixIndex:
             entries.move_to_end(deepest)
         self._trim(now)
 
-    def lookup(self, blocks: Sequence[int], anchor: int, now: float) -> PrefixMatch:
+    def lookup(self, blocks: Sequence[int], now: float) -> PrefixMatch:
         """The longest known prefix of `blocks` and who holds it (Rule 2)."""
         entries = self._entries
         oldest = now - self._ttl_s
-        for depth in range(len(blocks), anchor, -1):
-            holders = entries.get(blocks[depth - 1])
+        for back, block in enumerate(reversed(blocks)):
+            holders = entries.get(block)
             if holders is None:
                 continue
             fresh = frozenset(pid for pid, at in holders.items() if at >= oldest)
             if fresh:
-                return depth, fresh
+                return back, fresh
         return _NO_MATCH
 
     def _trim(self, now: float) -> None:

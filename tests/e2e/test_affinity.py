@@ -75,7 +75,10 @@ async def test_a_claude_code_session_lands_on_one_provider(stack: Stack) -> None
     async with client:
         for turn in range(TURNS):
             raw = await client.messages.with_raw_response.create(
-                model="m", system=SYSTEM, messages=messages, max_tokens=8  # type: ignore[arg-type]
+                model="m",
+                system=SYSTEM,
+                messages=messages,
+                max_tokens=8,  # type: ignore[arg-type]
             )
             message = await raw.parse()
             landed.add(raw.headers["x-iop-provider"])

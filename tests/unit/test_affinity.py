@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import msgspec
 import pytest
 
 from iop_edge.core.affinity import (
+    BLOCKS,
     MAX_SESSION_CHARS,
     affinity_of,
     rendezvous_order,
@@ -80,21 +82,28 @@ def test_a_conversations_turns_share_its_prompt_key_and_prefix() -> None:
     turns = [chat(body) for body in chat_turns("fix the test", 4)]
     assert {turn.source for turn in turns} == {"prefix"}
     assert len({turn.key for turn in turns}) == 1
-    for earlier, later in zip(turns, turns[1:], strict=False):
-        assert later.blocks[: len(earlier.blocks)] == earlier.blocks
-        assert later.anchor == earlier.anchor == 2  # the system prompt and the tools
-    # another conversation with the same system prompt and tools: another key, and only
-    # the blocks before the anchor in common
+    for earlier, later in itertools.pairwise(turns):
+        # the earlier turn's whole prompt is a prefix of the later one's
+        assert earlier.blocks[-1] in later.blocks
+        assert later.blocks[-1] not in earlier.blocks
+    # another conversation with the same system prompt and tools: another key, no block
+    # in common (the shared head alone is no prefix worth following)
     other = chat(chat_turns("write the docs", 1)[0])
     assert other.key != turns[0].key
-    assert other.blocks[:2] == turns[0].blocks[:2] and other.blocks[2] != turns[0].blocks[2]
+    assert not set(other.blocks) & {block for turn in turns for block in turn.blocks}
+
+
+def test_a_long_conversation_costs_a_bounded_number_of_blocks() -> None:
+    turns = [chat(body) for body in chat_turns("fix the test", 40)]
+    assert len(turns[-1].blocks) == BLOCKS
+    assert turns[-2].blocks[-1] in turns[-1].blocks
 
 
 def test_the_key_ignores_a_changed_system_prompt() -> None:
     body = chat_turns("fix the test", 1)[0]
     changed = {**body, "messages": [{"role": "system", "content": "new"}, *body["messages"][1:]]}
     assert chat(body).key == chat(changed).key
-    assert chat(body).blocks[-1] != chat(changed).blocks[-1]
+    assert chat(body).blocks[-1] != chat(changed).blocks[-1]  # not the same prefix
 
 
 def test_another_principals_identical_prompt_has_its_own_key_unless_shared() -> None:
@@ -109,7 +118,9 @@ def test_another_principals_identical_prompt_has_its_own_key_unless_shared() -> 
     assert shared[0].key == shared[1].key and shared[0].blocks == shared[1].blocks
     # a session id is never shared between principals
     sessions = [
-        affinity_of("chat", body, {"x-session-id": "s"}, principal=p, model="m", shared_prefixes=True)
+        affinity_of(
+            "chat", body, {"x-session-id": "s"}, principal=p, model="m", shared_prefixes=True
+        )
         for p in ("alice", "bob")
     ]
     assert sessions[0].key != sessions[1].key
@@ -139,7 +150,7 @@ def test_a_responses_continuation_keeps_its_chains_key() -> None:
     turn_two = affinity_of("responses", second, {}, principal="alice", model="m", chained=True)
     assert turn_two.source == "chain"
     assert turn_two.key == turn_one.key
-    assert turn_two.blocks[: len(turn_one.blocks)] == turn_one.blocks
+    assert turn_one.blocks[-1] in turn_two.blocks
 
 
 def test_messages_lay_out_system_tools_then_messages() -> None:
@@ -149,7 +160,9 @@ def test_messages_lay_out_system_tools_then_messages() -> None:
         "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
     }
     affinity = affinity_of("messages", body, {}, principal="p", model="m")
-    assert affinity.anchor == 2 and len(affinity.blocks) == 4
+    assert len(affinity.blocks) == 2  # one per message; the head is in each
+    without_tools = affinity_of("messages", {**body, "tools": []}, {}, principal="p", model="m")
+    assert not set(affinity.blocks) & set(without_tools.blocks)
 
 
 # --- the prefix index ------------------------------------------------------------------
@@ -158,31 +171,29 @@ def test_messages_lay_out_system_tools_then_messages() -> None:
 def test_the_index_answers_the_holder_of_the_longest_prefix() -> None:
     index = PrefixIndex()
     turns = [chat(body) for body in chat_turns("fix the test", 3)]
-    index.record("p1", turns[0].blocks, turns[0].anchor, now=0.0)
-    index.record("p2", turns[1].blocks, turns[1].anchor, now=1.0)
-    assert index.lookup(turns[2].blocks, turns[2].anchor, now=2.0) == (
-        len(turns[1].blocks),
-        frozenset({"p2"}),
-    )
-    assert index.lookup(turns[1].blocks, turns[1].anchor, now=2.0)[1] == {"p2"}
-    assert index.lookup(turns[0].blocks, turns[0].anchor, now=2.0)[1] == {"p1"}
+    index.record("p1", turns[0].blocks, now=0.0)
+    index.record("p2", turns[1].blocks, now=1.0)
+    # two messages back from the third turn's end: the second turn's whole prompt
+    assert index.lookup(turns[2].blocks, now=2.0) == (2, frozenset({"p2"}))
+    assert index.lookup(turns[1].blocks, now=2.0) == (0, frozenset({"p2"}))
+    assert index.lookup(turns[0].blocks, now=2.0) == (0, frozenset({"p1"}))
     # only the shared system prompt and tools in common: no match
     stranger = chat(chat_turns("write the docs", 1)[0])
-    assert index.lookup(stranger.blocks, stranger.anchor, now=2.0) == (0, frozenset())
+    assert index.lookup(stranger.blocks, now=2.0) == (-1, frozenset())
 
 
 def test_the_index_ages_and_is_bounded() -> None:
     index = PrefixIndex(max_entries=2, ttl_s=10.0)
     conversations = [chat(chat_turns(f"task {n}", 1)[0]) for n in range(3)]
     for n, affinity in enumerate(conversations):
-        index.record(f"p{n}", affinity.blocks, affinity.anchor, now=float(n))
+        index.record(f"p{n}", affinity.blocks, now=float(n))
     assert len(index) == 2
     first = conversations[0]
-    assert index.lookup(first.blocks, first.anchor, now=3.0)[1] == frozenset()  # evicted
+    assert index.lookup(first.blocks, now=3.0)[1] == frozenset()  # evicted
     last = conversations[2]
-    assert index.lookup(last.blocks, last.anchor, now=3.0)[1] == {"p2"}
-    assert index.lookup(last.blocks, last.anchor, now=12.5)[1] == frozenset()  # too old
-    index.record("p9", last.blocks, last.anchor, now=13.0)
+    assert index.lookup(last.blocks, now=3.0)[1] == {"p2"}
+    assert index.lookup(last.blocks, now=12.5)[1] == frozenset()  # too old
+    index.record("p9", last.blocks, now=13.0)
     assert len(index) == 1  # the aged entry went
 
 

@@ -78,6 +78,17 @@ async def run(scheduler: Scheduler, affinity: Affinity | None, principal: str = 
         return lease.provider_id
 
 
+async def fill(scheduler: Scheduler, provider_id: str, runs: int) -> list[Lease]:
+    """`runs` runs without affinity held on `provider_id` (the others' runs released)."""
+    leases = [await scheduler.acquire("m", f"fill{n}", long=False) for n in range(4 * runs)]
+    held = [lease for lease in leases if lease.provider_id == provider_id]
+    assert len(held) == runs  # round-robin over four idle providers
+    for lease in leases:
+        if lease not in held:
+            lease.release()
+    return held
+
+
 async def test_a_conversations_turns_land_on_one_provider() -> None:
     scheduler = online(snapshot())
     for first in ("fix the test", "write the docs", "plan the release"):
@@ -102,10 +113,7 @@ async def test_a_busy_cached_provider_does_not_hold_a_run_another_could_take() -
     turns = chat_turns("fix the test", 3)
     home = await run(scheduler, of(turns[0]))
     # others' runs fill its provider two runs beyond the idlest: beyond the 0.25 bound
-    held = [
-        await scheduler.acquire("m", f"x{n}", long=False, affinity=of(turns[0])) for n in range(2)
-    ]
-    assert {lease.provider_id for lease in held} == {home}
+    held = await fill(scheduler, home, 2)
     moved = await run(scheduler, of(turns[1]))
     assert moved != home
     # it now holds the conversation's longest prefix: the next turn stays with it,
@@ -116,8 +124,12 @@ async def test_a_busy_cached_provider_does_not_hold_a_run_another_could_take() -
 
 
 async def test_one_hot_prompt_spreads_over_the_providers() -> None:
+    """Runs of one prompt held at once: its provider is never more than the bound
+    ahead; sent again and again one at a time, it takes turns like any run."""
     scheduler = online(snapshot())
     body = chat_turns("the same prompt for everyone", 1)[0]
+    one_at_a_time = [await run(scheduler, of(body)) for _ in range(8)]
+    assert sorted(one_at_a_time) == sorted(IDS * 2)
     leases: list[Lease] = [
         await scheduler.acquire("m", f"r{n}", long=False, affinity=of(body)) for n in range(12)
     ]
@@ -145,30 +157,34 @@ async def test_two_edges_sharing_the_nodes_agree() -> None:
 async def test_another_principals_identical_prompt_does_not_follow() -> None:
     """Bob's runs go where they would on an Edge that never saw Alice's: her history
     steers nothing of his."""
-    body = chat_turns("fix the test", 2)[1]
+    turns = chat_turns("fix the test", 3)
+    body = turns[1]
     seen = online(snapshot())
     fresh = online(snapshot())
     alice = of(body, "alice")
     # Alice's conversation is moved off its rendezvous choice (that one is busy) ...
     first = rendezvous_order(alice.key, IDS)[0]
-    busy = [await seen.acquire("m", f"x{n}", long=False) for n in range(8)]
-    assert all(lease.provider_id for lease in busy)
-    for lease in busy:
-        if lease.provider_id != first:
-            lease.release()
+    busy = await fill(seen, first, 2)
     alice_home = await run(seen, alice, "alice")
     assert alice_home != first
     for lease in busy:
         lease.release()
-    assert await run(seen, alice, "alice") == alice_home  # ... and stays there
+    assert await run(seen, of(turns[2], "alice"), "alice") == alice_home  # ... and stays
     bob = of(body, "bob")
     assert await run(seen, bob, "bob") == await run(fresh, bob, "bob")
-    # shared per model, the identical prompt does follow
-    shared = RoutingPolicy(shared_prefixes=True)
-    seen_shared = online(snapshot(routing=shared))
-    one = affinity_of("chat", body, {}, principal="alice", model="m", shared_prefixes=True)
-    two = affinity_of("chat", body, {}, principal="bob", model="m", shared_prefixes=True)
-    assert await run(seen_shared, one, "alice") == await run(seen_shared, two, "bob")
+    # shared per model, Bob's prompt that continues Alice's does follow hers
+    seen_shared = online(snapshot(routing=RoutingPolicy(shared_prefixes=True)))
+
+    def shared(body: dict[str, Any], principal: str) -> Affinity:
+        return affinity_of("chat", body, {}, principal=principal, model="m", shared_prefixes=True)
+
+    shared_first = rendezvous_order(shared(body, "alice").key, IDS)[0]
+    busy = await fill(seen_shared, shared_first, 2)
+    alice_home = await run(seen_shared, shared(body, "alice"), "alice")
+    assert alice_home != shared_first
+    for lease in busy:
+        lease.release()
+    assert await run(seen_shared, shared(turns[2], "bob"), "bob") == alice_home
 
 
 async def test_a_refresh_that_removes_a_provider_hands_its_sessions_on() -> None:

@@ -62,6 +62,9 @@ How the pieces fit:
   decision prefers the provider holding the longest prefix of the prompt that this Edge
   sent (`core.prefix_index`), else the key's rendezvous choice, within the model's
   `routing.load_bound` (`core.pool` Rule 7); every grant records where the prompt went.
+  A prompt sent again unchanged without a session id (one many send: a health check,
+  a benchmark, a shared prompt) is no conversation going on: it is ranked by load alone,
+  so it spreads over the providers, each of which then holds it.
   Affinity only chooses among providers with a free slot, so a queue walk's `Wait` and
   `Refuse` answers hold for every waiter of a kind, whatever its affinity; a grant is
   decided for the waiter it goes to.
@@ -812,7 +815,9 @@ class Scheduler:
         it has none or its model routes by load alone."""
         if affinity is None or not routing.affinity:
             return None
-        _, holders = self._prefixes.lookup(affinity.blocks, affinity.anchor, now)
+        back, holders = self._prefixes.lookup(affinity.blocks, now)
+        if back == 0 and affinity.source != "session":
+            return None  # the very prompt again, not a conversation going on: Rule 4 spreads it
         return Preference(key=affinity.key, holders=holders, bound=routing.load_bound)
 
     def _view(
@@ -879,7 +884,7 @@ class Scheduler:
             state.trial = lease
         self._last_pick[model_id] = provider_id
         if affinity is not None and self._snapshot.models[model_id].routing.affinity:
-            self._prefixes.record(provider_id, affinity.blocks, affinity.anchor, self._clock())
+            self._prefixes.record(provider_id, affinity.blocks, self._clock())
         return lease
 
     def _released(self, state: _ProviderState, lease: Lease) -> None:
