@@ -67,6 +67,7 @@ __all__ = [
     "GOLDEN",
     "MASK",
     "MAX_SESSION_CHARS",
+    "SEEDS",
     "SESSION_HEADERS",
     "Affinity",
     "KeySource",
@@ -265,18 +266,19 @@ def _hash64(*parts: bytes) -> int:
     return int.from_bytes(digest.digest()[:8], "big")
 
 
-_seeds: dict[str, int] = {}
+SEEDS: Final[dict[str, int]] = {}
+"""Provider id -> its seed (`provider_seed`), for loops that read it inline."""
 #: Provider ids whose seeds are kept (a refresh may bring new ids for ever).
 _MAX_SEEDS: Final = 1 << 20
 
 
 def provider_seed(provider_id: str) -> int:
     """The fixed 64-bit seed of a provider (Rule 4), remembered once worked out."""
-    seed = _seeds.get(provider_id)
+    seed = SEEDS.get(provider_id)
     if seed is None:
-        if len(_seeds) >= _MAX_SEEDS:
-            _seeds.clear()
-        seed = _seeds[provider_id] = _hash64(b"provider", provider_id.encode())
+        if len(SEEDS) >= _MAX_SEEDS:
+            SEEDS.clear()
+        seed = SEEDS[provider_id] = _hash64(b"provider", provider_id.encode())
     return seed
 
 

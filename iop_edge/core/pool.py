@@ -90,7 +90,7 @@ import msgspec
 
 from iop_edge.core.affinity import GOLDEN as _GOLDEN
 from iop_edge.core.affinity import MASK as _MASK
-from iop_edge.core.affinity import provider_seed
+from iop_edge.core.affinity import SEEDS, provider_seed
 from schemas.wire import Health
 
 Breaker = Literal["closed", "open", "half_open", "probing"]
@@ -300,6 +300,7 @@ def preferred(
     holding: list[ProviderView] = []
     best = candidates[0]
     best_score = -1
+    seeds = SEEDS
     for view in candidates:
         if (
             view.native != native
@@ -309,7 +310,10 @@ def preferred(
             continue
         if holders and view.id in holders:
             holding.append(view)
-        mixed = ((key ^ provider_seed(view.id)) * _GOLDEN) & _MASK
+        seed = seeds.get(view.id)
+        if seed is None:
+            seed = provider_seed(view.id)
+        mixed = ((key ^ seed) * _GOLDEN) & _MASK
         score = mixed ^ (mixed >> 31)
         if score > best_score:
             best, best_score = view, score
