@@ -2,10 +2,12 @@
 official SDKs, land on one of four sim providers that model a prefix cache, and from the
 second turn on the runtime reports most of the prompt as cached, in each protocol's own
 usage field (chat `prompt_tokens_details.cached_tokens`, Messages
-`cache_read_input_tokens`, Responses `input_tokens_details.cached_tokens`)."""
+`cache_read_input_tokens`, Responses `input_tokens_details.cached_tokens`); two Edges
+sharing the Node send a conversation's turns to the same provider."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,9 @@ import anthropic
 import pytest
 import trio
 
-from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
+from iop_node.main import run_node
+from tests.e2e.stack import NODE_TOKEN, Stack, edge_config, sim_provider, start_stack
+from tests.e2e.test_several_edges import _serve_edge
 
 IDS = ("sim-a", "sim-b", "sim-c", "sim-d")
 CACHED = {"ttft_ms": 1, "tokens_per_second": 5000, "prefix_cache_tokens": 200_000}
@@ -111,5 +115,48 @@ async def test_a_responses_chain_lands_on_one_provider(stack: Stack) -> None:
             cached.append(response.usage.input_tokens_details.cached_tokens)
             prompt.append(response.usage.input_tokens)
             previous = response.id
+    assert len(landed) == 1
+    _later_turns_mostly_cached(cached, prompt)
+
+
+async def test_two_edges_send_a_conversations_turns_to_one_provider(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Two Edges with nothing shared but the config and the Node: each turn goes to the
+    other Edge, and every turn lands on one provider, cached from the second."""
+    stacks = []
+    for name in ("a", "b"):
+        text = edge_config(
+            tmp_path / name,
+            providers=[sim_provider(pid, capacity=4, adapter=CACHED) for pid in IDS],
+            models=[{"id": "m", "providers": dict.fromkeys(IDS, "sim-small")}],
+        )
+        stacks.append(
+            await _serve_edge(nursery, text, tmp_path / f"{name}.yaml", trio.CancelScope())
+        )
+    urls = [stack.addresses.node_url for stack in stacks]
+    await nursery.start(partial(run_node, urls, "node-1", NODE_TOKEN))
+    for stack in stacks:
+        await stack.wait_servable("m")
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Fix the failing test."},
+    ]
+    landed, cached, prompt = set(), [], []
+    for turn in range(TURNS):
+        async with stacks[turn % 2].client() as client:
+            raw = await client.chat.completions.with_raw_response.create(
+                model="m", messages=messages, max_tokens=8
+            )
+        completion = raw.parse()
+        landed.add(raw.headers["x-iop-provider"])
+        usage = completion.usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        cached.append(usage.prompt_tokens_details.cached_tokens or 0)
+        prompt.append(usage.prompt_tokens)
+        messages += [
+            {"role": "assistant", "content": completion.choices[0].message.content},
+            {"role": "user", "content": f"Now step {turn + 1}: " + "details " * 50},
+        ]
     assert len(landed) == 1
     _later_turns_mostly_cached(cached, prompt)
