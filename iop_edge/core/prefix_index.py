@@ -37,8 +37,9 @@ from typing import Final
 
 __all__ = ["DEFAULT_MAX_ENTRIES", "DEFAULT_TTL_S", "PrefixIndex", "PrefixMatch"]
 
-#: Block hashes kept (Rule 3): a few megabytes.
-DEFAULT_MAX_ENTRIES: Final = 65_536
+#: Block hashes kept (Rule 3): one per conversation is what routing needs (its last
+#: turn's), and 16,384 of them take about 6 MB.
+DEFAULT_MAX_ENTRIES: Final = 16_384
 #: How long a recorded prompt is taken to stay in its runtime's cache (Rule 3).
 DEFAULT_TTL_S: Final = 1800.0
 
