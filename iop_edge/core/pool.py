@@ -61,22 +61,20 @@ Rule 7. Affinity (`core.affinity`): a run may come with a `Preference`, its rend
         choice and of its priority, those *within the bound* are the ones whose load
         ratio exceeds the first choice's (the lowest) by at most `bound` (the model's
         `routing.load_bound`, default 0.25: on four-slot providers, one run ahead of the
-        idlest). The run goes
-        to, in order: the holder of its longest prefix within the bound (several, as
-        for a prompt many sent: the first of them by Rule 4, so they take turns), else
-        the provider the key ranks first among those within the bound
+        idlest). The run goes to, in order: the holder of its longest prefix within the
+        bound (several, as for a prompt many sent: the first of them by Rule 4, so they
+        take turns), else the provider the key ranks first among those within the bound
         (rendezvous, `core.affinity` Rule 4). So a conversation stays where its prefix
         is cached, on every Edge alike, while that provider is not much busier than
         another with a free slot; beyond the bound it moves to its next choice,
         consistently (and its prefix with it: it stays there). A key shared by many
         runs (one hot prompt) spreads: its first choice is never more than the bound
         ahead of the idlest provider, and once several hold the prompt, they share it
-        as Rule 4 shares runs without a preference.
-        A run never waits for its preferred provider: only admissible providers are
-        considered, and with none the answer is Rule 5's. Affinity chooses among equals
-        (replicas of one priority): it never sends a run to a worse priority or to a
-        translating provider that Rule 4 would not have chosen; round-robin does not
-        apply to a run with a preference.
+        as Rule 4 shares runs without a preference. A run never waits for its
+        preferred provider: only admissible providers are considered, and with none the
+        answer is Rule 5's. Affinity chooses among equals (replicas of one priority): it
+        never sends a run to a worse priority or to a translating provider that Rule 4
+        would not have chosen; round-robin does not apply to a run with a preference.
 """
 
 from __future__ import annotations

@@ -160,3 +160,19 @@ async def test_two_edges_send_a_conversations_turns_to_one_provider(
         ]
     assert len(landed) == 1
     _later_turns_mostly_cached(cached, prompt)
+
+
+@pytest.mark.parametrize(
+    "header", ["session_id", "session-id", "x-session-id", "x-session-affinity"]
+)
+async def test_a_session_header_keeps_unrelated_prompts_together(stack: Stack, header: str) -> None:
+    """Codex's `session_id` (an underscore: the Edge's HTTP server keeps it) and the
+    others: requests that share nothing but the session land on one provider."""
+    landed = set()
+    async with stack.client(default_headers={header: "0199a0c2-session"}) as client:
+        for n in range(6):
+            raw = await client.chat.completions.with_raw_response.create(
+                model="m", messages=[{"role": "user", "content": f"question {n}"}], max_tokens=2
+            )
+            landed.add(raw.headers["x-iop-provider"])
+    assert len(landed) == 1

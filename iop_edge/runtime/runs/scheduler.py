@@ -715,10 +715,9 @@ class Scheduler:
             # provider with it: no barging. Only time (a cooldown ending before `run()`
             # noticed) can have freed a slot they have not been offered yet.
             self._serve(rivals)
-        decision = self._decide(
+        match self._decide(
             model_id, long=long, exclude=exclude, protocol=protocol, affinity=affinity
-        )
-        match decision:
+        ):
             case Grant(provider=view) if self._may_run(principal):
                 lease = self._grant(
                     model_id,
@@ -817,7 +816,7 @@ class Scheduler:
             return None
         back, holders = self._prefixes.lookup(affinity.blocks, now)
         if back == 0 and affinity.source != "session":
-            return None  # the very prompt again, not a conversation going on: Rule 4 spreads it
+            return None  # the very prompt again, no conversation going on: Rule 4 spreads it
         return Preference(key=affinity.key, holders=holders, bound=routing.load_bound)
 
     def _view(
