@@ -1,6 +1,6 @@
 """`python -m bench` (`just bench`): measure IOP against a direct upstream and its peers.
 
-One command, one run, in up to four parts (`--parts`), each starting and stopping its
+One command, one run, in up to five parts (`--parts`), each starting and stopping its
 own processes so no part's servers weigh on another's:
 
 - `closed`: the fast fake upstream, the two HTTP floors (stock Hypercorn and the Edge's
