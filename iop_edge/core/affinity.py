@@ -169,13 +169,16 @@ def prompt_blocks(
     """The blocks of a prompt's last `BLOCKS` prefixes, the longest last (Rule 3)."""
     if not messages:
         return ()
-    base = hash((scope, tuple([fingerprint(block) for block in head]), fingerprint(messages[0])))
     count = len(messages)
     start = max(1, count - BLOCKS + 1)
-    previous = fingerprint(messages[start - 2]) if start >= 2 else 0
+    # each message's hash once: the window's, the one before it, and the first
+    hashes = [fingerprint(message) for message in messages[max(start - 2, 0) :]]
+    first = hashes[0] if start <= 2 else fingerprint(messages[0])
+    base = hash((scope, tuple([fingerprint(block) for block in head]), first))
+    previous = hashes[0] if start >= 2 else 0
     blocks: list[int] = []
-    for position in range(start, count + 1):
-        current = fingerprint(messages[position - 1])
+    window = hashes[-(count - start + 1) :]
+    for position, current in zip(range(start, count + 1), window, strict=True):
         blocks.append(hash((base, position, current, previous)))
         previous = current
     return tuple(blocks)
