@@ -1,6 +1,6 @@
 """`python -m bench` (`just bench`): measure IOP against a direct upstream and its peers.
 
-One command, one run, in up to four parts (`--parts`), each starting and stopping its
+One command, one run, in up to five parts (`--parts`), each starting and stopping its
 own processes so no part's servers weigh on another's:
 
 - `closed`: the fast fake upstream, the two HTTP floors (stock Hypercorn and the Edge's
@@ -19,13 +19,16 @@ own processes so no part's servers weigh on another's:
 - `agent-cache`: a Claude-Code-shaped conversation through IOP to an upstream with a
   prompt prefix cache, with Claude Code's attribution block removed and kept
   (`bench.agent_cache`).
+- `affinity`: agent sessions over providers with prefix caches, routed by load only and
+  with cache affinity, in process on virtual time; and the routing decision's CPU over
+  3,000 providers (`bench.affinity`). Its table comes first, on its own.
 
 It prints the tables and the performance targets as PASS/MISS, stops every child and exits 0.
 `--replicas [ROUNDS]` measures one Edge against two replicas sharing the caller port
 (`bench.replicas`) instead; `--tracing [ROUNDS]` the CPU per request of OpenTelemetry
 traces, off against on at 100 % sampling (`bench.tracing`).
 
-    python -m bench [--parts closed,fleet,nodes,agent-cache]
+    python -m bench [--parts closed,fleet,nodes,agent-cache,affinity]
                     [--duration S | --requests N] [--concurrency 1,32] [--warmup N] [--turns 2]
                     [--protocols chat,messages,responses]
                     [--only direct,hypercorn,edge-http,stack-floor,iop,iop-translated,
@@ -53,7 +56,7 @@ import sys
 import tempfile
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final, TypeVar
 
@@ -107,7 +110,8 @@ CLOSED: Final = "closed"
 FLEET: Final = "fleet"
 NODES: Final = "nodes"
 AGENT_CACHE: Final = "agent-cache"
-ALL_PARTS: Final = (CLOSED, FLEET, NODES, AGENT_CACHE)
+AFFINITY: Final = "affinity"
+ALL_PARTS: Final = (CLOSED, FLEET, NODES, AGENT_CACHE, AFFINITY)
 #: The fleet scenario's targets unless `--fleet-only` says otherwise. LiteLLM is left out:
 #: at ~1.7 ms of CPU per relayed chunk (closed-loop stream column) it would need ~1.7
 #: cores for the default 1,000 chunks/s, and would only measure its own backlog.
@@ -814,6 +818,14 @@ def _run(args: argparse.Namespace, options: BenchOptions, console: Console, say:
 
         console.print(render_fair_share(run_fair_share()))
         return 0
+    if AFFINITY in options.parts:
+        from bench.affinity import render_affinity, run_affinity
+
+        say("affinity: agent sessions, load-only and affinity routing (virtual time)")
+        console.print(render_affinity(run_affinity()))
+        options = replace(options, parts=tuple(p for p in options.parts if p != AFFINITY))
+        if not options.parts:
+            return 0
     result = _in_scratch_dir(lambda workdir: run_bench(options, workdir, say))
     console.print(render(result))
     if args.json is not None:

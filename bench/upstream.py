@@ -69,7 +69,6 @@ from typing import Any, Final
 
 import trio
 
-from bench.prefix_cache import DEFAULT_SLOTS, PrefillCost, PrefixCache, render_prompt
 from bench.services import Service, python_argv, start_service, url_after
 from bench.upstream_protocols import (
     messages_body,
@@ -78,6 +77,7 @@ from bench.upstream_protocols import (
     responses_events,
     with_usage,
 )
+from iop_node.adapters.prefix_cache import DEFAULT_SLOTS, PrefillCost, PrefixCache, render_prompt
 
 #: The logical model id callers name; the gateways under test map it to SERVED_MODEL.
 MODEL: Final = "bench-model"

@@ -241,12 +241,38 @@ class GenerationPolicy(ConfigStruct, frozen=True, kw_only=True):
     answers 400 naming the tool. A native runtime always gets them as they are."""
 
 
+#: `models[].routing.load_bound`'s default: a provider one run in four ahead of the
+#: least-loaded one (one run, on the usual four-slot runtime) still keeps its sessions.
+DEFAULT_LOAD_BOUND = 0.25
+
+
+class RoutingPolicy(ConfigStruct, frozen=True, kw_only=True):
+    """How a model's runs choose among its providers with a free slot (design §4,
+    `iop_edge.core.affinity` and `iop_edge.core.pool` Rule 7)."""
+
+    affinity: bool = True
+    """Send a conversation's turns to the provider that holds its prompt prefix (its
+    session, its `previous_response_id` chain, or its prompt's own prefix), while that
+    provider's load stays within `load_bound` of the least-loaded one. False: load ratio,
+    priority and round-robin alone, as for a model without affinity."""
+    load_bound: Annotated[float, Meta(ge=0.0, le=1.0)] = DEFAULT_LOAD_BOUND
+    """How much busier (in load ratio, `in_flight / capacity`) than the least-loaded
+    provider with a free slot the preferred provider may be and still take the run."""
+    shared_prefixes: bool = False
+    """Let the prefix index and the prompt-keyed choice be shared between principals:
+    identical prompts of different principals (one system prompt and tool list every
+    user sends) then meet on one provider. Off, each principal's prompts steer only its
+    own runs: another principal cannot learn from where its runs land (or how fast they
+    start) what someone else sent."""
+
+
 class ModelEntry(ConfigStruct, frozen=True, kw_only=True):
     id: NonEmptyStr
     display_name: str | None = None
     providers: dict[NonEmptyStr, NonEmptyStr]
     queue: QueueOverride | None = None
     generation: GenerationPolicy = GenerationPolicy()
+    routing: RoutingPolicy = RoutingPolicy()
 
 
 #: How a `sim` provider replies (`adapter.reply.mode`): `fill` writes exactly `max_tokens`
@@ -305,6 +331,16 @@ class AdapterSettings(ConfigStruct, frozen=True, kw_only=True):
     ttft_ms: NonNegativeInt = 20
     tokens_per_second: PositiveFloat = 200.0
     reply: SimReply = SimReply()
+    prefix_cache_tokens: NonNegativeInt = 0
+    """`sim`: the prompt tokens its prefix cache holds (least recently used prompts go
+    first); 0 models no cache (every prompt token is prefilled, at no cost unless
+    `prefill_us_per_token` says)."""
+    prefill_us_per_token: Annotated[float, Meta(ge=0.0)] = 0.0
+    """`sim`: microseconds of prefill per prompt token it does not find in its cache,
+    added to the time to first token."""
+    cached_prefill_us_per_token: Annotated[float, Meta(ge=0.0)] = 0.0
+    """`sim`: microseconds per prompt token read from its cache (at most
+    `prefill_us_per_token`)."""
 
 
 class ProviderConfig(ConfigStruct, frozen=True, kw_only=True):

@@ -94,19 +94,30 @@ class ModelList(msgspec.Struct, frozen=True, kw_only=True):
 # --- response bodies ---------------------------------------------------------------------
 
 
+class PromptTokensDetails(msgspec.Struct, frozen=True, kw_only=True):
+    cached_tokens: int
+    """Of the prompt tokens, those read from the runtime's prefix cache."""
+
+
 class CompletionUsage(msgspec.Struct, frozen=True, kw_only=True):
     """`usage` of a chat or text completion."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
 
     @classmethod
-    def of(cls, usage: Usage) -> CompletionUsage:
+    def of(cls, usage: Usage, *, cached_tokens: int | None = None) -> CompletionUsage:
+        """`usage` as a chat body says it; with `prompt_tokens_details` when the engine
+        knows its cached prompt tokens."""
         return cls(
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
             total_tokens=usage.total_tokens,
+            prompt_tokens_details=UNSET
+            if cached_tokens is None
+            else PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
 

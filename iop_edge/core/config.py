@@ -552,12 +552,16 @@ _ADAPTER_KEY_TYPES: Final[dict[str, frozenset[str]]] = {
     "api_key_env": _HTTP_TYPES,
     "command": frozenset({"cli"}),
     "max_loaded": frozenset({"sim"}),
+    "prefix_cache_tokens": frozenset({"sim"}),
+    "prefill_us_per_token": frozenset({"sim"}),
+    "cached_prefill_us_per_token": frozenset({"sim"}),
 }
 #: provider type -> (adapter key it cannot run without, what that key gives it).
 _REQUIRED_ADAPTER_KEY: Final[dict[str, tuple[str, str]]] = dict.fromkeys(
     _HTTP_TYPES, ("base_url", "the upstream URL")
 ) | {"cli": ("command", "the argv to run")}
 _ALL_PROVIDER_TYPES: Final = frozenset(typing.get_args(ProviderType))
+_SIM_PREFILL_KEYS: Final = ("cached_prefill_us_per_token", "prefill_us_per_token")
 
 
 @dataclass(frozen=True, slots=True)
@@ -823,6 +827,13 @@ class _Rules:
         if provider_type == "cli" and adapter.get("command") == []:
             self._error(
                 f"{adapter_path}.command", "must not be empty: give the argv to run, as a list"
+            )
+        cached, uncached = (adapter.get(k) for k in _SIM_PREFILL_KEYS)
+        if isinstance(cached, int | float) and cached > (uncached or 0):
+            self._error(
+                f"{adapter_path}.cached_prefill_us_per_token",
+                f"must be at most prefill_us_per_token ({uncached or 0}): reading a cached "
+                "token costs no more than computing it",
             )
 
     def _models(self, providers: dict[str, _Provider]) -> set[str]:

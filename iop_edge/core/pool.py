@@ -54,6 +54,27 @@ Rule 6. Passive health is a small circuit breaker per provider (`PassiveHealth`)
         `half_open` admits one trial run, `probing` while it runs. A success closes
         the breaker and resets the count; a failure after the cooldown reopens it.
         Capacity signals (upstream 429/503) never reach the breaker.
+
+Rule 7. Affinity (`core.affinity`): a run may come with a `Preference`, its rendezvous
+        key and the providers holding the longest known prefix of its prompt
+        (`core.prefix_index`). Of the admissible providers as native as Rule 4's first
+        choice and of its priority, those *within the bound* are the ones whose load
+        ratio exceeds the first choice's (the lowest) by at most `bound` (the model's
+        `routing.load_bound`, default 0.25: on four-slot providers, one run ahead of the
+        idlest). The run goes to, in order: the holder of its longest prefix within the
+        bound (several, as for a prompt many sent: the first of them by Rule 4, so they
+        take turns), else the provider the key ranks first among those within the bound
+        (rendezvous, `core.affinity` Rule 4). So a conversation stays where its prefix
+        is cached, on every Edge alike, while that provider is not much busier than
+        another with a free slot; beyond the bound it moves to its next choice,
+        consistently (and its prefix with it: it stays there). A key shared by many
+        runs (one hot prompt) spreads: its first choice is never more than the bound
+        ahead of the idlest provider, and once several hold the prompt, they share it
+        as Rule 4 shares runs without a preference. A run never waits for its
+        preferred provider: only admissible providers are considered, and with none the
+        answer is Rule 5's. Affinity chooses among equals (replicas of one priority): it
+        never sends a run to a worse priority or to a translating provider that Rule 4
+        would not have chosen; round-robin does not apply to a run with a preference.
 """
 
 from __future__ import annotations
@@ -61,10 +82,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
 
+from iop_edge.core.affinity import GOLDEN as _GOLDEN
+from iop_edge.core.affinity import MASK as _MASK
+from iop_edge.core.affinity import SEEDS, provider_seed
 from schemas.wire import Health
 
 Breaker = Literal["closed", "open", "half_open", "probing"]
@@ -230,6 +254,76 @@ def _rank_key(
 
 
 @dataclass(frozen=True, slots=True)
+class Preference:
+    """Where a run would rather go (Rule 7)."""
+
+    key: int
+    """Its rendezvous key (`core.affinity`)."""
+    holders: frozenset[str] = frozenset()
+    """The providers holding the longest known prefix of its prompt."""
+    bound: float = 0.25
+    """How much busier than the idlest admissible provider a preferred one may be."""
+
+
+#: Load ratios within this of each other are equal (they are fractions of small ints).
+_RATIO_EPSILON: Final = 1e-9
+
+
+def preferred(
+    candidates: Sequence[ProviderView],
+    preference: Preference,
+    *,
+    rotation: Sequence[str],
+    last: str | None,
+) -> ProviderView:
+    """Rule 7's choice among admissible `candidates` (not empty).
+
+    Two passes over the candidates and no sort: Rule 4's first choice is only needed
+    for its nativeness, load ratio and priority, and the rendezvous score is worked out
+    inline (`core.affinity.rendezvous_score`), so a decision over thousands of
+    providers costs no more than Rule 4's own ranking."""
+    native = any(view.native for view in candidates)
+    lowest = math.inf
+    priority = 0
+    for view in candidates:
+        if view.native != native:
+            continue
+        ratio = view.in_flight / view.capacity
+        if ratio < lowest - _RATIO_EPSILON:
+            lowest, priority = ratio, view.priority
+        elif ratio <= lowest + _RATIO_EPSILON and view.priority < priority:
+            priority = view.priority
+    limit = lowest + preference.bound + _RATIO_EPSILON
+    key, holders = preference.key, preference.holders
+    holding: list[ProviderView] = []
+    best = candidates[0]
+    best_score = -1
+    seeds = SEEDS
+    for view in candidates:
+        if (
+            view.native != native
+            or view.priority != priority
+            or view.in_flight / view.capacity > limit
+        ):
+            continue
+        if holders and view.id in holders:
+            holding.append(view)
+        seed = seeds.get(view.id)
+        if seed is None:
+            seed = provider_seed(view.id)
+        mixed = ((key ^ seed) * _GOLDEN) & _MASK
+        score = mixed ^ (mixed >> 31)
+        if score > best_score:
+            best, best_score = view, score
+    if len(holding) == 1:
+        return holding[0]  # the conversation's provider
+    if holding:
+        # a prompt many sent, which every one of them holds: Rule 4 among them
+        return min(holding, key=_rank_key(holding, rotation=rotation, last=last))
+    return best
+
+
+@dataclass(frozen=True, slots=True)
 class Grant:
     """Take a slot on `provider` now."""
 
@@ -263,12 +357,14 @@ def decide(
     long: bool,
     exclude: frozenset[str] = frozenset(),
     last: str | None = None,
+    preference: Preference | None = None,
 ) -> Decision:
     """Where a run of `model_id` goes now (Rule 5).
 
     `rotation` lists the model's provider ids in config order; `views` describes them
     (an id without a view is not configured); `exclude` names providers already tried
-    for this run; `last` is the model's previous pick, for round-robin.
+    for this run; `last` is the model's previous pick, for round-robin; `preference`
+    where the run would rather go (Rule 7).
     """
     if not rotation:
         return Refuse(f"model {model_id!r} has no providers")
@@ -289,6 +385,8 @@ def decide(
             eligible.append(view)
     admissible = [view for view in eligible if is_admissible(view, long=long)]
     if admissible:
+        if preference is not None:
+            return Grant(preferred(admissible, preference, rotation=rotation, last=last))
         return Grant(min(admissible, key=_rank_key(admissible, rotation=rotation, last=last)))
     if eligible:
         return Wait(tuple(view.id for view in eligible))

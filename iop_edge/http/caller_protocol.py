@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgspec
 
+from iop_edge.core.affinity import affinity_of
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.errors import ApiError, bad_request, model_not_found
 from iop_edge.runtime.runs.dispatch import RunPlan
@@ -54,6 +55,11 @@ PROTOCOL_OF: Final[dict[wire.Operation, CallerProtocol]] = {
     "responses": "responses",
 }
 
+#: The operations whose runs carry an affinity: those that read a conversation.
+_ROUTED: Final[frozenset[wire.Operation]] = frozenset(
+    {"chat", "completion", "messages", "responses"}
+)
+
 #: What ends a stream after its last event.
 STREAM_END: Final[dict[CallerProtocol, bytes]] = {
     "chat": b"data: [DONE]\n\n",
@@ -73,6 +79,8 @@ class Caller:
     anthropic_headers: dict[str, str]
     """The `anthropic-version` and `anthropic-beta` headers it sent, for a native
     upstream (never credentials)."""
+    session_headers: Mapping[str, str] = field(default_factory=dict)
+    """The session headers it sent (`core.affinity.SESSION_HEADERS`), lowercase names."""
 
     def plan(
         self,
@@ -88,10 +96,25 @@ class Caller:
         caller_headers: dict[str, str] | None = None,
         keep_output: bool = False,
         hosted_tools: HostedTools = "drop",
+        chained: bool = False,
     ) -> RunPlan:
-        """The plan of this caller's request: its ids and principal go with the run, and
-        it is a long run when its prompt estimate reaches the snapshot's threshold."""
+        """The plan of this caller's request: its ids and principal go with the run, it
+        is a long run when its prompt estimate reaches the snapshot's threshold, and it
+        carries its affinity (`core.affinity`) unless its model routes by load alone
+        (`chained`: a Responses continuation, its conversation rebuilt in `body`)."""
         principal = self.principal
+        routing = snapshot.models[model_id].routing
+        affinity = None
+        if routing.affinity and operation in _ROUTED:
+            affinity = affinity_of(
+                protocol,
+                body,
+                self.session_headers,
+                principal=principal.principal_ref,
+                model=model_id,
+                shared_prefixes=routing.shared_prefixes,
+                chained=chained,
+            )
         return RunPlan(
             run_id=self.run_id,
             request_id=self.request_id,
@@ -109,6 +132,7 @@ class Caller:
             caller_headers=caller_headers if caller_headers is not None else {},
             keep_output=keep_output,
             hosted_tools=hosted_tools,
+            affinity=affinity,
         )
 
 

@@ -161,6 +161,7 @@ class ResponsesSurface:
             protocol="responses",
             keep_output=view.store,
             hosted_tools=model.generation.hosted_tools,
+            chained=previous_id is not None,
         )
         if not view.store:
             return plan, None

@@ -49,6 +49,7 @@ import msgspec
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
 
+from iop_edge.core.affinity import SESSION_HEADERS
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.core.unstored_reply import unstored_body, unstored_events
 from iop_edge.http.auth import authenticate
@@ -162,6 +163,7 @@ class _Request:
         "authorization",
         "content_length",
         "request_id",
+        "sessions",
         "traceparent",
         "tracestate",
     )
@@ -173,6 +175,8 @@ class _Request:
         self.request_id: str | None = None
         self.anthropic: dict[str, str] = {}
         """`anthropic-version` and `anthropic-beta`, as sent."""
+        self.sessions: dict[str, str] = {}
+        """The session headers of `core.affinity` (Rule 1), as sent."""
         self.traceparent = ""
         self.tracestate = ""
         """The caller's W3C trace context (`schemas.telemetry` Rule 6: checked when used)."""
@@ -189,6 +193,8 @@ class _Request:
                 self.traceparent = value.decode("latin-1").strip()
             elif name == b"tracestate":
                 self.tracestate = value.decode("latin-1").strip()
+            elif name in _SESSION_HEADERS:
+                self.sessions[name.decode("latin-1")] = value.decode("latin-1").strip()
             elif name in _ANTHROPIC_HEADERS:
                 key = name.decode("latin-1")
                 joined = self.anthropic.get(key)
@@ -197,6 +203,8 @@ class _Request:
 
 
 _DROPPED_TOOLS: Final = DROPPED_TOOLS_HEADER.encode()
+#: The headers that name an agent's session (`core.affinity` Rule 1).
+_SESSION_HEADERS: Final = frozenset(name.encode() for name in SESSION_HEADERS)
 #: The caller's protocol headers a native Messages upstream sees as they were sent.
 _ANTHROPIC_HEADERS: Final = frozenset({b"anthropic-version", b"anthropic-beta"})
 
@@ -404,6 +412,7 @@ class RunEndpoints:
             request_id=request_id,
             principal=principal,
             anthropic_headers=request.anthropic,
+            session_headers=request.sessions,
         )
         match operation:
             case "responses":

@@ -21,6 +21,9 @@ a GPU:
   the Edge uses for admission, and completion tokens are the tokens generated;
 - with `adapter.max_loaded` it holds only that many of its models at once and loads
   the others on demand (`adapters.sim_memory`), as a router runtime does;
+- a chat run may model a runtime's prompt prefix cache (`adapters.sim_prefill`: the
+  prefill of the tokens not cached adds to the time to first token, and the usage says
+  how many were cached);
 - every wait is a Trio sleep, so cancelling the run's scope stops it at once, and no
   request can make it block the Node's event loop or grow without bound: tokens come
   one at a time, and embeddings are bounded in count and size and computed with a
@@ -49,6 +52,7 @@ from msgspec import UNSET, UnsetType
 
 from iop_node.adapters.base import AdapterError, Emit, ModelCommandFailed, RunResult
 from iop_node.adapters.sim_memory import SIM_LIFECYCLE, SimMemory
+from iop_node.adapters.sim_prefill import SimPrefill
 from iop_node.adapters.sim_replies import WORDS, PlannedCall, ReplyPlan, plan_reply, plan_text
 from schemas.config import ProviderConfig
 from schemas.openai import (
@@ -97,6 +101,7 @@ class SimAdapter:
         self._token_interval_s = 1 / settings.tokens_per_second
         self.memory = SimMemory.of(provider)
         """Which models it holds, when it holds only some (`adapter.max_loaded`)."""
+        self._prefill = SimPrefill(settings)
 
     async def execute(self, run: Run, emit: Emit) -> RunResult:
         body = self._parse(run)
@@ -161,8 +166,9 @@ class SimAdapter:
         pieces, finish_reason = plan.pieces, plan.finish_reason
         call_pieces = _argument_pieces(plan.call)
         usage = _usage(body, len(pieces) + len(call_pieces))
+        cached = self._prefill.cached(body, usage.prompt_tokens)
         completion_id, created = f"chatcmpl-{run.request_id or run.run_id}", int(time.time())
-        start = trio.current_time()
+        start = trio.current_time() + cached.seconds
         if not run.stream:
             await self._until_token(start, usage.completion_tokens - 1)
             if plan.call is None:
@@ -178,7 +184,7 @@ class SimAdapter:
                 created=created,
                 model=run.target,
                 choices=[choice],
-                usage=CompletionUsage.of(usage),
+                usage=CompletionUsage.of(usage, cached_tokens=cached.tokens),
             )
             return RunResult(usage=usage, response=_encode(response))
 
@@ -215,7 +221,7 @@ class SimAdapter:
                 created=created,
                 model=run.target,
                 choices=[],
-                usage=CompletionUsage.of(usage),
+                usage=CompletionUsage.of(usage, cached_tokens=cached.tokens),
             )
             await emit(_encode(last))
         return RunResult(usage=usage)

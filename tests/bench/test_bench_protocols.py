@@ -24,7 +24,6 @@ from bench.load import (
     _Markers,
     request_body,
 )
-from bench.prefix_cache import PrefillCost, PrefixCache, common_prefix_chars, render_prompt
 from bench.result import IOP, IOP_TRANSLATED, LITELLM, BenchResult, Machine
 from bench.targets import check_targets
 from bench.upstream import (
@@ -37,6 +36,12 @@ from bench.upstream import (
     _answers,
 )
 from bench.upstream_protocols import with_usage
+from iop_node.adapters.prefix_cache import (
+    PrefillCost,
+    PrefixCache,
+    common_prefix_chars,
+    render_prompt,
+)
 
 _anthropic_event = pydantic.TypeAdapter(RawMessageStreamEvent)
 _openai_event = pydantic.TypeAdapter(ResponseStreamEvent)

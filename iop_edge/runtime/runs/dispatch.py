@@ -87,6 +87,7 @@ from typing import Any, Final, Protocol
 import msgspec
 import trio
 
+from iop_edge.core.affinity import Affinity
 from iop_edge.core.blame import Attempts, Next, Verdict, verdict
 from iop_edge.core.run_work import run_work
 from iop_edge.runtime.metering.metering import RunRecord
@@ -163,6 +164,8 @@ class RunPlan:
     """The caller's protocol (design §14): providers that speak it natively rank first."""
     caller_headers: dict[str, str] = field(default_factory=dict)
     """Protocol headers a native upstream must see as the caller sent them."""
+    affinity: Affinity | None = None
+    """Where the run would rather go: its session, chain or prompt (`core.affinity`)."""
     keep_output: bool = False
     """The Edge stores the run's result: the Node returns the final response object in
     `run_done.response`, a stream's too."""
@@ -742,6 +745,7 @@ class Dispatcher:
                     protocol=plan.protocol,
                     principal=plan.principal_ref,
                     work=run_work(plan.prompt_tokens, output_bound(plan.operation, plan.body)),
+                    affinity=plan.affinity,
                 )
             except AdmissionError as exc:
                 # A refusal after a wait (queue timeout) shows that wait as `queue`.

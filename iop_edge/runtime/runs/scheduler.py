@@ -57,6 +57,17 @@ How the pieces fit:
   (`core.pool` Rule 4); the others take the run, translated on their Node, only when no
   native one has a free slot. Waiters asking in different protocols get different
   answers, so the queue walk keys its answers by protocol too.
+- A run may come with its `Affinity` (`core.affinity`: its session, chain or prompt
+  key, and its prompt's blocks). Where the model's `routing.affinity` is on, the
+  decision prefers the provider holding the longest prefix of the prompt that this Edge
+  sent (`core.prefix_index`), else the key's rendezvous choice, within the model's
+  `routing.load_bound` (`core.pool` Rule 7); every grant records where the prompt went.
+  A prompt sent again unchanged without a session id (one many send: a health check,
+  a benchmark, a shared prompt) is no conversation going on: it is ranked by load alone,
+  so it spreads over the providers, each of which then holds it.
+  Affinity only chooses among providers with a free slot, so a queue walk's `Wait` and
+  `Refuse` answers hold for every waiter of a kind, whatever its affinity; a grant is
+  decided for the waiter it goes to.
 """
 
 from __future__ import annotations
@@ -71,13 +82,24 @@ from types import TracebackType
 
 import trio
 
+from iop_edge.core.affinity import Affinity
 from iop_edge.core.catalog_view import catalog_provider
-from iop_edge.core.pool import Decision, Grant, PassiveHealth, ProviderView, Refuse, Wait, decide
+from iop_edge.core.pool import (
+    Decision,
+    Grant,
+    PassiveHealth,
+    Preference,
+    ProviderView,
+    Refuse,
+    Wait,
+    decide,
+)
+from iop_edge.core.prefix_index import PrefixIndex
 from iop_edge.core.principals import ANONYMOUS_PRINCIPAL, concurrency_share
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.runs.fair_queue import FairQueue, FairWalk
 from schemas.catalog import Catalog, CatalogModel, CatalogProvider
-from schemas.config import LifecycleFlag, ProviderConfig
+from schemas.config import LifecycleFlag, ProviderConfig, RoutingPolicy
 from schemas.protocols import CallerProtocol
 from schemas.wire import Health, ModelState
 
@@ -365,6 +387,7 @@ class _Waiter:
     """One request parked in a model's queue."""
 
     __slots__ = (
+        "affinity",
         "enqueued_at",
         "error",
         "event",
@@ -395,8 +418,10 @@ class _Waiter:
         protocol: CallerProtocol,
         principal: str,
         work: int = 1,
+        affinity: Affinity | None = None,
     ) -> None:
         self.seq = seq
+        self.affinity = affinity
         self.principal = principal
         """Arrival order across all models' queues (a clock reading could tie)."""
         self.work = work
@@ -457,6 +482,8 @@ class Scheduler:
         """Per model: the models sharing a provider with it, itself included."""
         self._reschedule = trio.Event()
         self._changed = trio.Event()
+        self._prefixes = PrefixIndex()
+        """Where this Edge sent which prompts (`core.prefix_index`)."""
         self.apply_snapshot(snapshot)
 
     # -- service ------------------------------------------------------------------
@@ -688,13 +715,15 @@ class Scheduler:
         protocol: CallerProtocol = "chat",
         principal: str = ANONYMOUS_PRINCIPAL,
         work: int = 1,
+        affinity: Affinity | None = None,
     ) -> Lease:
         """A slot on the best provider of `model_id`, waiting in its queue if busy, or
         while `principal` holds its `max_concurrent` runs; `work` is the run's estimated
         tokens, its share of the queue's fairness (`core.run_work`).
 
         `exclude` names providers already tried for this run (failover); `protocol` is
-        the caller's, which native providers speak (ranked first). Raises an
+        the caller's, which native providers speak (ranked first); `affinity` where the
+        run would rather go (`core.pool` Rule 7). Raises an
         `AdmissionError` subclass when the request is not admitted. Cancellation while
         waiting leaves nothing behind. The caller owns the returned lease and releases
         it in every path (`with lease:`).
@@ -709,10 +738,18 @@ class Scheduler:
             # provider with it: no barging. Only time (a cooldown ending before `run()`
             # noticed) can have freed a slot they have not been offered yet.
             self._serve(rivals)
-        match self._decide(model_id, long=long, exclude=exclude, protocol=protocol):
+        match self._decide(
+            model_id, long=long, exclude=exclude, protocol=protocol, affinity=affinity
+        ):
             case Grant(provider=view) if self._may_run(principal):
                 lease = self._grant(
-                    model_id, view.id, run_id, long=long, queued_s=0.0, principal=principal
+                    model_id,
+                    view.id,
+                    run_id,
+                    long=long,
+                    queued_s=0.0,
+                    principal=principal,
+                    affinity=affinity,
                 )
                 self._notify_changed()
                 await trio.lowlevel.cancel_shielded_checkpoint()
@@ -738,6 +775,7 @@ class Scheduler:
             protocol=protocol,
             principal=principal,
             work=work,
+            affinity=affinity,
         )
         queue.append(waiter)
         self._notify_changed()
@@ -772,8 +810,10 @@ class Scheduler:
         long: bool,
         exclude: frozenset[str],
         protocol: CallerProtocol = "chat",
+        affinity: Affinity | None = None,
     ) -> Decision:
-        rotation = tuple(self._snapshot.models[model_id].providers)
+        model = self._snapshot.models[model_id]
+        rotation = tuple(model.providers)
         now = self._clock()
         state_of = self._states.get
         views = {
@@ -788,7 +828,20 @@ class Scheduler:
             long=long,
             exclude=exclude,
             last=self._last_pick.get(model_id),
+            preference=self._preference(affinity, model.routing, now),
         )
+
+    def _preference(
+        self, affinity: Affinity | None, routing: RoutingPolicy, now: float
+    ) -> Preference | None:
+        """Where a run with `affinity` would rather go (`core.pool` Rule 7), or None when
+        it has none or its model routes by load alone."""
+        if affinity is None or not routing.affinity:
+            return None
+        back, holders = self._prefixes.lookup(affinity.blocks, now)
+        if back == 0 and affinity.source != "session":
+            return None  # the very prompt again, no conversation going on: Rule 4 spreads it
+        return Preference(key=affinity.key, holders=holders, bound=routing.load_bound)
 
     def _view(
         self,
@@ -827,8 +880,10 @@ class Scheduler:
         long: bool,
         queued_s: float,
         principal: str,
+        affinity: Affinity | None = None,
     ) -> Lease:
-        """Take the slot(s) `decide()` found free: synchronous, so nobody can interleave."""
+        """Take the slot(s) `decide()` found free: synchronous, so nobody can interleave.
+        The prompt of a run with `affinity` is recorded as sent to the provider."""
         state = self._states[provider_id]
         state.fit_limiters()
         limiters = (state.limiter, state.long_limiter) if long else (state.limiter,)
@@ -851,6 +906,8 @@ class Scheduler:
         ):
             state.trial = lease
         self._last_pick[model_id] = provider_id
+        if affinity is not None and self._snapshot.models[model_id].routing.affinity:
+            self._prefixes.record(provider_id, affinity.blocks, self._clock())
         return lease
 
     def _released(self, state: _ProviderState, lease: Lease) -> None:
@@ -934,8 +991,13 @@ class Scheduler:
             key = waiter.kind
             answer = answers.get(key)
             if answer is None:
+                # a grant is decided for this waiter (its affinity); it is never reused
                 answer = answers[key] = self._decide(
-                    model_id, long=waiter.long, exclude=waiter.exclude, protocol=waiter.protocol
+                    model_id,
+                    long=waiter.long,
+                    exclude=waiter.exclude,
+                    protocol=waiter.protocol,
+                    affinity=waiter.affinity,
                 )
             match answer:
                 case Grant(provider=view):
@@ -951,6 +1013,7 @@ class Scheduler:
                         long=waiter.long,
                         queued_s=queued_s,
                         principal=principal,
+                        affinity=waiter.affinity,
                     )
                     self._settle(waiter, lease=lease)
                 case Refuse(reason=reason, retry_after_s=retry_after_s):

@@ -1,4 +1,4 @@
-"""A runtime's prompt prefix cache, as the bench's upstream models it (`--prefill-us-per-token`).
+"""A runtime's prompt prefix cache, as the `sim` provider and the bench's upstream model it.
 
 Engines (llama.cpp's slots, vLLM's and SGLang's prefix caching) keep the KV state of the
 prompts they served and reuse the longest prefix a new prompt shares with one of them:
@@ -15,12 +15,18 @@ The model, deliberately simple:
 - A token is `CHARS_PER_TOKEN` characters (`schemas.tokens`), the same rule as IOP's
   estimate. What matters here is not the count but where two prompts first differ.
 - The cache holds the last `slots` prompts served (llama.cpp's default is 4 slots on a
-  server started with `-np 4`); a new prompt reuses its longest common prefix with any
-  of them, and then takes that slot (or the least recently used one).
+  server started with `-np 4`), and at most `max_tokens` prompt tokens in all when that
+  is set (vLLM's and SGLang's block pools: the least recently used prompts go first;
+  the newest always stays); a new prompt reuses its longest common prefix with any of
+  them, and then takes that slot (or the least recently used one). Bounded in tokens,
+  it takes the slot only of a prompt it continues whole (the previous turn of its
+  conversation); one that shares less (a system prompt) is kept beside it, as a block
+  pool keeps both.
 - A prefill costs `uncached_us` per token it computes and `cached_us` per token it
   reuses (reading a cached prefix is not free, but it is one or two orders cheaper).
 
-Pure: no I/O, no clock. The upstream sleeps for `Prefill.seconds`.
+Pure: no I/O, no clock. The sim (`adapters.sim_prefill`) and the bench's upstream
+(`bench.upstream --prefill-us-per-token`) sleep for `Prefill.seconds`.
 """
 
 from __future__ import annotations
@@ -62,11 +68,17 @@ class Prefill:
 class PrefixCache:
     """The last `slots` prompts served and what a new one reuses of them (module rules)."""
 
-    def __init__(self, cost: PrefillCost, *, slots: int = DEFAULT_SLOTS) -> None:
+    def __init__(
+        self, cost: PrefillCost, *, slots: int = DEFAULT_SLOTS, max_tokens: int | None = None
+    ) -> None:
         if slots < 1:
             raise ValueError("a prefix cache needs at least one slot")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError("a prefix cache bounded in tokens needs at least one")
         self._cost = cost
         self._slots = slots
+        self._max_chars = None if max_tokens is None else max_tokens * CHARS_PER_TOKEN
+        self._held_chars = 0
         self._prompts: OrderedDict[int, str] = OrderedDict()
         self._next_slot = 0
 
@@ -78,13 +90,25 @@ class PrefixCache:
             shared = common_prefix_chars(prompt, held)
             if shared > best or best_slot is None:
                 best_slot, best = slot, shared
-        if best_slot is None or (best == 0 and len(self._prompts) < self._slots):
+        extends = best_slot is not None and best == len(self._prompts[best_slot])
+        if (
+            best_slot is None
+            or (best == 0 and len(self._prompts) < self._slots)
+            or (self._max_chars is not None and not extends)
+        ):
+            # bounded in tokens, a prompt keeps its own blocks beside the ones it shares
             best_slot = self._next_slot
             self._next_slot += 1
+        replaced = self._prompts.get(best_slot)
+        self._held_chars += len(prompt) - (0 if replaced is None else len(replaced))
         self._prompts[best_slot] = prompt
         self._prompts.move_to_end(best_slot)
-        while len(self._prompts) > self._slots:
-            self._prompts.popitem(last=False)
+        limit = self._max_chars
+        while len(self._prompts) > self._slots or (
+            limit is not None and self._held_chars > limit and len(self._prompts) > 1
+        ):
+            _, evicted = self._prompts.popitem(last=False)
+            self._held_chars -= len(evicted)
         tokens = -(-len(prompt) // CHARS_PER_TOKEN)
         cached = min(best // CHARS_PER_TOKEN, tokens)
         seconds = ((tokens - cached) * self._cost.uncached_us + cached * self._cost.cached_us) / 1e6
