@@ -40,6 +40,9 @@ Rule 3. A prompt's *blocks* name its prefixes, for the Edge's index of where pro
         previous turn's end is among them), so the cost of a turn is bounded whatever
         its history. A message's hash reads its structure, and of a long string its
         length and ends (`fingerprint`): what an agent re-sends is the very same text.
+        Anthropic's `cache_control` marks are not part of a prompt (a runtime's
+        template never lays them out, and Claude Code moves them to the newest message
+        every turn): neither the key nor the blocks read them.
         Two prefixes that differ only inside an earlier message share a block; that
         costs a preference that misses, never a wrong answer. Blocks stay in this
         process: they are Python's string hashes (keyed per process) combined, not
@@ -153,7 +156,7 @@ def affinity_of(
         # Rule 1 b/c: the first message, seeded with the scope (not with the system
         # prompt or the tools, which may change between turns); a chain's first turn
         # was keyed so
-        key = _hash64(_scope(prefix_scope, model), b"prompt", _encode(first))
+        key = _hash64(_scope(prefix_scope, model), b"prompt", _encode(_unmarked(first)))
     blocks = prompt_blocks(head, messages, (prefix_scope, model))
     source: KeySource = "session" if session is not None else "chain" if chained else "prefix"
     return Affinity(key=key, source=source, blocks=blocks)
@@ -196,7 +199,9 @@ def fingerprint(value: object) -> int:
         return _text_hash(value)  # type: ignore[arg-type]
     if kind is dict:
         pairs: dict[str, Any] = value  # type: ignore[assignment]
-        return hash(tuple([(key, fingerprint(item)) for key, item in pairs.items()]))
+        return hash(
+            tuple([(key, fingerprint(item)) for key, item in pairs.items() if key not in _MARKS])
+        )
     if kind is list:
         items: list[Any] = value  # type: ignore[assignment]
         if len(items) <= 2:
@@ -205,6 +210,23 @@ def fingerprint(value: object) -> int:
     if kind is msgspec.Raw:
         return fingerprint(_decode_raw(value))  # type: ignore[arg-type]
     return hash((kind.__name__, value))
+
+
+#: Keys that mark a prompt for a cache without being part of it: Anthropic's
+#: `cache_control` moves to the newest message every turn (Claude Code puts it there), and
+#: a runtime's chat template never lays it out.
+_MARKS: Final = frozenset({"cache_control"})
+
+
+def _unmarked(value: Any) -> Any:
+    """`value` without `_MARKS` keys at any depth (itself when it has none)."""
+    if isinstance(value, dict):
+        if _MARKS.isdisjoint(value) and not any(isinstance(v, dict | list) for v in value.values()):
+            return value
+        return {key: _unmarked(item) for key, item in value.items() if key not in _MARKS}
+    if isinstance(value, list):
+        return [_unmarked(item) for item in value]
+    return value
 
 
 def _text_hash(text: str) -> int:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -269,3 +271,56 @@ def test_a_provider_that_leaves_hands_only_its_keys_on() -> None:
 def test_the_choice_is_always_admissible(bound: float) -> None:
     pool = views(p0=4, p1=4, p2=3)
     assert pick(pool, Preference(key=1, bound=bound)) in {"p2", "p3"}
+
+
+def test_codex_and_claude_code_requests_as_recorded() -> None:
+    """The bodies the agents really send (tests/protocols/fixtures): Codex's Responses
+    request carries `prompt_cache_key`; Claude Code's turns, with its session header,
+    keep one key, and its tool-result turn continues its first turn's prompt."""
+    fixtures = Path(__file__).parent.parent / "protocols" / "fixtures"
+
+    def load(name: str) -> dict[str, Any]:
+        body: dict[str, Any] = json.loads((fixtures / name).read_text())
+        return body
+
+    codex = affinity_of("responses", load("codex_first_turn.json"), {}, principal="p", model="m")
+    assert codex.source == "session"
+    tool_output = load("codex_tool_output.json")
+    assert affinity_of("responses", tool_output, {}, principal="p", model="m").key == codex.key
+    headers = {"x-claude-code-session-id": "0b6c5f0e"}
+    first = affinity_of(
+        "messages", load("claude_code_first_turn.json"), headers, principal="p", model="m"
+    )
+    later = affinity_of(
+        "messages", load("claude_code_tool_result.json"), headers, principal="p", model="m"
+    )
+    assert first.source == later.source == "session" and first.key == later.key
+    assert len(later.blocks) > len(first.blocks) or later.blocks[-1] != first.blocks[-1]
+
+
+def test_claude_codes_moving_cache_marks_do_not_change_the_conversation() -> None:
+    """Claude Code marks the newest message `cache_control` every turn: the mark moves,
+    the prompt does not."""
+
+    def user(text: str, marked: bool) -> dict[str, Any]:
+        block: dict[str, Any] = {"type": "text", "text": text}
+        if marked:
+            block["cache_control"] = {"type": "ephemeral"}
+        return {"role": "user", "content": [block]}
+
+    system = [
+        {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}
+    ]
+    one = {"system": system, "messages": [user("hi", marked=True)]}
+    two = {
+        "system": system,
+        "messages": [
+            user("hi", marked=False),
+            {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
+            user("run the tests", marked=True),
+        ],
+    }
+    first = affinity_of("messages", one, {}, principal="p", model="m")
+    second = affinity_of("messages", two, {}, principal="p", model="m")
+    assert first.key == second.key
+    assert first.blocks[-1] in second.blocks
