@@ -37,7 +37,13 @@ def add_models_parser(
         "command waits until the runtimes did it, and is audited.",
     )
     add_admin(models)
-    models.add_argument("action", nargs="?", choices=("list", "load", "unload"), default="list")
+    models.add_argument(
+        "action",
+        nargs="?",
+        choices=("list", "load", "unload"),
+        default="list",
+        help="list (the default) the states, or load or unload MODEL",
+    )
     models.add_argument("model", nargs="?", metavar="MODEL", help="a catalog model id")
     models.add_argument("--provider", metavar="ID", help="the provider to act on")
     return models

@@ -323,7 +323,7 @@ def test_empty_string_is_rejected() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "allowed"),
     [
-        ("type", "gpu", "ollama, vllm, sglang, lemonade, openai_api, cli, sim"),
+        ("type", "gpu", "ollama, vllm, sglang, lemonade, lmstudio, openai_api, cli, sim"),
         ("category", "cloud", "api, cli, local_inference"),
     ],
 )
