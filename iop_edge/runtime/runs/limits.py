@@ -18,7 +18,10 @@ Rules:
 1. A request is checked against every limit of its principal before it takes from any:
    a refused request costs nothing. Checked in the order budget, requests, tokens; the
    first one exceeded is the one named.
-2. `requests_per_minute` charges 1 per admitted request. `tokens_per_minute` charges an
+2. `requests_per_minute` charges 1 per admitted request, once however many providers it
+   is tried on, and gives it back when the request ends in a server error (5xx) before
+   the caller got any of a reply: a provider's or the gateway's failure, which the
+   caller may retry, costs the caller nothing. `tokens_per_minute` charges an
    estimate at admission (the prompt's estimate plus the request's output bound, or
    `DEFAULT_OUTPUT_ESTIMATE` when it sets none) and settles to the metered usage when
    the run ends: the difference is given back or charged.
@@ -295,8 +298,10 @@ class PrincipalLimiter:
                 )
         return None
 
-    def settle(self, ticket: Ticket, used_tokens: int) -> None:
-        """The ticket's run ended having used `used_tokens` (Rule 2); once only."""
+    def settle(self, ticket: Ticket, used_tokens: int, *, refund_request: bool = False) -> None:
+        """The ticket's run ended having used `used_tokens` (Rule 2); once only.
+        `refund_request`: it failed upstream before the caller got anything, so its
+        request is given back to `requests_per_minute`."""
         if ticket.settled:
             return
         ticket.settled = True
@@ -307,8 +312,10 @@ class PrincipalLimiter:
         if state is None:
             return
         state.reserved = max(0, state.reserved - ticket.budget_reserved)
+        now = self._clock()
+        if refund_request and state.requests is not None:
+            state.requests.give_back(1, now)
         if state.tokens is not None and ticket.reserved:
-            now = self._clock()
             difference = used_tokens - ticket.reserved
             if difference > 0:
                 state.tokens.take(difference, now)
