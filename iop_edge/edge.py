@@ -68,6 +68,7 @@ from iop_edge.runtime.metering.ledger import LedgerUnavailable, choose_ledger
 from iop_edge.runtime.metering.metering import Metering, RunRecord
 from iop_edge.runtime.metering.metrics import EdgeMetrics
 from iop_edge.runtime.metering.response_store import ResponseStore
+from iop_edge.runtime.metering.shared_budgets import SharedBudgets
 from iop_edge.runtime.metering.tracing import edge_tracing
 from iop_edge.runtime.metering.usage import UsageReport
 from iop_edge.runtime.nodes.heartbeat import fleet_interval
@@ -269,6 +270,10 @@ class Edge:
         self.roster = ReplicaRoster(
             self._ledger_choice.open_replica_store, self._describe, on_read=self._replicas_seen
         )
+        open_budgets = self._ledger_choice.open_budgets
+        self.budgets = None if open_budgets is None else SharedBudgets(open_budgets(self._instance))
+        """Daily budgets reserved in the ledger replicas share (limits Rule 7)."""
+        self.limiter.shared_budgets = self.budgets
 
     # --- RefreshTarget --------------------------------------------------------------
 
@@ -600,6 +605,7 @@ class Edge:
                 self.access_log.run,  # writes its lines in batches while it runs
                 # Today's budgets are read before anything is served (limits Rule 3).
                 partial(self.limiter.run, LedgerTotals(self.ledger), shared=self._ledger_shared),
+                *(() if self.budgets is None else (self.budgets.run,)),
                 self.responses.run,
                 self.hub.run_heartbeats,
                 self.refresher.catch_up.run,

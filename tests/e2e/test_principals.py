@@ -394,3 +394,36 @@ async def test_replicas_share_budgets_and_split_per_minute_limits(
     assert refused.status_code == 429
     assert refused.json()["error"]["code"] == "budget_exceeded"
     assert (await chat(b, "bob", max_tokens=1)).status_code == 200
+
+
+async def test_a_burst_over_two_replicas_overshoots_the_budget_by_one_request_at_most(
+    nursery: trio.Nursery, tmp_path: Path, ledger_url: str
+) -> None:
+    """Both Edges reserve against one counter in the shared ledger: a burst spread over
+    them spends the budget once, not once per replica (limits Rule 7)."""
+    budget = 400
+    principals = [{"ref": "alice", "tokens_per_day": budget}]
+    stacks = []
+    for name in ("a", "b"):
+        config = yaml.safe_load(shared_config(tmp_path / name, principals, capacity=8))
+        config["edge"] |= {"ledger": ledger_url, "ledger_password_env": PASSWORD_ENV}
+        text = yaml.safe_dump(config, sort_keys=False)
+        stacks.append(
+            await start_stack(nursery, text, tmp_path / f"{name}.yaml", wait_models=("chat-small",))
+        )
+    answers: list[tuple[str, httpx2.Response]] = []
+
+    async def one(name: str, stack: Stack) -> None:
+        answers.append((name, await chat(stack, "alice", max_tokens=20)))
+
+    async with trio.open_nursery() as burst:
+        for index in range(40):
+            burst.start_soon(one, "ab"[index % 2], stacks[index % 2])
+    admitted = [(name, answer) for name, answer in answers if answer.status_code == 200]
+    refused = [answer for _, answer in answers if answer.status_code != 200]
+    assert refused and all(answer.status_code == 429 for answer in refused)
+    assert {answer.json()["error"]["code"] for answer in refused} == {"budget_exceeded"}
+    assert {name for name, _ in admitted} == {"a", "b"}  # both replicas served the burst
+    sizes = [answer.json()["usage"]["total_tokens"] for _, answer in admitted]
+    # At most the one request that crossed the line, across both replicas.
+    assert sum(sizes) <= budget + max(sizes), sizes

@@ -722,11 +722,14 @@ class Dispatcher:
         plan = run.plan
         if self._limits is not None and run.ticket is None:
             # Before it queues: a request over its principal's limits waits for nothing.
-            run.ticket = self._limits.admit(
+            ticket = self._limits.admit(
                 plan.principal_ref,
                 prompt_tokens=plan.prompt_tokens,
                 max_output=output_bound(plan.operation, plan.body),
             )
+            # Then the budget replicas share, when they do (limits Rule 7).
+            await self._limits.reserve_shared(ticket)
+            run.ticket = ticket
         attempts = Attempts(retries=self._retries(), max_busy=MAX_BUSY_REQUEUES)
         last_failure: RunFailure | None = None
         trace = plan.trace

@@ -39,6 +39,14 @@ Rules:
    the caller protocol's rate-limit headers) for the request and token limits that are
    set. The token figures describe `tokens_per_minute` when it is set, else the daily
    budget.
+7. Replicas sharing a PostgreSQL ledger also reserve each request's estimate against one
+   counter per principal per day in it (`shared_budgets`), after the checks above: a
+   request is refused once what every replica's runs used and reserved that day reaches
+   the budget. The counter is one row, updated atomically, so a burst spread over any
+   number of replicas overshoots by at most the request that crossed the line, as one
+   Edge alone does, never by a budget per replica. The run's usage settles its
+   reservation when it ends. A refused reservation costs nothing (Rule 1); a ledger
+   that does not answer leaves Rule 3's view alone in force.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final, Protocol
 
 import trio
@@ -60,6 +68,7 @@ from iop_edge.core.principals import (
     next_utc_day,
     utc_day_start,
 )
+from iop_edge.runtime.metering.shared_budgets import SharedBudgets
 from iop_edge.runtime.metering.usage import UsageLedger
 from iop_edge.runtime.runs.scheduler import AdmissionError, PrincipalLoad
 from schemas.config import PrincipalLimits
@@ -139,6 +148,8 @@ class Ticket:
     """Tokens counted against the day's budget while the run is in flight."""
     rate_limits: RateLimits
     settled: bool = False
+    shared_day: int | None = None
+    """The UTC day its `budget_reserved` is reserved for in the shared ledger (Rule 7)."""
 
 
 #: Per operation: the request fields that bound its output, the first one set wins.
@@ -227,6 +238,8 @@ class PrincipalLimiter:
         """Tokens per principal the ledger held for today when last read."""
         self._local_today: dict[str, int] = {}
         """Tokens of this Edge's runs that ended since the ledger was last read."""
+        self.shared_budgets: SharedBudgets | None = None
+        """Budgets reserved in a ledger replicas share (Rule 7); None: this Edge's view."""
 
     # --- admission ------------------------------------------------------------------
 
@@ -262,20 +275,67 @@ class PrincipalLimiter:
             principal, reserved, budget_reserved, self._standing(principal, state, limits, now)
         )
 
+    async def reserve_shared(self, ticket: Ticket) -> None:
+        """Reserve `ticket`'s budget share in the shared ledger (Rule 7), or undo the
+        ticket and raise `LimitExceeded` when the budget is spent across the replicas."""
+        shared = self.shared_budgets
+        if shared is None or not ticket.budget_reserved:
+            return
+        principal = ticket.principal
+        budget = self._policies().of(principal).tokens_per_day
+        if budget is None:
+            return
+        day = int(self._day)
+        reserved = await shared.reserve(principal, day, ticket.budget_reserved, budget)
+        if reserved is None:
+            return  # the ledger does not answer: this Edge's view alone (Rule 3)
+        if reserved:
+            ticket.shared_day = day
+            return
+        state = self._states.get(principal) or _State()
+        self._undo(ticket, state)
+        state.rejected["tokens_per_day"] = state.rejected.get("tokens_per_day", 0) + 1
+        limits = self._policies().of(principal)
+        raise self._over_budget(principal, state, limits, self._clock(), spent=True)
+
+    def _undo(self, ticket: Ticket, state: _State) -> None:
+        """A ticket refused after all: what it took is given back (Rule 1)."""
+        ticket.settled = True
+        now = self._clock()
+        state.reserved = max(0, state.reserved - ticket.budget_reserved)
+        if state.requests is not None:
+            state.requests.give_back(1, now)
+        if state.tokens is not None and ticket.reserved:
+            state.tokens.give_back(ticket.reserved, now)
+
+    def _over_budget(
+        self,
+        principal: str,
+        state: _State,
+        limits: PrincipalLimits,
+        now: float,
+        *,
+        spent: bool = False,
+    ) -> LimitExceeded:
+        wall = self._wall()
+        standing = self._standing(principal, state, limits, now)
+        if spent:  # the replicas together spent it: none left, whatever this Edge saw
+            standing = replace(standing, remaining_tokens=0)
+        return LimitExceeded(
+            f"{principal!r} has used its budget of {limits.tokens_per_day} tokens "
+            "for today (UTC); it renews at 00:00 UTC",
+            limit="tokens_per_day",
+            retry_after_s=next_utc_day(wall) - wall,
+            rate_limits=standing,
+        )
+
     def _refusal(
         self, principal: str, state: _State, limits: PrincipalLimits, estimate: int, now: float
     ) -> LimitExceeded | None:
         if limits.tokens_per_day is not None:
             used = self.tokens_today(principal) + state.reserved
             if used >= limits.tokens_per_day:
-                wall = self._wall()
-                return LimitExceeded(
-                    f"{principal!r} has used its budget of {limits.tokens_per_day} tokens "
-                    "for today (UTC); it renews at 00:00 UTC",
-                    limit="tokens_per_day",
-                    retry_after_s=next_utc_day(wall) - wall,
-                    rate_limits=self._standing(principal, state, limits, now),
-                )
+                return self._over_budget(principal, state, limits, now)
         if state.requests is not None:
             wait = state.requests.wait_for(1, now)
             if wait > 0:
@@ -308,6 +368,10 @@ class PrincipalLimiter:
         principal = ticket.principal
         if used_tokens:
             self._local_today[principal] = self._local_today.get(principal, 0) + used_tokens
+        if ticket.shared_day is not None and self.shared_budgets is not None:
+            self.shared_budgets.settle(
+                principal, ticket.shared_day, ticket.budget_reserved, used_tokens
+            )
         state = self._states.get(principal)
         if state is None:
             return
