@@ -60,8 +60,20 @@ class FakeStore:
         self.closed = True
 
 
-def _limiter(store: FakeStore, **limits: int) -> PrincipalLimiter:
-    policies = PrincipalPolicies([PrincipalLimits(ref="alice", **limits)])
+def _limiter(
+    store: FakeStore,
+    *,
+    tokens_per_day: int | None = None,
+    requests_per_minute: int | None = None,
+    tokens_per_minute: int | None = None,
+) -> PrincipalLimiter:
+    limits = PrincipalLimits(
+        ref="alice",
+        tokens_per_day=tokens_per_day,
+        requests_per_minute=requests_per_minute,
+        tokens_per_minute=tokens_per_minute,
+    )
+    policies = PrincipalPolicies([limits])
     limiter = PrincipalLimiter(lambda: policies, clock=lambda: 0.0, wall=lambda: WALL)
     limiter.shared_budgets = SharedBudgets(store, wall=lambda: WALL)
     return limiter
