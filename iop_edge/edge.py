@@ -50,6 +50,7 @@ from iop_edge.http.server import HttpServer
 from iop_edge.procedures.drain import CUT_WRITE_S
 from iop_edge.procedures.restart import Restarter
 from iop_edge.procedures.serve import EdgeAddresses, EdgeParts, StopRequest, serve
+from iop_edge.runtime.lifecycle.handoff import HandoffSender
 from iop_edge.runtime.lifecycle.handover import Handover
 from iop_edge.runtime.lifecycle.heap import HeapKeeper
 from iop_edge.runtime.lifecycle.listeners import (
@@ -251,6 +252,7 @@ class Edge:
             successor_argv,
             goaway_all=self.hub.goaway_all,
             connected_nodes=self.hub.connected_nodes,
+            windows=self.limiter.windows,
         )
         self._addresses: EdgeAddresses | None = None
         self._instance = _instance_name()
@@ -458,9 +460,10 @@ class Edge:
 
     # --- lifecycle ------------------------------------------------------------------
 
-    def stop(self, reason: str = "stopping") -> None:
-        """Begin a graceful stop (`procedures.drain`): `serve` returns once drained."""
-        self._stop.request(reason)
+    def stop(self, reason: str = "stopping", handoff: HandoffSender | None = None) -> None:
+        """Begin a graceful stop (`procedures.drain`): `serve` returns once drained. A
+        restart's `handoff` takes the idle connections and per-minute counters."""
+        self._stop.request(reason, handoff)
 
     def _node_ssl_context(self) -> ssl.SSLContext | None:
         tls = self._snapshot.config.edge.tls
@@ -629,7 +632,9 @@ class Edge:
                 hypercorn_config(self._listen["admin"], grace_s),
                 listeners["admin"].socket,
                 websocket_refusal=_not_the_node_port("admin port", node_server.url),
+                role="admin",
             ),
+            carry_over=self.limiter.carry_over,
         )
 
     def _replicas_seen(self, replicas: list[ReplicaStatus]) -> None:

@@ -47,6 +47,9 @@ Rules:
    Edge alone does, never by a budget per replica. The run's usage settles its
    reservation when it ends. A refused reservation costs nothing (Rule 1); a ledger
    that does not answer leaves Rule 3's view alone in force.
+8. A restart carries the per-minute buckets over: the old Edge hands its successor what
+   each principal had used of them when its drain began (`windows`), and the successor
+   charges that to its own (`carry_over`), so a restart hands out no fresh minute.
 """
 
 from __future__ import annotations
@@ -418,6 +421,37 @@ class PrincipalLimiter:
             reset_tokens_s=reset_tokens,
         )
 
+    # --- restarts -------------------------------------------------------------------
+
+    def windows(self) -> dict[str, tuple[float, float]]:
+        """Per principal, what its per-minute buckets have used now (requests, tokens):
+        what a restarting Edge hands its successor (Rule 8)."""
+        now = self._clock()
+        used: dict[str, tuple[float, float]] = {}
+        for principal, state in self._states.items():
+            requests = _used(state.requests, now)
+            tokens = _used(state.tokens, now)
+            if requests > 0 or tokens > 0:
+                used[principal] = (requests, tokens)
+        return used
+
+    def carry_over(self, windows: Mapping[str, tuple[float, float]]) -> None:
+        """Charge what the Edge this one replaces had used of each principal's per-minute
+        limits (Rule 8); the buckets refill from there as usual."""
+        now = self._clock()
+        for principal, (requests, tokens) in windows.items():
+            limits = self._policies().of(principal)
+            if limits.requests_per_minute is None and limits.tokens_per_minute is None:
+                continue
+            state = self._states.get(principal)
+            if state is None:
+                state = self._states[principal] = _State()
+            self._shape(state, limits, now)
+            if state.requests is not None and requests > 0:
+                state.requests.take(requests, now)
+            if state.tokens is not None and tokens > 0:
+                state.tokens.take(tokens, now)
+
     # --- budgets --------------------------------------------------------------------
 
     def tokens_today(self, principal: str) -> int:
@@ -529,6 +563,11 @@ class PrincipalLimiter:
             budget_remaining=None if budget is None else max(0, budget - today - state.reserved),
             rejected=dict(state.rejected),
         )
+
+
+def _used(bucket: Bucket | None, now: float) -> float:
+    """What `bucket` has used of its minute now (more than its capacity: a debt)."""
+    return 0.0 if bucket is None else bucket.capacity - bucket.level_at(now)
 
 
 def _fitted(bucket: Bucket | None, limit: int | None, replicas: int, now: float) -> Bucket | None:
