@@ -9,7 +9,10 @@ killed with SIGKILL and restarted, live refreshes change a provider's capacity b
 and forth, and, at two thirds of the run, the disk under `state_dir` is full for
 `--full-disk-s` seconds (a tmpfs of `STATE_DISK_SIZE` filled with a ballast file, then
 emptied: the usage ledger keeps the records in memory meanwhile; mounting needs root,
-else the window is skipped, saying so). All along, one caller stores large Responses
+else the window is skipped, saying so). At five sixths of the run the Edge restarts
+(`POST /restart`, a zero-downtime handover to a new process): callers have no retries,
+so every request that started while the old process drained must be answered
+(`--no-restart` skips it). All along, one caller stores large Responses
 (`store: true`, `STORE_FILLER_INPUT` each) as fast as it is answered, with no share of
 its own (`max_bytes_per_principal` above `STATE_DISK_SIZE`): the store fills the disk up to
 `edge.responses.min_free_bytes` and then answers it `store: false`
@@ -45,10 +48,12 @@ Then the load stops and the report says:
 - Edge and Node resident memory over time (must stay bounded);
 - the shared-runtime phase: the providers' health as the catalog showed it, and how
   the `SHARED_MODEL` requests that started in the window ended, against those of the
-  rest of the run.
+  rest of the run;
+- the restart: how the requests that started from `POST /restart` until the old process
+  exited ended (every one answered, or hung up by its own caller).
 
-Exit status 0 when the books balance (0 lost rows, 0 leaked slots) and the
-shared-runtime phase held, 1 otherwise.
+Exit status 0 when the books balance (0 lost rows, 0 leaked slots), the shared-runtime
+phase held and the restart failed no request, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -78,9 +83,10 @@ import trio
 import yaml
 
 from bench.ballast import fill_disk
-from bench.gateway import EdgeLog, wait_servable
+from bench.gateway import EdgeLog, EdgeUrls, wait_servable
 from bench.services import (
     REPO_ROOT,
+    Service,
     ServiceFailed,
     child_env,
     python_argv,
@@ -143,10 +149,17 @@ class Books:
     """The shared-runtime window, in seconds into the run (None: it did not run)."""
     health: dict[str, Counter[str]] = field(default_factory=dict)
     """Catalog looks during the window: per runtime provider, how many saw each state."""
+    ends: list[tuple[float, str]] = field(default_factory=list)
+    """(start, in seconds into the run; end class) of every request."""
+    restart: tuple[float, float] | None = None
+    """From `POST /restart` until the old Edge exited, in seconds into the run."""
+    successor: int | None = None
+    """The pid of the Edge process that took over, once one did."""
 
     def end(self, model: str, started_s: float, outcome: str, run_id: str | None) -> None:
         """Book one request's end; `run_id` when its caller received it to the end."""
         self.outcomes[outcome] += 1
+        self.ends.append((started_s, outcome))
         if run_id is not None:
             self.completed.append(run_id)
         if model == SHARED_MODEL:
@@ -332,6 +345,8 @@ class _Chaos:
     """0: no full-disk window (not asked for, or no disk of its own to fill)."""
     shared_runtime_s: float
     """0: no shared-runtime phase."""
+    edge: Service[EdgeUrls] | None = None
+    """The Edge process, restarted at five sixths of the run (None: no restart)."""
 
     def since(self) -> float:
         """Seconds into the run."""
@@ -404,6 +419,29 @@ async def _shared_runtime(chaos: _Chaos, books: Books) -> None:
     books.events.append(
         f"{chaos.since():6.1f}s {SHARED_PROVIDER} still not available "
         f"{RECOVERY_BOUND_S:g}s after the other application stopped"
+    )
+
+
+async def _restart(chaos: _Chaos, books: Books) -> None:
+    """At five sixths of the run, a zero-downtime restart of the Edge; books the window
+    from the request until the old process exited (module docstring)."""
+    edge = chaos.edge
+    if edge is None:
+        return
+    await trio.sleep(chaos.minutes * 60 * 5 / 6)
+    began = chaos.since()
+    response = await chaos.admin.post("/restart")
+    report = response.json()
+    if report.get("outcome") != "handed_over":
+        books.events.append(f"{began:6.1f}s restart {report.get('outcome')}: {report}")
+        return
+    books.successor = int(report["successor_pid"])
+    with trio.move_on_after(60):
+        await edge.process.wait()
+    books.restart = (began, chaos.since())
+    books.events.append(
+        f"{began:6.1f}s Edge restarted: pid {edge.pid} -> {books.successor}, the old one "
+        f"exited {books.restart[1] - began:.1f}s later"
     )
 
 
@@ -540,6 +578,7 @@ class SoakOptions:
     seed: int
     full_disk_s: float
     shared_runtime_s: float
+    restart: bool = True
 
 
 async def soak(options: SoakOptions) -> int:
@@ -578,7 +617,7 @@ async def _soak(options: SoakOptions, *, folder: Path, state: Path) -> int:
                 stop = trio.Event()
                 async with trio.open_nursery() as work:
                     pids: dict[str, Callable[[], int | None]] = {
-                        "edge": lambda: edge.pid,
+                        "edge": lambda: books.successor or edge.pid,
                         **{node.node_id: partial(_pid, node) for node in nodes},
                     }
                     work.start_soon(_sample_rss, pids, books, started)
@@ -592,8 +631,10 @@ async def _soak(options: SoakOptions, *, folder: Path, state: Path) -> int:
                         started,
                         options.full_disk_s,
                         options.shared_runtime_s,
+                        edge if options.restart else None,
                     )
                     work.start_soon(_chaos, chaos, books)
+                    work.start_soon(_restart, chaos, books)
                     work.start_soon(_full_disk, chaos, books)
                     work.start_soon(_shared_runtime, chaos, books)
                     rng = random.Random(options.seed)
@@ -609,6 +650,12 @@ async def _soak(options: SoakOptions, *, folder: Path, state: Path) -> int:
                     work.cancel_scope.cancel()
                 idle = await _catalog_when_idle(admin)
             stopping = True
+            if books.successor is not None:
+                # Not the soak's child: stopped by pid. Once it exits, the Edge's output
+                # ends and its service says so (ServiceFailed, expected now).
+                os.kill(books.successor, signal.SIGTERM)
+                with trio.move_on_after(30):
+                    await trio.sleep_forever()
             edge.process.send_signal(signal.SIGTERM)  # a graceful stop: the ledger drains
             with trio.move_on_after(30):
                 await edge.process.wait()
@@ -652,6 +699,22 @@ def _runs_by_provider(ledger: Path) -> Counter[str]:
         return Counter({provider: count for provider, count in db.execute(query)})
 
 
+def _report_restart(books: Books) -> bool:
+    """Print how the requests that started during the restart ended; whether none
+    failed. True when there was no restart."""
+    if books.restart is None:
+        print("\nrestart: none")
+        return True
+    opened, closed = books.restart
+    inside = Counter(end for at, end in books.ends if opened <= at <= closed)
+    answered = inside["200"] + inside["200 stream"]
+    failed = sum(inside.values()) - answered - inside["caller hung up"]
+    summary = ", ".join(f"{count} {end}" for end, count in inside.most_common()) or "none"
+    print(f"\nrestart, {opened:.1f}s-{closed:.1f}s (callers without retries): {summary}")
+    print(f"  {'held' if failed == 0 else 'FAILED'}: {failed} failed of {sum(inside.values())}")
+    return failed == 0
+
+
 def _report(books: Books, idle: dict[str, int], lost: int, served: Counter[str], run: str) -> int:
     total = sum(books.outcomes.values())
     print(f"soak: {run}, {total} requests")
@@ -676,7 +739,8 @@ def _report(books: Books, idle: dict[str, int], lost: int, served: Counter[str],
         peak = max(rss for _, rss in samples) / 1024
         print(f"  {name:7s} {series}   peak {peak:5.1f}")
     held = _report_shared_runtime(books)
-    return 0 if lost == 0 and not leaked and held else 1
+    restarted = _report_restart(books)
+    return 0 if lost == 0 and not leaked and held and restarted else 1
 
 
 def _routable(state: str) -> bool:
@@ -741,9 +805,19 @@ def main(argv: list[str] | None = None) -> int:
         default=15.0,
         help="seconds another application keeps the runtime saturated, from half the run (0: none)",
     )
+    parser.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="no zero-downtime restart of the Edge at five sixths of the run",
+    )
     args = parser.parse_args(argv)
     options = SoakOptions(
-        args.minutes, args.concurrency, args.seed, args.full_disk_s, args.shared_runtime_s
+        args.minutes,
+        args.concurrency,
+        args.seed,
+        args.full_disk_s,
+        args.shared_runtime_s,
+        restart=not args.no_restart,
     )
     if options.shared_runtime_s < 0 or options.full_disk_s < 0:
         parser.error("--shared-runtime-s and --full-disk-s must be >= 0")

@@ -50,6 +50,7 @@ from iop_edge.http.server import HttpServer
 from iop_edge.procedures.drain import CUT_WRITE_S
 from iop_edge.procedures.restart import Restarter
 from iop_edge.procedures.serve import EdgeAddresses, EdgeParts, StopRequest, serve
+from iop_edge.runtime.lifecycle.handoff import HandoffSender
 from iop_edge.runtime.lifecycle.handover import Handover
 from iop_edge.runtime.lifecycle.heap import HeapKeeper
 from iop_edge.runtime.lifecycle.listeners import (
@@ -68,6 +69,7 @@ from iop_edge.runtime.metering.ledger import LedgerUnavailable, choose_ledger
 from iop_edge.runtime.metering.metering import Metering, RunRecord
 from iop_edge.runtime.metering.metrics import EdgeMetrics
 from iop_edge.runtime.metering.response_store import ResponseStore
+from iop_edge.runtime.metering.shared_budgets import SharedBudgets
 from iop_edge.runtime.metering.tracing import edge_tracing
 from iop_edge.runtime.metering.usage import UsageReport
 from iop_edge.runtime.models.commands import ModelCommands
@@ -258,6 +260,7 @@ class Edge:
             successor_argv,
             goaway_all=self.hub.goaway_all,
             connected_nodes=self.hub.connected_nodes,
+            windows=self.limiter.windows,
         )
         self._addresses: EdgeAddresses | None = None
         self._instance = _instance_name()
@@ -277,6 +280,10 @@ class Edge:
         self.roster = ReplicaRoster(
             self._ledger_choice.open_replica_store, self._describe, on_read=self._replicas_seen
         )
+        open_budgets = self._ledger_choice.open_budgets
+        self.budgets = None if open_budgets is None else SharedBudgets(open_budgets(self._instance))
+        """Daily budgets reserved in the ledger replicas share (limits Rule 7)."""
+        self.limiter.shared_budgets = self.budgets
 
     # --- RefreshTarget --------------------------------------------------------------
 
@@ -464,9 +471,10 @@ class Edge:
 
     # --- lifecycle ------------------------------------------------------------------
 
-    def stop(self, reason: str = "stopping") -> None:
-        """Begin a graceful stop (`procedures.drain`): `serve` returns once drained."""
-        self._stop.request(reason)
+    def stop(self, reason: str = "stopping", handoff: HandoffSender | None = None) -> None:
+        """Begin a graceful stop (`procedures.drain`): `serve` returns once drained. A
+        restart's `handoff` takes the idle connections and per-minute counters."""
+        self._stop.request(reason, handoff)
 
     def _node_ssl_context(self) -> ssl.SSLContext | None:
         tls = self._snapshot.config.edge.tls
@@ -611,6 +619,7 @@ class Edge:
                 self.access_log.run,  # writes its lines in batches while it runs
                 # Today's budgets are read before anything is served (limits Rule 3).
                 partial(self.limiter.run, LedgerTotals(self.ledger), shared=self._ledger_shared),
+                *(() if self.budgets is None else (self.budgets.run,)),
                 self.responses.run,
                 self.hub.run_heartbeats,
                 self.refresher.catch_up.run,
@@ -634,7 +643,9 @@ class Edge:
                 hypercorn_config(self._listen["admin"], grace_s),
                 listeners["admin"].socket,
                 websocket_refusal=_not_the_node_port("admin port", node_server.url),
+                role="admin",
             ),
+            carry_over=self.limiter.carry_over,
         )
 
     def _replicas_seen(self, replicas: list[ReplicaStatus]) -> None:

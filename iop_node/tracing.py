@@ -213,7 +213,7 @@ class NodeTracing:
     async def aclose(self) -> None:
         """Send what is queued and stop exporting, in a worker thread, under a deadline
         (a receiver that does not answer must not hold a stopping Node)."""
-        with trio.move_on_after(SHUTDOWN_TIMEOUT_S * 2, shield=True):
+        with trio.move_on_after(SHUTDOWN_TIMEOUT_S, shield=True):
             await trio.to_thread.run_sync(self.tracing.shutdown, abandon_on_cancel=True)
 
 

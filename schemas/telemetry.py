@@ -60,8 +60,10 @@ OTEL_EXTRA: Final = "iop-gateway[otel]"
 TRACES_PATH: Final = "/v1/traces"
 DEFAULT_PROTOCOL: Final[OtlpProtocol] = "http/protobuf"
 DEFAULT_SAMPLER: Final[TraceSampler] = "parentbased_always_on"
-#: How long a stopping process waits for its last spans to leave.
-SHUTDOWN_TIMEOUT_S: Final = 5.0
+#: How long a stopping process waits for its last spans to leave, whatever the collector
+#: does (one that accepts and never answers included): spans not sent by then are lost,
+#: a stop is never held up.
+SHUTDOWN_TIMEOUT_S: Final = 1.0
 #: The W3C limit on `tracestate` (32 list members of at most 256 characters is more; the
 #: standard lets a vendor cut it at 512).
 MAX_TRACESTATE_CHARS: Final = 512

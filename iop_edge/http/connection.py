@@ -59,6 +59,7 @@ from contextvars import ContextVar
 from functools import partial
 from typing import Any, Final
 
+import h11
 import trio
 from hypercorn.config import Config
 from hypercorn.typing import AppWrapper, ASGISendCallable, HTTPScope, LifespanState
@@ -170,7 +171,10 @@ class Connection(HypercornConnection):
         return partial(self._gone_watchers.discard, watcher)
 
     def _bytes_waiting(self) -> bool:
-        """Whether the client sent bytes not read yet (a request on its way in)."""
+        """Whether the client sent bytes of a request not handled yet (on its way in):
+        read into the parser, or waiting in the socket."""
+        if self._parser_holds_bytes():
+            return True
         transport = getattr(self.stream, "transport_stream", self.stream)  # under TLS
         try:
             readable, _, _ = select.select([transport.socket.fileno()], [], [], 0)
@@ -182,6 +186,33 @@ class Connection(HypercornConnection):
         """The server drains: close this connection as soon as it is idle, now if it is
         (`KeepAliveTimer.drain`)."""
         self._keep_alive.drain()
+
+    def hand_off(self, send: Callable[[trio.socket.SocketType], bool]) -> bool:
+        """Hand this connection, idle, to a successor process (`handoff`): `send` passes
+        the socket's descriptor on; then this process lets go of it without closing the
+        connection (the successor holds it). Synchronous, so nothing is read here after
+        the check. False (nothing changed) unless it is a plain HTTP/1.1 connection
+        between requests whose parser holds no byte of a next one: bytes still in the
+        socket are the successor's to read."""
+        if not (self.writes_directly and self._reading and self._keep_alive.idle):
+            return False
+        if self._held or self._send_lock.locked() or self._parser_holds_bytes(unknown=True):
+            return False
+        sock: trio.socket.SocketType = self.stream.socket
+        if not send(sock):
+            return False
+        sock.close()  # this process's descriptor only: the successor's keeps it open
+        return True
+
+    def _parser_holds_bytes(self, *, unknown: bool = False) -> bool:
+        """Whether the HTTP/1.1 parser holds bytes of a request not handled yet
+        (`unknown` when the connection is not HTTP/1.1 parsed by h11)."""
+        parser = getattr(getattr(self, "protocol", None), "protocol", None)
+        connection = getattr(parser, "connection", None)
+        if not isinstance(connection, h11.Connection):
+            return unknown
+        data, closed = connection.trailing_data
+        return bool(data) or closed
 
     def abort(self) -> None:
         """Close the socket now. A write waiting on it fails, and Hypercorn ends the

@@ -28,7 +28,8 @@ timeout:
    (to the server's successor) before it sends, and no run starts here that the drain
    might have to cut. Unless bytes are already waiting on it (`pending`): a request on
    its way in is read and answered (the server refuses it, saying to retry, and closes)
-   rather than reset unanswered.
+   rather than reset unanswered. (A restart hands idle connections to the successor
+   instead, `Connection.hand_off`.)
 
 Hypercorn's `TCPServer` is the one caller: `iop_edge.http.connection.Connection` sets
 its `idle_task` to a `KeepAliveTimer` and calls `end` once its reading loop returns;
@@ -86,6 +87,11 @@ class KeepAliveTimer:
         """A request began: no timeout until the connection is idle again (Rule 1)."""
         self._idle = False
         self._scope.deadline = math.inf
+
+    @property
+    def idle(self) -> bool:
+        """Between requests: no request began since the last response ended (Rule 1)."""
+        return self._idle and not self._ended
 
     def drain(self) -> None:
         """The server drains: close the connection once idle, now if it is (Rule 4)."""

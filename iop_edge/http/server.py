@@ -8,16 +8,19 @@ request. So this module runs Hypercorn's own connection handler (`TCPServer`), l
 and worker context, the way `hypercorn.trio.run.worker_serve` does, on a listening socket
 the Edge bound (or inherited), and drains in three steps:
 
-1. `stop_accepting()`: no new connections from this process (the socket stays open for
-   the successor, which shares it: nothing queued in it is lost), and no new request on
-   an old one: a draining server never starts a run it might have to cut when its grace
-   period ends. Idle keep-alive connections are closed at once (a client's pool sees the
-   close before it reuses the connection and opens a new one, which reaches the
-   successor); the others as soon as their response is done, which carries
-   `Connection: close`. A request that arrives on an old connection all the same (sent
-   as the server closed it) is answered, unread, with a 503 `shutting_down`,
-   `Connection: close` and `Retry-After` (`DRAINING_REFUSAL`): the SDKs retry it, on a
-   new connection, and no run starts here.
+1. `stop_accepting(handoff)`: no new connections from this process (the socket stays
+   open for the successor, which shares it: nothing queued in it is lost), and no new
+   request on an old one: a draining server never starts a run it might have to cut
+   when its grace period ends. A restart hands each idle keep-alive connection to the
+   successor as it is (`runtime.lifecycle.handoff`): a request its client sends on it,
+   however close to the drain, is read and served there, never lost. Otherwise (a stop,
+   or a connection that cannot be handed over) idle keep-alive connections are closed
+   at once, unless a request is on its way in on one (then it is read). The others
+   close as soon as their response is done, which carries `Connection: close`. A
+   request read here all the same is served when a successor takes the rest (a restart),
+   and on a stop is answered, unread, with a 503 `shutting_down`, `Connection: close`
+   and `Retry-After` (`DRAINING_REFUSAL`): the SDKs retry it, on a new connection, and
+   no run starts here.
 2. `wait_quiet(linger_s)`: until no request has been in progress for `linger_s`.
 3. `terminate()`: Hypercorn closes the idle connections left and gives in-flight ones
    its graceful timeout, after which the ones a write to a caller still holds are
@@ -63,6 +66,7 @@ from iop_edge.http.caller_protocol import protocol_of_request
 from iop_edge.http.compat.hypercorn import Lifespan, WorkerContext, repr_socket_addr, wrap_app
 from iop_edge.http.connection import ChunkedBodyWriter, Connection, current_connection
 from iop_edge.http.errors import ApiError
+from iop_edge.runtime.lifecycle.handoff import HandoffSender
 from schemas.config import DEFAULT_SEND_TIMEOUT_S
 
 __all__ = ["DRAINING_REFUSAL", "WRONG_PORT_CODE", "HttpServer"]
@@ -101,9 +105,12 @@ class HttpServer:
         *,
         send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
         websocket_refusal: str = "this HTTP port takes no websocket connections",
+        role: str = "openai",
     ) -> None:
         """`websocket_refusal` is what a websocket upgrade here is told: which port this
-        is, and where Nodes connect."""
+        is, and where Nodes connect. `role` names the port to a successor that takes
+        its connections over (`handoff`)."""
+        self.role = role
         self._config = config
         self._websocket_refusal = ApiError(400, websocket_refusal, code=WRONG_PORT_CODE).body()
         self._send_timeout_s = send_timeout_s
@@ -116,6 +123,8 @@ class HttpServer:
         self._accept_scope: trio.CancelScope | None = None
         self._terminate = trio.Event()
         self._draining = False
+        self._handed_over = False
+        """A successor took this server's idle connections: what is read here is served."""
         self._in_flight = 0
         self._idle = trio.Event()
         self._next_request: trio.Event | None = None
@@ -158,23 +167,34 @@ class HttpServer:
             await lifespan.wait_for_shutdown()
             lifespan_nursery.cancel_scope.cancel()
 
-    def stop_accepting(self) -> None:
-        """Accept nothing more here, no connection and no new request (step 1)."""
+    def stop_accepting(self, handoff: HandoffSender | None = None) -> None:
+        """Accept nothing more here, no connection and no new request; hand the idle
+        connections to `handoff`'s successor when there is one (step 1)."""
         self._draining = True
+        self._handed_over = handoff is not None
         if self._accept_scope is not None:
             self._accept_scope.cancel()
             self._accept_scope = None
-        for connection in self._live:
-            connection.drain()
+        for connection in list(self._live):
+            if handoff is None or not connection.hand_off(
+                partial(handoff.send_connection, self.role)
+            ):
+                connection.drain()
 
-    def resume_accepting(self) -> None:
-        """Accept connections (again: a handover that failed gives the socket back)."""
-        if self._connections is None or self._accept_scope is not None:
+    def adopt(self, sock: socket.socket) -> None:
+        """Serve `sock`, a client connection a restarting Edge handed over (`handoff`),
+        as if accepted here; closed at once if this server no longer serves."""
+        if self._connections is None or self._draining:
+            sock.close()
             return
-        self._draining = False
-        scope = self._accept_scope = trio.CancelScope()
-        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._socket.dup()))
-        handler = partial(
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+        self._connections.start_soon(self._serve_connection, stream)
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+        await self._handler()(stream)
+
+    def _handler(self) -> Callable[[trio.SocketStream], Connection]:
+        return partial(
             Connection,
             self._app,
             self._config,
@@ -183,6 +203,15 @@ class HttpServer:
             live=self._live,
             send_timeout_s=self._send_timeout_s,
         )
+
+    def resume_accepting(self) -> None:
+        """Accept connections (again: a handover that failed gives the socket back)."""
+        if self._connections is None or self._accept_scope is not None:
+            return
+        self._draining = False
+        scope = self._accept_scope = trio.CancelScope()
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._socket.dup()))
+        handler = self._handler()
         connections = self._connections
 
         async def accept() -> None:
@@ -229,7 +258,7 @@ class HttpServer:
         if scope["type"] != "http":
             await self._inner(scope, receive, send)
             return
-        if self._draining:
+        if self._draining and not self._handed_over:
             await self._refuse_draining(scope, send)
             return
         self._in_flight += 1

@@ -1,11 +1,11 @@
 """Draining: how every stop ends, and every restart once the successor serves.
 
 1. Accept nothing more: no Nodes, no callers, no admin requests on this process (the
-   listening sockets stay open for a successor that shares them), and no new request on
-   an old connection: idle keep-alive connections are closed (their clients reconnect,
-   to the successor), the others once their response is done, and a request that
-   arrives all the same is answered with a 503 to retry (`HttpServer.stop_accepting`).
-   So no run starts that the grace period might cut.
+   listening sockets stay open for a successor that shares them). A restart hands the
+   idle keep-alive connections to the successor, as they are, and then the per-minute
+   counters (`handoff`); a stop closes them (their clients reconnect, to another
+   replica). The others close once their response is done (`HttpServer.stop_accepting`).
+   So no run starts here that the grace period might cut.
 2. Send `goaway` to the Nodes (bounded by `GOAWAY_TIMEOUT_S`): each links again, to the
    successor if there is one, and keeps this link for the runs on it.
 3. Publish this replica's state (the roster shows it draining).
@@ -26,6 +26,7 @@ from typing import Final
 import trio
 
 from iop_edge.http.server import HttpServer
+from iop_edge.runtime.lifecycle.handoff import HandoffSender
 from iop_edge.runtime.nodes.node_server import NodeServer
 
 __all__ = ["CUT_WRITE_S", "DRAIN_LINGER_S", "GOAWAY_TIMEOUT_S", "drain", "wait_quiet"]
@@ -51,13 +52,18 @@ async def drain(
     goaway_all: Callable[[str], Awaitable[None]],
     publish_state: Callable[[], Awaitable[object]],
     cut_all: Callable[[str], int],
+    handoff: HandoffSender | None = None,
 ) -> None:
     """Drain this Edge (the module docstring's steps); `reason` is told to the Nodes.
     Returns once the servers were told to terminate."""
     log.info("%s: draining in-flight requests", reason)
     node_server.stop_accepting()
     for server in servers:
-        server.stop_accepting()
+        server.stop_accepting(handoff)
+    if handoff is not None:
+        # No request is admitted here any more (step 1): the counters are final.
+        handoff.send_windows()
+        log.info("%s: %d connection(s) handed to the successor", reason, handoff.connections)
     with trio.move_on_after(GOAWAY_TIMEOUT_S):
         await goaway_all(reason)
     await publish_state()

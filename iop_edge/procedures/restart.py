@@ -9,8 +9,10 @@ is the old Edge's procedure (design §13):
    successor, and keep their link here for the runs on it.
 3. Tell the successor which Nodes to expect; it must say it is ready within
    `HANDOVER_READY_TIMEOUT_S` (its wait for the Nodes, `takeover`, included).
-4. Ready: this Edge stops ("restarting") and drains. Any failure before: the successor
-   is killed, this Edge accepts Nodes again and serves on as if nothing happened.
+4. Ready: this Edge stops ("restarting") and drains, handing its idle client connections
+   and its per-minute counters to the successor as the drain begins (`handoff`). Any
+   failure before: the successor is killed, this Edge accepts Nodes again and serves on
+   as if nothing happened.
 
 At most one restart runs at a time, and none while the Edge stops.
 """
@@ -26,6 +28,7 @@ import trio
 
 from iop_edge.procedures.drain import GOAWAY_TIMEOUT_S
 from iop_edge.procedures.takeover import HANDOVER_NODES_TIMEOUT_S
+from iop_edge.runtime.lifecycle.handoff import HandoffSender, Windows
 from iop_edge.runtime.lifecycle.handover import HandoverFailed, Successor
 from iop_edge.runtime.lifecycle.listeners import Listener
 from iop_edge.runtime.nodes.node_server import NodeServer
@@ -51,10 +54,13 @@ class Restarter:
         *,
         goaway_all: Callable[[str], Awaitable[None]],
         connected_nodes: Callable[[], Iterable[str]],
+        windows: Callable[[], Windows] = dict,
     ) -> None:
+        """`windows`: what the per-minute limits used, per principal, carried over."""
         self._successor_argv = list(successor_argv) if successor_argv is not None else None
         self._goaway_all = goaway_all
         self._connected_nodes = connected_nodes
+        self._windows = windows
         self._restarting = False
 
     async def restart(
@@ -64,7 +70,7 @@ class Restarter:
         listeners: Sequence[Listener],
         revision: int,
         stopping: bool,
-        stop: Callable[[str], object],
+        stop: Callable[[str, HandoffSender | None], object],
     ) -> RestartReport:
         """Hand over to a successor that continues with `revision`. Returns once the
         successor serves (then `stop("restarting")` was called: this Edge drains) or the
@@ -95,7 +101,8 @@ class Restarter:
         log.info(
             "restart: the successor (pid %d) serves; this Edge drains and exits", successor_pid
         )
-        stop("restarting")
+        handoff = successor.handoff
+        stop("restarting", None if handoff is None else HandoffSender(handoff, self._windows))
         return RestartReport(
             outcome="handed_over",
             pid=pid,

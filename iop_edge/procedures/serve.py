@@ -16,6 +16,7 @@ holds (bounded by the grace period); the node sessions close; the rest is cancel
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ import trio
 from iop_edge.http.server import HttpServer
 from iop_edge.procedures.drain import drain
 from iop_edge.procedures.takeover import take_over_nodes
+from iop_edge.runtime.lifecycle.handoff import HandoffSender, Windows, receive_handoff
 from iop_edge.runtime.lifecycle.handover import Handover
 from iop_edge.runtime.lifecycle.replicas import ReplicaRoster
 from iop_edge.runtime.metering.usage import UsageLedger
@@ -61,6 +63,8 @@ class EdgeParts:
     node_server: NodeServer
     openai: HttpServer
     admin: HttpServer
+    carry_over: Callable[[Windows], None] = lambda windows: None
+    """Takes the per-minute counters a restarting Edge handed over (`handoff`)."""
 
 
 class StopRequest:
@@ -70,15 +74,20 @@ class StopRequest:
     def __init__(self) -> None:
         self._requested = trio.Event()
         self.reason = "stopping"
+        self.handoff: HandoffSender | None = None
+        """Where a restart hands this Edge's connections (its successor), if one does."""
 
     @property
     def requested(self) -> bool:
         return self._requested.is_set()
 
-    def request(self, reason: str) -> None:
+    def request(self, reason: str, handoff: HandoffSender | None = None) -> None:
         if not self._requested.is_set():
             self.reason = reason
+            self.handoff = handoff
             self._requested.set()
+        elif handoff is not None:
+            handoff.close()
 
     async def wait(self) -> None:
         await self._requested.wait()
@@ -118,18 +127,28 @@ async def serve(
             log.info("OpenAI API listening on %s", addresses.openai_url)
             log.info("admin API listening on %s", addresses.admin_url)
             task_status.started(addresses)
+            taking = trio.CancelScope()
             if handover is not None:
+                handoff = handover.take_handoff()
+                if handoff is not None:  # the old Edge's connections and counters
+                    http.start_soon(_take_handoff, taking, handoff, parts)
                 await handover.ready()
             await stop.wait()
-            await drain(
-                stop.reason,
-                grace_s,
-                node_server=parts.node_server,
-                servers=servers,
-                goaway_all=parts.hub.goaway_all,
-                publish_state=parts.roster.publish,
-                cut_all=parts.dispatcher.cut_all,
-            )
+            taking.cancel()
+            try:
+                await drain(
+                    stop.reason,
+                    grace_s,
+                    node_server=parts.node_server,
+                    servers=servers,
+                    goaway_all=parts.hub.goaway_all,
+                    publish_state=parts.roster.publish,
+                    cut_all=parts.dispatcher.cut_all,
+                    handoff=stop.handoff,
+                )
+            finally:
+                if stop.handoff is not None:
+                    stop.handoff.close()
         # The HTTP listeners drained: the ledger writes what it holds, then the node side
         # ends too.
         parts.ledger.close()
@@ -137,3 +156,19 @@ async def serve(
             await parts.ledger.wait_stopped()
         parts.hub.abort_all()
         nursery.cancel_scope.cancel()
+
+
+async def _take_handoff(scope: trio.CancelScope, handoff: socket.socket, parts: EdgeParts) -> None:
+    """What the Edge this one replaces hands over (`handoff`), until it exits or this
+    Edge stops (`scope`)."""
+    servers = {"openai": parts.openai, "admin": parts.admin}
+
+    def adopt(role: str, connection: socket.socket) -> None:
+        server = servers.get(role)
+        if server is None:
+            connection.close()
+        else:
+            server.adopt(connection)
+
+    with scope:
+        await receive_handoff(handoff, adopt=adopt, carry_over=parts.carry_over)

@@ -106,8 +106,16 @@ class OtlpPipeline:
         """Take a finished, sampled span (the request path: never blocks)."""
 
     def shutdown(self, timeout_s: float) -> None:
-        self._processor.force_flush(int(timeout_s * 1000))
-        self._processor.shutdown()  # type: ignore[no-untyped-call]  # unannotated in the SDK
+        """The export thread sends what is queued and stops; waited for `timeout_s` at
+        most. (The processor's `force_flush` has no deadline: it exports until the
+        collector answers, up to the exporter's own timeout per batch and its retries.)
+        An export still waiting on the collector then is abandoned with its daemon
+        thread; the exporter refuses any later batch."""
+        if FAST_ENCODING:
+            batches = self._processor._batch_processor
+            batches.shutdown(timeout_millis=max(0, int(timeout_s * 1000)))
+        else:
+            self._processor.shutdown()  # type: ignore[no-untyped-call]  # unannotated in the SDK
 
 
 def span_pipeline(

@@ -19,8 +19,10 @@ import trio
 import yaml
 
 from iop_edge.runtime.runs.limits import LedgerTotals
+from tests.adapters.fake_upstream import FakeUpstream
 from tests.e2e.postgres import PASSWORD_ENV
 from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
+from tests.e2e.upstreams import upstream_provider
 
 TOKENS = {"alice": "sk-alice-not-a-secret", "bob": "sk-bob-not-a-secret"}
 
@@ -155,6 +157,43 @@ async def test_requests_per_minute_answer_429_with_openais_headers(
     assert 1 <= int(refused.headers["retry-after"]) <= 30
     # Another principal is not limited by alice's limit.
     assert (await chat(stack, "bob")).status_code == 200
+
+
+async def test_requests_that_failed_upstream_do_not_count_against_the_limit(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A caller retrying a provider's 500 spends none of its `requests_per_minute`: only
+    the request that was answered counts (design §15)."""
+    upstream = FakeUpstream(status=500, error_message="CUDA error")
+    base_url = await nursery.start(upstream.serve)
+    config = yaml.safe_load(
+        edge_config(
+            tmp_path,
+            providers=[upstream_provider("gpu", base_url, served="gpu-model")],
+            models=[{"id": "chat-small", "providers": {"gpu": "gpu-model"}}],
+            openai_section={"principal_tokens": principal_tokens()},
+        )
+    )
+    config["principals"] = [{"ref": "alice", "requests_per_minute": 2}]
+    stack = await start_stack(
+        nursery,
+        yaml.safe_dump(config, sort_keys=False),
+        tmp_path / "edge.yaml",
+        wait_models=("chat-small",),
+    )
+    async with stack.client(api_key=TOKENS["alice"]) as client:
+        for stream in (False, True, False, True, False):
+            with pytest.raises(openai.InternalServerError) as caught:
+                await client.chat.completions.create(**ask(), stream=stream)
+            assert caught.value.status_code == 502
+        assert upstream.requests_total == 5
+        upstream.status = 200  # the runtime is back
+        answered = await client.chat.completions.with_raw_response.create(**ask())
+        assert answered.headers["x-ratelimit-remaining-requests"] == "1"
+        await client.chat.completions.create(**ask())
+        with pytest.raises(openai.RateLimitError) as refused:
+            await client.chat.completions.create(**ask())
+    assert refused.value.code == "rate_limit_requests"
 
 
 async def test_tokens_per_minute_count_the_requests_own_bound(
@@ -355,3 +394,36 @@ async def test_replicas_share_budgets_and_split_per_minute_limits(
     assert refused.status_code == 429
     assert refused.json()["error"]["code"] == "budget_exceeded"
     assert (await chat(b, "bob", max_tokens=1)).status_code == 200
+
+
+async def test_a_burst_over_two_replicas_overshoots_the_budget_by_one_request_at_most(
+    nursery: trio.Nursery, tmp_path: Path, ledger_url: str
+) -> None:
+    """Both Edges reserve against one counter in the shared ledger: a burst spread over
+    them spends the budget once, not once per replica (limits Rule 7)."""
+    budget = 400
+    principals = [{"ref": "alice", "tokens_per_day": budget}]
+    stacks = []
+    for name in ("a", "b"):
+        config = yaml.safe_load(shared_config(tmp_path / name, principals, capacity=8))
+        config["edge"] |= {"ledger": ledger_url, "ledger_password_env": PASSWORD_ENV}
+        text = yaml.safe_dump(config, sort_keys=False)
+        stacks.append(
+            await start_stack(nursery, text, tmp_path / f"{name}.yaml", wait_models=("chat-small",))
+        )
+    answers: list[tuple[str, httpx2.Response]] = []
+
+    async def one(name: str, stack: Stack) -> None:
+        answers.append((name, await chat(stack, "alice", max_tokens=20)))
+
+    async with trio.open_nursery() as burst:
+        for index in range(40):
+            burst.start_soon(one, "ab"[index % 2], stacks[index % 2])
+    admitted = [(name, answer) for name, answer in answers if answer.status_code == 200]
+    refused = [answer for _, answer in answers if answer.status_code != 200]
+    assert refused and all(answer.status_code == 429 for answer in refused)
+    assert {answer.json()["error"]["code"] for answer in refused} == {"budget_exceeded"}
+    assert {name for name, _ in admitted} == {"a", "b"}  # both replicas served the burst
+    sizes = [answer.json()["usage"]["total_tokens"] for _, answer in admitted]
+    # At most the one request that crossed the line, across both replicas.
+    assert sum(sizes) <= budget + max(sizes), sizes

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx2
 import openai
+import pytest
 import trio
 import yaml
 
@@ -243,6 +244,84 @@ async def test_a_keep_alive_callers_next_request_is_never_cut_by_the_drain(
         with trio.fail_after(30):
             assert await edge.process.wait() == 0
         assert "run(s) cut" not in edge.log, edge.log
+    finally:
+        stop_pid(successor)
+        stop_pid(edge.pid)
+
+
+async def test_keep_alive_callers_without_retries_see_no_failure_across_a_restart(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Callers with no retries at all, each on its keep-alive connection, back to back
+    with short requests (so at the handover most connections are idle only for an
+    instant, a request on its way): the old Edge hands its idle connections to the
+    successor as they are, and every request is answered by one of the two."""
+    path = _write(
+        tmp_path / "edge.yaml",
+        sim_config(tmp_path / "state", NODE_TOKEN_HASH, capacity=CAPACITY, tokens_per_second=4000),
+    )
+    edge = await start_edge(nursery, path)
+    successor = 0
+    try:
+        await nursery.start(partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN))
+        load = MixedLoad(edge.urls["openai"], streams=8, non_streams=24, max_tokens=4, retries=0)
+        async with trio.open_nursery() as callers:
+            callers.start_soon(load.run)
+            with trio.fail_after(60):
+                await load.wait_total(200)
+            result = await run_cli("restart", "--admin", edge.urls["admin"], "--json")
+            assert result.returncode == 0, result.stderr.decode() + edge.log
+            successor = json.loads(result.stdout)["successor_pid"]
+            with trio.fail_after(60):
+                assert await edge.process.wait() == 0
+                await load.wait_total(load.tally.total + 200)
+            load.stop()
+        tally = load.tally
+        assert tally.failed == [], edge.log
+        assert tally.truncated == 0
+        assert "connection(s) handed to the successor" in edge.log
+    finally:
+        stop_pid(successor)
+        stop_pid(edge.pid)
+
+
+async def test_per_minute_limits_carry_over_a_restart(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """`requests_per_minute: 10` spent on the old Edge stays spent on its successor: a
+    restart hands out no fresh minute."""
+    token = "sk-alice-not-a-secret"
+    config = sim_config(tmp_path / "state", NODE_TOKEN_HASH, capacity=4, tokens_per_second=4000)
+    config["openai"]["principal_tokens"] = [
+        {"token_ref": "alice-key", "principal_ref": "alice", "token_hash_sha256": hash_token(token)}
+    ]
+    config["principals"] = [{"ref": "alice", "requests_per_minute": 10}]
+    path = _write(tmp_path / "edge.yaml", config)
+    edge = await start_edge(nursery, path)
+    successor = 0
+    try:
+        await nursery.start(partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN))
+        client = openai.AsyncOpenAI(
+            base_url=f"{edge.urls['openai']}/v1", api_key=token, max_retries=0
+        )
+        async with client:
+            for _ in range(10):
+                await client.chat.completions.create(model="m", max_tokens=1, messages=MESSAGES)
+            with pytest.raises(openai.RateLimitError):
+                await client.chat.completions.create(model="m", max_tokens=1, messages=MESSAGES)
+            result = await run_cli("restart", "--admin", edge.urls["admin"], "--json")
+            assert result.returncode == 0, result.stderr.decode() + edge.log
+            successor = json.loads(result.stdout)["successor_pid"]
+            with trio.fail_after(60):
+                assert await edge.process.wait() == 0
+            status = await admin_get(edge.urls["admin"], "/status")
+            assert status["pid"] == successor  # the successor answers from now on
+            with pytest.raises(openai.RateLimitError) as refused:
+                await client.chat.completions.create(model="m", max_tokens=1, messages=MESSAGES)
+        assert refused.value.code == "rate_limit_requests"
+        principals = await admin_get(edge.urls["admin"], "/principals")
+        alice = next(p for p in principals["principals"] if p["principal_ref"] == "alice")
+        assert alice["requests_remaining"] == 0
     finally:
         stop_pid(successor)
         stop_pid(edge.pid)

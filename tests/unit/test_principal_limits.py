@@ -409,6 +409,21 @@ def test_a_refused_request_costs_nothing() -> None:
     assert standing.rejected == {"tokens_per_minute": 5}
 
 
+def test_a_request_that_failed_upstream_is_given_back() -> None:
+    clocks = Clocks()
+    limiter = limiter_for(PrincipalLimits(ref="alice", requests_per_minute=2), clocks=clocks)
+    for _ in range(5):  # a caller retrying a provider's 500: none of the tries counts
+        ticket = limiter.admit("alice", prompt_tokens=10, max_output=10)
+        limiter.settle(ticket, 0, refund_request=True)
+        limiter.settle(ticket, 0, refund_request=True)  # once only: never above full
+    served = limiter.admit("alice", prompt_tokens=10, max_output=10)
+    limiter.settle(served, 20)
+    assert limiter.report({}).principals[0].requests_remaining == 1
+    limiter.admit("alice", prompt_tokens=10, max_output=10)
+    with pytest.raises(LimitExceeded):
+        limiter.admit("alice", prompt_tokens=10, max_output=10)
+
+
 async def test_the_daily_budget_counts_the_ledger_and_local_runs() -> None:
     clocks = Clocks()
     limiter = limiter_for(PrincipalLimits(ref="alice", tokens_per_day=1000), clocks=clocks)

@@ -14,10 +14,13 @@ over a socket pair the successor inherits, one JSON object per line:
                                               reported status (bounded), then accepts
                                               callers and admin requests
                          ◀──────────────────  {"event": "ready", "pid": ...}
-    stops accepting callers (each keep-alive
-    client is told to reconnect), finishes
-    its in-flight runs within the grace
-    period, closes its node links, exits
+    stops accepting callers; hands its idle
+    keep-alive connections and its per-
+    minute counters over (`handoff`) ───────▶ serves those connections, counts on
+                                              from those counters
+    finishes its in-flight runs within the
+    grace period (each response closes its
+    connection), closes its node links, exits
 
 The sockets are the very same (inherited file descriptions, see `listeners`), so no
 connection waiting to be accepted is lost and nobody ever sees a closed port. Until
@@ -43,6 +46,7 @@ from typing import Any
 
 import trio
 
+from iop_edge.runtime.lifecycle.handoff import handoff_pair
 from iop_edge.runtime.lifecycle.listeners import Listener, Role
 
 __all__ = ["HANDOVER_ENV", "Handover", "HandoverFailed", "Successor"]
@@ -103,6 +107,8 @@ class Successor:
         self._revision = revision
         self._process: subprocess.Popen[bytes] | None = None
         self._control: _Lines | None = None
+        self.handoff: socket.socket | None = None
+        """Our end of the handoff channel (`handoff`), once started."""
 
     @property
     def pid(self) -> int | None:
@@ -110,8 +116,10 @@ class Successor:
 
     async def start(self) -> None:
         ours, theirs = socket.socketpair()
+        handoff, their_handoff = handoff_pair()
         spec = {
             "control_fd": theirs.fileno(),
+            "handoff_fd": their_handoff.fileno(),
             "revision": self._revision,
             "listeners": {
                 listener.role: {"fd": listener.socket.fileno(), "listen": listener.configured}
@@ -119,7 +127,11 @@ class Successor:
             },
         }
         env = {**os.environ, HANDOVER_ENV: json.dumps(spec)}
-        fds = (theirs.fileno(), *(listener.socket.fileno() for listener in self._listeners))
+        fds = (
+            theirs.fileno(),
+            their_handoff.fileno(),
+            *(listener.socket.fileno() for listener in self._listeners),
+        )
         try:
             self._process = await trio.to_thread.run_sync(
                 lambda: subprocess.Popen(
@@ -132,10 +144,13 @@ class Successor:
             )
         except OSError as exc:
             ours.close()
+            handoff.close()
             raise HandoverFailed(f"cannot start {self._argv[0]}: {exc.strerror or exc}") from None
         finally:
             theirs.close()
+            their_handoff.close()
         self._control = _Lines(ours)
+        self.handoff = handoff
         log.info("restart: started the successor (pid %d)", self._process.pid)
 
     async def wait_listening(self) -> None:
@@ -161,6 +176,9 @@ class Successor:
 
     def abort(self) -> None:
         """The handover failed: make sure the successor is gone (and reaped)."""
+        if self.handoff is not None:
+            self.handoff.close()
+            self.handoff = None
         process = self._process
         if process is None:
             return
@@ -203,11 +221,16 @@ class Handover:
     """This process is a successor: what it inherited and how it reports (module docs)."""
 
     def __init__(
-        self, control_fd: int, revision: int, listeners: Mapping[Role, InheritedListener]
+        self,
+        control_fd: int,
+        revision: int,
+        listeners: Mapping[Role, InheritedListener],
+        handoff_fd: int | None = None,
     ) -> None:
         self.revision = revision
         self.listeners = dict(listeners)
         self._control_fd = control_fd
+        self._handoff_fd = handoff_fd
         self._control: _Lines | None = None
 
     @classmethod
@@ -225,7 +248,13 @@ class Handover:
                 entry = spec["listeners"].get(role)
                 if entry is not None:
                     listeners[role] = InheritedListener(int(entry["fd"]), str(entry["listen"]))
-            return cls(int(spec["control_fd"]), int(spec["revision"]), listeners)
+            handoff = spec.get("handoff_fd")
+            return cls(
+                int(spec["control_fd"]),
+                int(spec["revision"]),
+                listeners,
+                None if handoff is None else int(handoff),
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise HandoverFailed(f"{HANDOVER_ENV} is malformed: {exc!r}") from None
 
@@ -239,6 +268,12 @@ class Handover:
             os.close(inherited.fd)
             return None
         return inherited.fd
+
+    def take_handoff(self) -> socket.socket | None:
+        """The successor's end of the handoff channel (`handoff`), once; None when the
+        old Edge made none."""
+        fd, self._handoff_fd = self._handoff_fd, None
+        return None if fd is None else socket.socket(fileno=fd)
 
     def close_unused(self) -> None:
         for inherited in self.listeners.values():

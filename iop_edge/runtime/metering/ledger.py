@@ -6,7 +6,8 @@
   any hosts (each keeps its own crash-safe journal in its `state_dir`).
 
 Both keep the replica roster (`replicas`) and the Responses store (`response_store`)
-beside the usage records. The PostgreSQL modules (and psycopg) are imported only when
+beside the usage records; PostgreSQL also the daily budgets replicas reserve against
+(`budgets_postgres`). The PostgreSQL modules (and psycopg) are imported only when
 configured.
 """
 
@@ -23,6 +24,7 @@ from iop_edge.core.ledger_url import parse_ledger_url
 from iop_edge.runtime.lifecycle.replicas import ReplicaStore, SqliteReplicaStore
 from iop_edge.runtime.metering import state_dir as state_dirs
 from iop_edge.runtime.metering.response_store import ResponseBackend, SqliteResponses
+from iop_edge.runtime.metering.shared_budgets import BudgetStore
 from iop_edge.runtime.metering.usage import (
     LedgerStore,
     LedgerUnavailable,
@@ -45,6 +47,9 @@ class LedgerChoice:
     open_replica_store: Callable[[], ReplicaStore]
     responses: ResponseBackend
     """The Responses store's table, in the same database (not connected yet)."""
+    open_budgets: Callable[[str], BudgetStore] | None
+    """Daily budgets replicas reserve against, for this Edge's instance name (limits
+    Rule 7); None for SQLite, whose replicas read each other's usage (Rule 3)."""
     check: Callable[[], None]
     """Blocking, what `serve` does before it serves: make sure `state_dir` takes writes,
     open the store once and set up its schema; raises `LedgerUnavailable`."""
@@ -88,13 +93,18 @@ def choose_ledger(edge: EdgeSection) -> LedgerChoice:
             ledger=usage_ledger(),
             open_replica_store=lambda: SqliteReplicaStore(path),
             responses=SqliteResponses(path),
+            open_budgets=None,
             check=check_sqlite,
             inspect=lambda: _inspect_state_dir(state_dir),
             description=f"SQLite {path}",
         )
     url = parse_ledger_url(edge.ledger)
     try:
-        from iop_edge.runtime.metering import ledger_postgres, response_store_postgres
+        from iop_edge.runtime.metering import (
+            budgets_postgres,
+            ledger_postgres,
+            response_store_postgres,
+        )
     except ImportError:
         raise LedgerUnavailable(
             "edge.ledger is a PostgreSQL URL, which needs the psycopg package: "
@@ -125,6 +135,7 @@ def choose_ledger(edge: EdgeSection) -> LedgerChoice:
         ledger=usage_ledger(ledger_postgres.PostgresStore(url, password_env)),
         open_replica_store=lambda: ledger_postgres.PostgresReplicaStore(url, password_env),
         responses=response_store_postgres.PostgresResponses(url, password_env),
+        open_budgets=lambda instance: budgets_postgres.PostgresBudgets(url, password_env, instance),
         check=check_postgres,
         inspect=inspect_postgres,
         description=f"PostgreSQL {url}",

@@ -585,7 +585,10 @@ class Run:
         first_event_at = timings.first_event_at
         usage, usage_source = self._metered_usage()
         if self.ticket is not None:
-            self._dispatcher.settle(self.ticket, usage)
+            # A server error before any of the reply reached the caller: the provider's or
+            # the gateway's failure, not counted against `requests_per_minute`.
+            upstream_failed = outcome.status >= 500 and self.chunks == 0
+            self._dispatcher.settle(self.ticket, usage, refund_request=upstream_failed)
         record = RunRecord(
             run_id=plan.run_id,
             request_id=plan.request_id or plan.run_id,
@@ -714,22 +717,27 @@ class Dispatcher:
             case Verdict.HEALTH:
                 self.scheduler.record_failure(provider_id)
 
-    def settle(self, ticket: Ticket, usage: wire.Usage | None) -> None:
+    def settle(
+        self, ticket: Ticket, usage: wire.Usage | None, *, refund_request: bool = False
+    ) -> None:
         """A run ended: its rate-limit ticket is settled with what it was metered for."""
         if self._limits is not None:
             used = 0 if usage is None else usage.prompt_tokens + usage.completion_tokens
-            self._limits.settle(ticket, used)
+            self._limits.settle(ticket, used, refund_request=refund_request)
 
     async def start(self, run: Run) -> None:
         """Admit and start `run` (Rules 1-2, 7); see `Run.start`."""
         plan = run.plan
         if self._limits is not None and run.ticket is None:
             # Before it queues: a request over its principal's limits waits for nothing.
-            run.ticket = self._limits.admit(
+            ticket = self._limits.admit(
                 plan.principal_ref,
                 prompt_tokens=plan.prompt_tokens,
                 max_output=output_bound(plan.operation, plan.body),
             )
+            # Then the budget replicas share, when they do (limits Rule 7).
+            await self._limits.reserve_shared(ticket)
+            run.ticket = ticket
         attempts = Attempts(retries=self._retries(), max_busy=MAX_BUSY_REQUEUES)
         last_failure: RunFailure | None = None
         trace = plan.trace

@@ -18,7 +18,10 @@ Rules:
 1. A request is checked against every limit of its principal before it takes from any:
    a refused request costs nothing. Checked in the order budget, requests, tokens; the
    first one exceeded is the one named.
-2. `requests_per_minute` charges 1 per admitted request. `tokens_per_minute` charges an
+2. `requests_per_minute` charges 1 per admitted request, once however many providers it
+   is tried on, and gives it back when the request ends in a server error (5xx) before
+   the caller got any of a reply: a provider's or the gateway's failure, which the
+   caller may retry, costs the caller nothing. `tokens_per_minute` charges an
    estimate at admission (the prompt's estimate plus the request's output bound, or
    `DEFAULT_OUTPUT_ESTIMATE` when it sets none) and settles to the metered usage when
    the run ends: the difference is given back or charged.
@@ -36,6 +39,17 @@ Rules:
    the caller protocol's rate-limit headers) for the request and token limits that are
    set. The token figures describe `tokens_per_minute` when it is set, else the daily
    budget.
+7. Replicas sharing a PostgreSQL ledger also reserve each request's estimate against one
+   counter per principal per day in it (`shared_budgets`), after the checks above: a
+   request is refused once what every replica's runs used and reserved that day reaches
+   the budget. The counter is one row, updated atomically, so a burst spread over any
+   number of replicas overshoots by at most the request that crossed the line, as one
+   Edge alone does, never by a budget per replica. The run's usage settles its
+   reservation when it ends. A refused reservation costs nothing (Rule 1); a ledger
+   that does not answer leaves Rule 3's view alone in force.
+8. A restart carries the per-minute buckets over: the old Edge hands its successor what
+   each principal had used of them when its drain began (`windows`), and the successor
+   charges that to its own (`carry_over`), so a restart hands out no fresh minute.
 """
 
 from __future__ import annotations
@@ -44,7 +58,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final, Protocol
 
 import trio
@@ -57,6 +71,7 @@ from iop_edge.core.principals import (
     next_utc_day,
     utc_day_start,
 )
+from iop_edge.runtime.metering.shared_budgets import SharedBudgets
 from iop_edge.runtime.metering.usage import UsageLedger
 from iop_edge.runtime.runs.scheduler import AdmissionError, PrincipalLoad
 from schemas.config import PrincipalLimits
@@ -136,6 +151,8 @@ class Ticket:
     """Tokens counted against the day's budget while the run is in flight."""
     rate_limits: RateLimits
     settled: bool = False
+    shared_day: int | None = None
+    """The UTC day its `budget_reserved` is reserved for in the shared ledger (Rule 7)."""
 
 
 #: Per operation: the request fields that bound its output, the first one set wins.
@@ -224,6 +241,8 @@ class PrincipalLimiter:
         """Tokens per principal the ledger held for today when last read."""
         self._local_today: dict[str, int] = {}
         """Tokens of this Edge's runs that ended since the ledger was last read."""
+        self.shared_budgets: SharedBudgets | None = None
+        """Budgets reserved in a ledger replicas share (Rule 7); None: this Edge's view."""
 
     # --- admission ------------------------------------------------------------------
 
@@ -259,20 +278,67 @@ class PrincipalLimiter:
             principal, reserved, budget_reserved, self._standing(principal, state, limits, now)
         )
 
+    async def reserve_shared(self, ticket: Ticket) -> None:
+        """Reserve `ticket`'s budget share in the shared ledger (Rule 7), or undo the
+        ticket and raise `LimitExceeded` when the budget is spent across the replicas."""
+        shared = self.shared_budgets
+        if shared is None or not ticket.budget_reserved:
+            return
+        principal = ticket.principal
+        budget = self._policies().of(principal).tokens_per_day
+        if budget is None:
+            return
+        day = int(self._day)
+        reserved = await shared.reserve(principal, day, ticket.budget_reserved, budget)
+        if reserved is None:
+            return  # the ledger does not answer: this Edge's view alone (Rule 3)
+        if reserved:
+            ticket.shared_day = day
+            return
+        state = self._states.get(principal) or _State()
+        self._undo(ticket, state)
+        state.rejected["tokens_per_day"] = state.rejected.get("tokens_per_day", 0) + 1
+        limits = self._policies().of(principal)
+        raise self._over_budget(principal, state, limits, self._clock(), spent=True)
+
+    def _undo(self, ticket: Ticket, state: _State) -> None:
+        """A ticket refused after all: what it took is given back (Rule 1)."""
+        ticket.settled = True
+        now = self._clock()
+        state.reserved = max(0, state.reserved - ticket.budget_reserved)
+        if state.requests is not None:
+            state.requests.give_back(1, now)
+        if state.tokens is not None and ticket.reserved:
+            state.tokens.give_back(ticket.reserved, now)
+
+    def _over_budget(
+        self,
+        principal: str,
+        state: _State,
+        limits: PrincipalLimits,
+        now: float,
+        *,
+        spent: bool = False,
+    ) -> LimitExceeded:
+        wall = self._wall()
+        standing = self._standing(principal, state, limits, now)
+        if spent:  # the replicas together spent it: none left, whatever this Edge saw
+            standing = replace(standing, remaining_tokens=0)
+        return LimitExceeded(
+            f"{principal!r} has used its budget of {limits.tokens_per_day} tokens "
+            "for today (UTC); it renews at 00:00 UTC",
+            limit="tokens_per_day",
+            retry_after_s=next_utc_day(wall) - wall,
+            rate_limits=standing,
+        )
+
     def _refusal(
         self, principal: str, state: _State, limits: PrincipalLimits, estimate: int, now: float
     ) -> LimitExceeded | None:
         if limits.tokens_per_day is not None:
             used = self.tokens_today(principal) + state.reserved
             if used >= limits.tokens_per_day:
-                wall = self._wall()
-                return LimitExceeded(
-                    f"{principal!r} has used its budget of {limits.tokens_per_day} tokens "
-                    "for today (UTC); it renews at 00:00 UTC",
-                    limit="tokens_per_day",
-                    retry_after_s=next_utc_day(wall) - wall,
-                    rate_limits=self._standing(principal, state, limits, now),
-                )
+                return self._over_budget(principal, state, limits, now)
         if state.requests is not None:
             wait = state.requests.wait_for(1, now)
             if wait > 0:
@@ -295,20 +361,28 @@ class PrincipalLimiter:
                 )
         return None
 
-    def settle(self, ticket: Ticket, used_tokens: int) -> None:
-        """The ticket's run ended having used `used_tokens` (Rule 2); once only."""
+    def settle(self, ticket: Ticket, used_tokens: int, *, refund_request: bool = False) -> None:
+        """The ticket's run ended having used `used_tokens` (Rule 2); once only.
+        `refund_request`: it failed upstream before the caller got anything, so its
+        request is given back to `requests_per_minute`."""
         if ticket.settled:
             return
         ticket.settled = True
         principal = ticket.principal
         if used_tokens:
             self._local_today[principal] = self._local_today.get(principal, 0) + used_tokens
+        if ticket.shared_day is not None and self.shared_budgets is not None:
+            self.shared_budgets.settle(
+                principal, ticket.shared_day, ticket.budget_reserved, used_tokens
+            )
         state = self._states.get(principal)
         if state is None:
             return
         state.reserved = max(0, state.reserved - ticket.budget_reserved)
+        now = self._clock()
+        if refund_request and state.requests is not None:
+            state.requests.give_back(1, now)
         if state.tokens is not None and ticket.reserved:
-            now = self._clock()
             difference = used_tokens - ticket.reserved
             if difference > 0:
                 state.tokens.take(difference, now)
@@ -346,6 +420,37 @@ class PrincipalLimiter:
             remaining_tokens=remaining_tokens,
             reset_tokens_s=reset_tokens,
         )
+
+    # --- restarts -------------------------------------------------------------------
+
+    def windows(self) -> dict[str, tuple[float, float]]:
+        """Per principal, what its per-minute buckets have used now (requests, tokens):
+        what a restarting Edge hands its successor (Rule 8)."""
+        now = self._clock()
+        used: dict[str, tuple[float, float]] = {}
+        for principal, state in self._states.items():
+            requests = _used(state.requests, now)
+            tokens = _used(state.tokens, now)
+            if requests > 0 or tokens > 0:
+                used[principal] = (requests, tokens)
+        return used
+
+    def carry_over(self, windows: Mapping[str, tuple[float, float]]) -> None:
+        """Charge what the Edge this one replaces had used of each principal's per-minute
+        limits (Rule 8); the buckets refill from there as usual."""
+        now = self._clock()
+        for principal, (requests, tokens) in windows.items():
+            limits = self._policies().of(principal)
+            if limits.requests_per_minute is None and limits.tokens_per_minute is None:
+                continue
+            state = self._states.get(principal)
+            if state is None:
+                state = self._states[principal] = _State()
+            self._shape(state, limits, now)
+            if state.requests is not None and requests > 0:
+                state.requests.take(requests, now)
+            if state.tokens is not None and tokens > 0:
+                state.tokens.take(tokens, now)
 
     # --- budgets --------------------------------------------------------------------
 
@@ -458,6 +563,11 @@ class PrincipalLimiter:
             budget_remaining=None if budget is None else max(0, budget - today - state.reserved),
             rejected=dict(state.rejected),
         )
+
+
+def _used(bucket: Bucket | None, now: float) -> float:
+    """What `bucket` has used of its minute now (more than its capacity: a debt)."""
+    return 0.0 if bucket is None else bucket.capacity - bucket.level_at(now)
 
 
 def _fitted(bucket: Bucket | None, limit: int | None, replicas: int, now: float) -> Bucket | None:

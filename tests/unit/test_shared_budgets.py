@@ -1,0 +1,166 @@
+"""Budgets reserved in a ledger replicas share, from the limiter's side (limits Rule 7,
+`metering.shared_budgets`): a refused reservation costs nothing, settlements reach the
+store added up and are retried, and a store that does not answer refuses nobody.
+
+The store is a fake with the `BudgetStore` methods; the real one is tested against
+PostgreSQL in `tests/e2e/test_budgets_postgres.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import pytest
+import trio
+
+from iop_edge.core.principals import SECONDS_PER_DAY, PrincipalPolicies
+from iop_edge.runtime.metering import shared_budgets
+from iop_edge.runtime.metering.shared_budgets import SharedBudgets
+from iop_edge.runtime.runs.limits import LimitExceeded, PrincipalLimiter
+from schemas.config import PrincipalLimits
+from tests.timing import GUARD_S
+
+WALL = 10 * SECONDS_PER_DAY + 3600.0
+DAY = int(10 * SECONDS_PER_DAY)
+
+
+@dataclass
+class FakeStore:
+    budget_left: int = 1000
+    down: bool = False
+    reserved: list[tuple[str, int, int, int]] = field(default_factory=list)
+    settled: list[dict[tuple[str, int], tuple[int, int]]] = field(default_factory=list)
+    settle_failures: int = 0
+    closed: bool = False
+    attempts: int = 0
+    wrote: trio.Event = field(default_factory=trio.Event)
+    """Set (from the worker thread) by each settlement written."""
+
+    def reserve(self, principal: str, day: int, tokens: int, budget: int) -> bool:
+        if self.down:
+            raise OSError("the ledger is unreachable")
+        if self.budget_left <= 0:
+            return False
+        self.budget_left -= tokens
+        self.reserved.append((principal, day, tokens, budget))
+        return True
+
+    def settle(self, settlements: Mapping[tuple[str, int], tuple[int, int]]) -> None:
+        self.attempts += 1
+        if self.settle_failures:
+            self.settle_failures -= 1
+            raise OSError("the ledger is unreachable")
+        self.settled.append(dict(settlements))
+        trio.from_thread.run_sync(self.wrote.set)
+
+    def release_stale(self, now: float) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _limiter(
+    store: FakeStore,
+    *,
+    tokens_per_day: int | None = None,
+    requests_per_minute: int | None = None,
+    tokens_per_minute: int | None = None,
+) -> PrincipalLimiter:
+    limits = PrincipalLimits(
+        ref="alice",
+        tokens_per_day=tokens_per_day,
+        requests_per_minute=requests_per_minute,
+        tokens_per_minute=tokens_per_minute,
+    )
+    policies = PrincipalPolicies([limits])
+    limiter = PrincipalLimiter(lambda: policies, clock=lambda: 0.0, wall=lambda: WALL)
+    limiter.shared_budgets = SharedBudgets(store, wall=lambda: WALL)
+    return limiter
+
+
+async def test_a_request_reserves_its_estimate_for_the_day() -> None:
+    store = FakeStore()
+    limiter = _limiter(store, tokens_per_day=500)
+    ticket = limiter.admit("alice", prompt_tokens=10, max_output=40)
+    await limiter.reserve_shared(ticket)
+    assert store.reserved == [("alice", DAY, 50, 500)]
+    assert ticket.shared_day == DAY
+
+
+async def test_a_budget_spent_on_other_replicas_refuses_and_costs_nothing() -> None:
+    store = FakeStore(budget_left=0)
+    limiter = _limiter(store, tokens_per_day=500, requests_per_minute=3, tokens_per_minute=900)
+    ticket = limiter.admit("alice", prompt_tokens=10, max_output=40)
+    with pytest.raises(LimitExceeded) as caught:
+        await limiter.reserve_shared(ticket)
+    refusal = caught.value
+    assert (refusal.limit, refusal.code) == ("tokens_per_day", "budget_exceeded")
+    assert refusal.rate_limits.remaining_tokens == 0
+    assert refusal.retry_after_s == pytest.approx(SECONDS_PER_DAY - 3600.0)
+    standing = limiter.report({}).principals[0]
+    assert standing.requests_remaining == 3  # the refused request took nothing
+    assert standing.tokens_remaining == 900
+    assert standing.budget_remaining == 500  # this Edge's own view: nothing in flight
+    assert standing.rejected == {"tokens_per_day": 1}
+    limiter.settle(ticket, 0)  # a refused ticket is settled already: nothing happens
+    assert limiter.shared_budgets is not None and limiter.shared_budgets.pending == 0
+
+
+async def test_a_principal_without_a_budget_never_asks_the_store() -> None:
+    store = FakeStore(down=True)
+    limiter = _limiter(store, requests_per_minute=3)
+    ticket = limiter.admit("alice", prompt_tokens=10, max_output=40)
+    await limiter.reserve_shared(ticket)
+    assert ticket.shared_day is None
+
+
+async def test_a_store_that_does_not_answer_refuses_nobody(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = FakeStore(down=True)
+    limiter = _limiter(store, tokens_per_day=500)
+    for _ in range(3):
+        ticket = limiter.admit("alice", prompt_tokens=10, max_output=40)
+        await limiter.reserve_shared(ticket)  # admitted on this Edge's view (Rule 3)
+        assert ticket.shared_day is None
+        limiter.settle(ticket, 30)  # reserved nowhere: nothing to settle there
+    assert limiter.shared_budgets is not None and limiter.shared_budgets.pending == 0
+    said = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
+    assert len(said) == 1  # once, not per request
+
+
+async def test_settlements_are_added_up_written_and_retried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two runs' settlements go out as one; the write fails once and is tried again
+    `RETRY_S` later (shortened here: the store is a worker thread's, so the clock is
+    the real one); the store is closed when the task ends."""
+    monkeypatch.setattr(shared_budgets, "RETRY_S", 0.01)
+    store = FakeStore(settle_failures=1)
+    limiter = _limiter(store, tokens_per_day=5000)
+    shared = limiter.shared_budgets
+    assert shared is not None
+    tickets = []
+    for _ in range(3):
+        ticket = limiter.admit("alice", prompt_tokens=10, max_output=40)
+        await limiter.reserve_shared(ticket)
+        tickets.append(ticket)
+    async with trio.open_nursery() as nursery:
+        for ticket in tickets[:2]:
+            limiter.settle(ticket, 20)
+        await nursery.start(shared.run)
+        with trio.fail_after(GUARD_S):
+            await store.wrote.wait()
+        # The first write failed: kept, and written whole after `RETRY_S`.
+        assert store.attempts == 2
+        assert store.settled == [{("alice", DAY): (100, 40)}]
+        store.wrote = trio.Event()
+        limiter.settle(tickets[2], 5)
+        with trio.fail_after(GUARD_S):
+            await store.wrote.wait()
+        assert store.settled[1:] == [{("alice", DAY): (50, 5)}]
+        assert shared.pending == 0
+        nursery.cancel_scope.cancel()
+    assert store.closed
