@@ -131,8 +131,9 @@ async def test_a_provider_generating_is_busy_and_queued_callers_wait_their_turn(
         assert first.choices[0].delta.content == "tok0 "
         catalog = await stack.wait_catalog(_health("gpu", "busy"))
         entry = provider_of(catalog, "gpu")
-        assert entry["health_reason"].startswith("busy: ")
-        assert "1 run in flight" in entry["health_reason"]
+        # The Node's words, once (the health is its own column), and whose run it is.
+        assert not entry["health_reason"].startswith("busy")
+        assert "1 run from IOP producing output at the runtime" in entry["health_reason"]
         assert entry["discovered_models"] == ["fake-model"]  # still serving what it served
 
         answers: list[str | None] = []
