@@ -22,6 +22,12 @@ demo *ARGS:
 test *ARGS:
     {{python}} -m pytest -q -n auto --maxprocesses 4 {{ARGS}}
 
+# the wheel and the sdist a user installs (`pipx install dist/iop_gateway-*.whl`, docs/install.md)
+dist OUT="dist":
+    rm -f {{OUT}}/iop_gateway-*
+    {{python}} -m build --outdir {{OUT}} .
+    @ls -1 {{OUT}}/iop_gateway-*
+
 # build the wheel and the sdist, install each into a fresh venv like a user, run docs/install.md
 test-install *ARGS:
     {{python}} -m pytest -q -m install --durations=5 tests/install {{ARGS}}
