@@ -25,14 +25,14 @@ from typing import Final
 DEFAULT_CONFIGS: Final = (Path("edge.yaml"), Path("/etc/iop/edge.yaml"))
 
 
-def describe_defaults(places: Sequence[Path] = DEFAULT_CONFIGS) -> str:
+def describe_defaults(places: Sequence[Path] | None = None) -> str:
     """The places as a help text names them: `./edge.yaml, else /etc/iop/edge.yaml`."""
-    return ", else ".join(_shown(place) for place in places)
+    return ", else ".join(_shown(place) for place in places or DEFAULT_CONFIGS)
 
 
-def find_default_config(places: Sequence[Path] = DEFAULT_CONFIGS) -> Path | None:
-    """The first of `places` that is a file (Rule 1), or None."""
-    for place in places:
+def find_default_config(places: Sequence[Path] | None = None) -> Path | None:
+    """The first of `places` (default: Rule 1's) that is a file, or None."""
+    for place in places or DEFAULT_CONFIGS:
         if place.is_file():
             return place
     return None
@@ -43,10 +43,10 @@ def using_default(path: Path) -> str:
     return f"iop-edge: using the config {_shown(path)} (no --config given)"
 
 
-def no_default(places: Sequence[Path] = DEFAULT_CONFIGS) -> str:
+def no_default(places: Sequence[Path] | None = None) -> str:
     """Rule 3's finding, for a command that needs a config and found none; the caller
     adds what to do."""
-    looked = " nor ".join(_shown(place) for place in places)
+    looked = " nor ".join(_shown(place) for place in places or DEFAULT_CONFIGS)
     return f"no --config given, and there is no {looked} (./ is {Path.cwd()})"
 
 
