@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import trio
 import yaml
 
 from iop_edge.cli import config_lookup, main
@@ -22,8 +21,9 @@ from tests.e2e.stack import edge_config, sim_provider
 USING = "iop-edge: using the config {} (no --config given)"
 
 
-async def run_cli(*argv: str) -> int:
-    return await trio.to_thread.run_sync(main, list(argv))
+def run_cli(*argv: str) -> int:
+    """The command in this thread: the tests are synchronous, and `serve` runs Trio."""
+    return main(list(argv))
 
 
 @pytest.fixture
@@ -51,32 +51,32 @@ def _config(tmp_path: Path, *, openai: dict[str, Any] | None = None) -> str:
 BROKEN = "edge: {id: e, listen: 127.0.0.1:0}\nnot_a_section: 1\n"
 
 
-async def test_serve_reads_edge_yaml_here_first_and_says_so(
+def test_serve_reads_edge_yaml_here_first_and_says_so(
     etc_config: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     Path("edge.yaml").write_text(BROKEN, encoding="utf-8")
     etc_config.write_text(BROKEN, encoding="utf-8")
-    assert await run_cli("serve", "--log-level", "error") == 1
+    assert run_cli("serve", "--log-level", "error") == 1
     err = capsys.readouterr().err
     assert err.startswith(USING.format("./edge.yaml") + "\n")
     assert "iop-edge: error: edge.yaml: invalid config" in err
     assert str(etc_config) not in err
 
 
-async def test_serve_reads_etc_iop_when_there_is_none_here(
+def test_serve_reads_etc_iop_when_there_is_none_here(
     etc_config: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     etc_config.write_text(BROKEN, encoding="utf-8")
-    assert await run_cli("serve", "--log-level", "error") == 1
+    assert run_cli("serve", "--log-level", "error") == 1
     err = capsys.readouterr().err
     assert err.startswith(USING.format(etc_config) + "\n")
     assert f"iop-edge: error: {etc_config}: invalid config" in err
 
 
-async def test_with_no_config_anywhere_serve_names_where_it_looked(
+def test_with_no_config_anywhere_serve_names_where_it_looked(
     etc_config: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert await run_cli("serve") == 1
+    assert run_cli("serve") == 1
     err = capsys.readouterr().err
     assert err == (
         f"iop-edge: error: no --config given, and there is no ./edge.yaml nor {etc_config} "
@@ -84,17 +84,17 @@ async def test_with_no_config_anywhere_serve_names_where_it_looked(
     )
 
 
-async def test_admin_commands_find_the_edge_through_the_same_default(
+def test_admin_commands_find_the_edge_through_the_same_default(
     etc_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     etc_config.write_text(_config(tmp_path), encoding="utf-8")  # admin.listen 127.0.0.1:0
-    assert await run_cli("catalog") == 1
+    assert run_cli("catalog") == 1
     err = capsys.readouterr().err
     assert err.startswith(USING.format(etc_config) + "\n")
     assert f"{etc_config} has admin.listen 127.0.0.1:0" in err  # read from that file
 
     etc_config.unlink()
-    assert await run_cli("usage") == 1
+    assert run_cli("usage") == 1
     err = capsys.readouterr().err
     assert f"there is no ./edge.yaml nor {etc_config}" in err
     assert "Pass --admin http://127.0.0.1:7701" in err and "--config" in err
@@ -134,12 +134,12 @@ def test_help_names_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
         ),
     ],
 )
-async def test_check_config_warns_of_an_open_caller_api_on_other_machines(
+def test_check_config_warns_of_an_open_caller_api_on_other_machines(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], openai: dict[str, Any], warned: bool
 ) -> None:
     path = tmp_path / "edge.yaml"
     path.write_text(_config(tmp_path, openai=openai), encoding="utf-8")
-    assert await run_cli("check-config", "--offline", str(path)) == 0  # valid all the same
+    assert run_cli("check-config", "--offline", str(path)) == 0  # valid all the same
     captured = capsys.readouterr()
     assert captured.out.startswith(f"{path}: OK")
     warnings = [line for line in captured.err.splitlines() if "openai.listen" in line]

@@ -222,7 +222,6 @@ def test_the_distributions_carry_the_license_and_the_project_urls(
         assert extracted.read().decode() == license_text
 
 
-
 async def test_installs_without_a_warning_and_declares_what_it_imports(
     installed: Installation, shell: Shell
 ) -> None:
