@@ -7,8 +7,8 @@ each cell, so at 80 columns a usage row reads `alice-te…`, `1234…`: every co
 none of them readable. Rules:
 
 1. The essential columns are always shown, their cells folded if they must be, never
-   cut; the others are shown in priority order while each fits whole (its widest cell,
-   header or footer, plus the frame).
+   cut; the others are shown in priority order while each fits whole (its widest cell or
+   footer, plus the frame; a header of several words may wrap, so its longest word).
 2. Shown columns keep their display order, whatever their priority.
 3. What was left out is named under the table, with the two ways to see it: a wider
    terminal, or `--json`.
@@ -40,7 +40,10 @@ class Column:
     footer: str = ""
 
     def needed(self) -> int:
-        widest = max([len(self.name), len(self.footer), *(cell.cell_len for cell in self.cells)])
+        """Its width at the least: the widest cell or footer, whole, and the header's
+        longest word (a header of several words wraps)."""
+        header = max(len(word) for word in self.name.split() or [""])
+        widest = max([header, len(self.footer), *(cell.cell_len for cell in self.cells)])
         return widest + COLUMN_FRAME
 
 

@@ -389,8 +389,12 @@ def _estimated_completion(chunks: int) -> int:
 
 
 async def test_a_stream_without_a_usage_chunk_is_metered_as_estimated(
-    nursery: trio.Nursery, make_stack: MakeStack, capsys: pytest.CaptureFixture[str]
+    nursery: trio.Nursery,
+    make_stack: MakeStack,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("COLUMNS", "160")  # every usage column (80 leaves some out, named)
     fake = FakeUpstream(chunks=5, **LLAMA_CPP)
     stack = await make_stack([upstream_provider("gpu", await nursery.start(fake.serve))])
     with trio.fail_after(GUARD_S):
