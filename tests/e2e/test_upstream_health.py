@@ -113,7 +113,11 @@ async def test_queued_requests_are_refused_when_the_provider_goes_down(
 
     fake = FakeUpstream(chunks=3, pace=hold)
     base_url = await nursery.start(fake.serve)
-    provider = upstream_provider("gpu", base_url, capacity=1, health_interval_s=PROBE_EVERY_S)
+    # The held run shows nothing after its first chunk: once its stall window (the
+    # first-byte budget) has passed, the Node probes the provider again and finds it down.
+    provider = upstream_provider(
+        "gpu", base_url, capacity=1, health_interval_s=PROBE_EVERY_S, first_byte_timeout_s=3.0
+    )
     stack = await make_stack([provider])
     async with stack.client() as client:
         with trio.fail_after(GUARD_S):
