@@ -27,9 +27,9 @@ from tests.agents.settings import codex_config, codex_env
 
 pytestmark = pytest.mark.agents
 
-#: A bound for a failure only (the loop takes a second or two), under the test's own hang
-#: guard (half the 120 s pytest-timeout); a loaded machine starts a Node.js CLI ten times
-#: slower, so a stuck CLI fails with what it printed.
+#: A bound for a failure only (the loop takes a second or two, ten times that on a loaded
+#: machine), under the test's own hang guard (half the 120 s pytest-timeout), so a stuck
+#: CLI fails with what it printed.
 CLI_LIMIT_S = 45.0
 
 
