@@ -7,9 +7,8 @@ Rules for every command:
    traceback, no Python dict: an admin API error prints the server's message.
 2. Errors name command-line flags (`--candidate`), never the HTTP fields behind them.
 3. Output piped into a program that stops reading (`| head`) ends quietly.
-4. `--admin` defaults to the `admin.listen` of `--config` (for `refresh`, of
-   `--candidate` when no `--config` is given), else of the default config
-   (`config_lookup`: `./edge.yaml`, else `/etc/iop/edge.yaml`), which `serve` reads too.
+4. `--admin` defaults to the `admin.listen` of `--config` (for `refresh`, of `--candidate`
+   when no `--config` is given), else of `serve`'s default config (`config_lookup`).
 """
 
 from __future__ import annotations
@@ -31,12 +30,7 @@ import trio
 from rich.console import Console
 
 from iop_edge import __version__
-from iop_edge.cli.config_lookup import (
-    describe_defaults,
-    find_default_config,
-    no_default,
-    using_default,
-)
+from iop_edge.cli import config_lookup as lookup
 from iop_edge.core.catalog_query import MAX_LIMIT as CATALOG_MAX_LIMIT
 from iop_edge.core.config import ConfigInvalid, format_errors, load_config
 from iop_edge.core.config_reference import json_schema
@@ -83,13 +77,8 @@ def _config_for_admin(args: argparse.Namespace) -> Path:
     candidate = getattr(args, "candidate", None)
     if candidate and _loads(Path(candidate)):
         return Path(candidate)
-    default = find_default_config()
-    if default is not None:
-        print(using_default(default), file=sys.stderr)
-        return default
-    _fail(
-        f"cannot find the admin API: {no_default()}. Pass --admin http://127.0.0.1:7701 "
-        "(the URL the Edge logged as 'admin API listening on') or --config PATH/TO/edge.yaml"
+    return lookup.config_or_default(
+        None, needed_by="cannot find the admin API: ", advice=lookup.FOR_ADMIN
     )
 
 
@@ -185,11 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     node_listen = _listen_override("--node-listen", args.node_listen)
     admin_listen = _listen_override("--admin-listen", args.admin_listen, loopback=True)
-    if args.config is None:
-        args.config = find_default_config()
-        if args.config is None:
-            _fail(f"{no_default()}. Pass --config FILE, or write one here with `iop-edge init`")
-        print(using_default(args.config), file=sys.stderr)
+    args.config = lookup.config_or_default(args.config, advice=lookup.FOR_SERVE)
     setup_logging(args.log_level, args.log_format)
     try:
         return trio.run(
@@ -562,7 +547,7 @@ def _add_admin(command: argparse.ArgumentParser) -> None:
         "--admin",
         metavar="URL",
         help="the Edge's admin API, e.g. http://127.0.0.1:7701 (default: admin.listen of "
-        f"--config, else of {describe_defaults()})",
+        f"--config, else of {lookup.describe_defaults()})",
     )
     command.add_argument(
         "--config",
@@ -598,8 +583,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="FILE",
-        help=f"the Edge config (default: {describe_defaults()}, the first that exists); its "
-        "relative paths (state_dir, tls files) are relative to the current directory",
+        help=f"the Edge config (default: {lookup.describe_defaults()}, the first that "
+        "exists); its relative paths (state_dir, tls files) are relative to the current "
+        "directory",
     )
     _add_logging(serve, "info")
     serve.add_argument(
@@ -828,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except CliError as exc:
+    except (CliError, lookup.NoConfig) as exc:
         print(f"iop-edge: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except BrokenPipeError:

@@ -17,12 +17,36 @@ repository. Rules:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
 #: Rule 1's places, in the order they are tried.
 DEFAULT_CONFIGS: Final = (Path("edge.yaml"), Path("/etc/iop/edge.yaml"))
+#: Rule 3's ways on, for `serve` and for the commands that only locate the admin API.
+FOR_SERVE: Final = "Pass --config FILE, or write one here with `iop-edge init`"
+FOR_ADMIN: Final = (
+    "Pass --admin http://127.0.0.1:7701 (the URL the Edge logged as 'admin API listening "
+    "on') or --config PATH/TO/edge.yaml"
+)
+
+
+class NoConfig(Exception):
+    """No `--config` and no default config: the message says where it looked and what to
+    do (Rule 3); the command prints it as its error."""
+
+
+def config_or_default(named: Path | None, *, advice: str, needed_by: str = "") -> Path:
+    """`named` when given, else the default (Rule 1), said on stderr (Rule 2); `NoConfig`
+    with `needed_by` and `advice` around Rule 3's finding when there is none."""
+    if named is not None:
+        return named
+    found = find_default_config()
+    if found is None:
+        raise NoConfig(f"{needed_by}{no_default()}. {advice}")
+    print(using_default(found), file=sys.stderr)
+    return found
 
 
 def describe_defaults(places: Sequence[Path] | None = None) -> str:
