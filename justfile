@@ -18,9 +18,16 @@ demo *ARGS:
     {{python}} -m iop_edge demo {{ARGS}}
 
 # the test suite (real sockets on 127.0.0.1, port 0), one worker per core (at most 4);
-# `just test -n 0 tests/…` runs a few tests in this process
+# `just test -n 0 tests/…` runs a few tests in this process. `-rs`: each skipped test says
+# why and what to install, above pytest's closing summary
 test *ARGS:
-    {{python}} -m pytest -q -n auto --maxprocesses 4 {{ARGS}}
+    {{python}} -m pytest -q -rs -n auto --maxprocesses 4 {{ARGS}}
+
+# the wheel and the sdist a user installs (`pipx install dist/iop_gateway-*.whl`, docs/install.md)
+dist OUT="dist":
+    rm -f {{OUT}}/iop_gateway-*
+    {{python}} -m build --outdir {{OUT}} .
+    @ls -1 {{OUT}}/iop_gateway-*
 
 # build the wheel and the sdist, install each into a fresh venv like a user, run docs/install.md
 test-install *ARGS:

@@ -20,6 +20,7 @@ import trio
 
 from iop_edge import __version__
 from iop_edge.core.config import ConfigInvalid, ParsedConfig, format_errors, load_config
+from iop_edge.core.exposure import exposure_warnings
 from iop_edge.edge import Edge, EdgeAddresses, EdgeStartupError, Listeners
 from iop_edge.runtime.lifecycle import heap, service_manager
 from iop_edge.runtime.lifecycle.handover import Handover
@@ -117,7 +118,7 @@ async def serve_edge(
     handover = Handover.from_environ()
     try:
         parsed = load_config(config_path)
-        for warning in parsed.warnings:
+        for warning in [*parsed.warnings, *exposure_warnings(parsed.config)]:
             log.warning("%s", warning)
         log_start(parsed, config_path)
         edge = Edge(

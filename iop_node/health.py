@@ -28,6 +28,10 @@ when some provider's health or model list changed.
   `unavailable` whatever runs are in flight. Each interval decides afresh, so a
   provider whose runs stall, or that refuses connections, leaves the pool within one
   interval (plus the probe timeout).
+- A status's `detail` is the Node's words for it, never the health again (the catalog
+  shows both: "busy: busy: ..." reads as a stutter), and says whose work keeps a busy
+  runtime busy: runs IOP sent ("from IOP"), or work IOP did not send (another client of
+  the runtime).
 - Reports are serialised and each one is taken when it is sent, so the last report the
   Edge receives always describes the latest state.
 - A status carries each served model's load state where the runtime reports it (design
@@ -162,7 +166,7 @@ class HealthMonitor:
             health="busy",
             models=previous.models,
             lifecycle=previous.lifecycle,
-            detail=f"busy: {_runs(progress.runs)} in flight producing output "
+            detail=f"{_runs(progress.runs)} from IOP producing output at the runtime "
             "(health probe deferred until they stop)",
         )
 
@@ -226,7 +230,7 @@ class HealthMonitor:
                     health="busy",
                     models=previous.models,
                     lifecycle=previous.lifecycle,
-                    detail=f"busy: {what} while {runs} in flight produced output",
+                    detail=f"{what} while {runs} from IOP produced output at the runtime",
                 )
             case "stalled":
                 return _unavailable(
@@ -240,7 +244,8 @@ class HealthMonitor:
                     health="busy",
                     models=previous.models or list(self._adapters[provider_id].provider.models),
                     lifecycle=previous.lifecycle,
-                    detail=f"busy: {ACCEPTED_BUT_SILENT} ({what}, no run of ours in flight)",
+                    detail=f"{ACCEPTED_BUT_SILENT} ({what}); no run from IOP in flight: "
+                    "the runtime is busy with work IOP did not send",
                 )
             case _:
                 return _unavailable(provider_id, f"{what} with no run in flight")

@@ -13,6 +13,10 @@ with the await stack of every Trio task (`trio.lowlevel.Task.iter_await_frames`)
 task waits for what, where. Only a test that blocks the event loop itself (a busy loop,
 blocking I/O) is left to the backstop. Hypothesis tests keep their own per-example
 deadline and only the backstop.
+
+And a skipped Trio test says why: pytest-trio (0.8) turns a skip raised inside a Trio test
+or fixture into a bare `pytest.skip()`, so `-rs` printed only "Skipped" where the test had
+said what to install. `pytest_pyfunc_call` raises the test's own skip again.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import functools
 import os
 import threading
 import traceback
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Generator, Iterator
 from inspect import iscoroutinefunction
 from typing import Any
 
@@ -40,6 +44,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if hasattr(item.obj, "hypothesis") or not iscoroutinefunction(item.obj):
             continue
         item.obj = _guarded(item.obj, _guard_s(item, config))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Generator[None, object, object]:
+    """A skip that pytest-trio re-raised without its reason gets it back: the one skip in
+    the exception group pytest-trio was handling (the bare skip's context)."""
+    try:
+        return (yield)
+    except pytest.skip.Exception as bare:
+        own = _sole_skip(bare.__context__)
+        if own is None:
+            raise
+        raise own from None
+
+
+def _sole_skip(raised: BaseException | None) -> BaseException | None:
+    """The skip of a group whose only leaf is a skip, else None."""
+    leaves: list[BaseException] = []
+    pending = [raised] if raised is not None else []
+    while pending:
+        exc = pending.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            pending.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    if len(leaves) == 1 and isinstance(leaves[0], pytest.skip.Exception):
+        return leaves[0]
+    return None
 
 
 def _guard_s(item: pytest.Item, config: pytest.Config) -> float:

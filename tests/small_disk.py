@@ -56,7 +56,10 @@ def small_disk(root: Path, size: str = "4m") -> Iterator[SmallDisk]:
     mount_point = root / "disk"
     mount_point.mkdir()
     if os.geteuid() != 0:
-        _cannot_mount("mounting a tmpfs needs root")
+        _cannot_mount(
+            "mounting a tmpfs needs root: run the suite as root (a container or CI is fine), "
+            "e.g. sudo .venv/bin/just test"
+        )
     done = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mount_point)],
         capture_output=True,
@@ -64,7 +67,10 @@ def small_disk(root: Path, size: str = "4m") -> Iterator[SmallDisk]:
         check=False,
     )
     if done.returncode != 0:
-        _cannot_mount(f"mount -t tmpfs failed: {done.stderr.strip() or done.returncode}")
+        _cannot_mount(
+            f"mount -t tmpfs failed: {done.stderr.strip() or done.returncode} (in a container, "
+            "mounting needs CAP_SYS_ADMIN: docker run --privileged, or run the suite in CI)"
+        )
     try:
         yield SmallDisk(mount_point)
     finally:

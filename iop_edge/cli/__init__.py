@@ -7,8 +7,8 @@ Rules for every command:
    traceback, no Python dict: an admin API error prints the server's message.
 2. Errors name command-line flags (`--candidate`), never the HTTP fields behind them.
 3. Output piped into a program that stops reading (`| head`) ends quietly.
-4. `--admin` defaults to the `admin.listen` of `--config` (for `refresh`, of
-   `--candidate` when no `--config` is given), else of `configs/edge.yaml` when it exists.
+4. `--admin` defaults to the `admin.listen` of `--config` (for `refresh`, of `--candidate`
+   when no `--config` is given), else of `serve`'s default config (`config_lookup`).
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ import trio
 from rich.console import Console
 
 from iop_edge import __version__
+from iop_edge.cli import config_lookup as lookup
 from iop_edge.cli.models import add_models_parser, run_models
 from iop_edge.core.catalog_query import MAX_LIMIT as CATALOG_MAX_LIMIT
 from iop_edge.core.config import ConfigInvalid, format_errors, load_config
 from iop_edge.core.config_reference import json_schema
 from iop_edge.core.exception_groups import sole_exception
+from iop_edge.core.exposure import exposure_warnings
 from iop_edge.core.listen import parse_listen_address
 from iop_edge.core.principals import describe_limits
 from iop_edge.core.tokens import hash_token
@@ -42,7 +44,6 @@ from schemas.config import ConfigError, EdgeSection, PrincipalLimits
 from schemas.log_lines import LOG_FORMATS, LOG_LEVELS
 from schemas.wire import Health
 
-DEFAULT_CONFIG = Path("configs/edge.yaml")
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 #: What a shell reports for a program stopped by SIGPIPE (`| head`).
@@ -77,12 +78,8 @@ def _config_for_admin(args: argparse.Namespace) -> Path:
     candidate = getattr(args, "candidate", None)
     if candidate and _loads(Path(candidate)):
         return Path(candidate)
-    if DEFAULT_CONFIG.exists():
-        return DEFAULT_CONFIG
-    _fail(
-        f"cannot find the admin API: there is no {DEFAULT_CONFIG} in {Path.cwd()}. Pass "
-        "--admin http://127.0.0.1:7701 (the URL the Edge logged as 'admin API listening on') "
-        "or --config PATH/TO/edge.yaml"
+    return lookup.config_or_default(
+        None, needed_by="cannot find the admin API: ", advice=lookup.FOR_ADMIN
     )
 
 
@@ -178,6 +175,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     node_listen = _listen_override("--node-listen", args.node_listen)
     admin_listen = _listen_override("--admin-listen", args.admin_listen, loopback=True)
+    args.config = lookup.config_or_default(args.config, advice=lookup.FOR_SERVE)
     setup_logging(args.log_level, args.log_format)
     try:
         return trio.run(
@@ -248,7 +246,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(f"{args.path}: {len(exc.errors)} error(s)", file=sys.stderr)
         print(format_errors(exc.errors), file=sys.stderr)
         return EXIT_FAILURE
-    for warning in parsed.warnings:
+    for warning in [*parsed.warnings, *exposure_warnings(parsed.config)]:
         print(f"warning: {warning}", file=sys.stderr)
     config = parsed.config
     providers = sum(len(node.providers) for node in config.nodes)
@@ -554,7 +552,7 @@ def _add_admin(command: argparse.ArgumentParser) -> None:
         "--admin",
         metavar="URL",
         help="the Edge's admin API, e.g. http://127.0.0.1:7701 (default: admin.listen of "
-        f"--config, else of {DEFAULT_CONFIG})",
+        f"--config, else of {lookup.describe_defaults()})",
     )
     command.add_argument(
         "--config",
@@ -588,10 +586,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--config",
         type=Path,
-        default=DEFAULT_CONFIG,
+        default=None,
         metavar="FILE",
-        help=f"the Edge config (default: {DEFAULT_CONFIG}); its relative paths (state_dir, "
-        "tls files) are relative to the current directory",
+        help=f"the Edge config (default: {lookup.describe_defaults()}, the first that "
+        "exists); its relative paths (state_dir, tls files) are relative to the current "
+        "directory",
     )
     _add_logging(serve, "info")
     serve.add_argument(
@@ -822,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except CliError as exc:
+    except (CliError, lookup.NoConfig) as exc:
         print(f"iop-edge: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except BrokenPipeError:

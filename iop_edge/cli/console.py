@@ -19,6 +19,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from iop_edge.cli.fitted_table import Column, fitted_table, left_out_note
+
 
 def _cell(value: object) -> Text:
     """A table cell or line showing `value` literally (no markup)."""
@@ -263,6 +265,9 @@ def render_refresh_report(
         values = report.get(key) or []
         if values:
             console.print(_cell(f"{key.replace('_', ' ')}: {', '.join(values)}"))
+    hint = restart_hint(report)
+    if hint:
+        console.print(Text(hint, style="yellow"), soft_wrap=True)
     nodes = report.get("nodes") or []
     if nodes:
         table = Table(title="nodes", title_justify="left")
@@ -277,6 +282,21 @@ def render_refresh_report(
             )
         console.print(table)
     render_replicas(console, report.get("replicas") or [])
+
+
+def restart_hint(report: dict[str, Any]) -> str | None:
+    """How the changes that need a restart get applied, when a report has any: a restart
+    with no downtime, not a stop and a start."""
+    waiting = set(report.get("restart_required_paths") or []) | set(
+        report.get("pending_restart") or []
+    )
+    if not waiting:
+        return None
+    return (
+        f"{len(waiting)} change(s) need a restart: `iop-edge restart` applies them with no "
+        "downtime (a new Edge process reads the config file and takes over the ports and the "
+        "Nodes; runs in flight finish on the old one)"
+    )
 
 
 def render_replicas(console: Console, replicas: list[dict[str, Any]]) -> None:
@@ -340,7 +360,6 @@ def render_usage(
         for key in row:
             if key not in columns and key not in _USAGE_COUNTS:
                 columns.append(key)
-    table = Table(title=f"Usage from {_window(report)}", title_justify="left", show_footer=True)
     # The window's totals, every page's, when the server sends them (a page is a part).
     whole = report.get("totals")
     totals = {
@@ -349,16 +368,35 @@ def render_usage(
         else sum(int(row.get(count) or 0) for row in rows)
         for count in _USAGE_COUNTS
     }
-    for index, column in enumerate(columns):
-        table.add_column(column, footer="total" if index == 0 else "")
-    for count in _USAGE_COUNTS:
-        table.add_column(count.replace("_", " "), justify="right", footer=str(totals[count]))
-    for row in rows:
-        table.add_row(
-            *(_cell("" if row.get(column) is None else row[column]) for column in columns),
-            *(str(row.get(count, 0)) for count in _USAGE_COUNTS),
+    # Rows are told apart by their groups: those always show; the counts while they fit.
+    table_columns = [
+        Column(
+            column,
+            [_cell("" if row.get(column) is None else row[column]) for row in rows],
+            essential=True,
+            footer="total" if index == 0 else "",
         )
+        for index, column in enumerate(columns)
+    ]
+    table_columns += [
+        Column(
+            count.replace("_", " "),
+            [Text(str(row.get(count, 0))) for row in rows],
+            essential=count == "requests",
+            justify="right",
+            footer=str(totals[count]),
+        )
+        for count in _USAGE_COUNTS
+    ]
+    table, left_out = fitted_table(
+        table_columns,
+        console.width,
+        title=f"Usage from {_window(report)}",
+        show_footer=True,
+    )
     console.print(table)
+    if left_out:
+        console.print(left_out_note(left_out, console.width))
     if report.get("truncated"):
         console.print(
             _cell(
@@ -378,9 +416,24 @@ def render_usage(
     _render_principals(console, report.get("principals"))
 
 
+#: The principals table's optional columns, most telling first; `principal` and `in
+#: flight` always show.
+_PRINCIPAL_PRIORITY = (
+    "principal",
+    "in flight",
+    "tokens today",
+    "requests/min",
+    "tokens/min",
+    "queued",
+    "refused",
+    "limits",
+    "models",
+)
+
+
 def _render_principals(console: Console, standing: dict[str, Any] | None) -> None:
     """Each principal against its limits (design §15): `used/limit` per limit, blank
-    where none is set."""
+    where none is set. Columns that do not fit are left out whole, and named."""
     principals = (standing or {}).get("principals") or []
     if not principals:
         return
@@ -388,14 +441,6 @@ def _render_principals(console: Console, standing: dict[str, Any] | None) -> Non
     title = "Principals against their limits"
     if replicas > 1:
         title += f" (per-minute and concurrency: this replica's share of {replicas})"
-    table = Table(title=title, title_justify="left")
-    for column in ("principal", "limits", "models", "in flight", "queued", "requests/min"):
-        table.add_column(
-            column, justify="left" if column in ("principal", "limits", "models") else "right"
-        )
-    table.add_column("tokens/min", justify="right")
-    table.add_column("tokens today", justify="right")
-    table.add_column("refused", justify="left")
 
     def against(limit: int | None, remaining: int | None) -> str:
         return (
@@ -404,6 +449,7 @@ def _render_principals(console: Console, standing: dict[str, Any] | None) -> Non
             else f"{remaining if remaining is not None else '?'} left of {limit}"
         )
 
+    cells: dict[str, list[Text]] = {name: [] for name in _PRINCIPAL_PRIORITY}
     for row in principals:
         concurrent = row.get("max_concurrent")
         budget = row.get("tokens_per_day")
@@ -411,15 +457,43 @@ def _render_principals(console: Console, standing: dict[str, Any] | None) -> Non
         refused = ", ".join(
             f"{limit} {count}" for limit, count in sorted((row.get("rejected") or {}).items())
         )
-        table.add_row(
-            _cell(row["principal_ref"]),
-            _cell(row.get("limited_by") or ""),
-            _cell(", ".join(row["models"]) if row.get("models") else "all"),
-            _cell(f"{row.get('in_flight', 0)}" + (f"/{concurrent}" if concurrent else "")),
-            _cell(row.get("queued", 0)),
-            _cell(against(row.get("requests_per_minute"), row.get("requests_remaining"))),
-            _cell(against(row.get("tokens_per_minute"), row.get("tokens_remaining"))),
-            _cell(f"{today}" + (f" of {budget}" if budget is not None else "")),
-            _cell(refused),
+        values = {
+            "principal": row["principal_ref"],
+            "limits": row.get("limited_by") or "",
+            "models": ", ".join(row["models"]) if row.get("models") else "all",
+            "in flight": f"{row.get('in_flight', 0)}" + (f"/{concurrent}" if concurrent else ""),
+            "queued": row.get("queued", 0),
+            "requests/min": against(row.get("requests_per_minute"), row.get("requests_remaining")),
+            "tokens/min": against(row.get("tokens_per_minute"), row.get("tokens_remaining")),
+            "tokens today": f"{today}" + (f" of {budget}" if budget is not None else ""),
+            "refused": refused,
+        }
+        for name, value in values.items():
+            cells[name].append(_cell(value))
+    left = ("principal", "limits", "models", "refused")
+    display = (
+        "principal",
+        "limits",
+        "models",
+        "in flight",
+        "queued",
+        "requests/min",
+        "tokens/min",
+        "tokens today",
+        "refused",
+    )
+    columns = [
+        Column(
+            name,
+            cells[name],
+            essential=name in ("principal", "in flight"),
+            justify="left" if name in left else "right",
         )
+        for name in display
+    ]
+    table, left_out = fitted_table(
+        columns, console.width, priority=_PRINCIPAL_PRIORITY, title=title
+    )
     console.print(table)
+    if left_out:
+        console.print(left_out_note(left_out, console.width))

@@ -8,7 +8,9 @@ Rules:
    whatever its last health report said.
 2. `health_reason` says why a provider is not fully in the pool, first reason first: its
    Node is gone, it cools down after consecutive failures, the config disables it, its
-   Node has not reported its health yet, or the Node's own words for its health.
+   Node has not reported its health yet, or the Node's own words for its health, without
+   the health itself in front (a Node's `busy: ...` reads `busy: busy: ...` beside the
+   health column otherwise).
 3. Lifecycle flags become one shared, frozen record per set of flags; a provider whose
    Node is not connected shows no discovered lifecycle.
 """
@@ -107,6 +109,8 @@ def health_reason(
         return None
     if health == "unknown":
         return detail or "waiting for the node's first health report"
+    if detail and detail.startswith(f"{health}: "):
+        detail = detail[len(health) + 2 :]
     return detail or health
 
 

@@ -85,8 +85,9 @@ def plan_apply(
     errors = [
         RefreshError(
             path=path,
-            message="changing this needs a restart; nothing was applied (with "
-            "allow_restart_required the live changes apply now and this waits for a restart)",
+            message="changing this needs a restart (`iop-edge restart`, no downtime); nothing "
+            "was applied (with allow_restart_required the live changes apply now and this "
+            "waits for the restart)",
         )
         for path in blocking
     ]

@@ -191,7 +191,7 @@ def _wait_for_exit_handle(pid: int) -> int:
     try:
         return os.pidfd_open(pid)
     except (AttributeError, OSError):
-        pytest.skip("pidfd_open is not available")
+        pytest.skip("os.pidfd_open is not available: needs Linux 5.3 or later")
 
 
 async def test_cancel_kills_the_process_group() -> None:

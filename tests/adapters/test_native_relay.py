@@ -12,6 +12,7 @@ import trio
 from iop_node.adapters.base import AdapterError, NativeUnsupported
 from iop_node.adapters.openai_compat import DEFAULT_ANTHROPIC_VERSION
 from schemas.wire import Operation, Run, Usage
+from tests.timing import GUARD_S
 
 from .conftest import MODEL, MakeAdapter
 from .fake_data import PROMPT_TOKENS
@@ -27,7 +28,6 @@ from .fake_protocols import (
 )
 from .fake_upstream import FakeUpstream
 
-GUARD_S = 5.0
 ALIAS = "team-alias"
 FAKE_KEY_ENV = "IOP_TEST_NATIVE_KEY"
 FAKE_KEY = "sk-test-native-not-real"

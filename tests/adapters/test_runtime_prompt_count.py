@@ -12,11 +12,11 @@ import trio
 from iop_node.runner import Outbound, RunHandle, execute_run
 from schemas.tokens import estimate_input_tokens, template_tokens
 from schemas.wire import Run, RunDone
+from tests.timing import GUARD_S
 
 from .conftest import MODEL, MakeAdapter
 from .fake_upstream import FakeUpstream
 
-GUARD_S = 5.0
 BODY: dict[str, Any] = {
     "model": MODEL,
     "stream": True,

@@ -27,6 +27,7 @@ import trio
 from tests.agents.scripted_upstream import ScriptedUpstream
 from tests.agents.settings import Target
 from tests.e2e.stack import Stack, edge_config, start_stack
+from tests.timing import GUARD_S
 
 RunPath = Literal["native", "translated"]
 PATHS: Final[tuple[RunPath, ...]] = ("native", "translated")
@@ -69,7 +70,7 @@ class AgentStack:
 
     async def usage(self, *columns: str) -> list[dict[str, Any]]:
         """The ledger's rows grouped by `columns`, once every finished run is written."""
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             await self.stack.edge.ledger.wait_flushed()
         async with self.stack.admin() as admin:
             response = await admin.get("/usage", params={"group_by": ",".join(columns)})

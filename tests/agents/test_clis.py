@@ -12,6 +12,7 @@ from pathlib import Path
 import trio
 
 from tests.agents.clis import base_environment, run_cli
+from tests.timing import GUARD_S
 
 
 async def _wait_gone(pid: int) -> None:
@@ -21,7 +22,7 @@ async def _wait_gone(pid: int) -> None:
     except ProcessLookupError:
         return  # ended and reaped already
     try:
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             await trio.lowlevel.wait_readable(fd)
     finally:
         os.close(fd)

@@ -145,9 +145,9 @@ def test_the_soak_config_serves_the_shared_model_from_one_provider() -> None:
 
 
 def test_catalog_looks_are_labelled_by_health_first() -> None:
-    accepted = f"busy: {ACCEPTED_BUT_SILENT} (health probe timed out after 2s, no run of ours)"
-    generating = "busy: 1 run in flight producing output (health probe deferred)"
-    timed_out = "busy: health probe timed out after 2s while 1 run in flight produced output"
+    accepted = f"{ACCEPTED_BUT_SILENT} (health probe timed out after 2s); no run from IOP"
+    generating = "1 run from IOP producing output at the runtime (health probe deferred)"
+    timed_out = "health probe timed out after 2s while 1 run from IOP produced output"
     assert _state("busy", accepted) == BUSY_ACCEPTED
     assert _state("busy", generating) == _state("busy", timed_out) == BUSY_GENERATING
     assert _state("available", "") == "available"

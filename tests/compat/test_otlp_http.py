@@ -9,7 +9,10 @@ from __future__ import annotations
 import pytest
 import trio
 
-pytest.importorskip("opentelemetry.sdk", reason="the `otel` extra is not installed")
+pytest.importorskip(
+    "opentelemetry.sdk",
+    reason="the `otel` extra is not installed: pip install -e '.[dev]' (or '.[otel]')",
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 

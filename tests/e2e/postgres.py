@@ -116,7 +116,10 @@ def start_postgres() -> Iterator[Postgres]:
             account = pwd.getpwnam("postgres")
         except KeyError:
             shutil.rmtree(root)
-            unavailable("running as root, and there is no `postgres` user to run the server")
+            unavailable(
+                "running as root, and there is no `postgres` user to run the server: "
+                "apt-get install postgresql creates it (or run the suite as another user)"
+            )
             raise
         os.chown(root, account.pw_uid, account.pw_gid)
         user = "postgres"

@@ -161,7 +161,7 @@ class Stack:
         self.node_scopes.pop(node_id).cancel()
 
     async def wait_servable(self, *models: str) -> None:
-        with trio.fail_after(10):
+        with trio.fail_after(WAIT_GUARD_S):
             for model in models:
                 await self.edge.wait_model_servable(model)
 

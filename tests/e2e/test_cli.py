@@ -255,7 +255,10 @@ async def test_refresh_attempts_are_logged_by_the_edge(
         "refresh apply of inline candidate from admin API: rejected, revision 1 -> 1, "
         "3 change(s) (1 live, 2 restart-required)"
     )
-    assert any("changing this needs a restart" in line for line in lines[1:])
+    assert any(
+        "changing this needs a restart (`iop-edge restart`, no downtime)" in line
+        for line in lines[1:]
+    )
     assert (
         "refresh apply of the config file from admin API: no_change, revision 1 -> 2, "
         "0 change(s) (0 live, 0 restart-required)"
@@ -263,8 +266,12 @@ async def test_refresh_attempts_are_logged_by_the_edge(
 
 
 async def test_refused_refresh_exits_1_naming_the_paths(
-    stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    stack: Stack,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="iop_edge.runtime.refresh.refresh")
     candidate = _candidate(stack, tmp_path, capacity=6, adapter={"ttft_ms": 9})
     admin = stack.addresses.admin_url
     adapter_path = "nodes[node-1].providers[sim-a].adapter"
@@ -277,6 +284,9 @@ async def test_refused_refresh_exits_1_naming_the_paths(
     assert f"{adapter_path}.tokens_per_second: changing this needs a restart" in out
     assert "(with --allow-restart-required the live changes apply now" in out
     assert "allow_restart_required" not in out  # the flag's name, not the HTTP field's
+    # How such a change is applied: a restart with no downtime, not a stop and a start.
+    restart_hint = "2 change(s) need a restart: `iop-edge restart` applies them with no downtime"
+    assert restart_hint in " ".join(out.split())
     assert stack.edge.snapshot.revision == 1
 
     argv = ("refresh", "--admin", admin, "--apply", "--allow-restart-required")
@@ -284,6 +294,12 @@ async def test_refused_refresh_exits_1_naming_the_paths(
     out = capsys.readouterr().out
     assert out.startswith(f"applied {candidate}: 3 path(s) changed (1 live, 2 need a restart)")
     assert f"pending restart: {adapter_path}.tokens_per_second, {adapter_path}.ttft_ms" in out
+    assert restart_hint in " ".join(out.split())
+    logged = [r.getMessage() for r in caplog.records if r.name.endswith("refresh.refresh")]
+    assert (
+        "refresh: 2 change(s) wait for a restart: `iop-edge restart` (or SIGUSR2) applies "
+        "them with no downtime"
+    ) in logged
 
 
 async def test_unreadable_candidate_and_unreachable_admin_fail_cleanly(

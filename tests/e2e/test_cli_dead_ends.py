@@ -20,7 +20,7 @@ import trio
 import yaml
 from rich.console import Console
 
-from iop_edge.cli import build_parser, main
+from iop_edge.cli import build_parser, config_lookup, main
 from iop_edge.cli.console import render_catalog, render_usage, watch_catalog
 from iop_edge.core.tokens import hash_token
 from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
@@ -247,9 +247,12 @@ async def test_outside_the_repo_the_error_says_what_to_pass(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(
+        config_lookup, "DEFAULT_CONFIGS", (Path("edge.yaml"), tmp_path / "etc" / "edge.yaml")
+    )
     assert await run_cli("catalog") == 1
     err = capsys.readouterr().err
-    assert f"there is no configs/edge.yaml in {tmp_path}" in err
+    assert f"there is no ./edge.yaml nor {tmp_path}/etc/edge.yaml (./ is {tmp_path})" in err
     assert "--admin http://127.0.0.1:7701" in err and "--config" in err
 
     path = _config_with(tmp_path)  # the test configs listen on port 0
@@ -400,6 +403,70 @@ def test_usage_renders_columns_the_server_adds() -> None:
     out = console.file.getvalue()  # type: ignore[attr-defined]
     assert "usage_source" in out and "estimated" in out
     assert "requests by status: 200: 2, 499: 1" in out
+
+
+USAGE_AT_80 = {
+    "since": None,
+    "until": None,
+    "group_by": ["principal_ref", "token_ref", "model"],
+    "rows": [
+        {
+            "principal_ref": "evaluations-team",
+            "token_ref": "nightly-batch-runner",
+            "model": "Qwen/Qwen3.6-35B-A3B",
+            "requests": 123456,
+            "prompt_tokens": 987654321,
+            "completion_tokens": 123456789,
+            "estimated_requests": 12,
+            "estimated_tokens": 3456,
+        }
+    ],
+    "principals": {
+        "principals": [
+            {
+                "principal_ref": "evaluations-team",
+                "limited_by": "evaluations-*",
+                "models": ["qwen*", "llama-3.1-8b"],
+                "in_flight": 3,
+                "max_concurrent": 4,
+                "queued": 17,
+                "requests_per_minute": 600,
+                "requests_remaining": 598,
+                "tokens_per_minute": 100000,
+                "tokens_remaining": 99000,
+                "tokens_today": 1234567,
+                "tokens_per_day": 5000000,
+                "rejected": {"rate_limit_requests": 4},
+            }
+        ]
+    },
+}
+
+
+def test_usage_at_80_columns_leaves_whole_columns_out_and_names_them() -> None:
+    """As the catalog does: every shown cell whole, what did not fit named (not cut)."""
+    console = Console(file=io.StringIO(), width=80)
+    render_usage(console, USAGE_AT_80)
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "…" not in out  # no cell cut short
+    flat = "".join(out.split())  # a folded cell reads whole once the lines are joined
+    for whole in ("evaluations-team", "nightly-batch-runner", "Qwen/Qwen3.6-35B-A3B", "123456"):
+        assert whole in flat
+    notes = [" ".join(n.split()) for n in out.split("not shown at 80 columns: ")[1:]]
+    assert len(notes) == 2  # one per table that left columns out
+    assert notes[0].startswith("prompt tokens, completion tokens, estimated requests")
+    assert "(widen the terminal, or use --json)" in notes[0]
+    # The principals table keeps its essentials and says what it left out.
+    principals = out[out.index("Principals against their limits") :]
+    assert "3/4" in principals and "limits" in notes[1] and "models" in notes[1]
+
+    wide = Console(file=io.StringIO(), width=240)
+    render_usage(wide, USAGE_AT_80)
+    everything = wide.file.getvalue()  # type: ignore[attr-defined]
+    assert "not shown" not in everything
+    assert "987654321" in everything and "rate_limit_requests 4" in everything
 
 
 # --- catalog -----------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import yaml
 from iop_edge.runtime.metering.ledger import SQLITE_FILE
 from tests.e2e.stack import Stack, one_sim_config, start_stack
 from tests.small_disk import SmallDisk, small_disk
+from tests.timing import GUARD_S
 
 REPO = Path(__file__).resolve().parents[2]
 MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
@@ -83,7 +84,7 @@ async def test_every_response_during_a_full_disk_is_in_the_ledger_afterwards(
     served: list[str] = []
     async with stack.client() as client:
         served.append(await _chat(client, stream=False))
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             await stack.edge.ledger.wait_flushed()
         disk.fill()
 
@@ -137,7 +138,7 @@ async def test_a_full_buffer_refuses_new_runs_and_readyz_says_why(
         async with stack.http() as http:
             assert (await http.get("/readyz")).status_code == 200
         served.append(await _chat(client, stream=False))
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             await stack.edge.ledger.wait_flushed()
     assert set(served) <= _ledger_run_ids(stack)
 

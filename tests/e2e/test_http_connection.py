@@ -25,6 +25,7 @@ from iop_edge.http.server import HttpServer
 from iop_edge.runtime.lifecycle.listeners import bind_listener
 from schemas.config import DEFAULT_SEND_TIMEOUT_S
 from tests.e2e.asgi import complete_lifespan
+from tests.timing import GUARD_S
 
 Headers = Sequence[tuple[bytes, bytes]]
 
@@ -265,7 +266,7 @@ async def test_a_caller_gone_mid_stream_ends_only_its_connection(nursery: trio.N
     await stream.aclose()
     await trio.testing.wait_all_tasks_blocked()
     hold.set()
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await app.finished.wait()
     app.hold = None
     async with httpx2.AsyncClient() as client:
@@ -278,7 +279,7 @@ async def test_stopping_does_not_wait_for_a_caller_that_does_not_read() -> None:
     the server's graceful timeout still ends it (closing the connection frees the write)."""
     app = StreamingApp(BEYOND_SOCKET_BUFFERS)
     server, address = _server(app, graceful_timeout_s=0.1)
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
             stream = await trio.open_tcp_stream(*address)
@@ -299,7 +300,7 @@ async def test_a_caller_that_takes_nothing_for_the_send_timeout_is_disconnected(
     stream = await trio.open_tcp_stream(*address)
     async with stream:
         await stream.send_all(_request())
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             await app.finished.wait()  # its writes failed quietly, as for a caller gone
         received = bytearray()
         with contextlib.suppress(trio.BrokenResourceError):  # a reset: bytes left unsent
@@ -351,7 +352,7 @@ async def test_a_piece_written_without_waiting_is_finished_by_write_rest(
     stream = await trio.open_tcp_stream(*address)
     async with stream:
         await stream.send_all(_request())
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             await app.partial.wait()  # the socket is full: that piece was taken in part
         received = bytearray()
         while data := await stream.receive_some(1 << 16):
@@ -524,7 +525,7 @@ async def test_a_request_in_flight_hears_its_caller_leave(nursery: trio.Nursery)
     address = await _serve(nursery, app)
     stream = await trio.open_tcp_stream(*address)
     await stream.send_all(b"POST /first HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n")
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await app.watching.wait()
     assert app.gone == []
     await stream.aclose()
@@ -540,7 +541,7 @@ async def test_a_watch_stopped_hears_nothing(nursery: trio.Nursery) -> None:
     address = await _serve(nursery, app)
     stream = await trio.open_tcp_stream(*address)
     await stream.send_all(b"POST /first HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n")
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await app.watching.wait()
     await stream.aclose()
     await trio.testing.wait_all_tasks_blocked()

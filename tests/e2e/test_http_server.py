@@ -20,6 +20,7 @@ from iop_edge.edge import hypercorn_config
 from iop_edge.http.server import HttpServer
 from iop_edge.runtime.lifecycle.listeners import bind_listener
 from tests.e2e.asgi import complete_lifespan
+from tests.timing import GUARD_S
 
 
 class App:
@@ -86,13 +87,13 @@ async def test_a_reply_begun_while_draining_closes_its_connection(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: edge\r\n"
             b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
         )
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             while server.in_flight == 0:
                 await trio.testing.wait_all_tasks_blocked()
         server.stop_accepting()
         app.release.set()
         received = b""
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             while chunk := await trio.to_thread.run_sync(raw.recv, 65536):
                 received += chunk
     head, _, body = received.partition(b"\r\n\r\n")
@@ -148,7 +149,7 @@ async def test_drain_waits_for_requests_in_progress(nursery: trio.Nursery) -> No
     await trio.testing.wait_all_tasks_blocked()
     assert not quiet.is_set()
     app.release.set()
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await quiet.wait()
     assert answers == ["old"]
     server.terminate()

@@ -23,6 +23,7 @@ from iop_edge.edge import Edge, EdgeStartupError
 from iop_edge.runtime.metering.usage import UsageRecord
 from tests.e2e.postgres import PASSWORD_ENV, Postgres
 from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
+from tests.timing import GUARD_S
 
 MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
 
@@ -67,7 +68,7 @@ async def test_two_edges_share_one_ledger(
     await _chat(stacks[0], 3)
     await _chat(stacks[1], 2, max_tokens=5)
     for stack in stacks:
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             await stack.edge.ledger.wait_flushed()
     for stack in stacks:  # either Edge's GET /usage reads the shared ledger
         [row] = await _usage(stack)
@@ -128,7 +129,7 @@ async def test_the_writer_reconnects_after_losing_its_connection(
         nursery, _config(tmp_path, ledger_url), tmp_path / "edge.yaml", wait_models=("m",)
     )
     await _chat(stack, 1)
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await stack.edge.ledger.wait_flushed()
     with psycopg.connect(postgres_server.admin_url(), autocommit=True) as admin:
         admin.execute(
@@ -136,10 +137,10 @@ async def test_the_writer_reconnects_after_losing_its_connection(
             "WHERE usename = 'iop' AND application_name = '' AND pid <> pg_backend_pid()"
         )
     await _chat(stack, 1)  # its batch meets the dead connection: lost, and counted
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await stack.edge.ledger.wait_flushed()
     await _chat(stack, 2)  # the next batches reconnect
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await stack.edge.ledger.wait_flushed()
     [row] = await _usage(stack)
     assert row["requests"] + stack.edge.ledger.dropped == 4
@@ -170,7 +171,7 @@ async def test_an_older_table_gains_the_protocol_column_its_rows_chat(
         base_url=stack.addresses.openai_url, api_key="open", max_retries=0
     ) as client:
         await client.messages.create(model="m", max_tokens=2, messages=MESSAGES)
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await stack.edge.ledger.wait_flushed()
     rows = await _usage(stack, group_by="protocol")
     assert [(row["protocol"], row["requests"]) for row in rows] == [("chat", 2), ("messages", 1)]
@@ -227,7 +228,7 @@ async def test_an_outage_is_a_503_two_log_lines_and_nothing_lost(
         nursery, _config(tmp_path, ledger_url), tmp_path / "edge.yaml", wait_models=("m",)
     )
     await _chat(stack, 2)
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await stack.edge.ledger.wait_flushed()
     caplog.clear()
     await trio.to_thread.run_sync(postgres_server.stop)
@@ -271,7 +272,7 @@ async def test_usage_pages_in_postgresql_as_in_sqlite(
     stack = await start_stack(nursery, _config(tmp_path, ledger_url), tmp_path / "edge.yaml")
     for index in range(5):
         stack.edge.ledger.record(_record(f"r{index}", f"team-{index}"))
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await stack.edge.ledger.wait_flushed()
     params = {"group_by": "principal_ref,model", "limit": "2"}
     seen = []

@@ -12,6 +12,7 @@ from trio_websocket import WebSocketConnection, open_websocket_url
 
 from schemas import wire
 from tests.e2e.stack import NODE_TOKEN, Stack, one_sim_config, start_stack
+from tests.timing import GUARD_S
 
 OnMessage = Callable[[WebSocketConnection, wire.EdgeToNode], Awaitable[None]]
 GOOD_EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}],"model":"m"}\n\n'
@@ -41,7 +42,7 @@ async def _stack(nursery: trio.Nursery, tmp_path: Path, on_message: OnMessage) -
 
 
 async def _statuses(stack: Stack) -> list[int]:
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await stack.edge.ledger.wait_flushed()
     with sqlite3.connect(stack.edge.ledger.path) as db:
         return [row[0] for row in db.execute("SELECT status FROM usage")]
@@ -67,7 +68,7 @@ async def test_bad_chunk_ends_the_stream_with_an_error_and_cancels_the_run(
     assert events[0] == 'data: {"choices":[{"index":0,"delta":{"content":"hi"}}],"model":"m"}'
     assert '"code":"bad_chunk"' in events[1]
     assert events[2:] == ["data: [DONE]"]
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await cancelled.wait()  # the Node still ran it: the Edge told it to stop
     assert stack.edge.scheduler.statistics().providers["sim-1"].in_flight == 0
     assert await _statuses(stack) == [502]
@@ -186,7 +187,7 @@ async def test_a_node_that_reports_no_usage_still_gets_its_runs_metered(
         for stream in (True, False):
             body = {"model": "m", "messages": messages, "stream": stream}
             assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await stack.edge.ledger.wait_flushed()
     with sqlite3.connect(stack.edge.ledger.path) as db:
         rows = db.execute(

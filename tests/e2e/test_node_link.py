@@ -19,6 +19,7 @@ from iop_edge.runtime.nodes.hub import PRE_AUTH_MAX_FRAME_BYTES
 from iop_node.backoff import BackoffPolicy
 from schemas import wire
 from tests.e2e.stack import NODE_TOKEN, Stack, one_sim_config, start_stack
+from tests.timing import GUARD_S
 
 
 def _text(tmp_path: Path) -> str:
@@ -28,7 +29,7 @@ def _text(tmp_path: Path) -> str:
 async def _handshake(url: str, hello: wire.Hello | bytes) -> wire.EdgeToNode:
     async with open_websocket_url(url) as ws:
         await ws.send_message(hello if isinstance(hello, bytes) else wire.encode(hello))
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             return wire.decode_from_edge(await ws.get_message())
 
 
@@ -65,7 +66,7 @@ async def test_an_anonymous_peer_cannot_send_a_large_message(
     stack = await start_stack(nursery, _text(tmp_path), tmp_path / "edge.yaml", nodes=())
     async with open_websocket_url(stack.addresses.node_url) as ws:
         await ws.send_message(b"\x00" * (PRE_AUTH_MAX_FRAME_BYTES + 1))
-        with trio.fail_after(5), pytest.raises(ConnectionClosed) as closed:
+        with trio.fail_after(GUARD_S), pytest.raises(ConnectionClosed) as closed:
             await ws.get_message()
     assert closed.value.reason is not None and closed.value.reason.code == 1009
 
@@ -111,7 +112,7 @@ async def test_a_duplicate_node_id_is_named_on_both_sides(
     hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="node-1", token=NODE_TOKEN)
     async with open_websocket_url(stack.addresses.node_url) as intruder:
         await intruder.send_message(wire.encode(hello))
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             assert isinstance(wire.decode_from_edge(await intruder.get_message()), wire.Welcome)
             while True:  # the real Node comes back and replaces the intruder
                 message = wire.decode_from_edge(await intruder.get_message())
@@ -146,7 +147,7 @@ async def test_second_connection_replaces_the_first(nursery: trio.Nursery, tmp_p
                 wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="node-1", token=NODE_TOKEN)
             )
         )
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             assert isinstance(wire.decode_from_edge(await ws.get_message()), wire.Welcome)
         session = stack_one.edge.hub.session("node-1")
         assert session is not None and session.websocket.remote is not None
@@ -206,7 +207,7 @@ async def test_silent_node_is_dropped_by_heartbeat(nursery: trio.Nursery, tmp_pa
         ws.receive_data(await stream.receive_some())
     hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="node-1", token=NODE_TOKEN)
     await stream.send_all(ws.send(BytesMessage(data=wire.encode(hello))))
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         while "node-1" not in stack.edge.connected_nodes():
             await stack.edge.wait_pool_change()
         # From here on we never read, so the Edge's pings go unanswered.

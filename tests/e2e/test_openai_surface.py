@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from tests.e2e.stack import Stack, edge_config, one_sim_config, sim_provider, start_stack
+from tests.timing import GUARD_S
 
 CALLER_TOKEN = "caller-token-for-tests"
 
@@ -189,7 +190,7 @@ async def test_no_provider_connected_is_immediate_503(
     text = one_sim_config(tmp_path)
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", nodes=())
     async with stack.client() as client:
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             with pytest.raises(openai.InternalServerError) as caught:
                 await client.chat.completions.create(
                     model="m", messages=[{"role": "user", "content": "x"}]

@@ -184,7 +184,9 @@ def _browse(admin_url: str, profile: Path, screenshot: Path) -> dict[str, Any]:
 async def test_the_pool_page_shows_providers_and_their_load_live(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    pytest.importorskip(
+        "playwright.sync_api", reason="playwright is not installed: pip install -e '.[dev]'"
+    )
     stack = await start_stack(
         nursery,
         _config(tmp_path),

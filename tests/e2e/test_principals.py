@@ -23,6 +23,7 @@ from tests.adapters.fake_upstream import FakeUpstream
 from tests.e2e.postgres import PASSWORD_ENV
 from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
 from tests.e2e.upstreams import upstream_provider
+from tests.timing import GUARD_S
 
 TOKENS = {"alice": "sk-alice-not-a-secret", "bob": "sk-bob-not-a-secret"}
 
@@ -385,7 +386,7 @@ async def test_replicas_share_budgets_and_split_per_minute_limits(
     first = await chat(a, "alice", max_tokens=30)
     assert first.status_code == 200
     assert first.headers["x-ratelimit-limit-requests"] == "5"  # half of 10 on each replica
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await a.edge.ledger.wait_flushed()
     # b reads the shared ledger (every BUDGET_SYNC_S while replicas share it; now here):
     # alice's budget is spent on a, so b refuses her too.

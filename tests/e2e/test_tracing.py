@@ -32,7 +32,10 @@ from tests.e2e.stack import Stack, edge_config, start_stack
 from tests.e2e.upstreams import upstream_provider
 from tests.recording_server import RecordingServer, Seen
 
-pytest.importorskip("opentelemetry.sdk", reason="the `otel` extra is not installed")
+pytest.importorskip(
+    "opentelemetry.sdk",
+    reason="the `otel` extra is not installed: pip install -e '.[dev]' (or '.[otel]')",
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,

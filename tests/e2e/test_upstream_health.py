@@ -1,7 +1,10 @@
 """The Node's health probes, seen from the Edge: an upstream that goes down leaves the pool.
 
-Providers here probe every 50 ms, so each flip takes one or two probe intervals; the tests
-wait for it event-driven (`Stack.wait_catalog`), never by sleeping.
+Providers here probe every half second, so each flip takes one or two probe intervals;
+the tests wait for it event-driven (`Stack.wait_catalog`), never by sleeping. A probe is
+bounded by its interval: half a second is room for a probe on a loaded machine (at 50 ms
+one could time out there and turn an `available` provider `unavailable` before the very
+request the test sends next).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from tests.e2e.upstreams import (
 )
 from tests.timing import GUARD_S
 
-PROBE_EVERY_S = 0.05
+PROBE_EVERY_S = 0.5
 
 
 def _health_is(health: str) -> Callable[[dict[str, Any]], bool]:
@@ -110,7 +113,11 @@ async def test_queued_requests_are_refused_when_the_provider_goes_down(
 
     fake = FakeUpstream(chunks=3, pace=hold)
     base_url = await nursery.start(fake.serve)
-    provider = upstream_provider("gpu", base_url, capacity=1, health_interval_s=PROBE_EVERY_S)
+    # The held run shows nothing after its first chunk: once its stall window (the
+    # first-byte budget) has passed, the Node probes the provider again and finds it down.
+    provider = upstream_provider(
+        "gpu", base_url, capacity=1, health_interval_s=PROBE_EVERY_S, first_byte_timeout_s=3.0
+    )
     stack = await make_stack([provider])
     async with stack.client() as client:
         with trio.fail_after(GUARD_S):

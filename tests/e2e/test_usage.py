@@ -12,6 +12,7 @@ import trio
 from iop_edge.cli import main as edge_cli
 from iop_edge.runtime.metering.usage import UsageRecord
 from tests.e2e.stack import one_sim_config, start_stack
+from tests.timing import GUARD_S
 
 TOKENS = {"app-a": "usage-test-token-a", "app-b": "usage-test-token-b"}
 
@@ -43,7 +44,7 @@ async def test_every_finished_run_is_metered_per_principal(
     async with stack.client(api_key=TOKENS["app-b"]) as client:
         await client.chat.completions.create(model="m", max_tokens=5, messages=messages)
 
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await stack.edge.ledger.wait_flushed()  # the ledger writes off the request path
     async with stack.admin() as admin:
         report = (await admin.get("/usage", params={"group_by": "token_ref"})).json()
@@ -80,7 +81,7 @@ async def test_usage_comes_in_bounded_pages(
     stack = await start_stack(nursery, one_sim_config(tmp_path / "state"), tmp_path / "e.yaml")
     for index in range(5):
         stack.edge.ledger.record(_record(f"r{index}", f"team-{index}"))
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await stack.edge.ledger.wait_flushed()
     async with stack.admin() as admin:
         seen: list[str] = []

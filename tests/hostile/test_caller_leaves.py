@@ -14,6 +14,7 @@ import trio
 import trio.testing
 
 from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
+from tests.timing import GUARD_S
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -28,7 +29,7 @@ async def _stack(nursery: trio.Nursery, tmp_path: Path, **adapter: Any) -> Stack
 
 
 async def _rows(stack: Stack) -> list[tuple[int, str, str | None]]:
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await stack.edge.ledger.wait_flushed()
     with sqlite3.connect(stack.edge.ledger.path) as db:
         return list(db.execute("SELECT status, provider, node FROM usage"))

@@ -7,6 +7,7 @@ import pytest
 import trio
 
 from tests.e2e.stack import Stack
+from tests.timing import GUARD_S
 
 OPENAI_ROUTES = [
     ("GET", "/healthz", b""),
@@ -46,7 +47,7 @@ async def _exchange(url: str, request: bytes) -> bytes:
     async with stream:
         await stream.send_all(request)
         received = b""
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             while data := await stream.receive_some():
                 received += data
     return received
@@ -78,7 +79,7 @@ async def test_keep_alive_still_serves_several_requests(stack_one: Stack) -> Non
         for _ in range(3):
             await stream.send_all(_request("GET", "/healthz", b"", "HTTP/1.1", b""))
             received = b""
-            with trio.fail_after(5):
+            with trio.fail_after(GUARD_S):
                 while not received.endswith(b"}"):
                     received += await stream.receive_some()
             assert received.startswith(b"HTTP/1.1 200")

@@ -14,6 +14,7 @@ from iop_edge.core.node_input import MAX_REPORTED_TOKENS, MAX_TEXT_CHARS
 from schemas import wire
 from tests.e2e.stack import Stack, one_sim_config, start_stack
 from tests.hostile.peers import OnMessage, hand_driven_node
+from tests.timing import GUARD_S
 
 RESPONSE = b'{"object":"chat.completion","model":"sim-small","choices":[]}'
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
@@ -34,7 +35,7 @@ async def _stack(
 
 
 async def _rows(stack: Stack) -> list[tuple[int, int, int]]:
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await stack.edge.ledger.wait_flushed()
     with sqlite3.connect(stack.edge.ledger.path) as db:
         return list(db.execute("SELECT status, prompt_tokens, completion_tokens FROM usage"))

@@ -16,6 +16,7 @@ from iop_edge.runtime.nodes.handshakes import (
 from schemas import wire
 from tests.e2e.stack import NODE_TOKEN, Stack, one_sim_config, start_stack
 from tests.hostile.peers import RawPeer, open_raw_peer
+from tests.timing import GUARD_S
 
 
 async def _stack(nursery: trio.Nursery, tmp_path: Path) -> Stack:
@@ -64,7 +65,7 @@ async def test_a_silent_peer_is_dropped_at_the_handshake_deadline(
     stack = await _stack(nursery, tmp_path)
     stack.edge.hub.handshake_timeout_s = 0.05
     peer = await open_raw_peer(stack.addresses.node_url)
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         reply = await peer.next_message()
         await peer.wait_closed()
     assert isinstance(reply, wire.Reject) and reply.code == "handshake_timeout"
@@ -88,7 +89,7 @@ async def test_frames_built_to_crash_the_decoder_are_rejected(
     for attack in (frame, nested, b"\xdd\xff\xff\xff\xff", b"\xc1" * 100):
         peer = await open_raw_peer(stack.addresses.node_url)
         await peer.send(attack)
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             reply = await peer.next_message()
             await peer.wait_closed()
         assert isinstance(reply, wire.Reject) and reply.code == "bad_frame", attack[:8]
@@ -110,7 +111,7 @@ async def test_a_ping_answering_the_edges_close_ends_only_that_connection(
     await stack.wait_servable("m")
     peer = await open_raw_peer(stack.addresses.node_url)
     await peer.send(b"\xc1 not a hello")
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         reply = await peer.next_message(answer_close=False)
         assert isinstance(reply, wire.Reject) and reply.code == "bad_frame"
         assert await peer.next_message(answer_close=False) is None  # the Edge's Close

@@ -28,12 +28,13 @@ _LEAKY_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "IOP_N
 
 
 def build_distributions(out: Path) -> dict[str, Path]:
-    """`python -m build`: the sdist, then the wheel built from it, as a release is made."""
-    subprocess.run(
-        [sys.executable, "-m", "build", "--outdir", str(out), str(REPO)],
-        check=True,
-        capture_output=True,
+    """The guide's `just dist` (`python -m build`: the sdist, then the wheel built from
+    it, as a release is made), into `out` rather than the repository's `dist/`."""
+    just = Path(sys.executable).parent / "just"
+    built = subprocess.run(
+        [str(just), "dist", str(out)], cwd=REPO, check=False, capture_output=True, text=True
     )
+    assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = out.glob("iop_gateway-*.whl")
     (sdist,) = out.glob("iop_gateway-*.tar.gz")
     return {"wheel": wheel, "sdist": sdist}
@@ -194,6 +195,8 @@ class Shell:
 # --- the guide ----------------------------------------------------------------------------
 
 _FENCE = re.compile(r"^```sh\n(.*?)^```", re.MULTILINE | re.DOTALL)
+#: Any fenced block (a `yaml` one too): not prose, so no inline code span in it.
+_ANY_FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 _INLINE = re.compile(r"`([^`]+)`")
 #: An inline code span is a command when it starts with one of these.
 COMMAND_WORDS = ("iop-edge ", "iop-node ", "pipx ", "pip ", "systemctl ", "journalctl ", "apt ")
@@ -205,7 +208,7 @@ def guide_commands(text: str) -> list[str]:
     commands: list[str] = []
     for block in _FENCE.findall(text):
         commands.extend(line for line in block.replace("\\\n", "").splitlines() if line)
-    prose = _FENCE.sub("", text)
+    prose = _ANY_FENCE.sub("", text)
     commands.extend(span for span in _INLINE.findall(prose) if span.startswith(COMMAND_WORDS))
     return commands
 

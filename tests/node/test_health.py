@@ -189,7 +189,7 @@ async def test_a_provider_producing_output_is_busy_and_not_probed_until_its_runs
         assert status.health == "busy"
         assert status.models == ["m", "m2"]  # still serving what it served
         assert status.detail == (
-            "busy: 1 run in flight producing output (health probe deferred until they stop)"
+            "1 run from IOP producing output at the runtime (health probe deferred until they stop)"
         )
 
         await trio.sleep(61 - 11)  # t=60: silent for 20 s, within its 25 s budget
@@ -223,7 +223,7 @@ async def test_a_run_that_starts_while_a_probe_hangs_makes_the_timeout_busy(
         [status] = reports.reports[-1][1]
         assert (status.health, status.detail) == (
             "busy",
-            "busy: health probe timed out after 3s while 1 run in flight produced output",
+            "health probe timed out after 3s while 1 run from IOP produced output at the runtime",
         )
         activity.finish("p1", run)  # done, and still no answer: down at the next probe
         await trio.sleep(10 + 3)
@@ -261,7 +261,7 @@ async def test_a_provider_found_down_is_probed_even_with_runs_in_flight(
         [status] = reports.reports[-1][1]  # the adapter's own timeout, judged by the run
         assert status.health == "busy"
         assert status.detail is not None
-        assert status.detail.startswith("busy: health probe timed out (timed out: read)")
+        assert status.detail.startswith("health probe timed out (timed out: read)")
         activity.finish("p1", run)
         nursery.cancel_scope.cancel()
 

@@ -18,6 +18,7 @@ from schemas.wire import (
     Status,
 )
 from tests.node.test_registry import Factory
+from tests.timing import GUARD_S
 
 
 class Edge:
@@ -190,7 +191,7 @@ async def test_stop_tells_every_link_and_refuses_new_runs(nursery: trio.Nursery)
     [refused] = b.of(RunFailed)
     assert isinstance(refused, RunFailed) and refused.code == FailureCode.NODE_STOPPING
     factory.created[0].release("r1")
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await host.wait_drained()
     assert [type(item) for item in a.received][-1] is RunDone
 

@@ -19,6 +19,7 @@ from schemas.config import AdapterSettings, ProviderConfig
 from schemas.tokens import estimate_input_tokens, template_tokens, text_tokens
 from schemas.wire import FailureCode, Operation, ProviderStatus, Run, RunDone, RunFailed, Usage
 from tests.node_runs import run_to_end, sse_events
+from tests.timing import GUARD_S
 
 ALIAS = "claude-local"
 MAX_TOKENS = 4
@@ -190,7 +191,7 @@ async def test_a_cancelled_stream_is_estimated_from_what_went_out() -> None:
         if deltas == 3:
             handle.cancel(FailureCode.CANCELLED, "caller went away")
 
-    with trio.fail_after(5):
+    with trio.fail_after(GUARD_S):
         await execute_run(run, SimAdapter(SIM), handle, send)
     end = sent[-1]
     assert isinstance(end, RunFailed) and end.code == FailureCode.CANCELLED

@@ -53,6 +53,12 @@ def test_a_provider_whose_node_is_gone_is_unavailable_whatever_it_last_said() ->
         ({"health": "unknown"}, "waiting for the node's first health report"),
         ({"health": "unknown", "detail": "probing"}, "probing"),
         ({"health": "busy"}, "busy"),
+        # The health is its own column: a Node's words that repeat it lose the repeat.
+        (
+            {"health": "busy", "detail": "busy: 1 run from IOP producing output"},
+            "1 run from IOP producing output",
+        ),
+        ({"health": "busy", "detail": "busy-looking words"}, "busy-looking words"),
         (
             {"health": "unavailable", "detail": "GET /models returned 500"},
             "GET /models returned 500",

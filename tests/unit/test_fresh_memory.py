@@ -60,7 +60,11 @@ def _resident_growth(mode: str) -> dict[str, int]:
     return growth
 
 
-@pytest.mark.skipif(not (_glibc() and Path("/proc/self/statm").exists()), reason="glibc's")
+@pytest.mark.skipif(
+    not (_glibc() and Path("/proc/self/statm").exists()),
+    reason="measures glibc's allocator through /proc/self/statm: needs Linux with glibc "
+    "(not musl, e.g. Alpine; not macOS)",
+)
 def test_touched_memory_stays_resident_and_the_next_buffer_is_made_in_it() -> None:
     touched = _resident_growth("touch")
     assert touched["touch_stays"] >= 40 << 20  # written, freed, and kept by the allocator

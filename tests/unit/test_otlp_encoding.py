@@ -9,7 +9,10 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("opentelemetry.sdk", reason="the `otel` extra is not installed")
+pytest.importorskip(
+    "opentelemetry.sdk",
+    reason="the `otel` extra is not installed: pip install -e '.[dev]' (or '.[otel]')",
+)
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import (
     encode_spans as sdk_encode_spans,
 )

@@ -17,11 +17,17 @@ from hypothesis import strategies as st
 from iop_edge.core.config import ConfigInvalid, parse_config
 from schemas import safe_yaml
 
+#: Why the libyaml tests skip, and how to get it.
+NO_LIBYAML = (
+    "PyYAML without libyaml >= 0.2.5: pip install --force-reinstall pyyaml (its wheels "
+    "bundle libyaml)"
+)
+
 PARSERS = [
     pytest.param(
         True,
         id="libyaml",
-        marks=pytest.mark.skipif(not safe_yaml.LIBYAML, reason="PyYAML without libyaml >= 0.2.5"),
+        marks=pytest.mark.skipif(not safe_yaml.LIBYAML, reason=NO_LIBYAML),
     ),
     pytest.param(False, id="pure-python"),
 ]
@@ -113,7 +119,7 @@ def test_a_config_with_a_lone_surrogate_is_refused_with_its_position() -> None:
     assert invalid.value.errors[0].message.startswith("invalid YAML at character 11")
 
 
-@pytest.mark.skipif(not safe_yaml.LIBYAML, reason="PyYAML without libyaml >= 0.2.5")
+@pytest.mark.skipif(not safe_yaml.LIBYAML, reason=NO_LIBYAML)
 @pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda path: path.name)
 def test_both_parsers_build_the_same_data_from_the_shipped_configs(path: Path) -> None:
     text = path.read_text(encoding="utf-8")

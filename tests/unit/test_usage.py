@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from iop_edge.runtime.metering.usage import UsageLedger
+from tests.timing import GUARD_S
 from tests.unit.usage_records import usage_record
 
 
@@ -32,7 +33,7 @@ async def test_a_failing_write_is_retried_and_loses_nothing(tmp_path: Path) -> N
         with sqlite3.connect(path) as db:
             db.execute("ALTER TABLE hidden RENAME TO usage")
         ledger.record(usage_record("kept"))
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             await ledger.wait_flushed()
         nursery.cancel_scope.cancel()
     assert _rows(path) == ["held", "kept"]
@@ -47,7 +48,7 @@ async def test_close_drains_what_is_queued(tmp_path: Path) -> None:
         for index in range(5):
             ledger.record(usage_record(f"r{index}"))
         ledger.close()
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             await ledger.wait_stopped()
         ledger.record(usage_record("late"))  # after close: counted, not written, no crash
     assert _rows(path) == [f"r{index}" for index in range(5)]
@@ -60,7 +61,7 @@ async def test_aggregate_groups_and_rejects_unknown_columns(tmp_path: Path) -> N
         await nursery.start(ledger.run)
         ledger.record(usage_record("a"))
         ledger.record(usage_record("b"))
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             await ledger.wait_flushed()
         report = await ledger.aggregate(since=None, until=None, group_by=["model"])
         assert [
@@ -97,7 +98,7 @@ async def test_an_older_ledger_gains_usage_source_and_keeps_its_rows(tmp_path: P
         await nursery.start(ledger.run)
         ledger.record(usage_record("reported"))
         ledger.record(msgspec.structs.replace(usage_record("guessed"), usage_source="estimated"))
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             await ledger.wait_flushed()
         by_source = await ledger.aggregate(since=None, until=None, group_by=["usage_source"])
         total = await ledger.aggregate(since=None, until=None, group_by=[])
@@ -130,7 +131,7 @@ async def test_records_journaled_before_a_kill_are_replayed_once(tmp_path: Path)
     async with trio.open_nursery() as nursery:
         await nursery.start(first.run)
         first.record(usage_record("committed"))
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             await first.wait_flushed()
         for name in ("a", "b", "c"):
             first.record(usage_record(name))
@@ -158,7 +159,7 @@ async def test_a_live_ledgers_journal_is_left_alone(tmp_path: Path) -> None:
         live.record(usage_record("live"))
         await nursery.start(starting.run)  # another Edge on the same state_dir
         assert starting.statistics().replayed == 0
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             await live.wait_flushed()
         nursery.cancel_scope.cancel()
     assert _rows(path) == ["live"]
@@ -175,7 +176,7 @@ async def test_segments_rotate_and_are_deleted_once_read(
         for index in range(20):
             ledger.record(usage_record(f"r{index:02}"))
         assert len(_journal_files(tmp_path)) > 3
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             await ledger.wait_flushed()
         assert len(_journal_files(tmp_path)) == 1  # the live one
         nursery.cancel_scope.cancel()
@@ -189,7 +190,7 @@ async def test_an_older_ledger_gains_protocol_and_groups_by_it(tmp_path: Path) -
         await nursery.start(ledger.run)
         ledger.record(msgspec.structs.replace(usage_record("agent"), protocol="messages"))
         ledger.record(msgspec.structs.replace(usage_record("codex"), protocol="responses"))
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             await ledger.wait_flushed()
         report = await ledger.aggregate(since=None, until=None, group_by=["protocol"])
         nursery.cancel_scope.cancel()

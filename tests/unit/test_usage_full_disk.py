@@ -15,6 +15,7 @@ import trio
 from iop_edge.runtime.metering.journal import UsageJournal
 from iop_edge.runtime.metering.usage import UsageLedger
 from tests.small_disk import SmallDisk, small_disk
+from tests.timing import GUARD_S
 from tests.unit.usage_records import usage_record
 
 
@@ -65,7 +66,7 @@ async def test_records_wait_in_memory_in_order_and_are_written_when_space_return
     async with trio.open_nursery() as nursery:
         await nursery.start(ledger.run)
         ledger.record(usage_record("before"))
-        with trio.fail_after(5):
+        with trio.fail_after(GUARD_S):
             await ledger.wait_flushed()
         disk.fill()
         recorded = ["before", *await _record_until_unwritten(ledger, "slack-")]

@@ -556,6 +556,13 @@ def _log_attempt(source: str, request: RefreshRequest, result: RefreshResult) ->
     )
     for error in report.errors:
         log.log(level, "refresh %s: %s: %s", report.outcome, error.path or "-", error.message)
+    if report.pending_restart and result.verdict == "accepted":
+        log.log(
+            level,
+            "refresh: %d change(s) wait for a restart: `iop-edge restart` (or SIGUSR2) applies "
+            "them with no downtime",
+            len(report.pending_restart),
+        )
     behind = [node for node in report.nodes if node.status != "applied"]
     for node in behind[:_NODES_LOGGED]:
         log.warning("refresh: node %s %s: %s", node.id, node.status, node.detail or "")
