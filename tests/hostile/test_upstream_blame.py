@@ -1,0 +1,83 @@
+"""Hostile upstreams: a runtime whose reply cannot be relayed as it is, one that answers
+one request shape with nothing, one that restarts, one that names its own address. What
+the caller gets is a clean error in its own protocol, without the Edge's topology, and
+no caller's request takes a model offline for the others."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import pytest
+import trio
+
+from tests.adapters.fake_upstream import FakeUpstream
+from tests.e2e.upstreams import ALIAS, MakeStack, upstream_provider, upstream_stacks, wait_idle
+from tests.timing import GUARD_S
+
+
+@pytest.fixture
+async def make_stack(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[MakeStack]:
+    async with upstream_stacks(nursery, tmp_path) as make:
+        yield make
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    return json.dumps({"id": "c1", "object": "chat.completion.chunk", "choices": [choice]}).encode()
+
+
+def _tool_call_stream(arguments: list[str]) -> list[bytes]:
+    """A streamed tool call whose argument fragments are `arguments`, as they came."""
+    first = {"index": 0, "id": "call_1", "function": {"name": "read_file", "arguments": ""}}
+    chunks = [_chunk({"role": "assistant", "tool_calls": [first]})]
+    chunks += [
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
+        for piece in arguments
+    ]
+    return [*chunks, _chunk({}, "tool_calls")]
+
+
+MALFORMED = ['{"path": ', '"a.txt"']  # never closed: not JSON
+
+
+async def test_malformed_tool_arguments_end_a_translated_stream_with_an_error_event(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    """The whole reply is a 502; the stream, already under way when the arguments turn
+    out to be no JSON, ends with the caller's protocol's error event, never a stop."""
+    fake = FakeUpstream(scripted=lambda payload: _tool_call_stream(MALFORMED))
+    stack = await make_stack([upstream_provider("gpu", await nursery.start(fake.serve))])
+    tools: Any = [{"name": "read_file", "input_schema": {"type": "object"}}]
+    async with anthropic.AsyncAnthropic(
+        base_url=stack.addresses.openai_url, api_key="open", max_retries=0
+    ) as client:
+        seen: list[str] = []
+        with trio.fail_after(GUARD_S), pytest.raises(anthropic.APIStatusError) as caught:
+            stream = await client.messages.create(
+                model=ALIAS,
+                max_tokens=40,
+                messages=[{"role": "user", "content": "read a.txt"}],
+                tools=tools,
+                stream=True,
+            )
+            async for event in stream:
+                seen.append(event.type)
+    assert "message_stop" not in seen and "message_delta" not in seen
+    body = caught.value.body
+    assert isinstance(body, dict) and body["error"]["type"] == "api_error"
+    assert "not a JSON object" in body["error"]["message"]
+    async with stack.client() as openai_client:
+        with trio.fail_after(GUARD_S):
+            events = await openai_client.responses.create(
+                model=ALIAS,
+                input="read a.txt",
+                tools=[{"type": "function", "name": "read_file", "parameters": {}}],
+                stream=True,
+            )
+            kinds = [event.type async for event in events]
+    assert kinds[-1] == "response.failed" and "response.completed" not in kinds
+    await wait_idle(stack)
