@@ -15,7 +15,14 @@ import pytest
 import trio
 
 from tests.adapters.fake_upstream import FakeUpstream
-from tests.e2e.upstreams import ALIAS, MakeStack, upstream_provider, upstream_stacks, wait_idle
+from tests.e2e.upstreams import (
+    ALIAS,
+    MakeStack,
+    RunningUpstream,
+    upstream_provider,
+    upstream_stacks,
+    wait_idle,
+)
 from tests.timing import GUARD_S
 
 
@@ -81,3 +88,50 @@ async def test_malformed_tool_arguments_end_a_translated_stream_with_an_error_ev
             kinds = [event.type async for event in events]
     assert kinds[-1] == "response.failed" and "response.completed" not in kinds
     await wait_idle(stack)
+
+
+# --- what a caller's error says ---------------------------------------------------------
+
+
+async def test_no_caller_error_names_a_provider_a_node_or_an_address(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    """Whatever fails, a caller's error body names no provider, node, host or port (the
+    Edge's log has them, under the request id the body ends with)."""
+    gone = RunningUpstream(FakeUpstream(), nursery)
+    gone_url = await gone.start()
+    broken = FakeUpstream(status=500)
+    broken_url = await nursery.start(broken.serve)
+    broken.error_message = f"the backend at {broken_url} and 127.0.0.1:9 said no"
+    providers = [
+        upstream_provider("gpu1-llama", gone_url, priority=1),
+        upstream_provider("gpu2-llama", broken_url, priority=2),
+    ]
+    stack = await make_stack(providers, dispatch={"cooldown": {"failures": 1, "seconds": 60}})
+    await gone.stop()
+    bodies: list[tuple[str, str]] = []
+    async with stack.http() as http:
+        for path, body in (
+            (
+                "/v1/chat/completions",
+                {"model": ALIAS, "messages": [{"role": "user", "content": "x"}]},
+            ),
+            (
+                "/v1/chat/completions",
+                {"model": ALIAS, "stream": True, "messages": [{"role": "user", "content": "x"}]},
+            ),
+            (
+                "/v1/messages",
+                {"model": ALIAS, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]},
+            ),
+            ("/v1/responses", {"model": ALIAS, "input": "x", "stream": True}),
+        ):
+            with trio.fail_after(GUARD_S):
+                response = await http.post(path, json=body)
+            assert response.status_code in (502, 503), response.text
+            bodies.append((response.headers["x-request-id"], response.text))
+    for request_id, text in bodies:
+        assert f"request id {request_id}" in text, text
+        for secret in ("gpu1-llama", "gpu2-llama", "node-1", "127.0.0.1", f":{gone.port}"):
+            assert secret not in text, (secret, text)
+    assert "said no" in bodies[0][1]  # the upstream's own words stay
