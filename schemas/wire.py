@@ -308,6 +308,12 @@ class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
     usage_source: UsageSource | None = None
     upstream_code: str | None = None
     param: str | None = None
+    reply_fault: bool = False
+    """The upstream answered, and its reply was empty or malformed (no event in a 200
+    stream, output that is not JSON, tool-call arguments that are no JSON object). Such a
+    reply may be the provider's fault or the request's (a runtime that cannot answer one
+    request shape), so the Edge blames the provider only when other requests to it fail
+    too (design §4 item 10)."""
 
 
 class RunEvents(Message, tag="run_events", frozen=True, kw_only=True):

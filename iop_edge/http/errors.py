@@ -156,9 +156,7 @@ def admission_error(exc: AdmissionError, *, request_id: str = "") -> ApiError:
         (answer for kind, answer in _COME_BACK_LATER if isinstance(exc, kind)), _NO_PROVIDER
     )
     message = with_request_id(exc.reason, request_id) if status == 503 else exc.reason
-    return ApiError(
-        status, message, type=type_, code=code, retry_after_s=exc.retry_after_s or 1.0
-    )
+    return ApiError(status, message, type=type_, code=code, retry_after_s=exc.retry_after_s or 1.0)
 
 
 #: Failures that are the request's, not the provider's: with a 4xx status from the

@@ -11,14 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import openai
 import pytest
 import trio
 
 from tests.adapters.fake_upstream import FakeUpstream
 from tests.e2e.upstreams import (
     ALIAS,
+    MESSAGES,
     MakeStack,
     RunningUpstream,
+    provider_of,
     upstream_provider,
     upstream_stacks,
     wait_idle,
@@ -135,3 +138,57 @@ async def test_no_caller_error_names_a_provider_a_node_or_an_address(
         for secret in ("gpu1-llama", "gpu2-llama", "node-1", "127.0.0.1", f":{gone.port}"):
             assert secret not in text, (secret, text)
     assert "said no" in bodies[0][1]  # the upstream's own words stay
+
+
+# --- empty replies: the request's shape or the provider ----------------------------------
+
+
+def _empty_when_tools_are_offered(payload: dict[str, Any]) -> list[bytes] | None:
+    """llama-cpp-python's function calling with `tool_choice: "auto"`: an empty 200."""
+    return [] if payload.get("tools") else None
+
+
+async def test_one_request_shape_answered_with_nothing_takes_no_model_offline(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    fake = FakeUpstream(scripted=_empty_when_tools_are_offered)
+    stack = await make_stack(
+        [upstream_provider("llama", await nursery.start(fake.serve))],
+        dispatch={"cooldown": {"failures": 2, "seconds": 60}},
+    )
+    tools: Any = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    async with stack.client() as client:
+        for _ in range(5):  # a client retrying the one request its runtime cannot answer
+            with trio.fail_after(GUARD_S), pytest.raises(openai.APIStatusError) as caught:
+                await client.chat.completions.create(
+                    model=ALIAS, messages=MESSAGES, tools=tools, tool_choice="auto", stream=True
+                )
+            assert caught.value.status_code == 502
+        entry = provider_of(await stack.catalog(), "llama")
+        assert (entry["cooling_down"], entry["consecutive_failures"]) == (False, 0)
+        with trio.fail_after(GUARD_S):  # everyone else is served
+            answer = await client.chat.completions.create(model=ALIAS, messages=MESSAGES)
+    assert answer.choices[0].message.content
+    await wait_idle(stack)
+
+
+async def test_a_runtime_that_answers_everything_with_nothing_does_cool_down(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    fake = FakeUpstream(empty_streams=True)
+    stack = await make_stack(
+        [upstream_provider("llama", await nursery.start(fake.serve))],
+        dispatch={"cooldown": {"failures": 2, "seconds": 60}},
+    )
+    async with stack.client() as client:
+        for n in range(2):  # two different requests fail the same way
+            with trio.fail_after(GUARD_S), pytest.raises(openai.APIStatusError) as caught:
+                await client.chat.completions.create(
+                    model=ALIAS, messages=[{"role": "user", "content": f"q{n}"}], stream=True
+                )
+            assert caught.value.status_code == 502
+        assert provider_of(await stack.catalog(), "llama")["cooling_down"] is True
+        with trio.fail_after(GUARD_S), pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model=ALIAS, messages=MESSAGES)
+    assert caught.value.status_code == 503
+    await wait_idle(stack)
