@@ -81,6 +81,7 @@ from schemas.channel import (
 )
 from schemas.heartbeat import seconds_to_next_ping
 from schemas.wire import (
+    FEATURE_PROBE,
     NODE_REPLACED,
     PERMANENT_REJECTIONS,
     PROTOCOL_VERSION,
@@ -90,6 +91,7 @@ from schemas.wire import (
     GoAway,
     Hello,
     Message,
+    Probe,
     Refresh,
     RefreshAck,
     Reject,
@@ -365,6 +367,7 @@ class NodeLink:
             node_id=settings.node_id,
             token=settings.token,
             agent_version=settings.agent_version,
+            features=[FEATURE_PROBE],
         )
         frame: str | bytes | None = None
         with trio.move_on_after(settings.handshake_timeout_s):
@@ -565,6 +568,8 @@ class _Session:
                     log.debug("cancel for run %s, which is not active here", run_id)
             case Refresh():
                 await self._refresh(port, message)
+            case Probe(providers=providers):
+                self._host.probe(providers)
             case GoAway(reason=reason):
                 self._goaway(reason)
             case Reject(code=code, reason=reason):

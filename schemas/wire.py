@@ -48,6 +48,12 @@ from schemas.protocols import CallerProtocol
 #: `run.caller_headers`, `run.keep_output`, `ProviderStatus.protocols`).
 PROTOCOL_VERSION = 4
 
+#: What a Node can do beyond its protocol version, named in `hello.features` (a peer
+#: that does not name a feature never gets its messages, so versions mix freely).
+#: `probe`: the Node takes `probe` and answers it with a `status` naming the probed
+#: providers (`Status.probed`).
+FEATURE_PROBE: Final = "probe"
+
 
 Operation = Literal["chat", "completion", "embedding", "messages", "responses", "count_tokens"]
 """What a run asks of its provider.
@@ -107,6 +113,8 @@ class Hello(Message, tag="hello", frozen=True, kw_only=True):
     node_id: str
     token: str
     agent_version: str = ""
+    features: list[str] = []
+    """The features the Node speaks (`FEATURE_PROBE`)."""
 
 
 class Welcome(Message, tag="welcome", frozen=True, kw_only=True):
@@ -192,6 +200,17 @@ class Run(Message, tag="run", frozen=True, kw_only=True):
 
 class Cancel(Message, tag="cancel", frozen=True, kw_only=True):
     run_id: str
+
+
+class Probe(Message, tag="probe", frozen=True, kw_only=True):
+    """Probe these providers now (Edge -> Node, only to a Node that names `FEATURE_PROBE`).
+
+    Sent when callers would be refused because a model's providers are all
+    `unavailable`: a runtime that came back is routable as soon as a probe says so, not
+    at its next periodic probe. The Node probes each at most once a second, one probe at
+    a time, and answers with a `status` whose `probed` names them, changed or not."""
+
+    providers: list[str]
 
 
 class RunDone(Message, tag="run_done", frozen=True, kw_only=True):
@@ -366,6 +385,8 @@ class ProviderStatus(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 class Status(Message, tag="status", frozen=True, kw_only=True):
     providers: list[ProviderStatus]
+    probed: list[str] = []
+    """The providers whose `probe` this report answers (their status is the probe's)."""
 
 
 # --- several Edges -----------------------------------------------------------------------
@@ -396,7 +417,7 @@ class GoAway(Message, tag="goaway", frozen=True, kw_only=True):
     reason: str = ""
 
 
-EdgeToNode = Welcome | Reject | Run | Cancel | Refresh | GoAway
+EdgeToNode = Welcome | Reject | Run | Cancel | Refresh | GoAway | Probe
 NodeToEdge = Hello | Reject | RunEvents | RefreshAck | Status | Load
 
 
