@@ -340,6 +340,8 @@ class Edge:
                 provider.detail,
                 protocols=provider.protocols,
             )
+        if status.probed:
+            self.dispatcher.revival.answered(status.probed)
 
     def _on_load(self, node_id: str, load: wire.Load) -> None:
         """What other Edges hold on this node's providers (design §13)."""

@@ -192,3 +192,31 @@ async def test_a_runtime_that_answers_everything_with_nothing_does_cool_down(
             await client.chat.completions.create(model=ALIAS, messages=MESSAGES)
     assert caught.value.status_code == 503
     await wait_idle(stack)
+
+
+# --- a runtime that restarts ------------------------------------------------------------
+
+
+async def test_a_runtime_that_is_back_serves_at_once_not_at_the_next_periodic_probe(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    """The periodic probe is an hour away: only a probe on demand can find the runtime
+    back. While it is still down, callers are refused at once, as before."""
+    upstream = RunningUpstream(FakeUpstream(), nursery)
+    base_url = await upstream.start()
+    await upstream.stop()  # the runtime restarts: down when the Node first probes it
+    stack = await make_stack(
+        [upstream_provider("llama", base_url, health_interval_s=3600.0)], wait=False
+    )
+    await stack.wait_catalog(lambda c: provider_of(c, "llama")["health"] == "unavailable")
+    async with stack.client() as client:
+        with trio.fail_after(GUARD_S), pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model=ALIAS, messages=MESSAGES)
+        assert caught.value.status_code == 503
+        assert caught.value.code == "no_provider"
+        await upstream.start()  # back, on the same port
+        with trio.fail_after(GUARD_S):
+            answer = await client.chat.completions.create(model=ALIAS, messages=MESSAGES)
+    assert answer.choices[0].message.content
+    assert provider_of(await stack.catalog(), "llama")["health"] == "available"
+    await wait_idle(stack)

@@ -100,6 +100,7 @@ from iop_edge.runtime.runs.limits import (
     Ticket,
     output_bound,
 )
+from iop_edge.runtime.runs.revival import Revival
 from iop_edge.runtime.runs.scheduler import AdmissionError, Lease, NoProvider, Scheduler
 from iop_edge.runtime.runs.verdicts import ProviderVerdicts
 from schemas import wire
@@ -678,6 +679,7 @@ class Dispatcher:
         self._open: set[Run] = set()
         self._stopped: str | None = None
         self._verdicts = ProviderVerdicts(scheduler)
+        self.revival = Revival(scheduler, hub)
 
     def open(self, plan: RunPlan) -> Run:
         """A new run of `plan`; the caller must `end()` it on every path (Rule 4)."""
@@ -702,7 +704,7 @@ class Dispatcher:
 
     def note_failure(self, provider_id: str, failure: wire.RunFailed, plan: RunPlan) -> None:
         """Record what `failure` of `plan` says about its provider (Rule 3, `verdicts`)."""
-        self._verdicts.failure(provider_id, failure, _json_encode(plan.body))
+        self._verdicts.failure(provider_id, failure, plan.body)
 
     def note_success(self, provider_id: str) -> None:
         """A run of `provider_id` succeeded (Rule 3)."""
@@ -731,7 +733,7 @@ class Dispatcher:
             wire_id = plan.run_id if attempt == 0 else f"{plan.run_id}.{attempt}"
             asked_at = time.perf_counter()
             try:
-                lease = await self.scheduler.acquire(
+                lease = await self.revival.acquire(
                     plan.model_id,
                     wire_id,
                     long=plan.long,

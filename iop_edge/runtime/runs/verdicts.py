@@ -11,11 +11,17 @@ never cools a provider down for everyone.
 
 from __future__ import annotations
 
+from typing import Any, Final
+
+import msgspec
+
 from iop_edge.core.blame import ReplyFaults, Verdict, verdict
 from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas import wire
 
 __all__ = ["ProviderVerdicts"]
+
+_encode: Final = msgspec.json.Encoder().encode
 
 
 class ProviderVerdicts:
@@ -25,7 +31,7 @@ class ProviderVerdicts:
         self._scheduler = scheduler
         self._reply_faults = ReplyFaults()
 
-    def failure(self, provider_id: str, failure: wire.RunFailed, request: bytes) -> None:
+    def failure(self, provider_id: str, failure: wire.RunFailed, request: dict[str, Any]) -> None:
         """`provider_id` failed the request whose body (as sent) is `request`."""
         match verdict(failure):
             case Verdict.CAPACITY:
@@ -33,7 +39,8 @@ class ProviderVerdicts:
             case Verdict.HEALTH:
                 self._scheduler.record_failure(provider_id)
             case Verdict.SUSPECT:
-                for _ in range(self._reply_faults.failed(provider_id, hash(request))):
+                key = hash(_encode(request))  # the same body retried: the same request
+                for _ in range(self._reply_faults.failed(provider_id, key)):
                     self._scheduler.record_failure(provider_id)
             case Verdict.PENDING | Verdict.NONE:
                 pass
