@@ -183,7 +183,8 @@ def run_failure_error(
     No message names the provider, its Node or an address (`core.caller_text`): the Edge
     logs them here, under `request_id`, which every message but a refusal ends with.
     """
-    log.warning(
+    log.log(
+        logging.INFO if failure.code in _REQUEST_FAILURES else logging.WARNING,
         "request %s failed on provider %s: %s: %s",
         request_id,
         provider_id,
