@@ -357,6 +357,9 @@ class Edge:
                 model_states=provider.model_states,
                 max_loaded=provider.max_loaded,
             )
+        if status.probed:  # the probes it answers, of its own providers only
+            owner = self._snapshot.provider_node
+            self.dispatcher.revival.answered(p for p in status.probed if owner.get(p) == node_id)
 
     def _on_load(self, node_id: str, load: wire.Load) -> None:
         """What other Edges hold on this node's providers (design §13)."""

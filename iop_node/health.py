@@ -32,6 +32,12 @@ when some provider's health or model list changed.
   shows both: "busy: busy: ..." reads as a stutter), and says whose work keeps a busy
   runtime busy: runs IOP sent ("from IOP"), or work IOP did not send (another client of
   the runtime).
+- A probe on demand (`demand`: the Edge's `probe`, sent when callers would be refused
+  because a model's providers are all down) wakes the provider's watch at once, at most
+  once per `ON_DEMAND_GAP_S` since its last probe began: one probe at a time per
+  provider, whatever the number of callers. Its report is sent changed or not, naming
+  the provider as probed, so the Edge stops waiting as soon as the probe has spoken. A
+  runtime that came back is routable then, not at its next periodic probe.
 - Reports are serialised and each one is taken when it is sent, so the last report the
   Edge receives always describes the latest state.
 - A status carries each served model's load state where the runtime reports it (design
@@ -47,7 +53,7 @@ when some provider's health or model list changed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 import msgspec
 import trio
@@ -60,11 +66,15 @@ from schemas.wire import ProviderStatus
 log = logging.getLogger(__name__)
 
 DEFAULT_PROBE_TIMEOUT_S = 5.0
+#: The least time between the starts of two probes of a provider that a demand may
+#: cause (a storm of refused callers probes a runtime once a second, no more).
+ON_DEMAND_GAP_S = 1.0
 #: Why a provider whose probe went unanswered, with no run of ours in flight, is busy.
 ACCEPTED_BUT_SILENT = "probe timed out; upstream accepted the connection"
 
-OnStatus = Callable[[list[ProviderStatus]], Awaitable[None]]
-"""Receives every provider's status whenever one of them changed."""
+OnStatus = Callable[[list[ProviderStatus], list[str]], Awaitable[None]]
+"""Receives every provider's status whenever one of them changed, or a probe on demand
+ended (the second argument: the providers it probed)."""
 
 
 class HealthMonitor:
@@ -90,6 +100,17 @@ class HealthMonitor:
             provider_id: _support_of(adapter) for provider_id, adapter in self._adapters.items()
         }
         self._report_lock = trio.Lock()
+        self._wanted: dict[str, trio.Event] = {
+            provider_id: trio.Event() for provider_id in self._adapters
+        }
+        """Per provider: set when a probe is demanded, replaced once it is taken."""
+
+    def demand(self, provider_ids: Iterable[str]) -> None:
+        """Probe these providers soon (module docstring); ids not here are ignored."""
+        for provider_id in provider_ids:
+            wanted = self._wanted.get(provider_id)
+            if wanted is not None:
+                wanted.set()
 
     def statuses(self) -> list[ProviderStatus]:
         """The latest status of every provider, in config order."""
@@ -100,7 +121,7 @@ class HealthMonitor:
         async with trio.open_nursery() as nursery:
             for provider_id, adapter in self._adapters.items():
                 nursery.start_soon(self._initial_probe, provider_id, adapter)
-        await self._report()
+        await self._report([])
         task_status.started()
         async with trio.open_nursery() as nursery:
             for provider_id, adapter in self._adapters.items():
@@ -120,7 +141,7 @@ class HealthMonitor:
             await support.wait_changed(seen)
             seen = support.version
             if self._record(provider_id, self._statuses[provider_id]):
-                await self._report()
+                await self._report([])
 
     async def probe_now(self, provider_id: str) -> None:
         """Probe one provider at once and report what changed: a load or unload the Node
@@ -129,14 +150,23 @@ class HealthMonitor:
         if adapter is not None and self._record(
             provider_id, await self._check(provider_id, adapter)
         ):
-            await self._report()
+            await self._report([provider_id])
 
     async def _watch(self, provider_id: str, adapter: Adapter) -> None:
         interval_s = adapter.provider.adapter.health_interval_s
+        began = trio.current_time()  # the initial probe's, near enough
         while True:
-            await trio.sleep(interval_s)
-            if self._record(provider_id, await self._check(provider_id, adapter)):
-                await self._report()
+            wanted = self._wanted[provider_id]
+            with trio.move_on_after(interval_s):
+                await wanted.wait()
+            demanded = wanted.is_set()
+            if demanded:  # at most one probe per gap, however often it is asked for
+                await trio.sleep_until(began + ON_DEMAND_GAP_S)
+                self._wanted[provider_id] = trio.Event()  # later demands ask for the next
+            began = trio.current_time()
+            changed = self._record(provider_id, await self._check(provider_id, adapter))
+            if changed or demanded:
+                await self._report([provider_id] if demanded else [])
 
     async def _initial_probe(self, provider_id: str, adapter: Adapter) -> None:
         self._record(provider_id, await self._check(provider_id, adapter))
@@ -250,9 +280,9 @@ class HealthMonitor:
             case _:
                 return _unavailable(provider_id, f"{what} with no run in flight")
 
-    async def _report(self) -> None:
+    async def _report(self, probed: list[str]) -> None:
         async with self._report_lock:
-            await self._on_change(self.statuses())
+            await self._on_change(self.statuses(), probed)
 
 
 def _reported(status: ProviderStatus) -> tuple[object, ...]:

@@ -382,19 +382,27 @@ class ProviderHost:
 
         self._nursery.start_soon(monitor_health, name=f"health of revision {registry.revision}")
 
-    async def _broadcast(self, statuses: list[ProviderStatus]) -> None:
-        """A health change: every link hears it (Rule 5)."""
+    def probe(self, provider_ids: list[str]) -> None:
+        """An Edge asks for these providers to be probed now (`health`: at most once a
+        second each; the answer is a `status` naming them, to every link)."""
+        if self._monitor is not None and not self._stopping:
+            self._monitor.demand(provider_ids)
+
+    async def _broadcast(self, statuses: list[ProviderStatus], probed: list[str]) -> None:
+        """A health change, or a probe on demand done: every link hears it (Rule 5)."""
         self._statuses = statuses
         for port in list(self._links.values()):
-            await self._deliver(port, statuses)
+            await self._deliver(port, statuses, probed)
 
     async def _send_statuses(self, port: LinkPort) -> None:
         """Tell a link that attached to a running registry what the last probes found."""
         if self._statuses is not None:
             await self._deliver(port, self._statuses)
 
-    async def _deliver(self, port: LinkPort, statuses: list[ProviderStatus]) -> None:
-        await port.send(Status(providers=statuses))
+    async def _deliver(
+        self, port: LinkPort, statuses: list[ProviderStatus], probed: list[str] | None = None
+    ) -> None:
+        await port.send(Status(providers=statuses, probed=probed or []))
         port.first_status.set()
 
     # --- stop --------------------------------------------------------------------------

@@ -81,6 +81,7 @@ from schemas.channel import (
 )
 from schemas.heartbeat import seconds_to_next_ping
 from schemas.wire import (
+    FEATURE_PROBE,
     NODE_REPLACED,
     PERMANENT_REJECTIONS,
     PROTOCOL_VERSION,
@@ -91,6 +92,7 @@ from schemas.wire import (
     Hello,
     Message,
     ModelCommand,
+    Probe,
     Refresh,
     RefreshAck,
     Reject,
@@ -366,6 +368,7 @@ class NodeLink:
             node_id=settings.node_id,
             token=settings.token,
             agent_version=settings.agent_version,
+            features=[FEATURE_PROBE],
         )
         frame: str | bytes | None = None
         with trio.move_on_after(settings.handshake_timeout_s):
@@ -568,6 +571,8 @@ class _Session:
                 await self._refresh(port, message)
             case ModelCommand():
                 self._host.model_command(port, message)
+            case Probe(providers=providers):
+                self._host.probe(providers)
             case GoAway(reason=reason):
                 self._goaway(reason)
             case Reject(code=code, reason=reason):

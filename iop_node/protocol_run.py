@@ -323,7 +323,10 @@ async def _translated_response(
     result = await adapter.execute(chat_run, _no_chunks)
     if result.response is None:
         raise AdapterError(
-            FailureCode.UPSTREAM_ERROR, "the upstream sent no response", retryable=True
+            FailureCode.UPSTREAM_ERROR,
+            "the upstream sent no response",
+            retryable=True,
+            reply_fault=True,
         )
     usage, source = result.usage, result.usage_source
     if usage is None:
@@ -372,8 +375,8 @@ def _broken_reply(exc: ReplyTranslationError, *, emitted: bool) -> AdapterError:
     """The runtime's reply cannot be said in the caller's protocol (Rule 3)."""
     message = f"the upstream's reply cannot be translated: {exc}"
     if emitted:
-        return AdapterError(FailureCode.UPSTREAM_STREAM_ERROR, message)
-    return AdapterError(FailureCode.UPSTREAM_ERROR, message, retryable=True)
+        return AdapterError(FailureCode.UPSTREAM_STREAM_ERROR, message, reply_fault=True)
+    return AdapterError(FailureCode.UPSTREAM_ERROR, message, retryable=True, reply_fault=True)
 
 
 def _wire_usage(usage: TokenUsage) -> Usage:

@@ -250,8 +250,12 @@ async def _outcome(
 def _broken_output(handle: RunHandle, what: str) -> AdapterError:
     """The upstream's output cannot be shaped for the caller (`reply`, Rule 4)."""
     if handle.emitted:
-        return AdapterError(FailureCode.UPSTREAM_STREAM_ERROR, f"upstream output broke: {what}")
-    return AdapterError(FailureCode.UPSTREAM_ERROR, f"bad upstream output: {what}", retryable=True)
+        return AdapterError(
+            FailureCode.UPSTREAM_STREAM_ERROR, f"upstream output broke: {what}", reply_fault=True
+        )
+    return AdapterError(
+        FailureCode.UPSTREAM_ERROR, f"bad upstream output: {what}", retryable=True, reply_fault=True
+    )
 
 
 #: Failures that stop a run while the provider may be working on it: what it consumed
@@ -334,6 +338,7 @@ def _failure(run: Run, handle: RunHandle, exc: Exception) -> RunFailed:
             status=error.status,
             upstream_code=error.upstream_code,
             param=error.param,
+            reply_fault=error.reply_fault,
         )
     log.error(
         "run %s on provider %s failed inside its adapter",

@@ -51,6 +51,12 @@ from schemas.protocols import CallerProtocol
 #: `model_command` (load or unload a model on a provider), answered `model_command_done`.
 PROTOCOL_VERSION = 5
 
+#: What a Node can do beyond its protocol version, named in `hello.features` (a peer
+#: that does not name a feature never gets its messages, so versions mix freely).
+#: `probe`: the Node takes `probe` and answers it with a `status` naming the probed
+#: providers (`Status.probed`).
+FEATURE_PROBE: Final = "probe"
+
 
 Operation = Literal["chat", "completion", "embedding", "messages", "responses", "count_tokens"]
 """What a run asks of its provider.
@@ -110,6 +116,8 @@ class Hello(Message, tag="hello", frozen=True, kw_only=True):
     node_id: str
     token: str
     agent_version: str = ""
+    features: list[str] = []
+    """The features the Node speaks (`FEATURE_PROBE`)."""
 
 
 class Welcome(Message, tag="welcome", frozen=True, kw_only=True):
@@ -199,6 +207,17 @@ class Run(Message, tag="run", frozen=True, kw_only=True):
 
 class Cancel(Message, tag="cancel", frozen=True, kw_only=True):
     run_id: str
+
+
+class Probe(Message, tag="probe", frozen=True, kw_only=True):
+    """Probe these providers now (Edge -> Node, only to a Node that names `FEATURE_PROBE`).
+
+    Sent when callers would be refused because a model's providers are all
+    `unavailable`: a runtime that came back is routable as soon as a probe says so, not
+    at its next periodic probe. The Node probes each at most once a second, one probe at
+    a time, and answers with a `status` whose `probed` names them, changed or not."""
+
+    providers: list[str]
 
 
 class RunDone(Message, tag="run_done", frozen=True, kw_only=True):
@@ -315,6 +334,12 @@ class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
     usage_source: UsageSource | None = None
     upstream_code: str | None = None
     param: str | None = None
+    reply_fault: bool = False
+    """The upstream answered, and its reply was empty or malformed (no event in a 200
+    stream, output that is not JSON, tool-call arguments that are no JSON object). Such a
+    reply may be the provider's fault or the request's (a runtime that cannot answer one
+    request shape), so the Edge blames the provider only when other requests to it fail
+    too (design §4 item 10)."""
 
 
 class RunEvents(Message, tag="run_events", frozen=True, kw_only=True):
@@ -388,6 +413,8 @@ class ProviderStatus(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 class Status(Message, tag="status", frozen=True, kw_only=True):
     providers: list[ProviderStatus]
+    probed: list[str] = []
+    """The providers whose `probe` this report answers (their status is the probe's)."""
 
 
 # --- several Edges -----------------------------------------------------------------------
@@ -445,7 +472,7 @@ class ModelCommandDone(Message, tag="model_command_done", frozen=True, kw_only=T
     error: str | None = None
 
 
-EdgeToNode = Welcome | Reject | Run | Cancel | Refresh | GoAway | ModelCommand
+EdgeToNode = Welcome | Reject | Run | Cancel | Refresh | GoAway | Probe | ModelCommand
 NodeToEdge = Hello | Reject | RunEvents | RefreshAck | Status | Load | ModelCommandDone
 
 

@@ -21,6 +21,16 @@ Rules:
    providers that answered 5xx are blamed (`Attempts.blamed`); with no other provider to
    try it counts against nobody. So no caller can take a model offline for the others by
    sending it bad requests.
+4. An empty or malformed reply (`reply_fault`: a 200 stream with no event, output
+   that is not JSON, tool-call arguments that are no JSON object) is `suspect`: a
+   runtime may answer one request shape so (llama-cpp-python's function calling with
+   `tool_choice: "auto"` streams an empty 200) while it serves every other request. It
+   counts against the provider only when other requests to it fail too
+   (`ReplyFaults`): the first request's failures count for nothing alone, however
+   often it is retried; a second, different request failing too counts both, and each
+   further one counts once. Any success of the provider forgets them. A runtime that
+   answers everything with nothing still leaves the pool, after as many different
+   requests as its cooldown needs failures.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from typing import Final
 
 from schemas import wire
 
-__all__ = ["Attempts", "Next", "Verdict", "verdict"]
+__all__ = ["Attempts", "Next", "ReplyFaults", "Verdict", "verdict"]
 
 #: Failure codes that are the provider's fault (Rule 1), an upstream 5xx aside (pending).
 _HEALTH_FAILURES: Final = frozenset(
@@ -52,6 +62,7 @@ class Verdict(StrEnum):
     CAPACITY = "capacity"
     HEALTH = "health"
     PENDING = "pending"
+    SUSPECT = "suspect"
     NONE = "none"
 
 
@@ -69,6 +80,8 @@ def verdict(failure: wire.RunFailed) -> Verdict:
         return Verdict.CAPACITY
     if failure.code not in _HEALTH_FAILURES:
         return Verdict.NONE
+    if failure.reply_fault:
+        return Verdict.SUSPECT
     if failure.code == wire.FailureCode.UPSTREAM_ERROR and (failure.status or 0) >= 500:
         return Verdict.PENDING
     return Verdict.HEALTH
@@ -114,3 +127,36 @@ class Attempts:
         """Once an attempt succeeded: the providers whose 5xx answers were their own
         fault after all (Rule 3)."""
         return [provider_id for provider_id, _ in self._pending]
+
+
+#: How many distinct failed requests `ReplyFaults` remembers per provider: past that many,
+#: the provider is failing everything and each new one counts.
+MAX_REMEMBERED_REQUESTS: Final = 64
+
+
+class ReplyFaults:
+    """Per provider, the distinct requests whose replies were empty or malformed since
+    it last succeeded (Rule 4). A request is known by a key its caller's body makes
+    (the same body retried is the same request)."""
+
+    def __init__(self) -> None:
+        self._failed: dict[str, set[int]] = {}
+
+    def failed(self, provider_id: str, request_key: int) -> int:
+        """How many failures `provider_id` answering `request_key` with an empty or
+        malformed reply adds toward its cooldown: 0 for a request already counted, or
+        for the first request alone; 2 for the second (the first counts now too); 1 for
+        each one after."""
+        keys = self._failed.setdefault(provider_id, set())
+        if request_key in keys:
+            return 0
+        if len(keys) >= MAX_REMEMBERED_REQUESTS:
+            return 1
+        keys.add(request_key)
+        if len(keys) == 1:
+            return 0
+        return 2 if len(keys) == 2 else 1
+
+    def succeeded(self, provider_id: str) -> None:
+        """`provider_id` answered a request: what failed before was the requests'."""
+        self._failed.pop(provider_id, None)

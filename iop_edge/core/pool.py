@@ -80,6 +80,7 @@ Rule 7. Affinity (`core.affinity`): a run may come with a `Preference`, its rend
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -400,9 +401,9 @@ def _refusal_reason(model_id: str, causes: Mapping[str, Ineligible]) -> str:
     distinct = set(causes.values())
     if len(distinct) == 1:
         return _ALL_INELIGIBLE[distinct.pop()].format(model=model_id)
-    detail = "; ".join(
-        f"{provider_id}: {INELIGIBLE_DETAIL[cause]}" for provider_id, cause in causes.items()
-    )
+    # Counted, not named: a caller reads this, and provider ids are the operator's.
+    counts = Counter(causes.values())
+    detail = "; ".join(f"{counts[cause]} {INELIGIBLE_DETAIL[cause]}" for cause in sorted(counts))
     return f"no provider of model {model_id!r} can serve this request now ({detail})"
 
 

@@ -9,11 +9,13 @@ The runtime reports refusals and failures in its own terms; `admission_error` an
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Final
 
 import msgspec
 
+from iop_edge.core.caller_text import with_request_id, without_topology
 from iop_edge.runtime.runs.limits import LimitExceeded, RateLimits
 from iop_edge.runtime.runs.scheduler import (
     RETRY_AFTER_BUSY_S,
@@ -25,6 +27,8 @@ from iop_edge.runtime.runs.scheduler import (
 )
 from schemas import wire
 from schemas.protocols import CallerProtocol, error_body
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -132,8 +136,9 @@ _COME_BACK_LATER: Final[tuple[tuple[type[AdmissionError], tuple[int, str, str]],
 _NO_PROVIDER: Final = (503, "service_unavailable_error", "no_provider")
 
 
-def admission_error(exc: AdmissionError) -> ApiError:
-    """The scheduler's and the rate limiter's refusals as HTTP errors."""
+def admission_error(exc: AdmissionError, *, request_id: str = "") -> ApiError:
+    """The scheduler's and the rate limiter's refusals as HTTP errors; a 503 ends with the
+    request id (`core.caller_text` Rule 3)."""
     if isinstance(exc, LimitExceeded):
         return ApiError(
             429,
@@ -150,9 +155,8 @@ def admission_error(exc: AdmissionError) -> ApiError:
     status, type_, code = next(
         (answer for kind, answer in _COME_BACK_LATER if isinstance(exc, kind)), _NO_PROVIDER
     )
-    return ApiError(
-        status, exc.reason, type=type_, code=code, retry_after_s=exc.retry_after_s or 1.0
-    )
+    message = with_request_id(exc.reason, request_id) if status == 503 else exc.reason
+    return ApiError(status, message, type=type_, code=code, retry_after_s=exc.retry_after_s or 1.0)
 
 
 #: Failures that are the request's, not the provider's: with a 4xx status from the
@@ -163,7 +167,7 @@ _REQUEST_FAILURES = frozenset(
 
 
 def run_failure_error(
-    failure: wire.RunFailed, provider_id: str, *, request_fault: bool = False
+    failure: wire.RunFailed, provider_id: str, *, request_id: str, request_fault: bool = False
 ) -> ApiError:
     """What the caller gets for a run that failed on `provider_id` (design §4 item 10, §8).
 
@@ -174,15 +178,27 @@ def run_failure_error(
     - `request_fault`: two providers answered the request with the same 5xx, so it is the
       request's fault: again the upstream's status and message.
     - An upstream 429/503 on every provider tried: a retryable 503 (busy, not broken).
-    - Anything else: 502, naming the provider and what went wrong.
+    - Anything else: 502, saying what went wrong.
+
+    No message names the provider, its Node or an address (`core.caller_text`): the Edge
+    logs them here, under `request_id`, which every message but a refusal ends with.
     """
+    log.log(
+        logging.INFO if failure.code in _REQUEST_FAILURES else logging.WARNING,
+        "request %s failed on provider %s: %s: %s",
+        request_id,
+        provider_id,
+        failure.code,
+        failure.message,
+    )
     code = str(failure.code)
+    said = without_topology(failure.message, (provider_id,))
     if failure.code == wire.FailureCode.REQUEST_TOO_LARGE:
-        return ApiError(413, f"Request too large to dispatch: {failure.message}", code=code)
+        return ApiError(413, f"Request too large to dispatch: {said}", code=code)
     if failure.code == wire.FailureCode.SHUTTING_DOWN:
         return ApiError(
             503,
-            failure.message,
+            with_request_id(said, request_id),
             type="service_unavailable_error",
             code=code,
             retry_after_s=RETRY_AFTER_BUSY_S,
@@ -193,7 +209,7 @@ def run_failure_error(
     ):
         return ApiError(
             status,
-            failure.message,
+            said,
             code=failure.upstream_code or ("upstream_rejected" if request_fault else code),
             param=failure.param,
         )
@@ -202,18 +218,30 @@ def run_failure_error(
         # a retryable 503 with Retry-After rather than a 502 failure.
         return ApiError(
             503,
-            f"provider '{provider_id}' is at capacity: {failure.message}",
+            with_request_id(f"the model's providers are at capacity: {said}", request_id),
             type="service_unavailable_error",
             code=code,
             retry_after_s=RETRY_AFTER_BUSY_S,
         )
-    detail = failure.message
+    detail = said
     if failure.code == wire.FailureCode.UPSTREAM_ERROR and status is not None:
-        said = f"upstream returned {status}"
-        detail = detail if detail.startswith(said) else f"{said}: {detail}"
+        returned = f"upstream returned {status}"
+        detail = detail if detail.startswith(returned) else f"{returned}: {detail}"
+    lead = _FAILED.get(
+        failure.code,
+        "the upstream failed" if code.startswith("upstream_") else "the run failed",
+    )
     return ApiError(
         502,
-        f"provider '{provider_id}' failed: {detail}",
+        with_request_id(f"{lead}: {detail}", request_id),
         type="api_error",
         code=code,
     )
+
+
+#: How a 502 begins, by what failed.
+_FAILED: Final[dict[wire.FailureCode, str]] = {
+    wire.FailureCode.BAD_RESPONSE: "the provider returned a bad response",
+    wire.FailureCode.BAD_CHUNK: "the provider returned a bad stream",
+    wire.FailureCode.NODE_LOST: "the model's host was lost",
+}

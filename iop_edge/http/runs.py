@@ -474,11 +474,15 @@ class RunEndpoints:
             try:
                 await run.start()
             except AdmissionError as exc:
-                await self._refuse(run, admission_error(exc), reply, timing)
+                error = admission_error(exc, request_id=plan.request_id or plan.run_id)
+                await self._refuse(run, error, reply, timing)
                 return
             except RunFailure as exc:
                 error = run_failure_error(
-                    exc.failure, exc.provider_id, request_fault=exc.request_fault
+                    exc.failure,
+                    exc.provider_id,
+                    request_id=plan.request_id or plan.run_id,
+                    request_fault=exc.request_fault,
                 )
                 reply.provider = exc.provider_id
                 await self._refuse(run, error, reply, timing)
@@ -529,18 +533,14 @@ class RunEndpoints:
         while isinstance(event, bytes | Unwritten):  # a non-stream run has none: strays
             event = await run.next_event()
         if isinstance(event, wire.RunFailed):
-            await self._refuse(run, run_failure_error(event, run.provider_id), reply, timing)
+            error = run_failure_error(event, run.provider_id, request_id=_request_id(run))
+            await self._refuse(run, error, reply, timing)
             return
         payload = event.response
         if payload is None or not _is_json_object(payload):
             problem = "no response body" if payload is None else "not a JSON object"
             failure = run.reject_payload(wire.FailureCode.BAD_RESPONSE, problem)
-            error = ApiError(
-                502,
-                f"provider '{run.provider_id}' returned a bad response: {failure.message}",
-                type="api_error",
-                code=failure.code,
-            )
+            error = run_failure_error(failure, run.provider_id, request_id=_request_id(run))
             await self._refuse(run, error, reply, timing)
             return
         run.end(Outcome(200))
@@ -604,7 +604,7 @@ class RunEndpoints:
             outcome = Outcome(200)
             protocol = reply.protocol
             if isinstance(event, wire.RunFailed):
-                error = run_failure_error(event, run.provider_id)
+                error = run_failure_error(event, run.provider_id, request_id=_request_id(run))
                 outcome = Outcome(error.status, error.code)
                 plan = run.plan
                 pending.append(
@@ -631,6 +631,11 @@ class RunEndpoints:
 
 #: Whether a `store: true` response was stored (non-stream replies; `http.responses`).
 _STORED_HEADER: Final = b"x-iop-response-stored"
+
+
+def _request_id(run: Run) -> str:
+    """The `x-request-id` the caller got."""
+    return run.plan.request_id or run.plan.run_id
 
 
 def _caller_context(request: _Request) -> tuple[str, str]:

@@ -57,7 +57,8 @@ class AdapterError(Exception):
     provider may succeed. `capacity`: the upstream said 429/503 (a load signal, not a
     health failure). `status`: the upstream HTTP status, when there was one.
     `upstream_code`, `param`: the upstream's error code and the field it named, for a
-    request it refused (the caller acts on them)."""
+    request it refused (the caller acts on them). `reply_fault`: the upstream answered
+    with an empty or malformed reply (`wire.RunFailed.reply_fault`)."""
 
     def __init__(
         self,
@@ -69,6 +70,7 @@ class AdapterError(Exception):
         status: int | None = None,
         upstream_code: str | None = None,
         param: str | None = None,
+        reply_fault: bool = False,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -78,6 +80,7 @@ class AdapterError(Exception):
         self.status = status
         self.upstream_code = upstream_code
         self.param = param
+        self.reply_fault = reply_fault
 
 
 class ProbeTimeout(Exception):

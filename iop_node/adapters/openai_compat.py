@@ -828,6 +828,7 @@ class OpenAICompatAdapter(NativeRelay):
                 FailureCode.UPSTREAM_ERROR,
                 "upstream returned a body that is not JSON",
                 retryable=True,
+                reply_fault=True,
             ) from None
         if view.is_error():
             raise AdapterError(
@@ -903,7 +904,9 @@ class OpenAICompatAdapter(NativeRelay):
         # The body ended without `[DONE]`: fine if the model had finished, else truncated.
         if finished:
             return RunResult(usage=usage)
-        failure = self._stream_cut(progress, "upstream stream ended before [DONE]")
+        failure = self._stream_cut(
+            progress, "upstream stream ended before [DONE]", reply_fault=True
+        )
         if not progress.first_byte:
             raise _EmptyStream(failure)
         raise failure
@@ -938,7 +941,10 @@ class OpenAICompatAdapter(NativeRelay):
             shaped = reply.response(body)
         except native.NotAnObject as exc:
             raise AdapterError(
-                FailureCode.UPSTREAM_ERROR, f"bad upstream output: {exc}", retryable=True
+                FailureCode.UPSTREAM_ERROR,
+                f"bad upstream output: {exc}",
+                retryable=True,
+                reply_fault=True,
             ) from None
         except native.InBandError as exc:
             raise AdapterError(
@@ -959,7 +965,9 @@ class OpenAICompatAdapter(NativeRelay):
         try:
             result = await self._relay_native_events(response, reply, events, progress)
             if result is None:
-                raise self._stream_cut(progress, "upstream stream ended before its last event")
+                raise self._stream_cut(
+                    progress, "upstream stream ended before its last event", reply_fault=True
+                )
         except (*_CORE_ERRORS, SSEError, AdapterError):
             if held := reply.release():
                 await events(held, 0)
@@ -980,6 +988,7 @@ class OpenAICompatAdapter(NativeRelay):
                 framed: list[bytes] = []
                 output = 0
                 failure: str | None = None
+                malformed = False
                 for event in decoder.feed(raw):
                     progress.saw_first_byte()
                     data = event.data
@@ -988,7 +997,7 @@ class OpenAICompatAdapter(NativeRelay):
                     try:
                         shaped, tokens = reply.event(event.event, data)
                     except native.NotAnObject as exc:
-                        failure = f"bad upstream output: {exc}"
+                        failure, malformed = f"bad upstream output: {exc}", True
                         break
                     except native.InBandError as exc:
                         failure = f"upstream reported an error: {exc}"
@@ -1003,7 +1012,7 @@ class OpenAICompatAdapter(NativeRelay):
                     progress.emitted += len(framed)
                 if failure is not None:
                     # The events before the error went out; the failure names the error.
-                    raise self._stream_cut(progress, failure)
+                    raise self._stream_cut(progress, failure, reply_fault=malformed)
                 if reply.ended:
                     # Let the end of the chunked body arrive so the connection is reused.
                     with trio.move_on_after(_DRAIN_AFTER_DONE_S):
@@ -1049,19 +1058,29 @@ class OpenAICompatAdapter(NativeRelay):
             parsed: ParsedChunk | None = read_chunk(data)
         except NotAnObject as exc:
             if exc.malformed:
-                raise self._stream_cut(progress, "upstream sent a chunk that is not JSON") from None
+                raise self._stream_cut(
+                    progress, "upstream sent a chunk that is not JSON", reply_fault=True
+                ) from None
             parsed = None
         if event == "error" or (parsed is not None and parsed.is_error):
             message = error_message(data) or "unknown error"
             raise self._stream_cut(progress, f"upstream reported an error: {message}")
         return parsed
 
-    def _stream_cut(self, progress: _Progress, message: str) -> AdapterError:
+    def _stream_cut(
+        self, progress: _Progress, message: str, *, reply_fault: bool = False
+    ) -> AdapterError:
+        """A stream that cannot go on; `reply_fault` when what the upstream said is empty
+        or malformed (`wire.RunFailed.reply_fault`), not an error it reported."""
         if progress.emitted:
             return AdapterError(
-                FailureCode.UPSTREAM_STREAM_ERROR, f"{message} (after {progress.emitted} chunks)"
+                FailureCode.UPSTREAM_STREAM_ERROR,
+                f"{message} (after {progress.emitted} chunks)",
+                reply_fault=reply_fault,
             )
-        return AdapterError(FailureCode.UPSTREAM_ERROR, message, retryable=True)
+        return AdapterError(
+            FailureCode.UPSTREAM_ERROR, message, retryable=True, reply_fault=reply_fault
+        )
 
     def _transport_failure(self, exc: Exception, progress: _Progress) -> AdapterError:
         """A run's transport (httpcore2) or event-stream failure, as the table says."""

@@ -21,6 +21,10 @@
    call whose block was already closed (an upstream interleaving two calls'
    arguments, which no runtime we know does) cannot be placed in a Messages stream and
    is a `ReplyTranslationError`, not a silent loss.
+   A call's block closes only on arguments that form a JSON object (Messages carries
+   `input` as one, as the whole reply's `tool_input` checks): fragments that do not
+   are a `ReplyTranslationError` when the block would close, so the stream ends with an
+   `error` event, never with a `message_stop` after invalid `partial_json`.
 4. `finish` closes the open block, then `message_delta` (stop reason as
    `chat_view.stop_reason` maps it, usage) and `message_stop`. Usage is the runtime's
    own numbers when it reported them in a chunk; `finish(usage)` is the fallback (an
@@ -31,7 +35,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal
 
 import msgspec
@@ -44,6 +48,7 @@ from iop_node.protocols.messages_reply import (
     Message,
     TextBlock,
     ThinkingBlock,
+    tool_input,
     tool_use_id,
 )
 from schemas.protocols import error_body
@@ -121,6 +126,7 @@ class _Call(StreamedCall):
 
     index: int | None = None  # its content block, once open
     sent: bool = False  # some argument bytes went out
+    arguments: list[str] = field(default_factory=list)  # what went out, checked at the close
 
 
 class MessagesStream(ChatStreamTranslator[_Call]):
@@ -196,6 +202,11 @@ class MessagesStream(ChatStreamTranslator[_Call]):
         if call is not None:
             if not call.sent:
                 self._arguments(call, "{}", out)
+            # Rule 3: what went out as `partial_json` must add up to the `input` object.
+            tool_input(
+                "".join(call.arguments),
+                f"choices[0].delta.tool_calls[{call.position}].function.arguments",
+            )
             call.closed = True
             self._streaming = None
         out.append(_event("content_block_stop", _BlockStop(index=self._open_index)))
@@ -236,6 +247,7 @@ class MessagesStream(ChatStreamTranslator[_Call]):
 
     def _arguments(self, call: _Call, text: str, out: list[bytes]) -> None:
         call.sent = True
+        call.arguments.append(text)
         assert call.index is not None
         delta = _BlockDelta(index=call.index, delta=_JsonDelta(partial_json=text))
         out.append(_event("content_block_delta", delta))

@@ -15,7 +15,8 @@ Rules:
    summary), `message` (output text; a refusal as a `refusal` part), then one item per
    tool call. Item ids are `<kind>_<request_id>_<output index>`, so they are stable.
 3. A tool call becomes the item its tool's kind asks for (`responses_tools`): a
-   `function_call` (arguments as the runtime wrote them; none is `{}`), with its
+   `function_call` (arguments as the runtime wrote them, which must be a JSON object:
+   anything else is a `ReplyTranslationError`, the runtime's fault; none is `{}`), with its
    `namespace` when it has one, or a `custom_tool_call` whose `input` is the string the
    runtime passed as the one argument. `call_id` keeps the runtime's id unless it has
    none or repeats one (`call_<request_id>_<n>`).
@@ -331,6 +332,21 @@ def custom_input(arguments: str, param: str) -> str:
     )
 
 
+_check_object: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+
+
+def _check_arguments(arguments: str, param: str) -> None:
+    """Rule 3: a function call's arguments are a JSON object (a caller parses them)."""
+    try:
+        _check_object(arguments)
+    except (msgspec.DecodeError, RecursionError):
+        raise ReplyTranslationError(
+            "the runtime called a tool with arguments that are not a JSON object: "
+            f"{arguments!r:.200}",
+            param=param,
+        ) from None
+
+
 def call_item(
     tool: CallerTool, item_id: str, call_id: str, arguments: str, *, param: str, status: Status
 ) -> FunctionCallItem | CustomCallItem:
@@ -344,6 +360,8 @@ def call_item(
             input=custom_input(arguments, param),
             namespace=namespace,
         )
+    if arguments.strip():
+        _check_arguments(arguments, param)
     return FunctionCallItem(
         id=item_id,
         status=status,

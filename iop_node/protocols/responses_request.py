@@ -8,8 +8,11 @@ Rules:
    system message only); `user` and `assistant` stay.
 2. Items become messages in order. An assistant's `message`, `function_call` and
    `custom_tool_call` items that follow one another are one assistant chat message (its
-   text, then its calls), as chat completions has them. A `reasoning` item's text (its
-   `content`, else its `summary`) is the next assistant message's `reasoning_content`;
+   text, then its calls), as chat completions has them. A `function_call`'s `arguments`
+   must be a JSON object written as a string (blank is `{}`); anything else is refused
+   naming `input[i].arguments` (the runtime would read a call no model made). A
+   `reasoning` item's text (its `content`, else its `summary`) is the next assistant
+   message's `reasoning_content`;
    reasoning nothing follows is left out (it answers nothing), and so is
    `encrypted_content` (sealed for OpenAI's models).
 3. `function_call_output` and `custom_tool_call_output` items are `tool` messages; one
@@ -332,7 +335,8 @@ class _Items:
                 self._message(item, path)
             case _FunctionCall():
                 name = self._tools.chat_name(item.name, item.namespace)
-                self._call(item.call_id, name, item.arguments, path)
+                arguments = _call_arguments(item.arguments, f"{path}.arguments")
+                self._call(item.call_id, name, arguments, path)
             case _CustomCall():
                 name = self._tools.chat_name(item.name, item.namespace)
                 self._call(item.call_id, name, encode({"input": item.input}).decode(), path)
@@ -484,3 +488,20 @@ def _response_format(text: _TextConfig | None, chat: ChatBody) -> None:
             f"text format '{fmt.type}' is not one of text, json_object, json_schema",
             param="text.format.type",
         )
+
+
+_check_object: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+
+
+def _call_arguments(arguments: str, param: str) -> str:
+    """Rule 2: a `function_call`'s arguments, checked to be a JSON object."""
+    if not arguments.strip():
+        return "{}"
+    try:
+        _check_object(arguments)
+    except (msgspec.DecodeError, RecursionError):
+        raise TranslationError(
+            f"a function_call's arguments must be a JSON object as a string, not {arguments!r:.80}",
+            param=param,
+        ) from None
+    return arguments

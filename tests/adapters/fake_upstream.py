@@ -323,6 +323,10 @@ class FakeUpstream:
     """Models a load was asked for: listed `loading` once, then loaded."""
     load_order: list[str] = field(default_factory=list)
     """The loaded models, oldest load first (what a load evicts past `max_loaded`)."""
+    scripted: Callable[[dict[str, Any]], list[bytes] | None] | None = None
+    """A stream's `data:` payloads by its request's body, sent in place of the usual ones
+    and followed by `[DONE]` (an empty list: a 200 whose body ends at once); None from
+    it: the usual answer."""
 
     requests: deque[RecordedRequest] = field(
         init=False, default_factory=lambda: deque(maxlen=_MAX_RECORDED)
@@ -634,6 +638,10 @@ class FakeUpstream:
                 return
         tokens = prompt_tokens(payload)
         overflow = self.context_tokens is not None and tokens > self.context_tokens
+        script = self.scripted(payload) if self.scripted and payload.get("stream") else None
+        if script is not None:
+            await self._script(stream, conn, script)
+            return
         if payload.get("stream") and (overflow or self.empty_streams):
             headers = [("content-type", "text/event-stream")]
             await self._send(stream, conn, h11.Response(status_code=200, headers=headers))
@@ -691,6 +699,16 @@ class FakeUpstream:
         await self._send(stream, conn, h11.Data(data=b"data: [DONE]\n\n"))
         if self.before_end is not None:
             await self.before_end()
+        await self._send(stream, conn, h11.EndOfMessage())
+
+    async def _script(
+        self, stream: trio.SocketStream, conn: h11.Connection, script: list[bytes]
+    ) -> None:
+        headers = [("content-type", "text/event-stream")]
+        await self._send(stream, conn, h11.Response(status_code=200, headers=headers))
+        if script:
+            for event in [*script, b"[DONE]"]:
+                await self._send(stream, conn, h11.Data(data=b"data: " + event + b"\n\n"))
         await self._send(stream, conn, h11.EndOfMessage())
 
     async def _answer_natively(

@@ -304,7 +304,7 @@ async def test_what_was_learnt_is_reported_in_the_next_status(upstream: FakeUpst
     adapter = make_adapter(upstream)
     reports: list[list[ProviderStatus]] = []
 
-    async def report(statuses: list[ProviderStatus]) -> None:
+    async def report(statuses: list[ProviderStatus], probed: list[str]) -> None:
         reports.append(statuses)
 
     try:

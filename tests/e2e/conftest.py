@@ -40,3 +40,30 @@ async def make_stack(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Mak
     """A factory of stacks relaying to fake upstreams (`upstreams.upstream_stacks`)."""
     async with upstream_stacks(nursery, tmp_path) as make:
         yield make
+
+
+#: What no caller's error may say (design §4 item 10): an address on this machine, or a
+#: provider or node as IOP's own messages name them.
+_TOPOLOGY = re.compile(r"127\.0\.0\.1:\d+|\blocalhost:\d+|\b(?:node|provider) '")
+
+
+@pytest.fixture(autouse=True)
+def caller_errors_name_no_topology(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every error body the Edge writes for a caller in these tests is checked: none
+    names an address, a provider or a node (the websocket refusal of a caller port names
+    where Nodes connect, for the operator who pointed one there, and is left alone)."""
+    from iop_edge.http.errors import ApiError
+    from iop_edge.http.server import WRONG_PORT_CODE
+
+    said: list[str] = []
+    body = ApiError.body
+
+    def checked(self: ApiError, *args: object, **kwargs: object) -> bytes:
+        written = body(self, *args, **kwargs)  # type: ignore[arg-type]
+        if self.code != WRONG_PORT_CODE and _TOPOLOGY.search(self.message):
+            said.append(self.message)
+        return written
+
+    monkeypatch.setattr(ApiError, "body", checked)
+    yield
+    assert not said, f"caller errors that name the Edge's topology: {said}"

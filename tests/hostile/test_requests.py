@@ -97,3 +97,107 @@ async def test_unreadable_refresh_bodies_are_400s_in_the_audit_log(
     assert [r["verdict"] for r in records] == ["invalid"] * len(bodies)
     assert all(r["mode"] is None and r["outcome"] == "rejected" for r in records)
     assert "unknown field `x`" in msgspec.json.decode(lines[-1])["errors"][0]["message"]
+
+
+async def test_responses_input_with_malformed_call_arguments_is_a_400_naming_them(
+    stack_one: Stack,
+) -> None:
+    """A replayed `function_call` whose `arguments` are no JSON object would reach the
+    runtime as a call no model made: refused, naming the field, whatever the shape."""
+    history = [
+        {"role": "user", "content": "read a.txt"},
+        {"type": "function_call", "call_id": "c1", "name": "read", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+    ]
+    async with stack_one.http() as http:
+        for arguments in ('{"path": ', '["a.txt"]', "path=a.txt", "null"):
+            bad = {**history[1], "call_id": "c2", "arguments": arguments}
+            body = {"model": "m", "input": [*history, bad], "tools": [_READ_TOOL]}
+            response = await http.post("/v1/responses", json=body)
+            assert response.status_code == 400, (arguments, response.text)
+            error = response.json()["error"]
+            assert error["param"] == "input[3].arguments", error
+            assert "JSON object" in error["message"]
+        body = {"model": "m", "input": history, "tools": [_READ_TOOL]}
+        assert (await http.post("/v1/responses", json=body)).status_code == 200
+
+
+_READ_TOOL = {"type": "function", "name": "read", "parameters": {"type": "object"}}
+
+
+_USER = [{"role": "user", "content": "hi"}]
+#: Every 400 docs/http-api.md promises for the caller protocols: (path, body, param).
+_DOCUMENTED_400S = [
+    ("/v1/messages", {"model": "m", "max_tokens": 10**9, "messages": _USER}, "max_tokens"),
+    ("/v1/messages", {"model": "m", "max_tokens": "ten", "messages": _USER}, "max_tokens"),
+    ("/v1/messages", {"model": "m", "max_tokens": 5, "messages": "hi"}, "messages"),
+    (
+        "/v1/messages",
+        {
+            "model": "m",
+            "max_tokens": 5,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "nobody", "content": "x"}],
+                }
+            ],
+        },
+        "messages[0].content[0].tool_use_id",
+    ),
+    (
+        "/v1/messages",
+        {
+            "model": "m",
+            "max_tokens": 5,
+            "messages": _USER,
+            "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+        },
+        "tools[0].type",
+    ),
+    (
+        "/v1/messages",
+        {
+            "model": "m",
+            "max_tokens": 5,
+            "messages": [
+                *_USER,
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "read", "input": "a"}],
+                },
+            ],
+        },
+        "messages[1].content[0].input",
+    ),
+    (
+        "/v1/responses",
+        {"model": "m", "input": "hi", "max_output_tokens": 10**9},
+        "max_output_tokens",
+    ),
+    ("/v1/responses", {"model": "m", "input": 5}, "input"),
+    (
+        "/v1/responses",
+        {
+            "model": "m",
+            "input": [{"type": "function_call_output", "call_id": "nobody", "output": "x"}],
+        },
+        "input[0].call_id",
+    ),
+    (
+        "/v1/responses",
+        {"model": "m", "input": "hi", "tools": [{"type": "web_search"}]},
+        "tools[0].type",
+    ),
+]
+
+
+async def test_every_documented_400_of_the_caller_protocols_is_one(stack_one: Stack) -> None:
+    async with stack_one.http() as http:
+        for path, body, param in _DOCUMENTED_400S:
+            response = await http.post(path, json=body)
+            assert response.status_code == 400, (path, body, response.text)
+            if path == "/v1/responses":
+                assert response.json()["error"]["param"] == param, (body, response.text)
+            else:  # Anthropic's shape has no `param`: the message names the field
+                assert param in response.json()["error"]["message"], (body, response.text)

@@ -33,7 +33,7 @@ class Statuses:
         self.latest: ProviderStatus | None = None
         self._changed = trio.Event()
 
-    async def __call__(self, statuses: list[ProviderStatus]) -> None:
+    async def __call__(self, statuses: list[ProviderStatus], probed: list[str]) -> None:
         [self.latest] = statuses
         self._changed.set()
         self._changed = trio.Event()

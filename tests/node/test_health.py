@@ -67,9 +67,13 @@ def _up(provider_id: str, *models: str) -> ProviderStatus:
 class Reports:
     def __init__(self) -> None:
         self.reports: list[tuple[float, list[ProviderStatus]]] = []
+        self.probed: list[tuple[float, list[str]]] = []
+        """When a report answered a probe on demand, and for which providers."""
 
-    async def __call__(self, statuses: list[ProviderStatus]) -> None:
+    async def __call__(self, statuses: list[ProviderStatus], probed: list[str]) -> None:
         self.reports.append((trio.current_time(), statuses))
+        if probed:
+            self.probed.append((trio.current_time(), probed))
 
 
 async def test_first_report_waits_for_every_initial_probe(autojump_clock: trio.abc.Clock) -> None:
@@ -327,3 +331,33 @@ async def test_a_busy_provider_keeps_the_states_of_its_last_probe(
     assert busy.health == "busy"
     assert busy.model_states == [ModelState(name="a", state="loaded")]
     assert busy.max_loaded == 1
+
+
+async def test_a_probe_on_demand_comes_at_once_and_at_most_once_a_second(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A runtime that came back is found by the probe a demand causes, not at the next
+    periodic one; a storm of demands probes it once a second, one probe at a time, and
+    each demanded probe is reported, changed or not."""
+    down = RuntimeError("connection refused")
+    adapter = ScriptedProbe("p1", [down, down, _up("p1")], interval_s=60)
+    reports = Reports()
+    monitor = HealthMonitor({"p1": adapter}, reports)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(monitor.run)
+        assert adapter.probes == 1 and reports.reports[0][1][0].health == "unavailable"
+        await trio.sleep(5)
+        for _ in range(50):  # fifty callers refused in the same instant
+            monitor.demand(["p1", "not-here"])
+        await trio.testing.wait_all_tasks_blocked()
+        assert adapter.probes == 2  # at once: no wait for the 60 s interval
+        assert reports.probed == [(5, ["p1"])]  # still down, and said so
+        monitor.demand(["p1"])
+        await trio.testing.wait_all_tasks_blocked()
+        assert adapter.probes == 2  # not twice within a second
+        await trio.sleep(1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert adapter.probes == 3
+        assert reports.probed[-1] == (6, ["p1"])
+        assert reports.reports[-1][1][0].health == "available"
+        nursery.cancel_scope.cancel()

@@ -33,11 +33,13 @@ from iop_node.main import run_node
 from iop_node.registry import create_adapter
 from schemas.config import AdapterSettings, NodeConfig, ProviderConfig
 from schemas.wire import (
+    FEATURE_PROBE,
     PROTOCOL_VERSION,
     Cancel,
     Hello,
     Message,
     NodeToEdge,
+    Probe,
     ProviderStatus,
     Refresh,
     RefreshAck,
@@ -302,9 +304,25 @@ async def test_handshake_then_status(edge: FakeEdge, nursery: trio.Nursery) -> N
     side = await edge.accept()
     hello = await side.welcome()
     assert hello == Hello(
-        protocol=PROTOCOL_VERSION, node_id="n1", token=TOKEN, agent_version="iop-node/test"
+        protocol=PROTOCOL_VERSION,
+        node_id="n1",
+        token=TOKEN,
+        agent_version="iop-node/test",
+        features=[FEATURE_PROBE],
     )
     assert await side.receive() == _available("sim-a")
+
+
+async def test_a_probe_is_answered_with_a_status_naming_what_it_probed(
+    edge: FakeEdge, nursery: trio.Nursery
+) -> None:
+    _start_node(nursery, edge.url)
+    side = await edge.accept()
+    await side.welcome()
+    assert (await side.expect(Status)).probed == []
+    await side.send(Probe(providers=["sim-a", "not-here"]))
+    answer = await side.expect(Status)
+    assert answer == msgspec.structs.replace(_available("sim-a"), probed=["sim-a"])
 
 
 async def test_started_after_the_first_welcome(edge: FakeEdge, nursery: trio.Nursery) -> None:

@@ -239,7 +239,7 @@ async def test_count_tokens_on_the_sim_is_the_estimate() -> None:
 async def test_the_sim_reports_that_it_speaks_chat_only() -> None:
     reports: list[list[ProviderStatus]] = []
 
-    async def report(statuses: list[ProviderStatus]) -> None:
+    async def report(statuses: list[ProviderStatus], probed: list[str]) -> None:
         reports.append(statuses)
 
     async with trio.open_nursery() as nursery:

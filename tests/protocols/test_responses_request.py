@@ -370,6 +370,18 @@ def test_text_format_and_reasoning_effort() -> None:
         pytest.param(
             _request([_call("c1"), _call("c1")]), "input[1].call_id", "twice", id="call-id-reused"
         ),
+        pytest.param(
+            _request([{"role": "user", "content": "hi"}, _call("c1", arguments='{"path": ')]),
+            "input[1].arguments",
+            "JSON object",
+            id="malformed-call-arguments",
+        ),
+        pytest.param(
+            _request([_call("c1", arguments='["a.txt"]')]),
+            "input[0].arguments",
+            "JSON object",
+            id="call-arguments-not-an-object",
+        ),
     ],
 )
 def test_what_cannot_be_translated_is_named(body: dict[str, Any], param: str, words: str) -> None:

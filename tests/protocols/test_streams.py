@@ -152,10 +152,10 @@ def test_messages_fragments_before_the_name_are_kept_in_order() -> None:
 
 def test_messages_interleaved_call_fragments_are_refused() -> None:
     stream = MessagesStream("alias", "r1")
-    stream.feed(_call(0, id="a", name="f", args='{"x": '))
+    stream.feed(_call(0, id="a", name="f", args='{"x": 1}'))
     stream.feed(_call(1, id="b", name="g", args="{}"))
     with pytest.raises(ReplyTranslationError) as caught:
-        stream.feed(_call(0, args="1}"))
+        stream.feed(_call(0, args=', "y": 2'))
     assert caught.value.param == "choices[0].delta.tool_calls[0].function.arguments"
 
 
@@ -175,6 +175,28 @@ def test_messages_an_ended_stream_takes_nothing_more() -> None:
         stream.finish()
     with pytest.raises(RuntimeError, match="already ended"):
         stream.fail("m", "c")
+
+
+@pytest.mark.parametrize("arguments", ['{"path": "a.txt"', '["a.txt"]', "path=a.txt"])
+def test_malformed_call_arguments_end_no_stream_normally(arguments: str) -> None:
+    """Arguments relayed as they came that do not add up to a JSON object are found when
+    the call closes: at the end, or when the next block or item begins. The stream can
+    then only fail (an error event), never stop as if the call were sound."""
+    param = "choices[0].delta.tool_calls[0].function.arguments"
+    for stream in (MessagesStream("alias", "r1"), _responses()):
+        stream.feed(_call(0, id="a", name="f", args=arguments))
+        with pytest.raises(ReplyTranslationError, match="not a JSON object") as caught:
+            stream.finish()
+        assert caught.value.param == param
+        assert _names(stream.fail(str(caught.value), "upstream_stream_error"))[-1] in (
+            "error",
+            "response.failed",
+        )
+    for stream in (MessagesStream("alias", "r1"), _responses()):
+        stream.feed(_call(0, id="a", name="f", args=arguments))
+        with pytest.raises(ReplyTranslationError) as caught:
+            stream.feed(_call(1, id="b", name="g", args="{}"))
+        assert caught.value.param == param
 
 
 @pytest.mark.parametrize(
@@ -257,10 +279,10 @@ def test_responses_refusal_is_a_part_of_the_message() -> None:
 
 def test_responses_interleaved_call_fragments_are_refused() -> None:
     stream = _responses()
-    stream.feed(_call(0, id="a", name="f", args='{"x": '))
+    stream.feed(_call(0, id="a", name="f", args='{"x": 1}'))
     stream.feed(_call(1, id="b", name="g", args="{}"))
     with pytest.raises(ReplyTranslationError):
-        stream.feed(_call(0, args="1}"))
+        stream.feed(_call(0, args=', "y": 2'))
 
 
 def test_responses_an_ended_stream_takes_nothing_more() -> None:

@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from iop_edge.core.blame import Attempts, Next, Verdict, verdict
+from iop_edge.core.blame import (
+    MAX_REMEMBERED_REQUESTS,
+    Attempts,
+    Next,
+    ReplyFaults,
+    Verdict,
+    verdict,
+)
 from schemas.wire import FailureCode, RunFailed
 
 
@@ -27,6 +34,9 @@ def _failed(code: FailureCode, **fields: Any) -> RunFailed:
         (_failed(FailureCode.UPSTREAM_MISCONFIGURED, status=401), Verdict.HEALTH),
         (_failed(FailureCode.BAD_CHUNK), Verdict.HEALTH),
         (_failed(FailureCode.UPSTREAM_ERROR, status=500), Verdict.PENDING),
+        (_failed(FailureCode.UPSTREAM_ERROR, reply_fault=True), Verdict.SUSPECT),  # empty 200
+        (_failed(FailureCode.UPSTREAM_STREAM_ERROR, reply_fault=True), Verdict.SUSPECT),
+        (_failed(FailureCode.UPSTREAM_BUSY, capacity=True, reply_fault=True), Verdict.CAPACITY),
         (_failed(FailureCode.UPSTREAM_REJECTED, status=400), Verdict.NONE),
         (_failed(FailureCode.NODE_LOST), Verdict.NONE),
         (_failed(FailureCode.CALLER_TOO_SLOW), Verdict.NONE),
@@ -79,3 +89,35 @@ def test_a_5xx_is_its_providers_fault_once_another_provider_succeeds() -> None:
     attempts.after(_failed(FailureCode.UPSTREAM_ERROR, status=502, retryable=True), "b")
     assert not attempts.request_fault  # two different answers say nothing of the request
     assert attempts.blamed() == ["a", "b"]
+
+
+# --- Rule 4: empty or malformed replies ---------------------------------------------------
+
+
+def test_one_request_retried_never_counts_against_its_provider() -> None:
+    faults = ReplyFaults()
+    assert [faults.failed("p", 7) for _ in range(10)] == [0] * 10
+
+
+def test_other_requests_failing_too_count_the_first_as_well() -> None:
+    faults = ReplyFaults()
+    assert faults.failed("p", 1) == 0
+    assert faults.failed("p", 1) == 0
+    assert faults.failed("p", 2) == 2  # corroborated: both count now
+    assert faults.failed("p", 2) == 0
+    assert faults.failed("p", 3) == 1
+    assert faults.failed("q", 1) == 0  # per provider
+
+
+def test_a_success_forgets_the_failed_requests() -> None:
+    faults = ReplyFaults()
+    faults.failed("p", 1)
+    faults.succeeded("p")
+    assert faults.failed("p", 2) == 0  # alone again
+
+
+def test_remembered_requests_are_bounded_and_past_the_bound_each_counts() -> None:
+    faults = ReplyFaults()
+    counted = sum(faults.failed("p", key) for key in range(MAX_REMEMBERED_REQUESTS))
+    assert counted == MAX_REMEMBERED_REQUESTS
+    assert faults.failed("p", -1) == 1 and faults.failed("p", -1) == 1

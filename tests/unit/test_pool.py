@@ -205,7 +205,7 @@ def test_cooldown_refusal_suggests_when_to_retry() -> None:
     assert decision.retry_after_s == 4.0
     assert decision.reason == (
         "no provider of model 'm' can serve this request now "
-        "(a: cooling down after failures; b: node disconnected)"
+        "(1 cooling down after failures; 1 node disconnected)"
     )
 
 

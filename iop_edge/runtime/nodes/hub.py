@@ -55,6 +55,9 @@ from schemas.limits import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 
+#: The `hello.features` this Edge acts on (a Node's other words are ignored).
+_KNOWN_FEATURES: Final = frozenset({wire.FEATURE_PROBE})
+
 
 #: Bound on closing a connection politely (a closing handshake with a peer we are done with).
 COURTESY_CLOSE_S: Final = 0.2
@@ -177,6 +180,7 @@ class NodeHub:
             applied_revision=directory.revision,
             on_status=self._on_status,
             on_load=self._on_load,
+            features=frozenset(hello.features) & _KNOWN_FEATURES,
         )
         peer = peer_address(websocket)
         previous = self._sessions.get(hello.node_id)

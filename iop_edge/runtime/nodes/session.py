@@ -123,8 +123,11 @@ class NodeSession:
         applied_revision: int,
         on_status: StatusListener,
         on_load: LoadListener | None = None,
+        features: frozenset[str] = frozenset(),
     ) -> None:
         self.node_id = node_id
+        self.features = features
+        """What the Node said it speaks in its `hello` (`wire.FEATURE_PROBE`)."""
         self.websocket = websocket
         self._channel = Channel[bytes, wire.NodeToEdge](
             websocket, decode=wire.decode_from_node, pack=self._frames, heard=self.heard

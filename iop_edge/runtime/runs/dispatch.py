@@ -20,8 +20,9 @@ Rules:
 3. The provider's verdict (a success, or a failure that counts toward its cooldown) is
    recorded once, when the run's terminal event is read. Blame (`core.blame`): a failure
    counts against a provider only when it is the provider's. Transport errors, timeouts,
-   a broken stream, a misconfigured provider count at once. An upstream 4xx refusal is the
-   request's: it is not retried and counts against nobody. An upstream 5xx is ambiguous
+   a broken stream, a misconfigured provider count at once; an empty or malformed reply
+   once other requests to the provider fail too (`verdicts`). An upstream 4xx refusal is
+   the request's: it is not retried and counts against nobody. An upstream 5xx is ambiguous
    (llama.cpp answers a request it cannot parse with 500): it counts against its provider
    only once the same request succeeds on another one; when a second provider fails it
    with the same status, the request is at fault, nobody is penalised and the caller gets
@@ -88,7 +89,7 @@ import msgspec
 import trio
 
 from iop_edge.core.affinity import Affinity
-from iop_edge.core.blame import Attempts, Next, Verdict, verdict
+from iop_edge.core.blame import Attempts, Next
 from iop_edge.core.run_work import run_work
 from iop_edge.runtime.metering.metering import RunRecord
 from iop_edge.runtime.metering.tracing import RequestTrace
@@ -101,7 +102,9 @@ from iop_edge.runtime.runs.limits import (
     Ticket,
     output_bound,
 )
+from iop_edge.runtime.runs.revival import Revival
 from iop_edge.runtime.runs.scheduler import AdmissionError, Lease, NoProvider, Scheduler
+from iop_edge.runtime.runs.verdicts import ProviderVerdicts
 from schemas import wire
 from schemas.hosted_tools import HostedTools
 from schemas.protocols import CallerProtocol
@@ -525,7 +528,7 @@ class Run:
         Node when it ends."""
         attempt = self._require_attempt()
         failure = _failed(attempt.wire_id, code, message)
-        self._dispatcher.note_failure(self._provider_id, failure)
+        self._dispatcher.note_failure(self._provider_id, failure, self.plan)
         return failure
 
     def _seen(self, event: RelayEvent, attempt: _Attempt) -> RelayEvent:
@@ -545,10 +548,10 @@ class Run:
             if event.usage is None and not self.plan.stream:
                 # (a stream's `response`, kept for the Edge, repeats what the chunks said)
                 self._unmetered_response = event.response
-            self._dispatcher.scheduler.record_success(self._provider_id)
+            self._dispatcher.note_success(self._provider_id)
         else:
             self._stopped_working = event.code in _CUT_WHILE_WORKING
-            self._dispatcher.note_failure(self._provider_id, event)
+            self._dispatcher.note_failure(self._provider_id, event, self.plan)
         return event
 
     def _ended_without_terminal(self, attempt: _Attempt) -> wire.RunFailed:
@@ -686,6 +689,8 @@ class Dispatcher:
         self._retries = retries_before_first_byte
         self._open: set[Run] = set()
         self._stopped: str | None = None
+        self._verdicts = ProviderVerdicts(scheduler)
+        self.revival = Revival(scheduler, hub)
 
     def open(self, plan: RunPlan) -> Run:
         """A new run of `plan`; the caller must `end()` it on every path (Rule 4)."""
@@ -708,14 +713,13 @@ class Dispatcher:
             run.cut(reason)
         return len(runs)
 
-    def note_failure(self, provider_id: str, failure: wire.RunFailed) -> None:
-        """Record what `failure` says about its provider (Rule 3, `core.blame`; a pending
-        5xx says nothing on its own: `start` settles it once the request's fate is known)."""
-        match verdict(failure):
-            case Verdict.CAPACITY:
-                self.scheduler.record_capacity_signal(provider_id)
-            case Verdict.HEALTH:
-                self.scheduler.record_failure(provider_id)
+    def note_failure(self, provider_id: str, failure: wire.RunFailed, plan: RunPlan) -> None:
+        """Record what `failure` of `plan` says about its provider (Rule 3, `verdicts`)."""
+        self._verdicts.failure(provider_id, failure, plan.body)
+
+    def note_success(self, provider_id: str) -> None:
+        """A run of `provider_id` succeeded (Rule 3)."""
+        self._verdicts.success(provider_id)
 
     def settle(
         self, ticket: Ticket, usage: wire.Usage | None, *, refund_request: bool = False
@@ -745,7 +749,7 @@ class Dispatcher:
             wire_id = plan.run_id if attempt == 0 else f"{plan.run_id}.{attempt}"
             asked_at = time.perf_counter()
             try:
-                lease = await self.scheduler.acquire(
+                lease = await self.revival.acquire(
                     plan.model_id,
                     wire_id,
                     long=plan.long,
@@ -861,7 +865,7 @@ class Dispatcher:
             run.timings.upstream_s += time.perf_counter() - sent_at
         run.timings.first_event_at = time.perf_counter()
         if isinstance(first, wire.RunFailed):
-            self.note_failure(lease.provider_id, first)
+            self.note_failure(lease.provider_id, first, plan)
             run._drop_attempt(first)
             return RunFailure(first, lease.provider_id)
         run._first_event(first)

@@ -1,0 +1,61 @@
+"""What a caller's error may say about where its request went: nothing.
+
+The Edge's providers, Nodes and the addresses of their runtimes are the operator's
+business. A caller's error that names them (`provider 'gpu1-llama' failed: 127.0.0.1:24410
+unreachable`) tells a stranger the shape of the fleet and tells the caller nothing it
+can act on. The operator reads them in the Edge's log, under the request id.
+
+Rules:
+1. A caller's error names no provider id, node id, host, address or port.
+2. The upstream's own words stay (a caller acts on them: design §4 Rule 10), with
+   the topology taken out: URLs, IP addresses (with their port), `host:port`, Python's
+   `('host', port)`, a `node '...'` or `provider '...'` IOP's messages name, and the
+   ids of the provider that served, wherever they appear.
+3. A failure's error ends with the request id the caller got (`x-request-id`), the
+   key under which the Edge logs the whole story.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Final
+
+__all__ = ["ADDRESS", "with_request_id", "without_topology"]
+
+#: What an address becomes in a caller's text.
+ADDRESS: Final = "<address>"
+
+_URL: Final = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>()]+")
+_SOCKET_TUPLE: Final = re.compile(r"\(\s*'[^']*'\s*(?:,\s*\d+\s*)+\)")
+_IPV6: Final = re.compile(r"\[[0-9A-Fa-f.%\w]*:[0-9A-Fa-f:.%\w]*\](?::\d{1,5})?")
+_IPV4: Final = re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?\b")
+# A host name (with a letter in it, so `12:30` is no address) and a port.
+_HOST_PORT: Final = re.compile(
+    r"(?<![\w.-])(?=[A-Za-z0-9.-]*[A-Za-z])[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*:\d{2,5}\b"
+)
+_NAMED: Final = re.compile(r"\b(node|provider|Node|Provider)(?: id)? '[^']*'")
+
+
+def without_topology(text: str, names: Iterable[str] = ()) -> str:
+    """`text` with every address and every one of `names` (provider or node ids) taken
+    out (Rule 2)."""
+    text = _URL.sub(ADDRESS, text)
+    text = _SOCKET_TUPLE.sub(ADDRESS, text)
+    text = _IPV6.sub(ADDRESS, text)
+    text = _IPV4.sub(ADDRESS, text)
+    text = _HOST_PORT.sub(ADDRESS, text)
+    text = _NAMED.sub(lambda match: f"the {match.group(1).lower()}", text)
+    for name in sorted({name for name in names if name}, key=len, reverse=True):
+        text = re.sub(rf"(?<![\w.-])'?{re.escape(name)}'?(?![\w.-])", "the provider", text)
+    return text
+
+
+def with_request_id(text: str, request_id: str) -> str:
+    """`text` ending with the request id (Rule 3)."""
+    if not request_id:
+        return text
+    return f"{text} (request id {request_id})"

@@ -1,0 +1,47 @@
+"""What a caller's error may say: no provider, node, host or port (`core.caller_text`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from iop_edge.core.caller_text import ADDRESS, with_request_id, without_topology
+
+
+@pytest.mark.parametrize(
+    ("said", "names", "caller_reads"),
+    [
+        (
+            "provider 'gpu1-llama' failed: 127.0.0.1:24410 unreachable",
+            ("gpu1-llama",),
+            f"the provider failed: {ADDRESS} unreachable",
+        ),
+        (
+            "cannot connect: [Errno 111] Connect call failed ('127.0.0.1', 24410)",
+            (),
+            f"cannot connect: [Errno 111] Connect call failed {ADDRESS}",
+        ),
+        (
+            "node 'n1' disconnected during the run",
+            (),
+            "the node disconnected during the run",
+        ),
+        ("see http://gpu1.lan:8000/v1/chat/completions", (), f"see {ADDRESS}"),
+        ("dial localhost:8080 or [::1]:80 failed", (), f"dial {ADDRESS} or {ADDRESS} failed"),
+        ("gpu1-llama ran out of memory", ("gpu1-llama",), "the provider ran out of memory"),
+        # what is no address stays
+        ("upstream stream ended before [DONE]", ("llama",), "upstream stream ended before [DONE]"),
+        ("retry after 12:30, 2 of 8192 tokens", (), "retry after 12:30, 2 of 8192 tokens"),
+        (
+            "gpu1-llama-2 is another provider's id",
+            ("gpu1-llama",),
+            "gpu1-llama-2 is another provider's id",
+        ),
+    ],
+)
+def test_without_topology(said: str, names: tuple[str, ...], caller_reads: str) -> None:
+    assert without_topology(said, names) == caller_reads
+
+
+def test_with_request_id() -> None:
+    assert with_request_id("it failed", "req_1") == "it failed (request id req_1)"
+    assert with_request_id("it failed", "") == "it failed"
