@@ -103,7 +103,7 @@ from iop_node.adapters.upstream_errors import (
 )
 from iop_node.compat.httpx2 import connection_pool_for
 from iop_node.protocol_support import ProtocolSupport
-from iop_node.reply import NotAnObject, ParsedChunk, UsageView, read_chunk
+from iop_node.reply import NotAnObject, ParsedChunk, UsageView, read_chunk, timings_cached
 from iop_node.tracing import UpstreamCall, passed_on, upstream_call
 from schemas.config import ProviderConfig
 from schemas.protocols import CallerProtocol
@@ -191,6 +191,7 @@ class _BodyView(msgspec.Struct):
     usage: UsageView | None = None
     error: Any = None
     object: str | None = None
+    timings: msgspec.Raw | None = None
 
     def is_error(self) -> bool:
         return self.error is not None or self.object == "error"
@@ -834,7 +835,8 @@ class OpenAICompatAdapter(NativeRelay):
                 f"upstream returned an error: {error_message(body) or 'unknown error'}",
                 retryable=True,
             )
-        return RunResult(usage=view.usage.to_usage() if view.usage else None, response=body)
+        usage = view.usage.to_usage(timings_cached(view.timings)) if view.usage else None
+        return RunResult(usage=usage, response=body)
 
     def _post(
         self, url: httpcore2.URL, headers: list[tuple[bytes, bytes]], body: bytes
@@ -887,7 +889,9 @@ class OpenAICompatAdapter(NativeRelay):
                     parsed = self._inspect_chunk(data, event.event, progress)
                     if parsed is not None:
                         if parsed.usage is not None:
-                            usage = parsed.usage.to_usage()
+                            usage = parsed.usage.to_usage(
+                                timings_cached(parsed.fields.get("timings"))
+                            )
                         finished = finished or parsed.finished
                     await emit(data, parsed)
                     progress.emitted += 1

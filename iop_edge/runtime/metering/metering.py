@@ -100,6 +100,7 @@ class Metering:
                 ttft_ms=None if record.ttft_s is None else record.ttft_s * 1000,
                 usage_source=record.usage_source,
                 protocol=record.protocol,
+                cached_tokens=usage.cached_tokens if usage else 0,
             )
         )
 
