@@ -19,8 +19,8 @@ Rules:
    the output estimate (`schemas.tokens`). An adapter that read it already hands the
    reading over with the chunk, so nothing parses a chunk twice.
 6. Cached prompt tokens (design §7): `usage.prompt_tokens_details.cached_tokens` when the
-   upstream reports it, else llama.cpp's `timings.cache_n` (a top-level member of its
-   last chunk and of its response), capped at the prompt. Nothing else is read for it.
+   upstream reports it, else llama.cpp's `timings.cache_n` (`cache_timings`), capped at
+   the prompt. Nothing else is read for it.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from typing import Final
 
 import msgspec
 
+from iop_node.cache_timings import timings_cached
 from schemas import wire
 from schemas.tokens import ChoiceView, read_choices
 
-__all__ = ["NotAnObject", "ParsedChunk", "ReplyShaper", "UsageView", "read_chunk", "timings_cached"]
+__all__ = ["NotAnObject", "ParsedChunk", "ReplyShaper", "UsageView", "read_chunk"]
 
 _decode_top_level: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _encode: Final = msgspec.json.Encoder().encode
@@ -56,43 +57,22 @@ class UsageView(msgspec.Struct):
         details = self.prompt_tokens_details
         return None if details is None else details.cached_tokens
 
-    def to_usage(self, timings_cached: int | None = None) -> wire.Usage:
+    def to_usage(self, cache_n: int | None = None) -> wire.Usage:
         """As reported: missing counts are 0, a missing total is the sum; the cached
         tokens from `prompt_tokens_details`, else llama.cpp's `timings.cache_n`
-        (`timings_cached`, Rule 6), at most the prompt."""
+        (`cache_n`, Rule 6), at most the prompt."""
         prompt = self.prompt_tokens or 0
         completion = self.completion_tokens or 0
         total = self.total_tokens if self.total_tokens is not None else prompt + completion
         cached = self.cached_tokens
         if cached is None:
-            cached = timings_cached
+            cached = cache_n
         return wire.Usage(
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=total,
             cached_tokens=min(max(cached or 0, 0), max(prompt, 0)),
         )
-
-
-class _Timings(msgspec.Struct):
-    """llama.cpp's `timings` (only what metering reads of it)."""
-
-    cache_n: int | None = None
-
-
-_decode_timings: Final = msgspec.json.Decoder(_Timings | None).decode
-
-
-def timings_cached(raw: msgspec.Raw | None) -> int | None:
-    """llama.cpp's `timings.cache_n` from a reply's raw `timings` member; None when there
-    is none or it does not read (Rule 6)."""
-    if raw is None:
-        return None
-    try:
-        timings = _decode_timings(raw)
-    except (msgspec.DecodeError, RecursionError):
-        return None
-    return None if timings is None else timings.cache_n
 
 
 _decode_usage: Final = msgspec.json.Decoder(UsageView | None).decode

@@ -77,6 +77,10 @@ class CatalogProvider(CatalogRecord, frozen=True, kw_only=True):
     """The caller protocols it speaks natively (design §14), as its Node last reported
     them, else as configured (`adapter.protocols` or the type's default); it serves the
     others translated to chat by its Node."""
+    cached_share: float | None = None
+    """Of the prompt tokens its runtime reported over its recent runs, the share it took
+    from its prefix cache (0..1, recent runs weighing most: `core.cache_share`); null
+    before it reported any."""
 
 
 class CatalogModel(CatalogRecord, frozen=True, kw_only=True):

@@ -42,6 +42,7 @@ def catalog_provider(
     cooling_down: bool,
     consecutive_failures: int,
     protocols: list[CallerProtocol],
+    cached_share: float | None = None,
 ) -> CatalogProvider:
     """One provider's record (Rules 1-3). Its lists are the config's and the caller's own,
     not copied: a catalog of thousands of providers allocates one record per provider."""
@@ -80,6 +81,7 @@ def catalog_provider(
         cooling_down=cooling_down,
         consecutive_failures=consecutive_failures,
         protocols=protocols,
+        cached_share=cached_share,
     )
 
 

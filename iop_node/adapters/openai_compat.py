@@ -103,7 +103,8 @@ from iop_node.adapters.upstream_errors import (
 )
 from iop_node.compat.httpx2 import connection_pool_for
 from iop_node.protocol_support import ProtocolSupport
-from iop_node.reply import NotAnObject, ParsedChunk, UsageView, read_chunk, timings_cached
+from iop_node.cache_timings import timings_cached
+from iop_node.reply import NotAnObject, ParsedChunk, UsageView, read_chunk
 from iop_node.tracing import UpstreamCall, passed_on, upstream_call
 from schemas.config import ProviderConfig
 from schemas.protocols import CallerProtocol
@@ -191,7 +192,7 @@ class _BodyView(msgspec.Struct):
     usage: UsageView | None = None
     error: Any = None
     object: str | None = None
-    timings: msgspec.Raw | None = None
+    timings: msgspec.Raw = msgspec.Raw()
 
     def is_error(self) -> bool:
         return self.error is not None or self.object == "error"

@@ -65,6 +65,13 @@ function drawProviderSummary(summary) {
   parts.forEach((part, index) => line.append(index ? " · " : "", part));
 }
 
+function cachedCell(provider) {
+  // The recent share of its prompt tokens its runtime took from its prefix cache.
+  const share = provider.cached_share;
+  const text = share === null || share === undefined ? "-" : `${Math.round(share * 100)}%`;
+  return el("td", { class: "num", "data-cached-share": share ?? "" }, text);
+}
+
 function drawProviders(catalog) {
   const rows = catalog.providers.map((p) => {
     const long = p.long_context_slots === null
@@ -78,7 +85,8 @@ function drawProviders(catalog) {
       el("td", {}, long),
       el("td", {}, p.type),
       el("td", { "data-protocols": (p.protocols || []).join(" ") }, (p.protocols || []).join(", ")),
-      el("td", { class: "num" }, p.priority));
+      el("td", { class: "num" }, p.priority),
+      cachedCell(p));
   });
   replaceRows(document.getElementById("providers"), rows);
   const page = providerView.cursors.length;

@@ -71,6 +71,7 @@ from types import TracebackType
 
 import trio
 
+from iop_edge.core.cache_share import CacheShares
 from iop_edge.core.catalog_view import catalog_provider
 from iop_edge.core.pool import Decision, Grant, PassiveHealth, ProviderView, Refuse, Wait, decide
 from iop_edge.core.principals import ANONYMOUS_PRINCIPAL, concurrency_share
@@ -448,6 +449,9 @@ class Scheduler:
         """Per model: the models sharing a provider with it, itself included."""
         self._reschedule = trio.Event()
         self._changed = trio.Event()
+        self.cache_shares = CacheShares()
+        """Each provider's recent cached share of its prompts (the catalog's
+        `cached_share`), fed by metering."""
         self.apply_snapshot(snapshot)
 
     # -- service ------------------------------------------------------------------
@@ -504,6 +508,7 @@ class Scheduler:
             if state.removed:
                 continue  # held since an earlier snapshot
             state.retire()
+            self.cache_shares.forget(provider_id)
             if state.idle:
                 del states[provider_id]
             else:  # until its last lease is released
@@ -1087,4 +1092,5 @@ class Scheduler:
             cooling_down=state.passive.breaker(now=now, probing=state.trial is not None) == "open",
             consecutive_failures=state.passive.consecutive_failures,
             protocols=state.protocols,
+            cached_share=self.cache_shares.share(state.id),
         )

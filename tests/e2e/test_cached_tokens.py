@@ -1,0 +1,171 @@
+"""Cached prompt tokens, from the runtime to the caller and the books (design §7).
+
+A runtime with a prefix cache says how much of a prompt it did not compute: OpenAI's
+`usage.prompt_tokens_details.cached_tokens` (vLLM, llama-server), Anthropic's
+`cache_read_input_tokens`, Responses' `input_tokens_details.cached_tokens`, or only
+llama.cpp's `timings.cache_n`. Whatever the caller's protocol, spoken natively by the
+provider or translated by its Node, streamed or not, the caller reads the count in its
+own protocol's field, and the Edge records it: the ledger's `cached_tokens`, `GET /usage`,
+`iop_prompt_cache_tokens_total` and each provider's `cached_share` in the catalog.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any, Final
+
+import anthropic
+import pytest
+import trio
+
+from tests.adapters.fake_data import PROMPT_TOKENS
+from tests.adapters.fake_protocols import CACHED_TOKENS
+from tests.adapters.fake_upstream import CacheReport, FakeUpstream
+from tests.e2e.stack import Stack
+from tests.e2e.upstreams import MakeStack, upstream_provider, wait_idle
+from tests.timing import GUARD_S
+
+#: model -> the provider serving it: one speaking every protocol natively, one speaking
+#: chat only (its Node translates Messages and Responses), one that is llama.cpp telling
+#: its cache in `timings` alone.
+PROVIDERS: Final = {"native-m": "native", "translated-m": "chat-only", "timings-m": "llama"}
+MESSAGES: Final[list[Any]] = [{"role": "user", "content": "hello there"}]
+
+
+async def _stack(nursery: trio.Nursery, make_stack: MakeStack) -> Stack:
+    fakes = {
+        "native": FakeUpstream(
+            native=frozenset({"messages", "responses"}), cache=CacheReport(CACHED_TOKENS)
+        ),
+        "chat-only": FakeUpstream(cache=CacheReport(CACHED_TOKENS)),
+        "llama": FakeUpstream(cache=CacheReport(CACHED_TOKENS, where="timings")),
+    }
+    providers = []
+    for provider_id, fake in fakes.items():
+        base_url = await nursery.start(fake.serve)
+        protocols = ["chat", "messages", "responses"] if provider_id == "native" else ["chat"]
+        providers.append(upstream_provider(provider_id, base_url, protocols=protocols))
+    models = [{"id": model, "providers": {p: "fake-model"}} for model, p in PROVIDERS.items()]
+    return await make_stack(providers, models=models)
+
+
+async def _chat(stack: Stack, model: str, *, stream: bool) -> Any:
+    """The usage the caller reads."""
+    async with stack.client() as client:
+        if not stream:
+            reply = await client.chat.completions.create(model=model, messages=MESSAGES)
+            return reply.usage
+        chunks = await client.chat.completions.create(
+            model=model, messages=MESSAGES, stream=True, stream_options={"include_usage": True}
+        )
+        usage = None
+        async for chunk in chunks:
+            usage = chunk.usage or usage
+        return usage
+
+
+async def _messages(stack: Stack, model: str, *, stream: bool) -> Any:
+    async with anthropic.AsyncAnthropic(
+        base_url=stack.addresses.openai_url, api_key="unused", max_retries=0
+    ) as client:
+        if not stream:
+            reply = await client.messages.create(model=model, max_tokens=16, messages=MESSAGES)
+            return reply.usage
+        async with client.messages.stream(
+            model=model, max_tokens=16, messages=MESSAGES
+        ) as events:
+            return (await events.get_final_message()).usage
+
+
+async def _responses(stack: Stack, model: str, *, stream: bool) -> Any:
+    async with stack.client() as client:
+        if not stream:
+            reply = await client.responses.create(model=model, input="hello there", store=False)
+            return reply.usage
+        events = await client.responses.create(
+            model=model, input="hello there", store=False, stream=True
+        )
+        usage = None
+        async for event in events:
+            if event.type == "response.completed":
+                usage = event.response.usage
+        return usage
+
+
+async def test_cached_tokens_reach_the_caller_and_the_books_in_every_protocol(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    stack = await _stack(nursery, make_stack)
+    with trio.fail_after(GUARD_S):
+        for stream in (False, True):
+            for model in ("native-m", "translated-m"):
+                chat = await _chat(stack, model, stream=stream)
+                assert chat.prompt_tokens_details.cached_tokens == CACHED_TOKENS
+                assert chat.prompt_tokens == PROMPT_TOKENS
+                messages = await _messages(stack, model, stream=stream)
+                assert messages.cache_read_input_tokens == CACHED_TOKENS, (model, stream)
+                assert messages.input_tokens == PROMPT_TOKENS - CACHED_TOKENS
+                responses = await _responses(stack, model, stream=stream)
+                assert responses.input_tokens_details.cached_tokens == CACHED_TOKENS
+                assert responses.input_tokens == PROMPT_TOKENS
+            await _chat(stack, "timings-m", stream=stream)  # llama.cpp: `timings` only
+            # A Messages caller of that runtime reads what its `timings` said too.
+            messages = await _messages(stack, "timings-m", stream=stream)
+            assert messages.cache_read_input_tokens == CACHED_TOKENS, stream
+        await wait_idle(stack)
+        await stack.edge.ledger.wait_flushed()
+
+    with sqlite3.connect(stack.edge.ledger.path) as db:
+        rows = db.execute(
+            "SELECT model, protocol, prompt_tokens, cached_tokens, usage_source FROM usage"
+        ).fetchall()
+    assert len(rows) == 16
+    assert {row[1:] for row in rows} >= {("chat", PROMPT_TOKENS, CACHED_TOKENS, "provider")}
+    assert all(row[2:] == (PROMPT_TOKENS, CACHED_TOKENS, "provider") for row in rows), rows
+    assert {(row[0], row[1]) for row in rows} == {
+        (model, protocol)
+        for model in ("native-m", "translated-m")
+        for protocol in ("chat", "messages", "responses")
+    } | {("timings-m", "chat"), ("timings-m", "messages")}
+
+    async with stack.admin() as admin:
+        report = (await admin.get("/usage", params={"group_by": "provider"})).json()
+    by_provider = {row["provider"]: row for row in report["rows"]}
+    assert by_provider["native"]["cached_tokens"] == 6 * CACHED_TOKENS
+    assert by_provider["llama"]["cached_tokens"] == 4 * CACHED_TOKENS
+    assert report["totals"]["cached_tokens"] == 16 * CACHED_TOKENS
+
+    registry = stack.edge.metrics.registry
+    for model, provider in PROVIDERS.items():
+        labels = {"model": model, "provider": provider}
+        cached = registry.get_sample_value(
+            "iop_prompt_cache_tokens_total", {**labels, "kind": "cached"}
+        )
+        prompt = registry.get_sample_value(
+            "iop_prompt_cache_tokens_total", {**labels, "kind": "prompt"}
+        )
+        assert cached is not None and prompt is not None
+        assert cached / prompt == pytest.approx(CACHED_TOKENS / PROMPT_TOKENS)
+
+    catalog = await stack.catalog()
+    shares = {p["id"]: p["cached_share"] for p in catalog["providers"]}
+    assert shares == pytest.approx({p: CACHED_TOKENS / PROMPT_TOKENS for p in PROVIDERS.values()})
+
+
+async def test_a_provider_that_reports_no_cache_has_no_share_and_records_zero(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    fake = FakeUpstream()
+    base_url = await nursery.start(fake.serve)
+    stack = await make_stack([upstream_provider("plain", base_url)])
+    catalog = await stack.catalog()
+    assert catalog["providers"][0]["cached_share"] is None  # never measured
+    with trio.fail_after(GUARD_S):
+        usage = await _chat(stack, "qwen-alias", stream=False)
+        await wait_idle(stack)
+        await stack.edge.ledger.wait_flushed()
+    assert usage.prompt_tokens_details is None  # the runtime's own body, as it was
+    with sqlite3.connect(stack.edge.ledger.path) as db:
+        assert db.execute("SELECT cached_tokens FROM usage").fetchall() == [(0,)]
+    catalog = await stack.catalog()
+    assert catalog["providers"][0]["cached_share"] == 0.0
