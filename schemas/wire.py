@@ -93,7 +93,9 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     """Base of every wire message."""
 
 
-class Usage(msgspec.Struct, frozen=True, kw_only=True):
+class Usage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A run's token counts. Zeros are left off the wire (a peer reads them back as 0)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0

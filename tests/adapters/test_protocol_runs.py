@@ -25,11 +25,17 @@ from tests.node_runs import run_to_end, sse_events
 
 from .conftest import MODEL
 from .fake_data import PROMPT_TOKENS
-from .fake_protocols import NATIVE_COUNT, fake_tokens, messages_events
+from .fake_protocols import CACHED_TOKENS, NATIVE_COUNT, fake_tokens, messages_events
 from .fake_upstream import LLAMA_CPP, FakeUpstream
 
 ALIAS = "team-alias"
-USAGE = Usage(prompt_tokens=PROMPT_TOKENS, completion_tokens=3, total_tokens=PROMPT_TOKENS + 3)
+#: The fake's counts on the wire: the cached tokens it reports are a part of the prompt.
+USAGE = Usage(
+    prompt_tokens=PROMPT_TOKENS,
+    completion_tokens=3,
+    total_tokens=PROMPT_TOKENS + 3,
+    cached_tokens=CACHED_TOKENS,
+)
 MESSAGES_BODY: dict[str, Any] = {
     "model": MODEL,
     "max_tokens": 64,
