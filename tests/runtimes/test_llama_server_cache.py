@@ -173,7 +173,10 @@ def _provider(provider_id: str, server: LlamaServer) -> dict[str, Any]:
     )
 
 
-def _needs_affinity() -> None:
+@pytest.fixture
+def affinity_routing() -> None:
+    """Skips a test that needs the Edge to keep a conversation on one provider when this
+    build cannot."""
     if "routing" not in ModelEntry.__struct_fields__:
         pytest.skip("this Edge has no affinity routing (`models[].routing`) to keep turns")
 
@@ -263,10 +266,10 @@ async def test_with_one_provider_each_turn_computes_only_its_new_tokens(
     ("case", "headers"),
     [("session header", {"x-session-id": "conversation-1"}), ("bare prefix", {})],
 )
+@pytest.mark.usefixtures("affinity_routing")
 async def test_with_two_providers_a_conversation_stays_where_its_prefix_is_cached(
     llama_servers: list[LlamaServer], make_stack: MakeStack, case: str, headers: dict[str, str]
 ) -> None:
-    _needs_affinity()
     stack = await make_stack(
         [_provider("llama-a", llama_servers[0]), _provider("llama-b", llama_servers[1])]
     )
