@@ -28,11 +28,10 @@ from typing import Final
 
 import msgspec
 
-_MASK: Final = (1 << 63) - 1
 
-
-class KvDelta(msgspec.Struct, frozen=True, kw_only=True, tag="kv_delta", tag_field="type"):
-    """One provider's change of resident blocks since its previous delta."""
+class KvDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag="kv_delta"):
+    """One provider's change of resident blocks since its previous delta (an array on the
+    wire, as vLLM's own events: no field names)."""
 
     provider: str
     seq: int
