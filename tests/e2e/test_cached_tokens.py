@@ -11,6 +11,7 @@ own protocol's field, and the Edge records it: the ledger's `cached_tokens`, `GE
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from typing import Any, Final
 
@@ -18,6 +19,7 @@ import anthropic
 import pytest
 import trio
 
+from iop_edge.cli import main as edge_cli
 from tests.adapters.fake_data import PROMPT_TOKENS
 from tests.adapters.fake_protocols import CACHED_TOKENS
 from tests.adapters.fake_upstream import CacheReport, FakeUpstream
@@ -93,7 +95,7 @@ async def _responses(stack: Stack, model: str, *, stream: bool) -> Any:
 
 
 async def test_cached_tokens_reach_the_caller_and_the_books_in_every_protocol(
-    nursery: trio.Nursery, make_stack: MakeStack
+    nursery: trio.Nursery, make_stack: MakeStack, capsys: pytest.CaptureFixture[str]
 ) -> None:
     stack = await _stack(nursery, make_stack)
     with trio.fail_after(GUARD_S):
@@ -134,6 +136,18 @@ async def test_cached_tokens_reach_the_caller_and_the_books_in_every_protocol(
     assert by_provider["native"]["cached_tokens"] == 6 * CACHED_TOKENS
     assert by_provider["llama"]["cached_tokens"] == 4 * CACHED_TOKENS
     assert report["totals"]["cached_tokens"] == 16 * CACHED_TOKENS
+    capsys.readouterr()
+    command = ["usage", "--admin", stack.addresses.admin_url, "--group-by", "provider"]
+    assert await trio.to_thread.run_sync(edge_cli, command) == 0
+    lines = capsys.readouterr().out.splitlines()
+
+    def cells(line: str) -> list[str]:
+        return [cell.strip() for cell in re.split("[┃│]", line)[1:-1]]
+
+    names = [f"{a} {b}".strip() for a, b in zip(cells(lines[2]), cells(lines[3]), strict=True)]
+    [llama] = [cells(line) for line in lines if "llama" in line]
+    assert llama[names.index("provider")] == "llama", lines
+    assert llama[names.index("cached tokens")] == str(4 * CACHED_TOKENS), lines
 
     registry = stack.edge.metrics.registry
     for model, provider in PROVIDERS.items():
