@@ -101,9 +101,9 @@ from iop_node.adapters.upstream_errors import (
     INPUT_FIELDS,
     read_error_facts,
 )
+from iop_node.cache_timings import timings_cached
 from iop_node.compat.httpx2 import connection_pool_for
 from iop_node.protocol_support import ProtocolSupport
-from iop_node.cache_timings import timings_cached
 from iop_node.reply import NotAnObject, ParsedChunk, UsageView, read_chunk
 from iop_node.tracing import UpstreamCall, passed_on, upstream_call
 from schemas.config import ProviderConfig

@@ -73,9 +73,7 @@ async def _messages(stack: Stack, model: str, *, stream: bool) -> Any:
         if not stream:
             reply = await client.messages.create(model=model, max_tokens=16, messages=MESSAGES)
             return reply.usage
-        async with client.messages.stream(
-            model=model, max_tokens=16, messages=MESSAGES
-        ) as events:
+        async with client.messages.stream(model=model, max_tokens=16, messages=MESSAGES) as events:
             return (await events.get_final_message()).usage
 
 

@@ -22,6 +22,7 @@ Opt-in (`just test-runtimes`); skipped with the reason when the binary, the CPU 
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import queue
@@ -228,7 +229,7 @@ def _only_new_tokens(turns: list[Turn]) -> None:
     before (plus the one token llama.cpp evaluates again), the rest from its cache; and
     the reply's usage says what its `timings` say."""
     print("RESULT", [(t.provider, t.prompt_tokens, t.prompt_n, t.cache_n) for t in turns])
-    for before, turn in zip(turns, turns[1:], strict=False):
+    for before, turn in itertools.pairwise(turns):
         grew = turn.prompt_tokens - before.prompt_tokens
         assert turn.prompt_n <= grew + 1, (turn, before)
         assert turn.prompt_n < turn.prompt_tokens / 2, turn

@@ -60,7 +60,9 @@ async def test_an_older_ledger_gains_cached_tokens_and_its_index_is_replaced(
     assert (default.totals.requests, default.totals.cached_tokens) == (3, 3)
     with sqlite3.connect(path) as db:
         cached = dict(db.execute("SELECT run_id, cached_tokens FROM usage"))
-        indexes = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+        indexes = {
+            row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='index'")
+        }
     assert cached == {"old": 0, "warm": 3, "cold": 0}
     assert PRINCIPAL_INDEX_NAME in indexes and "usage_by_principal" not in indexes
 

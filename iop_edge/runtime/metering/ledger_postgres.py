@@ -7,8 +7,8 @@ killed Edge's journal is replayed at its next start. `PostgresStore` is the stor
 
 - The table's columns are `UsageRecord`'s fields (`iop_usage`), created when missing and
   extended when a newer Edge adds a field (`ADD COLUMN IF NOT EXISTS`, the older rows
-  taking the field's default: `protocol` is `chat` for them, `cached_tokens` 0), under an advisory lock so
-  replicas starting together do not race on the DDL.
+  taking the field's default: `protocol` is `chat` for them, `cached_tokens` 0), under
+  an advisory lock so replicas starting together do not race on the DDL.
 - Each journal segment's checkpoint (`iop_journal_checkpoint`) moves in the same
   transaction as its records, so a replayed journal inserts every record exactly once.
   Segment names carry the writing process's pid and a random part, so replicas never

@@ -3,8 +3,9 @@
 A run hands its `RunRecord` here exactly once, whatever ended it (see `dispatch.Run`).
 Every record is counted in the metrics; a record with a provider (the run reached one)
 is also written to the usage ledger, and its runtime's reported cached prompt tokens
-count in that provider's recent cached share (`core.cache_share`, the catalog's). A request refused before it named a model the
-Edge knows (bad JSON, bad token, unknown model) is counted as a refusal only.
+count in that provider's recent cached share (`core.cache_share`, the catalog's). A
+request refused before it named a model the Edge knows (bad JSON, bad token, unknown
+model) is counted as a refusal only.
 """
 
 from __future__ import annotations

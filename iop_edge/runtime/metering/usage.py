@@ -98,6 +98,8 @@ CREATE TABLE IF NOT EXISTS usage (
 );
 CREATE INDEX IF NOT EXISTS usage_time ON usage(time);
 """
+
+
 class UsageRecord(msgspec.Struct, frozen=True, gc=False):
     """One finished run, as the ledger keeps it: a journal line (JSON, an object of these
     fields) and a row of the `usage` table (these columns, in this order). A struct: one
