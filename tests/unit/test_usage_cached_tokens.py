@@ -88,3 +88,44 @@ def test_a_report_says_cached_tokens_even_when_there_are_none() -> None:
         estimated_tokens=0,
     )
     assert b'"cached_tokens":0' in msgspec.json.encode(row)
+
+
+def test_a_node_cannot_report_more_cached_tokens_than_the_prompt() -> None:
+    from iop_edge.core.node_input import check_node_message
+    from schemas import wire
+
+    lying = wire.Usage(prompt_tokens=10, completion_tokens=2, total_tokens=12, cached_tokens=99)
+    negative = wire.Usage(prompt_tokens=10, completion_tokens=2, total_tokens=12, cached_tokens=-3)
+    sound = wire.Usage(prompt_tokens=10, completion_tokens=2, total_tokens=12, cached_tokens=4)
+    message = wire.RunEvents(
+        ends=[
+            wire.RunDone(run_id="a", usage=lying),
+            wire.RunDone(run_id="b", usage=negative),
+            wire.RunDone(run_id="c", usage=sound),
+        ]
+    )
+    checked, notes = check_node_message(message)
+    assert isinstance(checked, wire.RunEvents)
+    assert [end.usage.cached_tokens for end in checked.ends if end.usage] == [10, 0, 4]
+    assert len(notes) == 2 and "cached" in notes[0]
+
+
+def test_the_wire_leaves_zero_counts_off_and_an_older_peer_reads_them() -> None:
+    """An older Edge's `Usage` (no `cached_tokens`) reads a newer Node's, and back."""
+    from schemas import wire
+
+    class OlderUsage(msgspec.Struct, frozen=True, kw_only=True):
+        prompt_tokens: int = 0
+        completion_tokens: int = 0
+        total_tokens: int = 0
+
+    newer = wire.Usage(prompt_tokens=10, completion_tokens=2, total_tokens=12, cached_tokens=4)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(newer), type=OlderUsage) == OlderUsage(
+        prompt_tokens=10, completion_tokens=2, total_tokens=12
+    )
+    older = OlderUsage(prompt_tokens=10, completion_tokens=2, total_tokens=12)
+    read = msgspec.msgpack.decode(msgspec.msgpack.encode(older), type=wire.Usage)
+    assert read.cached_tokens == 0 and read.prompt_tokens == 10
+    assert b"cached_tokens" not in msgspec.msgpack.encode(
+        wire.Usage(prompt_tokens=1, total_tokens=1)
+    )
