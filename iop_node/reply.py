@@ -43,18 +43,29 @@ class _PromptDetails(msgspec.Struct):
     cached_tokens: int | None = None
 
 
+_decode_details: Final = msgspec.json.Decoder(_PromptDetails | None).decode
+
+
 class UsageView(msgspec.Struct):
     """A `usage` object as an upstream reports it (numbers unchecked)."""
 
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     total_tokens: int | None = None
-    prompt_tokens_details: _PromptDetails | None = None
+    prompt_tokens_details: msgspec.Raw = msgspec.Raw()
+    """Read only for its `cached_tokens`, leniently: details that do not read cost the
+    count of cached tokens, never the usage."""
 
     @property
     def cached_tokens(self) -> int | None:
         """The cached prompt tokens it reports; None when it does not say."""
-        details = self.prompt_tokens_details
+        raw = self.prompt_tokens_details
+        if not raw:
+            return None
+        try:
+            details = _decode_details(raw)
+        except (msgspec.DecodeError, RecursionError):
+            return None
         return None if details is None else details.cached_tokens
 
     def to_usage(self, cache_n: int | None = None) -> wire.Usage:

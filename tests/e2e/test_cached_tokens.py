@@ -24,7 +24,7 @@ from tests.adapters.fake_data import PROMPT_TOKENS
 from tests.adapters.fake_protocols import CACHED_TOKENS
 from tests.adapters.fake_upstream import CacheReport, FakeUpstream
 from tests.e2e.stack import Stack
-from tests.e2e.upstreams import MakeStack, upstream_provider, wait_idle
+from tests.e2e.upstreams import MakeStack, all_idle, upstream_provider
 from tests.timing import GUARD_S
 
 #: model -> the provider serving it: one speaking every protocol natively, one speaking
@@ -53,6 +53,11 @@ async def _stack(nursery: trio.Nursery, make_stack: MakeStack) -> Stack:
 
 async def _chat(stack: Stack, model: str, *, stream: bool) -> Any:
     """The usage the caller reads."""
+    with trio.fail_after(GUARD_S):
+        return await _chat_usage(stack, model, stream=stream)
+
+
+async def _chat_usage(stack: Stack, model: str, *, stream: bool) -> Any:
     async with stack.client() as client:
         if not stream:
             reply = await client.chat.completions.create(model=model, messages=MESSAGES)
@@ -67,6 +72,11 @@ async def _chat(stack: Stack, model: str, *, stream: bool) -> Any:
 
 
 async def _messages(stack: Stack, model: str, *, stream: bool) -> Any:
+    with trio.fail_after(GUARD_S):
+        return await _messages_usage(stack, model, stream=stream)
+
+
+async def _messages_usage(stack: Stack, model: str, *, stream: bool) -> Any:
     async with anthropic.AsyncAnthropic(
         base_url=stack.addresses.openai_url, api_key="unused", max_retries=0
     ) as client:
@@ -78,6 +88,11 @@ async def _messages(stack: Stack, model: str, *, stream: bool) -> Any:
 
 
 async def _responses(stack: Stack, model: str, *, stream: bool) -> Any:
+    with trio.fail_after(GUARD_S):
+        return await _responses_usage(stack, model, stream=stream)
+
+
+async def _responses_usage(stack: Stack, model: str, *, stream: bool) -> Any:
     async with stack.client() as client:
         if not stream:
             reply = await client.responses.create(model=model, input="hello there", store=False)
@@ -96,23 +111,23 @@ async def test_cached_tokens_reach_the_caller_and_the_books_in_every_protocol(
     nursery: trio.Nursery, make_stack: MakeStack, capsys: pytest.CaptureFixture[str]
 ) -> None:
     stack = await _stack(nursery, make_stack)
+    for stream in (False, True):
+        for model in ("native-m", "translated-m"):
+            chat = await _chat(stack, model, stream=stream)
+            assert chat.prompt_tokens_details.cached_tokens == CACHED_TOKENS
+            assert chat.prompt_tokens == PROMPT_TOKENS
+            messages = await _messages(stack, model, stream=stream)
+            assert messages.cache_read_input_tokens == CACHED_TOKENS, (model, stream)
+            assert messages.input_tokens == PROMPT_TOKENS - CACHED_TOKENS
+            responses = await _responses(stack, model, stream=stream)
+            assert responses.input_tokens_details.cached_tokens == CACHED_TOKENS
+            assert responses.input_tokens == PROMPT_TOKENS
+        await _chat(stack, "timings-m", stream=stream)  # llama.cpp: `timings` only
+        # A Messages caller of that runtime reads what its `timings` said too.
+        messages = await _messages(stack, "timings-m", stream=stream)
+        assert messages.cache_read_input_tokens == CACHED_TOKENS, stream
+    await stack.wait_catalog(all_idle)  # every run has ended, so it is metered
     with trio.fail_after(GUARD_S):
-        for stream in (False, True):
-            for model in ("native-m", "translated-m"):
-                chat = await _chat(stack, model, stream=stream)
-                assert chat.prompt_tokens_details.cached_tokens == CACHED_TOKENS
-                assert chat.prompt_tokens == PROMPT_TOKENS
-                messages = await _messages(stack, model, stream=stream)
-                assert messages.cache_read_input_tokens == CACHED_TOKENS, (model, stream)
-                assert messages.input_tokens == PROMPT_TOKENS - CACHED_TOKENS
-                responses = await _responses(stack, model, stream=stream)
-                assert responses.input_tokens_details.cached_tokens == CACHED_TOKENS
-                assert responses.input_tokens == PROMPT_TOKENS
-            await _chat(stack, "timings-m", stream=stream)  # llama.cpp: `timings` only
-            # A Messages caller of that runtime reads what its `timings` said too.
-            messages = await _messages(stack, "timings-m", stream=stream)
-            assert messages.cache_read_input_tokens == CACHED_TOKENS, stream
-        await wait_idle(stack)
         await stack.edge.ledger.wait_flushed()
 
     with sqlite3.connect(stack.edge.ledger.path) as db:
@@ -172,9 +187,9 @@ async def test_a_provider_that_reports_no_cache_has_no_share_and_records_zero(
     stack = await make_stack([upstream_provider("plain", base_url)])
     catalog = await stack.catalog()
     assert catalog["providers"][0]["cached_share"] is None  # never measured
+    usage = await _chat(stack, "qwen-alias", stream=False)
+    await stack.wait_catalog(all_idle)  # every run has ended, so it is metered
     with trio.fail_after(GUARD_S):
-        usage = await _chat(stack, "qwen-alias", stream=False)
-        await wait_idle(stack)
         await stack.edge.ledger.wait_flushed()
     assert usage.prompt_tokens_details is None  # the runtime's own body, as it was
     with sqlite3.connect(stack.edge.ledger.path) as db:
