@@ -293,8 +293,8 @@ def render_replicas(console: Console, replicas: list[dict[str, Any]]) -> None:
 _USAGE_COUNTS = (
     "requests",
     "prompt_tokens",
-    "cached_tokens",
     "completion_tokens",
+    "cached_tokens",
     "estimated_requests",
     "estimated_tokens",
 )
