@@ -11,11 +11,14 @@ own protocol's field, and the Edge records it: the ledger's `cached_tokens`, `GE
 
 from __future__ import annotations
 
+import os
 import re
 import sqlite3
+from pathlib import Path
 from typing import Any, Final
 
 import anthropic
+import psycopg
 import pytest
 import trio
 
@@ -23,7 +26,8 @@ from iop_edge.cli import main as edge_cli
 from tests.adapters.fake_data import PROMPT_TOKENS
 from tests.adapters.fake_protocols import CACHED_TOKENS
 from tests.adapters.fake_upstream import CacheReport, FakeUpstream
-from tests.e2e.stack import Stack
+from tests.e2e.postgres import PASSWORD_ENV
+from tests.e2e.stack import Stack, edge_config, start_stack
 from tests.e2e.upstreams import MakeStack, all_idle, upstream_provider
 from tests.timing import GUARD_S
 
@@ -196,3 +200,58 @@ async def test_a_provider_that_reports_no_cache_has_no_share_and_records_zero(
         assert db.execute("SELECT cached_tokens FROM usage").fetchall() == [(0,)]
     catalog = await stack.catalog()
     assert catalog["providers"][0]["cached_share"] == 0.0
+
+
+async def test_an_older_postgresql_ledger_gains_cached_tokens(
+    nursery: trio.Nursery, tmp_path: Path, ledger_url: str
+) -> None:
+    """A table and index an Edge from before `cached_tokens` made: the column is added
+    (0 for the old rows), the covering index is replaced by one that sums it too."""
+    with psycopg.connect(ledger_url, password=os.environ[PASSWORD_ENV], autocommit=True) as db:
+        db.execute(
+            "CREATE TABLE iop_usage (time DOUBLE PRECISION NOT NULL, run_id TEXT NOT NULL, "
+            "principal_ref TEXT NOT NULL, token_ref TEXT NOT NULL, alias TEXT, "
+            "model TEXT NOT NULL, provider TEXT NOT NULL, node TEXT NOT NULL, "
+            "prompt_tokens BIGINT NOT NULL, completion_tokens BIGINT NOT NULL, "
+            "status BIGINT NOT NULL, latency_ms DOUBLE PRECISION NOT NULL, "
+            "ttft_ms DOUBLE PRECISION, usage_source TEXT NOT NULL, protocol TEXT NOT NULL)"
+        )
+        db.execute(
+            "CREATE INDEX iop_usage_by_principal ON iop_usage (principal_ref, token_ref, "
+            "model, time) INCLUDE (prompt_tokens, completion_tokens, usage_source)"
+        )
+        db.execute(
+            "INSERT INTO iop_usage VALUES (1, 'old', 'p', 't', NULL, 'qwen-alias', 'gpu', "
+            "'node-1', 7, 2, 200, 1, NULL, 'provider', 'chat')"
+        )
+    fake = FakeUpstream(cache=CacheReport(CACHED_TOKENS))
+    base_url = await nursery.start(fake.serve)
+    text = edge_config(
+        tmp_path / "state",
+        providers=[upstream_provider("gpu", base_url)],
+        models=[{"id": "qwen-alias", "providers": {"gpu": "fake-model"}}],
+        edge_section={"ledger": ledger_url, "ledger_password_env": PASSWORD_ENV},
+    )
+    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("qwen-alias",))
+    await _chat(stack, "qwen-alias", stream=False)
+    await stack.wait_catalog(all_idle)
+    with trio.fail_after(GUARD_S):
+        await stack.edge.ledger.wait_flushed()
+    async with stack.admin() as admin:
+        report = (await admin.get("/usage", params={"group_by": "provider"})).json()
+    [row] = report["rows"]
+    assert (row["requests"], row["prompt_tokens"], row["cached_tokens"]) == (
+        2,
+        7 + PROMPT_TOKENS,
+        CACHED_TOKENS,
+    )
+    with psycopg.connect(ledger_url, password=os.environ[PASSWORD_ENV]) as db:
+        cached = dict(db.execute("SELECT run_id, cached_tokens FROM iop_usage").fetchall())
+        indexes = {
+            name
+            for (name,) in db.execute(
+                "SELECT indexname FROM pg_indexes WHERE tablename = 'iop_usage'"
+            ).fetchall()
+        }
+    assert cached["old"] == 0 and sorted(cached.values()) == [0, CACHED_TOKENS]
+    assert "iop_usage_by_principal_tokens" in indexes and "iop_usage_by_principal" not in indexes
