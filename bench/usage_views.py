@@ -46,11 +46,11 @@ def build_ledger(path: Path, records: int, groups: int) -> float:
     store.close()
     rows = (
         (1_700_000_000.0 + i, f"run-{i}", f"team-{i % groups}", f"app-{i % groups}", None,
-         f"model-{i % 7}", "gpu1-vllm", "gpu1", 120, 380, 200, 850.0, 95.0, "provider", "chat")
+         f"model-{i % 7}", "gpu1-vllm", "gpu1", 120, 380, 200, 850.0, 95.0, "provider", "chat", 96)
         for i in range(records)
     )  # fmt: skip
     with sqlite3.connect(path) as db:
-        db.executemany(f"INSERT INTO usage VALUES ({', '.join('?' * 15)})", rows)
+        db.executemany(f"INSERT INTO usage VALUES ({', '.join('?' * 16)})", rows)
     return time.perf_counter() - started
 
 

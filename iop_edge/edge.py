@@ -201,7 +201,7 @@ class Edge:
             raise EdgeStartupError(str(exc)) from None
         self._ledger_checked = False
         self.ledger = self._ledger_choice.ledger
-        self.metering = Metering(self.metrics, self.ledger)
+        self.metering = Metering(self.metrics, self.ledger, self.scheduler.cache_shares)
         self.metrics.watch_ledger(self.ledger.statistics)
         self.responses = ResponseStore(self._ledger_choice.responses, config.edge.responses)
         self.metrics.watch_responses(self.responses.statistics)

@@ -268,6 +268,7 @@ async def _translated(
         usage = TokenUsage(
             prompt_tokens=result.usage.prompt_tokens,
             completion_tokens=result.usage.completion_tokens,
+            cached_tokens=result.usage.cached_tokens,
         )
         source = result.usage_source
     if usage is None:  # Rule 4: the runtime reported none
@@ -341,7 +342,9 @@ async def _translated_response(
     # The caller's body shows the runtime's own counts when its reply has them, else
     # what the run is metered at (an adapter's own count, or the estimate): never zeros.
     fallback = TokenUsage(
-        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
     )
     alias = _alias(run)
     request_id = run.request_id or run.run_id
@@ -384,6 +387,7 @@ def _wire_usage(usage: TokenUsage) -> Usage:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
     )
 
 

@@ -18,6 +18,9 @@ Rules:
    relay's checks (usage, finish, an in-band error), the caller's shape (Rules 1-3) and
    the output estimate (`schemas.tokens`). An adapter that read it already hands the
    reading over with the chunk, so nothing parses a chunk twice.
+6. Cached prompt tokens (design §7): `usage.prompt_tokens_details.cached_tokens` when the
+   upstream reports it, else llama.cpp's `timings.cache_n` (`cache_timings`), capped at
+   the prompt. Nothing else is read for it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Final
 
 import msgspec
 
+from iop_node.cache_timings import timings_cached
 from schemas import wire
 from schemas.tokens import ChoiceView, read_choices
 
@@ -35,19 +39,51 @@ _decode_top_level: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _encode: Final = msgspec.json.Encoder().encode
 
 
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+_decode_details: Final = msgspec.json.Decoder(_PromptDetails | None).decode
+
+
 class UsageView(msgspec.Struct):
     """A `usage` object as an upstream reports it (numbers unchecked)."""
 
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     total_tokens: int | None = None
+    prompt_tokens_details: msgspec.Raw = msgspec.Raw()
+    """Read only for its `cached_tokens`, leniently: details that do not read cost the
+    count of cached tokens, never the usage."""
 
-    def to_usage(self) -> wire.Usage:
-        """As reported: missing counts are 0, a missing total is the sum."""
+    @property
+    def cached_tokens(self) -> int | None:
+        """The cached prompt tokens it reports; None when it does not say."""
+        raw = self.prompt_tokens_details
+        if not raw:
+            return None
+        try:
+            details = _decode_details(raw)
+        except (msgspec.DecodeError, RecursionError):
+            return None
+        return None if details is None else details.cached_tokens
+
+    def to_usage(self, cache_n: int | None = None) -> wire.Usage:
+        """As reported: missing counts are 0, a missing total is the sum; the cached
+        tokens from `prompt_tokens_details`, else llama.cpp's `timings.cache_n`
+        (`cache_n`, Rule 6), at most the prompt."""
         prompt = self.prompt_tokens or 0
         completion = self.completion_tokens or 0
         total = self.total_tokens if self.total_tokens is not None else prompt + completion
-        return wire.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total)
+        cached = self.cached_tokens
+        if cached is None:
+            cached = cache_n
+        return wire.Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=total,
+            cached_tokens=min(max(cached or 0, 0), max(prompt, 0)),
+        )
 
 
 _decode_usage: Final = msgspec.json.Decoder(UsageView | None).decode
@@ -153,11 +189,12 @@ def _fields(data: bytes) -> dict[str, msgspec.Raw]:
 class ReplyShaper:
     """Shapes one run's chunks and response for its caller (see the module docstring)."""
 
-    __slots__ = ("_alias", "_strip_usage", "usage")
+    __slots__ = ("_alias", "_strip_usage", "_timings_cached", "usage")
 
     def __init__(self, run: wire.Run) -> None:
         self._alias = _encode(run.reply_model) if run.reply_model else None
         self._strip_usage = run.strip_usage
+        self._timings_cached: int | None = None
         self.usage: wire.Usage | None = None
         """The last usage the upstream reported in a chunk or response (Rule 2)."""
 
@@ -167,6 +204,9 @@ class ReplyShaper:
         parsed = read_chunk(chunk) if isinstance(chunk, bytes) else chunk
         fields = parsed.fields
         changed = False
+        timings = fields.get("timings")
+        if timings is not None:
+            self._timings(timings)
         if parsed.usage is not None:
             self._record(parsed.usage)
             if self._strip_usage:
@@ -182,6 +222,9 @@ class ReplyShaper:
     def response(self, body: bytes) -> bytes:
         """A whole (non-stream) response with the caller's alias."""
         fields = _fields(body)
+        timings = fields.get("timings")
+        if timings is not None:
+            self._timings(timings)
         usage = fields.get("usage")
         if usage is not None:
             view = _usage_view(usage)
@@ -209,6 +252,25 @@ class ReplyShaper:
         prompt = max(view.prompt_tokens or 0, 0)
         completion = max(view.completion_tokens or 0, 0)
         total = view.total_tokens if view.total_tokens is not None else prompt + completion
+        cached = view.cached_tokens
+        if cached is None:
+            cached = self._timings_cached
         self.usage = wire.Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=max(total, 0)
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=max(total, 0),
+            cached_tokens=min(max(cached or 0, 0), prompt),
         )
+
+    def _timings(self, raw: msgspec.Raw) -> None:
+        """llama.cpp's `timings` (Rule 6): its `cache_n` counts for the usage already
+        kept, and for one that comes after it."""
+        cached = timings_cached(raw)
+        if cached is None:
+            return
+        self._timings_cached = cached
+        usage = self.usage
+        if usage is not None and usage.cached_tokens == 0:
+            self.usage = msgspec.structs.replace(
+                usage, cached_tokens=min(max(cached, 0), usage.prompt_tokens)
+            )

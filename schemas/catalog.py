@@ -86,6 +86,10 @@ class CatalogProvider(CatalogRecord, frozen=True, kw_only=True):
     max_loaded: int | None = None
     """How many models the runtime keeps loaded at once, where it says (llama.cpp's
     `--models-max`)."""
+    cached_share: float | None = None
+    """Of the prompt tokens its runtime reported over its recent runs, the share it took
+    from its prefix cache (0..1, recent runs weighing most: `core.cache_share`); null
+    before it reported any."""
 
 
 class CatalogModel(CatalogRecord, frozen=True, kw_only=True):

@@ -102,10 +102,17 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     """Base of every wire message."""
 
 
-class Usage(msgspec.Struct, frozen=True, kw_only=True):
+class Usage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A run's token counts. Zeros are left off the wire (a peer reads them back as 0)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    cached_tokens: int = 0
+    """Of `prompt_tokens`, those the runtime took from its prefix cache instead of
+    computing (OpenAI `usage.prompt_tokens_details.cached_tokens`, Anthropic
+    `cache_read_input_tokens`, llama.cpp `timings.cache_n`); 0 when it does not say. An
+    older Node leaves it out, an older Edge ignores it."""
 
 
 # --- handshake -----------------------------------------------------------------------

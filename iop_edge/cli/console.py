@@ -325,11 +325,13 @@ def render_replicas(console: Console, replicas: list[dict[str, Any]]) -> None:
 
 #: Counts every usage row has; any other key it carries is a grouping column. The
 #: `estimated_*` counts say how much of a row IOP estimated because the provider reported
-#: no usage (`usage_source: estimated`).
+#: no usage (`usage_source: estimated`); `cached_tokens` how much of the prompt tokens the
+#: runtimes reported taking from their prefix cache.
 _USAGE_COUNTS = (
     "requests",
     "prompt_tokens",
     "completion_tokens",
+    "cached_tokens",
     "estimated_requests",
     "estimated_tokens",
 )

@@ -46,6 +46,7 @@ def catalog_provider(
     protocols: list[CallerProtocol],
     model_states: list[ModelState] | None = None,
     max_loaded: int | None = None,
+    cached_share: float | None = None,
 ) -> CatalogProvider:
     """One provider's record (Rules 1-3). Its lists are the config's and the caller's own,
     not copied: a catalog of thousands of providers allocates one record per provider."""
@@ -86,6 +87,7 @@ def catalog_provider(
         protocols=protocols,
         model_states=model_states if connected else None,
         max_loaded=max_loaded if connected else None,
+        cached_share=cached_share,
     )
 
 

@@ -9,7 +9,8 @@ Edge relays them and checks only their framing (`http.runs`).
 
 Rules:
 1. Token counts are integers in `0..MAX_REPORTED_TOKENS`; a negative count becomes 0 and
-   an absurd one the maximum. `total_tokens` is at least the sum of the other two.
+   an absurd one the maximum. `total_tokens` is at least the sum of the other two;
+   `cached_tokens` is at most `prompt_tokens` (cached tokens are part of the prompt).
 2. A failure's `message` is at most `MAX_TEXT_CHARS` characters (it reaches callers and
    logs); its `status` is an HTTP status (100..599) or nothing.
 3. A provider status carries at most `MAX_REPORTED_MODELS` model names of at most
@@ -89,13 +90,17 @@ def _check_usage(usage: wire.Usage) -> tuple[wire.Usage, list[str]]:
     prompt = _tokens(usage.prompt_tokens)
     completion = _tokens(usage.completion_tokens)
     total = min(max(_tokens(usage.total_tokens), prompt + completion), 2 * MAX_REPORTED_TOKENS)
-    checked = wire.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total)
+    cached = min(max(usage.cached_tokens, 0), prompt)
+    checked = wire.Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=total, cached_tokens=cached
+    )
     if checked == usage:
         return usage, []
     reported = (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
     return checked, [
-        f"usage out of range (prompt/completion/total tokens {reported}); "
-        f"metered as {(prompt, completion, total)}"
+        f"usage out of range (prompt/completion/total/cached tokens "
+        f"{(*reported, usage.cached_tokens)}); "
+        f"metered as {(prompt, completion, total, cached)}"
     ]
 
 

@@ -210,4 +210,5 @@ def _wire_usage(usage: TokenUsage | None) -> Usage | None:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
     )

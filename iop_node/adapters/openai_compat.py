@@ -103,6 +103,7 @@ from iop_node.adapters.upstream_errors import (
     INPUT_FIELDS,
     read_error_facts,
 )
+from iop_node.cache_timings import timings_cached
 from iop_node.compat.httpx2 import connection_pool_for
 from iop_node.protocol_support import ProtocolSupport
 from iop_node.reply import NotAnObject, ParsedChunk, UsageView, read_chunk
@@ -193,6 +194,7 @@ class _BodyView(msgspec.Struct):
     usage: UsageView | None = None
     error: Any = None
     object: str | None = None
+    timings: msgspec.Raw = msgspec.Raw()
 
     def is_error(self) -> bool:
         return self.error is not None or self.object == "error"
@@ -836,7 +838,8 @@ class OpenAICompatAdapter(NativeRelay):
                 f"upstream returned an error: {error_message(body) or 'unknown error'}",
                 retryable=True,
             )
-        return RunResult(usage=view.usage.to_usage() if view.usage else None, response=body)
+        usage = view.usage.to_usage(timings_cached(view.timings)) if view.usage else None
+        return RunResult(usage=usage, response=body)
 
     def _post(
         self, url: httpcore2.URL, headers: list[tuple[bytes, bytes]], body: bytes
@@ -889,7 +892,9 @@ class OpenAICompatAdapter(NativeRelay):
                     parsed = self._inspect_chunk(data, event.event, progress)
                     if parsed is not None:
                         if parsed.usage is not None:
-                            usage = parsed.usage.to_usage()
+                            usage = parsed.usage.to_usage(
+                                timings_cached(parsed.fields.get("timings"))
+                            )
                         finished = finished or parsed.finished
                     await emit(data, parsed)
                     progress.emitted += 1

@@ -167,6 +167,8 @@ class SimAdapter:
         call_pieces = _argument_pieces(plan.call)
         usage = _usage(body, len(pieces) + len(call_pieces))
         cached = self._prefill.cached(body, usage.prompt_tokens)
+        if cached.tokens:  # what the Node meters, beside what the caller reads
+            usage = msgspec.structs.replace(usage, cached_tokens=cached.tokens)
         completion_id, created = f"chatcmpl-{run.request_id or run.run_id}", int(time.time())
         start = trio.current_time() + cached.seconds
         if not run.stream:

@@ -94,8 +94,9 @@ class ChatStreamTranslator(ABC, Generic[CallT]):
             self._say(text.thinking, text.content, text.refusal, out)
             return b"".join(out)
         view: ChatChunk = read_chunk(chunk)
-        if view.usage is not None:
-            self._usage = view.usage.tokens()
+        counts = view.tokens()
+        if counts is not None:
+            self._usage = counts
         if not self._started:
             self._start(out)
         choice = view.first()

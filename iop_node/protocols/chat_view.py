@@ -21,6 +21,7 @@ from typing import Final, Literal, NamedTuple, Protocol
 
 import msgspec
 
+from iop_node.cache_timings import timings_cached
 from iop_node.protocols.errors import ReplyTranslationError, join_path
 from schemas.tokens import ChoiceView
 
@@ -71,15 +72,20 @@ class UsageView(msgspec.Struct):
     prompt_tokens_details: _PromptDetails | None = None
     completion_tokens_details: _CompletionDetails | None = None
 
-    def tokens(self) -> TokenUsage:
+    def tokens(self, timings_cached: int | None = None) -> TokenUsage:
+        """The counts; the cached ones from `prompt_tokens_details`, else from llama.cpp's
+        `timings` (`timings_cached`, read by `ChatChunk.tokens`)."""
         prompt = max(self.prompt_tokens or 0, 0)
-        cached = self.prompt_tokens_details.cached_tokens if self.prompt_tokens_details else 0
-        details = self.completion_tokens_details
+        details = self.prompt_tokens_details
+        cached = details.cached_tokens if details is not None else None
+        if cached is None:
+            cached = timings_cached
+        completion = self.completion_tokens_details
         return TokenUsage(
             prompt_tokens=prompt,
             completion_tokens=max(self.completion_tokens or 0, 0),
             cached_tokens=min(max(cached or 0, 0), prompt),
-            reasoning_tokens=max((details.reasoning_tokens if details else 0) or 0, 0),
+            reasoning_tokens=max((completion.reasoning_tokens if completion else 0) or 0, 0),
         )
 
 
@@ -158,6 +164,15 @@ class ChatChunk(msgspec.Struct):
     created: int | float | None = None
     choices: list[ChunkChoice] | None = None
     usage: UsageView | None = None
+    timings: msgspec.Raw = msgspec.Raw()
+    """llama.cpp's `timings` (`iop_node.cache_timings`), read only for its usage."""
+
+    def tokens(self) -> TokenUsage | None:
+        """Its usage's counts (None: it has none), with llama.cpp's `timings.cache_n` as the
+        cached ones when the usage does not say."""
+        if self.usage is None:
+            return None
+        return self.usage.tokens(timings_cached(self.timings))
 
     def first(self) -> ChunkChoice | None:
         """Choice 0: Messages and Responses have one answer per request (the translated

@@ -153,7 +153,7 @@ def messages_response_from_chat(
         called_tools=calls > 0,
         matched=choice.stop_reason if choice is not None else None,
     )
-    counts = response.usage.tokens() if response.usage is not None else usage or TokenUsage()
+    counts = response.tokens() or usage or TokenUsage()
     return encode(
         Message(
             id=f"msg_{request_id}",

@@ -438,5 +438,5 @@ def responses_response_from_chat(
                     status="completed",
                 )
             )
-    counts = response.usage.tokens() if response.usage is not None else usage or TokenUsage()
+    counts = response.tokens() or usage or TokenUsage()
     return shell.body(status, output, counts, incomplete=incomplete)

@@ -9,7 +9,8 @@ connection reuse, real disconnects. The benchmark reuses it as its upstream.
 
 Knobs are plain attributes, read per request, so a test may change them between requests:
 `chunks`, `first_byte_delay_s`, `chunk_interval_s`, `hang`, `status`, `drop_after_chunks`,
-`error_code`, `error_param`, `before_end`,
+`error_code`, `error_param`, `before_end`, `cache` (cached prompt tokens in chat usage,
+or in llama.cpp's `timings`: `CacheReport`),
 `error_after_chunks` (an in-band `data: {"error": ...}` event, then `[DONE]`, as vLLM
 does when generation fails mid-stream), `models`, `models_status`, and `pace` (an async
 hook awaited before each stream event, so a test can hold the stream until it has seen
@@ -55,7 +56,7 @@ import json
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import h11
 import trio
@@ -89,12 +90,30 @@ def _dumps(value: Any) -> bytes:
     return json.dumps(value).encode()
 
 
-def _usage(completion_tokens: int) -> dict[str, int]:
-    return {
+@dataclass(frozen=True, slots=True)
+class CacheReport:
+    """How a chat answer reports the prompt tokens the runtime took from its cache:
+    `details` as OpenAI, vLLM and llama-server do (`usage.prompt_tokens_details
+    .cached_tokens`), `timings` as llama.cpp's top-level `timings` alone (`cache_n`,
+    `prompt_n`: the prompt tokens it actually processed), in the response and in a
+    stream's last event."""
+
+    tokens: int
+    where: Literal["details", "timings"] = "details"
+
+    def timings(self) -> dict[str, Any]:
+        return {"cache_n": self.tokens, "prompt_n": PROMPT_TOKENS - self.tokens}
+
+
+def _usage(completion_tokens: int, cache: CacheReport | None = None) -> dict[str, Any]:
+    usage: dict[str, Any] = {
         "prompt_tokens": PROMPT_TOKENS,
         "completion_tokens": completion_tokens,
         "total_tokens": PROMPT_TOKENS + completion_tokens,
     }
+    if cache is not None and cache.where == "details":
+        usage["prompt_tokens_details"] = {"cached_tokens": cache.tokens}
+    return usage
 
 
 def _chat_chunk(model: str, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
@@ -121,7 +140,12 @@ def _completion_chunk(model: str, text: str, finish: str | None) -> dict[str, An
 
 
 def expected_events(
-    model: str, chunks: int, *, operation: str = "chat", include_usage: bool = False
+    model: str,
+    chunks: int,
+    *,
+    operation: str = "chat",
+    include_usage: bool = False,
+    cache: CacheReport | None = None,
 ) -> list[bytes]:
     """The `data:` payloads of one stream, in order, without the final `[DONE]`."""
     events: list[dict[str, Any]] = []
@@ -138,12 +162,16 @@ def expected_events(
     else:
         events.append(_chat_chunk(model, {}, "stop"))
     if include_usage:
-        last = {**events[-1], "choices": [], "usage": _usage(chunks)}
+        last = {**events[-1], "choices": [], "usage": _usage(chunks, cache)}
         events.append(last)
+    if cache is not None and cache.where == "timings":
+        events[-1] = {**events[-1], "timings": cache.timings()}
     return [_dumps(event) for event in events]
 
 
-def expected_response(model: str, chunks: int, *, operation: str = "chat") -> bytes:
+def expected_response(
+    model: str, chunks: int, *, operation: str = "chat", cache: CacheReport | None = None
+) -> bytes:
     """The exact body of a non-stream response."""
     text = "".join(f"tok{i} " for i in range(chunks))
     if operation == "embedding":
@@ -171,8 +199,10 @@ def expected_response(model: str, chunks: int, *, operation: str = "chat") -> by
             "model": model,
             "system_fingerprint": "fp_fake",
             "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-            "usage": _usage(chunks),
+            "usage": _usage(chunks, cache),
         }
+        if cache is not None and cache.where == "timings":
+            body["timings"] = cache.timings()
     return _dumps({**body, **EXTRA})
 
 
@@ -327,6 +357,9 @@ class FakeUpstream:
     """A stream's `data:` payloads by its request's body, sent in place of the usual ones
     and followed by `[DONE]` (an empty list: a 200 whose body ends at once); None from
     it: the usual answer."""
+    cache: CacheReport | None = None
+    """Chat answers report this many prompt tokens read from the runtime's cache (None:
+    they say nothing of a cache)."""
 
     requests: deque[RecordedRequest] = field(
         init=False, default_factory=lambda: deque(maxlen=_MAX_RECORDED)
@@ -666,14 +699,18 @@ class FakeUpstream:
             )
             return
         if operation == "embedding" or not payload.get("stream"):
-            body = expected_response(model, self.chunks, operation=operation)
+            body = expected_response(model, self.chunks, operation=operation, cache=self.cache)
             await self._send_json(stream, conn, 200, body)
             return
         include_usage = not self.ignore_stream_options and bool(
             (payload.get("stream_options") or {}).get("include_usage")
         )
         events = expected_events(
-            model, self.chunks, operation=operation, include_usage=include_usage
+            model,
+            self.chunks,
+            operation=operation,
+            include_usage=include_usage,
+            cache=self.cache,
         )
         headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
         await self._send(stream, conn, h11.Response(status_code=200, headers=headers))

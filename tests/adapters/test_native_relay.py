@@ -17,6 +17,7 @@ from tests.timing import GUARD_S
 from .conftest import MODEL, MakeAdapter
 from .fake_data import PROMPT_TOKENS
 from .fake_protocols import (
+    CACHED_TOKENS,
     NATIVE_COUNT,
     completed_response,
     fake_tokens,
@@ -31,7 +32,13 @@ from .fake_upstream import FakeUpstream
 ALIAS = "team-alias"
 FAKE_KEY_ENV = "IOP_TEST_NATIVE_KEY"
 FAKE_KEY = "sk-test-native-not-real"
-USAGE = Usage(prompt_tokens=PROMPT_TOKENS, completion_tokens=3, total_tokens=PROMPT_TOKENS + 3)
+#: The fake's counts on the wire: the cached tokens it reports are a part of the prompt.
+USAGE = Usage(
+    prompt_tokens=PROMPT_TOKENS,
+    completion_tokens=3,
+    total_tokens=PROMPT_TOKENS + 3,
+    cached_tokens=CACHED_TOKENS,
+)
 
 
 def native_run(

@@ -25,11 +25,18 @@ from tests.node_runs import run_to_end, sse_events
 
 from .conftest import MODEL
 from .fake_data import PROMPT_TOKENS
-from .fake_protocols import NATIVE_COUNT, fake_tokens, messages_events
+from .fake_protocols import CACHED_TOKENS, NATIVE_COUNT, fake_tokens, messages_events
 from .fake_upstream import LLAMA_CPP, FakeUpstream
 
 ALIAS = "team-alias"
-USAGE = Usage(prompt_tokens=PROMPT_TOKENS, completion_tokens=3, total_tokens=PROMPT_TOKENS + 3)
+#: The fake's counts on the wire: the cached tokens it reports are a part of the prompt.
+USAGE = Usage(
+    prompt_tokens=PROMPT_TOKENS,
+    completion_tokens=3,
+    total_tokens=PROMPT_TOKENS + 3,
+    cached_tokens=CACHED_TOKENS,
+)
+CHAT_USAGE = Usage(prompt_tokens=PROMPT_TOKENS, completion_tokens=3, total_tokens=PROMPT_TOKENS + 3)
 MESSAGES_BODY: dict[str, Any] = {
     "model": MODEL,
     "max_tokens": 64,
@@ -287,7 +294,8 @@ async def test_a_missing_native_endpoint_is_learnt_and_the_run_translated(
             "why0why1why2"
         )
         assert events[-2][1]["delta"]["stop_reason"] == "end_turn"
-        assert end == RunDone(run_id="r1", usage=USAGE, usage_source="provider")
+        # Translated: the fake's chat answers report no cache.
+        assert end == RunDone(run_id="r1", usage=CHAT_USAGE, usage_source="provider")
         # The chat request asked for the usage chunk (which no caller saw as a chunk).
         chat = json.loads(upstream.requests[-1].body)
         assert chat["stream_options"] == {"include_usage": True}

@@ -137,6 +137,10 @@ def _browse(admin_url: str, profile: Path, screenshot: Path) -> dict[str, Any]:
                 'tr[data-provider="gpu-a-ollama"] .bar[data-load="2/2"]', timeout=15_000
             )
             page.wait_for_selector('td[data-queue="1"]', timeout=15_000)
+            # Each provider's recent cached share has its cell ("-" before any report).
+            page.wait_for_selector(
+                'tr[data-provider="gpu-a-ollama"] td[data-cached-share]', timeout=15_000
+            )
             page.wait_for_function(
                 "document.getElementById('rps').textContent !== '0.00'", timeout=15_000
             )

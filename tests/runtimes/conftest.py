@@ -32,7 +32,7 @@ STARTUP_S = 120.0
 _READY = "Uvicorn running on "
 
 
-def gguf_or_reason() -> Path | str:
+def gguf_model() -> Path | str:
     """The model file, or why there is none."""
     override = os.environ.get("IOP_RUNTIME_GGUF")
     if override:
@@ -61,7 +61,7 @@ def llama_server() -> Iterator[str]:
     missing = _missing_server()
     if missing:
         pytest.skip(missing)
-    model = gguf_or_reason()
+    model = gguf_model()
     if isinstance(model, str):
         pytest.skip(model)
     command = [

@@ -27,7 +27,7 @@ import trio
 
 from tests.e2e.stack import Stack
 from tests.e2e.upstreams import MakeStack, provider_of, upstream_provider, upstream_stacks
-from tests.runtimes.conftest import gguf_or_reason
+from tests.runtimes.conftest import gguf_model
 
 pytestmark = [pytest.mark.runtime, pytest.mark.timeout(900)]
 
@@ -44,7 +44,7 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     truncated file), holding one at a time; its OpenAI base URL."""
     if not BINARY.is_file():
         pytest.skip(f"llama.cpp's server is not at {BINARY} (see shared/llama-server/README.md)")
-    model = gguf_or_reason()
+    model = gguf_model()
     if isinstance(model, str):
         pytest.skip(model)
     models = tmp_path_factory.mktemp("models")

@@ -33,11 +33,11 @@ def build_ledger(path: Path, records: int, principals: int) -> None:
     rows = (
         (1_700_000_000.0 + i, f"run-{i}", f"p{i % principals:06d}", f"t{i % principals:06d}",
          None, f"m{(i // principals) % 2}", "pr", "n", 10, 20, 200, 5.0, 1.0,
-         "estimated" if i % 10 == 0 else "provider", "chat")
+         "estimated" if i % 10 == 0 else "provider", "chat", 5)
         for i in range(records)
     )  # fmt: skip
     with sqlite3.connect(path) as db:
-        db.executemany(f"INSERT INTO usage VALUES ({', '.join('?' * 15)})", rows)
+        db.executemany(f"INSERT INTO usage VALUES ({', '.join('?' * 16)})", rows)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_the_database_sums_from_the_index_and_returns_one_page_more(tmp_path: Pa
     assert "GROUP BY principal_ref, token_ref, model" in sql and params == [51]
     with sqlite3.connect(path) as db:
         plan = " / ".join(row[-1] for row in db.execute(f"EXPLAIN QUERY PLAN {sql}", params))
-        assert "USING COVERING INDEX usage_by_principal" in plan, plan
+        assert "USING COVERING INDEX usage_by_principal_tokens" in plan, plan
         assert "TEMP B-TREE" not in plan, plan
         assert len(db.execute(sql, params).fetchall()) == 51
 
@@ -129,10 +129,10 @@ def test_an_older_ledger_gains_the_index_when_opened(tmp_path: Path) -> None:
     path = tmp_path / "usage.sqlite3"
     build_ledger(path, 10, 2)
     with sqlite3.connect(path) as db:
-        db.execute("DROP INDEX usage_by_principal")
+        db.execute("DROP INDEX usage_by_principal_tokens")
     store = SqliteStore(path)
     store.open()
     store.close()
     with sqlite3.connect(path) as db:
         names = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='index'")}
-    assert "usage_by_principal" in names
+    assert "usage_by_principal_tokens" in names

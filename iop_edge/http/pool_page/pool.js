@@ -78,6 +78,13 @@ function modelStates(p) {
   return line;
 }
 
+function cachedCell(provider) {
+  // The recent share of its prompt tokens its runtime took from its prefix cache.
+  const share = provider.cached_share;
+  const text = share === null || share === undefined ? "-" : `${Math.round(share * 100)}%`;
+  return el("td", { class: "num", "data-cached-share": share ?? "" }, text);
+}
+
 function drawProviders(catalog) {
   const rows = catalog.providers.map((p) => {
     const long = p.long_context_slots === null
@@ -91,7 +98,8 @@ function drawProviders(catalog) {
       el("td", {}, long),
       el("td", {}, p.type),
       el("td", { "data-protocols": (p.protocols || []).join(" ") }, (p.protocols || []).join(", ")),
-      el("td", { class: "num" }, p.priority));
+      el("td", { class: "num" }, p.priority),
+      cachedCell(p));
   });
   replaceRows(document.getElementById("providers"), rows);
   const page = providerView.cursors.length;

@@ -7,8 +7,8 @@ killed Edge's journal is replayed at its next start. `PostgresStore` is the stor
 
 - The table's columns are `UsageRecord`'s fields (`iop_usage`), created when missing and
   extended when a newer Edge adds a field (`ADD COLUMN IF NOT EXISTS`, the older rows
-  taking the field's default: `protocol` is `chat` for them), under an advisory lock so
-  replicas starting together do not race on the DDL.
+  taking the field's default: `protocol` is `chat` for them, `cached_tokens` 0), under
+  an advisory lock so replicas starting together do not race on the DDL.
 - Each journal segment's checkpoint (`iop_journal_checkpoint`) moves in the same
   transaction as its records, so a replayed journal inserts every record exactly once.
   Segment names carry the writing process's pid and a random part, so replicas never
@@ -267,12 +267,17 @@ class PostgresStore:
                 )
             )
             # `GET /usage`'s default grouping in order, every sum from the index alone
-            # (as the SQLite ledger's `usage_by_principal`).
+            # (as the SQLite ledger's, `ledger_schema` Rule 2): an older Edge's index,
+            # which lacks a summed column, gives way to it.
             connection.execute(
                 sql.SQL(
                     "CREATE INDEX IF NOT EXISTS {} ON {} (principal_ref, token_ref, model, "
-                    "time) INCLUDE (prompt_tokens, completion_tokens, usage_source)"
-                ).format(sql.Identifier(f"{TABLE}_by_principal"), sql.Identifier(TABLE))
+                    "time) INCLUDE (prompt_tokens, completion_tokens, usage_source, "
+                    "cached_tokens)"
+                ).format(sql.Identifier(f"{TABLE}_by_principal_tokens"), sql.Identifier(TABLE))
+            )
+            connection.execute(
+                sql.SQL("DROP INDEX IF EXISTS {}").format(sql.Identifier(f"{TABLE}_by_principal"))
             )
             connection.execute(
                 f"CREATE TABLE IF NOT EXISTS {CHECKPOINTS} "

@@ -2,8 +2,10 @@
 
 A run hands its `RunRecord` here exactly once, whatever ended it (see `dispatch.Run`).
 Every record is counted in the metrics; a record with a provider (the run reached one)
-is also written to the usage ledger. A request refused before it named a model the
-Edge knows (bad JSON, bad token, unknown model) is counted as a refusal only.
+is also written to the usage ledger, and its runtime's reported cached prompt tokens
+count in that provider's recent cached share (`core.cache_share`, the catalog's). A
+request refused before it named a model the Edge knows (bad JSON, bad token, unknown
+model) is counted as a refusal only.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 
 import msgspec
 
+from iop_edge.core.cache_share import CacheShares
 from iop_edge.runtime.metering.metrics import EdgeMetrics
 from iop_edge.runtime.metering.usage import UsageLedger, UsageRecord
 from schemas import wire
@@ -60,9 +63,12 @@ class RunRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 class Metering:
     """Where finished runs and refused requests are counted."""
 
-    def __init__(self, metrics: EdgeMetrics, ledger: UsageLedger) -> None:
+    def __init__(
+        self, metrics: EdgeMetrics, ledger: UsageLedger, cache_shares: CacheShares | None = None
+    ) -> None:
         self._metrics = metrics
         self._ledger = ledger
+        self._cache_shares = cache_shares
 
     def record(self, record: RunRecord) -> None:
         usage = record.usage
@@ -83,6 +89,13 @@ class Metering:
         )
         if not record.provider:
             return  # refused at admission: no run, nothing to bill
+        shares = self._cache_shares
+        if usage is not None and record.usage_source == "provider" and shares is not None:
+            shares.observe(
+                record.provider,
+                prompt_tokens=usage.prompt_tokens,
+                cached_tokens=usage.cached_tokens,
+            )
         self._ledger.record(
             UsageRecord(
                 time=time.time(),
@@ -100,6 +113,7 @@ class Metering:
                 ttft_ms=None if record.ttft_s is None else record.ttft_s * 1000,
                 usage_source=record.usage_source,
                 protocol=record.protocol,
+                cached_tokens=usage.cached_tokens if usage else 0,
             )
         )
 

@@ -234,6 +234,14 @@ class EdgeMetrics:
             "The part of iop_tokens that was estimated: the provider reported no usage"
             " (the ledger's usage_source `estimated`)",
         )
+        self.prompt_cache_tokens = CounterSeries(
+            "iop_prompt_cache_tokens",
+            "Prompt tokens of runs whose runtime reported its usage (`kind` prompt), and the"
+            " part of them it took from its prefix cache (`kind` cached): their ratio is the"
+            " prefix cache's hit ratio",
+            ["model", "provider", "kind"],
+            r,
+        )
         self.principal_rejections = CounterSeries(
             "iop_principal_rejections",
             "Requests refused for a principal's limit (`limit`: requests_per_minute,"
@@ -298,6 +306,10 @@ class EdgeMetrics:
             tokens = self.tokens
             tokens.labels(principal_ref, token_ref, model, provider, "prompt").inc(prompt)
             tokens.labels(principal_ref, token_ref, model, provider, "completion").inc(completion)
+            if usage_source == "provider" and provider:
+                cache = self.prompt_cache_tokens
+                cache.labels(model, provider, "prompt").inc(prompt)
+                cache.labels(model, provider, "cached").inc(usage.cached_tokens)
             if usage_source == "estimated":
                 tokens = self.estimated_tokens
                 tokens.labels(principal_ref, token_ref, model, provider, "prompt").inc(prompt)

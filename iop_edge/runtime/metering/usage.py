@@ -32,8 +32,10 @@ Every record says where its token counts come from (`usage_source`, design §7):
 (the provider reported them) or "estimated" (IOP estimated them: the provider reported
 none, or the run was cut short), and the caller's protocol (`protocol`: chat, messages or
 responses, design §14). A ledger written before one of those columns existed is migrated
-in place when the Edge opens it; its old rows take the column's default ("provider",
-"chat": all that Edge knew).
+in place when the Edge opens it (`ledger_schema`); its old rows take the column's
+default ("provider", "chat", no cached tokens: all that Edge knew). `cached_tokens` is the
+part of the prompt the runtime reported taking from its prefix cache (0 when it says
+nothing).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from typing import Any, Final, Literal, Protocol
 import msgspec
 import trio
 
+from iop_edge.runtime.metering import ledger_schema
 from iop_edge.runtime.metering.journal import SYNC_INTERVAL_S, Segment, UsageJournal, read_lines
 from schemas.config import DEFAULT_LEDGER_BUFFER_RECORDS, WhenUnwritable
 from schemas.principals import PrincipalsReport
@@ -90,24 +93,11 @@ CREATE TABLE IF NOT EXISTS usage (
     latency_ms REAL NOT NULL,
     ttft_ms REAL,
     usage_source TEXT NOT NULL DEFAULT 'provider',
-    protocol TEXT NOT NULL DEFAULT 'chat'
+    protocol TEXT NOT NULL DEFAULT 'chat',
+    cached_tokens INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS usage_time ON usage(time);
 """
-#: Serves `GET /usage`'s default grouping (principal, token, model) in order, and every
-#: sum it makes, from the index alone: a page of groups costs what it returns, the totals
-#: one scan of the index (`bench/usage_views.py`). Created after any migration, since it
-#: names `usage_source`.
-_PRINCIPAL_INDEX: Final = (
-    "CREATE INDEX IF NOT EXISTS usage_by_principal ON usage"
-    "(principal_ref, token_ref, model, time, prompt_tokens, completion_tokens, usage_source)"
-)
-#: Columns added since the first schema, with their definitions: an older ledger file gets
-#: them with `ALTER TABLE` when opened (its rows take the default).
-_ADDED_COLUMNS = {
-    "usage_source": "TEXT NOT NULL DEFAULT 'provider'",
-    "protocol": "TEXT NOT NULL DEFAULT 'chat'",
-}
 
 
 class UsageRecord(msgspec.Struct, frozen=True, gc=False):
@@ -132,6 +122,8 @@ class UsageRecord(msgspec.Struct, frozen=True, gc=False):
     """"provider" or "estimated" (see the module docstring)."""
     protocol: str = "chat"
     """The caller's protocol: "chat", "messages" or "responses"."""
+    cached_tokens: int = 0
+    """Of `prompt_tokens`, those the runtime reported taking from its prefix cache."""
 
 
 #: A record's values in `_INSERT`'s column order.
@@ -146,6 +138,8 @@ class UsageRow(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     requests: int
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int
+    """Of `prompt_tokens`, those the runtimes reported taking from their prefix cache."""
     estimated_requests: int
     """How many of `requests` carry estimated token counts (`usage_source: estimated`)."""
     estimated_tokens: int
@@ -758,8 +752,8 @@ class SqliteStore:
         connection.execute("PRAGMA synchronous=NORMAL")
         connection.executescript(_SCHEMA)
         connection.executescript(_CHECKPOINT_SCHEMA)
-        _migrate(connection)
-        _create_index(connection)
+        ledger_schema.migrate(connection)
+        ledger_schema.create_index(connection)
         self._connection = connection
 
     def _db(self) -> sqlite3.Connection:
@@ -821,6 +815,7 @@ AGGREGATES: Final = (
     "SUM(completion_tokens)",
     "SUM(CASE WHEN usage_source = 'estimated' THEN 1 ELSE 0 END)",
     "SUM(CASE WHEN usage_source = 'estimated' THEN prompt_tokens + completion_tokens ELSE 0 END)",
+    "SUM(cached_tokens)",
 )
 
 
@@ -899,7 +894,7 @@ def usage_report(
 
 def _usage_row(values: Sequence[Any], columns: list[str]) -> UsageRow | None:
     """A row of `columns`' values, then `AGGREGATES`; None for a group of no records."""
-    requests, prompt, completion, estimated, estimated_tokens = values[len(columns) :]
+    requests, prompt, completion, estimated, estimated_tokens, cached = values[len(columns) :]
     if not requests:
         return None
     return UsageRow(
@@ -908,6 +903,7 @@ def _usage_row(values: Sequence[Any], columns: list[str]) -> UsageRow | None:
         completion_tokens=int(completion or 0),
         estimated_requests=int(estimated or 0),
         estimated_tokens=int(estimated_tokens or 0),
+        cached_tokens=int(cached or 0),
         **dict(zip(columns, values[: len(columns)], strict=True)),
     )
 
@@ -921,6 +917,7 @@ def _sum(rows: list[UsageRow]) -> UsageRow | None:
         completion_tokens=sum(row.completion_tokens for row in rows),
         estimated_requests=sum(row.estimated_requests for row in rows),
         estimated_tokens=sum(row.estimated_tokens for row in rows),
+        cached_tokens=sum(row.cached_tokens for row in rows),
     )
 
 
@@ -947,26 +944,3 @@ def decode_cursor(cursor: str, columns: list[str]) -> tuple[Any, ...]:
             f"not by {','.join(columns) or '-'}"
         )
     return tuple(key)
-
-
-def _create_index(connection: sqlite3.Connection) -> None:
-    """`_PRINCIPAL_INDEX`, on a ledger from an Edge that had none too (once: a few
-    seconds for a million records)."""
-    exists = connection.execute(
-        "SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'usage_by_principal'"
-    ).fetchone()
-    if exists:
-        return
-    log.info("usage ledger: indexing the records by principal (once)")
-    with connection:
-        connection.execute(_PRINCIPAL_INDEX)
-
-
-def _migrate(connection: sqlite3.Connection) -> None:
-    """Add the columns an older ledger file lacks (`_ADDED_COLUMNS`)."""
-    present = {row[1] for row in connection.execute("PRAGMA table_info(usage)")}
-    for name, definition in _ADDED_COLUMNS.items():
-        if name not in present:
-            log.info("usage ledger: adding column %s (a ledger from an older Edge)", name)
-            with connection:
-                connection.execute(f"ALTER TABLE usage ADD COLUMN {name} {definition}")

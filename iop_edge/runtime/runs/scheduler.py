@@ -83,6 +83,7 @@ from types import TracebackType
 import trio
 
 from iop_edge.core.affinity import Affinity
+from iop_edge.core.cache_share import CacheShares
 from iop_edge.core.catalog_view import catalog_provider
 from iop_edge.core.pool import (
     Decision,
@@ -484,6 +485,9 @@ class Scheduler:
         self._changed = trio.Event()
         self._prefixes = PrefixIndex()
         """Where this Edge sent which prompts (`core.prefix_index`)."""
+        self.cache_shares = CacheShares()
+        """Each provider's recent cached share of its prompts (the catalog's
+        `cached_share`), fed by metering."""
         self.apply_snapshot(snapshot)
 
     # -- service ------------------------------------------------------------------
@@ -540,6 +544,7 @@ class Scheduler:
             if state.removed:
                 continue  # held since an earlier snapshot
             state.retire()
+            self.cache_shares.forget(provider_id)
             if state.idle:
                 del states[provider_id]
             else:  # until its last lease is released
@@ -1176,4 +1181,5 @@ class Scheduler:
             protocols=state.protocols,
             model_states=state.model_states,
             max_loaded=state.max_loaded,
+            cached_share=self.cache_shares.share(state.id),
         )
