@@ -56,6 +56,7 @@ Rule 4. Rendezvous: every provider has a fixed 64-bit seed from its id; a key's 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, Literal
@@ -313,6 +314,13 @@ def rendezvous_score(key: int, seed: int) -> int:
     the high bits, which decide the comparison."""
     mixed = ((key ^ seed) * GOLDEN) & MASK
     return mixed ^ (mixed >> 31)
+
+
+@functools.lru_cache(maxsize=4096)
+def placement_key(model_id: str) -> int:
+    """The rendezvous key of a model's placement (`core.pool` Rule 8): where a model
+    nobody holds is loaded, the same on every Edge."""
+    return _hash64(b"placement", model_id.encode())
 
 
 def rendezvous_order(key: int, provider_ids: Iterable[str]) -> list[str]:

@@ -75,6 +75,20 @@ Rule 7. Affinity (`core.affinity`): a run may come with a `Preference`, its rend
         answer is Rule 5's. Affinity chooses among equals (replicas of one priority): it
         never sends a run to a worse priority or to a translating provider that Rule 4
         would not have chosen; round-robin does not apply to a run with a preference.
+
+Rule 8. Models on demand (design §18.4): a view says whether its runtime `holds` the
+        run's model (`held`: loaded, loading, or a load this Edge placed there is on its
+        way; a runtime that reports no states holds everything), must load it first
+        (`cold`), or `failed` to load it (ineligible, Rule 2). A run goes to a holder
+        when one is admissible (Rules 4 and 7 choose among the holders). When holders
+        exist but none has a free slot, the run waits for one (Rule 5) rather than
+        loading a second copy, unless the model's waiting runs already outnumber the
+        holders' slots (demand needs another copy). When no provider holds the model,
+        one load is placed: among the admissible cold providers that can take a load
+        (`can_load`: room for one more model, or an idle one to unload; a sleeping
+        runtime wakes only on command), native first, then one with room (nothing is
+        unloaded for it), then the model's rendezvous choice (`core.affinity`: every
+        Edge places the same model on the same provider), then Rule 4.
 """
 
 from __future__ import annotations
@@ -89,10 +103,11 @@ import msgspec
 
 from iop_edge.core.affinity import GOLDEN as _GOLDEN
 from iop_edge.core.affinity import MASK as _MASK
-from iop_edge.core.affinity import SEEDS, provider_seed
+from iop_edge.core.affinity import SEEDS, placement_key, provider_seed, rendezvous_score
 from schemas.wire import Health
 
 Breaker = Literal["closed", "open", "half_open", "probing"]
+Holding = Literal["held", "cold", "failed"]
 
 Ineligible = Literal[
     "excluded",
@@ -103,6 +118,7 @@ Ineligible = Literal[
     "draining",
     "cooling_down",
     "no_long_runs",
+    "model_failed",
 ]
 
 #: Short per-provider explanations, used when the providers of a model fail differently.
@@ -115,6 +131,7 @@ INELIGIBLE_DETAIL: dict[Ineligible, str] = {
     "draining": "draining",
     "cooling_down": "cooling down after failures",
     "no_long_runs": "takes no long-context runs",
+    "model_failed": "its runtime failed to load the model",
 }
 
 #: One sentence per cause, used when every provider of a model fails the same way.
@@ -127,6 +144,7 @@ _ALL_INELIGIBLE: dict[Ineligible, str] = {
     "draining": "every provider of model {model!r} is draining",
     "cooling_down": "every provider of model {model!r} is cooling down after failures",
     "no_long_runs": "no provider of model {model!r} accepts long-context runs",
+    "model_failed": "every provider of model {model!r} failed to load it",
 }
 
 
@@ -194,6 +212,13 @@ class ProviderView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Seconds until the cooldown ends, while the breaker is `open`."""
     native: bool = True
     """It speaks the run's caller protocol natively (Rule 4); False: its Node translates."""
+    holds: Holding = "held"
+    """Whether its runtime holds the run's model (Rule 8)."""
+    can_load: bool = True
+    """It could load the model for this run: room for one more, or an idle one to unload
+    (Rule 8; only read when it does not hold it)."""
+    room: bool = True
+    """It holds fewer models than it can: a load there unloads nothing (Rule 8)."""
 
 
 def ineligibility(view: ProviderView, *, long: bool) -> Ineligible | None:
@@ -210,6 +235,8 @@ def ineligibility(view: ProviderView, *, long: bool) -> Ineligible | None:
         return "cooling_down"
     if long and view.long_context_slots == 0:
         return "no_long_runs"
+    if view.holds == "failed":
+        return "model_failed"
     return None
 
 
@@ -359,13 +386,15 @@ def decide(
     exclude: frozenset[str] = frozenset(),
     last: str | None = None,
     preference: Preference | None = None,
+    waiting: int = 0,
 ) -> Decision:
     """Where a run of `model_id` goes now (Rule 5).
 
     `rotation` lists the model's provider ids in config order; `views` describes them
     (an id without a view is not configured); `exclude` names providers already tried
     for this run; `last` is the model's previous pick, for round-robin; `preference`
-    where the run would rather go (Rule 7).
+    where the run would rather go (Rule 7); `waiting`: the model's runs already waiting
+    for a slot (Rule 8).
     """
     if not rotation:
         return Refuse(f"model {model_id!r} has no providers")
@@ -385,6 +414,17 @@ def decide(
         elif view is not None:
             eligible.append(view)
     admissible = [view for view in eligible if is_admissible(view, long=long)]
+    if any(view.holds == "cold" for view in admissible):  # Rule 8
+        holders = [view for view in admissible if view.holds == "held"]
+        if holders:
+            admissible = holders
+        elif _a_holder_will_free(eligible, waiting):
+            return Wait(tuple(view.id for view in eligible))
+        else:
+            loadable = [view for view in admissible if view.can_load]
+            if loadable:
+                return Grant(_placed(model_id, loadable, rotation=rotation, last=last))
+            admissible = []
     if admissible:
         if preference is not None:
             return Grant(preferred(admissible, preference, rotation=rotation, last=last))
@@ -395,6 +435,31 @@ def decide(
         _refusal_reason(model_id, causes),
         retry_after_s=_cooldown_remaining(views, causes),
     )
+
+
+def _a_holder_will_free(eligible: Sequence[ProviderView], waiting: int) -> bool:
+    """Rule 8: a provider holding the model will take the run once a slot frees, and the
+    model's demand does not need a second copy yet."""
+    slots = sum(view.capacity for view in eligible if view.holds == "held")
+    return slots > 0 and waiting < slots
+
+
+def _placed(
+    model_id: str,
+    loadable: Sequence[ProviderView],
+    *,
+    rotation: Sequence[str],
+    last: str | None,
+) -> ProviderView:
+    """Rule 8: where the model is loaded, the same on every Edge."""
+    key = placement_key(model_id)
+    rank = _rank_key(loadable, rotation=rotation, last=last)
+
+    def order(view: ProviderView) -> tuple[bool, bool, int, _RankKey]:
+        score = rendezvous_score(key, provider_seed(view.id))
+        return (not view.native, not view.room, -score, rank(view))
+
+    return min(loadable, key=order)
 
 
 def _refusal_reason(model_id: str, causes: Mapping[str, Ineligible]) -> str:

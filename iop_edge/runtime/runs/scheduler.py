@@ -85,9 +85,11 @@ import trio
 from iop_edge.core.affinity import Affinity
 from iop_edge.core.cache_share import CacheShares
 from iop_edge.core.catalog_view import catalog_provider
+from iop_edge.core.holdings import Holdings
 from iop_edge.core.pool import (
     Decision,
     Grant,
+    Holding,
     PassiveHealth,
     Preference,
     ProviderView,
@@ -277,6 +279,7 @@ class _ProviderState:
         "discovered",
         "discovered_lifecycle",
         "health",
+        "holdings",
         "id",
         "limiter",
         "long_limiter",
@@ -306,6 +309,8 @@ class _ProviderState:
         self.model_states: list[ModelState] | None = None
         """Each served model's load state, as the Node last reported it (design §18)."""
         self.max_loaded: int | None = None
+        self.holdings = Holdings()
+        """Which models its runtime holds, as this Edge knows it (`core.holdings`)."""
         self.reported_protocols: frozenset[CallerProtocol] | None = None
         """The protocols the Node last said the provider speaks natively; None until it
         says (the config's then count)."""
@@ -606,6 +611,7 @@ class Scheduler:
             state.discovered_lifecycle = None
             state.model_states = None
             state.max_loaded = None
+            state.holdings.forget()
             state.reported_protocols = None
         self._serve(self._models_serving(state.id for state in affected))
 
@@ -634,6 +640,7 @@ class Scheduler:
         state.reported_protocols = None if protocols is None else frozenset(protocols)
         state.model_states = None if model_states is None else list(model_states)
         state.max_loaded = max_loaded
+        state.holdings.report(state.model_states, max_loaded)
         self._serve(self._models_serving((provider_id,)))
 
     def provider_load(self, provider_id: str, in_flight: int, long_in_flight: int) -> None:
@@ -819,10 +826,13 @@ class Scheduler:
     ) -> Decision:
         model = self._snapshot.models[model_id]
         rotation = tuple(model.providers)
+        served = model.providers
         now = self._clock()
         state_of = self._states.get
         views = {
-            provider_id: self._view(state, config, node_id, now, protocol)
+            provider_id: self._view(
+                state, config, node_id, now, protocol, served=served[provider_id]
+            )
             for provider_id, config, node_id in self._snapshot.rotations[model_id]
             if (state := state_of(provider_id)) is not None and not state.removed
         }
@@ -834,6 +844,7 @@ class Scheduler:
             exclude=exclude,
             last=self._last_pick.get(model_id),
             preference=self._preference(affinity, model.routing, now),
+            waiting=len(self._queues.get(model_id) or ()),
         )
 
     def _preference(
@@ -855,12 +866,22 @@ class Scheduler:
         node_id: str,
         now: float,
         protocol: CallerProtocol,
+        *,
+        served: str,
     ) -> ProviderView:
         """What a decision sees of a provider in config (`config` and `node_id`: its
-        own, from the snapshot's rotation of the model)."""
+        own, from the snapshot's rotation of the model; `served`: the model's name there)."""
         breaker = state.passive.breaker(now=now, probing=state.trial is not None)
         until = state.passive.cooldown_until
         capacity = config.capacity
+        holdings = state.holdings
+        holds: Holding = "held"
+        room = can_load = True
+        if state.model_states is not None:  # its runtime says what it holds (Rule 8)
+            holds = holdings.holding(served, now)
+            if holds == "cold":
+                room = holdings.room(now)
+                can_load = holdings.can_load(served, now)
         return ProviderView(
             id=state.id,
             capacity=capacity,
@@ -874,6 +895,9 @@ class Scheduler:
             breaker=breaker,
             cooldown_remaining_s=until - now if breaker == "open" and until is not None else None,
             native=protocol == "chat" or state.speaks(protocol),
+            holds=holds,
+            room=room,
+            can_load=can_load,
         )
 
     def _grant(
@@ -913,11 +937,15 @@ class Scheduler:
         self._last_pick[model_id] = provider_id
         if affinity is not None and self._snapshot.models[model_id].routing.affinity:
             self._prefixes.record(provider_id, affinity.blocks, self._clock())
+        # a load it makes, or a model it keeps in use (Rule 8)
+        load_timeout_s = state.config.adapter.load_timeout_s
+        state.holdings.started(lease.target, self._clock(), load_timeout_s=load_timeout_s)
         return lease
 
     def _released(self, state: _ProviderState, lease: Lease) -> None:
         if state.trial is lease:
             state.trial = None  # ended without a verdict: another run may be the trial
+        state.holdings.ended(lease.target)
         if state.removed and state.idle and self._states.get(state.id) is state:
             del self._states[state.id]
             self._let_go(state)
