@@ -353,6 +353,8 @@ class FakeUpstream:
     """Models a load was asked for: listed `loading` once, then loaded."""
     load_order: list[str] = field(default_factory=list)
     """The loaded models, oldest load first (what a load evicts past `max_loaded`)."""
+    loads: int = 0
+    """With "llama_router": the loads its inference requests caused (autoload)."""
     scripted: Callable[[dict[str, Any]], list[bytes] | None] | None = None
     """A stream's `data:` payloads by its request's body, sent in place of the usual ones
     and followed by `[DONE]` (an empty list: a 200 whose body ends at once); None from
@@ -519,6 +521,13 @@ class FakeUpstream:
             return {"value": "unloaded", "failed": True, "exit_code": self.failed[model]}
         return {"value": "loaded" if model in self.loaded else "unloaded", "args": ["llama"]}
 
+    def _autoload(self, request: RecordedRequest) -> None:
+        """A router loads the model a request names when it does not hold it."""
+        model = json.loads(request.body or b"{}").get("model")
+        if isinstance(model, str) and model in self.models and model not in self.loaded:
+            self.loads += 1
+            self._load(model)
+
     def _load(self, model: str) -> None:
         """Hold `model`, evicting the models loaded longest ago past `max_loaded`."""
         self.loaded.add(model)
@@ -604,6 +613,8 @@ class FakeUpstream:
             await self._send_json(stream, conn, status, body)
             return
         self.requests_total += 1
+        if self.lifecycle == "llama_router":
+            self._autoload(request)
         self.active += 1
         self._notify()
         try:

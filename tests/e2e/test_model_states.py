@@ -218,3 +218,51 @@ async def test_the_command_line_lists_loads_and_unloads(
     assert len(rows) == 4
     assert sum(" loaded " in row for row in rows) == 1
     assert await cli("load", "nope") == (1, "load of nope: no model 'nope'\n")
+
+
+# --- placement: runs go where their model is held ----------------------------------------
+
+
+async def test_a_mix_of_two_models_over_two_routers_that_hold_one_each_loads_each_once(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    """Without placement, turns of two models alternating over two providers that each
+    hold one model make them load on nearly every request; with it, each model is loaded
+    once, on its own provider, and stays there (design §18.4)."""
+    stack, first, second = await _two_routers(nursery, make_stack)
+    served: dict[str, set[str]] = {"a": set(), "b": set()}
+    async with stack.client() as client:
+        for model in "aabbababbaab" * 2:
+            with trio.fail_after(GUARD_S):
+                reply = await client.chat.completions.with_raw_response.create(
+                    model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+            served[model].add(reply.headers["x-iop-provider"])
+    assert first.loads + second.loads == 2
+    assert len(served["a"]) == len(served["b"]) == 1
+    assert served["a"] != served["b"]
+
+
+async def test_a_model_that_failed_to_load_on_one_router_is_served_by_the_other(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    broken = FakeUpstream(models=["a"], lifecycle="llama_router", failed={"a": 1})
+    working = FakeUpstream(models=["a"], lifecycle="llama_router")
+    providers = []
+    for provider_id, fake in (("broken", broken), ("working", working)):
+        provider = upstream_provider(
+            provider_id, await nursery.start(fake.serve), type="openai_api", served="a"
+        )
+        providers.append(provider)
+    stack = await make_stack(
+        providers, models=[{"id": "a", "providers": {"broken": "a", "working": "a"}}]
+    )
+    await stack.wait_catalog(lambda c: bool(_held(c, "broken")) and bool(_held(c, "working")))
+    async with stack.client() as client:
+        for _ in range(4):
+            with trio.fail_after(GUARD_S):
+                reply = await client.chat.completions.with_raw_response.create(
+                    model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+            assert reply.headers["x-iop-provider"] == "working"
+    assert broken.requests_total == 0

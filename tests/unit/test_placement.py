@@ -1,10 +1,13 @@
-"""Which provider a model is loaded on (`core.placement`, design §18): pure rules."""
+"""Where models are loaded and runs go for them (design §18.4): `core.placement` (the
+operator's loads), pool Rule 8 (runs) and `core.holdings` (the Edge's account): pure rules."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from iop_edge.core.holdings import Holdings
 from iop_edge.core.placement import choose_load, holders_of
+from iop_edge.core.pool import Grant, ProviderView, Refuse, Wait, decide
 from schemas.catalog import CatalogLifecycle, CatalogProvider
 from schemas.wire import ModelLoadState, ModelState
 
@@ -83,3 +86,109 @@ def test_an_unload_acts_on_every_provider_holding_the_model() -> None:
         (_provider("d", {"x": "loaded"}, connected=False), "x"),
     ]
     assert holders_of(records) == [("a", "x"), ("b", "x-served")]
+
+
+# --- pool Rule 8: runs go where their model is held --------------------------------------
+
+
+def _view(provider_id: str, **fields: Any) -> ProviderView:
+    return ProviderView(id=provider_id, capacity=2, **fields)
+
+
+def test_a_run_goes_to_a_holder_even_when_a_cold_provider_is_idler() -> None:
+    views = {"cold": _view("cold", holds="cold"), "held": _view("held", holds="held", in_flight=1)}
+    assert decide("m", ["cold", "held"], views, long=False) == Grant(views["held"])
+
+
+def test_a_run_waits_for_a_full_holder_rather_than_loading_a_second_copy() -> None:
+    views = {"cold": _view("cold", holds="cold"), "held": _view("held", holds="held", in_flight=2)}
+    assert decide("m", ["cold", "held"], views, long=False) == Wait(("cold", "held"))
+
+
+def test_demand_beyond_the_holders_slots_loads_another_copy() -> None:
+    views = {"cold": _view("cold", holds="cold"), "held": _view("held", holds="held", in_flight=2)}
+    decision = decide("m", ["cold", "held"], views, long=False, waiting=2)
+    assert decision == Grant(views["cold"])
+
+
+def test_a_model_nobody_holds_is_loaded_where_there_is_room_then_where_every_edge_would() -> None:
+    full = _view("full", holds="cold", room=False)
+    roomy = _view("roomy", holds="cold", in_flight=1)
+    assert decide("m", ["full", "roomy"], {"full": full, "roomy": roomy}, long=False) == Grant(
+        roomy
+    )
+    # Without room anywhere, the model's rendezvous choice: the same whatever the order.
+    views = {p: _view(p, holds="cold", room=False) for p in ("p1", "p2", "p3", "p4")}
+    first = decide("m", ["p1", "p2", "p3", "p4"], views, long=False)
+    again = decide("m", ["p4", "p3", "p2", "p1"], views, long=False, last="p2")
+    assert first == again
+    # Different models spread over the providers.
+    chosen = {
+        decide(f"model-{i}", list(views), views, long=False).provider.id  # type: ignore[union-attr]
+        for i in range(20)
+    }
+    assert len(chosen) > 1
+
+
+def test_a_provider_that_cannot_load_is_passed_over_and_failed_ones_are_named() -> None:
+    busy = _view("busy", holds="cold", can_load=False)
+    views = {"busy": busy, "ok": _view("ok", holds="cold", in_flight=1)}
+    assert decide("m", ["busy", "ok"], views, long=False) == Grant(views["ok"])
+    assert decide("m", ["busy"], {"busy": busy}, long=False) == Wait(("busy",))
+    failed = {"f": _view("f", holds="failed")}
+    assert decide("m", ["f"], failed, long=False) == Refuse(
+        "every provider of model 'm' failed to load it"
+    )
+
+
+# --- core.holdings: the Edge's account between reports ----------------------------------------
+
+
+def _states(**states: str) -> list[ModelState]:
+    return [ModelState(name=n, state=s) for n, s in states.items()]  # type: ignore[arg-type]
+
+
+def test_a_runtime_that_reports_nothing_holds_everything() -> None:
+    holdings = Holdings()
+    assert holdings.holding("x", 0.0) == "held"
+    holdings.report(None, None)
+    assert holdings.holding("x", 0.0) == "held" and holdings.room(0.0)
+
+
+def test_a_placed_load_counts_as_held_until_the_runtime_says_or_time_passes() -> None:
+    holdings = Holdings()
+    holdings.report(_states(a="loaded", b="unloaded"), max_loaded=1)
+    assert (holdings.holding("a", 0), holdings.holding("b", 0)) == ("held", "cold")
+    assert not holdings.room(0) and holdings.can_load("b", 0)
+    holdings.started("b", 1.0, load_timeout_s=60)  # the runtime unloads a for it
+    assert (holdings.holding("a", 2), holdings.holding("b", 2)) == ("cold", "held")
+    holdings.report(_states(a="loaded", b="unloaded"), max_loaded=1)  # a report from before
+    assert holdings.holding("b", 3) == "held"
+    assert holdings.holding("b", 62) == "cold"  # the load never showed: forgotten
+    holdings.report(_states(a="unloaded", b="loaded"), max_loaded=1)
+    assert (holdings.holding("a", 63), holdings.holding("b", 63)) == ("cold", "held")
+
+
+def test_a_model_in_use_is_never_the_guessed_victim() -> None:
+    holdings = Holdings()
+    holdings.report(_states(a="loaded", b="unloaded", c="unloaded"), max_loaded=1)
+    holdings.started("a", 0.0, load_timeout_s=60)
+    assert not holdings.can_load("b", 1.0)  # a is running: nothing idle to unload
+    holdings.ended("a")
+    assert holdings.can_load("b", 1.0)
+
+
+def test_failed_and_sleeping_models() -> None:
+    holdings = Holdings()
+    holdings.report(
+        [
+            ModelState(name="f", state="failed", reason="exit 1"),
+            ModelState(name="s", state="sleeping"),
+        ],
+        max_loaded=None,
+    )
+    assert holdings.holding("f", 0) == "failed" and holdings.failure("f") == "exit 1"
+    assert holdings.holding("s", 0) == "cold" and not holdings.can_load("s", 0)
+    assert holdings.holding("unlisted", 0) == "cold"
+    holdings.forget()
+    assert holdings.holding("f", 0) == "held"
