@@ -387,6 +387,7 @@ def decide(
     last: str | None = None,
     preference: Preference | None = None,
     waiting: int = 0,
+    placing: bool = False,
 ) -> Decision:
     """Where a run of `model_id` goes now (Rule 5).
 
@@ -394,7 +395,8 @@ def decide(
     (an id without a view is not configured); `exclude` names providers already tried
     for this run; `last` is the model's previous pick, for round-robin; `preference`
     where the run would rather go (Rule 7); `waiting`: the model's runs already waiting
-    for a slot (Rule 8).
+    for a slot, and `placing`: some view may not hold the model (Rule 8; False spares a
+    decision over a model whose runtimes report no states that pass).
     """
     if not rotation:
         return Refuse(f"model {model_id!r} has no providers")
@@ -414,7 +416,7 @@ def decide(
         elif view is not None:
             eligible.append(view)
     admissible = [view for view in eligible if is_admissible(view, long=long)]
-    if any(view.holds == "cold" for view in admissible):  # Rule 8
+    if placing and any(view.holds == "cold" for view in admissible):  # Rule 8
         holders = [view for view in admissible if view.holds == "held"]
         if holders:
             admissible = holders

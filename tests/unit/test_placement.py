@@ -3,6 +3,7 @@ operator's loads), pool Rule 8 (runs) and `core.holdings` (the Edge's account): 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from iop_edge.core.holdings import Holdings
@@ -91,40 +92,48 @@ def test_an_unload_acts_on_every_provider_holding_the_model() -> None:
 # --- pool Rule 8: runs go where their model is held --------------------------------------
 
 
+_decide = partial(decide, placing=True)
+
+
 def _view(provider_id: str, **fields: Any) -> ProviderView:
     return ProviderView(id=provider_id, capacity=2, **fields)
 
 
 def test_a_run_goes_to_a_holder_even_when_a_cold_provider_is_idler() -> None:
     views = {"cold": _view("cold", holds="cold"), "held": _view("held", holds="held", in_flight=1)}
-    assert decide("m", ["cold", "held"], views, long=False) == Grant(views["held"])
+    assert _decide("m", ["cold", "held"], views, long=False) == Grant(views["held"])
+
+
+def test_a_model_whose_runtimes_report_no_states_is_routed_by_load_alone() -> None:
+    views = {"cold": _view("cold", holds="cold"), "held": _view("held", holds="held", in_flight=1)}
+    assert decide("m", ["cold", "held"], views, long=False) == Grant(views["cold"])
 
 
 def test_a_run_waits_for_a_full_holder_rather_than_loading_a_second_copy() -> None:
     views = {"cold": _view("cold", holds="cold"), "held": _view("held", holds="held", in_flight=2)}
-    assert decide("m", ["cold", "held"], views, long=False) == Wait(("cold", "held"))
+    assert _decide("m", ["cold", "held"], views, long=False) == Wait(("cold", "held"))
 
 
 def test_demand_beyond_the_holders_slots_loads_another_copy() -> None:
     views = {"cold": _view("cold", holds="cold"), "held": _view("held", holds="held", in_flight=2)}
-    decision = decide("m", ["cold", "held"], views, long=False, waiting=2)
+    decision = _decide("m", ["cold", "held"], views, long=False, waiting=2)
     assert decision == Grant(views["cold"])
 
 
 def test_a_model_nobody_holds_is_loaded_where_there_is_room_then_where_every_edge_would() -> None:
     full = _view("full", holds="cold", room=False)
     roomy = _view("roomy", holds="cold", in_flight=1)
-    assert decide("m", ["full", "roomy"], {"full": full, "roomy": roomy}, long=False) == Grant(
+    assert _decide("m", ["full", "roomy"], {"full": full, "roomy": roomy}, long=False) == Grant(
         roomy
     )
     # Without room anywhere, the model's rendezvous choice: the same whatever the order.
     views = {p: _view(p, holds="cold", room=False) for p in ("p1", "p2", "p3", "p4")}
-    first = decide("m", ["p1", "p2", "p3", "p4"], views, long=False)
-    again = decide("m", ["p4", "p3", "p2", "p1"], views, long=False, last="p2")
+    first = _decide("m", ["p1", "p2", "p3", "p4"], views, long=False)
+    again = _decide("m", ["p4", "p3", "p2", "p1"], views, long=False, last="p2")
     assert first == again
     # Different models spread over the providers.
     chosen = {
-        decide(f"model-{i}", list(views), views, long=False).provider.id  # type: ignore[union-attr]
+        _decide(f"model-{i}", list(views), views, long=False).provider.id  # type: ignore[union-attr]
         for i in range(20)
     }
     assert len(chosen) > 1
@@ -133,10 +142,10 @@ def test_a_model_nobody_holds_is_loaded_where_there_is_room_then_where_every_edg
 def test_a_provider_that_cannot_load_is_passed_over_and_failed_ones_are_named() -> None:
     busy = _view("busy", holds="cold", can_load=False)
     views = {"busy": busy, "ok": _view("ok", holds="cold", in_flight=1)}
-    assert decide("m", ["busy", "ok"], views, long=False) == Grant(views["ok"])
-    assert decide("m", ["busy"], {"busy": busy}, long=False) == Wait(("busy",))
+    assert _decide("m", ["busy", "ok"], views, long=False) == Grant(views["ok"])
+    assert _decide("m", ["busy"], {"busy": busy}, long=False) == Wait(("busy",))
     failed = {"f": _view("f", holds="failed")}
-    assert decide("m", ["f"], failed, long=False) == Refuse(
+    assert _decide("m", ["f"], failed, long=False) == Refuse(
         "every provider of model 'm' failed to load it"
     )
 

@@ -477,6 +477,8 @@ class Scheduler:
         last lease is released (`_states_on`)."""
         self._connected: set[str] = set()
         self._queues: dict[str, FairQueue[_Waiter]] = {}
+        self._stating: set[str] = set()
+        """Providers whose runtime reports its models' load states (pool Rule 8)."""
         self._arrivals = itertools.count()
         self._running: dict[str, int] = {}
         """Per principal: the leases it holds (this Edge's runs in flight)."""
@@ -612,6 +614,7 @@ class Scheduler:
             state.model_states = None
             state.max_loaded = None
             state.holdings.forget()
+            self._stating.discard(state.id)
             state.reported_protocols = None
         self._serve(self._models_serving(state.id for state in affected))
 
@@ -641,6 +644,10 @@ class Scheduler:
         state.model_states = None if model_states is None else list(model_states)
         state.max_loaded = max_loaded
         state.holdings.report(state.model_states, max_loaded)
+        if model_states is None:
+            self._stating.discard(provider_id)
+        else:
+            self._stating.add(provider_id)
         self._serve(self._models_serving((provider_id,)))
 
     def provider_load(self, provider_id: str, in_flight: int, long_in_flight: int) -> None:
@@ -845,6 +852,7 @@ class Scheduler:
             last=self._last_pick.get(model_id),
             preference=self._preference(affinity, model.routing, now),
             waiting=len(self._queues.get(model_id) or ()),
+            placing=not self._stating.isdisjoint(served),
         )
 
     def _preference(
