@@ -456,7 +456,9 @@ def test_usage_at_80_columns_leaves_whole_columns_out_and_names_them() -> None:
         assert whole in flat
     notes = [" ".join(n.split()) for n in out.split("not shown at 80 columns: ")[1:]]
     assert len(notes) == 2  # one per table that left columns out
-    assert notes[0].startswith("prompt tokens, completion tokens, estimated requests")
+    assert notes[0].startswith(
+        "prompt tokens, completion tokens, cached tokens, estimated requests"
+    )
     assert "(widen the terminal, or use --json)" in notes[0]
     # The principals table keeps its essentials and says what it left out.
     principals = out[out.index("Principals against their limits") :]
