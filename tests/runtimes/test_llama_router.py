@@ -18,6 +18,8 @@ import subprocess
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,19 +40,22 @@ GUARD_S = 120.0
 _LISTENING = "listening on http://"
 
 
-@pytest.fixture(scope="module")
-def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A llama.cpp router over `smol-a`, `smol-b` (one model, two names) and `broken` (a
-    truncated file), holding one at a time; its OpenAI base URL."""
-    if not BINARY.is_file():
-        pytest.skip(f"llama.cpp's server is not at {BINARY} (see shared/llama-server/README.md)")
-    model = gguf_model()
-    if isinstance(model, str):
-        pytest.skip(model)
-    models = tmp_path_factory.mktemp("models")
-    shutil.copy(model, models / "smol-a.gguf")
-    shutil.copy(model, models / "smol-b.gguf")
-    (models / "broken.gguf").write_bytes(model.read_bytes()[:4096])
+#: What the router logs when it starts a model's instance: one load.
+_SPAWNING = "spawning server instance with name="
+
+
+@dataclass
+class Router:
+    """A llama.cpp router process: its OpenAI base URL, and the loads it made."""
+
+    url: str
+    loads: list[str] = field(default_factory=list)
+    """The model of each load, in order (from its log)."""
+
+
+@contextmanager
+def running_router(models: Path, name: str) -> Iterator[Router]:
+    """A router over the GGUF files in `models`, holding one model at a time."""
     command = [
         str(BINARY), "--models-dir", str(models), "--models-max", "1", "--host", "127.0.0.1",
         "--port", "0", "-c", "1024", "--parallel", "1",
@@ -60,22 +65,26 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     )
     lines: queue.Queue[str | None] = queue.Queue()
     tail: deque[str] = deque(maxlen=40)
+    loads: list[str] = []
 
-    def read() -> None:  # drains the pipe for the whole module, or the server would block
+    def read() -> None:  # drains the pipe for the router's life, or the server would block
         assert process.stdout is not None
         for line in process.stdout:
             tail.append(line)
+            if _SPAWNING in line:
+                loads.append(line.split(_SPAWNING, 1)[1].split()[0])
             lines.put(line)
         lines.put(None)
 
-    threading.Thread(target=read, name="llama.cpp router output", daemon=True).start()
+    threading.Thread(target=read, name=f"llama.cpp router {name} output", daemon=True).start()
     try:
         while True:
             line = lines.get(timeout=GUARD_S)
             if line is None:
                 raise RuntimeError("llama-server exited during start-up:\n" + "".join(tail))
             if _LISTENING in line:
-                yield "http://" + line.split(_LISTENING, 1)[1].split()[0].rstrip("/") + "/v1"
+                url = "http://" + line.split(_LISTENING, 1)[1].split()[0].rstrip("/") + "/v1"
+                yield Router(url=url, loads=loads)
                 break
     finally:
         process.terminate()
@@ -84,6 +93,28 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
+
+
+def _models_dir(tmp_path_factory: pytest.TempPathFactory, *, broken: bool) -> Path:
+    """`smol-a` and `smol-b` (one model, two names), and a truncated `broken` file."""
+    if not BINARY.is_file():
+        pytest.skip(f"llama.cpp's server is not at {BINARY} (see shared/llama-server/README.md)")
+    model = gguf_model()
+    if isinstance(model, str):
+        pytest.skip(model)
+    models = tmp_path_factory.mktemp("models")
+    shutil.copy(model, models / "smol-a.gguf")
+    shutil.copy(model, models / "smol-b.gguf")
+    if broken:
+        (models / "broken.gguf").write_bytes(model.read_bytes()[:4096])
+    return models
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A router over `smol-a`, `smol-b` and `broken`, holding one at a time."""
+    with running_router(_models_dir(tmp_path_factory, broken=True), "r") as running:
+        yield running.url
 
 
 @pytest.fixture
@@ -146,3 +177,36 @@ async def test_a_model_that_fails_to_load_is_named_and_the_rest_keep_working(
     assert broken["reason"].startswith("failed to load")
     with trio.fail_after(GUARD_S):
         assert await _ask(stack, "smol-a") == "smol-a"
+
+
+async def test_two_routers_holding_one_model_each_load_each_model_once(
+    tmp_path_factory: pytest.TempPathFactory, make_stack: MakeStack
+) -> None:
+    """Requests that alternate between two models, over two routers that each hold one:
+    placement sends each model to one router, which loads it once (design §18.4)."""
+    models = _models_dir(tmp_path_factory, broken=False)
+    with running_router(models, "r0") as first, running_router(models, "r1") as second:
+        adapter = {"request_timeout_s": GUARD_S, "first_byte_timeout_s": GUARD_S}
+        providers = []
+        for provider_id, running in (("r0", first), ("r1", second)):
+            provider = upstream_provider(
+                provider_id,
+                running.url,
+                type="openai_api",
+                served="smol-a",
+                health_interval_s=0.25,
+                **adapter,
+            )
+            provider["models"] = ["smol-a", "smol-b"]
+            providers.append(provider)
+        names = ("smol-a", "smol-b")
+        stack = await make_stack(
+            providers, models=[{"id": m, "providers": {"r0": m, "r1": m}} for m in names]
+        )
+        await stack.wait_catalog(
+            lambda c: all(provider_of(c, p).get("model_states") for p in ("r0", "r1"))
+        )
+        for model in ("smol-a", "smol-b") * 4:
+            with trio.fail_after(GUARD_S):
+                assert await _ask(stack, model) == model
+        assert sorted(first.loads + second.loads) == ["smol-a", "smol-b"]
