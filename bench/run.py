@@ -22,13 +22,15 @@ own processes so no part's servers weigh on another's:
 - `affinity`: agent sessions over providers with prefix caches, routed by load only and
   with cache affinity, in process on virtual time; and the routing decision's CPU over
   3,000 providers (`bench.affinity`). Its table comes first, on its own.
+- `models`: many models over providers that hold only some at once, routed by load only
+  and with placement, in process on virtual time (`bench.many_models`); on its own too.
 
 It prints the tables and the performance targets as PASS/MISS, stops every child and exits 0.
 `--replicas [ROUNDS]` measures one Edge against two replicas sharing the caller port
 (`bench.replicas`) instead; `--tracing [ROUNDS]` the CPU per request of OpenTelemetry
 traces, off against on at 100 % sampling (`bench.tracing`).
 
-    python -m bench [--parts closed,fleet,nodes,agent-cache,affinity]
+    python -m bench [--parts closed,fleet,nodes,agent-cache,affinity,models]
                     [--duration S | --requests N] [--concurrency 1,32] [--warmup N] [--turns 2]
                     [--protocols chat,messages,responses]
                     [--only direct,hypercorn,edge-http,stack-floor,iop,iop-translated,
@@ -111,7 +113,8 @@ FLEET: Final = "fleet"
 NODES: Final = "nodes"
 AGENT_CACHE: Final = "agent-cache"
 AFFINITY: Final = "affinity"
-ALL_PARTS: Final = (CLOSED, FLEET, NODES, AGENT_CACHE, AFFINITY)
+MODELS: Final = "models"
+ALL_PARTS: Final = (CLOSED, FLEET, NODES, AGENT_CACHE, AFFINITY, MODELS)
 #: The fleet scenario's targets unless `--fleet-only` says otherwise. LiteLLM is left out:
 #: at ~1.7 ms of CPU per relayed chunk (closed-loop stream column) it would need ~1.7
 #: cores for the default 1,000 chunks/s, and would only measure its own backlog.
@@ -824,6 +827,14 @@ def _run(args: argparse.Namespace, options: BenchOptions, console: Console, say:
         say("affinity: agent sessions, load-only and affinity routing (virtual time)")
         console.print(render_affinity(run_affinity()))
         options = replace(options, parts=tuple(p for p in options.parts if p != AFFINITY))
+        if not options.parts:
+            return 0
+    if MODELS in options.parts:
+        from bench.many_models import render_models, run_models
+
+        say("models: many models over providers holding some, load-only and placement")
+        console.print(render_models(run_models()))
+        options = replace(options, parts=tuple(p for p in options.parts if p != MODELS))
         if not options.parts:
             return 0
     result = _in_scratch_dir(lambda workdir: run_bench(options, workdir, say))
