@@ -86,6 +86,7 @@ class Caller:
         protocol: CallerProtocol = "chat",
         caller_headers: dict[str, str] | None = None,
         keep_output: bool = False,
+        previous_response_id: str = "",
     ) -> RunPlan:
         """The plan of this caller's request: its ids and principal go with the run, and
         it is a long run when its prompt estimate reaches the snapshot's threshold."""
@@ -106,6 +107,7 @@ class Caller:
             protocol=protocol,
             caller_headers=caller_headers if caller_headers is not None else {},
             keep_output=keep_output,
+            previous_response_id=previous_response_id,
         )
 
 
@@ -174,15 +176,22 @@ _encode: Final = msgspec.json.Encoder().encode
 
 
 def stream_error(
-    protocol: CallerProtocol, error: ApiError, *, model: str, response_id: str, sequence: int
+    protocol: CallerProtocol,
+    error: ApiError,
+    *,
+    model: str,
+    response_id: str,
+    sequence: int,
+    request_id: str | None = None,
 ) -> bytes:
     """`error` as the event that ends a stream in `protocol`.
 
     For Responses, `sequence` is the event's `sequence_number` (the events the stream
     carried so far: they count from 0) and `response_id` the id the failed response
-    goes by (the Edge does not read the Node's events, so it cannot know theirs)."""
+    goes by (the Edge does not read the Node's events, so it cannot know theirs). For
+    Messages, `request_id` is the caller's request, which the error event names."""
     if protocol == "messages":
-        return b"event: error\ndata: " + error.body(protocol) + b"\n\n"
+        return b"event: error\ndata: " + error.body(protocol, request_id) + b"\n\n"
     if protocol == "responses":
         failed = _ResponseFailed(
             sequence_number=sequence,

@@ -209,7 +209,8 @@ def _create_quart_app(
         protocol = protocol_of_request(
             request.path, anthropic_version=_ANTHROPIC_VERSION in request.headers
         )
-        return _json_response(error.body(protocol), error.status, headers)
+        body = error.body(protocol, headers["x-request-id"])
+        return _json_response(body, error.status, headers)
 
     @app.errorhandler(HTTPException)
     async def on_http_error(error: HTTPException) -> Response:

@@ -9,7 +9,8 @@ chat completions. Same catalog, aliases, limits and long-context admission as ch
 - `generation.defaults` apply where the protocol has the same setting (`DEFAULT_KEYS`;
   chat's `max_tokens` is Responses' `max_output_tokens`).
 - `previous_response_id`: the stored conversation is loaded (the principal's own only)
-  and sent whole, without the id (`core.response_chain`); an unknown, expired or other
+  and sent whole, without the id (`core.response_chain`); the id goes beside the body
+  (`run.previous_response_id`), for the response to echo. An unknown, expired or other
   principal's id is 404 `previous_response_not_found`. The estimate counts the whole
   conversation, which the model reads.
 - `store` (true unless the caller says false): the run keeps its final response
@@ -142,6 +143,7 @@ class ResponsesSurface:
             caller_wants_usage=True,  # usage is part of every Responses reply and stream
             protocol="responses",
             keep_output=view.store,
+            previous_response_id=previous_id or "",
         )
         if not view.store:
             return plan, None

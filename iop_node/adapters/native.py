@@ -130,7 +130,11 @@ class NativeReply:
         self._reader: MessagesNative | ResponsesNative = (
             MessagesNative(run.reply_model)
             if protocol == "messages"
-            else ResponsesNative(run.reply_model, stored=self._keep)
+            else ResponsesNative(
+                run.reply_model,
+                stored=self._keep,
+                previous_response_id=run.previous_response_id,
+            )
         )
         self._ends = _ENDS[protocol]
         self._tail = _TAIL[protocol] if run.hold_tail else frozenset[str]()

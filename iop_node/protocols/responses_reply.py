@@ -9,19 +9,26 @@ Rules:
    service's defaults for those it left out. A response the Edge stores (`stored`:
    `run.keep_output`) says `store: true`, as its caller asked: the body the Node got says
    `store: false`, since the Edge is the store and the runtime must keep nothing
-   (design §14).
-2. Output items come in the order a model produces them: `reasoning` (the runtime's
+   (design §14). The Edge also takes `previous_response_id` out of the body (it sends
+   the whole conversation instead) and passes it beside it (`run.previous_response_id`),
+   so the response echoes the id the caller sent.
+2. Every member the Open Responses schema requires is present, `null` when it has no
+   value: `completed_at` (set once the response completed), the penalties (`0.0`, the
+   service's default), and each echoed function tool's `description`, `parameters` and
+   `strict` (a tool that did not say has `null` there: IOP promises no strict
+   schema adherence it was not asked for).
+3. Output items come in the order a model produces them: `reasoning` (the runtime's
    `reasoning_content`, as `reasoning_text` content: it is the reasoning itself, not a
    summary), `message` (output text; a refusal as a `refusal` part), then one item per
    tool call. Item ids are `<kind>_<request_id>_<output index>`, so they are stable.
-3. A tool call becomes the item its tool's kind asks for (`responses_tools`): a
+4. A tool call becomes the item its tool's kind asks for (`responses_tools`): a
    `function_call` (arguments as the runtime wrote them; none is `{}`), with its
    `namespace` when it has one, or a `custom_tool_call` whose `input` is the string the
    runtime passed as the one argument. `call_id` keeps the runtime's id unless it has
    none or repeats one (`call_<request_id>_<n>`).
-4. `finish_reason` `length` makes the response `incomplete` (`max_output_tokens`), as
+5. `finish_reason` `length` makes the response `incomplete` (`max_output_tokens`), as
    does `content_filter` (`content_filter`); anything else is `completed`.
-5. Usage: `input_tokens` is the runtime's prompt tokens (cached ones included, as in
+6. Usage: `input_tokens` is the runtime's prompt tokens (cached ones included, as in
    chat), `input_tokens_details.cached_tokens` the cached ones, `output_tokens_details
    .reasoning_tokens` the reasoning ones. A runtime that reports no usage gets the
    caller's fallback (`usage=`: the Node's estimate), never zeros it did not count.
@@ -87,7 +94,7 @@ class ResponsesUsage(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def of(cls, usage: TokenUsage) -> ResponsesUsage:
-        """Rule 5."""
+        """Rule 6."""
         return cls(
             input_tokens=usage.prompt_tokens,
             input_tokens_details=_Cached(cached_tokens=usage.cached_tokens),
@@ -164,6 +171,8 @@ _ECHO_DEFAULTS: Final[tuple[tuple[str, bytes], ...]] = (
     ("max_tool_calls", b"null"),
     ("metadata", b"{}"),
     ("parallel_tool_calls", b"true"),
+    ("presence_penalty", b"0.0"),
+    ("frequency_penalty", b"0.0"),
     ("previous_response_id", b"null"),
     ("prompt_cache_key", b"null"),
     ("reasoning", b'{"effort":null,"summary":null}'),
@@ -193,19 +202,62 @@ _DEFAULT_ECHO: Final = _Echo()
 
 
 _STORED: Final = msgspec.Raw(b"true")
+_decode_any: Final = msgspec.json.Decoder().decode
+
+#: The members the schema requires of a function tool (Rule 2), `null` unless given.
+_FUNCTION_MEMBERS: Final = ("description", "parameters", "strict")
 
 
-def echo_members(body: bytes, *, stored: bool = False) -> bytes:
+def _tool_echo(tools: msgspec.Raw) -> msgspec.Raw:
+    """The echoed `tools` with every function tool's required members (Rule 2), those in
+    a namespace too; as sent when none is missing."""
+    try:
+        listed = _decode_any(tools)
+    except (msgspec.DecodeError, RecursionError):
+        return tools
+    if not isinstance(listed, list):
+        return tools
+    changed = False
+
+    def complete(tool: Any) -> None:
+        nonlocal changed
+        if not isinstance(tool, dict):
+            return
+        if tool.get("type") == "function":
+            for member in _FUNCTION_MEMBERS:
+                if member not in tool:
+                    tool[member] = None
+                    changed = True
+        for inner in tool.get("tools") or () if tool.get("type") == "namespace" else ():
+            complete(inner)
+
+    for tool in listed:
+        complete(tool)
+    return msgspec.Raw(encode(listed)) if changed else tools
+
+
+def echo_members(
+    body: bytes, *, stored: bool = False, previous_response_id: str | None = None
+) -> bytes:
     """Rule 1's echo of a request body, encoded as the members that close a Response
     object (`,"instructions":...,"user":null}`): each field as the caller sent it, else
-    OpenAI's default; `store: true` when the response is `stored`. A body that is not a
-    JSON object echoes the defaults (its translation has refused it already)."""
+    OpenAI's default (Rule 2's for function tools); `store: true` when the response is
+    `stored`; `previous_response_id` when the Edge passed it beside the body. A body that
+    is not a JSON object echoes the defaults (its translation has refused it already)."""
     try:
         echo = _decode_echo(body)
     except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError
         echo = _DEFAULT_ECHO
+    changes: dict[str, msgspec.Raw] = {}
     if stored:
-        echo = msgspec.structs.replace(echo, store=_STORED)
+        changes["store"] = _STORED
+    if previous_response_id:
+        changes["previous_response_id"] = msgspec.Raw(encode(previous_response_id))
+    tools = _tool_echo(echo.tools)
+    if tools is not echo.tools:
+        changes["tools"] = tools
+    if changes:
+        echo = msgspec.structs.replace(echo, **changes)
     return closing_members(encode(echo))
 
 
@@ -225,6 +277,7 @@ class _Response(msgspec.Struct, kw_only=True, omit_defaults=True):
     id: str
     object: str
     created_at: int
+    completed_at: int | None
     status: Status
     background: bool
     error: _Error | None
@@ -232,7 +285,6 @@ class _Response(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str
     output: list[OutputItem]
     usage: ResponsesUsage | None
-    completed_at: int | UnsetType = UNSET
 
 
 class ResponseShell:
@@ -249,8 +301,10 @@ class ResponseShell:
         clock: Callable[[], float],
         *,
         stored: bool = False,
+        previous_response_id: str | None = None,
     ) -> None:
-        """`stored`: the Edge stores the response (Rule 1)."""
+        """`stored`: the Edge stores the response; `previous_response_id`: the one the
+        caller continues, which the Edge took out of the body (Rule 1)."""
         self.id = f"resp_{request_id}"
         self.model = reply_model
         self._clock = clock
@@ -261,7 +315,7 @@ class ResponseShell:
         else:
             self.tools = read_tool_map(request)
             body = request
-        self._echo = echo_members(body, stored=stored)
+        self._echo = echo_members(body, stored=stored, previous_response_id=previous_response_id)
 
     def body(
         self,
@@ -277,6 +331,7 @@ class ResponseShell:
             id=self.id,
             object="response",
             created_at=self.created_at,
+            completed_at=int(self._clock()) if status == "completed" else None,
             status=status,
             background=False,
             error=error,
@@ -285,13 +340,11 @@ class ResponseShell:
             output=output,
             usage=ResponsesUsage.of(usage) if usage is not None else None,
         )
-        if status == "completed":
-            response.completed_at = int(self._clock())
         return encode(response)[:-1] + self._echo
 
 
 def status_of(finish_reason: str | None) -> tuple[Status, str | None]:
-    """Rule 4: the response's status and, when incomplete, why."""
+    """Rule 5: the response's status and, when incomplete, why."""
     if finish_reason == "length":
         return "incomplete", "max_output_tokens"
     if finish_reason == "content_filter":
@@ -306,11 +359,8 @@ def failure(message: str, code: str) -> _Error:
     return _Error(code=kind, message=f"{code}: {message}")
 
 
-_decode_any: Final = msgspec.json.Decoder().decode
-
-
 def custom_input(arguments: str, param: str) -> str:
-    """The string a custom tool's call passes (Rule 3): the one argument's value."""
+    """The string a custom tool's call passes (Rule 4): the one argument's value."""
     if not arguments.strip():
         return ""
     try:
@@ -334,7 +384,7 @@ def custom_input(arguments: str, param: str) -> str:
 def call_item(
     tool: CallerTool, item_id: str, call_id: str, arguments: str, *, param: str, status: Status
 ) -> FunctionCallItem | CustomCallItem:
-    """Rule 3."""
+    """Rule 4."""
     namespace = tool.namespace if tool.namespace is not None else UNSET
     if tool.custom:
         return CustomCallItem(
@@ -355,14 +405,14 @@ def call_item(
 
 
 def call_id(runtime_id: str | None, request_id: str, n: int, used: set[str]) -> str:
-    """Rule 3."""
+    """Rule 4."""
     chosen = runtime_id if runtime_id and runtime_id not in used else f"call_{request_id}_{n}"
     used.add(chosen)
     return chosen
 
 
 def item_id(kind: str, request_id: str, output_index: int) -> str:
-    """Rule 2."""
+    """Rule 3."""
     return f"{kind}_{request_id}_{output_index}"
 
 
@@ -375,12 +425,20 @@ def responses_response_from_chat(
     usage: TokenUsage | None = None,
     clock: Callable[[], float] = time.time,
     stored: bool = False,
+    previous_response_id: str | None = None,
 ) -> bytes:
     """The Responses response object for a whole chat completion; `request` is the
     caller's request (its body, or the body as the run read it) echoed, and read for its
-    tools. `usage` counts only when the runtime's reply has none (Rule 5). `clock` dates
-    it. `stored`: the Edge stores it (Rule 1)."""
-    shell = ResponseShell(reply_model, request_id, request, clock, stored=stored)
+    tools. `usage` counts only when the runtime's reply has none (Rule 6). `clock` dates
+    it. `stored`, `previous_response_id`: Rule 1."""
+    shell = ResponseShell(
+        reply_model,
+        request_id,
+        request,
+        clock,
+        stored=stored,
+        previous_response_id=previous_response_id,
+    )
     response = read_response(chat)
     choice = response.first()
     message = choice.said if choice is not None else None

@@ -164,6 +164,8 @@ class RunPlan:
     keep_output: bool = False
     """The Edge stores the run's result: the Node returns the final response object in
     `run_done.response`, a stream's too."""
+    previous_response_id: str = ""
+    """The stored Responses conversation the run continues (`wire.Run`)."""
     trace: RequestTrace | None = None
     """The request's span when the Edge traces (`metering.tracing`): the run adds its
     admission, failed attempts and failovers, and its record when it ends."""
@@ -822,6 +824,7 @@ class Dispatcher:
             long=lease.long,
             caller_headers=plan.caller_headers,
             keep_output=plan.keep_output,
+            previous_response_id=plan.previous_response_id,
             hold_tail=plan.stream,
             traceparent=plan.traceparent,
             tracestate=plan.tracestate,
