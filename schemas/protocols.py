@@ -78,6 +78,19 @@ class _AnthropicError(msgspec.Struct, frozen=True, kw_only=True, tag_field="type
 _encode = msgspec.json.Encoder().encode
 
 
+#: IOP failure codes that are a load signal: OpenAI's `rate_limit_exceeded` in a failed
+#: Response (the SDKs know a fixed set of codes there; every other failure is theirs
+#: `server_error`).
+_LOAD_SIGNALS: Final = frozenset({"busy", "upstream_busy"})
+
+
+def response_error(code: str | None, message: str) -> tuple[str, str]:
+    """A failed Response's `error` (`code`, `message`) for an IOP failure: OpenAI's code
+    for it, and IOP's own code leading the message."""
+    kind = "rate_limit_exceeded" if code in _LOAD_SIGNALS else "server_error"
+    return kind, message if code is None else f"{code}: {message}"
+
+
 def anthropic_error_type(status: int) -> str:
     """Anthropic's error `type` for an HTTP status."""
     if status in _ANTHROPIC_ERROR_TYPES:

@@ -577,7 +577,7 @@ class RunEndpoints:
                     stream_error(
                         protocol,
                         error,
-                        model=plan.model_id,
+                        plan=plan,
                         response_id=f"resp_{plan.run_id}",
                         sequence=run.chunks,
                         request_id=reply.request_id,

@@ -4,19 +4,14 @@ the Responses stream shares with it.
 Rules:
 
 1. The response is `resp_<request_id>`, its model the caller's alias. It echoes the
-   request's settings as OpenAI's service does (`instructions`, `tools`, `tool_choice`,
-   `previous_response_id`, `store`, ...), copied as the caller sent them, with the
-   service's defaults for those it left out. A response the Edge stores (`stored`:
-   `run.keep_output`) says `store: true`, as its caller asked: the body the Node got says
-   `store: false`, since the Edge is the store and the runtime must keep nothing
-   (design §14). The Edge also takes `previous_response_id` out of the body (it sends
-   the whole conversation instead) and passes it beside it (`run.previous_response_id`),
-   so the response echoes the id the caller sent.
+   request's settings (`schemas.responses_echo`): as the caller sent them, with OpenAI's
+   defaults, `store: true` for a response the Edge stores (`stored`: `run.keep_output`;
+   the body the Node got says `store: false`, since the Edge is the store and the
+   runtime must keep nothing, design §14), and the `previous_response_id` the Edge took
+   out of the body and passed beside it (`run.previous_response_id`).
 2. Every member the Open Responses schema requires is present, `null` when it has no
-   value: `completed_at` (set once the response completed), the penalties (`0.0`, the
-   service's default), and each echoed function tool's `description`, `parameters` and
-   `strict` (a tool that did not say has `null` there: IOP promises no strict
-   schema adherence it was not asked for).
+   value: `completed_at` is set once the response completed; the echo's own are
+   `responses_echo`'s.
 3. Output items come in the order a model produces them: `reasoning` (the runtime's
    `reasoning_content`, as `reasoning_text` content: it is the reasoning itself, not a
    summary), `message` (output text; a refusal as a `refusal` part), then one item per
@@ -48,6 +43,8 @@ from iop_node.protocols.chat_view import TokenUsage, named_calls, read_response
 from iop_node.protocols.errors import ReplyTranslationError
 from iop_node.protocols.responses_request import ResponsesRequest, read_tool_map
 from iop_node.protocols.responses_tools import CallerTool, ToolMap
+from schemas.protocols import response_error
+from schemas.responses_echo import closing_members, echo_members
 
 __all__ = [
     "CustomCallItem",
@@ -164,113 +161,6 @@ class _Incomplete(msgspec.Struct, frozen=True):
     reason: str
 
 
-#: What a Response echoes of its request (Rule 1), in order, with OpenAI's defaults.
-_ECHO_DEFAULTS: Final[tuple[tuple[str, bytes], ...]] = (
-    ("instructions", b"null"),
-    ("max_output_tokens", b"null"),
-    ("max_tool_calls", b"null"),
-    ("metadata", b"{}"),
-    ("parallel_tool_calls", b"true"),
-    ("presence_penalty", b"0.0"),
-    ("frequency_penalty", b"0.0"),
-    ("previous_response_id", b"null"),
-    ("prompt_cache_key", b"null"),
-    ("reasoning", b'{"effort":null,"summary":null}'),
-    ("safety_identifier", b"null"),
-    ("service_tier", b'"default"'),
-    ("store", b"true"),
-    ("temperature", b"1.0"),
-    ("text", b'{"format":{"type":"text"}}'),
-    ("tool_choice", b'"auto"'),
-    ("tools", b"[]"),
-    ("top_logprobs", b"0"),
-    ("top_p", b"1.0"),
-    ("truncation", b'"disabled"'),
-    ("user", b"null"),
-)
-
-#: The echoed fields of a request as the caller wrote them, each defaulting to OpenAI's
-#: default: decoded from the request (the other fields are skipped), it encodes as the
-#: echo.
-_Echo = msgspec.defstruct(
-    "_Echo",
-    [(name, msgspec.Raw, msgspec.Raw(default)) for name, default in _ECHO_DEFAULTS],
-    frozen=True,
-)
-_decode_echo: Final = msgspec.json.Decoder(_Echo).decode
-_DEFAULT_ECHO: Final = _Echo()
-
-
-_STORED: Final = msgspec.Raw(b"true")
-_decode_any: Final = msgspec.json.Decoder().decode
-
-#: The members the schema requires of a function tool (Rule 2), `null` unless given.
-_FUNCTION_MEMBERS: Final = ("description", "parameters", "strict")
-
-
-def _tool_echo(tools: msgspec.Raw) -> msgspec.Raw:
-    """The echoed `tools` with every function tool's required members (Rule 2), those in
-    a namespace too; as sent when none is missing."""
-    try:
-        listed = _decode_any(tools)
-    except (msgspec.DecodeError, RecursionError):
-        return tools
-    if not isinstance(listed, list):
-        return tools
-    changed = False
-
-    def complete(tool: Any) -> None:
-        nonlocal changed
-        if not isinstance(tool, dict):
-            return
-        if tool.get("type") == "function":
-            for member in _FUNCTION_MEMBERS:
-                if member not in tool:
-                    tool[member] = None
-                    changed = True
-        for inner in tool.get("tools") or () if tool.get("type") == "namespace" else ():
-            complete(inner)
-
-    for tool in listed:
-        complete(tool)
-    return msgspec.Raw(encode(listed)) if changed else tools
-
-
-def echo_members(
-    body: bytes, *, stored: bool = False, previous_response_id: str | None = None
-) -> bytes:
-    """Rule 1's echo of a request body, encoded as the members that close a Response
-    object (`,"instructions":...,"user":null}`): each field as the caller sent it, else
-    OpenAI's default (Rule 2's for function tools); `store: true` when the response is
-    `stored`; `previous_response_id` when the Edge passed it beside the body. A body that
-    is not a JSON object echoes the defaults (its translation has refused it already)."""
-    try:
-        echo = _decode_echo(body)
-    except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError
-        echo = _DEFAULT_ECHO
-    changes: dict[str, msgspec.Raw] = {}
-    if stored:
-        changes["store"] = _STORED
-    if previous_response_id:
-        changes["previous_response_id"] = msgspec.Raw(encode(previous_response_id))
-    tools = _tool_echo(echo.tools)
-    if tools is not echo.tools:
-        changes["tools"] = tools
-    if changes:
-        echo = msgspec.structs.replace(echo, **changes)
-    return closing_members(encode(echo))
-
-
-def closing_members(encoded: bytes) -> bytes:
-    """The members of an encoded JSON object, written to close another object that has
-    members of its own: `{"a":1}` -> `,"a":1}`, and `{}` -> `}`. With `opened[:-1]`
-    (an encoded object without its `}`) in front, the two are one object."""
-    if not encoded.startswith(b"{") or not encoded.endswith(b"}"):
-        raise ValueError("not an encoded JSON object")
-    inner = encoded[1:]
-    return inner if inner == b"}" else b"," + inner
-
-
 class _Response(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A Response object's own fields, in OpenAI's order; the echo follows them."""
 
@@ -353,10 +243,12 @@ def status_of(finish_reason: str | None) -> tuple[Status, str | None]:
 
 
 def failure(message: str, code: str) -> _Error:
-    """A failed response's `error`: OpenAI's code for a load signal, `server_error` for
-    the rest; IOP's own code leads the message."""
-    kind = "rate_limit_exceeded" if code in ("busy", "upstream_busy") else "server_error"
-    return _Error(code=kind, message=f"{code}: {message}")
+    """A failed response's `error` (`schemas.protocols.response_error`)."""
+    kind, text = response_error(code, message)
+    return _Error(code=kind, message=text)
+
+
+_decode_any: Final = msgspec.json.Decoder().decode
 
 
 def custom_input(arguments: str, param: str) -> str:
