@@ -169,6 +169,41 @@ class ResponsesSurface:
             continues=to_store.continues,
         )
 
+    async def input_tokens(self, body: bytes, snapshot: Snapshot, principal_ref: str) -> int:
+        """`POST /v1/responses/input_tokens`: the input tokens of a Responses request, by
+        the estimate admission uses (`estimate_responses_tokens`), the stored
+        conversation it continues included (the principal's own only); raises `ApiError`.
+        No runtime is asked: none behind IOP counts a Responses request but llama.cpp's
+        server, and the Edge's estimate is what the request is admitted and queued by."""
+        try:
+            view = msgspec.json.decode(body, type=ResponsesRequest)
+        except msgspec.ValidationError as exc:
+            raise invalid_request(exc) from None
+        except msgspec.DecodeError as exc:
+            raise ApiError(400, f"The body is not valid JSON: {exc}", code="invalid_json") from None
+        if view.model not in snapshot.models or not snapshot.policies.allows(
+            principal_ref, view.model
+        ):
+            raise ApiError(
+                404,
+                f"The model '{view.model}' does not exist",
+                type="not_found_error",
+                code="model_not_found",
+                param="model",
+            )
+        earlier: list[msgspec.Raw] = []
+        if view.previous_response_id is not None:
+            try:
+                chain = await self.store.conversation(principal_ref, view.previous_response_id)
+            except ChainBroken as exc:
+                raise ApiError(
+                    404, str(exc), code="previous_response_not_found", param="previous_response_id"
+                ) from None
+            except StoreUnavailable as exc:
+                raise store_unavailable(exc) from None
+            earlier = conversation(chain, ())
+        return estimate_responses_tokens(view, earlier)
+
     async def read(self, principal_ref: str, response_id: str) -> bytes:
         """`GET /v1/responses/{id}`: the stored response object; raises `ApiError`."""
         try:

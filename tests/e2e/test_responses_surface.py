@@ -15,6 +15,7 @@ import openai
 import pytest
 import trio
 
+from iop_edge.core.protocol_requests import ResponsesRequest, estimate_responses_tokens
 from tests.e2e.stack import (
     WAIT_GUARD_S,
     Stack,
@@ -234,3 +235,40 @@ async def test_a_continued_response_echoes_its_previous_response_id(
                     check_response(response)
     sent = [msgspec.json.decode(r.body) for r in fake.requests if r.path == "/v1/responses"]
     assert all("previous_response_id" not in body for body in sent)  # the Edge sent the turns
+
+
+async def test_input_tokens_counts_a_request_and_the_conversation_it_continues(
+    stack: Stack,
+) -> None:
+    """`POST /v1/responses/input_tokens` answers the Edge's estimate (what admission
+    uses), the stored conversation a `previous_response_id` names included; the official
+    SDK reads it. It is no longer taken for a response id (405)."""
+    request: dict[str, Any] = {"model": "codex-local", "input": "Count me. " * 40}
+    async with stack.client() as client:
+        counted = await client.responses.input_tokens.count(**request)
+        assert counted.object == "response.input_tokens"
+        view = msgspec.convert(request, ResponsesRequest)
+        assert counted.input_tokens == estimate_responses_tokens(view) > 40
+        earlier = await client.responses.create(model="codex-local", input="A long story. " * 50)
+        continued = await client.responses.input_tokens.count(
+            model="codex-local", input="and then?", previous_response_id=earlier.id
+        )
+        alone = await client.responses.input_tokens.count(model="codex-local", input="and then?")
+        assert continued.input_tokens > alone.input_tokens + 100
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await client.responses.input_tokens.count(model="nope", input="x")
+        assert unknown.value.code == "model_not_found"
+        with pytest.raises(openai.NotFoundError) as gone:
+            await client.responses.input_tokens.count(
+                model="codex-local", input="x", previous_response_id="resp_missing"
+            )
+        assert gone.value.code == "previous_response_not_found"
+
+
+async def test_compact_says_it_is_not_supported(stack: Stack) -> None:
+    async with stack.http() as http:
+        reply = await http.post(
+            "/v1/responses/compact", json={"model": "codex-local", "input": "hi"}
+        )
+    assert reply.status_code == 501
+    assert reply.json()["error"]["code"] == "compaction_not_supported"
