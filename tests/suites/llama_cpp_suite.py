@@ -39,8 +39,12 @@ Backend = Literal["sim", "llama-server", "llama-server-translated"]
 BACKENDS: Final[tuple[Backend, ...]] = ("sim", "llama-server", "llama-server-translated")
 
 _ALL: Final[tuple[Backend, ...]] = BACKENDS
-_TRANSLATED: Final[tuple[Backend, ...]] = ("sim", "llama-server-translated")
-_SIM: Final[tuple[Backend, ...]] = ("sim",)
+
+_IMAGE_REFUSED: Final = (
+    "expects a text-only runtime's refusal of an image as its own 500: through a gateway "
+    "an upstream's failure is a 502 (with the runtime's message, which the case also "
+    "checks), and the sim reads any image"
+)
 
 #: case -> (the backends it cannot apply to, why). The reasons are docs/agents.md's table.
 NOT_APPLICABLE: Final[dict[str, tuple[tuple[Backend, ...], str]]] = {
@@ -74,14 +78,8 @@ NOT_APPLICABLE: Final[dict[str, tuple[tuple[Backend, ...], str]]] = {
         _ALL,
         "expects the words of one model (tinyllama stories260K, seed 42): `Suddenly`",
     ),
-    "test_anthropic_tool_result_with_image": (
-        _SIM,
-        "expects a text-only model's refusal of an image (500); the sim reads any input",
-    ),
-    "test_anthropic_vision_format_accepted": (
-        _SIM,
-        "expects a text-only model's refusal of an image (500); the sim reads any input",
-    ),
+    "test_anthropic_tool_result_with_image": (_ALL, _IMAGE_REFUSED),
+    "test_anthropic_vision_format_accepted": (_ALL, _IMAGE_REFUSED),
 }
 
 
