@@ -168,12 +168,6 @@ async def test_the_sdk_gets_what_it_gets_direct(
     assert [_shape(chunk) for chunk in via_iop] == [_shape(chunk) for chunk in direct]
     # A chunk per token either way, the same finish, and no usage chunk: not asked for.
     finish = [chunk.choices[0].finish_reason for chunk in via_iop if chunk.choices]
-    print(
-        "DBG",
-        finish,
-        [c.choices[0].delta.content for c in via_iop if c.choices],
-        [c.choices[0].delta.content for c in direct if c.choices],
-    )
     assert finish == [chunk.choices[0].finish_reason for chunk in direct if chunk.choices]
     assert finish[-1] == "length"
     assert all(chunk.usage is None for chunk in [*via_iop, *direct])
