@@ -36,7 +36,10 @@ The Edge's HTTP ports take no websockets. A websocket upgrade there is almost al
 Node given the wrong port (the caller port is one digit away from the node listener in
 most configs): it is refused with a 400 whose body says which port this is and where
 Nodes connect (`websocket_refusal`), in one log line; a Node's websocket library reports
-that body.
+that body. The one exception is a caller asking for the Responses API's WebSocket mode
+(an upgrade on `/v1/responses` of the caller port, `caller_port`): it is told, in OpenAI's
+error shape, that the mode is not supported and to use HTTP, and nothing of where Nodes
+connect.
 """
 
 from __future__ import annotations
@@ -88,6 +91,16 @@ DRAINING_REFUSAL = ApiError(
 )
 #: The error code of a websocket upgrade refused on an HTTP port.
 WRONG_PORT_CODE = "not_a_node_port"
+#: The error code of a Responses WebSocket mode upgrade, which the Edge does not serve.
+WEBSOCKET_MODE_CODE = "websocket_mode_not_supported"
+#: The paths a Responses WebSocket mode client upgrades on.
+_RESPONSES_PATHS = frozenset({"/v1/responses", "/v1/responses/", "/responses"})
+_WEBSOCKET_MODE_REFUSAL = ApiError(
+    400,
+    "The Responses API's WebSocket mode is not supported here: send the request as "
+    "an HTTP POST to /v1/responses (stream: true for events)",
+    code=WEBSOCKET_MODE_CODE,
+).body("responses")
 
 
 class HttpServer:
@@ -106,13 +119,16 @@ class HttpServer:
         send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
         websocket_refusal: str = "this HTTP port takes no websocket connections",
         role: str = "openai",
+        caller_port: bool = False,
     ) -> None:
         """`websocket_refusal` is what a websocket upgrade here is told: which port this
-        is, and where Nodes connect. `role` names the port to a successor that takes
-        its connections over (`handoff`)."""
+        is, and where Nodes connect; on the `caller_port`, an upgrade on `/v1/responses`
+        is told the Responses WebSocket mode is not supported instead. `role` names the
+        port to a successor that takes its connections over (`handoff`)."""
         self.role = role
         self._config = config
         self._websocket_refusal = ApiError(400, websocket_refusal, code=WRONG_PORT_CODE).body()
+        self._caller_port = caller_port
         self._send_timeout_s = send_timeout_s
         """A caller that takes no bytes of a response for this long is disconnected."""
         self._socket = sock
@@ -318,13 +334,21 @@ class HttpServer:
         websocket denial response, which Hypercorn offers), and log one line."""
         client = scope["client"]
         peer = f"{client[0]}:{client[1]}" if client else "a client"
-        log.warning(
-            "refused a websocket upgrade from %s on %s (%s): is a Node pointed at this port?",
-            peer,
-            self.url,
-            scope["path"],
-        )
-        body = self._websocket_refusal
+        if self._caller_port and scope["path"] in _RESPONSES_PATHS:
+            log.info(
+                "refused a Responses WebSocket mode upgrade from %s (%s): not supported",
+                peer,
+                scope["path"],
+            )
+            body = _WEBSOCKET_MODE_REFUSAL
+        else:
+            log.warning(
+                "refused a websocket upgrade from %s on %s (%s): is a Node pointed at this port?",
+                peer,
+                self.url,
+                scope["path"],
+            )
+            body = self._websocket_refusal
         start: WebsocketResponseStartEvent = {
             "type": "websocket.http.response.start",
             "status": 400,
