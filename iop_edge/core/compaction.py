@@ -71,8 +71,7 @@ SUMMARY_INSTRUCTION: Final = (
     "Write the summary only: no greeting, no question, no tool call."
 )
 SUMMARY_PREFIX: Final = (
-    "The conversation so far was compacted. This summary of it replaces the earlier "
-    "messages:"
+    "The conversation so far was compacted. This summary of it replaces the earlier messages:"
 )
 _DIGEST_BYTES: Final = 16
 
@@ -237,25 +236,29 @@ def summary_request(items: Sequence[Any]) -> list[Any]:
     return [*items, instruction]
 
 
-def compacted_output(items: Sequence[Any], compaction: dict[str, Any]) -> list[Any]:
+def compacted_output(items: Sequence[Any], compaction: dict[str, Any], id_prefix: str) -> list[Any]:
     """The output of `/v1/responses/compact` over the expanded conversation `items`
-    (Rule 5): its user messages, then `compaction`."""
-    kept = [
-        _user_message(item)
-        for item in items
-        if _is_user_message(item) and not _is_own_summary(item)
-    ]
-    return [*kept, compaction]
+    (Rule 5): its user messages, then `compaction`. A message without an `id` gets
+    `<id_prefix>_<n>`."""
+    kept = [item for item in items if _is_user_message(item) and not _is_own_summary(item)]
+    return [*(_user_message(item, f"{id_prefix}_{n}") for n, item in enumerate(kept)), compaction]
 
 
-def _user_message(item: Any) -> dict[str, Any]:
-    """A user message item as an output item has it: `type` given, text as
-    `input_text` parts (the shape OpenAI's clients parse an output item by)."""
+def _user_message(item: Any, item_id: str) -> dict[str, Any]:
+    """A user message item as an output item has it: `type`, `id` and `status` given,
+    text as `input_text` parts (the shape OpenAI's clients parse an output item by)."""
     message: dict[str, Any] = msgspec.json.decode(item) if isinstance(item, msgspec.Raw) else item
     content = message.get("content")
     if isinstance(content, str):
         content = [{"type": "input_text", "text": content}]
-    return {**message, "type": "message", "role": "user", "content": content}
+    return {
+        "id": item_id,
+        "status": "completed",
+        **message,
+        "type": "message",
+        "role": "user",
+        "content": content,
+    }
 
 
 class _Part(msgspec.Struct, frozen=True):

@@ -75,7 +75,7 @@ def settle(compaction: Compaction, response: bytes, request_id: str) -> bytes | 
             "id": fields.get("id", f"resp_{request_id}"),
             "object": "response.compaction",
             "created_at": fields.get("created_at", 0),
-            "output": compacted_output(compaction.conversation, item),
+            "output": compacted_output(compaction.conversation, item, f"msg_{request_id}"),
             "usage": fields.get("usage"),
         }
         return msgspec.json.encode(compacted)

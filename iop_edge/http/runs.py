@@ -557,6 +557,11 @@ class RunEndpoints:
                 await self._refuse(run, error, reply, timing)
                 return
             payload = settled
+            log.info(
+                "request %s: compacted the conversation with the model (%s)",
+                _request_id(run),
+                "/v1/responses/compact" if compaction.endpoint else "compaction_trigger",
+            )
         run.end(Outcome(200))
         extra: list[tuple[bytes, bytes]] = []
         if to_store is not None and to_store.store:

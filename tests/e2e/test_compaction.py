@@ -171,12 +171,17 @@ async def test_a_compaction_trigger_ends_a_turn_with_the_compaction(
     async with stack.client() as client:
         first = await client.responses.create(model="m", input="The port is 8080.")
         compacted = await client.responses.create(
-            model="m", input=[trigger], previous_response_id=first.id  # type: ignore[list-item]
+            model="m",
+            input=[trigger],
+            previous_response_id=first.id,  # type: ignore[list-item]
         )
         assert [item.type for item in compacted.output] == ["compaction"]
         assert compacted.previous_response_id == first.id
         stream = await client.responses.create(
-            model="m", input=[trigger], previous_response_id=first.id, stream=True  # type: ignore[list-item]
+            model="m",
+            input=[trigger],
+            previous_response_id=first.id,
+            stream=True,  # type: ignore[list-item]
         )
         events = [event async for event in stream]
         await client.responses.create(

@@ -122,7 +122,10 @@ def test_the_summary_turn_and_the_compacted_output() -> None:
     assert turn[-1]["role"] == "user" and turn[-1]["content"][0]["text"] == SUMMARY_INSTRUCTION
     item = compaction_item("cmp_2", "new")
     # the user's own messages stay, the old summary does not: the new one covers it
-    assert compacted_output(conversation, item) == [_parts("one"), _parts("two"), item]
+    one, two, last = compacted_output(conversation, item, "msg_r")
+    assert last == item
+    assert one == {"id": "msg_r_0", "status": "completed", **_parts("one")}
+    assert two == {"id": "msg_r_1", "status": "completed", **_parts("two")}
     assert item["type"] == "compaction" and unseal(item["encrypted_content"]) == "new"
 
 
