@@ -34,7 +34,7 @@ __all__ = ["COMPACT_PATH", "Compaction", "prepare", "settle", "trigger_events"]
 
 COMPACT_PATH: Final = "/v1/responses/compact"
 #: What of a compact or trigger request the summary turn keeps (Rule 4: no tools).
-_KEPT: Final = ("model", "instructions", "temperature", "top_p", "reasoning")
+_KEPT: Final[tuple[str, ...]] = ("model", "instructions", "temperature", "top_p", "reasoning")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,11 @@
 """The caller-facing HTTP API (OpenAI's, and Anthropic's Messages), served by Hypercorn.
 
 `OpenAIApp` is the ASGI app: the run endpoints (`runs.RUN_PATHS`: chat completions,
-completions, embeddings, Messages, count_tokens, Responses and its compaction) are plain ASGI in `runs`,
-because they carry the traffic and a web framework's per-request cost would outweigh the
-Edge's own work per run (see there). Everything else (`/v1/models`, stored responses,
-`/`, `/healthz`, 404/405/413 pages and the ASGI lifespan) is a small Quart-Trio app.
+completions, embeddings, Messages, count_tokens, Responses and its compaction) are plain
+ASGI in `runs`, because they carry the traffic and a web framework's per-request cost
+would outweigh the Edge's own work per run (see there). Everything else (`/v1/models`,
+stored responses, `/`, `/healthz`, 404/405/413 pages and the ASGI lifespan) is a small
+Quart-Trio app.
 Every response carries `x-request-id` and `Server-Timing`. Every error has OpenAI's error
 shape, except for Anthropic's clients (a request with `anthropic-version`, or on a
 `/v1/messages` path), which get Anthropic's (`caller_protocol.protocol_of_request`).

@@ -60,6 +60,7 @@ from iop_edge.http.caller_protocol import (
     stream_error,
 )
 from iop_edge.http.chat import plan_chat
+from iop_edge.http.compaction import COMPACT_PATH, settle, trigger_events
 from iop_edge.http.connection import ChunkedBodyWriter, current_connection
 from iop_edge.http.errors import (
     ApiError,
@@ -71,7 +72,6 @@ from iop_edge.http.errors import (
 )
 from iop_edge.http.messages import plan_messages
 from iop_edge.http.rate_limit_headers import rate_limit_headers
-from iop_edge.http.compaction import COMPACT_PATH, settle, trigger_events
 from iop_edge.http.responses import ResponsesSurface, ToStore
 from iop_edge.runtime.metering.access_log import RefusedRequest
 from iop_edge.runtime.metering.metering import Metering

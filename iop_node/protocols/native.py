@@ -10,9 +10,9 @@ the `resp_<request id>` a translated reply has too), not the upstream's: the Edg
 it under that id, so an upstream that reuses ids (a restarted runtime counting from 1
 again) cannot make two stored responses collide; and a reply continuing a stored
 conversation echoes the caller's `previous_response_id`, which the Edge took out of the
-body (it sends the conversation instead) and passed beside it. All of these live in a few events only, so
-these readers parse only those, and only their top level plus the one object below it
-that holds the model:
+body (it sends the conversation instead) and passed beside it. All of these live in a
+few events only, so these readers parse only those, and only their top level plus the
+one object below it that holds the model:
 
 - Messages: `message_start` (`message.model`, `message.usage` with the input counts)
   and `message_delta` (`usage`, cumulative: output counts, sometimes input counts);

@@ -147,7 +147,7 @@ async def test_a_native_runtime_summarises_and_reads_the_summary_back(
         )
     turn, next_turn = _sent(fake)[1:]
     # the summary turn: the whole conversation, then the instruction; no tools, bounded
-    assert [_text_of(i) for i in turn["input"]][0] == "Remember: the port is 8080."
+    assert _text_of(turn["input"][0]) == "Remember: the port is 8080."
     assert turn["input"][1]["role"] == "assistant"
     assert _text_of(turn["input"][-1]) == SUMMARY_INSTRUCTION
     assert turn["max_output_tokens"] == LIMIT and "tools" not in turn
