@@ -89,7 +89,7 @@ def trigger_events(response: bytes) -> bytes:
     the compaction item added, compacting, done, completed."""
     final: dict[str, Any] = msgspec.json.decode(response)
     item = final["output"][0]
-    started = {**final, "status": "in_progress", "output": [], "usage": None}
+    started = {**final, "status": "in_progress", "completed_at": None, "output": [], "usage": None}
     events: list[dict[str, Any]] = [
         {"type": "response.created", "response": started},
         {"type": "response.in_progress", "response": started},

@@ -6,6 +6,7 @@ turn (as input items and through `previous_response_id`), principal-scoped, and 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from tests.e2e.stack import (
     start_native_upstream,
     start_stack,
 )
+from tests.protocols.conformance import check_response, check_responses_event
 
 ALICE = "alice-token-for-tests"
 BOB = "bob-token-for-tests"
@@ -200,3 +202,35 @@ async def test_a_compaction_trigger_ends_a_turn_with_the_compaction(
         ("user", f"{SUMMARY_PREFIX}\n\n{summary}"),
         ("user", "Which port?"),
     ]
+
+
+async def test_a_trigger_on_the_sim_answers_a_conformant_response_and_stream(
+    sim_stack: Stack,
+) -> None:
+    body = {
+        "model": "m",
+        "input": [
+            {"role": "user", "content": "Plan the release."},
+            {"type": "compaction_trigger"},
+        ],
+    }
+    auth = {"authorization": f"Bearer {ALICE}"}
+    async with sim_stack.http() as http:
+        reply = await http.post("/v1/responses", json=body, headers=auth)
+        streamed = await http.post("/v1/responses", json={**body, "stream": True}, headers=auth)
+    assert reply.status_code == 200, reply.text
+    response = reply.json()
+    check_response(response)
+    assert [item["type"] for item in response["output"]] == ["compaction"]
+    assert unseal(response["output"][0]["encrypted_content"])
+    assert streamed.status_code == 200, streamed.text
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    events = [
+        json.loads(line[len("data: ") :])
+        for line in streamed.text.splitlines()
+        if line.startswith("data: ")
+    ]
+    for event in events:
+        check_responses_event(event)
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    assert events[-1]["response"]["output"][0]["type"] == "compaction"
