@@ -19,15 +19,13 @@ import pytest
 import trio
 
 from tests.agents.clis import base_environment, require_cli, run_cli
-from tests.agents.settings import codex_config, codex_env, snippet
+from tests.agents.settings import CODEX_COMPACTION, codex_config, codex_env, snippet
 from tests.agents.test_demo import CLI_LIMIT_S, Demo, _check_metered, _check_turn, demo
 
 __all__ = ["demo"]
 
 pytestmark = pytest.mark.agents
 
-#: The page's snippet for compaction through IOP.
-CODEX_COMPACTION = "codex-compaction"
 #: Codex compacts once its history passes this many tokens: above the demo turn's first
 #: request (Codex's instructions and tools, about 5,500) and below it with the tool's
 #: output (`seq 1 2500`, about 2,800 more).
