@@ -121,12 +121,27 @@ async def test_compact_errors_name_the_field(sim_stack: Stack) -> None:
             headers=auth,
         )
         got = await http.get("/v1/responses/compact", headers=auth)
+        foreign = await http.post(
+            "/v1/responses",
+            json={
+                "model": "m",
+                "input": [
+                    {"type": "compaction", "id": "cmp_x", "encrypted_content": "gAAAA-sealed"},
+                    {"role": "user", "content": "go on"},
+                ],
+            },
+            headers=auth,
+        )
     assert missing.status_code == 400 and "model" in missing.json()["error"]["message"]
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     assert damaged.status_code == 400
     assert damaged.json()["error"]["code"] == "invalid_compaction"
     assert "input[0].encrypted_content" in damaged.json()["error"]["message"]
     assert got.status_code == 405
+    # another service's compaction reaches the translating Node as it is, which refuses it
+    assert foreign.status_code == 400, foreign.text
+    assert "another service" in foreign.json()["error"]["message"]
+    assert "input[0]" in foreign.text
 
 
 async def test_a_native_runtime_summarises_and_reads_the_summary_back(
