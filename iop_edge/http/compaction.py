@@ -9,8 +9,9 @@ final response becomes what the caller asked for (`settle`):
   `output` the conversation's user messages and the compaction item, the turn's
   `usage`), stored under its id for the caller's principal, with no previous response:
   a request naming it as `previous_response_id` continues from the compaction.
-- a `compaction_trigger`: a Response whose `output` is the compaction item alone, stored
-  as that request's turn when it asked for `store`; asked as a stream, it is written as
+- a `compaction_trigger`: a Response whose `output` is the compaction item alone
+  (`completed` even when the summary reached its bound), stored as that request's turn
+  when it asked for `store`; asked as a stream, it is written as
   the events of a Response with that one output item (`trigger_events`).
 """
 
@@ -81,6 +82,10 @@ def settle(compaction: Compaction, response: bytes, request_id: str) -> bytes | 
         return msgspec.json.encode(compacted)
     fields["output"] = [item]
     fields.pop("output_text", None)
+    if fields.get("status") == "incomplete":  # a summary cut at its bound is still one
+        fields["status"] = "completed"
+        fields["incomplete_details"] = None
+        fields["completed_at"] = fields.get("completed_at") or fields.get("created_at")
     return msgspec.json.encode(fields)
 
 

@@ -238,6 +238,8 @@ async def test_a_trigger_on_the_sim_answers_a_conformant_response_and_stream(
     check_response(response)
     assert [item["type"] for item in response["output"]] == ["compaction"]
     assert unseal(response["output"][0]["encrypted_content"])
+    # completed even when the summary reached its bound: the compaction is whole
+    assert response["status"] == "completed" and response["incomplete_details"] is None
     assert streamed.status_code == 200, streamed.text
     assert streamed.headers["content-type"].startswith("text/event-stream")
     events = [
