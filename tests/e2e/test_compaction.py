@@ -251,3 +251,17 @@ async def test_a_trigger_on_the_sim_answers_a_conformant_response_and_stream(
         check_responses_event(event)
     assert [event["sequence_number"] for event in events] == list(range(len(events)))
     assert events[-1]["response"]["output"][0]["type"] == "compaction"
+
+
+async def test_a_summary_turn_that_writes_nothing_is_the_runtimes_failure(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    fake, stack = await _native(nursery, tmp_path)
+    fake.chunks = 0  # the runtime answers with no text at all
+    async with stack.client() as client:
+        with pytest.raises(openai.APIStatusError) as failed:
+            await client.responses.compact(model="m", input="Summarise this.")
+    assert failed.value.status_code == 502
+    async with stack.client() as client:
+        with pytest.raises(openai.NotFoundError):  # nothing was stored under its id
+            await client.responses.retrieve(f"resp_{failed.value.response.headers['x-request-id']}")
