@@ -1,10 +1,11 @@
 """The caller-facing HTTP API (OpenAI's, and Anthropic's Messages), served by Hypercorn.
 
 `OpenAIApp` is the ASGI app: the run endpoints (`runs.RUN_PATHS`: chat completions,
-completions, embeddings, Messages, count_tokens, Responses) are plain ASGI in `runs`,
-because they carry the traffic and a web framework's per-request cost would outweigh the
-Edge's own work per run (see there). Everything else (`/v1/models`, stored responses,
-`/`, `/healthz`, 404/405/413 pages and the ASGI lifespan) is a small Quart-Trio app.
+completions, embeddings, Messages, count_tokens, Responses and its compaction) are plain
+ASGI in `runs`, because they carry the traffic and a web framework's per-request cost
+would outweigh the Edge's own work per run (see there). Everything else (`/v1/models`,
+stored responses, `/`, `/healthz`, 404/405/413 pages and the ASGI lifespan) is a small
+Quart-Trio app.
 Every response carries `x-request-id` and `Server-Timing`. Every error has OpenAI's error
 shape, except for Anthropic's clients (a request with `anthropic-version`, or on a
 `/v1/messages` path), which get Anthropic's (`caller_protocol.protocol_of_request`).
@@ -185,19 +186,6 @@ def _create_quart_app(
             body = body.encode()
         count = await responses.input_tokens(body, snapshot(), principal_ref)
         return _json_response(_encode_json(_InputTokens(input_tokens=count)))
-
-    @app.post("/v1/responses/compact")
-    async def responses_compact() -> Response:
-        """Responses compaction (`responses.compact`): not served yet. Said plainly, in
-        OpenAI's error shape, rather than a 405 that takes `compact` for a response id."""
-        check_caller()
-        raise ApiError(
-            501,
-            "Responses compaction (/v1/responses/compact) is not supported by this gateway "
-            "yet: compact the conversation on the client (a summary turn), or start a new one",
-            type="invalid_request_error",
-            code="compaction_not_supported",
-        )
 
     @app.get("/v1/responses/<response_id>")
     async def get_response(response_id: str) -> Response:

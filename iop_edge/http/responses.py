@@ -38,6 +38,7 @@ from typing import Any, Final
 
 import msgspec
 
+from iop_edge.core.compaction import CompactionUnreadable, ends_with_trigger, expand
 from iop_edge.core.protocol_requests import (
     ResponsesRequest,
     estimate_responses_tokens,
@@ -56,6 +57,7 @@ from iop_edge.http.caller_protocol import (
     catalog_model,
     check_max_tokens,
 )
+from iop_edge.http.compaction import Compaction, prepare
 from iop_edge.http.errors import ApiError, invalid_request
 from iop_edge.runtime.metering.response_store import ResponseStore, StoreUnavailable, Unstored
 from iop_edge.runtime.runs.dispatch import RunPlan
@@ -83,6 +85,10 @@ class ToStore:
     """The ids of the conversation it continues (renewed when it is stored)."""
     request_id: str = ""
     """The caller's request id, for the log line of a response not stored."""
+    compaction: Compaction | None = None
+    """The run is a summary turn (`http.compaction`): what its response becomes."""
+    store: bool = True
+    """Store the response (a compaction's turn may be unstored: `store: false`)."""
 
 
 def store_unavailable(exc: StoreUnavailable) -> ApiError:
@@ -111,10 +117,11 @@ class ResponsesSurface:
         self.store = store
 
     async def plan(
-        self, body: dict[str, Any], snapshot: Snapshot, caller: Caller
+        self, body: dict[str, Any], snapshot: Snapshot, caller: Caller, *, compact: bool = False
     ) -> tuple[RunPlan, ToStore | None]:
         """The plan of a Responses request, and what to store of it (None: `store:
-        false`); raises `ApiError`."""
+        false`); `compact`: a `/v1/responses/compact` request (`http.compaction`).
+        Raises `ApiError`."""
         try:
             view = msgspec.convert(body, ResponsesRequest)
         except msgspec.ValidationError as exc:
@@ -123,10 +130,8 @@ class ResponsesSurface:
         apply_defaults(model, body, DEFAULT_KEYS)
         check_max_tokens(model, "max_output_tokens", body.get("max_output_tokens"))
         principal = caller.principal
-        # The request's own items are needed to continue a conversation or to store one.
-        own_items = (
-            input_items(body.get("input", [])) if view.store or view.previous_response_id else []
-        )
+        own_items = input_items(body.get("input", []))
+        trigger = not compact and ends_with_trigger(own_items)
         earlier: list[msgspec.Raw] = []
         continues: tuple[str, ...] = ()
         previous_id = view.previous_response_id
@@ -151,12 +156,25 @@ class ResponsesSurface:
             continue_body(body, earlier + own_items)
         elif view.store:
             body["store"] = False
+        conversation_items = input_items(body.get("input", []))
+        try:
+            expanded = expand(conversation_items)
+        except CompactionUnreadable as exc:
+            raise ApiError(400, str(exc), code="invalid_compaction", param="input") from None
+        if expanded is not conversation_items:
+            body["input"] = expanded
+        compaction = None
+        if compact or trigger:
+            compaction = Compaction(
+                endpoint=compact, conversation=expanded, stream=trigger and view.stream
+            )
+            prepare(body, expanded, model)
         plan = caller.plan(
             snapshot,
             model_id=view.model,
             operation="responses",
             body=body,
-            stream=view.stream,
+            stream=view.stream and compaction is None,
             prompt_tokens=estimate_responses_tokens(view, earlier),
             caller_wants_usage=True,  # usage is part of every Responses reply and stream
             protocol="responses",
@@ -165,6 +183,16 @@ class ResponsesSurface:
             chained=previous_id is not None,
             previous_response_id=previous_id or "",
         )
+        if compaction is not None:
+            return plan, ToStore(
+                principal_ref=principal.principal_ref,
+                input_items=[] if compact else own_items[:-1],
+                previous_id=None if compact else previous_id,
+                continues=() if compact else continues,
+                request_id=plan.request_id or plan.run_id,
+                compaction=compaction,
+                store=compact or view.store,
+            )
         if not view.store:
             return plan, None
         return plan, ToStore(

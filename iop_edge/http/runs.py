@@ -60,6 +60,7 @@ from iop_edge.http.caller_protocol import (
     stream_error,
 )
 from iop_edge.http.chat import plan_chat
+from iop_edge.http.compaction import COMPACT_PATH, settle, trigger_events
 from iop_edge.http.connection import ChunkedBodyWriter, current_connection
 from iop_edge.http.errors import (
     ApiError,
@@ -104,6 +105,7 @@ RUN_PATHS: Final[dict[str, wire.Operation]] = {
     "/v1/messages": "messages",
     "/v1/messages/count_tokens": "count_tokens",
     "/v1/responses": "responses",
+    COMPACT_PATH: "responses",
 }
 #: How long a caller may take to send its request body (Quart's default, kept).
 BODY_TIMEOUT_S: Final = 60.0
@@ -162,6 +164,7 @@ class _Request:
         "api_key",
         "authorization",
         "content_length",
+        "path",
         "request_id",
         "sessions",
         "traceparent",
@@ -169,6 +172,7 @@ class _Request:
     )
 
     def __init__(self, scope: HTTPScope) -> None:
+        self.path = scope["path"]
         self.authorization = ""
         self.api_key = ""
         self.content_length: int | None = None
@@ -416,7 +420,8 @@ class RunEndpoints:
         )
         match operation:
             case "responses":
-                return await self._responses.plan(body, snapshot, caller)
+                compact = request.path == COMPACT_PATH
+                return await self._responses.plan(body, snapshot, caller, compact=compact)
             case "messages" | "count_tokens":
                 return plan_messages(operation, body, snapshot, caller), None
             case _:
@@ -543,13 +548,31 @@ class RunEndpoints:
             error = run_failure_error(failure, run.provider_id, request_id=_request_id(run))
             await self._refuse(run, error, reply, timing)
             return
+        compaction = None if to_store is None else to_store.compaction
+        if compaction is not None:  # a summary turn: the compaction it makes
+            settled = settle(compaction, payload, _request_id(run))
+            if settled is None:
+                failure = run.reject_payload(wire.FailureCode.BAD_RESPONSE, "no summary text")
+                error = run_failure_error(failure, run.provider_id, request_id=_request_id(run))
+                await self._refuse(run, error, reply, timing)
+                return
+            payload = settled
+            log.info(
+                "request %s: compacted the conversation with the model (%s)",
+                _request_id(run),
+                "/v1/responses/compact" if compaction.endpoint else "compaction_trigger",
+            )
         run.end(Outcome(200))
         extra: list[tuple[bytes, bytes]] = []
-        if to_store is not None:
+        if to_store is not None and to_store.store:
             unstored = await self._responses.keep(to_store, payload)
             if unstored is not None:
                 payload = unstored_body(payload)
             extra.append((_STORED_HEADER, b"false" if unstored else b"true"))
+        if compaction is not None and compaction.stream:
+            await reply.start_stream(timing)
+            await reply.finish(trigger_events(payload))
+            return
         await reply.json(payload, timing, extra=extra)
 
     async def _relay_stream(

@@ -247,6 +247,7 @@ class ResponsesNative(_Native):
         own_id = self._id
         if own_id is not None and response.get("id", own_id) != own_id:
             response["id"] = own_id
+            changed = True
         if self._previous is not None and response.get("previous_response_id") != self._previous:
             response["previous_response_id"] = self._previous
             changed = True

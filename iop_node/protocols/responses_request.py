@@ -23,7 +23,9 @@ Rules:
    just the allowed tools, with its mode as the choice).
 5. Anything that needs OpenAI's service or its models is refused with the field named:
    server-side tools and their call items, `item_reference` and `conversation` (state
-   the Edge did not expand), reusable `prompt`s, `background` runs, files by id.
+   the Edge did not expand), a `compaction` item another service sealed (the Edge has
+   made IOP's own readable, `iop_edge.core.compaction`), reusable `prompt`s,
+   `background` runs, files by id.
 6. Settings with no chat meaning are dropped: `store`, `include`, `metadata`, `user`,
    `prompt_cache_key`, `client_metadata`, `safety_identifier`, `service_tier`,
    `truncation`, `text.verbosity`, `reasoning.summary`, `top_logprobs`,
@@ -73,7 +75,10 @@ UNSUPPORTED: Final[dict[str, str]] = {
     **{f"{name}_call_output": why for name, why in UNSUPPORTED_TOOLS.items()},
     "shell_call_output": UNSUPPORTED_TOOLS["shell"],
     "item_reference": _STATE,
-    "compaction": _STATE,
+    "compaction": (
+        "it is a compaction another service made, sealed for that service's models; "
+        "IOP reads the compactions it made itself (POST /v1/responses/compact)"
+    ),
     "mcp_list_tools": UNSUPPORTED_TOOLS["mcp"],
     "mcp_approval_request": UNSUPPORTED_TOOLS["mcp"],
     "mcp_approval_response": UNSUPPORTED_TOOLS["mcp"],

@@ -28,6 +28,8 @@ PLACEHOLDERS: Final = (URL_PLACEHOLDER, TOKEN_PLACEHOLDER, MODEL_PLACEHOLDER)
 CLAUDE_ENV: Final = "claude-code-env"
 CODEX_CONFIG: Final = "codex-config"
 CODEX_ENV: Final = "codex-env"
+#: The lines that make Codex ask IOP to compact (`test_codex_compaction.py`).
+CODEX_COMPACTION: Final = "codex-compaction"
 #: The command lines the page runs against `iop-edge demo`.
 DEMO_CLAUDE: Final = "demo-claude"
 DEMO_CODEX: Final = "demo-codex"

@@ -14,6 +14,7 @@ import pytest
 
 from tests.agents.settings import (
     CLAUDE_ENV,
+    CODEX_COMPACTION,
     CODEX_CONFIG,
     CODEX_ENV,
     DEMO_CLAUDE,
@@ -36,7 +37,8 @@ TARGET = Target(url="http://127.0.0.1:9", token="sk-test", model="m-test")
 
 def test_the_page_has_each_tested_snippet_once_and_nothing_else_marked() -> None:
     names = [found.name for found in snippets(PAGE)]
-    assert sorted(names) == sorted([CLAUDE_ENV, CODEX_CONFIG, CODEX_ENV, DEMO_CLAUDE, DEMO_CODEX])
+    expected = [CLAUDE_ENV, CODEX_CONFIG, CODEX_COMPACTION, CODEX_ENV, DEMO_CLAUDE, DEMO_CODEX]
+    assert sorted(names) == sorted(expected)
     assert (snippet(CLAUDE_ENV).lang, snippet(CODEX_CONFIG).lang) == ("sh", "toml")
     text = PAGE.read_text()
     for placeholder in PLACEHOLDERS:

@@ -263,12 +263,3 @@ async def test_input_tokens_counts_a_request_and_the_conversation_it_continues(
                 model="codex-local", input="x", previous_response_id="resp_missing"
             )
         assert gone.value.code == "previous_response_not_found"
-
-
-async def test_compact_says_it_is_not_supported(stack: Stack) -> None:
-    async with stack.http() as http:
-        reply = await http.post(
-            "/v1/responses/compact", json={"model": "codex-local", "input": "hi"}
-        )
-    assert reply.status_code == 501
-    assert reply.json()["error"]["code"] == "compaction_not_supported"
