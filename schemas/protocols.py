@@ -73,9 +73,23 @@ class _AnthropicErrorDetail(msgspec.Struct, frozen=True, kw_only=True):
 
 class _AnthropicError(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="error"):
     error: _AnthropicErrorDetail
+    request_id: str | None
 
 
 _encode = msgspec.json.Encoder().encode
+
+
+#: IOP failure codes that are a load signal: OpenAI's `rate_limit_exceeded` in a failed
+#: Response (the SDKs know a fixed set of codes there; every other failure is theirs
+#: `server_error`).
+_LOAD_SIGNALS: Final = frozenset({"busy", "upstream_busy"})
+
+
+def response_error(code: str | None, message: str) -> tuple[str, str]:
+    """A failed Response's `error` (`code`, `message`) for an IOP failure: OpenAI's code
+    for it, and IOP's own code leading the message."""
+    kind = "rate_limit_exceeded" if code in _LOAD_SIGNALS else "server_error"
+    return kind, message if code is None else f"{code}: {message}"
 
 
 def anthropic_error_type(status: int) -> str:
@@ -93,16 +107,19 @@ def error_body(
     type: str = "invalid_request_error",
     code: str | None = None,
     param: str | None = None,
+    request_id: str | None = None,
 ) -> bytes:
     """An error body in the caller's protocol: OpenAI's `{"error": {message, type, param,
     code}}` for chat and Responses, Anthropic's `{"type": "error", "error": {type,
-    message}}` for Messages (whose `type` follows the status, as Anthropic's API does;
-    IOP's machine-readable `code` is kept at the front of the message there, since the
-    Anthropic shape has no field for it)."""
+    message}, "request_id": ...}` for Messages (whose `type` follows the status, as
+    Anthropic's API does; IOP's machine-readable `code` is kept at the front of the
+    message there, since the Anthropic shape has no field for it). `request_id` is the
+    caller's request (its `x-request-id`), which Anthropic's shape always carries (`null`
+    where none is known)."""
     if protocol == "messages":
         text = message if code is None else f"{code}: {message}"
         detail = _AnthropicErrorDetail(type=anthropic_error_type(status), message=text)
-        return _encode(_AnthropicError(error=detail))
+        return _encode(_AnthropicError(error=detail, request_id=request_id or None))
     return _encode(
         _OpenAIError(error=_OpenAIErrorDetail(message=message, type=type, param=param, code=code))
     )

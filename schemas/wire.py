@@ -202,6 +202,10 @@ class Run(Message, tag="run", frozen=True, kw_only=True):
     spans continue it, and the upstream request carries it on."""
     tracestate: str = ""
     """The W3C `tracestate` that goes with `traceparent`."""
+    previous_response_id: str = ""
+    """The stored Responses conversation this run continues, as its caller named it
+    ("" = none). The Edge sends the conversation itself in the body, without the id (the
+    runtime keeps nothing), so the Node writes it back into the response's echo."""
     hold_tail: bool = False
     """The Edge writes `run_done.tail` (see there): the Node holds a Messages or Responses
     stream's last events back for it. An Edge that does not say so gets them as chunks,

@@ -32,7 +32,8 @@ from iop_edge.runtime.runs.dispatch import RunPlan
 from schemas import wire
 from schemas.config import ModelEntry, PrincipalToken
 from schemas.hosted_tools import HostedTools
-from schemas.protocols import CallerProtocol
+from schemas.protocols import CallerProtocol, response_error
+from schemas.responses_echo import echo_members
 
 __all__ = [
     "PROTOCOL_OF",
@@ -97,6 +98,7 @@ class Caller:
         keep_output: bool = False,
         hosted_tools: HostedTools = "drop",
         chained: bool = False,
+        previous_response_id: str = "",
     ) -> RunPlan:
         """The plan of this caller's request: its ids and principal go with the run, it
         is a long run when its prompt estimate reaches the snapshot's threshold, and it
@@ -133,6 +135,7 @@ class Caller:
             keep_output=keep_output,
             hosted_tools=hosted_tools,
             affinity=affinity,
+            previous_response_id=previous_response_id,
         )
 
 
@@ -177,13 +180,20 @@ def protocol_of_request(path: str, *, anthropic_version: bool) -> CallerProtocol
 
 
 class _FailedResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """A failed Response's own members; the echo of its request follows them
+    (`schemas.responses_echo`), so it has every member the schema requires."""
+
     id: str
     object: str = "response"
     created_at: int
+    completed_at: None = None
     status: str = "failed"
+    background: bool = False
+    error: _ResponseError
+    incomplete_details: None = None
     model: str
     output: list[Any] = []
-    error: _ResponseError
+    usage: None = None
 
 
 class _ResponseError(msgspec.Struct, frozen=True, kw_only=True):
@@ -194,31 +204,45 @@ class _ResponseError(msgspec.Struct, frozen=True, kw_only=True):
 class _ResponseFailed(msgspec.Struct, frozen=True, kw_only=True):
     type: str = "response.failed"
     sequence_number: int
-    response: _FailedResponse
+    response: msgspec.Raw
 
 
 _encode: Final = msgspec.json.Encoder().encode
 
 
 def stream_error(
-    protocol: CallerProtocol, error: ApiError, *, model: str, response_id: str, sequence: int
+    protocol: CallerProtocol,
+    error: ApiError,
+    *,
+    plan: RunPlan,
+    response_id: str,
+    sequence: int,
+    request_id: str | None = None,
 ) -> bytes:
-    """`error` as the event that ends a stream in `protocol`.
+    """`error` as the event that ends a stream of `plan`'s in `protocol`.
 
     For Responses, `sequence` is the event's `sequence_number` (the events the stream
     carried so far: they count from 0) and `response_id` the id the failed response
-    goes by (the Edge does not read the Node's events, so it cannot know theirs)."""
+    goes by (the Edge does not read the Node's events, so it cannot know theirs); the
+    response echoes the request as the Node's do. For Messages, `request_id` is the
+    caller's request, which the error event names."""
     if protocol == "messages":
-        return b"event: error\ndata: " + error.body(protocol) + b"\n\n"
+        return b"event: error\ndata: " + error.body(protocol, request_id) + b"\n\n"
     if protocol == "responses":
+        kind, text = response_error(error.code, error.message)
+        own = _FailedResponse(
+            id=response_id,
+            created_at=int(time.time()),
+            model=plan.model_id,
+            error=_ResponseError(code=kind, message=text),
+        )
+        echo = echo_members(
+            _encode(plan.body),
+            stored=plan.keep_output,
+            previous_response_id=plan.previous_response_id or None,
+        )
         failed = _ResponseFailed(
-            sequence_number=sequence,
-            response=_FailedResponse(
-                id=response_id,
-                created_at=int(time.time()),
-                model=model,
-                error=_ResponseError(code=error.code or "server_error", message=error.message),
-            ),
+            sequence_number=sequence, response=msgspec.Raw(_encode(own)[:-1] + echo)
         )
         return b"event: response.failed\ndata: " + _encode(failed) + b"\n\n"
     return b"data: " + error.body(protocol) + b"\n\n"

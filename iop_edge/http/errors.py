@@ -61,10 +61,17 @@ class ApiError(Exception):
         """For a request over a principal's limit: where it stands (the reply writes them
         as the caller's protocol's rate-limit headers)."""
 
-    def body(self, protocol: CallerProtocol = "chat") -> bytes:
-        """The error body in `protocol`'s shape."""
+    def body(self, protocol: CallerProtocol = "chat", request_id: str | None = None) -> bytes:
+        """The error body in `protocol`'s shape; `request_id`: the caller's request, which
+        an Anthropic error body names."""
         return error_body(
-            protocol, self.status, self.message, type=self.type, code=self.code, param=self.param
+            protocol,
+            self.status,
+            self.message,
+            type=self.type,
+            code=self.code,
+            param=self.param,
+            request_id=request_id,
         )
 
     def headers(self) -> dict[str, str]:

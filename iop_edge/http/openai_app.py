@@ -46,6 +46,13 @@ _STARTED_KEY = "iop.started"
 _ANTHROPIC_VERSION = "anthropic-version"
 
 
+class _InputTokens(msgspec.Struct, frozen=True, kw_only=True):
+    """`POST /v1/responses/input_tokens`' answer."""
+
+    object: str = "response.input_tokens"
+    input_tokens: int
+
+
 class _Deleted(msgspec.Struct, frozen=True, kw_only=True):
     """`DELETE /v1/responses/{id}`'s answer."""
 
@@ -168,6 +175,30 @@ def _create_quart_app(
             return _json_response(_encode_json(card))
         return _json_response(_encode_json(model_card(model_id)))
 
+    @app.post("/v1/responses/input_tokens")
+    async def responses_input_tokens() -> Response:
+        """The input tokens a Responses request would take (OpenAI's
+        `responses.input_tokens.count`), by the Edge's estimate (`ResponsesSurface`)."""
+        principal_ref = check_caller()
+        body = await request.get_data(cache=False, as_text=False)
+        if isinstance(body, str):  # not with as_text=False; the stubs cannot say so
+            body = body.encode()
+        count = await responses.input_tokens(body, snapshot(), principal_ref)
+        return _json_response(_encode_json(_InputTokens(input_tokens=count)))
+
+    @app.post("/v1/responses/compact")
+    async def responses_compact() -> Response:
+        """Responses compaction (`responses.compact`): not served yet. Said plainly, in
+        OpenAI's error shape, rather than a 405 that takes `compact` for a response id."""
+        check_caller()
+        raise ApiError(
+            501,
+            "Responses compaction (/v1/responses/compact) is not supported by this gateway "
+            "yet: compact the conversation on the client (a summary turn), or start a new one",
+            type="invalid_request_error",
+            code="compaction_not_supported",
+        )
+
     @app.get("/v1/responses/<response_id>")
     async def get_response(response_id: str) -> Response:
         """A stored response (design §14): the caller's own only."""
@@ -209,7 +240,8 @@ def _create_quart_app(
         protocol = protocol_of_request(
             request.path, anthropic_version=_ANTHROPIC_VERSION in request.headers
         )
-        return _json_response(error.body(protocol), error.status, headers)
+        body = error.body(protocol, headers["x-request-id"])
+        return _json_response(body, error.status, headers)
 
     @app.errorhandler(HTTPException)
     async def on_http_error(error: HTTPException) -> Response:

@@ -9,7 +9,8 @@ chat completions. Same catalog, aliases, limits and long-context admission as ch
 - `generation.defaults` apply where the protocol has the same setting (`DEFAULT_KEYS`;
   chat's `max_tokens` is Responses' `max_output_tokens`).
 - `previous_response_id`: the stored conversation is loaded (the principal's own only)
-  and sent whole, without the id (`core.response_chain`); an unknown, expired or other
+  and sent whole, without the id (`core.response_chain`); the id goes beside the body
+  (`run.previous_response_id`), for the response to echo. An unknown, expired or other
   principal's id is 404 `previous_response_not_found`. The estimate counts the whole
   conversation, which the model reads.
 - `store` (true unless the caller says false): the run keeps its final response
@@ -162,6 +163,7 @@ class ResponsesSurface:
             keep_output=view.store,
             hosted_tools=model.generation.hosted_tools,
             chained=previous_id is not None,
+            previous_response_id=previous_id or "",
         )
         if not view.store:
             return plan, None
@@ -184,6 +186,41 @@ class ResponsesSurface:
             continues=to_store.continues,
             request_id=to_store.request_id,
         )
+
+    async def input_tokens(self, body: bytes, snapshot: Snapshot, principal_ref: str) -> int:
+        """`POST /v1/responses/input_tokens`: the input tokens of a Responses request, by
+        the estimate admission uses (`estimate_responses_tokens`), the stored
+        conversation it continues included (the principal's own only); raises `ApiError`.
+        No runtime is asked: none behind IOP counts a Responses request but llama.cpp's
+        server, and the Edge's estimate is what the request is admitted and queued by."""
+        try:
+            view = msgspec.json.decode(body, type=ResponsesRequest)
+        except msgspec.ValidationError as exc:
+            raise invalid_request(exc) from None
+        except msgspec.DecodeError as exc:
+            raise ApiError(400, f"The body is not valid JSON: {exc}", code="invalid_json") from None
+        if view.model not in snapshot.models or not snapshot.policies.allows(
+            principal_ref, view.model
+        ):
+            raise ApiError(
+                404,
+                f"The model '{view.model}' does not exist",
+                type="not_found_error",
+                code="model_not_found",
+                param="model",
+            )
+        earlier: list[msgspec.Raw] = []
+        if view.previous_response_id is not None:
+            try:
+                chain = await self.store.conversation(principal_ref, view.previous_response_id)
+            except ChainBroken as exc:
+                raise ApiError(
+                    404, str(exc), code="previous_response_not_found", param="previous_response_id"
+                ) from None
+            except StoreUnavailable as exc:
+                raise store_unavailable(exc) from None
+            earlier = conversation(chain, ())
+        return estimate_responses_tokens(view, earlier)
 
     async def read(self, principal_ref: str, response_id: str) -> bytes:
         """`GET /v1/responses/{id}`: the stored response object; raises `ApiError`."""

@@ -270,7 +270,7 @@ class _Reply:
         if error.rate_limits is not None:  # refused for a limit: where it stands now
             self.rate_limits = error.rate_limits
         extra = [(name.lower().encode(), value.encode()) for name, value in error.headers().items()]
-        await self.json(error.body(self.protocol), timing, error.status, extra)
+        await self.json(error.body(self.protocol, self.request_id), timing, error.status, extra)
 
     async def start_stream(self, timing: _Timing) -> None:
         await self._start(200, self._headers(timing, list(_SSE_HEADERS)))
@@ -611,9 +611,10 @@ class RunEndpoints:
                     stream_error(
                         protocol,
                         error,
-                        model=plan.model_id,
+                        plan=plan,
                         response_id=f"resp_{plan.run_id}",
                         sequence=run.chunks,
+                        request_id=reply.request_id,
                     )
                 )
             pending.append(STREAM_END[protocol])

@@ -36,7 +36,12 @@ The Edge's HTTP ports take no websockets. A websocket upgrade there is almost al
 Node given the wrong port (the caller port is one digit away from the node listener in
 most configs): it is refused with a 400 whose body says which port this is and where
 Nodes connect (`websocket_refusal`), in one log line; a Node's websocket library reports
-that body.
+that body. The one exception is a caller asking for the Responses API's WebSocket mode
+(an upgrade on `/v1/responses` of the caller port, `caller_port`): the app serves it
+(`http.responses_socket`; Hypercorn's own WebSocket support, under the same connection
+handler). A draining server refuses it (503 `shutting_down`: the client reconnects to the
+successor); an open one is not a request in progress (`wait_quiet` does not wait for it)
+and is closed with the others at the end of the graceful timeout.
 """
 
 from __future__ import annotations
@@ -88,6 +93,8 @@ DRAINING_REFUSAL = ApiError(
 )
 #: The error code of a websocket upgrade refused on an HTTP port.
 WRONG_PORT_CODE = "not_a_node_port"
+#: The paths a Responses WebSocket mode client upgrades on (`http.responses_socket`).
+_RESPONSES_PATHS = frozenset({"/v1/responses", "/v1/responses/", "/responses"})
 
 
 class HttpServer:
@@ -106,13 +113,16 @@ class HttpServer:
         send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
         websocket_refusal: str = "this HTTP port takes no websocket connections",
         role: str = "openai",
+        caller_port: bool = False,
     ) -> None:
         """`websocket_refusal` is what a websocket upgrade here is told: which port this
-        is, and where Nodes connect. `role` names the port to a successor that takes
-        its connections over (`handoff`)."""
+        is, and where Nodes connect; on the `caller_port`, an upgrade on `/v1/responses`
+        is told the Responses WebSocket mode is not supported instead. `role` names the
+        port to a successor that takes its connections over (`handoff`)."""
         self.role = role
         self._config = config
         self._websocket_refusal = ApiError(400, websocket_refusal, code=WRONG_PORT_CODE).body()
+        self._caller_port = caller_port
         self._send_timeout_s = send_timeout_s
         """A caller that takes no bytes of a response for this long is disconnected."""
         self._socket = sock
@@ -253,7 +263,10 @@ class HttpServer:
         connection after its response (step 1); write chunked bodies directly
         (`ChunkedBodyWriter`); refuse websockets (module docstring)."""
         if scope["type"] == "websocket":
-            await self._refuse_websocket(scope, send)
+            if self._caller_port and scope["path"] in _RESPONSES_PATHS and not self._draining:
+                await self._inner(scope, receive, send)  # `http.responses_socket`
+            else:
+                await self._refuse_websocket(scope, send)
             return
         if scope["type"] != "http":
             await self._inner(scope, receive, send)
@@ -318,13 +331,17 @@ class HttpServer:
         websocket denial response, which Hypercorn offers), and log one line."""
         client = scope["client"]
         peer = f"{client[0]}:{client[1]}" if client else "a client"
-        log.warning(
-            "refused a websocket upgrade from %s on %s (%s): is a Node pointed at this port?",
-            peer,
-            self.url,
-            scope["path"],
-        )
-        body = self._websocket_refusal
+        if self._caller_port and scope["path"] in _RESPONSES_PATHS:  # a draining server
+            log.info("refused a Responses WebSocket upgrade from %s: shutting down", peer)
+            body = DRAINING_REFUSAL.body("responses")
+        else:
+            log.warning(
+                "refused a websocket upgrade from %s on %s (%s): is a Node pointed at this port?",
+                peer,
+                self.url,
+                scope["path"],
+            )
+            body = self._websocket_refusal
         start: WebsocketResponseStartEvent = {
             "type": "websocket.http.response.start",
             "status": 400,

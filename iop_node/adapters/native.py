@@ -135,6 +135,7 @@ class NativeReply:
                 run.reply_model,
                 stored=self._keep,
                 response_id=f"resp_{run.request_id or run.run_id}",
+                previous_response_id=run.previous_response_id,
             )
         )
         self._ends = _ENDS[protocol]

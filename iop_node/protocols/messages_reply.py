@@ -18,6 +18,12 @@ Rules:
    prompt minus cached. Nothing is written to a runtime's cache on request, so
    `cache_creation_input_tokens` is 0. A runtime that reports no usage gets the caller's
    fallback (`usage=`: the Node's estimate), never zeros it did not count.
+5. Every member Anthropic's SDKs declare always present is there, `null` when it has no
+   value: the message's `container` and `stop_details`; usage's `cache_creation` (zero
+   per TTL), `inference_geo`, `output_tokens_details` (`thinking_tokens` when the
+   runtime counted reasoning tokens), `server_tool_use` (no server tool ran) and
+   `service_tier` (`standard`); a text block's `citations`; a tool use's `caller`
+   (`direct`: the model called it).
 """
 
 from __future__ import annotations
@@ -38,7 +44,10 @@ from iop_node.protocols.chat_view import (
 from iop_node.protocols.errors import ReplyTranslationError
 
 __all__ = [
+    "DIRECT",
     "AnthropicUsage",
+    "DeltaUsage",
+    "DirectCaller",
     "Message",
     "TextBlock",
     "ThinkingBlock",
@@ -49,11 +58,27 @@ __all__ = [
 ]
 
 
+class _CacheCreation(msgspec.Struct, frozen=True, kw_only=True):
+    ephemeral_1h_input_tokens: int = 0
+    ephemeral_5m_input_tokens: int = 0
+
+
+class OutputTokensDetails(msgspec.Struct, frozen=True):
+    thinking_tokens: int
+
+
 class AnthropicUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """A message's usage (Rules 4 and 5)."""
+
     input_tokens: int
-    output_tokens: int
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+    cache_creation: _CacheCreation = _CacheCreation()
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails | None = None
+    server_tool_use: None = None
+    service_tier: str = "standard"
+    inference_geo: None = None
 
     @classmethod
     def of(cls, usage: TokenUsage) -> AnthropicUsage:
@@ -62,11 +87,40 @@ class AnthropicUsage(msgspec.Struct, frozen=True, kw_only=True):
             input_tokens=usage.prompt_tokens - usage.cached_tokens,
             output_tokens=usage.completion_tokens,
             cache_read_input_tokens=usage.cached_tokens,
+            output_tokens_details=thinking_details(usage),
         )
+
+
+class DeltaUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """A stream's `message_delta` usage: the counts so far, the input ones included (they
+    replace the `message_start` estimate in the SDKs' accumulated message)."""
+
+    input_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails | None = None
+    server_tool_use: None = None
+
+    @classmethod
+    def of(cls, usage: TokenUsage) -> DeltaUsage:
+        """Rule 4."""
+        return cls(
+            input_tokens=usage.prompt_tokens - usage.cached_tokens,
+            output_tokens=usage.completion_tokens,
+            cache_read_input_tokens=usage.cached_tokens,
+            output_tokens_details=thinking_details(usage),
+        )
+
+
+def thinking_details(usage: TokenUsage) -> OutputTokensDetails | None:
+    """Rule 5: the reasoning tokens, when the runtime counted some."""
+    return OutputTokensDetails(usage.reasoning_tokens) if usage.reasoning_tokens else None
 
 
 class TextBlock(msgspec.Struct, frozen=True, tag_field="type", tag="text"):
     text: str
+    citations: None = None
 
 
 class ThinkingBlock(msgspec.Struct, frozen=True, tag_field="type", tag="thinking"):
@@ -75,10 +129,18 @@ class ThinkingBlock(msgspec.Struct, frozen=True, tag_field="type", tag="thinking
     """Anthropic signs its own models' thinking; a runtime's reasoning has no signature."""
 
 
+class DirectCaller(msgspec.Struct, frozen=True, tag_field="type", tag="direct"):
+    """Who called a tool (Rule 5): the model itself."""
+
+
+DIRECT: Final = DirectCaller()
+
+
 class ToolUseBlock(msgspec.Struct, frozen=True, tag_field="type", tag="tool_use"):
     id: str
     name: str
     input: msgspec.Raw
+    caller: DirectCaller = DIRECT
 
 
 Block = TextBlock | ThinkingBlock | ToolUseBlock
@@ -92,6 +154,8 @@ class Message(msgspec.Struct, kw_only=True):
     content: list[Block]
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None
+    stop_details: None = None
+    container: None = None
     usage: AnthropicUsage
 
 

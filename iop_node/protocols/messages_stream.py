@@ -28,9 +28,14 @@
 4. `finish` closes the open block, then `message_delta` (stop reason as
    `chat_view.stop_reason` maps it, usage) and `message_stop`. Usage is the runtime's
    own numbers when it reported them in a chunk; `finish(usage)` is the fallback (an
-   estimate) for a runtime that did not.
+   estimate) for a runtime that did not. `message_start` carries the prompt's tokens as
+   far as they are known before the runtime answers (`input_tokens`: the caller's
+   count or estimate), and `message_delta` the input counts again, the runtime's, which
+   the SDKs put in place of the first.
 5. Empty strings open nothing: a runtime's first chunk (`"role": "assistant",
    "content": ""`) does not make an empty text block.
+6. Events carry every member Anthropic's SDKs declare always present, as the whole
+   message does (`messages_reply` Rule 5).
 """
 
 from __future__ import annotations
@@ -44,7 +49,10 @@ from iop_node.protocols.chat_body import encode, sse_event
 from iop_node.protocols.chat_stream import ChatStreamTranslator, StreamedCall
 from iop_node.protocols.chat_view import TokenUsage, stop_reason
 from iop_node.protocols.messages_reply import (
+    DIRECT,
     AnthropicUsage,
+    DeltaUsage,
+    DirectCaller,
     Message,
     TextBlock,
     ThinkingBlock,
@@ -67,6 +75,7 @@ class _ToolUseStart(msgspec.Struct, tag_field="type", tag="tool_use"):
     id: str
     name: str
     input: dict[str, str]
+    caller: DirectCaller = DIRECT
 
 
 class _BlockStart(msgspec.Struct, tag_field="type", tag="content_block_start"):
@@ -98,11 +107,13 @@ class _BlockStop(msgspec.Struct, tag_field="type", tag="content_block_stop"):
 class _Stop(msgspec.Struct):
     stop_reason: str
     stop_sequence: str | None
+    stop_details: None = None
+    container: None = None
 
 
 class _MessageDelta(msgspec.Struct, tag_field="type", tag="message_delta"):
     delta: _Stop
-    usage: AnthropicUsage
+    usage: DeltaUsage
 
 
 _MESSAGE_STOP: Final = sse_event("message_stop", b'{"type":"message_stop"}')
@@ -160,7 +171,7 @@ class MessagesStream(ChatStreamTranslator[_Call]):
         counts = self._usage or usage or TokenUsage()
         delta = _MessageDelta(
             delta=_Stop(stop_reason=reason, stop_sequence=sequence),
-            usage=AnthropicUsage.of(counts),
+            usage=DeltaUsage.of(counts),
         )
         out.append(_event("message_delta", delta))
         out.append(_MESSAGE_STOP)
@@ -172,7 +183,10 @@ class MessagesStream(ChatStreamTranslator[_Call]):
         self._check_live()
         self._ended = True
         status = 529 if code in _OVERLOADED else 500
-        return sse_event("error", error_body("messages", status, message, code=code))
+        return sse_event(
+            "error",
+            error_body("messages", status, message, code=code, request_id=self._request_id),
+        )
 
     # --- blocks ---------------------------------------------------------------------------
 

@@ -5,19 +5,22 @@ its reply goes back as it came (design §14), with two exceptions the Node owes 
 caller (design §3): the `model` the caller sees is the alias it asked for, and the run's
 usage is read for metering. A Responses reply the Edge stores (`stored`) also says
 `store: true`, as its caller asked: the runtime was sent `store: false`, since the Edge
-is the store (design §14), and echoes that; and its `id` is IOP's own (`response_id`,
+is the store (design §14), and echoes that; its `id` is IOP's own (`response_id`,
 the `resp_<request id>` a translated reply has too), not the upstream's: the Edge stores
 it under that id, so an upstream that reuses ids (a restarted runtime counting from 1
-again) cannot make two stored responses collide. All of these live in a few events only, so
-these readers parse only those, and only their top level plus the one object below it
-that holds the model:
+again) cannot make two stored responses collide; and a reply continuing a stored
+conversation echoes the caller's `previous_response_id`, which the Edge took out of the
+body (it sends the conversation instead) and passed beside it. All of these live in a
+few events only, so these readers parse only those, and only their top level plus the
+one object below it that holds the model:
 
 - Messages: `message_start` (`message.model`, `message.usage` with the input counts)
   and `message_delta` (`usage`, cumulative: output counts, sometimes input counts);
   the non-stream body (`model`, `usage`).
 - Responses: the lifecycle events `response.created`, `.queued`, `.in_progress`,
   `.completed`, `.incomplete` and `.failed` (`response.model`, `response.store`,
-  `response.usage` on the last three); the non-stream body (`model`, `store`, `usage`).
+  `response.previous_response_id`, `response.usage` on the last three); the non-stream
+  body (`model`, `store`, `previous_response_id`, `usage`).
   A reply without `store` is left without it.
 
 Every other event (the bulk: text and argument deltas) is returned as it is, unread
@@ -211,21 +214,31 @@ _STORED: Final = msgspec.Raw(b"true")
 class ResponsesNative(_Native):
     """Reads one native OpenAI Responses reply (module docstring)."""
 
-    __slots__ = ("_id", "_stored", "final_response")
+    __slots__ = ("_id", "_previous", "_stored", "final_response")
 
-    def __init__(self, reply_model: str, *, stored: bool = False, response_id: str = "") -> None:
+    def __init__(
+        self,
+        reply_model: str,
+        *,
+        stored: bool = False,
+        response_id: str = "",
+        previous_response_id: str = "",
+    ) -> None:
         """`stored`: the Edge stores this run's response (`run.keep_output`), under
-        `response_id` (IOP's own; "" keeps the upstream's)."""
+        `response_id` (IOP's own; "" keeps the upstream's); `previous_response_id`: the
+        conversation it continues, which the Edge took out of the body
+        (`run.previous_response_id`), for the response to echo."""
         super().__init__(reply_model)
         self._stored = stored
         self._id = msgspec.Raw(encode(response_id)) if stored and response_id else None
+        self._previous = msgspec.Raw(encode(previous_response_id)) if previous_response_id else None
         self.final_response: bytes | None = None
         """The response object a stream ended with (its terminal event's `response`, with
         the alias), for the Edge to store when the caller asked for `store: true`."""
 
     def _shaped(self, response: dict[str, msgspec.Raw]) -> bool:
-        """Give a response object's members the caller's alias and `store`; whether any
-        changed."""
+        """Give a response object's members the caller's alias, `store` and
+        `previous_response_id`; whether any changed."""
         changed = self._with_alias(response)
         stored = response.get("store")
         if self._stored and stored is not None and stored != _STORED:
@@ -234,6 +247,9 @@ class ResponsesNative(_Native):
         own_id = self._id
         if own_id is not None and response.get("id", own_id) != own_id:
             response["id"] = own_id
+            changed = True
+        if self._previous is not None and response.get("previous_response_id") != self._previous:
+            response["previous_response_id"] = self._previous
             changed = True
         return changed
 

@@ -4,25 +4,27 @@ the Responses stream shares with it.
 Rules:
 
 1. The response is `resp_<request_id>`, its model the caller's alias. It echoes the
-   request's settings as OpenAI's service does (`instructions`, `tools`, `tool_choice`,
-   `previous_response_id`, `store`, ...), copied as the caller sent them, with the
-   service's defaults for those it left out. A response the Edge stores (`stored`:
-   `run.keep_output`) says `store: true`, as its caller asked: the body the Node got says
-   `store: false`, since the Edge is the store and the runtime must keep nothing
-   (design §14).
-2. Output items come in the order a model produces them: `reasoning` (the runtime's
+   request's settings (`schemas.responses_echo`): as the caller sent them, with OpenAI's
+   defaults, `store: true` for a response the Edge stores (`stored`: `run.keep_output`;
+   the body the Node got says `store: false`, since the Edge is the store and the
+   runtime must keep nothing, design §14), and the `previous_response_id` the Edge took
+   out of the body and passed beside it (`run.previous_response_id`).
+2. Every member the Open Responses schema requires is present, `null` when it has no
+   value: `completed_at` is set once the response completed; the echo's own are
+   `responses_echo`'s.
+3. Output items come in the order a model produces them: `reasoning` (the runtime's
    `reasoning_content`, as `reasoning_text` content: it is the reasoning itself, not a
    summary), `message` (output text; a refusal as a `refusal` part), then one item per
    tool call. Item ids are `<kind>_<request_id>_<output index>`, so they are stable.
-3. A tool call becomes the item its tool's kind asks for (`responses_tools`): a
+4. A tool call becomes the item its tool's kind asks for (`responses_tools`): a
    `function_call` (arguments as the runtime wrote them, which must be a JSON object:
    anything else is a `ReplyTranslationError`, the runtime's fault; none is `{}`), with its
    `namespace` when it has one, or a `custom_tool_call` whose `input` is the string the
    runtime passed as the one argument. `call_id` keeps the runtime's id unless it has
    none or repeats one (`call_<request_id>_<n>`).
-4. `finish_reason` `length` makes the response `incomplete` (`max_output_tokens`), as
+5. `finish_reason` `length` makes the response `incomplete` (`max_output_tokens`), as
    does `content_filter` (`content_filter`); anything else is `completed`.
-5. Usage: `input_tokens` is the runtime's prompt tokens (cached ones included, as in
+6. Usage: `input_tokens` is the runtime's prompt tokens (cached ones included, as in
    chat), `input_tokens_details.cached_tokens` the cached ones, `output_tokens_details
    .reasoning_tokens` the reasoning ones. A runtime that reports no usage gets the
    caller's fallback (`usage=`: the Node's estimate), never zeros it did not count.
@@ -42,6 +44,8 @@ from iop_node.protocols.chat_view import TokenUsage, named_calls, read_response
 from iop_node.protocols.errors import ReplyTranslationError
 from iop_node.protocols.responses_request import ResponsesRequest, read_tool_map
 from iop_node.protocols.responses_tools import CallerTool, ToolMap
+from schemas.protocols import response_error
+from schemas.responses_echo import closing_members, echo_members
 
 __all__ = [
     "CustomCallItem",
@@ -88,7 +92,7 @@ class ResponsesUsage(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def of(cls, usage: TokenUsage) -> ResponsesUsage:
-        """Rule 5."""
+        """Rule 6."""
         return cls(
             input_tokens=usage.prompt_tokens,
             input_tokens_details=_Cached(cached_tokens=usage.cached_tokens),
@@ -158,74 +162,13 @@ class _Incomplete(msgspec.Struct, frozen=True):
     reason: str
 
 
-#: What a Response echoes of its request (Rule 1), in order, with OpenAI's defaults.
-_ECHO_DEFAULTS: Final[tuple[tuple[str, bytes], ...]] = (
-    ("instructions", b"null"),
-    ("max_output_tokens", b"null"),
-    ("max_tool_calls", b"null"),
-    ("metadata", b"{}"),
-    ("parallel_tool_calls", b"true"),
-    ("previous_response_id", b"null"),
-    ("prompt_cache_key", b"null"),
-    ("reasoning", b'{"effort":null,"summary":null}'),
-    ("safety_identifier", b"null"),
-    ("service_tier", b'"default"'),
-    ("store", b"true"),
-    ("temperature", b"1.0"),
-    ("text", b'{"format":{"type":"text"}}'),
-    ("tool_choice", b'"auto"'),
-    ("tools", b"[]"),
-    ("top_logprobs", b"0"),
-    ("top_p", b"1.0"),
-    ("truncation", b'"disabled"'),
-    ("user", b"null"),
-)
-
-#: The echoed fields of a request as the caller wrote them, each defaulting to OpenAI's
-#: default: decoded from the request (the other fields are skipped), it encodes as the
-#: echo.
-_Echo = msgspec.defstruct(
-    "_Echo",
-    [(name, msgspec.Raw, msgspec.Raw(default)) for name, default in _ECHO_DEFAULTS],
-    frozen=True,
-)
-_decode_echo: Final = msgspec.json.Decoder(_Echo).decode
-_DEFAULT_ECHO: Final = _Echo()
-
-
-_STORED: Final = msgspec.Raw(b"true")
-
-
-def echo_members(body: bytes, *, stored: bool = False) -> bytes:
-    """Rule 1's echo of a request body, encoded as the members that close a Response
-    object (`,"instructions":...,"user":null}`): each field as the caller sent it, else
-    OpenAI's default; `store: true` when the response is `stored`. A body that is not a
-    JSON object echoes the defaults (its translation has refused it already)."""
-    try:
-        echo = _decode_echo(body)
-    except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError
-        echo = _DEFAULT_ECHO
-    if stored:
-        echo = msgspec.structs.replace(echo, store=_STORED)
-    return closing_members(encode(echo))
-
-
-def closing_members(encoded: bytes) -> bytes:
-    """The members of an encoded JSON object, written to close another object that has
-    members of its own: `{"a":1}` -> `,"a":1}`, and `{}` -> `}`. With `opened[:-1]`
-    (an encoded object without its `}`) in front, the two are one object."""
-    if not encoded.startswith(b"{") or not encoded.endswith(b"}"):
-        raise ValueError("not an encoded JSON object")
-    inner = encoded[1:]
-    return inner if inner == b"}" else b"," + inner
-
-
 class _Response(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A Response object's own fields, in OpenAI's order; the echo follows them."""
 
     id: str
     object: str
     created_at: int
+    completed_at: int | None
     status: Status
     background: bool
     error: _Error | None
@@ -233,7 +176,6 @@ class _Response(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str
     output: list[OutputItem]
     usage: ResponsesUsage | None
-    completed_at: int | UnsetType = UNSET
 
 
 class ResponseShell:
@@ -250,8 +192,10 @@ class ResponseShell:
         clock: Callable[[], float],
         *,
         stored: bool = False,
+        previous_response_id: str | None = None,
     ) -> None:
-        """`stored`: the Edge stores the response (Rule 1)."""
+        """`stored`: the Edge stores the response; `previous_response_id`: the one the
+        caller continues, which the Edge took out of the body (Rule 1)."""
         self.id = f"resp_{request_id}"
         self.model = reply_model
         self._clock = clock
@@ -262,7 +206,7 @@ class ResponseShell:
         else:
             self.tools = read_tool_map(request)
             body = request
-        self._echo = echo_members(body, stored=stored)
+        self._echo = echo_members(body, stored=stored, previous_response_id=previous_response_id)
 
     def body(
         self,
@@ -278,6 +222,7 @@ class ResponseShell:
             id=self.id,
             object="response",
             created_at=self.created_at,
+            completed_at=int(self._clock()) if status == "completed" else None,
             status=status,
             background=False,
             error=error,
@@ -286,13 +231,11 @@ class ResponseShell:
             output=output,
             usage=ResponsesUsage.of(usage) if usage is not None else None,
         )
-        if status == "completed":
-            response.completed_at = int(self._clock())
         return encode(response)[:-1] + self._echo
 
 
 def status_of(finish_reason: str | None) -> tuple[Status, str | None]:
-    """Rule 4: the response's status and, when incomplete, why."""
+    """Rule 5: the response's status and, when incomplete, why."""
     if finish_reason == "length":
         return "incomplete", "max_output_tokens"
     if finish_reason == "content_filter":
@@ -301,17 +244,16 @@ def status_of(finish_reason: str | None) -> tuple[Status, str | None]:
 
 
 def failure(message: str, code: str) -> _Error:
-    """A failed response's `error`: OpenAI's code for a load signal, `server_error` for
-    the rest; IOP's own code leads the message."""
-    kind = "rate_limit_exceeded" if code in ("busy", "upstream_busy") else "server_error"
-    return _Error(code=kind, message=f"{code}: {message}")
+    """A failed response's `error` (`schemas.protocols.response_error`)."""
+    kind, text = response_error(code, message)
+    return _Error(code=kind, message=text)
 
 
 _decode_any: Final = msgspec.json.Decoder().decode
 
 
 def custom_input(arguments: str, param: str) -> str:
-    """The string a custom tool's call passes (Rule 3): the one argument's value."""
+    """The string a custom tool's call passes (Rule 4): the one argument's value."""
     if not arguments.strip():
         return ""
     try:
@@ -350,7 +292,7 @@ def _check_arguments(arguments: str, param: str) -> None:
 def call_item(
     tool: CallerTool, item_id: str, call_id: str, arguments: str, *, param: str, status: Status
 ) -> FunctionCallItem | CustomCallItem:
-    """Rule 3."""
+    """Rule 4."""
     namespace = tool.namespace if tool.namespace is not None else UNSET
     if tool.custom:
         return CustomCallItem(
@@ -373,14 +315,14 @@ def call_item(
 
 
 def call_id(runtime_id: str | None, request_id: str, n: int, used: set[str]) -> str:
-    """Rule 3."""
+    """Rule 4."""
     chosen = runtime_id if runtime_id and runtime_id not in used else f"call_{request_id}_{n}"
     used.add(chosen)
     return chosen
 
 
 def item_id(kind: str, request_id: str, output_index: int) -> str:
-    """Rule 2."""
+    """Rule 3."""
     return f"{kind}_{request_id}_{output_index}"
 
 
@@ -393,12 +335,20 @@ def responses_response_from_chat(
     usage: TokenUsage | None = None,
     clock: Callable[[], float] = time.time,
     stored: bool = False,
+    previous_response_id: str | None = None,
 ) -> bytes:
     """The Responses response object for a whole chat completion; `request` is the
     caller's request (its body, or the body as the run read it) echoed, and read for its
-    tools. `usage` counts only when the runtime's reply has none (Rule 5). `clock` dates
-    it. `stored`: the Edge stores it (Rule 1)."""
-    shell = ResponseShell(reply_model, request_id, request, clock, stored=stored)
+    tools. `usage` counts only when the runtime's reply has none (Rule 6). `clock` dates
+    it. `stored`, `previous_response_id`: Rule 1."""
+    shell = ResponseShell(
+        reply_model,
+        request_id,
+        request,
+        clock,
+        stored=stored,
+        previous_response_id=previous_response_id,
+    )
     response = read_response(chat)
     choice = response.first()
     message = choice.said if choice is not None else None

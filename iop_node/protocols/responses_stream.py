@@ -236,11 +236,19 @@ class ResponsesStream(ChatStreamTranslator[_Call]):
         *,
         clock: Callable[[], float] = time.time,
         stored: bool = False,
+        previous_response_id: str | None = None,
     ) -> None:
-        """`stored`: the Edge stores the response, which then says `store: true`
-        (`responses_reply` Rule 1)."""
+        """`stored`: the Edge stores the response, which then says `store: true`;
+        `previous_response_id`: the one the caller continues (`responses_reply` Rule 1)."""
         super().__init__(request_id)
-        self._shell = ResponseShell(reply_model, request_id, request, clock, stored=stored)
+        self._shell = ResponseShell(
+            reply_model,
+            request_id,
+            request,
+            clock,
+            stored=stored,
+            previous_response_id=previous_response_id,
+        )
         self._sequence = 0
         self._output: list[OutputItem] = []  # closed items, by output index
         self._open: _Item | None = None

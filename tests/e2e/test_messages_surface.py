@@ -6,6 +6,7 @@ with its protocol."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from tests.e2e.stack import (
     start_slow_stack,
     start_stack,
 )
+from tests.protocols.conformance import check_messages_event
 
 CALLER_TOKEN = "caller-token-for-tests"
 OTHER_TOKEN = "another-callers-token"
@@ -132,6 +134,7 @@ async def test_edge_errors_come_in_anthropics_shape(stack: Stack) -> None:
             "type": "not_found_error",
             "message": "model_not_found: The model 'gpt-9' does not exist",
         },
+        "request_id": unknown.value.response.headers["x-request-id"],
     }
     assert "max_tokens=65 exceeds this model's limit of 64" in str(too_long.value)
     async with stack.http() as http:
@@ -151,6 +154,7 @@ async def test_edge_errors_come_in_anthropics_shape(stack: Stack) -> None:
             "type": "invalid_request_error",
             "message": "Invalid request: Object missing required field `max_tokens`",
         },
+        "request_id": missing.headers["x-request-id"],
     }
     assert bad_json.status_code == 400
     assert bad_json.json()["error"]["type"] == "invalid_request_error"
@@ -263,3 +267,27 @@ async def test_a_refused_token_closes_the_connection_its_unread_body_came_on(
             assert refused.headers["connection"] == "close"
             ok = await http.post("/v1/messages", json=body, headers={"x-api-key": CALLER_TOKEN})
             assert ok.status_code == 200
+
+
+async def test_a_translated_stream_validates_and_starts_with_the_prompts_tokens(
+    stack: Stack,
+) -> None:
+    """Every event of a translated stream has what Anthropic's SDKs declare, and
+    `message_start` says how long the prompt is before the runtime has counted it."""
+    async with stack.http() as http:
+        reply = await http.post(
+            "/v1/messages",
+            json={"model": "claude-local", "max_tokens": 8, "messages": MESSAGES, "stream": True},
+            headers={"x-api-key": CALLER_TOKEN},
+        )
+    assert reply.status_code == 200, reply.text
+    events = [
+        json.loads(line[len("data: ") :])
+        for line in reply.text.splitlines()
+        if line.startswith("data: ")
+    ]
+    for event in events:
+        check_messages_event(event)
+    start, delta = events[0], next(e for e in events if e["type"] == "message_delta")
+    assert start["message"]["usage"]["input_tokens"] > 0
+    assert delta["usage"]["input_tokens"] > 0 and delta["usage"]["output_tokens"] > 0

@@ -6,6 +6,7 @@ included; one ledger record per run, with its protocol. Stored responses are in
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import openai
 import pytest
 import trio
 
+from iop_edge.core.protocol_requests import ResponsesRequest, estimate_responses_tokens
 from tests.e2e.stack import (
     WAIT_GUARD_S,
     Stack,
@@ -23,6 +25,7 @@ from tests.e2e.stack import (
     start_slow_stack,
     start_stack,
 )
+from tests.protocols.conformance import check_response, check_responses_event
 
 
 @pytest.fixture
@@ -108,7 +111,8 @@ async def test_a_node_lost_mid_stream_ends_it_with_response_failed(
     assert failed.type == "response.failed"
     assert failed.sequence_number == events[-2].sequence_number + 1
     assert failed.response.status == "failed" and failed.response.model == "m"
-    assert failed.response.error.code == "node_lost"
+    assert failed.response.error.code == "server_error"
+    assert failed.response.error.message.startswith("node_lost: ")
     assert await stack.requests_by_protocol() == {"responses": 1}
 
 
@@ -176,3 +180,95 @@ async def test_the_response_says_the_store_its_caller_asked_for(
                     assert (await client.responses.retrieve(response.id)).store is True
     sent = [msgspec.json.decode(r.body) for r in fake.requests if r.path == "/v1/responses"]
     assert [body["store"] for body in sent] == [False] * 3  # the runtime keeps nothing
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_continued_response_echoes_its_previous_response_id(
+    nursery: trio.Nursery, tmp_path: Path, stream: bool
+) -> None:
+    """The Edge sends the stored conversation without the id (the runtime keeps nothing)
+    and passes the id beside the body: the reply names the response it continues, natively
+    relayed and translated alike, and validates against the schema as a whole."""
+    fake, native = await start_native_upstream(nursery, "responses")
+    text = edge_config(
+        tmp_path / "state",
+        providers=[native, sim_provider("sim-1")],
+        models=[
+            {"id": "native-m", "providers": {"native": "fake-model"}},
+            {"id": "translated-m", "providers": {"sim-1": "sim-small"}},
+        ],
+    )
+    stack = await start_stack(
+        nursery, text, tmp_path / "edge.yaml", wait_models=("native-m", "translated-m")
+    )
+    async with stack.http() as http:
+        for model in ("native-m", "translated-m"):
+            first = await http.post(
+                "/v1/responses", json={"model": model, "input": "hi", "max_output_tokens": 4}
+            )
+            assert first.status_code == 200, first.text
+            earlier = first.json()["id"]
+            body = {
+                "model": model,
+                "input": "and then?",
+                "max_output_tokens": 4,
+                "previous_response_id": earlier,
+                "stream": stream,
+            }
+            reply = await http.post("/v1/responses", json=body)
+            assert reply.status_code == 200, reply.text
+            if stream:
+                events = [
+                    json.loads(line[len("data: ") :])
+                    for line in reply.text.splitlines()
+                    if line.startswith("data: ")
+                ]
+                responses = [event["response"] for event in events if "response" in event]
+                assert [r["previous_response_id"] for r in responses] == [earlier] * 3, model
+                if model == "translated-m":
+                    for event in events:
+                        check_responses_event(event)
+            else:
+                response = reply.json()
+                assert response["previous_response_id"] == earlier, model
+                if model == "translated-m":
+                    check_response(response)
+    sent = [msgspec.json.decode(r.body) for r in fake.requests if r.path == "/v1/responses"]
+    assert all("previous_response_id" not in body for body in sent)  # the Edge sent the turns
+
+
+async def test_input_tokens_counts_a_request_and_the_conversation_it_continues(
+    stack: Stack,
+) -> None:
+    """`POST /v1/responses/input_tokens` answers the Edge's estimate (what admission
+    uses), the stored conversation a `previous_response_id` names included; the official
+    SDK reads it. It is no longer taken for a response id (405)."""
+    request: dict[str, Any] = {"model": "codex-local", "input": "Count me. " * 40}
+    async with stack.client() as client:
+        counted = await client.responses.input_tokens.count(**request)
+        assert counted.object == "response.input_tokens"
+        view = msgspec.convert(request, ResponsesRequest)
+        assert counted.input_tokens == estimate_responses_tokens(view) > 40
+        earlier = await client.responses.create(model="codex-local", input="A long story. " * 50)
+        continued = await client.responses.input_tokens.count(
+            model="codex-local", input="and then?", previous_response_id=earlier.id
+        )
+        alone = await client.responses.input_tokens.count(model="codex-local", input="and then?")
+        assert continued.input_tokens > alone.input_tokens + 100
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await client.responses.input_tokens.count(model="nope", input="x")
+        assert unknown.value.code == "model_not_found"
+        with pytest.raises(openai.NotFoundError) as gone:
+            await client.responses.input_tokens.count(
+                model="codex-local", input="x", previous_response_id="resp_missing"
+            )
+        assert gone.value.code == "previous_response_not_found"
+
+
+async def test_compact_says_it_is_not_supported(stack: Stack) -> None:
+    async with stack.http() as http:
+        reply = await http.post(
+            "/v1/responses/compact", json={"model": "codex-local", "input": "hi"}
+        )
+    assert reply.status_code == 501
+    assert reply.json()["error"]["code"] == "compaction_not_supported"

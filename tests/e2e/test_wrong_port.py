@@ -12,7 +12,7 @@ import pytest
 import trio
 from trio_websocket import ConnectionRejected, open_websocket_url
 
-from iop_edge.http.server import WRONG_PORT_CODE
+from iop_edge.http.server import WEBSOCKET_MODE_CODE, WRONG_PORT_CODE
 from iop_node.backoff import BackoffPolicy
 from iop_node.main import run_node
 from tests.e2e.stack import NODE_TOKEN, WAIT_GUARD_S, Stack
@@ -33,9 +33,9 @@ class RecordWaiter(logging.Handler):
             self.seen.set()
 
 
-async def _refused_upgrade(http_url: str) -> ConnectionRejected:
+async def _refused_upgrade(http_url: str, path: str = "/") -> ConnectionRejected:
     with pytest.raises(ConnectionRejected) as refused:
-        async with open_websocket_url(http_url.replace("http://", "ws://") + "/"):
+        async with open_websocket_url(http_url.replace("http://", "ws://") + path):
             pass
     return refused.value
 
@@ -61,6 +61,24 @@ async def test_a_websocket_upgrade_is_told_where_nodes_connect(
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     async with stack_one.http() as http:  # the port still serves its own requests
         assert (await http.get("/healthz")).status_code == 200
+
+
+async def test_responses_websocket_mode_is_refused_without_naming_the_node_listener(
+    stack_one: Stack,
+) -> None:
+    """A caller asking for the Responses API's WebSocket mode is told, in OpenAI's error
+    shape, that it is not supported and to use HTTP; it learns nothing of where Nodes
+    connect. Another path of the caller port is still the wrong-port answer."""
+    for path in ("/v1/responses", "/responses"):
+        refused = await _refused_upgrade(stack_one.addresses.openai_url, path)
+        assert refused.status_code == 400 and refused.body is not None
+        error = json.loads(refused.body)["error"]
+        assert error["code"] == WEBSOCKET_MODE_CODE and error["type"] == "invalid_request_error"
+        assert "WebSocket mode is not supported" in error["message"]
+        assert "HTTP POST to /v1/responses" in error["message"]
+        assert stack_one.addresses.node_url not in refused.body.decode()
+    refused = await _refused_upgrade(stack_one.addresses.admin_url, "/v1/responses")
+    assert json.loads(refused.body or b"{}")["error"]["code"] == WRONG_PORT_CODE
 
 
 async def test_a_node_pointed_at_the_caller_port_says_what_to_fix(

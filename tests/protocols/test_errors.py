@@ -40,6 +40,7 @@ def test_messages_error_is_anthropic_shaped(
             "type": "invalid_request_error",
             "message": "messages[0].content[0].type: unknown type 'hologram'",
         },
+        "request_id": None,
     }
 
 

@@ -131,6 +131,11 @@ def test_messages_reply_without_usage_or_content() -> None:
         "output_tokens": 0,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": 0,
+        "cache_creation": {"ephemeral_1h_input_tokens": 0, "ephemeral_5m_input_tokens": 0},
+        "output_tokens_details": None,
+        "server_tool_use": None,
+        "service_tier": "standard",
+        "inference_geo": None,
     }
 
 

@@ -175,6 +175,8 @@ class RunPlan:
     hosted_tools: HostedTools = "drop"
     """The model's `generation.hosted_tools`: what a translated run does with tools only
     a vendor's service runs."""
+    previous_response_id: str = ""
+    """The stored Responses conversation the run continues (`wire.Run`)."""
     trace: RequestTrace | None = None
     """The request's span when the Edge traces (`metering.tracing`): the run adds its
     admission, failed attempts and failovers, and its record when it ends."""
@@ -844,6 +846,7 @@ class Dispatcher:
             long=lease.long,
             caller_headers=plan.caller_headers,
             keep_output=plan.keep_output,
+            previous_response_id=plan.previous_response_id,
             hold_tail=plan.stream,
             hosted_tools=plan.hosted_tools,
             traceparent=plan.traceparent,

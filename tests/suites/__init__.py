@@ -1,0 +1,1 @@
+"""Public conformance suites run against IOP (`just test-suites`)."""
