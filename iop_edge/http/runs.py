@@ -385,6 +385,24 @@ class RunEndpoints:
             if trace is not None:
                 trace.end(status=reply.status, code=reply.error_code)
 
+    async def run_planned(self, plan: RunPlan, reply: Reply, to_store: ToStore | None) -> None:
+        """Steps 2 and 3 for a request planned elsewhere, written through `reply`: a
+        Responses WebSocket turn (`responses_socket`), with its own `Reply` that writes
+        events as WebSocket messages. Admission, limits, queueing, metering and storing
+        are the HTTP path's own."""
+        await self._run(plan, reply, _Timing(), to_store)
+
+    @property
+    def metering(self) -> Metering:
+        return self._metering
+
+    @property
+    def responses(self) -> ResponsesSurface:
+        return self._responses
+
+    def snapshot(self) -> Snapshot:
+        return self._snapshot()
+
     # --- 1. prepare -------------------------------------------------------------------
 
     async def _prepare(
@@ -629,6 +647,10 @@ class RunEndpoints:
             await reply.finish(b"".join(pending))
             return
 
+
+#: How a run's reply is written: `runs` writes HTTP; a WebSocket turn subclasses it.
+Reply = _Reply
+Timing = _Timing
 
 #: Whether a `store: true` response was stored (non-stream replies; `http.responses`).
 _STORED_HEADER: Final = b"x-iop-response-stored"
