@@ -57,6 +57,7 @@ from iop_edge.http.caller_protocol import Caller
 from iop_edge.http.errors import ApiError, metering_unavailable
 from iop_edge.http.responses import ToStore
 from iop_edge.http.runs import Reply, RunEndpoints, Timing, new_run_id, request_id
+from schemas.config import PrincipalToken
 
 __all__ = ["MAX_CONNECTION_S", "ResponsesSocket", "SocketReply"]
 
@@ -206,8 +207,21 @@ class ResponsesSocket:
             return
         connection_id = f"ws_{secrets.token_hex(12)}"
         await send({"type": "websocket.accept", "subprotocol": None, "headers": []})
-        session = _Session(self._runs, _Sender(send), principal, _sessions(headers, connection_id))
-        limit = snapshot.config.openai.max_request_bytes
+        session = _Session(
+            self._runs, _Sender(send), principal, _sessions(headers, connection_id), connection_id
+        )
+        try:
+            await self._serve(session, receive, snapshot.config.openai.max_request_bytes)
+        finally:
+            log.info(
+                "Responses WebSocket %s of %s closed after %d turns",
+                connection_id,
+                principal.principal_ref,
+                session.turns,
+            )
+
+    async def _serve(self, session: _Session, receive: ASGIReceiveCallable, limit: int) -> None:
+        """Read client events until the caller leaves or the connection's time is up."""
         with trio.move_on_after(MAX_CONNECTION_S) as lifetime:
             async with trio.open_nursery() as turns:
                 while True:
@@ -252,15 +266,19 @@ class _Session:
         self,
         runs: RunEndpoints,
         sender: _Sender,
-        principal: Any,
+        principal: PrincipalToken,
         sessions: dict[str, str],
+        connection_id: str,
     ) -> None:
         self._runs = runs
+        self.connection_id = connection_id
         self.sender = sender
         self._principal = principal
         self._sessions = sessions
         self._busy = False
         self._last: _Conversation | None = None
+        self.turns = 0
+        """The `response.create` events that became a turn (planned or refused)."""
 
     async def receive(self, raw: bytes, turns: trio.Nursery) -> None:
         """One client event (Rules 2 and 3)."""
@@ -293,6 +311,8 @@ class _Session:
             )
             return
         self._busy = True
+        self.turns += 1
+        log.debug("Responses WebSocket %s: turn %d", self.connection_id, self.turns)
         turns.start_soon(self._turn, event)
 
     async def _turn(self, body: dict[str, Any]) -> None:

@@ -62,7 +62,8 @@ async def _socket(
 ) -> AsyncIterator[WebSocketConnection]:
     url = stack.addresses.openai_url.replace("http://", "ws://") + "/v1/responses"
     auth = [("Authorization", f"Bearer {TOKEN}")] if headers is None else headers
-    async with open_websocket_url(url, extra_headers=auth) as socket:
+    extra = [(name.encode(), value.encode()) for name, value in auth]
+    async with open_websocket_url(url, extra_headers=extra) as socket:
         yield socket
 
 
