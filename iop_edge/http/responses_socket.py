@@ -73,6 +73,9 @@ _encode = msgspec.json.Encoder().encode
 #: The session headers that come before a body's `prompt_cache_key` (affinity Rule 1 a).
 _LEADING_SESSION: Final = frozenset(SESSION_HEADERS[:3])
 _TERMINAL: Final = frozenset({"response.completed", "response.incomplete", "response.failed"})
+#: A final event's `type` as JSON holds it (a text that quotes it is escaped): an event
+#: without one is sent unread.
+_TERMINAL_MARKS: Final = tuple(f'"{kind}"'.encode() for kind in sorted(_TERMINAL))
 
 
 class _Event(msgspec.Struct):
@@ -153,12 +156,13 @@ class SocketReply(Reply):
         return None
 
     async def _send_event(self, event: bytes) -> None:
-        try:
-            kind = msgspec.json.decode(event, type=_Event)
-        except msgspec.DecodeError:  # a ValidationError too
-            kind = _Event()
-        if kind.type in _TERMINAL and kind.response:
-            self.final_response = bytes(kind.response)
+        if any(mark in event for mark in _TERMINAL_MARKS):  # only a final event is read
+            try:
+                kind = msgspec.json.decode(event, type=_Event)
+            except msgspec.DecodeError:  # a ValidationError too
+                kind = _Event()
+            if kind.type in _TERMINAL and kind.response:
+                self.final_response = bytes(kind.response)
         await self._sender.text(event)
 
 
