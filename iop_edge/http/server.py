@@ -73,6 +73,7 @@ from iop_edge.http.connection import ChunkedBodyWriter, Connection, current_conn
 from iop_edge.http.errors import ApiError
 from iop_edge.runtime.lifecycle.handoff import HandoffSender
 from schemas.config import DEFAULT_SEND_TIMEOUT_S
+from schemas.limits import MAX_PAYLOAD_BYTES
 
 __all__ = ["DRAINING_REFUSAL", "WRONG_PORT_CODE", "HttpServer"]
 
@@ -120,6 +121,8 @@ class HttpServer:
         is told the Responses WebSocket mode is not supported instead. `role` names the
         port to a successor that takes its connections over (`handoff`)."""
         self.role = role
+        if caller_port:  # `responses_socket` bounds messages by `openai.max_request_bytes`
+            config.websocket_max_message_size = MAX_PAYLOAD_BYTES + 1
         self._config = config
         self._websocket_refusal = ApiError(400, websocket_refusal, code=WRONG_PORT_CODE).body()
         self._caller_port = caller_port

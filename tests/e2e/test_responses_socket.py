@@ -15,8 +15,14 @@ from typing import Any
 import pytest
 import trio
 import yaml
-from trio_websocket import ConnectionRejected, WebSocketConnection, open_websocket_url
+from trio_websocket import (
+    ConnectionClosed,
+    ConnectionRejected,
+    WebSocketConnection,
+    open_websocket_url,
+)
 
+from iop_edge.http import responses_socket
 from tests.e2e.stack import (
     WAIT_GUARD_S,
     Stack,
@@ -215,3 +221,38 @@ async def test_one_turn_at_a_time_and_bad_events(nursery: trio.Nursery, tmp_path
         assert event["error"]["code"] == "conversation_already_has_active_response"
     # hanging up ends the running turn: it is metered as the caller leaving
     assert await stack.requests_by_protocol() == {"responses": 1}
+
+
+async def test_a_message_over_the_size_limit_closes_with_1009(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    stack = await _stack(nursery, tmp_path)
+    limit = stack.edge.snapshot.config.openai.max_request_bytes
+    async with _socket(stack) as socket:
+        big = json.dumps({"type": "response.create", "model": "m", "input": "x" * (limit + 1)})
+        await socket.send_message(big)
+        with trio.fail_after(WAIT_GUARD_S):
+            error = json.loads(await socket.get_message())
+            assert error["status"] == 413 and error["error"]["code"] == "request_too_large"
+            with pytest.raises(ConnectionClosed) as closed:
+                await socket.get_message()
+    reason = closed.value.reason
+    assert reason is not None and reason.code == 1009
+
+
+async def test_a_connection_ends_at_its_time_limit(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At its limit (60 minutes; shortened here) the connection gets an error event and a
+    normal close, after the turns it ran."""
+    stack = await _stack(nursery, tmp_path)
+    monkeypatch.setattr(responses_socket, "MAX_CONNECTION_S", 0.5)
+    async with _socket(stack) as socket:
+        with trio.fail_after(WAIT_GUARD_S):
+            error = json.loads(await socket.get_message())
+            assert error["type"] == "error"
+            assert error["error"]["code"] == "websocket_connection_limit_reached"
+            with pytest.raises(ConnectionClosed) as closed:
+                await socket.get_message()
+    reason = closed.value.reason
+    assert reason is not None and reason.code == 1000
