@@ -135,10 +135,13 @@ class SocketReply(Reply):
         timing: Timing,
         status: int = 200,
         extra: Any = (),
-    ) -> None:  # a turn always streams; kept for a reply that is not a stream
+    ) -> None:
+        """A reply that is not a stream (a turn always streams: never expected), as one
+        message."""
         self.started = True
         self.status = status
-        await self.finish(body)
+        self.complete = True
+        await self._sender.text(body)
 
     async def start_stream(self, timing: Timing) -> None:
         self.started = True

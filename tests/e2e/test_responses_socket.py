@@ -7,6 +7,7 @@ time, and one ledger record per turn."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -199,7 +200,9 @@ async def test_a_principal_at_its_limit_gets_an_error_event(
     assert await stack.requests_by_protocol() == {"responses": 1}
 
 
-async def test_one_turn_at_a_time_and_bad_events(nursery: trio.Nursery, tmp_path: Path) -> None:
+async def test_one_turn_at_a_time_and_bad_events(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     stack = await _stack(nursery, tmp_path, tokens_per_second=2)  # a turn of 10 s
     async with _socket(stack) as socket:
         await socket.send_message(json.dumps({"type": "response.cancel"}))
@@ -221,6 +224,7 @@ async def test_one_turn_at_a_time_and_bad_events(nursery: trio.Nursery, tmp_path
         assert event["error"]["code"] == "conversation_already_has_active_response"
     # hanging up ends the running turn: it is metered as the caller leaving
     assert await stack.requests_by_protocol() == {"responses": 1}
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
 async def test_a_message_over_the_size_limit_closes_with_1009(
