@@ -331,12 +331,13 @@ class HttpServer:
 
     async def _refuse_websocket(self, scope: WebsocketScope, send: ASGISendCallable) -> None:
         """Answer a websocket upgrade with a 400 saying where Nodes connect (ASGI's
-        websocket denial response, which Hypercorn offers), and log one line."""
+        websocket denial response, which Hypercorn offers), or a Responses WebSocket
+        upgrade to a draining server with a 503 `shutting_down`; log one line."""
         client = scope["client"]
         peer = f"{client[0]}:{client[1]}" if client else "a client"
         if self._caller_port and scope["path"] in _RESPONSES_PATHS:  # a draining server
             log.info("refused a Responses WebSocket upgrade from %s: shutting down", peer)
-            body = DRAINING_REFUSAL.body("responses")
+            status, body = DRAINING_REFUSAL.status, DRAINING_REFUSAL.body("responses")
         else:
             log.warning(
                 "refused a websocket upgrade from %s on %s (%s): is a Node pointed at this port?",
@@ -344,10 +345,10 @@ class HttpServer:
                 self.url,
                 scope["path"],
             )
-            body = self._websocket_refusal
+            status, body = 400, self._websocket_refusal
         start: WebsocketResponseStartEvent = {
             "type": "websocket.http.response.start",
-            "status": 400,
+            "status": status,
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", b"%d" % len(body)),
