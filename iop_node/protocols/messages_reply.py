@@ -87,7 +87,7 @@ class AnthropicUsage(msgspec.Struct, frozen=True, kw_only=True):
             input_tokens=usage.prompt_tokens - usage.cached_tokens,
             output_tokens=usage.completion_tokens,
             cache_read_input_tokens=usage.cached_tokens,
-            output_tokens_details=thinking_details(usage),
+            output_tokens_details=_thinking_details(usage),
         )
 
 
@@ -109,11 +109,11 @@ class DeltaUsage(msgspec.Struct, frozen=True, kw_only=True):
             input_tokens=usage.prompt_tokens - usage.cached_tokens,
             output_tokens=usage.completion_tokens,
             cache_read_input_tokens=usage.cached_tokens,
-            output_tokens_details=thinking_details(usage),
+            output_tokens_details=_thinking_details(usage),
         )
 
 
-def thinking_details(usage: TokenUsage) -> OutputTokensDetails | None:
+def _thinking_details(usage: TokenUsage) -> OutputTokensDetails | None:
     """Rule 5: the reasoning tokens, when the runtime counted some."""
     return OutputTokensDetails(usage.reasoning_tokens) if usage.reasoning_tokens else None
 

@@ -158,10 +158,12 @@ def test_the_response_echoes_the_previous_response_id_passed_beside_the_body() -
     check_response(response)
     assert (response["previous_response_id"], response["store"]) == ("resp_earlier", True)
     stream = ResponsesStream("alias", "r2", body, previous_response_id="resp_earlier")
-    events = parse_sse(stream.feed(chat.replace(b'"message"', b'"delta"')) + stream.finish())
-    assert {
-        e["data"]["response"]["previous_response_id"] for e in events if "response" in e["data"]
-    } == {"resp_earlier"}
+    chunk = json.dumps(
+        {"choices": [{"index": 0, "delta": {"content": "Hi."}, "finish_reason": "stop"}]}
+    ).encode()
+    events = parse_sse(stream.feed(chunk) + stream.finish())
+    lifecycle = [e["data"]["response"] for e in events if "response" in e["data"]]
+    assert [r["previous_response_id"] for r in lifecycle] == ["resp_earlier"] * 3
 
 
 # --- streams ------------------------------------------------------------------------------

@@ -191,3 +191,20 @@ def test_a_response_not_stored_keeps_the_store_false_its_caller_sent() -> None:
     assert json.loads(created)["response"]["store"] is False
     body = json.dumps({**_response("completed", USAGE), "store": False}).encode()
     assert Response.model_validate_json(native.response(body)).store is False
+
+
+def test_a_continued_response_echoes_the_previous_response_id_the_edge_took_out() -> None:
+    """The runtime got the conversation without `previous_response_id` and echoes `null`;
+    the caller sees the id it sent, in every lifecycle event and a whole body alike. A
+    run that continues nothing leaves the runtime's bytes as they are."""
+    native = ResponsesNative("", previous_response_id="resp_before")
+    for kind, status in (("response.created", "in_progress"), ("response.completed", "done")):
+        event = json.loads(_lifecycle(kind, status, store=False))
+        event["response"]["previous_response_id"] = None
+        shaped = json.loads(native.event(json.dumps(event).encode(), kind))
+        assert shaped["response"]["previous_response_id"] == "resp_before"
+    assert json.loads(native.final_response or b"{}")["previous_response_id"] == "resp_before"
+    body = json.dumps({**_response("completed", USAGE), "previous_response_id": None}).encode()
+    assert json.loads(native.response(body))["previous_response_id"] == "resp_before"
+    untouched = ResponsesNative("")
+    assert untouched.response(body) is body

