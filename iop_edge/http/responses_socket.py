@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -56,7 +57,14 @@ from iop_edge.http.auth import authenticate
 from iop_edge.http.caller_protocol import Caller
 from iop_edge.http.errors import ApiError, metering_unavailable
 from iop_edge.http.responses import ToStore
-from iop_edge.http.runs import Reply, RunEndpoints, Timing, new_run_id, request_id
+from iop_edge.http.runs import (
+    Reply,
+    RunEndpoints,
+    Timing,
+    decode_body,
+    new_run_id,
+    request_id,
+)
 from schemas.config import PrincipalToken
 
 __all__ = ["MAX_CONNECTION_S", "ResponsesSocket", "SocketReply"]
@@ -290,14 +298,12 @@ class _Session:
     async def receive(self, raw: bytes, turns: trio.Nursery) -> None:
         """One client event (Rules 2 and 3)."""
         try:
-            event = _decode(raw)
-        except msgspec.DecodeError as exc:
-            await self.sender.error(
-                ApiError(400, f"Could not parse the JSON event: {exc}", code="invalid_json")
-            )
+            event = decode_body(raw, "event")
+        except ApiError as exc:
+            await self.sender.error(exc)
             return
-        if not isinstance(event, dict) or event.get("type") != "response.create":
-            kind = event.get("type") if isinstance(event, dict) else None
+        if event.get("type") != "response.create":
+            kind = event.get("type")
             await self.sender.error(
                 ApiError(
                     400,
@@ -329,21 +335,12 @@ class _Session:
             self._busy = False
 
     async def _run_turn(self, body: dict[str, Any]) -> None:
+        started = time.perf_counter()
         runs = self._runs
         run_id = new_run_id()
         rid = request_id(None, run_id)
         body.pop("type", None)
-        if body.pop("background", None):
-            await self.sender.error(
-                ApiError(
-                    400,
-                    "background is not supported over WebSocket",
-                    code="unsupported_parameter",
-                    param="background",
-                ),
-                rid,
-            )
-            return
+        background = body.pop("background", None)
         body["stream"] = True
         local_previous = self._continue_locally(body)
         snapshot = runs.snapshot()
@@ -355,12 +352,19 @@ class _Session:
             session_headers=self._sessions,
         )
         try:
+            if background:
+                raise ApiError(
+                    400,
+                    "background is not supported over WebSocket",
+                    code="unsupported_parameter",
+                    param="background",
+                )
             unmetered = runs.metering.refusal()
             if unmetered is not None:
                 raise metering_unavailable(unmetered)
             plan, to_store = await runs.responses.plan(body, snapshot, caller)
         except ApiError as exc:
-            runs.metering.refused(status=exc.status, code=exc.code)
+            runs.refused(exc, rid, "/v1/responses", started)
             await self.sender.error(exc, rid)
             return
         if local_previous is not None:

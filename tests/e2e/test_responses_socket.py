@@ -211,6 +211,16 @@ async def test_one_turn_at_a_time_and_bad_events(
         assert unsupported["error"]["code"] == "unsupported_event"
         await socket.send_message("{not json")
         assert json.loads(await socket.get_message())["error"]["code"] == "invalid_json"
+        deep = '{"type": "response.create", "input": ' + "[" * 100 + "]" * 100 + "}"
+        await socket.send_message(deep)  # refused before anything walks it, as over HTTP
+        too_deep = json.loads(await socket.get_message())["error"]
+        assert too_deep["code"] == "invalid_json" and "nests deeper" in too_deep["message"]
+        await socket.send_message(
+            json.dumps({"type": "response.create", "model": "m", "background": True})
+        )
+        background = json.loads(await socket.get_message())["error"]
+        assert background["code"] == "unsupported_parameter"
+        assert background["param"] == "background"
         create = {"type": "response.create", "model": "m", "input": "x", "max_output_tokens": 20}
         await socket.send_message(json.dumps(create))
         with trio.fail_after(WAIT_GUARD_S):
