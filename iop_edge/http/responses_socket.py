@@ -16,10 +16,13 @@ Rules:
 1. The upgrade is authenticated as an HTTP request is (`Authorization: Bearer` or
    `x-api-key`); a caller without a known token is refused with the HTTP status and
    OpenAI's error body (401), before the connection is accepted.
-2. Each client message is one JSON event. `response.create` carries the body of a
-   `POST /v1/responses` (its `type` aside): it is always streamed (`stream` is ignored),
-   `background` is refused. Every other event type is an `error` event
-   (`unsupported_event`); the connection stays open.
+2. Each client message is one JSON event, decoded as an HTTP body is (`runs.decode_body`:
+   an object, nesting at most `MAX_JSON_DEPTH` levels). `response.create` carries the
+   body of a `POST /v1/responses` (its `type` aside): it is always streamed (`stream` is
+   ignored), `background` is refused. Every other event type is an `error` event
+   (`unsupported_event`); the connection stays open. A turn refused before it is
+   planned is metered and access-logged as an HTTP refusal is; turns are not traced
+   (`metering.tracing` spans are per HTTP request).
 3. One turn at a time: a `response.create` while a turn runs is answered with an `error`
    event (`conversation_already_has_active_response`), and the running turn goes on.
 4. Server events are those of the HTTP stream, in order, one per message; a turn refused
