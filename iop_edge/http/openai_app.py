@@ -5,7 +5,8 @@ completions, embeddings, Messages, count_tokens, Responses and its compaction) a
 ASGI in `runs`, because they carry the traffic and a web framework's per-request cost
 would outweigh the Edge's own work per run (see there). Everything else (`/v1/models`,
 stored responses, `/`, `/healthz`, 404/405/413 pages and the ASGI lifespan) is a small
-Quart-Trio app.
+Quart-Trio app. The Responses WebSocket mode (an upgrade on `/v1/responses`) is
+`responses_socket`'s.
 Every response carries `x-request-id` and `Server-Timing`. Every error has OpenAI's error
 shape, except for Anthropic's clients (a request with `anthropic-version`, or on a
 `/v1/messages` path), which get Anthropic's (`caller_protocol.protocol_of_request`).
@@ -36,6 +37,7 @@ from iop_edge.http.errors import ApiError, method_not_allowed, model_not_found
 from iop_edge.http.final_send import shield_final_send
 from iop_edge.http.messages import anthropic_model, model_page
 from iop_edge.http.responses import ResponsesSurface
+from iop_edge.http.responses_socket import ResponsesSocket
 from iop_edge.http.runs import RUN_PATHS, RunEndpoints, new_run_id, request_id
 from schemas import openai as oai
 
@@ -75,6 +77,7 @@ class OpenAIApp:
         responses: ResponsesSurface,
     ) -> None:
         self._runs = runs
+        self._socket = ResponsesSocket(runs)
         self._quart = _create_quart_app(snapshot, started_unix, readiness, responses)
 
     async def __call__(
@@ -86,6 +89,9 @@ class OpenAIApp:
                 await self._runs(operation, scope, receive, send)
                 return
             send = shield_final_send(send)  # Quart would cancel a closing connection's close
+        elif scope["type"] == "websocket":  # only `/v1/responses` comes here (`server`)
+            await self._socket(scope, receive, send)
+            return
         await self._quart(scope, receive, send)
 
 

@@ -349,17 +349,7 @@ class RunEndpoints:
                     operation, run_id, reply.request_id, request, receive
                 )
             except ApiError as exc:
-                self._metering.refused(status=exc.status, code=exc.code)
-                if self._on_refused is not None:
-                    self._on_refused(
-                        RefusedRequest(
-                            request_id=reply.request_id,
-                            path=scope["path"],
-                            status=exc.status,
-                            code=exc.code,
-                            latency_s=time.perf_counter() - timing.started,
-                        )
-                    )
+                self.refused(exc, reply.request_id, scope["path"], timing.started)
                 await reply.error(exc, timing)
                 return
             _continue_trace(plan, trace, request)
@@ -388,6 +378,39 @@ class RunEndpoints:
         finally:
             if trace is not None:
                 trace.end(status=reply.status, code=reply.error_code)
+
+    async def run_planned(self, plan: RunPlan, reply: Reply, to_store: ToStore | None) -> None:
+        """Steps 2 and 3 for a request planned elsewhere, written through `reply`: a
+        Responses WebSocket turn (`responses_socket`), with its own `Reply` that writes
+        events as WebSocket messages. Admission, limits, queueing, metering and storing
+        are the HTTP path's own."""
+        await self._run(plan, reply, _Timing(), to_store)
+
+    def refused(self, exc: ApiError, request_id: str, path: str, started: float) -> None:
+        """Meter and access-log a request refused before it was planned (`started`: its
+        `time.perf_counter()` when it came)."""
+        self._metering.refused(status=exc.status, code=exc.code)
+        if self._on_refused is not None:
+            self._on_refused(
+                RefusedRequest(
+                    request_id=request_id,
+                    path=path,
+                    status=exc.status,
+                    code=exc.code,
+                    latency_s=time.perf_counter() - started,
+                )
+            )
+
+    @property
+    def metering(self) -> Metering:
+        return self._metering
+
+    @property
+    def responses(self) -> ResponsesSurface:
+        return self._responses
+
+    def snapshot(self) -> Snapshot:
+        return self._snapshot()
 
     # --- 1. prepare -------------------------------------------------------------------
 
@@ -452,22 +475,7 @@ class RunEndpoints:
                 f"The request body did not arrive within {BODY_TIMEOUT_S:g}s",
                 code="request_timeout",
             )
-        data = b"".join(parts)
-        try:
-            body = _decode_json(data)
-        except msgspec.DecodeError as exc:
-            raise bad_request(
-                f"Could not parse the JSON body: {exc}", code="invalid_json"
-            ) from None
-        except RecursionError:
-            body = None  # deeper than the decoder's stack: surely deeper than the limit
-        if body is None or _nests_deeper(data, body, MAX_JSON_DEPTH):
-            raise bad_request(
-                f"The JSON body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
-            )
-        if not isinstance(body, dict):
-            raise bad_request("The request body must be a JSON object", code="invalid_json")
-        return body
+        return decode_body(b"".join(parts))
 
     # --- 2. dispatch ------------------------------------------------------------------
 
@@ -653,6 +661,10 @@ class RunEndpoints:
             return
 
 
+#: How a run's reply is written: `runs` writes HTTP; a WebSocket turn subclasses it.
+Reply = _Reply
+Timing = _Timing
+
 #: Whether a `store: true` response was stored (non-stream replies; `http.responses`).
 _STORED_HEADER: Final = b"x-iop-response-stored"
 
@@ -728,6 +740,24 @@ async def _cancel_on_disconnect(
     while (await receive())["type"] != "http.disconnect":
         pass
     _caller_left(scope, reply)
+
+
+def decode_body(data: bytes, what: str = "body") -> dict[str, Any]:
+    """A request body (or a WebSocket event, `what`) decoded: a JSON object nesting at
+    most `MAX_JSON_DEPTH` levels; raises a 400 `invalid_json` saying what is wrong."""
+    try:
+        body = _decode_json(data)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"Could not parse the JSON {what}: {exc}", code="invalid_json") from None
+    except RecursionError:
+        body = None  # deeper than the decoder's stack: surely deeper than the limit
+    if body is None or _nests_deeper(data, body, MAX_JSON_DEPTH):
+        raise bad_request(
+            f"The JSON {what} nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
+        )
+    if not isinstance(body, dict):
+        raise bad_request(f"The request {what} must be a JSON object", code="invalid_json")
+    return body
 
 
 def _nests_deeper(data: bytes, value: object, limit: int) -> bool:

@@ -37,9 +37,11 @@ Node given the wrong port (the caller port is one digit away from the node liste
 most configs): it is refused with a 400 whose body says which port this is and where
 Nodes connect (`websocket_refusal`), in one log line; a Node's websocket library reports
 that body. The one exception is a caller asking for the Responses API's WebSocket mode
-(an upgrade on `/v1/responses` of the caller port, `caller_port`): it is told, in OpenAI's
-error shape, that the mode is not supported and to use HTTP, and nothing of where Nodes
-connect.
+(an upgrade on `/v1/responses` of the caller port, `caller_port`): the app serves it
+(`http.responses_socket`; Hypercorn's own WebSocket support, under the same connection
+handler). A draining server refuses it (503 `shutting_down`: the client reconnects to the
+successor); an open one is not a request in progress (`wait_quiet` does not wait for it)
+and is closed with the others at the end of the graceful timeout.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ from iop_edge.http.connection import ChunkedBodyWriter, Connection, current_conn
 from iop_edge.http.errors import ApiError
 from iop_edge.runtime.lifecycle.handoff import HandoffSender
 from schemas.config import DEFAULT_SEND_TIMEOUT_S
+from schemas.limits import MAX_PAYLOAD_BYTES
 
 __all__ = ["DRAINING_REFUSAL", "WRONG_PORT_CODE", "HttpServer"]
 
@@ -91,16 +94,8 @@ DRAINING_REFUSAL = ApiError(
 )
 #: The error code of a websocket upgrade refused on an HTTP port.
 WRONG_PORT_CODE = "not_a_node_port"
-#: The error code of a Responses WebSocket mode upgrade, which the Edge does not serve.
-WEBSOCKET_MODE_CODE = "websocket_mode_not_supported"
-#: The paths a Responses WebSocket mode client upgrades on.
+#: The paths a Responses WebSocket mode client upgrades on (`http.responses_socket`).
 _RESPONSES_PATHS = frozenset({"/v1/responses", "/v1/responses/", "/responses"})
-_WEBSOCKET_MODE_REFUSAL = ApiError(
-    400,
-    "The Responses API's WebSocket mode is not supported here: send the request as "
-    "an HTTP POST to /v1/responses (stream: true for events)",
-    code=WEBSOCKET_MODE_CODE,
-).body("responses")
 
 
 class HttpServer:
@@ -126,6 +121,8 @@ class HttpServer:
         is told the Responses WebSocket mode is not supported instead. `role` names the
         port to a successor that takes its connections over (`handoff`)."""
         self.role = role
+        if caller_port:  # `responses_socket` bounds messages by `openai.max_request_bytes`
+            config.websocket_max_message_size = MAX_PAYLOAD_BYTES + 1
         self._config = config
         self._websocket_refusal = ApiError(400, websocket_refusal, code=WRONG_PORT_CODE).body()
         self._caller_port = caller_port
@@ -269,7 +266,10 @@ class HttpServer:
         connection after its response (step 1); write chunked bodies directly
         (`ChunkedBodyWriter`); refuse websockets (module docstring)."""
         if scope["type"] == "websocket":
-            await self._refuse_websocket(scope, send)
+            if self._caller_port and scope["path"] in _RESPONSES_PATHS and not self._draining:
+                await self._inner(scope, receive, send)  # `http.responses_socket`
+            else:
+                await self._refuse_websocket(scope, send)
             return
         if scope["type"] != "http":
             await self._inner(scope, receive, send)
@@ -331,16 +331,13 @@ class HttpServer:
 
     async def _refuse_websocket(self, scope: WebsocketScope, send: ASGISendCallable) -> None:
         """Answer a websocket upgrade with a 400 saying where Nodes connect (ASGI's
-        websocket denial response, which Hypercorn offers), and log one line."""
+        websocket denial response, which Hypercorn offers), or a Responses WebSocket
+        upgrade to a draining server with a 503 `shutting_down`; log one line."""
         client = scope["client"]
         peer = f"{client[0]}:{client[1]}" if client else "a client"
-        if self._caller_port and scope["path"] in _RESPONSES_PATHS:
-            log.info(
-                "refused a Responses WebSocket mode upgrade from %s (%s): not supported",
-                peer,
-                scope["path"],
-            )
-            body = _WEBSOCKET_MODE_REFUSAL
+        if self._caller_port and scope["path"] in _RESPONSES_PATHS:  # a draining server
+            log.info("refused a Responses WebSocket upgrade from %s: shutting down", peer)
+            status, body = DRAINING_REFUSAL.status, DRAINING_REFUSAL.body("responses")
         else:
             log.warning(
                 "refused a websocket upgrade from %s on %s (%s): is a Node pointed at this port?",
@@ -348,10 +345,10 @@ class HttpServer:
                 self.url,
                 scope["path"],
             )
-            body = self._websocket_refusal
+            status, body = 400, self._websocket_refusal
         start: WebsocketResponseStartEvent = {
             "type": "websocket.http.response.start",
-            "status": 400,
+            "status": status,
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", b"%d" % len(body)),

@@ -180,3 +180,48 @@ async def test_codex_completes_a_tool_call_against_the_demo(
     # runs are translated, so the Node left it out of each, and said so.
     left_out = [r for r in caplog.records if "left out the hosted tools web_search" in r.message]
     assert left_out, "Codex offered no web_search, or the Node did not say it left it out"
+
+
+async def test_codex_completes_a_tool_call_over_websocket(
+    demo: Demo, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same turn with the provider declaring `supports_websockets = true`
+    (docs/agents.md): Codex runs it over the Responses WebSocket mode, every request of
+    the turn on one connection, and falls back to HTTP for none of them."""
+    caplog.set_level(logging.DEBUG, logger="iop_edge.http.responses_socket")
+    codex = require_cli("codex")
+    argv = command(DEMO_CODEX)
+    config_dir = trio.Path(demo.home / ".codex")
+    await config_dir.mkdir()
+    config = codex_config(demo.target)
+    await (config_dir / "config.toml").write_text(config)
+    provider = tomllib.loads(config)["model_provider"]
+    env = {**base_environment(demo.home), **codex_env(demo.target)}
+    test_flags = [
+        "--strict-config",
+        "--ephemeral",
+        "--sandbox",
+        "danger-full-access",
+        "--color",
+        "never",
+        "-c",
+        f"model_providers.{provider}.supports_websockets=true",
+        "-c",
+        f"model_providers.{provider}.request_max_retries=0",
+        "-c",
+        f"model_providers.{provider}.stream_max_retries=0",
+    ]
+    outcome = await run_cli(
+        [str(codex), "exec", *test_flags, *argv[2:]],
+        cwd=demo.workdir,
+        env=env,
+        within_s=CLI_LIMIT_S,
+        logs=demo.logs,
+    )
+
+    _check_turn(outcome, _printed_command(argv))
+    await _check_metered(demo, "responses")
+    # a turn is logged as it begins, so before its run is metered
+    turns = [r for r in caplog.records if re.match(r"Responses WebSocket \S+: turn", r.message)]
+    [row] = await demo.requests()
+    assert len(turns) == row["requests"] >= 2, (len(turns), row, outcome.report())

@@ -12,7 +12,7 @@ import pytest
 import trio
 from trio_websocket import ConnectionRejected, open_websocket_url
 
-from iop_edge.http.server import WEBSOCKET_MODE_CODE, WRONG_PORT_CODE
+from iop_edge.http.server import WRONG_PORT_CODE
 from iop_node.backoff import BackoffPolicy
 from iop_node.main import run_node
 from tests.e2e.stack import NODE_TOKEN, WAIT_GUARD_S, Stack
@@ -63,20 +63,20 @@ async def test_a_websocket_upgrade_is_told_where_nodes_connect(
         assert (await http.get("/healthz")).status_code == 200
 
 
-async def test_responses_websocket_mode_is_refused_without_naming_the_node_listener(
+async def test_the_responses_websocket_mode_is_the_callers_not_the_node_listeners(
     stack_one: Stack,
 ) -> None:
-    """A caller asking for the Responses API's WebSocket mode is told, in OpenAI's error
-    shape, that it is not supported and to use HTTP; it learns nothing of where Nodes
-    connect. Another path of the caller port is still the wrong-port answer."""
+    """An upgrade on `/v1/responses` of the caller port is the Responses API's WebSocket
+    mode (`tests/e2e/test_responses_socket.py`), served (this stack's API is open); the
+    admin port's `/v1/responses` is still the wrong-port answer."""
     for path in ("/v1/responses", "/responses"):
-        refused = await _refused_upgrade(stack_one.addresses.openai_url, path)
-        assert refused.status_code == 400 and refused.body is not None
-        error = json.loads(refused.body)["error"]
-        assert error["code"] == WEBSOCKET_MODE_CODE and error["type"] == "invalid_request_error"
-        assert "WebSocket mode is not supported" in error["message"]
-        assert "HTTP POST to /v1/responses" in error["message"]
-        assert stack_one.addresses.node_url not in refused.body.decode()
+        url = stack_one.addresses.openai_url.replace("http://", "ws://") + path
+        async with open_websocket_url(url) as socket:
+            await socket.send_message(
+                json.dumps({"type": "response.create", "model": "m", "input": "x"})
+            )
+            with trio.fail_after(WAIT_GUARD_S):
+                assert json.loads(await socket.get_message())["type"] == "response.created"
     refused = await _refused_upgrade(stack_one.addresses.admin_url, "/v1/responses")
     assert json.loads(refused.body or b"{}")["error"]["code"] == WRONG_PORT_CODE
 

@@ -1,0 +1,272 @@
+"""The Responses API over WebSocket (`iop_edge.http.responses_socket`) through a real Edge
+and Node, over real sockets: turns in sequence on one connection, `previous_response_id`
+continuing stored and connection-local (`store: false`) responses, the same events as the
+HTTP stream, auth at the upgrade, a principal's limits as `error` events, one turn at a
+time, and one ledger record per turn."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import yaml
+from trio_websocket import (
+    ConnectionClosed,
+    ConnectionRejected,
+    WebSocketConnection,
+    open_websocket_url,
+)
+
+from iop_edge.http import responses_socket
+from tests.e2e.stack import (
+    WAIT_GUARD_S,
+    Stack,
+    edge_config,
+    principals_section,
+    sim_provider,
+    start_stack,
+)
+from tests.protocols.conformance import check_responses_event
+
+TOKEN = "sk-ws-alice-not-a-secret"
+_TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
+
+
+async def _stack(
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    *,
+    requests_per_minute: int | None = None,
+    tokens_per_second: int = 2000,
+) -> Stack:
+    config = yaml.safe_load(
+        edge_config(
+            tmp_path / "state",
+            providers=[
+                sim_provider(
+                    "sim-1", adapter={"ttft_ms": 1, "tokens_per_second": tokens_per_second}
+                )
+            ],
+            models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+            openai_section=principals_section({"alice": TOKEN}),
+        )
+    )
+    if requests_per_minute is not None:
+        config["principals"] = [{"ref": "alice", "requests_per_minute": requests_per_minute}]
+    text = yaml.safe_dump(config, sort_keys=False)
+    return await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+
+
+@asynccontextmanager
+async def _socket(
+    stack: Stack, headers: list[tuple[str, str]] | None = None
+) -> AsyncIterator[WebSocketConnection]:
+    url = stack.addresses.openai_url.replace("http://", "ws://") + "/v1/responses"
+    auth = [("Authorization", f"Bearer {TOKEN}")] if headers is None else headers
+    extra = [(name.encode(), value.encode()) for name, value in auth]
+    async with open_websocket_url(url, extra_headers=extra) as socket:
+        yield socket
+
+
+async def _turn(socket: WebSocketConnection, **body: Any) -> list[dict[str, Any]]:
+    """Send one `response.create`; its events up to the terminal one or an error."""
+    await socket.send_message(json.dumps({"type": "response.create", "model": "m", **body}))
+    events: list[dict[str, Any]] = []
+    with trio.fail_after(WAIT_GUARD_S):
+        while True:
+            event = json.loads(await socket.get_message())
+            events.append(event)
+            if event["type"] in _TERMINAL or event["type"] == "error":
+                return events
+
+
+def _final(events: list[dict[str, Any]]) -> dict[str, Any]:
+    assert events[-1]["type"] in _TERMINAL, events[-1]
+    response: dict[str, Any] = events[-1]["response"]
+    return response
+
+
+async def test_turns_continue_stored_and_connection_local_responses(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    stack = await _stack(nursery, tmp_path)
+    async with _socket(stack) as socket:
+        first = await _turn(socket, input="Hello.", max_output_tokens=8)
+        stored = _final(first)
+        assert first[0]["type"] == "response.created"
+        assert [event["sequence_number"] for event in first] == list(range(len(first)))
+        for event in first:
+            check_responses_event(event)
+        second = _final(
+            await _turn(
+                socket,
+                input="And then?",
+                previous_response_id=stored["id"],
+                store=False,
+                max_output_tokens=8,
+            )
+        )
+        assert second["previous_response_id"] == stored["id"] and second["store"] is False
+        # an unstored response continues on its own connection: the Edge kept it there
+        third = _final(
+            await _turn(
+                socket,
+                input="Go on.",
+                previous_response_id=second["id"],
+                store=False,
+                max_output_tokens=8,
+            )
+        )
+        assert third["previous_response_id"] == second["id"]
+        # the whole conversation went to the model: three turns' input, two replies
+        assert third["usage"]["input_tokens"] > second["usage"]["input_tokens"]
+    # ... and nowhere else: not over HTTP, not on another connection
+    async with stack.http() as http:
+        answer = await http.post(
+            "/v1/responses",
+            json={"model": "m", "input": "x", "previous_response_id": second["id"]},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+    assert answer.status_code == 404
+    async with _socket(stack) as socket:
+        [error] = await _turn(socket, input="x", previous_response_id=second["id"])
+        assert error["type"] == "error" and error["status"] == 404
+        assert error["error"]["code"] == "previous_response_not_found"
+        # the connection goes on after an error
+        assert _final(await _turn(socket, input="x", max_output_tokens=4))["model"] == "m"
+    assert await stack.requests_by_protocol() == {"responses": 4}  # one record per turn
+
+
+async def test_the_events_are_the_http_streams(nursery: trio.Nursery, tmp_path: Path) -> None:
+    stack = await _stack(nursery, tmp_path)
+    body = {"model": "m", "input": "Say something.", "max_output_tokens": 6, "store": False}
+    async with stack.http() as http:
+        answer = await http.post(
+            "/v1/responses",
+            json={**body, "stream": True},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+    over_http = [
+        json.loads(line[len("data: ") :])
+        for line in answer.text.splitlines()
+        if line.startswith("data: ")
+    ]
+    async with _socket(stack) as socket:
+        over_socket = await _turn(socket, **{k: v for k, v in body.items() if k != "model"})
+
+    def shape(events: list[dict[str, Any]]) -> list[tuple[str, int, str]]:
+        return [(e["type"], e["sequence_number"], e.get("delta", "")) for e in events]
+
+    assert shape(over_socket) == shape(over_http)
+
+    def text(events: list[dict[str, Any]]) -> list[Any]:
+        return [item["content"] for item in _final(events)["output"]]
+
+    assert text(over_socket) == text(over_http) and text(over_http)
+
+
+async def test_the_upgrade_needs_the_callers_token(nursery: trio.Nursery, tmp_path: Path) -> None:
+    stack = await _stack(nursery, tmp_path)
+    for headers in ([], [("Authorization", "Bearer sk-wrong")], [("x-api-key", "sk-wrong")]):
+        with pytest.raises(ConnectionRejected) as refused:
+            async with _socket(stack, headers):
+                pass
+        assert refused.value.status_code == 401 and refused.value.body is not None
+        assert (
+            json.loads(refused.value.body)["error"]["type"] == "invalid_request_error"
+            or (json.loads(refused.value.body)["error"]["code"])
+        )
+    async with _socket(stack, [("x-api-key", TOKEN)]) as socket:
+        assert _final(await _turn(socket, input="x", max_output_tokens=4))["model"] == "m"
+
+
+async def test_a_principal_at_its_limit_gets_an_error_event(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    stack = await _stack(nursery, tmp_path, requests_per_minute=1)
+    async with _socket(stack) as socket:
+        assert _final(await _turn(socket, input="x", max_output_tokens=4))
+        for _ in range(2):  # refused, and the connection stays usable
+            [error] = await _turn(socket, input="x", max_output_tokens=4)
+            assert error["type"] == "error" and error["status"] == 429
+            assert error["error"]["type"] == "rate_limit_error" or error["error"]["code"]
+    # as over HTTP, a request refused at admission is no run: the ledger has the one
+    assert await stack.requests_by_protocol() == {"responses": 1}
+
+
+async def test_one_turn_at_a_time_and_bad_events(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    stack = await _stack(nursery, tmp_path, tokens_per_second=2)  # a turn of 10 s
+    async with _socket(stack) as socket:
+        await socket.send_message(json.dumps({"type": "response.cancel"}))
+        unsupported = json.loads(await socket.get_message())
+        assert unsupported["type"] == "error" and unsupported["status"] == 400
+        assert unsupported["error"]["code"] == "unsupported_event"
+        await socket.send_message("{not json")
+        assert json.loads(await socket.get_message())["error"]["code"] == "invalid_json"
+        deep = '{"type": "response.create", "input": ' + "[" * 100 + "]" * 100 + "}"
+        await socket.send_message(deep)  # refused before anything walks it, as over HTTP
+        too_deep = json.loads(await socket.get_message())["error"]
+        assert too_deep["code"] == "invalid_json" and "nests deeper" in too_deep["message"]
+        await socket.send_message(
+            json.dumps({"type": "response.create", "model": "m", "background": True})
+        )
+        background = json.loads(await socket.get_message())["error"]
+        assert background["code"] == "unsupported_parameter"
+        assert background["param"] == "background"
+        create = {"type": "response.create", "model": "m", "input": "x", "max_output_tokens": 20}
+        await socket.send_message(json.dumps(create))
+        with trio.fail_after(WAIT_GUARD_S):
+            assert json.loads(await socket.get_message())["type"] == "response.created"
+            await socket.send_message(json.dumps(create))
+            while True:
+                event = json.loads(await socket.get_message())
+                assert event["type"] not in _TERMINAL
+                if event["type"] == "error":
+                    break
+        assert event["error"]["code"] == "conversation_already_has_active_response"
+    # hanging up ends the running turn: it is metered as the caller leaving
+    assert await stack.requests_by_protocol() == {"responses": 1}
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+async def test_a_message_over_the_size_limit_closes_with_1009(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    stack = await _stack(nursery, tmp_path)
+    limit = stack.edge.snapshot.config.openai.max_request_bytes
+    async with _socket(stack) as socket:
+        big = json.dumps({"type": "response.create", "model": "m", "input": "x" * (limit + 1)})
+        await socket.send_message(big)
+        with trio.fail_after(WAIT_GUARD_S):
+            error = json.loads(await socket.get_message())
+            assert error["status"] == 413 and error["error"]["code"] == "request_too_large"
+            with pytest.raises(ConnectionClosed) as closed:
+                await socket.get_message()
+    reason = closed.value.reason
+    assert reason is not None and reason.code == 1009
+
+
+async def test_a_connection_ends_at_its_time_limit(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At its limit (60 minutes; shortened here) the connection gets an error event and a
+    normal close, after the turns it ran."""
+    stack = await _stack(nursery, tmp_path)
+    monkeypatch.setattr(responses_socket, "MAX_CONNECTION_S", 0.5)
+    async with _socket(stack) as socket:
+        with trio.fail_after(WAIT_GUARD_S):
+            error = json.loads(await socket.get_message())
+            assert error["type"] == "error"
+            assert error["error"]["code"] == "websocket_connection_limit_reached"
+            with pytest.raises(ConnectionClosed) as closed:
+                await socket.get_message()
+    reason = closed.value.reason
+    assert reason is not None and reason.code == 1000
