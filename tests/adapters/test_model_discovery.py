@@ -108,43 +108,21 @@ async def test_a_sleeping_vllm_reports_its_models_asleep_then_awake(
     nursery: trio.Nursery,
 ) -> None:
     fake = FakeUpstream(models=["m"], lifecycle="vllm_sleep", sleeping=True)
-    await nursery.start(fake.serve)
-    provider = ProviderConfig(
-        id="p",
-        type="vllm",
-        models=["m"],
-        capacity=1,
-        adapter=AdapterSettings(base_url=fake.base_url),
-    )
-    adapter = OpenAICompatAdapter(provider)
-    try:
-        with trio.fail_after(GUARD_S):
-            asleep = await adapter.probe()
-            fake.sleeping = False
-            awake = await adapter.probe()
-    finally:
-        await adapter.aclose()
+    adapter = await _adapter(nursery, fake, "vllm")
+    with trio.fail_after(GUARD_S):
+        asleep = await adapter.probe()
+        fake.sleeping = False
+        awake = await adapter.probe()
     assert asleep.model_states == [ModelState(name="m", state="sleeping")]
     assert awake.model_states == [ModelState(name="m", state="loaded")]
 
 
 async def test_a_vllm_without_sleep_mode_is_asked_once(nursery: trio.Nursery) -> None:
     fake = FakeUpstream(models=["m"])  # /is_sleeping: 404
-    await nursery.start(fake.serve)
-    provider = ProviderConfig(
-        id="p",
-        type="vllm",
-        models=["m"],
-        capacity=1,
-        adapter=AdapterSettings(base_url=fake.base_url),
-    )
-    adapter = OpenAICompatAdapter(provider)
-    try:
-        with trio.fail_after(GUARD_S):
-            first = await adapter.probe()
-            second = await adapter.probe()
-    finally:
-        await adapter.aclose()
+    adapter = await _adapter(nursery, fake, "vllm")
+    with trio.fail_after(GUARD_S):
+        first = await adapter.probe()
+        second = await adapter.probe()
     assert first.model_states is None and second.model_states is None
     assert [r.path for r in fake.requests].count("/is_sleeping") == 1
 
@@ -167,7 +145,8 @@ def test_each_runtime_type_has_its_adapter(type_: ProviderType, cls: type) -> No
 # --- loads and unloads ------------------------------------------------------------------------
 
 
-async def _commanded(nursery: trio.Nursery, fake: FakeUpstream, type_: ProviderType) -> Any:
+async def _adapter(nursery: trio.Nursery, fake: FakeUpstream, type_: ProviderType) -> Any:
+    """An adapter of `type_` in front of `fake` (started), closed when the test ends."""
     await nursery.start(fake.serve)
     provider = ProviderConfig(
         id="p",
@@ -178,8 +157,14 @@ async def _commanded(nursery: trio.Nursery, fake: FakeUpstream, type_: ProviderT
     )
     adapter = create_adapter(provider)
     nursery.start_soon(_closed_at_exit, adapter)
+    return adapter
+
+
+async def _commanded(nursery: trio.Nursery, fake: FakeUpstream, type_: ProviderType) -> Any:
+    """`_adapter`, probed once: what the runtime is, learnt as the health monitor would."""
+    adapter = await _adapter(nursery, fake, type_)
     with trio.fail_after(GUARD_S):
-        await adapter.probe()  # what the runtime is, learnt as the health monitor would
+        await adapter.probe()
     return adapter
 
 
