@@ -22,20 +22,10 @@ from .fake_upstream import FakeUpstream
 
 
 async def _probe(nursery: trio.Nursery, fake: FakeUpstream, type_: ProviderType) -> ProviderStatus:
-    await nursery.start(fake.serve)
-    provider = ProviderConfig(
-        id="p",
-        type=type_,
-        models=list(fake.models),
-        capacity=1,
-        adapter=AdapterSettings(base_url=fake.base_url),
-    )
-    adapter = create_adapter(provider)
-    try:
-        with trio.fail_after(GUARD_S):
-            return await adapter.probe()
-    finally:
-        await adapter.aclose()
+    adapter = await _adapter(nursery, fake, type_)
+    with trio.fail_after(GUARD_S):
+        status: ProviderStatus = await adapter.probe()
+    return status
 
 
 async def test_a_llama_router_reports_each_model_and_how_many_it_holds(

@@ -139,10 +139,10 @@ async def test_claude_code_completes_a_tool_call_against_the_demo(demo: Demo) ->
     await _check_metered(demo, "messages")
 
 
-async def test_codex_completes_a_tool_call_against_the_demo(
-    demo: Demo, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.INFO, logger="iop_node.protocol_run")
+async def _run_codex_demo_turn(demo: Demo, *extra: str) -> tuple[Outcome, list[str]]:
+    """Codex runs the page's command against the demo, its config as the page writes it
+    and `extra` settings (`key=value`, under the page's provider) added: the outcome and
+    the page's command line."""
     codex = require_cli("codex")
     argv = command(DEMO_CODEX)
     assert argv[:2] == ["codex", "exec"], argv
@@ -154,18 +154,11 @@ async def test_codex_completes_a_tool_call_against_the_demo(
     env = {**base_environment(demo.home), **codex_env(demo.target)}
     # What the page's command line leaves out and a test needs: a strict reading of the
     # config, no session files, no OS sandbox (`test_codex.py` says why), no retries.
-    test_flags = [
-        "--strict-config",
-        "--ephemeral",
-        "--sandbox",
-        "danger-full-access",
-        "--color",
-        "never",
-        "-c",
-        f"model_providers.{provider}.request_max_retries=0",
-        "-c",
-        f"model_providers.{provider}.stream_max_retries=0",
-    ]
+    settings = [*extra, "request_max_retries=0", "stream_max_retries=0"]
+    test_flags = ["--strict-config", "--ephemeral", "--sandbox", "danger-full-access"]
+    test_flags += ["--color", "never"]
+    for setting in settings:
+        test_flags += ["-c", f"model_providers.{provider}.{setting}"]
     outcome = await run_cli(
         [str(codex), "exec", *test_flags, *argv[2:]],
         cwd=demo.workdir,
@@ -173,6 +166,14 @@ async def test_codex_completes_a_tool_call_against_the_demo(
         within_s=CLI_LIMIT_S,
         logs=demo.logs,
     )
+    return outcome, argv
+
+
+async def test_codex_completes_a_tool_call_against_the_demo(
+    demo: Demo, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="iop_node.protocol_run")
+    outcome, argv = await _run_codex_demo_turn(demo)
 
     _check_turn(outcome, _printed_command(argv))
     await _check_metered(demo, "responses")
@@ -189,35 +190,7 @@ async def test_codex_completes_a_tool_call_over_websocket(
     (docs/agents.md): Codex runs it over the Responses WebSocket mode, every request of
     the turn on one connection, and falls back to HTTP for none of them."""
     caplog.set_level(logging.DEBUG, logger="iop_edge.http.responses_socket")
-    codex = require_cli("codex")
-    argv = command(DEMO_CODEX)
-    config_dir = trio.Path(demo.home / ".codex")
-    await config_dir.mkdir()
-    config = codex_config(demo.target)
-    await (config_dir / "config.toml").write_text(config)
-    provider = tomllib.loads(config)["model_provider"]
-    env = {**base_environment(demo.home), **codex_env(demo.target)}
-    test_flags = [
-        "--strict-config",
-        "--ephemeral",
-        "--sandbox",
-        "danger-full-access",
-        "--color",
-        "never",
-        "-c",
-        f"model_providers.{provider}.supports_websockets=true",
-        "-c",
-        f"model_providers.{provider}.request_max_retries=0",
-        "-c",
-        f"model_providers.{provider}.stream_max_retries=0",
-    ]
-    outcome = await run_cli(
-        [str(codex), "exec", *test_flags, *argv[2:]],
-        cwd=demo.workdir,
-        env=env,
-        within_s=CLI_LIMIT_S,
-        logs=demo.logs,
-    )
+    outcome, argv = await _run_codex_demo_turn(demo, "supports_websockets=true")
 
     _check_turn(outcome, _printed_command(argv))
     await _check_metered(demo, "responses")
