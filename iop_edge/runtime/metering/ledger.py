@@ -116,9 +116,7 @@ def choose_ledger(edge: EdgeSection) -> LedgerChoice:
         _ensure_state_dir(state_dir)
         store = ledger_postgres.PostgresStore(url, password_env)
         try:
-            store.open()
-        except ledger_postgres.LedgerUnavailable as exc:
-            raise LedgerUnavailable(str(exc)) from None
+            store.open()  # raises LedgerUnavailable, saying why
         finally:
             store.close()
 
@@ -126,7 +124,7 @@ def choose_ledger(edge: EdgeSection) -> LedgerChoice:
         problems = _inspect_state_dir(state_dir)
         try:
             ledger_postgres.connect(url, password_env).close()
-        except ledger_postgres.LedgerUnavailable as exc:
+        except LedgerUnavailable as exc:
             problems.append(ConfigError(path="edge.ledger", message=str(exc)))
         return problems
 

@@ -40,6 +40,7 @@ from iop_edge.core.ledger_url import PostgresUrl
 from iop_edge.runtime.lifecycle.replicas import FORGET_AFTER_S, STALE_AFTER_S
 from iop_edge.runtime.metering.usage import (
     AGGREGATES,
+    LedgerUnavailable,
     UsageRecord,
     UsageReport,
     UsageSelection,
@@ -60,10 +61,6 @@ SCHEMA_LOCK: Final = 0x1017_0001
 CONNECT_TIMEOUT_S: Final = 10
 
 _SQL_TYPES: Final = {str: "TEXT", int: "BIGINT", float: "DOUBLE PRECISION", bool: "BOOLEAN"}
-
-
-class LedgerUnavailable(Exception):
-    """The PostgreSQL ledger cannot be reached or set up; the message says why."""
 
 
 def connect(url: PostgresUrl, password_env: str | None) -> psycopg.Connection[Any]:
