@@ -27,23 +27,17 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
 from prometheus_client import CollectorRegistry
-from prometheus_client import metrics as _prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import INF, floatToGoString
 
+from iop_edge.runtime.metering.compat.prometheus import created_series_enabled
+
 __all__ = ["CounterChild", "CounterSeries", "HistogramChild", "HistogramSeries"]
 
 #: prometheus_client's spelling of a bucket bound in `le` (untyped there).
 _go_float: Final[Callable[[float], str]] = floatToGoString
-
-
-def _use_created() -> bool:
-    """Whether `_created` samples are exposed: prometheus_client's own switch
-    (`PROMETHEUS_DISABLE_CREATED_SERIES`, `disable_created_metrics()`), so these series
-    follow it as its own metrics do."""
-    return bool(getattr(_prometheus_metrics, "_use_created", True))
 
 
 class CounterChild:
@@ -115,7 +109,7 @@ class CounterSeries(_Series):
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        created = _use_created()
+        created = created_series_enabled()
         for values, child in list(self._children.items()):
             family.add_metric(values, child.value, created=child.created if created else None)
         yield family
@@ -156,7 +150,7 @@ class HistogramSeries(_Series):
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        created = _use_created()
+        created = created_series_enabled()
         les = self._les
         for values, child in list(self._children.items()):
             cumulative = 0.0
