@@ -38,10 +38,9 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
-if TYPE_CHECKING:
-    from schemas.spans import SpanRecorder
+from schemas.span_record import SpanRecorder
 
 __all__ = [
     "SPAN_ATTRIBUTES",

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from importlib.metadata import version
-from typing import TYPE_CHECKING, Final, cast
+from typing import Final, cast
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -35,9 +35,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from opentelemetry.trace.span import TraceState
 
 from schemas.otlp_encoding import TraceRequest, encode_span
-
-if TYPE_CHECKING:  # spans hands its recorders here: a runtime import would be a cycle
-    from schemas.spans import AttributeValue, SpanRecorder
+from schemas.span_record import AttributeValue, SpanRecorder
 
 __all__ = ["FAST_ENCODING", "OtlpPipeline", "readable_span", "span_pipeline", "trace_request"]
 
