@@ -33,8 +33,7 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 
 from bench.upstream import asks_for_stream, completion_body, stream_events
 from iop_edge.core.listen import parse_listen_address
-from iop_edge.edge import hypercorn_config
-from iop_edge.http.server import HttpServer
+from iop_edge.http.server import HttpServer, hypercorn_config
 from iop_edge.runtime.lifecycle.listeners import bind_listener
 
 READY_PREFIX: Final = "bench-asgi-floor listening on "

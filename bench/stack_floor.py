@@ -54,8 +54,7 @@ from bench.asgi_floor import serve_lifespan
 from bench.services import Service, python_argv, start_service, url_after
 from bench.upstream import asks_for_stream
 from iop_edge.core.listen import parse_listen_address
-from iop_edge.edge import hypercorn_config
-from iop_edge.http.server import HttpServer
+from iop_edge.http.server import HttpServer, hypercorn_config
 from iop_edge.runtime.lifecycle.listeners import bind_listener
 from iop_node.adapters.run_connections import RunConnections
 from schemas.limits import MAX_FRAME_BYTES

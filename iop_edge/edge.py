@@ -33,7 +33,6 @@ from pathlib import Path
 
 import msgspec
 import trio
-from hypercorn.config import Config as HypercornConfig
 
 from iop_edge import __version__
 from iop_edge.core.config import ParsedConfig
@@ -46,7 +45,7 @@ from iop_edge.http.final_send import ShieldFinalSend
 from iop_edge.http.openai_app import OpenAIApp
 from iop_edge.http.responses import ResponsesSurface
 from iop_edge.http.runs import RunEndpoints
-from iop_edge.http.server import HttpServer
+from iop_edge.http.server import HttpServer, hypercorn_config
 from iop_edge.procedures.drain import CUT_WRITE_S
 from iop_edge.procedures.restart import Restarter
 from iop_edge.procedures.serve import EdgeAddresses, EdgeParts, StopRequest, serve
@@ -104,22 +103,9 @@ __all__ = [
     "EdgeStartupError",
     "ListenerUnavailable",
     "Listeners",
-    "hypercorn_config",
 ]
 
 SHUTDOWN_GRACE_S = DEFAULT_SHUTDOWN_GRACE_S
-
-
-def hypercorn_config(listen: str, grace_s: float = SHUTDOWN_GRACE_S) -> HypercornConfig:
-    """How the Edge configures Hypercorn for a listener (the bench's floor uses it too)."""
-    config = HypercornConfig()
-    config.bind = [listen]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
-    config.graceful_timeout = grace_s + CUT_WRITE_S
-    config.keep_alive_timeout = 75
-    config.include_server_header = False
-    return config
 
 
 def _not_the_node_port(port: str, node_url: str) -> str:
@@ -636,7 +622,7 @@ class Edge:
             node_server=node_server,
             openai=HttpServer(
                 openai_app,
-                hypercorn_config(self._listen["openai"], grace_s),
+                hypercorn_config(self._listen["openai"], grace_s + CUT_WRITE_S),
                 listeners["openai"].socket,
                 send_timeout_s=config.openai.send_timeout_s,
                 websocket_refusal=_not_the_node_port("caller port (OpenAI API)", node_server.url),
@@ -644,7 +630,7 @@ class Edge:
             ),
             admin=HttpServer(
                 ShieldFinalSend(create_admin_app(self._admin_services())),
-                hypercorn_config(self._listen["admin"], grace_s),
+                hypercorn_config(self._listen["admin"], grace_s + CUT_WRITE_S),
                 listeners["admin"].socket,
                 websocket_refusal=_not_the_node_port("admin port", node_server.url),
                 role="admin",

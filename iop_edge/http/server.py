@@ -72,10 +72,10 @@ from iop_edge.http.compat.hypercorn import Lifespan, WorkerContext, repr_socket_
 from iop_edge.http.connection import ChunkedBodyWriter, Connection, current_connection
 from iop_edge.http.errors import ApiError
 from iop_edge.runtime.lifecycle.handoff import HandoffSender
-from schemas.config import DEFAULT_SEND_TIMEOUT_S
+from schemas.config import DEFAULT_SEND_TIMEOUT_S, DEFAULT_SHUTDOWN_GRACE_S
 from schemas.limits import MAX_PAYLOAD_BYTES
 
-__all__ = ["DRAINING_REFUSAL", "WRONG_PORT_CODE", "HttpServer"]
+__all__ = ["DRAINING_REFUSAL", "WRONG_PORT_CODE", "HttpServer", "hypercorn_config"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,19 @@ DRAINING_REFUSAL = ApiError(
 WRONG_PORT_CODE = "not_a_node_port"
 #: The paths a Responses WebSocket mode client upgrades on (`http.responses_socket`).
 _RESPONSES_PATHS = frozenset({"/v1/responses", "/v1/responses/", "/responses"})
+
+
+def hypercorn_config(listen: str, graceful_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> HypercornConfig:
+    """How the Edge configures Hypercorn for a listener (the bench's floors use it too):
+    `graceful_s` is how long a stopping server lets its requests finish."""
+    config = HypercornConfig()
+    config.bind = [listen]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.graceful_timeout = graceful_s
+    config.keep_alive_timeout = 75
+    config.include_server_header = False
+    return config
 
 
 class HttpServer:

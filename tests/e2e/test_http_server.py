@@ -16,8 +16,7 @@ import trio
 import trio.testing
 
 from iop_edge.core.listen import parse_listen_address
-from iop_edge.edge import hypercorn_config
-from iop_edge.http.server import HttpServer
+from iop_edge.http.server import HttpServer, hypercorn_config
 from iop_edge.runtime.lifecycle.listeners import bind_listener
 from tests.e2e.asgi import complete_lifespan
 from tests.timing import GUARD_S
