@@ -279,7 +279,8 @@ async def test_keep_alive_callers_without_retries_see_no_failure_across_a_restar
         tally = load.tally
         assert tally.failed == [], edge.log
         assert tally.truncated == 0
-        assert "connection(s) handed to the successor" in edge.log
+        # Whether a connection was idle at the drain's instant (and handed over) depends
+        # on timing; tests/hostile/test_restart_handoff.py makes that race deterministic.
     finally:
         stop_pid(successor)
         stop_pid(edge.pid)
