@@ -93,6 +93,19 @@ class Holdings:
             return "held"
         return "failed" if state.state == "failed" else "cold"
 
+    def loading(self, served: str, now: float) -> bool:
+        """Whether the runtime is loading `served` now: a load this Edge placed that no
+        report has settled yet, or a report that says `loading`."""
+        if self._placed.get(served, -1.0) > now:
+            return True
+        state = (self._reported or {}).get(served)
+        return state is not None and state.state == "loading"
+
+    def reported_loaded(self, served: str) -> bool:
+        """Whether the runtime's last report says `served` is loaded."""
+        state = (self._reported or {}).get(served)
+        return state is not None and state.state == "loaded"
+
     def failure(self, served: str) -> str | None:
         """The runtime's reason a failed model failed."""
         state = (self._reported or {}).get(served)

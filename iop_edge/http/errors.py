@@ -21,6 +21,7 @@ from iop_edge.runtime.runs.scheduler import (
     RETRY_AFTER_BUSY_S,
     AdmissionError,
     ConcurrencyLimited,
+    ModelLoading,
     QueueFull,
     QueueTimeout,
     UnknownModel,
@@ -137,6 +138,7 @@ def metering_unavailable(reason: str) -> ApiError:
 _COME_BACK_LATER: Final[tuple[tuple[type[AdmissionError], tuple[int, str, str]], ...]] = (
     (ConcurrencyLimited, (429, "rate_limit_error", "concurrency_limit")),
     (QueueFull, (429, "rate_limit_error", "queue_full")),
+    (ModelLoading, (503, "service_unavailable_error", "model_loading")),
     (QueueTimeout, (503, "service_unavailable_error", "queue_timeout")),
 )
 #: Any other refusal: no provider can take the run now.

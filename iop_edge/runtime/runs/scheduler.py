@@ -10,8 +10,10 @@
     │                     unavailable, cooling down, all tried)     -> 503
     ├── QueueFull         M's queue already holds max_queue waiters -> 429
     └── QueueTimeout      no slot within queue_timeout              -> 503
-        └── ConcurrencyLimited  ... while the principal was at its
-                          `max_concurrent` (its own limit held it)  -> 429
+        ├── ConcurrencyLimited  ... while the principal was at its
+        │                 `max_concurrent` (its own limit held it)  -> 429
+        └── ModelLoading  ... while a runtime was loading M (the wait
+                          was queue_timeout + its load_timeout_s)   -> 503
 
 How the pieces fit:
 
@@ -110,6 +112,8 @@ logger = logging.getLogger(__name__)
 
 #: Retry-After suggested when a model is merely busy (queue full, queue timeout).
 RETRY_AFTER_BUSY_S = 1.0
+#: Retry-After suggested when a model is still loading: loads take seconds to minutes.
+RETRY_AFTER_LOADING_S = 10.0
 
 
 class AdmissionError(Exception):
@@ -135,6 +139,11 @@ class QueueFull(AdmissionError):
 
 class QueueTimeout(AdmissionError):
     """The request waited `queue_timeout` without a slot coming free."""
+
+
+class ModelLoading(QueueTimeout):
+    """The request waited `queue_timeout` plus the provider's `load_timeout_s` because a
+    runtime was loading its model (design §18.4), and no runtime has reported it loaded."""
 
 
 class ConcurrencyLimited(QueueTimeout):
@@ -783,6 +792,8 @@ class Scheduler:
                 f"the queue of model {model_id!r} is full ({policy.max_queue} waiting)",
                 retry_after_s=RETRY_AFTER_BUSY_S,
             )
+        # A model being loaded: its runs wait for the load too (design §18.4)
+        load_s = self._load_wait_s(model_id)
         waiter = _Waiter(
             seq=next(self._arrivals),
             model_id=model_id,
@@ -790,7 +801,7 @@ class Scheduler:
             long=long,
             exclude=exclude,
             enqueued_at=self._clock(),
-            timeout_s=policy.queue_timeout_s,
+            timeout_s=policy.queue_timeout_s + load_s,
             protocol=protocol,
             principal=principal,
             work=work,
@@ -813,6 +824,12 @@ class Scheduler:
                     f"request waited {waiter.timeout_s:g}s for one of them to end",
                     retry_after_s=RETRY_AFTER_BUSY_S,
                 )
+            if load_s and not self._reported_loaded(model_id):
+                raise ModelLoading(
+                    f"model {model_id!r} is still loading: no slot came free within "
+                    f"{waiter.timeout_s:g}s (the queue's wait and the load's); retry",
+                    retry_after_s=RETRY_AFTER_LOADING_S,
+                )
             raise QueueTimeout(
                 f"no slot for model {model_id!r} came free within {waiter.timeout_s:g}s",
                 retry_after_s=RETRY_AFTER_BUSY_S,
@@ -821,6 +838,30 @@ class Scheduler:
             raise waiter.error
         assert waiter.lease is not None, "a waiter is woken with a lease or an error"
         return waiter.lease
+
+    def _load_wait_s(self, model_id: str) -> float:
+        """How much longer a run of `model_id` may wait in its queue because a runtime is
+        loading the model: the longest `load_timeout_s` of such providers (0: none is)."""
+        served = self._snapshot.models[model_id].providers
+        if self._stating.isdisjoint(served):
+            return 0.0
+        now = self._clock()
+        loading = [
+            state.config.adapter.load_timeout_s
+            for provider_id in self._stating.intersection(served)
+            if (state := self._states.get(provider_id)) is not None
+            and state.holdings.loading(served[provider_id], now)
+        ]
+        return max(loading, default=0.0)
+
+    def _reported_loaded(self, model_id: str) -> bool:
+        """Whether some runtime's last report says `model_id` is loaded."""
+        served = self._snapshot.models[model_id].providers
+        return any(
+            (state := self._states.get(provider_id)) is not None
+            and state.holdings.reported_loaded(served[provider_id])
+            for provider_id in self._stating.intersection(served)
+        )
 
     def _decide(
         self,
