@@ -31,9 +31,9 @@ Rules:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
@@ -53,6 +53,9 @@ from schemas.channel import (
 from schemas.config import NodeConfig
 
 log = logging.getLogger(__name__)
+
+_Key = TypeVar("_Key", bound=Hashable)
+_Answer = TypeVar("_Answer", bound=wire.Message)
 
 RunEnd = wire.RunDone | wire.RunFailed
 RunEvent = bytes | RunEnd
@@ -246,34 +249,33 @@ class NodeSession:
         self, revision: int, node_config: NodeConfig, config_time: float = 0.0
     ) -> wire.RefreshAck:
         """Push a node-specific config and wait for its ack (the caller bounds the wait)."""
-        send, receive = trio.open_memory_channel[wire.RefreshAck](1)
-        self._acks[revision] = send
-        try:
-            await self.send(
-                wire.Refresh(revision=revision, node_config=node_config, config_time=config_time)
-            )
-            with receive:
-                try:
-                    return await receive.receive()
-                except trio.EndOfChannel:
-                    raise SessionClosed(self.node_id) from None
-        finally:
-            self._acks.pop(revision, None)
+        refresh = wire.Refresh(revision=revision, node_config=node_config, config_time=config_time)
+        return await self._ask(refresh, self._acks, revision)
 
     async def request_model_command(self, command: wire.ModelCommand) -> wire.ModelCommandDone:
         """Ask the Node to load or unload a model and wait for its answer (the caller
         bounds the wait: a load takes as long as the runtime needs)."""
-        send, receive = trio.open_memory_channel[wire.ModelCommandDone](1)
-        self._commands[command.command_id] = send
+        return await self._ask(command, self._commands, command.command_id)
+
+    async def _ask(
+        self,
+        message: wire.Message,
+        waiting: dict[_Key, trio.MemorySendChannel[_Answer]],
+        key: _Key,
+    ) -> _Answer:
+        """Send `message` and wait for the Node's answer to it, which `_route` delivers
+        under `key` in `waiting`; `SessionClosed` when the session ends first."""
+        send, receive = trio.open_memory_channel[_Answer](1)
+        waiting[key] = send
         try:
-            await self.send(command)
+            await self.send(message)
             with receive:
                 try:
                     return await receive.receive()
                 except trio.EndOfChannel:
                     raise SessionClosed(self.node_id) from None
         finally:
-            self._commands.pop(command.command_id, None)
+            waiting.pop(key, None)
 
     async def goaway(self, reason: str) -> None:
         """Tell the node this Edge is going away: it dials again for new runs and keeps
