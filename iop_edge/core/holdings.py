@@ -40,10 +40,21 @@ _HELD: frozenset[ModelLoadState] = frozenset({"loaded", "loading"})
 class Holdings:
     """One provider's models in its runtime's memory (see the module rules)."""
 
-    __slots__ = ("_evicting", "_last_used", "_placed", "_reported", "_running", "max_loaded")
+    __slots__ = (
+        "_evicting",
+        "_last_used",
+        "_placed",
+        "_reported",
+        "_running",
+        "max_loaded",
+        "states",
+    )
 
     def __init__(self) -> None:
+        self.states: list[ModelState] | None = None
+        """The Node's last report of each served model's state; None: it reports none."""
         self._reported: dict[str, ModelState] | None = None
+        """`states` by name."""
         self.max_loaded: int | None = None
         self._placed: dict[str, float] = {}
         """Served name -> until when a load this Edge placed counts as held (Rule 3)."""
@@ -56,6 +67,7 @@ class Holdings:
         """The Node's report: it settles the loads placed and unloads guessed that it
         speaks of (Rules 3, 4)."""
         self.max_loaded = max_loaded
+        self.states = None if states is None else list(states)
         if states is None:
             self._reported = None
             self._placed.clear()
@@ -73,6 +85,8 @@ class Holdings:
 
     def forget(self) -> None:
         """The Node went away: nothing is known until it reports again."""
+        self.states = None
+        self.max_loaded = None
         self._reported = None
         self._placed.clear()
         self._evicting.clear()

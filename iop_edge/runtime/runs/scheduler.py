@@ -292,8 +292,6 @@ class _ProviderState:
         "id",
         "limiter",
         "long_limiter",
-        "max_loaded",
-        "model_states",
         "others",
         "others_long",
         "passive",
@@ -315,11 +313,9 @@ class _ProviderState:
         """The Node's reason for `health`, from its last `status`."""
         self.discovered: list[str] = []
         self.discovered_lifecycle: list[LifecycleFlag] | None = None
-        self.model_states: list[ModelState] | None = None
-        """Each served model's load state, as the Node last reported it (design §18)."""
-        self.max_loaded: int | None = None
         self.holdings = Holdings()
-        """Which models its runtime holds, as this Edge knows it (`core.holdings`)."""
+        """Which models its runtime holds: the Node's last report of each served model's
+        load state, and this Edge's account since (`core.holdings`, design §18)."""
         self.reported_protocols: frozenset[CallerProtocol] | None = None
         """The protocols the Node last said the provider speaks natively; None until it
         says (the config's then count)."""
@@ -620,8 +616,6 @@ class Scheduler:
             state.detail = None
             state.discovered = []
             state.discovered_lifecycle = None
-            state.model_states = None
-            state.max_loaded = None
             state.holdings.forget()
             self._stating.discard(state.id)
             state.reported_protocols = None
@@ -650,9 +644,7 @@ class Scheduler:
         state.discovered = list(models)
         state.discovered_lifecycle = None if lifecycle is None else list(lifecycle)
         state.reported_protocols = None if protocols is None else frozenset(protocols)
-        state.model_states = None if model_states is None else list(model_states)
-        state.max_loaded = max_loaded
-        state.holdings.report(state.model_states, max_loaded)
+        state.holdings.report(model_states, max_loaded)
         if model_states is None:
             self._stating.discard(provider_id)
         else:
@@ -926,7 +918,7 @@ class Scheduler:
         holdings = state.holdings
         holds: Holding = "held"
         room = can_load = True
-        if state.model_states is not None:  # its runtime says what it holds (Rule 8)
+        if holdings.states is not None:  # its runtime says what it holds (Rule 8)
             holds = holdings.holding(served, now)
             if holds == "cold":
                 room = holdings.room(now)
@@ -1256,7 +1248,7 @@ class Scheduler:
             cooling_down=state.passive.breaker(now=now, probing=state.trial is not None) == "open",
             consecutive_failures=state.passive.consecutive_failures,
             protocols=state.protocols,
-            model_states=state.model_states,
-            max_loaded=state.max_loaded,
+            model_states=state.holdings.states,
+            max_loaded=state.holdings.max_loaded,
             cached_share=self.cache_shares.share(state.id),
         )
