@@ -14,7 +14,6 @@ where, and how it ended.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -27,6 +26,7 @@ import trio
 from iop_edge.core.placement import choose_load, holders_of
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.nodes.session import SessionClosed
+from iop_edge.runtime.refresh.audit import append_line
 from schemas import wire
 from schemas.catalog import (
     CatalogProvider,
@@ -202,13 +202,6 @@ class ModelCommands:
             return
         with trio.move_on_after(ANSWER_GRACE_S, shield=True):
             try:
-                await trio.to_thread.run_sync(_append_synced, self._audit_path, lines)
+                await trio.to_thread.run_sync(append_line, self._audit_path, lines)
             except OSError as exc:
                 log.error("model audit log %s not written: %s", self._audit_path, exc)
-
-
-def _append_synced(path: Path, lines: bytes) -> None:
-    with open(path, "ab") as file:
-        file.write(lines)
-        file.flush()
-        os.fsync(file.fileno())

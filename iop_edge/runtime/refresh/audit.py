@@ -50,6 +50,7 @@ __all__ = [
     "AuditLog",
     "AuditRecord",
     "Reservation",
+    "append_line",
     "reserve_room",
     "write_config_atomically",
 ]
@@ -179,7 +180,7 @@ class AuditLog:
         # A fleet's record is megabytes: built and encoded in a worker thread, off the loop.
         line = await off_loop.run_report_work(len(report.changes), len(report.nodes), encode)
         async with self._lock:
-            offset = await trio.to_thread.run_sync(_append_line, self.path, line)
+            offset = await trio.to_thread.run_sync(append_line, self.path, line)
         return Reservation(offset=offset, length=len(line))
 
     async def complete(
@@ -214,7 +215,7 @@ class AuditLog:
             if len(line) == reservation.length:
                 await trio.to_thread.run_sync(_overwrite, self.path, reservation.offset, line)
             else:
-                await trio.to_thread.run_sync(_append_line, self.path, line)
+                await trio.to_thread.run_sync(append_line, self.path, line)
         return record
 
     async def append_unreadable(
@@ -242,7 +243,7 @@ class AuditLog:
         encode = partial(_line, self._encoder, record)
         line = await off_loop.run_report_work(len(record.changed_paths), len(record.nodes), encode)
         async with self._lock:
-            await trio.to_thread.run_sync(_append_line, self.path, line)
+            await trio.to_thread.run_sync(append_line, self.path, line)
 
 
 def _line(
@@ -260,9 +261,10 @@ def _line(
     return line
 
 
-def _append_line(path: Path, line: bytes | bytearray) -> int:
-    """Append `line` with one write (another Edge sharing the folder may append too) and
-    fsync it; returns the offset it starts at."""
+def append_line(path: Path, line: bytes | bytearray) -> int:
+    """Append `line` (or lines) with one write (another Edge sharing the folder may append
+    too) and fsync it; returns the offset it starts at. A write cut short by a full disk
+    is taken back and raised as `ENOSPC`: the file never holds a torn line."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, _NEW_FILE_MODE)
     try:
