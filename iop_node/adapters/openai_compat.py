@@ -101,6 +101,7 @@ from iop_node.adapters.tokenizer import TokenizerEndpoint
 from iop_node.adapters.upstream_errors import (
     CONTEXT_LENGTH_EXCEEDED,
     INPUT_FIELDS,
+    error_message,
     read_error_facts,
 )
 from iop_node.cache_timings import timings_cached
@@ -162,9 +163,6 @@ _OWN_HEADERS: Final = frozenset(
 _KEEPALIVE_EXPIRY_S = 4.0
 #: Bytes of an error response read to find the upstream's message; the rest is dropped.
 _ERROR_BODY_LIMIT = 64 * 1024
-#: Longest upstream error message carried into an AdapterError, whitespace and all: the
-#: caller gets the upstream's own words (design §4 item 10), and the reason is often at the end.
-MESSAGE_LIMIT = 8 * 1024
 #: Longest one-line detail of a probe or transport failure (a status detail, a log line).
 _DETAIL_LIMIT = 500
 #: After `[DONE]`, how long to wait for the end of the chunked body so the connection can
@@ -225,7 +223,6 @@ def _decode_body(body: bytes) -> dict[str, Any] | None:
         return None
 
 
-_any_decoder: Final = msgspec.json.Decoder()
 _token_count_decoder: Final = msgspec.json.Decoder(_TokenCount)
 
 
@@ -236,43 +233,6 @@ def _clip(text: str) -> str:
     """One line of at most `_DETAIL_LIMIT` characters (a status detail, a log line)."""
     text = " ".join(text.split())
     return text if len(text) <= _DETAIL_LIMIT else text[: _DETAIL_LIMIT - 3] + "..."
-
-
-def _bound(text: str) -> str:
-    """An upstream message as it was (whitespace kept), cut only past `MESSAGE_LIMIT`."""
-    text = text.strip()
-    if len(text) <= MESSAGE_LIMIT:
-        return text
-    marker = f"... [cut: {len(text)} characters in all]"
-    return text[: MESSAGE_LIMIT - len(marker)] + marker
-
-
-def error_message(body: bytes) -> str | None:
-    """The human message in an upstream error body, whatever dialect it speaks, kept whole
-    up to `MESSAGE_LIMIT` characters.
-
-    OpenAI (and Ollama's /v1, SGLang, Lemonade, llama.cpp): `{"error": {"message": ...}}`;
-    older vLLM: `{"object": "error", "message": ...}`; some servers: `{"error": "..."}`;
-    FastAPI: `{"detail": ...}`. Anything else falls back to the body as text.
-    """
-    try:
-        parsed = _any_decoder.decode(body)
-    except msgspec.DecodeError:
-        text = body.decode("utf-8", errors="replace").strip()
-        return _bound(text) if text else None
-    candidates: list[Any] = []
-    if isinstance(parsed, dict):
-        error = parsed.get("error")
-        if isinstance(error, dict):
-            candidates.append(error.get("message"))
-        candidates += [error, parsed.get("message"), parsed.get("detail")]
-    elif isinstance(parsed, str):
-        candidates.append(parsed)
-    for candidate in candidates:
-        if isinstance(candidate, str) and candidate.strip():
-            return _bound(candidate)
-    text = body.decode("utf-8", errors="replace").strip()
-    return _bound(text) if text else None
 
 
 def status_failure(status: int, body: bytes, operation: Operation | None = None) -> AdapterError:

@@ -42,6 +42,7 @@ from iop_node.adapters.model_states import (
     from_vllm_sleep,
     llama_router_max_loaded,
 )
+from iop_node.adapters.upstream_errors import error_message
 from schemas.config import LifecycleFlag
 from schemas.wire import ModelState, ProviderStatus
 
@@ -176,24 +177,8 @@ class RuntimeLifecycle:
             raise ModelCommandFailed(f"POST {path} failed: {exc}") from exc
         if response.status_code < 300:
             return response.content
-        detail = runtime_says(response.content)
+        detail = error_message(response.content) or ""
         if any(phrase in detail for phrase in done_if):
             return response.content
         suffix = f": {detail}" if detail else ""
         raise ModelCommandFailed(f"POST {path} returned {response.status_code}{suffix}")
-
-
-#: How much of a runtime's refusal a failed command repeats.
-_SAID_LIMIT: Final = 300
-
-
-def runtime_says(body: bytes) -> str:
-    """A lifecycle API's refusal in its own words: llama.cpp, LM Studio and Ollama answer
-    `{"error": {"message": ...}}` or `{"error": "..."}`; anything else as text."""
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return body.decode("utf-8", errors="replace").strip()[:_SAID_LIMIT]
-    error = parsed.get("error") if isinstance(parsed, dict) else None
-    message = error.get("message") if isinstance(error, dict) else error
-    return str(message or parsed)[:_SAID_LIMIT]

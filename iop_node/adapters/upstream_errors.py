@@ -40,7 +40,14 @@ import msgspec
 
 from schemas.wire import Operation
 
-__all__ = ["CONTEXT_LENGTH_EXCEEDED", "INPUT_FIELDS", "ErrorFacts", "read_error_facts"]
+__all__ = [
+    "CONTEXT_LENGTH_EXCEEDED",
+    "INPUT_FIELDS",
+    "MESSAGE_LIMIT",
+    "ErrorFacts",
+    "error_message",
+    "read_error_facts",
+]
 
 #: OpenAI's code for a prompt (plus output) longer than the model's context.
 CONTEXT_LENGTH_EXCEEDED: Final = "context_length_exceeded"
@@ -61,6 +68,9 @@ _CONTEXT_SIZE_WORDS: Final = re.compile(
     re.IGNORECASE,
 )
 _decode: Final = msgspec.json.Decoder().decode
+#: Longest upstream error message carried into an AdapterError, whitespace and all: the
+#: caller gets the upstream's own words (design §4 item 10), and the reason is often at the end.
+MESSAGE_LIMIT = 8 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,3 +114,40 @@ def read_error_facts(body: bytes, operation: Operation | None = None) -> ErrorFa
 
 def _text(value: object) -> str | None:
     return value if isinstance(value, str) and value.strip() else None
+
+
+def _bound(text: str) -> str:
+    """An upstream message as it was (whitespace kept), cut only past `MESSAGE_LIMIT`."""
+    text = text.strip()
+    if len(text) <= MESSAGE_LIMIT:
+        return text
+    marker = f"... [cut: {len(text)} characters in all]"
+    return text[: MESSAGE_LIMIT - len(marker)] + marker
+
+
+def error_message(body: bytes) -> str | None:
+    """The human message in an upstream error body, whatever dialect it speaks, kept whole
+    up to `MESSAGE_LIMIT` characters.
+
+    OpenAI (and Ollama's /v1, SGLang, Lemonade, llama.cpp): `{"error": {"message": ...}}`;
+    older vLLM: `{"object": "error", "message": ...}`; some servers: `{"error": "..."}`;
+    FastAPI: `{"detail": ...}`. Anything else falls back to the body as text.
+    """
+    try:
+        parsed = _decode(body)
+    except msgspec.DecodeError:
+        text = body.decode("utf-8", errors="replace").strip()
+        return _bound(text) if text else None
+    candidates: list[Any] = []
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict):
+            candidates.append(error.get("message"))
+        candidates += [error, parsed.get("message"), parsed.get("detail")]
+    elif isinstance(parsed, str):
+        candidates.append(parsed)
+    for candidate in candidates:
+        if isinstance(candidate, str) and candidate.strip():
+            return _bound(candidate)
+    text = body.decode("utf-8", errors="replace").strip()
+    return _bound(text) if text else None
