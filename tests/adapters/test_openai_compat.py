@@ -10,12 +10,8 @@ import pytest
 import trio
 
 from iop_node.adapters.base import AdapterError, ProbeTimeout, RunResult
-from iop_node.adapters.openai_compat import (
-    MESSAGE_LIMIT,
-    OpenAICompatAdapter,
-    error_message,
-    status_failure,
-)
+from iop_node.adapters.openai_compat import OpenAICompatAdapter, status_failure
+from iop_node.adapters.upstream_errors import MESSAGE_LIMIT, error_message
 from iop_node.reply import ParsedChunk
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import Operation, Run, Usage
