@@ -7,6 +7,7 @@ sharing the Node send a conversation's turns to the same provider."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -41,29 +42,35 @@ def _later_turns_mostly_cached(cached: list[int], prompt: list[int]) -> None:
         assert cached[turn] >= 0.8 * prompt[turn - 1], (cached, prompt)
 
 
-async def test_chat_turns_land_on_one_provider_and_hit_its_cache(stack: Stack) -> None:
+async def _chat_conversation(edge_of: Callable[[int], Stack]) -> None:
+    """A chat conversation of `TURNS` turns, turn N asked of `edge_of(N)`, each sending the
+    whole history again: every turn lands on one provider, cached from the second."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "Fix the failing test."},
     ]
     landed, cached, prompt = set(), [], []
-    async with stack.client() as client:
-        for turn in range(TURNS):
+    for turn in range(TURNS):
+        async with edge_of(turn).client() as client:
             raw = await client.chat.completions.with_raw_response.create(
                 model="m", messages=messages, max_tokens=8
             )
-            completion = raw.parse()
-            landed.add(raw.headers["x-iop-provider"])
-            usage = completion.usage
-            assert usage is not None and usage.prompt_tokens_details is not None
-            cached.append(usage.prompt_tokens_details.cached_tokens or 0)
-            prompt.append(usage.prompt_tokens)
-            messages += [
-                {"role": "assistant", "content": completion.choices[0].message.content},
-                {"role": "user", "content": f"Now step {turn + 1}: " + "details " * 50},
-            ]
+        completion = raw.parse()
+        landed.add(raw.headers["x-iop-provider"])
+        usage = completion.usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        cached.append(usage.prompt_tokens_details.cached_tokens or 0)
+        prompt.append(usage.prompt_tokens)
+        messages += [
+            {"role": "assistant", "content": completion.choices[0].message.content},
+            {"role": "user", "content": f"Now step {turn + 1}: " + "details " * 50},
+        ]
     assert len(landed) == 1
     _later_turns_mostly_cached(cached, prompt)
+
+
+async def test_chat_turns_land_on_one_provider_and_hit_its_cache(stack: Stack) -> None:
+    await _chat_conversation(lambda turn: stack)
 
 
 async def test_a_claude_code_session_lands_on_one_provider(stack: Stack) -> None:
@@ -138,28 +145,7 @@ async def test_two_edges_send_a_conversations_turns_to_one_provider(
     await nursery.start(partial(run_node, urls, "node-1", NODE_TOKEN))
     for stack in stacks:
         await stack.wait_servable("m")
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "Fix the failing test."},
-    ]
-    landed, cached, prompt = set(), [], []
-    for turn in range(TURNS):
-        async with stacks[turn % 2].client() as client:
-            raw = await client.chat.completions.with_raw_response.create(
-                model="m", messages=messages, max_tokens=8
-            )
-        completion = raw.parse()
-        landed.add(raw.headers["x-iop-provider"])
-        usage = completion.usage
-        assert usage is not None and usage.prompt_tokens_details is not None
-        cached.append(usage.prompt_tokens_details.cached_tokens or 0)
-        prompt.append(usage.prompt_tokens)
-        messages += [
-            {"role": "assistant", "content": completion.choices[0].message.content},
-            {"role": "user", "content": f"Now step {turn + 1}: " + "details " * 50},
-        ]
-    assert len(landed) == 1
-    _later_turns_mostly_cached(cached, prompt)
+    await _chat_conversation(lambda turn: stacks[turn % 2])
 
 
 @pytest.mark.parametrize(
