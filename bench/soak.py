@@ -699,6 +699,12 @@ def _runs_by_provider(ledger: Path) -> Counter[str]:
         return Counter({provider: count for provider, count in db.execute(query)})
 
 
+def _answered(ends: Counter[str]) -> int:
+    """The requests among `ends` that were answered: every 200, whole or streamed, the
+    store filler's (`200 responses stored=...`) included."""
+    return sum(count for end, count in ends.items() if end.split(" ", 1)[0] == "200")
+
+
 def _report_restart(books: Books) -> bool:
     """Print how the requests that started during the restart ended; whether none
     failed. True when there was no restart."""
@@ -707,7 +713,7 @@ def _report_restart(books: Books) -> bool:
         return True
     opened, closed = books.restart
     inside = Counter(end for at, end in books.ends if opened <= at <= closed)
-    answered = inside["200"] + inside["200 stream"]
+    answered = _answered(inside)
     failed = sum(inside.values()) - answered - inside["caller hung up"]
     summary = ", ".join(f"{count} {end}" for end, count in inside.most_common()) or "none"
     print(f"\nrestart, {opened:.1f}s-{closed:.1f}s (callers without retries): {summary}")
@@ -772,7 +778,7 @@ def _report_shared_runtime(books: Books) -> bool:
     for label, ends in (("started in the window", inside), ("the rest of the run", outside)):
         summary = ", ".join(f"{count} {end}" for end, count in ends.most_common()) or "none"
         print(f"  {SHARED_MODEL} requests, {label}: {summary}")
-    served = inside["200"] + inside["200 stream"]
+    served = _answered(inside)
     failed = sum(inside.values()) - served - inside["caller hung up"]
     held = not_routable == 0 and failed == 0 and served > 0
     verdict = "held" if held else "FAILED"
