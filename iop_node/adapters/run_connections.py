@@ -17,6 +17,12 @@ So an adapter's runs keep their own idle connections, the most recently used on 
 2. *None left*: a new one, made by the client's pool (`create_connection`), so it has
    exactly the client's settings: TLS verification, the environment's proxy (a forward
    or tunnel connection through it), keep-alive expiry.
+   A *reused* connection that is lost before any of the response arrives (the server
+   disconnected, or reset the socket) is closed and the request sent once more on a new
+   one. The server closed an idle connection as the request went out (its keep-alive
+   timeout racing ours, a restart of the server's workers); Go's transport, Envoy and
+   HAProxy retry the same way. A new connection lost the same way is the server's
+   failure, and raises.
 3. *Giving one back* after its response is closed: a connection left idle (the exchange
    ended cleanly, keep-alive) goes back on the stack, up to `keep` of them; any other is
    closed. A connection whose request failed or was cancelled is closed.
@@ -41,6 +47,14 @@ __all__ = ["CLOSE_GRACE_S", "RunConnections"]
 #: Bound on closing one connection, or a client's (a TLS close_notify to a peer that
 #: does not read).
 CLOSE_GRACE_S: Final = 5.0
+#: How a reused connection fails when the server dropped it before answering: an empty
+#: read ("Server disconnected without sending a response"), or a reset while writing or
+#: reading. Timeouts are not among them: a slow server got the request.
+_LOST_BEFORE_RESPONSE: Final = (
+    httpcore2.RemoteProtocolError,
+    httpcore2.ReadError,
+    httpcore2.WriteError,
+)
 
 
 class RunConnections:
@@ -65,7 +79,16 @@ class RunConnections:
         """Send `request` on an idle connection or a new one (Rules 1-2); the response
         and its connection, which the caller gives back (`give_back`) once the response
         is closed. A failed or cancelled send closes its connection (Rule 3)."""
-        connection = await self._take(request.url.origin)
+        reused = await self._take()
+        if reused is not None:
+            try:
+                return reused, await reused.handle_async_request(request)
+            except _LOST_BEFORE_RESPONSE:
+                await _close(reused)  # dropped while idle: once more, on a new one
+            except BaseException:
+                await _close(reused)
+                raise
+        connection = self._pool.create_connection(request.url.origin)
         try:
             return connection, await connection.handle_async_request(request)
         except BaseException:
@@ -85,7 +108,8 @@ class RunConnections:
         while self._idle:
             await _close(self._idle.pop()[1])
 
-    async def _take(self, origin: httpcore2.Origin) -> AsyncConnectionInterface:
+    async def _take(self) -> AsyncConnectionInterface | None:
+        """The newest usable idle connection, or None (Rule 1)."""
         idle = self._idle
         stale = trio.current_time() - self._expiry_s
         while idle and idle[0][0] < stale:
@@ -95,7 +119,7 @@ class RunConnections:
             if connection.is_available() and not connection.has_expired():
                 return connection
             await _close(connection)
-        return self._pool.create_connection(origin)
+        return None
 
 
 async def _close(connection: AsyncConnectionInterface) -> None:

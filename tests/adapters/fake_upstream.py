@@ -10,12 +10,12 @@ connection reuse, real disconnects. The benchmark reuses it as its upstream.
 Knobs are plain attributes, read per request, so a test may change them between requests:
 `chunks`, `first_byte_delay_s`, `chunk_interval_s`, `hang`, `status`, `drop_after_chunks`,
 `error_code`, `error_param`, `before_end`, `cache` (cached prompt tokens in chat usage,
-or in llama.cpp's `timings`: `CacheReport`),
+or in llama.cpp's `timings`: `CacheReport`), `runs_per_connection`,
 `error_after_chunks` (an in-band `data: {"error": ...}` event, then `[DONE]`, as vLLM
 does when generation fails mid-stream), `models`, `models_status`, and `pace` (an async
 hook awaited before each stream event, so a test can hold the stream until it has seen
 the previous event). Observations: `requests` (the last few, with headers and exact body
-bytes), `requests_total`, `connections_total`, `active`, `disconnects`, and
+bytes), `requests_total`, `connections_total`, `dropped`, `active`, `disconnects`, and
 `wait_for(predicate)` to block until they reach a state (no sleeping in tests).
 
 Behaviours of real runtimes, each off by default (llama.cpp's Python server shows all
@@ -359,6 +359,10 @@ class FakeUpstream:
     """A stream's `data:` payloads by its request's body, sent in place of the usual ones
     and followed by `[DONE]` (an empty list: a 200 whose body ends at once); None from
     it: the usual answer."""
+    runs_per_connection: int | None = None
+    """A connection that has answered this many POSTs drops the next one unanswered, as
+    a server closing an idle keep-alive connection just as a request arrives does (None:
+    never)."""
     cache: CacheReport | None = None
     """Chat answers report this many prompt tokens read from the runtime's cache (None:
     they say nothing of a cache)."""
@@ -372,6 +376,8 @@ class FakeUpstream:
     interrupted: int = field(init=False, default=0)
     """Streams cut short by `interrupt_streams`."""
     connections_total: int = field(init=False, default=0)
+    dropped: int = field(init=False, default=0)
+    """POSTs dropped unanswered by `runs_per_connection`."""
     active: int = field(init=False, default=0)
     disconnects: int = field(init=False, default=0)
     root_url: str = field(init=False, default="")
@@ -406,11 +412,17 @@ class FakeUpstream:
         self.connections_total += 1
         self._notify()
         conn = h11.Connection(h11.SERVER)
+        posts = 0
         try:
             while True:
                 request = await self._read_request(stream, conn)
                 if request is None:
                     return
+                if request.method == "POST":
+                    if posts == self.runs_per_connection:
+                        self.dropped += 1
+                        return
+                    posts += 1
                 await self._respond(stream, conn, request)
                 if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                     return

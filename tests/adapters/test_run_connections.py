@@ -58,10 +58,13 @@ class Pool:
 
     def __init__(self) -> None:
         self.made: list[Connection] = []
+        self.fail_new: Exception | None = None
+        """What each connection made from now on raises when sent a request."""
 
     def create_connection(self, origin: httpcore2.Origin) -> Connection:
         assert origin == ORIGIN
         self.made.append(Connection(len(self.made)))
+        self.made[-1].fail = self.fail_new
         return self.made[-1]
 
 
@@ -141,6 +144,50 @@ async def test_a_failed_send_closes_its_connection(pool: Pool) -> None:
     with pytest.raises(OSError, match="reset"):
         await connections.send(REQUEST)
     assert pool.made[0].closed and connections.idle == 0
+
+
+@pytest.mark.parametrize(
+    "lost",
+    [
+        httpcore2.RemoteProtocolError("Server disconnected without sending a response."),
+        httpcore2.ReadError("[Errno 104] Connection reset by peer"),
+        httpcore2.WriteError("[Errno 32] Broken pipe"),
+    ],
+)
+async def test_a_reused_connection_lost_before_the_response_is_sent_again_on_a_new_one(
+    pool: Pool, lost: Exception
+) -> None:
+    """The server dropped the idle connection as the request went out (keep-alive
+    timeouts racing): the run does not fail, it goes once more on a new connection."""
+    connections = _connections(pool)
+    await _exchange(connections)
+    pool.made[0].fail = lost
+    assert await _exchange(connections) is pool.made[1]
+    assert pool.made[0].closed and pool.made[1].sent == 1
+
+
+async def test_a_new_connection_lost_before_the_response_raises(pool: Pool) -> None:
+    """Only a reused connection is retried, and only once: a server that drops new
+    connections fails the run."""
+    connections = _connections(pool)
+    await _exchange(connections)
+    pool.made[0].fail = pool.fail_new = httpcore2.RemoteProtocolError("Server disconnected")
+    with pytest.raises(httpcore2.RemoteProtocolError):
+        await connections.send(REQUEST)
+    assert len(pool.made) == 2 and all(c.closed for c in pool.made)
+    with pytest.raises(httpcore2.RemoteProtocolError):  # a first connection: no retry
+        await _connections(pool).send(REQUEST)
+    assert len(pool.made) == 3
+
+
+async def test_a_timeout_on_a_reused_connection_is_not_retried(pool: Pool) -> None:
+    """A slow server got the request: sending it again would run it twice."""
+    connections = _connections(pool)
+    await _exchange(connections)
+    pool.made[0].fail = httpcore2.ReadTimeout("timed out")
+    with pytest.raises(httpcore2.ReadTimeout):
+        await connections.send(REQUEST)
+    assert len(pool.made) == 1
 
 
 async def test_a_cancelled_send_closes_its_connection(pool: Pool) -> None:

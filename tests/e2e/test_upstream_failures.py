@@ -499,6 +499,27 @@ async def test_runs_after_a_hang_up_share_one_new_connection(
     assert fake.disconnects == 1
 
 
+async def test_an_idle_connection_the_upstream_drops_as_a_run_arrives_costs_nothing(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    """An upstream closes each kept connection just as the next run arrives on it (its
+    keep-alive timeout racing the Node's): every run is still answered, from the one
+    provider, by sending it once more on a new connection."""
+    fake = FakeUpstream(runs_per_connection=1)
+    base_url = await nursery.start(fake.serve)
+    stack = await make_stack([upstream_provider("gpu", base_url)])
+    with trio.fail_after(GUARD_S):
+        async with stack.client() as client:
+            for stream in (False, True, False):
+                reply = await client.chat.completions.create(
+                    model=ALIAS, messages=MESSAGES, stream=stream
+                )
+                if stream:
+                    assert [chunk async for chunk in reply]
+    assert fake.dropped == 2 and fake.requests_total == 3
+    assert provider_of(await stack.catalog(), "gpu")["consecutive_failures"] == 0
+
+
 async def test_caller_gone_while_upstream_thinks_closes_the_upstream_request(
     nursery: trio.Nursery, make_stack: MakeStack
 ) -> None:

@@ -74,8 +74,10 @@ def _gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def llama_server() -> Iterator[str]:
-    """The OpenAI base URL (`.../v1`) of llama.cpp's server, running for the session."""
+def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The OpenAI base URL (`.../v1`) of llama.cpp's server, running for the session; its
+    output goes to `llama-server.log` in the session's temporary folder, which a failing
+    suite names."""
     binary = Path(os.environ.get("IOP_LLAMA_SERVER", LLAMA_SERVER))
     if not os.access(binary, os.X_OK):
         missing(f"no llama-server binary at {binary}")
@@ -89,11 +91,16 @@ def llama_server() -> Iterator[str]:
     lines: queue.Queue[str | None] = queue.Queue()
     tail: deque[str] = deque(maxlen=40)
 
+    log = tmp_path_factory.getbasetemp() / "llama-server.log"
+
     def read() -> None:  # drains the pipe for the whole session, or the server would block
         assert process.stdout is not None
-        for line in process.stdout:
-            tail.append(line)
-            lines.put(line)
+        with log.open("w") as kept:
+            for line in process.stdout:
+                kept.write(line)
+                kept.flush()
+                tail.append(line)
+                lines.put(line)
         lines.put(None)
 
     threading.Thread(target=read, name="llama-server output", daemon=True).start()
