@@ -307,7 +307,7 @@ async def test_a_refresh_of_ten_thousand_tokens_holds_the_loop_no_step_longer_th
     candidate = config_text(10_000, rpm=61)  # every listed principal's limit: live
     parsed = await trio.to_thread.run_sync(parse_config, running)
     edge = FleetEdge(Snapshot.build(parsed.config, revision=1, config_sha256=parsed.sha256))
-    refresher = Refresher(edge, config_path=None, audit=AuditLog(tmp_path), proof=parsed.proof)
+    refresher = Refresher(edge, config_path=None, audit=AuditLog(tmp_path))
     steps = LongestStep()
     trio.lowlevel.add_instrument(steps)
     try:
