@@ -27,7 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from iop_edge.core.config import ParsedConfig
-from iop_edge.core.gc_pause import gc_paused
 from iop_edge.core.refresh_diff import (
     ConfigDiff,
     compare_configs,
@@ -36,7 +35,6 @@ from iop_edge.core.refresh_diff import (
 )
 from iop_edge.core.snapshot import Snapshot
 from schemas.config import EdgeConfig
-from schemas.give_way import give_way
 from schemas.refresh import RefreshError
 
 __all__ = [
@@ -113,7 +111,6 @@ def nodes_to_push(running: Snapshot, new: Snapshot) -> tuple[str, ...]:
     so comparing them costs next to nothing; what changed is compared field by field."""
     changed: list[str] = []
     for node_id, node in new.nodes.items():
-        give_way()  # ten thousand Nodes (`schemas.give_way`)
         before = running.nodes.get(node_id)
         providers = before.providers if before is not None else []
         if node.providers is not providers and node.providers != providers:
@@ -144,21 +141,7 @@ def prepare_refresh(
     """Read the candidate (`load` raises `ConfigInvalid`), plan it over `running` and,
     with `build` (an apply) and nothing refusing it, build the snapshot to swap in.
 
-    Pure and synchronous: no await, nothing shared is touched, so it may run in a worker
-    thread while `running` keeps serving (snapshots are immutable). The collector is
-    paused throughout, and what it built frozen at the end (`core.gc_pause` Rules 1, 2:
-    the caller holds the heap, `gc_held`)."""
-    with gc_paused(freeze=True):
-        return _prepare(load, running, pending_restart, allow_restart_required, build)
-
-
-def _prepare(
-    load: Callable[[], ParsedConfig],
-    running: Snapshot,
-    pending_restart: tuple[str, ...],
-    allow_restart_required: bool,
-    build: bool,
-) -> PreparedRefresh:
+    Pure and synchronous: no await, nothing shared is touched."""
     parsed = load()
     plan = plan_apply(
         running.config,

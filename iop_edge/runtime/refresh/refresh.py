@@ -279,8 +279,7 @@ class Refresher:
             report = self._rejected(
                 request,
                 "",
-                f"{failed}; nothing was applied, and the worker is restarted for the next "
-                "refresh",
+                f"{failed}; nothing was applied, and the worker is restarted for the next refresh",
             )
             return await self._finish("unavailable", report, config_sha256=None)
         sha256, plan = prepared.config_sha256, prepared.plan
@@ -427,14 +426,11 @@ class Refresher:
         the new snapshot assembled here from its per-Node delta (`refresh.assemble`).
         Raises `ConfigInvalid`, or `WorkerFailed` when the worker crashed or did not
         answer within the deadline (it is restarted for the next refresh)."""
-        if request.config_yaml is not None:
-            ask = Prepare(base_revision=base.revision, config_yaml=request.config_yaml)
-        elif self._config_path is not None:
-            ask = Prepare(base_revision=base.revision, config_path=str(self._config_path))
-        else:
+        if request.config_yaml is None and self._config_path is None:
             raise ConfigInvalid([_no_candidate()])
-        ask = msgspec.structs.replace(
-            ask,
+        ask = Prepare(
+            base_revision=base.revision,
+            config_path=None if self._config_path is None else str(self._config_path),
             pending_restart=list(self._pending_restart),
             allow_restart_required=request.allow_restart_required,
             build=request.mode == "apply",
@@ -443,7 +439,7 @@ class Refresher:
         # The worker ends itself at its deadline (in real time); this one, a little later,
         # is for a worker that cannot even do that.
         with trio.move_on_after(self._worker_deadline_s + COMMIT_GRACE_S):
-            answer = await self.worker.prepare(ask, base.config)
+            answer = await self.worker.prepare(ask, base.config, config_yaml=request.config_yaml)
             if isinstance(answer, Invalid):
                 raise ConfigInvalid(answer.errors)
             self._read = (answer.parsed_nodes, answer.checked_nodes)
@@ -453,9 +449,7 @@ class Refresher:
                 snapshot = await assemble(answer.built, base, config_sha256=answer.config_sha256)
                 to_push = tuple(answer.built.to_push)
             return _Prepared(answer.config_sha256, answer.plan, snapshot, to_push)
-        raise WorkerFailed(
-            f"the refresh worker did not answer within {self._worker_deadline_s:g}s"
-        )
+        raise WorkerFailed(f"the refresh worker did not answer within {self._worker_deadline_s:g}s")
 
     # --- reports -------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ __all__ = ["Worker", "main"]
 
 _DECODE_PREPARE: Final = msgspec.msgpack.Decoder(Prepare)
 _DECODE_CONFIG: Final = msgspec.msgpack.Decoder(EdgeConfig)
+_DECODE_NODE: Final = msgspec.msgpack.Decoder(NodeEntry)
 _ENCODER: Final = msgspec.msgpack.Encoder()
 
 
@@ -63,15 +64,18 @@ class Worker:
         self.bases: dict[int, EdgeConfig] = {}
         self.proof: ConfigProof | None = None
 
-    def prepare(self, request: Prepare) -> Reply:
+    def prepare(self, request: Prepare, pieces: list[bytes]) -> Reply:
+        """`pieces`: the frames that followed `request` (`worker_protocol`, Rules 2, 4)."""
         base = self.bases.get(request.base_revision)
         if request.base_config is not None:
-            base = _DECODE_CONFIG.decode(request.base_config)
+            nodes = [_DECODE_NODE.decode(piece) for piece in pieces[: request.base_nodes]]
+            rest = _DECODE_CONFIG.decode(request.base_config)
+            base = msgspec.structs.replace(rest, nodes=nodes)
         if base is None:
             return Failed(f"the worker does not hold revision {request.base_revision}")
         self.bases = {request.base_revision: base}
         try:
-            parsed = self._load(request)
+            parsed = self._load(request, pieces[request.base_nodes :])
         except ConfigInvalid as invalid:
             return Invalid(invalid.errors)
         self.proof = parsed.proof
@@ -102,9 +106,9 @@ class Worker:
             checked_nodes=parsed.checked_nodes,
         )
 
-    def _load(self, request: Prepare) -> ParsedConfig:
-        if request.config_yaml is not None:
-            return parse_config(request.config_yaml, proof=self.proof)
+    def _load(self, request: Prepare, text: list[bytes]) -> ParsedConfig:
+        if request.text_pieces is not None:
+            return parse_config(b"".join(text).decode("utf-8"), proof=self.proof)
         if request.config_path is not None:
             return load_config(request.config_path, proof=self.proof)
         raise ConfigInvalid([])  # the Edge sends one or the other
@@ -137,25 +141,35 @@ def _read_exactly(stream: BinaryIO, size: int) -> bytes | None:
     return data
 
 
+def _read_frame(stream: BinaryIO) -> bytes | None:
+    header = _read_exactly(stream, HEADER_BYTES)
+    if header is None:
+        return None
+    return _read_exactly(stream, int.from_bytes(header, "big"))
+
+
 def serve(requests: BinaryIO, replies: BinaryIO) -> None:
     """Answer requests until `requests` ends (Rule 3)."""
     worker = Worker()
     replies.write(frame(_ENCODER.encode(Hello(VERSION))))
     replies.flush()
     while True:
-        header = _read_exactly(requests, HEADER_BYTES)
-        if header is None:
-            return
-        payload = _read_exactly(requests, int.from_bytes(header, "big"))
+        payload = _read_frame(requests)
         if payload is None:
             return
         reply: Reply
         try:
             request = _DECODE_PREPARE.decode(payload)
+            pieces: list[bytes] = []
+            for _ in range(request.base_nodes + (request.text_pieces or 0)):
+                piece = _read_frame(requests)
+                if piece is None:
+                    return
+                pieces.append(piece)
             if request.deadline_s is not None:
                 faulthandler.dump_traceback_later(request.deadline_s, exit=True)  # Rule 4
             try:
-                reply = worker.prepare(request)
+                reply = worker.prepare(request, pieces)
             finally:
                 faulthandler.cancel_dump_traceback_later()
         except Exception as exc:  # Rule 3: named to the Edge, and the worker goes on

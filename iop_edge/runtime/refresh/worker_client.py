@@ -41,6 +41,10 @@ __all__ = ["WORKER_MODULE", "RefreshWorker", "WorkerFailed"]
 WORKER_MODULE: Final = "iop_edge.runtime.refresh.worker"
 #: How long a stopping worker gets to end before it is killed (Rule 4).
 STOP_GRACE_S: Final = 5.0
+#: Characters of an inline candidate in one frame (`worker_protocol`, Rule 4).
+TEXT_PIECE_CHARS: Final = 256 * 1024
+#: Base Nodes encoded and written at a time.
+NODES_AT_ONCE: Final = 256
 #: Read from the worker's stdout at a time.
 _CHUNK: Final = 1 << 20
 
@@ -72,21 +76,35 @@ class RefreshWorker:
         self.starts = 0
         """Workers started so far: a restart after a failure shows here."""
 
-    async def prepare(self, request: Prepare, base: EdgeConfig) -> Prepared | Invalid:
-        """Send `request` (with `base` encoded when the worker does not hold its revision)
-        and wait for the answer. Raises `WorkerFailed` (Rule 2); the caller bounds the
-        wait with a cancel scope, and a cancelled request stops the worker."""
+    async def prepare(
+        self, request: Prepare, base: EdgeConfig, *, config_yaml: str | None = None
+    ) -> Prepared | Invalid:
+        """Send `request` (with `base` when the worker does not hold its revision, and an
+        inline candidate `config_yaml`) and wait for the answer. Raises `WorkerFailed`
+        (Rule 2); the caller bounds the wait with a cancel scope, and a cancelled request
+        stops the worker."""
         running = self._running
         done = False
         try:
             if running is None:
                 running = await self._start()
-            if request.base_revision not in running.holds:
-                request = msgspec.structs.replace(request, base_config=_ENCODER.encode(base))
+            send_base = request.base_revision not in running.holds
+            if send_base:
+                rest = _ENCODER.encode(msgspec.structs.replace(base, nodes=[]))
+                request = msgspec.structs.replace(
+                    request, base_config=rest, base_nodes=len(base.nodes)
+                )
+            if config_yaml is not None:
+                pieces = -(-len(config_yaml) // TEXT_PIECE_CHARS)
+                request = msgspec.structs.replace(request, text_pieces=pieces)
             stdin = running.process.stdin
             assert stdin is not None
             try:
                 await stdin.send_all(frame(_ENCODER.encode(request)))
+                if send_base:
+                    await _send_nodes(stdin, base)
+                if config_yaml is not None:
+                    await _send_text(stdin, config_yaml)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 code = running.process.poll()
                 raise WorkerFailed(
@@ -144,6 +162,23 @@ class RefreshWorker:
             if stream is not None:
                 with trio.move_on_after(STOP_GRACE_S, shield=True):
                     await stream.aclose()
+
+
+async def _send_nodes(stdin: trio.abc.SendStream, base: EdgeConfig) -> None:
+    """The base's Nodes, a frame each, `NODES_AT_ONCE` to a write (`worker_protocol`,
+    Rule 2)."""
+    nodes = base.nodes
+    for start in range(0, len(nodes), NODES_AT_ONCE):
+        batch = b"".join(
+            frame(_ENCODER.encode(node)) for node in nodes[start : start + NODES_AT_ONCE]
+        )
+        await stdin.send_all(batch)
+
+
+async def _send_text(stdin: trio.abc.SendStream, text: str) -> None:
+    """An inline candidate, `TEXT_PIECE_CHARS` characters to a frame (Rule 4)."""
+    for start in range(0, len(text), TEXT_PIECE_CHARS):
+        await stdin.send_all(frame(text[start : start + TEXT_PIECE_CHARS].encode("utf-8")))
 
 
 async def _receive(running: _Running) -> Reply:

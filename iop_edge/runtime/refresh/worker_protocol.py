@@ -6,12 +6,16 @@ opens with `Hello`, naming the protocol `VERSION` it speaks; an Edge that hears 
 version stops the worker and fails the refresh rather than guess.
 
 Rules:
-1. One request at a time: the Edge sends `Prepare`, the worker answers with exactly one
-   of `Prepared`, `Invalid` or `Failed`.
+1. One request at a time: the Edge sends `Prepare` and the frames it announces, the
+   worker answers with exactly one of `Prepared`, `Invalid` or `Failed`.
 2. The worker keeps the running config it last saw, by revision, and the proof of the
    last valid candidate (`core.config_proof`). A `Prepare` whose base revision the worker
-   does not hold carries the base config itself (`base_config`); the Edge knows which
-   revisions the worker holds, because only its own requests tell it.
+   does not hold carries the base config itself: the config without its Nodes
+   (`base_config`), then `base_nodes` frames of one `NodeEntry` each. The Edge knows
+   which revisions the worker holds, because only its own requests tell it.
+4. What is large goes in pieces, each its own frame, so that neither side makes or reads
+   megabytes in one step: an inline candidate follows `Prepare` (after any base Nodes) as
+   `text_pieces` frames of its UTF-8 text, cut at character boundaries.
 3. A built candidate comes back as a per-Node delta (`Built`): the rest of the config
    without its Nodes, then each Node's id with either nothing (unchanged: the Edge keeps the
    very object it runs) or the Node encoded alone, so the Edge decodes it a Node at a time.
@@ -57,9 +61,14 @@ class Prepare(msgspec.Struct, frozen=True, kw_only=True, tag="prepare"):
 
     base_revision: int
     base_config: bytes | None = None
-    """The base `EdgeConfig` in MessagePack, when the worker does not hold it (Rule 2)."""
-    config_yaml: str | None = None
+    """The base `EdgeConfig` without its Nodes, in MessagePack, when the worker does not
+    hold it (Rule 2)."""
+    base_nodes: int = 0
+    """Frames that follow, one base `NodeEntry` each (Rule 2)."""
+    text_pieces: int | None = None
+    """An inline candidate: frames of its text that follow (Rule 4)."""
     config_path: str | None = None
+    """Else the config file to read."""
     pending_restart: list[str] = []
     allow_restart_required: bool = False
     build: bool = False
