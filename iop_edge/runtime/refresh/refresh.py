@@ -109,6 +109,8 @@ _REQUEST_DECODER: Final = msgspec.json.Decoder(RefreshRequest)
 #: The longest a refresh waits for the worker to read, check and plan a candidate before
 #: it fails the refresh and restarts the worker (a fleet's candidate takes seconds).
 WORKER_DEADLINE_S: Final = 120.0
+#: How much longer the Edge waits for a worker that did not end itself at its deadline.
+WORKER_GRACE_S: Final = 1.0
 
 
 async def decode_request(pieces: list[bytes]) -> RefreshRequest:
@@ -438,7 +440,7 @@ class Refresher:
         )
         # The worker ends itself at its deadline (in real time); this one, a little later,
         # is for a worker that cannot even do that.
-        with trio.move_on_after(self._worker_deadline_s + COMMIT_GRACE_S):
+        with trio.move_on_after(self._worker_deadline_s + WORKER_GRACE_S):
             answer = await self.worker.prepare(ask, base.config, config_yaml=request.config_yaml)
             if isinstance(answer, Invalid):
                 raise ConfigInvalid(answer.errors)

@@ -6,8 +6,9 @@ Rules:
    and the last proof: `worker`, Rule 1).
 2. A worker that exits, answers what is not a frame, speaks another protocol version, or
    is cancelled mid-request (its caller's deadline: a hang) is killed and forgotten, and
-   the request raises `WorkerFailed` saying which; the next request starts a new one.
-   The running config is the Edge's, so nothing of it is lost.
+   the request raises `WorkerFailed` saying which; the next request starts a new one
+   (so does a request that finds its worker ended while idle). The running config is
+   the Edge's, so nothing of it is lost.
 3. It is told the base config only when it does not hold that revision
    (`worker_protocol`, Rule 2).
 4. `aclose` stops it, bounded: its input closes and it ends; one that does not is killed.
@@ -84,6 +85,9 @@ class RefreshWorker:
         (Rule 2); the caller bounds the wait with a cancel scope, and a cancelled request
         stops the worker."""
         running = self._running
+        if running is not None and running.process.poll() is not None:
+            await self._stop(running, kill=True)  # it ended while idle: start another
+            running = None
         done = False
         try:
             if running is None:
@@ -123,6 +127,11 @@ class RefreshWorker:
         finally:
             if not done and running is not None:
                 await self._stop(running, kill=True)
+
+    @property
+    def process(self) -> trio.Process | None:
+        """The running worker's process, if one runs (for diagnostics and tests)."""
+        return None if self._running is None else self._running.process
 
     async def _start(self) -> _Running:
         process = await trio.lowlevel.open_process(
