@@ -212,10 +212,11 @@ class Refresher:
         """Stop the refresh worker (bounded)."""
         await self.worker.aclose()
 
-    async def run(self) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """A service of the Edge: the refresh worker lives as long as this runs, and is
         stopped when it is cancelled."""
         try:
+            task_status.started()
             await trio.sleep_forever()
         finally:
             await self.aclose()
