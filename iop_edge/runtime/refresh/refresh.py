@@ -1,8 +1,10 @@
 """Config refresh (design §5): validate a candidate, decide, swap the snapshot, push to nodes.
 
 The `Refresher` coordinates; the pure parts live in the core (`refresh_diff` diffs and
-classifies, `refresh_plan` decides) and the Edge is reached only through the small
-`RefreshTarget` interface, so all of this is testable with a fake Edge. It answers with a
+classifies, `refresh_plan` decides) and run in the refresh worker, a child process
+(`refresh.worker`: reading a fleet's candidate is seconds of Python, which the Edge's
+loop must not share); the Edge is reached only through the small `RefreshTarget`
+interface, so all of this is testable with a fake Edge. It answers with a
 `RefreshResult`: a verdict (accepted, invalid, conflict) and the report; what a verdict
 means in HTTP is the admin API's business.
 
@@ -16,8 +18,10 @@ An apply goes through these steps, and stops at the first that says no (every at
 rejected ones too, ends with one audit log line):
 
 1. another refresh is running -> conflict at once;
-2. load the candidate (inline YAML, or the config file re-read): invalid -> every error
-   and its path; then `if_revision` not the running revision -> conflict;
+2. load the candidate (inline YAML, or the config file re-read), in the worker: invalid
+   -> every error and its path; a worker that crashed or did not answer in time ->
+   `unavailable`, nothing applied (the next refresh starts another worker); then
+   `if_revision` not the running revision -> conflict;
 3. plan (`refresh_plan.plan_apply`): a restart-required change that is not already
    pending is a conflict unless `allow_restart_required`; then the live subset is applied
    and the rest becomes `pending_restart`. A dry run stops here with the same report (its

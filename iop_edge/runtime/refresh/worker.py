@@ -33,7 +33,7 @@ import msgspec
 
 from iop_edge.core.config import ConfigInvalid, ParsedConfig, load_config, parse_config
 from iop_edge.core.config_proof import ConfigProof
-from iop_edge.core.refresh_plan import plan_apply
+from iop_edge.core.refresh_plan import needs_push, plan_apply
 from iop_edge.runtime.refresh.worker_protocol import (
     HEADER_BYTES,
     VERSION,
@@ -127,8 +127,7 @@ def _delta(base: EdgeConfig, effective: EdgeConfig) -> Built:
             nodes.append(b"")
             continue
         nodes.append(_ENCODER.encode(node))
-        providers = old.providers if old is not None else []
-        if node.providers != providers:
+        if needs_push(old, node):
             to_push.append(node.id)
     rest = msgspec.structs.replace(effective, nodes=[])
     return Built(rest=_ENCODER.encode(rest), ids=ids, nodes=nodes, to_push=sorted(to_push))
