@@ -235,6 +235,7 @@ class Edge:
             self,
             config_path=config_path,
             audit=AuditLog(Path(config.edge.state_dir)),
+            running_text=parsed.text,
         )
         self.model_commands = ModelCommands(
             snapshot=lambda: self._snapshot,

@@ -161,10 +161,9 @@ async def test_a_change_to_one_node_checks_and_pushes_that_node_only(
     running, _ = fleet
     parsed = await trio.to_thread.run_sync(parse_config, running)
     edge = FleetEdge(Snapshot.build(parsed.config, revision=1, config_sha256=parsed.sha256))
-    refresher = Refresher(edge, config_path=None, audit=AuditLog(tmp_path))
-    # The worker's first candidate is read whole: afterwards it holds that one's proof.
-    first = await refresher.refresh(RefreshRequest(mode="dry_run", config_yaml=running))
-    assert first.report.outcome == "dry_run" and not first.report.changes
+    # The Edge's service has the worker read the running config's text as it starts: the
+    # first candidate is then checked only where it changed.
+    refresher = Refresher(edge, config_path=None, audit=AuditLog(tmp_path), running_text=running)
     pushed: list[str] = []
     push = edge.push_node_config
 
@@ -175,8 +174,13 @@ async def test_a_change_to_one_node_checks_and_pushes_that_node_only(
     edge.push_node_config = recorded  # type: ignore[method-assign]
     one = running.replace("capacity: 4", "capacity: 9", 1)  # node-0000's first provider
     unchanged = edge.snapshot.nodes["node-0001"]
-    result = await refresher.refresh(RefreshRequest(mode="apply", config_yaml=one))
-    await refresher.aclose()
+    async with trio.open_nursery() as service:
+        await service.start(refresher.run)
+        result = await refresher.refresh(RefreshRequest(mode="apply", config_yaml=one))
+        service.cancel_scope.cancel()  # the service stops the worker as it ends
+    assert refresher.worker.process is None
+    # the worker's reading of the running config is nobody's refresh: not audited
+    assert len((tmp_path / "refresh-audit.jsonl").read_text().splitlines()) == 1
 
     report = result.report
     statistics = refresher.statistics()

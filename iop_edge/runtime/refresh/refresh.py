@@ -65,7 +65,7 @@ from iop_edge.runtime.refresh.audit import (
 )
 from iop_edge.runtime.refresh.push import CatchUp, PushPolicy, push_all
 from iop_edge.runtime.refresh.worker_client import RefreshWorker, WorkerFailed
-from iop_edge.runtime.refresh.worker_protocol import Invalid, Plan, Prepare
+from iop_edge.runtime.refresh.worker_protocol import Invalid, Plan, Prepare, Prepared
 from schemas.config import ConfigError, NodeConfig
 from schemas.refresh import (
     NodeResult,
@@ -194,17 +194,21 @@ class Refresher:
         push_policy: PushPolicy | None = None,
         worker: RefreshWorker | None = None,
         worker_deadline_s: float = WORKER_DEADLINE_S,
+        running_text: str | None = None,
     ) -> None:
         """`push_timeout_s` is a Node's time to ack, unless a whole `push_policy` is
         given. `worker` reads and plans candidates (`refresh.worker`); one is started on
         the first refresh if not given, and `aclose` stops it. `worker_deadline_s` bounds
-        its work on one candidate (infinite: unbounded)."""
+        its work on one candidate (infinite: unbounded). `running_text` is the text the
+        running config was read from: `run` has the worker read it as the Edge starts, so
+        that its first candidate is checked only where it changed."""
         self._target = target
         self._config_path = config_path
         self._audit = audit
         self.worker = worker or RefreshWorker()
         self._worker_deadline_s = worker_deadline_s
         self._read = (0, 0)
+        self._running_text = running_text
         self._push = push_policy or PushPolicy(timeout_s=push_timeout_s)
         self.catch_up = CatchUp(target, self._push)
         """Pushes the running config again to the Nodes that missed a refresh; its `run`
@@ -221,9 +225,34 @@ class Refresher:
         stopped when it is cancelled."""
         try:
             task_status.started()
+            await self._warm_up()
             await trio.sleep_forever()
         finally:
             await self.aclose()
+
+    async def _warm_up(self) -> None:
+        """Start the worker and have it read the running config's text, as a dry run
+        nobody asked for (not audited): it then holds the running config and its proof.
+        A worker that fails here is logged; the first refresh starts another."""
+        text, self._running_text = self._running_text, None
+        if text is None:
+            return
+        base = self._target.snapshot
+        ask = Prepare(base_revision=base.revision, deadline_s=self._deadline_in_worker())
+        with trio.move_on_after(self._worker_deadline_s + WORKER_GRACE_S):
+            try:
+                answer = await self.worker.prepare(ask, base.config, config_yaml=text)
+            except WorkerFailed as failed:
+                log.warning("refresh worker: %s; the first refresh starts another", failed)
+                return
+            if isinstance(answer, Prepared):
+                self._read = (answer.parsed_nodes, answer.checked_nodes)
+            return
+        log.warning("refresh worker: it did not read the running config in time")
+
+    def _deadline_in_worker(self) -> float | None:
+        deadline = self._worker_deadline_s
+        return deadline if math.isfinite(deadline) else None
 
     def statistics(self) -> RefresherStatistics:
         return RefresherStatistics(
@@ -441,7 +470,7 @@ class Refresher:
             pending_restart=list(self._pending_restart),
             allow_restart_required=request.allow_restart_required,
             build=request.mode == "apply",
-            deadline_s=self._worker_deadline_s if math.isfinite(self._worker_deadline_s) else None,
+            deadline_s=self._deadline_in_worker(),
         )
         # The worker ends itself at its deadline (in real time); this one, a little later,
         # is for a worker that cannot even do that.

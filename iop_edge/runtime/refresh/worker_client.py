@@ -74,6 +74,8 @@ class RefreshWorker:
         `-m iop_edge.runtime.refresh.worker`."""
         self._command = command or [sys.executable, "-m", WORKER_MODULE]
         self._running: _Running | None = None
+        self._lock = trio.Lock()
+        """One request at a time (`worker_protocol`, Rule 1)."""
         self.starts = 0
         """Workers started so far: a restart after a failure shows here."""
 
@@ -84,6 +86,12 @@ class RefreshWorker:
         inline candidate `config_yaml`) and wait for the answer. Raises `WorkerFailed`
         (Rule 2); the caller bounds the wait with a cancel scope, and a cancelled request
         stops the worker."""
+        async with self._lock:
+            return await self._prepare(request, base, config_yaml)
+
+    async def _prepare(
+        self, request: Prepare, base: EdgeConfig, config_yaml: str | None
+    ) -> Prepared | Invalid:
         running = self._running
         if running is not None and running.process.poll() is not None:
             await self._stop(running, kill=True)  # it ended while idle: start another
