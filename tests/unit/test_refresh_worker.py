@@ -14,6 +14,7 @@ from iop_edge.core.config import parse_config
 from iop_edge.runtime.refresh.audit import AuditLog
 from iop_edge.runtime.refresh.refresh import Refresher
 from iop_edge.runtime.refresh.worker_client import RefreshWorker
+from iop_edge.runtime.refresh.worker_protocol import VERSION
 from tests.unit.test_refresh import FakeEdge, apply, config_dict, to_yaml, with_capacity
 
 #: A worker that says hello, as the real one does, and then never answers.
@@ -104,3 +105,19 @@ async def test_a_worker_that_ended_while_idle_is_replaced_and_told_the_running_c
     assert refresher.worker.starts == 2
     await refresher.aclose()
     assert refresher.worker.process is None
+
+
+async def test_a_worker_of_another_protocol_version_is_stopped_and_named(
+    edge: FakeEdge, tmp_path: Path
+) -> None:
+    other = SILENT.replace("Hello(VERSION)", "Hello(VERSION + 1)")
+    worker = RefreshWorker([sys.executable, "-c", other])
+    refresher = Refresher(edge, config_path=None, audit=AuditLog(tmp_path / "state"), worker=worker)
+
+    result = await refresher.refresh(apply(with_capacity(8, "gpu1")))
+
+    assert result.verdict == "unavailable"
+    message = result.report.errors[0].message
+    assert f"speaks protocol {VERSION + 1}, this Edge {VERSION}" in message
+    assert worker.process is None  # stopped, not reused by the next refresh
+    assert edge.swaps == []

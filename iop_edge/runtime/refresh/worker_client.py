@@ -147,14 +147,20 @@ class RefreshWorker:
         )
         running = self._running = _Running(process)
         self.starts += 1
-        hello = await _receive(running)
-        if not isinstance(hello, Hello) or hello.version != VERSION:
-            got = hello.version if isinstance(hello, Hello) else type(hello).__name__
-            raise WorkerFailed(
-                f"the refresh worker speaks protocol {got}, this Edge {VERSION}: "
-                "is the install half upgraded?"
-            )
-        return running
+        started = False
+        try:
+            hello = await _receive(running)
+            if not isinstance(hello, Hello) or hello.version != VERSION:
+                got = hello.version if isinstance(hello, Hello) else type(hello).__name__
+                raise WorkerFailed(
+                    f"the refresh worker speaks protocol {got}, this Edge {VERSION}: "
+                    "is the install half upgraded?"
+                )
+            started = True
+            return running
+        finally:
+            if not started:
+                await self._stop(running, kill=True)
 
     async def aclose(self) -> None:
         """Stop the worker, if one runs (Rule 4)."""
