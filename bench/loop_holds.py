@@ -12,8 +12,8 @@ Each step of `RECORDED_S` or more, and each collection of `RECORDED_S` or more o
 oldest generation, is appended as a JSON line to the file `IOP_BENCH_LOOP_HOLDS` names,
 with when it ended on the system's monotonic clock (the bench shares it, so it can tell
 the phases apart): `{"at", "step_s", "cpu_s", "task"}` for a step (wall and CPU time of
-the loop's thread), `{"at", "gc", "s", "loop"}` for a collection (`loop`: on the loop's
-thread). Shorter ones are not written: a write per step would cost more than the steps.
+the loop's thread), `{"at", "gc", "s", "cpu_s", "loop"}` for a collection (`loop`: on
+the loop's thread). Shorter ones are not written: a write per step would cost more than the steps.
 `read_holds` reads the file back as a summary of a window.
 """
 
@@ -70,17 +70,21 @@ class _Collections:
     def __init__(self, out: TextIO) -> None:
         self._out = out
         self._began = 0.0
+        self._cpu = 0.0
         self._thread = threading.get_ident()
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._began = time.perf_counter()
+            self._cpu = time.thread_time()
             return
         took = time.perf_counter() - self._began
+        cpu = time.thread_time() - self._cpu
         generation = info["generation"]
         if took >= RECORDED_S or generation == 2:
             loop = threading.get_ident() == self._thread
-            _write(self._out, {"at": time.monotonic(), "gc": generation, "s": took, "loop": loop})
+            record = {"at": time.monotonic(), "gc": generation, "s": took, "cpu_s": cpu}
+            _write(self._out, {**record, "loop": loop})
 
 
 #: A hold callers would feel: the guard's bound.
@@ -102,7 +106,9 @@ class LoopHolds:
     full_collections: int
     """Collections of the oldest generation (a thaw is one)."""
     longest_collection_s: float
-    """The longest collection of any generation on the loop's thread."""
+    """The longest collection of any generation on the loop's thread, wall time."""
+    longest_collection_cpu_s: float = 0.0
+    """... CPU time."""
     longest_task: str = ""
 
     def __str__(self) -> str:
@@ -111,7 +117,8 @@ class LoopHolds:
             f"CPU{', ' + self.longest_task if self.longest_task else ''}), "
             f"{self.over_bound} step(s) >= {HOLD_BOUND_S * 1000:.0f} ms "
             f"({self.over_bound_cpu} by CPU), {self.full_collections} full collection(s), "
-            f"longest collection {self.longest_collection_s * 1000:.0f} ms"
+            f"longest collection {self.longest_collection_s * 1000:.0f} ms "
+            f"({self.longest_collection_cpu_s * 1000:.0f} ms CPU)"
         )
 
 
@@ -138,6 +145,10 @@ def read_holds(path: str, start: float = -math.inf, end: float = math.inf) -> Lo
             (record["s"] for record in collections if record.get("loop", True)), default=0.0
         ),
         longest_task="" if longest is None else longest["task"],
+        longest_collection_cpu_s=max(
+            (record.get("cpu_s", 0.0) for record in collections if record.get("loop", True)),
+            default=0.0,
+        ),
     )
 
 
