@@ -91,12 +91,14 @@ class Snapshot:
             for provider_id in model.providers:
                 serving.setdefault(provider_id, []).append(model.id)
         provider_models = {pid: tuple(models) for pid, models in serving.items()}
+        yield
         rivals: dict[str, tuple[str, ...]] = {}
         for model in config.models:
             shared: dict[str, None] = {}
             for provider_id in model.providers:
                 shared.update(dict.fromkeys(provider_models[provider_id]))
             rivals[model.id] = tuple(shared) or (model.id,)
+        yield
         rotations = {
             model.id: tuple(
                 (provider_id, providers[provider_id], provider_node[provider_id])
@@ -105,6 +107,8 @@ class Snapshot:
             )
             for model in config.models
         }
+        yield
+        policies = PrincipalPolicies.from_config(config)
         yield
         return cls(
             config=config,
@@ -115,7 +119,7 @@ class Snapshot:
             provider_node=provider_node,
             nodes={node.id: node for node in config.nodes},
             principals={t.token_hash_sha256: t for t in config.openai.principal_tokens},
-            policies=PrincipalPolicies.from_config(config),
+            policies=policies,
             node_providers=node_providers,
             provider_models=provider_models,
             rivals=rivals,
