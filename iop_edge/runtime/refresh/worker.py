@@ -23,6 +23,9 @@ Rules:
    is a million objects, none of them garbage until the answer is sent, and collections
    meanwhile would walk them again and again. It collects once after each answer, when
    nobody waits; the process holds nothing else.
+6. It runs at a lower scheduling priority than the Edge (`NICENESS`): on a machine whose
+   cores are all busy, the operating system gives them to the Edge's event loop first,
+   as callers need, and the refresh takes longer instead.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ from iop_edge.runtime.refresh.worker_protocol import (
 from schemas.config import EdgeConfig, NodeEntry
 
 __all__ = ["Worker", "main"]
+
+#: Added to the worker's niceness (Rule 6).
+NICENESS: Final = 10
 
 _DECODE_PREPARE: Final = msgspec.msgpack.Decoder(Prepare)
 _DECODE_CONFIG: Final = msgspec.msgpack.Decoder(EdgeConfig)
@@ -189,6 +195,10 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
 def main() -> None:
     """Serve on stdin and the stdout this process was given; anything else that writes to
     stdout (a stray print) goes to stderr instead, never into the frames."""
+    try:
+        os.nice(NICENESS)  # Rule 6
+    except OSError:  # not allowed here: the refresh runs at the Edge's priority
+        pass
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     serve(sys.stdin.buffer, replies)
