@@ -64,6 +64,8 @@ from bench.gateway import EdgeLog
 from bench.light_nodes import DEFAULT_HANDSHAKES
 from bench.light_nodes import READY_PREFIX as NODES_READY_PREFIX
 from bench.load import open_client, percentile
+from bench.loop_holds import ENV as HOLDS_ENV
+from bench.loop_holds import LoopHolds, read_holds
 from bench.procfs import process_cpu_seconds, rss_bytes
 from bench.services import (
     REPO_ROOT,
@@ -190,6 +192,12 @@ class ManyNodesMeasurement:
     caller_after_s: tuple[float, ...] = ()
     """Callers' latencies once the refresh is over, idle again, sorted: what the machine
     itself spreads them by, with no refresh to blame."""
+    holds_refresh: LoopHolds | None = None
+    """The Edge's loop holds during the dry runs and the apply (`bench.loop_holds`)."""
+    holds_apply: LoopHolds | None = None
+    """... during the apply."""
+    holds_all: LoopHolds | None = None
+    """... over the Edge's whole run: its start, the connects, the idle windows too."""
 
     @property
     def idle_cpu_share(self) -> float | None:
@@ -537,13 +545,19 @@ async def measure_many_nodes(
         capacities=dict.fromkeys(spread, _CAPACITY + 2),
     )
 
+    holds_path = workdir / "loop-holds.jsonl"
+    await trio.Path(holds_path).unlink(missing_ok=True)
     async with trio.open_nursery() as edge_scope:
         edge = await start_service(
             edge_scope,
             "iop-edge (many nodes)",
             # INFO: the Edge logs the URLs it bound at INFO (and a line per Node connect).
-            python_argv("iop_edge", "serve", "--config", str(config_path), "--log-level", "INFO"),
+            # The Edge as it is, with its loop's long steps recorded (`bench.loop_holds`).
+            python_argv(
+                "bench.loop_holds", "serve", "--config", str(config_path), "--log-level", "INFO"
+            ),
             EdgeLog(),
+            env=child_env({HOLDS_ENV: str(holds_path)}),
             stop_grace_s=_EDGE_STOP_GRACE_S,
         )
         rss_empty = await rss_bytes(edge.pid)
@@ -604,10 +618,13 @@ async def measure_many_nodes(
                 await load.start(callers.run)
                 await trio.sleep(shape.caller_window_s)  # the idle phase is a time window
                 callers.enter("dry_run")
+                refresh_began = time.monotonic()
                 dry_run_few = await few_dry_run.send()
                 dry_run_all = await dry_run.send()
                 callers.enter("apply")
+                apply_began = time.monotonic()
                 refresh_s, status = await apply.send()
+                refresh_ended = time.monotonic()
                 callers.enter("after")
                 await trio.sleep(shape.caller_window_s)  # idle again: the control window
                 callers.stop()  # requests still in flight finish, in their phase
@@ -617,6 +634,7 @@ async def measure_many_nodes(
             rss_after_refresh = await rss_bytes(edge.pid)
             nodes_scope.cancel_scope.cancel()
         edge_scope.cancel_scope.cancel()
+    holds = str(holds_path)
     return ManyNodesMeasurement(
         shape=shape,
         connect_s=connect_s,
@@ -641,4 +659,7 @@ async def measure_many_nodes(
         caller_errors=callers.errors,
         dry_run_few_s=dry_run_few_s,
         caller_after_s=tuple(sorted(callers.latencies["after"])),
+        holds_refresh=read_holds(holds, refresh_began, refresh_ended),
+        holds_apply=read_holds(holds, apply_began, refresh_ended),
+        holds_all=read_holds(holds),
     )

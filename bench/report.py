@@ -43,6 +43,7 @@ and to apply a refresh that changes every Node's providers, until every Node ack
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -352,6 +353,9 @@ def many_nodes_table(result: BenchResult) -> Table:
             "refresh apply, until every Node acked",
             f"{_num(m.refresh_s, 1)} s ({m.refresh_applied}/{m.refresh_nodes} applied)",
         ),
+        ("Edge loop holds during the dry runs and the apply", str(m.holds_refresh or "-")),
+        ("Edge loop holds during the apply", str(m.holds_apply or "-")),
+        ("Edge loop holds over its whole run (start, connects too)", str(m.holds_all or "-")),
         (
             f"callers ({m.shape.caller_rate:g}/s to the sim model) p50 / p99 idle "
             f"({len(m.caller_idle_s)} requests)",
@@ -514,6 +518,14 @@ def to_json(result: BenchResult) -> str:
             "caller_p99_ratio": nodes.caller_p99_ratio,
             "caller_after_p99_ms": nodes.caller_ms("after", 99.0),
             "caller_errors": nodes.caller_errors,
+            **{
+                f"loop_holds_{window}": None if holds is None else dataclasses.asdict(holds)
+                for window, holds in (
+                    ("refresh", nodes.holds_refresh),
+                    ("apply", nodes.holds_apply),
+                    ("all", nodes.holds_all),
+                )
+            },
         }
     agent = result.agent_cache
     agent_cache = None

@@ -221,7 +221,7 @@ class Edge:
             self,
             config_path=config_path,
             audit=AuditLog(Path(config.edge.state_dir)),
-            proof=parsed.proof,
+            running_text=parsed.text,
         )
         self.model_commands = ModelCommands(
             snapshot=lambda: self._snapshot,
@@ -612,6 +612,7 @@ class Edge:
                 self.responses.run,
                 self.hub.run_heartbeats,
                 self.refresher.catch_up.run,
+                self.refresher.run,  # owns the refresh worker process
                 self.heap.run,
             ),
             scheduler=self.scheduler,

@@ -29,14 +29,6 @@ Rules:
    faster: plain strings, maps and sequences are built directly, other scalars through
    that constructor, and any document the direct path does not cover (an alias, a merge
    key, a non-scalar key, an explicitly tagged collection) wholly by that constructor.
-6. `release` frees a composed graph a bounded piece at a time, once it is built. A
-   config's graph is a few objects per character of YAML, and letting go of it at once
-   is one deallocation in C that keeps the GIL until it is done: tens of milliseconds
-   for ten thousand principal tokens, during which a worker thread reading a refresh
-   candidate holds the event loop as surely as if it ran there.
-7. Composing, checking, constructing and releasing call `schemas.give_way.give_way`
-   every few dozen nodes: a worker thread reading a fleet's config steps aside while
-   the event loop beside it is busy.
 
 A document without an alias has a graph that is a tree, so the checks of Rules 1-3 and
 the construction skip the bookkeeping that shared nodes need. A fleet's config is half a
@@ -48,12 +40,9 @@ text in a config that has none (the `"*"` entry of `principals:`, glob patterns)
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Final
 
 import yaml
-
-from schemas.give_way import RELEASE_ITEMS, free_in_pieces, give_way
 
 __all__ = [
     "LIBYAML",
@@ -64,7 +53,6 @@ __all__ = [
     "construct",
     "has_aliases",
     "load",
-    "release",
 ]
 
 MAX_DEPTH: Final = 64
@@ -102,26 +90,6 @@ class _PureLoader(yaml.SafeLoader):
             self._depth -= 1
 
 
-#: Nodes libyaml composes between two `give_way()` calls (Rule 7): a few dozen
-#: microseconds of work.
-NODES_PER_TURN: Final = 32
-
-if hasattr(yaml, "CSafeLoader"):  # PyYAML built with libyaml (`LIBYAML` says if it is used)
-    _RESOLVE: Final[Callable[..., str]] = yaml.CSafeLoader.resolve
-
-    class _CLoader(yaml.CSafeLoader):
-        """libyaml's loader, giving way every `NODES_PER_TURN` nodes (Rule 7): it resolves
-        every node's tag, so that is where a long composition can step aside."""
-
-        _composed = 0
-
-        def resolve(self, kind: type[yaml.Node], value: Any, implicit: Any) -> str:
-            self._composed += 1
-            if not self._composed % NODES_PER_TURN:
-                give_way()
-            return _RESOLVE(self, kind, value, implicit)
-
-
 def compose(text: str, *, libyaml: bool = LIBYAML) -> yaml.Node | None:
     """The document's node graph (None for an empty document), Rule 1 checked.
 
@@ -135,7 +103,7 @@ def compose(text: str, *, libyaml: bool = LIBYAML) -> yaml.Node | None:
         finally:
             pure.dispose()
     try:
-        parser = _CLoader(text)
+        parser = yaml.CSafeLoader(text)
     except UnicodeEncodeError as exc:  # libyaml reads UTF-8; a lone surrogate has none
         raise yaml.reader.ReaderError(
             "<unicode string>", exc.start, ord(text[exc.start]), "utf-8", "not encodable"
@@ -186,12 +154,8 @@ def _check_tree_depth(root: yaml.Node) -> None:
     collections only (a scalar is too deep exactly when its parent sits at the limit)."""
     stack: list[tuple[yaml.Node, int]] = [(root, 1)]
     collections = (yaml.SequenceNode, yaml.MappingNode)
-    visited = 0
     while stack:
         node, depth = stack.pop()
-        visited += 1
-        if not visited % NODES_PER_TURN:
-            give_way()
         if isinstance(node, yaml.SequenceNode):
             children: list[yaml.Node] = node.value
         elif isinstance(node, yaml.MappingNode):
@@ -279,7 +243,6 @@ def load(text: str) -> Any:
     if aliases:
         check_expansion(node)
     data = construct(node, yaml.constructor.SafeConstructor(), aliases=aliases)
-    release(node)
     return data
 
 
@@ -324,7 +287,6 @@ def _direct(node: yaml.Node, constructor: yaml.constructor.SafeConstructor) -> A
             return int(value)  # YAML 1.1 reads a leading 0 as octal: the constructor's job
         return constructor.construct_object(node, deep=True)
     if isinstance(node, yaml.MappingNode) and tag == _MAP_TAG:
-        give_way()  # a mapping is a few of its scalars' worth of work: a turn's share
         data: dict[Any, Any] = {}
         for key_node, value_node in node.value:
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE_TAG:
@@ -334,37 +296,3 @@ def _direct(node: yaml.Node, constructor: yaml.constructor.SafeConstructor) -> A
     if isinstance(node, yaml.SequenceNode) and tag == _SEQ_TAG:
         return [_direct(item, constructor) for item in node.value]
     raise _NotDirect  # an explicitly tagged collection (!!set, !!omap, ...)
-
-
-# --- release (Rule 6) --------------------------------------------------------------------
-
-
-def release(root: yaml.Node) -> None:
-    """Free the graph under `root` a bounded piece at a time (Rule 6). It is emptied in
-    place: nothing may use it, or any node in it, after. (The data `construct` built
-    from it shares nothing with it.)
-
-    A collection of more than `RELEASE_ITEMS` children is freed `RELEASE_ITEMS` children
-    at a time, each child whole; a smaller one is taken apart, and its children that are
-    collections in turn. The walk so visits the collections above the long lists only,
-    not the items of a list of ten thousand entries. A node that aliases share is
-    emptied on its first visit and costs nothing on the next."""
-    stack: list[yaml.Node] = [root]
-    visited = 0
-    while stack:
-        node = stack.pop()
-        visited += 1
-        if not visited % NODES_PER_TURN:
-            give_way()
-        if not isinstance(node, yaml.CollectionNode):
-            continue
-        parts: list[Any]
-        parts, node.value = node.value, []
-        if len(parts) > RELEASE_ITEMS:
-            free_in_pieces(parts)
-            continue
-        for part in parts:
-            if isinstance(part, tuple):  # a mapping node's (key, value) pair
-                stack.extend(part)
-            else:
-                stack.append(part)

@@ -54,9 +54,7 @@ from iop_edge.core.config_shape import (
     index_path,
     key_path,
     kind_of,
-    release_long_lists,
 )
-from iop_edge.core.gc_pause import gc_paused
 from iop_edge.core.host import check_host
 from iop_edge.core.ledger_url import parse_ledger_url
 from iop_edge.core.listen import ListenAddress, parse_listen_address
@@ -73,8 +71,7 @@ from schemas.config import (
     ProviderType,
     Sha256Hex,
 )
-from schemas.give_way import give_way
-from schemas.safe_yaml import check_expansion, compose, construct, has_aliases, release
+from schemas.safe_yaml import check_expansion, compose, construct, has_aliases
 
 __all__ = [
     "ConfigInvalid",
@@ -119,14 +116,7 @@ def parse_config(text: str, *, proof: ConfigProof | None = None) -> ParsedConfig
 
     `proof` is what an earlier valid config proved (`core.config_proof`): its node
     entries whose raw data is unchanged are not checked again, and those whose text is
-    unchanged are not even parsed (`core.config_pieces`). A fleet's config is about a
-    million objects built in one go: the cyclic collector is paused meanwhile
-    (`core.gc_pause`)."""
-    with gc_paused():
-        return _parse(text, proof)
-
-
-def _parse(text: str, proof: ConfigProof | None) -> ParsedConfig:
+    unchanged are not even parsed (`core.config_pieces`)."""
     read = _read(text, proof)
     raw, errors = read.data, read.errors
     if not isinstance(raw, dict):
@@ -165,7 +155,6 @@ def _parse(text: str, proof: ConfigProof | None) -> ParsedConfig:
         checked_nodes=len(entries.keys) - len(entries.proven),
         parsed_nodes=len(entries.keys) - len(read.known),
     )
-    release_long_lists(raw, EdgeConfig)  # built: what it was read from goes, in pieces
     return parsed
 
 
@@ -174,10 +163,8 @@ _PIECE_CHARS: Final = 1 << 20
 
 
 def utf8_pieces(text: str) -> Iterator[bytes]:
-    """`text` as UTF-8, a megabyte at a time, giving way between pieces: a fleet's text
-    encoded at once is one copy of megabytes that keeps the GIL (`schemas.give_way`)."""
+    """`text` as UTF-8, a megabyte at a time."""
     for start in range(0, len(text), _PIECE_CHARS):
-        give_way()
         yield text[start : start + _PIECE_CHARS].encode("utf-8")
 
 
@@ -210,7 +197,6 @@ class _NodeEntries:
         entries = nodes if isinstance(nodes, list) else []
         keys: list[bytes | None] = []
         for index, entry in enumerate(entries):
-            give_way()  # an entry's key pickles it: ten thousand of them (`schemas.give_way`)
             if index in known:
                 keys.append(known[index])
             else:
@@ -230,7 +216,6 @@ class _NodeEntries:
         """The entries the proof does not hold, with their index."""
         for index, entry in enumerate(self.raw):
             if index not in self.proven:
-                give_way()
                 yield index, entry
 
     def proof(self, built: list[NodeEntry], pieces: ConfigPieces | None) -> ConfigProof:
@@ -399,7 +384,6 @@ def _read_yaml(text: str) -> tuple[object, list[ConfigError], list[int] | None]:
         else:
             _scan_tree(node, errors)
         data = construct(node, _Constructor(), aliases=aliases)
-        release(node)  # in pieces: all at once, it would hold the GIL (`safe_yaml` Rule 6)
         return data, errors, starts
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -453,7 +437,6 @@ def _scan_tree(root: yaml.Node, errors: list[ConfigError]) -> None:
     stack: list[tuple[yaml.Node, _Place]] = [(root, None)]
     while stack:
         node, place = stack.pop()
-        give_way()  # a collection's keys: a turn's share of the work (`schemas.give_way`)
         if isinstance(node, yaml.SequenceNode):
             for index in range(len(node.value) - 1, -1, -1):
                 item = node.value[index]
@@ -736,7 +719,6 @@ class _Rules:
         providers: dict[str, _Provider] = {}
         nodes = self.raw.get("nodes")
         for index, node in enumerate(nodes if isinstance(nodes, list) else []):
-            give_way()  # `_entries` gives way for the providers of entries not proven
             node_path = index_path("nodes", index)
             proven = self.proven.get(index)
             if proven is not None:
@@ -975,11 +957,9 @@ def _as_dict(value: object) -> dict[Any, Any]:
 
 
 def _entries(value: object, path: str) -> Iterator[tuple[str, dict[Any, Any]]]:
-    """`(path[i], item)` for the mapping items of a list; anything else is skipped.
-    Gives way between items (`schemas.give_way`): a fleet's lists are long."""
+    """`(path[i], item)` for the mapping items of a list; anything else is skipped."""
     if isinstance(value, list):
         for index, item in enumerate(value):
-            give_way()
             if isinstance(item, dict):
                 yield index_path(path, index), item
 
@@ -1039,7 +1019,6 @@ def _build(
         config = convert({**raw, "nodes": []}, EdgeConfig)  # long lists a chunk at a time
         built: list[NodeEntry] = []
         for index, entry in enumerate(nodes if isinstance(nodes, list) else []):
-            give_way()
             built.append(proven[index] if index in proven else _node(entry))
     except msgspec.ValidationError as exc:  # the shape step should have caught it: report it
         raise ConfigInvalid([error_from_msgspec(exc)]) from None

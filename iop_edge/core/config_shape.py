@@ -27,12 +27,8 @@ Rules of the walk:
    `CHUNK_ITEMS` items at a time (a chunk that fits has no misfit; one that does not is
    walked item by item, to name each misfit), and a Struct value holding a list of more
    than `CHUNK_ITEMS` items, at any depth through mappings, is walked field by field
-   instead of converted whole. A conversion is C code that keeps the GIL until it
-   returns, and a config is checked in a worker thread beside the event loop:
-   converting ten thousand principal tokens at once would hold every caller's request
-   for tens of milliseconds, a chunk holds them well under one. `convert` builds values
-   under the same rule, and `release_long_lists` lets go of the data they were built
-   from under it too.
+   instead of converted whole: a chunk that does not fit is walked alone, not the whole
+   list. `convert` builds values under the same rule.
 """
 
 from __future__ import annotations
@@ -50,7 +46,6 @@ from typing import Any, Final
 import msgspec
 
 from schemas.config import ConfigError
-from schemas.give_way import free_in_pieces, give_way
 
 __all__ = [
     "CHUNK_ITEMS",
@@ -62,7 +57,6 @@ __all__ = [
     "index_path",
     "key_path",
     "kind_of",
-    "release_long_lists",
 ]
 
 S = typing.TypeVar("S", bound=msgspec.Struct)
@@ -126,22 +120,9 @@ def convert(value: object, schema: type[S]) -> S:
     for attributes, item_type, items in long_lists:
         converted: list[Any] = []
         for start in range(0, len(items), CHUNK_ITEMS):
-            give_way()
             converted += msgspec.convert(items[start : start + CHUNK_ITEMS], _list_of(item_type))
         built = _replace_at(built, attributes, converted)
     return built
-
-
-def release_long_lists(value: object, schema: Any) -> None:
-    """Let go of the items of the long lists `convert` converted a chunk at a time, a
-    chunk at a time (Rule 7), once `value` is no longer needed: freeing ten thousand
-    entries at once is as long a hold of the GIL as converting them at once.
-
-    Only those lists are emptied, and nothing in them is touched: msgspec builds a list
-    of its own for a field of list type, so they are `value`'s alone, while an item may
-    be shared with what was built (a value of a field of type `Any` is)."""
-    for _, _, items in _strip_long_lists(value, schema)[1]:
-        free_in_pieces(items)
 
 
 def error_from_msgspec(exc: msgspec.ValidationError) -> ConfigError:
@@ -334,7 +315,6 @@ class _Walker:
         misfit in it (Rules 6, 7)."""
         chunk_type = _list_of(item_type)
         for start in range(0, len(value), CHUNK_ITEMS):
-            give_way()
             chunk = value[start : start + CHUNK_ITEMS]
             fits = _fits(chunk, chunk_type)
             if fits and not self.may_precheck(item_type):

@@ -43,7 +43,6 @@ import msgspec
 
 from iop_edge.core.principals import ANONYMOUS_PRINCIPAL
 from schemas.config import EVERY_OTHER_PRINCIPAL, EdgeConfig
-from schemas.give_way import give_way
 from schemas.refresh import Change, ChangeClass, RefreshError
 
 __all__ = [
@@ -193,7 +192,6 @@ def _walk_keyed(
 ) -> None:
     pattern = here.pattern + "[]"
     for key in old.keys() | new.keys():
-        give_way()  # a fleet's Nodes are ten thousand keys (`schemas.give_way`)
         item = _Found((*here.path, _Item(key)), f"{here.text}[{','.join(key)}]", pattern)
         if key in old and key in new:
             if old[key] != new[key]:
@@ -240,7 +238,6 @@ def compare_configs(old: EdgeConfig, new: EdgeConfig) -> ConfigDiff:
     providers: set[str] = set()
     models: set[str] = set()
     for change in found:
-        give_way()  # a fleet's refresh may change thirty thousand paths
         changes.append(Change(path=change.text, class_=_class_of(change.pattern)))
         match change.path:
             case (_Field("nodes"), _Item((node,))):

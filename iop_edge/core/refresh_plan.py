@@ -15,37 +15,29 @@ Rules:
 5. The Nodes an apply pushes to are those whose own config (`Snapshot.node_config`)
    differs between the running snapshot and the new one.
 
-`prepare_refresh` does all of a refresh that needs no I/O and no event loop - reading
-the candidate, planning, building the new snapshot, choosing the Nodes to push - as one
-call, so the Refresher runs it in a worker thread: for a fleet's config that is seconds
-of work, and the event loop keeps serving callers meanwhile.
+The refresh worker (`runtime.refresh.worker`), a process of its own, plans with these
+rules: for a fleet's config that is seconds of work, and the Edge's event loop keeps
+serving callers meanwhile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from iop_edge.core.config import ParsedConfig
-from iop_edge.core.gc_pause import gc_paused
 from iop_edge.core.refresh_diff import (
     ConfigDiff,
     compare_configs,
     live_subset,
     live_subset_errors,
 )
-from iop_edge.core.snapshot import Snapshot
-from schemas.config import EdgeConfig
-from schemas.give_way import give_way
+from schemas.config import EdgeConfig, NodeEntry
 from schemas.refresh import RefreshError
 
 __all__ = [
     "ApplyPlan",
-    "PreparedRefresh",
     "error_order",
-    "nodes_to_push",
+    "needs_push",
     "plan_apply",
-    "prepare_refresh",
 ]
 
 
@@ -106,71 +98,11 @@ def error_order(error: RefreshError) -> tuple[str, str]:
     return (error.path, error.message)
 
 
-def nodes_to_push(running: Snapshot, new: Snapshot) -> tuple[str, ...]:
-    """The Nodes whose own config differs between the two snapshots (rule 5), sorted.
+def needs_push(before: NodeEntry | None, after: NodeEntry) -> bool:
+    """Whether a Node's own config (`Snapshot.node_config`: its providers) differs between
+    its entry in the running config (None: a new Node) and in the new one (rule 5).
 
     An entry a refresh left alone is the very same Struct in both (`core.config_proof`),
     so comparing them costs next to nothing; what changed is compared field by field."""
-    changed: list[str] = []
-    for node_id, node in new.nodes.items():
-        give_way()  # ten thousand Nodes (`schemas.give_way`)
-        before = running.nodes.get(node_id)
-        providers = before.providers if before is not None else []
-        if node.providers is not providers and node.providers != providers:
-            changed.append(node_id)
-    return tuple(sorted(changed))
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedRefresh:
-    """A candidate read and decided against a running snapshot, ready to be applied."""
-
-    parsed: ParsedConfig
-    plan: ApplyPlan
-    snapshot: Snapshot | None
-    """What an apply swaps in (revision + 1); None for a dry run or a refused plan."""
-    to_push: tuple[str, ...]
-    """The Nodes an apply pushes to (rule 5)."""
-
-
-def prepare_refresh(
-    load: Callable[[], ParsedConfig],
-    running: Snapshot,
-    *,
-    pending_restart: tuple[str, ...],
-    allow_restart_required: bool,
-    build: bool,
-) -> PreparedRefresh:
-    """Read the candidate (`load` raises `ConfigInvalid`), plan it over `running` and,
-    with `build` (an apply) and nothing refusing it, build the snapshot to swap in.
-
-    Pure and synchronous: no await, nothing shared is touched, so it may run in a worker
-    thread while `running` keeps serving (snapshots are immutable). The collector is
-    paused throughout, and what it built frozen at the end (`core.gc_pause` Rules 1, 2:
-    the caller holds the heap, `gc_held`)."""
-    with gc_paused(freeze=True):
-        return _prepare(load, running, pending_restart, allow_restart_required, build)
-
-
-def _prepare(
-    load: Callable[[], ParsedConfig],
-    running: Snapshot,
-    pending_restart: tuple[str, ...],
-    allow_restart_required: bool,
-    build: bool,
-) -> PreparedRefresh:
-    parsed = load()
-    plan = plan_apply(
-        running.config,
-        parsed.config,
-        pending_restart=pending_restart,
-        allow_restart_required=allow_restart_required,
-    )
-    if not build or plan.errors:
-        return PreparedRefresh(parsed=parsed, plan=plan, snapshot=None, to_push=())
-    snapshot = Snapshot.build(
-        plan.effective, revision=running.revision + 1, config_sha256=parsed.sha256
-    )
-    return PreparedRefresh(
-        parsed=parsed, plan=plan, snapshot=snapshot, to_push=nodes_to_push(running, snapshot)
-    )
+    providers = before.providers if before is not None else []
+    return after.providers is not providers and after.providers != providers

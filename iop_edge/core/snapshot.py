@@ -8,7 +8,9 @@ lives elsewhere and outlives snapshots.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import Final
 
 from iop_edge.core.principals import PrincipalPolicies
 from schemas.config import (
@@ -19,7 +21,9 @@ from schemas.config import (
     PrincipalToken,
     ProviderConfig,
 )
-from schemas.give_way import give_way
+
+#: Nodes `Snapshot.building` looks at between two of its steps.
+STEP_NODES: Final = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,14 +60,28 @@ class Snapshot:
 
     @classmethod
     def build(cls, config: EdgeConfig, *, revision: int, config_sha256: str) -> Snapshot:
-        """Everything a request or the scheduler looks up, worked out once: for a fleet's
-        config this is tens of milliseconds, done with the rest of a refresh's planning
-        in a worker thread rather than at the swap, on the event loop."""
+        """Everything a request or the scheduler looks up, worked out once."""
+        steps = cls.building(config, revision=revision, config_sha256=config_sha256)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                snapshot: Snapshot = done.value
+                return snapshot
+
+    @classmethod
+    def building(
+        cls, config: EdgeConfig, *, revision: int, config_sha256: str
+    ) -> Generator[None, None, Snapshot]:
+        """`build` in steps of `STEP_NODES` Nodes: it yields between them and returns the
+        snapshot. For a fleet's config the whole is tens of milliseconds; the refresh
+        that builds it on the event loop lets the loop run between steps."""
         providers: dict[str, ProviderConfig] = {}
         provider_node: dict[str, str] = {}
         node_providers: dict[str, tuple[str, ...]] = {}
-        for node in config.nodes:
-            give_way()  # a fleet's Nodes are ten thousand (`schemas.give_way`)
+        for index, node in enumerate(config.nodes):
+            if index % STEP_NODES == STEP_NODES - 1:
+                yield
             for provider in node.providers:
                 providers[provider.id] = provider
                 provider_node[provider.id] = node.id
@@ -73,12 +91,14 @@ class Snapshot:
             for provider_id in model.providers:
                 serving.setdefault(provider_id, []).append(model.id)
         provider_models = {pid: tuple(models) for pid, models in serving.items()}
+        yield
         rivals: dict[str, tuple[str, ...]] = {}
         for model in config.models:
             shared: dict[str, None] = {}
             for provider_id in model.providers:
                 shared.update(dict.fromkeys(provider_models[provider_id]))
             rivals[model.id] = tuple(shared) or (model.id,)
+        yield
         rotations = {
             model.id: tuple(
                 (provider_id, providers[provider_id], provider_node[provider_id])
@@ -87,6 +107,9 @@ class Snapshot:
             )
             for model in config.models
         }
+        yield
+        policies = PrincipalPolicies.from_config(config)
+        yield
         return cls(
             config=config,
             revision=revision,
@@ -96,7 +119,7 @@ class Snapshot:
             provider_node=provider_node,
             nodes={node.id: node for node in config.nodes},
             principals={t.token_hash_sha256: t for t in config.openai.principal_tokens},
-            policies=PrincipalPolicies.from_config(config),
+            policies=policies,
             node_providers=node_providers,
             provider_models=provider_models,
             rivals=rivals,

@@ -1,4 +1,5 @@
-"""The real cyclic collector, driven by the test alone (`core.gc_pause`, the heap keeper)."""
+"""The real cyclic collector, driven by the test alone (the heap keeper), or settled as the
+Edge keeps it."""
 
 from __future__ import annotations
 
@@ -38,3 +39,15 @@ def garbage(manual_collector: None) -> weakref.ref[object]:
     leaves it (a task and its exception, a stream and its cancel scope): nothing refers to
     it, and reference counting cannot free it."""
     return weakref.ref(_Cycle())
+
+
+@pytest.fixture
+def settled_heap() -> Iterator[None]:
+    """The heap collected and frozen, as the Edge's heap keeper keeps it
+    (`runtime.lifecycle.heap.settle`); thawed after."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

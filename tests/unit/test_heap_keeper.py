@@ -13,16 +13,14 @@ import pytest
 import trio
 import trio.testing
 
-from iop_edge.core.gc_pause import RECENT, freezes, gc_held
 from iop_edge.runtime.lifecycle.heap import (
     BURST,
     QUIET_S,
+    RECENT,
     SWEEP_FLEET,
-    SWEEP_HELD_S,
     SWEEP_MIN_S,
     SWEEP_S,
     SWEEP_STEP_S,
-    THAW_AFTER_FREEZES,
     THAW_INTERVAL_S,
     HeapKeeper,
     sweep_period,
@@ -99,23 +97,19 @@ async def test_churn_brings_one_thaw_and_the_survivors_are_frozen_again(
     assert collector.names() == ["unfreeze", "collect", "freeze"]
 
 
-async def test_a_refresh_freeze_is_thawed_after_the_interval(
+async def test_a_freeze_is_thawed_after_the_interval(
     autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
 ) -> None:
     await trio.sleep(THAW_INTERVAL_S * 2)
     assert collector.calls == []  # nothing frozen since the start: nothing to thaw
-    with gc_held():  # a refresh freezes the heap
-        pass
-    keeper.node_connected()  # any wake-up: the keeper looks again, the thaw is due
-    await trio.testing.wait_all_tasks_blocked()
-    assert collector.names() == ["unfreeze", "collect", "freeze"]
-    thawed = trio.current_time()
-    with gc_held():  # the next refresh: thawed an interval after the last thaw
-        pass
     keeper.node_connected()
+    await trio.sleep(QUIET_S * 2)  # frozen once quiet; the last thaw is long past
+    young = f"collect {RECENT}"
+    assert collector.names() == [young, "freeze", "unfreeze", "collect", "freeze"]
+    keeper.node_connected()  # frozen once quiet: the next thaw an interval after the last
     await trio.sleep(THAW_INTERVAL_S * 2)
     thaws = [at for name, at in collector.calls if name == "unfreeze"]
-    assert thaws == [thawed, thawed + THAW_INTERVAL_S]
+    assert len(thaws) == 2 and thaws[1] == thaws[0] + THAW_INTERVAL_S
 
 
 async def test_a_large_fleets_heap_is_frozen_every_sweep(
@@ -191,70 +185,6 @@ async def test_a_busy_fleets_sweeps_come_faster_and_slow_down_when_it_quiets(
     assert len(sweeps) == 3  # back to one a period
 
 
-async def test_the_first_sweep_after_a_pause_comes_at_once(
-    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
-) -> None:
-    """A pause (a refresh reading its candidate) skips sweeps; the fleet keeps sending
-    meanwhile, so the first sweep after it comes at once, not a period later."""
-    collector = CostlyCollector(per_s=SWEEP_STEP_S * 8)
-    pause = Pause()
-    keeper = HeapKeeper(collector, paused=pause, timer=collector.timer)
-    await nursery.start(keeper.run)
-    await connect(keeper, SWEEP_FLEET, every_s=0)
-    await trio.sleep(QUIET_S * 2)
-    pause.open = True
-    await trio.sleep(SWEEP_S / 2)
-    pause.open = False
-    resumed = trio.current_time()
-    collector.calls.clear()
-    await trio.sleep(SWEEP_S / 2)
-    sweeps = [at for name, at in collector.calls if name == "collect 0"]
-    assert sweeps and sweeps[0] - resumed <= SWEEP_MIN_S
-
-
-async def test_while_a_refresh_holds_the_heap_a_sweep_comes_every_held_period(
-    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
-) -> None:
-    """An idle fleet's sweeps come a second apart; an apply's pushes begin right after its
-    swap, so a hold wakes the sweep and keeps its period short until it closes."""
-    collector = CostlyCollector(per_s=SWEEP_STEP_S / 10)  # idle: the longest period
-    keeper = HeapKeeper(collector, timer=collector.timer)
-    await nursery.start(keeper.run)
-    await connect(keeper, SWEEP_FLEET, every_s=0)
-    await trio.sleep(QUIET_S * 2 + SWEEP_S / 2)  # half way through a second-long period
-    collector.calls.clear()
-    with gc_held():  # the refresh begins
-        began = trio.current_time()
-        await trio.sleep(SWEEP_S)
-    ended = trio.current_time()
-    sweeps = [at for name, at in collector.calls if name == "collect 0"]
-    gaps = [later - earlier for earlier, later in itertools.pairwise([began, *sweeps])]
-    assert len(sweeps) >= SWEEP_S / SWEEP_HELD_S - 1
-    assert all(gap <= SWEEP_HELD_S for gap in gaps)
-    collector.calls.clear()
-    await trio.sleep(SWEEP_S * 4)  # let go: the period grows back to a second
-    sweeps = [at for name, at in collector.calls if name == "collect 0"]
-    assert sweeps[-1] - sweeps[-2] == pytest.approx(SWEEP_S)
-    assert sweeps[0] > ended
-
-
-async def test_many_refresh_freezes_bring_a_thaw_before_the_interval(
-    autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
-) -> None:
-    before = freezes()
-    while freezes() - before < THAW_AFTER_FREEZES - 2:  # a hold freezes twice
-        with gc_held():
-            pass
-    keeper.node_connected()  # a wake-up: the keeper looks
-    await trio.testing.wait_all_tasks_blocked()
-    assert "unfreeze" not in collector.names()
-    with gc_held():
-        pass
-    keeper.node_connected()
-    await trio.testing.wait_all_tasks_blocked()
-    assert collector.names()[:3] == ["unfreeze", "collect", "freeze"]
-
-
 async def test_the_garbage_waiting_for_the_collector_is_not_frozen_with_new_sessions(
     autojump_clock: trio.testing.MockClock,
     garbage: weakref.ref[object],
@@ -268,88 +198,3 @@ async def test_the_garbage_waiting_for_the_collector_is_not_frozen_with_new_sess
     assert gc.get_freeze_count() > frozen
     gc.collect()
     assert garbage() is None
-
-
-class Pause:
-    """Whether bulk work has the collector paused, as the test says."""
-
-    def __init__(self) -> None:
-        self.open = False
-
-    def __call__(self) -> bool:
-        return self.open
-
-
-@pytest.fixture
-def pause() -> Pause:
-    return Pause()
-
-
-@pytest.fixture
-async def paused_keeper(
-    collector: FakeCollector, pause: Pause, nursery: trio.Nursery
-) -> HeapKeeper:
-    keeper = HeapKeeper(collector, paused=pause)
-    await nursery.start(keeper.run)
-    return keeper
-
-
-async def test_the_end_of_a_refresh_alone_brings_the_thaw_after_many_freezes(
-    autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
-) -> None:
-    before = freezes()
-    while freezes() - before < THAW_AFTER_FREEZES:  # refreshes, no Node comes or goes
-        with gc_held():
-            pass
-    await trio.testing.wait_all_tasks_blocked()
-    assert collector.names() == ["unfreeze", "collect", "freeze"]
-
-
-async def test_no_collection_and_no_thaw_while_a_build_has_the_collector_paused(
-    autojump_clock: trio.testing.MockClock,
-    collector: FakeCollector,
-    pause: Pause,
-    paused_keeper: HeapKeeper,
-) -> None:
-    await connect(paused_keeper, SWEEP_FLEET, every_s=0)
-    await trio.sleep(QUIET_S * 2)
-    collector.calls.clear()
-    pause.open = True  # a refresh reads a candidate in a worker thread
-    await trio.sleep(SWEEP_S * 3.5)
-    assert collector.calls == []  # the sweep leaves the build alone
-    await connect(paused_keeper, BURST, every_s=0)
-    await trio.testing.wait_all_tasks_blocked()
-    assert collector.names() == ["freeze"]  # a burst: frozen, not collected
-    collector.calls.clear()
-    for _ in range(SWEEP_FLEET // 5):  # churn: a thaw is due, and waits
-        paused_keeper.node_disconnected()
-    await trio.sleep(SWEEP_S / 2)
-    assert "unfreeze" not in collector.names()
-    pause.open = False
-    with gc_held():  # the refresh lets go of the heap: the keeper catches up at once
-        pass
-    await trio.testing.wait_all_tasks_blocked()
-    assert collector.names() == ["unfreeze", "collect", "freeze"]
-
-
-async def test_a_thaw_that_waited_for_a_pause_is_tried_again_a_sweep_later(
-    autojump_clock: trio.testing.MockClock,
-    collector: FakeCollector,
-    pause: Pause,
-    paused_keeper: HeapKeeper,
-) -> None:
-    """A pause without a hold (a catalog, a config read for `check-config`) ends with
-    no word to the keeper: it looks again a sweep period later."""
-    await connect(paused_keeper, BURST, every_s=0)
-    await trio.testing.wait_all_tasks_blocked()
-    collector.calls.clear()
-    pause.open = True
-    for _ in range(BURST):
-        paused_keeper.node_disconnected()
-    await trio.sleep(SWEEP_S * 2.5)
-    assert collector.calls == []
-    pause.open = False
-    ended = trio.current_time()
-    await trio.sleep(SWEEP_S)
-    thaws = [at for name, at in collector.calls if name == "unfreeze"]
-    assert len(thaws) == 1 and ended < thaws[0] <= ended + SWEEP_S

@@ -1,15 +1,17 @@
 """A refresh of a fleet's config never holds the Edge's event loop (design §5, §13).
 
 The Refresher runs against a fake Edge whose pool is a real `Scheduler`, with a config
-of thousands of Nodes. An instrument measures every task step's CPU time on the event
-loop's thread: a caller's request waits at most one step between two of its own, so the
-longest step bounds how much a refresh can delay it. CPU time, not wall time: a busy
-machine that preempts the test does not make the Edge hold its loop.
+of thousands of Nodes, and its real worker process (`runtime.refresh.worker`). An
+instrument measures every task step's CPU time on the event loop's thread: a caller's
+request waits at most one step between two of its own, so the longest step bounds how
+much a refresh can delay it. CPU time, not wall time: a busy machine that preempts the
+test does not make the Edge hold its loop. The heap is frozen first (`settled_heap`),
+as the Edge's heap keeper keeps it (`runtime.lifecycle.heap`): a full collection of the
+test's own heap is the keeper's business (measured in bench/fleet.py), not the refresh's.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,13 +24,10 @@ import yaml
 from iop_edge.core import refresh_plan
 from iop_edge.core.config import parse_config
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.runtime.refresh import off_loop
-from iop_edge.runtime.refresh import refresh as refresh_module
 from iop_edge.runtime.refresh.audit import AuditLog
 from iop_edge.runtime.refresh.refresh import Refresher
 from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas.config import NodeConfig
-from schemas.give_way import free_graph_in_pieces
 from schemas.refresh import RefreshRequest
 from schemas.wire import RefreshAck
 
@@ -122,29 +121,22 @@ def fleet() -> tuple[str, str]:
 
 
 async def test_a_fleet_refresh_holds_the_loop_no_step_longer_than_the_bound(
-    fleet: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    fleet: tuple[str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    settled_heap: None,
 ) -> None:
     running, candidate = fleet
     parsed = await trio.to_thread.run_sync(parse_config, running)
     edge = FleetEdge(Snapshot.build(parsed.config, revision=1, config_sha256=parsed.sha256))
-    refresher = Refresher(edge, config_path=None, audit=AuditLog(tmp_path), proof=parsed.proof)
-    threads: list[bool] = []
-    prepare = refresh_plan.prepare_refresh
+    refresher = Refresher(edge, config_path=None, audit=AuditLog(tmp_path))
+    planned_here: list[object] = []
 
-    def recorded(*args: Any, **kwargs: Any) -> refresh_plan.PreparedRefresh:
-        threads.append(threading.current_thread() is threading.main_thread())
-        return prepare(*args, **kwargs)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        planned_here.append(args)
+        raise AssertionError("planned in the Edge's process")
 
-    monkeypatch.setattr(refresh_module, "prepare_refresh", recorded)
-    let_go: list[tuple[bool, list[type]]] = []
-    free = free_graph_in_pieces
-
-    def freed(roots: list[object]) -> None:
-        on_loop = threading.current_thread() is threading.main_thread()
-        let_go.append((on_loop, list(map(type, roots))))
-        free(roots)
-
-    monkeypatch.setattr(off_loop, "free_graph_in_pieces", freed)
+    monkeypatch.setattr(refresh_plan, "plan_apply", recorded)
     steps = LongestStep()
     trio.lowlevel.add_instrument(steps)
     try:
@@ -157,11 +149,9 @@ async def test_a_fleet_refresh_holds_the_loop_no_step_longer_than_the_bound(
     assert applied.report.outcome == "applied"
     assert [node.status for node in applied.report.nodes] == ["applied"] * NODES
     assert edge.scheduler.snapshot.revision == 2
-    assert threads == [False, False]  # reading and planning ran in a worker thread
-    # what each left behind was let go of there too: the candidate read, and the
-    # snapshot the apply replaced
-    prepared = refresh_plan.PreparedRefresh
-    assert let_go == [(False, [prepared]), (False, [prepared, Snapshot])]
+    assert planned_here == []  # reading and planning ran in the worker process
+    assert refresher.worker.starts == 1  # one worker, kept between the two
+    await refresher.aclose()
     assert steps.longest <= LOOP_HOLD_BOUND_S, (steps.task, steps.longest)
 
 
@@ -171,7 +161,9 @@ async def test_a_change_to_one_node_checks_and_pushes_that_node_only(
     running, _ = fleet
     parsed = await trio.to_thread.run_sync(parse_config, running)
     edge = FleetEdge(Snapshot.build(parsed.config, revision=1, config_sha256=parsed.sha256))
-    refresher = Refresher(edge, config_path=None, audit=AuditLog(tmp_path), proof=parsed.proof)
+    # The Edge's service has the worker read the running config's text as it starts: the
+    # first candidate is then checked only where it changed.
+    refresher = Refresher(edge, config_path=None, audit=AuditLog(tmp_path), running_text=running)
     pushed: list[str] = []
     push = edge.push_node_config
 
@@ -180,21 +172,21 @@ async def test_a_change_to_one_node_checks_and_pushes_that_node_only(
         return await push(node_id, revision, node_config)
 
     edge.push_node_config = recorded  # type: ignore[method-assign]
-    checked: list[tuple[int, int]] = []
-    parse = parse_config
-
-    def counting(text: str, **kwargs: Any) -> Any:
-        result = parse(text, **kwargs)
-        checked.append((result.parsed_nodes, result.checked_nodes))
-        return result
-
     one = running.replace("capacity: 4", "capacity: 9", 1)  # node-0000's first provider
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(refresh_module, "parse_config", counting)
+    unchanged = edge.snapshot.nodes["node-0001"]
+    async with trio.open_nursery() as service:
+        await service.start(refresher.run)
         result = await refresher.refresh(RefreshRequest(mode="apply", config_yaml=one))
+        service.cancel_scope.cancel()  # the service stops the worker as it ends
+    assert refresher.worker.process is None
+    # the worker's reading of the running config is nobody's refresh: not audited
+    assert len((tmp_path / "refresh-audit.jsonl").read_text().splitlines()) == 1
 
     report = result.report
-    assert checked == [(1, 1)]  # one entry's YAML parsed, one entry checked
+    statistics = refresher.statistics()
+    # one entry's YAML parsed, one entry checked
+    assert (statistics.parsed_nodes, statistics.checked_nodes) == (1, 1)
+    assert edge.snapshot.nodes["node-0001"] is unchanged  # an unchanged Node keeps its object
     assert [c.path for c in report.changes] == ["nodes[node-0000].providers[node-0000-p0].capacity"]
     assert pushed == ["node-0000"]
     assert [(n.id, n.status) for n in report.nodes] == [("node-0000", "applied")]

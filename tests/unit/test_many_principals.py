@@ -25,12 +25,10 @@ import yaml
 
 from iop_edge.core import config as config_module
 from iop_edge.core.config import ConfigInvalid, parse_config
-from iop_edge.core.config_shape import CHUNK_ITEMS, convert, release_long_lists
+from iop_edge.core.config_shape import CHUNK_ITEMS, convert
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.refresh.audit import AuditLog
 from iop_edge.runtime.refresh.refresh import Refresher
-from schemas import safe_yaml
-from schemas.give_way import RELEASE_ITEMS
 from schemas.refresh import RefreshRequest
 from tests.unit.test_loop_hold import LOOP_HOLD_BOUND_S, FleetEdge, LongestStep
 
@@ -223,45 +221,6 @@ def test_unknown_refs_are_each_reported_and_the_hints_are_bounded(
 # --- letting go: in pieces -----------------------------------------------------------------
 
 
-class RecordedList(list[Any]):
-    """A list that records how many items each deletion takes."""
-
-    deletions: list[int]
-
-    def __delitem__(self, index: Any) -> None:
-        before = len(self)
-        super().__delitem__(index)
-        self.deletions.append(before - len(self))
-
-
-def recorded(items: list[Any], deletions: list[int]) -> RecordedList:
-    kept = RecordedList(items)
-    kept.deletions = deletions
-    return kept
-
-
-def test_a_composed_graph_is_freed_a_bounded_piece_at_a_time() -> None:
-    node = safe_yaml.compose(config_text(2_000))
-    assert isinstance(node, yaml.MappingNode)
-    openai = next(value for key, value in node.value if key.value == "openai")
-    tokens = next(value for key, value in openai.value if key.value == "principal_tokens")
-    deletions: list[int] = []
-    tokens.value = recorded(tokens.value, deletions)
-
-    safe_yaml.release(node)
-
-    assert node.value == [] and openai.value == [] and tokens.value == []
-    assert sum(deletions) == 2_000
-    assert max(deletions) <= RELEASE_ITEMS
-
-
-def test_a_graph_with_aliases_is_freed_too() -> None:
-    node = safe_yaml.compose("a: &x [1, {b: *x}]\nc: [*x, *x]\n")  # shared, and recursive
-    assert node is not None
-    safe_yaml.release(node)
-    assert node.value == []
-
-
 class Item(msgspec.Struct):
     name: str
 
@@ -270,24 +229,6 @@ class Document(msgspec.Struct):
     items: list[Item]
     extra: Any = None
     section: dict[str, list[Item]] = {}
-
-
-def test_read_lists_are_let_go_in_chunks_and_nothing_built_is_touched() -> None:
-    deletions: list[int] = []
-    shared = [{"name": f"x{i}"} for i in range(1_000)]  # an `Any` value is the same object
-    value = {
-        "items": recorded([{"name": f"i{i}"} for i in range(1_000)], deletions),
-        "extra": shared,
-    }
-    built = convert(value, Document)
-    assert built.extra is shared
-
-    release_long_lists(value, Document)
-
-    assert value["items"] == [] and sum(deletions) == 1_000
-    assert max(deletions) <= CHUNK_ITEMS
-    assert len(built.items) == 1_000 and built.items[-1] == Item(name="i999")
-    assert len(shared) == 1_000  # a field of type Any: never emptied
 
 
 def test_convert_builds_what_msgspec_builds() -> None:
@@ -301,13 +242,13 @@ def test_convert_builds_what_msgspec_builds() -> None:
 
 
 async def test_a_refresh_of_ten_thousand_tokens_holds_the_loop_no_step_longer_than_the_bound(
-    tmp_path: Path,
+    tmp_path: Path, settled_heap: None
 ) -> None:
     running = config_text(10_000, rpm=60)
     candidate = config_text(10_000, rpm=61)  # every listed principal's limit: live
     parsed = await trio.to_thread.run_sync(parse_config, running)
     edge = FleetEdge(Snapshot.build(parsed.config, revision=1, config_sha256=parsed.sha256))
-    refresher = Refresher(edge, config_path=None, audit=AuditLog(tmp_path), proof=parsed.proof)
+    refresher = Refresher(edge, config_path=None, audit=AuditLog(tmp_path))
     steps = LongestStep()
     trio.lowlevel.add_instrument(steps)
     try:

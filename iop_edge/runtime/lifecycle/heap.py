@@ -18,12 +18,13 @@ at it again only at moments it chooses:
    a connect burst's sessions are never walked again, and at most `BURST` sessions'
    objects wait for a collection. A burst smaller than `BURST` is frozen once no Node
    connected for `QUIET_S`. The young and middle generations are collected first
-   (`gc_pause.RECENT`, a pass over those sessions and the requests since the last
+   (`RECENT`, a pass over those sessions and the requests since the last
    freeze): the cyclic garbage of finished requests waits there, thousands of objects,
    and frozen with the sessions it would stay until a thaw (each Node that reconnects
    would leave megabytes behind).
-   A refresh freezes the heap when it starts and what it built when that is done
-   (`core.gc_pause`), and leaves it so.
+   A refresh reads, checks and plans its candidate in a process of its own
+   (`runtime.refresh.worker`): what it builds here is the new snapshot's changed Nodes
+   and lookups, young objects the sweep freezes like any others.
 3. With at least `SWEEP_FLEET` Nodes connected, the heap is also frozen periodically.
    CPython starts a young collection when allocations exceed deallocations by its
    threshold, and counts the deallocation of an old object too: a fleet's statuses
@@ -42,26 +43,10 @@ at it again only at moments it chooses:
 4. Only cyclic garbage among frozen objects waits: a session that ended after it was
    frozen keeps its memory until a thaw. A thaw (`gc.unfreeze`, a full collection, freeze
    again) runs once sessions that ended since the last one reach `CHURN_SHARE` of those
-   connected (at least `BURST`), after `THAW_AFTER_FREEZES` freezes by refreshes, or
-   `THAW_INTERVAL_S` after the last one if anything was frozen since. It is the one
-   pause left, proportional to the heap, and it is logged with what it reclaimed. The
-   keeper looks whether one is due at each connect and disconnect, at the deadline, and
-   each time a refresh lets go of the heap (`gc_pause.watch_holds`).
-5. While bulk work in a worker thread has the collector paused (`gc_pause.paused()`,
-   a refresh reading a candidate), what it built so far is all young: the keeper does
-   not collect then (a young collection would walk the build, half a second of the
-   loop with ten thousand Nodes) and does not thaw. The sweep skips its turn and looks
-   again every `SWEEP_MIN_S`, so the first sweep after the pause comes at once and walks
-   only what the loop made meanwhile (kept at a longer period, it would walk a second of
-   a fleet's acks at once when an apply's pushes begin); a burst is frozen without its
-   collection (the refresh freezes its build anyway); a thaw that is due waits until the
-   refresh lets go of the heap, or a sweep period.
-6. While a refresh holds the heap (`gc_pause.held()`: its build, its swap, its pushes),
-   a sweep comes every `SWEEP_HELD_S` at most. An apply's pushes begin right after its
-   swap, and a fleet's acks and statuses with them: a period learned before (a second,
-   the fleet idle), or after a build too short for the sweep to see its pause, let a
-   second of them pile up, walked in one step of 30-40 ms with ten thousand Nodes. The
-   hold's opening wakes the sweep (`gc_pause.watch_holds`); it froze the heap itself.
+   connected (at least `BURST`), or `THAW_INTERVAL_S` after the last one if anything was
+   frozen since. It is the one pause left, proportional to the heap, and it is logged
+   with what it reclaimed. The keeper looks whether one is due at each connect and
+   disconnect, and at the deadline.
 """
 
 from __future__ import annotations
@@ -74,18 +59,15 @@ from typing import Final, Protocol
 
 import trio
 
-from iop_edge.core.gc_pause import RECENT, freezes, held, paused, watch_holds
-
 __all__ = [
     "BURST",
     "CHURN_SHARE",
     "QUIET_S",
+    "RECENT",
     "SWEEP_FLEET",
-    "SWEEP_HELD_S",
     "SWEEP_MIN_S",
     "SWEEP_S",
     "SWEEP_STEP_S",
-    "THAW_AFTER_FREEZES",
     "THAW_INTERVAL_S",
     "THRESHOLDS",
     "Collector",
@@ -109,15 +91,13 @@ SWEEP_S: Final = 1.0
 SWEEP_MIN_S: Final = 0.05
 SWEEP_STEP_S: Final = 0.003
 SWEEP_FLEET: Final = 1000
-#: The longest period while a refresh holds the heap (Rule 6).
-SWEEP_HELD_S: Final = 0.1
 #: Ended sessions, as a share of the connected ones, that bring a thaw (Rule 4).
 CHURN_SHARE: Final = 0.1
 #: The longest the heap stays frozen without a thaw while things get frozen (Rule 4).
 THAW_INTERVAL_S: Final = 600.0
-#: Freezes by bulk operations (`core.gc_pause.freezes`: two or three a refresh) that bring
-#: a thaw sooner (Rule 4): what was frozen with them may hold garbage.
-THAW_AFTER_FREEZES: Final = 64
+#: The oldest generation collected before new sessions are frozen (Rule 2): the young
+#: and the middle one, where the cyclic garbage of finished requests waits.
+RECENT: Final = 1
 
 
 def sweep_period(period: float, took: float) -> float:
@@ -164,24 +144,17 @@ class HeapKeeper:
     it after churn or a long freeze (Rules 2-4).
 
     The hub reports connects and disconnects (`node_connected`, `node_disconnected`);
-    `run` is a service of the Edge that acts on them, and on the end of each refresh.
-    `paused` says whether bulk work has the collector paused (Rule 5)."""
+    `run` is a service of the Edge that acts on them."""
 
     def __init__(
         self,
         collector: Collector | None = None,
         *,
-        paused: Callable[[], bool] = paused,
-        held: Callable[[], bool] = held,
         timer: Callable[[], float] = time.thread_time,
     ) -> None:
         """`timer` measures what a sweep cost the loop's thread (Rule 3): its CPU time,
         so a machine that preempts the Edge does not make the sweeps come faster."""
         self._gc = collector or _Gc()
-        self._paused = paused
-        self._held = held
-        self._hold_opened = trio.Event()
-        """Set when a refresh's hold opens (Rule 6), replaced once the sweep saw it."""
         self._timer = timer
         self._connected = 0
         self._arrived = 0
@@ -189,9 +162,7 @@ class HeapKeeper:
         self._ended = 0
         """Sessions ended since the last thaw."""
         self._froze = False
-        """The keeper froze the heap since the last thaw (a refresh counts too:
-        `gc_pause.freezes()` moved)."""
-        self._freezes_at_thaw = freezes()
+        """The keeper froze the heap since the last thaw."""
         self._last_arrival = -float("inf")
         self._last_thaw = trio.current_time()
         self._changed = trio.Event()
@@ -207,75 +178,48 @@ class HeapKeeper:
         self._ended += 1
         self._wake()
 
-    def _hold_began(self) -> None:
-        self._hold_opened.set()
-
     def _wake(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
 
-    def _frozen_since_thaw(self) -> bool:
-        return self._froze or freezes() != self._freezes_at_thaw
-
     def _thaw_due(self, now: float) -> bool:
         churn = self._ended >= max(BURST, CHURN_SHARE * self._connected)
-        stale = self._frozen_since_thaw() and now - self._last_thaw >= THAW_INTERVAL_S
-        bulk = freezes() - self._freezes_at_thaw >= THAW_AFTER_FREEZES
-        return churn or stale or bulk
+        stale = self._froze and now - self._last_thaw >= THAW_INTERVAL_S
+        return churn or stale
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Freeze and thaw as Rules 2-6 say, until cancelled."""
-        # A refresh let go of the heap: look again (Rule 4); it took hold of it: sweep
-        # sooner (Rule 6).
-        with watch_holds(self._wake, opened=self._hold_began):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._sweep)
-                task_status.started()
-                await self._watch()
+        """Freeze and thaw as Rules 2-4 say, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._sweep)
+            task_status.started()
+            await self._watch()
 
     async def _sweep(self) -> None:
-        """Rules 3 and 6: a period that follows what a sweep costs, not a wait for a
-        condition, and kept short while a refresh holds the heap."""
+        """Rule 3: a period that follows what a sweep costs, not a wait for a condition."""
         period = SWEEP_S
         while True:
-            with trio.move_on_after(period):
-                await self._hold_opened.wait()
-            if self._hold_opened.is_set():  # Rule 6: the hold froze the heap as it opened
-                self._hold_opened = trio.Event()
-                period = min(period, SWEEP_HELD_S)
-                continue
+            await trio.sleep(period)
             if self._connected < SWEEP_FLEET:
                 period = SWEEP_S
-                continue
-            if self._paused():  # Rule 5: skipped, looked at again soon
-                period = SWEEP_MIN_S
                 continue
             began = self._timer()
             self._gc.collect(0)  # the period's young garbage: not frozen (Rule 2's why)
             self._gc.freeze()
             self._froze = True
             period = sweep_period(period, self._timer() - began)
-            if self._held():  # Rule 6
-                period = min(period, SWEEP_HELD_S)
 
     async def _watch(self) -> None:
-        """Rules 2, 4 and 5, as connects, disconnects and refreshes come."""
+        """Rules 2 and 4, as connects and disconnects come."""
         while True:
             now = trio.current_time()
-            deferred = False
             if self._thaw_due(now):
-                if not self._paused():
-                    self._thaw()
-                    continue
-                deferred = True  # Rule 5: tried again when the refresh is done
-            deadline = self._last_thaw + THAW_INTERVAL_S if self._frozen_since_thaw() else None
-            if deferred:
-                deadline = now + SWEEP_S
+                self._thaw()
+                continue
+            deadline = self._last_thaw + THAW_INTERVAL_S if self._froze else None
             if self._arrived:
                 quiet_at = self._last_arrival + QUIET_S
                 if self._arrived >= BURST or now >= quiet_at:
-                    if not self._paused():  # Rule 5: the freeze alone, during a build
-                        self._gc.collect(RECENT)
+                    self._gc.collect(RECENT)
                     self._gc.freeze()
                     self._arrived = 0
                     self._froze = True
@@ -303,5 +247,4 @@ class HeapKeeper:
         self._ended = 0
         self._arrived = 0
         self._froze = False
-        self._freezes_at_thaw = freezes()
         self._last_thaw = trio.current_time()

@@ -35,7 +35,6 @@ import msgspec
 import trio
 
 from iop_edge.core.config import utf8_pieces
-from iop_edge.runtime.refresh import off_loop
 from schemas.refresh import (
     NodeResult,
     RefreshError,
@@ -177,8 +176,7 @@ class AuditLog:
             record = AuditRecord.of(report, verdict=verdict, config_sha256=config_sha256, now=when)
             return _line(self._encoder, record, room=room)
 
-        # A fleet's record is megabytes: built and encoded in a worker thread, off the loop.
-        line = await off_loop.run_report_work(len(report.changes), len(report.nodes), encode)
+        line = encode()
         async with self._lock:
             offset = await trio.to_thread.run_sync(append_line, self.path, line)
         return Reservation(offset=offset, length=len(line))
@@ -207,10 +205,7 @@ class AuditLog:
             record = build()
             return record, _line(self._encoder, record, width=reservation.length)
 
-        # A fleet's record is megabytes: off the loop.
-        record, line = await off_loop.run_report_work(
-            len(report.changes), len(report.nodes), built_and_encoded
-        )
+        record, line = built_and_encoded()
         async with self._lock:
             if len(line) == reservation.length:
                 await trio.to_thread.run_sync(_overwrite, self.path, reservation.offset, line)
@@ -240,8 +235,7 @@ class AuditLog:
         return record
 
     async def _write(self, record: AuditRecord) -> None:
-        encode = partial(_line, self._encoder, record)
-        line = await off_loop.run_report_work(len(record.changed_paths), len(record.nodes), encode)
+        line = _line(self._encoder, record)
         async with self._lock:
             await trio.to_thread.run_sync(append_line, self.path, line)
 

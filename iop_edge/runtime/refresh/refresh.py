@@ -1,8 +1,10 @@
 """Config refresh (design §5): validate a candidate, decide, swap the snapshot, push to nodes.
 
 The `Refresher` coordinates; the pure parts live in the core (`refresh_diff` diffs and
-classifies, `refresh_plan` decides) and the Edge is reached only through the small
-`RefreshTarget` interface, so all of this is testable with a fake Edge. It answers with a
+classifies, `refresh_plan` decides) and run in the refresh worker, a child process
+(`refresh.worker`: reading a fleet's candidate is seconds of Python, which the Edge's
+loop must not share); the Edge is reached only through the small `RefreshTarget`
+interface, so all of this is testable with a fake Edge. It answers with a
 `RefreshResult`: a verdict (accepted, invalid, conflict) and the report; what a verdict
 means in HTTP is the admin API's business.
 
@@ -16,8 +18,10 @@ An apply goes through these steps, and stops at the first that says no (every at
 rejected ones too, ends with one audit log line):
 
 1. another refresh is running -> conflict at once;
-2. load the candidate (inline YAML, or the config file re-read): invalid -> every error
-   and its path; then `if_revision` not the running revision -> conflict;
+2. load the candidate (inline YAML, or the config file re-read), in the worker: invalid
+   -> every error and its path; a worker that crashed or did not answer in time ->
+   `unavailable`, nothing applied (the next refresh starts another worker); then
+   `if_revision` not the running revision -> conflict;
 3. plan (`refresh_plan.plan_apply`): a restart-required change that is not already
    pending is a conflict unless `allow_restart_required`; then the live subset is applied
    and the rest becomes `pending_restart`. A dry run stops here with the same report (its
@@ -40,21 +44,19 @@ pending change clears it) and otherwise kept until the process restarts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Final, Protocol
 
 import msgspec
 import trio
 
-from iop_edge.core.config import ConfigInvalid, ParsedConfig, load_config, parse_config
-from iop_edge.core.config_proof import ConfigProof
-from iop_edge.core.gc_pause import gc_held
-from iop_edge.core.refresh_plan import ApplyPlan, PreparedRefresh, error_order, prepare_refresh
+from iop_edge.core.config import ConfigInvalid
+from iop_edge.core.refresh_plan import error_order
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.runtime.refresh import off_loop
+from iop_edge.runtime.refresh.assemble import assemble
 from iop_edge.runtime.refresh.audit import (
     AuditLog,
     Reservation,
@@ -62,6 +64,8 @@ from iop_edge.runtime.refresh.audit import (
     write_config_atomically,
 )
 from iop_edge.runtime.refresh.push import CatchUp, PushPolicy, push_all
+from iop_edge.runtime.refresh.worker_client import RefreshWorker, WorkerFailed
+from iop_edge.runtime.refresh.worker_protocol import Invalid, Plan, Prepare, Prepared
 from schemas.config import ConfigError, NodeConfig
 from schemas.refresh import (
     NodeResult,
@@ -98,42 +102,40 @@ class RefreshResult:
     report: RefreshReport
 
     async def report_json(self) -> bytes:
-        """The report as JSON: a fleet's is megabytes, encoded off the event loop."""
-        encode = partial(_REPORT_ENCODER.encode, self.report)
-        report = self.report
-        return await off_loop.run_report_work(len(report.changes), len(report.nodes), encode)
+        """The report as JSON."""
+        return _REPORT_ENCODER.encode(self.report)
 
 
 #: Encodes the reports `RefreshResult.report_json` answers with.
 _REPORT_ENCODER: Final = msgspec.json.Encoder()
 #: Decodes `POST /refresh` bodies (`decode_request`).
 _REQUEST_DECODER: Final = msgspec.json.Decoder(RefreshRequest)
-#: A request body beyond which it is decoded off the event loop (`decode_request`).
-_LARGE_REQUEST_BYTES: Final = 256 * 1024
-#: A large body's decoding takes about three times its size in large buffers: the body
-#: joined, the decoder's scratch for the string's escapes, and the string.
-_DECODE_TAKES: Final = 3
-#: Reading a candidate takes about twice its text in large buffers: the text encoded for
-#: the YAML reader, and the text of the Nodes it did not know joined for parsing.
-_READ_TAKES: Final = 2
+#: The longest a refresh waits for the worker to read, check and plan a candidate before
+#: it fails the refresh and restarts the worker (a fleet's candidate takes seconds).
+WORKER_DEADLINE_S: Final = 120.0
+#: How much longer the Edge waits for a worker that did not end itself at its deadline.
+WORKER_GRACE_S: Final = 1.0
 
 
 async def decode_request(pieces: list[bytes]) -> RefreshRequest:
     """A `POST /refresh` body, in the pieces it arrived in, as a request (an empty body is
-    `{}`). A fleet's config is megabytes of JSON string: joining its pieces and
-    unescaping it are single steps of milliseconds each, so a large one is joined and
-    decoded off the event loop, in memory written first (`off_loop.run_sync`'s
-    `fresh_bytes`): fresh, it would cost tens of milliseconds more inside those steps. Raises
-    `msgspec.DecodeError`, or `RecursionError` for an unknown field nested too deeply
-    (msgspec skips unknown fields recursively)."""
+    `{}`). Raises `msgspec.DecodeError`, or `RecursionError` for an unknown field nested
+    too deeply (msgspec skips unknown fields recursively). A fleet's config is megabytes
+    of JSON string: unescaping it is one step of a few milliseconds, on the loop."""
+    await trio.lowlevel.checkpoint()
+    return _REQUEST_DECODER.decode(b"".join(pieces) or b"{}")
 
-    def decode() -> RefreshRequest:
-        return _REQUEST_DECODER.decode(b"".join(pieces) or b"{}")
 
-    size = sum(map(len, pieces))
-    if size <= _LARGE_REQUEST_BYTES:
-        return decode()
-    return await off_loop.run_sync(decode, fresh_bytes=_DECODE_TAKES * size)
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """A candidate read and decided by the worker, ready to be applied."""
+
+    config_sha256: str
+    plan: Plan
+    snapshot: Snapshot | None
+    """What an apply swaps in (revision + 1); None for a dry run or a refused plan."""
+    to_push: tuple[str, ...]
+    """The Nodes an apply pushes to (`core.refresh_plan`, rule 5)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +145,11 @@ class RefresherStatistics:
 
     busy: bool
     """A refresh is running: another one now is refused as a conflict."""
+    parsed_nodes: int
+    """Node entries the last valid candidate had read from its YAML: those the worker's
+    proof did not know by their text (`core.config_proof`)."""
+    checked_nodes: int
+    """Node entries the last valid candidate had checked: those the proof did not hold."""
 
 
 class RefreshTarget(Protocol):
@@ -183,16 +190,25 @@ class Refresher:
         *,
         config_path: Path | None,
         audit: AuditLog,
-        proof: ConfigProof | None = None,
         push_timeout_s: float = 10.0,
         push_policy: PushPolicy | None = None,
+        worker: RefreshWorker | None = None,
+        worker_deadline_s: float = WORKER_DEADLINE_S,
+        running_text: str | None = None,
     ) -> None:
-        """`proof` is what the running config proved (`ParsedConfig.proof`);
-        `push_timeout_s` is a Node's time to ack, unless a whole `push_policy` is given."""
+        """`push_timeout_s` is a Node's time to ack, unless a whole `push_policy` is
+        given. `worker` reads and plans candidates (`refresh.worker`); one is started on
+        the first refresh if not given, and `aclose` stops it. `worker_deadline_s` bounds
+        its work on one candidate (infinite: unbounded). `running_text` is the text the
+        running config was read from: `run` has the worker read it as the Edge starts, so
+        that its first candidate is checked only where it changed."""
         self._target = target
         self._config_path = config_path
         self._audit = audit
-        self._proof = proof
+        self.worker = worker or RefreshWorker()
+        self._worker_deadline_s = worker_deadline_s
+        self._read = (0, 0)
+        self._running_text = running_text
         self._push = push_policy or PushPolicy(timeout_s=push_timeout_s)
         self.catch_up = CatchUp(target, self._push)
         """Pushes the running config again to the Nodes that missed a refresh; its `run`
@@ -200,8 +216,48 @@ class Refresher:
         self._busy = False
         self._pending_restart: tuple[str, ...] = ()
 
+    async def aclose(self) -> None:
+        """Stop the refresh worker (bounded)."""
+        await self.worker.aclose()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """A service of the Edge: the refresh worker lives as long as this runs, and is
+        stopped when it is cancelled."""
+        try:
+            task_status.started()
+            await self._warm_up()
+            await trio.sleep_forever()
+        finally:
+            await self.aclose()
+
+    async def _warm_up(self) -> None:
+        """Start the worker and have it read the running config's text, as a dry run
+        nobody asked for (not audited): it then holds the running config and its proof.
+        A worker that fails here is logged; the first refresh starts another."""
+        text, self._running_text = self._running_text, None
+        if text is None:
+            return
+        base = self._target.snapshot
+        ask = Prepare(base_revision=base.revision, deadline_s=self._deadline_in_worker())
+        with trio.move_on_after(self._worker_deadline_s + WORKER_GRACE_S):
+            try:
+                answer = await self.worker.prepare(ask, base.config, config_yaml=text)
+            except WorkerFailed as failed:
+                log.warning("refresh worker: %s; the first refresh starts another", failed)
+                return
+            if isinstance(answer, Prepared):
+                self._read = (answer.parsed_nodes, answer.checked_nodes)
+            return
+        log.warning("refresh worker: it did not read the running config in time")
+
+    def _deadline_in_worker(self) -> float | None:
+        deadline = self._worker_deadline_s
+        return deadline if math.isfinite(deadline) else None
+
     def statistics(self) -> RefresherStatistics:
-        return RefresherStatistics(busy=self._busy)
+        return RefresherStatistics(
+            busy=self._busy, parsed_nodes=self._read[0], checked_nodes=self._read[1]
+        )
 
     @property
     def pending_restart(self) -> tuple[str, ...]:
@@ -238,24 +294,15 @@ class Refresher:
             result = await self._finish("conflict", report, config_sha256=None)
         else:
             self._busy = True
-            leftovers: list[object] = []
             try:
-                # The Edge's heap (every Node's session) is out of the collector's sight
-                # while the refresh builds and pushes (`core.gc_pause.gc_held`).
-                with gc_held():
-                    result = await self._refresh(request, leftovers)
-                # Its frame is gone: `leftovers` holds the last references.
-                large = len(self._target.snapshot.nodes) > off_loop.LARGE_GRAPH_NODES
-                await off_loop.let_go(leftovers, large=large)
+                result = await self._refresh(request)
             finally:
                 self._busy = False
         _log_attempt(source, request, result)
         return result
 
-    async def _refresh(self, request: RefreshRequest, leftovers: list[object]) -> RefreshResult:
-        """Steps 2-6 of a refresh. What it leaves behind goes in `leftovers` for the caller
-        to let go of once this frame is gone (the candidate read; the snapshot an apply
-        replaced)."""
+    async def _refresh(self, request: RefreshRequest) -> RefreshResult:
+        """Steps 2-6 of a refresh."""
         base = self._target.snapshot
         try:
             prepared = await self._prepare(request, base)
@@ -263,55 +310,56 @@ class Refresher:
             errors = [RefreshError(path=e.path, message=e.message) for e in invalid.errors]
             report = self._report(request, "rejected", self._target.snapshot, errors=errors)
             return await self._finish("invalid", report, config_sha256=None)
-        leftovers.append(prepared)
-        parsed, plan = prepared.parsed, prepared.plan
+        except WorkerFailed as failed:
+            log.error("refresh: %s; nothing was applied", failed)
+            report = self._rejected(
+                request,
+                "",
+                f"{failed}; nothing was applied, and the worker is restarted for the next refresh",
+            )
+            return await self._finish("unavailable", report, config_sha256=None)
+        sha256, plan = prepared.config_sha256, prepared.plan
         if self._target.snapshot is not base:  # only the Refresher swaps: a safety net
             report = self._rejected(
                 request, "", "the running config changed while this candidate was checked; retry"
             )
-            return await self._finish("conflict", report, config_sha256=parsed.sha256)
+            return await self._finish("conflict", report, config_sha256=sha256)
         if request.if_revision is not None and request.if_revision != base.revision:
             report = self._rejected(
                 request,
                 "if_revision",
                 f"the running revision is {base.revision}, not {request.if_revision}",
             )
-            return await self._finish("conflict", report, config_sha256=parsed.sha256)
+            return await self._finish("conflict", report, config_sha256=sha256)
         if request.mode == "dry_run":
             report = self._report(request, "dry_run", base, plan=plan, errors=plan.errors)
-            return await self._finish("accepted", report, config_sha256=parsed.sha256)
+            return await self._finish("accepted", report, config_sha256=sha256)
         if plan.errors:
             report = self._report(request, "rejected", base, plan=plan, errors=plan.errors)
-            return await self._finish("conflict", report, config_sha256=parsed.sha256)
+            return await self._finish("conflict", report, config_sha256=sha256)
         snapshot, to_push = prepared.snapshot, list(prepared.to_push)
         assert snapshot is not None  # an apply whose plan has no errors is built
-        planned = await off_loop.run_report_work(
-            len(plan.diff.changes),
-            len(to_push),
-            partial(
-                self._report,
-                request,
-                "applied" if plan.diff else "no_change",
-                base,
-                revision=snapshot.revision,
-                plan=plan,
-                nodes=_interrupted(to_push),
-                pending_restart=plan.pending_restart,
-            ),
+        planned = self._report(
+            request,
+            "applied" if plan else "no_change",
+            base,
+            revision=snapshot.revision,
+            plan=plan,
+            nodes=_interrupted(to_push),
+            pending_restart=tuple(plan.pending_restart),
         )
-        reservation = await self._reserve(planned, config_sha256=parsed.sha256)
+        reservation = await self._reserve(planned, config_sha256=sha256)
         if isinstance(reservation, str):
             report = self._rejected(request, "", reservation)
             return RefreshResult("unavailable", report)
         self._target.swap_snapshot(snapshot)
-        leftovers.append(base)
-        self._pending_restart = plan.pending_restart
+        self._pending_restart = tuple(plan.pending_restart)
 
         return await self._commit(
             request,
             base=base,
             snapshot=snapshot,
-            parsed=parsed,
+            config_sha256=sha256,
             plan=plan,
             to_push=to_push,
             interrupted=planned.nodes,
@@ -348,8 +396,8 @@ class Refresher:
         *,
         base: Snapshot,
         snapshot: Snapshot,
-        parsed: ParsedConfig,
-        plan: ApplyPlan,
+        config_sha256: str,
+        plan: Plan,
         to_push: list[str],
         interrupted: list[NodeResult],
         reservation: Reservation,
@@ -368,7 +416,7 @@ class Refresher:
             # The audit line's reservation and the swap took a step of the loop; the
             # rest of the commit starts in the next.
             await trio.lowlevel.checkpoint()
-        nodes = interrupted  # the planned report's: a fleet's, built off the loop
+        nodes = interrupted  # the planned report's
         self.catch_up.forget(to_push)
         with trio.move_on_after(self._push.deadline_s(len(to_push)) + COMMIT_GRACE_S, shield=True):
             nodes = await push_all(self._target, to_push, snapshot, self._push)
@@ -376,9 +424,8 @@ class Refresher:
         errors: list[RefreshError] = []
         if request.config_yaml is not None and self._config_path is not None:
             errors = await self._persist(self._config_path, request.config_yaml)
-        outcome: RefreshOutcome = "applied" if plan.diff else "no_change"
-        build = partial(
-            self._report,
+        outcome: RefreshOutcome = "applied" if plan else "no_change"
+        report = self._report(
             request,
             outcome,
             base,
@@ -387,14 +434,8 @@ class Refresher:
             errors=errors,
             nodes=nodes,
         )
-        # Shielded like the rest of the commit, with its deadline.
-        report: RefreshReport | None = None
-        with trio.move_on_after(COMMIT_GRACE_S, shield=True):
-            report = await off_loop.run_report_work(len(plan.diff.changes), len(nodes), build)
-        if report is None:  # the worker threads are busy: build it here after all
-            report = build()
         return await self._finish(
-            "accepted", report, config_sha256=parsed.sha256, reservation=reservation
+            "accepted", report, config_sha256=config_sha256, reservation=reservation
         )
 
     async def _persist(self, path: Path, text: str) -> list[RefreshError]:
@@ -415,34 +456,36 @@ class Refresher:
             )
         ]
 
-    async def _prepare(self, request: RefreshRequest, base: Snapshot) -> PreparedRefresh:
-        """Steps 2 and 3 and the new snapshot (`core.refresh_plan.prepare_refresh`), in a
-        worker thread: for a fleet's config that is seconds of work the event loop must
-        not hold. Raises `ConfigInvalid`. A valid candidate's proof
-        (`core.config_proof`) spares the next one re-checking the Nodes it did not
-        change."""
-        load: Callable[[], ParsedConfig]
-        text_size = 0
-        if request.config_yaml is not None:
-            load = partial(parse_config, request.config_yaml, proof=self._proof)
-            text_size = len(request.config_yaml)
-        elif self._config_path is not None:
-            load = partial(load_config, self._config_path, proof=self._proof)
-        else:
+    async def _prepare(self, request: RefreshRequest, base: Snapshot) -> _Prepared:
+        """Steps 2 and 3 in the refresh worker (`refresh.worker`: for a fleet's config
+        that is seconds of work and a million objects, in a process of its own), then
+        the new snapshot assembled here from its per-Node delta (`refresh.assemble`).
+        Raises `ConfigInvalid`, or `WorkerFailed` when the worker crashed or did not
+        answer within the deadline (it is restarted for the next refresh)."""
+        if request.config_yaml is None and self._config_path is None:
             raise ConfigInvalid([_no_candidate()])
-        prepared = await off_loop.run_sync(
-            partial(
-                prepare_refresh,
-                load,
-                base,
-                pending_restart=self._pending_restart,
-                allow_restart_required=request.allow_restart_required,
-                build=request.mode == "apply",
-            ),
-            fresh_bytes=_READ_TAKES * text_size,
+        ask = Prepare(
+            base_revision=base.revision,
+            config_path=None if self._config_path is None else str(self._config_path),
+            pending_restart=list(self._pending_restart),
+            allow_restart_required=request.allow_restart_required,
+            build=request.mode == "apply",
+            deadline_s=self._deadline_in_worker(),
         )
-        self._proof = prepared.parsed.proof
-        return prepared
+        # The worker ends itself at its deadline (in real time); this one, a little later,
+        # is for a worker that cannot even do that.
+        with trio.move_on_after(self._worker_deadline_s + WORKER_GRACE_S):
+            answer = await self.worker.prepare(ask, base.config, config_yaml=request.config_yaml)
+            if isinstance(answer, Invalid):
+                raise ConfigInvalid(answer.errors)
+            self._read = (answer.parsed_nodes, answer.checked_nodes)
+            snapshot: Snapshot | None = None
+            to_push: tuple[str, ...] = ()
+            if answer.built is not None:
+                snapshot = await assemble(answer.built, base, config_sha256=answer.config_sha256)
+                to_push = tuple(answer.built.to_push)
+            return _Prepared(answer.config_sha256, answer.plan, snapshot, to_push)
+        raise WorkerFailed(f"the refresh worker did not answer within {self._worker_deadline_s:g}s")
 
     # --- reports -------------------------------------------------------------------------
 
@@ -453,7 +496,7 @@ class Refresher:
         base: Snapshot,
         *,
         revision: int | None = None,
-        plan: ApplyPlan | None = None,
+        plan: Plan | None = None,
         errors: tuple[RefreshError, ...] | list[RefreshError] = (),
         nodes: list[NodeResult] | None = None,
         pending_restart: tuple[str, ...] | None = None,
@@ -463,7 +506,7 @@ class Refresher:
         `revision` defaults to the base revision: nothing was swapped; `pending_restart`
         to what waits for a restart now.
         """
-        diff = plan.diff if plan is not None else None
+        diff = plan
         return RefreshReport(
             mode=request.mode,
             outcome=outcome,

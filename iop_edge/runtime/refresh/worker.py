@@ -1,0 +1,208 @@
+"""The refresh worker: a child process that reads, checks and plans refresh candidates.
+
+Reading and planning a fleet's config is seconds of pure Python and a million objects.
+In the Edge's process that work would share the GIL, the allocator and the cyclic
+collector with the event loop that serves callers; here it has a process of its own, and
+the Edge's loop only waits for the answer (`refresh.worker_client`). Started as
+`python -m iop_edge.runtime.refresh.worker`; it speaks `refresh.worker_protocol` on its
+stdin and stdout and ends when its stdin closes.
+
+Rules:
+1. It keeps what makes the next refresh cheap: the base config by revision (the running
+   one and, after a build, the one that would run next) and the proof of the last valid
+   candidate (`core.config_proof`), so a candidate is checked only where it changed.
+2. A candidate is diffed and planned exactly as in the Edge (`core.refresh_plan`); a
+   built one goes back as a per-Node delta (`worker_protocol`, Rule 3).
+3. Nothing it is sent ends it but the end of its input: an unexpected error answers
+   `Failed` naming it, and the worker reads the next request.
+4. A request that takes longer than its `deadline_s` (a hang: a bug looping, a candidate
+   that defeats the reader's bounds) ends the worker, with every thread's stack on its
+   stderr (`faulthandler`, a watchdog in real time that needs no GIL). The Edge sees its
+   end, fails that refresh and starts another worker; its own deadline backs this up.
+5. The cyclic collector does not run while a request is worked on: a fleet's candidate
+   is a million objects, none of them garbage until the answer is sent, and collections
+   meanwhile would walk them again and again. It collects once after each answer, when
+   nobody waits; the process holds nothing else.
+6. It runs at a lower scheduling priority than the Edge (`NICENESS`): on a machine whose
+   cores are all busy, the operating system gives them to the Edge's event loop first,
+   as callers need, and the refresh takes longer instead.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import gc
+import os
+import sys
+import traceback
+from typing import BinaryIO, Final
+
+import msgspec
+
+from iop_edge.core.config import ConfigInvalid, ParsedConfig, load_config, parse_config
+from iop_edge.core.config_proof import ConfigProof
+from iop_edge.core.refresh_plan import needs_push, plan_apply
+from iop_edge.runtime.refresh.worker_protocol import (
+    HEADER_BYTES,
+    VERSION,
+    Built,
+    Failed,
+    Hello,
+    Invalid,
+    Plan,
+    Prepare,
+    Prepared,
+    Reply,
+    frame,
+)
+from schemas.config import EdgeConfig, NodeEntry
+
+__all__ = ["Worker", "main"]
+
+#: Added to the worker's niceness (Rule 6).
+NICENESS: Final = 10
+
+_DECODE_PREPARE: Final = msgspec.msgpack.Decoder(Prepare)
+_DECODE_CONFIG: Final = msgspec.msgpack.Decoder(EdgeConfig)
+_DECODE_NODE: Final = msgspec.msgpack.Decoder(NodeEntry)
+_ENCODER: Final = msgspec.msgpack.Encoder()
+
+
+class Worker:
+    """The worker's state and its one operation (module docstring)."""
+
+    def __init__(self) -> None:
+        self.bases: dict[int, EdgeConfig] = {}
+        self.proof: ConfigProof | None = None
+
+    def prepare(self, request: Prepare, pieces: list[bytes]) -> Reply:
+        """`pieces`: the frames that followed `request` (`worker_protocol`, Rules 2, 4)."""
+        base = self.bases.get(request.base_revision)
+        if request.base_config is not None:
+            nodes = [_DECODE_NODE.decode(piece) for piece in pieces[: request.base_nodes]]
+            rest = _DECODE_CONFIG.decode(request.base_config)
+            base = msgspec.structs.replace(rest, nodes=nodes)
+        if base is None:
+            return Failed(f"the worker does not hold revision {request.base_revision}")
+        self.bases = {request.base_revision: base}
+        try:
+            parsed = self._load(request, pieces[request.base_nodes :])
+        except ConfigInvalid as invalid:
+            return Invalid(invalid.errors)
+        self.proof = parsed.proof
+        plan = plan_apply(
+            base,
+            parsed.config,
+            pending_restart=tuple(request.pending_restart),
+            allow_restart_required=request.allow_restart_required,
+        )
+        diff = plan.diff
+        summary = Plan(
+            changes=list(diff.changes),
+            changed_nodes=list(diff.changed_nodes),
+            changed_providers=list(diff.changed_providers),
+            changed_models=list(diff.changed_models),
+            pending_restart=list(plan.pending_restart),
+            errors=list(plan.errors),
+        )
+        built = None
+        if request.build and not plan.errors:
+            built = _delta(base, plan.effective)
+            self.bases[request.base_revision + 1] = plan.effective
+        return Prepared(
+            config_sha256=parsed.sha256,
+            plan=summary,
+            built=built,
+            parsed_nodes=parsed.parsed_nodes,
+            checked_nodes=parsed.checked_nodes,
+        )
+
+    def _load(self, request: Prepare, text: list[bytes]) -> ParsedConfig:
+        if request.text_pieces is not None:
+            return parse_config(b"".join(text).decode("utf-8"), proof=self.proof)
+        if request.config_path is not None:
+            return load_config(request.config_path, proof=self.proof)
+        raise ConfigInvalid([])  # the Edge sends one or the other
+
+
+def _delta(base: EdgeConfig, effective: EdgeConfig) -> Built:
+    """`effective` over `base`, a Node at a time (`worker_protocol`, Rule 3)."""
+    before: dict[str, NodeEntry] = {node.id: node for node in base.nodes}
+    ids: list[str] = []
+    nodes: list[bytes] = []
+    to_push: list[str] = []
+    for node in effective.nodes:
+        ids.append(node.id)
+        old = before.get(node.id)
+        if old is not None and (old is node or old == node):
+            nodes.append(b"")
+            continue
+        nodes.append(_ENCODER.encode(node))
+        if needs_push(old, node):
+            to_push.append(node.id)
+    rest = msgspec.structs.replace(effective, nodes=[])
+    return Built(rest=_ENCODER.encode(rest), ids=ids, nodes=nodes, to_push=sorted(to_push))
+
+
+def _read_exactly(stream: BinaryIO, size: int) -> bytes | None:
+    data = stream.read(size)
+    if len(data) < size:
+        return None
+    return data
+
+
+def _read_frame(stream: BinaryIO) -> bytes | None:
+    header = _read_exactly(stream, HEADER_BYTES)
+    if header is None:
+        return None
+    return _read_exactly(stream, int.from_bytes(header, "big"))
+
+
+def serve(requests: BinaryIO, replies: BinaryIO) -> None:
+    """Answer requests until `requests` ends (Rule 3)."""
+    worker = Worker()
+    gc.disable()  # Rule 5
+    replies.write(frame(_ENCODER.encode(Hello(VERSION))))
+    replies.flush()
+    while True:
+        payload = _read_frame(requests)
+        if payload is None:
+            return
+        reply: Reply
+        try:
+            request = _DECODE_PREPARE.decode(payload)
+            pieces: list[bytes] = []
+            for _ in range(request.base_nodes + (request.text_pieces or 0)):
+                piece = _read_frame(requests)
+                if piece is None:
+                    return
+                pieces.append(piece)
+            if request.deadline_s is not None:
+                faulthandler.dump_traceback_later(request.deadline_s, exit=True)  # Rule 4
+            try:
+                reply = worker.prepare(request, pieces)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+        except Exception as exc:  # Rule 3: named to the Edge, and the worker goes on
+            traceback.print_exc(file=sys.stderr)
+            reply = Failed(f"{type(exc).__name__}: {exc}")
+        replies.write(frame(_ENCODER.encode(reply)))
+        replies.flush()
+        del reply
+        gc.collect()  # Rule 5
+
+
+def main() -> None:
+    """Serve on stdin and the stdout this process was given; anything else that writes to
+    stdout (a stray print) goes to stderr instead, never into the frames."""
+    try:
+        os.nice(NICENESS)  # Rule 6
+    except OSError:  # not allowed here: the refresh runs at the Edge's priority
+        pass
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    serve(sys.stdin.buffer, replies)
+
+
+if __name__ == "__main__":
+    main()

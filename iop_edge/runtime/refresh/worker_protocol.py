@@ -1,0 +1,146 @@
+"""What the Edge and its refresh worker say to each other (`refresh.worker`).
+
+The worker is a child process started by module name; the two speak over its stdin and
+stdout in frames: a 4-byte big-endian length, then one message in MessagePack. The worker
+opens with `Hello`, naming the protocol `VERSION` it speaks; an Edge that hears another
+version stops the worker and fails the refresh rather than guess.
+
+Rules:
+1. One request at a time: the Edge sends `Prepare` and the frames it announces, the
+   worker answers with exactly one of `Prepared`, `Invalid` or `Failed`.
+2. The worker keeps the running config it last saw, by revision, and the proof of the
+   last valid candidate (`core.config_proof`). A `Prepare` whose base revision the worker
+   does not hold carries the base config itself: the config without its Nodes
+   (`base_config`), then `base_nodes` frames of one `NodeEntry` each. The Edge knows
+   which revisions the worker holds, because only its own requests tell it.
+4. What is large goes in pieces, each its own frame, so that neither side makes or reads
+   megabytes in one step: an inline candidate follows `Prepare` (after any base Nodes) as
+   `text_pieces` frames of its UTF-8 text, cut at character boundaries.
+3. A built candidate comes back as a per-Node delta (`Built`): the rest of the config
+   without its Nodes, then each Node's id with either nothing (unchanged: the Edge keeps the
+   very object it runs) or the Node encoded alone, so the Edge decodes it a Node at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+from schemas.config import ConfigError
+from schemas.refresh import Change, RefreshError
+
+__all__ = [
+    "VERSION",
+    "Built",
+    "Failed",
+    "Hello",
+    "Invalid",
+    "Plan",
+    "Prepare",
+    "Prepared",
+    "Reply",
+    "frame",
+]
+
+#: The protocol this module describes; bumped on any change to the messages.
+VERSION: Final = 1
+#: The frame header: the payload's length, big-endian.
+HEADER_BYTES: Final = 4
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    """The worker's first message."""
+
+    version: int
+
+
+class Prepare(msgspec.Struct, frozen=True, kw_only=True, tag="prepare"):
+    """Read a candidate (inline text, or the file at `config_path`), check it, plan it over
+    the base and, with `build`, build what would run (Rule 3)."""
+
+    base_revision: int
+    base_config: bytes | None = None
+    """The base `EdgeConfig` without its Nodes, in MessagePack, when the worker does not
+    hold it (Rule 2)."""
+    base_nodes: int = 0
+    """Frames that follow, one base `NodeEntry` each (Rule 2)."""
+    text_pieces: int | None = None
+    """An inline candidate: frames of its text that follow (Rule 4)."""
+    config_path: str | None = None
+    """Else the config file to read."""
+    pending_restart: list[str] = []
+    allow_restart_required: bool = False
+    build: bool = False
+    deadline_s: float | None = None
+    """Real seconds the worker may take; past them it ends itself (`worker`, Rule 4)."""
+
+
+class Plan(msgspec.Struct, frozen=True, kw_only=True):
+    """What an apply of the candidate would do (`core.refresh_plan.ApplyPlan`, its diff
+    flattened): all a report needs."""
+
+    changes: list[Change]
+    changed_nodes: list[str]
+    changed_providers: list[str]
+    changed_models: list[str]
+    pending_restart: list[str]
+    errors: list[RefreshError]
+
+    def __bool__(self) -> bool:
+        return bool(self.changes)
+
+    @property
+    def live_paths(self) -> list[str]:
+        return [change.path for change in self.changes if change.class_ == "live"]
+
+    @property
+    def restart_required_paths(self) -> list[str]:
+        return [change.path for change in self.changes if change.class_ == "restart_required"]
+
+
+class Built(msgspec.Struct, frozen=True, kw_only=True):
+    """The config that would run, as a per-Node delta over the base (Rule 3)."""
+
+    rest: bytes
+    """The `EdgeConfig` without its Nodes, in MessagePack."""
+    ids: list[str]
+    """Every Node's id, in config order."""
+    nodes: list[bytes]
+    """Beside each id: the `NodeEntry` in MessagePack, or nothing (`b""`) for a Node the
+    base has, unchanged."""
+    to_push: list[str]
+    """The Nodes whose own config differs from the base's, sorted."""
+
+
+class Prepared(msgspec.Struct, frozen=True, kw_only=True, tag="prepared"):
+    """A valid candidate, planned."""
+
+    config_sha256: str
+    plan: Plan
+    built: Built | None = None
+    """With `build` and a plan without errors."""
+    parsed_nodes: int = 0
+    """Node entries whose YAML was read, not known by their text to the last proof."""
+    checked_nodes: int = 0
+    """Node entries checked, not taken from the last proof."""
+
+
+class Invalid(msgspec.Struct, frozen=True, tag="invalid"):
+    """The candidate did not load: every error, with its path."""
+
+    errors: list[ConfigError]
+
+
+class Failed(msgspec.Struct, frozen=True, tag="failed"):
+    """The worker could not do what it was asked (a bug, or a request it cannot read)."""
+
+    message: str
+
+
+Reply = Hello | Prepared | Invalid | Failed
+
+
+def frame(payload: bytes) -> bytes:
+    """`payload` with its header."""
+    return len(payload).to_bytes(HEADER_BYTES, "big") + payload
