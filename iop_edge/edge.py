@@ -222,6 +222,7 @@ class Edge:
             config_path=config_path,
             audit=AuditLog(Path(config.edge.state_dir)),
             running_text=parsed.text,
+            hold=self.heap.held,
         )
         self.model_commands = ModelCommands(
             snapshot=lambda: self._snapshot,

@@ -1,5 +1,5 @@
 """The heap keeper (`runtime.lifecycle.heap`): a quiet connect burst is frozen, churn or
-a long freeze brings one thaw. The collector is a fake, time the autojump clock's, and
+a long freeze brings one thaw, a hold keeps the older generations uncollected. The collector is a fake, time the autojump clock's, and
 the keeper runs in the test's nursery (the `keeper` fixture); the last test drives the
 real collector (`garbage`: tests/unit/conftest.py)."""
 
@@ -15,6 +15,7 @@ import trio.testing
 
 from iop_edge.runtime.lifecycle.heap import (
     BURST,
+    HELD_THRESHOLD,
     QUIET_S,
     RECENT,
     SWEEP_FLEET,
@@ -22,6 +23,7 @@ from iop_edge.runtime.lifecycle.heap import (
     SWEEP_S,
     SWEEP_STEP_S,
     THAW_INTERVAL_S,
+    THRESHOLDS,
     HeapKeeper,
     sweep_period,
 )
@@ -30,6 +32,13 @@ from iop_edge.runtime.lifecycle.heap import (
 class FakeCollector:
     def __init__(self) -> None:
         self.calls: list[tuple[str, float]] = []
+        self.thresholds = THRESHOLDS
+
+    def get_threshold(self) -> tuple[int, int, int]:
+        return self.thresholds
+
+    def set_threshold(self, young: int, middle: int, old: int) -> None:
+        self.thresholds = (young, middle, old)
 
     def freeze(self) -> None:
         self.calls.append(("freeze", trio.current_time()))
@@ -198,3 +207,33 @@ async def test_the_garbage_waiting_for_the_collector_is_not_frozen_with_new_sess
     assert gc.get_freeze_count() > frozen
     gc.collect()
     assert garbage() is None
+
+
+async def test_a_hold_freezes_at_both_ends_and_collects_only_the_young_meanwhile(
+    autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
+) -> None:
+    with keeper.held():
+        assert collector.names() == [f"collect {RECENT}", "freeze"]
+        assert collector.thresholds == (THRESHOLDS[0], HELD_THRESHOLD, HELD_THRESHOLD)
+        with keeper.held():  # re-entrant: the inner one changes nothing
+            pass
+        assert collector.thresholds == (THRESHOLDS[0], HELD_THRESHOLD, HELD_THRESHOLD)
+        collector.calls.clear()
+    assert collector.names() == ["freeze"]  # what the body made: never walked again
+    assert collector.thresholds == THRESHOLDS
+
+
+async def test_a_thaw_due_during_a_hold_waits_for_its_end(
+    autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
+) -> None:
+    await connect(keeper, 1000)
+    await trio.sleep(QUIET_S * 2)
+    with keeper.held():
+        collector.calls.clear()
+        for _ in range(200):  # churn: a fifth of the fleet ended
+            keeper.node_disconnected()
+        await connect(keeper, BURST, every_s=0)  # a burst: frozen, its collection held back
+        await trio.sleep(THAW_INTERVAL_S * 2)  # and the interval passed
+        assert collector.names() == ["freeze"]
+    await trio.testing.wait_all_tasks_blocked()
+    assert collector.names() == ["freeze", "freeze", "unfreeze", "collect", "freeze"]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -365,6 +366,34 @@ async def test_concurrent_refresh_is_409_at_once(
     assert not refresher.statistics().busy
     # The apply's line is written before its swap, so it comes first.
     assert [line["verdict"] for line in (await audit_lines(audit))] == ["accepted", "conflict"]
+
+
+async def test_an_apply_holds_the_heap_from_its_build_to_its_end_and_a_dry_run_never(
+    edge: FakeEdge, config_path: Path, audit: AuditLog
+) -> None:
+    """The Edge's heap keeper holds the collector back while an apply makes a fleet's
+    objects (`lifecycle.heap`, Rule 5): from the worker's built answer through the swap
+    and the pushes, and no longer."""
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def hold() -> Iterator[None]:
+        events.append(f"hold at revision {edge.snapshot.revision}")
+        try:
+            yield
+        finally:
+            events.append(f"let go after {len(edge.pushes)} push(es)")
+
+    refresher = Refresher(edge, config_path=config_path, audit=audit, hold=hold)
+    try:
+        dry = RefreshRequest(mode="dry_run", config_yaml=to_yaml(with_capacity(8, "gpu1")))
+        assert (await refresher.refresh(dry)).verdict == "accepted"
+        assert events == []
+        result = await refresher.refresh(apply(with_capacity(8, "gpu1", "gpu2")))
+        assert (result.verdict, result.report.revision) == ("accepted", 2)
+        assert events == ["hold at revision 1", "let go after 2 push(es)"]
+    finally:
+        await refresher.aclose()
 
 
 async def test_no_change_apply_makes_a_new_revision_and_pushes_nothing(

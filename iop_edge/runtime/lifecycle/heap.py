@@ -21,10 +21,9 @@ at it again only at moments it chooses:
    (`RECENT`, a pass over those sessions and the requests since the last
    freeze): the cyclic garbage of finished requests waits there, thousands of objects,
    and frozen with the sessions it would stay until a thaw (each Node that reconnects
-   would leave megabytes behind).
-   A refresh reads, checks and plans its candidate in a process of its own
-   (`runtime.refresh.worker`): what it builds here is the new snapshot's changed Nodes
-   and lookups, young objects the sweep freezes like any others.
+   would leave megabytes behind). While the heap is held (Rule 5) a burst is frozen
+   without that collection: the middle generation then holds the held operation's
+   objects, and walking them is what the hold avoids.
 3. With at least `SWEEP_FLEET` Nodes connected, the heap is also frozen periodically.
    CPython starts a young collection when allocations exceed deallocations by its
    threshold, and counts the deallocation of an old object too: a fleet's statuses
@@ -47,6 +46,19 @@ at it again only at moments it chooses:
    frozen since. It is the one pause left, proportional to the heap, and it is logged
    with what it reclaimed. The keeper looks whether one is due at each connect and
    disconnect, and at the deadline.
+5. A refresh reads, checks and plans its candidate in a process of its own
+   (`runtime.refresh.worker`); what it makes here is the new snapshot (its changed
+   Nodes, its lookups) and a fleet's pushes. `held()` keeps the heap out of the
+   collector's sight for such a bulk operation on the loop: a refresh's apply (assembling the new snapshot, the swap, the pushes to every
+   Node and their acks). It opens by collecting the young and middle generations
+   (`RECENT`) and freezing what is alive; while open only young collections run (what
+   the operation and callers' requests make, cheap to look at: what survives them waits
+   in the middle generation, unwalked), and a thaw that falls due waits; it closes by
+   freezing what is alive (the new snapshot, never walked again) and restoring the
+   thresholds. A fleet's apply makes hundreds of thousands of objects in a few seconds,
+   and with the usual thresholds the middle and oldest generations' collections would
+   walk them again and again: seconds of the loop's time in all, which callers wait
+   behind. This is the one place the Edge changes the collector's thresholds.
 """
 
 from __future__ import annotations
@@ -54,7 +66,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Final, Protocol
 
 import trio
@@ -98,6 +111,8 @@ THAW_INTERVAL_S: Final = 600.0
 #: The oldest generation collected before new sessions are frozen (Rule 2): the young
 #: and the middle one, where the cyclic garbage of finished requests waits.
 RECENT: Final = 1
+#: The older generations' thresholds while the heap is held (Rule 5): never collected.
+HELD_THRESHOLD: Final = 2**30
 
 
 def sweep_period(period: float, took: float) -> float:
@@ -120,6 +135,10 @@ class Collector(Protocol):
         """Collect `generation` and the younger ones; the objects it reclaimed."""
         ...
 
+    def get_threshold(self) -> tuple[int, int, int]: ...
+
+    def set_threshold(self, young: int, middle: int, old: int) -> None: ...
+
 
 class _Gc:
     def freeze(self) -> None:
@@ -131,6 +150,12 @@ class _Gc:
     def collect(self, generation: int = 2) -> int:
         return gc.collect(generation)
 
+    def get_threshold(self) -> tuple[int, int, int]:
+        return gc.get_threshold()
+
+    def set_threshold(self, young: int, middle: int, old: int) -> None:
+        gc.set_threshold(young, middle, old)
+
 
 def settle() -> None:
     """Rule 1: call once the Edge is built, before it serves."""
@@ -141,7 +166,7 @@ def settle() -> None:
 
 class HeapKeeper:
     """Freezes the heap after connect bursts and, for a large fleet, every second; thaws
-    it after churn or a long freeze (Rules 2-4).
+    it after churn or a long freeze (Rules 2-4); holds it for a bulk operation (Rule 5).
 
     The hub reports connects and disconnects (`node_connected`, `node_disconnected`);
     `run` is a service of the Edge that acts on them."""
@@ -166,6 +191,29 @@ class HeapKeeper:
         self._last_arrival = -float("inf")
         self._last_thaw = trio.current_time()
         self._changed = trio.Event()
+        self._holds = 0
+        """Open `held()` bodies (Rule 5)."""
+        self._thresholds: tuple[int, int, int] = THRESHOLDS
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Keep the heap out of the collector's sight for the body (Rule 5). Re-entrant;
+        on the event loop's thread only."""
+        if self._holds == 0:
+            self._thresholds = self._gc.get_threshold()
+            self._gc.collect(RECENT)
+            self._gc.freeze()
+            self._froze = True
+            self._gc.set_threshold(self._thresholds[0], HELD_THRESHOLD, HELD_THRESHOLD)
+        self._holds += 1
+        try:
+            yield
+        finally:
+            self._holds -= 1
+            if self._holds == 0:
+                self._gc.freeze()
+                self._gc.set_threshold(*self._thresholds)
+                self._wake()  # a thaw that fell due meanwhile
 
     def node_connected(self) -> None:
         self._connected += 1
@@ -183,6 +231,8 @@ class HeapKeeper:
         self._changed = trio.Event()
 
     def _thaw_due(self, now: float) -> bool:
+        if self._holds:  # Rule 5: it waits for the hold's end
+            return False
         churn = self._ended >= max(BURST, CHURN_SHARE * self._connected)
         stale = self._froze and now - self._last_thaw >= THAW_INTERVAL_S
         return churn or stale
@@ -209,17 +259,19 @@ class HeapKeeper:
             period = sweep_period(period, self._timer() - began)
 
     async def _watch(self) -> None:
-        """Rules 2 and 4, as connects and disconnects come."""
+        """Rules 2, 4 and 5, as connects and disconnects come and holds end."""
         while True:
             now = trio.current_time()
             if self._thaw_due(now):
                 self._thaw()
                 continue
-            deadline = self._last_thaw + THAW_INTERVAL_S if self._froze else None
+            stale_at = self._froze and not self._holds  # Rule 5: held, the end wakes it
+            deadline = self._last_thaw + THAW_INTERVAL_S if stale_at else None
             if self._arrived:
                 quiet_at = self._last_arrival + QUIET_S
                 if self._arrived >= BURST or now >= quiet_at:
-                    self._gc.collect(RECENT)
+                    if not self._holds:  # held, the middle generation is the hold's
+                        self._gc.collect(RECENT)
                     self._gc.freeze()
                     self._arrived = 0
                     self._froze = True

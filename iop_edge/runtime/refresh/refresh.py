@@ -43,9 +43,11 @@ pending change clears it) and otherwise kept until the process restarts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol
@@ -195,13 +197,16 @@ class Refresher:
         worker: RefreshWorker | None = None,
         worker_deadline_s: float = WORKER_DEADLINE_S,
         running_text: str | None = None,
+        hold: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         """`push_timeout_s` is a Node's time to ack, unless a whole `push_policy` is
         given. `worker` reads and plans candidates (`refresh.worker`); one is started on
         the first refresh if not given, and `aclose` stops it. `worker_deadline_s` bounds
         its work on one candidate (infinite: unbounded). `running_text` is the text the
         running config was read from: `run` has the worker read it as the Edge starts, so
-        that its first candidate is checked only where it changed."""
+        that its first candidate is checked only where it changed. `hold` keeps the
+        Edge's heap out of the collector's sight from the worker's built answer to the
+        apply's end (`lifecycle.heap.HeapKeeper.held`)."""
         self._target = target
         self._config_path = config_path
         self._audit = audit
@@ -215,6 +220,9 @@ class Refresher:
         is a service of the Edge."""
         self._busy = False
         self._pending_restart: tuple[str, ...] = ()
+        self._hold = hold
+        self._holding = ExitStack()
+        """The open hold of the refresh that runs, if it builds (`_prepare`)."""
 
     async def aclose(self) -> None:
         """Stop the refresh worker (bounded)."""
@@ -295,7 +303,8 @@ class Refresher:
         else:
             self._busy = True
             try:
-                result = await self._refresh(request)
+                with ExitStack() as self._holding:
+                    result = await self._refresh(request)
             finally:
                 self._busy = False
         _log_attempt(source, request, result)
@@ -482,6 +491,8 @@ class Refresher:
             snapshot: Snapshot | None = None
             to_push: tuple[str, ...] = ()
             if answer.built is not None:
+                # From here to the apply's end the loop makes a fleet's worth of objects.
+                self._holding.enter_context(self._hold())
                 snapshot = await assemble(answer.built, base, config_sha256=answer.config_sha256)
                 to_push = tuple(answer.built.to_push)
             return _Prepared(answer.config_sha256, answer.plan, snapshot, to_push)
