@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import secrets
 import subprocess
 import time
@@ -76,6 +77,7 @@ from bench.services import (
     spawn_service,
     start_service,
 )
+from iop_edge.runtime.lifecycle.heap import BURST, CHURN_SHARE
 
 #: Where the light Nodes' providers point: never contacted (a light Node has no upstream).
 _UNUSED_UPSTREAM: Final = "http://127.0.0.1:9/v1"
@@ -106,6 +108,11 @@ _CALLER_BODY: Final = json.dumps(
 _CATALOG_PAGE: Final = 100
 #: Light Nodes whose providers the few-Nodes dry run's candidate changes.
 FEW_NODES: Final = 10
+#: The longest the churn waits for the Edge's thaw once its Nodes left (a busy machine
+#: takes seconds to tear a thousand sessions down).
+_THAW_WAIT_S: Final = 60.0
+#: Between two looks at the loop-holds file for the thaw.
+_THAW_POLL_S: Final = 0.25
 
 try:  # libyaml's emitter: a thousand Node entries take a while with the pure-Python one
     _Dumper: Any = yaml.CSafeDumper
@@ -198,6 +205,15 @@ class ManyNodesMeasurement:
     """... during the apply."""
     holds_all: LoopHolds | None = None
     """... over the Edge's whole run: its start, the connects, the idle windows too."""
+    holds_thaw: LoopHolds | None = None
+    """... from the churn (`churn_nodes` Nodes leaving at once) to the heap keeper's
+    thaw it brings, a full collection of the Edge's heap; None when the fleet is too
+    small for a churn that brings one."""
+    holds_fleet: LoopHolds | None = None
+    """... from every Node connected to the thaw's end: the idle windows, the catalog,
+    the refresh, the churn and the thaw (the guard's window)."""
+    churned: int = 0
+    """Nodes that left at once to bring the thaw."""
 
     @property
     def idle_cpu_share(self) -> float | None:
@@ -504,18 +520,57 @@ def _nodes_ready(line: str) -> str | None:
     return line if line.startswith(NODES_READY_PREFIX) else None
 
 
-async def _nodes_files(workdir: Path, credentials: Mapping[str, str], processes: int) -> list[Path]:
-    """The light Nodes' credentials split into one file per process. Tokens go only in
-    files readable by this user, never on a command line."""
+def churn_nodes(nodes: int) -> int:
+    """How many of `nodes` light Nodes leave at once to bring the Edge's thaw: a tenth
+    more than its churn share (`runtime.lifecycle.heap`, Rule 4), and at least a burst;
+    0 when that is more than half the fleet (the thaw is then not measured)."""
+    churn = max(BURST, math.ceil(CHURN_SHARE * nodes * 1.1))
+    return churn if 2 * churn <= nodes else 0
+
+
+async def _nodes_file(workdir: Path, name: str, part: Mapping[str, str]) -> Path:
+    path = workdir / f"light-nodes-{name}.json"
+    await trio.Path(path).touch(mode=0o600)
+    await trio.Path(path).write_text(json.dumps(dict(part)), encoding="utf-8")
+    return path
+
+
+async def _nodes_files(
+    workdir: Path, credentials: Mapping[str, str], processes: int, churn: int
+) -> tuple[list[Path], Path | None]:
+    """The light Nodes' credentials split into one file per process, and the first
+    `churn` of them in a file of their own (a process that leaves at once). Tokens go
+    only in files readable by this user, never on a command line."""
     items = list(credentials.items())
-    files: list[Path] = []
-    for index in range(processes):
-        part = dict(items[index::processes])
-        path = workdir / f"light-nodes-{index}.json"
-        await trio.Path(path).touch(mode=0o600)
-        await trio.Path(path).write_text(json.dumps(part), encoding="utf-8")
-        files.append(path)
-    return files
+    churn_file = await _nodes_file(workdir, "churn", dict(items[:churn])) if churn else None
+    items = items[churn:]
+    files = [
+        await _nodes_file(workdir, str(index), dict(items[index::processes]))
+        for index in range(processes)
+    ]
+    return files, churn_file
+
+
+def _full_collection_since(path: str, since: float) -> bool:
+    """Whether the loop-holds file shows a full collection on the loop after `since`."""
+    try:
+        with open(path, encoding="utf-8") as lines:
+            for line in lines:
+                record = json.loads(line)
+                if record.get("gc") == 2 and record.get("loop") and record["at"] >= since:
+                    return True
+    except FileNotFoundError:
+        pass
+    return False
+
+
+async def _await_thaw(path: str, since: float) -> None:
+    """Until the Edge's thaw shows in the loop-holds file, at most `_THAW_WAIT_S`. The
+    file is another process's: read at an interval."""
+    with trio.move_on_after(_THAW_WAIT_S):
+        # Another process writes the file: there is nothing to wait on but its contents.
+        while not await trio.to_thread.run_sync(_full_collection_since, path, since):  # noqa: ASYNC110
+            await trio.sleep(_THAW_POLL_S)
 
 
 async def measure_many_nodes(
@@ -531,7 +586,8 @@ async def measure_many_nodes(
     state_dir = workdir / "edge-state"
     text = fleet_config(shape, credentials, state_dir, capacity=_CAPACITY, sim_token=sim_token)
     await trio.Path(config_path).write_text(text, encoding="utf-8")
-    nodes_files = await _nodes_files(workdir, credentials, shape.node_processes)
+    churn = churn_nodes(shape.nodes)
+    nodes_files, churn_file = await _nodes_files(workdir, credentials, shape.node_processes, churn)
     candidate = fleet_config(
         shape, credentials, state_dir, capacity=_CAPACITY + 1, sim_token=sim_token
     )
@@ -567,6 +623,7 @@ async def measure_many_nodes(
         )
         async with (
             trio.open_nursery() as nodes_scope,
+            trio.open_nursery() as churn_scope,
             httpx2.AsyncClient(base_url=edge.ready.admin, timeout=_ADMIN_TIMEOUT_S) as admin,
             open_client(64) as caller_client,
         ):
@@ -582,17 +639,22 @@ async def measure_many_nodes(
                     "--nodes-file", str(nodes_file),
                     "--handshakes", per_process,
                 )  # fmt: skip
+                if nodes_file == churn_file:
+                    await start_service(churn_scope, "light-nodes (churn)", argv, _nodes_ready)
+                    return
                 name = f"light-nodes {index + 1}/{len(nodes_files)}"
                 await start_service(nodes_scope, name, argv, _nodes_ready)
 
             try:
                 async with trio.open_nursery() as starting:
-                    for index, nodes_file in enumerate(nodes_files):
-                        starting.start_soon(start_light, index, nodes_file)
+                    for index, nodes_file in enumerate([*nodes_files, churn_file]):
+                        if nodes_file is not None:
+                            starting.start_soon(start_light, index, nodes_file)
             except* ServiceFailed as failed:
                 raise failed.exceptions[0] from None
             await _wait_all_available(admin, shape.providers + 1)
             connect_s = time.perf_counter() - began
+            connected = time.monotonic()
             await trio.sleep(_SETTLE_S)
             idle_cpu_s = await _idle_cpu(edge.pid, shape.idle_window_s)
             rss_connected = await rss_bytes(edge.pid)
@@ -632,9 +694,14 @@ async def measure_many_nodes(
             dry_run_s = dry_run_all[0] if dry_run_all[1] == 200 else None
             reported, applied, problem = _applied(status, await trio.Path(answer).read_bytes())
             rss_after_refresh = await rss_bytes(edge.pid)
+            holds = str(holds_path)
+            churned = time.monotonic()
+            churn_scope.cancel_scope.cancel()  # a share of the fleet leaves: a thaw is due
+            if churn_file is not None:
+                await _await_thaw(holds, churned)
+            thawed = time.monotonic()
             nodes_scope.cancel_scope.cancel()
         edge_scope.cancel_scope.cancel()
-    holds = str(holds_path)
     return ManyNodesMeasurement(
         shape=shape,
         connect_s=connect_s,
@@ -662,4 +729,7 @@ async def measure_many_nodes(
         holds_refresh=read_holds(holds, refresh_began, refresh_ended),
         holds_apply=read_holds(holds, apply_began, refresh_ended),
         holds_all=read_holds(holds),
+        holds_thaw=read_holds(holds, churned, thawed) if churn_file is not None else None,
+        holds_fleet=read_holds(holds, connected, thawed),
+        churned=churn,
     )

@@ -355,6 +355,14 @@ def many_nodes_table(result: BenchResult) -> Table:
         ),
         ("Edge loop holds during the dry runs and the apply", str(m.holds_refresh or "-")),
         ("Edge loop holds during the apply", str(m.holds_apply or "-")),
+        (
+            f"Edge loop holds from {m.churned} Nodes leaving at once to the thaw it brings",
+            str(m.holds_thaw or "- (too few Nodes for a churn)"),
+        ),
+        (
+            "Edge loop holds with the fleet connected (idle, refresh, churn, thaw)",
+            str(m.holds_fleet or "-"),
+        ),
         ("Edge loop holds over its whole run (start, connects too)", str(m.holds_all or "-")),
         (
             f"callers ({m.shape.caller_rate:g}/s to the sim model) p50 / p99 idle "
@@ -523,6 +531,8 @@ def to_json(result: BenchResult) -> str:
                 for window, holds in (
                     ("refresh", nodes.holds_refresh),
                     ("apply", nodes.holds_apply),
+                    ("thaw", nodes.holds_thaw),
+                    ("fleet", nodes.holds_fleet),
                     ("all", nodes.holds_all),
                 )
             },

@@ -71,8 +71,9 @@ FLEET_MAX_CALLER_P99_RATIO: Final = 1.2
 FLEET_MAX_FILTERED_CATALOG_MS: Final = 50.0
 FLEET_MAX_CATALOG_MS: Final = 1000.0
 FLEET_MAX_EDGE_RSS_MB: Final = 1024.0
-#: The longest the Edge's event loop may be held in one step during a refresh, by
-#: anything: the refresh's own work, the collector, the heap keeper (`bench.loop_holds`).
+#: The longest the Edge's event loop may be held in one step while it serves a fleet, by
+#: anything: a refresh's own work, the collector, the heap keeper's sweeps and its thaw
+#: (`bench.loop_holds`; judged on the loop's CPU time, which preemption does not move).
 FLEET_MAX_LOOP_HOLD_S: Final = 0.05
 
 
@@ -310,14 +311,15 @@ def _fleet_scale_checks(result: BenchResult) -> list[TargetCheck]:
         f"filtered /catalog <= {FLEET_MAX_FILTERED_CATALOG_MS:g} ms (slowest)",
         f"whole /catalog <= {FLEET_MAX_CATALOG_MS:g} ms (slowest)",
         f"Edge RSS <= {FLEET_MAX_EDGE_RSS_MB:g} MB, idle and after the refresh",
-        f"Edge loop held <= {FLEET_MAX_LOOP_HOLD_S * 1000:g} ms a step during the refresh (CPU)",
+        f"Edge loop held <= {FLEET_MAX_LOOP_HOLD_S * 1000:g} ms a step (CPU), fleet connected: "
+        "idle, refresh, churn and thaw",
     )
     if m is None:
         return [TargetCheck(f"fleet: {name}", "not measured (nodes)", "n/a") for name in names]
     prefix = f"fleet ({m.shape.nodes:,} Nodes; budget for {FLEET_NODES:,}): "
     rss = max((v for v in (m.rss_connected, m.rss_after_refresh) if v is not None), default=None)
     ratio = m.caller_p99_ratio
-    holds = m.holds_refresh
+    holds = m.holds_fleet
     p99_idle, p99_busy = m.caller_ms("idle", 99.0), m.caller_ms("refresh", 99.0)
     values: list[tuple[float | None, str, float]] = [
         (m.idle_cpu_share, f"{m.idle_cpu_share or 0:.1%}", FLEET_MAX_IDLE_CPU_SHARE),

@@ -24,7 +24,13 @@ from bench.agent_cache import AgentCacheShape
 from bench.fleet import FleetMeasurement, FleetShape, _Connection, _request, _StreamReader, _Tally
 from bench.load import Budget, Measurement, Scenario, combined, percentile
 from bench.loop_holds import LoopHolds, read_holds
-from bench.many_nodes import ManyNodesMeasurement, ManyNodesShape, fleet_config, node_credentials
+from bench.many_nodes import (
+    ManyNodesMeasurement,
+    ManyNodesShape,
+    churn_nodes,
+    fleet_config,
+    node_credentials,
+)
 from bench.report import render, to_json
 from bench.result import (
     ALL_TARGETS,
@@ -52,6 +58,7 @@ from bench.run import (
 from bench.targets import check_targets
 from bench.upstream import STAMP_PATTERN, STREAM_CHUNKS, BenchUpstream, stream_events
 from iop_edge.core.config import parse_config
+from iop_edge.runtime.lifecycle.heap import BURST, CHURN_SHARE
 
 #: Startup of a few Python processes plus a handful of requests, on a slow CI machine.
 SMOKE_GUARD_S = 120
@@ -253,6 +260,8 @@ async def test_many_nodes_connect_and_every_node_applies_the_refresh(tmp_path: P
     # Callers got their answers from the sim Node while idle and during the refresh.
     assert m.caller_errors == 0 and m.caller_idle_s and m.caller_refresh_s
     assert m.caller_p99_ratio is not None
+    # Too few Nodes for a churn that brings a thaw: the fleet's holds are still recorded.
+    assert (m.churned, m.holds_thaw) == (0, None) and m.holds_fleet is not None
 
     text = _text(result)
     assert "Many Nodes on one Edge: 12 light Nodes x 2 providers" in text
@@ -397,7 +406,7 @@ def test_fleet_budgets_are_judged_at_the_run_scale_and_a_node_left_behind_misses
             caller_idle_s=(0.05,) * 99 + (0.06,),
             caller_refresh_s=(0.05,) * 99 + (0.07,),  # p99 1.17x idle's
             # a step of 90 ms on a busy machine, 30 ms of it the Edge's own CPU
-            holds_refresh=LoopHolds(
+            holds_fleet=LoopHolds(
                 longest_s=0.09,
                 longest_cpu_s=0.03,
                 over_bound=1,
@@ -423,7 +432,7 @@ def test_fleet_budgets_are_judged_at_the_run_scale_and_a_node_left_behind_misses
         "9.0 s, 5000/5000 applied",
         "PASS",
     )
-    guard = "Edge loop held <= 50 ms a step during the refresh (CPU)"
+    guard = "Edge loop held <= 50 ms a step (CPU), fleet connected: idle, refresh, churn and thaw"
     assert checks[guard][1] == "PASS"  # judged on the Edge's CPU, not the machine's wall
     assert "longest step 90 ms (30 ms CPU), 1 step(s) >= 50 ms (0 by CPU)" in checks[guard][0]
     behind = check_targets(BenchResult(machine=Machine.this(), many_nodes=measured(4999)))
@@ -615,3 +624,16 @@ def test_turns_share_the_budget_and_combine_into_one_measurement() -> None:
     assert (whole.errors, whole.wall_s, whole.first_error) == (1, 3.0, "boom")
     assert whole.process_cpu_s == {"edge": 0.75, "node": 0.75}
     assert combined([turns[0], replace(turns[1], process_cpu_s=None)]).process_cpu_s is None
+
+
+@pytest.mark.parametrize("nodes", [128, 1000, 5000, 10_000])
+def test_the_churn_brings_the_heap_keepers_thaw(nodes: int) -> None:
+    """The Nodes that leave at once are enough for a thaw (`runtime.lifecycle.heap`,
+    Rule 4: ended sessions reach a share of those still connected, and a burst)."""
+    churn = churn_nodes(nodes)
+    assert 0 < churn <= nodes // 2
+    assert churn >= max(BURST, CHURN_SHARE * (nodes - churn))
+
+
+def test_a_fleet_too_small_for_a_thaw_has_no_churn() -> None:
+    assert churn_nodes(12) == churn_nodes(2 * BURST - 1) == 0
