@@ -630,26 +630,28 @@ async def measure_many_nodes(
             began = time.perf_counter()
             # Every light Node dials from this host: the processes share the Edge's bound
             # of pending handshakes per source.
-            per_process = str(max(1, handshakes // len(nodes_files)))
+            per_process = max(1, handshakes // len(nodes_files))
 
-            async def start_light(index: int, nodes_file: Path) -> None:
-                argv = python_argv(
+            def light_argv(nodes_file: Path, handshakes: int) -> list[str]:
+                return python_argv(
                     "bench.light_nodes",
                     "--edge", edge.ready.node,
                     "--nodes-file", str(nodes_file),
-                    "--handshakes", per_process,
+                    "--handshakes", str(handshakes),
                 )  # fmt: skip
-                if nodes_file == churn_file:
-                    await start_service(churn_scope, "light-nodes (churn)", argv, _nodes_ready)
-                    return
+
+            async def start_light(index: int, nodes_file: Path) -> None:
+                argv = light_argv(nodes_file, per_process)
                 name = f"light-nodes {index + 1}/{len(nodes_files)}"
                 await start_service(nodes_scope, name, argv, _nodes_ready)
 
             try:
                 async with trio.open_nursery() as starting:
-                    for index, nodes_file in enumerate([*nodes_files, churn_file]):
-                        if nodes_file is not None:
-                            starting.start_soon(start_light, index, nodes_file)
+                    for index, nodes_file in enumerate(nodes_files):
+                        starting.start_soon(start_light, index, nodes_file)
+                if churn_file is not None:  # after the others: the handshakes are its alone
+                    argv = light_argv(churn_file, handshakes)
+                    await start_service(churn_scope, "light-nodes (churn)", argv, _nodes_ready)
             except* ServiceFailed as failed:
                 raise failed.exceptions[0] from None
             await _wait_all_available(admin, shape.providers + 1)
