@@ -551,6 +551,17 @@ async def _nodes_files(
     return files, churn_file
 
 
+async def _churn_service(
+    scope: trio.CancelScope, argv: list[str], *, task_status: trio.TaskStatus[None]
+) -> None:
+    """The churn's light Nodes, in a task of their own: `scope.cancel()` stops them and
+    nothing else (a nursery's own scope would cancel the body that started them)."""
+    with scope:
+        async with trio.open_nursery() as nursery:
+            await start_service(nursery, "light-nodes (churn)", argv, _nodes_ready)
+            task_status.started()
+
+
 def _full_collection_since(path: str, since: float) -> bool:
     """Whether the loop-holds file shows a full collection on the loop after `since`."""
     try:
@@ -586,8 +597,11 @@ async def measure_many_nodes(
     state_dir = workdir / "edge-state"
     text = fleet_config(shape, credentials, state_dir, capacity=_CAPACITY, sim_token=sim_token)
     await trio.Path(config_path).write_text(text, encoding="utf-8")
-    churn = churn_nodes(shape.nodes)
-    nodes_files, churn_file = await _nodes_files(workdir, credentials, shape.node_processes, churn)
+    churned = churn_nodes(shape.nodes)
+    nodes_files, churn_file = await _nodes_files(
+        workdir, credentials, shape.node_processes, churned
+    )
+    churn = trio.CancelScope()  # stops the churn's light Nodes alone
     candidate = fleet_config(
         shape, credentials, state_dir, capacity=_CAPACITY + 1, sim_token=sim_token
     )
@@ -623,7 +637,6 @@ async def measure_many_nodes(
         )
         async with (
             trio.open_nursery() as nodes_scope,
-            trio.open_nursery() as churn_scope,
             httpx2.AsyncClient(base_url=edge.ready.admin, timeout=_ADMIN_TIMEOUT_S) as admin,
             open_client(64) as caller_client,
         ):
@@ -651,7 +664,7 @@ async def measure_many_nodes(
                         starting.start_soon(start_light, index, nodes_file)
                 if churn_file is not None:  # after the others: the handshakes are its alone
                     argv = light_argv(churn_file, handshakes)
-                    await start_service(churn_scope, "light-nodes (churn)", argv, _nodes_ready)
+                    await nodes_scope.start(_churn_service, churn, argv)
             except* ServiceFailed as failed:
                 raise failed.exceptions[0] from None
             await _wait_all_available(admin, shape.providers + 1)
@@ -697,10 +710,10 @@ async def measure_many_nodes(
             reported, applied, problem = _applied(status, await trio.Path(answer).read_bytes())
             rss_after_refresh = await rss_bytes(edge.pid)
             holds = str(holds_path)
-            churned = time.monotonic()
-            churn_scope.cancel_scope.cancel()  # a share of the fleet leaves: a thaw is due
+            churn_began = time.monotonic()
+            churn.cancel()  # a share of the fleet leaves: a thaw is due
             if churn_file is not None:
-                await _await_thaw(holds, churned)
+                await _await_thaw(holds, churn_began)
             thawed = time.monotonic()
             nodes_scope.cancel_scope.cancel()
         edge_scope.cancel_scope.cancel()
@@ -731,7 +744,7 @@ async def measure_many_nodes(
         holds_refresh=read_holds(holds, refresh_began, refresh_ended),
         holds_apply=read_holds(holds, apply_began, refresh_ended),
         holds_all=read_holds(holds),
-        holds_thaw=read_holds(holds, churned, thawed) if churn_file is not None else None,
+        holds_thaw=read_holds(holds, churn_began, thawed) if churn_file is not None else None,
         holds_fleet=read_holds(holds, connected, thawed),
-        churned=churn,
+        churned=churned,
     )
