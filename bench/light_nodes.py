@@ -57,6 +57,11 @@ FAILED_PREFIX: Final = "light-nodes failed: "
 #: handshakes at once, so none is evicted by its siblings.
 DEFAULT_HANDSHAKES: Final = MAX_PENDING_HANDSHAKES_PER_SOURCE
 _HANDSHAKE_TIMEOUT_S: Final = 30.0
+#: A handshake the Edge answers "try again later" (1013) is tried again, after a pause
+#: that grows by this much each time, this many times in all.
+_HANDSHAKE_PAUSE_S: Final = 0.05
+_HANDSHAKE_ATTEMPTS: Final = 5
+_TRY_AGAIN_LATER: Final = 1013
 _MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 
 
@@ -82,6 +87,23 @@ def status_of(config: NodeConfig) -> wire.Status:
 
 
 async def _handshake(
+    nursery: trio.Nursery, edge_url: str, node_id: str, token: str
+) -> tuple[WebSocketConnection, wire.Welcome]:
+    """Hello and welcome; again, after a pause, while the Edge says to try again later
+    (its bound of pending handshakes per source is shared with the scenario's real Node,
+    which dials from the same host)."""
+    for attempt in range(1, _HANDSHAKE_ATTEMPTS + 1):
+        try:
+            return await _handshake_once(nursery, edge_url, node_id, token)
+        except ConnectionClosed as closed:
+            later = closed.reason is not None and closed.reason.code == _TRY_AGAIN_LATER
+            if not later or attempt == _HANDSHAKE_ATTEMPTS:
+                raise
+        await trio.sleep(_HANDSHAKE_PAUSE_S * attempt)
+    raise AssertionError("unreachable")
+
+
+async def _handshake_once(
     nursery: trio.Nursery, edge_url: str, node_id: str, token: str
 ) -> tuple[WebSocketConnection, wire.Welcome]:
     ws = await connect_websocket_url(nursery, edge_url, max_message_size=_MAX_MESSAGE_BYTES)

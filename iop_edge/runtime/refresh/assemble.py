@@ -1,9 +1,9 @@
 """The snapshot a refresh swaps in, assembled on the event loop from the worker's delta.
 
 The worker (`refresh.worker`) sends what would run as a per-Node delta: an unchanged
-Node by its id alone, a changed one encoded alone (`worker_protocol`, Rule 3). Here the Edge
-keeps the very objects it runs for the unchanged Nodes, decodes the changed ones one at
-a time, and builds the snapshot's lookups (`core.snapshot.Snapshot.building`), yielding
+Node by its id alone, a changed one encoded alone in a frame (`worker_protocol`, Rule
+3). Here the Edge keeps the very objects it runs for the unchanged Nodes, decodes the
+changed ones one at a time, and builds the snapshot's lookups (`core.snapshot.Snapshot.building`), yielding
 to the loop every `STEP_NODES` Nodes: no step holds the loop for more than a fraction of a
 millisecond per hundred Nodes, where decoding a fleet's config in one call would hold it
 for tens of milliseconds.
@@ -28,11 +28,13 @@ _DECODE_NODE: Final = msgspec.msgpack.Decoder(NodeEntry)
 
 async def assemble(built: Built, base: Snapshot, *, config_sha256: str) -> Snapshot:
     """The snapshot `built` describes over `base`, at `base.revision + 1`."""
+    changed = dict(zip(built.changed, built.nodes, strict=True))
     nodes: list[NodeEntry] = []
-    for index, (node_id, encoded) in enumerate(zip(built.ids, built.nodes, strict=True)):
+    for index, node_id in enumerate(built.ids):
         if index % STEP_NODES == 0:
             await trio.lowlevel.checkpoint()
-        nodes.append(_DECODE_NODE.decode(encoded) if encoded else base.nodes[node_id])
+        encoded = changed.get(index)
+        nodes.append(base.nodes[node_id] if encoded is None else _DECODE_NODE.decode(encoded))
     config = msgspec.structs.replace(_DECODE_REST.decode(built.rest), nodes=nodes)
     steps = Snapshot.building(config, revision=base.revision + 1, config_sha256=config_sha256)
     while True:

@@ -132,19 +132,39 @@ def _delta(base: EdgeConfig, effective: EdgeConfig) -> Built:
     """`effective` over `base`, a Node at a time (`worker_protocol`, Rule 3)."""
     before: dict[str, NodeEntry] = {node.id: node for node in base.nodes}
     ids: list[str] = []
+    changed: list[int] = []
     nodes: list[bytes] = []
     to_push: list[str] = []
-    for node in effective.nodes:
+    for index, node in enumerate(effective.nodes):
         ids.append(node.id)
         old = before.get(node.id)
         if old is not None and (old is node or old == node):
-            nodes.append(b"")
             continue
+        changed.append(index)
         nodes.append(_ENCODER.encode(node))
         if needs_push(old, node):
             to_push.append(node.id)
     rest = msgspec.structs.replace(effective, nodes=[])
-    return Built(rest=_ENCODER.encode(rest), ids=ids, nodes=nodes, to_push=sorted(to_push))
+    return Built(
+        rest=_ENCODER.encode(rest),
+        ids=ids,
+        changed=changed,
+        nodes=nodes,
+        to_push=sorted(to_push),
+    )
+
+
+def _write_reply(replies: BinaryIO, reply: Reply) -> None:
+    """`reply`, then a built candidate's changed Nodes, a frame each
+    (`worker_protocol`, Rule 3)."""
+    nodes: list[bytes] = []
+    if isinstance(reply, Prepared) and reply.built is not None:
+        nodes = reply.built.nodes
+        reply = msgspec.structs.replace(reply, built=msgspec.structs.replace(reply.built, nodes=[]))
+    replies.write(frame(_ENCODER.encode(reply)))
+    for node in nodes:
+        replies.write(frame(node))
+    replies.flush()
 
 
 def _read_exactly(stream: BinaryIO, size: int) -> bytes | None:
@@ -189,8 +209,7 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
         except Exception as exc:  # Rule 3: named to the Edge, and the worker goes on
             traceback.print_exc(file=sys.stderr)
             reply = Failed(f"{type(exc).__name__}: {exc}")
-        replies.write(frame(_ENCODER.encode(reply)))
-        replies.flush()
+        _write_reply(replies, reply)
         del reply
         gc.freeze()  # Rule 5
 

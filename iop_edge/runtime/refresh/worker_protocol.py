@@ -17,8 +17,11 @@ Rules:
    megabytes in one step: an inline candidate follows `Prepare` (after any base Nodes) as
    `text_pieces` frames of its UTF-8 text, cut at character boundaries.
 3. A built candidate comes back as a per-Node delta (`Built`): the rest of the config
-   without its Nodes, then each Node's id with either nothing (unchanged: the Edge keeps the
-   very object it runs) or the Node encoded alone, so the Edge decodes it a Node at a time.
+   without its Nodes and every Node's id; the Nodes that changed are named by their
+   position among the ids, and each follows the reply in a frame of its own, in that
+   order (an unchanged Node is not sent: the Edge keeps the very object it runs). So the
+   Edge neither reads nor decodes a fleet's megabytes in one step: it reads the frames a
+   few hundred at a time and decodes them a Node at a time.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ __all__ = [
 ]
 
 #: The protocol this module describes; bumped on any change to the messages.
-VERSION: Final = 1
+VERSION: Final = 2
 #: The frame header: the payload's length, big-endian.
 HEADER_BYTES: Final = 4
 
@@ -106,9 +109,12 @@ class Built(msgspec.Struct, frozen=True, kw_only=True):
     """The `EdgeConfig` without its Nodes, in MessagePack."""
     ids: list[str]
     """Every Node's id, in config order."""
-    nodes: list[bytes]
-    """Beside each id: the `NodeEntry` in MessagePack, or nothing (`b""`) for a Node the
-    base has, unchanged."""
+    changed: list[int]
+    """The positions in `ids` of the Nodes the base does not have as they are, ascending:
+    each follows the reply in a frame, its `NodeEntry` in MessagePack (Rule 3)."""
+    nodes: list[bytes] = []
+    """Those frames, in `changed` order: empty on the wire, the receiving side puts here
+    what followed the reply."""
     to_push: list[str]
     """The Nodes whose own config differs from the base's, sorted."""
 
