@@ -171,6 +171,8 @@ class AuditLog:
         """Write the attempt's line ahead, with `room` bytes to spare (module docstring);
         raises `OSError` if it cannot be written: the attempt must then not go ahead."""
         when = now or datetime.now(UTC)
+        await trio.lowlevel.checkpoint()  # the report was built in this step: a fleet's
+        # report and its line are tens of milliseconds each, so each gets a step
 
         def encode() -> bytearray:
             record = AuditRecord.of(report, verdict=verdict, config_sha256=config_sha256, now=when)
@@ -205,6 +207,7 @@ class AuditLog:
             record = build()
             return record, _line(self._encoder, record, width=reservation.length)
 
+        await trio.lowlevel.checkpoint()  # as in `reserve`
         record, line = built_and_encoded()
         async with self._lock:
             if len(line) == reservation.length:
