@@ -1,7 +1,8 @@
-"""The heap keeper (`runtime.lifecycle.heap`): a quiet connect burst is frozen, churn or
-a long freeze brings one thaw, a hold keeps the older generations uncollected. The collector is a fake, time the autojump clock's, and
-the keeper runs in the test's nursery (the `keeper` fixture); the last test drives the
-real collector (`garbage`: tests/unit/conftest.py)."""
+"""The heap keeper (`runtime.lifecycle.heap`): a quiet connect burst is frozen, churn or a
+long freeze brings one thaw, a hold keeps the older generations uncollected. The
+collector is a fake, time the autojump clock's, and the keeper runs in the test's
+nursery (the `keeper` fixture); the last test drives the real collector (`garbage`:
+tests/unit/conftest.py)."""
 
 from __future__ import annotations
 

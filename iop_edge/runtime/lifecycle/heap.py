@@ -49,15 +49,16 @@ at it again only at moments it chooses:
 5. A refresh reads, checks and plans its candidate in a process of its own
    (`runtime.refresh.worker`); what it makes here is the new snapshot (its changed
    Nodes, its lookups) and a fleet's pushes. `held()` keeps the heap out of the
-   collector's sight for such a bulk operation on the loop: a refresh's apply (assembling the new snapshot, the swap, the pushes to every
-   Node and their acks). It opens by collecting the young and middle generations
-   (`RECENT`) and freezing what is alive; while open only young collections run (what
-   the operation and callers' requests make, cheap to look at: what survives them waits
-   in the middle generation, unwalked), and a thaw that falls due waits; it closes by
-   freezing what is alive (the new snapshot, never walked again) and restoring the
-   thresholds. A fleet's apply makes hundreds of thousands of objects in a few seconds,
-   and with the usual thresholds the middle and oldest generations' collections would
-   walk them again and again: seconds of the loop's time in all, which callers wait
+   collector's sight for such a bulk operation on the loop: a refresh's apply
+   (assembling the new snapshot, the swap, the pushes to every Node and their acks).
+   It opens by collecting the young and middle generations (`RECENT`) and freezing
+   what is alive; while open only young collections run (what the operation and
+   callers' requests make, cheap to look at: what survives them waits in the middle
+   generation, unwalked), and a thaw that falls due waits; it closes by freezing what
+   is alive (the new snapshot, never walked again) and restoring the thresholds. A
+   fleet's apply makes hundreds of thousands of objects in a few seconds, and with
+   the usual thresholds the middle and oldest generations' collections would walk
+   them again and again: seconds of the loop's time in all, which callers wait
    behind. This is the one place the Edge changes the collector's thresholds.
 """
 

@@ -3,10 +3,10 @@
 The worker (`refresh.worker`) sends what would run as a per-Node delta: an unchanged
 Node by its id alone, a changed one encoded alone in a frame (`worker_protocol`, Rule
 3). Here the Edge keeps the very objects it runs for the unchanged Nodes, decodes the
-changed ones one at a time, and builds the snapshot's lookups (`core.snapshot.Snapshot.building`), yielding
-to the loop every `STEP_NODES` Nodes: no step holds the loop for more than a fraction of a
-millisecond per hundred Nodes, where decoding a fleet's config in one call would hold it
-for tens of milliseconds.
+changed ones one at a time, and builds the snapshot's lookups
+(`core.snapshot.Snapshot.building`), yielding to the loop every `STEP_NODES` Nodes: no
+step holds the loop for more than a fraction of a millisecond per hundred Nodes, where
+decoding a fleet's config in one call would hold it for tens of milliseconds.
 """
 
 from __future__ import annotations
