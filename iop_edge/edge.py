@@ -70,7 +70,7 @@ from iop_edge.runtime.metering.metrics import EdgeMetrics
 from iop_edge.runtime.metering.response_store import ResponseStore
 from iop_edge.runtime.metering.shared_budgets import SharedBudgets
 from iop_edge.runtime.metering.tracing import edge_tracing
-from iop_edge.runtime.metering.usage import UsageReport
+from iop_edge.runtime.metering.usage_store import UsageReport
 from iop_edge.runtime.models.commands import ModelCommands
 from iop_edge.runtime.nodes.heartbeat import fleet_interval
 from iop_edge.runtime.nodes.hub import (

@@ -171,7 +171,7 @@ def _listen_override(flag: str, value: str | None, *, loopback: bool = False) ->
 def cmd_serve(args: argparse.Namespace) -> int:
     from iop_edge.edge import EdgeStartupError, ListenerUnavailable
     from iop_edge.main import serve_edge, setup_logging
-    from iop_edge.runtime.metering.usage import LedgerUnavailable
+    from iop_edge.runtime.metering.usage_store import LedgerUnavailable
 
     node_listen = _listen_override("--node-listen", args.node_listen)
     admin_listen = _listen_override("--admin-listen", args.admin_listen, loopback=True)
@@ -263,7 +263,7 @@ def _check_ledger(edge: EdgeSection) -> None:
     `state_dir`, and a PostgreSQL ledger's package, password variable and server (it is
     connected to, not set up). Raises `ConfigInvalid` naming each problem's setting."""
     from iop_edge.runtime.metering.ledger import choose_ledger
-    from iop_edge.runtime.metering.usage import LedgerUnavailable
+    from iop_edge.runtime.metering.usage_store import LedgerUnavailable
 
     try:
         choice = choose_ledger(edge)

@@ -42,7 +42,7 @@ from iop_edge.core.readiness import NO_SERVABLE_MODEL, Readiness
 from iop_edge.http.admin_models import ModelCommandRunner, add_model_routes
 from iop_edge.http.catalog_stream import CatalogSource, catalog_chunks, catalog_summary
 from iop_edge.runtime.metering.activity import ActivityReport
-from iop_edge.runtime.metering.usage import LedgerUnavailable, UsageReport
+from iop_edge.runtime.metering.usage_store import LedgerUnavailable, UsageReport
 from iop_edge.runtime.refresh.refresh import RefreshResult, decode_request
 from schemas.principals import PrincipalsReport
 from schemas.refresh import RefreshRequest, RefreshVerdict, StatusReport
