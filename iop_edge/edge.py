@@ -40,7 +40,8 @@ from iop_edge.core.host import node_tls_context
 from iop_edge.core.listen import parse_listen_address
 from iop_edge.core.readiness import Readiness, readiness_of
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.admin import AdminServices, create_admin_app
+from iop_edge.http.admin import create_admin_app
+from iop_edge.http.admin_services import AdminServices
 from iop_edge.http.final_send import ShieldFinalSend
 from iop_edge.http.openai_app import OpenAIApp
 from iop_edge.http.responses import ResponsesSurface
