@@ -15,7 +15,7 @@ refused to browsers (`admin` Rules 1-4).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import Final
 
 import msgspec
 from quart import Response, request
@@ -27,6 +27,9 @@ from schemas.catalog import (
     ModelCommandOutcome,
     ModelCommandReport,
     ModelCommandRequest,
+    ModelLoadStates,
+    ModelsReport,
+    ProviderLoadState,
 )
 
 __all__ = ["ModelCommandRunner", "add_model_routes"]
@@ -60,7 +63,7 @@ def add_model_routes(app: QuartTrio, catalog: CatalogSource, run: ModelCommandRu
     @app.get("/models")
     async def models() -> Response:
         snapshot = catalog.snapshot
-        listed: list[dict[str, Any]] = []
+        listed: list[ModelLoadStates] = []
         for model_id in sorted(snapshot.models):
             served = snapshot.models[model_id].providers
             providers = []
@@ -68,18 +71,18 @@ def add_model_routes(app: QuartTrio, catalog: CatalogSource, run: ModelCommandRu
                 states = {state.name: state for state in record.model_states or ()}
                 state = states.get(served[record.id])
                 providers.append(
-                    {
-                        "provider": record.id,
-                        "node": record.node_id,
-                        "served_model": served[record.id],
-                        "connected": record.connected,
-                        "state": None if state is None else state.state,
-                        "reason": None if state is None else state.reason,
-                        "max_loaded": record.max_loaded,
-                    }
+                    ProviderLoadState(
+                        provider=record.id,
+                        node=record.node_id,
+                        served_model=served[record.id],
+                        connected=record.connected,
+                        state=None if state is None else state.state,
+                        reason=None if state is None else state.reason,
+                        max_loaded=record.max_loaded,
+                    )
                 )
-            listed.append({"model": model_id, "providers": providers})
-        return _json({"models": listed})
+            listed.append(ModelLoadStates(model=model_id, providers=providers))
+        return _json(ModelsReport(models=listed))
 
     async def command(action: ModelCommandAction) -> Response:
         body = await request.get_data(cache=False)
