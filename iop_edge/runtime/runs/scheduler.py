@@ -3,6 +3,10 @@
 `Scheduler.acquire()` turns "run model M" into a `Lease` on one provider slot, or an
 `AdmissionError` the HTTP layer maps to a status code (`admission_errors`).
 
+Its parts live beside it: what it keeps of each provider (`provider_state`), a request
+parked in a queue (`waiter`), a run's hold on a slot (`lease`), and its read side, the
+statistics and the catalog's records (`observation`).
+
 How the pieces fit:
 
 - Every decision ("which provider, or wait, or refuse?") is made by the pure functions
