@@ -57,7 +57,7 @@ from bench.run import (
 )
 from bench.targets import check_targets
 from bench.upstream import STAMP_PATTERN, STREAM_CHUNKS, BenchUpstream, stream_events
-from iop_edge.core.config import parse_config
+from iop_edge.core.configuration.config import parse_config
 from iop_edge.runtime.lifecycle.heap import BURST, CHURN_SHARE
 
 #: Startup of a few Python processes plus a handful of requests, on a slow CI machine.

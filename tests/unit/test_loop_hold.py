@@ -21,8 +21,8 @@ import pytest
 import trio
 import yaml
 
-from iop_edge.core import refresh_plan
-from iop_edge.core.config import parse_config
+from iop_edge.core.configuration.config import parse_config
+from iop_edge.core.refresh import refresh_plan
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.refresh.audit import AuditLog
 from iop_edge.runtime.refresh.refresh import Refresher

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from iop_edge.core.config import parse_config
+from iop_edge.core.configuration.config import parse_config
 from iop_edge.runtime.refresh.audit import AuditLog
 from iop_edge.runtime.refresh.refresh import Refresher
 from iop_edge.runtime.refresh.worker_client import RefreshWorker

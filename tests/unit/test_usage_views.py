@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from iop_edge.runtime.metering.usage import (
-    SqliteStore,
-    UsageLedger,
+from iop_edge.runtime.metering.usage_ledger.ledger_sqlite import SqliteStore
+from iop_edge.runtime.metering.usage_ledger.usage import UsageLedger
+from iop_edge.runtime.metering.usage_ledger.usage_store import (
     UsageSelection,
     aggregate_sql,
     encode_cursor,

@@ -55,8 +55,8 @@ from typing import Final, Protocol
 import msgspec
 import trio
 
-from iop_edge.core.config import ConfigInvalid
-from iop_edge.core.refresh_plan import error_order
+from iop_edge.core.configuration.config import ConfigInvalid
+from iop_edge.core.refresh.refresh_plan import error_order
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.refresh.assemble import assemble
 from iop_edge.runtime.refresh.audit import (
@@ -138,7 +138,7 @@ class _Prepared:
     snapshot: Snapshot | None
     """What an apply swaps in (revision + 1); None for a dry run or a refused plan."""
     to_push: tuple[str, ...]
-    """The Nodes an apply pushes to (`core.refresh_plan`, rule 5)."""
+    """The Nodes an apply pushes to (`core.refresh.refresh_plan`, rule 5)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +150,7 @@ class RefresherStatistics:
     """A refresh is running: another one now is refused as a conflict."""
     parsed_nodes: int
     """Node entries the last valid candidate had read from its YAML: those the worker's
-    proof did not know by their text (`core.config_proof`)."""
+    proof did not know by their text (`core.configuration.config_proof`)."""
     checked_nodes: int
     """Node entries the last valid candidate had checked: those the proof did not hold."""
 

@@ -10,8 +10,8 @@ stdin and stdout and ends when its stdin closes.
 Rules:
 1. It keeps what makes the next refresh cheap: the base config by revision (the running
    one and, after a build, the one that would run next) and the proof of the last valid
-   candidate (`core.config_proof`), so a candidate is checked only where it changed.
-2. A candidate is diffed and planned exactly as in the Edge (`core.refresh_plan`); a
+   candidate (`core.configuration.config_proof`), so a candidate is checked only where it changed.
+2. A candidate is diffed and planned exactly as in the Edge (`core.refresh.refresh_plan`); a
    built one goes back as a per-Node delta (`worker_protocol`, Rule 3).
 3. Nothing it is sent ends it but the end of its input: an unexpected error answers
    `Failed` naming it, and the worker reads the next request.
@@ -42,9 +42,14 @@ from typing import BinaryIO, Final
 
 import msgspec
 
-from iop_edge.core.config import ConfigInvalid, ParsedConfig, load_config, parse_config
-from iop_edge.core.config_proof import ConfigProof
-from iop_edge.core.refresh_plan import needs_push, plan_apply
+from iop_edge.core.configuration.config import (
+    ConfigInvalid,
+    ParsedConfig,
+    load_config,
+    parse_config,
+)
+from iop_edge.core.configuration.config_proof import ConfigProof
+from iop_edge.core.refresh.refresh_plan import needs_push, plan_apply
 from iop_edge.runtime.refresh.worker_protocol import (
     HEADER_BYTES,
     VERSION,

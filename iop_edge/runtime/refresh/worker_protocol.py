@@ -9,10 +9,10 @@ Rules:
 1. One request at a time: the Edge sends `Prepare` and the frames it announces, the
    worker answers with exactly one of `Prepared`, `Invalid` or `Failed`.
 2. The worker keeps the running config it last saw, by revision, and the proof of the
-   last valid candidate (`core.config_proof`). A `Prepare` whose base revision the worker
-   does not hold carries the base config itself: the config without its Nodes
-   (`base_config`), then `base_nodes` frames of one `NodeEntry` each. The Edge knows
-   which revisions the worker holds, because only its own requests tell it.
+   last valid candidate (`core.configuration.config_proof`). A `Prepare` whose base
+   revision the worker does not hold carries the base config itself: the config without
+   its Nodes (`base_config`), then `base_nodes` frames of one `NodeEntry` each. The Edge
+   knows which revisions the worker holds, because only its own requests tell it.
 4. What is large goes in pieces, each its own frame, so that neither side makes or reads
    megabytes in one step: an inline candidate follows `Prepare` (after any base Nodes) as
    `text_pieces` frames of its UTF-8 text, cut at character boundaries.
@@ -80,7 +80,7 @@ class Prepare(msgspec.Struct, frozen=True, kw_only=True, tag="prepare"):
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
-    """What an apply of the candidate would do (`core.refresh_plan.ApplyPlan`, its diff
+    """What an apply of the candidate would do (`core.refresh.refresh_plan.ApplyPlan`, its diff
     flattened): all a report needs."""
 
     changes: list[Change]

@@ -1,0 +1,270 @@
+"""The OpenAI Responses surface's Edge side (design §14): the plan of a `POST /v1/responses`,
+the conversation it continues, and what is stored of it.
+
+The Edge reads the few fields admission needs (`core.responses.protocol_requests`) and relays the
+body: the Node sends it natively to a provider that speaks Responses or translates it to
+chat completions. Same catalog, aliases, limits and long-context admission as chat:
+
+- `max_output_tokens` above the model's `generation.max_tokens_limit` is a 400.
+- `generation.defaults` apply where the protocol has the same setting (`DEFAULT_KEYS`;
+  chat's `max_tokens` is Responses' `max_output_tokens`).
+- `previous_response_id`: the stored conversation is loaded (the principal's own only)
+  and sent whole, without the id (`core.responses.response_chain`); the id goes beside the body
+  (`run.previous_response_id`), for the response to echo. An unknown, expired or other
+  principal's id is 404 `previous_response_not_found`. The estimate counts the whole
+  conversation, which the model reads.
+- `store` (true unless the caller says false): the run keeps its final response
+  (`run.keep_output`) and the Edge stores it with the request's own input items before
+  the caller's response completes (`ResponseStore.keep`). The runtime is always sent
+  `store: false`: the Edge is the store. The caller still sees the `store` it asked for:
+  the Node writes `store: true` into the response of a run that keeps its output
+  (translated or relayed natively alike), and its id is IOP's own (`resp_<request id>`),
+  never the upstream's, so an upstream that reuses ids cannot make two stored responses
+  collide.
+- A response that could not be stored (the store's bounds, its database failing) is
+  still answered, never refused: storing is a side effect of a request already served.
+  The reply says so (`core.responses.unstored_reply`): `store: false` in the body or the stream's
+  final event, `x-iop-response-stored: false` on a non-stream reply (`true` when
+  stored), the reason in `iop_responses_unstored_total` and a log line with the request
+  id.
+- A conversation longer than `edge.responses.max_conversation_bytes` is a 400
+  `conversation_too_large`, refused before it is loaded whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from iop_edge.core.responses.compaction import CompactionUnreadable, ends_with_trigger, expand
+from iop_edge.core.responses.protocol_requests import (
+    ResponsesRequest,
+    estimate_responses_tokens,
+    input_items,
+)
+from iop_edge.core.responses.response_chain import (
+    ChainBroken,
+    ConversationTooLarge,
+    continue_body,
+    conversation,
+)
+from iop_edge.core.snapshot import Snapshot
+from iop_edge.http.errors import ApiError, invalid_request
+from iop_edge.http.protocols.caller_protocol import (
+    Caller,
+    apply_defaults,
+    catalog_model,
+    check_max_tokens,
+)
+from iop_edge.http.protocols.compaction import Compaction, prepare
+from iop_edge.runtime.metering.response_store import ResponseStore, StoreUnavailable, Unstored
+from iop_edge.runtime.runs.dispatch import RunPlan
+
+__all__ = ["DEFAULT_KEYS", "ResponsesSurface", "ToStore", "store_unavailable"]
+
+#: A model's `generation.defaults` key (chat's name) -> the Responses field it sets.
+DEFAULT_KEYS: Final = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ToStore:
+    """What a `store: true` run's response is stored with, once it is known."""
+
+    principal_ref: str
+    input_items: list[Any]
+    """The request's own input items (not the conversation's)."""
+    previous_id: str | None
+    continues: tuple[str, ...]
+    """The ids of the conversation it continues (renewed when it is stored)."""
+    request_id: str = ""
+    """The caller's request id, for the log line of a response not stored."""
+    compaction: Compaction | None = None
+    """The run is a summary turn (`http.protocols.compaction`): what its response becomes."""
+    store: bool = True
+    """Store the response (a compaction's turn may be unstored: `store: false`)."""
+
+
+def store_unavailable(exc: StoreUnavailable) -> ApiError:
+    return ApiError(
+        503,
+        f"Stored responses are unavailable now: {exc}",
+        type="service_unavailable_error",
+        code="store_unavailable",
+        retry_after_s=1.0,
+    )
+
+
+def response_not_found(response_id: str) -> ApiError:
+    return ApiError(
+        404,
+        f"Response with id '{response_id}' not found.",
+        type="not_found_error",
+        code="response_not_found",
+    )
+
+
+class ResponsesSurface:
+    """Plans Responses runs and stores their results (see the module docstring)."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+
+    async def plan(
+        self, body: dict[str, Any], snapshot: Snapshot, caller: Caller, *, compact: bool = False
+    ) -> tuple[RunPlan, ToStore | None]:
+        """The plan of a Responses request, and what to store of it (None: `store:
+        false`); `compact`: a `/v1/responses/compact` request (`http.protocols.compaction`).
+        Raises `ApiError`."""
+        try:
+            view = msgspec.convert(body, ResponsesRequest)
+        except msgspec.ValidationError as exc:
+            raise invalid_request(exc) from None
+        model = catalog_model(snapshot, caller, view.model)
+        apply_defaults(model, body, DEFAULT_KEYS)
+        check_max_tokens(model, "max_output_tokens", body.get("max_output_tokens"))
+        principal = caller.principal
+        own_items = input_items(body.get("input", []))
+        trigger = not compact and ends_with_trigger(own_items)
+        earlier: list[msgspec.Raw] = []
+        continues: tuple[str, ...] = ()
+        previous_id = view.previous_response_id
+        if previous_id is not None:
+            try:
+                chain = await self.store.conversation(principal.principal_ref, previous_id)
+            except ChainBroken as exc:
+                raise ApiError(
+                    404,
+                    str(exc),
+                    code="previous_response_not_found",
+                    param="previous_response_id",
+                ) from None
+            except ConversationTooLarge as exc:
+                raise ApiError(
+                    400, str(exc), code="conversation_too_large", param="previous_response_id"
+                ) from None
+            except StoreUnavailable as exc:
+                raise store_unavailable(exc) from None
+            earlier = conversation(chain, ())
+            continues = tuple(turn.id for turn in chain)
+            continue_body(body, earlier + own_items)
+        elif view.store:
+            body["store"] = False
+        conversation_items = input_items(body.get("input", []))
+        try:
+            expanded = expand(conversation_items)
+        except CompactionUnreadable as exc:
+            raise ApiError(400, str(exc), code="invalid_compaction", param="input") from None
+        if expanded is not conversation_items:
+            body["input"] = expanded
+        compaction = None
+        if compact or trigger:
+            compaction = Compaction(
+                endpoint=compact, conversation=expanded, stream=trigger and view.stream
+            )
+            prepare(body, expanded, model)
+        plan = caller.plan(
+            snapshot,
+            model_id=view.model,
+            operation="responses",
+            body=body,
+            stream=view.stream and compaction is None,
+            prompt_tokens=estimate_responses_tokens(view, earlier),
+            caller_wants_usage=True,  # usage is part of every Responses reply and stream
+            protocol="responses",
+            keep_output=view.store,
+            hosted_tools=model.generation.hosted_tools,
+            chained=previous_id is not None,
+            previous_response_id=previous_id or "",
+        )
+        if compaction is not None:
+            return plan, ToStore(
+                principal_ref=principal.principal_ref,
+                input_items=[] if compact else own_items[:-1],
+                previous_id=None if compact else previous_id,
+                continues=() if compact else continues,
+                request_id=plan.request_id or plan.run_id,
+                compaction=compaction,
+                store=compact or view.store,
+            )
+        if not view.store:
+            return plan, None
+        return plan, ToStore(
+            principal_ref=principal.principal_ref,
+            input_items=own_items,
+            previous_id=previous_id,
+            continues=continues,
+            request_id=plan.request_id or plan.run_id,
+        )
+
+    async def keep(self, to_store: ToStore, response: bytes | None) -> Unstored | None:
+        """Store a finished run's final response (`run_done.response`); None when it is
+        stored, else why not (the store logged and counted it)."""
+        return await self.store.keep(
+            to_store.principal_ref,
+            response,
+            to_store.input_items,
+            previous_id=to_store.previous_id,
+            continues=to_store.continues,
+            request_id=to_store.request_id,
+        )
+
+    async def input_tokens(self, body: bytes, snapshot: Snapshot, principal_ref: str) -> int:
+        """`POST /v1/responses/input_tokens`: the input tokens of a Responses request, by
+        the estimate admission uses (`estimate_responses_tokens`), the stored
+        conversation it continues included (the principal's own only); raises `ApiError`.
+        No runtime is asked: none behind IOP counts a Responses request but llama.cpp's
+        server, and the Edge's estimate is what the request is admitted and queued by."""
+        try:
+            view = msgspec.json.decode(body, type=ResponsesRequest)
+        except msgspec.ValidationError as exc:
+            raise invalid_request(exc) from None
+        except msgspec.DecodeError as exc:
+            raise ApiError(400, f"The body is not valid JSON: {exc}", code="invalid_json") from None
+        if view.model not in snapshot.models or not snapshot.policies.allows(
+            principal_ref, view.model
+        ):
+            raise ApiError(
+                404,
+                f"The model '{view.model}' does not exist",
+                type="not_found_error",
+                code="model_not_found",
+                param="model",
+            )
+        earlier: list[msgspec.Raw] = []
+        if view.previous_response_id is not None:
+            try:
+                chain = await self.store.conversation(principal_ref, view.previous_response_id)
+            except ChainBroken as exc:
+                raise ApiError(
+                    404, str(exc), code="previous_response_not_found", param="previous_response_id"
+                ) from None
+            except StoreUnavailable as exc:
+                raise store_unavailable(exc) from None
+            earlier = conversation(chain, ())
+        return estimate_responses_tokens(view, earlier)
+
+    async def read(self, principal_ref: str, response_id: str) -> bytes:
+        """`GET /v1/responses/{id}`: the stored response object; raises `ApiError`."""
+        try:
+            response = await self.store.read(principal_ref, response_id)
+        except StoreUnavailable as exc:
+            raise store_unavailable(exc) from None
+        if response is None:
+            raise response_not_found(response_id)
+        return response
+
+    async def delete(self, principal_ref: str, response_id: str) -> None:
+        """`DELETE /v1/responses/{id}`; raises `ApiError`."""
+        try:
+            deleted = await self.store.delete(principal_ref, response_id)
+        except StoreUnavailable as exc:
+            raise store_unavailable(exc) from None
+        if not deleted:
+            raise response_not_found(response_id)
