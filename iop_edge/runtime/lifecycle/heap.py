@@ -43,8 +43,9 @@ at it again only at moments it chooses:
    frozen keeps its memory until a thaw. A thaw (`gc.unfreeze`, a full collection, freeze
    again) runs once sessions that ended since the last one reach `CHURN_SHARE` of those
    connected (at least `BURST`), or `THAW_INTERVAL_S` after the last one if anything was
-   frozen since. It is the one pause left, proportional to the heap, and it is logged
-   with what it reclaimed. The keeper looks whether one is due at each connect and
+   frozen since. It is the one pause left, proportional to the heap (the fleet bench's
+   churn measures it: about 0.2 s of the loop's CPU with 1,000 Nodes, 2 s with 10,000,
+   every caller waiting meanwhile), and it is logged with what it reclaimed. The keeper looks whether one is due at each connect and
    disconnect, and at the deadline.
 5. A refresh reads, checks and plans its candidate in a process of its own
    (`runtime.refresh.worker`); what it makes here is the new snapshot (its changed
