@@ -1,5 +1,6 @@
-"""The OpenAI Responses surface's Edge side (design §14): the plan of a `POST /v1/responses`,
-the conversation it continues, and what is stored of it.
+"""The OpenAI Responses surface's Edge side (design §14): the `RESPONSES` protocol object,
+the plan of a `POST /v1/responses` (and `/v1/responses/compact`), the conversation it
+continues, what is stored of it, and a stream's failure as `response.failed`.
 
 The Edge reads the few fields admission needs (`core.protocol_requests`) and relays the
 body: the Node sends it natively to a provider that speaks Responses or translates it to
@@ -33,11 +34,13 @@ chat completions. Same catalog, aliases, limits and long-context admission as ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Final
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Final
 
 import msgspec
 
+from iop_edge.core.affinity import responses_conversation
 from iop_edge.core.compaction import CompactionUnreadable, ends_with_trigger, expand
 from iop_edge.core.protocol_requests import (
     ResponsesRequest,
@@ -53,16 +56,30 @@ from iop_edge.core.response_chain import (
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.caller_protocol import (
     Caller,
+    CallerProtocol,
+    Planning,
+    ToStore,
     apply_defaults,
     catalog_model,
     check_max_tokens,
 )
-from iop_edge.http.compaction import Compaction, prepare
+from iop_edge.http.compaction import COMPACT_PATH, Compaction, prepare
 from iop_edge.http.errors import ApiError, invalid_request
 from iop_edge.runtime.metering.response_store import ResponseStore, StoreUnavailable, Unstored
 from iop_edge.runtime.runs.dispatch import RunPlan
+from schemas import wire
+from schemas.hosted_tools import hosted_tool_types
+from schemas.protocols import response_error
+from schemas.responses_echo import echo_members
 
-__all__ = ["DEFAULT_KEYS", "ResponsesSurface", "ToStore", "store_unavailable"]
+__all__ = [
+    "DEFAULT_KEYS",
+    "RESPONSES",
+    "ResponsesProtocol",
+    "ResponsesSurface",
+    "plan_responses",
+    "store_unavailable",
+]
 
 #: A model's `generation.defaults` key (chat's name) -> the Responses field it sets.
 DEFAULT_KEYS: Final = {
@@ -71,24 +88,6 @@ DEFAULT_KEYS: Final = {
     "max_tokens": "max_output_tokens",
     "max_completion_tokens": "max_output_tokens",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class ToStore:
-    """What a `store: true` run's response is stored with, once it is known."""
-
-    principal_ref: str
-    input_items: list[Any]
-    """The request's own input items (not the conversation's)."""
-    previous_id: str | None
-    continues: tuple[str, ...]
-    """The ids of the conversation it continues (renewed when it is stored)."""
-    request_id: str = ""
-    """The caller's request id, for the log line of a response not stored."""
-    compaction: Compaction | None = None
-    """The run is a summary turn (`http.compaction`): what its response becomes."""
-    store: bool = True
-    """Store the response (a compaction's turn may be unstored: `store: false`)."""
 
 
 def store_unavailable(exc: StoreUnavailable) -> ApiError:
@@ -119,89 +118,8 @@ class ResponsesSurface:
     async def plan(
         self, body: dict[str, Any], snapshot: Snapshot, caller: Caller, *, compact: bool = False
     ) -> tuple[RunPlan, ToStore | None]:
-        """The plan of a Responses request, and what to store of it (None: `store:
-        false`); `compact`: a `/v1/responses/compact` request (`http.compaction`).
-        Raises `ApiError`."""
-        try:
-            view = msgspec.convert(body, ResponsesRequest)
-        except msgspec.ValidationError as exc:
-            raise invalid_request(exc) from None
-        model = catalog_model(snapshot, caller, view.model)
-        apply_defaults(model, body, DEFAULT_KEYS)
-        check_max_tokens(model, "max_output_tokens", body.get("max_output_tokens"))
-        principal = caller.principal
-        own_items = input_items(body.get("input", []))
-        trigger = not compact and ends_with_trigger(own_items)
-        earlier: list[msgspec.Raw] = []
-        continues: tuple[str, ...] = ()
-        previous_id = view.previous_response_id
-        if previous_id is not None:
-            try:
-                chain = await self.store.conversation(principal.principal_ref, previous_id)
-            except ChainBroken as exc:
-                raise ApiError(
-                    404,
-                    str(exc),
-                    code="previous_response_not_found",
-                    param="previous_response_id",
-                ) from None
-            except ConversationTooLarge as exc:
-                raise ApiError(
-                    400, str(exc), code="conversation_too_large", param="previous_response_id"
-                ) from None
-            except StoreUnavailable as exc:
-                raise store_unavailable(exc) from None
-            earlier = conversation(chain, ())
-            continues = tuple(turn.id for turn in chain)
-            continue_body(body, earlier + own_items)
-        elif view.store:
-            body["store"] = False
-        conversation_items = input_items(body.get("input", []))
-        try:
-            expanded = expand(conversation_items)
-        except CompactionUnreadable as exc:
-            raise ApiError(400, str(exc), code="invalid_compaction", param="input") from None
-        if expanded is not conversation_items:
-            body["input"] = expanded
-        compaction = None
-        if compact or trigger:
-            compaction = Compaction(
-                endpoint=compact, conversation=expanded, stream=trigger and view.stream
-            )
-            prepare(body, expanded, model)
-        plan = caller.plan(
-            snapshot,
-            model_id=view.model,
-            operation="responses",
-            body=body,
-            stream=view.stream and compaction is None,
-            prompt_tokens=estimate_responses_tokens(view, earlier),
-            caller_wants_usage=True,  # usage is part of every Responses reply and stream
-            protocol="responses",
-            keep_output=view.store,
-            hosted_tools=model.generation.hosted_tools,
-            chained=previous_id is not None,
-            previous_response_id=previous_id or "",
-        )
-        if compaction is not None:
-            return plan, ToStore(
-                principal_ref=principal.principal_ref,
-                input_items=[] if compact else own_items[:-1],
-                previous_id=None if compact else previous_id,
-                continues=() if compact else continues,
-                request_id=plan.request_id or plan.run_id,
-                compaction=compaction,
-                store=compact or view.store,
-            )
-        if not view.store:
-            return plan, None
-        return plan, ToStore(
-            principal_ref=principal.principal_ref,
-            input_items=own_items,
-            previous_id=previous_id,
-            continues=continues,
-            request_id=plan.request_id or plan.run_id,
-        )
+        """`plan_responses` with this surface's store."""
+        return await plan_responses(body, snapshot, caller, self.store, compact=compact)
 
     async def keep(self, to_store: ToStore, response: bytes | None) -> Unstored | None:
         """Store a finished run's final response (`run_done.response`); None when it is
@@ -268,3 +186,184 @@ class ResponsesSurface:
             raise store_unavailable(exc) from None
         if not deleted:
             raise response_not_found(response_id)
+
+
+async def plan_responses(
+    body: dict[str, Any],
+    snapshot: Snapshot,
+    caller: Caller,
+    store: ResponseStore,
+    *,
+    compact: bool = False,
+) -> tuple[RunPlan, ToStore | None]:
+    """The plan of a Responses request, and what to store of it (None: `store:
+    false`); `compact`: a `/v1/responses/compact` request (`http.compaction`).
+    Raises `ApiError`."""
+    try:
+        view = msgspec.convert(body, ResponsesRequest)
+    except msgspec.ValidationError as exc:
+        raise invalid_request(exc) from None
+    model = catalog_model(snapshot, caller, view.model)
+    apply_defaults(model, body, DEFAULT_KEYS)
+    check_max_tokens(model, "max_output_tokens", body.get("max_output_tokens"))
+    principal = caller.principal
+    own_items = input_items(body.get("input", []))
+    trigger = not compact and ends_with_trigger(own_items)
+    earlier: list[msgspec.Raw] = []
+    continues: tuple[str, ...] = ()
+    previous_id = view.previous_response_id
+    if previous_id is not None:
+        try:
+            chain = await store.conversation(principal.principal_ref, previous_id)
+        except ChainBroken as exc:
+            raise ApiError(
+                404,
+                str(exc),
+                code="previous_response_not_found",
+                param="previous_response_id",
+            ) from None
+        except ConversationTooLarge as exc:
+            raise ApiError(
+                400, str(exc), code="conversation_too_large", param="previous_response_id"
+            ) from None
+        except StoreUnavailable as exc:
+            raise store_unavailable(exc) from None
+        earlier = conversation(chain, ())
+        continues = tuple(turn.id for turn in chain)
+        continue_body(body, earlier + own_items)
+    elif view.store:
+        body["store"] = False
+    conversation_items = input_items(body.get("input", []))
+    try:
+        expanded = expand(conversation_items)
+    except CompactionUnreadable as exc:
+        raise ApiError(400, str(exc), code="invalid_compaction", param="input") from None
+    if expanded is not conversation_items:
+        body["input"] = expanded
+    compaction = None
+    if compact or trigger:
+        compaction = Compaction(
+            endpoint=compact, conversation=expanded, stream=trigger and view.stream
+        )
+        prepare(body, expanded, model)
+    plan = caller.plan(
+        snapshot,
+        model_id=view.model,
+        operation="responses",
+        body=body,
+        stream=view.stream and compaction is None,
+        prompt_tokens=estimate_responses_tokens(view, earlier),
+        caller_wants_usage=True,  # usage is part of every Responses reply and stream
+        protocol=RESPONSES,
+        keep_output=view.store,
+        hosted_tools=model.generation.hosted_tools,
+        chained=previous_id is not None,
+        previous_response_id=previous_id or "",
+    )
+    if compaction is not None:
+        return plan, ToStore(
+            principal_ref=principal.principal_ref,
+            input_items=[] if compact else own_items[:-1],
+            previous_id=None if compact else previous_id,
+            continues=() if compact else continues,
+            request_id=plan.request_id or plan.run_id,
+            compaction=compaction,
+            store=compact or view.store,
+        )
+    if not view.store:
+        return plan, None
+    return plan, ToStore(
+        principal_ref=principal.principal_ref,
+        input_items=own_items,
+        previous_id=previous_id,
+        continues=continues,
+        request_id=plan.request_id or plan.run_id,
+    )
+
+
+class ResponsesProtocol(CallerProtocol):
+    """OpenAI Responses: OpenAI's shapes (the defaults), a stream failed as
+    `response.failed`; its runs may continue a stored conversation and be stored."""
+
+    name = "responses"
+    paths: ClassVar[Mapping[str, wire.Operation]] = {
+        "/v1/responses": "responses",
+        COMPACT_PATH: "responses",
+    }
+    output_fields: ClassVar[Mapping[wire.Operation, tuple[str, ...]]] = {
+        "responses": ("max_output_tokens",)
+    }
+
+    def conversation(self, body: Mapping[str, Any]) -> tuple[list[Any], Sequence[Any]]:
+        return responses_conversation(body)
+
+    async def plan(
+        self, operation: wire.Operation, request: Planning
+    ) -> tuple[RunPlan, ToStore | None]:
+        return await plan_responses(
+            request.body,
+            request.snapshot,
+            request.caller,
+            request.store,
+            compact=request.path == COMPACT_PATH,
+        )
+
+    def stream_error(
+        self, error: ApiError, *, plan: RunPlan, sequence: int, request_id: str | None = None
+    ) -> bytes:
+        """A `response.failed` event: `sequence` is its `sequence_number`, and the failed
+        response goes by IOP's id for the request (the Edge does not read the Node's
+        events, so it cannot know theirs); it echoes the request as the Node's do."""
+        kind, text = response_error(error.code, error.message)
+        own = _FailedResponse(
+            id=f"resp_{plan.run_id}",
+            created_at=int(time.time()),
+            model=plan.model_id,
+            error=_ResponseError(code=kind, message=text),
+        )
+        echo = echo_members(
+            _encode(plan.body),
+            stored=plan.keep_output,
+            previous_response_id=plan.previous_response_id or None,
+        )
+        failed = _ResponseFailed(
+            sequence_number=sequence, response=msgspec.Raw(_encode(own)[:-1] + echo)
+        )
+        return b"event: response.failed\ndata: " + _encode(failed) + b"\n\n"
+
+    def hosted_tools(self, body: dict[str, Any]) -> Sequence[str]:
+        return hosted_tool_types(self.name, body)
+
+
+RESPONSES: Final = ResponsesProtocol()
+
+
+class _FailedResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """A failed Response's own members; the echo of its request follows them
+    (`schemas.responses_echo`), so it has every member the schema requires."""
+
+    id: str
+    object: str = "response"
+    created_at: int
+    completed_at: None = None
+    status: str = "failed"
+    background: bool = False
+    error: _ResponseError
+    incomplete_details: None = None
+    model: str
+    output: list[Any] = []
+    usage: None = None
+
+
+class _ResponseError(msgspec.Struct, frozen=True, kw_only=True):
+    code: str
+    message: str
+
+
+class _ResponseFailed(msgspec.Struct, frozen=True, kw_only=True):
+    type: str = "response.failed"
+    sequence_number: int
+    response: msgspec.Raw
+
+
+_encode: Final = msgspec.json.Encoder().encode

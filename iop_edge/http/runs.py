@@ -53,14 +53,8 @@ from iop_edge.core.affinity import SESSION_HEADERS
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.core.unstored_reply import unstored_body, unstored_events
 from iop_edge.http.auth import authenticate
-from iop_edge.http.caller_protocol import (
-    PROTOCOL_OF,
-    STREAM_END,
-    Caller,
-    stream_error,
-)
-from iop_edge.http.chat import plan_chat
-from iop_edge.http.compaction import COMPACT_PATH, settle, trigger_events
+from iop_edge.http.caller_protocol import Caller, CallerProtocol, Planning, ToStore
+from iop_edge.http.compaction import settle, trigger_events
 from iop_edge.http.connection import ChunkedBodyWriter, current_connection
 from iop_edge.http.errors import (
     ApiError,
@@ -70,9 +64,8 @@ from iop_edge.http.errors import (
     method_not_allowed,
     run_failure_error,
 )
-from iop_edge.http.messages import plan_messages
-from iop_edge.http.rate_limit_headers import rate_limit_headers
-from iop_edge.http.responses import ResponsesSurface, ToStore
+from iop_edge.http.protocol_registry import Route
+from iop_edge.http.responses import ResponsesSurface
 from iop_edge.runtime.metering.access_log import RefusedRequest
 from iop_edge.runtime.metering.metering import Metering
 from iop_edge.runtime.metering.tracing import EdgeTracing, RequestTrace
@@ -91,22 +84,11 @@ from iop_edge.runtime.runs.dispatch import (
 from iop_edge.runtime.runs.limits import NO_RATE_LIMITS
 from iop_edge.runtime.runs.scheduler import AdmissionError
 from schemas import wire
-from schemas.hosted_tools import DROPPED_TOOLS_HEADER, hosted_tool_types
-from schemas.protocols import CallerProtocol
+from schemas.hosted_tools import DROPPED_TOOLS_HEADER
 from schemas.telemetry import valid_traceparent, valid_tracestate
 
 log = logging.getLogger(__name__)
 
-#: Path -> operation of the endpoints served here; every method but POST gets a 405.
-RUN_PATHS: Final[dict[str, wire.Operation]] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completion",
-    "/v1/embeddings": "embedding",
-    "/v1/messages": "messages",
-    "/v1/messages/count_tokens": "count_tokens",
-    "/v1/responses": "responses",
-    COMPACT_PATH: "responses",
-}
 #: How long a caller may take to send its request body (Quart's default, kept).
 BODY_TIMEOUT_S: Final = 60.0
 #: How deep a request's JSON may nest. OpenAI requests nest a few levels (tool schemas a
@@ -233,7 +215,7 @@ class _Reply:
         self._send = send
         self.request_id = request_id
         self.protocol = protocol
-        """Whose shape the errors take."""
+        """The caller's protocol: whose shapes the reply takes."""
         self.provider: str | None = None
         self.rate_limits = NO_RATE_LIMITS
         """Where the caller's principal stands against its limits, once admitted."""
@@ -255,7 +237,8 @@ class _Reply:
         if self.dropped_tools is not None:
             headers.append((_DROPPED_TOOLS, self.dropped_tools.encode()))
         headers += extra
-        headers += rate_limit_headers(self.rate_limits, self.protocol)
+        if self.rate_limits:
+            headers += self.protocol.rate_limit_headers(self.rate_limits)
         return headers
 
     async def json(
@@ -274,7 +257,8 @@ class _Reply:
         if error.rate_limits is not None:  # refused for a limit: where it stands now
             self.rate_limits = error.rate_limits
         extra = [(name.lower().encode(), value.encode()) for name, value in error.headers().items()]
-        await self.json(error.body(self.protocol, self.request_id), timing, error.status, extra)
+        body = self.protocol.error_body(error, self.request_id)
+        await self.json(body, timing, error.status, extra)
 
     async def start_stream(self, timing: _Timing) -> None:
         await self._start(200, self._headers(timing, list(_SSE_HEADERS)))
@@ -321,7 +305,7 @@ class RunEndpoints:
 
     async def __call__(
         self,
-        operation: wire.Operation,
+        route: Route,
         scope: HTTPScope,
         receive: ASGIReceiveCallable,
         send: ASGISendCallable,
@@ -329,7 +313,7 @@ class RunEndpoints:
         timing = _Timing()
         run_id = new_run_id()
         request = _Request(scope)
-        reply = _Reply(send, request_id(request.request_id, run_id), PROTOCOL_OF[operation])
+        reply = _Reply(send, request_id(request.request_id, run_id), route.protocol)
         trace = None
         if self._tracing is not None:
             traceparent, tracestate = _caller_context(request)
@@ -346,7 +330,7 @@ class RunEndpoints:
                 return
             try:
                 plan, to_store = await self._prepare(
-                    operation, run_id, reply.request_id, request, receive
+                    route, run_id, reply.request_id, request, receive
                 )
             except ApiError as exc:
                 self.refused(exc, reply.request_id, scope["path"], timing.started)
@@ -416,7 +400,7 @@ class RunEndpoints:
 
     async def _prepare(
         self,
-        operation: wire.Operation,
+        route: Route,
         run_id: str,
         request_id: str,
         request: _Request,
@@ -441,14 +425,14 @@ class RunEndpoints:
             anthropic_headers=request.anthropic,
             session_headers=request.sessions,
         )
-        match operation:
-            case "responses":
-                compact = request.path == COMPACT_PATH
-                return await self._responses.plan(body, snapshot, caller, compact=compact)
-            case "messages" | "count_tokens":
-                return plan_messages(operation, body, snapshot, caller), None
-            case _:
-                return plan_chat(operation, body, snapshot, caller), None
+        planning = Planning(
+            path=request.path,
+            body=body,
+            snapshot=snapshot,
+            caller=caller,
+            store=self._responses.store,
+        )
+        return await route.protocol.plan(route.operation, planning)
 
     async def _read_json(
         self, request: _Request, receive: ASGIReceiveCallable, limit: int
@@ -505,7 +489,7 @@ class RunEndpoints:
                 timing.upstream_s = run.timings.upstream_s
                 reply.rate_limits = run.rate_limits
             reply.provider = run.provider_id
-            reply.dropped_tools = self._dropped_tools(plan, run.provider_id)
+            reply.dropped_tools = self._dropped_tools(plan, reply.protocol, run.provider_id)
             if plan.stream:
                 await self._relay_stream(run, reply, timing, to_store)
             else:
@@ -516,16 +500,18 @@ class RunEndpoints:
         finally:
             run.end(CALLER_GONE)  # a no-op unless the caller left before the run ended
 
-    def _dropped_tools(self, plan: RunPlan, provider_id: str) -> str | None:
+    def _dropped_tools(
+        self, plan: RunPlan, protocol: CallerProtocol, provider_id: str
+    ) -> str | None:
         """The hosted tools a run on `provider_id` leaves out, comma-separated: those of
-        a Messages or Responses request the provider's Node translates (as far as the
-        Edge knows: the Node's last status), unless the model refuses them instead
-        (`schemas.hosted_tools` Rule 2)."""
-        if plan.protocol == "chat" or plan.hosted_tools != "drop":
+        a request the provider's Node translates (as far as the Edge knows: the Node's
+        last status), unless the model refuses them instead (`schemas.hosted_tools`
+        Rule 2)."""
+        if plan.hosted_tools != "drop":
             return None
         if self._dispatcher.scheduler.speaks(provider_id, plan.protocol):
             return None
-        return ", ".join(hosted_tool_types(plan.protocol, plan.body)) or None
+        return ", ".join(protocol.hosted_tools(plan.body)) or None
 
     async def _refuse(self, run: Run, error: ApiError, reply: _Reply, timing: _Timing) -> None:
         """Answer with `error`; the reply carries the same timing (every failed attempt's
@@ -639,16 +625,11 @@ class RunEndpoints:
                 outcome = Outcome(error.status, error.code)
                 plan = run.plan
                 pending.append(
-                    stream_error(
-                        protocol,
-                        error,
-                        plan=plan,
-                        response_id=f"resp_{plan.run_id}",
-                        sequence=run.chunks,
-                        request_id=reply.request_id,
+                    protocol.stream_error(
+                        error, plan=plan, sequence=run.chunks, request_id=reply.request_id
                     )
                 )
-            pending.append(STREAM_END[protocol])
+            pending.append(protocol.stream_end)
             run.end(outcome)
             if (
                 to_store is not None

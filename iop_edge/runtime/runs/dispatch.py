@@ -100,7 +100,6 @@ from iop_edge.runtime.runs.limits import (
     PrincipalLimiter,
     RateLimits,
     Ticket,
-    output_bound,
 )
 from iop_edge.runtime.runs.revival import Revival
 from iop_edge.runtime.runs.scheduler import AdmissionError, Lease, NoProvider, Scheduler
@@ -164,7 +163,11 @@ class RunPlan:
     request_id: str = ""
     """The `x-request-id` the caller sees; "" means the run id."""
     protocol: CallerProtocol = "chat"
-    """The caller's protocol (design §14): providers that speak it natively rank first."""
+    """The caller's protocol's name (design §14): providers that speak it natively rank
+    first."""
+    max_output: int | None = None
+    """The output tokens the request allows itself (`limits.output_bound`, by its
+    protocol's fields); None: it sets no bound."""
     caller_headers: dict[str, str] = field(default_factory=dict)
     """Protocol headers a native upstream must see as the caller sent them."""
     affinity: Affinity | None = None
@@ -739,7 +742,7 @@ class Dispatcher:
             ticket = self._limits.admit(
                 plan.principal_ref,
                 prompt_tokens=plan.prompt_tokens,
-                max_output=output_bound(plan.operation, plan.body),
+                max_output=plan.max_output,
             )
             # Then the budget replicas share, when they do (limits Rule 7).
             await self._limits.reserve_shared(ticket)
@@ -758,7 +761,7 @@ class Dispatcher:
                     exclude=attempts.tried,
                     protocol=plan.protocol,
                     principal=plan.principal_ref,
-                    work=run_work(plan.prompt_tokens, output_bound(plan.operation, plan.body)),
+                    work=run_work(plan.prompt_tokens, plan.max_output),
                     affinity=plan.affinity,
                 )
             except AdmissionError as exc:
