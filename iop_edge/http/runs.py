@@ -12,10 +12,12 @@ A request, in the task Hypercorn gives it:
 
 1. *Prepare*: authenticate (`Authorization: Bearer` or `x-api-key`), read the body
    (bounded in size and time), decode it once into a dict (provider-specific fields pass
-   through untouched); the protocol's module (`chat`, `messages`, `responses`) checks it
-   against a small view of the fields the Edge acts on and applies the model's generation
-   defaults and limits. The result is a `RunPlan`; anything wrong is an error reply in the
-   caller's protocol (`caller_protocol`) naming the field.
+   through untouched); the path's caller protocol (its `CallerProtocol`, found in
+   `protocol_registry`: `chat`, `messages`, `responses`) plans it: checks it against a
+   small view of the fields the Edge acts on and applies the model's generation defaults
+   and limits. The result is a `RunPlan`; anything wrong is an error reply in the
+   caller's protocol's shape naming the field. Every shape the reply takes (errors,
+   rate-limit headers, a stream's end and failure) is the protocol object's.
 2. *Dispatch*: the scheduler admits the plan and a Node starts it (`runtime.dispatch.Run`,
    which owns the slot until the run ends).
 3. *Respond*: one JSON body, or the run relayed as server-sent events (written by the
