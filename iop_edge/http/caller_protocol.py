@@ -99,13 +99,15 @@ class CallerProtocol(ABC):
     conversation; a protocol in another vendor's shape overrides them."""
 
     name: ClassVar[str]
-    """The protocol's name: `run.protocol` on the wire's runs, the ledger's `protocol`,
-    the traces' `iop.protocol`, and the Node's translator's name."""
+    """The protocol's name: its runs' `RunPlan.protocol` (what the pool ranks native
+    providers by, the ledger's `protocol`), the traces' `iop.protocol`, and the name of
+    the Node's translator of its runs (`run.operation` on the wire)."""
     paths: ClassVar[Mapping[str, wire.Operation]]
     """The run endpoints it serves: path -> the operation of their runs."""
     output_fields: ClassVar[Mapping[wire.Operation, tuple[str, ...]]] = {}
     """Per operation: the request fields that bound its output, the first one set wins
-    (`runs.limits` Rule 2); an operation not listed generates nothing."""
+    (`runs.limits` Rule 2); an operation not listed generates nothing and reads no
+    conversation to route by (embeddings, token counts)."""
     stream_end: ClassVar[bytes] = b""
     """What ends a stream after its last event."""
 
