@@ -13,8 +13,9 @@ protocol's name:
   request it claims (`claims`, `model_list`), the rate-limit headers' family;
 - how a stream ends (`stream_end`), and the hosted tools a translated run leaves out.
 
-Adding a protocol is a module that defines one (beside `chat`, `messages`, `responses`)
-and registers it, and the Node's translator of the same name (`iop_node.protocol_run`).
+Adding a protocol is a module that defines one (beside `chat`, `messages`, `responses`),
+named in `protocol_registry`, and the Node's translator of the same name
+(`iop_node.protocol_run`).
 
 In-stream failures (a stream that began, then failed): the Edge writes every one into
 the caller's stream after it has recorded the run's end, in the caller's protocol (an

@@ -6,7 +6,7 @@ the Node (design §3), and the Edge relays the bytes it is given.
 
 Each protocol is one `Translator` (`translator`: the interface and what every protocol
 run shares; `messages`, `responses`: the protocols), found by the run's operation in
-`registry`. Adding a protocol is one module with its translator, registered.
+`registry`. Adding a protocol is one module with its translator, named in `registry`.
 
 Rules:
 1. Native first. A run goes to the upstream as it is when its adapter relays natively
