@@ -56,7 +56,12 @@ from iop_node import tracing
 from iop_node.activity import RunActivity
 from iop_node.adapters.base import Adapter, AdapterError, RunResult
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
-from iop_node.protocol_run import TRANSLATORS, Translator, estimate_prompt_tokens
+from iop_node.protocol_run import (
+    ADAPTER_OPERATIONS,
+    TRANSLATORS,
+    Translator,
+    estimate_prompt_tokens,
+)
 from iop_node.reply import NotAnObject, ParsedChunk, ReplyShaper, read_chunk
 from schemas.limits import MAX_PAYLOAD_BYTES
 from schemas.tokens import OutputTally, estimate_input_tokens
@@ -195,8 +200,13 @@ async def _outcome(
         try:
             if translator is not None:
                 result = await translator.execute(run, adapter, emit_events)
-            else:
+            elif run.operation in ADAPTER_OPERATIONS:
                 result = await adapter.execute(run, emit)
+            else:  # a caller protocol this Node has no translator for (another release's)
+                raise AdapterError(
+                    FailureCode.UNSUPPORTED_OPERATION,
+                    f"operation {run.operation!r} is no caller protocol this Node runs",
+                )
         except Exception as exc:  # the isolation boundary: adapter errors fail the run only
             failure = _failure(run, handle, exc)
     if handle.cancel_code is not None:

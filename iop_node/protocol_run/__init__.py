@@ -59,7 +59,7 @@ The runner (`runner.py`) owns what is common to every run: the terminal message,
 output tally, cancellation, the payload bounds.
 """
 
-from iop_node.protocol_run.registry import TRANSLATORS, Translators
+from iop_node.protocol_run.registry import ADAPTER_OPERATIONS, TRANSLATORS, Translators
 from iop_node.protocol_run.token_count import rendered_prompt
 from iop_node.protocol_run.translator import (
     Translation,
@@ -68,6 +68,7 @@ from iop_node.protocol_run.translator import (
 )
 
 __all__ = [
+    "ADAPTER_OPERATIONS",
     "TRANSLATORS",
     "Translation",
     "Translator",

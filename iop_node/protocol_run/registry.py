@@ -3,7 +3,8 @@
 `TRANSLATORS` holds the built-in ones (Messages, Responses); `register` adds another (a
 `Translator` in its own module, with the Edge's `CallerProtocol` of the same name), and
 nothing else on the Node needs to know it exists. A run whose operation no translator
-serves is the adapter's (chat completions, completions, embeddings).
+serves is the adapter's (`ADAPTER_OPERATIONS`: chat completions, completions,
+embeddings), or refused.
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ from iop_node.protocol_run.messages import MESSAGES
 from iop_node.protocol_run.responses import RESPONSES
 from iop_node.protocol_run.translator import Translator
 
-__all__ = ["TRANSLATORS", "Translators"]
+__all__ = ["ADAPTER_OPERATIONS", "TRANSLATORS", "Translators"]
+
+#: The operations an adapter runs as they are (OpenAI's requests of those names); any
+#: other is a caller protocol's, run by its translator, and refused without one.
+ADAPTER_OPERATIONS: Final = frozenset({"chat", "completion", "embedding"})
 
 
 class Translators:
@@ -28,10 +33,10 @@ class Translators:
     def register(self, translator: Translator) -> None:
         """Run `translator`'s operations from now on; `ValueError` when one is served."""
         taken = sorted(op for op in translator.operations if op in self._by_operation)
-        if taken or translator.name in ("chat", "completion", "embedding"):
+        taken += sorted(translator.operations & ADAPTER_OPERATIONS)
+        if taken:
             raise ValueError(
-                f"{', '.join(taken) or translator.name}: served by another translator or "
-                "by the adapters already"
+                f"{', '.join(taken)}: served by another translator or by the adapters already"
             )
         for operation in translator.operations:
             self._by_operation[operation] = translator

@@ -226,6 +226,34 @@ async def test_a_protocol_registered_on_both_sides_runs_end_to_end(toy_stack: St
     assert (await toy_stack.requests_by_protocol()).get(TOY) == 2
 
 
+async def test_a_protocol_only_the_edge_knows_fails_its_runs_clearly(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A Node of a release without the protocol's translator refuses its runs: the caller
+    hears why in the protocol's shape, and the Node goes on serving the others."""
+    PROTOCOLS.register(ToyProtocol())
+    try:
+        text = edge_config(
+            tmp_path,
+            providers=[sim_provider("sim-1")],
+            models=[{"id": "m", "providers": {"sim-1": "sim-small"}}],
+        )
+        stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+        async with stack.http() as http:
+            refused = await http.post(PATH, json={"model": "m", "prompt": "Hi"})
+            assert refused.status_code == 502
+            error = refused.json()["toy_error"]
+            assert error["code"] == "unsupported_operation"
+            assert "no caller protocol this Node runs" in error["says"]
+            chat = await http.post(
+                "/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": "Hi"}]},
+            )
+            assert chat.status_code == 200
+    finally:
+        PROTOCOLS.unregister(TOY)
+
+
 async def test_a_protocol_neither_side_knows_is_not_served(stack_one: Stack) -> None:
     async with stack_one.http() as http:
         response = await http.post(PATH, json={"model": "m", "prompt": "Hi"})
