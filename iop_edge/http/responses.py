@@ -77,7 +77,6 @@ __all__ = [
     "RESPONSES",
     "ResponsesProtocol",
     "ResponsesSurface",
-    "plan_responses",
     "store_unavailable",
 ]
 
@@ -118,8 +117,89 @@ class ResponsesSurface:
     async def plan(
         self, body: dict[str, Any], snapshot: Snapshot, caller: Caller, *, compact: bool = False
     ) -> tuple[RunPlan, ToStore | None]:
-        """`plan_responses` with this surface's store."""
-        return await plan_responses(body, snapshot, caller, self.store, compact=compact)
+        """The plan of a Responses request, and what to store of it (None: `store:
+        false`); `compact`: a `/v1/responses/compact` request (`http.compaction`).
+        Raises `ApiError`."""
+        try:
+            view = msgspec.convert(body, ResponsesRequest)
+        except msgspec.ValidationError as exc:
+            raise invalid_request(exc) from None
+        model = catalog_model(snapshot, caller, view.model)
+        apply_defaults(model, body, DEFAULT_KEYS)
+        check_max_tokens(model, "max_output_tokens", body.get("max_output_tokens"))
+        principal = caller.principal
+        own_items = input_items(body.get("input", []))
+        trigger = not compact and ends_with_trigger(own_items)
+        earlier: list[msgspec.Raw] = []
+        continues: tuple[str, ...] = ()
+        previous_id = view.previous_response_id
+        if previous_id is not None:
+            try:
+                chain = await self.store.conversation(principal.principal_ref, previous_id)
+            except ChainBroken as exc:
+                raise ApiError(
+                    404,
+                    str(exc),
+                    code="previous_response_not_found",
+                    param="previous_response_id",
+                ) from None
+            except ConversationTooLarge as exc:
+                raise ApiError(
+                    400, str(exc), code="conversation_too_large", param="previous_response_id"
+                ) from None
+            except StoreUnavailable as exc:
+                raise store_unavailable(exc) from None
+            earlier = conversation(chain, ())
+            continues = tuple(turn.id for turn in chain)
+            continue_body(body, earlier + own_items)
+        elif view.store:
+            body["store"] = False
+        conversation_items = input_items(body.get("input", []))
+        try:
+            expanded = expand(conversation_items)
+        except CompactionUnreadable as exc:
+            raise ApiError(400, str(exc), code="invalid_compaction", param="input") from None
+        if expanded is not conversation_items:
+            body["input"] = expanded
+        compaction = None
+        if compact or trigger:
+            compaction = Compaction(
+                endpoint=compact, conversation=expanded, stream=trigger and view.stream
+            )
+            prepare(body, expanded, model)
+        plan = caller.plan(
+            snapshot,
+            model_id=view.model,
+            operation="responses",
+            body=body,
+            stream=view.stream and compaction is None,
+            prompt_tokens=estimate_responses_tokens(view, earlier),
+            caller_wants_usage=True,  # usage is part of every Responses reply and stream
+            protocol=RESPONSES,
+            keep_output=view.store,
+            hosted_tools=model.generation.hosted_tools,
+            chained=previous_id is not None,
+            previous_response_id=previous_id or "",
+        )
+        if compaction is not None:
+            return plan, ToStore(
+                principal_ref=principal.principal_ref,
+                input_items=[] if compact else own_items[:-1],
+                previous_id=None if compact else previous_id,
+                continues=() if compact else continues,
+                request_id=plan.request_id or plan.run_id,
+                compaction=compaction,
+                store=compact or view.store,
+            )
+        if not view.store:
+            return plan, None
+        return plan, ToStore(
+            principal_ref=principal.principal_ref,
+            input_items=own_items,
+            previous_id=previous_id,
+            continues=continues,
+            request_id=plan.request_id or plan.run_id,
+        )
 
     async def keep(self, to_store: ToStore, response: bytes | None) -> Unstored | None:
         """Store a finished run's final response (`run_done.response`); None when it is
@@ -188,99 +268,6 @@ class ResponsesSurface:
             raise response_not_found(response_id)
 
 
-async def plan_responses(
-    body: dict[str, Any],
-    snapshot: Snapshot,
-    caller: Caller,
-    store: ResponseStore,
-    *,
-    compact: bool = False,
-) -> tuple[RunPlan, ToStore | None]:
-    """The plan of a Responses request, and what to store of it (None: `store:
-    false`); `compact`: a `/v1/responses/compact` request (`http.compaction`).
-    Raises `ApiError`."""
-    try:
-        view = msgspec.convert(body, ResponsesRequest)
-    except msgspec.ValidationError as exc:
-        raise invalid_request(exc) from None
-    model = catalog_model(snapshot, caller, view.model)
-    apply_defaults(model, body, DEFAULT_KEYS)
-    check_max_tokens(model, "max_output_tokens", body.get("max_output_tokens"))
-    principal = caller.principal
-    own_items = input_items(body.get("input", []))
-    trigger = not compact and ends_with_trigger(own_items)
-    earlier: list[msgspec.Raw] = []
-    continues: tuple[str, ...] = ()
-    previous_id = view.previous_response_id
-    if previous_id is not None:
-        try:
-            chain = await store.conversation(principal.principal_ref, previous_id)
-        except ChainBroken as exc:
-            raise ApiError(
-                404,
-                str(exc),
-                code="previous_response_not_found",
-                param="previous_response_id",
-            ) from None
-        except ConversationTooLarge as exc:
-            raise ApiError(
-                400, str(exc), code="conversation_too_large", param="previous_response_id"
-            ) from None
-        except StoreUnavailable as exc:
-            raise store_unavailable(exc) from None
-        earlier = conversation(chain, ())
-        continues = tuple(turn.id for turn in chain)
-        continue_body(body, earlier + own_items)
-    elif view.store:
-        body["store"] = False
-    conversation_items = input_items(body.get("input", []))
-    try:
-        expanded = expand(conversation_items)
-    except CompactionUnreadable as exc:
-        raise ApiError(400, str(exc), code="invalid_compaction", param="input") from None
-    if expanded is not conversation_items:
-        body["input"] = expanded
-    compaction = None
-    if compact or trigger:
-        compaction = Compaction(
-            endpoint=compact, conversation=expanded, stream=trigger and view.stream
-        )
-        prepare(body, expanded, model)
-    plan = caller.plan(
-        snapshot,
-        model_id=view.model,
-        operation="responses",
-        body=body,
-        stream=view.stream and compaction is None,
-        prompt_tokens=estimate_responses_tokens(view, earlier),
-        caller_wants_usage=True,  # usage is part of every Responses reply and stream
-        protocol=RESPONSES,
-        keep_output=view.store,
-        hosted_tools=model.generation.hosted_tools,
-        chained=previous_id is not None,
-        previous_response_id=previous_id or "",
-    )
-    if compaction is not None:
-        return plan, ToStore(
-            principal_ref=principal.principal_ref,
-            input_items=[] if compact else own_items[:-1],
-            previous_id=None if compact else previous_id,
-            continues=() if compact else continues,
-            request_id=plan.request_id or plan.run_id,
-            compaction=compaction,
-            store=compact or view.store,
-        )
-    if not view.store:
-        return plan, None
-    return plan, ToStore(
-        principal_ref=principal.principal_ref,
-        input_items=own_items,
-        previous_id=previous_id,
-        continues=continues,
-        request_id=plan.request_id or plan.run_id,
-    )
-
-
 class ResponsesProtocol(CallerProtocol):
     """OpenAI Responses: OpenAI's shapes (the defaults), a stream failed as
     `response.failed`; its runs may continue a stored conversation and be stored."""
@@ -300,13 +287,9 @@ class ResponsesProtocol(CallerProtocol):
     async def plan(
         self, operation: wire.Operation, request: Planning
     ) -> tuple[RunPlan, ToStore | None]:
-        return await plan_responses(
-            request.body,
-            request.snapshot,
-            request.caller,
-            request.store,
-            compact=request.path == COMPACT_PATH,
-        )
+        compact = request.path == COMPACT_PATH
+        surface = ResponsesSurface(request.store)
+        return await surface.plan(request.body, request.snapshot, request.caller, compact=compact)
 
     def stream_error(
         self, error: ApiError, *, plan: RunPlan, sequence: int, request_id: str | None = None
