@@ -71,6 +71,7 @@ from iop_edge.http.responses import ResponsesSurface
 from iop_edge.runtime.metering.access_log import RefusedRequest
 from iop_edge.runtime.metering.metering import Metering
 from iop_edge.runtime.metering.tracing import EdgeTracing, RequestTrace
+from iop_edge.runtime.runs.admission_errors import AdmissionError
 from iop_edge.runtime.runs.dispatch import (
     CALLER_GONE,
     INTERNAL_ERROR,
@@ -84,7 +85,6 @@ from iop_edge.runtime.runs.dispatch import (
     Unwritten,
 )
 from iop_edge.runtime.runs.limits import NO_RATE_LIMITS
-from iop_edge.runtime.runs.scheduler import AdmissionError
 from schemas import wire
 from schemas.hosted_tools import DROPPED_TOOLS_HEADER
 from schemas.telemetry import valid_traceparent, valid_tracestate

@@ -14,8 +14,8 @@ import trio
 from trio.testing import wait_all_tasks_blocked
 
 from iop_edge.runtime.nodes.session import NodeSession
+from iop_edge.runtime.runs.lease import Lease
 from iop_edge.runtime.runs.relay import Attempt, RelayEvent, Unwritten
-from iop_edge.runtime.runs.scheduler import Lease
 from schemas import wire
 
 DONE = wire.RunDone(run_id="r")

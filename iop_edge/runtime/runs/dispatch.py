@@ -95,6 +95,8 @@ from iop_edge.core.run_work import run_work
 from iop_edge.runtime.metering.metering import RunRecord
 from iop_edge.runtime.nodes.hub import NodeHub
 from iop_edge.runtime.nodes.session import SessionClosed
+from iop_edge.runtime.runs.admission_errors import AdmissionError, NoProvider
+from iop_edge.runtime.runs.lease import Lease
 from iop_edge.runtime.runs.limits import (
     NO_RATE_LIMITS,
     PrincipalLimiter,
@@ -120,7 +122,7 @@ from iop_edge.runtime.runs.run_plan import (
     RunTimings,
     run_failed,
 )
-from iop_edge.runtime.runs.scheduler import AdmissionError, Lease, NoProvider, Scheduler
+from iop_edge.runtime.runs.scheduler import Scheduler
 from iop_edge.runtime.runs.verdicts import ProviderVerdicts
 from schemas import wire
 from schemas.tokens import OutputTally

@@ -13,8 +13,8 @@ from typing import Final, Protocol
 import trio
 
 from iop_edge.runtime.nodes.session import NodeSession, RunEvent
+from iop_edge.runtime.runs.lease import Lease
 from iop_edge.runtime.runs.run_plan import run_failed
-from iop_edge.runtime.runs.scheduler import Lease
 from schemas import wire
 
 __all__ = [
