@@ -8,7 +8,7 @@ name) or the Node translates it to chat completions and back.
 
 What each protocol does is one object per process: the Edge's `CallerProtocol`
 (`iop_edge.http.caller_protocol`) and the Node's `Translator`
-(`iop_node.protocol_run.translator`), each found by the protocol's name. Here are only
+(`iop_node.runs.protocol_run.translator`), each found by the protocol's name. Here are only
 what both share: the names, as the wire carries them, and the two error shapes.
 """
 

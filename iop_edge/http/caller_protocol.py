@@ -15,7 +15,7 @@ protocol's name:
 
 Adding a protocol is a module that defines one (beside `chat`, `messages`, `responses`),
 named in `protocol_registry`, and the Node's translator of the same name
-(`iop_node.protocol_run`).
+(`iop_node.runs.protocol_run`).
 
 In-stream failures (a stream that began, then failed): the Edge writes every one into
 the caller's stream after it has recorded the run's end, in the caller's protocol (an
@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Final
 
 import msgspec
 
-from iop_edge.core.affinity import affinity_of, chat_conversation
+from iop_edge.core.routing.affinity import affinity_of, chat_conversation
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.compaction import Compaction
 from iop_edge.http.errors import ApiError, bad_request, model_not_found
@@ -120,7 +120,7 @@ class CallerProtocol(ABC):
         (None: nothing); raises `ApiError` naming what is wrong."""
 
     def conversation(self, body: Mapping[str, Any]) -> tuple[list[Any], Sequence[Any]]:
-        """How a body lays its conversation out, for its affinity (`core.affinity`)."""
+        """How a body lays its conversation out, for its affinity (`core.routing.affinity`)."""
         return chat_conversation(body)
 
     def error_body(self, error: ApiError, request_id: str | None = None) -> bytes:
@@ -176,7 +176,7 @@ class Caller:
     """The `anthropic-version` and `anthropic-beta` headers it sent, for a native
     upstream (never credentials)."""
     session_headers: Mapping[str, str] = field(default_factory=dict)
-    """The session headers it sent (`core.affinity.SESSION_HEADERS`), lowercase names."""
+    """The session headers it sent (`core.routing.affinity.SESSION_HEADERS`), lowercase names."""
 
     def plan(
         self,
@@ -197,7 +197,7 @@ class Caller:
     ) -> RunPlan:
         """The plan of this caller's request: its ids and principal go with the run, it
         is a long run when its prompt estimate reaches the snapshot's threshold, and it
-        carries its affinity (`core.affinity`) unless its model routes by load alone
+        carries its affinity (`core.routing.affinity`) unless its model routes by load alone
         (`chained`: a Responses continuation, its conversation rebuilt in `body`); its
         output bound is the first of `protocol.output_fields` the body sets."""
         principal = self.principal

@@ -2,7 +2,7 @@
 the plan of a `POST /v1/messages` or `/v1/messages/count_tokens`, and Anthropic's shapes
 (errors, rate-limit headers, the model list) for its clients.
 
-The Edge reads the few fields admission needs (`core.protocol_requests`) and relays the
+The Edge reads the few fields admission needs (`core.responses.protocol_requests`) and relays the
 body: the Node sends it natively to a provider that speaks Messages or translates it to
 chat completions. Same catalog, aliases, limits and long-context admission as chat:
 
@@ -34,12 +34,12 @@ from typing import Any, ClassVar, Final
 
 import msgspec
 
-from iop_edge.core.affinity import messages_conversation
-from iop_edge.core.protocol_requests import (
+from iop_edge.core.responses.protocol_requests import (
     CountTokensRequest,
     MessagesRequest,
     estimate_messages_tokens,
 )
+from iop_edge.core.routing.affinity import messages_conversation
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.caller_protocol import (
     Caller,

@@ -39,7 +39,7 @@ creation there.
 
 `NativeForm` is what an adapter needs to know of a protocol to relay it natively (its
 path, headers, reader and last events); each protocol's translator
-(`iop_node.protocol_run`) has one when runtimes may speak the protocol, and hands it to
+(`iop_node.runs.protocol_run`) has one when runtimes may speak the protocol, and hands it to
 the adapter with the run.
 """
 

@@ -11,8 +11,8 @@ import trio
 
 from iop_node.adapters.base import AdapterError, EmitEvents, NativeUnsupported, RunResult
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
-from iop_node.protocol_run import TRANSLATORS
 from iop_node.protocols.native import ANTHROPIC_VERSION
+from iop_node.runs.protocol_run import TRANSLATORS
 from schemas.wire import Operation, Run, Usage
 from tests.timing import GUARD_S
 

@@ -31,9 +31,9 @@ from iop_edge.http.caller_protocol import (
 from iop_edge.http.errors import ApiError, invalid_request
 from iop_edge.http.protocol_registry import PROTOCOLS
 from iop_edge.runtime.runs.dispatch import RunPlan
-from iop_node.protocol_run import TRANSLATORS, Translation, Translator
-from iop_node.protocol_run.translator import StreamTranslator, alias
 from iop_node.protocols import ReadChunk, TokenUsage
+from iop_node.runs.protocol_run import TRANSLATORS, Translation, Translator
+from iop_node.runs.protocol_run.translator import StreamTranslator, alias
 from iop_node.tracing import ProtocolTrace
 from schemas import wire
 from schemas.wire import Run

@@ -13,9 +13,9 @@ from iop_edge.http.messages import MESSAGES
 from iop_edge.http.protocol_registry import PROTOCOLS, Protocols
 from iop_edge.http.responses import RESPONSES
 from iop_edge.runtime.runs.limits import RateLimits
-from iop_node.protocol_run import TRANSLATORS
-from iop_node.protocol_run.messages import MESSAGES as MESSAGES_TRANSLATOR
-from iop_node.protocol_run.responses import RESPONSES as RESPONSES_TRANSLATOR
+from iop_node.runs.protocol_run import TRANSLATORS
+from iop_node.runs.protocol_run.messages import MESSAGES as MESSAGES_TRANSLATOR
+from iop_node.runs.protocol_run.responses import RESPONSES as RESPONSES_TRANSLATOR
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ Rules:
    Node says `retryable`; upstream 429/503 (`capacity`) are load signals, never health
    failures.
 3. The provider's verdict (a success, or a failure that counts toward its cooldown) is
-   recorded once, when the run's terminal event is read. Blame (`core.blame`): a failure
+   recorded once, when the run's terminal event is read. Blame (`core.routing.blame`): a failure
    counts against a provider only when it is the provider's. Transport errors, timeouts,
    a broken stream, a misconfigured provider count at once; an empty or malformed reply
    once other requests to the provider fail too (`verdicts`). An upstream 4xx refusal is
@@ -90,8 +90,8 @@ from typing import Final
 import msgspec
 import trio
 
-from iop_edge.core.blame import Attempts, Next
-from iop_edge.core.run_work import run_work
+from iop_edge.core.routing.blame import Attempts, Next
+from iop_edge.core.routing.run_work import run_work
 from iop_edge.runtime.metering.metering import RunRecord
 from iop_edge.runtime.nodes.hub import NodeHub
 from iop_edge.runtime.nodes.session import SessionClosed

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from iop_edge.core.affinity import Affinity
+from iop_edge.core.routing.affinity import Affinity
 from iop_edge.runtime.metering.tracing import RequestTrace
 from schemas import wire
 from schemas.hosted_tools import HostedTools
@@ -53,7 +53,7 @@ class RunPlan:
     caller_headers: dict[str, str] = field(default_factory=dict)
     """Protocol headers a native upstream must see as the caller sent them."""
     affinity: Affinity | None = None
-    """Where the run would rather go: its session, chain or prompt (`core.affinity`)."""
+    """Where the run would rather go: its session, chain or prompt (`core.routing.affinity`)."""
     keep_output: bool = False
     """The Edge stores the run's result: the Node returns the final response object in
     `run_done.response`, a stream's too."""
