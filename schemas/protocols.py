@@ -7,7 +7,7 @@ protocol natively (the Node relays the body and the reply as they are, but for t
 name) or the Node translates it to chat completions and back.
 
 What each protocol does is one object per process: the Edge's `CallerProtocol`
-(`iop_edge.http.caller_protocol`) and the Node's `Translator`
+(`iop_edge.http.protocols.caller_protocol`) and the Node's `Translator`
 (`iop_node.runs.protocol_run.translator`), each found by the protocol's name. Here are only
 what both share: the names, as the wire carries them, and the two error shapes.
 """

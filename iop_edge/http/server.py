@@ -70,7 +70,7 @@ from hypercorn.typing import (
 from iop_edge.http.compat.hypercorn import Lifespan, WorkerContext, repr_socket_addr, wrap_app
 from iop_edge.http.connection import ChunkedBodyWriter, Connection, current_connection
 from iop_edge.http.errors import ApiError
-from iop_edge.http.protocol_registry import PROTOCOLS
+from iop_edge.http.protocols.protocol_registry import PROTOCOLS
 from iop_edge.runtime.lifecycle.handoff import HandoffSender
 from schemas.config import DEFAULT_SEND_TIMEOUT_S, DEFAULT_SHUTDOWN_GRACE_S
 from schemas.limits import MAX_PAYLOAD_BYTES

@@ -21,15 +21,15 @@ import msgspec
 import pytest
 import trio
 
-from iop_edge.http.caller_protocol import (
+from iop_edge.http.errors import ApiError, invalid_request
+from iop_edge.http.protocols.caller_protocol import (
     CallerProtocol,
     Planning,
     ToStore,
     catalog_model,
     check_max_tokens,
 )
-from iop_edge.http.errors import ApiError, invalid_request
-from iop_edge.http.protocol_registry import PROTOCOLS
+from iop_edge.http.protocols.protocol_registry import PROTOCOLS
 from iop_edge.runtime.runs.dispatch import RunPlan
 from iop_node.protocols import ReadChunk, TokenUsage
 from iop_node.runs.protocol_run import TRANSLATORS, Translation, Translator

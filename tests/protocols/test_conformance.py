@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from iop_edge.http.errors import ApiError
-from iop_edge.http.messages import MESSAGES
-from iop_edge.http.responses import RESPONSES
+from iop_edge.http.protocols.messages import MESSAGES
+from iop_edge.http.protocols.responses import RESPONSES
 from iop_edge.runtime.runs.dispatch import RunPlan
 from iop_node.protocols import (
     MessagesStream,

@@ -28,14 +28,14 @@ from iop_edge.core.principals import (
 )
 from iop_edge.core.refresh.refresh_diff import compare_configs, live_subset, live_subset_errors
 from iop_edge.core.refresh.refresh_plan import plan_apply
-from iop_edge.http.caller_protocol import CallerProtocol
-from iop_edge.http.chat import CHAT
-from iop_edge.http.messages import MESSAGES
+from iop_edge.http.protocols.caller_protocol import CallerProtocol
+from iop_edge.http.protocols.chat import CHAT
+from iop_edge.http.protocols.messages import MESSAGES
+from iop_edge.http.protocols.responses import RESPONSES
 from iop_edge.http.rate_limit_headers import (
     anthropic_rate_limit_headers,
     openai_rate_limit_headers,
 )
-from iop_edge.http.responses import RESPONSES
 from iop_edge.runtime.runs.limits import (
     BUDGET_SYNC_S,
     DEFAULT_OUTPUT_ESTIMATE,

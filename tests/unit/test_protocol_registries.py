@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from iop_edge.http.chat import CHAT
 from iop_edge.http.errors import ApiError
-from iop_edge.http.messages import MESSAGES
-from iop_edge.http.protocol_registry import PROTOCOLS, Protocols
-from iop_edge.http.responses import RESPONSES
+from iop_edge.http.protocols.chat import CHAT
+from iop_edge.http.protocols.messages import MESSAGES
+from iop_edge.http.protocols.protocol_registry import PROTOCOLS, Protocols
+from iop_edge.http.protocols.responses import RESPONSES
 from iop_edge.runtime.runs.limits import RateLimits
 from iop_node.runs.protocol_run import TRANSLATORS
 from iop_node.runs.protocol_run.messages import MESSAGES as MESSAGES_TRANSLATOR

@@ -158,7 +158,7 @@ class Ticket:
 
 def output_bound(fields: Sequence[str] | None, body: Mapping[str, Any]) -> int | None:
     """The output tokens a request allows itself (Rule 2): the first of `fields` (its
-    protocol's, `http.caller_protocol.CallerProtocol.output_fields`) the body sets; 0 for
+    protocol's, `http.protocols.caller_protocol.CallerProtocol.output_fields`) the body sets; 0 for
     one that generates nothing (`fields` None: embeddings, token counts), None when it
     sets no bound."""
     if fields is None:

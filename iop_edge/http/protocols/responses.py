@@ -54,7 +54,8 @@ from iop_edge.core.responses.response_chain import (
 )
 from iop_edge.core.routing.affinity import responses_conversation
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.caller_protocol import (
+from iop_edge.http.errors import ApiError, invalid_request
+from iop_edge.http.protocols.caller_protocol import (
     Caller,
     CallerProtocol,
     Planning,
@@ -63,8 +64,7 @@ from iop_edge.http.caller_protocol import (
     catalog_model,
     check_max_tokens,
 )
-from iop_edge.http.compaction import COMPACT_PATH, Compaction, prepare
-from iop_edge.http.errors import ApiError, invalid_request
+from iop_edge.http.protocols.compaction import COMPACT_PATH, Compaction, prepare
 from iop_edge.runtime.metering.response_store import ResponseStore, StoreUnavailable, Unstored
 from iop_edge.runtime.runs.dispatch import RunPlan
 from schemas import wire
@@ -118,7 +118,7 @@ class ResponsesSurface:
         self, body: dict[str, Any], snapshot: Snapshot, caller: Caller, *, compact: bool = False
     ) -> tuple[RunPlan, ToStore | None]:
         """The plan of a Responses request, and what to store of it (None: `store:
-        false`); `compact`: a `/v1/responses/compact` request (`http.compaction`).
+        false`); `compact`: a `/v1/responses/compact` request (`http.protocols.compaction`).
         Raises `ApiError`."""
         try:
             view = msgspec.convert(body, ResponsesRequest)

@@ -39,8 +39,8 @@ import msgspec
 
 from iop_edge.core.routing.affinity import affinity_of, chat_conversation
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.compaction import Compaction
 from iop_edge.http.errors import ApiError, bad_request, model_not_found
+from iop_edge.http.protocols.compaction import Compaction
 from iop_edge.http.rate_limit_headers import Headers, openai_rate_limit_headers
 from iop_edge.runtime.metering.response_store import ResponseStore
 from iop_edge.runtime.runs.dispatch import RunPlan
@@ -76,7 +76,7 @@ class ToStore:
     request_id: str = ""
     """The caller's request id, for the log line of a response not stored."""
     compaction: Compaction | None = None
-    """The run is a summary turn (`http.compaction`): what its response becomes."""
+    """The run is a summary turn (`http.protocols.compaction`): what its response becomes."""
     store: bool = True
     """Store the response (a compaction's turn may be unstored: `store: false`)."""
 

@@ -16,7 +16,8 @@ from typing import Any, ClassVar, Final
 import msgspec
 
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.caller_protocol import (
+from iop_edge.http.errors import bad_request, invalid_request
+from iop_edge.http.protocols.caller_protocol import (
     Caller,
     CallerProtocol,
     Planning,
@@ -24,7 +25,6 @@ from iop_edge.http.caller_protocol import (
     catalog_model,
     check_max_tokens,
 )
-from iop_edge.http.errors import bad_request, invalid_request
 from iop_edge.runtime.runs.dispatch import RunPlan
 from schemas import openai as oai
 from schemas import wire

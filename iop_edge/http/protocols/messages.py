@@ -41,7 +41,8 @@ from iop_edge.core.responses.protocol_requests import (
 )
 from iop_edge.core.routing.affinity import messages_conversation
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.caller_protocol import (
+from iop_edge.http.errors import ApiError, bad_request, invalid_request
+from iop_edge.http.protocols.caller_protocol import (
     Caller,
     CallerProtocol,
     Planning,
@@ -50,7 +51,6 @@ from iop_edge.http.caller_protocol import (
     catalog_model,
     check_max_tokens,
 )
-from iop_edge.http.errors import ApiError, bad_request, invalid_request
 from iop_edge.http.rate_limit_headers import Headers, anthropic_rate_limit_headers
 from iop_edge.runtime.runs.dispatch import RunPlan
 from iop_edge.runtime.runs.limits import RateLimits

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import Final, NamedTuple
 
-from iop_edge.http.caller_protocol import CallerProtocol
-from iop_edge.http.chat import CHAT
-from iop_edge.http.messages import MESSAGES
-from iop_edge.http.responses import RESPONSES
+from iop_edge.http.protocols.caller_protocol import CallerProtocol
+from iop_edge.http.protocols.chat import CHAT
+from iop_edge.http.protocols.messages import MESSAGES
+from iop_edge.http.protocols.responses import RESPONSES
 from schemas import wire
 
 __all__ = ["PROTOCOLS", "Protocols", "Route"]
