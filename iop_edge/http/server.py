@@ -70,7 +70,7 @@ from hypercorn.typing import (
 from iop_edge.http.compat.hypercorn import Lifespan, WorkerContext, repr_socket_addr, wrap_app
 from iop_edge.http.connection import ChunkedBodyWriter, Connection, current_connection
 from iop_edge.http.errors import ApiError
-from iop_edge.http.protocols.caller_protocol import protocol_of_request
+from iop_edge.http.protocols.protocol_registry import PROTOCOLS
 from iop_edge.runtime.lifecycle.handoff import HandoffSender
 from schemas.config import DEFAULT_SEND_TIMEOUT_S, DEFAULT_SHUTDOWN_GRACE_S
 from schemas.limits import MAX_PAYLOAD_BYTES
@@ -318,11 +318,8 @@ class HttpServer:
     async def _refuse_draining(self, scope: HTTPScope, send: ASGISendCallable) -> None:
         """A request on an old connection while draining: a 503 that says to retry, the
         request unread, the connection closed after it (step 1)."""
-        protocol = protocol_of_request(
-            scope["path"],
-            anthropic_version=any(name == b"anthropic-version" for name, _ in scope["headers"]),
-        )
-        body = DRAINING_REFUSAL.body(protocol)
+        names = {name.decode("latin-1").lower() for name, _ in scope["headers"]}
+        body = PROTOCOLS.of_request(scope["path"], names).error_body(DRAINING_REFUSAL)
         start: HTTPResponseStartEvent = {
             "type": "http.response.start",
             "status": 503,
@@ -350,7 +347,7 @@ class HttpServer:
         peer = f"{client[0]}:{client[1]}" if client else "a client"
         if self._caller_port and scope["path"] in _RESPONSES_PATHS:  # a draining server
             log.info("refused a Responses WebSocket upgrade from %s: shutting down", peer)
-            status, body = DRAINING_REFUSAL.status, DRAINING_REFUSAL.body("responses")
+            status, body = DRAINING_REFUSAL.status, DRAINING_REFUSAL.body()
         else:
             log.warning(
                 "refused a websocket upgrade from %s on %s (%s): is a Node pointed at this port?",
