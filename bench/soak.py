@@ -52,8 +52,12 @@ Then the load stops and the report says:
 - the restart: how the requests that started from `POST /restart` until the old process
   exited ended (every one answered, or hung up by its own caller).
 
+Then the reliability phases (`bench.soak_phases`: budgets across replicas, fair
+queueing by work, hostile upstream replies, a runtime that restarts), each with its own
+Edge and Node, each printing its books.
+
 Exit status 0 when the books balance (0 lost rows, 0 leaked slots), the shared-runtime
-phase held and the restart failed no request, 1 otherwise.
+phase held, the restart failed no request and no reliability phase failed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ from bench.services import (
 )
 from bench.shared_runtime import PROGRESS_PREFIX
 from bench.shared_runtime import READY_PREFIX as SHARED_RUNTIME_READY
+from bench.soak_phases import PHASES, run_phases
 from bench.upstream import SERVED_MODEL, start_upstream
 from iop_node.health import ACCEPTED_BUT_SILENT
 
@@ -579,15 +584,19 @@ class SoakOptions:
     full_disk_s: float
     shared_runtime_s: float
     restart: bool = True
+    phases: tuple[str, ...] = tuple(PHASES)
+    """The reliability phases run after the mixed load (`bench.soak_phases`)."""
 
 
 async def soak(options: SoakOptions) -> int:
     folder = Path(tempfile.mkdtemp(prefix="iop-soak-"))
     with _state_disk(folder, options.full_disk_s) as window_s:
         state = folder / "disk" / "state" if window_s else folder / "state"
-        return await _soak(
+        status = await _soak(
             dataclasses.replace(options, full_disk_s=window_s), folder=folder, state=state
         )
+    held = await run_phases(folder / "phases", options.phases)
+    return status if held else 1
 
 
 async def _soak(options: SoakOptions, *, folder: Path, state: Path) -> int:
@@ -816,6 +825,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="no zero-downtime restart of the Edge at five sixths of the run",
     )
+    parser.add_argument(
+        "--phase",
+        action="append",
+        choices=list(PHASES),
+        help="run only this reliability phase after the mixed load (repeatable)",
+    )
+    parser.add_argument(
+        "--no-phases", action="store_true", help="no reliability phases after the mixed load"
+    )
     args = parser.parse_args(argv)
     options = SoakOptions(
         args.minutes,
@@ -824,6 +842,7 @@ def main(argv: list[str] | None = None) -> int:
         args.full_disk_s,
         args.shared_runtime_s,
         restart=not args.no_restart,
+        phases=() if args.no_phases else tuple(args.phase or PHASES),
     )
     if options.shared_runtime_s < 0 or options.full_disk_s < 0:
         parser.error("--shared-runtime-s and --full-disk-s must be >= 0")
