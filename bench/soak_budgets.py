@@ -49,7 +49,7 @@ _CLEANUP_S: Final = 30.0
 
 async def budget_phase(folder: Path) -> Verdict:
     """Run the phase (module docstring) in `folder`; print its books; its verdict."""
-    print("\nbudgets across replicas (item 3):")
+    print("\nbudgets across replicas:")
     with ExitStack() as cleanup:
         try:
             server = await trio.to_thread.run_sync(cleanup.enter_context, throwaway_postgres())

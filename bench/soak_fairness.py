@@ -91,7 +91,7 @@ async def _worker(http: httpx2.AsyncClient, principal: str, tokens: int, books: 
 
 async def fairness_phase(folder: Path) -> Verdict:
     """Run the phase (module docstring) in `folder`; print its books; its verdict."""
-    print("\nfair queueing by work (item 4):")
+    print("\nfair queueing by work:")
     pace = {"ttft_ms": TTFT_MS, "tokens_per_second": TOKENS_PER_S}
     config = {
         "openai": principal_tokens(["huge", "small"]),

@@ -135,7 +135,7 @@ def _leaks(texts: Iterable[str], secrets: Iterable[str]) -> list[str]:
 
 async def hostile_replies_phase(folder: Path) -> Verdict:
     """Run the hostile-replies phase (module docstring) in `folder`; print its books."""
-    print("\nhostile upstream replies (item 6):")
+    print("\nhostile upstream replies:")
     async with trio.open_nursery() as nursery:
         runtime, gone = HostileUpstream(nursery), HostileUpstream(nursery)
         runtime_url, gone_url = await runtime.start(), await gone.start()
@@ -310,7 +310,7 @@ async def _gone(http: httpx2.AsyncClient) -> tuple[bool, list[str]]:
 
 async def runtime_restart_phase(folder: Path) -> Verdict:
     """Run the restart phase (module docstring) in `folder`; print its books."""
-    print("\nruntime restart and request shapes (item 7):")
+    print("\nruntime restart and request shapes:")
     async with trio.open_nursery() as nursery:
         runtime, late = HostileUpstream(nursery), HostileUpstream(nursery)
         runtime_url, late_url = await runtime.start(), await late.start()
