@@ -123,11 +123,9 @@ async def _sse(
     return 200, events
 
 
-def _leaks(texts: Iterable[str], secrets: Iterable[str]) -> list[str]:
-    """The topology each text names (`secrets`), as `secret in text` pairs."""
-    return [
-        f"{secret!r} in {text[:120]!r}" for text in texts for secret in secrets if secret in text
-    ]
+def _leaks(texts: Iterable[str], topology: Iterable[str]) -> list[str]:
+    """Each name of `topology` a text says, as `name in text` lines."""
+    return [f"{name!r} in {text[:120]!r}" for text in texts for name in topology if name in text]
 
 
 # --- hostile replies -------------------------------------------------------------------------
@@ -156,15 +154,15 @@ async def hostile_replies_phase(folder: Path) -> Verdict:
         }
         stack = await start_phase_stack(nursery, folder, [config])
         await gone.stop()  # its runtime is gone from here on
-        secrets = ["reuse-1", "hostile-1", "gone-1", NODE_ID, "127.0.0.1", "localhost"]
-        secrets += [f":{runtime.port}", f":{gone.port}", str(runtime.port), str(gone.port)]
+        topology = ["reuse-1", "hostile-1", "gone-1", NODE_ID, "127.0.0.1", "localhost"]
+        topology += [f":{runtime.port}", f":{gone.port}"]
         async with httpx2.AsyncClient(base_url=stack.urls.openai, timeout=60) as http:
             ids_held = await _ids(http)
             malformed_held, malformed_texts = await _malformed(http)
             refund_held, refund_texts = await _refund(http)
             gone_held, gone_texts = await _gone(http)
         nursery.cancel_scope.cancel()
-    leaks = _leaks([*malformed_texts, *refund_texts, *gone_texts], secrets)
+    leaks = _leaks([*malformed_texts, *refund_texts, *gone_texts], topology)
     checked = len(malformed_texts) + len(refund_texts) + len(gone_texts)
     print(
         f"  topology: {checked} caller-visible error bodies and events, {len(leaks)} "
