@@ -1,5 +1,5 @@
 """The soak's fair-queueing phase: slot time follows work, not request counts (design
-§15, `core.run_work`).
+§15, `core.routing.run_work`).
 
 One Edge, one Node, one `sim` provider with `CAPACITY` slots whose runs take time in
 proportion to their tokens (`TOKENS_PER_S`). Two principals at equal weights keep

@@ -29,7 +29,7 @@ from bench.soak import (
 )
 from bench.soak_catalog import BUSY_ACCEPTED, BUSY_GENERATING, routable, state
 from bench.upstream import MAX_STREAM_TOKENS, STREAM_TOKENS, BenchUpstream
-from iop_edge.core.config import parse_config
+from iop_edge.core.configuration.config import parse_config
 from iop_node.health import ACCEPTED_BUT_SILENT
 from tests.timing import GUARD_S
 

@@ -13,7 +13,7 @@ import psycopg
 import trio
 import yaml
 
-from iop_edge.runtime.metering.ledger_postgres import TABLE
+from iop_edge.runtime.metering.usage_ledger.ledger_postgres import TABLE
 from tests.adapters.fake_upstream import FakeUpstream
 from tests.e2e.postgres import PASSWORD_ENV
 from tests.e2e.stack import Stack, edge_config, principals_section, sim_provider, start_stack
