@@ -16,7 +16,9 @@ the Edge bound (or inherited), and drains in three steps:
    however close to the drain, is read and served there, never lost. Otherwise (a stop,
    or a connection that cannot be handed over) idle keep-alive connections are closed
    at once, unless a request is on its way in on one (then it is read). The others
-   close as soon as their response is done, which carries `Connection: close`. A
+   close as soon as their response is done, which carries `Connection: close` when it
+   begins after the drain; on a restart they go to the successor then instead (a
+   response begun before the drain could not say it: its client keeps the connection). A
    request read here all the same is served when a successor takes the rest (a restart),
    and on a stop is answered, unread, with a 503 `shutting_down`, `Connection: close`
    and `Retry-After` (`DRAINING_REFUSAL`): the SDKs retry it, on a new connection, and
@@ -201,11 +203,10 @@ class HttpServer:
         if self._accept_scope is not None:
             self._accept_scope.cancel()
             self._accept_scope = None
+        send = None if handoff is None else partial(handoff.send_connection, self.role)
         for connection in list(self._live):
-            if handoff is None or not connection.hand_off(
-                partial(handoff.send_connection, self.role)
-            ):
-                connection.drain()
+            if send is None or not connection.hand_off(send):
+                connection.drain(send)  # a busy one goes over once idle, if it can
 
     def adopt(self, sock: socket.socket) -> None:
         """Serve `sock`, a client connection a restarting Edge handed over (`handoff`),

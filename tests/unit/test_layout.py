@@ -28,8 +28,7 @@ def test_no_folder_holds_more_than_fifteen_modules() -> None:
     crowded = {
         str(folder.relative_to(ROOT)): count
         for folder in _folders()
-        if (count := sum(1 for m in folder.glob("*.py") if m.name != "__init__.py"))
-        > MAX_MODULES
+        if (count := sum(1 for m in folder.glob("*.py") if m.name != "__init__.py")) > MAX_MODULES
     }
     assert not crowded, f"folders over {MAX_MODULES} modules (split them into rooms): {crowded}"
 
