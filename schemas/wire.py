@@ -58,8 +58,10 @@ PROTOCOL_VERSION = 5
 FEATURE_PROBE: Final = "probe"
 
 
-Operation = Literal["chat", "completion", "embedding", "messages", "responses", "count_tokens"]
-"""What a run asks of its provider.
+Operation = str
+"""What a run asks of its provider: one of the operations below, or a caller protocol
+registered with both processes (a run of it has its name; the Node refuses an operation
+it has no translator for with `unsupported_operation`).
 
 - `chat`, `completion`, `embedding`: the OpenAI request of that name, sent as it is.
 - `messages` (Anthropic Messages) and `responses` (OpenAI Responses): the caller's body in

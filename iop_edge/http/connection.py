@@ -182,10 +182,11 @@ class Connection(HypercornConnection):
             return False
         return bool(readable)
 
-    def drain(self) -> None:
-        """The server drains: close this connection as soon as it is idle, now if it is
-        (`KeepAliveTimer.drain`)."""
-        self._keep_alive.drain()
+    def drain(self, hand_over: Callable[[trio.socket.SocketType], bool] | None = None) -> None:
+        """The server drains: close this connection as soon as it is idle, now if it is;
+        on a restart (`hand_over`, as `hand_off` takes it), hand it to the successor once
+        idle instead (`KeepAliveTimer.drain`)."""
+        self._keep_alive.drain(None if hand_over is None else partial(self.hand_off, hand_over))
 
     def hand_off(self, send: Callable[[trio.socket.SocketType], bool]) -> bool:
         """Hand this connection, idle, to a successor process (`handoff`): `send` passes

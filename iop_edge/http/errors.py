@@ -1,7 +1,7 @@
 """Errors the caller surface answers with, as one exception type carrying its HTTP shape.
 
-Handlers raise `ApiError`; the reply writes it in the caller's protocol (`body`: OpenAI's
-error body for chat and Responses, Anthropic's for Messages, `schemas.protocols`) with the
+Handlers raise `ApiError`; the reply writes it in the caller's protocol (its
+`CallerProtocol.error_body`: OpenAI's body, or Anthropic's for Messages) with the
 right status and headers, so every failure a caller sees has the shape its client expects.
 The runtime reports refusals and failures in its own terms; `admission_error` and
 `run_failure_error` are where those become HTTP statuses.
@@ -27,7 +27,7 @@ from iop_edge.runtime.runs.admission_errors import (
 )
 from iop_edge.runtime.runs.limits import LimitExceeded, RateLimits
 from schemas import wire
-from schemas.protocols import CallerProtocol, error_body
+from schemas.protocols import anthropic_error_body, openai_error_body
 
 log = logging.getLogger(__name__)
 
@@ -62,17 +62,15 @@ class ApiError(Exception):
         """For a request over a principal's limit: where it stands (the reply writes them
         as the caller's protocol's rate-limit headers)."""
 
-    def body(self, protocol: CallerProtocol = "chat", request_id: str | None = None) -> bytes:
-        """The error body in `protocol`'s shape; `request_id`: the caller's request, which
-        an Anthropic error body names."""
-        return error_body(
-            protocol,
-            self.status,
-            self.message,
-            type=self.type,
-            code=self.code,
-            param=self.param,
-            request_id=request_id,
+    def body(self) -> bytes:
+        """The error in OpenAI's shape (chat completions', Responses')."""
+        return openai_error_body(self.message, type=self.type, code=self.code, param=self.param)
+
+    def anthropic_body(self, request_id: str | None = None) -> bytes:
+        """The error in Anthropic's shape (Messages'); `request_id`: the caller's request,
+        which it names."""
+        return anthropic_error_body(
+            self.status, self.message, code=self.code, request_id=request_id
         )
 
     def headers(self) -> dict[str, str]:

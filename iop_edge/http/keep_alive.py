@@ -30,6 +30,12 @@ timeout:
    its way in is read and answered (the server refuses it, saying to retry, and closes)
    rather than reset unanswered. (A restart hands idle connections to the successor
    instead, `Connection.hand_off`.)
+5. `drain(hand_over)` (a restart): a connection busy at the drain goes to the successor
+   once idle (`hand_over()`, True when it went) instead of closing. Its response may have
+   begun before the drain, its head without `Connection: close`: its client keeps the
+   connection and may send the next request on it at once, which a close would cross.
+   When `hand_over` cannot pass it (bytes of a next request already read here, the
+   channel gone), Rule 4 applies.
 
 Hypercorn's `TCPServer` is the one caller: `iop_edge.http.connection.Connection` sets
 its `idle_task` to a `KeepAliveTimer` and calls `end` once its reading loop returns;
@@ -71,11 +77,14 @@ class KeepAliveTimer:
         self._idle = False
         self._ended = False
         self._draining = False
+        self._hand_over: Callable[[], bool] | None = None
 
     async def restart(self, task_group: TaskGroup, action: Callable[..., Any]) -> None:
         """The connection is idle: close it `timeout_s` from now (Rule 1). `action` is
         Hypercorn's own timeout task, which this replaces."""
         self._idle = True
+        if self._draining and self._hand_over is not None and self._hand_over():
+            return  # the successor serves it from now on (Rule 5)
         self._scope.deadline = (
             -math.inf if self._draining else trio.current_time() + self._timeout_s
         )
@@ -93,9 +102,11 @@ class KeepAliveTimer:
         """Between requests: no request began since the last response ended (Rule 1)."""
         return self._idle and not self._ended
 
-    def drain(self) -> None:
-        """The server drains: close the connection once idle, now if it is (Rule 4)."""
+    def drain(self, hand_over: Callable[[], bool] | None = None) -> None:
+        """The server drains: close the connection once idle, now if it is (Rule 4), or
+        on a restart (`hand_over`) pass it to the successor once idle (Rule 5)."""
         self._draining = True
+        self._hand_over = hand_over
         if self._idle:
             self._scope.deadline = -math.inf
 

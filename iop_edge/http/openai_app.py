@@ -1,19 +1,21 @@
 """The caller-facing HTTP API (OpenAI's, and Anthropic's Messages), served by Hypercorn.
 
-`OpenAIApp` is the ASGI app: the run endpoints (`runs.RUN_PATHS`: chat completions,
-completions, embeddings, Messages, count_tokens, Responses and its compaction) are plain
+`OpenAIApp` is the ASGI app: the run endpoints (each caller protocol's `paths`, found in
+`protocol_registry`: chat completions, completions, embeddings, Messages, count_tokens,
+Responses and its compaction) are plain
 ASGI in `runs`, because they carry the traffic and a web framework's per-request cost
 would outweigh the Edge's own work per run (see there). Everything else (`/v1/models`,
 stored responses, `/`, `/healthz`, 404/405/413 pages and the ASGI lifespan) is a small
 Quart-Trio app. The Responses WebSocket mode (an upgrade on `/v1/responses`) is
 `responses_socket`'s.
-Every response carries `x-request-id` and `Server-Timing`. Every error has OpenAI's error
-shape, except for Anthropic's clients (a request with `anthropic-version`, or on a
-`/v1/messages` path), which get Anthropic's (`caller_protocol.protocol_of_request`).
+Every response carries `x-request-id` and `Server-Timing`. Every error, and the model
+list, has the shape of the caller protocol whose client sent the request
+(`Protocols.of_request`): OpenAI's, except for Anthropic's clients (a request with
+`anthropic-version`, or on a `/v1/messages` path), which get Anthropic's (the model list
+paged as Anthropic pages it, `messages.model_page`).
 
 Anthropic's clients check the server first: Claude Code sends `HEAD /`, so `/` answers
-200. `GET /v1/models` answers in Anthropic's list shape to a request that carries
-`anthropic-version`, paged as Anthropic pages it (`messages.model_page`).
+200.
 """
 
 from __future__ import annotations
@@ -34,19 +36,17 @@ from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.auth import authenticate
 from iop_edge.http.errors import ApiError, method_not_allowed, model_not_found
 from iop_edge.http.final_send import shield_final_send
-from iop_edge.http.protocols.caller_protocol import protocol_of_request
-from iop_edge.http.protocols.messages import anthropic_model, model_page
+from iop_edge.http.protocols.caller_protocol import CallerProtocol
+from iop_edge.http.protocols.protocol_registry import PROTOCOLS
 from iop_edge.http.protocols.responses import ResponsesSurface
 from iop_edge.http.responses_socket import ResponsesSocket
-from iop_edge.http.runs import RUN_PATHS, RunEndpoints, new_run_id, request_id
-from schemas import openai as oai
+from iop_edge.http.runs import RunEndpoints, new_run_id, request_id
 
 log = logging.getLogger(__name__)
 
 _encode_json = msgspec.json.Encoder().encode
 _ID_KEY = "iop.request_id"
 _STARTED_KEY = "iop.started"
-_ANTHROPIC_VERSION = "anthropic-version"
 
 
 class _InputTokens(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,9 +84,9 @@ class OpenAIApp:
         self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
     ) -> None:
         if scope["type"] == "http":
-            operation = RUN_PATHS.get(scope["path"])
-            if operation is not None:
-                await self._runs(operation, scope, receive, send)
+            route = PROTOCOLS.route(scope["path"])
+            if route is not None:
+                await self._runs(route, scope, receive, send)
                 return
             send = shield_final_send(send)  # Quart would cancel a closing connection's close
         elif scope["type"] == "websocket":  # only `/v1/responses` comes here (`server`)
@@ -152,9 +152,10 @@ def _create_quart_app(
             )
         return response
 
-    def model_card(model_id: str) -> oai.ModelCard:
-        entry = snapshot().models[model_id]
-        return oai.ModelCard(id=entry.id, display_name=entry.display_name, created=started_unix)
+    def caller_protocol() -> CallerProtocol:
+        """The protocol whose shapes this request gets (its client's)."""
+        names = {name.lower() for name, _ in request.headers.items()}
+        return PROTOCOLS.of_request(request.path, names)
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -165,11 +166,7 @@ def _create_quart_app(
             for model_id, entry in current.models.items()
             if current.policies.allows(principal_ref, model_id)  # only what it may use
         }
-        if _ANTHROPIC_VERSION in request.headers:
-            page = model_page(allowed, started_unix, request.args)
-            return _json_response(_encode_json(page))
-        cards = [model_card(model_id) for model_id in allowed]
-        return _json_response(_encode_json(oai.ModelList(data=cards)))
+        return _json_response(caller_protocol().model_list(allowed, started_unix, request.args))
 
     @app.get("/v1/models/<path:model_id>")
     async def get_model(model_id: str) -> Response:
@@ -177,10 +174,7 @@ def _create_quart_app(
         current = snapshot()
         if model_id not in current.models or not current.policies.allows(principal_ref, model_id):
             raise model_not_found(model_id)
-        if _ANTHROPIC_VERSION in request.headers:
-            card = anthropic_model(current.models[model_id], started_unix)
-            return _json_response(_encode_json(card))
-        return _json_response(_encode_json(model_card(model_id)))
+        return _json_response(caller_protocol().model(current.models[model_id], started_unix))
 
     @app.post("/v1/responses/input_tokens")
     async def responses_input_tokens() -> Response:
@@ -231,10 +225,7 @@ def _create_quart_app(
     async def on_api_error(error: ApiError) -> Response:
         headers = error.headers()
         headers.setdefault("x-request-id", current_request_id())
-        protocol = protocol_of_request(
-            request.path, anthropic_version=_ANTHROPIC_VERSION in request.headers
-        )
-        body = error.body(protocol, headers["x-request-id"])
+        body = caller_protocol().error_body(error, headers["x-request-id"])
         return _json_response(body, error.status, headers)
 
     @app.errorhandler(HTTPException)

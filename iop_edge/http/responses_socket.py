@@ -58,8 +58,8 @@ from iop_edge.core.responses.protocol_requests import input_items
 from iop_edge.core.routing.affinity import SESSION_HEADERS
 from iop_edge.http.auth import authenticate
 from iop_edge.http.errors import ApiError, metering_unavailable
-from iop_edge.http.protocols.caller_protocol import Caller
-from iop_edge.http.protocols.responses import ToStore
+from iop_edge.http.protocols.caller_protocol import Caller, ToStore
+from iop_edge.http.protocols.responses import RESPONSES
 from iop_edge.http.runs import (
     Reply,
     RunEndpoints,
@@ -118,7 +118,7 @@ class _Sender:
 
 def error_event(error: ApiError, request_id: str | None = None) -> bytes:
     """An `error` event (Rule 4): the HTTP status, and the error object of OpenAI's body."""
-    body = _decode(error.body("responses", request_id))
+    body = _decode(error.body())
     return _encode({"type": "error", "status": error.status, "error": body.get("error", body)})
 
 
@@ -128,7 +128,7 @@ class SocketReply(Reply):
     __slots__ = ("_sender", "final_response")
 
     def __init__(self, sender: _Sender, request_id: str) -> None:
-        super().__init__(_unused_send, request_id, "responses")
+        super().__init__(_unused_send, request_id, RESPONSES)
         self._sender = sender
         self.final_response: bytes | None = None
         """The response object of the turn's terminal event, as the caller got it."""
@@ -420,7 +420,7 @@ def _sessions(headers: Mapping[str, str], connection_id: str) -> dict[str, str]:
 
 async def _deny(send: ASGISendCallable, error: ApiError) -> None:
     """Refuse the upgrade with `error`'s HTTP status and OpenAI's error body (Rule 1)."""
-    body = error.body("responses")
+    body = error.body()
     await send(
         {
             "type": "websocket.http.response.start",

@@ -12,10 +12,12 @@ A request, in the task Hypercorn gives it:
 
 1. *Prepare*: authenticate (`Authorization: Bearer` or `x-api-key`), read the body
    (bounded in size and time), decode it once into a dict (provider-specific fields pass
-   through untouched); the protocol's module (`chat`, `messages`, `responses`) checks it
-   against a small view of the fields the Edge acts on and applies the model's generation
-   defaults and limits. The result is a `RunPlan`; anything wrong is an error reply in the
-   caller's protocol (`caller_protocol`) naming the field.
+   through untouched); the path's caller protocol (its `CallerProtocol`, found in
+   `protocol_registry`: `chat`, `messages`, `responses`) plans it: checks it against a
+   small view of the fields the Edge acts on and applies the model's generation defaults
+   and limits. The result is a `RunPlan`; anything wrong is an error reply in the
+   caller's protocol's shape naming the field. Every shape the reply takes (errors,
+   rate-limit headers, a stream's end and failure) is the protocol object's.
 2. *Dispatch*: the scheduler admits the plan and a Node starts it (`runtime.dispatch.Run`,
    which owns the slot until the run ends).
 3. *Respond*: one JSON body, or the run relayed as server-sent events (written by the
@@ -62,17 +64,10 @@ from iop_edge.http.errors import (
     method_not_allowed,
     run_failure_error,
 )
-from iop_edge.http.protocols.caller_protocol import (
-    PROTOCOL_OF,
-    STREAM_END,
-    Caller,
-    stream_error,
-)
-from iop_edge.http.protocols.chat import plan_chat
-from iop_edge.http.protocols.compaction import COMPACT_PATH, settle, trigger_events
-from iop_edge.http.protocols.messages import plan_messages
-from iop_edge.http.protocols.responses import ResponsesSurface, ToStore
-from iop_edge.http.rate_limit_headers import rate_limit_headers
+from iop_edge.http.protocols.caller_protocol import Caller, CallerProtocol, Planning, ToStore
+from iop_edge.http.protocols.compaction import settle, trigger_events
+from iop_edge.http.protocols.protocol_registry import Route
+from iop_edge.http.protocols.responses import ResponsesSurface
 from iop_edge.runtime.metering.access_log import RefusedRequest
 from iop_edge.runtime.metering.metering import Metering
 from iop_edge.runtime.metering.tracing import EdgeTracing, RequestTrace
@@ -91,22 +86,11 @@ from iop_edge.runtime.runs.dispatch import (
 )
 from iop_edge.runtime.runs.limits import NO_RATE_LIMITS
 from schemas import wire
-from schemas.hosted_tools import DROPPED_TOOLS_HEADER, hosted_tool_types
-from schemas.protocols import CallerProtocol
+from schemas.hosted_tools import DROPPED_TOOLS_HEADER
 from schemas.runtime.telemetry import valid_traceparent, valid_tracestate
 
 log = logging.getLogger(__name__)
 
-#: Path -> operation of the endpoints served here; every method but POST gets a 405.
-RUN_PATHS: Final[dict[str, wire.Operation]] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completion",
-    "/v1/embeddings": "embedding",
-    "/v1/messages": "messages",
-    "/v1/messages/count_tokens": "count_tokens",
-    "/v1/responses": "responses",
-    COMPACT_PATH: "responses",
-}
 #: How long a caller may take to send its request body (Quart's default, kept).
 BODY_TIMEOUT_S: Final = 60.0
 #: How deep a request's JSON may nest. OpenAI requests nest a few levels (tool schemas a
@@ -234,7 +218,7 @@ class _Reply:
         self._send = send
         self.request_id = request_id
         self.protocol = protocol
-        """Whose shape the errors take."""
+        """The caller's protocol: whose shapes the reply takes."""
         self.provider: str | None = None
         self.rate_limits = NO_RATE_LIMITS
         """Where the caller's principal stands against its limits, once admitted."""
@@ -256,7 +240,8 @@ class _Reply:
         if self.dropped_tools is not None:
             headers.append((_DROPPED_TOOLS, self.dropped_tools.encode()))
         headers += extra
-        headers += rate_limit_headers(self.rate_limits, self.protocol)
+        if self.rate_limits:
+            headers += self.protocol.rate_limit_headers(self.rate_limits)
         return headers
 
     async def json(
@@ -275,7 +260,8 @@ class _Reply:
         if error.rate_limits is not None:  # refused for a limit: where it stands now
             self.rate_limits = error.rate_limits
         extra = [(name.lower().encode(), value.encode()) for name, value in error.headers().items()]
-        await self.json(error.body(self.protocol, self.request_id), timing, error.status, extra)
+        body = self.protocol.error_body(error, self.request_id)
+        await self.json(body, timing, error.status, extra)
 
     async def start_stream(self, timing: _Timing) -> None:
         await self._start(200, self._headers(timing, list(_SSE_HEADERS)))
@@ -322,7 +308,7 @@ class RunEndpoints:
 
     async def __call__(
         self,
-        operation: wire.Operation,
+        route: Route,
         scope: HTTPScope,
         receive: ASGIReceiveCallable,
         send: ASGISendCallable,
@@ -330,7 +316,7 @@ class RunEndpoints:
         timing = _Timing()
         run_id = new_run_id()
         request = _Request(scope)
-        reply = _Reply(send, request_id(request.request_id, run_id), PROTOCOL_OF[operation])
+        reply = _Reply(send, request_id(request.request_id, run_id), route.protocol)
         trace = None
         if self._tracing is not None:
             traceparent, tracestate = _caller_context(request)
@@ -347,7 +333,7 @@ class RunEndpoints:
                 return
             try:
                 plan, to_store = await self._prepare(
-                    operation, run_id, reply.request_id, request, receive
+                    route, run_id, reply.request_id, request, receive
                 )
             except ApiError as exc:
                 self.refused(exc, reply.request_id, scope["path"], timing.started)
@@ -417,7 +403,7 @@ class RunEndpoints:
 
     async def _prepare(
         self,
-        operation: wire.Operation,
+        route: Route,
         run_id: str,
         request_id: str,
         request: _Request,
@@ -442,14 +428,14 @@ class RunEndpoints:
             anthropic_headers=request.anthropic,
             session_headers=request.sessions,
         )
-        match operation:
-            case "responses":
-                compact = request.path == COMPACT_PATH
-                return await self._responses.plan(body, snapshot, caller, compact=compact)
-            case "messages" | "count_tokens":
-                return plan_messages(operation, body, snapshot, caller), None
-            case _:
-                return plan_chat(operation, body, snapshot, caller), None
+        planning = Planning(
+            path=request.path,
+            body=body,
+            snapshot=snapshot,
+            caller=caller,
+            store=self._responses.store,
+        )
+        return await route.protocol.plan(route.operation, planning)
 
     async def _read_json(
         self, request: _Request, receive: ASGIReceiveCallable, limit: int
@@ -506,7 +492,7 @@ class RunEndpoints:
                 timing.upstream_s = run.timings.upstream_s
                 reply.rate_limits = run.rate_limits
             reply.provider = run.provider_id
-            reply.dropped_tools = self._dropped_tools(plan, run.provider_id)
+            reply.dropped_tools = self._dropped_tools(plan, reply.protocol, run.provider_id)
             if plan.stream:
                 await self._relay_stream(run, reply, timing, to_store)
             else:
@@ -517,16 +503,18 @@ class RunEndpoints:
         finally:
             run.end(CALLER_GONE)  # a no-op unless the caller left before the run ended
 
-    def _dropped_tools(self, plan: RunPlan, provider_id: str) -> str | None:
+    def _dropped_tools(
+        self, plan: RunPlan, protocol: CallerProtocol, provider_id: str
+    ) -> str | None:
         """The hosted tools a run on `provider_id` leaves out, comma-separated: those of
-        a Messages or Responses request the provider's Node translates (as far as the
-        Edge knows: the Node's last status), unless the model refuses them instead
-        (`schemas.hosted_tools` Rule 2)."""
-        if plan.protocol == "chat" or plan.hosted_tools != "drop":
+        a request the provider's Node translates (as far as the Edge knows: the Node's
+        last status), unless the model refuses them instead (`schemas.hosted_tools`
+        Rule 2)."""
+        if plan.hosted_tools != "drop":
             return None
         if self._dispatcher.scheduler.speaks(provider_id, plan.protocol):
             return None
-        return ", ".join(hosted_tool_types(plan.protocol, plan.body)) or None
+        return ", ".join(protocol.hosted_tools(plan.body)) or None
 
     async def _refuse(self, run: Run, error: ApiError, reply: _Reply, timing: _Timing) -> None:
         """Answer with `error`; the reply carries the same timing (every failed attempt's
@@ -640,16 +628,11 @@ class RunEndpoints:
                 outcome = Outcome(error.status, error.code)
                 plan = run.plan
                 pending.append(
-                    stream_error(
-                        protocol,
-                        error,
-                        plan=plan,
-                        response_id=f"resp_{plan.run_id}",
-                        sequence=run.chunks,
-                        request_id=reply.request_id,
+                    protocol.stream_error(
+                        error, plan=plan, sequence=run.chunks, request_id=reply.request_id
                     )
                 )
-            pending.append(STREAM_END[protocol])
+            pending.append(protocol.stream_end)
             run.end(outcome)
             if (
                 to_store is not None

@@ -16,7 +16,9 @@ the Edge bound (or inherited), and drains in three steps:
    however close to the drain, is read and served there, never lost. Otherwise (a stop,
    or a connection that cannot be handed over) idle keep-alive connections are closed
    at once, unless a request is on its way in on one (then it is read). The others
-   close as soon as their response is done, which carries `Connection: close`. A
+   close as soon as their response is done, which carries `Connection: close` when it
+   begins after the drain; on a restart they go to the successor then instead (a
+   response begun before the drain could not say it: its client keeps the connection). A
    request read here all the same is served when a successor takes the rest (a restart),
    and on a stop is answered, unread, with a 503 `shutting_down`, `Connection: close`
    and `Retry-After` (`DRAINING_REFUSAL`): the SDKs retry it, on a new connection, and
@@ -70,7 +72,7 @@ from hypercorn.typing import (
 from iop_edge.http.compat.hypercorn import Lifespan, WorkerContext, repr_socket_addr, wrap_app
 from iop_edge.http.connection import ChunkedBodyWriter, Connection, current_connection
 from iop_edge.http.errors import ApiError
-from iop_edge.http.protocols.caller_protocol import protocol_of_request
+from iop_edge.http.protocols.protocol_registry import PROTOCOLS
 from iop_edge.runtime.lifecycle.handoff import HandoffSender
 from schemas.config import DEFAULT_SEND_TIMEOUT_S, DEFAULT_SHUTDOWN_GRACE_S
 from schemas.limits import MAX_PAYLOAD_BYTES
@@ -201,11 +203,10 @@ class HttpServer:
         if self._accept_scope is not None:
             self._accept_scope.cancel()
             self._accept_scope = None
+        send = None if handoff is None else partial(handoff.send_connection, self.role)
         for connection in list(self._live):
-            if handoff is None or not connection.hand_off(
-                partial(handoff.send_connection, self.role)
-            ):
-                connection.drain()
+            if send is None or not connection.hand_off(send):
+                connection.drain(send)  # a busy one goes over once idle, if it can
 
     def adopt(self, sock: socket.socket) -> None:
         """Serve `sock`, a client connection a restarting Edge handed over (`handoff`),
@@ -318,11 +319,8 @@ class HttpServer:
     async def _refuse_draining(self, scope: HTTPScope, send: ASGISendCallable) -> None:
         """A request on an old connection while draining: a 503 that says to retry, the
         request unread, the connection closed after it (step 1)."""
-        protocol = protocol_of_request(
-            scope["path"],
-            anthropic_version=any(name == b"anthropic-version" for name, _ in scope["headers"]),
-        )
-        body = DRAINING_REFUSAL.body(protocol)
+        names = {name.decode("latin-1").lower() for name, _ in scope["headers"]}
+        body = PROTOCOLS.of_request(scope["path"], names).error_body(DRAINING_REFUSAL)
         start: HTTPResponseStartEvent = {
             "type": "http.response.start",
             "status": 503,
@@ -350,7 +348,7 @@ class HttpServer:
         peer = f"{client[0]}:{client[1]}" if client else "a client"
         if self._caller_port and scope["path"] in _RESPONSES_PATHS:  # a draining server
             log.info("refused a Responses WebSocket upgrade from %s: shutting down", peer)
-            status, body = DRAINING_REFUSAL.status, DRAINING_REFUSAL.body("responses")
+            status, body = DRAINING_REFUSAL.status, DRAINING_REFUSAL.body()
         else:
             log.warning(
                 "refused a websocket upgrade from %s on %s (%s): is a Node pointed at this port?",

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from iop_node.protocol_support import ProtocolSupport
+from iop_node.protocols.native import NativeForm
 from iop_node.reply import ParsedChunk
 from schemas.config import ProviderConfig
 from schemas.protocols import CallerProtocol
@@ -168,8 +169,9 @@ class NativeRelay(ABC):
     protocol_support: ProtocolSupport
 
     @abstractmethod
-    async def execute_native(self, run: Run, events: EmitEvents) -> RunResult:
-        """Send a `messages` or `responses` run to the upstream's own endpoint as it is.
+    async def execute_native(self, run: Run, native: NativeForm, events: EmitEvents) -> RunResult:
+        """Send a run of the caller protocol `native` describes (Messages, Responses) to
+        the upstream's own endpoint for it as it is.
 
         The reply comes back as the upstream wrote it but for `model` (`run.reply_model`):
         a non-stream run's object in `RunResult.response`, a stream's events through

@@ -1,17 +1,19 @@
 """A caller protocol's reply relayed as the upstream wrote it, but for the model name
 (design §14, native first): what an adapter does to each event of a native Messages or
-Responses stream, and to a native non-stream body.
+Responses stream, and to a native non-stream body. What differs between the protocols
+is their `NativeForm` (`iop_node.protocols.native`), which the run's translator gives.
 
 Rules:
-1. Bytes pass through. The protocol's reader (`iop_node.protocols.MessagesNative`,
-   `ResponsesNative`) writes the caller's alias where the protocol puts the model (and,
-   for a Responses run the Edge stores, `store: true`: Rule 5) and reads the usage; it
-   parses only the few events that carry them, named by their SSE event name.
+1. Bytes pass through. The protocol's reader (the form's: `iop_node.protocols
+   .MessagesNative`, `ResponsesNative`) writes the caller's alias where the protocol
+   puts the model (and, for a Responses run the Edge stores, `store: true`: Rule 5)
+   and reads the usage; it parses only the few events that carry them, named by their
+   SSE event name.
    Everything else is relayed untouched.
 2. Events leave framed as the protocol frames them, `event: NAME\\ndata: JSON\\n\\n`. An
    upstream that leaves the `event:` line out is read by the data's `type`.
-3. A stream has ended well at its protocol's last event (`message_stop`;
-   `response.completed` or `response.incomplete`). An in-band error (`error`,
+3. A stream has ended well at its protocol's last event (the form's `ends`:
+   `message_stop`; `response.completed` or `response.incomplete`). An in-band error (`error`,
    `response.failed`) raises `InBandError` with the upstream's message: the events
    before it were relayed, the error itself is for the run's failure to carry (the Edge
    words it in the caller's protocol).
@@ -23,9 +25,9 @@ Rules:
    true` and the runtime was sent `store: false` (the Edge is the store): the reply's
    `store` says true again, and its `id` is IOP's `resp_<request id>` (the Edge stores it
    under that id), never the upstream's.
-6. `hold_tail`: the events that tell the caller its reply is whole (`message_delta` and
-   `message_stop`; `response.completed`, `response.incomplete`) are held back, not
-   returned, for the run's end to carry (`run_done.tail`, written by the Edge once it
+6. `hold_tail`: the events that tell the caller its reply is whole (the form's `tail`:
+   `message_delta` and `message_stop`; `response.completed`, `response.incomplete`) are
+   held back, not returned, for the run's end to carry (`run_done.tail`, written by the Edge once it
    recorded the end: a caller may hang up the moment it reads them). An event that is not
    one of them, after some were held, takes them out with it, in order, so nothing is
    reordered and the held part stays one event or two. A stream that breaks off
@@ -40,8 +42,8 @@ from typing import Final
 
 import msgspec
 
-from iop_node.protocols import MessagesNative, ResponsesNative, TokenUsage
-from schemas.protocols import CallerProtocol
+from iop_node.protocols import TokenUsage
+from iop_node.protocols.native import NativeForm, NativeReader
 from schemas.wire import Run, Usage
 
 __all__ = ["InBandError", "NativeReply", "NotAnObject"]
@@ -83,15 +85,6 @@ _decode_error_event: Final = msgspec.json.Decoder(_ErrorEvent).decode
 _decode_failed_event: Final = msgspec.json.Decoder(_FailedEvent).decode
 _decode_fields: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 
-_ENDS: Final[dict[CallerProtocol, frozenset[str]]] = {
-    "messages": frozenset({"message_stop"}),
-    "responses": frozenset({"response.completed", "response.incomplete"}),
-}
-#: The events held back for the run's end (Rule 6).
-_TAIL: Final[dict[CallerProtocol, frozenset[str]]] = {
-    "messages": frozenset({"message_delta", "message_stop"}),
-    "responses": _ENDS["responses"],
-}
 _ERRORS: Final = frozenset({"error", "response.failed"})
 _UNKNOWN: Final = "unknown error"
 
@@ -122,24 +115,13 @@ class NativeReply:
         "_tail",
         "ended",
         "final_response",
-        "protocol",
     )
 
-    def __init__(self, run: Run, protocol: CallerProtocol) -> None:
-        self.protocol = protocol
-        self._keep = run.keep_output and protocol == "responses"
-        self._reader: MessagesNative | ResponsesNative = (
-            MessagesNative(run.reply_model)
-            if protocol == "messages"
-            else ResponsesNative(
-                run.reply_model,
-                stored=self._keep,
-                response_id=f"resp_{run.request_id or run.run_id}",
-                previous_response_id=run.previous_response_id,
-            )
-        )
-        self._ends = _ENDS[protocol]
-        self._tail = _TAIL[protocol] if run.hold_tail else frozenset[str]()
+    def __init__(self, run: Run, form: NativeForm) -> None:
+        self._keep = run.keep_output and form.keeps_output
+        self._reader: NativeReader = form.reader(run)
+        self._ends = form.ends
+        self._tail = form.tail if run.hold_tail else frozenset[str]()
         self._held: list[bytes] = []
         self.ended = False
         """The stream's last event went by (Rule 3)."""

@@ -8,15 +8,17 @@ content, tool calls, logprobs) passes through untouched. JSON is decoded only to
 `usage` and at in-band errors, through small msgspec views that skip everything else.
 
 Caller protocols (design §14): a runtime that speaks Anthropic Messages or OpenAI
-Responses itself gets such runs as they are (`execute_native`), at `{base_url}/messages`
-and `{base_url}/responses` (beside chat's `/chat/completions`), with the caller's protocol
-headers (`anthropic-version`, `anthropic-beta`) and, for Messages, the API key as
-`x-api-key` too. The reply comes back under the same deadlines and failure rules as
-chat's, shaped by `native` (the caller's alias, usage read from the few events that carry
-it). A 404 on the route itself (not about the model), or a 405, is `NativeUnsupported`:
-the Node translates that run, and learns (`protocol_support`). Token counts, rare and
-small, go through the client: Anthropic's `/messages/count_tokens`, and the runtime's
-tokenizer endpoint at the server root (`tokenizer`).
+Responses itself gets such runs as they are (`execute_native`), at the protocol's path
+under `base_url` (its `NativeForm`'s: `{base_url}/messages`, `{base_url}/responses`,
+beside chat's `/chat/completions`), with the caller's protocol headers
+(`anthropic-version`, `anthropic-beta`) and, for Messages, the API key as `x-api-key`
+too. The reply comes back under the same deadlines and failure rules as chat's, shaped by
+`native` (the caller's alias, usage read from the few events that carry it:
+`upstream_http.native_exchange`). A 404 on the route itself (not about the model), or
+a 405, is `NativeUnsupported`: the Node translates that run, and learns
+(`protocol_support`). Token counts, rare and small, go through the client: Anthropic's
+`/messages/count_tokens`, and the runtime's tokenizer endpoint at the server root
+(`tokenizer`).
 
 Deadlines (set here, once, from the provider's adapter settings):
 
@@ -33,8 +35,9 @@ whole-request deadline when the first body byte arrives. The runner's own scope 
 gone, Edge cancel) sits outside and simply propagates; cancelling it closes the HTTP
 stream, which closes the upstream connection, which stops the generation upstream.
 
-Failures become `AdapterError`s (see `base.py`), following one rule for `retryable`: a
-failure is retryable iff no chunk was emitted yet. Before the first chunk:
+Failures become `AdapterError`s (see `base.py`, worded by `upstream_http.failures`),
+following one rule for `retryable`: a failure is retryable iff no chunk was emitted
+yet. Before the first chunk:
 
     connect refused / DNS / connect timeout  upstream_unreachable  retryable
     no body byte within the first-byte budget upstream_timeout     retryable
@@ -73,10 +76,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
-from typing import Any, ClassVar, Final, TypeVar, cast
+from typing import Any, ClassVar, Final, TypeVar
 
 import httpcore2
 import httpx2
@@ -98,21 +100,45 @@ from iop_node.adapters.run_connections import CLOSE_GRACE_S, RunConnections
 from iop_node.adapters.runtime_lifecycle import RuntimeLifecycle
 from iop_node.adapters.sse import SSEDecoder, SSEError
 from iop_node.adapters.tokenizer import TokenizerEndpoint
-from iop_node.adapters.upstream_errors import (
-    CONTEXT_LENGTH_EXCEEDED,
-    INPUT_FIELDS,
-    error_message,
-    read_error_facts,
+from iop_node.adapters.upstream_errors import error_message, read_error_facts
+from iop_node.adapters.upstream_http.context_window import ContextWindow
+from iop_node.adapters.upstream_http.exchange import (
+    CORE_ERRORS,
+    DONE,
+    ERROR_BODY_LIMIT,
+    Progress,
+    body_chunks,
+    check_encoding,
+    core_url,
+    drain,
+    error_body,
+    host_header,
+    read_body,
+)
+from iop_node.adapters.upstream_http.failures import (
+    clip,
+    describe_transport_error,
+    missing_route,
+    status_failure,
+    stream_cut,
+)
+from iop_node.adapters.upstream_http.native_exchange import (
+    OWN_HEADERS,
+    caller_header_pairs,
+    relay_native_stream,
+    shaped,
 )
 from iop_node.cache_timings import timings_cached
 from iop_node.compat.httpx2 import connection_pool_for
 from iop_node.protocol_support import ProtocolSupport
+from iop_node.protocols.native import ANTHROPIC_VERSION, NativeForm
 from iop_node.reply import NotAnObject, ParsedChunk, UsageView, read_chunk
-from iop_node.tracing import UpstreamCall, passed_on, upstream_call
+from iop_node.tracing import UpstreamCall, upstream_call
 from schemas.config import ProviderConfig
-from schemas.protocols import CallerProtocol
-from schemas.tokens import estimate_input_tokens, input_text, template_tokens
+from schemas.tokens import input_text, template_tokens
 from schemas.wire import FailureCode, Operation, ProviderStatus, Run, Usage
+
+__all__ = ["COUNT_TOKENS_PATH", "OPERATION_PATHS", "OpenAICompatAdapter", "status_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -121,63 +147,12 @@ OPERATION_PATHS: Final[dict[Operation, str]] = {
     "completion": "/completions",
     "embedding": "/embeddings",
 }
-#: The endpoints of the caller protocols a runtime may speak natively, under `base_url`
-#: like chat's (design §14).
-NATIVE_PATHS: Final[dict[CallerProtocol, str]] = {
-    "messages": "/messages",
-    "responses": "/responses",
-}
-_NATIVE_OPERATIONS: Final[dict[str, CallerProtocol]] = {
-    "messages": "messages",
-    "responses": "responses",
-}
+#: Anthropic's token count, beside its Messages endpoint (a runtime that speaks Messages
+#: natively may have it).
 COUNT_TOKENS_PATH: Final = "/messages/count_tokens"
-#: Anthropic's API refuses a request without `anthropic-version`; a caller that sent none
-#: (the Edge passes the caller's own when there is one) gets the first stable version,
-#: which every Messages-speaking runtime accepts.
-DEFAULT_ANTHROPIC_VERSION: Final = "2023-06-01"
-#: Headers the adapter owns: a caller's header of these names is never passed on.
-_OWN_HEADERS: Final = frozenset(
-    {
-        "host",
-        "content-length",
-        "content-type",
-        "accept",
-        "accept-encoding",
-        "connection",
-        "keep-alive",
-        "transfer-encoding",
-        "te",
-        "upgrade",
-        "authorization",
-        "x-api-key",
-        "user-agent",
-        "proxy-authorization",
-        "traceparent",
-        "tracestate",
-    }
-)
-
 #: uvicorn (under vLLM, SGLang, most Python servers) drops idle connections after 5 s;
 #: forgetting ours a little earlier avoids sending a request on a connection being closed.
 _KEEPALIVE_EXPIRY_S = 4.0
-#: Bytes of an error response read to find the upstream's message; the rest is dropped.
-_ERROR_BODY_LIMIT = 64 * 1024
-#: Longest one-line detail of a probe or transport failure (a status detail, a log line).
-_DETAIL_LIMIT = 500
-#: After `[DONE]`, how long to wait for the end of the chunked body so the connection can
-#: go back to the pool; a server that keeps talking past `[DONE]` just loses its connection.
-_DRAIN_AFTER_DONE_S = 1.0
-_DONE: Final = b"[DONE]"
-#: What the run path raises from `httpcore2` (it has no common base class); the probe path
-#: and anything httpx2 raises are `httpx2.HTTPError`s.
-_CORE_ERRORS: Final = (
-    httpcore2.TimeoutException,
-    httpcore2.NetworkError,
-    httpcore2.ProtocolError,
-    httpcore2.ProxyError,
-    httpcore2.UnsupportedProtocol,
-)
 
 _T = TypeVar("_T")
 
@@ -203,125 +178,7 @@ class _TokenCount(msgspec.Struct):
 
 
 _body_decoder: Final = msgspec.json.Decoder(_BodyView)
-_request_decoder: Final = msgspec.json.Decoder(dict[str, Any])
-
-
-def _max_output_tokens(body: dict[str, Any]) -> int:
-    """The output a request asks room for (its `max_completion_tokens` or `max_tokens`)."""
-    for key in ("max_completion_tokens", "max_tokens"):
-        value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return 0
-
-
-def _decode_body(body: bytes) -> dict[str, Any] | None:
-    """A run's request body as a dict (None if it is not one)."""
-    try:
-        return _request_decoder.decode(body)
-    except (msgspec.DecodeError, RecursionError):
-        return None
-
-
 _token_count_decoder: Final = msgspec.json.Decoder(_TokenCount)
-
-
-# --- helpers (pure) ---------------------------------------------------------------------------
-
-
-def _clip(text: str) -> str:
-    """One line of at most `_DETAIL_LIMIT` characters (a status detail, a log line)."""
-    text = " ".join(text.split())
-    return text if len(text) <= _DETAIL_LIMIT else text[: _DETAIL_LIMIT - 3] + "..."
-
-
-def status_failure(status: int, body: bytes, operation: Operation | None = None) -> AdapterError:
-    """Map a non-2xx upstream response onto an `AdapterError` (table in the module doc);
-    a refusal keeps the upstream's error code and the field it names (`upstream_errors`)."""
-    detail = error_message(body)
-    suffix = f": {detail}" if detail else ""
-    if status in (429, 503):
-        return AdapterError(
-            FailureCode.UPSTREAM_BUSY,
-            f"upstream busy ({status}){suffix}",
-            retryable=True,
-            capacity=True,
-            status=status,
-        )
-    if status in (401, 403, 404):
-        return AdapterError(
-            FailureCode.UPSTREAM_MISCONFIGURED,
-            f"upstream refused this provider ({status}){suffix}",
-            retryable=True,
-            status=status,
-        )
-    if status == 408:
-        return AdapterError(
-            FailureCode.UPSTREAM_TIMEOUT,
-            f"upstream timed out ({status}){suffix}",
-            retryable=True,
-            status=status,
-        )
-    if 400 <= status < 500:
-        facts = read_error_facts(body, operation)
-        return AdapterError(
-            FailureCode.UPSTREAM_REJECTED,
-            detail or f"upstream rejected the request ({status})",
-            status=status,
-            upstream_code=facts.code,
-            param=facts.param,
-        )
-    # The upstream's own words: the Edge decides whom a 5xx blames (the provider, or the
-    # request when another provider fails it the same way) and words the reply itself.
-    return AdapterError(
-        FailureCode.UPSTREAM_ERROR,
-        detail or f"upstream returned {status}",
-        retryable=True,
-        status=status,
-    )
-
-
-def describe_transport_error(exc: Exception) -> str:
-    """A short, secret-free description of a transport (or event-stream) failure."""
-    match exc:
-        case httpx2.ConnectTimeout() | httpcore2.ConnectTimeout():
-            what = "connect timed out"
-        case httpx2.ConnectError() | httpcore2.ConnectError():
-            what = "cannot connect"
-        case httpx2.TimeoutException() | httpcore2.TimeoutException():
-            what = "timed out"
-        case httpx2.RemoteProtocolError() | httpcore2.RemoteProtocolError():
-            what = "protocol error"
-        case SSEError():
-            what = "bad event stream"
-        case _:
-            what = "connection failed"
-    detail = str(exc).strip()
-    return _clip(f"{what}: {detail}") if detail else what
-
-
-@dataclass(slots=True)
-class _Progress:
-    """How far one request got: drives the deadline switch and the `retryable` rule."""
-
-    scope: trio.CancelScope
-    request_deadline: float
-    first_byte: bool = False
-    emitted: int = 0
-    call: UpstreamCall | None = None
-    """The request's span when the run is traced (`iop_node.tracing`)."""
-
-    def saw_first_byte(self) -> None:
-        if not self.first_byte:
-            self.first_byte = True
-            self.scope.deadline = self.request_deadline
-            if self.call is not None:
-                self.call.first_byte()
-
-    def trace_headers(self, run: Run) -> list[tuple[bytes, bytes]]:
-        """The W3C trace context the upstream request carries: its own span's when
-        traced, else the Edge's as the run brought it."""
-        return self.call.headers if self.call is not None else passed_on(run)
 
 
 class _ProbeFailure(Exception):
@@ -338,36 +195,7 @@ class _EmptyStream(Exception):
         self.failure = failure
 
 
-class _PropsView(msgspec.Struct):
-    """llama.cpp's `GET /props`, as far as the context size goes (per slot)."""
-
-    n_ctx: int | None = None
-    default_generation_settings: dict[str, Any] | None = None
-
-    def context_tokens(self) -> int | None:
-        settings = self.default_generation_settings or {}
-        value = settings.get("n_ctx", self.n_ctx)
-        return value if isinstance(value, int) and value > 0 else None
-
-
-_props_decoder: Final = msgspec.json.Decoder(_PropsView)
-#: Bound on what a failed stream may spend finding out whether it was a context overflow.
-_OVERFLOW_CHECK_S: Final = 2.0
-
-
 # --- the adapter ------------------------------------------------------------------------------
-
-
-def missing_route(status: int, body: bytes, model: str) -> bool:
-    """Whether a native endpoint's error answer means the route does not exist: a 405, or
-    a 404 that is not about the model (a server without the route says "Not Found"; one
-    with it says which model it does not know, and that is no lesson about the protocol)."""
-    if status == 405:
-        return True
-    if status != 404:
-        return False
-    message = error_message(body) or ""
-    return not model or model not in message
 
 
 class OpenAICompatAdapter(NativeRelay):
@@ -405,10 +233,6 @@ class OpenAICompatAdapter(NativeRelay):
         """The server root, where runtimes put what is not OpenAI's (tokenizers)."""
         self._tokenizer = TokenizerEndpoint()
         self._probe_sent = False
-        self._context_tokens: int | None = None
-        """The runtime's context size (per slot), once learnt: from llama.cpp's `/props`
-        or an overflow answer's `n_ctx`."""
-        self._props_absent = False
 
         self._first_byte_s = min(
             settings.first_byte_timeout_s or settings.request_timeout_s,
@@ -437,6 +261,7 @@ class OpenAICompatAdapter(NativeRelay):
             ),
             follow_redirects=False,
         )
+        self._context = ContextWindow(self._client, self.root_url)
         self._models_url = httpx2.URL(self.base_url + "/models")
         self._lifecycle = RuntimeLifecycle(
             self._client,
@@ -454,14 +279,14 @@ class OpenAICompatAdapter(NativeRelay):
         self._pool = connection_pool_for(self._client, url)
         self._connections = RunConnections(self._pool, keep=idle_kept, expiry_s=_KEEPALIVE_EXPIRY_S)
         self._run_urls = {
-            operation: _core_url(httpx2.URL(self.base_url + path))
+            operation: core_url(httpx2.URL(self.base_url + path))
             for operation, path in OPERATION_PATHS.items()
         }
         fixed = [
-            (b"Host", _host_header(url)),
+            (b"Host", host_header(url)),
             (b"Connection", b"keep-alive"),
             # We relay bytes as they arrive, so we ask for them unencoded (httpx2 would
-            # decode gzip for us; httpcore2 does not). See `_check_encoding`.
+            # decode gzip for us; httpcore2 does not). See `check_encoding`.
             (b"Accept-Encoding", b"identity"),
             (b"Content-Type", b"application/json"),
             *((name.encode(), value.encode()) for name, value in headers.items()),
@@ -473,26 +298,15 @@ class OpenAICompatAdapter(NativeRelay):
             ]
             for stream in (False, True)
         }
-        # Anthropic's clients authenticate with `x-api-key`; a Messages runtime may read
-        # either header, so both carry the key.
-        api_key = [(b"x-api-key", key.encode())] if key else []
-        self._native_urls = {
-            protocol: _core_url(httpx2.URL(self.base_url + path))
-            for protocol, path in NATIVE_PATHS.items()
-        }
-        self._native_headers: dict[tuple[CallerProtocol, bool], list[tuple[bytes, bytes]]] = {
-            (protocol, stream): [
-                *self._run_headers[stream],
-                *(api_key if protocol == "messages" else ()),
-            ]
-            for protocol in NATIVE_PATHS
-            for stream in (False, True)
-        }
+        self._key = key
+        self._native: dict[tuple[str, bool], tuple[httpcore2.URL, list[tuple[bytes, bytes]]]] = {}
+        """Per native protocol and stream: its URL and fixed headers (`_native_request`)."""
         self._count_tokens_url = httpx2.URL(self.base_url + COUNT_TOKENS_PATH)
         self._count_tokens_headers = {
             "Content-Type": "application/json",
             "Accept": "application/json",
             **({"x-api-key": key} if key else {}),
+            "anthropic-version": ANTHROPIC_VERSION,
         }
         self._request_extensions: dict[str, object] = {"timeout": self._client.timeout.as_dict()}
 
@@ -506,29 +320,30 @@ class OpenAICompatAdapter(NativeRelay):
                 f"operation {run.operation!r} is not an OpenAI-compatible endpoint",
             )
 
-        async def exchange(progress: _Progress) -> RunResult:
+        async def exchange(progress: Progress) -> RunResult:
             return await self._exchange(run, url, emit, progress)
 
         try:
             return await self._bounded(run, exchange, OPERATION_PATHS[run.operation])
         except _EmptyStream as empty:
-            raise await self._overflow_or(run, empty.failure) from None
+            failure = empty.failure
+            raise await self._context.overflow_or(
+                run, failure, self.runtime_prompt_tokens
+            ) from None
 
-    async def execute_native(self, run: Run, events: EmitEvents) -> RunResult:
-        protocol = _NATIVE_OPERATIONS.get(run.operation)
-        if protocol is None:
-            raise AdapterError(
-                FailureCode.UNSUPPORTED_OPERATION,
-                f"operation {run.operation!r} is not a caller protocol",
-            )
+    async def execute_native(self, run: Run, native: NativeForm, events: EmitEvents) -> RunResult:
+        async def exchange(progress: Progress) -> RunResult:
+            return await self._exchange_native(run, native, events, progress)
 
-        async def exchange(progress: _Progress) -> RunResult:
-            return await self._exchange_native(run, protocol, events, progress)
-
-        return await self._bounded(run, exchange, NATIVE_PATHS[protocol])
+        return await self._bounded(run, exchange, native.path)
 
     async def count_tokens_native(self, run: Run) -> int | None:
-        headers = {**self._count_tokens_headers, **_caller_headers(run, "messages")}
+        sent = {
+            name: value
+            for name, value in run.caller_headers.items()
+            if name.lower() not in OWN_HEADERS
+        }
+        headers = {**self._count_tokens_headers, **sent}
         status, body = await self._post_bounded(self._count_tokens_url, run.body, headers)
         if status in (404, 405):
             self.protocol_support.learn_no_token_count()
@@ -564,66 +379,10 @@ class OpenAICompatAdapter(NativeRelay):
                     "tokenizer of provider %s answered %s: %s",
                     self.provider.id,
                     status,
-                    _clip(error_message(answer) or ""),
+                    clip(error_message(answer) or ""),
                 )
                 return None
         return None
-
-    # --- context overflow -----------------------------------------------------------------
-
-    def _learn_context(self, tokens: int | None) -> None:
-        if tokens is not None:
-            self._context_tokens = tokens
-
-    async def _overflow_or(self, run: Run, failure: AdapterError) -> AdapterError:
-        """What an empty stream was: a context overflow when the prompt and the output
-        it asks room for exceed the runtime's context (llama-cpp-python counts both),
-        else `failure`. Only on this failure path, within `_OVERFLOW_CHECK_S`: the
-        context size (learnt from an earlier overflow answer, else llama.cpp's `/props`)
-        and the prompt's tokens (the runtime's tokenizer, else the estimate)."""
-        with trio.move_on_after(_OVERFLOW_CHECK_S):
-            context = self._context_tokens or await self._fetch_context()
-            if context is None:
-                return failure
-            body = _decode_body(run.body)
-            if body is None:
-                return failure
-            counted = await self.runtime_prompt_tokens(run.target, body)
-            tokens = estimate_input_tokens(body) if counted is None else counted
-            output = _max_output_tokens(body)
-            if tokens + output > context:
-                asked = f" and {output} of output" if output else ""
-                return AdapterError(
-                    FailureCode.UPSTREAM_REJECTED,
-                    f"the request needs about {tokens} tokens of prompt{asked}, more than "
-                    f"the provider's context of {context} tokens (the upstream ended the "
-                    "stream without a word)",
-                    status=400,
-                    upstream_code=CONTEXT_LENGTH_EXCEEDED,
-                    param=INPUT_FIELDS.get(run.operation),
-                )
-        return failure
-
-    async def _fetch_context(self) -> int | None:
-        """The runtime's context size from llama.cpp's `GET /props` (asked until it says
-        there is no such route)."""
-        if self._props_absent:
-            return None
-        try:
-            response = await self._client.get(
-                self.root_url + "/props", headers={"Accept": "application/json"}
-            )
-        except httpx2.HTTPError:
-            return None
-        if response.status_code in (404, 405):
-            self._props_absent = True
-            return None
-        try:
-            tokens = _props_decoder.decode(response.content).context_tokens()
-        except msgspec.DecodeError:
-            return None
-        self._learn_context(tokens)
-        return tokens
 
     async def runtime_prompt_tokens(self, model: str, body: dict[str, Any]) -> int | None:
         """The prompt tokens of a request `body` by the runtime's own tokenizer: its count
@@ -633,7 +392,7 @@ class OpenAICompatAdapter(NativeRelay):
         return None if counted is None else counted + template_tokens(body)
 
     async def _bounded(
-        self, run: Run, exchange: Callable[[_Progress], Awaitable[RunResult]], path: str
+        self, run: Run, exchange: Callable[[Progress], Awaitable[RunResult]], path: str
     ) -> RunResult:
         """Run one exchange to `path` under the adapter's deadlines, in its own span when
         the run is traced (`iop_node.tracing`)."""
@@ -654,7 +413,7 @@ class OpenAICompatAdapter(NativeRelay):
     async def _within_deadlines(
         self,
         run: Run,
-        exchange: Callable[[_Progress], Awaitable[RunResult]],
+        exchange: Callable[[Progress], Awaitable[RunResult]],
         call: UpstreamCall | None,
     ) -> RunResult:
         """Run one exchange under the adapter's deadlines (see the module doc), mapping
@@ -665,10 +424,10 @@ class OpenAICompatAdapter(NativeRelay):
         request_timeout_s = self.provider.adapter.request_timeout_s
         first_byte_s = self._first_byte_s if run.stream else request_timeout_s
         with trio.CancelScope(deadline=start + first_byte_s) as scope:
-            progress = _Progress(scope=scope, request_deadline=start + request_timeout_s, call=call)
+            progress = Progress(scope=scope, request_deadline=start + request_timeout_s, call=call)
             try:
                 return await exchange(progress)
-            except (*_CORE_ERRORS, SSEError) as exc:
+            except (*CORE_ERRORS, SSEError) as exc:
                 raise self._transport_failure(exc, progress) from exc
         # Only reached when one of our own deadlines fired.
         if progress.emitted:
@@ -750,7 +509,7 @@ class OpenAICompatAdapter(NativeRelay):
             extensions={"trace": self._note_probe_progress},
         )
         if response.status_code != 200:
-            detail = error_message(response.content[:_ERROR_BODY_LIMIT])
+            detail = error_message(response.content[:ERROR_BODY_LIMIT])
             suffix = f": {detail}" if detail else ""
             raise _ProbeFailure(f"GET {name} returned {response.status_code}{suffix}")
         try:
@@ -759,12 +518,12 @@ class OpenAICompatAdapter(NativeRelay):
             raise _ProbeFailure(f"GET {name} returned an unexpected body: {exc}") from None
 
     def _unavailable(self, detail: str) -> ProviderStatus:
-        return ProviderStatus(id=self.provider.id, health="unavailable", detail=_clip(detail))
+        return ProviderStatus(id=self.provider.id, health="unavailable", detail=clip(detail))
 
     # --- one request ----------------------------------------------------------------------
 
     async def _exchange(
-        self, run: Run, url: httpcore2.URL, emit: Emit, progress: _Progress
+        self, run: Run, url: httpcore2.URL, emit: Emit, progress: Progress
     ) -> RunResult:
         request = self._post(
             url, [*self._run_headers[run.stream], *progress.trace_headers(run)], run.body
@@ -772,13 +531,13 @@ class OpenAICompatAdapter(NativeRelay):
         connection, response = await self._send(request, progress)
         try:
             if not 200 <= response.status < 300:
-                body = await _error_body(response, progress)
-                self._learn_context(read_error_facts(body).context_tokens)
+                body = await error_body(response, progress)
+                self._context.learn(read_error_facts(body).context_tokens)
                 raise status_failure(response.status, body, run.operation)
-            _check_encoding(response)
+            check_encoding(response)
             if run.stream:
                 return await self._relay_stream(response, emit, progress)
-            body = await _read_body(response, progress)
+            body = await read_body(response, progress)
         finally:
             await self._close(connection, response)
         try:
@@ -814,7 +573,7 @@ class OpenAICompatAdapter(NativeRelay):
         )
 
     async def _send(
-        self, request: httpcore2.Request, progress: _Progress
+        self, request: httpcore2.Request, progress: Progress
     ) -> tuple[httpcore2.AsyncConnectionInterface, httpcore2.Response]:
         """Send a run's request on a pooled connection (`_close` gives it back), noting
         the status on the run's trace."""
@@ -833,18 +592,18 @@ class OpenAICompatAdapter(NativeRelay):
             await self._connections.give_back(connection)
 
     async def _relay_stream(
-        self, response: httpcore2.Response, emit: Emit, progress: _Progress
+        self, response: httpcore2.Response, emit: Emit, progress: Progress
     ) -> RunResult:
         decoder = SSEDecoder()
         usage: Usage | None = None
         finished = False
         done = False
-        async with aclosing(_body_chunks(response)) as body:
+        async with aclosing(body_chunks(response)) as body:
             async for raw in body:
                 for event in decoder.feed(raw):
                     progress.saw_first_byte()
                     data = event.data
-                    if data == _DONE:
+                    if data == DONE:
                         done = True
                         break
                     if not data.strip():
@@ -861,134 +620,58 @@ class OpenAICompatAdapter(NativeRelay):
                 if done:
                     break
             if done:
-                # Let the end of the chunked body arrive so the connection is reused.
-                with trio.move_on_after(_DRAIN_AFTER_DONE_S):
-                    async for _ in body:
-                        pass
+                await drain(body)  # so the connection is reused
                 return RunResult(usage=usage)
         # The body ended without `[DONE]`: fine if the model had finished, else truncated.
         if finished:
             return RunResult(usage=usage)
-        failure = self._stream_cut(
-            progress, "upstream stream ended before [DONE]", reply_fault=True
+        failure = stream_cut(
+            progress.emitted, "upstream stream ended before [DONE]", reply_fault=True
         )
         if not progress.first_byte:
             raise _EmptyStream(failure)
         raise failure
 
     async def _exchange_native(
-        self, run: Run, protocol: CallerProtocol, events: EmitEvents, progress: _Progress
+        self, run: Run, form: NativeForm, events: EmitEvents, progress: Progress
     ) -> RunResult:
-        """A `messages` or `responses` run sent as it is (`native` has the rules of what
+        """A run of a caller protocol sent as it is (`native` has the rules of what
         comes back)."""
-        headers = [
-            *self._native_headers[protocol, run.stream],
-            *_caller_header_pairs(run, protocol),
-            *progress.trace_headers(run),
-        ]
-        request = self._post(self._native_urls[protocol], headers, run.body)
-        reply = native.NativeReply(run, protocol)
+        url, fixed = self._native_request(form, run.stream)
+        headers = [*fixed, *caller_header_pairs(run, form), *progress.trace_headers(run)]
+        request = self._post(url, headers, run.body)
+        reply = native.NativeReply(run, form)
         connection, response = await self._send(request, progress)
         try:
             if not 200 <= response.status < 300:
-                body = await _error_body(response, progress)
+                body = await error_body(response, progress)
                 failure = status_failure(response.status, body)
                 if missing_route(response.status, body, run.target):
-                    raise NativeUnsupported(protocol, failure)
+                    raise NativeUnsupported(form.name, failure)
                 raise failure
-            _check_encoding(response)
+            check_encoding(response)
             if run.stream:
-                return await self._relay_native_stream(response, reply, events, progress)
-            body = await _read_body(response, progress)
+                return await relay_native_stream(response, reply, events, progress)
+            body = await read_body(response, progress)
         finally:
             await self._close(connection, response)
-        try:
-            shaped = reply.response(body)
-        except native.NotAnObject as exc:
-            raise AdapterError(
-                FailureCode.UPSTREAM_ERROR,
-                f"bad upstream output: {exc}",
-                retryable=True,
-                reply_fault=True,
-            ) from None
-        except native.InBandError as exc:
-            raise AdapterError(
-                FailureCode.UPSTREAM_ERROR, f"upstream returned an error: {exc}", retryable=True
-            ) from None
-        return RunResult(usage=reply.usage, response=shaped)
+        return shaped(reply, body)
 
-    async def _relay_native_stream(
-        self,
-        response: httpcore2.Response,
-        reply: native.NativeReply,
-        events: EmitEvents,
-        progress: _Progress,
-    ) -> RunResult:
-        """Relay a native stream: what one upstream read completed leaves as one piece;
-        the last events, when the run holds them back, leave with its end (`native`,
-        Rule 6), or, when the stream breaks off, ahead of the failure, as they came."""
-        try:
-            result = await self._relay_native_events(response, reply, events, progress)
-            if result is None:
-                raise self._stream_cut(
-                    progress, "upstream stream ended before its last event", reply_fault=True
-                )
-        except (*_CORE_ERRORS, SSEError, AdapterError):
-            if held := reply.release():
-                await events(held, 0)
-            raise
-        return result
-
-    async def _relay_native_events(
-        self,
-        response: httpcore2.Response,
-        reply: native.NativeReply,
-        events: EmitEvents,
-        progress: _Progress,
-    ) -> RunResult | None:
-        """`_relay_native_stream`'s loop; None when the body ended before the last event."""
-        decoder = SSEDecoder()
-        async with aclosing(_body_chunks(response)) as body:
-            async for raw in body:
-                framed: list[bytes] = []
-                output = 0
-                failure: str | None = None
-                malformed = False
-                for event in decoder.feed(raw):
-                    progress.saw_first_byte()
-                    data = event.data
-                    if not data.strip() or data == _DONE:
-                        continue
-                    try:
-                        shaped, tokens = reply.event(event.event, data)
-                    except native.NotAnObject as exc:
-                        failure, malformed = f"bad upstream output: {exc}", True
-                        break
-                    except native.InBandError as exc:
-                        failure = f"upstream reported an error: {exc}"
-                        break
-                    if shaped:
-                        framed.append(shaped)
-                    output += tokens
-                    if reply.ended:
-                        break
-                if framed:
-                    await events(framed[0] if len(framed) == 1 else b"".join(framed), output)
-                    progress.emitted += len(framed)
-                if failure is not None:
-                    # The events before the error went out; the failure names the error.
-                    raise self._stream_cut(progress, failure, reply_fault=malformed)
-                if reply.ended:
-                    # Let the end of the chunked body arrive so the connection is reused.
-                    with trio.move_on_after(_DRAIN_AFTER_DONE_S):
-                        async for _ in body:
-                            pass
-                    return RunResult(
-                        usage=reply.usage,
-                        response=reply.final_response,
-                        tail=reply.release() or None,
-                    )
-        return None
+    def _native_request(
+        self, form: NativeForm, stream: bool
+    ) -> tuple[httpcore2.URL, list[tuple[bytes, bytes]]]:
+        """A native protocol's URL under `base_url` and its fixed headers (the key in
+        `form.key_header` too, where the protocol's clients send it), made once."""
+        known = self._native.get((form.name, stream))
+        if known is None:
+            key = (
+                []
+                if form.key_header is None or not self._key
+                else [(form.key_header.encode(), self._key.encode())]
+            )
+            url = core_url(httpx2.URL(self.base_url + form.path))
+            known = self._native[form.name, stream] = (url, [*self._run_headers[stream], *key])
+        return known
 
     async def _post_bounded(
         self, url: httpx2.URL | str, body: bytes, headers: dict[str, str]
@@ -1014,7 +697,7 @@ class OpenAICompatAdapter(NativeRelay):
             retryable=True,
         )
 
-    def _inspect_chunk(self, data: bytes, event: str, progress: _Progress) -> ParsedChunk | None:
+    def _inspect_chunk(self, data: bytes, event: str, progress: Progress) -> ParsedChunk | None:
         """Read one chunk (once: the runner shapes and counts it from this reading), or
         raise if it is not JSON or reports an error.
 
@@ -1023,31 +706,16 @@ class OpenAICompatAdapter(NativeRelay):
             parsed: ParsedChunk | None = read_chunk(data)
         except NotAnObject as exc:
             if exc.malformed:
-                raise self._stream_cut(
-                    progress, "upstream sent a chunk that is not JSON", reply_fault=True
+                raise stream_cut(
+                    progress.emitted, "upstream sent a chunk that is not JSON", reply_fault=True
                 ) from None
             parsed = None
         if event == "error" or (parsed is not None and parsed.is_error):
             message = error_message(data) or "unknown error"
-            raise self._stream_cut(progress, f"upstream reported an error: {message}")
+            raise stream_cut(progress.emitted, f"upstream reported an error: {message}")
         return parsed
 
-    def _stream_cut(
-        self, progress: _Progress, message: str, *, reply_fault: bool = False
-    ) -> AdapterError:
-        """A stream that cannot go on; `reply_fault` when what the upstream said is empty
-        or malformed (`wire.RunFailed.reply_fault`), not an error it reported."""
-        if progress.emitted:
-            return AdapterError(
-                FailureCode.UPSTREAM_STREAM_ERROR,
-                f"{message} (after {progress.emitted} chunks)",
-                reply_fault=reply_fault,
-            )
-        return AdapterError(
-            FailureCode.UPSTREAM_ERROR, message, retryable=True, reply_fault=reply_fault
-        )
-
-    def _transport_failure(self, exc: Exception, progress: _Progress) -> AdapterError:
+    def _transport_failure(self, exc: Exception, progress: Progress) -> AdapterError:
         """A run's transport (httpcore2) or event-stream failure, as the table says."""
         detail = describe_transport_error(exc)
         if progress.emitted:
@@ -1074,89 +742,3 @@ class OpenAICompatAdapter(NativeRelay):
             )
         code = FailureCode.UPSTREAM_TIMEOUT if timed_out else FailureCode.UPSTREAM_ERROR
         return AdapterError(code, f"{self._origin}: {detail}", retryable=True)
-
-
-async def _error_body(response: httpcore2.Response, progress: _Progress) -> bytes:
-    """The start of an error response's body, to find the upstream's message in. An
-    encoded one cannot be read: the status alone has to do."""
-    body = await _read_body(response, progress, limit=_ERROR_BODY_LIMIT)
-    return b"" if _encoded(response) else body
-
-
-def _caller_headers(run: Run, protocol: CallerProtocol) -> dict[str, str]:
-    """The caller's protocol headers a native upstream sees (never one the adapter owns),
-    with Anthropic's version header for a Messages request that came without one."""
-    headers = {
-        name: value
-        for name, value in run.caller_headers.items()
-        if name.lower() not in _OWN_HEADERS
-    }
-    if protocol == "messages" and not any(name.lower() == "anthropic-version" for name in headers):
-        headers["anthropic-version"] = DEFAULT_ANTHROPIC_VERSION
-    return headers
-
-
-def _caller_header_pairs(run: Run, protocol: CallerProtocol) -> list[tuple[bytes, bytes]]:
-    return [
-        (name.encode("latin-1"), value.encode("latin-1"))
-        for name, value in _caller_headers(run, protocol).items()
-    ]
-
-
-def _core_url(url: httpx2.URL) -> httpcore2.URL:
-    return httpcore2.URL(
-        scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path
-    )
-
-
-def _host_header(url: httpx2.URL) -> bytes:
-    """The Host header httpx2 would send: the host (IPv6 in brackets), with the port unless
-    it is the scheme's default."""
-    return url.netloc
-
-
-def _encoded(response: httpcore2.Response) -> bytes | None:
-    """The response's content coding, when it has one other than `identity`."""
-    for name, value in response.headers:
-        if name.lower() == b"content-encoding":
-            coding = value.strip().lower()
-            if coding and coding != b"identity":
-                return coding
-    return None
-
-
-def _check_encoding(response: httpcore2.Response) -> None:
-    """Refuse a body the upstream encoded although we asked for `identity`: we relay bytes
-    as they arrive and cannot read (or relay) a compressed stream."""
-    coding = _encoded(response)
-    if coding is not None:
-        raise AdapterError(
-            FailureCode.UPSTREAM_ERROR,
-            f"upstream sent a {coding.decode('latin-1')}-encoded body "
-            "despite Accept-Encoding: identity",
-            retryable=True,
-        )
-
-
-def _body_chunks(response: httpcore2.Response) -> AsyncGenerator[bytes]:
-    """The response body straight from the pool's stream (an async generator), one
-    generator layer fewer per chunk than `response.aiter_stream()`."""
-    return cast(AsyncGenerator[bytes], aiter(cast(AsyncIterable[bytes], response.stream)))
-
-
-async def _read_body(
-    response: httpcore2.Response, progress: _Progress, *, limit: int | None = None
-) -> bytes:
-    """Read a response body (up to `limit` bytes), marking the first byte as it arrives."""
-    parts: list[bytes] = []
-    size = 0
-    async with aclosing(_body_chunks(response)) as body:
-        async for raw in body:
-            if not progress.first_byte:
-                progress.saw_first_byte()
-            parts.append(raw)
-            size += len(raw)
-            if limit is not None and size >= limit:
-                break
-    data = b"".join(parts)
-    return data if limit is None else data[:limit]

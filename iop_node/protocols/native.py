@@ -36,18 +36,68 @@ An empty alias (`""`) keeps the upstream's `model`.
 Usage is read into `TokenUsage`, chat completions' convention: Anthropic's
 `input_tokens` excludes cached input, so prompt tokens are input + cache read + cache
 creation there.
+
+`NativeForm` is what an adapter needs to know of a protocol to relay it natively (its
+path, headers, reader and last events); each protocol's translator
+(`iop_node.runs.protocol_run`) has one when runtimes may speak the protocol, and hands it to
+the adapter with the run.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Final, Protocol
 
 import msgspec
 
 from iop_node.protocols.chat_body import encode
 from iop_node.protocols.chat_view import TokenUsage
+from schemas.wire import Run
 
-__all__ = ["MessagesNative", "ResponsesNative"]
+__all__ = ["ANTHROPIC_VERSION", "MessagesNative", "NativeForm", "NativeReader", "ResponsesNative"]
+
+#: Anthropic's API refuses a request without `anthropic-version`; a caller that sent none
+#: (the Edge passes the caller's own when there is one) gets the first stable version,
+#: which every Messages-speaking runtime accepts.
+ANTHROPIC_VERSION: Final = "2023-06-01"
+
+
+class NativeReader(Protocol):
+    """Reads one native reply for its caller: the alias in, the usage out."""
+
+    @property
+    def usage(self) -> TokenUsage | None: ...
+
+    def event(self, data: bytes, name: str | None = None) -> bytes: ...
+
+    def response(self, body: bytes) -> bytes: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NativeForm:
+    """A caller protocol as a runtime that speaks it natively serves it."""
+
+    name: str
+    """The protocol's name (a `ProtocolSupport` learns it is unsupported by this)."""
+    path: str
+    """Its endpoint under the provider's `base_url` (`/messages`)."""
+    reader: Callable[[Run], NativeReader]
+    """A reader of one run's reply."""
+    ends: frozenset[str]
+    """The SSE events after which a stream has ended well."""
+    tail: frozenset[str]
+    """The events held back for the run's end with `run.hold_tail`."""
+    keeps_output: bool = False
+    """A stream's final response object travels in `run_done.response` when the run
+    keeps its output (Responses)."""
+    headers: Mapping[str, str] = field(default_factory=dict)
+    """Headers the upstream requires, sent when the caller sent none of that name
+    (Anthropic's `anthropic-version`)."""
+    key_header: str | None = None
+    """Another header that carries the provider's API key, beside `Authorization`
+    (Anthropic's `x-api-key`)."""
+
 
 _decode_fields: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 

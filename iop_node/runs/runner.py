@@ -57,7 +57,12 @@ from iop_node.adapters.base import Adapter, AdapterError, RunResult
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
 from iop_node.reply import NotAnObject, ParsedChunk, ReplyShaper, read_chunk
 from iop_node.runs.activity import RunActivity
-from iop_node.runs.protocol_run import PROTOCOL_OPERATIONS, estimate_prompt_tokens, execute_protocol
+from iop_node.runs.protocol_run import (
+    ADAPTER_OPERATIONS,
+    TRANSLATORS,
+    Translator,
+    estimate_prompt_tokens,
+)
 from schemas.limits import MAX_PAYLOAD_BYTES
 from schemas.tokens import OutputTally, estimate_input_tokens
 from schemas.wire import FailureCode, Message, Run, RunDone, RunFailed, Usage
@@ -111,21 +116,26 @@ async def execute_run(run: Run, adapter: Adapter | None, handle: RunHandle, send
     the run's answer leaves, or without one when the run is cut from outside. The run is
     awaited here, not in a helper coroutine: each await in the chain is one more frame
     every resumption of the run passes through."""
+    translator = TRANSLATORS.of(run.operation)  # None: the adapter runs it as it is
     node_tracing = tracing.current()
     if node_tracing is None:
         if adapter is None:
             await send(_unknown_provider(run))
         else:
-            await send(await _outcome(run, adapter, handle, send, None))
+            await send(await _outcome(run, adapter, handle, send, None, translator=translator))
         return
-    trace = node_tracing.attempt(run, adapter.provider if adapter is not None else None)
+    trace = node_tracing.attempt(
+        run,
+        adapter.provider if adapter is not None else None,
+        None if translator is None else translator.trace,
+    )
     message: Message | None = None
     try:
         if adapter is None:
             message = _unknown_provider(run)
         else:
             with trace.active():
-                message = await _outcome(run, adapter, handle, send, trace)
+                message = await _outcome(run, adapter, handle, send, trace, translator=translator)
     finally:
         trace.finish(message)  # before the Edge hears the end: the span is complete
     await send(message)
@@ -141,7 +151,13 @@ def _unknown_provider(run: Run) -> RunFailed:
 
 
 async def _outcome(
-    run: Run, adapter: Adapter, handle: RunHandle, send: Send, trace: tracing.AttemptTrace | None
+    run: Run,
+    adapter: Adapter,
+    handle: RunHandle,
+    send: Send,
+    trace: tracing.AttemptTrace | None,
+    *,
+    translator: Translator | None,
 ) -> Message:
     shaper = ReplyShaper(run)
     tally = OutputTally()
@@ -178,15 +194,19 @@ async def _outcome(
             handle.emitted = True
             await send(Chunk(run.run_id, events))
 
-    in_protocol = run.operation in PROTOCOL_OPERATIONS
     result: RunResult | None = None
     failure: RunFailed | None = None
     with handle.scope:
         try:
-            if in_protocol:
-                result = await execute_protocol(run, adapter, emit_events)
-            else:
+            if translator is not None:
+                result = await translator.execute(run, adapter, emit_events)
+            elif run.operation in ADAPTER_OPERATIONS:
                 result = await adapter.execute(run, emit)
+            else:  # a caller protocol this Node has no translator for (another release's)
+                raise AdapterError(
+                    FailureCode.UNSUPPORTED_OPERATION,
+                    f"operation {run.operation!r} is no caller protocol this Node runs",
+                )
         except Exception as exc:  # the isolation boundary: adapter errors fail the run only
             failure = _failure(run, handle, exc)
     if handle.cancel_code is not None:
@@ -202,14 +222,14 @@ async def _outcome(
     if failure is not None:
         if run.operation != "count_tokens" and (tally.pieces or failure.code in _CUT_WHILE_WORKING):
             failure = msgspec.structs.replace(
-                failure, usage=_estimate(run, tally), usage_source="estimated"
+                failure, usage=_estimate(run, tally, translator), usage_source="estimated"
             )
         return failure
     assert result is not None
     response = result.response
     if trace is not None and response is not None:
-        trace.response(response, upstream_model=not in_protocol)
-    if response is not None and not in_protocol:
+        trace.response(response, upstream_model=translator is None)
+    if response is not None and translator is None:
         try:
             response = shaper.response(response)
         except NotAnObject as exc:
@@ -240,7 +260,7 @@ async def _outcome(
         tally.add(response, whole=True)
     return RunDone(
         run_id=run.run_id,
-        usage=await _counted_estimate(run, tally, adapter),
+        usage=await _counted_estimate(run, tally, adapter, translator),
         response=response,
         usage_source="estimated",
         tail=tail,
@@ -278,10 +298,11 @@ RUNTIME_COUNT_TIMEOUT_S: Final = 0.5
 _COUNTED: Final = frozenset({"chat", "completion"})
 
 
-def _estimate(run: Run, tally: OutputTally) -> Usage:
-    """The run's usage by IOP's estimators (see the module docstring)."""
-    if run.operation in PROTOCOL_OPERATIONS:
-        prompt = estimate_prompt_tokens(run)
+def _estimate(run: Run, tally: OutputTally, translator: Translator | None) -> Usage:
+    """The run's usage by IOP's estimators (see the module docstring); `translator`: its
+    caller protocol's, when it is not run as it is."""
+    if translator is not None:
+        prompt = estimate_prompt_tokens(run, translator)
     else:
         try:
             body = _decode_body(run.body)
@@ -294,11 +315,13 @@ def _estimate(run: Run, tally: OutputTally) -> Usage:
     )
 
 
-async def _counted_estimate(run: Run, tally: OutputTally, adapter: Adapter) -> Usage:
+async def _counted_estimate(
+    run: Run, tally: OutputTally, adapter: Adapter, translator: Translator | None
+) -> Usage:
     """`_estimate`, with the prompt counted by the runtime's own tokenizer when it has
     one: asked only here (a run that finished without usage), within
     `RUNTIME_COUNT_TIMEOUT_S`, past which the estimate stands."""
-    usage = _estimate(run, tally)
+    usage = _estimate(run, tally, translator)
     if not isinstance(adapter, OpenAICompatAdapter) or run.operation not in _COUNTED:
         return usage
     try:

@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 import trio
 
-from iop_node.adapters.base import AdapterError, NativeUnsupported
-from iop_node.adapters.openai_compat import DEFAULT_ANTHROPIC_VERSION
+from iop_node.adapters.base import AdapterError, EmitEvents, NativeUnsupported, RunResult
+from iop_node.adapters.openai_compat import OpenAICompatAdapter
+from iop_node.protocols.native import ANTHROPIC_VERSION
+from iop_node.runs.protocol_run import TRANSLATORS
 from schemas.wire import Operation, Run, Usage
 from tests.timing import GUARD_S
 
@@ -122,7 +124,7 @@ async def test_messages_non_stream_is_relayed_with_the_alias_and_usage(
     adapter = make_adapter(upstream.base_url, api_key_env=FAKE_KEY_ENV)
     run = native_run("messages", headers={"anthropic-beta": "tools-2024", "Authorization": "x"})
     with trio.fail_after(GUARD_S):
-        result = await adapter.execute_native(run, Events())
+        result = await execute_native(adapter, run, Events())
     sent = json.loads(messages_response(MODEL, 3))
     assert result.response is not None
     assert json.loads(result.response) == {**sent, "model": ALIAS}
@@ -133,7 +135,7 @@ async def test_messages_non_stream_is_relayed_with_the_alias_and_usage(
     assert (request.method, request.path, request.body) == ("POST", "/v1/messages", run.body)
     assert request.headers["x-api-key"] == FAKE_KEY
     assert request.headers["authorization"] == f"Bearer {FAKE_KEY}"  # never the caller's
-    assert request.headers["anthropic-version"] == DEFAULT_ANTHROPIC_VERSION
+    assert request.headers["anthropic-version"] == ANTHROPIC_VERSION
     assert request.headers["anthropic-beta"] == "tools-2024"
 
 
@@ -145,7 +147,7 @@ async def test_messages_stream_relays_every_event_with_the_alias(
     run = native_run("messages", stream=True, headers={"anthropic-version": "2024-01-01"})
     events = Events()
     with trio.fail_after(GUARD_S):
-        result = await adapter.execute_native(run, events)
+        result = await execute_native(adapter, run, events)
     sent = messages_events(MODEL, 3)
     assert events.parsed() == with_alias(sent, "message")
     # Only `message_start` carries the model: every other event is the upstream's bytes.
@@ -167,7 +169,7 @@ async def test_an_anthropic_error_keeps_the_upstream_status_and_words(
     upstream.error_message = "max_tokens: must be at most 8192"
     adapter = make_adapter(upstream.base_url)
     with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as info:
-        await adapter.execute_native(native_run("messages"), Events())
+        await execute_native(adapter, native_run("messages"), Events())
     error = info.value
     assert (error.code, error.status, error.retryable) == ("upstream_rejected", 400, False)
     assert error.message == "max_tokens: must be at most 8192"
@@ -181,7 +183,7 @@ async def test_a_cut_native_stream_is_a_stream_error_after_output(
     adapter = make_adapter(upstream.base_url)
     events = Events()
     with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as info:
-        await adapter.execute_native(native_run("messages", stream=True), events)
+        await execute_native(adapter, native_run("messages", stream=True), events)
     assert (info.value.code, info.value.retryable) == ("upstream_stream_error", False)
     assert [name for name, _ in events.parsed()][:4] == [
         "message_start",
@@ -207,7 +209,7 @@ async def test_an_in_band_error_ends_the_run_with_the_upstreams_words(
     adapter = make_adapter(upstream.base_url)
     events = Events()
     with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as info:
-        await adapter.execute_native(native_run(operation, stream=True), events)
+        await execute_native(adapter, native_run(operation, stream=True), events)
     # What came before the error went out; the error itself is the run's failure (the
     # Edge words it in the caller's protocol), not an event relayed as it is.
     assert [name for name, _ in events.parsed()] == relayed
@@ -226,7 +228,7 @@ async def test_responses_non_stream_is_relayed_with_the_alias_and_usage(
     adapter = make_adapter(upstream.base_url, api_key_env=FAKE_KEY_ENV)
     run = native_run("responses")
     with trio.fail_after(GUARD_S):
-        result = await adapter.execute_native(run, Events())
+        result = await execute_native(adapter, run, Events())
     assert result.response is not None
     assert json.loads(result.response) == {
         **json.loads(responses_response(MODEL, 3)),
@@ -250,7 +252,7 @@ async def test_responses_stream_relays_every_event_and_keeps_the_final_response(
     events = Events()
     run = native_run("responses", stream=True, keep_output=keep_output)
     with trio.fail_after(GUARD_S):
-        result = await adapter.execute_native(run, events)
+        result = await execute_native(adapter, run, events)
     sent = responses_events(MODEL, 3)
     # A response the Edge stores carries IOP's own id, never the upstream's.
     own_id = f"resp_{run.run_id}" if keep_output else None
@@ -280,7 +282,7 @@ async def test_a_missing_native_route_is_reported_as_unsupported(
     upstream.native_missing_status = status
     adapter = make_adapter(upstream.base_url)
     with trio.fail_after(GUARD_S), pytest.raises(NativeUnsupported) as info:
-        await adapter.execute_native(native_run(operation, stream=True), Events())
+        await execute_native(adapter, native_run(operation, stream=True), Events())
     assert info.value.protocol == operation
     assert info.value.failure.status == status
 
@@ -293,7 +295,7 @@ async def test_a_404_about_the_model_is_not_a_missing_route(
     upstream.error_message = f"model '{MODEL}' not found"
     adapter = make_adapter(upstream.base_url)
     with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as info:
-        await adapter.execute_native(native_run("messages"), Events())
+        await execute_native(adapter, native_run("messages"), Events())
     assert (info.value.code, info.value.status) == ("upstream_misconfigured", 404)
 
 
@@ -380,3 +382,10 @@ async def test_a_failing_tokenizer_is_asked_again_next_time(
     upstream.status = 200
     with trio.fail_after(GUARD_S):
         assert await adapter.tokenize_count(MODEL, TEXT) == len(fake_tokens(TEXT))
+
+
+async def execute_native(adapter: OpenAICompatAdapter, run: Run, events: EmitEvents) -> RunResult:
+    """The run sent natively, in the form its protocol's translator gives."""
+    translator = TRANSLATORS.of(run.operation)
+    assert translator is not None and translator.native is not None
+    return await adapter.execute_native(run, translator.native, events)

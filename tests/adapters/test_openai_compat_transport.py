@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from iop_node.adapters.base import AdapterError
-from iop_node.adapters.openai_compat import _host_header
+from iop_node.adapters.upstream_http.exchange import host_header
 from iop_node.compat.httpx2 import connection_pool_for
 from schemas.wire import Usage
 from tests.timing import GUARD_S
@@ -270,5 +270,5 @@ async def test_run_without_api_key_env_sends_no_authorization(
 )
 def test_host_header_matches_httpx2(base_url: str, host: bytes) -> None:
     url = httpx2.URL(base_url)
-    assert _host_header(url) == host
+    assert host_header(url) == host
     assert httpx2.Request("POST", url).headers["host"].encode() == host

@@ -20,17 +20,14 @@ import trio.testing
 
 from bench.shared_runtime import Tally, keep_streams
 from bench.soak import (
-    BUSY_ACCEPTED,
-    BUSY_GENERATING,
     SHARED_MODEL,
     SHARED_PROVIDER,
     Books,
     _config,
     _report_shared_runtime,
-    _routable,
-    _state,
     main,
 )
+from bench.soak_catalog import BUSY_ACCEPTED, BUSY_GENERATING, routable, state
 from bench.upstream import MAX_STREAM_TOKENS, STREAM_TOKENS, BenchUpstream
 from iop_edge.core.configuration.config import parse_config
 from iop_node.health import ACCEPTED_BUT_SILENT
@@ -148,15 +145,15 @@ def test_catalog_looks_are_labelled_by_health_first() -> None:
     accepted = f"{ACCEPTED_BUT_SILENT} (health probe timed out after 2s); no run from IOP"
     generating = "1 run from IOP producing output at the runtime (health probe deferred)"
     timed_out = "health probe timed out after 2s while 1 run from IOP produced output"
-    assert _state("busy", accepted) == BUSY_ACCEPTED
-    assert _state("busy", generating) == _state("busy", timed_out) == BUSY_GENERATING
-    assert _state("available", "") == "available"
-    down = _state("unavailable", "health probe timed out after 2s with no run in flight")
+    assert state("busy", accepted) == BUSY_ACCEPTED
+    assert state("busy", generating) == state("busy", timed_out) == BUSY_GENERATING
+    assert state("available", "") == "available"
+    down = state("unavailable", "health probe timed out after 2s with no run in flight")
     assert down.startswith("unavailable: ")
-    assert [_routable(s) for s in (BUSY_ACCEPTED, BUSY_GENERATING, "available", "busy: x")] == [
+    assert [routable(s) for s in (BUSY_ACCEPTED, BUSY_GENERATING, "available", "busy: x")] == [
         True
     ] * 4
-    assert not any(_routable(s) for s in (down, "unknown", "unavailable: node disconnected"))
+    assert not any(routable(s) for s in (down, "unknown", "unavailable: node disconnected"))
 
 
 def _books(looks: dict[str, int], ends: list[tuple[float, str]]) -> Books:

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -56,14 +56,17 @@ def caller_errors_name_no_topology(monkeypatch: pytest.MonkeyPatch) -> Iterator[
     from iop_edge.http.server import WRONG_PORT_CODE
 
     said: list[str] = []
-    body = ApiError.body
 
-    def checked(self: ApiError, *args: object, **kwargs: object) -> bytes:
-        written = body(self, *args, **kwargs)  # type: ignore[arg-type]
-        if self.code != WRONG_PORT_CODE and _TOPOLOGY.search(self.message):
-            said.append(self.message)
-        return written
+    def checked(shape: Callable[..., bytes]) -> Callable[..., bytes]:
+        def body(self: ApiError, *args: object, **kwargs: object) -> bytes:
+            written = shape(self, *args, **kwargs)
+            if self.code != WRONG_PORT_CODE and _TOPOLOGY.search(self.message):
+                said.append(self.message)
+            return written
 
-    monkeypatch.setattr(ApiError, "body", checked)
+        return body
+
+    for shape in ("body", "anthropic_body"):  # OpenAI's error shape, Anthropic's
+        monkeypatch.setattr(ApiError, shape, checked(getattr(ApiError, shape)))
     yield
     assert not said, f"caller errors that name the Edge's topology: {said}"

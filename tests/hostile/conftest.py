@@ -1,3 +1,3 @@
-from tests.e2e.conftest import stack_one
+from tests.e2e.conftest import ledger_url, postgres_server, stack_one
 
-__all__ = ["stack_one"]
+__all__ = ["ledger_url", "postgres_server", "stack_one"]

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from iop_edge.core.configuration.config import ConfigInvalid, parse_config
 from iop_edge.core.snapshot import Snapshot
+from iop_edge.http.protocols.protocol_registry import PROTOCOLS
 from iop_edge.http.protocols.responses import ResponsesSurface
-from iop_edge.http.runs import RUN_PATHS, RunEndpoints
+from iop_edge.http.runs import RunEndpoints
 from iop_edge.runtime.metering.metering import Metering
 from iop_edge.runtime.metering.metrics import EdgeMetrics
 from iop_edge.runtime.metering.response_store import ResponseStore, SqliteResponses
@@ -204,7 +205,9 @@ def _status_of(path: str, body: bytes) -> int:
     scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
 
     async def call() -> None:
-        await _endpoints()(RUN_PATHS[path], scope, receive, send)  # type: ignore[arg-type]
+        route = PROTOCOLS.route(path)
+        assert route is not None
+        await _endpoints()(route, scope, receive, send)  # type: ignore[arg-type]
 
     trio.run(call)
     assert sent and sent[0]["type"] == "http.response.start"
@@ -236,7 +239,7 @@ request_bodies = st.fixed_dictionaries(
 
 
 @FAST
-@given(st.sampled_from(sorted(RUN_PATHS)), request_bodies)
+@given(st.sampled_from(sorted(PROTOCOLS.paths())), request_bodies)
 @example("/v1/chat/completions", {"model": "m1", "messages": [{"role": "user"}], "n": 10**30})
 def test_any_request_body_is_answered_below_500(path: str, body: dict[str, Any]) -> None:
     status = _status_of(path, msgspec.json.encode(body))
@@ -244,7 +247,7 @@ def test_any_request_body_is_answered_below_500(path: str, body: dict[str, Any])
 
 
 @FAST
-@given(st.sampled_from(sorted(RUN_PATHS)), st.binary(max_size=200))
+@given(st.sampled_from(sorted(PROTOCOLS.paths())), st.binary(max_size=200))
 @example("/v1/chat/completions", b"[" * 100_000)
 @example("/v1/chat/completions", b'{"model": "m1", "messages": [], "max_tokens": 1e999}')
 def test_any_bytes_are_answered_below_500(path: str, body: bytes) -> None:

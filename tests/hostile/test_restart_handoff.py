@@ -6,13 +6,16 @@ by the handoff channel a restart makes. The request's bytes are written into the
 server's connection and the drain begins before the old server's task runs: the race
 that used to lose a request (the close and the request crossing on the wire), made
 deterministic. The connection goes over as it is and the successor reads the request
-from the socket. A connection busy at the drain finishes its response here, with
-`Connection: close`, and is not handed over.
+from the socket. A connection whose response begins after the drain finishes it here,
+with `Connection: close`, and is not handed over; one whose response began before the
+drain (its head said nothing of closing) goes to the successor once the response ends,
+so the client's next request on it is served there.
 """
 
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import h11
 import trio
@@ -120,4 +123,49 @@ async def test_a_connection_busy_at_the_drain_finishes_here_and_closes(
     assert body == b"old"
     assert (b"connection", b"close") in head.headers
     assert old_app.served == 1
+    client.sock.close()
+
+
+class StreamingApp(App):
+    """`/stream` sends its head and a first chunk, then waits for `release` before its
+    last chunk; everything else as `App`."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.streaming = trio.Event()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan" or scope["path"] != "/stream":
+            await super().__call__(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first ", "more_body": True})
+        self.streaming.set()
+        await self.release.wait()
+        self.served += 1
+        await send({"type": "http.response.body", "body": self.name.encode()})
+
+
+async def test_a_response_begun_before_the_drain_leaves_its_connection_to_the_successor(
+    nursery: trio.Nursery,
+) -> None:
+    sock = _socket()
+    old_app = StreamingApp("old")
+    old = await _start(nursery, old_app, sock)
+    client = Client(old)
+    new, handoff, _ = await _successor(nursery, sock)
+    client.send_request("/stream")
+    with trio.fail_after(GUARD_S):
+        await old_app.streaming.wait()  # its head is out: keep-alive, nothing said of closing
+    old.stop_accepting(handoff)
+    assert handoff.connections == 0  # busy: not handed over yet
+    old_app.release.set()
+    head, body = await client.response()
+    assert body == b"first old"
+    assert (b"connection", b"close") not in head.headers
+    await trio.testing.wait_all_tasks_blocked()  # the old server saw the connection idle
+    # The client, as any keep-alive client, sends its next request on the connection.
+    assert await client.get("/") == b"new"
+    assert handoff.connections == 1
+    assert (old.open_connections, new.open_connections) == (0, 1)
     client.sock.close()

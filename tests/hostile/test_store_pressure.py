@@ -1,7 +1,9 @@
 """One principal tries to fill the Responses store, and with it the small disk under
 `state_dir` that the usage journal and ledger share: it is answered, unstored, once the
-store would leave less than `edge.responses.min_free_bytes`; the other principals are
-served and every run of everyone is metered (the ledger never stops being writable)."""
+store would leave less than `edge.responses.min_free_bytes`, and told so (`store: false`,
+`x-iop-response-stored: false`, `iop_responses_unstored_total{reason="disk_low"}`); the
+other principals are served and every run of everyone is metered (the ledger never stops
+being writable)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ async def test_one_principal_filling_the_store_leaves_metering_and_the_others_al
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
     stored: list[str] = []
     unstored = 0
+    said_unstored = 0  # everyone's answers saying `x-iop-response-stored: false`
     others: list[str] = []
     async with stack.client(api_key=FILLER) as filler, stack.client(api_key=OTHER) as other:
         for _ in range(80):  # more than the disk holds
@@ -55,12 +58,25 @@ async def test_one_principal_filling_the_store_leaves_metering_and_the_others_al
                 stored.append(raw.parse().id)
             else:
                 unstored += 1
+                said_unstored += 1
                 assert raw.parse().store is False
-            answer = await other.responses.create(model="m", input="hi", max_output_tokens=4)
-            others.append(answer.id)
+            raw = await other.responses.with_raw_response.create(
+                model="m", input="hi", max_output_tokens=4
+            )
+            others.append(raw.parse().id)
+            said_unstored += raw.headers["x-iop-response-stored"] == "false"
         assert stored and unstored  # it stored until the disk's reserve, then no more
         assert disk.free_bytes() >= 5 * 1024 * 1024  # the reserve held
         assert stack.edge.ledger.state == "writable"
+        async with stack.admin() as admin:
+            metrics = (await admin.get("/metrics")).text
+        assert (
+            f'iop_responses_unstored_total{{reason="disk_low"}} {float(said_unstored)}' in metrics
+        )
+        # what was said stored is there to continue
+        await filler.responses.create(
+            model="m", input="more", max_output_tokens=4, previous_response_id=stored[-1]
+        )
         with trio.fail_after(10):
             await stack.edge.ledger.wait_flushed()
     with sqlite3.connect(state_dir / SQLITE_FILE) as db:
@@ -70,4 +86,4 @@ async def test_one_principal_filling_the_store_leaves_metering_and_the_others_al
                 "GROUP BY principal_ref"
             ).fetchall()
         )
-    assert rows == {"filler": 80, "other": 80}
+    assert rows == {"filler": 81, "other": 80}

@@ -1,7 +1,9 @@
 """Hostile upstreams: a runtime whose reply cannot be relayed as it is, one that answers
-one request shape with nothing, one that restarts, one that names its own address. What
-the caller gets is a clean error in its own protocol, without the Edge's topology, and
-no caller's request takes a model offline for the others."""
+one request shape with nothing, one that restarts, one that names its own address, one
+that gives every response the same id, one that fails every request. What the caller
+gets is a clean error in its own protocol, without the Edge's topology; no caller's
+request takes a model offline for the others; stored responses never collide; and a
+runtime's failures spend none of the caller's request limit."""
 
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ import anthropic
 import openai
 import pytest
 import trio
+import yaml
 
+from tests.adapters.fake_protocols import responses_response
 from tests.adapters.fake_upstream import FakeUpstream
+from tests.e2e.stack import edge_config, principals_section, start_native_upstream, start_stack
 from tests.e2e.upstreams import (
     ALIAS,
     MESSAGES,
@@ -27,6 +32,8 @@ from tests.e2e.upstreams import (
     wait_idle,
 )
 from tests.timing import GUARD_S
+
+ALICE = "sk-alice-hostile-not-a-secret"
 
 
 @pytest.fixture
@@ -220,3 +227,91 @@ async def test_a_runtime_that_is_back_serves_at_once_not_at_the_next_periodic_pr
     assert answer.choices[0].message.content
     assert provider_of(await stack.catalog(), "llama")["health"] == "available"
     await wait_idle(stack)
+
+
+# --- a runtime's ids, a runtime's failures ------------------------------------------------
+
+
+async def test_concurrent_conversations_on_a_runtime_with_one_id_stay_apart(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """The runtime answers every Responses request with the same id; conversations
+    going on at once, streamed and not, are each stored under IOP's own ids, and each
+    turn can still be continued after the others were stored."""
+    fake, native = await start_native_upstream(nursery, "responses")
+    text = edge_config(
+        tmp_path / "state",
+        providers=[native],
+        models=[{"id": "m", "providers": {"native": "fake-model"}}],
+    )
+    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+    upstream_id = json.loads(responses_response("fake-model", 1))["id"]
+    turns: list[str] = []
+
+    async def conversation(client: openai.AsyncOpenAI, index: int) -> None:
+        first = await client.responses.create(model="m", input=f"c{index} one")
+        turns.append(first.id)
+        stream = await client.responses.create(
+            model="m", input=f"c{index} two", previous_response_id=first.id, stream=True
+        )
+        async for event in stream:
+            if event.type == "response.completed":
+                turns.append(event.response.id)
+
+    async with stack.client() as client:
+        with trio.fail_after(GUARD_S):
+            async with trio.open_nursery() as conversations:
+                for index in range(4):
+                    conversations.start_soon(conversation, client, index)
+            assert len(turns) == len(set(turns)) == 8 and upstream_id not in turns
+            for response_id in turns:
+                assert (await client.responses.retrieve(response_id)).id == response_id
+            await client.responses.create(model="m", input="again", previous_response_id=turns[0])
+    sent = json.loads(fake.requests[-1].body)
+    said = [item["content"] for item in sent["input"] if item.get("role") == "user"]
+    assert said[-1] == "again" and said[0].endswith(" one")  # the first turn, not another's
+
+
+async def test_a_caller_retrying_a_failing_runtime_keeps_its_requests_per_minute(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A caller retrying at once, in every protocol, streamed and not, while the
+    runtime answers 500: each is a 502 and none spends the caller's
+    `requests_per_minute`; once the runtime is back the caller has its whole limit, and
+    no more. (Requests sent at once beyond the limit are refused while the others are in
+    flight: a request counts until its attempt has failed.)"""
+    fake = FakeUpstream(status=500)
+    provider = upstream_provider("gpu", await nursery.start(fake.serve), protocols=["chat"])
+    text = edge_config(
+        tmp_path / "state",
+        providers=[provider],
+        models=[{"id": ALIAS, "providers": {"gpu": "fake-model"}}],
+        openai_section=principals_section({"alice": ALICE}),
+        dispatch={"cooldown": {"failures": 100, "seconds": 60}},
+    )
+    config = yaml.safe_load(text)
+    config["principals"] = [{"ref": "alice", "requests_per_minute": 2}]
+    stack = await start_stack(
+        nursery, yaml.safe_dump(config), tmp_path / "edge.yaml", wait_models=(ALIAS,)
+    )
+    ask = [{"role": "user", "content": "x"}]
+    bodies = [
+        ("/v1/chat/completions", {"model": ALIAS, "messages": ask}),
+        ("/v1/messages", {"model": ALIAS, "max_tokens": 5, "messages": ask}),
+        ("/v1/responses", {"model": ALIAS, "input": "x"}),
+    ]
+    headers = {"Authorization": f"Bearer {ALICE}"}
+    async with stack.http() as http:
+        with trio.fail_after(GUARD_S):
+            failed = [
+                (await http.post(path, json={**body, "stream": stream}, headers=headers))
+                for stream in (False, True)
+                for path, body in bodies
+            ]
+            assert [r.status_code for r in failed] == [502] * 6, [r.text for r in failed]
+            fake.status = 200  # the runtime is back
+            answered = [
+                (await http.post(path, json=body, headers=headers)).status_code
+                for path, body in bodies
+            ]
+    assert answered == [200, 200, 429]

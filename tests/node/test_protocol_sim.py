@@ -13,7 +13,8 @@ import trio.testing
 from iop_node.adapters.sim.adapter import SimAdapter
 from iop_node.health import HealthMonitor
 from iop_node.protocols import messages_request_to_chat, responses_request_to_chat
-from iop_node.runs.protocol_run import estimate_prompt_tokens
+from iop_node.runs.protocol_run import TRANSLATORS, estimate_prompt_tokens
+from iop_node.runs.protocol_run.messages import MESSAGES as MESSAGES_TRANSLATOR
 from iop_node.runs.runner import Chunk, Outbound, RunHandle, execute_run
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.tokens import estimate_input_tokens, template_tokens, text_tokens
@@ -197,7 +198,8 @@ async def test_a_cancelled_stream_is_estimated_from_what_went_out() -> None:
     assert isinstance(end, RunFailed) and end.code == FailureCode.CANCELLED
     # Prompt tokens: over the request as the runtime read it (translated to chat).
     prompt = estimate_input_tokens(json.loads(messages_request_to_chat(run.body)))
-    assert estimate_prompt_tokens(run) == prompt
+    assert TRANSLATORS.of(run.operation) is MESSAGES_TRANSLATOR
+    assert estimate_prompt_tokens(run, MESSAGES_TRANSLATOR) == prompt
     assert end.usage is not None and end.usage_source == "estimated"
     assert end.usage.prompt_tokens == prompt
     assert end.usage.completion_tokens == 3

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from iop_edge.http.errors import ApiError
-from iop_edge.http.protocols.caller_protocol import stream_error
+from iop_edge.http.protocols.messages import MESSAGES
+from iop_edge.http.protocols.responses import RESPONSES
 from iop_edge.runtime.runs.dispatch import RunPlan
 from iop_node.protocols import (
     MessagesStream,
@@ -224,7 +225,7 @@ def test_failed_streams_validate() -> None:
 
 def test_error_bodies_carry_the_request_id() -> None:
     error = ApiError(404, "The model 'x' does not exist", code="model_not_found")
-    body = json.loads(error.body("messages", "req_9"))
+    body = json.loads(MESSAGES.error_body(error, "req_9"))
     check_messages_error(body)
     assert body["request_id"] == "req_9"
     check_messages_error(json.loads(error_body("messages", 503, "draining")))
@@ -247,17 +248,13 @@ def _plan(**fields: Any) -> RunPlan:
 def test_the_edges_own_stream_failures_validate() -> None:
     error = ApiError(502, "the Node went away", code="node_lost")
     plan = _plan(keep_output=True, previous_response_id="resp_before")
-    framed = stream_error(
-        "responses", error, plan=plan, response_id="resp_req_5", sequence=7, request_id="req_5"
-    )
+    framed = RESPONSES.stream_error(error, plan=plan, sequence=7, request_id="req_5")
     (event,) = parse_sse(framed)
     check_responses_event(event["data"])
     response = event["data"]["response"]
     assert (response["store"], response["previous_response_id"]) == (True, "resp_before")
     assert response["error"] == {"code": "server_error", "message": "node_lost: the Node went away"}
-    framed = stream_error(
-        "messages", error, plan=plan, response_id="resp_req_5", sequence=7, request_id="req_5"
-    )
+    framed = MESSAGES.stream_error(error, plan=plan, sequence=7, request_id="req_5")
     (event,) = parse_sse(framed)
     check_messages_error(event["data"])
     assert event["data"]["request_id"] == "req_5"

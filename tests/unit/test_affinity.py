@@ -16,7 +16,10 @@ from iop_edge.core.routing.affinity import (
     BLOCKS,
     MAX_SESSION_CHARS,
     affinity_of,
+    chat_conversation,
+    messages_conversation,
     rendezvous_order,
+    responses_conversation,
     session_header,
 )
 from iop_edge.core.routing.pool import Grant, Preference, ProviderView, decide
@@ -41,7 +44,7 @@ def chat_turns(first: str, turns: int) -> list[dict[str, Any]]:
 
 
 def chat(body: dict[str, Any], principal: str = "alice", **headers: str) -> Any:
-    return affinity_of("chat", body, headers, principal=principal, model="m")
+    return affinity_of(chat_conversation, body, headers, principal=principal, model="m")
 
 
 # --- the key (Rules 1-2) -------------------------------------------------------------
@@ -114,14 +117,19 @@ def test_another_principals_identical_prompt_has_its_own_key_unless_shared() -> 
     assert alice.key != bob.key
     assert not set(alice.blocks) & set(bob.blocks)
     shared = [
-        affinity_of("chat", body, {}, principal=p, model="m", shared_prefixes=True)
+        affinity_of(chat_conversation, body, {}, principal=p, model="m", shared_prefixes=True)
         for p in ("alice", "bob")
     ]
     assert shared[0].key == shared[1].key and shared[0].blocks == shared[1].blocks
     # a session id is never shared between principals
     sessions = [
         affinity_of(
-            "chat", body, {"x-session-id": "s"}, principal=p, model="m", shared_prefixes=True
+            chat_conversation,
+            body,
+            {"x-session-id": "s"},
+            principal=p,
+            model="m",
+            shared_prefixes=True,
         )
         for p in ("alice", "bob")
     ]
@@ -130,7 +138,7 @@ def test_another_principals_identical_prompt_has_its_own_key_unless_shared() -> 
 
 def test_a_responses_continuation_keeps_its_chains_key() -> None:
     first = {"model": "m", "instructions": "be brief", "input": "hello", "store": True}
-    turn_one = affinity_of("responses", first, {}, principal="alice", model="m")
+    turn_one = affinity_of(responses_conversation, first, {}, principal="alice", model="m")
     # the Edge stores the request's items and the output as JSON, and rebuilds the
     # conversation from them (core.responses.response_chain)
     encode = msgspec.json.encode
@@ -149,7 +157,9 @@ def test_a_responses_continuation_keeps_its_chains_key() -> None:
         "input": [{"role": "user", "content": "more"}],
     }
     continue_body(second, conversation([stored], second["input"]))
-    turn_two = affinity_of("responses", second, {}, principal="alice", model="m", chained=True)
+    turn_two = affinity_of(
+        responses_conversation, second, {}, principal="alice", model="m", chained=True
+    )
     assert turn_two.source == "chain"
     assert turn_two.key == turn_one.key
     assert turn_one.blocks[-1] in turn_two.blocks
@@ -161,9 +171,11 @@ def test_messages_lay_out_system_tools_then_messages() -> None:
         "tools": [{"name": "read", "input_schema": {"type": "object"}}],
         "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
     }
-    affinity = affinity_of("messages", body, {}, principal="p", model="m")
+    affinity = affinity_of(messages_conversation, body, {}, principal="p", model="m")
     assert len(affinity.blocks) == 2  # one per message; the head is in each
-    without_tools = affinity_of("messages", {**body, "tools": []}, {}, principal="p", model="m")
+    without_tools = affinity_of(
+        messages_conversation, {**body, "tools": []}, {}, principal="p", model="m"
+    )
     assert not set(affinity.blocks) & set(without_tools.blocks)
 
 
@@ -283,16 +295,29 @@ def test_codex_and_claude_code_requests_as_recorded() -> None:
         body: dict[str, Any] = json.loads((fixtures / name).read_text())
         return body
 
-    codex = affinity_of("responses", load("codex_first_turn.json"), {}, principal="p", model="m")
+    codex = affinity_of(
+        responses_conversation, load("codex_first_turn.json"), {}, principal="p", model="m"
+    )
     assert codex.source == "session"
     tool_output = load("codex_tool_output.json")
-    assert affinity_of("responses", tool_output, {}, principal="p", model="m").key == codex.key
+    assert (
+        affinity_of(responses_conversation, tool_output, {}, principal="p", model="m").key
+        == codex.key
+    )
     headers = {"x-claude-code-session-id": "0b6c5f0e"}
     first = affinity_of(
-        "messages", load("claude_code_first_turn.json"), headers, principal="p", model="m"
+        messages_conversation,
+        load("claude_code_first_turn.json"),
+        headers,
+        principal="p",
+        model="m",
     )
     later = affinity_of(
-        "messages", load("claude_code_tool_result.json"), headers, principal="p", model="m"
+        messages_conversation,
+        load("claude_code_tool_result.json"),
+        headers,
+        principal="p",
+        model="m",
     )
     assert first.source == later.source == "session" and first.key == later.key
     assert len(later.blocks) > len(first.blocks) or later.blocks[-1] != first.blocks[-1]
@@ -320,7 +345,7 @@ def test_claude_codes_moving_cache_marks_do_not_change_the_conversation() -> Non
             user("run the tests", marked=True),
         ],
     }
-    first = affinity_of("messages", one, {}, principal="p", model="m")
-    second = affinity_of("messages", two, {}, principal="p", model="m")
+    first = affinity_of(messages_conversation, one, {}, principal="p", model="m")
+    second = affinity_of(messages_conversation, two, {}, principal="p", model="m")
     assert first.key == second.key
     assert first.blocks[-1] in second.blocks

@@ -11,7 +11,12 @@ from typing import Any
 import trio
 import trio.testing
 
-from iop_edge.core.routing.affinity import Affinity, affinity_of, rendezvous_order
+from iop_edge.core.routing.affinity import (
+    Affinity,
+    affinity_of,
+    chat_conversation,
+    rendezvous_order,
+)
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.runs.lease import Lease
 from iop_edge.runtime.runs.scheduler import Scheduler
@@ -68,7 +73,7 @@ def online(snap: Snapshot) -> Scheduler:
 
 
 def of(body: dict[str, Any], principal: str = "alice", **headers: str) -> Affinity:
-    return affinity_of("chat", body, headers, principal=principal, model="m")
+    return affinity_of(chat_conversation, body, headers, principal=principal, model="m")
 
 
 async def run(scheduler: Scheduler, affinity: Affinity | None, principal: str = "alice") -> str:
@@ -177,7 +182,9 @@ async def test_another_principals_identical_prompt_does_not_follow() -> None:
     seen_shared = online(snapshot(routing=RoutingPolicy(shared_prefixes=True)))
 
     def shared(body: dict[str, Any], principal: str) -> Affinity:
-        return affinity_of("chat", body, {}, principal=principal, model="m", shared_prefixes=True)
+        return affinity_of(
+            chat_conversation, body, {}, principal=principal, model="m", shared_prefixes=True
+        )
 
     shared_first = rendezvous_order(shared(body, "alice").key, IDS)[0]
     busy = await fill(seen_shared, shared_first, 2)

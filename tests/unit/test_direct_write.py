@@ -14,8 +14,8 @@ import trio
 from trio.testing import wait_all_tasks_blocked
 
 from iop_edge.runtime.nodes.session import NodeSession
-from iop_edge.runtime.runs.dispatch import RelayEvent, Unwritten, _Attempt
 from iop_edge.runtime.runs.lease import Lease
+from iop_edge.runtime.runs.relay import Attempt, RelayEvent, Unwritten
 from schemas import wire
 
 DONE = wire.RunDone(run_id="r")
@@ -48,7 +48,7 @@ class BrokenSocket(Socket):
 class Consumer:
     """Waits for the attempt's events the way a run's relay does."""
 
-    def __init__(self, attempt: _Attempt, socket: Socket) -> None:
+    def __init__(self, attempt: Attempt, socket: Socket) -> None:
         self.attempt = attempt
         self.socket = socket
         self.heard: list[RelayEvent] = []
@@ -61,7 +61,7 @@ class Consumer:
                 return
 
 
-async def _waiting_consumer(nursery: trio.Nursery, socket: Socket) -> tuple[_Attempt, Consumer]:
+async def _waiting_consumer(nursery: trio.Nursery, socket: Socket) -> tuple[Attempt, Consumer]:
     """A new attempt, and its consumer waiting for the first event, writing to `socket`."""
     attempt = _attempt()
     consumer = Consumer(attempt, socket)
@@ -70,7 +70,7 @@ async def _waiting_consumer(nursery: trio.Nursery, socket: Socket) -> tuple[_Att
     return attempt, consumer
 
 
-def _attempt() -> _Attempt:
+def _attempt() -> Attempt:
     lease = Lease(
         run_id="r",
         provider_id="p",
@@ -82,7 +82,7 @@ def _attempt() -> _Attempt:
         on_release=lambda _lease: None,
     )
     session = cast(NodeSession, cast(Any, object()))  # push and receive never touch it
-    return _Attempt("r", lease, session, give_up=lambda: None, on_busy=lambda _p: None)
+    return Attempt("r", lease, session, give_up=lambda: None, on_busy=lambda _p: None)
 
 
 async def test_chunks_for_a_waiting_consumer_are_written_without_waking_it(

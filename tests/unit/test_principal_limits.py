@@ -28,7 +28,14 @@ from iop_edge.core.principals import (
 )
 from iop_edge.core.refresh.refresh_diff import compare_configs, live_subset, live_subset_errors
 from iop_edge.core.refresh.refresh_plan import plan_apply
-from iop_edge.http.rate_limit_headers import rate_limit_headers
+from iop_edge.http.protocols.caller_protocol import CallerProtocol
+from iop_edge.http.protocols.chat import CHAT
+from iop_edge.http.protocols.messages import MESSAGES
+from iop_edge.http.protocols.responses import RESPONSES
+from iop_edge.http.rate_limit_headers import (
+    anthropic_rate_limit_headers,
+    openai_rate_limit_headers,
+)
 from iop_edge.runtime.runs.limits import (
     BUDGET_SYNC_S,
     DEFAULT_OUTPUT_ESTIMATE,
@@ -320,12 +327,12 @@ def test_requests_per_minute_refuses_with_the_time_to_retry() -> None:
     assert (refusal.limit, refusal.code) == ("requests_per_minute", "rate_limit_requests")
     assert refusal.retry_after_s == pytest.approx(30.0)
     assert refusal.rate_limits.remaining_requests == 0
-    assert dict(rate_limit_headers(refusal.rate_limits, "chat")) == {
+    assert dict(openai_rate_limit_headers(refusal.rate_limits)) == {
         b"x-ratelimit-limit-requests": b"2",
         b"x-ratelimit-remaining-requests": b"0",
         b"x-ratelimit-reset-requests": b"1m0s",
     }
-    assert dict(rate_limit_headers(refusal.rate_limits, "messages", wall=clocks.wall)) == {
+    assert dict(anthropic_rate_limit_headers(refusal.rate_limits, wall=clocks.wall)) == {
         b"anthropic-ratelimit-requests-limit": b"2",
         b"anthropic-ratelimit-requests-remaining": b"0",
         b"anthropic-ratelimit-requests-reset": b"1970-01-11T01:01:00Z",
@@ -355,25 +362,26 @@ def test_no_limits_no_headers() -> None:
     clocks = Clocks()
     limiter = limiter_for(PrincipalLimits(ref="alice", max_concurrent=1), clocks=clocks)
     ticket = limiter.admit("alice", prompt_tokens=1, max_output=1)
-    assert rate_limit_headers(ticket.rate_limits, "chat") == []
+    assert openai_rate_limit_headers(ticket.rate_limits) == []
 
 
 @pytest.mark.parametrize(
-    ("operation", "body", "bound"),
+    ("protocol", "operation", "body", "bound"),
     [
-        ("chat", {"max_tokens": 50}, 50),
-        ("chat", {"max_completion_tokens": 20, "max_tokens": 50}, 20),
-        ("chat", {}, None),
-        ("messages", {"max_tokens": 300}, 300),
-        ("responses", {"max_output_tokens": 7}, 7),
-        ("embedding", {"max_tokens": 99}, 0),
-        ("chat", {"max_tokens": True}, None),
+        (CHAT, "chat", {"max_tokens": 50}, 50),
+        (CHAT, "chat", {"max_completion_tokens": 20, "max_tokens": 50}, 20),
+        (CHAT, "chat", {}, None),
+        (MESSAGES, "messages", {"max_tokens": 300}, 300),
+        (RESPONSES, "responses", {"max_output_tokens": 7}, 7),
+        (CHAT, "embedding", {"max_tokens": 99}, 0),
+        (MESSAGES, "count_tokens", {"max_tokens": 99}, 0),
+        (CHAT, "chat", {"max_tokens": True}, None),
     ],
 )
 def test_the_output_bound_comes_from_the_protocols_own_field(
-    operation: str, body: dict[str, object], bound: int | None
+    protocol: CallerProtocol, operation: str, body: dict[str, object], bound: int | None
 ) -> None:
-    assert output_bound(operation, body) == bound
+    assert output_bound(protocol.output_fields.get(operation), body) == bound
 
 
 def test_a_request_without_an_output_bound_reserves_the_default() -> None:

@@ -58,13 +58,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, Literal
 
 import msgspec
 
 from iop_edge.core.responses.protocol_requests import input_items
-from schemas.protocols import CallerProtocol
 
 __all__ = [
     "BLOCKS",
@@ -74,13 +73,17 @@ __all__ = [
     "SEEDS",
     "SESSION_HEADERS",
     "Affinity",
+    "Conversation",
     "KeySource",
     "affinity_of",
+    "chat_conversation",
     "fingerprint",
+    "messages_conversation",
     "prompt_blocks",
     "provider_seed",
     "rendezvous_order",
     "rendezvous_score",
+    "responses_conversation",
     "session_header",
 ]
 
@@ -135,7 +138,7 @@ def _usable(value: str) -> bool:
 
 
 def affinity_of(
-    protocol: CallerProtocol,
+    conversation: Conversation,
     body: Mapping[str, Any],
     headers: Mapping[str, str],
     *,
@@ -146,9 +149,10 @@ def affinity_of(
 ) -> Affinity:
     """The affinity of a run of `model` for `principal` (module rules). `body` is the
     body sent on (a Responses continuation's with its conversation rebuilt: `chained`);
-    `headers` the request's session headers, lowercase."""
+    `headers` the request's session headers, lowercase; `conversation` reads the body's
+    conversation in its caller protocol's layout."""
     prefix_scope = "*" if shared_prefixes else principal
-    head, messages = _layout(protocol, body)
+    head, messages = conversation(body)
     first = messages[0] if messages else None
     session = session_header(headers, body)
     if session is not None:
@@ -243,24 +247,37 @@ _LIST: Final = "\x00list"
 _decode_raw: Final = msgspec.json.Decoder().decode
 
 
-def _layout(protocol: CallerProtocol, body: Mapping[str, Any]) -> tuple[list[Any], Sequence[Any]]:
-    """A body's blocks before the first message (system, tools) and its messages."""
-    head: list[Any] = []
-    if protocol == "messages":
-        system = body.get("system")
-        if system:
-            head.append(system)
-        messages = _list(body.get("messages"))
-    elif protocol == "responses":
-        instructions = body.get("instructions")
-        if instructions:
-            head.append(instructions)
-        # a string input is the message the store keeps of it (and a chain begins with)
-        messages = input_items(body.get("input"))
-    else:
-        messages = _list(body.get("messages"))
-        if not messages and "prompt" in body:  # completions: the prompt is the message
-            messages = [body.get("prompt")]
+Conversation = Callable[[Mapping[str, Any]], tuple[list[Any], Sequence[Any]]]
+"""How a protocol's body lays out its conversation: the blocks before the first message
+(system, tools) and the messages (each caller protocol names its own)."""
+
+
+def chat_conversation(body: Mapping[str, Any]) -> tuple[list[Any], Sequence[Any]]:
+    """Chat completions' (and completions': the prompt is the message)."""
+    messages = _list(body.get("messages"))
+    if not messages and "prompt" in body:
+        messages = [body.get("prompt")]
+    return _with_leading([], messages, body)
+
+
+def messages_conversation(body: Mapping[str, Any]) -> tuple[list[Any], Sequence[Any]]:
+    """Anthropic Messages': its `system`, then its messages."""
+    system = body.get("system")
+    return _with_leading([system] if system else [], _list(body.get("messages")), body)
+
+
+def responses_conversation(body: Mapping[str, Any]) -> tuple[list[Any], Sequence[Any]]:
+    """OpenAI Responses': its `instructions`, then its input items (a string input is the
+    message the store keeps of it, and a chain begins with)."""
+    instructions = body.get("instructions")
+    head = [instructions] if instructions else []
+    return _with_leading(head, input_items(body.get("input")), body)
+
+
+def _with_leading(
+    head: list[Any], messages: Sequence[Any], body: Mapping[str, Any]
+) -> tuple[list[Any], Sequence[Any]]:
+    """The head grown by the system messages that lead the conversation and the tools."""
     leading = 0
     while leading < len(messages) and _role(messages[leading]) in _SYSTEM_ROLES:
         head.append(messages[leading])

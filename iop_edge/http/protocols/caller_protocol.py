@@ -1,9 +1,21 @@
-"""What differs between the caller protocols at the HTTP surface (design §8, §14).
+"""What differs between the caller protocols at the HTTP surface (design §8, §14): one
+`CallerProtocol` object per protocol, found by name or path in one registry
+(`protocol_registry`).
 
 The run endpoints (`runs`) serve chat completions, Anthropic Messages and OpenAI Responses
-with one flow; the differences are few and all here: which protocol a path speaks, who a
-request is for (`Caller`), how a stream ends, and how the Edge writes a failure of its own
-into a stream that already began.
+with one flow; what differs is the protocol object's, and nothing else branches on a
+protocol's name:
+
+- the run endpoints it serves (`paths`: path -> operation) and how it plans a request
+  (`plan`: the fields admission reads, the model's defaults and limits, the output bound,
+  the conversation affinity keys on);
+- the shapes it answers in: errors (`error_body`, `stream_error`), the model list of a
+  request it claims (`claims`, `model_list`), the rate-limit headers' family;
+- how a stream ends (`stream_end`), and the hosted tools a translated run leaves out.
+
+Adding a protocol is a module that defines one (beside `chat`, `messages`, `responses`),
+named in `protocol_registry`, and the Node's translator of the same name
+(`iop_node.runs.protocol_run`).
 
 In-stream failures (a stream that began, then failed): the Edge writes every one into
 the caller's stream after it has recorded the run's end, in the caller's protocol (an
@@ -18,55 +30,138 @@ the end.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import msgspec
 
-from iop_edge.core.routing.affinity import affinity_of
+from iop_edge.core.routing.affinity import affinity_of, chat_conversation
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.errors import ApiError, bad_request, model_not_found
+from iop_edge.http.protocols.compaction import Compaction
+from iop_edge.http.rate_limit_headers import Headers, openai_rate_limit_headers
+from iop_edge.runtime.metering.response_store import ResponseStore
 from iop_edge.runtime.runs.dispatch import RunPlan
+from iop_edge.runtime.runs.limits import RateLimits, output_bound
+from schemas import openai as oai
 from schemas import wire
 from schemas.config import ModelEntry, PrincipalToken
 from schemas.hosted_tools import HostedTools
-from schemas.protocols import CallerProtocol, response_error
-from schemas.responses_echo import echo_members
 
 __all__ = [
-    "PROTOCOL_OF",
-    "STREAM_END",
     "Caller",
+    "CallerProtocol",
+    "Planning",
+    "ToStore",
     "apply_defaults",
     "catalog_model",
     "check_max_tokens",
-    "protocol_of_request",
-    "stream_error",
 ]
 
-#: The protocol each run operation speaks to its caller.
-PROTOCOL_OF: Final[dict[wire.Operation, CallerProtocol]] = {
-    "chat": "chat",
-    "completion": "chat",
-    "embedding": "chat",
-    "messages": "messages",
-    "count_tokens": "messages",
-    "responses": "responses",
-}
+_encode: Final = msgspec.json.Encoder().encode
 
-#: The operations whose runs carry an affinity: those that read a conversation.
-_ROUTED: Final[frozenset[wire.Operation]] = frozenset(
-    {"chat", "completion", "messages", "responses"}
-)
 
-#: What ends a stream after its last event.
-STREAM_END: Final[dict[CallerProtocol, bytes]] = {
-    "chat": b"data: [DONE]\n\n",
-    "messages": b"",
-    "responses": b"",
-}
+@dataclass(frozen=True, slots=True)
+class ToStore:
+    """What a `store: true` run's response is stored with, once it is known."""
+
+    principal_ref: str
+    input_items: list[Any]
+    """The request's own input items (not the conversation's)."""
+    previous_id: str | None
+    continues: tuple[str, ...]
+    """The ids of the conversation it continues (renewed when it is stored)."""
+    request_id: str = ""
+    """The caller's request id, for the log line of a response not stored."""
+    compaction: Compaction | None = None
+    """The run is a summary turn (`http.protocols.compaction`): what its response becomes."""
+    store: bool = True
+    """Store the response (a compaction's turn may be unstored: `store: false`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Planning:
+    """A request to plan: what every protocol's `plan` may read besides its operation."""
+
+    path: str
+    body: dict[str, Any]
+    """The request body, decoded once; the plan may change it (defaults, `store`)."""
+    snapshot: Snapshot
+    caller: Caller
+    store: ResponseStore
+    """The stored responses (a protocol whose runs continue stored conversations)."""
+
+
+class CallerProtocol(ABC):
+    """One caller protocol at the Edge (see the module docstring). The defaults are
+    OpenAI's: its error body and rate-limit headers, its model list, chat's
+    conversation; a protocol in another vendor's shape overrides them."""
+
+    name: ClassVar[str]
+    """The protocol's name: its runs' `RunPlan.protocol` (what the pool ranks native
+    providers by, the ledger's `protocol`), the traces' `iop.protocol`, and the name of
+    the Node's translator of its runs (`run.operation` on the wire)."""
+    paths: ClassVar[Mapping[str, wire.Operation]]
+    """The run endpoints it serves: path -> the operation of their runs."""
+    output_fields: ClassVar[Mapping[wire.Operation, tuple[str, ...]]] = {}
+    """Per operation: the request fields that bound its output, the first one set wins
+    (`runs.limits` Rule 2); an operation not listed generates nothing and reads no
+    conversation to route by (embeddings, token counts)."""
+    stream_end: ClassVar[bytes] = b""
+    """What ends a stream after its last event."""
+
+    @abstractmethod
+    async def plan(
+        self, operation: wire.Operation, request: Planning
+    ) -> tuple[RunPlan, ToStore | None]:
+        """The plan of a request to one of `paths`, and what to store of its result
+        (None: nothing); raises `ApiError` naming what is wrong."""
+
+    def conversation(self, body: Mapping[str, Any]) -> tuple[list[Any], Sequence[Any]]:
+        """How a body lays its conversation out, for its affinity (`core.routing.affinity`)."""
+        return chat_conversation(body)
+
+    def error_body(self, error: ApiError, request_id: str | None = None) -> bytes:
+        """`error` as this protocol's error body; `request_id`: the caller's request."""
+        return error.body()
+
+    def stream_error(
+        self, error: ApiError, *, plan: RunPlan, sequence: int, request_id: str | None = None
+    ) -> bytes:
+        """`error` as the event that ends a stream of `plan`'s (`sequence`: the events it
+        carried so far, counted from 0)."""
+        return b"data: " + self.error_body(error, request_id) + b"\n\n"
+
+    def rate_limit_headers(self, limits: RateLimits) -> Headers:
+        """Where the caller's principal stands against its limits, as headers."""
+        return openai_rate_limit_headers(limits)
+
+    def claims(self, path: str, header_names: Collection[str]) -> bool:
+        """Whether a request outside the run endpoints (`/v1/models`, an error page) is
+        this protocol's client's, and gets its shapes (`header_names`: lowercase)."""
+        return False
+
+    def model_list(
+        self, models: Mapping[str, ModelEntry], created_unix: int, query: Mapping[str, str]
+    ) -> bytes:
+        """`GET /v1/models`' body: the models the caller may use."""
+        cards = [_model_card(entry, created_unix) for entry in models.values()]
+        return _encode(oai.ModelList(data=cards))
+
+    def model(self, entry: ModelEntry, created_unix: int) -> bytes:
+        """`GET /v1/models/{id}`'s body."""
+        return _encode(_model_card(entry, created_unix))
+
+    def hosted_tools(self, body: dict[str, Any]) -> Sequence[str]:
+        """The tools only a vendor's service runs that `body` offers
+        (`schemas.hosted_tools`): what a translated run leaves out."""
+        return ()
+
+
+def _model_card(entry: ModelEntry, created_unix: int) -> oai.ModelCard:
+    return oai.ModelCard(id=entry.id, display_name=entry.display_name, created=created_unix)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +188,7 @@ class Caller:
         stream: bool,
         prompt_tokens: int,
         caller_wants_usage: bool,
-        protocol: CallerProtocol = "chat",
+        protocol: CallerProtocol,
         caller_headers: dict[str, str] | None = None,
         keep_output: bool = False,
         hosted_tools: HostedTools = "drop",
@@ -103,13 +198,15 @@ class Caller:
         """The plan of this caller's request: its ids and principal go with the run, it
         is a long run when its prompt estimate reaches the snapshot's threshold, and it
         carries its affinity (`core.routing.affinity`) unless its model routes by load alone
-        (`chained`: a Responses continuation, its conversation rebuilt in `body`)."""
+        (`chained`: a Responses continuation, its conversation rebuilt in `body`); its
+        output bound is the first of `protocol.output_fields` the body sets."""
         principal = self.principal
         routing = snapshot.models[model_id].routing
+        fields = protocol.output_fields.get(operation)
         affinity = None
-        if routing.affinity and operation in _ROUTED:
+        if routing.affinity and fields is not None:  # a run that reads a conversation
             affinity = affinity_of(
-                protocol,
+                protocol.conversation,
                 body,
                 self.session_headers,
                 principal=principal.principal_ref,
@@ -130,7 +227,8 @@ class Caller:
             principal_ref=principal.principal_ref,
             token_ref=principal.token_ref,
             principal_alias=principal.alias,
-            protocol=protocol,
+            protocol=protocol.name,
+            max_output=output_bound(fields, body),
             caller_headers=caller_headers if caller_headers is not None else {},
             keep_output=keep_output,
             hosted_tools=hosted_tools,
@@ -168,81 +266,3 @@ def apply_defaults(model: ModelEntry, body: dict[str, Any], fields: Mapping[str,
     for key, value in model.generation.defaults.items():
         if key in fields:
             body.setdefault(fields[key], value)
-
-
-def protocol_of_request(path: str, *, anthropic_version: bool) -> CallerProtocol:
-    """The protocol whose error shape a request outside the run endpoints gets: Anthropic's
-    for its paths and for any request that says `anthropic-version` (an Anthropic client
-    listing models, say), OpenAI's otherwise."""
-    if anthropic_version or path.startswith("/v1/messages"):
-        return "messages"
-    return "chat"
-
-
-class _FailedResponse(msgspec.Struct, frozen=True, kw_only=True):
-    """A failed Response's own members; the echo of its request follows them
-    (`schemas.responses_echo`), so it has every member the schema requires."""
-
-    id: str
-    object: str = "response"
-    created_at: int
-    completed_at: None = None
-    status: str = "failed"
-    background: bool = False
-    error: _ResponseError
-    incomplete_details: None = None
-    model: str
-    output: list[Any] = []
-    usage: None = None
-
-
-class _ResponseError(msgspec.Struct, frozen=True, kw_only=True):
-    code: str
-    message: str
-
-
-class _ResponseFailed(msgspec.Struct, frozen=True, kw_only=True):
-    type: str = "response.failed"
-    sequence_number: int
-    response: msgspec.Raw
-
-
-_encode: Final = msgspec.json.Encoder().encode
-
-
-def stream_error(
-    protocol: CallerProtocol,
-    error: ApiError,
-    *,
-    plan: RunPlan,
-    response_id: str,
-    sequence: int,
-    request_id: str | None = None,
-) -> bytes:
-    """`error` as the event that ends a stream of `plan`'s in `protocol`.
-
-    For Responses, `sequence` is the event's `sequence_number` (the events the stream
-    carried so far: they count from 0) and `response_id` the id the failed response
-    goes by (the Edge does not read the Node's events, so it cannot know theirs); the
-    response echoes the request as the Node's do. For Messages, `request_id` is the
-    caller's request, which the error event names."""
-    if protocol == "messages":
-        return b"event: error\ndata: " + error.body(protocol, request_id) + b"\n\n"
-    if protocol == "responses":
-        kind, text = response_error(error.code, error.message)
-        own = _FailedResponse(
-            id=response_id,
-            created_at=int(time.time()),
-            model=plan.model_id,
-            error=_ResponseError(code=kind, message=text),
-        )
-        echo = echo_members(
-            _encode(plan.body),
-            stored=plan.keep_output,
-            previous_response_id=plan.previous_response_id or None,
-        )
-        failed = _ResponseFailed(
-            sequence_number=sequence, response=msgspec.Raw(_encode(own)[:-1] + echo)
-        )
-        return b"event: response.failed\ndata: " + _encode(failed) + b"\n\n"
-    return b"data: " + error.body(protocol) + b"\n\n"

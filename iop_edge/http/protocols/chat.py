@@ -1,4 +1,5 @@
-"""The plan of an OpenAI chat completions, completions or embeddings request (design §8).
+"""OpenAI chat completions (and completions, embeddings) at the Edge (design §8, §14): the
+`CHAT` protocol object, and the plan of its requests.
 
 The body was decoded once into a dict (provider-specific fields pass through untouched);
 here it is checked against the small view of the fields the Edge acts on
@@ -9,19 +10,27 @@ field.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from collections.abc import Mapping
+from typing import Any, ClassVar, Final
 
 import msgspec
 
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.errors import bad_request, invalid_request
-from iop_edge.http.protocols.caller_protocol import Caller, catalog_model, check_max_tokens
+from iop_edge.http.protocols.caller_protocol import (
+    Caller,
+    CallerProtocol,
+    Planning,
+    ToStore,
+    catalog_model,
+    check_max_tokens,
+)
 from iop_edge.runtime.runs.dispatch import RunPlan
 from schemas import openai as oai
 from schemas import wire
 from schemas.tokens import estimate_input_tokens
 
-__all__ = ["MAX_CHOICES", "plan_chat"]
+__all__ = ["CHAT", "MAX_CHOICES", "ChatProtocol", "plan_chat"]
 
 #: OpenAI's own bound on `n` (choices per request).
 MAX_CHOICES: Final = 128
@@ -66,4 +75,30 @@ def plan_chat(
         stream=stream,
         prompt_tokens=estimate_input_tokens(body),
         caller_wants_usage=caller_wants_usage,
+        protocol=CHAT,
     )
+
+
+class ChatProtocol(CallerProtocol):
+    """OpenAI's chat completions, and the legacy completions and embeddings, which only
+    ever go natively: OpenAI's shapes (the defaults), streams ended by `[DONE]`."""
+
+    name = "chat"
+    paths: ClassVar[Mapping[str, wire.Operation]] = {
+        "/v1/chat/completions": "chat",
+        "/v1/completions": "completion",
+        "/v1/embeddings": "embedding",
+    }
+    output_fields: ClassVar[Mapping[wire.Operation, tuple[str, ...]]] = {
+        "chat": ("max_completion_tokens", "max_tokens"),
+        "completion": ("max_tokens",),
+    }
+    stream_end = b"data: [DONE]\n\n"
+
+    async def plan(
+        self, operation: wire.Operation, request: Planning
+    ) -> tuple[RunPlan, ToStore | None]:
+        return plan_chat(operation, request.body, request.snapshot, request.caller), None
+
+
+CHAT: Final = ChatProtocol()

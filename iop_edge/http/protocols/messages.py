@@ -1,5 +1,6 @@
-"""The Anthropic Messages surface's Edge side (design §14): the plan of a `POST /v1/messages`
-or `/v1/messages/count_tokens`, and the model list in Anthropic's shape.
+"""The Anthropic Messages surface's Edge side (design §14): the `MESSAGES` protocol object,
+the plan of a `POST /v1/messages` or `/v1/messages/count_tokens`, and Anthropic's shapes
+(errors, rate-limit headers, the model list) for its clients.
 
 The Edge reads the few fields admission needs (`core.responses.protocol_requests`) and relays the
 body: the Node sends it natively to a provider that speaks Messages or translates it to
@@ -28,8 +29,8 @@ from __future__ import annotations
 
 import datetime
 import re
-from collections.abc import Mapping
-from typing import Any, Final
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, ClassVar, Final
 
 import msgspec
 
@@ -38,22 +39,31 @@ from iop_edge.core.responses.protocol_requests import (
     MessagesRequest,
     estimate_messages_tokens,
 )
+from iop_edge.core.routing.affinity import messages_conversation
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.errors import bad_request, invalid_request
+from iop_edge.http.errors import ApiError, bad_request, invalid_request
 from iop_edge.http.protocols.caller_protocol import (
     Caller,
+    CallerProtocol,
+    Planning,
+    ToStore,
     apply_defaults,
     catalog_model,
     check_max_tokens,
 )
+from iop_edge.http.rate_limit_headers import Headers, anthropic_rate_limit_headers
 from iop_edge.runtime.runs.dispatch import RunPlan
+from iop_edge.runtime.runs.limits import RateLimits
 from schemas import wire
 from schemas.config import ModelEntry
+from schemas.hosted_tools import hosted_tool_types
 
 __all__ = [
     "DEFAULT_KEYS",
+    "MESSAGES",
     "AnthropicModel",
     "AnthropicModelList",
+    "MessagesProtocol",
     "anthropic_model",
     "model_page",
     "plan_messages",
@@ -103,10 +113,64 @@ def plan_messages(
         stream=stream,
         prompt_tokens=prompt_tokens,
         caller_wants_usage=True,  # usage is part of every Messages reply and stream
-        protocol="messages",
+        protocol=MESSAGES,
         caller_headers=caller.anthropic_headers,
         hosted_tools=model.generation.hosted_tools,
     )
+
+
+class MessagesProtocol(CallerProtocol):
+    """Anthropic Messages: Anthropic's error body (an `event: error` in a stream),
+    rate-limit headers and model list; its clients are also known by `anthropic-version`
+    outside the run endpoints."""
+
+    name = "messages"
+    paths: ClassVar[Mapping[str, wire.Operation]] = {
+        "/v1/messages": "messages",
+        "/v1/messages/count_tokens": "count_tokens",
+    }
+    output_fields: ClassVar[Mapping[wire.Operation, tuple[str, ...]]] = {
+        "messages": ("max_tokens",)
+    }
+
+    def conversation(self, body: Mapping[str, Any]) -> tuple[list[Any], Sequence[Any]]:
+        return messages_conversation(body)
+
+    async def plan(
+        self, operation: wire.Operation, request: Planning
+    ) -> tuple[RunPlan, ToStore | None]:
+        return plan_messages(operation, request.body, request.snapshot, request.caller), None
+
+    def error_body(self, error: ApiError, request_id: str | None = None) -> bytes:
+        return error.anthropic_body(request_id)
+
+    def stream_error(
+        self, error: ApiError, *, plan: RunPlan, sequence: int, request_id: str | None = None
+    ) -> bytes:
+        return b"event: error\ndata: " + error.anthropic_body(request_id) + b"\n\n"
+
+    def rate_limit_headers(self, limits: RateLimits) -> Headers:
+        return anthropic_rate_limit_headers(limits)
+
+    def claims(self, path: str, header_names: Collection[str]) -> bool:
+        """Anthropic's clients: a request on its paths, or one that says
+        `anthropic-version` (an Anthropic client listing models, say)."""
+        return path.startswith("/v1/messages") or "anthropic-version" in header_names
+
+    def model_list(
+        self, models: Mapping[str, ModelEntry], created_unix: int, query: Mapping[str, str]
+    ) -> bytes:
+        return _encode(model_page(models, created_unix, query))
+
+    def model(self, entry: ModelEntry, created_unix: int) -> bytes:
+        return _encode(anthropic_model(entry, created_unix))
+
+    def hosted_tools(self, body: dict[str, Any]) -> Sequence[str]:
+        return hosted_tool_types(self.name, body)
+
+
+MESSAGES: Final = MessagesProtocol()
+_encode: Final = msgspec.json.Encoder().encode
 
 
 # --- Claude Code's attribution block ---------------------------------------------------

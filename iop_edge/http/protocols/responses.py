@@ -1,5 +1,6 @@
-"""The OpenAI Responses surface's Edge side (design §14): the plan of a `POST /v1/responses`,
-the conversation it continues, and what is stored of it.
+"""The OpenAI Responses surface's Edge side (design §14): the `RESPONSES` protocol object,
+the plan of a `POST /v1/responses` (and `/v1/responses/compact`), the conversation it
+continues, what is stored of it, and a stream's failure as `response.failed`.
 
 The Edge reads the few fields admission needs (`core.responses.protocol_requests`) and relays the
 body: the Node sends it natively to a provider that speaks Responses or translates it to
@@ -33,8 +34,9 @@ chat completions. Same catalog, aliases, limits and long-context admission as ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Final
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Final
 
 import msgspec
 
@@ -50,19 +52,33 @@ from iop_edge.core.responses.response_chain import (
     continue_body,
     conversation,
 )
+from iop_edge.core.routing.affinity import responses_conversation
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.errors import ApiError, invalid_request
 from iop_edge.http.protocols.caller_protocol import (
     Caller,
+    CallerProtocol,
+    Planning,
+    ToStore,
     apply_defaults,
     catalog_model,
     check_max_tokens,
 )
-from iop_edge.http.protocols.compaction import Compaction, prepare
+from iop_edge.http.protocols.compaction import COMPACT_PATH, Compaction, prepare
 from iop_edge.runtime.metering.response_store import ResponseStore, StoreUnavailable, Unstored
 from iop_edge.runtime.runs.dispatch import RunPlan
+from schemas import wire
+from schemas.hosted_tools import hosted_tool_types
+from schemas.protocols import response_error
+from schemas.responses_echo import echo_members
 
-__all__ = ["DEFAULT_KEYS", "ResponsesSurface", "ToStore", "store_unavailable"]
+__all__ = [
+    "DEFAULT_KEYS",
+    "RESPONSES",
+    "ResponsesProtocol",
+    "ResponsesSurface",
+    "store_unavailable",
+]
 
 #: A model's `generation.defaults` key (chat's name) -> the Responses field it sets.
 DEFAULT_KEYS: Final = {
@@ -71,24 +87,6 @@ DEFAULT_KEYS: Final = {
     "max_tokens": "max_output_tokens",
     "max_completion_tokens": "max_output_tokens",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class ToStore:
-    """What a `store: true` run's response is stored with, once it is known."""
-
-    principal_ref: str
-    input_items: list[Any]
-    """The request's own input items (not the conversation's)."""
-    previous_id: str | None
-    continues: tuple[str, ...]
-    """The ids of the conversation it continues (renewed when it is stored)."""
-    request_id: str = ""
-    """The caller's request id, for the log line of a response not stored."""
-    compaction: Compaction | None = None
-    """The run is a summary turn (`http.protocols.compaction`): what its response becomes."""
-    store: bool = True
-    """Store the response (a compaction's turn may be unstored: `store: false`)."""
 
 
 def store_unavailable(exc: StoreUnavailable) -> ApiError:
@@ -177,7 +175,7 @@ class ResponsesSurface:
             stream=view.stream and compaction is None,
             prompt_tokens=estimate_responses_tokens(view, earlier),
             caller_wants_usage=True,  # usage is part of every Responses reply and stream
-            protocol="responses",
+            protocol=RESPONSES,
             keep_output=view.store,
             hosted_tools=model.generation.hosted_tools,
             chained=previous_id is not None,
@@ -268,3 +266,87 @@ class ResponsesSurface:
             raise store_unavailable(exc) from None
         if not deleted:
             raise response_not_found(response_id)
+
+
+class ResponsesProtocol(CallerProtocol):
+    """OpenAI Responses: OpenAI's shapes (the defaults), a stream failed as
+    `response.failed`; its runs may continue a stored conversation and be stored."""
+
+    name = "responses"
+    paths: ClassVar[Mapping[str, wire.Operation]] = {
+        "/v1/responses": "responses",
+        COMPACT_PATH: "responses",
+    }
+    output_fields: ClassVar[Mapping[wire.Operation, tuple[str, ...]]] = {
+        "responses": ("max_output_tokens",)
+    }
+
+    def conversation(self, body: Mapping[str, Any]) -> tuple[list[Any], Sequence[Any]]:
+        return responses_conversation(body)
+
+    async def plan(
+        self, operation: wire.Operation, request: Planning
+    ) -> tuple[RunPlan, ToStore | None]:
+        compact = request.path == COMPACT_PATH
+        surface = ResponsesSurface(request.store)
+        return await surface.plan(request.body, request.snapshot, request.caller, compact=compact)
+
+    def stream_error(
+        self, error: ApiError, *, plan: RunPlan, sequence: int, request_id: str | None = None
+    ) -> bytes:
+        """A `response.failed` event: `sequence` is its `sequence_number`, and the failed
+        response goes by IOP's id for the request (the Edge does not read the Node's
+        events, so it cannot know theirs); it echoes the request as the Node's do."""
+        kind, text = response_error(error.code, error.message)
+        own = _FailedResponse(
+            id=f"resp_{plan.run_id}",
+            created_at=int(time.time()),
+            model=plan.model_id,
+            error=_ResponseError(code=kind, message=text),
+        )
+        echo = echo_members(
+            _encode(plan.body),
+            stored=plan.keep_output,
+            previous_response_id=plan.previous_response_id or None,
+        )
+        failed = _ResponseFailed(
+            sequence_number=sequence, response=msgspec.Raw(_encode(own)[:-1] + echo)
+        )
+        return b"event: response.failed\ndata: " + _encode(failed) + b"\n\n"
+
+    def hosted_tools(self, body: dict[str, Any]) -> Sequence[str]:
+        return hosted_tool_types(self.name, body)
+
+
+RESPONSES: Final = ResponsesProtocol()
+
+
+class _FailedResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """A failed Response's own members; the echo of its request follows them
+    (`schemas.responses_echo`), so it has every member the schema requires."""
+
+    id: str
+    object: str = "response"
+    created_at: int
+    completed_at: None = None
+    status: str = "failed"
+    background: bool = False
+    error: _ResponseError
+    incomplete_details: None = None
+    model: str
+    output: list[Any] = []
+    usage: None = None
+
+
+class _ResponseError(msgspec.Struct, frozen=True, kw_only=True):
+    code: str
+    message: str
+
+
+class _ResponseFailed(msgspec.Struct, frozen=True, kw_only=True):
+    type: str = "response.failed"
+    sequence_number: int
+    response: msgspec.Raw
+
+
+_encode: Final = msgspec.json.Encoder().encode

@@ -1,5 +1,9 @@
 """One caller request's run, from admission to its usage record (design §4 steps 5-9, §7).
 
+What a run is asked and how it ended are `run_plan`'s; how one attempt's events reach the
+run's consumer (Rules 5 and 9) is `relay`'s; the run itself, and the dispatcher that
+makes and starts runs, are here.
+
 `Dispatcher.open(plan)` makes a `Run`, and the run owns everything that happens to the
 request from then on: the slot, the attempts on providers, the events the Node sends,
 the provider's verdict, and the one record metering gets. Whoever serves the request
@@ -80,21 +84,17 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Final
 
 import msgspec
 import trio
 
-from iop_edge.core.routing.affinity import Affinity
 from iop_edge.core.routing.blame import Attempts, Next
 from iop_edge.core.routing.run_work import run_work
 from iop_edge.runtime.metering.metering import RunRecord
-from iop_edge.runtime.metering.tracing import RequestTrace
 from iop_edge.runtime.nodes.hub import NodeHub
-from iop_edge.runtime.nodes.session import NodeSession, RunEvent, SessionClosed
+from iop_edge.runtime.nodes.session import SessionClosed
 from iop_edge.runtime.runs.admission_errors import AdmissionError, NoProvider
 from iop_edge.runtime.runs.lease import Lease
 from iop_edge.runtime.runs.limits import (
@@ -102,14 +102,29 @@ from iop_edge.runtime.runs.limits import (
     PrincipalLimiter,
     RateLimits,
     Ticket,
-    output_bound,
+)
+from iop_edge.runtime.runs.relay import (
+    RUN_BUFFER_BYTES,
+    RUN_BUFFER_ITEMS,
+    Attempt,
+    DirectWrite,
+    RelayEvent,
+    Unwritten,
 )
 from iop_edge.runtime.runs.revival import Revival
+from iop_edge.runtime.runs.run_plan import (
+    CALLER_GONE,
+    INTERNAL_ERROR,
+    SHUTTING_DOWN,
+    Outcome,
+    RunFailure,
+    RunPlan,
+    RunTimings,
+    run_failed,
+)
 from iop_edge.runtime.runs.scheduler import Scheduler
 from iop_edge.runtime.runs.verdicts import ProviderVerdicts
 from schemas import wire
-from schemas.hosted_tools import HostedTools
-from schemas.protocols import CallerProtocol
 from schemas.tokens import OutputTally
 
 __all__ = [
@@ -131,9 +146,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: What a run buffers for a consumer that is slower than its provider (Rule 5).
-RUN_BUFFER_BYTES: Final = 4 * 1024 * 1024
-RUN_BUFFER_ITEMS: Final = 1024
 #: How often one run may find its provider `busy` and wait again (Rule 8).
 MAX_BUSY_REQUEUES: Final = 16
 
@@ -144,264 +156,6 @@ _json_encode = msgspec.json.Encoder().encode
 _CUT_WHILE_WORKING: Final = frozenset(
     {wire.FailureCode.NODE_LOST, wire.FailureCode.CALLER_TOO_SLOW}
 )
-
-
-@dataclass(slots=True)
-class RunPlan:
-    """A validated caller request, ready to dispatch."""
-
-    run_id: str
-    model_id: str
-    operation: wire.Operation
-    body: dict[str, Any]
-    stream: bool
-    long: bool
-    caller_wants_usage: bool
-    prompt_tokens: int = 0
-    """The request's input tokens by the Edge's estimator (`schemas.tokens`)."""
-    principal_ref: str = "anonymous"
-    token_ref: str = "anonymous"
-    principal_alias: str | None = None
-    received_at: float = field(default_factory=time.perf_counter)
-    request_id: str = ""
-    """The `x-request-id` the caller sees; "" means the run id."""
-    protocol: CallerProtocol = "chat"
-    """The caller's protocol (design §14): providers that speak it natively rank first."""
-    caller_headers: dict[str, str] = field(default_factory=dict)
-    """Protocol headers a native upstream must see as the caller sent them."""
-    affinity: Affinity | None = None
-    """Where the run would rather go: its session, chain or prompt (`core.routing.affinity`)."""
-    keep_output: bool = False
-    """The Edge stores the run's result: the Node returns the final response object in
-    `run_done.response`, a stream's too."""
-    hosted_tools: HostedTools = "drop"
-    """The model's `generation.hosted_tools`: what a translated run does with tools only
-    a vendor's service runs."""
-    previous_response_id: str = ""
-    """The stored Responses conversation the run continues (`wire.Run`)."""
-    trace: RequestTrace | None = None
-    """The request's span when the Edge traces (`metering.tracing`): the run adds its
-    admission, failed attempts and failovers, and its record when it ends."""
-    traceparent: str = ""
-    tracestate: str = ""
-    """The W3C trace context the Node continues (`run.traceparent`): the request's span
-    when traced, else the caller's own context as it came."""
-
-
-@dataclass(slots=True)
-class RunTimings:
-    queued_s: float = 0.0
-    """Seconds spent waiting for slots (all attempts)."""
-    upstream_s: float = 0.0
-    """Seconds from sending each attempt to its first event (all attempts, Rule 1)."""
-    first_event_at: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """How the caller's exchange ended: the status it was answered with and why."""
-
-    status: int
-    code: str | None = None
-
-
-#: The caller left before the run ended (nginx's 499 "client closed request").
-CALLER_GONE: Final = Outcome(499, "client_closed")
-#: A bug of the Edge's ended the exchange.
-INTERNAL_ERROR: Final = Outcome(500, "internal_error")
-#: The Edge stopped before the run ended (Rule 7).
-SHUTTING_DOWN: Final = Outcome(503, str(wire.FailureCode.SHUTTING_DOWN))
-
-
-class DirectWrite(Protocol):
-    """Writes a run's chunks to its caller without waiting, when it can (Rule 9)."""
-
-    def __call__(self, events: bytes, /) -> bytes | None:
-        """Write `events` now, as far as the caller's socket takes them.
-
-        None: nothing was written (the events are buffered for the consumer as usual).
-        Otherwise the bytes of the write the socket did not take, b"" when it took all:
-        the consumer writes them first (`Unwritten`)."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class Unwritten:
-    """The rest of a write a `DirectWrite` began (Rule 9): bytes for the caller's
-    connection, as they are, before any later event."""
-
-    data: bytes
-
-
-RelayEvent = RunEvent | Unwritten
-"""What a consumer that writes directly (Rule 9) hears: run events, and the rest of a
-write it began."""
-
-
-class RunFailure(Exception):
-    """Every allowed attempt failed before the first byte; `failure` is the last reason.
-
-    `request_fault`: two providers failed the request with the same upstream 5xx, so the
-    request itself is at fault (Rule 3)."""
-
-    def __init__(
-        self, failure: wire.RunFailed, provider_id: str, *, request_fault: bool = False
-    ) -> None:
-        super().__init__(failure.message)
-        self.failure = failure
-        self.provider_id = provider_id
-        self.request_fault = request_fault
-
-
-class _Attempt:
-    """One try of a run on one provider: its slot, its session, its buffered events.
-
-    The session delivers events here (`RunSink`) without ever blocking; the run takes
-    them in order (`take`, `receive`). Every chunk of every stream passes through here,
-    so the buffer is a deque with one parked reader rather than a memory channel."""
-
-    __slots__ = (
-        "_closed",
-        "_events",
-        "_give_up",
-        "_on_busy",
-        "_open",
-        "_reader",
-        "buffered",
-        "direct",
-        "direct_failed",
-        "end_reason",
-        "lease",
-        "session",
-        "wire_id",
-    )
-
-    def __init__(
-        self,
-        wire_id: str,
-        lease: Lease,
-        session: NodeSession,
-        give_up: Callable[[], None],
-        on_busy: Callable[[str], None],
-    ) -> None:
-        self.wire_id = wire_id
-        self.lease = lease
-        self.session = session
-        self._events: deque[RelayEvent] = deque()
-        self._reader = trio.lowlevel.ParkingLot()
-        self._open = True
-        """Events are still taken: no end, give-up or loss yet (what is buffered stays)."""
-        self._closed = False
-        """Torn down: what was buffered is dropped, and so is anything later."""
-        self.buffered = 0
-        """Bytes delivered and not yet read by the run."""
-        self.end_reason: wire.RunFailed | None = None
-        self.direct: DirectWrite | None = None
-        """Set while the consumer waits with nothing buffered (Rule 9)."""
-        self.direct_failed = False
-        """The `DirectWrite` raised once: it is not used again (Rule 9)."""
-        self._give_up = give_up
-        self._on_busy = on_busy
-
-    # --- RunSink --------------------------------------------------------------------
-
-    def push(self, event: RunEvent) -> bool:
-        if not self._open:
-            return True  # the run already stopped listening: its end has been decided
-        if isinstance(event, bytes):
-            direct = self.direct
-            if direct is not None and not self._events:
-                try:
-                    rest = direct(event)
-                except Exception:
-                    log.exception("run %s: writing to its caller directly failed", self.wire_id)
-                    self.direct, self.direct_failed = None, True
-                    rest = None
-                if rest is not None:
-                    if rest:  # the consumer writes it first; later chunks queue behind
-                        self._events.append(Unwritten(rest))
-                        self._reader.unpark()
-                    return True
-            self.buffered += len(event)
-            if len(self._events) >= RUN_BUFFER_ITEMS or self.buffered > RUN_BUFFER_BYTES:
-                self.end_reason = _failed(
-                    self.wire_id,
-                    wire.FailureCode.CALLER_TOO_SLOW,
-                    f"the caller fell {self.buffered} bytes of events behind the provider",
-                )
-                self._stop()
-                self._give_up()
-                return False
-        else:
-            if isinstance(event, wire.RunFailed) and event.code == wire.FailureCode.BUSY:
-                self._on_busy(self.lease.provider_id)  # Rule 8: before any later report
-            self._open = False  # the end is the last event
-        self._events.append(event)
-        self._reader.unpark()
-        return True
-
-    def lost(self) -> None:
-        self.end_reason = _failed(
-            self.wire_id,
-            wire.FailureCode.NODE_LOST,
-            f"node '{self.lease.node_id}' disconnected during the run",
-        )
-        self._stop()
-
-    def _stop(self) -> None:
-        """Take no more events; the reader still gets those buffered, then the end."""
-        self._open = False
-        self._reader.unpark()
-
-    # --- the run's side -------------------------------------------------------------
-
-    def take(self) -> RelayEvent | None:
-        """The next event if one is here; None when the reader would have to wait.
-
-        Raises `trio.EndOfChannel` once nothing more will come (ended, given up, lost,
-        torn down): the run then hears `end_reason`."""
-        if self._events:
-            return self._events.popleft()
-        if self._open:
-            return None
-        raise trio.EndOfChannel
-
-    async def receive(self, direct: DirectWrite | None = None) -> RelayEvent:
-        """The next event, waiting for it; raises `trio.EndOfChannel` as `take` does.
-
-        While it waits, chunks go to `direct` when it takes them (Rule 9)."""
-        if self.direct_failed:
-            direct = None
-        while not self._events and self._open:
-            self.direct = direct
-            try:
-                await self._reader.park()
-            finally:
-                self.direct = None
-        event = self.take()
-        assert event is not None
-        return event
-
-    # --- teardown -------------------------------------------------------------------
-
-    def close(self, *, cancel_on_node: bool) -> None:
-        """Stop listening, release the slot; cancel on the Node when it may be live there."""
-        if cancel_on_node:
-            self.session.cancel_run(self.wire_id)
-        else:
-            self.session.close_run(self.wire_id)
-        self.direct = None
-        if not self._closed:
-            self._closed = True
-            self._events.clear()
-            self.buffered = 0
-            self._stop()
-        self.lease.release()
-        # Torn down, it gives nothing up any more (`push` takes no event now). The run's
-        # bound method was the one reference back to the run: without it a finished run
-        # is freed by reference counting, not left to the cyclic collector (nor kept
-        # until a thaw when a freeze caught it in flight: `runtime.lifecycle.heap`).
-        self._give_up = _nothing
 
 
 class Run:
@@ -416,7 +170,7 @@ class Run:
         """Chunks handed to the caller's side (the Edge's own output estimate, Rule 4)."""
         self.outcome: Outcome | None = None
         self._dispatcher = dispatcher
-        self._attempt: _Attempt | None = None
+        self._attempt: Attempt | None = None
         self._provider_id = ""
         self._first: RelayEvent | None = None
         self._direct: DirectWrite | None = None
@@ -473,7 +227,7 @@ class Run:
         """End the run now because the Edge is stopping (Rule 7); idempotent."""
         if self.outcome is not None:
             return
-        self._cut = _failed(self.plan.run_id, wire.FailureCode.SHUTTING_DOWN, reason)
+        self._cut = run_failed(self.plan.run_id, wire.FailureCode.SHUTTING_DOWN, reason)
         if self._attempt is not None:
             self._attempt.end_reason = self._cut
         self._start_scope.cancel()
@@ -531,11 +285,11 @@ class Run:
         object): the run fails here, counts against the provider, and is cancelled on the
         Node when it ends."""
         attempt = self._require_attempt()
-        failure = _failed(attempt.wire_id, code, message)
+        failure = run_failed(attempt.wire_id, code, message)
         self._dispatcher.note_failure(self._provider_id, failure, self.plan)
         return failure
 
-    def _seen(self, event: RelayEvent, attempt: _Attempt) -> RelayEvent:
+    def _seen(self, event: RelayEvent, attempt: Attempt) -> RelayEvent:
         if isinstance(event, Unwritten):  # counted when it was written (Rule 9)
             return event
         if isinstance(event, bytes):
@@ -558,14 +312,14 @@ class Run:
             self._dispatcher.note_failure(self._provider_id, event, self.plan)
         return event
 
-    def _ended_without_terminal(self, attempt: _Attempt) -> wire.RunFailed:
-        return attempt.end_reason or _failed(
+    def _ended_without_terminal(self, attempt: Attempt) -> wire.RunFailed:
+        return attempt.end_reason or run_failed(
             attempt.wire_id,
             wire.FailureCode.NODE_LOST,
             f"node '{attempt.lease.node_id}' disconnected during the run",
         )
 
-    def _require_attempt(self) -> _Attempt:
+    def _require_attempt(self) -> Attempt:
         if self._attempt is None:
             raise RuntimeError("the run has not started")
         return self._attempt
@@ -579,7 +333,7 @@ class Run:
         self.outcome = outcome
         self._dispatcher.forget(self)
         # Nothing is written from now on; the writer, a closure over the run, was its one
-        # reference back to itself besides the attempt's (`_Attempt.close`).
+        # reference back to itself besides the attempt's (`Attempt.close`).
         self._direct = None
         attempt = self._attempt
         if attempt is not None:
@@ -640,7 +394,7 @@ class Run:
 
     # --- used by the Dispatcher ------------------------------------------------------
 
-    def _begin_attempt(self, attempt: _Attempt) -> None:
+    def _begin_attempt(self, attempt: Attempt) -> None:
         self._attempt = attempt
         self._provider_id = attempt.lease.provider_id
         self._admitted = True
@@ -741,7 +495,7 @@ class Dispatcher:
             ticket = self._limits.admit(
                 plan.principal_ref,
                 prompt_tokens=plan.prompt_tokens,
-                max_output=output_bound(plan.operation, plan.body),
+                max_output=plan.max_output,
             )
             # Then the budget replicas share, when they do (limits Rule 7).
             await self._limits.reserve_shared(ticket)
@@ -760,7 +514,7 @@ class Dispatcher:
                     exclude=attempts.tried,
                     protocol=plan.protocol,
                     principal=plan.principal_ref,
-                    work=run_work(plan.prompt_tokens, output_bound(plan.operation, plan.body)),
+                    work=run_work(plan.prompt_tokens, plan.max_output),
                     affinity=plan.affinity,
                 )
             except AdmissionError as exc:
@@ -818,7 +572,7 @@ class Dispatcher:
         if session is None:
             lease.release()
             return RunFailure(
-                _failed(
+                run_failed(
                     wire_id,
                     wire.FailureCode.NODE_LOST,
                     f"node '{lease.node_id}' is not connected",
@@ -826,7 +580,7 @@ class Dispatcher:
                 ),
                 lease.provider_id,
             )
-        attempt = _Attempt(wire_id, lease, session, run._give_up, self.scheduler.provider_saturated)
+        attempt = Attempt(wire_id, lease, session, run._give_up, self.scheduler.provider_saturated)
         try:
             session.open_run(wire_id, attempt)
         except SessionClosed:
@@ -864,7 +618,7 @@ class Dispatcher:
             # The request grew past the wire's limit on its way (model defaults, the
             # re-encoding): refused here, never sent, so no Node loses its link over it.
             run._live_on_node = False
-            first = _failed(wire_id, wire.FailureCode.REQUEST_TOO_LARGE, str(exc))
+            first = run_failed(wire_id, wire.FailureCode.REQUEST_TOO_LARGE, str(exc))
         finally:
             # Cancelled or not, the caller waited this long on the provider (Rule 1).
             run.timings.upstream_s += time.perf_counter() - sent_at
@@ -877,20 +631,10 @@ class Dispatcher:
         return None
 
 
-def _nothing() -> None:
-    """What a torn-down attempt gives up (`_Attempt.close`)."""
-
-
 def _node_lost_before_start(wire_id: str, lease: Lease) -> wire.RunFailed:
-    return _failed(
+    return run_failed(
         wire_id,
         wire.FailureCode.NODE_LOST,
         f"node '{lease.node_id}' disconnected before the run started",
         retryable=True,
     )
-
-
-def _failed(
-    run_id: str, code: wire.FailureCode, message: str, *, retryable: bool = False
-) -> wire.RunFailed:
-    return wire.RunFailed(run_id=run_id, code=code, message=message, retryable=retryable)

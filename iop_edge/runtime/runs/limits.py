@@ -57,7 +57,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final, Protocol
 
@@ -156,19 +156,11 @@ class Ticket:
     """The UTC day its `budget_reserved` is reserved for in the shared ledger (Rule 7)."""
 
 
-#: Per operation: the request fields that bound its output, the first one set wins.
-_OUTPUT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
-    "chat": ("max_completion_tokens", "max_tokens"),
-    "completion": ("max_tokens",),
-    "messages": ("max_tokens",),
-    "responses": ("max_output_tokens",),
-}
-
-
-def output_bound(operation: str, body: Mapping[str, Any]) -> int | None:
-    """The output tokens a request allows itself (Rule 2); 0 for one that generates
-    nothing (embeddings, token counts), None when it sets no bound."""
-    fields = _OUTPUT_FIELDS.get(operation)
+def output_bound(fields: Sequence[str] | None, body: Mapping[str, Any]) -> int | None:
+    """The output tokens a request allows itself (Rule 2): the first of `fields` (its
+    protocol's, `http.protocols.caller_protocol.CallerProtocol.output_fields`) the body sets; 0 for
+    one that generates nothing (`fields` None: embeddings, token counts), None when it
+    sets no bound."""
     if fields is None:
         return 0
     for name in fields:
