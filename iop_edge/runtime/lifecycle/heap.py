@@ -45,8 +45,8 @@ at it again only at moments it chooses:
    connected (at least `BURST`), or `THAW_INTERVAL_S` after the last one if anything was
    frozen since. It is the one pause left, proportional to the heap (the fleet bench's
    churn measures it: about 0.2 s of the loop's CPU with 1,000 Nodes, 2 s with 10,000,
-   every caller waiting meanwhile), and it is logged with what it reclaimed. The keeper looks whether one is due at each connect and
-   disconnect, and at the deadline.
+   every caller waiting meanwhile), and it is logged with what it reclaimed. The keeper
+   looks whether one is due at each connect and disconnect, and at the deadline.
 5. A refresh reads, checks and plans its candidate in a process of its own
    (`runtime.refresh.worker`); what it makes here is the new snapshot (its changed
    Nodes, its lookups) and a fleet's pushes. `held()` keeps the heap out of the
