@@ -72,6 +72,7 @@ from iop_edge.runtime.metering.shared_budgets import SharedBudgets
 from iop_edge.runtime.metering.tracing import edge_tracing
 from iop_edge.runtime.metering.usage import UsageReport
 from iop_edge.runtime.models.commands import ModelCommands
+from iop_edge.runtime.models.keeper import ModelKeeper
 from iop_edge.runtime.nodes.heartbeat import fleet_interval
 from iop_edge.runtime.nodes.hub import (
     HANDSHAKE_TIMEOUT_S,
@@ -228,6 +229,14 @@ class Edge:
             providers=self.scheduler.catalog_providers,
             session_of=self.hub.session,
             state_dir=Path(config.edge.state_dir),
+        )
+        self.model_keeper = ModelKeeper(
+            snapshot=lambda: self._snapshot,
+            providers=self.scheduler.catalog_providers,
+            session_of=self.hub.session,
+            commands=self.model_commands,
+            pin_models=self.scheduler.pin_models,
+            wait_changed=self.scheduler.wait_changed,
         )
         overrides = listeners or Listeners()
         self._listen: dict[Role, str] = {
@@ -390,7 +399,7 @@ class Edge:
             activity=self.activity.report,
             refuse_refresh=self.refresher.refuse_unreadable,
             restart=self.restart,
-            model_command=partial(self.model_commands.run, source="admin API"),
+            model_command=partial(self.model_keeper.command, source="admin API"),
         )
 
     # --- observation ------------------------------------------------------------------
@@ -613,6 +622,7 @@ class Edge:
                 self.hub.run_heartbeats,
                 self.refresher.catch_up.run,
                 self.heap.run,
+                self.model_keeper.run,
             ),
             scheduler=self.scheduler,
             ledger=self.ledger,

@@ -81,6 +81,7 @@ from schemas.channel import (
 )
 from schemas.heartbeat import seconds_to_next_ping
 from schemas.wire import (
+    FEATURE_PINS,
     FEATURE_PROBE,
     NODE_REPLACED,
     PERMANENT_REJECTIONS,
@@ -368,7 +369,7 @@ class NodeLink:
             node_id=settings.node_id,
             token=settings.token,
             agent_version=settings.agent_version,
-            features=[FEATURE_PROBE],
+            features=[FEATURE_PROBE, FEATURE_PINS],
         )
         frame: str | bytes | None = None
         with trio.move_on_after(settings.handshake_timeout_s):

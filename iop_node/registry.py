@@ -334,12 +334,14 @@ class RegistryManager:
 
         Raises `RegistryBuildError` (nothing changed) when the config cannot be built. A
         config equal to the current one keeps the live registry (and its adapters'
-        connections); only the revision is updated."""
+        connections); only the revision (and the rest of the config: the idle rules) is
+        updated."""
         if self._closing:
             raise RegistryBuildError("the node is stopping")
         current = self._current
-        if current is not None and current.config == config:
+        if current is not None and current.config.providers == config.providers:
             current.revision = revision
+            current.config = config
             return current
         registry = await AdapterRegistry.build(revision, config, self._factory, self.activity)
         await self._nursery.start(self._serve, registry)

@@ -125,7 +125,7 @@ class CatalogSummary(CatalogRecord, frozen=True, kw_only=True):
 
 # --- models on demand: the operator's commands (design §18) ------------------------------
 
-ModelCommandAction = Literal["load", "unload"]
+ModelCommandAction = Literal["load", "unload", "pin", "unpin"]
 ModelCommandOutcome = Literal["done", "failed", "unknown", "no_provider"]
 """`done`: every provider acted on did it; `failed`: one did not (its result says why);
 `unknown`: the model, or the provider named, is not in the catalog; `no_provider`: no

@@ -49,6 +49,8 @@ ANSWER_GRACE_S: Final = 10.0
 class CommandSession(Protocol):
     """What a command needs of a Node's session."""
 
+    features: frozenset[str]
+
     async def request_model_command(self, command: wire.ModelCommand) -> wire.ModelCommandDone: ...
 
 
@@ -126,6 +128,19 @@ class ModelCommands:
                 return ModelCommandReport(
                     action=action, model=request.model, outcome="done", results=[result]
                 )
+        return await self.send(snapshot, action, request.model, targets, source=source)
+
+    async def send(
+        self,
+        snapshot: Snapshot,
+        action: ModelCommandAction,
+        model: str,
+        targets: Sequence[tuple[str, str]],
+        *,
+        source: str,
+    ) -> ModelCommandReport:
+        """Send `action` on `model` to each (provider, served name) of `targets` at once,
+        audit what each did, and report it."""
         results: list[ModelCommandResult] = []
         async with trio.open_nursery() as nursery:
             for provider_id, served_name in targets:
@@ -133,10 +148,10 @@ class ModelCommands:
                     self._one, snapshot, action, provider_id, served_name, results.append
                 )
         results.sort(key=lambda result: result.provider)
-        await self._audit(source, action, request.model, results)
+        await self._audit(source, action, model, results)
         ok = all(result.ok for result in results)
         return ModelCommandReport(
-            action=action, model=request.model, outcome="done" if ok else "failed", results=results
+            action=action, model=model, outcome="done" if ok else "failed", results=results
         )
 
     async def _one(
@@ -152,27 +167,46 @@ class ModelCommands:
         error: str | None
         if session is None:
             error = f"node {node_id} is not connected"
+        elif action in ("pin", "unpin") and wire.FEATURE_PINS not in session.features:
+            # an older Node: a pin holds on this Edge alone, and loads as a `load` does
+            error = None
+            if action == "pin":
+                error = await self._ask(session, node_id, snapshot, "load", provider_id, served)
         else:
-            command = wire.ModelCommand(
-                command_id=uuid.uuid4().hex,
-                provider_id=provider_id,
-                action=action,
-                model=served,
-            )
-            bound = snapshot.providers[provider_id].adapter.load_timeout_s + ANSWER_GRACE_S
-            error = f"node {node_id} did not answer within {bound:g}s"
-            with trio.move_on_after(bound):
-                try:
-                    done = await session.request_model_command(command)
-                except SessionClosed as exc:  # the Node is gone
-                    error = f"node {node_id} went away: {exc}"
-                else:
-                    error = None if done.ok else (done.error or "the runtime refused")
+            error = await self._ask(session, node_id, snapshot, action, provider_id, served)
         report(
             ModelCommandResult(
                 provider=provider_id, served_model=served, ok=error is None, error=error
             )
         )
+
+    async def _ask(
+        self,
+        session: CommandSession,
+        node_id: str,
+        snapshot: Snapshot,
+        action: ModelCommandAction,
+        *target: str,
+    ) -> str | None:
+        """One command to a Node on `target` (provider id, served name); None when done,
+        else why not."""
+        provider_id, served = target
+        command = wire.ModelCommand(
+            command_id=uuid.uuid4().hex,
+            provider_id=provider_id,
+            action=action,
+            model=served,
+        )
+        bound = snapshot.providers[provider_id].adapter.load_timeout_s + ANSWER_GRACE_S
+        error: str | None = f"node {node_id} did not answer within {bound:g}s"
+        with trio.move_on_after(bound):
+            try:
+                done = await session.request_model_command(command)
+            except SessionClosed as exc:  # the Node is gone
+                error = f"node {node_id} went away: {exc}"
+            else:
+                error = None if done.ok else (done.error or "the runtime refused")
+        return error
 
     async def _audit(
         self,

@@ -77,7 +77,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
@@ -525,6 +525,11 @@ class Scheduler:
         For observers (catalog watchers, tests) that would otherwise have to poll.
         """
         await self._changed.wait()
+
+    def pin_models(self, pins: Mapping[str, frozenset[str]]) -> None:
+        """The served names pinned on each provider (`core.lifecycle` Rule 4)."""
+        for provider_id, state in self._states.items():
+            state.holdings.pinned = pins.get(provider_id, frozenset())
 
     def _notify_changed(self) -> None:
         self._changed.set()
