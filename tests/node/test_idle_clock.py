@@ -1,0 +1,83 @@
+"""When a model has been idle long enough to unload (`iop_node.idle_clock`): pure rules."""
+
+from __future__ import annotations
+
+import math
+
+from iop_node.idle_clock import IdleClock
+from schemas.config import IdleRule
+
+A = ("p", "a")
+B = ("p", "b")
+
+
+def _clock(*rules: tuple[tuple[str, str], float]) -> IdleClock:
+    clock = IdleClock()
+    clock.configure(
+        IdleRule(provider_id=key[0], model=key[1], idle_unload_s=seconds) for key, seconds in rules
+    )
+    return clock
+
+
+def test_a_held_model_no_run_used_falls_due_idle_unload_s_after_it_was_first_reported() -> None:
+    clock = _clock((A, 60.0))
+    clock.observe("p", ["a"], now=10.0)
+    assert clock.next_due() == 70.0
+    assert clock.due(69.9) == []
+    assert clock.due(70.0) == [A]
+    # asked for: not due again until a probe reports it held anew (Rule 5)
+    assert clock.due(500.0) == []
+    assert clock.next_due() == math.inf
+    clock.observe("p", [], now=71.0)
+    clock.observe("p", ["a"], now=100.0)
+    assert clock.next_due() == 160.0
+
+
+def test_runs_stop_the_clock_and_the_last_one_ending_starts_it_again() -> None:
+    clock = _clock((A, 60.0))
+    clock.observe("p", ["a"], now=0.0)
+    clock.started(A)
+    clock.started(A)
+    assert clock.due(1000.0) == []  # in flight: never idle (Rule 1)
+    clock.ended(A, now=1000.0)
+    assert clock.next_due() == math.inf  # one still runs
+    clock.ended(A, now=1010.0)
+    assert clock.next_due() == 1070.0
+
+
+def test_only_models_with_a_rule_and_held_by_the_runtime_are_ever_due() -> None:
+    clock = _clock((A, 60.0))
+    clock.observe("p", ["b"], now=0.0)  # b has no rule, a is not held
+    assert clock.next_due() == math.inf
+    assert clock.due(1e9) == []
+    clock.observe("p", ["a", "b"], now=5.0)
+    assert clock.due(1e9) == [A]
+
+
+def test_a_pin_holds_a_model_until_every_link_that_pinned_it_let_go() -> None:
+    clock = _clock((A, 60.0), (B, 30.0))
+    clock.observe("p", ["a", "b"], now=0.0)
+    clock.pin(A, link=1)
+    clock.pin(A, link=2)
+    assert clock.due(100.0) == [B]
+    clock.unpin(A, link=1)
+    assert clock.due(100.0) == []
+    clock.drop_link(2)  # its Edge went away: its pins end (Rule 4)
+    assert clock.due(100.0) == [A]
+
+
+def test_a_refresh_that_changes_a_rule_keeps_the_clock_and_one_that_drops_it_stops_it() -> None:
+    clock = _clock((A, 60.0))
+    clock.observe("p", ["a"], now=0.0)
+    clock.configure([IdleRule(provider_id="p", model="a", idle_unload_s=10.0)])
+    assert clock.next_due() == 10.0  # the clock started at 0 goes on
+    clock.configure([])
+    assert clock.next_due() == math.inf
+
+
+def test_an_unload_that_failed_starts_the_clock_over() -> None:
+    clock = _clock((A, 60.0))
+    clock.observe("p", ["a"], now=0.0)
+    assert clock.due(60.0) == [A]
+    clock.unload_failed(A, now=61.0)
+    assert clock.next_due() == 121.0
