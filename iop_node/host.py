@@ -332,7 +332,7 @@ class ProviderHost:
                 after=partial(self._probe_now, adapter),
             )
         if error is None:
-            log.info("provider %s: %sed %s", command.provider_id, command.action, command.model)
+            log.info("provider %s: %s %s done", command.provider_id, command.action, command.model)
         else:
             log.warning(
                 "provider %s: %s of %s failed: %s",

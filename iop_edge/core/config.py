@@ -59,6 +59,7 @@ from iop_edge.core.config_shape import (
 from iop_edge.core.gc_pause import gc_paused
 from iop_edge.core.host import check_host
 from iop_edge.core.ledger_url import parse_ledger_url
+from iop_edge.core.lifecycle import lifecycle_problems
 from iop_edge.core.listen import ListenAddress, parse_listen_address
 from iop_edge.core.principals import ANONYMOUS_PRINCIPAL
 from iop_edge.core.tokens import DEMO_NODE_TOKEN_SHA256
@@ -855,6 +856,8 @@ class _Rules:
                 if isinstance(provider_id, str) and isinstance(target, str):
                     entry_path = key_path(f"{path}.providers", provider_id)
                     self._target(providers, provider_id, target, entry_path, entry_path)
+            for name, message in lifecycle_problems(model.get("lifecycle"), len(targets)):
+                self._error(f"{path}.lifecycle.{name}", message)
         return set(model_ids.first)
 
     def _legacy_routes(self, explicit_models: set[str], providers: dict[str, _Provider]) -> None:

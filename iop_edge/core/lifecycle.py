@@ -38,7 +38,14 @@ from iop_edge.core.affinity import placement_key, provider_seed, rendezvous_scor
 from schemas.catalog import CatalogProvider
 from schemas.config import IdleRule, ModelEntry, ModelLifecycle
 
-__all__ = ["Copy", "choose_copies", "copy_of", "idle_rules", "wanted_copies"]
+__all__ = [
+    "Copy",
+    "choose_copies",
+    "copy_of",
+    "idle_rules",
+    "lifecycle_problems",
+    "wanted_copies",
+]
 
 _HELD = frozenset({"loaded", "loading"})
 
@@ -59,6 +66,21 @@ def idle_rules(
                     IdleRule(provider_id=provider_id, model=served, idle_unload_s=idle_s)
                 )
     return {node_id: tuple(node_rules) for node_id, node_rules in rules.items()}
+
+
+def lifecycle_problems(raw: object, providers: int) -> list[tuple[str, str]]:
+    """What is wrong with a model's `lifecycle` beyond its shape: (field, message)."""
+    if not isinstance(raw, dict):
+        return []
+    preload = raw.get("preload")
+    if isinstance(preload, int) and not isinstance(preload, bool) and preload > providers:
+        return [
+            (
+                "preload",
+                f"asks for {preload} copies but the model has {providers} provider(s)",
+            )
+        ]
+    return []
 
 
 def wanted_copies(lifecycle: ModelLifecycle) -> int:

@@ -199,18 +199,19 @@ class ModelKeeper:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep the pins and make the preloads for as long as the Edge runs."""
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._follow_pool, name="model keeper: pool changes")
             task_status.started()
             while True:
+                wake = self._wake  # taken before the look: a change during it wakes us
                 retry = self._reconcile(nursery)
                 with trio.move_on_at(retry):
-                    async with trio.open_nursery() as waiting:
-                        waiting.start_soon(self._until_changed, waiting.cancel_scope)
-                        await self._wake.wait()
-                        waiting.cancel_scope.cancel()
+                    await wake.wait()
 
-    async def _until_changed(self, scope: trio.CancelScope) -> None:
-        await self._wait_changed()
-        scope.cancel()
+    async def _follow_pool(self) -> None:
+        """Every change of the pool wakes the keeper."""
+        while True:
+            await self._wait_changed()
+            self._changed()
 
     def _reconcile(self, nursery: trio.Nursery) -> float:
         """One look at the pool (Rules 1-3); returns when to look again at the latest."""

@@ -1,0 +1,161 @@
+"""The models' lifecycle policy end to end (design §18.4): idle unloads kept by the Node,
+pins that placement never evicts and that are loaded again, preloads at start, a refresh
+that changes the policy live, and the operator's `iop-edge models pin`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import trio
+import yaml
+
+from iop_edge.core.affinity import placement_key, rendezvous_order
+from tests.adapters.fake_upstream import FakeUpstream
+from tests.e2e.stack import Stack
+from tests.e2e.upstreams import MakeStack, provider_of, upstream_provider
+from tests.timing import GUARD_S
+
+
+def _held(catalog: dict[str, Any], provider_id: str) -> dict[str, str]:
+    states = provider_of(catalog, provider_id).get("model_states") or []
+    return {state["name"]: state["state"] for state in states}
+
+
+async def _routers(
+    nursery: trio.Nursery,
+    make_stack: MakeStack,
+    count: int,
+    models: list[dict[str, Any]],
+    **fake: Any,
+) -> tuple[Stack, list[FakeUpstream]]:
+    """`count` llama.cpp routers that hold one model at a time, each serving every model."""
+    names = [model["id"] for model in models]
+    fakes = [
+        FakeUpstream(models=names, lifecycle="llama_router", max_loaded=1, **fake)
+        for _ in range(count)
+    ]
+    providers = []
+    for index, upstream in enumerate(fakes):
+        base_url = await nursery.start(upstream.serve)
+        provider = upstream_provider(
+            f"r{index}", base_url, type="openai_api", served=names[0], health_interval_s=0.2
+        )
+        provider["models"] = names
+        providers.append(provider)
+    ids = [f"r{index}" for index in range(count)]
+    for model in models:
+        model["providers"] = {provider_id: model["id"] for provider_id in ids}
+    stack = await make_stack(providers, models=models)
+    await stack.wait_catalog(lambda c: all(_held(c, p) for p in ids))
+    return stack, fakes
+
+
+def _loads_asked(fake: FakeUpstream) -> int:
+    return [request.path for request in fake.requests].count("/models/load")
+
+
+def _audit(stack: Stack) -> list[dict[str, Any]]:
+    path = stack.config_path.parent / "state-0" / "model-audit.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+async def test_a_preload_loads_the_model_at_start_on_its_rendezvous_providers(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    stack, fakes = await _routers(
+        nursery, make_stack, 3, [{"id": "warm", "lifecycle": {"preload": 2}}]
+    )
+    expected = sorted(rendezvous_order(placement_key("warm"), ["r0", "r1", "r2"])[:2])
+    catalog = await stack.wait_catalog(
+        lambda c: sum(_held(c, p).get("warm") == "loaded" for p in ("r0", "r1", "r2")) == 2
+    )
+    loaded = sorted(p for p in ("r0", "r1", "r2") if _held(catalog, p)["warm"] == "loaded")
+    assert loaded == expected  # every Edge sharing these Nodes picks the same two
+    assert sum("warm" in fake.loaded for fake in fakes) == 2
+    assert [_loads_asked(fake) for fake in fakes] == [
+        int(f"r{index}" in expected) for index in range(3)
+    ]
+
+
+async def test_a_pinned_model_survives_the_pressure_that_moves_the_others_around(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    models = [{"id": "kept", "lifecycle": {"keep_loaded": True}}, {"id": "b"}, {"id": "c"}]
+    stack, fakes = await _routers(nursery, make_stack, 2, models)
+    [home] = rendezvous_order(placement_key("kept"), ["r0", "r1"])[:1]
+    other = "r1" if home == "r0" else "r0"
+    await stack.wait_catalog(lambda c: _held(c, home).get("kept") == "loaded")
+    served: set[str] = set()
+    async with stack.client() as client:
+        for model in "bcbccbbc":
+            with trio.fail_after(GUARD_S):
+                reply = await client.chat.completions.with_raw_response.create(
+                    model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+            served.add(reply.headers["x-iop-provider"])
+    # b and c took turns on the other router; the pinned copy was never evicted for them
+    assert served == {other}
+    home_fake = fakes[int(home[1])]
+    assert home_fake.loaded == {"kept"}
+    assert home_fake.loads == 0  # no run of b or c ever made it load
+
+    # The runtime drops the pinned model by itself: it is loaded again.
+    home_fake.loaded = set()
+    await stack.wait_catalog(
+        lambda c: (
+            _loads_asked(home_fake) == 2
+            and home_fake.loaded == {"kept"}
+            and _held(c, home)["kept"] == "loaded"
+        )
+    )
+    assert _loads_asked(fakes[int(other[1])]) == 0
+
+
+async def test_a_refresh_that_sets_idle_unload_s_unloads_the_idle_model_live(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    stack, fakes = await _routers(nursery, make_stack, 1, [{"id": "a"}], loaded={"a"})
+    await stack.wait_catalog(lambda c: _held(c, "r0").get("a") == "loaded")
+    candidate = yaml.safe_load(stack.config_path.read_text())
+    candidate["models"][0]["lifecycle"] = {"idle_unload_s": 0.2}
+    async with stack.admin() as admin:
+        response = await admin.post(
+            "/refresh", json={"mode": "apply", "config_yaml": yaml.safe_dump(candidate)}
+        )
+    assert response.status_code == 200, response.text
+    assert response.json()["nodes"][0]["status"] == "applied"
+    await stack.wait_catalog(lambda c: _held(c, "r0").get("a") == "unloaded")
+    assert fakes[0].loaded == set()
+    assert [r.path for r in fakes[0].requests].count("/models/unload") == 1
+
+
+async def test_the_operator_pins_and_unpins_a_model_from_the_command_line(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    stack, fakes = await _routers(nursery, make_stack, 2, [{"id": "a"}, {"id": "b"}])
+    admin = ["--admin", stack.addresses.admin_url]
+
+    async def cli(*args: str) -> tuple[int, str]:
+        command = [sys.executable, "-m", "iop_edge", "models", *args, *admin]
+        with trio.fail_after(GUARD_S):
+            done = await trio.run_process(command, capture_stdout=True, check=False)
+        return done.returncode, done.stdout.decode()
+
+    assert await cli("pin", "a", "--provider", "r1") == (0, "pin of a on r1 (a): done\n")
+    assert _held(await stack.catalog(), "r1")["a"] == "loaded"
+    # placement will not evict it there: b's run goes to r0
+    async with stack.client() as client:
+        with trio.fail_after(GUARD_S):
+            reply = await client.chat.completions.with_raw_response.create(
+                model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+    assert reply.headers["x-iop-provider"] == "r0"
+    assert await cli("unpin", "a") == (0, "unpin of a on r1 (a): done\n")
+    status, said = await cli("unpin", "a")
+    assert status == 1
+    assert "'a' has no pin set by the operator" in said
+    assert fakes[1].loaded == {"a"}  # an unpin unloads nothing
+    lines = [(a["action"], a["model"], a["provider"], a["ok"], a["source"]) for a in _audit(stack)]
+    assert lines == [("pin", "a", "r1", True, "admin API"), ("unpin", "a", "r1", True, "admin API")]
