@@ -20,7 +20,11 @@ reload): the thrash placement is there to prevent. So the Edge keeps its own acc
    least recently used too; a report corrects any difference.)
 5. The runtime has room while it holds fewer models than its `max_loaded` (always, when
    it does not say); it can take a load when it has room or holds a model with nothing
-   of this Edge in flight and no pin (a sleeping runtime wakes only on command: it cannot).
+   of this Edge in flight and no pin.
+6. A `sleeping` model (vLLM's sleep mode) wakes for the run that finds it asleep (its
+   Node wakes the runtime first): it can always be woken, and a wake-up unloads nothing
+   (the runtime holds the model already), so it is a load with room, and a cheaper one
+   than a cold load (`asleep`).
 
 Pure: no I/O; the caller passes the time.
 """
@@ -141,11 +145,15 @@ class Holdings:
         return self.max_loaded is None or len(self._held(now)) < self.max_loaded
 
     def can_load(self, served: str, now: float) -> bool:
-        """Rule 5: a run for `served` could make it load it now."""
-        state = (self._reported or {}).get(served)
-        if state is not None and state.state == "sleeping":
-            return False
+        """Rules 5, 6: a run for `served` could make it load (or wake) it now."""
+        if self.asleep(served):
+            return True
         return self.room(now) or any(self._evictable(n) for n in self._held(now))
+
+    def asleep(self, served: str) -> bool:
+        """Rule 6: the runtime's last report says `served` is sleeping."""
+        state = (self._reported or {}).get(served)
+        return state is not None and state.state == "sleeping"
 
     def _evictable(self, served: str) -> bool:
         return not self._running[served] and served not in self.pinned
@@ -153,7 +161,7 @@ class Holdings:
     def started(self, served: str, now: float, *, load_timeout_s: float) -> None:
         """A run of `served` was granted here (Rules 3, 4)."""
         if self.holding(served, now) == "cold":
-            if not self.room(now):
+            if not self.room(now) and not self.asleep(served):
                 idle = [n for n in self._held(now) if self._evictable(n) and n != served]
                 if idle:
                     victim = min(idle, key=lambda n: self._last_used.get(n, -1.0))

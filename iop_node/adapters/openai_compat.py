@@ -499,6 +499,8 @@ class OpenAICompatAdapter(NativeRelay):
     # --- Adapter protocol -----------------------------------------------------------------
 
     async def execute(self, run: Run, emit: Emit) -> RunResult:
+        if self._lifecycle.asleep:  # a vLLM in sleep mode wakes first
+            await self._lifecycle.awake(self.provider.adapter.load_timeout_s)
         url = self._run_urls.get(run.operation)
         if url is None:
             raise AdapterError(
@@ -515,6 +517,8 @@ class OpenAICompatAdapter(NativeRelay):
             raise await self._overflow_or(run, empty.failure) from None
 
     async def execute_native(self, run: Run, events: EmitEvents) -> RunResult:
+        if self._lifecycle.asleep:  # a vLLM in sleep mode wakes first
+            await self._lifecycle.awake(self.provider.adapter.load_timeout_s)
         protocol = _NATIVE_OPERATIONS.get(run.operation)
         if protocol is None:
             raise AdapterError(

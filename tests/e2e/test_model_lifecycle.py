@@ -159,3 +159,35 @@ async def test_the_operator_pins_and_unpins_a_model_from_the_command_line(
     assert fakes[1].loaded == {"a"}  # an unpin unloads nothing
     lines = [(a["action"], a["model"], a["provider"], a["ok"], a["source"]) for a in _audit(stack)]
     assert lines == [("pin", "a", "r1", True, "admin API"), ("unpin", "a", "r1", True, "admin API")]
+
+
+async def test_a_run_wakes_a_sleeping_vllm_rather_than_cold_load_elsewhere(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    router = FakeUpstream(models=["m"], lifecycle="llama_router", max_loaded=1)
+    vllm = FakeUpstream(models=["m"], lifecycle="vllm_sleep", sleeping=True)
+    providers = [
+        upstream_provider(
+            "router", await nursery.start(router.serve), type="openai_api", served="m"
+        ),
+        upstream_provider("vllm", await nursery.start(vllm.serve), type="vllm", served="m"),
+    ]
+    # the model's rendezvous choice is the router: the wake-up wins over it
+    assert rendezvous_order(placement_key("big"), ["router", "vllm"])[0] == "router"
+    stack = await make_stack(
+        providers, models=[{"id": "big", "providers": {"router": "m", "vllm": "m"}}]
+    )
+    await stack.wait_catalog(
+        lambda c: _held(c, "vllm") == {"m": "sleeping"} and _held(c, "router") == {"m": "unloaded"}
+    )
+    async with stack.client() as client:
+        for _ in range(3):
+            with trio.fail_after(GUARD_S):
+                reply = await client.chat.completions.with_raw_response.create(
+                    model="big", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+            assert reply.headers["x-iop-provider"] == "vllm"
+    posts = [r.path for r in vllm.requests if r.method == "POST"]
+    assert posts == ["/wake_up", *["/v1/chat/completions"] * 3]
+    assert router.loads == 0
+    assert not vllm.sleeping

@@ -5,6 +5,7 @@ from __future__ import annotations
 from iop_edge.core.affinity import placement_key, rendezvous_order
 from iop_edge.core.holdings import Holdings
 from iop_edge.core.lifecycle import Copy, choose_copies, copy_of, idle_rules, wanted_copies
+from iop_edge.core.pool import Grant, ProviderView, decide
 from schemas.config import IdleRule, ModelEntry, ModelLifecycle
 from schemas.wire import ModelState
 from tests.unit.test_placement import _provider
@@ -97,3 +98,26 @@ def test_placement_never_unloads_a_pinned_model_to_make_room() -> None:
     two.started("new", now=2.0, load_timeout_s=60)
     assert two.holding("kept", now=3.0) == "held"
     assert two.holding("old", now=3.0) == "cold"
+
+
+def test_a_run_wakes_a_sleeping_copy_before_it_cold_loads_one_anywhere() -> None:
+    """Pool Rule 8, holdings Rule 6: a wake-up is a load with room, and the cheapest."""
+    full = Holdings()
+    full.report(
+        [ModelState(name="m", state="sleeping"), ModelState(name="busy", state="loaded")],
+        max_loaded=1,
+    )
+    full.started("busy", now=0.0, load_timeout_s=60)  # no idle model to unload
+    assert full.can_load("m", now=0.0)
+    full.started("m", now=0.0, load_timeout_s=60)
+    # woken, not loaded in place of another: nothing counts as unloaded for it
+    assert full.holding("busy", now=1.0) == "held"
+    assert full.holding("m", now=1.0) == "held"
+
+    views = {
+        "cold": ProviderView(id="cold", capacity=2, holds="cold", room=True),
+        "asleep": ProviderView(id="asleep", capacity=2, holds="cold", asleep=True, room=False),
+    }
+    for rotation in (("cold", "asleep"), ("asleep", "cold")):
+        decision = decide("m", rotation, views, long=False, placing=True)
+        assert isinstance(decision, Grant) and decision.provider.id == "asleep"

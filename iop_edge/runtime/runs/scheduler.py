@@ -923,11 +923,13 @@ class Scheduler:
         holdings = state.holdings
         holds: Holding = "held"
         room = can_load = True
+        asleep = False
         if holdings.states is not None:  # its runtime says what it holds (Rule 8)
             holds = holdings.holding(served, now)
             if holds == "cold":
                 room = holdings.room(now)
                 can_load = holdings.can_load(served, now)
+                asleep = holdings.asleep(served)
         return ProviderView(
             id=state.id,
             capacity=capacity,
@@ -944,6 +946,7 @@ class Scheduler:
             holds=holds,
             room=room,
             can_load=can_load,
+            asleep=asleep,
         )
 
     def _grant(
