@@ -84,6 +84,11 @@ class ModelKeeper:
         self._told: dict[str, tuple[CommandSession, set[Pair]]] = {}
         """Per Node: the session told, and the pins it was told."""
         self._wake = trio.Event()
+        self._managed_of: Snapshot | None = None
+        self._managed: list[str] = []
+        """The models of `_managed_of` with copies to keep or make (Rule 2)."""
+        self._applied: dict[str, frozenset[str]] | None = None
+        """The pins the scheduler was last told."""
 
     def _changed(self) -> None:
         self._wake.set()
@@ -214,64 +219,70 @@ class ModelKeeper:
             self._changed()
 
     def _reconcile(self, nursery: trio.Nursery) -> float:
-        """One look at the pool (Rules 1-3); returns when to look again at the latest."""
+        """One look at the pool (Rules 1-4); returns when to look again at the latest.
+
+        It runs at every change of the pool, so it looks only at the models with a
+        lifecycle to keep (worked out once per snapshot) and the operator's pins."""
         snapshot = self._snapshot()
         now = trio.current_time()
-        pins: dict[str, set[str]] = {}
-        to_pin: list[tuple[str, Pair, bool]] = []  # (model, pair, held)
-        for model_id in [m for m in self._config_copies if m not in snapshot.models]:
-            del self._config_copies[model_id]
-        for model_id in [m for m in self._preloads if m not in snapshot.models]:
-            del self._preloads[model_id]
-        for pin in [pin for pin in self._operator if pin[0] not in snapshot.models]:
-            del self._operator[pin]
+        if snapshot is not self._managed_of:
+            self._managed_of = snapshot
+            self._managed = [m.id for m in snapshot.models.values() if wanted_copies(m.lifecycle)]
+            self._operator = {pin: None for pin in self._operator if pin[0] in snapshot.models}
+            self._applied = None  # a refresh may have added providers: tell the scheduler
         operator: dict[str, list[str]] = {}
         for model_id, provider in self._operator:
             if provider in snapshot.models[model_id].providers:
                 operator.setdefault(model_id, []).append(provider)
-        for model in snapshot.models.values():
+        pins: dict[str, set[str]] = {}
+        to_pin: list[tuple[str, Pair, bool]] = []  # (model, pair, held)
+        config_copies: dict[str, list[str]] = {}
+        for model_id in dict.fromkeys([*self._managed, *operator]):
+            model = snapshot.models[model_id]
             lifecycle = model.lifecycle
-            wanted = wanted_copies(lifecycle)
-            pinned_here = operator.get(model.id, [])
-            if not wanted and not pinned_here:
-                self._config_copies.pop(model.id, None)
-                self._preloads.pop(model.id, None)
-                continue
             served = model.providers
             copies = {
                 record.id: copy_of(record, served[record.id])
                 for record in self._providers(list(served))
             }
-            pinned: list[str] = list(pinned_here)
+            pinned = list(operator.get(model_id, ()))
             if lifecycle.keep_loaded:
-                self._preloads.pop(model.id, None)
-                chosen = choose_copies(
-                    model.id,
+                chosen = config_copies[model_id] = choose_copies(
+                    model_id,
                     list(copies.values()),
-                    wanted,
-                    chosen=self._config_copies.get(model.id, ()),
+                    wanted_copies(lifecycle),
+                    chosen=self._config_copies.get(model_id, ()),
                 )
-                self._config_copies[model.id] = chosen
                 pinned += [p for p in chosen if p not in pinned]
-            else:
-                self._config_copies.pop(model.id, None)
-                if wanted:
-                    self._preload(snapshot, model.id, lifecycle, copies, nursery)
+            elif lifecycle.preload:
+                self._preload(snapshot, model_id, lifecycle, copies, nursery)
             for provider in pinned:
                 copy = copies.get(provider)
                 if copy is not None and (copy.holds or copy.can_take):
                     pins.setdefault(provider, set()).add(served[provider])
-                    to_pin.append((model.id, (provider, served[provider]), copy.holds))
-        self._pin_models({p: frozenset(names) for p, names in pins.items()})
+                    to_pin.append((model_id, (provider, served[provider]), copy.holds))
+        self._config_copies = config_copies
+        self._preloads = {
+            m: entry
+            for m, entry in self._preloads.items()
+            if m in snapshot.models and snapshot.models[m].lifecycle.preload
+        }
+        applied = {p: frozenset(names) for p, names in pins.items()}
+        if applied != self._applied:  # Rule 3, told only when it changed
+            self._applied = applied
+            self._pin_models(applied)
         for model_id, pair, held in to_pin:
-            told = self._told_of(snapshot.provider_node.get(pair[0]))
-            session = self._session_of(snapshot.provider_node.get(pair[0], ""))
+            node_id = snapshot.provider_node.get(pair[0], "")
+            told = self._told_of(node_id)
+            session = self._session_of(node_id)
             speaks_pins = session is not None and wire.FEATURE_PINS in session.features
             owed = not held or (speaks_pins and told is not None and pair not in told)
             if owed and pair not in self._busy and self._retry_at.get(pair, -math.inf) <= now:
                 self._busy.add(pair)  # `_send` takes it back
                 nursery.start_soon(self._send, snapshot, "pin", model_id, [pair], SOURCE)
         self._unpin_stale(snapshot, pins, nursery)
+        # a retry whose time came was made above, or is owed no more (Rule 4)
+        self._retry_at = {pair: at for pair, at in self._retry_at.items() if at > now}
         return min(self._retry_at.values(), default=math.inf)
 
     def _preload(
