@@ -6,7 +6,16 @@ from iop_edge.core.affinity import placement_key, rendezvous_order
 from iop_edge.core.holdings import Holdings
 from iop_edge.core.lifecycle import Copy, choose_copies, copy_of, idle_rules, wanted_copies
 from iop_edge.core.pool import Grant, ProviderView, decide
-from schemas.config import IdleRule, ModelEntry, ModelLifecycle
+from iop_edge.core.refresh_plan import nodes_to_push
+from iop_edge.core.snapshot import Snapshot
+from schemas.config import (
+    EdgeConfig,
+    IdleRule,
+    ModelEntry,
+    ModelLifecycle,
+    NodeEntry,
+    ProviderConfig,
+)
 from schemas.wire import ModelState
 from tests.unit.test_placement import _provider
 
@@ -121,3 +130,33 @@ def test_a_run_wakes_a_sleeping_copy_before_it_cold_loads_one_anywhere() -> None
     for rotation in (("cold", "asleep"), ("asleep", "cold")):
         decision = decide("m", rotation, views, long=False, placing=True)
         assert isinstance(decision, Grant) and decision.provider.id == "asleep"
+
+
+def _fleet(lifecycle: ModelLifecycle) -> Snapshot:
+    providers = {
+        node: [ProviderConfig(id=f"{node}-p", type="openai_api", models=["s"], capacity=1)]
+        for node in ("n1", "n2")
+    }
+    config = EdgeConfig(
+        models=[
+            ModelEntry(id="m", providers={"n1-p": "s"}, lifecycle=lifecycle),
+            ModelEntry(id="other", providers={"n2-p": "s"}),
+        ],
+        nodes=[
+            NodeEntry(id=node, token_hash_sha256="0" * 64, providers=node_providers)
+            for node, node_providers in providers.items()
+        ],
+    )
+    return Snapshot.build(config, revision=1, config_sha256="0" * 64)
+
+
+def test_a_refresh_that_changes_an_idle_rule_pushes_only_the_nodes_it_concerns() -> None:
+    before = _fleet(ModelLifecycle())
+    after = _fleet(ModelLifecycle(idle_unload_s=120))
+    assert nodes_to_push(before, after) == ("n1",)
+    assert after.node_config("n1").idle == [
+        IdleRule(provider_id="n1-p", model="s", idle_unload_s=120)
+    ]
+    assert after.node_config("n2").idle == []
+    # pins and preloads are the Edge's alone: no Node hears of them
+    assert nodes_to_push(before, _fleet(ModelLifecycle(keep_loaded=True, preload=1))) == ()
