@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import trio
 import yaml
 
 from iop_edge.core.affinity import placement_key, rendezvous_order
+from iop_node.main import run_node
 from tests.adapters.fake_upstream import FakeUpstream
-from tests.e2e.stack import Stack
+from tests.e2e.stack import NODE_TOKEN, Stack, edge_config
+from tests.e2e.test_several_edges import _serve_edge
 from tests.e2e.upstreams import MakeStack, provider_of, upstream_provider
 from tests.timing import GUARD_S
 
@@ -191,3 +195,63 @@ async def test_a_run_wakes_a_sleeping_vllm_rather_than_cold_load_elsewhere(
     assert posts == ["/wake_up", *["/v1/chat/completions"] * 3]
     assert router.loads == 0
     assert not vllm.sleeping
+
+
+async def test_callers_and_browser_pages_cannot_pin(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    stack, fakes = await _routers(nursery, make_stack, 1, [{"id": "a"}])
+    body = {"model": "a"}
+    async with stack.admin() as admin:
+        for headers in ({"Origin": "http://127.0.0.1:8080"}, {"Sec-Fetch-Site": "cross-site"}):
+            refused = await admin.post("/models/pin", json=body, headers=headers)
+            assert refused.status_code == 403, headers
+    async with stack.http() as http:  # the callers' port has no such route
+        assert (await http.post("/models/pin", json=body)).status_code == 404
+    assert _loads_asked(fakes[0]) == 0
+    assert not (stack.config_path.parent / "state-0" / "model-audit.jsonl").exists()
+
+
+async def test_two_edges_sharing_a_node_pin_the_same_copy(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Nothing shared but the config and the Node: both Edges pin the model on the same
+    provider, and only there is it ever loaded."""
+    fakes = [
+        FakeUpstream(models=["kept", "b"], lifecycle="llama_router", max_loaded=1) for _ in range(3)
+    ]
+    providers = []
+    for index, fake in enumerate(fakes):
+        provider = upstream_provider(
+            f"r{index}", await nursery.start(fake.serve), type="openai_api", served="kept"
+        )
+        provider["models"] = ["kept", "b"]
+        providers.append(provider)
+    ids = [provider["id"] for provider in providers]
+    models = [
+        {"id": "kept", "providers": dict.fromkeys(ids, "kept"), "lifecycle": {"keep_loaded": True}},
+        {"id": "b", "providers": dict.fromkeys(ids, "b")},
+    ]
+    stacks = []
+    for name in ("a", "b"):
+        text = edge_config(tmp_path / name, providers=providers, models=models)
+        stacks.append(
+            await _serve_edge(nursery, text, tmp_path / f"{name}.yaml", trio.CancelScope())
+        )
+    urls = [stack.addresses.node_url for stack in stacks]
+    await nursery.start(partial(run_node, urls, "node-1", NODE_TOKEN))
+    [home] = rendezvous_order(placement_key("kept"), ids)[:1]
+    for stack in stacks:
+        await stack.wait_catalog(lambda c: _held(c, home).get("kept") == "loaded")
+    assert [fake.loaded for fake in fakes] == [
+        {"kept"} if f"r{index}" == home else set() for index in range(3)
+    ]
+    assert [_loads_asked(fake) > 0 for fake in fakes] == [f"r{i}" == home for i in range(3)]
+    for stack in stacks:  # each Edge counts it pinned: placement does not evict it for b
+        async with stack.client() as client:
+            with trio.fail_after(GUARD_S):
+                reply = await client.chat.completions.with_raw_response.create(
+                    model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+        assert reply.headers["x-iop-provider"] != home
+    assert fakes[ids.index(home)].loaded == {"kept"}
