@@ -86,6 +86,9 @@ class CatalogProvider(CatalogRecord, frozen=True, kw_only=True):
     max_loaded: int | None = None
     """How many models the runtime keeps loaded at once, where it says (llama.cpp's
     `--models-max`)."""
+    pinned: list[str] = []
+    """The served models pinned on it (`models[].lifecycle.keep_loaded`, the operator's
+    `iop-edge models pin`; design §18.4), sorted."""
     cached_share: float | None = None
     """Of the prompt tokens its runtime reported over its recent runs, the share it took
     from its prefix cache (0..1, recent runs weighing most: `core.cache_share`); null

@@ -91,6 +91,8 @@ def _render_list(console: Console, document: dict[str, Any]) -> None:
                 state = "(node disconnected)"
             elif provider.get("reason"):
                 state = f"{state}: {provider['reason']}"
+            if provider.get("pinned"):
+                state = f"{state}, pinned"
             held = provider.get("max_loaded")
             table.add_row(
                 model["model"],

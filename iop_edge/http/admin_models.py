@@ -80,6 +80,7 @@ def add_model_routes(app: QuartTrio, catalog: CatalogSource, run: ModelCommandRu
                         "state": None if state is None else state.state,
                         "reason": None if state is None else state.reason,
                         "max_loaded": record.max_loaded,
+                        "pinned": served[record.id] in record.pinned,
                     }
                 )
             listed.append({"model": model_id, "providers": providers})

@@ -149,6 +149,11 @@ async def test_the_operator_pins_and_unpins_a_model_from_the_command_line(
 
     assert await cli("pin", "a", "--provider", "r1") == (0, "pin of a on r1 (a): done\n")
     assert _held(await stack.catalog(), "r1")["a"] == "loaded"
+    assert provider_of(await stack.catalog(), "r1")["pinned"] == ["a"]
+    status, listed = await cli()
+    assert status == 0
+    [row] = [line for line in listed.splitlines() if " r1 " in line and "│ a " in line]
+    assert "loaded, pinned" in row
     # placement will not evict it there: b's run goes to r0
     async with stack.client() as client:
         with trio.fail_after(GUARD_S):
@@ -161,6 +166,7 @@ async def test_the_operator_pins_and_unpins_a_model_from_the_command_line(
     assert status == 1
     assert "'a' has no pin set by the operator" in said
     assert fakes[1].loaded == {"a"}  # an unpin unloads nothing
+    assert provider_of(await stack.catalog(), "r1")["pinned"] == []
     lines = [(a["action"], a["model"], a["provider"], a["ok"], a["source"]) for a in _audit(stack)]
     assert lines == [("pin", "a", "r1", True, "admin API"), ("unpin", "a", "r1", True, "admin API")]
 

@@ -1258,5 +1258,6 @@ class Scheduler:
             protocols=state.protocols,
             model_states=state.holdings.states,
             max_loaded=state.holdings.max_loaded,
+            pinned=state.holdings.pinned,
             cached_share=self.cache_shares.share(state.id),
         )
