@@ -14,7 +14,12 @@ from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.models.commands import ModelCommands
 from iop_edge.runtime.models.keeper import RETRY_S, ModelKeeper
 from schemas import wire
-from schemas.catalog import CatalogProvider, ModelCommandAction, ModelCommandResult
+from schemas.catalog import (
+    CatalogProvider,
+    ModelCommandAction,
+    ModelCommandRequest,
+    ModelCommandResult,
+)
 from schemas.config import (
     EdgeConfig,
     ModelEntry,
@@ -179,3 +184,35 @@ async def test_an_older_node_gets_a_load_for_a_pin_and_no_unpin(
     await trio.testing.wait_all_tasks_blocked()
     assert pool.commands == [("load", home)]
     assert pool.pins == {}
+
+
+async def test_an_operator_pin_whose_load_fails_is_not_kept(
+    nursery: trio.Nursery, autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    pool = Pool()
+    snapshot = _snapshot(ModelLifecycle())
+    keeper = _keeper(pool, lambda: snapshot, tmp_path)
+    await nursery.start(keeper.run)
+    pool.refuse = "no such file"
+    report = await keeper.command(
+        "pin", ModelCommandRequest(model="m", provider="p3"), source="admin API"
+    )
+    assert report.outcome == "failed"
+    assert report.results[0].error == "no such file"
+    await trio.testing.wait_all_tasks_blocked()
+    # told the Node, which may hold the pin: it is taken back
+    assert pool.commands == [("pin", "p3"), ("unpin", "p3")]
+    assert pool.pins == {}
+    unpinned = await keeper.command("unpin", ModelCommandRequest(model="m"), source="admin API")
+    assert unpinned.outcome == "no_provider"
+    assert (
+        unpinned.error
+        == "'m' has no pin set by the operator (a keep_loaded pin lasts while the config says so)"
+    )
+    pool.refuse = None
+    pinned = await keeper.command("pin", ModelCommandRequest(model="m"), source="admin API")
+    [home] = rendezvous_order(placement_key("m"), PROVIDERS)[:1]
+    assert pinned.outcome == "done" and pinned.results[0].provider == home
+    await trio.testing.wait_all_tasks_blocked()
+    assert pool.pins == {home: frozenset({"m-served"})}
+    assert pool.audited[-1] == ("pin", home, "admin API")

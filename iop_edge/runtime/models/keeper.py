@@ -16,8 +16,9 @@ and the operator's pins) and which preloads are still owed, and acts with the ex
 4. One command per copy at a time; a failed one is tried again after `RETRY_S` (a model
    a runtime cannot load is not asked for in a loop).
 
-The operator's `pin` and `unpin` (`POST /models/pin|unpin`) come here too; `load` and
-`unload` go on to `ModelCommands`.
+The operator's `pin` and `unpin` (`POST /models/pin|unpin`) come here too (a pin whose
+load failed is not kept: the answer says why); `load` and `unload` go on to
+`ModelCommands`.
 """
 
 from __future__ import annotations
@@ -152,9 +153,14 @@ class ModelKeeper:
                     error=f"no provider can load {model.id!r} now",
                 )
             provider = choice[0]
-        self._operator[(model.id, provider)] = None
+        pin = (model.id, provider)
+        self._operator[pin] = None
         self._changed()
-        return await self._send(snapshot, "pin", model.id, [(provider, served[provider])], source)
+        report = await self._send(snapshot, "pin", model.id, [(provider, served[provider])], source)
+        if report.outcome != "done":  # the operator hears why, and may try again
+            self._operator.pop(pin, None)
+            self._changed()
+        return report
 
     async def _send(
         self,
