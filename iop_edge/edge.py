@@ -236,7 +236,6 @@ class Edge:
             session_of=self.hub.session,
             commands=self.model_commands,
             pin_models=self.scheduler.pin_models,
-            wait_changed=self.scheduler.wait_changed,
         )
         overrides = listeners or Listeners()
         self._listen: dict[Role, str] = {
@@ -291,6 +290,7 @@ class Edge:
         self._snapshot = snapshot
         self._config_time = time.time()
         self.scheduler.apply_snapshot(snapshot)
+        self.model_keeper.look()
 
     def connected_nodes(self) -> frozenset[str]:
         return self.hub.connected_nodes()
@@ -330,10 +330,12 @@ class Edge:
     def _node_connected(self, node_id: str) -> None:
         self.scheduler.node_connected(node_id)
         self.heap.node_connected()
+        self.model_keeper.look()
 
     def _node_disconnected(self, node_id: str) -> None:
         self.scheduler.node_disconnected(node_id)
         self.heap.node_disconnected()
+        self.model_keeper.look()
 
     def _on_status(self, node_id: str, status: wire.Status) -> None:
         for provider in status.providers:
@@ -355,6 +357,7 @@ class Edge:
         if status.probed:  # the probes it answers, of its own providers only
             owner = self._snapshot.provider_node
             self.dispatcher.revival.answered(p for p in status.probed if owner.get(p) == node_id)
+        self.model_keeper.look()
 
     def _on_load(self, node_id: str, load: wire.Load) -> None:
         """What other Edges hold on this node's providers (design §13)."""

@@ -55,14 +55,8 @@ class Pool:
         self.features = features
         self.pins: dict[str, frozenset[str]] = {}
         self.audited: list[tuple[str, str, str]] = []
-        self._changed = trio.Event()
-
-    def changed(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def wait_changed(self) -> None:
-        await self._changed.wait()
+        self.changed: Callable[[], None] = lambda: None
+        """A Node's report: the keeper looks again (`ModelKeeper.look`)."""
 
     def providers(self, ids: object) -> list[CatalogProvider]:
         return [
@@ -101,14 +95,15 @@ def _keeper(pool: Pool, snapshot: Callable[[], Snapshot], tmp_path: Path) -> Mod
         snapshot=snapshot, providers=pool.providers, session_of=session_of, state_dir=tmp_path
     )
     commands.audited = pool.audited
-    return ModelKeeper(
+    keeper = ModelKeeper(
         snapshot=snapshot,
         providers=pool.providers,
         session_of=session_of,
         commands=commands,
         pin_models=pool.pin_models,
-        wait_changed=pool.wait_changed,
     )
+    pool.changed = keeper.look
+    return keeper
 
 
 async def test_a_pin_is_loaded_told_once_reloaded_when_dropped_and_retried_after_a_failure(

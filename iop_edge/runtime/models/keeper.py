@@ -1,10 +1,11 @@
 """Pins and preloads (design §18.4, `core.lifecycle` Rules 2-5): the Edge's side of the
 models' lifecycle policy. (Idle unloads are the Nodes', `iop_node.idle_keeper`.)
 
-The keeper runs for the Edge's life. At every change of the pool (a Node's report, a
-connection, a refresh) it works out which copies are pinned (the config's `keep_loaded`
-and the operator's pins) and which preloads are still owed, and acts with the existing
-`model_command`s (`commands.ModelCommands`, audited with source `lifecycle`):
+The keeper runs for the Edge's life. At every change it acts on (a Node's report, a
+Node connected or gone, a refresh: `look`; a run's start or end is none) it works out
+which copies are pinned (the config's `keep_loaded` and the operator's pins) and which
+preloads are still owed, and acts with the existing `model_command`s
+(`commands.ModelCommands`, audited with source `lifecycle`):
 
 1. Every pinned copy is told to its Node once per connection (`pin`, to a Node naming
    `FEATURE_PINS`: the Node keeps it from idle unloads, and loads it); a copy its runtime
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 import trio
@@ -66,14 +67,12 @@ class ModelKeeper:
         session_of: Callable[[str], CommandSession | None],
         commands: ModelCommands,
         pin_models: Callable[[Mapping[str, frozenset[str]]], None],
-        wait_changed: Callable[[], Awaitable[None]],
     ) -> None:
         self._snapshot = snapshot
         self._providers = providers
         self._session_of = session_of
         self._commands = commands
         self._pin_models = pin_models
-        self._wait_changed = wait_changed
         self._operator: dict[tuple[str, str], None] = {}
         """(model id, provider id) the operator pinned, in order."""
         self._config_copies: dict[str, list[str]] = {}
@@ -91,7 +90,9 @@ class ModelKeeper:
         self._applied: dict[str, frozenset[str]] | None = None
         """The pins the scheduler was last told."""
 
-    def _changed(self) -> None:
+    def look(self) -> None:
+        """Something the keeper acts on changed: a Node's report, a Node connected or
+        went away, a refresh. (Runs starting and ending do not wake it.)"""
         self._wake.set()
         self._wake = trio.Event()
 
@@ -134,7 +135,7 @@ class ModelKeeper:
                 )
             for pin in pins:
                 del self._operator[pin]
-            self._changed()
+            self.look()
             return await self._send(
                 snapshot, "unpin", model.id, [(p, served[p]) for _, p in pins], source
             )
@@ -155,11 +156,11 @@ class ModelKeeper:
             provider = choice[0]
         pin = (model.id, provider)
         self._operator[pin] = None
-        self._changed()
+        self.look()
         report = await self._send(snapshot, "pin", model.id, [(provider, served[provider])], source)
         if report.outcome != "done":  # the operator hears why, and may try again
             self._operator.pop(pin, None)
-            self._changed()
+            self.look()
         return report
 
     async def _send(
@@ -189,7 +190,7 @@ class ModelKeeper:
                 log.warning(
                     "%s of %s on %s failed: %s", action, model_id, result.provider, result.error
                 )
-        self._changed()
+        self.look()
         return report
 
     def _told_of(self, node_id: str | None) -> set[Pair] | None:
@@ -210,7 +211,6 @@ class ModelKeeper:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep the pins and make the preloads for as long as the Edge runs."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._follow_pool, name="model keeper: pool changes")
             task_status.started()
             while True:
                 wake = self._wake  # taken before the look: a change during it wakes us
@@ -218,17 +218,11 @@ class ModelKeeper:
                 with trio.move_on_at(retry):
                     await wake.wait()
 
-    async def _follow_pool(self) -> None:
-        """Every change of the pool wakes the keeper."""
-        while True:
-            await self._wait_changed()
-            self._changed()
-
     def _reconcile(self, nursery: trio.Nursery) -> float:
         """One look at the pool (Rules 1-4); returns when to look again at the latest.
 
-        It runs at every change of the pool, so it looks only at the models with a
-        lifecycle to keep (worked out once per snapshot) and the operator's pins."""
+        It runs at every Node report, so it looks only at the models with a lifecycle to
+        keep (worked out once per snapshot) and the operator's pins."""
         snapshot = self._snapshot()
         now = trio.current_time()
         if snapshot is not self._managed_of:
