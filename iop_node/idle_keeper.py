@@ -10,6 +10,7 @@ and has the provider probed, so every Edge hears the new state.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable, Iterable
 
 import trio
@@ -37,6 +38,8 @@ class IdleKeeper:
         self._adapter_of = adapter_of
         self._probe = probe
         self._changed = trio.Event()
+        self._until = math.inf
+        """When the running loop wakes next by itself (the next model due)."""
 
     def _wake(self) -> None:
         self._changed.set()
@@ -60,8 +63,12 @@ class IdleKeeper:
         self.clock.started(key)
 
     def ended(self, key: ModelKey) -> None:
-        self.clock.ended(key, trio.current_time())
-        self._wake()
+        """A run ended: its model's clock may start; the loop is woken only when that
+        brings the next unload forward (most runs end on models with no rule)."""
+        now = trio.current_time()
+        self.clock.ended(key, now)
+        if now + self.clock.rule(key) < self._until:
+            self._wake()
 
     def pin(self, key: ModelKey, link: int) -> None:
         self.clock.pin(key, link)
@@ -79,7 +86,8 @@ class IdleKeeper:
         async with trio.open_nursery() as nursery:
             while True:
                 changed = self._changed
-                with trio.move_on_at(self.clock.next_due()):
+                self._until = self.clock.next_due()
+                with trio.move_on_at(self._until):
                     await changed.wait()
                 for key in self.clock.due(trio.current_time()):
                     nursery.start_soon(self._unload, key, name=f"idle unload {key[1]}")
