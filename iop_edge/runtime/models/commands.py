@@ -164,49 +164,20 @@ class ModelCommands:
     ) -> None:
         node_id = snapshot.provider_node[provider_id]
         session = self._session_of(node_id)
-        error: str | None
+        error: str | None = None
         if session is None:
             error = f"node {node_id} is not connected"
-        elif action in ("pin", "unpin") and wire.FEATURE_PINS not in session.features:
-            # an older Node: a pin holds on this Edge alone, and loads as a `load` does
-            error = None
-            if action == "pin":
-                error = await self._ask(session, node_id, snapshot, "load", provider_id, served)
-        else:
-            error = await self._ask(session, node_id, snapshot, action, provider_id, served)
+        elif (sent := _as_understood(action, session.features)) is not None:
+            command = wire.ModelCommand(
+                command_id=uuid.uuid4().hex, provider_id=provider_id, action=sent, model=served
+            )
+            bound = snapshot.providers[provider_id].adapter.load_timeout_s + ANSWER_GRACE_S
+            error = await _answer(session, command, node_id, bound)
         report(
             ModelCommandResult(
                 provider=provider_id, served_model=served, ok=error is None, error=error
             )
         )
-
-    async def _ask(
-        self,
-        session: CommandSession,
-        node_id: str,
-        snapshot: Snapshot,
-        action: ModelCommandAction,
-        *target: str,
-    ) -> str | None:
-        """One command to a Node on `target` (provider id, served name); None when done,
-        else why not."""
-        provider_id, served = target
-        command = wire.ModelCommand(
-            command_id=uuid.uuid4().hex,
-            provider_id=provider_id,
-            action=action,
-            model=served,
-        )
-        bound = snapshot.providers[provider_id].adapter.load_timeout_s + ANSWER_GRACE_S
-        error: str | None = f"node {node_id} did not answer within {bound:g}s"
-        with trio.move_on_after(bound):
-            try:
-                done = await session.request_model_command(command)
-            except SessionClosed as exc:  # the Node is gone
-                error = f"node {node_id} went away: {exc}"
-            else:
-                error = None if done.ok else (done.error or "the runtime refused")
-        return error
 
     async def _audit(
         self,
@@ -239,3 +210,29 @@ class ModelCommands:
                 await trio.to_thread.run_sync(append_line, self._audit_path, lines)
             except OSError as exc:
                 log.error("model audit log %s not written: %s", self._audit_path, exc)
+
+
+def _as_understood(
+    action: ModelCommandAction, features: frozenset[str]
+) -> ModelCommandAction | None:
+    """What to send a Node for `action`: to one that does not name `FEATURE_PINS`, a pin
+    is a load (the pin holds on this Edge alone) and an unpin is nothing."""
+    if action in ("pin", "unpin") and wire.FEATURE_PINS not in features:
+        return "load" if action == "pin" else None
+    return action
+
+
+async def _answer(
+    session: CommandSession, command: wire.ModelCommand, node_id: str, bound: float
+) -> str | None:
+    """Send one command to a Node and wait (at most `bound`) for its answer: None when
+    done, else why not."""
+    error: str | None = f"node {node_id} did not answer within {bound:g}s"
+    with trio.move_on_after(bound):
+        try:
+            done = await session.request_model_command(command)
+        except SessionClosed as exc:  # the Node is gone
+            error = f"node {node_id} went away: {exc}"
+        else:
+            error = None if done.ok else (done.error or "the runtime refused")
+    return error
