@@ -31,7 +31,8 @@ Rules:
    is answered on the link it came from. `pin` and `unpin` (`FEATURE_PINS`) keep a model
    from idle unloads while the link lasts (a pin loads it first).
 8. Idle. The running config's idle rules are kept by one `IdleKeeper` (`idle_clock`),
-   which sees every link's runs and every probe's states.
+   which sees every link's runs and every probe's states; before a run that would make
+   a full runtime with a pinned model load another, it unloads an unpinned idle one.
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ class ProviderHost:
         self._monitor: HealthMonitor | None = None
         self._models = ModelControl()
         self._idle = IdleKeeper(self._models, self._adapter, self._probe_now)
+        self._registries.before_run = self._idle.make_room
         nursery.start_soon(self._idle.run, name="idle unloads")
         self._apply_lock = trio.Lock()
         self._stopping = False

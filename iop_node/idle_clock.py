@@ -18,6 +18,13 @@ Rules:
 5. A model is due when its clock has run `idle_unload_s`; once the unload is asked for
    it is not due again until a probe reports it held again, or the unload failed (its
    clock then starts over).
+6. Room for a pin's sake. A runtime that loads a model for a run unloads one of its own
+   choosing when it holds all it can (`max_loaded`), and it knows nothing of pins: its
+   least recently used model may be the pinned one. So before a run for a model the
+   runtime does not hold, on a provider with a pinned model that holds all it can, the
+   Node names the model to unload first (`victim`): the one idle longest that is neither
+   pinned nor in use. With none, the runtime chooses (and the Edge loads a pin it
+   dropped again).
 
 Pure: no I/O; the caller passes the time.
 """
@@ -44,6 +51,7 @@ class IdleClock:
         self._since: dict[ModelKey, float] = {}
         """Held models with nothing in flight: since when (Rules 1, 2)."""
         self._held: set[ModelKey] = set()
+        self._max_loaded: dict[str, int] = {}
         self._asked: set[ModelKey] = set()
         """Unloads asked for and not yet confirmed by a probe (Rule 5)."""
         self._running: Counter[ModelKey] = Counter()
@@ -57,8 +65,15 @@ class IdleClock:
         """The model's `idle_unload_s` (inf: it has no rule)."""
         return self._rules.get(key, math.inf)
 
-    def observe(self, provider_id: str, held: Iterable[str], now: float) -> None:
-        """A probe of `provider_id` says its runtime holds `held` (Rules 2, 3, 5)."""
+    def observe(
+        self, provider_id: str, held: Iterable[str], now: float, *, max_loaded: int | None = None
+    ) -> None:
+        """A probe of `provider_id` says its runtime holds `held`, of `max_loaded` at
+        most (Rules 2, 3, 5, 6)."""
+        if max_loaded is None:
+            self._max_loaded.pop(provider_id, None)
+        else:
+            self._max_loaded[provider_id] = max_loaded
         keys = {(provider_id, model) for model in held}
         for key in [key for key in self._held if key[0] == provider_id and key not in keys]:
             self._held.discard(key)
@@ -108,6 +123,18 @@ class IdleClock:
 
     def pinned(self, key: ModelKey) -> bool:
         return key in self._pins
+
+    def victim(self, key: ModelKey) -> str | None:
+        """Rule 6: the model to unload before a run of `key` loads it, or None."""
+        provider_id = key[0]
+        if key in self._held or not any(pin[0] == provider_id for pin in self._pins):
+            return None
+        limit = self._max_loaded.get(provider_id)
+        held = [k for k in self._held if k[0] == provider_id]
+        if limit is None or len(held) < limit:
+            return None
+        idle = [k for k in held if not self._running[k] and k not in self._pins]
+        return min(idle, key=lambda k: self._since.get(k, math.inf))[1] if idle else None
 
     def _deadline(self, key: ModelKey) -> float:
         idle_s = self._rules.get(key)

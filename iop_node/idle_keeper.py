@@ -19,7 +19,7 @@ from iop_node.adapters.base import Adapter
 from iop_node.idle_clock import IdleClock, ModelKey
 from iop_node.model_control import ModelControl
 from schemas.config import IdleRule
-from schemas.wire import ProviderStatus
+from schemas.wire import ProviderStatus, Run
 
 __all__ = ["IdleKeeper"]
 
@@ -56,7 +56,7 @@ class IdleKeeper:
         for status in statuses:
             if status.model_states is not None:
                 held = [state.name for state in status.model_states if state.state == "loaded"]
-                self.clock.observe(status.id, held, now)
+                self.clock.observe(status.id, held, now, max_loaded=status.max_loaded)
         self._wake()
 
     def started(self, key: ModelKey) -> None:
@@ -80,6 +80,24 @@ class IdleKeeper:
     def drop_link(self, link: int) -> None:
         self.clock.drop_link(link)
         self._wake()
+
+    async def make_room(self, run: Run, adapter: Adapter) -> None:
+        """Before a run: unload the model `idle_clock` Rule 6 names, if it names one (the
+        run then loads its own model into the room, and the pinned one stays)."""
+        victim = self.clock.victim((run.provider_id, run.target))
+        if victim is None:
+            return
+        log.info(
+            "provider %s: unloading %s to make room for %s (a pinned model stays)",
+            run.provider_id,
+            victim,
+            run.target,
+        )
+        error = await self._control.run(
+            adapter, "unload", victim, after=lambda: self._probe(adapter)
+        )
+        if error is not None:
+            log.warning("provider %s: unload of %s failed: %s", run.provider_id, victim, error)
 
     async def run(self) -> None:
         """Unload each model as it falls due, for as long as the Node runs."""

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, cast
 
 import trio
@@ -44,6 +45,8 @@ from schemas.wire import FailureCode, Run, RunFailed
 log = logging.getLogger(__name__)
 
 AdapterFactory = Callable[[ProviderConfig], Adapter]
+BeforeRun = Callable[[Run, Adapter], Awaitable[None]]
+"""What a run's task awaits before its adapter runs it."""
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 DEFAULT_MAX_RETIRING = 4
@@ -177,19 +180,22 @@ class AdapterRegistry:
         *,
         key: str | None = None,
         on_end: Callable[[], None] | None = None,
+        before: BeforeRun | None = None,
     ) -> RunHandle:
         """Start `run` in this registry's nursery; its handle is registered at once, so a
         `cancel` that arrives right behind the run finds it.
 
         `key` names the run here (default: its id; a Node serving several Edges scopes
-        ids by link); `on_end` is called once when the run's task ends, however."""
+        ids by link); `on_end` is called once when the run's task ends, however; `before`
+        is awaited in the run's task before the adapter runs it."""
         if self._state != "live" or self._nursery is None:
             raise RuntimeError(f"registry revision {self.revision} is {self._state}")
         key = run.run_id if key is None else key
         handle = RunHandle(run.run_id)
         self._runs[key] = handle
         self._nursery.start_soon(
-            self._run, run, key, handle, send, on_end, name=f"run {run.run_id}"
+            partial(self._run, run, key, handle, send, on_end, before=before),
+            name=f"run {run.run_id}",
         )
         return handle
 
@@ -207,11 +213,15 @@ class AdapterRegistry:
         handle: RunHandle,
         send: Send,
         on_end: Callable[[], None] | None,
+        *,
+        before: BeforeRun | None = None,
     ) -> None:
         adapter = self.adapter(run.provider_id)
         if adapter is not None:
             handle.activity = self.activity.start(adapter.provider, stream=run.stream)
         try:
+            if before is not None and adapter is not None:
+                await before(run, adapter)
             await execute_run(run, adapter, handle, send)
         finally:
             if handle.activity is not None:
@@ -321,6 +331,9 @@ class RegistryManager:
         self._retiring: list[AdapterRegistry] = []
         self._closing = False
         self._all_closed = trio.Event()
+        self.before_run: BeforeRun | None = None
+        """Awaited in each run's task before its adapter runs it (the host's room for a
+        model, `idle_keeper`)."""
 
     @property
     def current(self) -> AdapterRegistry | None:
@@ -392,7 +405,7 @@ class RegistryManager:
                 retryable=True,
             )
             return False
-        registry.start_run(run, send, key=key, on_end=on_end)
+        registry.start_run(run, send, key=key, on_end=on_end, before=self.before_run)
         return True
 
     def cancel_run(

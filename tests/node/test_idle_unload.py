@@ -115,3 +115,32 @@ async def test_a_pin_ends_with_the_link_that_set_it(
     host.detach(edge.port)
     await other.wait_states({"a": "unloaded", "b": "unloaded"})
     assert trio.current_time() >= gone_at
+
+
+async def test_a_run_that_needs_room_unloads_an_unpinned_model_not_the_pinned_one(
+    nursery: trio.Nursery, autojump_clock: trio.abc.Clock
+) -> None:
+    """The sim, like llama.cpp's router, unloads its least recently used model to load
+    another: that would be the pinned `a`, loaded first and never used since."""
+    settings = AdapterSettings(max_loaded=2, load_ms=1000, ttft_ms=0, health_interval_s=5.0)
+    provider = ProviderConfig(
+        id="s", type="sim", models=["a", "b", "c"], capacity=2, adapter=settings
+    )
+    host = ProviderHost(nursery, "n1")
+    edge = Link(host)
+    assert (
+        await host.apply(edge.port, 1, NodeConfig(node_id="n1", providers=[provider]), 1.0) is None
+    )
+    await edge.wait_states({"a": "unloaded", "b": "unloaded", "c": "unloaded"})
+    host.model_command(edge.port, _command("pin", "a"))
+    await edge.wait_for(ModelCommandDone, 1)
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
+    for index, model in enumerate("bcbc", start=1):
+        await host.start_run(
+            edge.port,
+            Run(run_id=f"r{index}", provider_id="s", target=model, operation="chat", body=body),
+        )
+        await edge.wait_for(RunDone, index)
+        await edge.wait_states(
+            {"a": "loaded", model: "loaded", "bc".replace(model, ""): "unloaded"}
+        )
