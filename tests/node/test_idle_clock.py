@@ -81,3 +81,22 @@ def test_an_unload_that_failed_starts_the_clock_over() -> None:
     assert clock.due(60.0) == [A]
     clock.unload_failed(A, now=61.0)
     assert clock.next_due() == 121.0
+
+
+def test_room_is_made_by_the_unpinned_model_idle_longest_only_where_a_pin_needs_it() -> None:
+    clock = IdleClock()
+    clock.observe("p", ["kept", "old", "new"], now=0.0, max_loaded=3)
+    clock.started(("p", "new"))
+    clock.ended(("p", "new"), now=50.0)
+    assert clock.victim(("p", "other")) is None  # nothing pinned: the runtime chooses
+    clock.pin(("p", "kept"), link=1)
+    assert clock.victim(("p", "other")) == "old"  # idle since 0, `new` since 50
+    assert clock.victim(("p", "old")) is None  # held already: nothing to load
+    clock.started(("p", "old"))
+    assert clock.victim(("p", "other")) == "new"
+    clock.started(("p", "new"))
+    assert clock.victim(("p", "other")) is None  # only the pin is idle: the runtime chooses
+    clock.observe("p", ["kept", "old", "new"], now=60.0, max_loaded=4)
+    assert clock.victim(("p", "other")) is None  # room: nothing to unload
+    clock.observe("p", ["kept", "old", "new"], now=60.0)
+    assert clock.victim(("p", "other")) is None  # the runtime does not say how many
