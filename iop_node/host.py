@@ -158,7 +158,6 @@ class ProviderHost:
         self._monitor: HealthMonitor | None = None
         self._models = ModelControl()
         self._idle = IdleKeeper(self._models, self._adapter, self._probe_now)
-        self._registries.before_run = self._idle.make_room
         nursery.start_soon(self._idle.run, name="idle unloads")
         self._apply_lock = trio.Lock()
         self._stopping = False
@@ -281,7 +280,8 @@ class ProviderHost:
                 return
             port.runs[run.run_id] = hold
         model = (run.provider_id, run.target)
-        self._idle.started(model)
+        victim = self._idle.started(model)
+        before = None if victim is None else partial(self._idle.make_room, victim)
 
         def ended() -> None:
             self._idle.ended(model)
@@ -291,7 +291,9 @@ class ProviderHost:
                 hold.release()
             self._notify_changed()
 
-        started = await self._registries.start_run(run, send=port.send, key=key, on_end=ended)
+        started = await self._registries.start_run(
+            run, send=port.send, key=key, on_end=ended, before=before
+        )
         if not started and hold is not None:
             ended()
         elif not started:

@@ -7,8 +7,9 @@ on what it holds, so several Edges sharing the Node agree without talking.
 
 Rules:
 
-1. A model's clock runs only while its runtime holds it (`loaded`, per the last probe)
-   and no run of it is in flight on that provider, from any Edge.
+1. A model's clock runs only while its runtime holds it (`loaded`, per the last probe,
+   or since a run of it started there: a runtime that reports states loads a model for
+   its run) and no run of it is in flight on that provider, from any Edge.
 2. The clock starts when the last run ends, or, for a model no run has used since it
    was loaded, when a probe first reports it held (a preload, another tool's load).
 3. A model that no longer has a rule, or is reported not held, forgets its clock; held
@@ -52,6 +53,8 @@ class IdleClock:
         """Held models with nothing in flight: since when (Rules 1, 2)."""
         self._held: set[ModelKey] = set()
         self._max_loaded: dict[str, int] = {}
+        self._stating: set[str] = set()
+        """Providers whose runtime reports its models' states."""
         self._asked: set[ModelKey] = set()
         """Unloads asked for and not yet confirmed by a probe (Rule 5)."""
         self._running: Counter[ModelKey] = Counter()
@@ -70,12 +73,18 @@ class IdleClock:
     ) -> None:
         """A probe of `provider_id` says its runtime holds `held`, of `max_loaded` at
         most (Rules 2, 3, 5, 6)."""
+        self._stating.add(provider_id)
         if max_loaded is None:
             self._max_loaded.pop(provider_id, None)
         else:
             self._max_loaded[provider_id] = max_loaded
         keys = {(provider_id, model) for model in held}
-        for key in [key for key in self._held if key[0] == provider_id and key not in keys]:
+        gone = [
+            key
+            for key in self._held
+            if key[0] == provider_id and key not in keys and not self._running[key]
+        ]  # a model with a run in flight is held (Rule 1), whatever a probe just before saw
+        for key in gone:
             self._held.discard(key)
             self._since.pop(key, None)
             self._asked.discard(key)
@@ -85,10 +94,18 @@ class IdleClock:
             if not self._running[key]:
                 self._since[key] = now
 
-    def started(self, key: ModelKey) -> None:
-        """A run of the model began (Rule 1)."""
+    def started(self, key: ModelKey) -> str | None:
+        """A run of the model began (Rule 1); the model to unload before it runs, if
+        Rule 6 names one (it counts as gone from then on)."""
+        victim = self.victim(key)
+        if victim is not None:
+            self._held.discard((key[0], victim))
+            self._since.pop((key[0], victim), None)
         self._running[key] += 1
         self._since.pop(key, None)
+        if key[0] in self._stating:
+            self._held.add(key)
+        return victim
 
     def ended(self, key: ModelKey, now: float) -> None:
         """A run of the model ended (Rule 2)."""

@@ -59,8 +59,9 @@ class IdleKeeper:
                 self.clock.observe(status.id, held, now, max_loaded=status.max_loaded)
         self._wake()
 
-    def started(self, key: ModelKey) -> None:
-        self.clock.started(key)
+    def started(self, key: ModelKey) -> str | None:
+        """A run began; the model to unload before it runs (`make_room`), if any."""
+        return self.clock.started(key)
 
     def ended(self, key: ModelKey) -> None:
         """A run ended: its model's clock may start; the loop is woken only when that
@@ -81,12 +82,9 @@ class IdleKeeper:
         self.clock.drop_link(link)
         self._wake()
 
-    async def make_room(self, run: Run, adapter: Adapter) -> None:
-        """Before a run: unload the model `idle_clock` Rule 6 names, if it names one (the
-        run then loads its own model into the room, and the pinned one stays)."""
-        victim = self.clock.victim((run.provider_id, run.target))
-        if victim is None:
-            return
+    async def make_room(self, victim: str, run: Run, adapter: Adapter) -> None:
+        """Before a run: unload `victim`, the model `idle_clock` Rule 6 named when the run
+        started (the run then loads its own model into the room, and the pin stays)."""
         log.info(
             "provider %s: unloading %s to make room for %s (a pinned model stays)",
             run.provider_id,

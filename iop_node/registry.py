@@ -331,9 +331,6 @@ class RegistryManager:
         self._retiring: list[AdapterRegistry] = []
         self._closing = False
         self._all_closed = trio.Event()
-        self.before_run: BeforeRun | None = None
-        """Awaited in each run's task before its adapter runs it (the host's room for a
-        model, `idle_keeper`)."""
 
     @property
     def current(self) -> AdapterRegistry | None:
@@ -382,11 +379,12 @@ class RegistryManager:
         send: Send | None = None,
         key: str | None = None,
         on_end: Callable[[], None] | None = None,
+        before: BeforeRun | None = None,
     ) -> bool:
         """Route `run` to the current registry (or answer why it cannot run); True when
-        it started. `send` carries its events (default: the manager's); `key` and
-        `on_end` are as in `AdapterRegistry.start_run` (`on_end` is called only for a run
-        that started)."""
+        it started. `send` carries its events (default: the manager's); `key`, `on_end`
+        and `before` are as in `AdapterRegistry.start_run` (`on_end` is called only for
+        a run that started)."""
         send = self._send if send is None else send
         if send is None:
             raise ValueError("a run needs a `send` when the manager has none")
@@ -405,7 +403,7 @@ class RegistryManager:
                 retryable=True,
             )
             return False
-        registry.start_run(run, send, key=key, on_end=on_end, before=self.before_run)
+        registry.start_run(run, send, key=key, on_end=on_end, before=before)
         return True
 
     def cancel_run(

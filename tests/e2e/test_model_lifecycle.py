@@ -261,3 +261,26 @@ async def test_two_edges_sharing_a_node_pin_the_same_copy(
                 )
         assert reply.headers["x-iop-provider"] != home
     assert fakes[ids.index(home)].loaded == {"kept"}
+
+
+async def test_a_runtime_that_holds_all_it_can_keeps_its_pin_while_others_take_turns(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    """One router that holds two models, one of them pinned: the router would unload its
+    least recently used one (the pin) to load another; its Node unloads the other first."""
+    models = [{"id": "kept", "lifecycle": {"keep_loaded": True}}, {"id": "b"}, {"id": "c"}]
+    stack, [router] = await _routers(nursery, make_stack, 1, models)
+    router.max_loaded = 2
+    await stack.wait_catalog(
+        lambda c: _held(c, "r0").get("kept") == "loaded" and provider_of(c, "r0")["max_loaded"] == 2
+    )
+    async with stack.client() as client:
+        for model in "bcbcbc":
+            with trio.fail_after(GUARD_S):
+                await client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+            assert "kept" in router.loaded, model
+    assert _loads_asked(router) == 1  # the pin's own load, never again
+    unloads = [json.loads(r.body)["model"] for r in router.requests if r.path == "/models/unload"]
+    assert unloads and "kept" not in unloads

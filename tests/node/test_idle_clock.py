@@ -100,3 +100,20 @@ def test_room_is_made_by_the_unpinned_model_idle_longest_only_where_a_pin_needs_
     assert clock.victim(("p", "other")) is None  # room: nothing to unload
     clock.observe("p", ["kept", "old", "new"], now=60.0)
     assert clock.victim(("p", "other")) is None  # the runtime does not say how many
+
+
+def test_a_run_s_model_counts_as_held_until_a_probe_after_it_says_otherwise() -> None:
+    clock = IdleClock()
+    clock.observe("p", ["kept"], now=0.0, max_loaded=2)
+    clock.pin(("p", "kept"), link=1)
+    assert clock.started(("p", "b")) is None  # room: the runtime loads b itself
+    clock.observe("p", ["kept"], now=1.0, max_loaded=2)  # probed before b was loaded
+    clock.ended(("p", "b"), now=2.0)
+    # b is held (its run loaded it): a run of c needs room, and b makes it
+    assert clock.started(("p", "c")) == "b"
+    assert clock.started(("p", "d")) is None  # c runs, kept is pinned: the runtime chooses
+    clock.observe("p", ["kept"], now=3.0, max_loaded=2)  # c and d still running: held
+    clock.ended(("p", "c"), now=4.0)
+    clock.ended(("p", "d"), now=4.0)
+    clock.observe("p", ["kept", "d"], now=5.0, max_loaded=2)
+    assert clock.started(("p", "e")) == "d"
