@@ -48,7 +48,6 @@ import trio
 from iop_node.adapters.base import Adapter
 from iop_node.health import DEFAULT_PROBE_TIMEOUT_S, HealthMonitor
 from iop_node.idle_keeper import IdleKeeper
-from iop_node.model_control import ModelControl
 from iop_node.registry import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_RETIRING,
@@ -58,8 +57,9 @@ from iop_node.registry import (
     RegistryManager,
     create_adapter,
 )
-from iop_node.runner import Send
-from iop_node.slots import Busy, ProviderSlots, SlotHold, SlotStatistics
+from iop_node.runs.model_control import ModelControl
+from iop_node.runs.runner import Send
+from iop_node.runs.slots import Busy, ProviderSlots, SlotHold, SlotStatistics
 from schemas.config import NodeConfig
 from schemas.wire import (
     FailureCode,

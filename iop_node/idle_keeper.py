@@ -17,7 +17,7 @@ import trio
 
 from iop_node.adapters.base import Adapter
 from iop_node.idle_clock import IdleClock, ModelKey
-from iop_node.model_control import ModelControl
+from iop_node.runs.model_control import ModelControl
 from schemas.config import IdleRule
 from schemas.wire import ProviderStatus, Run
 

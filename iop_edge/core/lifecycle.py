@@ -14,12 +14,12 @@ Rules:
    `unavailable`, whose runtime loads on request and has not `failed` the model. Copies
    already chosen stay while they can; then those that hold the model already (no
    load), then those with room (nothing unloaded for it), then the rest; each group in
-   the model's rendezvous order (`core.affinity.placement_key`, as a run's load is
-   placed, `core.pool` Rule 8). So every Edge sharing the Nodes picks the same
+   the model's rendezvous order (`core.routing.affinity.placement_key`, as a run's load is
+   placed, `core.routing.pool` Rule 8). So every Edge sharing the Nodes picks the same
    providers, with no shared store.
 4. Pins. A `keep_loaded` model is pinned on its Rule 3 copies; an operator's pin is on
    one provider (the one named, else the model's first Rule 3 choice). A pinned copy is
-   never chosen to make room (`core.holdings` Rule 4), never unloaded for idleness
+   never chosen to make room (`core.routing.holdings` Rule 4), never unloaded for idleness
    (the Node is told, `model_command` `pin`), and loaded again when its runtime does
    not hold it. A config pin lasts while the config says so, an operator's until it is
    unpinned or the Edge restarts.
@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from iop_edge.core.affinity import placement_key, provider_seed, rendezvous_score
+from iop_edge.core.routing.affinity import placement_key, provider_seed, rendezvous_score
 from schemas.catalog import CatalogProvider
 from schemas.config import IdleRule, ModelEntry, ModelLifecycle
 

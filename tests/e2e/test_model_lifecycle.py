@@ -13,7 +13,7 @@ from typing import Any
 import trio
 import yaml
 
-from iop_edge.core.affinity import placement_key, rendezvous_order
+from iop_edge.core.routing.affinity import placement_key, rendezvous_order
 from iop_node.main import run_node
 from tests.adapters.fake_upstream import FakeUpstream
 from tests.e2e.stack import NODE_TOKEN, Stack, edge_config

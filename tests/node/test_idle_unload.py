@@ -8,7 +8,7 @@ import trio
 import trio.testing
 
 from iop_node.host import ProviderHost
-from iop_node.runner import Outbound
+from iop_node.runs.runner import Outbound
 from schemas.config import AdapterSettings, IdleRule, NodeConfig, ProviderConfig
 from schemas.wire import (
     ModelAction,

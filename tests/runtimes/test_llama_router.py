@@ -23,7 +23,7 @@ import openai
 import pytest
 import trio
 
-from iop_edge.core.affinity import placement_key, rendezvous_order
+from iop_edge.core.routing.affinity import placement_key, rendezvous_order
 from tests.e2e.stack import Stack
 from tests.e2e.upstreams import MakeStack, provider_of, upstream_provider, upstream_stacks
 from tests.runtimes.conftest import gguf_model, llama_server_binary, llama_server_url, running

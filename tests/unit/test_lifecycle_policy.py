@@ -1,12 +1,12 @@
-"""The models' lifecycle policy (`core.lifecycle`, `core.holdings` pins): pure rules."""
+"""The models' lifecycle policy (`core.lifecycle`, `core.routing.holdings` pins): pure rules."""
 
 from __future__ import annotations
 
-from iop_edge.core.affinity import placement_key, rendezvous_order
-from iop_edge.core.holdings import Holdings
 from iop_edge.core.lifecycle import Copy, choose_copies, copy_of, idle_rules, wanted_copies
-from iop_edge.core.pool import Grant, ProviderView, decide
-from iop_edge.core.refresh_plan import nodes_to_push
+from iop_edge.core.refresh.refresh_plan import nodes_to_push
+from iop_edge.core.routing.affinity import placement_key, rendezvous_order
+from iop_edge.core.routing.holdings import Holdings
+from iop_edge.core.routing.pool import Grant, ProviderView, decide
 from iop_edge.core.snapshot import Snapshot
 from schemas.config import (
     EdgeConfig,

@@ -9,7 +9,7 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from iop_edge.core.affinity import placement_key, rendezvous_order
+from iop_edge.core.routing.affinity import placement_key, rendezvous_order
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.models.commands import ModelCommands
 from iop_edge.runtime.models.keeper import RETRY_S, ModelKeeper

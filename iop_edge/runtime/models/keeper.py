@@ -13,7 +13,7 @@ preloads are still owed, and acts with the existing `model_command`s
    being pinned is told `unpin`.
 2. A preload owed loads its copies (`load`), each provider once (`core.lifecycle` Rule 5).
 3. The scheduler hears the pins (`Scheduler.pin_models`): placement never unloads a
-   pinned copy to make room (`core.holdings` Rule 4).
+   pinned copy to make room (`core.routing.holdings` Rule 4).
 4. One command per copy at a time; a failed one is tried again after `RETRY_S` (a model
    a runtime cannot load is not asked for in a loop).
 
