@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from iop_edge.core.lifecycle import idle_rules
 from iop_edge.core.principals import PrincipalPolicies
 from schemas.config import (
     EdgeConfig,
+    IdleRule,
     ModelEntry,
     NodeConfig,
     NodeEntry,
@@ -53,6 +55,8 @@ class Snapshot:
     rotations: dict[str, tuple[tuple[str, ProviderConfig, str], ...]] = field(default_factory=dict)
     """For each model, its providers in config order, each with its config and Node: what
     a decision reads of every one of them (`runtime.runs.scheduler`)."""
+    idle: dict[str, tuple[IdleRule, ...]] = field(default_factory=dict)
+    """Each Node's idle rules (`core.lifecycle` Rule 1)."""
 
     @classmethod
     def build(cls, config: EdgeConfig, *, revision: int, config_sha256: str) -> Snapshot:
@@ -102,6 +106,7 @@ class Snapshot:
             rivals=rivals,
             provider_order=tuple(sorted(providers)),
             rotations=rotations,
+            idle=idle_rules(config.models, provider_node),
         )
 
     @property
@@ -123,4 +128,8 @@ class Snapshot:
 
     def node_config(self, node_id: str) -> NodeConfig:
         node = self.nodes.get(node_id)
-        return NodeConfig(node_id=node_id, providers=list(node.providers) if node else [])
+        return NodeConfig(
+            node_id=node_id,
+            providers=list(node.providers) if node else [],
+            idle=list(self.idle.get(node_id, ())),
+        )

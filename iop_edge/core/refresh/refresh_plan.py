@@ -117,7 +117,8 @@ def nodes_to_push(running: Snapshot, new: Snapshot) -> tuple[str, ...]:
         give_way()  # ten thousand Nodes (`schemas.runtime.give_way`)
         before = running.nodes.get(node_id)
         providers = before.providers if before is not None else []
-        if node.providers is not providers and node.providers != providers:
+        moved = node.providers is not providers and node.providers != providers
+        if moved or running.idle.get(node_id) != new.idle.get(node_id):  # lifecycle Rule 1
             changed.append(node_id)
     return tuple(sorted(changed))
 
