@@ -73,6 +73,7 @@ from iop_edge.runtime.metering.tracing import edge_tracing
 from iop_edge.runtime.metering.usage_ledger.shared_budgets import SharedBudgets
 from iop_edge.runtime.metering.usage_ledger.usage_store import UsageReport
 from iop_edge.runtime.models.commands import ModelCommands
+from iop_edge.runtime.models.keeper import ModelKeeper
 from iop_edge.runtime.nodes.heartbeat import fleet_interval
 from iop_edge.runtime.nodes.hub import (
     HANDSHAKE_TIMEOUT_S,
@@ -231,6 +232,13 @@ class Edge:
             session_of=self.hub.session,
             state_dir=Path(config.edge.state_dir),
         )
+        self.model_keeper = ModelKeeper(
+            snapshot=lambda: self._snapshot,
+            providers=self.scheduler.catalog_providers,
+            session_of=self.hub.session,
+            commands=self.model_commands,
+            pin_models=self.scheduler.pin_models,
+        )
         overrides = listeners or Listeners()
         self._listen: dict[Role, str] = {
             "openai": overrides.openai or config.openai.listen,
@@ -284,6 +292,7 @@ class Edge:
         self._snapshot = snapshot
         self._config_time = time.time()
         self.scheduler.apply_snapshot(snapshot)
+        self.model_keeper.look()
 
     def connected_nodes(self) -> frozenset[str]:
         return self.hub.connected_nodes()
@@ -323,10 +332,12 @@ class Edge:
     def _node_connected(self, node_id: str) -> None:
         self.scheduler.node_connected(node_id)
         self.heap.node_connected()
+        self.model_keeper.look()
 
     def _node_disconnected(self, node_id: str) -> None:
         self.scheduler.node_disconnected(node_id)
         self.heap.node_disconnected()
+        self.model_keeper.look()
 
     def _on_status(self, node_id: str, status: wire.Status) -> None:
         for provider in status.providers:
@@ -348,6 +359,7 @@ class Edge:
         if status.probed:  # the probes it answers, of its own providers only
             owner = self._snapshot.provider_node
             self.dispatcher.revival.answered(p for p in status.probed if owner.get(p) == node_id)
+        self.model_keeper.look()
 
     def _on_load(self, node_id: str, load: wire.Load) -> None:
         """What other Edges hold on this node's providers (design §13)."""
@@ -392,7 +404,7 @@ class Edge:
             activity=self.activity.report,
             refuse_refresh=self.refresher.refuse_unreadable,
             restart=self.restart,
-            model_command=partial(self.model_commands.run, source="admin API"),
+            model_command=partial(self.model_keeper.command, source="admin API"),
         )
 
     # --- observation ------------------------------------------------------------------
@@ -616,6 +628,7 @@ class Edge:
                 self.refresher.catch_up.run,
                 self.refresher.run,  # owns the refresh worker process
                 self.heap.run,
+                self.model_keeper.run,
             ),
             scheduler=self.scheduler,
             ledger=self.ledger,

@@ -28,7 +28,11 @@ Rules:
 7. Models. A link's `model_command` runs on the live registry's adapter through one
    `ModelControl` for all links (one command per provider at a time; an equal one joins
    it), is followed by a probe of that provider (every link hears the new states), and
-   is answered on the link it came from.
+   is answered on the link it came from. `pin` and `unpin` (`FEATURE_PINS`) keep a model
+   from idle unloads while the link lasts (a pin loads it first).
+8. Idle. The running config's idle rules are kept by one `IdleKeeper` (`idle_clock`),
+   which sees every link's runs and every probe's states; before a run that would make
+   a full runtime with a pinned model load another, it unloads an unpinned idle one.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import trio
 
 from iop_node.adapters.base import Adapter
 from iop_node.health import DEFAULT_PROBE_TIMEOUT_S, HealthMonitor
+from iop_node.idle_keeper import IdleKeeper
 from iop_node.registry import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_RETIRING,
@@ -152,6 +157,8 @@ class ProviderHost:
         self._health_scope: trio.CancelScope | None = None
         self._monitor: HealthMonitor | None = None
         self._models = ModelControl()
+        self._idle = IdleKeeper(self._models, self._adapter, self._probe_now)
+        nursery.start_soon(self._idle.run, name="idle unloads")
         self._apply_lock = trio.Lock()
         self._stopping = False
         self._drained = trio.Event()
@@ -180,6 +187,7 @@ class ProviderHost:
             )
             port._forget(run_id)
         self._slots.remove_link(port.serial)
+        self._idle.drop_link(port.serial)
         self._notify_changed()
 
     def _notify_changed(self) -> None:
@@ -219,6 +227,7 @@ class ProviderHost:
             except RegistryBuildError as exc:
                 return str(exc)
             self._config_time = max(self._config_time, config_time)
+            self._idle.configure(config.idle)
             if registry is not current:
                 self._slots.configure(config.providers)
                 self._watch_health(registry)
@@ -270,17 +279,25 @@ class ProviderHost:
                 await self.report_load(port, force=True)
                 return
             port.runs[run.run_id] = hold
+        model = (run.provider_id, run.target)
+        victim = self._idle.started(model)
+        before = None if victim is None else partial(self._idle.make_room, victim)
 
         def ended() -> None:
+            self._idle.ended(model)
             if port.runs.get(run.run_id, False) is hold:
                 port._forget(run.run_id)
             if hold is not None:
                 hold.release()
             self._notify_changed()
 
-        started = await self._registries.start_run(run, send=port.send, key=key, on_end=ended)
+        started = await self._registries.start_run(
+            run, send=port.send, key=key, on_end=ended, before=before
+        )
         if not started and hold is not None:
             ended()
+        elif not started:
+            self._idle.ended(model)
         elif started:
             self._notify_changed()
 
@@ -301,16 +318,25 @@ class ProviderHost:
         )
 
     async def _model_command(self, port: LinkPort, command: ModelCommand) -> None:
-        current = self._registries.current
-        adapter = None if current is None else current.adapters.get(command.provider_id)
+        adapter = self._adapter(command.provider_id)
+        action = command.action
+        model = (command.provider_id, command.model)
         if adapter is None:
             error: str | None = f"this node has no provider {command.provider_id!r}"
+        elif action == "unpin":
+            self._idle.unpin(model, port.serial)
+            error = None
         else:
+            if action == "pin":
+                self._idle.pin(model, port.serial)
             error = await self._models.run(
-                adapter, command.action, command.model, after=partial(self._probe_now, adapter)
+                adapter,
+                "unload" if action == "unload" else "load",
+                command.model,
+                after=partial(self._probe_now, adapter),
             )
         if error is None:
-            log.info("provider %s: %sed %s", command.provider_id, command.action, command.model)
+            log.info("provider %s: %s %s done", command.provider_id, command.action, command.model)
         else:
             log.warning(
                 "provider %s: %s of %s failed: %s",
@@ -322,6 +348,10 @@ class ProviderHost:
         await port.send(
             ModelCommandDone(command_id=command.command_id, ok=error is None, error=error)
         )
+
+    def _adapter(self, provider_id: str) -> Adapter | None:
+        current = self._registries.current
+        return None if current is None else current.adapters.get(provider_id)
 
     async def _probe_now(self, adapter: Adapter) -> None:
         monitor = self._monitor
@@ -391,6 +421,7 @@ class ProviderHost:
     async def _broadcast(self, statuses: list[ProviderStatus], probed: list[str]) -> None:
         """A health change, or a probe on demand done: every link hears it (Rule 5)."""
         self._statuses = statuses
+        self._idle.observe(statuses)
         for port in list(self._links.values()):
             await self._deliver(port, statuses, probed)
 

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, cast
 
 import trio
@@ -44,6 +45,8 @@ from schemas.wire import FailureCode, Run, RunFailed
 log = logging.getLogger(__name__)
 
 AdapterFactory = Callable[[ProviderConfig], Adapter]
+BeforeRun = Callable[[Run, Adapter], Awaitable[None]]
+"""What a run's task awaits before its adapter runs it."""
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 DEFAULT_MAX_RETIRING = 4
@@ -177,19 +180,22 @@ class AdapterRegistry:
         *,
         key: str | None = None,
         on_end: Callable[[], None] | None = None,
+        before: BeforeRun | None = None,
     ) -> RunHandle:
         """Start `run` in this registry's nursery; its handle is registered at once, so a
         `cancel` that arrives right behind the run finds it.
 
         `key` names the run here (default: its id; a Node serving several Edges scopes
-        ids by link); `on_end` is called once when the run's task ends, however."""
+        ids by link); `on_end` is called once when the run's task ends, however; `before`
+        is awaited in the run's task before the adapter runs it."""
         if self._state != "live" or self._nursery is None:
             raise RuntimeError(f"registry revision {self.revision} is {self._state}")
         key = run.run_id if key is None else key
         handle = RunHandle(run.run_id)
         self._runs[key] = handle
         self._nursery.start_soon(
-            self._run, run, key, handle, send, on_end, name=f"run {run.run_id}"
+            partial(self._run, run, key, handle, send, on_end, before=before),
+            name=f"run {run.run_id}",
         )
         return handle
 
@@ -207,11 +213,15 @@ class AdapterRegistry:
         handle: RunHandle,
         send: Send,
         on_end: Callable[[], None] | None,
+        *,
+        before: BeforeRun | None = None,
     ) -> None:
         adapter = self.adapter(run.provider_id)
         if adapter is not None:
             handle.activity = self.activity.start(adapter.provider, stream=run.stream)
         try:
+            if before is not None and adapter is not None:
+                await before(run, adapter)
             await execute_run(run, adapter, handle, send)
         finally:
             if handle.activity is not None:
@@ -334,12 +344,14 @@ class RegistryManager:
 
         Raises `RegistryBuildError` (nothing changed) when the config cannot be built. A
         config equal to the current one keeps the live registry (and its adapters'
-        connections); only the revision is updated."""
+        connections); only the revision (and the rest of the config: the idle rules) is
+        updated."""
         if self._closing:
             raise RegistryBuildError("the node is stopping")
         current = self._current
-        if current is not None and current.config == config:
+        if current is not None and current.config.providers == config.providers:
             current.revision = revision
+            current.config = config
             return current
         registry = await AdapterRegistry.build(revision, config, self._factory, self.activity)
         await self._nursery.start(self._serve, registry)
@@ -367,11 +379,12 @@ class RegistryManager:
         send: Send | None = None,
         key: str | None = None,
         on_end: Callable[[], None] | None = None,
+        before: BeforeRun | None = None,
     ) -> bool:
         """Route `run` to the current registry (or answer why it cannot run); True when
-        it started. `send` carries its events (default: the manager's); `key` and
-        `on_end` are as in `AdapterRegistry.start_run` (`on_end` is called only for a run
-        that started)."""
+        it started. `send` carries its events (default: the manager's); `key`, `on_end`
+        and `before` are as in `AdapterRegistry.start_run` (`on_end` is called only for
+        a run that started)."""
         send = self._send if send is None else send
         if send is None:
             raise ValueError("a run needs a `send` when the manager has none")
@@ -390,7 +403,7 @@ class RegistryManager:
                 retryable=True,
             )
             return False
-        registry.start_run(run, send, key=key, on_end=on_end)
+        registry.start_run(run, send, key=key, on_end=on_end, before=before)
         return True
 
     def cancel_run(

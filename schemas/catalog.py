@@ -86,6 +86,9 @@ class CatalogProvider(CatalogRecord, frozen=True, kw_only=True):
     max_loaded: int | None = None
     """How many models the runtime keeps loaded at once, where it says (llama.cpp's
     `--models-max`)."""
+    pinned: list[str] = []
+    """The served models pinned on it (`models[].lifecycle.keep_loaded`, the operator's
+    `iop-edge models pin`; design §18.4), sorted."""
     cached_share: float | None = None
     """Of the prompt tokens its runtime reported over its recent runs, the share it took
     from its prefix cache (0..1, recent runs weighing most: `core.routing.cache_share`); null
@@ -125,7 +128,7 @@ class CatalogSummary(CatalogRecord, frozen=True, kw_only=True):
 
 # --- models on demand: the operator's commands (design §18) ------------------------------
 
-ModelCommandAction = Literal["load", "unload"]
+ModelCommandAction = Literal["load", "unload", "pin", "unpin"]
 ModelCommandOutcome = Literal["done", "failed", "unknown", "no_provider"]
 """`done`: every provider acted on did it; `failed`: one did not (its result says why);
 `unknown`: the model, or the provider named, is not in the catalog; `no_provider`: no
@@ -177,6 +180,9 @@ class ProviderLoadState(CatalogRecord, frozen=True, kw_only=True):
     """The runtime's reason for `state` (a failed load's), when it gave one."""
     max_loaded: int | None = None
     """How many models the runtime keeps loaded at once, where it says."""
+    pinned: bool = False
+    """Whether the model is pinned on this provider (`models[].lifecycle.keep_loaded`, or
+    the operator's `POST /models/pin`)."""
 
 
 class ModelLoadStates(CatalogRecord, frozen=True, kw_only=True):

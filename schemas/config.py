@@ -267,6 +267,24 @@ class RoutingPolicy(ConfigStruct, frozen=True, kw_only=True):
     start) what someone else sent."""
 
 
+class ModelLifecycle(ConfigStruct, frozen=True, kw_only=True):
+    """When the runtimes that load models on demand load and unload this one (design
+    §18.4, `iop_edge.core.lifecycle`). The Edge owns keep-alive: a caller's own
+    (Ollama's `keep_alive`) is taken out of its request."""
+
+    idle_unload_s: PositiveFloat | None = None
+    """Unload the model from a runtime where no run has used it for this long (the Node
+    keeps the clock: it sees every Edge's runs). None: the runtime decides."""
+    keep_loaded: bool = False
+    """Pin the model: it stays loaded on `max(preload, 1)` providers (loaded again when a
+    runtime drops it), placement never unloads it there for another model, and it is
+    never unloaded for idleness."""
+    preload: NonNegativeInt = 0
+    """Load the model on this many providers when the Edge starts and when a refresh adds
+    it (or raises the number), placed as a run's load is (room first, then the model's
+    rendezvous order: every Edge picks the same providers)."""
+
+
 class ModelEntry(ConfigStruct, frozen=True, kw_only=True):
     id: NonEmptyStr
     display_name: str | None = None
@@ -274,6 +292,7 @@ class ModelEntry(ConfigStruct, frozen=True, kw_only=True):
     queue: QueueOverride | None = None
     generation: GenerationPolicy = GenerationPolicy()
     routing: RoutingPolicy = RoutingPolicy()
+    lifecycle: ModelLifecycle = ModelLifecycle()
 
 
 #: How a `sim` provider replies (`adapter.reply.mode`): `fill` writes exactly `max_tokens`
@@ -416,11 +435,24 @@ class EdgeConfig(ConfigStruct, frozen=True, kw_only=True):
     principals: list[PrincipalLimits] = []
 
 
+class IdleRule(msgspec.Struct, frozen=True, kw_only=True):
+    """One model's `lifecycle.idle_unload_s` on one of a Node's providers, by the name
+    the provider serves it under (the Node never maps aliases)."""
+
+    provider_id: str
+    model: str
+    idle_unload_s: float
+
+
 class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """What a Node receives in `welcome`/`refresh`: its own providers, nothing else."""
+    """What a Node receives in `welcome`/`refresh`: its own providers and the idle rules
+    of the models they serve, nothing else."""
 
     node_id: str
     providers: list[ProviderConfig] = []
+    idle: list[IdleRule] = []
+    """An added field with a default: a Node that does not know it ignores it (and keeps
+    no idle clock), an Edge that does not send it sends none."""
 
 
 class ConfigError(msgspec.Struct, frozen=True, kw_only=True):

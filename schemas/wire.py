@@ -56,6 +56,10 @@ PROTOCOL_VERSION = 5
 #: `probe`: the Node takes `probe` and answers it with a `status` naming the probed
 #: providers (`Status.probed`).
 FEATURE_PROBE: Final = "probe"
+#: `pins`: the Node takes `model_command`s `pin` and `unpin` and keeps the idle clocks
+#: of `NodeConfig.idle` (design §18.4). An Edge sends a Node without it no pin: an
+#: operator's pin then holds on that Edge alone (its placement, its reloads).
+FEATURE_PINS: Final = "pins"
 
 
 Operation = str
@@ -461,6 +465,10 @@ class GoAway(Message, tag="goaway", frozen=True, kw_only=True):
 # --- models on demand (design §18) ---------------------------------------------------------
 
 ModelAction = Literal["load", "unload"]
+"""What a runtime is asked to do with a model."""
+PinAction = Literal["pin", "unpin"]
+"""`pin`: load the model (as `load`) and keep it from idle unloads while this link
+lasts or until `unpin` (which unloads nothing). Only to a Node naming `FEATURE_PINS`."""
 
 
 class ModelCommand(Message, tag="model_command", frozen=True, kw_only=True):
@@ -472,7 +480,7 @@ class ModelCommand(Message, tag="model_command", frozen=True, kw_only=True):
 
     command_id: str
     provider_id: str
-    action: ModelAction
+    action: ModelAction | PinAction
     model: str
     """The served model name (`models[].providers`' value)."""
 

@@ -1,6 +1,6 @@
 """`iop-edge models`: each served model's load state per provider, and the operator's
-loads and unloads (design §10, §18), through the admin API (`GET /models`,
-`POST /models/load`, `POST /models/unload`)."""
+loads, unloads and pins (design §10, §18), through the admin API (`GET /models`,
+`POST /models/load|unload|pin|unpin`)."""
 
 from __future__ import annotations
 
@@ -29,23 +29,25 @@ def add_models_parser(
     sub: argparse._SubParsersAction[argparse.ArgumentParser],
     add_admin: Callable[[argparse.ArgumentParser], None],
 ) -> argparse.ArgumentParser:
-    """The `models` command and its `list`, `load` and `unload` actions."""
+    """The `models` command and its `list`, `load`, `unload`, `pin` and `unpin` actions."""
     models = sub.add_parser(
         "models",
-        help="models' load states per provider; load or unload one",
+        help="models' load states per provider; load, unload, pin or unpin one",
         description="Without an action, each catalog model and, per provider serving it, "
         "the load state its runtime reports. `load MODEL` loads it on a provider (one that "
         "holds it already, else one with room, else the least busy; --provider picks one); "
-        "`unload MODEL` unloads it from every provider holding it (or --provider's). Each "
-        "command waits until the runtimes did it, and is audited.",
+        "`unload MODEL` unloads it from every provider holding it (or --provider's). `pin "
+        "MODEL` loads it (on --provider, else where a load would go) and keeps it loaded "
+        "there until `unpin MODEL` or the Edge restarts. Each command waits until the "
+        "runtimes did it, and is audited.",
     )
     add_admin(models)
     models.add_argument(
         "action",
         nargs="?",
-        choices=("list", "load", "unload"),
+        choices=("list", "load", "unload", "pin", "unpin"),
         default="list",
-        help="list (the default) the states, or load or unload MODEL",
+        help="list (the default) the states, or load, unload, pin or unpin MODEL",
     )
     models.add_argument("model", nargs="?", metavar="MODEL", help="a catalog model id")
     models.add_argument("--provider", metavar="ID", help="the provider to act on")
@@ -96,6 +98,8 @@ def _render_list(console: Console, document: dict[str, Any]) -> None:
                 state = "(node disconnected)"
             elif provider.get("reason"):
                 state = f"{state}: {provider['reason']}"
+            if provider.get("pinned"):
+                state = f"{state}, pinned"
             held = provider.get("max_loaded")
             table.add_row(
                 model["model"],

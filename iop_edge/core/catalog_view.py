@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from typing import Final
 
 from schemas.catalog import CatalogLifecycle, CatalogProvider
 from schemas.config import LifecycleFlag, ProviderConfig
@@ -26,6 +27,9 @@ from schemas.protocols import CallerProtocol
 from schemas.wire import Health, ModelState
 
 __all__ = ["catalog_lifecycle", "catalog_provider", "health_reason"]
+
+#: The `pinned` of every provider with no pin: one list, never changed.
+_NOTHING_PINNED: Final[list[str]] = []
 
 
 def catalog_provider(
@@ -47,6 +51,7 @@ def catalog_provider(
     model_states: list[ModelState] | None = None,
     max_loaded: int | None = None,
     cached_share: float | None = None,
+    pinned: frozenset[str] = frozenset(),
 ) -> CatalogProvider:
     """One provider's record (Rules 1-3). Its lists are the config's and the caller's own,
     not copied: a catalog of thousands of providers allocates one record per provider."""
@@ -88,6 +93,7 @@ def catalog_provider(
         model_states=model_states if connected else None,
         max_loaded=max_loaded if connected else None,
         cached_share=cached_share,
+        pinned=sorted(pinned) if pinned else _NOTHING_PINNED,
     )
 
 

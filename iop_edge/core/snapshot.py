@@ -12,9 +12,11 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Final
 
+from iop_edge.core.lifecycle import idle_rules
 from iop_edge.core.principals import PrincipalPolicies
 from schemas.config import (
     EdgeConfig,
+    IdleRule,
     ModelEntry,
     NodeConfig,
     NodeEntry,
@@ -57,6 +59,8 @@ class Snapshot:
     rotations: dict[str, tuple[tuple[str, ProviderConfig, str], ...]] = field(default_factory=dict)
     """For each model, its providers in config order, each with its config and Node: what
     a decision reads of every one of them (`runtime.runs.scheduler`)."""
+    idle: dict[str, tuple[IdleRule, ...]] = field(default_factory=dict)
+    """Each Node's idle rules (`core.lifecycle` Rule 1)."""
 
     @classmethod
     def build(cls, config: EdgeConfig, *, revision: int, config_sha256: str) -> Snapshot:
@@ -125,6 +129,7 @@ class Snapshot:
             rivals=rivals,
             provider_order=tuple(sorted(providers)),
             rotations=rotations,
+            idle=idle_rules(config.models, provider_node),
         )
 
     @property
@@ -146,4 +151,8 @@ class Snapshot:
 
     def node_config(self, node_id: str) -> NodeConfig:
         node = self.nodes.get(node_id)
-        return NodeConfig(node_id=node_id, providers=list(node.providers) if node else [])
+        return NodeConfig(
+            node_id=node_id,
+            providers=list(node.providers) if node else [],
+            idle=list(self.idle.get(node_id, ())),
+        )

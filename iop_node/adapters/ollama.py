@@ -16,6 +16,10 @@ that is where Ollama tells the truth about what is installed:
   `status`, and the catalog shows them beside the flags the config declares;
 - `GET {root}/api/ps` -> the models in memory now: with the tags, each model's load state
   (`model_states`, design §18).
+
+The Edge, not each caller, owns keep-alive (`models[].lifecycle`, design §18.4): a
+caller's `keep_alive` in a request body (`0` unloads the model when the request ends, for
+everyone) is taken out before the request reaches Ollama (`without_keep_alive`).
 """
 
 from __future__ import annotations
@@ -25,10 +29,29 @@ from typing import ClassVar, Final
 
 import msgspec
 
+from iop_node.adapters.base import Emit, EmitEvents, RunResult
 from iop_node.adapters.model_states import from_ollama
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
+from iop_node.protocols.native import NativeForm
 from schemas.config import LifecycleFlag, ProviderConfig
-from schemas.wire import ProviderStatus
+from schemas.wire import ProviderStatus, Run
+
+_KEEP_ALIVE: Final = b'"keep_alive"'
+
+
+def without_keep_alive(run: Run) -> Run:
+    """`run` with the caller's `keep_alive` taken out of its body (the module doc). A body
+    that does not name it is not decoded at all."""
+    if _KEEP_ALIVE not in run.body:
+        return run
+    try:
+        body = msgspec.json.decode(run.body)
+    except msgspec.DecodeError:
+        return run  # the upstream says what is wrong with it
+    if not isinstance(body, dict) or "keep_alive" not in body:
+        return run
+    del body["keep_alive"]
+    return msgspec.structs.replace(run, body=msgspec.json.encode(body))
 
 
 class _TagView(msgspec.Struct):
@@ -98,6 +121,12 @@ class OllamaAdapter(OpenAICompatAdapter):
             lifecycle=lifecycle_of(version.version),
             model_states=None if running is None else from_ollama(models, running),
         )
+
+    async def execute(self, run: Run, emit: Emit) -> RunResult:
+        return await super().execute(without_keep_alive(run), emit)
+
+    async def execute_native(self, run: Run, native: NativeForm, events: EmitEvents) -> RunResult:
+        return await super().execute_native(without_keep_alive(run), native, events)
 
     async def load_model(self, model: str) -> None:
         """`base.ModelLifecycle`: a generate request with no prompt loads the model, kept

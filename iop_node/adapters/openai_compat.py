@@ -313,6 +313,8 @@ class OpenAICompatAdapter(NativeRelay):
     # --- Adapter protocol -----------------------------------------------------------------
 
     async def execute(self, run: Run, emit: Emit) -> RunResult:
+        if self._lifecycle.asleep:  # a vLLM in sleep mode wakes first
+            await self._lifecycle.awake(self.provider.adapter.load_timeout_s)
         url = self._run_urls.get(run.operation)
         if url is None:
             raise AdapterError(
@@ -332,6 +334,9 @@ class OpenAICompatAdapter(NativeRelay):
             ) from None
 
     async def execute_native(self, run: Run, native: NativeForm, events: EmitEvents) -> RunResult:
+        if self._lifecycle.asleep:  # a vLLM in sleep mode wakes first
+            await self._lifecycle.awake(self.provider.adapter.load_timeout_s)
+
         async def exchange(progress: Progress) -> RunResult:
             return await self._exchange_native(run, native, events, progress)
 

@@ -11,7 +11,9 @@ states depends on the runtime, and it is asked only where an answer is possible
   unloads on `POST /models/unload`;
 - a `vllm` provider is asked `GET /is_sleeping` until it answers 404 or 405 (a vLLM
   started without sleep mode): asleep, its models are `sleeping`; `POST /wake_up` wakes
-  it (a "load") and `POST /sleep?level=1` puts it to sleep (an "unload");
+  it (a "load") and `POST /sleep?level=1` puts it to sleep (an "unload"). A vLLM does
+  not wake for a request: a run that finds it asleep wakes it first (`awake`; runs that
+  arrive meanwhile wait for the same wake-up);
 - anything else reports no states, and cannot be asked to load.
 
 Ollama and LM Studio have native APIs of their own (`ollama.py`, `lmstudio.py`), which
@@ -34,7 +36,7 @@ import httpx2
 import msgspec
 import trio
 
-from iop_node.adapters.base import ModelCommandFailed
+from iop_node.adapters.base import AdapterError, ModelCommandFailed
 from iop_node.adapters.model_states import (
     LLAMA_LISTING_DECODER,
     LlamaListing,
@@ -44,12 +46,14 @@ from iop_node.adapters.model_states import (
 )
 from iop_node.adapters.upstream_errors import error_message
 from schemas.config import LifecycleFlag
-from schemas.wire import ModelState, ProviderStatus
+from schemas.wire import FailureCode, ModelState, ProviderStatus
 
 log = logging.getLogger(__name__)
 
 #: What llama.cpp's router offers: `/models`, `/models/load`, `/models/unload`.
 ROUTER_LIFECYCLE: Final[list[LifecycleFlag]] = ["list_models", "load_model", "unload_model"]
+#: What a vLLM in sleep mode offers: its listing, `/wake_up` and `/sleep`.
+SLEEP_LIFECYCLE: Final[list[LifecycleFlag]] = ["list_models", "load_model", "unload_model"]
 #: What the OpenAI API offers of a model's lifecycle: the listing.
 LISTING_ONLY: Final[list[LifecycleFlag]] = ["list_models"]
 #: Between looks at a router's listing while a model it was asked for loads. The runtime
@@ -74,6 +78,9 @@ class RuntimeLifecycle:
         self._asks_sleep = asks_sleep
         self._router = False
         """The last listing was a llama.cpp router's."""
+        self.asleep = False
+        """A vLLM in sleep mode, as its last probe or command left it."""
+        self._waking = trio.Lock()
 
     async def status(self, provider_id: str, listing: LlamaListing) -> ProviderStatus:
         """An `available` status for a runtime whose listing answered, with what it says
@@ -91,19 +98,42 @@ class RuntimeLifecycle:
                 model_states=states,
                 max_loaded=None if props is None else llama_router_max_loaded(props),
             )
+        sleep_states = await self._sleep_states(models)
         return ProviderStatus(
             id=provider_id,
             health="available",
             models=models,
-            lifecycle=LISTING_ONLY,
-            model_states=await self._sleep_states(models),
+            lifecycle=LISTING_ONLY if sleep_states is None else SLEEP_LIFECYCLE,
+            model_states=sleep_states,
         )
 
     async def _sleep_states(self, models: Sequence[str]) -> list[ModelState] | None:
         if not self._asks_sleep:
             return None
         body = await self.get_optional("/is_sleeping")
-        return None if body is None else from_vllm_sleep(models, body)
+        states = None if body is None else from_vllm_sleep(models, body)
+        if states is not None:
+            self.asleep = any(state.state == "sleeping" for state in states)
+        return states
+
+    async def awake(self, timeout_s: float) -> None:
+        """Wake a sleeping vLLM before a run (one wake-up for every run that finds it
+        asleep). A wake-up that fails, or takes longer than `timeout_s`, fails the run as
+        the provider's (`upstream_unreachable`, retryable: another provider may serve)."""
+        if not self.asleep:
+            return
+        async with self._waking:
+            if not self.asleep:
+                return  # another run woke it
+            error = f"the runtime did not wake within {timeout_s:g}s (adapter.load_timeout_s)"
+            with trio.move_on_after(timeout_s):
+                try:
+                    await self.load("")
+                except ModelCommandFailed as exc:
+                    error = f"the runtime did not wake: {exc}"
+                else:
+                    return
+            raise AdapterError(FailureCode.UPSTREAM_UNREACHABLE, error, retryable=True)
 
     # --- commands ----------------------------------------------------------------------
 
@@ -114,6 +144,7 @@ class RuntimeLifecycle:
             await self._wait_router_loaded(model)
         elif self._asks_sleep:
             await self.post("/wake_up", None)
+            self.asleep = False
         else:
             raise ModelCommandFailed("this runtime does not load models on request")
 
@@ -123,6 +154,7 @@ class RuntimeLifecycle:
             await self.post("/models/unload", {"model": model}, done_if=_ALREADY)
         elif self._asks_sleep:
             await self.post("/sleep?level=1", None)
+            self.asleep = True
         else:
             raise ModelCommandFailed("this runtime does not unload models on request")
 

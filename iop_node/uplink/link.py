@@ -73,6 +73,7 @@ from schemas.channel import (
     reject_and_close,
 )
 from schemas.wire import (
+    FEATURE_PINS,
     FEATURE_PROBE,
     NODE_REPLACED,
     PROTOCOL_VERSION,
@@ -282,7 +283,7 @@ class NodeLink:
             node_id=settings.node_id,
             token=settings.token,
             agent_version=settings.agent_version,
-            features=[FEATURE_PROBE],
+            features=[FEATURE_PROBE, FEATURE_PINS],
         )
         frame: str | bytes | None = None
         with trio.move_on_after(settings.handshake_timeout_s):

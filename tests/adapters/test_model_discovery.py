@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 import trio
 
-from iop_node.adapters.base import ModelCommandFailed
+from iop_node.adapters.base import AdapterError, ModelCommandFailed
 from iop_node.adapters.lmstudio import LmStudioAdapter
 from iop_node.adapters.ollama import OllamaAdapter
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
 from iop_node.registry import create_adapter
 from schemas.config import AdapterSettings, ProviderConfig, ProviderType
-from schemas.wire import ModelState, ProviderStatus
+from schemas.wire import FailureCode, ModelState, ProviderStatus, Run
 from tests.timing import GUARD_S
 
 from .fake_upstream import FakeUpstream
@@ -249,3 +249,50 @@ async def test_a_runtime_without_a_lifecycle_api_refuses_commands(nursery: trio.
     adapter = await _commanded(nursery, fake, "openai_api")
     with pytest.raises(ModelCommandFailed, match="does not load models on request"):
         await adapter.load_model("m")
+
+
+async def test_a_run_that_finds_a_vllm_asleep_wakes_it_first_once_for_all(
+    nursery: trio.Nursery,
+) -> None:
+    fake = FakeUpstream(models=["m"], lifecycle="vllm_sleep", sleeping=True)
+    adapter = await _commanded(nursery, fake, "vllm")
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+
+    async def run(run_id: str) -> None:
+        async def emit(data: bytes, parsed: object = None, /) -> None:
+            pass
+
+        await adapter.execute(
+            Run(run_id=run_id, provider_id="p", target="m", operation="chat", body=body), emit
+        )
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as runs:
+            runs.start_soon(run, "r1")
+            runs.start_soon(run, "r2")
+        status = await adapter.probe()
+    paths = [r.path for r in fake.requests if r.method == "POST"]
+    assert paths == ["/wake_up", "/v1/chat/completions", "/v1/chat/completions"]
+    assert _held(status) == {"m": "loaded"}
+    assert status.lifecycle == ["list_models", "load_model", "unload_model"]
+
+
+async def test_a_vllm_that_does_not_wake_fails_the_run_as_the_provider_s(
+    nursery: trio.Nursery,
+) -> None:
+    fake = FakeUpstream(models=["m"], lifecycle="vllm_sleep", sleeping=True)
+    adapter = await _commanded(nursery, fake, "vllm")
+    fake.lifecycle = None  # /wake_up now answers 404
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+
+    async def emit(data: bytes, parsed: object = None, /) -> None:
+        pass
+
+    with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as failed:
+        await adapter.execute(
+            Run(run_id="r", provider_id="p", target="m", operation="chat", body=body), emit
+        )
+    assert failed.value.code == FailureCode.UPSTREAM_UNREACHABLE
+    assert failed.value.retryable
+    assert str(failed.value).startswith("the runtime did not wake: POST /wake_up returned 404")
+    assert "/v1/chat/completions" not in [r.path for r in fake.requests]

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import trio
 
-from iop_node.adapters.ollama import OllamaAdapter, lifecycle_of, native_root
+from iop_node.adapters.ollama import OllamaAdapter, lifecycle_of, native_root, without_keep_alive
 from iop_node.reply import ParsedChunk
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import Run
@@ -95,6 +95,36 @@ async def test_stream_runs_through_the_openai_endpoint(
     assert chunks == expected_events(MODEL, 3)
     assert upstream.requests[-1].path == "/v1/chat/completions"
     assert upstream.requests[-1].body == run.body
+
+
+async def test_a_caller_s_keep_alive_never_reaches_ollama(
+    upstream: FakeUpstream, adapter: OllamaAdapter
+) -> None:
+    """The Edge owns keep-alive: `keep_alive: 0` would unload the model for everyone."""
+    body = {"model": MODEL, "keep_alive": 0, "messages": [{"role": "user", "content": "hi"}]}
+    run = Run(
+        run_id="run-8",
+        provider_id="gpu2-ollama",
+        target=MODEL,
+        operation="chat",
+        body=json.dumps(body).encode(),
+    )
+
+    async def emit(data: bytes, parsed: ParsedChunk | None = None, /) -> None:
+        pass
+
+    with trio.fail_after(GUARD_S):
+        await adapter.execute(run, emit)
+    sent = json.loads(upstream.requests[-1].body)
+    assert "keep_alive" not in sent
+    assert sent == {k: v for k, v in body.items() if k != "keep_alive"}
+
+
+def test_a_body_without_keep_alive_is_sent_as_it_came() -> None:
+    run = Run(run_id="r", provider_id="p", target=MODEL, operation="chat", body=b'{"a": 1}')
+    assert without_keep_alive(run) is run
+    text = Run(run_id="r", provider_id="p", target=MODEL, operation="chat", body=b'"keep_alive"')
+    assert without_keep_alive(text) is text  # not an object: the upstream says what is wrong
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import trio.testing
 
 from iop_node.host import LinkPort, ProviderHost
 from iop_node.runs.runner import Outbound
-from schemas.config import NodeConfig, ProviderConfig
+from schemas.config import IdleRule, NodeConfig, ProviderConfig
 from schemas.wire import (
     FailureCode,
     Load,
@@ -162,6 +162,21 @@ async def test_an_equal_config_keeps_the_registry_and_its_adapters(nursery: trio
     # b attached to a registry already probed: it hears the statuses at once.
     assert b.port.first_status.is_set()
     assert [type(item) for item in b.received] == [Status]
+
+
+async def test_a_config_that_changes_only_idle_rules_keeps_the_adapters(
+    nursery: trio.Nursery,
+) -> None:
+    factory = Factory()
+    host = await _host(nursery, factory)
+    a = Edge(host, "a")
+    await host.apply(a.port, 1, _config(), 10.0)
+    registry = host.current
+    idle = [IdleRule(provider_id="p", model="m", idle_unload_s=60.0)]
+    ruled = NodeConfig(node_id="n1", providers=_config().providers, idle=idle)
+    assert await host.apply(a.port, 2, ruled, 11.0) is None
+    assert host.current is registry and len(factory.created) == 1
+    assert registry is not None and registry.config == ruled and registry.revision == 2
 
 
 async def test_a_config_for_another_node_is_refused(nursery: trio.Nursery) -> None:

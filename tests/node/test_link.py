@@ -33,6 +33,7 @@ from iop_node.uplink.edges import EdgeLinks
 from iop_node.uplink.link import CLOSE_TIMEOUT_S, EdgeRejected
 from schemas.config import AdapterSettings, NodeConfig, ProviderConfig
 from schemas.wire import (
+    FEATURE_PINS,
     FEATURE_PROBE,
     PROTOCOL_VERSION,
     Cancel,
@@ -308,7 +309,7 @@ async def test_handshake_then_status(edge: FakeEdge, nursery: trio.Nursery) -> N
         node_id="n1",
         token=TOKEN,
         agent_version="iop-node/test",
-        features=[FEATURE_PROBE],
+        features=[FEATURE_PROBE, FEATURE_PINS],
     )
     assert await side.receive() == _available("sim-a")
 

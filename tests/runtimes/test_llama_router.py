@@ -23,6 +23,7 @@ import openai
 import pytest
 import trio
 
+from iop_edge.core.routing.affinity import placement_key, rendezvous_order
 from tests.e2e.stack import Stack
 from tests.e2e.upstreams import MakeStack, provider_of, upstream_provider, upstream_stacks
 from tests.runtimes.conftest import gguf_model, llama_server_binary, llama_server_url, running
@@ -181,3 +182,60 @@ async def test_two_routers_holding_one_model_each_load_each_model_once(
             with trio.fail_after(GUARD_S):
                 assert await _ask(stack, model) == model
         assert sorted(first.loads + second.loads) == ["smol-a", "smol-b"]
+
+
+async def test_a_pinned_model_stays_on_its_router_and_an_idle_one_is_unloaded(
+    tmp_path_factory: pytest.TempPathFactory, make_stack: MakeStack
+) -> None:
+    """`smol-a` pinned (`keep_loaded`): loaded at start on its rendezvous router and never
+    evicted there; `smol-b` goes to the other router, and is unloaded once idle for
+    `idle_unload_s` (design §18.4)."""
+    models = _models_dir(tmp_path_factory, broken=False)
+    with running_router(models, "r0") as first, running_router(models, "r1") as second:
+        adapter = {"request_timeout_s": GUARD_S, "first_byte_timeout_s": GUARD_S}
+        providers = []
+        for provider_id, running in (("r0", first), ("r1", second)):
+            provider = upstream_provider(
+                provider_id,
+                running.url,
+                type="openai_api",
+                served="smol-a",
+                health_interval_s=0.25,
+                load_timeout_s=GUARD_S,
+                **adapter,
+            )
+            provider["models"] = ["smol-a", "smol-b"]
+            providers.append(provider)
+        both = {"r0": "smol-a", "r1": "smol-a"}
+        stack = await make_stack(
+            providers,
+            models=[
+                {"id": "smol-a", "providers": both, "lifecycle": {"keep_loaded": True}},
+                {
+                    "id": "smol-b",
+                    "providers": {"r0": "smol-b", "r1": "smol-b"},
+                    "lifecycle": {"idle_unload_s": 1.0},
+                },
+            ],
+        )
+        [home] = rendezvous_order(placement_key("smol-a"), ["r0", "r1"])[:1]
+        other = "r1" if home == "r0" else "r0"
+        await stack.wait_catalog(
+            lambda c: _states_of(c, home).get("smol-a") == "loaded", within_s=GUARD_S
+        )
+        for _ in range(3):
+            with trio.fail_after(GUARD_S):
+                assert await _ask(stack, "smol-b") == "smol-b"
+        await stack.wait_catalog(
+            lambda c: _states_of(c, other).get("smol-b") == "unloaded", within_s=GUARD_S
+        )
+        catalog = await stack.catalog()
+        assert _states_of(catalog, home)["smol-a"] == "loaded"
+        routers = {"r0": first, "r1": second}
+        assert routers[home].loads == ["smol-a"]
+        assert routers[other].loads == ["smol-b"]
+
+
+def _states_of(catalog: dict[str, Any], provider_id: str) -> dict[str, str]:
+    states = provider_of(catalog, provider_id).get("model_states") or []
+    return {state["name"]: state["state"] for state in states}

@@ -198,7 +198,9 @@ def test_failed_and_sleeping_models() -> None:
         max_loaded=None,
     )
     assert holdings.holding("f", 0) == "failed" and holdings.failure("f") == "exit 1"
-    assert holdings.holding("s", 0) == "cold" and not holdings.can_load("s", 0)
+    # asleep: cold, and a run wakes it there (Rule 6)
+    assert holdings.holding("s", 0) == "cold" and holdings.can_load("s", 0)
+    assert holdings.asleep("s") and not holdings.asleep("f")
     assert holdings.holding("unlisted", 0) == "cold"
     holdings.forget()
     assert holdings.holding("f", 0) == "held"

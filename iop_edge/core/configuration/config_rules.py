@@ -22,6 +22,7 @@ from iop_edge.core.configuration.config_shape import index_path, key_path
 from iop_edge.core.configuration.ledger_url import parse_ledger_url
 from iop_edge.core.configuration.listen import ListenAddress, parse_listen_address
 from iop_edge.core.configuration.tokens import DEMO_NODE_TOKEN_SHA256
+from iop_edge.core.lifecycle import lifecycle_problems
 from iop_edge.core.principals import ANONYMOUS_PRINCIPAL
 from schemas.config import (
     EVERY_OTHER_PRINCIPAL,
@@ -343,6 +344,8 @@ class ConfigRules:
                 if isinstance(provider_id, str) and isinstance(target, str):
                     entry_path = key_path(f"{path}.providers", provider_id)
                     self._target(providers, provider_id, target, entry_path, entry_path)
+            for name, message in lifecycle_problems(model.get("lifecycle"), len(targets)):
+                self._error(f"{path}.lifecycle.{name}", message)
         return set(model_ids.first)
 
     def _legacy_routes(self, explicit_models: set[str], providers: dict[str, _Provider]) -> None:

@@ -12,8 +12,8 @@ Rules:
    operator accepted that it waits, and whatever the file says at restart wins.
 4. An apply that is not blocked can still be impossible: a live change that depends on a
    restart-required one (a model mapped to a provider being added) is an error.
-5. The Nodes an apply pushes to are those whose own config (`Snapshot.node_config`)
-   differs between the running snapshot and the new one.
+5. The Nodes an apply pushes to are those whose own config (`Snapshot.node_config`: its
+   providers and its idle rules) differs between the running snapshot and the new one.
 
 The refresh worker (`runtime.refresh.worker`), a process of its own, plans with these
 rules: for a fleet's config that is seconds of work, and the Edge's event loop keeps
@@ -30,7 +30,7 @@ from iop_edge.core.refresh.refresh_diff import (
     live_subset,
     live_subset_errors,
 )
-from schemas.config import EdgeConfig, NodeEntry
+from schemas.config import EdgeConfig, IdleRule, NodeEntry
 from schemas.refresh import RefreshError
 
 __all__ = [
@@ -98,12 +98,20 @@ def error_order(error: RefreshError) -> tuple[str, str]:
     return (error.path, error.message)
 
 
-def needs_push(before: NodeEntry | None, after: NodeEntry) -> bool:
+def needs_push(
+    before: NodeEntry | None,
+    after: NodeEntry,
+    idle_before: tuple[IdleRule, ...] = (),
+    idle_after: tuple[IdleRule, ...] = (),
+) -> bool:
     """Whether a Node's own config (`Snapshot.node_config`: its providers) differs between
     its entry in the running config (None: a new Node) and in the new one (rule 5).
 
     An entry a refresh left alone is the very same Struct in both
     (`core.configuration.config_proof`), so comparing them costs next to nothing; what
-    changed is compared field by field."""
+    changed is compared field by field. `idle_before` and `idle_after` are the Node's idle
+    rules in each (`core.lifecycle` Rule 1, `Snapshot.idle`): they go to the Node with its
+    providers, so a change of them alone is pushed too."""
     providers = before.providers if before is not None else []
-    return after.providers is not providers and after.providers != providers
+    moved = after.providers is not providers and after.providers != providers
+    return moved or idle_before != idle_after

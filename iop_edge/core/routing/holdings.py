@@ -14,12 +14,17 @@ reload): the thrash placement is there to prevent. So the Edge keeps its own acc
 3. A run granted for a cold model places a load there: the model counts as held until a
    report says it is loaded or failed, or `load_timeout_s` passes.
 4. A load placed on a runtime with no room unloads one of its models: the least
-   recently used one with no run of this Edge in flight, which counts as cold until a
-   report lists it again, or the same timeout passes. (The runtime picks its own victim,
+   recently used one with no run of this Edge in flight and no pin (`pinned`,
+   `core.lifecycle` Rule 4), which counts as cold until a report lists it again, or the
+   same timeout passes. (The runtime picks its own victim,
    least recently used too; a report corrects any difference.)
 5. The runtime has room while it holds fewer models than its `max_loaded` (always, when
    it does not say); it can take a load when it has room or holds a model with nothing
-   of this Edge in flight (a sleeping runtime wakes only on command: it cannot).
+   of this Edge in flight and no pin.
+6. A `sleeping` model (vLLM's sleep mode) wakes for the run that finds it asleep (its
+   Node wakes the runtime first): it can always be woken, and a wake-up unloads nothing
+   (the runtime holds the model already), so it is a load with room, and a cheaper one
+   than a cold load (`asleep`).
 
 Pure: no I/O; the caller passes the time.
 """
@@ -47,6 +52,7 @@ class Holdings:
         "_reported",
         "_running",
         "max_loaded",
+        "pinned",
         "states",
     )
 
@@ -62,6 +68,8 @@ class Holdings:
         """Served name -> until when it counts as unloaded for a load placed (Rule 4)."""
         self._last_used: dict[str, float] = {}
         self._running: Counter[str] = Counter()
+        self.pinned: frozenset[str] = frozenset()
+        """Served names pinned here: never unloaded to make room (Rules 4, 5)."""
 
     def report(self, states: Sequence[ModelState] | None, max_loaded: int | None) -> None:
         """The Node's report: it settles the loads placed and unloads guessed that it
@@ -137,17 +145,24 @@ class Holdings:
         return self.max_loaded is None or len(self._held(now)) < self.max_loaded
 
     def can_load(self, served: str, now: float) -> bool:
-        """Rule 5: a run for `served` could make it load it now."""
+        """Rules 5, 6: a run for `served` could make it load (or wake) it now."""
+        if self.asleep(served):
+            return True
+        return self.room(now) or any(self._evictable(n) for n in self._held(now))
+
+    def asleep(self, served: str) -> bool:
+        """Rule 6: the runtime's last report says `served` is sleeping."""
         state = (self._reported or {}).get(served)
-        if state is not None and state.state == "sleeping":
-            return False
-        return self.room(now) or any(not self._running[n] for n in self._held(now))
+        return state is not None and state.state == "sleeping"
+
+    def _evictable(self, served: str) -> bool:
+        return not self._running[served] and served not in self.pinned
 
     def started(self, served: str, now: float, *, load_timeout_s: float) -> None:
         """A run of `served` was granted here (Rules 3, 4)."""
         if self.holding(served, now) == "cold":
-            if not self.room(now):
-                idle = [n for n in self._held(now) if not self._running[n] and n != served]
+            if not self.room(now) and not self.asleep(served):
+                idle = [n for n in self._held(now) if self._evictable(n) and n != served]
                 if idle:
                     victim = min(idle, key=lambda n: self._last_used.get(n, -1.0))
                     self._evicting[victim] = now + load_timeout_s

@@ -85,10 +85,11 @@ Rule 8. Models on demand (design §18.4): a view says whether its runtime `holds
         loading a second copy, unless the model's waiting runs already outnumber the
         holders' slots (demand needs another copy). When no provider holds the model,
         one load is placed: among the admissible cold providers that can take a load
-        (`can_load`: room for one more model, or an idle one to unload; a sleeping
-        runtime wakes only on command), native first, then one with room (nothing is
-        unloaded for it), then the model's rendezvous choice (`core.routing.affinity`: every
-        Edge places the same model on the same provider), then Rule 4.
+        (`can_load`: room for one more model, an idle one to unload, or the model asleep
+        there), native first, then one where the model sleeps (a wake-up takes seconds,
+        a cold load up to minutes), then one with room (nothing is unloaded for it), then
+        the model's rendezvous choice (`core.routing.affinity`: every Edge places the same model
+        on the same provider), then Rule 4.
 """
 
 from __future__ import annotations
@@ -219,6 +220,9 @@ class ProviderView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     (Rule 8; only read when it does not hold it)."""
     room: bool = True
     """It holds fewer models than it can: a load there unloads nothing (Rule 8)."""
+    asleep: bool = False
+    """Its runtime holds the model asleep (vLLM's sleep mode): a wake-up, not a cold load
+    (Rule 8)."""
 
 
 def ineligibility(view: ProviderView, *, long: bool) -> Ineligible | None:
@@ -457,9 +461,9 @@ def _placed(
     key = placement_key(model_id)
     rank = _rank_key(loadable, rotation=rotation, last=last)
 
-    def order(view: ProviderView) -> tuple[bool, bool, int, _RankKey]:
+    def order(view: ProviderView) -> tuple[bool, bool, bool, int, _RankKey]:
         score = rendezvous_score(key, provider_seed(view.id))
-        return (not view.native, not view.room, -score, rank(view))
+        return (not view.native, not view.asleep, not view.room, -score, rank(view))
 
     return min(loadable, key=order)
 

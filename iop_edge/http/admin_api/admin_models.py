@@ -7,6 +7,10 @@ provider, and the operator's loads and unloads.
   (provider optional): answered once every runtime acted, with what each did. 200 when
   every provider did it, 502 when one failed, 404 for a model or provider the catalog
   does not have, 409 when no provider could take the load. Audited (`model-audit.jsonl`).
+- `POST /models/pin` and `POST /models/unpin`, the same body: pin the model on the
+  provider (else on the one a load would go to), loading it there, until unpinned or the
+  Edge restarts; unpin the operator's pins of it (409 when there are none). Same
+  answers, same audit (`runtime.models.keeper`).
 
 Callers (principals) never reach these: the admin API is loopback-only and mutations are
 refused to browsers (`admin` Rules 1-4).
@@ -75,6 +79,7 @@ def add_model_routes(app: QuartTrio, catalog: CatalogSource, run: ModelCommandRu
                         state=None if state is None else state.state,
                         reason=None if state is None else state.reason,
                         max_loaded=record.max_loaded,
+                        pinned=served[record.id] in record.pinned,
                     )
                 )
             listed.append(ModelLoadStates(model=model_id, providers=providers))
@@ -98,3 +103,11 @@ def add_model_routes(app: QuartTrio, catalog: CatalogSource, run: ModelCommandRu
     @app.post("/models/unload")
     async def unload() -> Response:
         return await command("unload")
+
+    @app.post("/models/pin")
+    async def pin() -> Response:
+        return await command("pin")
+
+    @app.post("/models/unpin")
+    async def unpin() -> Response:
+        return await command("unpin")

@@ -49,6 +49,8 @@ ANSWER_GRACE_S: Final = 10.0
 class CommandSession(Protocol):
     """What a command needs of a Node's session."""
 
+    features: frozenset[str]
+
     async def request_model_command(self, command: wire.ModelCommand) -> wire.ModelCommandDone: ...
 
 
@@ -126,6 +128,19 @@ class ModelCommands:
                 return ModelCommandReport(
                     action=action, model=request.model, outcome="done", results=[result]
                 )
+        return await self.send(snapshot, action, request.model, targets, source=source)
+
+    async def send(
+        self,
+        snapshot: Snapshot,
+        action: ModelCommandAction,
+        model: str,
+        targets: Sequence[tuple[str, str]],
+        *,
+        source: str,
+    ) -> ModelCommandReport:
+        """Send `action` on `model` to each (provider, served name) of `targets` at once,
+        audit what each did, and report it."""
         results: list[ModelCommandResult] = []
         async with trio.open_nursery() as nursery:
             for provider_id, served_name in targets:
@@ -133,10 +148,10 @@ class ModelCommands:
                     self._one, snapshot, action, provider_id, served_name, results.append
                 )
         results.sort(key=lambda result: result.provider)
-        await self._audit(source, action, request.model, results)
+        await self._audit(source, action, model, results)
         ok = all(result.ok for result in results)
         return ModelCommandReport(
-            action=action, model=request.model, outcome="done" if ok else "failed", results=results
+            action=action, model=model, outcome="done" if ok else "failed", results=results
         )
 
     async def _one(
@@ -149,25 +164,15 @@ class ModelCommands:
     ) -> None:
         node_id = snapshot.provider_node[provider_id]
         session = self._session_of(node_id)
-        error: str | None
+        error: str | None = None
         if session is None:
             error = f"node {node_id} is not connected"
-        else:
+        elif (sent := _as_understood(action, session.features)) is not None:
             command = wire.ModelCommand(
-                command_id=uuid.uuid4().hex,
-                provider_id=provider_id,
-                action=action,
-                model=served,
+                command_id=uuid.uuid4().hex, provider_id=provider_id, action=sent, model=served
             )
             bound = snapshot.providers[provider_id].adapter.load_timeout_s + ANSWER_GRACE_S
-            error = f"node {node_id} did not answer within {bound:g}s"
-            with trio.move_on_after(bound):
-                try:
-                    done = await session.request_model_command(command)
-                except SessionClosed as exc:  # the Node is gone
-                    error = f"node {node_id} went away: {exc}"
-                else:
-                    error = None if done.ok else (done.error or "the runtime refused")
+            error = await _answer(session, command, node_id, bound)
         report(
             ModelCommandResult(
                 provider=provider_id, served_model=served, ok=error is None, error=error
@@ -205,3 +210,29 @@ class ModelCommands:
                 await trio.to_thread.run_sync(append_line, self._audit_path, lines)
             except OSError as exc:
                 log.error("model audit log %s not written: %s", self._audit_path, exc)
+
+
+def _as_understood(
+    action: ModelCommandAction, features: frozenset[str]
+) -> ModelCommandAction | None:
+    """What to send a Node for `action`: to one that does not name `FEATURE_PINS`, a pin
+    is a load (the pin holds on this Edge alone) and an unpin is nothing."""
+    if action in ("pin", "unpin") and wire.FEATURE_PINS not in features:
+        return "load" if action == "pin" else None
+    return action
+
+
+async def _answer(
+    session: CommandSession, command: wire.ModelCommand, node_id: str, bound: float
+) -> str | None:
+    """Send one command to a Node and wait (at most `bound`) for its answer: None when
+    done, else why not."""
+    error: str | None = f"node {node_id} did not answer within {bound:g}s"
+    with trio.move_on_after(bound):
+        try:
+            done = await session.request_model_command(command)
+        except SessionClosed as exc:  # the Node is gone
+            error = f"node {node_id} went away: {exc}"
+        else:
+            error = None if done.ok else (done.error or "the runtime refused")
+    return error

@@ -56,7 +56,7 @@ from schemas.limits import MAX_FRAME_BYTES
 log = logging.getLogger(__name__)
 
 #: The `hello.features` this Edge acts on (a Node's other words are ignored).
-_KNOWN_FEATURES: Final = frozenset({wire.FEATURE_PROBE})
+_KNOWN_FEATURES: Final = frozenset({wire.FEATURE_PROBE, wire.FEATURE_PINS})
 
 
 #: Bound on closing a connection politely (a closing handshake with a peer we are done with).

@@ -49,6 +49,7 @@ from iop_edge.core.configuration.config import (
     parse_config,
 )
 from iop_edge.core.configuration.config_proof import ConfigProof
+from iop_edge.core.lifecycle import idle_rules
 from iop_edge.core.refresh.refresh_plan import needs_push, plan_apply
 from iop_edge.runtime.refresh.worker_protocol import (
     HEADER_BYTES,
@@ -63,9 +64,9 @@ from iop_edge.runtime.refresh.worker_protocol import (
     Reply,
     frame,
 )
-from schemas.config import EdgeConfig, NodeEntry
+from schemas.config import EdgeConfig, IdleRule, NodeEntry
 
-__all__ = ["Worker", "main"]
+__all__ = ["Worker", "delta", "main"]
 
 #: Added to the worker's niceness (Rule 6).
 NICENESS: Final = 10
@@ -115,7 +116,7 @@ class Worker:
         )
         built = None
         if request.build and not plan.errors:
-            built = _delta(base, plan.effective)
+            built = delta(base, plan.effective)
             self.bases[request.base_revision + 1] = plan.effective
         return Prepared(
             config_sha256=parsed.sha256,
@@ -133,9 +134,10 @@ class Worker:
         raise ConfigInvalid([])  # the Edge sends one or the other
 
 
-def _delta(base: EdgeConfig, effective: EdgeConfig) -> Built:
+def delta(base: EdgeConfig, effective: EdgeConfig) -> Built:
     """`effective` over `base`, a Node at a time (`worker_protocol`, Rule 3)."""
     before: dict[str, NodeEntry] = {node.id: node for node in base.nodes}
+    idle_before, idle_after = _idle_rules(base), _idle_rules(effective)
     ids: list[str] = []
     changed: list[int] = []
     nodes: list[bytes] = []
@@ -143,11 +145,14 @@ def _delta(base: EdgeConfig, effective: EdgeConfig) -> Built:
     for index, node in enumerate(effective.nodes):
         ids.append(node.id)
         old = before.get(node.id)
+        idle = (idle_before.get(node.id, ()), idle_after.get(node.id, ()))
         if old is not None and (old is node or old == node):
+            if idle[0] != idle[1]:  # its models' idle rules changed, its entry did not
+                to_push.append(node.id)
             continue
         changed.append(index)
         nodes.append(_ENCODER.encode(node))
-        if needs_push(old, node):
+        if needs_push(old, node, *idle):
             to_push.append(node.id)
     rest = msgspec.structs.replace(effective, nodes=[])
     return Built(
@@ -157,6 +162,14 @@ def _delta(base: EdgeConfig, effective: EdgeConfig) -> Built:
         nodes=nodes,
         to_push=sorted(to_push),
     )
+
+
+def _idle_rules(config: EdgeConfig) -> dict[str, tuple[IdleRule, ...]]:
+    """Each Node's idle rules, as the snapshot of `config` holds them (`Snapshot.idle`)."""
+    provider_node = {
+        provider.id: node.id for node in config.nodes for provider in node.providers
+    }
+    return idle_rules(config.models, provider_node)
 
 
 def _write_reply(replies: BinaryIO, reply: Reply) -> None:

@@ -69,7 +69,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from functools import partial
 
 import trio
@@ -175,6 +175,11 @@ class Scheduler(PoolObservation):
         For observers (catalog watchers, tests) that would otherwise have to poll.
         """
         await self._changed.wait()
+
+    def pin_models(self, pins: Mapping[str, frozenset[str]]) -> None:
+        """The served names pinned on each provider (`core.lifecycle` Rule 4)."""
+        for provider_id, state in self._states.items():
+            state.holdings.pinned = pins.get(provider_id, frozenset())
 
     def _notify_changed(self) -> None:
         self._changed.set()
@@ -568,11 +573,13 @@ class Scheduler(PoolObservation):
         holdings = state.holdings
         holds: Holding = "held"
         room = can_load = True
+        asleep = False
         if holdings.states is not None:  # its runtime says what it holds (Rule 8)
             holds = holdings.holding(served, now)
             if holds == "cold":
                 room = holdings.room(now)
                 can_load = holdings.can_load(served, now)
+                asleep = holdings.asleep(served)
         return ProviderView(
             id=state.id,
             capacity=capacity,
@@ -589,6 +596,7 @@ class Scheduler(PoolObservation):
             holds=holds,
             room=room,
             can_load=can_load,
+            asleep=asleep,
         )
 
     def _grant(
