@@ -166,9 +166,7 @@ def delta(base: EdgeConfig, effective: EdgeConfig) -> Built:
 
 def _idle_rules(config: EdgeConfig) -> dict[str, tuple[IdleRule, ...]]:
     """Each Node's idle rules, as the snapshot of `config` holds them (`Snapshot.idle`)."""
-    provider_node = {
-        provider.id: node.id for node in config.nodes for provider in node.providers
-    }
+    provider_node = {provider.id: node.id for node in config.nodes for provider in node.providers}
     return idle_rules(config.models, provider_node)
 
 
