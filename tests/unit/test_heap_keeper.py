@@ -238,3 +238,17 @@ async def test_a_thaw_due_during_a_hold_waits_for_its_end(
         assert collector.names() == ["freeze"]
     await trio.testing.wait_all_tasks_blocked()
     assert collector.names() == ["freeze", "freeze", "unfreeze", "collect", "freeze"]
+
+
+async def test_a_hold_starts_the_sweeps_over_at_their_shortest_period(
+    autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
+) -> None:
+    await connect(keeper, SWEEP_FLEET, every_s=0)
+    await trio.sleep(QUIET_S * 2 + SWEEP_S / 4)  # the connects frozen; a sweep a period
+    collector.calls.clear()
+    opened = trio.current_time()
+    with keeper.held():
+        await trio.sleep(SWEEP_S / 2)
+    sweeps = [at for name, at in collector.calls if name == "collect 0"]
+    # not a period after the last sweep: the shortest period after the hold opened
+    assert sweeps[0] == pytest.approx(opened + SWEEP_MIN_S)

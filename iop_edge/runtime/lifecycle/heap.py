@@ -56,7 +56,10 @@ at it again only at moments it chooses:
    what is alive; while open only young collections run (what the operation and
    callers' requests make, cheap to look at: what survives them waits in the middle
    generation, unwalked), and a thaw that falls due waits; it closes by freezing what
-   is alive (the new snapshot, never walked again) and restoring the thresholds. A
+   is alive (the new snapshot, never walked again) and restoring the thresholds. As it
+   opens, the sweeps (Rule 3) start over at their shortest period: a fleet's acks begin
+   with the pushes, and a period learned while the fleet was idle would let a second of
+   them pile up for one sweep (near 50 ms of the loop with ten thousand Nodes). A
    fleet's apply makes hundreds of thousands of objects in a few seconds, and with
    the usual thresholds the middle and oldest generations' collections would walk
    them again and again: seconds of the loop's time in all, which callers wait
@@ -195,6 +198,7 @@ class HeapKeeper:
         self._changed = trio.Event()
         self._holds = 0
         """Open `held()` bodies (Rule 5)."""
+        self._hold_opened = trio.Event()
         self._thresholds: tuple[int, int, int] = THRESHOLDS
 
     @contextmanager
@@ -207,6 +211,8 @@ class HeapKeeper:
             self._gc.freeze()
             self._froze = True
             self._gc.set_threshold(self._thresholds[0], HELD_THRESHOLD, HELD_THRESHOLD)
+            self._hold_opened.set()  # the sweeps start over at their shortest period
+            self._hold_opened = trio.Event()
         self._holds += 1
         try:
             yield
@@ -250,7 +256,11 @@ class HeapKeeper:
         """Rule 3: a period that follows what a sweep costs, not a wait for a condition."""
         period = SWEEP_S
         while True:
-            await trio.sleep(period)
+            opened = self._hold_opened
+            with trio.move_on_after(period):
+                await opened.wait()  # Rule 5: the hold froze the heap; look again soon
+                period = SWEEP_MIN_S
+                continue
             if self._connected < SWEEP_FLEET:
                 period = SWEEP_S
                 continue
