@@ -24,6 +24,7 @@ import yaml
 from iop_edge.core.configuration.config import parse_config
 from iop_edge.core.refresh import refresh_plan
 from iop_edge.core.snapshot import Snapshot
+from iop_edge.runtime.lifecycle.heap import HeapKeeper
 from iop_edge.runtime.refresh.audit import AuditLog
 from iop_edge.runtime.refresh.refresh import Refresher
 from iop_edge.runtime.runs.scheduler import Scheduler
@@ -129,7 +130,10 @@ async def test_a_fleet_refresh_holds_the_loop_no_step_longer_than_the_bound(
     running, candidate = fleet
     parsed = await trio.to_thread.run_sync(parse_config, running)
     edge = FleetEdge(Snapshot.build(parsed.config, revision=1, config_sha256=parsed.sha256))
-    refresher = Refresher(edge, config_path=None, audit=AuditLog(tmp_path))
+    # The Edge's heap keeper holds the collector during an apply (`lifecycle.heap`, Rule 5):
+    # without it, the collections of the apply's new objects are the longest steps.
+    keeper = HeapKeeper()
+    refresher = Refresher(edge, config_path=None, audit=AuditLog(tmp_path), hold=keeper.held)
     planned_here: list[object] = []
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
