@@ -35,6 +35,7 @@ from typing import Literal, cast
 
 import trio
 
+from iop_node import heap
 from iop_node.activity import ProviderActivity
 from iop_node.adapters.base import Adapter
 from iop_node.runner import RunHandle, Send, execute_run
@@ -350,6 +351,7 @@ class RegistryManager:
         previous, self._current = self._current, registry
         if previous is not None:
             self._retire(previous)
+        heap.providers_built()  # long-lived from now on: out of the collector's sight (Rule 1)
         return registry
 
     def has_run(self, key: str) -> bool:
