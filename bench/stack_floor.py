@@ -70,7 +70,7 @@ _REQUEST, _PIECE, _END = 0, 1, 2
 _OUTBOX_FRAMES: Final = 1024
 #: Frames of one request waiting for its task: a stream's pieces, then its end.
 _PENDING_FRAMES: Final = 64
-#: As the Node's link (`iop_node.link.MESSAGE_QUEUE_SIZE`).
+#: As the Node's link (`iop_node.link_settings.MESSAGE_QUEUE_SIZE`).
 _MESSAGE_QUEUE_SIZE: Final = 64
 #: Keep-alive connections the back keeps to the upstream: above any bench concurrency.
 _KEEP_CONNECTIONS: Final = 256

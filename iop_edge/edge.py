@@ -40,7 +40,8 @@ from iop_edge.core.host import node_tls_context
 from iop_edge.core.listen import parse_listen_address
 from iop_edge.core.readiness import Readiness, readiness_of
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.admin import AdminServices, create_admin_app
+from iop_edge.http.admin import create_admin_app
+from iop_edge.http.admin_services import AdminServices
 from iop_edge.http.final_send import ShieldFinalSend
 from iop_edge.http.openai_app import OpenAIApp
 from iop_edge.http.responses import ResponsesSurface
@@ -70,7 +71,7 @@ from iop_edge.runtime.metering.metrics import EdgeMetrics
 from iop_edge.runtime.metering.response_store import ResponseStore
 from iop_edge.runtime.metering.shared_budgets import SharedBudgets
 from iop_edge.runtime.metering.tracing import edge_tracing
-from iop_edge.runtime.metering.usage import UsageReport
+from iop_edge.runtime.metering.usage_store import UsageReport
 from iop_edge.runtime.models.commands import ModelCommands
 from iop_edge.runtime.nodes.heartbeat import fleet_interval
 from iop_edge.runtime.nodes.hub import (

@@ -31,7 +31,8 @@ from urllib.parse import urlsplit
 import trio
 
 from iop_node.host import HostStatistics, ProviderHost
-from iop_node.link import LinkSettings, NodeLink, wait_first
+from iop_node.link import NodeLink, wait_first
+from iop_node.link_settings import LinkSettings
 
 __all__ = ["DEFAULT_DNS_INTERVAL_S", "EdgeLinks", "Resolver", "resolve_addresses"]
 

@@ -21,11 +21,11 @@ from iop_node.backoff import BackoffPolicy
 from iop_node.edges import DEFAULT_DNS_INTERVAL_S, EdgeLinks, Resolver, resolve_addresses
 from iop_node.health import DEFAULT_PROBE_TIMEOUT_S
 from iop_node.host import ProviderHost
-from iop_node.link import (
+from iop_node.link import EdgeRejected
+from iop_node.link_settings import (
     GOAWAY_LINGER_S,
     LOAD_REPORT_INTERVAL_S,
     LOAD_REPORT_RELAXED_S,
-    EdgeRejected,
     LinkSettings,
 )
 from iop_node.registry import (

@@ -14,7 +14,7 @@ import msgspec
 
 from schemas.config import Category, ProviderType
 from schemas.protocols import CallerProtocol
-from schemas.wire import Health, ModelState
+from schemas.wire import Health, ModelLoadState, ModelState
 
 
 class CatalogRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -160,3 +160,34 @@ class ModelCommandReport(CatalogRecord, frozen=True, kw_only=True):
     results: list[ModelCommandResult] = []
     error: str | None = None
     """Why nothing was done (an unknown model, no provider could act)."""
+
+
+class ProviderLoadState(CatalogRecord, frozen=True, kw_only=True):
+    """One provider serving a model, and the model's load state in its runtime: every
+    field is present, null where it is not known."""
+
+    provider: str
+    node: str
+    served_model: str
+    """The name the model has on this provider (`models[].providers`' value)."""
+    connected: bool
+    state: ModelLoadState | None = None
+    """As the runtime last reported it; null when the runtime does not say."""
+    reason: str | None = None
+    """The runtime's reason for `state` (a failed load's), when it gave one."""
+    max_loaded: int | None = None
+    """How many models the runtime keeps loaded at once, where it says."""
+
+
+class ModelLoadStates(CatalogRecord, frozen=True, kw_only=True):
+    """One catalog model and, per provider serving it, its load state."""
+
+    model: str
+    providers: list[ProviderLoadState] = []
+    """Sorted by provider id."""
+
+
+class ModelsReport(CatalogRecord, frozen=True, kw_only=True):
+    """`GET /models` (design §18): every catalog model, sorted by id."""
+
+    models: list[ModelLoadStates] = []

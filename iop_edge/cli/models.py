@@ -7,12 +7,15 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["AdminCall", "add_models_parser", "run_models"]
+from iop_edge.cli.admin_client import admin_call, piped_console
+
+__all__ = ["AdminCall", "add_models_parser", "cmd_models", "run_models"]
 
 AdminCall = Callable[..., tuple[int, Any]]
 """`(method, path, body=None, *, timeout=...)` to the admin API: its status and JSON."""
@@ -47,6 +50,10 @@ def add_models_parser(
     models.add_argument("model", nargs="?", metavar="MODEL", help="a catalog model id")
     models.add_argument("--provider", metavar="ID", help="the provider to act on")
     return models
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    return run_models(args, partial(admin_call, args), piped_console())
 
 
 def run_models(args: argparse.Namespace, call: AdminCall, console: Console) -> int:

@@ -15,18 +15,22 @@ refused to browsers (`admin` Rules 1-4).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import Final
 
 import msgspec
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from iop_edge.http.admin_answers import error_response, json_response
 from iop_edge.http.catalog_stream import CatalogSource
 from schemas.catalog import (
     ModelCommandAction,
     ModelCommandOutcome,
     ModelCommandReport,
     ModelCommandRequest,
+    ModelLoadStates,
+    ModelsReport,
+    ProviderLoadState,
 )
 
 __all__ = ["ModelCommandRunner", "add_model_routes"]
@@ -35,14 +39,9 @@ ModelCommandRunner = Callable[
     [ModelCommandAction, ModelCommandRequest], Awaitable[ModelCommandReport]
 ]
 
-_encode: Final = msgspec.json.Encoder().encode
 _decode_request: Final = msgspec.json.Decoder(ModelCommandRequest)
 #: A command request is a model id and a provider id: a few hundred bytes at most.
 MAX_COMMAND_BODY: Final = 64 * 1024
-
-
-def _json(payload: object, status: int = 200) -> Response:
-    return Response(_encode(payload), status=status, content_type="application/json")
 
 
 #: What each outcome of a load or unload is answered with.
@@ -60,7 +59,7 @@ def add_model_routes(app: QuartTrio, catalog: CatalogSource, run: ModelCommandRu
     @app.get("/models")
     async def models() -> Response:
         snapshot = catalog.snapshot
-        listed: list[dict[str, Any]] = []
+        listed: list[ModelLoadStates] = []
         for model_id in sorted(snapshot.models):
             served = snapshot.models[model_id].providers
             providers = []
@@ -68,30 +67,29 @@ def add_model_routes(app: QuartTrio, catalog: CatalogSource, run: ModelCommandRu
                 states = {state.name: state for state in record.model_states or ()}
                 state = states.get(served[record.id])
                 providers.append(
-                    {
-                        "provider": record.id,
-                        "node": record.node_id,
-                        "served_model": served[record.id],
-                        "connected": record.connected,
-                        "state": None if state is None else state.state,
-                        "reason": None if state is None else state.reason,
-                        "max_loaded": record.max_loaded,
-                    }
+                    ProviderLoadState(
+                        provider=record.id,
+                        node=record.node_id,
+                        served_model=served[record.id],
+                        connected=record.connected,
+                        state=None if state is None else state.state,
+                        reason=None if state is None else state.reason,
+                        max_loaded=record.max_loaded,
+                    )
                 )
-            listed.append({"model": model_id, "providers": providers})
-        return _json({"models": listed})
+            listed.append(ModelLoadStates(model=model_id, providers=providers))
+        return json_response(ModelsReport(models=listed))
 
     async def command(action: ModelCommandAction) -> Response:
         body = await request.get_data(cache=False)
         if len(body) > MAX_COMMAND_BODY:
-            return _json({"error": {"message": "request body too large", "status": 413}}, 413)
+            return error_response(413, "request body too large")
         try:
             parsed = _decode_request.decode(body or b"{}")
         except msgspec.DecodeError as exc:
-            message = f"invalid {action} request: {exc}"
-            return _json({"error": {"message": message, "status": 400}}, 400)
+            return error_response(400, f"invalid {action} request: {exc}")
         report = await run(action, parsed)
-        return _json(report, COMMAND_STATUS[report.outcome])
+        return json_response(report, COMMAND_STATUS[report.outcome])
 
     @app.post("/models/load")
     async def load() -> Response:

@@ -16,8 +16,7 @@ from typing import Final
 import msgspec
 
 from iop_edge.core.caller_text import with_request_id, without_topology
-from iop_edge.runtime.runs.limits import LimitExceeded, RateLimits
-from iop_edge.runtime.runs.scheduler import (
+from iop_edge.runtime.runs.admission_errors import (
     RETRY_AFTER_BUSY_S,
     AdmissionError,
     ConcurrencyLimited,
@@ -26,6 +25,7 @@ from iop_edge.runtime.runs.scheduler import (
     QueueTimeout,
     UnknownModel,
 )
+from iop_edge.runtime.runs.limits import LimitExceeded, RateLimits
 from schemas import wire
 from schemas.protocols import CallerProtocol, error_body
 

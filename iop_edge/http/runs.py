@@ -76,6 +76,7 @@ from iop_edge.http.responses import ResponsesSurface, ToStore
 from iop_edge.runtime.metering.access_log import RefusedRequest
 from iop_edge.runtime.metering.metering import Metering
 from iop_edge.runtime.metering.tracing import EdgeTracing, RequestTrace
+from iop_edge.runtime.runs.admission_errors import AdmissionError
 from iop_edge.runtime.runs.dispatch import (
     CALLER_GONE,
     INTERNAL_ERROR,
@@ -89,7 +90,6 @@ from iop_edge.runtime.runs.dispatch import (
     Unwritten,
 )
 from iop_edge.runtime.runs.limits import NO_RATE_LIMITS
-from iop_edge.runtime.runs.scheduler import AdmissionError
 from schemas import wire
 from schemas.hosted_tools import DROPPED_TOOLS_HEADER, hosted_tool_types
 from schemas.protocols import CallerProtocol

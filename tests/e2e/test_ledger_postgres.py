@@ -20,7 +20,7 @@ import yaml
 from iop_edge.cli import main as edge_cli
 from iop_edge.core.config import parse_config
 from iop_edge.edge import Edge, EdgeStartupError
-from iop_edge.runtime.metering.usage import UsageRecord
+from iop_edge.runtime.metering.usage_store import UsageRecord
 from tests.e2e.postgres import PASSWORD_ENV, Postgres
 from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
 from tests.timing import GUARD_S

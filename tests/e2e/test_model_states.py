@@ -8,8 +8,10 @@ import json
 import sys
 from typing import Any
 
+import msgspec
 import trio
 
+from schemas.catalog import ModelsReport, ProviderLoadState
 from tests.adapters.fake_upstream import FakeUpstream
 from tests.e2e.stack import Stack
 from tests.e2e.upstreams import MakeStack, provider_of, upstream_provider
@@ -140,8 +142,19 @@ async def test_an_operator_loads_a_model_where_there_is_room_and_unloads_it_ever
         assert again.json()["outcome"] == "done"
         assert [r.path for r in first.requests].count("/models/load") == 1
 
-        listing = (await admin.get("/models")).json()["models"]
+        answer = await admin.get("/models")
+        listing = answer.json()["models"]
         states = {(p["provider"], m["model"]): p["state"] for m in listing for p in m["providers"]}
+        # Every field of a provider's entry is there, and the answer is the schema's record.
+        assert all(
+            set(p) == set(ProviderLoadState.__struct_fields__) for p in listing[0]["providers"]
+        )
+        report = msgspec.json.decode(answer.content, type=ModelsReport)
+        assert [(m.model, [p.provider for p in m.providers]) for m in report.models] == [
+            ("a", ["r0", "r1"]),
+            ("b", ["r0", "r1"]),
+        ]
+        assert {p.max_loaded for m in report.models for p in m.providers} == {1}
         assert states == {
             ("r0", "a"): "loaded",
             ("r0", "b"): "unloaded",
@@ -194,6 +207,15 @@ async def test_loads_that_cannot_be_done_say_why(
         named = await admin.post("/models/load", json={"model": "x", "provider": "plain"})
         assert named.status_code == 409
         assert named.json()["error"].endswith("plain: its runtime does not load models on request")
+        # A runtime that reports no load states: its entry says null, not a guess.
+        listing = msgspec.json.decode((await admin.get("/models")).content, type=ModelsReport)
+        [model] = listing.models
+        plain_entry = next(p for p in model.providers if p.provider == "plain")
+        assert (plain_entry.served_model, plain_entry.state, plain_entry.reason) == (
+            "x",
+            None,
+            None,
+        )
         bad = await admin.post("/models/load", content=b'{"modle": "x"}')
         assert bad.status_code == 400
         assert "modle" in bad.json()["error"]["message"]

@@ -19,7 +19,7 @@ from iop_node.adapters.sim import (
     SimAdapter,
 )
 from iop_node.cli import UsageError, build_parser, resolve_invocation
-from iop_node.link import _bounded_frame
+from iop_node.link_session import _bounded_frame
 from iop_node.runner import MAX_FAILURE_TEXT, RunHandle, execute_run
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.limits import MAX_FRAME_BYTES

@@ -13,7 +13,8 @@ import trio.testing
 
 from iop_edge.core.affinity import Affinity, affinity_of, rendezvous_order
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.runtime.runs.scheduler import Lease, Scheduler
+from iop_edge.runtime.runs.lease import Lease
+from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas.config import (
     DispatchSection,
     EdgeConfig,

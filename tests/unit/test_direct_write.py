@@ -15,7 +15,7 @@ from trio.testing import wait_all_tasks_blocked
 
 from iop_edge.runtime.nodes.session import NodeSession
 from iop_edge.runtime.runs.dispatch import RelayEvent, Unwritten, _Attempt
-from iop_edge.runtime.runs.scheduler import Lease
+from iop_edge.runtime.runs.lease import Lease
 from schemas import wire
 
 DONE = wire.RunDone(run_id="r")

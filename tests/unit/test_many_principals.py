@@ -24,6 +24,7 @@ import trio
 import yaml
 
 from iop_edge.core import config as config_module
+from iop_edge.core import config_rules
 from iop_edge.core.config import ConfigInvalid, parse_config
 from iop_edge.core.config_shape import CHUNK_ITEMS, convert, release_long_lists
 from iop_edge.core.snapshot import Snapshot
@@ -184,7 +185,7 @@ def test_each_model_pattern_is_matched_against_the_models_once(
         calls.append(pattern)
         return real(name, pattern)
 
-    monkeypatch.setattr(config_module, "fnmatchcase", counted)
+    monkeypatch.setattr(config_rules, "fnmatchcase", counted)
     parse_config(config_text(3_000, limited_every=1, patterns=("chat-*", "code")))
     assert len(calls) <= 2 * len(MODELS)
 
@@ -217,7 +218,7 @@ def test_unknown_refs_are_each_reported_and_the_hints_are_bounded(
         "principals[0].ref: unknown principal 'usr-00000' (did you mean 'user-00000'?)"
     )
     assert errors[2_999].startswith("principals[2999].ref: unknown principal 'usr-02999': ")
-    assert len(hints) == config_module._HINT_BUDGET // 3_000
+    assert len(hints) == config_rules._HINT_BUDGET // 3_000
 
 
 # --- letting go: in pieces -----------------------------------------------------------------

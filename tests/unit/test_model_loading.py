@@ -9,7 +9,8 @@ import trio
 
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.errors import admission_error
-from iop_edge.runtime.runs.scheduler import ModelLoading, QueueTimeout, Scheduler
+from iop_edge.runtime.runs.admission_errors import ModelLoading, QueueTimeout
+from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas.config import (
     AdapterSettings,
     DispatchSection,

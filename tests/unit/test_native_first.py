@@ -11,7 +11,8 @@ from trio.testing import wait_all_tasks_blocked
 
 from iop_edge.core.pool import Grant, ProviderView, decide
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.runtime.runs.scheduler import Lease, Scheduler
+from iop_edge.runtime.runs.lease import Lease
+from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas.config import AdapterSettings, EdgeConfig, ModelEntry, NodeEntry, ProviderConfig
 from schemas.protocols import CallerProtocol
 

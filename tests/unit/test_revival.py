@@ -12,8 +12,9 @@ import trio
 from trio.testing import wait_all_tasks_blocked
 
 from iop_edge.runtime.nodes.hub import NodeHub
+from iop_edge.runtime.runs.admission_errors import NoProvider
 from iop_edge.runtime.runs.revival import PROBE_GAP_S, PROBE_WAIT_S, Revival
-from iop_edge.runtime.runs.scheduler import NoProvider, Scheduler
+from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas import wire
 
 from .test_scheduler import make_snapshot, provider

@@ -18,17 +18,17 @@ import trio
 from trio.testing import MockClock, wait_all_tasks_blocked
 
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.runtime.runs.scheduler import (
+from iop_edge.runtime.runs.admission_errors import (
     RETRY_AFTER_BUSY_S,
     AdmissionError,
-    Lease,
     NoProvider,
     QueueFull,
     QueueTimeout,
-    Scheduler,
-    SlotStatistics,
     UnknownModel,
 )
+from iop_edge.runtime.runs.lease import Lease
+from iop_edge.runtime.runs.observation import SlotStatistics
+from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas.config import (
     CooldownPolicy,
     DispatchSection,

@@ -23,14 +23,11 @@ import trio
 from iop_edge.core.ledger_url import parse_ledger_url
 from iop_edge.runtime.lifecycle.replicas import ReplicaStore, SqliteReplicaStore
 from iop_edge.runtime.metering import state_dir as state_dirs
+from iop_edge.runtime.metering.ledger_sqlite import SqliteStore
 from iop_edge.runtime.metering.response_store import ResponseBackend, SqliteResponses
 from iop_edge.runtime.metering.shared_budgets import BudgetStore
-from iop_edge.runtime.metering.usage import (
-    LedgerStore,
-    LedgerUnavailable,
-    SqliteStore,
-    UsageLedger,
-)
+from iop_edge.runtime.metering.usage import UsageLedger
+from iop_edge.runtime.metering.usage_store import LedgerStore, LedgerUnavailable
 from schemas.config import ConfigError, EdgeSection
 
 __all__ = ["LedgerChoice", "LedgerUnavailable", "choose_ledger"]

@@ -38,7 +38,7 @@ from psycopg import sql
 
 from iop_edge.core.ledger_url import PostgresUrl
 from iop_edge.runtime.lifecycle.replicas import FORGET_AFTER_S, STALE_AFTER_S
-from iop_edge.runtime.metering.usage import (
+from iop_edge.runtime.metering.usage_store import (
     AGGREGATES,
     LedgerUnavailable,
     UsageRecord,
@@ -180,8 +180,8 @@ class PostgresStore:
                 connection.execute(f"DELETE FROM {CHECKPOINTS} WHERE segment = %s", [segment])
 
     def aggregate(self, selection: UsageSelection) -> UsageReport:
-        """`usage.aggregate_sql`'s page and `usage.totals_sql`'s sums, composed with the
-        columns as identifiers."""
+        """`usage_store.aggregate_sql`'s page and `usage_store.totals_sql`'s sums, composed
+        with the columns as identifiers."""
         where: list[sql.Composable] = []
         params: list[Any] = []
         if selection.since is not None:

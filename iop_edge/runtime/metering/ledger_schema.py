@@ -29,7 +29,7 @@ ADDED_COLUMNS: Final = {
     "cached_tokens": "INTEGER NOT NULL DEFAULT 0",
 }
 PRINCIPAL_INDEX_NAME: Final = "usage_by_principal_tokens"
-#: The covering index of Rule 2; it names every column `usage.AGGREGATES` sums.
+#: The covering index of Rule 2; it names every column `usage_store.AGGREGATES` sums.
 PRINCIPAL_INDEX: Final = (
     f"CREATE INDEX IF NOT EXISTS {PRINCIPAL_INDEX_NAME} ON usage"
     "(principal_ref, token_ref, model, time, prompt_tokens, completion_tokens,"

@@ -16,7 +16,8 @@ import msgspec
 
 from iop_edge.core.cache_share import CacheShares
 from iop_edge.runtime.metering.metrics import EdgeMetrics
-from iop_edge.runtime.metering.usage import UsageLedger, UsageRecord
+from iop_edge.runtime.metering.usage import UsageLedger
+from iop_edge.runtime.metering.usage_store import UsageRecord
 from schemas import wire
 from schemas.protocols import CallerProtocol
 

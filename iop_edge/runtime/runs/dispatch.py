@@ -95,6 +95,8 @@ from iop_edge.runtime.metering.metering import RunRecord
 from iop_edge.runtime.metering.tracing import RequestTrace
 from iop_edge.runtime.nodes.hub import NodeHub
 from iop_edge.runtime.nodes.session import NodeSession, RunEvent, SessionClosed
+from iop_edge.runtime.runs.admission_errors import AdmissionError, NoProvider
+from iop_edge.runtime.runs.lease import Lease
 from iop_edge.runtime.runs.limits import (
     NO_RATE_LIMITS,
     PrincipalLimiter,
@@ -103,7 +105,7 @@ from iop_edge.runtime.runs.limits import (
     output_bound,
 )
 from iop_edge.runtime.runs.revival import Revival
-from iop_edge.runtime.runs.scheduler import AdmissionError, Lease, NoProvider, Scheduler
+from iop_edge.runtime.runs.scheduler import Scheduler
 from iop_edge.runtime.runs.verdicts import ProviderVerdicts
 from schemas import wire
 from schemas.hosted_tools import HostedTools

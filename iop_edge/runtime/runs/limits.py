@@ -73,7 +73,8 @@ from iop_edge.core.principals import (
 )
 from iop_edge.runtime.metering.shared_budgets import SharedBudgets
 from iop_edge.runtime.metering.usage import UsageLedger
-from iop_edge.runtime.runs.scheduler import AdmissionError, PrincipalLoad
+from iop_edge.runtime.runs.admission_errors import AdmissionError
+from iop_edge.runtime.runs.observation import PrincipalLoad
 from schemas.config import PrincipalLimits
 from schemas.principals import PrincipalsReport, PrincipalStanding
 

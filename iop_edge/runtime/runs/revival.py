@@ -35,7 +35,9 @@ import trio
 from iop_edge.core.affinity import Affinity
 from iop_edge.runtime.nodes.hub import NodeHub
 from iop_edge.runtime.nodes.session import SessionClosed
-from iop_edge.runtime.runs.scheduler import Lease, NoProvider, Scheduler
+from iop_edge.runtime.runs.admission_errors import NoProvider
+from iop_edge.runtime.runs.lease import Lease
+from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas import wire
 from schemas.protocols import CallerProtocol
 

@@ -1,19 +1,11 @@
 """Admission for the Edge: provider slots, per-model FIFO queues, cooldowns (design §4).
 
 `Scheduler.acquire()` turns "run model M" into a `Lease` on one provider slot, or an
-`AdmissionError` the HTTP layer maps to a status code::
+`AdmissionError` the HTTP layer maps to a status code (`admission_errors`).
 
-    AdmissionError        .reason (str), .retry_after_s (float | None)
-    ├── UnknownModel      M is not a catalog model id               -> 404
-    ├── NoProvider        no provider could serve M now; waiting
-    │                     would not help (disconnected, disabled,
-    │                     unavailable, cooling down, all tried)     -> 503
-    ├── QueueFull         M's queue already holds max_queue waiters -> 429
-    └── QueueTimeout      no slot within queue_timeout              -> 503
-        ├── ConcurrencyLimited  ... while the principal was at its
-        │                 `max_concurrent` (its own limit held it)  -> 429
-        └── ModelLoading  ... while a runtime was loading M (the wait
-                          was queue_timeout + its load_timeout_s)   -> 503
+Its parts live beside it: what it keeps of each provider (`provider_state`), a request
+parked in a queue (`waiter`), a run's hold on a slot (`lease`), and its read side, the
+statistics and the catalog's records (`observation`).
 
 How the pieces fit:
 
@@ -78,21 +70,16 @@ import itertools
 import logging
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass
 from functools import partial
-from types import TracebackType
 
 import trio
 
 from iop_edge.core.affinity import Affinity
 from iop_edge.core.cache_share import CacheShares
-from iop_edge.core.catalog_view import catalog_provider
-from iop_edge.core.holdings import Holdings
 from iop_edge.core.pool import (
     Decision,
     Grant,
     Holding,
-    PassiveHealth,
     Preference,
     ProviderView,
     Refuse,
@@ -102,367 +89,30 @@ from iop_edge.core.pool import (
 from iop_edge.core.prefix_index import PrefixIndex
 from iop_edge.core.principals import ANONYMOUS_PRINCIPAL, concurrency_share
 from iop_edge.core.snapshot import Snapshot
+from iop_edge.runtime.runs.admission_errors import (
+    RETRY_AFTER_BUSY_S,
+    RETRY_AFTER_LOADING_S,
+    AdmissionError,
+    ConcurrencyLimited,
+    ModelLoading,
+    NoProvider,
+    QueueFull,
+    QueueTimeout,
+    UnknownModel,
+)
 from iop_edge.runtime.runs.fair_queue import FairQueue, FairWalk
-from schemas.catalog import Catalog, CatalogModel, CatalogProvider
+from iop_edge.runtime.runs.lease import Lease
+from iop_edge.runtime.runs.observation import PoolObservation
+from iop_edge.runtime.runs.provider_state import Lookups, ProviderState
+from iop_edge.runtime.runs.waiter import Waiter
 from schemas.config import LifecycleFlag, ProviderConfig, RoutingPolicy
 from schemas.protocols import CallerProtocol
 from schemas.wire import Health, ModelState
 
 logger = logging.getLogger(__name__)
 
-#: Retry-After suggested when a model is merely busy (queue full, queue timeout).
-RETRY_AFTER_BUSY_S = 1.0
-#: Retry-After suggested when a model is still loading: loads take seconds to minutes.
-RETRY_AFTER_LOADING_S = 10.0
 
-
-class AdmissionError(Exception):
-    """A request was not admitted; `reason` is safe to show the caller."""
-
-    def __init__(self, reason: str, *, retry_after_s: float | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.retry_after_s = retry_after_s
-
-
-class UnknownModel(AdmissionError):
-    """The model id is not in the catalog (ids are never executed implicitly)."""
-
-
-class NoProvider(AdmissionError):
-    """No provider of the model could serve the request now, so it is not queued."""
-
-
-class QueueFull(AdmissionError):
-    """The model's queue already holds `max_queue` waiters."""
-
-
-class QueueTimeout(AdmissionError):
-    """The request waited `queue_timeout` without a slot coming free."""
-
-
-class ModelLoading(QueueTimeout):
-    """The request waited `queue_timeout` plus the provider's `load_timeout_s` because a
-    runtime was loading its model (design §18.4), and no runtime has reported it loaded."""
-
-
-class ConcurrencyLimited(QueueTimeout):
-    """The request waited `queue_timeout` while its principal held its `max_concurrent`
-    runs: its own limit kept it waiting, not the pool."""
-
-
-class Lease:
-    """One run's hold on a provider slot (and a long slot, for a long run).
-
-    Release it exactly once, whatever happens to the run; `release()` is idempotent,
-    so cleanup paths may call it freely. `with lease:` releases on exit.
-    """
-
-    __slots__ = (
-        "_limiters",
-        "_on_release",
-        "_released",
-        "long",
-        "node_id",
-        "principal",
-        "provider_id",
-        "queued_s",
-        "run_id",
-        "target",
-    )
-
-    def __init__(
-        self,
-        *,
-        run_id: str,
-        provider_id: str,
-        node_id: str,
-        target: str,
-        long: bool,
-        queued_s: float,
-        limiters: tuple[trio.CapacityLimiter, ...],
-        on_release: Callable[[Lease], None],
-        principal: str = ANONYMOUS_PRINCIPAL,
-    ) -> None:
-        self.run_id = run_id
-        self.principal = principal
-        """Who the run is for (counted against its `max_concurrent`)."""
-        self.provider_id = provider_id
-        self.node_id = node_id
-        self.target = target
-        """The served model name the run must use upstream (`models[M].providers[pid]`)."""
-        self.long = long
-        self.queued_s = queued_s
-        """Seconds the request spent in the model's queue before this lease."""
-        self._limiters = limiters
-        self._on_release = on_release
-        self._released = False
-
-    def release(self) -> None:
-        """Give the slot(s) back and wake waiters; later calls do nothing."""
-        if self._released:
-            return
-        self._released = True
-        for limiter in self._limiters:
-            limiter.release_on_behalf_of(self)
-        self._on_release(self)
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        kind = "long" if self.long else "regular"
-        return f"<Lease {self.run_id!r} {kind} on {self.provider_id!r}>"
-
-
-@dataclass(frozen=True, slots=True)
-class SlotStatistics:
-    """One provider's slots at one instant (for tests and diagnostics)."""
-
-    in_flight: int
-    capacity: int
-    long_in_flight: int
-    long_capacity: int | float
-    """`long_context_slots`, or infinite when that is null (long runs only counted)."""
-    holders: tuple[Lease, ...]
-    """The leases holding its regular slots."""
-    removed: bool
-    """Gone from config, kept only until its last lease is released."""
-
-
-@dataclass(frozen=True, slots=True)
-class PrincipalLoad:
-    """One principal's share of the pool at one instant (this Edge's)."""
-
-    in_flight: int
-    queued: int
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStatistics:
-    """The scheduler's state at one instant (for tests and diagnostics)."""
-
-    providers: dict[str, SlotStatistics]
-    """Every provider the scheduler tracks, removed ones with leases still out included."""
-    queued: dict[str, int]
-    """Waiters per model of the running snapshot."""
-
-
-def _long_total(config: ProviderConfig) -> int | float:
-    """Null `long_context_slots` = no separate budget: count long runs, limit nothing."""
-    slots = config.long_context_slots
-    return math.inf if slots is None else slots
-
-
-class _Lookups:
-    """The running snapshot's per-provider lookups, through which every provider state
-    reads its config and Node: a swap replaces them for all states in one assignment, so
-    a refresh that changes every provider of a fleet costs the swap no pass over them."""
-
-    __slots__ = ("provider_node", "providers")
-
-    def __init__(self, snapshot: Snapshot) -> None:
-        self.adopt(snapshot)
-
-    def adopt(self, snapshot: Snapshot) -> None:
-        self.providers = snapshot.providers
-        self.provider_node = snapshot.provider_node
-
-
-class _ProviderState:
-    """Everything the Edge knows about one provider at run time, across snapshots."""
-
-    __slots__ = (
-        "_last_config",
-        "_last_node",
-        "_lookups",
-        "detail",
-        "discovered",
-        "discovered_lifecycle",
-        "health",
-        "holdings",
-        "id",
-        "limiter",
-        "long_limiter",
-        "others",
-        "others_long",
-        "passive",
-        "removed",
-        "reported_protocols",
-        "saturated",
-        "trial",
-    )
-
-    def __init__(self, provider_id: str, lookups: _Lookups) -> None:
-        self.id = provider_id
-        self._lookups = lookups
-        config = self._last_config = lookups.providers[provider_id]
-        self._last_node = lookups.provider_node[provider_id]
-        self.limiter = trio.CapacityLimiter(config.capacity)
-        self.long_limiter = trio.CapacityLimiter(_long_total(config))
-        self.health: Health = "unknown"
-        self.detail: str | None = None
-        """The Node's reason for `health`, from its last `status`."""
-        self.discovered: list[str] = []
-        self.discovered_lifecycle: list[LifecycleFlag] | None = None
-        self.holdings = Holdings()
-        """Which models its runtime holds: the Node's last report of each served model's
-        load state, and this Edge's account since (`core.holdings`, design §18)."""
-        self.reported_protocols: frozenset[CallerProtocol] | None = None
-        """The protocols the Node last said the provider speaks natively; None until it
-        says (the config's then count)."""
-        self.passive = PassiveHealth()
-        self.trial: Lease | None = None
-        """The half-open breaker's one trial run, while it is in flight."""
-        self.removed = False
-        """Gone from config; kept only until its last lease is released."""
-        self.others = 0
-        """Runs other Edges hold on the provider, as its Node last reported."""
-        self.others_long = 0
-        self.saturated = False
-        """The Node answered `busy`: full until its next load report."""
-
-    def forget_others(self) -> None:
-        self.others = self.others_long = 0
-        self.saturated = False
-
-    def speaks(self, protocol: CallerProtocol) -> bool:
-        """Whether the provider speaks `protocol` natively, as far as the Edge knows now."""
-        reported = self.reported_protocols
-        if reported is not None:
-            return protocol in reported
-        return protocol in self.config.native_protocols
-
-    @property
-    def protocols(self) -> list[CallerProtocol]:
-        """What the provider speaks natively, as far as the Edge knows now."""
-        if self.reported_protocols is not None:
-            return sorted(self.reported_protocols)
-        return sorted(self.config.native_protocols)
-
-    @property
-    def in_flight(self) -> int:
-        """Every run on the provider: this Edge's and the other Edges'."""
-        return self.limiter.borrowed_tokens + self.others
-
-    @property
-    def long_in_flight(self) -> int:
-        return self.long_limiter.borrowed_tokens + self.others_long
-
-    @property
-    def config(self) -> ProviderConfig:
-        """The provider's config in the running snapshot, its last one once removed. The
-        limiters follow it when a slot is next taken (`fit_limiters`)."""
-        if self.removed:
-            return self._last_config
-        return self._lookups.providers[self.id]
-
-    @property
-    def node_id(self) -> str:
-        """The Node the running snapshot puts the provider on, its last once removed."""
-        if self.removed:
-            return self._last_node
-        return self._lookups.provider_node[self.id]
-
-    def retire(self) -> None:
-        """Gone from config: keep the config and Node of the snapshot it leaves (before
-        the lookups adopt the next one)."""
-        self._last_config = self.config
-        self._last_node = self.node_id
-        self.removed = True
-
-    def fit_limiters(self) -> None:
-        """Resize the limiters to the config, in place (never replaced). Decisions read
-        the config's capacity; only taking a slot needs the limiter's own size."""
-        config = self.config
-        if self.limiter.total_tokens != config.capacity:
-            self.limiter.total_tokens = config.capacity
-        long_total = _long_total(config)
-        if self.long_limiter.total_tokens != long_total:
-            self.long_limiter.total_tokens = long_total
-
-    @property
-    def idle(self) -> bool:
-        return self.limiter.borrowed_tokens == 0 and self.long_limiter.borrowed_tokens == 0
-
-
-class _Waiter:
-    """One request parked in a model's queue."""
-
-    __slots__ = (
-        "affinity",
-        "enqueued_at",
-        "error",
-        "event",
-        "exclude",
-        "kind",
-        "lease",
-        "long",
-        "model_id",
-        "principal",
-        "protocol",
-        "run_id",
-        "scope",
-        "seq",
-        "timeout_s",
-        "work",
-    )
-
-    def __init__(
-        self,
-        *,
-        seq: int,
-        model_id: str,
-        run_id: str,
-        long: bool,
-        exclude: frozenset[str],
-        enqueued_at: float,
-        timeout_s: float,
-        protocol: CallerProtocol,
-        principal: str,
-        work: int = 1,
-        affinity: Affinity | None = None,
-    ) -> None:
-        self.seq = seq
-        self.affinity = affinity
-        self.principal = principal
-        """Arrival order across all models' queues (a clock reading could tie)."""
-        self.work = work
-        """Its estimated tokens: what serving it charges its principal (`fair_queue`)."""
-        self.model_id = model_id
-        self.run_id = run_id
-        self.long = long
-        self.exclude = exclude
-        self.protocol = protocol
-        self.kind = (model_id, long, exclude, protocol)
-        """What it asks for: the same kind gets the same answer until the pool changes."""
-        self.enqueued_at = enqueued_at
-        self.timeout_s = timeout_s
-        self.event = trio.Event()
-        self.scope = trio.CancelScope(deadline=enqueued_at + timeout_s)
-        self.lease: Lease | None = None
-        self.error: AdmissionError | None = None
-
-    def retime(self, timeout_s: float) -> None:
-        """Apply a refreshed queue timeout, counted from when the request arrived."""
-        self.timeout_s = timeout_s
-        self.scope.deadline = self.enqueued_at + timeout_s
-
-    def could_use(self, state: _ProviderState) -> bool:
-        return state.id not in self.exclude and not (
-            self.long and state.config.long_context_slots == 0
-        )
-
-
-class Scheduler:
+class Scheduler(PoolObservation):
     """The Edge's provider pool: admission, per-model queues and passive health.
 
     `clock` is the time source for queue waits and cooldowns. It must share Trio's time
@@ -475,13 +125,13 @@ class Scheduler:
     ) -> None:
         self._snapshot = snapshot
         self._clock = clock
-        self._states: dict[str, _ProviderState] = {}
-        self._lookups = _Lookups(snapshot)
-        self._held: dict[str, list[_ProviderState]] = {}
+        self._states: dict[str, ProviderState] = {}
+        self._lookups = Lookups(snapshot)
+        self._held: dict[str, list[ProviderState]] = {}
         """Per node id: the states of its providers removed from config, kept until their
         last lease is released (`_states_on`)."""
         self._connected: set[str] = set()
-        self._queues: dict[str, FairQueue[_Waiter]] = {}
+        self._queues: dict[str, FairQueue[Waiter]] = {}
         self._stating: set[str] = set()
         """Providers whose runtime reports its models' load states (pool Rule 8)."""
         self._arrivals = itertools.count()
@@ -546,7 +196,7 @@ class Scheduler:
 
         The snapshot brings its lookups worked out (`Snapshot.build`, off the event loop
         in a refresh), and the provider states read their config and Node through them
-        (`_Lookups`): what is left here is proportional to the providers added and
+        (`Lookups`): what is left here is proportional to the providers added and
         removed, found by comparing the ids (a fleet's swap must not hold the loop)."""
         self._snapshot = snapshot
         states, providers = self._states, snapshot.providers
@@ -567,7 +217,7 @@ class Scheduler:
             self._let_go(state)
             state.removed = False
         for provider_id in () if same_ids else providers.keys() - states.keys():
-            states[provider_id] = _ProviderState(provider_id, self._lookups)
+            states[provider_id] = ProviderState(provider_id, self._lookups)
         self._models_of = snapshot.provider_models
         self._rivals = snapshot.rivals
         for model_id in [m for m in self._queues if m not in snapshot.models]:
@@ -592,7 +242,7 @@ class Scheduler:
         self._connected.discard(node_id)
         self._set_node_health(node_id, "unavailable")
 
-    def _states_on(self, node_id: str) -> list[_ProviderState]:
+    def _states_on(self, node_id: str) -> list[ProviderState]:
         """The states of the node's providers, removed ones with leases out too. Worked
         out when asked (a node connects or goes): kept up to date, a fleet's swap would
         rebuild it for every node."""
@@ -600,7 +250,7 @@ class Scheduler:
         on = [states[provider_id] for provider_id in self._snapshot.node_providers.get(node_id, ())]
         return on + self._held.get(node_id, [])
 
-    def _let_go(self, state: _ProviderState) -> None:
+    def _let_go(self, state: ProviderState) -> None:
         """`state` is no longer held (released, or back in config)."""
         held = self._held.get(state.node_id)
         if held is not None and state in held:
@@ -786,7 +436,7 @@ class Scheduler:
             )
         # A model being loaded: its runs wait for the load too (design §18.4)
         load_s = self._load_wait_s(model_id)
-        waiter = _Waiter(
+        waiter = Waiter(
             seq=next(self._arrivals),
             model_id=model_id,
             run_id=run_id,
@@ -902,7 +552,7 @@ class Scheduler:
 
     def _view(
         self,
-        state: _ProviderState,
+        state: ProviderState,
         config: ProviderConfig,
         node_id: str,
         now: float,
@@ -983,7 +633,7 @@ class Scheduler:
         state.holdings.started(lease.target, self._clock(), load_timeout_s=load_timeout_s)
         return lease
 
-    def _released(self, state: _ProviderState, lease: Lease) -> None:
+    def _released(self, state: ProviderState, lease: Lease) -> None:
         if state.trial is lease:
             state.trial = None  # ended without a verdict: another run may be the trial
         state.holdings.ended(lease.target)
@@ -1002,7 +652,7 @@ class Scheduler:
             models += [m for m, queue in self._queues.items() if queue.waiting(principal)]
         self._serve(models)
 
-    def _abandon(self, waiter: _Waiter) -> None:
+    def _abandon(self, waiter: Waiter) -> None:
         queue = self._queues.get(waiter.model_id)
         if queue is not None and waiter in queue:
             queue.remove(waiter)
@@ -1012,7 +662,7 @@ class Scheduler:
             lease.release()
 
     def _settle(
-        self, waiter: _Waiter, *, lease: Lease | None = None, error: AdmissionError | None = None
+        self, waiter: Waiter, *, lease: Lease | None = None, error: AdmissionError | None = None
     ) -> None:
         waiter.lease = lease
         waiter.error = error
@@ -1045,7 +695,7 @@ class Scheduler:
             for walk in walks:
                 walk.close()
 
-    def _walk(self, walks: list[FairWalk[_Waiter]]) -> None:
+    def _walk(self, walks: list[FairWalk[Waiter]]) -> None:
         """`_serve`'s walk over the queues of one set of models (see there)."""
         answers: dict[Hashable, Decision] = {}
         waiting: set[Hashable] = set()
@@ -1114,141 +764,8 @@ class Scheduler:
             self._replicas = replicas
             self._serve(list(self._queues))
 
-    def principal_load(self) -> dict[str, PrincipalLoad]:
-        """Each principal with runs in flight or waiting: how many of each."""
-        load = {
-            principal: PrincipalLoad(in_flight=n, queued=0)
-            for principal, n in self._running.items()
-        }
-        for queue in self._queues.values():
-            for principal, waiting in queue.principals():
-                known = load.get(principal)
-                in_flight = known.in_flight if known is not None else 0
-                queued = (known.queued if known is not None else 0) + waiting
-                load[principal] = PrincipalLoad(in_flight=in_flight, queued=queued)
-        return load
-
     def _models_serving(self, provider_ids: Iterable[str]) -> list[str]:
         models: dict[str, None] = {}
         for provider_id in provider_ids:
             models.update(dict.fromkeys(self._models_of.get(provider_id, ())))
         return list(models)
-
-    # -- observation ---------------------------------------------------------------
-
-    def statistics(self) -> SchedulerStatistics:
-        return SchedulerStatistics(
-            providers={
-                provider_id: SlotStatistics(
-                    in_flight=state.limiter.borrowed_tokens,
-                    capacity=state.config.capacity,
-                    long_in_flight=state.long_limiter.borrowed_tokens,
-                    long_capacity=_long_total(state.config),
-                    holders=tuple(
-                        lease
-                        for lease in state.limiter.statistics().borrowers
-                        if isinstance(lease, Lease)
-                    ),
-                    removed=state.removed,
-                )
-                for provider_id, state in self._states.items()
-            },
-            queued=self.queue_depths(),
-        )
-
-    def queue_depths(self) -> dict[str, int]:
-        """Waiters per model of the running snapshot: `statistics().queued` without
-        looking at every provider (a fleet has tens of thousands)."""
-        return {model_id: self._queued(model_id) for model_id in self._snapshot.models}
-
-    def _queued(self, model_id: str) -> int:
-        return len(self._queues.get(model_id, ()))
-
-    def catalog(self) -> Catalog:
-        """The pool as `GET /catalog` shows it: models and providers, sorted by id."""
-        snapshot = self._snapshot
-        return Catalog(
-            revision=snapshot.revision,
-            models=self.catalog_models(),
-            providers=self.catalog_providers(snapshot.provider_order),
-        )
-
-    @property
-    def snapshot(self) -> Snapshot:
-        """The snapshot the pool runs on (the catalog's provider set and revision)."""
-        return self._snapshot
-
-    def catalog_models(self, model_ids: Iterable[str] | None = None) -> list[CatalogModel]:
-        """The catalog's model records, sorted by id: all, or those of `model_ids`."""
-        models = self._snapshot.models
-        chosen = (
-            models.values() if model_ids is None else [models[m] for m in model_ids if m in models]
-        )
-        return [
-            CatalogModel(
-                id=model.id,
-                display_name=model.display_name,
-                providers=dict(sorted(model.providers.items())),
-                queued=self._queued(model.id),
-            )
-            for model in sorted(chosen, key=lambda model: model.id)
-        ]
-
-    def catalog_providers(self, provider_ids: Iterable[str]) -> list[CatalogProvider]:
-        """The catalog's records of `provider_ids`, in that order; ids no longer in the
-        pool are left out (a catalog read in pages meets refreshes)."""
-        now = self._clock()
-        waiting = any(self._queues.values())
-        states = self._states
-        return [
-            self._catalog_provider(state, now, waiting=waiting)
-            for provider_id in provider_ids
-            if (state := states.get(provider_id)) is not None and not state.removed
-        ]
-
-    def catalog_provider(self, provider_id: str) -> CatalogProvider | None:
-        """One provider's catalog record, or None when it is not in the pool."""
-        found = self.catalog_providers((provider_id,))
-        return found[0] if found else None
-
-    def catalog_health(self, provider_id: str) -> Health | None:
-        """A provider's health as its catalog record says it (`unavailable` while its
-        Node is not connected), or None when it is not in the pool."""
-        state = self._states.get(provider_id)
-        if state is None or state.removed:
-            return None
-        return state.health if state.node_id in self._connected else "unavailable"
-
-    def _catalog_provider(
-        self, state: _ProviderState, now: float, *, waiting: bool
-    ) -> CatalogProvider:
-        """One provider's record (`core.catalog_view`) from its state. Its lists are the
-        config's and the state's own (both are replaced, never changed in place): a
-        catalog of thousands of providers allocates one untracked record per provider,
-        and nothing for the cycle collector to chase."""
-        queued = 0
-        if waiting:
-            queued = sum(
-                waiter.could_use(state)
-                for model_id in self._models_of.get(state.id, ())
-                for waiter in self._queues.get(model_id, ())
-            )
-        return catalog_provider(
-            state.config,
-            node_id=state.node_id,
-            connected=state.node_id in self._connected,
-            health=state.health,
-            detail=state.detail,
-            in_flight=state.in_flight,
-            long_in_flight=state.long_in_flight,
-            other_edges_in_flight=state.others,
-            discovered_models=state.discovered,
-            discovered_lifecycle=state.discovered_lifecycle,
-            queued=queued,
-            cooling_down=state.passive.breaker(now=now, probing=state.trial is not None) == "open",
-            consecutive_failures=state.passive.consecutive_failures,
-            protocols=state.protocols,
-            model_states=state.holdings.states,
-            max_loaded=state.holdings.max_loaded,
-            cached_share=self.cache_shares.share(state.id),
-        )

@@ -1,0 +1,130 @@
+"""How the admin client commands find and call the Edge's admin API (Rules 1, 3 and 4 of
+the package docstring): the URL from `--admin` or a config's `admin.listen`, one JSON call,
+the server's own message on an error, and a console that ends quietly on a closed pipe."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from iop_edge.cli import config_lookup as lookup
+from iop_edge.cli.errors import fail
+from iop_edge.core.config import ConfigInvalid, format_errors, load_config
+from iop_edge.core.listen import parse_listen_address
+
+
+def _config_for_admin(args: argparse.Namespace) -> Path:
+    """Which config's `admin.listen` locates the Edge (Rule 4)."""
+    if args.config is not None:
+        return Path(args.config)
+    candidate = getattr(args, "candidate", None)
+    if candidate and _loads(Path(candidate)):
+        return Path(candidate)
+    return lookup.config_or_default(
+        None, needed_by="cannot find the admin API: ", advice=lookup.FOR_ADMIN
+    )
+
+
+def _loads(path: Path) -> bool:
+    try:
+        load_config(path)
+    except ConfigInvalid:
+        return False
+    return True
+
+
+def _admin_url(args: argparse.Namespace) -> str:
+    if args.admin:
+        url = str(args.admin).rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            fail(f"--admin must be a URL like http://127.0.0.1:7701, got {args.admin!r}")
+        return url
+    path = _config_for_admin(args)
+    try:
+        listen = load_config(path).config.admin.listen
+    except ConfigInvalid as exc:
+        fail(
+            f"cannot find the admin API from {path} (its admin.listen):\n"
+            f"{format_errors(exc.errors)}\n"
+            "Fix the file, or pass --admin http://HOST:PORT"
+        )
+    address = parse_listen_address(listen)
+    if address.port == 0:
+        fail(
+            f"{path} has admin.listen {listen}: the Edge picked a free port when it started. "
+            "Pass --admin with the URL it logged ('admin API listening on http://...')"
+        )
+    return f"http://{address}"
+
+
+def admin_call(
+    args: argparse.Namespace, method: str, path: str, body: Any = None, *, timeout: float = 120
+) -> tuple[int, Any]:
+    import httpx2
+
+    base = _admin_url(args)
+    try:
+        with httpx2.Client(timeout=timeout) as client:
+            response = client.request(method, base + path, json=body)
+    except httpx2.TransportError as exc:
+        fail(
+            f"cannot reach the admin API at {base} ({exc}). Is the Edge running? "
+            "Pass --admin with the URL it logged ('admin API listening on ...')"
+        )
+    try:
+        return response.status_code, response.json()
+    except ValueError:
+        fail(f"the admin API at {base} answered HTTP {response.status_code}: {response.text[:300]}")
+
+
+def server_message(document: Any) -> str:
+    """The message of an admin API error body (`{"error": {"message": ...}}`)."""
+    if isinstance(document, dict):
+        error = document.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+    return json.dumps(document)
+
+
+def admin_get(args: argparse.Namespace, path: str) -> Any:
+    status, document = admin_call(args, "GET", path)
+    if status != 200:
+        fail(f"the admin API answered HTTP {status}: {server_message(document)}")
+    return document
+
+
+class _PipedConsole(Console):
+    """rich's Console, leaving a closed pipe to `main` (Rule 3): rich's own handling exits
+    with 1, which a shell script reads as a failure; `main` exits 141, as a program
+    stopped by SIGPIPE does."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # nothing more is written, not even at exit
+        raise BrokenPipeError
+
+
+def piped_console() -> Console:
+    return _PipedConsole(highlight=False)
+
+
+def add_admin(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--admin",
+        metavar="URL",
+        help="the Edge's admin API, e.g. http://127.0.0.1:7701 (default: admin.listen of "
+        f"--config, else of {lookup.describe_defaults()})",
+    )
+    command.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="an Edge config whose admin.listen locates the Edge (only that is read)",
+    )
+    command.add_argument(
+        "--json", action="store_true", help="print the admin API's JSON document as it is"
+    )
