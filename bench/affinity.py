@@ -1,10 +1,10 @@
 """`python -m bench --parts affinity`: cache-aware routing against load-only routing.
 
 In process, on virtual time (Trio's `MockClock`): what is measured is the Edge's routing,
-the real code of it: each turn's affinity is worked out by `core.affinity` from the
+the real code of it: each turn's affinity is worked out by `core.routing.affinity` from the
 chat body an agent sends, the Edge's `Scheduler` admits it (its prefix index and the
 pool's Rule 7), and each provider is a runtime with a prompt prefix cache, the model the
-`sim` provider and the bench's upstream use (`iop_node.adapters.prefix_cache`). A run
+`sim` provider and the bench's upstream use (`iop_node.adapters.sim.prefix_cache`). A run
 holds its slot for its prefill (the tokens its provider did not have cached, at
 `prefill_us` each; cached ones at `cached_us`) and then its decode; its time to first
 token is its queue wait plus its prefill. Each scenario runs twice in the same run,
@@ -48,10 +48,10 @@ from rich.console import Group
 from rich.table import Table
 from trio.testing import MockClock
 
-from iop_edge.core.affinity import Affinity, affinity_of
+from iop_edge.core.routing.affinity import Affinity, affinity_of
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.runs.scheduler import Scheduler
-from iop_node.adapters.prefix_cache import PrefillCost, PrefixCache, render_prompt
+from iop_node.adapters.sim.prefix_cache import PrefillCost, PrefixCache, render_prompt
 from schemas.config import (
     DispatchSection,
     EdgeConfig,

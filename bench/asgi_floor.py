@@ -32,7 +32,7 @@ from hypercorn.trio import serve
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 
 from bench.upstream import asks_for_stream, completion_body, stream_events
-from iop_edge.core.listen import parse_listen_address
+from iop_edge.core.configuration.listen import parse_listen_address
 from iop_edge.http.server import HttpServer, hypercorn_config
 from iop_edge.runtime.lifecycle.listeners import bind_listener
 

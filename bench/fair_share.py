@@ -29,7 +29,7 @@ import trio.testing
 from rich.table import Table
 from trio.testing import MockClock
 
-from iop_edge.core.run_work import run_work
+from iop_edge.core.routing.run_work import run_work
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas.config import (
@@ -184,7 +184,7 @@ class WorkShare:
 async def work_share(capacity: int = 2) -> WorkShare:
     """`HUGE` against `SMALL` at equal weights on one model of `capacity` slots, each
     principal keeping its requests outstanding (a new one as soon as one ends). Every
-    run holds its slot for its estimated work (`core.run_work`) at `_TOKENS_PER_S`, so
+    run holds its slot for its estimated work (`core.routing.run_work`) at `_TOKENS_PER_S`, so
     slot time follows work. Needs a `MockClock`."""
     scheduler = one_model_pool(capacity=capacity)
     held = {"huge": 0.0, "small": 0.0}

@@ -12,7 +12,7 @@ wire (`schemas.wire`), so the Edge does exactly the work it does for real Nodes:
 - a `run` (the scenario routes none) gets `run_failed{internal}`: there is no upstream;
 - every `heartbeat_s` the Edge announced in `welcome`, at the node's instant of the
   shared grid (`schemas.heartbeat`), a ping to the Edge, as a real Node's keepalive
-  sends (`iop_node.link`); the Edge's pings are answered by
+  sends (`iop_node.uplink.link`); the Edge's pings are answered by
   trio-websocket itself, as for a real Node.
 
 At most `handshakes` connections are in their handshake at once: the Edge refuses more

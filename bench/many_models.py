@@ -1,7 +1,7 @@
 """`python -m bench --parts models`: placement against load-only routing, many models.
 
 In process, on virtual time (Trio's `MockClock`): what is measured is the Edge's routing,
-the real code of it (the `Scheduler`, the pool's Rule 8 and `core.holdings`). Each
+the real code of it (the `Scheduler`, the pool's Rule 8 and `core.routing.holdings`). Each
 provider is a runtime that holds at most `holds` of the models at once and loads the
 others on demand, as llama.cpp's router does with `--models-max`: a run for a model it
 does not hold waits `load_s` for the load, which unloads the least recently used model

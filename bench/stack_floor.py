@@ -53,7 +53,7 @@ from trio_websocket import (
 from bench.asgi_floor import serve_lifespan
 from bench.services import Service, python_argv, start_service, url_after
 from bench.upstream import asks_for_stream
-from iop_edge.core.listen import parse_listen_address
+from iop_edge.core.configuration.listen import parse_listen_address
 from iop_edge.http.server import HttpServer, hypercorn_config
 from iop_edge.runtime.lifecycle.listeners import bind_listener
 from iop_node.adapters.run_connections import RunConnections
@@ -70,7 +70,7 @@ _REQUEST, _PIECE, _END = 0, 1, 2
 _OUTBOX_FRAMES: Final = 1024
 #: Frames of one request waiting for its task: a stream's pieces, then its end.
 _PENDING_FRAMES: Final = 64
-#: As the Node's link (`iop_node.link_settings.MESSAGE_QUEUE_SIZE`).
+#: As the Node's link (`iop_node.uplink.link_settings.MESSAGE_QUEUE_SIZE`).
 _MESSAGE_QUEUE_SIZE: Final = 64
 #: Keep-alive connections the back keeps to the upstream: above any bench concurrency.
 _KEEP_CONNECTIONS: Final = 256

@@ -77,7 +77,12 @@ from bench.upstream_protocols import (
     responses_events,
     with_usage,
 )
-from iop_node.adapters.prefix_cache import DEFAULT_SLOTS, PrefillCost, PrefixCache, render_prompt
+from iop_node.adapters.sim.prefix_cache import (
+    DEFAULT_SLOTS,
+    PrefillCost,
+    PrefixCache,
+    render_prompt,
+)
 
 #: The logical model id callers name; the gateways under test map it to SERVED_MODEL.
 MODEL: Final = "bench-model"

@@ -32,7 +32,7 @@ import httpx2
 import yaml
 
 from iop_edge.runtime.metering.ledger import SQLITE_FILE
-from iop_edge.runtime.metering.ledger_sqlite import SqliteStore
+from iop_edge.runtime.metering.usage_ledger.ledger_sqlite import SqliteStore
 
 REPO = Path(__file__).resolve().parents[1]
 _ADMIN = re.compile(r"admin API listening on (\S+)")

@@ -11,7 +11,7 @@ That is why the demo Node presents a fixed, public token (`DEMO_NODE_TOKEN`) who
 is in the file: a token made up at every start would need a hash that is not in the
 file, and every refresh would then report a (false) restart-required token change. A
 public token is safe only where nobody else can connect: config validation refuses its
-hash unless `edge.listen` is a loopback address (`core.config`), and `iop-edge serve`
+hash unless `edge.listen` is a loopback address (`core.configuration.config`), and `iop-edge serve`
 applies the same rule. A real deployment makes its own tokens (`iop-edge init`).
 
 `--ephemeral-ports` binds free ports without touching the config (`edge.Listeners`),
@@ -42,13 +42,13 @@ import httpx2
 import msgspec
 import trio
 
-from iop_edge.core.config import ParsedConfig, load_config, parse_config
-from iop_edge.core.tokens import DEMO_NODE_TOKEN, DEMO_NODE_TOKEN_SHA256
+from iop_edge.core.configuration.config import ParsedConfig, load_config, parse_config
+from iop_edge.core.configuration.tokens import DEMO_NODE_TOKEN, DEMO_NODE_TOKEN_SHA256
 from iop_edge.edge import Edge, EdgeAddresses, Listeners
 from iop_edge.main import handle_signals, log_start
 from iop_node.main import run_node
 from schemas.openai import ChunkChoice, ErrorDetail
-from schemas.stop_signal import StopSignal
+from schemas.runtime.stop_signal import StopSignal
 
 log = logging.getLogger(__name__)
 

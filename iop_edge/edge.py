@@ -35,13 +35,13 @@ import msgspec
 import trio
 
 from iop_edge import __version__
-from iop_edge.core.config import ParsedConfig
-from iop_edge.core.host import node_tls_context
-from iop_edge.core.listen import parse_listen_address
-from iop_edge.core.readiness import Readiness, readiness_of
+from iop_edge.core.configuration.config import ParsedConfig
+from iop_edge.core.configuration.host import node_tls_context
+from iop_edge.core.configuration.listen import parse_listen_address
+from iop_edge.core.routing.readiness import Readiness, readiness_of
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.admin import create_admin_app
-from iop_edge.http.admin_services import AdminServices
+from iop_edge.http.admin_api.admin import create_admin_app
+from iop_edge.http.admin_api.admin_services import AdminServices
 from iop_edge.http.final_send import ShieldFinalSend
 from iop_edge.http.openai_app import OpenAIApp
 from iop_edge.http.responses import ResponsesSurface
@@ -69,9 +69,9 @@ from iop_edge.runtime.metering.ledger import LedgerUnavailable, choose_ledger
 from iop_edge.runtime.metering.metering import Metering, RunRecord
 from iop_edge.runtime.metering.metrics import EdgeMetrics
 from iop_edge.runtime.metering.response_store import ResponseStore
-from iop_edge.runtime.metering.shared_budgets import SharedBudgets
 from iop_edge.runtime.metering.tracing import edge_tracing
-from iop_edge.runtime.metering.usage_store import UsageReport
+from iop_edge.runtime.metering.usage_ledger.shared_budgets import SharedBudgets
+from iop_edge.runtime.metering.usage_ledger.usage_store import UsageReport
 from iop_edge.runtime.models.commands import ModelCommands
 from iop_edge.runtime.nodes.heartbeat import fleet_interval
 from iop_edge.runtime.nodes.hub import (
@@ -93,7 +93,7 @@ from schemas.config import DEFAULT_SHUTDOWN_GRACE_S, NodeConfig
 from schemas.principals import PrincipalsReport
 from schemas.refresh import RefreshRequest, ReplicaStatus, StatusReport
 from schemas.restart import RestartReport
-from schemas.telemetry import TelemetryError, provider_name
+from schemas.runtime.telemetry import TelemetryError, provider_name
 
 log = logging.getLogger(__name__)
 
@@ -438,7 +438,7 @@ class Edge:
 
     def readiness(self) -> Readiness:
         """Which models could be served now, and whether runs can be metered (`GET
-        /readyz`, `core.readiness`)."""
+        /readyz`, `core.routing.readiness`)."""
         models = self.scheduler.snapshot.models
         state = readiness_of(
             {model_id: model.providers for model_id, model in models.items()},
@@ -448,7 +448,7 @@ class Edge:
         return state if unmetered is None else state.unready(unmetered)
 
     def model_servable(self, model_id: str) -> bool:
-        """True when some provider of the model can take runs now (`core.readiness`)."""
+        """True when some provider of the model can take runs now (`core.routing.readiness`)."""
         return model_id in self.readiness().servable_models
 
     async def wait_pool_change(self) -> None:

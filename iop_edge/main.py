@@ -2,7 +2,7 @@
 zero-downtime restart, SIGTERM/SIGINT = graceful stop, a second one = stop now), and the
 root nursery.
 
-A stop by Ctrl-C exits with 130, by SIGTERM with 0 (`schemas.stop_signal`).
+A stop by Ctrl-C exits with 130, by SIGTERM with 0 (`schemas.runtime.stop_signal`).
 
 A process started by a restarting Edge (see `runtime.handover`) finds its handover in
 the environment; when it cannot start (an invalid config, a port it cannot bind) it says
@@ -19,14 +19,19 @@ from pathlib import Path
 import trio
 
 from iop_edge import __version__
-from iop_edge.core.config import ConfigInvalid, ParsedConfig, format_errors, load_config
-from iop_edge.core.exposure import exposure_warnings
+from iop_edge.core.configuration.config import (
+    ConfigInvalid,
+    ParsedConfig,
+    format_errors,
+    load_config,
+)
+from iop_edge.core.configuration.exposure import exposure_warnings
 from iop_edge.edge import Edge, EdgeAddresses, EdgeStartupError, Listeners
 from iop_edge.runtime.lifecycle import heap, service_manager
 from iop_edge.runtime.lifecycle.handover import Handover
-from schemas.log_lines import LogFormat, configure_logging
 from schemas.refresh import RefreshRequest
-from schemas.stop_signal import StopSignal
+from schemas.runtime.log_lines import LogFormat, configure_logging
+from schemas.runtime.stop_signal import StopSignal
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +117,7 @@ async def serve_edge(
     task_status: trio.TaskStatus[EdgeAddresses] = trio.TASK_STATUS_IGNORED,
 ) -> int:
     """Load the config and serve until a stop signal drains the listeners; returns the
-    process's exit status (130 after Ctrl-C, `schemas.stop_signal`).
+    process's exit status (130 after Ctrl-C, `schemas.runtime.stop_signal`).
 
     `successor_argv` is how to start this Edge again (`iop-edge restart`, SIGUSR2)."""
     handover = Handover.from_environ()

@@ -22,7 +22,7 @@ flags win over it, and a relative `token_file` is relative to the YAML file.
 Traces (design §16) are off unless an OTLP/HTTP endpoint is given (`--otlp-endpoint`, the
 file's `telemetry.endpoint`, or the standard `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` /
 `OTEL_EXPORTER_OTLP_ENDPOINT`); the other `--otlp-*`/`--trace-*` flags, and their
-`OTEL_*` variables, say how (`schemas.telemetry`). Tracing needs
+`OTEL_*` variables, say how (`schemas.runtime.telemetry`). Tracing needs
 `pip install 'iop-gateway[otel]'`.
 
 Exit codes: 0 after a stop by SIGTERM, 130 after Ctrl-C (SIGINT, as a shell reports an
@@ -50,15 +50,15 @@ import yaml
 
 from iop_node import __version__
 from iop_node.examples import EXAMPLES, read_example
-from iop_node.link import EdgeRejected
 from iop_node.main import serve_until_signalled
 from iop_node.tracing import NodeTracing, node_tracing
-from schemas import safe_yaml
+from iop_node.uplink.link import EdgeRejected
 from schemas.config import OtlpProtocol, TelemetrySection, TraceSampler
-from schemas.log_lines import LOG_FORMATS, LOG_LEVELS, LogFormat
-from schemas.log_lines import configure_logging as configure_log_lines
-from schemas.stop_signal import EXIT_INTERRUPTED
-from schemas.telemetry import OTEL_EXTRA, TelemetryError, endpoint_problem
+from schemas.runtime import safe_yaml
+from schemas.runtime.log_lines import LOG_FORMATS, LOG_LEVELS, LogFormat
+from schemas.runtime.log_lines import configure_logging as configure_log_lines
+from schemas.runtime.stop_signal import EXIT_INTERRUPTED
+from schemas.runtime.telemetry import OTEL_EXTRA, TelemetryError, endpoint_problem
 
 TOKEN_ENV_VAR = "IOP_NODE_TOKEN"
 #: A token is a line; a token file far larger is the wrong file.

@@ -58,9 +58,9 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 import msgspec
 import trio
 
-from iop_node.activity import ProviderActivity
 from iop_node.adapters.base import Adapter, NativeRelay, ProbeTimeout, ProbeWitness
 from iop_node.protocol_support import ProtocolSupport
+from iop_node.runs.activity import ProviderActivity
 from schemas.wire import ProviderStatus
 
 log = logging.getLogger(__name__)

@@ -43,7 +43,6 @@ import trio
 
 from iop_node.adapters.base import Adapter
 from iop_node.health import DEFAULT_PROBE_TIMEOUT_S, HealthMonitor
-from iop_node.model_control import ModelControl
 from iop_node.registry import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_RETIRING,
@@ -53,8 +52,9 @@ from iop_node.registry import (
     RegistryManager,
     create_adapter,
 )
-from iop_node.runner import Send
-from iop_node.slots import Busy, ProviderSlots, SlotHold, SlotStatistics
+from iop_node.runs.model_control import ModelControl
+from iop_node.runs.runner import Send
+from iop_node.runs.slots import Busy, ProviderSlots, SlotHold, SlotStatistics
 from schemas.config import NodeConfig
 from schemas.wire import (
     FailureCode,

@@ -17,17 +17,8 @@ from dataclasses import replace
 import trio
 
 from iop_node import __version__, heap
-from iop_node.backoff import BackoffPolicy
-from iop_node.edges import DEFAULT_DNS_INTERVAL_S, EdgeLinks, Resolver, resolve_addresses
 from iop_node.health import DEFAULT_PROBE_TIMEOUT_S
 from iop_node.host import ProviderHost
-from iop_node.link import EdgeRejected
-from iop_node.link_settings import (
-    GOAWAY_LINGER_S,
-    LOAD_REPORT_INTERVAL_S,
-    LOAD_REPORT_RELAXED_S,
-    LinkSettings,
-)
 from iop_node.registry import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_RETIRING,
@@ -35,7 +26,16 @@ from iop_node.registry import (
     create_adapter,
 )
 from iop_node.tracing import NodeTracing
-from schemas.stop_signal import StopSignal
+from iop_node.uplink.backoff import BackoffPolicy
+from iop_node.uplink.edges import DEFAULT_DNS_INTERVAL_S, EdgeLinks, Resolver, resolve_addresses
+from iop_node.uplink.link import EdgeRejected
+from iop_node.uplink.link_settings import (
+    GOAWAY_LINGER_S,
+    LOAD_REPORT_INTERVAL_S,
+    LOAD_REPORT_RELAXED_S,
+    LinkSettings,
+)
+from schemas.runtime.stop_signal import StopSignal
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ async def serve_until_signalled(
 ) -> int:
     """Run a Node until SIGINT/SIGTERM: the first signal drains and stops gracefully, a
     second one stops at once. Returns the process's exit status: 130 after Ctrl-C, 0
-    after SIGTERM (`schemas.stop_signal`). `tracing` is closed at the end (its last spans
+    after SIGTERM (`schemas.runtime.stop_signal`). `tracing` is closed at the end (its last spans
     sent).
 
     The process is this Node's own (`iop-node run`): its heap is settled as its providers

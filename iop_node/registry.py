@@ -36,9 +36,9 @@ from typing import Literal, cast
 import trio
 
 from iop_node import heap
-from iop_node.activity import ProviderActivity
 from iop_node.adapters.base import Adapter
-from iop_node.runner import RunHandle, Send, execute_run
+from iop_node.runs.activity import ProviderActivity
+from iop_node.runs.runner import RunHandle, Send, execute_run
 from schemas.config import NodeConfig, ProviderConfig
 from schemas.wire import FailureCode, Run, RunFailed
 
@@ -52,7 +52,7 @@ DEFAULT_MAX_RETIRING = 4
 ADAPTER_CLOSE_TIMEOUT_S = 5.0
 
 _ADAPTER_CLASSES: Mapping[str, tuple[str, str]] = {
-    "sim": ("iop_node.adapters.sim", "SimAdapter"),
+    "sim": ("iop_node.adapters.sim.adapter", "SimAdapter"),
     "vllm": ("iop_node.adapters.openai_compat", "OpenAICompatAdapter"),
     "sglang": ("iop_node.adapters.openai_compat", "OpenAICompatAdapter"),
     "lemonade": ("iop_node.adapters.openai_compat", "OpenAICompatAdapter"),

@@ -29,11 +29,11 @@ Rules:
    attempt's span, with the response model the attempt learnt by then; the finish
    reasons and the usage are the attempt's.
 5. Names, ids, counts and codes only: never a prompt, a completion or a token.
-6. Spans are recorded by `schemas.spans`; the first output and the first upstream byte
+6. Spans are recorded by `schemas.runtime.spans`; the first output and the first upstream byte
    are attributes (`iop.time_to_first_output_s`, `iop.time_to_first_byte_s`, seconds
    from the span's start), which trace backends search more readily than events.
 7. What every attempt of one operation, model and provider says alike (and every call
-   to one upstream URL) is one shared attribute set (`schemas.spans.SharedSets`),
+   to one upstream URL) is one shared attribute set (`schemas.runtime.spans.SharedSets`),
    written once; a span carries its own values (run id, bound, usage, status) besides.
 """
 
@@ -52,7 +52,7 @@ import msgspec
 import trio
 
 from schemas.config import ProviderConfig, TelemetrySection
-from schemas.spans import (
+from schemas.runtime.spans import (
     Attributes,
     Parent,
     SharedSets,
@@ -61,7 +61,7 @@ from schemas.spans import (
     remote_parent,
     start_tracing,
 )
-from schemas.telemetry import (
+from schemas.runtime.telemetry import (
     MAX_TRACESTATE_CHARS,
     OPERATION_NAMES,
     SHUTDOWN_TIMEOUT_S,
@@ -218,7 +218,7 @@ class NodeTracing:
 
 
 def _context_of(run: Run) -> tuple[str, str]:
-    """The run's trace context when well-formed (`schemas.telemetry` Rule 6)."""
+    """The run's trace context when well-formed (`schemas.runtime.telemetry` Rule 6)."""
     if not valid_traceparent(run.traceparent):
         return "", ""
     return run.traceparent, run.tracestate if valid_tracestate(run.tracestate) else ""

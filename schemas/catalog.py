@@ -88,7 +88,7 @@ class CatalogProvider(CatalogRecord, frozen=True, kw_only=True):
     `--models-max`)."""
     cached_share: float | None = None
     """Of the prompt tokens its runtime reported over its recent runs, the share it took
-    from its prefix cache (0..1, recent runs weighing most: `core.cache_share`); null
+    from its prefix cache (0..1, recent runs weighing most: `core.routing.cache_share`); null
     before it reported any."""
 
 

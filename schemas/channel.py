@@ -4,7 +4,7 @@ Why this lives in `schemas`: `schemas` is the one package both processes import 
 never imports the Edge), and a channel is part of the wire's contract as much as the
 messages are: how many frames may wait, what a peer hears before a close, which close code
 follows which refusal, what a heartbeat means. So the Edge's node session
-(`iop_edge.runtime.nodes.session`) and the Node's link (`iop_node.link`) are both built on
+(`iop_edge.runtime.nodes.session`) and the Node's link (`iop_node.uplink.link`) are both built on
 `Channel`, and a rule of the channel cannot drift apart between them. It needs Trio and
 trio-websocket, which both processes run on, and knows neither process.
 

@@ -1,6 +1,7 @@
 """The Edge config schema (design §2): one YAML file describes the Edge, its models and every Node.
 
-The Structs here are the *shape*; `iop_edge.core.config` loads YAML into them, collects every
+The Structs here are the *shape*; `iop_edge.core.configuration.config` loads YAML into them,
+collects every
 error with its config path, and runs the cross-reference rules. Config Structs forbid
 unknown fields so that a typo fails loudly instead of silently doing nothing. Node
 provider Structs are also what travels to a Node in `welcome`/`refresh`, so the Node
@@ -136,7 +137,7 @@ class TelemetrySection(ConfigStruct, frozen=True, kw_only=True):
     """OpenTelemetry traces (design §16): off unless an endpoint is set here or in the
     standard `OTEL_EXPORTER_OTLP_*` environment variables. A key set here wins over its
     variable; `OTEL_SDK_DISABLED=true` turns tracing off whatever is set
-    (`schemas.telemetry`)."""
+    (`schemas.runtime.telemetry`)."""
 
     endpoint: NonEmptyStr | None = None
     """The OTLP/HTTP receiver: its base URL (`http://collector:4318`; spans go to
@@ -248,7 +249,7 @@ DEFAULT_LOAD_BOUND = 0.25
 
 class RoutingPolicy(ConfigStruct, frozen=True, kw_only=True):
     """How a model's runs choose among its providers with a free slot (design §4,
-    `iop_edge.core.affinity` and `iop_edge.core.pool` Rule 7)."""
+    `iop_edge.core.routing.affinity` and `iop_edge.core.routing.pool` Rule 7)."""
 
     affinity: bool = True
     """Send a conversation's turns to the provider that holds its prompt prefix (its
@@ -278,7 +279,7 @@ class ModelEntry(ConfigStruct, frozen=True, kw_only=True):
 #: How a `sim` provider replies (`adapter.reply.mode`): `fill` writes exactly `max_tokens`
 #: tokens and never calls a tool (a known, fixed length for tests and benchmarks);
 #: `model` behaves like a model (a reply of a natural length, tool calls when tools are
-#: offered; `iop_node.adapters.sim_replies`).
+#: offered; `iop_node.adapters.sim.sim_replies`).
 SimReplyMode = Literal["fill", "model"]
 
 
@@ -324,7 +325,7 @@ class AdapterSettings(ConfigStruct, frozen=True, kw_only=True):
     # sim
     max_loaded: PositiveInt | None = None
     """`sim`: how many of its models it holds at once, as a runtime that loads models on
-    demand (`adapters.sim_memory`); a run for another one loads it first. None: it holds
+    demand (`adapters.sim.sim_memory`); a run for another one loads it first. None: it holds
     every model always."""
     load_ms: NonNegativeInt = 0
     """`sim` with `max_loaded`: how long loading a model takes."""

@@ -157,7 +157,7 @@ class Reject(Message, tag="reject", frozen=True, kw_only=True):
 #: The node id connected again: the new connection replaced this session.
 NODE_REPLACED: Final = "node_replaced"
 #: `reject` codes that mean the Edge saw this Node and refused it: retrying soon cannot
-#: help, so a Node gives up after a few of them in a row (see `iop_node.backoff`).
+#: help, so a Node gives up after a few of them in a row (see `iop_node.uplink.backoff`).
 PERMANENT_REJECTIONS: Final = frozenset(
     {"bad_token", "unknown_node", "unsupported_protocol", "protocol_version", NODE_REPLACED}
 )

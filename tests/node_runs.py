@@ -1,4 +1,4 @@
-"""One run through the Node's runner (`iop_node.runner.execute_run`), as the link runs it,
+"""One run through the Node's runner (`iop_node.runs.runner.execute_run`), as the link runs it,
 and what the Edge gets back: the caller-ready chunks and the terminal message; and the
 server-sent events those chunks carry, for the caller protocols' streams."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import trio
 
 from iop_node.adapters.base import Adapter
-from iop_node.runner import Chunk, Outbound, RunHandle, execute_run
+from iop_node.runs.runner import Chunk, Outbound, RunHandle, execute_run
 from schemas.wire import Run, RunDone, RunFailed
 from tests.timing import GUARD_S
 

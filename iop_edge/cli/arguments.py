@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import TypeAlias
 
-from schemas.log_lines import LOG_FORMATS, LOG_LEVELS
+from schemas.runtime.log_lines import LOG_FORMATS, LOG_LEVELS
 
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 """The parser's `add_subparsers()`: each command module adds its commands to it."""

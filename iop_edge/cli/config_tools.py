@@ -12,11 +12,11 @@ from pathlib import Path
 
 from iop_edge.cli.arguments import Subcommands
 from iop_edge.cli.errors import EXIT_FAILURE, EXIT_USAGE, fail
-from iop_edge.core.config import ConfigInvalid, format_errors, load_config
-from iop_edge.core.config_reference import json_schema
-from iop_edge.core.exposure import exposure_warnings
+from iop_edge.core.configuration.config import ConfigInvalid, format_errors, load_config
+from iop_edge.core.configuration.config_reference import json_schema
+from iop_edge.core.configuration.exposure import exposure_warnings
+from iop_edge.core.configuration.tokens import hash_token
 from iop_edge.core.principals import describe_limits
-from iop_edge.core.tokens import hash_token
 from schemas.config import ConfigError, EdgeSection, PrincipalLimits
 
 
@@ -46,7 +46,7 @@ def _check_ledger(edge: EdgeSection) -> None:
     `state_dir`, and a PostgreSQL ledger's package, password variable and server (it is
     connected to, not set up). Raises `ConfigInvalid` naming each problem's setting."""
     from iop_edge.runtime.metering.ledger import choose_ledger
-    from iop_edge.runtime.metering.usage_store import LedgerUnavailable
+    from iop_edge.runtime.metering.usage_ledger.usage_store import LedgerUnavailable
 
     try:
         choice = choose_ledger(edge)

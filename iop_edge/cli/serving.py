@@ -12,9 +12,9 @@ import trio
 from iop_edge.cli import config_lookup as lookup
 from iop_edge.cli.arguments import Subcommands, add_logging
 from iop_edge.cli.errors import fail
-from iop_edge.core.config import ConfigInvalid, format_errors
+from iop_edge.core.configuration.config import ConfigInvalid, format_errors
+from iop_edge.core.configuration.listen import parse_listen_address
 from iop_edge.core.exception_groups import sole_exception
-from iop_edge.core.listen import parse_listen_address
 
 
 def _listen_override(flag: str, value: str | None, *, loopback: bool = False) -> str | None:
@@ -32,7 +32,7 @@ def _listen_override(flag: str, value: str | None, *, loopback: bool = False) ->
 def cmd_serve(args: argparse.Namespace) -> int:
     from iop_edge.edge import EdgeStartupError, ListenerUnavailable
     from iop_edge.main import serve_edge, setup_logging
-    from iop_edge.runtime.metering.usage_store import LedgerUnavailable
+    from iop_edge.runtime.metering.usage_ledger.usage_store import LedgerUnavailable
 
     node_listen = _listen_override("--node-listen", args.node_listen)
     admin_listen = _listen_override("--admin-listen", args.admin_listen, loopback=True)

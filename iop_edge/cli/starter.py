@@ -26,8 +26,8 @@ from pathlib import Path
 from string import Template
 from typing import Final
 
-from iop_edge.core.config import ParsedConfig, parse_config
-from iop_edge.core.tokens import hash_token
+from iop_edge.core.configuration.config import ParsedConfig, parse_config
+from iop_edge.core.configuration.tokens import hash_token
 
 CONFIG_NAME: Final = "edge.yaml"
 DEFAULT_NODE_ID: Final = "node-1"

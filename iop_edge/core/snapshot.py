@@ -19,7 +19,7 @@ from schemas.config import (
     PrincipalToken,
     ProviderConfig,
 )
-from schemas.give_way import give_way
+from schemas.runtime.give_way import give_way
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,7 @@ class Snapshot:
         provider_node: dict[str, str] = {}
         node_providers: dict[str, tuple[str, ...]] = {}
         for node in config.nodes:
-            give_way()  # a fleet's Nodes are ten thousand (`schemas.give_way`)
+            give_way()  # a fleet's Nodes are ten thousand (`schemas.runtime.give_way`)
             for provider in node.providers:
                 providers[provider.id] = provider
                 provider_node[provider.id] = node.id

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from iop_edge.core.tokens import hash_token
+from iop_edge.core.configuration.tokens import hash_token
 from iop_edge.http.errors import ApiError
 from schemas.config import PrincipalToken
 

@@ -25,7 +25,7 @@ from typing import Any, Final
 
 import msgspec
 
-from iop_edge.core.affinity import affinity_of
+from iop_edge.core.routing.affinity import affinity_of
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.errors import ApiError, bad_request, model_not_found
 from iop_edge.runtime.runs.dispatch import RunPlan
@@ -81,7 +81,7 @@ class Caller:
     """The `anthropic-version` and `anthropic-beta` headers it sent, for a native
     upstream (never credentials)."""
     session_headers: Mapping[str, str] = field(default_factory=dict)
-    """The session headers it sent (`core.affinity.SESSION_HEADERS`), lowercase names."""
+    """The session headers it sent (`core.routing.affinity.SESSION_HEADERS`), lowercase names."""
 
     def plan(
         self,
@@ -102,7 +102,7 @@ class Caller:
     ) -> RunPlan:
         """The plan of this caller's request: its ids and principal go with the run, it
         is a long run when its prompt estimate reaches the snapshot's threshold, and it
-        carries its affinity (`core.affinity`) unless its model routes by load alone
+        carries its affinity (`core.routing.affinity`) unless its model routes by load alone
         (`chained`: a Responses continuation, its conversation rebuilt in `body`)."""
         principal = self.principal
         routing = snapshot.models[model_id].routing

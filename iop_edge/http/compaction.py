@@ -1,5 +1,5 @@
 """Compaction's Edge side: `POST /v1/responses/compact` and a `compaction_trigger` item
-ending a `POST /v1/responses` input, made with the model (`core.compaction`).
+ending a `POST /v1/responses` input, made with the model (`core.responses.compaction`).
 
 The caller's request becomes a summary turn (`prepare`) that runs as any other Responses
 run: admitted, queued, routed, metered, translated or relayed natively by the Node. Its
@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import msgspec
 
-from iop_edge.core.compaction import (
+from iop_edge.core.responses.compaction import (
     MAX_SUMMARY_TOKENS,
     compacted_output,
     compaction_item,
@@ -51,7 +51,7 @@ class Compaction:
 
 
 def prepare(body: dict[str, Any], conversation: list[Any], model: ModelEntry) -> None:
-    """Make `body` the summary turn over `conversation` (`core.compaction` Rule 4), in
+    """Make `body` the summary turn over `conversation` (`core.responses.compaction` Rule 4), in
     place."""
     kept = {key: body[key] for key in _KEPT if key in body}
     body.clear()
@@ -65,7 +65,7 @@ def prepare(body: dict[str, Any], conversation: list[Any], model: ModelEntry) ->
 def settle(compaction: Compaction, response: bytes, request_id: str) -> bytes | None:
     """What the caller gets of the summary turn's final `response`: the compacted
     response or the trigger's Response; None when the turn wrote no summary (the
-    runtime's failure, `core.compaction` Rule 6)."""
+    runtime's failure, `core.responses.compaction` Rule 6)."""
     summary = summary_text(response)
     if not summary:
         return None

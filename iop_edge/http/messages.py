@@ -1,7 +1,7 @@
 """The Anthropic Messages surface's Edge side (design §14): the plan of a `POST /v1/messages`
 or `/v1/messages/count_tokens`, and the model list in Anthropic's shape.
 
-The Edge reads the few fields admission needs (`core.protocol_requests`) and relays the
+The Edge reads the few fields admission needs (`core.responses.protocol_requests`) and relays the
 body: the Node sends it natively to a provider that speaks Messages or translates it to
 chat completions. Same catalog, aliases, limits and long-context admission as chat:
 
@@ -33,7 +33,7 @@ from typing import Any, Final
 
 import msgspec
 
-from iop_edge.core.protocol_requests import (
+from iop_edge.core.responses.protocol_requests import (
     CountTokensRequest,
     MessagesRequest,
     estimate_messages_tokens,

@@ -29,7 +29,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from iop_edge.core.readiness import Readiness
+from iop_edge.core.routing.readiness import Readiness
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.auth import authenticate
 from iop_edge.http.caller_protocol import protocol_of_request

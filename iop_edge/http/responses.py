@@ -1,7 +1,7 @@
 """The OpenAI Responses surface's Edge side (design §14): the plan of a `POST /v1/responses`,
 the conversation it continues, and what is stored of it.
 
-The Edge reads the few fields admission needs (`core.protocol_requests`) and relays the
+The Edge reads the few fields admission needs (`core.responses.protocol_requests`) and relays the
 body: the Node sends it natively to a provider that speaks Responses or translates it to
 chat completions. Same catalog, aliases, limits and long-context admission as chat:
 
@@ -9,7 +9,7 @@ chat completions. Same catalog, aliases, limits and long-context admission as ch
 - `generation.defaults` apply where the protocol has the same setting (`DEFAULT_KEYS`;
   chat's `max_tokens` is Responses' `max_output_tokens`).
 - `previous_response_id`: the stored conversation is loaded (the principal's own only)
-  and sent whole, without the id (`core.response_chain`); the id goes beside the body
+  and sent whole, without the id (`core.responses.response_chain`); the id goes beside the body
   (`run.previous_response_id`), for the response to echo. An unknown, expired or other
   principal's id is 404 `previous_response_not_found`. The estimate counts the whole
   conversation, which the model reads.
@@ -23,7 +23,7 @@ chat completions. Same catalog, aliases, limits and long-context admission as ch
   collide.
 - A response that could not be stored (the store's bounds, its database failing) is
   still answered, never refused: storing is a side effect of a request already served.
-  The reply says so (`core.unstored_reply`): `store: false` in the body or the stream's
+  The reply says so (`core.responses.unstored_reply`): `store: false` in the body or the stream's
   final event, `x-iop-response-stored: false` on a non-stream reply (`true` when
   stored), the reason in `iop_responses_unstored_total` and a log line with the request
   id.
@@ -38,13 +38,13 @@ from typing import Any, Final
 
 import msgspec
 
-from iop_edge.core.compaction import CompactionUnreadable, ends_with_trigger, expand
-from iop_edge.core.protocol_requests import (
+from iop_edge.core.responses.compaction import CompactionUnreadable, ends_with_trigger, expand
+from iop_edge.core.responses.protocol_requests import (
     ResponsesRequest,
     estimate_responses_tokens,
     input_items,
 )
-from iop_edge.core.response_chain import (
+from iop_edge.core.responses.response_chain import (
     ChainBroken,
     ConversationTooLarge,
     continue_body,

@@ -32,7 +32,7 @@ Rules:
    connection's most recent response when it was not stored (`store: false`): the
    connection keeps that one conversation (its input and output items) in memory, and
    forgets it when the next turn ends or the connection closes.
-6. Every turn of a connection has the same affinity key (`core.affinity` Rule 1 a): the
+6. Every turn of a connection has the same affinity key (`core.routing.affinity` Rule 1 a): the
    session header of the upgrade when it sent one, else the connection's own id, so a
    model that routes by affinity keeps a connection's turns on one provider.
 7. Limits: a message larger than `openai.max_request_bytes` closes the connection with
@@ -54,8 +54,8 @@ import msgspec
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, WebsocketScope
 
-from iop_edge.core.affinity import SESSION_HEADERS
-from iop_edge.core.protocol_requests import input_items
+from iop_edge.core.responses.protocol_requests import input_items
+from iop_edge.core.routing.affinity import SESSION_HEADERS
 from iop_edge.http.auth import authenticate
 from iop_edge.http.caller_protocol import Caller
 from iop_edge.http.errors import ApiError, metering_unavailable

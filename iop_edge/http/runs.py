@@ -49,9 +49,9 @@ import msgspec
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
 
-from iop_edge.core.affinity import SESSION_HEADERS
+from iop_edge.core.responses.unstored_reply import unstored_body, unstored_events
+from iop_edge.core.routing.affinity import SESSION_HEADERS
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.core.unstored_reply import unstored_body, unstored_events
 from iop_edge.http.auth import authenticate
 from iop_edge.http.caller_protocol import (
     PROTOCOL_OF,
@@ -93,7 +93,7 @@ from iop_edge.runtime.runs.limits import NO_RATE_LIMITS
 from schemas import wire
 from schemas.hosted_tools import DROPPED_TOOLS_HEADER, hosted_tool_types
 from schemas.protocols import CallerProtocol
-from schemas.telemetry import valid_traceparent, valid_tracestate
+from schemas.runtime.telemetry import valid_traceparent, valid_tracestate
 
 log = logging.getLogger(__name__)
 
@@ -180,10 +180,11 @@ class _Request:
         self.anthropic: dict[str, str] = {}
         """`anthropic-version` and `anthropic-beta`, as sent."""
         self.sessions: dict[str, str] = {}
-        """The session headers of `core.affinity` (Rule 1), as sent."""
+        """The session headers of `core.routing.affinity` (Rule 1), as sent."""
         self.traceparent = ""
         self.tracestate = ""
-        """The caller's W3C trace context (`schemas.telemetry` Rule 6: checked when used)."""
+        """The caller's W3C trace context (`schemas.runtime.telemetry` Rule 6: checked when
+        used)."""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 self.authorization = value.decode("latin-1")
@@ -207,7 +208,7 @@ class _Request:
 
 
 _DROPPED_TOOLS: Final = DROPPED_TOOLS_HEADER.encode()
-#: The headers that name an agent's session (`core.affinity` Rule 1).
+#: The headers that name an agent's session (`core.routing.affinity` Rule 1).
 _SESSION_HEADERS: Final = frozenset(name.encode() for name in SESSION_HEADERS)
 #: The caller's protocol headers a native Messages upstream sees as they were sent.
 _ANTHROPIC_HEADERS: Final = frozenset({b"anthropic-version", b"anthropic-beta"})
@@ -655,7 +656,8 @@ class RunEndpoints:
                 and isinstance(event, wire.RunDone)
                 and await self._responses.keep(to_store, event.response) is not None
             ):
-                # Not stored: the held tail's final response says so (`core.unstored_reply`).
+                # Not stored: the held tail's final response says so
+                # (`core.responses.unstored_reply`).
                 pending = [unstored_events(part) for part in pending]
             await reply.finish(b"".join(pending))
             return
@@ -676,7 +678,7 @@ def _request_id(run: Run) -> str:
 
 def _caller_context(request: _Request) -> tuple[str, str]:
     """The caller's `traceparent` and `tracestate`, each "" when absent or malformed
-    (`schemas.telemetry` Rule 6)."""
+    (`schemas.runtime.telemetry` Rule 6)."""
     if not valid_traceparent(request.traceparent):
         return "", ""
     return request.traceparent, request.tracestate if valid_tracestate(request.tracestate) else ""

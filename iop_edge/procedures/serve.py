@@ -28,7 +28,7 @@ from iop_edge.procedures.takeover import take_over_nodes
 from iop_edge.runtime.lifecycle.handoff import HandoffSender, Windows, receive_handoff
 from iop_edge.runtime.lifecycle.handover import Handover
 from iop_edge.runtime.lifecycle.replicas import ReplicaRoster
-from iop_edge.runtime.metering.usage import UsageLedger
+from iop_edge.runtime.metering.usage_ledger.usage import UsageLedger
 from iop_edge.runtime.nodes.hub import NodeHub
 from iop_edge.runtime.nodes.node_server import NodeServer
 from iop_edge.runtime.runs.dispatch import Dispatcher

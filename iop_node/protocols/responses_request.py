@@ -24,7 +24,7 @@ Rules:
 5. Anything that needs OpenAI's service or its models is refused with the field named:
    server-side tools and their call items, `item_reference` and `conversation` (state
    the Edge did not expand), a `compaction` item another service sealed (the Edge has
-   made IOP's own readable, `iop_edge.core.compaction`), reusable `prompt`s,
+   made IOP's own readable, `iop_edge.core.responses.compaction`), reusable `prompt`s,
    `background` runs, files by id.
 6. Settings with no chat meaning are dropped: `store`, `include`, `metadata`, `user`,
    `prompt_cache_key`, `client_metadata`, `safety_identifier`, `service_tier`,

@@ -12,11 +12,11 @@ import pytest
 import trio
 import trio.testing
 
-from iop_node import runner
 from iop_node.adapters.base import Emit, RunResult
 from iop_node.adapters.ollama import OllamaAdapter
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
 from iop_node.health import HealthMonitor
+from iop_node.runs import runner
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.protocols import CallerProtocol
 from schemas.tokens import estimate_input_tokens, template_tokens, text_tokens

@@ -9,7 +9,7 @@ from typing import Any
 
 import trio
 
-from iop_node.runner import Outbound, RunHandle, execute_run
+from iop_node.runs.runner import Outbound, RunHandle, execute_run
 from schemas.tokens import estimate_input_tokens, template_tokens
 from schemas.wire import Run, RunDone
 from tests.timing import GUARD_S

@@ -19,7 +19,7 @@ import logging
 
 import pytest
 
-from schemas.log_lines import JsonLinesFormatter
+from schemas.runtime.log_lines import JsonLinesFormatter
 from tests.agents.agent_stack import SERVED, TOKEN_REF, AgentStack
 from tests.agents.clis import Outcome
 from tests.agents.script import DONE, MARKER, Call, Protocol, Text

@@ -4,7 +4,7 @@ and goes on, with the settings `docs/agents.md` gives for it.
 The page's Codex config, its provider named as the page's compaction snippet names it,
 makes Codex ask the server to compact (a `compaction_trigger` item ending a streamed
 `/v1/responses` request) instead of summarising by itself; IOP makes the compaction with
-the demo's sim (`core.compaction`). The test lowers Codex's auto-compaction limit so that
+the demo's sim (`core.responses.compaction`). The test lowers Codex's auto-compaction limit so that
 one large tool output crosses it: the turn compacts mid-way and goes on, and a second
 `codex exec resume` turn runs on the compacted history (the compaction item sent back,
 read by IOP) and completes a tool call.

@@ -24,7 +24,7 @@ import pytest
 import trio
 import yaml
 
-from iop_edge.core.tokens import DEMO_NODE_TOKEN
+from iop_edge.core.configuration.tokens import DEMO_NODE_TOKEN
 from tests.agents.clis import Outcome, base_environment, require_cli, run_cli
 from tests.agents.settings import (
     DEMO_CLAUDE,
@@ -172,7 +172,7 @@ async def _run_codex_demo_turn(demo: Demo, *extra: str) -> tuple[Outcome, list[s
 async def test_codex_completes_a_tool_call_against_the_demo(
     demo: Demo, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="iop_node.protocol_run")
+    caplog.set_level(logging.INFO, logger="iop_node.runs.protocol_run")
     outcome, argv = await _run_codex_demo_turn(demo)
 
     _check_turn(outcome, _printed_command(argv))

@@ -16,8 +16,8 @@ from bench.many_tokens import (
     tokens_config,
 )
 from bench.run import build_parser
-from iop_edge.core.config import parse_config
-from iop_edge.core.refresh_plan import plan_apply
+from iop_edge.core.configuration.config import parse_config
+from iop_edge.core.refresh.refresh_plan import plan_apply
 
 
 def test_the_configs_hold_the_tokens_and_limits_and_differ_in_live_limits_only(

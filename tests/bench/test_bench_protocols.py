@@ -36,7 +36,7 @@ from bench.upstream import (
     _answers,
 )
 from bench.upstream_protocols import with_usage
-from iop_node.adapters.prefix_cache import (
+from iop_node.adapters.sim.prefix_cache import (
     PrefillCost,
     PrefixCache,
     common_prefix_chars,

@@ -50,7 +50,7 @@ from bench.run import (
 )
 from bench.targets import check_targets
 from bench.upstream import STAMP_PATTERN, STREAM_CHUNKS, BenchUpstream, stream_events
-from iop_edge.core.config import parse_config
+from iop_edge.core.configuration.config import parse_config
 
 #: Startup of a few Python processes plus a handful of requests, on a slow CI machine.
 SMOKE_GUARD_S = 120

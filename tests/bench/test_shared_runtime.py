@@ -32,7 +32,7 @@ from bench.soak import (
     main,
 )
 from bench.upstream import MAX_STREAM_TOKENS, STREAM_TOKENS, BenchUpstream
-from iop_edge.core.config import parse_config
+from iop_edge.core.configuration.config import parse_config
 from iop_node.health import ACCEPTED_BUT_SILENT
 from tests.timing import GUARD_S
 

@@ -1,4 +1,4 @@
-"""schemas.compat.otlp_http on the installed SDK and OTLP/HTTP exporter: spans IOP
+"""schemas.runtime.compat.otlp_http on the installed SDK and OTLP/HTTP exporter: spans IOP
 encoded go through the SDK's batch processor and the exporter's own client (its headers
 from the environment, its content type), and what arrives at a receiver decodes to the
 spans that ended, as the stock pipeline would have sent them.
@@ -16,9 +16,9 @@ pytest.importorskip(
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from schemas.compat import otlp_http
-from schemas.spans import Tracing, sdk_sampler
-from schemas.telemetry import TraceSettings
+from schemas.runtime.compat import otlp_http
+from schemas.runtime.spans import Tracing, sdk_sampler
+from schemas.runtime.telemetry import TraceSettings
 from tests.timing import GUARD_S
 
 from ..recording_server import RecordingServer, Seen, clear_proxy_env

@@ -18,7 +18,7 @@ import openai
 import trio
 import yaml
 
-from iop_edge.core.config import parse_config
+from iop_edge.core.configuration.config import parse_config
 from iop_edge.edge import Edge, EdgeAddresses
 from iop_edge.runtime.runs.dispatch import RunPlan
 from iop_node.main import run_node

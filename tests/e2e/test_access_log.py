@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from schemas.log_lines import JsonLinesFormatter
+from schemas.runtime.log_lines import JsonLinesFormatter
 from tests.e2e.stack import Stack
 
 SECRET_PROMPT = "the-prompt-must-not-be-logged"

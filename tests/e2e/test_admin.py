@@ -14,7 +14,7 @@ import trio
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
-from iop_edge.core.config import ConfigInvalid, parse_config
+from iop_edge.core.configuration.config import ConfigInvalid, parse_config
 from iop_edge.edge import Edge
 from tests.e2e.stack import NODE_TOKEN_HASH, Stack, edge_config, sim_provider, start_stack
 

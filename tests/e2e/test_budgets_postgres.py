@@ -14,11 +14,11 @@ import time
 import psycopg
 import trio
 
-from iop_edge.core.ledger_url import parse_ledger_url
+from iop_edge.core.configuration.ledger_url import parse_ledger_url
 from iop_edge.runtime.lifecycle.replicas import STALE_AFTER_S
-from iop_edge.runtime.metering.budgets_postgres import DAYS, HOLDS, PostgresBudgets
-from iop_edge.runtime.metering.ledger_postgres import PostgresStore
-from iop_edge.runtime.metering.usage import UsageRecord
+from iop_edge.runtime.metering.usage_ledger.budgets_postgres import DAYS, HOLDS, PostgresBudgets
+from iop_edge.runtime.metering.usage_ledger.ledger_postgres import PostgresStore
+from iop_edge.runtime.metering.usage_ledger.usage import UsageRecord
 from tests.e2e.postgres import PASSWORD_ENV
 
 DAY = 20_000 * 86_400

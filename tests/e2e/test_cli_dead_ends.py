@@ -22,7 +22,7 @@ from rich.console import Console
 
 from iop_edge.cli import build_parser, config_lookup, main
 from iop_edge.cli.console import render_catalog, render_usage, watch_catalog
-from iop_edge.core.tokens import hash_token
+from iop_edge.core.configuration.tokens import hash_token
 from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
 
 REPO = Path(__file__).resolve().parents[2]

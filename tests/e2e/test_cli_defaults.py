@@ -1,6 +1,6 @@
 """What the installed `iop-edge` reads when it is told nothing (`cli.config_lookup`):
 `./edge.yaml`, else `/etc/iop/edge.yaml`, and it says which; and what `check-config`
-warns about in a valid config (`core.exposure`).
+warns about in a valid config (`core.configuration.exposure`).
 
 `/etc/iop/edge.yaml` is a file of the test's own here (the machine's is not ours to
 write); the lookup's order and messages are the same.
@@ -157,8 +157,8 @@ def test_check_config_warns_of_an_open_caller_api_on_other_machines(
 
 def test_a_config_without_openai_listen_is_open_on_every_interface(tmp_path: Path) -> None:
     """The default `openai.listen` is 0.0.0.0:8080: a config that says nothing is warned."""
-    from iop_edge.core.config import parse_config
-    from iop_edge.core.exposure import exposure_warnings
+    from iop_edge.core.configuration.config import parse_config
+    from iop_edge.core.configuration.exposure import exposure_warnings
 
     doc = yaml.safe_load(_config(tmp_path))
     del doc["openai"]["listen"]

@@ -1,4 +1,4 @@
-"""Compaction made with the model (`core.compaction`, `http.compaction`) through a real
+"""Compaction made with the model (`core.responses.compaction`, `http.compaction`) through a real
 Edge and Node, with the `openai` SDK: `responses.compact` against the sim (translated)
 and a fake runtime that speaks Responses natively, the compaction read back on the next
 turn (as input items and through `previous_response_id`), principal-scoped, and a
@@ -15,7 +15,7 @@ import openai
 import pytest
 import trio
 
-from iop_edge.core.compaction import SUMMARY_INSTRUCTION, SUMMARY_PREFIX, unseal
+from iop_edge.core.responses.compaction import SUMMARY_INSTRUCTION, SUMMARY_PREFIX, unseal
 from tests.adapters.fake_upstream import FakeUpstream
 from tests.e2e.stack import (
     Stack,

@@ -72,7 +72,7 @@ async def test_a_translated_run_leaves_hosted_tools_out_and_says_so(
     stream: bool,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="iop_node.protocol_run")
+    caplog.set_level(logging.INFO, logger="iop_node.runs.protocol_run")
     edge, _ = stack
     body = {**BODIES[protocol], "model": "m", "stream": stream}
     async with edge.http() as client:

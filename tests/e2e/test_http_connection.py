@@ -18,7 +18,7 @@ import pytest
 import trio
 import trio.testing
 
-from iop_edge.core.listen import parse_listen_address
+from iop_edge.core.configuration.listen import parse_listen_address
 from iop_edge.http.connection import ChunkedBodyWriter, Connection, current_connection
 from iop_edge.http.server import HttpServer, hypercorn_config
 from iop_edge.runtime.lifecycle.listeners import bind_listener

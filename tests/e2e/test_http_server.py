@@ -15,7 +15,7 @@ import httpx2
 import trio
 import trio.testing
 
-from iop_edge.core.listen import parse_listen_address
+from iop_edge.core.configuration.listen import parse_listen_address
 from iop_edge.http.server import HttpServer, hypercorn_config
 from iop_edge.runtime.lifecycle.listeners import bind_listener
 from tests.e2e.asgi import complete_lifespan

@@ -18,9 +18,9 @@ import trio
 import yaml
 
 from iop_edge.cli import main as edge_cli
-from iop_edge.core.config import parse_config
+from iop_edge.core.configuration.config import parse_config
 from iop_edge.edge import Edge, EdgeStartupError
-from iop_edge.runtime.metering.usage_store import UsageRecord
+from iop_edge.runtime.metering.usage_ledger.usage_store import UsageRecord
 from tests.e2e.postgres import PASSWORD_ENV, Postgres
 from tests.e2e.stack import Stack, edge_config, sim_provider, start_stack
 from tests.timing import GUARD_S
@@ -202,7 +202,7 @@ async def test_a_missing_password_variable_is_named(
 
 
 def test_the_config_refuses_a_password_in_the_ledger_url(tmp_path: Path) -> None:
-    from iop_edge.core.config import ConfigInvalid
+    from iop_edge.core.configuration.config import ConfigInvalid
 
     text = yaml.safe_dump(
         {"edge": {"ledger": "postgresql://iop:hunter2@db.example/iop"}}, sort_keys=False
@@ -250,7 +250,7 @@ async def test_an_outage_is_a_503_two_log_lines_and_nothing_lost(
         await stack.edge.ledger.wait_flushed()
     [row] = await _usage(stack)
     assert row["requests"] == 7
-    lines = [r for r in caplog.records if r.name == "iop_edge.runtime.metering.usage"]
+    lines = [r for r in caplog.records if r.name == "iop_edge.runtime.metering.usage_ledger.usage"]
     began = [r.getMessage() for r in lines if "refuses writes" in r.getMessage()]
     ended = [r.getMessage() for r in lines if "takes writes again" in r.getMessage()]
     assert len(began) == 1 and len(ended) == 1, [r.getMessage() for r in lines]

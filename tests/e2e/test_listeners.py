@@ -9,7 +9,7 @@ import os
 import pytest
 
 from iop_edge.cli import main
-from iop_edge.core.listen import parse_listen_address
+from iop_edge.core.configuration.listen import parse_listen_address
 from iop_edge.runtime.lifecycle.handover import HANDOVER_ENV, Handover, HandoverFailed
 from iop_edge.runtime.lifecycle.listeners import ListenerError, bind_listener
 

@@ -13,10 +13,10 @@ from trio_websocket import (
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, Request
 
-from iop_edge.core.config import parse_config
+from iop_edge.core.configuration.config import parse_config
 from iop_edge.edge import Edge
 from iop_edge.runtime.nodes.hub import PRE_AUTH_MAX_FRAME_BYTES
-from iop_node.backoff import BackoffPolicy
+from iop_node.uplink.backoff import BackoffPolicy
 from schemas import wire
 from tests.e2e.stack import NODE_TOKEN, Stack, one_sim_config, start_stack
 from tests.timing import GUARD_S
@@ -128,7 +128,7 @@ async def test_a_duplicate_node_id_is_named_on_both_sides(
         and "two Nodes share the node id node-1" in line
         for line in edge_lines
     ), edge_lines
-    node_lines = [r.getMessage() for r in caplog.records if r.name == "iop_node.link"]
+    node_lines = [r.getMessage() for r in caplog.records if r.name == "iop_node.uplink.link"]
     assert any("edge ended the session: a new connection" in line for line in node_lines)
     assert all("Endpoint(" not in line for line in edge_lines)
 

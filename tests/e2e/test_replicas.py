@@ -25,8 +25,8 @@ import httpx2
 import trio
 import yaml
 
-from iop_node.edges import EdgeLinks
 from iop_node.main import run_node
+from iop_node.uplink.edges import EdgeLinks
 from tests.e2e.balancer import require_haproxy, start_balancer
 from tests.e2e.processes import MixedLoad, admin_get, start_edge, stop_pid
 from tests.e2e.stack import NODE_TOKEN, NODE_TOKEN_HASH

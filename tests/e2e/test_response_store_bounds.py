@@ -17,7 +17,7 @@ import openai
 import pytest
 import trio
 
-from iop_edge.core.ledger_url import parse_ledger_url
+from iop_edge.core.configuration.ledger_url import parse_ledger_url
 from iop_edge.runtime.metering.ledger import SQLITE_FILE
 from iop_edge.runtime.metering.response_store import ConversationTooLarge, ResponseStore
 from iop_edge.runtime.metering.response_store_postgres import PostgresResponses

@@ -15,7 +15,7 @@ import openai
 import pytest
 import trio
 
-from iop_edge.core.protocol_requests import ResponsesRequest, estimate_responses_tokens
+from iop_edge.core.responses.protocol_requests import ResponsesRequest, estimate_responses_tokens
 from tests.e2e.stack import (
     WAIT_GUARD_S,
     Stack,

@@ -22,9 +22,9 @@ import pytest
 import trio
 import yaml
 
-from iop_edge.core.tokens import hash_token
-from iop_node.edges import EdgeLinks
+from iop_edge.core.configuration.tokens import hash_token
 from iop_node.main import run_node
+from iop_node.uplink.edges import EdgeLinks
 from tests.e2e.processes import (
     MESSAGES,
     MixedLoad,

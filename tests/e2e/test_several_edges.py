@@ -22,10 +22,10 @@ import trio
 import trio.testing
 from trio_websocket import WebSocketConnection
 
-from iop_edge.core.config import parse_config
+from iop_edge.core.configuration.config import parse_config
 from iop_edge.edge import Edge, EdgeAddresses
-from iop_node.edges import EdgeLinks
 from iop_node.main import run_node
+from iop_node.uplink.edges import EdgeLinks
 from schemas import wire
 from tests.e2e.stack import (
     NODE_TOKEN,

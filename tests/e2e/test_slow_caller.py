@@ -10,7 +10,7 @@ import httpx2
 import pytest
 import trio
 
-from iop_node.adapters.sim import MAX_TOKENS
+from iop_node.adapters.sim.adapter import MAX_TOKENS
 from tests.e2e.stack import WAIT_GUARD_S, edge_config, sim_provider, start_stack
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -15,7 +15,7 @@ import trio
 import yaml
 
 from iop_edge.cli import main
-from iop_edge.core.tokens import hash_token
+from iop_edge.core.configuration.tokens import hash_token
 from tests.e2e.stack import start_stack
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from iop_edge.cli import main as edge_cli
-from iop_edge.runtime.metering.usage import UsageRecord
+from iop_edge.runtime.metering.usage_ledger.usage import UsageRecord
 from tests.e2e.stack import one_sim_config, start_stack
 from tests.timing import GUARD_S
 

@@ -13,8 +13,8 @@ import trio
 from trio_websocket import ConnectionRejected, open_websocket_url
 
 from iop_edge.http.server import WRONG_PORT_CODE
-from iop_node.backoff import BackoffPolicy
 from iop_node.main import run_node
+from iop_node.uplink.backoff import BackoffPolicy
 from tests.e2e.stack import NODE_TOKEN, WAIT_GUARD_S, Stack
 
 
@@ -85,8 +85,10 @@ async def test_a_node_pointed_at_the_caller_port_says_what_to_fix(
     stack_one: Stack, nursery: trio.Nursery
 ) -> None:
     caller_port = stack_one.addresses.openai_url.replace("http://", "ws://")
-    waiter = RecordWaiter(lambda r: r.name == "iop_node.link" and "reconnecting" in r.getMessage())
-    logger = logging.getLogger("iop_node.link")
+    waiter = RecordWaiter(
+        lambda r: r.name == "iop_node.uplink.link" and "reconnecting" in r.getMessage()
+    )
+    logger = logging.getLogger("iop_node.uplink.link")
     logger.addHandler(waiter)
     scope = trio.CancelScope()
 

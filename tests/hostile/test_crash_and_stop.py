@@ -15,8 +15,8 @@ import httpx2
 import trio
 import yaml
 
-from iop_edge.runtime.metering.usage import UsageLedger
-from iop_node.adapters.sim import MAX_TOKENS
+from iop_edge.runtime.metering.usage_ledger.usage import UsageLedger
+from iop_node.adapters.sim.adapter import MAX_TOKENS
 from tests.e2e.stack import Stack, start_stack
 from tests.hostile.served_edge import (
     LONG_STREAM,

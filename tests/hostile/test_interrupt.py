@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx2
 import trio
 
-from iop_edge.runtime.metering.usage import UsageLedger
-from schemas.stop_signal import EXIT_INTERRUPTED
+from iop_edge.runtime.metering.usage_ledger.usage import UsageLedger
+from schemas.runtime.stop_signal import EXIT_INTERRUPTED
 from tests.e2e.processes import REPO, start_edge
 from tests.e2e.stack import NODE_TOKEN, WAIT_GUARD_S, one_sim_config, start_stack
 from tests.hostile.served_edge import (

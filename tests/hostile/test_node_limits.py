@@ -12,15 +12,15 @@ import pytest
 import trio
 
 from iop_node.adapters.base import AdapterError
-from iop_node.adapters.sim import (
+from iop_node.adapters.sim.adapter import (
     MAX_EMBEDDING_INPUTS,
     MAX_EMBEDDING_VALUES,
     MAX_TOKENS,
     SimAdapter,
 )
 from iop_node.cli import UsageError, build_parser, resolve_invocation
-from iop_node.link_session import _bounded_frame
-from iop_node.runner import MAX_FAILURE_TEXT, RunHandle, execute_run
+from iop_node.runs.runner import MAX_FAILURE_TEXT, RunHandle, execute_run
+from iop_node.uplink.link_session import _bounded_frame
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.limits import MAX_FRAME_BYTES
 from schemas.wire import (

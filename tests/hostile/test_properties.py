@@ -15,14 +15,14 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from iop_edge.core.config import ConfigInvalid, parse_config
+from iop_edge.core.configuration.config import ConfigInvalid, parse_config
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.responses import ResponsesSurface
 from iop_edge.http.runs import RUN_PATHS, RunEndpoints
 from iop_edge.runtime.metering.metering import Metering
 from iop_edge.runtime.metering.metrics import EdgeMetrics
 from iop_edge.runtime.metering.response_store import ResponseStore, SqliteResponses
-from iop_edge.runtime.metering.usage import UsageLedger
+from iop_edge.runtime.metering.usage_ledger.usage import UsageLedger
 from iop_edge.runtime.nodes.hub import NodeDirectory, NodeHub
 from iop_edge.runtime.runs.dispatch import Dispatcher
 from iop_edge.runtime.runs.scheduler import Scheduler

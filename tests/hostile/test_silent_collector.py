@@ -20,8 +20,8 @@ from iop_edge.runtime.metering.tracing import edge_tracing
 from iop_node.cli import TELEMETRY_FLAGS
 from iop_node.tracing import node_tracing
 from schemas.config import TelemetrySection
-from schemas.spans import Tracing
-from schemas.telemetry import SHUTDOWN_TIMEOUT_S
+from schemas.runtime.spans import Tracing
+from schemas.runtime.telemetry import SHUTDOWN_TIMEOUT_S
 from tests.timing import GUARD_S
 
 pytest.importorskip("opentelemetry.sdk", reason="the `otel` extra is not installed")

@@ -47,7 +47,7 @@ pytestmark = pytest.mark.install
 
 GUIDE = REPO / "docs" / "install.md"
 #: The modules that need the `otel` extra (the OpenTelemetry SDK and OTLP exporter).
-OTEL_MODULES = {"schemas.compat.otlp_http"}
+OTEL_MODULES = {"schemas.runtime.compat.otlp_http"}
 
 # The guide's commands, as it writes them.
 DIST = ".venv/bin/just dist"
@@ -252,7 +252,7 @@ print(json.dumps({"missing": missing, "at": iop_edge.__file__}))
 """
     result = json.loads((await shell.run(f"python - <<'PY'\n{modules}\nPY")).stdout)
     missing: dict[str, str] = result["missing"]
-    assert "iop_edge.runtime.metering.ledger_postgres" in missing
+    assert "iop_edge.runtime.metering.usage_ledger.ledger_postgres" in missing
     extras = {name for name in missing if name.endswith("_postgres")} | OTEL_MODULES
     assert set(missing) == extras
     assert set(missing.values()) == {"psycopg", "opentelemetry"}

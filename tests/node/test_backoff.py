@@ -1,4 +1,4 @@
-"""The reconnect backoff rules (`iop_node.backoff`), tested synchronously."""
+"""The reconnect backoff rules (`iop_node.uplink.backoff`), tested synchronously."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from iop_node.backoff import Backoff, BackoffPolicy
+from iop_node.uplink.backoff import Backoff, BackoffPolicy
 
 
 class _Highest(random.Random):

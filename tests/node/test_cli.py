@@ -281,7 +281,7 @@ def test_example_node_config_is_valid() -> None:
 def test_a_permanent_rejection_exits_3_saying_what_to_fix(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from iop_node.link import EdgeRejected
+    from iop_node.uplink.link import EdgeRejected
 
     async def rejected(
         edge_urls: list[str], node_id: str, token: str, *, edge_dns: list[str], tracing: None

@@ -1,4 +1,4 @@
-"""`iop_node.dial`: what a failed dial raises, by URL and by address (the link reads why
+"""`iop_node.uplink.dial`: what a failed dial raises, by URL and by address (the link reads why
 from it; an exception group would read as a bug)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import trio
 from trio_websocket import ConnectionRejected, HandshakeError
 
-from iop_node.dial import WRONG_PORT_HINT, describe_refused_upgrade, open_edge_websocket
+from iop_node.uplink.dial import WRONG_PORT_HINT, describe_refused_upgrade, open_edge_websocket
 from tests.timing import GUARD_S
 
 LIMITS = {

@@ -1,4 +1,4 @@
-"""Every Edge a Node serves: URLs and the addresses of a DNS name (`iop_node.edges`)."""
+"""Every Edge a Node serves: URLs and the addresses of a DNS name (`iop_node.uplink.edges`)."""
 
 from __future__ import annotations
 

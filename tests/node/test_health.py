@@ -7,9 +7,9 @@ import pytest
 import trio
 import trio.testing
 
-from iop_node.activity import ProviderActivity
 from iop_node.adapters.base import Emit, ProbeTimeout, RunResult
 from iop_node.health import HealthMonitor
+from iop_node.runs.activity import ProviderActivity
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import ModelState, ProviderStatus, Run
 

@@ -6,7 +6,7 @@ import trio
 import trio.testing
 
 from iop_node.host import LinkPort, ProviderHost
-from iop_node.runner import Outbound
+from iop_node.runs.runner import Outbound
 from schemas.config import NodeConfig, ProviderConfig
 from schemas.wire import (
     FailureCode,

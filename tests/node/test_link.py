@@ -1,4 +1,4 @@
-"""The Node's link against a tiny fake Edge on real loopback sockets (`iop_node.link`)."""
+"""The Node's link against a tiny fake Edge on real loopback sockets (`iop_node.uplink.link`)."""
 
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ from trio_websocket import (
 )
 
 from iop_node.adapters.base import Adapter, Emit, RunResult
-from iop_node.backoff import BackoffPolicy
-from iop_node.edges import EdgeLinks
-from iop_node.link import CLOSE_TIMEOUT_S, EdgeRejected
 from iop_node.main import run_node
 from iop_node.registry import create_adapter
+from iop_node.uplink.backoff import BackoffPolicy
+from iop_node.uplink.edges import EdgeLinks
+from iop_node.uplink.link import CLOSE_TIMEOUT_S, EdgeRejected
 from schemas.config import AdapterSettings, NodeConfig, ProviderConfig
 from schemas.wire import (
     FEATURE_PROBE,

@@ -1,4 +1,4 @@
-"""A provider's loads and unloads, one at a time, whoever asks (`iop_node.model_control`)."""
+"""A provider's loads and unloads, one at a time, whoever asks (`iop_node.runs.model_control`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import trio
 import trio.testing
 
 from iop_node.adapters.base import Emit, ModelCommandFailed, RunResult
-from iop_node.model_control import ModelControl
+from iop_node.runs.model_control import ModelControl
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import ModelAction, ProviderStatus, Run
 

@@ -10,11 +10,11 @@ import msgspec
 import trio
 import trio.testing
 
-from iop_node.adapters.sim import SimAdapter
+from iop_node.adapters.sim.adapter import SimAdapter
 from iop_node.health import HealthMonitor
-from iop_node.protocol_run import estimate_prompt_tokens
 from iop_node.protocols import messages_request_to_chat, responses_request_to_chat
-from iop_node.runner import Chunk, Outbound, RunHandle, execute_run
+from iop_node.runs.protocol_run import estimate_prompt_tokens
+from iop_node.runs.runner import Chunk, Outbound, RunHandle, execute_run
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.tokens import estimate_input_tokens, template_tokens, text_tokens
 from schemas.wire import FailureCode, Operation, ProviderStatus, Run, RunDone, RunFailed, Usage

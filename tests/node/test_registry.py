@@ -7,7 +7,7 @@ import trio
 import trio.testing
 
 from iop_node.adapters.base import Emit, RunResult
-from iop_node.adapters.sim import SimAdapter
+from iop_node.adapters.sim.adapter import SimAdapter
 from iop_node.registry import (
     AdapterRegistry,
     RegistryBuildError,

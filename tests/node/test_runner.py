@@ -1,4 +1,4 @@
-"""One run end to end (`iop_node.runner`): every way a run ends gives one terminal answer."""
+"""One run end to end (`iop_node.runs.runner`): every way a run ends gives one terminal answer."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import trio
 import trio.testing
 
-from iop_node.activity import ProviderActivity
 from iop_node.adapters.base import AdapterError, Emit, RunResult
-from iop_node.runner import Chunk, Outbound, RunHandle, execute_run
+from iop_node.runs.activity import ProviderActivity
+from iop_node.runs.runner import Chunk, Outbound, RunHandle, execute_run
 from schemas.config import ProviderConfig
 from schemas.wire import ProviderStatus, Run, RunDone, RunFailed, Usage
 

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from iop_node.adapters.base import AdapterError, RunResult
-from iop_node.adapters.sim import DEFAULT_MAX_TOKENS, EMBEDDING_DIMENSIONS, SimAdapter
+from iop_node.adapters.sim.adapter import DEFAULT_MAX_TOKENS, EMBEDDING_DIMENSIONS, SimAdapter
 from iop_node.reply import ParsedChunk
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.tokens import estimate_input_tokens

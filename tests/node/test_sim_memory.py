@@ -1,4 +1,4 @@
-"""The sim's memory for models (`adapters.sim_memory`): a runtime holding some models."""
+"""The sim's memory for models (`adapters.sim.sim_memory`): a runtime holding some models."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import trio
 import trio.testing
 
 from iop_node.adapters.base import AdapterError, ModelCommandFailed
-from iop_node.adapters.sim import SimAdapter
+from iop_node.adapters.sim.adapter import SimAdapter
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import ModelState, Run
 

@@ -1,6 +1,6 @@
-"""The `sim` adapter's prompt prefix cache (iop_node.adapters.sim_prefill): prefill time
+"""The `sim` adapter's prompt prefix cache (iop_node.adapters.sim.sim_prefill): prefill time
 per uncached token before the first token, the cached tokens in the chat usage, and an
-LRU bounded in tokens (iop_node.adapters.prefix_cache)."""
+LRU bounded in tokens (iop_node.adapters.sim.prefix_cache)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import trio
 
-from iop_node.adapters.prefix_cache import PrefillCost, PrefixCache
-from iop_node.adapters.sim import SimAdapter
+from iop_node.adapters.sim.adapter import SimAdapter
+from iop_node.adapters.sim.prefix_cache import PrefillCost, PrefixCache
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.tokens import estimate_input_tokens
 from schemas.wire import Run

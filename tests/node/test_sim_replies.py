@@ -13,8 +13,8 @@ import msgspec
 import pytest
 import trio
 
-from iop_node.adapters.sim import SimAdapter
-from iop_node.adapters.sim_replies import natural_length, plan_reply, plan_text, schema_instance
+from iop_node.adapters.sim.adapter import SimAdapter
+from iop_node.adapters.sim.sim_replies import natural_length, plan_reply, plan_text, schema_instance
 from iop_node.protocols import messages_request_to_chat, responses_request_to_chat
 from schemas.config import AdapterSettings, ProviderConfig, SimReply
 from schemas.wire import Run

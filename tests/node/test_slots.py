@@ -1,4 +1,4 @@
-"""The Node's run slots across Edge links (`iop_node.slots`)."""
+"""The Node's run slots across Edge links (`iop_node.runs.slots`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from iop_node.slots import Busy, ProviderSlots
+from iop_node.runs.slots import Busy, ProviderSlots
 from schemas.config import ProviderConfig
 from schemas.wire import ProviderLoad
 

@@ -26,7 +26,7 @@ from iop_edge.runtime.metering.access_log import (
 from iop_edge.runtime.metering.activity import Activity
 from iop_edge.runtime.metering.metering import RunRecord
 from schemas import wire
-from schemas.log_lines import (
+from schemas.runtime.log_lines import (
     FIELDS,
     JsonLinesFormatter,
     LineHandler,

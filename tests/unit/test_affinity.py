@@ -1,5 +1,5 @@
-"""Cache affinity's pure rules: the key (core.affinity), the prefix index
-(core.prefix_index) and the load-bounded rendezvous choice (core.pool Rule 7)."""
+"""Cache affinity's pure rules: the key (core.routing.affinity), the prefix index
+(core.routing.prefix_index) and the load-bounded rendezvous choice (core.routing.pool Rule 7)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ from typing import Any
 import msgspec
 import pytest
 
-from iop_edge.core.affinity import (
+from iop_edge.core.responses.response_chain import StoredTurn, continue_body, conversation
+from iop_edge.core.routing.affinity import (
     BLOCKS,
     MAX_SESSION_CHARS,
     affinity_of,
     rendezvous_order,
     session_header,
 )
-from iop_edge.core.pool import Grant, Preference, ProviderView, decide
-from iop_edge.core.prefix_index import PrefixIndex
-from iop_edge.core.response_chain import StoredTurn, continue_body, conversation
+from iop_edge.core.routing.pool import Grant, Preference, ProviderView, decide
+from iop_edge.core.routing.prefix_index import PrefixIndex
 
 SYSTEM = {"role": "system", "content": "You are a careful coding agent."}
 TOOLS = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
@@ -132,7 +132,7 @@ def test_a_responses_continuation_keeps_its_chains_key() -> None:
     first = {"model": "m", "instructions": "be brief", "input": "hello", "store": True}
     turn_one = affinity_of("responses", first, {}, principal="alice", model="m")
     # the Edge stores the request's items and the output as JSON, and rebuilds the
-    # conversation from them (core.response_chain)
+    # conversation from them (core.responses.response_chain)
     encode = msgspec.json.encode
     stored = StoredTurn(
         id="resp_1",

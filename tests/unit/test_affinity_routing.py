@@ -11,7 +11,7 @@ from typing import Any
 import trio
 import trio.testing
 
-from iop_edge.core.affinity import Affinity, affinity_of, rendezvous_order
+from iop_edge.core.routing.affinity import Affinity, affinity_of, rendezvous_order
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.runs.lease import Lease
 from iop_edge.runtime.runs.scheduler import Scheduler

@@ -1,4 +1,4 @@
-"""`iop_edge.core.blame`: what a failure says about its provider, and what the request
+"""`iop_edge.core.routing.blame`: what a failure says about its provider, and what the request
 does next, rule by rule (the dispatcher's end-to-end behaviour is pinned in
 tests/e2e/test_upstream_failures.py and test_runtime_realism.py)."""
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from iop_edge.core.blame import (
+from iop_edge.core.routing.blame import (
     MAX_REMEMBERED_REQUESTS,
     Attempts,
     Next,

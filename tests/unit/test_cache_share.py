@@ -1,10 +1,10 @@
-"""`core.cache_share`: each provider's recent cached share of its prompt tokens."""
+"""`core.routing.cache_share`: each provider's recent cached share of its prompt tokens."""
 
 from __future__ import annotations
 
 import pytest
 
-from iop_edge.core.cache_share import DECAY, HALF_LIFE_RUNS, CacheShares
+from iop_edge.core.routing.cache_share import DECAY, HALF_LIFE_RUNS, CacheShares
 
 
 def test_a_provider_never_measured_has_no_share() -> None:

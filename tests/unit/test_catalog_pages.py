@@ -1,5 +1,5 @@
 """`GET /catalog` at fleet size: the query (`core.catalog_query`) and the answer written a
-slice at a time (`http.catalog_stream`), against a real scheduler of a generated pool."""
+slice at a time (`http.admin_api.catalog_stream`), against a real scheduler of a generated pool."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import trio
 
 from iop_edge.core.catalog_query import MAX_LIMIT, CatalogQuery, CatalogQueryError
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.catalog_stream import SCAN, SLICE, catalog_chunks
+from iop_edge.http.admin_api.catalog_stream import SCAN, SLICE, catalog_chunks
 from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas.catalog import Catalog
 from schemas.config import EdgeConfig, ModelEntry, NodeEntry, ProviderConfig

@@ -1,4 +1,4 @@
-"""`core.compaction`: IOP's compaction items seal a summary and read back; in an input
+"""`core.responses.compaction`: IOP's compaction items seal a summary and read back; in an input
 they become the summary as a user message, the items they replace dropped."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from iop_edge.core.compaction import (
+from iop_edge.core.responses.compaction import (
     SUMMARY_INSTRUCTION,
     SUMMARY_PREFIX,
     CompactionUnreadable,

@@ -1,4 +1,5 @@
-"""Tests for `iop_edge.core.config` (design §2) and `iop_edge.core.tokens`.
+"""Tests for `iop_edge.core.configuration.config` (design §2) and
+`iop_edge.core.configuration.tokens`.
 
 Each validation rule has its own test, built from one small valid config (`valid()`) with
 exactly one mistake, asserting the exact path and a fragment of the message. Removing a
@@ -15,15 +16,15 @@ from typing import Any
 import pytest
 import yaml
 
-from iop_edge.core.config import (
+from iop_edge.core.configuration.config import (
     ConfigInvalid,
     ParsedConfig,
     format_errors,
     load_config,
     parse_config,
 )
-from iop_edge.core.listen import ListenAddress, parse_listen_address
-from iop_edge.core.tokens import hash_token, tokens_match
+from iop_edge.core.configuration.listen import ListenAddress, parse_listen_address
+from iop_edge.core.configuration.tokens import hash_token, tokens_match
 from schemas.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "iop_edge" / "examples"

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from iop_edge.core.config import ConfigInvalid, parse_config
-from iop_edge.core.host import node_tls_context
-from schemas import safe_yaml
+from iop_edge.core.configuration.config import ConfigInvalid, parse_config
+from iop_edge.core.configuration.host import node_tls_context
 from schemas.config import DEFAULT_MAX_TOKENS_LIMIT, TlsSection
 from schemas.limits import MAX_PAYLOAD_BYTES
+from schemas.runtime import safe_yaml
 from tests.unit.test_config import valid
 
 

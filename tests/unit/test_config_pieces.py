@@ -1,4 +1,5 @@
-"""Tests for `iop_edge.core.config_pieces` and reading a refresh candidate by its pieces.
+"""Tests for `iop_edge.core.configuration.config_pieces` and reading a refresh candidate by its
+pieces.
 
 A candidate read against the last valid config's proof parses only the Node entries
 whose text changed. That must give exactly what reading the whole text gives: the same
@@ -15,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from iop_edge.core import config as config_module
-from iop_edge.core.config import ConfigInvalid, ParsedConfig, parse_config
-from iop_edge.core.config_pieces import cut, entries_in_place
-from iop_edge.core.config_proof import ConfigProof, entry_key
-from iop_edge.core.tokens import DEMO_NODE_TOKEN_SHA256, hash_token
+from iop_edge.core.configuration import config as config_module
+from iop_edge.core.configuration.config import ConfigInvalid, ParsedConfig, parse_config
+from iop_edge.core.configuration.config_pieces import cut, entries_in_place
+from iop_edge.core.configuration.config_proof import ConfigProof, entry_key
+from iop_edge.core.configuration.tokens import DEMO_NODE_TOKEN_SHA256, hash_token
 from schemas.config import EdgeConfig
 
 HASH = hash_token("pieces-node-token")

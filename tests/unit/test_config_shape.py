@@ -1,4 +1,5 @@
-"""Tests for `iop_edge.core.config_shape`: the schema walker that reports every misfit.
+"""Tests for `iop_edge.core.configuration.config_shape`: the schema walker that reports every
+misfit.
 
 The schemas here are small ones written for the test, so each test shows one habit of the
 walker without the Edge's rules in the way (those are covered in `test_config.py`).
@@ -12,7 +13,7 @@ import msgspec
 import pytest
 from msgspec import Meta
 
-from iop_edge.core.config_shape import (
+from iop_edge.core.configuration.config_shape import (
     LeafWording,
     check_shape,
     error_from_msgspec,

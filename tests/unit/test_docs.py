@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from iop_edge.core.config_reference import config_key_paths, json_schema
+from iop_edge.core.configuration.config_reference import config_key_paths, json_schema
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])

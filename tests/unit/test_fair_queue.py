@@ -21,7 +21,7 @@ import trio
 from trio.testing import MockClock, wait_all_tasks_blocked
 
 from bench.fair_share import one_model_pool, work_share
-from iop_edge.core.run_work import EXPECTED_OUTPUT_CAP, run_work
+from iop_edge.core.routing.run_work import EXPECTED_OUTPUT_CAP, run_work
 from iop_edge.runtime.runs.admission_errors import ConcurrencyLimited, QueueTimeout
 from iop_edge.runtime.runs.fair_queue import FairQueue
 from iop_edge.runtime.runs.scheduler import Scheduler

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from iop_edge.core.config import parse_config
+from iop_edge.core.configuration.config import parse_config
 from iop_edge.edge import Edge
 from iop_edge.runtime.nodes.heartbeat import PINGS_PER_S, fleet_interval
 

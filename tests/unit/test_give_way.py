@@ -1,5 +1,5 @@
 """Work in a worker thread steps aside while the event loop beside it is busy
-(`schemas.give_way`, `runtime.refresh.off_loop`)."""
+(`schemas.runtime.give_way`, `runtime.refresh.off_loop`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import trio
 
 from iop_edge.runtime.refresh import off_loop
-from schemas import give_way as give_way_module
-from schemas.give_way import MAX_WAIT_S, RELEASE_ITEMS, Gate, free_graph_in_pieces, give_way
+from schemas.runtime import give_way as give_way_module
+from schemas.runtime.give_way import MAX_WAIT_S, RELEASE_ITEMS, Gate, free_graph_in_pieces, give_way
 
 
 class _Clock:

@@ -1,10 +1,10 @@
-"""`edge.ledger` (`iop_edge.core.ledger_url`): where the usage ledger lives."""
+"""`edge.ledger` (`iop_edge.core.configuration.ledger_url`): where the usage ledger lives."""
 
 from __future__ import annotations
 
 import pytest
 
-from iop_edge.core.ledger_url import PostgresUrl, parse_ledger_url
+from iop_edge.core.configuration.ledger_url import PostgresUrl, parse_ledger_url
 
 
 def test_a_postgres_url_names_its_parts() -> None:

@@ -19,8 +19,8 @@ import pytest
 import trio
 import yaml
 
-from iop_edge.core import refresh_plan
-from iop_edge.core.config import parse_config
+from iop_edge.core.configuration.config import parse_config
+from iop_edge.core.refresh import refresh_plan
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.refresh import off_loop
 from iop_edge.runtime.refresh import refresh as refresh_module
@@ -28,8 +28,8 @@ from iop_edge.runtime.refresh.audit import AuditLog
 from iop_edge.runtime.refresh.refresh import Refresher
 from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas.config import NodeConfig
-from schemas.give_way import free_graph_in_pieces
 from schemas.refresh import RefreshRequest
+from schemas.runtime.give_way import free_graph_in_pieces
 from schemas.wire import RefreshAck
 
 NODES = 2000

@@ -23,16 +23,16 @@ import pytest
 import trio
 import yaml
 
-from iop_edge.core import config as config_module
-from iop_edge.core import config_rules
-from iop_edge.core.config import ConfigInvalid, parse_config
-from iop_edge.core.config_shape import CHUNK_ITEMS, convert, release_long_lists
+from iop_edge.core.configuration import config as config_module
+from iop_edge.core.configuration import config_rules
+from iop_edge.core.configuration.config import ConfigInvalid, parse_config
+from iop_edge.core.configuration.config_shape import CHUNK_ITEMS, convert, release_long_lists
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.refresh.audit import AuditLog
 from iop_edge.runtime.refresh.refresh import Refresher
-from schemas import safe_yaml
-from schemas.give_way import RELEASE_ITEMS
 from schemas.refresh import RefreshRequest
+from schemas.runtime import safe_yaml
+from schemas.runtime.give_way import RELEASE_ITEMS
 from tests.unit.test_loop_hold import LOOP_HOLD_BOUND_S, FleetEdge, LongestStep
 
 MODELS = ["chat-small", "chat-large", "code"]

@@ -1,6 +1,6 @@
 """Native first (design §14): a Messages or Responses run goes to a provider that speaks its
 protocol natively, and to one whose Node would translate it only when no native provider
-can take it now. The pure rule (`core.pool` Rule 4) and the scheduler's side of it: what
+can take it now. The pure rule (`core.routing.pool` Rule 4) and the scheduler's side of it: what
 a provider speaks (the Node's report, else its config), queued waiters per protocol, and
 the catalog."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from iop_edge.core.pool import Grant, ProviderView, decide
+from iop_edge.core.routing.pool import Grant, ProviderView, decide
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.runs.lease import Lease
 from iop_edge.runtime.runs.scheduler import Scheduler

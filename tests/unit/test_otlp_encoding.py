@@ -1,5 +1,5 @@
 """IOP's OTLP encoder writes the message the exporter's own encoder builds, and its spans
-follow the SDK's sampling rules (`schemas.otlp_encoding`, `schemas.spans`)."""
+follow the SDK's sampling rules (`schemas.runtime.otlp_encoding`, `schemas.runtime.spans`)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from schemas.compat.otlp_http import readable_span, trace_request
-from schemas.otlp_encoding import encode_span
-from schemas.spans import (
+from schemas.runtime.compat.otlp_http import readable_span, trace_request
+from schemas.runtime.otlp_encoding import encode_span
+from schemas.runtime.spans import (
     Parent,
     SharedSets,
     SpanRecorder,
@@ -33,7 +33,7 @@ from schemas.spans import (
     remote_parent,
     sdk_sampler,
 )
-from schemas.telemetry import TraceSettings
+from schemas.runtime.telemetry import TraceSettings
 
 RESOURCE = Resource.create({"service.name": "svc", "service.instance.id": "edge/1"})
 SCOPE = InstrumentationScope("iop", "9.9")

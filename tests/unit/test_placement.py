@@ -1,14 +1,15 @@
-"""Where models are loaded and runs go for them (design §18.4): `core.placement` (the
-operator's loads), pool Rule 8 (runs) and `core.holdings` (the Edge's account): pure rules."""
+"""Where models are loaded and runs go for them (design §18.4): `core.routing.placement` (the
+operator's loads), pool Rule 8 (runs) and `core.routing.holdings` (the Edge's account): pure
+rules."""
 
 from __future__ import annotations
 
 from functools import partial
 from typing import Any
 
-from iop_edge.core.holdings import Holdings
-from iop_edge.core.placement import choose_load, holders_of
-from iop_edge.core.pool import Grant, ProviderView, Refuse, Wait, decide
+from iop_edge.core.routing.holdings import Holdings
+from iop_edge.core.routing.placement import choose_load, holders_of
+from iop_edge.core.routing.pool import Grant, ProviderView, Refuse, Wait, decide
 from schemas.catalog import CatalogLifecycle, CatalogProvider
 from schemas.wire import ModelLoadState, ModelState
 
@@ -150,7 +151,7 @@ def test_a_provider_that_cannot_load_is_passed_over_and_failed_ones_are_named() 
     )
 
 
-# --- core.holdings: the Edge's account between reports ----------------------------------------
+# --- core.routing.holdings: the Edge's account between reports ------------------------------------
 
 
 def _states(**states: str) -> list[ModelState]:

@@ -1,4 +1,5 @@
-"""The pure pool rules (iop_edge.core.pool): eligibility, admission, ranking, passive health.
+"""The pure pool rules (iop_edge.core.routing.pool): eligibility, admission, ranking, passive
+health.
 
 No Trio here: every rule is a function of immutable views, so the tests just call it.
 """
@@ -12,7 +13,7 @@ from fractions import Fraction
 import pytest
 from msgspec.structs import replace
 
-from iop_edge.core.pool import (
+from iop_edge.core.routing.pool import (
     Grant,
     PassiveHealth,
     ProviderView,

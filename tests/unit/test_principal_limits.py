@@ -16,7 +16,7 @@ from rich.console import Console
 from trio.testing import MockClock, wait_all_tasks_blocked
 
 from iop_edge.cli.console import render_usage
-from iop_edge.core.config import ConfigInvalid, parse_config
+from iop_edge.core.configuration.config import ConfigInvalid, parse_config
 from iop_edge.core.principals import (
     SECONDS_PER_DAY,
     Bucket,
@@ -26,8 +26,8 @@ from iop_edge.core.principals import (
     format_reset,
     minute_share,
 )
-from iop_edge.core.refresh_diff import compare_configs, live_subset, live_subset_errors
-from iop_edge.core.refresh_plan import plan_apply
+from iop_edge.core.refresh.refresh_diff import compare_configs, live_subset, live_subset_errors
+from iop_edge.core.refresh.refresh_plan import plan_apply
 from iop_edge.http.rate_limit_headers import rate_limit_headers
 from iop_edge.runtime.runs.limits import (
     BUDGET_SYNC_S,

@@ -1,4 +1,5 @@
-"""What the Edge reads of Messages and Responses requests (iop_edge.core.protocol_requests):
+"""What the Edge reads of Messages and Responses requests
+(iop_edge.core.responses.protocol_requests):
 the views' checks and the input token estimate that long-context admission uses."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from iop_edge.core.protocol_requests import (
+from iop_edge.core.responses.protocol_requests import (
     CountTokensRequest,
     MessagesRequest,
     ResponsesRequest,

@@ -1,4 +1,4 @@
-"""Readiness rules (`iop_edge.core.readiness`)."""
+"""Readiness rules (`iop_edge.core.routing.readiness`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from iop_edge.core.readiness import readiness
+from iop_edge.core.routing.readiness import readiness
 from schemas.catalog import Catalog, CatalogModel, CatalogProvider
 
 

@@ -14,7 +14,7 @@ import trio
 import trio.testing
 import yaml
 
-from iop_edge.core.config import ParsedConfig, parse_config
+from iop_edge.core.configuration.config import ParsedConfig, parse_config
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.refresh.audit import AuditLog, write_config_atomically
 from iop_edge.runtime.refresh.push import PUSH_RATE_PER_S, RETRY_NOTE

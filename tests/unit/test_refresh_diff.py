@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from iop_edge.core.refresh_diff import (
+from iop_edge.core.refresh.refresh_diff import (
     compare_configs,
     live_subset,
     live_subset_errors,

@@ -1,4 +1,4 @@
-"""Continuing a stored Responses conversation (iop_edge.core.response_chain): the order of
+"""Continuing a stored Responses conversation (iop_edge.core.responses.response_chain): the order of
 turns, broken chains, and the body sent on in place of `previous_response_id`."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from iop_edge.core.response_chain import (
+from iop_edge.core.responses.response_chain import (
     MAX_CHAIN,
     ChainBroken,
     StoredTurn,

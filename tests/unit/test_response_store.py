@@ -13,7 +13,7 @@ import pytest
 import trio
 import yaml
 
-from iop_edge.core.config import parse_config
+from iop_edge.core.configuration.config import parse_config
 from iop_edge.runtime.metering.response_store import (
     ChainBroken,
     ConversationTooLarge,

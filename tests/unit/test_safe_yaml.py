@@ -1,4 +1,4 @@
-"""`schemas.safe_yaml`: libyaml's parser and the pure-Python fallback hold the same rules.
+"""`schemas.runtime.safe_yaml`: libyaml's parser and the pure-Python fallback hold the same rules.
 
 The fast path composes in libyaml and checks the depth on the composed graph; the
 fallback checks it while composing. Every rule is asserted on both, at its boundary, so
@@ -14,8 +14,8 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from iop_edge.core.config import ConfigInvalid, parse_config
-from schemas import safe_yaml
+from iop_edge.core.configuration.config import ConfigInvalid, parse_config
+from schemas.runtime import safe_yaml
 
 #: Why the libyaml tests skip, and how to get it.
 NO_LIBYAML = (

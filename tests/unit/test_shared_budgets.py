@@ -1,5 +1,5 @@
 """Budgets reserved in a ledger replicas share, from the limiter's side (limits Rule 7,
-`metering.shared_budgets`): a refused reservation costs nothing, settlements reach the
+`metering.usage_ledger.shared_budgets`): a refused reservation costs nothing, settlements reach the
 store added up and are retried, and a store that does not answer refuses nobody.
 
 The store is a fake with the `BudgetStore` methods; the real one is tested against
@@ -15,8 +15,8 @@ import pytest
 import trio
 
 from iop_edge.core.principals import SECONDS_PER_DAY, PrincipalPolicies
-from iop_edge.runtime.metering import shared_budgets
-from iop_edge.runtime.metering.shared_budgets import SharedBudgets
+from iop_edge.runtime.metering.usage_ledger import shared_budgets
+from iop_edge.runtime.metering.usage_ledger.shared_budgets import SharedBudgets
 from iop_edge.runtime.runs.limits import LimitExceeded, PrincipalLimiter
 from schemas.config import PrincipalLimits
 from tests.timing import GUARD_S

@@ -1,4 +1,4 @@
-"""Trace settings (`schemas.telemetry`): off by default, the config over the standard
+"""Trace settings (`schemas.runtime.telemetry`): off by default, the config over the standard
 `OTEL_*` variables, errors that name the setting; the GenAI vocabulary; and tracing that
 is off costs no OpenTelemetry import."""
 
@@ -12,11 +12,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from iop_edge.core.config import ConfigInvalid, parse_config
+from iop_edge.core.configuration.config import ConfigInvalid, parse_config
 from iop_node.cli import TELEMETRY_FLAGS, build_parser, resolve_invocation
 from schemas.config import AdapterSettings, ProviderConfig, TelemetrySection
-from schemas.spans import start_tracing
-from schemas.telemetry import (
+from schemas.runtime.spans import start_tracing
+from schemas.runtime.telemetry import (
     TelemetryError,
     TelemetryUnavailable,
     TraceSettings,
@@ -230,7 +230,7 @@ def test_tracing_without_the_sdk_says_which_extra_to_install(
     # As when the package is absent: importing it fails (and the module that uses it is
     # imported afresh, as in a process that never traced).
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace.export", None)
-    monkeypatch.delitem(sys.modules, "schemas.compat.otlp_http", raising=False)
+    monkeypatch.delitem(sys.modules, "schemas.runtime.compat.otlp_http", raising=False)
     with pytest.raises(
         TelemetryUnavailable, match=r"OTEL_EXPORTER_OTLP_ENDPOINT.*iop-gateway\[otel\]"
     ):

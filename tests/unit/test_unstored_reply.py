@@ -1,12 +1,12 @@
 """A Responses reply whose response was not stored says `store: false`
-(iop_edge.core.unstored_reply): only `store` changes, every other member is the JSON it
+(iop_edge.core.responses.unstored_reply): only `store` changes, every other member is the JSON it
 was, and what is not a response is left alone."""
 
 from __future__ import annotations
 
 import json
 
-from iop_edge.core.unstored_reply import unstored_body, unstored_events
+from iop_edge.core.responses.unstored_reply import unstored_body, unstored_events
 
 RESPONSE = (
     b'{"id":"resp_1","store":true,'

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import trio
 
-from iop_edge.runtime.metering.usage import UsageLedger
+from iop_edge.runtime.metering.usage_ledger.usage import UsageLedger
 from tests.timing import GUARD_S
 from tests.unit.usage_records import usage_record
 
@@ -168,7 +168,7 @@ async def test_a_live_ledgers_journal_is_left_alone(tmp_path: Path) -> None:
 async def test_segments_rotate_and_are_deleted_once_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("iop_edge.runtime.metering.journal.ROTATE_BYTES", 600)
+    monkeypatch.setattr("iop_edge.runtime.metering.usage_ledger.journal.ROTATE_BYTES", 600)
     path = tmp_path / "usage.sqlite3"
     ledger = UsageLedger(path)
     async with trio.open_nursery() as nursery:

@@ -10,9 +10,9 @@ from pathlib import Path
 import msgspec
 import trio
 
-from iop_edge.runtime.metering.ledger_schema import PRINCIPAL_INDEX_NAME
-from iop_edge.runtime.metering.usage import UsageLedger
-from iop_edge.runtime.metering.usage_store import UsageRecord
+from iop_edge.runtime.metering.usage_ledger.ledger_schema import PRINCIPAL_INDEX_NAME
+from iop_edge.runtime.metering.usage_ledger.usage import UsageLedger
+from iop_edge.runtime.metering.usage_ledger.usage_store import UsageRecord
 from tests.unit.usage_records import usage_record
 
 #: The table, and the index, as an Edge from before `cached_tokens` left them.
@@ -78,7 +78,7 @@ def test_a_journal_line_from_before_the_field_reads_as_no_cached_tokens() -> Non
 
 def test_a_report_says_cached_tokens_even_when_there_are_none() -> None:
     """`GET /usage` rows always carry the count: 0 is an answer, not a missing field."""
-    from iop_edge.runtime.metering.usage_store import UsageRow
+    from iop_edge.runtime.metering.usage_ledger.usage_store import UsageRow
 
     row = UsageRow(
         requests=1,

@@ -12,8 +12,8 @@ import msgspec
 import pytest
 import trio
 
-from iop_edge.runtime.metering.journal import UsageJournal
-from iop_edge.runtime.metering.usage import UsageLedger
+from iop_edge.runtime.metering.usage_ledger.journal import UsageJournal
+from iop_edge.runtime.metering.usage_ledger.usage import UsageLedger
 from tests.small_disk import SmallDisk, small_disk
 from tests.timing import GUARD_S
 from tests.unit.usage_records import usage_record

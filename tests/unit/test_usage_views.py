@@ -13,9 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from iop_edge.runtime.metering.ledger_sqlite import SqliteStore
-from iop_edge.runtime.metering.usage import UsageLedger
-from iop_edge.runtime.metering.usage_store import UsageSelection, aggregate_sql, encode_cursor
+from iop_edge.runtime.metering.usage_ledger.ledger_sqlite import SqliteStore
+from iop_edge.runtime.metering.usage_ledger.usage import UsageLedger
+from iop_edge.runtime.metering.usage_ledger.usage_store import (
+    UsageSelection,
+    aggregate_sql,
+    encode_cursor,
+)
 
 COLUMNS = ["principal_ref", "token_ref", "model"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from iop_edge.runtime.metering.usage_store import UsageRecord
+from iop_edge.runtime.metering.usage_ledger.usage_store import UsageRecord
 
 __all__ = ["usage_record"]
 

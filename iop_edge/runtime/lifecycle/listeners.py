@@ -24,7 +24,7 @@ import socket
 from dataclasses import dataclass
 from typing import Literal
 
-from iop_edge.core.listen import ListenAddress
+from iop_edge.core.configuration.listen import ListenAddress
 
 __all__ = ["Listener", "ListenerError", "Role", "adopt_listener", "bind_listener"]
 

@@ -40,7 +40,7 @@ import msgspec
 import trio
 
 from iop_edge.runtime.metering.metering import RunRecord
-from schemas.log_lines import FIELDS, LineHandler, sole_handler
+from schemas.runtime.log_lines import FIELDS, LineHandler, sole_handler
 
 __all__ = ["ACCESS_LOGGER", "HOLD_S", "AccessLog", "RefusedRequest", "access_fields", "logfmt"]
 

@@ -25,7 +25,7 @@ instrumentation would see them (minus the network to the caller).
 Labels: `gen_ai_operation_name` (chat, text_completion, embeddings, count_tokens; Anthropic
 Messages and OpenAI Responses are chat), `gen_ai_request_model` (the model alias the
 caller asked for), `gen_ai_provider_name` (the provider's type, or the conventions'
-well-known name of a hosted API: `schemas.telemetry.provider_name`) and `iop_provider_id`
+well-known name of a hosted API: `schemas.runtime.telemetry.provider_name`) and `iop_provider_id`
 (which provider of the pool). Only successful streams are timed per token (a whole
 answer has no first token to time); failures count in the operation's duration with
 their `error_type`.
@@ -39,7 +39,7 @@ from typing import Final
 from prometheus_client import CollectorRegistry
 
 from iop_edge.runtime.metering.series import HistogramSeries
-from schemas.telemetry import OPERATION_NAMES
+from schemas.runtime.telemetry import OPERATION_NAMES
 from schemas.wire import Usage
 
 __all__ = ["GenAIMetrics"]

@@ -1,4 +1,5 @@
-"""Which usage ledger an Edge keeps, from `edge.ledger` (design §7, §13; `core.ledger_url`).
+"""Which usage ledger an Edge keeps, from `edge.ledger` (design §7, §13;
+`core.configuration.ledger_url`).
 
 - Not set: `UsageLedger`, SQLite at `<state_dir>/usage.sqlite3` (one Edge, or replicas on
   one host sharing a `state_dir`: SQLite takes writers of several processes in turn).
@@ -20,14 +21,14 @@ from pathlib import Path
 
 import trio
 
-from iop_edge.core.ledger_url import parse_ledger_url
+from iop_edge.core.configuration.ledger_url import parse_ledger_url
 from iop_edge.runtime.lifecycle.replicas import ReplicaStore, SqliteReplicaStore
 from iop_edge.runtime.metering import state_dir as state_dirs
-from iop_edge.runtime.metering.ledger_sqlite import SqliteStore
 from iop_edge.runtime.metering.response_store import ResponseBackend, SqliteResponses
-from iop_edge.runtime.metering.shared_budgets import BudgetStore
-from iop_edge.runtime.metering.usage import UsageLedger
-from iop_edge.runtime.metering.usage_store import LedgerStore, LedgerUnavailable
+from iop_edge.runtime.metering.usage_ledger.ledger_sqlite import SqliteStore
+from iop_edge.runtime.metering.usage_ledger.shared_budgets import BudgetStore
+from iop_edge.runtime.metering.usage_ledger.usage import UsageLedger
+from iop_edge.runtime.metering.usage_ledger.usage_store import LedgerStore, LedgerUnavailable
 from schemas.config import ConfigError, EdgeSection
 
 __all__ = ["LedgerChoice", "LedgerUnavailable", "choose_ledger"]
@@ -97,11 +98,8 @@ def choose_ledger(edge: EdgeSection) -> LedgerChoice:
         )
     url = parse_ledger_url(edge.ledger)
     try:
-        from iop_edge.runtime.metering import (
-            budgets_postgres,
-            ledger_postgres,
-            response_store_postgres,
-        )
+        from iop_edge.runtime.metering import response_store_postgres
+        from iop_edge.runtime.metering.usage_ledger import budgets_postgres, ledger_postgres
     except ImportError:
         raise LedgerUnavailable(
             "edge.ledger is a PostgreSQL URL, which needs the psycopg package: "

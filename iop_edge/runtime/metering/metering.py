@@ -3,7 +3,7 @@
 A run hands its `RunRecord` here exactly once, whatever ended it (see `dispatch.Run`).
 Every record is counted in the metrics; a record with a provider (the run reached one)
 is also written to the usage ledger, and its runtime's reported cached prompt tokens
-count in that provider's recent cached share (`core.cache_share`, the catalog's). A
+count in that provider's recent cached share (`core.routing.cache_share`, the catalog's). A
 request refused before it named a model the Edge knows (bad JSON, bad token, unknown
 model) is counted as a refusal only.
 """
@@ -14,10 +14,10 @@ import time
 
 import msgspec
 
-from iop_edge.core.cache_share import CacheShares
+from iop_edge.core.routing.cache_share import CacheShares
 from iop_edge.runtime.metering.metrics import EdgeMetrics
-from iop_edge.runtime.metering.usage import UsageLedger
-from iop_edge.runtime.metering.usage_store import UsageRecord
+from iop_edge.runtime.metering.usage_ledger.usage import UsageLedger
+from iop_edge.runtime.metering.usage_ledger.usage_store import UsageRecord
 from schemas import wire
 from schemas.protocols import CallerProtocol
 

@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 from iop_edge.runtime.metering.genai_metrics import GenAIMetrics
 from iop_edge.runtime.metering.response_store import StoreStatistics
 from iop_edge.runtime.metering.series import CounterSeries, HistogramSeries
-from iop_edge.runtime.metering.usage import LedgerStatistics
+from iop_edge.runtime.metering.usage_ledger.usage import LedgerStatistics
 from schemas.catalog import Catalog
 from schemas.wire import Usage, UsageSource
 

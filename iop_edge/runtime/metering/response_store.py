@@ -3,7 +3,7 @@
 A Responses request with `store: true` (the protocol's default) leaves its response here:
 the request's own input items and the final response object its Node returned
 (`run.keep_output`). A later request naming it as `previous_response_id` is sent on with
-the whole conversation (`core.response_chain`); `GET /v1/responses/{id}` returns it and
+the whole conversation (`core.responses.response_chain`); `GET /v1/responses/{id}` returns it and
 `DELETE` removes it. The store lives in the usage ledger's database: a table beside the
 usage records in the SQLite file in `state_dir`, or in the PostgreSQL database Edge
 replicas share, so a conversation goes on across restarts and across replicas.
@@ -65,7 +65,7 @@ from typing import Any, Final, Literal, Protocol, TypeVar
 import msgspec
 import trio
 
-from iop_edge.core.response_chain import (
+from iop_edge.core.responses.response_chain import (
     MAX_CHAIN,
     ChainBroken,
     ConversationTooLarge,

@@ -15,10 +15,14 @@ from typing import Any, Final
 
 import psycopg
 
-from iop_edge.core.ledger_url import PostgresUrl
-from iop_edge.core.response_chain import MAX_CHAIN
-from iop_edge.runtime.metering.ledger_postgres import SCHEMA_LOCK, LedgerUnavailable, connect
+from iop_edge.core.configuration.ledger_url import PostgresUrl
+from iop_edge.core.responses.response_chain import MAX_CHAIN
 from iop_edge.runtime.metering.response_store import ChainRow, ResponseRow, Tally
+from iop_edge.runtime.metering.usage_ledger.ledger_postgres import (
+    SCHEMA_LOCK,
+    LedgerUnavailable,
+    connect,
+)
 
 __all__ = ["PostgresResponses"]
 

@@ -11,7 +11,7 @@ node, which attempt), `iop.not_admitted` when it did not (queue full, queue time
 principal's limit), `iop.attempt_failed` for an attempt that failed before its first
 byte (the failure code) and `iop.failover` when another provider gets the run, with the
 code that sent it there. When the run ends, its metering record gives the GenAI
-attributes (`schemas.telemetry` has the vocabulary): operation, provider name, the alias
+attributes (`schemas.runtime.telemetry` has the vocabulary): operation, provider name, the alias
 asked for, `max_tokens`, the usage and where it came from, plus IOP's own: principal,
 provider id, node id, caller protocol. The Edge relays the provider's bytes without
 reading them, so what only the output says (the response model, the finish reasons) is
@@ -25,10 +25,10 @@ Rules:
    so the Node drops its spans too) and records nothing: each method returns at once.
 3. Attributes hold names, ids, counts and codes; never a prompt, a completion, a token or
    a credential (the principal's `principal_ref`, not its token).
-4. The span is recorded by `schemas.spans` (a plain record, handed to the SDK's export
+4. The span is recorded by `schemas.runtime.spans` (a plain record, handed to the SDK's export
    pipeline as it ends). What many requests say alike (the route; the operation, model,
    principal and protocol; who served it) is one shared attribute set each
-   (`schemas.spans.SharedSets`), written once; the request id, bound, usage and status
+   (`schemas.runtime.spans.SharedSets`), written once; the request id, bound, usage and status
    are the span's own.
 """
 
@@ -41,7 +41,7 @@ import trio
 
 from iop_edge.runtime.metering.metering import RunRecord
 from schemas.config import TelemetrySection
-from schemas.spans import (
+from schemas.runtime.spans import (
     Attributes,
     SharedSets,
     SpanRecorder,
@@ -49,7 +49,7 @@ from schemas.spans import (
     remote_parent,
     start_tracing,
 )
-from schemas.telemetry import OPERATION_NAMES, SHUTDOWN_TIMEOUT_S, trace_settings
+from schemas.runtime.telemetry import OPERATION_NAMES, SHUTDOWN_TIMEOUT_S, trace_settings
 
 __all__ = ["EdgeTracing", "RequestTrace", "edge_tracing"]
 
@@ -71,7 +71,7 @@ def edge_tracing(
     provider_name: Callable[[str], str],
 ) -> EdgeTracing | None:
     """The Edge's tracing per its config and environment, or None when off
-    (`schemas.telemetry` Rules 1-2). Raises `TelemetryError` naming a bad setting, and
+    (`schemas.runtime.telemetry` Rules 1-2). Raises `TelemetryError` naming a bad setting, and
     `TelemetryUnavailable` when the SDK is missing."""
     settings = trace_settings(section, environ, default_service="iop-edge", names=_CONFIG_KEYS)
     if settings is None:

@@ -1,9 +1,9 @@
 """The operator's model loads and unloads (design §18, `POST /models/load|unload`).
 
 An operator names a catalog model (and, optionally, a provider); the Edge picks the
-provider a load goes to (`core.placement`), sends its Node a `model_command` per
+provider a load goes to (`core.routing.placement`), sends its Node a `model_command` per
 provider and answers once every runtime did it, or said why not. The Node serialises
-the commands and joins equal ones (`iop_node.model_control`), so two Edges asking for
+the commands and joins equal ones (`iop_node.runs.model_control`), so two Edges asking for
 the same load cause one.
 
 Every command that reaches a Node is audited, one line per provider acted on, in
@@ -23,7 +23,7 @@ from typing import Final, Protocol
 import msgspec
 import trio
 
-from iop_edge.core.placement import choose_load, holders_of
+from iop_edge.core.routing.placement import choose_load, holders_of
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.nodes.session import SessionClosed
 from iop_edge.runtime.refresh.audit import append_line

@@ -38,7 +38,7 @@ from typing import Final
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
 
-from iop_edge.core.tokens import tokens_match
+from iop_edge.core.configuration.tokens import tokens_match
 from iop_edge.runtime.nodes.handshakes import MAX_PENDING_HANDSHAKES, HandshakeGate, source_key
 from iop_edge.runtime.nodes.heartbeat import HeartbeatGrid
 from iop_edge.runtime.nodes.session import (
@@ -226,7 +226,7 @@ class NodeHub:
                 log.info("node %s disconnected (%s): %s", hello.node_id, peer, session.end_reason)
             if session.replaced_by is not None:
                 # Tell the replaced Node why (bounded): a duplicate id is then named in
-                # its log too, and it stops fighting for the id (iop_node.backoff rule 5).
+                # its log too, and it stops fighting for the id (iop_node.uplink.backoff rule 5).
                 await reject_and_close(
                     websocket,
                     wire.NODE_REPLACED,

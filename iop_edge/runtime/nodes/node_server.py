@@ -24,8 +24,8 @@ from collections.abc import Awaitable, Callable
 import trio
 from trio_websocket import WebSocketRequest, wrap_server_stream
 
+from iop_edge.core.configuration.listen import ListenAddress
 from iop_edge.core.exception_groups import sole_exception
-from iop_edge.core.listen import ListenAddress
 from iop_edge.runtime.lifecycle.listeners import Listener
 
 __all__ = ["NodeServer"]

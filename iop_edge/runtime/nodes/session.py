@@ -38,8 +38,8 @@ from typing import Protocol, TypeVar
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
 
+from iop_edge.core.configuration.listen import ListenAddress
 from iop_edge.core.exception_groups import sole_exception
-from iop_edge.core.listen import ListenAddress
 from iop_edge.core.node_input import check_node_message
 from iop_edge.runtime.nodes.heartbeat import HeartbeatGrid
 from schemas import wire

@@ -34,7 +34,7 @@ from typing import Final
 import msgspec
 import trio
 
-from iop_edge.core.config import utf8_pieces
+from iop_edge.core.configuration.config import utf8_pieces
 from iop_edge.runtime.refresh import off_loop
 from schemas.refresh import (
     NodeResult,

@@ -4,7 +4,7 @@ Reading and planning a fleet's config is seconds of pure Python. In a worker thr
 no longer holds the event loop, but it still holds the GIL, and the loop gives the GIL up
 at every system call: without more, the loop would wait for the worker after each one,
 tens of milliseconds on a caller's request. So `run_sync` gives the work a gate
-(`schemas.give_way`): while the work runs, an instrument of the loop closes the gate when
+(`schemas.runtime.give_way`): while the work runs, an instrument of the loop closes the gate when
 the loop has tasks to run and opens it when the loop waits for I/O, and the work, which
 calls `give_way()` every fraction of a millisecond, waits at a closed gate with the GIL
 released. The loop runs first; the work runs while it idles.
@@ -38,7 +38,7 @@ from typing import Any, Final, TypeVar
 import trio
 
 from iop_edge.runtime.lifecycle import fresh_memory
-from schemas.give_way import Gate, free_graph_in_pieces
+from schemas.runtime.give_way import Gate, free_graph_in_pieces
 
 __all__ = [
     "ENCODED_ITEM_BYTES",
@@ -134,7 +134,8 @@ async def run_report_work(paths: int, nodes: int, work: Callable[[], T]) -> T:
 
 async def let_go(leftovers: list[Any], *, large: bool) -> None:
     """Free what `leftovers` holds (it should hold the last references) and empty it:
-    when `large`, in a worker thread and in pieces (`schemas.give_way.free_graph_in_pieces`),
+    when `large`, in a worker thread and in pieces
+    (`schemas.runtime.give_way.free_graph_in_pieces`),
     else here at once."""
     if large:
         await run_sync(partial(free_graph_in_pieces, leftovers))

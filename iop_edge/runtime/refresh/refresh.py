@@ -49,10 +49,20 @@ from typing import Final, Protocol
 import msgspec
 import trio
 
-from iop_edge.core.config import ConfigInvalid, ParsedConfig, load_config, parse_config
-from iop_edge.core.config_proof import ConfigProof
+from iop_edge.core.configuration.config import (
+    ConfigInvalid,
+    ParsedConfig,
+    load_config,
+    parse_config,
+)
+from iop_edge.core.configuration.config_proof import ConfigProof
 from iop_edge.core.gc_pause import gc_held
-from iop_edge.core.refresh_plan import ApplyPlan, PreparedRefresh, error_order, prepare_refresh
+from iop_edge.core.refresh.refresh_plan import (
+    ApplyPlan,
+    PreparedRefresh,
+    error_order,
+    prepare_refresh,
+)
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.refresh import off_loop
 from iop_edge.runtime.refresh.audit import (
@@ -416,10 +426,10 @@ class Refresher:
         ]
 
     async def _prepare(self, request: RefreshRequest, base: Snapshot) -> PreparedRefresh:
-        """Steps 2 and 3 and the new snapshot (`core.refresh_plan.prepare_refresh`), in a
+        """Steps 2 and 3 and the new snapshot (`core.refresh.refresh_plan.prepare_refresh`), in a
         worker thread: for a fleet's config that is seconds of work the event loop must
         not hold. Raises `ConfigInvalid`. A valid candidate's proof
-        (`core.config_proof`) spares the next one re-checking the Nodes it did not
+        (`core.configuration.config_proof`) spares the next one re-checking the Nodes it did not
         change."""
         load: Callable[[], ParsedConfig]
         text_size = 0

@@ -18,7 +18,7 @@ Rules:
    Node says `retryable`; upstream 429/503 (`capacity`) are load signals, never health
    failures.
 3. The provider's verdict (a success, or a failure that counts toward its cooldown) is
-   recorded once, when the run's terminal event is read. Blame (`core.blame`): a failure
+   recorded once, when the run's terminal event is read. Blame (`core.routing.blame`): a failure
    counts against a provider only when it is the provider's. Transport errors, timeouts,
    a broken stream, a misconfigured provider count at once; an empty or malformed reply
    once other requests to the provider fail too (`verdicts`). An upstream 4xx refusal is
@@ -88,9 +88,9 @@ from typing import Any, Final, Protocol
 import msgspec
 import trio
 
-from iop_edge.core.affinity import Affinity
-from iop_edge.core.blame import Attempts, Next
-from iop_edge.core.run_work import run_work
+from iop_edge.core.routing.affinity import Affinity
+from iop_edge.core.routing.blame import Attempts, Next
+from iop_edge.core.routing.run_work import run_work
 from iop_edge.runtime.metering.metering import RunRecord
 from iop_edge.runtime.metering.tracing import RequestTrace
 from iop_edge.runtime.nodes.hub import NodeHub
@@ -170,7 +170,7 @@ class RunPlan:
     caller_headers: dict[str, str] = field(default_factory=dict)
     """Protocol headers a native upstream must see as the caller sent them."""
     affinity: Affinity | None = None
-    """Where the run would rather go: its session, chain or prompt (`core.affinity`)."""
+    """Where the run would rather go: its session, chain or prompt (`core.routing.affinity`)."""
     keep_output: bool = False
     """The Edge stores the run's result: the Node returns the final response object in
     `run_done.response`, a stream's too."""

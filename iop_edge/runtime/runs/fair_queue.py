@@ -4,7 +4,7 @@ A saturated model's queue is where one caller's batch job would otherwise make e
 else wait behind it. `FairQueue` keeps one FIFO lane per principal and decides whose
 request a freed slot goes to by start-time fair queueing (SFQ), the virtual-time form of
 deficit round robin over principals. Service is counted in work, not requests: each
-waiter says how much it will take (`Queued.work`, its estimated tokens: `core.run_work`),
+waiter says how much it will take (`Queued.work`, its estimated tokens: `core.routing.run_work`),
 so a principal with a few huge requests and one with many small ones share slot time,
 not turns.
 

@@ -71,8 +71,8 @@ from iop_edge.core.principals import (
     next_utc_day,
     utc_day_start,
 )
-from iop_edge.runtime.metering.shared_budgets import SharedBudgets
-from iop_edge.runtime.metering.usage import UsageLedger
+from iop_edge.runtime.metering.usage_ledger.shared_budgets import SharedBudgets
+from iop_edge.runtime.metering.usage_ledger.usage import UsageLedger
 from iop_edge.runtime.runs.admission_errors import AdmissionError
 from iop_edge.runtime.runs.observation import PrincipalLoad
 from schemas.config import PrincipalLimits

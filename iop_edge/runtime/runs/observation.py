@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from iop_edge.core.cache_share import CacheShares
 from iop_edge.core.catalog_view import catalog_provider
+from iop_edge.core.routing.cache_share import CacheShares
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.runs.fair_queue import FairQueue
 from iop_edge.runtime.runs.lease import Lease

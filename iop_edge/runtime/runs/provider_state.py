@@ -12,8 +12,8 @@ import math
 
 import trio
 
-from iop_edge.core.holdings import Holdings
-from iop_edge.core.pool import PassiveHealth
+from iop_edge.core.routing.holdings import Holdings
+from iop_edge.core.routing.pool import PassiveHealth
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.runs.lease import Lease
 from schemas.config import LifecycleFlag, ProviderConfig
@@ -80,7 +80,7 @@ class ProviderState:
         self.discovered_lifecycle: list[LifecycleFlag] | None = None
         self.holdings = Holdings()
         """Which models its runtime holds: the Node's last report of each served model's
-        load state, and this Edge's account since (`core.holdings`, design §18)."""
+        load state, and this Edge's account since (`core.routing.holdings`, design §18)."""
         self.reported_protocols: frozenset[CallerProtocol] | None = None
         """The protocols the Node last said the provider speaks natively; None until it
         says (the config's then count)."""

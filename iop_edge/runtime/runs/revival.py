@@ -32,7 +32,7 @@ from typing import Final
 
 import trio
 
-from iop_edge.core.affinity import Affinity
+from iop_edge.core.routing.affinity import Affinity
 from iop_edge.runtime.nodes.hub import NodeHub
 from iop_edge.runtime.nodes.session import SessionClosed
 from iop_edge.runtime.runs.admission_errors import NoProvider

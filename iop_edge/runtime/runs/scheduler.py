@@ -10,7 +10,7 @@ statistics and the catalog's records (`observation`).
 How the pieces fit:
 
 - Every decision ("which provider, or wait, or refuse?") is made by the pure functions
-  in `iop_edge.core.pool` over fresh `ProviderView`s; this module only keeps the mutable
+  in `iop_edge.core.routing.pool` over fresh `ProviderView`s; this module only keeps the mutable
   state those views are built from and acts on the answers.
 - Each provider's run slots are a `trio.CapacityLimiter(capacity)`, plus a second one
   for long-context runs (`long_context_slots`, or unlimited when that is null, so long
@@ -48,14 +48,14 @@ How the pieces fit:
   §14). A provider speaks it natively when its Node's last `status` says so, or, before
   any such report (or from a Node that does not say), when its config does
   (`adapter.protocols`, or the type's default). The pool ranks native providers first
-  (`core.pool` Rule 4); the others take the run, translated on their Node, only when no
+  (`core.routing.pool` Rule 4); the others take the run, translated on their Node, only when no
   native one has a free slot. Waiters asking in different protocols get different
   answers, so the queue walk keys its answers by protocol too.
-- A run may come with its `Affinity` (`core.affinity`: its session, chain or prompt
+- A run may come with its `Affinity` (`core.routing.affinity`: its session, chain or prompt
   key, and its prompt's blocks). Where the model's `routing.affinity` is on, the
   decision prefers the provider holding the longest prefix of the prompt that this Edge
-  sent (`core.prefix_index`), else the key's rendezvous choice, within the model's
-  `routing.load_bound` (`core.pool` Rule 7); every grant records where the prompt went.
+  sent (`core.routing.prefix_index`), else the key's rendezvous choice, within the model's
+  `routing.load_bound` (`core.routing.pool` Rule 7); every grant records where the prompt went.
   A prompt sent again unchanged without a session id (one many send: a health check,
   a benchmark, a shared prompt) is no conversation going on: it is ranked by load alone,
   so it spreads over the providers, each of which then holds it.
@@ -74,9 +74,10 @@ from functools import partial
 
 import trio
 
-from iop_edge.core.affinity import Affinity
-from iop_edge.core.cache_share import CacheShares
-from iop_edge.core.pool import (
+from iop_edge.core.principals import ANONYMOUS_PRINCIPAL, concurrency_share
+from iop_edge.core.routing.affinity import Affinity
+from iop_edge.core.routing.cache_share import CacheShares
+from iop_edge.core.routing.pool import (
     Decision,
     Grant,
     Holding,
@@ -86,8 +87,7 @@ from iop_edge.core.pool import (
     Wait,
     decide,
 )
-from iop_edge.core.prefix_index import PrefixIndex
-from iop_edge.core.principals import ANONYMOUS_PRINCIPAL, concurrency_share
+from iop_edge.core.routing.prefix_index import PrefixIndex
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.runs.admission_errors import (
     RETRY_AFTER_BUSY_S,
@@ -146,7 +146,7 @@ class Scheduler(PoolObservation):
         self._reschedule = trio.Event()
         self._changed = trio.Event()
         self._prefixes = PrefixIndex()
-        """Where this Edge sent which prompts (`core.prefix_index`)."""
+        """Where this Edge sent which prompts (`core.routing.prefix_index`)."""
         self.cache_shares = CacheShares()
         """Each provider's recent cached share of its prompts (the catalog's
         `cached_share`), fed by metering."""
@@ -389,11 +389,11 @@ class Scheduler(PoolObservation):
     ) -> Lease:
         """A slot on the best provider of `model_id`, waiting in its queue if busy, or
         while `principal` holds its `max_concurrent` runs; `work` is the run's estimated
-        tokens, its share of the queue's fairness (`core.run_work`).
+        tokens, its share of the queue's fairness (`core.routing.run_work`).
 
         `exclude` names providers already tried for this run (failover); `protocol` is
         the caller's, which native providers speak (ranked first); `affinity` where the
-        run would rather go (`core.pool` Rule 7). Raises an
+        run would rather go (`core.routing.pool` Rule 7). Raises an
         `AdmissionError` subclass when the request is not admitted. Cancellation while
         waiting leaves nothing behind. The caller owns the returned lease and releases
         it in every path (`with lease:`).
@@ -541,7 +541,7 @@ class Scheduler(PoolObservation):
     def _preference(
         self, affinity: Affinity | None, routing: RoutingPolicy, now: float
     ) -> Preference | None:
-        """Where a run with `affinity` would rather go (`core.pool` Rule 7), or None when
+        """Where a run with `affinity` would rather go (`core.routing.pool` Rule 7), or None when
         it has none or its model routes by load alone."""
         if affinity is None or not routing.affinity:
             return None

@@ -1,5 +1,5 @@
 """What each run's end says about its provider, recorded with the scheduler (design §4
-items 9-10; the rules are `core.blame`'s).
+items 9-10; the rules are `core.routing.blame`'s).
 
 The dispatcher hands every terminal event here: a success, or a failure with the
 caller's body it failed. A capacity signal and a provider's own failure go to the
@@ -15,7 +15,7 @@ from typing import Any, Final
 
 import msgspec
 
-from iop_edge.core.blame import ReplyFaults, Verdict, verdict
+from iop_edge.core.routing.blame import ReplyFaults, Verdict, verdict
 from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas import wire
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import trio
 
-from iop_edge.core.affinity import Affinity
+from iop_edge.core.routing.affinity import Affinity
 from iop_edge.runtime.runs.admission_errors import AdmissionError
 from iop_edge.runtime.runs.lease import Lease
 from iop_edge.runtime.runs.provider_state import ProviderState

@@ -1,0 +1,88 @@
+"""The admin API's `GET /usage` (design §7): the ledger's records in a window, grouped and
+paged, with the time and page parameters it accepts."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+from typing import Final
+
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from iop_edge.http.admin_api.admin_answers import error_response, json_response
+from iop_edge.http.admin_api.admin_services import AdminServices
+from iop_edge.runtime.metering.usage_ledger.usage_store import LedgerUnavailable
+
+DEFAULT_GROUP_BY = "principal_ref,token_ref,model"
+#: `Retry-After` of a `/usage` the ledger's database cannot answer now.
+USAGE_RETRY_AFTER_S: Final = 5
+
+
+def parse_time(value: str | None) -> float | None:
+    """Unix seconds or an ISO 8601 timestamp (naive = UTC)."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(seconds):
+            raise ValueError(f"'{value}' is not a point in time")
+        return seconds
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"'{value}' is neither unix seconds nor an ISO 8601 time") from None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed.timestamp()
+
+
+#: Groups one `GET /usage` returns unless told (`limit`), and the most it returns.
+DEFAULT_USAGE_LIMIT: Final = 1000
+MAX_USAGE_LIMIT: Final = 10_000
+
+
+def parse_limit(value: str | None) -> int:
+    """`limit`: groups per page, 1 to `MAX_USAGE_LIMIT` (`DEFAULT_USAGE_LIMIT` if absent)."""
+    if not value:
+        return DEFAULT_USAGE_LIMIT
+    try:
+        limit = int(value)
+    except ValueError:
+        raise ValueError(f"limit: '{value}' is not a whole number") from None
+    if not 1 <= limit <= MAX_USAGE_LIMIT:
+        raise ValueError(f"limit: {limit} is not between 1 and {MAX_USAGE_LIMIT}")
+    return limit
+
+
+def add_usage_routes(app: QuartTrio, services: AdminServices) -> None:
+    """Serve `GET /usage`."""
+
+    @app.get("/usage")
+    async def usage() -> Response:
+        """`?since=&until=` (ISO 8601 or unix seconds) `&group_by=principal_ref,token_ref,model`
+        (also `provider`, `node`, `usage_source`, `status`, `protocol`); at most `limit`
+        groups (`DEFAULT_USAGE_LIMIT`), the next page with `after=` the report's `next`.
+        The database sums; `totals` covers the whole window whatever the page."""
+        try:
+            since = parse_time(request.args.get("since"))
+            until = parse_time(request.args.get("until"))
+            group_by = [c for c in request.args.get("group_by", DEFAULT_GROUP_BY).split(",") if c]
+            limit = parse_limit(request.args.get("limit"))
+            report = await services.usage(
+                since=since,
+                until=until,
+                group_by=group_by,
+                limit=limit,
+                after=request.args.get("after") or None,
+            )
+        except ValueError as exc:
+            return error_response(400, str(exc))
+        except LedgerUnavailable as exc:  # a database that is down: say so, retry later
+            response = error_response(503, str(exc))
+            response.headers["Retry-After"] = str(USAGE_RETRY_AFTER_S)
+            return response
+        return json_response(report)
