@@ -44,7 +44,7 @@ from iop_edge.http.admin_api.admin import create_admin_app
 from iop_edge.http.admin_api.admin_services import AdminServices
 from iop_edge.http.final_send import ShieldFinalSend
 from iop_edge.http.openai_app import OpenAIApp
-from iop_edge.http.responses import ResponsesSurface
+from iop_edge.http.protocols.responses import ResponsesSurface
 from iop_edge.http.runs import RunEndpoints
 from iop_edge.http.server import HttpServer, hypercorn_config
 from iop_edge.procedures.drain import CUT_WRITE_S

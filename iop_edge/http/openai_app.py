@@ -32,11 +32,11 @@ from werkzeug.exceptions import HTTPException
 from iop_edge.core.routing.readiness import Readiness
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.auth import authenticate
-from iop_edge.http.caller_protocol import protocol_of_request
 from iop_edge.http.errors import ApiError, method_not_allowed, model_not_found
 from iop_edge.http.final_send import shield_final_send
-from iop_edge.http.messages import anthropic_model, model_page
-from iop_edge.http.responses import ResponsesSurface
+from iop_edge.http.protocols.caller_protocol import protocol_of_request
+from iop_edge.http.protocols.messages import anthropic_model, model_page
+from iop_edge.http.protocols.responses import ResponsesSurface
 from iop_edge.http.responses_socket import ResponsesSocket
 from iop_edge.http.runs import RUN_PATHS, RunEndpoints, new_run_id, request_id
 from schemas import openai as oai

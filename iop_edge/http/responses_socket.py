@@ -57,9 +57,9 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, WebsocketSco
 from iop_edge.core.responses.protocol_requests import input_items
 from iop_edge.core.routing.affinity import SESSION_HEADERS
 from iop_edge.http.auth import authenticate
-from iop_edge.http.caller_protocol import Caller
 from iop_edge.http.errors import ApiError, metering_unavailable
-from iop_edge.http.responses import ToStore
+from iop_edge.http.protocols.caller_protocol import Caller
+from iop_edge.http.protocols.responses import ToStore
 from iop_edge.http.runs import (
     Reply,
     RunEndpoints,

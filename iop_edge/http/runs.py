@@ -53,14 +53,6 @@ from iop_edge.core.responses.unstored_reply import unstored_body, unstored_event
 from iop_edge.core.routing.affinity import SESSION_HEADERS
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.auth import authenticate
-from iop_edge.http.caller_protocol import (
-    PROTOCOL_OF,
-    STREAM_END,
-    Caller,
-    stream_error,
-)
-from iop_edge.http.chat import plan_chat
-from iop_edge.http.compaction import COMPACT_PATH, settle, trigger_events
 from iop_edge.http.connection import ChunkedBodyWriter, current_connection
 from iop_edge.http.errors import (
     ApiError,
@@ -70,9 +62,17 @@ from iop_edge.http.errors import (
     method_not_allowed,
     run_failure_error,
 )
-from iop_edge.http.messages import plan_messages
+from iop_edge.http.protocols.caller_protocol import (
+    PROTOCOL_OF,
+    STREAM_END,
+    Caller,
+    stream_error,
+)
+from iop_edge.http.protocols.chat import plan_chat
+from iop_edge.http.protocols.compaction import COMPACT_PATH, settle, trigger_events
+from iop_edge.http.protocols.messages import plan_messages
+from iop_edge.http.protocols.responses import ResponsesSurface, ToStore
 from iop_edge.http.rate_limit_headers import rate_limit_headers
-from iop_edge.http.responses import ResponsesSurface, ToStore
 from iop_edge.runtime.metering.access_log import RefusedRequest
 from iop_edge.runtime.metering.metering import Metering
 from iop_edge.runtime.metering.tracing import EdgeTracing, RequestTrace
@@ -667,7 +667,7 @@ class RunEndpoints:
 Reply = _Reply
 Timing = _Timing
 
-#: Whether a `store: true` response was stored (non-stream replies; `http.responses`).
+#: Whether a `store: true` response was stored (non-stream replies; `http.protocols.responses`).
 _STORED_HEADER: Final = b"x-iop-response-stored"
 
 

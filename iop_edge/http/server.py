@@ -67,10 +67,10 @@ from hypercorn.typing import (
     WebsocketScope,
 )
 
-from iop_edge.http.caller_protocol import protocol_of_request
 from iop_edge.http.compat.hypercorn import Lifespan, WorkerContext, repr_socket_addr, wrap_app
 from iop_edge.http.connection import ChunkedBodyWriter, Connection, current_connection
 from iop_edge.http.errors import ApiError
+from iop_edge.http.protocols.caller_protocol import protocol_of_request
 from iop_edge.runtime.lifecycle.handoff import HandoffSender
 from schemas.config import DEFAULT_SEND_TIMEOUT_S, DEFAULT_SHUTDOWN_GRACE_S
 from schemas.limits import MAX_PAYLOAD_BYTES

@@ -1,4 +1,5 @@
-"""Compaction made with the model (`core.responses.compaction`, `http.compaction`) through a real
+"""Compaction made with the model (`core.responses.compaction`, `http.protocols.compaction`)
+through a real
 Edge and Node, with the `openai` SDK: `responses.compact` against the sim (translated)
 and a fake runtime that speaks Responses natively, the compaction read back on the next
 turn (as input items and through `previous_response_id`), principal-scoped, and a

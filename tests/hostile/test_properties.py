@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from iop_edge.core.configuration.config import ConfigInvalid, parse_config
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.responses import ResponsesSurface
+from iop_edge.http.protocols.responses import ResponsesSurface
 from iop_edge.http.runs import RUN_PATHS, RunEndpoints
 from iop_edge.runtime.metering.metering import Metering
 from iop_edge.runtime.metering.metrics import EdgeMetrics

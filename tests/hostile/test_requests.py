@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgspec
 
-from iop_edge.http.chat import MAX_CHOICES
+from iop_edge.http.protocols.chat import MAX_CHOICES
 from iop_edge.http.runs import MAX_JSON_DEPTH
 from iop_edge.runtime.refresh.audit import AUDIT_FILE_NAME
 from schemas.config import DEFAULT_MAX_TOKENS_LIMIT

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from iop_edge.http.caller_protocol import stream_error
 from iop_edge.http.errors import ApiError
+from iop_edge.http.protocols.caller_protocol import stream_error
 from iop_edge.runtime.runs.dispatch import RunPlan
 from iop_node.protocols import (
     MessagesStream,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from iop_edge.http.messages import strip_attribution
+from iop_edge.http.protocols.messages import strip_attribution
 
 FIXTURES = Path(__file__).parents[1] / "protocols" / "fixtures"
 AGENT = {"type": "text", "text": "You are a Claude agent.", "cache_control": {"type": "ephemeral"}}

@@ -39,13 +39,13 @@ from iop_edge.core.responses.protocol_requests import (
     estimate_messages_tokens,
 )
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.caller_protocol import (
+from iop_edge.http.errors import bad_request, invalid_request
+from iop_edge.http.protocols.caller_protocol import (
     Caller,
     apply_defaults,
     catalog_model,
     check_max_tokens,
 )
-from iop_edge.http.errors import bad_request, invalid_request
 from iop_edge.runtime.runs.dispatch import RunPlan
 from schemas import wire
 from schemas.config import ModelEntry

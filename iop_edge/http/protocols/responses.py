@@ -51,14 +51,14 @@ from iop_edge.core.responses.response_chain import (
     conversation,
 )
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.caller_protocol import (
+from iop_edge.http.errors import ApiError, invalid_request
+from iop_edge.http.protocols.caller_protocol import (
     Caller,
     apply_defaults,
     catalog_model,
     check_max_tokens,
 )
-from iop_edge.http.compaction import Compaction, prepare
-from iop_edge.http.errors import ApiError, invalid_request
+from iop_edge.http.protocols.compaction import Compaction, prepare
 from iop_edge.runtime.metering.response_store import ResponseStore, StoreUnavailable, Unstored
 from iop_edge.runtime.runs.dispatch import RunPlan
 
@@ -86,7 +86,7 @@ class ToStore:
     request_id: str = ""
     """The caller's request id, for the log line of a response not stored."""
     compaction: Compaction | None = None
-    """The run is a summary turn (`http.compaction`): what its response becomes."""
+    """The run is a summary turn (`http.protocols.compaction`): what its response becomes."""
     store: bool = True
     """Store the response (a compaction's turn may be unstored: `store: false`)."""
 
@@ -120,7 +120,7 @@ class ResponsesSurface:
         self, body: dict[str, Any], snapshot: Snapshot, caller: Caller, *, compact: bool = False
     ) -> tuple[RunPlan, ToStore | None]:
         """The plan of a Responses request, and what to store of it (None: `store:
-        false`); `compact`: a `/v1/responses/compact` request (`http.compaction`).
+        false`); `compact`: a `/v1/responses/compact` request (`http.protocols.compaction`).
         Raises `ApiError`."""
         try:
             view = msgspec.convert(body, ResponsesRequest)

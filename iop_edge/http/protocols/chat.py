@@ -14,8 +14,8 @@ from typing import Any, Final
 import msgspec
 
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.caller_protocol import Caller, catalog_model, check_max_tokens
 from iop_edge.http.errors import bad_request, invalid_request
+from iop_edge.http.protocols.caller_protocol import Caller, catalog_model, check_max_tokens
 from iop_edge.runtime.runs.dispatch import RunPlan
 from schemas import openai as oai
 from schemas import wire
