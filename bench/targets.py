@@ -44,6 +44,9 @@ MAX_EDGE_CHUNK_CPU_VS_ROUTER: Final = 3.0
 MAX_ADDED_TOKEN_DELAY_P99_MS: Final = 5.0
 #: Edge + Node CPU per request as a share of LiteLLM's, by `stream`.
 MAX_CPU_SHARE_OF_LITELLM: Final = {False: 1 / 8, True: 1 / 12}
+#: Edge + Node CPU per request over the stack floor's (IOP's transport parts alone), on
+#: every closed-loop chat scenario: what IOP's own logic may add to its transport.
+MAX_CPU_VS_STACK_FLOOR: Final = 1.15
 #: Throughput at c=32 over LiteLLM's, by `stream`.
 MIN_THROUGHPUT_VS_LITELLM: Final = {False: 8.0, True: 15.0}
 THROUGHPUT_CONCURRENCY: Final = 32
@@ -156,6 +159,21 @@ def _closed_loop_checks(result: BenchResult) -> list[TargetCheck]:
                     None if floor is None else f"1/{1 / floor:.1f}"
                 )
                 checks.append(TargetCheck(goal, measured, _at_most(ratio, share)))
+    for stream in (False, True):
+        for concurrency in concurrencies:
+            scenario = Scenario(concurrency=concurrency, stream=stream)
+            goal = (
+                f"CPU per request, Edge + Node <= {MAX_CPU_VS_STACK_FLOOR:g}x the stack floor's, "
+                f"{_kind(stream)}, c={concurrency}"
+            )
+            ratio = cpu_ratio(result, IOP, STACK_FLOOR, scenario)
+            if ratio is None:
+                missing = STACK_FLOOR if result.get(IOP, scenario) else IOP
+                checks.append(TargetCheck(goal, f"not measured ({missing})", "n/a"))
+            else:
+                checks.append(
+                    TargetCheck(goal, f"{ratio:.2f}x", _at_most(ratio, MAX_CPU_VS_STACK_FLOOR))
+                )
     for stream in (False, True):
         scenario = Scenario(concurrency=THROUGHPUT_CONCURRENCY, stream=stream)
         least = MIN_THROUGHPUT_VS_LITELLM[stream]

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import trio
 
-from iop_node import __version__
+from iop_node import __version__, heap
 from iop_node.health import DEFAULT_PROBE_TIMEOUT_S
 from iop_node.host import ProviderHost
 from iop_node.registry import (
@@ -177,7 +177,11 @@ async def serve_until_signalled(
     """Run a Node until SIGINT/SIGTERM: the first signal drains and stops gracefully, a
     second one stops at once. Returns the process's exit status: 130 after Ctrl-C, 0
     after SIGTERM (`schemas.runtime.stop_signal`). `tracing` is closed at the end (its last spans
-    sent)."""
+    sent).
+
+    The process is this Node's own (`iop-node run`): its heap is settled as its providers
+    are built (`heap` Rule 3)."""
+    heap.manage()
     try:
         return await _serve_until_signalled(edge_urls, node_id, token, edge_dns, tracing)
     finally:

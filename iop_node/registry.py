@@ -36,6 +36,7 @@ from typing import Literal, cast
 
 import trio
 
+from iop_node import heap
 from iop_node.adapters.base import Adapter
 from iop_node.runs.activity import ProviderActivity
 from iop_node.runs.runner import RunHandle, Send, execute_run
@@ -362,6 +363,7 @@ class RegistryManager:
         previous, self._current = self._current, registry
         if previous is not None:
             self._retire(previous)
+        heap.providers_built()  # long-lived from now on: out of the collector's sight (Rule 1)
         return registry
 
     def has_run(self, key: str) -> bool:

@@ -319,7 +319,8 @@ def test_targets_are_judged_from_the_measured_numbers() -> None:
             _measurement(IOP, c1s, 4.0, 200),  # +3 ms = 3x the floor: over 2x
             _measurement(IOP, c32, 10.0, 1000),
             _measurement(LITELLM, c32, 10.0, 100),  # 10x: over 8x
-            _measurement(IOP, c32s, 10.0, 1000),
+            _measurement(IOP, c32s, 10.0, 1000, cpu_ms=2.2),
+            _measurement(STACK_FLOOR, c32s, 10.0, 1000, cpu_ms=2.0),  # IOP at 1.1x
         ),
         fleet=(
             _fleet(DIRECT, 1.0, {"upstream": 0.05}),
@@ -340,6 +341,17 @@ def test_targets_are_judged_from_the_measured_numbers() -> None:
         "1/10.0 (stack floor 1/12.5)",
         "PASS",
     )
+    # IOP's 1.0 ms over the stack floor's 0.8 ms: 1.25x
+    assert verdicts["CPU per request, Edge + Node <= 1.15x the stack floor's, non-stream, c=1"] == (
+        "1.25x",
+        "MISS",
+    )
+    assert verdicts[
+        "CPU per request, Edge + Node <= 1.15x the stack floor's, non-stream, c=32"
+    ] == ("not measured (stack-floor)", "n/a")
+    assert verdicts[
+        "CPU per request, Edge + Node <= 1.15x the stack floor's, 22-chunk stream, c=32"
+    ] == ("1.10x", "PASS")
     assert verdicts["throughput >= 8x LiteLLM's at c=32, non-stream"] == ("10.00x", "PASS")
     assert verdicts["throughput >= 15x LiteLLM's at c=32, stream"] == (
         "not measured (litellm)",
