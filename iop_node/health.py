@@ -104,6 +104,9 @@ class HealthMonitor:
             provider_id: trio.Event() for provider_id in self._adapters
         }
         """Per provider: set when a probe is demanded, replaced once it is taken."""
+        self.probed_at: dict[str, float] = {}
+        """Per provider: when the probe behind its latest status began (a `busy` status
+        made from its runs carries the model states of that probe)."""
 
     def demand(self, provider_ids: Iterable[str]) -> None:
         """Probe these providers soon (module docstring); ids not here are ignored."""
@@ -148,7 +151,7 @@ class HealthMonitor:
         just made, so the Edge hears the new states before the command's answer."""
         adapter = self._adapters.get(provider_id)
         if adapter is not None and self._record(
-            provider_id, await self._check(provider_id, adapter)
+            provider_id, *await self._check(provider_id, adapter)
         ):
             await self._report([provider_id])
 
@@ -164,19 +167,23 @@ class HealthMonitor:
                 await trio.sleep_until(began + ON_DEMAND_GAP_S)
                 self._wanted[provider_id] = trio.Event()  # later demands ask for the next
             began = trio.current_time()
-            changed = self._record(provider_id, await self._check(provider_id, adapter))
+            changed = self._record(provider_id, *await self._check(provider_id, adapter))
             if changed or demanded:
                 await self._report([provider_id] if demanded else [])
 
     async def _initial_probe(self, provider_id: str, adapter: Adapter) -> None:
-        self._record(provider_id, await self._check(provider_id, adapter))
+        self._record(provider_id, *await self._check(provider_id, adapter))
 
-    async def _check(self, provider_id: str, adapter: Adapter) -> ProviderStatus:
-        """The provider's status now: from its runs while they generate, else a probe."""
+    async def _check(
+        self, provider_id: str, adapter: Adapter
+    ) -> tuple[ProviderStatus, float | None]:
+        """The provider's status now: from its runs while they generate, else a probe
+        (and when it began)."""
         generating = self._generating(provider_id)
         if generating is not None:
-            return generating
-        return await self._probe(provider_id, adapter)
+            return generating, None
+        began = trio.current_time()
+        return await self._probe(provider_id, adapter), began
 
     def _generating(self, provider_id: str) -> ProviderStatus | None:
         """`busy` without a probe while the provider's runs progress; None: probe it.
@@ -200,7 +207,11 @@ class HealthMonitor:
             "(health probe deferred until they stop)",
         )
 
-    def _record(self, provider_id: str, status: ProviderStatus) -> bool:
+    def _record(
+        self, provider_id: str, status: ProviderStatus, probed_at: float | None = None
+    ) -> bool:
+        if probed_at is not None:
+            self.probed_at[provider_id] = probed_at
         previous = self._statuses[provider_id]
         protocols = self._protocols[provider_id].protocols()
         if status.protocols != protocols:

@@ -421,7 +421,7 @@ class ProviderHost:
     async def _broadcast(self, statuses: list[ProviderStatus], probed: list[str]) -> None:
         """A health change, or a probe on demand done: every link hears it (Rule 5)."""
         self._statuses = statuses
-        self._idle.observe(statuses)
+        self._idle.observe(statuses, {} if self._monitor is None else self._monitor.probed_at)
         for port in list(self._links.values()):
             await self._deliver(port, statuses, probed)
 

@@ -26,6 +26,11 @@ Rules:
    Node names the model to unload first (`victim`): the one idle longest that is neither
    pinned nor in use. With none, the runtime chooses (and the Edge loads a pin it
    dropped again).
+7. The Node's own word is newer than a probe begun before it. A run that starts loads
+   its model (held from then on) and Rule 6's choice is being unloaded (gone from then
+   on); a probe that began at or before that instant and reports after it says what the
+   runtime held before, so it changes neither model's standing. A probe begun later
+   does (a load that failed, an unload that did not happen).
 
 Pure: no I/O; the caller passes the time.
 """
@@ -59,6 +64,9 @@ class IdleClock:
         """Unloads asked for and not yet confirmed by a probe (Rule 5)."""
         self._running: Counter[ModelKey] = Counter()
         self._pins: dict[ModelKey, set[int]] = {}
+        self._told: dict[ModelKey, float] = {}
+        """When the Node last changed a model's standing itself: a run's start, Rule 6's
+        choice (Rule 7)."""
 
     def configure(self, rules: Iterable[IdleRule]) -> None:
         """The running config's rules; clocks of models that keep a rule go on (Rule 3)."""
@@ -69,10 +77,17 @@ class IdleClock:
         return self._rules.get(key, math.inf)
 
     def observe(
-        self, provider_id: str, held: Iterable[str], now: float, *, max_loaded: int | None = None
+        self,
+        provider_id: str,
+        held: Iterable[str],
+        now: float,
+        *,
+        max_loaded: int | None = None,
+        probed_at: float | None = None,
     ) -> None:
-        """A probe of `provider_id` says its runtime holds `held`, of `max_loaded` at
-        most (Rules 2, 3, 5, 6)."""
+        """A probe of `provider_id`, begun at `probed_at` (default `now`), says its
+        runtime holds `held`, of `max_loaded` at most (Rules 2, 3, 5, 6, 7)."""
+        began = now if probed_at is None else probed_at
         self._stating.add(provider_id)
         if max_loaded is None:
             self._max_loaded.pop(provider_id, None)
@@ -82,29 +97,41 @@ class IdleClock:
         gone = [
             key
             for key in self._held
-            if key[0] == provider_id and key not in keys and not self._running[key]
-        ]  # a model with a run in flight is held (Rule 1), whatever a probe just before saw
+            if key[0] == provider_id
+            and key not in keys
+            and not self._running[key]  # a model with a run in flight is held (Rule 1)
+            and not self._newer(key, began)
+        ]
         for key in gone:
             self._held.discard(key)
             self._since.pop(key, None)
             self._asked.discard(key)
         for key in keys - self._held:
+            if self._newer(key, began):
+                continue
             self._held.add(key)
             self._asked.discard(key)
             if not self._running[key]:
                 self._since[key] = now
 
-    def started(self, key: ModelKey) -> str | None:
-        """A run of the model began (Rule 1); the model to unload before it runs, if
-        Rule 6 names one (it counts as gone from then on)."""
+    def _newer(self, key: ModelKey, probed_at: float) -> bool:
+        """Rule 7: the Node changed the model's standing since the probe began."""
+        return self._told.get(key, -math.inf) >= probed_at
+
+    def started(self, key: ModelKey, now: float = -math.inf) -> str | None:
+        """A run of the model began at `now` (Rule 1); the model to unload before it
+        runs, if Rule 6 names one (it counts as gone from then on, Rule 7)."""
         victim = self.victim(key)
         if victim is not None:
-            self._held.discard((key[0], victim))
-            self._since.pop((key[0], victim), None)
+            dropped = (key[0], victim)
+            self._held.discard(dropped)
+            self._since.pop(dropped, None)
+            self._told[dropped] = now
         self._running[key] += 1
         self._since.pop(key, None)
         if key[0] in self._stating:
             self._held.add(key)
+            self._told[key] = now
         return victim
 
     def ended(self, key: ModelKey, now: float) -> None:

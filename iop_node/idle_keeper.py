@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 import trio
 
@@ -49,19 +49,26 @@ class IdleKeeper:
         self.clock.configure(rules)
         self._wake()
 
-    def observe(self, statuses: Iterable[ProviderStatus]) -> None:
+    def observe(self, statuses: Iterable[ProviderStatus], probed_at: Mapping[str, float]) -> None:
         """A probe's report: which models each runtime holds (providers whose runtime
-        reports no states are left alone: nothing can be unloaded there)."""
+        reports no states are left alone: nothing can be unloaded there), each by when
+        its probe began (`idle_clock` Rule 7)."""
         now = trio.current_time()
         for status in statuses:
             if status.model_states is not None:
                 held = [state.name for state in status.model_states if state.state == "loaded"]
-                self.clock.observe(status.id, held, now, max_loaded=status.max_loaded)
+                self.clock.observe(
+                    status.id,
+                    held,
+                    now,
+                    max_loaded=status.max_loaded,
+                    probed_at=probed_at.get(status.id, now),
+                )
         self._wake()
 
     def started(self, key: ModelKey) -> str | None:
         """A run began; the model to unload before it runs (`make_room`), if any."""
-        return self.clock.started(key)
+        return self.clock.started(key, trio.current_time())
 
     def ended(self, key: ModelKey) -> None:
         """A run ended: its model's clock may start; the loop is woken only when that
