@@ -42,10 +42,11 @@ import httpx2
 import msgspec
 import trio
 
-from iop_edge.core.configuration.config import ParsedConfig, load_config, parse_config
+from iop_edge.core.configuration.config import ParsedConfig
 from iop_edge.core.configuration.tokens import DEMO_NODE_TOKEN, DEMO_NODE_TOKEN_SHA256
 from iop_edge.edge import Edge, EdgeAddresses, Listeners
 from iop_edge.main import handle_signals, log_start
+from iop_edge.runtime.refresh.config_file import check_config, load_config
 from iop_node.main import run_node
 from schemas.openai import ChunkChoice, ErrorDetail
 from schemas.runtime.stop_signal import StopSignal
@@ -242,7 +243,7 @@ def load_demo_config(config_path: Path | None) -> DemoConfig:
     """The demo's config, checked as `serve` checks a config, plus the demo's own rule:
     the file given, else the built-in one; raises `ConfigInvalid` or `DemoError`."""
     if config_path is None:
-        parsed = parse_config(built_in_demo_text())
+        parsed = check_config(built_in_demo_text())
         check_demo_config(parsed, BUILT_IN)
         return DemoConfig(parsed=parsed, path=None)
     path = Path(_relative(config_path.absolute()))

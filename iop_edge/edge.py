@@ -36,7 +36,6 @@ import trio
 
 from iop_edge import __version__
 from iop_edge.core.configuration.config import ParsedConfig
-from iop_edge.core.configuration.host import node_tls_context
 from iop_edge.core.configuration.listen import parse_listen_address
 from iop_edge.core.routing.readiness import Readiness, readiness_of
 from iop_edge.core.snapshot import Snapshot
@@ -53,6 +52,7 @@ from iop_edge.procedures.serve import EdgeAddresses, EdgeParts, StopRequest, ser
 from iop_edge.runtime.lifecycle.handoff import HandoffSender
 from iop_edge.runtime.lifecycle.handover import Handover
 from iop_edge.runtime.lifecycle.heap import HeapKeeper
+from iop_edge.runtime.lifecycle.host_checks import node_tls_context
 from iop_edge.runtime.lifecycle.listeners import (
     CONFIG_KEYS,
     Listener,

@@ -13,8 +13,9 @@ from rich.console import Console
 
 from iop_edge.cli import config_lookup as lookup
 from iop_edge.cli.errors import fail
-from iop_edge.core.configuration.config import ConfigInvalid, format_errors, load_config
+from iop_edge.core.configuration.config import ConfigInvalid, format_errors
 from iop_edge.core.configuration.listen import parse_listen_address
+from iop_edge.runtime.refresh.config_file import load_config
 
 
 def _config_for_admin(args: argparse.Namespace) -> Path:

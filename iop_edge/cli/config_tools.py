@@ -12,11 +12,12 @@ from pathlib import Path
 
 from iop_edge.cli.arguments import Subcommands
 from iop_edge.cli.errors import EXIT_FAILURE, EXIT_USAGE, fail
-from iop_edge.core.configuration.config import ConfigInvalid, format_errors, load_config
+from iop_edge.core.configuration.config import ConfigInvalid, format_errors
 from iop_edge.core.configuration.config_reference import json_schema
 from iop_edge.core.configuration.exposure import exposure_warnings
 from iop_edge.core.configuration.tokens import hash_token
 from iop_edge.core.principals import describe_limits
+from iop_edge.runtime.refresh.config_file import load_config
 from schemas.config import ConfigError, EdgeSection, PrincipalLimits
 
 

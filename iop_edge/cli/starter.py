@@ -26,8 +26,9 @@ from pathlib import Path
 from string import Template
 from typing import Final
 
-from iop_edge.core.configuration.config import ParsedConfig, parse_config
+from iop_edge.core.configuration.config import ParsedConfig
 from iop_edge.core.configuration.tokens import hash_token
+from iop_edge.runtime.refresh.config_file import check_config
 
 CONFIG_NAME: Final = "edge.yaml"
 DEFAULT_NODE_ID: Final = "node-1"
@@ -82,7 +83,7 @@ def write_starter(
         raise StarterError(f"{directory} is not a folder")
     token = new_node_token()
     text = render(node_id, token)
-    parsed = parse_config(text)  # Rule 3: a template bug fails here, not at `serve`
+    parsed = check_config(text)  # Rule 3: a template bug fails here, not at `serve`
     try:
         directory.mkdir(parents=True, exist_ok=True)
         _write_whole(path, text, replace=force)

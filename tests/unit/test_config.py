@@ -20,11 +20,11 @@ from iop_edge.core.configuration.config import (
     ConfigInvalid,
     ParsedConfig,
     format_errors,
-    load_config,
     parse_config,
 )
 from iop_edge.core.configuration.listen import ListenAddress, parse_listen_address
 from iop_edge.core.configuration.tokens import hash_token, tokens_match
+from iop_edge.runtime.refresh.config_file import load_config
 from schemas.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "iop_edge" / "examples"

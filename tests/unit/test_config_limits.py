@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from iop_edge.core.configuration.config import ConfigInvalid, parse_config
-from iop_edge.core.configuration.host import node_tls_context
+from iop_edge.runtime.lifecycle.host_checks import node_tls_context
+from iop_edge.runtime.refresh.config_file import check_config
 from schemas.config import DEFAULT_MAX_TOKENS_LIMIT, TlsSection
 from schemas.limits import MAX_PAYLOAD_BYTES
 from schemas.runtime import safe_yaml
@@ -22,7 +23,7 @@ from tests.unit.test_config import valid
 
 def _errors(text: str) -> list[str]:
     with pytest.raises(ConfigInvalid) as invalid:
-        parse_config(text)
+        check_config(text)
     return [str(error) for error in invalid.value.errors]
 
 
@@ -99,7 +100,7 @@ def test_state_dir_must_be_a_directory(tmp_path: Path) -> None:
     taken.write_text("not a directory")
     errors = _errors(_text(edge={"state_dir": str(taken)}))
     assert errors == [f"edge.state_dir: {taken} exists and is not a directory"]
-    parse_config(_text(edge={"state_dir": str(tmp_path / "new" / "deeper")}))  # creatable
+    check_config(_text(edge={"state_dir": str(tmp_path / "new" / "deeper")}))  # creatable
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +130,7 @@ def test_tls_files_are_loaded_at_validation_as_serve_loads_them(
         return _text(edge={"tls": {"cert_file": str(cert or tls_files["cert"]),
                                    "key_file": str(key)}})  # fmt: skip
 
-    assert parse_config(tls(tls_files["key"])).config.edge.tls is not None
+    assert check_config(tls(tls_files["key"])).config.edge.tls is not None
     assert isinstance(
         node_tls_context(
             TlsSection(cert_file=str(tls_files["cert"]), key_file=str(tls_files["key"]))

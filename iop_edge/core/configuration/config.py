@@ -1,20 +1,21 @@
-"""Load and validate the Edge config (design §2): YAML text in, a checked `EdgeConfig` out.
+"""Validate the Edge config (design §2): YAML text in, a checked `EdgeConfig` out.
 
 The same pipeline runs at startup, for `iop-edge check-config` and for every refresh
-candidate, so a config that loads is a config the Edge can serve. It runs in four steps:
+candidate, so a config that loads is a config the Edge can serve. It runs in four steps
+here, and a fifth where the Edge meets its machine:
 
 1. **YAML**: text -> plain data. A syntax error stops here and names its line and column.
    A key given twice in one mapping is an error too (PyYAML would silently keep the last),
    and so are aliases that expand too far and nesting too deep (`schemas.runtime.safe_yaml`).
    A refresh candidate is parsed without the Node entries the running config has word
-   for word (`core.configuration.config_pieces`); whenever that is not sure to read the same, or the
-   rest has an error, the whole text is read, so errors read as they always do.
-2. **Shape**: `iop_edge.core.configuration.config_shape` walks the schema Structs in
-`schemas.config`
-   alongside the data and lets msgspec judge each leaf against its annotated type, so the
-   `Meta` constraints in the schema stay the single source of truth for ranges. msgspec
-   alone stops at the first error; the walker collects all of them, each with its path.
-   The Edge adds only the wording for two schema aliases (`Sha256Hex`, `EnvVarName`).
+   for word (`core.configuration.config_pieces`); whenever that is not sure to read the
+   same, or the rest has an error, the whole text is read, so errors read as they always
+   do.
+2. **Shape**: `config_shape` walks the schema Structs in `schemas.config` alongside the
+   data and lets msgspec judge each leaf against its annotated type, so the `Meta`
+   constraints in the schema stay the single source of truth for ranges. msgspec alone
+   stops at the first error; the walker collects all of them, each with its path. The
+   Edge adds only the wording for two schema aliases (`Sha256Hex`, `EnvVarName`).
 3. **Rules** (`core.configuration.config_rules`): what a type cannot say - unique ids,
    cross-references between models and providers, adapter settings per provider type,
    listen addresses, no secret values, and the legacy `openai.model_routes[]` folded into
@@ -22,8 +23,9 @@ candidate, so a config that loads is a config the Edge can serve. It runs in fou
    does not hide a broken reference elsewhere.
 4. **Build**: only when steps 2 and 3 found nothing, msgspec builds the real Structs;
    derived legacy models are appended and every provider's `category` is resolved.
-5. **Host**: what `serve` needs from this machine (`core.configuration.host`, read-only): the TLS
-   files load, `state_dir` is writable or creatable. Every rule `serve` applies is here.
+5. **Host**, outside the core (`runtime.lifecycle.host_checks`, through
+   `runtime.refresh.config_file`, which also reads the file): what `serve` needs from
+   this machine, read-only: the TLS files load, `state_dir` is writable or creatable.
 
 Every problem is a `ConfigError(path, message)` with a path like
 `nodes[0].providers[1].capacity`. Messages never echo a token hash or anything that
@@ -33,7 +35,6 @@ looks like a secret.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -53,7 +54,6 @@ from iop_edge.core.configuration.config_shape import (
     key_path,
     kind_of,
 )
-from iop_edge.core.configuration.host import check_host
 from schemas.config import (
     ConfigError,
     EdgeConfig,
@@ -68,7 +68,6 @@ __all__ = [
     "ConfigInvalid",
     "ParsedConfig",
     "format_errors",
-    "load_config",
     "parse_config",
 ]
 
@@ -134,9 +133,6 @@ def parse_config(text: str, *, proof: ConfigProof | None = None) -> ParsedConfig
     if errors:
         raise ConfigInvalid(errors)
     config = _build(raw, rules.derived_models, entries.proven)
-    errors.extend(check_host(config))
-    if errors:
-        raise ConfigInvalid(errors)
     parsed = ParsedConfig(
         config=config,
         text=text,
@@ -219,27 +215,6 @@ class _NodeEntries:
                 pieces.entry(index): key for index, key in enumerate(self.keys) if key is not None
             }
         return ConfigProof(edge_loopback=self.edge_loopback, entries=keyed, texts=texts)
-
-
-def load_config(path: str | os.PathLike[str], *, proof: ConfigProof | None = None) -> ParsedConfig:
-    """Read and validate the config file at `path`. An unreadable file is `ConfigInvalid` too.
-
-    The file is decoded as UTF-8 without newline translation, so `sha256` is the digest of
-    the file's bytes exactly as they sit on disk.
-    """
-    try:
-        with open(path, "rb") as file:
-            data = file.read()
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise _whole_file(f"cannot read config file {os.fspath(path)}: {reason}") from exc
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _whole_file(
-            f"config file {os.fspath(path)} is not valid UTF-8 (byte offset {exc.start})"
-        ) from exc
-    return parse_config(text, proof=proof)
 
 
 def format_errors(errors: list[ConfigError]) -> str:

@@ -10,7 +10,7 @@ Rules:
    not write, or a disk (or quota) without that much room fails, named.
 2. `check-config` (`inspect`) changes nothing: the disk the folder is on (or would be
    created on) must have at least `PROBE_BYTES` free. (Whether it is a folder the Edge
-   may write is a rule of the config itself, `core.configuration.host`.)
+   may write is a rule of the config itself, `runtime.lifecycle.host_checks`.)
 3. Both are blocking file I/O: run them in a worker thread, or before the event loop.
 """
 

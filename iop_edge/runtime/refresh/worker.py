@@ -42,15 +42,11 @@ from typing import BinaryIO, Final
 
 import msgspec
 
-from iop_edge.core.configuration.config import (
-    ConfigInvalid,
-    ParsedConfig,
-    load_config,
-    parse_config,
-)
+from iop_edge.core.configuration.config import ConfigInvalid, ParsedConfig
 from iop_edge.core.configuration.config_proof import ConfigProof
 from iop_edge.core.lifecycle import idle_rules
 from iop_edge.core.refresh.refresh_plan import needs_push, plan_apply
+from iop_edge.runtime.refresh.config_file import check_config, load_config
 from iop_edge.runtime.refresh.worker_protocol import (
     HEADER_BYTES,
     VERSION,
@@ -128,7 +124,7 @@ class Worker:
 
     def _load(self, request: Prepare, text: list[bytes]) -> ParsedConfig:
         if request.text_pieces is not None:
-            return parse_config(b"".join(text).decode("utf-8"), proof=self.proof)
+            return check_config(b"".join(text).decode("utf-8"), proof=self.proof)
         if request.config_path is not None:
             return load_config(request.config_path, proof=self.proof)
         raise ConfigInvalid([])  # the Edge sends one or the other
