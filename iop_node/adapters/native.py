@@ -32,12 +32,18 @@ Rules:
    one of them, after some were held, takes them out with it, in order, so nothing is
    reordered and the held part stays one event or two. A stream that breaks off
    `release`s them as ordinary events.
+7. A stream begins with the protocol's opening event (the form's `opens`: Messages'
+   `message_start`). An upstream whose stream begins with another event (llama.cpp's
+   server does, now and then, under load) gets the form's `opening` written ahead of
+   it: the caller's SDK reads a conformant stream, and the upstream's usage still
+   counts where it comes.
 
 Pure: no I/O. The adapter feeds events from its SSE decoder and sends what comes out.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final
 
 import msgspec
@@ -111,7 +117,9 @@ class NativeReply:
         "_ends",
         "_held",
         "_keep",
+        "_opening",
         "_reader",
+        "_run",
         "_tail",
         "ended",
         "final_response",
@@ -123,6 +131,11 @@ class NativeReply:
         self._ends = form.ends
         self._tail = form.tail if run.hold_tail else frozenset[str]()
         self._held: list[bytes] = []
+        self._run = run
+        self._opening: tuple[str, Callable[[Run], bytes]] | None = (
+            (form.opens, form.opening) if form.opens and form.opening is not None else None
+        )
+        """Until the stream's first event: what it must begin with (Rule 7)."""
         self.ended = False
         """The stream's last event went by (Rule 3)."""
         self.final_response: bytes | None = None
@@ -148,6 +161,12 @@ class NativeReply:
             name = self._type_of(data)
         if name in _ERRORS:
             raise InBandError(_error_message(data, name))
+        opening = b""
+        if self._opening is not None:
+            opens, make = self._opening
+            self._opening = None
+            if name != opens:
+                opening = make(self._run)
         shaped = self._reader.event(data, name)
         if name in self._ends:
             self.ended = True
@@ -157,10 +176,10 @@ class NativeReply:
         framed = b"event: " + name.encode() + b"\ndata: " + shaped + b"\n\n"
         if name in self._tail:
             self._held.append(framed)
-            return b"", tokens
+            return opening, tokens
         if self._held:
             framed = self.release() + framed
-        return framed, tokens
+        return opening + framed, tokens
 
     def release(self) -> bytes:
         """The events held back so far (Rule 6), framed, and no longer held; b"" when

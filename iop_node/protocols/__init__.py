@@ -27,7 +27,7 @@ from iop_node.protocols.errors import (
 )
 from iop_node.protocols.messages_reply import messages_response_from_chat
 from iop_node.protocols.messages_request import messages_request_to_chat
-from iop_node.protocols.messages_stream import MessagesStream
+from iop_node.protocols.messages_stream import MessagesStream, message_start
 from iop_node.protocols.native import MessagesNative, ResponsesNative
 from iop_node.protocols.responses_reply import responses_response_from_chat
 from iop_node.protocols.responses_request import (
@@ -47,6 +47,7 @@ __all__ = [
     "ResponsesStream",
     "TokenUsage",
     "TranslationError",
+    "message_start",
     "messages_request_to_chat",
     "messages_response_from_chat",
     "read_responses_request",

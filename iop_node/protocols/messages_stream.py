@@ -61,7 +61,7 @@ from iop_node.protocols.messages_reply import (
 )
 from schemas.protocols import error_body
 
-__all__ = ["MessagesStream"]
+__all__ = ["MessagesStream", "message_start"]
 
 
 # --- events ------------------------------------------------------------------------------
@@ -124,6 +124,17 @@ _OVERLOADED: Final = frozenset({"busy", "upstream_busy"})
 
 def _event(name: str, event: msgspec.Struct) -> bytes:
     return sse_event(name, encode(event))
+
+
+def message_start(reply_model: str, request_id: str, counts: TokenUsage) -> bytes:
+    """The framed `message_start` of a reply to `request_id`: no content yet, the
+    prompt's tokens as `counts` has them (Rule 1). A native stream that began without one
+    gets this one too (`iop_node.adapters.native` Rule 7)."""
+    usage = AnthropicUsage.of(
+        TokenUsage(prompt_tokens=counts.prompt_tokens, cached_tokens=counts.cached_tokens)
+    )
+    message = Message(id=f"msg_{request_id}", model=reply_model, content=[], usage=usage)
+    return _event("message_start", _MessageStart(message=message))
 
 
 # --- state -------------------------------------------------------------------------------
@@ -193,11 +204,7 @@ class MessagesStream(ChatStreamTranslator[_Call]):
     def _start(self, out: list[bytes]) -> None:
         self._started = True
         counts = self._usage or TokenUsage(prompt_tokens=self._input_tokens)
-        usage = AnthropicUsage.of(
-            TokenUsage(prompt_tokens=counts.prompt_tokens, cached_tokens=counts.cached_tokens)
-        )
-        message = Message(id=f"msg_{self._request_id}", model=self._model, content=[], usage=usage)
-        out.append(_event("message_start", _MessageStart(message=message)))
+        out.append(message_start(self._model, self._request_id, counts))
 
     def _open(
         self, kind: Kind, block: TextBlock | ThinkingBlock | _ToolUseStart, out: list[bytes]

@@ -97,6 +97,11 @@ class NativeForm:
     key_header: str | None = None
     """Another header that carries the provider's API key, beside `Authorization`
     (Anthropic's `x-api-key`)."""
+    opens: str = ""
+    """The event a stream of the protocol begins with (Messages' `message_start`); ""
+    when the stream is relayed as it begins."""
+    opening: Callable[[Run], bytes] | None = None
+    """That event, framed, for a run whose upstream began its stream without it."""
 
 
 _decode_fields: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode

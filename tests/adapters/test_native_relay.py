@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from iop_node.adapters.base import AdapterError, EmitEvents, NativeUnsupported, RunResult
+from iop_node.adapters.native import NativeReply
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
 from iop_node.protocols.native import ANTHROPIC_VERSION
 from iop_node.runs.protocol_run import TRANSLATORS
@@ -389,3 +390,28 @@ async def execute_native(adapter: OpenAICompatAdapter, run: Run, events: EmitEve
     translator = TRANSLATORS.of(run.operation)
     assert translator is not None and translator.native is not None
     return await adapter.execute_native(run, translator.native, events)
+
+
+def test_a_messages_stream_begun_without_message_start_gets_one_ahead_of_it() -> None:
+    """llama.cpp's server, under load, now and then begins a Messages stream at
+    `content_block_start`: the caller still reads `message_start` first, with the alias
+    and the prompt's estimated tokens, and the upstream's events after it as they were."""
+    translator = TRANSLATORS.of("messages")
+    assert translator is not None
+    run = native_run("messages", stream=True)
+    sent = messages_events(MODEL, 2)[1:]  # no message_start
+    reply = NativeReply(run, translator.native)
+    out = b"".join(reply.event(name, data)[0] for name, data in sent) + reply.release()
+    events = Events()
+    events.pieces.append(out)
+    parsed = events.parsed()
+    assert [name for name, _ in parsed] == ["message_start"] + [name for name, _ in sent]
+    message = parsed[0][1]["message"]
+    assert (message["model"], message["role"], message["content"]) == (ALIAS, "assistant", [])
+    assert message["usage"]["input_tokens"] > 0
+    assert out.endswith(b"".join(sse(name, data) for name, data in sent[1:]))
+
+    whole = messages_events(MODEL, 2)  # a stream that begins as it should is left alone
+    reply = NativeReply(run, translator.native)
+    out = b"".join(reply.event(name, data)[0] for name, data in whole) + reply.release()
+    assert out.count(b"event: message_start") == 1

@@ -87,7 +87,7 @@ async def test_llama_cpp_server_tests_pass_through_iop(
     failed = {case: outcome for case, outcome in ran.items() if outcome != "passed"}
     assert not failed, (
         f"llama.cpp's cases through IOP ({backend}), log in {tmp_path} "
-        f"(llama-server's: {tmp_path.parents[1] / 'llama-server.log'}): {failed}"
+        f"(llama-server's: {tmp_path.parent / 'llama-server.log'}): {failed}"
     )
     collected = set(ran) | set(skipped)
     assert set(NOT_APPLICABLE) <= collected | _cases_in(llama_cpp_tests)

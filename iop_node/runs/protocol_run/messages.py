@@ -10,6 +10,7 @@ the reply a Message (`messages_response_from_chat`, `MessagesStream`).
 
 from __future__ import annotations
 
+import json
 import re
 from typing import ClassVar, Final
 
@@ -19,6 +20,7 @@ from iop_node.protocols import (
     MessagesStream,
     TokenUsage,
     TranslationError,
+    message_start,
     messages_request_to_chat,
     messages_response_from_chat,
 )
@@ -33,6 +35,7 @@ from iop_node.runs.protocol_run.translator import (
     invalid,
 )
 from iop_node.tracing import ProtocolTrace
+from schemas.tokens import estimate_input_tokens
 from schemas.wire import Run
 
 __all__ = ["MESSAGES", "MessagesTranslator"]
@@ -48,6 +51,17 @@ class _MessagesTranslation(Translation):
         )
 
 
+def _opening(run: Run) -> bytes:
+    """`message_start` for a native stream that began without it (`native` Rule 7): the
+    prompt's tokens by IOP's estimate, as a translated stream's would say."""
+    try:
+        body = json.loads(run.body)
+    except ValueError:
+        body = None
+    prompt = estimate_input_tokens(body) if isinstance(body, dict) else 0
+    return message_start(alias(run), run.request_id or run.run_id, TokenUsage(prompt_tokens=prompt))
+
+
 class MessagesTranslator(Translator):
     """Anthropic Messages (module docstring)."""
 
@@ -61,6 +75,8 @@ class MessagesTranslator(Translator):
         tail=frozenset({"message_delta", "message_stop"}),
         headers={"anthropic-version": ANTHROPIC_VERSION},
         key_header="x-api-key",
+        opens="message_start",
+        opening=_opening,
     )
     trace = ProtocolTrace(
         name="messages",
