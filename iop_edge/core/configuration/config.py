@@ -69,6 +69,7 @@ __all__ = [
     "ParsedConfig",
     "format_errors",
     "parse_config",
+    "whole_file_error",
 ]
 
 
@@ -222,7 +223,7 @@ def format_errors(errors: list[ConfigError]) -> str:
     return "\n".join(str(error) for error in errors)
 
 
-def _whole_file(message: str) -> ConfigInvalid:
+def whole_file_error(message: str) -> ConfigInvalid:
     """A problem that stops everything and belongs to no path (unreadable file, bad YAML)."""
     return ConfigInvalid([ConfigError(path="", message=message)])
 
@@ -356,10 +357,10 @@ def _read_yaml(text: str) -> tuple[object, list[ConfigError], list[int] | None]:
         mark = exc.problem_mark or exc.context_mark
         where = f" at {_position(mark)}" if mark else ""
         problem = ", ".join(part for part in (exc.context, exc.problem) if part) or "cannot parse"
-        raise _whole_file(f"invalid YAML{where}: {problem}") from None
+        raise whole_file_error(f"invalid YAML{where}: {problem}") from None
     except yaml.reader.ReaderError as exc:  # a character YAML does not allow
         reason = str(exc).splitlines()[0]
-        raise _whole_file(f"invalid YAML at character {exc.position}: {reason}") from None
+        raise whole_file_error(f"invalid YAML at character {exc.position}: {reason}") from None
 
 
 def _entry_starts(root: yaml.Node) -> list[int] | None:

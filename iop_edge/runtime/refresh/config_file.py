@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import os
 
-from iop_edge.core.configuration.config import ConfigInvalid, ParsedConfig, parse_config
+from iop_edge.core.configuration.config import (
+    ConfigInvalid,
+    ParsedConfig,
+    parse_config,
+    whole_file_error,
+)
 from iop_edge.core.configuration.config_proof import ConfigProof
 from iop_edge.runtime.lifecycle.host_checks import check_host
-from schemas.config import ConfigError
 
 __all__ = ["check_config", "load_config"]
 
@@ -44,15 +48,11 @@ def load_config(path: str | os.PathLike[str], *, proof: ConfigProof | None = Non
             data = file.read()
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        raise _whole_file(f"cannot read config file {os.fspath(path)}: {reason}") from exc
+        raise whole_file_error(f"cannot read config file {os.fspath(path)}: {reason}") from exc
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise _whole_file(
+        raise whole_file_error(
             f"config file {os.fspath(path)} is not valid UTF-8 (byte offset {exc.start})"
         ) from exc
     return check_config(text, proof=proof)
-
-
-def _whole_file(message: str) -> ConfigInvalid:
-    return ConfigInvalid([ConfigError(path="", message=message)])
