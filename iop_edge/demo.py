@@ -295,6 +295,7 @@ async def run_demo(
         if once:
             nursery.cancel_scope.cancel()
             return 0
+        # Ctrl-C is caught before the demo says to press it.
+        await nursery.start(handle_signals, edge, nursery.cancel_scope, stopped_by)
         print("\nServing; press Ctrl-C to stop.", flush=True)
-        nursery.start_soon(handle_signals, edge, nursery.cancel_scope, stopped_by)
     return stopped_by.exit_status

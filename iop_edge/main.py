@@ -69,15 +69,21 @@ async def _restart(edge: Edge) -> None:
 
 
 async def handle_signals(
-    edge: Edge, cancel_scope: trio.CancelScope, stopped_by: StopSignal | None = None
+    edge: Edge,
+    cancel_scope: trio.CancelScope,
+    stopped_by: StopSignal | None = None,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """SIGHUP refreshes, SIGUSR2 restarts; SIGTERM/SIGINT drains and stops, and a second
     one stops now: the runs still open are cut as the Edge's (`shutting_down`), not left
     to end as callers who went away, then `cancel_scope` is cancelled. `stopped_by` notes
-    the stop signals (the exit status follows from them)."""
+    the stop signals (the exit status follows from them). Started (`nursery.start`) once
+    the signals are caught: a signal sent after that is this task's."""
     stopping = False
     signums = (signal.SIGHUP, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
     with trio.open_signal_receiver(*signums) as signals:
+        task_status.started()
         async with trio.open_nursery() as nursery:
             async for signum in signals:
                 name = signal.Signals(signum).name
@@ -156,7 +162,7 @@ async def _serve(edge: Edge, task_status: trio.TaskStatus[EdgeAddresses]) -> int
             await edge.serve(task_status=task_status)
             nursery.cancel_scope.cancel()  # listeners drained: the signal watcher is done too
 
-        nursery.start_soon(handle_signals, edge, nursery.cancel_scope, stopped_by)
+        await nursery.start(handle_signals, edge, nursery.cancel_scope, stopped_by)
         addresses = await nursery.start(run_edge)
         # Under systemd (Type=notify): serving now, and this is the process to supervise,
         # a restart's successor included (`service_manager`).
