@@ -55,7 +55,13 @@ def _config(tmp_path: Path) -> str:
             {
                 "id": "gpu-b",
                 "token_hash_sha256": NODE_TOKEN_HASH,
-                "providers": [sim_provider("gpu-b-sglang", capacity=8, adapter=HOLDING)],
+                "providers": [
+                    sim_provider("gpu-b-sglang", capacity=8, adapter=HOLDING),
+                    {  # a router runtime holding one of its two models at a time
+                        **sim_provider("gpu-b-router", capacity=1, adapter={"max_loaded": 1}),
+                        "models": ["smol-a", "smol-b"],
+                    },
+                ],
             },
             {  # never connects: its provider shows why it is unavailable
                 "id": "gpu-c",
@@ -71,6 +77,12 @@ def _config(tmp_path: Path) -> str:
             },
             {"id": "llama-3.1-8b", "providers": {"gpu-a-ollama": "sim-small"}},
             {"id": "phi-4", "providers": {"gpu-c-lemonade": "sim-small"}},
+            {  # pinned: loaded at start and kept loaded on the router
+                "id": "smol",
+                "providers": {"gpu-b-router": "smol-a"},
+                "lifecycle": {"keep_loaded": True},
+            },
+            {"id": "smol-b", "providers": {"gpu-b-router": "smol-b"}},
         ],
     )
 
@@ -143,6 +155,12 @@ def _browse(admin_url: str, profile: Path, screenshot: Path) -> dict[str, Any]:
             )
             page.wait_for_function(
                 "document.getElementById('rps').textContent !== '0.00'", timeout=15_000
+            )
+            # What the router holds, and its pin.
+            page.wait_for_selector(
+                'tr[data-provider="gpu-b-router"] [data-model-state="smol-a=loaded"]'
+                '[data-pinned="yes"]',
+                timeout=15_000,
             )
             # The per-model charts: the finished streams' time to first token and output
             # rate, the queue behind the full provider.
@@ -224,7 +242,16 @@ async def test_the_pool_page_shows_providers_and_their_load_live(
         load.cancel_scope.cancel()
 
     providers = {row[0]: row for row in seen["providers"]}
-    assert sorted(providers) == ["gpu-a-ollama", "gpu-a-vllm", "gpu-b-sglang", "gpu-c-lemonade"]
+    assert sorted(providers) == [
+        "gpu-a-ollama",
+        "gpu-a-vllm",
+        "gpu-b-router",
+        "gpu-b-sglang",
+        "gpu-c-lemonade",
+    ]
+    assert "smol-a loaded, pinned" in providers["gpu-b-router"][3]
+    assert "smol-b" in providers["gpu-b-router"][3]
+    assert "smol-b loaded, pinned" not in providers["gpu-b-router"][3]
     assert providers["gpu-a-ollama"][1:3] == ["2/2", "available"]
     in_flight = sum(int(providers[p][1].split("/")[0]) for p in ("gpu-a-vllm", "gpu-b-sglang"))
     assert in_flight == 3

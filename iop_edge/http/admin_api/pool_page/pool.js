@@ -65,13 +65,16 @@ function drawProviderSummary(summary) {
   parts.forEach((part, index) => line.append(index ? " · " : "", part));
 }
 
-// Which served models the runtime holds (design §18), where it says: "smol-a loaded".
+// Which served models the runtime holds (design §18), where it says: "smol-a loaded",
+// and which of them are pinned there ("smol-a loaded, pinned": placement never evicts it).
 function modelStates(p) {
   if (!p.model_states) return "";
+  const pinned = new Set(p.pinned || []);
   const states = p.model_states.map((s) => el("span", {
     class: `model-state ${s.state}`, "data-model-state": `${s.name}=${s.state}`,
-    title: s.reason || "",
-  }, `${s.name} ${s.state}`));
+    "data-pinned": pinned.has(s.name) ? "yes" : "no",
+    title: s.reason || (pinned.has(s.name) ? "pinned: kept loaded here" : ""),
+  }, `${s.name} ${s.state}${pinned.has(s.name) ? ", pinned" : ""}`));
   const line = el("div", { class: "reason" });
   states.forEach((state, index) => line.append(index ? " · " : "", state));
   if (p.max_loaded) line.append(el("span", { class: "meta" }, ` (holds ${p.max_loaded})`));
