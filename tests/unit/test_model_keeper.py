@@ -164,6 +164,27 @@ async def test_a_preload_asks_each_provider_once_and_a_refresh_that_drops_a_pin_
     assert pool.pins == {}
 
 
+async def test_a_failed_preload_tries_another_provider_then_the_first_after_its_wait(
+    nursery: trio.Nursery, autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    pool = Pool()
+    pool.refuse = "out of memory"  # every runtime, for now
+    snapshot = _snapshot(ModelLifecycle(preload=1))
+    await nursery.start(_keeper(pool, lambda: snapshot, tmp_path).run)
+    await trio.testing.wait_all_tasks_blocked()
+    order = rendezvous_order(placement_key("m"), PROVIDERS)
+    assert pool.commands == [("load", p) for p in order]  # each one, once, then a wait
+    pool.refuse = None
+    await trio.sleep(RETRY_S - 1)
+    assert len(pool.commands) == 3  # none asked again before its time
+    await trio.sleep(2)
+    assert pool.commands[3:] == [("load", order[0])]  # the first choice again
+    assert pool.held[order[0]]
+    pool.changed()
+    await trio.testing.wait_all_tasks_blocked()
+    assert len(pool.commands) == 4  # the preload is made: nothing more
+
+
 async def test_an_older_node_gets_a_load_for_a_pin_and_no_unpin(
     nursery: trio.Nursery, autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:

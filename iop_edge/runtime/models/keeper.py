@@ -15,7 +15,9 @@ preloads are still owed, and acts with the existing `model_command`s
 3. The scheduler hears the pins (`Scheduler.pin_models`): placement never unloads a
    pinned copy to make room (`core.routing.holdings` Rule 4).
 4. One command per copy at a time; a failed one is tried again after `RETRY_S` (a model
-   a runtime cannot load is not asked for in a loop).
+   a runtime cannot load is not asked for in a loop). A preload's failed load is owed
+   again: another provider is asked at once if one can take it, the same one after
+   `RETRY_S`.
 
 The operator's `pin` and `unpin` (`POST /models/pin|unpin`) come here too (a pin whose
 load failed is not kept: the answer says why); `load` and `unload` go on to
@@ -187,6 +189,8 @@ class ModelKeeper:
                 self._retry_at.pop(pair, None)
             else:
                 self._retry_at[pair] = now + RETRY_S
+                if action == "load" and model_id in self._preloads:  # owed again (Rule 4)
+                    self._preloads[model_id][1].discard(result.provider)
                 log.warning(
                     "%s of %s on %s failed: %s", action, model_id, result.provider, result.error
                 )
@@ -302,9 +306,14 @@ class ModelKeeper:
         done = asked | {p for p, copy in copies.items() if copy.holds}
         if len(done) >= lifecycle.preload:
             return
-        chosen = choose_copies(
-            model_id, list(copies.values()), lifecycle.preload, chosen=sorted(done)
-        )
+        now = trio.current_time()
+        candidates = [  # a provider whose load failed waits for its retry (Rule 4)
+            copy
+            for provider, copy in copies.items()
+            if provider in done
+            or self._retry_at.get((provider, served[provider]), -math.inf) <= now
+        ]
+        chosen = choose_copies(model_id, candidates, lifecycle.preload, chosen=sorted(done))
         for provider in [p for p in chosen if p not in done][: lifecycle.preload - len(done)]:
             asked.add(provider)
             pair = (provider, served[provider])
