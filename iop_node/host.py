@@ -29,7 +29,9 @@ Rules:
    `ModelControl` for all links (one command per provider at a time; an equal one joins
    it), is followed by a probe of that provider (every link hears the new states), and
    is answered on the link it came from. `pin` and `unpin` (`FEATURE_PINS`) keep a model
-   from idle unloads while the link lasts (a pin loads it first).
+   from idle unloads while the link lasts (a pin loads it first); every link's statuses
+   say which models are pinned (`ModelState.pinned`), and a change of pins is sent to
+   every link at once, so every Edge's placement keeps any Edge's pin.
 8. Idle. The running config's idle rules are kept by one `IdleKeeper` (`idle_clock`),
    which sees every link's runs and every probe's states; before a run that would make
    a full runtime with a pinned model load another, it unloads an unpinned idle one.
@@ -187,7 +189,8 @@ class ProviderHost:
             )
             port._forget(run_id)
         self._slots.remove_link(port.serial)
-        self._idle.drop_link(port.serial)
+        if self._idle.drop_link(port.serial):
+            self._nursery.start_soon(self._pins_changed, name="pins changed")
         self._notify_changed()
 
     def _notify_changed(self) -> None:
@@ -324,11 +327,12 @@ class ProviderHost:
         if adapter is None:
             error: str | None = f"this node has no provider {command.provider_id!r}"
         elif action == "unpin":
-            self._idle.unpin(model, port.serial)
+            if self._idle.unpin(model, port.serial):
+                await self._pins_changed()
             error = None
         else:
-            if action == "pin":
-                self._idle.pin(model, port.serial)
+            if action == "pin" and self._idle.pin(model, port.serial):
+                await self._pins_changed()
             error = await self._models.run(
                 adapter,
                 "unload" if action == "unload" else "load",
@@ -425,6 +429,12 @@ class ProviderHost:
         for port in list(self._links.values()):
             await self._deliver(port, statuses, probed)
 
+    async def _pins_changed(self) -> None:
+        """Rule 7: every link hears the pins as they are now, with the last statuses."""
+        if self._statuses is not None:
+            for port in list(self._links.values()):
+                await self._deliver(port, self._statuses)
+
     async def _send_statuses(self, port: LinkPort) -> None:
         """Tell a link that attached to a running registry what the last probes found."""
         if self._statuses is not None:
@@ -433,6 +443,7 @@ class ProviderHost:
     async def _deliver(
         self, port: LinkPort, statuses: list[ProviderStatus], probed: list[str] | None = None
     ) -> None:
+        statuses = self._idle.mark_pins(statuses)  # Rule 7
         await port.send(Status(providers=statuses, probed=probed or []))
         port.first_status.set()
 

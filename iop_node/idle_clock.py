@@ -168,6 +168,10 @@ class IdleClock:
     def pinned(self, key: ModelKey) -> bool:
         return key in self._pins
 
+    def pins(self) -> frozenset[ModelKey]:
+        """Every pinned model, whichever link pinned it."""
+        return frozenset(self._pins)
+
     def victim(self, key: ModelKey) -> str | None:
         """Rule 6: the model to unload before a run of `key` loads it, or None."""
         provider_id = key[0]

@@ -13,6 +13,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
+import msgspec
 import trio
 
 from iop_node.adapters.base import Adapter
@@ -78,16 +79,42 @@ class IdleKeeper:
         if now + self.clock.rule(key) < self._until:
             self._wake()
 
-    def pin(self, key: ModelKey, link: int) -> None:
+    def pin(self, key: ModelKey, link: int) -> bool:
+        """`link` pins `key`; whether the Node's pins changed (the Edges must hear)."""
+        was = self.clock.pinned(key)
         self.clock.pin(key, link)
+        return not was
 
-    def unpin(self, key: ModelKey, link: int) -> None:
+    def unpin(self, key: ModelKey, link: int) -> bool:
+        """`link` lets go of `key`; whether the Node's pins changed."""
+        was = self.clock.pinned(key)
         self.clock.unpin(key, link)
         self._wake()
+        return was and not self.clock.pinned(key)
 
-    def drop_link(self, link: int) -> None:
+    def drop_link(self, link: int) -> bool:
+        """`link` ended, and its pins with it; whether the Node's pins changed."""
+        before = self.clock.pins()
         self.clock.drop_link(link)
         self._wake()
+        return self.clock.pins() != before
+
+    def mark_pins(self, statuses: list[ProviderStatus]) -> list[ProviderStatus]:
+        """`statuses` with each pinned model's state marked `pinned` (every Edge's
+        placement keeps any Edge's pin); the same list when nothing is pinned."""
+        pins = self.clock.pins()
+        if not pins:
+            return statuses
+        marked = []
+        for status in statuses:
+            states = status.model_states
+            if states is not None and any((status.id, s.name) in pins for s in states):
+                states = [
+                    msgspec.structs.replace(s, pinned=(status.id, s.name) in pins) for s in states
+                ]
+                status = msgspec.structs.replace(status, model_states=states)
+            marked.append(status)
+        return marked
 
     async def make_room(self, victim: str, run: Run, adapter: Adapter) -> None:
         """Before a run: unload `victim`, the model `idle_clock` Rule 6 named when the run

@@ -403,6 +403,9 @@ class ModelState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The served model name (`models[].providers`' value), as the runtime lists it."""
     state: ModelLoadState
     reason: str | None = None
+    pinned: bool = False
+    """Some Edge pinned it on this runtime (the Node says so, not the runtime): every Edge
+    sharing the Node keeps it there, as it does its own pins (design §18.4)."""
 
 
 class ProviderStatus(msgspec.Struct, frozen=True, kw_only=True, gc=False):

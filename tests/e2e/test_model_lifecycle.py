@@ -284,3 +284,55 @@ async def test_a_runtime_that_holds_all_it_can_keeps_its_pin_while_others_take_t
     assert _loads_asked(router) == 1  # the pin's own load, never again
     unloads = [json.loads(r.body)["model"] for r in router.requests if r.path == "/models/unload"]
     assert unloads and "kept" not in unloads
+
+
+async def test_an_operator_s_pin_on_one_edge_is_kept_by_every_edge_sharing_the_node(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """The Node marks the pin in its statuses: the other Edge's runs of other models never
+    evict it, and its catalog lists it, until the operator unpins it."""
+    fakes = [
+        FakeUpstream(models=["a", "b", "c"], lifecycle="llama_router", max_loaded=1)
+        for _ in range(2)
+    ]
+    providers = []
+    for index, fake in enumerate(fakes):
+        provider = upstream_provider(
+            f"r{index}", await nursery.start(fake.serve), type="openai_api", served="a"
+        )
+        provider["models"] = ["a", "b", "c"]
+        providers.append(provider)
+    models = [{"id": m, "providers": {"r0": m, "r1": m}} for m in "abc"]
+    pinning, other = [
+        await _serve_edge(
+            nursery,
+            edge_config(tmp_path / name, providers=providers, models=models),
+            tmp_path / f"{name}.yaml",
+            trio.CancelScope(),
+        )
+        for name in ("a", "b")
+    ]
+    urls = [pinning.addresses.node_url, other.addresses.node_url]
+    await nursery.start(partial(run_node, urls, "node-1", NODE_TOKEN))
+    for stack in (pinning, other):
+        await stack.wait_catalog(lambda c: all(_held(c, p) for p in ("r0", "r1")))
+    async with pinning.admin() as admin:
+        pinned = await admin.post("/models/pin", json={"model": "a", "provider": "r1"})
+    assert pinned.status_code == 200, pinned.text
+    await other.wait_catalog(lambda c: provider_of(c, "r1")["pinned"] == ["a"])
+
+    served: set[str] = set()
+    async with other.client() as client:
+        for model in "bcbccbbc":
+            with trio.fail_after(GUARD_S):
+                reply = await client.chat.completions.with_raw_response.create(
+                    model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+            served.add(reply.headers["x-iop-provider"])
+    assert served == {"r0"}  # b and c took turns there; the pin on r1 was never evicted
+    assert fakes[1].loaded == {"a"} and _loads_asked(fakes[1]) == 1
+
+    async with pinning.admin() as admin:
+        unpinned = await admin.post("/models/unpin", json={"model": "a"})
+    assert unpinned.status_code == 200, unpinned.text
+    await other.wait_catalog(lambda c: provider_of(c, "r1")["pinned"] == [])

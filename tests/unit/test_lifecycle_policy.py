@@ -109,6 +109,24 @@ def test_placement_never_unloads_a_pinned_model_to_make_room() -> None:
     assert two.holding("old", now=3.0) == "cold"
 
 
+def test_another_edge_s_pin_reported_by_the_node_is_kept_as_this_edge_s_own() -> None:
+    holdings = Holdings()
+    holdings.report(
+        [
+            ModelState(name="kept", state="loaded", pinned=True),
+            ModelState(name="b", state="unloaded"),
+        ],
+        max_loaded=1,
+    )
+    assert not holdings.can_load("b", now=0.0)  # the only model it holds is pinned
+    assert holdings.all_pinned() == {"kept"}
+    holdings.pinned = frozenset({"b"})  # this Edge's own pin, beside the reported one
+    assert holdings.all_pinned() == {"kept", "b"}
+    holdings.report([ModelState(name="kept", state="loaded")], max_loaded=1)  # unpinned
+    assert holdings.can_load("other", now=0.0)
+    assert holdings.all_pinned() == {"b"}
+
+
 def test_a_run_wakes_a_sleeping_copy_before_it_cold_loads_one_anywhere() -> None:
     """Pool Rule 8, holdings Rule 6: a wake-up is a load with room, and the cheapest."""
     full = Holdings()

@@ -14,8 +14,9 @@ reload): the thrash placement is there to prevent. So the Edge keeps its own acc
 3. A run granted for a cold model places a load there: the model counts as held until a
    report says it is loaded or failed, or `load_timeout_s` passes.
 4. A load placed on a runtime with no room unloads one of its models: the least
-   recently used one with no run of this Edge in flight and no pin (`pinned`,
-   `core.lifecycle` Rule 4), which counts as cold until a report lists it again, or the
+   recently used one with no run of this Edge in flight and no pin (this Edge's,
+   `pinned`, `core.lifecycle` Rule 4, or another Edge's, which the Node reports as
+   `ModelState.pinned`), which counts as cold until a report lists it again, or the
    same timeout passes. (The runtime picks its own victim,
    least recently used too; a report corrects any difference.)
 5. The runtime has room while it holds fewer models than its `max_loaded` (always, when
@@ -50,6 +51,7 @@ class Holdings:
         "_last_used",
         "_placed",
         "_reported",
+        "_reported_pins",
         "_running",
         "max_loaded",
         "pinned",
@@ -69,13 +71,18 @@ class Holdings:
         self._last_used: dict[str, float] = {}
         self._running: Counter[str] = Counter()
         self.pinned: frozenset[str] = frozenset()
-        """Served names pinned here: never unloaded to make room (Rules 4, 5)."""
+        """Served names this Edge pinned here: never unloaded to make room (Rules 4, 5)."""
+        self._reported_pins: frozenset[str] = frozenset()
+        """Served names the Node reports pinned (by any Edge): the same (Rule 4)."""
 
     def report(self, states: Sequence[ModelState] | None, max_loaded: int | None) -> None:
         """The Node's report: it settles the loads placed and unloads guessed that it
         speaks of (Rules 3, 4)."""
         self.max_loaded = max_loaded
         self.states = None if states is None else list(states)
+        self._reported_pins = (
+            frozenset(s.name for s in states if s.pinned) if states else frozenset()
+        )
         if states is None:
             self._reported = None
             self._placed.clear()
@@ -96,6 +103,7 @@ class Holdings:
         self.states = None
         self.max_loaded = None
         self._reported = None
+        self._reported_pins = frozenset()
         self._placed.clear()
         self._evicting.clear()
 
@@ -155,8 +163,18 @@ class Holdings:
         state = (self._reported or {}).get(served)
         return state is not None and state.state == "sleeping"
 
+    def all_pinned(self) -> frozenset[str]:
+        """Served names pinned here by this Edge or, as the Node reports, any other."""
+        if not self._reported_pins:
+            return self.pinned
+        return self.pinned | self._reported_pins
+
     def _evictable(self, served: str) -> bool:
-        return not self._running[served] and served not in self.pinned
+        return (
+            not self._running[served]
+            and served not in self.pinned
+            and served not in self._reported_pins
+        )
 
     def started(self, served: str, now: float, *, load_timeout_s: float) -> None:
         """A run of `served` was granted here (Rules 3, 4)."""

@@ -195,6 +195,6 @@ class PoolObservation:
             protocols=state.protocols,
             model_states=state.holdings.states,
             max_loaded=state.holdings.max_loaded,
-            pinned=state.holdings.pinned,
+            pinned=state.holdings.all_pinned(),
             cached_share=self.cache_shares.share(state.id),
         )
