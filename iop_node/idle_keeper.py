@@ -108,12 +108,13 @@ class IdleKeeper:
         marked = []
         for status in statuses:
             states = status.model_states
-            if states is not None and any((status.id, s.name) in pins for s in states):
-                states = [
-                    msgspec.structs.replace(s, pinned=(status.id, s.name) in pins) for s in states
-                ]
-                status = msgspec.structs.replace(status, model_states=states)
-            marked.append(status)
+            if states is None or not any((status.id, s.name) in pins for s in states):
+                marked.append(status)
+                continue
+            states = [
+                msgspec.structs.replace(s, pinned=(status.id, s.name) in pins) for s in states
+            ]
+            marked.append(msgspec.structs.replace(status, model_states=states))
         return marked
 
     async def make_room(self, victim: str, run: Run, adapter: Adapter) -> None:
