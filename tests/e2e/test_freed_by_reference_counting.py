@@ -27,7 +27,14 @@ from iop_edge.http.connection import Connection
 from iop_edge.runtime.nodes.session import NodeSession
 from iop_edge.runtime.runs.dispatch import Dispatcher, Run, RunPlan
 from schemas import wire
-from tests.e2e.stack import NODE_TOKEN, Stack, one_sim_config, start_stack
+from tests.e2e.stack import (
+    NODE_TOKEN,
+    Stack,
+    hang_up_after,
+    one_sim_config,
+    start_slow_stack,
+    start_stack,
+)
 from tests.timing import GUARD_S
 
 
@@ -69,6 +76,27 @@ class Freed:
         with trio.move_on_after(GUARD_S):
             await self._all_freed.wait()
         assert not self._alive, f"still alive, with the collector off: {self._alive}"
+
+
+@pytest.fixture
+def requests(monkeypatch: pytest.MonkeyPatch) -> Freed:
+    """Watches every caller connection the Edge serves and every run it makes."""
+    freed = Freed()
+    run = Connection.run
+
+    async def watched_run(connection: Connection) -> None:
+        freed.watch(connection, "a caller's connection (iop_edge.http.connection)")
+        await run(connection)
+
+    monkeypatch.setattr(Connection, "run", watched_run)
+    init = Run.__init__
+
+    def watched_init(run: Run, plan: RunPlan, dispatcher: Dispatcher) -> None:
+        init(run, plan, dispatcher)
+        freed.watch(run, f"the Edge's Run of {plan.operation} {plan.model_id}")
+
+    monkeypatch.setattr(Run, "__init__", watched_init)
+    return freed
 
 
 async def _session_of(stack: Stack, node_id: str = "node-1") -> NodeSession:
@@ -121,6 +149,10 @@ async def test_an_ended_node_session_is_freed_by_reference_counting(
                 await stack.edge.wait_pool_change()
     del session
     await freed.wait()
+    # The hub told the heap keeper of the end, and its finalizer saw the session freed
+    # (a replaced Node may link again meanwhile: a session of its may be ending).
+    assert stack.edge.heap.statistics().sessions_leaked == 0
+    assert stack.edge.heap.watching() == 0 or ending == "replaced by a reconnect"
 
 
 async def test_a_session_dropped_for_a_missed_heartbeat_is_freed_by_reference_counting(
@@ -179,29 +211,11 @@ async def test_the_snapshot_a_refresh_replaced_is_freed_by_reference_counting(
 
 
 async def test_a_callers_finished_requests_and_connections_are_freed_by_reference_counting(
-    no_collector: None,
-    nursery: trio.Nursery,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    no_collector: None, nursery: trio.Nursery, tmp_path: Path, requests: Freed
 ) -> None:
     stack = await start_stack(
         nursery, one_sim_config(tmp_path), tmp_path / "edge.yaml", wait_models=("m",)
     )
-    freed = Freed()
-    run = Connection.run
-
-    async def watched_run(connection: Connection) -> None:
-        freed.watch(connection, "a caller's connection (iop_edge.http.connection)")
-        await run(connection)
-
-    monkeypatch.setattr(Connection, "run", watched_run)
-    init = Run.__init__
-
-    def watched_init(run: Run, plan: RunPlan, dispatcher: Dispatcher) -> None:
-        init(run, plan, dispatcher)
-        freed.watch(run, f"the Edge's Run of {plan.operation} {plan.model_id}")
-
-    monkeypatch.setattr(Run, "__init__", watched_init)
     async with stack.client() as client:
         reply = await client.chat.completions.create(
             model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
@@ -216,4 +230,16 @@ async def test_a_callers_finished_requests_and_connections_are_freed_by_referenc
             )
     assert reply.usage is not None and reply.usage.completion_tokens == 2
     assert chunks
-    await freed.wait()
+    await requests.wait()
+
+
+async def test_a_caller_that_hangs_up_mid_stream_leaves_nothing_for_the_collector(
+    no_collector: None, nursery: trio.Nursery, tmp_path: Path, requests: Freed
+) -> None:
+    stack = await start_slow_stack(nursery, tmp_path)
+    async with stack.client() as client:
+        stream = await client.chat.completions.create(
+            model="m", max_tokens=50, stream=True, messages=[{"role": "user", "content": "hi"}]
+        )
+        await hang_up_after(stream, 1)  # the run is cancelled on the Node, the slot freed
+    await requests.wait()

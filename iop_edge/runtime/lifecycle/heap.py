@@ -268,6 +268,10 @@ class HeapKeeper:
         weakref.finalize(session, self._ending.pop, key, None)
         self._wake()
 
+    def watching(self) -> int:
+        """Ended sessions not freed yet (Rule 4)."""
+        return len(self._ending)
+
     def statistics(self) -> HeapStatistics:
         return HeapStatistics(sessions_leaked=self._leaked_total, thaws=self._thaws)
 
