@@ -153,6 +153,10 @@ async def test_an_ended_node_session_is_freed_by_reference_counting(
     # (a replaced Node may link again meanwhile: a session of its may be ending).
     assert stack.edge.heap.statistics().sessions_leaked == 0
     assert stack.edge.heap.watching() == 0 or ending == "replaced by a reconnect"
+    async with stack.admin() as admin:
+        metrics = (await admin.get("/metrics")).text
+    assert "iop_heap_sessions_leaked_total 0.0" in metrics
+    assert "iop_heap_thaws_total 0.0" in metrics
 
 
 async def test_a_session_dropped_for_a_missed_heartbeat_is_freed_by_reference_counting(
