@@ -37,9 +37,11 @@ at it again only at moments it chooses:
    `took` of a period `period`, the next comes after `period * SWEEP_STEP_S / took`,
    between `SWEEP_MIN_S` and `SWEEP_S`, and a sweep holds the loop about `SWEEP_STEP_S`
    however busy the fleet is. The total is the same (the collector walks each young
-   object once either way), only cut finer. A sweep collects the young and the middle
-   generation (`RECENT`; the young alone while held, Rule 5), what was made since the
-   last freeze, as Rule 2 does and for the same reason.
+   object once either way), only cut finer. A sweep collects the young generation
+   alone: the middle one holds what survived a young collection since the last freeze
+   (a fleet's whole catalog being answered, say), and walking it too made a sweep 50 ms
+   of the loop with ten thousand Nodes. What a sweep freezes is alive, and is freed by
+   reference counting once it is not (Rule 4: nothing the Edge does leaves cycles).
 4. Only cyclic garbage among frozen objects would wait, for a thaw (`gc.unfreeze`, a
    full collection, freeze again): a pause proportional to the whole heap, about 0.2 s of
    the loop with 1,000 Nodes and 2 s with 10,000, every caller waiting. So the Edge
@@ -320,9 +322,7 @@ class HeapKeeper:
                 period = SWEEP_S
                 continue
             began = self._timer()
-            # What was made since the last freeze: its garbage is not frozen (the module
-            # docstring); held, the middle generation is the hold's (Rule 5).
-            self._gc.collect(0 if self._holds else RECENT)
+            self._gc.collect(0)  # the period's young garbage: not frozen (Rule 3)
             self._gc.freeze()
             period = sweep_period(period, self._timer() - began)
 
