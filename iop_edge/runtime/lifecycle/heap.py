@@ -52,7 +52,7 @@ at it again only at moments it chooses:
    (`session_ended`), and a `weakref.finalize` tells it when that session was freed. A
    session still alive `LEAK_GRACE_S` after it ended (its runs heard `lost()` at once,
    a push to it gives up within its own bound) is held by a reference cycle: it is
-   counted as leaked (`HeapStatistics`, the `iop_heap_sessions_leaked` metric). Once
+   counted as leaked (`HeapStatistics`, the `iop_heap_sessions_leaked_total` metric). Once
    `LEAKS_FOR_THAW` sessions leaked since the last thaw, a thaw runs and is logged as a
    warning naming them: it is a defect to fix, and the thaw bounds the memory it costs
    meanwhile. A leaked session the thaw did not free is held by a live reference,
@@ -218,6 +218,7 @@ class HeapKeeper:
         self._connected = 0
         self._arrived = 0
         """Nodes connected since the last freeze."""
+        self._last_arrival = -float("inf")
         self._ending: dict[int, tuple[str, float]] = {}
         """Ended sessions not freed yet: their names and when they ended (Rule 4). Each
         one's finalizer takes it out."""
@@ -361,6 +362,7 @@ class HeapKeeper:
         self._gc.freeze()
         took_ms = (time.perf_counter() - began) * 1000
         self._thaws += 1
+        self._arrived = 0  # frozen too
         log.warning(
             "heap: %d ended session(s) were still alive %gs after they ended, held by "
             "reference cycles (a defect; %s): a full collection reclaimed %d object(s) in "
