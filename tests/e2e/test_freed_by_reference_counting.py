@@ -39,11 +39,13 @@ from tests.timing import GUARD_S
 
 
 @pytest.fixture
-def no_collector() -> Iterator[None]:
-    """The cyclic collector off for the test (restored after): only reference counting
-    frees anything."""
+def no_collector(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The cyclic collector off for the test (restored after), and `gc.collect` a no-op
+    (the Edge's heap keeper collects on its own): only reference counting frees
+    anything."""
     enabled = gc.isenabled()
     gc.disable()
+    monkeypatch.setattr(gc, "collect", lambda generation=2: 0)
     try:
         yield
     finally:
@@ -56,6 +58,8 @@ class Freed:
 
     def __init__(self) -> None:
         self._alive: dict[int, str] = {}
+        self.watched: list[str] = []
+        """The names of everything watched."""
         self._all_freed = trio.Event()
         self._all_freed.set()
 
@@ -64,6 +68,7 @@ class Freed:
         while key in self._alive:
             key += 1
         self._alive[key] = name
+        self.watched.append(name)
         self._all_freed = trio.Event()
         weakref.finalize(thing, self._freed, key)
 
@@ -234,6 +239,12 @@ async def test_a_callers_finished_requests_and_connections_are_freed_by_referenc
             )
     assert reply.usage is not None and reply.usage.completion_tokens == 2
     assert chunks
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    for _ in range(2):  # a connection a request, closed by the caller once answered
+        async with stack.http() as http:
+            response = await http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+    assert {"connection", "Run"} <= {word for name in requests.watched for word in name.split()}
     await requests.wait()
 
 
