@@ -29,6 +29,13 @@ it:
   as a dry run first, timed too: validating and planning every Node. Each refresh is
   sent from a child process (`bench.admin_post`), as an operator's comes from elsewhere:
   its megabytes, sent and read on this process's event loop, would hold the callers';
+- **churn**: a little more than a tenth of the light Nodes (`churn_nodes`) leave at once
+  and connect again, `CHURN_ROUNDS` times, and the Edge is left `LEAK_GRACE_S` and a
+  little more after the last leave: an ended session its heap keeper finds still alive
+  by then counts as leaked, and enough of them bring a thaw, a full collection of its
+  heap (`runtime.lifecycle.heap`, Rule 4). The loop holds of the whole window, whether a
+  full collection ran, and the Edge's RSS before the churn and after each round (sessions
+  freed as they end leave it flat);
 - **callers**: `caller_rate` chat requests a second to `sim-model`, open loop, for
   `caller_window_s` while the Edge is idle, then throughout the dry runs and the apply,
   then for `caller_window_s` once more, idle again: each request's latency to its last
@@ -77,7 +84,7 @@ from bench.services import (
     spawn_service,
     start_service,
 )
-from iop_edge.runtime.lifecycle.heap import BURST, CHURN_SHARE
+from iop_edge.runtime.lifecycle.heap import BURST, LEAK_GRACE_S
 
 #: Where the light Nodes' providers point: never contacted (a light Node has no upstream).
 _UNUSED_UPSTREAM: Final = "http://127.0.0.1:9/v1"
@@ -108,11 +115,14 @@ _CALLER_BODY: Final = json.dumps(
 _CATALOG_PAGE: Final = 100
 #: Light Nodes whose providers the few-Nodes dry run's candidate changes.
 FEW_NODES: Final = 10
-#: The longest the churn waits for the Edge's thaw once its Nodes left (a busy machine
-#: takes seconds to tear a thousand sessions down).
-_THAW_WAIT_S: Final = 60.0
-#: Between two looks at the loop-holds file for the thaw.
-_THAW_POLL_S: Final = 0.25
+#: The share of the fleet that leaves at once in each churn round: a little more than a
+#: tenth.
+CHURN_SHARE: Final = 0.11
+#: Churn rounds: the churn's Nodes leave at once, then connect again.
+CHURN_ROUNDS: Final = 2
+#: After the last round's leave, past the heap keeper's grace for ended sessions: one
+#: still alive by then is counted as leaked (`runtime.lifecycle.heap`, Rule 4).
+_CHURN_SETTLE_S: Final = LEAK_GRACE_S + 2.0
 
 try:  # libyaml's emitter: a thousand Node entries take a while with the pure-Python one
     _Dumper: Any = yaml.CSafeDumper
@@ -205,15 +215,20 @@ class ManyNodesMeasurement:
     """... during the apply."""
     holds_all: LoopHolds | None = None
     """... over the Edge's whole run: its start, the connects, the idle windows too."""
-    holds_thaw: LoopHolds | None = None
-    """... from the churn (`churn_nodes` Nodes leaving at once) to the heap keeper's
-    thaw it brings, a full collection of the Edge's heap; None when the fleet is too
-    small for a churn that brings one."""
+    holds_churn: LoopHolds | None = None
+    """... from the first churn round (`churn_nodes` Nodes leaving at once) to
+    `LEAK_GRACE_S` and more after the last (every round's leave and reconnect); None when
+    the fleet is too small for a churn."""
     holds_fleet: LoopHolds | None = None
-    """... from every Node connected to the thaw's end: the idle windows, the catalog,
-    the refresh, the churn and the thaw (the guard's window)."""
+    """... from every Node connected to the churn's end: the idle windows, the catalog,
+    the refresh and the churn (the guard's window)."""
     churned: int = 0
-    """Nodes that left at once to bring the thaw."""
+    """Nodes that left at once in each churn round, and connected again."""
+    rss_before_churn: int | None = None
+    """The Edge's resident memory before the churn."""
+    rss_churn: tuple[int | None, ...] = ()
+    """... after each churn round (every Node connected again), then once more at the
+    churn's end."""
 
     @property
     def idle_cpu_share(self) -> float | None:
@@ -521,10 +536,10 @@ def _nodes_ready(line: str) -> str | None:
 
 
 def churn_nodes(nodes: int) -> int:
-    """How many of `nodes` light Nodes leave at once to bring the Edge's thaw: a tenth
-    more than its churn share (`runtime.lifecycle.heap`, Rule 4), and at least a burst;
-    0 when that is more than half the fleet (the thaw is then not measured)."""
-    churn = max(BURST, math.ceil(CHURN_SHARE * nodes * 1.1))
+    """How many of `nodes` light Nodes leave at once in a churn round: `CHURN_SHARE` of
+    them, and at least a burst of connects (`runtime.lifecycle.heap`, Rule 2); 0 when
+    that is more than half the fleet (the churn is then not measured)."""
+    churn = max(BURST, math.ceil(CHURN_SHARE * nodes))
     return churn if 2 * churn <= nodes else 0
 
 
@@ -562,26 +577,50 @@ async def _churn_service(
             task_status.started()
 
 
-def _full_collection_since(path: str, since: float) -> bool:
-    """Whether the loop-holds file shows a full collection on the loop after `since`."""
-    try:
-        with open(path, encoding="utf-8") as lines:
-            for line in lines:
-                record = json.loads(line)
-                if record.get("gc") == 2 and record.get("loop") and record["at"] >= since:
-                    return True
-    except FileNotFoundError:
-        pass
-    return False
+async def _wait_available_at_most(admin: httpx2.AsyncClient, providers: int) -> None:
+    """Return once the catalog shows at most `providers` providers connected and
+    available (Nodes left). The caller's deadline bounds the wait."""
+    # Another process's catalog: nothing to wait on but re-reading it (as above).
+    while await _available_providers(admin) > providers:  # noqa: ASYNC110
+        await trio.sleep(_READINESS_INTERVAL_S)
 
 
-async def _await_thaw(path: str, since: float) -> None:
-    """Until the Edge's thaw shows in the loop-holds file, at most `_THAW_WAIT_S`. The
-    file is another process's: read at an interval."""
-    with trio.move_on_after(_THAW_WAIT_S):
-        # Another process writes the file: there is nothing to wait on but its contents.
-        while not await trio.to_thread.run_sync(_full_collection_since, path, since):  # noqa: ASYNC110
-            await trio.sleep(_THAW_POLL_S)
+@dataclass
+class _Churn:
+    """The churn's light Nodes: a process of their own in `nursery`, stopped and started
+    again each round (`CHURN_ROUNDS`)."""
+
+    nursery: trio.Nursery
+    argv: list[str]
+    admin: httpx2.AsyncClient
+    providers: int
+    """Every provider of the fleet (the sim Node's included)."""
+    leaving: int
+    """... of which the churn's Nodes have."""
+    edge_pid: int
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    async def start(self) -> None:
+        self.scope = trio.CancelScope()
+        await self.nursery.start(_churn_service, self.scope, self.argv)
+
+    async def rounds(self) -> tuple[int | None, ...]:
+        """Every round: the churn's Nodes leave at once, the Edge sees them gone, they
+        connect again and report in; the Edge's RSS after each. Then the settle past the
+        heap keeper's grace, and the RSS once more."""
+        rss: list[int | None] = []
+        left_at = time.monotonic()
+        for _ in range(CHURN_ROUNDS):
+            self.scope.cancel()  # a share of the fleet leaves at once
+            left_at = time.monotonic()
+            await _wait_available_at_most(self.admin, self.providers - self.leaving)
+            await self.start()
+            await _wait_all_available(self.admin, self.providers)
+            rss.append(await rss_bytes(self.edge_pid))
+        # The settle is the measurement: a leaked session would bring a thaw within it.
+        await trio.sleep(max(0.0, left_at + _CHURN_SETTLE_S - time.monotonic()))
+        rss.append(await rss_bytes(self.edge_pid))
+        return tuple(rss)
 
 
 async def measure_many_nodes(
@@ -601,7 +640,6 @@ async def measure_many_nodes(
     nodes_files, churn_file = await _nodes_files(
         workdir, credentials, shape.node_processes, churned
     )
-    churn = trio.CancelScope()  # stops the churn's light Nodes alone
     candidate = fleet_config(
         shape, credentials, state_dir, capacity=_CAPACITY + 1, sim_token=sim_token
     )
@@ -662,9 +700,17 @@ async def measure_many_nodes(
                 async with trio.open_nursery() as starting:
                     for index, nodes_file in enumerate(nodes_files):
                         starting.start_soon(start_light, index, nodes_file)
+                churn: _Churn | None = None
                 if churn_file is not None:  # after the others: the handshakes are its alone
-                    argv = light_argv(churn_file, handshakes)
-                    await nodes_scope.start(_churn_service, churn, argv)
+                    churn = _Churn(
+                        nodes_scope,
+                        light_argv(churn_file, handshakes),
+                        admin,
+                        providers=shape.providers + 1,
+                        leaving=churned * shape.providers_per_node,
+                        edge_pid=edge.pid,
+                    )
+                    await churn.start()
             except* ServiceFailed as failed:
                 raise failed.exceptions[0] from None
             await _wait_all_available(admin, shape.providers + 1)
@@ -710,11 +756,10 @@ async def measure_many_nodes(
             reported, applied, problem = _applied(status, await trio.Path(answer).read_bytes())
             rss_after_refresh = await rss_bytes(edge.pid)
             holds = str(holds_path)
+            rss_before_churn = await rss_bytes(edge.pid)
             churn_began = time.monotonic()
-            churn.cancel()  # a share of the fleet leaves: a thaw is due
-            if churn_file is not None:
-                await _await_thaw(holds, churn_began)
-            thawed = time.monotonic()
+            rss_churn = await churn.rounds() if churn is not None else ()
+            churn_ended = time.monotonic()
             nodes_scope.cancel_scope.cancel()
         edge_scope.cancel_scope.cancel()
     return ManyNodesMeasurement(
@@ -744,7 +789,9 @@ async def measure_many_nodes(
         holds_refresh=read_holds(holds, refresh_began, refresh_ended),
         holds_apply=read_holds(holds, apply_began, refresh_ended),
         holds_all=read_holds(holds),
-        holds_thaw=read_holds(holds, churn_began, thawed) if churn_file is not None else None,
-        holds_fleet=read_holds(holds, connected, thawed),
+        holds_churn=read_holds(holds, churn_began, churn_ended) if churn is not None else None,
+        holds_fleet=read_holds(holds, connected, churn_ended),
         churned=churned,
+        rss_before_churn=rss_before_churn,
+        rss_churn=rss_churn,
     )

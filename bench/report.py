@@ -356,11 +356,18 @@ def many_nodes_table(result: BenchResult) -> Table:
         ("Edge loop holds during the dry runs and the apply", str(m.holds_refresh or "-")),
         ("Edge loop holds during the apply", str(m.holds_apply or "-")),
         (
-            f"Edge loop holds from {m.churned} Nodes leaving at once to the thaw it brings",
-            str(m.holds_thaw or "- (too few Nodes for a churn)"),
+            f"Edge loop holds while {m.churned} Nodes leave at once and connect again, "
+            f"{len(m.rss_churn) - 1 if m.rss_churn else 0} times, and after",
+            str(m.holds_churn or "- (too few Nodes for a churn)"),
         ),
         (
-            "Edge loop holds with the fleet connected (idle, refresh, churn, thaw)",
+            "Edge RSS before the churn, after each round, at its end",
+            " / ".join(f"{_mb(v)}" for v in (m.rss_before_churn, *m.rss_churn)) + " MB"
+            if m.rss_churn
+            else "-",
+        ),
+        (
+            "Edge loop holds with the fleet connected (idle, refresh, churn)",
             str(m.holds_fleet or "-"),
         ),
         ("Edge loop holds over its whole run (start, connects too)", str(m.holds_all or "-")),
@@ -505,6 +512,8 @@ def to_json(result: BenchResult) -> str:
             "rss_empty_bytes": nodes.rss_empty,
             "rss_connected_bytes": nodes.rss_connected,
             "rss_after_refresh_bytes": nodes.rss_after_refresh,
+            "rss_before_churn_bytes": nodes.rss_before_churn,
+            "rss_churn_bytes": list(nodes.rss_churn),
             "idle_cpu_share": nodes.idle_cpu_share,
             "catalog_p50_ms": nodes.catalog_ms(50.0),
             "catalog_max_ms": nodes.catalog_max_ms,
@@ -531,7 +540,7 @@ def to_json(result: BenchResult) -> str:
                 for window, holds in (
                     ("refresh", nodes.holds_refresh),
                     ("apply", nodes.holds_apply),
-                    ("thaw", nodes.holds_thaw),
+                    ("churn", nodes.holds_churn),
                     ("fleet", nodes.holds_fleet),
                     ("all", nodes.holds_all),
                 )

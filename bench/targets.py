@@ -75,9 +75,13 @@ FLEET_MAX_FILTERED_CATALOG_MS: Final = 50.0
 FLEET_MAX_CATALOG_MS: Final = 1000.0
 FLEET_MAX_EDGE_RSS_MB: Final = 1024.0
 #: The longest the Edge's event loop may be held in one step while it serves a fleet, by
-#: anything: a refresh's own work, the collector, the heap keeper's sweeps and its thaw
-#: (`bench.loop_holds`; judged on the loop's CPU time, which preemption does not move).
+#: anything: a refresh's own work, the collector, the heap keeper's sweeps, a share of
+#: the fleet leaving and connecting again (`bench.loop_holds`; judged on the loop's CPU
+#: time, which preemption does not move).
 FLEET_MAX_LOOP_HOLD_S: Final = 0.05
+#: The Edge's RSS at the churn's end over its RSS before it: sessions that ended are
+#: freed (the Nodes that connect again reuse their memory).
+FLEET_MAX_CHURN_RSS_GROWTH: Final = 1.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +334,8 @@ def _fleet_scale_checks(result: BenchResult) -> list[TargetCheck]:
         f"whole /catalog <= {FLEET_MAX_CATALOG_MS:g} ms (slowest)",
         f"Edge RSS <= {FLEET_MAX_EDGE_RSS_MB:g} MB, idle and after the refresh",
         f"Edge loop held <= {FLEET_MAX_LOOP_HOLD_S * 1000:g} ms a step (CPU), fleet connected: "
-        "idle, refresh, churn and thaw",
+        "idle, refresh, churn",
+        f"Edge RSS after the churn <= {FLEET_MAX_CHURN_RSS_GROWTH:g}x before it",
     )
     if m is None:
         return [TargetCheck(f"fleet: {name}", "not measured (nodes)", "n/a") for name in names]
@@ -338,6 +343,10 @@ def _fleet_scale_checks(result: BenchResult) -> list[TargetCheck]:
     rss = max((v for v in (m.rss_connected, m.rss_after_refresh) if v is not None), default=None)
     ratio = m.caller_p99_ratio
     holds = m.holds_fleet
+    churn_end = m.rss_churn[-1] if m.rss_churn else None
+    churn_growth = (
+        None if churn_end is None or not m.rss_before_churn else churn_end / m.rss_before_churn
+    )
     p99_idle, p99_busy = m.caller_ms("idle", 99.0), m.caller_ms("refresh", 99.0)
     values: list[tuple[float | None, str, float]] = [
         (m.idle_cpu_share, f"{m.idle_cpu_share or 0:.1%}", FLEET_MAX_IDLE_CPU_SHARE),
@@ -372,6 +381,13 @@ def _fleet_scale_checks(result: BenchResult) -> list[TargetCheck]:
             None if holds is None else holds.longest_cpu_s,
             "-" if holds is None else str(holds),
             FLEET_MAX_LOOP_HOLD_S,
+        ),
+        (
+            churn_growth,
+            f"{(m.rss_before_churn or 0) / 2**20:.0f} MB -> "
+            + " -> ".join(f"{(v or 0) / 2**20:.0f}" for v in m.rss_churn)
+            + f" MB ({m.churned} Nodes left and came back, {len(m.rss_churn) - 1} times)",
+            FLEET_MAX_CHURN_RSS_GROWTH,
         ),
     ]
     checks: list[TargetCheck] = []

@@ -82,7 +82,7 @@ from iop_edge.runtime.nodes.hub import (
     NodeHub,
 )
 from iop_edge.runtime.nodes.node_server import NodeServer
-from iop_edge.runtime.nodes.session import SessionClosed
+from iop_edge.runtime.nodes.session import NodeSession, SessionClosed
 from iop_edge.runtime.refresh.audit import AuditLog
 from iop_edge.runtime.refresh.refresh import Refresher, RefreshResult
 from iop_edge.runtime.runs.dispatch import Dispatcher
@@ -197,12 +197,14 @@ class Edge:
         self.activity = Activity(queue_depth=self.scheduler.queue_depths)
         self.heap = HeapKeeper()
         """Keeps the fleet's sessions out of the collector's sight (`lifecycle.heap`)."""
+        self.metrics.watch_heap(self.heap.statistics)
         self.hub = NodeHub(
             self._directory,
             on_connect=self._node_connected,
             on_disconnect=self._node_disconnected,
             on_status=self._on_status,
             on_load=self._on_load,
+            on_ended=self._session_ended,
             # An idle fleet's pings cost the Edge in proportion to their rate: a large
             # fleet pings less often (`heartbeat.fleet_interval`).
             heartbeat_s=fleet_interval(heartbeat_s, len(config.nodes)),
@@ -338,6 +340,9 @@ class Edge:
         self.scheduler.node_disconnected(node_id)
         self.heap.node_disconnected()
         self.model_keeper.look()
+
+    def _session_ended(self, session: NodeSession) -> None:
+        self.heap.session_ended(session, f"node {session.node_id}")
 
     def _on_status(self, node_id: str, status: wire.Status) -> None:
         for provider in status.providers:

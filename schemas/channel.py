@@ -37,6 +37,11 @@ Rules:
    silent (anything arriving counts: `Channel(heard=...)`).
 6. Every ending reads as one line in a log: `describe_close` for a connection that
    closed, the side's own words for the rest.
+7. A side that is done with its channel `release`s it: the channel lets go of the side's
+   callbacks (its `Pack`, `heard`), which refer to the side, which refers to the channel.
+   Nothing of a session that ended is then left in a reference cycle, and reference
+   counting frees it all (an Edge keeps its heap out of the cyclic collector's sight:
+   `iop_edge.runtime.lifecycle.heap`).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from schemas import wire
-from schemas.compat.trio_websocket import watch_arrivals
+from schemas.compat.trio_websocket import unwatch_arrivals, watch_arrivals
 
 __all__ = [
     "CLOSE_TIMEOUT_S",
@@ -214,6 +219,13 @@ class Channel(Generic[Out, In]):
                 await send_message(self._last_frame)
             await self.websocket.aclose(self._close_code, close_reason(self._close_reason))
 
+    def release(self) -> None:
+        """The side is done with the channel (Rule 7): no writer or reader runs any more.
+        Drops the side's callbacks; the outbox takes nothing more."""
+        self.close()
+        self._pack = _packed_nothing
+        unwatch_arrivals(self.websocket)
+
     # --- receiving (Rule 3) --------------------------------------------------------------
 
     async def receive(self) -> In:
@@ -248,6 +260,11 @@ class Channel(Generic[Out, In]):
     async def drop(self) -> None:
         """Close the connection without a closing handshake (`drop`)."""
         await drop(self.websocket)
+
+
+def _packed_nothing(_first: object, _take: Callable[[], object]) -> Iterable[bytes]:
+    """A released channel's `Pack` (Rule 7): its writer is over, nothing is sent."""
+    return ()
 
 
 async def drop(websocket: WebSocketConnection) -> None:

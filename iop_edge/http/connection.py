@@ -144,6 +144,7 @@ class Connection(HypercornConnection):
             await super().run()
         finally:
             self._live.discard(self)
+            self.release_protocol()  # no cycle left for the collector
 
     def reading_begins(self) -> None:
         """Read requests with `StrictH11Protocol` (see `iop_edge.http.framing`), swapped

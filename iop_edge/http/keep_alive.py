@@ -111,9 +111,14 @@ class KeepAliveTimer:
             self._scope.deadline = -math.inf
 
     def end(self) -> None:
-        """The connection stopped reading: the task ends, closing nothing (Rule 3)."""
+        """The connection stopped reading: the task ends, closing nothing (Rule 3). The
+        connection's callbacks are dropped: they refer to the connection, which refers to
+        this timer, a cycle only the cyclic collector would free."""
         self._ended = True
         self._scope.cancel()
+        self._close = _closed
+        self._pending = _nothing_pending
+        self._hand_over = None
 
     async def _wait(self) -> None:
         with self._scope:
@@ -123,3 +128,11 @@ class KeepAliveTimer:
                 return  # Rule 4: a request on its way in is answered, not reset
             with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
                 await self._close()
+
+
+async def _closed() -> None:
+    """An ended timer's `close`: never called (Rule 3)."""
+
+
+def _nothing_pending() -> bool:
+    return False

@@ -19,6 +19,11 @@ looks up on every read: `watch_arrivals` wraps it on one connection. When the in
 version is not one known to read there (`ARRIVALS_WATCHABLE`), nothing is watched and the
 Edge pings every Node every beat, as it would without the hook.
 
+The hook is the connection's own attribute and refers to whoever listens, who refers to
+the connection: a cycle that only the cyclic collector would free. `unwatch_arrivals`
+removes it when the listener is done with the connection, so the connection, and the
+session around it, are freed by reference counting alone.
+
 Both are used through `schemas.channel` (arrivals) and the Edge's node hub (the limit);
 this module is the only place that names trio-websocket's private attributes.
 """
@@ -31,7 +36,13 @@ from typing import Final
 
 from trio_websocket import WebSocketConnection
 
-__all__ = ["ARRIVALS_WATCHABLE", "MESSAGE_LIMIT_LIFTABLE", "lift_message_limit", "watch_arrivals"]
+__all__ = [
+    "ARRIVALS_WATCHABLE",
+    "MESSAGE_LIMIT_LIFTABLE",
+    "lift_message_limit",
+    "unwatch_arrivals",
+    "watch_arrivals",
+]
 
 _KNOWN_MINOR_VERSIONS: Final = ("0.12.",)
 
@@ -64,3 +75,11 @@ def watch_arrivals(websocket: WebSocketConnection, heard: Callable[[], None]) ->
 
     wsproto.receive_data = receive_and_tell  # type: ignore[union-attr]
     return True
+
+
+def unwatch_arrivals(websocket: WebSocketConnection) -> None:
+    """Stop calling what `watch_arrivals` installed on `websocket` (nothing when nothing
+    was): wsproto's own `receive_data` is what a read calls again."""
+    wsproto = getattr(websocket, "_wsproto", None)
+    if wsproto is not None and "receive_data" in getattr(wsproto, "__dict__", {}):
+        del wsproto.receive_data

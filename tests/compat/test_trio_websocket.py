@@ -25,6 +25,7 @@ from schemas.compat.trio_websocket import (
     ARRIVALS_WATCHABLE,
     MESSAGE_LIMIT_LIFTABLE,
     lift_message_limit,
+    unwatch_arrivals,
     watch_arrivals,
 )
 from tests.timing import GUARD_S
@@ -145,5 +146,38 @@ async def test_every_arrival_is_heard_a_ping_included(nursery: trio.Nursery) -> 
             assert await client.get_message() == b"second"
 
 
+async def test_unwatched_arrivals_are_not_heard_and_the_connection_lets_go_of_the_listener(
+    nursery: trio.Nursery,
+) -> None:
+    """After `unwatch_arrivals` the connection no longer refers to the listener (no
+    cycle through it) and still reads as before."""
+    arrivals: list[str] = []
+    unwatched = trio.Event()
+
+    async def watched(request: WebSocketRequest) -> None:
+        websocket = await request.accept()
+        watch_arrivals(websocket, lambda: arrivals.append("heard"))
+        await websocket.send_message(await websocket.get_message())
+        unwatch_arrivals(websocket)
+        unwatched.set()
+        try:
+            while True:
+                await websocket.send_message(await websocket.get_message())
+        except ConnectionClosed:
+            pass
+
+    server = await nursery.start(serve_websocket, watched, "127.0.0.1", 0, None)
+    async with open_websocket_url(f"ws://127.0.0.1:{server.port}/") as client:
+        with trio.fail_after(GUARD_S):
+            await client.send_message(b"first")
+            assert await client.get_message() == b"first"
+            await unwatched.wait()
+            heard = len(arrivals)
+            await client.send_message(b"second")
+            assert await client.get_message() == b"second"
+    assert heard >= 1 and len(arrivals) == heard
+
+
 async def test_nothing_is_watched_on_something_that_is_not_a_known_connection() -> None:
     assert not watch_arrivals(cast(WebSocketConnection, object()), lambda: None)
+    unwatch_arrivals(cast(WebSocketConnection, object()))  # nothing to undo

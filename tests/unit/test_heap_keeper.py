@@ -1,8 +1,8 @@
-"""The heap keeper (`runtime.lifecycle.heap`): a quiet connect burst is frozen, churn or a
-long freeze brings one thaw, a hold keeps the older generations uncollected. The
-collector is a fake, time the autojump clock's, and the keeper runs in the test's
-nursery (the `keeper` fixture); the last test drives the real collector (`garbage`:
-tests/unit/conftest.py)."""
+"""The heap keeper (`runtime.lifecycle.heap`): a quiet connect burst is frozen, only
+ended sessions that stay alive (leaked) bring a thaw, a hold keeps the older generations
+uncollected. The collector is a fake, time the autojump clock's, and the keeper runs in
+the test's nursery (the `keeper` fixture); the tests named so drive the real collector
+(`garbage`, `manual_collector`: tests/unit/conftest.py)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ import trio.testing
 from iop_edge.runtime.lifecycle.heap import (
     BURST,
     HELD_THRESHOLD,
+    LEAK_GRACE_S,
+    LEAKS_FOR_THAW,
     QUIET_S,
     RECENT,
     SWEEP_FLEET,
     SWEEP_MIN_S,
     SWEEP_S,
     SWEEP_STEP_S,
-    THAW_INTERVAL_S,
     THRESHOLDS,
     HeapKeeper,
     sweep_period,
@@ -92,34 +93,65 @@ async def test_a_burst_is_frozen_every_burst_and_its_tail_once_quiet(
     assert collector.calls[2:] == [(young, quiet), ("freeze", quiet)]  # the tail, once quiet
 
 
-async def test_churn_brings_one_thaw_and_the_survivors_are_frozen_again(
+class Session:
+    """Stands for a Node session: freed by reference counting once the test drops it."""
+
+
+async def test_ended_sessions_that_are_freed_bring_no_thaw_however_many_or_long(
     autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
 ) -> None:
     await connect(keeper, 1000)
     await trio.sleep(QUIET_S * 2)
     collector.calls.clear()  # a freeze per burst of connects
-    for _ in range(90):  # 90 ended, 910 connected: under a tenth of them
+    for index in range(900):  # most of the fleet leaves, and its sessions are freed
         keeper.node_disconnected()
-    await trio.testing.wait_all_tasks_blocked()
+        keeper.session_ended(Session(), f"node {index}")
+    await trio.sleep(LEAK_GRACE_S * 100)  # and time passes
     assert collector.calls == []
-    keeper.node_disconnected()  # 91 ended, 909 connected: a tenth
-    await trio.testing.wait_all_tasks_blocked()
+    assert keeper.statistics().sessions_leaked == 0
+
+
+async def test_sessions_alive_after_the_grace_are_leaked_and_enough_of_them_bring_one_thaw(
+    autojump_clock: trio.testing.MockClock,
+    collector: FakeCollector,
+    keeper: HeapKeeper,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    leaked = [Session() for _ in range(LEAKS_FOR_THAW)]  # held: as a cycle would hold them
+    for index, session in enumerate(leaked[:-1]):
+        keeper.session_ended(session, f"node {index}")
+    await trio.sleep(LEAK_GRACE_S / 2)
+    keeper.session_ended(leaked[-1], "node last")
+    keeper.session_ended(Session(), "node freed")  # freed at once: never counted
+    await trio.sleep(LEAK_GRACE_S / 2 + 0.01)
+    assert keeper.statistics().sessions_leaked == LEAKS_FOR_THAW - 1
+    assert collector.calls == []  # one short of the threshold
+    await trio.sleep(LEAK_GRACE_S / 2)  # the last one is past its grace too
+    assert collector.names() == ["unfreeze", "collect", "freeze"]
+    assert keeper.statistics().thaws == 1
+    said = caplog.text
+    assert f"{LEAKS_FOR_THAW} ended session(s) were still alive" in said
+    assert "node 0, node 1" in said and "node freed" not in said
+    # The fake collection freed none: they are held by a live reference, named once, and
+    # no longer counted; they bring no second thaw.
+    assert f"{LEAKS_FOR_THAW} leaked session(s) outlived a full collection" in said
+    await trio.sleep(LEAK_GRACE_S * 10)
     assert collector.names() == ["unfreeze", "collect", "freeze"]
 
 
-async def test_a_freeze_is_thawed_after_the_interval(
+async def test_a_session_freed_after_its_grace_no_longer_counts_toward_a_thaw(
     autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
 ) -> None:
-    await trio.sleep(THAW_INTERVAL_S * 2)
-    assert collector.calls == []  # nothing frozen since the start: nothing to thaw
-    keeper.node_connected()
-    await trio.sleep(QUIET_S * 2)  # frozen once quiet; the last thaw is long past
-    young = f"collect {RECENT}"
-    assert collector.names() == [young, "freeze", "unfreeze", "collect", "freeze"]
-    keeper.node_connected()  # frozen once quiet: the next thaw an interval after the last
-    await trio.sleep(THAW_INTERVAL_S * 2)
-    thaws = [at for name, at in collector.calls if name == "unfreeze"]
-    assert len(thaws) == 2 and thaws[1] == thaws[0] + THAW_INTERVAL_S
+    late = [Session() for _ in range(LEAKS_FOR_THAW - 1)]
+    for index, session in enumerate(late):
+        keeper.session_ended(session, f"node {index}")
+    await trio.sleep(LEAK_GRACE_S * 2)
+    late.clear()  # held long (a slow push), then freed
+    keeper.session_ended(held := Session(), "node held")
+    await trio.sleep(LEAK_GRACE_S * 2)
+    assert held is not None
+    assert keeper.statistics().sessions_leaked == LEAKS_FOR_THAW
+    assert collector.calls == []
 
 
 async def test_a_large_fleets_heap_is_frozen_every_sweep(
@@ -227,14 +259,13 @@ async def test_a_hold_freezes_at_both_ends_and_collects_only_the_young_meanwhile
 async def test_a_thaw_due_during_a_hold_waits_for_its_end(
     autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
 ) -> None:
-    await connect(keeper, 1000)
-    await trio.sleep(QUIET_S * 2)
+    leaked = [Session() for _ in range(LEAKS_FOR_THAW)]
     with keeper.held():
         collector.calls.clear()
-        for _ in range(200):  # churn: a fifth of the fleet ended
-            keeper.node_disconnected()
+        for index, session in enumerate(leaked):
+            keeper.session_ended(session, f"node {index}")
         await connect(keeper, BURST, every_s=0)  # a burst: frozen, its collection held back
-        await trio.sleep(THAW_INTERVAL_S * 2)  # and the interval passed
+        await trio.sleep(LEAK_GRACE_S * 2)  # the sessions leaked meanwhile
         assert collector.names() == ["freeze"]
     await trio.testing.wait_all_tasks_blocked()
     assert collector.names() == ["freeze", "freeze", "unfreeze", "collect", "freeze"]
@@ -252,3 +283,26 @@ async def test_a_hold_starts_the_sweeps_over_at_their_shortest_period(
     sweeps = [at for name, at in collector.calls if name == "collect 0"]
     # not a period after the last sweep: the shortest period after the hold opened
     assert sweeps[0] == pytest.approx(opened + SWEEP_MIN_S)
+
+
+async def test_a_leaked_cycle_is_freed_by_the_thaw_it_brings(
+    autojump_clock: trio.testing.MockClock,
+    manual_collector: None,
+    nursery: trio.Nursery,
+) -> None:
+    """The real collector: sessions in reference cycles, frozen, are freed by the thaw,
+    and their finalizers tell the keeper so (nothing is left to name afterwards)."""
+    keeper = HeapKeeper()
+    await nursery.start(keeper.run)
+    cycles = [Session() for _ in range(LEAKS_FOR_THAW)]
+    for session in cycles:
+        session.itself = session  # type: ignore[attr-defined]
+    freed = [weakref.ref(session) for session in cycles]
+    for index, session in enumerate(cycles):
+        keeper.session_ended(session, f"node {index}")
+    gc.freeze()  # as a sweep would have
+    del session
+    cycles.clear()
+    await trio.sleep(LEAK_GRACE_S * 2)
+    assert all(ref() is None for ref in freed)
+    assert keeper.statistics().thaws == 1

@@ -91,6 +91,13 @@ class HypercornConnection(TCPServer):
         object) instead of Hypercorn's `TrioSingleTask`."""
         self.idle_task = task
 
+    def release_protocol(self) -> None:
+        """Let go of the connection's protocol once `run` returned: Hypercorn builds it
+        with the connection's `protocol_send`, a cycle that only the cyclic collector
+        would free; without it the connection is freed by reference counting alone."""
+        self.__dict__.pop("protocol", None)
+        self.__dict__.pop("_task_group", None)
+
     async def close_from_server(self) -> None:
         """Close the connection as Hypercorn's keep-alive timeout does."""
         await self._initiate_server_close()

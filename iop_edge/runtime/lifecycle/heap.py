@@ -19,9 +19,8 @@ at it again only at moments it chooses:
    objects wait for a collection. A burst smaller than `BURST` is frozen once no Node
    connected for `QUIET_S`. The young and middle generations are collected first
    (`RECENT`, a pass over those sessions and the requests since the last
-   freeze): the cyclic garbage of finished requests waits there, thousands of objects,
-   and frozen with the sessions it would stay until a thaw (each Node that reconnects
-   would leave megabytes behind). While the heap is held (Rule 5) a burst is frozen
+   freeze): any garbage among them is reclaimed there rather than frozen, where only a
+   thaw would find it (Rule 4). While the heap is held (Rule 5) a burst is frozen
    without that collection: the middle generation then holds the held operation's
    objects, and walking them is what the hold avoids.
 3. With at least `SWEEP_FLEET` Nodes connected, the heap is also frozen periodically.
@@ -38,15 +37,28 @@ at it again only at moments it chooses:
    `took` of a period `period`, the next comes after `period * SWEEP_STEP_S / took`,
    between `SWEEP_MIN_S` and `SWEEP_S`, and a sweep holds the loop about `SWEEP_STEP_S`
    however busy the fleet is. The total is the same (the collector walks each young
-   object once either way), only cut finer.
-4. Only cyclic garbage among frozen objects waits: a session that ended after it was
-   frozen keeps its memory until a thaw. A thaw (`gc.unfreeze`, a full collection, freeze
-   again) runs once sessions that ended since the last one reach `CHURN_SHARE` of those
-   connected (at least `BURST`), or `THAW_INTERVAL_S` after the last one if anything was
-   frozen since. It is the one pause left, proportional to the heap (the fleet bench's
-   churn measures it: about 0.2 s of the loop's CPU with 1,000 Nodes, 2 s with 10,000,
-   every caller waiting meanwhile), and it is logged with what it reclaimed. The keeper
-   looks whether one is due at each connect and disconnect, and at the deadline.
+   object once either way), only cut finer. A sweep collects the young generation
+   alone: the middle one holds what survived a young collection since the last freeze
+   (a fleet's whole catalog being answered, say), and walking it too made a sweep 50 ms
+   of the loop with ten thousand Nodes. What a sweep freezes is alive, and is freed by
+   reference counting once it is not (Rule 4: nothing the Edge does leaves cycles).
+4. Only cyclic garbage among frozen objects would wait, for a thaw (`gc.unfreeze`, a
+   full collection, freeze again): a pause proportional to the whole heap, about 0.2 s of
+   the loop with 1,000 Nodes and 2 s with 10,000, every caller waiting. So the Edge
+   leaves none: a Node session that ends (however it ends) and a caller's connection
+   that closes are freed by reference counting alone (`schemas.channel` Rule 7,
+   `runtime.nodes.session` Rule 6, `http.connection`), and a thaw runs only on evidence
+   that something did not. The hub tells the keeper of every session that ended
+   (`session_ended`), and a `weakref.finalize` tells it when that session was freed. A
+   session still alive `LEAK_GRACE_S` after it ended (its runs heard `lost()` at once,
+   a push to it gives up within its own bound) is held by a reference cycle: it is
+   counted as leaked (`HeapStatistics`, the `iop_heap_sessions_leaked_total` metric). Once
+   `LEAKS_FOR_THAW` sessions leaked since the last thaw, a thaw runs and is logged as a
+   warning naming them: it is a defect to fix, and the thaw bounds the memory it costs
+   meanwhile. A leaked session the thaw did not free is held by a live reference,
+   not a cycle; it is named once more and no longer counted (no collection frees it).
+   Nothing else brings a thaw: not churn, not time. The keeper looks at each session's
+   end and at the next moment one would count as leaked.
 5. A refresh reads, checks and plans its candidate in a process of its own
    (`runtime.refresh.worker`); what it makes here is the new snapshot (its changed
    Nodes, its lookups) and a fleet's pushes. `held()` keeps the heap out of the
@@ -69,27 +81,31 @@ at it again only at moments it chooses:
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Final, Protocol
 
 import trio
 
 __all__ = [
     "BURST",
-    "CHURN_SHARE",
+    "LEAKS_FOR_THAW",
+    "LEAK_GRACE_S",
     "QUIET_S",
     "RECENT",
     "SWEEP_FLEET",
     "SWEEP_MIN_S",
     "SWEEP_S",
     "SWEEP_STEP_S",
-    "THAW_INTERVAL_S",
     "THRESHOLDS",
     "Collector",
     "HeapKeeper",
+    "HeapStatistics",
     "settle",
     "sweep_period",
 ]
@@ -98,7 +114,7 @@ log = logging.getLogger(__name__)
 
 #: `gc.set_threshold` for the Edge process (CPython's defaults: 700, 10, 10).
 THRESHOLDS: Final = (10_000, 20, 10)
-#: Node connects that bring a freeze (Rule 2), and the least churn worth a thaw (Rule 3).
+#: Node connects that bring a freeze (Rule 2).
 BURST: Final = 64
 #: How long no Node may have connected before fewer than `BURST` new sessions are frozen
 #: (Rule 2).
@@ -109,10 +125,12 @@ SWEEP_S: Final = 1.0
 SWEEP_MIN_S: Final = 0.05
 SWEEP_STEP_S: Final = 0.003
 SWEEP_FLEET: Final = 1000
-#: Ended sessions, as a share of the connected ones, that bring a thaw (Rule 4).
-CHURN_SHARE: Final = 0.1
-#: The longest the heap stays frozen without a thaw while things get frozen (Rule 4).
-THAW_INTERVAL_S: Final = 600.0
+#: How long an ended session may stay alive before it counts as leaked (Rule 4).
+LEAK_GRACE_S: Final = 30.0
+#: Leaked sessions since the last thaw that bring one (Rule 4).
+LEAKS_FOR_THAW: Final = 64
+#: Leaked sessions a warning names (the rest are counted).
+_NAMED: Final = 5
 #: The oldest generation collected before new sessions are frozen (Rule 2): the young
 #: and the middle one, where the cyclic garbage of finished requests waits.
 RECENT: Final = 1
@@ -162,6 +180,16 @@ class _Gc:
         gc.set_threshold(young, middle, old)
 
 
+@dataclass(frozen=True, slots=True)
+class HeapStatistics:
+    """What the keeper saw (Rule 4), for the Edge's metrics."""
+
+    sessions_leaked: int
+    """Ended sessions still alive `LEAK_GRACE_S` later, since the Edge started."""
+    thaws: int
+    """Full collections the keeper ran (each after `LEAKS_FOR_THAW` leaks)."""
+
+
 def settle() -> None:
     """Rule 1: call once the Edge is built, before it serves."""
     gc.collect()
@@ -171,10 +199,11 @@ def settle() -> None:
 
 class HeapKeeper:
     """Freezes the heap after connect bursts and, for a large fleet, every second; thaws
-    it after churn or a long freeze (Rules 2-4); holds it for a bulk operation (Rule 5).
+    it only once ended sessions leaked (Rules 2-4); holds it for a bulk operation (Rule 5).
 
-    The hub reports connects and disconnects (`node_connected`, `node_disconnected`);
-    `run` is a service of the Edge that acts on them."""
+    The hub reports connects, disconnects and every session's end (`node_connected`,
+    `node_disconnected`, `session_ended`); `run` is a service of the Edge that acts on
+    them."""
 
     def __init__(
         self,
@@ -189,12 +218,15 @@ class HeapKeeper:
         self._connected = 0
         self._arrived = 0
         """Nodes connected since the last freeze."""
-        self._ended = 0
-        """Sessions ended since the last thaw."""
-        self._froze = False
-        """The keeper froze the heap since the last thaw."""
         self._last_arrival = -float("inf")
-        self._last_thaw = trio.current_time()
+        self._ending: dict[int, tuple[str, float]] = {}
+        """Ended sessions not freed yet: their names and when they ended (Rule 4). Each
+        one's finalizer takes it out."""
+        self._keys = itertools.count()
+        self._leaked: list[int] = []
+        """Keys in `_ending` past `LEAK_GRACE_S` since the last thaw."""
+        self._leaked_total = 0
+        self._thaws = 0
         self._changed = trio.Event()
         self._holds = 0
         """Open `held()` bodies (Rule 5)."""
@@ -209,7 +241,6 @@ class HeapKeeper:
             self._thresholds = self._gc.get_threshold()
             self._gc.collect(RECENT)
             self._gc.freeze()
-            self._froze = True
             self._gc.set_threshold(self._thresholds[0], HELD_THRESHOLD, HELD_THRESHOLD)
             self._hold_opened.set()  # the sweeps start over at their shortest period
             self._hold_opened = trio.Event()
@@ -221,7 +252,7 @@ class HeapKeeper:
             if self._holds == 0:
                 self._gc.freeze()
                 self._gc.set_threshold(*self._thresholds)
-                self._wake()  # a thaw that fell due meanwhile
+                self._wake()  # a thaw that fell due meanwhile (Rule 4)
 
     def node_connected(self) -> None:
         self._connected += 1
@@ -231,19 +262,46 @@ class HeapKeeper:
 
     def node_disconnected(self) -> None:
         self._connected = max(self._connected - 1, 0)
-        self._ended += 1
+
+    def session_ended(self, session: object, name: str) -> None:
+        """`session` (a warning calls it `name`) ended: reference counting should free it
+        within `LEAK_GRACE_S` (Rule 4)."""
+        key = next(self._keys)
+        self._ending[key] = (name, trio.current_time())
+        weakref.finalize(session, self._ending.pop, key, None)
         self._wake()
+
+    def watching(self) -> int:
+        """Ended sessions not freed yet (Rule 4)."""
+        return len(self._ending)
+
+    def statistics(self) -> HeapStatistics:
+        return HeapStatistics(sessions_leaked=self._leaked_total, thaws=self._thaws)
 
     def _wake(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
 
-    def _thaw_due(self, now: float) -> bool:
-        if self._holds:  # Rule 5: it waits for the hold's end
-            return False
-        churn = self._ended >= max(BURST, CHURN_SHARE * self._connected)
-        stale = self._froze and now - self._last_thaw >= THAW_INTERVAL_S
-        return churn or stale
+    def _count_leaks(self, now: float) -> float | None:
+        """Count the sessions alive `LEAK_GRACE_S` after they ended (Rule 4); when the
+        next one would count, if any."""
+        self._leaked = [key for key in self._leaked if key in self._ending]  # freed late
+        counted = set(self._leaked)
+        nearest: float | None = None
+        for key, (_name, ended_at) in list(self._ending.items()):
+            if key in counted:
+                continue
+            due = ended_at + LEAK_GRACE_S
+            if due <= now:
+                self._leaked.append(key)
+                self._leaked_total += 1
+            elif nearest is None or due < nearest:
+                nearest = due
+        return nearest
+
+    def _thaw_due(self) -> bool:
+        # Rule 5: it waits for the hold's end
+        return not self._holds and len(self._leaked) >= LEAKS_FOR_THAW
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Freeze and thaw as Rules 2-4 say, until cancelled."""
@@ -265,20 +323,18 @@ class HeapKeeper:
                 period = SWEEP_S
                 continue
             began = self._timer()
-            self._gc.collect(0)  # the period's young garbage: not frozen (Rule 2's why)
+            self._gc.collect(0)  # the period's young garbage: not frozen (Rule 3)
             self._gc.freeze()
-            self._froze = True
             period = sweep_period(period, self._timer() - began)
 
     async def _watch(self) -> None:
-        """Rules 2, 4 and 5, as connects and disconnects come and holds end."""
+        """Rules 2, 4 and 5, as connects and session ends come and holds end."""
         while True:
             now = trio.current_time()
-            if self._thaw_due(now):
+            deadline = self._count_leaks(now)
+            if self._thaw_due():
                 self._thaw()
                 continue
-            stale_at = self._froze and not self._holds  # Rule 5: held, the end wakes it
-            deadline = self._last_thaw + THAW_INTERVAL_S if stale_at else None
             if self._arrived:
                 quiet_at = self._last_arrival + QUIET_S
                 if self._arrived >= BURST or now >= quiet_at:
@@ -286,7 +342,6 @@ class HeapKeeper:
                         self._gc.collect(RECENT)
                     self._gc.freeze()
                     self._arrived = 0
-                    self._froze = True
                     continue
                 deadline = quiet_at if deadline is None else min(deadline, quiet_at)
             changed = self._changed
@@ -297,18 +352,37 @@ class HeapKeeper:
                     await changed.wait()
 
     def _thaw(self) -> None:
-        """Rule 4: unfreeze, collect everything once, freeze the survivors."""
+        """Rule 4: unfreeze, collect everything once, freeze the survivors; name what
+        leaked, and what the collection did not free."""
+        leaked, self._leaked = self._leaked, []
+        names = [self._ending[key][0] for key in leaked if key in self._ending]
         began = time.perf_counter()
         self._gc.unfreeze()
         reclaimed = self._gc.collect()
         self._gc.freeze()
-        log.info(
-            "heap: a full collection after %d ended session(s) reclaimed %d object(s) in %.0f ms",
-            self._ended,
+        took_ms = (time.perf_counter() - began) * 1000
+        self._thaws += 1
+        self._arrived = 0  # frozen too
+        log.warning(
+            "heap: %d ended session(s) were still alive %gs after they ended, held by "
+            "reference cycles (a defect; %s): a full collection reclaimed %d object(s) in "
+            "%.0f ms, callers waiting",
+            len(leaked),
+            LEAK_GRACE_S,
+            _named(names),
             reclaimed,
-            (time.perf_counter() - began) * 1000,
+            took_ms,
         )
-        self._ended = 0
-        self._arrived = 0
-        self._froze = False
-        self._last_thaw = trio.current_time()
+        held = [self._ending.pop(key)[0] for key in leaked if key in self._ending]
+        if held:
+            log.warning(
+                "heap: %d leaked session(s) outlived a full collection: held by a live "
+                "reference, not a cycle (%s); no longer counted",
+                len(held),
+                _named(held),
+            )
+
+
+def _named(names: list[str]) -> str:
+    shown = ", ".join(names[:_NAMED])
+    return f"{shown} and {len(names) - _NAMED} more" if len(names) > _NAMED else shown

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from iop_edge.runtime.lifecycle.heap import HeapStatistics
 from iop_edge.runtime.metering.genai_metrics import GenAIMetrics
 from iop_edge.runtime.metering.response_store import StoreStatistics
 from iop_edge.runtime.metering.series import CounterSeries, HistogramSeries
@@ -141,6 +142,26 @@ class _ResponseStoreCollector(Collector):
         for reason, count in stats.unstored.items():
             unstored.add_metric([reason], count)
         yield unstored
+
+
+class _HeapCollector(Collector):
+    """The heap keeper's evidence of reference cycles (`runtime.lifecycle.heap` Rule 4)."""
+
+    def __init__(self, statistics: Callable[[], HeapStatistics]) -> None:
+        self._statistics = statistics
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self._statistics()
+        yield CounterMetricFamily(
+            "iop_heap_sessions_leaked",
+            "Ended Node sessions still alive after the grace: held by reference cycles",
+            stats.sessions_leaked,
+        )
+        yield CounterMetricFamily(
+            "iop_heap_thaws",
+            "Full collections of the Edge's heap (each holds callers)",
+            stats.thaws,
+        )
 
 
 #: The error code a principal's limit refuses with -> the limit (`principals[]` key).
@@ -331,6 +352,10 @@ class EdgeMetrics:
     def watch_responses(self, statistics: Callable[[], StoreStatistics]) -> None:
         """Report the Responses store (`iop_responses_*`) from now on."""
         self.registry.register(_ResponseStoreCollector(statistics))
+
+    def watch_heap(self, statistics: Callable[[], HeapStatistics]) -> None:
+        """Report the heap keeper's leaked sessions and thaws (`iop_heap_*`) from now on."""
+        self.registry.register(_HeapCollector(statistics))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -91,6 +91,12 @@ class HeartbeatGrid:
             now = trio.current_time()
             quiet_s = self.quiet_s
             while beat * self._step <= now:
-                for session in tuple(self._slots[beat % self._count]):
-                    session.look(now, quiet_s)
+                _look(tuple(self._slots[beat % self._count]), now, quiet_s)
                 beat += 1
+
+
+def _look(sessions: tuple[Watched, ...], now: float, quiet_s: float) -> None:
+    """One slot's looks, in a frame of their own: the loop above, which waits between
+    beats, keeps no reference to a session (one that ended is freed at once)."""
+    for session in sessions:
+        session.look(now, quiet_s)

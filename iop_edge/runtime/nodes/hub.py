@@ -19,7 +19,9 @@ Rules:
    `PRE_AUTH_MAX_FRAME_BYTES`; afterwards the wire's `MAX_FRAME_BYTES`.
 3. When a session ends for any reason, its runs hear `lost()` (node lost) and the
    scheduler learns the node is gone. Connects and disconnects are logged with the
-   peer's address and the reason the session ended.
+   peer's address and the reason the session ended. Once the connection is closed, the
+   hub lets go of the session and says so (`on_ended`: the Edge's heap keeper watches
+   that it is freed).
 4. Nothing a peer sends ends the listener: an unexpected error while serving one
    connection is logged and ends that connection only.
 5. After `goaway` (the Edge is going away, `goaway_all`) a node links again; if that
@@ -107,6 +109,7 @@ class NodeHub:
         on_disconnect: Callable[[str], None],
         on_status: StatusListener,
         on_load: LoadListener | None = None,
+        on_ended: Callable[[NodeSession], None] | None = None,
         heartbeat_s: float = 5.0,
         heartbeat_timeout_s: float = 15.0,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
@@ -116,6 +119,7 @@ class NodeHub:
         self._on_disconnect = on_disconnect
         self._on_status = on_status
         self._on_load = on_load
+        self._on_ended = on_ended
         self.heartbeat_s = heartbeat_s
         self.heartbeats = HeartbeatGrid(heartbeat_s, heartbeat_timeout_s)
         """Looks at every session (`run_heartbeats`, owned by the Edge's nursery)."""
@@ -209,12 +213,15 @@ class NodeHub:
             config_time=directory.config_time,
         )
         session.send_nowait(welcome)  # the first frame: the outbox has room
+        # The session outlives the snapshot the directory reads: a refresh replaces it,
+        # and this frame must not keep it alive (nor the welcome, a Node's whole config).
+        del directory, welcome
         log.info(
             "node %s connected from %s (%s), config revision %d",
             hello.node_id,
             peer,
             hello.agent_version or "unknown agent",
-            directory.revision,
+            session.applied_revision,
         )
         self._on_connect(hello.node_id)
         try:
@@ -240,6 +247,8 @@ class NodeHub:
             stopping = trio.current_effective_deadline() == -math.inf
             with trio.move_on_after(0 if stopping else COURTESY_CLOSE_S, shield=True):
                 await websocket.aclose()
+            if self._on_ended is not None:
+                self._on_ended(session)
 
     async def _handshake(self, websocket: WebSocketConnection) -> wire.Hello | None:
         with trio.move_on_after(self.handshake_timeout_s):

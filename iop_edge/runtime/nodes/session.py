@@ -26,6 +26,10 @@ Rules:
    waits for such a look without a timer. A peer that leaves a ping unanswered for the
    grid's `timeout_s` is dropped. Looks while a ping is out do nothing; after a slow
    answer, the next ping is at the next look that finds the peer silent.
+6. A session that ended leaves nothing for the cyclic collector: its channel lets go of
+   the session's callbacks (`Channel.release`), so the session, its websocket and its
+   socket are freed by reference counting as soon as the hub and the runs let go of it
+   (the Edge keeps its heap out of the collector's sight: `runtime.lifecycle.heap`).
 """
 
 from __future__ import annotations
@@ -338,7 +342,9 @@ class NodeSession:
 
     def _finish(self) -> None:
         self.closed.set()
-        self._channel.close()  # wakes senders waiting for room: the session is over
+        # Wakes senders waiting for room, and lets go of this session's callbacks
+        # (`_frames`, `heard`): no cycle is left for the collector (Rule 6).
+        self._channel.release()
         runs, self._runs = self._runs, {}
         for sink in runs.values():
             sink.lost()
