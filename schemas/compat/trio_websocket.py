@@ -43,7 +43,7 @@ from typing import Final
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
-from wsproto import ConnectionState
+from wsproto.connection import ConnectionState
 from wsproto.events import BytesMessage
 
 __all__ = [
@@ -95,32 +95,35 @@ def watch_arrivals(websocket: WebSocketConnection, heard: Callable[[], None]) ->
 
 def write_now(websocket: WebSocketConnection, message: bytes) -> bytes | None:
     """Write `message` as one websocket message without waiting, when no write is in
-    progress: None when nothing was written (a write in progress, a closing or unknown
-    connection, a socket that takes nothing now: send it the usual way), else the bytes
-    the socket did not take (b"" when it took all). Unless that is b"", the connection's
-    send lock stays held by the calling task, and `write_rest` must follow at once."""
+    progress: None when nothing was written (a write in progress, a closing, TLS or
+    unknown connection, a socket that takes nothing now: send it the usual way), else
+    the bytes of the frame the socket did not take (b"" when it took all). Unless that
+    is b"", the connection's send lock stays held by the calling task, and `write_rest`
+    must follow at once."""
     if not WRITES_DIRECTLY or websocket._close_reason is not None:
         return None
     lock = getattr(websocket, "_stream_lock", None)
-    socket = getattr(getattr(websocket, "_stream", None), "socket", None)
-    if not isinstance(lock, trio.StrictFIFOLock) or socket is None or lock.locked():
+    stream = getattr(websocket, "_stream", None)
+    if not isinstance(lock, trio.StrictFIFOLock) or lock.locked():
+        return None
+    if not isinstance(stream, trio.SocketStream):  # TLS, say: the usual way
         return None
     connection = websocket._wsproto
     if connection.state != ConnectionState.OPEN:
         return None
-    data = connection.send(BytesMessage(data=message))
+    data = connection.send(BytesMessage(data=message))  # no state kept for a whole message
     lock.acquire_nowait()
     try:
-        sent = os.write(socket.fileno(), data)
-    except BlockingIOError:
+        sent = os.write(stream.socket.fileno(), data)
+    except OSError:  # BlockingIOError, or a broken or closed connection: the usual way
         sent = 0
-    except OSError:  # broken or closed: the usual way meets it and says so
+    if not sent:
         lock.release()
         return None
     if sent == len(data):
         lock.release()
         return b""
-    return data[sent:]  # the lock stays held: the frame is begun (or framed, for `rest`)
+    return data[sent:]  # the frame is begun: the lock stays held until `write_rest`
 
 
 async def write_rest(websocket: WebSocketConnection, rest: bytes, *, stalled_s: float) -> None:
@@ -128,8 +131,9 @@ async def write_rest(websocket: WebSocketConnection, rest: bytes, *, stalled_s: 
     takes it, then release the lock. Shielded (a frame is written whole or the connection
     ends); a peer that takes nothing for `stalled_s` has its connection closed. Raises
     `ConnectionClosed` when the connection broke or was closed meanwhile."""
-    lock: trio.StrictFIFOLock = websocket._stream_lock
-    stream: trio.SocketStream = websocket._stream
+    lock = websocket._stream_lock
+    stream = websocket._stream
+    assert isinstance(stream, trio.SocketStream)  # `write_now` began only on one
     try:
         with trio.CancelScope(shield=True):
             with trio.move_on_after(stalled_s):
