@@ -83,8 +83,9 @@ OUTBOX_SIZE: Final = 256
 #: request body of a few KiB into several reads, each a trip through the event loop.
 RECEIVE_BUFFER_BYTES: Final = 256 * 1024
 #: A peer that takes nothing of a frame begun by `Channel.send_now` for this long loses
-#: its connection (its heartbeat, which waits behind that frame, has failed by then).
-STALLED_WRITE_S: Final = 60.0
+#: its connection (as long as the Edge waits for a ping's answer: its heartbeat, which
+#: waits behind that frame, fails about then too).
+STALLED_WRITE_S: Final = 15.0
 #: Bound on a closing handshake (the last frame and the Close, Rule 2).
 CLOSE_TIMEOUT_S: Final = 5.0
 #: Bound on telling a peer why before any session (`reject_and_close`): a courtesy, and a

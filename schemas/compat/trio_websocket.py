@@ -100,7 +100,7 @@ def write_now(websocket: WebSocketConnection, message: bytes) -> bytes | None:
     the bytes of the frame the socket did not take (b"" when it took all). Unless that
     is b"", the connection's send lock stays held by the calling task, and `write_rest`
     must follow at once."""
-    if not WRITES_DIRECTLY or websocket._close_reason is not None:
+    if not WRITES_DIRECTLY or getattr(websocket, "_close_reason", "unknown") is not None:
         return None
     lock = getattr(websocket, "_stream_lock", None)
     stream = getattr(websocket, "_stream", None)
