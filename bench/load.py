@@ -173,6 +173,9 @@ class Measurement:
     first_error: str | None = None
     process_cpu_s: Mapping[str, float] | None = None
     """CPU time (user + system) of each of the target's processes during the phase."""
+    turn_cpu_ms: tuple[float, ...] = ()
+    """CPU ms per request of all the target's processes in each turn, in turn order, when
+    the measurement combines turns (`combined`) and every turn's CPU is known."""
 
     @property
     def ok(self) -> int:
@@ -224,7 +227,7 @@ class Measurement:
 
 def combined(turns: Sequence[Measurement]) -> Measurement:
     """One target's turns under one scenario as one measurement: every latency, failure,
-    second and CPU second of them."""
+    second and CPU second of them, and each turn's CPU per request apart."""
     first = turns[0]
     cpu: dict[str, float] | None = {}
     for turn in turns:
@@ -241,7 +244,19 @@ def combined(turns: Sequence[Measurement]) -> Measurement:
         wall_s=sum(turn.wall_s for turn in turns),
         first_error=next((t.first_error for t in turns if t.first_error is not None), None),
         process_cpu_s=cpu,
+        turn_cpu_ms=_turn_cpu_ms(turns),
     )
+
+
+def _turn_cpu_ms(turns: Sequence[Measurement]) -> tuple[float, ...]:
+    """Each turn's CPU ms per request, or () when any turn's is unknown."""
+    costs: list[float] = []
+    for turn in turns:
+        cost = turn.cpu_ms_per_request
+        if cost is None:
+            return ()
+        costs.append(cost)
+    return tuple(costs)
 
 
 def percentile(sorted_values: tuple[float, ...], q: float) -> float:

@@ -490,6 +490,7 @@ def to_json(result: BenchResult) -> str:
             "p99_ms": m.p99_ms,
             "rps": m.rps,
             "cpu_ms_per_request": m.cpu_ms_per_request,
+            "turn_cpu_ms_per_request": list(m.turn_cpu_ms),
             "processes": {
                 name: {
                     "cpu_ms_per_request": m.process_cpu_ms_per_request(name),

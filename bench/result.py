@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -162,6 +163,35 @@ def cpu_ratio(result: BenchResult, target: str, baseline: str, scenario: Scenari
     if mine is None or not theirs:
         return None
     return mine / theirs
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRatios:
+    """`target`'s CPU per request over `baseline`'s, turn by turn (each turn measures
+    both within the same minute): the median and the range of the per-turn ratios."""
+
+    median: float
+    low: float
+    high: float
+    turns: int
+
+
+def cpu_ratio_by_turn(
+    result: BenchResult, target: str, baseline: str, scenario: Scenario
+) -> TurnRatios | None:
+    """The per-turn ratios of `target`'s CPU per request over `baseline`'s (None when
+    either lacks per-turn CPU or their turns differ in number). A turn in which the
+    machine was busier weighs on both of its numbers; the median then leaves out a turn
+    in which it weighed on one more than on the other, where the ratio of the sums
+    would carry it."""
+    measured, base = result.get(target, scenario), result.get(baseline, scenario)
+    if measured is None or base is None:
+        return None
+    mine, theirs = measured.turn_cpu_ms, base.turn_cpu_ms
+    if not mine or len(mine) != len(theirs) or not all(theirs):
+        return None
+    ratios = sorted(a / b for a, b in zip(mine, theirs, strict=True))
+    return TurnRatios(statistics.median(ratios), ratios[0], ratios[-1], len(ratios))
 
 
 def added_token_delay_ms(result: BenchResult, target: str, q: float) -> float | None:

@@ -31,7 +31,7 @@ It prints the tables and the performance targets as PASS/MISS, stops every child
 traces, off against on at 100 % sampling (`bench.tracing`).
 
     python -m bench [--parts closed,fleet,nodes,agent-cache,affinity,models]
-                    [--duration S | --requests N] [--concurrency 1,32] [--warmup N] [--turns 2]
+                    [--duration S | --requests N] [--concurrency 1,32] [--warmup N] [--turns 4]
                     [--protocols chat,messages,responses]
                     [--only direct,hypercorn,edge-http,stack-floor,iop,iop-translated,
                             litellm,vllm-router]
@@ -635,8 +635,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup", type=int, default=50, metavar="N", help="warm-up requests per turn (50)"
     )
     closed.add_argument(
-        "--turns", type=int, default=2, metavar="N",
-        help="measure in N turns, the targets interleaved, and combine them (2)",
+        "--turns", type=int, default=4, metavar="N",
+        help="measure in N turns, the targets interleaved, and combine them (4)",
     )  # fmt: skip
     fleet = parser.add_argument_group("fleet-shaped streams")
     defaults = FleetShape()

@@ -33,6 +33,7 @@ from bench.result import (
     added_p50_ms,
     added_token_delay_ms,
     cpu_ratio,
+    cpu_ratio_by_turn,
     throughput_ratio,
 )
 
@@ -45,7 +46,9 @@ MAX_ADDED_TOKEN_DELAY_P99_MS: Final = 5.0
 #: Edge + Node CPU per request as a share of LiteLLM's, by `stream`.
 MAX_CPU_SHARE_OF_LITELLM: Final = {False: 1 / 8, True: 1 / 12}
 #: Edge + Node CPU per request over the stack floor's (IOP's transport parts alone), on
-#: every closed-loop chat scenario: what IOP's own logic may add to its transport.
+#: every closed-loop chat scenario: what IOP's own logic may add to its transport. Judged
+#: on the median of the per-turn ratios (`cpu_ratio_by_turn`) when the run has turns,
+#: their range shown beside it.
 MAX_CPU_VS_STACK_FLOOR: Final = 1.15
 #: Throughput at c=32 over LiteLLM's, by `stream`.
 MIN_THROUGHPUT_VS_LITELLM: Final = {False: 8.0, True: 15.0}
@@ -170,8 +173,16 @@ def _closed_loop_checks(result: BenchResult) -> list[TargetCheck]:
                 f"CPU per request, Edge + Node <= {MAX_CPU_VS_STACK_FLOOR:g}x the stack floor's, "
                 f"{_kind(stream)}, c={concurrency}"
             )
+            by_turn = cpu_ratio_by_turn(result, IOP, STACK_FLOOR, scenario)
             ratio = cpu_ratio(result, IOP, STACK_FLOOR, scenario)
-            if ratio is None:
+            if by_turn is not None and by_turn.turns > 1:
+                measured = (
+                    f"{by_turn.median:.2f}x (median of {by_turn.turns} turns, "
+                    f"{by_turn.low:.2f}-{by_turn.high:.2f})"
+                )
+                verdict = _at_most(by_turn.median, MAX_CPU_VS_STACK_FLOOR)
+                checks.append(TargetCheck(goal, measured, verdict))
+            elif ratio is None:
                 missing = STACK_FLOOR if result.get(IOP, scenario) else IOP
                 checks.append(TargetCheck(goal, f"not measured ({missing})", "n/a"))
             else:

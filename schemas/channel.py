@@ -16,6 +16,11 @@ Rules:
    time the writer wakes it hands the first queued item, and a way to take the others
    already queued, to the side's `Pack`, which turns them into frames (the Node packs run
    events into one message; the Edge sends a `cancel` kept aside behind the frame).
+   One exception, for a side that sends a frame per message (`send_now`): when nothing
+   is queued or being sent, the producer writes its frame itself, at once, if the socket
+   takes it (`schemas.compat.trio_websocket.write_now`), and the writer task does not
+   wake for it. Order is kept: a frame goes this way only when every frame queued before
+   it is already on the socket.
 2. Closing on purpose (`close`): the outbox takes nothing more; the writer sends what is
    queued, then the last frame if there is one (a `reject`), then a Close with the code,
    the last frame and the Close within `CLOSE_TIMEOUT_S`. A peer that reads nothing at
@@ -53,7 +58,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from schemas import wire
-from schemas.compat.trio_websocket import unwatch_arrivals, watch_arrivals
+from schemas.compat.trio_websocket import unwatch_arrivals, watch_arrivals, write_now, write_rest
 
 __all__ = [
     "CLOSE_TIMEOUT_S",
@@ -64,6 +69,7 @@ __all__ = [
     "PROTOCOL_ERROR",
     "RECEIVE_BUFFER_BYTES",
     "REJECT_TIMEOUT_S",
+    "STALLED_WRITE_S",
     "TRY_AGAIN_LATER",
     "Channel",
     "ChannelClosed",
@@ -81,6 +87,10 @@ OUTBOX_SIZE: Final = 256
 #: Bytes asked of the socket per read. trio-websocket's default (4 KiB) splits every
 #: request body of a few KiB into several reads, each a trip through the event loop.
 RECEIVE_BUFFER_BYTES: Final = 256 * 1024
+#: A peer that takes nothing of a frame begun by `Channel.send_now` for this long loses
+#: its connection (as long as the Edge waits for a ping's answer: its heartbeat, which
+#: waits behind that frame, fails about then too).
+STALLED_WRITE_S: Final = 15.0
 #: Bound on a closing handshake (the last frame and the Close, Rule 2).
 CLOSE_TIMEOUT_S: Final = 5.0
 #: Bound on telling a peer why before any session (`reject_and_close`): a courtesy, and a
@@ -140,6 +150,8 @@ class Channel(Generic[Out, In]):
         self._close_code = NORMAL_CLOSURE
         self._close_reason = ""
         self._last_frame: bytes | None = None
+        self._unsent = 0
+        """Items queued and not yet sent by the writer (Rule 1's exception waits for 0)."""
         if heard is not None:
             watch_arrivals(websocket, heard)
 
@@ -161,13 +173,18 @@ class Channel(Generic[Out, In]):
         Not a checkpoint when there is room: a producer that goes on to wait for an answer
         yields there, and the items queued without a yield in between leave together.
         Raises `ChannelClosed` once the channel is closing."""
+        self._unsent += 1  # before any wait: the writer may send it before this resumes
         try:
             try:
                 self._outbox.send_nowait(item)
             except trio.WouldBlock:
                 await self._outbox.send(item)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
+            self._unsent -= 1
             raise ChannelClosed from None
+        except BaseException:  # cancelled while waiting for room: not queued
+            self._unsent -= 1
+            raise
 
     def send_nowait(self, item: Out) -> None:
         """Queue `item` without waiting: raises `trio.WouldBlock` when the outbox is full
@@ -176,6 +193,26 @@ class Channel(Generic[Out, In]):
             self._outbox.send_nowait(item)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise ChannelClosed from None
+        self._unsent += 1
+
+    async def send_now(self, frame: bytes) -> bool:
+        """Write `frame` as one message right away, when nothing queued waits to be sent
+        and the socket takes it (Rule 1's exception): True when it went out, False when
+        the caller should queue it (`send`). A checkpoint only when the socket took part
+        of the frame: the rest is written before this returns (shielded: a frame is whole
+        or the connection ends, which a peer taking nothing for `STALLED_WRITE_S` does).
+        Raises `ChannelClosed` when the connection ended under it."""
+        if self._closing or self._unsent:
+            return False
+        rest = write_now(self.websocket, frame)
+        if rest is None:
+            return False
+        if rest:
+            try:
+                await write_rest(self.websocket, rest, stalled_s=STALLED_WRITE_S)
+            except ConnectionClosed:
+                raise ChannelClosed from None
+        return True
 
     def close(self, code: int = NORMAL_CLOSURE, reason: str = "") -> None:
         """Close on purpose (Rule 2): the writer sends what is queued, then a Close with
@@ -204,16 +241,23 @@ class Channel(Generic[Out, In]):
         pack = self._pack
         send_message = self.websocket.send_message
 
+        taken = 0
+
         def take() -> Out | None:
+            nonlocal taken
             try:
-                return queued.receive_nowait()
+                item = queued.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 return None
+            taken += 1
+            return item
 
         async with queued:
             async for first in queued:
+                taken = 1
                 for frame in pack(first, take):
                     await send_message(frame)
+                self._unsent -= taken
         with trio.move_on_after(CLOSE_TIMEOUT_S):
             if self._last_frame is not None:
                 await send_message(self._last_frame)

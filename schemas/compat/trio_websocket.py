@@ -24,24 +24,42 @@ the connection: a cycle that only the cyclic collector would free. `unwatch_arri
 removes it when the listener is done with the connection, so the connection, and the
 session around it, are freed by reference counting alone.
 
-Both are used through `schemas.channel` (arrivals) and the Edge's node hub (the limit);
-this module is the only place that names trio-websocket's private attributes.
+A message is sent by trio-websocket under a lock per connection, with
+`SocketStream.send_all`: the lock and the send each yield to the scheduler, so a producer
+that hands its frame to a writer task pays for that task's wake-up as well. `write_now`
+frames a message and writes it with one non-blocking `os.write` when no write is in
+progress (the connection's send lock free), holding that lock across the write so that
+nothing trio-websocket sends (a pong, a close) can land inside the frame; a frame the
+socket took only in part keeps the lock until `write_rest` has written the rest. When
+the connection is not a known version's plain socket connection (`WRITES_DIRECTLY`),
+or is closing, nothing is written and the caller sends the usual way.
+
+All are used through `schemas.channel` (arrivals, direct writes) and the Edge's node hub
+(the limit); this module is the only place that names trio-websocket's private
+attributes.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from importlib.metadata import version
 from typing import Final
 
-from trio_websocket import WebSocketConnection
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection
+from wsproto.connection import ConnectionState
+from wsproto.events import BytesMessage
 
 __all__ = [
     "ARRIVALS_WATCHABLE",
     "MESSAGE_LIMIT_LIFTABLE",
+    "WRITES_DIRECTLY",
     "lift_message_limit",
     "unwatch_arrivals",
     "watch_arrivals",
+    "write_now",
+    "write_rest",
 ]
 
 _KNOWN_MINOR_VERSIONS: Final = ("0.12.",)
@@ -52,6 +70,10 @@ MESSAGE_LIMIT_LIFTABLE: Final = version("trio-websocket").startswith(_KNOWN_MINO
 ARRIVALS_WATCHABLE: Final = MESSAGE_LIMIT_LIFTABLE
 """Whether this trio-websocket hands every read to `_wsproto.receive_data` (the same
 versions)."""
+
+WRITES_DIRECTLY: Final = MESSAGE_LIMIT_LIFTABLE
+"""Whether this trio-websocket sends through `_wsproto`, under `_stream_lock`, on
+`_stream` (the same versions): `write_now` may write beside it."""
 
 
 def lift_message_limit(websocket: WebSocketConnection, limit: int) -> None:
@@ -83,3 +105,58 @@ def unwatch_arrivals(websocket: WebSocketConnection) -> None:
     wsproto = getattr(websocket, "_wsproto", None)
     if wsproto is not None and "receive_data" in getattr(wsproto, "__dict__", {}):
         del wsproto.receive_data
+
+
+def write_now(websocket: WebSocketConnection, message: bytes) -> bytes | None:
+    """Write `message` as one websocket message without waiting, when no write is in
+    progress: None when nothing was written (a write in progress, a closing, TLS or
+    unknown connection, a socket that takes nothing now: send it the usual way), else
+    the bytes of the frame the socket did not take (b"" when it took all). Unless that
+    is b"", the connection's send lock stays held by the calling task, and `write_rest`
+    must follow at once."""
+    if not WRITES_DIRECTLY or getattr(websocket, "_close_reason", "unknown") is not None:
+        return None
+    lock = getattr(websocket, "_stream_lock", None)
+    stream = getattr(websocket, "_stream", None)
+    if not isinstance(lock, trio.StrictFIFOLock) or lock.locked():
+        return None
+    if not isinstance(stream, trio.SocketStream):  # TLS, say: the usual way
+        return None
+    connection = websocket._wsproto
+    if connection.state != ConnectionState.OPEN:
+        return None
+    data = connection.send(BytesMessage(data=message))  # no state kept for a whole message
+    lock.acquire_nowait()
+    try:
+        sent = os.write(stream.socket.fileno(), data)
+    except OSError:  # BlockingIOError, or a broken or closed connection: the usual way
+        sent = 0
+    if not sent:
+        lock.release()
+        return None
+    if sent == len(data):
+        lock.release()
+        return b""
+    return data[sent:]  # the frame is begun: the lock stays held until `write_rest`
+
+
+async def write_rest(websocket: WebSocketConnection, rest: bytes, *, stalled_s: float) -> None:
+    """Write what `write_now` left, still under the send lock it holds, as the socket
+    takes it, then release the lock. Shielded (a frame is written whole or the connection
+    ends); a peer that takes nothing for `stalled_s` has its connection closed. Raises
+    `ConnectionClosed` when the connection broke or was closed meanwhile."""
+    lock = websocket._stream_lock
+    stream = websocket._stream
+    assert isinstance(stream, trio.SocketStream)  # `write_now` began only on one
+    try:
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(stalled_s):
+                try:
+                    await stream.send_all(rest)
+                    return
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+            stream.socket.close()  # stalled or broken: the session's reader sees it end
+    finally:
+        lock.release()
+    raise ConnectionClosed(websocket._close_reason)

@@ -45,6 +45,7 @@ from bench.result import (
     VLLM_ROUTER,
     BenchResult,
     Machine,
+    cpu_ratio_by_turn,
 )
 from bench.run import (
     AGENT_CACHE,
@@ -609,7 +610,7 @@ def test_command_line_parts_targets_and_shapes() -> None:
     )
     assert (options.fleet.streams, options.fleet.tokens_per_second) == (7, 3.0)
     assert options.nodes.nodes == 9
-    assert options.budget.turns == 2  # the default: targets interleaved
+    assert options.budget.turns == 4  # the default: targets interleaved
     assert options_from(parser.parse_args(["--turns", "1"]), parser).budget.turns == 1
     for bad in (
         ["--only", "nginx"],
@@ -642,7 +643,36 @@ def test_turns_share_the_budget_and_combine_into_one_measurement() -> None:
     assert whole.latencies_s == (0.001, 0.002, 0.003)
     assert (whole.errors, whole.wall_s, whole.first_error) == (1, 3.0, "boom")
     assert whole.process_cpu_s == {"edge": 0.75, "node": 0.75}
-    assert combined([turns[0], replace(turns[1], process_cpu_s=None)]).process_cpu_s is None
+    assert whole.turn_cpu_ms == (375.0, 375.0)  # 0.75 s over 2 requests each (one failed)
+    unknown = combined([turns[0], replace(turns[1], process_cpu_s=None)])
+    assert (unknown.process_cpu_s, unknown.turn_cpu_ms) == (None, ())
+
+
+def test_the_stack_floor_goal_is_judged_on_the_median_of_the_turns() -> None:
+    """Each turn's IOP over the same turn's floor; one turn where the machine weighed on
+    IOP alone moves the range, not the verdict (the ratio of the sums would miss)."""
+    c1 = Scenario(1, False)
+    goal = "CPU per request, Edge + Node <= 1.15x the stack floor's, non-stream, c=1"
+
+    def measured(target: str, costs: tuple[float, ...]) -> Measurement:
+        one = _measurement(target, c1, 1.0, 1000, cpu_ms=sum(costs) / len(costs))
+        return replace(one, turn_cpu_ms=costs)
+
+    result = BenchResult(
+        machine=Machine.this(),
+        measurements=(
+            measured(STACK_FLOOR, (1.0, 1.0, 1.0, 1.0)),
+            measured(IOP, (1.1, 1.05, 2.0, 1.12)),  # 1.32x of the sums
+        ),
+    )
+    verdicts = {check.goal: (check.measured, check.verdict) for check in check_targets(result)}
+    assert verdicts[goal] == ("1.11x (median of 4 turns, 1.05-2.00)", "PASS")
+    by_turn = cpu_ratio_by_turn(result, IOP, STACK_FLOOR, c1)
+    assert by_turn is not None
+    assert (by_turn.median, by_turn.low, by_turn.high) == pytest.approx((1.11, 1.05, 2.0))
+    assert by_turn.turns == 4
+    uneven = replace(result, measurements=(result.measurements[0], measured(IOP, (1.1,))))
+    assert cpu_ratio_by_turn(uneven, IOP, STACK_FLOOR, c1) is None
 
 
 @pytest.mark.parametrize("nodes", [128, 1000, 5000, 10_000])

@@ -1,6 +1,7 @@
 """schemas.compat.trio_websocket on the installed trio-websocket, on a real
 connection: a listener's message limit holds until `lift_message_limit`, and the lifted
-limit holds after it; `watch_arrivals` hears every frame that arrives, pings included.
+limit holds after it; `watch_arrivals` hears every frame that arrives, pings included;
+`write_now` writes a message only when no write holds the connection.
 
 The server below behaves like the Edge's node listener: a small limit for whatever a peer
 sends first, then, once the peer said `lift`, a larger one for that connection only.
@@ -13,6 +14,7 @@ from typing import cast
 
 import pytest
 import trio
+from trio.testing import wait_all_tasks_blocked
 from trio_websocket import (
     ConnectionClosed,
     WebSocketConnection,
@@ -24,9 +26,11 @@ from trio_websocket import (
 from schemas.compat.trio_websocket import (
     ARRIVALS_WATCHABLE,
     MESSAGE_LIMIT_LIFTABLE,
+    WRITES_DIRECTLY,
     lift_message_limit,
     unwatch_arrivals,
     watch_arrivals,
+    write_now,
 )
 from tests.timing import GUARD_S
 
@@ -181,3 +185,48 @@ async def test_unwatched_arrivals_are_not_heard_and_the_connection_lets_go_of_th
 async def test_nothing_is_watched_on_something_that_is_not_a_known_connection() -> None:
     assert not watch_arrivals(cast(WebSocketConnection, object()), lambda: None)
     unwatch_arrivals(cast(WebSocketConnection, object()))  # nothing to undo
+
+
+# --- writing directly --------------------------------------------------------------------------
+
+
+def test_the_installed_version_is_one_written_to_directly() -> None:
+    assert WRITES_DIRECTLY
+
+
+async def test_a_message_written_directly_arrives_whole_and_never_inside_another_write(
+    nursery: trio.Nursery,
+) -> None:
+    """`write_now` writes a whole message when the connection is free, steps aside while
+    trio-websocket holds its send lock (a write in progress) and on a closed connection."""
+    accepted: list[WebSocketConnection] = []
+    ready = trio.Event()
+
+    async def keep(request: WebSocketRequest) -> None:
+        accepted.append(await request.accept())
+        ready.set()
+        await trio.sleep_forever()
+
+    server = await nursery.start(serve_websocket, keep, "127.0.0.1", 0, None)
+    async with open_websocket_url(f"ws://127.0.0.1:{server.port}/") as client:
+        with trio.fail_after(GUARD_S):
+            await ready.wait()
+            websocket = accepted[0]
+            assert write_now(websocket, b"direct") == b""
+            assert await client.get_message() == b"direct"
+            writing, release = trio.Event(), trio.Event()
+
+            async def hold_the_send_lock() -> None:
+                async with websocket._stream_lock:  # as trio-websocket's `_send` does
+                    writing.set()
+                    await release.wait()
+
+            nursery.start_soon(hold_the_send_lock)
+            await writing.wait()
+            assert write_now(websocket, b"not now") is None
+            release.set()
+            await wait_all_tasks_blocked()
+            assert write_now(websocket, b"now") == b""
+            assert await client.get_message() == b"now"
+            await websocket.aclose()
+            assert write_now(websocket, b"closed") is None

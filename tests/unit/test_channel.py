@@ -129,6 +129,60 @@ async def test_a_producer_waits_while_the_outbox_is_full(nursery: trio.Nursery) 
     assert closed.reason is not None and closed.reason.code == NORMAL_CLOSURE
 
 
+async def test_a_frame_goes_out_at_once_when_nothing_waits_to_be_sent(
+    nursery: trio.Nursery,
+) -> None:
+    """Rule 1's exception: no writer runs here, yet `send_now` frames reach the peer;
+    once a frame is queued, the next waits behind it, and the writer sends both in order."""
+    async with _pair(nursery) as (server, client):
+        channel = Channel[bytes, wire.NodeToEdge](
+            server, decode=wire.decode_from_node, pack=_one_frame_each
+        )
+        with trio.fail_after(GUARD_S):
+            assert await channel.send_now(b"direct")
+            assert await client.get_message() == b"direct"
+            channel.send_nowait(b"queued")
+            assert not await channel.send_now(b"after it")  # would overtake "queued"
+            await channel.send(b"after it")
+            nursery.start_soon(channel.write)
+            assert await client.get_message() == b"queued"
+            assert await client.get_message() == b"after it"
+            await wait_all_tasks_blocked()  # the writer sent both: nothing waits now
+            assert await channel.send_now(b"direct again")
+            assert await client.get_message() == b"direct again"
+            channel.close()
+            assert not await channel.send_now(b"closing")
+
+
+async def test_a_frame_the_socket_took_in_part_is_finished_before_any_other(
+    nursery: trio.Nursery,
+) -> None:
+    """A peer that stops reading: the frame the socket took in part is written whole
+    when it reads again, and no other frame (nor `send_now`) gets in meanwhile."""
+    size = 512 * 1024
+    async with _pair(nursery) as (server, client):
+        channel = Channel[bytes, wire.NodeToEdge](
+            server, decode=wire.decode_from_node, pack=_one_frame_each
+        )
+        nursery.start_soon(channel.write)
+        sent: list[bytes] = []
+
+        async def produce() -> None:
+            for n in range(64):  # far more than the sockets' buffers hold
+                frame = bytes([n]) * size
+                if not await channel.send_now(frame):
+                    await channel.send(frame)
+                sent.append(frame)
+
+        nursery.start_soon(produce)
+        await wait_all_tasks_blocked()  # the peer reads no more: the producer waits
+        assert len(sent) < 64
+        with trio.fail_after(GUARD_S):
+            for n in range(64):
+                assert await client.get_message() == bytes([n]) * size
+        assert len(sent) == 64
+
+
 class _SilentPeer:
     """A websocket whose peer answers the first `answers` pings and then none."""
 

@@ -185,7 +185,10 @@ class NodeSession:
     # --- sending ---------------------------------------------------------------------
 
     async def send(self, message: wire.Message) -> None:
-        """Queue a frame for the writer; waits only while the outbox is full.
+        """Send a frame: a `run` is written at once when nothing waits to be sent and the
+        socket takes it (the channel's `send_now`: no wake-up of the writer per run);
+        anything else, or a run that cannot go at once, is queued for the writer; waits
+        only while the outbox is full.
 
         Not a checkpoint when there is room: a caller that goes on to wait for the
         answer yields there, and the writer runs then. Raises `wire.FrameTooLarge` for a
@@ -194,7 +197,9 @@ class NodeSession:
             raise SessionClosed(self.node_id)
         frame = wire.encode_bounded(message)
         try:
-            await self._channel.send(frame)
+            direct = isinstance(message, wire.Run) and not self._pending_cancels
+            if not (direct and await self._channel.send_now(frame)):
+                await self._channel.send(frame)
         except ChannelClosed:
             raise SessionClosed(self.node_id) from None
 

@@ -401,7 +401,9 @@ class Scheduler(PoolObservation):
         run would rather go (`core.routing.pool` Rule 7). Raises an
         `AdmissionError` subclass when the request is not admitted. Cancellation while
         waiting leaves nothing behind. The caller owns the returned lease and releases
-        it in every path (`with lease:`).
+        it in every path (`with lease:`). A slot granted at once is granted without a
+        yield to the scheduler (a cancelled caller still stops at the start): the run
+        starts in the same step, and waits for its first event right after.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         if model_id not in self._snapshot.models:
@@ -427,8 +429,7 @@ class Scheduler(PoolObservation):
                     affinity=affinity,
                 )
                 self._notify_changed()
-                await trio.lowlevel.cancel_shielded_checkpoint()
-                return lease
+                return lease  # no yield: the caller's next await (the run's start) yields
             case Refuse(reason=reason, retry_after_s=retry_after_s):
                 raise NoProvider(reason, retry_after_s=retry_after_s)
             case Grant() | Wait():
