@@ -373,7 +373,8 @@ async def test_an_apply_holds_the_heap_from_its_build_to_its_end_and_a_dry_run_n
 ) -> None:
     """The Edge's heap keeper holds the collector back while an apply makes a fleet's
     objects (`lifecycle.heap`, Rule 5): from the worker's built answer through the swap
-    and the pushes, and no longer."""
+    and the pushes, and no longer; the pushes in a hold nested in it (the heap's sweeps
+    start over with them)."""
     events: list[str] = []
 
     @contextlib.contextmanager
@@ -391,7 +392,12 @@ async def test_an_apply_holds_the_heap_from_its_build_to_its_end_and_a_dry_run_n
         assert events == []
         result = await refresher.refresh(apply(with_capacity(8, "gpu1", "gpu2")))
         assert (result.verdict, result.report.revision) == ("accepted", 2)
-        assert events == ["hold at revision 1", "let go after 2 push(es)"]
+        assert events == [
+            "hold at revision 1",
+            "hold at revision 2",
+            "let go after 2 push(es)",
+            "let go after 2 push(es)",
+        ]
     finally:
         await refresher.aclose()
 
