@@ -35,6 +35,7 @@ process with `light-nodes failed: ...`.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -219,6 +220,11 @@ async def _serve_process(edge_url: str, credentials: Mapping[str, str], handshak
         progress = await nursery.start(
             partial(run_light_nodes, edge_url, credentials, handshakes=handshakes)
         )
+        # Thousands of connections are this process's heap: kept out of the collector's
+        # sight (as the Edge keeps its own), a refresh's acks do not bring collections
+        # that walk them all, and the light Nodes' pauses are not the Edge's pushes'.
+        gc.collect()
+        gc.freeze()
         print(f"{READY_PREFIX}{progress.welcomed} nodes", flush=True)
 
 

@@ -252,21 +252,3 @@ async def test_a_hold_starts_the_sweeps_over_at_their_shortest_period(
     sweeps = [at for name, at in collector.calls if name == "collect 0"]
     # not a period after the last sweep: the shortest period after the hold opened
     assert sweeps[0] == pytest.approx(opened + SWEEP_MIN_S)
-
-
-async def test_a_nested_hold_starts_the_sweeps_over_again(
-    autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
-) -> None:
-    """A refresh's pushes open a hold nested in its apply's: the sweeps, stretched to a
-    period by the cheap ones before, come at their shortest period again."""
-    await connect(keeper, SWEEP_FLEET, every_s=0)
-    await trio.sleep(QUIET_S * 2)
-    with keeper.held():
-        await trio.sleep(SWEEP_S / 2)  # cheap sweeps: the next one is a period away
-        collector.calls.clear()
-        nested = trio.current_time()
-        with keeper.held():
-            await trio.sleep(SWEEP_S / 4)
-        assert collector.names()[0] == "collect 0"  # the inner hold collected nothing
-    sweeps = [at for name, at in collector.calls if name == "collect 0"]
-    assert sweeps[0] == pytest.approx(nested + SWEEP_MIN_S)

@@ -63,9 +63,7 @@ at it again only at moments it chooses:
    fleet's apply makes hundreds of thousands of objects in a few seconds, and with
    the usual thresholds the middle and oldest generations' collections would walk
    them again and again: seconds of the loop's time in all, which callers wait
-   behind. This is the one place the Edge changes the collector's thresholds. A
-   nested `held()` starts the sweeps over too: a refresh opens its pushes so, after an
-   assembly whose cheap sweeps stretched the period to a second.
+   behind. This is the one place the Edge changes the collector's thresholds.
 """
 
 from __future__ import annotations
@@ -213,8 +211,8 @@ class HeapKeeper:
             self._gc.freeze()
             self._froze = True
             self._gc.set_threshold(self._thresholds[0], HELD_THRESHOLD, HELD_THRESHOLD)
-        self._hold_opened.set()  # the sweeps start over at their shortest period
-        self._hold_opened = trio.Event()
+            self._hold_opened.set()  # the sweeps start over at their shortest period
+            self._hold_opened = trio.Event()
         self._holds += 1
         try:
             yield

@@ -49,10 +49,8 @@ __all__ = ["RETRY_NOTE", "CatchUp", "PushPolicy", "PushTarget", "push_all"]
 
 log = logging.getLogger(__name__)
 
-#: Pushes in flight at once (Rule 1): the window acks free. At the rate's pace a healthy
-#: fleet has a handful out; a loop (or fleet) that falls behind fills the window, and the
-#: pushes then wait for acks instead of piling a fan-out's worth of work on the loop.
-PUSH_FANOUT: Final = 16
+#: Pushes in flight at once (Rule 1).
+PUSH_FANOUT: Final = 64
 #: What each pushed Node adds to the whole push's deadline (Rule 2): about the Edge's
 #: own cost of one push and its ack, with room for a busy machine.
 PUSH_BUDGET_PER_NODE_S: Final = 0.002

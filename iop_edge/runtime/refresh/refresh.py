@@ -428,11 +428,7 @@ class Refresher:
             await trio.lowlevel.checkpoint()
         nodes = interrupted  # the planned report's
         self.catch_up.forget(to_push)
-        with (
-            # Nested in the apply's hold: the heap's sweeps start over with the pushes.
-            self._hold(),
-            trio.move_on_after(self._push.deadline_s(len(to_push)) + COMMIT_GRACE_S, shield=True),
-        ):
+        with trio.move_on_after(self._push.deadline_s(len(to_push)) + COMMIT_GRACE_S, shield=True):
             nodes = await push_all(self._target, to_push, snapshot, self._push)
         nodes = self.catch_up.take_failures(nodes)
         errors: list[RefreshError] = []
