@@ -462,6 +462,10 @@ def test_loop_holds_are_read_back_per_window(tmp_path: Path) -> None:
         {"at": 6.0, "step_s": 0.06, "cpu_s": 0.055, "task": "busy"},
         {"at": 6.5, "gc": 2, "s": 0.04, "cpu_s": 0.03, "loop": True},
         {"at": 7.0, "gc": 0, "s": 0.5, "cpu_s": 0.5, "loop": False},  # another thread
+        # the loop's busy share, a window at a time
+        {"at": 3.5, "window_s": 0.5, "busy_s": 0.5, "cpu_s": 0.5, "steps": 10},  # before
+        {"at": 5.5, "window_s": 0.5, "busy_s": 0.4, "cpu_s": 0.3, "steps": 900},
+        {"at": 6.0, "window_s": 0.5, "busy_s": 0.2, "cpu_s": 0.2, "steps": 700},
     ]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
@@ -476,8 +480,12 @@ def test_loop_holds_are_read_back_per_window(tmp_path: Path) -> None:
         longest_collection_s=0.04,
         longest_task="preempted",
         longest_collection_cpu_s=0.03,
+        busy_share=pytest.approx(0.6),
+        cpu_share=pytest.approx(0.5),
     )
-    assert read_holds(str(tmp_path / "none.jsonl")).longest_s == 0.0  # no file: nothing held
+    assert "loop busy 60% (50% CPU)" in str(holds)
+    nothing = read_holds(str(tmp_path / "none.jsonl"))
+    assert nothing.longest_s == 0.0 and nothing.busy_share is None  # no file: nothing held
 
 
 def test_fleet_numbers_are_derived_per_process() -> None:
