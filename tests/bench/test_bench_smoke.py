@@ -417,6 +417,8 @@ def test_fleet_budgets_are_judged_at_the_run_scale_and_a_node_left_behind_misses
             catalog_filtered_s=(0.01, 0.08),  # the slowest over 50 ms
             caller_idle_s=(0.05,) * 99 + (0.06,),
             caller_refresh_s=(0.05,) * 99 + (0.07,),  # p99 1.17x idle's
+            caller_dry_run_s=(0.05,) * 9 + (0.055,),
+            caller_apply_s=(0.05,) * 89 + (0.07,),
             # a step of 90 ms on a busy machine, 30 ms of it the Edge's own CPU
             holds_fleet=LoopHolds(
                 longest_s=0.09,
@@ -442,6 +444,10 @@ def test_fleet_budgets_are_judged_at_the_run_scale_and_a_node_left_behind_misses
     )
     assert checks["refresh apply <= 15 s until every Node acked, none left behind"] == (
         "9.0 s, 5000/5000 applied",
+        "PASS",
+    )
+    assert checks["callers' p99 during the refresh <= 1.2x idle"] == (
+        "50 vs 50 ms = 1.00x (dry runs 55, apply 52 ms; light Nodes at niceness 10)",
         "PASS",
     )
     guard = "Edge loop held <= 50 ms a step (CPU), fleet connected: idle, refresh, churn and thaw"
