@@ -36,6 +36,8 @@ import trio
 ENV: Final = "IOP_BENCH_LOOP_HOLDS"
 #: Steps and collections at least this long are recorded one by one.
 RECORDED_S: Final = 0.01
+#: The loop's busy share is written once per window this long (at the first step after).
+WINDOW_S: Final = 0.5
 
 
 class _Holds(trio.abc.Instrument):
@@ -45,18 +47,37 @@ class _Holds(trio.abc.Instrument):
         self._out = out
         self._began = time.perf_counter()
         self._cpu = time.thread_time()
+        self._window_began = self._began
+        self._window_cpu = self._cpu
+        self._busy = 0.0
+        self._steps = 0
 
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
         self._began = time.perf_counter()
         self._cpu = time.thread_time()
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
-        took = time.perf_counter() - self._began
+        now = time.perf_counter()
+        took = now - self._began
+        self._busy += took
+        self._steps += 1
         if took >= RECORDED_S:
             cpu = time.thread_time() - self._cpu
             _write(
                 self._out, {"at": time.monotonic(), "step_s": took, "cpu_s": cpu, "task": task.name}
             )
+        if now - self._window_began >= WINDOW_S:
+            thread_cpu = time.thread_time()
+            record = {
+                "at": time.monotonic(),
+                "window_s": now - self._window_began,
+                "busy_s": self._busy,
+                "cpu_s": thread_cpu - self._window_cpu,
+                "steps": self._steps,
+            }
+            _write(self._out, record)
+            self._window_began, self._window_cpu = now, thread_cpu
+            self._busy, self._steps = 0.0, 0
 
 
 def _write(out: TextIO, record: dict[str, Any]) -> None:
@@ -110,6 +131,12 @@ class LoopHolds:
     longest_collection_cpu_s: float = 0.0
     """... CPU time."""
     longest_task: str = ""
+    busy_share: float | None = None
+    """The share of the window's wall time the loop spent in task steps (None: no
+    window recorded)."""
+    cpu_share: float | None = None
+    """... the loop's thread spent on a CPU (its steps, its waits' system calls, the
+    collector)."""
 
     def __str__(self) -> str:
         return (
@@ -119,6 +146,11 @@ class LoopHolds:
             f"({self.over_bound_cpu} by CPU), {self.full_collections} full collection(s), "
             f"longest collection {self.longest_collection_s * 1000:.0f} ms "
             f"({self.longest_collection_cpu_s * 1000:.0f} ms CPU)"
+            + (
+                ""
+                if self.busy_share is None or self.cpu_share is None
+                else f", loop busy {self.busy_share:.0%} ({self.cpu_share:.0%} CPU)"
+            )
         )
 
 
@@ -126,11 +158,16 @@ def read_holds(path: str, start: float = -math.inf, end: float = math.inf) -> Lo
     """What the file at `path` recorded between `start` and `end` (monotonic clock)."""
     steps: list[dict[str, Any]] = []
     collections: list[dict[str, Any]] = []
+    windows: list[dict[str, Any]] = []
     try:
         with open(path, encoding="utf-8") as lines:
             for line in lines:
                 record = json.loads(line)
-                if start <= record["at"] <= end:
+                if not start <= record["at"] <= end:
+                    continue
+                if "window_s" in record:
+                    windows.append(record)
+                else:
                     (steps if "step_s" in record else collections).append(record)
     except FileNotFoundError:
         pass
@@ -149,7 +186,15 @@ def read_holds(path: str, start: float = -math.inf, end: float = math.inf) -> Lo
             (record.get("cpu_s", 0.0) for record in collections if record.get("loop", True)),
             default=0.0,
         ),
+        busy_share=_share(windows, "busy_s"),
+        cpu_share=_share(windows, "cpu_s"),
     )
+
+
+def _share(windows: list[dict[str, Any]], key: str) -> float | None:
+    """`key`'s time over the windows' wall time."""
+    wall = sum(window["window_s"] for window in windows)
+    return sum(window[key] for window in windows) / wall if wall > 0 else None
 
 
 def main() -> None:

@@ -43,9 +43,15 @@ it:
   idle window shows how far the machine alone moves a p99).
 
 Every process of the scenario shares the machine: on a small one the light Nodes' own
-work (acking a refresh) competes with the Edge's, which a deployed fleet, on machines of
-its own, does not. The light Nodes stop before the Edge
-does, so the Edge is not stopped while a thousand links break at once.
+work (ten thousand of them acking a refresh, a thousand a second, take a core or more)
+competes with the Edge's, which a deployed fleet, on machines of its own, does not. So
+the light Nodes run at a lower priority (`light_nodes_niceness`, as the Edge's refresh
+worker does): the operating system gives a busy core to the Edge, the callers' Node and
+the callers first, and the light Nodes take what they leave; their acks then come as
+fast as the rest of the machine allows (on a machine shared with other work, slower,
+and the apply takes longer). With a niceness of 0 they compete as equals. The light
+Nodes stop before the Edge does, so the Edge is not stopped while a thousand links break
+at once.
 """
 
 from __future__ import annotations
@@ -123,6 +129,10 @@ CHURN_ROUNDS: Final = 2
 #: After the last round's leave, past the heap keeper's grace for ended sessions: one
 #: still alive by then is counted as leaked (`runtime.lifecycle.heap`, Rule 4).
 _CHURN_SETTLE_S: Final = LEAK_GRACE_S + 2.0
+#: The light Nodes' niceness: they stand in for a fleet on machines of its own, so on
+#: the one machine the scenario shares they take a core only when the Edge, the callers'
+#: Node and the callers leave it (the refresh worker's niceness, for the same reason).
+LIGHT_NODES_NICENESS: Final = 10
 
 try:  # libyaml's emitter: a thousand Node entries take a while with the pure-Python one
     _Dumper: Any = yaml.CSafeDumper
@@ -143,6 +153,9 @@ class ManyNodesShape:
     """Caller requests a second, idle and during the refresh."""
     caller_window_s: float = 6.0
     """How long the callers are measured while the Edge is idle."""
+    light_nodes_niceness: int = LIGHT_NODES_NICENESS
+    """Added to the light Nodes' processes' niceness (0: they compete with the Edge as
+    equals)."""
 
     def __post_init__(self) -> None:
         least = min(
@@ -157,6 +170,8 @@ class ManyNodesShape:
                 "nodes, providers per node, models, catalog requests and node processes "
                 "must be >= 1"
             )
+        if self.light_nodes_niceness < 0:
+            raise ValueError("the light Nodes' niceness must be >= 0")
         if self.node_processes > self.nodes:
             raise ValueError("more node processes than nodes")
         if min(self.idle_window_s, self.caller_rate, self.caller_window_s) <= 0:
@@ -689,6 +704,7 @@ async def measure_many_nodes(
                     "--edge", edge.ready.node,
                     "--nodes-file", str(nodes_file),
                     "--handshakes", str(handshakes),
+                    "--niceness", str(shape.light_nodes_niceness),
                 )  # fmt: skip
 
             async def start_light(index: int, nodes_file: Path) -> None:

@@ -319,7 +319,8 @@ def many_nodes_table(result: BenchResult) -> Table:
         title=(
             f"Many Nodes on one Edge: {shape.nodes} light Nodes x "
             f"{shape.providers_per_node} providers, {shape.models} models "
-            f"({shape.node_processes} process{'es' if shape.node_processes > 1 else ''})"
+            f"({shape.node_processes} process{'es' if shape.node_processes > 1 else ''}, "
+            f"niceness {shape.light_nodes_niceness})"
         )
     )
     table.add_column("measure")
@@ -527,6 +528,7 @@ def to_json(result: BenchResult) -> str:
             "refresh_nodes": nodes.refresh_nodes,
             "refresh_problem": nodes.refresh_problem,
             "node_processes": nodes.shape.node_processes,
+            "light_nodes_niceness": nodes.shape.light_nodes_niceness,
             "catalog_filtered_max_ms": nodes.catalog_filtered_max_ms,
             "caller_rate": nodes.shape.caller_rate,
             "caller_idle_p50_ms": nodes.caller_ms("idle", 50.0),

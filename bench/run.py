@@ -38,7 +38,7 @@ traces, off against on at 100 % sampling (`bench.tracing`).
                     [--fleet-only direct,iop,vllm-router] [--streams 100]
                     [--tokens-per-second 10] [--stream-tokens 30] [--window 5]
                     [--nodes 1000] [--providers-per-node 3] [--idle-window 10]
-                    [--node-processes 1] [--caller-rate 50]
+                    [--node-processes 1] [--caller-rate 50] [--light-nodes-niceness 10]
                     [--agent-turns 6] [--prefill-us-per-token 200]
                     [--json FILE] [--profile DIR [--profile-format flamegraph|speedscope|raw]]
     python -m bench --replicas [ROUNDS] [--duration S] [--concurrency 32]
@@ -686,6 +686,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="callers' requests a second to the sim model, idle and during the refresh "
         f"({node_defaults.caller_rate:g})",
     )  # fmt: skip
+    nodes.add_argument(
+        "--light-nodes-niceness", type=int, default=node_defaults.light_nodes_niceness,
+        metavar="N",
+        help="added to the light Nodes' processes' niceness: they stand in for a fleet on "
+        f"machines of its own ({node_defaults.light_nodes_niceness}; 0: as equals)",
+    )  # fmt: skip
     agent = parser.add_argument_group("agent prefix cache")
     agent_defaults = AgentCacheShape()
     agent.add_argument(
@@ -767,6 +773,7 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> B
             idle_window_s=args.idle_window,
             node_processes=args.node_processes,
             caller_rate=args.caller_rate,
+            light_nodes_niceness=args.light_nodes_niceness,
         )
         agent_cache = AgentCacheShape(
             turns=args.agent_turns,

@@ -374,7 +374,9 @@ def _fleet_scale_checks(result: BenchResult) -> list[TargetCheck]:
         ),
         (
             ratio,
-            f"{p99_busy or 0:.0f} vs {p99_idle or 0:.0f} ms = {ratio or 0:.2f}x",
+            f"{p99_busy or 0:.0f} vs {p99_idle or 0:.0f} ms = {ratio or 0:.2f}x (dry runs "
+            f"{m.caller_ms('dry_run', 99.0) or 0:.0f}, apply {m.caller_ms('apply', 99.0) or 0:.0f}"
+            f" ms; light Nodes at niceness {m.shape.light_nodes_niceness})",
             FLEET_MAX_CALLER_P99_RATIO,
         ),
         (

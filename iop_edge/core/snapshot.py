@@ -8,6 +8,7 @@ lives elsewhere and outlives snapshots.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Final
@@ -26,6 +27,10 @@ from schemas.config import (
 
 #: Nodes `Snapshot.building` looks at between two of its steps.
 STEP_NODES: Final = 256
+#: Models' provider entries `Snapshot.building` looks at between two of its steps: a
+#: fleet's models list tens of thousands, and each lookup made from them would take a
+#: step of several milliseconds.
+STEP_ENTRIES: Final = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +82,10 @@ class Snapshot:
     def building(
         cls, config: EdgeConfig, *, revision: int, config_sha256: str
     ) -> Generator[None, None, Snapshot]:
-        """`build` in steps of `STEP_NODES` Nodes: it yields between them and returns the
-        snapshot. For a fleet's config the whole is tens of milliseconds; the refresh
-        that builds it on the event loop lets the loop run between steps."""
+        """`build` in steps of `STEP_NODES` Nodes or `STEP_ENTRIES` models' provider
+        entries: it yields between them and returns the snapshot. For a fleet's config
+        the whole is a hundred milliseconds or more; the refresh that builds it on the
+        event loop lets the loop run between steps of a millisecond or two."""
         providers: dict[str, ProviderConfig] = {}
         provider_node: dict[str, str] = {}
         node_providers: dict[str, tuple[str, ...]] = {}
@@ -90,27 +96,37 @@ class Snapshot:
                 providers[provider.id] = provider
                 provider_node[provider.id] = node.id
             node_providers[node.id] = tuple(provider.id for provider in node.providers)
+        entries = itertools.count(1)  # models' provider entries looked at
         serving: dict[str, list[str]] = {}
         for model in config.models:
             for provider_id in model.providers:
+                if next(entries) % STEP_ENTRIES == 0:
+                    yield
                 serving.setdefault(provider_id, []).append(model.id)
-        provider_models = {pid: tuple(models) for pid, models in serving.items()}
-        yield
+        provider_models: dict[str, tuple[str, ...]] = {}
+        for provider_id, models in serving.items():
+            if next(entries) % STEP_ENTRIES == 0:
+                yield
+            provider_models[provider_id] = tuple(models)
         rivals: dict[str, tuple[str, ...]] = {}
         for model in config.models:
             shared: dict[str, None] = {}
             for provider_id in model.providers:
+                if next(entries) % STEP_ENTRIES == 0:
+                    yield
                 shared.update(dict.fromkeys(provider_models[provider_id]))
             rivals[model.id] = tuple(shared) or (model.id,)
-        yield
-        rotations = {
-            model.id: tuple(
-                (provider_id, providers[provider_id], provider_node[provider_id])
-                for provider_id in model.providers
-                if provider_id in providers
-            )
-            for model in config.models
-        }
+        rotations: dict[str, tuple[tuple[str, ProviderConfig, str], ...]] = {}
+        for model in config.models:
+            rotation: list[tuple[str, ProviderConfig, str]] = []
+            for provider_id in model.providers:
+                if next(entries) % STEP_ENTRIES == 0:
+                    yield
+                if provider_id in providers:
+                    rotation.append(
+                        (provider_id, providers[provider_id], provider_node[provider_id])
+                    )
+            rotations[model.id] = tuple(rotation)
         yield
         policies = PrincipalPolicies.from_config(config)
         yield

@@ -419,6 +419,8 @@ def test_fleet_budgets_are_judged_at_the_run_scale_and_a_node_left_behind_misses
             catalog_filtered_s=(0.01, 0.08),  # the slowest over 50 ms
             caller_idle_s=(0.05,) * 99 + (0.06,),
             caller_refresh_s=(0.05,) * 99 + (0.07,),  # p99 1.17x idle's
+            caller_dry_run_s=(0.05,) * 9 + (0.055,),
+            caller_apply_s=(0.05,) * 89 + (0.07,),
             # a step of 90 ms on a busy machine, 30 ms of it the Edge's own CPU
             holds_fleet=LoopHolds(
                 longest_s=0.09,
@@ -452,6 +454,10 @@ def test_fleet_budgets_are_judged_at_the_run_scale_and_a_node_left_behind_misses
         "9.0 s, 5000/5000 applied",
         "PASS",
     )
+    assert checks["callers' p99 during the refresh <= 1.2x idle"] == (
+        "50 vs 50 ms = 1.00x (dry runs 55, apply 52 ms; light Nodes at niceness 10)",
+        "PASS",
+    )
     guard = "Edge loop held <= 50 ms a step (CPU), fleet connected: idle, refresh, churn"
     assert checks[guard][1] == "PASS"  # judged on the Edge's CPU, not the machine's wall
     assert "longest step 90 ms (30 ms CPU), 1 step(s) >= 50 ms (0 by CPU)" in checks[guard][0]
@@ -470,6 +476,10 @@ def test_loop_holds_are_read_back_per_window(tmp_path: Path) -> None:
         {"at": 6.0, "step_s": 0.06, "cpu_s": 0.055, "task": "busy"},
         {"at": 6.5, "gc": 2, "s": 0.04, "cpu_s": 0.03, "loop": True},
         {"at": 7.0, "gc": 0, "s": 0.5, "cpu_s": 0.5, "loop": False},  # another thread
+        # the loop's busy share, a window at a time
+        {"at": 3.5, "window_s": 0.5, "busy_s": 0.5, "cpu_s": 0.5, "steps": 10},  # before
+        {"at": 5.5, "window_s": 0.5, "busy_s": 0.4, "cpu_s": 0.3, "steps": 900},
+        {"at": 6.0, "window_s": 0.5, "busy_s": 0.2, "cpu_s": 0.2, "steps": 700},
     ]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
@@ -484,8 +494,12 @@ def test_loop_holds_are_read_back_per_window(tmp_path: Path) -> None:
         longest_collection_s=0.04,
         longest_task="preempted",
         longest_collection_cpu_s=0.03,
+        busy_share=pytest.approx(0.6),
+        cpu_share=pytest.approx(0.5),
     )
-    assert read_holds(str(tmp_path / "none.jsonl")).longest_s == 0.0  # no file: nothing held
+    assert "loop busy 60% (50% CPU)" in str(holds)
+    nothing = read_holds(str(tmp_path / "none.jsonl"))
+    assert nothing.longest_s == 0.0 and nothing.busy_share is None  # no file: nothing held
 
 
 def test_fleet_numbers_are_derived_per_process() -> None:

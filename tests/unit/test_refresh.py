@@ -18,7 +18,7 @@ import yaml
 
 from iop_edge.core.configuration.config import ParsedConfig, parse_config
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.runtime.refresh.audit import AuditLog, write_config_atomically
+from iop_edge.runtime.refresh.audit import AuditLog, reserve_room, write_config_atomically
 from iop_edge.runtime.refresh.push import PUSH_RATE_PER_S, RETRY_NOTE
 from iop_edge.runtime.refresh.refresh import Refresher, RefreshResult, RefreshTarget
 from schemas.config import NodeConfig
@@ -629,3 +629,19 @@ async def test_a_line_written_ahead_is_completed_in_place_or_followed(audit: Aud
     await audit.complete(tight, _report_of(50), verdict="accepted", config_sha256=None)
     lines = await audit_lines(audit)
     assert [len(line["nodes"]) for line in lines] == [2, 0, 50]  # the plan stays, the whole after
+
+
+async def test_a_fleets_reserved_line_is_its_record_and_spaces_whole(audit: AuditLog) -> None:
+    """A fleet's room is megabytes, written from a block of spaces many times over: the
+    line is the JSON, then exactly its room, then one newline, and completed in place."""
+    nodes = 3000
+    planned = _report_of(0)
+    room = reserve_room(nodes)  # more than one block of spaces, not a multiple of it
+    line = await audit.reserve(planned, verdict="accepted", config_sha256=None, room=room)
+    raw = audit.path.read_bytes()
+    assert len(raw) == line.length and raw.count(b"\n") == 1 and raw.endswith(b" \n")
+    assert len(raw) - len(raw.rstrip()) == room + 1
+    await audit.complete(line, _report_of(nodes), verdict="accepted", config_sha256=None)
+    raw = audit.path.read_bytes()
+    assert len(raw) == line.length and raw.count(b"\n") == 1
+    assert [len(entry["nodes"]) for entry in await audit_lines(audit)] == [nodes]

@@ -11,7 +11,7 @@ import trio
 import trio.testing
 
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.runtime.refresh.push import CatchUp, PushPolicy, push_all
+from iop_edge.runtime.refresh.push import CatchUp, PushPolicy, _Turns, push_all
 from schemas.config import EdgeConfig, NodeConfig, NodeEntry, ProviderConfig
 from schemas.wire import RefreshAck
 
@@ -226,3 +226,21 @@ async def test_a_refresh_takes_its_nodes_out_of_the_catch_up(
     catch_up.behind(["n0", "n1"])
     catch_up.forget(["n0"])
     assert catch_up.waiting() == {"n1"}
+
+
+async def test_a_turn_that_has_come_is_handed_out_without_a_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A worker a busy loop woke after its turn pushes at once (a wait would be one more
+    step of that loop); the turns after it keep their spacing, not made up in a burst."""
+    turns = _Turns(["a", "b", "c"], rate=10.0)
+    with trio.testing.assert_no_checkpoints():
+        assert await turns.next() == "a"  # the first turn is now
+    await trio.sleep(1.0)  # the loop was busy: b's turn passed long ago
+    with trio.testing.assert_no_checkpoints():
+        assert await turns.next() == "b"
+    handed = trio.current_time()
+    with trio.testing.assert_checkpoints():
+        assert await turns.next() == "c"
+    assert trio.current_time() == pytest.approx(handed + 0.1)
+    assert await turns.next() is None

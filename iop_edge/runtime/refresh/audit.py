@@ -174,7 +174,7 @@ class AuditLog:
         await trio.lowlevel.checkpoint()  # the report was built in this step: a fleet's
         # report and its line are tens of milliseconds each, so each gets a step
 
-        def encode() -> bytearray:
+        def encode() -> _Line:
             record = AuditRecord.of(report, verdict=verdict, config_sha256=config_sha256, now=when)
             return _line(self._encoder, record, room=room)
 
@@ -203,7 +203,7 @@ class AuditLog:
             now=now or datetime.now(UTC),
         )
 
-        def built_and_encoded() -> tuple[AuditRecord, bytearray]:
+        def built_and_encoded() -> tuple[AuditRecord, _Line]:
             record = build()
             return record, _line(self._encoder, record, width=reservation.length)
 
@@ -243,29 +243,52 @@ class AuditLog:
             await trio.to_thread.run_sync(append_line, self.path, line)
 
 
+#: Spaces a line's room is written from (`_Line`), a block at a time.
+_SPACES: Final = b" " * (256 * 1024)
+#: The most pieces one write of a line takes (IOV_MAX is 1024 on Linux); a room that
+#: would take more is made in memory instead.
+_MOST_PIECES: Final = 512
+
+
+@dataclass(frozen=True, slots=True)
+class _Line:
+    """One line of the log: its JSON, `padding` spaces (the room), a newline.
+
+    A fleet's room is megabytes: made in memory on the event loop it would be a step of
+    milliseconds (fresh pages of memory, each faulted in), so the spaces are written from
+    one block (`_SPACES`), as many times as they take, with the JSON in one write."""
+
+    json: bytes | bytearray
+    padding: int
+
+    def __len__(self) -> int:
+        return len(self.json) + self.padding + 1
+
+    def pieces(self) -> list[bytes | bytearray]:
+        whole, rest = divmod(self.padding, len(_SPACES))
+        if whole + 3 > _MOST_PIECES:
+            return [self.json + b" " * self.padding + b"\n"]
+        return [self.json, *([_SPACES] * whole), _SPACES[:rest] + b"\n"]
+
+
 def _line(
     encoder: msgspec.json.Encoder, record: AuditRecord, *, room: int = 0, width: int = 0
-) -> bytearray:
+) -> _Line:
     """`record` as one line: JSON, then `room` spaces, or spaces up to `width` bytes in
-    all when it fits, then a newline. Built in one buffer: a fleet's record is megabytes,
-    and each copy of it a step of milliseconds."""
-    line = bytearray()
-    encoder.encode_into(record, line)
-    padding = max(room, width - 1 - len(line))
-    if padding > 0:
-        line += b" " * padding
-    line += b"\n"
-    return line
+    all when it fits, then a newline."""
+    json = bytearray()
+    encoder.encode_into(record, json)
+    return _Line(json, max(room, width - 1 - len(json), 0))
 
 
-def append_line(path: Path, line: bytes | bytearray) -> int:
+def append_line(path: Path, line: bytes | bytearray | _Line) -> int:
     """Append `line` (or lines) with one write (another Edge sharing the folder may append
     too) and fsync it; returns the offset it starts at. A write cut short by a full disk
     is taken back and raised as `ENOSPC`: the file never holds a torn line."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, _NEW_FILE_MODE)
     try:
-        written = os.write(fd, line)
+        written = os.writev(fd, line.pieces() if isinstance(line, _Line) else [line])
         end = os.lseek(fd, 0, os.SEEK_CUR)  # just past our line, whoever appended before
         if written < len(line):  # a full disk: take the piece back, the line is not there
             if os.fstat(fd).st_size == end:  # unless another Edge appended after it
@@ -277,13 +300,16 @@ def append_line(path: Path, line: bytes | bytearray) -> int:
     return end - len(line)
 
 
-def _overwrite(path: Path, offset: int, line: bytes | bytearray) -> None:
+def _overwrite(path: Path, offset: int, line: _Line) -> None:
     """Write `line` over the bytes at `offset` (a reserved line of the same length)."""
     fd = os.open(path, os.O_WRONLY)
     try:
-        view = memoryview(line)
-        while view:
-            view = view[os.pwrite(fd, view, offset + len(line) - len(view)) :]
+        for piece in line.pieces():
+            view = memoryview(piece)
+            while view:
+                written = os.pwrite(fd, view, offset)
+                offset += written
+                view = view[written:]
         os.fsync(fd)
     finally:
         os.close(fd)

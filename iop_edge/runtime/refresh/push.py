@@ -130,7 +130,9 @@ async def push_all(
 class _Turns:
     """The Nodes still to push, each handed out at its turn: `rate` a second, evenly
     spaced (Rule 1). The first turn is now; a turn no worker was free for (their Nodes
-    acked late) is not made up in a burst."""
+    acked late) is not made up in a burst. A worker whose turn has come already (a busy
+    loop woke it late) is handed its Node without a wait: its push waits for an ack, and
+    a wait for nothing would be one more step of a loop that is behind."""
 
     def __init__(self, node_ids: Iterable[str], rate: float) -> None:
         self._queue = iter(node_ids)
@@ -141,9 +143,11 @@ class _Turns:
         """The next Node to push, at its turn; None when every Node was handed out."""
         node_id = next(self._queue, None)
         if node_id is not None:
-            turn = max(self._next, trio.current_time())
+            now = trio.current_time()
+            turn = max(self._next, now)
             self._next = turn + self._spacing
-            await trio.sleep_until(turn)
+            if turn > now:
+                await trio.sleep_until(turn)
         return node_id
 
 
