@@ -17,7 +17,9 @@ def test_a_node_inside_another_program_leaves_its_collector_alone() -> None:
     assert not heap.managed()
     heap.providers_built()
     assert gc.get_threshold() == thresholds
-    assert gc.get_freeze_count() == frozen
+    # Nothing frozen: a freeze adds the whole heap (a frozen object another test left
+    # may be freed meanwhile, so the count can only fall).
+    assert gc.get_freeze_count() <= frozen
 
 
 _CHILD = """
