@@ -426,24 +426,29 @@ class ProviderHost:
         """A health change, or a probe on demand done: every link hears it (Rule 5)."""
         self._statuses = statuses
         self._idle.observe(statuses, {} if self._monitor is None else self._monitor.probed_at)
-        for port in list(self._links.values()):
-            await self._deliver(port, statuses, probed)
+        await self._deliver_all(probed)
 
     async def _pins_changed(self) -> None:
         """Rule 7: every link hears the pins as they are now, with the last statuses."""
-        if self._statuses is not None:
-            for port in list(self._links.values()):
-                await self._deliver(port, self._statuses)
+        await self._deliver_all()
+
+    async def _deliver_all(self, probed: list[str] | None = None) -> None:
+        """Every link hears the last statuses, their pins marked once for all (Rules 5, 7)."""
+        if self._statuses is None:
+            return
+        statuses = self._idle.mark_pins(self._statuses)
+        for port in list(self._links.values()):
+            await self._deliver(port, statuses, probed)
 
     async def _send_statuses(self, port: LinkPort) -> None:
         """Tell a link that attached to a running registry what the last probes found."""
         if self._statuses is not None:
-            await self._deliver(port, self._statuses)
+            await self._deliver(port, self._idle.mark_pins(self._statuses))
 
     async def _deliver(
         self, port: LinkPort, statuses: list[ProviderStatus], probed: list[str] | None = None
     ) -> None:
-        statuses = self._idle.mark_pins(statuses)  # Rule 7
+        """`statuses` to `port`, their pins already marked (`IdleKeeper.mark_pins`)."""
         await port.send(Status(providers=statuses, probed=probed or []))
         port.first_status.set()
 
@@ -468,8 +473,7 @@ class ProviderHost:
                 )
                 for provider_id in current.adapters
             ]
-            for port in list(self._links.values()):
-                await self._deliver(port, self._statuses)
+            await self._deliver_all()
         await self._registries.aclose()
         self._drained.set()
 

@@ -150,20 +150,27 @@ class IdleClock:
         if key in self._held and not self._running[key]:
             self._since[key] = now
 
-    def pin(self, key: ModelKey, link: int) -> None:
+    def pin(self, key: ModelKey, link: int) -> bool:
+        """`link` pins `key`; whether `key` was pinned by no link before."""
+        unpinned = key not in self._pins
         self._pins.setdefault(key, set()).add(link)
+        return unpinned
 
-    def unpin(self, key: ModelKey, link: int) -> None:
+    def unpin(self, key: ModelKey, link: int) -> bool:
+        """`link` lets go of `key`; whether that was `key`'s last pin."""
         links = self._pins.get(key)
-        if links is not None:
-            links.discard(link)
-            if not links:
-                del self._pins[key]
+        if links is None:
+            return False
+        links.discard(link)
+        if links:
+            return False
+        del self._pins[key]
+        return True
 
-    def drop_link(self, link: int) -> None:
-        """Rule 4: a link's pins end with it."""
-        for key in list(self._pins):
-            self.unpin(key, link)
+    def drop_link(self, link: int) -> bool:
+        """Rule 4: a link's pins end with it; whether a model is no longer pinned."""
+        unpinned = [key for key in list(self._pins) if self.unpin(key, link)]
+        return bool(unpinned)
 
     def pinned(self, key: ModelKey) -> bool:
         return key in self._pins

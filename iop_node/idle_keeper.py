@@ -81,23 +81,19 @@ class IdleKeeper:
 
     def pin(self, key: ModelKey, link: int) -> bool:
         """`link` pins `key`; whether the Node's pins changed (the Edges must hear)."""
-        was = self.clock.pinned(key)
-        self.clock.pin(key, link)
-        return not was
+        return self.clock.pin(key, link)
 
     def unpin(self, key: ModelKey, link: int) -> bool:
         """`link` lets go of `key`; whether the Node's pins changed."""
-        was = self.clock.pinned(key)
-        self.clock.unpin(key, link)
+        changed = self.clock.unpin(key, link)
         self._wake()
-        return was and not self.clock.pinned(key)
+        return changed
 
     def drop_link(self, link: int) -> bool:
         """`link` ended, and its pins with it; whether the Node's pins changed."""
-        before = self.clock.pins()
-        self.clock.drop_link(link)
+        changed = self.clock.drop_link(link)
         self._wake()
-        return self.clock.pins() != before
+        return changed
 
     def mark_pins(self, statuses: list[ProviderStatus]) -> list[ProviderStatus]:
         """`statuses` with each pinned model's state marked `pinned` (every Edge's
