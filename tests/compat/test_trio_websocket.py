@@ -55,6 +55,15 @@ async def _echo_sizes(request: WebSocketRequest) -> None:
         pass
 
 
+async def _echo(websocket: WebSocketConnection) -> None:
+    """Answer each message with itself until the client closes."""
+    try:
+        while True:
+            await websocket.send_message(await websocket.get_message())
+    except ConnectionClosed:
+        pass
+
+
 @pytest.fixture
 async def url(nursery: trio.Nursery) -> str:
     serve = partial(serve_websocket, max_message_size=PRE_LIFT_LIMIT)
@@ -128,11 +137,7 @@ async def test_every_arrival_is_heard_a_ping_included(nursery: trio.Nursery) -> 
     async def watched(request: WebSocketRequest) -> None:
         websocket = await request.accept()
         watching.append(watch_arrivals(websocket, arrived))
-        try:
-            while True:
-                await websocket.send_message(await websocket.get_message())
-        except ConnectionClosed:
-            pass
+        await _echo(websocket)
 
     server = await nursery.start(serve_websocket, watched, "127.0.0.1", 0, None)
     async with open_websocket_url(f"ws://127.0.0.1:{server.port}/") as client:
@@ -164,11 +169,7 @@ async def test_unwatched_arrivals_are_not_heard_and_the_connection_lets_go_of_th
         await websocket.send_message(await websocket.get_message())
         unwatch_arrivals(websocket)
         unwatched.set()
-        try:
-            while True:
-                await websocket.send_message(await websocket.get_message())
-        except ConnectionClosed:
-            pass
+        await _echo(websocket)
 
     server = await nursery.start(serve_websocket, watched, "127.0.0.1", 0, None)
     async with open_websocket_url(f"ws://127.0.0.1:{server.port}/") as client:

@@ -17,11 +17,14 @@ import msgspec
 import openai
 import trio
 import yaml
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, BytesMessage, Request
 
 from iop_edge.core.configuration.config import parse_config
 from iop_edge.edge import Edge, EdgeAddresses
 from iop_edge.runtime.runs.dispatch import RunPlan
 from iop_node.main import run_node
+from schemas import wire
 from tests.adapters.fake_upstream import FakeUpstream
 from tests.timing import GUARD_S
 
@@ -242,6 +245,20 @@ def chat_stream_plan(run_id: str, body: dict[str, Any]) -> RunPlan:
         long=False,
         caller_wants_usage=False,
     )
+
+
+async def open_silent_node(stack: Stack, node_id: str = "node-1") -> trio.SocketStream:
+    """A Node that opens its link and says `hello`, then reads nothing: the Edge's pings
+    go unanswered. The caller closes the returned stream."""
+    host, port = stack.addresses.node_url.removeprefix("ws://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    ws = WSConnection(ConnectionType.CLIENT)
+    await stream.send_all(ws.send(Request(host=host, target="/")))
+    while not any(isinstance(e, AcceptConnection) for e in ws.events()):
+        ws.receive_data(await stream.receive_some())
+    hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id=node_id, token=NODE_TOKEN)
+    await stream.send_all(ws.send(BytesMessage(data=wire.encode(hello))))
+    return stream
 
 
 async def hang_up_after(stream: openai.AsyncStream[Any], chunks: int) -> None:

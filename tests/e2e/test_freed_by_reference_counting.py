@@ -20,18 +20,15 @@ import openai
 import pytest
 import trio
 import yaml
-from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, BytesMessage, Request
 
 from iop_edge.http.connection import Connection
 from iop_edge.runtime.nodes.session import NodeSession
 from iop_edge.runtime.runs.dispatch import Dispatcher, Run, RunPlan
-from schemas import wire
 from tests.e2e.stack import (
-    NODE_TOKEN,
     Stack,
     hang_up_after,
     one_sim_config,
+    open_silent_node,
     start_slow_stack,
     start_stack,
 )
@@ -174,14 +171,7 @@ async def test_a_session_dropped_for_a_missed_heartbeat_is_freed_by_reference_co
         nodes=(),
         edge_kwargs={"heartbeat_s": 0.05, "heartbeat_timeout_s": 0.2},
     )
-    host, port = stack.addresses.node_url.removeprefix("ws://").rsplit(":", 1)
-    stream = await trio.open_tcp_stream(host, int(port))
-    ws = WSConnection(ConnectionType.CLIENT)
-    await stream.send_all(ws.send(Request(host=host, target="/")))
-    while not any(isinstance(e, AcceptConnection) for e in ws.events()):
-        ws.receive_data(await stream.receive_some())
-    hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="node-1", token=NODE_TOKEN)
-    await stream.send_all(ws.send(BytesMessage(data=wire.encode(hello))))
+    stream = await open_silent_node(stack)
     session = await _session_of(stack)
     freed = Freed()
     _watch_session(freed, session)

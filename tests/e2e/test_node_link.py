@@ -10,15 +10,13 @@ from trio_websocket import (
     ConnectionClosed,
     open_websocket_url,
 )
-from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, BytesMessage, Request
 
 from iop_edge.core.configuration.config import parse_config
 from iop_edge.edge import Edge
 from iop_edge.runtime.nodes.hub import PRE_AUTH_MAX_FRAME_BYTES
 from iop_node.uplink.backoff import BackoffPolicy
 from schemas import wire
-from tests.e2e.stack import NODE_TOKEN, Stack, one_sim_config, start_stack
+from tests.e2e.stack import NODE_TOKEN, Stack, one_sim_config, open_silent_node, start_stack
 from tests.timing import GUARD_S
 
 
@@ -199,14 +197,7 @@ async def test_silent_node_is_dropped_by_heartbeat(nursery: trio.Nursery, tmp_pa
         nodes=(),
         edge_kwargs={"heartbeat_s": 0.05, "heartbeat_timeout_s": 0.2},
     )
-    host, port = stack.addresses.node_url.removeprefix("ws://").rsplit(":", 1)
-    stream = await trio.open_tcp_stream(host, int(port))
-    ws = WSConnection(ConnectionType.CLIENT)
-    await stream.send_all(ws.send(Request(host=host, target="/")))
-    while not any(isinstance(e, AcceptConnection) for e in ws.events()):
-        ws.receive_data(await stream.receive_some())
-    hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="node-1", token=NODE_TOKEN)
-    await stream.send_all(ws.send(BytesMessage(data=wire.encode(hello))))
+    stream = await open_silent_node(stack)
     with trio.fail_after(GUARD_S):
         while "node-1" not in stack.edge.connected_nodes():
             await stack.edge.wait_pool_change()

@@ -5,39 +5,13 @@ real loopback websocket, with no writer running until the test starts the sessio
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from functools import partial
-
 import trio
-from trio_websocket import (
-    WebSocketConnection,
-    WebSocketRequest,
-    open_websocket_url,
-    serve_websocket,
-)
 
 from iop_edge.runtime.nodes.heartbeat import HeartbeatGrid
 from iop_edge.runtime.nodes.session import NodeSession
 from schemas import wire
 from tests.timing import GUARD_S
-
-
-@asynccontextmanager
-async def _pair(
-    nursery: trio.Nursery,
-) -> AsyncIterator[tuple[WebSocketConnection, WebSocketConnection]]:
-    """The Edge's side and the Node's side of one websocket, over loopback."""
-    accepted: trio.MemorySendChannel[WebSocketConnection]
-    accepted, taken = trio.open_memory_channel[WebSocketConnection](1)
-
-    async def handler(request: WebSocketRequest) -> None:
-        await accepted.send(await request.accept())
-        await trio.sleep_forever()
-
-    server = await nursery.start(partial(serve_websocket, handler, "127.0.0.1", 0, None))
-    async with open_websocket_url(f"ws://127.0.0.1:{server.port}/") as node:
-        yield await taken.receive(), node
+from tests.unit.test_channel import _pair  # the Edge's side and the Node's side
 
 
 def _run(run_id: str) -> wire.Run:
