@@ -29,7 +29,11 @@ Rules:
 3. Reading (`receive`): every frame is decoded by the side's decoder (`wire.decode_from_*`);
    a frame that does not decode is answered `reject{bad_frame}` and a close (Rule 2), and
    `receive` raises `MalformedFrame`. A frame that decodes is still only input: the side
-   checks what it says.
+   checks what it says. A side that handles each message at once, without waiting (the
+   Edge's node session), has them handed over as trio-websocket's reader parses them
+   (`receive_each`; `schemas.compat.trio_websocket.divert_messages`): no task of the side
+   wakes per message. What the handler raises ends the delivery, and `receive_each`
+   raises it, as `receive` would have.
 4. Close codes follow the reason: `PROTOCOL_ERROR` after a `reject` for a frame or a
    protocol fault, `POLICY_VIOLATION` after a refusal (a token, an id, a replaced
    connection, a `hello` that never came; `close_code_for`), `GOING_AWAY` for a process
@@ -58,7 +62,14 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from schemas import wire
-from schemas.compat.trio_websocket import unwatch_arrivals, watch_arrivals, write_now, write_rest
+from schemas.compat.trio_websocket import (
+    divert_messages,
+    restore_messages,
+    unwatch_arrivals,
+    watch_arrivals,
+    write_now,
+    write_rest,
+)
 
 __all__ = [
     "CLOSE_TIMEOUT_S",
@@ -269,6 +280,7 @@ class Channel(Generic[Out, In]):
         self.close()
         self._pack = _packed_nothing
         unwatch_arrivals(self.websocket)
+        restore_messages(self.websocket)
 
     # --- receiving (Rule 3) --------------------------------------------------------------
 
@@ -281,6 +293,46 @@ class Channel(Generic[Out, In]):
         except wire.WireError as exc:
             self.reject("bad_frame", str(exc))
             raise MalformedFrame(str(exc)) from None
+
+    async def receive_each(self, handle: Callable[[In], object]) -> None:
+        """Hand every message to `handle` as it arrives, in order, until the connection
+        ends (Rule 3): raises `ConnectionClosed` then, `MalformedFrame` for a frame that
+        does not decode (the peer is rejected), and whatever `handle` raised (nothing is
+        delivered after it). `handle` must not wait: where the installed trio-websocket
+        lets it, it runs in that library's reader task, which reads on only after it."""
+        websocket = self.websocket
+        faults: list[Exception] = []
+        waiting = trio.CancelScope()
+
+        def arrived(frame: bytes | str) -> None:
+            if faults or websocket.closed is not None:
+                return  # a fault ended the delivery, or this side closed: as `receive`
+            try:
+                message = self._decode(frame)
+            except wire.WireError as exc:
+                self.reject("bad_frame", str(exc))
+                faults.append(MalformedFrame(str(exc)))
+            else:
+                try:
+                    handle(message)
+                except Exception as exc:
+                    faults.append(exc)
+            if faults:
+                waiting.cancel()
+
+        if not divert_messages(websocket, arrived):
+            while True:
+                handle(await self.receive())
+        try:
+            with waiting:
+                while not faults:  # diverted: the queue only says when the connection ended
+                    arrived(await websocket.get_message())
+        except ConnectionClosed:
+            if not faults:
+                raise
+        finally:
+            restore_messages(websocket)
+        raise faults[0]
 
     # --- liveness (Rule 5) ---------------------------------------------------------------
 

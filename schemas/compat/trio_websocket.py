@@ -34,9 +34,20 @@ socket took only in part keeps the lock until `write_rest` has written the rest.
 the connection is not a known version's plain socket connection (`WRITES_DIRECTLY`),
 or is closing, nothing is written and the caller sends the usual way.
 
-All are used through `schemas.channel` (arrivals, direct writes) and the Edge's node hub
-(the limit); this module is the only place that names trio-websocket's private
-attributes.
+A whole message is handed by trio-websocket's reader task to the connection's queue
+(`_send_channel`, looked up for every message), from which `get_message` takes it in the
+reader of the side: two task steps a message (the queue's `send` yields too). A side that
+handles each message at once, without waiting, can have the reader task hand it over
+itself: `divert_messages` puts, in place of the queue's sending end, one that calls the
+side's function (no yield), first handing it what was queued already; the queue stays to
+say when the connection ended (`get_message` raises `ConnectionClosed` as before).
+`restore_messages` puts the queue back (the function refers to the side: the same cycle
+as above). Where the installed version is not one known to hand messages over that way
+(`DIVERTS_MESSAGES`), nothing is diverted and the side reads with `get_message`.
+
+All are used through `schemas.channel` (arrivals, direct writes, diverted messages) and
+the Edge's node hub (the limit); this module is the only place that names
+trio-websocket's private attributes.
 """
 
 from __future__ import annotations
@@ -53,9 +64,12 @@ from wsproto.events import BytesMessage
 
 __all__ = [
     "ARRIVALS_WATCHABLE",
+    "DIVERTS_MESSAGES",
     "MESSAGE_LIMIT_LIFTABLE",
     "WRITES_DIRECTLY",
+    "divert_messages",
     "lift_message_limit",
+    "restore_messages",
     "unwatch_arrivals",
     "watch_arrivals",
     "write_now",
@@ -74,6 +88,61 @@ versions)."""
 WRITES_DIRECTLY: Final = MESSAGE_LIMIT_LIFTABLE
 """Whether this trio-websocket sends through `_wsproto`, under `_stream_lock`, on
 `_stream` (the same versions): `write_now` may write beside it."""
+
+
+DIVERTS_MESSAGES: Final = MESSAGE_LIMIT_LIFTABLE
+"""Whether this trio-websocket hands each whole message to `_send_channel.send`, looked
+up per message, and reads its queue's other end in `get_message` (the same versions)."""
+
+
+class _Handover:
+    """The sending end trio-websocket's reader finds in place of its queue's: each message
+    goes to the side's function at once. Closing it closes the queue (the connection
+    ended: `get_message` says so)."""
+
+    __slots__ = ("_deliver", "queue")
+
+    def __init__(
+        self, queue: trio.MemorySendChannel[bytes | str], deliver: Callable[[bytes | str], None]
+    ) -> None:
+        self.queue = queue
+        self._deliver = deliver
+
+    async def send(self, message: bytes | str) -> None:
+        self._deliver(message)
+
+    def close(self) -> None:
+        self.queue.close()
+
+    async def aclose(self) -> None:
+        await self.queue.aclose()
+
+
+def divert_messages(websocket: WebSocketConnection, deliver: Callable[[bytes | str], None]) -> bool:
+    """From now on trio-websocket's reader task calls `deliver(message)` with each whole
+    message, in order, before it reads on; what was already queued is delivered first,
+    now. `deliver` must not block and must not raise. False when not divertable (the
+    caller reads with `get_message`); `get_message` then only says when the connection
+    ended."""
+    queue = getattr(websocket, "_send_channel", None) if DIVERTS_MESSAGES else None
+    queued = getattr(websocket, "_recv_channel", None)
+    if not isinstance(queue, trio.MemorySendChannel) or queued is None:
+        return False
+    while True:  # a reader waiting to queue one more has it taken too
+        try:
+            deliver(queued.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            break
+    websocket._send_channel = _Handover(queue, deliver)  # type: ignore[assignment]
+    return True
+
+
+def restore_messages(websocket: WebSocketConnection) -> None:
+    """Undo `divert_messages` (nothing when nothing was diverted): messages are queued for
+    `get_message` again."""
+    handover = getattr(websocket, "_send_channel", None)
+    if isinstance(handover, _Handover):
+        websocket._send_channel = handover.queue
 
 
 def lift_message_limit(websocket: WebSocketConnection, limit: int) -> None:

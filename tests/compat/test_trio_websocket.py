@@ -1,7 +1,8 @@
 """schemas.compat.trio_websocket on the installed trio-websocket, on a real
 connection: a listener's message limit holds until `lift_message_limit`, and the lifted
 limit holds after it; `watch_arrivals` hears every frame that arrives, pings included;
-`write_now` writes a message only when no write holds the connection.
+`write_now` writes a message only when no write holds the connection; `divert_messages`
+hands every message to a function from trio-websocket's own reader task, in order.
 
 The server below behaves like the Edge's node listener: a small limit for whatever a peer
 sends first, then, once the peer said `lift`, a larger one for that connection only.
@@ -25,9 +26,12 @@ from trio_websocket import (
 
 from schemas.compat.trio_websocket import (
     ARRIVALS_WATCHABLE,
+    DIVERTS_MESSAGES,
     MESSAGE_LIMIT_LIFTABLE,
     WRITES_DIRECTLY,
+    divert_messages,
     lift_message_limit,
+    restore_messages,
     unwatch_arrivals,
     watch_arrivals,
     write_now,
@@ -186,6 +190,63 @@ async def test_unwatched_arrivals_are_not_heard_and_the_connection_lets_go_of_th
 async def test_nothing_is_watched_on_something_that_is_not_a_known_connection() -> None:
     assert not watch_arrivals(cast(WebSocketConnection, object()), lambda: None)
     unwatch_arrivals(cast(WebSocketConnection, object()))  # nothing to undo
+
+
+# --- messages handed over by the reader ------------------------------------------------------
+
+
+def test_the_installed_version_is_one_whose_messages_can_be_diverted() -> None:
+    assert DIVERTS_MESSAGES
+
+
+async def test_diverted_messages_arrive_in_order_from_the_reader_task_queued_ones_first(
+    nursery: trio.Nursery,
+) -> None:
+    """What was queued before the diversion is handed over first, then each message as the
+    reader parses it, in the reader's task (no task of the side wakes); `get_message`
+    only says when the connection ended; after `restore_messages` it reads again."""
+    delivered: list[tuple[bytes | str, bool]] = []
+    diverted, all_three, restored, ended = trio.Event(), trio.Event(), trio.Event(), trio.Event()
+
+    async def server(request: WebSocketRequest) -> None:
+        websocket = await request.accept()
+        await websocket.send_message(b"ready")
+        await wait_all_tasks_blocked()  # the client's first message waits in the queue
+        me = trio.lowlevel.current_task()
+
+        def deliver(message: bytes | str) -> None:
+            delivered.append((message, trio.lowlevel.current_task() is me))
+            if len(delivered) == 3:
+                all_three.set()
+
+        assert divert_messages(websocket, deliver)
+        diverted.set()
+        await all_three.wait()
+        restore_messages(websocket)
+        restored.set()
+        assert await websocket.get_message() == b"fourth"  # read as before
+        with pytest.raises(ConnectionClosed):
+            await websocket.get_message()
+        ended.set()
+
+    listener = await nursery.start(serve_websocket, server, "127.0.0.1", 0, None)
+    with trio.fail_after(GUARD_S):
+        async with open_websocket_url(f"ws://127.0.0.1:{listener.port}/") as client:
+            assert await client.get_message() == b"ready"
+            await client.send_message(b"first")
+            await diverted.wait()
+            await client.send_message(b"second")
+            await client.send_message("third")
+            await restored.wait()
+            await client.send_message(b"fourth")
+        await ended.wait()
+    # the first was queued: handed over by the diverting task; the rest by the reader's
+    assert delivered == [(b"first", True), (b"second", False), ("third", False)]
+
+
+async def test_nothing_is_diverted_on_something_that_is_not_a_known_connection() -> None:
+    assert not divert_messages(cast(WebSocketConnection, object()), lambda m: None)
+    restore_messages(cast(WebSocketConnection, object()))  # nothing to undo
 
 
 # --- writing directly --------------------------------------------------------------------------

@@ -102,6 +102,91 @@ async def test_a_frame_that_does_not_decode_is_rejected_and_the_reader_told(
     assert channel.closing
 
 
+def _status(detail: str) -> bytes:
+    provider = wire.ProviderStatus(id="p", health="available", models=["m"], detail=detail)
+    return wire.encode(wire.Status(providers=[provider]))
+
+
+async def test_each_message_is_handled_as_it_arrives_in_order_until_the_connection_ends(
+    nursery: trio.Nursery,
+) -> None:
+    """`receive_each` hands every message over from trio-websocket's reader task (Rule 3):
+    the receiving task does not wake per message; it returns when the connection ends."""
+    async with _pair(nursery) as (server, client):
+        channel = Channel[bytes, wire.NodeToEdge](
+            server, decode=wire.decode_from_node, pack=_one_frame_each
+        )
+        handled: list[tuple[str | None, bool]] = []
+        receiving: list[trio.lowlevel.Task] = []
+        two = trio.Event()
+
+        def handle(message: wire.NodeToEdge) -> None:
+            assert isinstance(message, wire.Status)
+            here = trio.lowlevel.current_task() in receiving
+            handled.append((message.providers[0].detail, here))
+            if len(handled) == 2:
+                two.set()
+
+        async def receive() -> None:
+            receiving.append(trio.lowlevel.current_task())
+            with pytest.raises(ConnectionClosed):
+                await channel.receive_each(handle)
+            ended.set()
+
+        ended = trio.Event()
+        nursery.start_soon(receive)
+        with trio.fail_after(GUARD_S):
+            await wait_all_tasks_blocked()
+            await client.send_message(_status("one"))
+            await client.send_message(_status("two"))
+            await two.wait()
+            await client.aclose()
+            await ended.wait()
+    assert handled == [("one", False), ("two", False)]
+
+
+async def test_a_frame_that_does_not_decode_ends_the_delivery_with_a_reject(
+    nursery: trio.Nursery,
+) -> None:
+    async with _pair(nursery) as (server, client):
+        channel = Channel[bytes, wire.NodeToEdge](
+            server, decode=wire.decode_from_node, pack=_one_frame_each
+        )
+        handled: list[wire.NodeToEdge] = []
+        nursery.start_soon(channel.write)
+        await client.send_message(b"\xc1 not msgpack")
+        await client.send_message(_status("after"))
+        with trio.fail_after(GUARD_S):
+            with pytest.raises(MalformedFrame):
+                await channel.receive_each(handled.append)
+            reject = wire.decode_from_edge(await client.get_message())
+            await _closed(client)
+    assert isinstance(reject, wire.Reject) and reject.code == "bad_frame"
+    assert handled == []
+
+
+async def test_what_the_handler_raises_ends_the_delivery_and_is_raised(
+    nursery: trio.Nursery,
+) -> None:
+    async with _pair(nursery) as (server, client):
+        channel = Channel[bytes, wire.NodeToEdge](
+            server, decode=wire.decode_from_node, pack=_one_frame_each
+        )
+        handled: list[str | None] = []
+
+        def handle(message: wire.NodeToEdge) -> None:
+            assert isinstance(message, wire.Status)
+            handled.append(message.providers[0].detail)
+            raise wire.WireError("not on this session")
+
+        await client.send_message(_status("first"))
+        await client.send_message(_status("second"))
+        with trio.fail_after(GUARD_S):
+            with pytest.raises(wire.WireError, match="not on this session"):
+                await channel.receive_each(handle)
+    assert handled == ["first"]
+
+
 async def test_a_producer_waits_while_the_outbox_is_full(nursery: trio.Nursery) -> None:
     async with _pair(nursery) as (server, client):
         channel = Channel[bytes, wire.NodeToEdge](

@@ -7,9 +7,11 @@ the run, and its heartbeat pings a silent peer when the Edge's grid says so. The
 (`hub.py`) creates sessions after a `hello` checked out and keeps at most one per node id.
 
 Rules:
-1. The reader never waits on one run. A sink takes an event without blocking or says it
-   cannot keep up (its caller fell a whole buffer behind); the session then cancels that
-   run on the Node and forgets it, instead of stalling every other run and the heartbeat.
+1. The reader never waits on one run, nor on anything else: every message is routed at
+   once, as trio-websocket's reader parses it (`Channel.receive_each`: no task of the
+   session wakes per message). A sink takes an event without blocking or says it cannot
+   keep up (its caller fell a whole buffer behind); the session then cancels that run on
+   the Node and forgets it, instead of stalling every other run and the heartbeat.
 2. A terminal event (`run_done`, `run_failed`) is the last a sink hears from the session;
    when the session ends for any reason, every sink still registered hears `lost()`.
 3. A malformed frame from a connected Node gets a `reject{bad_frame}` and a close (the
@@ -185,10 +187,9 @@ class NodeSession:
     # --- sending ---------------------------------------------------------------------
 
     async def send(self, message: wire.Message) -> None:
-        """Send a frame: a `run` is written at once when nothing waits to be sent and the
-        socket takes it (the channel's `send_now`: no wake-up of the writer per run);
-        anything else, or a run that cannot go at once, is queued for the writer; waits
-        only while the outbox is full.
+        """Send a frame: written at once when nothing waits to be sent and the socket
+        takes it (the channel's `send_now`: no wake-up of the writer per run or refresh
+        push); otherwise queued for the writer; waits only while the outbox is full.
 
         Not a checkpoint when there is room: a caller that goes on to wait for the
         answer yields there, and the writer runs then. Raises `wire.FrameTooLarge` for a
@@ -197,7 +198,7 @@ class NodeSession:
             raise SessionClosed(self.node_id)
         frame = wire.encode_bounded(message)
         try:
-            direct = isinstance(message, wire.Run) and not self._pending_cancels
+            direct = not self._pending_cancels
             if not (direct and await self._channel.send_now(frame)):
                 await self._channel.send(frame)
         except ChannelClosed:
@@ -416,21 +417,18 @@ class NodeSession:
                 raise wire.WireError("hello on an established session")
 
     async def _reader(self) -> None:
-        """Route every message (Rules 1-3); after a reject it ends, and the session ends
-        once the channel's writer sent the reject and the Close."""
+        """Route every message as it arrives (Rules 1-3; `_route` never waits, so the
+        channel hands each over from trio-websocket's reader: `Channel.receive_each`);
+        after a reject it ends, and the session ends once the channel's writer sent the
+        reject and the Close."""
         channel = self._channel
-        while True:
-            try:
-                message = await channel.receive()
-            except MalformedFrame as exc:
-                self._ended(f"sent a malformed frame: {exc}")
-                return
-            try:
-                self._route(message)
-            except wire.WireError as exc:
-                self._ended(f"broke the protocol: {exc}")
-                channel.reject("protocol_error", str(exc))
-                return
+        try:
+            await channel.receive_each(self._route)
+        except MalformedFrame as exc:
+            self._ended(f"sent a malformed frame: {exc}")
+        except wire.WireError as exc:
+            self._ended(f"broke the protocol: {exc}")
+            channel.reject("protocol_error", str(exc))
 
     async def _heartbeat(self, heartbeats: HeartbeatGrid) -> None:
         """Rule 5: ping whenever a look of the grid asks for it (the channel's heartbeat)."""

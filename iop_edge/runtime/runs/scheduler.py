@@ -126,6 +126,8 @@ class Scheduler(PoolObservation):
         self._snapshot = snapshot
         self._clock = clock
         self._states: dict[str, ProviderState] = {}
+        self._pinned: frozenset[str] = frozenset()
+        """The providers `pin_models` last gave pins to."""
         self._lookups = Lookups(snapshot)
         self._held: dict[str, list[ProviderState]] = {}
         """Per node id: the states of its providers removed from config, kept until their
@@ -177,9 +179,14 @@ class Scheduler(PoolObservation):
         await self._changed.wait()
 
     def pin_models(self, pins: Mapping[str, frozenset[str]]) -> None:
-        """The served names pinned on each provider (`core.lifecycle` Rule 4)."""
-        for provider_id, state in self._states.items():
-            state.holdings.pinned = pins.get(provider_id, frozenset())
+        """The served names pinned on each provider (`core.lifecycle` Rule 4). Only the
+        providers whose pins changed are touched: a fleet's swap tells the pins again,
+        mostly none, and must not walk every provider."""
+        told, self._pinned = self._pinned, frozenset(pins)
+        for provider_id in told | self._pinned:
+            state = self._states.get(provider_id)
+            if state is not None:
+                state.holdings.pinned = pins.get(provider_id, frozenset())
 
     def _notify_changed(self) -> None:
         self._changed.set()
