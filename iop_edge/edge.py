@@ -345,26 +345,29 @@ class Edge:
         self.heap.session_ended(session, f"node {session.node_id}")
 
     def _on_status(self, node_id: str, status: wire.Status) -> None:
-        for provider in status.providers:
-            if self._snapshot.provider_node.get(provider.id) != node_id:
-                log.warning(
-                    "node %s reported status for provider %s it does not own", node_id, provider.id
+        owner = self._snapshot.provider_node
+        with self.scheduler.reports():  # the Node's providers, then the waiters once
+            for provider in status.providers:
+                if owner.get(provider.id) != node_id:
+                    log.warning(
+                        "node %s reported status for provider %s it does not own",
+                        node_id,
+                        provider.id,
+                    )
+                    continue
+                self.scheduler.provider_status(
+                    provider.id,
+                    provider.health,
+                    provider.models,
+                    provider.lifecycle,
+                    provider.detail,
+                    protocols=provider.protocols,
+                    model_states=provider.model_states,
+                    max_loaded=provider.max_loaded,
                 )
-                continue
-            self.scheduler.provider_status(
-                provider.id,
-                provider.health,
-                provider.models,
-                provider.lifecycle,
-                provider.detail,
-                protocols=provider.protocols,
-                model_states=provider.model_states,
-                max_loaded=provider.max_loaded,
-            )
         if status.probed:  # the probes it answers, of its own providers only
-            owner = self._snapshot.provider_node
             self.dispatcher.revival.answered(p for p in status.probed if owner.get(p) == node_id)
-        self.model_keeper.look()
+        self.model_keeper.reported(provider.id for provider in status.providers)
 
     def _on_load(self, node_id: str, load: wire.Load) -> None:
         """What other Edges hold on this node's providers (design §13)."""

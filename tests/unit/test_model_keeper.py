@@ -232,3 +232,40 @@ async def test_an_operator_pin_whose_load_fails_is_not_kept(
     await trio.testing.wait_all_tasks_blocked()
     assert pool.pins == {home: frozenset({"m-served"})}
     assert pool.audited[-1] == ("pin", home, "admin API")
+
+
+async def test_a_report_on_a_provider_of_no_kept_model_does_not_wake_the_keeper(
+    nursery: trio.Nursery, autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """A fleet's statuses about providers serving only models without a lifecycle to keep
+    change nothing the keeper does: only a report on a kept model's provider is looked at."""
+    providers = [
+        ProviderConfig(id=p, type="openai_api", models=["m-served"], capacity=1) for p in PROVIDERS
+    ]
+    other = ProviderConfig(id="q", type="openai_api", models=["o-served"], capacity=1)
+    config = EdgeConfig(
+        models=[
+            ModelEntry(
+                id="m",
+                providers=dict.fromkeys(PROVIDERS, "m-served"),
+                lifecycle=ModelLifecycle(keep_loaded=True),
+            ),
+            ModelEntry(id="o", providers={"q": "o-served"}),
+        ],
+        nodes=[NodeEntry(id="n1", token_hash_sha256="0" * 64, providers=[*providers, other])],
+    )
+    snapshot = Snapshot.build(config, revision=1, config_sha256="0" * 64)
+    pool = Pool()
+    keeper = _keeper(pool, lambda: snapshot, tmp_path)
+    await nursery.start(keeper.run)
+    await trio.testing.wait_all_tasks_blocked()
+    [home] = rendezvous_order(placement_key("m"), PROVIDERS)[:1]
+    assert pool.commands == [("pin", home)]
+
+    pool.held[home] = False  # the runtime dropped the pinned copy
+    keeper.reported(["q"])  # a report on the other model's provider only: no look
+    await trio.testing.wait_all_tasks_blocked()
+    assert pool.commands == [("pin", home)]
+    keeper.reported(["q", home])  # one on the kept model's: looked at, the copy reloaded
+    await trio.testing.wait_all_tasks_blocked()
+    assert pool.commands == [("pin", home), ("pin", home)]

@@ -1244,3 +1244,24 @@ async def test_what_other_edges_hold_is_forgotten_with_the_node(nursery: trio.Nu
         assert lease.provider_id == "a"
     [a] = scheduler.catalog().providers
     assert a.other_edges_in_flight == 0
+
+
+async def test_a_nodes_status_serves_the_waiters_once_after_all_its_providers(
+    nursery: trio.Nursery,
+) -> None:
+    """Within `reports` (a Node's status about each of its providers) the waiters are not
+    offered a slot after each provider's report but once, at the end, with the pool as
+    the whole status left it."""
+    nodes = {"n1": [provider("a", capacity=1), provider("b", capacity=1)]}
+    scheduler = online(make_snapshot(nodes, {"m": ["a", "b"]}))
+    scheduler.provider_status("b", "unavailable", [])
+    held = await scheduler.acquire("m", "r1", long=False)
+    attempt = await start(nursery, scheduler, "m", "r2")
+    assert held.provider_id == "a" and queued(scheduler, "m") == 1  # a is full
+    with scheduler.reports():
+        scheduler.provider_status("a", "available", [served("a")])
+        scheduler.provider_status("b", "available", [served("b")])
+        assert queued(scheduler, "m") == 1  # not served yet: after the last report
+    assert queued(scheduler, "m") == 0
+    await attempt.done.wait()
+    assert attempt.lease is not None and attempt.lease.provider_id == "b"

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final
 
 import trio
@@ -93,10 +93,25 @@ class ModelKeeper:
         """The pins the scheduler was last told."""
 
     def look(self) -> None:
-        """Something the keeper acts on changed: a Node's report, a Node connected or
-        went away, a refresh. (Runs starting and ending do not wake it.)"""
+        """Something the keeper acts on changed: a Node connected or went away, a
+        refresh, an operator's pin. (Runs starting and ending do not wake it.)"""
         self._wake.set()
         self._wake = trio.Event()
+
+    def reported(self, provider_ids: Iterable[str]) -> None:
+        """A Node reported on these providers: a look if one of them serves a model the
+        keeper keeps (a lifecycle to keep, an operator's pin), or a snapshot it has not
+        looked at yet. A fleet's statuses about everything else change nothing it does,
+        and ten thousand Nodes acking a refresh would wake it for each."""
+        if self._managed_of is not self._snapshot():
+            self.look()
+            return
+        kept = {*self._managed, *(model_id for model_id, _ in self._operator)}
+        if not kept:
+            return
+        models_of = self._managed_of.provider_models
+        if any(m in kept for p in provider_ids for m in models_of.get(p, ())):
+            self.look()
 
     # --- the operator ------------------------------------------------------------------
 

@@ -69,7 +69,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from functools import partial
 
 import trio
@@ -126,8 +127,8 @@ class Scheduler(PoolObservation):
         self._snapshot = snapshot
         self._clock = clock
         self._states: dict[str, ProviderState] = {}
-        self._pinned: frozenset[str] = frozenset()
-        """The providers `pin_models` last gave pins to."""
+        self._pinned: frozenset[str] = frozenset()  # the providers last given pins
+        self._reporting: dict[str, None] | None = None  # the models `reports` serves
         self._lookups = Lookups(snapshot)
         self._held: dict[str, list[ProviderState]] = {}
         """Per node id: the states of its providers removed from config, kept until their
@@ -179,14 +180,11 @@ class Scheduler(PoolObservation):
         await self._changed.wait()
 
     def pin_models(self, pins: Mapping[str, frozenset[str]]) -> None:
-        """The served names pinned on each provider (`core.lifecycle` Rule 4). Only the
-        providers whose pins changed are touched: a fleet's swap tells the pins again,
-        mostly none, and must not walk every provider."""
+        """The served names pinned on each provider (`core.lifecycle` Rule 4): only those
+        pinned before or now are touched (a fleet's swap tells the pins, mostly none)."""
         told, self._pinned = self._pinned, frozenset(pins)
-        for provider_id in told | self._pinned:
-            state = self._states.get(provider_id)
-            if state is not None:
-                state.holdings.pinned = pins.get(provider_id, frozenset())
+        for state in filter(None, map(self._states.get, told | self._pinned)):
+            state.holdings.pinned = pins.get(state.id, frozenset())
 
     def _notify_changed(self) -> None:
         self._changed.set()
@@ -684,6 +682,18 @@ class Scheduler(PoolObservation):
         waiter.error = error
         waiter.event.set()
 
+    @contextmanager
+    def reports(self) -> Iterator[None]:
+        """Several providers' reports in a row (a Node's status): the waiters of the
+        models they serve are offered what is free once, after the last of them."""
+        self._reporting = models = dict[str, None]()
+        try:
+            yield
+        finally:
+            self._reporting = None
+            if models:
+                self._serve(models)
+
     def _serve(self, model_ids: Iterable[str]) -> None:
         """Offer what is free to the waiters of `model_ids`.
 
@@ -699,6 +709,9 @@ class Scheduler(PoolObservation):
         not one per waiter. Every caller has just changed something, so observers are
         notified here.
         """
+        if self._reporting is not None:  # `reports`: served once, at its end
+            self._reporting.update(dict.fromkeys(model_ids))
+            return
         self._notify_changed()
         walks = [
             queue.walk(self._may_run)
