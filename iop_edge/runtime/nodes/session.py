@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
@@ -121,6 +121,21 @@ class SessionStatistics:
     pending_cancels: int
 
 
+class _Awaited(Generic[_Answer]):
+    """The Node's answer to one question (`NodeSession._ask`): set once, by `_route`, or
+    never, when the session ends first."""
+
+    __slots__ = ("answer", "settled")
+
+    def __init__(self) -> None:
+        self.answer: _Answer | None = None
+        self.settled = trio.Event()
+
+    def settle(self, answer: _Answer) -> None:
+        self.answer = answer
+        self.settled.set()
+
+
 class NodeSession:
     """The Edge's side of one Node's websocket (see the module docstring)."""
 
@@ -151,8 +166,8 @@ class NodeSession:
         """Set once: retired (`retire`) with no run left. Only then, not each time the
         session runs out of runs, so the task waiting on it wakes once."""
         self._runs: dict[str, RunSink] = {}
-        self._acks: dict[int, trio.MemorySendChannel[wire.RefreshAck]] = {}
-        self._commands: dict[str, trio.MemorySendChannel[wire.ModelCommandDone]] = {}
+        self._acks: dict[int, _Awaited[wire.RefreshAck]] = {}
+        self._commands: dict[str, _Awaited[wire.ModelCommandDone]] = {}
         self._pending_cancels: set[str] = set()
         self._scope = trio.CancelScope()
         self.closed = trio.Event()
@@ -270,22 +285,20 @@ class NodeSession:
     async def _ask(
         self,
         message: wire.Message,
-        waiting: dict[_Key, trio.MemorySendChannel[_Answer]],
+        waiting: dict[_Key, _Awaited[_Answer]],
         key: _Key,
     ) -> _Answer:
         """Send `message` and wait for the Node's answer to it, which `_route` delivers
         under `key` in `waiting`; `SessionClosed` when the session ends first."""
-        send, receive = trio.open_memory_channel[_Answer](1)
-        waiting[key] = send
+        awaited = waiting[key] = _Awaited[_Answer]()
         try:
             await self.send(message)
-            with receive:
-                try:
-                    return await receive.receive()
-                except trio.EndOfChannel:
-                    raise SessionClosed(self.node_id) from None
+            await awaited.settled.wait()
         finally:
             waiting.pop(key, None)
+        if awaited.answer is None:
+            raise SessionClosed(self.node_id)
+        return awaited.answer
 
     async def goaway(self, reason: str) -> None:
         """Tell the node this Edge is going away: it dials again for new runs and keeps
@@ -355,10 +368,10 @@ class NodeSession:
         for sink in runs.values():
             sink.lost()
         for ack in self._acks.values():
-            ack.close()
-        self._acks.clear()
+            ack.settled.set()  # no answer: the session ended
         for done in self._commands.values():
-            done.close()
+            done.settled.set()
+        self._acks.clear()
         self._commands.clear()
 
     def _frames(self, frame: bytes, _take: Callable[[], bytes | None]) -> Iterable[bytes]:
@@ -403,13 +416,11 @@ class NodeSession:
                 if message.ok:
                     self.applied_revision = max(self.applied_revision, message.revision)
                 if ack is not None:
-                    ack.send_nowait(message)
-                    ack.close()
+                    ack.settle(message)
             case wire.ModelCommandDone():
                 waiting = self._commands.pop(message.command_id, None)
                 if waiting is not None:
-                    waiting.send_nowait(message)
-                    waiting.close()
+                    waiting.settle(message)
             case wire.Reject():
                 log.warning("node %s rejected the session: %s", self.node_id, message.reason)
                 self.abort(f"the node rejected the session: {message.reason} ({message.code})")
