@@ -256,6 +256,18 @@ async def test_a_hold_freezes_at_both_ends_and_collects_only_the_young_meanwhile
     assert collector.thresholds == THRESHOLDS
 
 
+async def test_what_a_held_operation_keeps_is_frozen_without_a_walk(
+    autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
+) -> None:
+    """A snapshot assembled in steps is said alive as it is made (`keep`): frozen, so the
+    sweeps meanwhile do not walk it (Rule 5)."""
+    with keeper.held() as keep:
+        collector.calls.clear()
+        keep()
+        assert collector.names() == ["freeze"]
+        assert collector.thresholds == (THRESHOLDS[0], HELD_THRESHOLD, HELD_THRESHOLD)
+
+
 async def test_a_thaw_due_during_a_hold_waits_for_its_end(
     autojump_clock: trio.testing.MockClock, collector: FakeCollector, keeper: HeapKeeper
 ) -> None:

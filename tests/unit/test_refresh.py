@@ -6,7 +6,7 @@ import contextlib
 import json
 import math
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -373,14 +373,20 @@ async def test_an_apply_holds_the_heap_from_its_build_to_its_end_and_a_dry_run_n
 ) -> None:
     """The Edge's heap keeper holds the collector back while an apply makes a fleet's
     objects (`lifecycle.heap`, Rule 5): from the worker's built answer through the swap
-    and the pushes, and no longer."""
+    and the pushes, and no longer; the snapshot, as it is assembled, is kept (said alive)
+    before the swap."""
     events: list[str] = []
 
+    def keep() -> None:
+        if events[-1] != "kept":
+            events.append("kept")
+        assert edge.snapshot.revision == 1  # before the swap
+
     @contextlib.contextmanager
-    def hold() -> Iterator[None]:
+    def hold() -> Iterator[Callable[[], None]]:
         events.append(f"hold at revision {edge.snapshot.revision}")
         try:
-            yield
+            yield keep
         finally:
             events.append(f"let go after {len(edge.pushes)} push(es)")
 
@@ -391,7 +397,7 @@ async def test_an_apply_holds_the_heap_from_its_build_to_its_end_and_a_dry_run_n
         assert events == []
         result = await refresher.refresh(apply(with_capacity(8, "gpu1", "gpu2")))
         assert (result.verdict, result.report.revision) == ("accepted", 2)
-        assert events == ["hold at revision 1", "let go after 2 push(es)"]
+        assert events == ["hold at revision 1", "kept", "let go after 2 push(es)"]
     finally:
         await refresher.aclose()
 

@@ -6,11 +6,14 @@ Node by its id alone, a changed one encoded alone in a frame (`worker_protocol`,
 changed ones one at a time, and builds the snapshot's lookups
 (`core.snapshot.Snapshot.building`), yielding to the loop every `STEP_NODES` Nodes: no
 step holds the loop for more than a fraction of a millisecond per hundred Nodes, where
-decoding a fleet's config in one call would hold it for tens of milliseconds.
+decoding a fleet's config in one call would hold it for tens of milliseconds. Before
+each yield it says that what it made is alive (`keep`: the heap keeper freezes it, and
+its sweeps meanwhile do not walk a snapshot's worth of objects; `lifecycle.heap` Rule 5).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final
 
 import msgspec
@@ -26,18 +29,23 @@ _DECODE_REST: Final = msgspec.msgpack.Decoder(EdgeConfig)
 _DECODE_NODE: Final = msgspec.msgpack.Decoder(NodeEntry)
 
 
-async def assemble(built: Built, base: Snapshot, *, config_sha256: str) -> Snapshot:
-    """The snapshot `built` describes over `base`, at `base.revision + 1`."""
+async def assemble(
+    built: Built, base: Snapshot, *, config_sha256: str, keep: Callable[[], None] = lambda: None
+) -> Snapshot:
+    """The snapshot `built` describes over `base`, at `base.revision + 1`; `keep()` before
+    each yield to the loop."""
     changed = dict(zip(built.changed, built.nodes, strict=True))
     nodes: list[NodeEntry] = []
     for index, node_id in enumerate(built.ids):
         if index % STEP_NODES == 0:
+            keep()
             await trio.lowlevel.checkpoint()
         encoded = changed.get(index)
         nodes.append(base.nodes[node_id] if encoded is None else _DECODE_NODE.decode(encoded))
     config = msgspec.structs.replace(_DECODE_REST.decode(built.rest), nodes=nodes)
     steps = Snapshot.building(config, revision=base.revision + 1, config_sha256=config_sha256)
     while True:
+        keep()
         await trio.lowlevel.checkpoint()
         try:
             next(steps)

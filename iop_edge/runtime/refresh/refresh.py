@@ -181,6 +181,10 @@ class RefreshTarget(Protocol):
         ...
 
 
+def _nothing_to_keep() -> None:
+    """`keep` where no heap is held."""
+
+
 # --- the coordinator ---------------------------------------------------------------------
 
 
@@ -198,7 +202,9 @@ class Refresher:
         worker: RefreshWorker | None = None,
         worker_deadline_s: float = WORKER_DEADLINE_S,
         running_text: str | None = None,
-        hold: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
+        hold: Callable[[], AbstractContextManager[Callable[[], None]]] = lambda: (
+            contextlib.nullcontext(_nothing_to_keep)
+        ),
     ) -> None:
         """`push_timeout_s` is a Node's time to ack, unless a whole `push_policy` is
         given. `worker` reads and plans candidates (`refresh.worker`); one is started on
@@ -207,7 +213,8 @@ class Refresher:
         running config was read from: `run` has the worker read it as the Edge starts, so
         that its first candidate is checked only where it changed. `hold` keeps the
         Edge's heap out of the collector's sight from the worker's built answer to the
-        apply's end (`lifecycle.heap.HeapKeeper.held`)."""
+        apply's end (`lifecycle.heap.HeapKeeper.held`), and gives a `keep` that says
+        what was made is alive (the snapshot, as it is assembled)."""
         self._target = target
         self._config_path = config_path
         self._audit = audit
@@ -493,8 +500,10 @@ class Refresher:
             to_push: tuple[str, ...] = ()
             if answer.built is not None:
                 # From here to the apply's end the loop makes a fleet's worth of objects.
-                self._holding.enter_context(self._hold())
-                snapshot = await assemble(answer.built, base, config_sha256=answer.config_sha256)
+                keep = self._holding.enter_context(self._hold())
+                snapshot = await assemble(
+                    answer.built, base, config_sha256=answer.config_sha256, keep=keep
+                )
                 to_push = tuple(answer.built.to_push)
             return _Prepared(answer.config_sha256, answer.plan, snapshot, to_push)
         raise WorkerFailed(f"the refresh worker did not answer within {self._worker_deadline_s:g}s")
