@@ -301,7 +301,8 @@ class Scheduler(PoolObservation):
             return
         state.health = health
         state.detail = detail
-        state.discovered = list(models)
+        if state.discovered != models:  # the same again: the old lists, long frozen, stay
+            state.discovered = list(models)
         state.discovered_lifecycle = None if lifecycle is None else list(lifecycle)
         state.reported_protocols = None if protocols is None else frozenset(protocols)
         state.holdings.report(model_states, max_loaded)
@@ -684,8 +685,7 @@ class Scheduler(PoolObservation):
 
     @contextmanager
     def reports(self) -> Iterator[None]:
-        """Several providers' reports in a row (a Node's status): the waiters of the
-        models they serve are offered what is free once, after the last of them."""
+        """A Node's status: its providers' reports, then the waiters served once."""
         self._reporting = models = dict[str, None]()
         try:
             yield
