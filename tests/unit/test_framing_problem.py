@@ -37,7 +37,7 @@ def test_a_folded_header_line_is_a_problem(head: bytes) -> None:
     "head",
     [
         b"POST / HTTP/1.1\r\nHost: a\r\nX-Note: one two\r\n\r\n",
-        b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 8\r\n\r\n\n {\"a\":1}",
+        b'POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 8\r\n\r\n\n {"a":1}',
         b"POST / HTTP/1.1\nHost: a\n\n\tbody",
     ],
     ids=["plain", "body-after-crlf", "body-after-lf"],
