@@ -367,7 +367,12 @@ class RegistryManager:
         return registry
 
     def has_run(self, key: str) -> bool:
-        return any(registry.has_run(key) for registry in self._all())
+        """Whether a run of `key` is active in any registry (asked twice for every run
+        that arrives: the live registry first, the retiring ones only if there are any)."""
+        current = self._current
+        if current is not None and current.has_run(key):
+            return True
+        return bool(self._retiring) and any(registry.has_run(key) for registry in self._retiring)
 
     @property
     def accepting(self) -> bool:

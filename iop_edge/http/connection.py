@@ -360,5 +360,5 @@ def _is_chunked(scope: HTTPScope, start: Any) -> bool:
         and scope["method"] not in ("HEAD", "CONNECT")
         and status >= 200
         and status not in _NO_BODY_STATUSES
-        and not any(name.lower() in _FRAMING_HEADERS for name, _ in start.get("headers", ()))
+        and _FRAMING_HEADERS.isdisjoint([name.lower() for name, _ in start.get("headers", ())])
     )

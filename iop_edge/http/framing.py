@@ -38,7 +38,8 @@ __all__ = ["StrictH11Protocol", "StrictRequestReader", "framing_error", "framing
 
 #: Where a request's head ends, as h11 finds it (a bare LF ends a line too).
 _END_OF_HEAD: Final = re.compile(rb"\n\r?\n")
-_LINE_END: Final = re.compile(rb"\r?\n")
+#: A line of the head after the first that begins with a space or a tab: folded.
+_FOLDED_LINE: Final = re.compile(rb"\n[ \t]")
 
 
 def framing_problem(request: h11.Request, head: bytes) -> str | None:
@@ -55,8 +56,7 @@ def framing_problem(request: h11.Request, head: bytes) -> str | None:
         if request.http_version == b"1.0":
             return "Transfer-Encoding is not part of HTTP/1.0 (RFC 9112 §6.1)"
     end = _END_OF_HEAD.search(head)
-    lines = _LINE_END.split(head[: end.start()] if end else head)
-    if any(line[:1] in (b" ", b"\t") for line in lines[1:]):
+    if _FOLDED_LINE.search(head, 0, end.start() if end else len(head)):
         return (
             "a header line continues on the next line (obsolete line folding, RFC 9112 "
             "§5.2); send each header on one line"

@@ -16,7 +16,7 @@ Rules:
 1. The upgrade is authenticated as an HTTP request is (`Authorization: Bearer` or
    `x-api-key`); a caller without a known token is refused with the HTTP status and
    OpenAI's error body (401), before the connection is accepted.
-2. Each client message is one JSON event, decoded as an HTTP body is (`runs.decode_body`:
+2. Each client message is one JSON event, decoded as an HTTP body is (`request_body.decode_body`:
    an object, nesting at most `MAX_JSON_DEPTH` levels). `response.create` carries the
    body of a `POST /v1/responses` (its `type` aside): it is always streamed (`stream` is
    ignored), `background` is refused. Every other event type is an `error` event
@@ -60,11 +60,11 @@ from iop_edge.http.auth import authenticate
 from iop_edge.http.errors import ApiError, metering_unavailable
 from iop_edge.http.protocols.caller_protocol import Caller, ToStore
 from iop_edge.http.protocols.responses import RESPONSES
+from iop_edge.http.request_body import decode_body
 from iop_edge.http.runs import (
     Reply,
     RunEndpoints,
     Timing,
-    decode_body,
     new_run_id,
     request_id,
 )

@@ -11,13 +11,14 @@ pages) stays on Quart, where that cost does not matter (see `openai_app`).
 A request, in the task Hypercorn gives it:
 
 1. *Prepare*: authenticate (`Authorization: Bearer` or `x-api-key`), read the body
-   (bounded in size and time), decode it once into a dict (provider-specific fields pass
-   through untouched); the path's caller protocol (its `CallerProtocol`, found in
-   `protocol_registry`: `chat`, `messages`, `responses`) plans it: checks it against a
-   small view of the fields the Edge acts on and applies the model's generation defaults
-   and limits. The result is a `RunPlan`; anything wrong is an error reply in the
-   caller's protocol's shape naming the field. Every shape the reply takes (errors,
-   rate-limit headers, a stream's end and failure) is the protocol object's.
+   (`request_body`: bounded in size and time), decode it once into a dict
+   (provider-specific fields pass through untouched); the path's caller protocol (its
+   `CallerProtocol`, found in `protocol_registry`: `chat`, `messages`, `responses`)
+   plans it: checks it against a small view of the fields the Edge acts on and applies
+   the model's generation defaults and limits. The result is a `RunPlan`; anything
+   wrong is an error reply in the caller's protocol's shape naming the field. Every
+   shape the reply takes (errors, rate-limit headers, a stream's end and failure) is the
+   protocol object's.
 2. *Dispatch*: the scheduler admits the plan and a Node starts it (`runtime.dispatch.Run`,
    which owns the slot until the run ends).
 3. *Respond*: one JSON body, or the run relayed as server-sent events (written by the
@@ -43,11 +44,10 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Final
+from typing import Final
 
-import msgspec
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope
 
@@ -59,7 +59,6 @@ from iop_edge.http.connection import ChunkedBodyWriter, current_connection
 from iop_edge.http.errors import (
     ApiError,
     admission_error,
-    bad_request,
     metering_unavailable,
     method_not_allowed,
     run_failure_error,
@@ -68,6 +67,7 @@ from iop_edge.http.protocols.caller_protocol import Caller, CallerProtocol, Plan
 from iop_edge.http.protocols.compaction import settle, trigger_events
 from iop_edge.http.protocols.protocol_registry import Route
 from iop_edge.http.protocols.responses import ResponsesSurface
+from iop_edge.http.request_body import CallerGone, read_json
 from iop_edge.runtime.metering.access_log import RefusedRequest
 from iop_edge.runtime.metering.metering import Metering
 from iop_edge.runtime.metering.tracing import EdgeTracing, RequestTrace
@@ -91,14 +91,7 @@ from schemas.runtime.telemetry import valid_traceparent, valid_tracestate
 
 log = logging.getLogger(__name__)
 
-#: How long a caller may take to send its request body (Quart's default, kept).
-BODY_TIMEOUT_S: Final = 60.0
-#: How deep a request's JSON may nest. OpenAI requests nest a few levels (tool schemas a
-#: few more); a deeper body is refused (400) before anything walks it (the decoders and
-#: encoders on the way to the upstream all recurse).
-MAX_JSON_DEPTH: Final = 64
 _REQUEST_ID: Final = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-_decode_json: Final = msgspec.json.Decoder().decode
 _JSON_TYPE: Final = (b"content-type", b"application/json")
 #: The HTTP versions whose connections carry one request at a time: their caller left
 #: when the connection ends (`Connection.on_client_gone`).
@@ -115,10 +108,6 @@ def new_run_id() -> str:
 def request_id(supplied: str | None, fallback: str) -> str:
     """The caller's `x-request-id` when it is sane (so its logs and ours match), else ours."""
     return supplied if supplied and _REQUEST_ID.match(supplied) else fallback
-
-
-class _CallerGone(Exception):
-    """The caller disconnected before its request body was read."""
 
 
 class _Timing:
@@ -353,7 +342,7 @@ class RunEndpoints:
                     nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope, reply)
                     await self._run(plan, reply, timing, to_store)
                     nursery.cancel_scope.cancel()
-        except _CallerGone:
+        except CallerGone:
             return
         except Exception:
             log.exception("unexpected error serving %s %s", scope["method"], scope["path"])
@@ -417,7 +406,9 @@ class RunEndpoints:
         except ApiError as refused:  # the body stays unread: the connection ends here
             refused.close_connection = True
             raise
-        body = await self._read_json(request, receive, snapshot.config.openai.max_request_bytes)
+        body = await read_json(
+            receive, request.content_length, snapshot.config.openai.max_request_bytes
+        )
         unmetered = self._metering.refusal()
         if unmetered is not None:  # no run starts that could not be metered
             raise metering_unavailable(unmetered)
@@ -436,33 +427,6 @@ class RunEndpoints:
             store=self._responses.store,
         )
         return await route.protocol.plan(route.operation, planning)
-
-    async def _read_json(
-        self, request: _Request, receive: ASGIReceiveCallable, limit: int
-    ) -> dict[str, Any]:
-        if request.content_length is not None and request.content_length > limit:
-            raise _too_large(f"Request body of {request.content_length} bytes", limit)
-        parts: list[bytes] = []
-        size = 0
-        with trio.move_on_after(BODY_TIMEOUT_S) as scope:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise _CallerGone
-                part: bytes = message.get("body", b"")  # type: ignore[assignment]
-                size += len(part)
-                if size > limit:
-                    raise _too_large("Request body", limit)
-                parts.append(part)
-                if not message.get("more_body", False):
-                    break
-        if scope.cancelled_caught:
-            raise ApiError(
-                408,
-                f"The request body did not arrive within {BODY_TIMEOUT_S:g}s",
-                code="request_timeout",
-            )
-        return decode_body(b"".join(parts))
 
     # --- 2. dispatch ------------------------------------------------------------------
 
@@ -725,45 +689,3 @@ async def _cancel_on_disconnect(
     while (await receive())["type"] != "http.disconnect":
         pass
     _caller_left(scope, reply)
-
-
-def decode_body(data: bytes, what: str = "body") -> dict[str, Any]:
-    """A request body (or a WebSocket event, `what`) decoded: a JSON object nesting at
-    most `MAX_JSON_DEPTH` levels; raises a 400 `invalid_json` saying what is wrong."""
-    try:
-        body = _decode_json(data)
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"Could not parse the JSON {what}: {exc}", code="invalid_json") from None
-    except RecursionError:
-        body = None  # deeper than the decoder's stack: surely deeper than the limit
-    if body is None or _nests_deeper(data, body, MAX_JSON_DEPTH):
-        raise bad_request(
-            f"The JSON {what} nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
-        )
-    if not isinstance(body, dict):
-        raise bad_request(f"The request {what} must be a JSON object", code="invalid_json")
-    return body
-
-
-def _nests_deeper(data: bytes, value: object, limit: int) -> bool:
-    """Whether the decoded `value` nests more than `limit` arrays/objects deep.
-
-    A body with at most `limit` brackets cannot (two C-speed counts, the usual case);
-    only a larger one is walked, without recursion."""
-    if data.count(b"[") + data.count(b"{") <= limit:
-        return False
-    stack: list[tuple[object, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
-        assert isinstance(children, Iterable)
-        for child in children:
-            if isinstance(child, dict | list):
-                if depth >= limit:
-                    return True
-                stack.append((child, depth + 1))
-    return False
-
-
-def _too_large(what: str, limit: int) -> ApiError:
-    return ApiError(413, f"{what} exceeds the limit of {limit} bytes", code="request_too_large")

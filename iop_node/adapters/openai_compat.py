@@ -78,6 +78,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
+from functools import partial
 from typing import Any, ClassVar, Final, TypeVar
 
 import httpcore2
@@ -322,9 +323,7 @@ class OpenAICompatAdapter(NativeRelay):
                 f"operation {run.operation!r} is not an OpenAI-compatible endpoint",
             )
 
-        async def exchange(progress: Progress) -> RunResult:
-            return await self._exchange(run, url, emit, progress)
-
+        exchange = partial(self._exchange, run, url, emit)
         try:
             return await self._bounded(run, exchange, OPERATION_PATHS[run.operation])
         except _EmptyStream as empty:
@@ -336,10 +335,7 @@ class OpenAICompatAdapter(NativeRelay):
     async def execute_native(self, run: Run, native: NativeForm, events: EmitEvents) -> RunResult:
         if self._lifecycle.asleep:  # a vLLM in sleep mode wakes first
             await self._lifecycle.awake(self.provider.adapter.load_timeout_s)
-
-        async def exchange(progress: Progress) -> RunResult:
-            return await self._exchange_native(run, native, events, progress)
-
+        exchange = partial(self._exchange_native, run, native, events)
         return await self._bounded(run, exchange, native.path)
 
     async def count_tokens_native(self, run: Run) -> int | None:
@@ -396,14 +392,22 @@ class OpenAICompatAdapter(NativeRelay):
         counted = await self.tokenize_count(model, input_text(body))
         return None if counted is None else counted + template_tokens(body)
 
-    async def _bounded(
+    def _bounded(
         self, run: Run, exchange: Callable[[Progress], Awaitable[RunResult]], path: str
-    ) -> RunResult:
+    ) -> Awaitable[RunResult]:
         """Run one exchange to `path` under the adapter's deadlines, in its own span when
-        the run is traced (`iop_node.tracing`)."""
+        the run is traced (`iop_node.tracing`). An untraced one adds no frame to the
+        run's await chain (each frame is passed on every resumption of the run), nor
+        does the exchange (`partial`, no closure)."""
         call = upstream_call(self.base_url, path)
         if call is None:
-            return await self._within_deadlines(run, exchange, None)
+            return self._within_deadlines(run, exchange, None)
+        return self._traced(run, exchange, call)
+
+    async def _traced(
+        self, run: Run, exchange: Callable[[Progress], Awaitable[RunResult]], call: UpstreamCall
+    ) -> RunResult:
+        """`_within_deadlines` in the upstream call's span."""
         try:
             return await self._within_deadlines(run, exchange, call)
         except AdapterError as exc:

@@ -23,6 +23,7 @@ from iop_edge.http.compat.hypercorn import (
     HypercornConnection,
     WorkerContext,
     missing_capabilities,
+    queued_receiver,
     wrap_app,
 )
 from tests.timing import GUARD_S
@@ -85,9 +86,9 @@ class _Probe(HypercornConnection):
         self.ended.set()
 
 
-def _probe(stream: trio.SocketStream) -> _Probe:
+def _probe(stream: trio.SocketStream, asgi_app: Any = _hello) -> _Probe:
     config = Config()
-    app = wrap_app(_hello, config.wsgi_max_body_size, "asgi")
+    app = wrap_app(asgi_app, config.wsgi_max_body_size, "asgi")
     return _Probe(app, config, WorkerContext(None), {}, stream)
 
 
@@ -184,3 +185,52 @@ async def test_the_protocol_wrapper_keeps_what_the_protocol_is_rebuilt_with(
     )
     await probe.close_from_server()
     right.close()
+
+
+async def test_an_apps_receive_gives_what_the_connection_holds_without_a_wait(
+    nursery: trio.Nursery,
+) -> None:
+    """The run endpoints take a body that came with its head without awaiting `receive`
+    (`runs.RunEndpoints._read_json`): Hypercorn must hand the app the `receive` of the
+    channel its protocol fills, with the request's body in it by the app's first step."""
+    taken: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        take = queued_receiver(receive)
+        taken.append(take)
+        while take is not None:
+            try:
+                taken.append(take())
+            except trio.WouldBlock:
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    left, right = trio.socket.socketpair()
+    probe = _probe(trio.SocketStream(left), app)
+    client = trio.SocketStream(right)
+    nursery.start_soon(probe.run)
+    with trio.fail_after(GUARD_S):
+        await client.send_all(b'POST / HTTP/1.1\r\nHost: test\r\ncontent-length: 7\r\n\r\n{"a":1}')
+        response = await client.receive_some(65536)
+    assert response.startswith(b"HTTP/1.1 200"), response
+    assert taken[0] is not None, (
+        f"Hypercorn {HYPERCORN_VERSION} gives the app a `receive` of its own: every run's "
+        f"body is awaited under a deadline, slower; {UPGRADE_ADVICE}"
+    )
+    bodies = [message for message in taken[1:] if message["type"] == "http.request"]
+    assert b"".join(message["body"] for message in bodies) == b'{"a":1}', taken
+    await probe.close_from_server()
+    await client.aclose()
+
+
+def test_a_receive_of_another_kind_is_only_awaited() -> None:
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    _, channel = trio.open_memory_channel[Any](1)
+    assert queued_receiver(receive) is None
+    assert queued_receiver(channel.receive_nowait) is None
+    assert queued_receiver(channel.receive) == channel.receive_nowait

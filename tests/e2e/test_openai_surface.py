@@ -249,7 +249,7 @@ async def _send_partial_request(stack: Stack) -> trio.SocketStream:
 async def test_body_that_never_completes_is_408(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("iop_edge.http.runs.BODY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr("iop_edge.http.request_body.BODY_TIMEOUT_S", 0.2)
     stream = await _send_partial_request(stack)
     async with stream:
         received = b""

@@ -316,6 +316,25 @@ async def test_duplicate_run_id_is_refused_and_the_first_run_continues() -> None
         nursery.cancel_scope.cancel()
 
 
+async def test_a_run_id_active_on_a_retiring_registry_is_a_duplicate(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with trio.open_nursery() as nursery:
+        harness = Harness(nursery)
+        await harness.manager.apply(1, _config(1))
+        await harness.manager.start_run(_run("r1"))
+        await harness.factory.created[0].wait_run("r1")
+        await harness.manager.apply(2, _config(2))
+        assert harness.manager.statistics().retiring  # r1 keeps the old registry draining
+        assert harness.manager.has_run("r1") and not harness.manager.has_run("r2")
+        await harness.manager.start_run(_run("r1"))
+        failed = await harness.next_message()
+        assert isinstance(failed, RunFailed)
+        assert (failed.run_id, failed.code) == ("r1", "duplicate_run")
+        assert harness.factory.created[1].runs == []  # the live registry never saw it
+        nursery.cancel_scope.cancel()
+
+
 async def test_unknown_provider_on_the_current_registry() -> None:
     async with trio.open_nursery() as nursery:
         harness = Harness(nursery)

@@ -22,6 +22,7 @@ from iop_edge.runtime.metering.access_log import (
     RefusedRequest,
     access_fields,
     logfmt,
+    run_line,
 )
 from iop_edge.runtime.metering.activity import Activity
 from iop_edge.runtime.metering.metering import RunRecord
@@ -87,6 +88,22 @@ def test_logfmt_is_readable_and_unambiguous() -> None:
     line = logfmt({"a": "plain", "b": None, "c": 'has "quotes" and spaces', "d": 3, "e": ""})
     assert line == 'a=plain b=- c="has \\"quotes\\" and spaces" d=3 e=""'
     assert logfmt({"x": "k=v"}) == 'x="k=v"'
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"provider": "", "node": "", "status": 429, "code": "queue_full", "usage": None},
+        {"ttft_s": None, "latency_s": 1.23456789, "code": "bad request", "status": 400},
+        {"model": 'a "quoted" model', "principal_ref": "k=v", "request_id": ""},
+        {"node": "tab\there", "provider": "back\\slash", "latency_s": 0.0, "ttft_s": 1e-9},
+        {"protocol": "messages", "latency_s": 12345.678, "usage": wire.Usage()},
+    ],
+)
+def test_a_runs_line_is_logfmt_of_its_fields(changes: dict[str, object]) -> None:
+    record = _record(**changes)
+    assert run_line(record) == logfmt(access_fields(record))
 
 
 def test_text_line(caplog: pytest.LogCaptureFixture) -> None:

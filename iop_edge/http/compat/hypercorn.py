@@ -15,6 +15,9 @@ Hypercorn 0.18's own parts, the way `hypercorn.trio.run.worker_serve` does:
 - `H11Protocol` (`hypercorn.protocol.h11`), used through `Http11Protocol`: its
   constructor, `config`, `connection` (the `h11.Connection` it parses with),
   `_send_h11_event` and `_send_error_response`.
+- `TaskGroup.spawn_app` (`hypercorn.trio.task_group`): an app's ASGI `receive` is the
+  `receive` of a bounded `trio.MemoryReceiveChannel` that the connection's protocol
+  fills, so what it already holds can be taken without a wait (`queued_receiver`).
 - `WorkerContext` (its `terminated` event), `Lifespan` (`handle_lifespan`,
   `wait_for_startup`, `wait_for_shutdown`), `wrap_app` and `repr_socket_addr`
   (`hypercorn.utils`), and the events `Closed`, `RawData` and `Event`.
@@ -30,6 +33,7 @@ missing (`send_lock`), connections step aside to Hypercorn's own writes
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from importlib.metadata import version
 from typing import Any, Final
 
@@ -53,6 +57,7 @@ __all__ = [
     "RawData",
     "WorkerContext",
     "missing_capabilities",
+    "queued_receiver",
     "repr_socket_addr",
     "wrap_app",
 ]
@@ -135,6 +140,17 @@ class Http11Protocol(H11Protocol):
     async def send_h11_event(self, event: h11.Response | h11.Data | h11.EndOfMessage) -> None:
         """Send one event of a response through the connection's h11 state machine."""
         await self._send_h11_event(event)
+
+
+def queued_receiver(receive: Callable[..., Any]) -> Callable[[], Any] | None:
+    """What takes the next ASGI message `receive` holds without waiting (raising
+    `trio.WouldBlock` when none is there yet): the `receive_nowait` of the memory channel
+    whose `receive` Hypercorn gave the app. None for any other `receive` (another server,
+    a test's), which only the awaited path reads."""
+    channel = getattr(receive, "__self__", None)
+    if isinstance(channel, trio.MemoryReceiveChannel) and receive == channel.receive:
+        return channel.receive_nowait
+    return None
 
 
 #: (owner, name, parameters after `self`) of every method reached above.

@@ -14,7 +14,9 @@ Rules:
    them and `--log-format json` makes each one a JSON object whose keys are the fields
    above (typed: numbers stay numbers), alongside every other log line of the process.
 3. The readable form is `key=value` pairs (logfmt): a value with a space, a quote or
-   an `=` is written as a JSON string; a missing value is `-`.
+   an `=` is written as a JSON string; a missing value is `-`. A run's line is written
+   from its record directly (`run_line`, the same text as `logfmt(access_fields(...))`),
+   and its fields are made only for a line that carries them (a JSON line, a record).
 4. A line goes through `logging` unless it would only reach the handler of
    `configure_logging` (`log_lines.sole_handler`, checked per line, so a change to the
    logging setup counts at once): then it is made without a `LogRecord`, the same line
@@ -33,16 +35,26 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Final
 
 import msgspec
 import trio
 
 from iop_edge.runtime.metering.metering import RunRecord
-from schemas.runtime.log_lines import FIELDS, LineHandler, sole_handler
+from schemas.runtime.log_lines import FIELDS, JsonLinesFormatter, LineHandler, sole_handler
 
-__all__ = ["ACCESS_LOGGER", "HOLD_S", "AccessLog", "RefusedRequest", "access_fields", "logfmt"]
+__all__ = [
+    "ACCESS_LOGGER",
+    "HOLD_S",
+    "AccessLog",
+    "RefusedRequest",
+    "access_fields",
+    "logfmt",
+    "run_line",
+]
 
 ACCESS_LOGGER: Final = "iop_edge.access"
 #: How long a line may be held to be written with the next ones (Rule 5).
@@ -101,6 +113,31 @@ def logfmt(fields: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+def _text(value: str) -> str:
+    """A string value as `logfmt` writes it (Rule 3)."""
+    return value if value and _NEEDS_QUOTES.isdisjoint(value) else _encode(value).decode()
+
+
+def run_line(record: RunRecord) -> str:
+    """`logfmt(access_fields(record))`, written from the record at once: every finished
+    run makes one, and its numbers need no quoting."""
+    usage = record.usage
+    provider, node, code, ttft_s = record.provider, record.node, record.code, record.ttft_s
+    return (
+        f"request_id={_text(record.request_id)} principal_ref={_text(record.principal_ref)}"
+        f" model={_text(record.model)} protocol={_text(record.protocol)}"
+        f" provider={_text(provider) if provider else '-'} node={_text(node) if node else '-'}"
+        f" status={record.status} code={'-' if code is None else _text(code)}"
+        f" latency_ms={round(record.latency_s * 1000, 2)}"
+        f" ttft_ms={'-' if ttft_s is None else round(ttft_s * 1000, 2)}"
+        + (
+            f" prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens}"
+            if usage
+            else " prompt_tokens=- completion_tokens=-"
+        )
+    )
+
+
 class AccessLog:
     """Writes the access log lines (see the module docstring)."""
 
@@ -115,19 +152,18 @@ class AccessLog:
 
     def run_finished(self, record: RunRecord) -> None:
         if self._log.isEnabledFor(logging.INFO):
-            self._write(access_fields(record))
+            self._write(run_line(record), partial(access_fields, record))
 
     def refused(self, request: RefusedRequest) -> None:
         if self._log.isEnabledFor(logging.INFO):
-            self._write(
-                {
-                    "request_id": request.request_id,
-                    "path": request.path,
-                    "status": request.status,
-                    "code": request.code,
-                    "latency_ms": _ms(request.latency_s),
-                }
-            )
+            fields = {
+                "request_id": request.request_id,
+                "path": request.path,
+                "status": request.status,
+                "code": request.code,
+                "latency_ms": _ms(request.latency_s),
+            }
+            self._write(logfmt(fields), lambda: fields)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Owned by the Edge's nursery: lets the lines be held, and writes them at most
@@ -149,15 +185,17 @@ class AccessLog:
         for handler in holders:
             handler.flush()
 
-    def _write(self, fields: dict[str, Any]) -> None:
+    def _write(self, message: str, fields: Callable[[], dict[str, Any]]) -> None:
+        """Write the line of `message`; `fields` makes its fields, for a line that
+        carries them (Rule 3)."""
         log = self._log
-        message = logfmt(fields)
         route = sole_handler(log, logging.INFO)
         if route is None:
-            log.info("%s", message, extra={FIELDS: fields})
+            log.info("%s", message, extra={FIELDS: fields()})
             return
         handler, formatter = route  # Rule 4: what `logging` would write, without a record
-        line = formatter.line(log.name, _INFO, time.time(), message, fields)
+        carried = fields() if type(formatter) is JsonLinesFormatter else None
+        line = formatter.line(log.name, _INFO, time.time(), message, carried)
         if not self._holding:
             handler.write_line(line + handler.terminator)
             return

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from iop_edge.runtime.lifecycle.heap import HeapStatistics
 from iop_edge.runtime.metering.genai_metrics import GenAIMetrics
 from iop_edge.runtime.metering.response_store import StoreStatistics
+from iop_edge.runtime.metering.run_series import RunKind, RunSeries
 from iop_edge.runtime.metering.series import CounterSeries, HistogramSeries
 from iop_edge.runtime.metering.usage_ledger.usage import LedgerStatistics
 from schemas.catalog import Catalog
@@ -279,6 +280,8 @@ class EdgeMetrics:
             buckets=_QUEUE_BUCKETS,
         )
         self.genai = GenAIMetrics(r, provider_name)
+        self._runs: dict[RunKind, RunSeries] = {}
+        """The children each kind of finished run updates (`run_series`)."""
         r.register(_PoolCollector(catalog))
         if principal_load is not None:
             r.register(_PrincipalCollector(principal_load))
@@ -300,11 +303,19 @@ class EdgeMetrics:
         operation: str = "chat",
         stream: bool = False,
     ) -> None:
-        self.requests.labels(model, provider, str(status), code).inc()
+        kind: RunKind = (model, provider, status, code, principal_ref, token_ref)
+        run = self._runs.get(kind)
+        if run is None:
+            run = self._runs[kind] = RunSeries()
+        requests = run.requests or run.keep(
+            "requests", self.requests.labels(model, provider, str(status), code)
+        )
+        requests.inc()
         if provider:
-            self.latency.labels(model, provider).observe(latency_s)
+            latency = run.latency or run.keep("latency", self.latency.labels(model, provider))
+            latency.observe(latency_s)
             if ttft_s is not None:
-                self.ttft.labels(model, provider).observe(ttft_s)
+                (run.ttft or run.keep("ttft", self.ttft.labels(model, provider))).observe(ttft_s)
             self.genai.observe(
                 operation=operation,
                 model=model,
@@ -317,26 +328,49 @@ class EdgeMetrics:
                 usage=usage,
             )
         if queued_s is not None:
-            self.queue_wait.labels(model).observe(queued_s)
-            self.principal_queue_wait.labels(principal_ref).observe(queued_s)
+            wait = run.queue_wait or run.keep("queue_wait", self.queue_wait.labels(model))
+            wait.observe(queued_s)
+            principal_wait = run.principal_queue_wait or run.keep(
+                "principal_queue_wait", self.principal_queue_wait.labels(principal_ref)
+            )
+            principal_wait.observe(queued_s)
         limit = LIMIT_OF_CODE.get(code)
         if limit is not None:
-            self.principal_rejections.labels(principal_ref, limit).inc()
-        if usage is not None:
-            prompt, completion = usage.prompt_tokens, usage.completion_tokens
-            tokens = self.tokens
-            tokens.labels(principal_ref, token_ref, model, provider, "prompt").inc(prompt)
-            tokens.labels(principal_ref, token_ref, model, provider, "completion").inc(completion)
-            if usage_source == "provider" and provider:
-                cache = self.prompt_cache_tokens
-                cache.labels(model, provider, "prompt").inc(prompt)
-                cache.labels(model, provider, "cached").inc(usage.cached_tokens)
-            if usage_source == "estimated":
-                tokens = self.estimated_tokens
-                tokens.labels(principal_ref, token_ref, model, provider, "prompt").inc(prompt)
-                tokens.labels(principal_ref, token_ref, model, provider, "completion").inc(
-                    completion
-                )
+            rejections = run.rejections or run.keep(
+                "rejections", self.principal_rejections.labels(principal_ref, limit)
+            )
+            rejections.inc()
+        if usage is None:
+            return
+        prompt, completion = usage.prompt_tokens, usage.completion_tokens
+        names = (principal_ref, token_ref, model, provider)
+        tokens = self.tokens
+        child = run.tokens_prompt or run.keep("tokens_prompt", tokens.labels(*names, "prompt"))
+        child.inc(prompt)
+        child = run.tokens_completion or run.keep(
+            "tokens_completion", tokens.labels(*names, "completion")
+        )
+        child.inc(completion)
+        if usage_source == "provider" and provider:
+            cache = self.prompt_cache_tokens
+            child = run.cache_prompt or run.keep(
+                "cache_prompt", cache.labels(model, provider, "prompt")
+            )
+            child.inc(prompt)
+            child = run.cache_cached or run.keep(
+                "cache_cached", cache.labels(model, provider, "cached")
+            )
+            child.inc(usage.cached_tokens)
+        if usage_source == "estimated":
+            estimated = self.estimated_tokens
+            child = run.estimated_prompt or run.keep(
+                "estimated_prompt", estimated.labels(*names, "prompt")
+            )
+            child.inc(prompt)
+            child = run.estimated_completion or run.keep(
+                "estimated_completion", estimated.labels(*names, "completion")
+            )
+            child.inc(completion)
 
     def observe_refusal(self, *, status: int, code: str) -> None:
         """A request refused before it named a model we know (400/401/404/413).

@@ -636,16 +636,15 @@ class Scheduler(PoolObservation):
         for limiter in limiters:
             limiter.acquire_on_behalf_of_nowait(lease)
         self._running[principal] = self._running.get(principal, 0) + 1
-        if state.passive.breaker(now=self._clock(), probing=state.trial is not None) == (
-            "half_open"
-        ):
+        now = self._clock()
+        if state.passive.breaker(now=now, probing=state.trial is not None) == "half_open":
             state.trial = lease
         self._last_pick[model_id] = provider_id
         if affinity is not None and self._snapshot.models[model_id].routing.affinity:
-            self._prefixes.record(provider_id, affinity.blocks, self._clock())
+            self._prefixes.record(provider_id, affinity.blocks, now)
         # a load it makes, or a model it keeps in use (Rule 8)
         load_timeout_s = state.config.adapter.load_timeout_s
-        state.holdings.started(lease.target, self._clock(), load_timeout_s=load_timeout_s)
+        state.holdings.started(lease.target, now, load_timeout_s=load_timeout_s)
         return lease
 
     def _released(self, state: ProviderState, lease: Lease) -> None:

@@ -1,0 +1,152 @@
+"""A run's request body, read from ASGI `receive` and decoded once (`runs`, step 1).
+
+Bounded in size (`openai.max_request_bytes`, the caller's `Content-Length` first) and in
+time (`BODY_TIMEOUT_S` for what has not come yet), and in depth once decoded
+(`MAX_JSON_DEPTH`). Nearly every run's body comes in the same packets as its head, and
+Hypercorn's protocol task has put it in the app's channel by the app's first step: that
+is taken without waiting (`http.compat.hypercorn.queued_receiver`), so such a body costs
+no cancel scope and mostly no task switch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Final
+
+import msgspec
+import trio
+from hypercorn.typing import ASGIReceiveCallable, ASGIReceiveEvent
+
+from iop_edge.http.compat.hypercorn import queued_receiver
+from iop_edge.http.errors import ApiError, bad_request
+
+__all__ = [
+    "BODY_TIMEOUT_S",
+    "MAX_JSON_DEPTH",
+    "CallerGone",
+    "decode_body",
+    "read_json",
+    "too_large",
+]
+
+#: How long a caller may take to send its request body (Quart's default, kept).
+BODY_TIMEOUT_S: Final = 60.0
+#: How deep a request's JSON may nest. OpenAI requests nest a few levels (tool schemas a
+#: few more); a deeper body is refused (400) before anything walks it (the decoders and
+#: encoders on the way to the upstream all recurse).
+MAX_JSON_DEPTH: Final = 64
+_decode_json: Final = msgspec.json.Decoder().decode
+
+
+class CallerGone(Exception):
+    """The caller disconnected before its request body was read."""
+
+
+async def read_json(
+    receive: ASGIReceiveCallable, content_length: int | None, limit: int
+) -> dict[str, Any]:
+    """The body, decoded. What the connection already holds is taken without a wait;
+    the rest of the body is awaited under `BODY_TIMEOUT_S`. A body framed by its
+    length is whole at its last byte, and the message that ends it then comes
+    without another read from the caller (h11 ends such a body there), so it is
+    awaited without a deadline. So a body that came with its head, as nearly every
+    run's does, is read without a cancel scope, and mostly without a task switch.
+    (The end is still taken: Hypercorn keeps a connection for its next request only
+    once it has seen it.)"""
+    if content_length is not None and content_length > limit:
+        raise too_large(f"Request body of {content_length} bytes", limit)
+    body = _Body(limit, content_length)
+    take = queued_receiver(receive)
+    if take is not None:
+        while body.more:
+            try:
+                message = take()
+            except trio.WouldBlock:
+                break
+            body.add(message)
+    if body.more and not body.whole:
+        with trio.move_on_after(BODY_TIMEOUT_S) as scope:
+            while body.more and not body.whole:
+                body.add(await receive())
+        if scope.cancelled_caught:
+            raise ApiError(
+                408,
+                f"The request body did not arrive within {BODY_TIMEOUT_S:g}s",
+                code="request_timeout",
+            )
+    while body.more:  # whole: its end is on its way from the connection's own task
+        body.add(await receive())
+    return decode_body(b"".join(body.parts))
+
+
+class _Body:
+    """A request body as its ASGI messages bring it, bounded by `limit` bytes."""
+
+    __slots__ = ("expected", "limit", "more", "parts", "size")
+
+    def __init__(self, limit: int, expected: int | None) -> None:
+        self.limit = limit
+        self.expected = expected
+        """Its `Content-Length`, when it has one."""
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.more = True
+        """Whether a message is still to come (its end, at least)."""
+
+    @property
+    def whole(self) -> bool:
+        """Every byte of a body framed by its length is here."""
+        return self.size == self.expected
+
+    def add(self, message: ASGIReceiveEvent) -> None:
+        """Take one message: raises `CallerGone` for a disconnect, 413 past the limit."""
+        if message["type"] == "http.disconnect":
+            raise CallerGone
+        part: bytes = message.get("body", b"")  # type: ignore[assignment]
+        self.size += len(part)
+        if self.size > self.limit:
+            raise too_large("Request body", self.limit)
+        self.parts.append(part)
+        self.more = bool(message.get("more_body", False))
+
+
+def decode_body(data: bytes, what: str = "body") -> dict[str, Any]:
+    """A request body (or a WebSocket event, `what`) decoded: a JSON object nesting at
+    most `MAX_JSON_DEPTH` levels; raises a 400 `invalid_json` saying what is wrong."""
+    try:
+        body = _decode_json(data)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"Could not parse the JSON {what}: {exc}", code="invalid_json") from None
+    except RecursionError:
+        body = None  # deeper than the decoder's stack: surely deeper than the limit
+    if body is None or _nests_deeper(data, body, MAX_JSON_DEPTH):
+        raise bad_request(
+            f"The JSON {what} nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
+        )
+    if not isinstance(body, dict):
+        raise bad_request(f"The request {what} must be a JSON object", code="invalid_json")
+    return body
+
+
+def _nests_deeper(data: bytes, value: object, limit: int) -> bool:
+    """Whether the decoded `value` nests more than `limit` arrays/objects deep.
+
+    A body with at most `limit` brackets cannot (two C-speed counts, the usual case);
+    only a larger one is walked, without recursion."""
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return False
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        assert isinstance(children, Iterable)
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+def too_large(what: str, limit: int) -> ApiError:
+    return ApiError(413, f"{what} exceeds the limit of {limit} bytes", code="request_too_large")
