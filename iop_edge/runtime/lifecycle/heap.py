@@ -68,10 +68,11 @@ at it again only at moments it chooses:
    what is alive; while open only young collections run (what the operation and
    callers' requests make, cheap to look at: what survives them waits in the middle
    generation, unwalked), and a thaw that falls due waits; it closes by freezing what
-   is alive (the new snapshot, never walked again) and restoring the thresholds. As it
-   opens, the sweeps (Rule 3) start over at their shortest period: a fleet's acks begin
-   with the pushes, and a period learned while the fleet was idle would let a second of
-   them pile up for one sweep (near 50 ms of the loop with ten thousand Nodes). A
+   is alive (the new snapshot, never walked again) and restoring the thresholds. While
+   it is open, the sweeps (Rule 3) run at their shortest period, from its opening on: a
+   fleet's acks begin with the pushes, and a period learned while the fleet was idle, or
+   while the operation had not begun to push, would let a second of them pile up for
+   one sweep (20-50 ms of the loop with ten thousand Nodes). A
    fleet's apply makes hundreds of thousands of objects in a few seconds, and with
    the usual thresholds the middle and oldest generations' collections would walk
    them again and again: seconds of the loop's time in all, which callers wait
@@ -330,7 +331,8 @@ class HeapKeeper:
             began = self._timer()
             self._gc.collect(0)  # the period's young garbage: not frozen (Rule 3)
             self._gc.freeze()
-            period = sweep_period(period, self._timer() - began)
+            took = self._timer() - began
+            period = SWEEP_MIN_S if self._holds else sweep_period(period, took)  # Rule 5
 
     async def _watch(self) -> None:
         """Rules 2, 4 and 5, as connects and session ends come and holds end."""
