@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Final, Generic, Protocol, TypeVar
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
@@ -119,6 +119,11 @@ class SessionStatistics:
     runs: int
     outbox_used: int
     pending_cancels: int
+
+
+#: The frames `NodeSession.send` writes at once when it can: one per run or push, the
+#: request path's and a fleet's refresh.
+_DIRECT: Final = (wire.Run, wire.Refresh)
 
 
 class _Awaited(Generic[_Answer]):
@@ -202,9 +207,12 @@ class NodeSession:
     # --- sending ---------------------------------------------------------------------
 
     async def send(self, message: wire.Message) -> None:
-        """Send a frame: written at once when nothing waits to be sent and the socket
-        takes it (the channel's `send_now`: no wake-up of the writer per run or refresh
-        push); otherwise queued for the writer; waits only while the outbox is full.
+        """Send a frame: a `run` or a `refresh` push is written at once when nothing waits
+        to be sent and the socket takes it (the channel's `send_now`: no wake-up of the
+        writer per run or push); anything else (a `goaway`, a model command: a caller
+        that may be shutting down must not wait out the rest of a begun frame), or a
+        frame that cannot go at once, is queued for the writer; waits only while the
+        outbox is full.
 
         Not a checkpoint when there is room: a caller that goes on to wait for the
         answer yields there, and the writer runs then. Raises `wire.FrameTooLarge` for a
@@ -213,7 +221,7 @@ class NodeSession:
             raise SessionClosed(self.node_id)
         frame = wire.encode_bounded(message)
         try:
-            direct = not self._pending_cancels
+            direct = isinstance(message, _DIRECT) and not self._pending_cancels
             if not (direct and await self._channel.send_now(frame)):
                 await self._channel.send(frame)
         except ChannelClosed:
