@@ -111,9 +111,6 @@ class _Handover:
     async def send(self, message: bytes | str) -> None:
         self._deliver(message)
 
-    def close(self) -> None:
-        self.queue.close()
-
     async def aclose(self) -> None:
         await self.queue.aclose()
 
