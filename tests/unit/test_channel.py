@@ -39,6 +39,13 @@ def _one_frame_each(first: bytes, take: Callable[[], bytes | None]) -> Iterable[
     return (first,)
 
 
+def _edge_channel(websocket: WebSocketConnection) -> Channel[bytes, wire.NodeToEdge]:
+    """A channel as the Edge's side runs it: it reads Node messages, sends a frame each."""
+    return Channel[bytes, wire.NodeToEdge](
+        websocket, decode=wire.decode_from_node, pack=_one_frame_each
+    )
+
+
 @asynccontextmanager
 async def _pair(
     nursery: trio.Nursery,
@@ -65,9 +72,7 @@ async def _closed(client: WebSocketConnection) -> ConnectionClosed:
 
 async def test_a_reject_leaves_after_what_was_queued_then_the_close(nursery: trio.Nursery) -> None:
     async with _pair(nursery) as (server, client):
-        channel = Channel[bytes, wire.NodeToEdge](
-            server, decode=wire.decode_from_node, pack=_one_frame_each
-        )
+        channel = _edge_channel(server)
         channel.send_nowait(b"first")
         await channel.send(b"second")
         channel.reject("protocol_error", "no hello twice")
@@ -87,9 +92,7 @@ async def test_a_frame_that_does_not_decode_is_rejected_and_the_reader_told(
     nursery: trio.Nursery,
 ) -> None:
     async with _pair(nursery) as (server, client):
-        channel = Channel[bytes, wire.NodeToEdge](
-            server, decode=wire.decode_from_node, pack=_one_frame_each
-        )
+        channel = _edge_channel(server)
         nursery.start_soon(channel.write)
         await client.send_message(b"\xc1 not msgpack")
         with trio.fail_after(GUARD_S):
@@ -113,9 +116,7 @@ async def test_each_message_is_handled_as_it_arrives_in_order_until_the_connecti
     """`receive_each` hands every message over from trio-websocket's reader task (Rule 3):
     the receiving task does not wake per message; it returns when the connection ends."""
     async with _pair(nursery) as (server, client):
-        channel = Channel[bytes, wire.NodeToEdge](
-            server, decode=wire.decode_from_node, pack=_one_frame_each
-        )
+        channel = _edge_channel(server)
         handled: list[tuple[str | None, bool]] = []
         receiving: list[trio.lowlevel.Task] = []
         two = trio.Event()
@@ -149,9 +150,7 @@ async def test_a_frame_that_does_not_decode_ends_the_delivery_with_a_reject(
     nursery: trio.Nursery,
 ) -> None:
     async with _pair(nursery) as (server, client):
-        channel = Channel[bytes, wire.NodeToEdge](
-            server, decode=wire.decode_from_node, pack=_one_frame_each
-        )
+        channel = _edge_channel(server)
         handled: list[wire.NodeToEdge] = []
         nursery.start_soon(channel.write)
         await client.send_message(b"\xc1 not msgpack")
@@ -169,9 +168,7 @@ async def test_what_the_handler_raises_ends_the_delivery_and_is_raised(
     nursery: trio.Nursery,
 ) -> None:
     async with _pair(nursery) as (server, client):
-        channel = Channel[bytes, wire.NodeToEdge](
-            server, decode=wire.decode_from_node, pack=_one_frame_each
-        )
+        channel = _edge_channel(server)
         handled: list[str | None] = []
 
         def handle(message: wire.NodeToEdge) -> None:
@@ -189,9 +186,7 @@ async def test_what_the_handler_raises_ends_the_delivery_and_is_raised(
 
 async def test_a_producer_waits_while_the_outbox_is_full(nursery: trio.Nursery) -> None:
     async with _pair(nursery) as (server, client):
-        channel = Channel[bytes, wire.NodeToEdge](
-            server, decode=wire.decode_from_node, pack=_one_frame_each
-        )
+        channel = _edge_channel(server)
         for _ in range(OUTBOX_SIZE):
             channel.send_nowait(b"x")
         with pytest.raises(trio.WouldBlock):
@@ -220,9 +215,7 @@ async def test_a_frame_goes_out_at_once_when_nothing_waits_to_be_sent(
     """Rule 1's exception: no writer runs here, yet `send_now` frames reach the peer;
     once a frame is queued, the next waits behind it, and the writer sends both in order."""
     async with _pair(nursery) as (server, client):
-        channel = Channel[bytes, wire.NodeToEdge](
-            server, decode=wire.decode_from_node, pack=_one_frame_each
-        )
+        channel = _edge_channel(server)
         with trio.fail_after(GUARD_S):
             assert await channel.send_now(b"direct")
             assert await client.get_message() == b"direct"
@@ -246,9 +239,7 @@ async def test_a_frame_the_socket_took_in_part_is_finished_before_any_other(
     when it reads again, and no other frame (nor `send_now`) gets in meanwhile."""
     size = 512 * 1024
     async with _pair(nursery) as (server, client):
-        channel = Channel[bytes, wire.NodeToEdge](
-            server, decode=wire.decode_from_node, pack=_one_frame_each
-        )
+        channel = _edge_channel(server)
         nursery.start_soon(channel.write)
         sent: list[bytes] = []
 
@@ -283,9 +274,7 @@ class _SilentPeer:
 
 async def test_the_heartbeat_returns_when_a_ping_goes_unanswered(autojump_clock: MockClock) -> None:
     peer = _SilentPeer(answers=2)
-    channel = Channel[bytes, wire.NodeToEdge](
-        cast(WebSocketConnection, peer), decode=wire.decode_from_node, pack=_one_frame_each
-    )
+    channel = _edge_channel(cast(WebSocketConnection, peer))
     answered: list[float] = []
     await channel.heartbeat(
         partial(trio.sleep, 5.0), 15.0, lambda: answered.append(trio.current_time())
