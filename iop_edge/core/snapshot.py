@@ -26,11 +26,11 @@ from schemas.config import (
 )
 
 #: Nodes `Snapshot.building` looks at between two of its steps.
-STEP_NODES: Final = 256
+STEP_NODES: Final = 128
 #: Models' provider entries `Snapshot.building` looks at between two of its steps: a
 #: fleet's models list tens of thousands, and each lookup made from them would take a
 #: step of several milliseconds.
-STEP_ENTRIES: Final = 2048
+STEP_ENTRIES: Final = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +89,11 @@ class Snapshot:
         providers: dict[str, ProviderConfig] = {}
         provider_node: dict[str, str] = {}
         node_providers: dict[str, tuple[str, ...]] = {}
+        nodes: dict[str, NodeEntry] = {}
         for index, node in enumerate(config.nodes):
             if index % STEP_NODES == STEP_NODES - 1:
                 yield
+            nodes[node.id] = node
             for provider in node.providers:
                 providers[provider.id] = provider
                 provider_node[provider.id] = node.id
@@ -128,6 +130,10 @@ class Snapshot:
                     )
             rotations[model.id] = tuple(rotation)
         yield
+        provider_order = tuple(sorted(providers))
+        yield
+        idle = idle_rules(config.models, provider_node)
+        yield
         policies = PrincipalPolicies.from_config(config)
         yield
         return cls(
@@ -137,15 +143,15 @@ class Snapshot:
             models={model.id: model for model in config.models},
             providers=providers,
             provider_node=provider_node,
-            nodes={node.id: node for node in config.nodes},
+            nodes=nodes,
             principals={t.token_hash_sha256: t for t in config.openai.principal_tokens},
             policies=policies,
             node_providers=node_providers,
             provider_models=provider_models,
             rivals=rivals,
-            provider_order=tuple(sorted(providers)),
+            provider_order=provider_order,
             rotations=rotations,
-            idle=idle_rules(config.models, provider_node),
+            idle=idle,
         )
 
     @property

@@ -150,6 +150,10 @@ async def test_a_fleet_refresh_holds_the_loop_no_step_longer_than_the_bound(
         trio.lowlevel.remove_instrument(steps)
 
     assert dry.report.outcome == "dry_run" and len(dry.report.changes) == NODES * PER_NODE
+    # the plan's lists came from the worker in pieces, in order, with its paths by class
+    assert dry.report.live_paths == [change.path for change in dry.report.changes]
+    assert dry.report.restart_required_paths == []
+    assert len(dry.report.changed_providers) == NODES * PER_NODE
     assert applied.report.outcome == "applied"
     assert [node.status for node in applied.report.nodes] == ["applied"] * NODES
     assert edge.scheduler.snapshot.revision == 2

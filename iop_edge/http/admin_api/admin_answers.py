@@ -22,16 +22,16 @@ def json_response(payload: object, status: int = 200) -> Response:
     return encoded_response(_encode(payload), status)
 
 
-def encoded_response(body: bytes, status: int = 200) -> Response:
+def encoded_response(body: bytes | bytearray, status: int = 200) -> Response:
     """`body`, JSON, as the answer: past `_ANSWER_PIECE`, sent in pieces of that size."""
-    if len(body) <= _ANSWER_PIECE:
-        return Response(body, status=status, content_type="application/json")
+    if len(body) <= _ANSWER_PIECE:  # Quart takes bytes whole, and any other body as pieces
+        return Response(bytes(body), status=status, content_type="application/json")
     response = Response(_in_pieces(body), status=status, content_type="application/json")
     response.content_length = len(body)
     return response
 
 
-async def _in_pieces(body: bytes) -> AsyncIterator[bytes]:
+async def _in_pieces(body: bytes | bytearray) -> AsyncIterator[bytes]:
     view = memoryview(body)
     for start in range(0, len(view), _ANSWER_PIECE):
         yield bytes(view[start : start + _ANSWER_PIECE])

@@ -14,7 +14,7 @@ from werkzeug.exceptions import RequestTimeout
 
 from iop_edge.http.admin_api.admin_answers import encoded_response, error_response, json_response
 from iop_edge.http.admin_api.admin_services import AdminServices
-from iop_edge.runtime.refresh.refresh import decode_request
+from iop_edge.runtime.refresh.refresh_request import decode_request
 from schemas.refresh import RefreshVerdict
 from schemas.restart import RestartOutcome
 

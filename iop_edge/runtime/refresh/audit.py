@@ -27,7 +27,6 @@ import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from functools import partial
 from pathlib import Path
 from typing import Final
 
@@ -35,6 +34,7 @@ import msgspec
 import trio
 
 from iop_edge.core.configuration.config import utf8_pieces
+from iop_edge.runtime.refresh.json_pieces import encode_in_pieces
 from schemas.refresh import (
     NodeResult,
     RefreshError,
@@ -172,13 +172,9 @@ class AuditLog:
         raises `OSError` if it cannot be written: the attempt must then not go ahead."""
         when = now or datetime.now(UTC)
         await trio.lowlevel.checkpoint()  # the report was built in this step: a fleet's
-        # report and its line are tens of milliseconds each, so each gets a step
-
-        def encode() -> _Line:
-            record = AuditRecord.of(report, verdict=verdict, config_sha256=config_sha256, now=when)
-            return _line(self._encoder, record, room=room)
-
-        line = encode()
+        # report and its line are milliseconds each, so each gets steps of its own
+        record = AuditRecord.of(report, verdict=verdict, config_sha256=config_sha256, now=when)
+        line = await _line(self._encoder, record, room=room)
         async with self._lock:
             offset = await trio.to_thread.run_sync(append_line, self.path, line)
         return Reservation(offset=offset, length=len(line))
@@ -195,20 +191,10 @@ class AuditLog:
         """Write the attempt's whole record over its reserved line; a record that does not
         fit (cannot happen within `reserve_room`'s bounds) is appended after it instead.
         Raises `OSError` if the log cannot be written."""
-        build = partial(
-            AuditRecord.of,
-            report,
-            verdict=verdict,
-            config_sha256=config_sha256,
-            now=now or datetime.now(UTC),
-        )
-
-        def built_and_encoded() -> tuple[AuditRecord, _Line]:
-            record = build()
-            return record, _line(self._encoder, record, width=reservation.length)
-
+        when = now or datetime.now(UTC)
         await trio.lowlevel.checkpoint()  # as in `reserve`
-        record, line = built_and_encoded()
+        record = AuditRecord.of(report, verdict=verdict, config_sha256=config_sha256, now=when)
+        line = await _line(self._encoder, record, width=reservation.length)
         async with self._lock:
             if len(line) == reservation.length:
                 await trio.to_thread.run_sync(_overwrite, self.path, reservation.offset, line)
@@ -238,7 +224,7 @@ class AuditLog:
         return record
 
     async def _write(self, record: AuditRecord) -> None:
-        line = _line(self._encoder, record)
+        line = await _line(self._encoder, record)
         async with self._lock:
             await trio.to_thread.run_sync(append_line, self.path, line)
 
@@ -271,14 +257,17 @@ class _Line:
         return [self.json, *([_SPACES] * whole), _SPACES[:rest] + b"\n"]
 
 
-def _line(
+async def _line(
     encoder: msgspec.json.Encoder, record: AuditRecord, *, room: int = 0, width: int = 0
 ) -> _Line:
     """`record` as one line: JSON, then `room` spaces, or spaces up to `width` bytes in
-    all when it fits, then a newline."""
-    json = bytearray()
-    encoder.encode_into(record, json)
+    all when it fits, then a newline. A fleet's lists are encoded a piece a step."""
+    json = await encode_in_pieces(encoder, record, _LONG_LISTS)
     return _Line(json, max(room, width - 1 - len(json), 0))
+
+
+#: The lists of a record that grow with the fleet (`encode_in_pieces`).
+_LONG_LISTS: Final = ("changed_paths", "nodes")
 
 
 def append_line(path: Path, line: bytes | bytearray | _Line) -> int:

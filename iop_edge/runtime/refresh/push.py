@@ -116,15 +116,22 @@ async def push_all(
     connected = target.connected_nodes()
     pushed = [node_id for node_id in ids if node_id in connected]
     deadline_s = policy.deadline_s(len(pushed))
-    results = {node_id: NodeResult(id=node_id, status="not_connected") for node_id in ids}
-    for node_id in pushed:
-        results[node_id] = _late(node_id, deadline_s)
+    results: dict[str, NodeResult] = {}
     turns = _Turns(pushed, policy.rate_per_s)
     with trio.move_on_after(deadline_s):
         async with trio.open_nursery() as nursery:
             for _ in range(min(policy.fanout, len(pushed))):
                 nursery.start_soon(_push_worker, target, turns, snapshot, policy, results)
-    return [results[node_id] for node_id in ids]
+    await trio.lowlevel.checkpoint()  # a fleet's results are collected in a step of their own
+    return [
+        results.get(node_id)
+        or (
+            _late(node_id, deadline_s)
+            if node_id in connected
+            else NodeResult(id=node_id, status="not_connected")
+        )
+        for node_id in ids
+    ]
 
 
 class _Turns:

@@ -65,6 +65,7 @@ from iop_edge.runtime.refresh.audit import (
     reserve_room,
     write_config_atomically,
 )
+from iop_edge.runtime.refresh.json_pieces import encode_in_pieces
 from iop_edge.runtime.refresh.push import CatchUp, PushPolicy, push_all
 from iop_edge.runtime.refresh.worker_client import RefreshWorker, WorkerFailed
 from iop_edge.runtime.refresh.worker_protocol import Invalid, Plan, Prepare, Prepared
@@ -86,7 +87,6 @@ __all__ = [
     "RefreshTarget",
     "Refresher",
     "RefresherStatistics",
-    "decode_request",
 ]
 
 log = logging.getLogger(__name__)
@@ -103,30 +103,28 @@ class RefreshResult:
     verdict: RefreshVerdict
     report: RefreshReport
 
-    async def report_json(self) -> bytes:
-        """The report as JSON, encoded in a step of its own (a fleet's is megabytes)."""
+    async def report_json(self) -> bytearray:
+        """The report as JSON; a fleet's (megabytes) a piece a step (`json_pieces`)."""
         await trio.lowlevel.checkpoint()
-        return _REPORT_ENCODER.encode(self.report)
+        return await encode_in_pieces(_REPORT_ENCODER, self.report, _LONG_LISTS)
 
 
 #: Encodes the reports `RefreshResult.report_json` answers with.
 _REPORT_ENCODER: Final = msgspec.json.Encoder()
-#: Decodes `POST /refresh` bodies (`decode_request`).
-_REQUEST_DECODER: Final = msgspec.json.Decoder(RefreshRequest)
+#: The lists of a report that grow with the fleet (`encode_in_pieces`).
+_LONG_LISTS: Final = (
+    "changed_nodes",
+    "changed_providers",
+    "changes",
+    "live_paths",
+    "restart_required_paths",
+    "nodes",
+)
 #: The longest a refresh waits for the worker to read, check and plan a candidate before
 #: it fails the refresh and restarts the worker (a fleet's candidate takes seconds).
 WORKER_DEADLINE_S: Final = 120.0
 #: How much longer the Edge waits for a worker that did not end itself at its deadline.
 WORKER_GRACE_S: Final = 1.0
-
-
-async def decode_request(pieces: list[bytes]) -> RefreshRequest:
-    """A `POST /refresh` body, in the pieces it arrived in, as a request (an empty body is
-    `{}`). Raises `msgspec.DecodeError`, or `RecursionError` for an unknown field nested
-    too deeply (msgspec skips unknown fields recursively). A fleet's config is megabytes
-    of JSON string: unescaping it is one step of a few milliseconds, on the loop."""
-    await trio.lowlevel.checkpoint()
-    return _REQUEST_DECODER.decode(b"".join(pieces) or b"{}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ from iop_edge.core.refresh.refresh_plan import needs_push, plan_apply
 from iop_edge.runtime.refresh.config_file import check_config, load_config
 from iop_edge.runtime.refresh.worker_protocol import (
     HEADER_BYTES,
+    PIECE_ITEMS,
     VERSION,
     Built,
     Failed,
@@ -167,15 +168,23 @@ def _idle_rules(config: EdgeConfig) -> dict[str, tuple[IdleRule, ...]]:
 
 
 def _write_reply(replies: BinaryIO, reply: Reply) -> None:
-    """`reply`, then a built candidate's changed Nodes, a frame each
-    (`worker_protocol`, Rule 3)."""
-    nodes: list[bytes] = []
+    """`reply`, then its plan's long lists in pieces and a built candidate's changed
+    Nodes, a frame each (`worker_protocol`, Rules 3 and 5)."""
+    pieces: list[bytes] = []
+    if isinstance(reply, Prepared):
+        plan, lists = reply.plan.cut()
+        pieces = [
+            _ENCODER.encode(items[start : start + PIECE_ITEMS])
+            for items in lists
+            for start in range(0, len(items), PIECE_ITEMS)
+        ]
+        reply = msgspec.structs.replace(reply, plan=plan)
     if isinstance(reply, Prepared) and reply.built is not None:
-        nodes = reply.built.nodes
+        pieces += reply.built.nodes
         reply = msgspec.structs.replace(reply, built=msgspec.structs.replace(reply.built, nodes=[]))
     replies.write(frame(_ENCODER.encode(reply)))
-    for node in nodes:
-        replies.write(frame(node))
+    for piece in pieces:
+        replies.write(frame(piece))
     replies.flush()
 
 

@@ -18,23 +18,28 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from typing import Final
+from collections.abc import Callable
+from typing import Any, Final
 
 import msgspec
 import trio
 
 from iop_edge.runtime.refresh.worker_protocol import (
     HEADER_BYTES,
+    PIECE_ITEMS,
+    PLAN_LISTS,
     VERSION,
     Failed,
     Hello,
     Invalid,
+    Plan,
     Prepare,
     Prepared,
     Reply,
     frame,
 )
 from schemas.config import EdgeConfig
+from schemas.refresh import Change
 
 __all__ = ["WORKER_MODULE", "RefreshWorker", "WorkerFailed"]
 
@@ -50,6 +55,14 @@ NODES_AT_ONCE: Final = 256
 _CHUNK: Final = 1 << 20
 
 _DECODE_REPLY: Final = msgspec.msgpack.Decoder(Reply)
+_DECODE_CHANGES: Final = msgspec.msgpack.Decoder(list[Change])
+_DECODE_NAMES: Final = msgspec.msgpack.Decoder(list[str])
+#: Decode the pieces of a plan's long lists, in `PLAN_LISTS` order.
+_DECODE_PLAN_LISTS: Final[tuple[Callable[[bytes], list[Any]], ...]] = (
+    _DECODE_CHANGES.decode,
+    _DECODE_NAMES.decode,
+    _DECODE_NAMES.decode,
+)
 _ENCODER: Final = msgspec.msgpack.Encoder()
 
 
@@ -127,6 +140,9 @@ class RefreshWorker:
                 raise WorkerFailed(f"the refresh worker failed: {reply.message}")
             if isinstance(reply, Hello):
                 raise WorkerFailed("the refresh worker said hello twice")
+            if isinstance(reply, Prepared):
+                plan = await _receive_plan(running, reply.plan)
+                reply = msgspec.structs.replace(reply, plan=plan)
             if isinstance(reply, Prepared) and reply.built is not None:
                 nodes = await _receive_nodes(running, len(reply.built.changed))
                 built = msgspec.structs.replace(reply.built, nodes=nodes)
@@ -216,6 +232,26 @@ async def _receive(running: _Running) -> Reply:
         return _DECODE_REPLY.decode(payload)
     except msgspec.DecodeError as exc:
         raise WorkerFailed(f"the refresh worker answered what is not a reply: {exc}") from exc
+
+
+async def _receive_plan(running: _Running, plan: Plan) -> Plan:
+    """`plan` with its long lists, whose pieces follow the reply (`worker_protocol`, Rule
+    5), decoded a piece a step."""
+    if len(plan.lengths) != len(PLAN_LISTS):
+        raise WorkerFailed("the refresh worker answered a plan without its lists' lengths")
+    lists: list[list[Any]] = []
+    for length, decode in zip(plan.lengths, _DECODE_PLAN_LISTS, strict=True):
+        items: list[Any] = []
+        for _ in range(0, length, PIECE_ITEMS):
+            await trio.lowlevel.checkpoint()
+            size = int.from_bytes(await _take(running, HEADER_BYTES), "big")
+            try:
+                items += decode(await _take(running, size))
+            except msgspec.DecodeError as exc:
+                raise WorkerFailed(f"the refresh worker answered a broken plan: {exc}") from exc
+        lists.append(items)
+    await trio.lowlevel.checkpoint()
+    return plan.joined(lists)
 
 
 async def _receive_nodes(running: _Running, count: int) -> list[bytes]:

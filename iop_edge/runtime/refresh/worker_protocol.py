@@ -22,10 +22,15 @@ Rules:
    order (an unchanged Node is not sent: the Edge keeps the very object it runs). So the
    Edge neither reads nor decodes a fleet's megabytes in one step: it reads the frames a
    few hundred at a time and decodes them a Node at a time.
+5. A reply's plan comes without its long lists (`PLAN_LISTS`: its changes, changed Nodes
+   and changed providers, tens of thousands each for a fleet): `Plan.lengths` says how
+   long each is, and each follows the reply in frames of at most `PIECE_ITEMS` items,
+   in that order, before any Node (Rule 3). The Edge decodes them a frame a step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Final
 
 import msgspec
@@ -47,7 +52,7 @@ __all__ = [
 ]
 
 #: The protocol this module describes; bumped on any change to the messages.
-VERSION: Final = 2
+VERSION: Final = 3
 #: The frame header: the payload's length, big-endian.
 HEADER_BYTES: Final = 4
 
@@ -89,17 +94,44 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     changed_models: list[str]
     pending_restart: list[str]
     errors: list[RefreshError]
+    lengths: list[int] = []
+    """On the wire, the lengths of the lists that follow in pieces (Rule 5), their own
+    fields empty; empty once the receiving side put them in place."""
+    live_paths: list[str] = []
+    """The paths of the live changes: empty on the wire, made by the receiving side."""
+    restart_required_paths: list[str] = []
+    """The paths of the restart-required changes, likewise."""
 
     def __bool__(self) -> bool:
         return bool(self.changes)
 
-    @property
-    def live_paths(self) -> list[str]:
-        return [change.path for change in self.changes if change.class_ == "live"]
+    def cut(self) -> tuple[Plan, list[list[Change] | list[str]]]:
+        """This plan as it goes on the wire, and its long lists, which follow (Rule 5)."""
+        lists: list[list[Change] | list[str]] = [getattr(self, name) for name in PLAN_LISTS]
+        cut = msgspec.structs.replace(
+            self, **{name: [] for name in PLAN_LISTS}, lengths=[len(items) for items in lists]
+        )
+        return cut, lists
 
-    @property
-    def restart_required_paths(self) -> list[str]:
-        return [change.path for change in self.changes if change.class_ == "restart_required"]
+    def joined(self, lists: Sequence[list[Change] | list[str]]) -> Plan:
+        """This plan from the wire with its long lists in place (Rule 5), and the paths of
+        its changes by class."""
+        joined = msgspec.structs.replace(self, **dict(zip(PLAN_LISTS, lists, strict=True)))
+        changes = joined.changes
+        return msgspec.structs.replace(
+            joined,
+            lengths=[],
+            live_paths=[change.path for change in changes if change.class_ == "live"],
+            restart_required_paths=[
+                change.path for change in changes if change.class_ == "restart_required"
+            ],
+        )
+
+
+#: The lists of a `Plan` that follow a reply in pieces, in this order (Rule 5).
+PLAN_LISTS: Final = ("changes", "changed_nodes", "changed_providers")
+#: The most items of a list in one frame (Rule 5).
+PIECE_ITEMS: Final = 1024
 
 
 class Built(msgspec.Struct, frozen=True, kw_only=True):
