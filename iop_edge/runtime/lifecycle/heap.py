@@ -63,7 +63,8 @@ at it again only at moments it chooses:
    (`runtime.refresh.worker`); what it makes here is the new snapshot (its changed
    Nodes, its lookups) and a fleet's pushes. `held()` keeps the heap out of the
    collector's sight for such a bulk operation on the loop: a refresh's apply
-   (assembling the new snapshot, the swap, the pushes to every Node and their acks).
+   (reading the worker's plan, assembling the new snapshot, the swap, the pushes to
+   every Node and their acks), opened before the worker answers.
    It opens by collecting the young and middle generations (`RECENT`) and freezing
    what is alive; while open only young collections run (what the operation and
    callers' requests make, cheap to look at: what survives them waits in the middle

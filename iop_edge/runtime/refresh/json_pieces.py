@@ -65,42 +65,63 @@ async def encode_in_pieces(
 
 async def decode_string_in_pieces(raw: bytes | memoryview) -> str:
     """The JSON string `raw` (quotes included) as text, a piece a step with a checkpoint
-    before each (Rule 2). Raises `msgspec.DecodeError` for what is not a JSON string."""
-    data = bytes(raw)
-    if len(data) <= STEP_BYTES or data[:1] != b'"' or data[-1:] != b'"':
-        return _STRING.decode(data)
+    before each (Rule 2); only a piece at a time is copied. Raises `msgspec.DecodeError`
+    for what is not a JSON string."""
+    view = memoryview(raw)
+    end = len(view) - 1  # the closing quote's place
+    if end < STEP_BYTES or view[:1].tobytes() != b'"' or view[end:].tobytes() != b'"':
+        return _STRING.decode(view)
     parts: list[str] = []
-    start, end = 1, len(data) - 1
+    start = 1
     while start < end:
-        cut = _cut(data, start, min(start + STEP_BYTES, end), end)
         await trio.lowlevel.checkpoint()
-        parts.append(_STRING.decode(b'"' + data[start:cut] + b'"'))
-        start = cut
+        piece = _piece(view, start, end)
+        parts.append(_STRING.decode(b'"' + piece + b'"'))
+        start += len(piece)
     return "".join(parts)
 
 
-def _cut(data: bytes, start: int, at: int, end: int) -> int:
-    """Where the piece from `start` ends (Rule 2): just before the last escaped newline
-    before `at`, else the first after it, else at `end`."""
-    if at >= end:
-        return end
-    position = at
-    while (found := data.rfind(b"\\n", start + 1, position)) > start:
-        if _begins_escape(data, found):
+def _piece(view: memoryview, start: int, end: int) -> bytes:
+    """The piece from `start` (Rule 2): up to just before the last escaped newline within
+    `STEP_BYTES`, else the first after them, else up to `end`."""
+    window = view[start : min(start + STEP_BYTES, end)].tobytes()
+    if start + len(window) >= end:
+        return window
+    cut = _last_newline(window)
+    while cut is None:  # none in the window: look on, a window at a time
+        more = view[start + len(window) : min(start + len(window) + STEP_BYTES, end)].tobytes()
+        if not more:
+            return window
+        at = len(window)
+        window += more
+        cut = _first_newline(window, max(at - 1, 1))
+    return window[:cut]
+
+
+def _last_newline(window: bytes) -> int | None:
+    """Where the last escaped newline of `window` begins, if any (not at its start)."""
+    position = len(window)
+    while (found := window.rfind(b"\\n", 1, position)) > 0:
+        if _begins_escape(window, found):
             return found
         position = found
-    position = at
-    while (found := data.find(b"\\n", position, end)) >= 0:
-        if _begins_escape(data, found):
+    return None
+
+
+def _first_newline(window: bytes, start: int) -> int | None:
+    """Where the first escaped newline of `window` at or after `start` begins, if any."""
+    while (found := window.find(b"\\n", start)) > 0:
+        if _begins_escape(window, found):
             return found
-        position = found + 1
-    return end
+        start = found + 1
+    return None
 
 
 def _begins_escape(data: bytes, backslash: int) -> bool:
     """Whether the backslash at `backslash` begins an escape: an even number of
-    backslashes just before it (each pair one escaped backslash)."""
+    backslashes just before it (each pair one escaped backslash). A piece begins where
+    no escape is cut, so counting within it is enough."""
     run = 0
-    while data[backslash - 1 - run] == _BACKSLASH:
+    while backslash - 1 - run >= 0 and data[backslash - 1 - run] == _BACKSLASH:
         run += 1
     return run % 2 == 0

@@ -487,6 +487,12 @@ class Refresher:
             build=request.mode == "apply",
             deadline_s=self._deadline_in_worker(),
         )
+        keep: Callable[[], None] = _nothing
+        if ask.build:
+            # From the worker's answer (a fleet's plan, read here) to the apply's end the
+            # loop makes a fleet's worth of objects; opened now, the hold's first
+            # collection has only what is young before the answer to look at.
+            keep = self._holding.enter_context(self._hold())
         # The worker ends itself at its deadline (in real time); this one, a little later,
         # is for a worker that cannot even do that.
         with trio.move_on_after(self._worker_deadline_s + WORKER_GRACE_S):
@@ -497,8 +503,6 @@ class Refresher:
             snapshot: Snapshot | None = None
             to_push: tuple[str, ...] = ()
             if answer.built is not None:
-                # From here to the apply's end the loop makes a fleet's worth of objects.
-                keep = self._holding.enter_context(self._hold())
                 snapshot = await assemble(
                     answer.built, base, config_sha256=answer.config_sha256, keep=keep
                 )
@@ -650,6 +654,10 @@ def _interrupted(node_ids: list[str]) -> list[NodeResult]:
     return [
         NodeResult(id=node_id, status="failed", detail="push interrupted") for node_id in node_ids
     ]
+
+
+def _nothing() -> None:
+    """What a dry run keeps of the heap: nothing (it builds nothing)."""
 
 
 def _no_candidate() -> ConfigError:
