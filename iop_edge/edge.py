@@ -82,8 +82,9 @@ from iop_edge.runtime.nodes.hub import (
     NodeHub,
 )
 from iop_edge.runtime.nodes.node_server import NodeServer
-from iop_edge.runtime.nodes.session import NodeSession, SessionClosed
+from iop_edge.runtime.nodes.session import NodeSession
 from iop_edge.runtime.refresh.audit import AuditLog
+from iop_edge.runtime.refresh.push import AckListener
 from iop_edge.runtime.refresh.refresh import Refresher, RefreshResult
 from iop_edge.runtime.runs.dispatch import Dispatcher
 from iop_edge.runtime.runs.limits import LedgerTotals, PrincipalLimiter
@@ -304,15 +305,13 @@ class Edge:
         return {session.node_id: session.applied_revision for session in self.hub.sessions()}
 
     async def push_node_config(
-        self, node_id: str, revision: int, node_config: NodeConfig
-    ) -> wire.RefreshAck | None:
+        self, node_id: str, revision: int, node_config: NodeConfig, answer: AckListener
+    ) -> None:
         session = self.hub.session(node_id)
         if session is None:
-            return None
-        try:
-            return await session.request_refresh(revision, node_config, self._config_time)
-        except SessionClosed:
-            return None
+            answer(None)
+            return
+        await session.push_refresh(revision, node_config, self._config_time, answer)
 
     # --- wiring -------------------------------------------------------------------------
 

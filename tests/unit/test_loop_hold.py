@@ -26,6 +26,7 @@ from iop_edge.core.refresh import refresh_plan
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.lifecycle.heap import HeapKeeper
 from iop_edge.runtime.refresh.audit import AuditLog
+from iop_edge.runtime.refresh.push import AckListener
 from iop_edge.runtime.refresh.refresh import Refresher
 from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas.config import NodeConfig
@@ -89,11 +90,12 @@ class FleetEdge:
         return self.applied
 
     async def push_node_config(
-        self, node_id: str, revision: int, node_config: NodeConfig
-    ) -> RefreshAck | None:
-        await trio.lowlevel.checkpoint()  # the ack arrives in a later step
+        self, node_id: str, revision: int, node_config: NodeConfig, answer: AckListener
+    ) -> None:
         self.applied[node_id] = revision
-        return RefreshAck(revision=revision, ok=True)
+        # the ack arrives in a later step, as a Node's does
+        ack = RefreshAck(revision=revision, ok=True)
+        trio.lowlevel.current_trio_token().run_sync_soon(answer, ack)
 
 
 class LongestStep(trio.abc.Instrument):
@@ -175,9 +177,11 @@ async def test_a_change_to_one_node_checks_and_pushes_that_node_only(
     pushed: list[str] = []
     push = edge.push_node_config
 
-    async def recorded(node_id: str, revision: int, node_config: NodeConfig) -> RefreshAck | None:
+    async def recorded(
+        node_id: str, revision: int, node_config: NodeConfig, answer: AckListener
+    ) -> None:
         pushed.append(node_id)
-        return await push(node_id, revision, node_config)
+        await push(node_id, revision, node_config, answer)
 
     edge.push_node_config = recorded  # type: ignore[method-assign]
     one = running.replace("capacity: 4", "capacity: 9", 1)  # node-0000's first provider

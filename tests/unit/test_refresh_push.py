@@ -4,15 +4,17 @@ autojump clock's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
 import trio.testing
 
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.runtime.refresh.push import CatchUp, PushPolicy, _Turns, push_all
+from iop_edge.runtime.refresh.push import AckListener, CatchUp, PushPolicy, _Turns, push_all
 from schemas.config import EdgeConfig, NodeConfig, NodeEntry, ProviderConfig
+from schemas.refresh import NodeResult
 from schemas.wire import RefreshAck
 
 
@@ -32,7 +34,8 @@ def snapshot(nodes: int, revision: int = 2) -> Snapshot:
 
 class Fleet:
     """A `PushTarget`: each Node acks after `ack_after_s`, or never (`silent`), or is
-    gone (`gone`); it records when each push began and how many were in flight."""
+    gone (`gone`); it records when each push began and how many were in flight. Its acks
+    come from tasks of its own nursery (`acking`), as a Node's come from its session."""
 
     def __init__(self, current: Snapshot, *, ack_after_s: float = 1.0) -> None:
         self.snapshot = current
@@ -46,6 +49,14 @@ class Fleet:
         self.in_flight = 0
         self.most_in_flight = 0
         self._changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+
+    @asynccontextmanager
+    async def acking(self) -> AsyncIterator[None]:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            yield
+            nursery.cancel_scope.cancel()
 
     def _change(self) -> None:
         self._changed.set()
@@ -63,23 +74,31 @@ class Fleet:
         return self.applied
 
     async def push_node_config(
-        self, node_id: str, revision: int, node_config: NodeConfig
-    ) -> RefreshAck | None:
+        self, node_id: str, revision: int, node_config: NodeConfig, answer: AckListener
+    ) -> None:
         if node_id not in self.connected:
-            return None
+            answer(None)
+            return
         self.pushes.append((node_id, trio.current_time()))
         self._change()
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        try:
-            if node_id in self.silent:
-                await trio.sleep_forever()
-            await trio.sleep(self.ack_after.get(node_id, self.ack_after_s))
-        finally:
-            self.in_flight -= 1
+        if node_id not in self.silent:
+            assert self._nursery is not None, "push within `acking()`"
+            self._nursery.start_soon(self._ack, node_id, revision, answer)
+
+    async def _ack(self, node_id: str, revision: int, answer: AckListener) -> None:
+        await trio.sleep(self.ack_after.get(node_id, self.ack_after_s))
+        self.in_flight -= 1
         self.applied[node_id] = revision
+        answer(RefreshAck(revision=revision, ok=True))
         self._change()
-        return RefreshAck(revision=revision, ok=True)
+
+
+async def push(fleet: Fleet, current: Snapshot, policy: PushPolicy) -> list[NodeResult]:
+    async with fleet.acking():
+        results = await push_all(fleet, sorted(current.nodes), current, policy)
+    return results
 
 
 async def test_pushes_stay_within_the_fan_out_and_the_deadline_grows_with_the_fleet(
@@ -91,7 +110,7 @@ async def test_pushes_stay_within_the_fan_out_and_the_deadline_grows_with_the_fl
     # push's deadline (5 s + 2 s a Node = 29 s) leaves room for every one of them.
     policy = PushPolicy(timeout_s=5.0, per_node_s=2.0, fanout=2)
     began = trio.current_time()
-    results = await push_all(fleet, sorted(current.nodes), current, policy)
+    results = await push(fleet, current, policy)
     assert [r.status for r in results] == ["applied"] * 12
     assert fleet.most_in_flight == 2
     # Six rounds of 4 s; the pushes of a round start half a millisecond apart (the rate).
@@ -108,7 +127,7 @@ async def test_pushes_start_evenly_at_the_rate_and_the_deadline_makes_room_for_i
     policy = PushPolicy(timeout_s=1.0, per_node_s=0.0, fanout=64, rate_per_s=10.0)
     assert policy.deadline_s(30) == pytest.approx(4.0)
     began = trio.current_time()
-    results = await push_all(fleet, sorted(current.nodes), current, policy)
+    results = await push(fleet, current, policy)
     assert [r.status for r in results] == ["applied"] * 30
     starts = [at - began for _, at in fleet.pushes]
     assert starts == pytest.approx([i / 10 for i in range(30)])
@@ -124,7 +143,7 @@ async def test_a_slow_ack_does_not_let_the_pushes_after_it_burst(
     fleet.ack_after = {"n0": 1.0, "n1": 0.9}  # both workers busy until 1 s
     policy = PushPolicy(timeout_s=5.0, fanout=2, rate_per_s=10.0)
     began = trio.current_time()
-    await push_all(fleet, sorted(current.nodes), current, policy)
+    await push(fleet, current, policy)
     starts = sorted(at - began for _, at in fleet.pushes)
     assert starts == pytest.approx([0.0, 0.1, 1.0, 1.1])  # the turns missed are not made up
 
@@ -142,7 +161,7 @@ async def test_nodes_still_queued_at_the_deadline_are_failed_not_forgotten(
     current = snapshot(6)
     fleet = Fleet(current, ack_after_s=4.0)
     policy = PushPolicy(timeout_s=5.0, per_node_s=0.6, fanout=2)  # 8.6 s: two rounds of 4 s
-    results = await push_all(fleet, sorted(current.nodes), current, policy)
+    results = await push(fleet, current, policy)
     assert [(r.id, r.status) for r in results] == [
         ("n0", "applied"),
         ("n1", "applied"),
@@ -162,7 +181,7 @@ async def test_a_silent_node_fails_after_its_own_timeout_and_does_not_hold_the_r
     fleet.silent.add("n0")
     fleet.connected.discard("n3")
     policy = PushPolicy(timeout_s=3.0, per_node_s=1.0, fanout=1)
-    results = await push_all(fleet, sorted(current.nodes), current, policy)
+    results = await push(fleet, current, policy)
     assert [(r.id, r.status, r.detail) for r in results] == [
         ("n0", "failed", "no refresh_ack within 3s"),
         ("n1", "applied", None),
@@ -179,7 +198,7 @@ async def test_the_catch_up_pushes_again_with_doubling_intervals_until_the_node_
     fleet.silent.add("n1")
     policy = PushPolicy(timeout_s=1.0, per_node_s=0.0, first_retry_s=2.0, max_retry_s=5.0)
     catch_up = CatchUp(fleet, policy)
-    results = await push_all(fleet, sorted(current.nodes), current, policy)
+    results = await push(fleet, current, policy)
     noted = catch_up.take_failures(results)
     assert [r.status for r in noted] == ["applied", "failed", "applied"]
     assert noted[1].detail is not None and "pushes the config again" in noted[1].detail
@@ -187,7 +206,7 @@ async def test_the_catch_up_pushes_again_with_doubling_intervals_until_the_node_
     start = trio.current_time()
     fleet.pushes.clear()
 
-    async with trio.open_nursery() as nursery:
+    async with fleet.acking(), trio.open_nursery() as nursery:
         await nursery.start(catch_up.run)
         # Three more misses: retries 2 s, then 4 s, then 5 s (capped) after each miss.
         await fleet.wait_until(lambda: len(fleet.pushes) == 3)
@@ -211,7 +230,7 @@ async def test_the_catch_up_leaves_a_node_that_left_or_was_welcomed_with_the_rev
     catch_up.behind(["n0", "n1"])
     fleet.connected.discard("n0")  # gone: its next welcome carries the running config
     fleet.applied["n1"] = current.revision  # linked again and welcomed with it
-    async with trio.open_nursery() as nursery:
+    async with fleet.acking(), trio.open_nursery() as nursery:
         await nursery.start(catch_up.run)
         await trio.sleep(2.0)
         nursery.cancel_scope.cancel()
@@ -228,19 +247,66 @@ async def test_a_refresh_takes_its_nodes_out_of_the_catch_up(
     assert catch_up.waiting() == {"n1"}
 
 
-async def test_a_turn_that_has_come_is_handed_out_without_a_wait(
+async def test_turns_are_spaced_at_the_rate_and_a_late_one_is_not_made_up(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """A worker a busy loop woke after its turn pushes at once (a wait would be one more
-    step of that loop); the turns after it keep their spacing, not made up in a burst."""
+    """A turn taken after its time (a busy loop, or no room) is now, not in the past; the
+    turns after it keep their spacing, not made up in a burst."""
     turns = _Turns(["a", "b", "c"], rate=10.0)
-    with trio.testing.assert_no_checkpoints():
-        assert await turns.next() == "a"  # the first turn is now
-    await trio.sleep(1.0)  # the loop was busy: b's turn passed long ago
-    with trio.testing.assert_no_checkpoints():
-        assert await turns.next() == "b"
-    handed = trio.current_time()
-    with trio.testing.assert_checkpoints():
-        assert await turns.next() == "c"
-    assert trio.current_time() == pytest.approx(handed + 0.1)
-    assert await turns.next() is None
+    began = trio.current_time()
+    assert turns.take(8) == (["a"], began)  # the first turn is now
+    await trio.sleep(1.0)  # b's turn passed long ago
+    now = trio.current_time()
+    assert turns.take(8) == (["b"], now)
+    assert turns.take(8) == (["c"], pytest.approx(now + 0.1))
+    assert turns.take(8)[0] == []
+
+
+async def test_turns_within_the_grain_are_handed_out_together(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """At 1,000 a second, the 8 turns of each 8 ms go together (one wake-up, 8 pushes);
+    as many as there is room for."""
+    turns = _Turns([f"n{i}" for i in range(20)], rate=1000.0)
+    began = trio.current_time()
+    taken = [turns.take(most) for most in (64, 3, 64, 64)]
+    assert [(len(batch), round(at - began, 3)) for batch, at in taken] == [
+        (8, 0.0),
+        (3, 0.008),
+        (8, 0.011),
+        (1, 0.019),
+    ]
+
+
+async def test_no_task_waits_for_an_ack_the_nodes_answer_the_push() -> None:
+    """The Nodes' answers settle the push from their sessions: a fleet that acks as its
+    frames go out costs the push its senders' turns, no task step per Node."""
+    current = snapshot(64)
+
+    class Immediate(Fleet):
+        async def push_node_config(
+            self, node_id: str, revision: int, node_config: NodeConfig, answer: AckListener
+        ) -> None:
+            self.pushes.append((node_id, trio.current_time()))
+            answer(RefreshAck(revision=revision, ok=True))
+
+    fleet = Immediate(current)
+    steps = _Steps()
+    trio.lowlevel.add_instrument(steps)
+    try:
+        results = await push_all(fleet, sorted(current.nodes), current, PushPolicy())
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    assert [r.status for r in results] == ["applied"] * 64
+    # 8 batches of 8 turns, a wake-up each for one of the senders, and the tasks' own
+    # start and end: far fewer steps than the 64 Nodes pushed.
+    assert steps.by_push < 32, steps.by_push
+
+
+class _Steps(trio.abc.Instrument):
+    def __init__(self) -> None:
+        self.by_push = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name.startswith("iop_edge.runtime.refresh.push."):
+            self.by_push += 1

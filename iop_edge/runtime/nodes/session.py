@@ -171,7 +171,8 @@ class NodeSession:
         """Set once: retired (`retire`) with no run left. Only then, not each time the
         session runs out of runs, so the task waiting on it wakes once."""
         self._runs: dict[str, RunSink] = {}
-        self._acks: dict[int, _Awaited[wire.RefreshAck]] = {}
+        self._pushes: dict[int, Callable[[wire.RefreshAck | None], None]] = {}
+        """Who is told the Node's ack of each revision pushed (`push_refresh`)."""
         self._commands: dict[str, _Awaited[wire.ModelCommandDone]] = {}
         self._pending_cancels: set[str] = set()
         self._scope = trio.CancelScope()
@@ -278,12 +279,30 @@ class NodeSession:
     async def _end_when_retired_and_idle(self) -> None:
         await self._retired_and_idle.wait()
 
-    async def request_refresh(
-        self, revision: int, node_config: NodeConfig, config_time: float = 0.0
-    ) -> wire.RefreshAck:
-        """Push a node-specific config and wait for its ack (the caller bounds the wait)."""
+    async def push_refresh(
+        self,
+        revision: int,
+        node_config: NodeConfig,
+        config_time: float,
+        answer: Callable[[wire.RefreshAck | None], None],
+    ) -> None:
+        """Push a node-specific config; `answer` is told the Node's ack of `revision`
+        once, from the reader, or None when the session ends first (or has ended). A push
+        of a newer revision lets go of the older ones' answers: their pushes are over.
+        Returns once the frame is sent (not a checkpoint when it goes at once)."""
+        for older in [pushed for pushed in self._pushes if pushed < revision]:
+            del self._pushes[older]
+        self._pushes[revision] = answer
         refresh = wire.Refresh(revision=revision, node_config=node_config, config_time=config_time)
-        return await self._ask(refresh, self._acks, revision)
+        try:
+            await self.send(refresh)
+        except SessionClosed:
+            if self._pushes.pop(revision, None) is answer:  # else `_finish` told it
+                answer(None)
+        except BaseException:
+            if self._pushes.get(revision) is answer:
+                del self._pushes[revision]
+            raise
 
     async def request_model_command(self, command: wire.ModelCommand) -> wire.ModelCommandDone:
         """Ask the Node to load or unload a model and wait for its answer (the caller
@@ -375,11 +394,11 @@ class NodeSession:
         runs, self._runs = self._runs, {}
         for sink in runs.values():
             sink.lost()
-        for ack in self._acks.values():
-            ack.settled.set()  # no answer: the session ended
+        pushes, self._pushes = self._pushes, {}
+        for answer in pushes.values():
+            answer(None)  # no ack: the session ended
         for done in self._commands.values():
             done.settled.set()
-        self._acks.clear()
         self._commands.clear()
 
     def _frames(self, frame: bytes, _take: Callable[[], bytes | None]) -> Iterable[bytes]:
@@ -420,11 +439,11 @@ class NodeSession:
             case wire.Load():
                 self._on_load(self.node_id, message)
             case wire.RefreshAck():
-                ack = self._acks.pop(message.revision, None)
+                answer = self._pushes.pop(message.revision, None)
                 if message.ok:
                     self.applied_revision = max(self.applied_revision, message.revision)
-                if ack is not None:
-                    ack.settle(message)
+                if answer is not None:
+                    answer(message)
             case wire.ModelCommandDone():
                 waiting = self._commands.pop(message.command_id, None)
                 if waiting is not None:

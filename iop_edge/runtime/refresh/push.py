@@ -4,14 +4,17 @@ An apply pushes each affected connected Node its own config and waits for the No
 `refresh_ack`. With thousands of Nodes that is thousands of messages out and acks in, on
 the Edge's one event loop, so:
 
-1. At most `PushPolicy.fanout` pushes are in flight at once (each waits for its ack),
-   and they start at most `rate_per_s` a second, evenly spaced: a Node's ack wait
-   starts when its push is sent, not when the refresh began, and the fleet's acks and
-   status reports, each work for the event loop (and, on the Nodes' side, a registry
-   rebuilt), come as a steady stream the loop serves between callers' requests rather
-   than as bursts a fan-out's worth deep. The fan-out keeps a fleet across slow links
-   busy; the rate keeps a fleet on fast ones from taking the loop (and the machine)
-   from callers.
+1. At most `PushPolicy.fanout` pushes are in flight at once (sent and not answered),
+   and they start at most `rate_per_s` a second, evenly spaced (those whose turns fall
+   within `TURN_GRAIN_S` together): a Node's ack wait starts when its push is sent, not
+   when the refresh began, and the fleet's acks and status reports, each work for the
+   event loop (and, on the Nodes' side, a registry rebuilt), come as a steady stream
+   the loop serves between callers' requests rather than as bursts a fan-out's worth
+   deep. The fan-out keeps a fleet across slow links busy; the rate keeps a fleet on
+   fast ones from taking the loop (and the machine) from callers. No task waits for an
+   ack: the Node's session tells the push (`AckListener`), and one timer fails the
+   late ones, so a Node costs the loop its frame out and its ack in, and a handful of
+   senders (`PUSH_SENDERS`) keep a Node whose outbox is full from holding up the rest.
 2. A Node has `timeout_s` to ack once its push is sent; the whole push has
    `deadline_s(nodes)`: `timeout_s` plus, for each Node pushed, `per_node_s` or the
    rate's spacing, whichever is longer, since the pushes queue behind the fan-out and
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final, Protocol
@@ -45,7 +49,7 @@ from schemas.config import NodeConfig
 from schemas.refresh import NodeResult
 from schemas.wire import RefreshAck
 
-__all__ = ["RETRY_NOTE", "CatchUp", "PushPolicy", "PushTarget", "push_all"]
+__all__ = ["RETRY_NOTE", "AckListener", "CatchUp", "PushPolicy", "PushTarget", "push_all"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,13 @@ class PushPolicy:
         return self.timeout_s + max(self.per_node_s, 1 / self.rate_per_s) * nodes
 
 
+class AckListener(Protocol):
+    """Told a pushed Node's answer, once: its ack, or None when the Node is not connected
+    or its session ends first. Called from the session's reader: it never waits."""
+
+    def __call__(self, ack: RefreshAck | None, /) -> None: ...
+
+
 class PushTarget(Protocol):
     """What pushing needs from the Edge (a part of the Refresher's `RefreshTarget`)."""
 
@@ -94,12 +105,22 @@ class PushTarget(Protocol):
     def applied_revisions(self) -> Mapping[str, int]: ...
 
     async def push_node_config(
-        self, node_id: str, revision: int, node_config: NodeConfig
-    ) -> RefreshAck | None: ...
+        self, node_id: str, revision: int, node_config: NodeConfig, answer: AckListener
+    ) -> None:
+        """Send `node_config` to the Node; `answer` is told its ack later (or now). Not a
+        checkpoint when the frame goes out at once; waits while the Node's outbox is
+        full."""
+        ...
 
 
 #: How a refresh report tells that the Edge pushes again to a Node that did not apply.
 RETRY_NOTE: Final = "the Edge pushes the config again until the node applies it"
+#: Tasks handing out the pushes (Rule 1): one suffices while every Node takes its frame at
+#: once; more keep a Node whose outbox is full from holding up the rest.
+PUSH_SENDERS: Final = 4
+#: Turns handed out at once (Rule 1): the Nodes whose turns fall within this are pushed
+#: together, one wake-up of the loop for several pushes.
+TURN_GRAIN_S: Final = 0.008
 
 
 def _late(node_id: str, within_s: float) -> NodeResult:
@@ -116,13 +137,11 @@ async def push_all(
     connected = target.connected_nodes()
     pushed = [node_id for node_id in ids if node_id in connected]
     deadline_s = policy.deadline_s(len(pushed))
-    results: dict[str, NodeResult] = {}
-    turns = _Turns(pushed, policy.rate_per_s)
+    push = _Push(target, snapshot, policy, pushed)
     with trio.move_on_after(deadline_s):
-        async with trio.open_nursery() as nursery:
-            for _ in range(min(policy.fanout, len(pushed))):
-                nursery.start_soon(_push_worker, target, turns, snapshot, policy, results)
+        await push.run()
     await trio.lowlevel.checkpoint()  # a fleet's results are collected in a step of their own
+    results = push.results
     return [
         results.get(node_id)
         or (
@@ -134,59 +153,132 @@ async def push_all(
     ]
 
 
-class _Turns:
-    """The Nodes still to push, each handed out at its turn: `rate` a second, evenly
-    spaced (Rule 1). The first turn is now; a turn no worker was free for (their Nodes
-    acked late) is not made up in a burst. A worker whose turn has come already (a busy
-    loop woke it late) is handed its Node without a wait: its push waits for an ack, and
-    a wait for nothing would be one more step of a loop that is behind."""
+class _Push:
+    """One push to a fleet (Rules 1 and 2). Senders hand the Nodes out at their turns
+    and send each its config; no task waits for an ack: each comes back through the
+    Node's session (`_answered`), and one timer fails the Nodes whose ack is late
+    (`_expire`). A Node thus costs the loop its send and its ack, not a task's wake-ups."""
 
-    def __init__(self, node_ids: Iterable[str], rate: float) -> None:
-        self._queue = iter(node_ids)
-        self._spacing = 1 / rate
-        self._next = trio.current_time()
+    def __init__(
+        self, target: PushTarget, snapshot: Snapshot, policy: PushPolicy, node_ids: list[str]
+    ) -> None:
+        self.results: dict[str, NodeResult] = {}
+        self._target = target
+        self._snapshot = snapshot
+        self._timeout_s = policy.timeout_s
+        self._turns = _Turns(node_ids, policy.rate_per_s)
+        self._room = trio.Semaphore(policy.fanout)
+        """A push in flight holds one until its Node answers or is late."""
+        self._awaiting: set[str] = set()
+        self._deadlines: deque[tuple[float, str]] = deque()
+        """When each sent push is late, in the order sent (one timeout for all)."""
+        self._unsettled = len(node_ids)
+        self._settled = trio.Event()
 
-    async def next(self) -> str | None:
-        """The next Node to push, at its turn; None when every Node was handed out."""
-        node_id = next(self._queue, None)
-        if node_id is not None:
-            now = trio.current_time()
-            turn = max(self._next, now)
-            self._next = turn + self._spacing
-            if turn > now:
-                await trio.sleep_until(turn)
-        return node_id
-
-
-async def _push_worker(
-    target: PushTarget,
-    turns: _Turns,
-    snapshot: Snapshot,
-    policy: PushPolicy,
-    results: dict[str, NodeResult],
-) -> None:
-    """Push to Nodes handed out by the shared `turns` one after the other (Rule 1)."""
-    while (node_id := await turns.next()) is not None:
-        results[node_id] = await push_one(target, node_id, snapshot, policy.timeout_s)
-
-
-async def push_one(
-    target: PushTarget, node_id: str, snapshot: Snapshot, timeout_s: float
-) -> NodeResult:
-    """Push `snapshot`'s config to one Node and wait up to `timeout_s` for its ack."""
-    revision = snapshot.revision
-    with trio.move_on_after(timeout_s):
+    async def run(self) -> None:
+        """Push to every Node; returns once each has a result."""
+        if not self._unsettled:
+            return
         try:
-            ack = await target.push_node_config(node_id, revision, snapshot.node_config(node_id))
+            async with trio.open_nursery() as nursery:
+                for _ in range(min(PUSH_SENDERS, self._unsettled)):
+                    nursery.start_soon(self._send)
+                nursery.start_soon(self._expire)
+        finally:
+            self._awaiting.clear()  # an answer after the push's deadline is not counted
+
+    async def _send(self) -> None:
+        revision, snapshot = self._snapshot.revision, self._snapshot
+        while True:
+            # The room first, then the turn: a turn is not taken while there is no room
+            # for it, so no turns pile up to go in a burst when room comes.
+            try:
+                self._room.acquire_nowait()
+            except trio.WouldBlock:
+                await self._room.acquire()
+            batch, turn = self._turns.take(1 + self._room.value)
+            if not batch:
+                self._room.release()
+                return
+            for _ in batch[1:]:
+                self._room.acquire_nowait()  # there was room for them: nothing awaited
+            if turn > trio.current_time():
+                await trio.sleep_until(turn)
+            for node_id in batch:
+                await self._push(node_id, revision, snapshot.node_config(node_id))
+
+    async def _push(self, node_id: str, revision: int, node_config: NodeConfig) -> None:
+        self._awaiting.add(node_id)
+        try:
+            await self._target.push_node_config(
+                node_id, revision, node_config, self._listener(node_id)
+            )
         except Exception as exc:
             # The snapshot is already swapped: one node's broken push must not cost the
             # operator the report on every other node.
             log.exception("refresh push to node %s failed", node_id)
-            return NodeResult(
-                id=node_id, status="failed", detail=f"push failed: {type(exc).__name__}"
-            )
-        return _push_result(node_id, revision, ack)
-    return _late(node_id, timeout_s)
+            failed = f"push failed: {type(exc).__name__}"
+            self._settle(node_id, NodeResult(id=node_id, status="failed", detail=failed))
+            return
+        if node_id in self._awaiting:  # not answered yet: its time starts now
+            self._deadlines.append((trio.current_time() + self._timeout_s, node_id))
+
+    def _listener(self, node_id: str) -> AckListener:
+        revision = self._snapshot.revision
+
+        def answered(ack: RefreshAck | None) -> None:
+            if node_id in self._awaiting:  # else late, or answered once already
+                self._settle(node_id, _push_result(node_id, revision, ack))
+
+        return answered
+
+    def _settle(self, node_id: str, result: NodeResult) -> None:
+        self._awaiting.discard(node_id)
+        self.results[node_id] = result
+        self._room.release()
+        self._unsettled -= 1
+        if not self._unsettled:
+            self._settled.set()
+
+    async def _expire(self) -> None:
+        """Fail each Node not answered `timeout_s` after its push was sent (Rule 2). It
+        wakes when the oldest push still waiting is late, not once a push."""
+        deadlines = self._deadlines
+        while not self._settled.is_set():
+            while deadlines and deadlines[0][1] not in self._awaiting:
+                deadlines.popleft()  # answered
+            # a push sent from now on is late `timeout_s` from now at the earliest
+            wake = deadlines[0][0] if deadlines else trio.current_time() + self._timeout_s
+            with trio.move_on_at(wake):
+                await self._settled.wait()
+            now = trio.current_time()
+            while deadlines and deadlines[0][0] <= now:
+                _, node_id = deadlines.popleft()
+                if node_id in self._awaiting:
+                    self._settle(node_id, _late(node_id, self._timeout_s))
+
+
+class _Turns:
+    """The Nodes still to push and their turns: `rate` a second, evenly spaced, those
+    whose turns fall within `TURN_GRAIN_S` together (Rule 1). The first turn is now; a
+    turn taken late (no room for it came sooner) is not made up in a burst, and one
+    whose time has come already (a busy loop woke its sender late) needs no wait."""
+
+    def __init__(self, node_ids: Iterable[str], rate: float) -> None:
+        self._queue = deque(node_ids)
+        self._spacing = 1 / rate
+        self._together = max(1, int(TURN_GRAIN_S * rate))
+        self._next = trio.current_time()
+
+    def take(self, most: int) -> tuple[list[str], float]:
+        """The next Nodes to push, at most `most`, and when: empty when every Node was
+        handed out."""
+        queue = self._queue
+        batch = [queue.popleft() for _ in range(min(self._together, most, len(queue)))]
+        turn = max(self._next, trio.current_time())
+        if batch:
+            self._next = turn + len(batch) * self._spacing
+        return batch, turn
 
 
 def _push_result(node_id: str, revision: int, ack: RefreshAck | None) -> NodeResult:

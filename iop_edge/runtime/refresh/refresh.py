@@ -66,7 +66,7 @@ from iop_edge.runtime.refresh.audit import (
     write_config_atomically,
 )
 from iop_edge.runtime.refresh.json_pieces import encode_in_pieces
-from iop_edge.runtime.refresh.push import CatchUp, PushPolicy, push_all
+from iop_edge.runtime.refresh.push import AckListener, CatchUp, PushPolicy, push_all
 from iop_edge.runtime.refresh.worker_client import RefreshWorker, WorkerFailed
 from iop_edge.runtime.refresh.worker_protocol import Invalid, Plan, Prepare, Prepared
 from schemas.config import ConfigError, NodeConfig
@@ -80,7 +80,6 @@ from schemas.refresh import (
     RefreshVerdict,
     StatusReport,
 )
-from schemas.wire import RefreshAck
 
 __all__ = [
     "RefreshResult",
@@ -172,10 +171,10 @@ class RefreshTarget(Protocol):
         ...
 
     async def push_node_config(
-        self, node_id: str, revision: int, node_config: NodeConfig
-    ) -> RefreshAck | None:
-        """Send `refresh` and wait for the node's ack; None if the node is not (or no
-        longer) connected. The Refresher bounds the wait."""
+        self, node_id: str, revision: int, node_config: NodeConfig, answer: AckListener
+    ) -> None:
+        """Send the Node its config; `answer` is told its ack, or None if the node is not
+        (or no longer) connected (`push.PushTarget`). The Refresher bounds the wait."""
         ...
 
 
@@ -487,7 +486,7 @@ class Refresher:
             build=request.mode == "apply",
             deadline_s=self._deadline_in_worker(),
         )
-        keep: Callable[[], None] = _nothing
+        keep: Callable[[], None] = _nothing_to_keep
         if ask.build:
             # From the worker's answer (a fleet's plan, read here) to the apply's end the
             # loop makes a fleet's worth of objects; opened now, the hold's first
@@ -654,10 +653,6 @@ def _interrupted(node_ids: list[str]) -> list[NodeResult]:
     return [
         NodeResult(id=node_id, status="failed", detail="push interrupted") for node_id in node_ids
     ]
-
-
-def _nothing() -> None:
-    """What a dry run keeps of the heap: nothing (it builds nothing)."""
 
 
 def _no_candidate() -> ConfigError:
