@@ -156,7 +156,7 @@ async def push_all(
 class _Push:
     """One push to a fleet (Rules 1 and 2). Senders hand the Nodes out at their turns
     and send each its config; no task waits for an ack: each comes back through the
-    Node's session (`_answered`), and one timer fails the Nodes whose ack is late
+    Node's session (`_listener`), and one timer fails the Nodes whose ack is late
     (`_expire`). A Node thus costs the loop its send and its ack, not a task's wake-ups."""
 
     def __init__(
