@@ -4,9 +4,10 @@ The worker (`refresh.worker`) sends what would run as a per-Node delta: an uncha
 Node by its id alone, a changed one encoded alone in a frame (`worker_protocol`, Rule
 3). Here the Edge keeps the very objects it runs for the unchanged Nodes, decodes the
 changed ones one at a time, and builds the snapshot's lookups
-(`core.snapshot.Snapshot.building`), yielding to the loop every `STEP_NODES` Nodes: no
-step holds the loop for more than a fraction of a millisecond per hundred Nodes, where
-decoding a fleet's config in one call would hold it for tens of milliseconds. Before
+(`core.snapshot.Snapshot.building`), yielding to the loop every `STEP_NODES` Nodes or
+`STEP_DECODED` decoded ones: no step holds the loop for more than a fraction of a
+millisecond, where decoding a fleet's config in one call would hold it for tens of
+milliseconds. Before
 each yield it says that what it made is alive (`keep`: the heap keeper freezes it, and
 its sweeps meanwhile do not walk a snapshot's worth of objects; `lifecycle.heap` Rule 5).
 """
@@ -25,6 +26,9 @@ from schemas.config import EdgeConfig, NodeEntry
 
 __all__ = ["assemble"]
 
+#: Changed Nodes decoded in one step (each is its providers' configs made anew).
+STEP_DECODED: Final = 32
+
 _DECODE_REST: Final = msgspec.msgpack.Decoder(EdgeConfig)
 _DECODE_NODE: Final = msgspec.msgpack.Decoder(NodeEntry)
 
@@ -36,12 +40,18 @@ async def assemble(
     each yield to the loop."""
     changed = dict(zip(built.changed, built.nodes, strict=True))
     nodes: list[NodeEntry] = []
+    decoded = 0
     for index, node_id in enumerate(built.ids):
-        if index % STEP_NODES == 0:
+        if index % STEP_NODES == 0 or decoded == STEP_DECODED:
             keep()
             await trio.lowlevel.checkpoint()
+            decoded = 0
         encoded = changed.get(index)
-        nodes.append(base.nodes[node_id] if encoded is None else _DECODE_NODE.decode(encoded))
+        if encoded is None:
+            nodes.append(base.nodes[node_id])
+        else:
+            nodes.append(_DECODE_NODE.decode(encoded))
+            decoded += 1
     config = msgspec.structs.replace(_DECODE_REST.decode(built.rest), nodes=nodes)
     steps = Snapshot.building(config, revision=base.revision + 1, config_sha256=config_sha256)
     while True:

@@ -41,7 +41,9 @@ async def decode_request(pieces: list[bytes]) -> RefreshRequest:
     too deeply (msgspec skips unknown fields recursively). A fleet's inline candidate is
     megabytes of JSON string: it is unescaped a piece a step (`json_pieces`)."""
     await trio.lowlevel.checkpoint()
-    body = _REQUEST_DECODER.decode(b"".join(pieces) or b"{}")
+    whole = b"".join(pieces) or b"{}"
+    await trio.lowlevel.checkpoint()  # a fleet's body: megabytes copied, then scanned
+    body = _REQUEST_DECODER.decode(whole)
     raw = memoryview(body.config_yaml)
     text: str | None = None
     if raw[:1].tobytes() == b'"':
