@@ -121,3 +121,33 @@ async def test_a_worker_of_another_protocol_version_is_stopped_and_named(
     assert f"speaks protocol {VERSION + 1}, this Edge {VERSION}" in message
     assert worker.process is None  # stopped, not reused by the next refresh
     assert edge.swaps == []
+
+
+#: A worker that says hello and answers every request with a plan whose long lists it
+#: does not say the lengths of (`worker_protocol`, Rule 5), and nothing after it.
+UNFRAMED_PLAN = (
+    "import sys, msgspec\n"
+    "from iop_edge.runtime.refresh.worker_protocol import VERSION, Hello, Plan, Prepared, frame\n"
+    "out = sys.stdout.buffer\n"
+    "out.write(frame(msgspec.msgpack.encode(Hello(VERSION))))\n"
+    "out.flush()\n"
+    "sys.stdin.buffer.read(4)\n"
+    "plan = Plan(changes=[], changed_nodes=[], changed_providers=[], changed_models=[],\n"
+    "            pending_restart=[], errors=[])\n"
+    "out.write(frame(msgspec.msgpack.encode(Prepared(config_sha256='0' * 64, plan=plan))))\n"
+    "out.flush()\n"
+    "sys.stdin.buffer.read()\n"
+)
+
+
+async def test_a_worker_whose_plan_breaks_the_protocol_fails_the_refresh(
+    edge: FakeEdge, tmp_path: Path
+) -> None:
+    worker = RefreshWorker([sys.executable, "-c", UNFRAMED_PLAN])
+    refresher = Refresher(edge, config_path=None, audit=AuditLog(tmp_path / "state"), worker=worker)
+
+    result = await refresher.refresh(apply(with_capacity(8, "gpu1")))
+
+    assert result.verdict == "unavailable"
+    assert "answered a plan without its lists' lengths" in result.report.errors[0].message
+    assert worker.process is None and edge.swaps == []

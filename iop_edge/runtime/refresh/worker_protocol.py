@@ -13,15 +13,15 @@ Rules:
    revision the worker does not hold carries the base config itself: the config without
    its Nodes (`base_config`), then `base_nodes` frames of one `NodeEntry` each. The Edge
    knows which revisions the worker holds, because only its own requests tell it.
-4. What is large goes in pieces, each its own frame, so that neither side makes or reads
-   megabytes in one step: an inline candidate follows `Prepare` (after any base Nodes) as
-   `text_pieces` frames of its UTF-8 text, cut at character boundaries.
 3. A built candidate comes back as a per-Node delta (`Built`): the rest of the config
    without its Nodes and every Node's id; the Nodes that changed are named by their
    position among the ids, and each follows the reply in a frame of its own, in that
    order (an unchanged Node is not sent: the Edge keeps the very object it runs). So the
    Edge neither reads nor decodes a fleet's megabytes in one step: it reads the frames a
    few hundred at a time and decodes them a Node at a time.
+4. What is large goes in pieces, each its own frame, so that neither side makes or reads
+   megabytes in one step: an inline candidate follows `Prepare` (after any base Nodes) as
+   `text_pieces` frames of its UTF-8 text, cut at character boundaries.
 5. A reply's plan comes without its long lists (`PLAN_LISTS`: its changes, changed Nodes
    and changed providers, tens of thousands each for a fleet): `Plan.lengths` says how
    long each is, and each follows the reply in frames of at most `PIECE_ITEMS` items,
