@@ -50,6 +50,9 @@ class Fleet:
         self.most_in_flight = 0
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
+        self.blocked: set[str] = set()
+        """Nodes whose outbox is full: their push waits until `unblocked` is set."""
+        self.unblocked = trio.Event()
 
     @asynccontextmanager
     async def acking(self) -> AsyncIterator[None]:
@@ -79,6 +82,8 @@ class Fleet:
         if node_id not in self.connected:
             answer(None)
             return
+        if node_id in self.blocked:
+            await self.unblocked.wait()
         self.pushes.append((node_id, trio.current_time()))
         self._change()
         self.in_flight += 1
@@ -146,6 +151,31 @@ async def test_a_slow_ack_does_not_let_the_pushes_after_it_burst(
     await push(fleet, current, policy)
     starts = sorted(at - began for _, at in fleet.pushes)
     assert starts == pytest.approx([0.0, 0.1, 1.0, 1.1])  # the turns missed are not made up
+
+
+async def test_a_node_whose_outbox_is_full_holds_up_only_the_pushes_of_its_turn(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A sender waits while its Node's outbox is full; the other senders push every
+    other Node meanwhile. Only the Nodes handed out with it (its turn's) wait with it."""
+    current = snapshot(40)
+    fleet = Fleet(current, ack_after_s=0.001)
+    order = sorted(current.nodes)  # as `push` hands them out
+    fleet.blocked.add(order[0])
+    policy = PushPolicy(timeout_s=5.0, per_node_s=1.0)  # 1,000 a second: turns of 8
+
+    async def unblock_later() -> None:
+        await trio.sleep(10.0)
+        fleet.unblocked.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(unblock_later)
+        results = await push(fleet, current, policy)
+    assert [r.status for r in results] == ["applied"] * 40
+    pushed_at = dict(fleet.pushes)
+    turn = set(order[:8])
+    assert all(at < 1.0 for node, at in pushed_at.items() if node not in turn)
+    assert all(at >= 10.0 for node, at in pushed_at.items() if node in turn)
 
 
 def test_a_push_policy_needs_a_positive_fan_out_and_rate() -> None:

@@ -14,7 +14,8 @@ the Edge's one event loop, so:
    fast ones from taking the loop (and the machine) from callers. No task waits for an
    ack: the Node's session tells the push (`AckListener`), and one timer fails the
    late ones, so a Node costs the loop its frame out and its ack in, and a handful of
-   senders (`PUSH_SENDERS`) keep a Node whose outbox is full from holding up the rest.
+   senders (`PUSH_SENDERS`) keep a Node whose outbox is full from holding up any push
+   but those handed out with it.
 2. A Node has `timeout_s` to ack once its push is sent; the whole push has
    `deadline_s(nodes)`: `timeout_s` plus, for each Node pushed, `per_node_s` or the
    rate's spacing, whichever is longer, since the pushes queue behind the fan-out and
@@ -116,7 +117,8 @@ class PushTarget(Protocol):
 #: How a refresh report tells that the Edge pushes again to a Node that did not apply.
 RETRY_NOTE: Final = "the Edge pushes the config again until the node applies it"
 #: Tasks handing out the pushes (Rule 1): one suffices while every Node takes its frame at
-#: once; more keep a Node whose outbox is full from holding up the rest.
+#: once; more keep a Node whose outbox is full from holding up any push but those of its
+#: own turn.
 PUSH_SENDERS: Final = 4
 #: Turns handed out at once (Rule 1): the Nodes whose turns fall within this are pushed
 #: together, one wake-up of the loop for several pushes.
