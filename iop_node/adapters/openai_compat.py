@@ -33,9 +33,10 @@ Deadlines (set here, once, from the provider's adapter settings):
 One cancel scope carries both: it starts with the first-byte deadline and is moved to the
 whole-request deadline when the first body byte arrives. A run's request has no other
 timeout than its connection's `connect_timeout_s`: a read or write timeout of the
-client's (`request_timeout_s`) could only end after the whole-request deadline. The runner's own scope (caller
-gone, Edge cancel) sits outside and simply propagates; cancelling it closes the HTTP
-stream, which closes the upstream connection, which stops the generation upstream.
+client's (`request_timeout_s`) could only end after the whole-request deadline. The
+runner's own scope (caller gone, Edge cancel) sits outside and simply propagates;
+cancelling it closes the HTTP stream, which closes the upstream connection, which stops
+the generation upstream.
 
 Failures become `AdapterError`s (see `base.py`, worded by `upstream_http.failures`),
 following one rule for `retryable`: a failure is retryable iff no chunk was emitted

@@ -76,4 +76,3 @@ def test_a_model_with_one_provider_plans_no_affinity_even_with_a_session() -> No
 
 def test_a_model_routed_by_load_alone_plans_no_affinity() -> None:
     assert plan_chat("chat", _body("plain"), _snapshot(), _caller()).affinity is None
-
