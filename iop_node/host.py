@@ -164,7 +164,7 @@ class ProviderHost:
         self._apply_lock = trio.Lock()
         self._stopping = False
         self._drained = trio.Event()
-        self._changed = trio.Event()
+        self._changed = trio.lowlevel.ParkingLot()  # `wait_changed`'s observers
 
     # --- links -------------------------------------------------------------------------
 
@@ -194,13 +194,13 @@ class ProviderHost:
         self._notify_changed()
 
     def _notify_changed(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        if self._changed:  # wake the observers waiting now (nothing to do for none)
+            self._changed.unpark_all()
 
     async def wait_changed(self) -> None:
         """Return at the next link attached or detached, or run started or ended (for
         observers and tests, instead of polling `statistics()`)."""
-        await self._changed.wait()
+        await self._changed.park()
 
     # --- config ------------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ Rules:
 5. A stream chunk is read once (`read_chunk`) for everything the Node does with it: the
    relay's checks (usage, finish, an in-band error), the caller's shape (Rules 1-3) and
    the output estimate (`schemas.tokens`). An adapter that read it already hands the
-   reading over with the chunk, so nothing parses a chunk twice.
+   reading over with the chunk, so nothing parses a chunk twice. Likewise a whole
+   response's usage is read once: by the adapter when it reports it, else here.
 6. Cached prompt tokens (design §7): `usage.prompt_tokens_details.cached_tokens` when the
    upstream reports it, else llama.cpp's `timings.cache_n` (`cache_timings`), capped at
    the prompt. Nothing else is read for it.
@@ -219,9 +220,12 @@ class ReplyShaper:
                 changed = True
         return b"data: " + self._encode(parsed.data, fields, changed) + b"\n\n"
 
-    def response(self, body: bytes) -> bytes:
-        """A whole (non-stream) response with the caller's alias."""
+    def response(self, body: bytes, *, read_usage: bool = True) -> bytes:
+        """A whole (non-stream) response with the caller's alias. Its usage (Rules 2, 6)
+        is read unless `read_usage` is False: the adapter read it already (Rule 5)."""
         fields = _fields(body)
+        if not read_usage:
+            return self._encode(body, fields, False)
         timings = fields.get("timings")
         if timings is not None:
             self._timings(timings)

@@ -31,9 +31,12 @@ Deadlines (set here, once, from the provider's adapter settings):
 - *whole request*: `request_timeout_s` from the start, whatever happens.
 
 One cancel scope carries both: it starts with the first-byte deadline and is moved to the
-whole-request deadline when the first body byte arrives. The runner's own scope (caller
-gone, Edge cancel) sits outside and simply propagates; cancelling it closes the HTTP
-stream, which closes the upstream connection, which stops the generation upstream.
+whole-request deadline when the first body byte arrives. A run's request has no other
+timeout than its connection's `connect_timeout_s`: a read or write timeout of the
+client's (`request_timeout_s`) could only end after the whole-request deadline. The
+runner's own scope (caller gone, Edge cancel) sits outside and simply propagates;
+cancelling it closes the HTTP stream, which closes the upstream connection, which stops
+the generation upstream.
 
 Failures become `AdapterError`s (see `base.py`, worded by `upstream_http.failures`),
 following one rule for `retryable`: a failure is retryable iff no chunk was emitted
@@ -309,7 +312,13 @@ class OpenAICompatAdapter(NativeRelay):
             **({"x-api-key": key} if key else {}),
             "anthropic-version": ANTHROPIC_VERSION,
         }
-        self._request_extensions: dict[str, object] = {"timeout": self._client.timeout.as_dict()}
+        # A run's request is bounded by its connect timeout only: its reads, writes and
+        # wait for a connection are within the run's deadlines (`_within_deadlines`), which
+        # end before any of the client's ceilings would, so httpcore2 registers no
+        # deadline per read and write (a cancel scope without one costs less).
+        self._request_extensions: dict[str, object] = {
+            "timeout": {"connect": settings.connect_timeout_s}
+        }
 
     # --- Adapter protocol -----------------------------------------------------------------
 

@@ -231,7 +231,7 @@ async def _outcome(
         trace.response(response, upstream_model=translator is None)
     if response is not None and translator is None:
         try:
-            response = shaper.response(response)
+            response = shaper.response(response, read_usage=result.usage is None)
         except NotAnObject as exc:
             return _failure(run, handle, _broken_output(handle, f"the response is {exc}"))
     if response is not None and len(response) > MAX_PAYLOAD_BYTES:

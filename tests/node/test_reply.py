@@ -78,6 +78,16 @@ def test_a_response_keeps_its_usage_and_reports_it() -> None:
     assert shaper.usage == Usage(prompt_tokens=0, completion_tokens=7, total_tokens=7)
 
 
+def test_a_response_whose_usage_the_adapter_read_is_shaped_without_reading_it_again() -> None:
+    shaper = _shaper("a")
+    body = b'{"model":"x","usage":{"prompt_tokens":4,"completion_tokens":7}}'
+    shaped = shaper.response(body, read_usage=False)
+    assert shaped == b'{"model":"a","usage":{"prompt_tokens":4,"completion_tokens":7}}'
+    assert shaper.usage is None  # the adapter's reading is the run's
+    with pytest.raises(NotAnObject):
+        shaper.response(b"[1]", read_usage=False)
+
+
 @pytest.mark.parametrize("data", [b"not json", b"[1, 2]", b'"text"', b""])
 def test_anything_but_a_json_object_is_refused(data: bytes) -> None:
     with pytest.raises(NotAnObject):

@@ -5,7 +5,9 @@ prefix cache (vLLM, SGLang, llama.cpp) prefills only what it has not seen: the t
 cheap only on the provider that served the previous one. This module says what a run
 is, as far as that goes; `core.routing.pool` Rule 7 decides with it and `core.routing.prefix_index`
 remembers where prompts went. Pure: it reads what admission already decoded (the body's
-dict, the request's headers) and hashes; nothing here parses the body again.
+dict, the request's headers) and hashes; nothing here parses the body again. A run of
+a model with one provider is not asked for its affinity (`Caller.plan`): there is no
+choice for it to steer.
 
 Rules:
 

@@ -198,13 +198,16 @@ class Caller:
         """The plan of this caller's request: its ids and principal go with the run, it
         is a long run when its prompt estimate reaches the snapshot's threshold, and it
         carries its affinity (`core.routing.affinity`) unless its model routes by load alone
-        (`chained`: a Responses continuation, its conversation rebuilt in `body`); its
-        output bound is the first of `protocol.output_fields` the body sets."""
+        or has one provider, where there is nothing to choose (`chained`: a Responses
+        continuation, its conversation rebuilt in `body`); its output bound is the first
+        of `protocol.output_fields` the body sets."""
         principal = self.principal
-        routing = snapshot.models[model_id].routing
+        model = snapshot.models[model_id]
+        routing = model.routing
         fields = protocol.output_fields.get(operation)
         affinity = None
-        if routing.affinity and fields is not None:  # a run that reads a conversation
+        # A run that reads a conversation, of a model with providers to choose between.
+        if routing.affinity and fields is not None and len(model.providers) > 1:
             affinity = affinity_of(
                 protocol.conversation,
                 body,

@@ -147,7 +147,7 @@ class Scheduler(PoolObservation):
         self._rivals: dict[str, tuple[str, ...]] = {}
         """Per model: the models sharing a provider with it, itself included."""
         self._reschedule = trio.Event()
-        self._changed = trio.Event()
+        self._changed = trio.lowlevel.ParkingLot()  # `wait_changed`'s observers
         self._prefixes = PrefixIndex()
         """Where this Edge sent which prompts (`core.routing.prefix_index`)."""
         self.cache_shares = CacheShares()
@@ -177,7 +177,7 @@ class Scheduler(PoolObservation):
 
         For observers (catalog watchers, tests) that would otherwise have to poll.
         """
-        await self._changed.wait()
+        await self._changed.park()
 
     def pin_models(self, pins: Mapping[str, frozenset[str]]) -> None:
         """The served names pinned on each provider (`core.lifecycle` Rule 4): only those
@@ -187,8 +187,8 @@ class Scheduler(PoolObservation):
             state.holdings.pinned = pins.get(state.id, frozenset())
 
     def _notify_changed(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()  # one-shot: replace, never clear
+        if self._changed:  # wake the observers waiting now (nothing to do for none)
+            self._changed.unpark_all()
 
     def _next_cooldown_end(self) -> float | None:
         now = self._clock()
