@@ -81,9 +81,13 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     binary = Path(os.environ.get("IOP_LLAMA_SERVER", LLAMA_SERVER))
     if not os.access(binary, os.X_OK):
         missing(f"no llama-server binary at {binary}")
+    # Sampling is seeded, as llama.cpp's own harness starts its servers (`--seed 42`):
+    # a case that checks what the model said (some text after a tool result, say) sees
+    # the same words every run, where a random seed lets a small model end at once now
+    # and then.
     command = [
         str(binary), "-m", str(_gguf()), "--alias", SERVED, "--host", "127.0.0.1",
-        "--port", "0", "--jinja", "-c", "4096", "--parallel", "2",
+        "--port", "0", "--jinja", "-c", "4096", "--parallel", "2", "--seed", "42",
     ]  # fmt: skip
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
