@@ -37,9 +37,9 @@ Rules:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Final, Generic, Protocol, TypeVar
+from typing import Final, Protocol
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
@@ -59,9 +59,6 @@ from schemas.channel import (
 from schemas.config import NodeConfig
 
 log = logging.getLogger(__name__)
-
-_Key = TypeVar("_Key", bound=Hashable)
-_Answer = TypeVar("_Answer", bound=wire.Message)
 
 RunEnd = wire.RunDone | wire.RunFailed
 RunEvent = bytes | RunEnd
@@ -126,17 +123,17 @@ class SessionStatistics:
 _DIRECT: Final = (wire.Run, wire.Refresh)
 
 
-class _Awaited(Generic[_Answer]):
-    """The Node's answer to one question (`NodeSession._ask`): set once, by `_route`, or
-    never, when the session ends first."""
+class _Awaited:
+    """The Node's answer to one model command (`NodeSession.request_model_command`): set
+    once, by `_route`, or never, when the session ends first."""
 
     __slots__ = ("answer", "settled")
 
     def __init__(self) -> None:
-        self.answer: _Answer | None = None
+        self.answer: wire.ModelCommandDone | None = None
         self.settled = trio.Event()
 
-    def settle(self, answer: _Answer) -> None:
+    def settle(self, answer: wire.ModelCommandDone) -> None:
         self.answer = answer
         self.settled.set()
 
@@ -173,7 +170,7 @@ class NodeSession:
         self._runs: dict[str, RunSink] = {}
         self._pushes: dict[int, Callable[[wire.RefreshAck | None], None]] = {}
         """Who is told the Node's ack of each revision pushed (`push_refresh`)."""
-        self._commands: dict[str, _Awaited[wire.ModelCommandDone]] = {}
+        self._commands: dict[str, _Awaited] = {}
         self._pending_cancels: set[str] = set()
         self._scope = trio.CancelScope()
         self.closed = trio.Event()
@@ -306,23 +303,15 @@ class NodeSession:
 
     async def request_model_command(self, command: wire.ModelCommand) -> wire.ModelCommandDone:
         """Ask the Node to load or unload a model and wait for its answer (the caller
-        bounds the wait: a load takes as long as the runtime needs)."""
-        return await self._ask(command, self._commands, command.command_id)
-
-    async def _ask(
-        self,
-        message: wire.Message,
-        waiting: dict[_Key, _Awaited[_Answer]],
-        key: _Key,
-    ) -> _Answer:
-        """Send `message` and wait for the Node's answer to it, which `_route` delivers
-        under `key` in `waiting`; `SessionClosed` when the session ends first."""
-        awaited = waiting[key] = _Awaited[_Answer]()
+        bounds the wait: a load takes as long as the runtime needs). `_route` delivers the
+        answer; `SessionClosed` when the session ends first."""
+        key = command.command_id
+        awaited = self._commands[key] = _Awaited()
         try:
-            await self.send(message)
+            await self.send(command)
             await awaited.settled.wait()
         finally:
-            waiting.pop(key, None)
+            self._commands.pop(key, None)
         if awaited.answer is None:
             raise SessionClosed(self.node_id)
         return awaited.answer

@@ -7,9 +7,9 @@ changed ones one at a time, and builds the snapshot's lookups
 (`core.snapshot.Snapshot.building`), yielding to the loop every `STEP_NODES` Nodes or
 `STEP_DECODED` decoded ones: no step holds the loop for more than a fraction of a
 millisecond, where decoding a fleet's config in one call would hold it for tens of
-milliseconds. Before
-each yield it says that what it made is alive (`keep`: the heap keeper freezes it, and
-its sweeps meanwhile do not walk a snapshot's worth of objects; `lifecycle.heap` Rule 5).
+milliseconds. Before each yield it says that what it made is alive (`keep`: the heap
+keeper freezes it, and its sweeps meanwhile do not walk a snapshot's worth of objects;
+`lifecycle.heap` Rule 5).
 """
 
 from __future__ import annotations

@@ -209,9 +209,9 @@ class Refresher:
         its work on one candidate (infinite: unbounded). `running_text` is the text the
         running config was read from: `run` has the worker read it as the Edge starts, so
         that its first candidate is checked only where it changed. `hold` keeps the
-        Edge's heap out of the collector's sight from the worker's built answer to the
-        apply's end (`lifecycle.heap.HeapKeeper.held`), and gives a `keep` that says
-        what was made is alive (the snapshot, as it is assembled)."""
+        Edge's heap out of the collector's sight for an apply, from before the worker
+        answers to the apply's end (`lifecycle.heap.HeapKeeper.held`), and gives a `keep`
+        that says what was made is alive (the snapshot, as it is assembled)."""
         self._target = target
         self._config_path = config_path
         self._audit = audit
