@@ -98,6 +98,14 @@ class Harness:
     async def next_message(self) -> Message:
         return await self._receive.receive()
 
+    async def retire_with_a_run(self, run_id: str) -> None:
+        """Start `run_id` on a live registry, then make that registry a retiring one (a new
+        config applied) while the run goes on."""
+        await self.manager.apply(1, _config(1))
+        await self.manager.start_run(_run(run_id))
+        await self.factory.created[0].wait_run(run_id)
+        await self.manager.apply(2, _config(2))
+
     def pending(self) -> list[Message]:
         messages = []
         while True:
@@ -276,10 +284,7 @@ async def test_runs_of_every_registry_show_in_one_activity_record() -> None:
 async def test_cancel_reaches_a_run_on_a_retiring_registry(autojump_clock: trio.abc.Clock) -> None:
     async with trio.open_nursery() as nursery:
         harness = Harness(nursery)
-        await harness.manager.apply(1, _config(1))
-        await harness.manager.start_run(_run("r1"))
-        await harness.factory.created[0].wait_run("r1")
-        await harness.manager.apply(2, _config(2))
+        await harness.retire_with_a_run("r1")
         assert harness.manager.cancel_run("r1")
         failed = await harness.next_message()
         assert isinstance(failed, RunFailed)
@@ -321,10 +326,7 @@ async def test_a_run_id_active_on_a_retiring_registry_is_a_duplicate(
 ) -> None:
     async with trio.open_nursery() as nursery:
         harness = Harness(nursery)
-        await harness.manager.apply(1, _config(1))
-        await harness.manager.start_run(_run("r1"))
-        await harness.factory.created[0].wait_run("r1")
-        await harness.manager.apply(2, _config(2))
+        await harness.retire_with_a_run("r1")
         assert harness.manager.statistics().retiring  # r1 keeps the old registry draining
         assert harness.manager.has_run("r1") and not harness.manager.has_run("r2")
         await harness.manager.start_run(_run("r1"))
