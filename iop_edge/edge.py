@@ -64,7 +64,8 @@ from iop_edge.runtime.lifecycle.listeners import (
 from iop_edge.runtime.lifecycle.port_claim import CallerPortClaim, PortShared, own_identity
 from iop_edge.runtime.lifecycle.replicas import ReplicaRoster
 from iop_edge.runtime.metering.access_log import AccessLog, RefusedRequest
-from iop_edge.runtime.metering.activity import Activity
+from iop_edge.runtime.metering.activity import Activity, ActivityReport
+from iop_edge.runtime.metering.books import RunBooks
 from iop_edge.runtime.metering.ledger import LedgerUnavailable, choose_ledger
 from iop_edge.runtime.metering.metering import Metering, RunRecord
 from iop_edge.runtime.metering.metrics import EdgeMetrics
@@ -196,6 +197,8 @@ class Edge:
         self.metrics.watch_responses(self.responses.statistics)
         self.access_log = AccessLog()
         self.activity = Activity(queue_depth=self.scheduler.queue_depths)
+        self.books = RunBooks(self.metering, self.access_log, self.activity)
+        """Finished runs' metrics, access lines and activity, entered in batches."""
         self.heap = HeapKeeper()
         """Keeps the fleet's sessions out of the collector's sight (`lifecycle.heap`)."""
         self.metrics.watch_heap(self.heap.statistics)
@@ -389,10 +392,19 @@ class Edge:
         self.metrics.busy_answers.labels(model_id, provider_id).inc()
 
     def _run_finished(self, record: RunRecord) -> None:
-        """Every run's one record: metering, the access log, the pool page's activity."""
-        self.metering.record(record)
-        self.access_log.run_finished(record)
-        self.activity.run_finished(record)
+        """Every run's one record: billed now (before its caller's last byte), and kept
+        for the books (metrics, the access log, the pool page's activity)."""
+        self.metering.bill(record)
+        self.books.add(record)
+
+    def metrics_text(self) -> bytes:
+        """`GET /metrics`: every finished run counted (books Rule 3)."""
+        self.books.settle()
+        return self.metrics.render()
+
+    def _activity_report(self) -> ActivityReport:
+        self.books.settle()
+        return self.activity.report()
 
     def _request_refused(self, request: RefusedRequest) -> None:
         self.access_log.refused(request)
@@ -403,12 +415,12 @@ class Edge:
             revision=lambda: self._snapshot.revision,
             status=self.status,
             catalog=self.scheduler,
-            metrics=self.metrics.render,
+            metrics=self.metrics_text,
             usage=self.usage,
             principals=self.principals,
             refresh=self.refresh,
             readiness=self.readiness,
-            activity=self.activity.report,
+            activity=self._activity_report,
             refuse_refresh=self.refresher.refuse_unreadable,
             restart=self.restart,
             model_command=partial(self.model_keeper.command, source="admin API"),
@@ -627,6 +639,7 @@ class Edge:
                 self.scheduler.run,
                 self.ledger.run,
                 self.access_log.run,  # writes its lines in batches while it runs
+                self.books.run,  # enters finished runs in batches while it runs
                 # Today's budgets are read before anything is served (limits Rule 3).
                 partial(self.limiter.run, LedgerTotals(self.ledger), shared=self._ledger_shared),
                 *(() if self.budgets is None else (self.budgets.run,)),

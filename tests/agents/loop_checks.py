@@ -91,6 +91,7 @@ async def check_metering(
     ], rows
     assert rows[0]["prompt_tokens"] > 0 and rows[0]["completion_tokens"] > 0, rows
 
+    agent.stack.edge.books.settle()  # access lines are written in batches
     formatter = JsonLinesFormatter()
     lines = [
         json.loads(formatter.format(record))

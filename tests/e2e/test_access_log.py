@@ -33,6 +33,7 @@ async def test_one_line_per_request_with_the_callers_request_id(
         )
         async for _ in stream:
             pass
+    stack_one.edge.books.settle()  # the runs' lines, written in batches, before the refusal
     async with stack_one.http() as http:
         missing = await http.post(
             "/v1/chat/completions",

@@ -178,6 +178,7 @@ def metered(stack: Stack, provider_id: str, kind: str, model: str = ALIAS) -> fl
         "provider": provider_id,
         "kind": kind,
     }
+    stack.edge.books.settle()  # the metrics of runs that ended are entered in batches
     value = stack.edge.metrics.registry.get_sample_value("iop_tokens_total", labels)
     return value or 0.0
 

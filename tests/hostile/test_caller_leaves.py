@@ -117,7 +117,7 @@ async def test_leaving_the_queue_is_counted_but_bills_nothing(
     await stack.wait_catalog(lambda c: c["providers"][0]["in_flight"] == 0)
     # The holder left too (its run reached the provider); the queued caller left no row.
     assert await _rows(stack) == [(499, "sim-1", "node-1")]
-    metrics = stack.edge.metrics.render().decode().splitlines()
+    metrics = stack.edge.metrics_text().decode().splitlines()
     assert any(
         line.startswith("iop_requests_total{")
         and 'provider=""' in line

@@ -179,7 +179,7 @@ async def test_the_cut_answers_every_kind_of_exchange(
         await stack.edge.ledger.wait_stopped()
     statuses = sorted(status for _, status, _ in _ledger(tmp_path / "state"))
     assert statuses == [503, 503]  # the runs that reached the provider
-    metrics = stack.edge.metrics.render().decode().splitlines()
+    metrics = stack.edge.metrics_text().decode().splitlines()
     cut = [
         line
         for line in metrics

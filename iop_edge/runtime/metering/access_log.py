@@ -29,13 +29,15 @@ Rules:
    costs more than making the line). The handler writes held lines before any other
    line, so the order of the process's lines holds; what is held when `run` ends, or
    when the process exits, is written then.
+6. The Edge gives its runs' lines in batches (`books.RunBooks`, `runs_finished`), each
+   with the time its run ended: they are written at once, in one write, with that time.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final
@@ -153,6 +155,30 @@ class AccessLog:
     def run_finished(self, record: RunRecord) -> None:
         if self._log.isEnabledFor(logging.INFO):
             self._write(run_line(record), partial(access_fields, record))
+
+    def runs_finished(self, runs: Sequence[tuple[RunRecord, float]]) -> None:
+        """The lines of runs that ended, each at the wall time given (`books.RunBooks`:
+        already gathered, so written together and not held; Rule 6)."""
+        log = self._log
+        if not log.isEnabledFor(logging.INFO):
+            return
+        route = sole_handler(log, logging.INFO)
+        if route is None:
+            for record, _ in runs:
+                log.info("%s", run_line(record), extra={FIELDS: access_fields(record)})
+            return
+        handler, formatter = route
+        carry = type(formatter) is JsonLinesFormatter
+        name, terminator = log.name, handler.terminator
+        handler.write_line(
+            "".join(
+                formatter.line(
+                    name, _INFO, ended, run_line(record), access_fields(record) if carry else None
+                )
+                + terminator
+                for record, ended in runs
+            )
+        )
 
     def refused(self, request: RefusedRequest) -> None:
         if self._log.isEnabledFor(logging.INFO):

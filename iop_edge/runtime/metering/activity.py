@@ -145,9 +145,10 @@ class Activity:
     def record(self, status: int) -> None:
         self._count(status)
 
-    def run_finished(self, record: RunRecord) -> None:
-        """A run ended: counted as any request (`record`), and in its model's series."""
-        index = self._count(record.status)
+    def run_finished(self, record: RunRecord, *, at: float | None = None) -> None:
+        """A run ended (at the wall time `at`, default now): counted as any request
+        (`record`), and in its model's series."""
+        index = self._count(record.status, at)
         usage = record.usage
         timed = record.stream and record.status < 400 and record.ttft_s is not None
         if not timed and (usage is None or usage.completion_tokens == 0):
@@ -160,9 +161,10 @@ class Activity:
             ttft_bin = _ttft_bin(record.ttft_s)
             bucket.ttft[ttft_bin] = bucket.ttft.get(ttft_bin, 0) + 1
 
-    def _count(self, status: int) -> int:
-        """Count one finished request now (Rules 1-2); returns the index of its bucket."""
-        now = self._clock()
+    def _count(self, status: int, at: float | None = None) -> int:
+        """Count one request finished at `at` (default now; Rules 1-2); returns the index
+        of its bucket."""
+        now = self._clock() if at is None else at
         index = int(now // self._bucket_s)
         counts = self._counts.get(index)
         if counts is None:

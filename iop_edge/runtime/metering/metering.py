@@ -1,9 +1,10 @@
 """Metering (design §7): one record per finished run, to Prometheus and the usage ledger.
 
 A run hands its `RunRecord` here exactly once, whatever ended it (see `dispatch.Run`).
-Every record is counted in the metrics; a record with a provider (the run reached one)
-is also written to the usage ledger, and its runtime's reported cached prompt tokens
-count in that provider's recent cached share (`core.routing.cache_share`, the catalog's). A
+A record with a provider (the run reached one) is billed at once: written to the usage
+ledger, and its runtime's reported cached prompt tokens count in that provider's recent
+cached share (`core.routing.cache_share`, the catalog's). Every record is counted in the
+metrics, which may come a little later (`books`: the Edge enters them in batches). A
 request refused before it named a model the Edge knows (bad JSON, bad token, unknown
 model) is counted as a refusal only.
 """
@@ -72,24 +73,17 @@ class Metering:
         self._cache_shares = cache_shares
 
     def record(self, record: RunRecord) -> None:
-        usage = record.usage
-        self._metrics.observe_request(
-            model=record.model,
-            provider=record.provider,
-            status=record.status,
-            code=record.code or "",
-            latency_s=record.latency_s,
-            ttft_s=record.ttft_s,
-            queued_s=record.queued_s,
-            usage=usage,
-            usage_source=record.usage_source,
-            principal_ref=record.principal_ref,
-            token_ref=record.token_ref,
-            operation=record.operation,
-            stream=record.stream,
-        )
+        """Bill and count `record` at once (`bill`, then `count`)."""
+        self.bill(record)
+        self.count(record)
+
+    def bill(self, record: RunRecord) -> None:
+        """The ledger's part, before the caller's last byte: a record with a provider is
+        written to the usage ledger (its journal: durable once this returns), and its
+        runtime's reported cached prompt tokens count in the provider's cached share."""
         if not record.provider:
             return  # refused at admission: no run, nothing to bill
+        usage = record.usage
         shares = self._cache_shares
         if usage is not None and record.usage_source == "provider" and shares is not None:
             shares.observe(
@@ -116,6 +110,24 @@ class Metering:
                 protocol=record.protocol,
                 cached_tokens=usage.cached_tokens if usage else 0,
             )
+        )
+
+    def count(self, record: RunRecord) -> None:
+        """The metrics' part, which may come later (`books.RunBooks` enters it in batches)."""
+        self._metrics.observe_request(
+            model=record.model,
+            provider=record.provider,
+            status=record.status,
+            code=record.code or "",
+            latency_s=record.latency_s,
+            ttft_s=record.ttft_s,
+            queued_s=record.queued_s,
+            usage=record.usage,
+            usage_source=record.usage_source,
+            principal_ref=record.principal_ref,
+            token_ref=record.token_ref,
+            operation=record.operation,
+            stream=record.stream,
         )
 
     def refusal(self) -> str | None:

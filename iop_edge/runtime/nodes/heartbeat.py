@@ -4,9 +4,11 @@ Every session is looked at once per `interval_s`, at one of the instants of a gr
 shared by all sessions (`schemas.heartbeat`: an instant every `HEARTBEAT_STEP_S`); a
 look pings the peer only when nothing arrived from it since about the previous look (a
 Node pings the Edge every interval on its own, and its runs' events are proof of life
-too). One task, the grid's, keeps the time: it wakes once
-per slot and looks at that slot's sessions in one pass. A session's own heartbeat task
-waits without a timer until a look finds its peer silent.
+too). One task, the grid's, keeps the time: it wakes at the beats of the slots that hold
+sessions, and looks at each such slot's sessions in one pass; a slot nobody joined costs
+no wake-up (an Edge with a handful of Nodes wakes a handful of times an interval, not at
+every beat), and with no session at all the grid sleeps until one joins. A session's own
+heartbeat task waits without a timer until a look finds its peer silent.
 
 Why one timer: a thousand sessions each sleeping until their next look cost the idle
 Edge a timer per session per interval (a cancel scope, a deadline, and the `Cancelled`
@@ -64,6 +66,9 @@ class HeartbeatGrid:
         self._step = interval_s / self._count
         self._slots: list[set[Watched]] = [set() for _ in range(self._count)]
         self._slot_of: dict[Watched, int] = {}
+        self._sleep = trio.CancelScope()
+        """The grid's wait for its next beat: a session joining at an earlier beat
+        brings it forward (`join`)."""
 
     @property
     def quiet_s(self) -> float:
@@ -76,6 +81,8 @@ class HeartbeatGrid:
         slot = beat % self._count
         self._slots[slot].add(session)
         self._slot_of[session] = slot
+        at = beat * self._step
+        self._sleep.deadline = min(self._sleep.deadline, at)
 
     def leave(self, session: Watched) -> None:
         slot = self._slot_of.pop(session, None)
@@ -87,12 +94,27 @@ class HeartbeatGrid:
         Edge) looks at every slot it passed, in order, once."""
         beat = math.ceil(trio.current_time() / self._step)
         while True:
-            await trio.sleep_until(beat * self._step)
+            self._sleep = trio.CancelScope(deadline=self._next_beat(beat) * self._step)
+            with self._sleep:
+                await trio.sleep_forever()
             now = trio.current_time()
             quiet_s = self.quiet_s
+            # Every slot once at most, however long the grid slept (no session joined).
+            beat = max(beat, math.floor(now / self._step) - self._count + 1)
             while beat * self._step <= now:
-                _look(tuple(self._slots[beat % self._count]), now, quiet_s)
+                slot = self._slots[beat % self._count]
+                if slot:
+                    _look(tuple(slot), now, quiet_s)
                 beat += 1
+
+    def _next_beat(self, beat: int) -> float:
+        """The first beat from `beat` on whose slot holds a session; infinity when no
+        slot does (`join` brings the wait forward)."""
+        slots, count = self._slots, self._count
+        for ahead in range(count):
+            if slots[(beat + ahead) % count]:
+                return beat + ahead
+        return math.inf
 
 
 def _look(sessions: tuple[Watched, ...], now: float, quiet_s: float) -> None:
