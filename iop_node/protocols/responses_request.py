@@ -319,16 +319,24 @@ class _Items:
             path = f"input[{i}]"
             try:
                 kind = _decode_head(raw).type
-                decoder = _ITEMS.get(kind)
-                if decoder is None:
-                    raise TranslationError(
-                        f"item type '{kind}' cannot be translated for this provider: "
-                        + UNSUPPORTED.get(kind, "it is not a type this translator knows"),
-                        param=f"{path}.type",
-                    )
-                item = decoder.decode(raw)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 raise from_validation(exc, prefix=path, unsupported=UNSUPPORTED) from None
+            decoder = _ITEMS.get(kind)
+            if decoder is None:
+                raise TranslationError(
+                    f"item type '{kind}' cannot be translated for this provider: "
+                    + UNSUPPORTED.get(kind, "it is not a type this translator knows"),
+                    param=f"{path}.type",
+                )
+            try:
+                item = decoder.decode(raw)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                # The item's type leads the message: a caller (an agent replaying its
+                # history) sees which of its items did not read.
+                error = from_validation(exc, prefix=path, unsupported=UNSUPPORTED)
+                raise TranslationError(
+                    f"a '{kind}' item: {error.reason}", param=error.param
+                ) from None
             if not isinstance(item, _CallOutput):
                 self._flush_images()
             self._add(item, path)

@@ -382,6 +382,12 @@ def test_text_format_and_reasoning_effort() -> None:
             "JSON object",
             id="call-arguments-not-an-object",
         ),
+        pytest.param(
+            _request([_call("c1"), {"type": "function_call_output", "output": "ok"}]),
+            "input[1]",
+            "a 'function_call_output' item: Object missing required field `call_id`",
+            id="item-named-by-its-type",
+        ),
     ],
 )
 def test_what_cannot_be_translated_is_named(body: dict[str, Any], param: str, words: str) -> None:
