@@ -191,6 +191,13 @@ class _Answered(trio.abc.Stream):
         self.unanswered: trio.CancelScope | None = None
 
     @property
+    def socket_stream(self) -> trio.SocketStream | None:
+        """The plain TCP stream underneath (None over TLS): what the channel writes its
+        frames to directly (`schemas.compat.trio_websocket.write_now`)."""
+        inner = self._stream
+        return inner if isinstance(inner, trio.SocketStream) else None
+
+    @property
     def socket(self) -> trio.socket.SocketType:
         """The TCP socket (trio-websocket's `remote` and `local` read it)."""
         inner = self._stream

@@ -31,8 +31,9 @@ frames a message and writes it with one non-blocking `os.write` when no write is
 progress (the connection's send lock free), holding that lock across the write so that
 nothing trio-websocket sends (a pong, a close) can land inside the frame; a frame the
 socket took only in part keeps the lock until `write_rest` has written the rest. When
-the connection is not a known version's plain socket connection (`WRITES_DIRECTLY`),
-or is closing, nothing is written and the caller sends the usual way.
+the connection is not a known version's plain socket connection (`WRITES_DIRECTLY`; a
+stream that wraps a plain one says so with a `socket_stream` attribute), or is closing,
+nothing is written and the caller sends the usual way.
 
 A whole message is handed by trio-websocket's reader task to the connection's queue
 (`_send_channel`, looked up for every message), from which `get_message` takes it in the
@@ -183,10 +184,10 @@ def write_now(websocket: WebSocketConnection, message: bytes) -> bytes | None:
     if not WRITES_DIRECTLY or getattr(websocket, "_close_reason", "unknown") is not None:
         return None
     lock = getattr(websocket, "_stream_lock", None)
-    stream = getattr(websocket, "_stream", None)
     if not isinstance(lock, trio.StrictFIFOLock) or lock.locked():
         return None
-    if not isinstance(stream, trio.SocketStream):  # TLS, say: the usual way
+    stream = _socket_stream(websocket)
+    if stream is None:  # TLS, say: the usual way
         return None
     connection = websocket._wsproto
     if connection.state != ConnectionState.OPEN:
@@ -212,8 +213,8 @@ async def write_rest(websocket: WebSocketConnection, rest: bytes, *, stalled_s: 
     ends); a peer that takes nothing for `stalled_s` has its connection closed. Raises
     `ConnectionClosed` when the connection broke or was closed meanwhile."""
     lock = websocket._stream_lock
-    stream = websocket._stream
-    assert isinstance(stream, trio.SocketStream)  # `write_now` began only on one
+    stream = _socket_stream(websocket)
+    assert stream is not None  # `write_now` began only on one
     try:
         with trio.CancelScope(shield=True):
             with trio.move_on_after(stalled_s):
@@ -226,3 +227,13 @@ async def write_rest(websocket: WebSocketConnection, rest: bytes, *, stalled_s: 
     finally:
         lock.release()
     raise ConnectionClosed(websocket._close_reason)
+
+
+def _socket_stream(websocket: WebSocketConnection) -> trio.SocketStream | None:
+    """The plain TCP stream `websocket` sends on: its own stream, or the one a wrapper
+    names as `socket_stream` (the Node's dial wraps its stream); None for any other (TLS)."""
+    stream = getattr(websocket, "_stream", None)
+    if isinstance(stream, trio.SocketStream):
+        return stream
+    inner = getattr(stream, "socket_stream", None)
+    return inner if isinstance(inner, trio.SocketStream) else None

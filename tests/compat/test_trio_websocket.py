@@ -292,3 +292,48 @@ async def test_a_message_written_directly_arrives_whole_and_never_inside_another
             assert await client.get_message() == b"now"
             await websocket.aclose()
             assert write_now(websocket, b"closed") is None
+
+
+class _Wrapped(trio.abc.Stream):
+    """A stream around a plain one, as the Node's dial wraps its connection."""
+
+    def __init__(self, inner: trio.SocketStream, *, named: bool) -> None:
+        self.inner = inner
+        self.socket_stream = inner if named else None
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@pytest.mark.parametrize("named", [True, False])
+async def test_a_client_writes_directly_through_a_wrapper_that_names_its_socket(
+    nursery: trio.Nursery, named: bool
+) -> None:
+    """A client's frame is masked as wsproto masks it; a wrapped stream is written
+    directly when the wrapper names the plain stream beneath it (`socket_stream`), and
+    the usual way when it does not."""
+    server = await nursery.start(serve_websocket, _echo_websocket, "127.0.0.1", 0, None)
+    async with open_websocket_url(f"ws://127.0.0.1:{server.port}/") as client:
+        plain = client._stream
+        assert isinstance(plain, trio.SocketStream)
+        client._stream = _Wrapped(plain, named=named)
+        with trio.fail_after(GUARD_S):
+            if named:
+                assert write_now(client, b"direct") == b""
+            else:
+                assert write_now(client, b"direct") is None
+                await client.send_message(b"direct")
+            assert await client.get_message() == b"direct"
+
+
+async def _echo_websocket(request: WebSocketRequest) -> None:
+    await _echo(await request.accept())

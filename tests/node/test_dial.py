@@ -9,9 +9,10 @@ from functools import partial
 
 import pytest
 import trio
-from trio_websocket import ConnectionRejected, HandshakeError
+from trio_websocket import ConnectionRejected, HandshakeError, WebSocketRequest, serve_websocket
 
 from iop_node.uplink.dial import WRONG_PORT_HINT, describe_refused_upgrade, open_edge_websocket
+from schemas.compat.trio_websocket import write_now
 from tests.timing import GUARD_S
 
 LIMITS = {
@@ -87,3 +88,24 @@ def test_a_refused_upgrade_says_what_the_server_said_and_what_to_fix(
 def test_a_long_refusal_body_is_quoted_in_part() -> None:
     line = describe_refused_upgrade(ConnectionRejected(404, (), b"x" * 10_000))
     assert len(line) < 600 and line.count("x") <= 300
+
+
+async def test_a_dialed_connection_is_written_to_directly(nursery: trio.Nursery) -> None:
+    """The dial wraps its stream (to fail an unanswered upgrade at once) and names the
+    plain one beneath: the link's frames go out with one write each, not through the
+    lock and the send that each yield (`schemas.compat.trio_websocket.write_now`)."""
+    received: list[bytes | str] = []
+    arrived = trio.Event()
+
+    async def keep(request: WebSocketRequest) -> None:
+        websocket = await request.accept()
+        received.append(await websocket.get_message())
+        arrived.set()
+        await trio.sleep_forever()
+
+    server = await nursery.start(serve_websocket, keep, "127.0.0.1", 0, None)
+    async with open_edge_websocket(f"ws://127.0.0.1:{server.port}", None, **LIMITS) as edge:
+        assert write_now(edge, b"a frame") == b""
+        with trio.fail_after(GUARD_S):
+            await arrived.wait()
+    assert received == [b"a frame"]
