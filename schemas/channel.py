@@ -15,10 +15,12 @@ Rules:
    interleave, and a peer that reads slowly slows its producers, not the memory. Each
    time the writer wakes it hands the first queued item, and a way to take the others
    already queued, to the side's `Pack`, which turns them into frames (the Node packs run
-   events into one message; the Edge sends a `cancel` kept aside behind the frame). It
-   writes each frame with one non-blocking write when the socket takes it
-   (`schemas.compat.trio_websocket.write_now`: no yield for the connection's lock and
-   none for the send), the usual way when it does not.
+   events into one message; the Edge sends a `cancel` kept aside behind the frame). When
+   it found one item queued, it writes its frame with one non-blocking write if the
+   socket takes it (`schemas.compat.trio_websocket.write_now`: no yield for the
+   connection's lock and none for the send). A writer that found several is behind its
+   producers and sends the usual way: its yields let them queue more for its next
+   message, so a busy stream's chunks keep travelling in few messages.
    One exception, for a side that sends a frame per message (`send_now`): when nothing
    is queued or being sent, the producer writes its frame itself, at once, if the socket
    takes it (`schemas.compat.trio_websocket.write_now`), and the writer task does not
@@ -270,12 +272,17 @@ class Channel(Generic[Out, In]):
         async with queued:
             async for first in queued:
                 taken = 1
-                for frame in pack(first, take):
-                    rest = write_now(websocket, frame)
-                    if rest is None:
+                frames = list(pack(first, take))
+                if taken > 1:  # behind its producers: the usual way lets them queue more
+                    for frame in frames:
                         await send_message(frame)
-                    elif rest:
-                        await write_rest(websocket, rest, stalled_s=STALLED_WRITE_S)
+                else:
+                    for frame in frames:
+                        rest = write_now(websocket, frame)
+                        if rest is None:
+                            await send_message(frame)
+                        elif rest:
+                            await write_rest(websocket, rest, stalled_s=STALLED_WRITE_S)
                 self._unsent -= taken
         with trio.move_on_after(CLOSE_TIMEOUT_S):
             if self._last_frame is not None:

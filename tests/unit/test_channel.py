@@ -259,6 +259,57 @@ async def test_a_frame_the_socket_took_in_part_is_finished_before_any_other(
         assert len(sent) == 64
 
 
+def _all_in_one(first: bytes, take: Callable[[], bytes | None]) -> Iterable[bytes]:
+    items = [first]
+    while (item := take()) is not None:
+        items.append(item)
+    return [b"+".join(items)]
+
+
+class _Steps(trio.abc.Instrument):
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name == self.name:
+            self.steps += 1
+
+
+async def test_the_writer_writes_a_lone_frame_at_once_and_several_the_usual_way(
+    nursery: trio.Nursery,
+) -> None:
+    """Rule 1: a lone item's frame goes out in the writer's one step (no yield for the
+    lock or the send); items that queued up together go out the usual way, whose yields
+    let producers add to the next message."""
+    async with _pair(nursery) as (server, client):
+        channel = Channel[bytes, wire.NodeToEdge](
+            server, decode=wire.decode_from_node, pack=_all_in_one
+        )
+        counter = _Steps("writer")
+        trio.lowlevel.add_instrument(counter)
+        try:
+            nursery.start_soon(channel.write, name="writer")
+            await wait_all_tasks_blocked()
+            before = counter.steps
+            channel.send_nowait(b"lone")
+            await wait_all_tasks_blocked()
+            assert counter.steps == before + 1
+            with trio.fail_after(GUARD_S):
+                assert await client.get_message() == b"lone"
+            before = counter.steps
+            channel.send_nowait(b"a")
+            channel.send_nowait(b"b")
+            await wait_all_tasks_blocked()
+            assert counter.steps > before + 1
+            with trio.fail_after(GUARD_S):
+                assert await client.get_message() == b"a+b"
+            assert channel.outbox_used == 0
+        finally:
+            trio.lowlevel.remove_instrument(counter)
+        channel.close()
+
+
 class _SilentPeer:
     """A websocket whose peer answers the first `answers` pings and then none."""
 
