@@ -139,10 +139,13 @@ async def test_claude_code_completes_a_tool_call_against_the_demo(demo: Demo) ->
     await _check_metered(demo, "messages")
 
 
-async def _run_codex_demo_turn(demo: Demo, *extra: str) -> tuple[Outcome, list[str]]:
-    """Codex runs the page's command against the demo, its config as the page writes it
-    and `extra` settings (`key=value`, under the page's provider) added: the outcome and
-    the page's command line."""
+async def _run_codex_demo_turn(
+    demo: Demo, *extra: str, prompt: str | None = None, ephemeral: bool = True
+) -> tuple[Outcome, list[str]]:
+    """Codex runs the page's command against the demo (with `prompt` for the page's, if
+    given), its config as the page writes it and `extra` settings (`key=value`, under the
+    page's provider) added: the outcome and the page's command line. `ephemeral`: no
+    session files (a thread that is kept is needed by Codex's goal tools)."""
     codex = require_cli("codex")
     argv = command(DEMO_CODEX)
     assert argv[:2] == ["codex", "exec"], argv
@@ -153,14 +156,17 @@ async def _run_codex_demo_turn(demo: Demo, *extra: str) -> tuple[Outcome, list[s
     provider = tomllib.loads(config)["model_provider"]
     env = {**base_environment(demo.home), **codex_env(demo.target)}
     # What the page's command line leaves out and a test needs: a strict reading of the
-    # config, no session files, no OS sandbox (`test_codex.py` says why), no retries.
+    # config, no session files (unless asked), no OS sandbox (`test_codex.py` says why), no
+    # retries.
     settings = [*extra, "request_max_retries=0", "stream_max_retries=0"]
-    test_flags = ["--strict-config", "--ephemeral", "--sandbox", "danger-full-access"]
-    test_flags += ["--color", "never"]
+    test_flags = ["--strict-config", "--sandbox", "danger-full-access", "--color", "never"]
+    if ephemeral:
+        test_flags.append("--ephemeral")
     for setting in settings:
         test_flags += ["-c", f"model_providers.{provider}.{setting}"]
+    args = argv[2:] if prompt is None else [*argv[2:-1], prompt]
     outcome = await run_cli(
-        [str(codex), "exec", *test_flags, *argv[2:]],
+        [str(codex), "exec", *test_flags, *args],
         cwd=demo.workdir,
         env=env,
         within_s=CLI_LIMIT_S,
@@ -198,3 +204,15 @@ async def test_codex_completes_a_tool_call_over_websocket(
     turns = [r for r in caplog.records if re.match(r"Responses WebSocket \S+: turn", r.message)]
     [row] = await demo.requests()
     assert len(turns) == row["requests"] >= 2, (len(turns), row, outcome.report())
+
+
+async def test_codex_sets_a_thread_goal_against_the_demo(demo: Demo) -> None:
+    """Codex's `create_goal` tool: once it ran, Codex hands the model the goal as a tool
+    output no call asked for (no `call_id`), which no runtime reads as it is; IOP gives
+    it to the sim as a user message and the turn completes."""
+    outcome, _ = await _run_codex_demo_turn(
+        demo, prompt="Use the create_goal tool to set the goal `count to three`", ephemeral=False
+    )
+
+    _check_turn(outcome, "count to three")
+    await _check_metered(demo, "responses")

@@ -263,3 +263,54 @@ async def test_input_tokens_counts_a_request_and_the_conversation_it_continues(
                 model="codex-local", input="x", previous_response_id="resp_missing"
             )
         assert gone.value.code == "previous_response_not_found"
+
+
+async def test_a_tool_output_no_call_asked_for_reaches_either_route_as_a_user_message(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Codex's thread goal (a `function_call_output` without `call_id`) is served by a
+    translating route and a native one alike; the native upstream reads it as a user
+    message after the call's output, in a stored turn continued too."""
+    fake, native = await start_native_upstream(nursery, "responses")
+    text = edge_config(
+        tmp_path / "state",
+        providers=[native, sim_provider("sim-1", served="fake-model")],
+        models=[
+            {"id": "native-m", "providers": {"native": "fake-model"}},
+            {"id": "sim-m", "providers": {"sim-1": "fake-model"}},
+        ],
+    )
+    stack = await start_stack(
+        nursery, text, tmp_path / "edge.yaml", wait_models=("native-m", "sim-m")
+    )
+    goal = {
+        "type": "function_call_output",
+        "name": "goal_objective",
+        "namespace": "agent",
+        "output": "count to three",
+    }
+    items: list[Any] = [
+        {"type": "message", "role": "user", "content": "Set a goal."},
+        {"type": "function_call", "call_id": "c1", "name": "create_goal", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "{}"},
+        goal,
+    ]
+    tools = [{"type": "function", "name": "create_goal", "parameters": {"type": "object"}}]
+    async with stack.client() as client:
+        translated = await client.responses.create(
+            model="sim-m", input=items, tools=tools, max_output_tokens=4, store=False
+        )
+        first = await client.responses.create(model="native-m", input=items, tools=tools)
+        await client.responses.create(
+            model="native-m", input="Go on.", previous_response_id=first.id, store=False
+        )
+    assert translated.output_text
+    bodies = [msgspec.json.decode(r.body) for r in fake.requests if r.path == "/v1/responses"]
+    goal_message = {
+        "type": "message",
+        "role": "user",
+        "content": [{"type": "input_text", "text": "agent.goal_objective:\ncount to three"}],
+    }
+    assert bodies[0]["input"] == [*items[:3], goal_message]
+    assert bodies[1]["input"][:4] == [*items[:3], goal_message]
+    assert await stack.requests_by_protocol() == {"responses": 3}

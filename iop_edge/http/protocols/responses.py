@@ -30,6 +30,9 @@ chat completions. Same catalog, aliases, limits and long-context admission as ch
   id.
 - A conversation longer than `edge.responses.max_conversation_bytes` is a 400
   `conversation_too_large`, refused before it is loaded whole.
+- The conversation (stored turns and the request's own items) is sent as a runtime reads
+  it: IOP's compactions as their summaries (`core.responses.compaction`), tool outputs no
+  call asked for as user messages (`core.responses.uncalled_outputs`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any, ClassVar, Final
 
 import msgspec
 
+from iop_edge.core.responses import uncalled_outputs
 from iop_edge.core.responses.compaction import CompactionUnreadable, ends_with_trigger, expand
 from iop_edge.core.responses.protocol_requests import (
     ResponsesRequest,
@@ -156,7 +160,7 @@ class ResponsesSurface:
             body["store"] = False
         conversation_items = input_items(body.get("input", []))
         try:
-            expanded = expand(conversation_items)
+            expanded = uncalled_outputs.rewrite(expand(conversation_items))
         except CompactionUnreadable as exc:
             raise ApiError(400, str(exc), code="invalid_compaction", param="input") from None
         if expanded is not conversation_items:
