@@ -195,10 +195,9 @@ class Edge:
         self.metrics.watch_ledger(self.ledger.statistics)
         self.responses = ResponseStore(self._ledger_choice.responses, config.edge.responses)
         self.metrics.watch_responses(self.responses.statistics)
-        self.access_log = AccessLog()
         self.activity = Activity(queue_depth=self.scheduler.queue_depths)
-        self.books = RunBooks(self.metering, self.access_log, self.activity)
-        """Finished runs' metrics, access lines and activity, entered in batches."""
+        self.books = RunBooks(self.metering, AccessLog(), self.activity)
+        """Ended requests' metrics, access lines and activity, entered in batches."""
         self.heap = HeapKeeper()
         """Keeps the fleet's sessions out of the collector's sight (`lifecycle.heap`)."""
         self.metrics.watch_heap(self.heap.statistics)
@@ -407,8 +406,7 @@ class Edge:
         return self.activity.report()
 
     def _request_refused(self, request: RefusedRequest) -> None:
-        self.access_log.refused(request)
-        self.activity.record(request.status)
+        self.books.refused(request)
 
     def _admin_services(self) -> AdminServices:
         return AdminServices(
@@ -638,8 +636,7 @@ class Edge:
                 self._hold_caller_port,
                 self.scheduler.run,
                 self.ledger.run,
-                self.access_log.run,  # writes its lines in batches while it runs
-                self.books.run,  # enters finished runs in batches while it runs
+                self.books.run,  # enters ended requests in batches while it runs
                 # Today's budgets are read before anything is served (limits Rule 3).
                 partial(self.limiter.run, LedgerTotals(self.ledger), shared=self._ledger_shared),
                 *(() if self.budgets is None else (self.budgets.run,)),

@@ -12,8 +12,8 @@ Both processes log through Python's `logging` and take the same two flags,
 A process that writes a line per request (the Edge's access log) may skip `logging`'s
 record machinery when the line would only reach the handler `configure_logging` made
 (`sole_handler`): both formatters write the same line from its parts (`line`) as from a
-record (`format`), and that handler (`LineHandler`) can hold such lines to write
-several at once, never out of order with the process's other lines.
+record (`format`), and that handler (`LineHandler`) writes such lines, several in one
+write when the caller gathered them, in order with the process's other lines.
 """
 
 from __future__ import annotations
@@ -147,64 +147,29 @@ class JsonLinesFormatter(logging.Formatter):
 
 #: The formatters that can write a line without a `LogRecord` (`sole_handler`).
 LineFormatter = TextLinesFormatter | JsonLinesFormatter
-#: Lines a `LineHandler` holds at most: one more writes them all at once.
-MAX_HELD_LINES: Final = 512
 
 
 class LineHandler(logging.StreamHandler[TextIO]):
     """The handler `configure_logging` installs: a `StreamHandler` (each record written to
-    its stream and flushed) that also takes lines made without a record (`write_line`),
-    and may hold them to write several at once.
+    its stream and flushed) that also takes lines made without a record (`write_line`)."""
 
-    A held line is written, in order, before anything else this handler writes (a
-    record's line, a later line), on `flush` (which `logging.shutdown` calls at exit),
-    and once `MAX_HELD_LINES` wait: held lines never come out of order, and whoever
-    holds one owns flushing it soon (the access log: `AccessLog.run`)."""
-
-    def __init__(self, stream: TextIO) -> None:
-        super().__init__(stream)
-        self._held: list[str] = []
-
-    def write_line(self, line: str, *, hold: bool = False) -> None:
-        """Write `line` (terminator included) after whatever is held, or hold it too."""
+    def write_line(self, lines: str) -> None:
+        """Write `lines` (one or several, terminators included) in one write and flush;
+        a failed write is reported as `StreamHandler.emit` reports one, and the lines
+        are dropped."""
         self.acquire()
         try:
-            self._held.append(line)
-            if not hold or len(self._held) >= MAX_HELD_LINES:
-                self._write_held()
-        finally:
-            self.release()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self._held:  # called with the lock held (`Handler.handle`)
-            self._write_held()
-        super().emit(record)
-
-    def flush(self) -> None:
-        self.acquire()
-        try:
-            if self._held:
-                self._write_held()
-            else:
-                super().flush()
-        finally:
-            self.release()
-
-    def _write_held(self) -> None:
-        """Write the held lines in one write and flush (the lock held); a failed write
-        is reported as `StreamHandler.emit` reports one, and its lines are dropped."""
-        held = self._held
-        self._held = []
-        try:
-            self.stream.write(held[0] if len(held) == 1 else "".join(held))
-            super().flush()
+            self.stream.write(lines)
+            self.flush()
         except RecursionError:
             raise
         except Exception:
             record = logging.makeLogRecord(
-                {"msg": "%d log line(s) could not be written", "args": (len(held),)}
+                {"msg": "%d log line(s) could not be written", "args": (lines.count("\n") or 1,)}
             )
             self.handleError(record)
+        finally:
+            self.release()
 
 
 def sole_handler(logger: logging.Logger, level: int) -> tuple[LineHandler, LineFormatter] | None:

@@ -33,7 +33,6 @@ async def test_one_line_per_request_with_the_callers_request_id(
         )
         async for _ in stream:
             pass
-    stack_one.edge.books.settle()  # the runs' lines, written in batches, before the refusal
     async with stack_one.http() as http:
         missing = await http.post(
             "/v1/chat/completions",
@@ -41,6 +40,7 @@ async def test_one_line_per_request_with_the_callers_request_id(
             headers={"x-request-id": "caller-trace-43"},
         )
     assert missing.status_code == 404
+    stack_one.edge.books.settle()  # the lines are written in batches, in order
 
     first, second, refused = _access_records(caplog)
     line = json.loads(JsonLinesFormatter().format(first))

@@ -12,12 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import trio
-import trio.testing
 
 from iop_edge.runtime.metering.access_log import (
     ACCESS_LOGGER,
-    HOLD_S,
     AccessLog,
     RefusedRequest,
     access_fields,
@@ -57,6 +54,11 @@ def _record(**changes: object) -> RunRecord:
     }
     values.update(changes)
     return RunRecord(**values)  # type: ignore[arg-type]
+
+
+def _write(access: AccessLog, *requests: RunRecord | RefusedRequest) -> None:
+    """`requests`' lines, in one batch, each ended now."""
+    access.write([(request, time.time()) for request in requests])
 
 
 def test_fields_name_everything_the_spec_asks_for() -> None:
@@ -108,7 +110,7 @@ def test_a_runs_line_is_logfmt_of_its_fields(changes: dict[str, object]) -> None
 
 def test_text_line(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="iop_edge.access")
-    AccessLog().run_finished(_record())
+    _write(AccessLog(), _record())
     [record] = caplog.records
     assert record.name == "iop_edge.access" and record.levelno == logging.INFO
     assert record.getMessage() == (
@@ -120,15 +122,16 @@ def test_text_line(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_json_line_has_typed_fields(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="iop_edge.access")
-    AccessLog().run_finished(_record(status=502, code="upstream_error"))
-    AccessLog().refused(
+    _write(AccessLog(), _record(status=502, code="upstream_error"))
+    _write(
+        AccessLog(),
         RefusedRequest(
             request_id="r2",
             path="/v1/chat/completions",
             status=401,
             code="invalid_api_key",
             latency_s=0.001,
-        )
+        ),
     )
     run_line, refused_line = (json.loads(JsonLinesFormatter().format(r)) for r in caplog.records)
     assert run_line["level"] == "info" and run_line["logger"] == "iop_edge.access"
@@ -154,7 +157,7 @@ def test_json_line_has_typed_fields(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_access_log_is_silent_above_info(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="iop_edge.access")
-    AccessLog().run_finished(_record())
+    _write(AccessLog(), _record())
     assert caplog.records == []
 
 
@@ -244,8 +247,8 @@ def test_the_direct_route_writes_what_logging_writes(
         assert (sole_handler(isolated, logging.INFO) is not None) == (handler is direct)
         for moment in (1_764_000_000.0, 1_764_000_000.9996, 1_764_000_001.0004):
             _at(monkeypatch, moment)
-            AccessLog(isolated).run_finished(_record(model='a "quoted" model'))
-            AccessLog(isolated).refused(refused)
+            _write(AccessLog(isolated), _record(model='a "quoted" model'))
+            _write(AccessLog(isolated), refused)
     lines = direct_stream.getvalue().splitlines()
     assert lines == logging_stream.getvalue().splitlines() and len(lines) == 6
     assert "iop_test.access" in lines[0] and "request_id=caller-id-7" in lines[0]
@@ -258,23 +261,23 @@ def test_the_direct_route_keeps_levels_filters_and_other_handlers(
     isolated.handlers[:] = [handler]
     assert sole_handler(isolated, logging.INFO) == (handler, handler.formatter)
     isolated.setLevel(logging.WARNING)  # --log-level warning
-    AccessLog(isolated).run_finished(_record())
+    _write(AccessLog(isolated), _record())
     assert sole_handler(isolated, logging.INFO) is None and stream.getvalue() == ""
     isolated.setLevel(logging.INFO)
     handler.setLevel(logging.WARNING)  # the one handler takes warnings only: no line
     assert sole_handler(isolated, logging.INFO) is None
-    AccessLog(isolated).run_finished(_record())
+    _write(AccessLog(isolated), _record())
     assert stream.getvalue() == ""
     handler.setLevel(logging.NOTSET)
     isolated.addFilter(lambda record: "team-search" not in record.getMessage())
     assert sole_handler(isolated, logging.INFO) is None  # a filter decides: logging's route
-    AccessLog(isolated).run_finished(_record())
+    _write(AccessLog(isolated), _record())
     assert stream.getvalue() == ""
     isolated.filters.clear()
     second, second_stream = _handler(JsonLinesFormatter())
     isolated.addHandler(second)  # two destinations: logging's route, both get the line
     assert sole_handler(isolated, logging.INFO) is None
-    AccessLog(isolated).run_finished(_record())
+    _write(AccessLog(isolated), _record())
     assert "request_id=caller-id-7" in stream.getvalue()
     assert json.loads(second_stream.getvalue())["request_id"] == "caller-id-7"
     plain, _ = _handler(logging.Formatter("%(message)s"))
@@ -294,17 +297,16 @@ def test_a_failed_write_is_reported_as_logging_reports_it(
     isolated.handlers[:] = [handler]
     reported: list[logging.LogRecord] = []
     monkeypatch.setattr(handler, "handleError", reported.append)
-    AccessLog(isolated).run_finished(_record())
+    _write(AccessLog(isolated), _record())
     [record] = reported
     assert record.getMessage() == "1 log line(s) could not be written"
 
 
-async def test_held_lines_are_written_together_in_order_and_at_the_end(
-    isolated: logging.Logger, autojump_clock: trio.abc.Clock
+def test_a_batch_is_one_write_in_order_each_line_with_its_own_time(
+    isolated: logging.Logger,
 ) -> None:
-    """Rule 5: while `run` runs, lines wait at most `HOLD_S` to go out in one write; a
-    line of another logger takes the held ones out first, so the order holds; what is
-    held when `run` ends is written."""
+    """Rule 5: the lines of a batch go out in one write, in the batch's order, each
+    timed when its request ended, not when the batch was written."""
     writes: list[str] = []
 
     class Recording(io.StringIO):
@@ -313,34 +315,26 @@ async def test_held_lines_are_written_together_in_order_and_at_the_end(
             return len(text)
 
     handler = LineHandler(Recording())
-    handler.setFormatter(TextLinesFormatter())
+    handler.setFormatter(JsonLinesFormatter())
     isolated.handlers[:] = [handler]
-    other = logging.getLogger("iop_test.access.other")  # reaches the same one handler
-    access = AccessLog(isolated)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(access.run)
-        for request_id in ("a", "b"):
-            access.run_finished(_record(request_id=request_id))
-        assert writes == []
-        await trio.sleep(HOLD_S)
-        await trio.testing.wait_all_tasks_blocked()
-        [both] = writes
-        assert [line.split()[4] for line in both.splitlines()] == [
-            "request_id=a",
-            "request_id=b",
+    refused = RefusedRequest("b", "/v1/messages", 401, "invalid_api_key", 0.001)
+    AccessLog(isolated).write(
+        [
+            (_record(request_id="a"), 1_764_000_000.0),
+            (refused, 1_764_000_001.5),
+            (_record(request_id="c"), 1_764_000_002.25),
         ]
-        access.run_finished(_record(request_id="c"))
-        other.warning("a node left")  # held lines first, then this one
-        assert [line.split()[4] for line in "".join(writes[1:]).splitlines()] == [
-            "request_id=c",
-            "a",
-        ]
-        access.run_finished(_record(request_id="d"))
-        nursery.cancel_scope.cancel()
-    assert writes[-1].split()[4] == "request_id=d"
-    # Without `run`, each line is written at once.
-    access.run_finished(_record(request_id="e"))
-    assert writes[-1].split()[4] == "request_id=e"
+    )
+    [batch] = writes
+    lines = [json.loads(line) for line in batch.splitlines()]
+    assert [line["request_id"] for line in lines] == ["a", "b", "c"]
+    assert [line["time"] for line in lines] == [
+        iso_time(1_764_000_000.0),
+        iso_time(1_764_000_001.5),
+        iso_time(1_764_000_002.25),
+    ]
+    AccessLog(isolated).write([])
+    assert len(writes) == 1  # nothing ended: nothing written
 
 
 def test_a_json_line_is_timed_as_iso_time_says() -> None:
@@ -355,15 +349,15 @@ def test_a_json_line_is_timed_as_iso_time_says() -> None:
 
 
 _PROCESS = """
-import logging, sys
+import logging, sys, time
 from iop_edge.main import setup_logging
 from iop_edge.runtime.metering.access_log import AccessLog, RefusedRequest
 from tests.unit.test_access_log import _record
 
 setup_logging(sys.argv[1], sys.argv[2])
 logging.getLogger("iop_edge.edge").warning("before")
-AccessLog().run_finished(_record())
-AccessLog().refused(RefusedRequest("r2", "/v1/responses", 401, "invalid_api_key", 0.001))
+refused = RefusedRequest("r2", "/v1/responses", 401, "invalid_api_key", 0.001)
+AccessLog().write([(_record(), time.time()), (refused, time.time())])
 logging.getLogger("iop_edge.edge").warning("after")
 """
 

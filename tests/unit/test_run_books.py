@@ -1,5 +1,5 @@
-"""The books of finished runs (`metering.books`): metrics, access lines and activity are
-entered in batches, never lost, and never missed by a reader."""
+"""The books of ended requests (`metering.books`): metrics, access lines and activity are
+entered in batches, in order, never lost, and never missed by a reader."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 import trio
 import trio.testing
 
-from iop_edge.runtime.metering.access_log import HOLD_S, AccessLog
+from iop_edge.runtime.metering.access_log import AccessLog, RefusedRequest
 from iop_edge.runtime.metering.activity import Activity
-from iop_edge.runtime.metering.books import MAX_KEPT, RunBooks
+from iop_edge.runtime.metering.books import HOLD_S, MAX_KEPT, RunBooks
 from iop_edge.runtime.metering.metering import Metering, RunRecord
 from iop_edge.runtime.metering.metrics import EdgeMetrics
 from iop_edge.runtime.metering.usage_ledger.usage import UsageLedger
@@ -121,6 +121,32 @@ async def test_runs_are_entered_together_within_the_hold(
         nursery.cancel_scope.cancel()
 
 
+async def test_a_refused_request_is_entered_in_its_place_among_the_runs(
+    logger: logging.Logger, tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A request refused before it became a run is kept like a run: its line comes in
+    the order it ended, in the same write, and the pool page counts it."""
+    books = _Books(logger, tmp_path)
+    refused = RefusedRequest("b", "/v1/chat/completions", 401, "invalid_api_key", 0.001)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(books.books.run)
+        books.books.add(_record("a"))
+        books.books.refused(refused)
+        books.books.add(_record("c"))
+        assert books.stream.writes == [] and books.requests_in_buckets() == 0
+        await trio.sleep(HOLD_S)
+        await trio.testing.wait_all_tasks_blocked()
+        [one_write] = books.stream.writes
+        assert [line.split()[4] for line in one_write.splitlines()] == [
+            "request_id=a",
+            "request_id=b",
+            "request_id=c",
+        ]
+        assert "path=/v1/chat/completions status=401" in one_write.splitlines()[1]
+        assert books.requests_in_buckets() == 3 and books.counted() == 2
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_reader_that_settles_misses_no_run(
     logger: logging.Logger, tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -185,4 +211,4 @@ async def test_a_run_that_cannot_be_entered_costs_no_other_its_entry(
         books.books.settle()
         nursery.cancel_scope.cancel()
     assert [line.split()[4] for line in books.stream.lines()] == ["request_id=b"]
-    assert "run broken could not be counted" in caplog.text
+    assert "request broken could not be counted" in caplog.text

@@ -2,8 +2,9 @@
 
 Fed by the same `RunRecord` metering gets (`Run.end`, exactly once per run) and, for a
 request refused before it became a run (bad JSON, bad token, unknown model, body too
-large), by a `RefusedRequest` from the HTTP layer. `/v1/models` and the health probes
-are not inference requests and are not logged.
+large), by a `RefusedRequest` from the HTTP layer; both come through the Edge's books
+(`books.RunBooks`). `/v1/models` and the health probes are not inference requests and
+are not logged.
 
 Rules:
 1. A line carries: time, request id (the `x-request-id` the caller saw), principal_ref,
@@ -18,49 +19,41 @@ Rules:
    from its record directly (`run_line`, the same text as `logfmt(access_fields(...))`),
    and its fields are made only for a line that carries them (a JSON line, a record).
 4. A line goes through `logging` unless it would only reach the handler of
-   `configure_logging` (`log_lines.sole_handler`, checked per line, so a change to the
+   `configure_logging` (`log_lines.sole_handler`, checked per batch, so a change to the
    logging setup counts at once): then it is made without a `LogRecord`, the same line
    `logging` would write (its formatter's `line`), and given to that handler
    (`LineHandler.write_line`). A record, a caller lookup and a flush per request cost
    more than the rest of the request's bookkeeping.
-5. While `run` runs (the Edge owns it), the handler holds those lines and they are
-   written together at most `HOLD_S` after the first of them: one write to stderr per
-   `HOLD_S` instead of one per request (a write into a pipe wakes its reader, which
-   costs more than making the line). The handler writes held lines before any other
-   line, so the order of the process's lines holds; what is held when `run` ends, or
-   when the process exits, is written then.
-6. The Edge gives its runs' lines in batches (`books.RunBooks`, `runs_finished`), each
-   with the time its run ended: they are written at once, in one write, with that time.
+5. Lines come in batches (`write`), each entry with the wall time its request ended (the
+   Edge's `books.RunBooks` gathers them: at most `books.HOLD_S` after the request): a
+   batch is one write to stderr, in order, each line with its own time (a write into a
+   pipe wakes its reader, which costs more than making the line).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Final
 
 import msgspec
-import trio
 
 from iop_edge.runtime.metering.metering import RunRecord
-from schemas.runtime.log_lines import FIELDS, JsonLinesFormatter, LineHandler, sole_handler
+from schemas.runtime.log_lines import FIELDS, JsonLinesFormatter, sole_handler
 
 __all__ = [
     "ACCESS_LOGGER",
-    "HOLD_S",
     "AccessLog",
+    "Ended",
     "RefusedRequest",
     "access_fields",
     "logfmt",
+    "refused_fields",
     "run_line",
 ]
 
 ACCESS_LOGGER: Final = "iop_edge.access"
-#: How long a line may be held to be written with the next ones (Rule 5).
-HOLD_S: Final = 0.05
 
 _encode = msgspec.json.Encoder().encode
 _NEEDS_QUOTES: Final = frozenset(' "=\t\n\\')
@@ -140,32 +133,49 @@ def run_line(record: RunRecord) -> str:
     )
 
 
+#: A request that ended, and the wall time it ended (Rule 5).
+Ended = tuple[RunRecord | RefusedRequest, float]
+
+
+def refused_fields(request: RefusedRequest) -> dict[str, Any]:
+    """The access log's fields for a request refused before it became a run."""
+    return {
+        "request_id": request.request_id,
+        "path": request.path,
+        "status": request.status,
+        "code": request.code,
+        "latency_ms": _ms(request.latency_s),
+    }
+
+
+def _message(request: RunRecord | RefusedRequest) -> str:
+    if isinstance(request, RunRecord):
+        return run_line(request)
+    return logfmt(refused_fields(request))
+
+
+def _fields(request: RunRecord | RefusedRequest) -> dict[str, Any]:
+    if isinstance(request, RunRecord):
+        return access_fields(request)
+    return refused_fields(request)
+
+
 class AccessLog:
     """Writes the access log lines (see the module docstring)."""
 
     def __init__(self, logger: logging.Logger | None = None) -> None:
         self._log = logger or logging.getLogger(ACCESS_LOGGER)
-        self._holding = False
-        """`run` runs: lines may be held (Rule 5)."""
-        self._held_by: set[LineHandler] = set()
-        """The handlers holding lines of ours, to flush."""
-        self._held = trio.Event()
-        """Set when a line is held and not yet flushed."""
 
-    def run_finished(self, record: RunRecord) -> None:
-        if self._log.isEnabledFor(logging.INFO):
-            self._write(run_line(record), partial(access_fields, record))
-
-    def runs_finished(self, runs: Sequence[tuple[RunRecord, float]]) -> None:
-        """The lines of runs that ended, each at the wall time given (`books.RunBooks`:
-        already gathered, so written together and not held; Rule 6)."""
+    def write(self, ended: Sequence[Ended]) -> None:
+        """The lines of the requests that `ended`, in order, each timed as given (Rules 4
+        and 5)."""
         log = self._log
-        if not log.isEnabledFor(logging.INFO):
+        if not ended or not log.isEnabledFor(logging.INFO):
             return
         route = sole_handler(log, logging.INFO)
         if route is None:
-            for record, _ in runs:
-                log.info("%s", run_line(record), extra={FIELDS: access_fields(record)})
+            for request, _ in ended:
+                log.info("%s", _message(request), extra={FIELDS: _fields(request)})
             return
         handler, formatter = route
         carry = type(formatter) is JsonLinesFormatter
@@ -173,58 +183,9 @@ class AccessLog:
         handler.write_line(
             "".join(
                 formatter.line(
-                    name, _INFO, ended, run_line(record), access_fields(record) if carry else None
+                    name, _INFO, at, _message(request), _fields(request) if carry else None
                 )
                 + terminator
-                for record, ended in runs
+                for request, at in ended
             )
         )
-
-    def refused(self, request: RefusedRequest) -> None:
-        if self._log.isEnabledFor(logging.INFO):
-            fields = {
-                "request_id": request.request_id,
-                "path": request.path,
-                "status": request.status,
-                "code": request.code,
-                "latency_ms": _ms(request.latency_s),
-            }
-            self._write(logfmt(fields), lambda: fields)
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Owned by the Edge's nursery: lets the lines be held, and writes them at most
-        `HOLD_S` after the first of them (Rule 5); what is held when it ends is written."""
-        self._holding = True
-        task_status.started()
-        try:
-            while True:
-                await self._held.wait()
-                await trio.sleep(HOLD_S)
-                self._held = trio.Event()
-                self._flush()
-        finally:
-            self._holding = False
-            self._flush()
-
-    def _flush(self) -> None:
-        holders, self._held_by = self._held_by, set()
-        for handler in holders:
-            handler.flush()
-
-    def _write(self, message: str, fields: Callable[[], dict[str, Any]]) -> None:
-        """Write the line of `message`; `fields` makes its fields, for a line that
-        carries them (Rule 3)."""
-        log = self._log
-        route = sole_handler(log, logging.INFO)
-        if route is None:
-            log.info("%s", message, extra={FIELDS: fields()})
-            return
-        handler, formatter = route  # Rule 4: what `logging` would write, without a record
-        carried = fields() if type(formatter) is JsonLinesFormatter else None
-        line = formatter.line(log.name, _INFO, time.time(), message, carried)
-        if not self._holding:
-            handler.write_line(line + handler.terminator)
-            return
-        handler.write_line(line + handler.terminator, hold=True)
-        self._held_by.add(handler)
-        self._held.set()

@@ -142,8 +142,9 @@ class Activity:
         self._queue_depth = queue_depth
         self._sampled_at = -math.inf
 
-    def record(self, status: int) -> None:
-        self._count(status)
+    def record(self, status: int, *, at: float | None = None) -> None:
+        """A request ended with `status` (at the wall time `at`, default now)."""
+        self._count(status, at)
 
     def run_finished(self, record: RunRecord, *, at: float | None = None) -> None:
         """A run ended (at the wall time `at`, default now): counted as any request
