@@ -207,6 +207,7 @@ class Edge:
             on_disconnect=self._node_disconnected,
             on_status=self._on_status,
             on_load=self._on_load,
+            on_ack=self._on_ack,
             on_ended=self._session_ended,
             # An idle fleet's pings cost the Edge in proportion to their rate: a large
             # fleet pings less often (`heartbeat.fleet_interval`).
@@ -334,6 +335,9 @@ class Edge:
 
     def _node_connected(self, node_id: str) -> None:
         self.scheduler.node_connected(node_id)
+        session = self.hub.session(node_id)
+        if session is not None:  # it runs the config its welcome carried
+            self.scheduler.config_applied(node_id, session.applied_revision)
         self.heap.node_connected()
         self.model_keeper.look()
 
@@ -344,6 +348,12 @@ class Edge:
 
     def _session_ended(self, session: NodeSession) -> None:
         self.heap.session_ended(session, f"node {session.node_id}")
+
+    def _on_ack(self, node_id: str, ack: wire.RefreshAck) -> None:
+        if ack.ok:
+            self.scheduler.config_applied(node_id, ack.revision)
+        else:
+            self.scheduler.config_refused(node_id, ack.revision)
 
     def _on_status(self, node_id: str, status: wire.Status) -> None:
         owner = self._snapshot.provider_node

@@ -3,40 +3,24 @@
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx2
 import trio
-from trio_websocket import WebSocketConnection, open_websocket_url
+from trio_websocket import WebSocketConnection
 
 from schemas import wire
-from tests.e2e.stack import NODE_TOKEN, Stack, one_sim_config, start_stack
+from tests.e2e.stack import Stack, one_sim_config, start_stack
+from tests.hostile.peers import OnMessage, hand_driven_node
 from tests.timing import GUARD_S
 
-OnMessage = Callable[[WebSocketConnection, wire.EdgeToNode], Awaitable[None]]
 GOOD_EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}],"model":"m"}\n\n'
-
-
-async def _hand_driven_node(
-    url: str, on_message: OnMessage, *, task_status: trio.TaskStatus[None]
-) -> None:
-    """A Node written by hand: handshake, report available, then `on_message`."""
-    async with open_websocket_url(url) as ws:
-        hello = wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id="node-1", token=NODE_TOKEN)
-        await ws.send_message(wire.encode(hello))
-        assert isinstance(wire.decode_from_edge(await ws.get_message()), wire.Welcome)
-        status = wire.ProviderStatus(id="sim-1", health="available", models=["sim-small"])
-        await ws.send_message(wire.encode(wire.Status(providers=[status])))
-        task_status.started()
-        while True:
-            await on_message(ws, wire.decode_from_edge(await ws.get_message()))
 
 
 async def _stack(nursery: trio.Nursery, tmp_path: Path, on_message: OnMessage) -> Stack:
     text = one_sim_config(tmp_path)
     stack = await start_stack(nursery, text, tmp_path / "edge.yaml", nodes=())
-    await nursery.start(_hand_driven_node, stack.addresses.node_url, on_message)
+    await nursery.start(hand_driven_node, stack.addresses.node_url, on_message)
     await stack.wait_servable("m")
     return stack
 

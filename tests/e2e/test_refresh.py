@@ -19,15 +19,18 @@ import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import openai
+import pytest
 import trio
 import trio.testing
 import yaml
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
-from trio_websocket import open_websocket_url
+from trio_websocket import WebSocketConnection, open_websocket_url
 
 from iop_edge.core.snapshot import QueuePolicy
 from iop_edge.main import _apply_from_file, handle_signals
@@ -48,6 +51,7 @@ from tests.e2e.stack import (
     sim_provider,
     start_stack,
 )
+from tests.hostile.peers import hand_driven_node
 
 Doc = dict[str, Any]
 Edit = Callable[[Doc], None]
@@ -910,6 +914,104 @@ async def test_one_refresh_at_a_time_and_a_refused_ack_is_reported(
         }
     ]
     assert stack.edge.snapshot.revision == 2
+
+
+@pytest.mark.parametrize("applies", [True, False], ids=["applied", "refused"])
+async def test_a_model_added_to_a_provider_goes_there_once_its_node_applies_it(
+    nursery: trio.Nursery, tmp_path: Path, applies: bool
+) -> None:
+    """A refresh takes effect on the Edge at once and on a Node when the Node applies its
+    push (design §5 step 6). A run of a model the refresh gave a provider waits for that
+    Node's ack instead of reaching a Node that does not serve the model yet; a Node that
+    refuses the config leaves the model without that provider, and the run is refused
+    saying so. The hand-driven Node holds its ack back while it "builds"."""
+    stack = await start_stack(
+        nursery, _one_provider_config(tmp_path), tmp_path / "edge.yaml", nodes=()
+    )
+    grown = _edit(
+        stack.config_path.read_text(encoding="utf-8"),
+        set_provider("sim-a", models=["sim-small", "sim-large"]),
+        add_model({"id": "m2", "providers": {"sim-a": "sim-large"}}),
+    )
+    pushed, built = trio.Event(), trio.Event()
+    targets: list[str] = []
+
+    async def on_message(ws: WebSocketConnection, message: wire.EdgeToNode) -> None:
+        if isinstance(message, wire.Refresh):  # a Node reads nothing else meanwhile
+            pushed.set()
+            await built.wait()
+            error = None if applies else "cannot build sim-a: out of memory"
+            ack = wire.RefreshAck(revision=message.revision, ok=applies, error=error)
+            await ws.send_message(wire.encode(ack))
+        elif isinstance(message, wire.Run):
+            targets.append(message.target)
+            done = wire.RunDone(run_id=message.run_id, response=_ANSWER)
+            await ws.send_message(wire.encode(wire.RunEvents(ends=[done])))
+
+    available = wire.ProviderStatus(id="sim-a", health="available", models=["sim-small"])
+    first_node = trio.CancelScope()
+
+    async def node(scope: trio.CancelScope, *, task_status: trio.TaskStatus[None]) -> None:
+        with scope:
+            async with trio.open_nursery() as inner:
+                await inner.start(
+                    partial(
+                        hand_driven_node,
+                        stack.addresses.node_url,
+                        on_message,
+                        status=wire.Status(providers=[available]),
+                    )
+                )
+                task_status.started()
+
+    await nursery.start(node, first_node)
+    await stack.wait_servable("m")
+    scheduler = stack.edge.scheduler
+    answers: dict[str, httpx2.Response] = {}
+
+    async def apply() -> None:
+        status, report = await post_refresh(stack, mode="apply", config_yaml=grown)
+        assert status == 200 and report["outcome"] == "applied", report
+
+    async def ask(model: str) -> httpx2.Response:
+        body = {"model": model, "messages": MESSAGES}
+        async with stack.http() as http:
+            answers[model] = answer = await http.post("/v1/chat/completions", json=body)
+        return answer
+
+    async with trio.open_nursery() as group:
+        group.start_soon(apply)
+        with trio.fail_after(WAIT_GUARD_S):
+            await pushed.wait()
+        group.start_soon(ask, "m2")
+        with trio.fail_after(WAIT_GUARD_S):
+            while scheduler.statistics().queued.get("m2", 0) == 0:
+                await scheduler.wait_changed()
+        assert targets == []  # the run waits on the Edge
+        built.set()
+
+    answer = answers["m2"]
+    if applies:
+        assert answer.status_code == 200, answer.text
+        assert targets == ["sim-large"]
+        return
+    assert answer.status_code == 503, answer.text
+    assert "refused the config" in answer.json()["error"]["message"]
+    assert targets == []
+    # A Node that links again is welcomed with the running config: the model is its.
+    first_node.cancel()
+    await stack.wait_catalog(lambda c: not provider_in(c, "sim-a")["connected"])
+    await nursery.start(node, trio.CancelScope())
+    await stack.wait_catalog(lambda c: provider_in(c, "sim-a")["health"] == "available")
+    answer = await ask("m2")
+    assert answer.status_code == 200, answer.text
+    assert targets == ["sim-large"]
+
+
+_ANSWER = (
+    b'{"choices":[{"index":0,"message":{"role":"assistant","content":"ok"},'
+    b'"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1}}'
+)
 
 
 async def first_tokens(stream: openai.AsyncStream[ChatCompletionChunk]) -> list[str]:

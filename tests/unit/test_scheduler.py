@@ -641,6 +641,7 @@ async def test_readded_provider_keeps_its_slots_while_leases_linger() -> None:
     lease = await scheduler.acquire("m", "r1", long=False)
     scheduler.apply_snapshot(make_snapshot({"n1": []}, {}, revision=2))
     scheduler.apply_snapshot(make_snapshot(nodes, {"m": ["a"]}, revision=3))
+    scheduler.config_applied("n1", 3)  # its Node has it again
     assert slots(scheduler, "a").holders == (lease,)  # concurrency never doubles ...
     scheduler.apply_snapshot(make_snapshot(nodes, {"m": ["a"]}, revision=4, max_queue=0))
     with pytest.raises(QueueFull):
@@ -699,6 +700,88 @@ async def test_a_swap_gives_every_provider_its_new_config_and_node_at_once() -> 
         lease.release()
     moved = await scheduler.acquire("m", "r4", long=False)
     assert moved.node_id == "n2"
+
+
+def big_snapshot(revision: int, *, big_on: Sequence[str]) -> Snapshot:
+    """`m` on providers `a` (node n1) and `b` (node n2), by their own names; `m2` on each
+    provider of `big_on`, by the name `big`, which those serve besides their own."""
+
+    def one(pid: str) -> ProviderConfig:
+        names = [served(pid), *(["big"] if pid in big_on else [])]
+        return ProviderConfig(id=pid, type="sim", models=names, capacity=1)
+
+    models = [ModelEntry(id="m", providers={"a": served("a"), "b": served("b")})]
+    if big_on:
+        models.append(ModelEntry(id="m2", providers=dict.fromkeys(big_on, "big")))
+    config = EdgeConfig(
+        dispatch=DispatchSection(max_queue=8, queue_timeout_ms=10_000),
+        models=models,
+        nodes=[
+            NodeEntry(id=nid, token_hash_sha256=HASH, providers=[one(pid)])
+            for nid, pid in (("n1", "a"), ("n2", "b"))
+        ],
+    )
+    return Snapshot.build(config, revision=revision, config_sha256=HASH)
+
+
+async def test_a_model_a_refresh_gives_a_provider_waits_for_its_node_to_apply_it(
+    nursery: trio.Nursery,
+) -> None:
+    scheduler = online(big_snapshot(1, big_on=()))
+    scheduler.apply_snapshot(big_snapshot(2, big_on=("a",)))
+    waiter = await start(nursery, scheduler, "m2", "w")
+    assert (waiter.lease, waiter.error, queued(scheduler, "m2")) == (None, None, 1)
+    held = await scheduler.acquire("m", "r", long=False)  # what `a` served before runs on
+    held.release()
+    scheduler.config_applied("n2", 2)  # another Node
+    scheduler.config_applied("n1", 1)  # an older revision
+    await wait_all_tasks_blocked()
+    assert waiter.lease is None
+    scheduler.config_applied("n1", 2)
+    await waiter.done.wait()
+    assert waiter.lease is not None
+    assert (waiter.lease.provider_id, waiter.lease.target) == ("a", "big")
+    waiter.lease.release()
+
+
+async def test_a_provider_that_served_the_model_already_takes_its_runs_meanwhile(
+    nursery: trio.Nursery,
+) -> None:
+    scheduler = online(big_snapshot(1, big_on=("b",)))
+    scheduler.apply_snapshot(big_snapshot(2, big_on=("a", "b")))
+    first = await scheduler.acquire("m2", "r1", long=False)
+    assert first.provider_id == "b"
+    second = await start(nursery, scheduler, "m2", "r2")  # `b` is full, `a` pending
+    assert second.lease is None and second.error is None
+    scheduler.config_applied("n1", 2)
+    await second.done.wait()
+    assert second.lease is not None and second.lease.provider_id == "a"
+    for lease in (first, second.lease):
+        lease.release()
+
+
+async def test_a_node_that_refuses_the_config_leaves_the_model_out_until_it_applies_one(
+    nursery: trio.Nursery,
+) -> None:
+    scheduler = online(big_snapshot(1, big_on=()))
+    scheduler.apply_snapshot(big_snapshot(2, big_on=("a",)))
+    waiter = await start(nursery, scheduler, "m2", "w")
+    scheduler.config_refused("n1", 2)
+    await waiter.done.wait()
+    refused = "every provider of model 'm2' is on a node that refused the config that gives it"
+    assert isinstance(waiter.error, NoProvider)
+    assert waiter.error.reason.startswith(refused)
+    with pytest.raises(NoProvider):
+        await scheduler.acquire("m2", "again", long=False)
+    held = await scheduler.acquire("m", "r", long=False)  # the Node runs its older config
+    held.release()
+    scheduler.apply_snapshot(big_snapshot(3, big_on=("a",)))  # adds nothing: still refused
+    with pytest.raises(NoProvider):
+        await scheduler.acquire("m2", "still", long=False)
+    scheduler.config_applied("n1", 3)  # the catch-up's push of the running config
+    lease = await scheduler.acquire("m2", "at-last", long=False)
+    assert lease.provider_id == "a"
+    lease.release()
 
 
 # -- nodes and health ------------------------------------------------------------------

@@ -12,9 +12,11 @@ Rule 1. Everything a decision depends on is in the views and arguments. A view i
 Rule 2. Eligibility is "could this provider take this run at all right now?". A
         provider is *ineligible* when it was already tried for this run (`exclude`),
         is not configured, its node is disconnected, it is disabled, its health is
-        `unavailable` or `draining`, it is cooling down after failures, or the run is
-        long and it has `long_context_slots: 0`. When every provider of a model is ineligible the
-        answer is `Refuse`, with a reason naming why: waiting could not help.
+        `unavailable` or `draining`, it is cooling down after failures, the run is
+        long and it has `long_context_slots: 0`, or its Node refused the config that
+        gave it the run's model (`applied` is `refused`, see Rule 3). When every
+        provider of a model is ineligible the answer is `Refuse`, with a reason naming
+        why: waiting could not help.
 
 Rule 3. An eligible provider is *admissible* when it has a free slot for this run:
         health `available` or `busy` (busy is alive: generating, too busy to answer a
@@ -25,7 +27,10 @@ Rule 3. An eligible provider is *admissible* when it has a free slot for this ru
         `long_in_flight < long_context_slots` (null: a long run needs only a regular
         slot); and its breaker is `closed`, or `half_open` (exactly one trial run).
         A provider `probing` (its trial run is still in flight) is eligible but not
-        admissible.
+        admissible. So is one whose Node has not yet applied the refresh that gave it
+        the run's model (`applied` is `pending`, design §5 step 6): a run sent to it
+        meanwhile would reach a Node that does not serve the model yet, so the run
+        goes to another provider or waits for the Node's ack.
 
 Rule 4. Rank admissible providers: first those that speak the run's caller protocol
         natively (`native`, design §14), then by lowest load ratio `in_flight / capacity`
@@ -109,6 +114,7 @@ from schemas.wire import Health
 
 Breaker = Literal["closed", "open", "half_open", "probing"]
 Holding = Literal["held", "cold", "failed"]
+Applied = Literal["applied", "pending", "refused"]
 
 Ineligible = Literal[
     "excluded",
@@ -120,6 +126,7 @@ Ineligible = Literal[
     "cooling_down",
     "no_long_runs",
     "model_failed",
+    "not_applied",
 ]
 
 #: Short per-provider explanations, used when the providers of a model fail differently.
@@ -133,6 +140,7 @@ INELIGIBLE_DETAIL: dict[Ineligible, str] = {
     "cooling_down": "cooling down after failures",
     "no_long_runs": "takes no long-context runs",
     "model_failed": "its runtime failed to load the model",
+    "not_applied": "its node refused the config that gives it the model",
 }
 
 #: One sentence per cause, used when every provider of a model fails the same way.
@@ -146,6 +154,8 @@ _ALL_INELIGIBLE: dict[Ineligible, str] = {
     "cooling_down": "every provider of model {model!r} is cooling down after failures",
     "no_long_runs": "no provider of model {model!r} accepts long-context runs",
     "model_failed": "every provider of model {model!r} failed to load it",
+    "not_applied": "every provider of model {model!r} is on a node that refused the config "
+    "that gives it the model",
 }
 
 
@@ -223,6 +233,10 @@ class ProviderView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     asleep: bool = False
     """Its runtime holds the model asleep (vLLM's sleep mode): a wake-up, not a cold load
     (Rule 8)."""
+    applied: Applied = "applied"
+    """Whether its Node runs the config that gives it the run's model: `pending` while
+    the refresh that added the model to it awaits the Node's ack (Rule 3), `refused`
+    when the Node refused that config (Rule 2)."""
 
 
 def ineligibility(view: ProviderView, *, long: bool) -> Ineligible | None:
@@ -241,12 +255,16 @@ def ineligibility(view: ProviderView, *, long: bool) -> Ineligible | None:
         return "no_long_runs"
     if view.holds == "failed":
         return "model_failed"
+    if view.applied == "refused":
+        return "not_applied"
     return None
 
 
 def is_admissible(view: ProviderView, *, long: bool) -> bool:
     """Whether an eligible `view` has a free slot for this run now (Rule 3)."""
     if view.health not in _ADMITTING or view.breaker not in ("closed", "half_open"):
+        return False
+    if view.applied != "applied":
         return False
     if view.in_flight >= view.capacity:
         return False

@@ -46,6 +46,7 @@ from iop_edge.runtime.nodes.heartbeat import HeartbeatGrid
 from iop_edge.runtime.nodes.session import (
     LoadListener,
     NodeSession,
+    RefreshAckListener,
     StatusListener,
     peer_address,
 )
@@ -109,6 +110,7 @@ class NodeHub:
         on_disconnect: Callable[[str], None],
         on_status: StatusListener,
         on_load: LoadListener | None = None,
+        on_ack: RefreshAckListener | None = None,
         on_ended: Callable[[NodeSession], None] | None = None,
         heartbeat_s: float = 5.0,
         heartbeat_timeout_s: float = 15.0,
@@ -119,6 +121,7 @@ class NodeHub:
         self._on_disconnect = on_disconnect
         self._on_status = on_status
         self._on_load = on_load
+        self._on_ack = on_ack
         self._on_ended = on_ended
         self.heartbeat_s = heartbeat_s
         self.heartbeats = HeartbeatGrid(heartbeat_s, heartbeat_timeout_s)
@@ -184,6 +187,7 @@ class NodeHub:
             applied_revision=directory.revision,
             on_status=self._on_status,
             on_load=self._on_load,
+            on_ack=self._on_ack,
             features=frozenset(hello.features) & _KNOWN_FEATURES,
         )
         peer = peer_address(websocket)

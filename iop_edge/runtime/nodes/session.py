@@ -69,6 +69,7 @@ __all__ = [
     "OUTBOX_SIZE",
     "LoadListener",
     "NodeSession",
+    "RefreshAckListener",
     "RunEnd",
     "RunEvent",
     "RunSink",
@@ -103,6 +104,12 @@ class StatusListener(Protocol):
 
 class LoadListener(Protocol):
     def __call__(self, node_id: str, load: wire.Load) -> None: ...
+
+
+class RefreshAckListener(Protocol):
+    """Told every `refresh_ack` the Node sends, whichever push it answers."""
+
+    def __call__(self, node_id: str, ack: wire.RefreshAck) -> None: ...
 
 
 def _ignore_load(node_id: str, load: wire.Load) -> None:
@@ -149,6 +156,7 @@ class NodeSession:
         applied_revision: int,
         on_status: StatusListener,
         on_load: LoadListener | None = None,
+        on_ack: RefreshAckListener | None = None,
         features: frozenset[str] = frozenset(),
     ) -> None:
         self.node_id = node_id
@@ -162,6 +170,7 @@ class NodeSession:
         """The last config revision the node acked (or was welcomed with)."""
         self._on_status = on_status
         self._on_load = on_load or _ignore_load
+        self._on_ack = on_ack
         self.goaway_sent = False
         self._retired = False
         self._retired_and_idle = trio.Event()
@@ -431,6 +440,8 @@ class NodeSession:
                 answer = self._pushes.pop(message.revision, None)
                 if message.ok:
                     self.applied_revision = max(self.applied_revision, message.revision)
+                if self._on_ack is not None:
+                    self._on_ack(self.node_id, message)
                 if answer is not None:
                     answer(message)
             case wire.ModelCommandDone():

@@ -13,7 +13,7 @@ import math
 import trio
 
 from iop_edge.core.routing.holdings import Holdings
-from iop_edge.core.routing.pool import PassiveHealth
+from iop_edge.core.routing.pool import Applied, Holding, PassiveHealth, ProviderView
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.runs.lease import Lease
 from schemas.config import LifecycleFlag, ProviderConfig
@@ -105,6 +105,52 @@ class ProviderState:
         if reported is not None:
             return protocol in reported
         return protocol in self.config.native_protocols
+
+    def view(
+        self,
+        config: ProviderConfig,
+        now: float,
+        protocol: CallerProtocol,
+        *,
+        served: str,
+        connected: bool,
+        applied: Applied,
+    ) -> ProviderView:
+        """What a decision sees of the provider now (`core.routing.pool`), for a run of a
+        model it knows by `served` (`config`: its own, from the snapshot's rotation of the
+        model; `connected`, `applied`: of its Node, as the scheduler knows them)."""
+        breaker = self.passive.breaker(now=now, probing=self.trial is not None)
+        until = self.passive.cooldown_until
+        capacity = config.capacity
+        holdings = self.holdings
+        holds: Holding = "held"
+        room = can_load = True
+        asleep = False
+        if holdings.states is not None:  # its runtime says what it holds (pool Rule 8)
+            holds = holdings.holding(served, now)
+            if holds == "cold":
+                room = holdings.room(now)
+                can_load = holdings.can_load(served, now)
+                asleep = holdings.asleep(served)
+        return ProviderView(
+            id=self.id,
+            capacity=capacity,
+            in_flight=max(self.in_flight, capacity) if self.saturated else self.in_flight,
+            priority=config.priority,
+            long_context_slots=config.long_context_slots,
+            long_in_flight=self.long_in_flight,
+            connected=connected,
+            enabled=config.enabled,
+            health=self.health,
+            breaker=breaker,
+            cooldown_remaining_s=until - now if breaker == "open" and until is not None else None,
+            native=protocol == "chat" or self.speaks(protocol),
+            holds=holds,
+            room=room,
+            can_load=can_load,
+            asleep=asleep,
+            applied=applied,
+        )
 
     @property
     def protocols(self) -> list[CallerProtocol]:

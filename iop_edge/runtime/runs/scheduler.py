@@ -38,6 +38,8 @@ How the pieces fit:
   arrival order. With one principal that is the plain arrival order. A principal at its
   `max_concurrent` (split between the Edge replicas) is passed over, never granted a
   slot: its requests wait, and its own lease releases wake the queues it waits in.
+- A model a refresh adds to a provider does not go there until the provider's Node has
+  applied the refresh (`unapplied_models`); the Node's ack wakes the queue.
 - Several Edges may share a Node (design §13). A provider's load is what this Edge holds
   (its limiter) plus what the Node reports the *other* Edges hold (`provider_load`);
   decisions see the sum, and a report that frees slots wakes the queue like a release.
@@ -81,7 +83,6 @@ from iop_edge.core.routing.cache_share import CacheShares
 from iop_edge.core.routing.pool import (
     Decision,
     Grant,
-    Holding,
     Preference,
     ProviderView,
     Refuse,
@@ -105,6 +106,7 @@ from iop_edge.runtime.runs.fair_queue import FairQueue, FairWalk
 from iop_edge.runtime.runs.lease import Lease
 from iop_edge.runtime.runs.observation import PoolObservation
 from iop_edge.runtime.runs.provider_state import Lookups, ProviderState
+from iop_edge.runtime.runs.unapplied_models import UnappliedModels
 from iop_edge.runtime.runs.waiter import Waiter
 from schemas.config import LifecycleFlag, ProviderConfig, RoutingPolicy
 from schemas.protocols import CallerProtocol
@@ -134,6 +136,7 @@ class Scheduler(PoolObservation):
         """Per node id: the states of its providers removed from config, kept until their
         last lease is released (`_states_on`)."""
         self._connected: set[str] = set()
+        self._unapplied = UnappliedModels()
         self._queues: dict[str, FairQueue[Waiter]] = {}
         self._stating: set[str] = set()
         """Providers whose runtime reports its models' load states (pool Rule 8)."""
@@ -208,6 +211,7 @@ class Scheduler(PoolObservation):
         in a refresh), and the provider states read their config and Node through them
         (`Lookups`): what is left here is proportional to the providers added and
         removed, found by comparing the ids (a fleet's swap must not hold the loop)."""
+        self._unapplied.swapped(self._snapshot, snapshot)
         self._snapshot = snapshot
         states, providers = self._states, snapshot.providers
         same_ids = states.keys() == providers.keys()  # a refresh of their configs
@@ -241,6 +245,14 @@ class Scheduler(PoolObservation):
                 waiter.retime(timeout_s)
         self._reschedule.set()
         self._serve(list(self._queues))
+
+    def config_applied(self, node_id: str, revision: int) -> None:
+        """The node runs config `revision` (it acked its push, or was welcomed with it)."""
+        self._serve(self._models_serving(self._unapplied.applied(node_id, revision)))
+
+    def config_refused(self, node_id: str, revision: int) -> None:
+        """The node refused config `revision`: the models it added are not its providers'."""
+        self._serve(self._models_serving(self._unapplied.refused(node_id, revision)))
 
     def node_connected(self, node_id: str) -> None:
         """The node's providers are `unknown` until its first status says otherwise."""
@@ -574,36 +586,14 @@ class Scheduler(PoolObservation):
     ) -> ProviderView:
         """What a decision sees of a provider in config (`config` and `node_id`: its
         own, from the snapshot's rotation of the model; `served`: the model's name there)."""
-        breaker = state.passive.breaker(now=now, probing=state.trial is not None)
-        until = state.passive.cooldown_until
-        capacity = config.capacity
-        holdings = state.holdings
-        holds: Holding = "held"
-        room = can_load = True
-        asleep = False
-        if holdings.states is not None:  # its runtime says what it holds (Rule 8)
-            holds = holdings.holding(served, now)
-            if holds == "cold":
-                room = holdings.room(now)
-                can_load = holdings.can_load(served, now)
-                asleep = holdings.asleep(served)
-        return ProviderView(
-            id=state.id,
-            capacity=capacity,
-            in_flight=max(state.in_flight, capacity) if state.saturated else state.in_flight,
-            priority=config.priority,
-            long_context_slots=config.long_context_slots,
-            long_in_flight=state.long_in_flight,
+        unapplied = self._unapplied
+        return state.view(
+            config,
+            now,
+            protocol,
+            served=served,
             connected=node_id in self._connected,
-            enabled=config.enabled,
-            health=state.health,
-            breaker=breaker,
-            cooldown_remaining_s=until - now if breaker == "open" and until is not None else None,
-            native=protocol == "chat" or state.speaks(protocol),
-            holds=holds,
-            room=room,
-            can_load=can_load,
-            asleep=asleep,
+            applied=unapplied.state(node_id, config.id, served) if unapplied else "applied",
         )
 
     def _grant(
