@@ -17,11 +17,15 @@ setup:
 demo *ARGS:
     {{python}} -m iop_edge demo {{ARGS}}
 
-# the test suite (real sockets on 127.0.0.1, port 0), one worker per core (at most 4);
-# `just test -n 0 tests/…` runs a few tests in this process. `-rs`: each skipped test says
-# why and what to install, above pytest's closing summary
+# the test suite (real sockets on 127.0.0.1, port 0) in four workers: a test waits on
+# sockets and child processes about half its time, so four keep two cores busy, and each
+# takes the next test when it is done (`worksteal`: no worker sits on a share of its
+# own at the end). Bytecode is cached even where the environment turns that off
+# (PYTHONDONTWRITEBYTECODE): the Edges and Nodes the tests start would each compile the
+# sources again. `just test -n 0 tests/…` runs a few tests in this process. `-rs`: each
+# skipped test says why and what to install, above pytest's closing summary
 test *ARGS:
-    {{python}} -m pytest -q -rs -n auto --maxprocesses 4 {{ARGS}}
+    PYTHONDONTWRITEBYTECODE= {{python}} -m pytest -q -rs -n 4 --dist worksteal {{ARGS}}
 
 # the wheel and the sdist a user installs (`pipx install dist/iop_gateway-*.whl`, docs/install.md)
 dist OUT="dist":

@@ -376,9 +376,10 @@ def _compare(replay: Replay) -> Comparison:
 # --- the decision over 3,000 providers --------------------------------------------------
 
 
-async def _decisions() -> tuple[float, float]:
+async def _decisions(rounds: int) -> tuple[float, float]:
     """CPU microseconds per acquire + release on an idle model of 3,000 providers:
-    without an affinity, then with one, alternating rounds, the least of each kept."""
+    without an affinity, then with one, alternating `rounds` rounds, the least of each
+    kept."""
     replay = Replay("decisions", capacity=4)
     ids = [f"gpu-{n}" for n in range(DECISION_PROVIDERS)]
     scheduler = _online(_snapshot(replay, ids, affinity=True))
@@ -387,7 +388,7 @@ async def _decisions() -> tuple[float, float]:
         agent.answered(turn, 0)
     affinity = affinity_of(chat_conversation, agent.body(), {}, principal="team", model=MODEL)
     best: dict[bool, float] = {False: math.inf, True: math.inf}
-    for _ in range(_ROUNDS):
+    for _ in range(rounds):
         for with_affinity in (False, True):
             began = time.process_time()
             for n in range(_DECISIONS):
@@ -400,9 +401,11 @@ async def _decisions() -> tuple[float, float]:
     return best[False], best[True]
 
 
-def run_affinity(scenarios: Sequence[Replay] = SCENARIOS) -> AffinityResult:
+def run_affinity(
+    scenarios: Sequence[Replay] = SCENARIOS, *, decision_rounds: int = _ROUNDS
+) -> AffinityResult:
     comparisons = tuple(_compare(replay) for replay in scenarios)
-    load_us, affinity_us = trio.run(_decisions)
+    load_us, affinity_us = trio.run(_decisions, decision_rounds)
     return AffinityResult(
         comparisons=comparisons, decision_us_load=load_us, decision_us_affinity=affinity_us
     )

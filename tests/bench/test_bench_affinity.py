@@ -9,7 +9,7 @@ from bench.affinity import Replay, run_affinity, targets
 def test_a_small_replay_keeps_the_cache_and_the_load_spread() -> None:
     replay = Replay("replay (moderate load)", sessions=8, turns=4, think_s=4.0)
     hot = Replay("hot prefix", sessions=16, turns=4, hot=True)
-    result = run_affinity((replay, hot))
+    result = run_affinity((replay, hot), decision_rounds=1)
     measured, spread = result.comparisons
     assert measured.affinity.runs == measured.load_only.runs == 32
     assert measured.affinity.cached_share > measured.load_only.cached_share

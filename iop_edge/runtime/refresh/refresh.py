@@ -124,6 +124,11 @@ _LONG_LISTS: Final = (
 WORKER_DEADLINE_S: Final = 120.0
 #: How much longer the Edge waits for a worker that did not end itself at its deadline.
 WORKER_GRACE_S: Final = 1.0
+#: Nodes from which the worker is started as the Edge starts, to read the running config
+#: (`Refresher.run`): reading a config of a thousand Nodes takes about as long as
+#: starting a worker (a tenth of a second or two). A smaller Edge starts its worker on its
+#: first refresh, which that costs no more, and runs without one until then.
+WARM_UP_NODES: Final = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,8 +212,9 @@ class Refresher:
         given. `worker` reads and plans candidates (`refresh.worker`); one is started on
         the first refresh if not given, and `aclose` stops it. `worker_deadline_s` bounds
         its work on one candidate (infinite: unbounded). `running_text` is the text the
-        running config was read from: `run` has the worker read it as the Edge starts, so
-        that its first candidate is checked only where it changed. `hold` keeps the
+        running config was read from: when it has `WARM_UP_NODES` Nodes or more, `run`
+        has the worker read it as the Edge starts, so that its first candidate is checked
+        only where it changed. `hold` keeps the
         Edge's heap out of the collector's sight for an apply, from before the worker
         answers to the apply's end (`lifecycle.heap.HeapKeeper.held`), and gives a `keep`
         that says what was made is alive (the snapshot, as it is assembled)."""
@@ -244,13 +250,14 @@ class Refresher:
             await self.aclose()
 
     async def _warm_up(self) -> None:
-        """Start the worker and have it read the running config's text, as a dry run
-        nobody asked for (not audited): it then holds the running config and its proof.
-        A worker that fails here is logged; the first refresh starts another."""
+        """For a config of `WARM_UP_NODES` Nodes or more: start the worker and have it
+        read the running config's text, as a dry run nobody asked for (not audited): it
+        then holds the running config and its proof. A worker that fails here is logged;
+        the first refresh starts another."""
         text, self._running_text = self._running_text, None
-        if text is None:
-            return
         base = self._target.snapshot
+        if text is None or len(base.nodes) < WARM_UP_NODES:
+            return
         ask = Prepare(base_revision=base.revision, deadline_s=self._deadline_in_worker())
         with trio.move_on_after(self._worker_deadline_s + WORKER_GRACE_S):
             try:
