@@ -126,8 +126,8 @@ WORKER_DEADLINE_S: Final = 120.0
 WORKER_GRACE_S: Final = 1.0
 #: Nodes from which the worker is started as the Edge starts, to read the running config
 #: (`Refresher.run`): reading a config of a thousand Nodes takes about as long as
-#: starting a worker (a tenth of a second or two). A smaller Edge starts its worker on its
-#: first refresh, which that costs no more, and runs without one until then.
+#: starting a worker (a tenth of a second or two). A smaller Edge runs without a worker
+#: until its first refresh, which starts one for a fraction of a second more.
 WARM_UP_NODES: Final = 1000
 
 
@@ -214,10 +214,10 @@ class Refresher:
         its work on one candidate (infinite: unbounded). `running_text` is the text the
         running config was read from: when it has `WARM_UP_NODES` Nodes or more, `run`
         has the worker read it as the Edge starts, so that its first candidate is checked
-        only where it changed. `hold` keeps the
-        Edge's heap out of the collector's sight for an apply, from before the worker
-        answers to the apply's end (`lifecycle.heap.HeapKeeper.held`), and gives a `keep`
-        that says what was made is alive (the snapshot, as it is assembled)."""
+        only where it changed. `hold` keeps the Edge's heap out of the collector's sight
+        for an apply, from before the worker answers to the apply's end
+        (`lifecycle.heap.HeapKeeper.held`), and gives a `keep` that says what was made is
+        alive (the snapshot, as it is assembled)."""
         self._target = target
         self._config_path = config_path
         self._audit = audit
