@@ -84,7 +84,6 @@ from iop_edge.core.routing.pool import (
     Decision,
     Grant,
     Preference,
-    ProviderView,
     Refuse,
     Wait,
     decide,
@@ -108,7 +107,7 @@ from iop_edge.runtime.runs.observation import PoolObservation
 from iop_edge.runtime.runs.provider_state import Lookups, ProviderState
 from iop_edge.runtime.runs.unapplied_models import UnappliedModels
 from iop_edge.runtime.runs.waiter import Waiter
-from schemas.config import LifecycleFlag, ProviderConfig, RoutingPolicy
+from schemas.config import LifecycleFlag, RoutingPolicy
 from schemas.protocols import CallerProtocol
 from schemas.wire import Health, ModelState
 
@@ -543,9 +542,18 @@ class Scheduler(PoolObservation):
         served = model.providers
         now = self._clock()
         state_of = self._states.get
+        connected = self._connected
+        unapplied = self._unapplied or None  # mostly empty: nothing to ask per provider
         views = {
-            provider_id: self._view(
-                state, config, node_id, now, protocol, served=served[provider_id]
+            provider_id: state.view(
+                config,
+                now,
+                protocol,
+                served=(name := served[provider_id]),
+                connected=node_id in connected,
+                applied="applied"
+                if unapplied is None
+                else unapplied.state(node_id, provider_id, name),
             )
             for provider_id, config, node_id in self._snapshot.rotations[model_id]
             if (state := state_of(provider_id)) is not None and not state.removed
@@ -573,28 +581,6 @@ class Scheduler(PoolObservation):
         if back == 0 and affinity.source != "session":
             return None  # the very prompt again, no conversation going on: Rule 4 spreads it
         return Preference(key=affinity.key, holders=holders, bound=routing.load_bound)
-
-    def _view(
-        self,
-        state: ProviderState,
-        config: ProviderConfig,
-        node_id: str,
-        now: float,
-        protocol: CallerProtocol,
-        *,
-        served: str,
-    ) -> ProviderView:
-        """What a decision sees of a provider in config (`config` and `node_id`: its
-        own, from the snapshot's rotation of the model; `served`: the model's name there)."""
-        unapplied = self._unapplied
-        return state.view(
-            config,
-            now,
-            protocol,
-            served=served,
-            connected=node_id in self._connected,
-            applied=unapplied.state(node_id, config.id, served) if unapplied else "applied",
-        )
 
     def _grant(
         self,
