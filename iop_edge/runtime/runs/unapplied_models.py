@@ -11,6 +11,7 @@ Rules:
    Each added (provider, served name) is kept for the provider's Node with the new
    snapshot's revision. Only the Nodes whose entry the swap changed are looked into: a
    refresh keeps the very entries of the others, so a fleet's swap costs what changed.
+   A Node the new snapshot does not have is forgotten.
 2. A Node that *applies* revision R (its `refresh_ack` says ok, or it was welcomed with
    R) has every model added up to R: they are forgotten.
 3. Until then the added model is `pending` on that provider (`core.routing.pool` Rule 3:
@@ -51,6 +52,9 @@ class UnappliedModels:
         """Keep what `new` adds to `old` (Rule 1)."""
         if old is new:
             return
+        for gone in [node_id for node_id in self._added if node_id not in new.nodes]:
+            del self._added[gone]  # out of config: nothing of it is routed
+            self._refused.pop(gone, None)
         before = old.nodes
         for node_id, node in new.nodes.items():
             if before.get(node_id) is node:
@@ -73,7 +77,7 @@ class UnappliedModels:
         if not added:
             del self._added[node_id]
             self._refused.pop(node_id, None)
-        return [provider_id for provider_id, _ in done]
+        return list(dict.fromkeys(provider_id for provider_id, _ in done))
 
     def refused(self, node_id: str, revision: int) -> list[str]:
         """Node `node_id` refused `revision` (Rule 3): the providers with models it lacks."""
@@ -81,7 +85,7 @@ class UnappliedModels:
         if added is None:
             return []
         self._refused[node_id] = max(self._refused.get(node_id, 0), revision)
-        return [provider_id for provider_id, _ in added]
+        return list(dict.fromkeys(provider_id for provider_id, _ in added))
 
     def state(self, node_id: str, provider_id: str, served: str) -> Applied:
         """Whether the Node runs a config that gives `provider_id` the name `served`."""
