@@ -132,6 +132,7 @@ from iop_node.adapters.upstream_http.native_exchange import (
     relay_native_stream,
     shaped,
 )
+from iop_node.adapters.upstream_http.tls import upstream_tls_context
 from iop_node.cache_timings import timings_cached
 from iop_node.compat.httpx2 import connection_pool_for
 from iop_node.protocol_support import ProtocolSupport
@@ -264,6 +265,7 @@ class OpenAICompatAdapter(NativeRelay):
                 keepalive_expiry=_KEEPALIVE_EXPIRY_S,
             ),
             follow_redirects=False,
+            verify=upstream_tls_context(),
         )
         self._context = ContextWindow(self._client, self.root_url)
         self._models_url = httpx2.URL(self.base_url + "/models")

@@ -43,6 +43,8 @@ answers `native_missing_status` (404, or 405) as a chat-only server does;
 apply to their streams too. `tokenizer`
 names a tokenizer endpoint's dialect (llama.cpp's, vLLM's, llama-cpp-python's).
 
+`tls`: a server context to serve HTTPS with (its URLs then start `https://`).
+
 Endpoints: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models;
 Ollama's GET /api/tags and /api/version. Responses are serialized with `json.dumps`
 defaults (spaces after separators, ASCII escapes) and carry provider-specific extras, so
@@ -53,6 +55,7 @@ a relay that re-encodes JSON instead of passing bytes through is caught byte for
 from __future__ import annotations
 
 import json
+import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -359,6 +362,8 @@ class FakeUpstream:
     """A stream's `data:` payloads by its request's body, sent in place of the usual ones
     and followed by `[DONE]` (an empty list: a 200 whose body ends at once); None from
     it: the usual answer."""
+    tls: ssl.SSLContext | None = None
+    """Serve HTTPS with this server context (None: plain HTTP)."""
     runs_per_connection: int | None = None
     """A connection that has answered this many POSTs drops the next one unanswered, as
     a server closing an idle keep-alive connection just as a request arrives does (None:
@@ -391,9 +396,12 @@ class FakeUpstream:
 
     async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on 127.0.0.1:0; `task_status.started(base_url)` once accepting."""
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
-        self.root_url = f"http://127.0.0.1:{port}"
+        plain = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = plain[0].socket.getsockname()[1]
+        listeners: list[trio.abc.Listener[trio.abc.Stream]] = list(plain)
+        if self.tls is not None:
+            listeners = [trio.SSLListener(one, self.tls) for one in plain]
+        self.root_url = f"{'https' if self.tls else 'http'}://127.0.0.1:{port}"
         task_status.started(self.base_url)
         await trio.serve_listeners(self._serve_connection, listeners)
 
@@ -408,7 +416,7 @@ class FakeUpstream:
 
     # --- one connection -------------------------------------------------------------------
 
-    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+    async def _serve_connection(self, stream: trio.abc.Stream) -> None:
         self.connections_total += 1
         self._notify()
         conn = h11.Connection(h11.SERVER)
@@ -436,15 +444,15 @@ class FakeUpstream:
             with trio.move_on_after(1, shield=True):
                 await stream.aclose()
 
-    async def _next_event(self, stream: trio.SocketStream, conn: h11.Connection) -> Any:
+    async def _next_event(self, stream: trio.abc.Stream, conn: h11.Connection) -> Any:
         while True:
             event = conn.next_event()
             if event is not h11.NEED_DATA:
                 return event
-            conn.receive_data(await stream.receive_some(65536))
+            conn.receive_data(bytes(await stream.receive_some(65536)))
 
     async def _read_request(
-        self, stream: trio.SocketStream, conn: h11.Connection
+        self, stream: trio.abc.Stream, conn: h11.Connection
     ) -> RecordedRequest | None:
         head = await self._next_event(stream, conn)
         if not isinstance(head, h11.Request):
@@ -468,13 +476,13 @@ class FakeUpstream:
         self.arrivals += 1
         return request
 
-    async def _send(self, stream: trio.SocketStream, conn: h11.Connection, event: Any) -> None:
+    async def _send(self, stream: trio.abc.Stream, conn: h11.Connection, event: Any) -> None:
         data = conn.send(event)
         if data:
             await stream.send_all(data)
 
     async def _send_json(
-        self, stream: trio.SocketStream, conn: h11.Connection, status: int, body: bytes
+        self, stream: trio.abc.Stream, conn: h11.Connection, status: int, body: bytes
     ) -> None:
         headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
         await self._send(stream, conn, h11.Response(status_code=status, headers=headers))
@@ -611,7 +619,7 @@ class FakeUpstream:
         return None
 
     async def _respond(
-        self, stream: trio.SocketStream, conn: h11.Connection, request: RecordedRequest
+        self, stream: trio.abc.Stream, conn: h11.Connection, request: RecordedRequest
     ) -> None:
         operation = _OPERATIONS.get(request.path)
         if operation in _NATIVE and operation not in self.native:
@@ -637,7 +645,7 @@ class FakeUpstream:
 
     async def _infer(
         self,
-        stream: trio.SocketStream,
+        stream: trio.abc.Stream,
         conn: h11.Connection,
         request: RecordedRequest,
         operation: str,
@@ -653,7 +661,7 @@ class FakeUpstream:
             async def watch() -> None:
                 nonlocal gone
                 while data := await stream.receive_some(65536):
-                    conn.receive_data(data)  # a pipelined next request: keep it for later
+                    conn.receive_data(bytes(data))  # a pipelined next request: keep it
                 gone = True
                 nursery.cancel_scope.cancel()
 
@@ -665,7 +673,7 @@ class FakeUpstream:
 
     async def _answer(
         self,
-        stream: trio.SocketStream,
+        stream: trio.abc.Stream,
         conn: h11.Connection,
         request: RecordedRequest,
         operation: str,
@@ -762,7 +770,7 @@ class FakeUpstream:
         await self._send(stream, conn, h11.EndOfMessage())
 
     async def _script(
-        self, stream: trio.SocketStream, conn: h11.Connection, script: list[bytes]
+        self, stream: trio.abc.Stream, conn: h11.Connection, script: list[bytes]
     ) -> None:
         headers = [("content-type", "text/event-stream")]
         await self._send(stream, conn, h11.Response(status_code=200, headers=headers))
@@ -773,7 +781,7 @@ class FakeUpstream:
 
     async def _answer_natively(
         self,
-        stream: trio.SocketStream,
+        stream: trio.abc.Stream,
         conn: h11.Connection,
         operation: str,
         model: str,

@@ -4,6 +4,7 @@ short, and whether a native endpoint's error means its route is missing."""
 
 from __future__ import annotations
 
+import ssl
 from typing import Final
 
 import httpcore2
@@ -94,8 +95,29 @@ def describe_transport_error(exc: Exception) -> str:
             what = "bad event stream"
         case _:
             what = "connection failed"
-    detail = str(exc).strip()
+    detail = _said(exc)
     return clip(f"{what}: {detail}") if detail else what
+
+
+def _said(exc: BaseException) -> str:
+    """What `exc` says, else what the first cause under it that says something does: a
+    connect error wraps a TLS handshake's failure without a word of its own."""
+    cause: BaseException | None = exc
+    for _ in range(_CAUSES_READ):
+        if cause is None:
+            break
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return f"TLS certificate not trusted: {cause.verify_message}"
+        if isinstance(cause, ssl.SSLError) and cause.reason:
+            return f"TLS: {cause.reason}"
+        if text := str(cause).strip():
+            return text
+        cause = cause.__cause__ or cause.__context__
+    return ""
+
+
+#: How deep `_said` looks under an exception for its cause's words.
+_CAUSES_READ: Final = 4
 
 
 def stream_cut(emitted: int, message: str, *, reply_fault: bool = False) -> AdapterError:

@@ -1,0 +1,67 @@
+"""A runtime served over HTTPS (iop_node.adapters.upstream_http.tls): every adapter's
+client verifies it through one context, made once, as httpx2 makes its default: a
+runtime whose certificate a CA in `SSL_CERT_FILE` signed is served, one signed by another
+CA is refused; building adapters loads the trust store once, however many there are."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+import trustme
+
+from iop_node.adapters.upstream_http.tls import upstream_tls_context
+from tests.timing import GUARD_S
+
+from .conftest import MakeAdapter
+from .fake_upstream import FakeUpstream
+from .test_openai_compat import Collector, expect_failure, make_run
+
+
+@pytest.fixture
+def trusted_ca(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[trustme.CA]:
+    """A CA this process trusts through `SSL_CERT_FILE`, as an operator's private CA, and
+    the shared context made afresh for it (and again after the test)."""
+    ca = trustme.CA()
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
+    upstream_tls_context.cache_clear()
+    yield ca
+    upstream_tls_context.cache_clear()
+
+
+async def _https_upstream(nursery: trio.Nursery, ca: trustme.CA) -> FakeUpstream:
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server)
+    upstream = FakeUpstream(tls=server)
+    await nursery.start(upstream.serve)
+    assert upstream.base_url.startswith("https://127.0.0.1:")
+    return upstream
+
+
+async def test_every_adapter_serves_an_https_runtime_through_one_context(
+    nursery: trio.Nursery, make_adapter: MakeAdapter, trusted_ca: trustme.CA
+) -> None:
+    upstream = await _https_upstream(nursery, trusted_ca)
+    adapters = [make_adapter(upstream.base_url) for _ in range(3)]
+    assert upstream_tls_context.cache_info().misses == 1  # one trust store load for all
+    for adapter in adapters:
+        with trio.fail_after(GUARD_S):
+            result = await adapter.execute(make_run()[0], Collector())
+        assert result.usage is not None
+
+
+async def test_a_runtime_whose_certificate_no_trusted_ca_signed_is_refused(
+    nursery: trio.Nursery, make_adapter: MakeAdapter, trusted_ca: trustme.CA
+) -> None:
+    upstream = await _https_upstream(nursery, trustme.CA())  # a CA nobody trusts
+    error = await expect_failure(make_adapter(upstream.base_url), make_run()[0])
+    assert (error.code, error.retryable) == ("upstream_unreachable", True)
+    assert error.message.endswith(
+        "unreachable: cannot connect: TLS certificate not trusted: unable to get local issuer "
+        "certificate"
+    ), error.message
