@@ -1,8 +1,8 @@
 """The TLS client context every upstream HTTP client of a Node shares.
 
-Building a context loads a trust store (httpx2's default: certifi's bundle, or the
-environment's `SSL_CERT_FILE` / `SSL_CERT_DIR`), about 30 ms of CPU, on the event loop
-when an adapter is built. Each adapter's client built its own, even for a plain-HTTP
+Building a context loads a trust store (httpx2's default: the environment's
+`SSL_CERT_FILE` / `SSL_CERT_DIR`, else the system's CAs), about 30 ms of CPU, on the event
+loop when an adapter is built. Each adapter's client built its own, even for a plain-HTTP
 runtime, so a refresh that rebuilt a Node's providers held its loop that long for each of
 them while its runs streamed. One context, made as httpx2 makes its default for the first
 adapter, serves them all: a context is safe to share, and every client verifies exactly
