@@ -28,6 +28,8 @@ import httpx2
 import openai
 import trio
 
+from tests.e2e.stack import CLIENT_TLS
+
 REPO = Path(__file__).resolve().parents[2]
 MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
 
@@ -114,7 +116,7 @@ async def start_edge(
 
 async def admin_get(admin_url: str, path: str) -> dict[str, Any]:
     """`GET path` on an Edge process's admin API: its JSON document (an error status fails)."""
-    async with httpx2.AsyncClient(base_url=admin_url, timeout=10) as admin:
+    async with httpx2.AsyncClient(base_url=admin_url, timeout=10, verify=CLIENT_TLS) as admin:
         response = await admin.get(path)
         response.raise_for_status()
         document: dict[str, Any] = response.json()
@@ -221,7 +223,10 @@ class MixedLoad:
 
     async def _caller(self, stream: bool) -> None:
         client = openai.AsyncOpenAI(
-            base_url=f"{self.base_url}/v1", api_key=self.api_key, max_retries=self.retries
+            base_url=f"{self.base_url}/v1",
+            api_key=self.api_key,
+            max_retries=self.retries,
+            http_client=openai.DefaultAsyncHttpxClient(verify=CLIENT_TLS),
         )
         async with client:
             while not self._stop.is_set():

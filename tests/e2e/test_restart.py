@@ -35,7 +35,7 @@ from tests.e2e.processes import (
     start_edge,
     stop_pid,
 )
-from tests.e2e.stack import NODE_TOKEN, NODE_TOKEN_HASH, one_sim_config, start_stack
+from tests.e2e.stack import CLIENT_TLS, NODE_TOKEN, NODE_TOKEN_HASH, one_sim_config, start_stack
 
 CAPACITY = 16
 #: The openai SDK's default `max_retries`.
@@ -116,7 +116,9 @@ async def test_sigusr2_applies_a_pending_restart_required_change(
         await nursery.start(partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN))
         config["openai"].update(tokens(old_token, new_token))
         candidate = yaml.safe_dump(config, sort_keys=False)
-        async with httpx2.AsyncClient(base_url=edge.urls["admin"], timeout=30) as admin:
+        async with httpx2.AsyncClient(
+            base_url=edge.urls["admin"], timeout=30, verify=CLIENT_TLS
+        ) as admin:
             response = await admin.post(
                 "/refresh",
                 json={"mode": "apply", "config_yaml": candidate, "allow_restart_required": True},
@@ -126,7 +128,9 @@ async def test_sigusr2_applies_a_pending_restart_required_change(
         assert status["pending_restart"] == ["openai.principal_tokens[caller-two]"]
 
         async def call(token: str) -> int:
-            async with httpx2.AsyncClient(base_url=edge.urls["openai"], timeout=30) as http:
+            async with httpx2.AsyncClient(
+                base_url=edge.urls["openai"], timeout=30, verify=CLIENT_TLS
+            ) as http:
                 response = await http.post(
                     "/v1/chat/completions",
                     headers={"authorization": f"Bearer {token}"},
