@@ -99,6 +99,10 @@ def describe_transport_error(exc: Exception) -> str:
     return clip(f"{what}: {detail}") if detail else what
 
 
+#: How deep `_said` looks under an exception for its cause's words.
+_CAUSES_READ: Final = 4
+
+
 def _said(exc: BaseException) -> str:
     """What `exc` says, else what the first cause under it that says something does: a
     connect error wraps a TLS handshake's failure without a word of its own."""
@@ -114,10 +118,6 @@ def _said(exc: BaseException) -> str:
             return text
         cause = cause.__cause__ or cause.__context__
     return ""
-
-
-#: How deep `_said` looks under an exception for its cause's words.
-_CAUSES_READ: Final = 4
 
 
 def stream_cut(emitted: int, message: str, *, reply_fault: bool = False) -> AdapterError:
