@@ -59,6 +59,9 @@ LISTING_ONLY: Final[list[LifecycleFlag]] = ["list_models"]
 #: Between looks at a router's listing while a model it was asked for loads. The runtime
 #: has no event for it (its `/models/sse` says nothing); a load takes seconds to minutes.
 LOAD_POLL_S: Final = 0.25
+#: Looks at the listing in a row that the runtime may leave unanswered while a model loads
+#: before the load is given up (a runtime gone away is not waited for until the bound).
+LOOKS_UNANSWERED: Final = 4
 #: llama.cpp's answers to a load of a running model and an unload of a stopped one: done.
 _ALREADY: Final = ("already running", "is not running")
 
@@ -159,22 +162,45 @@ class RuntimeLifecycle:
             raise ModelCommandFailed("this runtime does not unload models on request")
 
     async def _wait_router_loaded(self, model: str) -> None:
-        """Look at the router's listing until `model` is loaded, or failed (raises)."""
+        """Look at the router's listing until `model` is loaded, or failed (raises). A
+        look the runtime does not answer (a dropped keep-alive connection, a 503 while
+        it is busy) is taken again; `LOOKS_UNANSWERED` in a row fail the command."""
+        unanswered = 0
         while True:
-            response = await self._client.get(self._models_url)
-            try:
-                listing = LLAMA_LISTING_DECODER.decode(response.content)
-            except msgspec.DecodeError:
-                listing = LlamaListing(data=[])
-            states = {state.name: state for state in from_llama_listing(listing) or ()}
-            state = states.get(model)
-            if state is None:
-                raise ModelCommandFailed(f"the runtime does not list {model!r}")
-            if state.state == "loaded":
-                return
-            if state.state == "failed":
-                raise ModelCommandFailed(f"{model} {state.reason or 'failed to load'}")
+            listing, problem = await self._router_listing()
+            if listing is None:
+                unanswered += 1
+                if unanswered >= LOOKS_UNANSWERED:
+                    raise ModelCommandFailed(
+                        f"the runtime's listing did not answer while {model} loaded: {problem}"
+                    )
+            else:
+                unanswered = 0
+                states = {state.name: state for state in from_llama_listing(listing) or ()}
+                state = states.get(model)
+                if state is None:
+                    raise ModelCommandFailed(f"the runtime does not list {model!r}")
+                if state.state == "loaded":
+                    return
+                if state.state == "failed":
+                    raise ModelCommandFailed(f"{model} {state.reason or 'failed to load'}")
             await trio.sleep(LOAD_POLL_S)
+
+    async def _router_listing(self) -> tuple[LlamaListing | None, str]:
+        """The router's listing now, or None and why not."""
+        try:
+            response = await self._client.get(
+                self._models_url, headers={"Accept": "application/json"}
+            )
+        except httpx2.HTTPError as exc:
+            return None, f"GET {self._models_url} failed: {exc}"
+        if response.status_code != 200:
+            detail = error_message(response.content) or ""
+            return None, f"GET {self._models_url} returned {response.status_code} {detail}".strip()
+        try:
+            return LLAMA_LISTING_DECODER.decode(response.content), ""
+        except msgspec.DecodeError as exc:
+            return None, f"GET {self._models_url} returned an unreadable listing: {exc}"
 
     # --- requests ----------------------------------------------------------------------
 

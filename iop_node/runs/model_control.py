@@ -9,13 +9,15 @@ the Node serialises the commands:
 2. A command equal to one waiting or running (same provider, action and model: another
    Edge asking for the same load) joins it: one load, both answered with its outcome.
 3. A command is bounded by its provider's `adapter.load_timeout_s`; one that runs out
-   fails with that reason. Its provider's next command then runs.
+   fails with that reason. Its provider's next command then runs. Whatever the adapter
+   raises fails the command with what it said: the Node runs on.
 4. An adapter whose runtime cannot load on request (`base.ModelLifecycle` not
    implemented) fails every command at once, naming the provider's type.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +27,8 @@ from iop_node.adapters.base import Adapter, ModelCommandFailed, ModelLifecycle
 from schemas.wire import ModelAction
 
 __all__ = ["ModelControl"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,6 +91,9 @@ async def _bounded(
                 await adapter.unload_model(model)
         except ModelCommandFailed as exc:
             return str(exc)
+        except Exception as exc:  # an adapter's bug fails the command, never the Node
+            log.exception("%s of %s raised", action, model)
+            return f"{action} of {model} failed: {type(exc).__name__}: {exc}"
     if waited.cancelled_caught:
         return f"{action} of {model} did not finish within {timeout_s:g}s (adapter.load_timeout_s)"
     return None

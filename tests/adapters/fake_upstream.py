@@ -368,6 +368,9 @@ class FakeUpstream:
     """A connection that has answered this many POSTs drops the next one unanswered, as
     a server closing an idle keep-alive connection just as a request arrives does (None:
     never)."""
+    listings_dropped: int = 0
+    """The next this many model listings (`GET /v1/models`) are dropped unanswered, as a
+    runtime closing a keep-alive connection the client reuses does."""
     cache: CacheReport | None = None
     """Chat answers report this many prompt tokens read from the runtime's cache (None:
     they say nothing of a cache)."""
@@ -382,7 +385,7 @@ class FakeUpstream:
     """Streams cut short by `interrupt_streams`."""
     connections_total: int = field(init=False, default=0)
     dropped: int = field(init=False, default=0)
-    """POSTs dropped unanswered by `runs_per_connection`."""
+    """Requests dropped unanswered (`runs_per_connection`, `listings_dropped`)."""
     active: int = field(init=False, default=0)
     disconnects: int = field(init=False, default=0)
     root_url: str = field(init=False, default="")
@@ -425,6 +428,10 @@ class FakeUpstream:
             while True:
                 request = await self._read_request(stream, conn)
                 if request is None:
+                    return
+                if self.listings_dropped and request.path == "/v1/models":
+                    self.listings_dropped -= 1
+                    self.dropped += 1
                     return
                 if request.method == "POST":
                     if posts == self.runs_per_connection:

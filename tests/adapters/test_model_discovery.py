@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import trio
 
+from iop_node.adapters import runtime_lifecycle
 from iop_node.adapters.base import AdapterError, ModelCommandFailed
 from iop_node.adapters.lmstudio import LmStudioAdapter
 from iop_node.adapters.ollama import OllamaAdapter
@@ -195,6 +196,30 @@ async def test_a_model_that_fails_to_load_fails_the_command_with_the_reason(
     with trio.fail_after(GUARD_S), pytest.raises(ModelCommandFailed) as failed:
         await adapter.load_model("broken")
     assert str(failed.value) == "broken failed to load (exit code 1)"
+
+
+async def test_a_load_outlives_a_listing_the_runtime_drops_and_fails_when_it_stays_silent(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A look at the router's listing while a model loads that gets no answer (a dropped
+    keep-alive connection) is taken again; a runtime that answers none of
+    `LOOKS_UNANSWERED` in a row fails the command, saying why, instead of raising."""
+    monkeypatch.setattr(runtime_lifecycle, "LOAD_POLL_S", 0.01)
+    fake = FakeUpstream(models=["a", "b"], lifecycle="llama_router", loaded={"a"})
+    adapter = await _commanded(nursery, fake, "openai_api")
+    fake.listings_dropped = runtime_lifecycle.LOOKS_UNANSWERED - 1
+    with trio.fail_after(GUARD_S):
+        await adapter.load_model("b")
+    assert fake.loaded == {"a", "b"}
+    assert fake.dropped == runtime_lifecycle.LOOKS_UNANSWERED - 1
+
+    with trio.fail_after(GUARD_S):
+        await adapter.unload_model("b")
+    fake.listings_dropped = runtime_lifecycle.LOOKS_UNANSWERED
+    with trio.fail_after(GUARD_S), pytest.raises(ModelCommandFailed) as failed:
+        await adapter.load_model("b")
+    assert str(failed.value).startswith("the runtime's listing did not answer while b loaded: ")
+    assert "Server disconnected" in str(failed.value)
 
 
 async def test_a_runtime_refusal_is_the_command_s_error(nursery: trio.Nursery) -> None:

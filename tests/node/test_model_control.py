@@ -29,6 +29,8 @@ class Runtime:
         self.running: list[tuple[str, str]] = []
         self.release = trio.Event()
         self.refuse: str | None = None
+        self.bug: Exception | None = None
+        """Raised in place of an answer: an adapter's bug."""
 
     async def _do(self, action: str, model: str) -> None:
         self.calls.append((action, model))
@@ -37,6 +39,8 @@ class Runtime:
             await self.release.wait()
         finally:
             self.running.remove((action, model))
+        if self.bug is not None:
+            raise self.bug
         if self.refuse is not None:
             raise ModelCommandFailed(self.refuse)
 
@@ -109,6 +113,21 @@ async def test_a_refusal_reaches_everyone_who_joined() -> None:
         await trio.testing.wait_all_tasks_blocked()
         runtime.release.set()
     assert answers == ["out of memory", "out of memory"]
+
+
+async def test_an_adapter_that_raises_fails_the_command_and_the_provider_runs_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Whatever an adapter raises fails the command with what it said (the Node, whose
+    nursery runs the command, is not taken down), and the provider's next command runs."""
+    control, runtime, answers = ModelControl(), Runtime(), []
+    runtime.bug = KeyError("status")
+    runtime.release.set()
+    await _run_into(control, runtime, "load", "a", answers)
+    runtime.bug = None
+    await _run_into(control, runtime, "load", "b", answers)
+    assert answers == ["load of a failed: KeyError: 'status'", None]
+    assert "load of a raised" in caplog.text
 
 
 async def test_a_load_past_its_timeout_fails_and_frees_the_provider(
