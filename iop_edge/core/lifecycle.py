@@ -12,8 +12,11 @@ Rules:
    `preload` copies otherwise (loaded once).
 3. Where. The providers that can take a copy are those connected, enabled, not
    `unavailable`, whose runtime loads on request and has not `failed` the model. Copies
-   already chosen stay while they can; then those that hold the model already (no
-   load), then those with room (nothing unloaded for it), then the rest; each group in
+   already chosen stay while they can, and for a while after they cannot (the keeper's
+   `MOVE_AFTER_S`: a probe that fails once, or a Node dialling again, does not move a
+   pin, which would load the model elsewhere and unload it here); then those that hold
+   the model already (no load), then those with room (nothing unloaded for it), then
+   the rest; each group in
    the model's rendezvous order (`core.routing.affinity.placement_key`, as a run's load is
    placed, `core.routing.pool` Rule 8). So every Edge sharing the Nodes picks the same
    providers, with no shared store.
@@ -31,7 +34,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from iop_edge.core.routing.affinity import placement_key, provider_seed, rendezvous_score
@@ -121,16 +124,22 @@ def copy_of(provider: CatalogProvider, served: str) -> Copy:
 
 
 def choose_copies(
-    model_id: str, copies: Sequence[Copy], wanted: int, *, chosen: Sequence[str] = ()
+    model_id: str,
+    copies: Sequence[Copy],
+    wanted: int,
+    *,
+    chosen: Sequence[str] = (),
+    waiting: Collection[str] = (),
 ) -> list[str]:
     """Rule 3: the providers a model's `wanted` copies go to, first choices first (fewer
-    when fewer can take one)."""
+    when fewer can take one). `waiting`: those of `chosen` that cannot take a copy now
+    but keep their place a while yet."""
     if wanted <= 0:
         return []
     key = placement_key(model_id)
     takers = [copy for copy in copies if copy.can_take or copy.holds]
-    kept = [copy.provider for copy in takers if copy.provider in chosen]
-    kept.sort(key=list(chosen).index)
+    able = {copy.provider for copy in takers}
+    kept = [provider for provider in chosen if provider in able or provider in waiting]
 
     def order(copy: Copy) -> tuple[bool, bool, int]:
         return (not copy.holds, not copy.room, -rendezvous_score(key, provider_seed(copy.provider)))

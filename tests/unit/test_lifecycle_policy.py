@@ -75,6 +75,8 @@ def test_copies_already_chosen_stay_while_they_can() -> None:
     assert choose_copies("m", _copies(*ids), 1, chosen=[other]) == [other]
     gone = [c for c in _copies(*ids) if c.provider != other]
     assert choose_copies("m", gone, 1, chosen=[other]) == best
+    # one that cannot take it now, but keeps its place a while yet (the keeper's grace)
+    assert choose_copies("m", gone, 1, chosen=[other], waiting={other}) == [other]
 
 
 def test_a_catalog_record_says_whether_a_copy_can_be_taken() -> None:

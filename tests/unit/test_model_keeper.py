@@ -12,7 +12,8 @@ import trio.testing
 from iop_edge.core.routing.affinity import placement_key, rendezvous_order
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.models.commands import ModelCommands
-from iop_edge.runtime.models.keeper import RETRY_S, ModelKeeper
+from iop_edge.runtime.models.keeper import MOVE_AFTER_S, RETRY_S, ModelKeeper
+from iop_edge.runtime.nodes.session import SessionClosed
 from schemas import wire
 from schemas.catalog import (
     CatalogProvider,
@@ -45,14 +46,30 @@ def _snapshot(lifecycle: ModelLifecycle) -> Snapshot:
     return Snapshot.build(config, revision=1, config_sha256="0" * 64)
 
 
+class Session:
+    """One connection of the Node `n1`: its commands go to the pool's runtimes."""
+
+    def __init__(self, pool: Pool, features: frozenset[str]) -> None:
+        self.pool = pool
+        self.features = features
+
+    async def request_model_command(self, command: wire.ModelCommand) -> wire.ModelCommandDone:
+        return await self.pool.request_model_command(command)
+
+
 class Pool:
     """The providers' runtimes and their Node, as the keeper sees them."""
 
     def __init__(self, features: frozenset[str] = frozenset({wire.FEATURE_PINS})) -> None:
         self.held: dict[str, bool] = dict.fromkeys(PROVIDERS, False)
+        self.down: set[str] = set()
+        """Providers whose last probe failed."""
         self.commands: list[tuple[str, str]] = []
         self.refuse: str | None = None
         self.features = features
+        self.session: Session | None = Session(self, features)
+        self.ends_session = False
+        """The session ends before the Node answers the next command."""
         self.pins: dict[str, frozenset[str]] = {}
         self.audited: list[tuple[str, str, str]] = []
         self.changed: Callable[[], None] = lambda: None
@@ -60,12 +77,29 @@ class Pool:
 
     def providers(self, ids: object) -> list[CatalogProvider]:
         return [
-            _provider(p, {"m-served": "loaded" if self.held[p] else "unloaded"}, max_loaded=None)
+            _provider(
+                p,
+                {"m-served": "loaded" if self.held[p] else "unloaded"},
+                max_loaded=None,
+                health="unavailable" if p in self.down else "available",
+            )
             for p in PROVIDERS
         ]
 
+    def session_of(self, node_id: str) -> Session | None:
+        return self.session if node_id == "n1" else None
+
+    def connect(self) -> None:
+        """The Node dials again: a new session, and the keeper looks."""
+        self.session = Session(self, self.features)
+        self.changed()
+
     async def request_model_command(self, command: wire.ModelCommand) -> wire.ModelCommandDone:
         self.commands.append((command.action, command.provider_id))
+        if self.ends_session:
+            self.ends_session = False
+            self.session = None
+            raise SessionClosed("n1")
         if self.refuse is not None:
             return wire.ModelCommandDone(command_id=command.command_id, ok=False, error=self.refuse)
         if command.action in ("load", "pin"):
@@ -90,15 +124,14 @@ class Commands(ModelCommands):
 
 
 def _keeper(pool: Pool, snapshot: Callable[[], Snapshot], tmp_path: Path) -> ModelKeeper:
-    session_of = lambda node_id: pool if node_id == "n1" else None  # noqa: E731
     commands = Commands(
-        snapshot=snapshot, providers=pool.providers, session_of=session_of, state_dir=tmp_path
+        snapshot=snapshot, providers=pool.providers, session_of=pool.session_of, state_dir=tmp_path
     )
     commands.audited = pool.audited
     keeper = ModelKeeper(
         snapshot=snapshot,
         providers=pool.providers,
-        session_of=session_of,
+        session_of=pool.session_of,
         commands=commands,
         pin_models=pool.pin_models,
     )
@@ -134,6 +167,66 @@ async def test_a_pin_is_loaded_told_once_reloaded_when_dropped_and_retried_after
     assert pool.commands[2:] == [("pin", home)]
     assert pool.held[home]
     assert pool.audited == [("pin", home, "lifecycle")] * 3
+
+
+async def test_a_pin_lost_with_the_nodes_session_is_told_to_its_next_session_at_once(
+    nursery: trio.Nursery, autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """A command that failed because its Node went away says nothing of the runtime: the
+    Node's next session is asked at once, not `RETRY_S` later. While the Node is away, no
+    look asks again."""
+    pool = Pool()
+    pool.ends_session = True
+    snapshot = _snapshot(ModelLifecycle(keep_loaded=True))
+    await nursery.start(_keeper(pool, lambda: snapshot, tmp_path).run)
+    await trio.testing.wait_all_tasks_blocked()
+    [home] = rendezvous_order(placement_key("m"), PROVIDERS)[:1]
+    assert pool.commands == [("pin", home)]
+    assert pool.audited == [("pin", home, "lifecycle")]  # the failure is audited
+    assert not pool.held[home]
+
+    pool.changed()  # a look while the Node is away: no command can reach it
+    await trio.testing.wait_all_tasks_blocked()
+    assert pool.commands == [("pin", home)]
+
+    start = trio.current_time()
+    pool.connect()
+    await trio.testing.wait_all_tasks_blocked()
+    assert pool.commands == [("pin", home)] * 2
+    assert pool.held[home]
+    assert trio.current_time() == start  # at once
+
+
+async def test_a_pin_stays_through_a_short_outage_of_its_provider_and_moves_after_a_long_one(
+    nursery: trio.Nursery, autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """A probe that fails once does not move a `keep_loaded` copy (moving it loads the
+    model elsewhere and unloads it here): it stays pinned, with nothing sent, for
+    `MOVE_AFTER_S`; a provider down longer loses the pin to the next choice."""
+    pool = Pool()
+    snapshot = _snapshot(ModelLifecycle(keep_loaded=True))
+    await nursery.start(_keeper(pool, lambda: snapshot, tmp_path).run)
+    await trio.testing.wait_all_tasks_blocked()
+    home, second, _ = rendezvous_order(placement_key("m"), PROVIDERS)
+    assert pool.commands == [("pin", home)]
+
+    pool.down.add(home)  # one failed probe
+    pool.changed()
+    await trio.sleep(MOVE_AFTER_S - 1)
+    assert pool.commands == [("pin", home)]
+    assert pool.pins == {home: frozenset({"m-served"})}  # placement still spares it
+    pool.down.discard(home)  # the next probe answers
+    pool.changed()
+    await trio.sleep(MOVE_AFTER_S)
+    assert pool.commands == [("pin", home)]
+
+    pool.down.add(home)  # down for good
+    pool.changed()
+    await trio.sleep(MOVE_AFTER_S - 1)
+    assert pool.commands == [("pin", home)]
+    await trio.sleep(2)
+    assert sorted(pool.commands[1:]) == [("pin", second), ("unpin", home)]
+    assert pool.pins == {second: frozenset({"m-served"})}
 
 
 async def test_a_preload_asks_each_provider_once_and_a_refresh_that_drops_a_pin_unpins(

@@ -10,14 +10,17 @@ preloads are still owed, and acts with the existing `model_command`s
 1. Every pinned copy is told to its Node once per connection (`pin`, to a Node naming
    `FEATURE_PINS`: the Node keeps it from idle unloads, and loads it); a copy its runtime
    does not hold is loaded again (`pin`, or `load` to an older Node). A copy that stops
-   being pinned is told `unpin`.
+   being pinned is told `unpin`. A `keep_loaded` copy whose provider cannot hold it now
+   (down, or its Node away) stays pinned there, and is sent nothing, for `MOVE_AFTER_S`
+   before the pin moves to another provider (`core.lifecycle` Rule 3).
 2. A preload owed loads its copies (`load`), each provider once (`core.lifecycle` Rule 5).
 3. The scheduler hears the pins (`Scheduler.pin_models`): placement never unloads a
    pinned copy to make room (`core.routing.holdings` Rule 4).
 4. One command per copy at a time; a failed one is tried again after `RETRY_S` (a model
-   a runtime cannot load is not asked for in a loop). A preload's failed load is owed
-   again: another provider is asked at once if one can take it, the same one after
-   `RETRY_S`.
+   a runtime cannot load is not asked for in a loop), or at once when its Node has
+   connected again since (the failure may have been the session's end, not the
+   runtime's). A preload's failed load is owed again: another provider is asked at once
+   if one can take it, the same one after `RETRY_S`.
 
 The operator's `pin` and `unpin` (`POST /models/pin|unpin`) come here too (a pin whose
 load failed is not kept: the answer says why); `load` and `unload` go on to
@@ -29,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Final
+from typing import Final, NamedTuple
 
 import trio
 
@@ -45,17 +48,28 @@ from schemas.catalog import (
 )
 from schemas.config import ModelLifecycle
 
-__all__ = ["RETRY_S", "ModelKeeper"]
+__all__ = ["MOVE_AFTER_S", "RETRY_S", "ModelKeeper"]
 
 log = logging.getLogger(__name__)
 
 #: How long after a failed pin or preload load the copy is asked for again.
 RETRY_S: Final = 30.0
+#: How long a `keep_loaded` copy keeps its provider after the provider stops being able
+#: to hold it (`core.lifecycle` Rule 3) before the pin moves to another.
+MOVE_AFTER_S: Final = 30.0
 #: The audit log's `source` of the keeper's own commands.
 SOURCE: Final = "lifecycle"
 
 Pair = tuple[str, str]
 """(provider id, served name)."""
+
+
+class _Retry(NamedTuple):
+    """When a copy whose command failed is asked again (Rule 4)."""
+
+    at: float
+    session: CommandSession | None
+    """The Node's session the command failed on: a new one may be asked at once."""
 
 
 class ModelKeeper:
@@ -79,10 +93,12 @@ class ModelKeeper:
         """(model id, provider id) the operator pinned, in order."""
         self._config_copies: dict[str, list[str]] = {}
         """A `keep_loaded` model's chosen providers (kept while they can, Rule 3)."""
+        self._out_since: dict[tuple[str, str], float] = {}
+        """(model id, provider) of a chosen copy that cannot be held now: since when."""
         self._preloads: dict[str, tuple[ModelLifecycle, set[str]]] = {}
         """A preloading model's lifecycle and the providers asked (Rule 5)."""
         self._busy: set[Pair] = set()
-        self._retry_at: dict[Pair, float] = {}
+        self._retry_at: dict[Pair, _Retry] = {}
         self._told: dict[str, tuple[CommandSession, set[Pair]]] = {}
         """Per Node: the session told, and the pins it was told."""
         self._wake = trio.Event()
@@ -189,6 +205,7 @@ class ModelKeeper:
         source: str,
     ) -> ModelCommandReport:
         """Send `action` to `pairs` (one command per copy at a time, Rule 4)."""
+        sessions = {p: self._session_of(snapshot.provider_node.get(p, "")) for p, _ in pairs}
         self._busy.update(pairs)
         try:
             report = await self._commands.send(snapshot, action, model_id, pairs, source=source)
@@ -203,7 +220,7 @@ class ModelKeeper:
             if result.ok:
                 self._retry_at.pop(pair, None)
             else:
-                self._retry_at[pair] = now + RETRY_S
+                self._retry_at[pair] = _Retry(now + RETRY_S, sessions.get(result.provider))
                 if action == "load" and model_id in self._preloads:  # owed again (Rule 4)
                     self._preloads[model_id][1].discard(result.provider)
                 log.warning(
@@ -238,7 +255,8 @@ class ModelKeeper:
                     await wake.wait()
 
     def _reconcile(self, nursery: trio.Nursery) -> float:
-        """One look at the pool (Rules 1-4); returns when to look again at the latest.
+        """One look at the pool (Rules 1-4); returns when to look again at the latest (a
+        retry's time, or a waiting copy's `MOVE_AFTER_S`).
 
         It runs at every Node report, so it looks only at the models with a lifecycle to
         keep (worked out once per snapshot) and the operator's pins."""
@@ -256,6 +274,8 @@ class ModelKeeper:
         pins: dict[str, set[str]] = {}
         to_pin: list[tuple[str, Pair, bool]] = []  # (model, pair, held)
         config_copies: dict[str, list[str]] = {}
+        out_since: dict[tuple[str, str], float] = {}
+        look_at = math.inf
         for model_id in dict.fromkeys([*self._managed, *operator]):
             model = snapshot.models[model_id]
             lifecycle = model.lifecycle
@@ -265,12 +285,24 @@ class ModelKeeper:
                 for record in self._providers(list(served))
             }
             pinned = list(operator.get(model_id, ()))
+            waiting: set[str] = set()
             if lifecycle.keep_loaded:
+                before = self._config_copies.get(model_id, ())
+                for provider in before:  # Rule 3: a chosen copy out of reach waits a while
+                    copy = copies.get(provider)
+                    if provider not in served or (copy and (copy.holds or copy.can_take)):
+                        continue
+                    since = self._out_since.get((model_id, provider), now)
+                    if now < since + MOVE_AFTER_S:
+                        out_since[model_id, provider] = since
+                        waiting.add(provider)
+                        look_at = min(look_at, since + MOVE_AFTER_S)
                 chosen = config_copies[model_id] = choose_copies(
                     model_id,
                     list(copies.values()),
                     wanted_copies(lifecycle),
-                    chosen=self._config_copies.get(model_id, ()),
+                    chosen=before,
+                    waiting=waiting,
                 )
                 pinned += [p for p in chosen if p not in pinned]
             elif lifecycle.preload:
@@ -280,7 +312,10 @@ class ModelKeeper:
                 if copy is not None and (copy.holds or copy.can_take):
                     pins.setdefault(provider, set()).add(served[provider])
                     to_pin.append((model_id, (provider, served[provider]), copy.holds))
+                elif provider in waiting:  # still pinned there; nothing is sent to it
+                    pins.setdefault(provider, set()).add(served[provider])
         self._config_copies = config_copies
+        self._out_since = out_since
         self._preloads = {
             m: entry
             for m, entry in self._preloads.items()
@@ -296,13 +331,26 @@ class ModelKeeper:
             session = self._session_of(node_id)
             speaks_pins = session is not None and wire.FEATURE_PINS in session.features
             owed = not held or (speaks_pins and told is not None and pair not in told)
-            if owed and pair not in self._busy and self._retry_at.get(pair, -math.inf) <= now:
+            if owed and pair not in self._busy and self._may_ask(snapshot, pair, now):
                 self._busy.add(pair)  # `_send` takes it back
                 nursery.start_soon(self._send, snapshot, "pin", model_id, [pair], SOURCE)
         self._unpin_stale(snapshot, pins, nursery)
         # a retry whose time came was made above, or is owed no more (Rule 4)
-        self._retry_at = {pair: at for pair, at in self._retry_at.items() if at > now}
-        return min(self._retry_at.values(), default=math.inf)
+        self._retry_at = {
+            pair: retry
+            for pair, retry in self._retry_at.items()
+            if not self._may_ask(snapshot, pair, now)
+        }
+        return min([look_at, *(retry.at for retry in self._retry_at.values())])
+
+    def _may_ask(self, snapshot: Snapshot, pair: Pair, now: float) -> bool:
+        """Rule 4: no failed command on `pair` waits for its retry (its time came, or
+        its Node is connected on a session newer than the one it failed on)."""
+        retry = self._retry_at.get(pair)
+        if retry is None or retry.at <= now:
+            return True
+        session = self._session_of(snapshot.provider_node.get(pair[0], ""))
+        return session is not None and session is not retry.session
 
     def _preload(
         self,
@@ -325,8 +373,7 @@ class ModelKeeper:
         candidates = [  # a provider whose load failed waits for its retry (Rule 4)
             copy
             for provider, copy in copies.items()
-            if provider in done
-            or self._retry_at.get((provider, served[provider]), -math.inf) <= now
+            if provider in done or self._may_ask(snapshot, (provider, served[provider]), now)
         ]
         chosen = choose_copies(model_id, candidates, lifecycle.preload, chosen=sorted(done))
         for provider in [p for p in chosen if p not in done][: lifecycle.preload - len(done)]:
