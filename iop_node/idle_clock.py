@@ -26,11 +26,13 @@ Rules:
    Node names the model to unload first (`victim`): the one idle longest that is neither
    pinned nor in use. With none, the runtime chooses (and the Edge loads a pin it
    dropped again).
-7. The Node's own word is newer than a probe begun before it. A run that starts loads
-   its model (held from then on) and Rule 6's choice is being unloaded (gone from then
-   on); a probe that began at or before that instant and reports after it says what the
-   runtime held before, so it changes neither model's standing. A probe begun later
-   does (a load that failed, an unload that did not happen).
+7. The Node's own word is newer than a probe begun before the runtime did what it
+   says. A run that starts loads its model: held from then on, and the runtime held it
+   while the run ran, so a probe begun before the run ended does not say otherwise. Rule
+   6's choice is gone from the instant it is chosen, and a probe begun before its unload
+   returned (`unloaded`) says what the runtime held before. Such a probe changes
+   neither model's standing; a probe begun later does (a load that failed, an unload
+   that did not happen).
 
 Pure: no I/O; the caller passes the time.
 """
@@ -65,8 +67,10 @@ class IdleClock:
         self._running: Counter[ModelKey] = Counter()
         self._pins: dict[ModelKey, set[int]] = {}
         self._told: dict[ModelKey, float] = {}
-        """When the Node last changed a model's standing itself: a run's start, Rule 6's
-        choice (Rule 7)."""
+        """When the Node last changed a model's standing itself, as far as a probe can
+        tell: a run's start and end, Rule 6's choice and its unload's return (Rule 7)."""
+        self._unloading: set[ModelKey] = set()
+        """Rule 6's choices whose unload has not returned: no probe says otherwise."""
 
     def configure(self, rules: Iterable[IdleRule]) -> None:
         """The running config's rules; clocks of models that keep a rule go on (Rule 3)."""
@@ -116,7 +120,7 @@ class IdleClock:
 
     def _newer(self, key: ModelKey, probed_at: float) -> bool:
         """Rule 7: the Node changed the model's standing since the probe began."""
-        return self._told.get(key, -math.inf) >= probed_at
+        return key in self._unloading or self._told.get(key, -math.inf) >= probed_at
 
     def started(self, key: ModelKey, now: float = -math.inf) -> str | None:
         """A run of the model began at `now` (Rule 1); the model to unload before it
@@ -127,6 +131,7 @@ class IdleClock:
             self._held.discard(dropped)
             self._since.pop(dropped, None)
             self._told[dropped] = now
+            self._unloading.add(dropped)
         self._running[key] += 1
         self._since.pop(key, None)
         if key[0] in self._stating:
@@ -135,7 +140,9 @@ class IdleClock:
         return victim
 
     def ended(self, key: ModelKey, now: float) -> None:
-        """A run of the model ended (Rule 2)."""
+        """A run of the model ended (Rules 2, 7)."""
+        if key in self._held:
+            self._told[key] = now
         left = self._running[key] - 1
         if left > 0:
             self._running[key] = left
@@ -143,6 +150,13 @@ class IdleClock:
         del self._running[key]
         if key in self._held:
             self._since[key] = now
+
+    def unloaded(self, key: ModelKey, now: float) -> None:
+        """Rule 6's unload of `key` returned (done or not): a probe begun from now on
+        says what the runtime holds (Rule 7). Once per choice; later calls do nothing."""
+        if key in self._unloading:
+            self._unloading.discard(key)
+            self._told[key] = now
 
     def unload_failed(self, key: ModelKey, now: float) -> None:
         """The unload asked for did not happen: the clock starts over (Rule 5)."""

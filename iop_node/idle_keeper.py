@@ -122,9 +122,16 @@ class IdleKeeper:
             victim,
             run.target,
         )
-        error = await self._control.run(
-            adapter, "unload", victim, after=lambda: self._probe(adapter)
-        )
+        key = (run.provider_id, victim)
+
+        async def returned() -> None:  # before the probe: it tells what the unload did
+            self.clock.unloaded(key, trio.current_time())
+            await self._probe(adapter)
+
+        try:
+            error = await self._control.run(adapter, "unload", victim, after=returned)
+        finally:  # joined another command's unload, or cancelled: it returned all the same
+            self.clock.unloaded(key, trio.current_time())
         if error is not None:
             log.warning("provider %s: unload of %s failed: %s", run.provider_id, victim, error)
 

@@ -120,18 +120,23 @@ def test_a_run_s_model_counts_as_held_until_a_probe_after_it_says_otherwise() ->
 
 
 def test_a_probe_begun_before_the_node_s_own_change_does_not_undo_it() -> None:
-    """Rule 7: a probe that was under way when a run loaded its model, or when Rule 6's
-    choice was unloaded, reports the runtime as it was; the Node's word stands until a
-    probe begun later."""
+    """Rule 7: a probe that was under way before a run ended, or before Rule 6's unload
+    returned, reports the runtime as it was; the Node's word stands until a probe begun
+    later."""
     clock = IdleClock()
     clock.observe("p", ["kept", "b"], now=0.0, max_loaded=2)
     clock.pin(("p", "kept"), link=1)
     assert clock.started(("p", "c"), now=10.0) == "b"  # b is unloaded to make room
+    clock.observe("p", ["kept", "b"], now=10.4, max_loaded=2, probed_at=10.2)  # mid-unload
+    clock.unloaded(("p", "b"), now=10.5)
+    clock.unloaded(("p", "b"), now=10.9)  # once per choice
     clock.ended(("p", "c"), now=11.0)
-    clock.observe("p", ["kept", "b"], now=12.0, max_loaded=2, probed_at=9.0)  # stale
+    clock.observe("p", ["kept", "b"], now=12.0, max_loaded=2, probed_at=10.45)  # stale
     assert clock.started(("p", "b"), now=13.0) == "c"  # b is not held: c makes room
+    clock.unloaded(("p", "c"), now=13.2)
     clock.ended(("p", "b"), now=14.0)
-    clock.observe("p", ["kept", "c"], now=15.0, max_loaded=2, probed_at=12.5)  # stale
+    # begun while b's run ran, before it reached the runtime: b is held all the same
+    clock.observe("p", ["kept", "c"], now=15.0, max_loaded=2, probed_at=13.5)
     assert clock.victim(("p", "d")) == "b"  # b's run loaded it; c went for it
     clock.observe("p", ["kept", "c"], now=16.0, max_loaded=2, probed_at=15.5)  # fresh
     assert clock.victim(("p", "d")) == "c"  # the runtime's word, begun after the Node's
