@@ -82,7 +82,8 @@ def _edit(text: str, *edits: Edit) -> str:
     doc: Doc = yaml.safe_load(text)
     for edit in edits:
         edit(doc)
-    return yaml.safe_dump(doc, sort_keys=False)
+    dumped: str = yaml.dump(doc, Dumper=yaml.CSafeDumper, sort_keys=False)
+    return dumped
 
 
 def _provider_of(doc: Doc, provider_id: str) -> Doc:
@@ -638,7 +639,7 @@ async def test_a_candidate_of_megabytes_sent_in_small_pieces_is_read_whole(
 
 
 async def test_a_report_of_megabytes_is_answered_whole(
-    nursery: trio.Nursery, tmp_path: Path
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     stack = await _one_provider_stack(nursery, tmp_path)
     original = stack.config_path.read_text(encoding="utf-8")
@@ -657,6 +658,14 @@ async def test_a_report_of_megabytes_is_answered_whole(
     assert report["outcome"] == "rejected"
     assert len(report["errors"]) == 20_000
     assert report["errors"][-1]["path"] == "nodes[0].providers[0].priorty_19999"
+    # the log names the first twenty and counts the rest
+    told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refresh rej")]
+    assert len(told) == 21
+    assert told[0] == (
+        "refresh rejected: nodes[0].providers[0].priorty_00000: unknown field"
+        " (did you mean 'priority'?)"
+    )
+    assert told[-1] == "refresh rejected: 19980 more error(s) (see the report)"
 
 
 async def test_restart_required_change_is_refused_unless_allowed(

@@ -626,8 +626,15 @@ def _log_attempt(source: str, request: RefreshRequest, result: RefreshResult) ->
         len(report.live_paths),
         len(report.restart_required_paths),
     )
-    for error in report.errors:
+    for error in report.errors[:_ERRORS_LOGGED]:
         log.log(level, "refresh %s: %s: %s", report.outcome, error.path or "-", error.message)
+    if len(report.errors) > _ERRORS_LOGGED:  # the report and the audit log have them all
+        log.log(
+            level,
+            "refresh %s: %d more error(s) (see the report)",
+            report.outcome,
+            len(report.errors) - _ERRORS_LOGGED,
+        )
     if report.pending_restart and result.verdict == "accepted":
         log.log(
             level,
@@ -653,6 +660,9 @@ def _log_attempt(source: str, request: RefreshRequest, result: RefreshResult) ->
 
 #: Nodes that did not apply a refresh named one by one in the log.
 _NODES_LOGGED: Final = 20
+#: A refused candidate's errors told one by one in the log (a config generated wrong may
+#: have thousands: each a line written on the event loop, and an operator's log flooded).
+_ERRORS_LOGGED: Final = 20
 
 
 def _interrupted(node_ids: list[str]) -> list[NodeResult]:
