@@ -7,8 +7,8 @@ states depends on the runtime, and it is asked only where an answer is possible
 
 - a listing whose entries carry a `status` is llama.cpp's router: its `GET /props` says
   how many models it keeps loaded (`--models-max`); it loads on `POST /models/load` (and
-  returns at once: the load is done when its listing says `loaded`, or `failed`) and
-  unloads on `POST /models/unload`;
+  returns at once: the load is over when its listing says `loaded`, `failed`, or
+  `unloaded` once it was seen `loading`) and unloads on `POST /models/unload`;
 - a `vllm` provider is asked `GET /is_sleeping` until it answers 404 or 405 (a vLLM
   started without sleep mode): asleep, its models are `sleeping`; `POST /wake_up` wakes
   it (a "load") and `POST /sleep?level=1` puts it to sleep (an "unload"). A vLLM does
@@ -59,8 +59,10 @@ LISTING_ONLY: Final[list[LifecycleFlag]] = ["list_models"]
 #: Between looks at a router's listing while a model it was asked for loads. The runtime
 #: has no event for it (its `/models/sse` says nothing); a load takes seconds to minutes.
 LOAD_POLL_S: Final = 0.25
-#: Looks at the listing in a row that the runtime may leave unanswered while a model loads
-#: before the load is given up (a runtime gone away is not waited for until the bound).
+#: Looks at the listing in a row that may say nothing of a load (unanswered; or the model
+#: `unloaded` before any look found the load under way) before the load is given up: a
+#: runtime gone away, or one that never started the load, is not waited for until the
+#: command's bound.
 LOOKS_UNANSWERED: Final = 4
 #: llama.cpp's answers to a load of a running model and an unload of a stopped one: done.
 _ALREADY: Final = ("already running", "is not running")
@@ -162,20 +164,20 @@ class RuntimeLifecycle:
             raise ModelCommandFailed("this runtime does not unload models on request")
 
     async def _wait_router_loaded(self, model: str) -> None:
-        """Look at the router's listing until `model` is loaded, or failed (raises). A
-        look the runtime does not answer (a dropped keep-alive connection, a 503 while
-        it is busy) is taken again; `LOOKS_UNANSWERED` in a row fail the command."""
-        unanswered = 0
+        """Look at the router's listing until the load of `model` is over: `loaded`; or
+        `unloaded` after a look found it `loading` (the runtime loaded it and has let it
+        go since, between two looks: another load evicted it, or a client unloaded it;
+        the load is done, and what the runtime holds now is the next probe's to say); or
+        `failed` (raises). A look that says nothing of the load (the runtime does not
+        answer: a dropped keep-alive connection, a 503 while it is busy; or it lists the
+        model `unloaded` before any look found the load under way) is taken again, and
+        `LOOKS_UNANSWERED` in a row fail the command."""
+        silent = 0
+        began = False
         while True:
             listing, problem = await self._router_listing()
-            if listing is None:
-                unanswered += 1
-                if unanswered >= LOOKS_UNANSWERED:
-                    raise ModelCommandFailed(
-                        f"the runtime's listing did not answer while {model} loaded: {problem}"
-                    )
-            else:
-                unanswered = 0
+            state = None
+            if listing is not None:
                 states = {state.name: state for state in from_llama_listing(listing) or ()}
                 state = states.get(model)
                 if state is None:
@@ -184,6 +186,20 @@ class RuntimeLifecycle:
                     return
                 if state.state == "failed":
                     raise ModelCommandFailed(f"{model} {state.reason or 'failed to load'}")
+                if state.state == "unloaded" and began:
+                    log.info("%s was loaded and unloaded again between two looks", model)
+                    return
+                if state.state == "unloaded":
+                    problem = f"the runtime lists {model} unloaded, not loading"
+            if state is None or state.state == "unloaded":
+                silent += 1
+                if silent >= LOOKS_UNANSWERED:
+                    raise ModelCommandFailed(
+                        f"{silent} looks at the runtime's listing found no load of {model} "
+                        f"under way (the last: {problem})"
+                    )
+            else:
+                silent, began = 0, True
             await trio.sleep(LOAD_POLL_S)
 
     async def _router_listing(self) -> tuple[LlamaListing | None, str]:

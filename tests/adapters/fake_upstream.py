@@ -354,6 +354,11 @@ class FakeUpstream:
     """`--models-max` of a router; how many any dialect keeps loaded (0: no bound)."""
     loading: set[str] = field(default_factory=set)
     """Models a load was asked for: listed `loading` once, then loaded."""
+    loads_evicted: bool = False
+    """With "llama_router": a model a load was asked for is listed `loading` once and is
+    gone by the next listing (another load took its place)."""
+    loads_ignored: bool = False
+    """With "llama_router": a load is answered 200 and never started."""
     load_order: list[str] = field(default_factory=list)
     """The loaded models, oldest load first (what a load evicts past `max_loaded`)."""
     loads: int = 0
@@ -542,7 +547,8 @@ class FakeUpstream:
     def _router_status(self, model: str) -> dict[str, Any]:
         if model in self.loading:
             self.loading.discard(model)
-            self._load(model)
+            if not self.loads_evicted:
+                self._load(model)
             return {"value": "loading"}
         if model in self.failed:
             return {"value": "unloaded", "failed": True, "exit_code": self.failed[model]}
@@ -572,7 +578,7 @@ class FakeUpstream:
                     return 404, error_body("File Not Found", 404)
                 if model in self.loaded:
                     return 400, error_body("model is already running", 400)
-                if model not in self.failed:  # a failed one stays failed
+                if model not in self.failed and not self.loads_ignored:  # failed stays so
                     self.loading.add(model)  # loaded by the next listing (its load takes time)
                 return 200, _dumps({"success": True})
             case ("llama_router", "/models/unload"):

@@ -218,8 +218,34 @@ async def test_a_load_outlives_a_listing_the_runtime_drops_and_fails_when_it_sta
     fake.listings_dropped = runtime_lifecycle.LOOKS_UNANSWERED
     with trio.fail_after(GUARD_S), pytest.raises(ModelCommandFailed) as failed:
         await adapter.load_model("b")
-    assert str(failed.value).startswith("the runtime's listing did not answer while b loaded: ")
+    assert str(failed.value).startswith(
+        f"{runtime_lifecycle.LOOKS_UNANSWERED} looks at the runtime's listing found no load "
+        "of b under way (the last: GET "
+    )
     assert "Server disconnected" in str(failed.value)
+
+
+async def test_a_load_is_over_when_the_runtime_let_the_model_go_and_failed_if_never_begun(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model listed `loading`, then `unloaded` (evicted between two looks) was loaded:
+    the load is done, not waited on until its bound. One listed `unloaded` with no load
+    ever seen under way fails the command after `LOOKS_UNANSWERED` looks."""
+    monkeypatch.setattr(runtime_lifecycle, "LOAD_POLL_S", 0.01)
+    fake = FakeUpstream(models=["a", "b"], lifecycle="llama_router", loaded={"a"})
+    adapter = await _commanded(nursery, fake, "openai_api")
+    fake.loads_evicted = True
+    with trio.fail_after(GUARD_S):
+        await adapter.load_model("b")
+    assert fake.loaded == {"a"}
+
+    fake.loads_evicted, fake.loads_ignored = False, True
+    with trio.fail_after(GUARD_S), pytest.raises(ModelCommandFailed) as failed:
+        await adapter.load_model("b")
+    assert str(failed.value) == (
+        f"{runtime_lifecycle.LOOKS_UNANSWERED} looks at the runtime's listing found no load "
+        "of b under way (the last: the runtime lists b unloaded, not loading)"
+    )
 
 
 async def test_a_runtime_refusal_is_the_command_s_error(nursery: trio.Nursery) -> None:
