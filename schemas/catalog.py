@@ -16,6 +16,10 @@ from schemas.config import Category, ProviderType
 from schemas.protocols import CallerProtocol
 from schemas.wire import Health, ModelLoadState, ModelState
 
+Unapplied = Literal["pending", "refused"]
+"""How a provider's Node stands with a served name a refresh gave the provider: it has
+not acked the refresh yet, or it refused it (`CatalogProvider.unapplied`)."""
+
 
 class CatalogRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Base of every catalog record: immutable, keyword-only.
@@ -93,6 +97,11 @@ class CatalogProvider(CatalogRecord, frozen=True, kw_only=True):
     """Of the prompt tokens its runtime reported over its recent runs, the share it took
     from its prefix cache (0..1, recent runs weighing most: `core.routing.cache_share`); null
     before it reported any."""
+    unapplied: dict[str, Unapplied] = {}
+    """Served names a refresh gave it that its Node does not serve yet (design §5 step
+    6): `pending` until the Node acks the refresh (runs go elsewhere or wait), `refused`
+    when the Node refused it (runs are refused saying so); empty when the Node runs them
+    all."""
 
 
 class CatalogModel(CatalogRecord, frozen=True, kw_only=True):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -81,14 +81,22 @@ _COLUMN_FRAME = 3
 _HEALTH_PLAN_WIDTH = 28
 
 
+#: A served name the provider's Node does not serve yet, as the catalog says why.
+_UNAPPLIED: Final = {"pending": "not applied by its node yet", "refused": "refused by its node"}
+
+
 def _models_held(p: dict[str, Any]) -> str:
     """The provider's served models, each with its load state where the runtime reports
-    one (design §18: `smol-a (loaded), smol-b (unloaded)`), and how many it holds at once."""
+    one (design §18: `smol-a (loaded), smol-b (unloaded)`), or why its Node does not
+    serve it yet (design §5 step 6), and how many it holds at once."""
     states = {s["name"]: s for s in p.get("model_states") or ()}
+    unapplied = p.get("unapplied") or {}
     cells = []
     for name in p.get("models", []):
         state = states.get(name)
-        if state is None:
+        if name in unapplied:
+            cells.append(f"{name} ({_UNAPPLIED.get(unapplied[name], unapplied[name])})")
+        elif state is None:
             cells.append(name if not states else f"{name} (not listed)")
         elif state.get("reason"):
             cells.append(f"{name} ({state['state']}: {state['reason']})")

@@ -21,7 +21,7 @@ import functools
 from collections.abc import Iterable
 from typing import Final
 
-from schemas.catalog import CatalogLifecycle, CatalogProvider
+from schemas.catalog import CatalogLifecycle, CatalogProvider, Unapplied
 from schemas.config import LifecycleFlag, ProviderConfig
 from schemas.protocols import CallerProtocol
 from schemas.wire import Health, ModelState
@@ -30,6 +30,8 @@ __all__ = ["catalog_lifecycle", "catalog_provider", "health_reason"]
 
 #: The `pinned` of every provider with no pin: one list, never changed.
 _NOTHING_PINNED: Final[list[str]] = []
+#: The `unapplied` of every provider whose Node runs its config: one dict, never changed.
+_ALL_APPLIED: Final[dict[str, Unapplied]] = {}
 
 
 def catalog_provider(
@@ -52,6 +54,7 @@ def catalog_provider(
     max_loaded: int | None = None,
     cached_share: float | None = None,
     pinned: frozenset[str] = frozenset(),
+    unapplied: dict[str, Unapplied] | None = None,
 ) -> CatalogProvider:
     """One provider's record (Rules 1-3). Its lists are the config's and the caller's own,
     not copied: a catalog of thousands of providers allocates one record per provider."""
@@ -94,6 +97,7 @@ def catalog_provider(
         max_loaded=max_loaded if connected else None,
         cached_share=cached_share,
         pinned=sorted(pinned) if pinned else _NOTHING_PINNED,
+        unapplied=unapplied or _ALL_APPLIED,
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import trio
+import yaml
 
 from tests.e2e.stack import NODE_TOKEN_HASH, Stack, edge_config, sim_provider, start_stack
 
@@ -216,6 +217,15 @@ async def test_the_pool_page_shows_providers_and_their_load_live(
         nodes=("gpu-a", "gpu-b"),
         wait_models=("qwen3.6:35b", "llama-3.1-8b"),
     )
+    # A refresh gives the Node that never linked a model: not applied there yet.
+    config = yaml.safe_load(stack.config_path.read_text(encoding="utf-8"))
+    config["nodes"][2]["providers"][0]["models"].append("sim-large")
+    config["models"].append({"id": "phi-4-large", "providers": {"gpu-c-lemonade": "sim-large"}})
+    async with stack.admin() as admin:
+        refreshed = await admin.post(
+            "/refresh", json={"mode": "apply", "config_yaml": yaml.safe_dump(config)}
+        )
+    assert refreshed.status_code == 200, refreshed.text
     async with stack.client() as client:  # a little finished traffic for the activity chart
         for _ in range(3):
             await client.chat.completions.create(
@@ -257,7 +267,8 @@ async def test_the_pool_page_shows_providers_and_their_load_live(
     assert in_flight == 3
     assert providers["gpu-c-lemonade"][1:3] == ["0/2", "unavailable"]
     assert "node disconnected" in providers["gpu-c-lemonade"][3]
-    assert seen["ready"] == "ready" and seen["revision"].startswith("revision 1")
+    assert "sim-large not applied yet" in providers["gpu-c-lemonade"][3]
+    assert seen["ready"] == "ready" and seen["revision"].startswith("revision 2")
     llama = next(row for row in seen["models"] if row.startswith("llama-3.1-8b"))
     assert "\t1\t" in llama  # its queue depth
     assert any(row.startswith("gpu-c") and "no" in row for row in seen["nodes"])

@@ -997,16 +997,20 @@ async def test_a_model_added_to_a_provider_goes_there_once_its_node_applies_it(
             while scheduler.statistics().queued.get("m2", 0) == 0:
                 await scheduler.wait_changed()
         assert targets == []  # the run waits on the Edge
+        # the catalog says why: the Node has not applied it yet
+        assert provider_in(await stack.catalog(), "sim-a")["unapplied"] == {"sim-large": "pending"}
         built.set()
 
     answer = answers["m2"]
     if applies:
         assert answer.status_code == 200, answer.text
         assert targets == ["sim-large"]
+        assert provider_in(await stack.catalog(), "sim-a")["unapplied"] == {}
         return
     assert answer.status_code == 503, answer.text
     assert "refused the config" in answer.json()["error"]["message"]
     assert targets == []
+    assert provider_in(await stack.catalog(), "sim-a")["unapplied"] == {"sim-large": "refused"}
     # A Node that links again is welcomed with the running config: the model is its.
     first_node.cancel()
     await stack.wait_catalog(lambda c: not provider_in(c, "sim-a")["connected"])
@@ -1015,6 +1019,7 @@ async def test_a_model_added_to_a_provider_goes_there_once_its_node_applies_it(
     answer = await ask("m2")
     assert answer.status_code == 200, answer.text
     assert targets == ["sim-large"]
+    assert provider_in(await stack.catalog(), "sim-a")["unapplied"] == {}
 
 
 _ANSWER = (

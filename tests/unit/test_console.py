@@ -77,3 +77,23 @@ def test_the_catalog_table_shows_what_each_provider_speaks_natively() -> None:
     assert any("protocols" in line for line in lines)
     assert any("gpu1-vllm" in line and "chat, messages, responses" in line for line in lines)
     assert any("cpu-sim" in line and "│ chat " in line for line in lines)
+
+
+def test_the_catalog_table_says_which_models_a_provider_s_node_does_not_serve_yet() -> None:
+    provider = {
+        "id": "gpu1-vllm",
+        "node_id": "gpu1",
+        "type": "vllm",
+        "connected": True,
+        "health": "available",
+        "capacity": 4,
+        "in_flight": 0,
+        "models": ["small", "large", "huge"],
+        "unapplied": {"large": "pending", "huge": "refused"},
+    }
+    console = Console(file=io.StringIO(), width=240, color_system=None)
+    render_catalog(console, {"models": [], "providers": [provider]})
+    output = console.file
+    assert isinstance(output, io.StringIO)
+    text = " ".join(output.getvalue().split())
+    assert "small, large (not applied by its node yet), huge (refused by its node)" in text, text

@@ -58,8 +58,11 @@ def test_a_refusal_covers_what_its_revision_added_not_what_came_after() -> None:
     assert book.refused("n1", 2) == ["a"]
     assert book.state("n1", "a", "large") == "refused"
     assert book.state("n1", "a", "huge") == "pending"  # revision 3 is on its way
+    assert book.of("n1", "a") == {"huge": "pending", "large": "refused"}  # the catalog's
+    assert book.of("n2", "b") == {}
     book.applied("n1", 3)
     assert book.state("n1", "a", "large") == book.state("n1", "a", "huge") == "applied"
+    assert book.of("n1", "a") == {}
     assert not book
 
 

@@ -17,6 +17,7 @@ from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.runs.fair_queue import FairQueue
 from iop_edge.runtime.runs.lease import Lease
 from iop_edge.runtime.runs.provider_state import ProviderState, long_capacity
+from iop_edge.runtime.runs.unapplied_models import UnappliedModels
 from iop_edge.runtime.runs.waiter import Waiter
 from schemas.catalog import Catalog, CatalogModel, CatalogProvider
 from schemas.wire import Health
@@ -65,6 +66,7 @@ class PoolObservation:
     _queues: dict[str, FairQueue[Waiter]]
     _running: dict[str, int]
     _models_of: dict[str, tuple[str, ...]]
+    _unapplied: UnappliedModels
     cache_shares: CacheShares
 
     def principal_load(self) -> dict[str, PrincipalLoad]:
@@ -197,4 +199,5 @@ class PoolObservation:
             max_loaded=state.holdings.max_loaded,
             pinned=state.holdings.all_pinned(),
             cached_share=self.cache_shares.share(state.id),
+            unapplied=self._unapplied.of(state.node_id, state.id) if self._unapplied else None,
         )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from iop_edge.core.routing.pool import Applied
 from iop_edge.core.snapshot import Snapshot
+from schemas.catalog import Unapplied
 
 __all__ = ["UnappliedModels"]
 
@@ -86,6 +87,19 @@ class UnappliedModels:
             return []
         self._refused[node_id] = max(self._refused.get(node_id, 0), revision)
         return list(dict.fromkeys(provider_id for provider_id, _ in added))
+
+    def of(self, node_id: str, provider_id: str) -> dict[str, Unapplied]:
+        """The served names of `provider_id` its Node has not applied, and how (the
+        catalog's `unapplied`), by name."""
+        added = self._added.get(node_id)
+        if added is None:
+            return {}
+        refused = self._refused.get(node_id, 0)
+        return {
+            served: "refused" if refused >= since else "pending"
+            for (provider, served), since in sorted(added.items())
+            if provider == provider_id
+        }
 
     def state(self, node_id: str, provider_id: str, served: str) -> Applied:
         """Whether the Node runs a config that gives `provider_id` the name `served`."""

@@ -66,15 +66,28 @@ function drawProviderSummary(summary) {
 }
 
 // Which served models the runtime holds (design §18), where it says: "smol-a loaded",
-// and which of them are pinned there ("smol-a loaded, pinned": placement never evicts it).
+// and which of them are pinned there ("smol-a loaded, pinned": placement never evicts it);
+// then the models a refresh gave it that its Node does not serve yet (design §5 step 6).
+const UNAPPLIED = {
+  pending: ["not applied yet", "its Node has not applied the refresh that gave it this model"],
+  refused: ["refused by its node", "its Node refused the refresh that gave it this model"],
+};
+
 function modelStates(p) {
-  if (!p.model_states) return "";
+  const unapplied = Object.entries(p.unapplied || {});
+  if (!p.model_states && !unapplied.length) return "";
   const pinned = new Set(p.pinned || []);
-  const states = p.model_states.map((s) => el("span", {
+  const states = (p.model_states || []).map((s) => el("span", {
     class: `model-state ${s.state}`, "data-model-state": `${s.name}=${s.state}`,
     "data-pinned": pinned.has(s.name) ? "yes" : "no",
     title: s.reason || (pinned.has(s.name) ? "pinned: kept loaded here" : ""),
   }, `${s.name} ${s.state}${pinned.has(s.name) ? ", pinned" : ""}`));
+  for (const [name, how] of unapplied) {
+    const [text, title] = UNAPPLIED[how] || [how, ""];
+    states.push(el("span", {
+      class: `model-state unapplied ${how}`, "data-unapplied": `${name}=${how}`, title,
+    }, `${name} ${text}`));
+  }
   const line = el("div", { class: "reason" });
   states.forEach((state, index) => line.append(index ? " · " : "", state));
   if (p.max_loaded) line.append(el("span", { class: "meta" }, ` (holds ${p.max_loaded})`));
