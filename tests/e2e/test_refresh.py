@@ -1012,6 +1012,8 @@ async def test_a_model_added_to_a_provider_goes_there_once_its_node_applies_it(
     assert "refused the config" in answer.json()["error"]["message"]
     assert targets == []
     assert provider_in(await stack.catalog(), "sim-a")["unapplied"] == {"sim-large": "refused"}
+    async with stack.admin() as admin:  # what it refused serves nothing; the rest serves
+        assert (await admin.get("/readyz")).json()["servable_models"] == ["m"]
     # A Node that links again is welcomed with the running config: the model is its.
     first_node.cancel()
     await stack.wait_catalog(lambda c: not provider_in(c, "sim-a")["connected"])
@@ -1021,6 +1023,8 @@ async def test_a_model_added_to_a_provider_goes_there_once_its_node_applies_it(
     assert answer.status_code == 200, answer.text
     assert targets == ["sim-large"]
     assert provider_in(await stack.catalog(), "sim-a")["unapplied"] == {}
+    async with stack.admin() as admin:
+        assert (await admin.get("/readyz")).json()["servable_models"] == ["m", "m2"]
 
 
 _ANSWER = (

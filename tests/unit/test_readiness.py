@@ -64,3 +64,12 @@ def test_a_provider_that_cannot_take_runs_now(change: dict[str, Any]) -> None:
 def test_one_servable_model_is_enough() -> None:
     state = readiness(_catalog(_provider("p1", health="draining"), _provider("p3")))
     assert (state.ready, state.servable_models) == (True, ["b"])
+
+
+def test_a_mapping_its_node_refused_serves_nothing_and_one_pending_its_ack_does() -> None:
+    refused = _provider("p1", unapplied={"x": "refused"})
+    assert readiness(_catalog(refused)).servable_models == []
+    pending = _provider("p1", unapplied={"x": "pending"})
+    assert readiness(_catalog(pending)).servable_models == ["a"]
+    other_name = _provider("p1", unapplied={"y": "refused"})  # another served name's
+    assert readiness(_catalog(other_name)).servable_models == ["a"]

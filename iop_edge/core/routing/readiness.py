@@ -8,7 +8,10 @@ Rules:
    admits runs (`available`, or `busy`: alive and generating, design §4 item 11), and it
    is not cooling down after failures. (A full provider still counts: a request would
    queue and be served, not be refused.)
-2. A model is *servable* when at least one of its providers can take runs now.
+2. A model is *servable* when at least one of its providers can take runs now, and that
+   provider's Node has not refused the config that maps the model to it (`unapplied`:
+   a mapping `pending` its Node's ack counts, since its runs wait for the ack and are
+   served; a `refused` one does not, since its runs are refused).
 3. The Edge is *ready* when at least one model is servable, and nothing else stops it
    from serving (a usage ledger that cannot record refuses every run: `unready`, with
    the reason).
@@ -16,7 +19,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 
 import msgspec
 
@@ -58,22 +61,29 @@ def readiness(catalog: Catalog) -> Readiness:
 
 
 def readiness_of(
-    models: Mapping[str, Iterable[str]], provider: Callable[[str], CatalogProvider | None]
+    models: Mapping[str, Mapping[str, str]], provider: Callable[[str], CatalogProvider | None]
 ) -> Readiness:
-    """Rules 2 and 3 over each model's provider ids, reading a provider's record only
-    when needed: a model is servable at its first provider that can take runs, so a
-    fleet's pool is judged by a few records per model, not a catalog of all of them."""
-    judged: dict[str, bool] = {}
+    """Rules 2 and 3 over each model's providers (id -> served name), reading a
+    provider's record only when needed: a model is servable at its first provider that
+    can take runs, so a fleet's pool is judged by a few records per model, not a catalog
+    of all of them."""
+    judged: dict[str, CatalogProvider | None] = {}
+    """Each provider read so far: its record when it can take runs now, else None."""
 
-    def taking(provider_id: str) -> bool:
-        verdict = judged.get(provider_id)
-        if verdict is None:
+    def serves(provider_id: str, served: str) -> bool:
+        if provider_id in judged:
+            record = judged[provider_id]
+        else:
             record = provider(provider_id)
-            verdict = judged[provider_id] = record is not None and can_take_runs(record)
-        return verdict
+            if record is not None and not can_take_runs(record):
+                record = None
+            judged[provider_id] = record
+        return record is not None and record.unapplied.get(served) != "refused"
 
     servable = sorted(
-        model_id for model_id, providers in models.items() if any(map(taking, providers))
+        model_id
+        for model_id, providers in models.items()
+        if any(serves(provider_id, served) for provider_id, served in providers.items())
     )
     return Readiness(
         ready=bool(servable),
