@@ -8,6 +8,7 @@ from __future__ import annotations
 import ssl
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -15,7 +16,7 @@ import trustme
 from trio_websocket import ConnectionClosed, HandshakeError
 
 from iop_node.main import run_node
-from iop_node.uplink.dial import open_edge_websocket
+from iop_node.uplink.dial import edge_tls_context, open_edge_websocket
 from tests.e2e.stack import NODE_TOKEN, Stack, one_sim_config, start_stack
 from tests.node.test_dial import LIMITS  # the same small bounds as the dial tests
 from tests.timing import GUARD_S
@@ -110,3 +111,33 @@ async def test_an_edge_that_goes_away_ends_the_session_with_connection_closed(
             await ws.send_message(b"not a hello")
             while True:
                 await ws.get_message()  # the Edge's reject, then its close
+
+
+async def test_dials_share_one_tls_context_per_trust_store(
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    edge_tls: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Building a context loads the trust store on the Node's event loop: every dial
+    under one `SSL_CERT_FILE` / `SSL_CERT_DIR` uses the same context, and another setting
+    gets its own (which trusts what it names)."""
+    stack = await _start(nursery, tmp_path, edge_tls)
+    made: list[ssl.SSLContext] = []
+    create = ssl.create_default_context
+
+    def counted(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        made.append(create(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(ssl, "create_default_context", counted)
+    for address in (None, "127.0.0.1", None):
+        with trio.fail_after(GUARD_S):
+            async with open_edge_websocket(stack.addresses.node_url, address, **LIMITS):
+                pass
+    assert len(made) == 1 and edge_tls_context() is made[0]
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "no-such-ca.pem"))
+    with trio.fail_after(GUARD_S), pytest.raises(HandshakeError):
+        async with open_edge_websocket(stack.addresses.node_url, None, **LIMITS):
+            pass
+    assert len(made) == 2
