@@ -132,12 +132,12 @@ from iop_node.adapters.upstream_http.native_exchange import (
     relay_native_stream,
     shaped,
 )
-from iop_node.adapters.upstream_http.tls import upstream_tls_context
 from iop_node.cache_timings import timings_cached
 from iop_node.compat.httpx2 import connection_pool_for
 from iop_node.protocol_support import ProtocolSupport
 from iop_node.protocols.native import ANTHROPIC_VERSION, NativeForm
 from iop_node.reply import NotAnObject, ParsedChunk, UsageView, read_chunk
+from iop_node.tls import upstream_tls_context
 from iop_node.tracing import UpstreamCall, upstream_call
 from schemas.config import ProviderConfig
 from schemas.tokens import input_text, template_tokens

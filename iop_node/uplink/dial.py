@@ -17,9 +17,8 @@ closing handshakes. What is done here that opener does not do, or not for us:
 - A connection that closes before the upgrade is answered (an Edge that was stopping
   took it) fails the dial at once (`_Answered`), where trio-websocket would wait for the
   connect timeout: a Node reconnecting to a restarted Edge links as soon as it can.
-- Every dial over TLS shares one client context per trust store (`edge_tls_context`):
-  building one loads the trust store, about 40 ms of CPU on the Node's event loop, while
-  the runs of its other links stream; a Node dials again at every Edge restart.
+- Every dial over TLS shares one client context (`iop_node.tls`), not one built (and
+  the trust store loaded) per dial.
 - Errors leave as themselves. The connection's nursery wraps whatever ends the session in
   an exception group; the one error it holds is raised alone (as `open_websocket_url`
   does for its own nursery), so the link sees `ConnectionClosed` when an Edge goes away,
@@ -28,9 +27,6 @@ closing handshakes. What is done here that opener does not do, or not for us:
 
 from __future__ import annotations
 
-import functools
-import os
-import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -47,7 +43,9 @@ from trio_websocket import (
     wrap_client_stream,
 )
 
-__all__ = ["WRONG_PORT_HINT", "describe_refused_upgrade", "edge_tls_context", "open_edge_websocket"]
+from iop_node.tls import edge_tls_context
+
+__all__ = ["WRONG_PORT_HINT", "describe_refused_upgrade", "open_edge_websocket"]
 
 Stream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
 
@@ -232,18 +230,6 @@ class _Answered(trio.abc.Stream):
 
     async def aclose(self) -> None:
         await self._stream.aclose()
-
-
-def edge_tls_context() -> ssl.SSLContext:
-    """The client context of a dial over TLS: the system's CAs, or those `SSL_CERT_FILE`
-    and `SSL_CERT_DIR` name (read by OpenSSL), made once per setting of the two."""
-    return _tls_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
-
-
-@functools.lru_cache(maxsize=4)
-def _tls_context(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
-    """`edge_tls_context` for one trust-store setting (the key, read by OpenSSL itself)."""
-    return ssl.create_default_context()
 
 
 async def _connect(host: str, port: int, server_name: str | None) -> Stream:

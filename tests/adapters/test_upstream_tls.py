@@ -1,19 +1,19 @@
-"""A runtime served over HTTPS (iop_node.adapters.upstream_http.tls): every adapter's
-client verifies it through one context, made once, as httpx2 makes its default: a
+"""A runtime served over HTTPS (`iop_node.tls`): every adapter's client verifies it
+through one context, made once per trust store, as httpx2 makes its default: a
 runtime whose certificate a CA in `SSL_CERT_FILE` signed is served, one signed by another
 CA is refused; building adapters loads the trust store once, however many there are."""
 
 from __future__ import annotations
 
 import ssl
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx2
 import pytest
 import trio
 import trustme
 
-from iop_node.adapters.upstream_http.tls import upstream_tls_context
 from tests.timing import GUARD_S
 
 from .conftest import MakeAdapter
@@ -22,16 +22,28 @@ from .test_openai_compat import Collector, expect_failure, make_run
 
 
 @pytest.fixture
-def trusted_ca(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[trustme.CA]:
-    """A CA this process trusts through `SSL_CERT_FILE`, as an operator's private CA, and
-    the shared context made afresh for it (and again after the test)."""
+def made(monkeypatch: pytest.MonkeyPatch) -> list[ssl.SSLContext]:
+    """The client contexts httpx2 makes from now on."""
+    contexts: list[ssl.SSLContext] = []
+    create = httpx2.create_ssl_context
+
+    def counted(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        contexts.append(create(*args, **kwargs))
+        return contexts[-1]
+
+    monkeypatch.setattr(httpx2, "create_ssl_context", counted)
+    return contexts
+
+
+@pytest.fixture
+def trusted_ca(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> trustme.CA:
+    """A CA this process trusts through `SSL_CERT_FILE`, as an operator's private CA (a
+    trust store of its own: the shared context is made afresh for it)."""
     ca = trustme.CA()
     ca_file = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
     monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
-    upstream_tls_context.cache_clear()
-    yield ca
-    upstream_tls_context.cache_clear()
+    return ca
 
 
 async def _https_upstream(nursery: trio.Nursery, ca: trustme.CA) -> FakeUpstream:
@@ -44,11 +56,14 @@ async def _https_upstream(nursery: trio.Nursery, ca: trustme.CA) -> FakeUpstream
 
 
 async def test_every_adapter_serves_an_https_runtime_through_one_context(
-    nursery: trio.Nursery, make_adapter: MakeAdapter, trusted_ca: trustme.CA
+    nursery: trio.Nursery,
+    make_adapter: MakeAdapter,
+    made: list[ssl.SSLContext],
+    trusted_ca: trustme.CA,
 ) -> None:
     upstream = await _https_upstream(nursery, trusted_ca)
     adapters = [make_adapter(upstream.base_url) for _ in range(3)]
-    assert upstream_tls_context.cache_info().misses == 1  # one trust store load for all
+    assert len(made) == 1  # one trust store load for all
     for adapter in adapters:
         with trio.fail_after(GUARD_S):
             result = await adapter.execute(make_run()[0], Collector())

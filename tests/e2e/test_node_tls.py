@@ -16,7 +16,8 @@ import trustme
 from trio_websocket import ConnectionClosed, HandshakeError
 
 from iop_node.main import run_node
-from iop_node.uplink.dial import edge_tls_context, open_edge_websocket
+from iop_node.tls import edge_tls_context
+from iop_node.uplink.dial import open_edge_websocket
 from tests.e2e.stack import NODE_TOKEN, Stack, one_sim_config, start_stack
 from tests.node.test_dial import LIMITS  # the same small bounds as the dial tests
 from tests.timing import GUARD_S
