@@ -110,11 +110,13 @@ import msgspec
 from iop_edge.core.routing.affinity import GOLDEN as _GOLDEN
 from iop_edge.core.routing.affinity import MASK as _MASK
 from iop_edge.core.routing.affinity import SEEDS, placement_key, provider_seed, rendezvous_score
+from schemas.catalog import Unapplied
 from schemas.wire import Health
 
 Breaker = Literal["closed", "open", "half_open", "probing"]
 Holding = Literal["held", "cold", "failed"]
-Applied = Literal["applied", "pending", "refused"]
+Applied = Literal["applied"] | Unapplied
+"""Whether a provider's Node runs the config that gives it a model (Rules 2, 3)."""
 
 Ineligible = Literal[
     "excluded",

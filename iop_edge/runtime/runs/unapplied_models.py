@@ -94,9 +94,8 @@ class UnappliedModels:
         added = self._added.get(node_id)
         if added is None:
             return {}
-        refused = self._refused.get(node_id, 0)
         return {
-            served: "refused" if refused >= since else "pending"
+            served: self._standing(node_id, since)
             for (provider, served), since in sorted(added.items())
             if provider == provider_id
         }
@@ -105,6 +104,8 @@ class UnappliedModels:
         """Whether the Node runs a config that gives `provider_id` the name `served`."""
         added = self._added.get(node_id)
         since = None if added is None else added.get((provider_id, served))
-        if since is None:
-            return "applied"
+        return "applied" if since is None else self._standing(node_id, since)
+
+    def _standing(self, node_id: str, since: int) -> Unapplied:
+        """Rule 3: a model added by revision `since`, not applied yet by the Node."""
         return "refused" if self._refused.get(node_id, 0) >= since else "pending"
