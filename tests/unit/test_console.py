@@ -57,23 +57,30 @@ def test_a_lone_edge_shows_no_replica_table() -> None:
     assert "replicas" not in _text(report)
 
 
-def test_the_catalog_table_shows_what_each_provider_speaks_natively() -> None:
-    provider = {
-        "id": "gpu1-vllm",
-        "node_id": "gpu1",
-        "type": "vllm",
-        "connected": True,
-        "health": "available",
-        "capacity": 4,
-        "in_flight": 0,
-        "protocols": ["chat", "messages", "responses"],
-    }
-    translating = {**provider, "id": "cpu-sim", "type": "sim", "protocols": ["chat"]}
-    console = Console(file=io.StringIO(), width=200, color_system=None)
-    render_catalog(console, {"models": [], "providers": [provider, translating]})
+#: A provider's catalog record, as the admin API answers it (the fields the table reads).
+GPU1 = {
+    "id": "gpu1-vllm",
+    "node_id": "gpu1",
+    "type": "vllm",
+    "connected": True,
+    "health": "available",
+    "capacity": 4,
+    "in_flight": 0,
+}
+
+
+def _catalog_text(providers: list[dict[str, object]], width: int) -> str:
+    console = Console(file=io.StringIO(), width=width, color_system=None)
+    render_catalog(console, {"models": [], "providers": providers})
     output = console.file
     assert isinstance(output, io.StringIO)
-    lines = output.getvalue().splitlines()
+    return output.getvalue()
+
+
+def test_the_catalog_table_shows_what_each_provider_speaks_natively() -> None:
+    provider = {**GPU1, "protocols": ["chat", "messages", "responses"]}
+    translating = {**provider, "id": "cpu-sim", "type": "sim", "protocols": ["chat"]}
+    lines = _catalog_text([provider, translating], 200).splitlines()
     assert any("protocols" in line for line in lines)
     assert any("gpu1-vllm" in line and "chat, messages, responses" in line for line in lines)
     assert any("cpu-sim" in line and "│ chat " in line for line in lines)
@@ -81,19 +88,9 @@ def test_the_catalog_table_shows_what_each_provider_speaks_natively() -> None:
 
 def test_the_catalog_table_says_which_models_a_provider_s_node_does_not_serve_yet() -> None:
     provider = {
-        "id": "gpu1-vllm",
-        "node_id": "gpu1",
-        "type": "vllm",
-        "connected": True,
-        "health": "available",
-        "capacity": 4,
-        "in_flight": 0,
+        **GPU1,
         "models": ["small", "large", "huge"],
         "unapplied": {"large": "pending", "huge": "refused"},
     }
-    console = Console(file=io.StringIO(), width=240, color_system=None)
-    render_catalog(console, {"models": [], "providers": [provider]})
-    output = console.file
-    assert isinstance(output, io.StringIO)
-    text = " ".join(output.getvalue().split())
+    text = " ".join(_catalog_text([provider], 240).split())
     assert "small, large (not applied by its node yet), huge (refused by its node)" in text, text
