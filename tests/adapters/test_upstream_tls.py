@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ssl
 from pathlib import Path
-from typing import Any
 
 import httpx2
 import pytest
@@ -15,6 +14,7 @@ import trio
 import trustme
 
 from tests.timing import GUARD_S
+from tests.tls_contexts import record_contexts
 
 from .conftest import MakeAdapter
 from .fake_upstream import FakeUpstream
@@ -24,15 +24,7 @@ from .test_openai_compat import Collector, expect_failure, make_run
 @pytest.fixture
 def made(monkeypatch: pytest.MonkeyPatch) -> list[ssl.SSLContext]:
     """The client contexts httpx2 makes from now on."""
-    contexts: list[ssl.SSLContext] = []
-    create = httpx2.create_ssl_context
-
-    def counted(*args: Any, **kwargs: Any) -> ssl.SSLContext:
-        contexts.append(create(*args, **kwargs))
-        return contexts[-1]
-
-    monkeypatch.setattr(httpx2, "create_ssl_context", counted)
-    return contexts
+    return record_contexts(monkeypatch, httpx2, "create_ssl_context")
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ssl
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
@@ -21,6 +20,7 @@ from iop_node.uplink.dial import open_edge_websocket
 from tests.e2e.stack import NODE_TOKEN, Stack, one_sim_config, start_stack
 from tests.node.test_dial import LIMITS  # the same small bounds as the dial tests
 from tests.timing import GUARD_S
+from tests.tls_contexts import record_contexts
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -124,14 +124,7 @@ async def test_dials_share_one_tls_context_per_trust_store(
     under one `SSL_CERT_FILE` / `SSL_CERT_DIR` uses the same context, and another setting
     gets its own (which trusts what it names)."""
     stack = await _start(nursery, tmp_path, edge_tls)
-    made: list[ssl.SSLContext] = []
-    create = ssl.create_default_context
-
-    def counted(*args: Any, **kwargs: Any) -> ssl.SSLContext:
-        made.append(create(*args, **kwargs))
-        return made[-1]
-
-    monkeypatch.setattr(ssl, "create_default_context", counted)
+    made = record_contexts(monkeypatch, ssl, "create_default_context")
     for address in (None, "127.0.0.1", None):
         with trio.fail_after(GUARD_S):
             async with open_edge_websocket(stack.addresses.node_url, address, **LIMITS):
