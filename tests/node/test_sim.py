@@ -285,7 +285,6 @@ async def test_cancellation_stops_at_once(autojump_clock: trio.abc.Clock) -> Non
 @pytest.mark.parametrize(
     ("run", "code", "status"),
     [
-        (_run(CHAT, target="other-model"), "model_not_found", 404),
         (_run({**CHAT, "max_tokens": -1}), "invalid_request", 400),
         (_run({**CHAT, "max_tokens": "many"}), "invalid_request", 400),
         (_run({"prompt": "no messages"}), "invalid_request", 400),
@@ -298,6 +297,16 @@ async def test_bad_requests_fail_like_an_engine(run: Run, code: str, status: int
     with pytest.raises(AdapterError) as info:
         await _adapter().execute(run, _Recorder())
     assert (info.value.code, info.value.status, info.value.retryable) == (code, status, False)
+
+
+async def test_a_model_it_does_not_serve_is_failed_over_not_the_callers_error() -> None:
+    with pytest.raises(AdapterError) as info:
+        await _adapter().execute(_run(CHAT, target="other-model"), _Recorder())
+    assert (info.value.code, info.value.status, info.value.retryable) == (
+        "model_not_found",
+        404,
+        True,
+    )
 
 
 async def test_body_that_is_not_a_json_object_is_rejected() -> None:

@@ -39,6 +39,9 @@ def _failed(code: FailureCode, **fields: Any) -> RunFailed:
         (_failed(FailureCode.UPSTREAM_BUSY, capacity=True, reply_fault=True), Verdict.CAPACITY),
         (_failed(FailureCode.UPSTREAM_REJECTED, status=400), Verdict.NONE),
         (_failed(FailureCode.NODE_LOST), Verdict.NONE),
+        # A Node whose config is behind a refresh: nobody's fault.
+        (_failed(FailureCode.UNKNOWN_PROVIDER, retryable=True), Verdict.NONE),
+        (_failed(FailureCode.MODEL_NOT_FOUND, retryable=True, status=404), Verdict.NONE),
         (_failed(FailureCode.CALLER_TOO_SLOW), Verdict.NONE),
     ],
     ids=lambda value: value if isinstance(value, str) else None,
@@ -66,6 +69,13 @@ def test_a_retryable_failure_fails_over_while_retries_are_left() -> None:
     assert attempts.after(refused, "c") == Next.GIVE_UP
     assert attempts.tried == {"a", "b", "c"}
     assert not attempts.request_fault and attempts.blamed() == []
+
+
+def test_a_node_behind_a_refresh_sends_the_run_to_another_provider() -> None:
+    attempts = Attempts(retries=1, max_busy=0)
+    stale = _failed(FailureCode.MODEL_NOT_FOUND, retryable=True, status=404)
+    assert attempts.after(stale, "a") == Next.FAILOVER
+    assert attempts.tried == {"a"} and attempts.blamed() == []
 
 
 def test_a_failure_that_is_not_retryable_ends_the_request() -> None:

@@ -304,9 +304,14 @@ class SimAdapter:
     def _parse(self, run: Run) -> dict[str, Any]:
         models = self.provider.models
         if models and run.target not in models:
+            # The Edge sends a provider only the models its config says it serves, and
+            # this provider's models come from that config: a target it lacks means this
+            # Node's copy is behind a refresh. Another provider may serve the run
+            # (retryable, as `unknown_provider` is), and the Edge blames nobody for it.
             raise AdapterError(
                 FailureCode.MODEL_NOT_FOUND,
                 f"sim provider {self.provider.id!r} does not serve model {run.target!r}",
+                retryable=True,
                 status=404,
             )
         try:
