@@ -17,7 +17,10 @@ so every request that started while the old process drained must be answered
 its own (`max_bytes_per_principal` above `STATE_DISK_SIZE`): the store fills the disk up to
 `edge.responses.min_free_bytes` and then answers it `store: false`
 (`x-iop-response-stored`, counted by that header's value), never taking the room the
-usage ledger needs: the other callers see no 503 for it and no row is lost.
+usage ledger needs; and as the usage records grow into that room (about 250 bytes a
+run: a 15-minute run's take more than the default reserve), the store drops its least
+recently used responses to give it back. The other callers see no 503 for it and no row
+is lost.
 
 **Shared runtime.** The upstream is a runtime IOP shares with another application
 (`bench.upstream --slots`): node-2 also relays a second model, `SHARED_MODEL`, to it
@@ -161,6 +164,8 @@ class Books:
     """From `POST /restart` until the old Edge exited, in seconds into the run."""
     successor: int | None = None
     """The pid of the Edge process that took over, once one did."""
+    responses_held: int = 0
+    """The responses the store held at the end."""
 
     def end(self, model: str, started_s: float, outcome: str, run_id: str | None) -> None:
         """Book one request's end; `run_id` when its caller received it to the end."""
@@ -602,6 +607,7 @@ async def _soak(options: SoakOptions, *, folder: Path, state: Path) -> int:
     ledger = state / "usage.sqlite3"
     lost = _lost_rows(ledger, books.completed)
     served = _runs_by_provider(ledger)
+    books.responses_held = _responses_held(ledger)
     run = f"{minutes:g} min, {concurrency} callers + {SHARED_CALLERS} on {SHARED_MODEL} ({folder})"
     return _report(books, idle, lost, served, run)
 
@@ -633,6 +639,12 @@ def _runs_by_provider(ledger: Path) -> Counter[str]:
     with sqlite3.connect(ledger) as db:
         query = "SELECT provider, COUNT(*) FROM usage GROUP BY provider"
         return Counter({provider: count for provider, count in db.execute(query)})
+
+
+def _responses_held(ledger: Path) -> int:
+    """The responses the store holds at the end."""
+    with sqlite3.connect(ledger) as db:
+        return int(db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
 
 
 def _answered(ends: Counter[str]) -> int:
@@ -670,6 +682,11 @@ def _report(books: Books, idle: dict[str, int], lost: int, served: Counter[str],
     for provider, count in sorted(served.items()):
         print(f"  {count:8d}  {provider or '(none: refused or cut before a provider)'}")
     print(f"\nledger rows lost (completed responses not in the ledger): {lost}")
+    stored = books.outcomes["200 responses stored=true"]
+    print(
+        f"responses store: {stored} stored, {books.responses_held} held at the end (the others "
+        "dropped, least recently used first, to give metering its room back)"
+    )
     leaked = {name: value for name, value in idle.items() if value}
     print(f"slot counters after idle: {leaked or 'all 0'}")
     print("\nresident memory (MiB) at each fifth of the run, and the peak (sampled every 5 s)")

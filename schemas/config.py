@@ -113,8 +113,9 @@ class ResponsesSection(ConfigStruct, frozen=True, kw_only=True):
     """Bytes of stored responses one principal holds at most: past it, its responses are
     answered but not stored (`store: false`) until some expire or it deletes some."""
     min_free_bytes: NonNegativeInt = DEFAULT_RESPONSES_MIN_FREE_BYTES
-    """Free space in `state_dir` below which nothing is stored (SQLite only): the room is
-    the usage journal's."""
+    """Room in `state_dir` kept for the usage journal and ledger (SQLite only): the disk's
+    free space and the database's free pages. Nothing is stored below it, and as the
+    usage records grow into it the least recently used responses go."""
     max_conversation_bytes: PositiveInt = DEFAULT_RESPONSES_MAX_CONVERSATION_BYTES
     """Bytes of stored conversation a `previous_response_id` continues at most (400
     `conversation_too_large` past it)."""

@@ -1,6 +1,6 @@
 """The Responses store (iop_edge.runtime.metering.response_store) over SQLite: principal
-scoping, conversations, bounds by count, age and bytes (total, per principal, free disk,
-a conversation's), ids never overwritten, a database that fails."""
+scoping, conversations, bounds by count, age and bytes (total, per principal, metering's
+room, a conversation's), ids never overwritten, a database that fails."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ from iop_edge.runtime.metering.response_store import (
     ResponseStore,
     SqliteResponses,
     StoreUnavailable,
+    Tally,
 )
 from schemas.config import ResponsesSection
+from tests.timing import GUARD_S
 from tests.unit.test_config import errors_of, valid
 
 
@@ -282,23 +284,136 @@ async def test_a_conversation_longer_than_its_bound_is_refused_before_it_is_load
         nursery.cancel_scope.cancel()
 
 
-class _LowDisk(SqliteResponses):
-    free = 10_000_000
+class _SmallDisk(SqliteResponses):
+    """The real database, on a disk whose free space the test sets (`free`); the free
+    pages inside the file count as room as they are."""
 
-    def free_bytes(self) -> int | None:
+    free = 10_000_000
+    pruned: trio.Event | None = None
+    """Set (from the worker thread) once a prune has run."""
+
+    def _disk_free(self) -> int | None:
         return self.free
+
+    def free_pages_bytes(self) -> int:
+        room = self.room_bytes()
+        assert room is not None
+        return room - self.free
+
+    def prune(self, before: float, keep: int, keep_bytes: int) -> Tally:
+        tally = super().prune(before, keep, keep_bytes)
+        if self.pruned is not None:
+            trio.from_thread.run_sync(self.pruned.set)
+        return tally
 
 
 async def test_nothing_is_stored_when_the_disk_would_be_left_without_room_for_metering(
     tmp_path: Path,
 ) -> None:
-    backend = _LowDisk(tmp_path / "usage.sqlite3")
+    backend = _SmallDisk(tmp_path / "usage.sqlite3")
     store = ResponseStore(backend, ResponsesSection(min_free_bytes=10_000_000), clock=Clock())
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         assert await store.keep("a", _final("r0", "x"), _asked("q"), previous_id=None) == "disk_low"
         backend.free = 20_000_000
         assert await store.keep("a", _final("r0", "x"), _asked("q"), previous_id=None) is None
+        nursery.cancel_scope.cancel()
+
+
+async def _fill(store: ResponseStore, clock: Clock, count: int, size: int) -> None:
+    """`count` responses of about `size` bytes, a second apart: r00 the least recently
+    used."""
+    for index in range(count):
+        clock.now += 1
+        await store.keep("a", _final(f"r{index:02d}", "x" * size), _asked("q"), previous_id=None)
+
+
+async def test_the_store_gives_the_room_the_ledger_grew_into_back_to_metering(
+    tmp_path: Path,
+) -> None:
+    backend = _SmallDisk(tmp_path / "usage.sqlite3")
+    backend.free = 50_000_000
+    clock = Clock()
+    store = ResponseStore(backend, ResponsesSection(min_free_bytes=1_000_000), clock=clock)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        await _fill(store, clock, 20, 100_000)
+        await store.keep_room()  # room enough: nothing goes
+        assert store.statistics().rows == 20
+        assert store.statistics().dropped_for_metering == 0
+        # The usage records have since taken the disk down to 300 KB free.
+        backend.free = 300_000
+        await store.keep_room()
+        statistics = store.statistics()
+        dropped = 20 - statistics.rows
+        # Room again for the reserve and an eighth more: the free pages the dropped
+        # responses left in the file, which the ledger's rows take first.
+        assert backend.free_pages_bytes() >= 1_125_000 - 300_000
+        assert 9 <= dropped < 20, "as few as the room needs, not the whole store"
+        assert statistics.dropped_for_metering == dropped
+        # the least recently used went, the others are there to continue
+        assert await store.read("a", "r00") is None
+        assert await store.read("a", f"r{dropped - 1:02d}") is None
+        assert await store.read("a", f"r{dropped:02d}") is not None
+        assert [turn.id for turn in await store.conversation("a", "r19")] == ["r19"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_store_emptied_for_metering_leaves_the_ledger_whatever_room_there_is(
+    tmp_path: Path,
+) -> None:
+    backend = _SmallDisk(tmp_path / "usage.sqlite3")
+    backend.free = 50_000_000
+    clock = Clock()
+    store = ResponseStore(backend, ResponsesSection(min_free_bytes=1_000_000), clock=clock)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        await _fill(store, clock, 3, 100_000)
+        backend.free = 0  # full, and the store's 300 KB cannot make up the reserve
+        await store.keep_room()
+        assert store.statistics().rows == 0
+        assert store.statistics().dropped_for_metering == 3
+        assert backend.free_pages_bytes() >= 300_000
+        await store.keep_room()  # nothing left to drop: a no-op
+        assert store.statistics().dropped_for_metering == 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_store_checks_metering_s_room_on_its_own(tmp_path: Path) -> None:
+    backend = _SmallDisk(tmp_path / "usage.sqlite3")
+    backend.free = 50_000_000
+    clock = Clock()
+    store = ResponseStore(
+        backend, ResponsesSection(min_free_bytes=1_000_000), clock=clock, room_check_s=0.01
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        await _fill(store, clock, 5, 100_000)
+        backend.pruned = trio.Event()
+        backend.free = 900_000
+        with trio.fail_after(GUARD_S):
+            await backend.pruned.wait()
+        # The store's calls take turns (one worker thread at a time): this read comes
+        # after the check that pruned.
+        assert await store.read("a", "r00") is None
+        assert store.statistics().dropped_for_metering > 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_failing_database_at_a_check_of_the_room_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = _SmallDisk(tmp_path / "usage.sqlite3")
+    store = ResponseStore(backend, ResponsesSection(), clock=Clock())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        backend.close()
+        (tmp_path / "usage.sqlite3").unlink()
+        (tmp_path / "usage.sqlite3").mkdir()  # a file it can no longer open
+        for _ in range(3):
+            await store.keep_room()
+        said = [r.message for r in caplog.records if "cannot check metering's room" in r.message]
+        assert len(said) == 1
         nursery.cancel_scope.cancel()
 
 

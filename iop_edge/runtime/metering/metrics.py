@@ -143,6 +143,11 @@ class _ResponseStoreCollector(Collector):
         for reason, count in stats.unstored.items():
             unstored.add_metric([reason], count)
         yield unstored
+        yield CounterMetricFamily(
+            "iop_responses_dropped_for_metering",
+            "Stored responses dropped to give the usage ledger its room in state_dir back",
+            value=stats.dropped_for_metering,
+        )
 
 
 class _HeapCollector(Collector):

@@ -30,9 +30,18 @@ Rules:
    and other replicas' puts, are seen then); below it by this Edge's count, a put goes
    ahead, so replicas sharing PostgreSQL may together pass a share by what the others
    stored for that principal since this Edge last counted.
-4. Metering comes first: with SQLite, nothing is stored while `state_dir` has less than
-   `min_free_bytes` free after the write, so the usage journal and ledger beside the
-   store keep their room on a small disk.
+4. Metering comes first: with SQLite, the store keeps `min_free_bytes` of room in
+   `state_dir` for the usage journal and ledger beside it. Room is the disk's free space
+   plus the free pages inside the database file, which the next rows of any table take
+   before the file grows. A response that would leave less is not stored (`disk_low`).
+   And the ledger grows with every run, into that reserve: every `ROOM_CHECK_S`
+   (`keep_room`) a store that finds less room drops its least recently used responses
+   until there is the reserve and an eighth more again, or it holds none; the ledger's
+   rows go on into the pages they held (`iop_responses_dropped_for_metering_total`, a
+   log line each time). Its deletes do not write what they free again to zero it
+   (`secure_delete=FAST`), so a drop takes next to no room in the WAL. So a store that
+   filled the disk up to its reserve never leaves metering to run out of disk as the
+   usage records accumulate.
 5. Not storing is never the caller's failure for a response already produced: `keep`
    logs why with the request id, counts the reason (`statistics`) and returns it, and
    the HTTP layer tells the caller (`store: false`, `x-iop-response-stored: false`).
@@ -96,6 +105,10 @@ _T = TypeVar("_T")
 
 #: How long a stopping Edge waits for the store's connection to close.
 CLOSE_TIMEOUT_S: Final = 5.0
+#: How often the store checks that metering has its room (Rule 4). A ledger writing a
+#: thousand runs a second takes about 1.3 MB of it in that time: a twenty-fifth of the
+#: default reserve.
+ROOM_CHECK_S: Final = 5.0
 
 _encode: Final = msgspec.json.Encoder().encode
 _decode_items: Final = msgspec.json.Decoder(list[msgspec.Raw]).decode
@@ -137,6 +150,8 @@ class StoreStatistics:
     bytes: int
     unstored: dict[str, int]
     """`store: true` responses not stored since start, by reason (Rule 5)."""
+    dropped_for_metering: int = 0
+    """Responses dropped since start to give metering its room back (Rule 4)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,8 +204,10 @@ class ResponseBackend(Protocol):
         """The bytes of the principal's live responses."""
         ...
 
-    def free_bytes(self) -> int | None:
-        """Free space where the database writes, when it is on this host's disk."""
+    def room_bytes(self) -> int | None:
+        """Where the database writes on this host's disk, the bytes it may still take:
+        the disk's free space and the free pages inside the database (Rule 4); None
+        for a database elsewhere."""
         ...
 
     def get(self, principal_ref: str, response_id: str, since: float) -> bytes | None: ...
@@ -214,10 +231,12 @@ class ResponseStore:
         policy: ResponsesSection,
         *,
         clock: Callable[[], float] = time.time,
+        room_check_s: float = ROOM_CHECK_S,
     ) -> None:
         self._backend = backend
         self._policy = policy
         self._clock = clock
+        self._room_check_s = room_check_s
         self._limiter = trio.CapacityLimiter(1)
         self._count = 0
         """Rows in the database as this Edge last counted, plus its puts since."""
@@ -226,12 +245,21 @@ class ResponseStore:
         self._held: dict[str, int] = {}
         """Bytes per principal, likewise (Rule 3: a refusal counts again first)."""
         self._unstored: dict[str, int] = dict.fromkeys(UNSTORED_REASONS, 0)
+        self._dropped_for_metering = 0
+        self._room_problem: str | None = None
+        """Why the last check of the room failed (logged once until it changes)."""
 
     def statistics(self) -> StoreStatistics:
-        return StoreStatistics(rows=self._count, bytes=self._bytes, unstored=dict(self._unstored))
+        return StoreStatistics(
+            rows=self._count,
+            bytes=self._bytes,
+            unstored=dict(self._unstored),
+            dropped_for_metering=self._dropped_for_metering,
+        )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Open the store and keep it open until cancelled (owned by the Edge's nursery).
+        """Open the store and keep it open until cancelled (owned by the Edge's nursery),
+        checking metering's room every `room_check_s` (Rule 4).
 
         A database that cannot be reached at start-up is logged, not fatal: the Edge
         serves on, and the store connects again at its next use."""
@@ -242,7 +270,9 @@ class ResponseStore:
             except StoreUnavailable as exc:
                 log.error("responses store: %s; stored responses are unavailable", exc)
             task_status.started()
-            await trio.sleep_forever()
+            while True:
+                await trio.sleep(self._room_check_s)
+                await self.keep_room()
         finally:
             with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
                 await trio.to_thread.run_sync(self._backend.close, limiter=self._limiter)
@@ -294,6 +324,18 @@ class ResponseStore:
             detail,
         )
         return reason
+
+    async def keep_room(self) -> None:
+        """Give metering its room back when it has less than `min_free_bytes` (Rule 4).
+        A database that fails is said once, until it fails otherwise or answers again."""
+        try:
+            await self._call(self._give_room)
+        except StoreUnavailable as exc:
+            if str(exc) != self._room_problem:
+                log.warning("responses store: cannot check metering's room: %s", exc)
+            self._room_problem = str(exc)
+        else:
+            self._room_problem = None
 
     async def conversation(self, principal_ref: str, tip: str) -> list[StoredTurn]:
         """The conversation ending at `tip`, oldest turn first; raises `ChainBroken` (the
@@ -351,10 +393,10 @@ class ResponseStore:
                     f"its principal holds {held} bytes of stored responses; {size} more "
                     f"would pass edge.responses.max_bytes_per_principal ({share})"
                 )
-        free = self._backend.free_bytes()
-        if free is not None and free - size < policy.min_free_bytes:
+        room = self._backend.room_bytes()
+        if room is not None and room - size < policy.min_free_bytes:
             return "disk_low", (
-                f"state_dir has {free} bytes free; {size} more would leave less than "
+                f"state_dir has room for {room} bytes; {size} more would leave less than "
                 f"edge.responses.min_free_bytes ({policy.min_free_bytes}) for metering"
             )
         if not self._backend.put(row, continues, self._clock()):
@@ -365,6 +407,42 @@ class ResponseStore:
         if self._count > policy.max_stored or self._bytes > policy.max_bytes:
             self._counted(self._prune())
         return None
+
+    def _give_room(self) -> None:
+        """Drop the least recently used responses until metering has its room, and an
+        eighth more, again (Rule 4). A drop that frees nothing ends the attempt: the
+        next check goes on from there."""
+        reserve = self._policy.min_free_bytes
+        room = self._backend.room_bytes()
+        if room is None or room >= reserve or self._count == 0:
+            return
+        wanted = reserve + reserve // 8
+        rows, size, had = self._count, self._bytes, room
+        while room < wanted and self._bytes > 0:
+            keep_bytes = max(0, self._bytes - (wanted - room))
+            self._counted(
+                self._backend.prune(
+                    self._clock() - self._policy.max_age_s, self._policy.max_stored, keep_bytes
+                )
+            )
+            after = self._backend.room_bytes()
+            if after is None or after <= room:
+                break
+            room = after
+        dropped = max(0, rows - self._count)
+        if not dropped:  # its count was behind: the next check starts from the database's
+            return
+        self._dropped_for_metering += dropped
+        log.warning(
+            "responses store: state_dir had room for %d bytes, less than "
+            "edge.responses.min_free_bytes (%d) kept for metering; dropped the %d least "
+            "recently used response(s) (%d bytes): room for %d bytes now",
+            had,
+            reserve,
+            dropped,
+            max(0, size - self._bytes),
+            room,
+        )
 
     def _prune(self) -> Tally:
         """Apply the bounds (Rule 2); returns what is left."""
@@ -443,6 +521,10 @@ class SqliteResponses:
             try:
                 connection.execute("PRAGMA journal_mode=WAL")
                 connection.execute("PRAGMA synchronous=NORMAL")
+                # What a delete frees is not written again to zero it (some builds do,
+                # `SQLITE_SECURE_DELETE`): responses dropped for metering's room would
+                # otherwise take as much of the disk in the WAL as they free (Rule 4).
+                connection.execute("PRAGMA secure_delete=FAST")
                 connection.executescript(_SQLITE_SCHEMA)
             except sqlite3.Error:
                 connection.close()
@@ -489,7 +571,17 @@ class SqliteResponses:
         )
         return int(row[0])
 
-    def free_bytes(self) -> int | None:
+    def room_bytes(self) -> int | None:
+        free = self._disk_free()
+        if free is None:
+            return None
+        connection = self._db()
+        free_pages = int(connection.execute("PRAGMA freelist_count").fetchone()[0])
+        page_size = int(connection.execute("PRAGMA page_size").fetchone()[0])
+        return free + free_pages * page_size
+
+    def _disk_free(self) -> int | None:
+        """Free space on the database's disk, as an unprivileged writer may take it."""
         try:
             stats = os.statvfs(self.path.parent)
         except OSError:

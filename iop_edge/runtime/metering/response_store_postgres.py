@@ -146,7 +146,7 @@ class PostgresResponses:
             raise
         return int(row[0]) if row is not None else 0
 
-    def free_bytes(self) -> int | None:
+    def room_bytes(self) -> int | None:
         return None  # the database's disk is not this host's to see
 
     def get(self, principal_ref: str, response_id: str, since: float) -> bytes | None:
