@@ -15,6 +15,7 @@ import yaml
 
 from iop_edge.core.configuration.config import parse_config
 from iop_edge.runtime.metering.response_store import (
+    ROOM_CHECK_S,
     ChainBroken,
     ConversationTooLarge,
     ResponseStore,
@@ -328,13 +329,21 @@ async def _fill(store: ResponseStore, clock: Clock, count: int, size: int) -> No
         await store.keep("a", _final(f"r{index:02d}", "x" * size), _asked("q"), previous_id=None)
 
 
-async def test_the_store_gives_the_room_the_ledger_grew_into_back_to_metering(
-    tmp_path: Path,
-) -> None:
+def _on_a_small_disk(
+    tmp_path: Path, room_check_s: float = ROOM_CHECK_S
+) -> tuple[_SmallDisk, ResponseStore, Clock]:
+    """A store keeping 1 MB of room for metering, on a disk with 50 MB free for now."""
     backend = _SmallDisk(tmp_path / "usage.sqlite3")
     backend.free = 50_000_000
     clock = Clock()
-    store = ResponseStore(backend, ResponsesSection(min_free_bytes=1_000_000), clock=clock)
+    policy = ResponsesSection(min_free_bytes=1_000_000)
+    return backend, ResponseStore(backend, policy, clock=clock, room_check_s=room_check_s), clock
+
+
+async def test_the_store_gives_the_room_the_ledger_grew_into_back_to_metering(
+    tmp_path: Path,
+) -> None:
+    backend, store, clock = _on_a_small_disk(tmp_path)
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         await _fill(store, clock, 20, 100_000)
@@ -362,10 +371,7 @@ async def test_the_store_gives_the_room_the_ledger_grew_into_back_to_metering(
 async def test_a_store_emptied_for_metering_leaves_the_ledger_whatever_room_there_is(
     tmp_path: Path,
 ) -> None:
-    backend = _SmallDisk(tmp_path / "usage.sqlite3")
-    backend.free = 50_000_000
-    clock = Clock()
-    store = ResponseStore(backend, ResponsesSection(min_free_bytes=1_000_000), clock=clock)
+    backend, store, clock = _on_a_small_disk(tmp_path)
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         await _fill(store, clock, 3, 100_000)
@@ -380,12 +386,7 @@ async def test_a_store_emptied_for_metering_leaves_the_ledger_whatever_room_ther
 
 
 async def test_the_store_checks_metering_s_room_on_its_own(tmp_path: Path) -> None:
-    backend = _SmallDisk(tmp_path / "usage.sqlite3")
-    backend.free = 50_000_000
-    clock = Clock()
-    store = ResponseStore(
-        backend, ResponsesSection(min_free_bytes=1_000_000), clock=clock, room_check_s=0.01
-    )
+    backend, store, clock = _on_a_small_disk(tmp_path, room_check_s=0.01)
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         await _fill(store, clock, 5, 100_000)
