@@ -4,6 +4,7 @@ room, a conversation's), ids never overwritten, a database that fails."""
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -365,6 +366,22 @@ async def test_the_store_gives_the_room_the_ledger_grew_into_back_to_metering(
         assert await store.read("a", f"r{dropped - 1:02d}") is None
         assert await store.read("a", f"r{dropped:02d}") is not None
         assert [turn.id for turn in await store.conversation("a", "r19")] == ["r19"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_giving_room_back_again_and_again_is_one_warning_then_info_lines(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="iop_edge.runtime.metering.response_store")
+    backend, store, clock = _on_a_small_disk(tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        await _fill(store, clock, 20, 100_000)
+        for free in (600_000, 0):  # the records take more, and more
+            backend.free = free
+            await store.keep_room()
+        drops = [r for r in caplog.records if "kept for metering; dropped" in r.message]
+        assert [r.levelname for r in drops] == ["WARNING", "INFO"]
         nursery.cancel_scope.cancel()
 
 

@@ -37,11 +37,11 @@ Rules:
    And the ledger grows with every run, into that reserve: every `ROOM_CHECK_S`
    (`keep_room`) a store that finds less room drops its least recently used responses
    until there is the reserve and an eighth more again, or it holds none; the ledger's
-   rows go on into the pages they held (`iop_responses_dropped_for_metering_total`, a
-   log line each time). Its deletes do not write what they free again to zero it
-   (`secure_delete=FAST`), so a drop takes next to no room in the WAL. So a store that
-   filled the disk up to its reserve never leaves metering to run out of disk as the
-   usage records accumulate.
+   rows go on into the pages they held (`iop_responses_dropped_for_metering_total`; a
+   warning, then info lines while it goes on: `GIVE_BACK_QUIET_S`). Its deletes do not
+   write what they free again to zero it (`secure_delete=FAST`), so a drop takes next to
+   no room in the WAL. So a store that filled the disk up to its reserve never leaves
+   metering to run out of disk as the usage records accumulate.
 5. Not storing is never the caller's failure for a response already produced: `keep`
    logs why with the request id, counts the reason (`statistics`) and returns it, and
    the HTTP layer tells the caller (`store: false`, `x-iop-response-stored: false`).
@@ -109,6 +109,10 @@ CLOSE_TIMEOUT_S: Final = 5.0
 #: thousand runs a second takes about 1.3 MB of it in that time: a twenty-fifth of the
 #: default reserve.
 ROOM_CHECK_S: Final = 5.0
+#: A store the usage records keep pressing gives room back at every few checks while
+#: callers store into what it gave: the first drop after this long without one is a
+#: warning, the others are info lines (the metric counts them all).
+GIVE_BACK_QUIET_S: Final = 600.0
 
 _encode: Final = msgspec.json.Encoder().encode
 _decode_items: Final = msgspec.json.Decoder(list[msgspec.Raw]).decode
@@ -248,6 +252,8 @@ class ResponseStore:
         self._dropped_for_metering = 0
         self._room_problem: str | None = None
         """Why the last check of the room failed (logged once until it changes)."""
+        self._gave_back_at: float | None = None
+        """When (`time.monotonic`) the store last gave metering room back."""
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(
@@ -433,7 +439,11 @@ class ResponseStore:
         if not dropped:  # its count was behind: the next check starts from the database's
             return
         self._dropped_for_metering += dropped
-        log.warning(
+        now = time.monotonic()
+        first = self._gave_back_at is None or now - self._gave_back_at > GIVE_BACK_QUIET_S
+        self._gave_back_at = now
+        log.log(
+            logging.WARNING if first else logging.INFO,
             "responses store: state_dir had room for %d bytes, less than "
             "edge.responses.min_free_bytes (%d) kept for metering; dropped the %d least "
             "recently used response(s) (%d bytes): room for %d bytes now",
