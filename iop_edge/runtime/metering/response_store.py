@@ -426,11 +426,7 @@ class ResponseStore:
         rows, size, had = self._count, self._bytes, room
         while room < wanted and self._bytes > 0:
             keep_bytes = max(0, self._bytes - (wanted - room))
-            self._counted(
-                self._backend.prune(
-                    self._clock() - self._policy.max_age_s, self._policy.max_stored, keep_bytes
-                )
-            )
+            self._counted(self._prune_to(self._policy.max_stored, keep_bytes))
             after = self._backend.room_bytes()
             if after is None or after <= room:
                 break
@@ -457,12 +453,14 @@ class ResponseStore:
     def _prune(self) -> Tally:
         """Apply the bounds (Rule 2); returns what is left."""
         policy = self._policy
-        before = self._clock() - policy.max_age_s
-        return self._backend.prune(
-            before,
-            policy.max_stored - policy.max_stored // 64,
-            policy.max_bytes - policy.max_bytes // 64,
+        return self._prune_to(
+            policy.max_stored - policy.max_stored // 64, policy.max_bytes - policy.max_bytes // 64
         )
+
+    def _prune_to(self, keep: int, keep_bytes: int) -> Tally:
+        """Drop the expired responses, then the least recently used past `keep` responses
+        and `keep_bytes` bytes; returns what is left."""
+        return self._backend.prune(self._clock() - self._policy.max_age_s, keep, keep_bytes)
 
     def _counted(self, tally: Tally) -> None:
         self._count = tally.rows
@@ -496,6 +494,9 @@ CREATE TABLE IF NOT EXISTS responses (
 CREATE INDEX IF NOT EXISTS responses_used_at ON responses(used_at);
 CREATE INDEX IF NOT EXISTS responses_principal ON responses(principal_ref);
 """
+#: The file's free pages and their size: room the next rows of any table take first
+#: (Rule 4).
+_SQLITE_FREE_PAGES: Final = "SELECT * FROM pragma_freelist_count(), pragma_page_size()"
 #: A row's bytes as the bounds count them (`length` of a BLOB reads no content).
 _SQLITE_SIZE: Final = "(length(input) + length(response))"
 #: A conversation, tip first, through the principal's live rows (Rules 1, 2, 7).
@@ -585,10 +586,8 @@ class SqliteResponses:
         free = self._disk_free()
         if free is None:
             return None
-        connection = self._db()
-        free_pages = int(connection.execute("PRAGMA freelist_count").fetchone()[0])
-        page_size = int(connection.execute("PRAGMA page_size").fetchone()[0])
-        return free + free_pages * page_size
+        free_pages, page_size = self._db().execute(_SQLITE_FREE_PAGES).fetchone()
+        return free + int(free_pages) * int(page_size)
 
     def _disk_free(self) -> int | None:
         """Free space on the database's disk, as an unprivileged writer may take it."""
