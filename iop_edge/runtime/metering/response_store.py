@@ -83,6 +83,7 @@ from iop_edge.core.responses.response_chain import (
     read_final_response,
     read_response_id,
 )
+from iop_edge.runtime.metering.sqlite_file import open_shared
 from schemas.config import ResponsesSection
 
 __all__ = [
@@ -527,11 +528,8 @@ class SqliteResponses:
     def _db(self) -> sqlite3.Connection:
         """The connection, opened on first use (or again after a failed start-up)."""
         if self._connection is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            connection = sqlite3.connect(self.path, check_same_thread=False, timeout=10.0)
+            connection = open_shared(self.path, timeout_s=10.0)
             try:
-                connection.execute("PRAGMA journal_mode=WAL")
-                connection.execute("PRAGMA synchronous=NORMAL")
                 # What a delete frees is not written again to zero it (some builds do,
                 # `SQLITE_SECURE_DELETE`): responses dropped for metering's room would
                 # otherwise take as much of the disk in the WAL as they free (Rule 4).

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
+from iop_edge.runtime.metering.sqlite_file import open_shared
 from iop_edge.runtime.metering.usage_ledger import ledger_schema
 from iop_edge.runtime.metering.usage_ledger.usage_store import (
     UsageRecord,
@@ -83,12 +84,7 @@ class SqliteStore:
         return f"SQLite {self.path}"
 
     def open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        connection = sqlite3.connect(self.path, check_same_thread=False)
-        # WAL + NORMAL: a commit is an append, not an fsync'd rewrite. A power cut may
-        # lose the last commits; the journal (fsynced every SYNC_INTERVAL_S) replays them.
-        connection.execute("PRAGMA journal_mode=WAL")
-        connection.execute("PRAGMA synchronous=NORMAL")
+        connection = open_shared(self.path)
         connection.executescript(_SCHEMA)
         connection.executescript(_CHECKPOINT_SCHEMA)
         ledger_schema.migrate(connection)
