@@ -33,6 +33,7 @@ from typing import Any, Final, Literal
 
 __all__ = [
     "DROPPED_TOOLS_HEADER",
+    "RESPONSES_SERVICE_TOOLS",
     "HostedTools",
     "hosted_tool_types",
     "may_offer_hosted_tools",
@@ -44,21 +45,19 @@ HostedTools = Literal["drop", "refuse"]
 #: The response header naming the hosted tool types a translated run left out.
 DROPPED_TOOLS_HEADER: Final = "iop-dropped-tools"
 
-_RESPONSES_HOSTED: Final = frozenset(
-    {
-        "web_search",
-        "web_search_preview",
-        "web_search_2025_08_26",
-        "web_search_preview_2025_03_11",
-        "file_search",
-        "code_interpreter",
-        "image_generation",
-        "mcp",
-        "tool_search",
-        "computer",
-        "computer_use_preview",
-    }
+#: The Responses tool types OpenAI's service runs (Rule 1).
+RESPONSES_SERVICE_TOOLS: Final = (
+    "web_search",
+    "web_search_preview",
+    "web_search_2025_08_26",
+    "web_search_preview_2025_03_11",
+    "file_search",
+    "code_interpreter",
+    "image_generation",
+    "mcp",
+    "tool_search",
 )
+_RESPONSES_HOSTED: Final = frozenset({*RESPONSES_SERVICE_TOOLS, "computer", "computer_use_preview"})
 _MESSAGES_HOSTED_PREFIXES: Final = (
     "web_search_",
     "web_fetch_",

@@ -31,6 +31,7 @@ from msgspec import UNSET
 
 from iop_node.protocols.chat_body import ChatFunction, ChatTool
 from iop_node.protocols.errors import TranslationError
+from schemas.hosted_tools import RESPONSES_SERVICE_TOOLS
 
 __all__ = [
     "NAMESPACE_SEPARATOR",
@@ -50,20 +51,7 @@ _BUILT_IN = "a tool built into OpenAI's models; offer it as a function tool inst
 
 #: Tool types (and item types of their calls) that only OpenAI's service or models have.
 UNSUPPORTED_TOOLS: Final[dict[str, str]] = {
-    **dict.fromkeys(
-        (
-            "web_search",
-            "web_search_preview",
-            "web_search_2025_08_26",
-            "web_search_preview_2025_03_11",
-            "file_search",
-            "code_interpreter",
-            "image_generation",
-            "mcp",
-            "tool_search",
-        ),
-        _SERVICE + ' (Codex: set web_search = "disabled")',
-    ),
+    **dict.fromkeys(RESPONSES_SERVICE_TOOLS, _SERVICE + ' (Codex: set web_search = "disabled")'),
     **dict.fromkeys(
         ("local_shell", "shell", "apply_patch", "computer", "computer_use_preview"), _BUILT_IN
     ),
