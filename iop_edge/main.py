@@ -123,12 +123,33 @@ async def serve_edge(
 
     `successor_argv` is how to start this Edge again (`iop-edge restart`, SIGUSR2)."""
     handover = Handover.from_environ()
+    with heap.building():  # Rule 6: what startup builds lives as long as the process
+        edge = _build_edge(config_path, node_listen, admin_listen, successor_argv, handover)
+        try:
+            await edge.check_ledger()
+            edge.open_listeners()
+        except EdgeStartupError as exc:
+            if handover is not None:
+                handover.failed(f"cannot start: {exc}")
+            raise
+        heap.settle()  # its one collection, before the collector runs again
+    return await _serve(edge, task_status)
+
+
+def _build_edge(
+    config_path: Path,
+    node_listen: str | None,
+    admin_listen: str | None,
+    successor_argv: Sequence[str] | None,
+    handover: Handover | None,
+) -> Edge:
+    """The Edge of the config at `config_path`; a restart's predecessor hears why not."""
     try:
         parsed = load_config(config_path)
         for warning in [*parsed.warnings, *exposure_warnings(parsed.config)]:
             log.warning("%s", warning)
         log_start(parsed, config_path)
-        edge = Edge(
+        return Edge(
             parsed,
             config_path=config_path,
             listeners=Listeners(node=node_listen, admin=admin_listen),
@@ -143,15 +164,6 @@ async def serve_edge(
         if handover is not None:
             handover.failed(f"cannot start: {exc}")
         raise
-    try:
-        await edge.check_ledger()
-        edge.open_listeners()
-    except EdgeStartupError as exc:
-        if handover is not None:
-            handover.failed(f"cannot start: {exc}")
-        raise
-    heap.settle()  # what startup built lives as long as the process
-    return await _serve(edge, task_status)
 
 
 async def _serve(edge: Edge, task_status: trio.TaskStatus[EdgeAddresses]) -> int:

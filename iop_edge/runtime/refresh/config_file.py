@@ -13,6 +13,9 @@ Rules:
    file, or one that is not UTF-8, is `ConfigInvalid` with one error for the whole file.
 2. The host's rules run only on a config that passed every other rule (their errors
    would otherwise be noise about a config that cannot be served anyway).
+3. A config is read with the collector paused (`runtime.lifecycle.heap` Rule 6): what is
+   read is long-lived, and a fleet's config would otherwise be walked again and again
+   as it grows.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from iop_edge.core.configuration.config import (
     whole_file_error,
 )
 from iop_edge.core.configuration.config_proof import ConfigProof
+from iop_edge.runtime.lifecycle.heap import building
 from iop_edge.runtime.lifecycle.host_checks import check_host
 
 __all__ = ["check_config", "load_config"]
@@ -34,8 +38,9 @@ __all__ = ["check_config", "load_config"]
 def check_config(text: str, *, proof: ConfigProof | None = None) -> ParsedConfig:
     """Validate config text, this machine's rules included (Rule 2); raise
     `ConfigInvalid` listing every problem."""
-    parsed = parse_config(text, proof=proof)
-    errors = check_host(parsed.config)
+    with building():  # Rule 3
+        parsed = parse_config(text, proof=proof)
+        errors = check_host(parsed.config)
     if errors:
         raise ConfigInvalid(errors)
     return parsed
