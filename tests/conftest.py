@@ -14,6 +14,14 @@ task waits for what, where. Only a test that blocks the event loop itself (a bus
 blocking I/O) is left to the backstop. Hypothesis tests keep their own per-example
 deadline and only the backstop.
 
+A test process's heap is settled as an Edge's is once built (`runtime.lifecycle.heap`
+Rule 1): what collection imported (the SDKs' models, Hypothesis) is collected once and
+frozen, and the collector runs at the Edge's and Node's thresholds. The Edges and Nodes
+the tests run in this process meet the collector as they meet it in their own, and the
+fleets of objects the scale tests build are not walked again every few thousand
+allocations. A test that needs the collector
+otherwise sets it and restores it (tests/unit/conftest.py).
+
 And a skipped Trio test says why: pytest-trio (0.8) turns a skip raised inside a Trio test
 or fixture into a bare `pytest.skip()`, so `-rs` printed only "Skipped" where the test had
 said what to install. `pytest_pyfunc_call` raises the test's own skip again.
@@ -32,8 +40,14 @@ from typing import Any
 import pytest
 import trio
 
+from iop_edge.runtime.lifecycle import heap
+
 #: Where Trio's own source files are: their frames say nothing about a test.
 _TRIO_SOURCES = os.path.dirname(trio.__file__) + os.sep
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    heap.settle()
 
 
 @pytest.hookimpl(trylast=True)
