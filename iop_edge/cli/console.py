@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from iop_edge.cli.fitted_table import Column, fitted_table, left_out_note
+from iop_edge.cli.fitted_table import ALIGNED_ROWS, Column, aligned, fitted_table, left_out_note
 
 
 def _cell(value: object) -> Text:
@@ -172,12 +172,19 @@ def catalog_view(catalog: dict[str, Any], width: int) -> Group:
             _cell(mapping),
             str(m.get("queued", 0)),
         )
-    providers = Table(title=f"Providers (revision {catalog.get('revision')})", title_justify="left")
-    for column in columns:
-        providers.add_column(column, overflow="fold", ratio=1 if column == "health" else None)
-    for row in rows:
-        providers.add_row(*(row[column] for column in columns))
-    parts: list[Any] = [models, providers]
+    title = f"Providers (revision {catalog.get('revision')})"
+    if len(rows) > ALIGNED_ROWS:  # a fleet's providers (fitted_table Rule 4)
+        parts: list[Any] = [
+            models,
+            aligned([Column(name, [row[name] for row in rows]) for name in columns], title=title),
+        ]
+    else:
+        providers = Table(title=title, title_justify="left")
+        for column in columns:
+            providers.add_column(column, overflow="fold", ratio=1 if column == "health" else None)
+        for row in rows:
+            providers.add_row(*(row[column] for column in columns))
+        parts = [models, providers]
     hidden = [name for name, _ in _PROVIDER_COLUMNS if name not in columns]
     if hidden:
         parts.append(
@@ -191,7 +198,7 @@ def catalog_view(catalog: dict[str, Any], width: int) -> Group:
 
 
 def render_catalog(console: Console, catalog: dict[str, Any]) -> None:
-    console.print(catalog_view(catalog, console.width))
+    console.print(catalog_view(catalog, console.width), crop=False)  # fitted_table Rule 4
 
 
 def watch_catalog(
@@ -404,7 +411,7 @@ def render_usage(
         title=f"Usage from {_window(report)}",
         show_footer=True,
     )
-    console.print(table)
+    console.print(table, crop=False)  # fitted_table Rule 4
     if left_out:
         console.print(left_out_note(left_out, console.width))
     if report.get("truncated"):
@@ -504,6 +511,6 @@ def _render_principals(console: Console, standing: dict[str, Any] | None) -> Non
     table, left_out = fitted_table(
         columns, console.width, priority=_PRINCIPAL_PRIORITY, title=title
     )
-    console.print(table)
+    console.print(table, crop=False)  # fitted_table Rule 4
     if left_out:
         console.print(left_out_note(left_out, console.width))

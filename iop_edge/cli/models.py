@@ -12,8 +12,10 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from iop_edge.cli.admin_client import admin_call, piped_console
+from iop_edge.cli.fitted_table import ALIGNED_ROWS, Column, aligned
 
 __all__ = ["AdminCall", "add_models_parser", "cmd_models", "run_models"]
 
@@ -88,9 +90,7 @@ def _answer(
 
 
 def _render_list(console: Console, document: dict[str, Any]) -> None:
-    table = Table(title="Models by provider")
-    for column in ("model", "provider", "served as", "state", "holds at once"):
-        table.add_column(column)
+    rows: list[tuple[str, str, str, str, str]] = []
     for model in document.get("models", []):
         for provider in model.get("providers", []):
             state = provider.get("state") or "(not reported)"
@@ -101,13 +101,27 @@ def _render_list(console: Console, document: dict[str, Any]) -> None:
             if provider.get("pinned"):
                 state = f"{state}, pinned"
             held = provider.get("max_loaded")
-            table.add_row(
-                model["model"],
-                provider["provider"],
-                provider["served_model"],
-                state,
-                "-" if held is None else str(held),
+            rows.append(
+                (
+                    model["model"],
+                    provider["provider"],
+                    provider["served_model"],
+                    state,
+                    "-" if held is None else str(held),
+                )
             )
+    names = ("model", "provider", "served as", "state", "holds at once")
+    title = "Models by provider"
+    if len(rows) > ALIGNED_ROWS:  # a fleet's (fitted_table Rule 4)
+        cells = [[Text(row[index]) for row in rows] for index in range(len(names))]
+        columns = [Column(name, cells[i]) for i, name in enumerate(names)]
+        console.print(aligned(columns, title=title), crop=False)
+        return
+    table = Table(title=title)
+    for name in names:
+        table.add_column(name)
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
 
 

@@ -1,12 +1,16 @@
-"""The console's tables (`iop_edge.cli.console`): refresh replicas, catalog providers."""
+"""The console's tables (`iop_edge.cli.console`): refresh replicas, catalog providers, and
+the aligned rows of a fleet's tables (`iop_edge.cli.fitted_table` Rule 4)."""
 
 from __future__ import annotations
 
 import io
 
 from rich.console import Console
+from rich.text import Text
 
 from iop_edge.cli.console import render_catalog, render_refresh_report
+from iop_edge.cli.fitted_table import ALIGNED_ROWS, Column, fitted_table
+from iop_edge.cli.models import _render_list
 
 
 def _text(report: dict[str, object]) -> str:
@@ -94,3 +98,79 @@ def test_the_catalog_table_says_which_models_a_provider_s_node_does_not_serve_ye
     }
     text = " ".join(_catalog_text([provider], 240).split())
     assert "small, large (not applied by its node yet), huge (refused by its node)" in text, text
+
+
+def test_a_fleets_providers_are_aligned_rows_whole_and_unframed() -> None:
+    """Past `ALIGNED_ROWS` rows (fitted_table Rule 4): every provider a line of its own,
+    its cells at their columns, none cut or folded at the terminal's width."""
+    reason = "node disconnected, last seen an hour ago by every Edge"
+    providers = [
+        {**GPU1, "id": f"node-{i:05d}-vllm", "node_id": f"node-{i:05d}"}
+        for i in range(ALIGNED_ROWS + 1)
+    ]
+    providers[7] = {**providers[7], "connected": False, "health_reason": reason}
+    lines = _catalog_text(providers, 60).splitlines()
+
+    header = next(i for i, line in enumerate(lines) if line.startswith("provider "))
+    rows = lines[header + 1 : header + 1 + len(providers)]
+    assert [row.split()[0] for row in rows] == [p["id"] for p in providers]
+    assert not any("│" in line or "┃" in line for line in lines[header:])
+    health = lines[header].index("health")
+    assert rows[7][health:] == f"unavailable: {reason}"  # past the 60 columns, whole
+    assert all(row[health:] == "available" for row in rows if row is not rows[7])
+    assert lines[header + 1 + len(providers)].startswith("not shown at 60 columns:")
+
+
+def test_a_fleets_models_by_provider_are_aligned_rows() -> None:
+    document = {
+        "models": [
+            {
+                "model": "m",
+                "providers": [
+                    {
+                        "provider": f"p{i}",
+                        "served_model": "served",
+                        "connected": True,
+                        "state": "loaded",
+                        "max_loaded": 1,
+                    }
+                    for i in range(ALIGNED_ROWS + 1)
+                ],
+            }
+        ]
+    }
+    console = Console(file=io.StringIO(), width=40, color_system=None)
+    _render_list(console, document)
+    output = console.file
+    assert isinstance(output, io.StringIO)
+    lines = output.getvalue().splitlines()
+    assert lines[:2] == [
+        "Models by provider",
+        "model  provider  served as  state   holds at once",
+    ]
+    assert lines[2] == "m      p0        served     loaded  1"
+    assert len(lines) == 2 + ALIGNED_ROWS + 1
+
+
+def test_a_long_fitted_table_keeps_its_footer_and_right_justified_counts() -> None:
+    rows = ALIGNED_ROWS + 1
+    columns = [
+        Column("principal", [Text(f"user-{i}") for i in range(rows)], essential=True),
+        Column(
+            "requests",
+            [Text(str(i)) for i in range(rows)],
+            essential=True,
+            justify="right",
+            footer=str(sum(range(rows))),
+        ),
+        Column("note", [Text("x" * 50) for _ in range(rows)]),
+    ]
+    table, left_out = fitted_table(columns, 40, title="Usage", show_footer=True)
+    console = Console(file=io.StringIO(), width=40, color_system=None)
+    console.print(table)
+    output = console.file
+    assert isinstance(output, io.StringIO)
+    lines = output.getvalue().splitlines()
+    assert left_out == ["note"]
+    assert lines[:3] == ["Usage", "principal  requests", "user-0            0"]
+    assert lines[-1] == " " * 13 + str(sum(range(rows)))
