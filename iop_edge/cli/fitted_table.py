@@ -79,7 +79,8 @@ def fitted_table(
             used += column.needed()
     kept = [column for column in columns if column.name in shown]
     left_out = [column.name for column in columns if column.name not in shown]
-    if kept and len(kept[0].cells) > ALIGNED_ROWS:
+    rows = len(columns[0].cells) if columns else 0
+    if rows > ALIGNED_ROWS:
         return aligned(kept, title=title, show_footer=show_footer), left_out
     table = Table(title=title, title_justify="left", show_footer=show_footer)
     for column in kept:
@@ -89,7 +90,6 @@ def fitted_table(
             justify=column.justify,
             overflow="fold",
         )
-    rows = len(columns[0].cells) if columns else 0
     for index in range(rows):
         table.add_row(*(column.cells[index] for column in kept))
     return table, left_out

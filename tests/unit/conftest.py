@@ -9,6 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from iop_edge.runtime.lifecycle import heap
+
 
 @pytest.fixture
 def manual_collector() -> Iterator[None]:
@@ -43,10 +45,10 @@ def garbage(manual_collector: None) -> weakref.ref[object]:
 
 @pytest.fixture
 def settled_heap() -> Iterator[None]:
-    """The heap collected and frozen, as the Edge's heap keeper keeps it
-    (`runtime.lifecycle.heap.settle`); thawed after."""
-    gc.collect()
-    gc.freeze()
+    """The heap settled as the Edge's once built (`runtime.lifecycle.heap.settle`:
+    collected, frozen, the Edge's thresholds, as tests/conftest.py keeps them); thawed
+    after."""
+    heap.settle()
     try:
         yield
     finally:
