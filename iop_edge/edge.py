@@ -51,7 +51,7 @@ from iop_edge.procedures.restart import Restarter
 from iop_edge.procedures.serve import EdgeAddresses, EdgeParts, StopRequest, serve
 from iop_edge.runtime.lifecycle.handoff import HandoffSender
 from iop_edge.runtime.lifecycle.handover import Handover
-from iop_edge.runtime.lifecycle.heap import HeapKeeper
+from iop_edge.runtime.lifecycle.heap_keeper import HeapKeeper
 from iop_edge.runtime.lifecycle.host_checks import node_tls_context
 from iop_edge.runtime.lifecycle.listeners import (
     CONFIG_KEYS,

@@ -1,8 +1,9 @@
-"""The heap keeper (`runtime.lifecycle.heap`): a quiet connect burst is frozen, only
-ended sessions that stay alive (leaked) bring a thaw, a hold keeps the older generations
-uncollected. The collector is a fake, time the autojump clock's, and the keeper runs in
-the test's nursery (the `keeper` fixture); the tests named so drive the real collector
-(`garbage`, `manual_collector`: tests/unit/conftest.py)."""
+"""The heap keeper (`runtime.lifecycle.heap_keeper`; its rules are
+`runtime.lifecycle.heap`'s): a quiet connect burst is frozen, only ended sessions that stay
+alive (leaked) bring a thaw, a hold keeps the older generations uncollected. The collector
+is a fake, time the autojump clock's, and the keeper runs in the test's nursery (the
+`keeper` fixture); the tests named so drive the real collector (`garbage`,
+`manual_collector`: tests/unit/conftest.py)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ from iop_edge.runtime.lifecycle.heap import (
     SWEEP_S,
     SWEEP_STEP_S,
     THRESHOLDS,
-    HeapKeeper,
     sweep_period,
 )
+from iop_edge.runtime.lifecycle.heap_keeper import HeapKeeper
 
 
 class FakeCollector:

@@ -24,7 +24,7 @@ import yaml
 from iop_edge.core.configuration.config import parse_config
 from iop_edge.core.refresh import refresh_plan
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.runtime.lifecycle.heap import HeapKeeper
+from iop_edge.runtime.lifecycle.heap_keeper import HeapKeeper
 from iop_edge.runtime.refresh.audit import AuditLog
 from iop_edge.runtime.refresh.push import AckListener
 from iop_edge.runtime.refresh.refresh import Refresher

@@ -4,6 +4,7 @@ running config is untouched; the next refresh starts another worker."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -151,3 +152,23 @@ async def test_a_worker_whose_plan_breaks_the_protocol_fails_the_refresh(
     assert result.verdict == "unavailable"
     assert "answered a plan without its lists' lengths" in result.report.errors[0].message
     assert worker.process is None and edge.swaps == []
+
+
+def test_the_worker_process_does_not_import_trio() -> None:
+    """The worker reads and plans configs and needs no event loop: it leaves Trio out (a
+    sixth of its memory, half of its start), as `runtime.lifecycle.heap` keeps the loop's
+    part in `heap_keeper`."""
+    probe = (
+        "import sys, iop_edge.runtime.refresh.worker\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'trio'))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -216,7 +216,7 @@ class Refresher:
         has the worker read it as the Edge starts, so that its first candidate is checked
         only where it changed. `hold` keeps the Edge's heap out of the collector's sight
         for an apply, from before the worker answers to the apply's end
-        (`lifecycle.heap.HeapKeeper.held`), and gives a `keep` that says what was made is
+        (`lifecycle.heap_keeper.HeapKeeper.held`), and gives a `keep` that says what was made is
         alive (the snapshot, as it is assembled)."""
         self._target = target
         self._config_path = config_path
