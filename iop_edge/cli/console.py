@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from iop_edge.cli.fitted_table import ALIGNED_ROWS, Column, aligned, fitted_table, left_out_note
+from iop_edge.cli.fitted_table import Column, fitted_table, left_out_note
 
 
 def _cell(value: object) -> Text:
@@ -75,8 +75,6 @@ _PROVIDER_COLUMNS: tuple[tuple[str, bool], ...] = (
     ("category", False),
     ("lifecycle", False),
 )
-#: What a column costs beyond its widest value: padding and the border.
-_COLUMN_FRAME = 3
 #: The health cell folds (it carries the reason); it is planned at this width at most.
 _HEALTH_PLAN_WIDTH = 28
 
@@ -133,22 +131,6 @@ def _provider_cells(p: dict[str, Any]) -> dict[str, Text]:
     }
 
 
-def _fitting_columns(rows: list[dict[str, Text]], width: int) -> list[str]:
-    """The columns to show: every essential one, then optional ones while they fit."""
-    needed = {
-        name: max([len(name), *(row[name].cell_len for row in rows)]) + _COLUMN_FRAME
-        for name, _ in _PROVIDER_COLUMNS
-    }
-    needed["health"] = min(needed["health"], _HEALTH_PLAN_WIDTH + _COLUMN_FRAME)
-    shown = [name for name, essential in _PROVIDER_COLUMNS if essential]
-    used = sum(needed[name] for name in shown) + 1
-    for name, essential in _PROVIDER_COLUMNS:  # essential ones lead, so order is kept
-        if not essential and used + needed[name] <= width:
-            shown.append(name)
-            used += needed[name]
-    return shown
-
-
 #: A model's providers the models table names; the rest are counted (`--model M` lists
 #: them all as rows of the providers table).
 MODEL_PROVIDERS_SHOWN = 8
@@ -157,7 +139,6 @@ MODEL_PROVIDERS_SHOWN = 8
 def catalog_view(catalog: dict[str, Any], width: int) -> Group:
     """The models table, the providers table and, when columns were left out, a note."""
     rows = [_provider_cells(p) for p in catalog.get("providers", [])]
-    columns = _fitting_columns(rows, width)
     models = Table(title="Models", title_justify="left")
     for column in ("model", "display name", "providers (served name)", "queued"):
         models.add_column(column, overflow="fold")
@@ -172,28 +153,21 @@ def catalog_view(catalog: dict[str, Any], width: int) -> Group:
             _cell(mapping),
             str(m.get("queued", 0)),
         )
-    title = f"Providers (revision {catalog.get('revision')})"
-    if len(rows) > ALIGNED_ROWS:  # a fleet's providers (fitted_table Rule 4)
-        parts: list[Any] = [
-            models,
-            aligned([Column(name, [row[name] for row in rows]) for name in columns], title=title),
-        ]
-    else:
-        providers = Table(title=title, title_justify="left")
-        for column in columns:
-            providers.add_column(column, overflow="fold", ratio=1 if column == "health" else None)
-        for row in rows:
-            providers.add_row(*(row[column] for column in columns))
-        parts = [models, providers]
-    hidden = [name for name, _ in _PROVIDER_COLUMNS if name not in columns]
-    if hidden:
-        parts.append(
-            Text(
-                f"not shown at {width} columns: {', '.join(hidden)} "
-                "(widen the terminal, or use --json)",
-                style="dim",
-            )
+    columns = [
+        Column(
+            name,
+            [row[name] for row in rows],
+            essential=essential,
+            folds_at=_HEALTH_PLAN_WIDTH if name == "health" else None,
         )
+        for name, essential in _PROVIDER_COLUMNS
+    ]
+    providers, left_out = fitted_table(
+        columns, width, title=f"Providers (revision {catalog.get('revision')})"
+    )
+    parts: list[Any] = [models, providers]
+    if left_out:
+        parts.append(left_out_note(left_out, width))
     return Group(*parts)
 
 

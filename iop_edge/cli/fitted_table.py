@@ -1,6 +1,6 @@
 """A rich table that fits the terminal by leaving whole columns out, never by cutting
-cells: what `iop-edge catalog` does with its providers, for the other tables the CLI
-prints (`iop-edge usage`).
+cells: the providers of `iop-edge catalog`, and the other tables the CLI prints
+(`iop-edge usage`).
 
 rich fits a table that is too wide by squeezing every column and cutting (or folding)
 each cell, so at 80 columns a usage row reads `alice-te…`, `1234…`: every column there,
@@ -8,7 +8,8 @@ none of them readable. Rules:
 
 1. The essential columns are always shown, their cells folded if they must be, never
    cut; the others are shown in priority order while each fits whole (its widest cell or
-   footer, plus the frame; a header of several words may wrap, so its longest word).
+   footer, plus the frame; a header of several words may wrap, so its longest word; a
+   column of prose, `folds_at`, at most that wide).
 2. Shown columns keep their display order, whatever their priority.
 3. What was left out is named under the table, with the two ways to see it: a wider
    terminal, or `--json`.
@@ -49,12 +50,17 @@ class Column:
     essential: bool = False
     justify: JustifyMethod = "left"
     footer: str = ""
+    folds_at: int | None = None
+    """For a column whose cells are prose (a reason): planned at this width at most, its
+    cells folded past it, and given what the other columns leave of the line."""
 
     def needed(self) -> int:
-        """Its width at the least: the widest cell or footer, whole, and the header's
-        longest word (a header of several words wraps)."""
+        """Its width at the least: the widest cell or footer, whole (at most `folds_at`),
+        and the header's longest word (a header of several words wraps)."""
         header = max(len(word) for word in self.name.split() or [""])
         widest = max([header, len(self.footer), *(cell.cell_len for cell in self.cells)])
+        if self.folds_at is not None:
+            widest = min(widest, self.folds_at)
         return widest + COLUMN_FRAME
 
 
@@ -89,6 +95,7 @@ def fitted_table(
             footer=column.footer,
             justify=column.justify,
             overflow="fold",
+            ratio=None if column.folds_at is None else 1,
         )
     for index in range(rows):
         table.add_row(*(column.cells[index] for column in kept))

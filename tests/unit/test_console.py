@@ -100,6 +100,18 @@ def test_the_catalog_table_says_which_models_a_provider_s_node_does_not_serve_ye
     assert "small, large (not applied by its node yet), huge (refused by its node)" in text, text
 
 
+def test_a_long_health_reason_folds_and_leaves_room_for_the_other_columns() -> None:
+    """The health column is planned at its fold width (`Column.folds_at`), not at its
+    longest reason: a reason of a hundred characters does not push every optional column
+    out of a 100-column terminal; it is folded, whole."""
+    reason = "the runtime answered the probe with 503 Service Unavailable: " + "busy " * 8
+    provider = {**GPU1, "connected": False, "health_reason": reason.strip()}
+    text = _catalog_text([provider], 100)
+    header = next(line for line in text.splitlines() if "provider" in line and "health" in line)
+    assert "node" in header and "connected" in header, header
+    assert all(word in text for word in reason.split()), text
+
+
 def test_a_fleets_providers_are_aligned_rows_whole_and_unframed() -> None:
     """Past `ALIGNED_ROWS` rows (fitted_table Rule 4): every provider a line of its own,
     its cells at their columns, none cut or folded at the terminal's width."""
