@@ -124,10 +124,14 @@ async def serve_edge(
     `successor_argv` is how to start this Edge again (`iop-edge restart`, SIGUSR2)."""
     handover = Handover.from_environ()
     with heap.building():  # Rule 6: what startup builds lives as long as the process
-        edge = _build_edge(config_path, node_listen, admin_listen, successor_argv, handover)
-        try:
+        try:  # a restart's predecessor hears why not, whichever step fails
+            edge = _build_edge(config_path, node_listen, admin_listen, successor_argv, handover)
             await edge.check_ledger()
             edge.open_listeners()
+        except ConfigInvalid as exc:
+            if handover is not None:
+                handover.failed(f"{config_path}: invalid config\n{format_errors(exc.errors)}")
+            raise
         except EdgeStartupError as exc:
             if handover is not None:
                 handover.failed(f"cannot start: {exc}")
@@ -143,27 +147,18 @@ def _build_edge(
     successor_argv: Sequence[str] | None,
     handover: Handover | None,
 ) -> Edge:
-    """The Edge of the config at `config_path`; a restart's predecessor hears why not."""
-    try:
-        parsed = load_config(config_path)
-        for warning in [*parsed.warnings, *exposure_warnings(parsed.config)]:
-            log.warning("%s", warning)
-        log_start(parsed, config_path)
-        return Edge(
-            parsed,
-            config_path=config_path,
-            listeners=Listeners(node=node_listen, admin=admin_listen),
-            successor_argv=successor_argv,
-            handover=handover,
-        )
-    except ConfigInvalid as exc:
-        if handover is not None:
-            handover.failed(f"{config_path}: invalid config\n{format_errors(exc.errors)}")
-        raise
-    except EdgeStartupError as exc:
-        if handover is not None:
-            handover.failed(f"cannot start: {exc}")
-        raise
+    """The Edge of the config at `config_path` (raises `ConfigInvalid`, `EdgeStartupError`)."""
+    parsed = load_config(config_path)
+    for warning in [*parsed.warnings, *exposure_warnings(parsed.config)]:
+        log.warning("%s", warning)
+    log_start(parsed, config_path)
+    return Edge(
+        parsed,
+        config_path=config_path,
+        listeners=Listeners(node=node_listen, admin=admin_listen),
+        successor_argv=successor_argv,
+        handover=handover,
+    )
 
 
 async def _serve(edge: Edge, task_status: trio.TaskStatus[EdgeAddresses]) -> int:
