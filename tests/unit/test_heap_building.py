@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import trio
-import yaml
 
+from bench.many_nodes import ManyNodesShape, fleet_config, node_credentials
 from iop_edge.core.configuration.config import parse_config
 from iop_edge.main import serve_edge
 from iop_edge.runtime.lifecycle.heap import THRESHOLDS, building
@@ -57,44 +57,15 @@ def collections() -> Iterator[list[int]]:
         gc.callbacks.remove(seen)
 
 
-def fleet_config(state_dir: Path) -> str:
-    nodes = [
-        {
-            "id": f"node-{i:04d}",
-            "token_hash_sha256": "a" * 64,
-            "providers": [
-                {
-                    "id": f"node-{i:04d}-p{j}",
-                    "type": "vllm",
-                    "models": ["served"],
-                    "capacity": 4,
-                    "adapter": {"base_url": "http://127.0.0.1:9/v1"},
-                }
-                for j in range(3)
-            ],
-        }
-        for i in range(NODES)
-    ]
-    config = {
-        "edge": {"id": "edge", "listen": "127.0.0.1:0", "state_dir": str(state_dir)},
-        "admin": {"listen": "127.0.0.1:0"},
-        "openai": {"listen": "127.0.0.1:0"},
-        "models": [
-            {
-                "id": "m",
-                "providers": {p["id"]: "served" for n in nodes for p in n["providers"]},
-            }
-        ],
-        "nodes": nodes,
-    }
-    text: str = yaml.dump(config, Dumper=yaml.CSafeDumper, sort_keys=False)
-    return text
+def _fleet(state_dir: Path) -> str:
+    shape = ManyNodesShape(nodes=NODES, models=1)
+    return fleet_config(shape, node_credentials(NODES), state_dir, capacity=4)
 
 
 def test_a_fleets_config_is_read_without_a_collection(
     tmp_path: Path, collector_restored: None, collections: list[int]
 ) -> None:
-    text = fleet_config(tmp_path / "state")
+    text = _fleet(tmp_path / "state")
     path = tmp_path / "edge.yaml"
     path.write_text(text, encoding="utf-8")
 
@@ -115,7 +86,7 @@ async def test_an_edge_is_built_with_one_collection_the_settling_one(
     tmp_path: Path, collector_restored: None, collections: list[int]
 ) -> None:
     path = tmp_path / "edge.yaml"
-    path.write_text(fleet_config(tmp_path / "state"), encoding="utf-8")
+    path.write_text(_fleet(tmp_path / "state"), encoding="utf-8")
     gc.collect()  # every generation's count from zero: what follows decides alone
     collections.clear()
 

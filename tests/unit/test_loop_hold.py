@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 import trio
-import yaml
 
+from bench.many_nodes import ManyNodesShape, fleet_config, node_credentials
 from bench.targets import FLEET_MAX_LOOP_HOLD_S
 from iop_edge.core.configuration.config import parse_config
 from iop_edge.core.refresh import refresh_plan
@@ -45,35 +45,14 @@ PER_NODE = 3
 LOOP_HOLD_BOUND_S = 2 * FLEET_MAX_LOOP_HOLD_S
 
 
-def fleet_yaml(capacity: int) -> str:
-    models = 10
-    served: dict[int, dict[str, str]] = {m: {} for m in range(models)}
-    nodes = []
-    for i in range(NODES):
-        providers = []
-        for j in range(PER_NODE):
-            pid = f"node-{i:04d}-p{j}"
-            model = (i * PER_NODE + j) % models
-            served[model][pid] = f"served-{model}"
-            providers.append(
-                {
-                    "id": pid,
-                    "type": "vllm",
-                    "models": [f"served-{model}"],
-                    "capacity": capacity,
-                    "adapter": {"base_url": "http://127.0.0.1:9/v1"},
-                }
-            )
-        nodes.append({"id": f"node-{i:04d}", "token_hash_sha256": "a" * 64, "providers": providers})
-    config = {
-        "edge": {"id": "edge", "listen": "127.0.0.1:0", "state_dir": "./var"},
-        "admin": {"listen": "127.0.0.1:0"},
-        "openai": {"listen": "127.0.0.1:0"},
-        "models": [{"id": f"model-{m}", "providers": served[m]} for m in range(models)],
-        "nodes": nodes,
-    }
-    text: str = yaml.dump(config, Dumper=yaml.CSafeDumper, sort_keys=False)
-    return text
+_SHAPE = ManyNodesShape(nodes=NODES, providers_per_node=PER_NODE, models=10)
+#: One set of Node tokens for every version of the fleet's config: its changes are the
+#: providers' alone.
+_CREDENTIALS = node_credentials(NODES)
+
+
+def _fleet(capacity: int) -> str:
+    return fleet_config(_SHAPE, _CREDENTIALS, Path("./var"), capacity=capacity)
 
 
 class FleetEdge:
@@ -126,7 +105,7 @@ class LongestStep(trio.abc.Instrument):
 
 @pytest.fixture(scope="module")
 def fleet() -> tuple[str, str]:
-    return fleet_yaml(capacity=4), fleet_yaml(capacity=5)
+    return _fleet(capacity=4), _fleet(capacity=5)
 
 
 async def test_a_fleet_refresh_holds_the_loop_no_step_longer_than_the_bound(
