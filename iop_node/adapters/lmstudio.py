@@ -17,7 +17,7 @@ their states are not reported.
 
 from __future__ import annotations
 
-from typing import ClassVar, Final
+from typing import Final
 
 from iop_node.adapters.base import ModelCommandFailed
 from iop_node.adapters.model_states import from_lmstudio, loaded_instances
@@ -31,8 +31,6 @@ _LIFECYCLE: Final[list[LifecycleFlag]] = ["list_models", "load_model", "unload_m
 
 class LmStudioAdapter(OpenAICompatAdapter):
     """`OpenAICompatAdapter` for runs; LM Studio's native `/api/v1/models` for load states."""
-
-    default_base_url: ClassVar[str | None] = "http://127.0.0.1:1234/v1"
 
     async def _check_health(self) -> ProviderStatus:
         native = await self._lifecycle.get_optional("/api/v1/models")

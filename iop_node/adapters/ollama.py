@@ -25,7 +25,7 @@ everyone) is taken out before the request reaches Ollama (`without_keep_alive`).
 from __future__ import annotations
 
 import re
-from typing import ClassVar, Final
+from typing import Final
 
 import msgspec
 
@@ -99,8 +99,6 @@ def native_root(base_url: str) -> str:
 
 class OllamaAdapter(OpenAICompatAdapter):
     """`OpenAICompatAdapter` for runs; Ollama's native `/api/tags` for health and models."""
-
-    default_base_url: ClassVar[str | None] = "http://127.0.0.1:11434/v1"
 
     def __init__(self, provider: ProviderConfig) -> None:
         super().__init__(provider)

@@ -82,7 +82,7 @@ import os
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from functools import partial
-from typing import Any, ClassVar, Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import httpcore2
 import httpx2
@@ -206,14 +206,11 @@ class _EmptyStream(Exception):
 class OpenAICompatAdapter(NativeRelay):
     """Relay runs to an OpenAI-compatible HTTP upstream at `provider.adapter.base_url`."""
 
-    #: Used when the config has no `base_url`; None means the setting is required.
-    default_base_url: ClassVar[str | None] = None
-
     def __init__(self, provider: ProviderConfig) -> None:
         self.provider = provider
         settings = provider.adapter
-        base_url = settings.base_url or self.default_base_url
-        if base_url is None:
+        base_url = settings.base_url
+        if base_url is None:  # the Edge's config validation requires it for these types
             raise ValueError(f"provider {provider.id!r}: adapter.base_url is required")
         try:
             url = httpx2.URL(base_url)

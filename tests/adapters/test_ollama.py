@@ -19,7 +19,7 @@ from .fake_upstream import FakeUpstream, expected_events
 MODEL = "llama3.2:latest"
 
 
-def provider(base_url: str | None) -> ProviderConfig:
+def provider(base_url: str) -> ProviderConfig:
     return ProviderConfig(
         id="gpu2-ollama",
         type="ollama",
@@ -137,15 +137,6 @@ def test_a_body_without_keep_alive_is_sent_as_it_came() -> None:
 )
 def test_native_root(base_url: str, root: str) -> None:
     assert native_root(base_url) == root
-
-
-async def test_default_base_url_is_the_local_daemon() -> None:
-    adapter = OllamaAdapter(provider(None))
-    await adapter.aclose()
-    assert (adapter.base_url, adapter.root_url) == (
-        "http://127.0.0.1:11434/v1",
-        "http://127.0.0.1:11434",
-    )
 
 
 @pytest.mark.parametrize(
