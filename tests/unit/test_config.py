@@ -22,6 +22,7 @@ from iop_edge.core.configuration.config import (
     format_errors,
     parse_config,
 )
+from iop_edge.core.configuration.config_reference import config_key_paths
 from iop_edge.core.configuration.listen import ListenAddress, parse_listen_address
 from iop_edge.core.configuration.tokens import hash_token, tokens_match
 from iop_edge.runtime.refresh.config_file import load_config
@@ -139,6 +140,15 @@ def test_example_edge_config_commented_model_route_is_valid_when_uncommented() -
     parsed = parse_config(text)
     assert len(parsed.warnings) == 1
     assert parsed.config.models[-1].id == "sim-legacy"
+
+
+def test_example_edge_config_shows_every_key() -> None:
+    """The example is the commented walkthrough of every field it says it is: each key of
+    the schema appears in it, set or commented out."""
+    text = (CONFIGS / "edge.yaml").read_text(encoding="utf-8")
+    shown = set(re.findall(r"^[ #-]*([a-z_0-9]+):", text, re.MULTILINE))
+    missing = [path for path in config_key_paths() if re.findall(r"\w+", path)[-1] not in shown]
+    assert missing == []
 
 
 def test_demo_config_loads() -> None:
