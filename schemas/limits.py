@@ -12,7 +12,7 @@ __all__ = ["FRAME_ENVELOPE_BYTES", "MAX_FRAME_BYTES", "MAX_PAYLOAD_BYTES"]
 #: disconnected, with every run on the link, so neither side ever sends more
 #: (`schemas.wire.encode_bounded`).
 MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
-#: Room a message keeps beside its JSON payload (`run.body`, `run_chunk.data`,
+#: Room a message keeps beside its JSON payload (`run.body`, a `run_events` chunk,
 #: `run_done.response`): ids, provider and target names, and msgpack framing.
 FRAME_ENVELOPE_BYTES: Final = 1024 * 1024
 #: The largest JSON payload one message carries: the bound config validation puts on

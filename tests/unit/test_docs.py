@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from iop_edge.core.configuration.config_reference import config_key_paths, json_schema
+from iop_edge.core.refresh.refresh_diff import class_of
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
@@ -75,6 +76,21 @@ def test_the_configuration_reference_names_exactly_the_schema_keys() -> None:
     assert sorted(set(schema) - set(documented)) == [], "keys missing from the reference"
     assert sorted(set(documented) - set(schema)) == [], "keys the schema does not have"
     assert len(documented) == len(set(documented)), "a key documented twice"
+
+
+def test_the_configuration_reference_classes_each_key_as_a_refresh_does() -> None:
+    """A key's `live` or `restart` in the reference is the class a refresh gives a change
+    there: an operator plans a change by that column."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    rows = re.findall(r"^\| `([a-z0-9_\[\].]+)` \| (\w+) \|", text, re.MULTILINE)
+    assert rows
+    named = {"live": "live", "restart_required": "restart"}
+    wrong = [
+        f"{key}: {said}, a refresh: {named[class_of(key)]}"
+        for key, said in rows
+        if said != named[class_of(key)]
+    ]
+    assert wrong == []
 
 
 #: A pointer from code or config into the docs: `README.md#anchor` or `docs/page.md#anchor`.
@@ -185,8 +201,9 @@ def test_design_section_10_names_every_command_and_admin_route() -> None:
         for program, parser in (("iop-edge", build_parser()), ("iop-node", build_node_parser()))
         for command in _subcommands(parser)
     ]
-    admin = "".join(path.read_text() for path in (ROOT / "iop_edge/http").glob("admin*.py"))
+    admin = "".join(path.read_text() for path in (ROOT / "iop_edge/http/admin_api").glob("*.py"))
     routes = re.findall(r'@app\.(?:get|post)\("([^"]+)"\)', admin)
+    assert "/refresh" in routes, "the admin routes are no longer where this test reads them"
     missing = [c for c in commands if c not in section]
     missing += [
         f"admin route {r}"

@@ -48,6 +48,7 @@ from schemas.refresh import Change, ChangeClass, RefreshError
 __all__ = [
     "LIVE_PATTERNS",
     "ConfigDiff",
+    "class_of",
     "compare_configs",
     "live_subset",
     "live_subset_errors",
@@ -111,7 +112,9 @@ def _is_live_pattern(pattern: str) -> bool:
     )
 
 
-def _class_of(pattern: str) -> ChangeClass:
+def class_of(pattern: str) -> ChangeClass:
+    """The class of a change at `pattern` (rule 4): `nodes[].providers[].capacity`, as
+    the configuration reference names its keys."""
     return "live" if _is_live_pattern(pattern) else "restart_required"
 
 
@@ -238,7 +241,7 @@ def compare_configs(old: EdgeConfig, new: EdgeConfig) -> ConfigDiff:
     providers: set[str] = set()
     models: set[str] = set()
     for change in found:
-        changes.append(Change(path=change.text, class_=_class_of(change.pattern)))
+        changes.append(Change(path=change.text, class_=class_of(change.pattern)))
         match change.path:
             case (_Field("nodes"), _Item((node,))):
                 nodes.add(node)
