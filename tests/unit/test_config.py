@@ -525,6 +525,16 @@ def test_base_url_must_be_http_or_https(url: str) -> None:
     assert_only_error(raw, "nodes[0].providers[0].adapter.base_url", "http:// or https://")
 
 
+@pytest.mark.parametrize("type_", ["ollama", "lmstudio"])
+def test_a_runtime_with_its_openai_api_under_v1_needs_a_base_url_ending_in_it(type_: str) -> None:
+    raw = valid()
+    first_provider(raw).update(type=type_, adapter={"base_url": "http://127.0.0.1:11434/"})
+    error = assert_only_error(raw, "nodes[0].providers[0].adapter.base_url", "under /v1")
+    assert "http://127.0.0.1:11434/v1" in error.message
+    first_provider(raw).update(adapter={"base_url": "https://proxy.example/ollama/v1/"})
+    assert parse(raw).config.nodes[0].providers[0].adapter.base_url
+
+
 def test_https_base_url_is_accepted() -> None:
     raw = valid()
     first_provider(raw).update(type="openai_api", adapter={"base_url": "https://api.example/v1"})

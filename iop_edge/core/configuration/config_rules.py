@@ -50,6 +50,10 @@ _ADAPTER_KEY_TYPES: Final[dict[str, frozenset[str]]] = {
 _REQUIRED_ADAPTER_KEY: Final[dict[str, tuple[str, str]]] = dict.fromkeys(
     _HTTP_TYPES, ("base_url", "the upstream URL")
 ) | {"cli": ("command", "the argv to run")}
+#: Runtimes that serve their OpenAI-compatible API under `/v1` of their root and their own
+#: API beside it (Ollama's `/api`, LM Studio's `/api/v1`): the adapter finds the root by
+#: taking `/v1` off `base_url`, so a base URL without it sends every run to a 404.
+_OPENAI_API_UNDER_V1: Final = frozenset({"ollama", "lmstudio"})
 _ALL_PROVIDER_TYPES: Final = frozenset(typing.get_args(ProviderType))
 _SIM_PREFILL_KEYS: Final = ("cached_prefill_us_per_token", "prefill_us_per_token")
 
@@ -312,6 +316,16 @@ class ConfigRules:
             self._error(
                 f"{adapter_path}.base_url",
                 "must be an http:// or https:// URL with a host, like http://127.0.0.1:8000/v1",
+            )
+        elif (
+            provider_type in _OPENAI_API_UNDER_V1
+            and base_url is not None
+            and not base_url.rstrip("/").endswith("/v1")
+        ):
+            self._error(
+                f"{adapter_path}.base_url",
+                f"{provider_type}'s OpenAI-compatible API is under /v1 (runs go to "
+                f"BASE_URL/chat/completions): {base_url.rstrip('/')}/v1",
             )
         if provider_type == "cli" and adapter.get("command") == []:
             self._error(
