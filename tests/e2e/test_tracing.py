@@ -22,6 +22,7 @@ from typing import Any
 import openai
 import pytest
 import trio
+import yaml
 
 from iop_node import __version__ as node_version
 from iop_node.cli import TELEMETRY_FLAGS
@@ -133,11 +134,16 @@ def _strings(exported: list[Exported]) -> Iterator[str]:
 
 @asynccontextmanager
 async def traced_stack(
-    tmp_path: Path, upstreams: list[FakeUpstream], **sections: Any
+    tmp_path: Path,
+    upstreams: list[FakeUpstream],
+    *,
+    principals: list[dict[str, Any]] | None = None,
+    **sections: Any,
 ) -> AsyncIterator[tuple[Stack, Receiver]]:
     """An Edge and a Node that both trace into a fresh receiver, over `upstreams` (one
     `vllm` provider each, `up-1`, `up-2`, ... serving the model `m`, in that order of
-    priority). On exit both processes stop and flush; `Receiver.spans` then has it all."""
+    priority), with `principals` as the config's. On exit both processes stop and flush;
+    `Receiver.spans` then has it all."""
     receiver = Receiver()
     async with trio.open_nursery() as nursery:
         await nursery.start(receiver.server.serve)
@@ -152,6 +158,8 @@ async def traced_stack(
             edge_section={"telemetry": {"endpoint": receiver.server.url}},
             **sections,
         )
+        if principals is not None:
+            text += yaml.safe_dump({"principals": principals})
         tracing = node_tracing(
             TelemetrySection(endpoint=receiver.server.url),
             {},
@@ -295,6 +303,19 @@ async def test_a_failover_shows_as_events_and_a_second_attempt_span(tmp_path: Pa
     assert events["iop.failover"] == [{"iop.provider.id": "up-1", "iop.reason": "upstream_busy"}]
     assert edge.attributes["iop.provider.id"] == "up-2"
     assert edge.attributes["http.response.status_code"] == 200
+
+
+async def test_a_request_over_its_principals_limit_shows_as_not_admitted(tmp_path: Path) -> None:
+    """A limit refuses before the request queues; its trace still says why it was not run."""
+    limited = [{"ref": "anonymous", "requests_per_minute": 0}]
+    async with traced_stack(tmp_path, [FakeUpstream()], principals=limited) as (stack, receiver):
+        with pytest.raises(openai.RateLimitError):
+            await _ask(stack)
+    [edge] = [s for s in receiver.spans() if s.service == "iop-edge"]
+    [refused] = edge.events()["iop.not_admitted"]
+    assert refused["iop.reason"] == "LimitExceeded"
+    assert "iop.admitted" not in edge.events()
+    assert edge.attributes["http.response.status_code"] == 429
 
 
 async def test_a_sampled_out_caller_is_not_traced_but_its_context_flows(tmp_path: Path) -> None:

@@ -490,19 +490,24 @@ class Dispatcher:
     async def start(self, run: Run) -> None:
         """Admit and start `run` (Rules 1-2, 7); see `Run.start`."""
         plan = run.plan
+        trace = plan.trace
         if self._limits is not None and run.ticket is None:
             # Before it queues: a request over its principal's limits waits for nothing.
-            ticket = self._limits.admit(
-                plan.principal_ref,
-                prompt_tokens=plan.prompt_tokens,
-                max_output=plan.max_output,
-            )
-            # Then the budget replicas share, when they do (limits Rule 7).
-            await self._limits.reserve_shared(ticket)
+            try:
+                ticket = self._limits.admit(
+                    plan.principal_ref,
+                    prompt_tokens=plan.prompt_tokens,
+                    max_output=plan.max_output,
+                )
+                # Then the budget replicas share, when they do (limits Rule 7).
+                await self._limits.reserve_shared(ticket)
+            except AdmissionError as exc:
+                if trace is not None:
+                    trace.not_admitted(reason=exc.reason, kind=type(exc).__name__)
+                raise
             run.ticket = ticket
         attempts = Attempts(retries=self._retries(), max_busy=MAX_BUSY_REQUEUES)
         last_failure: RunFailure | None = None
-        trace = plan.trace
         for attempt in itertools.count():
             wire_id = plan.run_id if attempt == 0 else f"{plan.run_id}.{attempt}"
             asked_at = time.perf_counter()
