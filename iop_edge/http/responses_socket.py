@@ -29,9 +29,16 @@ Rules:
    (bad body, unknown model, a limit, admission) is one `error` event
    `{"type": "error", "status": <HTTP status>, "error": {...OpenAI's error object}}`.
 5. `previous_response_id` continues a stored response as over HTTP, and also the
-   connection's most recent response when it was not stored (`store: false`): the
-   connection keeps that one conversation (its input and output items) in memory, and
-   forgets it when the next turn ends or the connection closes.
+   connection's most recent response when it was not stored (`store: false`, or a store
+   that could not take it): the connection keeps that one conversation (its input and
+   output items; for a compaction turn, the conversation it summed up and its compaction
+   item) in memory, and forgets it when the next turn ends or the connection closes.
+8. `generate: false` is a warm-up: the turn is planned and checked as any other (its
+   model, its body, the response it continues) but nothing runs. It is answered at once
+   with `response.created` and `response.completed`, a Response with no output and no
+   tokens that the next turn continues by its id (Rule 5; stored when `store` asks); no
+   slot, no metering, no access line. A warm-up that ends in a `compaction_trigger` is
+   refused: a summary is generated.
 6. Every turn of a connection has the same affinity key (`core.routing.affinity` Rule 1 a): the
    session header of the upgrade when it sent one, else the connection's own id, so a
    model that routes by affinity keeps a connection's turns on one provider.
@@ -59,7 +66,7 @@ from iop_edge.core.routing.affinity import SESSION_HEADERS
 from iop_edge.http.auth import authenticate
 from iop_edge.http.errors import ApiError, metering_unavailable
 from iop_edge.http.protocols.caller_protocol import Caller, ToStore
-from iop_edge.http.protocols.responses import RESPONSES
+from iop_edge.http.protocols.responses import RESPONSES, warm_up_events, warm_up_response
 from iop_edge.http.request_body import decode_body
 from iop_edge.http.runs import (
     Reply,
@@ -68,6 +75,7 @@ from iop_edge.http.runs import (
     new_run_id,
     request_id,
 )
+from iop_edge.runtime.runs.dispatch import RunPlan
 from schemas.config import PrincipalToken
 
 __all__ = ["MAX_CONNECTION_S", "ResponsesSocket", "SocketReply"]
@@ -344,6 +352,7 @@ class _Session:
         rid = request_id(None, run_id)
         body.pop("type", None)
         background = body.pop("background", None)
+        generate = body.pop("generate", True)
         body["stream"] = True
         local_previous = self._continue_locally(body)
         snapshot = runs.snapshot()
@@ -362,23 +371,55 @@ class _Session:
                     code="unsupported_parameter",
                     param="background",
                 )
+            if not isinstance(generate, bool):
+                raise ApiError(
+                    400,
+                    f"generate must be a boolean, not {type(generate).__name__}",
+                    code="invalid_type",
+                    param="generate",
+                )
             unmetered = runs.metering.refusal()
             if unmetered is not None:
                 raise metering_unavailable(unmetered)
             plan, to_store = await runs.responses.plan(body, snapshot, caller)
+            summing_up = to_store is not None and to_store.compaction is not None
+            if not generate and summing_up:
+                raise ApiError(
+                    400,
+                    "A compaction_trigger generates a summary: send it with generate true",
+                    code="unsupported_parameter",
+                    param="generate",
+                )
         except ApiError as exc:
             runs.refused(exc, rid, "/v1/responses", started)
             await self.sender.error(exc, rid)
             return
         if local_previous is not None:
             plan.previous_response_id = local_previous  # echoed as over HTTP
+        if to_store is not None and to_store.compaction is not None:
+            # The summary turn's body is the summary request, not the conversation.
+            items: list[Any] = to_store.compaction.conversation
+        else:
+            items = input_items(plan.body.get("input", []))
         conversation = [  # a stored conversation's items come as the store keeps them
-            msgspec.json.decode(item) if isinstance(item, msgspec.Raw) else item
-            for item in input_items(plan.body.get("input", []))
+            msgspec.json.decode(item) if isinstance(item, msgspec.Raw) else item for item in items
         ]
         reply = SocketReply(self.sender, rid)
-        await runs.run_planned(plan, reply, to_store)
-        self._remember(to_store, conversation, reply.final_response)
+        if generate:
+            await runs.run_planned(plan, reply, to_store)
+        else:
+            await self._warm_up(plan, to_store, reply)
+        self._remember(conversation, reply.final_response)
+
+    async def _warm_up(self, plan: RunPlan, to_store: ToStore | None, reply: SocketReply) -> None:
+        """Rule 8: answer a warm-up, its Response stored when `store` asks and the store
+        takes it."""
+        stored = False
+        if to_store is not None:
+            response = warm_up_response(plan, stored=True)
+            stored = await self._runs.responses.keep(to_store, response) is None
+        await reply.stream(warm_up_events(warm_up_response(plan, stored=stored)))
+        log.debug("Responses WebSocket %s: a warm-up, %s", self.connection_id, plan.run_id)
 
     def _continue_locally(self, body: dict[str, Any]) -> str | None:
         """Rule 5: a continuation of the connection's last unstored response gets that
@@ -391,18 +432,19 @@ class _Session:
         body["input"] = [*last.items, *input_items(body.get("input", []))]
         return previous
 
-    def _remember(
-        self, to_store: ToStore | None, conversation: list[Any], response: bytes | None
-    ) -> None:
-        """Keep an unstored response's conversation for the next turn (Rule 5)."""
+    def _remember(self, conversation: list[Any], response: bytes | None) -> None:
+        """Keep an unstored response's conversation for the next turn (Rule 5): the final
+        event's Response says whether it was stored (`store`), as the caller read it."""
         self._last = None
-        if to_store is not None or response is None:
+        if response is None:
             return
         try:
             final = _decode(response)
         except msgspec.DecodeError:
             return
         if not isinstance(final, dict) or not isinstance(final.get("id"), str):
+            return
+        if final.get("store") is True:
             return
         output = final.get("output")
         items = [*conversation, *(output if isinstance(output, list) else [])]

@@ -46,6 +46,7 @@ from iop_node.protocols.responses_request import ResponsesRequest, read_tool_map
 from iop_node.protocols.responses_tools import CallerTool, ToolMap
 from schemas.protocols import response_error
 from schemas.responses_echo import closing_members, echo_members
+from schemas.responses_usage import CachedTokens, ReasoningTokens, ResponsesUsage
 
 __all__ = [
     "CustomCallItem",
@@ -57,7 +58,6 @@ __all__ = [
     "ReasoningText",
     "Refusal",
     "ResponseShell",
-    "ResponsesUsage",
     "Status",
     "call_id",
     "call_item",
@@ -67,39 +67,22 @@ __all__ = [
     "failure",
     "item_id",
     "responses_response_from_chat",
+    "responses_usage",
     "status_of",
 ]
 
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
 
 
-class _Cached(msgspec.Struct, frozen=True):
-    cached_tokens: int
-    cache_write_tokens: int = 0
-    """A runtime caches prefixes by itself; nothing is written to a cache on request."""
-
-
-class _Reasoning(msgspec.Struct, frozen=True):
-    reasoning_tokens: int
-
-
-class ResponsesUsage(msgspec.Struct, frozen=True, kw_only=True):
-    input_tokens: int
-    input_tokens_details: _Cached
-    output_tokens: int
-    output_tokens_details: _Reasoning
-    total_tokens: int
-
-    @classmethod
-    def of(cls, usage: TokenUsage) -> ResponsesUsage:
-        """Rule 6."""
-        return cls(
-            input_tokens=usage.prompt_tokens,
-            input_tokens_details=_Cached(cached_tokens=usage.cached_tokens),
-            output_tokens=usage.completion_tokens,
-            output_tokens_details=_Reasoning(reasoning_tokens=usage.reasoning_tokens),
-            total_tokens=usage.prompt_tokens + usage.completion_tokens,
-        )
+def responses_usage(usage: TokenUsage) -> ResponsesUsage:
+    """Rule 6."""
+    return ResponsesUsage(
+        input_tokens=usage.prompt_tokens,
+        input_tokens_details=CachedTokens(cached_tokens=usage.cached_tokens),
+        output_tokens=usage.completion_tokens,
+        output_tokens_details=ReasoningTokens(reasoning_tokens=usage.reasoning_tokens),
+        total_tokens=usage.prompt_tokens + usage.completion_tokens,
+    )
 
 
 class OutputText(msgspec.Struct, tag_field="type", tag="output_text"):
@@ -229,7 +212,7 @@ class ResponseShell:
             incomplete_details=_Incomplete(incomplete) if incomplete else None,
             model=self.model,
             output=output,
-            usage=ResponsesUsage.of(usage) if usage is not None else None,
+            usage=responses_usage(usage) if usage is not None else None,
         )
         return encode(response)[:-1] + self._echo
 

@@ -143,6 +143,78 @@ async def test_turns_continue_stored_and_connection_local_responses(
     assert await stack.requests_by_protocol() == {"responses": 4}  # one record per turn
 
 
+async def test_a_warm_up_generates_nothing_and_the_next_turn_continues_it(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """`generate: false` (as Codex opens a session): a Response with no output at once,
+    no run; the turn that names it reads its input."""
+    stack = await _stack(nursery, tmp_path)
+    instructions = "Answer in the fewest words a careful reader needs, and no more. " * 8
+    async with _socket(stack) as socket:
+        warm = await _turn(socket, instructions=instructions, input=[], store=False, generate=False)
+        assert [event["type"] for event in warm] == ["response.created", "response.completed"]
+        for event in warm:
+            check_responses_event(event)
+        warmed = _final(warm)
+        assert warmed["status"] == "completed" and warmed["output"] == []
+        assert warmed["usage"]["output_tokens"] == 0 and warmed["store"] is False
+        turn = _final(
+            await _turn(
+                socket,
+                instructions=instructions,
+                input="Hello.",
+                previous_response_id=warmed["id"],
+                store=False,
+                max_output_tokens=8,
+            )
+        )
+        assert turn["previous_response_id"] == warmed["id"] and turn["output"]
+        # a warm-up that asks for a summary, or says `generate` in another type, is refused
+        trigger = [{"type": "compaction_trigger"}]
+        for refused, param in [({"input": trigger}, "generate"), ({"input": "x"}, "generate")]:
+            generate: Any = False if refused["input"] is trigger else "no"
+            [error] = await _turn(socket, **refused, generate=generate)
+            assert error["type"] == "error" and error["error"]["param"] == param
+        # stored when `store` asks: another connection, and HTTP, continue it
+        stored = _final(await _turn(socket, input="Remember this.", generate=False))
+        assert stored["store"] is True
+    async with stack.http() as http:
+        answer = await http.post(
+            "/v1/responses",
+            json={"model": "m", "input": "And?", "previous_response_id": stored["id"]},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+    assert answer.status_code == 200, answer.text
+    assert await stack.requests_by_protocol() == {"responses": 2}  # warm-ups run nothing
+
+
+async def test_a_compaction_turn_that_was_not_stored_continues_on_its_connection(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    stack = await _stack(nursery, tmp_path)
+    async with _socket(stack) as socket:
+        first = _final(await _turn(socket, input="Tell me about cats.", store=False))
+        compacted = _final(
+            await _turn(
+                socket,
+                input=[{"type": "compaction_trigger"}],
+                previous_response_id=first["id"],
+                store=False,
+            )
+        )
+        assert [item["type"] for item in compacted["output"]] == ["compaction"]
+        after = _final(
+            await _turn(
+                socket,
+                input="Go on.",
+                previous_response_id=compacted["id"],
+                store=False,
+                max_output_tokens=8,
+            )
+        )
+        assert after["previous_response_id"] == compacted["id"] and after["output"]
+
+
 async def test_the_events_are_the_http_streams(nursery: trio.Nursery, tmp_path: Path) -> None:
     stack = await _stack(nursery, tmp_path)
     body = {"model": "m", "input": "Say something.", "max_output_tokens": 6, "store": False}

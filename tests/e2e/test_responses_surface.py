@@ -113,6 +113,7 @@ async def test_a_node_lost_mid_stream_ends_it_with_response_failed(
     assert failed.response.status == "failed" and failed.response.model == "m"
     assert failed.response.error.code == "server_error"
     assert failed.response.error.message.startswith("node_lost: ")
+    assert failed.response.store is False  # a failed response is not stored
     assert await stack.requests_by_protocol() == {"responses": 1}
 
 

@@ -252,7 +252,8 @@ def test_the_edges_own_stream_failures_validate() -> None:
     (event,) = parse_sse(framed)
     check_responses_event(event["data"])
     response = event["data"]["response"]
-    assert (response["store"], response["previous_response_id"]) == (True, "resp_before")
+    # the request asked to store it; a failed response is not stored, and says so
+    assert (response["store"], response["previous_response_id"]) == (False, "resp_before")
     assert response["error"] == {"code": "server_error", "message": "node_lost: the Node went away"}
     framed = MESSAGES.stream_error(error, plan=plan, sequence=7, request_id="req_5")
     (event,) = parse_sse(framed)

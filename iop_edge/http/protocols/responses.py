@@ -75,6 +75,7 @@ from schemas import wire
 from schemas.hosted_tools import hosted_tool_types
 from schemas.protocols import response_error
 from schemas.responses_echo import echo_members
+from schemas.responses_usage import ResponsesUsage
 
 __all__ = [
     "DEFAULT_KEYS",
@@ -82,6 +83,8 @@ __all__ = [
     "ResponsesProtocol",
     "ResponsesSurface",
     "store_unavailable",
+    "warm_up_events",
+    "warm_up_response",
 ]
 
 #: A model's `generation.defaults` key (chat's name) -> the Responses field it sets.
@@ -300,7 +303,8 @@ class ResponsesProtocol(CallerProtocol):
     ) -> bytes:
         """A `response.failed` event: `sequence` is its `sequence_number`, and the failed
         response goes by IOP's id for the request (the Edge does not read the Node's
-        events, so it cannot know theirs); it echoes the request as the Node's do."""
+        events, so it cannot know theirs); it echoes the request as the Node's do, with
+        `store: false`: a failed response is not stored."""
         kind, text = response_error(error.code, error.message)
         own = _FailedResponse(
             id=f"resp_{plan.run_id}",
@@ -309,9 +313,7 @@ class ResponsesProtocol(CallerProtocol):
             error=_ResponseError(code=kind, message=text),
         )
         echo = echo_members(
-            _encode(plan.body),
-            stored=plan.keep_output,
-            previous_response_id=plan.previous_response_id or None,
+            _encode(plan.body), previous_response_id=plan.previous_response_id or None
         )
         failed = _ResponseFailed(
             sequence_number=sequence, response=msgspec.Raw(_encode(own)[:-1] + echo)
@@ -323,6 +325,30 @@ class ResponsesProtocol(CallerProtocol):
 
 
 RESPONSES: Final = ResponsesProtocol()
+
+
+def warm_up_response(plan: RunPlan, *, stored: bool) -> bytes:
+    """The Response of a turn that generates nothing (the WebSocket mode's `generate:
+    false`, a warm-up): completed at once, no output, no tokens, echoing the request as a
+    run's Response does, under IOP's id for the request."""
+    now = int(time.time())
+    own = _WarmedUp(id=f"resp_{plan.run_id}", created_at=now, completed_at=now, model=plan.model_id)
+    echo = echo_members(
+        _encode(plan.body), stored=stored, previous_response_id=plan.previous_response_id or None
+    )
+    return _encode(own)[:-1] + echo
+
+
+def warm_up_events(response: bytes) -> bytes:
+    """A warm-up's Response as the server-sent events of a stream: created, completed."""
+    final: dict[str, Any] = msgspec.json.decode(response)
+    started = {**final, "status": "in_progress", "completed_at": None, "usage": None}
+    events = (("response.created", started), ("response.completed", final))
+    return b"".join(
+        b"event: %s\ndata: %s\n\n"
+        % (kind.encode(), _encode({"type": kind, "sequence_number": number, "response": body}))
+        for number, (kind, body) in enumerate(events)
+    )
 
 
 class _FailedResponse(msgspec.Struct, frozen=True, kw_only=True):
@@ -340,6 +366,22 @@ class _FailedResponse(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     output: list[Any] = []
     usage: None = None
+
+
+class _WarmedUp(msgspec.Struct, frozen=True, kw_only=True):
+    """A warm-up's Response's own members; the echo of its request follows them."""
+
+    id: str
+    object: str = "response"
+    created_at: int
+    completed_at: int
+    status: str = "completed"
+    background: bool = False
+    error: None = None
+    incomplete_details: None = None
+    model: str
+    output: list[Any] = []
+    usage: ResponsesUsage = ResponsesUsage()
 
 
 class _ResponseError(msgspec.Struct, frozen=True, kw_only=True):
