@@ -8,18 +8,28 @@ PostgreSQL in `tests/e2e/test_budgets_postgres.py`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pytest
 import trio
+import trio.testing
+import yaml
 
+from iop_edge.core.configuration.config import parse_config
 from iop_edge.core.principals import SECONDS_PER_DAY, PrincipalPolicies
+from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.metering.usage_ledger import shared_budgets
 from iop_edge.runtime.metering.usage_ledger.shared_budgets import SharedBudgets
+from iop_edge.runtime.nodes.hub import NodeDirectory, NodeHub
+from iop_edge.runtime.runs.dispatch import Dispatcher, Outcome
 from iop_edge.runtime.runs.limits import LimitExceeded, PrincipalLimiter
-from schemas.config import PrincipalLimits
+from iop_edge.runtime.runs.run_plan import RunPlan
+from iop_edge.runtime.runs.scheduler import Scheduler
+from schemas.config import NodeConfig, PrincipalLimits
 from tests.timing import GUARD_S
+from tests.unit.test_config import valid
 
 WALL = 10 * SECONDS_PER_DAY + 3600.0
 DAY = int(10 * SECONDS_PER_DAY)
@@ -164,3 +174,87 @@ async def test_settlements_are_added_up_written_and_retried(
         assert shared.pending == 0
         nursery.cancel_scope.cancel()
     assert store.closed
+
+
+@dataclass
+class _HeldStore(FakeStore):
+    """A store whose reservations wait (in their worker threads) until `answer` is set."""
+
+    answer: threading.Event = field(default_factory=threading.Event)
+
+    def reserve(self, principal: str, day: int, tokens: int, budget: int) -> bool:
+        self.answer.wait()
+        return super().reserve(principal, day, tokens, budget)
+
+
+def _dispatcher(limiter: PrincipalLimiter) -> Dispatcher:
+    """A dispatcher over a pool with no Node: only its admission by limits is exercised."""
+    snapshot = Snapshot.build(
+        parse_config(yaml.safe_dump(valid())).config, revision=1, config_sha256="0" * 64
+    )
+    directory = NodeDirectory(
+        edge_id="e",
+        revision=1,
+        token_hash=lambda _: None,
+        node_config=lambda n: NodeConfig(node_id=n),
+    )
+    hub = NodeHub(
+        lambda: directory,
+        on_connect=lambda _: None,
+        on_disconnect=lambda _: None,
+        on_status=lambda *_: None,
+    )
+    return Dispatcher(
+        Scheduler(snapshot),
+        hub,
+        meter=lambda _: None,
+        on_failover=lambda *_: None,
+        on_busy_answer=lambda *_: None,
+        retries_before_first_byte=lambda: 1,
+        limits=limiter,
+    )
+
+
+async def test_a_run_cut_while_the_store_reserves_gives_back_what_its_ticket_took() -> None:
+    """A caller who leaves while its run's budget waits on the shared store (every store
+    thread busy) leaves nothing reserved: the run holds its ticket before it awaits, and
+    its end settles it."""
+    store = _HeldStore()
+    limiter = _limiter(store, tokens_per_day=5000)
+    dispatcher = _dispatcher(limiter)
+    plan = RunPlan(
+        run_id="req_1",
+        model_id="qwen3.6:35b",
+        operation="chat",
+        body={},
+        stream=False,
+        long=False,
+        caller_wants_usage=False,
+        principal_ref="alice",
+        prompt_tokens=10,
+        max_output=40,
+    )
+    run = dispatcher.open(plan)
+    async with trio.open_nursery() as nursery:
+        busy = [
+            limiter.admit("alice", prompt_tokens=10, max_output=40)
+            for _ in range(shared_budgets.CONNECTIONS)  # the store's threads, all taken
+        ]
+        for ticket in busy:
+            nursery.start_soon(limiter.reserve_shared, ticket)
+        try:
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.CancelScope() as caller:
+                nursery.start_soon(_cancel_when_all_wait, caller)
+                await dispatcher.start(run)
+            assert caller.cancelled_caught
+            run.end(Outcome(499))  # as `RunEndpoints` ends every run it opened
+        finally:
+            store.answer.set()
+    [alice] = limiter.report({}).principals
+    assert alice.budget_remaining == 5000 - 50 * len(busy)  # the cut run's 50 given back
+
+
+async def _cancel_when_all_wait(scope: trio.CancelScope) -> None:
+    await trio.testing.wait_all_tasks_blocked()
+    scope.cancel()

@@ -499,13 +499,15 @@ class Dispatcher:
                     prompt_tokens=plan.prompt_tokens,
                     max_output=plan.max_output,
                 )
+                # The run holds what the ticket took before anything awaits: a start cut
+                # from here on (the caller left) is settled by `Run.end`, never leaked.
+                run.ticket = ticket
                 # Then the budget replicas share, when they do (limits Rule 7).
                 await self._limits.reserve_shared(ticket)
             except AdmissionError as exc:
                 if trace is not None:
                     trace.not_admitted(reason=exc.reason, kind=type(exc).__name__)
                 raise
-            run.ticket = ticket
         attempts = Attempts(retries=self._retries(), max_busy=MAX_BUSY_REQUEUES)
         last_failure: RunFailure | None = None
         for attempt in itertools.count():
