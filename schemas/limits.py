@@ -12,6 +12,9 @@ __all__ = ["FRAME_ENVELOPE_BYTES", "MAX_FRAME_BYTES", "MAX_PAYLOAD_BYTES"]
 #: disconnected, with every run on the link, so neither side ever sends more
 #: (`schemas.wire.encode_bounded`).
 MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
+#: More tokens than any model reads or writes in one run: the bound of every token count a
+#: Node reports (an upstream's number beyond it is a broken or hostile upstream's).
+MAX_REPORTED_TOKENS: Final = 100_000_000
 #: Room a message keeps beside its JSON payload (`run.body`, a `run_events` chunk,
 #: `run_done.response`): ids, provider and target names, and msgpack framing.
 FRAME_ENVELOPE_BYTES: Final = 1024 * 1024

@@ -36,7 +36,7 @@ import msgspec
 
 from schemas.config import LifecycleFlag, NodeConfig
 from schemas.hosted_tools import HostedTools
-from schemas.limits import MAX_FRAME_BYTES
+from schemas.limits import MAX_FRAME_BYTES, MAX_REPORTED_TOKENS
 from schemas.protocols import CallerProtocol
 
 #: Bumped on any incompatible change; travels in `hello` and `welcome`. A peer speaking
@@ -119,6 +119,23 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     computing (OpenAI `usage.prompt_tokens_details.cached_tokens`, Anthropic
     `cache_read_input_tokens`, llama.cpp `timings.cache_n`); 0 when it does not say. An
     older Node leaves it out, an older Edge ignores it."""
+
+    def bounded(self) -> Usage:
+        """These counts within `0..MAX_REPORTED_TOKENS` (each; the total at most twice):
+        an upstream's count is any JSON integer, and one msgpack cannot carry would fail
+        the writer of the link that sends it, with every run on the link."""
+        counts = (self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        if all(0 <= count <= MAX_REPORTED_TOKENS for count in counts) and (
+            0 <= self.total_tokens <= 2 * MAX_REPORTED_TOKENS
+        ):
+            return self
+        prompt, completion, cached = (min(max(c, 0), MAX_REPORTED_TOKENS) for c in counts)
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=min(max(self.total_tokens, 0), 2 * MAX_REPORTED_TOKENS),
+            cached_tokens=cached,
+        )
 
 
 # --- handshake -----------------------------------------------------------------------

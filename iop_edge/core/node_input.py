@@ -28,6 +28,7 @@ from typing import Final
 import msgspec
 
 from schemas import wire
+from schemas.limits import MAX_REPORTED_TOKENS
 
 __all__ = [
     "MAX_NAME_CHARS",
@@ -37,8 +38,6 @@ __all__ = [
     "check_node_message",
 ]
 
-#: More tokens than any model reads or writes in one run (Rule 1).
-MAX_REPORTED_TOKENS: Final = 100_000_000
 MAX_TEXT_CHARS: Final = 8192
 MAX_REPORTED_MODELS: Final = 4096
 MAX_NAME_CHARS: Final = 512

@@ -251,7 +251,7 @@ async def _outcome(
     if usage is not None:
         return RunDone(
             run_id=run.run_id,
-            usage=usage,
+            usage=usage.bounded(),
             response=response,
             usage_source=result.usage_source if result.usage is not None else "provider",
             tail=tail,
@@ -260,7 +260,7 @@ async def _outcome(
         tally.add(response, whole=True)
     return RunDone(
         run_id=run.run_id,
-        usage=await _counted_estimate(run, tally, adapter, translator),
+        usage=(await _counted_estimate(run, tally, adapter, translator)).bounded(),
         response=response,
         usage_source="estimated",
         tail=tail,

@@ -13,7 +13,8 @@ from iop_node.adapters.base import AdapterError, Emit, RunResult
 from iop_node.runs.activity import ProviderActivity
 from iop_node.runs.runner import Chunk, Outbound, RunHandle, execute_run
 from schemas.config import ProviderConfig
-from schemas.wire import ProviderStatus, Run, RunDone, RunFailed, Usage
+from schemas.limits import MAX_REPORTED_TOKENS
+from schemas.wire import ProviderStatus, Run, RunDone, RunEvents, RunFailed, Usage, encode
 
 PROVIDER = ProviderConfig(id="p1", type="sim", models=["m"], capacity=1)
 
@@ -223,6 +224,29 @@ async def test_an_adapters_own_estimate_is_flagged_as_such() -> None:
 
     [done] = await _execute(FakeAdapter(behaviour))
     assert done == RunDone(run_id="r1", usage=_estimated(4, 2), usage_source="estimated")
+
+
+async def test_a_usage_count_beyond_any_run_is_bounded_before_it_reaches_the_link() -> None:
+    """An upstream's count is any JSON integer; one msgpack cannot carry would fail the
+    link's writer and every run on the link."""
+    huge = 10**26
+
+    async def behaviour(run: Run, emit: Emit) -> RunResult:
+        return RunResult(
+            usage=Usage(
+                prompt_tokens=huge, completion_tokens=-5, total_tokens=huge, cached_tokens=3
+            )
+        )
+
+    [done] = await _execute(FakeAdapter(behaviour))
+    assert isinstance(done, RunDone) and done.usage is not None
+    assert done.usage == Usage(
+        prompt_tokens=MAX_REPORTED_TOKENS,
+        completion_tokens=0,
+        total_tokens=2 * MAX_REPORTED_TOKENS,
+        cached_tokens=3,
+    )
+    encode(RunEvents(ends=[done]))  # the link's writer can send it
 
 
 async def test_a_stream_cut_mid_way_reports_what_it_consumed() -> None:
