@@ -11,8 +11,8 @@ is the old Edge's procedure (design §13):
    `HANDOVER_READY_TIMEOUT_S` (its wait for the Nodes, `takeover`, included).
 4. Ready: this Edge stops ("restarting") and drains, handing its idle client connections
    and its per-minute counters to the successor as the drain begins (`handoff`). Any
-   failure before: the successor is killed, this Edge accepts Nodes again and serves on
-   as if nothing happened.
+   failure before, or a restart cut meanwhile (the admin caller left): the successor is
+   killed, this Edge accepts Nodes again and serves on as if nothing happened.
 
 At most one restart runs at a time, and none while the Edge stops.
 """
@@ -89,11 +89,16 @@ class Restarter:
         successor = Successor(self._successor_argv, list(listeners), revision=revision)
         try:
             successor_pid = await self._hand_over(successor, node_server)
-        except HandoverFailed as exc:
-            log.error("restart failed, serving on: %s", exc)
-            await trio.to_thread.run_sync(successor.abort)
-            node_server.resume_accepting()
-            return RestartReport(outcome="failed", pid=pid, detail=str(exc))
+        except Exception as exc:  # `HandoverFailed`, or the successor's pipe broke
+            detail = str(exc) if isinstance(exc, HandoverFailed) else f"the handover broke: {exc!r}"
+            log.error("restart failed, serving on: %s", detail)
+            await _roll_back(successor, node_server)
+            return RestartReport(outcome="failed", pid=pid, detail=detail)
+        except BaseException:
+            # Cut (the admin caller left, the Edge stops now): serve on, as after a failure.
+            log.warning("restart cut before the successor was ready: serving on")
+            await _roll_back(successor, node_server)
+            raise
         finally:
             self._restarting = False
             with trio.move_on_after(1, shield=True):
@@ -132,3 +137,12 @@ class Restarter:
             raise HandoverFailed(
                 f"the successor was not ready within {HANDOVER_READY_TIMEOUT_S:g}s"
             ) from None
+
+
+async def _roll_back(successor: Successor, node_server: NodeServer) -> None:
+    """Step 4's "any failure before": this Edge accepts Nodes again at once, and the
+    successor is killed (shielded, so a cut restart cleans up too; `abort` waits at most
+    5 s for the process)."""
+    node_server.resume_accepting()
+    with trio.CancelScope(shield=True):
+        await trio.to_thread.run_sync(successor.abort)
