@@ -294,15 +294,25 @@ class ProviderHost:
                 hold.release()
             self._notify_changed()
 
-        started = await self._registries.start_run(
-            run, send=port.send, key=key, on_end=ended, before=before
-        )
-        if not started and hold is not None:
-            ended()
-        elif not started:
-            self._idle.ended(model)
-        elif started:
+        def not_started() -> None:
+            if victim is not None:
+                self._idle.spared((run.provider_id, victim))
+            if hold is not None:
+                ended()
+            else:
+                self._idle.ended(model)
+
+        try:
+            started = await self._registries.start_run(
+                run, send=port.send, key=key, on_end=ended, before=before
+            )
+        except BaseException:  # its refusal's send was cut: it did not start either
+            not_started()
+            raise
+        if started:
             self._notify_changed()
+        else:
+            not_started()
 
     def cancel_run(self, port: LinkPort, run_id: str) -> bool:
         """The Edge cancelled a run: its slot is free now (Rule 3), the run stops."""

@@ -71,6 +71,11 @@ class IdleKeeper:
         """A run began; the model to unload before it runs (`make_room`), if any."""
         return self.clock.started(key, trio.current_time())
 
+    def spared(self, key: ModelKey) -> None:
+        """The run `started` named `key` to unload for did not start, so nothing unloads
+        it: as after an unload that returned, the next probe says where it stands."""
+        self.clock.unloaded(key, trio.current_time())
+
     def ended(self, key: ModelKey) -> None:
         """A run ended: its model's clock may start; the loop is woken only when that
         brings the next unload forward (most runs end on models with no rule)."""

@@ -4,6 +4,7 @@ llama.cpp's router; the clock is trio's autojump clock (no real waiting)."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 
@@ -17,6 +18,7 @@ from schemas.wire import (
     PinAction,
     Run,
     RunDone,
+    RunFailed,
     Status,
 )
 
@@ -40,8 +42,12 @@ class Link:
         self.received: list[Outbound] = []
         self.changed = trio.Event()
         self.port = host.attach(self.send, "edge")
+        self.refusals_fail = False
+        """A refusal's send fails, as on a link that closed meanwhile."""
 
     async def send(self, item: Outbound) -> None:
+        if self.refusals_fail and isinstance(item, RunFailed):
+            raise trio.BrokenResourceError("the link closed")
         self.received.append(item)
         self.changed.set()
         self.changed = trio.Event()
@@ -144,3 +150,33 @@ async def test_a_run_that_needs_room_unloads_an_unpinned_model_not_the_pinned_on
         await edge.wait_states(
             {"a": "loaded", model: "loaded", "bc".replace(model, ""): "unloaded"}
         )
+
+
+async def test_a_run_whose_refusal_could_not_be_sent_leaves_its_model_to_idle(
+    nursery: trio.Nursery, autojump_clock: trio.abc.Clock
+) -> None:
+    """A run refused (here a duplicate) whose refusal's send fails never ran: its model is
+    not counted as running for ever, so it still unloads once idle."""
+    host = ProviderHost(nursery, "n1")
+    edge = Link(host)
+    assert await host.apply(edge.port, 1, _config(_rule("a")), 1.0) is None
+    await edge.wait_states({"a": "unloaded", "b": "unloaded"})
+    host.model_command(edge.port, _command("load", "a"))
+    await edge.wait_for(ModelCommandDone, 1)
+    messages = '"messages": [{"role": "user", "content": "hi"}]'
+    first = Run(
+        run_id="r1",
+        provider_id="s",
+        target="a",
+        operation="chat",
+        body=b'{%s, "max_tokens": 400}' % messages.encode(),
+    )
+    await host.start_run(edge.port, first)
+    edge.refusals_fail = True
+    with pytest.raises(trio.BrokenResourceError):
+        await host.start_run(edge.port, first)  # the same id again: refused
+    edge.refusals_fail = False
+    await edge.wait_for(RunDone, 1)
+    ended_at = trio.current_time()
+    await edge.wait_states({"a": "unloaded", "b": "unloaded"})
+    assert trio.current_time() <= ended_at + IDLE_S + 5.0 + 1.0  # + one probe
