@@ -258,3 +258,34 @@ async def test_a_run_cut_while_the_store_reserves_gives_back_what_its_ticket_too
 async def _cancel_when_all_wait(scope: trio.CancelScope) -> None:
     await trio.testing.wait_all_tasks_blocked()
     scope.cancel()
+
+
+async def test_settlements_cut_while_waiting_for_a_store_thread_are_written_at_the_end() -> None:
+    """A stopping Edge cuts the writer while it waits for one of the store's threads (all
+    busy with reservations): the batch it held is the final flush's, not lost."""
+    store = _HeldStore()
+    store.answer.set()
+    limiter = _limiter(store, tokens_per_day=5000)
+    shared = limiter.shared_budgets
+    assert shared is not None
+    ticket = limiter.admit("alice", prompt_tokens=10, max_output=40)
+    await limiter.reserve_shared(ticket)
+    limiter.settle(ticket, 20)
+    store.answer.clear()
+    async with trio.open_nursery() as nursery:
+        for _ in range(shared_budgets.CONNECTIONS):  # the store's threads, all taken
+            held = limiter.admit("alice", prompt_tokens=10, max_output=40)
+            nursery.start_soon(limiter.reserve_shared, held)
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.CancelScope() as edge:
+            nursery.start_soon(_answer_when_all_wait, store, edge)
+            await shared.run()
+    assert store.settled == [{("alice", DAY): (50, 20)}]
+
+
+async def _answer_when_all_wait(store: _HeldStore, edge: trio.CancelScope) -> None:
+    """The writer waits for a thread: the Edge stops, then the store answers."""
+    await trio.testing.wait_all_tasks_blocked()
+    edge.cancel()
+    await trio.testing.wait_all_tasks_blocked()
+    store.answer.set()

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S: Final = 10.0
 STALE_AFTER_S: Final = 3 * HEARTBEAT_S
+#: How long a stopping Edge waits for its row's removal.
+REMOVE_GRACE_S: Final = 5.0
 FORGET_AFTER_S: Final = 24 * 3600.0
 
 T = TypeVar("T")
@@ -141,12 +143,14 @@ class ReplicaRoster:
                 await trio.sleep(HEARTBEAT_S)
                 await self.publish()
         finally:
-            # Each store call is bounded by the store itself (SQLite's busy timeout,
-            # PostgreSQL's connect and statement timeouts).
-            with trio.CancelScope(shield=True):
-                await self._call(lambda store: store.remove(self._instance))
+            # A store bounds its statements (SQLite's busy timeout, PostgreSQL's statement
+            # timeout), not a stalled connection: the removal gets `REMOVE_GRACE_S`, then
+            # is left to its thread (a row left behind stops being listed, Rule 2), and the
+            # connection it may still be using is not closed under it.
+            with trio.move_on_after(REMOVE_GRACE_S, shield=True) as cleanup:
+                await self._call(lambda store: store.remove(self._instance), abandon=True)
             store, self._store = self._store, None
-            if store is not None:
+            if store is not None and not cleanup.cancelled_caught:
                 store.close()
 
     async def publish(self) -> list[ReplicaStatus]:
@@ -182,15 +186,18 @@ class ReplicaRoster:
             self._on_read(list(replicas))
         return list(replicas)
 
-    async def _call(self, operation: Callable[[ReplicaStore], T]) -> T | None:
+    async def _call(
+        self, operation: Callable[[ReplicaStore], T], *, abandon: bool = False
+    ) -> T | None:
         """Run one store operation in a thread (one at a time); None when it failed
-        (Rule 3). The store bounds each operation itself."""
+        (Rule 3). The store bounds each operation itself; `abandon`: a cancel leaves the
+        thread to finish alone."""
         store = self._store
         if store is None:
             return None
         try:
             async with self._lock:
-                return await trio.to_thread.run_sync(operation, store)
+                return await trio.to_thread.run_sync(operation, store, abandon_on_cancel=abandon)
         except Exception as exc:
             log.warning("replica roster: %s", exc)
             return None

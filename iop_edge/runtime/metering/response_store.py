@@ -282,7 +282,10 @@ class ResponseStore:
                 await self.keep_room()
         finally:
             with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
-                await trio.to_thread.run_sync(self._backend.close, limiter=self._limiter)
+                # Past the deadline the close goes on in its thread: the Edge is stopping.
+                await trio.to_thread.run_sync(
+                    self._backend.close, limiter=self._limiter, abandon_on_cancel=True
+                )
 
     async def keep(
         self,

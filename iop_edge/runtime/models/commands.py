@@ -207,7 +207,9 @@ class ModelCommands:
             return
         with trio.move_on_after(ANSWER_GRACE_S, shield=True):
             try:
-                await trio.to_thread.run_sync(append_line, self._audit_path, lines)
+                await trio.to_thread.run_sync(
+                    append_line, self._audit_path, lines, abandon_on_cancel=True
+                )
             except OSError as exc:
                 log.error("model audit log %s not written: %s", self._audit_path, exc)
 

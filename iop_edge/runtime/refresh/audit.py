@@ -3,6 +3,10 @@
 Both are blocking file I/O, so both run in a worker thread (`trio.to_thread.run_sync`)
 and never stall the event loop that serves requests. Refreshes are rare, so every write
 is fsynced: after a crash the audit log and the config file say what actually happened.
+A write its caller stops waiting for (a stalled disk, past the refresh's deadline)
+finishes in its thread, whole, late; only the line written ahead (`reserve`) is always
+waited for, since a line landing after its refresh was refused would audit an apply that
+never happened.
 
 An apply's line is written before the new config is swapped in (`reserve`): a refresh
 whose audit line cannot be written (a full disk) is refused, never applied unaudited.
@@ -197,9 +201,11 @@ class AuditLog:
         line = await _line(self._encoder, record, width=reservation.length)
         async with self._lock:
             if len(line) == reservation.length:
-                await trio.to_thread.run_sync(_overwrite, self.path, reservation.offset, line)
+                await trio.to_thread.run_sync(
+                    _overwrite, self.path, reservation.offset, line, abandon_on_cancel=True
+                )
             else:
-                await trio.to_thread.run_sync(append_line, self.path, line)
+                await trio.to_thread.run_sync(append_line, self.path, line, abandon_on_cancel=True)
         return record
 
     async def append_unreadable(
@@ -226,7 +232,7 @@ class AuditLog:
     async def _write(self, record: AuditRecord) -> None:
         line = await _line(self._encoder, record)
         async with self._lock:
-            await trio.to_thread.run_sync(append_line, self.path, line)
+            await trio.to_thread.run_sync(append_line, self.path, line, abandon_on_cancel=True)
 
 
 #: Spaces a line's room is written from (`_Line`), a block at a time.
@@ -310,7 +316,7 @@ async def write_config_atomically(path: Path, text: str) -> None:
     A symlinked config is followed, so the link stays and its target is replaced.
     Raises `OSError` when the directory is not writable; the old file is then intact.
     """
-    await trio.to_thread.run_sync(_write_config, Path(path), text)
+    await trio.to_thread.run_sync(_write_config, Path(path), text, abandon_on_cancel=True)
 
 
 def _write_config(path: Path, text: str) -> None:

@@ -389,7 +389,8 @@ class Refresher:
 
     async def _reserve(self, planned: RefreshReport, *, config_sha256: str) -> Reservation | str:
         """Step 4: the audit line, written ahead; or why it could not be (the refresh is
-        then refused). Shielded: once written, the attempt goes ahead."""
+        then refused). Shielded: once written, the attempt goes ahead. The deadline bounds
+        the wait for the log; the write itself is always waited for (`audit`)."""
         problem = f"did not finish within {COMMIT_GRACE_S:g}s"
         with trio.move_on_after(COMMIT_GRACE_S, shield=True):
             try:

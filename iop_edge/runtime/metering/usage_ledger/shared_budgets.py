@@ -123,13 +123,22 @@ class SharedBudgets:
                 abandon_on_cancel=abandon_on_cancel,
             )
         except Exception as exc:
-            for key, (released, used) in batch.items():
-                was_released, was_used = self._pending.get(key, (0, 0))
-                self._pending[key] = (was_released + released, was_used + used)
+            self._put_back(batch)
             self._unavailable(exc)
             return False
+        except BaseException:
+            # Cut before its thread ran (waiting for one), so the final flush writes it.
+            if not abandon_on_cancel:
+                self._put_back(batch)
+            raise
         self._available()
         return True
+
+    def _put_back(self, batch: dict[tuple[str, int], tuple[int, int]]) -> None:
+        """Settlements not written wait with those that came since."""
+        for key, (released, used) in batch.items():
+            was_released, was_used = self._pending.get(key, (0, 0))
+            self._pending[key] = (was_released + released, was_used + used)
 
     async def _release_stale(self) -> None:
         while True:
