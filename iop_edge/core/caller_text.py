@@ -13,6 +13,10 @@ Rules:
    ids of the provider that served, wherever they appear.
 3. A failure's error ends with the request id the caller got (`x-request-id`), the
    key under which the Edge logs the whole story.
+4. No credential: an upstream that echoes the key it was sent (OpenAI's `Incorrect API
+   key provided: sk-...`) would hand the operator's key to every caller of the model,
+   and write it into the Edge's log. Whatever is shaped like an API key or a bearer
+   token becomes `CREDENTIAL`, in the caller's text and the log line alike.
 
 Pure: no I/O.
 """
@@ -23,10 +27,12 @@ import re
 from collections.abc import Iterable
 from typing import Final
 
-__all__ = ["ADDRESS", "with_request_id", "without_topology"]
+__all__ = ["ADDRESS", "CREDENTIAL", "with_request_id", "without_credentials", "without_topology"]
 
 #: What an address becomes in a caller's text.
 ADDRESS: Final = "<address>"
+#: What a credential becomes (Rule 4).
+CREDENTIAL: Final = "<credential>"
 
 _URL: Final = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>()]+")
 _SOCKET_TUPLE: Final = re.compile(r"\(\s*'[^']*'\s*(?:,\s*\d+\s*)+\)")
@@ -38,11 +44,31 @@ _HOST_PORT: Final = re.compile(
     r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*:\d{2,5}\b"
 )
 _NAMED: Final = re.compile(r"\b(node|provider|Node|Provider)(?: id)? '[^']*'")
+#: Keys by their vendors' prefixes (OpenAI and Anthropic `sk-`, Groq `gsk_`, xAI `xai-`,
+#: Hugging Face `hf_`, GitHub and GitLab tokens, Google `AIza`, AWS access key ids), a
+#: bearer token, and the value after a name that says it is secret.
+_KEYS: Final = re.compile(
+    r"\b(?:sk|pk|rk|gsk|xai|hf|ghp|gho|ghs|github_pat|glpat)[-_][A-Za-z0-9_*-]{6,}"
+    r"|\bAIza[0-9A-Za-z_-]{20,}|\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"
+)
+_BEARER: Final = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{6,}")
+_SECRET_VALUE: Final = re.compile(
+    r"(?i)\b((?:api[_-]?key|access[_-]?token|auth[_-]?token|secret|password|x-api-key)"
+    r"[\"']?\s*[=:]\s*[\"']?)[^\s\"',;&]+"
+)
+
+
+def without_credentials(text: str) -> str:
+    """`text` with whatever looks like a credential taken out (Rule 4)."""
+    text = _KEYS.sub(CREDENTIAL, text)
+    text = _BEARER.sub(lambda match: f"{match.group(1)} {CREDENTIAL}", text)
+    return _SECRET_VALUE.sub(lambda match: f"{match.group(1)}{CREDENTIAL}", text)
 
 
 def without_topology(text: str, names: Iterable[str] = ()) -> str:
     """`text` with every address and every one of `names` (provider or node ids) taken
-    out (Rule 2)."""
+    out (Rule 2), and every credential (Rule 4)."""
+    text = without_credentials(text)
     text = _URL.sub(ADDRESS, text)
     text = _SOCKET_TUPLE.sub(ADDRESS, text)
     text = _IPV6.sub(ADDRESS, text)

@@ -15,7 +15,7 @@ from typing import Final
 
 import msgspec
 
-from iop_edge.core.caller_text import with_request_id, without_topology
+from iop_edge.core.caller_text import with_request_id, without_credentials, without_topology
 from iop_edge.runtime.runs.admission_errors import (
     RETRY_AFTER_BUSY_S,
     AdmissionError,
@@ -196,7 +196,7 @@ def run_failure_error(
         request_id,
         provider_id,
         failure.code,
-        failure.message,
+        without_credentials(failure.message),
     )
     code = str(failure.code)
     said = without_topology(failure.message, (provider_id,))

@@ -126,6 +126,22 @@ async def test_misconfigured_provider_fails_over_and_counts_against_it(
     assert all_idle(catalog)
 
 
+async def test_an_upstream_that_echoes_its_key_does_not_hand_it_to_callers(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    """OpenAI's 401 names the key it was sent: the caller's error keeps the upstream's
+    words but not the operator's key (`core.caller_text` Rule 4)."""
+    key = "sk-proj-NOT-A-REAL-KEY-0123456789"
+    bad = FakeUpstream(status=401, error_message=f"Incorrect API key provided: {key}.")
+    url = await nursery.start(bad.serve)
+    stack = await make_stack([upstream_provider("bad", url)], dispatch=COOLDOWN)
+    with trio.fail_after(GUARD_S), pytest.raises(openai.APIStatusError) as failed:
+        await _chat(stack)
+    assert failed.value.status_code == 502
+    assert "Incorrect API key provided: <credential>." in failed.value.message
+    assert key not in failed.value.message
+
+
 @pytest.mark.parametrize("knob", ["error_after_chunks", "drop_after_chunks"])
 async def test_stream_broken_before_its_first_chunk_fails_over(
     nursery: trio.Nursery, make_stack: MakeStack, knob: str

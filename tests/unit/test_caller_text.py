@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from iop_edge.core.caller_text import ADDRESS, with_request_id, without_topology
+from iop_edge.core.caller_text import (
+    ADDRESS,
+    CREDENTIAL,
+    with_request_id,
+    without_credentials,
+    without_topology,
+)
 
 
 @pytest.mark.parametrize(
@@ -45,3 +51,31 @@ def test_without_topology(said: str, names: tuple[str, ...], caller_reads: str) 
 def test_with_request_id() -> None:
     assert with_request_id("it failed", "req_1") == "it failed (request id req_1)"
     assert with_request_id("it failed", "") == "it failed"
+
+
+@pytest.mark.parametrize(
+    ("said", "caller_reads"),
+    [
+        (
+            "Incorrect API key provided: sk-proj-REALKEY0123456789. You can find your API key",
+            f"Incorrect API key provided: {CREDENTIAL}. You can find your API key",
+        ),
+        ("invalid x-api-key sk-ant-api03-abcdEFGH_ijkl", f"invalid x-api-key {CREDENTIAL}"),
+        (
+            "Authorization: Bearer abcdef123456789 refused",
+            f"Authorization: Bearer {CREDENTIAL} refused",
+        ),
+        ('bad api_key="s3cr3tvalue" here', f'bad api_key="{CREDENTIAL}" here'),
+        ("key AIzaSyA1234567890abcdefghijklmnop expired", f"key {CREDENTIAL} expired"),
+        ("token gsk_0123456789abcdef revoked", f"token {CREDENTIAL} revoked"),
+        # what is no credential stays
+        (
+            "model Qwen3-Coder-30B-A3B-Instruct not found",
+            "model Qwen3-Coder-30B-A3B-Instruct not found",
+        ),
+        ("the task-queue is full; tokens: 32768", "the task-queue is full; tokens: 32768"),
+    ],
+)
+def test_credentials_are_taken_out(said: str, caller_reads: str) -> None:
+    assert without_credentials(said) == caller_reads
+    assert without_topology(said) == caller_reads
