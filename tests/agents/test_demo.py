@@ -194,7 +194,8 @@ async def test_codex_completes_a_tool_call_over_websocket(
 ) -> None:
     """The same turn with the provider declaring `supports_websockets = true`
     (docs/agents.md): Codex runs it over the Responses WebSocket mode, every request of
-    the turn on one connection, and falls back to HTTP for none of them."""
+    the turn on one connection, and falls back to HTTP for none of them. It opens the
+    connection with a warm-up (`generate: false`), which runs and bills nothing."""
     caplog.set_level(logging.DEBUG, logger="iop_edge.http.responses_socket")
     outcome, argv = await _run_codex_demo_turn(demo, "supports_websockets=true")
 
@@ -202,8 +203,12 @@ async def test_codex_completes_a_tool_call_over_websocket(
     await _check_metered(demo, "responses")
     # a turn is logged as it begins, so before its run is metered
     turns = [r for r in caplog.records if re.match(r"Responses WebSocket \S+: turn", r.message)]
+    warm_ups = [
+        r for r in caplog.records if re.match(r"Responses WebSocket \S+: a warm-up", r.message)
+    ]
     [row] = await demo.requests()
-    assert len(turns) == row["requests"] >= 2, (len(turns), row, outcome.report())
+    assert warm_ups, outcome.report()
+    assert len(turns) - len(warm_ups) == row["requests"] >= 2, (len(turns), row, outcome.report())
 
 
 async def test_codex_sets_a_thread_goal_against_the_demo(demo: Demo) -> None:
