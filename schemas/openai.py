@@ -38,6 +38,24 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     content: str | list[Any] | None = None
 
 
+class FunctionName(msgspec.Struct, frozen=True, kw_only=True):
+    name: Annotated[str, Meta(min_length=1)]
+
+
+class FunctionTool(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="function"):
+    function: FunctionName
+
+
+class CustomTool(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="custom"):
+    custom: dict[str, Any]
+
+
+class Typed(msgspec.Struct, frozen=True, kw_only=True):
+    """An object that says what it is (`tool_choice`'s, `response_format`)."""
+
+    type: str
+
+
 class ChatRequest(RequestView, frozen=True, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     stream_options: StreamOptions | None = None
@@ -46,6 +64,12 @@ class ChatRequest(RequestView, frozen=True, kw_only=True):
     n: PositiveInt | None = None
     temperature: float | None = None
     top_p: float | None = None
+    # Shapes a runtime cannot take otherwise: checked here so a caller's mistake is a 400
+    # naming the field rather than whatever the runtime makes of it.
+    tools: list[FunctionTool | CustomTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | Typed | None = None
+    stop: str | list[str] | None = None
+    response_format: Typed | None = None
 
 
 # A prompt / input is a string, a list of strings, or token ids (list[int] or

@@ -121,6 +121,29 @@ async def test_wrong_types_are_400_naming_the_field(stack: Stack) -> None:
     assert isinstance(body, dict) and body["param"] == "messages"
 
 
+@pytest.mark.parametrize(
+    ("field", "param"),
+    [
+        ({"tools": "x"}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"tool_choice": "bogus"}, "tool_choice"),
+        ({"stop": 5}, "stop"),
+        ({"response_format": "json"}, "response_format"),
+    ],
+)
+async def test_tools_and_output_controls_of_the_wrong_shape_are_400_naming_them(
+    stack: Stack, field: dict[str, object], param: str
+) -> None:
+    """Refused here, not passed to a runtime that would do who knows what with them."""
+    async with stack.http() as http:
+        response = await http.post(
+            "/v1/chat/completions",
+            json={"model": "chat-alias", "messages": [{"role": "user", "content": "x"}], **field},
+        )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+
+
 async def test_malformed_json_is_400(stack: Stack) -> None:
     async with stack.http() as http:
         response = await http.post(
