@@ -33,6 +33,7 @@ import h11
 
 from iop_edge.http.compat.hypercorn import Http11Protocol
 from iop_edge.http.errors import ApiError
+from iop_edge.http.request_ids import new_run_id
 
 __all__ = ["StrictH11Protocol", "StrictRequestReader", "framing_error", "framing_problem"]
 
@@ -129,6 +130,7 @@ class StrictH11Protocol(Http11Protocol):
             (b"content-type", b"application/json"),
             (b"content-length", b"%d" % len(body)),
             (b"connection", b"close"),
+            (b"x-request-id", new_run_id().encode()),
         ]
         response = h11.Response(
             status_code=status_code,

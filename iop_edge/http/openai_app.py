@@ -39,8 +39,9 @@ from iop_edge.http.final_send import shield_final_send
 from iop_edge.http.protocols.caller_protocol import CallerProtocol
 from iop_edge.http.protocols.protocol_registry import PROTOCOLS
 from iop_edge.http.protocols.responses import ResponsesSurface
+from iop_edge.http.request_ids import new_run_id, request_id
 from iop_edge.http.responses_socket import ResponsesSocket
-from iop_edge.http.runs import RunEndpoints, new_run_id, request_id
+from iop_edge.http.runs import RunEndpoints
 
 log = logging.getLogger(__name__)
 

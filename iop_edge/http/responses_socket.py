@@ -68,13 +68,8 @@ from iop_edge.http.errors import ApiError, metering_unavailable
 from iop_edge.http.protocols.caller_protocol import Caller, ToStore
 from iop_edge.http.protocols.responses import RESPONSES, warm_up_events, warm_up_response
 from iop_edge.http.request_body import decode_body
-from iop_edge.http.runs import (
-    Reply,
-    RunEndpoints,
-    Timing,
-    new_run_id,
-    request_id,
-)
+from iop_edge.http.request_ids import new_run_id, request_id
+from iop_edge.http.runs import Reply, RunEndpoints, Timing
 from iop_edge.runtime.runs.dispatch import RunPlan
 from schemas.config import PrincipalToken
 

@@ -41,8 +41,6 @@ count on both.
 from __future__ import annotations
 
 import logging
-import re
-import secrets
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -68,6 +66,7 @@ from iop_edge.http.protocols.compaction import settle, trigger_events
 from iop_edge.http.protocols.protocol_registry import Route
 from iop_edge.http.protocols.responses import ResponsesSurface
 from iop_edge.http.request_body import CallerGone, read_json
+from iop_edge.http.request_ids import new_run_id, request_id
 from iop_edge.runtime.metering.access_log import RefusedRequest
 from iop_edge.runtime.metering.metering import Metering
 from iop_edge.runtime.metering.tracing import EdgeTracing, RequestTrace
@@ -91,7 +90,6 @@ from schemas.runtime.telemetry import valid_traceparent, valid_tracestate
 
 log = logging.getLogger(__name__)
 
-_REQUEST_ID: Final = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _JSON_TYPE: Final = (b"content-type", b"application/json")
 #: The HTTP versions whose connections carry one request at a time: their caller left
 #: when the connection ends (`Connection.on_client_gone`).
@@ -99,15 +97,6 @@ _HTTP1: Final = frozenset(("1.0", "1.1"))
 _SSE_HEADERS: Final = ((b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"))
 
 Headers = list[tuple[bytes, bytes]]
-
-
-def new_run_id() -> str:
-    return f"req_{secrets.token_hex(12)}"
-
-
-def request_id(supplied: str | None, fallback: str) -> str:
-    """The caller's `x-request-id` when it is sane (so its logs and ours match), else ours."""
-    return supplied if supplied and _REQUEST_ID.match(supplied) else fallback
 
 
 class _Timing:

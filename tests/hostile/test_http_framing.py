@@ -8,6 +8,7 @@ The client is a raw socket: each test sees every byte the Edge wrote, up to its 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -64,10 +65,12 @@ async def exchange(stack: Stack, request: bytes) -> list[Reply]:
 
 def assert_refused(replies: list[Reply], status: int, says: str) -> dict[str, object]:
     """One reply only (nothing after it was read as a request), an OpenAI error body
-    saying `says`, and the connection closed; returns the error object."""
+    saying `says`, the request id every answer carries, and the connection closed;
+    returns the error object."""
     assert [reply.status for reply in replies] == [status], replies
     reply = replies[0]
     assert reply.headers[b"connection"] == b"close"
+    assert re.fullmatch(rb"req_[0-9a-f]{24}", reply.headers[b"x-request-id"])
     assert reply.headers[b"content-type"] == b"application/json"
     error = json.loads(reply.body)["error"]
     assert set(error) == {"message", "type", "param", "code"}
