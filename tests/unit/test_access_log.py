@@ -75,7 +75,9 @@ def test_fields_name_everything_the_spec_asks_for() -> None:
         "ttft_ms": 41.2,
         "prompt_tokens": 12,
         "completion_tokens": 30,
+        "run_id": "req_0123",  # the caller chose its request id: IOP's is named too
     }
+    assert "run_id" not in access_fields(_record(request_id="req_0123"))
 
 
 def test_a_run_that_never_reached_a_provider() -> None:
@@ -101,6 +103,7 @@ def test_logfmt_is_readable_and_unambiguous() -> None:
         {"model": 'a "quoted" model', "principal_ref": "k=v", "request_id": ""},
         {"node": "tab\there", "provider": "back\\slash", "latency_s": 0.0, "ttft_s": 1e-9},
         {"protocol": "messages", "latency_s": 12345.678, "usage": wire.Usage()},
+        {"request_id": "req_0123"},
     ],
 )
 def test_a_runs_line_is_logfmt_of_its_fields(changes: dict[str, object]) -> None:
@@ -116,7 +119,7 @@ def test_text_line(caplog: pytest.LogCaptureFixture) -> None:
     assert record.getMessage() == (
         "request_id=caller-id-7 principal_ref=team-search model=qwen3.6:35b protocol=chat "
         "provider=gpu1-vllm node=gpu1 status=200 code=- latency_ms=250.0 ttft_ms=41.2 "
-        "prompt_tokens=12 completion_tokens=30"
+        "prompt_tokens=12 completion_tokens=30 run_id=req_0123"
     )
 
 
@@ -402,7 +405,7 @@ def test_an_edge_process_writes_its_access_lines_to_stderr_in_order(
     else:
         assert isinstance(run, str) and isinstance(refused, str)
         assert f" INFO    {ACCESS_LOGGER}: request_id=caller-id-7 principal_ref=team-search " in run
-        assert run.endswith("prompt_tokens=12 completion_tokens=30")
+        assert run.endswith("prompt_tokens=12 completion_tokens=30 run_id=req_0123")
         assert refused.endswith(
             "request_id=r2 path=/v1/responses status=401 code=invalid_api_key latency_ms=1.0"
         )

@@ -9,7 +9,9 @@ are not logged.
 Rules:
 1. A line carries: time, request id (the `x-request-id` the caller saw), principal_ref,
    model, the caller's protocol (chat, messages, responses), provider, node, status,
-   error code, latency, time to first token and tokens.
+   error code, latency, time to first token and tokens; and, when the caller chose the
+   request id, IOP's own run id too (`run_id`: the ids in the response body are made
+   from it, `chatcmpl-<run id>`, `resp_<run id>`).
    Never a token, never a prompt, never a response: nothing here reads a body.
 2. Lines go to the `iop_edge.access` logger at INFO, so `--log-level warning` silences
    them and `--log-format json` makes each one a JSON object whose keys are the fields
@@ -91,7 +93,7 @@ def access_fields(record: RunRecord) -> dict[str, Any]:
         "ttft_ms": _ms(record.ttft_s),
         "prompt_tokens": usage.prompt_tokens if usage else None,
         "completion_tokens": usage.completion_tokens if usage else None,
-    }
+    } | ({} if record.run_id == record.request_id else {"run_id": record.run_id})
 
 
 def logfmt(fields: dict[str, Any]) -> str:
@@ -130,6 +132,7 @@ def run_line(record: RunRecord) -> str:
             if usage
             else " prompt_tokens=- completion_tokens=-"
         )
+        + ("" if record.run_id == record.request_id else f" run_id={_text(record.run_id)}")
     )
 
 
