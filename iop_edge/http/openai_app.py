@@ -194,6 +194,13 @@ def _create_quart_app(
         principal_ref = check_caller()
         return _json_response(await responses.read(principal_ref, response_id))
 
+    @app.get("/v1/responses/<response_id>/input_items")
+    async def response_input_items(response_id: str) -> Response:
+        """The items a stored response was generated from, a page at a time."""
+        principal_ref = check_caller()
+        query = {key: request.args[key] for key in request.args}
+        return _json_response(await responses.input_items(principal_ref, response_id, query))
+
     @app.delete("/v1/responses/<response_id>")
     async def delete_response(response_id: str) -> Response:
         principal_ref = check_caller()

@@ -112,6 +112,35 @@ async def test_delete_removes_it_and_store_false_keeps_nothing(stack_store: Stac
             await client.responses.create(model="m", input="x", previous_response_id=kept.id)
 
 
+async def test_a_stored_responses_input_items_are_listed_a_page_at_a_time(
+    stack_store: Stack,
+) -> None:
+    """The official SDK's `responses.input_items.list`: what the model read for that
+    response (the earlier turn in and out, then its own input), newest first by default,
+    each with an id a next page starts after; another principal's are not there."""
+    one = await _ask(stack_store, "The secret word is pineapple.")
+    two = await _ask(stack_store, "Remember it.", previous_response_id=one.id)
+    async with stack_store.client(api_key=ALICE) as client:
+        newest = await client.responses.input_items.list(two.id)
+        assert [item.type for item in newest.data] == ["message", "message", "message"]
+        said = [item.content[0].text for item in newest.data]  # type: ignore[union-attr]
+        assert said[0] == "Remember it." and said[2] == "The secret word is pineapple."
+        assert said[1] == one.output_text
+        first = await client.responses.input_items.list(two.id, order="asc", limit=2)
+        assert [item.id for item in first.data] == [item.id for item in newest.data][::-1][:2]
+        assert first.has_more
+        rest = await client.responses.input_items.list(
+            two.id, order="asc", limit=2, after=first.data[-1].id
+        )
+        assert [item.id for item in rest.data] == [newest.data[0].id] and not rest.has_more
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.input_items.list(two.id, limit=1000)
+        assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "limit"
+    async with stack_store.client(api_key=BOB) as bob:
+        with pytest.raises(openai.NotFoundError):
+            await bob.responses.input_items.list(two.id)
+
+
 @pytest.fixture
 async def stack_store(nursery: trio.Nursery, tmp_path: Path) -> Stack:
     return await start_stack(

@@ -45,6 +45,7 @@ import msgspec
 
 from iop_edge.core.responses import uncalled_outputs
 from iop_edge.core.responses.compaction import CompactionUnreadable, ends_with_trigger, expand
+from iop_edge.core.responses.input_item_pages import PageRequestInvalid, item_page
 from iop_edge.core.responses.protocol_requests import (
     ResponsesRequest,
     estimate_responses_tokens,
@@ -58,7 +59,7 @@ from iop_edge.core.responses.response_chain import (
 )
 from iop_edge.core.routing.affinity import responses_conversation
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.errors import ApiError, invalid_request
+from iop_edge.http.errors import ApiError, bad_request, invalid_request
 from iop_edge.http.protocols.caller_protocol import (
     Caller,
     CallerProtocol,
@@ -264,6 +265,23 @@ class ResponsesSurface:
         if response is None:
             raise response_not_found(response_id)
         return response
+
+    async def input_items(
+        self, principal_ref: str, response_id: str, query: Mapping[str, str]
+    ) -> bytes:
+        """`GET /v1/responses/{id}/input_items`: a page of the items the stored response
+        was generated from (`core.responses.input_item_pages`); raises `ApiError`."""
+        try:
+            chain = await self.store.conversation(principal_ref, response_id)
+        except (ChainBroken, ConversationTooLarge):
+            raise response_not_found(response_id) from None
+        except StoreUnavailable as exc:
+            raise store_unavailable(exc) from None
+        items = conversation(chain[:-1], chain[-1].input_items)
+        try:
+            return item_page(items, response_id, query)
+        except PageRequestInvalid as exc:
+            raise bad_request(str(exc), param=exc.param) from None
 
     async def delete(self, principal_ref: str, response_id: str) -> None:
         """`DELETE /v1/responses/{id}`; raises `ApiError`."""
