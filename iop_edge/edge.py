@@ -231,6 +231,7 @@ class Edge:
             audit=AuditLog(Path(config.edge.state_dir)),
             running_text=parsed.text,
             hold=self.heap.held,
+            blocked=self._refresh_blocked,
         )
         self.model_commands = ModelCommands(
             snapshot=lambda: self._snapshot,
@@ -263,6 +264,7 @@ class Edge:
             goaway_all=self.hub.goaway_all,
             connected_nodes=self.hub.connected_nodes,
             windows=self.limiter.windows,
+            refreshing=lambda: self.refresher.statistics().busy,
         )
         self._addresses: EdgeAddresses | None = None
         self._instance = _instance_name()
@@ -720,6 +722,14 @@ class Edge:
     def _listening(self, addresses: EdgeAddresses) -> None:
         """Every listener accepts: the replica roster describes this process with them."""
         self._addresses = addresses
+
+    def _refresh_blocked(self) -> str | None:
+        """Why a config refresh may not run now (`Refresher`), or None."""
+        if self._restarter.in_progress:
+            return "a restart is in progress (its new Edge has read the config file)"
+        if self._stop.requested:
+            return "this Edge is stopping"
+        return None
 
     async def restart(self) -> RestartReport:
         """Hand over to a new process of this Edge (zero-downtime restart, design §13;

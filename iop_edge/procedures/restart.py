@@ -14,7 +14,10 @@ is the old Edge's procedure (design §13):
    failure before, or a restart cut meanwhile (the admin caller left): the successor is
    killed, this Edge accepts Nodes again and serves on as if nothing happened.
 
-At most one restart runs at a time, and none while the Edge stops.
+At most one restart runs at a time, none while the Edge stops or a config refresh runs,
+and no refresh while it runs (`Refresher`'s `blocked`): the successor reads the config
+file as it starts, so a refresh applied meanwhile would be answered "applied" by a
+process about to hand over to one that never ran it.
 """
 
 from __future__ import annotations
@@ -55,13 +58,21 @@ class Restarter:
         goaway_all: Callable[[str], Awaitable[None]],
         connected_nodes: Callable[[], Iterable[str]],
         windows: Callable[[], Windows] = dict,
+        refreshing: Callable[[], bool] = lambda: False,
     ) -> None:
-        """`windows`: what the per-minute limits used, per principal, carried over."""
+        """`windows`: what the per-minute limits used, per principal, carried over;
+        `refreshing`: a config refresh runs (a restart waits for none: it refuses)."""
         self._successor_argv = list(successor_argv) if successor_argv is not None else None
         self._goaway_all = goaway_all
         self._connected_nodes = connected_nodes
         self._windows = windows
+        self._refreshing = refreshing
         self._restarting = False
+
+    @property
+    def in_progress(self) -> bool:
+        """A restart runs now (its successor may have read the config file already)."""
+        return self._restarting
 
     async def restart(
         self,
@@ -84,6 +95,9 @@ class Restarter:
             return RestartReport(outcome="refused", pid=pid, detail=detail)
         if self._restarting or stopping or node_server is None:
             detail = "a restart or stop is already in progress"
+            return RestartReport(outcome="refused", pid=pid, detail=detail)
+        if self._refreshing():
+            detail = "a config refresh is in progress; retry when it has finished"
             return RestartReport(outcome="refused", pid=pid, detail=detail)
         self._restarting = True
         successor = Successor(self._successor_argv, list(listeners), revision=revision)

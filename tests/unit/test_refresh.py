@@ -238,6 +238,21 @@ async def test_no_candidate_without_a_config_file_is_400(edge: FakeEdge, audit: 
     assert "config_yaml" in report.errors[0].message
 
 
+async def test_no_refresh_runs_while_the_edge_says_it_may_not(
+    edge: FakeEdge, config_path: Path, audit: AuditLog
+) -> None:
+    """A restart in progress (its new Edge has read the config file) refuses a refresh as
+    another refresh does: 409, nothing applied, the attempt audited."""
+    before = await read(config_path)
+    reason = "a restart is in progress (its new Edge has read the config file)"
+    refresher = Refresher(edge, config_path=config_path, audit=audit, blocked=lambda: reason)
+    verdict, report = unpack(await refresher.refresh(apply(with_capacity(8, "gpu1"))))
+    assert (verdict, report.outcome) == ("conflict", "rejected")
+    assert report.errors[0].message == f"{reason}; retry when it has finished"
+    assert await read(config_path) == before and edge.snapshot.revision == 1
+    assert [line["verdict"] for line in await audit_lines(audit)] == ["conflict"]
+
+
 async def test_restart_required_change_is_409_and_nothing_changes(
     refresher: Refresher, edge: FakeEdge, config_path: Path
 ) -> None:

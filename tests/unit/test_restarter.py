@@ -111,3 +111,19 @@ async def test_a_handover_that_breaks_is_a_failed_restart_not_a_crash(
     report = await _restart(restarter, calls)
     assert report.outcome == "failed"
     assert calls == ["start", "stop_accepting", "goaway", "resume_accepting", "abort", "close"]
+
+
+async def test_no_restart_while_a_config_refresh_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its successor would read the file the refresh is about to write."""
+    calls: list[str] = []
+    _restarter(monkeypatch, calls)
+
+    async def goaway_all(reason: str) -> None:
+        raise AssertionError("no Node is sent away")
+
+    restarter = Restarter(
+        ["iop-edge", "serve"], goaway_all=goaway_all, connected_nodes=list, refreshing=lambda: True
+    )
+    report = await _restart(restarter, calls)
+    assert report.outcome == "refused" and "refresh" in (report.detail or "")
+    assert calls == []  # no successor started

@@ -207,6 +207,7 @@ class Refresher:
         hold: Callable[[], AbstractContextManager[Callable[[], None]]] = lambda: (
             contextlib.nullcontext(_nothing_to_keep)
         ),
+        blocked: Callable[[], str | None] = lambda: None,
     ) -> None:
         """`push_timeout_s` is a Node's time to ack, unless a whole `push_policy` is
         given. `worker` reads and plans candidates (`refresh.worker`); one is started on
@@ -217,7 +218,8 @@ class Refresher:
         only where it changed. `hold` keeps the Edge's heap out of the collector's sight
         for an apply, from before the worker answers to the apply's end
         (`lifecycle.heap_keeper.HeapKeeper.held`), and gives a `keep` that says what was made is
-        alive (the snapshot, as it is assembled)."""
+        alive (the snapshot, as it is assembled). `blocked` says why no refresh may run
+        now, or None (a restart in progress: its new process has read the config)."""
         self._target = target
         self._config_path = config_path
         self._audit = audit
@@ -230,6 +232,7 @@ class Refresher:
         """Pushes the running config again to the Nodes that missed a refresh; its `run`
         is a service of the Edge."""
         self._busy = False
+        self._blocked = blocked
         self._pending_restart: tuple[str, ...] = ()
         self._hold = hold
         self._holding = ExitStack()
@@ -307,10 +310,9 @@ class Refresher:
     async def refresh(self, request: RefreshRequest, *, source: str = "admin API") -> RefreshResult:
         """Run one refresh; returns its verdict and report (design §5). `source` says who
         asked (the admin API, SIGHUP) in the log line every attempt gets."""
-        if self._busy:
-            report = self._rejected(
-                request, "", "another refresh is in progress; retry when it has finished"
-            )
+        blocked = "another refresh is in progress" if self._busy else self._blocked()
+        if blocked is not None:
+            report = self._rejected(request, "", f"{blocked}; retry when it has finished")
             result = await self._finish("conflict", report, config_sha256=None)
         else:
             self._busy = True
