@@ -58,6 +58,9 @@ async def test_every_finished_run_is_metered_per_principal(
         assert future["rows"] == []
         bad = await admin.get("/usage", params={"group_by": "colour"})
         assert bad.status_code == 400 and "colour" in bad.json()["error"]["message"]
+        for nowhen in ("1e300", "-1", "inf"):  # no time a report could show
+            refused = await admin.get("/usage", params={"since": nowhen})
+            assert refused.status_code == 400 and nowhen in refused.json()["error"]["message"]
 
     code = await trio.to_thread.run_sync(
         edge_cli, ["usage", "--admin", stack.addresses.admin_url, "--group-by", "principal_ref"]

@@ -26,6 +26,7 @@ def test_a_postgres_url_names_its_parts() -> None:
         ("db.example:5432", "must be a PostgreSQL URL"),
         ("postgresql://iop:s3cret@db/usage", "must not contain a password"),
         ("postgresql://iop@db/usage?password=s3cret", "must not contain a password"),
+        ("postgresql://iop@db/usage?sslmode=require&sslpassword=s3cret", "(sslpassword)"),
         ("postgresql://iop@db", "must name one database"),
         ("postgresql://iop@db/a/b", "must name one database"),
         ("postgresql://iop@db:99999/usage", "the port must be a number"),

@@ -5,9 +5,11 @@ Rules:
    one host sharing a `state_dir`).
 2. `postgresql://USER@HOST[:PORT]/DATABASE` (or `postgres://`): a PostgreSQL ledger that
    several Edges share. Query parameters pass to libpq as they are (`sslmode=require`).
-3. A password never sits in the config (design §2.3): not in the URL's user part, not as a
-   `password` parameter. It comes from the environment variable `edge.ledger_password_env`
-   names, or libpq's own `PGPASSWORD` / `~/.pgpass`.
+3. A password never sits in the config (design §2.3): not in the URL's user part, not as
+   libpq's `password` parameter, nor its `sslpassword` (a client key's passphrase: the key
+   file, readable by the Edge's user alone, is the secret then). The password comes from
+   the environment variable `edge.ledger_password_env` names, or libpq's own `PGPASSWORD`
+   / `~/.pgpass`.
 4. The database must be named: a URL without one would silently use the user's.
 """
 
@@ -19,6 +21,8 @@ from urllib.parse import parse_qsl, urlsplit
 __all__ = ["PostgresUrl", "parse_ledger_url"]
 
 _SCHEMES = ("postgresql", "postgres")
+#: libpq's connection parameters that hold a secret (Rule 3).
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +46,20 @@ def parse_ledger_url(text: str) -> PostgresUrl:
             "must be a PostgreSQL URL, postgresql://USER@HOST:PORT/DATABASE "
             "(leave it out for the SQLite ledger in state_dir)"
         )
-    if parts.password is not None or any(
-        key.lower() == "password" for key, _ in parse_qsl(parts.query)
-    ):
+    if parts.password is not None:
+        raise ValueError(
+            "must not contain a password: put it in an environment variable and name that "
+            "variable in edge.ledger_password_env"
+        )
+    secret = next(
+        (key for key, _ in parse_qsl(parts.query) if key.lower() in _SECRET_PARAMETERS), None
+    )
+    if secret == "sslpassword":
+        raise ValueError(
+            "must not contain the client key's passphrase (sslpassword): use a client key "
+            "without one (sslkey), in a file only the Edge's user can read"
+        )
+    if secret is not None:
         raise ValueError(
             "must not contain a password: put it in an environment variable and name that "
             "variable in edge.ledger_password_env"

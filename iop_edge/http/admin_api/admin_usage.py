@@ -19,8 +19,13 @@ DEFAULT_GROUP_BY = "principal_ref,token_ref,model"
 USAGE_RETRY_AFTER_S: Final = 5
 
 
+#: The unix seconds a time may be: from the epoch to the year 9999 (what a calendar, a
+#: report and `datetime` can show).
+_LATEST_S: Final = 253_402_300_799.0
+
+
 def parse_time(value: str | None) -> float | None:
-    """Unix seconds or an ISO 8601 timestamp (naive = UTC)."""
+    """Unix seconds or an ISO 8601 timestamp (naive = UTC), between 1970 and 9999."""
     if not value:
         return None
     try:
@@ -30,6 +35,10 @@ def parse_time(value: str | None) -> float | None:
     else:
         if not math.isfinite(seconds):
             raise ValueError(f"'{value}' is not a point in time")
+        if not 0 <= seconds <= _LATEST_S:
+            raise ValueError(
+                f"'{value}' is outside 1970-01-01 to 9999-12-31 (unix seconds 0 to {_LATEST_S:.0f})"
+            )
         return seconds
     try:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
