@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,16 @@ class _PipedConsole(Console):
 
 def piped_console() -> Console:
     return _PipedConsole(highlight=False)
+
+
+def admin_flags(args: argparse.Namespace) -> list[str]:
+    """The `--admin` or `--config` the command was given, for a command it prints to be
+    run next (a next page): pasted anywhere, it reaches the same Edge."""
+    if args.admin:
+        return [f"--admin {shlex.quote(args.admin)}"]
+    if args.config is not None:
+        return [f"--config {shlex.quote(str(args.config.resolve()))}"]
+    return []
 
 
 def add_admin(command: argparse.ArgumentParser) -> None:

@@ -336,7 +336,11 @@ def _window(report: dict[str, Any]) -> str:
 
 
 def render_usage(
-    console: Console, report: dict[str, Any], by_status: dict[str, Any] | None = None
+    console: Console,
+    report: dict[str, Any],
+    by_status: dict[str, Any] | None = None,
+    *,
+    next_page: str | None = None,
 ) -> None:
     """The grouped rows with a totals row, then requests by HTTP status, then each
     principal against its limits. Columns the server adds to its rows (e.g.
@@ -392,8 +396,7 @@ def render_usage(
         console.print(
             _cell(
                 f"{len(rows)} groups shown, more follow (the total covers them all); the "
-                f"next page: iop-edge usage --after {report.get('next')} (with the same "
-                "--since, --until and --group-by)"
+                f"next page: {next_page or 'iop-edge usage --after ' + str(report.get('next'))}"
             ),
             soft_wrap=True,
         )

@@ -10,7 +10,7 @@ import typing
 from typing import Any
 from urllib.parse import urlencode
 
-from iop_edge.cli.admin_client import add_admin, admin_get, piped_console
+from iop_edge.cli.admin_client import add_admin, admin_flags, admin_get, piped_console
 from iop_edge.cli.arguments import Subcommands, page_size, positive_seconds
 from iop_edge.cli.errors import CliError
 from iop_edge.core.catalog_query import MAX_LIMIT as CATALOG_MAX_LIMIT
@@ -41,7 +41,8 @@ def _next_page_hint(args: argparse.Namespace, catalog: dict[str, Any]) -> str | 
         for name in ("model", "node", "health", "limit")
         if (value := getattr(args, name)) is not None
     ]
-    return "more: iop-edge catalog " + " ".join([*flags, f"--cursor {shlex.quote(following)}"])
+    flags += [*admin_flags(args), f"--cursor {shlex.quote(following)}"]
+    return "more: iop-edge catalog " + " ".join(flags)
 
 
 def cmd_catalog(args: argparse.Namespace) -> int:
@@ -79,8 +80,22 @@ def cmd_usage(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     by_status = admin_get(args, "/usage?" + urlencode({**query, "group_by": "status"}))
-    render_usage(piped_console(), report, by_status)
+    render_usage(piped_console(), report, by_status, next_page=_next_usage_page(args, report))
     return 0
+
+
+def _next_usage_page(args: argparse.Namespace, report: dict[str, Any]) -> str | None:
+    """The command for the groups after this page, when more follow."""
+    following = report.get("next")
+    if not report.get("truncated") or not following:
+        return None
+    flags = [
+        f"--{name.replace('_', '-')} {shlex.quote(str(value))}"
+        for name in ("since", "until", "group_by", "limit")
+        if (value := getattr(args, name))
+    ]
+    flags += [*admin_flags(args), f"--after {shlex.quote(str(following))}"]
+    return "iop-edge usage " + " ".join(flags)
 
 
 def add_catalog_parser(sub: Subcommands) -> None:

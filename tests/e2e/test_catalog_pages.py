@@ -3,6 +3,7 @@ against a running Edge (design §6), through real sockets."""
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -115,8 +116,9 @@ async def test_the_cli_pages_and_says_how_to_ask_for_the_next_page(
     out = capsys.readouterr().out
     providers = out[out.index("Providers (revision 1)") :]
     assert "far-3-sim" in providers and "far-4-sim" not in providers
-    assert "more: iop-edge catalog --model other --limit 4 --cursor far-3-sim" in out
-    argv = [*argv, "--cursor", "far-3-sim"]
+    more = f"more: iop-edge catalog --model other --limit 4 --admin {admin} --cursor far-3-sim"
+    assert more in out
+    argv = shlex.split(more)[2:]  # the command as printed works pasted anywhere
     assert await trio.to_thread.run_sync(main, argv) == 0
     out = capsys.readouterr().out
     providers = out[out.index("Providers (revision 1)") :]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import shlex
 import time
 from pathlib import Path
 
@@ -109,5 +110,10 @@ async def test_usage_comes_in_bounded_pages(
     assert code == 0
     out = capsys.readouterr().out
     assert "team-2" in out and "team-3" not in out
-    assert "3 groups shown, more follow" in out and "iop-edge usage --after " in out
-    assert "total" in out and " 5 " in out  # the totals row covers all five
+    assert "3 groups shown, more follow" in out and "total" in out and " 5 " in out
+    command = out[out.index("next page: ") :].splitlines()[0].removeprefix("next page: ")
+    admin = stack.addresses.admin_url
+    assert command.startswith(f"iop-edge usage --group-by principal_ref --limit 3 --admin {admin}")
+    assert await trio.to_thread.run_sync(edge_cli, shlex.split(command)[1:]) == 0
+    out = capsys.readouterr().out
+    assert "team-3" in out and "team-4" in out and "team-2" not in out
