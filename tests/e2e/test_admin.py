@@ -374,6 +374,18 @@ async def test_mutations_are_post_only(stack: Stack) -> None:
     assert stack.edge.snapshot.revision == 1
 
 
+async def test_a_candidate_over_the_body_limit_is_told_the_limit_and_the_way_round(
+    stack: Stack,
+) -> None:
+    candidate = "# " + "x" * (17 << 20)
+    async with stack.admin() as admin:
+        response = await admin.post("/refresh", json={"mode": "apply", "config_yaml": candidate})
+    assert response.status_code == 413
+    message = response.json()["error"]["message"]
+    assert "16 MiB" in message and "iop-edge refresh --apply" in message
+    assert stack.edge.snapshot.revision == 1
+
+
 @pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:0", "192.0.2.10:7701", "admin.example:7701"])
 async def test_non_loopback_admin_listener_refuses_to_start(tmp_path: Path, listen: str) -> None:
     text = _config(tmp_path).replace(

@@ -368,8 +368,16 @@ def test_token_hash_must_be_lowercase_sha256_hex(where: str, path: str) -> None:
     raw = valid()
     bad = NODE_HASH.upper()
     set_at(raw, where, bad if where.startswith("nodes") else [principal("app", bad)])
-    error = assert_only_error(raw, path, "must be 64 lowercase hex chars (sha256)")
+    error = assert_only_error(raw, path, "must be 64 lowercase hex chars (sha256")
     assert bad not in error.message
+
+
+def test_a_placeholder_token_hash_says_it_is_one_and_how_to_make_the_hash() -> None:
+    """The walkthrough's config holds `REPLACE-WITH-HASH-OF-node-a.token` until its sed."""
+    raw = valid()
+    raw["nodes"][0]["token_hash_sha256"] = "REPLACE-WITH-HASH-OF-node-a.token"
+    error = assert_only_error(raw, "nodes[0].token_hash_sha256", "is still the placeholder")
+    assert "iop-edge hash-token < TOKEN-FILE" in error.message
 
 
 # --------------------------------------------------------------------------- listen addresses

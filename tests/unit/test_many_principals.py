@@ -150,7 +150,8 @@ def test_every_misfit_in_a_long_list_is_named_by_its_path() -> None:
     with pytest.raises(ConfigInvalid) as invalid:
         parse_config(yaml.safe_dump(raw))
     assert [str(error) for error in invalid.value.errors] == [
-        "openai.principal_tokens[0].token_hash_sha256: must be 64 lowercase hex chars (sha256)",
+        "openai.principal_tokens[0].token_hash_sha256: must be 64 lowercase hex chars (sha256; "
+        "`iop-edge hash-token` makes one)",
         "openai.principal_tokens[700].colour: unknown field",
         "openai.principal_tokens[999].principal_ref: required field missing",
         "principals[42].requests_per_minute: must be >= 0",

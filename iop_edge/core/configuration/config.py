@@ -482,9 +482,21 @@ def _secret_like_env_var(value: str) -> str | None:
     return None
 
 
+def _placeholder_hash(value: str) -> str | None:
+    if "REPLACE" in value.upper():
+        return (
+            "is still the placeholder: put the token's sha256 here "
+            "(`iop-edge hash-token < TOKEN-FILE` prints it)"
+        )
+    return None
+
+
 #: Keyed by the schema's own aliases, so every field declared with one gets its wording.
 _WORDING: Final[dict[object, LeafWording]] = {
-    Sha256Hex: LeafWording(invalid="must be 64 lowercase hex chars (sha256)"),
+    Sha256Hex: LeafWording(
+        invalid="must be 64 lowercase hex chars (sha256; `iop-edge hash-token` makes one)",
+        precheck=_placeholder_hash,
+    ),
     EnvVarName: LeafWording(
         invalid="must be the NAME of an environment variable (letters, digits and _, not "
         "starting with a digit), like VLLM_API_KEY - never the secret itself",

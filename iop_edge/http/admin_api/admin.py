@@ -38,6 +38,7 @@ from iop_edge.http.admin_api.admin_usage import add_usage_routes
 
 __all__ = ["create_admin_app"]
 
+#: The largest body the admin API reads: a `POST /refresh` candidate's (`config_yaml`).
 _MAX_REFRESH_BODY = 16 * 1024 * 1024
 
 
@@ -55,6 +56,13 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
 
     @app.errorhandler(HTTPException)
     async def on_http_error(error: HTTPException) -> Response:
+        if error.code == 413:
+            return error_response(
+                413,
+                f"The request body is over the admin API's {_MAX_REFRESH_BODY >> 20} MiB: for "
+                "a larger config, write it over the Edge's config file and refresh without a "
+                "candidate (`iop-edge refresh --apply`, or SIGHUP)",
+            )
         return error_response(error.code or 500, error.description or error.name)
 
     return app
