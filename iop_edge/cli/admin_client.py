@@ -8,7 +8,7 @@ import argparse
 import json
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from rich.console import Console
 
@@ -78,9 +78,29 @@ def admin_call(
             "Pass --admin with the URL it logged ('admin API listening on ...')"
         )
     try:
-        return response.status_code, response.json()
+        document = response.json()
     except ValueError:
+        if not response.text.strip():  # the node listener's answer to plain HTTP
+            fail(
+                f"{base} answered HTTP {response.status_code} with nothing: it is not the "
+                f"Edge's admin API (its node listener answers so). {_FIND_ADMIN}"
+            )
         fail(f"the admin API at {base} answered HTTP {response.status_code}: {response.text[:300]}")
+    if response.status_code == 404 and _code(document) == "unknown_url":
+        fail(f"{base} is the Edge's caller API (OpenAI), not its admin API. {_FIND_ADMIN}")
+    return response.status_code, document
+
+
+#: Where the admin API is, for an operator who pointed a command elsewhere.
+_FIND_ADMIN: Final = (
+    "Pass --admin with admin.listen's address (the Edge logs 'admin API listening on "
+    "http://...'), or --config with the Edge's config"
+)
+
+
+def _code(document: Any) -> str | None:
+    error = document.get("error") if isinstance(document, dict) else None
+    return str(error.get("code")) if isinstance(error, dict) else None
 
 
 def server_message(document: Any) -> str:

@@ -273,6 +273,16 @@ async def test_admin_errors_print_the_servers_message(
     assert "{'error'" not in err and '{"error"' not in err
 
 
+async def test_an_admin_command_sent_to_another_port_says_where_the_admin_api_is(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node = stack.addresses.node_url.replace("ws://", "http://")
+    for url, says in ((stack.addresses.openai_url, "caller API"), (node, "node listener")):
+        assert await run_cli("catalog", "--admin", url) == 1
+        err = capsys.readouterr().err
+        assert says in err and "admin API" in err and "Pass --admin" in err, err
+
+
 # --- refresh: which file ---------------------------------------------------------------------
 
 
