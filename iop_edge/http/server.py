@@ -144,6 +144,7 @@ class HttpServer:
         self._send_timeout_s = send_timeout_s
         """A caller that takes no bytes of a response for this long is disconnected."""
         self._socket = sock
+        self._url = "http://" + repr_socket_addr(sock.family, sock.getsockname())
         self._app = wrap_app(self._track, config.wsgi_max_body_size, "asgi")
         self._inner = app
         self._context = WorkerContext(None)
@@ -160,7 +161,7 @@ class HttpServer:
 
     @property
     def url(self) -> str:
-        return "http://" + repr_socket_addr(self._socket.family, self._socket.getsockname())
+        return self._url
 
     @property
     def in_flight(self) -> int:
@@ -207,6 +208,14 @@ class HttpServer:
         for connection in list(self._live):
             if send is None or not connection.hand_off(send):
                 connection.drain(send)  # a busy one goes over once idle, if it can
+
+    def stop_listening(self) -> None:
+        """Close the listening socket, once this process will never accept again (a
+        drain): a new connection is then refused at once, or goes to the replicas that
+        share the port (SO_REUSEPORT), instead of waiting in a queue no one accepts from
+        until the process exits and resets it. A successor that inherited the socket
+        keeps its own descriptor of it."""
+        self._socket.close()
 
     def adopt(self, sock: socket.socket) -> None:
         """Serve `sock`, a client connection a restarting Edge handed over (`handoff`),

@@ -1,7 +1,9 @@
 """Draining: how every stop ends, and every restart once the successor serves.
 
-1. Accept nothing more: no Nodes, no callers, no admin requests on this process (the
-   listening sockets stay open for a successor that shares them). A restart hands the
+1. Accept nothing more: no Nodes, no callers, no admin requests on this process. The
+   caller and admin listeners close: a new connection is refused at once (or reaches a
+   replica sharing the port, or the successor, which keeps its own descriptor of the
+   socket) instead of waiting, unanswered, for this process to exit. A restart hands the
    idle keep-alive connections to the successor, as they are, and then the per-minute
    counters (`handoff`); a stop closes them (their clients reconnect, to another
    replica). The others close once their response is done (`HttpServer.stop_accepting`).
@@ -60,6 +62,7 @@ async def drain(
     node_server.stop_accepting()
     for server in servers:
         server.stop_accepting(handoff)
+        server.stop_listening()
     if handoff is not None:
         # No request is admitted here any more (step 1): the counters are final.
         handoff.send_windows()

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx2
+import pytest
 import trio
 import yaml
 
@@ -100,6 +101,12 @@ async def test_sigterm_past_the_grace_period_ends_every_stream_properly(tmp_path
             for lines in streams:
                 await _next_lines(lines, 2)
             edge.process.send_signal(signal.SIGTERM)
+            with trio.fail_after(20):
+                await edge.wait_for_line("draining in-flight requests")
+            # a new caller is refused at once, not left in a queue until the Edge exits
+            host, port = edge.urls["openai"].removeprefix("http://").rsplit(":", 1)
+            with pytest.raises(OSError):
+                await trio.open_tcp_stream(host, int(port))
             for stream in streams:
                 lines = await _rest(stream)
                 assert lines[-1] == "data: [DONE]", lines[-3:]
