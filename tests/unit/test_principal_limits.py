@@ -190,6 +190,11 @@ def test_limits_for_a_principal_whose_token_waits_for_a_restart_cannot_go_live()
     assert [error.path for error in errors] == ["principals[carol]"]
     plan = plan_apply(old, new, allow_restart_required=True)
     assert [error.path for error in plan.errors] == ["principals[carol]"]
+    # asked without the flag, the plan names both reasons, and does not advise the flag
+    plan = plan_apply(old, new)
+    paths = [error.path for error in plan.errors]
+    assert paths == ["openai.principal_tokens[c-key]", "principals[carol]"]
+    assert "allow_restart_required" not in plan.errors[0].message
 
 
 # --- policy ------------------------------------------------------------------------------

@@ -10,8 +10,10 @@ Rules:
    operator allowed restart-required changes: the operator must not be surprised by a
    change that silently waits for a restart. A path already pending does not block: the
    operator accepted that it waits, and whatever the file says at restart wins.
-4. An apply that is not blocked can still be impossible: a live change that depends on a
-   restart-required one (a model mapped to a provider being added) is an error.
+4. An apply can be impossible however it is asked: a live change that depends on a
+   restart-required one (a model mapped to a provider being added) is an error. It is
+   named beside the paths that block (a dry run predicts every reason an apply would be
+   refused), and then allowing restart-required changes is not advised: it cannot help.
 5. The Nodes an apply pushes to are those whose own config (`Snapshot.node_config`: its
    providers and its idle rules) differs between the running snapshot and the new one.
 
@@ -74,17 +76,21 @@ def plan_apply(
         if allow_restart_required
         else [path for path in restart_paths if path not in already_pending]
     )
+    impossible = live_subset_errors(effective)
+    advice = (
+        ""
+        if impossible
+        else " (with allow_restart_required the live changes apply now and this waits for "
+        "the restart)"
+    )
     errors = [
         RefreshError(
             path=path,
             message="changing this needs a restart (`iop-edge restart`, no downtime); nothing "
-            "was applied (with allow_restart_required the live changes apply now and this "
-            "waits for the restart)",
+            f"was applied{advice}",
         )
         for path in blocking
-    ]
-    if not blocking:
-        errors = live_subset_errors(effective)
+    ] + impossible
     return ApplyPlan(
         diff=diff,
         effective=effective,
