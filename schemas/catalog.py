@@ -138,10 +138,11 @@ class CatalogSummary(CatalogRecord, frozen=True, kw_only=True):
 # --- models on demand: the operator's commands (design §18) ------------------------------
 
 ModelCommandAction = Literal["load", "unload", "pin", "unpin"]
-ModelCommandOutcome = Literal["done", "failed", "unknown", "no_provider"]
+ModelCommandOutcome = Literal["done", "failed", "unknown", "no_provider", "refused"]
 """`done`: every provider acted on did it; `failed`: one did not (its result says why);
 `unknown`: the model, or the provider named, is not in the catalog; `no_provider`: no
-provider of the model could take the load (`error` says why of each)."""
+provider of the model could take the load (`error` says why of each); `refused`: an
+unload where the model is pinned (its result says so; the others were unloaded)."""
 
 
 class ModelCommandRequest(CatalogRecord, frozen=True, kw_only=True, forbid_unknown_fields=True):

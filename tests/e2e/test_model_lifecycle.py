@@ -161,6 +161,10 @@ async def test_the_operator_pins_and_unpins_a_model_from_the_command_line(
                 model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=2
             )
     assert reply.headers["x-iop-provider"] == "r0"
+    # nor will an unload: the pin would load it back at once
+    status, said = await cli("unload", "a")
+    assert status == 1 and "unload of a on r1 (a): pinned here: `iop-edge models unpin a`" in said
+    assert fakes[1].loaded == {"a"}
     assert await cli("unpin", "a") == (0, "unpin of a on r1 (a): done\n")
     status, said = await cli("unpin", "a")
     assert status == 1

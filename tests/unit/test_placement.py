@@ -8,7 +8,7 @@ from functools import partial
 from typing import Any
 
 from iop_edge.core.routing.holdings import Holdings
-from iop_edge.core.routing.placement import choose_load, holders_of
+from iop_edge.core.routing.placement import choose_load, holders_of, pinned_at
 from iop_edge.core.routing.pool import Grant, ProviderView, Refuse, Wait, decide
 from schemas.catalog import CatalogLifecycle, CatalogProvider
 from schemas.wire import ModelLoadState, ModelState
@@ -50,6 +50,24 @@ def test_a_provider_with_room_comes_before_one_that_must_evict() -> None:
     full = _provider("p1", {"x": "unloaded", "y": "loaded"})
     room = _provider("p2", {"x": "unloaded", "y": "unloaded"}, in_flight=3)
     assert choose_load([(full, "x"), (room, "x")]).provider == "p2"
+
+
+def test_a_provider_full_of_pinned_models_takes_no_load_and_says_why() -> None:
+    """A load there would unload the pin, which loads it back at once."""
+    pinned = _provider("p1", model_states=[ModelState(name="y", state="loaded", pinned=True)])
+    choice = choose_load([(pinned, "x")])
+    assert choice.provider is None
+    assert "all pinned (y): unpin one first" in (choice.reason or "")
+    unpinned = _provider("p2", {"y": "loaded"})
+    assert choose_load([(pinned, "x"), (unpinned, "x")]).provider == "p2"
+
+
+def test_an_unload_leaves_pinned_copies_alone() -> None:
+    pinned = _provider("p1", model_states=[ModelState(name="x", state="loaded", pinned=True)])
+    loose = _provider("p2", {"x": "loaded"})
+    records = [(pinned, "x"), (loose, "x")]
+    assert holders_of(records) == [("p1", "x"), ("p2", "x")]
+    assert pinned_at(records) == {"p1"}
 
 
 def test_among_full_providers_the_least_busy_then_priority_then_id() -> None:

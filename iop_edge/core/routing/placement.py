@@ -6,13 +6,15 @@ Rules:
    asked for without a provider is answered by the first such one, and nothing is done.
 2. The candidates for a load are the model's providers that are connected, enabled, not
    `unavailable`, and whose runtime loads on request (`load_model` among the lifecycle
-   operations its Node discovered) and has not `failed` this model.
+   operations its Node discovered) and has not `failed` this model, and which is not full
+   of pinned models (a load there would unload a pin, which loads it back at once).
 3. Among the candidates, one with room comes first: it holds fewer models than its
    `max_loaded` (a runtime that does not say how many it holds has room). Then fewer
    runs in flight (a load evicts, and a busy runtime's models are in use), then lower
    `priority`, then the provider id.
 4. An unload without a provider acts on every provider whose runtime holds the model
-   (`loaded`, `loading` or `sleeping`).
+   (`loaded`, `loading` or `sleeping`); a copy pinned there is not unloaded (`pinned_at`
+   names those: the pin would load it back at once).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 from schemas.catalog import CatalogProvider
 
-__all__ = ["LoadChoice", "choose_load", "holders_of"]
+__all__ = ["LoadChoice", "choose_load", "holders_of", "pinned_at"]
 
 #: The states in which a runtime holds a model in memory (Rule 1; `sleeping` for Rule 4).
 _HELD = frozenset({"loaded", "loading"})
@@ -55,6 +57,16 @@ def _held_count(provider: CatalogProvider) -> int:
     return sum(state.state in _HELD for state in provider.model_states or ())
 
 
+def _full_of_pins(provider: CatalogProvider) -> list[str] | None:
+    """The pinned models that fill `provider` (Rule 2), or None when it has room or a
+    model it may unload."""
+    held = [s for s in provider.model_states or () if s.state in _HELD]
+    full = provider.max_loaded is not None and len(held) >= provider.max_loaded
+    if not full or not held or not all(s.pinned for s in held):
+        return None
+    return [s.name for s in held]
+
+
 def choose_load(providers: Iterable[tuple[CatalogProvider, str]]) -> LoadChoice:
     """Where a model goes (Rules 1-3), from each of its providers with its served name."""
     candidates: list[CatalogProvider] = []
@@ -69,6 +81,11 @@ def choose_load(providers: Iterable[tuple[CatalogProvider, str]]) -> LoadChoice:
             refusals.append(f"{provider.id}: its runtime does not load models on request")
         elif state == "failed":
             refusals.append(f"{provider.id}: {served} failed to load there")
+        elif (pins := _full_of_pins(provider)) is not None:
+            refusals.append(
+                f"{provider.id}: it holds {len(pins)} model(s), all pinned ({', '.join(pins)}): "
+                "unpin one first"
+            )
         else:
             candidates.append(provider)
     if not candidates:
@@ -88,3 +105,13 @@ def holders_of(providers: Sequence[tuple[CatalogProvider, str]]) -> list[tuple[s
         for provider, served in providers
         if provider.connected and _state(provider, served) in _HELD_OR_ASLEEP
     ]
+
+
+def pinned_at(providers: Sequence[tuple[CatalogProvider, str]]) -> set[str]:
+    """Rule 4: the providers where the model is pinned."""
+    return {
+        provider.id
+        for provider, served in providers
+        for state in provider.model_states or ()
+        if state.name == served and state.pinned
+    }

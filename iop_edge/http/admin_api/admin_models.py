@@ -54,6 +54,7 @@ COMMAND_STATUS: Final[dict[ModelCommandOutcome, int]] = {
     "failed": 502,
     "unknown": 404,
     "no_provider": 409,
+    "refused": 409,
 }
 
 

@@ -23,7 +23,7 @@ from typing import Final, Protocol
 import msgspec
 import trio
 
-from iop_edge.core.routing.placement import choose_load, holders_of
+from iop_edge.core.routing.placement import choose_load, holders_of, pinned_at
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.nodes.session import SessionClosed
 from iop_edge.runtime.refresh.audit import append_line
@@ -111,6 +111,31 @@ class ModelCommands:
         targets: list[tuple[str, str]]
         if action == "unload":
             targets = holders_of(records) if request.provider is None else list(served.items())
+            pinned = pinned_at(records)
+            kept = [
+                ModelCommandResult(
+                    provider=provider,
+                    served_model=name,
+                    ok=False,
+                    error=f"pinned here: `iop-edge models unpin {request.model}` first (or "
+                    "its models[].lifecycle.keep_loaded)",
+                )
+                for provider, name in targets
+                if provider in pinned
+            ]
+            targets = [(provider, name) for provider, name in targets if provider not in pinned]
+            if not targets and not kept:
+                return ModelCommandReport(
+                    action=action,
+                    model=request.model,
+                    outcome="done",
+                    error="loaded nowhere: nothing to unload",
+                )
+            if kept:
+                report = await self.send(snapshot, action, request.model, targets, source=source)
+                results = sorted([*report.results, *kept], key=lambda result: result.provider)
+                outcome = "failed" if report.outcome == "failed" else "refused"
+                return msgspec.structs.replace(report, outcome=outcome, results=results)
         else:
             choice = choose_load(records)
             if choice.provider is None:
