@@ -70,6 +70,11 @@ def inspect(state_dir: Path) -> None:
         stats = os.statvfs(existing)
     except OSError as exc:
         raise _unusable(state_dir, exc) from None
+    if stats.f_blocks == 0:  # proc, sysfs: no disk behind it, not a full one
+        raise StateDirUnusable(
+            f"{state_dir} cannot be written: {existing} is on a filesystem that stores no "
+            "files (like /proc or /sys). Set edge.state_dir to a folder on a disk"
+        )
     free = stats.f_bavail * stats.f_frsize
     if free < PROBE_BYTES:
         raise _unusable(state_dir, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), free=free)
