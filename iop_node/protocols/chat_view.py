@@ -267,14 +267,16 @@ def stop_reason(
 ) -> tuple[StopReason, str | None]:
     """Anthropic's `stop_reason` (and `stop_sequence`) for a chat `finish_reason`.
 
-    A run that called tools stopped for them whatever the runtime says: llama.cpp and
+    A run the output limit cut is `max_tokens`, tool calls or not (the last call may be
+    incomplete: a caller raises the limit and asks again, it does not run it). Otherwise
+    a run that called tools stopped for them whatever the runtime says: llama.cpp and
     Ollama have answered `stop` after a tool call, and an agent that reads `end_turn`
     there ends its turn with the calls unanswered. A `stop` that vLLM or SGLang says was
     a stop string (`stop_reason` is a string) is `stop_sequence`, with that string."""
-    if called_tools or finish_reason in ("tool_calls", "function_call"):
-        return "tool_use", None
     if finish_reason == "length":
         return "max_tokens", None
+    if called_tools or finish_reason in ("tool_calls", "function_call"):
+        return "tool_use", None
     if finish_reason == "content_filter":
         return "refusal", None
     if finish_reason == "stop" and isinstance(matched, str) and matched:

@@ -7,11 +7,15 @@ Rules:
    in the order a model produces them: thinking (the runtime's `reasoning_content`),
    text (a refusal is text too: Messages has no refusal block, and `stop_reason` says
    `refusal` when the runtime filtered), then one `tool_use` per tool call.
-2. A tool call keeps the runtime's id; one with no id, or an id already used in this
-   message, gets `toolu_<request_id>_<n>` (deterministic, so a retried translation
-   names the same calls). Its arguments must be a JSON object (empty is `{}`): Messages
-   carries `input` as an object, so arguments that are not one are the runtime's error
-   (`ReplyTranslationError`), not something to guess at.
+2. A tool call keeps the runtime's id; one with no id, an id already used in this
+   message, or one Anthropic's pattern refuses (`functions.get_weather:0`, as vLLM's
+   Kimi-K2 parser writes them) gets `toolu_<request_id>_<n>` (deterministic, so a
+   retried translation names the same calls). Its arguments must be a JSON object
+   (empty is `{}`): Messages carries `input` as an object, so arguments that are not one
+   are the runtime's error (`ReplyTranslationError`), not something to guess at; except
+   the last call of a reply the output limit cut (`max_tokens`): its input is `{}`, an
+   incomplete `tool_use`, as Anthropic documents it (a caller raises `max_tokens` and
+   asks again).
 3. `stop_reason` as `chat_view.stop_reason` maps it.
 4. Usage: Anthropic counts cached input apart (`input_tokens` excludes
    `cache_read_input_tokens`), chat includes it in `prompt_tokens`, so `input_tokens` is
@@ -28,6 +32,7 @@ Rules:
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 import msgspec
@@ -161,16 +166,22 @@ class Message(msgspec.Struct, kw_only=True):
 
 _check_object: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _EMPTY_INPUT: Final = msgspec.Raw(b"{}")
+#: The ids Anthropic issues and accepts for a `tool_use` (a history holding another is a
+#: 400 there, and at every proxy that validates it).
+_TOOL_USE_ID: Final = re.compile(r"[a-zA-Z0-9_-]{1,256}\Z")
 
 
-def tool_input(arguments: str, param: str) -> msgspec.Raw:
-    """Rule 2: a tool call's arguments as the `input` object, bytes untouched."""
+def tool_input(arguments: str, param: str, *, cut: bool = False) -> msgspec.Raw:
+    """Rule 2: a tool call's arguments as the `input` object, bytes untouched; `cut`: the
+    output limit ended the reply in this call."""
     data = arguments.strip().encode()
     if not data:
         return _EMPTY_INPUT
     try:
         _check_object(data)
     except (msgspec.DecodeError, RecursionError):
+        if cut:
+            return _EMPTY_INPUT
         raise ReplyTranslationError(
             "the runtime called a tool with arguments that are not a JSON object: "
             f"{arguments!r:.200}",
@@ -181,7 +192,8 @@ def tool_input(arguments: str, param: str) -> msgspec.Raw:
 
 def tool_use_id(runtime_id: str | None, request_id: str, n: int, used: set[str]) -> str:
     """Rule 2."""
-    chosen = runtime_id if runtime_id and runtime_id not in used else f"toolu_{request_id}_{n}"
+    sound = runtime_id and _TOOL_USE_ID.match(runtime_id) and runtime_id not in used
+    chosen = runtime_id if sound and runtime_id else f"toolu_{request_id}_{n}"
     used.add(chosen)
     return chosen
 
@@ -203,12 +215,16 @@ def messages_response_from_chat(
         if text:
             blocks.append(TextBlock(text=text))
         used: set[str] = set()
-        for call in named_calls(message):
+        named = list(named_calls(message))
+        cut = choice is not None and choice.finish_reason == "length"
+        for position, call in enumerate(named, 1):
             blocks.append(
                 ToolUseBlock(
                     id=tool_use_id(call.id, request_id, call.n, used),
                     name=call.name,
-                    input=tool_input(call.arguments, call.arguments_param),
+                    input=tool_input(
+                        call.arguments, call.arguments_param, cut=cut and position == len(named)
+                    ),
                 )
             )
             calls += 1

@@ -24,7 +24,9 @@
    A call's block closes only on arguments that form a JSON object (Messages carries
    `input` as one, as the whole reply's `tool_input` checks): fragments that do not
    are a `ReplyTranslationError` when the block would close, so the stream ends with an
-   `error` event, never with a `message_stop` after invalid `partial_json`.
+   `error` event, never with a `message_stop` after invalid `partial_json`; except the
+   call the output limit cut, closed by `finish` as it stands (`max_tokens`: an
+   incomplete `tool_use`, as Anthropic ends such a stream).
 4. `finish` closes the open block, then `message_delta` (stop reason as
    `chat_view.stop_reason` maps it, usage) and `message_stop`. Usage is the runtime's
    own numbers when it reported them in a chunk; `finish(usage)` is the fallback (an
@@ -174,7 +176,7 @@ class MessagesStream(ChatStreamTranslator[_Call]):
         none in its chunks."""
         out = self._start_if_silent()
         self._check_calls_named()
-        self._close(out)
+        self._close(out, cut=self._finish_reason == "length")
         self._ended = True
         reason, sequence = stop_reason(
             self._finish_reason, called_tools=bool(self._calls), matched=self._matched
@@ -216,17 +218,19 @@ class MessagesStream(ChatStreamTranslator[_Call]):
         out.append(_event("content_block_start", _BlockStart(index=index, content_block=block)))
         return index
 
-    def _close(self, out: list[bytes]) -> None:
+    def _close(self, out: list[bytes], *, cut: bool = False) -> None:
         if self._open_kind is None:
             return
         call = self._streaming
         if call is not None:
             if not call.sent:
                 self._arguments(call, "{}", out)
-            # Rule 3: what went out as `partial_json` must add up to the `input` object.
+            # Rule 3: what went out as `partial_json` must add up to the `input` object,
+            # unless the output limit cut it (`cut`).
             tool_input(
                 "".join(call.arguments),
                 f"choices[0].delta.tool_calls[{call.position}].function.arguments",
+                cut=cut,
             )
             call.closed = True
             self._streaming = None

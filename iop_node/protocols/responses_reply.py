@@ -21,7 +21,9 @@ Rules:
    anything else is a `ReplyTranslationError`, the runtime's fault; none is `{}`), with its
    `namespace` when it has one, or a `custom_tool_call` whose `input` is the string the
    runtime passed as the one argument. `call_id` keeps the runtime's id unless it has
-   none or repeats one (`call_<request_id>_<n>`).
+   none or repeats one (`call_<request_id>_<n>`). A call in an `incomplete` response
+   (the output limit cut it) is not checked: its arguments are what came before the cut,
+   marked `incomplete`, as OpenAI gives them (a caller raises the limit and asks again).
 5. `finish_reason` `length` makes the response `incomplete` (`max_output_tokens`), as
    does `content_filter` (`content_filter`); anything else is `completed`.
 6. Usage: `input_tokens` is the runtime's prompt tokens (cached ones included, as in
@@ -277,15 +279,18 @@ def call_item(
 ) -> FunctionCallItem | CustomCallItem:
     """Rule 4."""
     namespace = tool.namespace if tool.namespace is not None else UNSET
+    cut = status == "incomplete"
     if tool.custom:
+        try:
+            given = custom_input(arguments, param)
+        except ReplyTranslationError:
+            if not cut:
+                raise
+            given = arguments
         return CustomCallItem(
-            id=item_id,
-            call_id=call_id,
-            name=tool.name,
-            input=custom_input(arguments, param),
-            namespace=namespace,
+            id=item_id, call_id=call_id, name=tool.name, input=given, namespace=namespace
         )
-    if arguments.strip():
+    if arguments.strip() and not cut:
         _check_arguments(arguments, param)
     return FunctionCallItem(
         id=item_id,
@@ -359,7 +364,9 @@ def responses_response_from_chat(
                 )
             )
         used: set[str] = set()
-        for call in named_calls(message):
+        calls = list(named_calls(message))
+        cut = choice is not None and choice.finish_reason == "length"
+        for position, call in enumerate(calls, 1):
             tool = shell.tools.caller(call.name)
             output.append(
                 call_item(
@@ -368,7 +375,7 @@ def responses_response_from_chat(
                     call_id(call.id, request_id, call.n, used),
                     call.arguments,
                     param=call.arguments_param,
-                    status="completed",
+                    status="incomplete" if cut and position == len(calls) else "completed",
                 )
             )
     counts = response.tokens() or usage or TokenUsage()

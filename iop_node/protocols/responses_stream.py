@@ -329,7 +329,7 @@ class ResponsesStream(ChatStreamTranslator[_Call]):
         self._close_part(item, out)
         call = item.call
         if call is not None:
-            self._close_call(item, call, out)
+            self._close_call(item, call, out, status)
         done = self._snapshot(item, status)
         out.append(
             self._emit(
@@ -516,12 +516,13 @@ class ResponsesStream(ChatStreamTranslator[_Call]):
             )
             out.append(self._emit(event))
 
-    def _close_call(self, item: _Item, call: _Call, out: list[bytes]) -> None:
+    def _close_call(self, item: _Item, call: _Call, out: list[bytes], status: Status) -> None:
+        """`status`: `incomplete` when the output limit cut the call (Rule 5)."""
         assert call.tool is not None and call.output_index is not None
         call.closed = True
         if not "".join(call.arguments).strip() and not call.tool.custom:
             self._arguments(call, "{}", out)
-        done = self._snapshot(item, "completed")
+        done = self._snapshot(item, status)
         item_id_, output_index = call.item_id, call.output_index
         if isinstance(done, CustomCallItem):
             if done.input:

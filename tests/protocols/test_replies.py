@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from iop_node.protocols import (
+    MessagesStream,
     ReplyTranslationError,
     TokenUsage,
     messages_response_from_chat,
@@ -19,6 +20,7 @@ from iop_node.protocols import (
 )
 from iop_node.protocols.responses_reply import closing_members, echo_members
 
+from .golden_cases import parse_sse
 from .replay_server import ReplayServer
 
 NOW = 1767225600.0
@@ -168,6 +170,54 @@ def test_messages_tool_arguments_that_are_not_an_object(arguments: str) -> None:
     with pytest.raises(ReplyTranslationError) as caught:
         _messages(_chat({"tool_calls": [call]}, "tool_calls"))
     assert caught.value.param == "choices[0].message.tool_calls[0].function.arguments"
+
+
+def test_a_tool_call_the_output_limit_cut_ends_the_reply_incomplete_not_failed(
+    replay: ReplayServer, anthropic_client: anthropic.Anthropic, openai_client: openai.OpenAI
+) -> None:
+    """Anthropic's `max_tokens` with an incomplete `tool_use` last, OpenAI's `incomplete`
+    with the call as far as it got: the caller raises the limit and asks again."""
+    cut = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"city": "Par'}}
+    whole = {"id": "b", "type": "function", "function": {"name": "g", "arguments": "{}"}}
+    chat = _chat({"tool_calls": [whole, cut]}, "length")
+    replay.answer(_messages(chat))
+    message = anthropic_client.messages.create(
+        model="alias", max_tokens=10, messages=[{"role": "user", "content": "hi"}]
+    )
+    assert message.stop_reason == "max_tokens"
+    assert [(block.type, block.input) for block in message.content] == [  # type: ignore[union-attr]
+        ("tool_use", {}),
+        ("tool_use", {}),
+    ]
+    replay.answer(_responses(chat))
+    response = openai_client.responses.create(model="alias", input="hi")
+    assert response.status == "incomplete"
+    assert response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    last = response.output[-1]
+    assert last.type == "function_call" and last.arguments == '{"city": "Par'
+    assert last.status == "incomplete"
+
+
+def test_a_runtime_tool_call_id_anthropic_refuses_is_replaced_alike_in_reply_and_stream() -> None:
+    """vLLM's Kimi-K2 parser writes `functions.get_weather:0`; a Messages history holding
+    it is a 400 at Anthropic and at every proxy that checks ids."""
+    call = {
+        "id": "functions.get_weather:0",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": "{}"},
+    }
+    [block] = json.loads(_messages(_chat({"tool_calls": [call]}, "tool_calls")))["content"]
+    assert block["id"] == "toolu_r7_0"
+    stream = MessagesStream("alias", "r7")
+    chunk = {"tool_calls": [{"index": 0, **call}]}
+    body = {"id": "c", "object": "chat.completion.chunk"}
+    events = parse_sse(
+        stream.feed(json.dumps({**body, "choices": [{"index": 0, "delta": chunk}]}).encode())
+        + stream.finish()
+    )
+    [start] = [e["data"] for e in events if e["event"] == "content_block_start"]
+    assert start["content_block"]["id"] == "toolu_r7_0"
 
 
 def test_a_reply_that_is_not_chat_completions() -> None:

@@ -177,6 +177,23 @@ def test_messages_an_ended_stream_takes_nothing_more() -> None:
         stream.fail("m", "c")
 
 
+def test_a_call_the_output_limit_cut_ends_the_stream_as_a_limit_not_a_failure() -> None:
+    """Messages: the `tool_use` block closes as it stands, `max_tokens`; Responses: the
+    call item is `incomplete`, and so is the response."""
+    cut = [_call(0, id="a", name="f", args='{"path": "a.t'), _chunk(finish="length")]
+    messages = MessagesStream("alias", "r1")
+    events = parse_sse(b"".join(messages.feed(chunk) for chunk in cut) + messages.finish())
+    names = [event["event"] for event in events]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert events[-2]["data"]["delta"]["stop_reason"] == "max_tokens"
+    responses = _responses()
+    events = parse_sse(b"".join(responses.feed(chunk) for chunk in cut) + responses.finish())
+    final = events[-1]
+    assert final["event"] == "response.incomplete"
+    [item] = final["data"]["response"]["output"]
+    assert (item["status"], item["arguments"]) == ("incomplete", '{"path": "a.t')
+
+
 @pytest.mark.parametrize("arguments", ['{"path": "a.txt"', '["a.txt"]', "path=a.txt"])
 def test_malformed_call_arguments_end_no_stream_normally(arguments: str) -> None:
     """Arguments relayed as they came that do not add up to a JSON object are found when
