@@ -672,6 +672,7 @@ class Edge:
                 send_timeout_s=config.openai.send_timeout_s,
                 websocket_refusal=_not_the_node_port("caller port (OpenAI API)", node_server.url),
                 caller_port=True,
+                max_request_bytes=config.openai.max_request_bytes,
             ),
             admin=HttpServer(
                 ShieldFinalSend(create_admin_app(self._admin_services())),

@@ -43,10 +43,12 @@ Rules:
    session header of the upgrade when it sent one, else the connection's own id, so a
    model that routes by affinity keeps a connection's turns on one provider.
 7. Limits: a message larger than `openai.max_request_bytes` closes the connection with
-   1009; a connection lives at most `MAX_CONNECTION_S` (60 minutes), after which it gets
-   an `error` event (`websocket_connection_limit_reached`) and is closed (1000); a turn
-   still running then is cut (metered as the caller leaving). The caller closing the
-   connection cancels the turn that runs.
+   1009 (after an `error` event; one more than `server.WEBSOCKET_MARGIN_BYTES` past it
+   is not read to its end, and gets the 1009 alone); a connection lives at most
+   `MAX_CONNECTION_S` (60 minutes), after which it gets an `error` event
+   (`websocket_connection_limit_reached`) and is closed (1000); a turn still running then
+   is cut (metered as the caller leaving). The caller closing the connection cancels the
+   turn that runs.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, Final
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -100,6 +100,11 @@ WRONG_PORT_CODE = "not_a_node_port"
 _RESPONSES_PATHS = frozenset({"/v1/responses", "/v1/responses/", "/responses"})
 
 
+#: How far past `openai.max_request_bytes` a Responses WebSocket message is still read,
+#: so that one just over the limit is told so (an `error` event) before the 1009 close.
+WEBSOCKET_MARGIN_BYTES: Final = 64 * 1024
+
+
 def hypercorn_config(listen: str, graceful_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> HypercornConfig:
     """How the Edge configures Hypercorn for a listener (the bench's floors use it too):
     `graceful_s` is how long a stopping server lets its requests finish."""
@@ -130,14 +135,20 @@ class HttpServer:
         websocket_refusal: str = "this HTTP port takes no websocket connections",
         role: str = "openai",
         caller_port: bool = False,
+        max_request_bytes: int = MAX_PAYLOAD_BYTES,
     ) -> None:
         """`websocket_refusal` is what a websocket upgrade here is told: which port this
         is, and where Nodes connect; on the `caller_port`, an upgrade on `/v1/responses`
         is told the Responses WebSocket mode is not supported instead. `role` names the
-        port to a successor that takes its connections over (`handoff`)."""
+        port to a successor that takes its connections over (`handoff`);
+        `max_request_bytes` bounds a Responses WebSocket message there (`openai.
+        max_request_bytes`)."""
         self.role = role
-        if caller_port:  # `responses_socket` bounds messages by `openai.max_request_bytes`
-            config.websocket_max_message_size = MAX_PAYLOAD_BYTES + 1
+        if caller_port:
+            # `responses_socket` refuses a message past the limit with an `error` event;
+            # one that goes on past this margin is not read to its end (a bare 1009),
+            # so a caller cannot make the Edge assemble a message of the wire's size.
+            config.websocket_max_message_size = max_request_bytes + WEBSOCKET_MARGIN_BYTES
         self._config = config
         self._websocket_refusal = ApiError(400, websocket_refusal, code=WRONG_PORT_CODE).body()
         self._caller_port = caller_port
@@ -360,10 +371,10 @@ class HttpServer:
             status, body = DRAINING_REFUSAL.status, DRAINING_REFUSAL.body()
         else:
             log.warning(
-                "refused a websocket upgrade from %s on %s (%s): is a Node pointed at this port?",
+                "refused a websocket upgrade from %s on %s (%r): is a Node pointed at this port?",
                 peer,
                 self.url,
-                scope["path"],
+                scope["path"][:200],
             )
             status, body = 400, self._websocket_refusal
         start: WebsocketResponseStartEvent = {

@@ -56,6 +56,20 @@ async def test_unknown_node_protocol_and_garbage_are_rejected(
     assert isinstance(garbage, wire.Reject) and garbage.code == "bad_frame"
 
 
+async def test_an_unknown_peers_node_id_cannot_forge_log_lines(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    stack = await start_stack(nursery, _text(tmp_path), tmp_path / "edge.yaml", nodes=())
+    forged = "ghost\n2026-01-01 00:00:00,000 INFO    iop_edge.main: all is well" + "x" * 500
+    reply = await _handshake(
+        stack.addresses.node_url,
+        wire.Hello(protocol=wire.PROTOCOL_VERSION, node_id=forged, token=NODE_TOKEN),
+    )
+    assert isinstance(reply, wire.Reject) and reply.code == "unknown_node"
+    [line] = [r.getMessage() for r in caplog.records if "not in the Edge config" in r.getMessage()]
+    assert "\n" not in line and "\\n" in line and len(line) < 300
+
+
 async def test_an_anonymous_peer_cannot_send_a_large_message(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:

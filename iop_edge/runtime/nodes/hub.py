@@ -269,8 +269,8 @@ class NodeHub:
                 return None
             if message.protocol != wire.PROTOCOL_VERSION:
                 log.warning(
-                    "node %s from %s speaks protocol %s, this Edge %s: rejected",
-                    message.node_id,
+                    "node %r from %s speaks protocol %s, this Edge %s: rejected",
+                    _untrusted(message.node_id),
                     peer_address(websocket),
                     message.protocol,
                     wire.PROTOCOL_VERSION,
@@ -285,8 +285,8 @@ class NodeHub:
             expected = self._directory().token_hash(message.node_id)
             if expected is None:
                 log.warning(
-                    "node %s from %s is not in the Edge config: rejected",
-                    message.node_id,
+                    "node %r from %s is not in the Edge config: rejected",
+                    _untrusted(message.node_id),
                     peer_address(websocket),
                 )
                 await reject_and_close(
@@ -297,8 +297,8 @@ class NodeHub:
                 return None
             if not tokens_match(message.token, expected):
                 log.warning(
-                    "node %s from %s presented a bad token: rejected",
-                    message.node_id,
+                    "node %r from %s presented a bad token: rejected",
+                    _untrusted(message.node_id),
                     peer_address(websocket),
                 )
                 await reject_and_close(websocket, "bad_token", "the node token does not match")
@@ -327,3 +327,9 @@ def _remote(request: WebSocketRequest) -> object:
     `Endpoint` has one; a Unix socket is a string)."""
     remote = request.remote
     return getattr(remote, "address", remote)
+
+
+def _untrusted(node_id: str) -> str:
+    """A node id an unauthenticated peer sent, as a log line may show it: cut short (and
+    logged with `%r`, so a newline in it cannot forge the next line)."""
+    return node_id if len(node_id) <= 128 else f"{node_id[:128]}..."
