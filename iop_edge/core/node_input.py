@@ -140,7 +140,9 @@ def _check_status(status: wire.Status) -> tuple[wire.NodeToEdge, list[str]]:
         providers.append(msgspec.structs.replace(provider, **changes) if changes else provider)
     if not notes:
         return status, []
-    return wire.Status(providers=providers), notes
+    # The corrected report still answers the probes it answered (`probed`): a caller
+    # waiting on a probe on demand hears it.
+    return msgspec.structs.replace(status, providers=providers), notes
 
 
 def _check_states(states: list[wire.ModelState]) -> list[wire.ModelState]:

@@ -55,3 +55,12 @@ def test_a_report_is_corrected_exactly_when_rule_1_changes_it(
     checked, notes = _checked(usage)
     assert checked == expected
     assert bool(notes) == (expected != usage)
+
+
+def test_a_corrected_status_still_answers_the_probes_it_answered() -> None:
+    """A status cut to its bounds keeps `probed`: the callers waiting on a probe on
+    demand hear their answer rather than waiting out their bound."""
+    provider = wire.ProviderStatus(id="p1", health="available", detail="x" * 100_000)
+    checked, notes = check_node_message(wire.Status(providers=[provider], probed=["p1"]))
+    assert isinstance(checked, wire.Status) and notes
+    assert checked.probed == ["p1"] and len(checked.providers[0].detail or "") < 100_000
