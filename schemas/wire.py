@@ -121,21 +121,30 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     older Node leaves it out, an older Edge ignores it."""
 
     def bounded(self) -> Usage:
-        """These counts within `0..MAX_REPORTED_TOKENS` (each; the total at most twice):
-        an upstream's count is any JSON integer, and one msgpack cannot carry would fail
-        the writer of the link that sends it, with every run on the link."""
-        counts = (self.prompt_tokens, self.completion_tokens, self.cached_tokens)
-        if all(0 <= count <= MAX_REPORTED_TOKENS for count in counts) and (
-            0 <= self.total_tokens <= 2 * MAX_REPORTED_TOKENS
+        """These counts as any run can have them; this very object when they are so. Each
+        count is in `0..MAX_REPORTED_TOKENS`, `total_tokens` at least the other two's sum,
+        `cached_tokens` at most `prompt_tokens` (cached tokens are part of the prompt).
+        An upstream's count is any JSON integer: the Node bounds what it sends (one msgpack
+        cannot carry fails the writer of the link, with every run on it), and the Edge
+        what it is sent (`core.node_input` Rule 1)."""
+        prompt, completion = self.prompt_tokens, self.completion_tokens
+        if (
+            0 <= prompt <= MAX_REPORTED_TOKENS
+            and 0 <= completion <= MAX_REPORTED_TOKENS
+            and prompt + completion <= self.total_tokens <= MAX_REPORTED_TOKENS
+            and 0 <= self.cached_tokens <= prompt
         ):
-            return self
-        prompt, completion, cached = (min(max(c, 0), MAX_REPORTED_TOKENS) for c in counts)
-        return Usage(
+            return self  # as nearly every report is: nothing to build
+        prompt = min(max(prompt, 0), MAX_REPORTED_TOKENS)
+        completion = min(max(completion, 0), MAX_REPORTED_TOKENS)
+        total = min(max(self.total_tokens, 0), MAX_REPORTED_TOKENS)
+        bounded = Usage(
             prompt_tokens=prompt,
             completion_tokens=completion,
-            total_tokens=min(max(self.total_tokens, 0), 2 * MAX_REPORTED_TOKENS),
-            cached_tokens=cached,
+            total_tokens=max(total, prompt + completion),
+            cached_tokens=min(max(self.cached_tokens, 0), prompt),
         )
+        return self if bounded == self else bounded
 
 
 # --- handshake -----------------------------------------------------------------------

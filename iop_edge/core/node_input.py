@@ -86,33 +86,17 @@ def _check_end(
 
 
 def _check_usage(usage: wire.Usage) -> tuple[wire.Usage, list[str]]:
-    prompt, total = usage.prompt_tokens, usage.total_tokens
-    if (
-        0 <= prompt <= MAX_REPORTED_TOKENS
-        and 0 <= usage.completion_tokens <= MAX_REPORTED_TOKENS
-        and prompt + usage.completion_tokens <= total <= MAX_REPORTED_TOKENS
-        and 0 <= usage.cached_tokens <= prompt
-    ):
-        return usage, []  # sound (Rule 1), as nearly every report is: nothing to build
-    prompt = _tokens(usage.prompt_tokens)
-    completion = _tokens(usage.completion_tokens)
-    total = min(max(_tokens(usage.total_tokens), prompt + completion), 2 * MAX_REPORTED_TOKENS)
-    cached = min(max(usage.cached_tokens, 0), prompt)
-    checked = wire.Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=total, cached_tokens=cached
-    )
-    if checked == usage:
+    checked = usage.bounded()  # Rule 1: the very object when it is sound
+    if checked is usage:
         return usage, []
-    reported = (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+
+    def counts(of: wire.Usage) -> tuple[int, int, int, int]:
+        return (of.prompt_tokens, of.completion_tokens, of.total_tokens, of.cached_tokens)
+
     return checked, [
-        f"usage out of range (prompt/completion/total/cached tokens "
-        f"{(*reported, usage.cached_tokens)}); "
-        f"metered as {(prompt, completion, total, cached)}"
+        f"usage out of range (prompt/completion/total/cached tokens {counts(usage)}); "
+        f"metered as {counts(checked)}"
     ]
-
-
-def _tokens(value: int) -> int:
-    return min(max(value, 0), MAX_REPORTED_TOKENS)
 
 
 def _check_status(status: wire.Status) -> tuple[wire.NodeToEdge, list[str]]:
