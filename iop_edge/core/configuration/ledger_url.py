@@ -46,13 +46,13 @@ def parse_ledger_url(text: str) -> PostgresUrl:
             "must be a PostgreSQL URL, postgresql://USER@HOST:PORT/DATABASE "
             "(leave it out for the SQLite ledger in state_dir)"
         )
-    if parts.password is not None:
-        raise ValueError(
-            "must not contain a password: put it in an environment variable and name that "
-            "variable in edge.ledger_password_env"
+    secret = (
+        "password"
+        if parts.password is not None
+        else next(
+            (key.lower() for key, _ in parse_qsl(parts.query) if key.lower() in _SECRET_PARAMETERS),
+            None,
         )
-    secret = next(
-        (key for key, _ in parse_qsl(parts.query) if key.lower() in _SECRET_PARAMETERS), None
     )
     if secret == "sslpassword":
         raise ValueError(
