@@ -24,11 +24,10 @@ from iop_edge.runtime.metering.metering import Metering
 from iop_edge.runtime.metering.metrics import EdgeMetrics
 from iop_edge.runtime.metering.response_store import ResponseStore, SqliteResponses
 from iop_edge.runtime.metering.usage_ledger.usage import UsageLedger
-from iop_edge.runtime.nodes.hub import NodeDirectory, NodeHub
-from iop_edge.runtime.runs.dispatch import Dispatcher
 from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas import wire
-from schemas.config import NodeConfig, ResponsesSection
+from schemas.config import ResponsesSection
+from tests.nodeless_pool import nodeless_dispatcher
 from tests.unit.test_config import valid
 
 FAST = settings(
@@ -173,14 +172,8 @@ def _endpoints() -> RunEndpoints:
     """The run endpoints over a pool with no node connected: whatever a request is, it
     ends at parsing (4xx) or at admission (503), in process, with no sockets."""
     scheduler = Scheduler(_SNAPSHOT)
-    directory = NodeDirectory(edge_id="e", revision=1, token_hash=lambda _: None,
-                              node_config=lambda n: NodeConfig(node_id=n))  # fmt: skip
-    hub = NodeHub(lambda: directory, on_connect=lambda _: None, on_disconnect=lambda _: None,
-                  on_status=lambda *_: None)  # fmt: skip
     metering = Metering(EdgeMetrics(scheduler.catalog), UsageLedger(_NOWHERE))
-    dispatcher = Dispatcher(scheduler, hub, meter=metering.record, on_failover=lambda *_: None,
-                            on_busy_answer=lambda *_: None,
-                            retries_before_first_byte=lambda: 1)  # fmt: skip
+    dispatcher = nodeless_dispatcher(scheduler, meter=metering.record)
     responses = ResponsesSurface(ResponseStore(SqliteResponses(_NOWHERE), ResponsesSection()))
     return RunEndpoints(lambda: _SNAPSHOT, dispatcher, metering, responses)
 

@@ -22,12 +22,12 @@ from iop_edge.core.principals import SECONDS_PER_DAY, PrincipalPolicies
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.metering.usage_ledger import shared_budgets
 from iop_edge.runtime.metering.usage_ledger.shared_budgets import SharedBudgets
-from iop_edge.runtime.nodes.hub import NodeDirectory, NodeHub
 from iop_edge.runtime.runs.dispatch import Dispatcher, Outcome
 from iop_edge.runtime.runs.limits import LimitExceeded, PrincipalLimiter
 from iop_edge.runtime.runs.run_plan import RunPlan
 from iop_edge.runtime.runs.scheduler import Scheduler
-from schemas.config import NodeConfig, PrincipalLimits
+from schemas.config import PrincipalLimits
+from tests.nodeless_pool import nodeless_dispatcher
 from tests.timing import GUARD_S
 from tests.unit.test_config import valid
 
@@ -192,27 +192,7 @@ def _dispatcher(limiter: PrincipalLimiter) -> Dispatcher:
     snapshot = Snapshot.build(
         parse_config(yaml.safe_dump(valid())).config, revision=1, config_sha256="0" * 64
     )
-    directory = NodeDirectory(
-        edge_id="e",
-        revision=1,
-        token_hash=lambda _: None,
-        node_config=lambda n: NodeConfig(node_id=n),
-    )
-    hub = NodeHub(
-        lambda: directory,
-        on_connect=lambda _: None,
-        on_disconnect=lambda _: None,
-        on_status=lambda *_: None,
-    )
-    return Dispatcher(
-        Scheduler(snapshot),
-        hub,
-        meter=lambda _: None,
-        on_failover=lambda *_: None,
-        on_busy_answer=lambda *_: None,
-        retries_before_first_byte=lambda: 1,
-        limits=limiter,
-    )
+    return nodeless_dispatcher(Scheduler(snapshot), limits=limiter)
 
 
 async def test_a_run_cut_while_the_store_reserves_gives_back_what_its_ticket_took() -> None:
