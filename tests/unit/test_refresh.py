@@ -457,14 +457,15 @@ async def test_push_results_per_node(
     config_path: Path, audit: AuditLog, autojump_clock: trio.testing.MockClock
 ) -> None:
     edge = FakeEdge(parse_config(to_yaml(config_dict())), connected=NODE_IDS[:4])
-    # The worker's deadline is for a hang in real time: the autojump clock would reach any
-    # deadline while the worker reads.
+    # The worker's and the file writes' deadlines are for hangs in real time: the autojump
+    # clock would reach any deadline while the worker reads or a thread writes.
     refresher = Refresher(
         edge,
         config_path=config_path,
         audit=audit,
         push_timeout_s=10.0,
         worker_deadline_s=math.inf,
+        write_deadline_s=math.inf,
     )
     edge.behaviour.update(gpu2="refuse", gpu3="hang", gpu4="gone")
     start = trio.current_time()

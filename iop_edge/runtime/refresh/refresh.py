@@ -90,9 +90,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Deadline for each shielded file write (config file, audit line); the shielded push
-#: gets the push timeout plus this.
-COMMIT_GRACE_S = 5.0
+#: Default deadline for each shielded file write (config file, audit line); the shielded
+#: push gets the push timeout plus this.
+WRITE_DEADLINE_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +203,7 @@ class Refresher:
         push_policy: PushPolicy | None = None,
         worker: RefreshWorker | None = None,
         worker_deadline_s: float = WORKER_DEADLINE_S,
+        write_deadline_s: float = WRITE_DEADLINE_S,
         running_text: str | None = None,
         hold: Callable[[], AbstractContextManager[Callable[[], None]]] = lambda: (
             contextlib.nullcontext(_nothing_to_keep)
@@ -212,7 +213,9 @@ class Refresher:
         """`push_timeout_s` is a Node's time to ack, unless a whole `push_policy` is
         given. `worker` reads and plans candidates (`refresh.worker`); one is started on
         the first refresh if not given, and `aclose` stops it. `worker_deadline_s` bounds
-        its work on one candidate (infinite: unbounded). `running_text` is the text the
+        its work on one candidate (infinite: unbounded), and `write_deadline_s` each file
+        write (the audit line, the config file): both are for hangs in real time.
+        `running_text` is the text the
         running config was read from: when it has `WARM_UP_NODES` Nodes or more, `run`
         has the worker read it as the Edge starts, so that its first candidate is checked
         only where it changed. `hold` keeps the Edge's heap out of the collector's sight
@@ -225,6 +228,7 @@ class Refresher:
         self._audit = audit
         self.worker = worker or RefreshWorker()
         self._worker_deadline_s = worker_deadline_s
+        self._write_deadline_s = write_deadline_s
         self._read = (0, 0)
         self._running_text = running_text
         self._push = push_policy or PushPolicy(timeout_s=push_timeout_s)
@@ -393,8 +397,8 @@ class Refresher:
         """Step 4: the audit line, written ahead; or why it could not be (the refresh is
         then refused). Shielded: once written, the attempt goes ahead. The deadline bounds
         the wait for the log; the write itself is always waited for (`audit`)."""
-        problem = f"did not finish within {COMMIT_GRACE_S:g}s"
-        with trio.move_on_after(COMMIT_GRACE_S, shield=True):
+        problem = f"did not finish within {self._write_deadline_s:g}s"
+        with trio.move_on_after(self._write_deadline_s, shield=True):
             try:
                 return await self._audit.reserve(
                     planned,
@@ -436,13 +440,15 @@ class Refresher:
         connected Node that did not apply the new revision is pushed again later
         (`push.CatchUp`), and its line in the report says so.
         """
-        with trio.move_on_after(COMMIT_GRACE_S, shield=True):
+        with trio.move_on_after(self._write_deadline_s, shield=True):
             # The audit line's reservation and the swap took a step of the loop; the
             # rest of the commit starts in the next.
             await trio.lowlevel.checkpoint()
         nodes = interrupted  # the planned report's
         self.catch_up.forget(to_push)
-        with trio.move_on_after(self._push.deadline_s(len(to_push)) + COMMIT_GRACE_S, shield=True):
+        with trio.move_on_after(
+            self._push.deadline_s(len(to_push)) + self._write_deadline_s, shield=True
+        ):
             nodes = await push_all(self._target, to_push, snapshot, self._push)
         nodes = self.catch_up.take_failures(nodes)
         errors: list[RefreshError] = []
@@ -464,8 +470,8 @@ class Refresher:
 
     async def _persist(self, path: Path, text: str) -> list[RefreshError]:
         """Write an applied inline candidate to the config file; problems as report errors."""
-        problem = f"did not finish within {COMMIT_GRACE_S:g}s"
-        with trio.move_on_after(COMMIT_GRACE_S, shield=True):
+        problem = f"did not finish within {self._write_deadline_s:g}s"
+        with trio.move_on_after(self._write_deadline_s, shield=True):
             try:
                 await write_config_atomically(path, text)
                 return []
@@ -564,7 +570,7 @@ class Refresher:
     async def refuse_unreadable(self, problem: str) -> None:
         """A refresh request that could not be read is an attempt too: audit it."""
         revision = self._target.snapshot.revision
-        with trio.move_on_after(COMMIT_GRACE_S, shield=True):
+        with trio.move_on_after(self._write_deadline_s, shield=True):
             try:
                 await self._audit.append_unreadable(problem, revision=revision)
             except OSError as exc:
@@ -586,8 +592,8 @@ class Refresher:
         apply's line was written ahead, and says what it decided) and its caller deserves
         the report. A dry run's report says an apply would be refused.
         """
-        problem = f"not written within {COMMIT_GRACE_S:g}s"
-        with trio.move_on_after(COMMIT_GRACE_S, shield=True):
+        problem = f"not written within {self._write_deadline_s:g}s"
+        with trio.move_on_after(self._write_deadline_s, shield=True):
             try:
                 if reservation is None:
                     await self._audit.append(report, verdict=verdict, config_sha256=config_sha256)
