@@ -366,7 +366,7 @@ async def test_concurrent_refresh_is_409_at_once(
     refresher: Refresher, edge: FakeEdge, audit: AuditLog
 ) -> None:
     edge.behaviour["gpu1"] = "hold"
-    first: list[tuple[int, RefreshReport]] = []
+    first: list[tuple[str, RefreshReport]] = []
 
     async def run_first() -> None:
         first.append(unpack(await refresher.refresh(apply(with_capacity(8, "gpu1")))))
