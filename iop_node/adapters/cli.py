@@ -24,7 +24,10 @@ shared estimator (`schemas.tokens`), completion tokens from the output's length.
 The answer is bounded as an engine bounds it: once the output reaches the request's
 `max_completion_tokens` / `max_tokens` (counted by the same estimator as its usage, so
 `max_tokens * CHARS_PER_TOKEN` characters), reading stops, the process group is ended and
-the run finishes with `finish_reason: length`; a run that does not finish within
+the run finishes with `finish_reason: length`. A non-stream request without a limit is
+bounded all the same, by what one response can carry over the Node's link
+(`NON_STREAM_ANSWER_CHARS`); a stream's text is sent as it comes and only counted, so a
+stream without a limit holds no more than one read. A run that does not finish within
 `adapter.request_timeout_s` fails (`upstream_timeout`, or `upstream_stream_error` once
 output was streamed).
 
@@ -51,6 +54,7 @@ from msgspec import UNSET, UnsetType
 
 from iop_node.adapters.base import AdapterError, Emit, RunResult
 from schemas.config import ProviderConfig
+from schemas.limits import MAX_PAYLOAD_BYTES
 from schemas.openai import (
     AssistantMessage,
     ChatChoice,
@@ -62,13 +66,17 @@ from schemas.openai import (
     TextChoice,
     TextCompletion,
 )
-from schemas.tokens import CHARS_PER_TOKEN, estimate_input_tokens, text_tokens
+from schemas.tokens import CHARS_PER_TOKEN, estimate_input_tokens, text_tokens_of
 from schemas.wire import FailureCode, ProviderStatus, Run, Usage
 
 #: How much of stderr is kept for the failure message (the tail is what explains it).
 _STDERR_TAIL_BYTES = 2048
 #: Bound on killing and reaping the process once the run is over or cancelled.
 _REAP_GRACE_S = 5.0
+#: Characters of a non-stream answer when the request sets no limit: what one response
+#: surely carries over the link (`schemas.limits`), JSON escaping (six bytes a character
+#: at worst) and the envelope included.
+NON_STREAM_ANSWER_CHARS: Final = MAX_PAYLOAD_BYTES // 8
 
 
 # --- OpenAI output ----------------------------------------------------------------------------
@@ -185,13 +193,19 @@ def max_output_chars(body: dict[str, Any]) -> int | None:
 
 
 class _Answer:
-    """The text of one answer so far, cut at the request's limit (`max_output_chars`)."""
+    """One answer so far, cut at its limit: the request's (`max_output_chars`) or, for a
+    non-stream answer, what a response can carry. A non-stream answer keeps its text; a
+    stream's is sent as it comes, so only its length is kept."""
 
-    __slots__ = ("_room", "pieces", "truncated")
+    __slots__ = ("_room", "chars", "pieces", "truncated")
 
-    def __init__(self, limit_chars: int | None) -> None:
+    def __init__(self, limit_chars: int | None, *, keep_text: int | None) -> None:
+        """`keep_text`: keep the text, up to this many characters; None: count it only."""
+        if keep_text is not None:
+            limit_chars = min(limit_chars or keep_text, keep_text)
         self._room = limit_chars
-        self.pieces: list[str] = []
+        self.chars = 0
+        self.pieces: list[str] | None = None if keep_text is None else []
         self.truncated = False
         """The limit was reached: the rest of the output is not wanted."""
 
@@ -201,12 +215,13 @@ class _Answer:
             text = text[: self._room]
             self._room -= len(text)
             self.truncated = self._room == 0
-        if text:
+        self.chars += len(text)
+        if text and self.pieces is not None:
             self.pieces.append(text)
         return text
 
     def text(self) -> str:
-        return "".join(self.pieces)
+        return "".join(self.pieces or ())
 
 
 # --- process plumbing ---------------------------------------------------------------------
@@ -260,6 +275,9 @@ def _exit_description(code: int) -> str:
 class CliAdapter:
     """Run each request as a local process (`adapter.command`) and relay its stdout."""
 
+    non_stream_answer_chars: int = NON_STREAM_ANSWER_CHARS
+    """A non-stream answer's bound when the request sets none."""
+
     def __init__(self, provider: ProviderConfig) -> None:
         command = provider.adapter.command
         if not command:
@@ -283,7 +301,9 @@ class CliAdapter:
             raise AdapterError(FailureCode.INVALID_REQUEST, f"request body: {exc}") from None
         prompt = render_prompt(body, operation)
         shaper = _Shaper(run)
-        answer = _Answer(max_output_chars(body))
+        answer = _Answer(
+            max_output_chars(body), keep_text=None if run.stream else self.non_stream_answer_chars
+        )
         emitted = 0
 
         async def on_text(text: str) -> bool:
@@ -309,16 +329,15 @@ class CliAdapter:
                 message += f": {stderr_tail}"
             raise AdapterError(FailureCode.CLI_FAILED, message, retryable=not emitted)
 
-        text = answer.text()
         finish_reason = "length" if answer.truncated else "stop"
-        prompt_tokens, completion_tokens = estimate_input_tokens(body), text_tokens(text)
+        prompt_tokens, completion_tokens = estimate_input_tokens(body), text_tokens_of(answer.chars)
         usage = Usage(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
         )
         if not run.stream:
-            response = shaper.response(text, usage, finish_reason)
+            response = shaper.response(answer.text(), usage, finish_reason)
             return RunResult(usage=usage, response=response, usage_source="estimated")
         await emit(shaper.chunk(None, finish_reason=finish_reason))
         options = body.get("stream_options")

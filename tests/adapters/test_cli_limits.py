@@ -1,6 +1,7 @@
 """The `cli` adapter's bounds, with real processes that write for ever: `max_tokens` stops
 the run (finish reason `length`, output counted by the shared estimator, the process
-group ended) and `adapter.request_timeout_s` ends a run that never finishes."""
+group ended), a whole answer without one stops at what a response can carry, and
+`adapter.request_timeout_s` ends a run that never finishes."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import pytest
 import trio
 
 from iop_node.adapters.base import AdapterError
-from iop_node.adapters.cli import CliAdapter
+from iop_node.adapters.cli import NON_STREAM_ANSWER_CHARS, CliAdapter
 from iop_node.reply import ParsedChunk
 from schemas.config import AdapterSettings, ProviderConfig
+from schemas.limits import MAX_PAYLOAD_BYTES
 from schemas.tokens import CHARS_PER_TOKEN, text_tokens
 from schemas.wire import Operation, Run
 from tests.timing import PROCESS_GUARD_S
@@ -135,7 +137,50 @@ async def test_the_run_timeout_ends_a_process_that_writes_for_ever(tmp_path: Pat
     assert "did not finish within 3s" in raised.value.message
     assert_gone(pid_file)  # ...and was ended with it
 
+    unbounded = endless(pid_file, timeout_s=0.5)
+    unbounded.non_stream_answer_chars = sys.maxsize  # the deadline, not the answer's bound
     with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as raised:
-        await endless(pid_file, timeout_s=0.5).execute(make_run(chat(), stream=False), Chunks())
+        await unbounded.execute(make_run(chat(), stream=False), Chunks())
     assert raised.value.code == "upstream_timeout"
     assert_gone(pid_file)
+
+
+async def test_a_whole_answer_without_a_limit_stops_at_what_a_response_carries(
+    tmp_path: Path,
+) -> None:
+    assert NON_STREAM_ANSWER_CHARS * 8 <= MAX_PAYLOAD_BYTES
+    pid_file = tmp_path / "pid"
+    adapter = endless(pid_file)
+    adapter.non_stream_answer_chars = 1000  # the real bound, megabytes, takes a while
+    with trio.fail_after(GUARD_S):
+        result = await adapter.execute(make_run(chat(), stream=False), Chunks())
+    assert result.response is not None
+    [choice] = json.loads(result.response)["choices"]
+    assert (choice["finish_reason"], len(choice["message"]["content"])) == ("length", 1000)
+    assert result.usage is not None and result.usage.completion_tokens == 1000 // CHARS_PER_TOKEN
+    assert_gone(pid_file)
+    # A request's own limit below the bound is kept; above it, the bound holds.
+    for max_tokens, chars in ((100, 100 * CHARS_PER_TOKEN), (10**6, 1000)):
+        with trio.fail_after(GUARD_S):
+            result = await adapter.execute(
+                make_run(chat(max_tokens=max_tokens), stream=False), Chunks()
+            )
+        assert result.response is not None
+        assert len(json.loads(result.response)["choices"][0]["message"]["content"]) == chars
+
+
+async def test_a_stream_is_not_cut_at_a_whole_answers_bound(tmp_path: Path) -> None:
+    """A stream's text goes out as it comes (it is counted, not kept): the bound of a
+    whole answer does not cut it, and the usage counts every character sent."""
+    pid_file = tmp_path / "pid"
+    adapter = endless(pid_file, timeout_s=600.0)
+    adapter.non_stream_answer_chars = 10
+    chunks = Chunks()
+    body = chat(max_tokens=500, stream_options={"include_usage": True})
+    with trio.fail_after(GUARD_S):
+        result = await adapter.execute(make_run(body, stream=True), chunks)
+    *content, finish, _ = chunks.chunks
+    text = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in content)
+    assert len(text) == 500 * CHARS_PER_TOKEN  # past the whole answer's bound of 10
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert result.usage is not None and result.usage.completion_tokens == 500
