@@ -161,6 +161,37 @@ async def test_edge_errors_come_in_anthropics_shape(stack: Stack) -> None:
     assert wrong_method.status_code == 405 and wrong_method.json()["type"] == "error"
 
 
+async def test_a_tool_choice_no_tool_meets_is_refused_before_a_run(stack: Stack) -> None:
+    """A 400 in Anthropic's shape, as from Anthropic, not whatever a runtime makes of it.
+    A `system` message between the turns passes: Claude Code sends them."""
+    tool = {"name": "read", "description": "Read a file", "input_schema": {"type": "object"}}
+    async with _client(stack) as client:
+        with pytest.raises(anthropic.BadRequestError) as unknown_tool:
+            await client.messages.create(
+                model="claude-local",
+                max_tokens=8,
+                messages=MESSAGES,
+                tools=[tool],
+                tool_choice={"type": "tool", "name": "write"},
+            )
+        chosen = await client.messages.create(
+            model="claude-local",
+            max_tokens=8,
+            messages=[*MESSAGES, {"role": "system", "content": "Be brief."}],
+            tools=[tool],
+            tool_choice={"type": "tool", "name": "read"},
+        )
+    assert unknown_tool.value.body == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "tool_choice names the tool 'write', which is not in tools ('read')",
+        },
+        "request_id": unknown_tool.value.response.headers["x-request-id"],
+    }
+    assert chosen.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
 async def test_head_and_get_root_answer_without_a_token(stack: Stack) -> None:
     async with stack.http() as http:
         head = await http.head("/")

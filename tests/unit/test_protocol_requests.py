@@ -94,6 +94,22 @@ def test_a_string_system_prompt_counts_like_a_text_block() -> None:
             {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "stream": "y"},
             "stream",
         ),
+        (
+            {
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tool_choice": {"type": "required"},
+            },
+            "tool_choice.type",
+        ),
+        (
+            {
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tool_choice": "auto",
+            },
+            "tool_choice",
+        ),
     ],
 )
 def test_a_wrong_messages_field_is_named(body: dict[str, Any], field: str) -> None:
@@ -101,6 +117,28 @@ def test_a_wrong_messages_field_is_named(body: dict[str, Any], field: str) -> No
         msgspec.convert({"model": "m", **body}, MessagesRequest)
     error = invalid_request(raised.value)  # the 400 the caller gets
     assert (error.status, error.param) == (400, field)
+
+
+def test_a_tool_choice_names_a_tool_of_the_request() -> None:
+    hi = [{"role": "user", "content": "hi"}]
+    tools = [{"name": f"tool_{n}", "input_schema": {"type": "object"}} for n in range(12)]
+
+    def problem(**body: Any) -> str | None:
+        return _messages(messages=hi, **body).tool_choice_problem()
+
+    for choice in ({"type": "auto"}, {"type": "any"}, {"type": "none"}, None):
+        assert problem(tool_choice=choice) is None
+    assert problem(tools=tools, tool_choice={"type": "tool", "name": "tool_11"}) is None
+    assert problem(tools=tools, tool_choice={"type": "tool"}) == (
+        "tool_choice of type tool names the tool: `name` is required"
+    )
+    assert problem(tool_choice={"type": "tool", "name": "read"}) == (
+        "tool_choice names the tool 'read', but the request has no tools"
+    )
+    unknown = problem(tools=tools, tool_choice={"type": "tool", "name": "read"})
+    assert unknown is not None
+    assert unknown.startswith("tool_choice names the tool 'read', which is not in tools ('tool_0'")
+    assert unknown.endswith("'tool_9' and 2 more)")
 
 
 def test_count_tokens_needs_no_max_tokens() -> None:

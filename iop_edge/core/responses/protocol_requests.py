@@ -26,7 +26,7 @@ description and parameter schema (as JSON).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from msgspec import Meta
@@ -90,6 +90,9 @@ class _Block(_View, frozen=True, kw_only=True):
 
 
 class _Message(_View, frozen=True, kw_only=True):
+    """A turn. Its role is not checked: besides `user` and `assistant`, Claude Code
+    sends `system` messages between turns (context it adds as it goes)."""
+
     role: str
     content: str | list[_Block]
 
@@ -115,11 +118,38 @@ class CountTokensRequest(_View, frozen=True, kw_only=True):
     tools: list[_AnthropicTool] | None = None
 
 
+class AnthropicToolChoice(_View, frozen=True, kw_only=True):
+    """`tool_choice`: one of Anthropic's four, `tool` with the `name` of a tool given."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: NonEmptyStr | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
 class MessagesRequest(CountTokensRequest, frozen=True, kw_only=True):
     """`POST /v1/messages`. `max_tokens` is required, as Anthropic's API requires it."""
 
     max_tokens: PositiveInt
     stream: bool = False
+    tool_choice: AnthropicToolChoice | None = None
+
+    def tool_choice_problem(self) -> str | None:
+        """Why `tool_choice` cannot be met by `tools` (Anthropic refuses it too), or None."""
+        choice = self.tool_choice
+        if choice is None or choice.type != "tool":
+            return None
+        if choice.name is None:
+            return "tool_choice of type tool names the tool: `name` is required"
+        names = [tool.name for tool in self.tools or () if tool.name]
+        if choice.name in names:
+            return None
+        if not names:
+            return f"tool_choice names the tool {choice.name!r}, but the request has no tools"
+        offered = ", ".join(repr(name) for name in names[:10])
+        more = f" and {len(names) - 10} more" if len(names) > 10 else ""
+        return (
+            f"tool_choice names the tool {choice.name!r}, which is not in tools ({offered}{more})"
+        )
 
 
 def estimate_messages_tokens(request: CountTokensRequest) -> int:

@@ -101,6 +101,8 @@ def plan_messages(
     stream = False
     prompt_tokens = 0
     if isinstance(view, MessagesRequest):
+        if (problem := view.tool_choice_problem()) is not None:
+            raise bad_request(problem, param="tool_choice")
         check_max_tokens(model, "max_tokens", view.max_tokens)
         apply_defaults(model, body, DEFAULT_KEYS)
         stream = view.stream
