@@ -58,11 +58,11 @@ async def drain(
 ) -> None:
     """Drain this Edge (the module docstring's steps); `reason` is told to the Nodes.
     Returns once the servers were told to terminate."""
-    log.info("%s: draining in-flight requests", reason)
     node_server.stop_accepting()
     for server in servers:
         server.stop_accepting(handoff)
         server.stop_listening()
+    log.info("%s: listeners closed; draining in-flight requests", reason)
     if handoff is not None:
         # No request is admitted here any more (step 1): the counters are final.
         handoff.send_windows()

@@ -102,7 +102,7 @@ async def test_sigterm_past_the_grace_period_ends_every_stream_properly(tmp_path
                 await _next_lines(lines, 2)
             edge.process.send_signal(signal.SIGTERM)
             with trio.fail_after(20):
-                await edge.wait_for_line("draining in-flight requests")
+                await edge.wait_for_line("listeners closed; draining in-flight requests")
             # a new caller is refused at once, not left in a queue until the Edge exits
             host, port = edge.urls["openai"].removeprefix("http://").rsplit(":", 1)
             with pytest.raises(OSError):
@@ -134,7 +134,7 @@ async def test_a_caller_that_reads_nothing_does_not_keep_a_stopping_edge_alive(
         host, port = edge.urls["openai"].removeprefix("http://").rsplit(":", 1)
         async with await trio.open_tcp_stream(host, int(port)) as stalled:
             await stalled.send_all(
-                b"POST /v1/chat/completions HTTP/1.1\r\nhost: edge\r\n"
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\n"
                 b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
                 % (len(request), request)
             )  # and never read
