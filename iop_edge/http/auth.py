@@ -3,9 +3,10 @@
 A caller presents its token as `Authorization: Bearer <token>` (OpenAI's clients) or as
 `x-api-key: <token>` (Anthropic's clients, design §14); both are the same principal
 tokens. With no `openai.principal_tokens` configured the API is open and every caller is
-`ANONYMOUS`; otherwise a request without a known token is refused with 401
-(`invalid_api_key`, in the caller's protocol's error shape) before anything else about
-it is looked at. When both headers are sent, `Authorization` is the one checked.
+`ANONYMOUS`, except a web page that may not drive it (`browser_guard`, 403); otherwise a
+request without a known token is refused with 401 (`invalid_api_key`, in the caller's
+protocol's error shape) before anything else about it is looked at. When both headers
+are sent, `Authorization` is the one checked.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from iop_edge.core.configuration.tokens import hash_token
+from iop_edge.http.browser_guard import browser_refusal
 from iop_edge.http.errors import ApiError
 from schemas.config import PrincipalToken
 
@@ -23,13 +25,24 @@ ANONYMOUS = PrincipalToken(
 
 
 def authenticate(
-    principals: Mapping[str, PrincipalToken], authorization: str, api_key: str = ""
+    principals: Mapping[str, PrincipalToken],
+    authorization: str,
+    api_key: str = "",
+    *,
+    host: str | None,
+    origin: str | None,
+    listener_host: str | None,
 ) -> PrincipalToken:
     """The principal behind an `Authorization` header value, or else an `x-api-key` one
     (`""` when absent).
 
-    `principals` maps token hashes to principals (the snapshot's index)."""
+    `principals` maps token hashes to principals (the snapshot's index). `host`, `origin`
+    (the headers, None when absent) and `listener_host` (the address the request came in
+    on) are what `browser_guard` judges when the API is open."""
     if not principals:
+        refused = browser_refusal(host=host, origin=origin, listener_host=listener_host)
+        if refused is not None:
+            raise refused
         return ANONYMOUS
     if authorization:
         scheme, _, token = authorization.partition(" ")

@@ -132,8 +132,14 @@ def _create_quart_app(
         """The caller's principal_ref (401 without a known token)."""
         principals = snapshot().principals
         headers = request.headers
+        server = request.scope.get("server")
         return authenticate(
-            principals, headers.get("authorization", ""), headers.get("x-api-key", "")
+            principals,
+            headers.get("authorization", ""),
+            headers.get("x-api-key", ""),
+            host=headers.get("host"),
+            origin=headers.get("origin"),
+            listener_host=None if server is None else server[0],
         ).principal_ref
 
     @app.before_request

@@ -126,6 +126,9 @@ class _Request:
         "api_key",
         "authorization",
         "content_length",
+        "host",
+        "listener_host",
+        "origin",
         "path",
         "request_id",
         "sessions",
@@ -135,6 +138,11 @@ class _Request:
 
     def __init__(self, scope: HTTPScope) -> None:
         self.path = scope["path"]
+        server = scope.get("server")
+        self.listener_host = None if server is None else server[0]
+        self.host: str | None = None
+        self.origin: str | None = None
+        """`Host` and `Origin`, for an open API's `browser_guard`."""
         self.authorization = ""
         self.api_key = ""
         self.content_length: int | None = None
@@ -156,6 +164,10 @@ class _Request:
                 self.request_id = value.decode("latin-1")
             elif name == b"x-api-key":
                 self.api_key = value.decode("latin-1")
+            elif name == b"host":
+                self.host = value.decode("latin-1")
+            elif name == b"origin":
+                self.origin = value.decode("latin-1")
             elif name == b"traceparent":
                 self.traceparent = value.decode("latin-1").strip()
             elif name == b"tracestate":
@@ -391,7 +403,14 @@ class RunEndpoints:
         what to store of its result (a Responses run with `store: true`)."""
         snapshot = self._snapshot()
         try:
-            principal = authenticate(snapshot.principals, request.authorization, request.api_key)
+            principal = authenticate(
+                snapshot.principals,
+                request.authorization,
+                request.api_key,
+                host=request.host,
+                origin=request.origin,
+                listener_host=request.listener_host,
+            )
         except ApiError as refused:  # the body stays unread: the connection ends here
             refused.close_connection = True
             raise

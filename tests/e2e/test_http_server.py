@@ -82,8 +82,8 @@ async def test_a_reply_begun_while_draining_closes_its_connection(
     address = parse_listen_address(server.url.removeprefix("http://"))
     with socket.create_connection((address.host, address.port)) as raw:
         raw.sendall(
-            b"GET /slow HTTP/1.1\r\nHost: edge\r\n\r\n"
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: edge\r\n"
+            b"GET /slow HTTP/1.1\r\nHost: localhost\r\n\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
             b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
         )
         with trio.fail_after(GUARD_S):

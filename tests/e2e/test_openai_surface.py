@@ -262,7 +262,7 @@ async def _send_partial_request(stack: Stack) -> trio.SocketStream:
     host, port = stack.addresses.openai_url.removeprefix("http://").rsplit(":", 1)
     stream = await trio.open_tcp_stream(host, int(port))
     await stream.send_all(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: edge\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\n"
         b"content-type: application/json\r\ncontent-length: 100\r\n\r\n"
         b'{"model": "chat-'
     )

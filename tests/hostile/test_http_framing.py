@@ -19,7 +19,7 @@ import trio
 from tests.e2e.stack import WAIT_GUARD_S, Stack
 
 #: A request that must never be answered: smuggled behind a request whose end is ambiguous.
-SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: edge\r\nConnection: close\r\n\r\n"
+SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
 CHAT = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
 
 
@@ -35,7 +35,7 @@ def parse_replies(data: bytes) -> list[Reply]:
     replies = []
     while data:
         client = h11.Connection(h11.CLIENT)
-        client.send(h11.Request(method="GET", target="/", headers=[("Host", "edge")]))
+        client.send(h11.Request(method="GET", target="/", headers=[("Host", "localhost")]))
         client.send(h11.EndOfMessage())
         client.receive_data(data)
         head = client.next_event()
@@ -80,7 +80,7 @@ def assert_refused(replies: list[Reply], status: int, says: str) -> dict[str, ob
 
 def post(headers: bytes, body: bytes, version: bytes = b"1.1") -> bytes:
     return (
-        b"POST /v1/chat/completions HTTP/" + version + b"\r\nHost: edge\r\n"
+        b"POST /v1/chat/completions HTTP/" + version + b"\r\nHost: localhost\r\n"
         b"Content-Type: application/json\r\n" + headers + b"\r\n" + body
     )
 
