@@ -6,12 +6,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
 
+from iop_edge.http import request_body
 from iop_edge.http.errors import ApiError
-from iop_edge.http.request_body import BODY_TIMEOUT_S, CallerGone, read_json
+from iop_edge.http.request_body import (
+    BODY_TIMEOUT_S,
+    MAX_JSON_DEPTH,
+    WALK_BUDGET,
+    CallerGone,
+    _nests_deeper,
+    _text_nests_deeper,
+    decode_body,
+    read_json,
+)
 
 BODY = b'{"model":"m","messages":[]}'
 LIMIT = 1024
@@ -89,3 +102,63 @@ async def test_another_servers_receive_is_awaited() -> None:
         return messages.pop(0)
 
     assert await read_json(receive, None, LIMIT) == {"model": "m", "messages": []}
+
+
+# --- depth --------------------------------------------------------------------------------
+
+_SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+#: Text made of what could fool a reading of the JSON text: brackets, quotes, escapes.
+_TRICKY_TEXT = st.text(alphabet='[]{}"\\/ab\n\u00e9\U0001f600', max_size=12)
+_JSON = st.recursive(
+    _SCALARS | _TRICKY_TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TRICKY_TEXT, inner, max_size=4),
+    max_leaves=60,
+)
+
+
+def _depth(value: object) -> int:
+    """Arrays/objects nested in `value`, the plain recursive way."""
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+@given(value=_JSON, limit=st.integers(min_value=1, max_value=8))
+def test_the_text_and_the_walk_measure_the_same_depth(value: object, limit: int) -> None:
+    data = msgspec.json.encode(value)
+    expected = _depth(value) > limit
+    assert _text_nests_deeper(data, limit) is expected
+    if data.count(b"[") + data.count(b"{") > limit:  # below that, no walk is needed
+        assert _nests_deeper(data, msgspec.json.decode(data), limit) is expected
+
+
+def test_a_body_too_wide_to_walk_is_measured_as_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    measured: list[int] = []
+
+    def text_nests_deeper(data: bytes, limit: int) -> bool:
+        measured.append(len(data))
+        return _text_nests_deeper(data, limit)
+
+    monkeypatch.setattr(request_body, "_text_nests_deeper", text_nests_deeper)
+    narrow = msgspec.json.encode({"messages": [[{"a": [1]}]] * 100})
+    wide = msgspec.json.encode({"x": [[]] * WALK_BUDGET, "y": [[[[]]]]})
+    # Walked last: the wide part (the last value, the walk's first) spends the budget.
+    deep_and_wide = msgspec.json.encode({"y": [[[[[[]]]]]], "x": [[]] * WALK_BUDGET})
+    assert not _nests_deeper(narrow, msgspec.json.decode(narrow), 5) and measured == []
+    assert not _nests_deeper(wide, msgspec.json.decode(wide), 5)
+    assert _nests_deeper(deep_and_wide, msgspec.json.decode(deep_and_wide), 5)
+    assert measured == [len(wide), len(deep_and_wide)]
+    too_deep = {"z": _nested_list(MAX_JSON_DEPTH), "x": [[]] * WALK_BUDGET}
+    with pytest.raises(ApiError) as refused:
+        decode_body(msgspec.json.encode(too_deep))
+    assert refused.value.code == "invalid_json" and "nests deeper" in refused.value.message
+    assert len(measured) == 3
+
+
+def _nested_list(levels: int) -> object:
+    value: list[object] = []
+    for _ in range(levels):
+        value = [value]
+    return value
