@@ -121,6 +121,19 @@ async def test_compact_errors_name_the_field(sim_stack: Stack) -> None:
             },
             headers=auth,
         )
+        first = await http.post("/v1/responses", json={"model": "m", "input": "hi"}, headers=auth)
+        damaged_later = await http.post(
+            "/v1/responses",
+            json={
+                "model": "m",
+                "previous_response_id": first.json()["id"],
+                "input": [
+                    {"role": "user", "content": "go on"},
+                    {"type": "compaction", "encrypted_content": "iopc1.YQ.AAAA"},
+                ],
+            },
+            headers=auth,
+        )
         got = await http.get("/v1/responses/compact", headers=auth)
         foreign = await http.post(
             "/v1/responses",
@@ -138,6 +151,16 @@ async def test_compact_errors_name_the_field(sim_stack: Stack) -> None:
     assert damaged.status_code == 400
     assert damaged.json()["error"]["code"] == "invalid_compaction"
     assert "input[0].encrypted_content" in damaged.json()["error"]["message"]
+    assert damaged.json()["error"]["param"] == "input[0].encrypted_content"
+    # Named where the caller sent it, not where it sits after the stored conversation.
+    assert first.status_code == 200, first.text
+    assert damaged_later.status_code == 400
+    later_error = damaged_later.json()["error"]
+    assert (later_error["code"], later_error["param"]) == (
+        "invalid_compaction",
+        "input[1].encrypted_content",
+    )
+    assert later_error["message"].startswith("input[1].encrypted_content is not a compaction")
     assert got.status_code == 405
     # another service's compaction reaches the translating Node as it is, which refuses it
     assert foreign.status_code == 400, foreign.text

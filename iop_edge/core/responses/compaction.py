@@ -77,7 +77,13 @@ _DIGEST_BYTES: Final = 16
 
 
 class CompactionUnreadable(ValueError):
-    """An item claims to be IOP's compaction but does not read back (Rule 2)."""
+    """An item claims to be IOP's compaction but does not read back (Rule 2); `index`:
+    the item's, in the list `expand` was given (None from `unseal`)."""
+
+    def __init__(self, problem: str, index: int | None = None) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.index = index
 
 
 class _Head(msgspec.Struct, frozen=True):
@@ -176,7 +182,7 @@ def ends_with_trigger(items: Sequence[Any]) -> bool:
 def expand(items: list[Any]) -> list[Any]:
     """`items` with IOP's compactions made readable (Rule 2) and triggers dropped (Rule
     3); the very list `items` when neither is there. Raises `CompactionUnreadable`
-    naming the item (`input[i]`)."""
+    with the item's index."""
     if not any(_may_hold_compaction(item) for item in items):
         return items
     summaries: dict[int, str] = {}
@@ -191,9 +197,7 @@ def expand(items: list[Any]) -> list[Any]:
             try:
                 summary = unseal(head.encrypted_content)
             except CompactionUnreadable as exc:
-                raise CompactionUnreadable(
-                    f"input[{index}].encrypted_content is not a compaction IOP can read: {exc}"
-                ) from None
+                raise CompactionUnreadable(exc.problem, index) from None
             if summary is not None:
                 summaries[index] = summary
     last = max(summaries, default=-1)

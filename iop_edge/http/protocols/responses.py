@@ -166,7 +166,7 @@ class ResponsesSurface:
         try:
             expanded = uncalled_outputs.rewrite(expand(conversation_items))
         except CompactionUnreadable as exc:
-            raise ApiError(400, str(exc), code="invalid_compaction", param="input") from None
+            raise _unreadable_compaction(exc, stored=len(earlier)) from None
         if expanded is not conversation_items:
             body["input"] = expanded
         compaction = None
@@ -414,3 +414,21 @@ class _ResponseFailed(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _encode: Final = msgspec.json.Encoder().encode
+
+
+def _unreadable_compaction(error: CompactionUnreadable, *, stored: int) -> ApiError:
+    """The 400 for a damaged compaction item, naming it where the caller sent it: the
+    conversation expanded is the `stored` items of `previous_response_id`'s chain, then
+    the request's own `input`."""
+    index = error.index or 0
+    if index < stored:  # a stored item: it read back when it was stored
+        where = f"the stored conversation of previous_response_id (its item {index})"
+        param = "previous_response_id"
+    else:
+        where = param = f"input[{index - stored}].encrypted_content"
+    return ApiError(
+        400,
+        f"{where} is not a compaction IOP can read: {error.problem}",
+        code="invalid_compaction",
+        param=param,
+    )
