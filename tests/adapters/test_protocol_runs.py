@@ -17,6 +17,9 @@ from iop_node.adapters.ollama import OllamaAdapter
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
 from iop_node.health import HealthMonitor
 from iop_node.runs import runner
+from iop_node.runs.protocol_run.messages import MessagesTranslator
+from iop_node.runs.protocol_run.responses import ResponsesTranslator
+from iop_node.runs.protocol_run.translator import Translator
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.protocols import CallerProtocol
 from schemas.tokens import estimate_input_tokens, template_tokens, text_tokens
@@ -504,3 +507,22 @@ async def test_count_tokens_without_a_tokenizer_is_estimated(upstream: FakeUpstr
     assert json.loads(end.response) == {"input_tokens": expected}
     assert (end.usage, end.usage_source) == (Usage(), "estimated")
     assert paths(upstream) == ["/tokenize", "/extras/tokenize/count"]
+
+
+@pytest.mark.parametrize(
+    ("translator", "chat_param", "caller_param"),
+    [
+        (ResponsesTranslator(), "messages", "input"),
+        (ResponsesTranslator(), "messages[3].content", "input"),  # items do not correspond
+        (ResponsesTranslator(), "max_completion_tokens", "max_output_tokens"),
+        (ResponsesTranslator(), "response_format.json_schema", "text.format"),
+        (ResponsesTranslator(), "temperature", "temperature"),  # the same in both
+        (MessagesTranslator(), "messages[1].content[0]", "messages"),
+        (MessagesTranslator(), "stop", "stop_sequences"),
+        (MessagesTranslator(), "top_p", "top_p"),
+    ],
+)
+def test_a_refusals_param_is_said_in_the_callers_terms(
+    translator: Translator, chat_param: str, caller_param: str
+) -> None:
+    assert translator.caller_param(chat_param) == caller_param

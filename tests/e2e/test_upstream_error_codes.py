@@ -97,3 +97,38 @@ async def test_a_refusal_without_a_code_is_upstream_rejected(
     with trio.fail_after(GUARD_S), pytest.raises(openai.BadRequestError) as caught:
         await _chat(stack, SHORT, stream=False)
     assert (caught.value.code, caught.value.param) == ("upstream_rejected", None)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_translated_runs_refusal_names_the_callers_field(
+    nursery: trio.Nursery, make_stack: MakeStack, stream: bool
+) -> None:
+    """A Responses caller on a chat-only runtime is told `input`, its own field, where
+    the runtime said `messages`; a field both protocols share stays as named."""
+    llama = FakeUpstream(context_tokens=CONTEXT)
+    strict = FakeUpstream(
+        status=400,
+        error_message="temperature must be at most 2",
+        error_code="invalid_value",
+        error_param="temperature",
+    )
+    stack = await make_stack(
+        [upstream_provider("llama", await nursery.start(llama.serve), protocols=["chat"])]
+    )
+    other = await make_stack(
+        [upstream_provider("strict", await nursery.start(strict.serve), protocols=["chat"])]
+    )
+    found: list[tuple[str | None, str | None]] = []
+    for target, text in ((stack, LONG[0]["content"]), (other, SHORT[0]["content"])):
+        async with target.client() as client:
+            with trio.fail_after(GUARD_S), pytest.raises(openai.BadRequestError) as caught:
+                if stream:
+                    async for _ in await client.responses.create(
+                        model=ALIAS, input=text, stream=True
+                    ):
+                        pass
+                else:
+                    await client.responses.create(model=ALIAS, input=text)
+        found.append((caught.value.code, caught.value.param))
+    assert found == [("context_length_exceeded", "input"), ("invalid_value", "temperature")]
+    await wait_idle(stack)

@@ -54,6 +54,10 @@ Rules:
    `cache_control.ttl`) go to a native Messages runtime as they are; one that refuses
    them (400 "Extra inputs are not permitted") gets the run again without them, once,
    and, when that one succeeds, every later run without them (`protocols.anthropic_betas`).
+9. A translated run's upstream refusal names the field in the caller's terms: its
+   `param`, a chat request's path, becomes the caller protocol's field
+   (`Translator.chat_fields`: a Responses caller's overlong prompt is `input`, not
+   `messages`).
 
 The runner (`runner.py`) owns what is common to every run: the terminal message, the
 output tally, cancellation, the payload bounds.

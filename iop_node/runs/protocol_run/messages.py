@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import ClassVar, Final
 
 from iop_node.adapters.base import Adapter, AdapterError, EmitEvents, NativeRelay, RunResult
@@ -84,6 +85,13 @@ class MessagesTranslator(Translator):
         end_reason=re.compile(rb'"stop_reason"\s*:\s*"([A-Za-z_]{1,64})"'),
     )
     delta_event = b"event: content_block_delta\n"
+    chat_fields: ClassVar[Mapping[str, str]] = {
+        "messages": "messages",
+        "max_tokens": "max_tokens",
+        "max_completion_tokens": "max_tokens",
+        "stop": "stop_sequences",
+        "tools": "tools",
+    }
 
     def translate(self, run: Run) -> Translation:
         return _MessagesTranslation(messages_request_to_chat(run.body))

@@ -10,6 +10,7 @@ reply echoes it and maps calls back through the same tools (`responses_response_
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import ClassVar, Final
 
 from iop_node.protocols import (
@@ -91,6 +92,13 @@ class ResponsesTranslator(Translator):
         status_is_reason=True,
     )
     delta_event = b".delta\n"
+    chat_fields: ClassVar[Mapping[str, str]] = {
+        "messages": "input",
+        "max_tokens": "max_output_tokens",
+        "max_completion_tokens": "max_output_tokens",
+        "response_format": "text.format",
+        "tools": "tools",
+    }
 
     def translate(self, run: Run) -> Translation:
         return _ResponsesTranslation(read_responses_request(run.body))

@@ -13,7 +13,9 @@ never reported (Rule 4), the tail held for the run's end (Rule 6).
 from __future__ import annotations
 
 import logging
+import re
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import ClassVar, Final, Protocol
 
 import msgspec
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 
 _encode: Final = msgspec.json.Encoder().encode
 _decode_any: Final = msgspec.json.Decoder().decode
+#: A `param`'s top-level field: what comes before its first `.` or `[`.
+_TOP_FIELD: Final = re.compile(r"[^.\[]*")
 
 
 class StreamTranslator(Protocol):
@@ -98,6 +102,11 @@ class Translator(ABC):
     """What the event line of an output delta ends with (data lines never hold a raw
     newline: JSON escapes it): a translated stream counts a token per delta event of an
     adapter that did not read its chunks."""
+    chat_fields: ClassVar[Mapping[str, str]] = {}
+    """The chat request's fields said in this protocol, for the `param` of a translated
+    run's upstream refusal (Rule 9): chat's `messages` is Responses' `input`. A mapped
+    field is named alone, since its items do not correspond one to one (a tool result is
+    a chat message of its own, a system prompt one more); an unmapped one is as sent."""
 
     @abstractmethod
     def translate(self, run: Run) -> Translation:
@@ -123,13 +132,30 @@ class Translator(ABC):
         """A native run (a protocol whose runtimes differ overrides it: Messages' betas)."""
         return await relay.execute_native(run, form, events)
 
+    def caller_param(self, param: str) -> str:
+        """An upstream refusal's `param`, in chat's terms, said in the caller's
+        (`chat_fields`)."""
+        field = _TOP_FIELD.match(param)
+        assert field is not None  # the pattern matches every string
+        return self.chat_fields.get(field.group(), param)
+
     async def translated(self, run: Run, adapter: Adapter, events: EmitEvents) -> RunResult:
-        """Rules 3-6: the run translated to chat, run as any chat run, and back."""
+        """Rules 3-6 and 9: the run translated to chat, run as any chat run, and back."""
         run = self.without_hosted_tools(run)
         try:
             translation = self.translate(run)
         except TranslationError as exc:
-            raise invalid(exc) from None
+            raise invalid(exc) from None  # its param is the caller's path already
+        try:
+            return await self._run_translation(run, translation, adapter, events)
+        except AdapterError as exc:
+            if exc.param is not None:
+                exc.param = self.caller_param(exc.param)
+            raise
+
+    async def _run_translation(
+        self, run: Run, translation: Translation, adapter: Adapter, events: EmitEvents
+    ) -> RunResult:
         # The adapter runs plain chat: the translators write the caller's alias (Rule 5)
         # and the protocol headers mean nothing to a chat endpoint.
         chat_run = msgspec.structs.replace(
