@@ -23,10 +23,17 @@ With principal tokens neither applies: a page cannot present a token it does not
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from iop_edge.core.configuration.listen import is_loopback, is_loopback_host_header
 from iop_edge.http.errors import ApiError
 
 __all__ = ["browser_refusal"]
+
+# Asked of every request to an open API, of a value or two that seldom change (the
+# listener's address, the Host callers use): each answer is kept, a few hundred at most.
+_loopback_listener = lru_cache(maxsize=64)(is_loopback)
+_loopback_host = lru_cache(maxsize=256)(is_loopback_host_header)
 
 
 def browser_refusal(
@@ -46,8 +53,8 @@ def browser_refusal(
     if (
         host is not None
         and listener_host is not None
-        and is_loopback(listener_host)
-        and not is_loopback_host_header(host)
+        and _loopback_listener(listener_host)
+        and not _loopback_host(host)
     ):
         return ApiError(
             403,
