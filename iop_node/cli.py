@@ -76,6 +76,7 @@ class NodeFileConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     edge_dns: str | list[str] | None = None
     node_id: str | None = None
     token_file: str | None = None
+    allow_commands: list[str] | None = None
     telemetry: TelemetrySection | None = None
 
 
@@ -89,6 +90,8 @@ class NodeInvocation:
     edge_dns: tuple[str, ...] = ()
     telemetry: TelemetrySection = field(default_factory=TelemetrySection)
     """The trace settings from the flags and the `--config` file (flags win)."""
+    allowed_commands: frozenset[str] = frozenset()
+    """What the Edge's `cli` providers may run here (`iop_node.adapters.cli`)."""
 
     @property
     def edge_url(self) -> str:
@@ -139,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="file holding the node token, readable by this user only, e.g. a systemd "
         f"credential (relative to the current directory); default: the {TOKEN_ENV_VAR} "
         "environment variable",
+    )
+    run.add_argument(
+        "--allow-command",
+        metavar="COMMAND",
+        action="append",
+        help="a command the Edge's cli providers may run on this machine, as their "
+        "adapter.command[0] names it (repeatable; none by default): the Edge chooses its "
+        "arguments, so allow a program, never a shell or an interpreter",
     )
     run.add_argument(
         "--config",
@@ -240,6 +251,7 @@ def resolve_invocation(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         token=token,
         edge_dns=edge_dns,
         telemetry=_telemetry(args, file_config.telemetry or TelemetrySection()),
+        allowed_commands=frozenset(args.allow_command or file_config.allow_commands or ()),
     )
 
 
@@ -350,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                 invocation.token,
                 edge_dns=invocation.edge_dns,
                 tracing=tracing,
+                allowed_commands=invocation.allowed_commands,
             )
         )
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers were installed

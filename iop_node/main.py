@@ -13,6 +13,7 @@ import signal
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import replace
+from functools import partial
 
 import trio
 
@@ -173,17 +174,25 @@ async def serve_until_signalled(
     *,
     edge_dns: Sequence[str] = (),
     tracing: NodeTracing | None = None,
+    allowed_commands: frozenset[str] = frozenset(),
 ) -> int:
     """Run a Node until SIGINT/SIGTERM: the first signal drains and stops gracefully, a
     second one stops at once. Returns the process's exit status: 130 after Ctrl-C, 0
     after SIGTERM (`schemas.runtime.stop_signal`). `tracing` is closed at the end (its last spans
-    sent).
+    sent). `allowed_commands`: what the Edge's `cli` providers may run here.
 
     The process is this Node's own (`iop-node run`): its heap is settled as its providers
     are built (`heap` Rule 3)."""
     heap.manage()
     try:
-        return await _serve_until_signalled(edge_urls, node_id, token, edge_dns, tracing)
+        return await _serve_until_signalled(
+            edge_urls,
+            node_id,
+            token,
+            edge_dns=edge_dns,
+            tracing=tracing,
+            adapter_factory=partial(create_adapter, allowed_commands=allowed_commands),
+        )
     finally:
         if tracing is not None:
             await tracing.aclose()
@@ -193,8 +202,10 @@ async def _serve_until_signalled(
     edge_urls: Sequence[str],
     node_id: str,
     token: str,
+    *,
     edge_dns: Sequence[str],
     tracing: NodeTracing | None,
+    adapter_factory: AdapterFactory,
 ) -> int:
     stop = trio.Event()
     stopped_by = StopSignal()
@@ -211,6 +222,7 @@ async def _serve_until_signalled(
                 edge_dns=edge_dns,
                 shutdown_trigger=stop.wait,
                 tracing=tracing,
+                adapter_factory=adapter_factory,
             )
         except EdgeRejected as exc:
             rejected = exc

@@ -70,13 +70,18 @@ class RegistryBuildError(Exception):
     """A `NodeConfig` could not be turned into a registry; the message names the provider."""
 
 
-def create_adapter(provider: ProviderConfig) -> Adapter:
-    """Construct the adapter for `provider.type`, importing its module on first use."""
+def create_adapter(
+    provider: ProviderConfig, *, allowed_commands: frozenset[str] = frozenset()
+) -> Adapter:
+    """Construct the adapter for `provider.type`, importing its module on first use.
+    `allowed_commands`: what a `cli` provider may run (`iop_node.adapters.cli`)."""
     try:
         module_name, class_name = _ADAPTER_CLASSES[provider.type]
     except KeyError:
         raise RegistryBuildError(f"no adapter for provider type {provider.type!r}") from None
     adapter_class = getattr(importlib.import_module(module_name), class_name)
+    if provider.type == "cli":
+        return cast(Adapter, adapter_class(provider, allowed_commands))
     return cast(Adapter, adapter_class(provider))
 
 

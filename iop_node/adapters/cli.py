@@ -31,6 +31,13 @@ stream without a limit holds no more than one read. A run that does not finish w
 `adapter.request_timeout_s` fails (`upstream_timeout`, or `upstream_stream_error` once
 output was streamed).
 
+The Node runs only the commands its own operator allowed (`iop-node run --allow-command
+NAME`, `allow_commands` in its config file), whatever the Edge's config says: a provider
+config is the Edge's, and without the Node's consent anyone who could change it (a local
+user of the Edge's machine, through its loopback admin API) would run programs on every
+Node. A provider whose `command[0]` is not allowed, exactly as written, is unavailable
+(its status says which flag allows it) and refuses its runs without starting anything.
+
 A non-zero exit is a run failure (`cli_failed`, with the exit status and the tail of
 stderr). The process gets a session of its own, so cancelling a run (or a failure) kills
 the whole process group — wrapper scripts and their children included — and reaps it,
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -278,14 +286,25 @@ class CliAdapter:
     non_stream_answer_chars: int = NON_STREAM_ANSWER_CHARS
     """A non-stream answer's bound when the request sets none."""
 
-    def __init__(self, provider: ProviderConfig) -> None:
+    def __init__(
+        self, provider: ProviderConfig, allowed_commands: frozenset[str] = frozenset()
+    ) -> None:
+        """`allowed_commands`: the commands this Node's operator allows (module docstring)."""
         command = provider.adapter.command
         if not command:
             raise ValueError(f"provider {provider.id!r}: adapter.command is required")
         self.provider = provider
         self.command = list(command)
+        self._refusal = (
+            None
+            if self.command[0] in allowed_commands
+            else f"this Node does not run {self.command[0]!r} for its Edge: its operator "
+            f"allows it with `iop-node run --allow-command {shlex.quote(self.command[0])}`"
+        )
 
     async def execute(self, run: Run, emit: Emit) -> RunResult:
+        if self._refusal is not None:
+            raise AdapterError(FailureCode.UPSTREAM_MISCONFIGURED, self._refusal, retryable=True)
         match run.operation:
             case "chat" | "completion" as operation:
                 pass
@@ -415,6 +434,8 @@ class CliAdapter:
         return await process.wait()
 
     async def probe(self) -> ProviderStatus:
+        if self._refusal is not None:
+            return ProviderStatus(id=self.provider.id, health="unavailable", detail=self._refusal)
         executable = self.command[0]
         found = await trio.to_thread.run_sync(shutil.which, executable)
         if found is None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,7 +36,8 @@ LINES = textwrap.dedent(
 )
 
 
-def adapter_for(*command: str, timeout_s: float = 600.0) -> CliAdapter:
+def adapter_for(*command: str, timeout_s: float = 600.0, allowed: bool = True) -> CliAdapter:
+    """A cli adapter for `command`, which this Node allows unless `allowed` is False."""
     return CliAdapter(
         ProviderConfig(
             id="cli-1",
@@ -42,7 +45,8 @@ def adapter_for(*command: str, timeout_s: float = 600.0) -> CliAdapter:
             models=[MODEL],
             capacity=2,
             adapter=AdapterSettings(command=list(command), request_timeout_s=timeout_s),
-        )
+        ),
+        frozenset(command[:1]) if allowed else frozenset(),
     )
 
 
@@ -261,6 +265,35 @@ async def test_probe_checks_the_executable() -> None:
     missing = await adapter_for("/nonexistent/iop-test-cli").probe()
     assert missing.health == "unavailable"
     assert missing.detail is not None and "/nonexistent/iop-test-cli" in missing.detail
+
+
+async def test_a_command_this_node_does_not_allow_is_never_started(tmp_path: Path) -> None:
+    """The Edge's config names the command; the Node's operator decides whether it runs."""
+    ran = tmp_path / "ran"
+    adapter = adapter_for(sys.executable, "-c", f"open({str(ran)!r}, 'w')", allowed=False)
+    status = await adapter.probe()
+    assert status.health == "unavailable"
+    assert status.detail == (
+        f"this Node does not run {sys.executable!r} for its Edge: its operator allows it "
+        f"with `iop-node run --allow-command {shlex.quote(sys.executable)}`"
+    )
+    with trio.fail_after(PROCESS_GUARD_S), pytest.raises(AdapterError) as refused:
+        await adapter.execute(make_run(CHAT, stream=False), Collector())
+    assert (refused.value.code, refused.value.retryable) == ("upstream_misconfigured", True)
+    assert refused.value.message == status.detail
+    assert not ran.exists()
+    # Allowed by another spelling (a path for a name) is not allowed: the match is exact.
+    other = CliAdapter(
+        ProviderConfig(
+            id="cli-2",
+            type="cli",
+            models=[MODEL],
+            capacity=1,
+            adapter=AdapterSettings(command=["python3", "-c", "pass"]),
+        ),
+        frozenset({sys.executable}),
+    )
+    assert (await other.probe()).health == "unavailable"
 
 
 def test_render_prompt_rules() -> None:

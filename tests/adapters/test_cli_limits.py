@@ -45,7 +45,8 @@ def endless(pid_file: Path, *, timeout_s: float = 600.0) -> CliAdapter:
         command=[sys.executable, "-c", ENDLESS, str(pid_file)], request_timeout_s=timeout_s
     )
     return CliAdapter(
-        ProviderConfig(id="cli-1", type="cli", models=[MODEL], capacity=1, adapter=settings)
+        ProviderConfig(id="cli-1", type="cli", models=[MODEL], capacity=1, adapter=settings),
+        frozenset({sys.executable}),
     )
 
 

@@ -10,12 +10,14 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
 import trio
 from openai.types.chat import ChatCompletionMessageParam
 
+from iop_node.registry import create_adapter
 from tests.adapters.fake_upstream import FakeUpstream
 from tests.e2e.stack import Stack, edge_config, start_stack
 from tests.timing import GUARD_S
@@ -76,7 +78,8 @@ class MakeStack(Protocol):
 @asynccontextmanager
 async def upstream_stacks(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[MakeStack]:
     """A factory of stacks, for a fixture: `models` default to `ALIAS` served by every
-    provider (its first model); `wait`: return once every model is servable.
+    provider (its first model); `wait`: return once every model is servable. The Node
+    allows the commands of its `cli` providers, as their operator would.
 
     On exit the Nodes are stopped first, so the Edge does not spend its websocket close
     grace waiting for Nodes that are being cancelled along with it.
@@ -95,11 +98,13 @@ async def upstream_stacks(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterato
         text = edge_config(
             tmp_path / f"state-{len(made)}", providers=providers, models=models, dispatch=dispatch
         )
+        commands = frozenset(p["adapter"]["command"][0] for p in providers if p["type"] == "cli")
         stack = await start_stack(
             nursery,
             text,
             tmp_path / f"edge-{len(made)}.yaml",
             wait_models=tuple(m["id"] for m in models) if wait else (),
+            node_kwargs={"adapter_factory": partial(create_adapter, allowed_commands=commands)},
         )
         made.append(stack)
         return stack

@@ -87,6 +87,22 @@ def test_several_edges_from_flags_or_the_file(tmp_path: Path) -> None:
     assert only_dns.edge_urls == () and only_dns.edge_url == "ws://edges.internal:7700"
 
 
+def test_the_commands_cli_providers_may_run_come_from_flags_or_the_file(
+    tmp_path: Path,
+) -> None:
+    env = {TOKEN_ENV_VAR: TOKEN}
+    assert _resolve(["--edge", EDGE, "--node-id", "gpu1"], env).allowed_commands == frozenset()
+    flags = ["--edge", EDGE, "--node-id", "gpu1", "--allow-command", "claude"]
+    invocation = _resolve([*flags, "--allow-command", "/opt/llama/llama-cli"], env)
+    assert invocation.allowed_commands == {"claude", "/opt/llama/llama-cli"}
+    config = tmp_path / "node.yaml"
+    config.write_text(f"edge: {EDGE}\nnode_id: gpu1\nallow_commands: [codex, ollama]\n")
+    assert _resolve(["--config", str(config)], env).allowed_commands == {"codex", "ollama"}
+    # Flags win over the file, as for every setting.
+    overridden = _resolve(["--config", str(config), "--allow-command", "claude"], env)
+    assert overridden.allowed_commands == {"claude"}
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -284,12 +300,19 @@ def test_a_permanent_rejection_exits_3_saying_what_to_fix(
     from iop_node.uplink.link import EdgeRejected
 
     async def rejected(
-        edge_urls: list[str], node_id: str, token: str, *, edge_dns: list[str], tracing: None
+        edge_urls: list[str],
+        node_id: str,
+        token: str,
+        *,
+        edge_dns: list[str],
+        tracing: None,
+        allowed_commands: frozenset[str],
     ) -> None:
+        assert allowed_commands == {"claude"}  # the flag reaches the Node
         raise EdgeRejected(edge_urls[0], node_id, "unknown_node", "node id 'gpu9' is not known", 3)
 
     monkeypatch.setattr("iop_node.cli.serve_until_signalled", rejected)
-    argv = ["run", "--edge", EDGE, "--node-id", "gpu9"]
+    argv = ["run", "--edge", EDGE, "--node-id", "gpu9", "--allow-command", "claude"]
     with monkeypatch.context() as env:
         env.setenv(TOKEN_ENV_VAR, TOKEN)
         assert main(argv) == 3
