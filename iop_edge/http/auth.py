@@ -31,16 +31,16 @@ def authenticate(
     *,
     host: str | None,
     origin: str | None,
-    listener_host: str | None,
+    listen: str,
 ) -> PrincipalToken:
     """The principal behind an `Authorization` header value, or else an `x-api-key` one
     (`""` when absent).
 
     `principals` maps token hashes to principals (the snapshot's index). `host`, `origin`
-    (the headers, None when absent) and `listener_host` (the address the request came in
-    on) are what `browser_guard` judges when the API is open."""
+    (the headers, None when absent) and `listen` (the configured `openai.listen`) are
+    what `browser_guard` judges when the API is open."""
     if not principals:
-        refused = browser_refusal(host=host, origin=origin, listener_host=listener_host)
+        refused = browser_refusal(host=host, origin=origin, listen=listen)
         if refused is not None:
             raise refused
         return ANONYMOUS

@@ -130,16 +130,15 @@ def _create_quart_app(
 
     def check_caller() -> str:
         """The caller's principal_ref (401 without a known token)."""
-        principals = snapshot().principals
+        current = snapshot()
         headers = request.headers
-        server = request.scope.get("server")
         return authenticate(
-            principals,
+            current.principals,
             headers.get("authorization", ""),
             headers.get("x-api-key", ""),
             host=headers.get("host"),
             origin=headers.get("origin"),
-            listener_host=None if server is None else server[0],
+            listen=current.config.openai.listen,
         ).principal_ref
 
     @app.before_request

@@ -222,14 +222,13 @@ class ResponsesSocket:
         }
         snapshot = self._runs.snapshot()
         try:  # Rule 1
-            server = scope.get("server")
             principal = authenticate(
                 snapshot.principals,
                 headers.get("authorization", ""),
                 headers.get("x-api-key", ""),
                 host=headers.get("host"),
                 origin=headers.get("origin"),
-                listener_host=None if server is None else server[0],
+                listen=snapshot.config.openai.listen,
             )
         except ApiError as refused:
             await _deny(send, refused)

@@ -127,7 +127,6 @@ class _Request:
         "authorization",
         "content_length",
         "host",
-        "listener_host",
         "origin",
         "path",
         "request_id",
@@ -138,8 +137,6 @@ class _Request:
 
     def __init__(self, scope: HTTPScope) -> None:
         self.path = scope["path"]
-        server = scope.get("server")
-        self.listener_host = None if server is None else server[0]
         self.host: str | None = None
         self.origin: str | None = None
         """`Host` and `Origin`, for an open API's `browser_guard`."""
@@ -409,7 +406,7 @@ class RunEndpoints:
                 request.api_key,
                 host=request.host,
                 origin=request.origin,
-                listener_host=request.listener_host,
+                listen=snapshot.config.openai.listen,
             )
         except ApiError as refused:  # the body stays unread: the connection ends here
             refused.close_connection = True

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 import trio
 from trio_websocket import ConnectionRejected, open_websocket_url
@@ -114,3 +115,20 @@ async def test_with_tokens_a_page_is_judged_by_its_token(
         )
         without = await http.request(method, path, json=body, headers=page)
     assert (with_token.status_code, without.status_code) == (200, 401)
+
+
+async def test_a_wildcard_listener_judges_no_host(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """Listening on every address, the API is reached by names the Edge cannot know, over
+    loopback too (a proxy on this machine that keeps the caller's Host): the listener's
+    configured address decides, not the one a connection came in on."""
+    stack = await _stack(nursery, tmp_path, listen="0.0.0.0:0")
+    port = _host(stack).rsplit(":", 1)[1]
+    async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+        proxied = await http.post(
+            "/v1/chat/completions", json=CHAT, headers={"Host": f"gpu-box:{port}"}
+        )
+        page = await http.post(
+            "/v1/chat/completions", json=CHAT, headers={"Origin": "http://evil.example"}
+        )
+    assert proxied.status_code == 200
+    assert (page.status_code, page.json()["error"]["code"]) == (403, "cross_origin")
