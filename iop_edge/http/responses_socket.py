@@ -356,7 +356,7 @@ class _Session:
         background = body.pop("background", None)
         generate = body.pop("generate", True)
         body["stream"] = True
-        local_previous = self._continue_locally(body)
+        local_previous, continued_items = self._continue_locally(body)
         snapshot = runs.snapshot()
         caller = Caller(
             run_id=run_id,
@@ -383,7 +383,9 @@ class _Session:
             unmetered = runs.metering.refusal()
             if unmetered is not None:
                 raise metering_unavailable(unmetered)
-            plan, to_store = await runs.responses.plan(body, snapshot, caller)
+            plan, to_store = await runs.responses.plan(
+                body, snapshot, caller, continued_items=continued_items
+            )
             summing_up = to_store is not None and to_store.compaction is not None
             if not generate and summing_up:
                 raise ApiError(
@@ -423,16 +425,17 @@ class _Session:
         await reply.stream(warm_up_events(warm_up_response(plan, stored=stored)))
         log.debug("Responses WebSocket %s: a warm-up, %s", self.connection_id, plan.run_id)
 
-    def _continue_locally(self, body: dict[str, Any]) -> str | None:
+    def _continue_locally(self, body: dict[str, Any]) -> tuple[str | None, int]:
         """Rule 5: a continuation of the connection's last unstored response gets that
-        conversation in its input; the id it continues, or None."""
+        conversation in its input; the id it continues (or None) and how many items were
+        put before the caller's own."""
         previous = body.get("previous_response_id")
         last = self._last
         if last is None or not isinstance(previous, str) or previous != last.response_id:
-            return None
+            return None, 0
         body.pop("previous_response_id")
         body["input"] = [*last.items, *input_items(body.get("input", []))]
-        return previous
+        return previous, len(last.items)
 
     def _remember(self, conversation: list[Any], response: bytes | None) -> None:
         """Keep an unstored response's conversation for the next turn (Rule 5): the final

@@ -342,3 +342,23 @@ async def test_a_connection_ends_at_its_time_limit(
                 await socket.get_message()
     reason = closed.value.reason
     assert reason is not None and reason.code == 1000
+
+
+async def test_a_damaged_compaction_is_named_in_the_turns_own_input(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """An unstored response continued on its connection puts its conversation before the
+    turn's input; the error still counts the caller's own items."""
+    stack = await _stack(nursery, tmp_path)
+    two = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    async with _socket(stack) as socket:
+        first = (await _turn(socket, input=two, store=False))[-1]["response"]
+        damaged = {"type": "compaction", "encrypted_content": "iopc1.YQ.AAAA"}
+        [refused] = await _turn(
+            socket, input=[damaged], previous_response_id=first["id"], store=False
+        )
+    assert refused["type"] == "error"
+    assert (refused["error"]["code"], refused["error"]["param"]) == (
+        "invalid_compaction",
+        "input[0].encrypted_content",
+    )

@@ -123,11 +123,19 @@ class ResponsesSurface:
         self.store = store
 
     async def plan(
-        self, body: dict[str, Any], snapshot: Snapshot, caller: Caller, *, compact: bool = False
+        self,
+        body: dict[str, Any],
+        snapshot: Snapshot,
+        caller: Caller,
+        *,
+        compact: bool = False,
+        continued_items: int = 0,
     ) -> tuple[RunPlan, ToStore | None]:
         """The plan of a Responses request, and what to store of it (None: `store:
         false`); `compact`: a `/v1/responses/compact` request (`http.protocols.compaction`).
-        Raises `ApiError`."""
+        `continued_items`: how many items at the front of `input` are not the caller's
+        but the conversation it continues (a WebSocket's unstored last response), so an
+        error names the caller's own item. Raises `ApiError`."""
         try:
             view = msgspec.convert(body, ResponsesRequest)
         except msgspec.ValidationError as exc:
@@ -166,7 +174,7 @@ class ResponsesSurface:
         try:
             expanded = uncalled_outputs.rewrite(expand(conversation_items))
         except CompactionUnreadable as exc:
-            raise _unreadable_compaction(exc, stored=len(earlier)) from None
+            raise _unreadable_compaction(exc, stored=len(earlier) + continued_items) from None
         if expanded is not conversation_items:
             body["input"] = expanded
         compaction = None
@@ -418,11 +426,11 @@ _encode: Final = msgspec.json.Encoder().encode
 
 def _unreadable_compaction(error: CompactionUnreadable, *, stored: int) -> ApiError:
     """The 400 for a damaged compaction item, naming it where the caller sent it: the
-    conversation expanded is the `stored` items of `previous_response_id`'s chain, then
+    conversation expanded is the `stored` items of the conversation it continues, then
     the request's own `input`."""
     index = error.index or 0
     if index < stored:  # a stored item: it read back when it was stored
-        where = f"the stored conversation of previous_response_id (its item {index})"
+        where = f"the conversation of previous_response_id (its item {index})"
         param = "previous_response_id"
     else:
         where = param = f"input[{index - stored}].encrypted_content"
