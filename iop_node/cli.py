@@ -36,13 +36,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Final, get_args
+from typing import TYPE_CHECKING, Final, get_args
 
 import msgspec
 import trio
@@ -60,6 +61,9 @@ from schemas.runtime.log_lines import configure_logging as configure_log_lines
 from schemas.runtime.stop_signal import EXIT_INTERRUPTED
 from schemas.runtime.telemetry import OTEL_EXTRA, TelemetryError, endpoint_problem
 
+if TYPE_CHECKING:  # the adapter's module is imported when a cli provider is built
+    from iop_node.adapters.cli import AllowedCommands
+
 TOKEN_ENV_VAR = "IOP_NODE_TOKEN"
 #: A token is a line; a token file far larger is the wrong file.
 MAX_TOKEN_FILE_BYTES: Final = 4096
@@ -76,7 +80,7 @@ class NodeFileConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     edge_dns: str | list[str] | None = None
     node_id: str | None = None
     token_file: str | None = None
-    allow_commands: list[str] | None = None
+    allow_commands: list[str | list[str]] | None = None
     telemetry: TelemetrySection | None = None
 
 
@@ -90,8 +94,8 @@ class NodeInvocation:
     edge_dns: tuple[str, ...] = ()
     telemetry: TelemetrySection = field(default_factory=TelemetrySection)
     """The trace settings from the flags and the `--config` file (flags win)."""
-    allowed_commands: frozenset[str] = frozenset()
-    """What the Edge's `cli` providers may run here (`iop_node.adapters.cli`)."""
+    allowed_commands: AllowedCommands = frozenset()
+    """The command lines the Edge's `cli` providers may run here (`iop_node.adapters.cli`)."""
 
     @property
     def edge_url(self) -> str:
@@ -145,11 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--allow-command",
-        metavar="COMMAND",
+        metavar="COMMAND_LINE",
         action="append",
-        help="a command the Edge's cli providers may run on this machine, as their "
-        "adapter.command[0] names it (repeatable; none by default): the Edge chooses its "
-        "arguments, so allow a program, never a shell or an interpreter",
+        help="a command line the Edge's cli providers may run on this machine, exactly "
+        "as their adapter.command gives it, {model} included, e.g. 'llm -m {model}' "
+        "(repeatable; none by default)",
     )
     run.add_argument(
         "--config",
@@ -251,8 +255,26 @@ def resolve_invocation(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         token=token,
         edge_dns=edge_dns,
         telemetry=_telemetry(args, file_config.telemetry or TelemetrySection()),
-        allowed_commands=frozenset(args.allow_command or file_config.allow_commands or ()),
+        allowed_commands=_allowed_commands(args.allow_command or file_config.allow_commands or []),
     )
+
+
+def _allowed_commands(lines: list[str] | list[str | list[str]]) -> AllowedCommands:
+    """Each allowed command line as an argv: a string is split as a shell splits it, a
+    list (in the config file) is the argv itself."""
+    allowed: set[tuple[str, ...]] = set()
+    for line in lines:
+        if isinstance(line, str):
+            try:
+                argv = shlex.split(line)
+            except ValueError as exc:
+                raise UsageError(f"--allow-command {line!r}: {exc}") from None
+        else:
+            argv = line
+        if not argv or not argv[0]:
+            raise UsageError(f"--allow-command {line!r} names no program")
+        allowed.add(tuple(argv))
+    return frozenset(allowed)
 
 
 #: How the operator spells each trace setting (error messages name it).

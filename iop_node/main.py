@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -37,6 +38,9 @@ from iop_node.uplink.link_settings import (
     LinkSettings,
 )
 from schemas.runtime.stop_signal import StopSignal
+
+if TYPE_CHECKING:  # the adapter's module is imported when a cli provider is built
+    from iop_node.adapters.cli import AllowedCommands
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +178,7 @@ async def serve_until_signalled(
     *,
     edge_dns: Sequence[str] = (),
     tracing: NodeTracing | None = None,
-    allowed_commands: frozenset[str] = frozenset(),
+    allowed_commands: AllowedCommands = frozenset(),
 ) -> int:
     """Run a Node until SIGINT/SIGTERM: the first signal drains and stops gracefully, a
     second one stops at once. Returns the process's exit status: 130 after Ctrl-C, 0

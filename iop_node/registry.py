@@ -32,7 +32,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import trio
 
@@ -42,6 +42,9 @@ from iop_node.runs.activity import ProviderActivity
 from iop_node.runs.runner import RunHandle, Send, execute_run
 from schemas.config import NodeConfig, ProviderConfig
 from schemas.wire import FailureCode, Run, RunFailed
+
+if TYPE_CHECKING:  # the adapters' modules are imported on first use
+    from iop_node.adapters.cli import AllowedCommands
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +74,11 @@ class RegistryBuildError(Exception):
 
 
 def create_adapter(
-    provider: ProviderConfig, *, allowed_commands: frozenset[str] = frozenset()
+    provider: ProviderConfig, *, allowed_commands: AllowedCommands = frozenset()
 ) -> Adapter:
     """Construct the adapter for `provider.type`, importing its module on first use.
-    `allowed_commands`: what a `cli` provider may run (`iop_node.adapters.cli`)."""
+    `allowed_commands`: the command lines a `cli` provider may run
+    (`iop_node.adapters.cli`)."""
     try:
         module_name, class_name = _ADAPTER_CLASSES[provider.type]
     except KeyError:

@@ -31,12 +31,16 @@ stream without a limit holds no more than one read. A run that does not finish w
 `adapter.request_timeout_s` fails (`upstream_timeout`, or `upstream_stream_error` once
 output was streamed).
 
-The Node runs only the commands its own operator allowed (`iop-node run --allow-command
-NAME`, `allow_commands` in its config file), whatever the Edge's config says: a provider
-config is the Edge's, and without the Node's consent anyone who could change it (a local
-user of the Edge's machine, through its loopback admin API) would run programs on every
-Node. A provider whose `command[0]` is not allowed, exactly as written, is unavailable
-(its status says which flag allows it) and refuses its runs without starting anything.
+The Node runs only the command lines its own operator allowed (`iop-node run
+--allow-command 'llm -m {model}'`, `allow_commands` in its config file), whatever the
+Edge's config says: a provider config is the Edge's, and without the Node's consent
+anyone who could change it (a local user of the Edge's machine, through its loopback
+admin API) would run programs on every Node. What is allowed is the whole argv template,
+`{model}` included, compared with `adapter.command` as written: the Edge chooses no
+argument of an allowed program (many programs run code given the right ones), only the
+served model name in its `{model}` places, and a name that begins with `-` (an option
+to the program) is refused. A provider whose command is not allowed is unavailable (its
+status gives the flag that allows it) and refuses its runs without starting anything.
 
 A non-zero exit is a run failure (`cli_failed`, with the exit status and the tail of
 stderr). The process gets a session of its own, so cancelling a run (or a failure) kills
@@ -186,6 +190,10 @@ def render_prompt(body: dict[str, Any], operation: Literal["chat", "completion"]
     return "\n\n".join(f"{m.get('role', 'user')}: {_text_of(m.get('content'))}" for m in messages)
 
 
+#: The command lines a Node's operator allows, each an argv template (`{model}` kept).
+AllowedCommands = frozenset[tuple[str, ...]]
+
+
 def build_argv(command: list[str], target: str) -> list[str]:
     return [part.replace("{model}", target) for part in command]
 
@@ -287,24 +295,33 @@ class CliAdapter:
     """A non-stream answer's bound when the request sets none."""
 
     def __init__(
-        self, provider: ProviderConfig, allowed_commands: frozenset[str] = frozenset()
+        self, provider: ProviderConfig, allowed_commands: AllowedCommands = frozenset()
     ) -> None:
-        """`allowed_commands`: the commands this Node's operator allows (module docstring)."""
+        """`allowed_commands`: the command lines this Node's operator allows (module
+        docstring)."""
         command = provider.adapter.command
         if not command:
             raise ValueError(f"provider {provider.id!r}: adapter.command is required")
         self.provider = provider
         self.command = list(command)
+        line = shlex.join(self.command)
         self._refusal = (
             None
-            if self.command[0] in allowed_commands
-            else f"this Node does not run {self.command[0]!r} for its Edge: its operator "
-            f"allows it with `iop-node run --allow-command {shlex.quote(self.command[0])}`"
+            if tuple(self.command) in allowed_commands
+            else f"this Node does not run `{line}` for its Edge: its operator allows it "
+            f"with `iop-node run --allow-command {shlex.quote(line)}`"
         )
 
     async def execute(self, run: Run, emit: Emit) -> RunResult:
         if self._refusal is not None:
             raise AdapterError(FailureCode.UPSTREAM_MISCONFIGURED, self._refusal, retryable=True)
+        if run.target.startswith("-") and any("{model}" in part for part in self.command):
+            raise AdapterError(
+                FailureCode.UPSTREAM_MISCONFIGURED,
+                f"the served model name {run.target!r} begins with '-': in the command's "
+                "{model} place the program would read it as an option",
+                retryable=True,
+            )
         match run.operation:
             case "chat" | "completion" as operation:
                 pass

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 
@@ -46,7 +47,7 @@ def adapter_for(*command: str, timeout_s: float = 600.0, allowed: bool = True) -
             capacity=2,
             adapter=AdapterSettings(command=list(command), request_timeout_s=timeout_s),
         ),
-        frozenset(command[:1]) if allowed else frozenset(),
+        frozenset({command}) if allowed else frozenset(),
     )
 
 
@@ -273,27 +274,46 @@ async def test_a_command_this_node_does_not_allow_is_never_started(tmp_path: Pat
     adapter = adapter_for(sys.executable, "-c", f"open({str(ran)!r}, 'w')", allowed=False)
     status = await adapter.probe()
     assert status.health == "unavailable"
+    line = shlex.join(adapter.command)
     assert status.detail == (
-        f"this Node does not run {sys.executable!r} for its Edge: its operator allows it "
-        f"with `iop-node run --allow-command {shlex.quote(sys.executable)}`"
+        f"this Node does not run `{line}` for its Edge: its operator allows it "
+        f"with `iop-node run --allow-command {shlex.quote(line)}`"
     )
     with trio.fail_after(PROCESS_GUARD_S), pytest.raises(AdapterError) as refused:
         await adapter.execute(make_run(CHAT, stream=False), Collector())
     assert (refused.value.code, refused.value.retryable) == ("upstream_misconfigured", True)
     assert refused.value.message == status.detail
     assert not ran.exists()
-    # Allowed by another spelling (a path for a name) is not allowed: the match is exact.
-    other = CliAdapter(
-        ProviderConfig(
-            id="cli-2",
-            type="cli",
-            models=[MODEL],
-            capacity=1,
-            adapter=AdapterSettings(command=["python3", "-c", "pass"]),
-        ),
-        frozenset({sys.executable}),
-    )
-    assert (await other.probe()).health == "unavailable"
+
+
+async def test_an_allowed_program_runs_only_with_the_arguments_allowed() -> None:
+    """The whole command line is what the operator allows: the same program with other
+    arguments (which could make it run code), or named another way, is not allowed."""
+
+    def adapter(command: list[str], *allowed: tuple[str, ...]) -> CliAdapter:
+        settings = AdapterSettings(command=command)
+        provider = ProviderConfig(id="c", type="cli", models=[MODEL], capacity=1, adapter=settings)
+        return CliAdapter(provider, frozenset(allowed))
+
+    template = (sys.executable, "-c", ECHO_STDIN, "{model}")
+    assert (await adapter(list(template), template).probe()).health == "available"
+    for command in (
+        [sys.executable, "-c", "import os", "{model}"],  # the arguments the Edge chose
+        [sys.executable, "-c", ECHO_STDIN],  # fewer of them
+        ["python3", "-c", ECHO_STDIN, "{model}"],  # another spelling of the program
+    ):
+        assert (await adapter(command, template).probe()).health == "unavailable", command
+
+
+async def test_a_served_name_that_reads_as_an_option_is_refused() -> None:
+    """An allowed template's {model} place takes the served name: one that begins with
+    `-` would be read by the program as an option the operator never allowed."""
+    adapter = python(ECHO_STDIN, "{model}")
+    run = msgspec.structs.replace(make_run(CHAT, stream=False), target="--exec=evil")
+    with trio.fail_after(PROCESS_GUARD_S), pytest.raises(AdapterError) as refused:
+        await adapter.execute(run, Collector())
+    assert (refused.value.code, refused.value.retryable) == ("upstream_misconfigured", True)
+    assert "begins with '-'" in refused.value.message
 
 
 def test_render_prompt_rules() -> None:

@@ -46,7 +46,7 @@ def endless(pid_file: Path, *, timeout_s: float = 600.0) -> CliAdapter:
     )
     return CliAdapter(
         ProviderConfig(id="cli-1", type="cli", models=[MODEL], capacity=1, adapter=settings),
-        frozenset({sys.executable}),
+        frozenset({tuple(settings.command or ())}),
     )
 
 

@@ -62,7 +62,7 @@ async def test_a_node_runs_no_command_its_operator_did_not_allow(
 
 
 async def test_an_allowed_command_answers(nursery: trio.Nursery, tmp_path: Path) -> None:
-    allowed = partial(create_adapter, allowed_commands=frozenset({sys.executable}))
+    allowed = partial(create_adapter, allowed_commands=frozenset({(sys.executable, "-c", ECHO)}))
     stack = await start_stack(
         nursery,
         _config(tmp_path / "state"),

@@ -98,7 +98,9 @@ async def upstream_stacks(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterato
         text = edge_config(
             tmp_path / f"state-{len(made)}", providers=providers, models=models, dispatch=dispatch
         )
-        commands = frozenset(p["adapter"]["command"][0] for p in providers if p["type"] == "cli")
+        commands = frozenset(
+            tuple(p["adapter"]["command"]) for p in providers if p["type"] == "cli"
+        )
         stack = await start_stack(
             nursery,
             text,

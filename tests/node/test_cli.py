@@ -92,15 +92,27 @@ def test_the_commands_cli_providers_may_run_come_from_flags_or_the_file(
 ) -> None:
     env = {TOKEN_ENV_VAR: TOKEN}
     assert _resolve(["--edge", EDGE, "--node-id", "gpu1"], env).allowed_commands == frozenset()
-    flags = ["--edge", EDGE, "--node-id", "gpu1", "--allow-command", "claude"]
-    invocation = _resolve([*flags, "--allow-command", "/opt/llama/llama-cli"], env)
-    assert invocation.allowed_commands == {"claude", "/opt/llama/llama-cli"}
+    flags = ["--edge", EDGE, "--node-id", "gpu1", "--allow-command", "llm -m {model}"]
+    invocation = _resolve([*flags, "--allow-command", "'/opt/my model/run' {model}"], env)
+    assert invocation.allowed_commands == {
+        ("llm", "-m", "{model}"),
+        ("/opt/my model/run", "{model}"),
+    }
     config = tmp_path / "node.yaml"
-    config.write_text(f"edge: {EDGE}\nnode_id: gpu1\nallow_commands: [codex, ollama]\n")
-    assert _resolve(["--config", str(config)], env).allowed_commands == {"codex", "ollama"}
+    config.write_text(
+        f"edge: {EDGE}\nnode_id: gpu1\n"
+        "allow_commands: ['llm -m {model}', [/opt/my model/run, '{model}']]\n"
+    )
+    assert _resolve(["--config", str(config)], env).allowed_commands == {
+        ("llm", "-m", "{model}"),
+        ("/opt/my model/run", "{model}"),
+    }
     # Flags win over the file, as for every setting.
-    overridden = _resolve(["--config", str(config), "--allow-command", "claude"], env)
-    assert overridden.allowed_commands == {"claude"}
+    overridden = _resolve(["--config", str(config), "--allow-command", "claude -p"], env)
+    assert overridden.allowed_commands == {("claude", "-p")}
+    for line, problem in (("", "names no program"), ("llm 'unclosed", "No closing quotation")):
+        with pytest.raises(UsageError, match=problem):
+            _resolve([*flags, "--allow-command", line], env)
 
 
 @pytest.mark.parametrize(
@@ -306,13 +318,13 @@ def test_a_permanent_rejection_exits_3_saying_what_to_fix(
         *,
         edge_dns: list[str],
         tracing: None,
-        allowed_commands: frozenset[str],
+        allowed_commands: frozenset[tuple[str, ...]],
     ) -> None:
-        assert allowed_commands == {"claude"}  # the flag reaches the Node
+        assert allowed_commands == {("claude", "-p")}  # the flag reaches the Node
         raise EdgeRejected(edge_urls[0], node_id, "unknown_node", "node id 'gpu9' is not known", 3)
 
     monkeypatch.setattr("iop_node.cli.serve_until_signalled", rejected)
-    argv = ["run", "--edge", EDGE, "--node-id", "gpu9", "--allow-command", "claude"]
+    argv = ["run", "--edge", EDGE, "--node-id", "gpu9", "--allow-command", "claude -p"]
     with monkeypatch.context() as env:
         env.setenv(TOKEN_ENV_VAR, TOKEN)
         assert main(argv) == 3
