@@ -12,6 +12,7 @@ are sent, `Authorization` is the one checked.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Protocol
 
 from iop_edge.core.configuration.tokens import hash_token
 from iop_edge.http.browser_guard import browser_refusal
@@ -68,3 +69,23 @@ def authenticate(
             401, "Incorrect API key provided", type="authentication_error", code="invalid_api_key"
         )
     return principal
+
+
+class _Headers(Protocol):
+    """Request headers found by lowercase name: Quart's, or a dict of ASGI's."""
+
+    def get(self, name: str, /) -> str | None: ...
+
+
+def authenticate_headers(
+    principals: Mapping[str, PrincipalToken], headers: _Headers, *, listen: str
+) -> PrincipalToken:
+    """`authenticate` of a request's headers; `listen`: the configured `openai.listen`."""
+    return authenticate(
+        principals,
+        headers.get("authorization") or "",
+        headers.get("x-api-key") or "",
+        host=headers.get("host"),
+        origin=headers.get("origin"),
+        listen=listen,
+    )

@@ -33,7 +33,7 @@ from werkzeug.exceptions import HTTPException
 
 from iop_edge.core.routing.readiness import Readiness
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.auth import authenticate
+from iop_edge.http.auth import authenticate_headers
 from iop_edge.http.errors import ApiError, method_not_allowed, model_not_found
 from iop_edge.http.final_send import shield_final_send
 from iop_edge.http.protocols.caller_protocol import CallerProtocol
@@ -131,14 +131,8 @@ def _create_quart_app(
     def check_caller() -> str:
         """The caller's principal_ref (401 without a known token)."""
         current = snapshot()
-        headers = request.headers
-        return authenticate(
-            current.principals,
-            headers.get("authorization", ""),
-            headers.get("x-api-key", ""),
-            host=headers.get("host"),
-            origin=headers.get("origin"),
-            listen=current.config.openai.listen,
+        return authenticate_headers(
+            current.principals, request.headers, listen=current.config.openai.listen
         ).principal_ref
 
     @app.before_request

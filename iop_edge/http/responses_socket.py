@@ -65,7 +65,7 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, WebsocketSco
 
 from iop_edge.core.responses.protocol_requests import input_items
 from iop_edge.core.routing.affinity import SESSION_HEADERS
-from iop_edge.http.auth import authenticate
+from iop_edge.http.auth import authenticate_headers
 from iop_edge.http.errors import ApiError, metering_unavailable
 from iop_edge.http.protocols.caller_protocol import Caller, ToStore
 from iop_edge.http.protocols.responses import RESPONSES, warm_up_events, warm_up_response
@@ -222,13 +222,8 @@ class ResponsesSocket:
         }
         snapshot = self._runs.snapshot()
         try:  # Rule 1
-            principal = authenticate(
-                snapshot.principals,
-                headers.get("authorization", ""),
-                headers.get("x-api-key", ""),
-                host=headers.get("host"),
-                origin=headers.get("origin"),
-                listen=snapshot.config.openai.listen,
+            principal = authenticate_headers(
+                snapshot.principals, headers, listen=snapshot.config.openai.listen
             )
         except ApiError as refused:
             await _deny(send, refused)
