@@ -158,9 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--config",
         metavar="FILE",
-        help="YAML with edge, node_id, token_file (`iop-node example node.yaml`); flags win "
-        "over "
-        "it, and its token_file is relative to the YAML file",
+        help="YAML with edge, node_id, token_file, allow_commands (`iop-node example "
+        "node.yaml`); flags win over it, and its token_file is relative to the YAML file",
     )
     run.add_argument(
         "--log-level",
