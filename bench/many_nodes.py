@@ -84,12 +84,14 @@ from bench.procfs import process_cpu_seconds, rss_bytes
 from bench.services import (
     REPO_ROOT,
     ServiceFailed,
+    admin_headers,
     child_env,
     output_lines,
     python_argv,
     spawn_service,
     start_service,
 )
+from iop_edge.runtime.lifecycle.admin_credential import ADMIN_TOKEN_FILE
 from iop_edge.runtime.lifecycle.heap import BURST, LEAK_GRACE_S
 
 #: Where the light Nodes' providers point: never contacted (a light Node has no upstream).
@@ -493,10 +495,13 @@ class _AdminPost:
 
     @classmethod
     async def start(
-        cls, nursery: trio.Nursery, admin_url: str, body: Path, answer: Path
+        cls, nursery: trio.Nursery, admin_url: str, body: Path, answer: Path, token_file: Path
     ) -> _AdminPost:
-        """The child, connected and waiting; `nursery` owns it."""
-        argv = python_argv("bench.admin_post", f"{admin_url}/refresh", str(body), str(answer))
+        """The child, connected and waiting; `nursery` owns it. `token_file`: the admin
+        credential it presents."""
+        argv = python_argv(
+            "bench.admin_post", f"{admin_url}/refresh", str(body), str(answer), str(token_file)
+        )
         process: trio.Process = await nursery.start(
             partial(
                 trio.run_process,
@@ -690,7 +695,11 @@ async def measure_many_nodes(
         )
         async with (
             trio.open_nursery() as nodes_scope,
-            httpx2.AsyncClient(base_url=edge.ready.admin, timeout=_ADMIN_TIMEOUT_S) as admin,
+            httpx2.AsyncClient(
+                base_url=edge.ready.admin,
+                timeout=_ADMIN_TIMEOUT_S,
+                headers=admin_headers(state_dir),
+            ) as admin,
             open_client(64) as caller_client,
         ):
             began = time.perf_counter()
@@ -750,9 +759,11 @@ async def measure_many_nodes(
                 await _refresh_body(workdir, "apply", "apply", candidate),
             ]
             answer = workdir / "refresh-answer.json"
+            token_file = state_dir / ADMIN_TOKEN_FILE
             async with trio.open_nursery() as load:
                 few_dry_run, dry_run, apply = [
-                    await _AdminPost.start(load, edge.ready.admin, body, answer) for body in bodies
+                    await _AdminPost.start(load, edge.ready.admin, body, answer, token_file)
+                    for body in bodies
                 ]
                 await load.start(callers.run)
                 await trio.sleep(shape.caller_window_s)  # the idle phase is a time window

@@ -40,7 +40,7 @@ from rich.table import Table
 
 from bench.gateway import EdgeLog
 from bench.load import percentile
-from bench.services import child_env, python_argv, start_service
+from bench.services import admin_headers, child_env, python_argv, start_service
 
 __all__ = [
     "STALL_TARGET_S",
@@ -312,7 +312,9 @@ async def measure_many_tokens(
         edge = await start_service(scope, "iop-edge (many tokens)", _edge_argv(large), EdgeLog())
         async with (
             httpx2.AsyncClient(base_url=edge.ready.openai, timeout=_ADMIN_TIMEOUT_S) as caller,
-            httpx2.AsyncClient(base_url=edge.ready.admin, timeout=_ADMIN_TIMEOUT_S) as admin,
+            httpx2.AsyncClient(
+                base_url=edge.ready.admin, timeout=_ADMIN_TIMEOUT_S, headers=admin_headers(state)
+            ) as admin,
         ):
             for _ in range(_WARMUP_PINGS):
                 (await caller.get("/healthz")).raise_for_status()

@@ -25,6 +25,8 @@ from typing import Any, Final, Generic, TypeVar
 
 import trio
 
+from iop_edge.runtime.lifecycle import admin_credential
+
 #: The repository root: children import `iop_edge`, `iop_node` and `bench` from here.
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 _TAIL_LINES: Final = 40
@@ -179,3 +181,10 @@ async def output_lines(stream: trio.abc.ReceiveStream) -> AsyncGenerator[str, No
             yield raw.decode("utf-8", errors="replace").rstrip("\r")
     if pending:
         yield pending.decode("utf-8", errors="replace")
+
+
+def admin_headers(state_dir: Path) -> dict[str, str]:
+    """The `Authorization` an admin change presents: the credential the Edge keeps in its
+    `state_dir` (`iop_edge.runtime.lifecycle.admin_credential`), made at its first start."""
+    token = admin_credential.read(state_dir / admin_credential.ADMIN_TOKEN_FILE)
+    return {"authorization": f"Bearer {token}"}

@@ -94,6 +94,7 @@ from bench.services import (
     REPO_ROOT,
     Service,
     ServiceFailed,
+    admin_headers,
     child_env,
     python_argv,
     start_service,
@@ -550,7 +551,9 @@ async def _soak(options: SoakOptions, *, folder: Path, state: Path) -> int:
             limits = httpx2.Limits(max_connections=concurrency * 2)
             async with (
                 httpx2.AsyncClient(base_url=urls.openai, timeout=60, limits=limits) as http,
-                httpx2.AsyncClient(base_url=urls.admin, timeout=60) as admin,
+                httpx2.AsyncClient(
+                    base_url=urls.admin, timeout=60, headers=admin_headers(state)
+                ) as admin,
             ):
                 with trio.fail_after(30):  # the soak's own start-up
                     await wait_servable(urls.admin)

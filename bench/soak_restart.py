@@ -71,7 +71,9 @@ async def restart_limits_phase(folder: Path) -> Verdict:
             edge = stack.edges[0]
             async with (
                 httpx2.AsyncClient(base_url=stack.urls.openai, timeout=60) as http,
-                httpx2.AsyncClient(base_url=stack.urls.admin, timeout=_HANDOVER_S) as admin,
+                httpx2.AsyncClient(
+                    base_url=stack.urls.admin, timeout=_HANDOVER_S, headers=stack.admin_headers()
+                ) as admin,
             ):
                 started = time.monotonic()
                 before = [await _ask(http, _LIMITED) for _ in range(RPM)]

@@ -24,7 +24,7 @@ import trio
 import yaml
 
 from bench.gateway import EdgeLog, EdgeUrls
-from bench.services import Service, python_argv, spawn_service, start_service
+from bench.services import Service, admin_headers, python_argv, spawn_service, start_service
 
 __all__ = [
     "PhaseStack",
@@ -104,10 +104,15 @@ class PhaseStack:
 
     edges: list[Service[EdgeUrls]]
     node: Service[None]
+    state_dirs: list[Path]
 
     @property
     def urls(self) -> EdgeUrls:
         return self.edges[0].ready
+
+    def admin_headers(self) -> dict[str, str]:
+        """The admin credential of the first Edge, for a change through its admin API."""
+        return admin_headers(self.state_dirs[0])
 
 
 async def start_phase_stack(
@@ -126,6 +131,7 @@ async def start_phase_stack(
     await trio.Path(folder).mkdir(parents=True, exist_ok=True)
     token_hash = hashlib.sha256(NODE_TOKEN.encode()).hexdigest()
     edges: list[Service[EdgeUrls]] = []
+    state_dirs: list[Path] = []
     with trio.fail_after(START_S):
         for index, given in enumerate(configs):
             config = {key: value for key, value in given.items() if key != "providers"}
@@ -135,6 +141,7 @@ async def start_phase_stack(
                 "state_dir": str(folder / f"state-{index + 1}"),
                 **config.get("edge", {}),
             }
+            state_dirs.append(Path(edge_section["state_dir"]))
             config |= {
                 "edge": edge_section,
                 "admin": {"listen": "127.0.0.1:0"},
@@ -162,7 +169,7 @@ async def start_phase_stack(
         )
         for edge in edges:
             await _wait_health(edge.ready.admin, frozenset(down))
-    return PhaseStack(edges=edges, node=node)
+    return PhaseStack(edges=edges, node=node, state_dirs=state_dirs)
 
 
 async def _wait_health(admin_url: str, down: frozenset[str]) -> None:

@@ -110,9 +110,11 @@ def example_text(addresses: EdgeAddresses, model: str, demo: DemoConfig, ephemer
     base = f"{addresses.openai_url}/v1"
     edge_cli = _command("iop-edge")
     # With free ports, or no file, the file's admin.listen does not say where the admin
-    # API is: name it.
-    if ephemeral or demo.path is None:
+    # API is: name it. The file also says where the admin credential is (its state_dir).
+    if demo.path is None:
         locate = f"--admin {addresses.admin_url}"
+    elif ephemeral:
+        locate = f"--admin {addresses.admin_url} --config {demo.path}"
     else:
         locate = f"--config {demo.path}"
     if demo.path is None:

@@ -49,6 +49,11 @@ from iop_edge.http.server import HttpServer, hypercorn_config
 from iop_edge.procedures.drain import CUT_WRITE_S
 from iop_edge.procedures.restart import Restarter
 from iop_edge.procedures.serve import EdgeAddresses, EdgeParts, StopRequest, serve
+from iop_edge.runtime.lifecycle.admin_credential import (
+    ADMIN_TOKEN_FILE,
+    AdminCredentialUnusable,
+    load_or_create,
+)
 from iop_edge.runtime.lifecycle.handoff import HandoffSender
 from iop_edge.runtime.lifecycle.handover import Handover
 from iop_edge.runtime.lifecycle.heap_keeper import HeapKeeper
@@ -258,6 +263,8 @@ class Edge:
         """The listeners a restarting Edge handed over (not bound here)."""
         self._port_claim: CallerPortClaim | None = None
         self._node_server: NodeServer | None = None
+        self._admin_token = ""
+        """The admin credential, read as the Edge starts (`load_admin_credential`)."""
         self._stop = StopRequest()
         self._restarter = Restarter(
             successor_argv,
@@ -434,6 +441,8 @@ class Edge:
             refuse_refresh=self.refresher.refuse_unreadable,
             restart=self.restart,
             model_command=partial(self.model_keeper.command, source="admin API"),
+            admin_token=self._admin_token,
+            admin_token_path=str(Path(self._snapshot.config.edge.state_dir) / ADMIN_TOKEN_FILE),
         )
 
     # --- observation ------------------------------------------------------------------
@@ -595,6 +604,7 @@ class Edge:
         """Serve until stopped and drained (`procedures.serve`); startable (reports the
         addresses once every listener accepts)."""
         await self.check_ledger()
+        await self.load_admin_credential()
         self.open_listeners()
         try:
             await self.claim_caller_port()
@@ -614,6 +624,15 @@ class Edge:
                 listener.close()
             if self.tracing is not None:
                 await self.tracing.aclose()  # the last spans leave (bounded)
+
+    async def load_admin_credential(self) -> None:
+        """The credential every admin change presents (`lifecycle.admin_credential`),
+        made at the first start; raises `EdgeStartupError`."""
+        state_dir = Path(self._snapshot.config.edge.state_dir)
+        try:
+            self._admin_token = await trio.to_thread.run_sync(load_or_create, state_dir)
+        except AdminCredentialUnusable as exc:
+            raise EdgeStartupError(f"the admin credential: {exc}") from None
 
     def _build(self, listeners: Mapping[Role, Listener]) -> EdgeParts:
         """The servers on `listeners`, wired to the long-lived parts."""

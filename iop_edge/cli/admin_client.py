@@ -1,6 +1,8 @@
 """How the admin client commands find and call the Edge's admin API (Rules 1, 3 and 4 of
 the package docstring): the URL from `--admin` or a config's `admin.listen`, one JSON call,
-the server's own message on an error, and a console that ends quietly on a closed pipe."""
+the server's own message on an error, and a console that ends quietly on a closed pipe.
+A change (`POST`) presents the admin credential (`lifecycle.admin_credential`), read from
+`--admin-token-file` or the config's `edge.state_dir`."""
 
 from __future__ import annotations
 
@@ -10,13 +12,16 @@ import shlex
 from pathlib import Path
 from typing import Any, Final
 
+import yaml
 from rich.console import Console
 
 from iop_edge.cli import config_lookup as lookup
 from iop_edge.cli.errors import fail
 from iop_edge.core.configuration.config import ConfigInvalid, format_errors
 from iop_edge.core.configuration.listen import parse_listen_address
+from iop_edge.runtime.lifecycle import admin_credential
 from iop_edge.runtime.refresh.config_file import load_config
+from schemas.runtime import safe_yaml
 
 
 def _config_for_admin(args: argparse.Namespace) -> Path:
@@ -31,6 +36,48 @@ def _config_for_admin(args: argparse.Namespace) -> Path:
     )
 
 
+def _credential(args: argparse.Namespace, located: Path | None) -> str:
+    """The admin credential a change presents: `--admin-token-file`'s, else the one in
+    the `edge.state_dir` of the config that located the Edge (`located`), else of
+    `--config` or the default config."""
+    path: Path | None = getattr(args, "admin_token_file", None)
+    if path is None:
+        try:
+            config = located or lookup.config_or_default(
+                args.config,
+                needed_by="a change to the Edge needs its admin credential: ",
+                advice="Pass --config with the Edge's config (the credential is in its "
+                "edge.state_dir), or --admin-token-file FILE",
+            )
+        except lookup.NoConfig as exc:
+            fail(str(exc))
+        path = _state_dir(config) / admin_credential.ADMIN_TOKEN_FILE
+    try:
+        return admin_credential.read(path)
+    except admin_credential.AdminCredentialUnusable as exc:
+        fail(
+            f"{exc}. A change to the Edge needs its admin credential: run this as a user "
+            "who may read it (the Edge's own, or root), or pass --admin-token-file FILE"
+        )
+
+
+def _state_dir(config: Path) -> Path:
+    """`config`'s `edge.state_dir`, read leniently: a config the Edge would refuse (one
+    whose change failed) still says where the Edge keeps its credential."""
+    try:
+        return Path(load_config(config).config.edge.state_dir)
+    except ConfigInvalid:
+        pass
+    try:
+        state_dir = safe_yaml.load(config.read_text(encoding="utf-8"))["edge"]["state_dir"]
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError) as exc:
+        fail(
+            f"cannot read edge.state_dir from {config} ({exc}), where the admin credential "
+            "is: pass --admin-token-file FILE"
+        )
+    return Path(str(state_dir))
+
+
 def _loads(path: Path) -> bool:
     try:
         load_config(path)
@@ -39,13 +86,14 @@ def _loads(path: Path) -> bool:
     return True
 
 
-def _admin_url(args: argparse.Namespace) -> str:
+def _admin_url(args: argparse.Namespace, located: Path | None) -> str:
+    """`--admin`, else the `admin.listen` of `located`, the config that locates the Edge."""
     if args.admin:
         url = str(args.admin).rstrip("/")
         if not url.startswith(("http://", "https://")):
             fail(f"--admin must be a URL like http://127.0.0.1:7701, got {args.admin!r}")
         return url
-    path = _config_for_admin(args)
+    path = located or _config_for_admin(args)
     try:
         listen = load_config(path).config.admin.listen
     except ConfigInvalid as exc:
@@ -68,10 +116,13 @@ def admin_call(
 ) -> tuple[int, Any]:
     import httpx2
 
-    base = _admin_url(args)
+    located = None if args.admin else _config_for_admin(args)
+    base = _admin_url(args, located)
+    changes = method == "POST"
+    headers = {"authorization": f"Bearer {_credential(args, located)}"} if changes else {}
     try:
         with httpx2.Client(timeout=timeout) as client:
-            response = client.request(method, base + path, json=body)
+            response = client.request(method, base + path, json=body, headers=headers)
     except httpx2.TransportError as exc:
         fail(
             f"cannot reach the admin API at {base} ({exc}). Is the Edge running? "
@@ -156,6 +207,14 @@ def add_admin(command: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="an Edge config whose admin.listen locates the Edge (only that is read)",
+    )
+    command.add_argument(
+        "--admin-token-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the admin credential a change presents (default: admin.token in the "
+        "edge.state_dir of --config, else of the default config)",
     )
     command.add_argument(
         "--json", action="store_true", help="print the admin API's JSON document as it is"

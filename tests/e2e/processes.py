@@ -28,7 +28,8 @@ import httpx2
 import openai
 import trio
 
-from tests.e2e.stack import CLIENT_TLS
+from iop_edge.runtime.refresh.config_file import load_config
+from tests.e2e.stack import CLIENT_TLS, admin_headers
 
 REPO = Path(__file__).resolve().parents[2]
 MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
@@ -45,6 +46,7 @@ class EdgeProcess:
     """One `iop-edge serve` (and, after a restart, its successor's output too)."""
 
     process: trio.Process
+    config_path: Path
     urls: dict[str, str] = field(default_factory=dict)
     lines: deque[str] = field(default_factory=lambda: deque(maxlen=400))
     _urls_found: trio.Event = field(default_factory=trio.Event)
@@ -57,6 +59,17 @@ class EdgeProcess:
     @property
     def log(self) -> str:
         return "\n".join(self.lines)
+
+    @property
+    def admin_flags(self) -> list[str]:
+        """What an `iop-edge` command that changes this Edge is given: its admin URL, and
+        its config (whose `edge.state_dir` holds the admin credential)."""
+        return ["--admin", self.urls["admin"], "--config", str(self.config_path)]
+
+    def admin_headers(self) -> dict[str, str]:
+        """The `Authorization` an admin change to this Edge presents."""
+        state_dir = load_config(self.config_path).config.edge.state_dir
+        return admin_headers(Path(state_dir))
 
     async def wait_for_line(self, text: str) -> str:
         """The first logged line containing `text`, once there is one."""
@@ -104,7 +117,7 @@ async def start_edge(
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
     )
-    edge = EdgeProcess(process=process)
+    edge = EdgeProcess(process=process, config_path=config_path)
     nursery.start_soon(edge._read)
     with trio.move_on_after(30):
         await edge._urls_found.wait()

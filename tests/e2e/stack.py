@@ -22,6 +22,7 @@ from wsproto.events import AcceptConnection, BytesMessage, Request
 
 from iop_edge.core.configuration.config import parse_config
 from iop_edge.edge import Edge, EdgeAddresses
+from iop_edge.runtime.lifecycle import admin_credential
 from iop_edge.runtime.runs.dispatch import RunPlan
 from iop_node.main import run_node
 from schemas import wire
@@ -36,6 +37,13 @@ NODE_TOKEN_HASH = hashlib.sha256(NODE_TOKEN.encode()).hexdigest()
 #: but a client that builds its own context loads the trust store for it: about 30 ms of
 #: CPU, hundreds of times a run.
 CLIENT_TLS = httpx2.create_ssl_context()
+
+
+def admin_headers(state_dir: Path) -> dict[str, str]:
+    """The `Authorization` an admin change presents: the credential the Edge keeps in
+    `state_dir` (made at its first start)."""
+    token = admin_credential.read(state_dir / admin_credential.ADMIN_TOKEN_FILE)
+    return {"authorization": f"Bearer {token}"}
 
 
 def edge_config(
@@ -149,8 +157,20 @@ class Stack:
     def http(self) -> httpx2.AsyncClient:
         return httpx2.AsyncClient(base_url=self.addresses.openai_url, timeout=30, verify=CLIENT_TLS)
 
+    @property
+    def admin_flags(self) -> list[str]:
+        """What an `iop-edge` command that changes this Edge is given: its admin URL, and
+        its config (whose `edge.state_dir` holds the admin credential)."""
+        return ["--admin", self.addresses.admin_url, "--config", str(self.config_path)]
+
     def admin(self) -> httpx2.AsyncClient:
-        return httpx2.AsyncClient(base_url=self.addresses.admin_url, timeout=30, verify=CLIENT_TLS)
+        """A client of the admin API holding the admin credential, as an operator's."""
+        return httpx2.AsyncClient(
+            base_url=self.addresses.admin_url,
+            timeout=30,
+            verify=CLIENT_TLS,
+            headers=admin_headers(Path(self.edge.snapshot.config.edge.state_dir)),
+        )
 
     async def start_node(
         self, node_id: str = "node-1", token: str = NODE_TOKEN, **kwargs: Any

@@ -72,7 +72,7 @@ async def test_a_second_edge_with_another_config_refuses_the_caller_port(
 
         # A restart successor runs the new config on the inherited socket: it may.
         _config(tmp_path, "edge.yaml", port, capacity=8)
-        result = await run_cli("restart", "--admin", first.urls["admin"], "--json")
+        result = await run_cli("restart", *first.admin_flags, "--json")
         assert result.returncode == 0, result.stderr.decode() + first.log
         started.append(json.loads(result.stdout)["successor_pid"])
         with trio.fail_after(30):

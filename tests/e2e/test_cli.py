@@ -188,7 +188,7 @@ async def test_admin_url_defaults_to_the_config_admin_listen(
 async def test_refresh_dry_run_reads_the_edge_file(
     stack: Stack, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert await run_cli("refresh", "--admin", stack.addresses.admin_url) == 0
+    assert await run_cli("refresh", *stack.admin_flags) == 0
 
     out = capsys.readouterr().out
     assert out.startswith(f"dry run of {stack.config_path.resolve()}: no changes; revision 1")
@@ -200,16 +200,17 @@ async def test_refresh_apply_prints_a_readable_report(
     stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     candidate = _candidate(stack, tmp_path, capacity=6)
-    admin = stack.addresses.admin_url
 
-    assert await run_cli("refresh", "--admin", admin, "--candidate", str(candidate)) == 0
+    assert await run_cli("refresh", *stack.admin_flags, "--candidate", str(candidate)) == 0
     dry = capsys.readouterr().out
     assert (
         dry.startswith(f"dry run of {candidate}: 1 path(s) would change") and CAPACITY_PATH in dry
     )
     assert stack.edge.snapshot.revision == 1
 
-    assert await run_cli("refresh", "--admin", admin, "--apply", "--candidate", str(candidate)) == 0
+    assert (
+        await run_cli("refresh", *stack.admin_flags, "--apply", "--candidate", str(candidate)) == 0
+    )
 
     out = capsys.readouterr().out
     assert out.startswith(
@@ -228,7 +229,7 @@ async def test_refresh_json_is_the_report(
     stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     candidate = _candidate(stack, tmp_path, priority=3)
-    argv = ("refresh", "--admin", stack.addresses.admin_url, "--candidate", str(candidate))
+    argv = ("refresh", *stack.admin_flags, "--candidate", str(candidate))
 
     assert await run_cli(*argv, "--json") == 0
 
@@ -245,10 +246,11 @@ async def test_refresh_attempts_are_logged_by_the_edge(
 ) -> None:
     caplog.set_level(logging.INFO, logger="iop_edge.runtime.refresh.refresh")
     candidate = _candidate(stack, tmp_path, capacity=6, adapter={"ttft_ms": 9})
-    admin = stack.addresses.admin_url
 
-    assert await run_cli("refresh", "--admin", admin, "--apply", "--candidate", str(candidate)) == 1
-    assert await run_cli("refresh", "--admin", admin, "--apply") == 0
+    assert (
+        await run_cli("refresh", *stack.admin_flags, "--apply", "--candidate", str(candidate)) == 1
+    )
+    assert await run_cli("refresh", *stack.admin_flags, "--apply") == 0
 
     lines = [r.getMessage() for r in caplog.records if r.name == "iop_edge.runtime.refresh.refresh"]
     assert lines[0] == (
@@ -273,10 +275,11 @@ async def test_refused_refresh_exits_1_naming_the_paths(
 ) -> None:
     caplog.set_level(logging.INFO, logger="iop_edge.runtime.refresh.refresh")
     candidate = _candidate(stack, tmp_path, capacity=6, adapter={"ttft_ms": 9})
-    admin = stack.addresses.admin_url
     adapter_path = "nodes[node-1].providers[sim-a].adapter"
 
-    assert await run_cli("refresh", "--admin", admin, "--apply", "--candidate", str(candidate)) == 1
+    assert (
+        await run_cli("refresh", *stack.admin_flags, "--apply", "--candidate", str(candidate)) == 1
+    )
 
     out = capsys.readouterr().out
     assert out.startswith("refused (HTTP 409): nothing was applied; revision 1 stays")
@@ -289,7 +292,7 @@ async def test_refused_refresh_exits_1_naming_the_paths(
     assert restart_hint in " ".join(out.split())
     assert stack.edge.snapshot.revision == 1
 
-    argv = ("refresh", "--admin", admin, "--apply", "--allow-restart-required")
+    argv = ("refresh", *stack.admin_flags, "--apply", "--allow-restart-required")
     assert await run_cli(*argv, "--candidate", str(candidate)) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"applied {candidate}: 3 path(s) changed (1 live, 2 need a restart)")
@@ -305,9 +308,8 @@ async def test_refused_refresh_exits_1_naming_the_paths(
 async def test_unreadable_candidate_and_unreachable_admin_fail_cleanly(
     stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    admin = stack.addresses.admin_url
     missing = tmp_path / "nope.yaml"
-    assert await run_cli("refresh", "--admin", admin, "--candidate", str(missing)) == 1
+    assert await run_cli("refresh", *stack.admin_flags, "--candidate", str(missing)) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"iop-edge: error: cannot read the candidate {missing} (--candidate)")
     with trio.socket.socket() as unused:

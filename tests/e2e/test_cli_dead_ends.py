@@ -312,7 +312,7 @@ async def test_refresh_config_names_only_the_edge(
 async def test_if_revision_conflict_names_the_flag(
     stack: Stack, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ("refresh", "--admin", stack.addresses.admin_url, "--apply", "--if-revision", "7")
+    argv = ("refresh", *stack.admin_flags, "--apply", "--if-revision", "7")
     assert await run_cli(*argv) == 1
     out = capsys.readouterr().out
     assert "--if-revision: the running revision is 1, not 7" in out

@@ -50,13 +50,13 @@ async def test_an_edited_copy_of_the_demo_config_refreshes_without_a_restart(
         admin = match.group(1)
 
         # The demo runs the file as it is: nothing differs, no token change.
-        assert await run_cli("refresh", "--admin", admin) == 0
+        assert await run_cli("refresh", "--admin", admin, "--config", str(copy)) == 0
         out = capsys.readouterr().out
         assert out.startswith(f"dry run of {copy}: no changes")
 
         demo["nodes"][0]["providers"][1]["capacity"] = 6
         copy.write_text(yaml.safe_dump(demo, sort_keys=False), encoding="utf-8")
-        assert await run_cli("refresh", "--admin", admin, "--apply") == 0
+        assert await run_cli("refresh", "--admin", admin, "--config", str(copy), "--apply") == 0
         out = capsys.readouterr().out
         assert out.startswith(
             f"applied {copy}: 1 path(s) changed (1 live, 0 need a restart); revision 1 -> 2"

@@ -139,7 +139,7 @@ async def test_the_operator_pins_and_unpins_a_model_from_the_command_line(
     nursery: trio.Nursery, make_stack: MakeStack
 ) -> None:
     stack, fakes = await _routers(nursery, make_stack, 2, [{"id": "a"}, {"id": "b"}])
-    admin = ["--admin", stack.addresses.admin_url]
+    admin = stack.admin_flags
 
     async def cli(*args: str) -> tuple[int, str]:
         command = [sys.executable, "-m", "iop_edge", "models", *args, *admin]

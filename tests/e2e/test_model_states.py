@@ -225,7 +225,7 @@ async def test_the_command_line_lists_loads_and_unloads(
     nursery: trio.Nursery, make_stack: MakeStack
 ) -> None:
     stack, _, _ = await _two_routers(nursery, make_stack)
-    admin = ["--admin", stack.addresses.admin_url]
+    admin = stack.admin_flags
 
     async def cli(*args: str) -> tuple[int, str]:
         command = [sys.executable, "-m", "iop_edge", "models", *args, *admin]

@@ -75,7 +75,9 @@ async def test_killing_one_replica_fails_only_its_in_flight_runs(
             for index in (1, 2)
         ]
         # They share the state_dir, so the SQLite ledger and its replica roster.
-        async with httpx2.AsyncClient(base_url=survivor.urls["admin"], timeout=10) as admin:
+        async with httpx2.AsyncClient(
+            base_url=survivor.urls["admin"], timeout=10, headers=survivor.admin_headers()
+        ) as admin:
             roster = (await admin.post("/refresh", json={"mode": "dry_run"})).json()["replicas"]
         assert sorted(r["pid"] for r in roster) == sorted(edge.pid for edge in replicas)
         assert all(r["same_config"] and r["state"] == "serving" for r in roster)

@@ -67,7 +67,7 @@ async def test_restart_under_continuous_load_fails_nothing(
             callers.start_soon(load.run)
             with trio.fail_after(60):
                 await load.wait_total(48)
-            result = await run_cli("restart", "--admin", edge.urls["admin"], "--json")
+            result = await run_cli("restart", *edge.admin_flags, "--json")
             assert result.returncode == 0, result.stderr.decode() + edge.log
             report = json.loads(result.stdout)
             assert report["outcome"] == "handed_over" and report["revision"] == 2
@@ -117,7 +117,7 @@ async def test_sigusr2_applies_a_pending_restart_required_change(
         config["openai"].update(tokens(old_token, new_token))
         candidate = yaml.safe_dump(config, sort_keys=False)
         async with httpx2.AsyncClient(
-            base_url=edge.urls["admin"], timeout=30, verify=CLIENT_TLS
+            base_url=edge.urls["admin"], timeout=30, verify=CLIENT_TLS, headers=edge.admin_headers()
         ) as admin:
             response = await admin.post(
                 "/refresh",
@@ -177,7 +177,7 @@ async def test_a_successor_that_cannot_start_changes_nothing(
         )
         config["nodes"][0]["providers"][0]["capacity"] = 0  # the file is broken now
         _write(path, config)
-        result = await run_cli("restart", "--admin", edge.urls["admin"])
+        result = await run_cli("restart", *edge.admin_flags)
         assert result.returncode == 1
         stderr = result.stderr.decode()
         assert "restart failed" in stderr and "nodes[0].providers[0].capacity" in stderr, stderr
@@ -231,7 +231,7 @@ async def test_a_keep_alive_callers_next_request_is_never_cut_by_the_drain(
                 model="m", max_tokens=60, messages=MESSAGES, stream=True
             )
             first = await in_progress.__anext__()
-            result = await run_cli("restart", "--admin", edge.urls["admin"], "--json")
+            result = await run_cli("restart", *edge.admin_flags, "--json")
             assert result.returncode == 0, result.stderr.decode() + edge.log
             successor = json.loads(result.stdout)["successor_pid"]
             # The old Edge drains now; the pooled connection is its. A 5 s stream, longer
@@ -273,7 +273,7 @@ async def test_keep_alive_callers_without_retries_see_no_failure_across_a_restar
             callers.start_soon(load.run)
             with trio.fail_after(60):
                 await load.wait_total(200)
-            result = await run_cli("restart", "--admin", edge.urls["admin"], "--json")
+            result = await run_cli("restart", *edge.admin_flags, "--json")
             assert result.returncode == 0, result.stderr.decode() + edge.log
             successor = json.loads(result.stdout)["successor_pid"]
             with trio.fail_after(60):
@@ -314,7 +314,7 @@ async def test_per_minute_limits_carry_over_a_restart(
                 await client.chat.completions.create(model="m", max_tokens=1, messages=MESSAGES)
             with pytest.raises(openai.RateLimitError):
                 await client.chat.completions.create(model="m", max_tokens=1, messages=MESSAGES)
-            result = await run_cli("restart", "--admin", edge.urls["admin"], "--json")
+            result = await run_cli("restart", *edge.admin_flags, "--json")
             assert result.returncode == 0, result.stderr.decode() + edge.log
             successor = json.loads(result.stdout)["successor_pid"]
             with trio.fail_after(60):

@@ -74,7 +74,7 @@ async def test_the_edge_says_ready_and_each_restart_names_the_new_main_process(
 
     # A zero-downtime restart: the successor says it is the main process now, so systemd
     # does not take the old process's exit for the end of the service.
-    result = await run_cli("restart", "--admin", edge.urls["admin"], "--json")
+    result = await run_cli("restart", *edge.admin_flags, "--json")
     assert result.returncode == 0, result.stderr.decode() + edge.log
     successor = json.loads(result.stdout)["successor_pid"]
     try:

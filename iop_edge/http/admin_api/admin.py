@@ -19,12 +19,16 @@ page: the rules, checked before every request (`browser_request_reason`):
    navigation to the page (`/`, `Sec-Fetch-Dest: document`) may come from elsewhere (a
    bookmark, a link): it returns static HTML, and the page may not be framed.
 
-Mutations are POST only.
+Mutations are POST only, and each presents the admin credential (`Authorization: Bearer`,
+`lifecycle.admin_credential`): every user of the machine reaches the listener, but only
+one who may read the Edge's `state_dir` may change the Edge. Reads need none.
 """
 
 from __future__ import annotations
 
-from quart import Response
+import logging
+
+from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -35,6 +39,9 @@ from iop_edge.http.admin_api.admin_page import add_page_routes
 from iop_edge.http.admin_api.admin_services import AdminServices
 from iop_edge.http.admin_api.admin_state import add_state_routes
 from iop_edge.http.admin_api.admin_usage import add_usage_routes
+from iop_edge.runtime.lifecycle import admin_credential
+
+log = logging.getLogger(__name__)
 
 __all__ = ["create_admin_app"]
 
@@ -48,6 +55,21 @@ def create_admin_app(services: AdminServices) -> QuartTrio:
     app = QuartTrio("iop_edge.http.admin_api.admin")
     app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=_MAX_REFRESH_BODY)
     add_page_routes(app)
+
+    @app.before_request
+    async def require_credential() -> Response | None:
+        if request.method != "POST" or admin_credential.matches(
+            request.headers.get("authorization"), services.admin_token
+        ):
+            return None
+        log.warning("admin API refused %s %s: no admin credential", request.method, request.path)
+        return error_response(
+            401,
+            f"{request.method} {request.path} changes the Edge: it needs the admin credential, "
+            f"`Authorization: Bearer` with the token in {services.admin_token_path} (the "
+            "iop-edge commands read it themselves, as a user who may read that file)",
+        )
+
     add_state_routes(app, services)
     add_usage_routes(app, services)
     add_control_routes(app, services)

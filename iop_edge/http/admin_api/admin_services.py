@@ -51,3 +51,7 @@ class AdminServices:
     """Each principal against its limits now (design §15)."""
     model_command: ModelCommandRunner | None = None
     """The operator's model loads and unloads (design §18); None: not offered."""
+    admin_token: str = ""
+    """What every change (`POST`) presents (`lifecycle.admin_credential`)."""
+    admin_token_path: str = ""
+    """Where the credential is kept, for the refusal's message."""
