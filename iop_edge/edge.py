@@ -265,6 +265,7 @@ class Edge:
         self._node_server: NodeServer | None = None
         self._admin_token = ""
         """The admin credential, read as the Edge starts (`load_admin_credential`)."""
+        self._admin_token_path = Path(ADMIN_TOKEN_FILE)
         self._stop = StopRequest()
         self._restarter = Restarter(
             successor_argv,
@@ -442,7 +443,7 @@ class Edge:
             restart=self.restart,
             model_command=partial(self.model_keeper.command, source="admin API"),
             admin_token=self._admin_token,
-            admin_token_path=str(Path(self._snapshot.config.edge.state_dir) / ADMIN_TOKEN_FILE),
+            admin_token_path=str(self._admin_token_path),
         )
 
     # --- observation ------------------------------------------------------------------
@@ -628,11 +629,17 @@ class Edge:
     async def load_admin_credential(self) -> None:
         """The credential every admin change presents (`lifecycle.admin_credential`),
         made at the first start; raises `EdgeStartupError`."""
-        state_dir = Path(self._snapshot.config.edge.state_dir)
+        state_dir = Path(await trio.Path(self._snapshot.config.edge.state_dir).absolute())
         try:
             self._admin_token = await trio.to_thread.run_sync(load_or_create, state_dir)
         except AdminCredentialUnusable as exc:
             raise EdgeStartupError(f"the admin credential: {exc}") from None
+        self._admin_token_path = state_dir / ADMIN_TOKEN_FILE
+        log.info(
+            "admin credential: %s (a change through the admin API presents it; the "
+            "iop-edge commands read it, or take --admin-token-file)",
+            self._admin_token_path,
+        )
 
     def _build(self, listeners: Mapping[Role, Listener]) -> EdgeParts:
         """The servers on `listeners`, wired to the long-lived parts."""

@@ -55,9 +55,17 @@ def _credential(args: argparse.Namespace, located: Path | None) -> str:
     try:
         return admin_credential.read(path)
     except admin_credential.AdminCredentialUnusable as exc:
+        relative = (
+            ""
+            if path.is_absolute()
+            else (
+                f" ({path.parent} is relative to the folder the Edge started in, which the "
+                "Edge logs with the credential's path at start: 'admin credential: ...')"
+            )
+        )
         fail(
-            f"{exc}. A change to the Edge needs its admin credential: run this as a user "
-            "who may read it (the Edge's own, or root), or pass --admin-token-file FILE"
+            f"{exc}{relative}. A change to the Edge needs its admin credential: run this as "
+            "a user who may read it (the Edge's own, or root), or pass --admin-token-file FILE"
         )
 
 
