@@ -161,6 +161,9 @@ class HttpServer:
         self._context = WorkerContext(None)
         self._connections: trio.Nursery | None = None
         self._accept_scope: trio.CancelScope | None = None
+        self._accepting_on: trio.socket.SocketType | None = None
+        """The descriptor of the listening socket the accept task uses (a duplicate: the
+        original stays for a handover), closed with the original by `stop_listening`."""
         self._terminate = trio.Event()
         self._draining = False
         self._handed_over = False
@@ -224,8 +227,13 @@ class HttpServer:
         """Close the listening socket, once this process will never accept again (a
         drain): a new connection is then refused at once, or goes to the replicas that
         share the port (SO_REUSEPORT), instead of waiting in a queue no one accepts from
-        until the process exits and resets it. A successor that inherited the socket
-        keeps its own descriptor of it."""
+        until the process exits and resets it. Both of this process's descriptors of it
+        close (the accept task's duplicate too: while one is open, the kernel still
+        takes connections into the queue); a successor that inherited the socket keeps
+        its own."""
+        if self._accepting_on is not None:
+            self._accepting_on.close()
+            self._accepting_on = None
         self._socket.close()
 
     def adopt(self, sock: socket.socket) -> None:
@@ -257,7 +265,10 @@ class HttpServer:
             return
         self._draining = False
         scope = self._accept_scope = trio.CancelScope()
-        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._socket.dup()))
+        if self._accepting_on is not None:
+            self._accepting_on.close()  # the descriptor of an accept task that ended
+        self._accepting_on = trio.socket.from_stdlib_socket(self._socket.dup())
+        listener = trio.SocketListener(self._accepting_on)
         handler = self._handler()
         connections = self._connections
 
