@@ -82,7 +82,6 @@ class CompactionUnreadable(ValueError):
 
     def __init__(self, problem: str, index: int | None = None) -> None:
         super().__init__(problem)
-        self.problem = problem
         self.index = index
 
 
@@ -197,7 +196,7 @@ def expand(items: list[Any]) -> list[Any]:
             try:
                 summary = unseal(head.encrypted_content)
             except CompactionUnreadable as exc:
-                raise CompactionUnreadable(exc.problem, index) from None
+                raise CompactionUnreadable(str(exc), index) from None
             if summary is not None:
                 summaries[index] = summary
     last = max(summaries, default=-1)

@@ -436,7 +436,7 @@ def _unreadable_compaction(error: CompactionUnreadable, *, stored: int) -> ApiEr
         where = param = f"input[{index - stored}].encrypted_content"
     return ApiError(
         400,
-        f"{where} is not a compaction IOP can read: {error.problem}",
+        f"{where} is not a compaction IOP can read: {error}",
         code="invalid_compaction",
         param=param,
     )
