@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Final
 
@@ -22,6 +23,11 @@ from iop_edge.core.configuration.listen import parse_listen_address
 from iop_edge.runtime.lifecycle import admin_credential
 from iop_edge.runtime.refresh.config_file import load_config
 from schemas.runtime import safe_yaml
+
+#: A config read and checked once per admin call, however many of its settings the call
+#: needs (whether a candidate loads, the admin URL, the credential's folder): a fleet's
+#: takes seconds. `admin_call` empties it first, so a file changed since is read anew.
+_load_config = lru_cache(maxsize=4)(load_config)
 
 
 def _config_for_admin(args: argparse.Namespace) -> Path:
@@ -73,7 +79,7 @@ def _state_dir(config: Path) -> Path:
     """`config`'s `edge.state_dir`, read leniently: a config the Edge would refuse (one
     whose change failed) still says where the Edge keeps its credential."""
     try:
-        return Path(load_config(config).config.edge.state_dir)
+        return Path(_load_config(config).config.edge.state_dir)
     except ConfigInvalid:
         pass
     try:
@@ -88,22 +94,23 @@ def _state_dir(config: Path) -> Path:
 
 def _loads(path: Path) -> bool:
     try:
-        load_config(path)
+        _load_config(path)
     except ConfigInvalid:
         return False
     return True
 
 
-def _admin_url(args: argparse.Namespace, located: Path | None) -> str:
-    """`--admin`, else the `admin.listen` of `located`, the config that locates the Edge."""
-    if args.admin:
-        url = str(args.admin).rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            fail(f"--admin must be a URL like http://127.0.0.1:7701, got {args.admin!r}")
-        return url
-    path = located or _config_for_admin(args)
+def _given_admin_url(given: str) -> str:
+    url = given.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        fail(f"--admin must be a URL like http://127.0.0.1:7701, got {given!r}")
+    return url
+
+
+def _admin_url_of(path: Path) -> str:
+    """The admin URL of `path`, the config that locates the Edge: its `admin.listen`."""
     try:
-        listen = load_config(path).config.admin.listen
+        listen = _load_config(path).config.admin.listen
     except ConfigInvalid as exc:
         fail(
             f"cannot find the admin API from {path} (its admin.listen):\n"
@@ -124,8 +131,13 @@ def admin_call(
 ) -> tuple[int, Any]:
     import httpx2
 
-    located = None if args.admin else _config_for_admin(args)
-    base = _admin_url(args, located)
+    _load_config.cache_clear()
+    located: Path | None = None
+    if args.admin:
+        base = _given_admin_url(str(args.admin))
+    else:
+        located = _config_for_admin(args)
+        base = _admin_url_of(located)
     changes = method == "POST"
     headers = {"authorization": f"Bearer {_credential(args, located)}"} if changes else {}
     try:
