@@ -39,6 +39,7 @@ from iop_edge.http.final_send import shield_final_send
 from iop_edge.http.protocols.caller_protocol import CallerProtocol
 from iop_edge.http.protocols.protocol_registry import PROTOCOLS
 from iop_edge.http.protocols.responses import ResponsesSurface
+from iop_edge.http.request_body import decode_body
 from iop_edge.http.request_ids import new_run_id, request_id
 from iop_edge.http.responses_socket import ResponsesSocket
 from iop_edge.http.runs import RunEndpoints
@@ -184,7 +185,7 @@ def _create_quart_app(
         body = await request.get_data(cache=False, as_text=False)
         if isinstance(body, str):  # not with as_text=False; the stubs cannot say so
             body = body.encode()
-        count = await responses.input_tokens(body, snapshot(), principal_ref)
+        count = await responses.input_tokens(decode_body(body), snapshot(), principal_ref)
         return _json_response(_encode_json(_InputTokens(input_tokens=count)))
 
     @app.get("/v1/responses/<response_id>")

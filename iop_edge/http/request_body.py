@@ -119,15 +119,19 @@ def decode_body(data: bytes, what: str = "body") -> dict[str, Any]:
         body = _decode_json(data)
     except msgspec.DecodeError as exc:
         raise bad_request(f"Could not parse the JSON {what}: {exc}", code="invalid_json") from None
-    except RecursionError:
-        body = None  # deeper than the decoder's stack: surely deeper than the limit
-    if body is None or _nests_deeper(data, body, MAX_JSON_DEPTH):
-        raise bad_request(
-            f"The JSON {what} nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
-        )
+    except RecursionError:  # deeper than the decoder's stack: surely deeper than the limit
+        raise _too_deep(what) from None
     if not isinstance(body, dict):
         raise bad_request(f"The request {what} must be a JSON object", code="invalid_json")
+    if _nests_deeper(data, body, MAX_JSON_DEPTH):
+        raise _too_deep(what)
     return body
+
+
+def _too_deep(what: str) -> ApiError:
+    return bad_request(
+        f"The JSON {what} nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
+    )
 
 
 def _nests_deeper(data: bytes, value: object, limit: int) -> bool:

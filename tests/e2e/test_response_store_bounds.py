@@ -160,6 +160,16 @@ async def test_a_conversation_past_its_byte_bound_is_a_clear_400(
             )
     assert refused.value.code == "conversation_too_large"
     assert "edge.responses.max_conversation_bytes" in refused.value.message
+    # Every other way of loading the conversation says the same.
+    async with stack.client(api_key=ALICE) as client:
+        with pytest.raises(openai.BadRequestError) as counted:
+            await client.responses.input_tokens.count(
+                model="m", input="and?", previous_response_id=previous
+            )
+        with pytest.raises(openai.BadRequestError) as listed:
+            await client.responses.input_items.list(previous)
+    assert counted.value.code == listed.value.code == "conversation_too_large"
+    assert counted.value.param == "previous_response_id"
 
 
 async def test_an_upstream_that_reuses_ids_cannot_make_stored_responses_collide(

@@ -24,15 +24,14 @@ def _nested(levels: int) -> bytes:
 
 async def test_json_nested_too_deep_is_a_400_whatever_the_depth(stack_one: Stack) -> None:
     async with stack_one.http() as http:
-        for levels in (MAX_JSON_DEPTH, 1_000, 100_000):
-            response = await http.post(
-                "/v1/chat/completions",
-                content=_nested(levels),
-                headers={"content-type": "application/json"},
-            )
-            assert response.status_code == 400, (levels, response.text)
-            error = response.json()["error"]
-            assert error["code"] == "invalid_json" and "nests deeper" in error["message"]
+        for path in ("/v1/chat/completions", "/v1/responses/input_tokens"):
+            for levels in (MAX_JSON_DEPTH, 1_000, 100_000):
+                response = await http.post(
+                    path, content=_nested(levels), headers={"content-type": "application/json"}
+                )
+                assert response.status_code == 400, (path, levels, response.text)
+                error = response.json()["error"]
+                assert error["code"] == "invalid_json" and "nests deeper" in error["message"]
         ok = await http.post("/v1/chat/completions", content=_nested(MAX_JSON_DEPTH - 3))
         assert ok.status_code == 200, ok.text
 

@@ -162,3 +162,11 @@ def _nested_list(levels: int) -> object:
     for _ in range(levels):
         value = [value]
     return value
+
+
+@pytest.mark.parametrize("body", [b"null", b"[]", b'"x"', b"1", b"true"])
+def test_a_body_that_is_not_an_object_is_named_so(body: bytes) -> None:
+    with pytest.raises(ApiError) as refused:
+        decode_body(body)
+    assert refused.value.code == "invalid_json"
+    assert refused.value.message == "The request body must be a JSON object"

@@ -54,6 +54,7 @@ from iop_edge.core.responses.protocol_requests import (
 from iop_edge.core.responses.response_chain import (
     ChainBroken,
     ConversationTooLarge,
+    StoredTurn,
     continue_body,
     conversation,
 )
@@ -150,21 +151,7 @@ class ResponsesSurface:
         continues: tuple[str, ...] = ()
         previous_id = view.previous_response_id
         if previous_id is not None:
-            try:
-                chain = await self.store.conversation(principal.principal_ref, previous_id)
-            except ChainBroken as exc:
-                raise ApiError(
-                    404,
-                    str(exc),
-                    code="previous_response_not_found",
-                    param="previous_response_id",
-                ) from None
-            except ConversationTooLarge as exc:
-                raise ApiError(
-                    400, str(exc), code="conversation_too_large", param="previous_response_id"
-                ) from None
-            except StoreUnavailable as exc:
-                raise store_unavailable(exc) from None
+            chain = await self._continued(principal.principal_ref, previous_id)
             earlier = conversation(chain, ())
             continues = tuple(turn.id for turn in chain)
             continue_body(body, earlier + own_items)
@@ -229,18 +216,18 @@ class ResponsesSurface:
             request_id=to_store.request_id,
         )
 
-    async def input_tokens(self, body: bytes, snapshot: Snapshot, principal_ref: str) -> int:
+    async def input_tokens(
+        self, body: dict[str, Any], snapshot: Snapshot, principal_ref: str
+    ) -> int:
         """`POST /v1/responses/input_tokens`: the input tokens of a Responses request, by
         the estimate admission uses (`estimate_responses_tokens`), the stored
         conversation it continues included (the principal's own only); raises `ApiError`.
         No runtime is asked: none behind IOP counts a Responses request but llama.cpp's
         server, and the Edge's estimate is what the request is admitted and queued by."""
         try:
-            view = msgspec.json.decode(body, type=ResponsesRequest)
+            view = msgspec.convert(body, ResponsesRequest)
         except msgspec.ValidationError as exc:
             raise invalid_request(exc) from None
-        except msgspec.DecodeError as exc:
-            raise ApiError(400, f"The body is not valid JSON: {exc}", code="invalid_json") from None
         if view.model not in snapshot.models or not snapshot.policies.allows(
             principal_ref, view.model
         ):
@@ -253,16 +240,25 @@ class ResponsesSurface:
             )
         earlier: list[msgspec.Raw] = []
         if view.previous_response_id is not None:
-            try:
-                chain = await self.store.conversation(principal_ref, view.previous_response_id)
-            except ChainBroken as exc:
-                raise ApiError(
-                    404, str(exc), code="previous_response_not_found", param="previous_response_id"
-                ) from None
-            except StoreUnavailable as exc:
-                raise store_unavailable(exc) from None
+            chain = await self._continued(principal_ref, view.previous_response_id)
             earlier = conversation(chain, ())
         return estimate_responses_tokens(view, earlier)
+
+    async def _continued(self, principal_ref: str, previous_id: str) -> list[StoredTurn]:
+        """The stored conversation a request's `previous_response_id` continues (the
+        principal's own only); raises `ApiError` naming that field."""
+        try:
+            return await self.store.conversation(principal_ref, previous_id)
+        except ChainBroken as exc:
+            raise ApiError(
+                404, str(exc), code="previous_response_not_found", param="previous_response_id"
+            ) from None
+        except ConversationTooLarge as exc:
+            raise ApiError(
+                400, str(exc), code="conversation_too_large", param="previous_response_id"
+            ) from None
+        except StoreUnavailable as exc:
+            raise store_unavailable(exc) from None
 
     async def read(self, principal_ref: str, response_id: str) -> bytes:
         """`GET /v1/responses/{id}`: the stored response object; raises `ApiError`."""
@@ -281,8 +277,10 @@ class ResponsesSurface:
         was generated from (`core.responses.input_item_pages`); raises `ApiError`."""
         try:
             chain = await self.store.conversation(principal_ref, response_id)
-        except (ChainBroken, ConversationTooLarge):
+        except ChainBroken:
             raise response_not_found(response_id) from None
+        except ConversationTooLarge as exc:
+            raise ApiError(400, str(exc), code="conversation_too_large") from None
         except StoreUnavailable as exc:
             raise store_unavailable(exc) from None
         items = conversation(chain[:-1], chain[-1].input_items)
