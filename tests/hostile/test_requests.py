@@ -98,6 +98,16 @@ async def test_unreadable_refresh_bodies_are_400s_in_the_audit_log(
     assert "unknown field `x`" in msgspec.json.decode(lines[-1])["errors"][0]["message"]
 
 
+async def test_unreadable_model_commands_are_400s(stack_one: Stack) -> None:
+    deep = b'{"model":"m","x":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    async with stack_one.admin() as admin:
+        for path in ("/models/load", "/models/unload", "/models/pin", "/models/unpin"):
+            for body in (deep, b"{not json"):
+                response = await admin.post(path, content=body)
+                assert response.status_code == 400, (path, response.text)
+                assert "invalid" in response.json()["error"]["message"]
+
+
 async def test_responses_input_with_malformed_call_arguments_is_a_400_naming_them(
     stack_one: Stack,
 ) -> None:
