@@ -18,7 +18,7 @@ from iop_edge.core.configuration.exposure import exposure_warnings
 from iop_edge.core.configuration.tokens import hash_token
 from iop_edge.core.principals import describe_limits
 from iop_edge.runtime.refresh.config_file import load_config
-from schemas.config import ConfigError, EdgeSection, PrincipalLimits
+from schemas.config import EdgeSection, PrincipalLimits
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -43,17 +43,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _check_ledger(edge: EdgeSection) -> None:
-    """What `serve` checks of the ledger before it serves, changing nothing: room in
-    `state_dir`, and a PostgreSQL ledger's package, password variable and server (it is
-    connected to, not set up). Raises `ConfigInvalid` naming each problem's setting."""
-    from iop_edge.runtime.metering.ledger import choose_ledger
-    from iop_edge.runtime.metering.usage_ledger.usage_store import LedgerUnavailable
+    """What `serve` checks of the ledger (`ledger_problems`); raises `ConfigInvalid`."""
+    from iop_edge.runtime.metering.ledger import ledger_problems
 
-    try:
-        choice = choose_ledger(edge)
-    except LedgerUnavailable as exc:
-        raise ConfigInvalid([ConfigError(path="edge.ledger", message=str(exc))]) from None
-    problems = choice.inspect()
+    problems = ledger_problems(edge)
     if problems:
         raise ConfigInvalid(problems)
 

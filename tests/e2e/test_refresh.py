@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -719,6 +720,42 @@ async def test_restart_required_change_is_refused_unless_allowed(
     assert (rebuilt.capacity, rebuilt.adapter.ttft_ms) == (6, FAST["ttft_ms"])
     # The file holds the whole candidate, so the pending part takes effect at restart.
     assert stack.config_path.read_text(encoding="utf-8") == candidate
+
+
+async def test_a_candidate_that_moves_the_ledger_where_serve_could_not_open_it_is_invalid(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """An applied candidate is written to the config file the next start reads: one that
+    moves the ledger is checked as `serve` checks it, or that start would fail."""
+    stack = await _one_provider_stack(nursery, tmp_path)
+    original = stack.config_path.read_text(encoding="utf-8")
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    unreachable = f"postgresql://iop@127.0.0.1:{port}/iop"
+    moves = {
+        "edge.ledger": set_section("edge", ledger=unreachable),
+        "edge.state_dir": set_section("edge", state_dir="/proc/iop-state"),
+    }
+    said = {}
+    for move in moves.values():
+        status, report = await post_refresh(
+            stack, mode="apply", config_yaml=_edit(original, move), allow_restart_required=True
+        )
+        assert status == 400, report
+        [error] = report["errors"]
+        said[error["path"]] = error["message"]
+        assert stack.config_path.read_text(encoding="utf-8") == original
+    assert said.keys() == moves.keys()
+    assert f"cannot reach the ledger at {unreachable}" in said["edge.ledger"]
+    assert "stores no files" in said["edge.state_dir"]
+    assert stack.edge.snapshot.revision == 1
+    # A candidate that leaves the ledger where it is is not checked again.
+    candidate = _edit(original, set_section("edge", ledger_buffer_records=500))
+    status, report = await post_refresh(
+        stack, mode="apply", config_yaml=candidate, allow_restart_required=True
+    )
+    assert status == 200, report
 
 
 async def test_invalid_candidate_is_400_with_every_error(

@@ -159,7 +159,7 @@ def test_the_worker_process_does_not_import_trio() -> None:
     the 30 MiB it would hold, half the CPU of its start), as `runtime.lifecycle.heap`
     keeps the loop's part in `heap_keeper`."""
     probe = (
-        "import sys, iop_edge.runtime.refresh.worker\n"
+        "import sys, iop_edge.procedures.refresh_worker\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'trio'))\n"
     )
     result = subprocess.run(

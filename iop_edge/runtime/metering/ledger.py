@@ -31,7 +31,7 @@ from iop_edge.runtime.metering.usage_ledger.usage import UsageLedger
 from iop_edge.runtime.metering.usage_ledger.usage_store import LedgerStore, LedgerUnavailable
 from schemas.config import ConfigError, EdgeSection
 
-__all__ = ["LedgerChoice", "LedgerUnavailable", "choose_ledger"]
+__all__ = ["LedgerChoice", "LedgerUnavailable", "choose_ledger", "ledger_problems"]
 
 SQLITE_FILE = "usage.sqlite3"
 
@@ -133,6 +133,18 @@ def choose_ledger(edge: EdgeSection) -> LedgerChoice:
         inspect=inspect_postgres,
         description=f"PostgreSQL {url}",
     )
+
+
+def ledger_problems(edge: EdgeSection) -> list[ConfigError]:
+    """What `serve` checks of the ledger `edge` configures before it serves, changing
+    nothing: room in `state_dir`, and a PostgreSQL ledger's package, password variable and
+    server (connected to, not set up). Each problem names its setting (`check-config` and
+    a refresh candidate that moves the ledger)."""
+    try:
+        choice = choose_ledger(edge)
+    except LedgerUnavailable as exc:
+        return [ConfigError(path="edge.ledger", message=str(exc))]
+    return choice.inspect()
 
 
 def _ensure_state_dir(path: Path) -> None:

@@ -3,9 +3,10 @@
 Reading and planning a fleet's config is seconds of pure Python and a million objects.
 In the Edge's process that work would share the GIL, the allocator and the cyclic
 collector with the event loop that serves callers; here it has a process of its own, and
-the Edge's loop only waits for the answer (`refresh.worker_client`). Started as
-`python -m iop_edge.runtime.refresh.worker`; it speaks `refresh.worker_protocol` on its
-stdin and stdout and ends when its stdin closes.
+the Edge's loop only waits for the answer (`refresh.worker_client`). The Edge starts it
+as `python -m iop_edge.procedures.refresh_worker` (this worker with the ledger's check,
+Rule 7); it speaks `refresh.worker_protocol` on its stdin and stdout and ends when its
+stdin closes.
 
 Rules:
 1. It keeps what makes the next refresh cheap: the base config by revision (the running
@@ -29,6 +30,13 @@ Rules:
 6. It runs at a lower scheduling priority than the Edge (`NICENESS`): on a machine whose
    cores are all busy, the operating system gives them to the Edge's event loop first,
    as callers need, and the refresh takes longer instead.
+7. A candidate that moves the usage ledger (`edge.ledger`, its password variable, or
+   `edge.state_dir`) is checked as `serve` and `check-config` check it (`LedgerCheck`:
+   room in `state_dir`, the PostgreSQL server reachable), so an applied candidate
+   written to the config file never makes the next start fail. The check is given by
+   whoever starts the worker: the ledger lives in a room of the runtime the refresh may
+   not import. A candidate that leaves the ledger as it runs is not checked again: a
+   full disk must not stop the refresh that copes with it.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import gc
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from typing import BinaryIO, Final
 
 import msgspec
@@ -61,9 +70,12 @@ from iop_edge.runtime.refresh.worker_protocol import (
     Reply,
     frame,
 )
-from schemas.config import EdgeConfig, IdleRule, NodeEntry
+from schemas.config import ConfigError, EdgeConfig, EdgeSection, IdleRule, NodeEntry
 
-__all__ = ["Worker", "delta", "main"]
+__all__ = ["LedgerCheck", "Worker", "delta", "main"]
+
+#: What `serve` would refuse of the ledger an `edge` section configures (Rule 7).
+LedgerCheck = Callable[[EdgeSection], list[ConfigError]]
 
 #: Added to the worker's niceness (Rule 6).
 NICENESS: Final = 10
@@ -77,9 +89,10 @@ _ENCODER: Final = msgspec.msgpack.Encoder()
 class Worker:
     """The worker's state and its one operation (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ledger_check: LedgerCheck | None = None) -> None:
         self.bases: dict[int, EdgeConfig] = {}
         self.proof: ConfigProof | None = None
+        self._ledger_check = ledger_check
 
     def prepare(self, request: Prepare, pieces: list[bytes]) -> Reply:
         """`pieces`: the frames that followed `request` (`worker_protocol`, Rules 2, 4)."""
@@ -96,6 +109,11 @@ class Worker:
         except ConfigInvalid as invalid:
             return Invalid(invalid.errors)
         self.proof = parsed.proof
+        candidate = parsed.config.edge
+        if self._ledger_check is not None and _ledger_of(candidate) != _ledger_of(base.edge):
+            problems = self._ledger_check(candidate)  # Rule 7
+            if problems:
+                return Invalid(problems)
         plan = plan_apply(
             base,
             parsed.config,
@@ -129,6 +147,11 @@ class Worker:
         if request.config_path is not None:
             return load_config(request.config_path, proof=self.proof)
         raise ConfigInvalid([])  # the Edge sends one or the other
+
+
+def _ledger_of(edge: EdgeSection) -> tuple[str | None, str | None, str]:
+    """The settings that place the usage ledger (Rule 7)."""
+    return edge.ledger, edge.ledger_password_env, edge.state_dir
 
 
 def delta(base: EdgeConfig, effective: EdgeConfig) -> Built:
@@ -202,9 +225,11 @@ def _read_frame(stream: BinaryIO) -> bytes | None:
     return _read_exactly(stream, int.from_bytes(header, "big"))
 
 
-def serve(requests: BinaryIO, replies: BinaryIO) -> None:
+def serve(
+    requests: BinaryIO, replies: BinaryIO, *, ledger_check: LedgerCheck | None = None
+) -> None:
     """Answer requests until `requests` ends (Rule 3)."""
-    worker = Worker()
+    worker = Worker(ledger_check)
     gc.disable()  # Rule 5
     replies.write(frame(_ENCODER.encode(Hello(VERSION))))
     replies.flush()
@@ -235,7 +260,7 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
         gc.freeze()  # Rule 5
 
 
-def main() -> None:
+def main(ledger_check: LedgerCheck | None = None) -> None:
     """Serve on stdin and the stdout this process was given; anything else that writes to
     stdout (a stray print) goes to stderr instead, never into the frames."""
     try:
@@ -244,7 +269,7 @@ def main() -> None:
         pass
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    serve(sys.stdin.buffer, replies)
+    serve(sys.stdin.buffer, replies, ledger_check=ledger_check)
 
 
 if __name__ == "__main__":

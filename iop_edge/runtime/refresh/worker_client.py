@@ -1,9 +1,9 @@
 """The Edge's side of the refresh worker (`refresh.worker`): start it, ask it, restart it.
 
 Rules:
-1. The worker is started on first use, as `python -m iop_edge.runtime.refresh.worker`
-   with this interpreter, and lives on between refreshes (it keeps the running config
-   and the last proof: `worker`, Rule 1).
+1. The worker is started on first use, as `python -m iop_edge.procedures.refresh_worker`
+   (`refresh.worker` with the ledger's check) with this interpreter, and lives on
+   between refreshes (it keeps the running config and the last proof: `worker`, Rule 1).
 2. A worker that exits, answers what is not a frame, speaks another protocol version, or
    is cancelled mid-request (its caller's deadline: a hang) is killed and forgotten, and
    the request raises `WorkerFailed` saying which; the next request starts a new one
@@ -43,8 +43,8 @@ from schemas.refresh import Change
 
 __all__ = ["WORKER_MODULE", "RefreshWorker", "WorkerFailed"]
 
-#: The module the worker runs.
-WORKER_MODULE: Final = "iop_edge.runtime.refresh.worker"
+#: The module the worker runs: named, not imported (it sits above the runtime).
+WORKER_MODULE: Final = "iop_edge.procedures.refresh_worker"
 #: How long a stopping worker gets to end before it is killed (Rule 4).
 STOP_GRACE_S: Final = 5.0
 #: Characters of an inline candidate in one frame (`worker_protocol`, Rule 4).
@@ -84,7 +84,7 @@ class RefreshWorker:
 
     def __init__(self, command: list[str] | None = None) -> None:
         """`command` runs the worker (tests give a broken one); by default this Python's
-        `-m iop_edge.runtime.refresh.worker`."""
+        `-m iop_edge.procedures.refresh_worker`."""
         self._command = command or [sys.executable, "-m", WORKER_MODULE]
         self._running: _Running | None = None
         self._lock = trio.Lock()
