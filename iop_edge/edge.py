@@ -262,6 +262,7 @@ class Edge:
         self._inherited: set[Role] = set()
         """The listeners a restarting Edge handed over (not bound here)."""
         self._port_claim: CallerPortClaim | None = None
+        self._http_servers: tuple[HttpServer, ...] = ()
         self._node_server: NodeServer | None = None
         self._admin_token = ""
         """The admin credential, read as the Edge starts (`load_admin_credential`)."""
@@ -518,6 +519,18 @@ class Edge:
         restart's `handoff` takes the idle connections and per-minute counters."""
         self._stop.request(reason, handoff)
 
+    def stop_now(self, reason: str) -> int:
+        """Cut every run still open as the Edge's (`shutting_down`); returns how many.
+        The process ends soon after: `answered` says when their callers have been told."""
+        return self.dispatcher.cut_all(reason)
+
+    async def answered(self) -> None:
+        """Return once no caller or admin request is in progress: each one cut by
+        `stop_now` has written its 503, or its error event and `[DONE]`. The caller
+        bounds the wait (a stalled caller's write, a long poll)."""
+        for server in self._http_servers:
+            await server.wait_quiet(0)
+
     def _node_ssl_context(self) -> ssl.SSLContext | None:
         tls = self._snapshot.config.edge.tls
         if tls is None:
@@ -610,6 +623,7 @@ class Edge:
         try:
             await self.claim_caller_port()
             parts = self._build(self._listeners)
+            self._http_servers = (parts.openai, parts.admin)
             await serve(
                 parts,
                 stop=self._stop,

@@ -22,6 +22,7 @@ from iop_edge import __version__
 from iop_edge.core.configuration.config import ConfigInvalid, ParsedConfig, format_errors
 from iop_edge.core.configuration.exposure import exposure_warnings
 from iop_edge.edge import Edge, EdgeAddresses, EdgeStartupError, Listeners
+from iop_edge.procedures.drain import CUT_WRITE_S
 from iop_edge.runtime.lifecycle import heap, service_manager
 from iop_edge.runtime.lifecycle.handover import Handover
 from iop_edge.runtime.refresh.config_file import load_config
@@ -77,7 +78,8 @@ async def handle_signals(
 ) -> None:
     """SIGHUP refreshes, SIGUSR2 restarts; SIGTERM/SIGINT drains and stops, and a second
     one stops now: the runs still open are cut as the Edge's (`shutting_down`), not left
-    to end as callers who went away, then `cancel_scope` is cancelled. `stopped_by` notes
+    to end as callers who went away, their callers are told so (within `CUT_WRITE_S`),
+    then `cancel_scope` is cancelled. `stopped_by` notes
     the stop signals (the exit status follows from them). Started (`nursery.start`) once
     the signals are caught: a signal sent after that is this task's."""
     stopping = False
@@ -105,8 +107,10 @@ async def handle_signals(
                 else:
                     if stopped_by is not None:
                         stopped_by.received(signum)
-                    cut = edge.dispatcher.cut_all(f"the Edge was stopped at once ({name} again)")
+                    cut = edge.stop_now(f"the Edge was stopped at once ({name} again)")
                     log.warning("%s again: stopping now (%d run(s) cut)", name, cut)
+                    with trio.move_on_after(CUT_WRITE_S):
+                        await edge.answered()  # each cut caller hears why, not a bare 500
                     cancel_scope.cancel()
 
 

@@ -195,3 +195,33 @@ async def test_the_cut_answers_every_kind_of_exchange(
         and 'status="503"' in line
     ]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in cut) == 3  # the queued one too
+
+
+async def test_stop_now_answers_every_caller_before_the_edge_ends(tmp_path: Path) -> None:
+    """A second stop signal (`main`): the runs are cut at once, and the Edge ends only
+    once their callers have been told (`Edge.answered`), not with a bare 500."""
+    config = write_config(tmp_path, grace_s=60, capacity=1, adapter=SLOW_SIM).read_text()
+    results: dict[str, httpx2.Response] = {}
+    async with trio.open_nursery() as callers, trio.open_nursery() as serving:
+        stack: Stack = await start_stack(
+            serving, config, tmp_path / "edge.yaml", wait_models=("m",)
+        )
+
+        async def post(name: str) -> None:
+            async with stack.http() as http:
+                body = {"model": "m", "messages": MESSAGES, "max_tokens": 500}
+                results[name] = await http.post("/v1/chat/completions", json=body)
+
+        callers.start_soon(post, "running")
+        await stack.wait_catalog(lambda c: c["providers"][0]["in_flight"] == 1)
+        callers.start_soon(post, "queued")
+        await stack.wait_catalog(lambda c: c["models"][0]["queued"] == 1)
+        stack.edge.stop()
+        assert stack.edge.stop_now("the Edge was stopped at once") == 2
+        with trio.fail_after(10):
+            await stack.edge.answered()
+        serving.cancel_scope.cancel()  # as `main` ends the process
+    for name in ("running", "queued"):
+        assert results[name].status_code == 503, (name, results[name].text)
+        assert results[name].json()["error"]["code"] == "shutting_down"
+        assert results[name].headers["retry-after"] == "1"

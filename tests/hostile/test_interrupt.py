@@ -54,7 +54,9 @@ async def test_ctrl_c_stops_the_edge_with_130_and_sigterm_with_0(tmp_path: Path)
             assert "IOP Edge stopped" in edge.log
 
 
-async def test_a_second_ctrl_c_meters_the_runs_it_cuts_as_shutting_down(tmp_path: Path) -> None:
+async def test_a_second_ctrl_c_tells_the_caller_and_meters_the_run_it_cuts_as_shutting_down(
+    tmp_path: Path,
+) -> None:
     config = write_config(tmp_path, grace_s=60, adapter=SLOW_SIM)
     async with trio.open_nursery() as nursery:
         edge = await start_edge_with_node(nursery, config)
@@ -70,9 +72,12 @@ async def test_a_second_ctrl_c_meters_the_runs_it_cuts_as_shutting_down(tmp_path
             with trio.fail_after(WAIT_GUARD_S):
                 await edge.wait_for_line("SIGINT: stopping")
             edge.process.send_signal(signal.SIGINT)  # stop now
+            rest = [line async for line in lines if line]
             with trio.fail_after(EXIT_GUARD_S):
                 assert await edge.process.wait() == EXIT_INTERRUPTED, edge.log
         nursery.cancel_scope.cancel()
+    assert rest[-1] == "data: [DONE]"
+    assert '"shutting_down"' in rest[-2]
     rows = await _ledger_after_replay(tmp_path / "state")
     assert [(rid, status) for rid, status, _ in rows] == [(run_id, 503)], rows
 
