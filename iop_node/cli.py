@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, get_args
+from urllib.parse import urlsplit
 
 import msgspec
 import trio
@@ -232,11 +233,9 @@ def resolve_invocation(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     if not edge_urls and not edge_dns:
         raise UsageError("no Edge url: pass --edge ws://HOST:PORT (or `edge` in --config)")
     for flag, urls in (("--edge", edge_urls), ("--edge-dns", edge_dns)):
-        for url in urls:
-            if not url.startswith(("ws://", "wss://")):
-                raise UsageError(f"{flag} must be a ws:// or wss:// url, got {url!r}")
-    if len(set(edge_urls)) != len(edge_urls):
-        raise UsageError("the same --edge url is given twice")
+        edges = [_edge_address(flag, url) for url in urls]
+        if len(set(edges)) != len(edges):
+            raise UsageError(f"the same {flag} url is given twice (however it is spelt)")
     if not node_id:
         raise UsageError("no node id: pass --node-id ID (or `node_id` in --config)")
 
@@ -274,6 +273,23 @@ def _allowed_commands(lines: list[str] | list[str | list[str]]) -> AllowedComman
             raise UsageError(f"--allow-command {line!r} names no program")
         allowed.add(tuple(argv))
     return frozenset(allowed)
+
+
+def _edge_address(flag: str, url: str) -> tuple[str, str, int, str]:
+    """Where `url` dials: scheme, host, port and path, as the link reads it
+    (`uplink.dial`), so one Edge spelt two ways is one; raises `UsageError` naming `flag`
+    for a url the link could not dial."""
+    if not url.startswith(("ws://", "wss://")):
+        raise UsageError(f"{flag} must be a ws:// or wss:// url, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # a port that is not a number, an unclosed [IPv6 literal
+        raise UsageError(f"{flag} {url!r} is not a url: {exc}") from None
+    if not parts.hostname:
+        raise UsageError(f"{flag} {url!r} names no host: ws://HOST:PORT")
+    default = 443 if parts.scheme == "wss" else 80
+    return parts.scheme, parts.hostname, port or default, parts.path or "/"
 
 
 #: How the operator spells each trace setting (error messages name it).

@@ -119,7 +119,13 @@ def test_the_commands_cli_providers_may_run_come_from_flags_or_the_file(
     ("argv", "message"),
     [
         (["--edge", EDGE, "--edge", EDGE], "the same --edge url is given twice"),
+        (["--edge", "ws://Edge.local/", "--edge", "ws://edge.local:80"], "given twice"),
+        (["--edge", "wss://e:443/", "--edge", "wss://e"], "the same --edge url is given twice"),
+        (["--edge", "ws://127.0.0.1:abc"], "--edge 'ws://127.0.0.1:abc' is not a url"),
+        (["--edge", "ws://[::1"], "--edge 'ws://\\[::1' is not a url"),
+        (["--edge", "ws://:9000/"], "names no host"),
         (["--edge-dns", "http://edges.internal"], "--edge-dns must be a ws:// or wss:// url"),
+        (["--edge-dns", "ws://edges.internal:x"], "--edge-dns .* is not a url"),
     ],
 )
 def test_bad_edge_lists(argv: list[str], message: str) -> None:
