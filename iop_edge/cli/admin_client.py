@@ -12,6 +12,7 @@ import shlex
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 import yaml
 from rich.console import Console
@@ -104,6 +105,13 @@ def _given_admin_url(given: str) -> str:
     url = given.rstrip("/")
     if not url.startswith(("http://", "https://")):
         fail(f"--admin must be a URL like http://127.0.0.1:7701, got {given!r}")
+    try:
+        parts = urlsplit(url)
+        host, _ = parts.hostname, parts.port  # the port is read to check it is a number
+    except ValueError as exc:  # not a number, or an unclosed [IPv6 literal
+        fail(f"--admin {given!r} is not a URL: {exc}")
+    if not host:
+        fail(f"--admin {given!r} names no host: http://HOST:PORT")
     return url
 
 

@@ -319,3 +319,11 @@ async def test_unreadable_candidate_and_unreachable_admin_fail_cleanly(
     err = capsys.readouterr().err
     assert err.startswith(f"iop-edge: error: cannot reach the admin API at http://127.0.0.1:{port}")
     assert "Is the Edge running? Pass --admin" in err
+    for url, problem in (
+        ("http://127.0.0.1:abc", "is not a URL: Port could not be cast"),
+        ("http://[::1", "is not a URL: Invalid IPv6 URL"),
+        ("http://:7701", "names no host"),
+        ("127.0.0.1:7701", "must be a URL like http://127.0.0.1:7701"),
+    ):
+        assert await run_cli("catalog", "--admin", url) == 1
+        assert problem in capsys.readouterr().err, url
