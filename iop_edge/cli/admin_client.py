@@ -84,7 +84,8 @@ def _state_dir(config: Path) -> Path:
     except ConfigInvalid:
         pass
     try:
-        state_dir = safe_yaml.load(config.read_text(encoding="utf-8"))["edge"]["state_dir"]
+        text = config.read_text(encoding="utf-8")
+        state_dir = safe_yaml.load(text, unique_keys=False)["edge"]["state_dir"]
     except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError) as exc:
         fail(
             f"cannot read edge.state_dir from {config} ({exc}), where the admin credential "

@@ -29,6 +29,9 @@ Rules:
    faster: plain strings, maps and sequences are built directly, other scalars through
    that constructor, and any document the direct path does not cover (an alias, a merge
    key, a non-scalar key, an explicitly tagged collection) wholly by that constructor.
+6. `load` refuses a key given twice in one mapping (`check_unique_keys`), with both
+   positions: PyYAML would keep the last one without a word. (The Edge's config reader
+   reports every such key with its config path instead: `core.configuration.config`.)
 
 A document without an alias has a graph that is a tree, so the checks of Rules 1-3 and
 the construction skip the bookkeeping that shared nodes need. A fleet's config is half a
@@ -49,6 +52,7 @@ __all__ = [
     "MAX_DEPTH",
     "MIN_ALIAS_BUDGET",
     "check_expansion",
+    "check_unique_keys",
     "compose",
     "construct",
     "has_aliases",
@@ -234,16 +238,50 @@ def check_expansion(root: yaml.Node) -> None:
         )
 
 
-def load(text: str) -> Any:
-    """`yaml.safe_load` with the rules above; raises `yaml.YAMLError` subclasses."""
+def load(text: str, *, unique_keys: bool = True) -> Any:
+    """`yaml.safe_load` with the rules above; raises `yaml.YAMLError` subclasses.
+    `unique_keys=False` keeps a repeated key's last value, as PyYAML does (a lenient
+    read of a file that is refused elsewhere)."""
     node = compose(text)
     if node is None:
         return None
     aliases = has_aliases(text)
     if aliases:
         check_expansion(node)
+    if unique_keys:
+        check_unique_keys(node)
     data = construct(node, yaml.constructor.SafeConstructor(), aliases=aliases)
     return data
+
+
+def check_unique_keys(root: yaml.Node) -> None:
+    """Raise a `yaml.MarkedYAMLError` at the first key given twice in one mapping (Rule 6).
+    Iterative, and each node once (an aliased one is shared)."""
+    stack = [root]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], yaml.Mark] = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE_TAG:
+                    at = first.get((key.tag, key.value))
+                    if at is None:
+                        first[key.tag, key.value] = key.start_mark
+                    else:
+                        raise yaml.constructor.ConstructorError(
+                            "while reading a mapping",
+                            node.start_mark,
+                            f"the key {key.value!r} is given twice (first at line "
+                            f"{at.line + 1}, column {at.column + 1})",
+                            key.start_mark,
+                        )
+                stack.append(value)
 
 
 # --- construction (Rule 5) ---------------------------------------------------------------

@@ -225,6 +225,9 @@ def test_yaml_typos_and_bad_yaml_are_errors(tmp_path: Path) -> None:
     config.write_text("edge: [unclosed\n")
     with pytest.raises(UsageError, match="not valid YAML"):
         _resolve(["--config", str(config)])
+    config.write_text(f"edge: {EDGE}\nnode_id: gpu1\nedge: ws://127.0.0.1:1\n")
+    with pytest.raises(UsageError, match="the key 'edge' is given twice"):
+        _resolve(["--config", str(config)])
 
 
 def test_missing_token_exits_2_with_a_clear_message(

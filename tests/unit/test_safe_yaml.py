@@ -192,6 +192,26 @@ def test_duplicate_keys_are_reported_in_document_order_with_their_paths(libyaml:
     assert [e.path for e in duplicates] == ["edge.id", "nodes[0].providers[0].id", "edge"]
 
 
+@pytest.mark.parametrize(
+    ("text", "key", "first", "again"),
+    [
+        ("edge: ws://a\nnode_id: n\nedge: ws://b\n", "edge", 1, 3),
+        ("telemetry:\n  traces: {sampler: a, sampler: b}\n", "sampler", 2, 2),
+        ("base: &b {k: 1}\nuse: [*b, {k: 1, k: 2}]\n", "k", 2, 2),
+    ],
+)
+def test_load_refuses_a_key_given_twice_with_both_lines(
+    text: str, key: str, first: int, again: int
+) -> None:
+    with pytest.raises(yaml.MarkedYAMLError) as refused:
+        safe_yaml.load(text)
+    assert f"the key {key!r} is given twice (first at line {first}," in str(refused.value)
+    assert refused.value.problem_mark is not None
+    assert refused.value.problem_mark.line + 1 == again
+    lenient = safe_yaml.load(text, unique_keys=False)  # the last one wins, as in PyYAML
+    assert lenient == yaml.safe_load(text)
+
+
 # --- has_aliases: the tree path is taken only where no alias can be ---------------------------
 
 
