@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Final
 
 import msgspec
 import trio
@@ -147,6 +148,14 @@ class ListenerUnavailable(EdgeStartupError):
         self.config_key = config_key
 
 
+#: The flag that moves each listener away from its config key (`Listeners`).
+_LISTEN_FLAGS: Final[dict[Role, str]] = {
+    "node": "--node-listen",
+    "admin": "--admin-listen",
+    "openai": "--ephemeral-ports",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class Listeners:
     """Where to bind, when not where the config says: the demo's free ports, or each
@@ -257,6 +266,11 @@ class Edge:
             "node": overrides.node or config.edge.listen,
             "admin": overrides.admin or config.admin.listen,
         }
+        self._listen_from: dict[Role, str] = {
+            role: _LISTEN_FLAGS[role] if getattr(overrides, role) else CONFIG_KEYS[role]
+            for role in self._listen
+        }
+        """Where each listener's address comes from: a config key, or a flag that moved it."""
         self._handover = handover
         self._listeners: dict[Role, Listener] = {}
         self._inherited: set[Role] = set()
@@ -550,6 +564,7 @@ class Edge:
         listeners: dict[Role, Listener] = {}
         handover = self._handover
         try:
+            self._check_listeners_apart()
             for role in ("node", "openai", "admin"):
                 configured = self._listen[role]
                 fd = handover.take_listener(role, configured) if handover else None
@@ -561,7 +576,7 @@ class Edge:
                     try:
                         listeners[role] = bind_listener(role, configured, address)
                     except ListenerError as exc:
-                        raise ListenerUnavailable(CONFIG_KEYS[role], str(exc)) from None
+                        raise ListenerUnavailable(self._listen_from[role], str(exc)) from None
         except EdgeStartupError:
             for listener in listeners.values():
                 listener.close()
@@ -570,6 +585,20 @@ class Edge:
             if handover is not None:
                 handover.close_unused()
         return listeners
+
+    def _check_listeners_apart(self) -> None:
+        """Two listeners on one port: the config's rule (`config_rules`) again, for the
+        addresses a flag moved (`serve --node-listen`); raises `EdgeStartupError` naming
+        both."""
+        addresses = [(role, parse_listen_address(text)) for role, text in self._listen.items()]
+        for index, (role, address) in enumerate(addresses):
+            for other, taken in addresses[:index]:
+                if address.clashes_with(taken):
+                    raise EdgeStartupError(
+                        f"{self._listen_from[role]} {self._listen[role]} is also "
+                        f"{self._listen_from[other]} ({self._listen[other]}): each listener "
+                        "needs its own port"
+                    )
 
     async def claim_caller_port(self) -> None:
         """Claim the caller port by name (`runtime.lifecycle.port_claim`): only a replica

@@ -54,10 +54,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             case ConfigInvalid() as exc:
                 fail(f"{args.config}: invalid config\n{format_errors(exc.errors)}")
             case ListenerUnavailable() as exc:
+                where = (
+                    f"pass another to {exc.config_key}"
+                    if exc.config_key.startswith("--")
+                    else f"set another port in {exc.config_key} of {args.config}"
+                )
                 fail(
-                    f"{exc}. Stop whatever holds that port, or set another port in "
-                    f"{exc.config_key} of {args.config} (port 0 picks a free one; the Edge "
-                    "logs the port it got)"
+                    f"{exc}. Stop whatever holds that port, or {where} (port 0 picks a free "
+                    "one; the Edge logs the port it got)"
                 )
             case EdgeStartupError() | LedgerUnavailable() as exc:
                 fail(f"{args.config}: cannot start: {exc}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +14,7 @@ from iop_edge.cli import main
 from iop_edge.core.configuration.listen import parse_listen_address
 from iop_edge.runtime.lifecycle.handover import HANDOVER_ENV, Handover, HandoverFailed
 from iop_edge.runtime.lifecycle.listeners import ListenerError, bind_listener
+from tests.e2e.stack import one_sim_config
 
 
 def _bind(role: str, text: str):  # type: ignore[no-untyped-def]
@@ -81,3 +84,19 @@ def test_serve_checks_its_listen_overrides(argv: list[str], message: str) -> Non
     with pytest.raises(SystemExit) as caught:
         main(["serve", "--config", "configs/edge.yaml", *argv])
     assert message in str(caught.value)
+
+
+def test_two_listeners_moved_onto_one_port_are_named_by_their_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "edge.yaml"
+    config.write_text(one_sim_config(tmp_path / "state"))
+    with socket.socket() as probe:  # a free port: the clash is found before any bind
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    flags = ["--node-listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{port}"]
+    assert main(["serve", "--config", str(config), *flags]) == 1
+    assert (
+        f"--admin-listen 127.0.0.1:{port} is also --node-listen (127.0.0.1:{port}): each "
+        "listener needs its own port"
+    ) in capsys.readouterr().err

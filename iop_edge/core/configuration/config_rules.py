@@ -111,7 +111,7 @@ class ConfigRules:
                 self._error(f"{section}.listen", str(exc))
                 continue
             for other, taken in bound.items():
-                if _overlap(address, taken):
+                if address.clashes_with(taken):
                     self._error(
                         f"{section}.listen",
                         f"{listen} is also {other}.listen: each listener needs its own port",
@@ -500,15 +500,6 @@ def _text_list(value: object) -> list[str] | None:
     if isinstance(value, list) and all(isinstance(entry, str) for entry in value):
         return value
     return None
-
-
-def _overlap(a: ListenAddress, b: ListenAddress) -> bool:
-    """Whether binding both would fail: one port (not 0, "any free"), the same host or a
-    wildcard on either side."""
-    wildcards = ("0.0.0.0", "::")
-    return a.port == b.port != 0 and (
-        a.host == b.host or a.host in wildcards or b.host in wildcards
-    )
 
 
 def _installed(module: str) -> bool:

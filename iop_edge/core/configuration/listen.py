@@ -34,6 +34,14 @@ class ListenAddress:
     def is_loopback(self) -> bool:
         return is_loopback(self.host)
 
+    def clashes_with(self, other: ListenAddress) -> bool:
+        """Whether binding both would fail: one port (not 0, "any free"), the same host
+        or a wildcard on either side."""
+        wildcards = ("0.0.0.0", "::")
+        return self.port == other.port != 0 and (
+            self.host == other.host or self.host in wildcards or other.host in wildcards
+        )
+
 
 _PORT_TEXT: Final = re.compile(r"[0-9]{1,5}")
 _HOST_LABEL: Final = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
