@@ -87,7 +87,6 @@ CLOSE_TOO_BIG: Final = 1009
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 #: The session headers that come before a body's `prompt_cache_key` (affinity Rule 1 a).
-_LEADING_SESSION: Final = frozenset(SESSION_HEADERS[:3])
 _TERMINAL: Final = frozenset({"response.completed", "response.incomplete", "response.failed"})
 #: A final event's `type` as JSON holds it (a text that quotes it is escaped): an event
 #: without one is sent unread.
@@ -452,12 +451,11 @@ class _Session:
 
 
 def _sessions(headers: Mapping[str, str], connection_id: str) -> dict[str, str]:
-    """The upgrade's session headers, with the connection's id as `session_id` when none
-    of those before `prompt_cache_key` was sent (Rule 6)."""
+    """The upgrade's session headers, or the connection's id as `session_id` when it sent
+    none (Rule 6): a turn then ranks them, and `prompt_cache_key`, as a request over HTTP
+    does (`affinity.session_header`)."""
     sessions = {name: headers[name] for name in SESSION_HEADERS if name in headers}
-    if not _LEADING_SESSION & sessions.keys():
-        sessions["session_id"] = connection_id
-    return sessions
+    return sessions or {"session_id": connection_id}
 
 
 async def _deny(send: ASGISendCallable, error: ApiError) -> None:

@@ -7,6 +7,8 @@ sharing the Node send a conversation's turns to the same provider."""
 
 from __future__ import annotations
 
+import json
+import sqlite3
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -15,15 +17,24 @@ from typing import Any
 import anthropic
 import pytest
 import trio
+from trio_websocket import open_websocket_url
 
 from iop_node.main import run_node
-from tests.e2e.stack import NODE_TOKEN, Stack, edge_config, sim_provider, start_stack
+from tests.e2e.stack import (
+    NODE_TOKEN,
+    WAIT_GUARD_S,
+    Stack,
+    edge_config,
+    sim_provider,
+    start_stack,
+)
 from tests.e2e.test_several_edges import _serve_edge
 
 IDS = ("sim-a", "sim-b", "sim-c", "sim-d")
 CACHED = {"ttft_ms": 1, "tokens_per_second": 5000, "prefix_cache_tokens": 200_000}
 SYSTEM = "You are a careful coding agent. " * 40
 TURNS = 4
+TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
 
 
 @pytest.fixture
@@ -162,3 +173,25 @@ async def test_a_session_header_keeps_unrelated_prompts_together(stack: Stack, h
             )
             landed.add(raw.headers["x-iop-provider"])
     assert len(landed) == 1
+
+
+@pytest.mark.parametrize("header", ["session_id", "x-session-id", "x-session-affinity"])
+async def test_a_session_header_keeps_websocket_connections_together(
+    stack: Stack, tmp_path: Path, header: str
+) -> None:
+    """On the Responses WebSocket the upgrade's session header is the key of every turn,
+    whichever header it is; the connection's own id only when it sent none."""
+    url = stack.addresses.openai_url.replace("http://", "ws://") + "/v1/responses"
+    for n in range(6):
+        extra = [(header.encode(), b"0199a0c2-session")]
+        async with open_websocket_url(url, extra_headers=extra) as socket:
+            create = {"type": "response.create", "model": "m", "input": f"question {n}"}
+            await socket.send_message(json.dumps({**create, "max_output_tokens": 2}))
+            with trio.fail_after(WAIT_GUARD_S):
+                while json.loads(await socket.get_message())["type"] not in TERMINAL:
+                    pass
+    with trio.fail_after(WAIT_GUARD_S):
+        await stack.edge.ledger.wait_flushed()
+    with sqlite3.connect(tmp_path / "state" / "usage.sqlite3") as db:
+        landed = [provider for (provider,) in db.execute("SELECT provider FROM usage")]
+    assert len(landed) == 6 and len(set(landed)) == 1, landed
