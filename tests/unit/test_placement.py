@@ -197,6 +197,25 @@ def test_a_placed_load_counts_as_held_until_the_runtime_says_or_time_passes() ->
     assert (holdings.holding("a", 63), holdings.holding("b", 63)) == ("cold", "held")
 
 
+def test_a_placed_load_a_run_has_used_is_settled_by_a_report_that_it_is_gone() -> None:
+    """The runtime loaded b for a run, then unloaded it for a pin (a report taken before
+    the load said the same, and meant otherwise): once a run of b has ended there, the
+    report is believed, and b is not sent back to evict the pinned model."""
+    holdings = Holdings()
+    holdings.report(_states(a="unloaded", b="unloaded"), max_loaded=1)
+    holdings.started("b", 1.0, load_timeout_s=60)
+    holdings.report(_states(a="unloaded", b="unloaded"), max_loaded=1)  # from before the load
+    assert holdings.holding("b", 2) == "held"
+    holdings.ended("b")
+    holdings.pinned = frozenset({"a"})
+    holdings.report([ModelState(name="a", state="loaded", pinned=True)], max_loaded=1)
+    assert holdings.holding("b", 3) == "cold"
+    assert not holdings.room(3) and not holdings.can_load("b", 3)  # a is pinned
+    holdings.started("b", 4.0, load_timeout_s=60)  # placed again (another Edge's way)...
+    holdings.report(_states(b="unloaded"), max_loaded=1)
+    assert holdings.holding("b", 5) == "held"  # ...and no run of it has ended since
+
+
 def test_a_model_in_use_is_never_the_guessed_victim() -> None:
     holdings = Holdings()
     holdings.report(_states(a="loaded", b="unloaded", c="unloaded"), max_loaded=1)

@@ -12,7 +12,10 @@ reload): the thrash placement is there to prevent. So the Edge keeps its own acc
    `failed` is failed (with the runtime's reason); a model the report does not list is
    cold.
 3. A run granted for a cold model places a load there: the model counts as held until a
-   report says it is loaded or failed, or `load_timeout_s` passes.
+   report says it is loaded or failed, or `load_timeout_s` passes. A report that says it
+   is not held settles the load too once a run of that model has ended there since the
+   load was placed: the runtime loaded it for that run and has unloaded it since (a pin,
+   another Edge's load). A report before that may predate the load itself.
 4. A load placed on a runtime with no room unloads one of its models: the least
    recently used one with no run of this Edge in flight and no pin (this Edge's,
    `pinned`, `core.lifecycle` Rule 4, or another Edge's, which the Node reports as
@@ -53,6 +56,7 @@ class Holdings:
         "_reported",
         "_reported_pins",
         "_running",
+        "_served",
         "max_loaded",
         "pinned",
         "states",
@@ -70,6 +74,8 @@ class Holdings:
         """Served name -> until when it counts as unloaded for a load placed (Rule 4)."""
         self._last_used: dict[str, float] = {}
         self._running: Counter[str] = Counter()
+        self._served: set[str] = set()
+        """Placed loads a run of the model has ended on since (Rule 3)."""
         self.pinned: frozenset[str] = frozenset()
         """Served names this Edge pinned here: never unloaded to make room (Rules 4, 5)."""
         self._reported_pins: frozenset[str] = frozenset()
@@ -86,13 +92,16 @@ class Holdings:
         if states is None:
             self._reported = None
             self._placed.clear()
+            self._served.clear()
             self._evicting.clear()
             return
         reported = self._reported = {state.name: state for state in states}
         for name in list(self._placed):
             state = reported.get(name)
-            if state is not None and (state.state in _HELD or state.state == "failed"):
+            settled = state is not None and (state.state in _HELD or state.state == "failed")
+            if settled or name in self._served:
                 del self._placed[name]
+                self._served.discard(name)
         for name in list(self._evicting):
             state = reported.get(name)
             if state is None or state.state not in _HELD:
@@ -105,6 +114,7 @@ class Holdings:
         self._reported = None
         self._reported_pins = frozenset()
         self._placed.clear()
+        self._served.clear()
         self._evicting.clear()
 
     def holding(self, served: str, now: float) -> Holding:
@@ -185,12 +195,15 @@ class Holdings:
                     victim = min(idle, key=lambda n: self._last_used.get(n, -1.0))
                     self._evicting[victim] = now + load_timeout_s
             self._placed[served] = now + load_timeout_s
+            self._served.discard(served)
             self._evicting.pop(served, None)
         self._running[served] += 1
         self._last_used[served] = now
 
     def ended(self, served: str) -> None:
         """A run of `served` here ended."""
+        if served in self._placed:
+            self._served.add(served)  # Rule 3
         running = self._running[served] - 1
         if running > 0:
             self._running[served] = running
