@@ -33,6 +33,8 @@ Rules:
    that could not take it): the connection keeps that one conversation (its input and
    output items; for a compaction turn, the conversation it summed up and its compaction
    item) in memory, and forgets it when the next turn ends or the connection closes.
+   It is bounded as a stored one is: a continuation of a conversation larger than
+   `edge.responses.max_conversation_bytes` is refused (`conversation_too_large`).
 8. `generate: false` is a warm-up: the turn is planned and checked as any other (its
    model, its body, the response it continues) but nothing runs. It is answered at once
    with `response.created` and `response.completed`, a Response with no output and no
@@ -203,6 +205,8 @@ class _Conversation(msgspec.Struct):
 
     response_id: str
     items: list[Any]
+    size: int
+    """The conversation's bytes as JSON: bounded as a stored one is (Rule 5)."""
 
 
 class ResponsesSocket:
@@ -350,7 +354,6 @@ class _Session:
         background = body.pop("background", None)
         generate = body.pop("generate", True)
         body["stream"] = True
-        local_previous, continued_items = self._continue_locally(body)
         snapshot = runs.snapshot()
         caller = Caller(
             run_id=run_id,
@@ -360,6 +363,8 @@ class _Session:
             session_headers=self._sessions,
         )
         try:
+            limit = snapshot.config.edge.responses.max_conversation_bytes
+            local_previous, continued_items = self._continue_locally(body, limit)
             if background:
                 raise ApiError(
                     400,
@@ -419,14 +424,24 @@ class _Session:
         await reply.stream(warm_up_events(warm_up_response(plan, stored=stored)))
         log.debug("Responses WebSocket %s: a warm-up, %s", self.connection_id, plan.run_id)
 
-    def _continue_locally(self, body: dict[str, Any]) -> tuple[str | None, int]:
+    def _continue_locally(self, body: dict[str, Any], limit: int) -> tuple[str | None, int]:
         """Rule 5: a continuation of the connection's last unstored response gets that
         conversation in its input; the id it continues (or None) and how many items were
-        put before the caller's own."""
+        put before the caller's own. Raises `ApiError` for a conversation past `limit`
+        bytes, as a stored one is refused."""
         previous = body.get("previous_response_id")
         last = self._last
         if last is None or not isinstance(previous, str) or previous != last.response_id:
             return None, 0
+        if last.size > limit:
+            raise ApiError(
+                400,
+                f"Previous response with id '{previous}' continues a conversation of more "
+                f"than {limit} bytes (edge.responses.max_conversation_bytes); start a new "
+                "conversation with the context it needs",
+                code="conversation_too_large",
+                param="previous_response_id",
+            )
         body.pop("previous_response_id")
         body["input"] = [*last.items, *input_items(body.get("input", []))]
         return previous, len(last.items)
@@ -447,7 +462,8 @@ class _Session:
             return
         output = final.get("output")
         items = [*conversation, *(output if isinstance(output, list) else [])]
-        self._last = _Conversation(response_id=final["id"], items=items)
+        size = len(msgspec.json.encode(items))
+        self._last = _Conversation(response_id=final["id"], items=items, size=size)
 
 
 def _sessions(headers: Mapping[str, str], connection_id: str) -> dict[str, str]:

@@ -44,6 +44,7 @@ async def _stack(
     *,
     requests_per_minute: int | None = None,
     tokens_per_second: int = 2000,
+    max_conversation_bytes: int | None = None,
 ) -> Stack:
     config = yaml.safe_load(
         edge_config(
@@ -59,6 +60,8 @@ async def _stack(
     )
     if requests_per_minute is not None:
         config["principals"] = [{"ref": "alice", "requests_per_minute": requests_per_minute}]
+    if max_conversation_bytes is not None:
+        config["edge"]["responses"] = {"max_conversation_bytes": max_conversation_bytes}
     text = yaml.safe_dump(config, sort_keys=False)
     return await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
 
@@ -141,6 +144,30 @@ async def test_turns_continue_stored_and_connection_local_responses(
         # the connection goes on after an error
         assert _final(await _turn(socket, input="x", max_output_tokens=4))["model"] == "m"
     assert await stack.requests_by_protocol() == {"responses": 4}  # one record per turn
+
+
+async def test_a_connection_local_conversation_is_bounded_as_a_stored_one(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    stack = await _stack(nursery, tmp_path, max_conversation_bytes=5_000)
+    text = "A long paragraph of context. " * 80  # 2,320 bytes
+    async with _socket(stack) as socket:
+        previous = None
+        for _ in range(2):
+            turn = await _turn(
+                socket,
+                input=text,
+                previous_response_id=previous,
+                store=False,
+                max_output_tokens=4,
+            )
+            previous = _final(turn)["id"]
+        [error] = await _turn(socket, input=text, previous_response_id=previous, store=False)
+        assert error["status"] == 400
+        assert error["error"]["code"] == "conversation_too_large"
+        assert error["error"]["param"] == "previous_response_id"
+        assert "edge.responses.max_conversation_bytes" in error["error"]["message"]
+        assert _final(await _turn(socket, input="x", max_output_tokens=4))["model"] == "m"
 
 
 async def test_a_warm_up_generates_nothing_and_the_next_turn_continues_it(
