@@ -205,7 +205,7 @@ def _headline(report: dict[str, Any], status: int, source: str) -> Text:
         text = f"applied {source}: no changes; revision {base} -> {revision}"
         style = "cyan"
     else:
-        text = f"refused (HTTP {status}): nothing was applied; revision {base} stays"
+        text = f"refused {source} (HTTP {status}): nothing was applied; revision {base} stays"
         style = "red"
     return Text(text, style=f"bold {style}")
 

@@ -262,8 +262,8 @@ async def test_refresh_attempts_are_logged_by_the_edge(
         for line in lines[1:]
     )
     assert (
-        "refresh apply of the config file from admin API: no_change, revision 1 -> 2, "
-        "0 change(s) (0 live, 0 restart-required)"
+        f"refresh apply of the config file {stack.config_path} from admin API: no_change, "
+        "revision 1 -> 2, 0 change(s) (0 live, 0 restart-required)"
     ) in lines
 
 
@@ -282,7 +282,9 @@ async def test_refused_refresh_exits_1_naming_the_paths(
     )
 
     out = capsys.readouterr().out
-    assert out.startswith("refused (HTTP 409): nothing was applied; revision 1 stays")
+    assert " ".join(out.split()).startswith(
+        f"refused {candidate} (HTTP 409): nothing was applied; revision 1 stays"
+    )
     assert f"{adapter_path}.ttft_ms: changing this needs a restart" in out
     assert f"{adapter_path}.tokens_per_second: changing this needs a restart" in out
     assert "(with --allow-restart-required the live changes apply now" in out

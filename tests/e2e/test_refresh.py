@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -759,8 +760,9 @@ async def test_a_candidate_that_moves_the_ledger_where_serve_could_not_open_it_i
 
 
 async def test_invalid_candidate_is_400_with_every_error(
-    nursery: trio.Nursery, tmp_path: Path
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="iop_edge.runtime.refresh.refresh")
     stack = await _one_provider_stack(nursery, tmp_path)
     original = stack.config_path.read_text(encoding="utf-8")
 
@@ -789,6 +791,13 @@ async def test_invalid_candidate_is_400_with_every_error(
     status, report = await post_refresh(stack, mode="apply", config_yaml="models: [unclosed")
     assert status == 400
     assert report["errors"] and report["outcome"] == "rejected"
+    # An error of the whole file is logged naming the file, not a path.
+    stack.config_path.write_text("models: [unclosed", encoding="utf-8")
+    status, report = await post_refresh(stack, mode="apply")
+    assert status == 400
+    told = [r.getMessage() for r in caplog.records]
+    assert f"refresh rejected: the config file {stack.config_path}: invalid YAML" in "\n".join(told)
+    stack.config_path.write_text(original, encoding="utf-8")
 
     async with stack.admin() as admin:
         response = await admin.post("/refresh", json={"mode": "apply", "allow_restart": True})

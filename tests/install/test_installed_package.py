@@ -474,7 +474,7 @@ async def test_the_systemd_units_run_the_edge_and_a_node(
         )
         await shell.run(edge_unit["ExecReload"], env={"MAINPID": str(edge.process.pid)})
         await edge.wait_for(
-            r"refresh apply of the config file from SIGHUP: applied, revision 1 -> 2, "
+            r"refresh apply of the config file \S+ from SIGHUP: applied, revision 1 -> 2, "
             r"1 change\(s\) \(1 live, 0 restart-required\)"
         )
 

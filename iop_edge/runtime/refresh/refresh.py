@@ -325,7 +325,7 @@ class Refresher:
                     result = await self._refresh(request)
             finally:
                 self._busy = False
-        _log_attempt(source, request, result)
+        _log_attempt(source, request, result, self._config_path)
         return result
 
     async def _refresh(self, request: RefreshRequest) -> RefreshResult:
@@ -616,10 +616,16 @@ class Refresher:
         return RefreshResult(verdict, report)
 
 
-def _log_attempt(source: str, request: RefreshRequest, result: RefreshResult) -> None:
-    """One line per attempt, its reasons on the following ones (the audit log has all)."""
+def _log_attempt(
+    source: str, request: RefreshRequest, result: RefreshResult, config_path: Path | None
+) -> None:
+    """One line per attempt, its reasons on the following ones (the audit log has all);
+    an error of the whole file (its YAML) names the file."""
     report = result.report
-    candidate = "inline candidate" if request.config_yaml is not None else "the config file"
+    if request.config_yaml is not None:
+        candidate = "inline candidate"
+    else:
+        candidate = "the config file" + ("" if config_path is None else f" {config_path}")
     level = logging.INFO if result.verdict == "accepted" else logging.WARNING
     log.log(
         level,
@@ -636,7 +642,8 @@ def _log_attempt(source: str, request: RefreshRequest, result: RefreshResult) ->
         len(report.restart_required_paths),
     )
     for error in report.errors[:_ERRORS_LOGGED]:
-        log.log(level, "refresh %s: %s: %s", report.outcome, error.path or "-", error.message)
+        where = error.path or candidate
+        log.log(level, "refresh %s: %s: %s", report.outcome, where, error.message)
     if len(report.errors) > _ERRORS_LOGGED:  # the report and the audit log have them all
         log.log(
             level,
