@@ -98,7 +98,12 @@ async def test_usage_comes_in_bounded_pages(
             seen += expected
             params["after"] = page["next"]
         assert page["next"] is None
-        for bad, named in (({"limit": "0"}, "limit"), ({"after": "x"}, "after")):
+        for bad, named in (
+            ({"limit": "0"}, "limit"),
+            ({"after": "x"}, "after"),
+            ({"bogus": "1"}, "bogus"),
+            ({"since": "2026-12-02", "until": "2026-12-01"}, "since"),
+        ):
             refused = await admin.get("/usage", params=bad)
             assert refused.status_code == 400
             assert refused.json()["error"]["message"].startswith(f"{named}: ")

@@ -67,6 +67,10 @@ def parse_limit(value: str | None) -> int:
     return limit
 
 
+#: The arguments `GET /usage` takes; any other is a 400, as `/catalog` answers.
+USAGE_ARGUMENTS: Final = ("since", "until", "group_by", "limit", "after")
+
+
 def add_usage_routes(app: QuartTrio, services: AdminServices) -> None:
     """Serve `GET /usage`."""
 
@@ -77,8 +81,15 @@ def add_usage_routes(app: QuartTrio, services: AdminServices) -> None:
         groups (`DEFAULT_USAGE_LIMIT`), the next page with `after=` the report's `next`.
         The database sums; `totals` covers the whole window whatever the page."""
         try:
+            unknown = sorted(set(request.args) - set(USAGE_ARGUMENTS))
+            if unknown:
+                raise ValueError(
+                    f"{', '.join(unknown)}: not a usage argument; use " + ", ".join(USAGE_ARGUMENTS)
+                )
             since = parse_time(request.args.get("since"))
             until = parse_time(request.args.get("until"))
+            if since is not None and until is not None and since > until:
+                raise ValueError("since: later than until (the window would be empty)")
             group_by = [c for c in request.args.get("group_by", DEFAULT_GROUP_BY).split(",") if c]
             limit = parse_limit(request.args.get("limit"))
             report = await services.usage(
