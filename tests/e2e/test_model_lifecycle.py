@@ -175,6 +175,30 @@ async def test_the_operator_pins_and_unpins_a_model_from_the_command_line(
     assert lines == [("pin", "a", "r1", True, "admin API"), ("unpin", "a", "r1", True, "admin API")]
 
 
+async def test_a_run_no_runtime_could_load_says_why_when_its_wait_ends(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    """The one router holds one model, pinned: a run of another model waits (a pin may be
+    lifted), and its 503 names the pin, not just an empty queue."""
+    models = [{"id": "a"}, {"id": "b", "queue": {"queue_timeout_ms": 300}}]
+    stack, fakes = await _routers(nursery, make_stack, 1, models)
+    async with stack.admin() as admin:
+        pinned = await admin.post("/models/pin", json={"model": "a", "provider": "r0"})
+    assert pinned.status_code == 200, pinned.text
+    async with stack.http() as http:
+        body = {"model": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        with trio.fail_after(GUARD_S):
+            refused = await http.post("/v1/chat/completions", json=body)
+    assert refused.status_code == 503, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "queue_timeout"
+    assert (
+        "no provider holds it or could load it: r0: it holds 1 model(s), all pinned (a)"
+        in (error["message"])
+    )
+    assert fakes[0].loaded == {"a"}
+
+
 async def test_a_run_wakes_a_sleeping_vllm_rather_than_cold_load_elsewhere(
     nursery: trio.Nursery, make_stack: MakeStack
 ) -> None:

@@ -80,6 +80,7 @@ import trio
 from iop_edge.core.principals import ANONYMOUS_PRINCIPAL, concurrency_share
 from iop_edge.core.routing.affinity import Affinity
 from iop_edge.core.routing.cache_share import CacheShares
+from iop_edge.core.routing.placement import choose_load, holders_of
 from iop_edge.core.routing.pool import (
     Decision,
     Grant,
@@ -495,8 +496,10 @@ class Scheduler(PoolObservation):
                     f"{waiter.timeout_s:g}s (the queue's wait and the load's); retry",
                     retry_after_s=RETRY_AFTER_LOADING_S,
                 )
+            why = self._unloadable(model_id)
             raise QueueTimeout(
-                f"no slot for model {model_id!r} came free within {waiter.timeout_s:g}s",
+                f"no slot for model {model_id!r} came free within {waiter.timeout_s:g}s"
+                + ("" if why is None else f"; no provider holds it or could load it: {why}"),
                 retry_after_s=RETRY_AFTER_BUSY_S,
             )
         if waiter.error is not None:
@@ -518,6 +521,18 @@ class Scheduler(PoolObservation):
             and state.holdings.loading(served[provider_id], now)
         ]
         return max(loading, default=0.0)
+
+    def _unloadable(self, model_id: str) -> str | None:
+        """Why no runtime of `model_id` could load it, when none holds it (each provider's
+        reason: `placement.choose_load`, its pinned models among them), or None: what a
+        queue timeout names, since waiting did not help."""
+        served = self._snapshot.models[model_id].providers
+        if self._stating.isdisjoint(served):  # no runtime reports its models: no loads
+            return None
+        records = [(record, served[record.id]) for record in self.catalog_providers(served)]
+        if holders_of(records):
+            return None
+        return choose_load(records).reason
 
     def _reported_loaded(self, model_id: str) -> bool:
         """Whether some runtime's last report says `model_id` is loaded."""
