@@ -48,7 +48,13 @@ def _credential(args: argparse.Namespace, located: Path | None) -> str:
     the `edge.state_dir` of the config that located the Edge (`located`), else of
     `--config` or the default config."""
     path: Path | None = getattr(args, "admin_token_file", None)
-    if path is None:
+    advice = admin_credential.REMAKE
+    if path is not None:
+        advice = (
+            f"give --admin-token-file the Edge's own ({admin_credential.ADMIN_TOKEN_FILE} "
+            "in its edge.state_dir)"
+        )
+    else:
         try:
             config = located or lookup.config_or_default(
                 args.config,
@@ -60,7 +66,7 @@ def _credential(args: argparse.Namespace, located: Path | None) -> str:
             fail(str(exc))
         path = _state_dir(config) / admin_credential.ADMIN_TOKEN_FILE
     try:
-        return admin_credential.read(path)
+        return admin_credential.read(path, advice=advice)
     except admin_credential.AdminCredentialUnusable as exc:
         relative = (
             ""

@@ -87,6 +87,11 @@ async def test_the_command_line_finds_the_credential_or_says_where_it_is(
     assert await run_cli("refresh", "--admin", admin, "--admin-token-file", str(missing)) == 1
     err = capsys.readouterr().err
     assert f"cannot read {missing}" in err and "run this as a user who may read it" in err
+    empty = tmp_path / "empty.token"
+    empty.write_text("\n")
+    assert await run_cli("refresh", "--admin", admin, "--admin-token-file", str(empty)) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{empty} does not hold an admin credential: give --admin-token-file the Edge" in err
     # A relative state_dir is the Edge's, from the folder it started in (a service's).
     relative = tmp_path / "relative.yaml"
     text = stack.config_path.read_text().replace(str(tmp_state(stack)), "./var")

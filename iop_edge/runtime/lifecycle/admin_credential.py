@@ -65,8 +65,13 @@ def load_or_create(state_dir: Path) -> str:
     return token
 
 
-def read(path: Path) -> str:
-    """The credential in `path` (Rule 3); raises `AdminCredentialUnusable`."""
+#: What to do about an Edge's own credential file that holds none.
+REMAKE: Final = "remove it, and the Edge makes a new one at its next start"
+
+
+def read(path: Path, *, advice: str = REMAKE) -> str:
+    """The credential in `path` (Rule 3); raises `AdminCredentialUnusable`, with `advice`
+    for a file that holds none."""
     try:
         with path.open("rb") as file:
             data = file.read(_MAX_BYTES + 1)
@@ -74,10 +79,7 @@ def read(path: Path) -> str:
         raise AdminCredentialUnusable(f"cannot read {path}: {exc.strerror or exc}") from None
     token = data.decode("ascii", errors="replace").strip()
     if not token or len(data) > _MAX_BYTES or any(c.isspace() for c in token):
-        raise AdminCredentialUnusable(
-            f"{path} does not hold an admin credential: remove it, and the Edge makes a new "
-            "one at its next start"
-        )
+        raise AdminCredentialUnusable(f"{path} does not hold an admin credential: {advice}")
     return token
 
 
