@@ -14,8 +14,8 @@ public token is safe only where nobody else can connect: config validation refus
 hash unless `edge.listen` is a loopback address (`core.configuration.config`), and `iop-edge serve`
 applies the same rule. A real deployment makes its own tokens (`iop-edge init`).
 
-`--ephemeral-ports` binds free ports without touching the config (`edge.Listeners`),
-for the same reason. After the providers report themselves available, the demo prints
+`--ephemeral-ports` binds free ports without touching the config
+(`lifecycle.listeners.Listeners`), for the same reason. After the providers report themselves available, the demo prints
 the URLs and a ready-to-paste example and (unless told not to) sends one real streamed
 request.
 
@@ -44,8 +44,9 @@ import trio
 
 from iop_edge.core.configuration.config import ParsedConfig
 from iop_edge.core.configuration.tokens import DEMO_NODE_TOKEN, DEMO_NODE_TOKEN_SHA256
-from iop_edge.edge import Edge, EdgeAddresses, Listeners
+from iop_edge.edge import Edge, EdgeAddresses
 from iop_edge.main import handle_signals, log_start
+from iop_edge.runtime.lifecycle.listeners import Listeners
 from iop_edge.runtime.refresh.config_file import check_config, load_config
 from iop_node.main import run_node
 from schemas.openai import ChunkChoice, ErrorDetail

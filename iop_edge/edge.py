@@ -27,10 +27,8 @@ import socket
 import ssl
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Final
 
 import msgspec
 import trio
@@ -60,12 +58,13 @@ from iop_edge.runtime.lifecycle.handover import Handover
 from iop_edge.runtime.lifecycle.heap_keeper import HeapKeeper
 from iop_edge.runtime.lifecycle.host_checks import node_tls_context
 from iop_edge.runtime.lifecycle.listeners import (
-    CONFIG_KEYS,
     Listener,
     ListenerError,
+    Listeners,
     Role,
     adopt_listener,
     bind_listener,
+    first_clash,
 )
 from iop_edge.runtime.lifecycle.port_claim import CallerPortClaim, PortShared, own_identity
 from iop_edge.runtime.lifecycle.replicas import ReplicaRoster
@@ -146,27 +145,6 @@ class ListenerUnavailable(EdgeStartupError):
     def __init__(self, config_key: str, message: str) -> None:
         super().__init__(message)
         self.config_key = config_key
-
-
-#: The flag that moves each listener away from its config key (`Listeners`).
-_LISTEN_FLAGS: Final[dict[Role, str]] = {
-    "node": "--node-listen",
-    "admin": "--admin-listen",
-    "openai": "--ephemeral-ports",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Listeners:
-    """Where to bind, when not where the config says: the demo's free ports, or each
-    replica's own node and admin address on a shared host (`serve --node-listen`).
-
-    Kept apart from the config so a refresh compares the config file with the config
-    that runs, and does not report the listeners as changed."""
-
-    node: str | None = None
-    openai: str | None = None
-    admin: str | None = None
 
 
 class Edge:
@@ -266,10 +244,7 @@ class Edge:
             "node": overrides.node or config.edge.listen,
             "admin": overrides.admin or config.admin.listen,
         }
-        self._listen_from: dict[Role, str] = {
-            role: _LISTEN_FLAGS[role] if getattr(overrides, role) else CONFIG_KEYS[role]
-            for role in self._listen
-        }
+        self._listen_from = overrides.sources()
         """Where each listener's address comes from: a config key, or a flag that moved it."""
         self._handover = handover
         self._listeners: dict[Role, Listener] = {}
@@ -564,7 +539,9 @@ class Edge:
         listeners: dict[Role, Listener] = {}
         handover = self._handover
         try:
-            self._check_listeners_apart()
+            clash = first_clash(self._listen, self._listen_from)
+            if clash is not None:
+                raise EdgeStartupError(clash)
             for role in ("node", "openai", "admin"):
                 configured = self._listen[role]
                 fd = handover.take_listener(role, configured) if handover else None
@@ -585,20 +562,6 @@ class Edge:
             if handover is not None:
                 handover.close_unused()
         return listeners
-
-    def _check_listeners_apart(self) -> None:
-        """Two listeners on one port: the config's rule (`config_rules`) again, for the
-        addresses a flag moved (`serve --node-listen`); raises `EdgeStartupError` naming
-        both."""
-        addresses = [(role, parse_listen_address(text)) for role, text in self._listen.items()]
-        for index, (role, address) in enumerate(addresses):
-            for other, taken in addresses[:index]:
-                if address.clashes_with(taken):
-                    raise EdgeStartupError(
-                        f"{self._listen_from[role]} {self._listen[role]} is also "
-                        f"{self._listen_from[other]} ({self._listen[other]}): each listener "
-                        "needs its own port"
-                    )
 
     async def claim_caller_port(self) -> None:
         """Claim the caller port by name (`runtime.lifecycle.port_claim`): only a replica

@@ -21,10 +21,11 @@ import trio
 from iop_edge import __version__
 from iop_edge.core.configuration.config import ConfigInvalid, ParsedConfig, format_errors
 from iop_edge.core.configuration.exposure import exposure_warnings
-from iop_edge.edge import Edge, EdgeAddresses, EdgeStartupError, Listeners
+from iop_edge.edge import Edge, EdgeAddresses, EdgeStartupError
 from iop_edge.procedures.drain import CUT_WRITE_S
 from iop_edge.runtime.lifecycle import heap, service_manager
 from iop_edge.runtime.lifecycle.handover import Handover
+from iop_edge.runtime.lifecycle.listeners import Listeners
 from iop_edge.runtime.refresh.config_file import load_config
 from schemas.refresh import RefreshRequest
 from schemas.runtime.log_lines import LogFormat, configure_logging

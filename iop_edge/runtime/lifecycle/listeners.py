@@ -21,12 +21,21 @@ from __future__ import annotations
 
 import errno
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
-from iop_edge.core.configuration.listen import ListenAddress
+from iop_edge.core.configuration.listen import ListenAddress, parse_listen_address
 
-__all__ = ["Listener", "ListenerError", "Role", "adopt_listener", "bind_listener"]
+__all__ = [
+    "Listener",
+    "ListenerError",
+    "Listeners",
+    "Role",
+    "adopt_listener",
+    "bind_listener",
+    "first_clash",
+]
 
 Role = Literal["openai", "node", "admin"]
 
@@ -36,6 +45,46 @@ CONFIG_KEYS: dict[Role, str] = {
     "node": "edge.listen",
     "admin": "admin.listen",
 }
+#: The flag that moves each listener away from its config key (`Listeners`).
+OVERRIDE_FLAGS: Final[dict[Role, str]] = {
+    "node": "--node-listen",
+    "admin": "--admin-listen",
+    "openai": "--ephemeral-ports",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Listeners:
+    """Where to bind, when not where the config says: the demo's free ports, or each
+    replica's own node and admin address on a shared host (`serve --node-listen`).
+
+    Kept apart from the config so a refresh compares the config file with the config
+    that runs, and does not report the listeners as changed."""
+
+    node: str | None = None
+    openai: str | None = None
+    admin: str | None = None
+
+    def sources(self) -> dict[Role, str]:
+        """Where each listener's address comes from: its flag when moved, else its key."""
+        return {
+            role: OVERRIDE_FLAGS[role] if getattr(self, role) else CONFIG_KEYS[role]
+            for role in CONFIG_KEYS
+        }
+
+
+def first_clash(listen: Mapping[Role, str], sources: Mapping[Role, str]) -> str | None:
+    """Two listeners on one port: the config's rule (`config_rules`) again, for the
+    addresses a flag moved (`serve --node-listen`); what is wrong, naming both, or None."""
+    addresses = [(role, parse_listen_address(text)) for role, text in listen.items()]
+    for index, (role, address) in enumerate(addresses):
+        for other, taken in addresses[:index]:
+            if address.clashes_with(taken):
+                return (
+                    f"{sources[role]} {listen[role]} is also {sources[other]} "
+                    f"({listen[other]}): each listener needs its own port"
+                )
+    return None
 
 
 class ListenerError(Exception):
