@@ -15,9 +15,9 @@ hash unless `edge.listen` is a loopback address (`core.configuration.config`), a
 applies the same rule. A real deployment makes its own tokens (`iop-edge init`).
 
 `--ephemeral-ports` binds free ports without touching the config
-(`lifecycle.listeners.Listeners`), for the same reason. After the providers report themselves available, the demo prints
-the URLs and a ready-to-paste example and (unless told not to) sends one real streamed
-request.
+(`lifecycle.listeners.Listeners`), for the same reason. After the providers report
+themselves available, the demo prints the URLs and a ready-to-paste example and (unless
+told not to) sends one real streamed request.
 
 That request goes through httpx2, the HTTP client the package already depends on, not
 the `openai` SDK: the SDK (and the dozen packages under it) would be a runtime dependency
