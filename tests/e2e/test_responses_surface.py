@@ -79,6 +79,20 @@ async def test_edge_errors_come_in_openais_shape(stack: Stack) -> None:
             await client.responses.create(model="codex-local", input="x", max_output_tokens=65)
         with pytest.raises(openai.BadRequestError) as wrong_type:
             await client.responses.create(model="codex-local", input=[{"content": 3}])  # type: ignore[list-item]
+        tool = {"type": "function", "name": "read", "parameters": {"type": "object"}}
+        with pytest.raises(openai.BadRequestError) as unknown_tool:
+            await client.responses.create(
+                model="codex-local",
+                input="x",
+                tools=[tool],  # type: ignore[list-item]
+                tool_choice={"type": "function", "name": "write"},
+            )
+        with pytest.raises(openai.BadRequestError) as chat_tool:
+            await client.chat.completions.create(
+                model="codex-local",
+                messages=[{"role": "user", "content": "x"}],
+                tool_choice="required",
+            )
     assert unknown.value.body == {
         "message": "The model 'gpt-9' does not exist",
         "type": "not_found_error",
@@ -90,6 +104,15 @@ async def test_edge_errors_come_in_openais_shape(stack: Stack) -> None:
     assert too_long.value.body["param"] == "max_output_tokens"
     assert isinstance(wrong_type.value.body, dict)
     assert wrong_type.value.body["param"] == "input[0].content"
+    assert unknown_tool.value.body == {
+        "message": "tool_choice names the tool 'write', which is not in tools ('read')",
+        "type": "invalid_request_error",
+        "param": "tool_choice",
+        "code": None,
+    }
+    assert isinstance(chat_tool.value.body, dict)
+    assert chat_tool.value.body["param"] == "tool_choice"
+    assert "needs tools, and the request has none" in chat_tool.value.body["message"]
     assert await stack.requests_by_protocol() == {}  # refused before any run: nothing billed
 
 

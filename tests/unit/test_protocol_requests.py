@@ -16,6 +16,7 @@ from iop_edge.core.responses.protocol_requests import (
     estimate_messages_tokens,
     estimate_responses_tokens,
     input_items,
+    openai_tool_choice_problem,
 )
 from iop_edge.http.errors import invalid_request
 from schemas.tokens import IMPLIED_SYSTEM_TOKENS, TOKENS_PER_MESSAGE, TOKENS_PER_REQUEST
@@ -237,3 +238,45 @@ def test_store_defaults_to_true_and_previous_id_must_be_a_string() -> None:
         _responses(input="x", previous_response_id=7)
     with pytest.raises(msgspec.ValidationError, match=r"\$\.max_output_tokens"):
         _responses(input="x", max_output_tokens=0)
+
+
+CHAT_TOOLS = [{"type": "function", "function": {"name": "read", "parameters": {}}}]
+RESPONSES_TOOLS = [{"type": "function", "name": "read"}, {"type": "web_search"}]
+
+
+@pytest.mark.parametrize(
+    ("choice", "tools", "nested", "problem"),
+    [
+        ("auto", None, True, None),
+        ("none", None, True, None),
+        ("required", CHAT_TOOLS, True, None),
+        ("required", None, True, "tool_choice 'required' needs tools"),
+        ("required", [], False, "tool_choice 'required' needs tools"),
+        ({"type": "function", "function": {"name": "read"}}, CHAT_TOOLS, True, None),
+        (
+            {"type": "function", "function": {"name": "write"}},
+            CHAT_TOOLS,
+            True,
+            "tool_choice names the tool 'write', which is not in tools ('read')",
+        ),
+        ({"type": "function", "function": {}}, CHAT_TOOLS, True, "`function.name` is required"),
+        ({"type": "function", "name": "read"}, RESPONSES_TOOLS, False, None),
+        (
+            {"type": "function", "name": "write"},
+            None,
+            False,
+            "tool_choice names the tool 'write', but the request has no tools",
+        ),
+        ({"type": "function"}, RESPONSES_TOOLS, False, "`name` is required"),
+        ({"type": "web_search"}, RESPONSES_TOOLS, False, None),  # the runtime's to judge
+        ("sideways", CHAT_TOOLS, True, None),  # likewise
+    ],
+)
+def test_an_openai_tool_choice_no_tool_meets_is_named(
+    choice: object, tools: object, nested: bool, problem: str | None
+) -> None:
+    found = openai_tool_choice_problem(choice, tools, nested=nested)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None and problem in found

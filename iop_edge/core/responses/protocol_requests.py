@@ -45,6 +45,8 @@ __all__ = [
     "estimate_messages_tokens",
     "estimate_responses_tokens",
     "input_items",
+    "named_tool_problem",
+    "openai_tool_choice_problem",
 ]
 
 NonEmptyStr = Annotated[str, Meta(min_length=1)]
@@ -140,16 +142,46 @@ class MessagesRequest(CountTokensRequest, frozen=True, kw_only=True):
             return None
         if choice.name is None:
             return "tool_choice of type tool names the tool: `name` is required"
-        names = [tool.name for tool in self.tools or () if tool.name]
-        if choice.name in names:
-            return None
-        if not names:
-            return f"tool_choice names the tool {choice.name!r}, but the request has no tools"
-        offered = ", ".join(repr(name) for name in names[:10])
-        more = f" and {len(names) - 10} more" if len(names) > 10 else ""
-        return (
-            f"tool_choice names the tool {choice.name!r}, which is not in tools ({offered}{more})"
-        )
+        return named_tool_problem(choice.name, [tool.name for tool in self.tools or ()])
+
+
+def named_tool_problem(name: str, names: Sequence[str | None]) -> str | None:
+    """Why a `tool_choice` naming the tool `name` cannot be met by the request's tools
+    (`names`), or None: each API refuses it (OpenAI, Anthropic, vLLM)."""
+    offered = [tool for tool in names if tool]
+    if name in offered:
+        return None
+    if not offered:
+        return f"tool_choice names the tool {name!r}, but the request has no tools"
+    listed = ", ".join(repr(tool) for tool in offered[:10])
+    more = f" and {len(offered) - 10} more" if len(offered) > 10 else ""
+    return f"tool_choice names the tool {name!r}, which is not in tools ({listed}{more})"
+
+
+def openai_tool_choice_problem(choice: object, tools: object, *, nested: bool) -> str | None:
+    """Why an OpenAI `tool_choice` (chat's, `nested`: `{"type": "function", "function":
+    {"name"}}`; Responses': `{"type": "function", "name"}`) cannot be met by `tools`, or
+    None. Only what OpenAI and vLLM both refuse: `required`, or a named function, with no
+    such tool; any other shape is the runtime's to judge."""
+    if choice == "required":
+        return None if tools else "tool_choice 'required' needs tools, and the request has none"
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        return None
+    where = choice.get("function") if nested else choice
+    name = where.get("name") if isinstance(where, dict) else None
+    if not isinstance(name, str) or not name:
+        field = "function.name" if nested else "name"
+        return f"tool_choice of type function names the function: `{field}` is required"
+    return named_tool_problem(name, _function_names(tools, nested=nested))
+
+
+def _function_names(tools: object, *, nested: bool) -> list[str | None]:
+    names: list[str | None] = []
+    for tool in tools if isinstance(tools, list) else ():
+        where = tool.get("function") if nested and isinstance(tool, dict) else tool
+        name = where.get("name") if isinstance(where, dict) else None
+        names.append(name if isinstance(name, str) else None)
+    return names
 
 
 def estimate_messages_tokens(request: CountTokensRequest) -> int:

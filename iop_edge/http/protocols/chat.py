@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Final
 
 import msgspec
 
+from iop_edge.core.responses.protocol_requests import openai_tool_choice_problem
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.errors import bad_request, invalid_request
 from iop_edge.http.protocols.caller_protocol import (
@@ -61,6 +62,11 @@ def plan_chat(
         choices = body.get("n")
         if isinstance(choices, int) and choices > MAX_CHOICES:
             raise bad_request(f"n={choices} exceeds the limit of {MAX_CHOICES}", param="n")
+        choice = body.get("tool_choice")
+        if choice is not None and operation == "chat":
+            problem = openai_tool_choice_problem(choice, body.get("tools"), nested=True)
+            if problem is not None:
+                raise bad_request(problem, param="tool_choice")
         if stream:
             # The Edge meters every stream, so it always asks for the usage chunk and
             # hides it from callers that did not ask for it themselves.

@@ -50,6 +50,7 @@ from iop_edge.core.responses.protocol_requests import (
     ResponsesRequest,
     estimate_responses_tokens,
     input_items,
+    openai_tool_choice_problem,
 )
 from iop_edge.core.responses.response_chain import (
     ChainBroken,
@@ -144,6 +145,11 @@ class ResponsesSurface:
         model = catalog_model(snapshot, caller, view.model)
         apply_defaults(model, body, DEFAULT_KEYS)
         check_max_tokens(model, "max_output_tokens", body.get("max_output_tokens"))
+        choice = body.get("tool_choice")
+        if choice is not None:
+            problem = openai_tool_choice_problem(choice, body.get("tools"), nested=False)
+            if problem is not None:
+                raise bad_request(problem, param="tool_choice")
         principal = caller.principal
         own_items = input_items(body.get("input", []))
         trigger = not compact and ends_with_trigger(own_items)
