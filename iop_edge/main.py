@@ -80,9 +80,9 @@ async def handle_signals(
     """SIGHUP refreshes, SIGUSR2 restarts; SIGTERM/SIGINT drains and stops, and a second
     one stops now: the runs still open are cut as the Edge's (`shutting_down`), not left
     to end as callers who went away, their callers are told so (within `CUT_WRITE_S`),
-    then `cancel_scope` is cancelled. `stopped_by` notes
-    the stop signals (the exit status follows from them). Started (`nursery.start`) once
-    the signals are caught: a signal sent after that is this task's."""
+    then `cancel_scope` is cancelled. `stopped_by` notes the stop signals (the exit
+    status follows from them). Started (`nursery.start`) once the signals are caught: a
+    signal sent after that is this task's."""
     stopping = False
     signums = (signal.SIGHUP, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
     with trio.open_signal_receiver(*signums) as signals:
