@@ -15,7 +15,7 @@ from trio.testing import wait_all_tasks_blocked
 
 from iop_edge.runtime.nodes.session import NodeSession
 from iop_edge.runtime.runs.lease import Lease
-from iop_edge.runtime.runs.relay import Attempt, RelayEvent, Unwritten
+from iop_edge.runtime.runs.relay import RUN_BUFFER_BYTES, Attempt, RelayEvent, Unwritten
 from schemas import wire
 
 DONE = wire.RunDone(run_id="r")
@@ -163,3 +163,14 @@ async def test_a_direct_write_that_raises_is_not_used_again(
     assert socket.written == [b"data: 1\n\n"]  # offered once, never again
     assert consumer.heard == [b"data: 1\n\n", b"data: 2\n\n", DONE]
     assert "writing to its caller directly failed" in caplog.text
+
+
+def test_one_event_larger_than_the_buffer_is_not_a_caller_behind() -> None:
+    """Dispatch Rule 5: a caller is behind when a whole buffer waits; a first event
+    larger than the buffer alone is the provider's size, not the caller's pace."""
+    attempt = _attempt()  # no consumer waiting: every event is buffered
+    giant = b"data: " + b"x" * (RUN_BUFFER_BYTES + 1) + b"\n\n"
+    assert attempt.push(giant) and attempt.end_reason is None
+    assert not attempt.push(b"data: 2\n\n")  # now a whole buffer waits before it
+    assert attempt.end_reason is not None
+    assert attempt.end_reason.code == wire.FailureCode.CALLER_TOO_SLOW

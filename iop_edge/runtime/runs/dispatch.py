@@ -45,7 +45,8 @@ Rules:
    a whole answer that came without usage. A run that produced output is never metered
    at zero.
 5. A run whose consumer falls a whole buffer behind (`RUN_BUFFER_BYTES` of events, or
-   `RUN_BUFFER_ITEMS` batches) is given up at once: its slot is released while the
+   `RUN_BUFFER_ITEMS` batches; one event larger than the buffer, with nothing waiting
+   before it, is not behind) is given up at once: its slot is released while the
    consumer may still be stuck on its socket, the Node cancels it, and the consumer's
    next read says `caller_too_slow`.
 6. What a run hears is caller-ready bytes (server-sent events the Node shaped) and then
@@ -620,7 +621,9 @@ class Dispatcher:
             await session.send(message)
             first = await attempt.receive()
         except (SessionClosed, trio.EndOfChannel):
-            first = _node_lost_before_start(wire_id, lease)  # nothing reached the caller
+            # Nothing reached the caller: the attempt's own end when it has one (given up,
+            # cut), else the link went.
+            first = attempt.end_reason or _node_lost_before_start(wire_id, lease)
         except wire.FrameTooLarge as exc:
             # The request grew past the wire's limit on its way (model defaults, the
             # re-encoding): refused here, never sent, so no Node loses its link over it.

@@ -128,7 +128,11 @@ class Attempt:
                         self._reader.unpark()
                     return True
             self.buffered += len(event)
-            if len(self._events) >= RUN_BUFFER_ITEMS or self.buffered > RUN_BUFFER_BYTES:
+            # Behind: a whole buffer waits, besides this event (one larger than the
+            # buffer, which the wire bounds, is not the caller's fault).
+            if self._events and (
+                len(self._events) >= RUN_BUFFER_ITEMS or self.buffered > RUN_BUFFER_BYTES
+            ):
                 self.end_reason = run_failed(
                     self.wire_id,
                     wire.FailureCode.CALLER_TOO_SLOW,
