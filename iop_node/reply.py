@@ -178,13 +178,21 @@ def read_chunk(data: bytes) -> ParsedChunk:
 
 def _fields(data: bytes) -> dict[str, msgspec.Raw]:
     try:
-        return _decode_top_level(data)
+        fields = _decode_top_level(data)
     except msgspec.ValidationError as exc:
         raise NotAnObject(f"not a JSON object ({exc})") from None
     except msgspec.DecodeError as exc:
         raise NotAnObject(f"not a JSON object ({exc})", malformed=True) from None
     except RecursionError:  # skipping a value nested deeper than the decoder's stack
         raise NotAnObject("nested too deeply") from None
+    if not data.isascii():  # the decoder skips the raw values unchecked: JSON is UTF-8
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise NotAnObject(
+                f"not JSON (invalid UTF-8 at byte {exc.start})", malformed=True
+            ) from None
+    return fields
 
 
 class ReplyShaper:

@@ -88,12 +88,26 @@ def test_a_response_whose_usage_the_adapter_read_is_shaped_without_reading_it_ag
         shaper.response(b"[1]", read_usage=False)
 
 
-@pytest.mark.parametrize("data", [b"not json", b"[1, 2]", b'"text"', b""])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"not json",
+        b"[1, 2]",
+        b'"text"',
+        b"",
+        b'{"choices":[{"delta":{"content":"x\xff\xfe"}}]}',  # a nested value not UTF-8
+    ],
+)
 def test_anything_but_a_json_object_is_refused(data: bytes) -> None:
     with pytest.raises(NotAnObject):
         _shaper().event(data)
     with pytest.raises(NotAnObject):
         _shaper().response(data)
+
+
+def test_utf8_beyond_ascii_is_taken() -> None:
+    chunk = '{"choices":[{"index":0,"delta":{"content":"héllo, 世界"}}]}'.encode()
+    assert _shaper().event(chunk) is not None
 
 
 _CHUNKS = [
