@@ -185,7 +185,18 @@ class ChatStreamTranslator(ABC, Generic[CallT]):
                 if arguments:
                     call.held.append(arguments)
                 return
-            self._open_call(call, out)
+            streaming = self._streaming_call()
+            try:
+                self._open_call(call, out)
+            except ReplyTranslationError as exc:
+                if streaming is None or streaming is call:
+                    raise
+                raise ReplyTranslationError(
+                    f"the runtime began tool call {call.position} before the arguments of "
+                    f"tool call {streaming.position} formed a JSON object; a {self._PROTOCOL} "
+                    f"stream carries one call's arguments at a time ({exc.reason})",
+                    param=exc.param,
+                ) from None
             call.opened = True
             held, call.held = call.held, []
             for piece in held:

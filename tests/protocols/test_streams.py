@@ -4,6 +4,7 @@ precedence, and the upstream streams that cannot be translated."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import anthropic
@@ -157,6 +158,21 @@ def test_messages_interleaved_call_fragments_are_refused() -> None:
     with pytest.raises(ReplyTranslationError) as caught:
         stream.feed(_call(0, args=', "y": 2'))
     assert caught.value.param == "choices[0].delta.tool_calls[0].function.arguments"
+
+
+@pytest.mark.parametrize("make", [lambda: MessagesStream("alias", "r1"), _responses])
+def test_a_call_begun_before_the_last_ones_arguments_are_whole_is_named_so(
+    make: Callable[[], Any],
+) -> None:
+    """An upstream interleaving two calls' arguments: the error says that, not that the
+    first call's arguments are not JSON."""
+    stream = make()
+    stream.feed(_call(0, id="a", name="f", args='{"ci'))
+    with pytest.raises(ReplyTranslationError) as caught:
+        stream.feed(_call(1, id="b", name="g", args="{}"))
+    assert "began tool call 1 before the arguments of tool call 0 formed a JSON object" in (
+        str(caught.value)
+    )
 
 
 def test_messages_a_call_never_named_is_refused() -> None:
