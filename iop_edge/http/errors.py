@@ -10,6 +10,7 @@ The runtime reports refusals and failures in its own terms; `admission_error` an
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Final
 
@@ -76,7 +77,8 @@ class ApiError(Exception):
     def headers(self) -> dict[str, str]:
         headers = {}
         if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
+            # Rounded up: a client that waits as told is not refused again.
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
         if self.allow is not None:
             headers["Allow"] = self.allow
         if self.close_connection:

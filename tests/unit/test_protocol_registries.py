@@ -69,6 +69,13 @@ def test_each_protocol_answers_in_its_own_error_shape() -> None:
     assert anthropic["request_id"] == "req_1"
 
 
+@pytest.mark.parametrize(("wait_s", "header"), [(0.2, "1"), (1.0, "1"), (11.3, "12")])
+def test_retry_after_is_never_earlier_than_the_wait(wait_s: float, header: str) -> None:
+    """Rounded up: a client that waits as told is not refused again."""
+    error = ApiError(429, "slow down", code="rate_limit_requests", retry_after_s=wait_s)
+    assert error.headers()["Retry-After"] == header
+
+
 def test_each_protocol_writes_its_own_rate_limit_headers() -> None:
     limits = RateLimits(limit_requests=2, remaining_requests=1, reset_requests_s=30.0)
     assert {name for name, _ in CHAT.rate_limit_headers(limits)} == {
