@@ -8,6 +8,7 @@ Real Edge and Node on 127.0.0.1 port 0, called with the official clients.
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -269,6 +270,32 @@ async def test_max_concurrent_queues_instead_of_refusing(
         inner.cancel_scope.cancel()
     assert statuses == [200, 200, 200]
     assert peak == 1
+
+
+async def test_a_request_max_concurrent_held_past_the_queue_timeout_is_counted_refused(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """The refusal is the scheduler's, once the wait ends: `/principals` counts it with
+    the limits' own, as `/metrics` does."""
+    slow = {"ttft_ms": 5, "tokens_per_second": 20}  # the first run holds its slot 3 s
+    stack = await start(
+        nursery,
+        tmp_path,
+        [{"ref": "alice", "max_concurrent": 1}],
+        adapter=slow,
+        dispatch={"queue_timeout_ms": 300},
+    )
+    async with trio.open_nursery() as load:
+        load.start_soon(partial(chat, stack, "alice", max_tokens=60))
+        await stack.wait_catalog(lambda c: c["providers"][0]["in_flight"] == 1)
+        refused = await chat(stack, "alice")
+        load.cancel_scope.cancel()
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "concurrency_limit"
+    async with stack.admin() as admin:
+        report = (await admin.get("/principals")).json()
+    [alice] = [p for p in report["principals"] if p["principal_ref"] == "alice"]
+    assert alice["rejected"] == {"max_concurrent": 1}
 
 
 # --- refresh -------------------------------------------------------------------------------

@@ -96,7 +96,11 @@ from iop_edge.core.routing.run_work import run_work
 from iop_edge.runtime.metering.metering import RunRecord
 from iop_edge.runtime.nodes.hub import NodeHub
 from iop_edge.runtime.nodes.session import SessionClosed
-from iop_edge.runtime.runs.admission_errors import AdmissionError, NoProvider
+from iop_edge.runtime.runs.admission_errors import (
+    AdmissionError,
+    ConcurrencyLimited,
+    NoProvider,
+)
 from iop_edge.runtime.runs.lease import Lease
 from iop_edge.runtime.runs.limits import (
     NO_RATE_LIMITS,
@@ -528,6 +532,8 @@ class Dispatcher:
             except AdmissionError as exc:
                 # A refusal after a wait (queue timeout) shows that wait as `queue`.
                 run.timings.queued_s += time.perf_counter() - asked_at
+                if isinstance(exc, ConcurrencyLimited) and self._limits is not None:
+                    self._limits.refused(plan.principal_ref, "max_concurrent")
                 if trace is not None:
                     trace.not_admitted(reason=exc.reason, kind=type(exc).__name__)
                 if isinstance(exc, NoProvider) and last_failure is not None:

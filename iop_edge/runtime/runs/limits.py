@@ -271,6 +271,14 @@ class PrincipalLimiter:
             principal, reserved, budget_reserved, self._standing(principal, state, limits, now)
         )
 
+    def refused(self, principal: str, limit: str) -> None:
+        """Count a refusal for `limit` that was decided elsewhere (`max_concurrent`, by the
+        scheduler once the run's wait ended), as `admit` counts its own."""
+        state = self._states.get(principal)
+        if state is None:
+            state = self._states[principal] = _State()
+        state.rejected[limit] = state.rejected.get(limit, 0) + 1
+
     async def reserve_shared(self, ticket: Ticket) -> None:
         """Reserve `ticket`'s budget share in the shared ledger (Rule 7), or undo the
         ticket and raise `LimitExceeded` when the budget is spent across the replicas."""
