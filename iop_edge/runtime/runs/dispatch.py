@@ -627,9 +627,12 @@ class Dispatcher:
             await session.send(message)
             first = await attempt.receive()
         except (SessionClosed, trio.EndOfChannel):
-            # Nothing reached the caller: the attempt's own end when it has one (given up,
-            # cut), else the link went.
-            first = attempt.end_reason or _node_lost_before_start(wire_id, lease)
+            # Nothing reached the caller: a lost link is retried elsewhere; an attempt
+            # given up (its caller, a cut) says why.
+            ended = attempt.end_reason
+            if ended is None or ended.code == wire.FailureCode.NODE_LOST:
+                ended = _node_lost_before_start(wire_id, lease)
+            first = ended
         except wire.FrameTooLarge as exc:
             # The request grew past the wire's limit on its way (model defaults, the
             # re-encoding): refused here, never sent, so no Node loses its link over it.
