@@ -772,6 +772,7 @@ class Edge:
             node_server=self._node_server,
             listeners=list(self._listeners.values()),
             revision=self._snapshot.revision + 1,
+            instance=self._instance,
             stopping=self._stop.requested,
             stop=self.stop,
         )

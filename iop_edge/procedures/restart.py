@@ -80,13 +80,16 @@ class Restarter:
         node_server: NodeServer | None,
         listeners: Sequence[Listener],
         revision: int,
+        instance: str,
         stopping: bool,
         stop: Callable[[str, HandoffSender | None], object],
     ) -> RestartReport:
         """Hand over to a successor that continues with `revision`. Returns once the
         successor serves (then `stop("restarting")` was called: this Edge drains) or the
         restart failed or was refused (this Edge serves on, unchanged). `node_server` is
-        None until the Edge serves; `stopping` says whether a stop began."""
+        None until the Edge serves; `instance` is this Edge's row in the replica roster
+        (the successor counts it gone once it serves); `stopping` says whether a stop
+        began."""
         pid = os.getpid()
         if self._successor_argv is None:
             detail = (
@@ -100,7 +103,9 @@ class Restarter:
             detail = "a config refresh is in progress; retry when it has finished"
             return RestartReport(outcome="refused", pid=pid, detail=detail)
         self._restarting = True
-        successor = Successor(self._successor_argv, list(listeners), revision=revision)
+        successor = Successor(
+            self._successor_argv, list(listeners), revision=revision, predecessor=instance
+        )
         try:
             successor_pid = await self._hand_over(successor, node_server)
         except Exception as exc:  # `HandoverFailed`, or the successor's pipe broke

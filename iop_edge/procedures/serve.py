@@ -133,6 +133,7 @@ async def serve(
                 if handoff is not None:  # the old Edge's connections and counters
                     http.start_soon(_take_handoff, taking, handoff, parts)
                 await handover.ready()
+                await parts.roster.retire(handover.predecessor)  # it takes no new request
             await stop.wait()
             taking.cancel()
             try:

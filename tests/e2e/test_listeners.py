@@ -47,6 +47,7 @@ def test_a_successor_inherits_a_socket_only_for_the_same_configured_address() ->
             {
                 "control_fd": 99,
                 "revision": 7,
+                "predecessor": "host/41",
                 "listeners": {
                     "openai": {"fd": fds["openai"], "listen": "127.0.0.1:0"},
                     "node": {"fd": fds["node"], "listen": "127.0.0.1:0"},
@@ -56,6 +57,7 @@ def test_a_successor_inherits_a_socket_only_for_the_same_configured_address() ->
     }
     handover = Handover.from_environ(environ)
     assert handover is not None and handover.revision == 7
+    assert handover.predecessor == "host/41"  # its roster row, counted gone once we serve
     assert HANDOVER_ENV not in environ  # a restart of the successor builds its own
     assert handover.take_listener("openai", "127.0.0.1:0") == fds["openai"]
     assert handover.take_listener("node", "0.0.0.0:7700") is None  # the config moved it

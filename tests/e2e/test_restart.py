@@ -327,6 +327,10 @@ async def test_per_minute_limits_carry_over_a_restart(
         principals = await admin_get(edge.urls["admin"], "/principals")
         alice = next(p for p in principals["principals"] if p["principal_ref"] == "alice")
         assert alice["requests_remaining"] == 0
+        # The old Edge took no new request once its successor served: the limits are not
+        # split with it while its row lingers.
+        assert principals["replicas"] == 1
+        assert refused.value.response.headers["x-ratelimit-limit-requests"] == "10"
     finally:
         stop_pid(successor)
         stop_pid(edge.pid)

@@ -100,11 +100,19 @@ class Successor:
     """The process that is to take over from this Edge (see the module docstring)."""
 
     def __init__(
-        self, argv: Sequence[str], listeners: Sequence[Listener], *, revision: int
+        self,
+        argv: Sequence[str],
+        listeners: Sequence[Listener],
+        *,
+        revision: int,
+        predecessor: str = "",
     ) -> None:
+        """`predecessor`: this Edge's row in the replica roster, which the successor
+        counts gone once it serves (`Handover.predecessor`)."""
         self._argv = list(argv)
         self._listeners = list(listeners)
         self._revision = revision
+        self._predecessor = predecessor
         self._process: subprocess.Popen[bytes] | None = None
         self._control: _Lines | None = None
         self.handoff: socket.socket | None = None
@@ -121,6 +129,7 @@ class Successor:
             "control_fd": theirs.fileno(),
             "handoff_fd": their_handoff.fileno(),
             "revision": self._revision,
+            "predecessor": self._predecessor,
             "listeners": {
                 listener.role: {"fd": listener.socket.fileno(), "listen": listener.configured}
                 for listener in self._listeners
@@ -226,9 +235,13 @@ class Handover:
         revision: int,
         listeners: Mapping[Role, InheritedListener],
         handoff_fd: int | None = None,
+        predecessor: str = "",
     ) -> None:
         self.revision = revision
         self.listeners = dict(listeners)
+        self.predecessor = predecessor
+        """The old Edge's row in the replica roster ("" when it did not say): it takes
+        no new request once this process is ready."""
         self._control_fd = control_fd
         self._handoff_fd = handoff_fd
         self._control: _Lines | None = None
@@ -254,6 +267,7 @@ class Handover:
                 int(spec["revision"]),
                 listeners,
                 None if handoff is None else int(handoff),
+                str(spec.get("predecessor") or ""),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise HandoverFailed(f"{HANDOVER_ENV} is malformed: {exc!r}") from None

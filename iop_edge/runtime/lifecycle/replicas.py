@@ -15,6 +15,11 @@ Rules:
    one older than `FORGET_AFTER_S` is deleted by whichever replica reads it.
 3. The roster never takes the gateway down: a ledger it cannot reach leaves the list
    empty or stale, and says so in the log.
+4. A restart's successor stops listing its predecessor once it serves in its place
+   (`retire`): the old Edge takes no new request from then on, though its row may say
+   `serving` until its drain publishes (or, when its last writes were lost, until the
+   row goes stale), and the limits split between the replicas serving must not halve
+   for that while.
 """
 
 from __future__ import annotations
@@ -123,6 +128,8 @@ class ReplicaRoster:
         self._lock = trio.Lock()
         self._cached: list[ReplicaStatus] = []
         self._instance = ""
+        self._retired: set[str] = set()
+        """Rows of Edges that take no new request, whatever their rows still say (Rule 4)."""
 
     def cached(self) -> list[ReplicaStatus]:
         """The rows as of the last heartbeat or publish (no I/O)."""
@@ -161,6 +168,14 @@ class ReplicaRoster:
         await self._call(lambda store: store.publish(me.instance, document, me.seen_at))
         return await self.read()
 
+    async def retire(self, instance: str) -> None:
+        """`instance` takes no new request from now on (this Edge's predecessor, once this
+        one serves in its place): it is not listed, and everyone's rows are read again
+        at once, so the limits split between the replicas follow now (Rule 4)."""
+        if instance:
+            self._retired.add(instance)
+            await self.read()
+
     async def read(self) -> list[ReplicaStatus]:
         """Everyone's rows, fresh, marked `current` and `same_config` for this Edge."""
         me = self._describe()
@@ -172,6 +187,8 @@ class ReplicaRoster:
             try:
                 replica = _decode(document)
             except msgspec.DecodeError:
+                continue
+            if replica.instance in self._retired:
                 continue
             replicas.append(
                 msgspec.structs.replace(
