@@ -193,6 +193,7 @@ class _Reply:
         "complete",
         "dropped_tools",
         "error_code",
+        "outcome",
         "protocol",
         "provider",
         "rate_limits",
@@ -219,6 +220,10 @@ class _Reply:
         self.complete = False
         """The last body message is on its way: a disconnect from now on is the normal end
         of the exchange (Hypercorn reports one once the response is written)."""
+        self.outcome: Outcome | None = None
+        """How the exchange's run ended (the access line's status and code), once it
+        did: a stream's may not be the status its headers said (a caller that left, an
+        upstream that broke off)."""
 
     def _headers(self, timing: _Timing, extra: Headers) -> Headers:
         headers = [(b"x-request-id", self.request_id.encode()), (b"server-timing", timing.header())]
@@ -351,7 +356,8 @@ class RunEndpoints:
                 await reply.error(error, timing)
         finally:
             if trace is not None:
-                trace.end(status=reply.status, code=reply.error_code)
+                outcome = reply.outcome or Outcome(reply.status, reply.error_code)
+                trace.end(status=outcome.status, code=outcome.code)
 
     async def run_planned(self, plan: RunPlan, reply: Reply, to_store: ToStore | None) -> None:
         """Steps 2 and 3 for a request planned elsewhere, written through `reply`: a
@@ -471,6 +477,7 @@ class RunEndpoints:
             raise
         finally:
             run.end(CALLER_GONE)  # a no-op unless the caller left before the run ended
+            reply.outcome = run.outcome
 
     def _dropped_tools(
         self, plan: RunPlan, protocol: CallerProtocol, provider_id: str

@@ -305,6 +305,23 @@ async def test_a_failover_shows_as_events_and_a_second_attempt_span(tmp_path: Pa
     assert edge.attributes["http.response.status_code"] == 200
 
 
+async def test_a_stream_that_breaks_off_is_traced_as_it_ended_not_as_its_headers_said(
+    tmp_path: Path,
+) -> None:
+    """The headers said 200; the upstream broke off mid-stream: the span says 502, as the
+    access line and the metrics do."""
+    async with traced_stack(tmp_path, [FakeUpstream(chunks=6, drop_after_chunks=2)]) as (
+        stack,
+        receiver,
+    ):
+        with pytest.raises(openai.APIError):
+            await _ask(stack)
+    [edge] = [s for s in receiver.spans() if s.service == "iop-edge"]
+    assert edge.attributes["http.response.status_code"] == 502
+    assert edge.attributes["error.type"] == "upstream_stream_error"
+    assert edge.span.status.code == edge.span.status.STATUS_CODE_ERROR
+
+
 async def test_a_request_over_its_principals_limit_shows_as_not_admitted(tmp_path: Path) -> None:
     """A limit refuses before the request queues; its trace still says why it was not run."""
     limited = [{"ref": "anonymous", "requests_per_minute": 0}]
