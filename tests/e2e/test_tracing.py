@@ -322,6 +322,18 @@ async def test_a_stream_that_breaks_off_is_traced_as_it_ended_not_as_its_headers
     assert edge.span.status.code == edge.span.status.STATUS_CODE_ERROR
 
 
+async def test_a_failure_with_no_provider_left_is_not_a_failover(tmp_path: Path) -> None:
+    async with traced_stack(tmp_path, [FakeUpstream(status=500)]) as (stack, receiver):
+        with pytest.raises(openai.APIError):
+            await _ask(stack)
+        metrics = stack.edge.metrics_text().decode()
+    [edge] = [s for s in receiver.spans() if s.service == "iop-edge"]
+    events = edge.events()
+    assert [e["iop.provider.id"] for e in events["iop.attempt_failed"]] == ["up-1"]
+    assert "iop.failover" not in events
+    assert "iop_failovers_total{" not in metrics
+
+
 async def test_a_request_over_its_principals_limit_shows_as_not_admitted(tmp_path: Path) -> None:
     """A limit refuses before the request queues; its trace still says why it was not run."""
     limited = [{"ref": "anonymous", "requests_per_minute": 0}]

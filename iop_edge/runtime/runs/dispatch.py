@@ -515,6 +515,8 @@ class Dispatcher:
                 raise
         attempts = Attempts(retries=self._retries(), max_busy=MAX_BUSY_REQUEUES)
         last_failure: RunFailure | None = None
+        # The provider the run leaves and why, told once another provider takes it.
+        moving: tuple[str, str] | None = None
         for attempt in itertools.count():
             wire_id = plan.run_id if attempt == 0 else f"{plan.run_id}.{attempt}"
             asked_at = time.perf_counter()
@@ -540,6 +542,12 @@ class Dispatcher:
                     raise last_failure from None
                 raise
             run.timings.queued_s += lease.queued_s
+            if moving is not None:  # another provider took it: the run failed over
+                left, why = moving
+                self._on_failover(plan.model_id, left, why)
+                if trace is not None:
+                    trace.failover(provider_id=left, reason=why)
+                moving = None
             if trace is not None:
                 trace.admitted(
                     queued_s=lease.queued_s,
@@ -571,10 +579,7 @@ class Dispatcher:
             if step == Next.GIVE_UP:
                 failure.request_fault = attempts.request_fault
                 break
-            # Another provider gets it.
-            self._on_failover(plan.model_id, lease.provider_id, reason)
-            if trace is not None:
-                trace.failover(provider_id=lease.provider_id, reason=reason)
+            moving = (lease.provider_id, reason)  # another provider may take it
         assert last_failure is not None
         raise last_failure
 
