@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    lookup.forget_announced()  # each command says which default config it uses, once
     try:
         return int(args.func(args))
     except (CliError, lookup.NoConfig) as exc:

@@ -45,8 +45,19 @@ def config_or_default(named: Path | None, *, advice: str, needed_by: str = "") -
     found = find_default_config()
     if found is None:
         raise NoConfig(f"{needed_by}{no_default()}. {advice}")
-    print(using_default(found), file=sys.stderr)
+    if found.absolute() not in _ANNOUNCED:  # a command that looks twice says it once
+        _ANNOUNCED.add(found.absolute())
+        print(using_default(found), file=sys.stderr)
     return found
+
+
+#: The default configs the running command has said it uses (Rule 2).
+_ANNOUNCED: set[Path] = set()
+
+
+def forget_announced() -> None:
+    """A new command starts: it says again which default config it uses."""
+    _ANNOUNCED.clear()
 
 
 def describe_defaults(places: Sequence[Path] | None = None) -> str:

@@ -164,3 +164,14 @@ def test_a_config_without_openai_listen_is_open_on_every_interface(tmp_path: Pat
     del doc["openai"]["listen"]
     warnings = exposure_warnings(parse_config(yaml.safe_dump(doc)).config)
     assert len(warnings) == 1 and warnings[0].startswith("openai.listen: 0.0.0.0:8080 is not")
+
+
+def test_a_command_that_looks_twice_says_once_which_default_it_uses(
+    etc_config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    etc_config.write_text("edge: {}\n")
+    for _ in range(2):
+        config_lookup.forget_announced()  # as `main` does for each command
+        for _ in range(2):
+            assert config_lookup.config_or_default(None, advice="") == etc_config
+    assert capsys.readouterr().err == (USING.format(etc_config) + "\n") * 2
