@@ -315,6 +315,7 @@ class RunEndpoints:
             trace = self._tracing.begin(
                 method=scope["method"],
                 path=scope["path"],
+                request_id=reply.request_id,
                 traceparent=traceparent,
                 tracestate=tracestate,
             )
@@ -653,7 +654,6 @@ def _continue_trace(plan: RunPlan, trace: RequestTrace | None, request: _Request
             operation=plan.operation,
             protocol=plan.protocol,
             principal_ref=plan.principal_ref,
-            request_id=plan.request_id or plan.run_id,
             body=plan.body,
         )
         plan.trace = trace

@@ -183,11 +183,11 @@ async def traced_stack(
         nursery.cancel_scope.cancel()
 
 
-async def _ask(stack: Stack, *, traceparent: str | None = None) -> str:
+async def _ask(stack: Stack, *, traceparent: str | None = None, model: str = "m") -> str:
     headers = {"traceparent": traceparent} if traceparent else {}
     async with stack.client() as client:
         stream = await client.chat.completions.create(
-            model="m",
+            model=model,
             stream=True,
             max_tokens=16,
             messages=[{"role": "user", "content": PROMPT}],
@@ -332,6 +332,18 @@ async def test_a_failure_with_no_provider_left_is_not_a_failover(tmp_path: Path)
     assert [e["iop.provider.id"] for e in events["iop.attempt_failed"]] == ["up-1"]
     assert "iop.failover" not in events
     assert "iop_failovers_total{" not in metrics
+
+
+async def test_a_request_refused_before_it_is_planned_carries_its_request_id(
+    tmp_path: Path,
+) -> None:
+    """An unknown model: its span joins its access line by the id the caller got."""
+    async with traced_stack(tmp_path, [FakeUpstream()]) as (stack, receiver):
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await _ask(stack, model="nope")
+    [edge] = [s for s in receiver.spans() if s.service == "iop-edge"]
+    assert edge.attributes["iop.request_id"] == unknown.value.response.headers["x-request-id"]
+    assert edge.attributes["http.response.status_code"] == 404
 
 
 async def test_a_request_over_its_principals_limit_shows_as_not_admitted(tmp_path: Path) -> None:

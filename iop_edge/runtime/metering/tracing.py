@@ -94,8 +94,12 @@ class EdgeTracing:
     def endpoint(self) -> str:
         return self._tracing.settings.endpoint
 
-    def begin(self, *, method: str, path: str, traceparent: str, tracestate: str) -> RequestTrace:
-        """The span of a request that just arrived, continuing the caller's trace."""
+    def begin(
+        self, *, method: str, path: str, request_id: str, traceparent: str, tracestate: str
+    ) -> RequestTrace:
+        """The span of a request that just arrived, continuing the caller's trace; it
+        carries the `x-request-id` the caller gets from the start, so a request refused
+        before it was planned joins its access line too."""
         span = self._tracing.start(
             f"{method} {path}", "server", remote_parent(traceparent, tracestate)
         )
@@ -105,6 +109,7 @@ class EdgeTracing:
             if route is None:
                 route = self._shared.add(key, {"http.request.method": method, "url.path": path})
             span.shared += route
+            span.attributes["iop.request_id"] = request_id
         return RequestTrace(span, self.provider_name, self._shared)
 
     async def aclose(self) -> None:
@@ -136,7 +141,6 @@ class RequestTrace:
         operation: str,
         protocol: str,
         principal_ref: str,
-        request_id: str,
         body: Mapping[str, Any],
     ) -> None:
         """The request is valid: what it asks for."""
@@ -156,7 +160,6 @@ class RequestTrace:
             )
         self.span.shared += plan
         attributes = self.span.attributes
-        attributes["iop.request_id"] = request_id
         for key in _MAX_TOKENS_KEYS:
             value = body.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
