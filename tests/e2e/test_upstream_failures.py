@@ -77,6 +77,12 @@ async def test_upstream_500_is_a_502_and_frees_the_slot(
     # A 500 with no other provider to try may be the request's fault: it counts against
     # nobody (design §4 item 10).
     assert provider_of(await stack.catalog(), "gpu")["consecutive_failures"] == 0
+    # Each record names who failed it: the provider and its node.
+    await stack.edge.ledger.wait_flushed()
+    async with stack.admin() as admin:
+        usage = await admin.get("/usage", params={"group_by": "provider,node,status"})
+    rows = [(r["provider"], r["node"], r["status"], r["requests"]) for r in usage.json()["rows"]]
+    assert rows == [("gpu", "node-1", 502, 2)]
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -177,6 +177,7 @@ class Run:
         self._dispatcher = dispatcher
         self._attempt: Attempt | None = None
         self._provider_id = ""
+        self._node_id = ""
         self._first: RelayEvent | None = None
         self._direct: DirectWrite | None = None
         """`write_directly`'s writer, counting what it writes (Rule 9)."""
@@ -200,7 +201,8 @@ class Run:
 
     @property
     def node_id(self) -> str:
-        return self._attempt.lease.node_id if self._attempt is not None else ""
+        """The node of the current (or last) attempt; "" before the first."""
+        return self._node_id
 
     @property
     def rate_limits(self) -> RateLimits:
@@ -402,6 +404,7 @@ class Run:
     def _begin_attempt(self, attempt: Attempt) -> None:
         self._attempt = attempt
         self._provider_id = attempt.lease.provider_id
+        self._node_id = attempt.lease.node_id
         self._admitted = True
         self._live_on_node = True
 
