@@ -265,6 +265,7 @@ class AttemptTrace:
         "_run",
         "_token",
         "_tracing",
+        "_upstream_read",
         "recording",
         "span",
     )
@@ -289,6 +290,8 @@ class AttemptTrace:
         self._call_sets = call_sets
         self._first_output = False
         self._response_model: str | None = None
+        self._upstream_read = False
+        """A translated run's upstream model was looked for (`upstream_model`: once)."""
         self._finish_reasons: list[str] = []
         self._calls: list[UpstreamCall] = []
 
@@ -351,6 +354,19 @@ class AttemptTrace:
         for reason in reasons:
             if reason.__class__ is str and reason and reason not in self._finish_reasons:
                 self._finish_reasons.append(reason)
+
+    def upstream_model(self, reply: bytes) -> None:
+        """The model a translated run's upstream answered as, from its first chunk or its
+        response (the caller's events name the caller's alias)."""
+        if not self.recording or self._upstream_read:
+            return
+        self._upstream_read = True
+        try:
+            model = _decode_ending(reply).model
+        except (msgspec.DecodeError, RecursionError):
+            return
+        if isinstance(model, str):
+            self._response_model = model
 
     def _output_began(self) -> None:
         self._first_output = True
@@ -487,6 +503,14 @@ def _server_of(url: str) -> tuple[str, int | None]:
         return parts.hostname or "", parts.port
     except ValueError:
         return "", None
+
+
+def upstream_model(reply: bytes) -> None:
+    """A translated run's upstream chat chunk or response (`reply`): the model it names is
+    the upstream's (`gen_ai.response.model`), once. Nothing when the run is not traced."""
+    attempt = _attempt.get()
+    if attempt is not None:
+        attempt.upstream_model(reply)
 
 
 def upstream_call(base_url: str, path: str) -> UpstreamCall | None:

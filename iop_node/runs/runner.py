@@ -239,6 +239,8 @@ async def _outcome(
         error = _too_large("the response", len(response))
         return _failed(run, handle, error.code, error.message)
     tail = result.tail or None
+    if trace is not None and tail is not None:
+        trace.events(tail)  # the held-back end says why the stream ended
     if tail is not None and len(tail) > MAX_PAYLOAD_BYTES:
         error = _too_large("the stream's last events", len(tail))  # as a chunk would
         return _failed(run, handle, error.code, error.message)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 import trio
@@ -280,6 +281,34 @@ async def test_one_trace_per_request_from_the_caller_through_edge_and_node_to_up
     words = [*PROMPT.split(), *answer.split()]
     leaks = [text for text in _strings(spans) for word in words if word in text]
     assert leaks == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_translated_messages_run_names_its_upstream_model_and_why_it_ended(
+    tmp_path: Path, stream: bool
+) -> None:
+    """The Node translates a Messages run for a chat-only upstream: its span has the
+    model the upstream answered as, and the stop reason in the caller's terms, also when
+    the stream's end was held back for the Edge."""
+    async with traced_stack(tmp_path, [FakeUpstream(chunks=3)]) as (stack, receiver):
+        client = anthropic.AsyncAnthropic(
+            base_url=stack.addresses.openai_url, api_key="unused", max_retries=0
+        )
+        async with client:
+            body: dict[str, Any] = {
+                "model": "m",
+                "max_tokens": 16,
+                "messages": [{"role": "user", "content": PROMPT}],
+            }
+            if stream:
+                async with client.messages.stream(**body) as events:
+                    await events.get_final_message()
+            else:
+                await client.messages.create(**body)
+    [attempt] = [s for s in receiver.spans() if s.span.kind == Span.SpanKind.SPAN_KIND_INTERNAL]
+    assert attempt.attributes["iop.protocol"] == "messages"
+    assert attempt.attributes["gen_ai.response.model"] == "fake-model"
+    assert attempt.attributes["gen_ai.response.finish_reasons"] == ["end_turn"]
 
 
 async def test_a_failover_shows_as_events_and_a_second_attempt_span(tmp_path: Path) -> None:

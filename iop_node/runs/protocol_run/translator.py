@@ -20,6 +20,7 @@ from typing import ClassVar, Final, Protocol
 
 import msgspec
 
+from iop_node import tracing
 from iop_node.adapters.base import (
     Adapter,
     AdapterError,
@@ -173,6 +174,7 @@ class Translator(ABC):
 
         async def emit(data: bytes, parsed: ParsedChunk | None = None, /) -> None:
             nonlocal output_tokens, emitted
+            tracing.upstream_model(data)
             try:
                 out = translator.feed(data, parsed)
             except ReplyTranslationError as exc:
@@ -274,6 +276,7 @@ async def _translated_response(
             retryable=True,
             reply_fault=True,
         )
+    tracing.upstream_model(result.response)
     usage, source = result.usage, result.usage_source
     if usage is None:
         # Rule 4, read off the chat exchange (the caller's protocol's shape has no
