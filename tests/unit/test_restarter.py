@@ -76,6 +76,7 @@ async def _restart(restarter: Restarter, calls: list[str]) -> Any:
         node_server=_NodeServer(calls),  # type: ignore[arg-type]
         listeners=[],
         revision=2,
+        instance="host/1",
         stopping=False,
         stop=lambda *_: calls.append("stop"),
     )
