@@ -341,6 +341,8 @@ class AttemptTrace:
         caller's alias yet)."""
         if not self.recording:
             return
+        if not self._first_output:  # a whole response: its output begins as it arrives
+            self._output_began()
         try:
             ending = _decode_ending(body)
         except (msgspec.DecodeError, RecursionError):

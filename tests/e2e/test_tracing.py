@@ -309,6 +309,7 @@ async def test_a_translated_messages_run_names_its_upstream_model_and_why_it_end
     assert attempt.attributes["iop.protocol"] == "messages"
     assert attempt.attributes["gen_ai.response.model"] == "fake-model"
     assert attempt.attributes["gen_ai.response.finish_reasons"] == ["end_turn"]
+    assert attempt.attributes["iop.time_to_first_output_s"] > 0  # a whole reply's too
 
 
 async def test_a_failover_shows_as_events_and_a_second_attempt_span(tmp_path: Path) -> None:
