@@ -181,6 +181,16 @@ async def test_a_tool_choice_no_tool_meets_is_refused_before_a_run(stack: Stack)
             tools=[tool],
             tool_choice={"type": "tool", "name": "read"},
         )
+        with pytest.raises(anthropic.BadRequestError) as counted:  # counting asks the same
+            await client.messages.count_tokens(
+                model="claude-local",
+                messages=MESSAGES,
+                tools=[tool],
+                tool_choice={"type": "tool", "name": "write"},
+            )
+    assert counted.value.body["error"]["message"] == (  # type: ignore[index]
+        "tool_choice names the tool 'write', which is not in tools ('read')"
+    )
     assert unknown_tool.value.body == {
         "type": "error",
         "error": {

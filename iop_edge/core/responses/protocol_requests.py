@@ -111,15 +111,6 @@ class _AnthropicTool(_View, frozen=True, kw_only=True):
         return total
 
 
-class CountTokensRequest(_View, frozen=True, kw_only=True):
-    """`POST /v1/messages/count_tokens`: a Messages request without an output bound."""
-
-    model: NonEmptyStr
-    system: str | list[_Block] | None = None
-    messages: Annotated[list[_Message], Meta(min_length=1)]
-    tools: list[_AnthropicTool] | None = None
-
-
 class AnthropicToolChoice(_View, frozen=True, kw_only=True):
     """`tool_choice`: one of Anthropic's four, `tool` with the `name` of a tool given."""
 
@@ -128,11 +119,13 @@ class AnthropicToolChoice(_View, frozen=True, kw_only=True):
     disable_parallel_tool_use: bool | None = None
 
 
-class MessagesRequest(CountTokensRequest, frozen=True, kw_only=True):
-    """`POST /v1/messages`. `max_tokens` is required, as Anthropic's API requires it."""
+class CountTokensRequest(_View, frozen=True, kw_only=True):
+    """`POST /v1/messages/count_tokens`: a Messages request without an output bound."""
 
-    max_tokens: PositiveInt
-    stream: bool = False
+    model: NonEmptyStr
+    system: str | list[_Block] | None = None
+    messages: Annotated[list[_Message], Meta(min_length=1)]
+    tools: list[_AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
 
     def tool_choice_problem(self) -> str | None:
@@ -143,6 +136,13 @@ class MessagesRequest(CountTokensRequest, frozen=True, kw_only=True):
         if choice.name is None:
             return "tool_choice of type tool names the tool: `name` is required"
         return named_tool_problem(choice.name, [tool.name for tool in self.tools or ()])
+
+
+class MessagesRequest(CountTokensRequest, frozen=True, kw_only=True):
+    """`POST /v1/messages`. `max_tokens` is required, as Anthropic's API requires it."""
+
+    max_tokens: PositiveInt
+    stream: bool = False
 
 
 def named_tool_problem(name: str, names: Sequence[str | None]) -> str | None:

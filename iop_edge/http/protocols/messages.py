@@ -100,9 +100,9 @@ def plan_messages(
         view = msgspec.structs.replace(view, system=view.system[1:] or None)
     stream = False
     prompt_tokens = 0
+    if (problem := view.tool_choice_problem()) is not None:
+        raise bad_request(problem, param="tool_choice")
     if isinstance(view, MessagesRequest):
-        if (problem := view.tool_choice_problem()) is not None:
-            raise bad_request(problem, param="tool_choice")
         check_max_tokens(model, "max_tokens", view.max_tokens)
         apply_defaults(model, body, DEFAULT_KEYS)
         stream = view.stream
