@@ -125,6 +125,7 @@ class _Request:
         "anthropic",
         "api_key",
         "authorization",
+        "content_encoding",
         "content_length",
         "host",
         "origin",
@@ -143,6 +144,7 @@ class _Request:
         self.authorization = ""
         self.api_key = ""
         self.content_length: int | None = None
+        self.content_encoding: str | None = None
         self.request_id: str | None = None
         self.anthropic: dict[str, str] = {}
         """`anthropic-version` and `anthropic-beta`, as sent."""
@@ -159,6 +161,8 @@ class _Request:
                 self.content_length = int(value)
             elif name == b"x-request-id":
                 self.request_id = value.decode("latin-1")
+            elif name == b"content-encoding":
+                self.content_encoding = value.decode("latin-1").strip().lower()
             elif name == b"x-api-key":
                 self.api_key = value.decode("latin-1")
             elif name == b"host":
@@ -418,6 +422,15 @@ class RunEndpoints:
         except ApiError as refused:  # the body stays unread: the connection ends here
             refused.close_connection = True
             raise
+        encoding = request.content_encoding
+        if encoding not in (None, "", "identity"):
+            unsupported = ApiError(
+                415,
+                f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",
+                code="unsupported_content_encoding",
+            )
+            unsupported.close_connection = True  # the body stays unread
+            raise unsupported
         body = await read_json(
             receive, request.content_length, snapshot.config.openai.max_request_bytes
         )

@@ -3,6 +3,7 @@ forever or to outgrow the wire, refresh bodies built to dodge the audit log."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -34,6 +35,20 @@ async def test_json_nested_too_deep_is_a_400_whatever_the_depth(stack_one: Stack
                 assert error["code"] == "invalid_json" and "nests deeper" in error["message"]
         ok = await http.post("/v1/chat/completions", content=_nested(MAX_JSON_DEPTH - 3))
         assert ok.status_code == 200, ok.text
+
+
+async def test_a_compressed_body_is_a_415_naming_its_encoding(stack_one: Stack) -> None:
+    body = gzip.compress(json.dumps({"model": "m", "messages": MESSAGES}).encode())
+    async with stack_one.http() as http:
+        response = await http.post(
+            "/v1/chat/completions",
+            content=body,
+            headers={"content-type": "application/json", "content-encoding": "gzip"},
+        )
+    assert response.status_code == 415, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unsupported_content_encoding" and "'gzip'" in error["message"]
+    assert response.headers["connection"] == "close"  # its body was never read
 
 
 async def test_generation_is_bounded_for_a_model_that_sets_no_limit(stack_one: Stack) -> None:
