@@ -66,11 +66,17 @@ import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, WebsocketScope
 
 from iop_edge.core.responses.protocol_requests import input_items
+from iop_edge.core.responses.response_chain import ConversationTooLarge
 from iop_edge.core.routing.affinity import SESSION_HEADERS
 from iop_edge.http.auth import authenticate_headers
 from iop_edge.http.errors import ApiError, metering_unavailable
 from iop_edge.http.protocols.caller_protocol import Caller, ToStore
-from iop_edge.http.protocols.responses import RESPONSES, warm_up_events, warm_up_response
+from iop_edge.http.protocols.responses import (
+    RESPONSES,
+    conversation_too_large,
+    warm_up_events,
+    warm_up_response,
+)
 from iop_edge.http.request_body import decode_body
 from iop_edge.http.request_ids import new_run_id, request_id
 from iop_edge.http.runs import Reply, RunEndpoints, Timing
@@ -88,7 +94,6 @@ CLOSE_NORMAL: Final = 1000
 CLOSE_TOO_BIG: Final = 1009
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
-#: The session headers that come before a body's `prompt_cache_key` (affinity Rule 1 a).
 _TERMINAL: Final = frozenset({"response.completed", "response.incomplete", "response.failed"})
 #: A final event's `type` as JSON holds it (a text that quotes it is escaped): an event
 #: without one is sent unread.
@@ -434,14 +439,7 @@ class _Session:
         if last is None or not isinstance(previous, str) or previous != last.response_id:
             return None, 0
         if last.size > limit:
-            raise ApiError(
-                400,
-                f"Previous response with id '{previous}' continues a conversation of more "
-                f"than {limit} bytes (edge.responses.max_conversation_bytes); start a new "
-                "conversation with the context it needs",
-                code="conversation_too_large",
-                param="previous_response_id",
-            )
+            raise conversation_too_large(ConversationTooLarge(previous, limit))
         body.pop("previous_response_id")
         body["input"] = [*last.items, *input_items(body.get("input", []))]
         return previous, len(last.items)

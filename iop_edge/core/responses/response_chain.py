@@ -65,8 +65,16 @@ class ChainBroken(Exception):
 
 
 class ConversationTooLarge(Exception):
-    """The conversation is longer than the store loads (`max_conversation_bytes`); the
-    message says so. The caller's 400: it asked for more than the Edge carries."""
+    """The conversation `previous_id` continues is longer than the Edge carries
+    (`max_conversation_bytes`, `limit`): stored, or held by a WebSocket connection. The
+    caller's 400; the message says so."""
+
+    def __init__(self, previous_id: str, limit: int) -> None:
+        super().__init__(
+            f"Previous response with id '{previous_id}' continues a conversation of more "
+            f"than {limit} bytes (edge.responses.max_conversation_bytes); start a new "
+            "conversation with the context it needs"
+        )
 
 
 class FinalResponse(msgspec.Struct, frozen=True, kw_only=True):

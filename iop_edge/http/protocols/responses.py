@@ -85,6 +85,7 @@ __all__ = [
     "RESPONSES",
     "ResponsesProtocol",
     "ResponsesSurface",
+    "conversation_too_large",
     "store_unavailable",
     "warm_up_events",
     "warm_up_response",
@@ -260,9 +261,7 @@ class ResponsesSurface:
                 404, str(exc), code="previous_response_not_found", param="previous_response_id"
             ) from None
         except ConversationTooLarge as exc:
-            raise ApiError(
-                400, str(exc), code="conversation_too_large", param="previous_response_id"
-            ) from None
+            raise conversation_too_large(exc) from None
         except StoreUnavailable as exc:
             raise store_unavailable(exc) from None
 
@@ -426,6 +425,12 @@ class _ResponseFailed(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _encode: Final = msgspec.json.Encoder().encode
+
+
+def conversation_too_large(error: ConversationTooLarge) -> ApiError:
+    """The 400 for a `previous_response_id` that continues more than the Edge carries
+    (the store's chain, or a WebSocket connection's own conversation)."""
+    return ApiError(400, str(error), code="conversation_too_large", param="previous_response_id")
 
 
 def _unreadable_compaction(error: CompactionUnreadable, *, stored: int) -> ApiError:

@@ -354,11 +354,7 @@ class ResponseStore:
         limit = self._policy.max_conversation_bytes
         rows = await self._call(self._backend.chain, principal_ref, tip, since, limit)
         if any(running > limit for *_, running in rows):
-            raise ConversationTooLarge(
-                f"Previous response with id '{tip}' continues a conversation of more than "
-                f"{limit} bytes as stored (edge.responses.max_conversation_bytes); "
-                "start a new conversation with the context it needs"
-            )
+            raise ConversationTooLarge(tip, limit)
         turns: dict[str, StoredTurn] = {}
         for response_id, previous_id, input_json, response, _ in rows:
             try:
