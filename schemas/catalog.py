@@ -79,6 +79,9 @@ class CatalogProvider(CatalogRecord, frozen=True, kw_only=True):
     (Ollama: from its native API); null when the adapter cannot tell."""
     cooling_down: bool = False
     consecutive_failures: int = 0
+    rate_limited_s: float | None = None
+    """While its upstream asked, by a 429/503's `Retry-After`, to be left alone: the
+    seconds still to run (it takes no runs meanwhile, design §4); null otherwise."""
     protocols: list[CallerProtocol] = []
     """The caller protocols it speaks natively (design §14), as its Node last reported
     them, else as configured (`adapter.protocols` or the type's default); it serves the

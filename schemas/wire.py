@@ -358,7 +358,8 @@ class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
 
     `retryable` tells the Edge the failure happened before the upstream produced
     anything and another provider may succeed (connect refused, upstream 5xx, 429/503).
-    `capacity` marks a 429/503 from the upstream: a load signal, not a health failure.
+    `capacity` marks a 429/503 from the upstream: a load signal, not a health failure
+    (`retry_after_s`: for how long, when the upstream said).
     `status` is the upstream's HTTP status when the failure is its error answer: the
     Edge's blame rules (design §4 item 10) read it. `upstream_code` and `param` are the
     upstream's error code and the request field it named (OpenAI's `code` and `param`,
@@ -383,6 +384,9 @@ class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
     reply may be the provider's fault or the request's (a runtime that cannot answer one
     request shape), so the Edge blames the provider only when other requests to it fail
     too (design §4 item 10)."""
+    retry_after_s: float | None = None
+    """With `capacity`: how long the upstream asked to be left alone (its `Retry-After`,
+    in seconds); the Edge rests the provider that long (design §4 Rule 9)."""
 
 
 class RunEvents(Message, tag="run_events", frozen=True, kw_only=True):

@@ -46,7 +46,11 @@ def _health(provider: dict[str, Any]) -> Text:
     """Health, and why the provider is not (fully) in the pool: a disconnected Node and a
     down upstream read differently even when no other column fits."""
     health = provider.get("health", "unknown") if provider.get("connected") else "unavailable"
-    label = f"{health} (cooldown)" if provider.get("cooling_down") else health
+    label = health
+    if provider.get("cooling_down"):
+        label = f"{health} (cooldown)"
+    elif provider.get("rate_limited_s") is not None:
+        label = f"{health} (rate-limited)"
     text = Text(label, style=_HEALTH_STYLES.get(health, "yellow"))
     reason = provider.get("health_reason")
     if reason:

@@ -18,6 +18,7 @@ Rules:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable
 from typing import Final
 
@@ -50,6 +51,7 @@ def catalog_provider(
     cooling_down: bool,
     consecutive_failures: int,
     protocols: list[CallerProtocol],
+    rate_limited_s: float | None = None,
     model_states: list[ModelState] | None = None,
     max_loaded: int | None = None,
     cached_share: float | None = None,
@@ -70,6 +72,7 @@ def catalog_provider(
             connected=connected,
             cooling_down=cooling_down,
             consecutive_failures=consecutive_failures,
+            rate_limited_s=rate_limited_s,
             enabled=config.enabled,
             health=health,
             detail=detail,
@@ -92,6 +95,7 @@ def catalog_provider(
         ),
         cooling_down=cooling_down,
         consecutive_failures=consecutive_failures,
+        rate_limited_s=rate_limited_s,
         protocols=protocols,
         model_states=model_states if connected else None,
         max_loaded=max_loaded if connected else None,
@@ -109,12 +113,15 @@ def health_reason(
     enabled: bool,
     health: Health,
     detail: str | None,
+    rate_limited_s: float | None = None,
 ) -> str | None:
     """Why the provider is not fully in the pool, or None when it is (Rule 2)."""
     if not connected:
         return "node disconnected"
     if cooling_down:
         return f"cooling down after {consecutive_failures} consecutive failures"
+    if rate_limited_s is not None:
+        return f"rate-limited by its upstream for {math.ceil(rate_limited_s)} s more"
     if not enabled:
         return "disabled in config"
     if health == "available":

@@ -27,6 +27,7 @@ from iop_edge.runtime.runs.admission_errors import (
     UnknownModel,
 )
 from iop_edge.runtime.runs.limits import LimitExceeded, RateLimits
+from iop_edge.runtime.runs.provider_state import MAX_REST_S
 from schemas import wire
 from schemas.protocols import anthropic_error_body, openai_error_body
 
@@ -186,7 +187,8 @@ def run_failure_error(
       directly would give; `upstream_rejected` when it gave no code.
     - `request_fault`: two providers answered the request with the same 5xx, so it is the
       request's fault: again the upstream's status and message.
-    - An upstream 429/503 on every provider tried: a retryable 503 (busy, not broken).
+    - An upstream 429/503 on every provider tried: a retryable 503 (busy, not broken),
+      with the upstream's `Retry-After` when it gave one (at most `MAX_REST_S`).
     - Anything else: 502, saying what went wrong.
 
     No message names the provider, its Node or an address (`core.caller_text`): the Edge
@@ -224,13 +226,14 @@ def run_failure_error(
         )
     if failure.capacity:
         # Upstream 429/503 on every provider tried: busy, not broken, so the caller gets
-        # a retryable 503 with Retry-After rather than a 502 failure.
+        # a retryable 503 with Retry-After (the upstream's own, when it gave one) rather
+        # than a 502 failure.
         return ApiError(
             503,
             with_request_id(f"the model's providers are at capacity: {said}", request_id),
             type="service_unavailable_error",
             code=code,
-            retry_after_s=RETRY_AFTER_BUSY_S,
+            retry_after_s=min(failure.retry_after_s or RETRY_AFTER_BUSY_S, MAX_REST_S),
         )
     detail = said
     if failure.code == wire.FailureCode.UPSTREAM_ERROR and status is not None:

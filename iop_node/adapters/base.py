@@ -59,7 +59,8 @@ class AdapterError(Exception):
     health failure). `status`: the upstream HTTP status, when there was one.
     `upstream_code`, `param`: the upstream's error code and the field it named, for a
     request it refused (the caller acts on them). `reply_fault`: the upstream answered
-    with an empty or malformed reply (`wire.RunFailed.reply_fault`)."""
+    with an empty or malformed reply (`wire.RunFailed.reply_fault`). `retry_after_s`:
+    how long a 429/503 upstream asked to be left alone (its `Retry-After`)."""
 
     def __init__(
         self,
@@ -72,6 +73,7 @@ class AdapterError(Exception):
         upstream_code: str | None = None,
         param: str | None = None,
         reply_fault: bool = False,
+        retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -82,6 +84,7 @@ class AdapterError(Exception):
         self.upstream_code = upstream_code
         self.param = param
         self.reply_fault = reply_fault
+        self.retry_after_s = retry_after_s
 
 
 class ProbeTimeout(Exception):

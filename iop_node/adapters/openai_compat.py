@@ -44,7 +44,10 @@ yet. Before the first chunk:
 
     connect refused / DNS / connect timeout  upstream_unreachable  retryable
     no body byte within the first-byte budget upstream_timeout     retryable
-    429, 503                                  upstream_busy        retryable, capacity
+    429, 503                                  upstream_busy        retryable, capacity;
+                                                                   how long to rest the
+                                                                   provider, when its
+                                                                   Retry-After says
     408                                       upstream_timeout     retryable
     other 5xx, broken connection, bad body    upstream_error       retryable
     401, 403, 404                             upstream_misconfigured retryable: the
@@ -79,6 +82,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from functools import partial
@@ -123,6 +127,7 @@ from iop_node.adapters.upstream_http.failures import (
     clip,
     describe_transport_error,
     missing_route,
+    retry_after,
     status_failure,
     stream_cut,
 )
@@ -550,7 +555,12 @@ class OpenAICompatAdapter(NativeRelay):
             if not 200 <= response.status < 300:
                 body = await error_body(response, progress)
                 self._context.learn(read_error_facts(body).context_tokens)
-                raise status_failure(response.status, body, run.operation)
+                raise status_failure(
+                    response.status,
+                    body,
+                    run.operation,
+                    retry_after_s=retry_after(response.headers, now=time.time()),
+                )
             check_encoding(response)
             if run.stream:
                 return await self._relay_stream(response, emit, progress)
@@ -662,7 +672,11 @@ class OpenAICompatAdapter(NativeRelay):
         try:
             if not 200 <= response.status < 300:
                 body = await error_body(response, progress)
-                failure = status_failure(response.status, body)
+                failure = status_failure(
+                    response.status,
+                    body,
+                    retry_after_s=retry_after(response.headers, now=time.time()),
+                )
                 if missing_route(response.status, body, run.target):
                     raise NativeUnsupported(form.name, failure)
                 raise failure

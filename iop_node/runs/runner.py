@@ -364,6 +364,7 @@ def _failure(run: Run, handle: RunHandle, exc: Exception) -> RunFailed:
             upstream_code=error.upstream_code,
             param=error.param,
             reply_fault=error.reply_fault,
+            retry_after_s=error.retry_after_s,
         )
     log.error(
         "run %s on provider %s failed inside its adapter",

@@ -327,6 +327,8 @@ class FakeUpstream:
     error_code: str | None = None
     error_param: str | None = None
     """The `code` and `param` of the error answers `status` makes (None: null)."""
+    error_headers: dict[str, str] = field(default_factory=dict)
+    """Headers the error answers `status` makes carry besides their own (`Retry-After`)."""
     context_tokens: int | None = None
     """llama.cpp's context (`n_ctx`, told by `GET /props`): a chat prompt longer than this
     (`prompt_tokens`) is refused as llama.cpp refuses it, with a 400
@@ -494,9 +496,15 @@ class FakeUpstream:
             await stream.send_all(data)
 
     async def _send_json(
-        self, stream: trio.abc.Stream, conn: h11.Connection, status: int, body: bytes
+        self,
+        stream: trio.abc.Stream,
+        conn: h11.Connection,
+        status: int,
+        body: bytes,
+        extra: dict[str, str] | None = None,
     ) -> None:
         headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
+        headers += (extra or {}).items()
         await self._send(stream, conn, h11.Response(status_code=status, headers=headers))
         await self._send(stream, conn, h11.Data(data=body))
         await self._send(stream, conn, h11.EndOfMessage())
@@ -705,7 +713,7 @@ class FakeUpstream:
                 body = error_body(
                     self.error_message, self.status, code=self.error_code, param=self.error_param
                 )
-            await self._send_json(stream, conn, self.status, body)
+            await self._send_json(stream, conn, self.status, body, self.error_headers)
             return
         payload = json.loads(request.body)
         if operation == "messages" and self.strict_messages:

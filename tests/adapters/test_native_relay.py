@@ -176,6 +176,19 @@ async def test_an_anthropic_error_keeps_the_upstream_status_and_words(
     assert error.message == "max_tokens: must be at most 8192"
 
 
+async def test_a_busy_native_upstream_says_how_long_to_rest(
+    upstream: FakeUpstream, make_adapter: MakeAdapter
+) -> None:
+    upstream.native = frozenset({"messages"})
+    upstream.status = 503
+    upstream.error_headers = {"retry-after": "4"}
+    adapter = make_adapter(upstream.base_url)
+    with trio.fail_after(GUARD_S), pytest.raises(AdapterError) as info:
+        await execute_native(adapter, native_run("messages"), Events())
+    error = info.value
+    assert (error.code, error.capacity, error.retry_after_s) == ("upstream_busy", True, 4.0)
+
+
 async def test_a_cut_native_stream_is_a_stream_error_after_output(
     upstream: FakeUpstream, make_adapter: MakeAdapter
 ) -> None:

@@ -12,6 +12,7 @@ import trio
 from iop_node.adapters.base import AdapterError, ProbeTimeout, RunResult
 from iop_node.adapters.openai_compat import OpenAICompatAdapter, status_failure
 from iop_node.adapters.upstream_errors import MESSAGE_LIMIT, error_message
+from iop_node.adapters.upstream_http.failures import retry_after
 from iop_node.reply import ParsedChunk
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import Operation, Run, Usage
@@ -209,6 +210,43 @@ async def test_retryable_statuses(
             status,
         )
         assert "engine overloaded" in error.message
+
+
+async def test_a_busy_upstream_says_how_long_to_rest(
+    upstream: FakeUpstream, make_adapter: MakeAdapter
+) -> None:
+    upstream.status = 429
+    upstream.error_headers = {"Retry-After": "12"}
+    adapter = make_adapter(upstream.base_url)
+    for stream in (False, True):
+        error = await expect_failure(adapter, make_run(stream=stream)[0])
+        assert (error.capacity, error.retry_after_s) == (True, 12.0)
+    upstream.error_headers = {}
+    error = await expect_failure(adapter, make_run(stream=False)[0])
+    assert (error.capacity, error.retry_after_s) == (True, None)
+
+
+@pytest.mark.parametrize(
+    ("headers", "seconds"),
+    [
+        ([(b"Retry-After", b"7")], 7.0),
+        ([(b"retry-after", b" 0.5 ")], 0.5),
+        ([(b"retry-after-ms", b"1500"), (b"retry-after", b"9")], 1.5),  # OpenAI's, first
+        ([(b"retry-after-ms", b"soon"), (b"retry-after", b"9")], 9.0),
+        ([(b"Retry-After", b"Wed, 21 Oct 2015 07:28:30 GMT")], 30.0),
+        ([(b"Retry-After", b"Wed, 21 Oct 2015 07:27:00 GMT")], 0.0),  # already past
+        ([(b"Retry-After", b"-3")], None),
+        ([(b"Retry-After", b"nan")], None),
+        ([(b"Retry-After", b"tomorrow")], None),
+        ([(b"Retry-After", b"Wed, 21 Oct 2015 07:28:30")], None),  # no zone: not HTTP's
+        ([(b"content-type", b"application/json")], None),
+    ],
+)
+def test_retry_after_reads_seconds_dates_and_openais_milliseconds(
+    headers: list[tuple[bytes, bytes]], seconds: float | None
+) -> None:
+    now = 1445412480.0  # Wed, 21 Oct 2015 07:28:00 GMT
+    assert retry_after(headers, now=now) == seconds
 
 
 async def test_rejection_carries_the_upstream_message(

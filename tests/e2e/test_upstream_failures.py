@@ -225,6 +225,52 @@ async def test_upstream_busy_everywhere_is_a_retryable_503(
     await wait_idle(stack)
 
 
+async def test_upstream_retry_after_rests_the_provider(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    limited = FakeUpstream(
+        status=429, error_message="rate limit reached", error_headers={"Retry-After": "30"}
+    )
+    stack, good = await _two_providers(nursery, make_stack, limited)
+    with trio.fail_after(GUARD_S):
+        for _ in range(4):
+            assert (await _chat(stack)).headers["x-iop-provider"] == "good"
+    # Asked once, then left alone while its Retry-After runs: no run is sent where the
+    # upstream would refuse it, and no failure is counted.
+    assert limited.requests_total == 1
+    assert good.requests_total == 4
+    entry = provider_of(await stack.catalog(), "bad")
+    assert 0 < entry["rate_limited_s"] <= 30
+    assert entry["health_reason"].startswith("rate-limited by its upstream for ")
+    assert (entry["cooling_down"], entry["consecutive_failures"]) == (False, 0)
+    assert provider_of(await stack.catalog(), "good")["rate_limited_s"] is None
+    await wait_idle(stack)
+
+
+async def test_upstream_retry_after_reaches_the_caller(
+    nursery: trio.Nursery, make_stack: MakeStack
+) -> None:
+    fake = FakeUpstream(
+        status=429, error_message="too many requests", error_headers={"retry-after-ms": "29500"}
+    )
+    base_url = await nursery.start(fake.serve)
+    stack = await make_stack([upstream_provider("gpu", base_url)])
+    with trio.fail_after(GUARD_S), pytest.raises(openai.InternalServerError) as caught:
+        await _chat(stack)
+    assert caught.value.status_code == 503
+    assert caught.value.code == "upstream_busy"
+    assert caught.value.response.headers["retry-after"] == "30"  # the upstream's 29.5 s
+    # Resting, the provider is not asked: the caller hears when it is back.
+    with trio.fail_after(GUARD_S), pytest.raises(openai.InternalServerError) as refused:
+        await _chat(stack, stream=True)
+    assert refused.value.status_code == 503
+    assert refused.value.code == "no_provider"
+    assert "rate-limited by its upstream" in refused.value.message
+    assert 1 <= int(refused.value.response.headers["retry-after"]) <= 30
+    assert fake.requests_total == 1
+    await wait_idle(stack)
+
+
 async def test_upstream_rejection_is_passed_on_without_failover(
     nursery: trio.Nursery, make_stack: MakeStack
 ) -> None:

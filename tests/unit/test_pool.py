@@ -187,6 +187,11 @@ def test_round_robin_only_among_equals() -> None:
             "cooling_down",
             "every provider of model 'm' is cooling down after failures",
         ),
+        (
+            ProviderView(id="a", capacity=2, rest_remaining_s=9.0),
+            "rate_limited",
+            "every provider of model 'm' is rate-limited by its upstream",
+        ),
     ],
 )
 def test_ineligible_providers_are_refused_with_a_reason(
@@ -207,6 +212,18 @@ def test_cooldown_refusal_suggests_when_to_retry() -> None:
     assert decision.reason == (
         "no provider of model 'm' can serve this request now "
         "(1 cooling down after failures; 1 node disconnected)"
+    )
+
+
+def test_refusal_suggests_the_first_return_of_cooldowns_and_rests() -> None:
+    cooling = ProviderView(id="a", capacity=2, breaker="open", cooldown_remaining_s=4.0)
+    resting = ProviderView(id="b", capacity=2, rest_remaining_s=2.5)
+    decision = decide("m", ("a", "b"), views(cooling, resting), long=False)
+    assert isinstance(decision, Refuse)
+    assert decision.retry_after_s == 2.5
+    assert decision.reason == (
+        "no provider of model 'm' can serve this request now "
+        "(1 cooling down after failures; 1 rate-limited by its upstream)"
     )
 
 

@@ -28,6 +28,7 @@ from iop_edge.runtime.runs.admission_errors import (
 )
 from iop_edge.runtime.runs.lease import Lease
 from iop_edge.runtime.runs.observation import SlotStatistics
+from iop_edge.runtime.runs.provider_state import MAX_REST_S
 from iop_edge.runtime.runs.scheduler import Scheduler
 from schemas.config import (
     CooldownPolicy,
@@ -1027,6 +1028,53 @@ async def test_capacity_signals_are_not_health_failures() -> None:
     (await scheduler.acquire("m", "r1", long=False)).release()
     record = scheduler.catalog().providers[0]
     assert (record.cooling_down, record.consecutive_failures) == (False, 0)
+
+
+async def test_retry_after_rests_the_provider_until_it_ends(
+    autojump_clock: MockClock, nursery: trio.Nursery
+) -> None:
+    """An upstream's Retry-After takes its provider out of the pool that long (pool Rule
+    9): a run refused meanwhile hears when it is back; a waiter for another provider is
+    handed it the moment the rest ends; and no failure is counted."""
+    nodes = {"n1": [provider("a", capacity=2), provider("b", capacity=1)]}
+    scheduler = online(make_snapshot(nodes, {"m": ["a", "b"], "only-a": ["a"]}, failures=1))
+    await nursery.start(scheduler.run)
+    began = trio.current_time()
+    scheduler.record_capacity_signal("a", 8.0)
+    scheduler.record_capacity_signal("a", 3.0)  # a rest only grows
+    with pytest.raises(NoProvider, match="rate-limited by its upstream") as refused:
+        await scheduler.acquire("only-a", "r1", long=False)
+    assert refused.value.retry_after_s == pytest.approx(8.0)
+    record = next(p for p in scheduler.catalog().providers if p.id == "a")
+    assert record.rate_limited_s == pytest.approx(8.0)
+    assert record.health_reason == "rate-limited by its upstream for 8 s more"
+    held = await scheduler.acquire("m", "hb", long=False)
+    assert held.provider_id == "b"
+    waiter = await start(nursery, scheduler, "m", "w1")
+    await waiter.done.wait()
+    assert waiter.woke_at is not None
+    assert waiter.woke_at - began == pytest.approx(8.0)
+    assert waiter.lease is not None
+    assert waiter.lease.provider_id == "a"
+    record = next(p for p in scheduler.catalog().providers if p.id == "a")
+    assert (record.rate_limited_s, record.cooling_down, record.consecutive_failures) == (
+        None,
+        False,
+        0,
+    )
+    waiter.lease.release()
+    held.release()
+
+
+async def test_retry_after_is_capped(autojump_clock: MockClock) -> None:
+    scheduler = online(make_snapshot({"n1": [provider("a")]}, {"m": ["a"]}))
+    scheduler.record_capacity_signal("a", 86_400.0)  # a daily quota
+    with pytest.raises(NoProvider) as refused:
+        await scheduler.acquire("m", "r1", long=False)
+    assert refused.value.retry_after_s == pytest.approx(MAX_REST_S)
+    scheduler.record_capacity_signal("a", 0.0)  # said nothing usable: no rest
+    autojump_clock.jump(MAX_REST_S)
+    (await scheduler.acquire("m", "r2", long=False)).release()
 
 
 async def test_success_resets_the_consecutive_failure_count() -> None:

@@ -12,7 +12,8 @@ Rule 1. Everything a decision depends on is in the views and arguments. A view i
 Rule 2. Eligibility is "could this provider take this run at all right now?". A
         provider is *ineligible* when it was already tried for this run (`exclude`),
         is not configured, its node is disconnected, it is disabled, its health is
-        `unavailable` or `draining`, it is cooling down after failures, the run is
+        `unavailable` or `draining`, it is cooling down after failures, it rests
+        because its upstream asked (Rule 9), the run is
         long and it has `long_context_slots: 0`, or its Node refused the config that
         gave it the run's model (`applied` is `refused`, see Rule 3). When every
         provider of a model is ineligible the answer is `Refuse`, with a reason naming
@@ -58,7 +59,7 @@ Rule 6. Passive health is a small circuit breaker per provider (`PassiveHealth`)
         meanwhile come from runs admitted earlier and change nothing); then
         `half_open` admits one trial run, `probing` while it runs. A success closes
         the breaker and resets the count; a failure after the cooldown reopens it.
-        Capacity signals (upstream 429/503) never reach the breaker.
+        Capacity signals (upstream 429/503) never reach the breaker (Rule 9).
 
 Rule 7. Affinity (`core.routing.affinity`): a run may come with a `Preference`, its rendezvous
         key and the providers holding the longest known prefix of its prompt
@@ -95,6 +96,15 @@ Rule 8. Models on demand (design §18.4): a view says whether its runtime `holds
         a cold load up to minutes), then one with room (nothing is unloaded for it), then
         the model's rendezvous choice (`core.routing.affinity`: every Edge places the same model
         on the same provider), then Rule 4.
+
+Rule 9. An upstream's 429 or 503 says it is busy, not broken: the run fails over, and
+        the provider stays in the pool. When the answer says for how long (`Retry-After`
+        in seconds or as a date, or OpenAI's `retry-after-ms`), the provider *rests*
+        that long, at most `MAX_REST_S` (60 s; `runtime.runs.provider_state`): it is
+        ineligible (Rule 2, `rate_limited`), so no run is sent where the upstream would
+        refuse it, and a refusal of the model tells the caller when the first provider
+        is back (`Retry-After`). A rest only ever grows, and ends by itself: no failure
+        is counted, and the first run after it is an ordinary one.
 """
 
 from __future__ import annotations
@@ -126,6 +136,7 @@ Ineligible = Literal[
     "unavailable",
     "draining",
     "cooling_down",
+    "rate_limited",
     "no_long_runs",
     "model_failed",
     "not_applied",
@@ -140,6 +151,7 @@ INELIGIBLE_DETAIL: dict[Ineligible, str] = {
     "unavailable": "unavailable",
     "draining": "draining",
     "cooling_down": "cooling down after failures",
+    "rate_limited": "rate-limited by its upstream",
     "no_long_runs": "takes no long-context runs",
     "model_failed": "its runtime failed to load the model",
     "not_applied": "its node refused the config that gives it the model",
@@ -154,6 +166,7 @@ _ALL_INELIGIBLE: dict[Ineligible, str] = {
     "unavailable": "no provider of model {model!r} is available",
     "draining": "every provider of model {model!r} is draining",
     "cooling_down": "every provider of model {model!r} is cooling down after failures",
+    "rate_limited": "every provider of model {model!r} is rate-limited by its upstream",
     "no_long_runs": "no provider of model {model!r} accepts long-context runs",
     "model_failed": "every provider of model {model!r} failed to load it",
     "not_applied": "every provider of model {model!r} is on a node that refused the config "
@@ -223,6 +236,8 @@ class ProviderView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     breaker: Breaker = "closed"
     cooldown_remaining_s: float | None = None
     """Seconds until the cooldown ends, while the breaker is `open`."""
+    rest_remaining_s: float | None = None
+    """Seconds until the rest its upstream asked for ends, while it rests (Rule 9)."""
     native: bool = True
     """It speaks the run's caller protocol natively (Rule 4); False: its Node translates."""
     holds: Holding = "held"
@@ -253,6 +268,8 @@ def ineligibility(view: ProviderView, *, long: bool) -> Ineligible | None:
         return "draining"
     if view.breaker == "open":
         return "cooling_down"
+    if view.rest_remaining_s is not None:
+        return "rate_limited"
     if long and view.long_context_slots == 0:
         return "no_long_runs"
     if view.holds == "failed":
@@ -395,7 +412,8 @@ class Refuse:
 
     reason: str
     retry_after_s: float | None = None
-    """When the refusal is (partly) due to cooldowns: seconds until the first one ends."""
+    """When the refusal is (partly) due to cooldowns or rests: seconds until the first
+    one ends."""
 
 
 Decision = Grant | Wait | Refuse
@@ -459,7 +477,7 @@ def decide(
         return Wait(tuple(view.id for view in eligible))
     return Refuse(
         _refusal_reason(model_id, causes),
-        retry_after_s=_cooldown_remaining(views, causes),
+        retry_after_s=_first_return(views, causes),
     )
 
 
@@ -498,14 +516,18 @@ def _refusal_reason(model_id: str, causes: Mapping[str, Ineligible]) -> str:
     return f"no provider of model {model_id!r} can serve this request now ({detail})"
 
 
-def _cooldown_remaining(
+def _first_return(
     views: Mapping[str, ProviderView], causes: Mapping[str, Ineligible]
 ) -> float | None:
-    remaining = [
-        view.cooldown_remaining_s
-        for provider_id, cause in causes.items()
-        if cause == "cooling_down"
-        and (view := views.get(provider_id)) is not None
-        and view.cooldown_remaining_s is not None
-    ]
+    """Seconds until the first provider out for a while (cooling down, Rule 6, or
+    resting, Rule 9) is back."""
+    remaining: list[float] = []
+    for provider_id, cause in causes.items():
+        view = views.get(provider_id)
+        if view is None:
+            continue
+        if cause == "cooling_down" and view.cooldown_remaining_s is not None:
+            remaining.append(view.cooldown_remaining_s)
+        elif cause == "rate_limited" and view.rest_remaining_s is not None:
+            remaining.append(view.rest_remaining_s)
     return min(remaining) if remaining else None

@@ -194,6 +194,7 @@ class PoolObservation:
             queued=queued,
             cooling_down=state.passive.breaker(now=now, probing=state.trial is not None) == "open",
             consecutive_failures=state.passive.consecutive_failures,
+            rate_limited_s=state.resting(now),
             protocols=state.protocols,
             model_states=state.holdings.states,
             max_loaded=state.holdings.max_loaded,

@@ -9,6 +9,7 @@ running snapshot's `Lookups`, which a swap replaces for every state at once.
 from __future__ import annotations
 
 import math
+from typing import Final
 
 import trio
 
@@ -19,6 +20,10 @@ from iop_edge.runtime.runs.lease import Lease
 from schemas.config import LifecycleFlag, ProviderConfig
 from schemas.protocols import CallerProtocol
 from schemas.wire import Health
+
+#: The longest an upstream's Retry-After rests its provider (pool Rule 9): a provider
+#: that asked for an hour (a daily quota, say) is tried again by one run a minute.
+MAX_REST_S: Final = 60.0
 
 
 def long_capacity(config: ProviderConfig) -> int | float:
@@ -62,6 +67,7 @@ class ProviderState:
         "passive",
         "removed",
         "reported_protocols",
+        "rest_until",
         "saturated",
         "trial",
     )
@@ -85,6 +91,9 @@ class ProviderState:
         """The protocols the Node last said the provider speaks natively; None until it
         says (the config's then count)."""
         self.passive = PassiveHealth()
+        self.rest_until: float | None = None
+        """Until when its upstream asked, with a 429/503's Retry-After, to be left alone
+        (pool Rule 9)."""
         self.trial: Lease | None = None
         """The half-open breaker's one trial run, while it is in flight."""
         self.removed = False
@@ -94,6 +103,20 @@ class ProviderState:
         self.others_long = 0
         self.saturated = False
         """The Node answered `busy`: full until its next load report."""
+
+    def rest(self, seconds: float, now: float) -> bool:
+        """Its upstream asked to be left alone for `seconds` (at most `MAX_REST_S`) from
+        `now`: whether that rests it longer than it already rested (pool Rule 9)."""
+        until = now + min(seconds, MAX_REST_S)
+        if self.rest_until is not None and until <= self.rest_until:
+            return False
+        self.rest_until = until
+        return True
+
+    def resting(self, now: float) -> float | None:
+        """Seconds its rest has still to run at `now`, while it rests."""
+        until = self.rest_until
+        return until - now if until is not None and until > now else None
 
     def forget_others(self) -> None:
         self.others = self.others_long = 0
@@ -144,6 +167,7 @@ class ProviderState:
             health=self.health,
             breaker=breaker,
             cooldown_remaining_s=until - now if breaker == "open" and until is not None else None,
+            rest_remaining_s=self.resting(now),
             native=protocol == "chat" or self.speaks(protocol),
             holds=holds,
             room=room,

@@ -105,7 +105,7 @@ from iop_edge.runtime.runs.admission_errors import (
 from iop_edge.runtime.runs.fair_queue import FairQueue, FairWalk
 from iop_edge.runtime.runs.lease import Lease
 from iop_edge.runtime.runs.observation import PoolObservation
-from iop_edge.runtime.runs.provider_state import Lookups, ProviderState
+from iop_edge.runtime.runs.provider_state import MAX_REST_S, Lookups, ProviderState
 from iop_edge.runtime.runs.unapplied_models import UnappliedModels
 from iop_edge.runtime.runs.waiter import Waiter
 from schemas.config import LifecycleFlag, RoutingPolicy
@@ -161,9 +161,10 @@ class Scheduler(PoolObservation):
     # -- service ------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Wake waiters when cooldowns end. Owned by the Edge's nursery; runs forever.
+        """Wake waiters when cooldowns and rests end. Owned by the Edge's nursery; runs
+        forever.
 
-        Sleeps until the earliest cooldown end; anything that starts a cooldown sets
+        Sleeps until the earliest end; anything that starts a cooldown or a rest sets
         `_reschedule` so the sleep is recomputed.
         """
         task_status.started()
@@ -194,11 +195,13 @@ class Scheduler(PoolObservation):
             self._changed.unpark_all()
 
     def _next_cooldown_end(self) -> float | None:
+        """The first end of a cooldown or a rest (pool Rules 6, 9) still to come."""
         now = self._clock()
         ends = [
             until
             for state in self._states.values()
-            if (until := state.passive.cooldown_until) is not None and until > now
+            for until in (state.passive.cooldown_until, state.rest_until)
+            if until is not None and until > now
         ]
         return min(ends, default=None)
 
@@ -387,14 +390,19 @@ class Scheduler(PoolObservation):
             self._reschedule.set()
             self._serve(self._models_serving((provider_id,)))
 
-    def record_capacity_signal(self, provider_id: str) -> None:
-        """An upstream 429/503: the provider is busy, not broken.
-
-        Deliberately leaves the breaker alone (no failure counted, no success either);
-        the caller fails over to another provider with `exclude`. A trial run that ends
-        this way is inconclusive: releasing its lease lets another run be the trial.
-        """
-        logger.debug("provider %s signalled it is at capacity", provider_id)
+    def record_capacity_signal(self, provider_id: str, retry_after_s: float | None = None) -> None:
+        """An upstream 429/503: the provider is busy, not broken. The breaker is left
+        alone (no failure, no success either): the run fails over with `exclude`, and a
+        trial run that ends so is inconclusive (its release lets another be the trial).
+        With `retry_after_s`, its upstream's Retry-After, it rests (pool Rule 9)."""
+        state = self._states.get(provider_id)
+        if state is None or retry_after_s is None or not retry_after_s > 0:
+            return
+        if state.rest(retry_after_s, self._clock()):
+            rest = min(retry_after_s, MAX_REST_S)
+            logger.info("provider %s rests %gs: its upstream said Retry-After", state.id, rest)
+            self._reschedule.set()  # the rest's end wakes the queues
+            self._notify_changed()
 
     # -- admission -----------------------------------------------------------------
 

@@ -35,7 +35,7 @@ class ProviderVerdicts:
         """`provider_id` failed the request whose body (as sent) is `request`."""
         match verdict(failure):
             case Verdict.CAPACITY:
-                self._scheduler.record_capacity_signal(provider_id)
+                self._scheduler.record_capacity_signal(provider_id, failure.retry_after_s)
             case Verdict.HEALTH:
                 self._scheduler.record_failure(provider_id)
             case Verdict.SUSPECT:

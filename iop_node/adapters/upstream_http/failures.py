@@ -4,7 +4,10 @@ short, and whether a native endpoint's error means its route is missing."""
 
 from __future__ import annotations
 
+import math
 import ssl
+from collections.abc import Iterable
+from email.utils import parsedate_to_datetime
 from typing import Final
 
 import httpcore2
@@ -20,6 +23,7 @@ __all__ = [
     "clip",
     "describe_transport_error",
     "missing_route",
+    "retry_after",
     "status_failure",
     "stream_cut",
 ]
@@ -34,9 +38,51 @@ def clip(text: str) -> str:
     return text if len(text) <= DETAIL_LIMIT else text[: DETAIL_LIMIT - 3] + "..."
 
 
-def status_failure(status: int, body: bytes, operation: Operation | None = None) -> AdapterError:
+def retry_after(headers: Iterable[tuple[bytes, bytes]], *, now: float) -> float | None:
+    """How many seconds a 429/503 upstream asked to be left alone: OpenAI's
+    `retry-after-ms` when present, else `Retry-After` (seconds, or an HTTP date, `now`
+    being the Unix time); None when it did not say, or said something unreadable."""
+    said: dict[bytes, bytes] = {}
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered in (b"retry-after-ms", b"retry-after"):
+            said.setdefault(lowered, value)
+    millis = said.get(b"retry-after-ms")
+    if millis is not None and (thousandths := _number(millis)) is not None:
+        return thousandths / 1000
+    given = said.get(b"retry-after")
+    if given is None:
+        return None
+    seconds = _number(given)
+    if seconds is not None:
+        return seconds
+    try:
+        when = parsedate_to_datetime(given.decode("latin-1"))
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # RFC 9110's IMF-fixdate is GMT
+        return None
+    return max(0.0, when.timestamp() - now)
+
+
+def _number(value: bytes) -> float | None:
+    try:
+        number = float(value.strip())
+    except ValueError:
+        return None
+    return number if math.isfinite(number) and number >= 0 else None
+
+
+def status_failure(
+    status: int,
+    body: bytes,
+    operation: Operation | None = None,
+    *,
+    retry_after_s: float | None = None,
+) -> AdapterError:
     """Map a non-2xx upstream response onto an `AdapterError` (table in the module doc);
-    a refusal keeps the upstream's error code and the field it names (`upstream_errors`)."""
+    a refusal keeps the upstream's error code and the field it names (`upstream_errors`),
+    a 429/503 how long it asked to be left alone (`retry_after_s`, from `retry_after`)."""
     detail = error_message(body)
     suffix = f": {detail}" if detail else ""
     if status in (429, 503):
@@ -46,6 +92,7 @@ def status_failure(status: int, body: bytes, operation: Operation | None = None)
             retryable=True,
             capacity=True,
             status=status,
+            retry_after_s=retry_after_s,
         )
     if status in (401, 403, 404):
         return AdapterError(

@@ -28,7 +28,8 @@ function bar(used, total, label) {
 
 function healthCell(provider) {
   const health = provider.connected ? provider.health : "unavailable";
-  const shown = provider.cooling_down ? `${health} (cooldown)` : health;
+  const shown = provider.cooling_down ? `${health} (cooldown)`
+    : provider.rate_limited_s != null ? `${health} (rate-limited)` : health;
   const cell = el("td", {},
     el("span", { class: `health ${health}`, "data-health": health }, shown));
   if (provider.health_reason) {
