@@ -21,7 +21,6 @@ from iop_edge.runtime.runs.admission_errors import (
     RETRY_AFTER_BUSY_S,
     AdmissionError,
     ConcurrencyLimited,
-    ModelLoading,
     QueueFull,
     QueueTimeout,
     UnknownModel,
@@ -136,14 +135,15 @@ def metering_unavailable(reason: str) -> ApiError:
 
 #: Refusals that ask the caller to come back later (`Retry-After`, 1 s unless the refusal
 #: says): the status, error type and code each is answered with.
-_COME_BACK_LATER: Final[tuple[tuple[type[AdmissionError], tuple[int, str, str]], ...]] = (
-    (ConcurrencyLimited, (429, "rate_limit_error", "concurrency_limit")),
-    (QueueFull, (429, "rate_limit_error", "queue_full")),
-    (ModelLoading, (503, "service_unavailable_error", "model_loading")),
-    (QueueTimeout, (503, "service_unavailable_error", "queue_timeout")),
+#: The status and error type of a refusal that may succeed later, by its kind (its
+#: `code` is its own); any other is `NoProvider`'s.
+_COME_BACK_LATER: Final[tuple[tuple[type[AdmissionError], tuple[int, str]], ...]] = (
+    (ConcurrencyLimited, (429, "rate_limit_error")),
+    (QueueFull, (429, "rate_limit_error")),
+    (QueueTimeout, (503, "service_unavailable_error")),
 )
 #: Any other refusal: no provider can take the run now.
-_NO_PROVIDER: Final = (503, "service_unavailable_error", "no_provider")
+_NO_PROVIDER: Final = (503, "service_unavailable_error")
 
 
 def admission_error(exc: AdmissionError, *, request_id: str = "") -> ApiError:
@@ -162,11 +162,13 @@ def admission_error(exc: AdmissionError, *, request_id: str = "") -> ApiError:
         return ApiError(
             404, exc.reason, type="not_found_error", code="model_not_found", param="model"
         )
-    status, type_, code = next(
+    status, type_ = next(
         (answer for kind, answer in _COME_BACK_LATER if isinstance(exc, kind)), _NO_PROVIDER
     )
     message = with_request_id(exc.reason, request_id) if status == 503 else exc.reason
-    return ApiError(status, message, type=type_, code=code, retry_after_s=exc.retry_after_s or 1.0)
+    return ApiError(
+        status, message, type=type_, code=exc.code, retry_after_s=exc.retry_after_s or 1.0
+    )
 
 
 #: Failures that are the request's, not the provider's: with a 4xx status from the

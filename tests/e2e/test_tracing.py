@@ -384,7 +384,7 @@ async def test_a_request_over_its_principals_limit_shows_as_not_admitted(tmp_pat
             await _ask(stack)
     [edge] = [s for s in receiver.spans() if s.service == "iop-edge"]
     [refused] = edge.events()["iop.not_admitted"]
-    assert refused["iop.reason"] == "LimitExceeded"
+    assert refused["iop.reason"] == "rate_limit_requests"  # the caller's error code
     assert "iop.admitted" not in edge.events()
     assert edge.attributes["http.response.status_code"] == 429
 

@@ -177,8 +177,10 @@ class RequestTrace:
             },
         )
 
-    def not_admitted(self, *, reason: str, kind: str) -> None:
-        self.span.event("iop.not_admitted", {"iop.reason": kind, "message": reason})
+    def not_admitted(self, *, reason: str, code: str) -> None:
+        """The request was refused before it ran: `code` is its error's (`queue_full`,
+        `rate_limit_requests`...), `reason` its message."""
+        self.span.event("iop.not_admitted", {"iop.reason": code, "message": reason})
 
     def attempt_failed(
         self, *, provider_id: str, node_id: str, code: str, retryable: bool, attempt: int

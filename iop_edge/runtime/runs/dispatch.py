@@ -514,7 +514,7 @@ class Dispatcher:
                 await self._limits.reserve_shared(ticket)
             except AdmissionError as exc:
                 if trace is not None:
-                    trace.not_admitted(reason=exc.reason, kind=type(exc).__name__)
+                    trace.not_admitted(reason=exc.reason, code=exc.code)
                 raise
         attempts = Attempts(retries=self._retries(), max_busy=MAX_BUSY_REQUEUES)
         last_failure: RunFailure | None = None
@@ -540,7 +540,7 @@ class Dispatcher:
                 if isinstance(exc, ConcurrencyLimited) and self._limits is not None:
                     self._limits.refused(plan.principal_ref, "max_concurrent")
                 if trace is not None:
-                    trace.not_admitted(reason=exc.reason, kind=type(exc).__name__)
+                    trace.not_admitted(reason=exc.reason, code=exc.code)
                 if isinstance(exc, NoProvider) and last_failure is not None:
                     raise last_failure from None
                 raise
