@@ -17,6 +17,11 @@ Rules:
    key provided: sk-...`) would hand the operator's key to every caller of the model,
    and write it into the Edge's log. Whatever is shaped like an API key or a bearer
    token becomes `CREDENTIAL`, in the caller's text and the log line alike.
+5. An upstream's error `code` and `param` are identifiers a caller branches on
+   (`context_length_exceeded`, `messages[0].content`): passed on whole or not at all.
+   One not shaped like an identifier (at most 64 letters, digits and `_.:[]-`), or
+   holding a credential, an address or a provider id, is left out, so it reaches no
+   caller, log line or metric label.
 
 Pure: no I/O.
 """
@@ -27,7 +32,14 @@ import re
 from collections.abc import Iterable
 from typing import Final
 
-__all__ = ["ADDRESS", "CREDENTIAL", "with_request_id", "without_credentials", "without_topology"]
+__all__ = [
+    "ADDRESS",
+    "CREDENTIAL",
+    "upstream_identifier",
+    "with_request_id",
+    "without_credentials",
+    "without_topology",
+]
 
 #: What an address becomes in a caller's text.
 ADDRESS: Final = "<address>"
@@ -78,6 +90,18 @@ def without_topology(text: str, names: Iterable[str] = ()) -> str:
     for name in sorted({name for name in names if name}, key=len, reverse=True):
         text = re.sub(rf"(?<![\w.-])'?{re.escape(name)}'?(?![\w.-])", "the provider", text)
     return text
+
+
+#: What an upstream's error `code` or `param` may look like to reach a caller (Rule 5).
+_IDENTIFIER: Final = re.compile(r"[A-Za-z0-9_.:\[\]-]{1,64}")
+
+
+def upstream_identifier(text: str | None, names: Iterable[str] = ()) -> str | None:
+    """An upstream's error `code` or `param` as a caller may see it, or None (Rule 5);
+    `names`: the provider and node ids it must not hold."""
+    if text is None or not _IDENTIFIER.fullmatch(text):
+        return None
+    return text if without_topology(text, names) == text else None
 
 
 def with_request_id(text: str, request_id: str) -> str:

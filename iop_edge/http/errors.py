@@ -16,7 +16,12 @@ from typing import Final
 
 import msgspec
 
-from iop_edge.core.caller_text import with_request_id, without_credentials, without_topology
+from iop_edge.core.caller_text import (
+    upstream_identifier,
+    with_request_id,
+    without_credentials,
+    without_topology,
+)
 from iop_edge.runtime.runs.admission_errors import (
     RETRY_AFTER_BUSY_S,
     AdmissionError,
@@ -223,8 +228,9 @@ def run_failure_error(
         return ApiError(
             status,
             said,
-            code=failure.upstream_code or ("upstream_rejected" if request_fault else code),
-            param=failure.param,
+            code=upstream_identifier(failure.upstream_code, (provider_id,))
+            or ("upstream_rejected" if request_fault else code),
+            param=upstream_identifier(failure.param, (provider_id,)),
         )
     if failure.capacity:
         # Upstream 429/503 on every provider tried: busy, not broken, so the caller gets

@@ -5,6 +5,7 @@ says so with a 400 or, streamed, with an empty 200."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import openai
@@ -87,6 +88,32 @@ async def test_an_upstream_refusal_keeps_its_code_and_param(
         assert isinstance(error.body, dict)
         assert error.body["message"] == "temperature must be at most 2"  # the upstream's words
     await wait_idle(stack)
+
+
+async def test_an_upstream_code_or_param_holding_its_key_reaches_nobody(
+    nursery: trio.Nursery, make_stack: MakeStack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An upstream that puts the key it was sent in its error's `code` and `param` (or
+    anything not shaped like an identifier) has them left out: the caller, the access
+    log and the metrics never see the key (`core.caller_text` Rule 5)."""
+    key = "sk-upstream-" + "S3CRET" * 4
+    echo = FakeUpstream(status=400, error_message="bad", error_code=key, error_param=key)
+    stack = await make_stack([upstream_provider("echo", await nursery.start(echo.serve))])
+    caplog.set_level(logging.INFO)
+    for stream in (False, True):
+        with trio.fail_after(GUARD_S), pytest.raises(openai.BadRequestError) as caught:
+            await _chat(stack, SHORT, stream=stream)
+        assert (caught.value.code, caught.value.param) == ("upstream_rejected", None)
+    echo.error_code, echo.error_param = "bad code!", "see http://10.1.2.3:8000/v1"
+    with trio.fail_after(GUARD_S), pytest.raises(openai.BadRequestError) as caught:
+        await _chat(stack, SHORT, stream=False)
+    assert (caught.value.code, caught.value.param) == ("upstream_rejected", None)
+    await wait_idle(stack)
+    async with stack.admin() as admin:
+        metrics = (await admin.get("/metrics")).text
+    assert 'code="upstream_rejected"' in metrics
+    assert "S3CRET" not in metrics
+    assert not [record for record in caplog.records if "S3CRET" in record.getMessage()]
 
 
 async def test_a_refusal_without_a_code_is_upstream_rejected(

@@ -7,6 +7,7 @@ import pytest
 from iop_edge.core.caller_text import (
     ADDRESS,
     CREDENTIAL,
+    upstream_identifier,
     with_request_id,
     without_credentials,
     without_topology,
@@ -79,3 +80,24 @@ def test_with_request_id() -> None:
 def test_credentials_are_taken_out(said: str, caller_reads: str) -> None:
     assert without_credentials(said) == caller_reads
     assert without_topology(said) == caller_reads
+
+
+@pytest.mark.parametrize(
+    ("said", "caller_reads"),
+    [
+        ("context_length_exceeded", "context_length_exceeded"),
+        ("messages[0].content", "messages[0].content"),
+        ("tools.1.function:name", "tools.1.function:name"),
+        (None, None),
+        ("", None),
+        ("x" * 65, None),  # longer than an identifier
+        ("not an identifier", None),
+        ("sk-proj-abcdefgh1234", None),  # a key
+        ("gpu1-llama", None),  # the provider's id
+        ("10.0.0.5:8000", None),  # an address
+    ],
+)
+def test_an_upstream_code_or_param_passes_whole_or_not_at_all(
+    said: str | None, caller_reads: str | None
+) -> None:
+    assert upstream_identifier(said, ("gpu1-llama",)) == caller_reads

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from iop_edge.runtime.metering.metrics import EdgeMetrics
+from iop_edge.runtime.metering.metrics import MAX_CODE_LABELS, EdgeMetrics
 from schemas.catalog import Catalog
 from schemas.wire import Usage
 
@@ -86,3 +86,18 @@ def test_a_child_appears_only_once_a_run_used_it() -> None:
     assert _value(metrics, "iop_time_to_first_token_seconds_count", **cache) == 1.0
     estimated = {"principal_ref": "alice", "token_ref": "t", "model": "m", "provider": "p1"}
     assert _value(metrics, "iop_estimated_tokens_total", **estimated, kind="prompt") == 10.0
+
+
+def test_an_upstreams_made_up_codes_are_labels_only_up_to_a_bound() -> None:
+    metrics = EdgeMetrics(lambda: Catalog(revision=1))
+    for number in range(MAX_CODE_LABELS + 5):
+        _run(metrics, status=400, code=f"made_up_{number}", usage=None)
+    _run(metrics, status=429, code="rate_limit_requests", usage=None)  # IOP's own: kept
+    codes = {
+        dict(labels)["code"] for name, labels in _samples(metrics) if name == "iop_requests_total"
+    }
+    assert len(codes) == MAX_CODE_LABELS + 2
+    assert {"made_up_0", "other", "rate_limit_requests"} <= codes
+    assert f"made_up_{MAX_CODE_LABELS}" not in codes
+    other = {"model": "m", "provider": "p1", "status": "400", "code": "other"}
+    assert _value(metrics, "iop_requests_total", **other) == 5.0

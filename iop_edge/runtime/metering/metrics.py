@@ -24,9 +24,13 @@ from iop_edge.runtime.metering.run_series import RunKind, RunSeries
 from iop_edge.runtime.metering.series import CounterSeries, HistogramSeries
 from iop_edge.runtime.metering.usage_ledger.usage import LedgerStatistics
 from schemas.catalog import Catalog
-from schemas.wire import Usage, UsageSource
+from schemas.wire import FailureCode, Usage, UsageSource
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+#: Distinct error codes of an upstream's own the run metrics keep as label values; later
+#: ones count as `other`. They reach its callers (`core.caller_text` Rule 5): a series for
+#: every code it makes up would grow without bound. IOP's own codes are always kept.
+MAX_CODE_LABELS: Final = 64
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -287,6 +291,10 @@ class EdgeMetrics:
         self.genai = GenAIMetrics(r, provider_name)
         self._runs: dict[RunKind, RunSeries] = {}
         """The children each kind of finished run updates (`run_series`)."""
+        self._codes: set[str] = {"", *LIMIT_OF_CODE, *FailureCode}
+        """The error codes kept as label values: IOP's own, and the first
+        `MAX_CODE_LABELS` others."""
+        self._others = 0
         r.register(_PoolCollector(catalog))
         if principal_load is not None:
             r.register(_PrincipalCollector(principal_load))
@@ -308,6 +316,8 @@ class EdgeMetrics:
         operation: str = "chat",
         stream: bool = False,
     ) -> None:
+        if code not in self._codes:
+            code = self._code_label(code)
         kind: RunKind = (model, provider, status, code, principal_ref, token_ref)
         run = self._runs.get(kind)
         if run is None:
@@ -376,6 +386,15 @@ class EdgeMetrics:
                 "estimated_completion", estimated.labels(*names, "completion")
             )
             child.inc(completion)
+
+    def _code_label(self, code: str) -> str:
+        """`code`, not IOP's own, as a label value: kept while fewer than
+        `MAX_CODE_LABELS` such are."""
+        if self._others < MAX_CODE_LABELS:
+            self._others += 1
+            self._codes.add(code)
+            return code
+        return "other"
 
     def observe_refusal(self, *, status: int, code: str) -> None:
         """A request refused before it named a model we know (400/401/404/413).
