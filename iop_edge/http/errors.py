@@ -179,7 +179,11 @@ def admission_error(exc: AdmissionError, *, request_id: str = "") -> ApiError:
 #: Failures that are the request's, not the provider's: with a 4xx status from the
 #: upstream (or the adapter standing in for one) the caller gets that status and message.
 _REQUEST_FAILURES = frozenset(
-    {wire.FailureCode.UPSTREAM_REJECTED, wire.FailureCode.INVALID_REQUEST}
+    {
+        wire.FailureCode.UPSTREAM_REJECTED,
+        wire.FailureCode.INVALID_REQUEST,
+        wire.FailureCode.UNSUPPORTED_OPERATION,
+    }
 )
 
 
@@ -194,6 +198,9 @@ def run_failure_error(
       directly would give; `upstream_rejected` when it gave no code.
     - `request_fault`: two providers answered the request with the same 5xx, so it is the
       request's fault: again the upstream's status and message.
+    - A runtime without the operation's endpoint (the Node's `unsupported_operation`
+      with the runtime's 404/405) on every provider tried: 400, the model does not
+      serve it.
     - An upstream 429/503 on every provider tried: a retryable 503 (busy, not broken),
       with the upstream's `Retry-After` when it gave one (at most `MAX_REST_S`).
     - Anything else: 502, saying what went wrong.
@@ -222,6 +229,9 @@ def run_failure_error(
             retry_after_s=RETRY_AFTER_BUSY_S,
         )
     status = failure.status
+    if failure.code == wire.FailureCode.UNSUPPORTED_OPERATION and status is not None:
+        # Every provider tried has a runtime without the endpoint: not for this model.
+        return ApiError(400, said, code=code, param="model")
     if status is not None and (
         request_fault or (failure.code in _REQUEST_FAILURES and 400 <= status < 500)
     ):

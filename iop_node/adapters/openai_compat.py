@@ -44,6 +44,10 @@ yet. Before the first chunk:
 
     connect refused / DNS / connect timeout  upstream_unreachable  retryable
     no body byte within the first-byte budget upstream_timeout     retryable
+    404/405 of a runtime without the completions or embeddings endpoint (not about
+    the model)                                unsupported_operation retryable: the
+                                                                   request's, not the
+                                                                   provider's fault
     429, 503                                  upstream_busy        retryable, capacity;
                                                                    how long to rest the
                                                                    provider, when its
@@ -554,6 +558,8 @@ class OpenAICompatAdapter(NativeRelay):
         try:
             if not 200 <= response.status < 300:
                 body = await error_body(response, progress)
+                if run.operation != "chat" and missing_route(response.status, body, run.target):
+                    raise _no_endpoint(run.operation, response.status)
                 self._context.learn(read_error_facts(body).context_tokens)
                 raise status_failure(
                     response.status,
@@ -773,3 +779,15 @@ class OpenAICompatAdapter(NativeRelay):
             )
         code = FailureCode.UPSTREAM_TIMEOUT if timed_out else FailureCode.UPSTREAM_ERROR
         return AdapterError(code, f"{self._origin}: {detail}", retryable=True)
+
+
+def _no_endpoint(operation: Operation, status: int) -> AdapterError:
+    """A runtime without the endpoint of `operation` (a chat-only server asked for
+    embeddings): another provider of the model may have it, and a caller asking for it
+    is told so; no fault of the provider's, which serves everything else."""
+    return AdapterError(
+        FailureCode.UNSUPPORTED_OPERATION,
+        f"the model's runtime has no {OPERATION_PATHS[operation]} endpoint (it answered {status})",
+        retryable=True,
+        status=status,
+    )

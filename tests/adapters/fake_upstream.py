@@ -319,6 +319,9 @@ class FakeUpstream:
     """The caller protocols served natively ("messages", "responses"); the others' routes
     answer `native_missing_status`, as a chat-only server does."""
     native_missing_status: int = 404
+    missing: frozenset[str] = frozenset()
+    """OpenAI-compatible operations it has no endpoint for ("completion", "embedding"):
+    answered 404 Not Found, as a chat-only server does."""
     count_tokens_route: bool = True
     """With "messages" native: whether `/v1/messages/count_tokens` exists."""
     tokenizer: str | None = None
@@ -646,6 +649,9 @@ class FakeUpstream:
         if operation in _NATIVE and operation not in self.native:
             status = self.native_missing_status
             await self._send_json(stream, conn, status, _not_found(status))
+            return
+        if operation in self.missing:
+            await self._send_json(stream, conn, 404, _not_found(404))
             return
         if request.method != "POST" or operation is None:
             if self.models_blocked_while_generating and request.path in _LISTINGS:

@@ -271,6 +271,37 @@ async def test_upstream_retry_after_reaches_the_caller(
     await wait_idle(stack)
 
 
+@pytest.mark.parametrize("operation", ["completion", "embedding"])
+async def test_a_runtime_without_the_endpoint_fails_over_and_is_not_blamed(
+    nursery: trio.Nursery, make_stack: MakeStack, operation: str
+) -> None:
+    """One caller asking a chat-only runtime for completions or embeddings takes the
+    model offline for nobody: its runs go to a provider that has the endpoint, and with
+    none the caller hears that the model does not serve it."""
+    chat_only = FakeUpstream(missing=frozenset({"completion", "embedding"}))
+    stack, good = await _two_providers(nursery, make_stack, chat_only)
+
+    async def ask() -> Any:
+        async with stack.client() as client:
+            if operation == "completion":
+                return await client.completions.with_raw_response.create(model=ALIAS, prompt="Hi")
+            return await client.embeddings.with_raw_response.create(model=ALIAS, input="Hi")
+
+    with trio.fail_after(GUARD_S):
+        for _ in range(4):  # more than the cooldown threshold
+            assert (await ask()).headers["x-iop-provider"] == "good"
+    entry = provider_of(await stack.catalog(), "bad")
+    assert (entry["cooling_down"], entry["consecutive_failures"]) == (False, 0)
+    good.missing = chat_only.missing
+    with trio.fail_after(GUARD_S), pytest.raises(openai.BadRequestError) as caught:
+        await ask()
+    assert (caught.value.code, caught.value.param) == ("unsupported_operation", "model")
+    assert "runtime has no /" in caught.value.message
+    with trio.fail_after(GUARD_S):  # chat still served by the preferred provider
+        assert (await _chat(stack)).headers["x-iop-provider"] == "bad"
+    await wait_idle(stack)
+
+
 async def test_upstream_rejection_is_passed_on_without_failover(
     nursery: trio.Nursery, make_stack: MakeStack
 ) -> None:
