@@ -9,7 +9,7 @@ from pathlib import Path
 
 import msgspec
 
-from iop_edge.http.protocols.chat import MAX_CHOICES
+from iop_edge.core.generation_defaults import MAX_CHOICES
 from iop_edge.http.request_body import MAX_JSON_DEPTH
 from iop_edge.runtime.refresh.audit import AUDIT_FILE_NAME
 from schemas.config import DEFAULT_MAX_TOKENS_LIMIT

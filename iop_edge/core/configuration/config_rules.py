@@ -22,9 +22,11 @@ from iop_edge.core.configuration.config_shape import index_path, key_path
 from iop_edge.core.configuration.ledger_url import parse_ledger_url
 from iop_edge.core.configuration.listen import ListenAddress, parse_listen_address
 from iop_edge.core.configuration.tokens import DEMO_NODE_TOKEN_SHA256
+from iop_edge.core.generation_defaults import defaults_problems
 from iop_edge.core.lifecycle import lifecycle_problems
 from iop_edge.core.principals import ANONYMOUS_PRINCIPAL
 from schemas.config import (
+    DEFAULT_MAX_TOKENS_LIMIT,
     EVERY_OTHER_PRINCIPAL,
     OPENAI_COMPATIBLE_TYPES,
     ConfigError,
@@ -360,6 +362,10 @@ class ConfigRules:
                     self._target(providers, provider_id, target, entry_path, entry_path)
             for name, message in lifecycle_problems(model.get("lifecycle"), len(targets)):
                 self._error(f"{path}.lifecycle.{name}", message)
+            generation = _as_dict(model.get("generation"))
+            limit = _integer(generation.get("max_tokens_limit")) or DEFAULT_MAX_TOKENS_LIMIT
+            for name, message in defaults_problems(generation.get("defaults"), limit):
+                self._error(key_path(f"{path}.generation.defaults", name), message)
         return set(model_ids.first)
 
     def _legacy_routes(self, explicit_models: set[str], providers: dict[str, _Provider]) -> None:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Final
 
 import msgspec
 
+from iop_edge.core.generation_defaults import MAX_CHOICES
 from iop_edge.core.responses.protocol_requests import openai_tool_choice_problem
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.errors import bad_request, invalid_request
@@ -31,10 +32,7 @@ from schemas import openai as oai
 from schemas import wire
 from schemas.tokens import estimate_input_tokens
 
-__all__ = ["CHAT", "MAX_CHOICES", "ChatProtocol", "plan_chat"]
-
-#: OpenAI's own bound on `n` (choices per request).
-MAX_CHOICES: Final = 128
+__all__ = ["CHAT", "ChatProtocol", "plan_chat"]
 
 _VIEWS: Final[dict[wire.Operation, type[oai.RequestView]]] = {
     "chat": oai.ChatRequest,
