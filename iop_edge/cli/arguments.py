@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import TypeAlias
 
+from iop_edge.core.configuration.listen import parse_listen_address
 from schemas.runtime.log_lines import LOG_FORMATS, LOG_LEVELS
 
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -35,6 +36,28 @@ def page_size(largest: int) -> Callable[[str], int]:
         return size
 
     return parse
+
+
+def listen_address(value: str) -> str:
+    """The argparse type of a listener's `HOST:PORT` (`--node-listen`)."""
+    try:
+        parse_listen_address(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value}: {exc}") from None
+    return value
+
+
+def loopback_listen_address(value: str) -> str:
+    """The argparse type of the admin listener's `HOST:PORT`: a loopback one."""
+    try:
+        address = parse_listen_address(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value}: {exc}") from None
+    if not address.is_loopback:
+        raise argparse.ArgumentTypeError(
+            f"{value}: the admin API listens on loopback addresses only"
+        )
+    return value
 
 
 def positive_seconds(value: str) -> float:

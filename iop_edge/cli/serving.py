@@ -10,23 +10,15 @@ from pathlib import Path
 import trio
 
 from iop_edge.cli import config_lookup as lookup
-from iop_edge.cli.arguments import Subcommands, add_logging
+from iop_edge.cli.arguments import (
+    Subcommands,
+    add_logging,
+    listen_address,
+    loopback_listen_address,
+)
 from iop_edge.cli.errors import fail
 from iop_edge.core.configuration.config import ConfigInvalid, format_errors
-from iop_edge.core.configuration.listen import parse_listen_address
 from iop_edge.core.exception_groups import sole_exception
-
-
-def _listen_override(flag: str, value: str | None, *, loopback: bool = False) -> str | None:
-    if value is None:
-        return None
-    try:
-        address = parse_listen_address(value)
-    except ValueError as exc:
-        raise SystemExit(f"{flag} {value}: {exc}") from None
-    if loopback and not address.is_loopback:
-        raise SystemExit(f"{flag} {value}: the admin API listens on loopback addresses only")
-    return value
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -34,8 +26,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from iop_edge.main import serve_edge, setup_logging
     from iop_edge.runtime.metering.usage_ledger.usage_store import LedgerUnavailable
 
-    node_listen = _listen_override("--node-listen", args.node_listen)
-    admin_listen = _listen_override("--admin-listen", args.admin_listen, loopback=True)
+    node_listen, admin_listen = args.node_listen, args.admin_listen
     args.config = lookup.config_or_default(args.config, advice=lookup.FOR_SERVE)
     setup_logging(args.log_level, args.log_format)
     try:
@@ -124,12 +115,14 @@ def add_serve_parser(sub: Subcommands) -> None:
     add_logging(serve, "info")
     serve.add_argument(
         "--node-listen",
+        type=listen_address,
         metavar="HOST:PORT",
         help="this process's node listener instead of edge.listen (each replica on a host "
         "needs its own)",
     )
     serve.add_argument(
         "--admin-listen",
+        type=loopback_listen_address,
         metavar="HOST:PORT",
         help="this process's admin listener instead of admin.listen (loopback; each replica "
         "on a host needs its own)",

@@ -78,14 +78,27 @@ def test_a_malformed_handover_is_refused() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--node-listen", "nonsense"], "--node-listen nonsense: must be HOST:PORT"),
-        (["--admin-listen", "0.0.0.0:7711"], "the admin API listens on loopback addresses only"),
+        (
+            ["--node-listen", "nonsense"],
+            "argument --node-listen: nonsense: must be HOST:PORT",
+        ),
+        (
+            ["--admin-listen", "0.0.0.0:7711"],
+            "argument --admin-listen: 0.0.0.0:7711: the admin API listens on loopback "
+            "addresses only",
+        ),
     ],
 )
-def test_serve_checks_its_listen_overrides(argv: list[str], message: str) -> None:
+def test_serve_checks_its_listen_overrides(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad listen flag is a usage error, as any bad flag value is: exit 2, with the
+    command's `error:` line."""
     with pytest.raises(SystemExit) as caught:
         main(["serve", "--config", "configs/edge.yaml", *argv])
-    assert message in str(caught.value)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert f"iop-edge serve: error: {message}" in err
 
 
 def test_two_listeners_moved_onto_one_port_are_named_by_their_flags(

@@ -29,7 +29,11 @@ def test_good_defaults_and_a_runtimes_own_settings_are_read() -> None:
         ({"top_p": True}, "top_p", "must be a number"),
         ({"n": 0}, "n", "must be from 1 to 128"),
         ({"stop": [1]}, "stop", "a string or a list of strings"),
-        ({"max_tokens": 5000}, "max_tokens", "must be from 1 to 100 (the model's max_tokens_limit)"),
+        (
+            {"max_tokens": 5000},
+            "max_tokens",
+            "must be from 1 to 100 (the model's max_tokens_limit)",
+        ),
         ({"max_completion_tokens": "lots"}, "max_completion_tokens", "must be an integer"),
     ],
 )
