@@ -141,6 +141,30 @@ async def test_a_stored_responses_input_items_are_listed_a_page_at_a_time(
             await bob.responses.input_items.list(two.id)
 
 
+async def test_input_items_keep_their_ids_and_say_which_earlier_response_is_gone(
+    stack_store: Stack,
+) -> None:
+    """An item the caller sent without an id is listed under one id in every later
+    response's list, never another item's; once an earlier response of the chain is
+    deleted, the list says so rather than that the response itself is missing."""
+    one = await _ask(stack_store, "The secret word is pineapple.")
+    two = await _ask(stack_store, "Remember it.", previous_response_id=one.id)
+    async with stack_store.client(api_key=ALICE) as client:
+        [first_input] = (await client.responses.input_items.list(one.id)).data
+        listed = (await client.responses.input_items.list(two.id, order="asc")).data
+        assert listed[0].id == first_input.id  # the same item, by the same id
+        outputs = {item.id for item in one.output} | {item.id for item in two.output}
+        generated = [listed[0].id, listed[2].id]
+        assert not outputs & set(generated)
+        assert len({item.id for item in listed}) == len(listed)
+        await client.responses.delete(one.id)
+        assert (await client.responses.retrieve(two.id)).id == two.id
+        with pytest.raises(openai.NotFoundError) as gone:
+            await client.responses.input_items.list(two.id)
+    assert gone.value.code == "previous_response_not_found"
+    assert f"continues response '{one.id}', which is no longer stored" in gone.value.message
+
+
 @pytest.fixture
 async def stack_store(nursery: trio.Nursery, tmp_path: Path) -> Stack:
     return await start_stack(

@@ -6,10 +6,13 @@ Rules:
    turn's input, then its output) followed by its own request's input: what the model
    read (`response_chain` Rule 1).
 2. Every item has an `id`. An item the caller sent without one (a plain message, a tool
-   output) gets `<kind>_<response>_<index>`: the same on every read, so a page's
-   `last_id` finds the next page (`after`). A message is listed in the shape OpenAI
-   lists it, whatever shorthand it was sent in: `type: message`, its `content` parts
-   (a string becomes one `input_text`, or `output_text` for the assistant's).
+   output) gets `<kind>_in_<response>_<index>`, `<response>` being the response whose
+   request sent it and `<index>` its place there: the same on every read and in every
+   later response's list, so a page's `last_id` finds the next page (`after`), and never
+   the id of another item (a response's output items are `<kind>_<response>_<index>`).
+   A message is listed in the shape OpenAI lists it, whatever shorthand it was sent
+   in: `type: message`, its `content` parts (a string becomes one `input_text`, or
+   `output_text` for the assistant's).
 3. `order` is `desc` (newest first, OpenAI's default) or `asc`; `limit` 1-100 (20);
    `after` an item id of the list, the page starting just past it. Anything else is the
    caller's error, naming the parameter.
@@ -23,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import msgspec
+
+from iop_edge.core.responses.response_chain import StoredTurn
 
 __all__ = ["DEFAULT_LIMIT", "MAX_LIMIT", "PageRequestInvalid", "item_page"]
 
@@ -39,9 +44,11 @@ class PageRequestInvalid(ValueError):
         self.param = param
 
 
-def item_page(items: Sequence[Any], response_id: str, query: Mapping[str, str]) -> bytes:
-    """The list object of `items` (Rules 1-3) for `query` (`order`, `limit`, `after`);
-    raises `PageRequestInvalid`."""
+def item_page(chain: Sequence[StoredTurn], query: Mapping[str, str]) -> bytes:
+    """The list object of the input items of `chain`'s last response (Rules 1-3), its
+    conversation oldest first, for `query` (`order`, `limit`, `after`); raises
+    `PageRequestInvalid`."""
+    response_id = chain[-1].id
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise PageRequestInvalid("order", f"order must be 'asc' or 'desc', not {order!r}")
@@ -49,7 +56,7 @@ def item_page(items: Sequence[Any], response_id: str, query: Mapping[str, str]) 
     limit = int(raw_limit) if raw_limit.isdigit() else 0
     if not 1 <= limit <= MAX_LIMIT:
         raise PageRequestInvalid("limit", f"limit must be 1 to {MAX_LIMIT}, not {raw_limit!r}")
-    named = _with_ids(items, response_id.removeprefix("resp_"))
+    named = _listed(chain)
     if order == "desc":
         named.reverse()
     start = 0
@@ -69,6 +76,18 @@ def item_page(items: Sequence[Any], response_id: str, query: Mapping[str, str]) 
             "has_more": start + limit < len(named),
         }
     )
+
+
+def _listed(chain: Sequence[StoredTurn]) -> list[dict[str, Any]]:
+    """The conversation of `chain`'s last response (Rule 1), each item with its id
+    (Rule 2)."""
+    named: list[dict[str, Any]] = []
+    for turn in chain:
+        owner = turn.id.removeprefix("resp_")
+        named += _with_ids(turn.input_items, f"in_{owner}")
+        if turn is not chain[-1]:
+            named += _with_ids(turn.output_items, f"out_{owner}")
+    return named
 
 
 def _with_ids(items: Sequence[Any], owner: str) -> list[dict[str, Any]]:

@@ -61,7 +61,12 @@ class StoredTurn:
 
 
 class ChainBroken(Exception):
-    """The conversation cannot be rebuilt (Rule 4); the message says which link failed."""
+    """The conversation cannot be rebuilt (Rule 4); the message says which link failed,
+    `missing` which response is gone (None: another reason, or the tip itself)."""
+
+    def __init__(self, message: str, *, missing: str | None = None) -> None:
+        super().__init__(message)
+        self.missing = missing
 
 
 class ConversationTooLarge(Exception):
@@ -135,7 +140,8 @@ def order_chain(tip: str, turns: Mapping[str, StoredTurn]) -> list[StoredTurn]:
                 raise ChainBroken(f"Previous response with id '{tip}' not found.")
             raise ChainBroken(
                 f"Previous response with id '{tip}' continues response '{current}', "
-                "which is no longer stored."
+                "which is no longer stored.",
+                missing=current,
             )
         chain.append(turn)
         if len(chain) > MAX_CHAIN:

@@ -282,15 +282,21 @@ class ResponsesSurface:
         was generated from (`core.responses.input_item_pages`); raises `ApiError`."""
         try:
             chain = await self.store.conversation(principal_ref, response_id)
-        except ChainBroken:
-            raise response_not_found(response_id) from None
+        except ChainBroken as exc:
+            if exc.missing is None:
+                raise response_not_found(response_id) from None
+            raise ApiError(
+                404,
+                f"Response '{response_id}' continues response '{exc.missing}', which is no "
+                "longer stored: the items it was generated from cannot all be listed.",
+                code="previous_response_not_found",
+            ) from None
         except ConversationTooLarge as exc:
             raise ApiError(400, str(exc), code="conversation_too_large") from None
         except StoreUnavailable as exc:
             raise store_unavailable(exc) from None
-        items = conversation(chain[:-1], chain[-1].input_items)
         try:
-            return item_page(items, response_id, query)
+            return item_page(chain, query)
         except PageRequestInvalid as exc:
             raise bad_request(str(exc), param=exc.param) from None
 
