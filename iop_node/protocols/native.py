@@ -5,10 +5,11 @@ its reply goes back as it came (design §14), with two exceptions the Node owes 
 caller (design §3): the `model` the caller sees is the alias it asked for, and the run's
 usage is read for metering. A Responses reply the Edge stores (`stored`) also says
 `store: true`, as its caller asked: the runtime was sent `store: false`, since the Edge
-is the store (design §14), and echoes that; its `id` is IOP's own (`response_id`,
-the `resp_<request id>` a translated reply has too), not the upstream's: the Edge stores
-it under that id, so an upstream that reuses ids (a restarted runtime counting from 1
-again) cannot make two stored responses collide; and a reply continuing a stored
+is the store (design §14), and echoes that. Every Responses reply's `id` is IOP's own
+(`response_id`, the `resp_<request id>` a translated reply has too), not the upstream's,
+stored or not: a caller sees one id scheme whichever runtime answered, and the Edge
+stores a response under that id, so an upstream that reuses ids (a restarted runtime
+counting from 1 again) cannot make two stored responses collide; and a reply continuing a stored
 conversation echoes the caller's `previous_response_id`, which the Edge took out of the
 body (it sends the conversation instead) and passed beside it. All of these live in a few
 events only, so these readers parse only those, and only their top level plus the one
@@ -24,7 +25,12 @@ object below it that holds the model:
   A reply without `store` is left without it.
 
 Every other event (the bulk: text and argument deltas) is returned as it is, unread
-when the caller passes the SSE event name along, which is what a relay has in hand.
+when the caller passes the SSE event name along, which is what a relay has in hand,
+unless the runtime's Responses stream leaves out the indexes its readers need: a stream
+whose first event has no `sequence_number` (llama.cpp's server numbers nothing) has
+each event's `sequence_number`, an item event's `output_index` and a content event's
+`content_index` filled in where missing, in the order the events came, so the official
+SDKs' stream helpers, which index the response by them, read it.
 Values are kept as raw JSON and written back untouched, so a 40 KB `tools` echo costs
 a scan, not a decode and re-encode.
 
@@ -265,11 +271,81 @@ _TERMINAL: Final = frozenset({"response.completed", "response.incomplete", "resp
 
 _STORED: Final = msgspec.Raw(b"true")
 
+#: The Responses stream events about one content part of an item (`content_index`).
+_CONTENT_EVENTS: Final = frozenset(
+    {
+        "response.content_part.added",
+        "response.content_part.done",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.output_text.annotation.added",
+        "response.refusal.delta",
+        "response.refusal.done",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+    }
+)
+
+
+class _Identified(msgspec.Struct):
+    id: str | None = None
+
+
+_decode_identified: Final = msgspec.json.Decoder(_Identified).decode
+_decode_text: Final = msgspec.json.Decoder(str).decode
+
+
+def _item_id(fields: dict[str, msgspec.Raw]) -> str | None:
+    """The id of the output item an event is about (its `item_id`, or its `item`'s)."""
+    try:
+        if "item_id" in fields:
+            return _decode_text(fields["item_id"])
+        if "item" in fields:
+            return _decode_identified(fields["item"]).id
+    except (msgspec.DecodeError, RecursionError):
+        pass
+    return None
+
+
+class _Indexes:
+    """A Responses stream's indexes, filled in where the runtime left them out (module
+    docstring): the events' order numbers, each output item's place in the response (in
+    the order the items were added), each content event's part of its item (the last one
+    added)."""
+
+    __slots__ = ("_items", "_parts", "_sequence")
+
+    def __init__(self) -> None:
+        self._sequence = 0
+        self._items: dict[str, int] = {}
+        self._parts: dict[str, int] = {}
+
+    def fill(self, kind: str, fields: dict[str, msgspec.Raw]) -> None:
+        fields.setdefault("sequence_number", msgspec.Raw(b"%d" % self._sequence))
+        self._sequence += 1
+        item_id = _item_id(fields)
+        if item_id is None:
+            return
+        if kind == "response.output_item.added":
+            self._items.setdefault(item_id, len(self._items))
+        elif kind == "response.content_part.added":
+            self._parts[item_id] = self._parts.get(item_id, 0) + 1
+        index = self._items.get(item_id)
+        if index is not None:
+            fields.setdefault("output_index", msgspec.Raw(b"%d" % index))
+        if kind in _CONTENT_EVENTS:
+            part = max(self._parts.get(item_id, 1) - 1, 0)
+            fields.setdefault("content_index", msgspec.Raw(b"%d" % part))
+
+
+#: A stream that numbers its events itself: relayed without filling anything in.
+_NUMBERED: Final = _Indexes()
+
 
 class ResponsesNative(_Native):
     """Reads one native OpenAI Responses reply (module docstring)."""
 
-    __slots__ = ("_id", "_previous", "_stored", "final_response")
+    __slots__ = ("_id", "_indexes", "_previous", "_stored", "final_response")
 
     def __init__(
         self,
@@ -279,17 +355,21 @@ class ResponsesNative(_Native):
         response_id: str = "",
         previous_response_id: str = "",
     ) -> None:
-        """`stored`: the Edge stores this run's response (`run.keep_output`), under
-        `response_id` (IOP's own; "" keeps the upstream's); `previous_response_id`: the
+        """`stored`: the Edge stores this run's response (`run.keep_output`);
+        `response_id`: its id, IOP's own, stored or not ("" keeps the upstream's);
+        `previous_response_id`: the
         conversation it continues, which the Edge took out of the body
         (`run.previous_response_id`), for the response to echo."""
         super().__init__(reply_model)
         self._stored = stored
-        self._id = msgspec.Raw(encode(response_id)) if stored and response_id else None
+        self._id = msgspec.Raw(encode(response_id)) if response_id else None
         self._previous = msgspec.Raw(encode(previous_response_id)) if previous_response_id else None
         self.final_response: bytes | None = None
         """The response object a stream ended with (its terminal event's `response`, with
         the alias), for the Edge to store when the caller asked for `store: true`."""
+        self._indexes: _Indexes | None = None
+        """What the stream's indexes need filled in: `_NUMBERED` for nothing, once its
+        first event said (module docstring)."""
 
     def _shaped(self, response: dict[str, msgspec.Raw]) -> bool:
         """Give a response object's members the caller's alias, `store` and
@@ -312,19 +392,33 @@ class ResponsesNative(_Native):
         """One stream event's `data` as the caller gets it. `name` is its SSE event name
         (OpenAI names every event after its type), to skip reading the rest."""
         kind = _kind(data, name)
-        if kind not in _LIFECYCLE:
-            return data
-        fields = _fields(data)
+        indexes = self._indexes
+        if indexes is None:  # the first event: does the runtime number its events?
+            fields = _fields(data)
+            numbered = fields is None or "sequence_number" in fields
+            indexes = self._indexes = _NUMBERED if numbered else _Indexes()
+        if indexes is _NUMBERED:
+            if kind not in _LIFECYCLE:
+                return data
+            fields = _fields(data)
+            filled = False
+        else:
+            fields = _fields(data)
+            if fields is None:
+                return data
+            indexes.fill(kind, fields)
+            filled = True
         response = _fields(fields["response"]) if fields and "response" in fields else None
         if fields is None or response is None:
-            return data
+            return encode(fields) if filled and fields is not None else data
         self._read(response.get("usage"))
         changed = self._shaped(response)
         if kind in _TERMINAL:
             self.final_response = encode(response) if changed else bytes(fields["response"])
-        if not changed:
+        if not changed and not filled:
             return data
-        fields["response"] = msgspec.Raw(encode(response))
+        if changed:
+            fields["response"] = msgspec.Raw(encode(response))
         return encode(fields)
 
     def response(self, body: bytes) -> bytes:

@@ -219,9 +219,12 @@ def responses_response(model: str, chunks: int, *, store: bool = True) -> bytes:
     return _dumps(_response_object(model, "completed", [item], _responses_usage(chunks), store))
 
 
-def responses_events(model: str, chunks: int, *, store: bool = True) -> list[tuple[str, bytes]]:
+def responses_events(
+    model: str, chunks: int, *, store: bool = True, indexed: bool = True
+) -> list[tuple[str, bytes]]:
     """The (event name, data) pairs of one Responses stream, in order, answering a request
-    with `store`."""
+    with `store`; without `indexed`, as llama.cpp's server sends them: no event has its
+    `sequence_number`, `output_index` or `content_index`."""
     text = _text(chunks)
     part_done = {"type": "output_text", "text": text, "annotations": []}
     events: list[dict[str, Any]] = [
@@ -282,6 +285,9 @@ def responses_events(model: str, chunks: int, *, store: bool = True) -> list[tup
     ]
     for number, event in enumerate(events):
         event["sequence_number"] = number
+        if not indexed:
+            for index in ("sequence_number", "output_index", "content_index"):
+                event.pop(index, None)
     return [(event["type"], _dumps(event)) for event in events]
 
 

@@ -319,6 +319,9 @@ class FakeUpstream:
     """The caller protocols served natively ("messages", "responses"); the others' routes
     answer `native_missing_status`, as a chat-only server does."""
     native_missing_status: int = 404
+    indexed_responses: bool = True
+    """False: a native Responses stream numbers nothing, as llama.cpp's server's does (no
+    `sequence_number`, `output_index`, `content_index`)."""
     missing: frozenset[str] = frozenset()
     """OpenAI-compatible operations it has no endpoint for ("completion", "embedding"):
     answered 404 Not Found, as a chat-only server does."""
@@ -828,7 +831,9 @@ class FakeUpstream:
         if operation == "messages":
             events = fake_protocols.messages_events(model, self.chunks)
         else:
-            events = fake_protocols.responses_events(model, self.chunks, store=store)
+            events = fake_protocols.responses_events(
+                model, self.chunks, store=store, indexed=self.indexed_responses
+            )
         headers = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
         await self._send(stream, conn, h11.Response(status_code=200, headers=headers))
         for i, (name, data) in enumerate(events):

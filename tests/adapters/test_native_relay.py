@@ -102,7 +102,7 @@ def with_alias(
 ) -> list[tuple[str, Any]]:
     """The upstream's events as the caller must see them: `model` is the alias in the
     object at `where` (`message` in Messages' `message_start`, `response` in Responses'
-    lifecycle events), and its `id` is `own_id` when given (a response the Edge stores)."""
+    lifecycle events), and its `id` is `own_id` when given (IOP's own, for Responses)."""
     out = []
     for name, data in events:
         value = json.loads(data)
@@ -247,6 +247,7 @@ async def test_responses_non_stream_is_relayed_with_the_alias_and_usage(
     assert json.loads(result.response) == {
         **json.loads(responses_response(MODEL, 3)),
         "model": ALIAS,
+        "id": f"resp_{run.run_id}",  # IOP's own, stored or not
     }
     # Responses' input count already includes the cached tokens.
     assert result.usage == USAGE
@@ -268,8 +269,8 @@ async def test_responses_stream_relays_every_event_and_keeps_the_final_response(
     with trio.fail_after(GUARD_S):
         result = await execute_native(adapter, run, events)
     sent = responses_events(MODEL, 3)
-    # A response the Edge stores carries IOP's own id, never the upstream's.
-    own_id = f"resp_{run.run_id}" if keep_output else None
+    # Every response carries IOP's own id, never the upstream's, stored or not.
+    own_id = f"resp_{run.run_id}"
     assert events.parsed() == with_alias(sent, "response", own_id)
     relayed = b"".join(events.pieces)
     for name, data in sent:

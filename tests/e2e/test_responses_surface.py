@@ -206,6 +206,56 @@ async def test_the_response_says_the_store_its_caller_asked_for(
     assert [body["store"] for body in sent] == [False] * 3  # the runtime keeps nothing
 
 
+async def test_a_native_reply_has_iops_id_stored_or_not(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Every Responses reply's id is `resp_<request id>`, whichever runtime answered and
+    whether or not the Edge stored it: a caller sees one id scheme."""
+    fake, native = await start_native_upstream(nursery, "responses")
+    text = edge_config(
+        tmp_path / "state",
+        providers=[native],
+        models=[{"id": "m", "providers": {"native": "fake-model"}}],
+    )
+    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+    async with stack.client() as client:
+        for store in (True, False):
+            raw = await client.responses.with_raw_response.create(
+                model="m", input="hi", store=store
+            )
+            assert raw.parse().id == "resp_" + raw.headers["x-request-id"], store
+            events = await client.responses.create(model="m", input="hi", store=store, stream=True)
+            ids = {e.response.id async for e in events if hasattr(e, "response")}
+            assert len(ids) == 1 and ids.pop().startswith("resp_req_"), store
+    assert fake.requests_total == 4
+
+
+async def test_the_sdks_stream_helper_reads_a_runtimes_unnumbered_stream(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """llama.cpp's server streams Responses events without `sequence_number`,
+    `output_index` or `content_index`; the Node fills them in, so the official SDK's
+    `responses.stream()`, which indexes the response by them, reads the relayed stream."""
+    fake, native = await start_native_upstream(nursery, "responses")
+    fake.indexed_responses = False
+    text = edge_config(
+        tmp_path / "state",
+        providers=[native],
+        models=[{"id": "m", "providers": {"native": "fake-model"}}],
+    )
+    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+    client = stack.client()
+    async with client, client.responses.stream(model="m", input="hi") as stream:
+        events = [event async for event in stream]
+        final = await stream.get_final_response()
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text_deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert text_deltas and {(e.output_index, e.content_index) for e in text_deltas} == {(0, 0)}
+    assert final.output_text == "".join(e.delta for e in text_deltas)
+    item_events = [e for e in events if e.type.startswith("response.output_item.")]
+    assert [e.output_index for e in item_events] == [0, 0]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_a_continued_response_echoes_its_previous_response_id(
     nursery: trio.Nursery, tmp_path: Path, stream: bool

@@ -208,3 +208,37 @@ def test_a_continued_response_echoes_the_previous_response_id_the_edge_took_out(
     assert json.loads(native.response(body))["previous_response_id"] == "resp_before"
     untouched = ResponsesNative("")
     assert untouched.response(body) is body
+
+
+def test_a_stream_that_numbers_nothing_gets_its_indexes_filled_in() -> None:
+    """llama.cpp's server sends Responses events without `sequence_number`,
+    `output_index` or `content_index`: each is filled in, in the order the events came
+    (items by when they were added, parts by the last one added to their item)."""
+    native = ResponsesNative("alias")
+    sent = [
+        {"type": "response.created", "response": _response("in_progress", None)},
+        {"type": "response.output_item.added", "item": {"id": "rs_1", "type": "reasoning"}},
+        {"type": "response.output_item.added", "item": {"id": "msg_1", "type": "message"}},
+        {"type": "response.content_part.added", "item_id": "msg_1", "part": {}},
+        {"type": "response.output_text.delta", "item_id": "msg_1", "delta": "a"},
+        {"type": "response.content_part.added", "item_id": "msg_1", "part": {}},
+        {"type": "response.output_text.delta", "item_id": "msg_1", "delta": "b"},
+        {"type": "response.output_item.added", "item": {"id": "fc_1", "type": "function_call"}},
+        {"type": "response.function_call_arguments.delta", "item_id": "fc_1", "delta": "{}"},
+        {"type": "response.output_item.done", "item": {"id": "msg_1", "type": "message"}},
+    ]
+    got = [json.loads(native.event(json.dumps(event).encode(), event["type"])) for event in sent]
+    assert [event["sequence_number"] for event in got] == list(range(len(sent)))
+    assert [event.get("output_index") for event in got] == [None, 0, 1, 1, 1, 1, 1, 2, 2, 1]
+    assert [event.get("content_index") for event in got] == (
+        [None, None, None, 0, 0, 1, 1, None, None, None]
+    )
+    assert got[0]["response"]["model"] == "alias"  # shaped as ever
+
+
+def test_a_stream_that_numbers_its_events_is_relayed_as_it_is() -> None:
+    native = ResponsesNative("alias")
+    created = {"type": "response.created", "sequence_number": 0}
+    native.event(json.dumps(created).encode(), "response.created")
+    delta = b'{"type":"response.output_text.delta","item_id":"m","delta":"x"}'
+    assert native.event(delta, "response.output_text.delta") is delta
