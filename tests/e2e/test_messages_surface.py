@@ -161,6 +161,31 @@ async def test_edge_errors_come_in_anthropics_shape(stack: Stack) -> None:
     assert wrong_method.status_code == 405 and wrong_method.json()["type"] == "error"
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"metadata": "x"},
+        {"metadata": {"user_id": 5}},
+        {"metadata": {"team": "a"}},
+        {"temperature": 1.5},
+        {"top_k": -1},
+        {"stop_sequences": "END"},
+    ],
+)
+async def test_a_setting_anthropic_refuses_is_refused(
+    stack: Stack, setting: dict[str, Any]
+) -> None:
+    async with stack.http() as http:
+        refused = await http.post(
+            "/v1/messages",
+            json={"model": "claude-local", "max_tokens": 8, "messages": MESSAGES, **setting},
+            headers={"x-api-key": CALLER_TOKEN},
+        )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["type"] == "invalid_request_error"
+    assert next(iter(setting)) in refused.json()["error"]["message"]
+
+
 async def test_a_tool_choice_no_tool_meets_is_refused_before_a_run(stack: Stack) -> None:
     """A 400 in Anthropic's shape, as from Anthropic, not whatever a runtime makes of it.
     A `system` message between the turns passes: Claude Code sends them."""

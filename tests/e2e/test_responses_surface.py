@@ -116,6 +116,35 @@ async def test_edge_errors_come_in_openais_shape(stack: Stack) -> None:
     assert await stack.requests_by_protocol() == {}  # refused before any run: nothing billed
 
 
+@pytest.mark.parametrize(
+    ("setting", "param"),
+    [
+        ({"metadata": "x"}, "metadata"),
+        ({"metadata": {"a": 5}}, "metadata[...]"),  # msgspec: a value of the map
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"truncation": "sometimes"}, "truncation"),
+        ({"top_logprobs": "many"}, "top_logprobs"),
+        ({"service_tier": 5}, "service_tier"),
+        ({"user": {"x": 1}}, "user"),
+        ({"temperature": 7}, "temperature"),
+        ({"top_p": -0.5}, "top_p"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ],
+)
+async def test_a_setting_a_response_echoes_is_checked(
+    stack: Stack, setting: dict[str, Any], param: str
+) -> None:
+    """A response object echoes these settings as they were sent: a wrong one is the
+    caller's 400 naming it, not a response that breaks the protocol's schema."""
+    async with stack.http() as http:
+        refused = await http.post(
+            "/v1/responses", json={"model": "codex-local", "input": "x", **setting}
+        )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == param
+    assert await stack.requests_by_protocol() == {}
+
+
 async def test_a_node_lost_mid_stream_ends_it_with_response_failed(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:

@@ -138,11 +138,23 @@ class CountTokensRequest(_View, frozen=True, kw_only=True):
         return named_tool_problem(choice.name, [tool.name for tool in self.tools or ()])
 
 
+class _MessagesMetadata(_View, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Anthropic's `metadata`: an id of the end user, and nothing else."""
+
+    user_id: str | None = None
+
+
 class MessagesRequest(CountTokensRequest, frozen=True, kw_only=True):
-    """`POST /v1/messages`. `max_tokens` is required, as Anthropic's API requires it."""
+    """`POST /v1/messages`. `max_tokens` is required, as Anthropic's API requires it; the
+    sampling settings have Anthropic's types and ranges."""
 
     max_tokens: PositiveInt
     stream: bool = False
+    metadata: _MessagesMetadata | None = None
+    temperature: Annotated[float, Meta(ge=0, le=1)] | None = None
+    top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    stop_sequences: list[str] | None = None
 
 
 def named_tool_problem(name: str, names: Sequence[str | None]) -> str | None:
@@ -247,8 +259,17 @@ class _ResponsesTool(_View, frozen=True, kw_only=True):
         return total
 
 
+#: OpenAI's `metadata`: at most 16 pairs, keys of at most 64 characters, values of 512.
+Metadata = Annotated[
+    dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
+    Meta(max_length=16),
+]
+
+
 class ResponsesRequest(_View, frozen=True, kw_only=True):
-    """`POST /v1/responses`. `store` defaults to true, as in OpenAI's API."""
+    """`POST /v1/responses`. `store` defaults to true, as in OpenAI's API. The settings a
+    response object echoes have OpenAI's types and ranges: echoed as sent, a wrong one
+    would make the response itself break the protocol's schema."""
 
     model: NonEmptyStr
     stream: bool = False
@@ -258,6 +279,16 @@ class ResponsesRequest(_View, frozen=True, kw_only=True):
     max_output_tokens: PositiveInt | None = None
     store: bool = True
     previous_response_id: NonEmptyStr | None = None
+    metadata: Metadata | None = None
+    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    parallel_tool_calls: bool | None = None
+    service_tier: str | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
 
 _decode_item: Final = msgspec.json.Decoder(_Item).decode
