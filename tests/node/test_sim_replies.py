@@ -205,8 +205,28 @@ async def test_the_adapter_streams_a_tool_call_in_fragments_ending_tool_calls() 
 
 
 def test_a_text_completion_ends_by_itself_too() -> None:
-    plans = [plan_text(f"Once upon a time {i}", MODEL, 10_000) for i in range(20)]
+    plans = [plan_text({"prompt": f"Once upon a time {i}"}, MODEL, 10_000) for i in range(20)]
     assert {plan.finish_reason for plan in plans} == {"stop"}
     assert len({len(plan.pieces) for plan in plans}) > 1
-    capped = plan_text("Once upon a time", MODEL, 2)
+    capped = plan_text({"prompt": "Once upon a time"}, MODEL, 2)
     assert (len(capped.pieces), capped.finish_reason) == (2, "length")
+
+
+def test_a_text_ends_before_its_first_stop_string() -> None:
+    """Rule 7: a runtime stops before the stop string, and does not send it."""
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "Tell me a story"}]}
+    whole = "".join(plan_reply(body, MODEL, 10_000).pieces)
+    word = whole.split()[len(whole.split()) // 2]
+    stopped = plan_reply({**body, "stop": ["never-said", word]}, MODEL, 10_000)
+    text = "".join(stopped.pieces)
+    assert text == whole[: whole.find(word)]
+    assert stopped.finish_reason == "stop"
+    mid = whole[whole.find(word) + 1 : whole.find(word) + 4]  # inside a token
+    assert (
+        "".join(plan_reply({**body, "stop": mid}, MODEL, 10_000).pieces) == whole[: whole.find(mid)]
+    )
+    assert plan_reply({**body, "stop": "never-said"}, MODEL, 10_000).pieces == (
+        plan_reply(body, MODEL, 10_000).pieces
+    )
+    completion = plan_text({"prompt": "Once", "stop": "engine"}, MODEL, 10_000)
+    assert "engine" not in "".join(completion.pieces)

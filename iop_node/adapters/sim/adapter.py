@@ -233,7 +233,7 @@ class SimAdapter:
         if prompt is None:
             raise _invalid("`prompt` is required")
         if self.provider.adapter.reply.mode == "model":
-            plan = plan_text(prompt, self.provider.adapter.reply, _max_tokens(body, MAX_TOKENS))
+            plan = plan_text(body, self.provider.adapter.reply, _max_tokens(body, MAX_TOKENS))
         else:
             plan = ReplyPlan(_generate(_encode(prompt), _max_tokens(body)), None, "length")
         pieces, finish_reason = plan.pieces, plan.finish_reason

@@ -28,6 +28,8 @@ Rules:
    `tool_calls` (a tool call is short: it is never capped).
 5. After a tool result the text begins by quoting that result's first words ("The tool
    returned: ..."), so what an agent ran shows in the answer.
+7. A text ends before the first of the request's `stop` strings it would contain, with
+   `finish_reason: stop`, as a runtime stops: the stop string itself is not sent.
 6. Deterministic: every draw comes from a hash of `reply.seed` and the request's
    messages and tools. The same seed and request always get the same reply.
 
@@ -131,18 +133,43 @@ def plan_reply(body: dict[str, Any], settings: SimReply, max_tokens: int) -> Rep
     pieces = [("" if index == 0 else " ") + word for index, word in enumerate(words)]
     if pieces and finish_reason == "stop" and not quoted:
         pieces[-1] += "."
-    return ReplyPlan(pieces=pieces, call=None, finish_reason=finish_reason)
+    return _stopped(ReplyPlan(pieces=pieces, call=None, finish_reason=finish_reason), body)
 
 
-def plan_text(prompt: object, settings: SimReply, max_tokens: int) -> ReplyPlan:
-    """A text completion's reply to `prompt` (Rules 4 and 6; it offers no tools)."""
-    draw = _Draw(settings.seed, [prompt], [])
+def plan_text(body: dict[str, Any], settings: SimReply, max_tokens: int) -> ReplyPlan:
+    """A text completion's reply to `body` (Rules 4, 6 and 7; it offers no tools)."""
+    draw = _Draw(settings.seed, [body.get("prompt")], [])
     words = _filler(draw, natural_length(settings, draw.unit("length")))
     finish_reason = "stop"
     if len(words) > max_tokens:
         words, finish_reason = words[:max_tokens], "length"
     pieces = [("" if index == 0 else " ") + word for index, word in enumerate(words)]
-    return ReplyPlan(pieces=pieces, call=None, finish_reason=finish_reason)
+    return _stopped(ReplyPlan(pieces=pieces, call=None, finish_reason=finish_reason), body)
+
+
+def _stopped(plan: ReplyPlan, body: dict[str, Any]) -> ReplyPlan:
+    """`plan` ended before the first of `body`'s `stop` strings its text contains
+    (Rule 7)."""
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    stops = [text for text in stops if isinstance(text, str) and text]
+    if not stops or not plan.pieces:
+        return plan
+    text = "".join(plan.pieces)
+    found = [at for at in (text.find(word) for word in stops) if at >= 0]
+    if not found:
+        return plan
+    end = min(found)
+    pieces: list[str] = []
+    length = 0
+    for piece in plan.pieces:
+        if length + len(piece) > end:
+            if end > length:
+                pieces.append(piece[: end - length])
+            break
+        pieces.append(piece)
+        length += len(piece)
+    return ReplyPlan(pieces=pieces, call=None, finish_reason="stop")
 
 
 def natural_length(settings: SimReply, unit: float) -> int:
