@@ -32,7 +32,10 @@ Rules:
    connection's most recent response when it was not stored (`store: false`, or a store
    that could not take it): the connection keeps that one conversation (its input and
    output items; for a compaction turn, the conversation it summed up and its compaction
-   item) in memory, and forgets it when the next turn ends or the connection closes.
+   item) in memory until the next response replaces it or the connection closes. A
+   turn answered with an `error` event alone (refused, or failed before its stream
+   began, on the Edge or on a Node) made no response, so the conversation stays and
+   the turn may be sent again.
    It is bounded as a stored one is: a continuation of a conversation larger than
    `edge.responses.max_conversation_bytes` is refused (`conversation_too_large`).
 8. `generate: false` is a warm-up: the turn is planned and checked as any other (its
@@ -446,10 +449,11 @@ class _Session:
 
     def _remember(self, conversation: list[Any], response: bytes | None) -> None:
         """Keep an unstored response's conversation for the next turn (Rule 5): the final
-        event's Response says whether it was stored (`store`), as the caller read it."""
-        self._last = None
+        event's Response says whether it was stored (`store`), as the caller read it. A
+        turn that made no response (`None`: an `error` event alone) changes nothing."""
         if response is None:
             return
+        self._last = None
         try:
             final = _decode(response)
         except msgspec.DecodeError:

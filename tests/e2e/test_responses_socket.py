@@ -146,6 +146,26 @@ async def test_turns_continue_stored_and_connection_local_responses(
     assert await stack.requests_by_protocol() == {"responses": 4}  # one record per turn
 
 
+async def test_a_turn_that_made_no_response_leaves_the_conversation_to_continue(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A turn answered with an `error` event alone, refused on the Edge or failed on the
+    Node before its stream began, made no response: the connection's unstored
+    conversation stays, and the caller may send the turn again."""
+    stack = await _stack(nursery, tmp_path)
+    async with _socket(stack) as socket:
+        first = _final(await _turn(socket, input="Hello.", store=False, max_output_tokens=8))
+        continued = {"previous_response_id": first["id"], "store": False, "max_output_tokens": 8}
+        [refused] = await _turn(socket, input="x", temperature=9, **continued)
+        assert (refused["type"], refused["status"]) == ("error", 400)  # the Edge's
+        orphan = [{"type": "function_call_output", "call_id": "nope", "output": "42"}]
+        [failed] = await _turn(socket, input=orphan, **continued)
+        assert (failed["type"], failed["status"]) == ("error", 400)  # the Node's
+        assert "nope" in failed["error"]["message"]
+        again = _final(await _turn(socket, input="Go on.", **continued))
+        assert again["previous_response_id"] == first["id"]
+
+
 async def test_a_connection_local_conversation_is_bounded_as_a_stored_one(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
