@@ -264,16 +264,30 @@ async def _keep_tail(stderr: trio.abc.ReceiveStream, tail: bytearray) -> None:
 
 
 def _kill(process: trio.Process) -> None:
-    """Kill the process and everything it started (its own session/process group)."""
-    if process.returncode is not None:
-        return  # reaped: its pid (and group id) may belong to someone else by now
-    try:
-        if os.name == "posix":
-            os.killpg(process.pid, signal.SIGKILL)
-        else:  # pragma: no cover - POSIX is what we run on
+    """Kill the process and everything it started (its own session/process group), the
+    children of a command that exited already included (one that left a helper holding
+    its stdout, say)."""
+    if os.name != "posix":  # pragma: no cover - POSIX is what we run on
+        if process.returncode is None:
             process.kill()
+        return
+    if _reaped(process.pid):
+        return  # its pid (and group id) may belong to someone else by now
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _reaped(pid: int) -> bool:
+    """Whether our child `pid` was reaped. One that runs, or exited and waits to be
+    reaped, still holds its pid and so its process group's id; asking (`WNOWAIT`) does
+    not reap it, as reading `trio.Process.returncode` would."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return False
 
 
 def _exit_description(code: int) -> str:

@@ -237,6 +237,46 @@ async def test_cancel_kills_the_process_group() -> None:
         os.kill(pid, 0)  # killed and reaped: the pid no longer exists
 
 
+async def test_a_helper_left_holding_stdout_is_killed_with_its_command() -> None:
+    """A command that exits but leaves a helper of its own holding its stdout never ends
+    its output: when the run ends (here, cancelled), the helper dies with it though its
+    parent is gone."""
+    script = textwrap.dedent(
+        """
+        import subprocess, sys, os
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        print(os.getpid(), helper.pid, flush=True)
+        """
+    )
+    adapter = python(script)
+    seen = ""
+    pids_known = trio.Event()
+
+    async def emit(data: bytes, parsed: ParsedChunk | None = None, /) -> None:
+        nonlocal seen
+        seen += json.loads(data)["choices"][0]["delta"].get("content") or ""
+        if "\n" in seen:
+            pids_known.set()
+
+    with trio.fail_after(PROCESS_GUARD_S):
+        with trio.CancelScope() as runner_scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(adapter.execute, make_run(CHAT, stream=True), emit)
+                await pids_known.wait()
+                pid, helper_pid = (int(p) for p in seen.split())
+                command_exit = _wait_for_exit_handle(pid)
+                try:
+                    await trio.lowlevel.wait_readable(command_exit)  # the command is gone
+                finally:
+                    os.close(command_exit)
+                helper_exit = _wait_for_exit_handle(helper_pid)
+                runner_scope.cancel()
+        try:
+            await trio.lowlevel.wait_readable(helper_exit)  # the helper died too
+        finally:
+            os.close(helper_exit)
+
+
 async def test_request_timeout_kills_a_stuck_process() -> None:
     adapter = adapter_for(sys.executable, "-c", "import time; time.sleep(60)", timeout_s=0.3)
     with trio.fail_after(PROCESS_GUARD_S), pytest.raises(AdapterError) as info:
