@@ -41,7 +41,9 @@ An empty alias (`""`) keeps the upstream's `model`.
 
 Usage is read into `TokenUsage`, chat completions' convention: Anthropic's
 `input_tokens` excludes cached input, so prompt tokens are input + cache read + cache
-creation there.
+creation there. A Messages reply that never says its input counts (a stream that began
+without `message_start`, as llama.cpp's server's sometimes does) reports no usage: the
+run is metered by estimate (`usage_source: estimated`), never at 0 prompt tokens.
 
 `NativeForm` is what an adapter needs to know of a protocol to relay it natively (its
 path, headers, reader and last events); each protocol's translator
@@ -241,6 +243,12 @@ class MessagesNative(_Native):
                 seen.cache_creation_input_tokens, known.cache_creation_input_tokens
             ),
         )
+        if (
+            known.input_tokens is None
+            and known.cache_read_input_tokens is None
+            and known.cache_creation_input_tokens is None
+        ):
+            return  # no input count yet (a stream that began without message_start)
         cached = max(known.cache_read_input_tokens or 0, 0)
         prompt = (
             max(known.input_tokens or 0, 0)

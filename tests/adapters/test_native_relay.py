@@ -424,8 +424,12 @@ def test_a_messages_stream_begun_without_message_start_gets_one_ahead_of_it() ->
     assert (message["model"], message["role"], message["content"]) == (ALIAS, "assistant", [])
     assert message["usage"]["input_tokens"] > 0
     assert out.endswith(b"".join(sse(name, data) for name, data in sent[1:]))
+    # The upstream never said its input counts: the run reports no usage of its own and
+    # is metered by estimate, never at 0 prompt tokens.
+    assert reply.usage is None
 
     whole = messages_events(MODEL, 2)  # a stream that begins as it should is left alone
     reply = NativeReply(run, translator.native)
     out = b"".join(reply.event(name, data)[0] for name, data in whole) + reply.release()
     assert out.count(b"event: message_start") == 1
+    assert reply.usage is not None and reply.usage.prompt_tokens > 0
