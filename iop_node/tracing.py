@@ -370,6 +370,10 @@ class AttemptTrace:
         if isinstance(model, str):
             self._response_model = model
 
+    def answered_as(self, model: str) -> None:
+        """The model a native run's upstream answered as (module function `answered_as`)."""
+        self._response_model = model
+
     def _output_began(self) -> None:
         self._first_output = True
         span = self.span
@@ -513,6 +517,14 @@ def upstream_model(reply: bytes) -> None:
     attempt = _attempt.get()
     if attempt is not None:
         attempt.upstream_model(reply)
+
+
+def answered_as(model: str) -> None:
+    """A native run's upstream named `model` (`gen_ai.response.model`), read before the
+    caller's alias took its place. Nothing when the run is not traced."""
+    attempt = _attempt.get()
+    if attempt is not None and attempt.recording:
+        attempt.answered_as(model)
 
 
 def upstream_call(base_url: str, path: str) -> UpstreamCall | None:

@@ -48,6 +48,7 @@ from typing import Final
 
 import msgspec
 
+from iop_node import tracing
 from iop_node.protocols import TokenUsage
 from iop_node.protocols.native import NativeForm, NativeReader
 from schemas.wire import Run, Usage
@@ -121,6 +122,7 @@ class NativeReply:
         "_reader",
         "_run",
         "_tail",
+        "_traced_model",
         "ended",
         "final_response",
     )
@@ -140,6 +142,8 @@ class NativeReply:
         """The stream's last event went by (Rule 3)."""
         self.final_response: bytes | None = None
         """With `run.keep_output`: the final response object of a Responses stream."""
+        self._traced_model = False
+        """The model the upstream answered as went to the run's trace."""
 
     @property
     def usage(self) -> Usage | None:
@@ -151,7 +155,9 @@ class NativeReply:
         is not a JSON object)."""
         if body.lstrip()[:1] != b"{":
             raise NotAnObject("the response is not a JSON object")
-        return self._reader.response(body)
+        shaped = self._reader.response(body)
+        self._trace_model()
+        return shaped
 
     def event(self, name: str, data: bytes) -> tuple[bytes, int]:
         """One upstream event as the caller's framed events to send now (b"" when it is
@@ -168,6 +174,8 @@ class NativeReply:
             if name != opens:
                 opening = make(self._run)
         shaped = self._reader.event(data, name)
+        if not self._traced_model:
+            self._trace_model()
         if name in self._ends:
             self.ended = True
             if self._keep:
@@ -180,6 +188,13 @@ class NativeReply:
         if self._held:
             framed = self.release() + framed
         return opening + framed, tokens
+
+    def _trace_model(self) -> None:
+        """Tell the run's trace the model the upstream answered as, once it is known."""
+        model = self._reader.upstream_model
+        if model is not None:
+            self._traced_model = True
+            tracing.answered_as(model)
 
     def release(self) -> bytes:
         """The events held back so far (Rule 6), framed, and no longer held; b"" when

@@ -77,6 +77,9 @@ class NativeReader(Protocol):
     @property
     def usage(self) -> TokenUsage | None: ...
 
+    @property
+    def upstream_model(self) -> str | None: ...
+
     def event(self, data: bytes, name: str | None = None) -> bytes: ...
 
     def response(self, body: bytes) -> bytes: ...
@@ -113,6 +116,7 @@ class NativeForm:
 
 
 _decode_fields: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_decode_model: Final = msgspec.json.Decoder(str).decode
 
 
 class _Type(msgspec.Struct):
@@ -172,15 +176,26 @@ class _Native:
     An empty `reply_model` leaves `model` as the upstream wrote it (`schemas.wire.Run
     .reply_model`): the reader then only reads the usage, and returns what it is given."""
 
-    __slots__ = ("_alias", "usage")
+    __slots__ = ("_alias", "upstream_model", "usage")
 
     def __init__(self, reply_model: str) -> None:
         self._alias = msgspec.Raw(encode(reply_model)) if reply_model else None
         self.usage: TokenUsage | None = None
         """The run's usage as the upstream reported it, once it has."""
+        self.upstream_model: str | None = None
+        """The model the upstream answered as (before the alias took its place), once
+        a reply named one: a trace's `gen_ai.response.model`."""
 
     def _with_alias(self, fields: dict[str, msgspec.Raw]) -> bool:
-        if self._alias is not None and "model" in fields:
+        model = fields.get("model")
+        if model is None:
+            return False
+        if self.upstream_model is None:
+            try:
+                self.upstream_model = _decode_model(model)
+            except (msgspec.DecodeError, RecursionError):
+                pass
+        if self._alias is not None:
             fields["model"] = self._alias
             return True
         return False

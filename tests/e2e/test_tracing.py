@@ -312,6 +312,48 @@ async def test_a_translated_messages_run_names_its_upstream_model_and_why_it_end
     assert attempt.attributes["iop.time_to_first_output_s"] > 0  # a whole reply's too
 
 
+@pytest.mark.parametrize("protocol", ["messages", "responses"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_native_run_names_the_model_its_upstream_answered_as(
+    tmp_path: Path, protocol: str, stream: bool
+) -> None:
+    """A runtime that speaks the caller's protocol answers in it: the model it names is
+    read before the caller's alias takes its place, for the attempt span and its
+    upstream call's."""
+    native = FakeUpstream(chunks=3, native=frozenset({protocol}))
+    async with traced_stack(tmp_path, [native]) as (stack, receiver):
+        if protocol == "messages":
+            client = anthropic.AsyncAnthropic(
+                base_url=stack.addresses.openai_url, api_key="unused", max_retries=0
+            )
+            body: dict[str, Any] = {
+                "model": "m",
+                "max_tokens": 16,
+                "messages": [{"role": "user", "content": PROMPT}],
+            }
+            async with client:
+                if stream:
+                    async with client.messages.stream(**body) as events:
+                        await events.get_final_message()
+                else:
+                    await client.messages.create(**body)
+        else:
+            async with stack.client() as openai_client:
+                if stream:
+                    async for _ in await openai_client.responses.create(
+                        model="m", input=PROMPT, stream=True
+                    ):
+                        pass
+                else:
+                    await openai_client.responses.create(model="m", input=PROMPT)
+    node = [s for s in receiver.spans() if s.service == "iop-node"]
+    models = {s.span.kind: s.attributes.get("gen_ai.response.model") for s in node}
+    assert models == {
+        Span.SpanKind.SPAN_KIND_INTERNAL: "fake-model",
+        Span.SpanKind.SPAN_KIND_CLIENT: "fake-model",
+    }
+
+
 async def test_a_failover_shows_as_events_and_a_second_attempt_span(tmp_path: Path) -> None:
     broken = FakeUpstream(status=503)
     working = FakeUpstream(chunks=2)
