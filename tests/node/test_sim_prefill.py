@@ -74,6 +74,33 @@ async def test_a_conversations_next_turn_is_cached_and_starts_sooner(
     assert took == pytest.approx((usage["prompt_tokens"] - cached) * 1e-3)
 
 
+@pytest.mark.parametrize("tools", [None, [{"type": "function", "function": {"name": "ls"}}]])
+async def test_a_prompt_sent_again_reports_all_but_its_last_token_cached(
+    autojump_clock: trio.abc.Clock, tools: list[dict[str, Any]] | None
+) -> None:
+    """Cached tokens are counted in the usage's own unit, tools or not: a prompt sent
+    again is cached but for the token a runtime computes again to start from."""
+    sim = adapter(prefix_cache_tokens=100_000)
+    messages = [{"role": "user", "content": "hello there"}]
+    body: dict[str, Any] = {"model": "sim-small", "messages": messages, "max_tokens": 1}
+    if tools is not None:
+        body["tools"] = tools
+    for sent in range(2):
+        result = await sim.execute(
+            Run(
+                run_id=f"r{sent}",
+                provider_id="sim-1",
+                target="sim-small",
+                operation="chat",
+                body=msgspec.json.encode(body),
+            ),
+            _nothing,
+        )
+        assert result.response is not None
+        usage = msgspec.json.decode(result.response)["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+
+
 async def test_a_stream_reports_cached_tokens_in_its_usage_chunk(
     autojump_clock: trio.abc.Clock,
 ) -> None:

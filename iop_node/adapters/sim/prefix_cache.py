@@ -58,11 +58,13 @@ class PrefillCost:
 
 @dataclass(frozen=True, slots=True)
 class Prefill:
-    """One prompt's prefill: its tokens, how many came from the cache, what it took."""
+    """One prompt's prefill: its tokens, how many came from the cache, what it took, and
+    the share of its text the cache held (`cached_share`: whole tokens round it down)."""
 
     tokens: int
     cached_tokens: int
     seconds: float
+    cached_share: float = 0.0
 
 
 class PrefixCache:
@@ -112,7 +114,8 @@ class PrefixCache:
         tokens = -(-len(prompt) // CHARS_PER_TOKEN)
         cached = min(best // CHARS_PER_TOKEN, tokens)
         seconds = ((tokens - cached) * self._cost.uncached_us + cached * self._cost.cached_us) / 1e6
-        return Prefill(tokens=tokens, cached_tokens=cached, seconds=seconds)
+        share = best / len(prompt) if prompt else 0.0
+        return Prefill(tokens=tokens, cached_tokens=cached, seconds=seconds, cached_share=share)
 
 
 def common_prefix_chars(a: str, b: str) -> int:

@@ -61,10 +61,18 @@ class SimPrefill:
 
     def cached(self, body: dict[str, Any], prompt_tokens: int) -> SimPrefillResult:
         """Serve a chat body's prompt of `prompt_tokens` (the usage's count): its
-        prefill time, and how many of its tokens the cache held (at most all)."""
+        prefill time, and how many of its tokens the cache held.
+
+        The cache matches the prompt as a template lays it out (tools, role markers);
+        the usage counts it as `schemas.tokens` does. So the share of the laid-out prompt
+        the cache held is the share of `prompt_tokens` reported cached: the two numbers
+        are in one unit, and a prompt sent again reports nearly all of it cached. Not
+        all: a runtime computes a prompt's last token again to start generating from it
+        (llama.cpp's server reads 272 of 273 from its cache), so one token never is."""
         if self._cache is None:
             return SimPrefillResult(seconds=prompt_tokens * self._uncached_s, tokens=None)
-        cached = min(self._cache.prefill(render_prompt(body)).cached_tokens, prompt_tokens)
+        share = self._cache.prefill(render_prompt(body)).cached_share
+        cached = min(int(prompt_tokens * share), max(prompt_tokens - 1, 0))
         uncached = prompt_tokens - cached
         return SimPrefillResult(
             seconds=uncached * self._uncached_s + cached * self._cached_s, tokens=cached
