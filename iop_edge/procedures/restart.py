@@ -140,11 +140,22 @@ class Restarter:
         try:
             with trio.fail_after(HANDOVER_START_TIMEOUT_S):
                 await successor.start()
-                await successor.wait_listening()
+                moved = await successor.wait_listening()
         except trio.TooSlowError:
             raise HandoverFailed(
                 f"the successor was not listening within {HANDOVER_START_TIMEOUT_S:g}s"
             ) from None
+        linked = sorted(self._connected_nodes())
+        if moved is not None and linked:
+            # Sent `goaway`, they would dial the old address, where nobody listens.
+            was, now = moved
+            raise HandoverFailed(
+                f"the successor listens for Nodes on {now}, not on {was}, where node(s) "
+                f"{', '.join(linked)} dial: they would be left without an Edge. Keep "
+                "edge.listen (or --node-listen) as it is for the restart, or stop this "
+                "Edge and start one on the new address once the Nodes dial it (their "
+                "--edge)"
+            )
         node_server.stop_accepting()
         with trio.move_on_after(GOAWAY_TIMEOUT_S):
             await self._goaway_all("restarting")

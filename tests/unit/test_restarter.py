@@ -19,6 +19,7 @@ class _Successor:
     """A successor that listens, then never says it is ready (or breaks, when told)."""
 
     broken: BaseException | None = None
+    moved: tuple[str, str] | None = None
 
     def __init__(self, calls: list[str]) -> None:
         self.handoff = None
@@ -27,8 +28,8 @@ class _Successor:
     async def start(self) -> None:
         self._calls.append("start")
 
-    async def wait_listening(self) -> None:
-        pass
+    async def wait_listening(self) -> tuple[str, str] | None:
+        return self.moved
 
     async def expect_nodes(self, nodes: list[str]) -> None:
         pass
@@ -57,10 +58,16 @@ class _NodeServer:
         self._calls.append("resume_accepting")
 
 
-def _restarter(monkeypatch: pytest.MonkeyPatch, calls: list[str], broken: Any = None) -> Restarter:
+def _restarter(
+    monkeypatch: pytest.MonkeyPatch,
+    calls: list[str],
+    broken: Any = None,
+    moved: tuple[str, str] | None = None,
+) -> Restarter:
     def successor(*args: Any, **kwargs: Any) -> _Successor:
         made = _Successor(calls)
         made.broken = broken
+        made.moved = moved
         return made
 
     monkeypatch.setattr(restart, "Successor", successor)
@@ -112,6 +119,21 @@ async def test_a_handover_that_breaks_is_a_failed_restart_not_a_crash(
     report = await _restart(restarter, calls)
     assert report.outcome == "failed"
     assert calls == ["start", "stop_accepting", "goaway", "resume_accepting", "abort", "close"]
+
+
+async def test_a_successor_that_moved_the_node_listener_away_from_linked_nodes_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sent `goaway`, the Nodes would dial the old address, where nobody listens: the
+    restart fails before they are sent away, and this Edge serves on with them."""
+    calls: list[str] = []
+    moved = ("127.0.0.1:7700", "127.0.0.1:7800")
+    restarter = _restarter(monkeypatch, calls, moved=moved)
+    report = await _restart(restarter, calls)
+    assert report.outcome == "failed"
+    assert "listens for Nodes on 127.0.0.1:7800, not on 127.0.0.1:7700" in (report.detail or "")
+    assert "node(s) n1 dial" in (report.detail or "")
+    assert calls == ["start", "resume_accepting", "abort", "close"]  # no goaway
 
 
 async def test_no_restart_while_a_config_refresh_runs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,8 +8,13 @@ over a socket pair the successor inherits, one JSON object per line:
     old                                      new (the successor)
     spawn with the listening sockets ──────▶ loads the config, opens the ledger,
                                               accepts Nodes on the inherited socket
-                         ◀──────────────────  {"event": "listening"}
-    stops accepting Nodes, sends `goaway`
+                         ◀──────────────────  {"event": "listening"} (and, when its
+                                              config moved the Node listener, where:
+                                              `nodes_moved`)
+    refuses a successor that moved the Node
+    listener away from linked Nodes (they
+    dial the old address); else stops
+    accepting Nodes, sends `goaway`
     to each; {"expect_nodes": [...]}  ──────▶ waits until those Nodes linked and
                                               reported status (bounded), then accepts
                                               callers and admin requests
@@ -162,8 +167,14 @@ class Successor:
         self.handoff = handoff
         log.info("restart: started the successor (pid %d)", self._process.pid)
 
-    async def wait_listening(self) -> None:
-        await self._expect("listening")
+    async def wait_listening(self) -> tuple[str, str] | None:
+        """Wait until the successor accepts Nodes; where its config moved the Node
+        listener from and to, when it did (None: it accepts them where this Edge did)."""
+        message = await self._expect("listening")
+        moved = message.get("nodes_moved")
+        if isinstance(moved, list) and len(moved) == 2:
+            return str(moved[0]), str(moved[1])
+        return None
 
     async def expect_nodes(self, node_ids: Sequence[str]) -> None:
         assert self._control is not None
@@ -245,6 +256,8 @@ class Handover:
         self._control_fd = control_fd
         self._handoff_fd = handoff_fd
         self._control: _Lines | None = None
+        self._nodes_moved: tuple[str, str] | None = None
+        """The Node listener's address before and in this config, when they differ."""
 
     @classmethod
     def from_environ(cls, environ: MutableMapping[str, str] | None = None) -> Handover | None:
@@ -280,6 +293,8 @@ class Handover:
             return None
         if inherited.configured != configured:
             os.close(inherited.fd)
+            if role == "node":
+                self._nodes_moved = (inherited.configured, configured)
             return None
         return inherited.fd
 
@@ -302,7 +317,10 @@ class Handover:
     async def listening(self) -> list[str]:
         """Tell the old Edge we accept Nodes; return the nodes it asks us to wait for."""
         lines = self._lines()
-        await lines.send({"event": "listening"})
+        listening: dict[str, Any] = {"event": "listening"}
+        if self._nodes_moved is not None:
+            listening["nodes_moved"] = list(self._nodes_moved)
+        await lines.send(listening)
         message = await lines.receive()
         if message is None:
             raise HandoverFailed("the old Edge went away during the handover")
