@@ -7,6 +7,7 @@ import os
 import shlex
 import sys
 import textwrap
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -199,17 +200,21 @@ def _wait_for_exit_handle(pid: int) -> int:
         pytest.skip("os.pidfd_open is not available: needs Linux 5.3 or later")
 
 
-async def test_cancel_kills_the_process_group() -> None:
-    # The CLI starts a helper of its own (as wrapper scripts do), reports both pids, and
-    # would then run for a minute; cancelling the run must kill and reap both at once.
-    script = textwrap.dedent(
-        """
-        import subprocess, sys, os, time
-        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        print(os.getpid(), helper.pid, flush=True)
-        time.sleep(60)
-        """
-    )
+#: A command that starts a helper of its own (as wrapper scripts do) and reports both pids.
+_WITH_HELPER = textwrap.dedent(
+    """
+    import subprocess, sys, os, time
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    print(os.getpid(), helper.pid, flush=True)
+    """
+)
+
+
+async def _cancel_once_started(
+    script: str, before_cancel: Callable[[int], Awaitable[None]]
+) -> tuple[int, int]:
+    """Run `script` (which prints its pid and its helper's), await `before_cancel(pid)`,
+    then cancel the run and wait until the helper is gone; the two pids."""
     adapter = python(script)
     seen = ""
     pids_known = trio.Event()
@@ -226,6 +231,7 @@ async def test_cancel_kills_the_process_group() -> None:
                 nursery.start_soon(adapter.execute, make_run(CHAT, stream=True), emit)
                 await pids_known.wait()
                 pid, helper_pid = (int(p) for p in seen.split())
+                await before_cancel(pid)
                 helper_exit = _wait_for_exit_handle(helper_pid)
                 runner_scope.cancel()
         assert runner_scope.cancelled_caught
@@ -233,6 +239,17 @@ async def test_cancel_kills_the_process_group() -> None:
             await trio.lowlevel.wait_readable(helper_exit)  # the helper died too
         finally:
             os.close(helper_exit)
+    return pid, helper_pid
+
+
+async def _nothing(pid: int) -> None:
+    pass
+
+
+async def test_cancel_kills_the_process_group() -> None:
+    # The command would then run for a minute; cancelling the run must kill and reap
+    # both it and its helper at once.
+    pid, _ = await _cancel_once_started(_WITH_HELPER + "time.sleep(60)\n", _nothing)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # killed and reaped: the pid no longer exists
 
@@ -241,40 +258,15 @@ async def test_a_helper_left_holding_stdout_is_killed_with_its_command() -> None
     """A command that exits but leaves a helper of its own holding its stdout never ends
     its output: when the run ends (here, cancelled), the helper dies with it though its
     parent is gone."""
-    script = textwrap.dedent(
-        """
-        import subprocess, sys, os
-        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        print(os.getpid(), helper.pid, flush=True)
-        """
-    )
-    adapter = python(script)
-    seen = ""
-    pids_known = trio.Event()
 
-    async def emit(data: bytes, parsed: ParsedChunk | None = None, /) -> None:
-        nonlocal seen
-        seen += json.loads(data)["choices"][0]["delta"].get("content") or ""
-        if "\n" in seen:
-            pids_known.set()
-
-    with trio.fail_after(PROCESS_GUARD_S):
-        with trio.CancelScope() as runner_scope:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(adapter.execute, make_run(CHAT, stream=True), emit)
-                await pids_known.wait()
-                pid, helper_pid = (int(p) for p in seen.split())
-                command_exit = _wait_for_exit_handle(pid)
-                try:
-                    await trio.lowlevel.wait_readable(command_exit)  # the command is gone
-                finally:
-                    os.close(command_exit)
-                helper_exit = _wait_for_exit_handle(helper_pid)
-                runner_scope.cancel()
+    async def command_gone(pid: int) -> None:
+        command_exit = _wait_for_exit_handle(pid)
         try:
-            await trio.lowlevel.wait_readable(helper_exit)  # the helper died too
+            await trio.lowlevel.wait_readable(command_exit)
         finally:
-            os.close(helper_exit)
+            os.close(command_exit)
+
+    await _cancel_once_started(_WITH_HELPER, command_gone)
 
 
 async def test_request_timeout_kills_a_stuck_process() -> None:

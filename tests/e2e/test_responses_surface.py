@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from iop_edge.core.responses.protocol_requests import ResponsesRequest, estimate_responses_tokens
+from tests.adapters.fake_upstream import FakeUpstream
 from tests.e2e.stack import (
     WAIT_GUARD_S,
     Stack,
@@ -235,18 +236,23 @@ async def test_the_response_says_the_store_its_caller_asked_for(
     assert [body["store"] for body in sent] == [False] * 3  # the runtime keeps nothing
 
 
-async def test_a_native_reply_has_iops_id_stored_or_not(
-    nursery: trio.Nursery, tmp_path: Path
-) -> None:
-    """Every Responses reply's id is `resp_<request id>`, whichever runtime answered and
-    whether or not the Edge stored it: a caller sees one id scheme."""
+async def _native_only(nursery: trio.Nursery, tmp_path: Path) -> tuple[FakeUpstream, Stack]:
+    """A stack whose model `m` is served by one runtime that speaks Responses natively."""
     fake, native = await start_native_upstream(nursery, "responses")
     text = edge_config(
         tmp_path / "state",
         providers=[native],
         models=[{"id": "m", "providers": {"native": "fake-model"}}],
     )
-    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+    return fake, await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
+
+
+async def test_a_native_reply_has_iops_id_stored_or_not(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Every Responses reply's id is `resp_<request id>`, whichever runtime answered and
+    whether or not the Edge stored it: a caller sees one id scheme."""
+    fake, stack = await _native_only(nursery, tmp_path)
     async with stack.client() as client:
         for store in (True, False):
             raw = await client.responses.with_raw_response.create(
@@ -265,14 +271,8 @@ async def test_the_sdks_stream_helper_reads_a_runtimes_unnumbered_stream(
     """llama.cpp's server streams Responses events without `sequence_number`,
     `output_index` or `content_index`; the Node fills them in, so the official SDK's
     `responses.stream()`, which indexes the response by them, reads the relayed stream."""
-    fake, native = await start_native_upstream(nursery, "responses")
+    fake, stack = await _native_only(nursery, tmp_path)
     fake.indexed_responses = False
-    text = edge_config(
-        tmp_path / "state",
-        providers=[native],
-        models=[{"id": "m", "providers": {"native": "fake-model"}}],
-    )
-    stack = await start_stack(nursery, text, tmp_path / "edge.yaml", wait_models=("m",))
     client = stack.client()
     async with client, client.responses.stream(model="m", input="hi") as stream:
         events = [event async for event in stream]

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -166,9 +167,29 @@ async def test_sigusr2_applies_a_pending_restart_required_change(
         stop_pid(edge.pid)
 
 
-async def test_a_successor_that_cannot_start_changes_nothing(
-    nursery: trio.Nursery, tmp_path: Path
+def _break_config(config: dict[str, Any]) -> list[str]:
+    """The file no longer validates: what the failed restart says."""
+    config["nodes"][0]["providers"][0]["capacity"] = 0
+    return ["restart failed", "nodes[0].providers[0].capacity"]
+
+
+def _move_node_listener(config: dict[str, Any]) -> list[str]:
+    """The Nodes dial the old address: sent away, they would find nobody there."""
+    with socket.socket() as probe:  # a free port for the moved listener
+        probe.bind(("127.0.0.1", 0))
+        moved = f"127.0.0.1:{probe.getsockname()[1]}"
+    config["edge"]["listen"] = moved
+    return [f"listens for Nodes on {moved}", "node(s) node-1 dial"]
+
+
+@pytest.mark.parametrize(
+    "change", [_break_config, _move_node_listener], ids=["invalid", "node-listener-moved"]
+)
+async def test_a_restart_that_cannot_take_over_changes_nothing(
+    nursery: trio.Nursery, tmp_path: Path, change: Callable[[dict[str, Any]], list[str]]
 ) -> None:
+    """The restart fails before the Nodes are sent away, saying why; the Edge serves on
+    with the Node it had."""
     config = sim_config(tmp_path / "state", NODE_TOKEN_HASH, capacity=4, tokens_per_second=400)
     path = _write(tmp_path / "edge.yaml", config)
     edge = await start_edge(nursery, path)
@@ -176,52 +197,18 @@ async def test_a_successor_that_cannot_start_changes_nothing(
         node: EdgeLinks = await nursery.start(
             partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN)
         )
-        config["nodes"][0]["providers"][0]["capacity"] = 0  # the file is broken now
+        said = change(config)
         _write(path, config)
         result = await run_cli("restart", *edge.admin_flags)
         assert result.returncode == 1
         stderr = result.stderr.decode()
-        assert "restart failed" in stderr and "nodes[0].providers[0].capacity" in stderr, stderr
+        assert all(words in stderr for words in said), stderr
         assert pid_alive(edge.pid)
         load = MixedLoad(edge.urls["openai"], streams=2, non_streams=2)
         async with trio.open_nursery() as callers:
             callers.start_soon(load.run)
             with trio.fail_after(30):
                 await load.wait_total(8)
-            load.stop()
-        assert load.tally.failed == []
-        assert node.sessions == 1  # the Node was never told to go away
-    finally:
-        stop_pid(edge.pid)
-
-
-async def test_a_restart_that_moves_the_node_listener_away_from_its_nodes_is_refused(
-    nursery: trio.Nursery, tmp_path: Path
-) -> None:
-    """The Nodes dial the old address: sent away, they would find nobody there. The
-    restart fails before they are, naming them, and the Edge serves on with them."""
-    config = sim_config(tmp_path / "state", NODE_TOKEN_HASH, capacity=4, tokens_per_second=400)
-    path = _write(tmp_path / "edge.yaml", config)
-    edge = await start_edge(nursery, path)
-    try:
-        node: EdgeLinks = await nursery.start(
-            partial(run_node, edge.urls["node"], "node-1", NODE_TOKEN)
-        )
-        with socket.socket() as probe:  # a free port for the moved listener
-            probe.bind(("127.0.0.1", 0))
-            moved = f"127.0.0.1:{probe.getsockname()[1]}"
-        config["edge"]["listen"] = moved
-        _write(path, config)
-        result = await run_cli("restart", *edge.admin_flags)
-        assert result.returncode == 1
-        stderr = result.stderr.decode()
-        assert f"listens for Nodes on {moved}" in stderr and "node(s) node-1 dial" in stderr
-        assert pid_alive(edge.pid)
-        load = MixedLoad(edge.urls["openai"], streams=1, non_streams=1)
-        async with trio.open_nursery() as callers:
-            callers.start_soon(load.run)
-            with trio.fail_after(30):
-                await load.wait_total(4)
             load.stop()
         assert load.tally.failed == []
         assert node.sessions == 1  # the Node was never told to go away
