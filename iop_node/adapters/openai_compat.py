@@ -125,7 +125,7 @@ from iop_node.adapters.upstream_http.exchange import (
     drain,
     error_body,
     host_header,
-    read_body,
+    whole_answer,
 )
 from iop_node.adapters.upstream_http.failures import (
     clip,
@@ -182,9 +182,15 @@ class _BodyView(msgspec.Struct):
     error: Any = None
     object: str | None = None
     timings: msgspec.Raw = msgspec.Raw()
+    choices: msgspec.Raw = msgspec.Raw()
+    data: msgspec.Raw = msgspec.Raw()
 
     def is_error(self) -> bool:
         return self.error is not None or self.object == "error"
+
+    def answers(self) -> bool:
+        """Whether it is an answer: a completion's `choices`, or embeddings' `data`."""
+        return bool(self.choices) or bool(self.data)
 
 
 class _TokenCount(msgspec.Struct):
@@ -570,7 +576,7 @@ class OpenAICompatAdapter(NativeRelay):
             check_encoding(response)
             if run.stream:
                 return await self._relay_stream(response, emit, progress)
-            body = await read_body(response, progress)
+            body = await whole_answer(response, progress)
         finally:
             await self._close(connection, response)
         try:
@@ -589,6 +595,13 @@ class OpenAICompatAdapter(NativeRelay):
                 FailureCode.UPSTREAM_ERROR,
                 f"upstream returned an error: {error_message(body) or 'unknown error'}",
                 retryable=True,
+            )
+        if not view.answers():
+            raise AdapterError(
+                FailureCode.UPSTREAM_ERROR,
+                "upstream returned a body with no answer in it (no choices, no data)",
+                retryable=True,
+                reply_fault=True,
             )
         usage = view.usage.to_usage(timings_cached(view.timings)) if view.usage else None
         return RunResult(usage=usage, response=body)
@@ -689,7 +702,7 @@ class OpenAICompatAdapter(NativeRelay):
             check_encoding(response)
             if run.stream:
                 return await relay_native_stream(response, reply, events, progress)
-            body = await read_body(response, progress)
+            body = await whole_answer(response, progress)
         finally:
             await self._close(connection, response)
         return shaped(reply, body)

@@ -319,6 +319,11 @@ class FakeUpstream:
     """The caller protocols served natively ("messages", "responses"); the others' routes
     answer `native_missing_status`, as a chat-only server does."""
     native_missing_status: int = 404
+    cut_after_end: bool = False
+    """A stream's body breaks off right after its last event (`[DONE]`, or the protocol's
+    last one): the connection closes without the chunked body's terminator."""
+    answer_body: bytes | None = None
+    """A whole (non-stream) answer's body, in place of the completion, in any protocol."""
     indexed_responses: bool = True
     """False: a native Responses stream numbers nothing, as llama.cpp's server's does (no
     `sequence_number`, `output_index`, `content_index`)."""
@@ -749,6 +754,9 @@ class FakeUpstream:
             await self._send_json(stream, conn, self.invalid_status, body)
             return
         model = str(payload.get("model", ""))
+        if self.answer_body is not None and not payload.get("stream"):
+            await self._send_json(stream, conn, 200, self.answer_body)
+            return
         if operation in _NATIVE:
             await self._answer_natively(
                 stream,
@@ -797,6 +805,8 @@ class FakeUpstream:
         await self._send(stream, conn, h11.Data(data=b"data: [DONE]\n\n"))
         if self.before_end is not None:
             await self.before_end()
+        if self.cut_after_end:
+            raise _Drop
         await self._send(stream, conn, h11.EndOfMessage())
 
     async def _script(
@@ -850,6 +860,8 @@ class FakeUpstream:
             await self._send(stream, conn, h11.Data(data=fake_protocols.sse(name, data)))
         if self.before_end is not None:
             await self.before_end()
+        if self.cut_after_end:
+            raise _Drop
         await self._send(stream, conn, h11.EndOfMessage())
 
 

@@ -12,6 +12,7 @@ import trio
 from iop_node.adapters.base import AdapterError, ProbeTimeout, RunResult
 from iop_node.adapters.openai_compat import OpenAICompatAdapter, status_failure
 from iop_node.adapters.upstream_errors import MESSAGE_LIMIT, error_message
+from iop_node.adapters.upstream_http import exchange
 from iop_node.adapters.upstream_http.failures import retry_after
 from iop_node.reply import ParsedChunk
 from schemas.config import AdapterSettings, ProviderConfig
@@ -247,6 +248,50 @@ def test_retry_after_reads_seconds_dates_and_openais_milliseconds(
 ) -> None:
     now = 1445412480.0  # Wed, 21 Oct 2015 07:28:00 GMT
     assert retry_after(headers, now=now) == seconds
+
+
+async def test_a_body_that_breaks_off_after_done_is_a_whole_stream(
+    upstream: FakeUpstream, make_adapter: MakeAdapter
+) -> None:
+    """The stream ended (`[DONE]`) and its usage came: a body that then breaks off (no
+    chunked terminator) broke nothing the caller reads, and blames nobody."""
+    upstream.cut_after_end = True
+    adapter = make_adapter(upstream.base_url)
+    run, _ = make_run(stream=True, stream_options={"include_usage": True})
+    collector = Collector()
+    with trio.fail_after(GUARD_S):
+        result = await adapter.execute(run, collector)
+    assert result.usage is not None and result.usage.completion_tokens == upstream.chunks
+    assert collector.chunks  # every chunk reached the caller
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"{}", "no answer in it"),
+        (b'{"object": "chat.completion", "usage": null}', "no answer in it"),
+        (b'{"error": {"message": "model overloaded"}}', "model overloaded"),
+    ],
+)
+async def test_a_whole_answer_with_no_answer_in_it_fails_the_run(
+    upstream: FakeUpstream, make_adapter: MakeAdapter, body: bytes, says: str
+) -> None:
+    upstream.answer_body = body
+    error = await expect_failure(make_adapter(upstream.base_url), make_run(stream=False)[0])
+    assert (error.code, error.retryable) == ("upstream_error", True)
+    assert says in error.message
+
+
+async def test_a_whole_answer_past_the_wire_limit_is_not_read_to_its_end(
+    upstream: FakeUpstream, make_adapter: MakeAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Node stops reading once the body passes what the wire carries, so an upstream
+    that sends gigabytes costs it no more memory than that."""
+    monkeypatch.setattr(exchange, "MAX_PAYLOAD_BYTES", 4096)
+    upstream.answer_body = b'{"choices": [], "pad": "' + b"x" * 100_000 + b'"}'
+    error = await expect_failure(make_adapter(upstream.base_url), make_run(stream=False)[0])
+    assert error.code == "response_too_large"
+    assert "exceeds the wire's limit of 4096 bytes" in error.message
 
 
 async def test_rejection_carries_the_upstream_message(

@@ -15,6 +15,7 @@ import trio
 
 from iop_node.adapters.base import AdapterError
 from iop_node.tracing import UpstreamCall, passed_on
+from schemas.limits import MAX_PAYLOAD_BYTES
 from schemas.wire import FailureCode, Run
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "error_body",
     "host_header",
     "read_body",
+    "whole_answer",
 ]
 
 #: Bytes of an error response read to find the upstream's message; the rest is dropped.
@@ -124,16 +126,22 @@ def body_chunks(response: httpcore2.Response) -> AsyncGenerator[bytes]:
 
 async def drain(body: AsyncGenerator[bytes]) -> None:
     """Let the end of a chunked body arrive (within `DRAIN_AFTER_DONE_S`) so the
-    connection is reused."""
+    connection is reused. A body that breaks off after the stream's end (no last chunk,
+    a `Content-Length` it never reaches) broke nothing the caller reads: the reply was
+    whole, and only the connection is lost (httpcore2 does not reuse it)."""
     with trio.move_on_after(DRAIN_AFTER_DONE_S):
-        async for _ in body:
+        try:
+            async for _ in body:
+                pass
+        except CORE_ERRORS:
             pass
 
 
 async def read_body(
     response: httpcore2.Response, progress: Progress, *, limit: int | None = None
 ) -> bytes:
-    """Read a response body (up to `limit` bytes), marking the first byte as it arrives."""
+    """Read a response body (up to `limit` bytes), marking the first byte as it arrives.
+    A run's whole answer has `limit` one past what the wire carries (`whole_answer`)."""
     parts: list[bytes] = []
     size = 0
     async with aclosing(body_chunks(response)) as body:
@@ -146,3 +154,15 @@ async def read_body(
                 break
     data = b"".join(parts)
     return data if limit is None else data[:limit]
+
+
+async def whole_answer(response: httpcore2.Response, progress: Progress) -> bytes:
+    """A non-stream run's body, read no further than the wire carries: an upstream that
+    sends more fails the run as too large without the Node holding all of it."""
+    body = await read_body(response, progress, limit=MAX_PAYLOAD_BYTES + 1)
+    if len(body) > MAX_PAYLOAD_BYTES:
+        raise AdapterError(
+            FailureCode.RESPONSE_TOO_LARGE,
+            f"the response exceeds the wire's limit of {MAX_PAYLOAD_BYTES} bytes",
+        )
+    return body
