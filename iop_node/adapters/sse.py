@@ -19,6 +19,8 @@ Rules (from the WHATWG "event stream interpretation" algorithm, trimmed to what 
    an unterminated event is discarded (`pending()` tells the caller it existed).
 5. An event (or a line without an ending) larger than `max_event_bytes` raises
    `SSEError`, so a broken upstream cannot grow our memory without bound.
+6. One UTF-8 byte order mark at the very start of the stream is dropped (else the first
+   line would be a field named `\ufeffdata`, and its event lost).
 
 Pure state machine, no I/O, so it is tested synchronously.
 """
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+_BOM = b"\xef\xbb\xbf"
 
 
 class SSEError(ValueError):
@@ -61,9 +64,18 @@ class SSEDecoder:
         self._data: list[bytes] = []
         self._event = ""
         self._event_bytes = 0
+        self._head: bytes | None = b""  # rule 6: the stream's first bytes, until known
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         """Consume `chunk`; return the events it completed, in order."""
+        if self._head is not None:
+            chunk = self._head + chunk
+            if len(chunk) < len(_BOM) and _BOM.startswith(chunk):
+                self._head = chunk  # the start of a BOM, or not: the next feed says
+                return []
+            self._head = None
+            if chunk.startswith(_BOM):
+                chunk = chunk[len(_BOM) :]
         if self._skip_lf:
             self._skip_lf = False
             if chunk[:1] == b"\n":

@@ -102,3 +102,20 @@ def test_oversized_line_is_refused_while_it_trickles_in() -> None:
     decoder.feed(b"data: " + b"x" * 30)
     with pytest.raises(SSEError):
         decoder.feed(b"x" * 40)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, len(STREAM) + 3])
+def test_a_byte_order_mark_that_begins_the_stream_is_dropped(size: int) -> None:
+    """Rule 6: else the first line would be a field named `\\ufeffdata`, its event lost."""
+    marked = b"\xef\xbb\xbf" + STREAM
+    decoder = SSEDecoder()
+    events: list[SSEEvent] = []
+    for start in range(0, len(marked), size):
+        events += decoder.feed(marked[start : start + size])
+    assert events == EVENTS
+
+
+def test_only_the_streams_first_bytes_can_be_a_byte_order_mark() -> None:
+    decoder = SSEDecoder()
+    assert decoder.feed(b'data: {"a": 1}\n\n') == [SSEEvent(data=b'{"a": 1}')]
+    assert decoder.feed(b"\xef\xbb\xbfdata: x\n\n") == []  # an unknown field, as it is
