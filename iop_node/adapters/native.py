@@ -11,12 +11,20 @@ Rules:
    SSE event name.
    Everything else is relayed untouched.
 2. Events leave framed as the protocol frames them, `event: NAME\\ndata: JSON\\n\\n`. An
-   upstream that leaves the `event:` line out is read by the data's `type`.
+   upstream that leaves the `event:` line out is read by the data's `type`. Data an
+   upstream spread over several `data:` lines (valid SSE: the decoder joined them with
+   line breaks) leaves as several `data:` lines too, so the caller's decoder joins it
+   back.
 3. A stream has ended well at its protocol's last event (the form's `ends`:
    `message_stop`; `response.completed` or `response.incomplete`). An in-band error (`error`,
-   `response.failed`) raises `InBandError` with the upstream's message: the events
-   before it were relayed, the error itself is for the run's failure to carry (the Edge
-   words it in the caller's protocol).
+   `response.failed`, or an event with no name and no `type` that holds an `error`, as
+   OpenAI-style servers send one) raises `InBandError` with the upstream's message: the
+   events before it were relayed, the error itself is for the run's failure to carry (the
+   Edge words it in the caller's protocol). So does a whole (non-stream) body that is an
+   error (`type: error`, or an `error` object in a body that is not the protocol's
+   reply); a body that is neither the protocol's reply (the form's `answers`: Messages'
+   `type: message`, Responses' `object: response`) nor an error is `NotAnObject`, as
+   a body that is no JSON object is.
 4. Each delta event counts as one output token, for the estimate of a stream whose usage
    never came (a cut stream): engines stream about a token per event, and no delta is
    parsed to count it.
@@ -68,6 +76,14 @@ class _Type(msgspec.Struct):
     type: str | None = None
 
 
+class _Shape(msgspec.Struct):
+    """What tells a whole body's kind: the protocol's reply, or an error (Rule 3)."""
+
+    type: str | None = None
+    object: str | None = None
+    error: msgspec.Raw = msgspec.Raw()
+
+
 class _Error(msgspec.Struct):
     message: str | None = None
 
@@ -88,11 +104,28 @@ class _FailedEvent(msgspec.Struct):
 
 
 _decode_type: Final = msgspec.json.Decoder(_Type).decode
+_decode_shape: Final = msgspec.json.Decoder(_Shape).decode
 _decode_error_event: Final = msgspec.json.Decoder(_ErrorEvent).decode
 _decode_failed_event: Final = msgspec.json.Decoder(_FailedEvent).decode
 _decode_fields: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 
 _ERRORS: Final = frozenset({"error", "response.failed"})
+
+
+def _holds_error(data: bytes) -> bool:
+    """Whether an untyped event's data is an error object (`{"error": {...}}`)."""
+    try:
+        shape = _decode_shape(data)
+    except (msgspec.DecodeError, RecursionError):
+        return False
+    return _an_error(shape.error)
+
+
+def _an_error(raw: msgspec.Raw) -> bool:
+    """Whether a body's `error` member is there and not `null`."""
+    return bool(raw) and raw != b"null"
+
+
 _UNKNOWN: Final = "unknown error"
 
 
@@ -115,6 +148,7 @@ class NativeReply:
     """One run's native reply, shaped for its caller (see the module rules)."""
 
     __slots__ = (
+        "_answers",
         "_ends",
         "_held",
         "_keep",
@@ -130,6 +164,7 @@ class NativeReply:
     def __init__(self, run: Run, form: NativeForm) -> None:
         self._keep = run.keep_output and form.keeps_output
         self._reader: NativeReader = form.reader(run)
+        self._answers = form.answers
         self._ends = form.ends
         self._tail = form.tail if run.hold_tail else frozenset[str]()
         self._held: list[bytes] = []
@@ -155,6 +190,15 @@ class NativeReply:
         is not a JSON object)."""
         if body.lstrip()[:1] != b"{":
             raise NotAnObject("the response is not a JSON object")
+        try:
+            shape = _decode_shape(body)
+        except (msgspec.DecodeError, RecursionError):
+            raise NotAnObject("the response is not a JSON object") from None
+        member, value = self._answers
+        if getattr(shape, member) != value:  # Rule 3: an error, or no reply at all
+            if shape.type == "error" or _an_error(shape.error):
+                raise InBandError(_error_message(body, "error"))
+            raise NotAnObject(f"the response is not a reply ({member} is not {value!r})")
         shaped = self._reader.response(body)
         self._trace_model()
         return shaped
@@ -165,6 +209,8 @@ class NativeReply:
         tokens it carries (Rule 4)."""
         if name == "message":  # no `event:` line (Rule 2)
             name = self._type_of(data)
+            if name == "message" and _holds_error(data):
+                name = "error"  # OpenAI-style `{"error": {...}}` (Rule 3)
         if name in _ERRORS:
             raise InBandError(_error_message(data, name))
         opening = b""
@@ -181,6 +227,8 @@ class NativeReply:
             if self._keep:
                 self.final_response = self._final(shaped)
         tokens = 1 if name == "content_block_delta" or name.endswith(".delta") else 0
+        if b"\n" in shaped:  # data that came in several `data:` lines (Rule 2)
+            shaped = b"\ndata: ".join(shaped.split(b"\n"))
         framed = b"event: " + name.encode() + b"\ndata: " + shaped + b"\n\n"
         if name in self._tail:
             self._held.append(framed)

@@ -113,6 +113,9 @@ class NativeForm:
     when the stream is relayed as it begins."""
     opening: Callable[[Run], bytes] | None = None
     """That event, framed, for a run whose upstream began its stream without it."""
+    answers: tuple[str, str] = ("type", "message")
+    """The member and value every whole reply of the protocol has (Messages' `type:
+    message`, Responses' `object: response`): a body without it is no reply."""
 
 
 _decode_fields: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode

@@ -10,8 +10,9 @@ import pytest
 import trio
 
 from iop_node.adapters.base import AdapterError, EmitEvents, NativeUnsupported, RunResult
-from iop_node.adapters.native import NativeReply
+from iop_node.adapters.native import InBandError, NativeReply, NotAnObject
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
+from iop_node.adapters.sse import SSEDecoder
 from iop_node.protocols.native import ANTHROPIC_VERSION
 from iop_node.runs.protocol_run import TRANSLATORS
 from schemas.wire import Operation, Run, Usage
@@ -433,3 +434,66 @@ def test_a_messages_stream_begun_without_message_start_gets_one_ahead_of_it() ->
     out = b"".join(reply.event(name, data)[0] for name, data in whole) + reply.release()
     assert out.count(b"event: message_start") == 1
     assert reply.usage is not None and reply.usage.prompt_tokens > 0
+
+
+def test_data_over_several_lines_leaves_as_several_data_lines() -> None:
+    """Valid SSE an upstream may send: the decoder joined the lines with a line break,
+    so the caller's event gets one `data:` line per line again, never a bare one."""
+    translator = TRANSLATORS.of("messages")
+    assert translator is not None and translator.native is not None
+    reply = NativeReply(native_run("messages", stream=True), translator.native)
+    reply.event("message_start", messages_events(MODEL, 1)[0][1])
+    data = b'{\n"type": "content_block_delta",\n"index": 0, "delta": {}}'
+    out, _ = reply.event("content_block_delta", data)
+    assert out == (
+        b"event: content_block_delta\ndata: {\ndata: "
+        b'"type": "content_block_delta",\ndata: "index": 0, "delta": {}}\n\n'
+    )
+    assert SSEDecoder().feed(out)[0].data == data  # the caller reads the upstream's data
+
+
+@pytest.mark.parametrize("operation", ["messages", "responses"])
+def test_an_openai_style_error_event_in_a_native_stream_is_an_in_band_error(
+    operation: Operation,
+) -> None:
+    translator = TRANSLATORS.of(operation)
+    assert translator is not None and translator.native is not None
+    reply = NativeReply(native_run(operation, stream=True), translator.native)
+    with pytest.raises(InBandError, match="model overloaded"):
+        reply.event("message", b'{"error": {"message": "model overloaded"}}')
+
+
+@pytest.mark.parametrize("operation", ["messages", "responses"])
+@pytest.mark.parametrize(
+    ("body", "raised"),
+    [
+        (b'{"error": {"message": "model overloaded", "type": "server_error"}}', InBandError),
+        (
+            b'{"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}',
+            InBandError,
+        ),
+        (b"{}", NotAnObject),
+        (b'{"id": "x", "content": []}', NotAnObject),
+    ],
+)
+def test_a_whole_body_that_is_no_reply_of_the_protocol_fails_the_run(
+    operation: Operation, body: bytes, raised: type[Exception]
+) -> None:
+    """A 200 whose body is an error, or no reply at all, is not relayed as an answer."""
+    translator = TRANSLATORS.of(operation)
+    assert translator is not None and translator.native is not None
+    reply = NativeReply(native_run(operation), translator.native)
+    with pytest.raises(raised):
+        reply.response(body)
+
+
+@pytest.mark.parametrize("operation", ["messages", "responses"])
+async def test_a_native_stream_that_breaks_off_after_its_end_is_whole(
+    upstream: FakeUpstream, make_adapter: MakeAdapter, operation: Operation
+) -> None:
+    upstream.native = frozenset({operation})
+    upstream.cut_after_end = True
+    adapter = make_adapter(upstream.base_url)
+    with trio.fail_after(GUARD_S):
+        result = await execute_native(adapter, native_run(operation, stream=True), Events())
+    assert result.usage == USAGE

@@ -84,6 +84,7 @@ class ResponsesTranslator(Translator):
         ends=_ENDS,
         tail=_ENDS,
         keeps_output=True,
+        answers=("object", "response"),
     )
     trace = ProtocolTrace(
         name="responses",
