@@ -16,6 +16,13 @@ Rule 3: a header continued on the next line (obsolete line folding, RFC 9112 §5
 Rule 4: every framing error (these, h11's, a 431 for a head past the size limit, a 501
         for a transfer coding h11 does not implement) is answered with OpenAI's error
         body and `Connection: close`, as every other error of the Edge is.
+Rule 5: a head larger than the limit (Hypercorn's `h11_max_incomplete_size`) is refused
+        with 431 however it arrived; h11 checks the limit only while a head is
+        incomplete, so one that came in a single read up to 64 KiB passed.
+Rule 6: HTTP/1.1 only. HTTP/2 with prior knowledge (its `PRI * HTTP/2.0` preface) is
+        refused with 505, and an `Upgrade: h2c` is ignored (RFC 9110 §7.8 lets a server):
+        the Edge's connections, their writes and their bounds are HTTP/1.1's, and TLS
+        and HTTP/2 end at a proxy in front of it (docs/http-api.md).
 
 `StrictH11Protocol` is Hypercorn's HTTP/1.1 protocol with `StrictRequestReader` as its
 h11 connection and `send_error_response` answering with a body (Rule 4): the only
@@ -41,6 +48,8 @@ __all__ = ["StrictH11Protocol", "StrictRequestReader", "framing_error", "framing
 _END_OF_HEAD: Final = re.compile(rb"\n\r?\n")
 #: A line of the head after the first that begins with a space or a tab: folded.
 _FOLDED_LINE: Final = re.compile(rb"\n[ \t]")
+#: The HTTP versions served (Rule 6).
+_HTTP1: Final = frozenset((b"1.0", b"1.1"))
 
 
 def framing_problem(request: h11.Request, head: bytes) -> str | None:
@@ -72,8 +81,9 @@ class StrictRequestReader(h11.Connection):
     again on every later call: the connection is done. `refusal` keeps the reason of the
     last error raised, h11's own included, for the error body (Rule 4)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, our_role: type[h11.SERVER], *, max_incomplete_event_size: int) -> None:
+        super().__init__(our_role, max_incomplete_event_size=max_incomplete_event_size)
+        self._max_head_bytes = max_incomplete_event_size
         self.refusal: str | None = None
 
     def next_event(self) -> Any:
@@ -87,6 +97,16 @@ class StrictRequestReader(h11.Connection):
             self.refusal = str(exc)
             raise
         if head is not None and isinstance(event, h11.Request):
+            if event.http_version not in _HTTP1:  # Rule 6
+                self.refusal = (
+                    f"HTTP/{event.http_version.decode('ascii', 'replace')} is not served "
+                    "here: send HTTP/1.1"
+                )
+                raise h11.RemoteProtocolError(self.refusal, error_status_hint=505)
+            end = _END_OF_HEAD.search(head)
+            if end is not None and end.end() > self._max_head_bytes:  # Rule 5
+                self.refusal = "the request's head is too large"
+                raise h11.RemoteProtocolError(self.refusal, error_status_hint=431)
             problem = framing_problem(event, head)
             if problem is not None:
                 self.refusal = problem
@@ -109,6 +129,8 @@ def framing_error(status: int, reason: str | None, max_head_bytes: int) -> ApiEr
             f"Unsupported transfer coding{detail}",
             code="unsupported_transfer_coding",
         )
+    if status == 505:
+        return ApiError(505, f"HTTP version not supported{detail}", code="http_version")
     return ApiError(status, f"Malformed HTTP request{detail}", code="malformed_request")
 
 
@@ -121,8 +143,11 @@ class StrictH11Protocol(Http11Protocol):
             h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
         )
 
+    async def check_protocol(self, request: h11.Request) -> None:
+        """Rule 6: no switch to HTTP/2; an `Upgrade: h2c` is served as HTTP/1.1."""
+
     async def send_error_response(self, status_code: int) -> None:
-        """Hypercorn's answer to a request h11 (or Rules 1-3) refused, with a body."""
+        """Hypercorn's answer to a request h11 (or Rules 1-3, 5, 6) refused, with a body."""
         reason = getattr(self.connection, "refusal", None)
         error = framing_error(status_code, reason, self.config.h11_max_incomplete_size)
         body = error.body()

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import msgspec
-from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, Scope
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -86,6 +86,8 @@ class OpenAIApp:
         self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
     ) -> None:
         if scope["type"] == "http":
+            if scope["path"][:1] != "/":  # absolute-form (`POST http://host/v1/...`)
+                _to_origin_form(scope)
             route = PROTOCOLS.route(scope["path"])
             if route is not None:
                 await self._runs(route, scope, receive, send)
@@ -95,6 +97,22 @@ class OpenAIApp:
             await self._socket(scope, receive, send)
             return
         await self._quart(scope, receive, send)
+
+
+def _to_origin_form(scope: HTTPScope) -> None:
+    """A request target in absolute form (RFC 9112 §3.2.2, which a server must accept:
+    a client speaking to a proxy sends it) routed by its path, as Quart's routes do."""
+    scope["path"] = _path_of(scope["path"])
+    scope["raw_path"] = _path_of(scope["raw_path"].decode("latin-1")).encode("latin-1")
+
+
+def _path_of(target: str) -> str:
+    """`scheme://authority/path` -> `/path` (`/` when it has none)."""
+    authority = target.find("//")
+    if authority < 0:
+        return target
+    path = target.find("/", authority + 2)
+    return target[path:] if path >= 0 else "/"
 
 
 def _request_state() -> dict[str, Any]:

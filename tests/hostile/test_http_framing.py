@@ -147,6 +147,48 @@ async def test_headers_too_large_are_a_431_with_an_error_body(stack_one: Stack) 
     assert error["code"] == "request_headers_too_large"
 
 
+async def test_a_whole_head_too_large_is_a_431_however_it_arrived(stack_one: Stack) -> None:
+    """Rule 5: one that came complete in a single read is refused as one that trickled
+    in is."""
+    request = post(b"X-Big: " + b"a" * 20_000 + b"\r\n", CHAT)
+    error = assert_refused(await exchange(stack_one, request + SMUGGLED), 431, "too large")
+    assert error["code"] == "request_headers_too_large"
+
+
+async def test_http2_with_prior_knowledge_is_a_505_and_the_edge_serves_on(
+    stack_one: Stack,
+) -> None:
+    """Rule 6: the HTTP/2 preface is refused, and nothing after it is read."""
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+    error = assert_refused(await exchange(stack_one, preface), 505, "HTTP/2.0 is not served")
+    assert error["code"] == "http_version"
+    length = b"Content-Length: %d\r\n" % len(CHAT)
+    replies = await exchange(stack_one, post(b"Connection: close\r\n" + length, CHAT))
+    assert [reply.status for reply in replies] == [200]
+
+
+async def test_an_upgrade_to_h2c_is_served_as_http11(stack_one: Stack) -> None:
+    """Rule 6: the upgrade is ignored (no 101), the request answered over HTTP/1.1."""
+    request = (
+        b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade, "
+        b"HTTP2-Settings, close\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n"
+    )
+    replies = await exchange(stack_one, request)
+    assert [reply.status for reply in replies] == [200]
+
+
+async def test_a_request_target_in_absolute_form_is_served(stack_one: Stack) -> None:
+    """RFC 9112 §3.2.2: a server must accept it (a client speaking to a proxy sends it)."""
+    url = stack_one.addresses.openai_url
+    length = b"Content-Length: %d\r\nConnection: close\r\n" % len(CHAT)
+    request = post(length, CHAT).replace(
+        b"POST /v1/chat/completions", b"POST " + url.encode() + b"/v1/chat/completions", 1
+    )
+    replies = await exchange(stack_one, request)
+    assert [reply.status for reply in replies] == [200]
+    assert json.loads(replies[0].body)["object"] == "chat.completion"
+
+
 async def test_an_unsupported_transfer_coding_is_a_501_with_an_error_body(
     stack_one: Stack,
 ) -> None:

@@ -14,7 +14,8 @@ Hypercorn 0.18's own parts, the way `hypercorn.trio.run.worker_serve` does:
   action)` and `stop()`), `_read_data` (its reading loop) and `_initiate_server_close`.
 - `H11Protocol` (`hypercorn.protocol.h11`), used through `Http11Protocol`: its
   constructor, `config`, `connection` (the `h11.Connection` it parses with),
-  `_send_h11_event` and `_send_error_response`.
+  `_send_h11_event`, `_send_error_response` and `_check_protocol` (which switches a
+  connection to HTTP/2).
 - `TaskGroup.spawn_app` (`hypercorn.trio.task_group`): an app's ASGI `receive` is the
   `receive` of a bounded `trio.MemoryReceiveChannel` that the connection's protocol
   fills, so what it already holds can be taken without a wait (`queued_receiver`).
@@ -133,6 +134,14 @@ class Http11Protocol(H11Protocol):
     async def _send_error_response(self, status_code: int) -> None:  # called by Hypercorn
         await self.send_error_response(status_code)
 
+    async def _check_protocol(self, event: h11.Request) -> None:  # called by Hypercorn
+        await self.check_protocol(event)
+
+    async def check_protocol(self, request: h11.Request) -> None:
+        """Switch to HTTP/2 where `request` asks for it (Hypercorn's own, unless
+        overridden)."""
+        await super()._check_protocol(request)
+
     async def send_error_response(self, status_code: int) -> None:
         """Answer a request h11 refused (Hypercorn's own answer unless overridden)."""
         await super()._send_error_response(status_code)
@@ -161,6 +170,7 @@ _METHODS: Final[tuple[tuple[type, str, tuple[str, ...]], ...]] = (
     (TCPServer, "_initiate_server_close", ()),
     (H11Protocol, "_send_h11_event", ("event",)),
     (H11Protocol, "_send_error_response", ("status_code",)),
+    (H11Protocol, "_check_protocol", ("event",)),
     (TrioSingleTask, "restart", ("task_group", "action")),
     (TrioSingleTask, "stop", ()),
     (Lifespan, "handle_lifespan", ("task_status",)),
