@@ -31,7 +31,7 @@ async def test_idle_upgrades_from_many_sources_never_lock_a_node_out(
     url = stack.addresses.node_url
     sources = MAX_PENDING_HANDSHAKES // MAX_PENDING_HANDSHAKES_PER_SOURCE + 4
     holders: list[RawPeer] = []
-    with trio.fail_after(10):
+    with trio.fail_after(GUARD_S):
         for index in range(sources):  # more idle upgrades than the whole table holds
             for _ in range(MAX_PENDING_HANDSHAKES_PER_SOURCE):
                 holders.append(await open_raw_peer(url, source=f"127.0.1.{index + 1}"))
@@ -48,7 +48,7 @@ async def test_idle_upgrades_from_many_sources_never_lock_a_node_out(
 async def test_one_source_holds_at_most_its_share(nursery: trio.Nursery, tmp_path: Path) -> None:
     stack = await _stack(nursery, tmp_path)
     url = stack.addresses.node_url
-    with trio.fail_after(10):
+    with trio.fail_after(GUARD_S):
         holders = [await open_raw_peer(url, source="127.0.2.1") for _ in range(10)]
         stats = stack.edge.hub.handshakes.statistics()
         assert stats.pending == MAX_PENDING_HANDSHAKES_PER_SOURCE and stats.sources == 1
