@@ -131,6 +131,7 @@ from iop_node.adapters.upstream_http.failures import (
     clip,
     describe_transport_error,
     missing_route,
+    no_endpoint,
     retry_after,
     status_failure,
     stream_cut,
@@ -565,7 +566,7 @@ class OpenAICompatAdapter(NativeRelay):
             if not 200 <= response.status < 300:
                 body = await error_body(response, progress)
                 if run.operation != "chat" and missing_route(response.status, body, run.target):
-                    raise _no_endpoint(run.operation, response.status)
+                    raise no_endpoint(OPERATION_PATHS[run.operation], response.status)
                 self._context.learn(read_error_facts(body).context_tokens)
                 raise status_failure(
                     response.status,
@@ -792,15 +793,3 @@ class OpenAICompatAdapter(NativeRelay):
             )
         code = FailureCode.UPSTREAM_TIMEOUT if timed_out else FailureCode.UPSTREAM_ERROR
         return AdapterError(code, f"{self._origin}: {detail}", retryable=True)
-
-
-def _no_endpoint(operation: Operation, status: int) -> AdapterError:
-    """A runtime without the endpoint of `operation` (a chat-only server asked for
-    embeddings): another provider of the model may have it, and a caller asking for it
-    is told so; no fault of the provider's, which serves everything else."""
-    return AdapterError(
-        FailureCode.UNSUPPORTED_OPERATION,
-        f"the model's runtime has no {OPERATION_PATHS[operation]} endpoint (it answered {status})",
-        retryable=True,
-        status=status,
-    )

@@ -23,6 +23,7 @@ __all__ = [
     "clip",
     "describe_transport_error",
     "missing_route",
+    "no_endpoint",
     "retry_after",
     "status_failure",
     "stream_cut",
@@ -192,3 +193,16 @@ def missing_route(status: int, body: bytes, model: str) -> bool:
         return False
     message = error_message(body) or ""
     return not model or model not in message
+
+
+def no_endpoint(path: str, status: int) -> AdapterError:
+    """A runtime without the endpoint `path` of a run's operation (a chat-only server
+    asked for embeddings, answering `status`): another provider of the model may have
+    it, and a caller asking for it is told so; no fault of the provider's, which serves
+    everything else."""
+    return AdapterError(
+        FailureCode.UNSUPPORTED_OPERATION,
+        f"the model's runtime has no {path} endpoint (it answered {status})",
+        retryable=True,
+        status=status,
+    )
