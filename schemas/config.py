@@ -35,9 +35,17 @@ Sha256Hex = Annotated[
     str, Meta(pattern=r"^[0-9a-f]{64}$", description="sha256 hex digest, 64 lowercase chars")
 ]
 EnvVarName = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
-PositiveInt = Annotated[int, Meta(gt=0)]
-NonNegativeInt = Annotated[int, Meta(ge=0)]
-PositiveFloat = Annotated[float, Meta(gt=0)]
+#: The largest number a config holds: counts below it are exact as floats too (limits are
+#: kept as token buckets), and the refresh worker's wire (msgpack) carries them. A
+#: larger one is no limit anyone means.
+LARGEST_SETTING = 2**53
+PositiveInt = Annotated[int, Meta(gt=0, le=LARGEST_SETTING)]
+NonNegativeInt = Annotated[int, Meta(ge=0, le=LARGEST_SETTING)]
+PositiveFloat = Annotated[float, Meta(gt=0, le=LARGEST_SETTING)]
+"""A positive, finite number (`.inf` is no setting)."""
+#: A principal's share of a saturated model against the others (`principals[].weight`):
+#: a thousandth to a thousand times the default's, so no charge rounds to 0 or infinity.
+Weight = Annotated[float, Meta(ge=0.001, le=1000.0)]
 #: A request body the node wire can carry in one message (design §3): no larger.
 RequestBytes = Annotated[
     int,
@@ -422,8 +430,9 @@ class PrincipalLimits(ConfigStruct, frozen=True, kw_only=True):
     """Input + output tokens: estimated at admission, settled from the metered usage."""
     tokens_per_day: NonNegativeInt | None = None
     """A budget over the UTC day, counted from the usage ledger (survives restarts)."""
-    weight: PositiveFloat = 1.0
-    """Share of a saturated model against the other waiting principals (fair queueing)."""
+    weight: Weight = 1.0
+    """Share of a saturated model against the other waiting principals (fair queueing),
+    0.001 to 1000."""
 
 
 class EdgeConfig(ConfigStruct, frozen=True, kw_only=True):

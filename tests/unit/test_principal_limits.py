@@ -114,13 +114,29 @@ def test_every_principals_problem_is_named_by_its_path() -> None:
     ) == [
         "principals[0].max_concurrent: must be >= 1",
         "principals[0].models: must have at least 1 items",
-        "principals[0].weight: must be > 0",
+        "principals[0].weight: must be >= 0.001",
         "principals[1].requests_per_minute: must be >= 0",
         "principals[1].tokens_per_minute: must be >= 0",
         "principals[3].tokens_per_day: must be >= 0",
         "principals[1].ref: unknown principal 'alicia' (did you mean 'alice'?): a ref is a "
         "principal_ref of openai.principal_tokens, or '*' for every principal not listed",
         "principals[3].ref: duplicate ref 'bob' (first at principals[2])",
+    ]
+
+
+def test_a_limit_no_one_means_is_refused_before_it_reaches_a_refresh() -> None:
+    """Past 2^53 a count is no limit anyone means (and the refresh worker's wire would not
+    carry it); an infinite or vanishing weight would make every charge 0 or infinite."""
+    assert errors_of(
+        [
+            {"ref": "alice", "requests_per_minute": 2**64, "weight": float("inf")},
+            {"ref": "bob", "tokens_per_day": 2**53 + 1, "weight": 5e-324},
+        ]
+    ) == [
+        "principals[0].requests_per_minute: must be <= 9007199254740992",
+        "principals[0].weight: must be <= 1000",
+        "principals[1].tokens_per_day: must be <= 9007199254740992",
+        "principals[1].weight: must be >= 0.001",
     ]
 
 
