@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -374,12 +376,25 @@ async def test_mutations_are_post_only(stack: Stack) -> None:
     assert stack.edge.snapshot.revision == 1
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 async def test_a_candidate_over_the_body_limit_is_told_the_limit_and_the_way_round(
-    stack: Stack,
+    stack: Stack, chunked: bool
 ) -> None:
+    """However the body is framed: a chunked one has no length to refuse it by, and is
+    counted as it arrives."""
     candidate = "# " + "x" * (17 << 20)
+    body = json.dumps({"mode": "apply", "config_yaml": candidate}).encode()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for start in range(0, len(body), 1 << 20):
+            yield body[start : start + (1 << 20)]
+
     async with stack.admin() as admin:
-        response = await admin.post("/refresh", json={"mode": "apply", "config_yaml": candidate})
+        response = await admin.post(
+            "/refresh",
+            content=pieces() if chunked else body,
+            headers={"content-type": "application/json"},
+        )
     assert response.status_code == 413
     message = response.json()["error"]["message"]
     assert "16 MiB" in message and "iop-edge refresh --apply" in message

@@ -103,6 +103,9 @@ async def test_usage_comes_in_bounded_pages(
             ({"after": "x"}, "after"),
             ({"bogus": "1"}, "bogus"),
             ({"since": "2026-12-02", "until": "2026-12-01"}, "since"),
+            ({"since": "-1"}, "since"),
+            ({"since": "1969-12-31T23:59:59Z"}, "since"),  # the same instant, as a date
+            ({"until": "9999-12-31T23:59:59-14:00"}, "until"),
         ):
             refused = await admin.get("/usage", params=bad)
             assert refused.status_code == 400

@@ -8,9 +8,9 @@ from typing import Final
 
 import msgspec
 import trio
-from quart import Response, request
+from quart import Response, current_app, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import RequestTimeout
+from werkzeug.exceptions import RequestEntityTooLarge, RequestTimeout
 
 from iop_edge.http.admin_api.admin_answers import encoded_response, error_response, json_response
 from iop_edge.http.admin_api.admin_services import AdminServices
@@ -21,13 +21,23 @@ from schemas.restart import RestartOutcome
 
 async def _body_pieces() -> list[bytes]:
     """The current request's body in the pieces it arrived in, within the request's body
-    timeout (`RequestTimeout` past it, as Quart's `get_data`). A fleet's refresh
+    timeout (`RequestTimeout` past it, as Quart's `get_data`) and the app's
+    `MAX_CONTENT_LENGTH` (`RequestEntityTooLarge` past it, however the body is framed:
+    Quart checks a chunked one only against what it holds unread). A fleet's refresh
     candidate is megabytes: gathered here into one growing buffer, then copied out, it
     would cost the event loop a few steps of 10 ms or more each; its pieces are joined
     by `decode_request`, off the loop."""
     timeout = math.inf if request.body_timeout is None else request.body_timeout
+    limit = current_app.config["MAX_CONTENT_LENGTH"] or math.inf
+    pieces: list[bytes] = []
+    size = 0
     with trio.move_on_after(timeout) as waited:
-        return [piece async for piece in request.body]
+        async for piece in request.body:
+            size += len(piece)
+            if size > limit:
+                raise RequestEntityTooLarge()
+            pieces.append(piece)
+        return pieces
     assert waited.cancelled_caught
     raise RequestTimeout()
 

@@ -24,8 +24,9 @@ USAGE_RETRY_AFTER_S: Final = 5
 _LATEST_S: Final = 253_402_300_799.0
 
 
-def parse_time(value: str | None) -> float | None:
-    """Unix seconds or an ISO 8601 timestamp (naive = UTC), between 1970 and 9999."""
+def parse_time(name: str, value: str | None) -> float | None:
+    """Argument `name`: unix seconds or an ISO 8601 timestamp (naive = UTC), between 1970
+    and 9999; a `ValueError` naming it otherwise."""
     if not value:
         return None
     try:
@@ -34,19 +35,25 @@ def parse_time(value: str | None) -> float | None:
         pass
     else:
         if not math.isfinite(seconds):
-            raise ValueError(f"'{value}' is not a point in time")
+            raise ValueError(f"{name}: '{value}' is not a point in time")
         if not 0 <= seconds <= _LATEST_S:
             raise ValueError(
-                f"'{value}' is outside 1970-01-01 to 9999-12-31 (unix seconds 0 to {_LATEST_S:.0f})"
+                f"{name}: '{value}' is outside 1970-01-01 to 9999-12-31 (unix seconds 0 to "
+                f"{_LATEST_S:.0f})"
             )
         return seconds
     try:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
-        raise ValueError(f"'{value}' is neither unix seconds nor an ISO 8601 time") from None
+        raise ValueError(
+            f"{name}: '{value}' is neither unix seconds nor an ISO 8601 time"
+        ) from None
     if parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=UTC)
-    return parsed.timestamp()
+    seconds = parsed.timestamp()
+    if not 0 <= seconds <= _LATEST_S:
+        raise ValueError(f"{name}: '{value}' is outside 1970-01-01 to 9999-12-31 (UTC)")
+    return seconds
 
 
 #: Groups one `GET /usage` returns unless told (`limit`), and the most it returns.
@@ -86,8 +93,8 @@ def add_usage_routes(app: QuartTrio, services: AdminServices) -> None:
                 raise ValueError(
                     f"{', '.join(unknown)}: not a usage argument; use " + ", ".join(USAGE_ARGUMENTS)
                 )
-            since = parse_time(request.args.get("since"))
-            until = parse_time(request.args.get("until"))
+            since = parse_time("since", request.args.get("since"))
+            until = parse_time("until", request.args.get("until"))
             if since is not None and until is not None and since > until:
                 raise ValueError("since: later than until (the window would be empty)")
             group_by = [c for c in request.args.get("group_by", DEFAULT_GROUP_BY).split(",") if c]
