@@ -14,6 +14,11 @@ Callers never reach an Edge through the Node, so a balancer in front of the Edge
 callers only: Nodes must reach every replica's own node listener (each replica needs its
 own node address; docs/operations.md#replicas).
 
+An Edge that refuses this Node for good (a bad token, an unknown node id: `EdgeRejected`)
+loses its link alone, with an error logged, while another link serves; only when no
+other is left does the rejection end the Node (losing one Edge loses only its runs,
+design §13).
+
 `EdgeLinks.run` owns the `ProviderHost` and every link; it is startable and reports
 started once the first link is live. `stop()` drains gracefully: the host reports every
 provider unavailable to every Edge and lets the active runs finish, then every link closes.
@@ -31,7 +36,7 @@ from urllib.parse import urlsplit
 import trio
 
 from iop_node.host import HostStatistics, ProviderHost
-from iop_node.uplink.link import NodeLink, wait_first
+from iop_node.uplink.link import EdgeRejected, NodeLink, wait_first
 from iop_node.uplink.link_settings import LinkSettings
 
 __all__ = ["DEFAULT_DNS_INTERVAL_S", "EdgeLinks", "Resolver", "resolve_addresses"]
@@ -139,6 +144,14 @@ class EdgeLinks:
         async def run_link() -> None:
             try:
                 await link.run()
+            except* EdgeRejected as refused:
+                if not any(other is not link for other in self.links.values()):
+                    raise  # the only Edge there is refused this Node: nothing to serve
+                log.error(
+                    "edge %s refused this node for good (%s); serving the other edge(s) without it",
+                    settings.label,
+                    refused.exceptions[0],
+                )
             finally:
                 if self.links.get(key) is link:
                     del self.links[key]

@@ -8,8 +8,8 @@ import pytest
 import trio
 
 from iop_node.main import run_node
-from schemas.wire import Status
-from tests.node.test_link import FAST, TOKEN, FakeEdge
+from schemas.wire import Hello, Reject, RunDone, Status
+from tests.node.test_link import FAST, TOKEN, FakeEdge, _chat_run
 
 
 class Resolver:
@@ -73,3 +73,26 @@ async def test_the_node_links_to_every_address_of_a_name(nursery: trio.Nursery) 
 def test_a_dns_url_needs_a_host_name() -> None:
     with pytest.raises(ValueError, match="ws://"):
         trio.run(partial(run_node, [], "n1", TOKEN, edge_dns=["http://edges.test/"]))
+
+
+async def test_an_edge_that_refuses_the_node_for_good_loses_its_link_alone(
+    nursery: trio.Nursery,
+) -> None:
+    """Losing one Edge loses only its runs (design §13): a replica that refuses this Node
+    (its token not rolled out there yet, say) is given up, and the other Edge is served on."""
+    serving = FakeEdge("127.0.0.1")
+    await serving.start(nursery)
+    refusing = FakeEdge("127.0.0.2")
+    await refusing.start(nursery)
+    with trio.fail_after(10):
+        nursery.start_soon(partial(run_node, [serving.url, refusing.url], "n1", TOKEN, **FAST))
+        side = await serving.accept()
+        await side.welcome()
+        await side.expect(Status)
+        for _ in range(FAST["backoff"].max_rejections):
+            refused = await refusing.accept()
+            await refused.expect(Hello)
+            await refused.send(Reject(code="bad_token", reason="the node token does not match"))
+            await refused.close(code=1008)
+        [done] = await side.run_until_terminal(_chat_run("r1", stream=False, max_tokens=2))
+        assert isinstance(done, RunDone)
