@@ -29,7 +29,10 @@ Rules:
    count, and so does a rejected session that had served ``forget_rejections_after_s``
    (two Nodes sharing an id knock each other off within seconds; a Node replaced once a
    week is not fighting anyone).
-6. Nothing else affects the delay; short of rule 5, a Node reconnects forever.
+6. An Edge that says it goes away (`goaway`: it restarts or stops) is about to be
+   back, or its successor already is: the failure count resets and the fast retries of
+   rule 4 are armed at once, as after a healthy session, however short the one it ends.
+7. Nothing else affects the delay; short of rule 5, a Node reconnects forever.
 """
 
 from __future__ import annotations
@@ -112,6 +115,11 @@ class Backoff:
             self.reset()
             self._fast_left = self.policy.fast_retries
         return self.after_failure()
+
+    def after_goaway(self) -> None:
+        """The Edge said it goes away (rule 6): the next attempts are fast ones."""
+        self.reset()
+        self._fast_left = self.policy.fast_retries
 
     def after_reject(self, uptime_s: float = 0.0) -> float | None:
         """The Edge refused us for good (`uptime_s`: how long the session it ended had

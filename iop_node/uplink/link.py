@@ -206,6 +206,7 @@ class NodeLink:
                     break
                 if connection.goaway:
                     log.info("edge %s is going away: dialling it again", self.settings.label)
+                    self._backoff.after_goaway()  # backoff Rule 6: back within a second
                     continue
                 outcome = connection.outcome
                 assert outcome is not None

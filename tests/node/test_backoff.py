@@ -72,6 +72,18 @@ def test_after_a_healthy_session_retries_stay_fast_then_grow() -> None:
     assert delays == [0.5, 0.5, 0.5, 0.5, 1.0, 2.0]
 
 
+def test_an_edge_going_away_arms_the_fast_retries_however_short_the_session() -> None:
+    """Rule 6: after a `goaway` the Edge (or its successor) is about to be back; the
+    dials that fail meanwhile stay fast."""
+    policy = BackoffPolicy(base_s=0.5, factor=2, cap_s=30, stable_after_s=60, fast_retries=3)
+    backoff = Backoff(policy, _Highest())
+    for _ in range(20):
+        backoff.after_failure()
+    backoff.after_goaway()
+    delays = [backoff.after_failure() for _ in range(5)]
+    assert delays == [0.5, 0.5, 0.5, 0.5, 1.0]
+
+
 def test_default_policy_reconnects_within_seconds_of_a_restart() -> None:
     """With the defaults, the first ten attempts after a healthy link dropped wait at most
     half a second each (the restart the issue measured took 12 s to notice)."""
