@@ -238,14 +238,16 @@ class OpenAICompatAdapter(NativeRelay):
         self._origin = url.netloc.decode("ascii")
 
         headers = {"User-Agent": "iop-node"}
-        self._missing_key_env: str | None = None
+        self._missing_key: str | None = None
+        """Why the provider has no key when its config names one (unset, or empty)."""
         key: str | None = None
         if settings.api_key_env is not None:
             key = os.environ.get(settings.api_key_env)
             if key:
                 headers["Authorization"] = f"Bearer {key}"
             else:
-                self._missing_key_env = settings.api_key_env
+                how = "is not set" if key is None else "is empty"
+                self._missing_key = f"environment variable {settings.api_key_env} {how}"
         self.protocol_support = ProtocolSupport(provider)
         self.root_url = base_url.rstrip("/").removesuffix("/v1")
         """The server root, where runtimes put what is not OpenAI's (tokenizers)."""
@@ -497,8 +499,8 @@ class OpenAICompatAdapter(NativeRelay):
         self._probe_sent = False
         if self._closed:
             return self._unavailable("adapter was retired")
-        if self._missing_key_env is not None:
-            return self._unavailable(f"environment variable {self._missing_key_env} is not set")
+        if self._missing_key is not None:
+            return self._unavailable(self._missing_key)
         try:
             return await self._check_health()
         except _ProbeFailure as exc:

@@ -495,16 +495,24 @@ async def test_api_key_env_is_sent_as_bearer(
     assert {r.headers.get("authorization") for r in upstream.requests} == {f"Bearer {FAKE_KEY}"}
 
 
+@pytest.mark.parametrize(("value", "why"), [(None, "is not set"), ("", "is empty")])
 async def test_missing_api_key_env_is_reported_by_name(
-    upstream: FakeUpstream, make_adapter: MakeAdapter, monkeypatch: pytest.MonkeyPatch
+    upstream: FakeUpstream,
+    make_adapter: MakeAdapter,
+    monkeypatch: pytest.MonkeyPatch,
+    value: str | None,
+    why: str,
 ) -> None:
-    monkeypatch.delenv(FAKE_KEY_ENV, raising=False)
+    if value is None:
+        monkeypatch.delenv(FAKE_KEY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(FAKE_KEY_ENV, value)
     adapter = make_adapter(upstream.base_url, api_key_env=FAKE_KEY_ENV)
     with trio.fail_after(GUARD_S):
         status = await adapter.probe()
         await adapter.execute(make_run()[0], Collector())
     assert status.health == "unavailable"
-    assert status.detail is not None and FAKE_KEY_ENV in status.detail
+    assert status.detail == f"environment variable {FAKE_KEY_ENV} {why}"
     assert "authorization" not in upstream.requests[-1].headers
 
 
