@@ -100,6 +100,8 @@ class HealthMonitor:
             provider_id: _support_of(adapter) for provider_id, adapter in self._adapters.items()
         }
         self._report_lock = trio.Lock()
+        self._deferred: set[str] = set()
+        """The providers whose last status came from their runs, the probe deferred."""
         self._wanted: dict[str, trio.Event] = {
             provider_id: trio.Event() for provider_id in self._adapters
         }
@@ -107,6 +109,14 @@ class HealthMonitor:
         self.probed_at: dict[str, float] = {}
         """Per provider: when the probe behind its latest status began (a `busy` status
         made from its runs carries the model states of that probe)."""
+
+    def runs_ended(self, provider_id: str) -> None:
+        """A run of the provider ended: once none is left, a `busy` status made from its
+        runs (the probe deferred) is stale, so the provider is probed soon rather than a
+        whole interval later."""
+        if provider_id in self._deferred and self._activity.progress(provider_id).runs == 0:
+            self._deferred.discard(provider_id)
+            self.demand([provider_id])
 
     def demand(self, provider_ids: Iterable[str]) -> None:
         """Probe these providers soon (module docstring); ids not here are ignored."""
@@ -181,7 +191,9 @@ class HealthMonitor:
         (and when it began)."""
         generating = self._generating(provider_id)
         if generating is not None:
+            self._deferred.add(provider_id)
             return generating, None
+        self._deferred.discard(provider_id)
         began = trio.current_time()
         return await self._probe(provider_id, adapter), began
 

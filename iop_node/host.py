@@ -292,6 +292,8 @@ class ProviderHost:
                 port._forget(run.run_id)
             if hold is not None:
                 hold.release()
+            if self._monitor is not None:
+                self._monitor.runs_ended(run.provider_id)
             self._notify_changed()
 
         def not_started() -> None:

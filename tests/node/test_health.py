@@ -8,7 +8,7 @@ import trio
 import trio.testing
 
 from iop_node.adapters.base import Emit, ProbeTimeout, RunResult
-from iop_node.health import HealthMonitor
+from iop_node.health import ON_DEMAND_GAP_S, HealthMonitor
 from iop_node.runs.activity import ProviderActivity
 from schemas.config import AdapterSettings, ProviderConfig
 from schemas.wire import ModelState, ProviderStatus, Run
@@ -209,6 +209,34 @@ async def test_a_provider_producing_output_is_busy_and_not_probed_until_its_runs
             "for 33s (stalled)"
         )
         activity.finish("p1", run)
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_last_run_ending_ends_a_deferred_busy_at_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A `busy` made from the provider's runs names runs; once the last one ended it is
+    stale, so the provider is probed then (within the on-demand gap), not an interval
+    later."""
+    adapter = ScriptedProbe("p1", [_up("p1", "m"), _up("p1", "m")], interval_s=10)
+    activity = ProviderActivity()
+    reports = Reports()
+    monitor = HealthMonitor({"p1": adapter}, reports, probe_timeout_s=3, activity=activity)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(monitor.run)
+        run = activity.start(adapter.provider, stream=True)
+        run.output()
+        await trio.sleep(10.5)  # the interval's look: busy, the probe deferred
+        [status] = reports.reports[-1][1]
+        assert status.health == "busy" and adapter.probes == 1
+        ended_at = trio.current_time()
+        activity.finish("p1", run)
+        monitor.runs_ended("p1")
+        await trio.sleep(2)
+        assert adapter.probes == 2
+        [status] = reports.reports[-1][1]
+        assert status.health == "available"
+        assert reports.reports[-1][0] - ended_at <= ON_DEMAND_GAP_S
         nursery.cancel_scope.cancel()
 
 
