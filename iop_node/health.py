@@ -173,8 +173,9 @@ class HealthMonitor:
             with trio.move_on_after(interval_s):
                 await wanted.wait()
             demanded = wanted.is_set()
-            if demanded:  # at most one probe per gap, however often it is asked for
-                await trio.sleep_until(began + ON_DEMAND_GAP_S)
+            if demanded:  # at most one probe per gap, however often it is asked for,
+                # and never later than the interval would have probed
+                await trio.sleep_until(began + min(ON_DEMAND_GAP_S, interval_s))
                 self._wanted[provider_id] = trio.Event()  # later demands ask for the next
             began = trio.current_time()
             changed = self._record(provider_id, *await self._check(provider_id, adapter))

@@ -240,6 +240,24 @@ async def test_the_last_run_ending_ends_a_deferred_busy_at_once(
         nursery.cancel_scope.cancel()
 
 
+async def test_a_demand_never_delays_a_probe_past_its_interval(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """An interval shorter than the on-demand gap probes as often as it says: a demand
+    (a run ending, an Edge asking) waits for the interval, not for the gap."""
+    adapter = ScriptedProbe("p1", [_up("p1", "m")] * 4, interval_s=0.25)
+    reports = Reports()
+    monitor = HealthMonitor({"p1": adapter}, reports, probe_timeout_s=3)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(monitor.run)
+        began = trio.current_time()
+        monitor.demand(["p1"])
+        await trio.sleep(0.3)
+        [(answered_at, probed)] = reports.probed
+        assert probed == ["p1"] and answered_at - began <= 0.25
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_run_that_starts_while_a_probe_hangs_makes_the_timeout_busy(
     autojump_clock: trio.abc.Clock,
 ) -> None:
