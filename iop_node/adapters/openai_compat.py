@@ -86,7 +86,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from functools import partial
@@ -132,7 +131,6 @@ from iop_node.adapters.upstream_http.failures import (
     describe_transport_error,
     missing_route,
     no_endpoint,
-    retry_after,
     status_failure,
     stream_cut,
 )
@@ -570,12 +568,7 @@ class OpenAICompatAdapter(NativeRelay):
                 if run.operation != "chat" and missing_route(response.status, body, run.target):
                     raise no_endpoint(OPERATION_PATHS[run.operation], response.status)
                 self._context.learn(read_error_facts(body).context_tokens)
-                raise status_failure(
-                    response.status,
-                    body,
-                    run.operation,
-                    retry_after_s=retry_after(response.headers, now=time.time()),
-                )
+                raise status_failure(response.status, body, run.operation, headers=response.headers)
             check_encoding(response)
             if run.stream:
                 return await self._relay_stream(response, emit, progress)
@@ -694,11 +687,7 @@ class OpenAICompatAdapter(NativeRelay):
         try:
             if not 200 <= response.status < 300:
                 body = await error_body(response, progress)
-                failure = status_failure(
-                    response.status,
-                    body,
-                    retry_after_s=retry_after(response.headers, now=time.time()),
-                )
+                failure = status_failure(response.status, body, headers=response.headers)
                 if missing_route(response.status, body, run.target):
                     raise NativeUnsupported(form.name, failure)
                 raise failure

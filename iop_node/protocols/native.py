@@ -119,7 +119,7 @@ class NativeForm:
 
 
 _decode_fields: Final = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
-_decode_model: Final = msgspec.json.Decoder(str).decode
+_decode_text: Final = msgspec.json.Decoder(str).decode
 
 
 class _Type(msgspec.Struct):
@@ -195,7 +195,7 @@ class _Native:
             return False
         if self.upstream_model is None:
             try:
-                self.upstream_model = _decode_model(model)
+                self.upstream_model = _decode_text(model)
             except (msgspec.DecodeError, RecursionError):
                 pass
         if self._alias is not None:
@@ -318,7 +318,6 @@ class _Identified(msgspec.Struct):
 
 
 _decode_identified: Final = msgspec.json.Decoder(_Identified).decode
-_decode_text: Final = msgspec.json.Decoder(str).decode
 
 
 def _item_id(fields: dict[str, msgspec.Raw]) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import ssl
+import time
 from collections.abc import Iterable
 from email.utils import parsedate_to_datetime
 from typing import Final
@@ -79,11 +80,11 @@ def status_failure(
     body: bytes,
     operation: Operation | None = None,
     *,
-    retry_after_s: float | None = None,
+    headers: Iterable[tuple[bytes, bytes]] = (),
 ) -> AdapterError:
     """Map a non-2xx upstream response onto an `AdapterError` (table in the module doc);
     a refusal keeps the upstream's error code and the field it names (`upstream_errors`),
-    a 429/503 how long it asked to be left alone (`retry_after_s`, from `retry_after`)."""
+    a 429/503 how long its `headers` asked to be left alone (`retry_after`)."""
     detail = error_message(body)
     suffix = f": {detail}" if detail else ""
     if status in (429, 503):
@@ -93,7 +94,7 @@ def status_failure(
             retryable=True,
             capacity=True,
             status=status,
-            retry_after_s=retry_after_s,
+            retry_after_s=retry_after(headers, now=time.time()),
         )
     if status in (401, 403, 404):
         return AdapterError(
