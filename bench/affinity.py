@@ -29,8 +29,8 @@ provider's share of the runs against the mean.
 
 And the decision itself: the CPU of `Scheduler.acquire` + release on a model of 3,000
 idle providers, without an affinity (the path of a run whose model routes by load) and
-with one (an agent's turn: the index looked up, the rendezvous over the providers within
-the bound), alternating in one run.
+with one (an agent's turn keyed by its session: the index looked up, Rule 7's choice
+among the providers within the bound), alternating in one run.
 """
 
 from __future__ import annotations
@@ -48,7 +48,12 @@ from rich.console import Group
 from rich.table import Table
 from trio.testing import MockClock
 
-from iop_edge.core.routing.affinity import Affinity, affinity_of, chat_conversation
+from iop_edge.core.routing.affinity import (
+    SESSION_HEADERS,
+    Affinity,
+    affinity_of,
+    chat_conversation,
+)
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.runtime.runs.scheduler import Scheduler
 from iop_node.adapters.sim.prefix_cache import PrefillCost, PrefixCache, render_prompt
@@ -386,7 +391,11 @@ async def _decisions(rounds: int) -> tuple[float, float]:
     agent = _Session(replay, 0, _prose("repo", replay.system_chars), _tools(replay.tools))
     for turn in range(4):
         agent.answered(turn, 0)
-    affinity = affinity_of(chat_conversation, agent.body(), {}, principal="team", model=MODEL)
+    # An agent's turn as Claude Code sends it: keyed by its session, so every decision
+    # takes Rule 7's path (a repeated prompt without a session would be Rule 4's again).
+    session = {SESSION_HEADERS[0]: "decisions"}
+    affinity = affinity_of(chat_conversation, agent.body(), session, principal="team", model=MODEL)
+    assert affinity.source == "session"
     best: dict[bool, float] = {False: math.inf, True: math.inf}
     for _ in range(rounds):
         for with_affinity in (False, True):

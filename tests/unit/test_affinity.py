@@ -248,6 +248,25 @@ def test_the_holder_of_the_longest_prefix_wins_within_the_bound() -> None:
     assert pick(busy, Preference(key=key, holders=frozenset({holder}))) == order[0]
 
 
+def test_a_holder_counts_only_among_rule_4s_equals() -> None:
+    """A holder that translates while others speak the run's protocol, or that ranks
+    behind on priority, is passed over; several holders within the bound: Rule 4 among
+    them (the idlest)."""
+    key = 777
+    order = rendezvous_order(key, IDS)
+    holder = order[-1]
+    holders = frozenset({holder})
+    translated = {pid: ProviderView(id=pid, capacity=4, native=pid != holder) for pid in IDS}
+    assert pick(translated, Preference(key=key, holders=holders)) == order[0]
+    behind = {
+        pid: ProviderView(id=pid, capacity=4, priority=200 if pid == holder else 100) for pid in IDS
+    }
+    assert pick(behind, Preference(key=key, holders=holders)) == order[0]
+    both = frozenset(order[2:])
+    busier = views(**{order[2]: 1})
+    assert pick(busier, Preference(key=key, holders=both)) == order[3]
+
+
 def test_one_hot_key_spreads_over_every_provider() -> None:
     """Runs of one key, none ending: the key's provider takes a run only while at most
     the bound (one run in four) ahead of the idlest, and every provider takes its share."""

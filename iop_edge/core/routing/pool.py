@@ -347,24 +347,38 @@ def preferred(
 ) -> ProviderView:
     """Rule 7's choice among admissible `candidates` (not empty).
 
-    Two passes over the candidates and no sort: Rule 4's first choice is only needed
-    for its nativeness, load ratio and priority, and the rendezvous score is worked out
-    inline (`core.routing.affinity.rendezvous_score`), so a decision over thousands of
-    providers costs no more than Rule 4's own ranking."""
+    No sort, and a second pass only when no provider holding the prompt is within the
+    bound: the first pass finds Rule 4's first choice's nativeness, load ratio and
+    priority (all the bound needs) and the holders among the candidates, and the
+    rendezvous score is worked out inline (`core.routing.affinity.rendezvous_score`). So
+    an agent's turn over thousands of providers costs a third of Rule 4's ranking, and a
+    conversation's first turn no more than it."""
     native = any(view.native for view in candidates)
+    key, holders = preference.key, preference.holders
     lowest = math.inf
     priority = 0
+    held: list[ProviderView] = []
     for view in candidates:
         if view.native != native:
             continue
+        if holders and view.id in holders:
+            held.append(view)
         ratio = view.in_flight / view.capacity
         if ratio < lowest - _RATIO_EPSILON:
             lowest, priority = ratio, view.priority
         elif ratio <= lowest + _RATIO_EPSILON and view.priority < priority:
             priority = view.priority
     limit = lowest + preference.bound + _RATIO_EPSILON
-    key, holders = preference.key, preference.holders
-    holding: list[ProviderView] = []
+    holding = [
+        view
+        for view in held
+        if view.priority == priority and view.in_flight / view.capacity <= limit
+    ]
+    if len(holding) == 1:
+        return holding[0]  # the conversation's provider
+    if holding:
+        # a prompt many sent, which every one of them holds: Rule 4 among them
+        return min(holding, key=_rank_key(holding, rotation=rotation, last=last))
     best = candidates[0]
     best_score = -1
     seeds = SEEDS
@@ -375,8 +389,6 @@ def preferred(
             or view.in_flight / view.capacity > limit
         ):
             continue
-        if holders and view.id in holders:
-            holding.append(view)
         seed = seeds.get(view.id)
         if seed is None:
             seed = provider_seed(view.id)
@@ -384,11 +396,6 @@ def preferred(
         score = mixed ^ (mixed >> 31)
         if score > best_score:
             best, best_score = view, score
-    if len(holding) == 1:
-        return holding[0]  # the conversation's provider
-    if holding:
-        # a prompt many sent, which every one of them holds: Rule 4 among them
-        return min(holding, key=_rank_key(holding, rotation=rotation, last=last))
     return best
 
 
