@@ -383,10 +383,10 @@ class RunFailed(Message, tag="run_failed", frozen=True, kw_only=True):
     stream, output that is not JSON, tool-call arguments that are no JSON object). Such a
     reply may be the provider's fault or the request's (a runtime that cannot answer one
     request shape), so the Edge blames the provider only when other requests to it fail
-    too (design §4 item 10)."""
+    too (design §4 item 9)."""
     retry_after_s: float | None = None
     """With `capacity`: how long the upstream asked to be left alone (its `Retry-After`,
-    in seconds); the Edge rests the provider that long (design §4 Rule 9)."""
+    in seconds); the Edge rests the provider that long (design §4 item 9)."""
 
 
 class RunEvents(Message, tag="run_events", frozen=True, kw_only=True):

@@ -39,7 +39,8 @@ def add_models_parser(
         "the load state its runtime reports. `load MODEL` loads it on a provider (one that "
         "holds it already, else one with room, else the least busy; --provider picks one); "
         "`unload MODEL` unloads it from every provider holding it (or --provider's). `pin "
-        "MODEL` loads it (on --provider, else where a load would go) and keeps it loaded "
+        "MODEL` loads it (on --provider, else where a config pin would go: a holder, else room, "
+        "else the model's rendezvous order) and keeps it loaded "
         "there until `unpin MODEL` or the Edge restarts. Each command waits until the "
         "runtimes did it, and is audited.",
     )

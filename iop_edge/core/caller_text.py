@@ -7,7 +7,7 @@ can act on. The operator reads them in the Edge's log, under the request id.
 
 Rules:
 1. A caller's error names no provider id, node id, host, address or port.
-2. The upstream's own words stay (a caller acts on them: design §4 Rule 10), with
+2. The upstream's own words stay (a caller acts on them: design §4 item 10), with
    the topology taken out: URLs, IP addresses (with their port), `host:port`, Python's
    `('host', port)`, a `node '...'` or `provider '...'` IOP's messages name, and the
    ids of the provider that served, wherever they appear.

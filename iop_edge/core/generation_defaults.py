@@ -1,5 +1,5 @@
 """A model's `generation.defaults`: request fields the Edge sets where a caller set none
-(design §2.4), checked when the config is read rather than when a request meets them.
+(design §2), checked when the config is read rather than when a request meets them.
 
 A default is applied after the caller's request was checked, into a body that goes to
 the runtime as it is. So a bad default would reach every request of the model: a

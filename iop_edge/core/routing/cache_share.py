@@ -1,5 +1,5 @@
 """How much of each provider's recent prompts its runtime took from its prefix cache
-(design §7, §12): the `cached_share` of `GET /catalog` and the pool page. Pure: the
+(design §6, §18.2): the `cached_share` of `GET /catalog` and the pool page. Pure: the
 metering code hands each finished run's reported counts here; nothing reads a clock.
 
 Rules:
