@@ -29,6 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Final
 
 import msgspec
 import trio
@@ -36,6 +37,7 @@ import trio
 from iop_edge import __version__
 from iop_edge.core.configuration.config import ParsedConfig
 from iop_edge.core.configuration.listen import parse_listen_address
+from iop_edge.core.peer_text import logged
 from iop_edge.core.routing.readiness import Readiness, readiness_of
 from iop_edge.core.snapshot import Snapshot
 from iop_edge.http.admin_api.admin import create_admin_app
@@ -104,6 +106,9 @@ from schemas.restart import RestartReport
 from schemas.runtime.telemetry import TelemetryError, provider_name
 
 log = logging.getLogger(__name__)
+
+#: How many providers a Node claims but does not own one log line names.
+_STRANGERS_LOGGED: Final = 5
 
 __all__ = [
     "SHUTDOWN_GRACE_S",
@@ -357,14 +362,11 @@ class Edge:
 
     def _on_status(self, node_id: str, status: wire.Status) -> None:
         owner = self._snapshot.provider_node
+        strangers: list[str] = []
         with self.scheduler.reports():  # the Node's providers, then the waiters once
             for provider in status.providers:
                 if owner.get(provider.id) != node_id:
-                    log.warning(
-                        "node %s reported status for provider %s it does not own",
-                        node_id,
-                        provider.id,
-                    )
+                    strangers.append(provider.id)
                     continue
                 self.scheduler.provider_status(
                     provider.id,
@@ -379,6 +381,13 @@ class Edge:
         if status.probed:  # the probes it answers, of its own providers only
             self.dispatcher.revival.answered(p for p in status.probed if owner.get(p) == node_id)
         self.model_keeper.reported(provider.id for provider in status.providers)
+        if strangers:  # one line a report, however many it names
+            log.warning(
+                "node %s reported status for %d provider(s) it does not own: %s",
+                node_id,
+                len(strangers),
+                ", ".join(logged(provider_id) for provider_id in strangers[:_STRANGERS_LOGGED]),
+            )
 
     def _on_load(self, node_id: str, load: wire.Load) -> None:
         """What other Edges hold on this node's providers (design §13)."""

@@ -16,7 +16,7 @@ import msgspec
 from msgspec import Meta
 
 from schemas.hosted_tools import HostedTools
-from schemas.limits import MAX_PAYLOAD_BYTES
+from schemas.limits import MAX_NODE_PROVIDERS, MAX_PAYLOAD_BYTES
 from schemas.protocols import BuiltinProtocol, default_protocols
 
 ProviderType = Literal[
@@ -401,7 +401,7 @@ class NodeEntry(ConfigStruct, frozen=True, kw_only=True):
     id: NonEmptyStr
     alias: str | None = None
     token_hash_sha256: Sha256Hex
-    providers: list[ProviderConfig] = []
+    providers: Annotated[list[ProviderConfig], Meta(max_length=MAX_NODE_PROVIDERS)] = []
 
 
 #: `principals[].ref` that sets the limits of every principal not listed by name.

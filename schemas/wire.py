@@ -30,13 +30,18 @@ only until its runs finish.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Final, Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
 
 from schemas.config import LifecycleFlag, NodeConfig
 from schemas.hosted_tools import HostedTools
-from schemas.limits import MAX_FRAME_BYTES, MAX_REPORTED_TOKENS
+from schemas.limits import (
+    MAX_EVENTS_PER_MESSAGE,
+    MAX_FRAME_BYTES,
+    MAX_NODE_PROVIDERS,
+    MAX_REPORTED_TOKENS,
+)
 from schemas.protocols import CallerProtocol
 
 #: Bumped on any incompatible change; travels in `hello` and `welcome`. A peer speaking
@@ -398,8 +403,8 @@ class RunEvents(Message, tag="run_events", frozen=True, kw_only=True):
     `ends`: runs that ended, applied after every chunk of this message (a run's end never
     comes before its chunks; a stream's last events may come inside it, `RunDone.tail`)."""
 
-    chunks: list[tuple[str, bytes]] = []
-    ends: list[RunDone | RunFailed] = []
+    chunks: Annotated[list[tuple[str, bytes]], msgspec.Meta(max_length=MAX_EVENTS_PER_MESSAGE)] = []
+    ends: Annotated[list[RunDone | RunFailed], msgspec.Meta(max_length=MAX_EVENTS_PER_MESSAGE)] = []
 
 
 # --- config and health -----------------------------------------------------------------
@@ -462,8 +467,8 @@ class ProviderStatus(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 
 class Status(Message, tag="status", frozen=True, kw_only=True):
-    providers: list[ProviderStatus]
-    probed: list[str] = []
+    providers: Annotated[list[ProviderStatus], msgspec.Meta(max_length=MAX_NODE_PROVIDERS)]
+    probed: Annotated[list[str], msgspec.Meta(max_length=MAX_NODE_PROVIDERS)] = []
     """The providers whose `probe` this report answers (their status is the probe's)."""
 
 
@@ -485,7 +490,7 @@ class Load(Message, tag="load", frozen=True, kw_only=True):
     and right after a `busy` answer. The Edge counts these runs against capacity with its
     own; a link that never shares its Node hears nothing (the Edge starts from zero)."""
 
-    providers: list[ProviderLoad]
+    providers: Annotated[list[ProviderLoad], msgspec.Meta(max_length=MAX_NODE_PROVIDERS)]
 
 
 class GoAway(Message, tag="goaway", frozen=True, kw_only=True):

@@ -12,10 +12,12 @@ Rules:
    an absurd one the maximum. `total_tokens` is at least the sum of the other two;
    `cached_tokens` is at most `prompt_tokens` (cached tokens are part of the prompt).
 2. A failure's `message` is at most `MAX_TEXT_CHARS` characters (it reaches callers and
-   logs); its `status` is an HTTP status (100..599) or nothing.
+   logs); its `status` is an HTTP status (100..599) or nothing; its `retry_after_s` a
+   finite number of seconds, at least 0, or nothing.
 3. A provider status carries at most `MAX_REPORTED_MODELS` model names of at most
    `MAX_NAME_CHARS` characters each, and a `detail` of at most `MAX_TEXT_CHARS`.
-4. Nothing here raises: the worst a Node's numbers can do is be corrected.
+4. Nothing here raises: the worst a Node's numbers can do is be corrected. A note names
+   what the Node sent only through `peer_text.logged` (the session logs the notes).
 5. Models' load states follow Rule 3 (at most `MAX_REPORTED_MODELS`, names of at most
    `MAX_NAME_CHARS`, a `reason` of at most `MAX_TEXT_CHARS`); `max_loaded` is positive or
    nothing; a `model_command_done` error is at most `MAX_TEXT_CHARS`.
@@ -23,10 +25,12 @@ Rules:
 
 from __future__ import annotations
 
+import math
 from typing import Final
 
 import msgspec
 
+from iop_edge.core.peer_text import logged
 from schemas import wire
 from schemas.limits import MAX_REPORTED_TOKENS
 
@@ -59,7 +63,7 @@ def check_node_message(message: wire.NodeToEdge) -> tuple[wire.NodeToEdge, list[
             return _check_status(message)
         case wire.ModelCommandDone(error=error) if error and len(error) > MAX_TEXT_CHARS:
             cut = msgspec.structs.replace(message, error=error[:MAX_TEXT_CHARS] + "…")
-            return cut, [f"model command {message.command_id[:MAX_NAME_CHARS]}: error cut"]
+            return cut, [f"model command {logged(message.command_id)}: error cut"]
     return message, []
 
 
@@ -76,10 +80,18 @@ def _check_end(
     if isinstance(end, wire.RunFailed):
         if len(end.message) > MAX_TEXT_CHARS:
             changes["message"] = end.message[:MAX_TEXT_CHARS] + "…"
-            notes.append(f"run {end.run_id}: failure message of {len(end.message)} chars cut")
+            notes.append(
+                f"run {logged(end.run_id)}: failure message of {len(end.message)} chars cut"
+            )
         if end.status is not None and not 100 <= end.status <= 599:
             changes["status"] = None
-            notes.append(f"run {end.run_id}: status {end.status} is not an HTTP status")
+            notes.append(f"run {logged(end.run_id)}: status {end.status} is not an HTTP status")
+        retry_after_s = end.retry_after_s
+        if retry_after_s is not None and not (math.isfinite(retry_after_s) and retry_after_s >= 0):
+            changes["retry_after_s"] = None
+            notes.append(
+                f"run {logged(end.run_id)}: retry_after_s {retry_after_s!r} is no number of seconds"
+            )
     if not changes:
         return end, []
     return msgspec.structs.replace(end, **changes), notes
@@ -109,18 +121,18 @@ def _check_status(status: wire.Status) -> tuple[wire.NodeToEdge, list[str]]:
             changes["models"] = [m for m in models if len(m) <= MAX_NAME_CHARS][
                 :MAX_REPORTED_MODELS
             ]
-            notes.append(f"provider {provider.id[:MAX_NAME_CHARS]}: model list cut")
+            notes.append(f"provider {logged(provider.id)}: model list cut")
         if provider.detail is not None and len(provider.detail) > MAX_TEXT_CHARS:
             changes["detail"] = provider.detail[:MAX_TEXT_CHARS] + "…"
-            notes.append(f"provider {provider.id[:MAX_NAME_CHARS]}: detail cut")
+            notes.append(f"provider {logged(provider.id)}: detail cut")
         if provider.model_states is not None:
             states = _check_states(provider.model_states)
             if states != provider.model_states:
                 changes["model_states"] = states
-                notes.append(f"provider {provider.id[:MAX_NAME_CHARS]}: model states cut")
+                notes.append(f"provider {logged(provider.id)}: model states cut")
         if provider.max_loaded is not None and provider.max_loaded < 1:
             changes["max_loaded"] = None
-            notes.append(f"provider {provider.id[:MAX_NAME_CHARS]}: max_loaded not positive")
+            notes.append(f"provider {logged(provider.id)}: max_loaded not positive")
         providers.append(msgspec.structs.replace(provider, **changes) if changes else provider)
     if not notes:
         return status, []

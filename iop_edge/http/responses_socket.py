@@ -187,7 +187,7 @@ class SocketReply(Reply):
         if any(mark in event for mark in _TERMINAL_MARKS):  # only a final event is read
             try:
                 kind = msgspec.json.decode(event, type=_Event)
-            except msgspec.DecodeError:  # a ValidationError too
+            except (msgspec.DecodeError, RecursionError):  # a ValidationError too
                 kind = _Event()
             if kind.type in _TERMINAL and kind.response:
                 self.final_response = bytes(kind.response)
@@ -456,7 +456,7 @@ class _Session:
         self._last = None
         try:
             final = _decode(response)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             return
         if not isinstance(final, dict) or not isinstance(final.get("id"), str):
             return

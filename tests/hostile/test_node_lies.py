@@ -3,12 +3,15 @@ row, the Edge corrects what it must and keeps going (design §7)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import sqlite3
 from pathlib import Path
 
 import httpx2
+import pytest
 import trio
-from trio_websocket import WebSocketConnection
+from trio_websocket import WebSocketConnection, open_websocket_url
 
 from iop_edge.core.node_input import MAX_REPORTED_TOKENS, MAX_TEXT_CHARS
 from schemas import wire
@@ -170,3 +173,68 @@ async def test_oversized_model_states_are_cut(nursery: trio.Nursery, tmp_path: P
     assert provider["max_loaded"] is None
     async with httpx2.AsyncClient(base_url=stack.addresses.openai_url, timeout=10) as http:
         assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+
+async def test_a_retry_after_that_is_no_number_still_answers_503_with_one(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """An upstream 429 relayed with NaN seconds: the caller gets the 503 of a busy
+    provider with a `Retry-After` that is a number, not a 500."""
+
+    async def on_message(ws: WebSocketConnection, message: wire.EdgeToNode) -> None:
+        if isinstance(message, wire.Run):
+            failed = wire.RunFailed(
+                run_id=message.run_id,
+                code=wire.FailureCode.UPSTREAM_BUSY,
+                message="busy",
+                retryable=True,
+                capacity=True,
+                status=429,
+                retry_after_s=float("nan"),
+            )
+            await ws.send_message(wire.encode(wire.RunEvents(ends=[failed])))
+
+    stack = await _stack(nursery, tmp_path, on_message)
+    async with stack.http() as http:
+        response = await http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"].isdigit()
+
+
+async def test_a_status_naming_providers_it_does_not_own_is_one_quoted_line(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """However many strangers a report names, the Edge logs one line, and a newline in
+    an id cannot start a line of its own."""
+    own = wire.ProviderStatus(id="sim-1", health="available", models=["sim-small"])
+    strangers = [wire.ProviderStatus(id=f"x{n}\nFORGED", health="busy") for n in range(1000)]
+    status = wire.Status(providers=[own, *strangers])
+    caplog.set_level(logging.WARNING, logger="iop_edge.edge")
+    await _stack(nursery, tmp_path, _answering(wire.Usage()), status=status)
+    lines = [record.getMessage() for record in caplog.records if "does not own" in record.msg]
+    assert len(lines) == 1 and "1000 provider(s)" in lines[0]
+    assert "\n" not in lines[0] and "x0\\nFORGED" in lines[0]
+
+
+async def test_a_final_event_nested_past_any_decoder_keeps_the_responses_socket(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A Responses WebSocket turn whose last event is nested far past the decoders'
+    stack: the caller gets the event, and the connection serves its next turn."""
+    deep = "[" * 5000 + "]" * 5000
+    final = '{"type":"response.completed","response":{"id":"resp_1","x":' + deep + "}}"
+    tail = b"event: response.completed\ndata: " + final.encode() + b"\n\n"
+
+    async def on_message(ws: WebSocketConnection, message: wire.EdgeToNode) -> None:
+        if isinstance(message, wire.Run):
+            done = wire.RunDone(run_id=message.run_id, tail=tail)
+            await ws.send_message(wire.encode(wire.RunEvents(ends=[done])))
+
+    stack = await _stack(nursery, tmp_path, on_message)
+    url = stack.addresses.openai_url.replace("http://", "ws://") + "/v1/responses"
+    turn = json.dumps({"type": "response.create", "model": "m", "input": "x", "store": False})
+    async with open_websocket_url(url) as socket:
+        for _ in range(2):
+            await socket.send_message(turn)
+            with trio.fail_after(GUARD_S):
+                assert await socket.get_message() == final

@@ -64,3 +64,28 @@ def test_a_corrected_status_still_answers_the_probes_it_answered() -> None:
     checked, notes = check_node_message(wire.Status(providers=[provider], probed=["p1"]))
     assert isinstance(checked, wire.Status) and notes
     assert checked.probed == ["p1"] and len(checked.providers[0].detail or "") < 100_000
+
+
+def test_a_retry_after_that_is_no_number_of_seconds_is_dropped() -> None:
+    """Rule 2: NaN, an infinity or a negative `retry_after_s` would reach a caller's
+    `Retry-After` header; it is dropped with a note, and a sound one stays."""
+    for bad in (float("nan"), float("inf"), float("-inf"), -1.0):
+        failed = wire.RunFailed(
+            run_id="r1\nFORGED",
+            code=wire.FailureCode.UPSTREAM_BUSY,
+            message="busy",
+            retry_after_s=bad,
+        )
+        checked, notes = check_node_message(wire.RunEvents(ends=[failed]))
+        assert isinstance(checked, wire.RunEvents)
+        end = checked.ends[0]
+        assert isinstance(end, wire.RunFailed) and end.retry_after_s is None
+        assert len(notes) == 1 and "\n" not in notes[0]  # the run id quoted, not a new line
+    sound = wire.RunEvents(
+        ends=[
+            wire.RunFailed(
+                run_id="r1", code=wire.FailureCode.UPSTREAM_BUSY, message="busy", retry_after_s=2.5
+            )
+        ]
+    )
+    assert check_node_message(sound) == (sound, [])

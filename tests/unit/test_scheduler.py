@@ -1326,6 +1326,19 @@ async def test_runs_other_edges_hold_count_against_capacity() -> None:
     assert (a.in_flight, a.other_edges_in_flight, a.load_ratio) == (4, 3, 1.0)
 
 
+async def test_a_load_report_counts_at_most_the_providers_capacity() -> None:
+    """A Node's absurd or negative report fills the provider no more than full, and
+    shows as a real load."""
+    snapshot = make_snapshot({"n1": [provider("a", capacity=4)]}, {"m": ["a"]})
+    scheduler = online(snapshot)
+    scheduler.provider_load("a", 2**64 - 1, 2**64 - 1)
+    [a] = scheduler.catalog().providers
+    assert (a.in_flight, a.other_edges_in_flight, a.load_ratio) == (4, 4, 1.0)
+    scheduler.provider_load("a", -5, -5)
+    [a] = scheduler.catalog().providers
+    assert (a.in_flight, a.other_edges_in_flight) == (0, 0)
+
+
 async def test_a_load_report_that_frees_slots_wakes_the_queue(nursery: trio.Nursery) -> None:
     scheduler = online(ONE)
     scheduler.provider_load("a", 1, 0)

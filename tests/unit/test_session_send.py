@@ -78,3 +78,28 @@ async def test_a_push_is_answered_once_by_its_ack_or_by_the_sessions_end(
             await session.closed.wait()
             await session.push_refresh(5, config, 0.0, answer_for(5))  # ended: at once
         assert answers[1:] == [(4, None), (5, None)]
+
+
+async def test_an_ack_of_a_revision_never_sent_is_ignored(nursery: trio.Nursery) -> None:
+    """A Node cannot claim a config it was never sent: its applied revision, and who
+    hears acks, stay as they were; an ack of what was sent still counts after it."""
+    async with _pair(nursery) as (edge, node):
+        heard: list[wire.RefreshAck] = []
+        session = NodeSession(
+            "n1",
+            edge,
+            applied_revision=1,
+            on_status=lambda _n, _s: None,
+            on_ack=lambda _n, ack: heard.append(ack),
+        )
+        nursery.start_soon(session.serve, HeartbeatGrid(5.0, 15.0))
+        acked = trio.Event()
+        with trio.fail_after(GUARD_S):
+            await session.push_refresh(2, NodeConfig(node_id="n1"), 0.0, lambda _ack: acked.set())
+            assert isinstance(wire.decode_from_edge(await node.get_message()), wire.Refresh)
+            await node.send_message(wire.encode(wire.RefreshAck(revision=10**12, ok=True)))
+            await node.send_message(wire.encode(wire.RefreshAck(revision=2, ok=True)))
+            await acked.wait()
+        assert session.applied_revision == 2
+        assert heard == [wire.RefreshAck(revision=2, ok=True)]
+        session.abort()

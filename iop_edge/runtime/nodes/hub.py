@@ -21,7 +21,8 @@ Rules:
    scheduler learns the node is gone. Connects and disconnects are logged with the
    peer's address and the reason the session ended. Once the connection is closed, the
    hub lets go of the session and says so (`on_ended`: the Edge's heap keeper watches
-   that it is freed).
+   that it is freed). What a peer sent (a node id before its hello checked out, an agent
+   version) shows in a log line only through `core.peer_text.logged`.
 4. Nothing a peer sends ends the listener: an unexpected error while serving one
    connection is logged and ends that connection only.
 5. After `goaway` (the Edge is going away, `goaway_all`) a node links again; if that
@@ -41,6 +42,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
 
 from iop_edge.core.configuration.tokens import tokens_match
+from iop_edge.core.peer_text import logged
 from iop_edge.runtime.nodes.handshakes import MAX_PENDING_HANDSHAKES, HandshakeGate, source_key
 from iop_edge.runtime.nodes.heartbeat import HeartbeatGrid
 from iop_edge.runtime.nodes.session import (
@@ -60,6 +62,8 @@ log = logging.getLogger(__name__)
 
 #: The `hello.features` this Edge acts on (a Node's other words are ignored).
 _KNOWN_FEATURES: Final = frozenset({wire.FEATURE_PROBE, wire.FEATURE_PINS})
+#: How much of a node id an unauthenticated peer sent its log lines show.
+_NODE_ID_LOGGED: Final = 128
 
 
 #: Bound on closing a connection politely (a closing handshake with a peer we are done with).
@@ -224,7 +228,7 @@ class NodeHub:
             "node %s connected from %s (%s), config revision %d",
             hello.node_id,
             peer,
-            hello.agent_version or "unknown agent",
+            logged(hello.agent_version) if hello.agent_version else "unknown agent",
             session.applied_revision,
         )
         self._on_connect(hello.node_id)
@@ -269,8 +273,8 @@ class NodeHub:
                 return None
             if message.protocol != wire.PROTOCOL_VERSION:
                 log.warning(
-                    "node %r from %s speaks protocol %s, this Edge %s: rejected",
-                    _untrusted(message.node_id),
+                    "node %s from %s speaks protocol %s, this Edge %s: rejected",
+                    logged(message.node_id, _NODE_ID_LOGGED),
                     peer_address(websocket),
                     message.protocol,
                     wire.PROTOCOL_VERSION,
@@ -285,8 +289,8 @@ class NodeHub:
             expected = self._directory().token_hash(message.node_id)
             if expected is None:
                 log.warning(
-                    "node %r from %s is not in the Edge config: rejected",
-                    _untrusted(message.node_id),
+                    "node %s from %s is not in the Edge config: rejected",
+                    logged(message.node_id, _NODE_ID_LOGGED),
                     peer_address(websocket),
                 )
                 await reject_and_close(
@@ -297,8 +301,8 @@ class NodeHub:
                 return None
             if not tokens_match(message.token, expected):
                 log.warning(
-                    "node %r from %s presented a bad token: rejected",
-                    _untrusted(message.node_id),
+                    "node %s from %s presented a bad token: rejected",
+                    logged(message.node_id, _NODE_ID_LOGGED),
                     peer_address(websocket),
                 )
                 await reject_and_close(websocket, "bad_token", "the node token does not match")
@@ -327,9 +331,3 @@ def _remote(request: WebSocketRequest) -> object:
     `Endpoint` has one; a Unix socket is a string)."""
     remote = request.remote
     return getattr(remote, "address", remote)
-
-
-def _untrusted(node_id: str) -> str:
-    """A node id an unauthenticated peer sent, as a log line may show it: cut short (and
-    logged with `%r`, so a newline in it cannot forge the next line)."""
-    return node_id if len(node_id) <= 128 else f"{node_id[:128]}..."

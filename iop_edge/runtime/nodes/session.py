@@ -47,6 +47,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 from iop_edge.core.configuration.listen import ListenAddress
 from iop_edge.core.exception_groups import sole_exception
 from iop_edge.core.node_input import check_node_message
+from iop_edge.core.peer_text import logged
 from iop_edge.runtime.nodes.heartbeat import HeartbeatGrid
 from schemas import wire
 from schemas.channel import (
@@ -168,6 +169,8 @@ class NodeSession:
         )
         self.applied_revision = applied_revision
         """The last config revision the node acked (or was welcomed with)."""
+        self._latest_sent = applied_revision
+        """The newest config revision sent to the node: no ack may name a later one."""
         self._on_status = on_status
         self._on_load = on_load or _ignore_load
         self._on_ack = on_ack
@@ -299,6 +302,7 @@ class NodeSession:
         for older in [pushed for pushed in self._pushes if pushed < revision]:
             del self._pushes[older]
         self._pushes[revision] = answer
+        self._latest_sent = max(self._latest_sent, revision)
         refresh = wire.Refresh(revision=revision, node_config=node_config, config_time=config_time)
         try:
             await self.send(refresh)
@@ -436,6 +440,12 @@ class NodeSession:
                 self._on_status(self.node_id, message)
             case wire.Load():
                 self._on_load(self.node_id, message)
+            case wire.RefreshAck() if message.revision > self._latest_sent:
+                log.warning(
+                    "node %s acked config revision %d, which was never sent to it: ignored",
+                    self.node_id,
+                    message.revision,
+                )
             case wire.RefreshAck():
                 answer = self._pushes.pop(message.revision, None)
                 if message.ok:
@@ -449,8 +459,9 @@ class NodeSession:
                 if waiting is not None:
                     waiting.settle(message)
             case wire.Reject():
-                log.warning("node %s rejected the session: %s", self.node_id, message.reason)
-                self.abort(f"the node rejected the session: {message.reason} ({message.code})")
+                reason = logged(message.reason)
+                log.warning("node %s rejected the session: %s", self.node_id, reason)
+                self.abort(f"the node rejected the session: {reason} ({logged(message.code, 64)})")
             case wire.Hello():
                 raise wire.WireError("hello on an established session")
 

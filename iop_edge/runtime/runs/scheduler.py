@@ -328,13 +328,15 @@ class Scheduler(PoolObservation):
         self._serve(self._models_serving((provider_id,)))
 
     def provider_load(self, provider_id: str, in_flight: int, long_in_flight: int) -> None:
-        """What the other Edges hold on the provider, from its node's `load` report."""
+        """What the other Edges hold on the provider, from its node's `load` report: at
+        most its capacity (more would fill it no more, and would show as nonsense)."""
         state = self._states.get(provider_id)
         if state is None:
             return
-        freed = in_flight < state.others or long_in_flight < state.others_long or state.saturated
-        state.others = max(in_flight, 0)
-        state.others_long = max(long_in_flight, 0)
+        capacity = state.config.capacity
+        others, others_long = (min(max(n, 0), capacity) for n in (in_flight, long_in_flight))
+        freed = others < state.others or others_long < state.others_long or state.saturated
+        state.others, state.others_long = others, others_long
         state.saturated = False
         if freed:
             self._serve(self._models_serving((provider_id,)))
