@@ -90,8 +90,9 @@ def _tool_echo(tools: msgspec.Raw) -> msgspec.Raw:
                 if member not in tool:
                     tool[member] = None
                     changed = True
-        for inner in tool.get("tools") or () if tool.get("type") == "namespace" else ():
-            complete(inner)
+        inner = tool.get("tools") if tool.get("type") == "namespace" else None
+        for member in inner if isinstance(inner, list) else ():  # the caller's, any shape
+            complete(member)
 
     for tool in listed:
         complete(tool)

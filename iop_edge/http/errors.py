@@ -99,12 +99,28 @@ def invalid_request(error: msgspec.ValidationError) -> ApiError:
     """A body that does not fit the view of it the Edge reads: 400 naming the field in
     `param` (a wrong field's path, or a missing one's)."""
     text = str(error)
+    return bad_request(f"Invalid request: {text}", param=decoder_param(text))
+
+
+def decoder_param(text: str) -> str | None:
+    """The field a msgspec error names (`... - at `$.input[0].type``, or a missing
+    field), as a `param`: `input[0].type`; None when it names none."""
     at = re.search(r"at `\$\.?([^`]*)`", text)
     missing = re.search(r"missing required field `([^`]*)`", text)
-    param = at.group(1) if at else None
+    param = at.group(1) or None if at else None
     if missing is not None:
         param = f"{param}.{missing.group(1)}" if param else missing.group(1)
-    return bad_request(f"Invalid request: {text}", param=param)
+    return param
+
+
+#: How much of a caller's own value an error message repeats.
+MAX_ECHOED_CHARS: Final = 256
+
+
+def echoed(value: str) -> str:
+    """A caller's value as an error message repeats it: cut after `MAX_ECHOED_CHARS` (a
+    model name of megabytes must not make an error body of megabytes)."""
+    return value if len(value) <= MAX_ECHOED_CHARS else f"{value[:MAX_ECHOED_CHARS]}..."
 
 
 def method_not_allowed(method: str, path: str, allow: str | None) -> ApiError:
@@ -116,7 +132,7 @@ def method_not_allowed(method: str, path: str, allow: str | None) -> ApiError:
 def model_not_found(model: str) -> ApiError:
     return ApiError(
         404,
-        f"The model '{model}' does not exist",
+        f"The model '{echoed(model)}' does not exist",
         type="not_found_error",
         code="model_not_found",
         param="model",

@@ -206,9 +206,17 @@ def _create_quart_app(
         count = await responses.input_tokens(decode_body(body), snapshot(), principal_ref)
         return _json_response(_encode_json(_InputTokens(input_tokens=count)))
 
+    def not_an_action(method: str, response_id: str) -> None:
+        """`/v1/responses/input_tokens` names an action, not a stored response: another
+        method than its POST is a 405 there, as on the run paths."""
+        if response_id == "input_tokens":
+            path = "/v1/responses/input_tokens"
+            raise method_not_allowed(method, path, allow="POST")
+
     @app.get("/v1/responses/<response_id>")
     async def get_response(response_id: str) -> Response:
         """A stored response (design §14): the caller's own only."""
+        not_an_action("GET", response_id)
         principal_ref = check_caller()
         return _json_response(await responses.read(principal_ref, response_id))
 
@@ -221,6 +229,7 @@ def _create_quart_app(
 
     @app.delete("/v1/responses/<response_id>")
     async def delete_response(response_id: str) -> Response:
+        not_an_action("DELETE", response_id)
         principal_ref = check_caller()
         await responses.delete(principal_ref, response_id)
         return _json_response(_encode_json(_Deleted(id=response_id)))

@@ -10,6 +10,8 @@ no cancel scope and mostly no task switch.
 
 from __future__ import annotations
 
+import math
+import re
 from array import array
 from collections.abc import Collection
 from itertools import accumulate
@@ -20,7 +22,7 @@ import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGIReceiveEvent
 
 from iop_edge.http.compat.hypercorn import queued_receiver
-from iop_edge.http.errors import ApiError, bad_request
+from iop_edge.http.errors import ApiError, bad_request, decoder_param
 
 __all__ = [
     "BODY_TIMEOUT_S",
@@ -118,7 +120,11 @@ def decode_body(data: bytes, what: str = "body") -> dict[str, Any]:
     try:
         body = _decode_json(data)
     except msgspec.DecodeError as exc:
-        raise bad_request(f"Could not parse the JSON {what}: {exc}", code="invalid_json") from None
+        raise bad_request(
+            f"Could not parse the JSON {what}: {exc}",
+            code="invalid_json",
+            param=_unparsed_field(data, str(exc)),
+        ) from None
     except RecursionError:  # deeper than the decoder's stack: surely deeper than the limit
         raise _too_deep(what) from None
     if not isinstance(body, dict):
@@ -126,6 +132,22 @@ def decode_body(data: bytes, what: str = "body") -> dict[str, Any]:
     if _nests_deeper(data, body, MAX_JSON_DEPTH):
         raise _too_deep(what)
     return body
+
+
+def _unparsed_field(data: bytes, problem: str) -> str | None:
+    """The member a JSON text could not be parsed at, as far as it can be told: a number
+    out of any float's range is named by its key (the untyped decoder's path says only
+    `$[...]`)."""
+    if problem.startswith("Number out of range"):
+        for match in _NUMBER_MEMBER.finditer(data):
+            if math.isinf(float(match.group(2))):
+                return match.group(1).decode("utf-8", "replace")
+    param = decoder_param(problem)
+    return None if param is None or "[...]" in param else param
+
+
+#: `"key": number` with an exponent, the numbers a float may not hold.
+_NUMBER_MEMBER: Final = re.compile(rb'"([^"\\]{1,256})"\s*:\s*(-?[0-9.]+[eE][+-]?[0-9]+)')
 
 
 def _too_deep(what: str) -> ApiError:

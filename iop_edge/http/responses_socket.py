@@ -72,7 +72,7 @@ from iop_edge.core.responses.protocol_requests import input_items
 from iop_edge.core.responses.response_chain import ConversationTooLarge
 from iop_edge.core.routing.affinity import SESSION_HEADERS
 from iop_edge.http.auth import authenticate_headers
-from iop_edge.http.errors import ApiError, metering_unavailable
+from iop_edge.http.errors import ApiError, echoed, metering_unavailable
 from iop_edge.http.protocols.caller_protocol import Caller, ToStore
 from iop_edge.http.protocols.responses import (
     RESPONSES,
@@ -326,7 +326,8 @@ class _Session:
             await self.sender.error(
                 ApiError(
                     400,
-                    f"Unsupported event type {kind!r}: this connection takes response.create",
+                    f"Unsupported event type {echoed(str(kind))!r}: this connection takes "
+                    "response.create",
                     code="unsupported_event",
                     param="type",
                 )
@@ -348,8 +349,17 @@ class _Session:
         turns.start_soon(self._turn, event)
 
     async def _turn(self, body: dict[str, Any]) -> None:
+        """One turn; a bug of ours in it is its `error` event (as a 500 is over HTTP), and
+        the connection, with the conversation it holds, serves the next turn."""
         try:
             await self._run_turn(body)
+        except Exception:
+            log.exception("Responses WebSocket %s: unexpected error in a turn", self.connection_id)
+            await self.sender.error(
+                ApiError(
+                    500, "Internal error in the IOP Edge", type="api_error", code="internal_error"
+                )
+            )
         finally:
             self._busy = False
 

@@ -409,3 +409,33 @@ async def test_a_damaged_compaction_is_named_in_the_turns_own_input(
         "invalid_compaction",
         "input[0].encrypted_content",
     )
+
+
+async def test_a_turn_that_meets_a_bug_of_ours_is_its_error_event(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn that fails on the Edge's own defect ends with an `error` event (a 500 over
+    HTTP) and the connection serves the next turn; a caller's namespace tool whose `tools`
+    is no list is echoed by a warm-up as it came."""
+    stack = await _stack(nursery, tmp_path)
+    real = responses_socket.input_items
+    calls = 0
+
+    def input_items_once_broken(items: Any) -> list[Any]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a defect")
+        return real(items)
+
+    monkeypatch.setattr(responses_socket, "input_items", input_items_once_broken)
+    namespace = [{"type": "namespace", "name": "ns", "tools": 5}]
+    async with _socket(stack) as socket:
+        failed = await _turn(socket, input="x")
+        assert failed[-1]["type"] == "error"
+        assert (failed[-1]["status"], failed[-1]["error"]["code"]) == (500, "internal_error")
+        warm = await _turn(socket, input="y", store=False, generate=False, tools=namespace)
+        assert _final(warm)["tools"] == namespace
+        refused = await _turn(socket, input=[{"type": [], "role": "user", "content": "hi"}])
+        assert refused[-1]["error"]["param"] == "input[0].type"
+        assert _final(await _turn(socket, input="z"))["id"].startswith("resp_")

@@ -130,6 +130,11 @@ async def test_edge_errors_come_in_openais_shape(stack: Stack) -> None:
         ({"temperature": 7}, "temperature"),
         ({"top_p": -0.5}, "top_p"),
         ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"presence_penalty": {"x": 1}}, "presence_penalty"),
+        ({"frequency_penalty": "high"}, "frequency_penalty"),
+        ({"max_tool_calls": -5}, "max_tool_calls"),
+        ({"input": [{"type": [], "role": "user", "content": "hi"}]}, "input[0].type"),
+        ({"input": [{"type": "message", "id": 5, "role": "user", "content": "hi"}]}, "input[0].id"),
     ],
 )
 async def test_a_setting_a_response_echoes_is_checked(
@@ -417,3 +422,19 @@ async def test_a_tool_output_no_call_asked_for_reaches_either_route_as_a_user_me
     assert bodies[0]["input"] == [*items[:3], goal_message]
     assert bodies[1]["input"][:4] == [*items[:3], goal_message]
     assert await stack.requests_by_protocol() == {"responses": 3}
+
+
+async def test_what_a_caller_cannot_send_is_named_and_not_repeated_whole(stack: Stack) -> None:
+    """A number out of any float's range names its field; a model name of megabytes is
+    not repeated whole in the 404; the input_tokens action answers another method 405."""
+    async with stack.http() as http:
+        huge = await http.post(
+            "/v1/responses",
+            content=b'{"model": "codex-local", "input": "x", "temperature": 1e309}',
+            headers={"content-type": "application/json"},
+        )
+        unknown = await http.post("/v1/responses", json={"model": "m" * 100_000, "input": "x"})
+        action = await http.get("/v1/responses/input_tokens")
+    assert huge.status_code == 400 and huge.json()["error"]["param"] == "temperature"
+    assert unknown.status_code == 404 and len(unknown.content) < 1000
+    assert action.status_code == 405 and action.headers["allow"] == "POST"

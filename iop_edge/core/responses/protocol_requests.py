@@ -232,8 +232,12 @@ class _Part(_View, frozen=True, kw_only=True):
 
 class _Item(_View, frozen=True, kw_only=True):
     """An input item: a message (`content`), a function call (`name`, `arguments`), a
-    function call's output (`output`), a reasoning item (`summary`, `content`)."""
+    function call's output (`output`), a reasoning item (`summary`, `content`). Its `type`
+    and `id` are strings where given: the Edge reads the one (`uncalled_outputs`) and
+    lists items by the other (`input_item_pages`)."""
 
+    type: str | None = None
+    id: str | None = None
     role: str | None = None
     content: str | list[_Part] | None = None
     name: str | None = None
@@ -283,6 +287,9 @@ class ResponsesRequest(_View, frozen=True, kw_only=True):
     temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    max_tool_calls: Annotated[int, Meta(ge=1)] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     parallel_tool_calls: bool | None = None
     service_tier: str | None = None

@@ -41,7 +41,7 @@ from iop_edge.core.responses.protocol_requests import (
 )
 from iop_edge.core.routing.affinity import messages_conversation
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.errors import ApiError, bad_request, invalid_request
+from iop_edge.http.errors import ApiError, bad_request, echoed, invalid_request
 from iop_edge.http.protocols.caller_protocol import (
     Caller,
     CallerProtocol,
@@ -250,7 +250,7 @@ def model_page(
     after, before = query.get("after_id"), query.get("before_id")
     for name, cursor in (("after_id", after), ("before_id", before)):
         if cursor is not None and cursor not in models:
-            raise bad_request(f"{name}: no model '{cursor}'", param=name)
+            raise bad_request(f"{name}: no model '{echoed(cursor)}'", param=name)
     if before is not None:
         end = ids.index(before)
         page = ids[max(0, end - limit) : end]

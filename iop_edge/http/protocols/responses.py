@@ -61,7 +61,7 @@ from iop_edge.core.responses.response_chain import (
 )
 from iop_edge.core.routing.affinity import responses_conversation
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.errors import ApiError, bad_request, invalid_request
+from iop_edge.http.errors import ApiError, bad_request, echoed, invalid_request
 from iop_edge.http.protocols.caller_protocol import (
     Caller,
     CallerProtocol,
@@ -240,7 +240,7 @@ class ResponsesSurface:
         ):
             raise ApiError(
                 404,
-                f"The model '{view.model}' does not exist",
+                f"The model '{echoed(view.model)}' does not exist",
                 type="not_found_error",
                 code="model_not_found",
                 param="model",
