@@ -10,7 +10,9 @@ Rules:
    `models` did not have (or gives the Edge the provider: it was not in the old snapshot).
    Each added (provider, served name) is kept for the provider's Node with the new
    snapshot's revision. Only the Nodes whose entry the swap changed are looked into: a
-   refresh keeps the very entries of the others, so a fleet's swap costs what changed.
+   refresh keeps the very entries of the others, so a fleet's swap costs what changed;
+   and a changed provider's served names are compared before they are set apart (a
+   refresh of every provider's capacity, in one step of the loop, sets apart none).
    A Node the new snapshot does not have is forgotten.
 2. A Node that *applies* revision R (its `refresh_ack` says ok, or it was welcomed with
    R) has every model added up to R: they are forgotten.
@@ -62,6 +64,8 @@ class UnappliedModels:
                 continue
             for config in node.providers:
                 was = old.providers.get(config.id)
+                if was is not None and config.models == was.models:
+                    continue  # a fleet's refresh of capacities: compared, not set apart
                 names = set(config.models).difference(was.models if was is not None else ())
                 if names:
                     added = self._added.setdefault(node_id, {})
