@@ -107,7 +107,7 @@ def decoder_param(text: str) -> str | None:
     field), as a `param`: `input[0].type`; None when it names none."""
     at = re.search(r"at `\$\.?([^`]*)`", text)
     missing = re.search(r"missing required field `([^`]*)`", text)
-    param = at.group(1) or None if at else None
+    param = (at.group(1) or None) if at else None
     if missing is not None:
         param = f"{param}.{missing.group(1)}" if param else missing.group(1)
     return param
