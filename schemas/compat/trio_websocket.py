@@ -46,8 +46,17 @@ say when the connection ended (`get_message` raises `ConnectionClosed` as before
 as above). Where the installed version is not one known to hand messages over that way
 (`DIVERTS_MESSAGES`), nothing is diverted and the side reads with `get_message`.
 
-All are used through `schemas.channel` (arrivals, direct writes, diverted messages) and
-the Edge's node hub (the limit); this module is the only place that names
+trio-websocket answers every ping from its reader task through the same `_send`: two
+yields to the scheduler a pong, which is most of what an idle fleet costs its Edge (ten
+thousand Nodes pinging it). Where the installed version answers there
+(`PONGS_DIRECTLY`), this module puts `_answer_ping` in the place of its ping handler, for
+every connection, when it is imported: the same pong frame, written with one non-blocking
+write when the send lock is free, as `write_now` writes a message; the rest of a frame the
+socket took only in part is sent under the lock before it is let go; a held lock, or a
+connection that is not a plain socket's, is answered the usual way.
+
+All are used through `schemas.channel` (arrivals, direct writes, diverted messages, pongs)
+and the Edge's node hub (the limit); this module is the only place that names
 trio-websocket's private attributes.
 """
 
@@ -61,12 +70,13 @@ from typing import Final
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 from wsproto.connection import ConnectionState
-from wsproto.events import BytesMessage
+from wsproto.events import BytesMessage, Ping
 
 __all__ = [
     "ARRIVALS_WATCHABLE",
     "DIVERTS_MESSAGES",
     "MESSAGE_LIMIT_LIFTABLE",
+    "PONGS_DIRECTLY",
     "WRITES_DIRECTLY",
     "divert_messages",
     "lift_message_limit",
@@ -94,6 +104,11 @@ WRITES_DIRECTLY: Final = MESSAGE_LIMIT_LIFTABLE
 DIVERTS_MESSAGES: Final = MESSAGE_LIMIT_LIFTABLE
 """Whether this trio-websocket hands each whole message to `_send_channel.send`, looked
 up per message, and reads its queue's other end in `get_message` (the same versions)."""
+
+PONGS_DIRECTLY: Final = MESSAGE_LIMIT_LIFTABLE
+"""Whether this trio-websocket answers a ping in `_handle_ping_event`, looked up when a
+connection's reader starts, by sending the pong wsproto makes through `_send` (the same
+versions): `_answer_ping` takes its place."""
 
 
 class _Handover:
@@ -237,3 +252,33 @@ def _socket_stream(websocket: WebSocketConnection) -> trio.SocketStream | None:
         return stream
     inner = getattr(stream, "socket_stream", None)
     return inner if isinstance(inner, trio.SocketStream) else None
+
+
+_USUAL_PING_ANSWER: Final = WebSocketConnection._handle_ping_event
+
+
+async def _answer_ping(self: WebSocketConnection, event: Ping) -> None:
+    """trio-websocket's ping handler, writing its pong directly (module docstring)."""
+    lock = self._stream_lock
+    stream = _socket_stream(self)
+    if stream is None or lock.locked():
+        await _USUAL_PING_ANSWER(self, event)
+        return
+    frame = self._wsproto.send(event.response())
+    lock.acquire_nowait()
+    try:
+        try:
+            sent = os.write(stream.socket.fileno(), frame)
+        except OSError:  # BlockingIOError, or a broken connection: `send_all` says which
+            sent = 0
+        if sent < len(frame):
+            await stream.send_all(frame[sent:])
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        await self._abort_web_socket()  # as trio-websocket's `_send` does
+        raise ConnectionClosed(self._close_reason) from None
+    finally:
+        lock.release()
+
+
+if PONGS_DIRECTLY:
+    WebSocketConnection._handle_ping_event = _answer_ping  # type: ignore[method-assign]

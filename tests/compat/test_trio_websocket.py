@@ -2,7 +2,8 @@
 connection: a listener's message limit holds until `lift_message_limit`, and the lifted
 limit holds after it; `watch_arrivals` hears every frame that arrives, pings included;
 `write_now` writes a message only when no write holds the connection; `divert_messages`
-hands every message to a function from trio-websocket's own reader task, in order.
+hands every message to a function from trio-websocket's own reader task, in order; a ping
+is answered with a pong written directly, or after the write that holds the connection.
 
 The server below behaves like the Edge's node listener: a small limit for whatever a peer
 sends first, then, once the peer said `lift`, a larger one for that connection only.
@@ -28,6 +29,7 @@ from schemas.compat.trio_websocket import (
     ARRIVALS_WATCHABLE,
     DIVERTS_MESSAGES,
     MESSAGE_LIMIT_LIFTABLE,
+    PONGS_DIRECTLY,
     WRITES_DIRECTLY,
     divert_messages,
     lift_message_limit,
@@ -337,3 +339,52 @@ async def test_a_client_writes_directly_through_a_wrapper_that_names_its_socket(
 
 async def _echo_websocket(request: WebSocketRequest) -> None:
     await _echo(await request.accept())
+
+
+def test_the_installed_version_is_one_whose_pongs_are_written_directly() -> None:
+    assert PONGS_DIRECTLY
+
+
+async def test_a_ping_is_answered_directly_or_after_the_write_in_progress(
+    nursery: trio.Nursery,
+) -> None:
+    """A pong goes out without trio-websocket's `_send` while nothing is being written;
+    while a write holds the send lock, the pong waits for it, never inside its frame."""
+    accepted: list[WebSocketConnection] = []
+    ready = trio.Event()
+
+    async def keep(request: WebSocketRequest) -> None:
+        accepted.append(await request.accept())
+        ready.set()
+        await trio.sleep_forever()
+
+    server = await nursery.start(serve_websocket, keep, "127.0.0.1", 0, None)
+    async with open_websocket_url(f"ws://127.0.0.1:{server.port}/") as client:
+        with trio.fail_after(GUARD_S):
+            await ready.wait()
+            websocket = accepted[0]
+
+            async def no_send(event: object) -> None:
+                raise AssertionError(f"sent the usual way: {event}")
+
+            websocket._send = no_send  # type: ignore[method-assign]
+            await client.ping(b"direct")  # returns once its pong came back
+            del websocket._send
+            writing, release, ponged = trio.Event(), trio.Event(), trio.Event()
+
+            async def hold_the_send_lock() -> None:
+                async with websocket._stream_lock:  # as trio-websocket's `_send` does
+                    writing.set()
+                    await release.wait()
+
+            async def ping() -> None:
+                await client.ping(b"held")
+                ponged.set()
+
+            nursery.start_soon(hold_the_send_lock)
+            await writing.wait()
+            nursery.start_soon(ping)
+            await wait_all_tasks_blocked()
+            assert not ponged.is_set()  # the pong waits for the write in progress
+            release.set()
+            await ponged.wait()
