@@ -11,6 +11,8 @@ sends first, then, once the peer said `lift`, a larger one for that connection o
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import cast
 
@@ -254,15 +256,11 @@ async def test_nothing_is_diverted_on_something_that_is_not_a_known_connection()
 # --- writing directly --------------------------------------------------------------------------
 
 
-def test_the_installed_version_is_one_written_to_directly() -> None:
-    assert WRITES_DIRECTLY
-
-
-async def test_a_message_written_directly_arrives_whole_and_never_inside_another_write(
+@asynccontextmanager
+async def _connected(
     nursery: trio.Nursery,
-) -> None:
-    """`write_now` writes a whole message when the connection is free, steps aside while
-    trio-websocket holds its send lock (a write in progress) and on a closed connection."""
+) -> AsyncIterator[tuple[WebSocketConnection, WebSocketConnection]]:
+    """A client connection and the server's side of it (which only holds it open)."""
     accepted: list[WebSocketConnection] = []
     ready = trio.Event()
 
@@ -275,18 +273,38 @@ async def test_a_message_written_directly_arrives_whole_and_never_inside_another
     async with open_websocket_url(f"ws://127.0.0.1:{server.port}/") as client:
         with trio.fail_after(GUARD_S):
             await ready.wait()
-            websocket = accepted[0]
+        yield client, accepted[0]
+
+
+async def _hold_the_send_lock(nursery: trio.Nursery, websocket: WebSocketConnection) -> trio.Event:
+    """A write in progress, as trio-websocket's `_send` holds the lock: set the event
+    returned to end it."""
+    writing, release = trio.Event(), trio.Event()
+
+    async def hold() -> None:
+        async with websocket._stream_lock:
+            writing.set()
+            await release.wait()
+
+    nursery.start_soon(hold)
+    await writing.wait()
+    return release
+
+
+def test_the_installed_version_is_one_written_to_directly() -> None:
+    assert WRITES_DIRECTLY
+
+
+async def test_a_message_written_directly_arrives_whole_and_never_inside_another_write(
+    nursery: trio.Nursery,
+) -> None:
+    """`write_now` writes a whole message when the connection is free, steps aside while
+    trio-websocket holds its send lock (a write in progress) and on a closed connection."""
+    async with _connected(nursery) as (client, websocket):
+        with trio.fail_after(GUARD_S):
             assert write_now(websocket, b"direct") == b""
             assert await client.get_message() == b"direct"
-            writing, release = trio.Event(), trio.Event()
-
-            async def hold_the_send_lock() -> None:
-                async with websocket._stream_lock:  # as trio-websocket's `_send` does
-                    writing.set()
-                    await release.wait()
-
-            nursery.start_soon(hold_the_send_lock)
-            await writing.wait()
+            release = await _hold_the_send_lock(nursery, websocket)
             assert write_now(websocket, b"not now") is None
             release.set()
             await wait_all_tasks_blocked()
@@ -350,19 +368,8 @@ async def test_a_ping_is_answered_directly_or_after_the_write_in_progress(
 ) -> None:
     """A pong goes out without trio-websocket's `_send` while nothing is being written;
     while a write holds the send lock, the pong waits for it, never inside its frame."""
-    accepted: list[WebSocketConnection] = []
-    ready = trio.Event()
-
-    async def keep(request: WebSocketRequest) -> None:
-        accepted.append(await request.accept())
-        ready.set()
-        await trio.sleep_forever()
-
-    server = await nursery.start(serve_websocket, keep, "127.0.0.1", 0, None)
-    async with open_websocket_url(f"ws://127.0.0.1:{server.port}/") as client:
+    async with _connected(nursery) as (client, websocket):
         with trio.fail_after(GUARD_S):
-            await ready.wait()
-            websocket = accepted[0]
 
             async def no_send(event: object) -> None:
                 raise AssertionError(f"sent the usual way: {event}")
@@ -370,19 +377,13 @@ async def test_a_ping_is_answered_directly_or_after_the_write_in_progress(
             websocket._send = no_send  # type: ignore[method-assign]
             await client.ping(b"direct")  # returns once its pong came back
             del websocket._send
-            writing, release, ponged = trio.Event(), trio.Event(), trio.Event()
-
-            async def hold_the_send_lock() -> None:
-                async with websocket._stream_lock:  # as trio-websocket's `_send` does
-                    writing.set()
-                    await release.wait()
+            ponged = trio.Event()
 
             async def ping() -> None:
                 await client.ping(b"held")
                 ponged.set()
 
-            nursery.start_soon(hold_the_send_lock)
-            await writing.wait()
+            release = await _hold_the_send_lock(nursery, websocket)
             nursery.start_soon(ping)
             await wait_all_tasks_blocked()
             assert not ponged.is_set()  # the pong waits for the write in progress
