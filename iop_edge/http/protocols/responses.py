@@ -61,7 +61,7 @@ from iop_edge.core.responses.response_chain import (
 )
 from iop_edge.core.routing.affinity import responses_conversation
 from iop_edge.core.snapshot import Snapshot
-from iop_edge.http.errors import ApiError, bad_request, echoed, invalid_request
+from iop_edge.http.errors import ApiError, bad_request, invalid_request, model_not_found
 from iop_edge.http.protocols.caller_protocol import (
     Caller,
     CallerProtocol,
@@ -238,13 +238,7 @@ class ResponsesSurface:
         if view.model not in snapshot.models or not snapshot.policies.allows(
             principal_ref, view.model
         ):
-            raise ApiError(
-                404,
-                f"The model '{echoed(view.model)}' does not exist",
-                type="not_found_error",
-                code="model_not_found",
-                param="model",
-            )
+            raise model_not_found(view.model)
         earlier: list[msgspec.Raw] = []
         if view.previous_response_id is not None:
             chain = await self._continued(principal_ref, view.previous_response_id)
