@@ -208,12 +208,8 @@ def write_now(websocket: WebSocketConnection, message: bytes) -> bytes | None:
     if connection.state != ConnectionState.OPEN:
         return None
     data = connection.send(BytesMessage(data=message))  # no state kept for a whole message
-    lock.acquire_nowait()
-    try:
-        sent = os.write(stream.socket.fileno(), data)
-    except OSError:  # BlockingIOError, or a broken or closed connection: the usual way
-        sent = 0
-    if not sent:
+    sent = _begin_frame(lock, stream, data)
+    if not sent:  # the socket took nothing now, or is broken: the usual way
         lock.release()
         return None
     if sent == len(data):
@@ -244,6 +240,17 @@ async def write_rest(websocket: WebSocketConnection, rest: bytes, *, stalled_s: 
     raise ConnectionClosed(websocket._close_reason)
 
 
+def _begin_frame(lock: trio.StrictFIFOLock, stream: trio.SocketStream, frame: bytes) -> int:
+    """Take the free send `lock` and write what the socket takes of `frame` now, in one
+    non-blocking write: the bytes written (0 when it takes nothing, or is broken or
+    closed). The lock stays held: the caller writes the rest, or lets it go."""
+    lock.acquire_nowait()
+    try:
+        return os.write(stream.socket.fileno(), frame)
+    except OSError:  # BlockingIOError, or a broken or closed connection
+        return 0
+
+
 def _socket_stream(websocket: WebSocketConnection) -> trio.SocketStream | None:
     """The plain TCP stream `websocket` sends on: its own stream, or the one a wrapper
     names as `socket_stream` (the Node's dial wraps its stream); None for any other (TLS)."""
@@ -265,13 +272,9 @@ async def _answer_ping(self: WebSocketConnection, event: Ping) -> None:
         await _USUAL_PING_ANSWER(self, event)
         return
     frame = self._wsproto.send(event.response())
-    lock.acquire_nowait()
+    sent = _begin_frame(lock, stream, frame)
     try:
-        try:
-            sent = os.write(stream.socket.fileno(), frame)
-        except OSError:  # BlockingIOError, or a broken connection: `send_all` says which
-            sent = 0
-        if sent < len(frame):
+        if sent < len(frame):  # the rest, or a broken connection `send_all` names
             await stream.send_all(frame[sent:])
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         await self._abort_web_socket()  # as trio-websocket's `_send` does
