@@ -35,13 +35,18 @@ def test_whole_stream_at_once() -> None:
     assert not decoder.pending()
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 13])
-def test_any_split_gives_the_same_events(size: int) -> None:
+def _fed_in_pieces(stream: bytes, size: int) -> list[SSEEvent]:
+    """The events of `stream` fed to one decoder `size` bytes at a time."""
     decoder = SSEDecoder()
     events: list[SSEEvent] = []
-    for start in range(0, len(STREAM), size):
-        events += decoder.feed(STREAM[start : start + size])
-    assert events == EVENTS
+    for start in range(0, len(stream), size):
+        events += decoder.feed(stream[start : start + size])
+    return events
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 13])
+def test_any_split_gives_the_same_events(size: int) -> None:
+    assert _fed_in_pieces(STREAM, size) == EVENTS
 
 
 def test_crlf_split_across_feeds_is_one_line_end() -> None:
@@ -107,12 +112,7 @@ def test_oversized_line_is_refused_while_it_trickles_in() -> None:
 @pytest.mark.parametrize("size", [1, 2, 3, 4, len(STREAM) + 3])
 def test_a_byte_order_mark_that_begins_the_stream_is_dropped(size: int) -> None:
     """Rule 6: else the first line would be a field named `\\ufeffdata`, its event lost."""
-    marked = b"\xef\xbb\xbf" + STREAM
-    decoder = SSEDecoder()
-    events: list[SSEEvent] = []
-    for start in range(0, len(marked), size):
-        events += decoder.feed(marked[start : start + size])
-    assert events == EVENTS
+    assert _fed_in_pieces(b"\xef\xbb\xbf" + STREAM, size) == EVENTS
 
 
 def test_only_the_streams_first_bytes_can_be_a_byte_order_mark() -> None:
